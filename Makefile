@@ -1,0 +1,26 @@
+# Two commands do everything on a fresh machine:
+#   make run    -- create .venv, install, run the main job on the embedded default
+#   make test   -- create .venv, install, run the whole test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+EXTRAS ?= dev,engine
+
+.PHONY: setup run test bench clean
+
+$(BIN)/vertumnus: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	@touch $(BIN)/vertumnus
+
+setup: $(BIN)/vertumnus
+
+run: setup
+	$(BIN)/vertumnus up
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,304 @@
+"""Cache reconciliation after a split or merge (§6.2; design.md "Prefix pages under CP").
+
+Layout rule: page p (block index p, 0-based along the prefix) of a cached prefix lives on rank
+p mod C of its worker. A degree-2C parent over GPUs [k, k+2C) splits into a *left* child over
+[k, k+C) and a *right* child over [k+C, k+2C). Page p sits on GPU k + (p mod 2C), and the left
+child's rank p mod C is GPU k + (p mod C): so after the split the left child physically holds,
+on the correct rank already, exactly the pages with (p mod 2C) < C, the right child those with
+(p mod 2C) >= C. Nothing moves on the critical path.
+
+Split: each *retained prefix* of the parent (a node it holds with no held child there, i.e. a
+maximal cached prefix) is assigned to one child, by demand and capacity (greedy, heaviest demand
+first, to the child with less demand assigned so far among those with room for the missing
+pages; ties to the child missing fewer pages, then left). On the assigned child the pages it
+lacks become *pending* (source hint: the sibling). Pages a child holds physically stay valid
+there even when the prefix went to the sibling: they are the "valid resident copy" the sibling
+installs from, and the worker's LRU may evict them later. A prefix neither child has room for is
+left unassigned (its pages stay where they are; its missing part is an ordinary miss).
+
+Merge: the merged degree-2C worker holds the union. A page from the left child is already on its
+new rank iff (p mod 2C) < C, from the right child iff (p mod 2C) >= C; every other page is
+pending (source hint: the merged worker itself -- it only moves between its own ranks).
+
+Lazy transfer (§6.2): nothing is copied at reconfiguration time. :func:`on_reuse` is called
+when a request is routed to a worker; for the pending pages on that request's cached run it
+issues ``Replicate(kind="reconcile")`` actions (one per source) for just those pages, from the
+hinted copy if still valid, else from any worker that has the page valid. A pending page with no
+valid copy left is dropped from pending (an ordinary miss; the request recomputes it). A pending
+page becomes valid on the worker's ``Stored`` event for it, or on
+:meth:`PrefixTrie.confirm_installed`.
+
+The children (or merged worker) are registered with ``last_event_id = 0``: their event streams
+start afresh at 1 under their new ids; the parent (children) are removed, cancelling their
+in-flight operations (returned in the plan so the adapter can abort them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from services.cachemgr.actions import CacheAction, Replicate
+from services.cachemgr.trie import PrefixTrie, TrieNode, WorkerView
+from shared.ids import BlockHash, Degree, InvalidInput, WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    parent: WorkerId
+    children: tuple[WorkerId, WorkerId]
+    assignment: Mapping[BlockHash, WorkerId]  # retained prefix (its last node) -> child
+    unassigned: tuple[BlockHash, ...]  # retained prefixes no child had room for
+    physical: Mapping[WorkerId, frozenset[BlockHash]]  # valid blocks each child starts with
+    pending: Mapping[WorkerId, frozenset[BlockHash]]
+    cancelled: tuple[CacheAction, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MergePlan:
+    children: tuple[WorkerId, WorkerId]
+    parent: WorkerId
+    physical: frozenset[BlockHash]  # valid on the merged worker, on their correct ranks
+    pending: frozenset[BlockHash]
+    cancelled: tuple[CacheAction, ...]
+
+
+def _check_id(name: str, w: object) -> WorkerId:
+    if not isinstance(w, str) or not w:
+        raise InvalidInput(f"{name} must be a non-empty worker id, got {w!r}")
+    return WorkerId(w)
+
+
+def _check_cap(name: str, c: object) -> int:
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise InvalidInput(f"{name} must be an integer >= 1, got {c!r}")
+    return c
+
+
+def _on_left(depth: int, child_degree: int) -> bool:
+    """Page ``depth`` of a degree-2C prefix is on the left child's GPUs."""
+    return depth % (2 * child_degree) < child_degree
+
+
+def _by_depth(trie: PrefixTrie, hs: set[BlockHash]) -> list[TrieNode]:
+    return sorted((trie._nodes[h] for h in hs), key=lambda n: (n.depth, n.hash))
+
+
+def reconcile_split(
+    trie: PrefixTrie,
+    parent: WorkerId,
+    children: tuple[WorkerId, WorkerId],
+    capacity_blocks: Mapping[WorkerId, int],
+    demand: Mapping[BlockHash, float] | None = None,
+) -> SplitPlan:
+    """Replace ``parent`` (degree 2C) by ``children = (left, right)`` (degree C); see module doc.
+
+    ``demand``: retained prefix (last node) -> recent demand; default: the node's access summed
+    over degrees plus its missed (what the trie measured).
+    """
+    pv = trie._view(parent)
+    if not isinstance(children, tuple | list) or len(children) != 2:
+        raise InvalidInput(f"children must be (left, right), got {children!r}")
+    left, right = (_check_id("child", c) for c in children)
+    if left == right or parent in (left, right):
+        raise InvalidInput(f"children must be two new distinct ids, got {children!r}")
+    for c in (left, right):
+        if c in trie._workers:
+            raise InvalidInput(f"child {c} is already registered")
+    if pv.degree % 2 or pv.degree // 2 not in trie._deg_idx:
+        raise InvalidInput(
+            f"cannot split degree {pv.degree}: half of it is not one of {trie.degrees}")
+    if not isinstance(capacity_blocks, Mapping):
+        raise InvalidInput("capacity_blocks must map each child to its capacity in blocks")
+    caps = {c: _check_cap(f"capacity_blocks[{c}]", capacity_blocks.get(c)) for c in (left, right)}
+    if demand is not None:
+        if not isinstance(demand, Mapping):
+            raise InvalidInput("demand must map prefix hashes to numbers")
+        for h, x in demand.items():
+            if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) \
+                    or x < 0:
+                raise InvalidInput(f"demand[{h!r}] must be a finite number >= 0, got {x!r}")
+    c = pv.degree // 2
+    nodes = trie._nodes
+
+    # --- plan (no mutation) ------------------------------------------------------------
+    physical: dict[WorkerId, set[BlockHash]] = {left: set(), right: set()}
+    for h in pv.valid | pv.donors:
+        physical[left if _on_left(nodes[h].depth, c) else right].add(h)
+    whole = {x: _whole_prefixes(nodes, physical[x]) for x in (left, right)}
+    held = [nodes[h] for h in pv.valid if parent in nodes[h].holders]
+    leaves = [n for n in held if not any(parent in ch.holders for ch in n.children.values())]
+
+    def weight(n: TrieNode) -> float:
+        if demand is not None:
+            return float(demand.get(n.hash, 0.0))
+        return float(sum(n.access) + sum(n.missed))
+
+    leaves.sort(key=lambda n: (-weight(n), -n.depth, n.hash))
+    pending: dict[WorkerId, set[BlockHash]] = {left: set(), right: set()}
+    # Resident pages need no room; only pages copied from the sibling do.
+    room = {x: caps[x] - len(physical[x]) for x in (left, right)}
+    assigned_demand = {left: 0.0, right: 0.0}
+    assignment: dict[BlockHash, WorkerId] = {}
+    unassigned: list[BlockHash] = []
+    for leaf in leaves:
+        path = leaf.path()
+        best = None
+        for rank, x in enumerate((left, right)):
+            need = [n.hash for n in path if n.hash not in whole[x] and n.hash not in pending[x]]
+            copies = sum(1 for h in need if h not in physical[x])
+            if copies <= room[x]:
+                key = (assigned_demand[x], len(need), rank)
+                if best is None or key < best[0]:
+                    best = (key, x, need, copies)
+        if best is None:
+            unassigned.append(leaf.hash)
+            continue
+        _, x, need, copies = best
+        pending[x].update(need)
+        room[x] -= copies
+        assigned_demand[x] += weight(leaf)
+        assignment[leaf.hash] = x
+
+    # --- commit --------------------------------------------------------------------------
+    cancelled = trie.remove_worker(parent)
+    sibling = {left: right, right: left}
+    for x in (left, right):
+        trie.add_worker(x, c, caps[x])
+        xv = trie._workers[x]
+        for n in _by_depth(trie, whole[x]):
+            trie._add_valid(xv, n)
+        for n in _by_depth(trie, pending[x]):
+            # resident here (only needs indexing once its ancestors arrive) or on the sibling
+            trie._add_pending(xv, n, x if n.hash in physical[x] else sibling[x])
+        for n in _by_depth(trie, physical[x] - whole[x] - pending[x]):
+            trie._add_donor(xv, n)
+    return SplitPlan(
+        parent, (left, right), MappingProxyType(assignment), tuple(unassigned),
+        MappingProxyType({x: frozenset(s) for x, s in whole.items()}),
+        MappingProxyType({x: frozenset(s) for x, s in pending.items()}), cancelled)
+
+
+def _whole_prefixes(nodes: Mapping[BlockHash, TrieNode], hs: set[BlockHash]) -> set[BlockHash]:
+    """The blocks of ``hs`` whose whole root path is in ``hs``."""
+    out: set[BlockHash] = set()
+    for n in sorted((nodes[h] for h in hs), key=lambda n: n.depth):
+        if n.parent is None or n.parent.hash in out:
+            out.add(n.hash)
+    return out
+
+
+def reconcile_merge(
+    trie: PrefixTrie,
+    children: tuple[WorkerId, WorkerId],
+    parent: WorkerId,
+    capacity_blocks: int,
+) -> MergePlan:
+    """Replace ``children = (left, right)`` (degree C) by ``parent`` (degree 2C); see module doc."""
+    if not isinstance(children, tuple | list) or len(children) != 2:
+        raise InvalidInput(f"children must be (left, right), got {children!r}")
+    left, right = children
+    lv, rv = trie._view(left), trie._view(right)
+    parent = _check_id("parent", parent)
+    if left == right:
+        raise InvalidInput("cannot merge a worker with itself")
+    if parent in trie._workers:
+        raise InvalidInput(f"merged worker {parent} is already registered")
+    if lv.degree != rv.degree or 2 * lv.degree not in trie._deg_idx:
+        raise InvalidInput(
+            f"cannot merge degrees {lv.degree} and {rv.degree} into one of {trie.degrees}")
+    cap = _check_cap("capacity_blocks", capacity_blocks)
+    c = lv.degree
+    nodes = trie._nodes
+
+    on_rank: set[BlockHash] = set()
+    resident: set[BlockHash] = set()
+    for view, is_left in ((lv, True), (rv, False)):
+        for h in view.valid | view.donors:
+            resident.add(h)
+            if _on_left(nodes[h].depth, c) == is_left:
+                on_rank.add(h)
+    valid = _whole_prefixes(nodes, on_rank)
+    # Every other resident page is pending on the merged worker itself: it either sits on the
+    # wrong rank or waits for an ancestor that does.
+    pend: dict[BlockHash, WorkerId | None] = {h: parent for h in resident - valid}
+    for view in (lv, rv):
+        for h, hint in view.pending.items():
+            if h not in valid and h not in pend:
+                # A hint at either child would have made the page resident above; the copy is
+                # gone, so any valid copy in the pool will do.
+                pend[h] = None if hint in (left, right) else hint
+
+    cancelled = trie.remove_worker(left) + trie.remove_worker(right)
+    trie.add_worker(parent, 2 * c, cap)
+    pvw = trie._workers[parent]
+    for n in _by_depth(trie, valid):
+        trie._add_valid(pvw, n)
+    for n in _by_depth(trie, set(pend)):
+        trie._add_pending(pvw, n, pend[n.hash])
+    return MergePlan((left, right), parent, frozenset(valid), frozenset(pend), cancelled)
+
+
+def on_reuse(trie: PrefixTrie, worker: WorkerId,
+             block_hashes: Sequence[BlockHash]) -> tuple[Replicate, ...]:
+    """Issue the lazy reconcile copies for a request just routed to ``worker`` (§6.2).
+
+    Walks the request's chain while the worker has each block valid or pending; for the pending
+    ones not already in flight, picks a source (hint, else any valid copy) and returns one
+    ``Replicate(kind="reconcile")`` per source, recorded as in flight. Stops at the first pending
+    page with no valid copy anywhere, which is dropped from pending (ordinary miss).
+    """
+    view = trie._view(worker)
+    if not isinstance(block_hashes, Sequence) or isinstance(block_hashes, str | bytes):
+        raise InvalidInput(f"block_hashes must be a sequence of ints, got {block_hashes!r}")
+    if not view.pending:
+        return ()
+    inflight: set[BlockHash] = set()
+    for a in trie._replicating.get(worker, {}).values():
+        inflight.update(a.blocks)
+    groups: dict[WorkerId, list[BlockHash]] = {}
+    prev: TrieNode | None = None
+    for h in block_hashes:
+        try:
+            n = trie._nodes.get(h)
+        except TypeError as exc:
+            raise InvalidInput(f"block hashes must be ints: {exc}") from exc
+        if n is None or n.parent is not prev:
+            break
+        prev = n
+        if h in view.valid:
+            continue
+        if h not in view.pending:
+            break
+        if h in inflight:
+            continue
+        src = _source(trie, view, n)
+        if src is None:
+            trie._drop_block(view, h)  # no valid copy left: an ordinary miss
+            break
+        groups.setdefault(src, []).append(h)
+    out = []
+    for src, hs in groups.items():
+        a = Replicate(hs[-1], Degree(view.degree), src, worker, tuple(hs), "reconcile")
+        trie._begin(a)
+        out.append(a)
+    return tuple(out)
+
+
+def _source(trie: PrefixTrie, view: WorkerView, n: TrieNode) -> WorkerId | None:
+    hint = view.pending[n.hash]
+    if hint == view.worker:
+        return hint  # merged worker: the page is resident, on another of its ranks
+    h = n.hash
+    if hint is not None:
+        hv = trie._workers.get(hint)
+        if hv is not None and not hv.stale and (h in hv.valid or h in hv.donors):
+            return hint
+    best: WorkerId | None = None
+    for w, v in trie._workers.items():
+        if w != view.worker and not v.stale and (h in v.valid or h in v.donors) \
+                and (best is None or w < best):
+            best = w
+    return best

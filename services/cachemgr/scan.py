@@ -1,0 +1,466 @@
+"""The periodic prefix-cache scan: Algorithm 2 and the selection of §7.2.
+
+Algorithm 2, exactly as written: for every node z and degree C, with r = ReplicaCount(z, C),
+  r = 0 and missed[z, C] > θ_inter          -> inter list
+  r > 0 and access[z, C] > r·θ_intra        -> intra list
+  r > 0 and access[z, C] < r·θ_reclaim      -> reclaim list (only if not intra)
+then every access and missed is multiplied by ``decay``. The lists keep the values seen before
+the decay (ranking is invariant under the uniform decay anyway).
+
+Selection (§7.2), each list ranked separately and at most ``max_actions_per_list`` taken:
+* inter:   by missed[z, C] per copied block, descending;
+* intra:   by access[z, C] / r descending; among near-ties (within ``near_tie``, relative) the
+           smaller copy footprint first;
+* reclaim: by access[z, C] / r ascending.
+Copy footprint for a destination = the blocks of the root->z path it does not have (valid).
+Destination: a non-stale degree-C worker without z and without an in-flight copy of z, whose
+capacity minus pinned (``in_use``) and reserved blocks fits the footprint; preferred by
+(smaller footprint = longer retained ancestor path, free room without eviction, lower load,
+lower cache pressure, id). Source: intra -- the least-loaded degree-C holder of z; inter -- the
+least-loaded holder of z at any degree. A (z, C) already covered by an in-flight copy to a
+degree-C worker is skipped (a scan never issues the same copy twice).
+Reclaim: among degree-C holders of z where the replica is not in use (``in_use`` plus blocks
+pinned as sources of in-flight copies) and no block of z's subtree is retained below it, the one
+with the highest cache pressure (used / capacity). NOTE: a reclaim never takes a prefix's last
+replica in the pool (design.md), counting in-flight and same-scan reclaims. The deletion extends
+upward over ancestors that are themselves reclaim candidates at C, kept by nothing else at that
+worker, not in use and not the last replica.
+
+Finally nodes with no worker reference (valid or pending), no children, no in-flight operation
+and all statistics below ``gc_threshold`` are garbage-collected, deepest first (NOTE: a node
+with a descendant is never collected, so no held node loses its path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from services.cachemgr.actions import CacheAction, Reclaim, Replicate
+from services.cachemgr.trie import held_along
+from shared.ids import BlockHash, Degree, InvalidInput, WorkerId
+
+if TYPE_CHECKING:
+    from services.cachemgr.trie import PrefixTrie, TrieNode, WorkerView
+
+_NO_LOAD: Final[float] = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScanConfig:
+    """Thresholds of Algorithm 2 and the selection bounds (§7.2, §8).
+
+    ``theta_inter`` is in seconds of predicted benefit (missed accumulates Ê differences);
+    ``theta_intra``/``theta_reclaim`` are per-replica accesses per (decayed) scan horizon.
+    ``max_actions_per_list`` bounds each list per scan (the paper dispatches at most one active
+    transfer per scan). ``gc_threshold``: statistics below it are negligible for garbage
+    collection. ``near_tie``: relative gap under which intra candidates count as tied.
+    """
+
+    theta_inter: float
+    theta_intra: float
+    theta_reclaim: float
+    decay: float
+    max_actions_per_list: int = 1
+    gc_threshold: float = 1e-3
+    near_tie: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("theta_inter", "theta_intra", "theta_reclaim", "gc_threshold", "near_tie"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                    or v < 0:
+                raise InvalidInput(f"{name} must be a finite number >= 0, got {v!r}")
+        if not self.theta_reclaim < self.theta_intra:
+            raise InvalidInput(
+                f"theta_reclaim ({self.theta_reclaim}) must be < theta_intra ({self.theta_intra})"
+                " to avoid replicate/reclaim oscillation")
+        if isinstance(self.decay, bool) or not isinstance(self.decay, int | float) \
+                or not 0.0 < self.decay < 1.0:
+            raise InvalidInput(f"decay must be in (0, 1), got {self.decay!r}")
+        m = self.max_actions_per_list
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise InvalidInput(f"max_actions_per_list must be an integer >= 0, got {m!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One (z, C) entry of an Algorithm 2 list, with the statistics it was judged on."""
+
+    node_hash: BlockHash
+    degree: Degree
+    replicas: int
+    access: float
+    missed: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    inter: tuple[Candidate, ...]
+    intra: tuple[Candidate, ...]
+    reclaim: tuple[Candidate, ...]
+    actions: tuple[CacheAction, ...]  # selected and now in flight: inter, then intra, reclaim
+    collected: int  # nodes garbage-collected
+
+
+class _Selector:
+    """Selection state of one scan: loads, pins, reservations made so far."""
+
+    def __init__(self, trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
+                 in_use: Mapping[WorkerId, Iterable[BlockHash]]) -> None:
+        self.trie = trie
+        self.cfg = cfg
+        self.views = {w: v for w, v in trie._workers.items() if not v.stale}
+        self.load: dict[WorkerId, float] = {}
+        for w, x in load.items():
+            if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) \
+                    or x < 0:
+                raise InvalidInput(f"load of {w!r} must be a finite number >= 0, got {x!r}")
+            self.load[w] = float(x)
+        self.pinned: dict[WorkerId, set[BlockHash]] = {}
+        for w, hs in in_use.items():
+            try:
+                self.pinned.setdefault(w, set()).update(hs)
+            except TypeError as exc:
+                raise InvalidInput(f"in_use[{w!r}] must be an iterable of block hashes") from exc
+        nodes = trie._nodes
+        # (node, degree index) covered by an in-flight copy to a worker of that degree.
+        self.covered: set[tuple[BlockHash, int]] = set()
+        self.reserved: dict[WorkerId, int] = {}
+        for dest, acts in trie._replicating.items():
+            dv = trie._workers[dest]
+            self.reserved[dest] = trie._reserved(dv)
+            for a in acts.values():
+                self._cover(dv.deg_idx, a)
+                n = nodes.get(a.node_hash)
+                if n is not None:
+                    self._pin_copy(a, n.path())
+        self.with_orphans = [v for v in self.views.values() if v.orphans]
+        # Per degree index, the largest room any worker has: bounds a zero-retention footprint
+        # when ranking without visiting every worker per candidate.
+        self.max_room: dict[int, int] = {}
+        self.per_degree: dict[int, int] = {}
+        self.room: dict[WorkerId, int] = {}
+        for w, v in self.views.items():
+            room = v.capacity_blocks - len(self.pinned.get(w, ())) - self.reserved.get(w, 0)
+            self.room[w] = room
+            self.max_room[v.deg_idx] = max(self.max_room.get(v.deg_idx, -1), room)
+            self.per_degree[v.deg_idx] = self.per_degree.get(v.deg_idx, 0) + 1
+        self.reclaiming: dict[BlockHash, set[WorkerId]] = {}
+        for w, racts in trie._reclaiming.items():
+            for r in racts.values():
+                for h in r.blocks:
+                    self.reclaiming.setdefault(h, set()).add(w)
+
+    def _pin_copy(self, a: Replicate, path: list[TrieNode]) -> None:
+        # NOTE: until a copy is retired its source keeps the path, and so does its destination
+        # (the part it already had is what made the footprint small): neither is reclaimed.
+        hs = [x.hash for x in path]
+        self.pinned.setdefault(a.source, set()).update(hs)
+        self.pinned.setdefault(a.dest, set()).update(hs)
+
+    def _cover(self, di: int, a: Replicate) -> None:
+        n = self.trie._nodes.get(a.node_hash)
+        if a.kind != "reconcile" and n is not None:
+            for x in n.path():
+                self.covered.add((x.hash, di))
+        else:
+            for h in a.blocks:
+                self.covered.add((h, di))
+
+    # -- helpers ---------------------------------------------------------------------
+    def pressure(self, v: WorkerView) -> float:
+        return (v.used_blocks + self.reserved.get(v.worker, 0)) / v.capacity_blocks
+
+    def retained(self, path: list[TrieNode]) -> dict[WorkerId, int]:
+        """Blocks of ``path`` each worker already has valid (held prefix + orphans on it)."""
+        out = held_along(path)
+        for v in self.with_orphans:
+            extra = sum(1 for n in path if n.hash in v.orphans)
+            if extra:
+                out[v.worker] = out.get(v.worker, 0) + extra
+        return out
+
+    def destinations(self, node: TrieNode, di: int,
+                     path: list[TrieNode]) -> list[tuple[tuple, WorkerId, int]]:
+        """Feasible degree-C destinations for z as (preference key, worker, footprint)."""
+        retained = self.retained(path)
+        trie = self.trie
+        out = []
+        for w, v in self.views.items():
+            if v.deg_idx != di or w in node.holders:
+                continue
+            acts = trie._replicating.get(w)
+            if acts and node.hash in acts:
+                continue
+            footprint = len(path) - retained.get(w, 0)
+            room = v.capacity_blocks - len(self.pinned.get(w, ())) - self.reserved.get(w, 0)
+            if footprint > room:
+                continue
+            free = v.capacity_blocks - v.used_blocks - self.reserved.get(w, 0)
+            key = (footprint, 0 if free >= footprint else 1, self.load.get(w, _NO_LOAD),
+                   self.pressure(v), w)
+            out.append((key, w, footprint))
+        out.sort()
+        return out
+
+    def source(self, node: TrieNode, di: int | None) -> WorkerId | None:
+        busy = self.reclaiming.get(node.hash, ())
+        best: tuple[float, WorkerId] | None = None
+        for w in node.holders:
+            v = self.views.get(w)
+            if v is None or w in busy or (di is not None and v.deg_idx != di):
+                continue
+            k = (self.load.get(w, _NO_LOAD), w)
+            if best is None or k < best:
+                best = k
+        return None if best is None else best[1]
+
+    def replicate(self, cand: Candidate, kind: str) -> Replicate | None:
+        trie = self.trie
+        node = trie._nodes[cand.node_hash]
+        di = trie._deg_idx[cand.degree]
+        if (node.hash, di) in self.covered:
+            return None
+        src = self.source(node, di if kind == "intra" else None)
+        if src is None:
+            return None
+        path = node.path()
+        dests = self.destinations(node, di, path)
+        if not dests:
+            return None
+        _, dest, _ = dests[0]
+        dv = self.views[dest]
+        blocks = tuple(n.hash for n in path if n.hash not in dv.valid)
+        action = Replicate(node.hash, cand.degree, src, dest, blocks, kind)  # type: ignore[arg-type]
+        self._cover(di, action)
+        self.reserved[dest] = self.reserved.get(dest, 0) + len(blocks)
+        self._pin_copy(action, path)
+        return action
+
+    def min_footprint(self, cand: Candidate) -> int | None:
+        """Smallest copy footprint over degree-C destinations, for ranking only.
+
+        Exact for workers that retain part of the path; any other worker would copy the whole
+        path, counted feasible if some degree-C worker has that much room (the exact choice is
+        made in :meth:`replicate`). Holder groups are visited deepest first and the walk stops
+        at the first feasible worker, so ranking costs O(path + a few holders) per candidate
+        instead of O(workers) -- the root block of a popular system prompt is held by everyone.
+        """
+        trie = self.trie
+        node = trie._nodes[cand.node_hash]
+        di = trie._deg_idx[cand.degree]
+        path = node.path()
+        n = len(path)
+        best: int | None = n if n <= self.max_room.get(di, -1) else None
+        room = self.room
+        for v in self.with_orphans:
+            w = v.worker
+            if v.deg_idx == di and w not in node.holders:
+                fp = n - self.retained(path).get(w, 0)
+                if fp <= room[w] and (best is None or fp < best):
+                    best = fp
+        views = self.views
+        for depth, group in _holder_groups(path):
+            fp = n - depth
+            if best is not None and fp >= best:
+                break
+            for w in group:
+                v = views.get(w)
+                if v is not None and v.deg_idx == di and fp <= room[w] \
+                        and w not in node.holders:
+                    best = fp
+                    break
+        if best == n and cand.replicas and \
+                self.per_degree.get(di, 0) <= cand.replicas:
+            return None  # every degree-C worker already holds z
+        return best
+
+    def reclaim(self, cand: Candidate, reclaimable: set[BlockHash]) -> Reclaim | None:
+        trie = self.trie
+        node = trie._nodes[cand.node_hash]
+        di = trie._deg_idx[cand.degree]
+        best: tuple[float, str] | None = None
+        chosen: WorkerId | None = None
+        for w in node.holders:
+            v = self.views.get(w)
+            if v is None or v.deg_idx != di or not self._removable(node, v, None):
+                continue
+            k = (-self.pressure(v), w)
+            if best is None or k < best:
+                best, chosen = k, w
+        if chosen is None:
+            return None
+        v = self.views[chosen]
+        blocks = [node.hash]
+        prev, a = node, node.parent
+        while a is not None and a.hash in reclaimable and self._removable(a, v, prev):
+            blocks.append(a.hash)
+            prev, a = a, a.parent
+        for h in blocks:
+            self.reclaiming.setdefault(h, set()).add(chosen)
+        return Reclaim(chosen, node.hash, tuple(blocks))
+
+    def _removable(self, n: TrieNode, v: WorkerView, only_child: TrieNode | None) -> bool:
+        w = v.worker
+        busy = self.reclaiming.get(n.hash, set())
+        if w in busy or n.hash in self.pinned.get(w, ()):
+            return False
+        # NOTE: never the last replica in the pool (holders minus those already being removed).
+        if len(n.holders) - len(busy & n.holders) < 2:
+            return False
+        # Nothing retained below it at this worker (other than the chain being removed).
+        valid = v.valid
+        for c in n.children.values():
+            if c is not only_child and c.hash in valid:
+                return False
+        return True
+
+
+def _holder_groups(path: list[TrieNode]) -> list[tuple[int, set[WorkerId]]]:
+    """(held blocks, workers) groups along a root-first path, deepest first (cf. held_along)."""
+    groups: list[tuple[int, set[WorkerId]]] = []
+    cur = path[0].holders
+    for i in range(1, len(path)):
+        nxt = path[i].holders
+        if len(nxt) != len(cur):
+            groups.append((i, cur - nxt))
+            cur = nxt
+            if not cur:
+                break
+    if cur:
+        groups.append((len(path), cur))
+    groups.reverse()
+    return groups
+
+
+def _ranked_intra(cands: list[tuple[Candidate, int]], tie: float) -> list[Candidate]:
+    """access/r descending; within near-tie groups, smaller footprint first."""
+    cands.sort(key=lambda cf: (-cf[0].access / cf[0].replicas, cf[1], cf[0].node_hash))
+    out: list[Candidate] = []
+    i = 0
+    while i < len(cands):
+        head = cands[i][0].access / cands[i][0].replicas
+        j = i + 1
+        while j < len(cands) and cands[j][0].access / cands[j][0].replicas >= head * (1 - tie):
+            j += 1
+        group = sorted(cands[i:j], key=lambda cf: (cf[1], -cf[0].access / cf[0].replicas,
+                                                   cf[0].node_hash))
+        out.extend(c for c, _ in group)
+        i = j
+    return out
+
+
+def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
+             in_use: Mapping[WorkerId, Iterable[BlockHash]]) -> ScanResult:
+    """One periodic scan: Algorithm 2's lists and decay, §7.2's selection, then GC.
+
+    ``load``: worker -> outstanding predicted seconds (missing: 0). ``in_use``: worker -> blocks
+    pinned by running requests there. Unknown workers in either are ignored (they may have just
+    left the pool). Selected actions are recorded as in flight on ``trie``.
+    """
+    if not isinstance(cfg, ScanConfig):
+        raise InvalidInput(f"config must be a ScanConfig, got {type(cfg).__name__}")
+    if not isinstance(load, Mapping) or not isinstance(in_use, Mapping):
+        raise InvalidInput("load and in_use must be mappings keyed by worker id")
+    sel = _Selector(trie, cfg, load, in_use)  # validates before anything changes
+
+    # --- Algorithm 2, lines 1-11 ---------------------------------------------------------
+    degrees = trie.degrees
+    nd = len(degrees)
+    t_inter, t_intra, t_rec = cfg.theta_inter, cfg.theta_intra, cfg.theta_reclaim
+    inter: list[Candidate] = []
+    intra: list[Candidate] = []
+    reclaim: list[Candidate] = []
+    for n in trie._nodes.values():
+        count, acc, mis = n.count, n.access, n.missed
+        for i in range(nd):
+            r = count[i]
+            if r == 0:
+                if mis[i] > t_inter:
+                    inter.append(Candidate(n.hash, degrees[i], 0, acc[i], mis[i]))
+            elif acc[i] > r * t_intra:
+                intra.append(Candidate(n.hash, degrees[i], r, acc[i], mis[i]))
+            elif acc[i] < r * t_rec:
+                reclaim.append(Candidate(n.hash, degrees[i], r, acc[i], mis[i]))
+
+    # --- Algorithm 2, lines 12-14 --------------------------------------------------------
+    d = cfg.decay
+    for n in trie._nodes.values():
+        acc, mis = n.access, n.missed
+        for i in range(nd):
+            acc[i] *= d
+            mis[i] *= d
+
+    # --- §7.2 selection ------------------------------------------------------------------
+    bound = cfg.max_actions_per_list
+    actions: list[CacheAction] = []
+    if bound:
+        ranked_inter: list[tuple[float, Candidate]] = []
+        for c in inter:
+            fp = sel.min_footprint(c)
+            if fp:
+                ranked_inter.append((c.missed / fp, c))
+        ranked_inter.sort(key=lambda x: (-x[0], x[1].node_hash, x[1].degree))
+        _take(actions, (c for _, c in ranked_inter), lambda c: sel.replicate(c, "inter"), bound)
+
+        with_fp = [(c, fp) for c in intra if (fp := sel.min_footprint(c)) is not None]
+        _take(actions, _ranked_intra(with_fp, cfg.near_tie),
+              lambda c: sel.replicate(c, "intra"), bound)
+
+        reclaim_sorted = sorted(reclaim, key=lambda c: (c.access / c.replicas, c.node_hash,
+                                                         c.degree))
+        by_degree: dict[Degree, set[BlockHash]] = {}
+        for c in reclaim:
+            by_degree.setdefault(c.degree, set()).add(c.node_hash)
+        _take(actions, reclaim_sorted, lambda c: sel.reclaim(c, by_degree[c.degree]), bound)
+    for a in actions:
+        trie._begin(a)
+
+    return ScanResult(tuple(inter), tuple(intra), tuple(reclaim), tuple(actions),
+                      _collect(trie, cfg.gc_threshold))
+
+
+def _take(out: list[CacheAction], ranked: Iterable[Candidate], make, bound: int) -> None:
+    taken = 0
+    for c in ranked:
+        if taken >= bound:
+            return
+        a = make(c)
+        if a is not None:
+            out.append(a)
+            taken += 1
+
+
+def _collect(trie: PrefixTrie, threshold: float) -> int:
+    """Drop unreferenced childless nodes with negligible statistics, deepest first."""
+    protected: set[BlockHash] = set()
+    for acts in trie._replicating.values():
+        for a in acts.values():
+            protected.add(a.node_hash)
+            protected.update(a.blocks)
+    for racts in trie._reclaiming.values():
+        for r in racts.values():
+            protected.update(r.blocks)
+    cands = [n for n in trie._nodes.values()
+             if n.refs == 0 and not n.children and n.hash not in protected
+             and max(n.access) < threshold and max(n.missed) < threshold]
+    removed = 0
+    nodes = trie._nodes
+    while cands:
+        nxt: list[TrieNode] = []
+        for n in cands:
+            if n.children or nodes.get(n.hash) is not n:
+                continue
+            del nodes[n.hash]
+            removed += 1
+            p = n.parent
+            if p is not None:
+                del p.children[n.hash]
+                if (not p.children and p.refs == 0 and p.hash not in protected
+                        and max(p.access) < threshold and max(p.missed) < threshold):
+                    nxt.append(p)
+        cands = nxt
+    return removed

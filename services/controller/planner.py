@@ -1,0 +1,413 @@
+"""Split-and-merge decisions per observation window (§6.2).
+
+Rules, evaluated at the close of every window k with demand D = D(k) and the current
+composition's capacity K = Σ κ_{C_w} over its available workers (a failed worker serves
+nothing, so it counts nothing):
+
+1. **Capacity signal.** D > u·K → SPLIT (more concurrency); D < l·K → MERGE (more
+   parallelism per request).
+2. **Long-fraction signal**, only when the demand is *stable*: no capacity signal and
+   |D − D_ref| ≤ ``demand_stability``·max(D_ref, ε). Then f − f_ref ≥ δ → MERGE and
+   f − f_ref ≤ −δ → SPLIT, where f is the window's long-request fraction and (D_ref, f_ref)
+   the *reference*: a non-empty window with no capacity signal, taken with the current
+   composition and re-based whenever demand moves outside the stability band (so the mix is
+   judged at the current demand level); it and the streak are dropped on every composition
+   change. Windows
+   without requests carry no fraction signal.
+3. **Precedence.** When both signals exist and disagree, capacity wins (the fraction signal
+   is recorded as overridden).
+4. **Persistence.** An operation starts only after the same direction has been signalled
+   for ``persistence`` consecutive windows; any other outcome resets the streak.
+5. **Admission.** A merge is admitted only if the adjacent composition keeps sufficient
+   capacity: D ≤ ``merge_headroom``·K' (``merge_headroom`` < u gives hysteresis, so the
+   merged composition does not split again at once). Our addition, symmetric to it: a split
+   driven by the long-fraction signal alone is admitted only if D ≥ l·K' (it would not
+   leave the pool under-loaded, which would trigger a merge right back).
+6. **Choice.** Among admitted adjacent operations in the chosen direction on workers that are
+   all active: minimise the predicted drain interval (max over the sources of their
+   outstanding in-flight predicted work — sources drain in parallel), then the expected
+   reconciliation traffic (Σ over sources of retained-prefix blocks weighted by recent
+   access, from the cache manager; or a callable over the whole operation), then the lowest
+   first GPU (determinism).
+7. **One at a time.** While a reconfiguration is in flight no plan is made and the streak
+   stays reset: signals measured against a composition that is changing are stale.
+
+The planner is a pure core: values in (window summary, composition, per-worker estimates),
+a :class:`Decision` out; it keeps only the streak and the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+from services.controller.composition import capacity
+from services.controller.lattice import Composition, LatticeOp, OpKind
+from services.controller.windows import (
+    DEFAULT_LONG_THRESHOLD_TOKENS,
+    DEFAULT_WINDOW_S,
+    WindowSummary,
+)
+from shared.costmodel import Profile
+from shared.ids import InvalidInput, WorkerId
+from shared.worker import GpuGroup
+
+_EPS: Final[float] = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """Thresholds of the reconfiguration controller.
+
+    The defaults are provisional (chosen by reasoning, not yet calibrated on the traces):
+
+    * ``upper`` 0.9 — split once a window's demand exceeds 90% of the profiled capacity;
+      κ is already an SLO-preserving load, so a small margin below it.
+    * ``lower`` 0.5 — merge once demand is below half the capacity: a merge of two degree-C
+      workers loses ~(2κ_C − κ_2C) of capacity, and half-load leaves room for that.
+    * ``merge_headroom`` 0.8 — a merge must leave D ≤ 0.8·K'; below ``upper`` for hysteresis.
+    * ``long_fraction_delta`` 0.15 — absolute change of the long-request share vs the
+      reference that counts as a mix shift.
+    * ``demand_stability`` 0.3 — demand within ±30% of the reference counts as stable.
+    * ``persistence`` 2 windows (40 s at H = 20 s) before an operation starts.
+    """
+
+    window_s: float = DEFAULT_WINDOW_S
+    long_threshold_tokens: int = DEFAULT_LONG_THRESHOLD_TOKENS
+    upper: float = 0.9
+    lower: float = 0.5
+    merge_headroom: float = 0.8
+    long_fraction_delta: float = 0.15
+    demand_stability: float = 0.3
+    persistence: int = 2
+
+    def __post_init__(self) -> None:
+        def num(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise InvalidInput(f"ControllerConfig.{name} must be a finite number, got {v!r}")
+            return float(v)
+
+        if num("window_s") <= 0:
+            raise InvalidInput(f"ControllerConfig.window_s must be > 0, got {self.window_s}")
+        lt = self.long_threshold_tokens
+        if isinstance(lt, bool) or not isinstance(lt, int) or lt < 1:
+            raise InvalidInput(f"ControllerConfig.long_threshold_tokens must be >= 1, got {lt!r}")
+        if not (0.0 < num("lower") < num("upper")):
+            raise InvalidInput(
+                f"ControllerConfig needs 0 < lower < upper, got lower={self.lower}, "
+                f"upper={self.upper}"
+            )
+        if not (0.0 < num("merge_headroom") <= self.upper):
+            raise InvalidInput(
+                f"ControllerConfig.merge_headroom must be in (0, upper={self.upper}], "
+                f"got {self.merge_headroom}"
+            )
+        if not (0.0 < num("long_fraction_delta") <= 1.0):
+            raise InvalidInput(
+                f"ControllerConfig.long_fraction_delta must be in (0, 1], "
+                f"got {self.long_fraction_delta}"
+            )
+        if num("demand_stability") < 0:
+            raise InvalidInput(
+                f"ControllerConfig.demand_stability must be >= 0, got {self.demand_stability}"
+            )
+        p = self.persistence
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise InvalidInput(f"ControllerConfig.persistence must be an integer >= 1, got {p!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One split or merge to carry out: ``sources`` are replaced by ``targets``."""
+
+    kind: OpKind
+    sources: tuple[GpuGroup, ...]
+    targets: tuple[GpuGroup, ...]
+    reason: str
+    predicted_drain_s: float
+    reconcile_traffic: float
+
+    @property
+    def op(self) -> LatticeOp:
+        return LatticeOp(self.kind, self.sources, self.targets)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form (groups as ``[first_gpu, degree]``) for logs and messages."""
+        return {
+            "kind": self.kind.value,
+            "sources": [[g.first_gpu, g.degree] for g in self.sources],
+            "targets": [[g.first_gpu, g.degree] for g in self.targets],
+            "reason": self.reason,
+            "predicted_drain_s": self.predicted_drain_s,
+            "reconcile_traffic": self.reconcile_traffic,
+        }
+
+    @property
+    def source_ids(self) -> tuple[WorkerId, ...]:
+        return tuple(g.worker_id for g in self.sources)
+
+    @property
+    def target_ids(self) -> tuple[WorkerId, ...]:
+        return tuple(g.worker_id for g in self.targets)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The outcome of one window: the signals seen and the plan, if any."""
+
+    window: WindowSummary
+    capacity_s: float
+    capacity_signal: OpKind | None
+    fraction_signal: OpKind | None
+    direction: OpKind | None
+    streak: int
+    plan: Plan | None
+    reason: str
+    composition: str = ""  # the composition judged, e.g. "8CP4/1CP8"
+
+
+TrafficEstimate = Mapping[WorkerId, float] | Callable[[LatticeOp], float]
+
+
+@dataclass
+class Planner:
+    """Window-by-window decision state: the persistence streak and the reference window."""
+
+    profile: Profile
+    config: ControllerConfig = field(default_factory=ControllerConfig)
+    _streak_dir: OpKind | None = field(default=None, init=False)
+    _streak: int = field(default=0, init=False)
+    _ref: tuple[float, float] | None = field(default=None, init=False)  # (D_ref, f_ref)
+    _ref_composition: Composition | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.profile, Profile):
+            raise InvalidInput(f"expected a Profile, got {self.profile!r}")
+        if not isinstance(self.config, ControllerConfig):
+            raise InvalidInput(f"expected a ControllerConfig, got {self.config!r}")
+
+    @property
+    def reference(self) -> tuple[float, float] | None:
+        """(D_ref, f_ref) of the current composition, or None before its first busy window."""
+        return self._ref
+
+    @property
+    def streak(self) -> tuple[OpKind | None, int]:
+        return self._streak_dir, self._streak
+
+    def reset(self) -> None:
+        """Forget the streak and the reference (e.g. after a reconfiguration completed)."""
+        self._streak_dir, self._streak = None, 0
+        self._ref, self._ref_composition = None, None
+
+    def observe(
+        self,
+        window: WindowSummary,
+        composition: Composition,
+        *,
+        drain_s: Mapping[WorkerId, float] | None = None,
+        traffic: TrafficEstimate | None = None,
+        unavailable: Collection[WorkerId] = (),
+        reconfiguring: bool = False,
+    ) -> Decision:
+        """Decide for one closed window (rules 1–7 of the module doc).
+
+        ``drain_s``: worker → predicted seconds until its in-flight prefill finishes (queued
+        requests are redirected, so they do not delay a drain; passing all outstanding work
+        is a conservative proxy). Missing workers count 0. ``traffic``: worker → retained
+        prefix blocks weighted by recent access, or a callable scoring a whole operation;
+        default 0. ``unavailable``: workers that must not take part (not active); they also
+        count no capacity, since they serve nothing.
+        """
+        if not isinstance(window, WindowSummary):
+            raise InvalidInput(f"expected a WindowSummary, got {window!r}")
+        if not isinstance(composition, Composition):
+            raise InvalidInput(f"expected a Composition, got {composition!r}")
+        drains = _check_estimates("drain_s", drain_s or {})
+        if traffic is not None and not callable(traffic):
+            traffic = _check_estimates("traffic", traffic)
+        cfg = self.config
+        excluded = frozenset(unavailable)
+        cap = capacity(composition, self.profile, excluded)
+        d = window.demand_s
+        f = window.long_fraction
+        desc = composition.describe()
+
+        # Everything below is computed into locals and committed at the end, so a bad
+        # estimate surfacing in _choose leaves the planner unchanged.
+        same = composition == self._ref_composition
+        ref = self._ref if same else None
+        prev_dir, prev_streak = (self._streak_dir, self._streak) if same else (None, 0)
+        if reconfiguring:
+            self._commit(None, 0, ref, composition)
+            return Decision(
+                window, cap, None, None, None, 0, None, "reconfiguration in flight", desc
+            )
+
+        cap_sig = (
+            OpKind.SPLIT if d > cfg.upper * cap else OpKind.MERGE if d < cfg.lower * cap else None
+        )
+        frac_sig: OpKind | None = None
+        stable = (
+            ref is not None and abs(d - ref[0]) <= cfg.demand_stability * max(ref[0], _EPS) + _EPS
+        )
+        if f is not None and ref is not None and stable:
+            if f - ref[1] >= cfg.long_fraction_delta - _EPS:
+                frac_sig = OpKind.MERGE
+            elif ref[1] - f >= cfg.long_fraction_delta - _EPS:
+                frac_sig = OpKind.SPLIT
+        new_ref = ref
+        # (Re)base the reference on a busy window with no capacity signal whose demand is not
+        # comparable with the old reference: the mix is judged against the current level.
+        if f is not None and cap_sig is None and not stable:
+            new_ref = (d, f)
+
+        direction = cap_sig or frac_sig
+        if cap_sig is not None:
+            why = (
+                f"D={d:.1f}s > u·K={cfg.upper * cap:.1f}s"
+                if cap_sig is OpKind.SPLIT
+                else f"D={d:.1f}s < l·K={cfg.lower * cap:.1f}s"
+            )
+            if frac_sig is not None and frac_sig is not cap_sig:
+                why += f" (capacity overrides long-fraction {frac_sig.value})"
+        elif frac_sig is not None:
+            assert ref is not None and f is not None
+            why = f"long fraction {f:.2f} vs reference {ref[1]:.2f} at stable demand"
+        else:
+            why = f"D={d:.1f}s within [{cfg.lower:.2f}, {cfg.upper:.2f}]·K={cap:.1f}s"
+
+        if direction is None:
+            self._commit(None, 0, new_ref, composition)
+            return Decision(window, cap, cap_sig, frac_sig, None, 0, None, f"hold: {why}", desc)
+        streak = prev_streak + 1 if direction is prev_dir else 1
+        if streak < cfg.persistence:
+            self._commit(direction, streak, new_ref, composition)
+            return Decision(
+                window,
+                cap,
+                cap_sig,
+                frac_sig,
+                direction,
+                streak,
+                None,
+                f"{direction.value} pending ({streak}/{cfg.persistence}): {why}",
+                desc,
+            )
+        plan, refusal = self._choose(
+            direction,
+            composition,
+            d,
+            drains,
+            traffic,
+            set(excluded),
+            capacity_driven=cap_sig is not None,
+            why=why,
+        )
+        if plan is not None:
+            self._commit(None, 0, new_ref, composition)
+            return Decision(
+                window, cap, cap_sig, frac_sig, direction, streak, plan, plan.reason, desc
+            )
+        self._commit(direction, streak, new_ref, composition)
+        return Decision(
+            window,
+            cap,
+            cap_sig,
+            frac_sig,
+            direction,
+            streak,
+            None,
+            f"hold: {refusal} ({why})",
+            desc,
+        )
+
+    def _commit(
+        self,
+        direction: OpKind | None,
+        streak: int,
+        ref: tuple[float, float] | None,
+        composition: Composition,
+    ) -> None:
+        self._streak_dir, self._streak = direction, streak
+        self._ref, self._ref_composition = ref, composition
+
+    def _choose(
+        self,
+        direction: OpKind,
+        composition: Composition,
+        demand: float,
+        drains: Mapping[WorkerId, float],
+        traffic: TrafficEstimate | None,
+        unavailable: set[WorkerId],
+        *,
+        capacity_driven: bool,
+        why: str,
+    ) -> tuple[Plan | None, str]:
+        cfg = self.config
+        ops = [
+            op
+            for op in composition.adjacent()
+            if op.kind is direction and not unavailable.intersection(op.source_ids)
+        ]
+        if not ops:
+            return None, f"no {direction.value} is possible from {composition.describe()}"
+        admitted = []
+        for op in ops:
+            cap_after = capacity(composition.apply(op), self.profile, unavailable)
+            if direction is OpKind.MERGE and demand > cfg.merge_headroom * cap_after + _EPS:
+                continue
+            if (
+                direction is OpKind.SPLIT
+                and not capacity_driven
+                and demand < cfg.lower * cap_after - _EPS
+            ):
+                continue
+            admitted.append(op)
+        if not admitted:
+            if direction is OpKind.MERGE:
+                return None, (
+                    f"merge refused: no merged composition keeps D ≤ "
+                    f"{cfg.merge_headroom:.2f}·capacity"
+                )
+            return None, "split refused: it would leave demand below the lower threshold"
+
+        def score(op: LatticeOp) -> tuple[float, float, int]:
+            drain = max(drains.get(w, 0.0) for w in op.source_ids)
+            if traffic is None:
+                tr = 0.0
+            elif callable(traffic):
+                tr = float(traffic(op))
+                if not (tr >= 0 and math.isfinite(tr)):
+                    raise InvalidInput(f"traffic estimate for {op.describe()} is {tr!r}")
+            else:
+                tr = sum(traffic.get(w, 0.0) for w in op.source_ids)
+            return drain, tr, op.sources[0].first_gpu
+
+        best = min(admitted, key=score)
+        drain, tr, _ = score(best)
+        after = composition.apply(best).describe()
+        return Plan(
+            kind=best.kind,
+            sources=best.sources,
+            targets=best.targets,
+            reason=f"{best.describe()} ({composition.describe()} -> {after}): {why}",
+            predicted_drain_s=drain,
+            reconcile_traffic=tr,
+        ), ""
+
+
+def _check_estimates(name: str, m: Mapping[WorkerId, float]) -> Mapping[WorkerId, float]:
+    if not isinstance(m, Mapping):
+        raise InvalidInput(f"{name} must be a mapping worker -> seconds, got {m!r}")
+    for w, v in m.items():
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not (v >= 0 and math.isfinite(v))
+        ):
+            raise InvalidInput(f"{name}[{w!r}] must be a finite number >= 0, got {v!r}")
+    return m

@@ -1,0 +1,169 @@
+"""Observation windows and the window demand D(k) (§6.1).
+
+Rules:
+
+* Windows are consecutive, non-overlapping and of fixed length H (default 20 s):
+  window k covers [t0 + kH, t0 + (k+1)H).
+* D(k) = Σ Ê_{C_wi}(R_i, P_i) over the requests *assigned* in window k — the scheduler's
+  predicted service time s_{i,wi} of each placement (Eq. 3), in seconds.
+* A request is *long* when its input length is at least ``long_threshold_tokens`` (default
+  32K, the paper's longest SLO class); the window reports the long-request fraction.
+* Closing is driven by time passed in as ``now``; a window closes once ``now`` reaches its
+  end, whether or not it saw a request (an empty window closes with D = 0 and no fraction).
+* ``now`` must not go backwards across calls. An assignment stamped before the open
+  window's start (a late report) is counted in the open window — demand is not dropped —
+  and tallied in ``late``.
+
+Pure: no clock, no IO.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Final
+
+from shared.ids import InvalidInput
+
+DEFAULT_WINDOW_S: Final[float] = 20.0
+DEFAULT_LONG_THRESHOLD_TOKENS: Final[int] = 32_768
+# A jump of `now` that would close more windows than this is almost surely a unit error
+# (milliseconds for seconds); refusing it keeps a bad input from allocating millions.
+MAX_WINDOWS_PER_ADVANCE: Final[int] = 1_000_000
+
+
+def _check_time(name: str, t: float) -> float:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise InvalidInput(f"{name} must be a finite number of seconds, got {t!r}")
+    return float(t)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSummary:
+    """One closed window: its demand D(k) and request mix."""
+
+    index: int
+    start_s: float
+    end_s: float
+    demand_s: float
+    requests: int
+    long_requests: int
+    late: int = 0
+    demand_by_degree: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def long_fraction(self) -> float | None:
+        """Share of requests with input ≥ the long threshold; None for an empty window."""
+        return self.long_requests / self.requests if self.requests else None
+
+
+@dataclass
+class DemandWindows:
+    """Accumulates D(k) for the open window and closes windows as time advances."""
+
+    window_s: float = DEFAULT_WINDOW_S
+    long_threshold_tokens: int = DEFAULT_LONG_THRESHOLD_TOKENS
+    start_s: float = 0.0
+    _index: int = field(default=0, init=False)
+    _demand: float = field(default=0.0, init=False)
+    _requests: int = field(default=0, init=False)
+    _long: int = field(default=0, init=False)
+    _late: int = field(default=0, init=False)
+    _by_degree: dict[int, float] = field(default_factory=dict, init=False)
+    _last_now: float = field(default=-math.inf, init=False)
+
+    def __post_init__(self) -> None:
+        self.window_s = _check_time("window_s", self.window_s)
+        if self.window_s <= 0:
+            raise InvalidInput(f"window_s must be > 0, got {self.window_s}")
+        if (
+            isinstance(self.long_threshold_tokens, bool)
+            or not isinstance(self.long_threshold_tokens, int)
+            or self.long_threshold_tokens < 1
+        ):
+            raise InvalidInput(
+                f"long_threshold_tokens must be an integer >= 1, got {self.long_threshold_tokens!r}"
+            )
+        self.start_s = _check_time("start_s", self.start_s)
+
+    # --- queries -----------------------------------------------------------------------
+    @property
+    def open_index(self) -> int:
+        return self._index
+
+    @property
+    def open_start_s(self) -> float:
+        return self.start_s + self._index * self.window_s
+
+    @property
+    def open_end_s(self) -> float:
+        return self.start_s + (self._index + 1) * self.window_s
+
+    @property
+    def open_demand_s(self) -> float:
+        """D of the window still open (partial)."""
+        return self._demand
+
+    # --- events ------------------------------------------------------------------------
+    def record(
+        self, now: float, predicted_s: float, input_len: int, degree: int | None = None
+    ) -> list[WindowSummary]:
+        """Count one assignment (predicted service ``predicted_s`` s, ``input_len`` tokens).
+
+        Windows that ended at or before ``now`` are closed first and returned (usually
+        none), so the assignment lands in the window that contains ``now``.
+        """
+        now = _check_time("now", now)
+        predicted_s = _check_time("predicted_s", predicted_s)
+        if predicted_s < 0:
+            raise InvalidInput(f"predicted_s must be >= 0, got {predicted_s}")
+        if isinstance(input_len, bool) or not isinstance(input_len, int) or input_len < 1:
+            raise InvalidInput(f"input_len must be an integer >= 1 token, got {input_len!r}")
+        if degree is not None and (
+            isinstance(degree, bool) or not isinstance(degree, int) or degree < 1
+        ):
+            raise InvalidInput(f"degree must be an integer >= 1 or None, got {degree!r}")
+        closed = self._close_until(now) if now >= self._last_now else []
+        if now < self.open_start_s:
+            self._late += 1
+        self._demand += predicted_s
+        self._requests += 1
+        if input_len >= self.long_threshold_tokens:
+            self._long += 1
+        if degree is not None:
+            self._by_degree[degree] = self._by_degree.get(degree, 0.0) + predicted_s
+        return closed
+
+    def advance(self, now: float) -> list[WindowSummary]:
+        """Close every window whose end is ≤ ``now``; returns them oldest first."""
+        now = _check_time("now", now)
+        if now < self._last_now:
+            raise InvalidInput(f"time went backwards: now={now} < previous {self._last_now}")
+        return self._close_until(now)
+
+    def _close_until(self, now: float) -> list[WindowSummary]:
+        n = math.floor((now - self.start_s) / self.window_s) - self._index
+        if n > MAX_WINDOWS_PER_ADVANCE:
+            raise InvalidInput(
+                f"now={now} would close {n} windows of {self.window_s} s at once; "
+                "is the time in seconds?"
+            )
+        self._last_now = max(self._last_now, now)
+        out: list[WindowSummary] = []
+        for _ in range(max(0, n)):
+            out.append(
+                WindowSummary(
+                    index=self._index,
+                    start_s=self.open_start_s,
+                    end_s=self.open_end_s,
+                    demand_s=self._demand,
+                    requests=self._requests,
+                    long_requests=self._long,
+                    late=self._late,
+                    demand_by_degree=tuple(sorted(self._by_degree.items())),
+                )
+            )
+            self._index += 1
+            self._demand, self._requests, self._long, self._late = 0.0, 0, 0, 0
+            self._by_degree = {}
+        return out

@@ -1,0 +1,217 @@
+"""A small HTTP/1.1 server on ``asyncio.start_server`` (no framework dependency).
+
+Scope: what the gateway's JSON API needs, done carefully. Requests with a ``Content-Length``
+body (chunked request bodies are refused with 411), keep-alive (HTTP/1.1 default,
+``Connection: close`` honoured), bounded request head (431) and body (413, checked against
+``Content-Length`` *before* reading, so an oversized upload costs nothing), malformed request
+lines or headers (400), a read timeout on idle connections. Responses always carry
+``Content-Length``. A handler exception becomes a 500 without details; the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Final
+from urllib.parse import parse_qs, urlsplit
+
+import structlog
+
+log = structlog.get_logger("vertumnus.http")
+
+IDLE_TIMEOUT_S: Final[float] = 60.0
+SERVER_NAME: Final[str] = "vertumnus-gateway"
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    method: str
+    path: str
+    query: Mapping[str, list[str]]
+    headers: Mapping[str, str]  # lower-case names
+    body: bytes
+    peer: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    status: int
+    body: bytes = b""
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def json(cls, status: int, obj: Any, headers: Mapping[str, str] | None = None) -> HttpResponse:
+        return cls(status, json.dumps(obj).encode(),
+                   {"Content-Type": "application/json", **(headers or {})})
+
+
+def error_body(status: int, message: str, *, type_: str | None = None) -> dict[str, Any]:
+    """OpenAI-style error object."""
+    return {
+        "error": {
+            "message": message,
+            "type": type_ or HTTPStatus(status).phrase.lower().replace(" ", "_"),
+            "code": status,
+        }
+    }
+
+
+def error_response(status: int, message: str) -> HttpResponse:
+    return HttpResponse.json(status, error_body(status, message))
+
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
+class _Reject(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class HttpServer:
+    """Serve ``handler`` on ``host:port`` (port 0: kernel-chosen; read :attr:`port`)."""
+
+    def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
+                 max_body_bytes: int = 4 << 20, max_header_bytes: int = 16 << 10,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+        self._handler = handler
+        self._host = host
+        self._port = port
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self._server: asyncio.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    @property
+    def port(self) -> int:
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("HTTP server is not running")
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._on_connection, self._host, self._port, limit=self.max_header_bytes + 2
+        )
+
+    async def close(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for t in list(self._conns):
+            t.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._server.wait_closed()
+        self._server = None
+
+    async def _on_connection(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        peer = writer.get_extra_info("peername")
+        try:
+            keep_alive = True
+            while keep_alive:
+                try:
+                    async with asyncio.timeout(self.idle_timeout_s):
+                        request = await self._read_request(reader, str(peer))
+                except _Reject as rej:
+                    await self._write(writer, error_response(rej.status, rej.message), False)
+                    return
+                except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                    return
+                if request is None:
+                    return
+                keep_alive = _wants_keep_alive(request)
+                try:
+                    response = await self._handler(request)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("HTTP handler failed", path=request.path)
+                    response = error_response(500, "internal error")
+                await self._write(writer, response, keep_alive)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._conns.discard(task)
+            with contextlib.suppress(Exception):
+                writer.close()
+                await writer.wait_closed()
+
+    async def _read_request(self, reader: asyncio.StreamReader, peer: str) -> HttpRequest | None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            raise _Reject(431, f"request head over {self.max_header_bytes} bytes") from None
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial.strip():
+                return None  # clean close between requests
+            raise _Reject(400, "incomplete request head") from None
+        if len(head) > self.max_header_bytes:
+            raise _Reject(431, f"request head over {self.max_header_bytes} bytes")
+        try:
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, version = lines[0].split(" ")
+        except ValueError:
+            raise _Reject(400, "malformed request line") from None
+        if not version.startswith("HTTP/1."):
+            raise _Reject(505, f"unsupported protocol {version!r}")
+        headers: dict[str, str] = {"_version": version}
+        for line in lines[1:]:
+            if not line:
+                continue
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip():
+                raise _Reject(400, f"malformed header line {line[:60]!r}")
+            headers[name.lower()] = value.strip()
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            raise _Reject(411, "chunked request bodies are not supported; send Content-Length")
+        try:
+            length = int(headers.get("content-length", "0"))
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            raise _Reject(400, "invalid Content-Length") from None
+        if length > self.max_body_bytes:
+            raise _Reject(413, f"request body of {length} bytes is over the limit of "
+                               f"{self.max_body_bytes} bytes")
+        body = await reader.readexactly(length) if length else b""
+        split = urlsplit(target)
+        return HttpRequest(method.upper(), split.path or "/", parse_qs(split.query), headers,
+                           body, peer)
+
+    @staticmethod
+    async def _write(writer: asyncio.StreamWriter, response: HttpResponse,
+                     keep_alive: bool) -> None:
+        try:
+            phrase = HTTPStatus(response.status).phrase
+        except ValueError:
+            phrase = "Status"
+        head = [f"HTTP/1.1 {response.status} {phrase}", f"Server: {SERVER_NAME}",
+                f"Content-Length: {len(response.body)}",
+                f"Connection: {'keep-alive' if keep_alive else 'close'}"]
+        head += [f"{k}: {v}" for k, v in response.headers.items()
+                 if k.lower() not in ("content-length", "connection")]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body)
+        await writer.drain()
+
+
+def _wants_keep_alive(request: HttpRequest) -> bool:
+    conn = request.headers.get("connection", "").lower()
+    if request.headers.get("_version") == "HTTP/1.0":
+        return conn == "keep-alive"
+    return conn != "close"

@@ -1,0 +1,69 @@
+"""Gateway settings (environment ``VTM_*``, ``__`` for nesting; flags of ``python -m
+services.gateway`` override). See shared/settings.py for the settings every service shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from shared.ids import DEFAULT_BLOCK_SIZE
+from shared.settings import ServiceSettings
+
+
+class GatewaySettings(ServiceSettings):
+    """One gateway process: HTTP API + the NATS request subject, publishing to intake."""
+
+    service_name: str = Field(default="vtm-gateway", description="Service name in logs/traces.")
+    http_host: str = Field(default="127.0.0.1", description="HTTP listen address.")
+    http_port: int | None = Field(
+        default=8080,
+        ge=0,
+        le=65535,
+        description="HTTP listen port (0: the kernel picks one, see GatewayService.http_port); "
+        "None: no HTTP server, the NATS subject only.",
+    )
+    model_name: str = Field(
+        default="vertumnus", description="Model name echoed in responses when the client gives none."
+    )
+    block_size: int = Field(
+        default=DEFAULT_BLOCK_SIZE,
+        ge=1,
+        description="Cache block size B in tokens; must equal the workers' (block identities "
+        "are chained hashes of B-token blocks).",
+    )
+    max_body_bytes: int = Field(
+        default=4 << 20, ge=1024, description="Largest HTTP request body accepted (413 above)."
+    )
+    max_header_bytes: int = Field(
+        default=16 << 10, ge=1024, description="Largest HTTP request head accepted (431 above)."
+    )
+    max_prompt_tokens: int = Field(
+        default=131_072, ge=1, description="Longest prompt accepted, in tokens (413 above)."
+    )
+    max_seq_len: int = Field(
+        default=131_072 + 8_192,
+        ge=2,
+        description="Longest prompt + max_tokens a request may ask for (422 above).",
+    )
+    vocab_size: int | None = Field(
+        default=None, ge=1, description="Token ids must be below this (422 otherwise); None: "
+        "only the int32 range is checked."
+    )
+    forward_tokens: bool = Field(
+        default=True,
+        description="Put the prompt's token ids in the intake message (a real engine needs "
+        "them; the sim backend needs only the length and block hashes). A message larger than "
+        "the server's max_payload is refused with 413.",
+    )
+    tokenizer_path: Path | None = Field(
+        default=None,
+        description="A HuggingFace tokenizer.json; with it a text prompt is accepted and the "
+        "first token is detokenized (needs the `tokenizers` package, the engine extra).",
+    )
+    result_timeout_s: float = Field(
+        default=120.0, gt=0, description="Wait for the first token before answering 504."
+    )
+    publish_timeout_s: float = Field(
+        default=5.0, gt=0, description="Wait for the intake stream's publish ack (503 after)."
+    )

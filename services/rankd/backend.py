@@ -1,0 +1,173 @@
+"""Execution backends of a rank daemon: what actually happens when a worker prefills.
+
+:class:`ExecutionBackend` is the seam between the rankd adapter (NATS, FIFO, state, results)
+and execution. Two implementations are planned (design.md, layer 3):
+
+* ``sim`` (:class:`SimBackend`, here): computes nothing; sleeps for a modelled time × a time
+  scale. The modelled time comes from a callable given at construction (the lead wires the
+  simulator's ground truth, ``sim.groundtruth``; this module never imports ``sim/``); without
+  one it uses the scheduler's prediction carried by the assignment.
+* ``torch``: real CP prefill over ``services/rankd/engine`` (plugs in later behind the same
+  Protocol).
+
+Contract: ``prefill`` runs one request to completion (prefill, KV handoff, first decode) and
+returns a :class:`PrefillResult` with measured wall-clock stage durations; it raises
+:class:`~shared.ids.InvalidInput` for a request the backend cannot serve (then nothing ran).
+Durations are wall seconds as measured (with a time scale s, modelled seconds = wall / s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, Protocol, runtime_checkable
+
+from shared.ids import InvalidInput
+from shared.schemas import Assignment
+
+DEFAULT_VOCAB: Final[int] = 151_936  # Qwen3's vocabulary: fake tokens stay in a real range
+
+
+class PrefillTimeFn(Protocol):
+    """Modelled prefill time (s) of R new tokens after P cached ones on a degree-C worker.
+
+    Matches ``sim.groundtruth.GroundTruth.prefill_time`` and ``NoisyGroundTruth.prefill_time``.
+    """
+
+    def __call__(self, r: int, p: int, degree: int, *, kind: str = "cp") -> float: ...
+
+
+HandoffTimeFn = Callable[[int, int], float]
+"""Modelled KV handoff + first decode time (s) for (total tokens, degree); e.g.
+``NoisyGroundTruth.external_time``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """Outcome of one request on one worker (service level, not the engine's per-rank result).
+
+    ``*_s`` durations are measured wall seconds; ``modelled_*_s`` are what the backend was told
+    to take before time scaling (equal to measured ones up to scheduling noise when scale = 1).
+    """
+
+    request_id: str
+    token: int
+    started_at_s: float
+    prefill_s: float
+    kv_transfer_s: float
+    first_decode_s: float
+    finished_at_s: float
+    modelled_prefill_s: float
+    modelled_handoff_s: float
+
+
+@runtime_checkable
+class ExecutionBackend(Protocol):
+    """What a rank daemon needs from an execution engine."""
+
+    @property
+    def name(self) -> str:
+        """Registry name (``sim``, ``torch``), shown in micro metadata."""
+        ...
+
+    async def prefill(self, assignment: Assignment) -> PrefillResult:
+        """Run one assigned request to its first token. Called one at a time (FIFO)."""
+        ...
+
+    async def close(self) -> None:
+        """Release resources (process groups, devices); idempotent."""
+        ...
+
+
+def fake_token(request_id: str, vocab: int = DEFAULT_VOCAB) -> int:
+    """A deterministic stand-in first token (stable across processes, unlike ``hash``)."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % vocab
+
+
+class SimBackend:
+    """Sleeps for the modelled time × ``time_scale`` instead of computing.
+
+    ``prefill_time`` (optional): modelled prefill seconds for (R, P, C, kind); default: the
+    assignment's ``predicted_s`` (the scheduler's own estimate, for dev runs without a ground
+    truth). ``handoff_time`` (optional): modelled KV handoff + first decode seconds for
+    (total tokens, C), reported as ``kv_transfer_s``; default 0.
+
+    NOTE: the scale multiplies sleeps only; a time_scale of 0.01 runs a trace 100× faster
+    and every measured duration is then ~0.01× its modelled value.
+    """
+
+    name: Final[str] = "sim"  # type: ignore[misc]
+
+    def __init__(
+        self,
+        *,
+        kind: str = "cp",
+        prefill_time: PrefillTimeFn | None = None,
+        handoff_time: HandoffTimeFn | None = None,
+        time_scale: float = 1.0,
+        vocab: int = DEFAULT_VOCAB,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not time_scale > 0 or time_scale != time_scale:
+            raise InvalidInput(f"time_scale must be > 0, got {time_scale}")
+        if vocab < 1:
+            raise InvalidInput(f"vocab must be >= 1, got {vocab}")
+        self._kind = kind
+        self._prefill_time = prefill_time
+        self._handoff_time = handoff_time
+        self._scale = time_scale
+        self._vocab = vocab
+        self._clock = clock
+        self._closed = False
+
+    @property
+    def time_scale(self) -> float:
+        return self._scale
+
+    def modelled_times(self, a: Assignment) -> tuple[float, float]:
+        """(prefill, handoff) modelled seconds for an assignment; validates first."""
+        if self._prefill_time is not None:
+            prefill = float(
+                self._prefill_time(a.recompute_tokens, a.prefix_tokens, a.degree, kind=self._kind)
+            )
+        else:
+            prefill = a.predicted_s
+        handoff = (
+            float(self._handoff_time(a.request.input_len, a.degree)) if self._handoff_time else 0.0
+        )
+        for label, value in (("prefill", prefill), ("handoff", handoff)):
+            if not (value >= 0 and value != float("inf")):
+                raise InvalidInput(f"modelled {label} time must be finite and >= 0, got {value}")
+        return prefill, handoff
+
+    async def prefill(self, assignment: Assignment) -> PrefillResult:
+        if self._closed:
+            raise RuntimeError("backend closed")
+        prefill_m, handoff_m = self.modelled_times(assignment)
+        started = self._clock()
+        await asyncio.sleep(prefill_m * self._scale)
+        prefilled = self._clock()
+        await asyncio.sleep(handoff_m * self._scale)
+        finished = self._clock()
+        return PrefillResult(
+            request_id=assignment.request.request_id,
+            token=fake_token(assignment.request.request_id, self._vocab),
+            started_at_s=started,
+            prefill_s=prefilled - started,
+            kv_transfer_s=finished - prefilled,
+            first_decode_s=0.0,
+            finished_at_s=finished,
+            modelled_prefill_s=prefill_m,
+            modelled_handoff_s=handoff_m,
+        )
+
+    async def close(self) -> None:
+        self._closed = True
+
+
+BACKENDS: Final[dict[str, Callable[..., ExecutionBackend]]] = {"sim": SimBackend}
+"""Backends by name; ``torch`` registers here when it lands."""

@@ -1,0 +1,320 @@
+"""A worker leader's bookkeeping, sans IO: admission, FIFO, epoch adoption, reported state.
+
+The rankd adapter (services/rankd/service.py) feeds this core with assignments, clock
+readings and epoch records, and turns its outputs into NATS messages. Nothing here touches a
+socket, a clock or asyncio; time is a parameter (Unix seconds).
+
+Rules (§5.2, §6.2, §8):
+
+* One request runs at a time; the rest wait in arrival order (FIFO).
+* Admission requires lifecycle ACTIVE, the right worker id and degree, an assignment epoch not
+  newer than the adopted one (an older epoch is fine while this worker stays ACTIVE: the
+  scheduler's view may lag by one record), and room in the queue. A request already queued or
+  running is admitted again idempotently (same position), so a redelivered assignment does not
+  run twice. A refused admission changes nothing.
+* Adopting an EpochRecord with a newer epoch takes this worker's lifecycle from it (absent →
+  UNAVAILABLE). Leaving ACTIVE hands back every queued, not-yet-started request (they are
+  redirected, §6.2); the running one finishes under the old geometry.
+* Outstanding work = Σ predicted seconds of queued requests + the running one's predicted
+  remainder (elapsed wall time divided by the time scale, floored at 0).
+* The worker's own prefix cache (:class:`~services.rankd.blockcache.BlockCache`, LRU) decides
+  what is actually reused: when a request starts, its longest cached prefix of full blocks is
+  looked up and pinned, and the request executes with that P (≤ L − 1, so R ≥ 1) whatever the
+  scheduler assumed; when it finishes, its full blocks are stored. Cache events accumulate in
+  the cache and are drained by the adapter (:meth:`WorkerCore.take_cache_events`).
+* KV blocks free for admission = capacity − pinned blocks (LRU-evictable blocks count as free).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.cachemgr.events import CacheEvent, Snapshot
+from services.rankd.blockcache import BlockCache
+from shared.ids import BlockHash, InvalidInput, UnknownWorker, VertumnusError, WorkerId
+from shared.schemas import (
+    Assignment,
+    CacheCommandResult,
+    EpochRecord,
+    ReclaimCommand,
+    ReconcileCommand,
+    ReplicateCommand,
+    WorkerState,
+)
+from shared.worker import GpuGroup, Lifecycle, WorkerKind
+
+
+class NotAccepting(VertumnusError):
+    """The worker is not ACTIVE (draining, switching, unavailable)."""
+
+
+class EpochAhead(VertumnusError):
+    """The assignment names an epoch this worker has not adopted yet."""
+
+
+class QueueFull(VertumnusError):
+    """The FIFO is at its bound."""
+
+
+@dataclass(slots=True)
+class Job:
+    """One admitted request and what the adapter needs to finish it."""
+
+    assignment: Assignment
+    accepted_at_s: float
+    trace_carrier: dict[str, str] = field(default_factory=dict)
+    started_at_s: float | None = None
+    executed: Assignment | None = None  # the assignment with P, R as found at start
+    pinned: tuple[BlockHash, ...] = ()
+
+    @property
+    def request_id(self) -> str:
+        return self.assignment.request.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class Adoption:
+    """Result of :meth:`WorkerCore.adopt`: what changed and what to redirect."""
+
+    adopted: bool  # False: the record was not newer; nothing changed
+    epoch: int
+    lifecycle: Lifecycle
+    member: bool  # this worker is in the record's composition
+    redirected: tuple[Job, ...] = ()
+
+
+class WorkerCore:
+    """State of one worker as seen by its leader rank."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        kind: WorkerKind = WorkerKind.CP,
+        epoch: int = 0,
+        lifecycle: Lifecycle = Lifecycle.ACTIVE,
+        kv_total_blocks: int = 0,
+        max_queue: int = 4096,
+        time_scale: float = 1.0,
+    ) -> None:
+        self.group = GpuGroup.from_worker_id(worker_id)  # raises InvalidInput
+        if epoch < 0 or kv_total_blocks < 0 or max_queue < 1 or not time_scale > 0:
+            raise InvalidInput("epoch, kv_total_blocks >= 0; max_queue >= 1; time_scale > 0")
+        self.worker_id = WorkerId(worker_id)
+        self.kind = kind
+        self.epoch = epoch
+        self.lifecycle = lifecycle
+        self.kv_total_blocks = kv_total_blocks
+        self.max_queue = max_queue
+        self.time_scale = time_scale
+        self._queue: deque[Job] = deque()
+        self._running: Job | None = None
+        self._known: dict[str, Job] = {}
+        self._seq = 0
+        # The first record is adopted even if its epoch equals the configured start epoch.
+        self._adopted_once = False
+        self.served = 0
+        self.input_tokens = 0
+        self.hit_tokens = 0
+        self.cache: BlockCache | None = (
+            BlockCache(self.worker_id, kv_total_blocks) if kv_total_blocks > 0 else None
+        )
+        self._pinned_blocks = 0
+
+    # -- queries ----------------------------------------------------------------------------
+
+    @property
+    def degree(self) -> int:
+        return self.group.degree
+
+    @property
+    def running(self) -> Job | None:
+        return self._running
+
+    def __len__(self) -> int:
+        """Requests waiting or running."""
+        return len(self._queue) + (self._running is not None)
+
+    def outstanding_s(self, now: float) -> float:
+        total = sum(j.assignment.predicted_s for j in self._queue)
+        if self._running is not None and self._running.started_at_s is not None:
+            elapsed = max(0.0, now - self._running.started_at_s) / self.time_scale
+            total += max(0.0, self._running.assignment.predicted_s - elapsed)
+        return total
+
+    def state(self, now: float, *, kv_free_blocks: int | None = None) -> WorkerState:
+        """The WorkerState to publish now (``seq`` increases on every call)."""
+        self._seq += 1
+        free = (
+            self.kv_total_blocks - self._pinned_blocks if kv_free_blocks is None else kv_free_blocks
+        )
+        return WorkerState(
+            worker_id=self.worker_id,
+            kind=self.kind,
+            degree=self.degree,
+            gpus=list(self.group.gpus),
+            epoch=self.epoch,
+            lifecycle=self.lifecycle,
+            queue_len=len(self),
+            outstanding_s=self.outstanding_s(now),
+            kv_free_blocks=max(0, min(free, self.kv_total_blocks)),
+            kv_total_blocks=self.kv_total_blocks,
+            hit_tokens=self.hit_tokens,
+            input_tokens=self.input_tokens,
+            served=self.served,
+            seq=self._seq,
+            heartbeat_s=now,
+        )
+
+    # -- transitions ------------------------------------------------------------------------
+
+    def admit(
+        self, a: Assignment, now: float, trace_carrier: Mapping[str, str] | None = None
+    ) -> int:
+        """Queue ``a``; return the number of requests ahead of it (running included)."""
+        rid = a.request.request_id
+        known = self._known.get(rid)
+        if known is not None:
+            if known is self._running:
+                return 0
+            return list(self._queue).index(known) + (self._running is not None)
+        if a.worker_id != self.worker_id:
+            raise UnknownWorker(f"assignment for {a.worker_id} reached {self.worker_id}")
+        if a.degree != self.degree:
+            raise InvalidInput(f"assignment degree {a.degree} != worker degree {self.degree}")
+        if self.lifecycle is not Lifecycle.ACTIVE:
+            raise NotAccepting(f"{self.worker_id} is {self.lifecycle.value}")
+        if a.epoch > self.epoch:
+            raise EpochAhead(f"{self.worker_id} is at epoch {self.epoch}, assignment {a.epoch}")
+        if len(self) >= self.max_queue:
+            raise QueueFull(f"{self.worker_id} queue is full ({self.max_queue})")
+        position = len(self)
+        job = Job(a, accepted_at_s=now, trace_carrier=dict(trace_carrier or {}))
+        self._queue.append(job)
+        self._known[rid] = job
+        return position
+
+    def start_next(self, now: float) -> Job | None:
+        """Move the head of the FIFO to running, if nothing runs; else None."""
+        if self._running is not None or not self._queue:
+            return None
+        job = self._queue.popleft()
+        job.started_at_s = now
+        job.executed = self._reuse(job)
+        self._running = job
+        return job
+
+    @staticmethod
+    def _full_blocks(a: Assignment) -> tuple[BlockHash, ...]:
+        req = a.request
+        n = min(len(req.block_hashes), req.input_len // req.block_size)
+        return tuple(BlockHash(h) for h in req.block_hashes[:n])
+
+    def _reuse(self, job: Job) -> Assignment:
+        """Look up and pin the cached prefix; return the assignment as it will execute."""
+        a = job.assignment
+        full = self._full_blocks(a)
+        if self.cache is None or not full:
+            hit = 0
+        else:
+            hit = self.cache.lookup(full)
+        if hit:
+            job.pinned = full[:hit]
+            assert self.cache is not None
+            self.cache.pin(job.pinned)
+            self._pinned_blocks += hit
+        length = a.request.input_len
+        p = min(hit * a.request.block_size, length - 1)
+        if p == a.prefix_tokens:
+            return a
+        return a.model_copy(update={"prefix_tokens": p, "recompute_tokens": length - p})
+
+    def finish(self, request_id: str, *, ok: bool = True) -> Job:
+        """The running request completed (``ok``) or failed; count it and free the slot."""
+        job = self._running
+        if job is None or job.request_id != request_id:
+            raise InvalidInput(f"{request_id} is not the running request")
+        self._running = None
+        del self._known[request_id]
+        if job.pinned:
+            assert self.cache is not None
+            self.cache.unpin(job.pinned)
+            self._pinned_blocks -= len(job.pinned)
+        if ok:
+            executed = job.executed or job.assignment
+            self.served += 1
+            self.input_tokens += executed.request.input_len
+            self.hit_tokens += executed.prefix_tokens
+            full = self._full_blocks(executed)
+            if self.cache is not None and full:
+                try:
+                    self.cache.insert(full)
+                except InvalidInput:
+                    # NOTE: a chain that contradicts the cache (a hash collision or a bad
+                    # client hash) is not cached; the request itself already succeeded.
+                    pass
+        return job
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def take_cache_events(self) -> list[CacheEvent]:
+        """Drain the cache's events (stored / removed / cleared), oldest first."""
+        return self.cache.take_events() if self.cache is not None else []
+
+    def cache_snapshot(self) -> Snapshot:
+        """The whole cache index as of the last event (drain events first)."""
+        if self.cache is None:
+            return Snapshot(self.worker_id, 0, ())
+        return self.cache.snapshot()
+
+    def apply_command(
+        self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand
+    ) -> CacheCommandResult:
+        """Execute a cache-manager command on this worker's cache (sim: no data moves).
+
+        Replicate / reconcile store the root-to-node path ``cmd.blocks`` (only the missing
+        part is new; what does not fit stays a miss); reclaim removes the blocks that are
+        unpinned and have no retained child. Visibility changes only through the events.
+        """
+        if cmd.worker_id != self.worker_id:
+            raise UnknownWorker(f"command for {cmd.worker_id} reached {self.worker_id}")
+        if cmd.epoch > self.epoch:
+            raise EpochAhead(f"{self.worker_id} is at epoch {self.epoch}, command {cmd.epoch}")
+        if self.cache is None:
+            raise InvalidInput(f"{self.worker_id} has no KV cache (kv_total_blocks = 0)")
+        blocks = tuple(BlockHash(h) for h in cmd.blocks)
+        if isinstance(cmd, ReclaimCommand):
+            done = len(self.cache.remove(blocks))
+        elif isinstance(cmd, ReconcileCommand) and cmd.source_worker is None:
+            done = 0  # no valid copy left: the pending part becomes an ordinary miss
+        else:
+            done = self.cache.insert(blocks)  # raises InvalidInput on a contradicting chain
+        return CacheCommandResult(
+            command_id=cmd.command_id, worker_id=self.worker_id, ok=True, blocks_done=done
+        )
+
+    def take_queued(self) -> tuple[Job, ...]:
+        """Remove and return every queued (not running) request, in order."""
+        jobs = tuple(self._queue)
+        self._queue.clear()
+        for j in jobs:
+            del self._known[j.request_id]
+        return jobs
+
+    def set_lifecycle(self, lifecycle: Lifecycle) -> tuple[Job, ...]:
+        """Change lifecycle locally (e.g. shutdown); leaving ACTIVE returns queued jobs."""
+        self.lifecycle = lifecycle
+        return self.take_queued() if lifecycle is not Lifecycle.ACTIVE else ()
+
+    def adopt(self, record: EpochRecord) -> Adoption:
+        """Adopt a newer epoch record (see module rules); an older or equal one is ignored."""
+        mine = next((w for w in record.workers if w.worker_id == self.worker_id), None)
+        if record.epoch <= self.epoch and self._adopted_once:
+            return Adoption(False, self.epoch, self.lifecycle, mine is not None)
+        self._adopted_once = True
+        self.epoch = max(self.epoch, record.epoch)
+        lifecycle = mine.lifecycle if mine is not None else Lifecycle.UNAVAILABLE
+        redirected = self.set_lifecycle(lifecycle)
+        return Adoption(True, self.epoch, lifecycle, mine is not None, redirected)

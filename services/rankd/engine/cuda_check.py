@@ -1,0 +1,297 @@
+"""GPU check of the CUDA attention path, to run on a machine with a GPU:
+
+    python -m services.rankd.engine.cuda_check [--lengths 1024 4096 16384]
+
+1. Alignment: each varlen kernel available (flash-attn ``flash_attn_varlen_func`` if
+   installed, torch ``varlen_attn``) with causal and seqlen_q < seqlen_k must match
+   bottom-right causal attention (cp-attention.md rules 5, 7) and differ from top-left.
+2. torch ``varlen_attn``'s LSE layout (rule 8 says (T_q, H_q); verified here).
+3. One rank's zigzag chunks emulated in one process (C in {1, 2, 4}, with and without a
+   prefix, R < 2C included): the varlen path equals the SDPA-mask reference.
+4. A C = 1 prefill of a small model in bf16 with each backend equals the float32 SDPA-mask
+   prefill (same greedy token), and prefill times for a few lengths are printed.
+
+Exits 0 with a message when there is no CUDA device; exits 1 if a check fails.
+``--cpu-dry-run`` runs checks 3-4 with the SDPA-mask kernel on CPU (exercises this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from services.rankd.engine import attention as att
+from services.rankd.engine.attention import Backend, zigzag_attention
+from services.rankd.engine.config import Qwen3Config
+from services.rankd.engine.cp_prefill import cp_prefill
+from services.rankd.engine.groups import local_group
+from services.rankd.engine.model import Qwen3ForCausalLM, reference_attention
+from services.rankd.engine.zigzag import ZigzagPlan
+
+TOL = 2e-2  # relative error for bf16 kernels against a float32 reference
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _varlen_single(backend: Backend, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """One sequence through the raw varlen kernel with causal masking."""
+    dev = q.device
+    cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=dev)
+    if backend is Backend.FLASH_VARLEN:
+        assert att._flash_varlen is not None
+        return att._flash_varlen(
+            q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], softmax_scale=scale, causal=True
+        )
+    fn = att._torch_varlen()
+    assert fn is not None
+    return fn(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        q.shape[0],
+        k.shape[0],
+        scale=scale,
+        window_size=(-1, 0),
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def _available(device: torch.device) -> list[Backend]:
+    if device.type != "cuda":
+        return []
+    out = []
+    if att._flash_varlen is not None:
+        out.append(Backend.FLASH_VARLEN)
+    if att._torch_varlen() is not None:
+        out.append(Backend.TORCH_VARLEN)
+    return out
+
+
+def check_alignment(backend: Backend, dev: torch.device, report: Callable[..., None]) -> None:
+    g = torch.Generator(device=dev).manual_seed(0)
+    tq, tk, h, hk, d = 37, 101, 8, 2, 64
+    q = torch.randn(tq, h, d, device=dev, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(tk, hk, d, device=dev, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(tk, hk, d, device=dev, generator=g, dtype=torch.bfloat16)
+    scale = d**-0.5
+    out = _varlen_single(backend, q, k, v, scale)
+    k_pos = torch.arange(tk, device=dev)
+    bottom_right = reference_attention(
+        q.float(), k.float(), v.float(), torch.arange(tk - tq, tk, device=dev), k_pos, scale
+    )
+    top_left = reference_attention(
+        q.float(), k.float(), v.float(), torch.arange(tq, device=dev), k_pos, scale
+    )
+    e_br, e_tl = _rel(out, bottom_right), _rel(out, top_left)
+    report(
+        f"{backend} bottom-right causal (Tq={tq} < Tk={tk})",
+        e_br <= TOL and e_tl > 10 * TOL,
+        f"rel err vs bottom-right {e_br:.2e}, vs top-left {e_tl:.2e}",
+    )
+
+
+def check_torch_varlen_lse(dev: torch.device, report: Callable[..., None]) -> None:
+    from torch.nn.attention.varlen import AuxRequest
+
+    fn = att._torch_varlen()
+    assert fn is not None
+    g = torch.Generator(device=dev).manual_seed(1)
+    tq, tk, h, hk, d = 16, 48, 4, 4, 64
+    q = torch.randn(tq, h, d, device=dev, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(tk, hk, d, device=dev, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(tk, hk, d, device=dev, generator=g, dtype=torch.bfloat16)
+    scale = d**-0.5
+    cu_q = torch.tensor([0, tq], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, tk], dtype=torch.int32, device=dev)
+    _, lse = fn(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        tq,
+        tk,
+        scale=scale,
+        window_size=(-1, 0),
+        return_aux=AuxRequest(lse=True),
+    )
+    s = torch.einsum("qhd,khd->qhk", q.float(), k.float()) * scale
+    vis = torch.arange(tk, device=dev)[None, :] <= torch.arange(tk - tq, tk, device=dev)[:, None]
+    ref = torch.logsumexp(s.masked_fill(~vis[:, None, :], float("-inf")), dim=-1)  # (Tq, H)
+    shape = tuple(lse.shape)
+    if shape == (tq, h):
+        ok, err = True, _rel(lse, ref)
+    elif shape == (h, tq):
+        ok, err = True, _rel(lse.transpose(0, 1), ref)
+    else:
+        ok, err = False, float("nan")
+    report(
+        "torch varlen_attn LSE layout",
+        ok and err <= TOL,
+        f"shape {shape} (rule 8 expects (T_q, H_q)=({tq}, {h})), rel err {err:.2e}",
+    )
+
+
+def check_zigzag(
+    backend: Backend, dev: torch.device, dtype: torch.dtype, report: Callable[..., None]
+) -> None:
+    g = torch.Generator(device=dev).manual_seed(2)
+    h, hk, d = 8, 2, 64
+    worst = 0.0
+    for c in (1, 2, 4):
+        for p, r in ((0, 200), (37, 200), (129, 2 * c - 1), (64, 1)):
+            plan = ZigzagPlan(r, c)
+            q = torch.randn(plan.r_pad, h, d, device=dev, generator=g, dtype=dtype)
+            k = torch.randn(p + plan.r_pad, hk, d, device=dev, generator=g, dtype=dtype)
+            v = torch.randn(p + plan.r_pad, hk, d, device=dev, generator=g, dtype=dtype)
+            for rank in range(c):
+                off = plan.offsets(rank).to(dev)
+                out = zigzag_attention(
+                    q[off], k[:p], v[:p], k[p:], v[p:], plan, rank, p, d**-0.5, backend
+                )
+                ref = zigzag_attention(
+                    q[off].float(),
+                    k[:p].float(),
+                    v[:p].float(),
+                    k[p:].float(),
+                    v[p:].float(),
+                    plan,
+                    rank,
+                    p,
+                    d**-0.5,
+                    Backend.SDPA_MASK,
+                )
+                # all rows, padded ones included: they must be finite and equal too
+                worst = max(worst, _rel(out, ref))
+    tol = TOL if dtype in (torch.float16, torch.bfloat16) else 1e-5
+    report(
+        f"{backend} zigzag chunks C in (1,2,4), P in (0,37,129,64)",
+        worst <= tol,
+        f"worst rel err {worst:.2e} vs float32 SDPA-mask",
+    )
+
+
+def check_model(
+    backends: list[Backend],
+    dev: torch.device,
+    dtype: torch.dtype,
+    lengths: list[int],
+    report: Callable[..., None],
+) -> None:
+    cfg = Qwen3Config(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=max(lengths) + 8,
+    )
+    ref_model = Qwen3ForCausalLM.random(cfg, seed=0, dtype=torch.float32).to(dev)
+    model = Qwen3ForCausalLM.random(cfg, seed=0, dtype=dtype).to(dev)
+    ids = torch.randint(
+        0, cfg.vocab_size, (min(lengths),), generator=torch.Generator().manual_seed(3)
+    )
+    ref = cp_prefill(ref_model, local_group(), ids, backend=Backend.SDPA_MASK)
+    for b in backends + [Backend.SDPA_MASK]:
+        out = cp_prefill(model, local_group(), ids, backend=b)
+        e = _rel(out.hidden, ref.hidden)
+        report(
+            f"C=1 model prefill {b} {dtype} R={ids.numel()}",
+            e <= 5 * TOL,
+            f"hidden rel err {e:.2e} vs float32, greedy token "
+            + ("equal" if out.next_token == ref.next_token else "differs (bf16 near-tie?)"),
+        )
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    print(f"# prefill time, C=1, {cfg.num_hidden_layers} layers hidden {cfg.hidden_size}, {dtype}:")
+    for n in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (n,))
+        row = []
+        for b in backends + [Backend.SDPA_MASK]:
+            ts = []
+            for i in range(4):
+                sync()
+                t0 = time.perf_counter()
+                cp_prefill(model, local_group(), ids, backend=b)
+                sync()
+                if i:
+                    ts.append(time.perf_counter() - t0)
+            row.append(f"{b}={statistics.median(ts) * 1e3:.2f}ms")
+        print(f"  R={n:>6}: " + "  ".join(row))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="check the CUDA attention path of the engine")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="no GPU: run the zigzag and model checks with SDPA-mask on CPU",
+    )
+    args = ap.parse_args(argv)
+    failures: list[str] = []
+
+    def report(name: str, ok: bool, detail: str) -> None:
+        print(f"[{'ok' if ok else 'FAIL'}] {name}: {detail}")
+        if not ok:
+            failures.append(name)
+
+    if not torch.cuda.is_available():
+        if not args.cpu_dry_run:
+            print(
+                "cuda_check: no CUDA device available; nothing to check here "
+                "(the CPU path is covered by tests/engine). Run this on a GPU machine."
+            )
+            return 0
+        dev, dtype = torch.device("cpu"), torch.float32
+        check_zigzag(Backend.SDPA_MASK, dev, dtype, report)
+        check_model([], dev, dtype, [min(args.lengths)], report)
+        return 1 if failures else 0
+
+    dev = torch.device("cuda")
+    print(
+        f"# device {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+        f"flash-attn {'yes' if att._flash_varlen is not None else 'no'}, "
+        f"torch varlen_attn {'yes' if att._torch_varlen() is not None else 'no'}"
+    )
+    backends = _available(dev)
+    if not backends:
+        print("# no varlen kernel available: only the SDPA-mask path is checked")
+    for b in backends:
+        try:
+            check_alignment(b, dev, report)
+            check_zigzag(b, dev, torch.bfloat16, report)
+        except Exception as exc:  # report a kernel that fails to run as a failed check
+            report(f"{b} kernel call", False, repr(exc))
+    if Backend.TORCH_VARLEN in backends:
+        try:
+            check_torch_varlen_lse(dev, report)
+        except Exception as exc:
+            report("torch varlen_attn LSE", False, repr(exc))
+    check_zigzag(Backend.SDPA_MASK, dev, torch.bfloat16, report)
+    check_model(
+        [b for b in backends if f"{b} kernel call" not in failures],
+        dev,
+        torch.bfloat16,
+        args.lengths,
+        report,
+    )
+    print(f"# {'all checks passed' if not failures else 'FAILED: ' + ', '.join(failures)}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

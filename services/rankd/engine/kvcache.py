@@ -1,0 +1,498 @@
+"""Paged, block-granular prefix KV cache of one rank of a CP worker.
+
+Two parts, for a reason:
+
+* :class:`PrefixIndex` — the worker-level metadata (which chained block hashes are cached,
+  their parent, page index, LRU order) and the cache events. NOTE: every rank of a worker keeps
+  an identical copy, because every rank performs the same operations in the same order
+  (lookup, store, evict, import, clear are SPMD calls with identical arguments); eviction
+  decisions therefore agree on all ranks without any communication.
+* :class:`PagePool` — this rank's KV pages: one preallocated tensor
+  (pages, layers, 2, B, Hkv, D) and a free list, holding only the pages it owns: page p of a
+  prefix (the p-th block, 0-based) lives on CP rank p mod C (cp-attention.md rule 11).
+
+Capacity is ``pages_per_rank`` per rank; the index tracks per-rank use and evicts until each
+rank that must receive a new page has room. Eviction is LRU over *leaves* of the prefix tree
+(a block with no cached child), so a cached prefix never loses an inner block: it shrinks from
+its tail. LRU uses a logical clock and a heap with lazy deletion (O(log n) per operation; stale
+entries are skipped and the heap is compacted when it grows past 4x the live blocks).
+
+Events (drained by the adapter with :meth:`PrefixIndex.take_events`, never published here):
+``{"type": "stored", "worker", "event_id", "parent_hash", "block_hashes"}``,
+``{"type": "removed", "worker", "event_id", "block_hashes"}``,
+``{"type": "cleared", "worker", "event_id"}``; event_id is per-worker monotonic from 1.
+
+Re-shard (degree C -> C'): :meth:`RankKVCache.export_pages` on every source rank, move the
+pages (any transport), :meth:`RankKVCache.import_prefix` on every destination rank with the
+chain metadata; each destination rank keeps the pages p ≡ its rank (mod C').
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+from services.rankd.engine.blockhash import chain_hashes
+from services.rankd.engine.errors import KVFormatError
+from services.rankd.engine.model import KVLayers
+from shared.ids import BlockHash, InvalidInput, WorkerId
+
+Event = dict[str, Any]
+
+
+@dataclass(slots=True)
+class _Node:
+    hash: int
+    parent: int | None
+    page: int  # block index in its sequence: owned by CP rank page % degree
+    children: int = 0
+    stamp: int = 0
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Longest cached prefix of a request: ``block_hashes`` (root first), ``prefix_len`` tokens."""
+
+    block_hashes: list[BlockHash]
+    prefix_len: int
+
+
+class PrefixIndex:
+    """Worker-level metadata of the cached prefixes (identical on every rank of the worker)."""
+
+    def __init__(self, worker: WorkerId, degree: int, pages_per_rank: int) -> None:
+        if degree < 1 or pages_per_rank < 1:
+            raise InvalidInput("degree and pages_per_rank must be >= 1")
+        self.worker = worker
+        self.degree = degree
+        self.pages_per_rank = pages_per_rank
+        self._nodes: dict[int, _Node] = {}
+        self._used = [0] * degree
+        self._clock = 0
+        self._heap: list[tuple[int, int]] = []  # (stamp, hash) of leaves, lazily invalidated
+        self._event_id = 0
+        self._events: list[Event] = []
+
+    # --- queries --------------------------------------------------------------------------
+    def __contains__(self, h: int) -> bool:
+        return h in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def owner(self, h: int) -> int:
+        return self._nodes[h].page % self.degree
+
+    def used(self, rank: int) -> int:
+        return self._used[rank]
+
+    def match(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """Longest prefix of ``hashes`` (a chain from the root) that is cached; touches it."""
+        out: list[BlockHash] = []
+        parent = None
+        for h in hashes:
+            n = self._nodes.get(h)
+            if n is None or n.parent != parent:
+                break
+            out.append(h)
+            parent = h
+        self._touch(out)
+        return out
+
+    def snapshot(self) -> Event:
+        return {
+            "type": "snapshot",
+            "worker": self.worker,
+            "last_event_id": self._event_id,
+            "blocks": [[n.hash, n.parent] for n in self._nodes.values()],
+        }
+
+    def take_events(self) -> list[Event]:
+        ev, self._events = self._events, []
+        return ev
+
+    # --- mutations ---------------------------------------------------------------------------
+    def insert(
+        self,
+        parent: int | None,
+        hashes: list[BlockHash],
+        protect: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Cache the chain ``hashes`` under ``parent`` (None = root; else must be cached).
+
+        Evicts LRU leaves (never ``protect`` nor the parent path) until each owner rank of a
+        new page has room; stores the longest prefix of ``hashes`` that fits. Blocks already
+        cached are skipped (touched). Returns (stored, evicted) and emits the events.
+        """
+        if parent is not None and parent not in self._nodes:
+            raise InvalidInput(f"parent block {parent} is not cached")
+        base = 0 if parent is None else self._nodes[parent].page + 1
+        path = self._path(parent)
+        # Skip the already-cached head of the chain.
+        i = 0
+        while i < len(hashes) and hashes[i] in self._nodes:
+            parent = hashes[i]
+            i += 1
+        new = list(hashes[i:])
+        first_page = base + i
+        keep = set(protect) | set(path) | set(hashes[:i])
+        evicted = self._make_room(first_page, len(new), keep)
+        n_fit = self._fit(first_page, len(new))
+        new = new[:n_fit]
+        self._clock += 1
+        for j, h in enumerate(new):
+            if parent is not None:
+                self._nodes[parent].children += 1
+            self._nodes[h] = _Node(h, parent, first_page + j, stamp=self._clock)
+            self._used[(first_page + j) % self.degree] += 1
+            parent = h
+        self._touch(list(path) + list(hashes[:i]) + new)
+        if evicted:
+            self._emit({"type": "removed", "block_hashes": evicted})
+        if new:
+            self._emit(
+                {"type": "stored", "parent_hash": self._nodes[new[0]].parent, "block_hashes": new}
+            )
+        return new, evicted
+
+    def remove(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """Exact-key deletion (reclaim): drop ``hashes`` and every cached descendant."""
+        doomed: set[int] = set()
+        for h in hashes:
+            if h in self._nodes:
+                doomed.add(h)
+        # descendants: iterate to a fixed point (prefix trees are shallow in tests/production)
+        changed = True
+        while changed:
+            changed = False
+            for n in self._nodes.values():
+                if n.parent in doomed and n.hash not in doomed:
+                    doomed.add(n.hash)
+                    changed = True
+        order = sorted(doomed, key=lambda h: -self._nodes[h].page)  # leaves first
+        for h in order:
+            self._drop(h)
+        if order:
+            self._emit({"type": "removed", "block_hashes": order})
+        return order
+
+    def clear(self) -> list[BlockHash]:
+        gone = list(self._nodes)
+        self._nodes.clear()
+        self._heap.clear()
+        self._used = [0] * self.degree
+        self._emit({"type": "cleared"})
+        return gone
+
+    # --- internals -------------------------------------------------------------------------
+    def _path(self, h: int | None) -> list[int]:
+        out = []
+        while h is not None:
+            out.append(h)
+            h = self._nodes[h].parent
+        return out[::-1]
+
+    def _touch(self, hashes: list[int]) -> None:
+        if not hashes:
+            return
+        self._clock += 1
+        for h in hashes:
+            n = self._nodes[h]
+            n.stamp = self._clock
+            if n.children == 0:
+                heapq.heappush(self._heap, (n.stamp, h))
+        if len(self._heap) > 4 * len(self._nodes) + 64:
+            self._heap = [(n.stamp, n.hash) for n in self._nodes.values() if n.children == 0]
+            heapq.heapify(self._heap)
+
+    def _need(self, first_page: int, n: int) -> list[int]:
+        need = [0] * self.degree
+        for p in range(first_page, first_page + n):
+            need[p % self.degree] += 1
+        return need
+
+    def _fit(self, first_page: int, n: int) -> int:
+        free = [self.pages_per_rank - u for u in self._used]
+        for k in range(n):
+            r = (first_page + k) % self.degree
+            if free[r] == 0:
+                return k
+            free[r] -= 1
+        return n
+
+    def _make_room(self, first_page: int, n: int, keep: set[int]) -> list[BlockHash]:
+        need = self._need(first_page, n)
+        short = lambda r: need[r] > self.pages_per_rank - self._used[r]  # noqa: E731
+        evicted: list[BlockHash] = []
+        skipped: list[tuple[int, int]] = []
+        while any(short(r) for r in range(self.degree)) and self._heap:
+            stamp, h = heapq.heappop(self._heap)
+            node = self._nodes.get(h)
+            if node is None or node.children or node.stamp != stamp:
+                continue  # stale entry
+            if h in keep or not short(node.page % self.degree):
+                skipped.append((stamp, h))
+                continue
+            parent = node.parent
+            self._drop(h)
+            evicted.append(BlockHash(h))
+            if parent is not None and self._nodes[parent].children == 0:
+                p = self._nodes[parent]
+                heapq.heappush(self._heap, (p.stamp, p.hash))
+        for e in skipped:
+            heapq.heappush(self._heap, e)
+        return evicted
+
+    def _drop(self, h: int) -> None:
+        n = self._nodes.pop(h)
+        self._used[n.page % self.degree] -= 1
+        if n.parent is not None and n.parent in self._nodes:
+            self._nodes[n.parent].children -= 1
+
+    def _emit(self, ev: Event) -> None:
+        self._event_id += 1
+        self._events.append(
+            {"type": ev.pop("type"), "worker": self.worker, "event_id": self._event_id, **ev}
+        )
+
+
+class PagePool:
+    """This rank's KV pages: one (pages, layers, 2, B, Hkv, D) tensor and a free list."""
+
+    def __init__(
+        self,
+        pages: int,
+        layers: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.data = torch.zeros(
+            pages, layers, 2, block_size, kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self._free = list(range(pages - 1, -1, -1))
+        self._slot: dict[int, int] = {}
+
+    def __contains__(self, h: int) -> bool:
+        return h in self._slot
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def put(self, h: int, kv: Tensor) -> None:
+        """Store page ``h``: kv (layers, 2, B, Hkv, D)."""
+        slot = self._slot.get(h)
+        if slot is None:
+            slot = self._free.pop()  # NOTE: the index guaranteed room before any put
+            self._slot[h] = slot
+        self.data[slot].copy_(kv)
+
+    def get(self, h: int) -> Tensor:
+        return self.data[self._slot[h]]
+
+    def drop(self, h: int) -> None:
+        slot = self._slot.pop(h, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def clear(self) -> None:
+        for h in list(self._slot):
+            self.drop(h)
+
+
+@dataclass(frozen=True)
+class Page:
+    """One exported page: block ``hash`` (child of ``parent``), block index ``page``,
+    kv (layers, 2, B, Hkv, D)."""
+
+    hash: BlockHash
+    parent: BlockHash | None
+    page: int
+    kv: Tensor
+
+
+@dataclass
+class Lookup:
+    """A request's cache hit on this rank: matched hashes, P, the local shard
+    (layers, 2, T_local, Hkv, D) of pages p ≡ rank (mod C), and the request's full-block chain."""
+
+    match: MatchResult
+    local_kv: Tensor | None
+    chain: list[BlockHash] = field(default_factory=list)
+
+
+class RankKVCache:
+    """Prefix cache of CP rank ``rank`` of worker ``worker`` (degree ``degree``).
+
+    Every method is an SPMD call: all ranks of the worker call it with the same arguments, in
+    the same order (their :class:`PrefixIndex` copies stay identical).
+    """
+
+    def __init__(
+        self,
+        worker: WorkerId,
+        degree: int,
+        rank: int,
+        block_size: int,
+        pages_per_rank: int,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if not 0 <= rank < degree:
+            raise InvalidInput(f"rank {rank} outside [0, {degree})")
+        if block_size < 1:
+            raise InvalidInput(f"block_size must be >= 1, got {block_size}")
+        self.rank, self.degree, self.block_size = rank, degree, block_size
+        self.shape = (layers, 2, block_size, kv_heads, head_dim)
+        self.index = PrefixIndex(worker, degree, pages_per_rank)
+        self.pool = PagePool(pages_per_rank, layers, block_size, kv_heads, head_dim, dtype, device)
+
+    @property
+    def worker(self) -> WorkerId:
+        return self.index.worker
+
+    def take_events(self) -> list[Event]:
+        return self.index.take_events()
+
+    def lookup(self, token_ids: Tensor | list[int]) -> Lookup:
+        """Longest cached prefix of a request, keeping R >= 1 (the last token is always
+        recomputed, so at most (n - 1) // B blocks match)."""
+        ids = torch.as_tensor(token_ids).reshape(-1)
+        chain = chain_hashes(ids.tolist(), self.block_size)
+        usable = chain[: (ids.numel() - 1) // self.block_size]
+        matched = self.index.match(usable)
+        local = self._local_shard(matched)
+        return Lookup(MatchResult(matched, len(matched) * self.block_size), local, chain)
+
+    def _local_shard(self, matched: list[BlockHash]) -> Tensor | None:
+        if not matched:
+            return None
+        mine = [h for p, h in enumerate(matched) if p % self.degree == self.rank]
+        if not mine:
+            return self.pool.data.new_zeros(*self.shape[:2], 0, *self.shape[3:])
+        return torch.cat([self.pool.get(h) for h in mine], dim=2)
+
+    def store(self, lookup: Lookup, new_kv: KVLayers) -> list[BlockHash]:
+        """Cache the request's new FULL blocks after prefill. ``new_kv``: per layer (R, Hkv, D)
+        for the R new tokens at positions P..P+R-1 (P = lookup.match.prefix_len)."""
+        p0 = lookup.match.prefix_len
+        b = self.block_size
+        first = len(lookup.match.block_hashes)
+        todo = lookup.chain[first:]
+        r = new_kv[0][0].shape[0] if new_kv else 0
+        if p0 + r < (first + len(todo)) * b:
+            raise InvalidInput("new_kv is shorter than the request's full blocks")
+        parent = lookup.match.block_hashes[-1] if first else None
+        stored, evicted = self.index.insert(parent, todo, protect=set(lookup.match.block_hashes))
+        for h in evicted:
+            self.pool.drop(h)
+        for h in stored:
+            page = first + todo.index(h)
+            if page % self.degree == self.rank:
+                lo = page * b - p0
+                kv = torch.stack([torch.stack([k[lo : lo + b], v[lo : lo + b]]) for k, v in new_kv])
+                self.pool.put(h, kv)
+        return stored
+
+    def export_pages(self, hashes: list[BlockHash]) -> list[Page]:
+        """This rank's pages among the cached chain ``hashes`` (root first), as copies."""
+        out = []
+        for h in hashes:
+            if h in self.index and h in self.pool:
+                n = self.index._nodes[h]
+                out.append(Page(BlockHash(h), n.parent, n.page, self.pool.get(h).clone()))
+        return out
+
+    def import_prefix(
+        self, chain: list[tuple[BlockHash, BlockHash | None]], pages: list[Page]
+    ) -> list[BlockHash]:
+        """Install a chain (root first: (hash, parent) per block, pages 0..n-1) whose pages
+        come from another worker or degree; keeps the pages p ≡ rank (mod C).
+
+        Validates first (chain links, every owned page present with the right shape) and
+        changes nothing on failure (:class:`KVFormatError`).
+        """
+        by_hash = {pg.hash: pg for pg in pages}
+        prev = None
+        for i, (h, parent) in enumerate(chain):
+            if parent != prev:
+                raise KVFormatError(f"chain broken at block {i}: parent {parent} != {prev}")
+            prev = h
+            if i % self.degree == self.rank and h not in self.index:
+                pg = by_hash.get(h)
+                if pg is None:
+                    raise KVFormatError(f"page {i} ({h}) owned by rank {self.rank} is missing")
+                if tuple(pg.kv.shape) != self.shape:
+                    raise KVFormatError(
+                        f"page {i} has shape {tuple(pg.kv.shape)}, want {self.shape}"
+                    )
+        hashes = [h for h, _ in chain]
+        head = self.index.match(hashes)  # already cached part (also touches it)
+        parent = head[-1] if head else None
+        stored, evicted = self.index.insert(parent, hashes[len(head) :], protect=set(head))
+        for h in evicted:
+            self.pool.drop(h)
+        for h in stored:
+            page = hashes.index(h)
+            if page % self.degree == self.rank:
+                self.pool.put(h, by_hash[h].kv)
+        return stored
+
+    def chain_of(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, BlockHash | None]]:
+        """(hash, parent) metadata of a cached chain, for :meth:`import_prefix` elsewhere."""
+        return [(h, self.index._nodes[h].parent) for h in hashes if h in self.index]
+
+    def remove(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        gone = self.index.remove(hashes)
+        for h in gone:
+            self.pool.drop(h)
+        return gone
+
+    def clear(self) -> None:
+        self.index.clear()
+        self.pool.clear()
+
+
+def pages_to_bytes(chain: list[tuple[BlockHash, BlockHash | None]], pages: list[Page]) -> bytes:
+    """Serialise exported pages and their chain metadata (for replication over a message
+    transport; chunk the result with ``decode.encode_chunks``). A safetensors blob: tensors
+    ``page.{i}`` (layers, 2, B, Hkv, D), metadata ``chain`` [[hash, parent]] and ``pages``
+    [[hash, parent, page]] as JSON (hashes are < 2^63, exact in JSON)."""
+    tensors = {f"page.{i}": pg.kv.detach().contiguous().cpu() for i, pg in enumerate(pages)}
+    md = {
+        "chain": json.dumps([[h, p] for h, p in chain]),
+        "pages": json.dumps([[pg.hash, pg.parent, pg.page] for pg in pages]),
+    }
+    return st_save(tensors, metadata=md)
+
+
+def pages_from_bytes(blob: bytes) -> tuple[list[tuple[BlockHash, BlockHash | None]], list[Page]]:
+    """Inverse of :func:`pages_to_bytes`; :class:`KVFormatError` if malformed."""
+    try:
+        tensors = st_load(blob)
+        (n,) = struct.unpack("<Q", blob[:8])
+        md = json.loads(blob[8 : 8 + n])["__metadata__"]
+        chain = [
+            (BlockHash(h), None if p is None else BlockHash(p)) for h, p in json.loads(md["chain"])
+        ]
+        pages = [
+            Page(BlockHash(h), None if p is None else BlockHash(p), int(i), tensors[f"page.{k}"])
+            for k, (h, p, i) in enumerate(json.loads(md["pages"]))
+        ]
+    except (SafetensorError, KeyError, ValueError, TypeError, struct.error) as exc:
+        raise KVFormatError(f"malformed page payload: {exc!r}") from exc
+    return chain, pages

@@ -1,0 +1,140 @@
+"""The scheduler core: a policy plus the per-worker load trackers it reads.
+
+:class:`SchedulerCore` is what the scheduler service (and the simulator) drives:
+
+* :meth:`place` asks the policy for a decision and **immediately reserves** the predicted
+  service s_{i,w} on the chosen worker (§5.2), so the next placement — even one arriving before
+  the worker reports anything — sees it in q_w;
+* :meth:`start` / :meth:`finish` follow the request's execution on the worker (``finish`` also
+  calls the policy's ``on_finish`` hook);
+* :meth:`drain` takes a worker's *queued* requests off it (§6.2: "Queued requests are redirected
+  to other eligible workers, while in-flight prefill executions finish under the old CP
+  geometry"); the caller re-places them with fresh cache matches;
+* :meth:`set_view` installs a new cluster view (lifecycle / epoch changes, split, merge). A
+  worker that left the view keeps its tracker until its last request finishes.
+
+Pure: time is a parameter; no clock, no IO. Every call validates first and changes nothing when
+it raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from services.scheduler.decision import Decision
+from services.scheduler.errors import DuplicateRequest, UnknownRequest
+from services.scheduler.load import Assignment, LoadSnapshot, WorkerLoad
+from services.scheduler.policy import Policy
+from services.scheduler.view import ClusterView, RequestInfo
+from shared.ids import InvalidInput, RequestId, UnknownWorker, WorkerId
+
+
+class SchedulerCore:
+    """Placement + reservation bookkeeping for one policy over one (changing) cluster view."""
+
+    def __init__(self, policy: Policy, view: ClusterView, *, overrun_floor_s: float = 0.0) -> None:
+        if not isinstance(view, ClusterView):
+            raise InvalidInput(f"view must be a ClusterView, got {type(view).__name__}")
+        if not hasattr(policy, "place"):
+            raise InvalidInput(f"policy must implement place(), got {type(policy).__name__}")
+        self.policy = policy
+        self._overrun_floor_s = overrun_floor_s
+        self._view = view
+        self._loads: dict[WorkerId, WorkerLoad] = {
+            w.worker_id: WorkerLoad(w.worker_id, overrun_floor_s=overrun_floor_s)
+            for w in view.workers
+        }
+        self._where: dict[RequestId, WorkerId] = {}
+        self._requests: dict[RequestId, RequestInfo] = {}
+
+    # --- state -----------------------------------------------------------------------------
+    @property
+    def view(self) -> ClusterView:
+        return self._view
+
+    @property
+    def loads(self) -> Mapping[WorkerId, WorkerLoad]:
+        """Read-only use, please: mutate through this object so the request index stays right."""
+        return self._loads
+
+    def load(self, worker: WorkerId) -> WorkerLoad:
+        try:
+            return self._loads[worker]
+        except KeyError:
+            raise UnknownWorker(f"worker {worker!r} has no load tracker") from None
+
+    def worker_of(self, request_id: RequestId) -> WorkerId:
+        try:
+            return self._where[request_id]
+        except KeyError:
+            raise UnknownRequest(f"request {request_id!r} is not placed") from None
+
+    def snapshot(self, now: float) -> dict[WorkerId, LoadSnapshot]:
+        return {w: ld.snapshot(now) for w, ld in self._loads.items()}
+
+    def set_view(self, view: ClusterView) -> None:
+        """Install a new view; add trackers for new workers, drop idle ones that left."""
+        if not isinstance(view, ClusterView):
+            raise InvalidInput(f"view must be a ClusterView, got {type(view).__name__}")
+        for w in view.workers:
+            if w.worker_id not in self._loads:
+                self._loads[w.worker_id] = WorkerLoad(
+                    w.worker_id, overrun_floor_s=self._overrun_floor_s
+                )
+        for wid in [w for w, ld in self._loads.items() if w not in view and len(ld) == 0]:
+            del self._loads[wid]
+        self._view = view
+
+    # --- request lifecycle --------------------------------------------------------------------
+    def place(
+        self, request: RequestInfo, held_blocks: Mapping[WorkerId, int], now: float
+    ) -> Decision:
+        """Decide and reserve. :class:`DuplicateRequest` if the id is already placed."""
+        if isinstance(request, RequestInfo) and request.request_id in self._where:
+            where = self._where[request.request_id]
+            raise DuplicateRequest(f"request {request.request_id!r} is already placed on {where}")
+        d = self.policy.place(request, self._view, held_blocks, self._loads, now)
+        self._loads[d.worker].reserve(
+            request.request_id,
+            d.predicted_s,
+            tokens=request.length,
+            uncached_tokens=d.uncached_tokens,
+            blocks=-(-request.length // self._view.block_size),
+            now=now,
+        )
+        self._where[request.request_id] = d.worker
+        self._requests[request.request_id] = request
+        return d
+
+    def start(self, request_id: RequestId, now: float) -> None:
+        """The chosen worker began the request's prefill."""
+        self.load(self.worker_of(request_id)).start(request_id, now)
+
+    def finish(self, request_id: RequestId, now: float) -> Assignment:
+        """The request's prefill finished (or it was aborted): release its reservation."""
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise InvalidInput(f"now must be a finite number of seconds, got {now!r}")
+        worker = self.worker_of(request_id)
+        ld = self.load(worker)
+        a = ld.finish(request_id)
+        del self._where[request_id]
+        del self._requests[request_id]
+        if worker not in self._view and len(ld) == 0:
+            del self._loads[worker]
+        self.policy.on_finish(request_id, worker, now)
+        return a
+
+    def drain(self, worker: WorkerId) -> tuple[RequestInfo, ...]:
+        """Withdraw ``worker``'s queued requests (reservation order) for redirection (§6.2).
+
+        The caller marks the worker DRAINING in the view (so it is no longer eligible) and
+        re-places each returned request. Running requests stay and finish normally.
+        """
+        ld = self.load(worker)
+        withdrawn = ld.withdraw_queued()
+        out = []
+        for a in withdrawn:
+            del self._where[a.request_id]
+            out.append(self._requests.pop(a.request_id))
+        return tuple(out)

@@ -1,0 +1,238 @@
+"""Vertumnus's CP-aware placement cost (§5.3) and the preferred degree (§7.1).
+
+For every eligible worker w of request i (eligibility: :mod:`services.scheduler.eligibility`):
+
+    P_{i,w} = min(held_blocks[w]·B, L − 1)          R_{i,w} = L − P_{i,w}   (R ≥ 1 always)
+    s_{i,w} = Ê_{C_w}(R_{i,w}, P_{i,w})                                     (Eq. 3)
+    J_{i,w} = q_w + β·s_{i,w} + λ·(C_w·s_{i,w} − C_min·Ê_{C_min}(R_{i,w}, P_{i,w}))
+
+with q_w the worker's outstanding predicted work (:mod:`services.scheduler.load`) and C_min the
+smallest degree among the *eligible* workers. The request goes to argmin J. Ties are broken
+deterministically: lower J, then smaller degree (fewer GPUs for the same cost), then worker id.
+
+PreferDegree(i) (§7.1) is the degree of argmin over eligible workers of J − q = β·s + λ·extra,
+each worker with its own P (the paper's definition; design.md), with the same tie-break.
+
+Hot path: this runs once per request over every worker (512 in the scale benchmark), so the loop
+is written flat — coefficients looked up once per degree, Ê memoised per (degree, P) because most
+workers share P = 0 (cache miss), and the per-candidate terms stored column-wise (see
+:mod:`services.scheduler.decision`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Final
+
+from services.scheduler.decision import CandidateColumns, Decision, Exclusion
+from services.scheduler.eligibility import LIFECYCLE_EXCLUSION
+from services.scheduler.errors import NoEligibleWorker
+from services.scheduler.load import WorkerLoad
+from services.scheduler.view import ClusterView, RequestInfo
+from shared.costmodel import Profile
+from shared.ids import InvalidInput, UnknownWorker, WorkerId
+from shared.worker import Lifecycle
+
+_ACTIVE: Final = Lifecycle.ACTIVE
+
+
+def check_weights(beta: float, lam: float) -> None:
+    """β ≥ 1 and λ ≥ 0, finite (§5.3)."""
+    for name, v, lo in (("beta", beta, 1.0), ("lam", lam, 0.0)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+            raise InvalidInput(f"{name} must be a finite number >= {lo}, got {v!r}")
+
+
+def place_j(
+    request: RequestInfo,
+    view: ClusterView,
+    held_blocks: Mapping[WorkerId, int],
+    loads: Mapping[WorkerId, WorkerLoad],
+    now: float,
+    *,
+    profile: Profile,
+    beta: float,
+    lam: float,
+    policy: str = "vertumnus",
+) -> Decision:
+    """Place ``request`` by minimum J; see the module docstring for the exact rule.
+
+    Raises :class:`InvalidInput` (bad request / held count / time), :class:`UnknownWorker` (a
+    worker of the view has no load tracker) or :class:`NoEligibleWorker`. Pure: reads ``loads``,
+    changes nothing; the caller reserves ``Decision.predicted_s`` on the chosen worker.
+    """
+    # --- validation (cheap: held_blocks names only the workers with a hit) ---------------
+    if not isinstance(request, RequestInfo):
+        raise InvalidInput(f"request must be a RequestInfo, got {type(request).__name__}")
+    if not isinstance(view, ClusterView):
+        raise InvalidInput(f"view must be a ClusterView, got {type(view).__name__}")
+    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+        raise InvalidInput(f"now must be a finite number of seconds, got {now!r}")
+    for w_, h_ in held_blocks.items():
+        if h_.__class__ is not int or h_ < 0:  # fast exact-int check first, then the slow one
+            if isinstance(h_, bool) or not isinstance(h_, int) or h_ < 0:
+                raise InvalidInput(f"held_blocks[{w_!r}] must be an integer >= 0, got {h_!r}")
+
+    L = request.length
+    Lm1 = L - 1
+    B = view.block_size
+    workers = view.workers
+    n = len(workers)
+
+    ids: list[WorkerId] = [None] * n  # type: ignore[list-item]
+    degs: list[int] = [0] * n
+    excl: list[Exclusion | None] = [None] * n
+    qs: list[float | None] = [None] * n
+    ss: list[float | None] = [None] * n
+    ps: list[int | None] = [None] * n
+    rs: list[int | None] = [None] * n
+
+    eligible: list[int] = []  # indices into the view, and aligned per-eligible terms:
+    el_p: list[int] = []
+    el_s: list[float] = []
+    el_q: list[float] = []
+
+    memo: dict[tuple[int, int], float] = {}  # (degree, P) -> Ê_degree(L − P, P)
+
+    def ehat(c: int, p: int) -> float:
+        # Ê memoised: most workers miss (P = 0) and share one value per degree.
+        key = (c, p)
+        v = memo.get(key)
+        if v is None:
+            v = memo[key] = profile.predict_fast(L - p, p, c)
+        return v
+
+    held_get = held_blocks.get
+    loads_get = loads.get
+    cmin = 0
+
+    # --- pass 1: eligibility, P, R, q, s --------------------------------------------------
+    for i in range(n):
+        w = workers[i]
+        wid = w.worker_id
+        c = w.degree
+        ids[i] = wid
+        degs[i] = c
+        ld = loads_get(wid)
+        if ld is None:
+            raise UnknownWorker(f"no load tracker for worker {wid!r} of the cluster view")
+        if w.lifecycle is not _ACTIVE:
+            excl[i] = LIFECYCLE_EXCLUSION[w.lifecycle]
+            continue
+        if L > w.max_seq_len:
+            excl[i] = Exclusion.TOO_LONG
+            continue
+        if L > w.kv_capacity_tokens:
+            excl[i] = Exclusion.NO_MEMORY
+            continue
+        p = held_get(wid, 0) * B
+        if p > Lm1:
+            p = Lm1
+        s = memo.get((c, p))
+        if s is None:
+            s = ehat(c, p)
+        q = ld.queue_delay(now)
+        ps[i] = p
+        rs[i] = L - p
+        ss[i] = s
+        qs[i] = q
+        if not eligible or c < cmin:
+            cmin = c
+        eligible.append(i)
+        el_p.append(p)
+        el_s.append(s)
+        el_q.append(q)
+
+    if not eligible:
+        raise NoEligibleWorker(request.request_id, {ids[i]: str(excl[i]) for i in range(n)})
+
+    # --- pass 2: extra-GPU term, J, argmin J and argmin (J − q) ---------------------------
+    extras: list[float | None] = [None] * n
+    js: list[float | None] = [None] * n
+    best = pref = -1
+    best_j = pref_v = 0.0
+    best_c = pref_c = 0
+    best_id = pref_id = ""
+    for i, p, s, q in zip(eligible, el_p, el_s, el_q, strict=True):
+        c = degs[i]
+        extra = 0.0 if c == cmin else c * s - cmin * ehat(cmin, p)
+        v = beta * s + lam * extra
+        j = q + v
+        extras[i] = extra
+        js[i] = j
+        wid = ids[i]
+        # NOTE: tie-break (lower value, then smaller degree, then worker id) is independent of
+        # the view's order, so every scheduler replica picks the same worker.
+        if best < 0 or j < best_j or (j == best_j and (c, wid) < (best_c, best_id)):
+            best, best_j, best_c, best_id = i, j, c, wid
+        if pref < 0 or v < pref_v or (v == pref_v and (c, wid) < (pref_c, pref_id)):
+            pref, pref_v, pref_c, pref_id = i, v, c, wid
+
+    p_best = ps[best]
+    cols = CandidateColumns(
+        tuple(ids),
+        tuple(degs),
+        tuple(excl),
+        tuple(qs),
+        tuple(ss),
+        tuple(extras),
+        tuple(js),
+        tuple(ps),
+        tuple(rs),
+    )
+    return Decision(
+        policy=policy,
+        request_id=request.request_id,
+        length=L,
+        now=float(now),
+        worker=ids[best],
+        degree=degs[best],
+        prefix_tokens=p_best,  # type: ignore[arg-type]
+        uncached_tokens=L - p_best,  # type: ignore[operator]
+        predicted_s=ss[best],  # type: ignore[arg-type]
+        reused_blocks=p_best // B,  # type: ignore[operator]
+        preferred_degree=degs[pref],
+        preferred_worker=ids[pref],
+        objective="min",
+        score_label="J",
+        columns=cols,
+        epoch=workers[best].epoch,
+    )
+
+
+def preferred_degree_at(
+    length: int,
+    prefix_tokens: int,
+    degrees: tuple[int, ...] | list[int],
+    *,
+    profile: Profile,
+    beta: float,
+    lam: float,
+) -> int:
+    """The degree minimising β·s + λ·extraGPU when *every* degree reuses the same P.
+
+    The paper's PreferDegree (what :func:`place_j` reports) gives each worker its own P. This is
+    the alternative design.md calls a fair experiment: evaluate each supported degree at one
+    common prefix — e.g. the MatchedPath length — so the answer does not depend on where replicas
+    happen to be. Ties go to the smaller degree. Raises :class:`InvalidInput` on bad arguments.
+    """
+    check_weights(beta, lam)
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise InvalidInput(f"length must be an integer >= 1, got {length!r}")
+    if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
+        raise InvalidInput(f"prefix_tokens must be an integer >= 0, got {prefix_tokens!r}")
+    degs = sorted(set(degrees))
+    if not degs or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in degs):
+        raise InvalidInput(f"degrees must be a non-empty set of integers >= 1, got {degrees!r}")
+    p = min(prefix_tokens, length - 1)
+    r = length - p
+    cmin = degs[0]
+    base = cmin * profile.predict(r, p, cmin)
+    best_c, best_v = cmin, math.inf
+    for c in degs:
+        s = profile.predict(r, p, c)
+        v = beta * s + lam * (c * s - base)
+        if v < best_v:
+            best_c, best_v = c, v
+    return best_c

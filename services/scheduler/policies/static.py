@@ -1,0 +1,90 @@
+"""*Static* baseline (§9.1): a length threshold picks the degree class, cache-aware within it.
+
+Source: the paper, §9.1 — "Static uses the same worker composition as Vertumnus ... routes
+requests using an input-length threshold profiled offline for each model and worker composition.
+Requests longer than the threshold are assigned to workers with the larger CP degree, whereas the
+remaining [go to the smaller]". Within a class it uses the production router's rule
+(peer-routing.md, "Static" and "RTP-LLM FlexLB CostBasedPrefillStrategy"): predicted prefill
+given that worker's own cache hit plus its wait, minimum wins — i.e. minimum q_w + s_{i,w}. A
+cache-blind static would be a straw man.
+
+Rule: among eligible workers let C_lo / C_hi be the smallest / largest degree; L > threshold →
+the class of degree C_hi, else C_lo (with one degree both are the same). Within the class,
+minimum q + s, ties by smaller degree then worker id (as J). Degrees strictly between C_lo and
+C_hi (a three-degree pool) are never used, as in the paper's two-class rule.
+
+``threshold_tokens`` is a parameter: the simulator profiles it offline (best mean TTFT of a few
+candidate lengths at a rate below saturation, peer-routing.md). The default 16,384 is only a
+placeholder for unit use.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+from services.scheduler.decision import Decision
+from services.scheduler.evaluate import decide, evaluate
+from services.scheduler.load import WorkerLoad
+from services.scheduler.registry import register_policy
+from services.scheduler.view import ClusterView, RequestInfo
+from shared.costmodel import DEFAULT_PROFILE, Profile
+from shared.ids import InvalidInput, RequestId, WorkerId
+
+
+@register_policy("static")
+class StaticPolicy:
+    """Length-threshold degree class, then minimum q + s (FlexLB-style) inside it."""
+
+    def __init__(
+        self,
+        *,
+        profile: Profile = DEFAULT_PROFILE,
+        rng: random.Random | None = None,
+        threshold_tokens: int = 16_384,
+    ) -> None:
+        if (
+            isinstance(threshold_tokens, bool)
+            or not isinstance(threshold_tokens, int)
+            or threshold_tokens < 0
+        ):
+            raise InvalidInput(
+                f"threshold_tokens must be an integer >= 0, got {threshold_tokens!r}"
+            )
+        self.profile = profile
+        self.threshold_tokens = threshold_tokens
+
+    @property
+    def name(self) -> str:
+        return "static"
+
+    def place(
+        self,
+        request: RequestInfo,
+        view: ClusterView,
+        held_blocks: Mapping[WorkerId, int],
+        loads: Mapping[WorkerId, WorkerLoad],
+        now: float,
+    ) -> Decision:
+        ev = evaluate(request, view, held_blocks, loads, now, self.profile)
+        ev.require_eligible()
+        degs = [ev.workers[i].degree for i in ev.eligible]
+        long_req = request.length > self.threshold_tokens
+        cls = max(degs) if long_req else min(degs)
+        scores: list[float | None] = [None] * len(ev.workers)
+        best = -1
+        best_key: tuple[float, int, str] | None = None
+        for i in ev.eligible:
+            w = ev.workers[i]
+            if w.degree != cls:
+                continue
+            cost = ev.q[i] + ev.s[i]  # type: ignore[operator]
+            scores[i] = cost
+            key = (cost, w.degree, w.worker_id)
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+        note = f"L {'>' if long_req else '<='} threshold {self.threshold_tokens} -> class C={cls}"
+        return decide("static", ev, best, scores, objective="min", score_label="q+s", note=note)
+
+    def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
+        return None

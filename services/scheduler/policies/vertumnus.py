@@ -1,0 +1,125 @@
+"""Vertumnus's placement (§5.3) and the homogeneous-pool baselines that share it (§9.1).
+
+``vertumnus``: minimum J over eligible workers of every degree (:func:`place_j`).
+
+``homo`` / ``homo_cp2``: the paper's *Homo* baseline (§9.1, "all prefill workers are degree-4
+workers") and the all-CP2 pool of peer-routing.md ("Homogeneous pools at every degree"). The
+routing is the same J scheduler; with a single degree the extra-GPU term vanishes and J reduces
+to q_w + β·s_{i,w} (peer-routing.md, "Homo": "the fair reading is Vertumnus's J ... the same
+scheduler, no heterogeneity"). The pool's composition is the simulator's business; the policy
+exposes ``pool_degree`` so a harness can build it.
+
+Defaults β = 1.5, λ = 0.5 are PROVISIONAL: the paper gives no values (β ≥ 1, λ ≥ 0); they are to
+be calibrated on the traces and recorded in the settings documentation (design.md).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Final
+
+from services.scheduler.decision import Decision
+from services.scheduler.load import WorkerLoad
+from services.scheduler.placement import check_weights, place_j
+from services.scheduler.registry import register_policy
+from services.scheduler.view import ClusterView, RequestInfo
+from shared.costmodel import DEFAULT_PROFILE, Profile
+from shared.ids import RequestId, WorkerId
+
+DEFAULT_BETA: Final[float] = 1.5  # provisional, see module docstring
+DEFAULT_LAMBDA: Final[float] = 0.5  # provisional, see module docstring
+
+
+class JPolicy:
+    """Place by minimum J = q + β·s + λ·extraGPU (§5.3). Stateless."""
+
+    def __init__(
+        self,
+        *,
+        profile: Profile = DEFAULT_PROFILE,
+        rng: random.Random | None = None,
+        beta: float = DEFAULT_BETA,
+        lam: float = DEFAULT_LAMBDA,
+        name: str = "vertumnus",
+        pool_degree: int | None = None,
+    ) -> None:
+        check_weights(beta, lam)
+        self._name = name
+        self.profile = profile
+        self.beta = float(beta)
+        self.lam = float(lam)
+        self.pool_degree = pool_degree
+        """The homogeneous pool's degree this policy is evaluated on (None: any composition)."""
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def place(
+        self,
+        request: RequestInfo,
+        view: ClusterView,
+        held_blocks: Mapping[WorkerId, int],
+        loads: Mapping[WorkerId, WorkerLoad],
+        now: float,
+    ) -> Decision:
+        return place_j(
+            request,
+            view,
+            held_blocks,
+            loads,
+            now,
+            profile=self.profile,
+            beta=self.beta,
+            lam=self.lam,
+            policy=self._name,
+        )
+
+    def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self._name!r}, beta={self.beta}, lam={self.lam})"
+
+
+@register_policy("vertumnus")
+def make_vertumnus(
+    *,
+    profile: Profile = DEFAULT_PROFILE,
+    rng: random.Random | None = None,
+    beta: float = DEFAULT_BETA,
+    lam: float = DEFAULT_LAMBDA,
+) -> JPolicy:
+    """Vertumnus (§5.3): J over a heterogeneous pool."""
+    return JPolicy(profile=profile, rng=rng, beta=beta, lam=lam, name="vertumnus")
+
+
+@register_policy("homo")
+def make_homo(
+    *,
+    profile: Profile = DEFAULT_PROFILE,
+    rng: random.Random | None = None,
+    beta: float = DEFAULT_BETA,
+    lam: float = DEFAULT_LAMBDA,
+    pool_degree: int = 4,
+) -> JPolicy:
+    """Homo (§9.1): all-CP4 pool, routed by J (= q + β·s within one degree)."""
+    return JPolicy(
+        profile=profile, rng=rng, beta=beta, lam=lam, name="homo", pool_degree=pool_degree
+    )
+
+
+@register_policy("homo_cp2")
+def make_homo_cp2(
+    *,
+    profile: Profile = DEFAULT_PROFILE,
+    rng: random.Random | None = None,
+    beta: float = DEFAULT_BETA,
+    lam: float = DEFAULT_LAMBDA,
+    pool_degree: int = 2,
+) -> JPolicy:
+    """All-CP2 pool (peer-routing.md, "Homogeneous pools at every degree"), routed by J."""
+    return JPolicy(
+        profile=profile, rng=rng, beta=beta, lam=lam, name="homo_cp2", pool_degree=pool_degree
+    )

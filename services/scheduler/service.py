@@ -1,0 +1,841 @@
+"""The scheduler's NATS adapter: intake → SchedulerCore placement → the chosen worker.
+
+One asyncio process, micro service ``vtm-scheduler`` (endpoint ``{prefix}.scheduler.status``).
+Every placement decision comes from :class:`~services.scheduler.core.SchedulerCore` with the
+policy named in settings (``make_policy``), so the baselines run live exactly as in the
+simulator. This module only moves messages:
+
+=====================================  ===========================================================
+input                                  what the adapter does
+=====================================  ===========================================================
+intake (durable pull consumer          decode IntakeRequest; idempotency check against the
+``scheduler`` on ``VTM_INTAKE``,       assignment-record KV bucket; ``trie.match`` →
+explicit ack, ack_wait, max_deliver)   ``core.place``; record; dispatch the JSON Assignment
+                                       (request-reply) to ``{prefix}.worker.{wid}.assign``;
+                                       ack; send RequestStats (cachemgr) and WindowReport
+                                       (controller, when a window closes)
+worker-state KV (watch all keys)       rebuild the ClusterView (lease: a state whose heartbeat
+                                       is older than ``lease_s`` is UNAVAILABLE); register new
+                                       workers in the replica PrefixTrie
+``{prefix}.cache.events.*``            ``trie.apply``; a gap (or a worker first seen mid-stream)
+                                       marks the worker stale in the trie and the adapter asks
+                                       ``{prefix}.cache.snapshot.{wid}`` for a snapshot, which
+                                       it applies
+``{prefix}.result.*`` (FirstToken)     ``core.finish``: release the reservation
+=====================================  ===========================================================
+
+Idempotency (at-least-once intake, at-most-once dispatch per intake message): the record in
+the ``{STEM}_ASSIGNMENTS`` KV bucket, key = request id, holds the intake message id
+(``Nats-Msg-Id``) that produced the assignment. A delivery whose request id has a
+``dispatched`` record with the *same* message id is a redelivery: acked, not dispatched again
+(a restarted scheduler sees the same record). A different message id under the same request id
+is a redirect from a draining worker (rankd republishes with ``{rid}-r{epoch}``): the old
+reservation is released and the request is placed again. A ``dispatching`` record (we crashed
+between recording and the worker's ack) is re-sent to the *same* worker; rankd's admission is
+idempotent on request id.
+
+Failure handling: no eligible worker, or the worker refused / did not answer → the reservation
+is released and the message is NAK'ed with ``retry_delay_s``; on its last delivery
+(``max_deliver``) a FirstToken with an error is published so the client is not left waiting,
+and the message is terminated. A malformed intake message is terminated at once.
+
+Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
+message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
+terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,excluded}``) plus the whole decision as
+JSON (``vtm.decision``). ``intake_wait`` is recorded from the gateway's arrival stamp to the
+dequeue.
+
+Messages this module defines until they move to shared/ (see the report): RequestStats on
+``{prefix}.cache.stats.{reporter}`` and AssignmentRecord in the assignment bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.kv import KeyValue
+from nats.micro.request import Request
+from opentelemetry import trace
+from pydantic import Field, field_validator
+
+from services.cachemgr.events import MalformedEvent, Snapshot, event_from_wire
+from services.cachemgr.trie import ApplyOutcome, PrefixTrie
+from services.controller.windows import DEFAULT_WINDOW_S, DemandWindows
+from services.scheduler.core import SchedulerCore
+from services.scheduler.decision import Decision
+from services.scheduler.errors import NoEligibleWorker, UnknownRequest
+from services.scheduler.registry import make_policy
+from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
+from shared.costmodel import DEFAULT_PROFILE, Profile
+from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, VertumnusError, WorkerId
+from shared.schemas import (
+    Assignment,
+    AssignmentAck,
+    FirstToken,
+    Id,
+    IntakeRequest,
+    Message,
+    NonNegFloat,
+    NonNegInt,
+    PlacementTerms,
+    SchemaError,
+    TtftStages,
+    WallTime,
+    WindowReport,
+    WorkerState,
+    decode,
+    encode,
+    from_json,
+    to_json,
+)
+from shared.service import (
+    WORKER_LEASE_S,
+    Endpoint,
+    MicroService,
+    RemoteError,
+    call,
+    ensure_intake_stream,
+    ensure_key_value,
+    worker_state_kv,
+)
+from shared.settings import ServiceSettings
+from shared.subjects import Subjects, micro_service_name, validate_subject, validate_token
+from shared.telemetry import Stage, extract, inject, record_span, stage_span
+from shared.worker import Lifecycle
+
+VERSION: Final[str] = "0.1.0"
+MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
+ASSIGNMENT_TTL_S: Final[float] = 3600.0
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+class SchedulerSettings(ServiceSettings):
+    """The scheduler process (environment ``VTM_*``, ``__`` for nesting; CLI flags override).
+
+    Example: ``VTM_POLICY=vllm VTM_POLICY_PARAMS='{"alpha": 0.5}' VTM_PROFILE_PATH=prof.json``.
+    """
+
+    service_name: str = Field(default="vtm-scheduler", description="Service name in logs/traces.")
+    policy: str = Field(
+        default="vertumnus",
+        description="Placement policy, a name in the registry (services.scheduler.registry): "
+        "vertumnus, homo, homo_cp2, static, vllm, sglang, dynamo, llmd, round_robin.",
+    )
+    policy_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword parameters of the policy (JSON object in the environment), e.g. "
+        '{"beta": 1.5, "lam": 0.5} for vertumnus; unknown names are rejected at start.',
+    )
+    profile_path: Path | None = Field(
+        default=None,
+        description="Fitted cost-model profile (JSON from `vertumnus profile`); None: the "
+        "built-in default profile. Never the simulator's ground truth.",
+    )
+    seed: int = Field(default=0, description="Seed of the policy's random generator.")
+    block_size: int = Field(
+        default=DEFAULT_BLOCK_SIZE, ge=1, description="Cache block size B in tokens."
+    )
+    degrees: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16],
+        description="CP degrees the replica prefix trie keeps statistics for; a worker of "
+        "another degree is scheduled but its cache is not tracked.",
+    )
+    max_seq_len: int = Field(
+        default=UNLIMITED,
+        ge=1,
+        description="Longest input any worker serves (tokens); longer requests find no worker.",
+    )
+    lease_s: float = Field(
+        default=WORKER_LEASE_S,
+        gt=0,
+        description="A worker state whose heartbeat is older than this counts as UNAVAILABLE.",
+    )
+    ack_wait_s: float = Field(
+        default=30.0, gt=0, description="Intake consumer ack_wait: redelivery after this long."
+    )
+    max_deliver: int = Field(
+        default=5, ge=1, description="Intake deliveries before a request fails for good."
+    )
+    retry_delay_s: float = Field(
+        default=0.5,
+        ge=0,
+        description="NAK delay when no worker is eligible or the worker refused.",
+    )
+    fetch_batch: int = Field(default=16, ge=1, description="Intake messages per fetch.")
+    dispatch_timeout_s: float = Field(
+        default=5.0, gt=0, description="Wait for the worker's AssignmentAck."
+    )
+    snapshot_timeout_s: float = Field(
+        default=5.0, gt=0, description="Wait for a worker's cache snapshot reply."
+    )
+    window_s: float = Field(
+        default=DEFAULT_WINDOW_S,
+        gt=0,
+        description="Controller window H in seconds; windows are aligned on multiples of H "
+        "since the Unix epoch so every replica's windows coincide.",
+    )
+    assignment_ttl_s: float = Field(
+        default=ASSIGNMENT_TTL_S,
+        gt=0,
+        description="How long assignment records (idempotency) are kept; must exceed the "
+        "intake duplicate window and the longest redelivery horizon.",
+    )
+
+    @field_validator("policy_params", mode="before")
+    @classmethod
+    def _params(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return json.loads(v) if v.strip() else {}
+        return v
+
+
+# -- names this adapter needs that shared/subjects.py does not have (yet) ---------------------
+
+
+def assignment_bucket(subjects: Subjects) -> str:
+    """KV bucket of AssignmentRecord, key = request id (``VTM_ASSIGNMENTS``)."""
+    return subjects.worker_state_bucket().removesuffix("_WORKERS") + "_ASSIGNMENTS"
+
+
+def cache_stats_subject(subjects: Subjects, reporter: str) -> str:
+    """RequestStats from one scheduler replica to the cache manager."""
+    return validate_subject(f"{subjects.prefix}.cache.stats.{validate_token(reporter)}")
+
+
+def cache_stats_all(subjects: Subjects) -> str:
+    return validate_subject(f"{subjects.prefix}.cache.stats.*", allow_wildcards=True)
+
+
+def scheduler_group(subjects: Subjects) -> str:
+    return validate_subject(f"{subjects.prefix}.scheduler")
+
+
+# -- messages this adapter defines --------------------------------------------------------------
+
+
+class AssignmentRecord(Message):
+    """Idempotency record of one request's assignment (KV, key = request id)."""
+
+    request_id: Id
+    msg_id: str = Field(min_length=1, description="Nats-Msg-Id of the intake message")
+    worker_id: Id
+    epoch: NonNegInt
+    degree: int = Field(ge=1)
+    predicted_s: NonNegFloat
+    state: Literal["dispatching", "dispatched"]
+    scheduler: str
+    assigned_at_s: WallTime
+
+
+class RequestStats(Message):
+    """Per-request statistics for the cache manager (Algorithm 1's inputs, §7.1).
+
+    The cache manager matches ``block_hashes`` in its own trie and calls
+    ``record_request(match, worker_id, degree, reused_blocks, preferred_degree, input_len)``.
+    """
+
+    request_id: Id
+    reporter: Id
+    worker_id: Id
+    degree: int = Field(ge=1)
+    input_len: int = Field(ge=1)
+    block_hashes: list[int]
+    reused_blocks: NonNegInt
+    prefix_tokens: NonNegInt
+    preferred_degree: int = Field(ge=1)
+    preferred_worker: Id
+    predicted_s: NonNegFloat
+    policy: str
+    at_s: WallTime
+
+
+# -- pure helpers (no IO) ---------------------------------------------------------------------
+
+
+def worker_view(state: WorkerState, *, now: float, lease_s: float, block_size: int,
+                max_seq_len: int) -> WorkerView:
+    """The scheduler's view of one worker-state record (lease expiry → UNAVAILABLE)."""
+    lifecycle = state.lifecycle
+    if now - state.heartbeat_s > lease_s:
+        lifecycle = Lifecycle.UNAVAILABLE
+    return WorkerView(
+        worker_id=WorkerId(state.worker_id),
+        degree=state.degree,
+        kind=state.kind,
+        lifecycle=lifecycle,
+        epoch=state.epoch,
+        max_seq_len=max_seq_len,
+        kv_capacity_tokens=max(1, state.kv_total_blocks) * block_size,
+    )
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def placement_terms(decision: Decision, policy: object, candidates: int) -> PlacementTerms | None:
+    """The chosen worker's J terms as a wire message (None when the policy has none)."""
+    c = decision.chosen
+    q, s = _finite(c.q), _finite(c.s)
+    if q is None or s is None:
+        return None
+    score = _finite(c.score)
+    return PlacementTerms(
+        policy=decision.policy,
+        q_s=max(0.0, q),
+        s_s=max(0.0, s),
+        gpu_cost_s=_finite(c.extra_gpu) or 0.0,
+        beta=float(getattr(policy, "beta", 0.0)),
+        lam=float(getattr(policy, "lam", 0.0)),
+        j=score if score is not None else 0.0,
+        candidates=candidates,
+    )
+
+
+def decision_attributes(decision: Decision) -> dict[str, Any]:
+    """Span attributes: the choice and every candidate's terms (OTel primitives only)."""
+    attrs: dict[str, Any] = {
+        "vtm.policy": decision.policy,
+        "vtm.request_id": decision.request_id,
+        "vtm.input_len": decision.length,
+        "vtm.worker_id": decision.worker,
+        "vtm.degree": decision.degree,
+        "vtm.epoch": decision.epoch,
+        "vtm.prefix_tokens": decision.prefix_tokens,
+        "vtm.recompute_tokens": decision.uncached_tokens,
+        "vtm.predicted_s": decision.predicted_s,
+        "vtm.reused_blocks": decision.reused_blocks,
+        "vtm.preferred_degree": decision.preferred_degree,
+        "vtm.preferred_worker": decision.preferred_worker,
+        "vtm.objective": f"{decision.objective} {decision.score_label}",
+    }
+    chosen = decision.chosen
+    if chosen.score is not None and math.isfinite(chosen.score):
+        attrs["vtm.j"] = chosen.score
+    eligible = 0
+    for c in decision.candidates:
+        key = f"vtm.candidate.{c.worker}"
+        attrs[f"{key}.degree"] = c.degree
+        if c.excluded is not None:
+            attrs[f"{key}.excluded"] = str(c.excluded)
+            continue
+        eligible += 1
+        for name, value in (("q", c.q), ("s", c.s), ("extra_gpu", c.extra_gpu),
+                            ("score", c.score), ("P", c.prefix_tokens), ("R", c.uncached_tokens)):
+            if value is not None and (not isinstance(value, float) or math.isfinite(value)):
+                attrs[f"{key}.{name}"] = value
+    attrs["vtm.candidates"] = eligible
+    attrs["vtm.decision"] = json.dumps(decision.to_dict(), default=str)
+    return attrs
+
+
+def wire_event(payload: bytes) -> Any:
+    """A cache event from the wire: design.md's ``worker`` form or shared.schemas' ``worker_id``
+    form (``schema_version`` dropped). Raises MalformedEvent."""
+    try:
+        d = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedEvent(f"cache event is not JSON: {exc}") from None
+    if isinstance(d, dict):
+        d = dict(d)
+        d.pop("schema_version", None)
+        if "worker_id" in d and "worker" not in d:
+            d["worker"] = d.pop("worker_id")
+        if d.get("type") == "snapshot" and "blocks" in d:
+            d["blocks"] = [list(p) if isinstance(p, list | tuple) else p for p in d["blocks"]]
+    return event_from_wire(d)
+
+
+# -- the service --------------------------------------------------------------------------------
+
+
+@dataclass
+class SchedulerStats:
+    """Counters for the status endpoint and tests."""
+
+    placed: int = 0
+    dispatched: int = 0
+    redelivered_acked: int = 0
+    redirected: int = 0
+    retried: int = 0
+    failed: int = 0
+    malformed: int = 0
+    finished: int = 0
+    events_applied: int = 0
+    gaps: int = 0
+    snapshots_applied: int = 0
+    windows_reported: int = 0
+    stale_requests: dict[str, int] = field(default_factory=dict)
+
+
+class SchedulerService(MicroService):
+    """The live scheduler. Construct, then ``await run()`` (or ``start(stack)`` in tests)."""
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        *,
+        profile: Profile | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        subjects = settings.subjects
+        self.reporter = settings.instance_id or f"sched-{uuid.uuid4().hex[:8]}"
+        validate_token(self.reporter, what="scheduler instance id")
+        super().__init__(
+            settings,
+            name=micro_service_name("scheduler"),
+            version=VERSION,
+            group=scheduler_group(subjects),
+            description="vertumnus request scheduler",
+            metadata={"policy": settings.policy, "reporter": self.reporter},
+        )
+        self.ssettings = settings
+        self.clock = clock
+        if profile is None:
+            profile = Profile.load(settings.profile_path) if settings.profile_path else \
+                DEFAULT_PROFILE
+        self.profile = profile
+        policy = make_policy(
+            settings.policy,
+            profile=profile,
+            rng=random.Random(settings.seed),
+            **settings.policy_params,
+        )
+        self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size))
+        self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
+        self.windows = DemandWindows(window_s=settings.window_s, start_s=0.0)
+        self.stats = SchedulerStats()
+        self._states: dict[str, WorkerState] = {}
+        self._snapshotting: set[str] = set()
+        self._js: JetStreamContext | None = None
+        self._records: KeyValue | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- endpoints ----------------------------------------------------------------------------
+
+    def endpoints(self) -> Sequence[Endpoint]:
+        return [Endpoint("status", self._on_status)]
+
+    async def _on_status(self, request: Request) -> bytes:
+        now = self.clock()
+        body = {
+            "policy": self.ssettings.policy,
+            "reporter": self.reporter,
+            "workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "degree": w.degree,
+                    "kind": str(w.kind),
+                    "lifecycle": str(w.lifecycle),
+                    "epoch": w.epoch,
+                    "queue_delay_s": self.core.loads[w.worker_id].queue_delay(now)
+                    if w.worker_id in self.core.loads else 0.0,
+                    "stale_cache_view": w.worker_id in self.trie.workers()
+                    and self.trie.is_stale(w.worker_id),
+                }
+                for w in self.core.view.workers
+            ],
+            "stats": {k: v for k, v in vars(self.stats).items()},
+        }
+        return json.dumps(body).encode()
+
+    # -- setup --------------------------------------------------------------------------------
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        s = self.subjects
+        js = self._js = self.nc.jetstream()
+        await ensure_intake_stream(js, s)
+        self._records = await ensure_key_value(
+            js, assignment_bucket(s), ttl_s=self.ssettings.assignment_ttl_s,
+            description="vertumnus assignment records (idempotency)",
+        )
+        states = await worker_state_kv(js, s, lease_s=self.ssettings.lease_s)
+        watcher = await states.watchall()
+        psub = await js.pull_subscribe(
+            s.intake_requests(),
+            durable=s.intake_consumer(),
+            stream=s.intake_stream(),
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self.ssettings.ack_wait_s,
+                max_deliver=self.ssettings.max_deliver,
+            ),
+        )
+        events = await self.nc.subscribe(s.cache_events_all(), cb=self._on_cache_event)
+        results = await self.nc.subscribe(s.result_all(), cb=self._on_result)
+        self._tasks = [
+            asyncio.create_task(self._watch_states(watcher), name="sched-states"),
+            asyncio.create_task(self._intake_loop(psub), name="sched-intake"),
+            asyncio.create_task(self._housekeeping(), name="sched-housekeeping"),
+        ]
+
+        async def teardown() -> None:
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+            for sub in (events, results):
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+
+        stack.push_async_callback(teardown)
+
+    # -- worker state ---------------------------------------------------------------------------
+
+    async def _watch_states(self, watcher: KeyValue.KeyWatcher) -> None:
+        async for entry in watcher:
+            if entry is None:  # end of the initial values
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self._states.pop(entry.key, None)
+            else:
+                try:
+                    self._states[entry.key] = decode(WorkerState, entry.value)
+                except SchemaError as exc:
+                    self.log.error("bad worker state ignored", key=entry.key, error=str(exc))
+                    continue
+            self._rebuild_view()
+
+    def _rebuild_view(self) -> None:
+        now = self.clock()
+        st = self.ssettings
+        views = tuple(
+            worker_view(state, now=now, lease_s=st.lease_s, block_size=st.block_size,
+                        max_seq_len=st.max_seq_len)
+            for _, state in sorted(self._states.items())
+        )
+        if views == self.core.view.workers:
+            return
+        self.core.set_view(ClusterView(views, block_size=st.block_size))
+        self.set_metadata(workers=str(len(views)))
+        known = set(self.trie.workers())
+        for w in views:
+            if w.worker_id in known or w.degree not in self.trie.degrees:
+                continue
+            state = self._states[w.worker_id]
+            self.trie.add_worker(w.worker_id, w.degree, max(1, state.kv_total_blocks))
+            # It may have cached blocks already (we started after it): ask for its index.
+            self._request_snapshot(w.worker_id)
+        for wid in known - {w.worker_id for w in views}:
+            self.trie.remove_worker(wid)
+
+    async def _housekeeping(self) -> None:
+        """Lease expiry (KV watchers are not told about TTL expiry), window closing, snapshots
+        of stale workers whose earlier request failed."""
+        period = min(1.0, self.ssettings.lease_s / 4, self.ssettings.window_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self._rebuild_view()
+                for summary in self.windows.advance(self.clock()):
+                    await self._report_window(summary)
+                for wid in self.trie.stale_workers():
+                    self._request_snapshot(wid)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # housekeeping must survive one bad round
+                self.log.warning("housekeeping failed", error=str(exc))
+
+    # -- cache events -----------------------------------------------------------------------------
+
+    async def _on_cache_event(self, msg: Msg) -> None:
+        try:
+            event = wire_event(msg.data)
+            if event.worker not in self.trie.workers():
+                return  # not (yet) in the worker-state view; its first state brings a snapshot
+            outcome = self.trie.apply(event)
+        except (MalformedEvent, InvalidInput, VertumnusError) as exc:
+            self.log.warning("cache event rejected", subject=msg.subject, error=str(exc))
+            return
+        if outcome is ApplyOutcome.APPLIED:
+            self.stats.events_applied += 1
+        elif outcome is ApplyOutcome.GAP:
+            self.stats.gaps += 1
+            self._request_snapshot(event.worker)
+
+    def _request_snapshot(self, worker: str) -> None:
+        if worker in self._snapshotting:
+            return
+        self._snapshotting.add(worker)
+        task = asyncio.create_task(self._fetch_snapshot(worker), name=f"snapshot-{worker}")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _fetch_snapshot(self, worker: str) -> None:
+        try:
+            reply = await self.nc.request(
+                self.subjects.cache_snapshot(worker), b"{}",
+                timeout=self.ssettings.snapshot_timeout_s, headers=inject({}),
+            )
+            event = wire_event(reply.data)
+            if not isinstance(event, Snapshot) or event.worker != worker:
+                raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
+            if worker in self.trie.workers():
+                self.trie.apply(event)
+                self.stats.snapshots_applied += 1
+                self.log.info("cache snapshot applied", worker=worker,
+                              last_event_id=event.last_event_id, blocks=len(event.blocks))
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
+            self.log.warning("cache snapshot unavailable", worker=worker, error=repr(exc))
+        except (MalformedEvent, InvalidInput, VertumnusError) as exc:
+            self.log.warning("cache snapshot rejected", worker=worker, error=str(exc))
+        finally:
+            self._snapshotting.discard(worker)
+
+    # -- completions --------------------------------------------------------------------------
+
+    async def _on_result(self, msg: Msg) -> None:
+        try:
+            result = decode(FirstToken, msg.data, msg.headers)
+        except SchemaError:
+            return
+        try:
+            self.core.finish(result.request_id, self.clock())
+        except UnknownRequest:
+            return  # placed by another replica, or already released
+        self.stats.finished += 1
+
+    # -- intake ---------------------------------------------------------------------------------
+
+    async def _intake_loop(self, psub: JetStreamContext.PullSubscription) -> None:
+        while True:
+            try:
+                msgs = await psub.fetch(self.ssettings.fetch_batch, timeout=1.0)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection hiccup: retry, do not die
+                self.log.warning("intake fetch failed", error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await self.handle_intake(msg)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    # Unexpected: leave it for redelivery (ack_wait) rather than lose it.
+                    self.log.exception("intake handling failed")
+
+    async def handle_intake(self, msg: Msg) -> None:
+        """One intake delivery: idempotency, placement, dispatch, ack (see module docstring)."""
+        dequeued = self.clock()
+        try:
+            req = decode(IntakeRequest, msg.data, msg.headers)
+        except SchemaError as exc:
+            self.stats.malformed += 1
+            self.log.error("malformed intake message terminated", error=str(exc))
+            await msg.term()
+            return
+        rid = req.request_id
+        msg_id = (msg.headers or {}).get(MSG_ID_HEADER) or rid
+        record = await self._get_record(rid)
+        if record is not None and record.msg_id == msg_id and record.state == "dispatched":
+            self.stats.redelivered_acked += 1
+            self.log.info("redelivered intake acked without dispatch", request_id=rid)
+            await msg.ack()
+            return
+        parent = extract(msg.headers) if msg.headers else None
+        if parent is None or not trace.get_current_span(parent).get_span_context().is_valid:
+            parent = extract(req.trace_context)
+        if record is None or record.msg_id == msg_id:
+            record_span(Stage.INTAKE_WAIT, start_s=req.arrival_s, end_s=dequeued, parent=parent,
+                        attributes={"vtm.request_id": rid})
+        if record is not None and record.msg_id != msg_id:
+            # A redirect (re-intake) of a request placed before: place it afresh.
+            self.stats.redirected += 1
+            self._release(rid)
+            record = None
+
+        with stage_span(Stage.SCHEDULE, parent=parent, attributes={
+            "vtm.request_id": rid, "vtm.scheduler": self.reporter,
+            "vtm.delivery": self._deliveries(msg)}) as span:
+            if record is not None:  # "dispatching": we crashed before the worker's ack
+                assignment, decision = await self._resume(req, record, dequeued), None
+                span.set_attribute("vtm.resumed", True)
+            else:
+                try:
+                    assignment, decision = self._place(req, dequeued)
+                except NoEligibleWorker as exc:
+                    span.set_attribute("vtm.no_eligible_worker", str(exc))
+                    await self._retry_or_fail(msg, req, str(exc))
+                    return
+                span.set_attributes(decision_attributes(decision))
+                await self._put_record(assignment, msg_id, "dispatching")
+            try:
+                await call(self.nc, self.subjects.worker_assign(assignment.worker_id),
+                           assignment, AssignmentAck, timeout_s=self.ssettings.dispatch_timeout_s)
+            except (RemoteError, SchemaError, nats.errors.NoRespondersError,
+                    nats.errors.TimeoutError, TimeoutError) as exc:
+                span.set_attribute("vtm.dispatch_error", repr(exc))
+                self._release(rid)
+                await self._delete_record(rid)
+                await self._retry_or_fail(
+                    msg, req, f"worker {assignment.worker_id} did not accept: {exc}")
+                return
+            await self._put_record(assignment, msg_id, "dispatched")
+            self.stats.dispatched += 1
+        await msg.ack()
+        if decision is not None:
+            await self._after_dispatch(req, assignment, decision)
+
+    def _place(self, req: IntakeRequest, dequeued: float) -> tuple[Assignment, Decision]:
+        hashes = tuple(req.block_hashes)
+        match = self.trie.match(hashes)
+        info = RequestInfo(req.request_id, req.input_len, hashes, req.arrival_s)
+        now = self.clock()
+        decision = self.core.place(info, match.held_blocks, now)
+        self.stats.placed += 1
+        eligible = sum(1 for e in decision.columns.excluded if e is None)
+        assignment = Assignment(
+            request=req,
+            worker_id=decision.worker,
+            epoch=decision.epoch,
+            degree=decision.degree,
+            prefix_tokens=decision.prefix_tokens,
+            recompute_tokens=decision.uncached_tokens,
+            predicted_s=decision.predicted_s,
+            dequeued_at_s=dequeued,
+            assigned_at_s=self.clock(),
+            terms=placement_terms(decision, self.core.policy, eligible),
+        )
+        return assignment, decision
+
+    async def _resume(self, req: IntakeRequest, rec: AssignmentRecord,
+                      dequeued: float) -> Assignment:
+        """Rebuild the recorded assignment to re-send it to the same worker (P from the trie)."""
+        held = self.trie.match(tuple(req.block_hashes)).held(WorkerId(rec.worker_id))
+        p = min(held * self.ssettings.block_size, req.input_len - 1)
+        return Assignment(
+            request=req, worker_id=rec.worker_id, epoch=rec.epoch, degree=rec.degree,
+            prefix_tokens=p, recompute_tokens=req.input_len - p, predicted_s=rec.predicted_s,
+            dequeued_at_s=dequeued, assigned_at_s=self.clock(),
+        )
+
+    def _release(self, rid: str) -> None:
+        with contextlib.suppress(UnknownRequest):
+            self.core.finish(rid, self.clock())
+
+    @staticmethod
+    def _deliveries(msg: Msg) -> int:
+        try:
+            return int(msg.metadata.num_delivered)
+        except Exception:
+            return 1
+
+    async def _retry_or_fail(self, msg: Msg, req: IntakeRequest, reason: str) -> None:
+        if self._deliveries(msg) < self.ssettings.max_deliver:
+            self.stats.retried += 1
+            self.log.info("intake retry", request_id=req.request_id, reason=reason)
+            await msg.nak(delay=self.ssettings.retry_delay_s)
+            return
+        self.stats.failed += 1
+        self.log.error("request failed", request_id=req.request_id, reason=reason)
+        now = self.clock()
+        fail = FirstToken(
+            request_id=req.request_id, token=None, error=f"not scheduled: {reason}",
+            stages=TtftStages(total_s=max(0.0, now - req.arrival_s)), finished_at_s=now,
+        )
+        data, headers = encode(fail)
+        await self.nc.publish(self.subjects.result(req.request_id), data, headers=inject(headers))
+        await msg.term()
+
+    async def _after_dispatch(self, req: IntakeRequest, a: Assignment, d: Decision) -> None:
+        now = self.clock()
+        stats = RequestStats(
+            request_id=req.request_id, reporter=self.reporter, worker_id=a.worker_id,
+            degree=a.degree, input_len=req.input_len, block_hashes=list(req.block_hashes),
+            reused_blocks=d.reused_blocks, prefix_tokens=d.prefix_tokens,
+            preferred_degree=d.preferred_degree, preferred_worker=d.preferred_worker,
+            predicted_s=d.predicted_s, policy=d.policy, at_s=now,
+        )
+        data, headers = encode(stats)
+        try:
+            await self.nc.publish(cache_stats_subject(self.subjects, self.reporter), data,
+                                  headers=headers)
+            for summary in self.windows.record(now, d.predicted_s, req.input_len, d.degree):
+                await self._report_window(summary)
+        except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError,
+                InvalidInput) as exc:
+            self.log.warning("stats publish failed", error=str(exc))
+
+    async def _report_window(self, summary: Any) -> None:
+        epoch = max((w.epoch for w in self.core.view.workers), default=0)
+        report = WindowReport(
+            reporter=self.reporter, window_index=summary.index,
+            window_start_s=max(0.0, summary.start_s), window_s=self.windows.window_s,
+            epoch=epoch, demand_s=summary.demand_s, requests=summary.requests,
+            long_requests=summary.long_requests,
+            demand_by_degree=dict(summary.demand_by_degree),
+        )
+        data, headers = encode(report)
+        await self.nc.publish(self.subjects.window_demand(self.reporter), data, headers=headers)
+        self.stats.windows_reported += 1
+
+    # -- assignment records -------------------------------------------------------------------
+
+    async def _get_record(self, rid: str) -> AssignmentRecord | None:
+        assert self._records is not None
+        try:
+            entry = await self._records.get(rid)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        if not entry.value:
+            return None
+        try:
+            return from_json(AssignmentRecord, entry.value)
+        except SchemaError:
+            return None
+
+    async def _put_record(self, a: Assignment, msg_id: str, state: str) -> None:
+        assert self._records is not None
+        rec = AssignmentRecord(
+            request_id=a.request.request_id, msg_id=msg_id, worker_id=a.worker_id,
+            epoch=a.epoch, degree=a.degree, predicted_s=a.predicted_s, state=state,  # type: ignore[arg-type]
+            scheduler=self.reporter, assigned_at_s=a.assigned_at_s,
+        )
+        await self._records.put(a.request.request_id, to_json(rec))
+
+    async def _delete_record(self, rid: str) -> None:
+        assert self._records is not None
+        with contextlib.suppress(Exception):
+            await self._records.delete(rid)
+
+
+__all__ = [
+    "AssignmentRecord",
+    "RequestStats",
+    "SchedulerService",
+    "SchedulerSettings",
+    "SchedulerStats",
+    "assignment_bucket",
+    "cache_stats_all",
+    "cache_stats_subject",
+    "decision_attributes",
+    "placement_terms",
+    "scheduler_group",
+    "wire_event",
+    "worker_view",
+]

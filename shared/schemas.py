@@ -1,0 +1,645 @@
+"""Wire messages of the live system (pydantic v2) and their JSON / msgpack codecs.
+
+Contract for every message:
+
+* frozen, ``extra="forbid"``, a ``schema_version`` field (a message from a newer or older
+  schema is rejected, not half-understood);
+* JSON for control traffic (readable with a subject tap), msgpack for bulk payloads, the choice
+  carried in the ``Content-Type`` header (:data:`CONTENT_TYPE`); a message without the header
+  is JSON;
+* decoding never raises anything but :class:`SchemaError` (an :class:`~shared.ids.InvalidInput`)
+  naming the model and the first offending field, so adapters map it to a 400 micro error.
+
+Units follow design.md: seconds (float) for durations and wall-clock instants (Unix seconds),
+tokens (int) for lengths. Block hashes are ints that fit msgpack's 64-bit range.
+
+Paper names: P = cached prefix tokens reused (``prefix_tokens``), R = tokens recomputed
+(``recompute_tokens``, R ≥ 1), J = placement cost (§5.3).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgpack
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+from shared.ids import InvalidInput
+from shared.worker import GpuGroup, Lifecycle, WorkerKind
+
+SCHEMA_VERSION: Final[int] = 1
+
+CONTENT_TYPE: Final[str] = "Content-Type"
+JSON: Final[str] = "application/json"
+MSGPACK: Final[str] = "application/msgpack"
+
+
+class SchemaError(InvalidInput):
+    """A payload does not decode into the expected message.
+
+    ``model`` is the expected message's name, ``field`` the dotted location of the first error
+    (``"<payload>"`` when the bytes are not JSON / msgpack at all, ``"<model>"`` for a rule
+    across fields), ``errors`` pydantic's full error list (empty for undecodable bytes).
+    """
+
+    def __init__(self, model: str, field: str, reason: str, errors: list[Any] | None = None):
+        super().__init__(f"{model}: field {field!r}: {reason}")
+        self.model = model
+        self.field = field
+        self.reason = reason
+        self.errors = errors or []
+
+
+# -- field types ------------------------------------------------------------------------------
+
+HashInt = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+"""A chained block hash; must fit msgpack's signed or unsigned 64-bit integers."""
+NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+NonNegInt = Annotated[int, Field(ge=0)]
+WallTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+"""Unix seconds (``time.time()``): instants compared across processes on one host."""
+Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
+"""A worker or request id: one legal subject token (see shared/subjects.py)."""
+
+
+class Message(BaseModel):
+    """Base of every wire message."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+# -- client and intake --------------------------------------------------------------------------
+
+
+class CompletionRequest(Message):
+    """HTTP / NATS request body at the gateway: a prompt as text or token ids (exactly one)."""
+
+    prompt: str | None = Field(default=None, min_length=1, description="prompt text")
+    prompt_tokens: list[NonNegInt] | None = Field(
+        default=None, min_length=1, description="prompt as token ids"
+    )
+    max_tokens: int = Field(default=1, ge=1, le=1 << 20, description="output tokens wanted")
+    stream: bool = Field(default=False, description="stream tokens (server-sent events)")
+    request_id: Id | None = Field(default=None, description="client-chosen id (idempotency)")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if (self.prompt is None) == (self.prompt_tokens is None):
+            raise ValueError("give exactly one of prompt or prompt_tokens")
+        return self
+
+
+class IntakeRequest(Message):
+    """A request on the durable intake stream (published by the gateway, pulled by schedulers).
+
+    ``tokens`` travel only when a real engine needs them; the sim backend and trace replays use
+    ``input_len`` and ``block_hashes`` (chained hashes of the prompt's blocks, full blocks first;
+    a trailing partial block's hash may be present, as in Mooncake ``hash_ids``).
+    """
+
+    request_id: Id
+    input_len: int = Field(ge=1, description="prompt length L in tokens")
+    tokens: list[NonNegInt] | None = Field(default=None, description="prompt token ids")
+    block_hashes: list[HashInt] = Field(default_factory=list)
+    block_size: int = Field(default=512, ge=1)
+    max_tokens: int = Field(default=1, ge=1)
+    arrival_s: WallTime = Field(description="when the gateway received it (Unix s)")
+    slo_s: NonNegFloat | None = Field(default=None, description="TTFT SLO τ, if known")
+    trace_context: dict[str, str] = Field(
+        default_factory=dict, description="W3C trace context carrier (traceparent, tracestate)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> IntakeRequest:
+        if self.tokens is not None and len(self.tokens) != self.input_len:
+            raise ValueError(f"len(tokens)={len(self.tokens)} != input_len={self.input_len}")
+        max_blocks = -(-self.input_len // self.block_size)
+        if len(self.block_hashes) > max_blocks:
+            raise ValueError(
+                f"{len(self.block_hashes)} block hashes for {self.input_len} tokens "
+                f"(at most {max_blocks} blocks of {self.block_size})"
+            )
+        return self
+
+
+# -- scheduling --------------------------------------------------------------------------------
+
+
+class PlacementTerms(Message):
+    """The J terms of the chosen worker (§5.3), for spans and audits."""
+
+    policy: str = Field(min_length=1, description="policy name in the registry")
+    q_s: NonNegFloat = Field(description="queueing term q_w")
+    s_s: NonNegFloat = Field(description="service term s_{i,w}")
+    gpu_cost_s: float = Field(allow_inf_nan=False, description="C_w·s − C_min·Ê_Cmin (may be <0)")
+    beta: NonNegFloat
+    lam: NonNegFloat = Field(description="λ")
+    j: float = Field(allow_inf_nan=False, description="J_{i,w}")
+    candidates: NonNegInt = Field(description="eligible workers considered")
+
+
+class Assignment(Message):
+    """The scheduler's placement of one request on one worker under one epoch."""
+
+    request: IntakeRequest
+    worker_id: Id
+    epoch: NonNegInt
+    degree: int = Field(ge=1)
+    prefix_tokens: NonNegInt = Field(description="P: cached prefix tokens reused at this worker")
+    recompute_tokens: int = Field(ge=1, description="R: tokens prefilled (R ≥ 1)")
+    predicted_s: NonNegFloat = Field(description="Ê_C(R, P) at this worker")
+    dequeued_at_s: WallTime | None = Field(
+        default=None, description="when the scheduler pulled it from intake (splits TTFT stages)"
+    )
+    assigned_at_s: WallTime
+    terms: PlacementTerms | None = None
+
+    @model_validator(mode="after")
+    def _lengths(self) -> Assignment:
+        if self.prefix_tokens + self.recompute_tokens != self.request.input_len:
+            raise ValueError(
+                f"P + R = {self.prefix_tokens} + {self.recompute_tokens} != "
+                f"input_len {self.request.input_len}"
+            )
+        return self
+
+
+class AssignmentAck(Message):
+    """A worker's reply to an Assignment: accepted into its FIFO at ``queue_position``."""
+
+    request_id: Id
+    worker_id: Id
+    epoch: NonNegInt
+    queue_position: NonNegInt = Field(description="requests ahead of this one, incl. running")
+
+
+# -- workers and epochs ------------------------------------------------------------------------
+
+
+class WorkerState(Message):
+    """One worker's state in the worker-state KV bucket (key = worker id).
+
+    ``heartbeat_s`` is refreshed periodically; a reader treats a state older than its lease
+    as UNAVAILABLE. ``seq`` increases with every publication by that worker.
+    """
+
+    worker_id: Id
+    kind: WorkerKind = WorkerKind.CP
+    degree: int = Field(ge=1)
+    gpus: list[NonNegInt] = Field(min_length=1)
+    epoch: NonNegInt
+    lifecycle: Lifecycle
+    queue_len: NonNegInt = Field(description="requests waiting or running")
+    outstanding_s: NonNegFloat = Field(description="Σ predicted remaining service time")
+    kv_free_blocks: NonNegInt = Field(description="free + LRU-evictable cache blocks")
+    kv_total_blocks: NonNegInt
+    hit_tokens: NonNegInt = Field(default=0, description="cumulative reused input tokens")
+    input_tokens: NonNegInt = Field(default=0, description="cumulative input tokens")
+    served: NonNegInt = Field(default=0, description="requests completed")
+    seq: NonNegInt = 0
+    heartbeat_s: WallTime
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkerState:
+        if len(self.gpus) != self.degree:
+            raise ValueError(f"{len(self.gpus)} gpus for degree {self.degree}")
+        if self.gpus != list(range(self.gpus[0], self.gpus[0] + self.degree)):
+            raise ValueError(f"gpus {self.gpus} are not one contiguous group")
+        if self.kv_free_blocks > self.kv_total_blocks:
+            raise ValueError("kv_free_blocks > kv_total_blocks")
+        if self.hit_tokens > self.input_tokens:
+            raise ValueError("hit_tokens > input_tokens")
+        return self
+
+
+class EpochWorker(Message):
+    """One worker of a composition: its lattice group and lifecycle under this epoch."""
+
+    worker_id: Id
+    kind: WorkerKind = WorkerKind.CP
+    first_gpu: NonNegInt
+    degree: int = Field(ge=1)
+    lifecycle: Lifecycle
+
+    @model_validator(mode="after")
+    def _lattice(self) -> EpochWorker:
+        group = GpuGroup(first_gpu=self.first_gpu, degree=self.degree)  # raises InvalidInput
+        if self.kind is WorkerKind.CP and self.worker_id != group.worker_id:
+            raise ValueError(f"worker id {self.worker_id!r} is not {group.worker_id!r}")
+        return self
+
+    @property
+    def group(self) -> GpuGroup:
+        return GpuGroup(first_gpu=self.first_gpu, degree=self.degree)
+
+
+class EpochRecord(Message):
+    """The versioned control record (§8): the composition under ``epoch``.
+
+    Stored in the epoch KV bucket and changed only by compare-and-set, so exactly one
+    controller wins each epoch change. Groups never overlap; ids are unique.
+    """
+
+    epoch: NonNegInt
+    workers: list[EpochWorker]
+    committed_at_s: WallTime
+    reason: str = ""
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> EpochRecord:
+        ids = [w.worker_id for w in self.workers]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate worker ids")
+        used: set[int] = set()
+        for w in self.workers:
+            gpus = set(w.group.gpus)
+            if gpus & used:
+                raise ValueError(f"worker {w.worker_id} overlaps another group")
+            used |= gpus
+        return self
+
+
+class EpochAck(Message):
+    """A rank's acknowledgement that it adopted ``epoch`` as a rank of ``worker_id``."""
+
+    gpu: NonNegInt
+    epoch: NonNegInt
+    degree: int = Field(ge=1)
+    worker_id: Id
+    adopted_at_s: WallTime
+
+    @model_validator(mode="after")
+    def _member(self) -> EpochAck:
+        group = GpuGroup.from_worker_id(self.worker_id)  # raises InvalidInput
+        if group.degree != self.degree or self.gpu not in group.gpus:
+            raise ValueError(f"gpu {self.gpu} / degree {self.degree} not in {self.worker_id}")
+        return self
+
+
+# -- prefix cache: events (design.md "Cache events") --------------------------------------------
+
+
+MAX_BLOCKS_PER_EVENT: Final[int] = 1 << 20
+"""Bound on the blocks of one event or command (rejects absurd payloads before any work)."""
+BlockList = Annotated[list[HashInt], Field(min_length=1, max_length=MAX_BLOCKS_PER_EVENT)]
+
+
+def _distinct(hashes: list[int], what: str) -> None:
+    if len(set(hashes)) != len(hashes):
+        raise ValueError(f"{what} repeats a block hash")
+
+
+class _CacheEventBase(Message):
+    # Field names follow design.md ("worker", not "worker_id") and services/cachemgr/events.py.
+    worker: Id
+    event_id: int = Field(ge=1, description="per-worker monotonic, from 1")
+
+
+class CacheStored(_CacheEventBase):
+    """``block_hashes`` (a chain, parent first) stored under ``parent_hash`` (None = root)."""
+
+    type: Literal["stored"] = "stored"
+    parent_hash: HashInt | None = None
+    block_hashes: BlockList
+
+    @model_validator(mode="after")
+    def _chain(self) -> CacheStored:
+        _distinct(self.block_hashes, "block_hashes")
+        if self.parent_hash is not None and self.parent_hash in self.block_hashes:
+            raise ValueError("parent_hash also appears in block_hashes (a cycle)")
+        return self
+
+
+class CacheRemoved(_CacheEventBase):
+    """The worker no longer holds ``block_hashes`` (any order)."""
+
+    type: Literal["removed"] = "removed"
+    block_hashes: BlockList
+
+    @model_validator(mode="after")
+    def _unique(self) -> CacheRemoved:
+        _distinct(self.block_hashes, "block_hashes")
+        return self
+
+
+class CacheCleared(_CacheEventBase):
+    """The worker dropped its whole cache."""
+
+    type: Literal["cleared"] = "cleared"
+
+
+class CacheSnapshot(Message):
+    """A worker's whole index after event ``last_event_id`` (0: before any event).
+
+    ``blocks`` = [(hash, parent or None)], closed under parents (whole prefixes only).
+    """
+
+    type: Literal["snapshot"] = "snapshot"
+    worker: Id
+    last_event_id: NonNegInt
+    blocks: Annotated[list[tuple[HashInt, HashInt | None]], Field(max_length=MAX_BLOCKS_PER_EVENT)]
+
+    @model_validator(mode="after")
+    def _closed(self) -> CacheSnapshot:
+        parents = dict(self.blocks)
+        if len(parents) != len(self.blocks):
+            raise ValueError("blocks repeats a hash")
+        for h, p in self.blocks:
+            if p is not None and p not in parents:
+                raise ValueError(f"block {h}'s parent {p} is not in the snapshot")
+        return self
+
+
+CacheEvent = Annotated[
+    CacheStored | CacheRemoved | CacheCleared | CacheSnapshot, Field(discriminator="type")
+]
+"""Any cache event; decode with ``decode(CacheEvent, ...)``."""
+
+
+# -- prefix cache: commands --------------------------------------------------------------------
+
+
+class _CacheCommandBase(Message):
+    command_id: Id
+    worker_id: Id = Field(description="the worker that executes the command (destination)")
+    epoch: NonNegInt
+    blocks: BlockList = Field(description="block hashes; see each command")
+
+
+class ReplicateCommand(_CacheCommandBase):
+    """Make the destination hold the prefix ``blocks`` (the whole root-to-node path, root
+    first), copying from ``source_worker`` only the blocks the destination lacks (§7)."""
+
+    op: Literal["replicate"] = "replicate"
+    source_worker: Id
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ReplicateCommand:
+        if self.source_worker == self.worker_id:
+            raise ValueError("source_worker == destination worker")
+        return self
+
+
+class ReclaimCommand(_CacheCommandBase):
+    """Delete exactly ``blocks`` where still present, unpinned and without a retained child
+    (exact-key deletion, §8); blocks that do not qualify are skipped and reported."""
+
+    op: Literal["reclaim"] = "reclaim"
+
+
+class ReconcileCommand(_CacheCommandBase):
+    """After a split/merge, install the pending prefix ``blocks`` (root-to-node path) from
+    ``source_worker``; with no source the pending part is dropped (an ordinary miss)."""
+
+    op: Literal["reconcile"] = "reconcile"
+    source_worker: Id | None = None
+
+
+CacheCommand = Annotated[
+    ReplicateCommand | ReclaimCommand | ReconcileCommand, Field(discriminator="op")
+]
+
+
+class CacheCommandResult(Message):
+    """A worker's report on one command; visibility changes only through cache events."""
+
+    command_id: Id
+    worker_id: Id
+    ok: bool
+    blocks_done: NonNegInt = Field(default=0, description="blocks installed or removed")
+    error: str | None = None
+
+
+# -- controller ---------------------------------------------------------------------------------
+
+
+class WindowReport(Message):
+    """One scheduler replica's demand in window k (§6.1): D(k) in predicted service seconds."""
+
+    reporter: Id
+    window_index: NonNegInt
+    window_start_s: WallTime
+    window_s: float = Field(gt=0.0, allow_inf_nan=False, description="H")
+    epoch: NonNegInt
+    demand_s: NonNegFloat = Field(description="D(k) = Σ Ê_C(R, P) of requests routed")
+    requests: NonNegInt
+    long_requests: NonNegInt = Field(description="requests at or above the long threshold")
+    demand_by_degree: dict[int, NonNegFloat] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _counts(self) -> WindowReport:
+        if self.long_requests > self.requests:
+            raise ValueError("long_requests > requests")
+        return self
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+class TtftStages(Message):
+    """TTFT broken into stages (seconds). ``total_s`` is measured end to end, not summed."""
+
+    intake_wait_s: NonNegFloat = 0.0
+    schedule_s: NonNegFloat = 0.0
+    queue_wait_s: NonNegFloat = 0.0
+    prefill_s: NonNegFloat = 0.0
+    kv_transfer_s: NonNegFloat = 0.0
+    first_decode_s: NonNegFloat = 0.0
+    total_s: NonNegFloat = 0.0
+
+
+class FirstToken(Message):
+    """The first output token of a request (or its failure), published on its result subject."""
+
+    request_id: Id
+    token: int | None = Field(description="first output token id (None if failed)")
+    worker_id: Id | None = None
+    epoch: NonNegInt | None = None
+    predicted_prefill_s: NonNegFloat | None = None
+    prefix_tokens: NonNegInt | None = Field(
+        default=None, description="P actually reused at the worker (may differ from assigned)"
+    )
+    stages: TtftStages
+    finished_at_s: WallTime
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _token_or_error(self) -> FirstToken:
+        if (self.token is None) == (self.error is None):
+            raise ValueError("give exactly one of token or error")
+        return self
+
+
+class KvChunk(Message):
+    """One chunk of a request's KV handoff (msgpack only; ``data`` is raw bytes)."""
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
+    request_id: Id
+    index: NonNegInt
+    count: int = Field(ge=1)
+    rank: NonNegInt = 0
+    layer: NonNegInt | None = None
+    dtype: str = Field(min_length=1)
+    shape: list[NonNegInt]
+    data: bytes
+
+    @model_validator(mode="after")
+    def _in_range(self) -> KvChunk:
+        if self.index >= self.count:
+            raise ValueError(f"chunk index {self.index} >= count {self.count}")
+        return self
+
+
+# -- codecs -----------------------------------------------------------------------------------
+
+M = TypeVar("M")
+
+
+@functools.cache
+def _adapter(target: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(target)
+
+
+def _name(target: Any) -> str:
+    if isinstance(target, type):
+        return target.__name__
+    if target is CacheEvent:
+        return "CacheEvent"
+    if target is CacheCommand:
+        return "CacheCommand"
+    return repr(target)
+
+
+def _schema_error(target: Any, exc: ValidationError) -> SchemaError:
+    errors = exc.errors(include_url=False)
+    first = errors[0] if errors else {"loc": (), "msg": str(exc)}
+    loc = ".".join(str(p) for p in first.get("loc", ())) or "<model>"
+    if first.get("type") == "json_invalid":
+        loc = "<payload>"
+    elif str(first.get("type", "")).startswith("union_tag"):
+        # A bad or missing discriminator: name the tag field, not the whole union.
+        tag = str(first.get("ctx", {}).get("discriminator", "")).strip("'\"")
+        loc = ".".join(p for p in (loc if loc != "<model>" else "", tag) if p) or loc
+    return SchemaError(_name(target), loc, str(first.get("msg", "invalid")), errors)
+
+
+def to_json(msg: BaseModel) -> bytes:
+    """Compact JSON bytes of a message."""
+    return msg.model_dump_json().encode()
+
+
+def from_json(target: type[M] | Any, data: bytes | str) -> M:
+    """Decode JSON into ``target`` (a message class or :data:`CacheEvent`-style union)."""
+    try:
+        return _adapter(target).validate_json(data)  # type: ignore[no-any-return]
+    except ValidationError as exc:
+        raise _schema_error(target, exc) from None
+
+
+def to_msgpack(msg: BaseModel) -> bytes:
+    """msgpack bytes of a message (bytes fields stay binary)."""
+    return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def from_msgpack(target: type[M] | Any, data: bytes) -> M:
+    """Decode msgpack into ``target``; any malformed input raises :class:`SchemaError`."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise SchemaError(_name(target), "<payload>", f"not msgpack: {exc}") from None
+    try:
+        return _adapter(target).validate_python(obj)  # type: ignore[no-any-return]
+    except ValidationError as exc:
+        raise _schema_error(target, exc) from None
+
+
+def encode(msg: BaseModel, content_type: str = JSON) -> tuple[bytes, dict[str, str]]:
+    """``(payload, headers)`` for publishing ``msg``; headers carry ``Content-Type``."""
+    if content_type == JSON:
+        return to_json(msg), {CONTENT_TYPE: JSON}
+    if content_type == MSGPACK:
+        return to_msgpack(msg), {CONTENT_TYPE: MSGPACK}
+    raise InvalidInput(f"unsupported content type {content_type!r}")
+
+
+def content_type_of(headers: Mapping[str, str] | None) -> str:
+    """The payload's content type from NATS headers (case-insensitive key); JSON if absent."""
+    if headers:
+        for key, value in headers.items():
+            if key.lower() == "content-type":
+                return value.split(";", 1)[0].strip().lower()
+    return JSON
+
+
+def decode(target: type[M] | Any, data: bytes, headers: Mapping[str, str] | None = None) -> M:
+    """Decode a NATS payload into ``target`` by its ``Content-Type`` header."""
+    ctype = content_type_of(headers)
+    if ctype == JSON:
+        return from_json(target, data)
+    if ctype == MSGPACK:
+        return from_msgpack(target, data)
+    raise SchemaError(_name(target), "<payload>", f"unsupported content type {ctype!r}")
+
+
+def json_schema(target: type[BaseModel] | Any) -> dict[str, Any]:
+    """JSON Schema of a message (for docs and the subject tap)."""
+    return _adapter(target).json_schema()
+
+
+def dumps_pretty(msg: BaseModel) -> str:
+    """Indented JSON for humans (taps, logs)."""
+    return json.dumps(msg.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+__all__ = [
+    "CONTENT_TYPE",
+    "JSON",
+    "MSGPACK",
+    "SCHEMA_VERSION",
+    "Assignment",
+    "AssignmentAck",
+    "CacheCleared",
+    "CacheCommand",
+    "CacheCommandResult",
+    "CacheEvent",
+    "CacheRemoved",
+    "CacheSnapshot",
+    "CacheStored",
+    "CompletionRequest",
+    "EpochAck",
+    "EpochRecord",
+    "EpochWorker",
+    "FirstToken",
+    "IntakeRequest",
+    "KvChunk",
+    "Message",
+    "PlacementTerms",
+    "ReclaimCommand",
+    "ReconcileCommand",
+    "ReplicateCommand",
+    "SchemaError",
+    "TtftStages",
+    "WindowReport",
+    "WorkerState",
+    "content_type_of",
+    "decode",
+    "encode",
+    "from_json",
+    "from_msgpack",
+    "json_schema",
+    "to_json",
+    "to_msgpack",
+]

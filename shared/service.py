@@ -1,0 +1,446 @@
+"""A thin base for running one NATS micro service (``nats.micro``) per process.
+
+What a subclass gets:
+
+* a connection (or a given one), a micro service with name, semver version and metadata
+  (``$SRV.PING|INFO|STATS`` discovery and health for free), endpoints in one subject group
+  with a queue group;
+* endpoint handlers that take a :class:`nats.micro.Request` and return a message (encoded as
+  JSON with ``Content-Type``), raw bytes, or None (the handler responded itself);
+* typed errors mapped to micro errors (``Nats-Service-Error`` / ``-Code`` headers), counted in
+  STATS, and the service keeps serving:
+
+  ===========================================  =====
+  :class:`~shared.ids.InvalidInput` (and
+  :class:`~shared.schemas.SchemaError`)         400
+  :class:`~shared.ids.UnknownWorker`            404
+  other :class:`~shared.ids.VertumnusError`,
+  a KV compare-and-set loss                     409 (illegal in the current state)
+  anything else                                 500 (logged with traceback; no details sent)
+  ===========================================  =====
+
+* a server span per request, child of the caller's W3C trace context, with request-scoped
+  log context;
+* :meth:`MicroService.run`: one ``AsyncExitStack``, SIGINT/SIGTERM → graceful stop (stop
+  endpoints, run the subclass's cleanup, drain the connection).
+
+Subclasses override :meth:`MicroService.endpoints` and optionally :meth:`MicroService.setup`
+(subscriptions, KV buckets, background tasks; register their cleanup on the stack).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig, StreamInfo
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+from nats.micro import add_service
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request, ServiceError
+from nats.micro.service import SEMVER_REGEX, Service, ServiceConfig
+from opentelemetry import trace
+from pydantic import BaseModel
+
+from shared.ids import InvalidInput, UnknownWorker, VertumnusError
+from shared.schemas import JSON, SchemaError, decode, encode
+from shared.settings import ServiceSettings
+from shared.subjects import Subjects, validate_subject
+from shared.telemetry import extract, inject, tracer
+
+DEFAULT_QUEUE_GROUP: Final[str] = "q"
+WORKER_LEASE_S: Final[float] = 10.0
+"""Worker-state bucket TTL: a worker that stops heartbeating disappears after this long.
+Readers should also treat a state whose ``heartbeat_s`` is older than their own lease as gone
+(KV watchers are not told about TTL expiry)."""
+EPOCH_HISTORY: Final[int] = 16
+INTAKE_DUPLICATE_WINDOW_S: Final[float] = 120.0
+_NAME_RE: Final[re.Pattern[str]] = re.compile(r"^[A-Za-z0-9_-]+$")
+
+Reply = BaseModel | bytes | None
+Handler = Callable[[Request], Awaitable[Reply]]
+M = TypeVar("M")
+
+log = structlog.get_logger("vertumnus.service")
+
+
+# -- error mapping ----------------------------------------------------------------------------
+
+
+def error_code(exc: BaseException) -> str:
+    """The micro error code for an exception (see the module table)."""
+    if isinstance(exc, ServiceError):
+        return exc.code
+    if isinstance(exc, InvalidInput):
+        return "400"
+    if isinstance(exc, UnknownWorker):
+        return "404"
+    if isinstance(exc, (VertumnusError, KeyWrongLastSequenceError)):
+        return "409"
+    return "500"
+
+
+def to_service_error(exc: BaseException) -> ServiceError:
+    """A :class:`ServiceError` for ``exc``; 500s carry no internal details."""
+    code = error_code(exc)
+    if isinstance(exc, ServiceError):
+        return exc
+    description = "internal error" if code == "500" else str(exc) or type(exc).__name__
+    # Header values cannot hold line breaks; keep the description one line and bounded.
+    description = " ".join(description.split())[:512]
+    return ServiceError(code=code, description=description)
+
+
+class RemoteError(VertumnusError):
+    """A service answered with a micro error (``code`` as int, ``description``)."""
+
+    def __init__(self, code: int, description: str, subject: str):
+        super().__init__(f"{subject}: {code} {description}")
+        self.code = code
+        self.description = description
+        self.subject = subject
+
+
+def raise_for_error(headers: Mapping[str, str] | None, subject: str) -> None:
+    """Raise :class:`RemoteError` if a reply carries micro error headers."""
+    if headers and ERROR_CODE_HEADER in headers:
+        try:
+            code = int(headers[ERROR_CODE_HEADER])
+        except ValueError:
+            code = 500
+        raise RemoteError(code, headers.get(ERROR_HEADER, ""), subject)
+
+
+async def call(
+    nc: Client,
+    subject: str,
+    message: BaseModel | bytes,
+    reply_type: type[M] | Any,
+    *,
+    timeout_s: float = 5.0,
+    headers: Mapping[str, str] | None = None,
+) -> M:
+    """Request-reply to a micro endpoint with trace context; decode the reply or raise.
+
+    Raises :class:`RemoteError` for a micro error reply, :class:`SchemaError` for a malformed
+    reply, and nats' ``NoRespondersError`` / ``TimeoutError`` as they are.
+    """
+    if isinstance(message, BaseModel):
+        payload, hdrs = encode(message)
+    else:
+        payload, hdrs = message, {}
+    hdrs.update(headers or {})
+    inject(hdrs)
+    msg = await nc.request(subject, payload, timeout=timeout_s, headers=hdrs)
+    raise_for_error(msg.headers, subject)
+    return decode(reply_type, msg.data, msg.headers)  # type: ignore[no-any-return]
+
+
+# -- JetStream resources (one definition, so every service creates them identically) ----------
+
+
+async def ensure_key_value(
+    js: JetStreamContext,
+    bucket: str,
+    *,
+    history: int = 1,
+    ttl_s: float | None = None,
+    description: str | None = None,
+) -> KeyValue:
+    """Bind to ``bucket``, creating it if missing (an existing bucket's config is kept)."""
+    try:
+        return await js.key_value(bucket)
+    except BucketNotFoundError:
+        pass
+    # Two processes may race here; creating with an identical config is idempotent.
+    return await js.create_key_value(
+        bucket=bucket, history=history, ttl=ttl_s, description=description
+    )
+
+
+async def worker_state_kv(
+    js: JetStreamContext, subjects: Subjects, *, lease_s: float = WORKER_LEASE_S
+) -> KeyValue:
+    """The worker-state bucket (WorkerState per worker id, TTL = liveness lease)."""
+    return await ensure_key_value(
+        js, subjects.worker_state_bucket(), ttl_s=lease_s, description="vertumnus worker state"
+    )
+
+
+async def epoch_kv(js: JetStreamContext, subjects: Subjects) -> KeyValue:
+    """The epoch bucket (EpochRecord under ``subjects.epoch_key()``, compare-and-set)."""
+    return await ensure_key_value(
+        js, subjects.epoch_bucket(), history=EPOCH_HISTORY, description="vertumnus epochs"
+    )
+
+
+async def ensure_intake_stream(
+    js: JetStreamContext,
+    subjects: Subjects,
+    *,
+    duplicate_window_s: float = INTAKE_DUPLICATE_WINDOW_S,
+) -> StreamInfo:
+    """The durable intake work-queue stream (``Nats-Msg-Id`` de-duplication window)."""
+    name = subjects.intake_stream()
+    try:
+        return await js.stream_info(name)
+    except NotFoundError:
+        pass
+    return await js.add_stream(
+        StreamConfig(
+            name=name,
+            subjects=[subjects.intake_requests()],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=duplicate_window_s,
+        )
+    )
+
+
+# -- endpoints and the service base ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One endpoint: ``name`` (micro name), subject = ``group.subject`` (default name), or
+    ``subject`` as given when ``absolute`` (for subjects outside the service's group, e.g. a
+    worker's ``vtm.cache.cmd.{wid}``)."""
+
+    name: str
+    handler: Handler
+    subject: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    absolute: bool = False
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise InvalidInput(f"endpoint name {self.name!r} must match {_NAME_RE.pattern}")
+        if self.subject is not None:
+            validate_subject(self.subject)
+        elif self.absolute:
+            raise InvalidInput(f"endpoint {self.name!r}: an absolute endpoint needs a subject")
+
+
+def wrap_handler(service_name: str, endpoint: Endpoint) -> Callable[[Request], Awaitable[None]]:
+    """Adapt a typed handler to nats.micro: span, log context, encoding, error mapping."""
+    span_name = f"{service_name}.{endpoint.name}"
+
+    async def handle(request: Request) -> None:
+        with tracer().start_as_current_span(
+            span_name,
+            context=extract(request.headers),
+            kind=trace.SpanKind.SERVER,
+            attributes={"messaging.destination.name": request.subject},
+        ) as span:
+            with structlog.contextvars.bound_contextvars(endpoint=endpoint.name):
+                try:
+                    reply = await endpoint.handler(request)
+                except Exception as exc:
+                    err = to_service_error(exc)
+                    span.set_attribute("vtm.error_code", err.code)
+                    if err.code == "500":
+                        span.record_exception(exc)
+                        span.set_status(trace.Status(trace.StatusCode.ERROR))
+                        log.exception("handler failed", subject=request.subject)
+                    else:
+                        log.info("request rejected", code=err.code, reason=err.description)
+                    # nats.micro answers a raised ServiceError and counts it in STATS.
+                    raise err from exc
+            if isinstance(reply, BaseModel):
+                data, headers = encode(reply)
+                await request.respond(data, headers=headers)
+            elif isinstance(reply, (bytes, bytearray)):
+                await request.respond(bytes(reply))
+
+    return handle
+
+
+def request_model(request: Request, model: type[M] | Any) -> M:
+    """Decode a micro request body into ``model`` (SchemaError → 400 via the wrapper)."""
+    return decode(model, request.data, request.headers)  # type: ignore[no-any-return]
+
+
+class MicroService:
+    """Base of every vertumnus service process. See the module docstring.
+
+    Construction validates name, version, group and queue group and touches no network.
+    """
+
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        *,
+        name: str,
+        version: str,
+        group: str,
+        description: str = "",
+        queue_group: str = DEFAULT_QUEUE_GROUP,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        if not _NAME_RE.match(name):
+            raise InvalidInput(f"service name {name!r} must match {_NAME_RE.pattern}")
+        if not SEMVER_REGEX.match(version):
+            raise InvalidInput(f"service version {version!r} is not semver")
+        validate_subject(group)
+        if not queue_group or " " in queue_group:
+            raise InvalidInput(f"bad queue group {queue_group!r}")
+        self.settings = settings
+        self.subjects: Subjects = settings.subjects
+        self.name = name
+        self.version = version
+        self.group = group
+        self.description = description
+        self.queue_group = queue_group
+        # NOTE: nats.micro keeps a reference to this very dict (we pass it non-empty), so
+        # set_metadata() changes what $SRV.PING/INFO report without restarting the service.
+        self._metadata: dict[str, str] = {"prefix": self.subjects.prefix, **(metadata or {})}
+        self._nc: Client | None = None
+        self._service: Service | None = None
+        self._stop = asyncio.Event()
+        self._started = asyncio.Event()
+        self.log = structlog.get_logger(f"vertumnus.{name}")
+
+    # -- overridables -------------------------------------------------------------------------
+
+    def endpoints(self) -> Sequence[Endpoint]:
+        """The endpoints to add under :attr:`group` (override)."""
+        return ()
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        """Called after connecting and before endpoints are added (override).
+
+        Register cleanup with ``stack``; it runs before the connection drains.
+        """
+
+    # -- accessors ----------------------------------------------------------------------------
+
+    @property
+    def nc(self) -> Client:
+        if self._nc is None:
+            raise RuntimeError("service not started")
+        return self._nc
+
+    @property
+    def service(self) -> Service:
+        if self._service is None:
+            raise RuntimeError("service not started")
+        return self._service
+
+    @property
+    def started(self) -> asyncio.Event:
+        """Set once every endpoint is subscribed (tests and supervisors wait on it)."""
+        return self._started
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        return dict(self._metadata)
+
+    def set_metadata(self, **values: str) -> None:
+        """Update micro metadata (e.g. ``epoch="7"``) as seen by ``$SRV.PING/INFO``."""
+        self._metadata.update({k: str(v) for k, v in values.items()})
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to shut down gracefully (what SIGINT/SIGTERM do)."""
+        self._stop.set()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, stack: AsyncExitStack, nc: Client | None = None) -> None:
+        """Connect (unless ``nc`` is given; then the caller owns it), run :meth:`setup`, add the
+        micro service and its endpoints. Everything started is undone by ``stack``."""
+        if nc is None:
+            nc = await nats.connect(
+                servers=self.settings.nats_servers,
+                name=f"{self.name}:{self.settings.instance_id or ''}",
+                connect_timeout=self.settings.connect_timeout_s,
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnect,
+                reconnected_cb=self._on_reconnect,
+            )
+            stack.push_async_callback(self._drain, nc)
+        self._nc = nc
+        await self.setup(stack)
+        self._service = await add_service(
+            nc,
+            ServiceConfig(
+                name=self.name,
+                version=self.version,
+                description=self.description or None,
+                metadata=self._metadata,
+                queue_group=self.queue_group,
+            ),
+        )
+        stack.push_async_callback(self._service.stop)
+        group = self._service.add_group(name=self.group, queue_group=self.queue_group)
+        for ep in self.endpoints():
+            target = self._service if ep.absolute else group
+            await target.add_endpoint(
+                name=ep.name,
+                subject=ep.subject or ep.name,
+                handler=wrap_handler(self.name, ep),
+                metadata=dict(ep.metadata) or None,
+                queue_group=self.queue_group,
+            )
+        await nc.flush()
+        self._started.set()
+        self.log.info("service started", id=self._service.id, group=self.group)
+
+    async def run(self, nc: Client | None = None, *, handle_signals: bool = True) -> None:
+        """Start, serve until :meth:`request_stop` or SIGINT/SIGTERM, then stop gracefully."""
+        async with AsyncExitStack() as stack:
+            if handle_signals:
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, self._stop.set)
+                    stack.callback(loop.remove_signal_handler, sig)
+            await self.start(stack, nc)
+            await self._stop.wait()
+            self.log.info("service stopping")
+        self._started.clear()
+
+    async def _drain(self, nc: Client) -> None:
+        try:
+            async with asyncio.timeout(self.settings.drain_timeout_s):
+                await nc.drain()
+        except (TimeoutError, nats.errors.ConnectionClosedError):
+            await nc.close()
+
+    async def _on_error(self, exc: Exception) -> None:
+        self.log.warning("nats error", error=str(exc))
+
+    async def _on_disconnect(self) -> None:
+        if self._stop.is_set():  # our own drain at shutdown
+            self.log.info("nats disconnected")
+        else:
+            self.log.warning("nats disconnected")
+
+    async def _on_reconnect(self) -> None:
+        self.log.info("nats reconnected")
+
+
+__all__ = [
+    "JSON",
+    "Endpoint",
+    "MicroService",
+    "RemoteError",
+    "SchemaError",
+    "call",
+    "ensure_intake_stream",
+    "ensure_key_value",
+    "epoch_kv",
+    "worker_state_kv",
+    "error_code",
+    "raise_for_error",
+    "request_model",
+    "to_service_error",
+    "wrap_handler",
+]

@@ -1,0 +1,215 @@
+"""Every NATS subject, stream, consumer and key-value bucket name of the live system.
+
+All names hang under one configurable prefix (default ``vtm``) so two deployments can share a
+server. Builders are pure functions of their arguments (methods of the frozen :class:`Subjects`);
+nothing else in the code base spells a subject.
+
+Rules (conventions.md): lowercase dot hierarchy, ids last, at most 16 tokens, ``$`` reserved for
+the server (``$JS``, ``$KV``, ``$SRV``). A *token* here is ``[a-z0-9][a-z0-9_-]*``: no spaces,
+no wildcards (``*``, ``>``), no dots inside an id. Builders that return a filter with a wildcard
+say so in their name (``..._all``). Any violation raises :class:`SubjectError` and builds
+nothing.
+
+Map (prefix ``vtm``):
+
+=============================  =========================================================
+``vtm.intake.requests``        durable intake, JetStream work-queue stream ``VTM_INTAKE``
+``vtm.gateway.completions``    gateway's NATS request subject (CompletionRequest)
+``vtm.worker.{wid}.assign``    Assignment to one worker's leader rank (micro endpoint)
+``vtm.rank.{gpu}.ctl``         epoch / geometry control to one rank daemon
+``vtm.epoch.ack.{gpu}``        EpochAck from a rank
+``vtm.cache.events.{wid}``     CacheEvent stream of one worker
+``vtm.cache.snapshot.{wid}``   request-reply: ask a worker for a snapshot of its index
+``vtm.cache.cmd.{wid}``        CacheCommand (replicate / reclaim / reconcile) to a worker
+``vtm.window.demand.{src}``    WindowReport from one scheduler replica
+``vtm.result.{rid}``           FirstToken (first-token result) of one request
+``vtm.kv.{rid}``               KV handoff chunks of one request (msgpack)
+KV ``VTM_WORKERS``             WorkerState per worker (key = worker id)
+KV ``VTM_EPOCH``, key current  EpochRecord, updated by compare-and-set
+=============================  =========================================================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+from shared.ids import InvalidInput
+
+DEFAULT_PREFIX: Final[str] = "vtm"
+MAX_TOKENS: Final[int] = 16
+_TOKEN_RE: Final[re.Pattern[str]] = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+# Stream, consumer and bucket names: JetStream allows no dots, spaces, wildcards or separators.
+_NAME_RE: Final[re.Pattern[str]] = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class SubjectError(InvalidInput):
+    """A subject token or name breaks the naming rules."""
+
+
+def validate_token(token: str, *, what: str = "token") -> str:
+    """Return ``token`` if it is a legal single subject token, else raise :class:`SubjectError`."""
+    if not isinstance(token, str) or not _TOKEN_RE.match(token):
+        raise SubjectError(
+            f"{what} {token!r} is not a subject token: lowercase letters, digits, '-' or '_', "
+            "starting with a letter or digit (no dots, spaces, wildcards or '$')"
+        )
+    return token
+
+
+def validate_subject(subject: str, *, allow_wildcards: bool = False) -> str:
+    """Check a whole subject (every token legal, ≤ 16 tokens); return it unchanged.
+
+    With ``allow_wildcards``, a token may be ``*`` and the last token may be ``>``.
+    """
+    if not isinstance(subject, str) or not subject:
+        raise SubjectError(f"subject must be a non-empty string, got {subject!r}")
+    tokens = subject.split(".")
+    if len(tokens) > MAX_TOKENS:
+        raise SubjectError(f"subject {subject!r} has {len(tokens)} tokens (max {MAX_TOKENS})")
+    for i, tok in enumerate(tokens):
+        if allow_wildcards and (tok == "*" or (tok == ">" and i == len(tokens) - 1)):
+            continue
+        validate_token(tok, what=f"token {i} of subject {subject!r}")
+    return subject
+
+
+def _id(value: object, what: str) -> str:
+    # Ids arrive as NewType'd str (WorkerId, RequestId) or int (GPU index); normalise to str.
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise SubjectError(f"{what} must be a str or int, got {type(value).__name__}")
+    if isinstance(value, int) and value < 0:
+        raise SubjectError(f"{what} must be >= 0, got {value}")
+    return validate_token(str(value), what=what)
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subject and name builders under ``prefix`` (one or more dot-separated tokens).
+
+    Construct once per process from settings (``Subjects(settings.subject_prefix)``); every
+    method is pure and raises :class:`SubjectError` on an illegal id.
+    """
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        validate_subject(self.prefix)
+        # Leave room for the longest builder below (prefix + 3 tokens + id).
+        if len(self.prefix.split(".")) > MAX_TOKENS - 4:
+            raise SubjectError(f"prefix {self.prefix!r} is too deep")
+
+    def _join(self, *tokens: str) -> str:
+        return validate_subject(".".join((self.prefix, *tokens)), allow_wildcards=True)
+
+    @property
+    def _name_stem(self) -> str:
+        # "vtm" -> "VTM", "dev.vtm" -> "DEV_VTM": names for streams and buckets.
+        return self.prefix.replace(".", "_").replace("-", "_").upper()
+
+    # -- intake (JetStream work queue) ------------------------------------------------------
+
+    def intake_requests(self) -> str:
+        """Subject the gateway publishes IntakeRequest on (``Nats-Msg-Id`` = request id)."""
+        return self._join("intake", "requests")
+
+    def intake_stream(self) -> str:
+        """Name of the work-queue stream capturing :meth:`intake_requests`."""
+        return f"{self._name_stem}_INTAKE"
+
+    def intake_consumer(self) -> str:
+        """Durable pull consumer shared by all scheduler replicas."""
+        return "scheduler"
+
+    def gateway_completions(self) -> str:
+        """The gateway's NATS request subject (CompletionRequest in, FirstToken out)."""
+        return self._join("gateway", "completions")
+
+    # -- workers and ranks ------------------------------------------------------------------
+
+    def worker_group(self, worker_id: str) -> str:
+        """The micro-service endpoint group of one worker (``vtm.worker.{wid}``)."""
+        return self._join("worker", _id(worker_id, "worker id"))
+
+    def worker_assign(self, worker_id: str) -> str:
+        """Assignments to the worker's leader rank (request-reply micro endpoint)."""
+        return f"{self.worker_group(worker_id)}.assign"
+
+    def worker_assign_all(self) -> str:
+        """Filter over every worker's assign subject (for taps)."""
+        return self._join("worker", "*", "assign")
+
+    def rank_ctl(self, gpu: int) -> str:
+        """Control (epoch / geometry) messages to the rank daemon of ``gpu``."""
+        return self._join("rank", _id(gpu, "gpu"), "ctl")
+
+    def epoch_ack(self, gpu: int) -> str:
+        """EpochAck published by the rank daemon of ``gpu``."""
+        return self._join("epoch", "ack", _id(gpu, "gpu"))
+
+    def epoch_ack_all(self) -> str:
+        return self._join("epoch", "ack", "*")
+
+    def worker_state_bucket(self) -> str:
+        """KV bucket of WorkerState, one key per worker id (heartbeat = liveness lease)."""
+        return f"{self._name_stem}_WORKERS"
+
+    def epoch_bucket(self) -> str:
+        """KV bucket holding the EpochRecord (compare-and-set on :meth:`epoch_key`)."""
+        return f"{self._name_stem}_EPOCH"
+
+    def epoch_key(self) -> str:
+        return "current"
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def cache_events(self, worker_id: str) -> str:
+        """CacheEvent stream of one worker (stored / removed / cleared / snapshot)."""
+        return self._join("cache", "events", _id(worker_id, "worker id"))
+
+    def cache_events_all(self) -> str:
+        return self._join("cache", "events", "*")
+
+    def cache_snapshot(self, worker_id: str) -> str:
+        """Request-reply: ask a worker for a snapshot of its cache index."""
+        return self._join("cache", "snapshot", _id(worker_id, "worker id"))
+
+    def cache_cmd(self, worker_id: str) -> str:
+        """CacheCommand to one worker."""
+        return self._join("cache", "cmd", _id(worker_id, "worker id"))
+
+    # -- controller ---------------------------------------------------------------------------
+
+    def window_demand(self, reporter: str) -> str:
+        """WindowReport (per-window demand D(k)) from one scheduler replica."""
+        return self._join("window", "demand", _id(reporter, "reporter"))
+
+    def window_demand_all(self) -> str:
+        return self._join("window", "demand", "*")
+
+    # -- results and data plane ---------------------------------------------------------------
+
+    def result(self, request_id: str) -> str:
+        """FirstToken result of one request (the gateway subscribes before publishing)."""
+        return self._join("result", _id(request_id, "request id"))
+
+    def result_all(self) -> str:
+        return self._join("result", "*")
+
+    def kv_handoff(self, request_id: str) -> str:
+        """KV handoff data chunks (msgpack, ``Content-Type`` header) of one request."""
+        return self._join("kv", _id(request_id, "request id"))
+
+    def everything(self) -> str:
+        """``vtm.>``: every subject of this deployment (for taps)."""
+        return self._join(">")
+
+
+def micro_service_name(component: str) -> str:
+    """NATS micro service name for a component, e.g. ``vtm-rankd`` (name regex of nats.micro)."""
+    validate_token(component, what="component")
+    name = f"vtm-{component}"
+    if not _NAME_RE.match(name):
+        raise SubjectError(f"illegal service name {name!r}")
+    return name

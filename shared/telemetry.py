@@ -1,0 +1,204 @@
+"""OpenTelemetry tracing: one tracer provider per process, W3C context in NATS headers.
+
+Contract:
+
+* :func:`setup_tracing` installs the process's tracer provider once (OpenTelemetry refuses to
+  replace a global provider); later calls return the installed one. Tests pass their own
+  ``span_processor`` (e.g. ``SimpleSpanProcessor(InMemorySpanExporter())``) on the first call,
+  or :func:`add_span_processor` later.
+* :func:`inject` writes ``traceparent`` / ``tracestate`` into a headers dict; :func:`extract`
+  reads them back, matching keys case-insensitively (nats-py header keys are case-sensitive
+  and some clients send ``Traceparent``). Works for core, request-reply, queue groups and
+  JetStream (headers are stored with the message).
+* :func:`stage_span` opens a child span of an extracted context for one TTFT stage; stage
+  names are the :class:`Stage` values so every service names them alike.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from enum import StrEnum
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+)
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from shared.settings import TelemetrySettings
+
+TRACER_NAME = "vertumnus"
+
+# W3C trace context only: what the gateway, every service and Jaeger agree on.
+_PROPAGATOR = TraceContextTextMapPropagator()
+_lock = threading.Lock()
+_provider: TracerProvider | None = None
+
+
+class Stage(StrEnum):
+    """Span names of the TTFT stages (design.md "Metrics")."""
+
+    REQUEST = "request"  # root, at the gateway
+    INTAKE_WAIT = "intake_wait"
+    SCHEDULE = "schedule"
+    QUEUE_WAIT = "queue_wait"
+    PREFILL = "prefill"
+    PREFILL_RANK = "prefill_rank"
+    KV_TRANSFER = "kv_transfer"
+    FIRST_DECODE = "first_decode"
+
+
+def _exporter(settings: TelemetrySettings) -> SpanExporter | None:
+    if settings.exporter == "none":
+        return None
+    if settings.exporter == "console":
+        return ConsoleSpanExporter()
+    if settings.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(endpoint=settings.endpoint, insecure=True)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+
+    return HttpExporter(endpoint=settings.endpoint)
+
+
+def setup_tracing(
+    service_name: str,
+    settings: TelemetrySettings | None = None,
+    *,
+    span_processor: SpanProcessor | None = None,
+) -> TracerProvider:
+    """Install (once per process) and return the tracer provider.
+
+    ``settings`` choose the exporter and sampling ratio; ``span_processor`` is added as well
+    (tests). A second call does not replace the provider; it only adds ``span_processor``.
+    """
+    global _provider
+    settings = settings or TelemetrySettings()
+    with _lock:
+        if _provider is None:
+            provider = TracerProvider(
+                resource=Resource.create({SERVICE_NAME: service_name}),
+                sampler=ParentBased(TraceIdRatioBased(settings.sampling_ratio)),
+            )
+            exporter = _exporter(settings)
+            if exporter is not None:
+                provider.add_span_processor(BatchSpanProcessor(exporter))
+            trace.set_tracer_provider(provider)
+            _provider = provider
+        if span_processor is not None:
+            _provider.add_span_processor(span_processor)
+        return _provider
+
+
+def add_span_processor(processor: SpanProcessor) -> None:
+    """Add a processor to the installed provider (installing a default one if needed)."""
+    setup_tracing(TRACER_NAME, span_processor=processor)
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop exporters (call once at process exit)."""
+    with _lock:
+        if _provider is not None:
+            _provider.shutdown()
+
+
+def tracer(name: str = TRACER_NAME) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+class _CaseInsensitiveGetter(Getter[Mapping[str, str]]):
+    """Header lookup ignoring case: ``traceparent`` == ``Traceparent``."""
+
+    def get(self, carrier: Mapping[str, str], key: str) -> list[str] | None:
+        if key in carrier:
+            return [carrier[key]]
+        lowered = key.lower()
+        for k, v in carrier.items():
+            if k.lower() == lowered:
+                return [v]
+        return None
+
+    def keys(self, carrier: Mapping[str, str]) -> list[str]:
+        return list(carrier.keys())
+
+
+_GETTER = _CaseInsensitiveGetter()
+
+
+def inject(
+    headers: MutableMapping[str, str] | None = None, context: otel_context.Context | None = None
+) -> dict[str, str]:
+    """Write the current (or given) span context into ``headers``; return them as a dict.
+
+    A new dict is made if ``headers`` is None. Without a valid span nothing is written.
+    """
+    carrier: dict[str, str] = dict(headers) if headers is not None else {}
+    _PROPAGATOR.inject(carrier, context=context)
+    if headers is not None:
+        headers.update(carrier)
+    return carrier
+
+
+def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
+    """The context carried by ``headers`` (an empty context if none or malformed)."""
+    return _PROPAGATOR.extract(headers or {}, getter=_GETTER)
+
+
+@contextmanager
+def stage_span(
+    stage: Stage | str,
+    *,
+    parent: Mapping[str, str] | otel_context.Context | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    start_time_s: float | None = None,
+) -> Iterator[trace.Span]:
+    """A span for one stage, child of ``parent`` (headers or a context; None: current span).
+
+    ``start_time_s`` (Unix seconds) back-dates the start, for stages whose beginning was
+    observed elsewhere (e.g. queue wait starts when the assignment was accepted).
+    """
+    ctx = extract(parent) if isinstance(parent, Mapping) else parent
+    start_ns = int(start_time_s * 1e9) if start_time_s is not None else None
+    with tracer().start_as_current_span(
+        str(stage),
+        context=ctx,
+        kind=kind,
+        attributes=dict(attributes) if attributes else None,
+        start_time=start_ns,
+    ) as span:
+        yield span
+
+
+def record_span(
+    stage: Stage | str,
+    *,
+    start_s: float,
+    end_s: float,
+    parent: Mapping[str, str] | otel_context.Context | None = None,
+    attributes: Mapping[str, Any] | None = None,
+) -> None:
+    """Record a finished stage whose start and end (Unix seconds) were measured already."""
+    ctx = extract(parent) if isinstance(parent, Mapping) else parent
+    span = tracer().start_span(
+        str(stage),
+        context=ctx,
+        attributes=dict(attributes) if attributes else None,
+        start_time=int(start_s * 1e9),
+    )
+    span.end(end_time=int(max(end_s, start_s) * 1e9))

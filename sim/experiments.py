@@ -1,0 +1,355 @@
+"""Policy comparisons on one workload: deployments, sweeps over rate, results and the oracle.
+
+Every policy runs on the same simulated cluster: same GPU budget, same ground truth (with the
+same noise seed), same per-GPU KV-cache capacity, same trace. What differs is what each policy's
+source deploys (peer-routing.md, paper §9.1):
+
+==============  =============================================  ==============================
+policy          pool                                           extras
+==============  =============================================  ==============================
+vertumnus       §6.1 initial composition over the degree set   controller + cache manager on
+static          the same initial composition, held fixed        length threshold profiled
+homo            all degree-4 workers (paper's Homo)             —
+homo_cp2        all smallest-degree workers                     —
+vllm            all TP-4 workers                                —
+sglang          all CP-4 (bounded and unbounded trees; the      —
+                stronger is reported as ``sglang``)
+dynamo, llmd,   all CP-4                                        —
+round_robin
+==============  =============================================  ==============================
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from services.controller.composition import (
+    HistoricalWorkload,
+    demand_percentile,
+    initial_composition,
+    samples_from_lengths,
+)
+from services.controller.lattice import Composition, Lattice
+from shared.costmodel import Profile
+from shared.ids import InvalidInput
+from shared.worker import WorkerKind
+from sim.groundtruth import GroundTruth
+from sim.metrics import QWEN3_SLO, SloTable, slo_attainment
+from sim.simulator import SimConfig, SimResult, Simulator
+from sim.workloads.workload import Workload, scale_rate
+
+ALL_POLICIES: tuple[str, ...] = (
+    "vertumnus", "static", "homo", "homo_cp2", "sglang", "vllm", "dynamo", "llmd", "round_robin",
+)
+HOMO_DEGREE = 4
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How one policy is deployed for a comparison."""
+
+    policy: str
+    registry_name: str
+    composition: Composition
+    kind: WorkerKind = WorkerKind.CP
+    adaptive: bool = False
+    cache_manager: bool = False
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExperimentSpec:
+    """A sweep: the cluster, the knobs shared by all policies, and what to vary."""
+
+    gpus: int = 40
+    degrees: tuple[int, ...] = (2, 4)
+    gpus_per_node: int = 8
+    seed: int = 0
+    cache_blocks_per_gpu: int | None = None
+    window_s: float = 20.0
+    scan_interval_s: float = 20.0
+    beta: float | None = None
+    lam: float | None = None
+    slo: SloTable = QWEN3_SLO
+    static_thresholds: tuple[int, ...] = (4096, 8192, 16384, 32768)
+    vertumnus_overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+# --- compositions -----------------------------------------------------------------------------
+def historical_composition(
+    lattice: Lattice, profile: Profile, workload: Workload, window_s: float
+) -> Composition:
+    """§6.1's initial composition from the workload as history (lengths and window demand).
+
+    The demand of a window is estimated at the smallest degree (what the pool must at least
+    serve); its 90th percentile over the trace's windows is provisioned for.
+    """
+    degs = lattice.sorted_degrees
+    lens = [r.input_len for r in workload.requests]
+    if not lens:
+        return Composition.uniform(lattice, degs[-1])
+    cmin = degs[0]
+    n_windows = max(1, math.ceil((workload.duration_s or window_s) / window_s))
+    demand = [0.0] * n_windows
+    for r in workload.requests:
+        k = min(n_windows - 1, int(r.arrival_s // window_s))
+        demand[k] += profile.predict_fast(r.input_len, 0, cmin)
+    # Per-worker capacity is per window; provision the busy windows (not the average).
+    hist = HistoricalWorkload(
+        demand_s=demand_percentile(demand, 0.9),
+        samples=samples_from_lengths(lens[:: max(1, len(lens) // 2000)], profile, degs),
+    )
+    return initial_composition(lattice, profile, hist).composition
+
+
+def deployment_for(
+    policy: str,
+    lattice: Lattice,
+    initial: Composition,
+    spec: ExperimentSpec,
+) -> Deployment:
+    """The pool and settings ``policy``'s source would deploy (module table)."""
+    degs = lattice.sorted_degrees
+    homo_deg = HOMO_DEGREE if HOMO_DEGREE in degs else degs[-1]
+    homo = Composition.uniform(lattice, homo_deg)
+    jparams: dict[str, Any] = {}
+    if spec.beta is not None:
+        jparams["beta"] = spec.beta
+    if spec.lam is not None:
+        jparams["lam"] = spec.lam
+    if policy == "vertumnus":
+        ov = dict(spec.vertumnus_overrides)
+        return Deployment(policy, "vertumnus", ov.pop("composition", initial), adaptive=ov.pop(
+            "adaptive", True), cache_manager=ov.pop("cache_manager", True), params={**jparams, **ov})
+    if policy == "static":
+        return Deployment(policy, "static", initial)
+    if policy == "homo":
+        return Deployment(policy, "homo", homo, params=jparams)
+    if policy == "homo_cp2":
+        return Deployment(policy, "homo_cp2", Composition.uniform(lattice, degs[0]), params=jparams)
+    if policy == "vllm":
+        return Deployment(policy, "vllm", homo, kind=WorkerKind.TP)
+    if policy in ("sglang", "sglang_unbounded"):
+        return Deployment(policy, "sglang", homo,
+                          params={"unbounded": policy == "sglang_unbounded"})
+    if policy in ("dynamo", "llmd", "round_robin"):
+        return Deployment(policy, policy, homo)
+    raise InvalidInput(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
+
+
+# --- oracle -----------------------------------------------------------------------------------
+def oracle_ttfts(workload: Workload, truth: GroundTruth, degrees: Sequence[int]) -> np.ndarray:
+    """Zero-queue oracle TTFT per request (s): alone on an idle worker of its best degree, with
+    every earlier prefix cached (an infinite global cache in arrival order), no noise."""
+    seen: set[int] = set()
+    B = workload.block_size
+    out = np.empty(len(workload.requests))
+    for i, r in enumerate(workload.requests):
+        hit = 0
+        for h in r.block_hashes:
+            if h in seen:
+                hit += 1
+            else:
+                break
+        p = min(hit * B, r.input_len - 1)
+        out[i] = min(
+            truth.prefill_time(r.input_len - p, p, c) + truth.external_time(r.input_len, c)
+            for c in degrees
+        )
+        seen.update(r.block_hashes)
+    return out
+
+
+# --- one run ----------------------------------------------------------------------------------
+def run_deployment(
+    workload: Workload,
+    dep: Deployment,
+    profile: Profile,
+    spec: ExperimentSpec,
+    truth: GroundTruth | None = None,
+) -> SimResult:
+    cfg = SimConfig(
+        policy=dep.registry_name,
+        policy_params=dict(dep.params),
+        gpus=spec.gpus,
+        degrees=spec.degrees if dep.kind is WorkerKind.CP else tuple(sorted(set(spec.degrees) | {
+            g.degree for g in dep.composition.groups})),
+        gpus_per_node=spec.gpus_per_node,
+        worker_kind=dep.kind,
+        adaptive=dep.adaptive,
+        cache_manager=dep.cache_manager,
+        cache_blocks_per_gpu=spec.cache_blocks_per_gpu,
+        window_s=spec.window_s,
+        scan_interval_s=spec.scan_interval_s,
+        seed=spec.seed,
+    )
+    return Simulator(cfg, profile, truth).run(workload, dep.composition)
+
+
+def summarize_run(
+    res: SimResult,
+    *,
+    policy: str,
+    rate_scale: float,
+    slo: SloTable,
+    oracle: np.ndarray,
+    wall_s: float,
+) -> dict[str, Any]:
+    """The results.json row of one (policy, rate_scale) run."""
+    recs = res.records
+    done = [r for r in recs if r.ttft_s >= 0]
+    ttft = np.array([r.ttft_s for r in done]) if done else np.array([math.nan])
+    lens_all = np.array([r.input_len for r in recs], dtype=float)
+    # Token-weighted SLO counts every request; a failed one misses its deadline.
+    ttft_all = np.array([r.ttft_s if r.ttft_s >= 0 else math.inf for r in recs])
+    reused = sum(r.reused_tokens for r in done)
+    tokens = sum(r.input_len for r in done)
+    pred = np.array([r.predicted_s for r in done if r.actual_s > 0])
+    act = np.array([r.actual_s for r in done if r.actual_s > 0])
+    drains = [rc.drain_s for rc in res.reconfigurations if rc.exposed_s >= 0]
+    switches = [rc.switch_s for rc in res.reconfigurations if rc.exposed_s >= 0]
+    per_degree: dict[str, dict[str, float]] = {}
+    for c in sorted({r.degree for r in done}):
+        sub = [r for r in done if r.degree == c]
+        tok = sum(r.input_len for r in sub)
+        per_degree[str(c)] = {
+            "requests": len(sub),
+            "hit_rate": sum(r.reused_tokens for r in sub) / tok if tok else 0.0,
+            "mean_ttft_s": float(np.mean([r.ttft_s for r in sub])),
+        }
+    first, last = res.composition_timeline[0][1], res.composition_timeline[-1][1]
+    return {
+        "policy": policy,
+        "rate_scale": rate_scale,
+        "workload": res.workload_name,
+        "requests": len(recs),
+        "completed": len(done),
+        "failed": len(recs) - len(done),
+        "mean_ttft_s": float(np.mean(ttft)),
+        "p50_ttft_s": float(np.percentile(ttft, 50)),
+        "p90_ttft_s": float(np.percentile(ttft, 90)),
+        "p99_ttft_s": float(np.percentile(ttft, 99)),
+        "slo_attainment": slo_attainment(lens_all, ttft_all, slo) if recs else math.nan,
+        "hit_rate": reused / tokens if tokens else 0.0,
+        "gpu_seconds": res.gpu_seconds,
+        "reconfigurations": len(res.reconfigurations),
+        "splits": sum(rc.kind == "split" for rc in res.reconfigurations),
+        "merges": sum(rc.kind == "merge" for rc in res.reconfigurations),
+        "drain_s_mean": float(np.mean(drains)) if drains else None,
+        "drain_s_max": float(np.max(drains)) if drains else None,
+        "switch_s_mean": float(np.mean(switches)) if switches else None,
+        "replications": res.replications,
+        "reclamations": res.reclamations,
+        "oracle_mean_ttft_s": float(np.mean(oracle)) if oracle.size else math.nan,
+        "prediction_mape": float(np.mean(np.abs(pred - act) / act)) if act.size else None,
+        "composition_start": {str(k): v for k, v in first.items()},
+        "composition_end": {str(k): v for k, v in last.items()},
+        "per_degree": per_degree,
+        "request_rate": len(recs) / res_duration(res) if recs else 0.0,
+        "wall_s": wall_s,
+        "sim_requests_per_wall_s": len(recs) / wall_s if wall_s > 0 else None,
+    }
+
+
+def res_duration(res: SimResult) -> float:
+    if not res.records:
+        return 0.0
+    span = max(r.arrival_s for r in res.records) - min(r.arrival_s for r in res.records)
+    return span if span > 0 else 1.0
+
+
+# --- static threshold profiling ---------------------------------------------------------------
+def profile_static_threshold(
+    workload: Workload,
+    lattice: Lattice,
+    initial: Composition,
+    profile: Profile,
+    spec: ExperimentSpec,
+    truth: GroundTruth | None = None,
+    *,
+    rate_scale: float = 1.0,
+) -> tuple[int, dict[int, float]]:
+    """Static's length threshold, profiled offline (peer-routing.md): the best of a few
+    candidate lengths by mean TTFT on this composition at a rate below saturation."""
+    wl = scale_rate(workload, rate_scale) if rate_scale != 1.0 else workload
+    scores: dict[int, float] = {}
+    for th in spec.static_thresholds:
+        dep = Deployment("static", "static", initial, params={"threshold_tokens": th})
+        res = run_deployment(wl, dep, profile, spec, truth)
+        done = [r.ttft_s for r in res.records if r.ttft_s >= 0]
+        scores[th] = float(np.mean(done)) if done else math.inf
+    best = min(scores, key=lambda t: (scores[t], t))
+    return best, scores
+
+
+# --- the sweep --------------------------------------------------------------------------------
+def sweep(
+    workload: Workload,
+    policies: Sequence[str],
+    rate_scales: Sequence[float],
+    profile: Profile,
+    spec: ExperimentSpec,
+    truth: GroundTruth | None = None,
+    *,
+    on_run: Callable[[str, float], None] | None = None,
+    static_profile_rate: float | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run every (policy, rate_scale); returns result rows and a side dict (compositions,
+    profiled static threshold, timelines) for the report."""
+    truth = truth or GroundTruth()
+    lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
+    initial = historical_composition(lattice, profile, workload, spec.window_s)
+    side: dict[str, Any] = {"initial_composition": initial.describe(), "timelines": {}}
+    static_th = None
+    if "static" in policies:
+        static_th, scores = profile_static_threshold(
+            workload, lattice, initial, profile, spec, truth,
+            rate_scale=static_profile_rate or min(rate_scales),
+        )
+        side["static_threshold_tokens"] = static_th
+        side["static_threshold_scores"] = {str(k): v for k, v in scores.items()}
+    rows: list[dict[str, Any]] = []
+    for scale in rate_scales:
+        wl = scale_rate(workload, scale) if scale != 1.0 else workload
+        oracle = oracle_ttfts(wl, truth, spec.degrees)
+        for pol in policies:
+            variants = ("sglang", "sglang_unbounded") if pol == "sglang" else (pol,)
+            best_row: dict[str, Any] | None = None
+            for var in variants:
+                dep = deployment_for(var, lattice, initial, spec)
+                if var == "static" and static_th is not None:
+                    dep = replace(dep, params={"threshold_tokens": static_th})
+                t0 = time.perf_counter()
+                res = run_deployment(wl, dep, profile, spec, truth)
+                wall = time.perf_counter() - t0
+                row = summarize_run(res, policy=pol, rate_scale=scale, slo=spec.slo,
+                                    oracle=oracle, wall_s=wall)
+                row["variant"] = var
+                if best_row is None or row["mean_ttft_s"] < best_row["mean_ttft_s"]:
+                    best_row = row
+                if pol == "vertumnus":
+                    side["timelines"][str(scale)] = [
+                        [t, {str(k): v for k, v in c.items()}] for t, c in res.composition_timeline
+                    ]
+            assert best_row is not None
+            rows.append(best_row)
+            if on_run is not None:
+                on_run(pol, scale)
+    return rows, side
+
+
+def strongest_baseline(rows: Iterable[Mapping[str, Any]], rate_scale: float,
+                       metric: str = "mean_ttft_s", higher_is_better: bool = False
+                       ) -> Mapping[str, Any] | None:
+    """The baseline (not ``vertumnus``) best on ``metric`` at ``rate_scale``."""
+    cands = [r for r in rows if r["rate_scale"] == rate_scale and r["policy"] != "vertumnus"]
+    if not cands:
+        return None
+    key = (lambda r: -r[metric]) if higher_is_better else (lambda r: r[metric])
+    return min(cands, key=key)

@@ -1,0 +1,439 @@
+"""`vertumnus profile` on the simulated backend: measure, fit Ê_C, measure κ_C, write files.
+
+1. **Measure** queue-free prefill times of the (R, P, C) grid of ground-truth.md — R powers of
+   two 1K..128K, P ∈ {0, 2K, 8K, 32K, 64K}, C ∈ {1, 2, 4, 8} — on the *noisy* ground truth,
+   exactly as one would time a real engine.
+2. **Fit** Eq. 2 with one coefficient set (shared.costmodel.fit_profile) and report its error
+   against the measurements and against the noise-free ground truth, overall and per degree,
+   with a predicted-vs-measured scatter plot (the paper's Figure 4a).
+3. **κ_C by a load ramp**: one degree-C worker serves a Poisson stream of requests whose input
+   lengths are drawn from a workload, FIFO, with ground-truth service times, at increasing
+   offered load. Per window of H seconds we record the demand D (Σ Ê_C of the requests that
+   arrived in it, s) and the token-weighted TTFT SLO attainment of those requests, with
+   TTFT = queueing + prefill + KV handoff + first decode. κ_C is the largest demand per window
+   at which attainment still meets the target (default 90%), interpolated between the last
+   passing and the first failing load level. Requests are served uncached (P = 0): κ is a
+   capacity in *predicted seconds*, and the controller's demand is measured in the same unit
+   whatever the cache saves.
+
+The scheduler only ever gets the resulting profile file, never the ground truth.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from shared.costmodel import Profile, Sample, fit_profile, mape
+from shared.ids import InvalidInput
+from sim.groundtruth import DEFAULT_GROUND_TRUTH, GroundTruth, Kind, NoisyGroundTruth
+from sim.metrics import QWEN3_SLO, SloTable
+from sim.workloads import Workload, generate, load_workload, workload_stats
+
+PROFILE_R: Final[tuple[int, ...]] = tuple(1 << i for i in range(10, 18))
+PROFILE_P: Final[tuple[int, ...]] = (0, 2048, 8192, 32768, 65536)
+PROFILE_DEGREES: Final[tuple[int, ...]] = (1, 2, 4, 8)
+# The note's fit of the noise-free truth, for comparison in the report.
+NOTE_COEFFICIENTS: Final[dict[str, float]] = {
+    "d": 0.091,
+    "a": 52.8e-6,
+    "b": 6.9e-6,
+    "c": 24.4e-6,
+    "alpha": 6.63e-9,
+}
+
+PROFILE_FILE: Final[str] = "profile.json"
+REPORT_FILE: Final[str] = "profile_report.json"
+PLOT_FILE: Final[str] = "profile_fit.png"
+SAMPLES_FILE: Final[str] = "profile_samples.csv"
+
+
+def _check_degrees(degrees: Sequence[int]) -> tuple[int, ...]:
+    degs = tuple(sorted(set(int(d) for d in degrees)))
+    if not degs or any(d < 1 for d in degs):
+        raise InvalidInput(f"degrees must be a non-empty set of integers >= 1, got {degrees!r}")
+    return degs
+
+
+def profile_grid(
+    degrees: Sequence[int] = PROFILE_DEGREES,
+    r_values: Sequence[int] = PROFILE_R,
+    p_values: Sequence[int] = PROFILE_P,
+) -> list[tuple[int, int, int]]:
+    """The (R, P, C) points to measure, in a fixed order."""
+    return [(r, p, c) for c in _check_degrees(degrees) for r in r_values for p in p_values]
+
+
+def measure_samples(
+    truth: NoisyGroundTruth,
+    grid: Sequence[tuple[int, int, int]],
+    *,
+    repeats: int = 1,
+    kind: Kind = "cp",
+) -> list[Sample]:
+    """Time every grid point ``repeats`` times on the noisy ground truth."""
+    if repeats < 1:
+        raise InvalidInput(f"repeats must be >= 1, got {repeats}")
+    return [
+        Sample(r, p, c, truth.prefill_time(r, p, c, kind=kind))
+        for _ in range(repeats)
+        for r, p, c in grid
+    ]
+
+
+def score_against_truth(
+    profile: Profile, grid: Sequence[tuple[int, int, int]], truth: GroundTruth, *, kind: Kind = "cp"
+) -> dict[str, Any]:
+    """MAPE of the profile against the noise-free ground truth, overall, per degree, worst."""
+    exact = [Sample(r, p, c, truth.prefill_time(r, p, c, kind=kind)) for r, p, c in grid]
+    overall, per = mape(profile, exact)
+    worst = max(
+        exact, key=lambda s: abs(profile.predict(s.r, s.p, s.degree) - s.seconds) / s.seconds
+    )
+    worst_err = abs(profile.predict(worst.r, worst.p, worst.degree) - worst.seconds) / worst.seconds
+    return {
+        "mape": overall,
+        "mape_per_degree": {str(c): m for c, m in per.items()},
+        "worst": {"r": worst.r, "p": worst.p, "degree": worst.degree, "error": worst_err},
+    }
+
+
+def plot_fit(
+    profile: Profile, samples: Sequence[Sample], path: str | Path, *, title: str = ""
+) -> Path:
+    """Log-log scatter of predicted vs measured prefill time, one colour per degree."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.0, 4.5), dpi=120)
+    lo, hi = math.inf, 0.0
+    for c in sorted({s.degree for s in samples}):
+        meas = np.array([s.seconds for s in samples if s.degree == c])
+        pred = np.array([profile.predict(s.r, s.p, s.degree) for s in samples if s.degree == c])
+        ax.scatter(meas, pred, s=12, alpha=0.75, label=f"C={c}")
+        lo, hi = min(lo, meas.min(), pred.min()), max(hi, meas.max(), pred.max())
+    line = np.array([lo * 0.8, hi * 1.25])
+    ax.plot(line, line, "k-", lw=0.8, label="y = x")
+    ax.plot(line, line * 1.15, "k:", lw=0.6, label="±15%")
+    ax.plot(line, line / 1.15, "k:", lw=0.6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("Measured prefill time (s)")
+    ax.set_ylabel("Predicted prefill time (s)")
+    ax.set_title(title or f"Ê_C fit, MAPE {100 * (profile.fit_mape or math.nan):.1f}%", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+# --- κ by load ramp ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KappaRamp:
+    """Load-ramp settings. Offered load ρ = arrival rate × mean predicted service time."""
+
+    window_s: float = 20.0
+    windows_per_level: int = 30
+    """Minimum windows simulated per load level."""
+    min_requests_per_level: int = 1500
+    """Levels are lengthened (in whole windows) until this many requests arrive on average,
+    so attainment at light load is not decided by a handful of requests."""
+    warmup_windows: int = 2
+    """Leading windows of each level left out (the queue starts empty)."""
+    target: float = 0.9
+    load_start: float = 0.05
+    load_step: float = 0.05
+    load_max: float = 1.5
+    slo: SloTable = QWEN3_SLO
+
+    def __post_init__(self) -> None:
+        if not (self.window_s > 0 and self.windows_per_level > self.warmup_windows >= 0):
+            raise InvalidInput("need window_s > 0 and windows_per_level > warmup_windows >= 0")
+        if self.min_requests_per_level < 1:
+            raise InvalidInput("min_requests_per_level must be >= 1")
+        if not 0 < self.target <= 1:
+            raise InvalidInput(f"SLO attainment target must be in (0, 1], got {self.target}")
+        if not 0 < self.load_start <= self.load_max or self.load_step <= 0:
+            raise InvalidInput("need 0 < load_start <= load_max and load_step > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class KappaResult:
+    """κ_C (s of predicted service per window) and the ramp it came from.
+
+    ``status``: "ok" (target crossed; κ interpolated between the last passing and the first
+    failing level), "ceiling" (target met up to load_max; κ is a lower bound), "never_met"
+    (missed even at the lightest load; κ = that level's demand × attainment / target, a
+    pessimistic stand-in), "infeasible" (no length of the workload meets its deadline on an
+    idle degree-C worker; κ = 1e-6). ``excluded_token_share``: input tokens of lengths left
+    out because an idle degree-C worker misses their deadline anyway (they are the larger
+    degrees' work).
+    """
+
+    degree: int
+    kappa: float
+    status: str
+    excluded_token_share: float
+    levels: tuple[dict[str, float], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "degree": self.degree,
+            "kappa": self.kappa,
+            "status": self.status,
+            "excluded_token_share": self.excluded_token_share,
+            "levels": list(self.levels),
+        }
+
+
+def _ramp_level(
+    profile: Profile,
+    truth: NoisyGroundTruth,
+    degree: int,
+    lengths: np.ndarray,
+    load: float,
+    mean_pred: float,
+    ramp: KappaRamp,
+    rng: np.random.Generator,
+    kind: Kind,
+) -> dict[str, float]:
+    """One load level: a FIFO single worker; windows indexed by each request's completion."""
+    rate = load / mean_pred
+    n_windows = max(
+        ramp.windows_per_level, math.ceil(ramp.min_requests_per_level / (rate * ramp.window_s))
+    )
+    horizon = ramp.window_s * n_windows
+    demand = np.zeros(n_windows + 1)
+    tok_all = np.zeros(n_windows + 1)
+    tok_ok = np.zeros(n_windows + 1)
+    busy = 0.0
+    free_at = 0.0
+    served = 0
+    t = rng.exponential(1.0 / rate)
+    while t < horizon:
+        length = int(lengths[rng.integers(len(lengths))])
+        service = truth.prefill_time(length, 0, degree, kind=kind)
+        free_at = max(t, free_at) + service
+        busy += service
+        ttft = free_at - t + truth.external_time(length, degree)
+        # Requests finishing after the horizon count in the overflow window (never scored).
+        w = min(int(free_at // ramp.window_s), n_windows)
+        demand[w] += profile.predict_fast(length, 0, degree)
+        tok_all[w] += length
+        if ttft <= ramp.slo.deadline(length):
+            tok_ok[w] += length
+        served += 1
+        t += rng.exponential(1.0 / rate)
+    kept = slice(ramp.warmup_windows, n_windows)
+    scored = tok_all[kept].sum()
+    return {
+        "load": load,
+        "rate_req_per_s": rate,
+        "windows": n_windows - ramp.warmup_windows,
+        "requests": served,
+        "demand_mean_s": float(demand[kept].mean()),
+        "demand_p90_s": float(np.percentile(demand[kept], 90)),
+        "attainment": float(tok_ok[kept].sum() / scored) if scored else 1.0,
+        "utilisation": busy / horizon,
+    }
+
+
+def measure_kappa(
+    profile: Profile,
+    truth: NoisyGroundTruth,
+    degree: int,
+    lengths: Sequence[int] | np.ndarray,
+    *,
+    rng: np.random.Generator,
+    ramp: KappaRamp = KappaRamp(),
+    kind: Kind = "cp",
+) -> KappaResult:
+    """κ_C of one degree-C worker for a length distribution (see the module docstring)."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    if lens.size == 0 or (lens < 1).any():
+        raise InvalidInput("kappa ramp needs a non-empty set of input lengths >= 1")
+    # Lengths an idle degree-C worker cannot serve within their deadline say nothing about
+    # its capacity; the scheduler sends them to larger degrees.
+    feasible = np.array(
+        [
+            truth.noise_free(int(x), 0, degree, kind=kind) + truth.external_time(int(x), degree)
+            <= ramp.slo.deadline(int(x))
+            for x in lens
+        ]
+    )
+    excluded = float(lens[~feasible].sum() / lens.sum())
+    lens = lens[feasible]
+    if lens.size == 0:
+        return KappaResult(degree, 1e-6, "infeasible", excluded, ())
+    mean_pred = float(np.mean([profile.predict_fast(int(x), 0, degree) for x in lens]))
+    levels: list[dict[str, float]] = []
+    load = ramp.load_start
+    while load <= ramp.load_max + 1e-9:
+        lvl = _ramp_level(profile, truth, degree, lens, load, mean_pred, ramp, rng, kind)
+        levels.append(lvl)
+        if lvl["attainment"] < ramp.target:
+            break
+        load = round(load + ramp.load_step, 10)
+    last = levels[-1]
+    if last["attainment"] >= ramp.target:
+        return KappaResult(degree, last["demand_mean_s"], "ceiling", excluded, tuple(levels))
+    if len(levels) == 1:
+        kappa = last["demand_mean_s"] * last["attainment"] / ramp.target
+        return KappaResult(degree, max(kappa, 1e-6), "never_met", excluded, tuple(levels))
+    ok, bad = levels[-2], levels[-1]
+    frac = (ok["attainment"] - ramp.target) / (ok["attainment"] - bad["attainment"])
+    kappa = ok["demand_mean_s"] + frac * (bad["demand_mean_s"] - ok["demand_mean_s"])
+    return KappaResult(degree, kappa, "ok", excluded, tuple(levels))
+
+
+# --- the whole command ---------------------------------------------------------------------
+def run_profile(
+    out_dir: str | Path,
+    *,
+    degrees: Sequence[int] = PROFILE_DEGREES,
+    seed: int = 0,
+    truth: GroundTruth = DEFAULT_GROUND_TRUTH,
+    noise_sigma: float = 0.04,
+    repeats: int = 1,
+    kappa_workload: Workload | None = None,
+    ramp: KappaRamp = KappaRamp(),
+    kind: Kind = "cp",
+    measure_kappas: bool = True,
+) -> tuple[Profile, dict[str, Any]]:
+    """Profile the simulated backend; write profile.json, the scatter plot (+ CSV) and a report.
+
+    Returns the profile (coefficients, fit MAPE against the measurements, κ per degree with
+    ``window_s`` = the ramp's H) and the report dict also written to ``profile_report.json``.
+    ``kappa_workload`` supplies the κ ramp's length distribution (default: the embedded
+    synthetic workload for ``seed``). Deterministic for a seed.
+    """
+    degs = _check_degrees(degrees)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meas_seq, kappa_noise_seq, kappa_arr_seq = np.random.SeedSequence(seed).spawn(3)
+    meter = NoisyGroundTruth(int(meas_seq.generate_state(1)[0]), noise_sigma, truth)
+    grid = profile_grid(degs)
+    samples = measure_samples(meter, grid, repeats=repeats, kind=kind)
+    base = Profile(
+        model=truth.model.name, hardware=truth.gpu.name if kind == "cp" else f"{truth.gpu.name} TP"
+    )
+    profile = fit_profile(samples, base=base)
+    truth_score = score_against_truth(profile, grid, truth, kind=kind)
+
+    kappa_report: dict[str, Any] = {}
+    wl_info: dict[str, Any] | None = None
+    if measure_kappas:
+        wl = kappa_workload if kappa_workload is not None else generate(seed=seed)
+        wl_info = {k: v for k, v in workload_stats(wl).items() if not isinstance(v, dict)}
+        lengths = np.array([r.input_len for r in wl.requests], dtype=np.int64)
+        k_truth = NoisyGroundTruth(int(kappa_noise_seq.generate_state(1)[0]), noise_sigma, truth)
+        k_rng = np.random.default_rng(kappa_arr_seq)
+        kappas: dict[int, float] = {}
+        for c in degs:
+            res = measure_kappa(profile, k_truth, c, lengths, rng=k_rng, ramp=ramp, kind=kind)
+            kappas[c] = res.kappa
+            kappa_report[str(c)] = res.as_dict()
+        profile = replace(profile.with_kappa(kappas), window_s=ramp.window_s)
+
+    profile_path = out / PROFILE_FILE
+    profile.save(profile_path)
+    plot_fit(
+        profile,
+        samples,
+        out / PLOT_FILE,
+        title=f"{truth.model.name} on {truth.gpu.name} ({kind.upper()}): MAPE "
+        f"{100 * (profile.fit_mape or math.nan):.1f}% vs measured, "
+        f"{100 * truth_score['mape']:.1f}% vs truth",
+    )
+    with (out / SAMPLES_FILE).open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["r", "p", "degree", "measured_s", "predicted_s", "truth_s"])
+        for s in samples:
+            w.writerow(
+                [
+                    s.r,
+                    s.p,
+                    s.degree,
+                    f"{s.seconds:.6g}",
+                    f"{profile.predict(s.r, s.p, s.degree):.6g}",
+                    f"{truth.prefill_time(s.r, s.p, s.degree, kind=kind):.6g}",
+                ]
+            )
+    report: dict[str, Any] = {
+        "backend": "sim",
+        "kind": kind,
+        "seed": seed,
+        "noise_sigma": noise_sigma,
+        "repeats": repeats,
+        "degrees": list(degs),
+        "model": truth.model.name,
+        "gpu": truth.gpu.name,
+        "grid": {
+            "r": list(PROFILE_R),
+            "p": list(PROFILE_P),
+            "points": len(grid),
+            "samples": len(samples),
+        },
+        "coefficients": profile.coefficients.as_dict(),
+        "note_coefficients": NOTE_COEFFICIENTS,
+        "fit_vs_measured": {
+            "mape": profile.fit_mape,
+            "mape_per_degree": {str(c): m for c, m in profile.fit_mape_per_degree.items()},
+        },
+        "fit_vs_truth": truth_score,
+        "kappa": {str(c): k for c, k in profile.kappa.items()},
+        "kappa_ramp": {
+            **{k: v for k, v in asdict(ramp).items() if k != "slo"},
+            "slo": [[b if math.isfinite(b) else "inf", tau] for b, tau in ramp.slo.bounds],
+            "results": kappa_report,
+        },
+        "kappa_workload": wl_info,
+        "files": {
+            "profile": PROFILE_FILE,
+            "plot": PLOT_FILE,
+            "samples": SAMPLES_FILE,
+            "report": REPORT_FILE,
+        },
+    }
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    return profile, report
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def profile_command(
+    out_dir: str | Path,
+    backend: str = "sim",
+    degrees: Sequence[int] = PROFILE_DEGREES,
+    seed: int = 0,
+    kappa_workload: Workload | str | Path | None = None,
+) -> Path:
+    """CLI entry of ``vertumnus profile``: returns the path of the written profile.json.
+
+    ``kappa_workload`` may be a Workload, a trace path or "synthetic" (loaded with
+    :func:`sim.workloads.load_workload`; L-Eval needs a rate, so pass a Workload for it).
+    Only the ``sim`` backend is implemented here.
+    """
+    if backend != "sim":
+        raise InvalidInput(f"profiling backend {backend!r} is not supported here (only 'sim')")
+    wl = kappa_workload
+    if isinstance(wl, (str, Path)):
+        wl = load_workload(wl, seed=seed)
+    run_profile(out_dir, degrees=degrees, seed=seed, kappa_workload=wl)
+    return Path(out_dir) / PROFILE_FILE

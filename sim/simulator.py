@@ -1,0 +1,572 @@
+"""Discrete-event simulator of a prefill pool driven by the project's own policy cores.
+
+One virtual clock, a heap of events, and simulated workers whose prefill takes the *ground
+truth* time (``sim.groundtruth``, with seeded noise). Everything that decides runs through the
+same cores as the live services:
+
+* placement — the policy from ``services.scheduler`` (``make_policy``), with the scheduler's
+  :class:`~services.scheduler.load.WorkerLoad` reservations;
+* the global prefix trie — ``services.cachemgr.trie.PrefixTrie`` fed by each worker's local
+  LRU block cache (``services.rankd.blockcache.BlockCache``) through cache events; Algorithm 1
+  per request and Algorithm 2 scans with replication transfers that become visible only when
+  the destination's own stored event arrives;
+* the controller — ``services.controller`` windows, planner and lifecycle: split and merge with
+  drain (queued requests redirected, in-flight prefill finishing under the old geometry) and a
+  switch time, then §6.2 reconciliation of the retained prefixes.
+
+Honesty: the policies see only the fitted :class:`~shared.costmodel.Profile`; ground truth is
+consulted only to advance the clock. Deterministic for a given seed.
+
+TTFT = prefill finish + KV handoff + first decode step − arrival (design.md, Metrics).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.cachemgr.actions import Reclaim, Replicate
+from services.cachemgr.reconcile import on_reuse, reconcile_merge, reconcile_split
+from services.cachemgr.scan import ScanConfig
+from services.cachemgr.trie import PrefixTrie
+from services.controller.core import ControllerCore
+from services.controller.lattice import Composition, Lattice, OpKind
+from services.controller.planner import ControllerConfig, Plan
+from services.rankd.blockcache import BlockCache
+from services.scheduler.core import SchedulerCore
+from services.scheduler.errors import NoEligibleWorker
+from services.scheduler.registry import make_policy
+from services.scheduler.view import ClusterView, RequestInfo, WorkerView
+from shared.costmodel import Profile
+from shared.ids import BlockHash, InvalidInput, RequestId, WorkerId
+from shared.worker import GpuGroup, Lifecycle, WorkerKind
+from sim.groundtruth import GroundTruth, NoisyGroundTruth
+from sim.workloads.workload import Request, Workload
+
+# Event kinds (ints: the heap compares tuples, and ints are the cheapest tie-breakers).
+_ARRIVE, _FINISH, _WINDOW, _SCAN, _XFER, _SWITCHED = range(6)
+
+DEFAULT_SCAN_CONFIG = ScanConfig(
+    theta_inter=2.0, theta_intra=16.0, theta_reclaim=1.0, decay=0.5, max_actions_per_list=1
+)
+"""Provisional scan thresholds (calibrated by ``vertumnus calibrate``; see sim/calibration.py).
+
+θ_inter in seconds of predicted benefit missed at the preferred degree; θ_intra / θ_reclaim in
+decayed accesses per replica (with decay 0.5 a steady rate of n accesses per scan settles at 2n);
+one action per list per scan (the paper dispatches at most one transfer per scan)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated deployment.
+
+    ``adaptive`` turns the controller's split/merge on; ``cache_manager`` turns Algorithm 1's
+    statistics, the scan's replication / reclamation and lazy reconciliation on.
+    ``cache_blocks_per_gpu`` = None uses the ground truth's HBM budget.
+    """
+
+    policy: str = "vertumnus"
+    policy_params: Mapping[str, Any] = field(default_factory=dict)
+    gpus: int = 40
+    degrees: tuple[int, ...] = (2, 4)
+    gpus_per_node: int = 8
+    worker_kind: WorkerKind = WorkerKind.CP
+    adaptive: bool = False
+    cache_manager: bool = False
+    cache_blocks_per_gpu: int | None = None
+    max_seq_len: int = 262_144
+    window_s: float = 20.0
+    scan_interval_s: float = 20.0
+    seed: int = 0
+    noise_sigma: float = 0.04
+    scan_config: ScanConfig = DEFAULT_SCAN_CONFIG
+    controller_config: ControllerConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise InvalidInput(f"gpus must be >= 1, got {self.gpus}")
+        if not self.degrees:
+            raise InvalidInput("degrees must not be empty")
+        if self.window_s <= 0 or self.scan_interval_s <= 0:
+            raise InvalidInput("window_s and scan_interval_s must be > 0")
+        if self.cache_blocks_per_gpu is not None and self.cache_blocks_per_gpu < 1:
+            raise InvalidInput("cache_blocks_per_gpu must be >= 1")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request (seconds, tokens). ``ttft_s`` < 0: never completed."""
+
+    request_id: str
+    arrival_s: float
+    input_len: int
+    worker: str = ""
+    degree: int = 0
+    reused_tokens: int = 0
+    predicted_s: float = 0.0
+    actual_s: float = 0.0
+    start_s: float = -1.0
+    finish_s: float = -1.0
+    ttft_s: float = -1.0
+    redirected: int = 0
+    failed: str = ""
+
+
+@dataclass(slots=True)
+class Reconfiguration:
+    """One split or merge as it happened (times in simulated seconds)."""
+
+    kind: str
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    decided_s: float
+    reason: str
+    rid: int = -1
+    drained_s: float = -1.0
+    exposed_s: float = -1.0
+
+    @property
+    def drain_s(self) -> float:
+        return self.drained_s - self.decided_s
+
+    @property
+    def switch_s(self) -> float:
+        return self.exposed_s - self.drained_s
+
+
+@dataclass(slots=True)
+class _Job:
+    req: Request
+    rec: RequestRecord
+    info: RequestInfo
+
+
+class _SimWorker:
+    __slots__ = ("wid", "group", "kind", "cache", "queue", "running", "lifecycle", "pinned")
+
+    def __init__(self, wid: WorkerId, group: GpuGroup, kind: WorkerKind, capacity: int) -> None:
+        self.wid = wid
+        self.group = group
+        self.kind = kind
+        self.cache = BlockCache(wid, capacity)
+        self.queue: deque[_Job] = deque()
+        self.running: _Job | None = None
+        self.lifecycle = Lifecycle.ACTIVE
+        self.pinned: tuple[BlockHash, ...] = ()
+
+
+@dataclass
+class SimResult:
+    """Everything a run produced."""
+
+    config: SimConfig
+    workload_name: str
+    records: list[RequestRecord]
+    reconfigurations: list[Reconfiguration]
+    composition_timeline: list[tuple[float, dict[int, int]]]
+    gpu_seconds: float
+    replications: int
+    reclamations: int
+    reconcile_transfers: int
+    end_s: float
+
+
+class Simulator:
+    """Run one workload through one :class:`SimConfig`. One :meth:`run` per instance."""
+
+    def __init__(
+        self, config: SimConfig, profile: Profile, ground_truth: GroundTruth | None = None
+    ) -> None:
+        self.cfg = config
+        self.profile = profile
+        self.B = profile.block_size
+        self.gt = NoisyGroundTruth(ground_truth or GroundTruth(), seed=config.seed,
+                                   sigma=config.noise_sigma)
+        self.lattice = Lattice(config.gpus, config.degrees, gpus_per_node=config.gpus_per_node)
+        policy = make_policy(config.policy, profile=profile,
+                             rng=random.Random(config.seed + 1), **dict(config.policy_params))
+        self.sched = SchedulerCore(policy, ClusterView((), block_size=self.B))
+        self.trie = PrefixTrie(config.degrees, block_size=self.B)
+        self.workers: dict[WorkerId, _SimWorker] = {}
+        self.jobs: dict[str, _Job] = {}
+        self.ctl: ControllerCore | None = None
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
+        self._seq = 0
+        self.records: list[RequestRecord] = []
+        self.reconfigs: list[Reconfiguration] = []
+        self.timeline: list[tuple[float, dict[int, int]]] = []
+        self._reconf: Reconfiguration | None = None
+        self._plan: Plan | None = None
+        self._parked: deque[_Job] = deque()
+        self.gpu_seconds = 0.0
+        self.replications = 0
+        self.reclamations = 0
+        self.reconcile_transfers = 0
+
+    # ------------------------------------------------------------------ set-up
+    def _capacity_blocks(self, degree: int) -> int:
+        per_gpu = self.cfg.cache_blocks_per_gpu
+        if per_gpu is None:
+            return self.gt.truth.kv_capacity_blocks(degree, block_size=self.B)
+        return per_gpu * degree
+
+    def _worker_id(self, group: GpuGroup) -> WorkerId:
+        if self.cfg.worker_kind is WorkerKind.CP:
+            return group.worker_id
+        return WorkerId(f"w-tp{group.degree}-g{group.first_gpu}")
+
+    def _new_worker(self, group: GpuGroup, *, register: bool = True) -> _SimWorker:
+        wid = self._worker_id(group)
+        w = _SimWorker(wid, group, self.cfg.worker_kind, self._capacity_blocks(group.degree))
+        self.workers[wid] = w
+        if register:
+            self.trie.add_worker(wid, group.degree, w.cache.capacity_blocks)
+        return w
+
+    def _rebuild_view(self) -> None:
+        self.sched.set_view(ClusterView(
+            tuple(
+                WorkerView(
+                    worker_id=wid,
+                    degree=w.group.degree,
+                    kind=w.kind,
+                    lifecycle=w.lifecycle,
+                    max_seq_len=self.cfg.max_seq_len,
+                    kv_capacity_tokens=w.cache.capacity_blocks * self.B,
+                )
+                for wid, w in self.workers.items()
+                if w.lifecycle is Lifecycle.ACTIVE
+            ),
+            block_size=self.B,
+        ))
+
+    def _record_composition(self, now: float) -> None:
+        counts: dict[int, int] = {}
+        for w in self.workers.values():
+            counts[w.group.degree] = counts.get(w.group.degree, 0) + 1
+        self.timeline.append((now, dict(sorted(counts.items()))))
+
+    # ------------------------------------------------------------------ event plumbing
+    def _push(self, t: float, kind: int, a: Any = None, b: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, a, b))
+
+    def _drain_cache_events(self, w: _SimWorker) -> None:
+        apply = self.trie.apply
+        for ev in w.cache.take_events():
+            apply(ev)
+
+    # ------------------------------------------------------------------ run
+    def run(self, workload: Workload, composition: Composition,
+            progress: Callable[[int], None] | None = None) -> SimResult:
+        """Simulate ``workload`` from ``composition``; returns every request's record.
+
+        ``progress(n)`` is called with the number of requests finished so far, every 1,000.
+        """
+        if workload.block_size != self.B:
+            raise InvalidInput(
+                f"workload block size {workload.block_size} != profile block size {self.B}"
+            )
+        if composition.lattice.num_gpus != self.cfg.gpus:
+            raise InvalidInput("composition and config disagree on the GPU count")
+        for g in composition.groups:
+            self._new_worker(g)
+        self._rebuild_view()
+        self._record_composition(0.0)
+        if self.cfg.adaptive:
+            cc = self.cfg.controller_config or ControllerConfig(window_s=self.cfg.window_s)
+            self.ctl = ControllerCore(composition, self.profile, cc)
+            self._push(cc.window_s, _WINDOW)
+        for req in workload.requests:
+            self._push(req.arrival_s, _ARRIVE, req)
+        if self.cfg.cache_manager:
+            self._push(self.cfg.scan_interval_s, _SCAN)
+        remaining = len(workload.requests)
+        done = 0
+        now = 0.0
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            now, _, kind, a, b = pop(heap)
+            if kind == _FINISH:
+                self._finish(a, b, now)
+                remaining -= 1
+                done += 1
+                if progress is not None and done % 1000 == 0:
+                    progress(done)
+            elif kind == _ARRIVE:
+                self._arrive(a, now)
+            elif kind == _WINDOW:
+                if remaining > 0:
+                    self._window(now)
+                    self._push(now + self.ctl.config.window_s, _WINDOW)  # type: ignore[union-attr]
+            elif kind == _SCAN:
+                if remaining > 0:
+                    self._scan(now)
+                    self._push(now + self.cfg.scan_interval_s, _SCAN)
+            elif kind == _XFER:
+                self._transfer_done(a, now)
+            elif kind == _SWITCHED:
+                self._switched(now)
+        # Requests that never got a worker (failed placement) were counted as records already.
+        return SimResult(
+            config=self.cfg,
+            workload_name=workload.name,
+            records=self.records,
+            reconfigurations=self.reconfigs,
+            composition_timeline=self.timeline,
+            gpu_seconds=self.gpu_seconds,
+            replications=self.replications,
+            reclamations=self.reclamations,
+            reconcile_transfers=self.reconcile_transfers,
+            end_s=now,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def _arrive(self, req: Request, now: float) -> None:
+        rec = RequestRecord(req.request_id, req.arrival_s, req.input_len)
+        self.records.append(rec)
+        info = RequestInfo(RequestId(req.request_id), req.input_len, req.block_hashes,
+                           req.arrival_s)
+        job = _Job(req, rec, info)
+        self.jobs[req.request_id] = job
+        self._place(job, now)
+
+    def _place(self, job: _Job, now: float) -> None:
+        req = job.req
+        match = self.trie.match(req.block_hashes)
+        try:
+            d = self.sched.place(job.info, match.held_blocks, now)
+        except NoEligibleWorker as exc:
+            if self._reconf is not None and req.input_len <= self.cfg.max_seq_len:
+                # Every fitting worker is reconfiguring: hold it until the new workers exist.
+                self._parked.append(job)
+                return
+            job.rec.failed = str(exc)
+            del self.jobs[req.request_id]
+            return
+        if self.cfg.cache_manager:
+            self.trie.record_request(
+                match, d.worker, d.degree, d.reused_blocks, d.preferred_degree, req.input_len,
+                self.profile.predict_fast,
+            )
+            for act in on_reuse(self.trie, d.worker, req.block_hashes):
+                self._issue_transfer(act, now)
+        if self.ctl is not None:
+            self.ctl.assigned(now, d.predicted_s, req.input_len, d.degree)
+        job.rec.worker = d.worker
+        job.rec.degree = d.degree
+        job.rec.predicted_s = d.predicted_s
+        w = self.workers[d.worker]
+        w.queue.append(job)
+        if w.running is None:
+            self._start(w, now)
+
+    def _start(self, w: _SimWorker, now: float) -> None:
+        job = w.queue.popleft()
+        L = job.req.input_len
+        blocks = job.req.block_hashes
+        # What the worker can reuse *now* (its cache may have changed since placement).
+        hit = w.cache.lookup(blocks)
+        p = min(hit * self.B, L - 1)
+        degree = w.group.degree
+        t = self.gt.prefill_time(L - p, p, degree, kind=w.kind.value)
+        if hit:
+            w.pinned = blocks[:hit]
+            w.cache.pin(w.pinned)
+        w.running = job
+        self.sched.start(job.info.request_id, now)
+        job.rec.start_s = now
+        job.rec.reused_tokens = p
+        job.rec.actual_s = t
+        self.gpu_seconds += t * degree
+        self._push(now + t, _FINISH, w, job)
+
+    def _finish(self, w: _SimWorker, job: _Job, now: float) -> None:
+        if w.pinned:
+            w.cache.unpin(w.pinned)
+            w.pinned = ()
+        if job.req.block_hashes:
+            w.cache.insert(job.req.block_hashes)
+            self._drain_cache_events(w)
+        rid = job.info.request_id
+        self.sched.finish(rid, now)
+        del self.jobs[job.req.request_id]
+        L = job.req.input_len
+        job.rec.finish_s = now
+        job.rec.ttft_s = now + self.gt.external_time(L, w.group.degree) - job.req.arrival_s
+        w.running = None
+        if self.ctl is not None and w.lifecycle is Lifecycle.DRAINING:
+            self.ctl.protocol.finished(w.wid, rid, now)
+            self._maybe_drained(now)
+        elif w.queue:
+            self._start(w, now)
+
+    # ------------------------------------------------------------------ controller (§6)
+    def _window(self, now: float) -> None:
+        ctl = self.ctl
+        assert ctl is not None
+        drain = {wid: self.sched.load(wid).queue_delay(now) for wid in self.sched.view.worker_ids}
+        for dec in ctl.tick(now, drain_s=drain, traffic=self._traffic):
+            if dec.plan is not None and self._reconf is None:
+                self._begin(dec.plan, now)
+
+    def _traffic(self, op: Any) -> float:
+        """Expected reconciliation traffic of an op: blocks its sources hold (an upper bound of
+        what the new geometry must move, weighted equally; the planner only compares)."""
+        return float(sum(self.trie.used_blocks(g.worker_id) for g in op.sources
+                         if g.worker_id in self.workers))
+
+    def _begin(self, plan: Plan, now: float) -> None:
+        ctl = self.ctl
+        assert ctl is not None
+        srcs = [self.workers[g.worker_id] for g in plan.sources]
+        queued = {w.wid: [j.info.request_id for j in w.queue] for w in srcs}
+        in_flight = {w.wid: [w.running.info.request_id] for w in srcs if w.running is not None}
+        res = ctl.start(plan, now, queued=queued, in_flight=in_flight)
+        rc = Reconfiguration(plan.kind.value, tuple(plan.source_ids), tuple(plan.target_ids),
+                             now, plan.reason, rid=res.reconfiguration)
+        self._reconf, self._plan = rc, plan
+        self.reconfigs.append(rc)
+        redirect: list[_Job] = []
+        for w in srcs:
+            w.lifecycle = Lifecycle.DRAINING
+            for info in self.sched.drain(w.wid):
+                redirect.append(self.jobs[info.request_id])
+            w.queue.clear()
+        self._rebuild_view()
+        for job in redirect:
+            job.rec.redirected += 1
+            self._place(job, now)
+        self._maybe_drained(now)
+
+    def _maybe_drained(self, now: float) -> None:
+        rc = self._reconf
+        if rc is None or rc.drained_s >= 0:
+            return
+        if any(self.workers[WorkerId(wid)].running is not None for wid in rc.sources):
+            return
+        rc.drained_s = now
+        for wid in rc.sources:
+            self.workers[WorkerId(wid)].lifecycle = Lifecycle.SWITCHING
+        self._push(now + self.gt.switch_time(), _SWITCHED)
+
+    def _switched(self, now: float) -> None:
+        """Activate the pre-created groups: commit the epoch, every rank acks, expose."""
+        rc, plan, ctl = self._reconf, self._plan, self.ctl
+        assert rc is not None and plan is not None and ctl is not None
+        record = ctl.protocol.switch_started(rc.rid, now)
+        for g in plan.targets:
+            for gpu in g.gpus:
+                ctl.protocol.ack(gpu, record.epoch, g.degree)
+        ctl.protocol.exposed(rc.rid, now)
+        old = [self.workers.pop(WorkerId(wid)) for wid in rc.sources]
+        new = [self._new_worker(g, register=False) for g in plan.targets]
+        self._reconcile(plan, old, new)
+        rc.exposed_s = now
+        self._reconf, self._plan = None, None
+        self._rebuild_view()
+        self._record_composition(now)
+        parked, self._parked = self._parked, deque()
+        for job in parked:
+            self._place(job, now)
+
+    def _reconcile(self, plan: Plan, old: Sequence[_SimWorker], new: Sequence[_SimWorker]) -> None:
+        """§6.2: retained prefixes stay resident; the manager records what is valid on its new
+        rank and what is pending; each new worker's local cache starts with the valid part that
+        forms whole prefixes (pending pages arrive by lazy reconcile transfers)."""
+        caps = {w.wid: w.cache.capacity_blocks for w in new}
+        if plan.kind is OpKind.SPLIT:
+            sp = reconcile_split(self.trie, old[0].wid, (new[0].wid, new[1].wid), caps)
+            valid = sp.physical
+            cancelled = sp.cancelled
+        else:
+            mp = reconcile_merge(self.trie, (old[0].wid, old[1].wid), new[0].wid,
+                                 caps[new[0].wid])
+            valid = {new[0].wid: mp.physical}
+            cancelled = mp.cancelled
+        del cancelled  # in-flight transfers to or from the old workers simply find them gone
+        for w in new:
+            self._adopt(w, valid.get(w.wid, frozenset()))
+
+    def _adopt(self, w: _SimWorker, valid: frozenset[BlockHash]) -> None:
+        """Seed ``w``'s local cache with the chain-closed part of ``valid`` (no events: the
+        manager already accounts for these blocks)."""
+        if not valid:
+            return
+        parent = self.trie.parent
+        depth: dict[BlockHash, int] = {}
+        for h in valid:
+            d, x = 0, parent(h)
+            while x is not None:
+                d += 1
+                x = parent(x)
+            depth[h] = d
+        closed: set[BlockHash] = set()
+        for h in sorted(valid, key=depth.__getitem__):
+            p = parent(h)
+            if p is None or p in closed:
+                closed.add(h)
+        w.cache.adopt([(h, parent(h)) for h in sorted(closed, key=depth.__getitem__)])
+
+    # ------------------------------------------------------------------ cache manager (§7)
+    def _scan(self, now: float) -> None:
+        load = {wid: self.sched.load(wid).queue_delay(now) for wid in self.sched.view.worker_ids}
+        in_use = {w.wid: w.pinned for w in self.workers.values() if w.pinned}
+        result = self.trie.scan(self.cfg.scan_config, load, in_use)
+        for act in result.actions:
+            if isinstance(act, Replicate):
+                self._issue_transfer(act, now)
+            elif isinstance(act, Reclaim):
+                w = self.workers.get(act.worker)
+                if w is None or w.lifecycle is not Lifecycle.ACTIVE:
+                    self.trie.reclaim_failed(act)
+                    continue
+                if w.cache.remove(act.blocks):
+                    self.reclamations += 1
+                    self._drain_cache_events(w)
+                else:
+                    self.trie.reclaim_failed(act)
+
+    def _issue_transfer(self, act: Replicate, now: float) -> None:
+        src, dst = self.workers.get(act.source), self.workers.get(act.dest)
+        if src is None or dst is None:
+            self.trie.replication_failed(act)
+            return
+        node = self.cfg.gpus_per_node
+        same_node = src.group.first_gpu // node == dst.group.first_gpu // node
+        # Pages move rank to rank in parallel (min of the two degrees' rank pairs).
+        links = min(src.group.degree, dst.group.degree)
+        dt = self.gt.truth.replication_time(len(act.blocks), same_node=same_node, links=links,
+                                            block_size=self.B)
+        self._push(now + dt, _XFER, act)
+
+    def _transfer_done(self, act: Replicate, now: float) -> None:
+        dst = self.workers.get(act.dest)
+        if dst is None or (act.source not in self.workers):
+            self.trie.replication_failed(act)
+            return
+        # Install the whole root→node path (the missing blocks plus what dest already has);
+        # the destination's Stored event is the confirmation that makes the replica visible.
+        path: list[BlockHash] = []
+        x: BlockHash | None = act.node_hash
+        try:
+            while x is not None:
+                path.append(x)
+                x = self.trie.parent(x)
+        except InvalidInput:
+            self.trie.replication_failed(act)  # the node was collected meanwhile
+            return
+        path.reverse()
+        dst.cache.insert(path)
+        self._drain_cache_events(dst)
+        if act.kind == "reconcile":
+            self.trie.confirm_installed(dst.wid, act.blocks)
+            self.reconcile_transfers += 1
+        else:
+            self.replications += 1
+        self.trie.replication_done(act)

@@ -1,0 +1,118 @@
+"""Reader of the Azure LLM inference trace 2023 (Azure/AzurePublicDataset, CSV).
+
+Header ``TIMESTAMP,ContextTokens,GeneratedTokens``; TIMESTAMP is a wall-clock string with up
+to 7 fractional digits (``2023-11-16 18:17:03.9799600``). Arrivals are seconds since the first
+row. The trace has no prefix or session information, so every request gets unique block
+hashes (it is treated as uncached; oracle reuse is 0). Rows must be in time order.
+"""
+
+from __future__ import annotations
+
+import csv
+from datetime import datetime
+from pathlib import Path
+
+from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
+from sim.workloads.blocks import chain
+from sim.workloads.errors import TraceFormatError
+from sim.workloads.workload import Request, Workload, truncate
+
+COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+def parse_timestamp(text: str) -> float:
+    """POSIX seconds (naive, as UTC) of ``YYYY-MM-DD HH:MM:SS[.fffffff]``; ValueError if bad.
+
+    ``datetime`` takes at most 6 fractional digits; the 7th (100 ns) is added separately.
+    """
+    text = text.strip()
+    base, _, frac = text.partition(".")
+    dt = datetime.strptime(base, "%Y-%m-%d %H:%M:%S")
+    if frac and not frac.isdigit():
+        raise ValueError(f"bad fractional seconds {frac!r}")
+    seconds = (dt - datetime(1970, 1, 1)).total_seconds()
+    return seconds + (int(frac) / 10 ** len(frac) if frac else 0.0)
+
+
+def _int_cell(value: str | None, column: str, path: Path, line: int, minimum: int) -> int:
+    try:
+        v = int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TraceFormatError(
+            path, line, f"column {column} must be an integer, got {value!r}"
+        ) from None
+    if v < minimum:
+        raise TraceFormatError(path, line, f"column {column} must be >= {minimum}, got {v}")
+    return v
+
+
+def read_azure(
+    path: str | Path,
+    *,
+    name: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_requests: int | None = None,
+    start_s: float | None = None,
+    end_s: float | None = None,
+) -> Workload:
+    """Read an Azure 2023 CSV trace. Request ids ``{name}-{row index}``; unique block hashes.
+
+    Rows with ContextTokens = 0 are rejected (a prefill needs at least one token).
+    """
+    path = Path(path)
+    if block_size < 1:
+        raise InvalidInput(f"block_size must be >= 1, got {block_size}")
+    name = name or path.stem
+    try:
+        fh = path.open(newline="", encoding="utf-8")
+    except OSError as exc:
+        raise InvalidInput(f"cannot open trace {path}: {exc}") from exc
+    reqs: list[Request] = []
+    t0: float | None = None
+    prev = float("-inf")
+    read_all = start_s is None and end_s is None
+    with fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        if header is None:
+            raise TraceFormatError(path, 1, "empty file (expected a header)")
+        header = [h.strip() for h in header]
+        missing = [c for c in COLUMNS if c not in header]
+        if missing:
+            raise TraceFormatError(path, 1, f"header lacks column(s) {missing}; got {header}")
+        col = {c: header.index(c) for c in COLUMNS}
+        for row in reader:
+            line = reader.line_num
+            if not row or all(not cell.strip() for cell in row):
+                continue
+            if read_all and max_requests is not None and len(reqs) >= max_requests:
+                break
+            if len(row) != len(header):
+                raise TraceFormatError(path, line, f"expected {len(header)} fields, got {len(row)}")
+            try:
+                t = parse_timestamp(row[col["TIMESTAMP"]])
+            except ValueError:
+                raise TraceFormatError(
+                    path, line, f"bad TIMESTAMP {row[col['TIMESTAMP']]!r}"
+                ) from None
+            if t < prev:
+                raise TraceFormatError(
+                    path, line, "TIMESTAMP goes backwards (rows must be in time order)"
+                )
+            prev = t
+            if t0 is None:
+                t0 = t
+            inp = _int_cell(row[col["ContextTokens"]], "ContextTokens", path, line, 1)
+            out = _int_cell(row[col["GeneratedTokens"]], "GeneratedTokens", path, line, 0)
+            rid = f"{name}-{len(reqs)}"
+            hashes = chain(("azure", rid, j) for j in range(inp // block_size))
+            reqs.append(Request(rid, t - t0, inp, out, hashes))
+    wl = Workload.from_requests(
+        name,
+        reqs,
+        block_size=block_size,
+        metadata={"source": str(path), "format": "azure", "prefix_info": False},
+    )
+    if max_requests is not None or start_s is not None or end_s is not None:
+        wl = truncate(wl, max_requests=max_requests, start_s=start_s, end_s=end_s)
+    return wl

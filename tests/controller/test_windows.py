@@ -1,0 +1,101 @@
+"""Observation windows: D(k), long-request fraction, closing driven by `now`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.controller.windows import DemandWindows
+from shared.ids import InvalidInput
+
+
+def test_demand_and_long_fraction_of_one_window() -> None:
+    w = DemandWindows()  # H = 20 s, long ≥ 32768 tokens
+    assert w.record(1.0, 2.0, 40_000, degree=4) == []
+    assert w.record(5.0, 1.5, 1_000, degree=2) == []
+    assert w.record(19.5, 0.25, 32_768) == []  # exactly the threshold counts as long
+    assert w.advance(19.99) == []
+    (win,) = w.advance(20.0)
+    assert (win.index, win.start_s, win.end_s) == (0, 0.0, 20.0)
+    assert win.demand_s == pytest.approx(3.75)
+    assert (win.requests, win.long_requests) == (3, 2)
+    assert win.long_fraction == pytest.approx(2 / 3)
+    assert win.demand_by_degree == ((2, 1.5), (4, 2.0))
+
+
+def test_empty_windows_close_with_zero_demand() -> None:
+    w = DemandWindows(window_s=20.0)
+    w.record(3.0, 1.0, 100)
+    closed = w.advance(65.0)  # windows [0,20), [20,40), [40,60)
+    assert [c.index for c in closed] == [0, 1, 2]
+    assert [c.demand_s for c in closed] == [1.0, 0.0, 0.0]
+    assert closed[1].long_fraction is None and closed[1].requests == 0
+    assert w.open_index == 3 and w.open_start_s == 60.0
+
+
+def test_record_past_the_window_end_closes_it_first() -> None:
+    w = DemandWindows(window_s=10.0, long_threshold_tokens=1000)
+    w.record(1.0, 4.0, 999)
+    closed = w.record(12.0, 3.0, 1000)
+    assert [(c.index, c.demand_s, c.long_requests) for c in closed] == [(0, 4.0, 0)]
+    assert w.open_demand_s == 3.0
+    (second,) = w.advance(20.0)
+    assert (second.demand_s, second.long_fraction) == (3.0, 1.0)
+
+
+def test_late_report_counts_in_the_open_window() -> None:
+    w = DemandWindows(window_s=10.0)
+    w.advance(25.0)
+    assert w.record(15.0, 2.0, 10) == []  # stamped in a closed window
+    (win,) = w.advance(30.0)
+    assert (win.index, win.demand_s, win.late) == (2, 2.0, 1)
+
+
+def test_start_offset() -> None:
+    w = DemandWindows(window_s=20.0, start_s=100.0)
+    assert w.advance(119.0) == []
+    (win,) = w.advance(120.0)
+    assert (win.start_s, win.end_s) == (100.0, 120.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"window_s": 0.0},
+        {"window_s": math.inf},
+        {"long_threshold_tokens": 0},
+        {"start_s": math.nan},
+    ],
+)
+def test_bad_configuration(kwargs: dict) -> None:
+    with pytest.raises(InvalidInput):
+        DemandWindows(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (math.nan, 1.0, 10),
+        (1.0, -0.1, 10),
+        (1.0, math.inf, 10),
+        (1.0, 1.0, 0),
+        (1.0, 1.0, 2.5),
+        (1.0, 1.0, True),
+        (1e12, 1.0, 10),
+    ],
+)
+def test_bad_records_change_nothing(args: tuple) -> None:
+    w = DemandWindows()
+    w.record(1.0, 1.0, 10)
+    with pytest.raises(InvalidInput):
+        w.record(*args)
+    assert w.open_demand_s == 1.0 and w.open_index == 0
+
+
+def test_time_going_backwards_is_rejected() -> None:
+    w = DemandWindows()
+    w.advance(50.0)
+    with pytest.raises(InvalidInput, match="backwards"):
+        w.advance(49.0)
+    assert w.open_index == 2

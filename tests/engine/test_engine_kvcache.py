@@ -1,0 +1,241 @@
+"""The paged prefix KV cache, with the C ranks of a worker emulated in one process (every
+cache method is an SPMD call, so C objects fed the same calls are exactly a worker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.rankd.engine.blockhash import chain_hashes
+from services.rankd.engine.config import Qwen3Config
+from services.rankd.engine.cp_prefill import page_positions, stack_kv
+from services.rankd.engine.decode import BlobReassembler, encode_chunks
+from services.rankd.engine.errors import KVFormatError
+from services.rankd.engine.kvcache import RankKVCache, pages_from_bytes, pages_to_bytes
+from services.rankd.engine.model import Qwen3ForCausalLM
+from shared.ids import WorkerId
+
+CFG = Qwen3Config(max_position_embeddings=128)
+B = 4
+
+
+def worker(degree: int, pages: int = 16, name: str = "w") -> list[RankKVCache]:
+    return [
+        RankKVCache(
+            WorkerId(name),
+            degree,
+            r,
+            B,
+            pages,
+            CFG.num_hidden_layers,
+            CFG.num_key_value_heads,
+            CFG.head_dim,
+            torch.float64,
+        )
+        for r in range(degree)
+    ]
+
+
+def fake_kv(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, CFG.num_key_value_heads, CFG.head_dim)
+    return [
+        (
+            torch.randn(shape, generator=g, dtype=torch.float64),
+            torch.randn(shape, generator=g, dtype=torch.float64),
+        )
+        for _ in range(CFG.num_hidden_layers)
+    ]
+
+
+def prefill(ranks: list[RankKVCache], ids: list[int], kv_full=None):
+    """Lookup + store on every rank as the engine does; returns (lookups, full kv used)."""
+    looks = [c.lookup(ids) for c in ranks]
+    p = looks[0].match.prefix_len
+    kv_full = kv_full or fake_kv(len(ids), seed=len(ids))
+    new = [(k[p:], v[p:]) for k, v in kv_full]
+    for c, lk in zip(ranks, looks, strict=True):
+        c.store(lk, new)
+    return looks, kv_full
+
+
+def gathered(ranks: list[RankKVCache], looks) -> torch.Tensor:
+    p = looks[0].match.prefix_len
+    full = torch.zeros(
+        CFG.num_hidden_layers, 2, p, CFG.num_key_value_heads, CFG.head_dim, dtype=torch.float64
+    )
+    for r, lk in enumerate(looks):
+        full[:, :, page_positions(p, B, len(ranks), r)] = lk.local_kv
+    return full
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_store_then_lookup_returns_the_stored_pages(degree: int) -> None:
+    ranks = worker(degree)
+    ids = list(range(10, 33))  # 23 tokens: 5 full blocks
+    _, kv = prefill(ranks, ids)
+    looks = [c.lookup(ids + [7, 8]) for c in ranks]
+    assert looks[0].match.prefix_len == 20
+    assert torch.equal(gathered(ranks, looks), stack_kv([(k[:20], v[:20]) for k, v in kv]))
+    assert all(len(c.pool) == len(range(r, 5, degree)) for r, c in enumerate(ranks))
+    # R >= 1: a request equal to a cached prefix still recomputes its last token
+    assert ranks[0].lookup(ids[:20]).match.prefix_len == 16
+
+
+def test_events_and_indexes_agree_across_ranks() -> None:
+    ranks = worker(2)
+    ids = list(range(12))
+    prefill(ranks, ids)
+    prefill(ranks, ids + list(range(50, 58)))
+    evs = [c.take_events() for c in ranks]
+    assert evs[0] == evs[1]
+    h = chain_hashes(ids + list(range(50, 58)), B)
+    assert evs[0] == [
+        {
+            "type": "stored",
+            "worker": "w",
+            "event_id": 1,
+            "parent_hash": None,
+            "block_hashes": h[:3],
+        },
+        {
+            "type": "stored",
+            "worker": "w",
+            "event_id": 2,
+            "parent_hash": h[2],
+            "block_hashes": h[3:5],
+        },
+    ]
+    assert ranks[0].take_events() == []
+    ranks[0].clear()
+    assert ranks[0].take_events() == [{"type": "cleared", "worker": "w", "event_id": 3}]
+    assert ranks[1].index.snapshot()["blocks"] == [
+        [x, p] for x, p in zip(h, [None] + h[:4], strict=True)
+    ]
+
+
+def test_lru_evicts_leaves_of_the_least_recent_prefix() -> None:
+    ranks = worker(1, pages=6)
+    a, b, c = list(range(0, 9)), list(range(100, 109)), list(range(200, 209))
+    prefill(ranks, a)  # 2 blocks each
+    prefill(ranks, b)
+    prefill(ranks, c)
+    ranks[0].take_events()
+    ranks[0].lookup(a + [1])  # a becomes most recent
+    d = list(range(300, 313))  # 3 blocks: needs 3 pages, only 0 free
+    prefill(ranks, d)
+    ev = ranks[0].take_events()
+    hb, hc = chain_hashes(b, B), chain_hashes(c, B)
+    assert ev[0]["type"] == "removed"
+    # b (LRU) goes leaf first, then its root; then c's leaf; a survives intact
+    assert ev[0]["block_hashes"] == [hb[1], hb[0], hc[1]]
+    assert ranks[0].lookup(a + [1]).match.prefix_len == 8
+    assert ranks[0].lookup(c + [1]).match.prefix_len == 4
+    assert ranks[0].lookup(b + [1]).match.prefix_len == 0
+
+
+def test_per_rank_capacity_is_respected() -> None:
+    # one-block prefixes all land on rank 0 (page 0): rank 0 fills while rank 1 stays empty
+    ranks = worker(2, pages=2)
+    for s in range(3):
+        prefill(ranks, [s * 10 + i for i in range(5)])
+    assert ranks[0].index.used(0) == 2 and ranks[0].index.used(1) == 0
+    assert len(ranks[0].pool) == 2 and len(ranks[1].pool) == 0
+    assert ranks[0].lookup([i for i in range(5)]).match.prefix_len == 0  # first one evicted
+
+
+def test_reshard_2_to_4_and_to_1() -> None:
+    src = worker(2, name="w-cp2")
+    ids = list(range(40, 63))
+    _, kv = prefill(src, ids)
+    hashes = chain_hashes(ids, B)
+    chain = src[0].chain_of(hashes)
+    pages = [pg for c in src for pg in c.export_pages(hashes)]
+    assert sorted(pg.page for pg in pages) == list(range(5))
+    # through the serialised path a message transport would carry (chunks <= 4 KiB here)
+    asm = BlobReassembler()
+    done = [
+        d
+        for c in encode_chunks("rep-1", pages_to_bytes(chain, pages), 4096)
+        if (d := asm.add(c)) is not None
+    ]
+    chain, pages = pages_from_bytes(done[0][1])
+    for deg in (4, 1):
+        dst = worker(deg, name=f"w-cp{deg}")
+        for c in dst:
+            c.import_prefix(chain, pages)
+        evs = [c.take_events() for c in dst]
+        assert evs[0] == evs[-1] and evs[0][0]["block_hashes"] == hashes
+        looks = [c.lookup(ids + [1]) for c in dst]
+        assert looks[0].match.prefix_len == 20
+        assert torch.equal(gathered(dst, looks), stack_kv([(k[:20], v[:20]) for k, v in kv]))
+
+
+def test_import_validates_before_changing_anything() -> None:
+    src = worker(1)
+    ids = list(range(9))
+    prefill(src, ids)
+    hashes = chain_hashes(ids, B)
+    chain, pages = src[0].chain_of(hashes), src[0].export_pages(hashes)
+    dst = worker(2)
+    with pytest.raises(KVFormatError, match="missing"):
+        dst[1].import_prefix(chain, pages[:1])
+    with pytest.raises(KVFormatError, match="chain broken"):
+        dst[0].import_prefix(chain[::-1], pages)
+    assert len(dst[0].index) == 0 and dst[0].take_events() == []
+
+
+def test_reclaim_removes_descendants() -> None:
+    ranks = worker(1)
+    ids = list(range(16))
+    prefill(ranks, ids)
+    h = chain_hashes(ids, B)
+    ranks[0].take_events()
+    assert ranks[0].remove([h[1]]) == [h[3], h[2], h[1]]
+    assert ranks[0].lookup(ids).match.prefix_len == 4
+    assert ranks[0].take_events()[0]["block_hashes"] == [h[3], h[2], h[1]]
+
+
+def test_cache_holds_real_model_kv_for_multi_turn() -> None:
+    m = Qwen3ForCausalLM.random(CFG, seed=4, dtype=torch.float64)
+    ranks = worker(2)
+    turn1 = list(range(1, 15))
+    out1 = m.reference_forward(torch.tensor(turn1))
+    prefill(ranks, turn1, out1.new_kv)
+    turn2 = turn1 + [out1.next_token, 9, 8, 7]
+    looks = [c.lookup(turn2) for c in ranks]
+    p = looks[0].match.prefix_len
+    pre = gathered(ranks, looks)
+    out2 = m.reference_forward(torch.tensor(turn2[p:]), [(pre[i, 0], pre[i, 1]) for i in range(2)])
+    full = m.reference_forward(torch.tensor(turn2))
+    assert p == 12 and out2.next_token == full.next_token
+    assert float((out2.hidden - full.hidden[p:]).abs().max()) < 1e-12
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 20)), min_size=1, max_size=25),
+    degree=st.sampled_from([1, 2, 4]),
+)
+def test_index_invariants_under_random_traffic(ops, degree) -> None:
+    ranks = worker(degree, pages=3)
+    for base, n in ops:
+        ids = [base] * 3 + list(range(n))  # shared heads make trees
+        prefill(ranks, ids)
+        idx = ranks[0].index
+        nodes = idx._nodes
+        for h, node in nodes.items():
+            assert node.parent is None or node.parent in nodes
+            assert node.children == sum(1 for x in nodes.values() if x.parent == h)
+        for r, c in enumerate(ranks):
+            owned = {h for h, x in nodes.items() if x.page % degree == r}
+            assert idx.used(r) == len(owned) <= 3
+            assert set(c.pool._slot) == owned
+            assert c.index.snapshot() == idx.snapshot()
+
+
+def test_malformed_page_payload() -> None:
+    with pytest.raises(KVFormatError):
+        pages_from_bytes(b"\x08" + b"\x00" * 7 + b"{}")

@@ -1,0 +1,61 @@
+"""Fixtures for tests against a real ``nats-server`` (JetStream on, random loopback ports).
+
+One server per test session (starting one takes a fraction of a second, but dozens add up);
+each test gets its own connection and must use unique subjects / bucket names (``uniq``) so
+tests never see each other's traffic. One OpenTelemetry provider per process: the in-memory
+exporter is installed once here and cleared per test that asks for it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import nats
+import pytest
+from nats.aio.client import Client
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from shared.natsserver import EmbeddedNats, NatsServerNotFound
+from shared.telemetry import setup_tracing
+
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNats]:
+    try:
+        server = EmbeddedNats()
+    except NatsServerNotFound as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"no nats-server binary: {exc}")
+    with server:
+        yield server
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_server.url, connect_timeout=5)
+    try:
+        yield client
+    finally:
+        await client.drain()
+
+
+@pytest.fixture
+def uniq() -> str:
+    """A fresh lowercase token for subjects, prefixes and ids of one test."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def _tracing() -> InMemorySpanExporter:
+    setup_tracing("vtm-tests", span_processor=SimpleSpanProcessor(_EXPORTER))
+    return _EXPORTER
+
+
+@pytest.fixture
+def spans(_tracing: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
+    _tracing.clear()
+    yield _tracing
+    _tracing.clear()

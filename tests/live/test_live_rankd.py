@@ -1,0 +1,345 @@
+"""rankd with the sim backend on a real server: FIFO execution, results, state, epochs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.rankd.backend import ExecutionBackend, SimBackend, fake_token
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
+from shared.natsserver import EmbeddedNats
+from shared.schemas import (
+    Assignment,
+    AssignmentAck,
+    CacheCommandResult,
+    CacheEvent,
+    CacheSnapshot,
+    CacheStored,
+    EpochAck,
+    EpochRecord,
+    EpochWorker,
+    FirstToken,
+    IntakeRequest,
+    ReclaimCommand,
+    ReplicateCommand,
+    WorkerState,
+    decode,
+    from_json,
+    to_json,
+)
+from shared.service import RemoteError, call, ensure_intake_stream
+from shared.subjects import Subjects
+from shared.telemetry import tracer
+from shared.worker import Lifecycle
+
+WID = "w-cp2-g2"
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 20.0  # bound for correctness waits only; nothing asserts on speed
+
+
+def assignment(
+    rid: str,
+    *,
+    epoch: int = 0,
+    predicted: float = 0.2,
+    worker: str = WID,
+    degree: int = 2,
+    arrival: float | None = None,
+) -> Assignment:
+    now = time.time()
+    return Assignment(
+        request=IntakeRequest(
+            request_id=rid,
+            input_len=1024,
+            block_hashes=[1, 2],
+            arrival_s=arrival if arrival is not None else now - 0.01,
+        ),
+        worker_id=worker,
+        epoch=epoch,
+        degree=degree,
+        prefix_tokens=512,
+        recompute_tokens=512,
+        predicted_s=predicted,
+        dequeued_at_s=now - 0.005,
+        assigned_at_s=now,
+    )
+
+
+class Gate:
+    """A sim time function that blocks nothing but records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int, str]] = []
+
+    def __call__(self, r: int, p: int, degree: int, *, kind: str = "cp") -> float:
+        self.calls.append((r, p, degree, kind))
+        return 0.05
+
+
+async def start_rankd(
+    url: str, prefix: str, backend: ExecutionBackend, **kw: object
+) -> tuple[RankdService, asyncio.Task[None]]:
+    settings = RankdSettings(
+        nats_url=url, subject_prefix=prefix, worker_id=WID, heartbeat_s=0.2, **kw
+    )  # type: ignore[arg-type]
+    svc = RankdService(settings, backend)
+    task = asyncio.create_task(svc.run(handle_signals=False))
+    await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
+    return svc, task
+
+
+@pytest.fixture
+async def rankd(nats_server: EmbeddedNats, uniq: str) -> AsyncIterator[tuple[RankdService, Gate]]:
+    gate = Gate()
+    svc, task = await start_rankd(
+        nats_server.url, uniq, SimBackend(prefill_time=gate, time_scale=1.0)
+    )
+    yield svc, gate
+    svc.request_stop()
+    await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+async def collect(nc: Client, subject: str, n: int, model: object) -> list:
+    got: list = []
+    done = asyncio.Event()
+
+    async def cb(msg: Msg) -> None:
+        got.append(decode(model, msg.data, msg.headers))
+        if len(got) >= n:
+            done.set()
+
+    sub = await nc.subscribe(subject, cb=cb)
+    return [sub, got, done]
+
+
+async def test_fifo_results_state_and_spans(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str, spans: InMemorySpanExporter
+) -> None:
+    svc, gate = rankd
+    s = Subjects(uniq)
+    sub, results, done = await collect(nc, s.result_all(), 3, FirstToken)
+    ev_sub, events, got_event = await collect(nc, s.cache_events(WID), 1, CacheEvent)
+    acks = []
+    with tracer().start_as_current_span("schedule") as sched:
+        for rid in ("r-a", "r-b", "r-c"):
+            acks.append(
+                await call(
+                    nc, s.worker_assign(WID), assignment(rid), AssignmentAck, timeout_s=WAIT_S
+                )
+            )
+    assert [a.queue_position for a in acks] == [0, 1, 2]
+    await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+    await sub.unsubscribe()
+
+    assert [r.request_id for r in results] == ["r-a", "r-b", "r-c"]  # FIFO
+    # The scheduler claimed P = 512 each time; the worker's own cache decides: a miss first,
+    # then both full blocks hit (P = L - 1: the last token is always recomputed).
+    assert gate.calls == [(1024, 0, 2, "cp"), (1, 1023, 2, "cp"), (1, 1023, 2, "cp")]
+    assert [r.prefix_tokens for r in results] == [0, 1023, 1023]
+    await asyncio.wait_for(got_event.wait(), timeout=WAIT_S)
+    await ev_sub.unsubscribe()
+    assert events[0] == CacheStored(worker=WID, event_id=1, parent_hash=None, block_hashes=[1, 2])
+    for r in results:
+        assert r.token == fake_token(r.request_id) and r.worker_id == WID
+        st = r.stages
+        assert st.prefill_s > 0 and st.total_s >= st.prefill_s
+        assert st.intake_wait_s >= 0 and st.schedule_s >= 0
+    # later requests waited behind earlier ones (ordering, not speed)
+    assert results[2].stages.queue_wait_s >= results[1].stages.prefill_s
+
+    kv = await nc.jetstream().key_value(s.worker_state_bucket())
+    state = None
+    for _ in range(200):
+        state = from_json(WorkerState, (await kv.get(WID)).value)
+        if state.served == 3 and state.queue_len == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert state is not None and state.served == 3 and state.queue_len == 0
+    assert (state.hit_tokens, state.input_tokens, state.gpus) == (2046, 3072, [2, 3])
+    assert state.lifecycle is Lifecycle.ACTIVE
+
+    prefills = [x for x in spans.get_finished_spans() if x.name == "prefill"]
+    assert len(prefills) == 3
+    assert all(p.context.trace_id == sched.get_span_context().trace_id for p in prefills)
+    assert prefills[0].attributes["vtm.predicted_s"] == 0.2
+    assert any(x.name == "queue_wait" for x in spans.get_finished_spans())
+
+
+async def test_bad_assignments_get_micro_errors(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str
+) -> None:
+    s = Subjects(uniq)
+    for body, code in (
+        (b'{"worker_id": 1}', 400),
+        (b"\x00", 400),
+        (assignment("x", worker="w-cp2-g0"), 404),
+        (assignment("x", epoch=9), 409),
+    ):
+        with pytest.raises(RemoteError) as err:
+            await call(nc, s.worker_assign(WID), body, AssignmentAck, timeout_s=WAIT_S)
+        assert err.value.code == code
+    ack = await call(nc, s.worker_assign(WID), assignment("ok"), AssignmentAck, timeout_s=WAIT_S)
+    assert ack.request_id == "ok"  # still serving
+
+
+async def test_epoch_adoption_acks_drain_and_redirect(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    # Slow prefills (modelled 30 s) so queued requests are still queued when the drain lands.
+    svc, task = await start_rankd(
+        nats_server.url,
+        uniq,
+        SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0),
+        drain_timeout_s=0.5,
+    )
+    sub, acks, acked = await collect(nc, s.epoch_ack_all(), 2, EpochAck)
+    epochs = await js.key_value(s.epoch_bucket())
+
+    def rec(epoch: int, lifecycle: Lifecycle) -> bytes:
+        return to_json(
+            EpochRecord(
+                epoch=epoch,
+                committed_at_s=time.time(),
+                workers=[EpochWorker(worker_id=WID, first_gpu=2, degree=2, lifecycle=lifecycle)],
+            )
+        )
+
+    await epochs.put(s.epoch_key(), rec(1, Lifecycle.ACTIVE))
+    await asyncio.wait_for(acked.wait(), timeout=WAIT_S)
+    assert sorted((a.gpu, a.epoch, a.worker_id) for a in acks) == [(2, 1, WID), (3, 1, WID)]
+    await sub.unsubscribe()
+
+    for rid in ("q-1", "q-2", "q-3"):
+        await call(
+            nc, s.worker_assign(WID), assignment(rid, epoch=1), AssignmentAck, timeout_s=WAIT_S
+        )
+    consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
+    await epochs.put(s.epoch_key(), rec(2, Lifecycle.DRAINING))
+    redirected = []
+    while len(redirected) < 2:
+        for m in await consumer.fetch(2, timeout=WAIT_S):
+            redirected.append(decode(IntakeRequest, m.data, m.headers).request_id)
+            await m.ack()
+    assert redirected == ["q-2", "q-3"]  # q-1 is running and finishes in place
+    with pytest.raises(RemoteError) as err:
+        await call(
+            nc, s.worker_assign(WID), assignment("late", epoch=2), AssignmentAck, timeout_s=WAIT_S
+        )
+    assert err.value.code == 409
+    ping = json.loads(
+        (await nc.request(f"$SRV.PING.vtm-rankd.{svc.service.id}", b"", timeout=WAIT_S)).data
+    )
+    assert (ping["metadata"]["lifecycle"], ping["metadata"]["epoch"]) == ("draining", "2")
+
+    # Shutdown with q-1 still in prefill: bounded drain, then q-1 fails explicitly.
+    res_sub, failures, failed = await collect(nc, s.result("q-1"), 1, FirstToken)
+    svc.request_stop()
+    await asyncio.wait_for(task, timeout=WAIT_S)
+    await asyncio.wait_for(failed.wait(), timeout=WAIT_S)
+    assert failures[0].token is None and "stopped" in failures[0].error
+    state = from_json(
+        WorkerState, (await (await js.key_value(s.worker_state_bucket())).get(WID)).value
+    )
+    assert state.lifecycle is Lifecycle.UNAVAILABLE and state.epoch == 2
+    await res_sub.unsubscribe()
+
+
+async def test_main_process_stops_on_sigterm(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    env = {
+        **os.environ,
+        "VTM_NATS_URL": nats_server.url,
+        "VTM_SUBJECT_PREFIX": uniq,
+        "VTM_WORKER_ID": "w-cp1-g5",
+        "VTM_LOG__FORMAT": "json",
+        "VTM_HEARTBEAT_S": "0.2",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.rankd.main"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        s = Subjects(uniq)
+        info = None
+        for _ in range(400):  # wait (bounded) until the service answers discovery
+            try:
+                replies = json.loads(
+                    (await nc.request("$SRV.INFO.vtm-rankd", b"", timeout=0.5)).data
+                )
+                if replies["metadata"].get("prefix") == uniq:
+                    info = replies
+                    break
+            except Exception:
+                await asyncio.sleep(0.05)
+        assert info is not None, proc.stderr.read1().decode() if proc.stderr else ""
+        assert info["endpoints"][0]["subject"] == s.worker_assign("w-cp1-g5")
+        ack = await call(
+            nc,
+            s.worker_assign("w-cp1-g5"),
+            assignment("p-1", worker="w-cp1-g5", degree=1),
+            AssignmentAck,
+            timeout_s=WAIT_S,
+        )
+        assert ack.queue_position == 0
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, WAIT_S)
+        assert rc == 0
+        _, err = proc.communicate()
+        lines = [json.loads(x) for x in err.decode().splitlines() if x.startswith("{")]
+        assert any(x.get("event") == "service stopping" for x in lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_cache_snapshot_and_commands(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str
+) -> None:
+    s = Subjects(uniq)
+    ev_sub, events, got = await collect(nc, s.cache_events(WID), 2, CacheEvent)
+    empty = await call(nc, s.cache_snapshot(WID), b"", CacheSnapshot, timeout_s=WAIT_S)
+    assert (empty.worker, empty.last_event_id, empty.blocks) == (WID, 0, [])
+    rep = ReplicateCommand(
+        command_id="c-1", worker_id=WID, epoch=0, blocks=[7, 8], source_worker="w-cp2-g0"
+    )
+    done = await call(nc, s.cache_cmd(WID), rep, CacheCommandResult, timeout_s=WAIT_S)
+    assert done.ok and done.blocks_done == 2
+    rec = ReclaimCommand(command_id="c-2", worker_id=WID, epoch=0, blocks=[8])
+    done = await call(nc, s.cache_cmd(WID), rec, CacheCommandResult, timeout_s=WAIT_S)
+    assert done.blocks_done == 1
+    snap = await call(nc, s.cache_snapshot(WID), b"", CacheSnapshot, timeout_s=WAIT_S)
+    assert (snap.last_event_id, snap.blocks) == (2, [(7, None)])
+    await asyncio.wait_for(got.wait(), timeout=WAIT_S)
+    await ev_sub.unsubscribe()
+    assert [(e.type, e.event_id) for e in events] == [("stored", 1), ("removed", 2)]
+    # a contradicting chain is bad input; the endpoint keeps serving
+    bad = ReplicateCommand(
+        command_id="c-3", worker_id=WID, epoch=0, blocks=[9, 7], source_worker="w-cp2-g0"
+    )
+    with pytest.raises(RemoteError) as err:
+        await call(nc, s.cache_cmd(WID), bad, CacheCommandResult, timeout_s=WAIT_S)
+    assert err.value.code == 400
+    with pytest.raises(RemoteError) as err:
+        await call(nc, s.cache_cmd(WID), b'{"op": "nope"}', CacheCommandResult, timeout_s=WAIT_S)
+    assert err.value.code == 400

@@ -1,0 +1,59 @@
+"""The sim backend: modelled time from the injected function (or the prediction), scaled."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.rankd.backend import ExecutionBackend, SimBackend, fake_token
+from shared.ids import InvalidInput
+from shared.schemas import Assignment, IntakeRequest
+
+
+def assignment(predicted: float = 0.5) -> Assignment:
+    return Assignment(
+        request=IntakeRequest(request_id="r-1", input_len=100, arrival_s=1.0),
+        worker_id="w-cp2-g0",
+        epoch=0,
+        degree=2,
+        prefix_tokens=40,
+        recompute_tokens=60,
+        predicted_s=predicted,
+        assigned_at_s=2.0,
+    )
+
+
+async def test_uses_injected_time_function_and_scale() -> None:
+    calls = []
+
+    def truth(r: int, p: int, degree: int, *, kind: str = "cp") -> float:
+        calls.append((r, p, degree, kind))
+        return 2.0
+
+    backend = SimBackend(
+        prefill_time=truth, handoff_time=lambda n, c: 1.0, time_scale=0.001, kind="tp"
+    )
+    assert isinstance(backend, ExecutionBackend)
+    res = await backend.prefill(assignment())
+    assert calls == [(60, 40, 2, "tp")]
+    assert (res.modelled_prefill_s, res.modelled_handoff_s) == (2.0, 1.0)
+    assert res.prefill_s >= 0 and res.kv_transfer_s >= 0
+    assert res.finished_at_s >= res.started_at_s
+    assert res.token == fake_token("r-1")
+
+
+async def test_defaults_to_prediction_and_validates() -> None:
+    backend = SimBackend(time_scale=0.001)
+    assert backend.modelled_times(assignment(0.25)) == (0.25, 0.0)
+    bad = SimBackend(prefill_time=lambda r, p, c, kind="cp": float("nan"))
+    with pytest.raises(InvalidInput):
+        await bad.prefill(assignment())
+    with pytest.raises(InvalidInput):
+        SimBackend(time_scale=0)
+    await backend.close()
+    with pytest.raises(RuntimeError):
+        await backend.prefill(assignment())
+
+
+def test_fake_token_is_stable_and_in_vocab() -> None:
+    assert fake_token("abc") == fake_token("abc")
+    assert 0 <= fake_token("abc", vocab=10) < 10

@@ -1,0 +1,127 @@
+"""WorkerLoad: q_w bookkeeping (§5.3), running-request progress, typed errors, invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scheduler import DuplicateRequest, IllegalTransition, UnknownRequest, WorkerLoad
+from shared.ids import InvalidInput, RequestId, VertumnusError, WorkerId
+
+R = RequestId
+
+
+def test_reserve_start_finish_queue_delay() -> None:
+    ld = WorkerLoad(WorkerId("w"))
+    ld.reserve(R("a"), 2.0, tokens=1000, uncached_tokens=400, blocks=10)
+    ld.reserve(R("b"), 1.0, tokens=500, uncached_tokens=500, blocks=5)
+    assert ld.queue_delay(0.0) == pytest.approx(3.0)
+    assert (ld.waiting, ld.running, ld.unfinished) == (2, 0, 2)
+    assert (ld.inflight_tokens, ld.inflight_uncached_tokens, ld.inflight_blocks) == (1500, 900, 15)
+    ld.start(R("a"), 10.0)
+    # running request counts its prediction minus elapsed time
+    assert ld.queue_delay(10.0) == pytest.approx(3.0)
+    assert ld.queue_delay(10.5) == pytest.approx(1.5 + 1.0)
+    assert ld.queue_delay(11.9) == pytest.approx(0.1 + 1.0)
+    # overrun: not below the floor (0 by default)
+    assert ld.queue_delay(20.0) == pytest.approx(1.0)
+    assert (ld.waiting, ld.running) == (1, 1)
+    ld.finish(R("a"))
+    assert ld.queue_delay(20.0) == pytest.approx(1.0)
+    ld.finish(R("b"))
+    assert ld.queue_delay(20.0) == 0.0
+    assert (ld.inflight_tokens, ld.inflight_uncached_tokens, ld.inflight_blocks) == (0, 0, 0)
+
+
+def test_overrun_floor() -> None:
+    ld = WorkerLoad(WorkerId("w"), overrun_floor_s=0.05)
+    ld.reserve(R("a"), 1.0)
+    ld.start(R("a"), 0.0)
+    assert ld.queue_delay(0.5) == pytest.approx(0.5)
+    assert ld.queue_delay(3.0) == pytest.approx(0.05)
+
+
+def _state(ld: WorkerLoad) -> tuple:
+    return (ld.waiting, ld.running, ld.queue_delay(5.0), ld.inflight_tokens, ld.queued())
+
+
+def test_duplicate_reserve_and_unknown_ops_change_nothing() -> None:
+    ld = WorkerLoad(WorkerId("w"))
+    ld.reserve(R("a"), 1.0, tokens=10)
+    before = _state(ld)
+    with pytest.raises(DuplicateRequest):
+        ld.reserve(R("a"), 5.0, tokens=99)
+    with pytest.raises(UnknownRequest):
+        ld.finish(R("zz"))
+    with pytest.raises(UnknownRequest):
+        ld.start(R("zz"), 1.0)
+    with pytest.raises(InvalidInput):
+        ld.reserve(R("b"), -1.0)
+    with pytest.raises(InvalidInput):
+        ld.reserve(R("b"), float("nan"))
+    with pytest.raises(InvalidInput):
+        ld.reserve(R("b"), 1.0, tokens=-3)
+    with pytest.raises(InvalidInput):
+        ld.start(R("a"), float("inf"))
+    assert _state(ld) == before
+    ld.start(R("a"), 1.0)
+    with pytest.raises(IllegalTransition):
+        ld.start(R("a"), 2.0)
+    with pytest.raises(IllegalTransition):
+        ld.withdraw(R("a"))
+    assert ld.running == 1
+    # every error is in the typed family
+    assert issubclass(DuplicateRequest, VertumnusError)
+
+
+def test_withdraw_queued_for_redirect() -> None:
+    ld = WorkerLoad(WorkerId("w"))
+    for i, s in enumerate([1.0, 2.0, 3.0]):
+        ld.reserve(R(f"r{i}"), s)
+    ld.start(R("r0"), 0.0)
+    out = ld.withdraw_queued()
+    assert [a.request_id for a in out] == ["r1", "r2"]
+    assert (ld.waiting, ld.running) == (0, 1)
+    assert ld.queue_delay(0.25) == pytest.approx(0.75)
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["reserve", "start", "finish", "withdraw"]),
+        st.integers(0, 5),
+        st.floats(0.0, 3.0, allow_nan=False),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops)
+def test_queue_delay_matches_definition(seq: list[tuple[str, int, float]]) -> None:
+    """q(now) = Σ waiting predictions + Σ running max(pred − elapsed, 0), whatever the history."""
+    ld = WorkerLoad(WorkerId("w"))
+    model: dict[str, list] = {}  # rid -> [pred, started_at]
+    t = 0.0
+    for op, k, x in seq:
+        rid = R(f"r{k}")
+        t += 0.1
+        try:
+            if op == "reserve":
+                ld.reserve(rid, x)
+                model[rid] = [x, None]
+            elif op == "start":
+                ld.start(rid, t)
+                model[rid][1] = t
+            elif op == "finish":
+                ld.finish(rid)
+                del model[rid]
+            else:
+                ld.withdraw(rid)
+                del model[rid]
+        except VertumnusError:
+            pass
+        expect = sum(p if s is None else max(p - (t - s), 0.0) for p, s in model.values())
+        assert ld.queue_delay(t) == pytest.approx(expect, abs=1e-9)
+        assert ld.unfinished == len(model)
+        assert ld.running == sum(1 for _, s in model.values() if s is not None)

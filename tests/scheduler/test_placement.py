@@ -1,0 +1,315 @@
+"""Vertumnus placement (§5.2–5.3, §7.1) on hand-derived examples.
+
+Profile (conftest.ROUND): Ê_C(R, P) = 0.1 + 0.001·R + 0.0001·P + (0.002·R + 1e-6·W(R, P)) / C,
+W(R, P) = R·P + R(R+1)/2; block size B = 100; β = 1.5, λ = 0.5.
+
+Request L = 1000 (10 blocks). Worker "w2" (CP2) holds nothing; worker "w4" (CP4) holds 6 blocks.
+
+* w2: P = 0,   R = 1000, W = 500,500:  s = 0.1 + 1.0 + 0 + (2.0 + 0.5005)/2     = 2.35025
+* w4: P = 600, R = 400,  W = 240,000 + 80,200 = 320,200:
+       s = 0.1 + 0.4 + 0.06 + (0.8 + 0.3202)/4                                   = 0.84005
+       Ê_2(400, 600) = 0.56 + 1.1202/2                                           = 1.1201
+       extra = 4·0.84005 − 2·1.1201 = 3.3602 − 2.2402                            = 1.12
+* C_min = 2 (w2's extra is 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sched_support import ROUND, loads_for, req, view
+
+from services.scheduler import (
+    ClusterView,
+    Exclusion,
+    NoEligibleWorker,
+    RequestInfo,
+    SchedulerCore,
+    WorkerLoad,
+    WorkerView,
+    make_policy,
+    place_j,
+)
+from shared.costmodel import Coefficients, Profile
+from shared.ids import InvalidInput, RequestId, UnknownWorker, WorkerId
+from shared.worker import Lifecycle
+
+W = WorkerId
+BETA, LAM = 1.5, 0.5
+S_W2, S_W4, E2_W4, EXTRA_W4 = 2.35025, 0.84005, 1.1201, 1.12
+
+
+def two_degree_view(**w4: object) -> ClusterView:
+    return view(WorkerView(W("w2"), 2), WorkerView(W("w4"), 4, **w4))  # type: ignore[arg-type]
+
+
+def test_worked_example_every_term() -> None:
+    v = two_degree_view()
+    loads = loads_for(v)
+    # w4 is busy: a running request predicted 1.5 s started at t=0, and 0.5 s queued behind it.
+    loads[W("w4")].reserve(RequestId("old"), 1.5)
+    loads[W("w4")].start(RequestId("old"), 0.0)
+    loads[W("w4")].reserve(RequestId("queued"), 0.5)
+    now = 0.5  # running one has 1.0 s left -> q_w4 = 1.5
+    d = place_j(req("r", 1000), v, {W("w4"): 6}, loads, now, profile=ROUND, beta=BETA, lam=LAM)
+    c2, c4 = d.candidate(W("w2")), d.candidate(W("w4"))
+    assert (c2.prefix_tokens, c2.uncached_tokens) == (0, 1000)
+    assert (c4.prefix_tokens, c4.uncached_tokens) == (600, 400)
+    assert c2.q == 0.0 and c4.q == pytest.approx(1.5)
+    assert c2.s == pytest.approx(S_W2, rel=1e-12)
+    assert c4.s == pytest.approx(S_W4, rel=1e-12)
+    assert ROUND.predict(400, 600, 2) == pytest.approx(E2_W4, rel=1e-12)
+    assert c2.extra_gpu == 0.0
+    assert c4.extra_gpu == pytest.approx(EXTRA_W4, rel=1e-9)
+    j2 = 0.0 + BETA * S_W2  # 3.525375
+    j4 = 1.5 + BETA * S_W4 + LAM * EXTRA_W4  # 1.5 + 1.260075 + 0.56 = 3.320075
+    assert c2.score == pytest.approx(j2, rel=1e-12)
+    assert c4.score == pytest.approx(j4, rel=1e-9)
+    assert d.worker == "w4" and d.degree == 4
+    assert (d.prefix_tokens, d.uncached_tokens, d.reused_blocks) == (600, 400, 6)
+    assert d.predicted_s == pytest.approx(S_W4, rel=1e-12)
+    # preferred degree: argmin J − q = (3.525375, 1.820075) -> CP4
+    assert (d.preferred_degree, d.preferred_worker) == (4, "w4")
+    text = d.explain()
+    assert "* w4" in text and "w2" in text and "J" in text
+
+
+def test_heavier_queue_flips_choice_but_not_preferred_degree() -> None:
+    v = two_degree_view()
+    loads = loads_for(v)
+    loads[W("w4")].reserve(RequestId("big"), 2.0)  # q_w4 = 2.0: J4 = 3.820075 > J2 = 3.525375
+    d = place_j(req("r", 1000), v, {W("w4"): 6}, loads, 0.0, profile=ROUND, beta=BETA, lam=LAM)
+    assert d.worker == "w2"
+    assert d.candidate(W("w4")).score == pytest.approx(2.0 + 1.260075 + 0.56, rel=1e-9)
+    assert (d.preferred_degree, d.preferred_worker) == (4, "w4")  # the load term is omitted
+
+
+def test_full_prefix_hit_still_recomputes_last_token() -> None:
+    v = two_degree_view()
+    d = place_j(
+        req("r", 1000), v, {W("w4"): 10}, loads_for(v), 0.0, profile=ROUND, beta=BETA, lam=LAM
+    )
+    c4 = d.candidate(W("w4"))
+    assert (c4.prefix_tokens, c4.uncached_tokens) == (999, 1)
+    # J_w4 = 1.5·0.20165 + 0.5·(4·0.20165 − 2·0.2024) = 0.5034 < J_w2 = 3.525375
+    assert d.worker == "w4" and d.uncached_tokens == 1
+    assert d.reused_blocks == 9  # 999 // 100: the 10th block is recomputed (R ≥ 1)
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        ({"lifecycle": Lifecycle.DRAINING}, Exclusion.DRAINING),
+        ({"lifecycle": Lifecycle.SWITCHING}, Exclusion.SWITCHING),
+        ({"lifecycle": Lifecycle.UNAVAILABLE}, Exclusion.UNAVAILABLE),
+        ({"max_seq_len": 999}, Exclusion.TOO_LONG),
+        ({"kv_capacity_tokens": 999}, Exclusion.NO_MEMORY),
+    ],
+)
+def test_eligibility_exclusions(kw: dict, reason: Exclusion) -> None:
+    v = two_degree_view(**kw)
+    d = place_j(
+        req("r", 1000), v, {W("w4"): 6}, loads_for(v), 0.0, profile=ROUND, beta=BETA, lam=LAM
+    )
+    assert d.worker == "w2"
+    c4 = d.candidate(W("w4"))
+    assert c4.excluded is reason and not c4.eligible and c4.score is None
+    assert str(reason) in d.explain()
+    # with w4 out, C_min is still 2 and w2's terms are unchanged
+    assert d.candidate(W("w2")).score == pytest.approx(BETA * S_W2)
+
+
+def test_limits_are_inclusive_and_cache_miss_never_excludes() -> None:
+    v = two_degree_view(max_seq_len=1000, kv_capacity_tokens=1000)
+    d = place_j(req("r", 1000), v, {}, loads_for(v), 0.0, profile=ROUND, beta=BETA, lam=LAM)
+    assert all(c.eligible for c in d.candidates)
+
+
+def test_cmin_is_among_eligible_only() -> None:
+    """If the CP2 worker is draining, C_min = 4 and w4's extra-GPU term is 0."""
+    v = view(WorkerView(W("w2"), 2, lifecycle=Lifecycle.DRAINING), WorkerView(W("w4"), 4))
+    d = place_j(
+        req("r", 1000), v, {W("w4"): 6}, loads_for(v), 0.0, profile=ROUND, beta=BETA, lam=LAM
+    )
+    assert d.candidate(W("w4")).extra_gpu == 0.0
+    assert d.candidate(W("w4")).score == pytest.approx(BETA * S_W4)
+
+
+def test_no_eligible_worker_names_each_reason() -> None:
+    v = view(
+        WorkerView(W("a"), 2, lifecycle=Lifecycle.DRAINING),
+        WorkerView(W("b"), 4, max_seq_len=10),
+    )
+    with pytest.raises(NoEligibleWorker) as ei:
+        place_j(req("r", 1000), v, {}, loads_for(v), 0.0, profile=ROUND, beta=BETA, lam=LAM)
+    assert ei.value.reasons == {"a": "draining", "b": str(Exclusion.TOO_LONG)}
+    assert "draining" in str(ei.value) and "max_seq_len" in str(ei.value)
+
+
+def test_reservation_visible_to_next_concurrent_placement() -> None:
+    """Two identical requests at the same instant: the second sees the first's reservation."""
+    v = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), v)
+    d1 = core.place(req("r1", 1000), {}, 0.0)
+    d2 = core.place(req("r2", 1000), {}, 0.0)
+    assert d1.worker == "a"  # tie -> worker id
+    assert d2.worker == "b"
+    assert d2.candidate(W("a")).q == pytest.approx(d1.predicted_s)
+    assert core.load(W("a")).queue_delay(0.0) == pytest.approx(ROUND.predict(1000, 0, 4))
+
+
+def test_running_request_progress_lowers_q() -> None:
+    v = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND, lam=0.0), v)
+    core.place(req("r1", 1000), {}, 0.0)  # on a; s = Ê_4(1000, 0)
+    s = ROUND.predict(1000, 0, 4)
+    core.start(RequestId("r1"), 0.0)
+    d = core.place(req("r2", 1000), {}, s / 2)
+    assert d.candidate(W("a")).q == pytest.approx(s / 2)
+    core.finish(RequestId("r1"), s)
+    assert core.load(W("a")).queue_delay(s) == 0.0
+
+
+def test_tie_break_is_lower_degree_then_worker_id_whatever_the_order() -> None:
+    # Degree-independent model (c = alpha = 0) and λ = 0: every J is equal.
+    flat = Profile(coefficients=Coefficients(d=0.1, a=0.001, b=0.0, c=0.0, alpha=0.0))
+    ws = [
+        WorkerView(W("z4"), 4),
+        WorkerView(W("b2"), 2),
+        WorkerView(W("a4"), 4),
+        WorkerView(W("c2"), 2),
+    ]
+    for order in (ws, ws[::-1], ws[1:] + ws[:1]):
+        v = view(*order)
+        d = place_j(req("r", 1000), v, {}, loads_for(v), 0.0, profile=flat, beta=1.0, lam=0.0)
+        assert d.worker == "b2"
+        assert d.preferred_worker == "b2"
+    v = view(WorkerView(W("z4"), 4), WorkerView(W("a4"), 4))
+    assert (
+        place_j(req("r", 1000), v, {}, loads_for(v), 0.0, profile=flat, beta=1.0, lam=0.0).worker
+        == "a4"
+    )
+
+
+def test_bad_inputs_raise_typed_errors_and_change_nothing() -> None:
+    with pytest.raises(InvalidInput):
+        RequestInfo(RequestId("r"), -5)
+    with pytest.raises(InvalidInput):
+        RequestInfo(RequestId("r"), 0)
+    v = two_degree_view()
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), v)
+    core.place(req("r0", 1000), {}, 0.0)
+    before = {w: (ld.unfinished, ld.queue_delay(0.0)) for w, ld in core.loads.items()}
+    with pytest.raises(InvalidInput):
+        core.place(req("r1", 1000), {W("w4"): -1}, 0.0)
+    with pytest.raises(InvalidInput):
+        core.place(req("r1", 1000), {}, float("nan"))
+    with pytest.raises(InvalidInput):  # duplicate placement
+        core.place(req("r0", 1000), {}, 0.0)
+    with pytest.raises(UnknownWorker):
+        core.load(W("nope"))
+    with pytest.raises(InvalidInput):
+        core.finish(RequestId("never"), 1.0)
+    after = {w: (ld.unfinished, ld.queue_delay(0.0)) for w, ld in core.loads.items()}
+    assert after == before
+    # a worker of the view without a load tracker
+    loads = loads_for(v)
+    del loads[W("w2")]
+    with pytest.raises(UnknownWorker):
+        place_j(req("r", 1000), v, {}, loads, 0.0, profile=ROUND, beta=BETA, lam=LAM)
+    # held blocks for a worker outside the view are ignored (the cache index may lag)
+    d = place_j(
+        req("r", 1000), v, {W("gone"): 3}, loads_for(v), 0.0, profile=ROUND, beta=BETA, lam=LAM
+    )
+    assert d.worker in ("w2", "w4")
+    with pytest.raises(InvalidInput):
+        make_policy("vertumnus", beta=0.5)  # β ≥ 1
+    with pytest.raises(InvalidInput):
+        make_policy("vertumnus", lam=-1.0)
+
+
+def test_decision_to_dict_is_json_ready() -> None:
+    import json
+
+    v = two_degree_view()
+    d = place_j(
+        req("r", 1000), v, {W("w4"): 6}, loads_for(v), 0.0, profile=ROUND, beta=BETA, lam=LAM
+    )
+    data = json.loads(json.dumps(d.to_dict()))
+    assert data["worker"] == "w4" and len(data["candidates"]) == 2
+
+
+workers_st = st.lists(
+    st.tuples(st.sampled_from([1, 2, 4, 8]), st.integers(0, 12), st.floats(0, 5), st.booleans()),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(workers_st, st.integers(1, 1200), st.floats(1.0, 3.0), st.floats(0.0, 2.0))
+def test_choice_is_argmin_of_j_by_the_formula(spec, length, beta, lam) -> None:
+    ws = [
+        WorkerView(W(f"w{k}"), c, lifecycle=Lifecycle.ACTIVE if act else Lifecycle.DRAINING)
+        for k, (c, _, _, act) in enumerate(spec)
+    ]
+    v = view(*ws)
+    loads = {w.worker_id: WorkerLoad(w.worker_id) for w in ws}
+    held = {}
+    for k, (_, h, q, _) in enumerate(spec):
+        if q > 0:
+            loads[W(f"w{k}")].reserve(RequestId("x"), q)
+        held[W(f"w{k}")] = h
+    r = RequestInfo(RequestId("r"), length)
+    eligible = [(k, w) for k, w in enumerate(ws) if w.lifecycle is Lifecycle.ACTIVE]
+    if not eligible:
+        with pytest.raises(NoEligibleWorker):
+            place_j(r, v, held, loads, 0.0, profile=ROUND, beta=beta, lam=lam)
+        return
+    d = place_j(r, v, held, loads, 0.0, profile=ROUND, beta=beta, lam=lam)
+    cmin = min(w.degree for _, w in eligible)
+    js = {}
+    for k, w in eligible:
+        p = min(spec[k][1] * 100, length - 1)
+        rr = length - p
+        s = ROUND.predict(rr, p, w.degree)
+        extra = w.degree * s - cmin * ROUND.predict(rr, p, cmin)
+        js[w.worker_id] = loads[w.worker_id].queue_delay(0.0) + beta * s + lam * extra
+        assert d.candidate(w.worker_id).score == pytest.approx(js[w.worker_id], rel=1e-9, abs=1e-12)
+    assert js[d.worker] == pytest.approx(min(js.values()), rel=1e-9, abs=1e-12)
+    assert d.uncached_tokens >= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(workers_st, st.integers(1, 1200), st.randoms(use_true_random=False))
+def test_choice_does_not_depend_on_view_order(spec, length, rnd) -> None:
+    ws = [WorkerView(W(f"w{k}"), c, epoch=k) for k, (c, _, _, _) in enumerate(spec)]
+    held = {W(f"w{k}"): h for k, (_, h, _, _) in enumerate(spec)}
+    r = RequestInfo(RequestId("r"), length)
+    picks = set()
+    for _ in range(3):
+        order = list(ws)
+        rnd.shuffle(order)
+        v = view(*order)
+        loads = loads_for(v)
+        for k, (_, _, q, _) in enumerate(spec):
+            if q > 0:
+                loads[W(f"w{k}")].reserve(RequestId("x"), q)
+        d = place_j(r, v, held, loads, 0.0, profile=ROUND, beta=BETA, lam=LAM)
+        assert d.epoch == v.worker(d.worker).epoch
+        picks.add((d.worker, d.preferred_worker))
+    assert len(picks) == 1
+
+
+def test_preferred_degree_at_a_common_prefix() -> None:
+    from services.scheduler.placement import preferred_degree_at
+
+    # P = 600 for both degrees: CP2 β·1.1201 = 1.68015 ; CP4 β·0.84005 + λ·1.12 = 1.820075 -> 2
+    assert preferred_degree_at(1000, 600, [2, 4], profile=ROUND, beta=BETA, lam=LAM) == 2
+    # with λ = 0 only latency counts -> CP4
+    assert preferred_degree_at(1000, 600, [4, 2], profile=ROUND, beta=BETA, lam=0.0) == 4
+    with pytest.raises(InvalidInput):
+        preferred_degree_at(0, 0, [2], profile=ROUND, beta=BETA, lam=LAM)
+    with pytest.raises(InvalidInput):
+        preferred_degree_at(10, 0, [], profile=ROUND, beta=BETA, lam=LAM)

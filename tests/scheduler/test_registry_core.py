@@ -1,0 +1,129 @@
+"""Registry lookups and the SchedulerCore bookkeeping (drain/redirect, view changes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from sched_support import ROUND, req, view
+
+from services.scheduler import (
+    DuplicateRequest,
+    Policy,
+    SchedulerCore,
+    UnknownPolicy,
+    WorkerView,
+    make_policy,
+    policy_names,
+    register_policy,
+)
+from services.scheduler.policies.vertumnus import JPolicy
+from services.scheduler.registry import unregister_policy
+from shared.ids import InvalidInput, RequestId, WorkerId
+from shared.worker import Lifecycle
+
+W = WorkerId
+
+BASELINES = {
+    "vertumnus",
+    "homo",
+    "homo_cp2",
+    "static",
+    "vllm",
+    "sglang",
+    "dynamo",
+    "llmd",
+    "round_robin",
+}
+
+
+def test_registry_has_every_policy_and_builds_them() -> None:
+    assert BASELINES <= set(policy_names())
+    for name in BASELINES:
+        pol = make_policy(name, profile=ROUND, rng=random.Random(0))
+        assert isinstance(pol, Policy)
+        assert pol.name == name
+
+
+def test_unknown_name_lists_known_ones() -> None:
+    with pytest.raises(UnknownPolicy) as ei:
+        make_policy("least_work")
+    msg = str(ei.value)
+    assert "least_work" in msg and "vertumnus" in msg and "sglang" in msg
+    assert isinstance(ei.value, InvalidInput)
+
+
+def test_bad_params_are_typed_errors() -> None:
+    with pytest.raises(InvalidInput, match="no parameter"):
+        make_policy("vllm", beta=2.0)
+    with pytest.raises(InvalidInput):
+        make_policy("sglang", cache_threshold=1.5)
+    with pytest.raises(InvalidInput):
+        make_policy("vertumnus", profile="not a profile")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        make_policy("dynamo", rng=42)  # type: ignore[arg-type]
+
+
+def test_params_reach_the_policy() -> None:
+    pol = make_policy("vertumnus", beta=2.0, lam=0.25)
+    assert isinstance(pol, JPolicy) and (pol.beta, pol.lam) == (2.0, 0.25)
+    assert make_policy("static", threshold_tokens=4096).threshold_tokens == 4096  # type: ignore[attr-defined]
+
+
+def test_register_a_custom_policy() -> None:
+    @register_policy("test_only_first")
+    class First:
+        def __init__(self, *, profile=ROUND, rng=None) -> None:
+            self._inner = JPolicy(profile=profile, name="test_only_first")
+
+        @property
+        def name(self) -> str:
+            return "test_only_first"
+
+        def place(self, request, view, held_blocks, loads, now):
+            return self._inner.place(request, view, held_blocks, loads, now)
+
+        def on_finish(self, request_id, worker, now) -> None:
+            return None
+
+    try:
+        assert "test_only_first" in policy_names()
+        assert make_policy("test_only_first").name == "test_only_first"
+        with pytest.raises(InvalidInput):
+            register_policy("test_only_first")(JPolicy)  # a different factory under a taken name
+    finally:
+        unregister_policy("test_only_first")
+    assert "test_only_first" not in policy_names()
+    with pytest.raises(UnknownPolicy):
+        unregister_policy("test_only_first")
+    with pytest.raises(InvalidInput):
+        register_policy("bad name!")
+
+
+def test_drain_redirects_queued_requests_and_keeps_running_one() -> None:
+    v = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
+    core = SchedulerCore(make_policy("round_robin", profile=ROUND), v)
+    for k in range(4):
+        core.place(req(f"r{k}", 500), {}, 0.0)  # a, b, a, b
+    core.start(RequestId("r0"), 0.0)
+    queued = core.drain(W("a"))
+    assert [r.request_id for r in queued] == ["r2"]
+    assert core.load(W("a")).unfinished == 1  # r0 keeps running
+    core.set_view(view(WorkerView(W("a"), 4, lifecycle=Lifecycle.DRAINING), WorkerView(W("b"), 4)))
+    for r in queued:
+        assert core.place(r, {}, 0.1).worker == "b"
+    # split: a leaves the view while r0 still runs; its tracker stays until r0 finishes
+    core.set_view(view(WorkerView(W("b"), 4), WorkerView(W("c"), 2), WorkerView(W("d"), 2)))
+    assert W("a") in core.loads
+    core.finish(RequestId("r0"), 1.0)
+    assert W("a") not in core.loads
+    assert set(core.loads) == {"b", "c", "d"}
+
+
+def test_duplicate_placement_rejected() -> None:
+    v = view(WorkerView(W("a"), 4))
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), v)
+    core.place(req("r", 500), {}, 0.0)
+    with pytest.raises(DuplicateRequest):
+        core.place(req("r", 500), {}, 0.0)
+    assert core.load(W("a")).unfinished == 1

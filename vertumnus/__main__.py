@@ -1,0 +1,3 @@
+from vertumnus.cli import main
+
+main()
