@@ -348,6 +348,11 @@ class MicroService:
         """Update micro metadata (e.g. ``epoch="7"``) as seen by ``$SRV.PING/INFO``."""
         self._metadata.update({k: str(v) for k, v in values.items()})
 
+    @property
+    def stopping(self) -> bool:
+        """True once a stop was requested (the service may still be draining)."""
+        return self._stop.is_set()
+
     def request_stop(self) -> None:
         """Ask :meth:`run` to shut down gracefully (what SIGINT/SIGTERM do)."""
         self._stop.set()

@@ -159,6 +159,15 @@ def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
     return _PROPAGATOR.extract(headers or {}, getter=_GETTER)
 
 
+def _as_context(parent: Mapping[str, str] | otel_context.Context | None
+                ) -> otel_context.Context | None:
+    """A parent given as carrier headers or as a Context. NOTE: Context is itself a dict
+    subclass, so it must be recognised before the Mapping case."""
+    if parent is None or isinstance(parent, otel_context.Context):
+        return parent
+    return extract(parent)
+
+
 @contextmanager
 def stage_span(
     stage: Stage | str,
@@ -173,7 +182,7 @@ def stage_span(
     ``start_time_s`` (Unix seconds) back-dates the start, for stages whose beginning was
     observed elsewhere (e.g. queue wait starts when the assignment was accepted).
     """
-    ctx = extract(parent) if isinstance(parent, Mapping) else parent
+    ctx = _as_context(parent)
     start_ns = int(start_time_s * 1e9) if start_time_s is not None else None
     with tracer().start_as_current_span(
         str(stage),
@@ -194,7 +203,7 @@ def record_span(
     attributes: Mapping[str, Any] | None = None,
 ) -> None:
     """Record a finished stage whose start and end (Unix seconds) were measured already."""
-    ctx = extract(parent) if isinstance(parent, Mapping) else parent
+    ctx = _as_context(parent)
     span = tracer().start_span(
         str(stage),
         context=ctx,

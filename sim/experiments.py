@@ -35,13 +35,16 @@ from services.controller.composition import (
     initial_composition,
     samples_from_lengths,
 )
+from services.cachemgr.scan import ScanConfig
 from services.controller.lattice import Composition, Lattice
+from services.controller.planner import ControllerConfig
 from shared.costmodel import Profile
 from shared.ids import InvalidInput
 from shared.worker import WorkerKind
+from sim import calibration
 from sim.groundtruth import GroundTruth
 from sim.metrics import QWEN3_SLO, SloTable, slo_attainment
-from sim.simulator import SimConfig, SimResult, Simulator
+from sim.simulator import SimConfig, SimResult, Simulator, controller_profile
 from sim.workloads.workload import Workload, scale_rate
 
 ALL_POLICIES: tuple[str, ...] = (
@@ -79,6 +82,9 @@ class ExperimentSpec:
     slo: SloTable = QWEN3_SLO
     static_thresholds: tuple[int, ...] = (4096, 8192, 16384, 32768)
     vertumnus_overrides: Mapping[str, Any] = field(default_factory=dict)
+    controller: ControllerConfig = calibration.CONTROLLER
+    scan: ScanConfig = calibration.SCAN
+    kappa_scale: float = calibration.KAPPA_SCALE
 
 
 # --- compositions -----------------------------------------------------------------------------
@@ -88,7 +94,9 @@ def historical_composition(
     """§6.1's initial composition from the workload as history (lengths and window demand).
 
     The demand of a window is estimated at the smallest degree (what the pool must at least
-    serve); its 90th percentile over the trace's windows is provisioned for.
+    serve), with the prefix reuse the history showed (every earlier prefix counted as cached:
+    history as an ideal cache saw it); the median window is the expected demand that the check
+    (with the controller's 1.2 headroom) must accommodate — bursts are the controller's job.
     """
     degs = lattice.sorted_degrees
     lens = [r.input_len for r in workload.requests]
@@ -97,12 +105,21 @@ def historical_composition(
     cmin = degs[0]
     n_windows = max(1, math.ceil((workload.duration_s or window_s) / window_s))
     demand = [0.0] * n_windows
+    seen: set[int] = set()
+    B = workload.block_size
     for r in workload.requests:
         k = min(n_windows - 1, int(r.arrival_s // window_s))
-        demand[k] += profile.predict_fast(r.input_len, 0, cmin)
+        hit = 0
+        for h in r.block_hashes:
+            if h not in seen:
+                break
+            hit += 1
+        seen.update(r.block_hashes)
+        p = min(hit * B, r.input_len - 1)
+        demand[k] += profile.predict_fast(r.input_len - p, p, cmin)
     # Per-worker capacity is per window; provision the busy windows (not the average).
     hist = HistoricalWorkload(
-        demand_s=demand_percentile(demand, 0.9),
+        demand_s=demand_percentile(demand, 0.5),
         samples=samples_from_lengths(lens[:: max(1, len(lens) // 2000)], profile, degs),
     )
     return initial_composition(lattice, profile, hist).composition
@@ -125,8 +142,12 @@ def deployment_for(
         jparams["lam"] = spec.lam
     if policy == "vertumnus":
         ov = dict(spec.vertumnus_overrides)
-        return Deployment(policy, "vertumnus", ov.pop("composition", initial), adaptive=ov.pop(
-            "adaptive", True), cache_manager=ov.pop("cache_manager", True), params={**jparams, **ov})
+        comp = ov.pop("composition", initial)
+        adaptive = ov.pop("adaptive", True)
+        cache_manager = ov.pop("cache_manager", True)
+        params = {"beta": calibration.BETA, "lam": calibration.LAM, **jparams, **ov}
+        return Deployment(policy, "vertumnus", comp, adaptive=adaptive,
+                          cache_manager=cache_manager, params=params)
     if policy == "static":
         return Deployment(policy, "static", initial)
     if policy == "homo":
@@ -188,6 +209,9 @@ def run_deployment(
         window_s=spec.window_s,
         scan_interval_s=spec.scan_interval_s,
         seed=spec.seed,
+        scan_config=spec.scan,
+        controller_config=spec.controller,
+        kappa_scale=spec.kappa_scale,
     )
     return Simulator(cfg, profile, truth).run(workload, dep.composition)
 
@@ -304,7 +328,8 @@ def sweep(
     profiled static threshold, timelines) for the report."""
     truth = truth or GroundTruth()
     lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
-    initial = historical_composition(lattice, profile, workload, spec.window_s)
+    initial = historical_composition(lattice, controller_profile(profile, spec.kappa_scale),
+                                     workload, spec.window_s)
     side: dict[str, Any] = {"initial_composition": initial.describe(), "timelines": {}}
     static_th = None
     if "static" in policies:

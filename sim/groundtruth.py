@@ -318,12 +318,59 @@ class GroundTruth:
 
         Raises :class:`InvalidInput` on R < 1, P < 0, degree < 1 or an unknown kind.
         """
+        if kind == "cp" and r.__class__ is int and p.__class__ is int \
+                and degree.__class__ is int and r >= 1 and p >= 0 and degree >= 1:
+            return self._prefill_time_cp(r, p, degree)
         terms = self.layer_terms(r, p, degree, kind=kind)
         cal = self.calibration
         fixed = cal.d0
         if degree > 1:
             fixed += cal.d_cp if kind == "cp" else cal.d_tp
         return fixed + cal.sigma * r + self.model.layers * (terms["layer"] + terms["comm"])
+
+    def _prefill_time_cp(self, r: int, p: int, degree: int) -> float:
+        """:meth:`prefill_time` for CP with valid plain-int inputs (speed: the simulator calls
+        it once per request). The same float operations in the same order as
+        :meth:`layer_terms` + :meth:`prefill_time` (bit-identical), without the validation
+        and the dict; a test compares the two."""
+        m, g, cal = self.model, self.gpu, self.calibration
+        f_peak, bw = g.peak_flops, g.effective_bandwidth
+        kv_layer = m.kv_bytes_per_token_layer
+        wd, we, e, k = m.dense_params_per_layer, m.expert_params, m.experts, m.top_k
+        c = degree
+        r_pad = r if c == 1 else math.ceil(r / (2 * c)) * 2 * c
+        n = r_pad / c
+        if c == 1:
+            q_len = float(r)
+            pairs = r * p + r * (r + 1) / 2
+        else:
+            chunk = r_pad / (2 * c)
+            q_len = chunk
+            last = 2 * c - 1
+            pairs = sum((chunk * (p + 0 * chunk) + chunk * (chunk + 1) / 2,
+                         chunk * (p + last * chunk) + chunk * (chunk + 1) / 2))
+        shard = 1
+        kv_tokens = p + r_pad
+        touched = e * (1.0 - (1.0 - k / e) ** n)
+        ed, em, ea = cal.eta_dense, cal.eta_moe, cal.eta_attn
+        t_dense = max(2 * n * wd / (shard * f_peak * (ed.eta_max * n / (n + ed.x_half))),
+                      2 * wd / (shard * bw))
+        t_moe = max(
+            2 * n * k * we / (shard * f_peak * (em.eta_max * n / (n + em.x_half))),
+            touched * 2 * we / (shard * bw),
+        )
+        t_attn = m.attn_flops_per_pair_layer * pairs / (
+            f_peak * (ea.eta_max * q_len / (q_len + ea.x_half))) + (kv_tokens * kv_layer / bw)
+        t_elem = n * m.elementwise_bytes_per_token_layer / bw
+        t_gpu = t_dense + t_moe + t_attn + t_elem
+        comm = 0.0
+        if degree > 1:
+            comm = 2 * cal.alpha_ag + (degree - 1) * (n + p / degree) * kv_layer / cal.beta_ag
+        layer = max(t_gpu, cal.t_cpu)
+        fixed = cal.d0
+        if degree > 1:
+            fixed += cal.d_cp
+        return fixed + cal.sigma * r + m.layers * (layer + comm)
 
     # --- around the prefill --------------------------------------------------------------
     def kv_handoff_time(self, total_tokens: int, degree: int) -> float:

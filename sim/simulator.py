@@ -22,6 +22,7 @@ TTFT = prefill finish + KV handoff + first decode step − arrival (design.md, M
 
 from __future__ import annotations
 
+import gc
 import heapq
 import random
 from collections import deque
@@ -46,6 +47,14 @@ from shared.ids import BlockHash, InvalidInput, RequestId, WorkerId
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
 from sim.groundtruth import GroundTruth, NoisyGroundTruth
 from sim.workloads.workload import Request, Workload
+
+def controller_profile(profile: Profile, kappa_scale: float) -> Profile:
+    """The profile the controller judges capacity with: κ_C × ``kappa_scale`` for every degree
+    the profile measured (the scheduler keeps the plain profile; it never uses κ)."""
+    if kappa_scale == 1.0 or not profile.kappa:
+        return profile
+    return profile.with_kappa({c: k * kappa_scale for c, k in profile.kappa.items()})
+
 
 # Event kinds (ints: the heap compares tuples, and ints are the cheapest tie-breakers).
 _ARRIVE, _FINISH, _WINDOW, _SCAN, _XFER, _SWITCHED = range(6)
@@ -85,8 +94,12 @@ class SimConfig:
     noise_sigma: float = 0.04
     scan_config: ScanConfig = DEFAULT_SCAN_CONFIG
     controller_config: ControllerConfig | None = None
+    kappa_scale: float = 1.0
+    """Multiplies the profile's κ_C for the controller only (see sim/calibration.py)."""
 
     def __post_init__(self) -> None:
+        if not self.kappa_scale > 0:
+            raise InvalidInput(f"kappa_scale must be > 0, got {self.kappa_scale}")
         if self.gpus < 1:
             raise InvalidInput(f"gpus must be >= 1, got {self.gpus}")
         if not self.degrees:
@@ -279,7 +292,8 @@ class Simulator:
         self._record_composition(0.0)
         if self.cfg.adaptive:
             cc = self.cfg.controller_config or ControllerConfig(window_s=self.cfg.window_s)
-            self.ctl = ControllerCore(composition, self.profile, cc)
+            self.ctl = ControllerCore(composition, controller_profile(self.profile,
+                                                                     self.cfg.kappa_scale), cc)
             self._push(cc.window_s, _WINDOW)
         for req in workload.requests:
             self._push(req.arrival_s, _ARRIVE, req)
@@ -290,28 +304,40 @@ class Simulator:
         now = 0.0
         heap = self._heap
         pop = heapq.heappop
-        while heap:
-            now, _, kind, a, b = pop(heap)
-            if kind == _FINISH:
-                self._finish(a, b, now)
-                remaining -= 1
-                done += 1
-                if progress is not None and done % 1000 == 0:
-                    progress(done)
-            elif kind == _ARRIVE:
-                self._arrive(a, now)
-            elif kind == _WINDOW:
-                if remaining > 0:
-                    self._window(now)
-                    self._push(now + self.ctl.config.window_s, _WINDOW)  # type: ignore[union-attr]
-            elif kind == _SCAN:
-                if remaining > 0:
-                    self._scan(now)
-                    self._push(now + self.cfg.scan_interval_s, _SCAN)
-            elif kind == _XFER:
-                self._transfer_done(a, now)
-            elif kind == _SWITCHED:
-                self._switched(now)
+        # Speed: the run allocates millions of small objects while ~10^5 trie nodes stay
+        # alive, so the cyclic collector's passes would cost ~40% of the run; the simulator
+        # creates no garbage cycles it relies on collecting, so it is paused for the loop
+        # (plain reference counting still frees everything) and restored afterwards.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            while heap:
+                now, _, kind, a, b = pop(heap)
+                if kind == _FINISH:
+                    self._finish(a, b, now)
+                    remaining -= 1
+                    done += 1
+                    if progress is not None and done % 1000 == 0:
+                        progress(done)
+                elif kind == _ARRIVE:
+                    self._arrive(a, now)
+                elif kind == _WINDOW:
+                    if remaining > 0:
+                        self._window(now)
+                        ctl = self.ctl
+                        assert ctl is not None
+                        self._push(now + ctl.config.window_s, _WINDOW)
+                elif kind == _SCAN:
+                    if remaining > 0:
+                        self._scan(now)
+                        self._push(now + self.cfg.scan_interval_s, _SCAN)
+                elif kind == _XFER:
+                    self._transfer_done(a, now)
+                elif kind == _SWITCHED:
+                    self._switched(now)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         # Requests that never got a worker (failed placement) were counted as records already.
         return SimResult(
             config=self.cfg,
@@ -477,47 +503,25 @@ class Simulator:
 
     def _reconcile(self, plan: Plan, old: Sequence[_SimWorker], new: Sequence[_SimWorker]) -> None:
         """§6.2: retained prefixes stay resident; the manager records what is valid on its new
-        rank and what is pending; each new worker's local cache starts with the valid part that
-        forms whole prefixes (pending pages arrive by lazy reconcile transfers)."""
+        rank and what is pending; each new worker's local cache starts with its valid whole
+        prefixes (pending pages arrive by lazy reconcile transfers on first reuse)."""
         caps = {w.wid: w.cache.capacity_blocks for w in new}
         if plan.kind is OpKind.SPLIT:
-            sp = reconcile_split(self.trie, old[0].wid, (new[0].wid, new[1].wid), caps)
-            valid = sp.physical
-            cancelled = sp.cancelled
+            reconcile_split(self.trie, old[0].wid, (new[0].wid, new[1].wid), caps)
         else:
-            mp = reconcile_merge(self.trie, (old[0].wid, old[1].wid), new[0].wid,
-                                 caps[new[0].wid])
-            valid = {new[0].wid: mp.physical}
-            cancelled = mp.cancelled
-        del cancelled  # in-flight transfers to or from the old workers simply find them gone
-        for w in new:
-            self._adopt(w, valid.get(w.wid, frozenset()))
-
-    def _adopt(self, w: _SimWorker, valid: frozenset[BlockHash]) -> None:
-        """Seed ``w``'s local cache with the chain-closed part of ``valid`` (no events: the
-        manager already accounts for these blocks)."""
-        if not valid:
-            return
+            reconcile_merge(self.trie, (old[0].wid, old[1].wid), new[0].wid, caps[new[0].wid])
         parent = self.trie.parent
-        depth: dict[BlockHash, int] = {}
-        for h in valid:
-            d, x = 0, parent(h)
-            while x is not None:
-                d += 1
-                x = parent(x)
-            depth[h] = d
-        closed: set[BlockHash] = set()
-        for h in sorted(valid, key=depth.__getitem__):
-            p = parent(h)
-            if p is None or p in closed:
-                closed.add(h)
-        w.cache.adopt([(h, parent(h)) for h in sorted(closed, key=depth.__getitem__)])
+        for w in new:
+            held = self.trie.held_nodes(w.wid)
+            if held:
+                w.cache.adopt([(h, parent(h)) for h in held])
 
     # ------------------------------------------------------------------ cache manager (§7)
     def _scan(self, now: float) -> None:
         load = {wid: self.sched.load(wid).queue_delay(now) for wid in self.sched.view.worker_ids}
         in_use = {w.wid: w.pinned for w in self.workers.values() if w.pinned}
-        result = self.trie.scan(self.cfg.scan_config, load, in_use)
+        # lists=False: only the actions are used here; same actions, O(changes) per scan.
+        result = self.trie.scan(self.cfg.scan_config, load, in_use, lists=False)
         for act in result.actions:
             if isinstance(act, Replicate):
                 self._issue_transfer(act, now)

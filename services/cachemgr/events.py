@@ -29,6 +29,9 @@ MAX_BLOCKS_PER_EVENT: Final[int] = 1 << 20
 """Upper bound on the blocks of one event: rejects absurd payloads before any work is done."""
 
 
+_set = object.__setattr__  # frozen dataclasses: the trusted constructors set slots directly
+
+
 class MalformedEvent(InvalidInput):
     """A cache event (object or wire dict) that breaks the schema; the message names the field."""
 
@@ -80,6 +83,22 @@ class Stored:
         if self.parent_hash is not None and self.parent_hash in self.block_hashes:
             raise MalformedEvent("parent_hash also appears in block_hashes (a cycle)")
 
+    @classmethod
+    def trusted(cls, worker: WorkerId, event_id: int, parent_hash: BlockHash | None,
+                block_hashes: tuple[BlockHash, ...]) -> Stored:
+        """Build *without* validation (speed), for a producer that guarantees the schema by
+        construction: :class:`services.rankd.blockcache.BlockCache` (validated worker id,
+        event ids counting from 1, a non-empty tuple of distinct int hashes it validated on
+        input, hanging under a cached parent that is not among them). Anything else --
+        wire input, tests, other producers -- must use the validating constructor.
+        """
+        ev = object.__new__(cls)
+        _set(ev, "worker", worker)
+        _set(ev, "event_id", event_id)
+        _set(ev, "parent_hash", parent_hash)
+        _set(ev, "block_hashes", block_hashes)
+        return ev
+
     def to_wire(self) -> dict[str, Any]:
         return {
             "type": "stored",
@@ -102,6 +121,16 @@ class Removed:
         _check_worker(self.worker)
         _check_event_id("event_id", self.event_id, 1)
         _check_hashes("block_hashes", self.block_hashes)
+
+    @classmethod
+    def trusted(cls, worker: WorkerId, event_id: int,
+                block_hashes: tuple[BlockHash, ...]) -> Removed:
+        """Build *without* validation (speed); same contract as :meth:`Stored.trusted`."""
+        ev = object.__new__(cls)
+        _set(ev, "worker", worker)
+        _set(ev, "event_id", event_id)
+        _set(ev, "block_hashes", block_hashes)
+        return ev
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -7,25 +7,34 @@ child's rank p mod C is GPU k + (p mod C): so after the split the left child phy
 on the correct rank already, exactly the pages with (p mod 2C) < C, the right child those with
 (p mod 2C) >= C. Nothing moves on the critical path.
 
+NOTE: invariant kept by both operations -- a worker's *valid* blocks are whole prefixes (every
+ancestor valid too), exactly what its own LRU cache index (services/rankd/blockcache.py) can
+hold, so seeding the new workers' caches with ``PrefixTrie.held_nodes`` keeps the event streams
+and the trie in step. Resident pages that are not part of a whole prefix are either *pending*
+(the worker will index them once their ancestors arrive; source hint: itself) or *donors*
+(resident copies kept only as sources for the sibling; released by
+``PrefixTrie.release_donors`` when the worker frees them).
+
 Split: each *retained prefix* of the parent (a node it holds with no held child there, i.e. a
 maximal cached prefix) is assigned to one child, by demand and capacity (greedy, heaviest demand
-first, to the child with less demand assigned so far among those with room for the missing
-pages; ties to the child missing fewer pages, then left). On the assigned child the pages it
-lacks become *pending* (source hint: the sibling). Pages a child holds physically stay valid
-there even when the prefix went to the sibling: they are the "valid resident copy" the sibling
-installs from, and the worker's LRU may evict them later. A prefix neither child has room for is
-left unassigned (its pages stay where they are; its missing part is an ordinary miss).
+first, to the child with less demand assigned so far among those with room for the pages to
+copy; ties to the child with fewer pages to reconcile, then left). On the assigned child every
+page of the prefix outside its whole prefixes becomes *pending*: hint "itself" when resident
+there, else the sibling. A prefix neither child has room for is left unassigned (its resident
+pages become donors; the rest is an ordinary miss).
 
 Merge: the merged degree-2C worker holds the union. A page from the left child is already on its
-new rank iff (p mod 2C) < C, from the right child iff (p mod 2C) >= C; every other page is
-pending (source hint: the merged worker itself -- it only moves between its own ranks).
+new rank iff (p mod 2C) < C, from the right child iff (p mod 2C) >= C; the whole prefixes of
+such pages are valid, every other resident page is pending (hint: the merged worker itself --
+it only moves between its own ranks or gets indexed).
 
 Lazy transfer (§6.2): nothing is copied at reconfiguration time. :func:`on_reuse` is called
 when a request is routed to a worker; for the pending pages on that request's cached run it
-issues ``Replicate(kind="reconcile")`` actions (one per source) for just those pages, from the
-hinted copy if still valid, else from any worker that has the page valid. A pending page with no
-valid copy left is dropped from pending (an ordinary miss; the request recomputes it). A pending
-page becomes valid on the worker's ``Stored`` event for it, or on
+issues ``Replicate(kind="reconcile")`` actions (one per source; ``source == dest`` means "move
+between own ranks / index a resident page") for just those pages, from the hinted copy if still
+resident, else from any worker that has the page valid or as a donor. A pending page with no
+copy left is dropped from pending (an ordinary miss; the request recomputes it). A pending page
+becomes valid on the worker's ``Stored`` event for it, or on
 :meth:`PrefixTrie.confirm_installed`.
 
 The children (or merged worker) are registered with ``last_event_id = 0``: their event streams
@@ -51,8 +60,9 @@ class SplitPlan:
     children: tuple[WorkerId, WorkerId]
     assignment: Mapping[BlockHash, WorkerId]  # retained prefix (its last node) -> child
     unassigned: tuple[BlockHash, ...]  # retained prefixes no child had room for
-    physical: Mapping[WorkerId, frozenset[BlockHash]]  # valid blocks each child starts with
+    valid: Mapping[WorkerId, frozenset[BlockHash]]  # whole prefixes each child starts with
     pending: Mapping[WorkerId, frozenset[BlockHash]]
+    donors: Mapping[WorkerId, frozenset[BlockHash]]  # resident, outside the index: sources only
     cancelled: tuple[CacheAction, ...]
 
 
@@ -60,7 +70,7 @@ class SplitPlan:
 class MergePlan:
     children: tuple[WorkerId, WorkerId]
     parent: WorkerId
-    physical: frozenset[BlockHash]  # valid on the merged worker, on their correct ranks
+    valid: frozenset[BlockHash]  # whole prefixes on their correct ranks
     pending: frozenset[BlockHash]
     cancelled: tuple[CacheAction, ...]
 
@@ -178,7 +188,9 @@ def reconcile_split(
     return SplitPlan(
         parent, (left, right), MappingProxyType(assignment), tuple(unassigned),
         MappingProxyType({x: frozenset(s) for x, s in whole.items()}),
-        MappingProxyType({x: frozenset(s) for x, s in pending.items()}), cancelled)
+        MappingProxyType({x: frozenset(s) for x, s in pending.items()}),
+        MappingProxyType({x: frozenset(physical[x] - whole[x] - pending[x]) for x in whole}),
+        cancelled)
 
 
 def _whole_prefixes(nodes: Mapping[BlockHash, TrieNode], hs: set[BlockHash]) -> set[BlockHash]:

@@ -33,8 +33,9 @@ with a descendant is never collected, so no held node loses its path).
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -144,7 +145,7 @@ class _Selector:
         self.per_degree: dict[int, int] = {}
         self.room: dict[WorkerId, int] = {}
         for w, v in self.views.items():
-            room = v.capacity_blocks - len(self.pinned.get(w, ())) - self.reserved.get(w, 0)
+            room = self.free_room(v)
             self.room[w] = room
             self.max_room[v.deg_idx] = max(self.max_room.get(v.deg_idx, -1), room)
             self.per_degree[v.deg_idx] = self.per_degree.get(v.deg_idx, 0) + 1
@@ -171,6 +172,13 @@ class _Selector:
                 self.covered.add((h, di))
 
     # -- helpers ---------------------------------------------------------------------
+    def free_room(self, v: WorkerView) -> int:
+        """Blocks a destination can make room for: capacity less pinned resident blocks and
+        blocks reserved by copies to it (LRU evicts the rest: design.md counts it as free)."""
+        pinned = self.pinned.get(v.worker)
+        n_pinned = len(pinned & v.valid) if pinned else 0
+        return v.capacity_blocks - n_pinned - self.reserved.get(v.worker, 0)
+
     def pressure(self, v: WorkerView) -> float:
         return (v.used_blocks + self.reserved.get(v.worker, 0)) / v.capacity_blocks
 
@@ -196,8 +204,7 @@ class _Selector:
             if acts and node.hash in acts:
                 continue
             footprint = len(path) - retained.get(w, 0)
-            room = v.capacity_blocks - len(self.pinned.get(w, ())) - self.reserved.get(w, 0)
-            if footprint > room:
+            if footprint > self.free_room(v):
                 continue
             free = v.capacity_blocks - v.used_blocks - self.reserved.get(w, 0)
             key = (footprint, 0 if free >= footprint else 1, self.load.get(w, _NO_LOAD),
@@ -311,10 +318,11 @@ class _Selector:
         # NOTE: never the last replica in the pool (holders minus those already being removed).
         if len(n.holders) - len(busy & n.holders) < 2:
             return False
-        # Nothing retained below it at this worker (other than the chain being removed).
-        valid = v.valid
+        # Nothing retained (or being reconciled) below it at this worker, other than the chain
+        # being removed.
+        valid, pending = v.valid, v.pending
         for c in n.children.values():
-            if c is not only_child and c.hash in valid:
+            if c is not only_child and (c.hash in valid or c.hash in pending):
                 return False
         return True
 
@@ -354,12 +362,27 @@ def _ranked_intra(cands: list[tuple[Candidate, int]], tie: float) -> list[Candid
 
 
 def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
-             in_use: Mapping[WorkerId, Iterable[BlockHash]]) -> ScanResult:
+             in_use: Mapping[WorkerId, Iterable[BlockHash]], *, lists: bool = True) -> ScanResult:
     """One periodic scan: Algorithm 2's lists and decay, §7.2's selection, then GC.
 
     ``load``: worker -> outstanding predicted seconds (missing: 0). ``in_use``: worker -> blocks
     pinned by running requests there. Unknown workers in either are ignored (they may have just
     left the pool). Selected actions are recorded as in flight on ``trie``.
+
+    ``lists=False`` returns empty inter / intra / reclaim lists but the same actions, decay and
+    collection, at a cost independent of the trie's size (speed; the simulator's path):
+
+    * decay is lazy (:class:`~services.cachemgr.trie.TrieNode` applies it on the next read,
+      with the same float operations), so no pass over every node is needed;
+    * inter and intra candidates need missed > θ_inter, resp. access > r·θ_intra >= θ_intra,
+      and statistics only grow through ``record_request`` / ``set_statistics``: the trie
+      keeps the nodes touched since the last scan and those still above the thresholds after
+      its decay (``_touched``, ``_hot``); only they are examined (a full pass rebuilds the
+      index when a scan lowers a threshold);
+    * a reclaim never takes the last replica, so only nodes with >= 2 holders (``_multi``) can
+      give one; they are ranked exactly as the full list would be (access / r, hash, degree),
+      and "is an ancestor a reclaim candidate" is evaluated directly;
+    * garbage collection only looks at nodes with refs == 0 (``_unref``).
     """
     if not isinstance(cfg, ScanConfig):
         raise InvalidInput(f"config must be a ScanConfig, got {type(cfg).__name__}")
@@ -371,30 +394,110 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
     degrees = trie.degrees
     nd = len(degrees)
     t_inter, t_intra, t_rec = cfg.theta_inter, cfg.theta_intra, cfg.theta_reclaim
+    d = cfg.decay
     inter: list[Candidate] = []
     intra: list[Candidate] = []
     reclaim: list[Candidate] = []
-    for n in trie._nodes.values():
-        count, acc, mis = n.count, n.access, n.missed
-        for i in range(nd):
-            r = count[i]
-            if r == 0:
-                if mis[i] > t_inter:
-                    inter.append(Candidate(n.hash, degrees[i], 0, acc[i], mis[i]))
-            elif acc[i] > r * t_intra:
-                intra.append(Candidate(n.hash, degrees[i], r, acc[i], mis[i]))
-            elif acc[i] < r * t_rec:
-                reclaim.append(Candidate(n.hash, degrees[i], r, acc[i], mis[i]))
-
-    # --- Algorithm 2, lines 12-14 --------------------------------------------------------
-    d = cfg.decay
-    for n in trie._nodes.values():
-        acc, mis = n.access, n.missed
-        for i in range(nd):
-            acc[i] *= d
-            mis[i] *= d
+    e = len(trie._decays)
+    hot_th = trie._hot_th
+    full = lists or t_inter < hot_th[0] or t_intra < hot_th[1]
+    # Reclaim candidates as (access / r, hash, degree, node, degree index): the list's ranking.
+    rec_keys: list[tuple[float, BlockHash, Degree, TrieNode, int]] = []
+    if full:
+        hot: set[TrieNode] = set()
+        for n in trie._nodes.values():
+            if n.ep != e:
+                n.catch_up()
+            count, acc, mis = n.count, n._acc, n._mis
+            if acc is None and mis is None:
+                for i in range(nd):
+                    r = count[i]
+                    if r and 0.0 < r * t_rec:
+                        reclaim.append(Candidate(n.hash, degrees[i], r, 0.0, 0.0))
+                continue
+            if acc is None:
+                acc = _ZEROS[nd]
+            if mis is None:
+                mis = _ZEROS[nd]
+            keep = False
+            for i in range(nd):
+                r = count[i]
+                a, m = acc[i], mis[i]
+                if r == 0:
+                    if m > t_inter:
+                        inter.append(Candidate(n.hash, degrees[i], 0, a, m))
+                elif a > r * t_intra:
+                    intra.append(Candidate(n.hash, degrees[i], r, a, m))
+                elif a < r * t_rec:
+                    reclaim.append(Candidate(n.hash, degrees[i], r, a, m))
+                if m * d > t_inter or a * d > t_intra:
+                    keep = True
+            if keep:
+                hot.add(n)
+        trie._hot = hot
+        if lists is False:
+            multi = trie._multi
+            for c in reclaim:
+                n = trie._nodes[c.node_hash]
+                if n in multi:
+                    rec_keys.append((c.access / c.replicas, c.node_hash, c.degree, n,
+                                     trie._deg_idx[c.degree]))
+    else:
+        hot = trie._hot
+        for n in trie._touched:
+            hot.add(n)
+        nodes = trie._nodes
+        drop: list[TrieNode] = []
+        for n in hot:
+            if nodes.get(n.hash) is not n:
+                drop.append(n)  # collected meanwhile
+                continue
+            if n.ep != e:
+                n.catch_up()
+            count = n.count
+            acc = n._acc if n._acc is not None else _ZEROS[nd]
+            mis = n._mis if n._mis is not None else _ZEROS[nd]
+            keep = False
+            for i in range(nd):
+                r = count[i]
+                a, m = acc[i], mis[i]
+                if r == 0:
+                    if m > t_inter:
+                        inter.append(Candidate(n.hash, degrees[i], 0, a, m))
+                elif a > r * t_intra:
+                    intra.append(Candidate(n.hash, degrees[i], r, a, m))
+                if m * d > t_inter or a * d > t_intra:
+                    keep = True
+            if not keep:
+                drop.append(n)
+        for n in drop:
+            hot.discard(n)
+        zero_ok = 0.0 < t_rec  # access 0 < r·θ_reclaim for every r >= 1
+        append = rec_keys.append
+        for n in trie._multi:
+            count = n.count
+            acc = n._acc
+            if acc is None:
+                if zero_ok:
+                    for i in range(nd):
+                        r = count[i]
+                        if r:
+                            append((0.0, n.hash, degrees[i], n, i))
+                continue
+            if n.ep != e:
+                n.catch_up()
+            for i in range(nd):
+                r = count[i]
+                if r:
+                    a = acc[i]
+                    if a < r * t_rec:
+                        append((a / r, n.hash, degrees[i], n, i))
+    trie._touched = set()
+    trie._hot_th = (t_inter, t_intra)
 
     # --- §7.2 selection ------------------------------------------------------------------
+    # (It reads no statistics but the candidates' own, so Algorithm 2's decay, lines 12-14,
+    # is recorded after it: the lazy decay then leaves every value read here pre-decay.)
     bound = cfg.max_actions_per_list
     actions: list[CacheAction] = []
     if bound:
@@ -406,21 +509,70 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
         ranked_inter.sort(key=lambda x: (-x[0], x[1].node_hash, x[1].degree))
         _take(actions, (c for _, c in ranked_inter), lambda c: sel.replicate(c, "inter"), bound)
 
+        if not full:
+            # The full pass lists in trie order (a node's degrees in index order); ties of the
+            # stable sorts below are between one node's degrees only, so this order suffices.
+            di = trie._deg_idx
+            intra.sort(key=lambda c: (c.node_hash, di[c.degree]))
         with_fp = [(c, fp) for c in intra if (fp := sel.min_footprint(c)) is not None]
         _take(actions, _ranked_intra(with_fp, cfg.near_tie),
               lambda c: sel.replicate(c, "intra"), bound)
 
-        reclaim_sorted = sorted(reclaim, key=lambda c: (c.access / c.replicas, c.node_hash,
-                                                         c.degree))
-        by_degree: dict[Degree, set[BlockHash]] = {}
-        for c in reclaim:
-            by_degree.setdefault(c.degree, set()).add(c.node_hash)
-        _take(actions, reclaim_sorted, lambda c: sel.reclaim(c, by_degree[c.degree]), bound)
+        if lists:
+            reclaim_sorted = sorted(reclaim, key=lambda c: (c.access / c.replicas, c.node_hash,
+                                                             c.degree))
+            by_degree: dict[Degree, set[BlockHash]] = {}
+            for c in reclaim:
+                by_degree.setdefault(c.degree, set()).add(c.node_hash)
+            _take(actions, reclaim_sorted, lambda c: sel.reclaim(c, by_degree[c.degree]), bound)
+        else:
+            # Only multi-holder candidates, in the list's order; reclaim() returns None for the
+            # others without side effects. Ancestors are tested for list membership directly.
+            # A heap, popped in order until enough reclaims: few trials are ever needed.
+            # (access / r, hash, degree) is unique, so the node is never compared.
+            heapq.heapify(rec_keys)
+            tests = [_InReclaimList(trie, i, t_rec) for i in range(nd)]
+            _take(actions, (Candidate(h, c, n.count[i], q, 0.0)
+                            for q, h, c, n, i in _popped(rec_keys)),
+                  lambda c: sel.reclaim(c, tests[trie._deg_idx[c.degree]]), bound)
     for a in actions:
         trie._begin(a)
 
-    return ScanResult(tuple(inter), tuple(intra), tuple(reclaim), tuple(actions),
+    # --- Algorithm 2, lines 12-14: every access and missed times the decay (lazily) -------
+    trie._decays.append(d)
+
+    return ScanResult(tuple(inter) if lists else (), tuple(intra) if lists else (),
+                      tuple(reclaim) if lists else (), tuple(actions),
                       _collect(trie, cfg.gc_threshold))
+
+
+def _popped(heap: list) -> Iterator:
+    pop = heapq.heappop
+    while heap:
+        yield pop(heap)
+
+
+_ZEROS: Final[dict[int, tuple[float, ...]]] = {k: (0.0,) * k for k in range(1, 65)}
+
+
+class _InReclaimList:
+    """``h in test``: is (h, degrees[i]) in Algorithm 2's reclaim list of this scan, i.e.
+    r > 0 and access < r·θ_reclaim (which excludes the intra list, θ_reclaim < θ_intra)."""
+
+    __slots__ = ("nodes", "i", "t_rec")
+
+    def __init__(self, trie: PrefixTrie, i: int, t_rec: float) -> None:
+        self.nodes, self.i, self.t_rec = trie._nodes, i, t_rec
+
+    def __contains__(self, h: object) -> bool:
+        n = self.nodes.get(h)  # type: ignore[call-overload]
+        if n is None:
+            return False
+        r = n.count[self.i]
+        if not r:
+            return False
+        a = n.access[self.i]
+        return a < r * self.t_rec
 
 
 def _take(out: list[CacheAction], ranked: Iterable[Candidate], make, bound: int) -> None:
@@ -435,7 +587,12 @@ def _take(out: list[CacheAction], ranked: Iterable[Candidate], make, bound: int)
 
 
 def _collect(trie: PrefixTrie, threshold: float) -> int:
-    """Drop unreferenced childless nodes with negligible statistics, deepest first."""
+    """Drop unreferenced childless nodes with negligible statistics, deepest first.
+
+    Only nodes with refs == 0 are examined (the trie indexes them); the set collected is the
+    same fixed point whatever the order ("childless, unreferenced, cold, unprotected", with
+    parents re-examined when their last child goes).
+    """
     protected: set[BlockHash] = set()
     for acts in trie._replicating.values():
         for a in acts.values():
@@ -444,23 +601,39 @@ def _collect(trie: PrefixTrie, threshold: float) -> int:
     for racts in trie._reclaiming.values():
         for r in racts.values():
             protected.update(r.blocks)
-    cands = [n for n in trie._nodes.values()
-             if n.refs == 0 and not n.children and n.hash not in protected
-             and max(n.access) < threshold and max(n.missed) < threshold]
+    e = len(trie._decays)
+
+    zero_cold = 0.0 < threshold
+
+    def cold(n: TrieNode) -> bool:
+        acc, mis = n._acc, n._mis
+        if acc is None and mis is None:
+            return zero_cold
+        if n.ep != e:
+            n.catch_up()
+        return (0.0 if acc is None else max(acc)) < threshold and \
+            (0.0 if mis is None else max(mis)) < threshold
+
+    cands = [n for n in trie._unref
+             if not n.children and n.hash not in protected
+             and ((zero_cold and n._acc is None and n._mis is None) or cold(n))]
     removed = 0
     nodes = trie._nodes
+    unref, hot, touched = trie._unref, trie._hot, trie._touched
     while cands:
         nxt: list[TrieNode] = []
         for n in cands:
             if n.children or nodes.get(n.hash) is not n:
                 continue
             del nodes[n.hash]
+            unref.discard(n)
+            hot.discard(n)
+            touched.discard(n)
             removed += 1
             p = n.parent
             if p is not None:
                 del p.children[n.hash]
-                if (not p.children and p.refs == 0 and p.hash not in protected
-                        and max(p.access) < threshold and max(p.missed) < threshold):
+                if (not p.children and p.refs == 0 and p.hash not in protected and cold(p)):
                     nxt.append(p)
         cands = nxt
     return removed

@@ -92,21 +92,73 @@ class TrieNode:
     ``access[i]``, ``missed[i]`` -- §7.1 statistics for degree ``degrees[i]``.
     ``refs``       -- workers that have this block valid, pending or donor; a node with refs > 0 is
                       never garbage-collected (NOTE: invariant), so its hash stays resolvable.
+
+    Statistics are stored lazily (speed): ``_acc`` / ``_mis`` stay ``None`` until the first
+    non-zero write, and the scan's decay is not applied to every node at every scan. Instead
+    the trie keeps the list of decay factors of all scans so far (``_dh``, shared by its nodes)
+    and ``ep`` says how many of them ``_acc`` / ``_mis`` already include; :meth:`catch_up`
+    applies the missing ones, one multiplication per scan in scan order -- exactly the float
+    operations an eager decay would have done, so values are bit-identical. Read the
+    statistics through the ``access`` / ``missed`` properties (they catch up first).
     """
 
-    __slots__ = ("hash", "parent", "depth", "children", "holders", "count", "access", "missed",
-                 "refs")
+    __slots__ = ("hash", "parent", "depth", "children", "holders", "count", "_acc", "_mis",
+                 "ep", "_dh", "refs")
 
-    def __init__(self, h: BlockHash, parent: TrieNode | None, n_degrees: int) -> None:
+    def __init__(self, h: BlockHash, parent: TrieNode | None, n_degrees: int,
+                 decays: list[float] | None = None) -> None:
         self.hash: BlockHash = h
         self.parent: TrieNode | None = parent
         self.depth: int = 0 if parent is None else parent.depth + 1
         self.children: dict[BlockHash, TrieNode] = {}
         self.holders: set[WorkerId] = set()
         self.count: list[int] = [0] * n_degrees
-        self.access: list[float] = [0.0] * n_degrees
-        self.missed: list[float] = [0.0] * n_degrees
+        self._acc: list[float] | None = None
+        self._mis: list[float] | None = None
+        dh = [] if decays is None else decays
+        self._dh: list[float] = dh
+        self.ep: int = len(dh)
         self.refs: int = 0
+
+    def catch_up(self) -> None:
+        """Apply the decays of the scans since ``ep`` (same operations as an eager decay)."""
+        dh = self._dh
+        e, k = len(dh), self.ep
+        if k == e:
+            return
+        self.ep = e
+        if self._acc is None and self._mis is None:
+            return
+        for arr in (self._acc, self._mis):
+            if arr is None:
+                continue
+            for i, v in enumerate(arr):
+                if v:
+                    for j in range(k, e):
+                        v *= dh[j]
+                        if not v:
+                            break
+                    arr[i] = v
+
+    @property
+    def access(self) -> list[float]:
+        """access[i] for degree index i, current (decays applied); a live list."""
+        if self.ep != len(self._dh):
+            self.catch_up()
+        a = self._acc
+        if a is None:
+            a = self._acc = [0.0] * len(self.count)
+        return a
+
+    @property
+    def missed(self) -> list[float]:
+        """missed[i] for degree index i, current (decays applied); a live list."""
+        if self.ep != len(self._dh):
+            self.catch_up()
+        m = self._mis
+        if m is None:
+            m = self._mis = [0.0] * len(self.count)
+        return m
 
     def path(self) -> list[TrieNode]:
         """Root->self, root first."""
@@ -230,6 +282,20 @@ class PrefixTrie:
         # In-flight operations, by worker then node: few at a time (bounded per scan).
         self._replicating: dict[WorkerId, dict[BlockHash, Replicate]] = {}
         self._reclaiming: dict[WorkerId, dict[BlockHash, Reclaim]] = {}
+        # --- scan indexes (speed; see services.cachemgr.scan) -----------------------------
+        # Decay factor of every scan so far, shared with the nodes (lazy decay, TrieNode).
+        self._decays: list[float] = []
+        # Nodes whose access / missed grew since the last scan (record_request, set_statistics).
+        self._touched: set[TrieNode] = set()
+        # Nodes that after the last scan's decay still had missed > _hot_th[0] or access >
+        # _hot_th[1] at some degree. NOTE: invariant -- every other node not in _touched has
+        # all missed <= _hot_th[0] and all access <= _hot_th[1].
+        self._hot: set[TrieNode] = set()
+        self._hot_th: tuple[float, float] = (0.0, 0.0)
+        # Nodes with >= 2 holders (only those can give a reclaim: never the last replica).
+        self._multi: set[TrieNode] = set()
+        # Nodes with refs == 0 (the only ones garbage collection may take).
+        self._unref: set[TrieNode] = set()
 
     # ------------------------------------------------------------------ workers
     def add_worker(self, worker: WorkerId, degree: int, capacity_blocks: int,
@@ -364,6 +430,7 @@ class PrefixTrie:
             n.access[i] = float(access)
         if missed is not None:
             n.missed[i] = float(missed)
+        self._touched.add(n)  # a value may have grown: the next scan must look at it
 
     # ------------------------------------------------------------------ events
     def apply(self, event: CacheEvent) -> ApplyOutcome:
@@ -383,40 +450,108 @@ class PrefixTrie:
           than what was applied (``last_event_id`` < last applied while not stale: DUPLICATE).
           Pending blocks the snapshot does not list stay pending.
         """
-        if not isinstance(event, Stored | Removed | Cleared | Snapshot):
+        cls = event.__class__
+        if cls is not Stored and cls is not Removed and cls is not Cleared \
+                and cls is not Snapshot and not isinstance(event, Stored | Removed | Cleared
+                                                           | Snapshot):
             raise InvalidInput(f"not a cache event: {type(event).__name__}")
         view = self._view(event.worker)
-        if isinstance(event, Snapshot):
-            return self._apply_snapshot(view, event)
+        if cls is Snapshot or (cls is not Stored and isinstance(event, Snapshot)):
+            return self._apply_snapshot(view, event)  # type: ignore[arg-type]
         eid = event.event_id
         if eid <= view.last_event_id:
             return ApplyOutcome.DUPLICATE
         if view.stale or eid > view.last_event_id + 1:
             self._mark_stale(view)
             return ApplyOutcome.GAP
-        if isinstance(event, Stored):
-            p = event.parent_hash
-            if p is not None and p not in view.valid and p not in view.pending:
+        if cls is Stored or isinstance(event, Stored):
+            p = event.parent_hash  # type: ignore[union-attr]
+            valid = view.valid
+            if p is not None and p not in valid and p not in view.pending:
                 self._mark_stale(view)
                 return ApplyOutcome.GAP
-            self._check_chain(p, event.block_hashes)
-            parent = None if p is None else self._nodes[p]
-            for h in event.block_hashes:
-                node = self._nodes.get(h)
-                if node is None:
-                    node = self._create(h, parent)
-                self._add_valid(view, node)
-                parent = node
-            self._retire_replications(view)
-        elif isinstance(event, Removed):
-            for h in event.block_hashes:
-                self._drop_block(view, h)
-            self._retire_reclaims(view)
+            self._apply_stored(view, p, event.block_hashes)  # type: ignore[union-attr]
+            if self._replicating:
+                self._retire_replications(view)
+        elif cls is Removed or isinstance(event, Removed):
+            drop = self._drop_block
+            valid, w, nodes, unref = view.valid, view.worker, self._nodes, self._unref
+            multi, di = self._multi, view.deg_idx
+            for h in event.block_hashes:  # type: ignore[union-attr]
+                if h in valid:  # the common case of _drop_block, inlined (speed)
+                    node = nodes[h]
+                    hs = node.holders
+                    if w in hs:
+                        if node.children:
+                            self._unmark_held(view, node)
+                        else:  # a leaf: _unmark_held without the walk
+                            hs.discard(w)
+                            if len(hs) == 1:
+                                multi.discard(node)
+                            node.count[di] -= 1
+                    valid.discard(h)
+                    view.orphans.discard(h)
+                    node.refs -= 1
+                    if not node.refs:
+                        unref.add(node)
+                else:
+                    drop(view, h)
+            if self._reclaiming:
+                self._retire_reclaims(view)
         else:
             self._drop_all(view, keep_plans=False)
             self._retire_reclaims(view)
         view.last_event_id = eid
         return ApplyOutcome.APPLIED
+
+    def _apply_stored(self, view: WorkerView, p: BlockHash | None,
+                      hs: tuple[BlockHash, ...]) -> None:
+        """Install a validated ``Stored`` chain (checks the chain first: raises, changes nothing).
+
+        The chain's blocks already in the trie come first (a block after a new one cannot
+        exist: it would follow a hash the trie does not have); the new tail is created in one
+        pass, each node held iff the block it hangs under is held by the worker.
+        """
+        nodes = self._nodes
+        parent = None if p is None else nodes[p]
+        found: list[TrieNode] = []
+        expected = parent
+        k = 0
+        for h in hs:
+            n = nodes.get(h)
+            if n is None:
+                break
+            if n.parent is not expected:
+                self._check_chain(p, hs)  # raises InconsistentEvent with the details
+            found.append(n)
+            expected = n
+            k += 1
+        if k < len(hs):
+            for h in hs[k + 1:]:
+                if h in nodes:
+                    self._check_chain(p, hs)  # raises
+        for n in found:
+            self._add_valid(view, n)
+        if k == len(hs):
+            return
+        prev = found[-1] if found else parent
+        w, di, valid = view.worker, view.deg_idx, view.valid
+        held = prev is None or w in prev.holders
+        nd = len(self.degrees)
+        dh = self._decays
+        for h in hs[k:] if k else hs:
+            node = TrieNode(h, prev, nd, dh)
+            nodes[h] = node
+            if prev is not None:
+                prev.children[h] = node
+            node.refs = 1
+            valid.add(h)
+            if held:
+                node.holders.add(w)
+                node.count[di] += 1
+            else:
+                view.orphans.add(h)
+            prev = node
 
     def confirm_installed(self, worker: WorkerId, block_hashes: Iterable[BlockHash]) -> int:
         """Mark pending blocks installed without an event (explicit confirmation, §6.2).
@@ -434,7 +569,8 @@ class PrefixTrie:
     # ------------------------------------------------------------------ lookup
     def match(self, block_hashes: Sequence[BlockHash]) -> MatchResult:
         """MatchedPath of a request and each worker's longest held prefix (see MatchResult)."""
-        if not isinstance(block_hashes, Sequence) or isinstance(block_hashes, str | bytes):
+        if block_hashes.__class__ is not tuple and (  # a tuple skips the ABC check (speed)
+                not isinstance(block_hashes, Sequence) or isinstance(block_hashes, str | bytes)):
             raise InvalidInput(f"block_hashes must be a sequence of ints, got {block_hashes!r}")
         if len(block_hashes) > MAX_REQUEST_BLOCKS:
             raise InvalidInput(f"request has {len(block_hashes)} blocks, over {MAX_REQUEST_BLOCKS}")
@@ -511,6 +647,9 @@ class PrefixTrie:
         # Compute everything first: predict may raise, and then nothing may have changed.
         L, B, cpref = request_len_tokens, self.block_size, self.degrees[pi]
         gains: list[tuple[TrieNode, float]] = []
+        # Ê_Cpref(L − P, P) by P: consecutive nodes share a prefix length (P1 of one is P0 of
+        # the next), so each value is computed once (predict is a pure model).
+        memo: dict[int, float] = {}
         for n in nodes:
             if n.count[pi] != 0:
                 continue
@@ -519,7 +658,13 @@ class PrefixTrie:
             benefit = 0.0
             if p1 > p0:
                 try:
-                    benefit = float(predict(L - p0, p0, cpref)) - float(predict(L - p1, p1, cpref))
+                    e0 = memo.get(p0)
+                    if e0 is None:
+                        e0 = memo[p0] = float(predict(L - p0, p0, cpref))
+                    e1 = memo.get(p1)
+                    if e1 is None:
+                        e1 = memo[p1] = float(predict(L - p1, p1, cpref))
+                    benefit = e0 - e1
                 except VertumnusError:
                     raise
                 except Exception as exc:  # a user-supplied model failing is bad input here
@@ -529,21 +674,42 @@ class PrefixTrie:
             gains.append((n, benefit))
         ci = view.deg_idx
         reused = nodes[: reused_blocks]
+        e = len(self._decays)
+        nd = len(self.degrees)
+        touched = self._touched
         for n in reused:
-            n.access[ci] += 1.0
+            if n.ep != e:
+                n.catch_up()
+            a = n._acc
+            if a is None:
+                a = n._acc = [0.0] * nd
+            a[ci] += 1.0
+            touched.add(n)
         total = 0.0
         for n, b in gains:
-            n.missed[pi] += b
+            if n.ep != e:
+                n.catch_up()
+            m = n._mis
+            if m is None:
+                m = n._mis = [0.0] * nd
+            m[pi] += b
+            touched.add(n)
             total += b
         return RecordResult(len(reused), len(gains), total)
 
     # ------------------------------------------------------------------ Algorithm 2
     def scan(self, config: ScanConfig, load: Mapping[WorkerId, float] | None = None,
-             in_use: Mapping[WorkerId, Iterable[BlockHash]] | None = None) -> ScanResult:
-        """Algorithm 2 plus §7.2's selection; see :func:`services.cachemgr.scan.run_scan`."""
+             in_use: Mapping[WorkerId, Iterable[BlockHash]] | None = None,
+             *, lists: bool = True) -> ScanResult:
+        """Algorithm 2 plus §7.2's selection; see :func:`services.cachemgr.scan.run_scan`.
+
+        ``lists=False``: same actions, decay and collection, but the result's inter / intra /
+        reclaim lists are left empty -- the scan then costs O(changed and multi-holder nodes)
+        instead of O(trie) (what a caller that only needs the actions should use).
+        """
         from services.cachemgr.scan import run_scan
 
-        return run_scan(self, config, load or {}, in_use or {})
+        return run_scan(self, config, load or {}, in_use or {}, lists=lists)
 
     # ------------------------------------------------------------------ §6.2 reconcile
     def reconcile_split(self, parent: WorkerId, children: tuple[WorkerId, WorkerId],
@@ -614,7 +780,8 @@ class PrefixTrie:
             raise InvalidInput(f"block {h!r} is not in the prefix trie") from None
 
     def _create(self, h: BlockHash, parent: TrieNode | None) -> TrieNode:
-        node = TrieNode(h, parent, len(self.degrees))
+        # NOTE: refs == 0 here, yet not in _unref: every caller adds it as valid right away.
+        node = TrieNode(h, parent, len(self.degrees), self._decays)
         self._nodes[h] = node
         if parent is not None:
             parent.children[h] = node
@@ -675,6 +842,8 @@ class PrefixTrie:
             if h in view.donors:
                 view.donors.discard(h)
             else:
+                if not node.refs:
+                    self._unref.discard(node)
                 node.refs += 1
         view.valid.add(h)
         parent = node.parent
@@ -686,9 +855,13 @@ class PrefixTrie:
     def _mark_held(self, view: WorkerView, node: TrieNode) -> None:
         w, di, orphans = view.worker, view.deg_idx, view.orphans
         stack = [node]
+        multi = self._multi
         while stack:
             n = stack.pop()
-            n.holders.add(w)
+            hs = n.holders
+            hs.add(w)
+            if len(hs) == 2:
+                multi.add(n)
             n.count[di] += 1
             orphans.discard(n.hash)
             if orphans:  # only then can a valid child be waiting for this link
@@ -698,16 +871,23 @@ class PrefixTrie:
 
     def _unmark_held(self, view: WorkerView, node: TrieNode) -> None:
         w, di = view.worker, view.deg_idx
+        multi, valid, orphans = self._multi, view.valid, view.orphans
         stack = [node]
         while stack:
             n = stack.pop()
-            n.holders.discard(w)
+            hs = n.holders
+            hs.discard(w)
+            if len(hs) == 1:
+                multi.discard(n)
             n.count[di] -= 1
-            if n.hash in view.valid:
-                view.orphans.add(n.hash)
-            for c in n.children.values():
-                if w in c.holders:
-                    stack.append(c)
+            h = n.hash
+            if h in valid:
+                orphans.add(h)
+            ch = n.children
+            if ch:
+                for c in ch.values():
+                    if w in c.holders:
+                        stack.append(c)
 
     def _drop_block(self, view: WorkerView, h: BlockHash) -> None:
         if h in view.valid:
@@ -716,13 +896,17 @@ class PrefixTrie:
                 self._unmark_held(view, node)
             view.valid.discard(h)
             view.orphans.discard(h)
-            node.refs -= 1
         elif h in view.pending:
             del view.pending[h]
-            self._nodes[h].refs -= 1
+            node = self._nodes[h]
         elif h in view.donors:
             view.donors.discard(h)
-            self._nodes[h].refs -= 1
+            node = self._nodes[h]
+        else:
+            return
+        node.refs -= 1
+        if not node.refs:
+            self._unref.add(node)
 
     def _add_pending(self, view: WorkerView, node: TrieNode, source: WorkerId | None) -> None:
         h = node.hash
@@ -731,6 +915,8 @@ class PrefixTrie:
         if h in view.donors:
             view.donors.discard(h)
         elif h not in view.pending:
+            if not node.refs:
+                self._unref.discard(node)
             node.refs += 1
         view.pending[h] = source
 
@@ -738,25 +924,39 @@ class PrefixTrie:
         h = node.hash
         if h in view.valid or h in view.pending or h in view.donors:
             return
+        if not node.refs:
+            self._unref.discard(node)
         node.refs += 1
         view.donors.add(h)
 
     def _drop_all(self, view: WorkerView, *, keep_plans: bool) -> None:
         nodes, w, di = self._nodes, view.worker, view.deg_idx
+        multi, unref = self._multi, self._unref
         for h in view.valid:
             n = nodes[h]
-            if w in n.holders:
-                n.holders.discard(w)
+            hs = n.holders
+            if w in hs:
+                hs.discard(w)
+                if len(hs) == 1:
+                    multi.discard(n)
                 n.count[di] -= 1
             n.refs -= 1
+            if not n.refs:
+                unref.add(n)
         view.valid.clear()
         view.orphans.clear()
         if not keep_plans:
             for h in view.pending:
-                nodes[h].refs -= 1
+                n = nodes[h]
+                n.refs -= 1
+                if not n.refs:
+                    unref.add(n)
             view.pending.clear()
             for h in view.donors:
-                nodes[h].refs -= 1
+                n = nodes[h]
+                n.refs -= 1
+                if not n.refs:
+                    unref.add(n)
             view.donors.clear()
 
     def _reserved(self, view: WorkerView) -> int:

@@ -24,7 +24,8 @@ class GatewaySettings(ServiceSettings):
         "None: no HTTP server, the NATS subject only.",
     )
     model_name: str = Field(
-        default="vertumnus", description="Model name echoed in responses when the client gives none."
+        default="vertumnus",
+        description="Model name echoed in responses when the client gives none.",
     )
     block_size: int = Field(
         default=DEFAULT_BLOCK_SIZE,

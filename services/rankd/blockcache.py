@@ -45,10 +45,18 @@ class _Entry:
         self.pins = 0
 
 
+_INT_ONLY = frozenset({int})
+
+
 def _check_hashes(block_hashes: object) -> tuple[BlockHash, ...]:
-    if not isinstance(block_hashes, Sequence) or isinstance(block_hashes, str | bytes):
+    if block_hashes.__class__ is tuple:
+        # Fast path (speed): a tuple of plain ints is checked in C; anything else (an int
+        # subclass, a bad element) goes through the per-element check below.
+        if not block_hashes or _INT_ONLY.issuperset(map(type, block_hashes)):  # type: ignore
+            return block_hashes  # type: ignore[return-value]
+    elif not isinstance(block_hashes, Sequence) or isinstance(block_hashes, str | bytes):
         raise InvalidInput(f"block_hashes must be a sequence of ints, got {block_hashes!r}")
-    hs = tuple(block_hashes)
+    hs = tuple(block_hashes)  # type: ignore[arg-type]
     for h in hs:
         if isinstance(h, bool) or not isinstance(h, int):
             raise InvalidInput(f"block hashes must be ints, got {h!r}")
@@ -132,44 +140,51 @@ class BlockCache:
         k = self._prefix(hs)
         lru = self._lru
         existing, new = hs[:k], hs[k:]
-        for h in new:
-            if h in lru:  # cached under another parent: the request's chain contradicts ours
-                raise InvalidInput(f"block {h} is already cached under parent {lru[h].parent}")
-        # Protect the path we hang the new blocks under while evicting.
-        for h in existing:
-            lru[h].pins += 1
+        if new and not lru.keys().isdisjoint(new):
+            for h in new:
+                if h in lru:  # cached under another parent: the request's chain contradicts ours
+                    raise InvalidInput(
+                        f"block {h} is already cached under parent {lru[h].parent}")
         evicted: list[BlockHash] = []
-        try:
-            want = len(new) - (self.capacity_blocks - len(lru))
-            while want > 0:
-                v = self._evict_one()
-                if v is None:
-                    break
-                evicted.append(v)
-                want -= 1
-        finally:
+        want = len(new) - (self.capacity_blocks - len(lru))
+        if want > 0:
+            # Protect the path we hang the new blocks under while evicting.
             for h in existing:
-                lru[h].pins -= 1
+                lru[h].pins += 1
+            try:
+                evict = self._evict_one
+                while want > 0:
+                    v = evict()
+                    if v is None:
+                        break
+                    evicted.append(v)
+                    want -= 1
+            finally:
+                for h in existing:
+                    lru[h].pins -= 1
         fit = min(len(new), self.capacity_blocks - len(lru))
-        stored = new[:fit]
+        stored = new[:fit] if fit < len(new) else new
         parent = existing[-1] if existing else None
-        # Insert leaf-first so that ancestors end up more recent than descendants.
-        p = parent
-        entries = []
-        for h in stored:
-            entries.append((h, _Entry(p)))
-            p = h
-        for h, e in reversed(entries):
-            lru[h] = e
-        for _, e in entries:
-            if e.parent is not None:
-                lru[e.parent].children += 1
-        self._touch(existing)
+        if stored:
+            # Insert leaf-first so that ancestors end up more recent than descendants; each
+            # new block but the last has exactly one cached child (the next one).
+            e = _Entry(stored[-2] if fit > 1 else parent)
+            lru[stored[-1]] = e
+            for i in range(fit - 2, -1, -1):
+                e = _Entry(stored[i - 1] if i else parent)
+                e.children = 1
+                lru[stored[i]] = e
+            if parent is not None:
+                lru[parent].children += 1
+        if existing:
+            self._touch(existing)
         if evicted:
             self._emit_removed(evicted)
         if stored:
             self._last_event_id += 1
-            self._events.append(Stored(self.worker, self._last_event_id, parent, stored))
+            # Trusted: worker validated, ids from 1, distinct int hashes, parent cached.
+            self._events.append(Stored.trusted(self.worker, self._last_event_id, parent,
+                                               stored))
         cached = k + fit
         if pin:
             for h in hs[:cached]:
@@ -297,15 +312,19 @@ class BlockCache:
             move(h)
 
     def _evict_one(self) -> BlockHash | None:
+        """Evict the oldest unpinned leaf (plain loop: no generator per eviction)."""
         lru = self._lru
-        victim = next((h for h, e in lru.items() if e.children == 0 and e.pins == 0), None)
-        if victim is None:
+        for victim, e in lru.items():
+            if e.children == 0 and e.pins == 0:
+                break
+        else:
             return None
-        e = lru.pop(victim)
+        del lru[victim]
         if e.parent is not None:
             lru[e.parent].children -= 1
         return victim
 
     def _emit_removed(self, hs: list[BlockHash]) -> None:
         self._last_event_id += 1
-        self._events.append(Removed(self.worker, self._last_event_id, tuple(hs)))
+        # Trusted: non-empty, distinct int hashes that were cached (see Stored.trusted).
+        self._events.append(Removed.trusted(self.worker, self._last_event_id, tuple(hs)))

@@ -1,7 +1,9 @@
 """Entry point of one rank daemon process: ``python -m services.rankd.main``.
 
 Reads :class:`~services.rankd.settings.RankdSettings` from the environment, sets up logging
-and tracing, builds the backend and runs the service until SIGINT/SIGTERM.
+and tracing, builds the backend and runs until SIGINT/SIGTERM: one worker
+(``VTM_WORKER_ID=w-cp4-g0``), or with ``VTM_HOST_GPUS=0-7`` every worker of that GPU range,
+following the epoch record (:mod:`services.rankd.host`).
 
 The ``sim`` backend started this way uses the assignment's predicted time (no ground truth);
 a launcher that wants the simulator's ground truth builds ``SimBackend(prefill_time=...)``
@@ -13,21 +15,41 @@ from __future__ import annotations
 import asyncio
 
 from services.rankd.backend import ExecutionBackend, SimBackend
+from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.logging import configure_logging
 from shared.telemetry import setup_tracing, shutdown_tracing
+from shared.worker import WorkerKind
 
 
 def make_backend(settings: RankdSettings) -> ExecutionBackend:
-    """The backend named in settings (``sim`` only, for now)."""
+    """The backend named in settings: ``sim`` or ``torch`` (imported lazily: torch is an extra)."""
     if settings.backend == "sim":
         return SimBackend(kind=settings.kind.value, time_scale=settings.time_scale)
+    if settings.backend == "torch":
+        from services.rankd.torch_backend import single_worker_backend
+
+        return single_worker_backend(settings)
     raise ValueError(f"unknown backend {settings.backend!r}")  # pragma: no cover
 
 
 async def serve(settings: RankdSettings, backend: ExecutionBackend | None = None) -> None:
-    """Run one rank daemon until signalled (one AsyncExitStack inside ``run``)."""
+    """Run one rank daemon (or, with ``host_gpus``, a host of them) until signalled."""
+    gpus = settings.host_range
+    if gpus is not None and settings.backend == "torch":
+        from services.rankd.torch_backend import serve_torch_host
+
+        await serve_torch_host(settings)
+        return
+    if gpus is not None:
+
+        def factory(wid: str, kind: WorkerKind) -> ExecutionBackend:
+            return make_backend(settings.model_copy(update={"worker_id": wid, "kind": kind}))
+
+        host = RankdHost(settings, gpus, factory, initial=settings.initial_worker_ids)
+        await host.run()
+        return
     service = RankdService(settings, backend or make_backend(settings))
     await service.run()
 

@@ -24,8 +24,10 @@ class RankdSettings(ServiceSettings):
     epoch: int = Field(
         default=0, ge=0, description="Epoch assumed when no epoch record exists yet (dev runs)."
     )
-    backend: Literal["sim"] = Field(
-        default="sim", description="Execution backend ('sim' now; 'torch' later)."
+    backend: Literal["sim", "torch"] = Field(
+        default="sim",
+        description="'sim' (modelled time) or 'torch' (real CP engine; VTM_TORCH_* settings, "
+        "services/rankd/torch_backend.py; needs the 'engine' extra)",
     )
     time_scale: float = Field(
         default=1.0,
@@ -47,6 +49,48 @@ class RankdSettings(ServiceSettings):
     max_queue: int = Field(
         default=4096, ge=1, description="Assignments queued beyond this are refused (409)."
     )
+
+    host_gpus: str | None = Field(
+        default=None,
+        description="Host mode: the GPU range 'first-last' (e.g. '0-7') whose workers this "
+        "process runs, following the epoch record (services/rankd/host.py); unset: one worker "
+        "(worker_id).",
+    )
+    initial_workers: str = Field(
+        default="",
+        description="Host mode: comma-separated worker ids to run when no epoch record exists.",
+    )
+
+    @property
+    def host_range(self) -> range | None:
+        """``host_gpus`` as a range, or None when not in host mode."""
+        if self.host_gpus is None:
+            return None
+        first, _, last = self.host_gpus.partition("-")
+        return range(int(first), int(last or first) + 1)
+
+    @property
+    def initial_worker_ids(self) -> list[str]:
+        return [w.strip() for w in self.initial_workers.split(",") if w.strip()]
+
+    @field_validator("host_gpus")
+    @classmethod
+    def _range(cls, v: str | None) -> str | None:
+        if v is not None:
+            first, _, last = v.partition("-")
+            if not (first.isdigit() and (not last or last.isdigit())) or int(last or first) < int(
+                first
+            ):
+                raise ValueError(f"host_gpus must look like '0-7', got {v!r}")
+        return v
+
+    @field_validator("initial_workers")
+    @classmethod
+    def _workers(cls, v: str) -> str:
+        for w in v.split(","):
+            if w.strip():
+                GpuGroup.from_worker_id(w.strip())
+        return v
 
     @field_validator("worker_id")
     @classmethod

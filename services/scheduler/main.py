@@ -13,7 +13,9 @@ win over the environment:
   --seed N                VTM_SEED              policy random seed
 
 Every other setting (ack_wait_s, max_deliver, window_s, lease_s, ...) is documented on the
-settings class and set through its ``VTM_`` variable.
+settings class and set through its ``VTM_`` variable. NOTE: pydantic-settings merges a
+``--policy-params`` object *over* ``VTM_POLICY_PARAMS`` (keys of both apply; the flag wins
+per key).
 """
 
 from __future__ import annotations

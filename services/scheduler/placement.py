@@ -37,6 +37,38 @@ from shared.worker import Lifecycle
 _ACTIVE: Final = Lifecycle.ACTIVE
 
 
+# Per view (immutable): ids, degrees and each worker's static eligibility terms, so a placement
+# does not re-read every WorkerView's attributes. Keyed by id(view); the entry keeps the view
+# alive, so the id cannot be reused while cached.
+_StaticRow = tuple[int, WorkerId, int, "Exclusion | None", int, int]
+_VIEW_CACHE: dict[int, tuple[ClusterView, tuple[WorkerId, ...], tuple[int, ...],
+                             tuple[_StaticRow, ...]]] = {}
+_VIEW_CACHE_MAX: Final[int] = 64
+
+
+def _static_rows(
+    view: ClusterView,
+) -> tuple[tuple[WorkerId, ...], tuple[int, ...], tuple[_StaticRow, ...]]:
+    ent = _VIEW_CACHE.get(id(view))
+    if ent is None or ent[0] is not view:
+        ws = view.workers
+        ent = (
+            view,
+            tuple(w.worker_id for w in ws),
+            tuple(w.degree for w in ws),
+            tuple(
+                (i, w.worker_id, w.degree,
+                 None if w.lifecycle is _ACTIVE else LIFECYCLE_EXCLUSION[w.lifecycle],
+                 w.max_seq_len, w.kv_capacity_tokens)
+                for i, w in enumerate(ws)
+            ),
+        )
+        if len(_VIEW_CACHE) >= _VIEW_CACHE_MAX:
+            _VIEW_CACHE.clear()
+        _VIEW_CACHE[id(view)] = ent
+    return ent[1], ent[2], ent[3]
+
+
 def check_weights(beta: float, lam: float) -> None:
     """β ≥ 1 and λ ≥ 0, finite (§5.3)."""
     for name, v, lo in (("beta", beta, 1.0), ("lam", lam, 0.0)):
@@ -79,70 +111,63 @@ def place_j(
     B = view.block_size
     workers = view.workers
     n = len(workers)
+    ids, degs, rows = _static_rows(view)
 
-    ids: list[WorkerId] = [None] * n  # type: ignore[list-item]
-    degs: list[int] = [0] * n
     excl: list[Exclusion | None] = [None] * n
     qs: list[float | None] = [None] * n
     ss: list[float | None] = [None] * n
     ps: list[int | None] = [None] * n
     rs: list[int | None] = [None] * n
 
-    eligible: list[int] = []  # indices into the view, and aligned per-eligible terms:
-    el_p: list[int] = []
-    el_s: list[float] = []
-    el_q: list[float] = []
+    # Eligible workers as (index, P, s, q, degree, id): the per-eligible terms, aligned.
+    eligible: list[tuple[int, int, float, float, int, WorkerId]] = []
 
     memo: dict[tuple[int, int], float] = {}  # (degree, P) -> Ê_degree(L − P, P)
-
-    def ehat(c: int, p: int) -> float:
-        # Ê memoised: most workers miss (P = 0) and share one value per degree.
-        key = (c, p)
-        v = memo.get(key)
-        if v is None:
-            v = memo[key] = profile.predict_fast(L - p, p, c)
-        return v
+    predict = profile.predict_fast
 
     held_get = held_blocks.get
     loads_get = loads.get
     cmin = 0
 
     # --- pass 1: eligibility, P, R, q, s --------------------------------------------------
-    for i in range(n):
-        w = workers[i]
-        wid = w.worker_id
-        c = w.degree
-        ids[i] = wid
-        degs[i] = c
+    for i, wid, c, lexcl, max_len, kv_cap in rows:
         ld = loads_get(wid)
         if ld is None:
             raise UnknownWorker(f"no load tracker for worker {wid!r} of the cluster view")
-        if w.lifecycle is not _ACTIVE:
-            excl[i] = LIFECYCLE_EXCLUSION[w.lifecycle]
+        if lexcl is not None:
+            excl[i] = lexcl
             continue
-        if L > w.max_seq_len:
+        if L > max_len:
             excl[i] = Exclusion.TOO_LONG
             continue
-        if L > w.kv_capacity_tokens:
+        if L > kv_cap:
             excl[i] = Exclusion.NO_MEMORY
             continue
         p = held_get(wid, 0) * B
         if p > Lm1:
             p = Lm1
-        s = memo.get((c, p))
+        # Ê memoised: most workers miss (P = 0) and share one value per degree.
+        key = (c, p)
+        s = memo.get(key)
         if s is None:
-            s = ehat(c, p)
-        q = ld.queue_delay(now)
+            s = memo[key] = predict(L - p, p, c)
+        if ld.__class__ is WorkerLoad:
+            # ld.queue_delay(now), inlined (speed; NOTE: keep in step with that method).
+            q = ld._queued_s
+            if ld._running:
+                floor = ld.overrun_floor_s
+                for a in ld._running.values():
+                    rem = a.predicted_s - (now - a.started_at)  # type: ignore[operator]
+                    q += rem if rem > floor else floor
+        else:
+            q = ld.queue_delay(now)
         ps[i] = p
         rs[i] = L - p
         ss[i] = s
         qs[i] = q
         if not eligible or c < cmin:
             cmin = c
-        eligible.append(i)
-        el_p.append(p)
-        el_s.append(s)
-        el_q.append(q)
+        eligible.append((i, p, s, q, c, wid))
 
     if not eligible:
         raise NoEligibleWorker(request.request_id, {ids[i]: str(excl[i]) for i in range(n)})
@@ -154,14 +179,19 @@ def place_j(
     best_j = pref_v = 0.0
     best_c = pref_c = 0
     best_id = pref_id = ""
-    for i, p, s, q in zip(eligible, el_p, el_s, el_q, strict=True):
-        c = degs[i]
-        extra = 0.0 if c == cmin else c * s - cmin * ehat(cmin, p)
+    for i, p, s, q, c, wid in eligible:
+        if c == cmin:
+            extra = 0.0
+        else:
+            key = (cmin, p)
+            e_min = memo.get(key)
+            if e_min is None:
+                e_min = memo[key] = predict(L - p, p, cmin)
+            extra = c * s - cmin * e_min
         v = beta * s + lam * extra
         j = q + v
         extras[i] = extra
         js[i] = j
-        wid = ids[i]
         # NOTE: tie-break (lower value, then smaller degree, then worker id) is independent of
         # the view's order, so every scheduler replica picks the same worker.
         if best < 0 or j < best_j or (j == best_j and (c, wid) < (best_c, best_id)):
@@ -171,8 +201,8 @@ def place_j(
 
     p_best = ps[best]
     cols = CandidateColumns(
-        tuple(ids),
-        tuple(degs),
+        ids,
+        degs,
         tuple(excl),
         tuple(qs),
         tuple(ss),

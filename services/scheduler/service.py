@@ -22,15 +22,19 @@ worker-state KV (watch all keys)       rebuild the ClusterView (lease: a state w
                                        ``{prefix}.cache.snapshot.{wid}`` for a snapshot, which
                                        it applies
 ``{prefix}.result.*`` (FirstToken)     ``core.finish``: release the reservation
+the worker's AssignmentAck             ``queue_position == 0`` (nothing ahead on the FIFO
+                                       worker) → ``core.start``: its prefill starts now
 =====================================  ===========================================================
 
 Idempotency (at-least-once intake, at-most-once dispatch per intake message): the record in
-the ``{STEM}_ASSIGNMENTS`` KV bucket, key = request id, holds the intake message id
-(``Nats-Msg-Id``) that produced the assignment. A delivery whose request id has a
-``dispatched`` record with the *same* message id is a redelivery: acked, not dispatched again
-(a restarted scheduler sees the same record). A different message id under the same request id
-is a redirect from a draining worker (rankd republishes with ``{rid}-r{epoch}``): the old
-reservation is released and the request is placed again. A ``dispatching`` record (we crashed
+the ``{STEM}_ASSIGNMENTS`` KV bucket, key = request id, holds the intake *stream sequence* (and
+``Nats-Msg-Id``) of the message that produced the assignment. Duplicate publishes never get
+here (the stream drops a repeated ``Nats-Msg-Id`` within its duplicate window). A delivery
+whose request id has a ``dispatched`` record with the *same* stream sequence is a redelivery:
+acked, not dispatched again (a restarted scheduler sees the same record). A new message under
+the same request id (a redirect from a draining worker, which rankd republishes with
+``Nats-Msg-Id`` ``{rid}-r{epoch}``, or a client reusing its id after the duplicate window) is
+placed again, the old reservation released. A ``dispatching`` record (we crashed
 between recording and the worker's ack) is re-sent to the *same* worker; rankd's admission is
 idempotent on request id.
 
@@ -58,9 +62,9 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -235,7 +239,10 @@ class AssignmentRecord(Message):
     """Idempotency record of one request's assignment (KV, key = request id)."""
 
     request_id: Id
-    msg_id: str = Field(min_length=1, description="Nats-Msg-Id of the intake message")
+    stream_seq: NonNegInt = Field(
+        description="intake stream sequence of the message placed (a redelivery has the same)"
+    )
+    msg_id: str = Field(min_length=1, description="Nats-Msg-Id of that message")
     worker_id: Id
     epoch: NonNegInt
     degree: int = Field(ge=1)
@@ -347,6 +354,18 @@ def decision_attributes(decision: Decision) -> dict[str, Any]:
     return attrs
 
 
+def trace_carrier(headers: Mapping[str, str] | None, req: IntakeRequest) -> dict[str, str]:
+    """The W3C carrier of an intake message: its headers when they hold a valid trace
+    context, else the one the gateway put in the message (rankd's redirects copy it).
+
+    NOTE: a carrier (a plain dict), not an extracted ``Context``: ``Context`` subclasses dict,
+    so shared.telemetry's ``stage_span``/``record_span`` would take it for headers.
+    """
+    if headers and trace.get_current_span(extract(headers)).get_span_context().is_valid:
+        return {k: v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
+    return dict(req.trace_context)
+
+
 def wire_event(payload: bytes) -> Any:
     """A cache event from the wire: design.md's ``worker`` form or shared.schemas' ``worker_id``
     form (``schema_version`` dropped). Raises MalformedEvent."""
@@ -383,7 +402,6 @@ class SchedulerStats:
     gaps: int = 0
     snapshots_applied: int = 0
     windows_reported: int = 0
-    stale_requests: dict[str, int] = field(default_factory=dict)
 
 
 class SchedulerService(MicroService):
@@ -421,7 +439,9 @@ class SchedulerService(MicroService):
         )
         self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size))
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
-        self.windows = DemandWindows(window_s=settings.window_s, start_s=0.0)
+        # Windows aligned on multiples of H since the Unix epoch: every replica's coincide.
+        start = math.floor(clock() / settings.window_s) * settings.window_s
+        self.windows = DemandWindows(window_s=settings.window_s, start_s=start)
         self.stats = SchedulerStats()
         self._states: dict[str, WorkerState] = {}
         self._snapshotting: set[str] = set()
@@ -511,10 +531,14 @@ class SchedulerService(MicroService):
                 self._states.pop(entry.key, None)
             else:
                 try:
-                    self._states[entry.key] = decode(WorkerState, entry.value)
+                    state = decode(WorkerState, entry.value)
+                    if state.worker_id != entry.key:
+                        raise SchemaError("WorkerState", "worker_id",
+                                          f"{state.worker_id!r} stored under key {entry.key!r}")
                 except SchemaError as exc:
                     self.log.error("bad worker state ignored", key=entry.key, error=str(exc))
                     continue
+                self._states[entry.key] = state
             self._rebuild_view()
 
     def _rebuild_view(self) -> None:
@@ -651,27 +675,33 @@ class SchedulerService(MicroService):
             return
         rid = req.request_id
         msg_id = (msg.headers or {}).get(MSG_ID_HEADER) or rid
-        record = await self._get_record(rid)
-        if record is not None and record.msg_id == msg_id and record.state == "dispatched":
+        seq = self._stream_seq(msg)
+        delivery = self._deliveries(msg)
+        # NOTE: only a redelivery can match a record (a record names the stream sequence of a
+        # message that was delivered before), so a first delivery skips the KV read.
+        record = await self._get_record(rid) if delivery > 1 else None
+        if record is not None and record.stream_seq == seq and record.state == "dispatched":
             self.stats.redelivered_acked += 1
             self.log.info("redelivered intake acked without dispatch", request_id=rid)
             await msg.ack()
             return
-        parent = extract(msg.headers) if msg.headers else None
-        if parent is None or not trace.get_current_span(parent).get_span_context().is_valid:
-            parent = extract(req.trace_context)
-        if record is None or record.msg_id == msg_id:
+        parent = trace_carrier(msg.headers, req)
+        if delivery == 1:
             record_span(Stage.INTAKE_WAIT, start_s=req.arrival_s, end_s=dequeued, parent=parent,
                         attributes={"vtm.request_id": rid})
-        if record is not None and record.msg_id != msg_id:
-            # A redirect (re-intake) of a request placed before: place it afresh.
-            self.stats.redirected += 1
+        if record is not None and record.stream_seq != seq:
+            record = None  # a record of an earlier message of this request id
+        if record is None and self._placed(rid):
+            # A new message for a request this replica placed before (a redirect from a
+            # draining worker, or a client reusing its id after the duplicate window), or one
+            # placed but never recorded as dispatched: release it and place afresh.
+            if delivery == 1:
+                self.stats.redirected += 1
             self._release(rid)
-            record = None
 
         with stage_span(Stage.SCHEDULE, parent=parent, attributes={
             "vtm.request_id": rid, "vtm.scheduler": self.reporter,
-            "vtm.delivery": self._deliveries(msg)}) as span:
+            "vtm.delivery": delivery}) as span:
             if record is not None:  # "dispatching": we crashed before the worker's ack
                 assignment, decision = await self._resume(req, record, dequeued), None
                 span.set_attribute("vtm.resumed", True)
@@ -683,10 +713,11 @@ class SchedulerService(MicroService):
                     await self._retry_or_fail(msg, req, str(exc))
                     return
                 span.set_attributes(decision_attributes(decision))
-                await self._put_record(assignment, msg_id, "dispatching")
+                await self._put_record(assignment, seq, msg_id, "dispatching")
             try:
-                await call(self.nc, self.subjects.worker_assign(assignment.worker_id),
-                           assignment, AssignmentAck, timeout_s=self.ssettings.dispatch_timeout_s)
+                ack = await call(self.nc, self.subjects.worker_assign(assignment.worker_id),
+                                 assignment, AssignmentAck,
+                                 timeout_s=self.ssettings.dispatch_timeout_s)
             except (RemoteError, SchemaError, nats.errors.NoRespondersError,
                     nats.errors.TimeoutError, TimeoutError) as exc:
                 span.set_attribute("vtm.dispatch_error", repr(exc))
@@ -695,8 +726,14 @@ class SchedulerService(MicroService):
                 await self._retry_or_fail(
                     msg, req, f"worker {assignment.worker_id} did not accept: {exc}")
                 return
-            await self._put_record(assignment, msg_id, "dispatched")
+            await self._put_record(assignment, seq, msg_id, "dispatched")
             self.stats.dispatched += 1
+            span.set_attribute("vtm.queue_position", ack.queue_position)
+            if ack.queue_position == 0:
+                # Nothing ahead of it on a FIFO worker: its prefill starts now, so q_w counts
+                # only its remaining predicted time from here on.
+                with contextlib.suppress(VertumnusError):
+                    self.core.start(rid, self.clock())
         await msg.ack()
         if decision is not None:
             await self._after_dispatch(req, assignment, decision)
@@ -734,9 +771,23 @@ class SchedulerService(MicroService):
             dequeued_at_s=dequeued, assigned_at_s=self.clock(),
         )
 
+    def _placed(self, rid: str) -> bool:
+        try:
+            self.core.worker_of(rid)
+        except UnknownRequest:
+            return False
+        return True
+
     def _release(self, rid: str) -> None:
         with contextlib.suppress(UnknownRequest):
             self.core.finish(rid, self.clock())
+
+    @staticmethod
+    def _stream_seq(msg: Msg) -> int:
+        try:
+            return int(msg.metadata.sequence.stream)
+        except Exception:  # not a JetStream message (tests driving handle_intake directly)
+            return 0
 
     @staticmethod
     def _deliveries(msg: Msg) -> int:
@@ -809,10 +860,10 @@ class SchedulerService(MicroService):
         except SchemaError:
             return None
 
-    async def _put_record(self, a: Assignment, msg_id: str, state: str) -> None:
+    async def _put_record(self, a: Assignment, seq: int, msg_id: str, state: str) -> None:
         assert self._records is not None
         rec = AssignmentRecord(
-            request_id=a.request.request_id, msg_id=msg_id, worker_id=a.worker_id,
+            request_id=a.request.request_id, stream_seq=seq, msg_id=msg_id, worker_id=a.worker_id,
             epoch=a.epoch, degree=a.degree, predicted_s=a.predicted_s, state=state,  # type: ignore[arg-type]
             scheduler=self.reporter, assigned_at_s=a.assigned_at_s,
         )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.cachemgr.actions import Replicate
-from services.cachemgr.events import Removed, Stored
+from services.cachemgr.events import Stored
 from services.cachemgr.trie import PrefixTrie
 from shared.ids import InvalidInput, UnknownWorker
 
@@ -26,10 +28,12 @@ def test_split_page_parity_and_pending_on_assigned_child() -> None:
     t = split_setup()
     plan = t.reconcile_split(P, (L, R), {L: 50, R: 50})
     assert P not in t.workers() and t.worker_degree(L) == 2 and t.worker_degree(R) == 2
-    assert plan.physical == {L: {10, 11, 14}, R: {12, 13}}
-    # Left misses 2 pages, right 3: the tie on demand goes to the cheaper child.
+    # Resident: left 10, 11, 14; right 12, 13. Valid = whole prefixes only.
+    assert plan.valid == {L: {10, 11}, R: frozenset()}
+    # Left has 3 pages to reconcile (2 to copy), right 5: the tie on demand goes left.
     assert plan.assignment == {14: L}
-    assert t.pending_blocks(L) == {12, 13} and t.pending_blocks(R) == frozenset()
+    assert t.pending_blocks(L) == {12, 13, 14} and t.pending_blocks(R) == frozenset()
+    assert plan.donors == {L: frozenset(), R: {12, 13}} and t.donor_blocks(R) == {12, 13}
     # Pending pages are not reusable: left holds only pages 0-1, right nothing from the root.
     assert dict(t.match([10, 11, 12, 13, 14]).held_blocks) == {L: 2}
     assert t.replica_count(14, 2) == 0
@@ -39,10 +43,11 @@ def test_lazy_reconcile_copy_on_first_reuse_then_install() -> None:
     t = split_setup()
     t.reconcile_split(P, (L, R), {L: 50, R: 50})
     acts = t.on_reuse(L, [10, 11, 12, 13, 14, 15])
-    assert acts == (Replicate(13, 2, R, L, (12, 13), "reconcile"),)  # only the missing pages
+    assert acts == (Replicate(13, 2, R, L, (12, 13), "reconcile"),  # only the missing pages
+                    Replicate(14, 2, L, L, (14,), "reconcile"))  # resident: index it
     assert t.on_reuse(L, [10, 11, 12, 13, 14]) == ()  # already in flight
     assert t.match([10, 11, 12, 13, 14]).held(L) == 2  # not visible before confirmation
-    t.apply(Stored(L, 1, 11, (12, 13)))  # the child's own report confirms installation
+    t.apply(Stored(L, 1, 11, (12, 13, 14)))  # the child's own report confirms installation
     assert t.pending_blocks(L) == frozenset() and t.inflight() == ()
     assert t.match([10, 11, 12, 13, 14]).held(L) == 5
     assert t.replica_count(14, 2) == 1
@@ -53,10 +58,12 @@ def test_split_assignment_by_demand_and_capacity() -> None:
     plan = t.reconcile_split(P, (L, R), {L: 50, R: 50}, demand={14: 5.0, 21: 3.0})
     # 14 (heavier) first -> left (fewer missing pages); 21 -> right (less demand so far).
     assert plan.assignment == {14: L, 21: R}
-    assert t.pending_blocks(R) == {10, 20}  # 21 (page 2) is already on the right child
+    assert t.pending_blocks(R) == {10, 20, 21}  # 21 (page 2) is resident there already
+    assert t.donor_blocks(R) == {12, 13}
     t2 = split_setup()
     plan2 = t2.reconcile_split(P, (L, R), {L: 3, R: 100})  # left has no room left
-    assert plan2.assignment == {14: R} and t2.pending_blocks(R) == {10, 11, 14}
+    assert plan2.assignment == {14: R} and t2.pending_blocks(R) == {10, 11, 12, 13, 14}
+    assert t2.donor_blocks(L) == {14}  # the source of R's page 4; 10-11 stay valid on L
     t3 = split_setup()
     plan3 = t3.reconcile_split(P, (L, R), {L: 3, R: 2})
     assert plan3.assignment == {} and plan3.unassigned == (14,)
@@ -66,9 +73,9 @@ def test_pending_without_valid_copy_is_an_ordinary_miss() -> None:
     t = split_setup()
     t.add_worker("x", 2, 100)
     t.reconcile_split(P, (L, R), {L: 50, R: 50})
-    t.apply(Removed(R, 1, (12, 13)))  # the sibling's copies are gone (e.g. LRU)
+    assert t.release_donors(R) == 2  # the sibling freed its copies
     assert t.on_reuse(L, [10, 11, 12, 13, 14]) == ()
-    assert t.pending_blocks(L) == {13}  # 12 dropped: recomputed like any miss
+    assert t.pending_blocks(L) == {13, 14}  # 12 dropped: recomputed like any miss
     # A valid copy elsewhere is used when the hinted sibling lost it.
     t.apply(Stored("x", 1, None, (10, 11, 12, 13)))
     assert t.on_reuse(L, [10, 11, 12, 13]) == ()  # 12 no longer pending at L: run stops
@@ -85,7 +92,7 @@ def test_merge_marks_misplaced_pages_pending() -> None:
     plan = t.reconcile_merge((L, R), P, 100)
     # On the merged worker page p must be on rank p mod 4: the left child's ranks serve
     # p mod 4 < 2 (10, 11 stay valid), the right child's p mod 4 >= 2 (none of 10, 20).
-    assert plan.physical == {10, 11} and plan.pending == {12, 13, 20}
+    assert plan.valid == {10, 11} and plan.pending == {12, 13, 20}
     assert t.workers() == (P,) and t.worker_degree(P) == 4
     assert t.match([10, 11, 12, 13]).held(P) == 2
     acts = t.on_reuse(P, [10, 11, 12, 13])
@@ -123,8 +130,73 @@ def test_child_block_cache_seeded_from_the_plan_then_events_line_up() -> None:
     with pytest.raises(InvalidInput):
         cache.adopt([(13, 12)])  # parent neither cached nor adopted
     # Installing the reconcile copy through the cache confirms it in the trie.
-    (act,) = t.on_reuse(L, [10, 11, 12, 13, 14])
-    cache.insert([10, 11, 12, 13])
+    assert len(t.on_reuse(L, [10, 11, 12, 13, 14])) == 2
+    cache.insert([10, 11, 12, 13, 14])
     for ev in cache.take_events():
         t.apply(ev)
     assert t.pending_blocks(L) == frozenset() and t.match([10, 11, 12, 13, 14]).held(L) == 5
+
+
+# --- properties ----------------------------------------------------------------------------
+@st.composite
+def parent_cache(draw):
+    """A degree-4 parent holding whole prefixes over a random forest of 30 blocks."""
+    parents: dict[int, int | None] = {100: None}
+    for h in range(101, 130):
+        parents[h] = draw(st.one_of(st.none(), st.integers(100, h - 1)))
+    leaves = draw(st.lists(st.integers(100, 129), min_size=1, max_size=8))
+    return parents, leaves, draw(st.integers(2, 40)), draw(st.integers(2, 40))
+
+
+def _path(parents, h):
+    out = []
+    x = h
+    while x is not None:
+        out.append(x)
+        x = parents[x]
+    return out[::-1]
+
+
+def _closed(t: PrefixTrie, hs) -> bool:
+    return all(t.parent(h) is None or t.parent(h) in hs for h in hs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(parent_cache())
+def test_split_then_merge_invariants(case) -> None:
+    parents, leaves, cap_l, cap_r = case
+    t = PrefixTrie([2, 4], block_size=4)
+    t.add_worker(P, 4, 1000)
+    eid = 0
+    for leaf in leaves:
+        path = _path(parents, leaf)
+        have = t.worker_blocks(P)
+        i = 0
+        while i < len(path) and path[i] in have:
+            i += 1
+        if i < len(path):
+            eid += 1
+            t.apply(Stored(P, eid, path[i - 1] if i else None, tuple(path[i:])))
+    resident = t.worker_blocks(P)
+    depth = {h: len(_path(parents, h)) - 1 for h in resident}
+    plan = t.reconcile_split(P, (L, R), {L: cap_l, R: cap_r})
+    res = {}
+    for x in (L, R):
+        valid, pend, don = t.worker_blocks(x), t.pending_blocks(x), t.donor_blocks(x)
+        assert _closed(t, valid)  # whole prefixes only, as the worker's own index
+        res[x] = valid | don | {h for h in pend if h in plan.pending[x] and
+                                (depth.get(h, -1) % 4 < 2) == (x == L) and h in resident}
+    # every resident page stays on exactly one child: the one owning its rank (p mod 4)
+    assert res[L] | res[R] == resident and not res[L] & res[R]
+    assert all((depth[h] % 4 < 2) == (h in res[L]) for h in resident)
+    for leaf, x in plan.assignment.items():
+        got = t.worker_blocks(x) | t.pending_blocks(x)
+        assert set(_path(parents, leaf)) <= got
+    # pending pages are never reusable
+    for x in (L, R):
+        for h in t.pending_blocks(x):
+            assert x not in t.holders(h)
+    # merge back: the union returns; valid is whole prefixes, the rest pending
+    mplan = t.reconcile_merge((L, R), P, 1000)
+    assert _closed(t, t.worker_blocks(P))
+    assert resident <= (mplan.valid | mplan.pending)

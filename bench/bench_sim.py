@@ -1,0 +1,148 @@
+"""Speed of the discrete-event simulator: simulated requests per wall second. Prints figures.
+
+Runs the Mooncake conversation trace at a rate scale (default 2) through
+:func:`sim.experiments.run_deployment` for each policy (default ``vertumnus`` and ``homo``) on the
+experiment spec's cluster (40 GPUs), with the profile :func:`sim.profiling.run_profile` fits for
+degrees (1, 2, 4) at seed 0 -- exactly what ``vertumnus simulate`` does for one (policy, rate)
+cell. Prints requests per wall second (best of ``--repeat`` runs, and every run), and a digest of
+the result rows so a speed change can be checked to leave the results bit-identical. The
+process CPU time of each run is printed too (the machine may be shared: CPU seconds are less
+sensitive to other load than wall seconds).
+
+    .venv/bin/python bench/bench_sim.py [TRACE] [--rate-scale 2] [--policies vertumnus homo]
+        [--repeat 1] [--max-requests N] [--profile] [--rows FILE]
+
+``--profile`` runs each policy once more under cProfile and prints the top 20 functions by
+internal time (and by cumulative time). ``--rows FILE`` writes the full result rows (without the
+wall-clock fields) as JSON, for a before/after comparison. No assertion anywhere: speed is
+reported, not tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from services.controller.lattice import Lattice  # noqa: E402
+from sim.experiments import (  # noqa: E402
+    ExperimentSpec,
+    deployment_for,
+    historical_composition,
+    oracle_ttfts,
+    run_deployment,
+    summarize_run,
+)
+from sim.profiling import run_profile  # noqa: E402
+from sim.simulator import SimResult  # noqa: E402
+from sim.workloads import load_workload  # noqa: E402
+from sim.workloads.workload import scale_rate, truncate  # noqa: E402
+
+DEFAULT_TRACE = Path("/work/shared/data/traces/mooncake/conversation_trace.jsonl")
+_WALL_KEYS = ("wall_s", "sim_requests_per_wall_s")
+
+
+def records_digest(res: SimResult) -> str:
+    """SHA-256 over every request record (all fields, floats by repr): bit-identical check."""
+    h = hashlib.sha256()
+    for r in res.records:
+        h.update(repr((r.request_id, r.arrival_s, r.input_len, r.worker, r.degree,
+                       r.reused_tokens, r.predicted_s, r.actual_s, r.start_s, r.finish_s,
+                       r.ttft_s, r.redirected, r.failed)).encode())
+    for rc in res.reconfigurations:
+        h.update(repr((rc.kind, rc.sources, rc.targets, rc.decided_s, rc.reason, rc.rid,
+                       rc.drained_s, rc.exposed_s)).encode())
+    h.update(repr((res.composition_timeline, res.gpu_seconds, res.replications,
+                   res.reclamations, res.reconcile_transfers, res.end_s)).encode())
+    return h.hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE))
+    ap.add_argument("--rate-scale", type=float, default=2.0)
+    ap.add_argument("--policies", nargs="+", default=["vertumnus", "homo"])
+    ap.add_argument("--gpus", type=int, default=40)
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs per policy (best reported)")
+    ap.add_argument("--max-requests", type=int, default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile top 20 per policy")
+    ap.add_argument("--rows", type=Path, default=None,
+                    help="write the result rows (no wall-clock fields) and digests as JSON")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    wl = load_workload(args.trace, seed=0)
+    if args.max_requests:
+        wl = truncate(wl, max_requests=args.max_requests)
+    if args.rate_scale != 1.0:
+        wl = scale_rate(wl, args.rate_scale)
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = run_profile(tmp, degrees=(1, 2, 4), seed=0)[0]
+    spec = ExperimentSpec(gpus=args.gpus)
+    lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
+    initial = historical_composition(lattice, profile, wl, spec.window_s)
+    print(f"workload {wl.name}: {len(wl.requests)} requests, rate scale {args.rate_scale}, "
+          f"{spec.gpus} GPUs; set-up {time.perf_counter() - t0:.2f} s")
+
+    out_rows: dict[str, Any] = {}
+    for pol in args.policies:
+        dep = deployment_for(pol, lattice, initial, spec)
+        walls: list[float] = []
+        cpus: list[float] = []
+        res: SimResult | None = None
+        for _ in range(max(1, args.repeat)):
+            t1, c1 = time.perf_counter(), time.process_time()
+            res = run_deployment(wl, dep, profile, spec)
+            walls.append(time.perf_counter() - t1)
+            cpus.append(time.process_time() - c1)
+        assert res is not None
+        n = len(res.records)
+        best = min(walls)
+        print(f"{pol:>10}: {n} requests, best {best:.3f} s = {n / best:,.0f} req/wall-s "
+              f"(runs: {', '.join(f'{w:.3f}' for w in walls)}; CPU s: "
+              f"{', '.join(f'{c:.3f}' for c in cpus)}); "
+              f"digest {records_digest(res)}; replications {res.replications}, "
+              f"reclamations {res.reclamations}, reconfigurations {len(res.reconfigurations)}")
+        if args.rows is not None:
+            oracle = oracle_ttfts(wl, profile_truth(), spec.degrees)
+            row = summarize_run(res, policy=pol, rate_scale=args.rate_scale, slo=spec.slo,
+                                oracle=oracle, wall_s=best)
+            for k in _WALL_KEYS:
+                row.pop(k, None)
+            out_rows[pol] = {"row": row, "digest": records_digest(res)}
+        if args.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            run_deployment(wl, dep, profile, spec)
+            pr.disable()
+            for key in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(20)
+                print(f"--- cProfile {pol}, top 20 by {key}")
+                print("\n".join(buf.getvalue().splitlines()[4:]))
+    if args.rows is not None:
+        args.rows.write_text(json.dumps(out_rows, indent=1, sort_keys=True, default=str))
+        print(f"rows written to {args.rows}")
+    return 0
+
+
+def profile_truth():
+    from sim.groundtruth import GroundTruth
+
+    return GroundTruth()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,766 @@
+"""The cache manager's NATS adapter: the authoritative PrefixTrie of §7 and §6.2.
+
+One asyncio process, micro service ``vtm-cachemgr`` (group ``{prefix}.cachemgr``, endpoint
+``inspect``). Every decision comes from :class:`~services.cachemgr.trie.PrefixTrie` (events,
+Algorithm 1, Algorithm 2 + selection, reconcile); this module moves messages.
+
+=====================================  ============================================================
+input                                  what the adapter does
+=====================================  ============================================================
+``{prefix}.cache.events.*``            ``trie.apply``; a worker seen for the first time is
+(stored / removed / cleared)           registered (degree from its lattice id, capacity from its
+                                       WorkerState); a GAP marks it stale in the trie and its
+                                       snapshot is requested on ``{prefix}.cache.snapshot.{wid}``
+                                       (request-reply, CacheSnapshot) and applied
+``{prefix}.cache.stats.*``             RequestStats of the scheduler (§7.1 Algorithm 1 inputs):
+                                       ``trie.match(block_hashes)`` then ``trie.record_request``
+                                       with the chosen worker, degree, reused blocks, preferred
+                                       degree, L and the profile's Ê; then ``trie.on_reuse``: the
+                                       lazy reconcile copies for pages pending at that worker
+timer, every ``scan_interval_s`` (H)   ``trie.scan(config, load)`` with each worker's outstanding
+                                       work from the worker-state bucket; each selected action is
+                                       sent as a command (below)
+worker-state KV (watch)                capacities and loads; registers workers before their
+                                       first event (and asks for their snapshot)
+epoch KV key (watch)                   a changed composition: a degree-2C worker replaced by its
+                                       two halves → ``trie.reconcile_split``; two halves replaced
+                                       by their parent → ``trie.reconcile_merge``; any other
+                                       worker gone → ``remove_worker``, new → registered
+=====================================  ============================================================
+
+Commands (JSON, shared/schemas CacheCommand) go request-reply to
+``{prefix}.cache.cmd.{wid}`` of the worker that executes them: ReplicateCommand to the
+destination (``blocks`` = the whole root→node path, root first; the worker copies from
+``source_worker`` only what it lacks), ReconcileCommand (kind ``reconcile``), ReclaimCommand to
+the owner. The reply is a CacheCommandResult. Visibility follows the paper (§7.2): a replica
+counts only when the destination's own ``stored`` event arrives, a reclaimed one leaves only on
+its ``removed`` event; an ok reply just retires the in-flight action
+(``replication_done``), a failed reply, micro error, timeout or missing responder calls
+``replication_failed`` / ``reclaim_failed`` so a later scan may choose again.
+
+Message this module consumes but does not define: RequestStats (services/scheduler/service.py,
+to move to shared/schemas.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any, Final
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.micro.request import Request
+from pydantic import Field
+
+from services.cachemgr.actions import CacheAction, Reclaim, Replicate
+from services.cachemgr.events import CacheEvent, MalformedEvent, Snapshot, event_from_wire
+from services.cachemgr.scan import ScanConfig, ScanResult
+from services.cachemgr.trie import ApplyOutcome, PrefixTrie
+from shared.costmodel import DEFAULT_PROFILE, Profile
+from shared.ids import DEFAULT_BLOCK_SIZE, BlockHash, InvalidInput, VertumnusError, WorkerId
+from shared.schemas import (
+    CacheCommandResult,
+    EpochRecord,
+    Id,
+    Message,
+    NonNegFloat,
+    NonNegInt,
+    ReclaimCommand,
+    ReconcileCommand,
+    ReplicateCommand,
+    SchemaError,
+    WallTime,
+    WorkerState,
+    decode,
+)
+from shared.service import (
+    WORKER_LEASE_S,
+    Endpoint,
+    MicroService,
+    RemoteError,
+    call,
+    epoch_kv,
+    worker_state_kv,
+)
+from shared.settings import ServiceSettings
+from shared.subjects import Subjects, micro_service_name, validate_subject
+from shared.telemetry import inject
+from shared.worker import GpuGroup, Lifecycle
+
+VERSION: Final[str] = "0.1.0"
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+class CacheMgrSettings(ServiceSettings):
+    """The cache-manager process (environment ``VTM_*``; CLI flags of ``main`` override).
+
+    Scan thresholds map one-to-one onto :class:`~services.cachemgr.scan.ScanConfig`; the
+    defaults are the simulator's provisional ones (sim/simulator.py ``DEFAULT_SCAN_CONFIG``).
+    """
+
+    service_name: str = Field(default="vtm-cachemgr", description="Name in logs / traces.")
+    degrees: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8],
+        description="Supported CP degrees (statistics are kept per degree); a worker of "
+        "another degree is not tracked.",
+    )
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, description="Tokens per block B.")
+    profile_path: Path | None = Field(
+        default=None,
+        description="Fitted cost-model profile (Ê_C for Algorithm 1's missed benefit); None: "
+        "the built-in default profile.",
+    )
+    scan_interval_s: float = Field(
+        default=20.0, gt=0, description="H: seconds between periodic scans (Algorithm 2)."
+    )
+    theta_inter: float = Field(
+        default=2.0, ge=0, description="θ_inter: missed benefit (s) for a first replica."
+    )
+    theta_intra: float = Field(
+        default=16.0, ge=0, description="θ_intra: decayed accesses per replica for another one."
+    )
+    theta_reclaim: float = Field(
+        default=1.0, ge=0, description="θ_reclaim (< θ_intra): accesses per replica below which "
+        "a replica is reclaimed (never the last one in the pool)."
+    )
+    decay: float = Field(default=0.5, gt=0, lt=1, description="Statistics decay per scan.")
+    max_actions_per_list: int = Field(
+        default=1, ge=0, description="Actions taken per list and scan (the paper: one transfer)."
+    )
+    gc_threshold: float = Field(
+        default=1e-3, ge=0, description="Statistics below this are negligible for node GC."
+    )
+    default_capacity_blocks: int = Field(
+        default=4096, ge=1,
+        description="Cache capacity assumed for a worker whose WorkerState is not known yet.",
+    )
+    snapshot_timeout_s: float = Field(default=5.0, gt=0, description="Wait for a snapshot.")
+    command_timeout_s: float = Field(
+        default=30.0, gt=0, description="Wait for a worker's CacheCommandResult."
+    )
+    lease_s: float = Field(
+        default=WORKER_LEASE_S, gt=0, description="Worker-state bucket TTL (as other services)."
+    )
+    housekeeping_s: float = Field(
+        default=1.0, gt=0, description="How often snapshots of stale workers are re-requested."
+    )
+
+    def scan_config(self) -> ScanConfig:
+        return ScanConfig(
+            theta_inter=self.theta_inter,
+            theta_intra=self.theta_intra,
+            theta_reclaim=self.theta_reclaim,
+            decay=self.decay,
+            max_actions_per_list=self.max_actions_per_list,
+            gc_threshold=self.gc_threshold,
+        )
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+
+def cachemgr_group(subjects: Subjects) -> str:
+    return validate_subject(f"{subjects.prefix}.cachemgr")
+
+
+def cache_stats_all(subjects: Subjects) -> str:
+    """The scheduler's RequestStats (one per placement), all replicas."""
+    return validate_subject(f"{subjects.prefix}.cache.stats.*", allow_wildcards=True)
+
+
+# -- messages ------------------------------------------------------------------------------------
+
+
+class RequestStats(Message):
+    """Algorithm 1's inputs for one placement (same fields as the scheduler's RequestStats)."""
+
+    request_id: Id
+    reporter: Id
+    worker_id: Id
+    degree: int = Field(ge=1)
+    input_len: int = Field(ge=1)
+    block_hashes: list[int]
+    reused_blocks: NonNegInt
+    prefix_tokens: NonNegInt
+    preferred_degree: int = Field(ge=1)
+    preferred_worker: Id
+    predicted_s: NonNegFloat
+    policy: str
+    at_s: WallTime
+
+
+class InspectQuery(Message):
+    """Optional body of ``inspect``: ``match`` = a request's block hashes to look up."""
+
+    match: list[int] | None = Field(default=None, max_length=1 << 16)
+
+
+# -- pure helpers ----------------------------------------------------------------------------------
+
+
+def event_from_payload(payload: bytes) -> CacheEvent:
+    """A core cache event from the wire: design.md's form or shared/schemas' (its
+    ``schema_version`` dropped, ``worker_id`` accepted for ``worker``). Raises MalformedEvent."""
+    try:
+        d = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedEvent(f"cache event is not JSON: {exc}") from None
+    if isinstance(d, dict):
+        d = dict(d)
+        if d.pop("schema_version", 1) != 1:
+            raise MalformedEvent("unsupported schema_version")
+        if "worker_id" in d and "worker" not in d:
+            d["worker"] = d.pop("worker_id")
+    return event_from_wire(d)
+
+
+def degree_of(worker: str) -> int | None:
+    """The CP degree encoded in a lattice worker id (``w-cp4-g8`` → 4), or None."""
+    try:
+        return GpuGroup.from_worker_id(worker).degree
+    except InvalidInput:
+        return None
+
+
+def record_groups(record: EpochRecord) -> dict[WorkerId, GpuGroup]:
+    return {WorkerId(w.worker_id): w.group for w in record.workers}
+
+
+def diff_compositions(
+    old: Mapping[WorkerId, GpuGroup], new: Mapping[WorkerId, GpuGroup]
+) -> tuple[
+    list[tuple[WorkerId, tuple[WorkerId, WorkerId]]],
+    list[tuple[tuple[WorkerId, WorkerId], WorkerId]],
+    list[WorkerId],
+    list[WorkerId],
+]:
+    """(splits, merges, removed, added) between two compositions: a removed degree-2C group
+    whose halves appeared is a split; two removed halves whose parent appeared a merge."""
+    gone = {w: g for w, g in old.items() if w not in new}
+    came = {w: g for w, g in new.items() if w not in old}
+    splits, merges = [], []
+    for w, g in sorted(gone.items(), key=lambda x: x[1].first_gpu):
+        if g.degree < 2:
+            continue
+        half = g.degree // 2
+        lo, hi = GpuGroup(g.first_gpu, half), GpuGroup(g.first_gpu + half, half)
+        if lo.worker_id in came and hi.worker_id in came:
+            splits.append((w, (lo.worker_id, hi.worker_id)))
+    for w, g in sorted(came.items(), key=lambda x: x[1].first_gpu):
+        if g.degree < 2:
+            continue
+        half = g.degree // 2
+        lo, hi = GpuGroup(g.first_gpu, half), GpuGroup(g.first_gpu + half, half)
+        if lo.worker_id in gone and hi.worker_id in gone:
+            merges.append(((lo.worker_id, hi.worker_id), w))
+    used = {p for p, _ in splits} | {c for cs, _ in merges for c in cs}
+    made = {c for _, cs in splits for c in cs} | {p for _, p in merges}
+    removed = [w for w in gone if w not in used]
+    added = [w for w in came if w not in made]
+    return splits, merges, removed, added
+
+
+def path_to(trie: PrefixTrie, node: BlockHash) -> list[BlockHash]:
+    """The root→``node`` path of block hashes (root first)."""
+    out = [node]
+    parent = trie.parent(node)
+    while parent is not None:
+        out.append(parent)
+        parent = trie.parent(parent)
+    out.reverse()
+    return out
+
+
+# -- the service --------------------------------------------------------------------------------
+
+
+class CacheMgrService(MicroService):
+    """The live cache manager. Construct, then ``await run()`` (or ``start(stack)``)."""
+
+    def __init__(
+        self,
+        settings: CacheMgrSettings,
+        *,
+        profile: Profile | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(
+            settings,
+            name=micro_service_name("cachemgr"),
+            version=VERSION,
+            group=cachemgr_group(settings.subjects),
+            description="vertumnus global prefix-cache manager",
+            metadata={"degrees": ",".join(map(str, settings.degrees))},
+        )
+        self.msettings = settings
+        self.clock = clock
+        if profile is None:
+            profile = Profile.load(settings.profile_path) if settings.profile_path else \
+                DEFAULT_PROFILE
+        self.profile = profile
+        self.scan_config = settings.scan_config()
+        self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
+        self.states: dict[str, WorkerState] = {}
+        self.record: EpochRecord | None = None
+        self.last_scan: dict[str, Any] | None = None
+        self._snapshotting: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._cmd_seq = 0
+        self.counters: dict[str, int] = {
+            "events_applied": 0,
+            "duplicates": 0,
+            "gaps": 0,
+            "snapshots_applied": 0,
+            "snapshots_failed": 0,
+            "malformed": 0,
+            "rejected": 0,
+            "stats_recorded": 0,
+            "stats_skipped": 0,
+            "scans": 0,
+            "commands_sent": 0,
+            "commands_ok": 0,
+            "commands_failed": 0,
+            "splits": 0,
+            "merges": 0,
+        }
+
+    # -- endpoints --------------------------------------------------------------------------
+
+    def endpoints(self) -> Sequence[Endpoint]:
+        return [Endpoint("inspect", self._on_inspect)]
+
+    async def _on_inspect(self, request: Request) -> bytes:
+        query = (
+            decode(InspectQuery, request.data, request.headers)
+            if request.data.strip()
+            else InspectQuery()
+        )
+        return json.dumps(self.inspect(query.match)).encode()
+
+    def inspect(self, match: Sequence[int] | None = None) -> dict[str, Any]:
+        """What ``inspect`` answers: trie size, per-worker blocks, stale workers, in flight."""
+        t = self.trie
+        body: dict[str, Any] = {
+            "nodes": sum(1 for _ in t.node_hashes()),
+            "workers": {
+                w: {
+                    "degree": int(t.worker_degree(w)),
+                    "blocks": len(t.worker_blocks(w)),
+                    "held_nodes": len(t.held_nodes(w)),
+                    "pending": len(t.pending_blocks(w)),
+                    "capacity_blocks": t.capacity_blocks(w),
+                    "last_event_id": t.last_event_id(w),
+                    "stale": t.is_stale(w),
+                }
+                for w in t.workers()
+            },
+            "stale_workers": list(t.stale_workers()),
+            "in_flight": [a.to_wire() for a in t.inflight()],
+            "last_scan": self.last_scan,
+            "epoch": self.record.epoch if self.record else None,
+            "counters": dict(self.counters),
+        }
+        if match is not None:
+            m = t.match([BlockHash(h) for h in match])
+            body["match"] = {"matched_blocks": m.matched_blocks, "held": dict(m.held_blocks)}
+        return body
+
+    # -- setup ------------------------------------------------------------------------------
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        s = self.subjects
+        js = self.nc.jetstream()
+        states = await worker_state_kv(js, s, lease_s=self.msettings.lease_s)
+        epochs = await epoch_kv(js, s)
+        state_watch = await states.watchall()
+        epoch_watch = await epochs.watch(s.epoch_key())
+        subs = [
+            await self.nc.subscribe(s.cache_events_all(), cb=self._on_event),
+            await self.nc.subscribe(cache_stats_all(s), cb=self._on_stats),
+        ]
+        self._tasks = [
+            asyncio.create_task(self._watch_states(state_watch), name="cm-states"),
+            asyncio.create_task(self._watch_epochs(epoch_watch), name="cm-epochs"),
+            asyncio.create_task(self._scanner(), name="cm-scan"),
+            asyncio.create_task(self._housekeeping(), name="cm-housekeeping"),
+        ]
+
+        async def teardown() -> None:
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            for w in (state_watch, epoch_watch):
+                with contextlib.suppress(Exception):
+                    await w.stop()
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+        stack.push_async_callback(teardown)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _capacity(self, worker: str) -> int:
+        st = self.states.get(worker)
+        if st is not None and st.kv_total_blocks > 0:
+            return st.kv_total_blocks
+        return self.msettings.default_capacity_blocks
+
+    def _register(self, worker: str, degree: int | None = None, *, snapshot: bool) -> bool:
+        """Track ``worker`` if its degree is supported; optionally ask for its snapshot."""
+        if worker in self.trie.workers():
+            return True
+        degree = degree if degree is not None else degree_of(worker)
+        if degree is None or degree not in self.trie.degrees:
+            return False
+        self.trie.add_worker(WorkerId(worker), degree, self._capacity(worker))
+        self.log.info("worker tracked", worker=worker, degree=degree)
+        if snapshot:
+            self._request_snapshot(worker)
+        return True
+
+    async def _watch_states(self, watcher: Any) -> None:
+        async for entry in watcher:
+            if entry is None:
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self.states.pop(entry.key, None)
+                continue
+            try:
+                state = decode(WorkerState, entry.value)
+            except SchemaError as exc:
+                self.counters["malformed"] += 1
+                self.log.warning("bad worker state ignored", key=entry.key, error=str(exc))
+                continue
+            self.states[state.worker_id] = state
+            # Without an epoch record the worker states define the pool; with one, only
+            # workers of the record are tracked (a retired worker's last state lingers).
+            if self.record is None or state.worker_id in record_groups(self.record):
+                self._register(state.worker_id, state.degree, snapshot=True)
+
+    async def _watch_epochs(self, watcher: Any) -> None:
+        async for entry in watcher:
+            if entry is None or not entry.value:
+                continue
+            try:
+                record = decode(EpochRecord, entry.value)
+            except SchemaError as exc:
+                self.counters["malformed"] += 1
+                self.log.error("bad epoch record ignored", error=str(exc))
+                continue
+            try:
+                self.on_record(record)
+            except VertumnusError as exc:
+                self.counters["rejected"] += 1
+                self.log.error("epoch change not reconciled", error=str(exc))
+
+    def on_record(self, record: EpochRecord) -> None:
+        """Reconcile the trie with a new composition (§6.2)."""
+        old = self.record
+        if old is not None and record.epoch <= old.epoch:
+            return
+        self.record = record
+        new = record_groups(record)
+        if old is None:
+            self._follow_lifecycles(record)
+            return
+        splits, merges, removed, added = diff_compositions(record_groups(old), new)
+        known = set(self.trie.workers())
+        for parent, children in splits:
+            if parent not in known or any(c in known for c in children):
+                # Nothing to reconcile from (untracked parent): plain removal and addition.
+                if parent in known:
+                    removed.append(parent)
+                added.extend(children)
+                continue
+            plan = self.trie.reconcile_split(
+                parent, children, {c: self._capacity(c) for c in children}
+            )
+            self.counters["splits"] += 1
+            self.log.info(
+                "split reconciled",
+                parent=parent,
+                children=list(children),
+                pending={c: len(p) for c, p in plan.pending.items()},
+                cancelled=len(plan.cancelled),
+            )
+        for children, parent in merges:
+            if any(c not in known for c in children) or parent in known:
+                removed.extend(c for c in children if c in known)
+                added.append(parent)
+                continue
+            mplan = self.trie.reconcile_merge(children, parent, self._capacity(parent))
+            self.counters["merges"] += 1
+            self.log.info(
+                "merge reconciled",
+                children=list(children),
+                parent=parent,
+                pending=len(mplan.pending),
+                cancelled=len(mplan.cancelled),
+            )
+        for w in removed:
+            if w in self.trie.workers():
+                self.trie.remove_worker(w)
+                self.log.info("worker untracked", worker=w)
+        for w in added:
+            self._register(w, new[w].degree, snapshot=False)
+        self._follow_lifecycles(record)
+
+    def _follow_lifecycles(self, record: EpochRecord) -> None:
+        """An UNAVAILABLE worker (failed, lease lost) holds nothing we can count on: it is
+        untracked; once the record shows it again it is tracked afresh from its snapshot."""
+        tracked = set(self.trie.workers())
+        for w in record.workers:
+            wid = WorkerId(w.worker_id)
+            if w.lifecycle is Lifecycle.UNAVAILABLE and wid in tracked:
+                cancelled = self.trie.remove_worker(wid)
+                self.log.info("unavailable worker untracked", worker=wid,
+                              cancelled=len(cancelled))
+            elif w.lifecycle is not Lifecycle.UNAVAILABLE and wid not in tracked:
+                self._register(wid, w.degree, snapshot=True)
+
+    # -- cache events and snapshots -------------------------------------------------------------
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            event = event_from_payload(msg.data)
+            if isinstance(event, Snapshot):
+                raise MalformedEvent("snapshots come as replies, not on the event stream")
+        except MalformedEvent as exc:
+            self.counters["malformed"] += 1
+            self.log.warning("malformed cache event rejected", subject=msg.subject, error=str(exc))
+            return
+        if event.worker not in self.trie.workers():
+            in_record = self.record is None or event.worker in record_groups(self.record)
+            if not in_record or not self._register(event.worker, snapshot=False):
+                self.counters["rejected"] += 1
+                return
+        try:
+            outcome = self.trie.apply(event)
+        except VertumnusError as exc:
+            # An inconsistent chain: nothing applied, the next event shows a gap.
+            self.counters["rejected"] += 1
+            self.log.warning("cache event rejected", worker=event.worker, error=str(exc))
+            return
+        if outcome is ApplyOutcome.APPLIED:
+            self.counters["events_applied"] += 1
+        elif outcome is ApplyOutcome.DUPLICATE:
+            self.counters["duplicates"] += 1
+        else:
+            self.counters["gaps"] += 1
+            self.log.info("cache event gap", worker=event.worker, event_id=event.event_id)
+            self._request_snapshot(event.worker)
+
+    def _request_snapshot(self, worker: str) -> None:
+        if worker in self._snapshotting:
+            return
+        self._snapshotting.add(worker)
+        self._spawn(self._fetch_snapshot(worker), f"snapshot-{worker}")
+
+    async def _fetch_snapshot(self, worker: str) -> None:
+        try:
+            reply = await self.nc.request(
+                self.subjects.cache_snapshot(worker),
+                b"{}",
+                timeout=self.msettings.snapshot_timeout_s,
+                headers=inject({}),
+            )
+            event = event_from_payload(reply.data)
+            if not isinstance(event, Snapshot) or event.worker != worker:
+                raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
+            if worker in self.trie.workers():
+                outcome = self.trie.apply(event)
+                if outcome is ApplyOutcome.APPLIED:
+                    self.counters["snapshots_applied"] += 1
+                self.log.info(
+                    "cache snapshot applied",
+                    worker=worker,
+                    last_event_id=event.last_event_id,
+                    blocks=len(event.blocks),
+                    outcome=outcome.value,
+                )
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
+            self.counters["snapshots_failed"] += 1
+            self.log.info("cache snapshot unavailable", worker=worker, error=repr(exc))
+        except VertumnusError as exc:
+            self.counters["snapshots_failed"] += 1
+            self.log.warning("cache snapshot rejected", worker=worker, error=str(exc))
+        finally:
+            self._snapshotting.discard(worker)
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(self.msettings.housekeeping_s)
+            for w in self.trie.stale_workers():
+                self._request_snapshot(w)
+
+    # -- per-request statistics -------------------------------------------------------------------
+
+    async def _on_stats(self, msg: Msg) -> None:
+        try:
+            stats = decode(RequestStats, msg.data, msg.headers)
+        except SchemaError as exc:
+            self.counters["malformed"] += 1
+            self.log.warning("malformed request stats rejected", error=str(exc))
+            return
+        actions = self.record_stats(stats)
+        for a in actions:
+            self._send(a)
+
+    def record_stats(self, stats: RequestStats) -> tuple[Replicate, ...]:
+        """Algorithm 1 for one placement, then the lazy reconcile copies it triggers."""
+        t = self.trie
+        wid = WorkerId(stats.worker_id)
+        hashes = [BlockHash(h) for h in stats.block_hashes]
+        if wid not in t.workers():
+            self.counters["stats_skipped"] += 1
+            return ()
+        try:
+            match = t.match(hashes)
+            # The scheduler's replica of the trie may lag ours: never claim more reuse than
+            # the path we matched.
+            reused = min(stats.reused_blocks, match.matched_blocks)
+            t.record_request(
+                match,
+                wid,
+                stats.degree,
+                reused,
+                stats.preferred_degree,
+                stats.input_len,
+                self.profile.predict,
+            )
+            self.counters["stats_recorded"] += 1
+            return t.on_reuse(wid, hashes)
+        except VertumnusError as exc:
+            self.counters["stats_skipped"] += 1
+            self.log.info("request stats not recorded", request_id=stats.request_id,
+                          error=str(exc))
+            return ()
+
+    # -- the scan and the commands -----------------------------------------------------------------
+
+    async def _scanner(self) -> None:
+        while True:
+            await asyncio.sleep(self.msettings.scan_interval_s)
+            try:
+                self.scan()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("scan failed")
+
+    def scan(self) -> ScanResult:
+        """One periodic scan (Algorithm 2 + selection); sends the selected actions."""
+        load = {
+            WorkerId(w): st.outstanding_s for w, st in self.states.items()
+            if w in self.trie.workers()
+        }
+        result = self.trie.scan(self.scan_config, load)
+        self.counters["scans"] += 1
+        self.last_scan = {
+            "at_s": self.clock(),
+            "inter": len(result.inter),
+            "intra": len(result.intra),
+            "reclaim": len(result.reclaim),
+            "actions": len(result.actions),
+            "collected": result.collected,
+        }
+        if result.actions:
+            self.log.info("scan selected actions", **self.last_scan)
+        for a in result.actions:
+            self._send(a)
+        return result
+
+    def _command(self, action: CacheAction) -> ReplicateCommand | ReclaimCommand | \
+            ReconcileCommand:
+        self._cmd_seq += 1
+        cid = f"cm{self._cmd_seq}-{uuid.uuid4().hex[:8]}"
+        epoch = self.record.epoch if self.record else 0
+        if isinstance(action, Reclaim):
+            return ReclaimCommand(
+                command_id=cid, worker_id=action.worker, epoch=epoch, blocks=list(action.blocks)
+            )
+        blocks = path_to(self.trie, action.node_hash)
+        if action.kind == "reconcile":
+            return ReconcileCommand(
+                command_id=cid, worker_id=action.dest, epoch=epoch, blocks=blocks,
+                source_worker=action.source,
+            )
+        return ReplicateCommand(
+            command_id=cid, worker_id=action.dest, epoch=epoch, blocks=blocks,
+            source_worker=action.source,
+        )
+
+    def _send(self, action: CacheAction) -> None:
+        self._spawn(self._execute(action), "cache-cmd")
+
+    async def _execute(self, action: CacheAction) -> None:
+        try:
+            cmd = self._command(action)
+        except (InvalidInput, SchemaError) as exc:  # e.g. a node collected meanwhile
+            self._failed(action, str(exc))
+            return
+        self.counters["commands_sent"] += 1
+        self.log.info("cache command", op=cmd.op, worker=cmd.worker_id,
+                      command_id=cmd.command_id, action=action.to_wire())
+        try:
+            res = await call(
+                self.nc,
+                self.subjects.cache_cmd(cmd.worker_id),
+                cmd,
+                CacheCommandResult,
+                timeout_s=self.msettings.command_timeout_s,
+            )
+        except (
+            RemoteError,
+            SchemaError,
+            nats.errors.NoRespondersError,
+            nats.errors.TimeoutError,
+            TimeoutError,
+        ) as exc:
+            self._failed(action, repr(exc))
+            return
+        if not res.ok:
+            self._failed(action, res.error or "refused")
+            return
+        self.counters["commands_ok"] += 1
+        if isinstance(action, Replicate):
+            # NOTE: retires the in-flight copy only; the replica becomes visible with the
+            # destination's own stored event (usually already applied by now).
+            self.trie.replication_done(action)
+
+    def _failed(self, action: CacheAction, why: str) -> None:
+        self.counters["commands_failed"] += 1
+        self.log.warning("cache command failed", action=action.to_wire(), error=why)
+        if isinstance(action, Replicate):
+            self.trie.replication_failed(action)
+        else:
+            self.trie.reclaim_failed(action)
+
+
+__all__ = [
+    "CacheMgrService",
+    "CacheMgrSettings",
+    "InspectQuery",
+    "RequestStats",
+    "cache_stats_all",
+    "cachemgr_group",
+    "degree_of",
+    "diff_compositions",
+    "event_from_payload",
+    "path_to",
+]

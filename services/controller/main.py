@@ -1,0 +1,78 @@
+"""Entry point of the controller process: ``python -m services.controller [flags]``.
+
+Configuration is :class:`~services.controller.service.ControllerSettings`: environment
+variables ``VTM_*`` (``__`` for nesting, e.g. ``VTM_TELEMETRY__EXPORTER=otlp``), then these
+flags, which win over the environment:
+
+  --nats-url URL            VTM_NATS_URL               NATS server(s), comma-separated
+  --prefix P                VTM_SUBJECT_PREFIX         subject / stream / bucket prefix
+  --gpus N                  VTM_NUM_GPUS               GPUs in the prefill pool
+  --degrees 2,4             VTM_DEGREES                supported CP degrees (JSON list in env)
+  --initial COMPOSITION     VTM_INITIAL_COMPOSITION    e.g. 2CP4, used only if no record exists
+  --profile PATH            VTM_PROFILE_PATH           fitted profile with κ_C (JSON)
+  --window-s H              VTM_WINDOW_S               observation window (= scheduler's)
+  --instance-id ID          VTM_INSTANCE_ID            this replica's id
+
+Every other setting (upper, lower, merge_headroom, persistence, tick_s, report_grace_s,
+drain_timeout_s, kappa, demand_input, follow_record, ...) is documented on the settings class
+and set through its ``VTM_`` variable, e.g. ``VTM_KAPPA='{"2": 8, "4": 14}'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from services.controller.service import ControllerService, ControllerSettings
+from shared.logging import configure_logging
+from shared.telemetry import setup_tracing, shutdown_tracing
+
+
+def _degrees(text: str) -> list[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+_FLAGS: tuple[tuple[str, str, Any], ...] = (
+    ("--nats-url", "nats_url", str),
+    ("--prefix", "subject_prefix", str),
+    ("--gpus", "num_gpus", int),
+    ("--degrees", "degrees", _degrees),
+    ("--initial", "initial_composition", str),
+    ("--profile", "profile_path", str),
+    ("--window-s", "window_s", float),
+    ("--instance-id", "instance_id", str),
+)
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> ControllerSettings:
+    """Settings from the environment, overridden by the flags given."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.controller",
+        description="vertumnus controller: splits and merges CP workers from window demand.",
+    )
+    for flag, dest, typ in _FLAGS:
+        parser.add_argument(flag, dest=dest, type=typ, default=None)
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    return ControllerSettings(**overrides)
+
+
+async def serve(settings: ControllerSettings) -> None:
+    """Run one controller until SIGINT/SIGTERM."""
+    await ControllerService(settings).run()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
+    setup_tracing(settings.service_name, settings.telemetry)
+    try:
+        asyncio.run(serve(settings))
+    finally:
+        shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1209 @@
+"""The controller's NATS adapter: window demand → ControllerCore → epoch records (§6, §8).
+
+One asyncio process, micro service ``vtm-controller`` (group ``{prefix}.controller``,
+endpoint ``inspect``). Every decision comes from :class:`~services.controller.core.
+ControllerCore`; this module moves messages and keeps the books an adapter must keep
+(KV revisions, which record epoch a commit was written under, in-flight request ids).
+
+=======================================  ==========================================================
+input                                    what the adapter does
+=======================================  ==========================================================
+``{prefix}.window.demand.*``             WindowReport of each scheduler replica → ``core.assigned``
+(``demand_input="windows"``, default)    (the report is replayed as its ``requests`` assignments,
+                                         demand spread evenly, ``long_requests`` of them long, at
+                                         the middle of its window: D(k), count and long fraction
+                                         are exact; reports of several replicas add up)
+``{prefix}.cache.stats.*``               RequestStats, one per placement → ``core.assigned(at_s,
+(``demand_input="assignments"``)         predicted_s, input_len, degree)``
+timer, every ``tick_s``                  ``core.tick(now - report_grace_s)`` (windows close only
+                                         after their reports had time to arrive); a decision with
+                                         a plan is carried out (below)
+worker-state KV (watch)                  per-worker outstanding work (drain estimate for the
+                                         planner), queue length, lifecycle: a draining source
+                                         whose state shows an empty queue under the drain record
+                                         has finished its in-flight work
+``{prefix}.result.*`` (FirstToken)       ``protocol.finished(worker, request)`` for draining sources
+``{prefix}.epoch.ack.*`` (EpochAck)      ``protocol.ack`` for ranks of committed targets
+=======================================  ==========================================================
+
+Carrying out a plan (a split or merge):
+
+1. *Queues.* Each source is asked ``{prefix}.worker.{wid}.queue`` (QueueQuery → QueueReport:
+   queued and in-flight request ids). A worker that does not answer is judged from its
+   WorkerState: nothing queued is known (the worker redirects its own queue when it adopts the
+   drain record), and one opaque in-flight marker if its ``queue_len`` > 0, resolved when its
+   state shows an empty queue.
+2. *Drain.* ``core.start(plan, ...)``; then the **drain record** — the current composition with
+   the sources DRAINING (parked ones SWITCHING) under the next record epoch — is written with
+   compare-and-set (``kv.update(key, value, last=revision)``). Rank daemons adopting it stop
+   admitting and hand their queued requests back to intake (``Nats-Msg-Id`` ``{rid}-r{epoch}``).
+   Then the DrainNotice (the *redirect* message, :func:`drain_subject`) and a
+   ReconfigurationEvent (phase ``draining``) are published.
+3. *Commit.* When every source drained: ``protocol.switch_started`` and the **commit record**
+   (sources gone, targets SWITCHING) is written by compare-and-set. The adapter remembers the
+   record epoch of the commit: ranks acknowledge record epochs, the protocol counts its own.
+4. *Acks.* An EpochAck for a rank of a committed target, naming the commit's record epoch, is
+   passed to ``protocol.ack``; acks of untouched workers (ranks ack every record they adopt)
+   and of other records are ignored.
+5. *Expose.* When every rank acknowledged: the **exposure record** (targets ACTIVE) is written
+   by compare-and-set, then ``protocol.exposed``; the CompositionNotice and the
+   ReconfigurationEvent (phase ``exposed``, with drain and switch times) are published.
+
+A reconfiguration whose sources have not drained after ``drain_timeout_s`` is aborted
+(``protocol.abort``; a record with the sources ACTIVE again).
+
+Liveness (§5.2 lifecycle): a worker whose last WorkerState is older than ``lease_s`` fails
+(``protocol.fail``: UNAVAILABLE in the next record; an uncommitted reconfiguration it is a
+source of is aborted, a committed one goes on without it). When it heartbeats again it is
+re-admitted (``protocol.recover``: SWITCHING under a fresh record epoch) and becomes ACTIVE in
+a further record once all its ranks acknowledged that epoch. A worker that never published a
+state is not judged. Workers a stored record shows non-active while this controller's protocol
+has them active were left by a controller that stopped mid-reconfiguration; once that record
+is older than ``drain_timeout_s`` they are failed and re-admitted the same way.
+
+``inspect`` (``{prefix}.controller.inspect``, optional JSON body ``{"decisions": N}``; a
+malformed body is a 400 micro error) answers the composition, the protocol and record epochs,
+every worker's lifecycle, the schedulable workers, reconfigurations in progress and done (with
+drain and switch times), the pending plan, the open window, the last N decisions and counters.
+Malformed pub/sub input (reports, acks, states) is counted (``malformed``) and dropped.
+
+Leadership: the epoch record is the only arbiter. Every write is a compare-and-set on the
+revision this controller last read or wrote; ``KeyWrongLastSequenceError`` means another
+controller changed the record first: this one lost leadership for that change, drops its
+core and rebuilds it from the stored record (``cas_lost`` and ``rebuilt`` in ``inspect``).
+With ``follow_record`` (default) the controller also watches the key and, while it has
+nothing in progress, adopts records written by others (so a passive replica stays current).
+
+Messages this module defines until they move to shared/ (see the report): QueueQuery /
+QueueReport, DrainNotice, ReconfigurationEvent, CompositionNotice, InspectQuery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+from nats.micro.request import Request
+from pydantic import Field, field_validator
+
+from services.controller.core import ControllerCore
+from services.controller.lattice import Composition, Lattice
+from services.controller.lifecycle import (
+    ControlRecord,
+    EpochMismatch,
+    IllegalTransition,
+    Phase,
+    Reconfiguration,
+)
+from services.controller.planner import ControllerConfig, Decision, Plan
+from services.controller.windows import DEFAULT_LONG_THRESHOLD_TOKENS, DEFAULT_WINDOW_S
+from shared.costmodel import DEFAULT_PROFILE, Profile
+from shared.ids import GPUS_PER_NODE, InvalidInput, RequestId, VertumnusError, WorkerId
+from shared.schemas import (
+    EpochAck,
+    EpochRecord,
+    EpochWorker,
+    FirstToken,
+    Id,
+    Message,
+    NonNegFloat,
+    NonNegInt,
+    SchemaError,
+    WallTime,
+    WindowReport,
+    WorkerState,
+    decode,
+    encode,
+    to_json,
+)
+from shared.service import (
+    WORKER_LEASE_S,
+    Endpoint,
+    MicroService,
+    RemoteError,
+    call,
+    epoch_kv,
+    worker_state_kv,
+)
+from shared.settings import ServiceSettings
+from shared.subjects import Subjects, micro_service_name, validate_subject, validate_token
+from shared.worker import GpuGroup, Lifecycle
+
+VERSION: Final[str] = "0.1.0"
+INFLIGHT_MARKER: Final[str] = "~in-flight"
+"""Request id standing for "whatever runs there" when a source did not list its work."""
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+class ControllerSettings(ServiceSettings):
+    """The controller process (environment ``VTM_*``; CLI flags of ``main`` override).
+
+    The planner's thresholds map one-to-one onto :class:`ControllerConfig` (see its docstring
+    for what each means and why the defaults are what they are).
+    """
+
+    service_name: str = Field(default="vtm-controller", description="Name in logs / traces.")
+    num_gpus: int = Field(default=8, ge=1, description="G: GPUs in the prefill pool.")
+    degrees: list[int] = Field(
+        default_factory=lambda: [2, 4], description="Supported CP degrees (powers of two)."
+    )
+    gpus_per_node: int = Field(default=GPUS_PER_NODE, ge=1, description="GPUs per node.")
+    initial_composition: str | None = Field(
+        default=None,
+        description="Composition written when no epoch record exists yet, in the paper's "
+        "notation (e.g. '2CP4' or '2CP2/1CP4'); None: every worker of the largest degree. "
+        "An existing record always wins (the controller resumes from it).",
+    )
+    profile_path: Path | None = Field(
+        default=None,
+        description="Fitted profile (JSON from `vertumnus profile`) with κ_C per degree; "
+        "None: the built-in default profile.",
+    )
+    kappa: dict[int, float] = Field(
+        default_factory=dict,
+        description="Override of κ_C (seconds of predicted service per window one degree-C "
+        "worker serves within the SLO), e.g. {\"2\": 8.0, \"4\": 14.0}.",
+    )
+    window_s: float = Field(
+        default=DEFAULT_WINDOW_S, gt=0,
+        description="Observation window H (s); must equal the scheduler's window_s.",
+    )
+    long_threshold_tokens: int = Field(
+        default=DEFAULT_LONG_THRESHOLD_TOKENS, ge=1,
+        description="Input length from which a request counts as long.",
+    )
+    upper: float = Field(default=0.9, description="Split when D > upper·capacity.")
+    lower: float = Field(default=0.5, description="Merge when D < lower·capacity.")
+    merge_headroom: float = Field(
+        default=0.8, description="A merge must leave D ≤ merge_headroom·capacity after it."
+    )
+    long_fraction_delta: float = Field(
+        default=0.15, description="Change of the long-request share that signals a mix shift."
+    )
+    demand_stability: float = Field(
+        default=0.3, description="Relative demand band within which demand counts as stable."
+    )
+    persistence: int = Field(
+        default=2, ge=1, description="Consecutive windows a direction must persist."
+    )
+    demand_input: Literal["windows", "assignments"] = Field(
+        default="windows",
+        description="'windows': WindowReports of the scheduler replicas; 'assignments': one "
+        "RequestStats per placement on the cache-stats subject (exact, more messages).",
+    )
+    tick_s: float = Field(
+        default=1.0, gt=0, description="How often windows are closed and decided (wall clock)."
+    )
+    report_grace_s: float = Field(
+        default=2.0, ge=0,
+        description="A window is closed this long after its end, so the scheduler replicas' "
+        "reports for it have arrived (a later one counts in the next window).",
+    )
+    queue_query_timeout_s: float = Field(
+        default=1.0, gt=0, description="Wait for a source's QueueReport before falling back."
+    )
+    drain_timeout_s: float = Field(
+        default=120.0, gt=0, description="Abort a reconfiguration whose sources did not drain."
+    )
+    lease_s: float = Field(
+        default=WORKER_LEASE_S, gt=0,
+        description="Worker-state bucket TTL (must match the other services).",
+    )
+    follow_record: bool = Field(
+        default=True,
+        description="Watch the epoch record and adopt records written by another controller "
+        "while idle. Off: the record is re-read only at start and after a lost "
+        "compare-and-set.",
+    )
+    decisions_kept: int = Field(default=200, ge=1, description="Recent decisions kept.")
+
+    @field_validator("kappa", mode="before")
+    @classmethod
+    def _kappa(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return json.loads(v) if v.strip() else {}
+        return v
+
+    def controller_config(self) -> ControllerConfig:
+        return ControllerConfig(
+            window_s=self.window_s,
+            long_threshold_tokens=self.long_threshold_tokens,
+            upper=self.upper,
+            lower=self.lower,
+            merge_headroom=self.merge_headroom,
+            long_fraction_delta=self.long_fraction_delta,
+            demand_stability=self.demand_stability,
+            persistence=self.persistence,
+        )
+
+    def lattice(self) -> Lattice:
+        return Lattice(self.num_gpus, self.degrees, self.gpus_per_node)
+
+    def load_profile(self) -> Profile:
+        profile = Profile.load(self.profile_path) if self.profile_path else DEFAULT_PROFILE
+        if self.kappa:
+            profile = profile.with_kappa({**profile.kappa, **self.kappa})
+        return profile
+
+
+# -- names this adapter needs that shared/subjects.py does not have (yet) ---------------------
+
+
+def controller_group(subjects: Subjects) -> str:
+    return validate_subject(f"{subjects.prefix}.controller")
+
+
+def drain_subject(subjects: Subjects) -> str:
+    """DrainNotice (the redirect message): sources stop admitting, queued work re-placed."""
+    return validate_subject(f"{subjects.prefix}.ctl.drain")
+
+
+def reconf_subject(subjects: Subjects) -> str:
+    """ReconfigurationEvent at every phase change (drain and switch times when exposed)."""
+    return validate_subject(f"{subjects.prefix}.ctl.reconf")
+
+
+def composition_subject(subjects: Subjects) -> str:
+    """CompositionNotice: the schedulable composition after an exposure (and at start)."""
+    return validate_subject(f"{subjects.prefix}.ctl.composition")
+
+
+def worker_queue_subject(subjects: Subjects, worker_id: str) -> str:
+    """Request-reply to a worker leader: QueueQuery → QueueReport."""
+    return f"{subjects.worker_group(worker_id)}.queue"
+
+
+def cache_stats_all(subjects: Subjects) -> str:
+    """The scheduler's RequestStats (see services/scheduler/service.py)."""
+    return validate_subject(f"{subjects.prefix}.cache.stats.*", allow_wildcards=True)
+
+
+# -- messages ---------------------------------------------------------------------------------
+
+
+class QueueQuery(Message):
+    """Controller → worker leader: list your queued and in-flight request ids."""
+
+    worker_id: Id
+    reconfiguration: NonNegInt = 0
+
+
+class QueueReport(Message):
+    """Worker leader → controller: its FIFO (queue order) and what is executing."""
+
+    worker_id: Id
+    queued: list[Id] = Field(default_factory=list)
+    in_flight: list[Id] = Field(default_factory=list)
+
+
+class RedirectedRequest(Message):
+    worker_id: Id
+    request_id: Id
+
+
+class DrainNotice(Message):
+    """The sources of a reconfiguration stop admitting (§6.2). The scheduler drops them from
+    its candidate set at once and re-places ``redirected`` (their queued requests, in queue
+    order) when they come back through intake; ``in_flight`` finish under the old geometry."""
+
+    reconfiguration: NonNegInt
+    kind: Literal["split", "merge"]
+    epoch: NonNegInt = Field(description="record epoch of the drain record")
+    sources: list[Id]
+    targets: list[Id]
+    redirected: list[RedirectedRequest] = Field(default_factory=list)
+    in_flight: dict[str, NonNegInt] = Field(default_factory=dict)
+    reason: str = ""
+    issued_at_s: WallTime
+
+
+class ReconfigurationEvent(Message):
+    """One phase change of a split or merge; the exposed one carries drain and switch times."""
+
+    reconfiguration: NonNegInt
+    kind: Literal["split", "merge"]
+    phase: Literal["draining", "drained", "committed", "ready", "exposed", "aborted"]
+    sources: list[Id]
+    targets: list[Id]
+    epoch: NonNegInt | None = Field(description="record epoch of the commit (None before)")
+    started_at_s: WallTime
+    drained_at_s: WallTime | None = None
+    switch_started_at_s: WallTime | None = None
+    exposed_at_s: WallTime | None = None
+    aborted_at_s: WallTime | None = None
+    drain_s: NonNegFloat | None = None
+    switch_s: NonNegFloat | None = None
+    redirected: NonNegInt = 0
+    composition: str = ""
+    controller: str = ""
+
+
+class CompositionNotice(Message):
+    """The composition under the record ``epoch`` and which workers are schedulable."""
+
+    epoch: NonNegInt
+    composition: str
+    workers: list[EpochWorker]
+    schedulable: list[Id]
+    at_s: WallTime
+
+
+class InspectQuery(Message):
+    """Optional body of ``inspect`` (an empty body means the defaults)."""
+
+    decisions: int = Field(default=20, ge=0, le=10_000, description="recent decisions to list")
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+
+
+def composition_of(record: EpochRecord, lattice: Lattice) -> Composition:
+    """The lattice composition a stored record describes (raises InvalidInput if foreign)."""
+    return Composition(lattice, tuple(w.group for w in record.workers))
+
+
+def epoch_record(
+    protocol_workers: Sequence[Any], epoch: int, now: float, reason: str
+) -> EpochRecord:
+    """An EpochRecord of the protocol's workers (lifecycle as the protocol has it)."""
+    return EpochRecord(
+        epoch=epoch,
+        workers=[
+            EpochWorker(
+                worker_id=w.worker_id,
+                first_gpu=w.group.first_gpu,
+                degree=w.group.degree,
+                lifecycle=w.state,
+            )
+            for w in protocol_workers
+        ],
+        committed_at_s=now,
+        reason=reason[:500],
+    )
+
+
+def replay_report(report: WindowReport, long_len: int) -> list[tuple[float, float, int]]:
+    """A WindowReport as ``(time, predicted_s, input_len)`` assignments for ``core.assigned``:
+    ``requests`` of them at the window's middle, demand spread evenly, ``long_requests`` long.
+    Reproduces D(k), the request count and the long fraction exactly."""
+    n = report.requests
+    if n == 0:
+        return []
+    t = report.window_start_s + report.window_s / 2.0
+    each = report.demand_s / n
+    return [(t, each, long_len if i < report.long_requests else 1) for i in range(n)]
+
+
+def decision_dict(d: Decision) -> dict[str, Any]:
+    return {
+        "window": d.window.index,
+        "window_start_s": d.window.start_s,
+        "demand_s": d.window.demand_s,
+        "requests": d.window.requests,
+        "long_requests": d.window.long_requests,
+        "capacity_s": d.capacity_s,
+        "capacity_signal": d.capacity_signal.value if d.capacity_signal else None,
+        "fraction_signal": d.fraction_signal.value if d.fraction_signal else None,
+        "direction": d.direction.value if d.direction else None,
+        "streak": d.streak,
+        "composition": d.composition,
+        "reason": d.reason,
+        "plan": d.plan.to_dict() if d.plan is not None else None,
+    }
+
+
+# -- the service --------------------------------------------------------------------------------
+
+
+class LostLeadership(VertumnusError):
+    """Our compare-and-set on the epoch record failed: another controller wrote first."""
+
+
+class ControllerService(MicroService):
+    """The live controller. Construct, then ``await run()`` (or ``start(stack)`` in tests)."""
+
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        *,
+        profile: Profile | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.instance = settings.instance_id or f"ctl-{uuid.uuid4().hex[:8]}"
+        validate_token(self.instance, what="controller instance id")
+        super().__init__(
+            settings,
+            name=micro_service_name("controller"),
+            version=VERSION,
+            group=controller_group(settings.subjects),
+            description="vertumnus reconfiguration controller",
+            metadata={"instance": self.instance, "epoch": "0"},
+        )
+        self.csettings = settings
+        self._clock = clock
+        self._last_now = 0.0
+        self.lattice = settings.lattice()
+        self.profile = profile if profile is not None else settings.load_profile()
+        self.config = settings.controller_config()
+        self.core: ControllerCore | None = None
+        self.record: EpochRecord | None = None
+        self.revision: int = 0
+        self._kv: KeyValue | None = None
+        self._lock = asyncio.Lock()
+        # Adapter books: protocol epoch -> record epoch of its commit; per reconfiguration the
+        # drain record epoch and the in-flight ids still awaited per source.
+        self._commit_epoch: dict[int, int] = {}
+        self._drain_epoch: dict[int, int] = {}
+        self._awaiting: dict[int, dict[WorkerId, set[RequestId]]] = {}
+        self._states: dict[str, WorkerState] = {}
+        self._decisions: deque[dict[str, Any]] = deque(maxlen=settings.decisions_kept)
+        self._floor = 0.0  # latest instant fed to the windows (they never go backwards)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.counters: dict[str, int] = {
+            "reports": 0,
+            "assignments": 0,
+            "malformed": 0,
+            "plans": 0,
+            "records_written": 0,
+            "cas_lost": 0,
+            "rebuilt": 0,
+            "followed": 0,
+            "acks": 0,
+            "acks_ignored": 0,
+            "acks_rejected": 0,
+            "finished": 0,
+            "aborted": 0,
+            "exposed": 0,
+            "failed": 0,
+            "recovered": 0,
+            "readmitted": 0,
+            "errors": 0,
+        }
+
+    # -- clock ------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        """Wall clock, never going backwards (the protocol refuses time travel)."""
+        self._last_now = max(self._last_now, self._clock())
+        return self._last_now
+
+    def _window_origin(self) -> float:
+        """Start of the current window on the grid of multiples of H since the Unix epoch
+        (the scheduler replicas' grid), so window k means the same interval everywhere; the
+        windows core refuses to close millions of windows at once, hence not 0."""
+        h = self.config.window_s
+        return math.floor(self.now() / h) * h
+
+    # -- endpoints --------------------------------------------------------------------------
+
+    def endpoints(self) -> Sequence[Endpoint]:
+        return [Endpoint("inspect", self._on_inspect)]
+
+    async def _on_inspect(self, request: Request) -> bytes:
+        query = (
+            decode(InspectQuery, request.data, request.headers)
+            if request.data.strip()
+            else InspectQuery()
+        )
+        return json.dumps(self.inspect(query.decisions)).encode()
+
+    def inspect(self, decisions: int = 20) -> dict[str, Any]:
+        """What ``inspect`` answers (also handy in-process)."""
+        core = self.core
+        body: dict[str, Any] = {
+            "instance": self.instance,
+            "record_epoch": self.record.epoch if self.record else None,
+            "revision": self.revision,
+            "counters": dict(self.counters),
+        }
+        if core is None:
+            return body
+        proto = core.protocol
+        body.update(
+            {
+                "composition": proto.composition.describe(),
+                "protocol_epoch": proto.epoch,
+                "workers": [
+                    {
+                        "worker_id": w.worker_id,
+                        "degree": w.group.degree,
+                        "first_gpu": w.group.first_gpu,
+                        "state": w.state.value,
+                        "epoch": w.epoch,
+                        "reconfiguration": w.reconfiguration,
+                    }
+                    for w in proto.workers()
+                ],
+                "schedulable": list(proto.schedulable()),
+                "in_progress": [proto.reconfiguration(r).to_dict() for r in proto.in_progress()],
+                "reconfigurations": [r.to_dict() for r in proto.history()],
+                "pending_plan": core.pending_plan.to_dict() if core.pending_plan else None,
+                "open_window": {
+                    "index": core.windows.open_index,
+                    "start_s": core.windows.open_start_s,
+                    "demand_s": core.windows.open_demand_s,
+                },
+                "decisions": list(self._decisions)[-decisions:] if decisions else [],
+            }
+        )
+        return body
+
+    # -- setup ------------------------------------------------------------------------------
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        s = self.subjects
+        js = self.nc.jetstream()
+        self._kv = await epoch_kv(js, s)
+        await self._bootstrap()
+        states = await worker_state_kv(js, s, lease_s=self.csettings.lease_s)
+        state_watch = await states.watchall()
+        subs = []
+        if self.csettings.demand_input == "windows":
+            subs.append(await self.nc.subscribe(s.window_demand_all(), cb=self._on_report))
+        else:
+            subs.append(await self.nc.subscribe(cache_stats_all(s), cb=self._on_assignment))
+        subs.append(await self.nc.subscribe(s.epoch_ack_all(), cb=self._on_ack))
+        subs.append(await self.nc.subscribe(s.result_all(), cb=self._on_result))
+        watchers: list[Any] = [state_watch]
+        self._tasks = [
+            asyncio.create_task(self._watch_states(state_watch), name="ctl-states"),
+            asyncio.create_task(self._ticker(), name="ctl-ticker"),
+        ]
+        if self.csettings.follow_record:
+            rec_watch = await self._kv.watch(s.epoch_key())
+            watchers.append(rec_watch)
+            self._tasks.append(
+                asyncio.create_task(self._watch_record(rec_watch), name="ctl-record")
+            )
+
+        async def teardown() -> None:
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            for w in watchers:
+                with contextlib.suppress(Exception):
+                    await w.stop()
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+        stack.push_async_callback(teardown)
+
+    async def _bootstrap(self) -> None:
+        """Resume from the stored record, or write the initial one (create = CAS on absence)."""
+        assert self._kv is not None
+        key = self.subjects.epoch_key()
+        entry = await self._get_record()
+        if entry is None:
+            comp = (
+                Composition.parse(self.lattice, self.csettings.initial_composition)
+                if self.csettings.initial_composition
+                else Composition.uniform(self.lattice, max(self.lattice.degrees))
+            )
+            core = ControllerCore(
+                comp, self.profile, self.config, start_s=self._window_origin(), epoch=0
+            )
+            rec = epoch_record(core.protocol.workers(), 0, self.now(), "initial composition")
+            try:
+                self.revision = await self._kv.create(key, to_json(rec))
+                self.core, self.record = core, rec
+                self._commit_epoch = {0: 0}
+                self.counters["records_written"] += 1
+                self.log.info("initial epoch record written", composition=comp.describe())
+                await self._publish_composition()
+                return
+            except KeyWrongLastSequenceError:
+                entry = await self._get_record()  # another controller created it first
+                if entry is None:
+                    raise
+        record, revision = entry
+        self._rebuild(record, revision)
+
+    async def _readmit_leftovers(self) -> None:
+        """Workers the stored record shows draining, switching or unavailable while our
+        protocol has them active were left so by another controller. Once that record is older
+        than ``drain_timeout_s`` (its writer stopped mid-reconfiguration; a live one rewrites
+        the record at least that often), each is failed and re-admitted through the protocol's
+        recovery path: exposed again only after its ranks acknowledge a fresh epoch (lock
+        held; called from the tick, so acks are subscribed by then)."""
+        core, record = self.core, self.record
+        if core is None or record is None or core.pending_plan or core.protocol.in_progress():
+            return
+        proto = core.protocol
+        leftovers = [
+            w.worker_id
+            for w in record.workers
+            if w.lifecycle is not Lifecycle.ACTIVE
+            and w.worker_id in proto.composition
+            and proto.state(WorkerId(w.worker_id)) is Lifecycle.ACTIVE
+        ]
+        now = self.now()
+        if not leftovers or now - record.committed_at_s < self.csettings.drain_timeout_s:
+            return
+        for wid in leftovers:
+            proto.fail(WorkerId(wid), now)
+            proto.recover(WorkerId(wid), now)
+        self.counters["readmitted"] += len(leftovers)
+        self.log.warning("re-admitting workers left mid-reconfiguration", workers=leftovers)
+        await self._write_readmission(leftovers)
+
+    async def _write_readmission(self, workers: Sequence[str]) -> None:
+        """Record for recovered (switching) workers; remember its epoch for their acks."""
+        assert self.core is not None
+        record = self._next_record(f"re-admit {', '.join(workers)}")
+        try:
+            await self._write(record)
+        except LostLeadership:
+            return
+        proto = self.core.protocol
+        for wid in workers:
+            self._commit_epoch[proto.worker(WorkerId(wid)).epoch] = record.epoch
+
+    async def _get_record(self) -> tuple[EpochRecord, int] | None:
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(self.subjects.epoch_key())
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        if entry.value is None or not entry.value:
+            return None
+        return decode(EpochRecord, entry.value), int(entry.revision or 0)
+
+    def _rebuild(self, record: EpochRecord, revision: int) -> None:
+        """A fresh core from a stored record (start, lost leadership, or following)."""
+        comp = composition_of(record, self.lattice)
+        self.core = ControllerCore(
+            comp,
+            self.profile,
+            self.config,
+            start_s=self._window_origin(),
+            epoch=record.epoch,
+            acknowledged=True,
+        )
+        self.record, self.revision = record, revision
+        self._commit_epoch = {record.epoch: record.epoch}
+        self._drain_epoch.clear()
+        self._awaiting.clear()
+        self._floor = 0.0
+        self.set_metadata(epoch=str(record.epoch), composition=comp.describe())
+        self.log.info(
+            "core built from stored record",
+            epoch=record.epoch,
+            revision=revision,
+            composition=comp.describe(),
+        )
+
+    # -- record writes (compare-and-set) ------------------------------------------------------
+
+    async def _write(self, record: EpochRecord) -> None:
+        """CAS the record on our revision; on loss rebuild from the store and raise."""
+        assert self._kv is not None
+        try:
+            self.revision = await self._kv.update(
+                self.subjects.epoch_key(), to_json(record), last=self.revision
+            )
+        except KeyWrongLastSequenceError:
+            self.counters["cas_lost"] += 1
+            self.log.warning(
+                "lost the epoch compare-and-set: another controller wrote first",
+                attempted_epoch=record.epoch,
+                revision=self.revision,
+            )
+            stored = await self._get_record()
+            if stored is not None:
+                self._rebuild(*stored)
+                self.counters["rebuilt"] += 1
+            raise LostLeadership(f"epoch {record.epoch} was taken by another writer") from None
+        self.record = record
+        self.counters["records_written"] += 1
+        self.set_metadata(epoch=str(record.epoch))
+
+    def _next_record(self, reason: str) -> EpochRecord:
+        assert self.core is not None and self.record is not None
+        return epoch_record(
+            self.core.protocol.workers(), self.record.epoch + 1, self.now(), reason
+        )
+
+    # -- inputs -----------------------------------------------------------------------------
+
+    async def _on_report(self, msg: Msg) -> None:
+        try:
+            report = decode(WindowReport, msg.data, msg.headers)
+        except SchemaError as exc:
+            self.counters["malformed"] += 1
+            self.log.warning("malformed window report ignored", error=str(exc))
+            return
+        self.counters["reports"] += 1
+        for t, s, n in replay_report(report, self.config.long_threshold_tokens):
+            self._assigned(t, s, n, None)
+
+    async def _on_assignment(self, msg: Msg) -> None:
+        try:
+            body = json.loads(msg.data)
+            t, s, n = float(body["at_s"]), float(body["predicted_s"]), int(body["input_len"])
+            degree = int(body["degree"]) if body.get("degree") is not None else None
+        except (ValueError, TypeError, KeyError) as exc:
+            self.counters["malformed"] += 1
+            self.log.warning("malformed request stats ignored", error=repr(exc))
+            return
+        self._assigned(t, s, n, degree)
+
+    def _assigned(self, t: float, s: float, n: int, degree: int | None) -> None:
+        if self.core is None:
+            return
+        try:
+            self.core.assigned(t, s, n, degree)
+        except InvalidInput as exc:
+            self.counters["malformed"] += 1
+            self.log.warning("demand rejected", error=str(exc))
+            return
+        self.counters["assignments"] += 1
+        self._floor = max(self._floor, t)
+
+    async def _watch_states(self, watcher: Any) -> None:
+        async for entry in watcher:
+            if entry is None:
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self._states.pop(entry.key, None)
+                continue
+            try:
+                state = decode(WorkerState, entry.value)
+            except SchemaError as exc:
+                self.counters["malformed"] += 1
+                self.log.warning("bad worker state ignored", key=entry.key, error=str(exc))
+                continue
+            self._states[state.worker_id] = state
+            await self._state_drained(state)
+            await self._maybe_recover(state)
+
+    async def _state_drained(self, state: WorkerState) -> None:
+        """A draining source whose state (under the drain record) shows nothing left."""
+        if state.lifecycle is Lifecycle.ACTIVE or state.queue_len > 0:
+            return
+        async with self._lock:
+            for rid, per_worker in list(self._awaiting.items()):
+                left = per_worker.get(WorkerId(state.worker_id))
+                if not left or state.epoch < self._drain_epoch.get(rid, 0):
+                    continue
+                for req in list(left):
+                    await self._finished(WorkerId(state.worker_id), req)
+
+    async def _maybe_recover(self, state: WorkerState) -> None:
+        """A failed worker heartbeats again: re-admit it under a fresh epoch."""
+        if self.now() - state.heartbeat_s > self.csettings.lease_s:
+            return
+        async with self._lock:
+            core = self.core
+            wid = WorkerId(state.worker_id)
+            if core is None or wid not in core.protocol.composition:
+                return
+            if core.protocol.state(wid) is not Lifecycle.UNAVAILABLE:
+                return
+            core.protocol.recover(wid, self.now())
+            self.counters["recovered"] += 1
+            self.log.info("worker re-admitted", worker=wid)
+            await self._write_readmission([wid])
+
+    async def _check_leases(self) -> None:
+        """Workers whose last state is older than the lease fail (lock held). A worker that
+        never published a state is not judged (it may not run a state publisher)."""
+        core = self.core
+        assert core is not None
+        proto = core.protocol
+        now = self.now()
+        failed: list[str] = []
+        for w in proto.workers():
+            st = self._states.get(w.worker_id)
+            if st is None or w.state is Lifecycle.UNAVAILABLE:
+                continue
+            if now - st.heartbeat_s <= self.csettings.lease_s:
+                continue
+            res = proto.fail(w.worker_id, now)
+            failed.append(w.worker_id)
+            self.counters["failed"] += 1
+            self.log.warning("worker lease expired", worker=w.worker_id)
+            if res.aborted is not None:
+                self._awaiting.pop(res.aborted, None)
+                self.counters["aborted"] += 1
+                await self._publish_reconf(proto.reconfiguration(res.aborted))
+            if res.ready is not None:
+                await self._publish_reconf(proto.reconfiguration(res.ready))
+                await self._expose(res.ready)
+        if failed:
+            try:
+                await self._write(self._next_record(f"lease expired: {', '.join(failed)}"))
+            except LostLeadership:
+                return
+
+    async def _write_activation(self, workers: Sequence[str]) -> None:
+        """Recovered workers whose ranks all acked are active: record it (lock held)."""
+        try:
+            await self._write(self._next_record(f"activate {', '.join(workers)}"))
+        except LostLeadership:
+            return
+        await self._publish_composition()
+
+    async def _on_result(self, msg: Msg) -> None:
+        if not self._awaiting:
+            return
+        try:
+            result = decode(FirstToken, msg.data, msg.headers)
+        except SchemaError:
+            return  # not ours to judge: the gateway reports malformed results
+        if result.worker_id is None:
+            return
+        async with self._lock:
+            await self._finished(WorkerId(result.worker_id), RequestId(result.request_id))
+
+    async def _finished(self, worker: WorkerId, request: RequestId) -> None:
+        """protocol.finished + commit when the reconfiguration drained (lock held)."""
+        assert self.core is not None
+        for per_worker in list(self._awaiting.values()):
+            left = per_worker.get(worker)
+            if left is None or request not in left:
+                continue
+            left.discard(request)
+            self.counters["finished"] += 1
+            try:
+                progress = self.core.protocol.finished(worker, request, self.now())
+            except VertumnusError as exc:
+                self.log.warning("finished event rejected", worker=worker, error=str(exc))
+                return
+            if progress.drained_reconfiguration is not None:
+                await self._commit(progress.drained_reconfiguration)
+            return
+
+    async def _on_ack(self, msg: Msg) -> None:
+        try:
+            ack = decode(EpochAck, msg.data, msg.headers)
+        except SchemaError as exc:
+            self.counters["malformed"] += 1
+            self.log.warning("malformed epoch ack ignored", error=str(exc))
+            return
+        async with self._lock:
+            await self._ack(ack)
+
+    async def _ack(self, ack: EpochAck) -> None:
+        core = self.core
+        if core is None:
+            return
+        proto = core.protocol
+        try:
+            wid = proto.worker_of_gpu(ack.gpu)
+        except InvalidInput:
+            self.counters["acks_ignored"] += 1
+            return
+        w = proto.worker(wid)
+        # Ranks acknowledge every record they adopt; only the commit record of a target that
+        # is still switching under a reconfiguration counts.
+        if (
+            w.state is not Lifecycle.SWITCHING
+            or wid != ack.worker_id
+            or self._commit_epoch.get(w.epoch) != ack.epoch
+        ):
+            self.counters["acks_ignored"] += 1
+            return
+        try:
+            res = proto.ack(ack.gpu, w.epoch, ack.degree)
+        except (EpochMismatch, InvalidInput, IllegalTransition) as exc:
+            self.counters["acks_rejected"] += 1
+            self.log.warning("epoch ack rejected", gpu=ack.gpu, error=str(exc))
+            return
+        self.counters["acks"] += 1
+        if res.activated:
+            await self._write_activation(res.activated)
+        if res.ready is not None:
+            await self._publish_reconf(proto.reconfiguration(res.ready))
+            await self._expose(res.ready)
+
+    # -- the tick and the plan ----------------------------------------------------------------
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.csettings.tick_s)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.counters["errors"] += 1
+                self.log.exception("controller tick failed")
+
+    async def tick(self) -> list[Decision]:
+        """Close and decide the windows that ended; carry out a plan; abort stuck drains."""
+        async with self._lock:
+            core = self.core
+            if core is None:
+                return []
+            t = max(self.now() - self.csettings.report_grace_s, self._floor)
+            drain = {
+                WorkerId(w): st.outstanding_s
+                for w, st in self._states.items()
+                if w in core.protocol.composition
+            }
+            decisions = core.tick(t, drain_s=drain)
+            for d in decisions:
+                self._decisions.append(decision_dict(d))
+                if d.plan is not None:
+                    self.log.info("window decided", **decision_dict(d))
+                else:
+                    self.log.debug("window decided", **decision_dict(d))
+            plan = core.pending_plan
+            if plan is not None:
+                await self._carry_out(plan)
+            await self._abort_stuck()
+            if self.core is core:  # not rebuilt by a lost compare-and-set above
+                await self._check_leases()
+            if self.core is core:
+                await self._readmit_leftovers()
+            return decisions
+
+    async def _carry_out(self, plan: Plan) -> None:
+        """Steps 1-2 of the module doc (lock held)."""
+        core = self.core
+        assert core is not None
+        self.counters["plans"] += 1
+        queued: dict[WorkerId, list[RequestId]] = {}
+        in_flight: dict[WorkerId, set[RequestId]] = {}
+        for wid in plan.source_ids:
+            q, f = await self._queues(wid)
+            queued[wid], in_flight[wid] = q, f
+        try:
+            res = core.start(plan, self.now(), queued=queued, in_flight=in_flight)
+        except VertumnusError as exc:
+            self.log.warning("plan could not start", error=str(exc), plan=plan.to_dict())
+            with contextlib.suppress(InvalidInput):
+                core.discard_plan()
+            return
+        rid = res.reconfiguration
+        record = self._next_record(f"drain: {plan.reason}")
+        try:
+            await self._write(record)
+        except LostLeadership:
+            return  # core rebuilt from the winner's record; nothing of ours was published
+        self._drain_epoch[rid] = record.epoch
+        self._awaiting[rid] = {w: set(f) for w, f in in_flight.items() if f}
+        recon = core.protocol.reconfiguration(rid)
+        notice = DrainNotice(
+            reconfiguration=rid,
+            kind=plan.kind.value,
+            epoch=record.epoch,
+            sources=list(plan.source_ids),
+            targets=list(plan.target_ids),
+            redirected=[
+                RedirectedRequest(worker_id=w, request_id=r) for w, r in res.redirected
+            ],
+            in_flight={w: len(f) for w, f in in_flight.items()},
+            reason=plan.reason,
+            issued_at_s=self.now(),
+        )
+        await self._publish(drain_subject(self.subjects), notice)
+        await self._publish_reconf(recon)
+        self.log.info("reconfiguration started", **recon.to_dict())
+        if res.drained:
+            await self._commit(rid)
+
+    async def _queues(self, wid: WorkerId) -> tuple[list[RequestId], set[RequestId]]:
+        """A source's queued and in-flight ids: asked, else judged from its WorkerState."""
+        try:
+            rep = await call(
+                self.nc,
+                worker_queue_subject(self.subjects, wid),
+                QueueQuery(worker_id=wid),
+                QueueReport,
+                timeout_s=self.csettings.queue_query_timeout_s,
+            )
+            return [RequestId(r) for r in rep.queued], {RequestId(r) for r in rep.in_flight}
+        except (
+            nats.errors.NoRespondersError,
+            nats.errors.TimeoutError,
+            TimeoutError,
+            RemoteError,
+            SchemaError,
+        ) as exc:
+            self.log.info("queue query unanswered; using worker state", worker=wid, error=repr(exc))
+        state = self._states.get(wid)
+        busy = state is not None and state.queue_len > 0
+        return [], ({RequestId(INFLIGHT_MARKER)} if busy else set())
+
+    async def _commit(self, rid: int) -> None:
+        """Step 3: every source drained → commit record (lock held)."""
+        core = self.core
+        assert core is not None
+        self._awaiting.pop(rid, None)
+        await self._publish_reconf(core.protocol.reconfiguration(rid))
+        control: ControlRecord = core.protocol.switch_started(rid, self.now())
+        record = self._next_record(f"commit reconfiguration {rid}")
+        try:
+            await self._write(record)
+        except LostLeadership:
+            return
+        self._commit_epoch[control.epoch] = record.epoch
+        recon = core.protocol.reconfiguration(rid)
+        await self._publish_reconf(recon)
+        self.log.info("epoch committed", record_epoch=record.epoch, **recon.to_dict())
+
+    async def _expose(self, rid: int) -> None:
+        """Step 5: all ranks acknowledged → exposure record, then protocol.exposed."""
+        core = self.core
+        assert core is not None
+        proto = core.protocol
+        recon = proto.reconfiguration(rid)
+        targets = {g.worker_id for g in recon.targets}
+        now = self.now()
+        # The record shows the targets as the protocol will have them after `exposed`.
+        record = EpochRecord(
+            epoch=self.record.epoch + 1 if self.record else 0,
+            workers=[
+                EpochWorker(
+                    worker_id=w.worker_id,
+                    first_gpu=w.group.first_gpu,
+                    degree=w.group.degree,
+                    lifecycle=Lifecycle.ACTIVE
+                    if w.worker_id in targets and w.reconfiguration == rid
+                    else w.state,
+                )
+                for w in proto.workers()
+            ],
+            committed_at_s=now,
+            reason=f"expose reconfiguration {rid}",
+        )
+        try:
+            await self._write(record)
+        except LostLeadership:
+            return
+        done = proto.exposed(rid, self.now())
+        self.counters["exposed"] += 1
+        await self._publish_reconf(done)
+        await self._publish_composition()
+        self.log.info("reconfiguration exposed", **done.to_dict())
+
+    async def _abort_stuck(self) -> None:
+        core = self.core
+        assert core is not None
+        proto = core.protocol
+        now = self.now()
+        for rid in proto.in_progress():
+            r = proto.reconfiguration(rid)
+            if r.phase is not Phase.DRAINING or now - r.started_at < self.csettings.drain_timeout_s:
+                continue
+            aborted = proto.abort(rid, now)
+            self._awaiting.pop(rid, None)
+            self.counters["aborted"] += 1
+            try:
+                await self._write(self._next_record(f"abort reconfiguration {rid}: drain timeout"))
+            except LostLeadership:
+                return
+            await self._publish_reconf(aborted)
+            self.log.warning("reconfiguration aborted: drain timeout", **aborted.to_dict())
+
+    async def _watch_record(self, watcher: Any) -> None:
+        """Follow records written by another controller while we have nothing in flight."""
+        async for entry in watcher:
+            if entry is None or not entry.value:
+                continue
+            rev = int(entry.revision or 0)
+            if rev <= self.revision:
+                continue
+            async with self._lock:
+                if rev <= self.revision:  # our own write, seen after the CAS returned
+                    continue
+                core = self.core
+                if core is not None and (core.pending_plan or core.protocol.in_progress()):
+                    continue  # our next write will fail and rebuild from the store
+                try:
+                    record = decode(EpochRecord, entry.value)
+                    self._rebuild(record, rev)
+                except (SchemaError, InvalidInput) as exc:
+                    self.log.error("foreign epoch record not adoptable", error=str(exc))
+                    continue
+                self.counters["followed"] += 1
+
+    # -- publications ---------------------------------------------------------------------------
+
+    async def _publish(self, subject: str, msg: Message) -> None:
+        data, headers = encode(msg)
+        try:
+            await self.nc.publish(subject, data, headers=headers)
+        except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
+            self.log.warning("publish failed", subject=subject, error=str(exc))
+
+    async def _publish_reconf(self, r: Reconfiguration) -> None:
+        assert self.core is not None
+        await self._publish(
+            reconf_subject(self.subjects),
+            ReconfigurationEvent(
+                reconfiguration=r.id,
+                kind=r.kind.value,
+                phase=r.phase.value,
+                sources=[g.worker_id for g in r.sources],
+                targets=[g.worker_id for g in r.targets],
+                epoch=self._commit_epoch.get(r.epoch) if r.epoch is not None else None,
+                started_at_s=r.started_at,
+                drained_at_s=r.drained_at,
+                switch_started_at_s=r.switch_started_at,
+                exposed_at_s=r.exposed_at,
+                aborted_at_s=r.aborted_at,
+                drain_s=r.drain_s,
+                switch_s=r.switch_s,
+                redirected=r.redirected,
+                composition=self.core.protocol.composition.describe(),
+                controller=self.instance,
+            ),
+        )
+
+    async def _publish_composition(self) -> None:
+        assert self.core is not None and self.record is not None
+        proto = self.core.protocol
+        await self._publish(
+            composition_subject(self.subjects),
+            CompositionNotice(
+                epoch=self.record.epoch,
+                composition=proto.composition.describe(),
+                workers=list(self.record.workers),
+                schedulable=list(proto.schedulable()),
+                at_s=self.now(),
+            ),
+        )
+
+
+def _group(worker_id: str) -> GpuGroup:  # pragma: no cover - convenience for tools
+    return GpuGroup.from_worker_id(worker_id)
+
+
+__all__ = [
+    "CompositionNotice",
+    "ControllerService",
+    "ControllerSettings",
+    "DrainNotice",
+    "InspectQuery",
+    "LostLeadership",
+    "QueueQuery",
+    "QueueReport",
+    "ReconfigurationEvent",
+    "RedirectedRequest",
+    "composition_of",
+    "composition_subject",
+    "controller_group",
+    "drain_subject",
+    "epoch_record",
+    "reconf_subject",
+    "replay_report",
+    "worker_queue_subject",
+]

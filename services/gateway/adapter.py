@@ -1,0 +1,406 @@
+"""The gateway's NATS side: a completion in, an IntakeRequest on the durable intake, the
+first token back.
+
+:class:`GatewayService` is micro service ``vtm-gateway`` (endpoint ``completions`` on
+``{prefix}.gateway.completions``: a CompletionRequest JSON in, a FirstToken out) and, when an
+HTTP port is configured, also runs the HTTP API of :mod:`services.gateway.app` in the same
+process and event loop.
+
+One completion (:meth:`GatewayService.complete`):
+
+1. validate and enforce limits (:func:`check_limits`; a typed :class:`GatewayError` carries the
+   HTTP status it maps to: 400 malformed, 413 too large, 422 semantically impossible, 503 no
+   NATS / intake, 504 no first token in time, 502 the worker failed);
+2. compute the chained hashes of the prompt's *full* blocks (``chain_hashes``, shared with
+   rankd, so equal hash ⇔ equal prefix across the system);
+3. open the root span ``request`` and subscribe to ``{prefix}.result.{rid}`` *before*
+   publishing, so the result cannot be missed;
+4. publish the IntakeRequest to the JetStream work queue with ``Nats-Msg-Id`` = request id
+   (a client retry with the same ``request_id`` is de-duplicated by the stream) and the trace
+   context in the headers (and in the message, for rankd's redirects);
+5. wait for the FirstToken; answer with the token, the TTFT measured here (received → first
+   token here) and the worker's stage breakdown.
+
+No scheduling happens here; the gateway does not know the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Final
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError, NoStreamResponseError
+from nats.js.kv import KeyValue
+from nats.micro.request import Request, ServiceError
+from opentelemetry import trace
+
+from services.gateway.settings import GatewaySettings
+from services.rankd.engine.blockhash import chain_hashes
+from shared.logging import bind_request
+from shared.schemas import (
+    CompletionRequest,
+    FirstToken,
+    IntakeRequest,
+    SchemaError,
+    TtftStages,
+    WorkerState,
+    decode,
+    encode,
+    from_json,
+)
+from shared.service import Endpoint, MicroService, ensure_intake_stream, worker_state_kv
+from shared.subjects import micro_service_name, validate_subject
+from shared.telemetry import Stage, inject, tracer
+
+VERSION: Final[str] = "0.1.0"
+MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
+INT32_MAX: Final[int] = (1 << 31) - 1
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class GatewayError(Exception):
+    """An expected failure of one completion; ``status`` is its HTTP status (and micro code)."""
+
+    status: int = 400
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+    def to_service_error(self) -> ServiceError:
+        return ServiceError(code=str(self.status), description=" ".join(self.message.split()))
+
+
+class BadRequest(GatewayError):
+    status = 400
+
+
+class TooLarge(GatewayError):
+    status = 413
+
+
+class Unprocessable(GatewayError):
+    status = 422
+
+
+class WorkerFailed(GatewayError):
+    status = 502
+
+
+class Unavailable(GatewayError):
+    status = 503
+
+
+class FirstTokenTimeout(GatewayError):
+    status = 504
+
+
+# -- pure helpers -----------------------------------------------------------------------------
+
+
+def schema_message(exc: SchemaError) -> str:
+    """A client-facing message for a decoding error: the field and pydantic's reason."""
+    if exc.field == "<payload>":
+        return f"request body is not valid JSON: {exc.reason}"
+    if exc.field == "<model>":
+        return exc.reason.removeprefix("Value error, ")
+    return f"field {exc.field!r}: {exc.reason}"
+
+
+def check_limits(tokens: Sequence[int], max_tokens: int, settings: GatewaySettings) -> None:
+    """Size and semantic limits of one prompt (raises TooLarge / Unprocessable)."""
+    n = len(tokens)
+    if n > settings.max_prompt_tokens:
+        raise TooLarge(f"prompt has {n} tokens; this gateway accepts at most "
+                       f"{settings.max_prompt_tokens} (max_prompt_tokens)")
+    if n + max_tokens > settings.max_seq_len:
+        raise Unprocessable(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
+                            f"{n + max_tokens} exceeds the maximum sequence length "
+                            f"{settings.max_seq_len}")
+    limit = settings.vocab_size if settings.vocab_size is not None else INT32_MAX + 1
+    for i, t in enumerate(tokens):
+        if t >= limit:
+            raise Unprocessable(f"prompt token {i} has id {t}, outside the vocabulary "
+                                f"[0, {limit})")
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One answered completion: the worker's result and what the gateway measured."""
+
+    request_id: str
+    result: FirstToken
+    input_len: int
+    max_tokens: int
+    ttft_s: float
+    duplicate: bool
+    trace_id: str | None
+    text: str | None = None
+
+    def stages(self) -> TtftStages:
+        """The worker's stage breakdown with ``total_s`` = TTFT measured at the gateway."""
+        return self.result.stages.model_copy(update={"total_s": self.ttft_s})
+
+
+def new_request_id() -> str:
+    return "r" + uuid.uuid4().hex
+
+
+# -- the service --------------------------------------------------------------------------------
+
+
+class GatewayService(MicroService):
+    """The gateway process. Construct, then ``await run()`` (or ``start(stack)`` in tests)."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        super().__init__(
+            settings,
+            name=micro_service_name("gateway"),
+            version=VERSION,
+            group=validate_subject(f"{settings.subjects.prefix}.gateway"),
+            description="vertumnus gateway (HTTP + NATS completions → intake)",
+            metadata={"block_size": str(settings.block_size)},
+        )
+        self.gsettings = settings
+        self._js: JetStreamContext | None = None
+        self._states: KeyValue | None = None
+        self._http: Any = None
+        self._tokenizer: Any = None
+        if settings.tokenizer_path is not None:
+            try:
+                from tokenizers import Tokenizer  # engine extra; only when configured
+            except ImportError as exc:  # pragma: no cover - depends on installed extras
+                raise InvalidConfig("tokenizer_path is set but the `tokenizers` package is "
+                                    "not installed (pip install 'vertumnus[engine]')") from exc
+            self._tokenizer = Tokenizer.from_file(str(settings.tokenizer_path))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def endpoints(self) -> Sequence[Endpoint]:
+        # "completions" in group "{prefix}.gateway" is subjects.gateway_completions().
+        return [Endpoint("completions", self._on_completion)]
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        self._js = self.nc.jetstream()
+        await ensure_intake_stream(self._js, self.subjects)
+        self._states = await worker_state_kv(self._js, self.subjects)
+        if self.gsettings.http_port is not None:
+            from services.gateway.app import make_http_server
+
+            self._http = make_http_server(self)
+            await self._http.start()
+            stack.push_async_callback(self._http.close)
+            self.set_metadata(http=self._http.url)
+            self.log.info("http listening", url=self._http.url)
+
+    @property
+    def http_port(self) -> int:
+        if self._http is None:
+            raise RuntimeError("HTTP server is not running")
+        return int(self._http.port)
+
+    @property
+    def http_url(self) -> str:
+        if self._http is None:
+            raise RuntimeError("HTTP server is not running")
+        return str(self._http.url)
+
+    @property
+    def nats_connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    # -- NATS endpoint --------------------------------------------------------------------------
+
+    async def _on_completion(self, request: Request) -> FirstToken:
+        try:
+            body = decode(CompletionRequest, request.data, request.headers)
+        except SchemaError as exc:
+            raise BadRequest(schema_message(exc)).to_service_error() from exc
+        try:
+            done = await self.complete(body)
+        except GatewayError as exc:
+            raise exc.to_service_error() from exc
+        return done.result.model_copy(update={"stages": done.stages()})
+
+    # -- one completion ---------------------------------------------------------------------
+
+    def tokenize(self, body: CompletionRequest) -> list[int]:
+        if body.prompt_tokens is not None:
+            return list(body.prompt_tokens)
+        if self._tokenizer is None:
+            raise Unprocessable("a text prompt needs a tokenizer and none is configured "
+                                "(VTM_TOKENIZER_PATH); send the prompt as a list of token ids")
+        assert body.prompt is not None
+        ids = list(self._tokenizer.encode(body.prompt).ids)
+        if not ids:
+            raise Unprocessable("the prompt tokenizes to zero tokens")
+        return ids
+
+    def detokenize(self, token: int | None) -> str | None:
+        if token is None or self._tokenizer is None:
+            return None
+        return str(self._tokenizer.decode([token]))
+
+    async def complete(self, body: CompletionRequest, *, arrival_s: float | None = None,
+                       http: bool = False) -> Completion:
+        """Run one completion to its first token (see the module docstring)."""
+        arrival = arrival_s if arrival_s is not None else time.time()
+        if body.stream:
+            raise BadRequest("stream=true is not supported yet (no server-sent events); "
+                             "send stream=false")
+        tokens = self.tokenize(body)
+        check_limits(tokens, body.max_tokens, self.gsettings)
+        rid = body.request_id or new_request_id()
+        hashes = chain_hashes(tokens, self.gsettings.block_size)
+        attrs = {"vtm.request_id": rid, "vtm.input_len": len(tokens),
+                 "vtm.full_blocks": len(hashes), "vtm.max_tokens": body.max_tokens,
+                 "vtm.entry": "http" if http else "nats"}
+        with tracer().start_as_current_span(
+            str(Stage.REQUEST), kind=trace.SpanKind.SERVER, attributes=attrs,
+            start_time=int(arrival * 1e9),
+        ) as span, bind_request(rid):
+            try:
+                done = await self._publish_and_wait(rid, tokens, hashes, body, arrival)
+            except GatewayError as exc:
+                span.set_attribute("vtm.error_code", exc.status)
+                if exc.status >= 500:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+                raise
+            span.set_attribute("vtm.ttft_s", done.ttft_s)
+            if done.result.worker_id:
+                span.set_attribute("vtm.worker_id", done.result.worker_id)
+            return done
+
+    async def _publish_and_wait(self, rid: str, tokens: list[int], hashes: list[int],
+                                body: CompletionRequest, arrival: float) -> Completion:
+        if not self.nats_connected or self._js is None:
+            raise Unavailable("not connected to NATS; try again later")
+        carrier = inject({})
+        intake = IntakeRequest(
+            request_id=rid, input_len=len(tokens),
+            tokens=tokens if self.gsettings.forward_tokens else None,
+            block_hashes=hashes, block_size=self.gsettings.block_size,
+            max_tokens=body.max_tokens, arrival_s=arrival, trace_context=carrier,
+        )
+        data, headers = encode(intake)
+        headers[MSG_ID_HEADER] = rid
+        headers.update(carrier)
+        if len(data) > self.nc.max_payload:
+            raise TooLarge(f"intake message of {len(data)} bytes exceeds the NATS server's "
+                           f"max_payload of {self.nc.max_payload} bytes; send a shorter prompt "
+                           "(or run the gateway with forward_tokens=false)")
+        got: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+
+        async def on_result(msg: Msg) -> None:
+            if not got.done():
+                got.set_result(msg)
+
+        try:
+            sub = await self.nc.subscribe(self.subjects.result(rid), cb=on_result)
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                nats.errors.ConnectionDrainingError) as exc:
+            raise Unavailable(f"NATS unavailable: {type(exc).__name__}") from exc
+        try:
+            try:
+                ack = await self._js.publish(self.subjects.intake_requests(), data,
+                                             headers=headers,
+                                             timeout=self.gsettings.publish_timeout_s)
+            except (nats.errors.NoRespondersError, NoStreamResponseError,
+                    nats.errors.TimeoutError, TimeoutError, nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError,
+                    nats.errors.ConnectionDrainingError) as exc:
+                raise Unavailable(f"intake stream unavailable: {type(exc).__name__}") from exc
+            duplicate = bool(ack.duplicate)
+            if duplicate:
+                self.log.info("duplicate request id; waiting for the original's result")
+            try:
+                async with asyncio.timeout(self.gsettings.result_timeout_s):
+                    msg = await got
+            except TimeoutError:
+                raise FirstTokenTimeout(
+                    f"no first token for request {rid} within "
+                    f"{self.gsettings.result_timeout_s} s"
+                    + (" (a duplicate of an earlier request id whose result was already "
+                       "delivered?)" if duplicate else "")) from None
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        received = time.time()
+        try:
+            result = decode(FirstToken, msg.data, msg.headers)
+        except SchemaError as exc:
+            raise WorkerFailed(f"malformed first-token result: {schema_message(exc)}") from exc
+        if result.error is not None:
+            if result.error.startswith("not scheduled"):
+                raise Unavailable(result.error)
+            raise WorkerFailed(f"request {rid} failed: {result.error}")
+        return Completion(
+            request_id=rid, result=result, input_len=len(tokens), max_tokens=body.max_tokens,
+            ttft_s=max(0.0, received - arrival), duplicate=duplicate,
+            trace_id=format(trace.get_current_span().get_span_context().trace_id, "032x"),
+            text=self.detokenize(result.token),
+        )
+
+    # -- workers ------------------------------------------------------------------------------
+
+    async def worker_states(self) -> list[WorkerState]:
+        """Every worker's state from the worker-state KV bucket (sorted by id)."""
+        if not self.nats_connected or self._states is None:
+            raise Unavailable("not connected to NATS; try again later")
+        try:
+            keys = await self._states.keys()
+        except NoKeysError:
+            return []
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
+            raise Unavailable("worker-state bucket did not answer") from exc
+        out: list[WorkerState] = []
+        for key in sorted(keys):
+            try:
+                entry = await self._states.get(key)
+            except (KeyNotFoundError, KeyDeletedError):
+                continue
+            if not entry.value:
+                continue
+            try:
+                out.append(from_json(WorkerState, entry.value))
+            except SchemaError as exc:
+                self.log.warning("bad worker state skipped", key=key, error=str(exc))
+        return out
+
+
+class InvalidConfig(ValueError):
+    """The gateway's settings cannot work (e.g. a tokenizer without its package)."""
+
+
+__all__ = [
+    "BadRequest",
+    "Completion",
+    "FirstTokenTimeout",
+    "GatewayError",
+    "GatewayService",
+    "InvalidConfig",
+    "TooLarge",
+    "Unavailable",
+    "Unprocessable",
+    "WorkerFailed",
+    "check_limits",
+    "new_request_id",
+    "schema_message",
+]

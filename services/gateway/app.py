@@ -1,0 +1,205 @@
+"""The gateway's HTTP API (OpenAI-style), routed onto :class:`GatewayService`.
+
+=========================  ==================================================================
+``POST /v1/completions``   body ``{"prompt": [token ids] | "text", "max_tokens": n,
+                           "stream": false, "model": ..., "request_id": ...}`` (``prompt_tokens``
+                           is accepted as well); answers the *first* token (this is the
+                           prefill pool's gateway) with the TTFT measured here and its stage
+                           breakdown under ``"vtm"``. Other OpenAI sampling fields are accepted
+                           and ignored.
+``GET /health``            200 ``{"status": "ok"}`` while connected to NATS, else 503
+``GET /v1/workers``        every worker's degree, epoch, lifecycle, queue and hit rate from the
+                           worker-state KV bucket
+=========================  ==================================================================
+
+Errors are OpenAI-style ``{"error": {"message", "type", "code"}}`` with: 400 malformed JSON or
+fields (and ``stream: true``), 404 unknown path, 405 wrong method, 411 chunked body, 413 body
+or prompt too large, 422 semantically impossible (too long with ``max_tokens``, token id out of
+range, text without a tokenizer), 431 head too large, 503 no NATS, 504 no first token in time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Final
+
+from pydantic import ValidationError
+
+from services.gateway.adapter import BadRequest, Completion, GatewayError, GatewayService
+from services.gateway.httpserver import HttpRequest, HttpResponse, HttpServer, error_response
+from shared.schemas import CompletionRequest
+
+# OpenAI completion fields we accept and ignore (sampling does not matter for the first token
+# of a prefill pool); anything else is a 400 so typos do not pass silently.
+IGNORED_FIELDS: Final[frozenset[str]] = frozenset({
+    "model", "temperature", "top_p", "n", "stop", "user", "seed", "logprobs", "echo",
+    "presence_penalty", "frequency_penalty", "best_of", "logit_bias", "suffix",
+    "stream_options",
+})
+ACCEPTED_FIELDS: Final[frozenset[str]] = frozenset(
+    {"prompt", "prompt_tokens", "max_tokens", "stream", "request_id"}
+)
+
+
+def parse_completion_body(raw: bytes) -> tuple[CompletionRequest, str | None]:
+    """The CompletionRequest and model name of an HTTP body (raises BadRequest)."""
+    try:
+        obj = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object")
+    unknown = sorted(set(obj) - ACCEPTED_FIELDS - IGNORED_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}")
+    if obj.get("n", 1) != 1:
+        raise BadRequest("only n=1 is supported")
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("field 'model' must be a string")
+    fields: dict[str, Any] = {k: obj[k] for k in ACCEPTED_FIELDS if k in obj}
+    prompt = fields.pop("prompt", None)
+    if prompt is not None:
+        if "prompt_tokens" in fields:
+            raise BadRequest("give either prompt or prompt_tokens, not both")
+        if isinstance(prompt, list):
+            # OpenAI allows [[ids], ...] for a batch; we serve one prompt per request.
+            if prompt and all(isinstance(p, list) for p in prompt):
+                if len(prompt) != 1:
+                    raise BadRequest("one prompt per request (got a batch of "
+                                     f"{len(prompt)})")
+                prompt = prompt[0]
+            fields["prompt_tokens"] = prompt
+        else:
+            fields["prompt"] = prompt
+    if "prompt" not in fields and "prompt_tokens" not in fields:
+        raise BadRequest("field 'prompt' is required (a list of token ids, or text when the "
+                         "gateway has a tokenizer)")
+    for key in ("max_tokens",):
+        if isinstance(fields.get(key), bool):
+            raise BadRequest(f"field {key!r} must be an integer")
+    try:
+        return CompletionRequest.model_validate(fields, strict=False), model
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if loc == "prompt_tokens" or loc.startswith("prompt_tokens."):
+            loc = "prompt" + loc.removeprefix("prompt_tokens")
+        raise BadRequest(f"field {loc!r}: {msg}" if loc != "body" else msg) from None
+
+
+def completion_json(done: Completion, model: str) -> dict[str, Any]:
+    """OpenAI-style completion object with the first token and the TTFT breakdown."""
+    r = done.result
+    return {
+        "id": f"cmpl-{done.request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": done.text if done.text is not None else "",
+                "token_ids": [r.token],
+                "logprobs": None,
+                # Only the first token is produced here (the decode pool streams the rest).
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": done.input_len,
+            "completion_tokens": 1,
+            "total_tokens": done.input_len + 1,
+        },
+        "vtm": {
+            "request_id": done.request_id,
+            "ttft_s": done.ttft_s,
+            "stages": done.stages().model_dump(exclude={"schema_version"}),
+            "worker_id": r.worker_id,
+            "epoch": r.epoch,
+            "predicted_prefill_s": r.predicted_prefill_s,
+            "duplicate": done.duplicate,
+            "trace_id": done.trace_id,
+        },
+    }
+
+
+class GatewayApp:
+    """Routes of the HTTP API."""
+
+    def __init__(self, service: GatewayService) -> None:
+        self.service = service
+
+    async def __call__(self, req: HttpRequest) -> HttpResponse:
+        arrival = time.time()
+        route = {
+            "/v1/completions": ("POST", self.completions),
+            "/health": ("GET", self.health),
+            "/v1/workers": ("GET", self.workers),
+        }.get(req.path.rstrip("/") or "/")
+        if route is None:
+            return error_response(404, f"no route {req.path}")
+        method, handler = route
+        if req.method != method:
+            return HttpResponse.json(405, {"error": {
+                "message": f"{req.path} accepts {method} only", "type": "method_not_allowed",
+                "code": 405}}, {"Allow": method})
+        try:
+            return await handler(req, arrival)
+        except GatewayError as exc:
+            return error_response(exc.status, exc.message)
+
+    async def completions(self, req: HttpRequest, arrival: float) -> HttpResponse:
+        ctype = req.headers.get("content-type", "application/json").split(";")[0].strip()
+        if ctype not in ("application/json", ""):
+            raise BadRequest(f"Content-Type must be application/json, got {ctype!r}")
+        body, model = parse_completion_body(req.body)
+        done = await self.service.complete(body, arrival_s=arrival, http=True)
+        return HttpResponse.json(
+            200, completion_json(done, model or self.service.gsettings.model_name),
+            {"X-Request-Id": done.request_id},
+        )
+
+    async def health(self, req: HttpRequest, arrival: float) -> HttpResponse:
+        ok = self.service.nats_connected
+        return HttpResponse.json(200 if ok else 503, {
+            "status": "ok" if ok else "unavailable",
+            "nats": "connected" if ok else "disconnected",
+            "service": self.service.name,
+            "version": self.service.version,
+        })
+
+    async def workers(self, req: HttpRequest, arrival: float) -> HttpResponse:
+        now = time.time()
+        states = await self.service.worker_states()
+        return HttpResponse.json(200, {"workers": [
+            {
+                "worker_id": s.worker_id,
+                "kind": str(s.kind),
+                "degree": s.degree,
+                "gpus": s.gpus,
+                "epoch": s.epoch,
+                "lifecycle": str(s.lifecycle),
+                "queue_len": s.queue_len,
+                "outstanding_s": s.outstanding_s,
+                "hit_rate": (s.hit_tokens / s.input_tokens) if s.input_tokens else None,
+                "served": s.served,
+                "kv_free_blocks": s.kv_free_blocks,
+                "kv_total_blocks": s.kv_total_blocks,
+                "heartbeat_age_s": max(0.0, now - s.heartbeat_s),
+            }
+            for s in states
+        ]})
+
+
+def make_http_server(service: GatewayService) -> HttpServer:
+    st = service.gsettings
+    return HttpServer(
+        GatewayApp(service),
+        host=st.http_host,
+        port=st.http_port or 0,
+        max_body_bytes=st.max_body_bytes,
+        max_header_bytes=st.max_header_bytes,
+    )

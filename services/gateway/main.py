@@ -1,0 +1,75 @@
+"""Entry point of the gateway process: ``python -m services.gateway [flags]``.
+
+Configuration is :class:`~services.gateway.settings.GatewaySettings`: environment variables
+``VTM_*`` (``__`` for nesting, e.g. ``VTM_TELEMETRY__EXPORTER=otlp``), then these flags, which
+win over the environment:
+
+  --nats-url URL          VTM_NATS_URL            NATS server(s), comma-separated
+  --prefix P              VTM_SUBJECT_PREFIX      subject / stream / bucket prefix
+  --host H                VTM_HTTP_HOST           HTTP listen address (default 127.0.0.1)
+  --port N                VTM_HTTP_PORT           HTTP port (default 8080; 0 = any free port)
+  --block-size B          VTM_BLOCK_SIZE          cache block size in tokens (default 512)
+  --max-prompt-tokens N   VTM_MAX_PROMPT_TOKENS   longest prompt accepted (413 above)
+  --max-seq-len N         VTM_MAX_SEQ_LEN         longest prompt + max_tokens (422 above)
+  --tokenizer PATH        VTM_TOKENIZER_PATH      tokenizer.json for text prompts
+  --instance-id ID        VTM_INSTANCE_ID         this replica's id
+
+Every other setting (max_body_bytes, result_timeout_s, forward_tokens, ...) is documented on
+the settings class and set through its ``VTM_`` variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from services.gateway.adapter import GatewayService
+from services.gateway.settings import GatewaySettings
+from shared.logging import configure_logging
+from shared.telemetry import setup_tracing, shutdown_tracing
+
+_FLAGS: tuple[tuple[str, str, type], ...] = (
+    ("--nats-url", "nats_url", str),
+    ("--prefix", "subject_prefix", str),
+    ("--host", "http_host", str),
+    ("--port", "http_port", int),
+    ("--block-size", "block_size", int),
+    ("--max-prompt-tokens", "max_prompt_tokens", int),
+    ("--max-seq-len", "max_seq_len", int),
+    ("--tokenizer", "tokenizer_path", str),
+    ("--instance-id", "instance_id", str),
+)
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
+    """Settings from the environment, overridden by the flags given."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.gateway",
+        description="vertumnus gateway: HTTP and NATS completions onto the durable intake.",
+    )
+    for flag, dest, typ in _FLAGS:
+        parser.add_argument(flag, dest=dest, type=typ, default=None)
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    return GatewaySettings(**overrides)
+
+
+async def serve(settings: GatewaySettings) -> None:
+    """Run one gateway until SIGINT/SIGTERM."""
+    await GatewayService(settings).run()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
+    setup_tracing(settings.service_name, settings.telemetry)
+    try:
+        asyncio.run(serve(settings))
+    finally:
+        shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""``vertumnus profile --backend torch``: measure the real CP engine, fit Ê_C, write the profile.
+
+1. **Measure**: a world of max(degrees) rank processes (gloo on CPU, NCCL on GPU;
+   :class:`~services.rankd.torch_world.TorchWorld`, every lattice group created once) runs a
+   model (a small random Qwen3 in float32 by default, or a checkpoint). For each degree C the
+   ranks switch to C (``RankEngine.switch``, no restart) and the first degree-C worker (ranks
+   [0, C)) prefills every (R, P) point of the grid: the P-token prefix is prefilled first (so
+   it is cached as whole blocks), then the full P + R request, whose engine step (lookup of the
+   cached prefix, zigzag CP prefill of R tokens, storing new blocks) is timed on every member;
+   the sample is the slowest member's time, and the median over ``repeats`` fresh requests
+   (new random ids, so nothing else is reused) is fitted. One warm-up request per degree is
+   discarded.
+2. **Fit** Eq. 2 with :func:`shared.costmodel.fit_profile` twice: one coefficient set for all
+   degrees, and one set per degree (``per_degree=True``). Both MAPEs against the measurements
+   are reported; the profile stores the per-degree fit only if its MAPE is lower (the report
+   says which was stored).
+3. **Write** ``profile.json`` (loadable by ``Profile.load``), ``profile_report.json``
+   (coefficients, ``mape_vs_measured``, both fits' MAPE overall and per degree, every sample),
+   ``profile_samples.csv`` and ``profile_fit.png`` (predicted vs measured, log-log, Agg).
+
+κ_C is not measured on the torch engine (a load ramp of a real engine is an experiment of its
+own); the profile has none, so the controller falls back to ``Profile.kappa_for``'s default.
+On a CPU box the world is capped at ``max_world`` ranks (default 4): larger degrees (e.g. 8
+from the CLI's default list) are dropped with a note in the report.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from shared.costmodel import Profile, Sample, fit_profile
+
+PROFILE_MODEL: Final[dict[str, Any]] = {
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+}
+"""The default profiled model: small enough for a CPU world of 4 on 2 cores."""
+
+DEFAULT_LENGTHS: Final[tuple[int, ...]] = (16, 32, 64, 128, 256, 512)
+DEFAULT_PREFIXES: Final[tuple[int, ...]] = (0, 128, 512)
+DEFAULT_REPEATS: Final[int] = 3
+CPU_MAX_WORLD: Final[int] = 4
+
+PROFILE_FILE: Final[str] = "profile.json"
+REPORT_FILE: Final[str] = "profile_report.json"
+PLOT_FILE: Final[str] = "profile_fit.png"
+SAMPLES_FILE: Final[str] = "profile_samples.csv"
+
+
+def _degrees(degrees: Sequence[int], max_world: int) -> tuple[tuple[int, ...], list[str]]:
+    from shared.ids import InvalidInput
+
+    degs = sorted({int(d) for d in degrees})
+    if not degs or any(d < 1 or d & (d - 1) for d in degs):
+        raise InvalidInput(f"degrees must be powers of two >= 1, got {list(degrees)!r}")
+    notes = []
+    dropped = [d for d in degs if d > max_world]
+    if dropped:
+        notes.append(
+            f"degrees {dropped} ignored: this machine's world is capped at {max_world} ranks"
+        )
+    kept = tuple(d for d in degs if d <= max_world)
+    if not kept:
+        raise InvalidInput(f"no degree <= {max_world} among {degs}")
+    return kept, notes
+
+
+def measure(
+    degrees: Sequence[int],
+    lengths: Sequence[int],
+    prefixes: Sequence[int],
+    repeats: int,
+    *,
+    seed: int = 0,
+    model_config: dict[str, Any] | None = None,
+    model_path: str | None = None,
+    block_size: int = 16,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> tuple[list[dict[str, Any]], dict[int, float]]:
+    """Raw measurements (one dict per request timed) and each degree's switch time (s)."""
+    from services.rankd.torch_world import TorchWorld, WorldSpec
+    from shared.ids import InvalidInput
+
+    if repeats < 1:
+        raise InvalidInput(f"repeats must be >= 1, got {repeats}")
+    bad = [p for p in prefixes if p % block_size]
+    if bad:
+        raise InvalidInput(f"prefixes {bad} are not multiples of the block size {block_size}")
+    if any(r < 1 for r in lengths) or any(p < 0 for p in prefixes):
+        raise InvalidInput("lengths must be >= 1 and prefixes >= 0")
+    cfg = dict(model_config or PROFILE_MODEL)
+    need = max(prefixes) + max(lengths)
+    if model_path is None and cfg.get("max_position_embeddings", 0) < need:
+        cfg["max_position_embeddings"] = need
+    world_size = max(degrees)
+    # Enough pages for one request at a time of the longest point on every rank, and more.
+    pages = 4 * (-(-need // block_size)) + 64
+    spec = WorldSpec(
+        world_size=world_size,
+        degrees=tuple(degrees),
+        initial_degrees=(world_size,),
+        model_config=None if model_path else cfg,
+        model_path=model_path,
+        seed=seed,
+        dtype=dtype,
+        block_size=block_size,
+        pages_per_rank=pages,
+        device=device,
+    )
+    rng = np.random.default_rng(seed)
+    rows: list[dict[str, Any]] = []
+    switch_s: dict[int, float] = {}
+    with TorchWorld(spec) as world:
+        vocab = world.vocab_size
+        all_ranks = list(range(world_size))
+        for epoch, c in enumerate(sorted(degrees, reverse=True), start=1):
+            t0 = time.perf_counter()
+            world.switch(all_ranks, epoch, c)
+            switch_s[c] = time.perf_counter() - t0
+            members = list(range(c))
+            warm = rng.integers(0, vocab, min(lengths) + block_size).tolist()
+            world.prefill(members, warm)
+            for rep in range(repeats):
+                for p in prefixes:
+                    for r in lengths:
+                        ids = rng.integers(0, vocab, p + r).tolist()
+                        if p:
+                            world.prefill(members, ids[:p])
+                        replies = world.prefill(members, ids)
+                        rows.append(
+                            {
+                                "degree": c,
+                                "r": r,
+                                "p": p,
+                                "repeat": rep,
+                                "prefix_reused": replies[0].prefix_len,
+                                "seconds": max(x.seconds for x in replies),
+                                "per_rank_s": [x.seconds for x in replies],
+                            }
+                        )
+    return rows, switch_s
+
+
+def _medians(rows: Sequence[dict[str, Any]]) -> list[Sample]:
+    groups: dict[tuple[int, int, int], list[float]] = {}
+    for row in rows:
+        groups.setdefault((row["r"], row["p"], row["degree"]), []).append(row["seconds"])
+    return [Sample(r, p, c, statistics.median(v)) for (r, p, c), v in sorted(groups.items())]
+
+
+def plot_fits(
+    fits: Sequence[tuple[str, Profile]], samples: Sequence[Sample], path: str | Path
+) -> Path:
+    """Predicted vs measured prefill time, log-log, one panel per fit, one colour per degree."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    fig, axes = plt.subplots(1, len(fits), figsize=(5.0 * len(fits), 4.5), dpi=110, squeeze=False)
+    for ax, (label, prof) in zip(axes[0], fits, strict=True):
+        lo, hi = math.inf, 0.0
+        for c in sorted({s.degree for s in samples}):
+            meas = np.array([s.seconds for s in samples if s.degree == c])
+            pred = np.array([prof.predict(s.r, s.p, s.degree) for s in samples if s.degree == c])
+            pred = np.maximum(pred, 1e-9)
+            ax.scatter(meas, pred, s=14, alpha=0.8, label=f"C={c}")
+            lo, hi = min(lo, meas.min(), pred.min()), max(hi, meas.max(), pred.max())
+        line = np.array([lo * 0.8, hi * 1.25])
+        ax.plot(line, line, "k-", lw=0.8, label="y = x")
+        ax.plot(line, line * 1.15, "k:", lw=0.6, label="±15%")
+        ax.plot(line, line / 1.15, "k:", lw=0.6)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # decade labels only: no overlap
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("Measured prefill time (s)")
+        ax.set_ylabel("Predicted prefill time (s)")
+        ax.set_title(f"{label}: MAPE {100 * (prof.fit_mape or math.nan):.1f}%", fontsize=9)
+        ax.grid(True, which="both", lw=0.3, alpha=0.5)
+        ax.legend(fontsize=7)
+    fig.suptitle("Ê_C on the torch CP engine", fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def torch_profile_command(
+    out_dir: str | Path,
+    degrees: Sequence[int] = (1, 2, 4),
+    seed: int = 0,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    prefixes: Sequence[int] = DEFAULT_PREFIXES,
+    repeats: int = DEFAULT_REPEATS,
+    *,
+    model_config: dict[str, Any] | None = None,
+    model_path: str | None = None,
+    block_size: int = 16,
+    device: str = "cpu",
+    max_world: int | None = None,
+) -> Path:
+    """Profile the real engine (module docstring); returns the path of ``profile.json``."""
+    if max_world is None:
+        if device == "cuda":
+            import torch
+
+            max_world = max(1, torch.cuda.device_count())
+        else:
+            max_world = CPU_MAX_WORLD
+    degs, notes = _degrees(degrees, max_world)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rows, switch_s = measure(
+        degs,
+        lengths,
+        prefixes,
+        repeats,
+        seed=seed,
+        model_config=model_config,
+        model_path=model_path,
+        block_size=block_size,
+        device=device,
+    )
+    wall = time.perf_counter() - t0
+    reused_wrong = [r for r in rows if r["prefix_reused"] != r["p"]]
+    if reused_wrong:
+        notes.append(f"{len(reused_wrong)} requests reused a prefix other than the planned P")
+    samples = _medians(rows)
+    cfg = model_config or PROFILE_MODEL
+    name = model_path or (
+        f"qwen3-random(seed={seed}, layers={cfg['num_hidden_layers']}, "
+        f"hidden={cfg['hidden_size']}, heads={cfg['num_attention_heads']}/"
+        f"{cfg['num_key_value_heads']})"
+    )
+    comm = "nccl" if device == "cuda" else "gloo"
+    hardware = f"{device}:{platform.machine()} world={max(degs)} ({comm}, 1 thread/rank)"
+    base = Profile(block_size=block_size, model=name, hardware=hardware)
+    single = fit_profile(samples, base=base)
+    per = fit_profile(samples, per_degree=True, base=base)
+    use_per = (per.fit_mape or math.inf) < (single.fit_mape or math.inf) and bool(per.per_degree)
+    chosen = per if use_per else single
+    chosen.save(out / PROFILE_FILE)
+    plot_fits([("one coefficient set", single), ("per-degree sets", per)], samples, out / PLOT_FILE)
+    with (out / SAMPLES_FILE).open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["degree", "r", "p", "repeat", "prefix_reused", "seconds"])
+        for row in rows:
+            w.writerow([row[k] for k in ("degree", "r", "p", "repeat", "prefix_reused", "seconds")])
+    report = {
+        "backend": "torch",
+        "model": name,
+        "model_config": None if model_path else cfg,
+        "hardware": hardware,
+        "degrees": list(degs),
+        "grid": {"lengths": list(lengths), "prefixes": list(prefixes), "repeats": repeats},
+        "block_size": block_size,
+        "seed": seed,
+        "stored": "per_degree" if use_per else "single",
+        "coefficients": chosen.coefficients.as_dict(),
+        "per_degree_coefficients": {str(c): co.as_dict() for c, co in chosen.per_degree.items()},
+        "mape_vs_measured": chosen.fit_mape,
+        "mape_vs_measured_per_degree": {str(c): m for c, m in chosen.fit_mape_per_degree.items()},
+        "single_set": {
+            "coefficients": single.coefficients.as_dict(),
+            "mape": single.fit_mape,
+            "mape_per_degree": {str(c): m for c, m in single.fit_mape_per_degree.items()},
+        },
+        "per_degree_fit": {
+            "coefficients": {str(c): co.as_dict() for c, co in per.per_degree.items()},
+            "mape": per.fit_mape,
+            "mape_per_degree": {str(c): m for c, m in per.fit_mape_per_degree.items()},
+        },
+        "switch_s": {str(c): s for c, s in switch_s.items()},
+        "kappa": None,
+        "notes": notes
+        + ["κ_C is not measured on the torch engine; the controller uses its default"],
+        "wall_s": wall,
+        "samples": [
+            {"r": s.r, "p": s.p, "degree": s.degree, "seconds": s.seconds} for s in samples
+        ],
+        "raw": rows,
+        "files": {
+            "profile": PROFILE_FILE,
+            "plot": PLOT_FILE,
+            "samples": SAMPLES_FILE,
+            "report": REPORT_FILE,
+        },
+    }
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return out / PROFILE_FILE

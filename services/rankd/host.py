@@ -1,0 +1,193 @@
+"""All rank daemons of a GPU range in one process, following the epoch record (sim / dev).
+
+With the ``sim`` backend a rank daemon is mostly waiting, so one process per worker is
+wasteful at 40 "GPUs". A host owns a contiguous GPU range (e.g. one node, [0, 8)) and runs one
+:class:`~services.rankd.service.RankdService` per worker of the current composition whose group
+lies in that range, all on one NATS connection:
+
+* on start, the workers come from the epoch record if one exists, else from ``initial``;
+* on every newer record, services for new workers in range are started (they read and adopt
+  the record themselves, then acknowledge it per GPU), and services of workers that left the
+  composition are stopped: each has already adopted the record as UNAVAILABLE, redirected its
+  queue, and finishes its running request before stopping (bounded by ``drain_timeout_s``).
+
+This is how a split or merge happens in the live sim without restarting a process: the
+worker set changes; the process (and, with a real engine, the weights) stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable, Iterable
+from contextlib import AsyncExitStack
+
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+
+from services.rankd.backend import ExecutionBackend
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
+from shared.ids import InvalidInput
+from shared.schemas import EpochRecord, SchemaError, decode
+from shared.service import epoch_kv
+from shared.worker import GpuGroup, WorkerKind
+
+BackendFactory = Callable[[str, WorkerKind], ExecutionBackend]
+"""Builds the backend of one worker from its id and kind."""
+
+log = structlog.get_logger("vertumnus.rankd.host")
+
+
+class RankdHost:
+    """Runs the workers of GPUs ``gpus`` (see module docstring)."""
+
+    def __init__(
+        self,
+        settings: RankdSettings,
+        gpus: range,
+        backend_factory: BackendFactory,
+        *,
+        initial: Iterable[str] = (),
+    ) -> None:
+        if not gpus or gpus.step != 1 or gpus.start < 0:
+            raise InvalidInput(f"gpus must be a non-empty ascending range, got {gpus}")
+        self.settings = settings
+        self.gpus = gpus
+        self.backend_factory = backend_factory
+        self.initial = tuple(initial)
+        for wid in self.initial:
+            if not self._in_range(GpuGroup.from_worker_id(wid)):
+                raise InvalidInput(f"initial worker {wid} is outside GPUs {gpus}")
+        self.services: dict[str, RankdService] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._epoch = -1
+        self._stop = asyncio.Event()
+        self._changed = asyncio.Event()  # the worker set changed (tests wait on it)
+        self._nc: Client | None = None
+
+    def _in_range(self, g: GpuGroup) -> bool:
+        return g.first_gpu >= self.gpus.start and g.first_gpu + g.degree <= self.gpus.stop
+
+    @property
+    def worker_ids(self) -> set[str]:
+        """Workers whose service is running (not stopping)."""
+        return {w for w, s in self.services.items() if not s.stopping}
+
+    @property
+    def changed(self) -> asyncio.Event:
+        return self._changed
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    # -- worker set ---------------------------------------------------------------------------
+
+    async def _start_worker(self, wid: str, kind: WorkerKind, epoch: int) -> None:
+        assert self._nc is not None
+        settings = self.settings.model_copy(update={"worker_id": wid, "kind": kind, "epoch": epoch})
+        svc = RankdService(settings, self.backend_factory(wid, kind))
+        task = asyncio.create_task(svc.run(self._nc, handle_signals=False), name=f"rankd-{wid}")
+        self.services[wid] = svc
+        self._tasks[wid] = task
+        task.add_done_callback(lambda t, w=wid: self._reap(w, t))
+        started = asyncio.ensure_future(svc.started.wait())
+        done, _ = await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done and task.exception() is not None:
+            started.cancel()
+            raise task.exception()  # type: ignore[misc]
+        log.info("worker started", worker_id=wid, epoch=epoch)
+
+    def _reap(self, wid: str, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(wid) is task:
+            del self._tasks[wid]
+            del self.services[wid]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("worker service failed", worker_id=wid, error=repr(task.exception()))
+        self._changed.set()
+
+    async def _apply(self, record: EpochRecord) -> None:
+        if record.epoch <= self._epoch:
+            return
+        self._epoch = record.epoch
+        wanted = {w.worker_id: w for w in record.workers if self._in_range(w.group)}
+        for wid, svc in list(self.services.items()):
+            if wid not in wanted:
+                log.info("worker leaves the composition", worker_id=wid, epoch=record.epoch)
+                svc.request_stop()
+        for wid, w in wanted.items():
+            old = self.services.get(wid)
+            if old is not None and old.stopping:
+                # Re-created (e.g. merged back) while its previous instance still drains.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._tasks[wid])
+            if wid not in self.services:
+                await self._start_worker(wid, w.kind, record.epoch)
+        self._changed.set()
+
+    # -- main ---------------------------------------------------------------------------------
+
+    async def run(self, nc: Client | None = None, *, handle_signals: bool = True) -> None:
+        """Serve until :meth:`request_stop` or SIGINT/SIGTERM; then stop every worker."""
+        async with AsyncExitStack() as stack:
+            if handle_signals:
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, self._stop.set)
+                    stack.callback(loop.remove_signal_handler, sig)
+            if nc is None:
+                nc = await nats.connect(
+                    servers=self.settings.nats_servers,
+                    name=f"vtm-rankd-host:{self.gpus.start}-{self.gpus.stop - 1}",
+                    connect_timeout=self.settings.connect_timeout_s,
+                )
+                stack.push_async_callback(nc.drain)
+            self._nc = nc
+            stack.push_async_callback(self._stop_all)
+            epochs = await epoch_kv(nc.jetstream(), self.settings.subjects)
+            key = self.settings.subjects.epoch_key()
+            try:
+                entry = await epochs.get(key)
+            except NotFoundError:
+                entry = None
+            record = self._decode(entry.value) if entry is not None and entry.value else None
+            if record is not None:
+                await self._apply(record)
+            else:
+                for wid in self.initial:
+                    await self._start_worker(wid, self.settings.kind, self.settings.epoch)
+                self._changed.set()
+            watcher = await epochs.watch(key)
+            stack.push_async_callback(watcher.stop)
+            follow = asyncio.create_task(self._follow(watcher), name="rankd-host-epochs")
+            stack.callback(follow.cancel)
+            await self._stop.wait()
+
+    async def _follow(self, watcher: object) -> None:
+        async for entry in watcher:  # type: ignore[attr-defined]
+            if entry is None or not entry.value:
+                continue
+            record = self._decode(entry.value)
+            if record is not None:
+                try:
+                    await self._apply(record)
+                except Exception:
+                    log.exception("applying epoch failed", epoch=record.epoch)
+
+    @staticmethod
+    def _decode(payload: bytes) -> EpochRecord | None:
+        try:
+            return decode(EpochRecord, payload)
+        except SchemaError as exc:
+            log.error("bad epoch record ignored", error=str(exc))
+            return None
+
+    async def _stop_all(self) -> None:
+        for svc in self.services.values():
+            svc.request_stop()
+        tasks = list(self._tasks.values())
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*tasks, return_exceptions=True)

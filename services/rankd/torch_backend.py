@@ -1,0 +1,645 @@
+"""The ``torch`` execution backend of rankd: real CP prefill on persistent rank processes.
+
+:class:`TorchBackend` is the worker-leader side of one worker ``w-cp{C}-g{first}``. It shares a
+:class:`~services.rankd.torch_world.TorchWorld` (one process per GPU, every lattice group
+created once at start-up) with the other workers of the same GPU range, and per assignment:
+
+1. **token ids**: the request's real ids when the IntakeRequest carries ``tokens``; otherwise
+   (trace- or sim-driven workloads carry only ``input_len`` and ``block_hashes``) ids are
+   synthesised deterministically by :func:`request_token_ids`: the tokens of full block i
+   are drawn from a generator seeded with ``block_hashes[i]`` and the tail from one seeded
+   with the request id. Equal hash chains therefore give equal token prefixes, so the
+   engine's own prefix cache hits exactly where the trace says prefixes are shared (when the
+   engine's block size equals the request's);
+2. **geometry**: if the worker's ranks are in another geometry (the epoch record split or
+   merged workers), they switch at this step boundary with ``RankEngine.switch(epoch, C)`` —
+   same processes, no weight reload (:meth:`TorchBackend.adopt` does it eagerly);
+3. **prefill**: one zigzag CP step over the members (``RankEngine.prefill``: longest cached
+   prefix reused, new full blocks stored); the first token is the greedy token of the last
+   position, identical on every member;
+4. **KV hand-off**: CP rank 0 returns the whole sequence's KV (prefix + new) as a safetensors
+   blob; the leader cuts it into ≤ 512 KiB chunks in the wire format of
+   ``engine/decode.py`` (``encode_chunks`` / ``ChunkReassembler``, what ChunkedBytesTransport
+   carries) and publishes them on ``{prefix}.kv.{request_id}`` with a reply inbox; a
+   :class:`KVDecodeRole` (queue group ``vtm-decode``) reassembles them, runs ``decode_step``
+   (the first decode iteration) and replies with its token. Without NATS
+   (``handoff=None``) the same chunks go through an in-process ChunkedBytesTransport and the
+   decode step runs in this process (dev / tests only; stated in the outcome).
+
+The service-level :class:`~services.rankd.backend.PrefillResult` carries the prefill's greedy
+token (the request's first output token) and measured wall times: ``prefill_s`` (the step
+round trip, switch excluded), ``kv_transfer_s`` (chunk publish → decode reply, minus the decode
+compute), ``first_decode_s`` (the decode role's compute). Details per request (engine time per
+rank, prefix actually reused, the decode token, chunk counts, switch reports, rank pids) are
+kept in :attr:`TorchBackend.outcomes` (bounded).
+
+Errors: bad input (token id outside the vocabulary, a sequence longer than the model's
+positions, wrong worker) raises :class:`~shared.ids.InvalidInput` subclasses (the engine checks
+before any collective, so every rank stays up); rankd turns them into a FirstToken with
+``error``. A broken world raises :class:`~services.rankd.torch_world.WorldBroken`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.rankd.backend import ExecutionBackend, PrefillResult
+from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldSpec
+from shared.ids import InvalidInput, UnknownWorker
+from shared.schemas import Assignment, IntakeRequest
+from shared.subjects import Subjects
+from shared.worker import GpuGroup, WorkerKind
+
+KV_CONTENT_TYPE: Final[str] = "application/vnd.vertumnus.kv-chunk"
+DECODE_QUEUE: Final[str] = "vtm-decode"
+_MASK64: Final[int] = (1 << 64) - 1
+
+TINY_MODEL: Final[dict[str, Any]] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 8192,
+}
+"""A tiny random Qwen3 (dev and tests on CPU); a real deployment sets ``model_path``."""
+
+
+# --- token ids -------------------------------------------------------------------------------
+
+
+def _seed_of(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def request_token_ids(request: IntakeRequest, vocab: int) -> list[int]:
+    """The prompt's token ids: real ones when present, else synthesised (module docstring).
+
+    Real ids are returned unchanged (the engine rejects out-of-vocabulary ids itself).
+    """
+    if request.tokens is not None:
+        return list(request.tokens)
+    if vocab < 1:
+        raise InvalidInput(f"vocab must be >= 1, got {vocab}")
+    bs, n = request.block_size, request.input_len
+    full = min(len(request.block_hashes), n // bs)
+    parts = [
+        np.random.default_rng(int(h) & _MASK64).integers(0, vocab, bs)
+        for h in request.block_hashes[:full]
+    ]
+    rest = n - full * bs
+    if rest:
+        rng = np.random.default_rng(_seed_of(f"vtm-tail:{request.request_id}"))
+        parts.append(rng.integers(0, vocab, rest))
+    return [int(t) for t in np.concatenate(parts)]
+
+
+# --- KV hand-off -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HandoffResult:
+    """What the decode role answered for one request."""
+
+    token: int  # the decode iteration's output (the token after the prefill's)
+    decode_s: float  # decode compute, measured by the decode role
+    transfer_s: float  # publish of the first chunk → reply, minus decode_s
+    chunks: int
+    largest_chunk: int
+    via: str  # "nats" or "in-process"
+
+
+class KVDecodeRole:
+    """The decode role: reassembles KV chunks from ``{prefix}.kv.*``, runs the first decode
+    iteration (``decode_step``) on its own copy of the model and replies with the token.
+
+    Reply (JSON to the completing chunk's reply subject): ``{"request_id", "token",
+    "decode_s", "prefill_token"}`` or ``{"request_id", "error"}``.
+    """
+
+    def __init__(self, model: Any, subjects: Subjects, *, queue: str = DECODE_QUEUE) -> None:
+        from services.rankd.engine.decode import ChunkReassembler
+
+        self.model = model
+        self.subjects = subjects
+        self.queue = queue
+        self._asm = ChunkReassembler()
+        self._sub: Any = None
+        self._lock = asyncio.Lock()
+        self.served = 0
+
+    @property
+    def subject(self) -> str:
+        return self.subjects.kv_handoff("x").rsplit(".", 1)[0] + ".*"
+
+    async def start(self, nc: Any) -> None:
+        self._sub = await nc.subscribe(self.subject, queue=self.queue, cb=self._on_chunk)
+        await nc.flush()
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _on_chunk(self, msg: Any) -> None:
+        from services.rankd.engine.decode import decode_step
+
+        rid = "?"
+        try:
+            async with self._lock:
+                done = self._asm.add(msg.data)
+            if done is None:
+                return
+            rid, kv, meta = done
+            t0 = time.perf_counter()
+            out = await asyncio.to_thread(decode_step, self.model, kv, int(meta["token"]))
+            reply: dict[str, Any] = {
+                "request_id": rid,
+                "token": out.next_token,
+                "prefill_token": int(meta["token"]),
+                "decode_s": time.perf_counter() - t0,
+            }
+            self.served += 1
+        except Exception as exc:  # malformed chunks or KV: answer, never kill the role
+            reply = {"request_id": rid, "error": f"{type(exc).__name__}: {exc}"}
+        if msg.reply:
+            await msg.respond(json.dumps(reply).encode())
+
+
+class NatsKVHandoff:
+    """Leader side of the NATS hand-off (see module docstring)."""
+
+    def __init__(
+        self,
+        nc: Any | None,
+        subjects: Subjects,
+        *,
+        servers: Sequence[str] = (),
+        timeout_s: float = 60.0,
+    ) -> None:
+        self._nc = nc
+        self._own = nc is None
+        self._servers = list(servers)
+        self.subjects = subjects
+        self.timeout_s = timeout_s
+
+    async def _conn(self) -> Any:
+        if self._nc is None:
+            import nats
+
+            self._nc = await nats.connect(servers=self._servers, name="vtm-rankd-kv")
+        return self._nc
+
+    async def transfer(self, request_id: str, blob: bytes) -> HandoffResult:
+        from services.rankd.engine.decode import encode_chunks
+
+        nc = await self._conn()
+        chunks = encode_chunks(request_id, blob)
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, max_msgs=1)
+        try:
+            t0 = time.perf_counter()
+            subject = self.subjects.kv_handoff(request_id)
+            for c in chunks:
+                await nc.publish(subject, c, reply=inbox, headers={"Content-Type": KV_CONTENT_TYPE})
+            try:
+                msg = await sub.next_msg(timeout=self.timeout_s)
+            except Exception as exc:  # nats TimeoutError
+                raise TimeoutError(
+                    f"no decode role answered for {request_id} within {self.timeout_s} s"
+                ) from exc
+            elapsed = time.perf_counter() - t0
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        reply = json.loads(msg.data)
+        if "error" in reply:
+            raise RuntimeError(f"decode role failed for {request_id}: {reply['error']}")
+        decode_s = float(reply["decode_s"])
+        return HandoffResult(
+            int(reply["token"]),
+            decode_s,
+            max(0.0, elapsed - decode_s),
+            len(chunks),
+            max(len(c) for c in chunks),
+            "nats",
+        )
+
+    async def close(self) -> None:
+        if self._own and self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+            self._nc = None
+
+
+class LocalKVHandoff:
+    """No NATS: the same chunks through an in-process ChunkedBytesTransport, decode here."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def _run(self, request_id: str, blob: bytes) -> HandoffResult:
+        from services.rankd.engine.decode import ChunkedBytesTransport, decode_step, encode_chunks
+
+        t0 = time.perf_counter()
+        transport = ChunkedBytesTransport()
+        chunks = encode_chunks(request_id, blob)
+        for c in chunks:
+            transport.deliver(c)
+        kv, meta = transport.recv(request_id, timeout=0)
+        t1 = time.perf_counter()
+        out = decode_step(self.model, kv, int(meta["token"]))
+        t2 = time.perf_counter()
+        return HandoffResult(
+            out.next_token,
+            t2 - t1,
+            t1 - t0,
+            len(chunks),
+            max(len(c) for c in chunks),
+            "in-process",
+        )
+
+    async def transfer(self, request_id: str, blob: bytes) -> HandoffResult:
+        return await asyncio.to_thread(self._run, request_id, blob)
+
+    async def close(self) -> None:
+        return None
+
+
+KVHandoff = NatsKVHandoff | LocalKVHandoff
+
+
+# --- the backend -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TorchOutcome:
+    """Everything measured for one request (for spans, audits and tests)."""
+
+    request_id: str
+    worker_id: str
+    epoch: int
+    token: int
+    decode_token: int | None
+    prefix_len: int  # what the engine's own cache reused
+    input_len: int
+    synthesised_ids: bool
+    engine_s: tuple[float, ...]  # per member rank, in rank order
+    step_wall_s: float
+    switch_wall_s: float
+    switches: tuple[SwitchReply, ...]
+    pids: tuple[int, ...]
+    handoff: HandoffResult | None
+
+
+class TorchBackend:
+    """``ExecutionBackend`` of one worker over a shared :class:`TorchWorld`."""
+
+    name: Final[str] = "torch"  # type: ignore[misc]
+
+    def __init__(
+        self,
+        world: TorchWorld,
+        worker_id: str,
+        *,
+        kind: WorkerKind = WorkerKind.CP,
+        handoff: KVHandoff | None = None,
+        owns_world: bool = False,
+        clock: Callable[[], float] = time.time,
+        keep_outcomes: int = 1024,
+    ) -> None:
+        if kind is not WorkerKind.CP:
+            raise InvalidInput("the torch backend runs CP workers only (TP is a sim baseline)")
+        self.group = GpuGroup.from_worker_id(worker_id)
+        self.worker_id = worker_id
+        self.world = world
+        self.ranks = world.members(self.group.first_gpu, self.group.degree)
+        self.handoff = handoff
+        self._owns_world = owns_world
+        self._clock = clock
+        self.outcomes: collections.OrderedDict[str, TorchOutcome] = collections.OrderedDict()
+        self._keep = keep_outcomes
+        self.switches: list[tuple[int, float, tuple[SwitchReply, ...]]] = []
+        self._closed = False
+
+    @property
+    def degree(self) -> int:
+        return self.group.degree
+
+    @property
+    def time_scale(self) -> float:
+        return 1.0
+
+    def _check(self, a: Assignment) -> None:
+        if self._closed:
+            raise RuntimeError("backend closed")
+        if a.worker_id != self.worker_id:
+            raise UnknownWorker(f"assignment for {a.worker_id} reached {self.worker_id}")
+        if a.degree != self.degree:
+            raise InvalidInput(f"assignment degree {a.degree} != worker degree {self.degree}")
+
+    async def adopt(self, epoch: int) -> tuple[SwitchReply, ...]:
+        """Bring this worker's ranks into its geometry now (eager split / merge); no-op when
+        they already are. Returns the per-rank switch reports (empty when nothing changed)."""
+        if all(self.world.geometry(r)[1] == self.degree for r in self.ranks):
+            return ()
+        t0 = time.perf_counter()
+        reps = tuple(await asyncio.to_thread(self.world.switch, self.ranks, epoch, self.degree))
+        self.switches.append((epoch, time.perf_counter() - t0, reps))
+        return reps
+
+    async def prefill(self, assignment: Assignment) -> PrefillResult:
+        self._check(assignment)
+        req = assignment.request
+        ids = request_token_ids(req, self.world.vocab_size)
+        started = self._clock()
+        t0 = time.perf_counter()
+        switched, replies, switch_s = await asyncio.to_thread(
+            self._step, assignment.epoch, ids, req.request_id
+        )
+        step_s = time.perf_counter() - t0
+        prefilled = self._clock()
+        lead: RankReply = replies[0]
+        handoff = None
+        if self.handoff is not None and lead.kv_blob is not None:
+            handoff = await self.handoff.transfer(req.request_id, lead.kv_blob)
+        finished = self._clock()
+        if switched:
+            self.switches.append((assignment.epoch, switch_s, tuple(switched)))
+        self._remember(
+            TorchOutcome(
+                request_id=req.request_id,
+                worker_id=self.worker_id,
+                epoch=assignment.epoch,
+                token=lead.token,
+                decode_token=None if handoff is None else handoff.token,
+                prefix_len=lead.prefix_len,
+                input_len=req.input_len,
+                synthesised_ids=req.tokens is None,
+                engine_s=tuple(r.seconds for r in replies),
+                step_wall_s=step_s - switch_s,
+                switch_wall_s=switch_s,
+                switches=tuple(switched),
+                pids=tuple(r.pid for r in replies),
+                handoff=handoff,
+            )
+        )
+        decode_s = handoff.decode_s if handoff is not None else 0.0
+        return PrefillResult(
+            request_id=req.request_id,
+            token=lead.token,
+            started_at_s=started,
+            prefill_s=max(0.0, step_s - switch_s),
+            kv_transfer_s=max(0.0, (finished - prefilled) - decode_s),
+            first_decode_s=decode_s,
+            finished_at_s=finished,
+            modelled_prefill_s=assignment.predicted_s,
+            modelled_handoff_s=0.0,
+        )
+
+    def _step(
+        self, epoch: int, ids: list[int], request_id: str
+    ) -> tuple[list[SwitchReply], list[RankReply], float]:
+        return self.world.step(
+            self.ranks,
+            epoch,
+            ids,
+            want_kv=self.handoff is not None,
+            meta={"request_id": request_id},
+        )
+
+    def _remember(self, o: TorchOutcome) -> None:
+        self.outcomes[o.request_id] = o
+        while len(self.outcomes) > self._keep:
+            self.outcomes.popitem(last=False)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_world:
+            if self.handoff is not None:
+                await self.handoff.close()
+            await asyncio.to_thread(self.world.close)
+
+
+# --- wiring into rankd -------------------------------------------------------------------------
+
+
+class TorchSettings(BaseSettings):
+    """Settings of the torch backend (environment ``VTM_TORCH_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="VTM_TORCH_", extra="ignore", frozen=True)
+
+    model_path: str | None = Field(
+        default=None, description="Local HF-format Qwen3 directory; unset: a tiny random model."
+    )
+    model_json: str = Field(
+        default=json.dumps(TINY_MODEL),
+        description="Qwen3 config (JSON) of the random model used when model_path is unset.",
+    )
+    seed: int = Field(default=0, description="Seed of the random model's weights.")
+    dtype: str = Field(default="float32", description="float32 | float64 | bfloat16 | float16.")
+    device: str = Field(default="cpu", description="'cpu' (gloo) or 'cuda' (NCCL).")
+    degrees: str = Field(default="1,2,4,8", description="Lattice degrees (those > world ignored).")
+    block_size: int = Field(default=16, ge=1, description="Engine cache block (page) size.")
+    pages_per_rank: int = Field(default=4096, ge=1, description="KV pages per rank.")
+    threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank.")
+    handoff: str = Field(
+        default="nats",
+        description="'nats': KV chunks on {prefix}.kv.{rid} to a decode role; 'local': "
+        "in-process decode (dev).",
+    )
+    embedded_decode: bool = Field(
+        default=True, description="Run a KVDecodeRole inside the rankd process (nats handoff)."
+    )
+    decode_timeout_s: float = Field(default=60.0, gt=0, description="Wait for the decode reply.")
+
+    def model_dict(self) -> dict[str, Any]:
+        return dict(json.loads(self.model_json))
+
+
+def _decode_model(ts: TorchSettings) -> Any:
+    import torch
+
+    from services.rankd.engine.checkpoint import load_model
+    from services.rankd.engine.config import Qwen3Config
+    from services.rankd.engine.model import Qwen3ForCausalLM
+
+    dtype = getattr(torch, ts.dtype)
+    if ts.model_path is not None:
+        return load_model(ts.model_path, dtype=dtype)
+    return Qwen3ForCausalLM.random(Qwen3Config.from_dict(ts.model_dict()), ts.seed, dtype)
+
+
+@dataclass
+class TorchPool:
+    """One rank-daemon process's torch pool: the world over its GPU range, the KV hand-off
+    and (optionally) an embedded decode role. ``backend(wid)`` builds a worker's backend;
+    workers come and go with the epoch record, the pool (processes, weights) stays."""
+
+    world: TorchWorld
+    subjects: Subjects
+    settings: TorchSettings
+    servers: list[str] = field(default_factory=list)
+    handoff: KVHandoff | None = None
+    decode_role: KVDecodeRole | None = None
+    _decode_nc: Any = None
+
+    @classmethod
+    def start(
+        cls,
+        gpus: range,
+        *,
+        initial_workers: Sequence[str] = (),
+        subjects: Subjects | None = None,
+        servers: Sequence[str] = (),
+        settings: TorchSettings | None = None,
+    ) -> TorchPool:
+        """Spawn the world over ``gpus`` (blocking; ranks not covered by ``initial_workers``
+        start at degree 1)."""
+        ts = settings or TorchSettings()
+        n = len(gpus)
+        degs = tuple(d for d in (int(x) for x in ts.degrees.split(",") if x.strip()) if n % d == 0)
+        initial = [1] * n
+        for wid in initial_workers:
+            g = GpuGroup.from_worker_id(wid)
+            for gpu in g.gpus:
+                initial[gpu - gpus.start] = g.degree
+        spec = WorldSpec(
+            world_size=n,
+            degrees=tuple(sorted(set(degs) | {1})),
+            initial_degrees=tuple(initial),
+            model_config=None if ts.model_path else ts.model_dict(),
+            model_path=ts.model_path,
+            seed=ts.seed,
+            dtype=ts.dtype,
+            block_size=ts.block_size,
+            pages_per_rank=ts.pages_per_rank,
+            gpu_offset=gpus.start,
+            device=ts.device,
+            threads=ts.threads,
+        )
+        world = TorchWorld(spec).start()
+        subj = subjects or Subjects()
+        handoff: KVHandoff | None
+        if ts.handoff == "local":
+            handoff = LocalKVHandoff(_decode_model(ts))
+        else:
+            handoff = NatsKVHandoff(None, subj, servers=servers, timeout_s=ts.decode_timeout_s)
+        return cls(world, subj, ts, list(servers), handoff)
+
+    async def start_decode_role(self, nc: Any | None = None) -> KVDecodeRole:
+        """Start the embedded decode role (own connection unless ``nc`` is given)."""
+        if nc is None:
+            import nats
+
+            nc = self._decode_nc = await nats.connect(servers=self.servers, name="vtm-decode")
+        model = await asyncio.to_thread(_decode_model, self.settings)
+        self.decode_role = KVDecodeRole(model, self.subjects)
+        await self.decode_role.start(nc)
+        return self.decode_role
+
+    def backend(self, worker_id: str, kind: WorkerKind = WorkerKind.CP) -> ExecutionBackend:
+        return TorchBackend(self.world, worker_id, kind=kind, handoff=self.handoff)
+
+    async def close(self) -> None:
+        if self.decode_role is not None:
+            await self.decode_role.stop()
+        if self._decode_nc is not None:
+            with contextlib.suppress(Exception):
+                await self._decode_nc.drain()
+        if self.handoff is not None:
+            await self.handoff.close()
+        await asyncio.to_thread(self.world.close)
+
+
+class _PoolBackend(TorchBackend):
+    """A single worker's backend that owns its pool (no host mode): the decode role starts
+    with the first request, everything stops on close."""
+
+    def __init__(self, pool: TorchPool, worker_id: str, kind: WorkerKind) -> None:
+        super().__init__(pool.world, worker_id, kind=kind, handoff=pool.handoff)
+        self._pool = pool
+        self._role_started = not (pool.settings.handoff == "nats" and pool.settings.embedded_decode)
+
+    async def prefill(self, assignment: Assignment) -> PrefillResult:
+        if not self._role_started:
+            self._role_started = True
+            await self._pool.start_decode_role()
+        return await super().prefill(assignment)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._pool.close()
+
+
+def single_worker_backend(
+    settings: Any, torch_settings: TorchSettings | None = None
+) -> TorchBackend:
+    """rankd's ``backend=torch`` for one worker (``VTM_WORKER_ID``): a world over exactly the
+    worker's GPUs, started in its degree; blocking (spawns the ranks)."""
+    g = GpuGroup.from_worker_id(settings.worker_id)
+    pool = TorchPool.start(
+        g.gpus,
+        initial_workers=[settings.worker_id],
+        subjects=settings.subjects,
+        servers=settings.nats_servers,
+        settings=torch_settings,
+    )
+    return _PoolBackend(pool, settings.worker_id, settings.kind)
+
+
+async def start_torch_host(
+    settings: Any, torch_settings: TorchSettings | None = None, *, nc: Any = None
+) -> tuple[Any, TorchPool]:
+    """The pool over ``settings.host_range`` (decode role started) and a RankdHost whose
+    workers are TorchBackends on it; the caller runs ``host.run`` and closes the pool."""
+    from services.rankd.host import RankdHost
+
+    gpus = settings.host_range
+    pool = await asyncio.to_thread(
+        TorchPool.start,
+        gpus,
+        initial_workers=settings.initial_worker_ids,
+        subjects=settings.subjects,
+        servers=settings.nats_servers,
+        settings=torch_settings,
+    )
+    try:
+        if pool.settings.handoff == "nats" and pool.settings.embedded_decode:
+            await pool.start_decode_role(nc)
+        host = RankdHost(settings, gpus, pool.backend, initial=settings.initial_worker_ids)
+    except BaseException:
+        await pool.close()
+        raise
+    return host, pool
+
+
+async def serve_torch_host(
+    settings: Any, torch_settings: TorchSettings | None = None, *, nc: Any = None
+) -> None:
+    """rankd's ``backend=torch`` in host mode (``VTM_HOST_GPUS``): one world over the host's
+    GPU range for the process's lifetime; workers follow the epoch record (RankdHost), each
+    one a :class:`TorchBackend` on the shared world, switching geometry at its first step."""
+    host, pool = await start_torch_host(settings, torch_settings, nc=nc)
+    try:
+        await host.run(nc, handle_signals=nc is None)
+    finally:
+        await pool.close()

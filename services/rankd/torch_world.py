@@ -1,0 +1,495 @@
+"""The persistent rank processes of a torch prefill pool: one process per GPU, one gloo (CPU) or
+NCCL (GPU) world, every lattice CP group created once at start-up.
+
+A :class:`TorchWorld` is owned by the rank-daemon process (the workers' leader side). It spawns
+``world_size`` rank processes; each one
+
+1. joins the default process group (rendezvous through a file store in a private temp dir),
+2. builds its model once (seeded random weights of a given config, or a local HF-format
+   checkpoint) — never reloaded afterwards,
+3. creates every lattice group of ``degrees`` with :class:`~services.rankd.engine.groups.RankGroups`
+   (a collective of the whole world, exactly once) and starts in its own initial degree (ranks
+   may start in different degrees: the initial composition can mix CP1 and CP2 workers),
+4. serves commands from the leader over a private pipe, one at a time:
+   ``prefill`` (one :meth:`RankEngine.prefill` step, SPMD over the members of a worker),
+   ``switch`` (:meth:`RankEngine.switch`, split or merge at a step boundary), ``info``, ``stop``.
+
+Commands to a worker go to every member rank; the leader holds the members' locks (acquired in
+ascending rank order, so two workers sharing no rank run concurrently and a switch that spans
+two former workers waits for both) for the whole round trip, so every member sees the same
+command sequence (the SPMD contract of the engine).
+
+Errors: bad input (token out of vocabulary, too long) is detected by the engine before any
+collective on every member identically (engine/errors.py); each member answers with the typed
+error, the leader re-raises it as that :class:`~shared.ids.InvalidInput` subclass and every
+rank stays up. A rank that dies or stops answering makes the world *broken*
+(:class:`WorldBroken`); it is not restarted here.
+
+Blocking by design (pipes); the async backend calls it through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any, Final
+
+from shared.ids import InvalidInput, VertumnusError
+
+DEFAULT_REPLY_TIMEOUT_S: Final[float] = 600.0  # hang guard, not a latency bound
+
+
+class WorldBroken(VertumnusError):
+    """A rank process died, failed outside the engine's input checks, or stopped answering."""
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """What every rank process builds at start-up.
+
+    ``model_path``: a local HF-format directory (checkpoint.load_model); otherwise
+    ``model_config`` (Qwen3Config.to_dict()) with seeded random weights (``seed``), identical
+    in every process. ``initial_degrees``: per rank (len == world_size) or one for all.
+    ``gpu_offset``: global rank r is GPU r + gpu_offset (worker ids, CUDA device index).
+    """
+
+    world_size: int
+    degrees: tuple[int, ...] = (1, 2)
+    initial_degrees: tuple[int, ...] = (1,)
+    model_config: dict[str, Any] | None = None
+    model_path: str | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    block_size: int = 16
+    pages_per_rank: int = 256
+    gpu_offset: int = 0
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, device = cuda:{gpu})
+    threads: int = 1
+    init_timeout_s: float = 120.0
+    collective_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise InvalidInput(f"world_size must be >= 1, got {self.world_size}")
+        if self.model_config is None and self.model_path is None:
+            raise InvalidInput("give model_config (random weights) or model_path")
+        if len(self.initial_degrees) not in (1, self.world_size):
+            raise InvalidInput("initial_degrees: one value or one per rank")
+        for d in self.degrees:
+            if d < 1 or d & (d - 1) or self.world_size % d:
+                raise InvalidInput(
+                    f"degree {d} must be a power of two dividing world_size {self.world_size}"
+                )
+        for r in range(self.world_size):
+            d = self.initial_degree(r)
+            if d not in self.degrees:
+                raise InvalidInput(f"initial degree {d} of rank {r} not in {self.degrees}")
+        # Members of one group must agree on their initial degree (aligned groups).
+        for r in range(self.world_size):
+            d = self.initial_degree(r)
+            start = r - r % d
+            if any(self.initial_degree(m) != d for m in range(start, start + d)):
+                raise InvalidInput(
+                    f"initial degrees {self.initial_degrees} are not lattice-aligned"
+                )
+        if self.device not in ("cpu", "cuda"):
+            raise InvalidInput(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    def initial_degree(self, rank: int) -> int:
+        d = self.initial_degrees
+        return d[0] if len(d) == 1 else d[rank]
+
+
+@dataclass(frozen=True)
+class RankReply:
+    """One member's answer to a prefill: the greedy token (identical on every member), the
+    prefix the engine reused, blocks newly stored, the step's wall seconds on that rank, the
+    whole sequence's KV as safetensors bytes (CP rank 0 only, when asked), its pid."""
+
+    rank: int
+    pid: int
+    token: int
+    prefix_len: int
+    stored: int
+    seconds: float
+    worker: str
+    kv_blob: bytes | None = None
+
+
+@dataclass(frozen=True)
+class SwitchReply:
+    rank: int
+    pid: int
+    epoch: int
+    old_worker: str
+    new_worker: str
+    seconds: float  # on this rank: from the switch call until every new-group member parked
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    pid: int
+    epoch: int
+    degree: int
+    worker: str
+    retired: tuple[str, ...] = field(default_factory=tuple)
+
+
+# --- the rank process ----------------------------------------------------------------------
+
+
+def _build_model(spec: WorldSpec, rank: int) -> Any:
+    import torch
+
+    from services.rankd.engine.checkpoint import load_model
+    from services.rankd.engine.config import Qwen3Config
+    from services.rankd.engine.model import Qwen3ForCausalLM
+
+    dtype = getattr(torch, spec.dtype)
+    device = f"cuda:{rank + spec.gpu_offset}" if spec.device == "cuda" else "cpu"
+    if spec.model_path is not None:
+        return load_model(spec.model_path, dtype=dtype, device=device)
+    assert spec.model_config is not None
+    cfg = Qwen3Config.from_dict(dict(spec.model_config))
+    return Qwen3ForCausalLM.random(cfg, seed=spec.seed, dtype=dtype).to(device)
+
+
+def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None:
+    """Body of one rank process (module level: picklable for the spawn start method)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    from services.rankd.engine.decode import kv_to_bytes
+    from services.rankd.engine.groups import RankGroups
+    from services.rankd.engine.rank import RankEngine
+
+    torch.set_num_threads(spec.threads)
+    try:
+        if spec.device == "cuda":
+            torch.cuda.set_device(rank + spec.gpu_offset)
+        dist.init_process_group(
+            "nccl" if spec.device == "cuda" else "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.collective_timeout_s),
+        )
+        model = _build_model(spec, rank)
+        groups = RankGroups(spec.degrees, spec.initial_degree(rank), spec.gpu_offset)
+        engine = RankEngine(model, groups, spec.block_size, spec.pages_per_rank)
+        conn.send(("ready", os.getpid(), model.config.vocab_size))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("fatal", traceback.format_exc()))
+        return
+
+    def info() -> RankInfo:
+        return RankInfo(
+            rank,
+            os.getpid(),
+            groups.epoch,
+            groups.active.degree,
+            str(engine.worker_id),
+            tuple(sorted(engine.retired)),
+        )
+
+    from shared.ids import InvalidInput as _Bad
+
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break  # the leader is gone
+            op = msg[0]
+            try:
+                if op == "stop":
+                    conn.send(("ok", None))
+                    break
+                if op == "info":
+                    conn.send(("ok", info()))
+                elif op == "prefill":
+                    _, ids, want_kv, meta = msg
+                    out = engine.prefill(ids)
+                    blob = None
+                    if want_kv and engine.group.rank == 0:
+                        kv_meta = dict(meta, token=out.next_token, length=len(ids))
+                        blob = kv_to_bytes(out.result.full_kv(), kv_meta)
+                    conn.send(
+                        (
+                            "ok",
+                            RankReply(
+                                rank,
+                                os.getpid(),
+                                out.next_token,
+                                out.prefix_len,
+                                len(out.stored),
+                                out.seconds,
+                                str(engine.worker_id),
+                                blob,
+                            ),
+                        )
+                    )
+                elif op == "switch":
+                    _, epoch, degree = msg
+                    rep = engine.switch(epoch, degree)
+                    conn.send(
+                        (
+                            "ok",
+                            SwitchReply(
+                                rank,
+                                os.getpid(),
+                                rep.epoch,
+                                str(rep.old_worker),
+                                str(rep.new_worker),
+                                rep.seconds,
+                            ),
+                        )
+                    )
+                else:
+                    conn.send(("invalid", "InvalidInput", f"unknown command {op!r}"))
+            except _Bad as exc:  # checked before any collective: this rank stays usable
+                conn.send(("invalid", type(exc).__name__, str(exc)))
+            except Exception:
+                conn.send(("fatal", traceback.format_exc()))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+# --- the leader side -----------------------------------------------------------------------
+
+
+def _typed_error(name: str, message: str) -> InvalidInput:
+    """Rebuild the engine's typed input error by name (all derive from InvalidInput)."""
+    from services.rankd.engine import errors
+
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, InvalidInput):
+        return cls(message)
+    return InvalidInput(f"{name}: {message}")
+
+
+class TorchWorld:
+    """Spawns and drives the rank processes of ``spec`` (see module docstring)."""
+
+    def __init__(self, spec: WorldSpec, *, reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S):
+        self.spec = spec
+        self.reply_timeout_s = reply_timeout_s
+        self._locks = [threading.RLock() for _ in range(spec.world_size)]
+        # The leader's exact view of each rank's (epoch, degree): every command passes here.
+        self._geometry = [(0, spec.initial_degree(r)) for r in range(spec.world_size)]
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.pids: tuple[int, ...] = ()
+        self.vocab_size = 0
+        self.broken: str | None = None
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> TorchWorld:
+        """Spawn every rank and wait until all built their model and groups."""
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="vtm-world-")
+        store = os.path.join(self._tmp.name, "store")
+        for r in range(self.spec.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_rank_main,
+                args=(self.spec, r, store, child),
+                name=f"vtm-rank-{r}",
+                daemon=True,
+            )
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        pids, vocab = [], set()
+        try:
+            for r in range(self.spec.world_size):
+                msg = self._recv(r, self.spec.init_timeout_s + 60.0)
+                if msg[0] != "ready":
+                    raise WorldBroken(f"rank {r} failed to start:\n{msg[-1]}")
+                pids.append(msg[1])
+                vocab.add(msg[2])
+        except BaseException:
+            self.close()
+            raise
+        self.pids = tuple(pids)
+        self.vocab_size = vocab.pop()
+        return self
+
+    def close(self) -> None:
+        """Stop every rank (graceful, then killed); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for c in self._conns:
+            with contextlib.suppress(Exception):
+                c.send(("stop",))
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for c in self._conns:
+            with contextlib.suppress(Exception):
+                c.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> TorchWorld:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self._procs]
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def members(self, first_gpu: int, degree: int) -> tuple[int, ...]:
+        """Global ranks of the lattice worker starting at GPU ``first_gpu``."""
+        start = first_gpu - self.spec.gpu_offset
+        if start < 0 or start + degree > self.spec.world_size or start % degree:
+            raise InvalidInput(
+                f"worker of degree {degree} at GPU {first_gpu} is outside this world "
+                f"(GPUs {self.spec.gpu_offset}..{self.spec.gpu_offset + self.spec.world_size - 1})"
+            )
+        return tuple(range(start, start + degree))
+
+    def _recv(self, rank: int, timeout: float) -> tuple[Any, ...]:
+        conn, proc = self._conns[rank], self._procs[rank]
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise WorldBroken(f"rank {rank} (pid {proc.pid}) exited ({proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise WorldBroken(f"rank {rank} did not answer within {timeout:.0f} s")
+        try:
+            return conn.recv()
+        except EOFError as exc:
+            raise WorldBroken(f"rank {rank} closed its pipe") from exc
+
+    def _round(self, ranks: Sequence[int], msg: tuple[Any, ...]) -> list[Any]:
+        """Send ``msg`` to every rank of ``ranks`` and collect their answers (rank order)."""
+        if self._closed:
+            raise WorldBroken("world closed")
+        if self.broken is not None:
+            raise WorldBroken(f"world is broken: {self.broken}")
+        ranks = sorted(ranks)
+        with self._locked(ranks):
+            for r in ranks:
+                self._conns[r].send(msg)
+            answers = []
+            for r in ranks:
+                try:
+                    answers.append(self._recv(r, self.reply_timeout_s))
+                except WorldBroken as exc:
+                    self.broken = str(exc)
+                    raise
+        fatal = [(r, a) for r, a in zip(ranks, answers, strict=True) if a[0] == "fatal"]
+        if fatal:
+            self.broken = f"rank {fatal[0][0]} failed"
+            raise WorldBroken("\n".join(f"rank {r}:\n{a[1]}" for r, a in fatal))
+        invalid = [a for a in answers if a[0] == "invalid"]
+        if invalid:
+            if len(invalid) != len(answers):  # some members ran, some refused: not SPMD any more
+                self.broken = "members disagreed on a command"
+                raise WorldBroken(f"members disagreed: {answers!r}")
+            raise _typed_error(invalid[0][1], invalid[0][2])
+        return [a[1] for a in answers]
+
+    @contextlib.contextmanager
+    def _locked(self, ranks: Sequence[int]) -> Any:
+        locks = [self._locks[r] for r in sorted(set(ranks))]  # ascending: no lock-order cycle
+        for lk in locks:
+            lk.acquire()
+        try:
+            yield
+        finally:
+            for lk in reversed(locks):
+                lk.release()
+
+    def geometry(self, rank: int) -> tuple[int, int]:
+        """(epoch, degree) rank ``rank`` has adopted, as the leader drove it."""
+        return self._geometry[rank]
+
+    def info(self, ranks: Sequence[int] | None = None) -> list[RankInfo]:
+        return self._round(range(self.spec.world_size) if ranks is None else ranks, ("info",))
+
+    def prefill(
+        self,
+        ranks: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        want_kv: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> list[RankReply]:
+        """One CP prefill step over ``ranks`` (one worker's members, its active group)."""
+        return self._round(ranks, ("prefill", list(token_ids), want_kv, dict(meta or {})))
+
+    def switch(self, ranks: Sequence[int], epoch: int, degree: int) -> list[SwitchReply]:
+        """Adopt ``epoch`` at ``degree`` on ``ranks``, which must be whole groups of ``degree``
+        (a merge: the new group; a split: the old group, now several new ones).
+
+        Checked here before anything is sent, so a refused switch changes nothing and no member
+        is left parked on a barrier: every rank must be between steps (guaranteed: the leader
+        holds its lock), ``epoch`` newer than every member's, ``degree`` a lattice degree.
+        """
+        from services.rankd.engine.errors import GroupError
+
+        ranks = sorted(set(ranks))
+        if degree not in self.spec.degrees:
+            raise GroupError(f"no lattice group of degree {degree} (have {self.spec.degrees})")
+        for start in {r - r % degree for r in ranks}:
+            if not set(range(start, start + degree)) <= set(ranks):
+                raise GroupError(f"ranks {ranks} do not cover whole groups of degree {degree}")
+        with self._locked(ranks):
+            stale = [r for r in ranks if self._geometry[r][0] >= epoch]
+            if stale:
+                raise GroupError(
+                    f"epoch {epoch} is not newer than the epoch of rank(s) {stale} "
+                    f"({[self._geometry[r][0] for r in stale]})"
+                )
+            replies = self._round(ranks, ("switch", epoch, degree))
+            for r in ranks:
+                self._geometry[r] = (epoch, degree)
+            return replies
+
+    def step(
+        self,
+        ranks: Sequence[int],
+        epoch: int,
+        token_ids: Sequence[int],
+        *,
+        want_kv: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> tuple[list[SwitchReply], list[RankReply], float]:
+        """One engine step of the worker made of ``ranks``: switch them to that worker's
+        geometry first if they are in another one (split / merge at this step boundary, under
+        ``epoch``), then prefill. Atomic with respect to other workers' commands. Returns the
+        switch reports (empty if none), the members' replies and the switch's wall seconds."""
+        ranks = sorted(set(ranks))
+        degree = len(ranks)
+        with self._locked(ranks):
+            switched: list[SwitchReply] = []
+            t0 = time.perf_counter()
+            if any(self._geometry[r][1] != degree for r in ranks):
+                switched = self.switch(ranks, epoch, degree)
+            switch_s = time.perf_counter() - t0 if switched else 0.0
+            return switched, self.prefill(ranks, token_ids, want_kv=want_kv, meta=meta), switch_s

@@ -1,0 +1,205 @@
+"""§9.3 and §9.4 experiments as presets: reconfiguration under phases, and the cache ablation.
+
+``reconfig`` (§9.3): alternating high-rate short-request phases and low-rate long-request
+phases (synthetic, Qwen3 ground truth, 40 GPUs, degrees {2, 4}); Vertumnus with its controller
+against two fixed compositions — one with more small-degree workers, one with more large —
+run with the same scheduler and cache manager. Reports mean TTFT per phase, the composition
+over time, each split / merge with its drain and switch times, and how many windows after a
+phase change the composition first moved.
+
+``ablation`` (§9.4): a fixed composition, the full cache manager against the variant without
+replication and reclamation (worker-local LRU caches only), with per-GPU caches small enough for
+eviction to matter, on the Mooncake conversation trace at rising rates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.controller.lattice import Composition, Lattice
+from shared.ids import InvalidInput
+from sim.experiments import (
+    Deployment,
+    ExperimentSpec,
+    oracle_ttfts,
+    run_deployment,
+    summarize_run,
+)
+from sim.groundtruth import GroundTruth
+from sim.runner import _jsonable, load_trace, obtain_profile, write_outputs
+from sim.workloads import default_traces_dir, generate
+from sim.workloads.synthetic import Phase, SyntheticConfig
+from sim.workloads.workload import Workload, scale_rate
+
+RECONFIG_PHASES: tuple[Phase, ...] = (
+    Phase(300.0, 1.0, 0.05),  # S1 moderate, mixed
+    Phase(300.0, 2.2, 0.01),  # S2 high-rate, short-dominated: needs concurrency (split)
+    Phase(300.0, 0.45, 0.30),  # S3 low-rate, long-heavy: needs parallelism (merge)
+    Phase(300.0, 2.2, 0.01),  # S4 high again
+    Phase(300.0, 0.45, 0.30),  # S5 low, long again
+)
+
+
+def descriptions() -> dict[str, str]:
+    return {
+        "reconfig": "§9.3: phases of high-rate short / low-rate long load; Vertumnus vs two "
+        "fixed compositions (40 GPUs, {2,4})",
+        "ablation": "§9.4: fixed composition, cache manager on vs off, small caches, "
+        "conversation trace at rising rates",
+    }
+
+
+def run(name: str, *, out: Path, seed: int = 0, progress: bool = False) -> dict[str, Any]:
+    if name == "reconfig":
+        return run_reconfig(out=out, seed=seed, progress=progress)
+    if name == "ablation":
+        return run_ablation(out=out, seed=seed, progress=progress)
+    raise InvalidInput(f"unknown preset {name!r}; known: conversation, leval, azure-code, "
+                       "reconfig, ablation")
+
+
+def _phase_bounds(phases: Sequence[Phase], duration: float) -> list[tuple[float, float]]:
+    out, t, i = [], 0.0, 0
+    while t < duration:
+        p = phases[i % len(phases)]
+        out.append((t, min(duration, t + p.duration_s)))
+        t += p.duration_s
+        i += 1
+    return out
+
+
+def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
+                 base_rate: float = 7.0, gpus: int = 40, degrees: tuple[int, ...] = (2, 4),
+                 fixed: tuple[str, str] = ("12CP2/4CP4", "4CP2/8CP4")) -> dict[str, Any]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    duration = sum(p.duration_s for p in RECONFIG_PHASES)
+    wl = generate(SyntheticConfig(duration_s=duration, rate=base_rate, phases=RECONFIG_PHASES),
+                  seed=seed, name="reconfig-phases")
+    prof = obtain_profile(None, out, degrees, seed)
+    spec = ExperimentSpec(gpus=gpus, degrees=degrees, seed=seed)
+    lattice = Lattice(gpus, degrees)
+    truth = GroundTruth()
+    bounds = _phase_bounds(RECONFIG_PHASES, duration)
+    start = Composition.parse(lattice, fixed[0])
+    runs = [("vertumnus", Deployment("vertumnus", "vertumnus", start, adaptive=True,
+                                     cache_manager=True))]
+    for f in fixed:
+        runs.append((f, Deployment(f, "vertumnus", Composition.parse(lattice, f),
+                                   adaptive=False, cache_manager=True)))
+    oracle = oracle_ttfts(wl, truth, degrees)
+    rows, phases_out, timelines, reconfs = [], {}, {}, []
+    for label, dep in runs:
+        t0 = time.perf_counter()
+        res = run_deployment(wl, dep, prof, spec, truth)
+        row = summarize_run(res, policy=label, rate_scale=1.0, slo=spec.slo, oracle=oracle,
+                            wall_s=time.perf_counter() - t0)
+        rows.append(row)
+        per = []
+        for a, b in bounds:
+            sel = [r.ttft_s for r in res.records if a <= r.arrival_s < b and r.ttft_s >= 0]
+            per.append(float(np.mean(sel)) if sel else math.nan)
+        phases_out[label] = per
+        timelines[label] = [[t, {str(k): v for k, v in c.items()}]
+                            for t, c in res.composition_timeline]
+        if label == "vertumnus":
+            reconfs = [
+                {"kind": rc.kind, "sources": rc.sources, "targets": rc.targets,
+                 "decided_s": rc.decided_s, "drain_s": rc.drain_s, "switch_s": rc.switch_s,
+                 "reason": rc.reason}
+                for rc in res.reconfigurations if rc.exposed_s >= 0
+            ]
+    window = spec.window_s
+    reaction = []
+    for a, _ in bounds[1:]:
+        nxt = [rc["decided_s"] for rc in reconfs if rc["decided_s"] >= a]
+        reaction.append(None if not nxt else math.ceil((nxt[0] - a) / window))
+    meta = {
+        "workload": wl.name, "gpus": gpus, "degrees": list(degrees), "seed": seed,
+        "phases": [[p.duration_s, p.rate_multiplier, p.long_share] for p in RECONFIG_PHASES],
+        "base_rate": base_rate, "phase_bounds": bounds, "phase_mean_ttft_s": phases_out,
+        "timelines": {"1.0": timelines["vertumnus"]}, "all_timelines": timelines,
+        "reconfigurations": reconfs, "windows_to_first_reaction": reaction,
+        "profile": prof.to_dict(),
+    }
+    write_outputs(out, rows, meta)
+    _plot_phases(out, bounds, phases_out, timelines)
+    (out / "reconfig.json").write_text(json.dumps(_jsonable(meta), indent=1) + "\n")
+    return {"rows": rows, "meta": meta}
+
+
+def _plot_phases(out: Path, bounds: list[tuple[float, float]], per: dict[str, list[float]],
+                 timelines: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for label, tl in timelines.items():
+        if label != "vertumnus":
+            continue
+        for d in sorted({k for _, c in tl for k in c}):
+            xs, ys = [], []
+            for t, c in tl:
+                if ys:
+                    xs.append(t)
+                    ys.append(ys[-1])
+                xs.append(t)
+                ys.append(c.get(d, 0))
+            ax1.plot(xs, ys, label=f"CP{d} workers")
+    ax1.set_ylabel("Workers")
+    ax1.legend(fontsize=7)
+    ax1.grid(alpha=0.3)
+    mids = [(a + b) / 2 for a, b in bounds]
+    for label, vals in per.items():
+        ax2.plot(mids, vals, marker="o", label=label)
+    for a, _ in bounds:
+        ax1.axvline(a, color="grey", lw=0.5)
+        ax2.axvline(a, color="grey", lw=0.5)
+    ax2.set_ylabel("Mean TTFT per phase (s)")
+    ax2.set_xlabel("Time (s)")
+    ax2.legend(fontsize=7)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "reconfig.png", dpi=110)
+    plt.close(fig)
+
+
+def run_ablation(*, out: Path, seed: int = 0, progress: bool = False,
+                 rate_scales: Sequence[float] = (1.5, 2.0, 2.5, 3.0),
+                 cache_blocks_per_gpu: int = 200, composition: str = "8CP2/6CP4",
+                 workload: Workload | None = None) -> dict[str, Any]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    wl = workload or load_trace(str(default_traces_dir() / "mooncake/conversation_trace.jsonl"),
+                                "mooncake", seed=seed, rate=None, max_requests=None)
+    degrees = (2, 4)
+    prof = obtain_profile(None, out, degrees, seed)
+    spec = ExperimentSpec(gpus=40, degrees=degrees, seed=seed,
+                          cache_blocks_per_gpu=cache_blocks_per_gpu)
+    lattice = Lattice(40, degrees)
+    comp = Composition.parse(lattice, composition)
+    truth = GroundTruth()
+    rows = []
+    for scale in rate_scales:
+        w = scale_rate(wl, scale) if scale != 1.0 else wl
+        oracle = oracle_ttfts(w, truth, degrees)
+        for label, cm in (("full", True), ("no_replication", False)):
+            dep = Deployment(label, "vertumnus", comp, adaptive=False, cache_manager=cm)
+            t0 = time.perf_counter()
+            res = run_deployment(w, dep, prof, spec, truth)
+            rows.append(summarize_run(res, policy=label, rate_scale=scale, slo=spec.slo,
+                                      oracle=oracle, wall_s=time.perf_counter() - t0))
+    meta = {"workload": wl.name, "gpus": 40, "degrees": list(degrees), "seed": seed,
+            "composition": composition, "cache_blocks_per_gpu": cache_blocks_per_gpu,
+            "profile": prof.to_dict()}
+    write_outputs(out, rows, meta)
+    return {"rows": rows, "meta": meta}

@@ -1,0 +1,321 @@
+"""What ``vertumnus simulate`` / ``report`` do: load, profile, sweep, write, plot, print.
+
+Outputs in the run directory:
+
+* ``results.json`` — a list, one object per (policy, rate_scale) (see
+  :func:`sim.experiments.summarize_run` for the keys);
+* ``results.csv`` — the same rows, flat;
+* ``meta.json`` — workload statistics, the cluster, the profile used, the initial composition,
+  the profiled static threshold, and the composition timelines of ``vertumnus``;
+* ``ttft_mean.png``, ``ttft_p90.png``, ``slo.png`` (against request rate, one line per policy,
+  like the paper's Figures 10–12) and ``composition.png`` (workers per degree over time, like
+  Figure 13).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from shared.costmodel import Profile
+from shared.ids import InvalidInput
+from sim.experiments import ALL_POLICIES, ExperimentSpec, sweep
+from sim.groundtruth import GroundTruth
+from sim.workloads import (
+    default_traces_dir,
+    generate,
+    load_workload,
+    read_azure,
+    read_leval,
+    read_mooncake,
+    workload_stats,
+)
+from sim.workloads.synthetic import SyntheticConfig
+from sim.workloads.workload import Workload, truncate
+
+RESULT_KEYS = (
+    "policy", "rate_scale", "request_rate", "requests", "completed", "failed", "mean_ttft_s",
+    "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "slo_attainment", "hit_rate", "gpu_seconds",
+    "reconfigurations", "splits", "merges", "drain_s_mean", "switch_s_mean", "replications",
+    "reclamations", "oracle_mean_ttft_s", "prediction_mape", "variant", "wall_s",
+    "sim_requests_per_wall_s",
+)
+
+
+# --- inputs ----------------------------------------------------------------------------------
+def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
+               max_requests: int | None) -> Workload:
+    """Read ``trace`` ('synthetic' or a file) with the named or detected format."""
+    if trace == "synthetic" or fmt == "synthetic":
+        cfg = SyntheticConfig(rate=rate) if rate else SyntheticConfig()
+        wl = generate(cfg, seed=seed)
+    else:
+        path = Path(trace)
+        if not path.is_file():
+            raise InvalidInput(f"trace file not found: {trace}")
+        if fmt == "auto":
+            wl = load_workload(path, seed=seed, rate=rate if rate else None) \
+                if not _is_leval(path) else read_leval(path, rate=rate or 1.0, seed=seed)
+        elif fmt == "mooncake":
+            wl = read_mooncake(path, seed=seed)
+        elif fmt == "azure":
+            wl = read_azure(path)
+        elif fmt == "leval":
+            wl = read_leval(path, rate=rate or 1.0, seed=seed)
+        else:
+            raise InvalidInput(f"unknown --format {fmt!r}; use mooncake|azure|leval|synthetic")
+    if max_requests:
+        wl = truncate(wl, max_requests=max_requests)
+    if not wl.requests:
+        raise InvalidInput(f"workload {trace!r} has no requests")
+    return wl
+
+
+def _is_leval(path: Path) -> bool:
+    if path.suffix.lower() != ".jsonl":
+        return False
+    with path.open(encoding="utf-8") as fh:
+        first = next((line for line in fh if line.strip()), "")
+    return '"doc_sha1"' in first or '"doc_id"' in first
+
+
+def obtain_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], seed: int
+                   ) -> Profile:
+    """The fitted profile the policies use: a given file, or one measured now on the sim
+    backend (written to ``out/profile``). Never the ground truth itself."""
+    if profile_path is not None:
+        return Profile.load(profile_path)
+    from sim.profiling import run_profile
+
+    degs = sorted(set(degrees) | {1})
+    prof, _ = run_profile(out / "profile", degrees=degs, seed=seed)
+    return prof
+
+
+# --- the run ---------------------------------------------------------------------------------
+def run_simulate(
+    *,
+    trace: str,
+    fmt: str = "auto",
+    policies: Sequence[str],
+    rate_scales: Sequence[float],
+    rate: float | None = None,
+    gpus: int = 40,
+    degrees: Sequence[int] = (2, 4),
+    seed: int = 0,
+    out: Path,
+    profile_path: Path | None = None,
+    max_requests: int | None = None,
+    cache_blocks_per_gpu: int | None = None,
+    beta: float | None = None,
+    lam: float | None = None,
+    progress: bool = False,
+    spec_overrides: Mapping[str, Any] | None = None,
+    workload: Workload | None = None,
+) -> dict[str, Any]:
+    """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``."""
+    unknown = [p for p in policies if p not in ALL_POLICIES]
+    if unknown:
+        raise InvalidInput(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
+    if not policies:
+        raise InvalidInput("no policies given")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    wl = workload or load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
+    prof = obtain_profile(profile_path, out, degrees, seed)
+    spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
+                          cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
+                          **dict(spec_overrides or {}))
+    t0 = time.perf_counter()
+    rows, side = _with_progress(progress, len(policies) * len(rate_scales), lambda cb: sweep(
+        wl, policies, rate_scales, prof, spec, GroundTruth(), on_run=cb))
+    meta = {
+        "workload": wl.name,
+        "workload_stats": _jsonable(workload_stats(wl)),
+        "gpus": gpus,
+        "degrees": list(spec.degrees),
+        "seed": seed,
+        "cache_blocks_per_gpu": cache_blocks_per_gpu,
+        "profile": prof.to_dict(),
+        "wall_s": time.perf_counter() - t0,
+        **_jsonable(side),
+    }
+    write_outputs(out, rows, meta)
+    return {"rows": rows, "meta": meta}
+
+
+def _with_progress(enabled: bool, total: int, fn: Callable[[Callable[[str, float], None]], Any]
+                   ) -> Any:
+    if not enabled:
+        return fn(lambda p, s: None)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total}"), TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task("simulating", total=total)
+
+        def cb(policy: str, scale: float) -> None:
+            bar.update(task, advance=1, description=f"{policy} ×{scale:g}")
+
+        return fn(cb)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if hasattr(x, "item"):
+        return x.item()
+    return x
+
+
+# --- outputs ---------------------------------------------------------------------------------
+def write_outputs(out: Path, rows: list[dict[str, Any]], meta: Mapping[str, Any]) -> None:
+    (out / "results.json").write_text(json.dumps(_jsonable(rows), indent=1) + "\n")
+    (out / "meta.json").write_text(json.dumps(_jsonable(meta), indent=1) + "\n")
+    with (out / "results.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(RESULT_KEYS), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    plot(out, rows, meta)
+
+
+def plot(out: Path, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    for key, label, fname, scale in (
+        ("mean_ttft_s", "Mean TTFT (s)", "ttft_mean.png", 1.0),
+        ("p90_ttft_s", "P90 TTFT (s)", "ttft_p90.png", 1.0),
+        ("slo_attainment", "SLO attainment (%)", "slo.png", 100.0),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for pol in policies:
+            pts = sorted((r["request_rate"], r[key]) for r in rows if r["policy"] == pol
+                         and r.get(key) is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], marker="o",
+                        label=pol, linewidth=2.5 if pol == "vertumnus" else 1.2)
+        if key == "mean_ttft_s":
+            pts = sorted({(r["request_rate"], r["oracle_mean_ttft_s"]) for r in rows})
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "k:", label="oracle (zero queue)")
+        ax.set_xlabel("Request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{meta.get('workload', '')}: {meta.get('gpus')} GPUs, "
+                     f"degrees {meta.get('degrees')}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+    timelines = meta.get("timelines") or {}
+    if timelines:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for scale, tl in timelines.items():
+            degs = sorted({int(d) for _, c in tl for d in c})
+            for d in degs:
+                xs, ys = [], []
+                for i, (t, c) in enumerate(tl):
+                    if i:
+                        xs.append(t)
+                        ys.append(ys[-1])
+                    xs.append(t)
+                    ys.append(c.get(str(d), 0))
+                ax.plot(xs, ys, drawstyle="default", label=f"×{scale} CP{d}")
+        ax.set_xlabel("Time (s)")
+        ax.set_ylabel("Workers")
+        ax.set_title("Vertumnus composition over time")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out / "composition.png", dpi=110)
+        plt.close(fig)
+
+
+def redraw(directory: Path) -> dict[str, Any]:
+    """``vertumnus report DIR``: rebuild CSV and plots from results.json / meta.json."""
+    d = Path(directory)
+    try:
+        rows = json.loads((d / "results.json").read_text())
+        meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
+    except FileNotFoundError as exc:
+        raise InvalidInput(f"{d} has no results.json (run vertumnus simulate first)") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"{d}/results.json is not valid JSON: {exc}") from exc
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "policy" in r for r in rows):
+        raise InvalidInput(f"{d}/results.json is not a list of result rows")
+    write_outputs(d, rows, meta)
+    return {"rows": rows, "meta": meta}
+
+
+def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = summary["rows"]
+    t = Table(title=f"{summary['meta'].get('workload', '')} — TTFT by policy and rate")
+    for col in ("policy", "rate ×", "req/s", "mean s", "P50 s", "P90 s", "P99 s", "SLO %",
+                "hit %", "reconf", "oracle s"):
+        t.add_column(col, justify="right" if col != "policy" else "left")
+    for r in rows:
+        t.add_row(r["policy"], f"{r['rate_scale']:g}", f"{r['request_rate']:.2f}",
+                  f"{r['mean_ttft_s']:.3f}", f"{r['p50_ttft_s']:.3f}", f"{r['p90_ttft_s']:.3f}",
+                  f"{r['p99_ttft_s']:.3f}", f"{100 * r['slo_attainment']:.1f}",
+                  f"{100 * r['hit_rate']:.1f}", str(r["reconfigurations"]),
+                  f"{r['oracle_mean_ttft_s']:.3f}")
+    Console(file=file, width=140).print(t)
+
+
+# --- presets (§9) ----------------------------------------------------------------------------
+def _trace(rel: str) -> str:
+    return str(default_traces_dir() / rel)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "conversation": dict(
+        desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: Mooncake conversation trace, all policies, rising rate",
+        trace=_trace("mooncake/conversation_trace.jsonl"), fmt="mooncake",
+        rate_scales=[1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
+    ),
+    "leval": dict(
+        desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: L-Eval (Poisson arrivals), all policies",
+        trace=_trace("leval/leval_llama3_mooncake.jsonl"), fmt="leval", rate=2.0,
+        rate_scales=[1.0, 1.5, 2.0, 2.5, 3.0],
+    ),
+    "azure-code": dict(
+        desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: Azure 2023 code trace (no prefix info)",
+        trace=_trace("azure2023/AzureLLMInferenceTrace_code.csv"), fmt="azure",
+        rate_scales=[4.0, 8.0, 12.0, 16.0],
+    ),
+}
+
+
+def preset_descriptions() -> dict[str, str]:
+    from sim import presets
+
+    out = {k: v["desc"] for k, v in PRESETS.items()}
+    out.update(presets.descriptions())
+    return out
+
+
+def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False) -> dict[str, Any]:
+    if name in PRESETS:
+        p = dict(PRESETS[name])
+        p.pop("desc")
+        return run_simulate(policies=list(ALL_POLICIES[:8]), out=out, seed=seed, gpus=40,
+                            degrees=(2, 4), progress=progress, **p)
+    from sim import presets
+
+    return presets.run(name, out=out, seed=seed, progress=progress)

@@ -1,0 +1,57 @@
+"""``vertumnus profile --backend torch`` on a tiny grid: a real gloo world of 2 ranks measures
+the engine, both fits are reported and a loadable profile is written."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from services.rankd.engine.profiling import torch_profile_command
+from shared.costmodel import Profile
+
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+}
+
+
+def test_torch_profile_writes_a_loadable_profile(tmp_path: Path) -> None:
+    path = torch_profile_command(
+        tmp_path,
+        degrees=(1, 2, 8),  # 8 does not fit a world of 2: dropped with a note
+        seed=0,
+        lengths=(8, 16, 32, 64, 96),
+        prefixes=(0, 32),
+        repeats=1,
+        model_config=TINY,
+        block_size=16,
+        max_world=2,
+    )
+    assert path == tmp_path / "profile.json"
+    prof = Profile.load(path)
+    report = json.loads((tmp_path / "profile_report.json").read_text())
+    assert report["degrees"] == [1, 2]
+    assert any("[8] ignored" in n for n in report["notes"])
+    assert {(s["degree"], s["p"]) for s in report["samples"]} == {
+        (c, p) for c in (1, 2) for p in (0, 32)
+    }
+    assert all(r["prefix_reused"] == r["p"] for r in report["raw"])  # P really came from cache
+    single, per = report["single_set"]["mape"], report["per_degree_fit"]["mape"]
+    assert math.isfinite(single) and math.isfinite(per)
+    assert set(report["per_degree_fit"]["mape_per_degree"]) == {"1", "2"}
+    stored = report["stored"]
+    assert stored == ("per_degree" if per < single else "single")
+    assert report["mape_vs_measured"] == (per if stored == "per_degree" else single)
+    assert prof.fit_mape == report["mape_vs_measured"]
+    assert bool(prof.per_degree) == (stored == "per_degree")
+    assert prof.block_size == 16 and prof.predict(64, 32, 2) > 0
+    assert (tmp_path / "profile_fit.png").stat().st_size > 0
+    assert (tmp_path / "profile_samples.csv").read_text().startswith("degree,r,p")
+    print(f"torch profile MAPE: single set {single:.3f}, per degree {per:.3f}, stored {stored}")

@@ -1,0 +1,199 @@
+"""The live rankd with ``backend=torch`` in host mode: a RankdHost over GPUs 0-1 whose workers
+are TorchBackends on one persistent gloo world, following epoch records through a real
+nats-server: assignments in over the micro endpoint, FirstTokens out, KV to the decode role
+over ``{prefix}.kv.{rid}``; split 2 → 1 + 1 and merge back with the same rank processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import torch
+from nats.aio.client import Client
+
+from services.rankd.engine.config import Qwen3Config
+from services.rankd.engine.model import Qwen3ForCausalLM
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
+from services.rankd.torch_backend import TorchSettings, single_worker_backend, start_torch_host
+from shared.natsserver import EmbeddedNats
+from shared.schemas import (
+    Assignment,
+    AssignmentAck,
+    EpochRecord,
+    EpochWorker,
+    FirstToken,
+    IntakeRequest,
+    decode,
+    to_json,
+)
+from shared.service import call
+from shared.subjects import Subjects
+from shared.worker import GpuGroup, Lifecycle
+
+WAIT_S = 120.0  # hang guard only
+CFG = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+}
+SEED = 3
+
+
+def assignment(rid: str, wid: str, epoch: int, tokens: list[int]) -> Assignment:
+    now = time.time()
+    return Assignment(
+        request=IntakeRequest(
+            request_id=rid, input_len=len(tokens), tokens=tokens, block_size=16, arrival_s=now
+        ),
+        worker_id=wid,
+        epoch=epoch,
+        degree=GpuGroup.from_worker_id(wid).degree,
+        prefix_tokens=0,
+        recompute_tokens=len(tokens),
+        predicted_s=0.01,
+        assigned_at_s=now,
+    )
+
+
+def record(epoch: int, *wids: str) -> bytes:
+    workers = [
+        EpochWorker(
+            worker_id=w,
+            first_gpu=GpuGroup.from_worker_id(w).first_gpu,
+            degree=GpuGroup.from_worker_id(w).degree,
+            lifecycle=Lifecycle.ACTIVE,
+        )
+        for w in wids
+    ]
+    return to_json(EpochRecord(epoch=epoch, workers=workers, committed_at_s=time.time()))
+
+
+async def test_rankd_host_torch_split_merge(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    s = Subjects(uniq)
+    settings = RankdSettings(
+        nats_url=nats_server.url,
+        subject_prefix=uniq,
+        heartbeat_s=0.2,
+        drain_timeout_s=10,
+        host_gpus="0-1",
+        initial_workers="w-cp2-g0",
+    )
+    ts = TorchSettings(
+        model_json=json.dumps(CFG),
+        seed=SEED,
+        block_size=16,
+        pages_per_rank=64,
+        degrees="1,2",
+        decode_timeout_s=WAIT_S,
+    )
+    model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
+    host, pool = await start_torch_host(settings, ts, nc=nc)
+    task = asyncio.create_task(host.run(nc, handle_signals=False))
+    pids = pool.world.pids
+
+    async def wait_for(wanted: set[str]) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while host.worker_ids != wanted or len(host.services) != len(wanted):
+                host.changed.clear()
+                await host.changed.wait()
+
+    async def run(rid: str, wid: str, epoch: int, tokens: list[int]) -> FirstToken:
+        sub = await nc.subscribe(s.result(rid))
+        try:
+            await call(
+                nc,
+                s.worker_assign(wid),
+                assignment(rid, wid, epoch, tokens),
+                AssignmentAck,
+                timeout_s=WAIT_S,
+            )
+            return decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
+        finally:
+            await sub.unsubscribe()
+
+    def ids(seed: int, n: int) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, CFG["vocab_size"], (n,), generator=g).tolist()
+
+    def expect(tokens: list[int]) -> int:
+        return model.reference_forward(torch.tensor(tokens)).next_token
+
+    try:
+        await wait_for({"w-cp2-g0"})
+        t = ids(1, 41)
+        first = await run("a-0", "w-cp2-g0", 0, t)
+        assert first.error is None and first.token == expect(t)
+        assert first.stages is not None and first.stages.prefill_s > 0
+
+        bad = await run("a-bad", "w-cp2-g0", 0, [1, 2, 999, 3])
+        assert bad.token is None and "outside the vocabulary" in (bad.error or "")
+
+        epochs = await nc.jetstream().key_value(s.epoch_bucket())
+        await epochs.put(s.epoch_key(), record(1, "w-cp1-g0", "w-cp1-g1"))
+        await wait_for({"w-cp1-g0", "w-cp1-g1"})
+        for rid, wid, seed in (("b-0", "w-cp1-g0", 2), ("b-1", "w-cp1-g1", 3)):
+            t = ids(seed, 33)
+            ft = await run(rid, wid, 1, t)
+            assert ft.error is None and ft.token == expect(t), (rid, ft)
+
+        await epochs.put(s.epoch_key(), record(2, "w-cp2-g0"))
+        await wait_for({"w-cp2-g0"})
+        t = ids(4, 57)
+        ft = await run("c-0", "w-cp2-g0", 2, t)
+        assert ft.error is None and ft.token == expect(t)
+        assert pool.world.pids == pids and all(pool.world.alive())
+        assert [pool.world.geometry(r) for r in (0, 1)] == [(2, 2), (2, 2)]
+        assert pool.decode_role is not None and pool.decode_role.served == 4
+    finally:
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+        await pool.close()
+    assert not any(pool.world.alive())
+
+
+async def test_rankd_single_worker_torch(nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:
+    """``backend=torch`` for one worker (no host mode): the backend owns its world and its
+    decode role; closing the service stops the rank processes."""
+    s = Subjects(uniq)
+    settings = RankdSettings(
+        nats_url=nats_server.url, subject_prefix=uniq, worker_id="w-cp2-g0", drain_timeout_s=10
+    )
+    ts = TorchSettings(
+        model_json=json.dumps(CFG), seed=SEED, degrees="1,2", decode_timeout_s=WAIT_S
+    )
+    backend = await asyncio.to_thread(single_worker_backend, settings, ts)
+    world = backend.world
+    svc = RankdService(settings, backend)
+    task = asyncio.create_task(svc.run(nc, handle_signals=False))
+    model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await svc.started.wait()
+        tokens = list(range(5, 70))
+        sub = await nc.subscribe(s.result("s-0"))
+        await call(
+            nc,
+            s.worker_assign("w-cp2-g0"),
+            assignment("s-0", "w-cp2-g0", 0, tokens),
+            AssignmentAck,
+            timeout_s=WAIT_S,
+        )
+        ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
+        assert ft.error is None
+        assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token
+        out = backend.outcomes["s-0"]
+        assert out.handoff is not None and out.handoff.via == "nats"
+        assert out.decode_token == model.greedy_generate(torch.tensor(tokens), 2)[1]
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    assert not any(world.alive())

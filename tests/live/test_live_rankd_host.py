@@ -1,0 +1,161 @@
+"""A rankd host follows split and merge epochs without restarting its process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from services.rankd.backend import SimBackend
+from services.rankd.host import RankdHost
+from services.rankd.settings import RankdSettings
+from shared.ids import InvalidInput
+from shared.natsserver import EmbeddedNats
+from shared.schemas import (
+    Assignment,
+    AssignmentAck,
+    EpochAck,
+    EpochRecord,
+    EpochWorker,
+    FirstToken,
+    IntakeRequest,
+    decode,
+    to_json,
+)
+from shared.service import call
+from shared.subjects import Subjects
+from shared.worker import GpuGroup, Lifecycle
+
+WAIT_S = 20.0
+
+
+def assignment(rid: str, wid: str, epoch: int) -> Assignment:
+    now = time.time()
+    degree = GpuGroup.from_worker_id(wid).degree
+    return Assignment(
+        request=IntakeRequest(request_id=rid, input_len=100, arrival_s=now),
+        worker_id=wid,
+        epoch=epoch,
+        degree=degree,
+        prefix_tokens=0,
+        recompute_tokens=100,
+        predicted_s=0.01,
+        assigned_at_s=now,
+    )
+
+
+def record(epoch: int, *wids: str) -> bytes:
+    workers = []
+    for wid in wids:
+        g = GpuGroup.from_worker_id(wid)
+        workers.append(
+            EpochWorker(
+                worker_id=wid, first_gpu=g.first_gpu, degree=g.degree, lifecycle=Lifecycle.ACTIVE
+            )
+        )
+    return to_json(EpochRecord(epoch=epoch, workers=workers, committed_at_s=time.time()))
+
+
+async def wait_for_workers(host: RankdHost, wanted: set[str]) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while host.worker_ids != wanted or len(host.services) != len(wanted):
+            host.changed.clear()
+            await host.changed.wait()
+
+
+async def call_when_up(nc: Client, subject: str, msg: object, reply: type) -> object:
+    """``call`` once the worker's endpoint has subscribed: a worker appears in ``host.services``
+    just before its micro endpoints are registered, so early requests find no responders."""
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            try:
+                return await call(nc, subject, msg, reply, timeout_s=WAIT_S)
+            except NoRespondersError:
+                await asyncio.sleep(0.05)
+
+
+async def test_split_then_merge(nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:
+    s = Subjects(uniq)
+    settings = RankdSettings(
+        nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2, drain_timeout_s=5
+    )
+    host = RankdHost(
+        settings,
+        range(0, 4),
+        lambda wid, kind: SimBackend(time_scale=1.0),
+        initial=["w-cp4-g0"],
+    )
+    acks: list[EpochAck] = []
+
+    async def on_ack(msg: Msg) -> None:
+        acks.append(decode(EpochAck, msg.data, msg.headers))
+
+    sub = await nc.subscribe(s.epoch_ack_all(), cb=on_ack)
+    task = asyncio.create_task(host.run(handle_signals=False))
+    try:
+        await wait_for_workers(host, {"w-cp4-g0"})
+        ack = await call_when_up(
+            nc, s.worker_assign("w-cp4-g0"), assignment("a-0", "w-cp4-g0", 0), AssignmentAck
+        )
+        assert ack.queue_position == 0
+
+        epochs = await nc.jetstream().key_value(s.epoch_bucket())
+        await epochs.put(s.epoch_key(), record(1, "w-cp2-g0", "w-cp2-g2"))
+        await wait_for_workers(host, {"w-cp2-g0", "w-cp2-g2"})
+        async with asyncio.timeout(WAIT_S):
+            while len({(a.gpu, a.epoch) for a in acks if a.epoch == 1}) < 4:
+                await asyncio.sleep(0.02)
+        assert {(a.gpu, a.worker_id) for a in acks if a.epoch == 1} == {
+            (0, "w-cp2-g0"),
+            (1, "w-cp2-g0"),
+            (2, "w-cp2-g2"),
+            (3, "w-cp2-g2"),
+        }
+        result = await nc.subscribe(s.result("b-1"))
+        await call_when_up(
+            nc, s.worker_assign("w-cp2-g2"), assignment("b-1", "w-cp2-g2", 1), AssignmentAck
+        )
+        first = decode(FirstToken, (await result.next_msg(timeout=WAIT_S)).data)
+        assert first.worker_id == "w-cp2-g2" and first.token is not None
+
+        await epochs.put(s.epoch_key(), record(2, "w-cp4-g0"))
+        await wait_for_workers(host, {"w-cp4-g0"})
+        ack = await call_when_up(
+            nc, s.worker_assign("w-cp4-g0"), assignment("c-2", "w-cp4-g0", 2), AssignmentAck
+        )
+        assert ack.epoch == 2
+        with pytest.raises(NoRespondersError):
+            await call(
+                nc,
+                s.worker_assign("w-cp2-g2"),
+                assignment("d-2", "w-cp2-g2", 1),
+                AssignmentAck,
+                timeout_s=WAIT_S,
+            )
+    finally:
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+        await sub.unsubscribe()
+    assert host.services == {}
+
+
+def test_host_validates_its_range() -> None:
+    s = RankdSettings()
+    with pytest.raises(InvalidInput):
+        RankdHost(s, range(0, 4), lambda w, k: SimBackend(), initial=["w-cp4-g4"])
+    with pytest.raises(InvalidInput):
+        RankdHost(s, range(0), lambda w, k: SimBackend())
+
+
+def test_settings_host_mode() -> None:
+    s = RankdSettings(host_gpus="8-15", initial_workers="w-cp4-g8, w-cp4-g12")
+    assert s.host_range == range(8, 16)
+    assert s.initial_worker_ids == ["w-cp4-g8", "w-cp4-g12"]
+    with pytest.raises(ValueError):
+        RankdSettings(host_gpus="7-0")
+    with pytest.raises(ValueError):
+        RankdSettings(initial_workers="nope")

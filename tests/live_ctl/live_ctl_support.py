@@ -1,0 +1,129 @@
+"""Helpers of the controller / cache-manager live tests: fake workers as plain NATS clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from shared.schemas import EpochAck, EpochRecord, WindowReport, decode, encode
+from shared.service import epoch_kv
+from shared.subjects import Subjects
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[Any]], *, what: str, timeout: float = 30.0
+) -> Any:
+    """Poll ``probe`` until it returns a truthy value (a liveness bound, not a timed check)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.02)
+
+
+class Collector:
+    """Every message on a subject, decoded as JSON (plain subscriber)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.msgs: list[Msg] = []
+
+    async def cb(self, msg: Msg) -> None:
+        self.msgs.append(msg)
+        with contextlib.suppress(ValueError):
+            self.items.append(json.loads(msg.data))
+
+    async def first(self, pred: Callable[[dict[str, Any]], bool] = lambda _: True,
+                    *, what: str) -> dict[str, Any]:
+        async def probe() -> dict[str, Any] | None:
+            return next((i for i in self.items if pred(i)), None)
+
+        return await eventually(probe, what=what)
+
+
+class FakeRanks:
+    """Rank daemons as rankd behaves: adopt every newer epoch record, ack each member GPU."""
+
+    def __init__(self, nc: Client, subjects: Subjects) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.records: list[EpochRecord] = []
+        self._task: asyncio.Task[None] | None = None
+        self._watcher: Any = None
+
+    async def start(self) -> None:
+        kv = await epoch_kv(self.nc.jetstream(), self.subjects)
+        self._watcher = await kv.watch(self.subjects.epoch_key())
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for entry in self._watcher:
+            if entry is None or not entry.value:
+                continue
+            rec = decode(EpochRecord, entry.value)
+            if self.records and rec.epoch <= self.records[-1].epoch:
+                continue
+            self.records.append(rec)
+            for w in rec.workers:
+                for gpu in w.group.gpus:
+                    ack = EpochAck(gpu=gpu, epoch=rec.epoch, degree=w.degree,
+                                   worker_id=w.worker_id, adopted_at_s=time.time())
+                    data, headers = encode(ack)
+                    await self.nc.publish(self.subjects.epoch_ack(gpu), data, headers=headers)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
+
+
+class FakeScheduler:
+    """Publishes one WindowReport per window of ``window_s`` (on the Unix-epoch grid) with
+    the demand ``demand()`` returns, as a scheduler replica does."""
+
+    def __init__(self, nc: Client, subjects: Subjects, window_s: float,
+                 demand: Callable[[], float], reporter: str = "sched-a") -> None:
+        self.nc, self.subjects, self.window_s = nc, subjects, window_s
+        self.demand, self.reporter = demand, reporter
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        last = -1
+        while True:
+            k = math.floor(time.time() / self.window_s)
+            if k != last:
+                last = k
+                rep = WindowReport(
+                    reporter=self.reporter, window_index=k, window_start_s=k * self.window_s,
+                    window_s=self.window_s, epoch=0, demand_s=self.demand(), requests=10,
+                    long_requests=0,
+                )
+                data, headers = encode(rep)
+                await self.nc.publish(self.subjects.window_demand(self.reporter), data,
+                                      headers=headers)
+            await asyncio.sleep(self.window_s / 8)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task

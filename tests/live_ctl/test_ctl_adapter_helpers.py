@@ -1,0 +1,66 @@
+"""Pure helpers of the controller and cache-manager adapters (no server needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cachemgr.events import MalformedEvent, Snapshot, Stored
+from services.cachemgr.service import diff_compositions, event_from_payload
+from services.controller.service import ControllerSettings, replay_report
+from services.controller.windows import DemandWindows
+from shared.schemas import WindowReport
+from shared.worker import GpuGroup
+
+
+def groups(*pairs: tuple[int, int]) -> dict:
+    return {GpuGroup(g, d).worker_id: GpuGroup(g, d) for g, d in pairs}
+
+
+def test_diff_finds_splits_merges_and_plain_changes() -> None:
+    old = groups((0, 4), (4, 2), (6, 2), (8, 8))
+    new = groups((0, 2), (2, 2), (4, 4), (8, 4), (12, 2), (14, 2))
+    splits, merges, removed, added = diff_compositions(old, new)
+    assert splits == [("w-cp4-g0", ("w-cp2-g0", "w-cp2-g2"))]
+    assert merges == [(("w-cp2-g4", "w-cp2-g6"), "w-cp4-g4")]
+    # w-cp8-g8 became a CP4 and two CP2s: not one adjacent operation.
+    assert removed == ["w-cp8-g8"] and sorted(added) == ["w-cp2-g12", "w-cp2-g14", "w-cp4-g8"]
+    assert diff_compositions(old, old) == ([], [], [], [])
+
+
+def test_window_report_replays_exact_demand_count_and_long_fraction() -> None:
+    rep = WindowReport(reporter="s1", window_index=7, window_start_s=140.0, window_s=20.0,
+                       epoch=0, demand_s=12.0, requests=4, long_requests=1)
+    w = DemandWindows(window_s=20.0, long_threshold_tokens=32_768, start_s=140.0)
+    for t, s, n in replay_report(rep, 32_768):
+        assert 140.0 <= t < 160.0
+        w.record(t, s, n)
+    (closed,) = w.advance(160.0)
+    assert closed.demand_s == pytest.approx(12.0)
+    assert closed.requests == 4 and closed.long_requests == 1
+    empty = rep.model_copy(update={"requests": 0, "long_requests": 0, "demand_s": 0.0})
+    assert replay_report(empty, 32_768) == []
+
+
+def test_cache_events_accept_both_wire_forms_and_reject_garbage() -> None:
+    ev = event_from_payload(b'{"schema_version": 1, "type": "stored", "worker": "w-cp2-g0", '
+                            b'"event_id": 1, "parent_hash": null, "block_hashes": [1, 2]}')
+    assert isinstance(ev, Stored) and ev.block_hashes == (1, 2)
+    snap = event_from_payload(b'{"type": "snapshot", "worker_id": "w-cp2-g0", '
+                              b'"last_event_id": 2, "blocks": [[1, null], [2, 1]]}')
+    assert isinstance(snap, Snapshot) and snap.last_event_id == 2
+    for bad in (b"nope", b"[]", b'{"type": "stored"}', b'{"schema_version": 2, "type": "cleared",'
+                b' "worker": "w", "event_id": 1}'):
+        with pytest.raises(MalformedEvent):
+            event_from_payload(bad)
+
+
+def test_controller_settings_map_onto_the_core_config(monkeypatch) -> None:
+    monkeypatch.setenv("VTM_KAPPA", '{"2": 8, "4": 14.5}')
+    monkeypatch.setenv("VTM_PERSISTENCE", "3")
+    monkeypatch.setenv("VTM_DEGREES", "[2, 4]")
+    st = ControllerSettings()
+    cfg = st.controller_config()
+    assert cfg.persistence == 3 and cfg.window_s == st.window_s == 20.0
+    prof = st.load_profile()
+    assert prof.kappa_for(2) == 8.0 and prof.kappa_for(4) == 14.5
+    assert st.lattice().degrees == frozenset({2, 4})

@@ -1,0 +1,287 @@
+"""The live controller against a real nats-server, with fake workers, ranks and scheduler.
+
+Demand above the capacity for ``persistence`` windows → a split: drain record (CAS) and
+DrainNotice, commit record after the in-flight request finished, rank acks, exposure record
+and CompositionNotice. Two controllers racing on one epoch: exactly one compare-and-set wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from live_ctl_support import Collector, FakeRanks, FakeScheduler, eventually
+from nats.aio.client import Client
+
+from services.controller.service import (
+    ControllerService,
+    ControllerSettings,
+    QueueReport,
+    composition_subject,
+    controller_group,
+    drain_subject,
+    reconf_subject,
+    worker_queue_subject,
+)
+from shared.schemas import (
+    EpochRecord,
+    FirstToken,
+    TtftStages,
+    WorkerState,
+    decode,
+    encode,
+    to_json,
+)
+from shared.service import RemoteError, call, epoch_kv, worker_state_kv
+from shared.subjects import Subjects
+from shared.worker import Lifecycle
+
+H = 0.2
+HIGH, MEDIUM = 100.0, 2.0  # κ = 1 s per worker: 2CP4 → K = 2; after the split K = 3
+
+
+def settings(url: str, prefix: str, instance: str, **kw: Any) -> ControllerSettings:
+    base: dict[str, Any] = dict(
+        nats_url=url, subject_prefix=prefix, instance_id=instance, num_gpus=8, degrees=[2, 4],
+        initial_composition="2CP4", kappa={2: 1.0, 4: 1.0}, window_s=H, tick_s=0.05,
+        report_grace_s=0.05, persistence=2, queue_query_timeout_s=0.5,
+    )
+    base.update(kw)
+    return ControllerSettings(**base)
+
+
+async def inspect(nc: Client, prefix: str, body: bytes = b"") -> dict[str, Any]:
+    msg = await nc.request(f"{controller_group(Subjects(prefix))}.inspect", body, timeout=5)
+    return json.loads(msg.data)
+
+
+def worker_state(wid: str, gpus: list[int], *, queue: int, outstanding: float) -> WorkerState:
+    return WorkerState(
+        worker_id=wid, degree=len(gpus), gpus=gpus, epoch=0, lifecycle=Lifecycle.ACTIVE,
+        queue_len=queue, outstanding_s=outstanding, kv_free_blocks=10, kv_total_blocks=10,
+        heartbeat_s=time.time(),
+    )
+
+
+async def test_sustained_demand_splits_a_worker(nc: Client, nats_server, uniq: str, services):
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    states = await worker_state_kv(js, s)
+    # w-cp4-g4 drains faster (less outstanding work), so the planner picks it.
+    await states.put("w-cp4-g0", to_json(worker_state("w-cp4-g0", [0, 1, 2, 3], queue=3,
+                                                      outstanding=5.0)))
+    await states.put("w-cp4-g4", to_json(worker_state("w-cp4-g4", [4, 5, 6, 7], queue=2,
+                                                      outstanding=1.0)))
+
+    async def queue_of_g4(msg) -> None:
+        rep = QueueReport(worker_id="w-cp4-g4", queued=["r-queued"], in_flight=["r-running"])
+        data, headers = encode(rep)
+        await nc.publish(msg.reply, data, headers=headers)
+
+    await nc.subscribe(worker_queue_subject(s, "w-cp4-g4"), cb=queue_of_g4)
+    drains, reconfs, comps = Collector(), Collector(), Collector()
+    await nc.subscribe(drain_subject(s), cb=drains.cb)
+    await nc.subscribe(reconf_subject(s), cb=reconfs.cb)
+    await nc.subscribe(composition_subject(s), cb=comps.cb)
+    ranks = FakeRanks(nc, s)
+    await ranks.start()
+    level = {"demand": HIGH}
+    sched = FakeScheduler(nc, s, H, lambda: level["demand"])
+
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "ctl-a")))
+    try:
+        first = await inspect(nc, uniq)
+        assert first["composition"] == "2CP4" and first["record_epoch"] == 0
+        await sched.start()
+
+        drain = await drains.first(what="a drain notice")
+        level["demand"] = MEDIUM
+        assert drain["kind"] == "split"
+        assert drain["sources"] == ["w-cp4-g4"]
+        assert drain["targets"] == ["w-cp2-g4", "w-cp2-g6"]
+        assert drain["redirected"] == [
+            {"schema_version": 1, "worker_id": "w-cp4-g4", "request_id": "r-queued"}]
+        assert drain["in_flight"] == {"w-cp4-g4": 1}
+
+        kv = await epoch_kv(js, s)
+        entry = await kv.get(s.epoch_key())
+        rec = decode(EpochRecord, entry.value)
+        assert rec.epoch == drain["epoch"] == 1
+        assert {w.worker_id: w.lifecycle for w in rec.workers} == {
+            "w-cp4-g0": Lifecycle.ACTIVE, "w-cp4-g4": Lifecycle.DRAINING}
+
+        # Nothing commits while the in-flight request runs; its first token releases the drain.
+        assert not [r for r in reconfs.items if r["phase"] == "committed"]
+        done = FirstToken(request_id="r-running", token=7, worker_id="w-cp4-g4", epoch=0,
+                          stages=TtftStages(), finished_at_s=time.time())
+        data, headers = encode(done)
+        await nc.publish(s.result("r-running"), data, headers=headers)
+
+        exposed = await reconfs.first(lambda r: r["phase"] == "exposed", what="exposure")
+        assert exposed["sources"] == ["w-cp4-g4"]
+        assert exposed["drain_s"] is not None and exposed["switch_s"] is not None
+        assert exposed["epoch"] == 2  # the commit record; ranks acked it
+        phases = [r["phase"] for r in reconfs.items if r["reconfiguration"] == 1]
+        assert phases[:4] == ["draining", "drained", "committed", "ready"]
+
+        comp = await comps.first(lambda c: c["epoch"] == 3, what="composition notice")
+        assert comp["composition"] == "2CP2/1CP4"
+        assert sorted(comp["schedulable"]) == ["w-cp2-g4", "w-cp2-g6", "w-cp4-g0"]
+        epochs = [(r.epoch, sorted((w.worker_id, w.lifecycle.value) for w in r.workers))
+                  for r in ranks.records]
+        assert epochs[2] == (2, [("w-cp2-g4", "switching"), ("w-cp2-g6", "switching"),
+                                 ("w-cp4-g0", "active")])
+        assert epochs[3] == (3, [("w-cp2-g4", "active"), ("w-cp2-g6", "active"),
+                                 ("w-cp4-g0", "active")])
+
+        body = await inspect(nc, uniq, b'{"decisions": 50}')
+        assert body["composition"] == "2CP2/1CP4"
+        assert body["record_epoch"] == 3 and body["counters"]["cas_lost"] == 0
+        assert body["reconfigurations"][0]["phase"] == "exposed"
+        assert any(d["plan"] for d in body["decisions"])
+        assert ctl.counters["acks"] == 4  # GPUs 4..7 of the two targets
+    finally:
+        await sched.stop()
+        await ranks.stop()
+
+
+async def test_second_controller_loses_the_epoch_cas(nc: Client, nats_server, uniq: str,
+                                                     services):
+    s = Subjects(uniq)
+    reconfs, drains = Collector(), Collector()
+    await nc.subscribe(reconf_subject(s), cb=reconfs.cb)
+    await nc.subscribe(drain_subject(s), cb=drains.cb)
+    ranks = FakeRanks(nc, s)
+    await ranks.start()
+    level = {"demand": HIGH}
+    sched = FakeScheduler(nc, s, H, lambda: level["demand"])
+    # No following: each controller re-reads the record only after a lost compare-and-set,
+    # so both plan the same split on the same windows and race on the same revision.
+    a = await services(ControllerService(
+        settings(nats_server.url, uniq, "ctl-a", follow_record=False)))
+    b = await services(ControllerService(
+        settings(nats_server.url, uniq, "ctl-b", follow_record=False)))
+    try:
+        assert a.record == b.record  # b found a's initial record
+        await sched.start()
+        exposed = await reconfs.first(lambda r: r["phase"] == "exposed", what="exposure")
+        level["demand"] = MEDIUM
+
+        async def someone_lost() -> bool:
+            return a.counters["cas_lost"] + b.counters["cas_lost"] >= 1
+
+        await eventually(someone_lost, what="a lost compare-and-set")
+        winner, loser = (a, b) if exposed["controller"] == "ctl-a" else (b, a)
+        assert winner.counters["cas_lost"] == 0
+        assert loser.counters["cas_lost"] >= 1 and loser.counters["rebuilt"] >= 1
+        assert loser.counters["exposed"] == 0
+        # Every phase event and the one drain notice came from the winner.
+        assert {r["controller"] for r in reconfs.items} == {winner.instance}
+        assert len(drains.items) == 1
+        # The loser's core was rebuilt from the stored record: same epoch or behind it.
+        kv = await epoch_kv(nc.jetstream(), s)
+        stored = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
+        assert loser.record is not None and loser.record.epoch <= stored.epoch
+        assert [r.epoch for r in ranks.records] == sorted({r.epoch for r in ranks.records})
+    finally:
+        await sched.stop()
+        await ranks.stop()
+
+
+async def test_malformed_input_gets_400_and_controller_keeps_running(
+        nc: Client, nats_server, uniq: str, services):
+    s = Subjects(uniq)
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "ctl-a")))
+    group = controller_group(s)
+    for bad in (b"{not json", b'{"decisions": -1}', b'{"unknown": 1}'):
+        msg = await nc.request(f"{group}.inspect", bad, timeout=5)
+        assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400", bad
+    # Malformed pub/sub inputs are counted and dropped.
+    await nc.publish(s.window_demand("x"), b"garbage")
+    await nc.publish(s.epoch_ack(3), b'{"gpu": "x"}')
+
+    async def counted() -> bool:
+        return ctl.counters["malformed"] >= 2
+
+    await eventually(counted, what="malformed inputs counted")
+    body = await inspect(nc, uniq)
+    assert body["composition"] == "2CP4" and body["counters"]["malformed"] >= 2
+    with pytest.raises(RemoteError) as err:
+        await call(nc, f"{group}.inspect", b"[]", dict)
+    assert err.value.code == 400
+
+
+async def test_lease_loss_fails_a_worker_and_its_heartbeat_readmits_it(
+        nc: Client, nats_server, uniq: str, services):
+    s = Subjects(uniq)
+    states = await worker_state_kv(nc.jetstream(), s)
+    stale = worker_state("w-cp4-g0", [0, 1, 2, 3], queue=0, outstanding=0.0).model_copy(
+        update={"heartbeat_s": time.time() - 60})
+    await states.put("w-cp4-g0", to_json(stale))
+    comps = Collector()
+    await nc.subscribe(composition_subject(s), cb=comps.cb)
+    ranks = FakeRanks(nc, s)
+    await ranks.start()
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "ctl-a", lease_s=2.0)))
+
+    def lifecycle(rec: EpochRecord) -> str:
+        return next(w.lifecycle.value for w in rec.workers if w.worker_id == "w-cp4-g0")
+
+    async def failed() -> bool:
+        return any(lifecycle(r) == "unavailable" for r in ranks.records)
+
+    await eventually(failed, what="a record with the worker unavailable")
+    assert ctl.counters["failed"] == 1
+    body = await inspect(nc, uniq)
+    assert "w-cp4-g0" not in body["schedulable"]
+
+    async def heartbeat() -> None:
+        while True:
+            fresh = worker_state("w-cp4-g0", [0, 1, 2, 3], queue=0, outstanding=0.0)
+            await states.put("w-cp4-g0", to_json(fresh))
+            await asyncio.sleep(0.2)
+
+    beat = asyncio.create_task(heartbeat())
+    try:
+        comp = await comps.first(lambda c: "w-cp4-g0" in c["schedulable"] and c["epoch"] > 0,
+                                 what="the worker schedulable again")
+        seq = [lifecycle(r) for r in ranks.records]
+        assert seq[:4] == ["active", "unavailable", "switching", "active"]
+        assert comp["epoch"] == ranks.records[3].epoch
+        assert ctl.counters["recovered"] == 1
+    finally:
+        beat.cancel()
+        await ranks.stop()
+
+
+async def test_restart_readmits_workers_left_mid_reconfiguration(
+        nc: Client, nats_server, uniq: str, services):
+    s = Subjects(uniq)
+    kv = await epoch_kv(nc.jetstream(), s)
+    left = EpochRecord(epoch=5, committed_at_s=time.time() - 1, reason="drain (controller died)",
+                       workers=[
+                           {"worker_id": "w-cp4-g0", "first_gpu": 0, "degree": 4,
+                            "lifecycle": "active"},
+                           {"worker_id": "w-cp4-g4", "first_gpu": 4, "degree": 4,
+                            "lifecycle": "draining"}])
+    await kv.put(s.epoch_key(), to_json(left))
+    ranks = FakeRanks(nc, s)
+    await ranks.start()
+    comps = Collector()
+    await nc.subscribe(composition_subject(s), cb=comps.cb)
+    # The record is older than drain_timeout_s: its writer is presumed gone.
+    ctl = await services(ControllerService(
+        settings(nats_server.url, uniq, "ctl-b", drain_timeout_s=0.5)))
+    comp = await comps.first(lambda c: len(c["schedulable"]) == 2, what="both schedulable")
+    assert comp["epoch"] == 7 and comp["composition"] == "2CP4"
+    try:
+        states = {r.epoch: {w.worker_id: w.lifecycle.value for w in r.workers}
+                  for r in ranks.records}
+        assert states[6] == {"w-cp4-g0": "active", "w-cp4-g4": "switching"}
+        assert states[7] == {"w-cp4-g0": "active", "w-cp4-g4": "active"}
+        assert ctl.counters["readmitted"] == 1
+    finally:
+        await ranks.stop()

@@ -1,0 +1,252 @@
+"""One request end to end: HTTP → gateway → intake → scheduler → (fake) worker → result → HTTP,
+with the schedule span a child of the gateway's root span; the replica trie follows cache
+events (gaps → snapshot); baselines run live; failures reach the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from live_sched_support import FakeWorker, Services, fake_token, http, wait_until
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.rankd.engine.blockhash import chain_hashes
+from shared.schemas import CompletionRequest, FirstToken, WindowReport, decode
+from shared.service import call
+from shared.subjects import Subjects
+
+B = 16  # small blocks keep prompts short
+PROMPT = list(range(100, 100 + 3 * B + 5))  # 3 full blocks + a partial one
+
+
+async def two_workers(fake_worker) -> tuple[FakeWorker, FakeWorker]:  # type: ignore[no-untyped-def]
+    return await fake_worker("w-cp2-g0", 2, 0), await fake_worker("w-cp4-g4", 4, 4)
+
+
+async def test_http_request_flows_end_to_end(
+    live: Services, fake_worker, spans: InMemorySpanExporter  # type: ignore[no-untyped-def]
+) -> None:
+    a, b = await two_workers(fake_worker)
+    sched = await live.scheduler(block_size=B)
+    gw = await live.gateway(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+
+    reply = await http(gw.http_port, "POST", "/v1/completions",
+                       {"prompt": PROMPT, "max_tokens": 4, "model": "m"})
+    assert reply.status == 200, reply.body
+    out = reply.json()
+    rid = out["vtm"]["request_id"]
+    assert out["object"] == "text_completion" and out["model"] == "m"
+    assert out["choices"][0]["token_ids"] == [fake_token(rid)]
+    assert out["usage"]["prompt_tokens"] == len(PROMPT)
+    vtm = out["vtm"]
+    assert vtm["worker_id"] in ("w-cp2-g0", "w-cp4-g4") and vtm["duplicate"] is False
+    stages = vtm["stages"]
+    assert set(stages) == {"intake_wait_s", "schedule_s", "queue_wait_s", "prefill_s",
+                           "kv_transfer_s", "first_decode_s", "total_s"}
+    assert stages["total_s"] == vtm["ttft_s"] >= stages["prefill_s"] > 0
+
+    # Exactly one dispatch, carrying the J terms and the prompt's full-block hashes.
+    got = a.assignments + b.assignments
+    assert len(got) == 1
+    asg = got[0]
+    assert asg.request.request_id == rid and asg.worker_id == vtm["worker_id"]
+    assert asg.request.block_hashes == chain_hashes(PROMPT, B)
+    assert asg.request.tokens == PROMPT
+    assert asg.terms is not None and asg.terms.policy == "vertumnus"
+    assert asg.terms.candidates == 2 and asg.prefix_tokens == 0
+    assert asg.recompute_tokens == len(PROMPT)
+
+    # The reservation is released by the worker's completion.
+    await wait_until(lambda: sched.stats.finished == 1, "reservation released")
+    assert all(len(ld) == 0 for ld in sched.core.loads.values())
+
+    # Trace: schedule is a child of the gateway's root span, with every candidate's terms.
+    await wait_until(
+        lambda: {"request", "schedule"} <= {s.name for s in spans.get_finished_spans()},
+        "root and schedule spans ended")
+    finished = spans.get_finished_spans()
+    root = next(s for s in finished if s.name == "request"
+                and s.attributes.get("vtm.request_id") == rid)
+    sched_span = next(s for s in finished if s.name == "schedule"
+                      and s.attributes.get("vtm.request_id") == rid)
+    assert root.parent is None
+    assert sched_span.parent is not None
+    assert sched_span.parent.span_id == root.context.span_id
+    assert sched_span.context.trace_id == root.context.trace_id
+    attrs = sched_span.attributes
+    assert attrs["vtm.worker_id"] == vtm["worker_id"] and attrs["vtm.candidates"] == 2
+    for wid in ("w-cp2-g0", "w-cp4-g4"):
+        for term in ("q", "s", "score", "P", "R"):
+            assert f"vtm.candidate.{wid}.{term}" in attrs
+    assert json.loads(attrs["vtm.decision"])["worker"] == vtm["worker_id"]
+    intake = next(s for s in finished if s.name == "intake_wait"
+                  and s.attributes.get("vtm.request_id") == rid)
+    assert intake.parent.span_id == root.context.span_id
+    assert vtm["trace_id"] == format(root.context.trace_id, "032x")
+
+
+async def test_nats_completion_subject(live: Services, fake_worker, nc: Client,  # type: ignore[no-untyped-def]
+                                       uniq: str) -> None:
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=B)
+    await live.gateway(block_size=B, http_port=None)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    res = await call(nc, Subjects(uniq).gateway_completions(),
+                     CompletionRequest(prompt_tokens=PROMPT, request_id="abc-1"), FirstToken,
+                     timeout_s=20)
+    assert res.request_id == "abc-1" and res.token == fake_token("abc-1")
+    assert res.worker_id == "w-cp2-g0" and res.stages.total_s > 0
+    assert len(w.assignments) == 1
+
+
+async def test_trie_follows_events_and_snapshots(live: Services, fake_worker,  # type: ignore[no-untyped-def]
+                                                 spans: InMemorySpanExporter) -> None:
+    a, b = await two_workers(fake_worker)
+    hashes = chain_hashes(PROMPT, B)
+    # Held before the scheduler starts: only a snapshot can tell it.
+    await a.store(None, hashes[:2], publish=False)
+    sched = await live.scheduler(block_size=B)
+    gw = await live.gateway(block_size=B)
+    await wait_until(lambda: sched.stats.snapshots_applied >= 2, "initial snapshots")
+    assert sched.trie.match(hashes).held_blocks == {"w-cp2-g0": 2}
+
+    # An in-order event is applied directly.
+    await a.store(hashes[1], hashes[2:3])
+    await wait_until(lambda: sched.stats.events_applied == 1, "stored event applied")
+    assert sched.trie.match(hashes).held("w-cp2-g0") == 3
+
+    # A gap (lost event ids) marks b stale and brings b's snapshot, which is applied.
+    await b.store(None, hashes[:1], skip_ids=2)
+    await wait_until(lambda: sched.stats.gaps == 1, "gap detected")
+    await wait_until(lambda: sched.trie.match(hashes).held("w-cp4-g4") == 1, "b's snapshot")
+    assert not sched.trie.is_stale("w-cp4-g4") and b.snapshot_requests >= 2
+
+    reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
+    assert reply.status == 200, reply.body
+    rid = reply.json()["vtm"]["request_id"]
+    await wait_until(lambda: any(s.name == "schedule" for s in spans.get_finished_spans()),
+                     "schedule span ended")
+    span = next(s for s in spans.get_finished_spans()
+                if s.name == "schedule" and s.attributes.get("vtm.request_id") == rid)
+    assert span.attributes["vtm.candidate.w-cp2-g0.P"] == 3 * B
+    assert span.attributes["vtm.candidate.w-cp4-g4.P"] == B
+
+
+@pytest.mark.parametrize("policy", ["vllm", "sglang", "round_robin", "static", "dynamo", "llmd"])
+async def test_baselines_run_live(live: Services, fake_worker, policy: str) -> None:  # type: ignore[no-untyped-def]
+    a, b = await two_workers(fake_worker)
+    sched = await live.scheduler(block_size=B, policy=policy)
+    gw = await live.gateway(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+    for _ in range(3):
+        reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
+        assert reply.status == 200, reply.body
+    got = a.assignments + b.assignments
+    assert len(got) == 3
+    assert {g.terms.policy for g in got if g.terms is not None} <= {policy}
+
+
+async def test_no_eligible_worker_fails_after_max_deliver(live: Services, fake_worker) -> None:  # type: ignore[no-untyped-def]
+    await live.scheduler(block_size=B, max_deliver=2, retry_delay_s=0.05)
+    gw = await live.gateway(block_size=B)
+    reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
+    assert reply.status == 503
+    assert "no eligible worker" in reply.json()["error"]["message"]
+
+
+async def test_window_demand_reaches_the_controller_subject(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    await fake_worker("w-cp2-g0", 2, 0)
+    reports: list[WindowReport] = []
+
+    async def on_report(msg: Msg) -> None:
+        reports.append(decode(WindowReport, msg.data, msg.headers))
+
+    sub = await nc.subscribe(Subjects(uniq).window_demand_all(), cb=on_report)
+    stats: list[dict] = []
+
+    async def on_stats(msg: Msg) -> None:
+        stats.append(json.loads(msg.data))
+
+    sub2 = await nc.subscribe(f"{uniq}.cache.stats.*", cb=on_stats)
+    sched = await live.scheduler(block_size=B, window_s=0.5)
+    gw = await live.gateway(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
+    assert reply.status == 200
+    rid = reply.json()["vtm"]["request_id"]
+    await wait_until(lambda: sum(r.requests for r in reports) >= 1, "a window with the request")
+    report = next(r for r in reports if r.requests)
+    assert report.reporter == sched.reporter and report.demand_s > 0
+    assert report.demand_by_degree.keys() == {2}
+    await wait_until(lambda: len(stats) == 1, "request statistics")
+    assert stats[0]["request_id"] == rid and stats[0]["worker_id"] == "w-cp2-g0"
+    assert stats[0]["block_hashes"] == chain_hashes(PROMPT, B)
+    await sub.unsubscribe()
+    await sub2.unsubscribe()
+
+
+async def test_gateway_workers_endpoint(live: Services, fake_worker) -> None:  # type: ignore[no-untyped-def]
+    await two_workers(fake_worker)
+    gw = await live.gateway(block_size=B)
+    reply = await http(gw.http_port, "GET", "/v1/workers")
+    assert reply.status == 200
+    ws = reply.json()["workers"]
+    assert [(w["worker_id"], w["degree"], w["epoch"], w["queue_len"]) for w in ws] == [
+        ("w-cp2-g0", 2, 0, 0), ("w-cp4-g4", 4, 0, 0)]
+    assert ws[0]["hit_rate"] == 0.25 and ws[0]["lifecycle"] == "active"
+    await asyncio.sleep(0)
+
+
+async def test_expired_lease_makes_worker_ineligible(live: Services, fake_worker,  # type: ignore[no-untyped-def]
+                                                     nc: Client, uniq: str) -> None:
+    """A worker whose last heartbeat is older than the lease is UNAVAILABLE to the scheduler."""
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=B, lease_s=0.5, max_deliver=2, retry_delay_s=0.05)
+    gw = await live.gateway(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    # No more heartbeats: housekeeping marks it unavailable once the lease runs out.
+    await wait_until(lambda: str(sched.core.view.workers[0].lifecycle) == "unavailable",
+                     "lease expiry")
+    reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
+    assert reply.status == 503 and "unavailable" in reply.json()["error"]["message"]
+    assert w.assignments == []
+    await w.publish_state()  # a fresh heartbeat brings it back
+    await wait_until(lambda: str(sched.core.view.workers[0].lifecycle) == "active",
+                     "heartbeat")
+    reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
+    assert reply.status == 200 and len(w.assignments) == 1
+
+
+async def test_refused_assignment_is_released_and_reported(
+    live: Services, nc: Client, uniq: str, fake_worker  # type: ignore[no-untyped-def]
+) -> None:
+    """A worker that refuses (micro error 409, as rankd does when not ACTIVE) gets nothing
+    reserved; after max_deliver the client hears why."""
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    await w.stop()  # no assign subscriber of the fake; answer with an error instead
+    refused: list[str] = []
+
+    async def refuse(msg: Msg) -> None:
+        refused.append(msg.subject)
+        await nc.publish(msg.reply, b"", headers={"Nats-Service-Error": "w-cp2-g0 is draining",
+                                                  "Nats-Service-Error-Code": "409"})
+
+    sub = await nc.subscribe(s.worker_assign("w-cp2-g0"), cb=refuse)
+    sched = await live.scheduler(block_size=B, max_deliver=2, retry_delay_s=0.05)
+    gw = await live.gateway(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
+    assert reply.status == 503
+    msg = reply.json()["error"]["message"]
+    assert "did not accept" in msg and "409" in msg and "draining" in msg
+    assert len(refused) == 2  # one per delivery
+    assert all(len(ld) == 0 for ld in sched.core.loads.values())
+    assert sched.stats.failed == 1 and sched.stats.retried == 1
+    await sub.unsubscribe()

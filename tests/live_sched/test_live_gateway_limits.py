@@ -1,0 +1,94 @@
+"""Gateway HTTP and NATS errors: each limit answers a clear 4xx and the service keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+from live_sched_support import Services, http
+from nats.aio.client import Client
+
+from shared.schemas import CompletionRequest, FirstToken
+from shared.service import RemoteError, call
+from shared.subjects import Subjects
+
+LIMITS = {"max_body_bytes": 2048, "max_prompt_tokens": 64, "max_seq_len": 80,
+          "vocab_size": 1000}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kw", "status", "needle"),
+    [
+        ("POST", "/v1/completions", {"raw": b"{not json"}, 400, "not valid JSON"),
+        ("POST", "/v1/completions", {"body": [1, 2]}, 400, "JSON object"),
+        ("POST", "/v1/completions", {"body": {"max_tokens": 1}}, 400, "'prompt' is required"),
+        ("POST", "/v1/completions", {"body": {"prompt": [1, 2], "stream": True}}, 400,
+         "stream=true is not supported"),
+        ("POST", "/v1/completions", {"body": {"prompt": ["a"]}}, 400, "prompt.0"),
+        ("POST", "/v1/completions", {"body": {"prompt": [1, -3]}}, 400, "prompt.1"),
+        ("POST", "/v1/completions", {"body": {"prompt": []}}, 400, "prompt"),
+        ("POST", "/v1/completions", {"body": {"prompt": [1], "max_tokens": 0}}, 400,
+         "max_tokens"),
+        ("POST", "/v1/completions", {"body": {"prompt": [1], "temprature": 0.1}}, 400,
+         "unknown field(s) temprature"),
+        ("POST", "/v1/completions", {"body": {"prompt": [[1], [2]]}}, 400, "one prompt"),
+        ("POST", "/v1/completions", {"raw": b"x" * 3000}, 413, "over the limit of 2048"),
+        ("POST", "/v1/completions", {"body": {"prompt": list(range(65))}}, 413,
+         "at most 64"),
+        ("POST", "/v1/completions", {"body": {"prompt": list(range(60)), "max_tokens": 30}},
+         422, "maximum sequence length 80"),
+        ("POST", "/v1/completions", {"body": {"prompt": [5, 1000]}}, 422, "vocabulary"),
+        ("POST", "/v1/completions", {"body": {"prompt": "hello"}}, 422, "tokenizer"),
+        ("POST", "/v1/completions", {"body": {"prompt": [1]},
+                                     "headers": {"Content-Type": "text/plain"}}, 400,
+         "Content-Type"),
+        ("POST", "/v1/completions", {"raw": b"{}", "headers": {"Transfer-Encoding": "chunked"}},
+         411, "chunked"),
+        ("GET", "/v1/completions", {}, 405, "POST only"),
+        ("GET", "/v2/nothing", {}, 404, "no route"),
+    ],
+)
+async def test_http_errors_are_clear_and_service_keeps_serving(
+    live: Services, method: str, path: str, kw: dict, status: int, needle: str
+) -> None:
+    gw = await live.gateway(**LIMITS)
+    reply = await http(gw.http_port, method, path, **kw)
+    assert reply.status == status, reply.body
+    err = reply.json()["error"]
+    assert err["code"] == status and needle in err["message"], err
+    # Still serving after the error.
+    health = await http(gw.http_port, "GET", "/health")
+    assert health.status == 200 and health.json()["status"] == "ok"
+    workers = await http(gw.http_port, "GET", "/v1/workers")
+    assert workers.status == 200 and workers.json() == {"workers": []}
+
+
+async def test_oversized_head_is_431(live: Services) -> None:
+    gw = await live.gateway(**LIMITS)
+    reply = await http(gw.http_port, "GET", "/health", headers={"X-Big": "y" * 20_000})
+    assert reply.status == 431
+    assert (await http(gw.http_port, "GET", "/health")).status == 200
+
+
+async def test_nats_endpoint_errors(live: Services, nc: Client, uniq: str) -> None:
+    await live.gateway(**LIMITS)
+    subject = Subjects(uniq).gateway_completions()
+    cases = [
+        (b"{", 400, "not valid JSON"),
+        (b'{"prompt_tokens": [1], "bogus": 1}', 400, "bogus"),
+        (CompletionRequest(prompt_tokens=[1], stream=True), 400, "stream=true"),
+        (CompletionRequest(prompt_tokens=list(range(65))), 413, "at most 64"),
+        (CompletionRequest(prompt="text"), 422, "tokenizer"),
+    ]
+    for body, code, needle in cases:
+        with pytest.raises(RemoteError) as err:
+            await call(nc, subject, body, FirstToken, timeout_s=10)
+        assert err.value.code == code and needle in err.value.description, err.value
+
+
+async def test_no_nats_is_503(live: Services) -> None:
+    """Once its NATS connection is gone, the gateway answers 503 (health and completions)."""
+    gw = await live.gateway(**LIMITS)
+    await gw.nc.close()
+    reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": [1, 2, 3]})
+    assert reply.status == 503 and "NATS" in reply.json()["error"]["message"]
+    assert (await http(gw.http_port, "GET", "/health")).status == 503
+    assert (await http(gw.http_port, "GET", "/v1/workers")).status == 503

@@ -1,0 +1,133 @@
+"""At-least-once intake, at-most-once dispatch: duplicate publishes are de-duplicated by the
+stream, a redelivered message is acked without a second dispatch (also by a restarted
+scheduler), and a redirect (same request id, new message id) is placed again."""
+
+from __future__ import annotations
+
+import time
+
+from live_sched_support import Services, wait_until
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.rankd.engine.blockhash import chain_hashes
+from services.scheduler.service import (
+    AssignmentRecord,
+    SchedulerService,
+    SchedulerSettings,
+    assignment_bucket,
+)
+from shared.schemas import IntakeRequest, encode, from_json
+from shared.subjects import Subjects
+
+B = 16
+TOKENS = list(range(40))
+
+
+def intake(rid: str) -> IntakeRequest:
+    return IntakeRequest(request_id=rid, input_len=len(TOKENS),
+                         block_hashes=chain_hashes(TOKENS, B), block_size=B,
+                         arrival_s=time.time())
+
+
+async def publish(nc: Client, s: Subjects, req: IntakeRequest, msg_id: str | None = None):  # type: ignore[no-untyped-def]
+    data, headers = encode(req)
+    headers["Nats-Msg-Id"] = msg_id or req.request_id
+    return await nc.jetstream().publish(s.intake_requests(), data, headers=headers)
+
+
+async def test_duplicate_publish_is_deduplicated(live: Services, fake_worker, nc: Client,  # type: ignore[no-untyped-def]
+                                                 uniq: str) -> None:
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    first = await publish(nc, s, intake("dup-1"))
+    second = await publish(nc, s, intake("dup-1"))
+    assert first.duplicate is None and second.duplicate is True
+    assert first.seq == second.seq
+    # A later request is dispatched after anything queued before it (one consumer, in order),
+    # so once it is, a second copy of dup-1 would have been dispatched too.
+    await publish(nc, s, intake("after-1"))
+    await wait_until(lambda: len(w.assignments) == 2, "both requests dispatched")
+    assert [a.request.request_id for a in w.assignments] == ["dup-1", "after-1"]
+    assert sched.stats.dispatched == 2
+
+
+class CrashBeforeAck(SchedulerService):
+    """A scheduler that 'dies' between dispatching and acking its first intake message: the
+    ack never reaches the server, so the message is redelivered after ack_wait."""
+
+    dropped = 0
+
+    async def handle_intake(self, msg: Msg) -> None:
+        if self.dropped == 0:
+            self.dropped += 1
+
+            async def lost_ack(*_a: object, **_k: object) -> None:
+                return None
+
+            msg.ack = lost_ack  # type: ignore[method-assign]
+        await super().handle_intake(msg)
+
+
+async def test_redelivered_message_is_not_dispatched_twice(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    settings = SchedulerSettings(nats_url=live.url, subject_prefix=uniq, block_size=B,
+                                 ack_wait_s=1.0, instance_id="crashy")
+    sched = await live._run(CrashBeforeAck(settings))
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    await publish(nc, s, intake("re-1"))
+    await wait_until(lambda: sched.stats.redelivered_acked == 1, "the redelivery")
+    assert [a.request.request_id for a in w.assignments] == ["re-1"]
+    assert sched.stats.dispatched == 1
+    # The record that made it idempotent is in the KV bucket (a restart would see it too).
+    kv = await nc.jetstream().key_value(assignment_bucket(s))
+    rec = from_json(AssignmentRecord, (await kv.get("re-1")).value)
+    assert (rec.state, rec.msg_id, rec.worker_id) == ("dispatched", "re-1", "w-cp2-g0")
+    assert rec.stream_seq == 1
+    # And the message is gone from the work queue (acked the second time).
+    info = await nc.jetstream().stream_info(s.intake_stream())
+    assert info.state.messages == 0
+
+
+async def test_restarted_scheduler_sees_the_record(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """Scheduler A dispatches and dies before its ack reaches the server; scheduler B (a fresh
+    process state) gets the redelivery and acks it without dispatching, from A's KV record."""
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    settings = SchedulerSettings(nats_url=live.url, subject_prefix=uniq, block_size=B,
+                                 ack_wait_s=1.0, instance_id="sched-a")
+    a = await live._run(CrashBeforeAck(settings))
+    await wait_until(lambda: len(a.core.view) == 1, "worker in A's view")
+    await publish(nc, s, intake("old-1"))
+    await wait_until(lambda: a.stats.dispatched == 1, "A's dispatch")
+    await live.stop(a)
+    b = await live.scheduler(block_size=B, instance_id="sched-b")
+    await wait_until(lambda: b.stats.redelivered_acked == 1, "the redelivery at B")
+    await publish(nc, s, intake("new-1"))
+    await wait_until(lambda: len(w.assignments) == 2, "the new request")
+    assert [x.request.request_id for x in w.assignments] == ["old-1", "new-1"]
+    assert b.stats.dispatched == 1
+
+
+async def test_redirect_is_placed_again(live: Services, fake_worker, nc: Client,  # type: ignore[no-untyped-def]
+                                        uniq: str) -> None:
+    """rankd redirects queued requests of a draining worker with Nats-Msg-Id {rid}-r{epoch}:
+    same request id, a new message → a fresh placement, the old reservation released."""
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    sched = await live.scheduler(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    await publish(nc, s, intake("rd-1"))
+    await wait_until(lambda: len(w.assignments) == 1, "first placement")
+    assert len(sched.core.loads["w-cp2-g0"]) == 1
+    await publish(nc, s, intake("rd-1"), msg_id="rd-1-r1")
+    await wait_until(lambda: len(w.assignments) == 2, "placement of the redirect")
+    assert sched.stats.redirected == 1
+    assert len(sched.core.loads["w-cp2-g0"]) == 1  # old reservation released, new one held

@@ -1,0 +1,127 @@
+"""docker-compose.yml and Dockerfile, checked without a Docker engine.
+
+* Structure: the file validates against ``data/compose-subset.schema.json``, a hand-written
+  JSON schema of the subset of the Compose Specification this project uses (the upstream
+  compose-spec schema is not vendored: it cannot be downloaded at test time). Unknown keys are
+  rejected, so the subset grows only deliberately.
+* Meaning: the infrastructure services are there (nats with JetStream and monitoring, Jaeger
+  with OTLP 4317/4318 and UI 16686, nats-box); every vertumnus service runs ``python -m`` on a
+  module that exists, and every ``VTM_*`` variable it sets is a real setting of that service
+  whose value the settings class accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from live_up_support import REPO
+
+from vertumnus.live.registry import SERVICES, SIM_RANKD, ServiceInfo, env_names, module_runnable
+
+COMPOSE = REPO / "docker-compose.yml"
+SCHEMA = Path(__file__).parent / "data" / "compose-subset.schema.json"
+VTM_SERVICES = ("gateway", "scheduler", "controller", "cachemgr", "rankd")
+NOT_LANDED_OK = {"controller", "cachemgr"}  # being written in parallel (see report)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE.read_text())  # resolves the << merge keys
+    assert isinstance(data, dict)
+    return data
+
+
+def _info_for(module: str) -> ServiceInfo | None:
+    for info in (*SERVICES.values(), SIM_RANKD):
+        if info.module == module:
+            return info
+    return None
+
+
+def test_validates_against_the_compose_subset_schema(compose: dict[str, Any]) -> None:
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(compose), key=str)
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_schema_rejects_what_compose_rejects() -> None:
+    # The schema is a real check, not a pass-through.
+    schema = json.loads(SCHEMA.read_text())
+    bad = [
+        {"services": {"a": {"image": "x", "comand": ["typo"]}}},
+        {"services": {"a": {"command": ["no", "image", "or", "build"]}}},
+        {"services": {"a": {"image": "x", "depends_on": {"b": {"condition": "ready"}}}}},
+        {"services": {"a": {"image": "x", "ports": ["80:eighty"]}}},
+        {"services": {"a": {"image": "x"}}, "servics": {}},
+    ]
+    for doc in bad:
+        assert list(jsonschema.Draft7Validator(schema).iter_errors(doc)), doc
+
+
+def test_infrastructure_services(compose: dict[str, Any]) -> None:
+    s = compose["services"]
+    assert {"nats", "jaeger", "nats-box", *VTM_SERVICES} <= set(s)
+    assert s["nats"]["image"].startswith("nats:2")
+    cmd = s["nats"]["command"]
+    assert "-js" in cmd and cmd[cmd.index("-m") + 1] == "8222"
+    assert s["jaeger"]["image"].startswith("cr.jaegertracing.io/jaegertracing/jaeger")
+    ports = {p.split(":")[-1] for p in s["jaeger"]["ports"]}
+    assert {"4317", "4318", "16686"} <= ports
+    assert s["nats-box"]["image"].startswith("natsio/nats-box")
+    assert s["nats-box"]["environment"]["NATS_URL"] == "nats://nats:4222"
+    # Depends-on targets exist.
+    for name, svc in s.items():
+        for dep in svc.get("depends_on", {}):
+            assert dep in s, f"{name} depends on unknown service {dep}"
+
+
+def test_one_image_for_every_vertumnus_service(compose: dict[str, Any]) -> None:
+    s = compose["services"]
+    images = {s[n]["image"] for n in VTM_SERVICES}
+    builds = {json.dumps(s[n]["build"], sort_keys=True) for n in VTM_SERVICES}
+    assert len(images) == 1 and len(builds) == 1
+    build = s["gateway"]["build"]
+    dockerfile = REPO / build["context"] / build.get("dockerfile", "Dockerfile")
+    text = dockerfile.read_text()
+    assert "FROM python:3.11-slim" in text
+    assert "pip install ." in text
+    # What the image copies is what the package needs (pyproject's packages.find).
+    for pkg in ("shared", "services", "sim", "vertumnus"):
+        assert f"COPY {pkg} " in text
+
+
+@pytest.mark.parametrize("name", VTM_SERVICES)
+def test_service_command_and_settings(compose: dict[str, Any], name: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    svc = compose["services"][name]
+    cmd = svc["command"]
+    assert cmd[:2] == ["python", "-m"], cmd
+    module = cmd[2]
+    info = _info_for(module)
+    assert info is not None, f"{name}: {module} is not a known service entry point"
+    if not module_runnable(module):
+        if name in NOT_LANDED_OK:
+            pytest.xfail(f"{module} has not landed yet")
+        pytest.fail(f"{name}: `python -m {module}` finds nothing to run")
+    cls = info.settings_class()
+    assert cls is not None, f"{name}: no settings class found in {info.settings_modules}"
+    env = {str(k): str(v) for k, v in svc["environment"].items()}
+    known = env_names(cls)
+    unknown = sorted(k for k in env if k.startswith("VTM_") and k not in known)
+    assert not unknown, f"{name}: not settings of {cls.__name__}: {unknown}"
+    # The values parse: build the settings from exactly this environment.
+    for key in [k for k in os.environ if k.startswith("VTM_")]:
+        monkeypatch.delenv(key)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    settings = cls()
+    assert settings.nats_url == "nats://nats:4222"
+    assert settings.telemetry.exporter == "otlp"
+    assert settings.telemetry.endpoint == "http://jaeger:4317"

@@ -1,0 +1,77 @@
+"""``vertumnus up`` end to end: real nats-server, every service that exists as a child process,
+a tiny replay through the gateway's HTTP API, the report and the JSON results; and Ctrl-C
+(SIGINT to the ``vertumnus up`` process, twice) or SIGTERM stops every child and the server."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from live_up_support import REPO, alive, cli, run_cli, wait_until
+
+from vertumnus.live.report import REQUIRED_KEYS
+
+
+def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    logs = tmp_path / "logs"
+    proc = run_cli(["up", "--max-requests", "12", "--duration", "60", "--time-scale", "0.05",
+                    "--log-dir", str(logs), "--json", str(out), "--no-progress",
+                    "--stop-timeout", "10"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TTFT" in proc.stdout and "SLO attainment" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    assert not missing, missing
+    assert data["requests"] == 12
+    assert data["completed"] + data["failed"] == 12
+    assert data["completed"] == 12, data["errors"]
+    assert data["mean_ttft_s"] > 0 and data["p50_ttft_s"] <= data["p99_ttft_s"]
+    assert 0.0 <= data["slo_attainment"] <= 1.0
+    assert 0.0 <= data["hit_rate"] <= 1.0
+    assert isinstance(data["reconfigurations"], int)
+    # Clean stop: every child and the server are gone, and the services exited by SIGTERM
+    # handling (status 0), not by SIGKILL.
+    pids = json.loads((logs / "pids.json").read_text())
+    assert {"gateway", "scheduler", "rankd", "nats-server"} <= set(pids)
+    assert not [n for n, p in pids.items() if alive(p)]
+    assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_interrupt_leaves_no_child_processes(tmp_path: Path, sig: signal.Signals) -> None:
+    logs = tmp_path / "logs"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as fh:
+        # Long enough that the replay is still running when we interrupt it.
+        proc = subprocess.Popen(
+            cli("up", "--duration", "3000", "--time-scale", "0.05", "--log-dir", str(logs),
+                "--no-progress", "--stop-timeout", "10", "--json", str(tmp_path / "r.json")),
+            cwd=REPO, stdout=subprocess.PIPE, stderr=fh, text=True)
+    try:
+        wait_until(lambda: "healthy:" in err.read_text() or proc.poll() is not None,
+                   "the stack to become healthy")
+        assert proc.poll() is None, err.read_text()
+        pids = json.loads((logs / "pids.json").read_text())
+        assert {"gateway", "scheduler", "rankd", "nats-server"} <= set(pids)
+        children = {n: p for n, p in pids.items() if n != "orchestrator"}
+        assert all(alive(p) for p in children.values())
+        proc.send_signal(sig)
+        if sig == signal.SIGINT:  # an impatient second Ctrl-C must not abort the shutdown
+            time.sleep(0.3)
+            proc.send_signal(sig)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err.read_text()
+    assert "interrupted" in stdout
+    left = [n for n, p in children.items() if alive(p)]
+    assert not left, f"still running after Ctrl-C: {left}"
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["interrupted"] is True

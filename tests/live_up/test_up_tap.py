@@ -1,0 +1,58 @@
+"""``vertumnus tap`` prints messages decoded by Content-Type (real server, real CLI process);
+the decoder itself on JSON, msgpack, text and binary payloads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+
+import msgpack
+import nats
+from live_up_support import REPO, cli
+
+from shared.natsserver import EmbeddedNats
+from shared.schemas import CONTENT_TYPE, JSON, MSGPACK
+from vertumnus.live.tap import render_payload
+
+
+async def test_tap_prints_a_published_json_message_decoded(nats_server: EmbeddedNats) -> None:
+    proc = subprocess.Popen(
+        cli("tap", "tapt.>", "--nats", nats_server.url, "--count", "1", "--timeout", "60"),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nc = await nats.connect(nats_server.url)
+    try:
+        payload = json.dumps({"worker_id": "w-cp2-g0", "queue_len": 3}).encode()
+        # The tap subscribes some time after it starts: publish until it has printed one.
+        for _ in range(600):
+            if proc.poll() is not None:
+                break
+            await nc.publish("tapt.worker.state", payload, headers={CONTENT_TYPE: JSON})
+            await asyncio.sleep(0.1)
+    finally:
+        await nc.drain()
+        if proc.poll() is None:
+            proc.kill()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "tapt.worker.state" in out and "(json," in out
+    assert '"worker_id": "w-cp2-g0"' in out  # pretty-printed (indented), not the raw bytes
+    assert '  "queue_len": 3' in out.replace("    ", "  ")
+
+
+def test_render_json_msgpack_text_binary() -> None:
+    kind, text = render_payload(b'{"a":1,"b":[1,2]}', {CONTENT_TYPE: JSON})
+    assert kind == "json" and json.loads(text) == {"a": 1, "b": [1, 2]} and "\n" in text
+
+    packed = msgpack.packb({"request_id": "r1", "data": b"\x00\x01" * 40}, use_bin_type=True)
+    kind, text = render_payload(packed, {CONTENT_TYPE: MSGPACK})
+    assert kind == "msgpack"
+    obj = json.loads(text)
+    assert obj["request_id"] == "r1" and obj["data"].startswith("<80 bytes: 00 01")
+
+    assert render_payload(b"hello", None) == ("text", "hello")
+    kind, text = render_payload(b"\xff\xfe\x00garbage", None)
+    assert kind == "binary" and text.startswith("<10 bytes: ff fe 00")
+    kind, text = render_payload(b"\xc1", {CONTENT_TYPE: MSGPACK})  # 0xc1: never used
+    assert kind == "binary" and "undecodable msgpack" in text
+    assert render_payload(b"", {CONTENT_TYPE: JSON}) == ("empty", "")

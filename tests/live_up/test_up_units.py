@@ -1,0 +1,89 @@
+"""The pure parts of the live CLI: prompt synthesis keeps prefix sharing, ids, compositions,
+settings discovery, the report's keys."""
+
+from __future__ import annotations
+
+import math
+
+from services.gateway.settings import GatewaySettings
+from services.rankd.engine.blockhash import chain_hashes
+from sim.workloads.workload import Request
+from vertumnus.live.registry import SERVICES, SIM_RANKD, env_names, filter_env, module_runnable
+from vertumnus.live.replay import BlockTokens, ReplayRecord, wire_id
+from vertumnus.live.report import (
+    REQUIRED_KEYS,
+    CompositionChange,
+    LiveReport,
+    describe_change,
+    reconfigurations,
+)
+from vertumnus.live.stack import default_composition, notation, phased_config
+
+
+def _req(rid: str, hashes: tuple[int, ...], length: int) -> Request:
+    return Request(rid, 0.0, length, 1, hashes)
+
+
+def test_equal_block_ids_give_equal_gateway_hashes() -> None:
+    gen = BlockTokens(block_size=16)
+    a = gen.prompt(_req("a", (11, 12, 13), 48))
+    b = gen.prompt(_req("b", (11, 12, 99), 48))
+    c = gen.prompt(_req("c", (11, 12), 70))  # longer than its ids: unique tail
+    assert len(a) == 48 and len(c) == 70
+    ha, hb, hc = (chain_hashes(x, 16) for x in (a, b, c))
+    assert ha[:2] == hb[:2] == hc[:2]  # shared prefix of two blocks survives
+    assert ha[2] != hb[2]
+    assert len(set(hc[2:]) & set(ha)) == 0
+    assert all(0 <= t < gen.vocab for t in a)
+
+
+def test_wire_ids_are_subject_tokens() -> None:
+    assert wire_id(_req("Mooncake.Trace/7", (), 1), "x1-") == "x1-mooncake-trace-7"
+    assert wire_id(_req("-odd", (), 1)) == "r-odd"
+
+
+def test_default_compositions_and_notation() -> None:
+    assert default_composition(8, (2, 4)) == ("w-cp4-g0", "w-cp4-g4")
+    assert default_composition(6, (2, 4)) == ("w-cp4-g0", "w-cp2-g4")
+    assert notation(("w-cp4-g0", "w-cp2-g4", "w-cp2-g6")) == "2CP2/1CP4"
+    cfg = phased_config(240.0, 2.0)
+    assert math.isclose(sum(p.duration_s for p in cfg.phases), 240.0)
+    assert len({p.rate_multiplier for p in cfg.phases}) > 1  # real load phases
+
+
+def test_registry_knows_modules_and_settings() -> None:
+    assert module_runnable("services.gateway") and module_runnable(SIM_RANKD.module)
+    assert not module_runnable("services.nope") and not module_runnable("services.rankd")
+    names = env_names(GatewaySettings)
+    assert {"VTM_NATS_URL", "VTM_HTTP_PORT", "VTM_TELEMETRY__EXPORTER"} <= names
+    assert SERVICES["gateway"].settings_class() is GatewaySettings
+    kept, dropped = filter_env(GatewaySettings, {"VTM_HTTP_PORT": "0", "VTM_NOPE": "1"})
+    assert kept == {"VTM_HTTP_PORT": "0"} and dropped == ["VTM_NOPE"]
+    rankd = SIM_RANKD.settings_class()
+    assert rankd is not None and {"VTM_TRUTH", "VTM_HOST_GPUS"} <= env_names(rankd)
+
+
+def test_composition_changes_are_named() -> None:
+    a = CompositionChange(1, -1.0, ("w-cp4-g0", "w-cp4-g4"))
+    b = CompositionChange(2, 3.0, ("w-cp2-g0", "w-cp2-g2", "w-cp4-g4"))
+    b2 = CompositionChange(3, 3.1, b.workers)  # lifecycle-only record
+    c = CompositionChange(4, 9.0, a.workers)
+    assert describe_change(a, b).startswith("split w-cp4-g0 → w-cp2-g0, w-cp2-g2")
+    assert describe_change(b2, c).startswith("merge")
+    assert reconfigurations([a, b, b2, c]) == 2
+    assert b.label() == "2×CP2 + 1×CP4"
+
+
+def test_report_keys_and_overhead() -> None:
+    ok = ReplayRecord("r1", 0.0, 1000, 200, ttft_s=0.05, intake_wait_s=0.001,
+                      queue_wait_s=0.01, prefill_s=0.03, kv_transfer_s=0.004,
+                      first_decode_s=0.0, prefix_tokens=512, worker_id="w-cp2-g0")
+    bad = ReplayRecord("r2", 1.0, 9000, 503, error="no worker")
+    s = LiveReport([ok, bad], time_scale=0.1).summary()
+    assert all(k in s for k in REQUIRED_KEYS)
+    assert (s["requests"], s["completed"], s["failed"]) == (2, 1, 1)
+    assert math.isclose(s["mean_ttft_s"], 0.5)  # modelled = wall / time scale
+    assert math.isclose(s["overhead_p50_ms"], 5.0)
+    assert math.isclose(s["hit_rate"], 0.512)
+    assert s["slo_attainment"] == 1.0  # 0.5 s ≤ 1 s for L < 8192
+    assert s["errors"] == {"no worker": 1}

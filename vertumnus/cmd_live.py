@@ -1,0 +1,243 @@
+"""``vertumnus up``, ``replay``, ``tap`` and one command per live service.
+
+* ``up`` — the whole live system on this machine (embedded nats-server, every service as a
+  child process, rank daemons on the sim backend timed by the ground truth), a replay of the
+  built-in phased synthetic workload through the gateway, the TTFT report; stops everything
+  at the end or on Ctrl-C.
+* ``replay`` — the same replay and report against a stack that is already running.
+* ``tap`` — print the messages of a subject (default ``vtm.>``) decoded by Content-Type.
+* ``gateway | scheduler | controller | cachemgr | rankd`` — run that service's main with the
+  remaining arguments (``vertumnus gateway --port 8080`` = ``python -m services.gateway
+  --port 8080``); configuration by ``VTM_*`` environment variables as documented on each
+  service's settings class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import runpy
+import sys
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        _fail(f"--{name} must be comma-separated integers, got {text!r}")
+    if not vals:
+        _fail(f"--{name} needs at least one value")
+    return vals
+
+
+def run_service_module(module: str, argv: list[str], prog: str) -> None:
+    """Run ``python -m module`` in this process with ``argv`` (what the service mains read)."""
+    from vertumnus.live.registry import module_runnable
+
+    if not module_runnable(module):
+        _fail(f"{prog}: module {module} is not available in this installation yet")
+    old = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = old
+
+
+def _service_command(app: typer.Typer, name: str) -> None:
+    from vertumnus.live.registry import SERVICES, SIM_RANKD
+
+    info = SERVICES[name]
+    help_text = (f"Run the {name} service ({info.doc}): `python -m {info.module}` with the "
+                 "remaining arguments; settings from VTM_* variables.")
+    if name == "rankd":
+        help_text += (" `vertumnus rankd --sim-truth` runs the sim backend timed by the "
+                      f"simulator's ground truth ({SIM_RANKD.module}).")
+
+    @app.command(name=name, help=help_text, context_settings=_PASS_THROUGH,
+                 add_help_option=False)
+    def _cmd(ctx: typer.Context) -> None:
+        args = list(ctx.args)
+        module = info.module
+        if name == "rankd" and "--sim-truth" in args:
+            args.remove("--sim-truth")
+            module = SIM_RANKD.module
+        run_service_module(module, args, f"vertumnus {name}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def up(
+        gpus: Annotated[int, typer.Option(help="GPUs in the prefill pool (simulated)")] = 8,
+        degrees: Annotated[str, typer.Option(help="CP degrees, comma-separated")] = "2,4",
+        policy: Annotated[str, typer.Option(help="Scheduler policy (registry name)")] = "vertumnus",
+        workload: Annotated[str, typer.Option(
+            help="'synthetic' (phased) or a trace path")] = "synthetic",
+        rate: Annotated[float | None, typer.Option(
+            help="Base request rate, req/s modelled (default 0.25 per GPU)")] = None,
+        duration: Annotated[float, typer.Option(
+            help="Workload length in modelled seconds (4 load phases)")] = 240.0,
+        time_scale: Annotated[float, typer.Option(
+            help="Wall seconds per modelled second (0.1 = 10× faster)")] = 0.1,
+        rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,
+        backend: Annotated[str, typer.Option(help="rankd backend: sim or torch")] = "sim",
+        seed: Annotated[int, typer.Option()] = 0,
+        max_requests: Annotated[int | None, typer.Option(help="Replay only the first N")] = None,
+        profile: Annotated[Path | None, typer.Option(
+            help="Fitted cost-model profile for the scheduler (vertumnus profile)")] = None,
+        prefix: Annotated[str, typer.Option(help="Subject prefix")] = "vtm",
+        log_dir: Annotated[Path | None, typer.Option(
+            help="Service logs and pids.json (default: a temporary directory)")] = None,
+        json_out: Annotated[Path | None, typer.Option("--json", help="Write results JSON")] = None,
+        stop_timeout: Annotated[float, typer.Option(
+            help="Wall seconds between SIGTERM and SIGKILL at shutdown")] = 10.0,
+        health_timeout: Annotated[float, typer.Option(
+            help="Wall seconds to wait for every service to be healthy")] = 90.0,
+        progress: Annotated[bool, typer.Option(help="Show the progress bar")] = True,
+        serve: Annotated[bool, typer.Option(
+            help="No replay: keep the stack running until Ctrl-C (drive it with `replay`)")
+        ] = False,
+        nats_port: Annotated[int, typer.Option(help="nats-server port (-1: any free)")] = -1,
+        http_port: Annotated[int, typer.Option(help="Gateway HTTP port (0: any free)")] = 0,
+    ) -> None:
+        """Start nats + every service, replay a workload through the gateway, report, stop."""
+        from rich.console import Console
+
+        from vertumnus.live.procs import ChildFailed
+        from vertumnus.live.stack import StackError, UpConfig, run_up
+
+        try:
+            cfg = UpConfig(
+                gpus=gpus, degrees=_ints(degrees, "degrees"), policy=policy, backend=backend,
+                workload=workload, rate=rate, duration_s=duration, time_scale=time_scale,
+                rate_scale=rate_scale, seed=seed, max_requests=max_requests, profile=profile,
+                prefix=prefix, log_dir=log_dir, stop_timeout_wall_s=stop_timeout,
+                health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
+                http_port=http_port,
+            )
+        except ValueError as exc:
+            _fail(str(exc))
+        try:
+            summary = asyncio.run(run_up(cfg, console=Console(), err_console=Console(stderr=True),
+                                         json_path=json_out, show_progress=progress))
+        except (StackError, ChildFailed) as exc:
+            _fail(str(exc), 1)
+        except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+            raise typer.Exit(130) from None
+        if summary.get("interrupted"):
+            raise typer.Exit(130)
+
+    @app.command()
+    def replay(
+        gateway: Annotated[str, typer.Option(help="Gateway base URL, http://host:port")],
+        trace: Annotated[str, typer.Option(help="'synthetic' or a trace file")] = "synthetic",
+        rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,
+        time_scale: Annotated[float, typer.Option(
+            help="The stack's time scale: arrivals × scale, TTFT ÷ scale")] = 1.0,
+        rate: Annotated[float | None, typer.Option(help="Base rate req/s (synthetic)")] = None,
+        duration: Annotated[float, typer.Option(help="Modelled seconds (synthetic)")] = 240.0,
+        seed: Annotated[int, typer.Option()] = 0,
+        max_requests: Annotated[int | None, typer.Option(help="Replay only the first N")] = None,
+        nats_url: Annotated[str | None, typer.Option(
+            "--nats", help="NATS URL: adds hit rate and composition changes")] = None,
+        prefix: Annotated[str, typer.Option(help="Subject prefix (with --nats)")] = "vtm",
+        json_out: Annotated[Path | None, typer.Option("--json", help="Write results JSON")] = None,
+        progress: Annotated[bool, typer.Option(help="Show the progress bar")] = True,
+    ) -> None:
+        """Replay a trace (or the synthetic workload) through a running gateway; report."""
+
+        from vertumnus.live.stack import load_requests, write_json
+
+        _, reqs = load_requests(trace, duration_s=duration, rate=rate, seed=seed,
+                                max_requests=max_requests, default_rate=2.0)
+        try:
+            summary = asyncio.run(_replay_main(
+                gateway, reqs, time_scale=time_scale, rate_scale=rate_scale, nats_url=nats_url,
+                prefix=prefix, progress=progress,
+                meta={"workload": trace, "rate_scale": rate_scale, "seed": seed}))
+        except ValueError as exc:
+            _fail(str(exc))
+        if json_out is not None:
+            write_json(json_out, summary)
+            typer.echo(f"results written to {json_out}", err=True)
+
+    @app.command()
+    def tap(
+        subject: Annotated[str, typer.Argument(help="Subject filter")] = "vtm.>",
+        nats_url: Annotated[str, typer.Option("--nats", help="NATS URL")] = "nats://127.0.0.1:4222",
+        count: Annotated[int | None, typer.Option(help="Stop after N messages")] = None,
+        timeout: Annotated[float | None, typer.Option(help="Stop after S seconds")] = None,
+        show_trace: Annotated[bool, typer.Option(help="Also print trace-context headers")] = False,
+    ) -> None:
+        """Print every message on SUBJECT decoded by its Content-Type (JSON, msgpack, binary)."""
+        from vertumnus.live.tap import tap as run_tap
+
+        def out(text: str) -> None:
+            typer.echo(text)
+            sys.stdout.flush()
+
+        try:
+            asyncio.run(run_tap(nats_url, subject, count=count, timeout_s=timeout,
+                                show_trace=show_trace, out=out))
+        except KeyboardInterrupt:
+            raise typer.Exit(0) from None
+        except OSError as exc:
+            _fail(f"cannot reach NATS at {nats_url}: {exc}", 1)
+
+    for name in ("gateway", "scheduler", "controller", "cachemgr", "rankd"):
+        _service_command(app, name)
+
+
+async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate_scale: float,
+                       nats_url: str | None, prefix: str, progress: bool,
+                       meta: dict[str, Any]) -> dict[str, Any]:
+    from rich.console import Console
+
+    from shared.subjects import Subjects
+    from vertumnus.live.observe import Observer
+    from vertumnus.live.report import LiveReport
+    from vertumnus.live.stack import replay_with_progress
+
+    err = Console(stderr=True)
+    observer = None
+    nc = None
+    if nats_url:
+        import nats
+
+        nc = await nats.connect(nats_url, name="vertumnus-replay", connect_timeout=5)
+        observer = Observer(nc, Subjects(prefix))
+        await observer.start()
+    try:
+        # A fresh id prefix: the intake de-duplicates request ids for two minutes.
+        records, interrupted = await replay_with_progress(
+            gateway, reqs, time_scale, rate_scale, id_prefix=f"x{uuid.uuid4().hex[:6]}-",
+            console=err, show_progress=progress,
+            on_start=observer.mark_start if observer is not None else None)
+        if observer is not None:
+            await asyncio.sleep(0.5)
+    finally:
+        if observer is not None:
+            await observer.stop()
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await nc.drain()
+    prefix_tokens = dict(observer.prefix_tokens) if observer is not None else {}
+    report = LiveReport(records, time_scale,
+                        changes=list(observer.changes) if observer else [],
+                        prefix_tokens=prefix_tokens,
+                        meta={**meta, "interrupted": interrupted, "gateway": gateway,
+                              **(observer.summary_counts() if observer is not None else {})})
+    report.render(Console())
+    return report.summary()

@@ -1,0 +1,141 @@
+"""``vertumnus profile``, ``simulate`` and ``report``: evaluate policies before deploying."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from shared.ids import InvalidInput
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--{name} must be comma-separated numbers, got {text!r}")
+    if not vals or any(v <= 0 for v in vals):
+        _fail(f"--{name} needs positive numbers, got {text!r}")
+    return vals
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        _fail(f"--{name} must be comma-separated integers, got {text!r}")
+    if not vals or any(v < 1 for v in vals):
+        _fail(f"--{name} needs integers >= 1, got {text!r}")
+    return vals
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def profile(
+        out: Annotated[Path, typer.Option(help="Directory for profile.json, plot, report")] = Path(
+            "runs/profile"
+        ),
+        backend: Annotated[str, typer.Option(help="sim (ground truth) or torch (real engine)")] = "sim",
+        degrees: Annotated[str, typer.Option(help="CP degrees to profile")] = "1,2,4,8",
+        seed: Annotated[int, typer.Option()] = 0,
+        workload: Annotated[
+            str, typer.Option(help="Length mix for the κ ramp: 'synthetic' or a trace path")
+        ] = "synthetic",
+    ) -> None:
+        """Measure a (R, P, C) grid, fit Ê_C, report MAPE, measure κ_C, write the profile."""
+        degs = _ints(degrees, "degrees")
+        try:
+            if backend == "sim":
+                from sim.profiling import profile_command
+
+                path = profile_command(out, backend="sim", degrees=degs, seed=seed,
+                                       kappa_workload=workload)
+            elif backend == "torch":
+                try:
+                    from services.rankd.engine.profiling import torch_profile_command
+                except ModuleNotFoundError as exc:
+                    _fail(f"the torch backend needs the 'engine' extra ({exc.name} missing)")
+                path = torch_profile_command(out, degrees=degs, seed=seed)
+            else:
+                _fail(f"unknown backend {backend!r}; use 'sim' or 'torch'")
+        except InvalidInput as exc:
+            _fail(str(exc))
+        report = json.loads((Path(out) / "profile_report.json").read_text()) if (
+            Path(out) / "profile_report.json").exists() else {}
+        typer.echo(f"profile written to {path}")
+        for k in ("coefficients", "mape_vs_measured", "mape_vs_truth", "kappa"):
+            if k in report:
+                typer.echo(f"  {k}: {json.dumps(report[k])}")
+
+    @app.command()
+    def simulate(
+        trace: Annotated[str, typer.Option(help="'synthetic' or a trace file")] = "synthetic",
+        format: Annotated[
+            str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")
+        ] = "auto",
+        policies: Annotated[str, typer.Option(help="Comma-separated policy names")] = (
+            "vertumnus,static,homo,homo_cp2,sglang,vllm,dynamo,llmd"
+        ),
+        rate_scale: Annotated[str, typer.Option(help="Arrival-rate multipliers")] = "1",
+        rate: Annotated[
+            float, typer.Option(help="L-Eval / synthetic base rate in req/s (0: default)")
+        ] = 0.0,
+        gpus: Annotated[int, typer.Option(help="Prefill-pool GPUs")] = 40,
+        degrees: Annotated[str, typer.Option(help="CP degrees of the lattice")] = "2,4",
+        seed: Annotated[int, typer.Option()] = 0,
+        out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/simulate"),
+        preset: Annotated[str, typer.Option(help="Named experiment of §9 (see --list-presets)")] = "",
+        list_presets: Annotated[bool, typer.Option("--list-presets")] = False,
+        profile_path: Annotated[
+            Path | None, typer.Option("--profile", help="Profile JSON (default: profile the sim)")
+        ] = None,
+        max_requests: Annotated[int, typer.Option(help="Truncate the trace (0: all)")] = 0,
+        cache_blocks_per_gpu: Annotated[int, typer.Option(help="0: HBM budget")] = 0,
+        beta: Annotated[float, typer.Option(help="β of J (0: calibrated default)")] = 0.0,
+        lam: Annotated[float, typer.Option(help="λ of J (-1: calibrated default)")] = -1.0,
+    ) -> None:
+        """Compare policies on one trace over request rates; writes results.json, CSV, plots."""
+        from sim import runner
+
+        if list_presets:
+            for name, desc in runner.preset_descriptions().items():
+                typer.echo(f"{name:24s} {desc}")
+            return
+        try:
+            args: dict[str, Any] = dict(
+                trace=trace, fmt=format, policies=[p for p in policies.split(",") if p],
+                rate_scales=_floats(rate_scale, "rate-scale"), rate=rate or None, gpus=gpus,
+                degrees=_ints(degrees, "degrees"), seed=seed, out=out,
+                profile_path=profile_path, max_requests=max_requests or None,
+                cache_blocks_per_gpu=cache_blocks_per_gpu or None,
+                beta=beta or None, lam=None if lam < 0 else lam,
+            )
+            if preset:
+                summary = runner.run_preset(preset, out=out, seed=seed, progress=True)
+            else:
+                summary = runner.run_simulate(**args, progress=True)
+        except InvalidInput as exc:
+            _fail(str(exc))
+        runner.print_table(summary, file=sys.stdout)
+        typer.echo(f"results in {out}/results.json (plots: {out}/*.png)")
+
+    @app.command()
+    def report(
+        directory: Annotated[Path, typer.Argument(help="A simulate output directory")],
+    ) -> None:
+        """Redraw the plots and CSV of a simulate run from its results.json."""
+        from sim import runner
+
+        try:
+            summary = runner.redraw(directory)
+        except InvalidInput as exc:
+            _fail(str(exc))
+        runner.print_table(summary, file=sys.stdout)

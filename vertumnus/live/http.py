@@ -1,0 +1,91 @@
+"""A minimal asyncio HTTP/1.1 client for the gateway's JSON API (no extra dependency).
+
+One connection per request (``Connection: close``): a replay opens at most a few hundred
+concurrent requests on loopback, and a fresh connection keeps a slow response from delaying
+the next request's send (no head-of-line blocking), which matters for TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class HttpError(RuntimeError):
+    """The connection failed or the response was not HTTP."""
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body) if self.body else None
+
+
+def split_url(url: str) -> tuple[str, int, str]:
+    """(host, port, base path) of an ``http://host:port[/base]`` URL."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"expected an http://host:port URL, got {url!r}")
+    return parts.hostname, parts.port or 80, parts.path.rstrip("/")
+
+
+async def request(url: str, method: str = "GET", body: bytes | None = None, *,
+                  timeout_s: float = 300.0) -> Response:
+    """One request; raises :class:`HttpError` on a connection or protocol failure."""
+    host, port, path = split_url(url)
+    path = path or "/"
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                head = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}",
+                        "Connection: close", "Accept: application/json"]
+                if body is not None:
+                    head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+                writer.write(("\r\n".join(head) + "\r\n\r\n").encode("ascii"))
+                if body:
+                    writer.write(body)
+                await writer.drain()
+                status_line = await reader.readline()
+                fields = status_line.decode("latin-1").split(" ", 2)
+                if len(fields) < 2 or not fields[0].startswith("HTTP/"):
+                    raise HttpError(f"not an HTTP response: {status_line[:80]!r}")
+                status = int(fields[1])
+                headers: dict[str, str] = {}
+                while True:
+                    line = await reader.readline()
+                    if line in (b"\r\n", b"\n", b""):
+                        break
+                    k, _, v = line.decode("latin-1").partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                if "content-length" in headers:
+                    data = await reader.readexactly(int(headers["content-length"]))
+                else:
+                    data = await reader.read()
+                return Response(status, headers, data)
+            finally:
+                writer.close()
+                try:
+                    await writer.wait_closed()
+                except (ConnectionError, OSError):
+                    pass
+    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        raise HttpError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+
+
+async def get_json(url: str, *, timeout_s: float = 10.0) -> tuple[int, Any]:
+    r = await request(url, "GET", timeout_s=timeout_s)
+    try:
+        return r.status, r.json()
+    except ValueError:
+        return r.status, None
+
+
+__all__ = ["HttpError", "Response", "get_json", "request", "split_url"]

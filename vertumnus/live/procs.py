@@ -1,0 +1,191 @@
+"""Child processes of ``vertumnus up``: start, watch, stop — and never leave one behind.
+
+Rules this module enforces:
+
+* every child runs in its **own session** (``start_new_session``), so a Ctrl-C on the
+  terminal reaches only the orchestrator, which then stops the children in order (gateway
+  first, so no new work enters; rank daemons last, so running requests finish);
+* on Linux every child also asks the kernel for ``SIGTERM`` when its parent dies
+  (``PR_SET_PDEATHSIG``), so even a SIGKILLed orchestrator leaves no orphan;
+* :meth:`ChildSet.stop` sends SIGTERM to each child's whole process group, waits up to a bound,
+  then SIGKILLs the group; it is idempotent and safe on children that already exited;
+* each child's stdout and stderr go to one log file (``<logdir>/<name>.log``), whose tail is
+  quoted when a child dies early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+_PR_SET_PDEATHSIG: Final[int] = 1
+DEFAULT_STOP_TIMEOUT_S: Final[float] = 10.0
+
+
+def _libc_prctl() -> object | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        return None
+
+
+_PRCTL = _libc_prctl()
+
+
+def _child_preexec() -> None:  # pragma: no cover - runs in the forked child
+    # NOTE: runs between fork and exec: only async-signal-safe work (one syscall).
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # type: ignore[operator]
+
+
+class ChildFailed(RuntimeError):
+    """A child process exited while it should be running."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """One process to run: ``argv`` with ``env`` added to the orchestrator's environment."""
+
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def module(cls, name: str, module: str, *args: str, env: Mapping[str, str] | None = None,
+               python: str | None = None) -> ChildSpec:
+        """``python -m module args`` with this interpreter (the venv's)."""
+        return cls(name, [python or sys.executable, "-m", module, *args], dict(env or {}))
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, limit: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return "(no log)"
+
+
+class ChildSet:
+    """The children of one orchestrator, stopped in reverse start order."""
+
+    def __init__(self, log_dir: Path, *, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+        if stop_timeout_s <= 0:
+            raise ValueError(f"stop_timeout_s must be > 0, got {stop_timeout_s}")
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.stop_timeout_s = stop_timeout_s
+        self.children: list[Child] = []
+
+    def start(self, spec: ChildSpec) -> Child:
+        env = {**os.environ, **spec.env}
+        # Children must not inherit a terminal-only log format guess; they log JSON to a file.
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        log_path = self.log_dir / f"{spec.name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                list(spec.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_child_preexec,
+            )
+        child = Child(spec, proc, log_path)
+        self.children.append(child)
+        return child
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.pid for c in self.children]
+
+    def check(self) -> None:
+        """Raise :class:`ChildFailed` (with the log tail) if any child has exited."""
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None:
+                raise ChildFailed(
+                    f"{c.name} (pid {c.pid}) exited with status {code}; "
+                    f"log {c.log_path}:\n{c.log_tail()}"
+                )
+
+    def stop(self, timeout_s: float | None = None) -> dict[str, int | None]:
+        """SIGTERM every child's process group (last started first), wait, then SIGKILL.
+
+        Returns each child's exit status (negative = killed by that signal).
+        """
+        bound = self.stop_timeout_s if timeout_s is None else timeout_s
+        for c in reversed(self.children):
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + bound
+        for c in reversed(self.children):
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                c.proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                _signal_group(c.proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.proc.wait(timeout=5.0)
+            # A child's own children (if any) share its group: reap stragglers too.
+            _signal_group(c.proc, signal.SIGKILL, only_if_group_alive=True)
+        return {c.name: c.proc.returncode for c in self.children}
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int, *,
+                  only_if_group_alive: bool = False) -> None:
+    # With start_new_session the child's pid is its process-group id.
+    pgid = proc.pid
+    try:
+        if only_if_group_alive:
+            os.killpg(pgid, 0)
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        if proc.poll() is None and not only_if_group_alive:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while a process with ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - someone else's pid
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+__all__ = ["Child", "ChildFailed", "ChildSet", "ChildSpec", "pid_alive"]

@@ -1,0 +1,230 @@
+"""The live run's report: TTFT table, SLO attainment, hit rate, overhead, composition changes.
+
+Metrics come from :mod:`sim.metrics` (the same definitions as the simulator): TTFT in
+*modelled* seconds (wall ÷ time scale) so the paper's Table 2 deadlines apply, token-weighted
+SLO attainment, token-level hit rate. Overhead percentiles are wall milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from shared.ids import InvalidInput
+from shared.worker import GpuGroup
+from sim.metrics import QWEN3_SLO, RequestRecord, SloTable, summarize
+from vertumnus.live.replay import ReplayRecord
+
+REQUIRED_KEYS = (
+    "requests", "completed", "failed", "mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s",
+    "slo_attainment", "hit_rate", "overhead_p50_ms", "overhead_p99_ms", "reconfigurations",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CompositionChange:
+    """One epoch record as observed (``at_s`` = seconds since the replay started, wall)."""
+
+    epoch: int
+    at_s: float
+    workers: tuple[str, ...]
+    reason: str = ""
+
+    def degrees(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for w in self.workers:
+            try:
+                d = GpuGroup.from_worker_id(w).degree
+            except InvalidInput:
+                continue
+            out[d] = out.get(d, 0) + 1
+        return dict(sorted(out.items()))
+
+    def label(self) -> str:
+        return " + ".join(f"{n}×CP{d}" for d, n in self.degrees().items()) or "(none)"
+
+
+def describe_change(old: CompositionChange, new: CompositionChange) -> str:
+    """'split w-cp4-g0 → w-cp2-g0, w-cp2-g2' (or merge / change) between two records."""
+    gone = sorted(set(old.workers) - set(new.workers))
+    came = sorted(set(new.workers) - set(old.workers))
+    if not gone and not came:
+        return "lifecycle change"
+    dg = [GpuGroup.from_worker_id(w).degree for w in gone if _lattice(w)]
+    dc = [GpuGroup.from_worker_id(w).degree for w in came if _lattice(w)]
+    kind = "change"
+    if dg and dc and len(came) > len(gone) and max(dc) < min(dg):
+        kind = "split"
+    elif dg and dc and len(came) < len(gone) and min(dc) > max(dg):
+        kind = "merge"
+    return f"{kind} {', '.join(gone)} → {', '.join(came)}"
+
+
+def _lattice(wid: str) -> bool:
+    try:
+        GpuGroup.from_worker_id(wid)
+    except InvalidInput:
+        return False
+    return True
+
+
+def reconfigurations(changes: Sequence[CompositionChange], *, warmup: bool = False) -> int:
+    """Epoch records whose worker set differs from the previous one, during the replay
+    (``at_s`` ≥ 0) or, with ``warmup``, before it."""
+    return sum(1 for a, b in zip(changes, changes[1:], strict=False)
+               if set(a.workers) != set(b.workers) and (b.at_s < 0) == warmup)
+
+
+def _degree(worker_id: str | None) -> int:
+    if worker_id and _lattice(worker_id):
+        return GpuGroup.from_worker_id(worker_id).degree
+    return 1
+
+
+def _pct(x: np.ndarray, q: float) -> float:
+    return float(np.percentile(x, q)) if x.size else math.nan
+
+
+@dataclass
+class LiveReport:
+    records: Sequence[ReplayRecord]
+    time_scale: float
+    changes: Sequence[CompositionChange] = field(default_factory=list)
+    slo: SloTable = QWEN3_SLO
+    prefix_tokens: Mapping[str, int] = field(default_factory=dict)
+    """Reused tokens by request id from the results tap, where the HTTP answer lacks them."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def metric_records(self) -> list[RequestRecord]:
+        out = []
+        for r in self.records:
+            if not r.ok:
+                continue
+            reused = r.prefix_tokens or self.prefix_tokens.get(r.request_id, 0)
+            out.append(RequestRecord(
+                request_id=r.request_id, arrival_s=r.arrival_s, input_len=r.input_len,
+                ttft_s=max(0.0, r.ttft_s) / self.time_scale,
+                reused_tokens=min(max(0, reused), r.input_len),
+                worker=r.worker_id or "", degree=_degree(r.worker_id),
+                predicted_prefill_s=(r.predicted_prefill_s if r.predicted_prefill_s is not None
+                                     else math.nan),
+                actual_prefill_s=r.prefill_s / self.time_scale,
+                queue_s=r.queue_wait_s / self.time_scale,
+            ))
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        recs = self.metric_records()
+        s = summarize(recs, self.slo)
+        ok = [r for r in self.records if r.ok]
+        over = np.array([r.overhead_s for r in ok]) * 1e3
+        failed = [r for r in self.records if not r.ok]
+        out: dict[str, Any] = {
+            "requests": len(self.records),
+            "completed": len(ok),
+            "failed": len(failed),
+            "mean_ttft_s": s.get("ttft_mean", math.nan),
+            "p50_ttft_s": s.get("ttft_p50", math.nan),
+            "p90_ttft_s": s.get("ttft_p90", math.nan),
+            "p99_ttft_s": s.get("ttft_p99", math.nan),
+            "slo_attainment": s.get("slo_attainment", math.nan),
+            "hit_rate": s.get("hit_rate", math.nan),
+            "overhead_p50_ms": _pct(over, 50),
+            "overhead_p99_ms": _pct(over, 99),
+            "overhead_mean_ms": float(over.mean()) if over.size else math.nan,
+            "reconfigurations": reconfigurations(self.changes),
+            "reconfigurations_warmup": reconfigurations(self.changes, warmup=True),
+            "time_scale": self.time_scale,
+            "ttft_unit": "modelled seconds (wall / time_scale)",
+            "slo": self.slo.name,
+            "prediction_mape": s.get("prediction_mape", math.nan),
+            "gpu_seconds": s.get("gpu_seconds", math.nan),
+            "per_degree": {str(k): v for k, v in (s.get("per_degree") or {}).items()},
+            "wall_mean_ttft_s": float(np.mean([r.ttft_s for r in ok])) if ok else math.nan,
+            "wall_mean_client_s": float(np.mean([r.client_s for r in ok])) if ok else math.nan,
+            "errors": _error_counts(failed),
+            "composition": [
+                {"epoch": c.epoch, "at_s": c.at_s, "workers": list(c.workers),
+                 "label": c.label(), "reason": c.reason} for c in self.changes
+            ],
+        }
+        out.update(self.meta)
+        return out
+
+    def render(self, console: Console) -> None:
+        s = self.summary()
+        t = Table(title=f"TTFT, modelled seconds (wall ÷ time scale {self.time_scale:g})")
+        t.add_column("metric")
+        t.add_column("value", justify="right")
+        rows = [
+            ("requests / completed / failed",
+             f"{s['requests']} / {s['completed']} / {s['failed']}"),
+            ("TTFT mean", _f(s["mean_ttft_s"])),
+            ("TTFT P50", _f(s["p50_ttft_s"])),
+            ("TTFT P90", _f(s["p90_ttft_s"])),
+            ("TTFT P99", _f(s["p99_ttft_s"])),
+            (f"SLO attainment (token-weighted, {self.slo.name})",
+             _f(s["slo_attainment"], pct=True)),
+            ("prefix hit rate (tokens)", _f(s["hit_rate"], pct=True)),
+            ("overhead P50 / P99 (wall ms)",
+             f"{_f(s['overhead_p50_ms'], 1)} / {_f(s['overhead_p99_ms'], 1)}"),
+            ("cost-model error (MAPE)", _f(s["prediction_mape"], pct=True)),
+            ("reconfigurations", str(s["reconfigurations"])),
+        ]
+        if "cache_commands" in s:
+            rows.append(("cache commands", ", ".join(
+                f"{n} {op}" for op, n in s["cache_commands"].items()) or "none"))
+        for k, v in rows:
+            t.add_row(k, v)
+        console.print(t)
+        if s["per_degree"]:
+            d = Table(title="per degree")
+            for col in ("degree", "requests", "mean TTFT", "hit rate"):
+                d.add_column(col, justify="right")
+            for deg, v in s["per_degree"].items():
+                d.add_row(f"CP{deg}", str(v["requests"]), _f(v["ttft_mean"]),
+                          _f(v["hit_rate"], pct=True))
+            console.print(d)
+        if self.changes:
+            c = Table(title=f"composition changes ({s['reconfigurations']} during the replay"
+                            f", {s['reconfigurations_warmup']} in warm-up)")
+            for col in ("epoch", "at (wall s)", "composition", "change"):
+                c.add_column(col)
+            prev: CompositionChange | None = None
+            for ch in self.changes:
+                # Drain / expose records change lifecycles only: one row per worker-set change.
+                if prev is not None and set(prev.workers) == set(ch.workers):
+                    continue
+                when = f"{ch.at_s:.1f}" if ch.at_s >= 0 else "warm-up"
+                c.add_row(str(ch.epoch), when, ch.label(),
+                          describe_change(prev, ch) if prev else "initial")
+                prev = ch
+            console.print(c)
+        else:
+            console.print("composition: no epoch record observed (no controller running?)")
+        if s["errors"]:
+            console.print("errors: " + "; ".join(f"{n}× {e}" for e, n in s["errors"].items()))
+
+
+def _error_counts(failed: Sequence[ReplayRecord]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in failed:
+        key = (r.error or f"HTTP {r.status}")[:120]
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _f(v: Any, digits: int = 3, *, pct: bool = False) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return f"{100 * v:.1f}%" if pct else f"{v:.{digits}f}"
+
+
+__all__ = ["REQUIRED_KEYS", "CompositionChange", "LiveReport", "describe_change",
+           "reconfigurations"]

@@ -1,0 +1,591 @@
+"""``vertumnus up``: the whole live system on one machine, a replay through it, a report.
+
+:class:`LiveStack` starts an embedded ``nats-server`` (JetStream, temporary store, kernel-chosen
+loopback ports), then every service as a child process (:mod:`vertumnus.live.procs`):
+gateway (HTTP on a kernel-chosen port, learnt from its micro metadata), scheduler, controller,
+cachemgr, and one rankd *host* running every worker of the GPU range on the sim backend timed
+by the ground truth (:mod:`vertumnus.live.rankd_sim`). It is healthy when every service answers
+``$SRV.PING``, the gateway's ``GET /health`` is 200 and at least one worker is ACTIVE.
+
+:func:`run_up` replays the workload through the gateway (:mod:`vertumnus.live.replay`),
+watches epoch records (splits and merges) and results (:mod:`vertumnus.live.observe`), prints
+the report (:mod:`vertumnus.live.report`) and stops everything — also on Ctrl-C / SIGTERM,
+when it reports what finished. Children get SIGTERM, then SIGKILL after ``stop_timeout_s``.
+
+Time: ``time_scale`` s multiplies every modelled duration (rank sleeps, arrivals, the
+controller's window H), so a run of D modelled seconds takes ≈ D·s wall seconds.
+
+A service whose module has not landed is skipped with a warning (``missing``), so the stack
+runs with what exists; settings a service does not have are dropped and listed (``ignored``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import nats
+from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from shared.natsserver import EmbeddedNats, find_nats_server
+from shared.service import epoch_kv
+from shared.subjects import Subjects
+from shared.worker import GpuGroup
+from vertumnus.live.http import HttpError, get_json
+from vertumnus.live.observe import Observer, ping
+from vertumnus.live.procs import ChildSet, ChildSpec
+from vertumnus.live.registry import SERVICES, SIM_RANKD, ServiceInfo, filter_env
+from vertumnus.live.report import REQUIRED_KEYS, LiveReport
+
+WINDOW_S: Final[float] = 20.0
+"""The controller window H and cache scan period of the paper, modelled seconds."""
+DEFAULT_TIME_SCALE: Final[float] = 0.1
+DEFAULT_DURATION_S: Final[float] = 240.0
+RATE_PER_GPU: Final[float] = 0.25
+"""Default base request rate per GPU (req/s). The synthetic default runs 8 req/s on 40 GPUs
+(0.2 per GPU, around the pool's capacity); a small pool sees few requests per window, so the
+default is a little higher so the burst phase crosses the split threshold (measured at 8
+GPUs, seed 0: one split in the burst, one merge in the calm phase, 93% SLO attainment)."""
+
+
+class StackError(RuntimeError):
+    """The stack could not start or become healthy."""
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """Parameters of one ``vertumnus up`` run (defaults: a short run that shows a split or
+    merge). Durations are modelled seconds unless named ``wall``."""
+
+    gpus: int = 8
+    degrees: tuple[int, ...] = (2, 4)
+    policy: str = "vertumnus"
+    backend: str = "sim"
+    workload: str = "synthetic"
+    rate: float | None = None
+    duration_s: float = DEFAULT_DURATION_S
+    time_scale: float = DEFAULT_TIME_SCALE
+    rate_scale: float = 1.0
+    seed: int = 0
+    max_requests: int | None = None
+    profile: Path | None = None
+    prefix: str = "vtm"
+    initial_workers: tuple[str, ...] | None = None
+    truth: str = "noisy"
+    health_timeout_wall_s: float = 90.0
+    stop_timeout_wall_s: float = 10.0
+    drain_wall_s: float = 30.0
+    log_dir: Path | None = None
+    log_level: str = "info"
+    serve: bool = False
+    """Start the stack and keep it running until Ctrl-C instead of replaying."""
+    nats_port: int = -1
+    """nats-server client port (-1: the kernel picks one)."""
+    http_port: int = 0
+    """Gateway HTTP port (0: the kernel picks one)."""
+    env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Extra ``VTM_*`` variables per service name (override the computed ones)."""
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
+        if not self.degrees or any(d < 1 or d & (d - 1) for d in self.degrees):
+            raise ValueError(f"--degrees must be powers of two, got {self.degrees}")
+        if max(self.degrees) > self.gpus:
+            raise ValueError(f"degree {max(self.degrees)} exceeds --gpus {self.gpus}")
+        for name in ("duration_s", "time_scale", "rate_scale"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be finite and > 0, got {v}")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"--rate must be > 0, got {self.rate}")
+        if self.backend not in ("sim", "torch"):
+            raise ValueError(f"--backend must be sim or torch, got {self.backend!r}")
+
+    @property
+    def base_rate(self) -> float:
+        return self.rate if self.rate is not None else RATE_PER_GPU * self.gpus
+
+    @property
+    def result_timeout_wall_s(self) -> float:
+        return max(60.0, 2.0 * self.duration_s * self.effective_time_scale / self.rate_scale)
+
+    @property
+    def effective_time_scale(self) -> float:
+        # A real engine runs at its own speed: no scaling of its times.
+        return self.time_scale if self.backend == "sim" else 1.0
+
+    def workers(self) -> tuple[str, ...]:
+        """The initial composition the rank daemons start with when no epoch record exists."""
+        return self.initial_workers or default_composition(self.gpus, self.degrees)
+
+
+def default_composition(gpus: int, degrees: Sequence[int]) -> tuple[str, ...]:
+    """Every worker of the largest degree that fits (the controller's own default when it has
+    no history), smaller degrees only for a remainder."""
+    out, g = [], 0
+    for d in sorted(set(degrees), reverse=True):
+        while g + d <= gpus and g % d == 0:
+            out.append(GpuGroup(first_gpu=g, degree=d).worker_id)
+            g += d
+    while g < gpus:  # a pool not divisible by the smallest degree: CP1 workers
+        out.append(GpuGroup(first_gpu=g, degree=1).worker_id)
+        g += 1
+    return tuple(out)
+
+
+def notation(workers: Sequence[str]) -> str:
+    """The paper's composition notation of worker ids, e.g. ``"2CP2/1CP4"``."""
+    counts: dict[int, int] = {}
+    for w in workers:
+        d = GpuGroup.from_worker_id(w).degree
+        counts[d] = counts.get(d, 0) + 1
+    return "/".join(f"{n}CP{d}" for d, n in sorted(counts.items()))
+
+
+def phased_config(duration_s: float, rate: float, seed_cfg: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+    """The synthetic default's four load phases, compressed to fit ``duration_s``."""
+    from sim.workloads.synthetic import DEFAULT_PHASES, Phase, SyntheticConfig
+
+    k = duration_s / sum(p.duration_s for p in DEFAULT_PHASES)
+    phases = tuple(Phase(p.duration_s * k, p.rate_multiplier, p.long_share)
+                   for p in DEFAULT_PHASES)
+    return SyntheticConfig(duration_s=duration_s, rate=rate, phases=phases, **(seed_cfg or {}))
+
+
+def load_requests(spec: str, *, duration_s: float, rate: float | None, seed: int,
+                  max_requests: int | None, default_rate: float) -> tuple[Any, list[Any]]:
+    """(workload, requests) for ``'synthetic'`` (phased, ``duration_s``) or a trace path."""
+    from sim.workloads import generate, load_workload
+    from sim.workloads.workload import truncate
+
+    if spec == "synthetic":
+        wl = generate(phased_config(duration_s, rate or default_rate), seed=seed)
+    else:
+        wl = load_workload(spec, seed=seed, rate=rate)
+        if len(wl) and duration_s:
+            t0 = min(r.arrival_s for r in wl)
+            wl = truncate(wl, start_s=t0, end_s=t0 + duration_s, rebase=True)
+    reqs = list(wl)
+    if max_requests is not None:
+        reqs = reqs[:max_requests]
+    return wl, reqs
+
+
+# -- the stack --------------------------------------------------------------------------------
+
+
+_SHIM = """#!{python}
+# vertumnus up: run nats-server so that it gets SIGTERM when `vertumnus up` dies (even by
+# SIGKILL); the parent-death signal survives exec. Named nats-server so that EmbeddedNats
+# finds the server's ports file (nats-server_<pid>.ports).
+import ctypes, ctypes.util, os, signal, sys
+try:
+    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").prctl(1, signal.SIGTERM, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+os.execv({real!r}, [{real!r}, *sys.argv[1:]])
+"""
+
+
+def nats_binary_dying_with_parent(workdir: Path) -> Path | None:
+    """A ``nats-server`` shim in ``workdir`` that sets the parent-death signal, then execs the
+    real binary (Linux); None elsewhere (the plain binary is used)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    real = find_nats_server()
+    shim_dir = Path(workdir) / "bin"
+    shim_dir.mkdir(parents=True, exist_ok=True)
+    shim = shim_dir / "nats-server"
+    shim.write_text(_SHIM.format(python=sys.executable, real=str(real)))
+    shim.chmod(0o755)
+    return shim
+
+
+@dataclass
+class Health:
+    gateway_url: str
+    services: dict[str, int]
+    active_workers: list[str]
+
+
+class LiveStack:
+    """nats-server + the five services as child processes (see the module docstring)."""
+
+    def __init__(self, config: UpConfig, *, log_dir: Path) -> None:
+        self.config = config
+        self.log_dir = Path(log_dir)
+        self.children = ChildSet(self.log_dir, stop_timeout_s=config.stop_timeout_wall_s)
+        self.nats: EmbeddedNats | None = None
+        self.nc: Client | None = None
+        self.subjects = Subjects(config.prefix)
+        self.missing: list[str] = []
+        self.ignored: dict[str, list[str]] = {}
+        self.expected: dict[str, int] = {}
+        self.gateway_url: str | None = None
+        self.observer: Observer | None = None
+
+    # -- environment of each child ----------------------------------------------------------
+
+    def service_env(self, name: str, nats_url: str) -> dict[str, str]:
+        c = self.config
+        scale = c.effective_time_scale
+        window = f"{WINDOW_S * scale:g}"
+        degrees = json.dumps(sorted(set(c.degrees)))
+        common = {
+            "VTM_NATS_URL": nats_url,
+            "VTM_SUBJECT_PREFIX": c.prefix,
+            "VTM_LOG__FORMAT": "json",
+            "VTM_LOG__LEVEL": c.log_level,
+            "VTM_TELEMETRY__EXPORTER": os.environ.get("VTM_TELEMETRY__EXPORTER", "none"),
+            "VTM_INSTANCE_ID": f"{name}-0",
+        }
+        per: dict[str, dict[str, str]] = {
+            "gateway": {
+                "VTM_HTTP_HOST": "127.0.0.1",
+                "VTM_HTTP_PORT": str(c.http_port),
+                # The sim backend needs only lengths and block hashes; long prompts' token
+                # lists would exceed NATS' 1 MB max_payload.
+                "VTM_FORWARD_TOKENS": "false" if c.backend == "sim" else "true",
+                # A request without a first token by then fails (504) instead of hanging
+                # the run: twice the replay's wall length, at least a minute.
+                "VTM_RESULT_TIMEOUT_S": f"{c.result_timeout_wall_s:g}",
+            },
+            "scheduler": {
+                "VTM_POLICY": c.policy,
+                "VTM_SEED": str(c.seed),
+                "VTM_WINDOW_S": window,
+                "VTM_DEGREES": degrees,
+                **({"VTM_PROFILE_PATH": str(c.profile)} if c.profile else {}),
+            },
+            "controller": {
+                "VTM_NUM_GPUS": str(c.gpus),
+                "VTM_DEGREES": degrees,
+                "VTM_WINDOW_S": window,
+                # Wall-clock cadence: close windows a fraction of a (scaled) window after
+                # their end, and look often enough to notice.
+                "VTM_TICK_S": f"{min(1.0, WINDOW_S * scale / 4):g}",
+                "VTM_REPORT_GRACE_S": f"{min(2.0, WINDOW_S * scale / 4):g}",
+                "VTM_INITIAL_COMPOSITION": notation(c.workers()),
+                **({"VTM_PROFILE_PATH": str(c.profile)} if c.profile else {}),
+            },
+            "cachemgr": {
+                "VTM_DEGREES": degrees,
+                "VTM_SCAN_INTERVAL_S": window,  # H, scaled like the controller's window
+                **({"VTM_PROFILE_PATH": str(c.profile)} if c.profile else {}),
+            },
+            "rankd": {
+                "VTM_HOST_GPUS": f"0-{c.gpus - 1}",
+                "VTM_INITIAL_WORKERS": ",".join(c.workers()),
+                "VTM_BACKEND": c.backend,
+                "VTM_TIME_SCALE": f"{scale:g}",
+                "VTM_TRUTH": c.truth,
+                "VTM_TRUTH_SEED": str(c.seed),
+            },
+        }
+        return {**common, **per.get(name, {}), **dict(c.env.get(name, {}))}
+
+    def specs(self, nats_url: str) -> list[tuple[ServiceInfo, ChildSpec]]:
+        out = []
+        for name, info in SERVICES.items():
+            if name == "rankd" and self.config.backend == "sim":
+                info = SIM_RANKD
+            if not info.runnable():
+                self.missing.append(name)
+                continue
+            env, dropped = filter_env(info.settings_class(), self.service_env(name, nats_url))
+            if dropped:
+                self.ignored[name] = dropped
+            out.append((info, ChildSpec.module(name, info.module, env=env)))
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> Health:
+        self.nats = EmbeddedNats(port=self.config.nats_port,
+                                 binary=nats_binary_dying_with_parent(self.log_dir))
+        # NOTE: started from this (the main) thread: the parent-death signal of the shim
+        # follows the thread that forked, and a worker thread of to_thread may end first.
+        self.nats.start()
+        self._write_pids()
+        self.nc = await nats.connect(self.nats.url, name="vertumnus-up", connect_timeout=5)
+        # Watch from the very start, so warm-up reconfigurations are seen (and told apart).
+        self.observer = Observer(self.nc, self.subjects)
+        await self.observer.start()
+        specs = self.specs(self.nats.url)
+        # The controller writes the initial epoch record; rank daemons that start after it
+        # adopt it directly instead of starting their fallback workers and switching.
+        first = [(i, s) for i, s in specs if i.name == "controller"]
+        for info, spec in first:
+            self._start_child(info, spec)
+        if first:
+            await self.wait_epoch_record()
+        for info, spec in specs:
+            if info.name != "controller":
+                self._start_child(info, spec)
+        return await self.wait_healthy()
+
+    def _start_child(self, info: ServiceInfo, spec: ChildSpec) -> None:
+        self.children.start(spec)
+        self.expected[info.micro] = self.expected.get(info.micro, 0) + 1
+        self._write_pids()
+
+    async def wait_epoch_record(self) -> None:
+        """Until the epoch record exists (bounded by the health timeout)."""
+        assert self.nc is not None
+        kv = await epoch_kv(self.nc.jetstream(), self.subjects)
+        deadline = time.monotonic() + self.config.health_timeout_wall_s
+        while True:
+            self.children.check()
+            with contextlib.suppress(KeyNotFoundError, NotFoundError):
+                entry = await kv.get(self.subjects.epoch_key())
+                if entry is not None and entry.value:
+                    return
+            if time.monotonic() > deadline:
+                raise StackError("the controller wrote no epoch record within "
+                                 f"{self.config.health_timeout_wall_s} s (logs in {self.log_dir})")
+            await asyncio.sleep(0.2)
+
+    def _write_pids(self) -> None:
+        pids = {c.name: c.pid for c in self.children.children}
+        if self.nats is not None and self.nats.pid is not None:
+            pids["nats-server"] = self.nats.pid
+        pids["orchestrator"] = os.getpid()
+        tmp = self.log_dir / "pids.json.tmp"
+        tmp.write_text(json.dumps(pids))
+        tmp.replace(self.log_dir / "pids.json")
+
+    async def wait_healthy(self) -> Health:
+        """Every started service answers ``$SRV.PING``, gateway ``/health`` is 200, a worker is
+        ACTIVE. Raises :class:`StackError` after ``health_timeout_wall_s`` or if a child dies."""
+        assert self.nc is not None
+        deadline = time.monotonic() + self.config.health_timeout_wall_s
+        last = "nothing checked yet"
+        while True:
+            self.children.check()
+            answered: dict[str, int] = {}
+            for micro in self.expected:
+                answered[micro] = len(await ping(self.nc, micro, prefix=self.config.prefix,
+                                                 window_s=0.2))
+            waiting = [m for m, n in self.expected.items() if answered.get(m, 0) < 1]
+            if waiting:
+                last = f"no $SRV.PING answer from {', '.join(waiting)}"
+            else:
+                gw = await ping(self.nc, "vtm-gateway", prefix=self.config.prefix, window_s=0.2)
+                url = next(((a.get("metadata") or {}).get("http") for a in gw
+                            if (a.get("metadata") or {}).get("http")), None)
+                if url is None:
+                    last = "gateway has no http metadata"
+                else:
+                    try:
+                        status, _ = await get_json(f"{url}/health")
+                        wstatus, body = await get_json(f"{url}/v1/workers")
+                    except HttpError as exc:
+                        status, wstatus, body, last = 0, 0, None, str(exc)
+                    active = [w["worker_id"] for w in (body or {}).get("workers", [])
+                              if w.get("lifecycle") == "active"]
+                    if status == 200 and wstatus == 200 and active:
+                        self.gateway_url = url
+                        return Health(url, answered, active)
+                    last = (f"gateway /health {status}, /v1/workers {wstatus}, "
+                            f"{len(active)} active workers")
+            if time.monotonic() > deadline:
+                raise StackError(f"stack not healthy after {self.config.health_timeout_wall_s}"
+                                 f" s: {last} (logs in {self.log_dir})")
+            await asyncio.sleep(0.3)
+
+    async def stop(self) -> dict[str, int | None]:
+        """Stop children (SIGTERM, then SIGKILL after the bound) and the server."""
+        if self.observer is not None:
+            with contextlib.suppress(Exception):
+                await self.observer.stop()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 5)
+            self.nc = None
+        codes = await asyncio.to_thread(self.children.stop)
+        if self.nats is not None:
+            await asyncio.to_thread(self.nats.stop)
+        return codes
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def _finite(obj: Any) -> Any:
+    """JSON-safe: NaN / inf → None, recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, summary: Mapping[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(dict(summary)), indent=2, sort_keys=True) + "\n")
+
+
+async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: float,
+                               rate_scale: float, *, id_prefix: str, console: Any,
+                               show_progress: bool = True,
+                               request_timeout_s: float = 600.0,
+                               on_start: Callable[[], None] | None = None,
+                               ) -> tuple[list[Any], bool]:
+    """Replay with a rich progress bar (stderr); returns (records, interrupted)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from vertumnus.live.replay import ReplayConfig, prepare_bodies, replay
+
+    rcfg = ReplayConfig(time_scale=time_scale, rate_scale=rate_scale, id_prefix=id_prefix,
+                        request_timeout_s=request_timeout_s)
+    bodies = await asyncio.to_thread(prepare_bodies, requests, rcfg)
+    if on_start is not None:
+        on_start()
+    done: list[Any] = []
+    progress = Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(),
+                        console=console, disable=not show_progress, transient=False)
+    task = progress.add_task("replay", total=len(requests), failed=0)
+    failed = 0
+
+    def on_result(rec: Any) -> None:
+        nonlocal failed
+        done.append(rec)
+        failed += 0 if rec.ok else 1
+        progress.update(task, advance=1, failed=failed)
+
+    interrupted = False
+    with progress:
+        try:
+            await replay(url, requests, rcfg, bodies=bodies, on_result=on_result)
+        except asyncio.CancelledError:
+            interrupted = True
+    return done, interrupted
+
+
+async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = None,
+                 json_path: Path | None = None, show_progress: bool = True) -> dict[str, Any]:
+    """Start the stack, replay, report, stop. Returns the summary (also written to JSON)."""
+    from rich.console import Console
+
+    console = console or Console()
+    err = err_console or Console(stderr=True)
+    log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="vtm-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    scale = config.effective_time_scale
+    _, requests = load_requests(config.workload, duration_s=config.duration_s, rate=config.rate,
+                                seed=config.seed, max_requests=config.max_requests,
+                                default_rate=config.base_rate)
+    err.print(f"vertumnus up: {config.gpus} GPUs, degrees {sorted(config.degrees)}, policy "
+              f"{config.policy}, backend {config.backend}, {len(requests)} requests over "
+              f"{config.duration_s:g} modelled s at time scale {scale:g} "
+              f"(≈{config.duration_s * scale / config.rate_scale:.0f} s wall); logs {log_dir}")
+    stack = LiveStack(config, log_dir=log_dir)
+    me = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        if me is not None:
+            # Explicit handlers: SIGINT may arrive ignored (a background job of a script), and
+            # SIGTERM's default would kill us before the children are stopped.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, me.cancel)
+    records: list[Any] = []
+    observer: Observer | None = None
+    interrupted = False
+    health: Health | None = None
+    try:
+        try:
+            health = await stack.start()
+            if stack.missing:
+                err.print(f"[yellow]not started (module not found): {', '.join(stack.missing)}")
+            for name, dropped in stack.ignored.items():
+                err.print(f"[dim]{name}: settings it does not have, not passed: "
+                          f"{', '.join(dropped)}")
+            assert stack.nats is not None
+            err.print(f"healthy: gateway {health.gateway_url}, nats {stack.nats.url}, services "
+                      f"{health.services}, active workers {health.active_workers}")
+            observer = stack.observer
+            assert observer is not None
+            if config.serve:
+                err.print(f"serving until Ctrl-C. Try:\n  vertumnus replay --gateway "
+                          f"{health.gateway_url} --time-scale {scale:g} --nats {stack.nats.url}"
+                          f"\n  vertumnus tap '{config.prefix}.>' --nats {stack.nats.url}")
+                observer.mark_start()
+                while True:
+                    await asyncio.sleep(1.0)
+                    stack.children.check()
+            records, interrupted = await replay_with_progress(
+                health.gateway_url, requests, scale, config.rate_scale,
+                id_prefix="", console=err, show_progress=show_progress,
+                request_timeout_s=config.result_timeout_wall_s + 30.0,
+                on_start=observer.mark_start)
+            if not interrupted:
+                # Let the last epoch records and results arrive (bounded, wall seconds).
+                await asyncio.sleep(min(1.0, config.drain_wall_s))
+        except asyncio.CancelledError:
+            interrupted = True
+        if interrupted and me is not None:
+            # We handle the interruption (report, clean stop); later awaits must not see it.
+            while me.cancelling():
+                me.uncancel()
+    finally:
+        observer = stack.observer
+        bound = config.stop_timeout_wall_s + 15.0
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            # A second Ctrl-C must not abort the shutdown half-way (orphans); it is bounded.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, lambda: err.print(
+                    f"already stopping (at most ~{bound:.0f} s)…"))
+        err.print("stopping services…")
+        try:
+            codes = await asyncio.shield(stack.stop())
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.remove_signal_handler(sig)
+    report = LiveReport(
+        records, scale,
+        changes=list(observer.changes) if observer else [],
+        prefix_tokens=dict(observer.prefix_tokens) if observer else {},
+        meta={
+            "interrupted": interrupted, "gpus": config.gpus, "degrees": sorted(config.degrees),
+            "policy": config.policy, "backend": config.backend, "workload": config.workload,
+            "duration_s": config.duration_s, "rate": config.base_rate,
+            "rate_scale": config.rate_scale, "seed": config.seed,
+            "requests_planned": len(requests), "services_missing": stack.missing,
+            "exit_codes": codes, "log_dir": str(log_dir),
+            **(observer.summary_counts() if observer else {}),
+        },
+    )
+    summary = report.summary()
+    if config.serve:
+        summary["interrupted"] = False  # Ctrl-C is how a serving stack ends
+    elif interrupted:
+        console.print(f"[yellow]interrupted: {summary['completed']} of {len(requests)} "
+                      "requests finished")
+    report.render(console)
+    if json_path is not None:
+        write_json(json_path, summary)
+        err.print(f"results written to {json_path}")
+    assert all(k in summary for k in REQUIRED_KEYS)
+    return summary
+
+
+__all__ = ["LiveStack", "StackError", "UpConfig", "default_composition", "load_requests",
+           "notation", "phased_config", "run_up", "write_json"]

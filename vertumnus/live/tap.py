@@ -1,0 +1,124 @@
+"""``vertumnus tap``: print the messages on a subject, decoded by their ``Content-Type``.
+
+The ``nats`` CLI is not installable on these machines (conventions.md), so this is how a
+person reads the live system's traffic: JSON pretty-printed, msgpack decoded (bytes fields
+summarised), anything else summarised as binary. Headers are shown (except the trace context
+unless ``show_trace``); micro errors stand out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import msgpack
+import nats
+from nats.aio.msg import Msg
+
+from shared.schemas import JSON, MSGPACK, content_type_of
+
+PREVIEW_BYTES: Final[int] = 16
+_TRACE_HEADERS: Final[frozenset[str]] = frozenset({"traceparent", "tracestate", "baggage"})
+
+
+def _summarise_bytes(b: bytes) -> str:
+    head = b[:PREVIEW_BYTES].hex(" ")
+    return f"<{len(b)} bytes: {head}{' …' if len(b) > PREVIEW_BYTES else ''}>"
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, (bytes, bytearray)):
+        return _summarise_bytes(bytes(obj))
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def render_payload(data: bytes, headers: dict[str, str] | None) -> tuple[str, str]:
+    """(kind, text) of one payload: kind is 'json', 'msgpack', 'text', 'binary' or 'empty'."""
+    if not data:
+        return "empty", ""
+    declared = headers is not None and any(k.lower() == "content-type" for k in headers)
+    ctype = content_type_of(headers)
+    if ctype == MSGPACK:
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            return "msgpack", json.dumps(_jsonable(obj), indent=2, sort_keys=True)
+        except (ValueError, TypeError, msgpack.UnpackException):
+            return "binary", "undecodable msgpack " + _summarise_bytes(data)
+    if ctype == JSON:
+        try:
+            return "json", json.dumps(json.loads(data), indent=2, sort_keys=True)
+        except (ValueError, UnicodeDecodeError):
+            if declared:
+                return "binary", "invalid JSON " + _summarise_bytes(data)
+    try:
+        text = data.decode("utf-8")
+        if text.isprintable() or all(c.isprintable() or c in "\r\n\t" for c in text):
+            return "text", text
+    except UnicodeDecodeError:
+        pass
+    return "binary", _summarise_bytes(data)
+
+
+def format_message(msg: Msg, *, show_trace: bool = False, now: float | None = None) -> str:
+    """One message as text: a header line, headers, the decoded body."""
+    headers = dict(msg.headers or {})
+    kind, body = render_payload(msg.data, headers)
+    stamp = time.strftime("%H:%M:%S", time.localtime(now or time.time()))
+    line = f"[{stamp}] {msg.subject}  ({kind}, {len(msg.data)} bytes"
+    if msg.reply:
+        line += f", reply {msg.reply}"
+    line += ")"
+    shown = {k: v for k, v in headers.items()
+             if show_trace or k.lower() not in _TRACE_HEADERS}
+    out = [line]
+    if any(k.startswith("Nats-Service-Error") for k in shown):
+        out.append(f"  ! micro error {shown.get('Nats-Service-Error-Code', '?')}: "
+                   f"{shown.get('Nats-Service-Error', '')}")
+    out += [f"  {k}: {v}" for k, v in sorted(shown.items())]
+    if body:
+        out += ["  " + ln for ln in body.splitlines()]
+    return "\n".join(out)
+
+
+async def tap(url: str, subject: str, *, count: int | None = None,
+              timeout_s: float | None = None, show_trace: bool = False,
+              out: Callable[[str], None] = print, queue: str = "") -> int:
+    """Subscribe and print until ``count`` messages, ``timeout_s`` or cancellation.
+
+    Returns the number of messages printed.
+    """
+    nc = await nats.connect(url, name="vertumnus-tap", connect_timeout=5)
+    seen = 0
+    done = asyncio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        nonlocal seen
+        if count is not None and seen >= count:
+            return
+        seen += 1
+        out(format_message(msg, show_trace=show_trace))
+        if count is not None and seen >= count:
+            done.set()
+
+    try:
+        await nc.subscribe(subject, queue=queue, cb=on_msg)
+        await nc.flush()
+        out(f"# listening on {subject!r} at {url}")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await done.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.drain()
+    return seen
+
+
+__all__ = ["format_message", "render_payload", "tap"]
