@@ -92,7 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         profile = run_profile(tmp, degrees=(1, 2, 4), seed=0)[0]
     spec = ExperimentSpec(gpus=args.gpus)
     lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
-    initial = historical_composition(lattice, profile, wl, spec.window_s)
+    # As sim.experiments.sweep does: the initial composition is judged with the controller's
+    # profile (κ scaled), when this version of the simulator has one.
+    comp_profile = profile
+    if hasattr(spec, "kappa_scale"):
+        from sim.simulator import controller_profile
+
+        comp_profile = controller_profile(profile, spec.kappa_scale)
+    initial = historical_composition(lattice, comp_profile, wl, spec.window_s)
     print(f"workload {wl.name}: {len(wl.requests)} requests, rate scale {args.rate_scale}, "
           f"{spec.gpus} GPUs; set-up {time.perf_counter() - t0:.2f} s")
 

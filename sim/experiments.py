@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from services.cachemgr.scan import ScanConfig
 from services.controller.composition import (
     HistoricalWorkload,
     demand_percentile,
     initial_composition,
     samples_from_lengths,
 )
-from services.cachemgr.scan import ScanConfig
 from services.controller.lattice import Composition, Lattice
 from services.controller.planner import ControllerConfig
 from shared.costmodel import Profile
@@ -93,8 +93,8 @@ def historical_composition(
 ) -> Composition:
     """§6.1's initial composition from the workload as history (lengths and window demand).
 
-    The demand of a window is estimated at the smallest degree (what the pool must at least
-    serve), with the prefix reuse the history showed (every earlier prefix counted as cached:
+    The demand of a window is estimated at each request's preferred degree (the mixture
+    rule's), with the prefix reuse the history showed (every earlier prefix counted as cached:
     history as an ideal cache saw it); the median window is the expected demand that the check
     (with the controller's 1.2 headroom) must accommodate — bursts are the controller's job.
     """
@@ -116,13 +116,20 @@ def historical_composition(
             hit += 1
         seen.update(r.block_hashes)
         p = min(hit * B, r.input_len - 1)
-        demand[k] += profile.predict_fast(r.input_len - p, p, cmin)
+        # Each request's demand at the degree it would prefer (§6.1's mixture rule), so the
+        # capacity check compares like with like: κ_C is in degree-C service seconds.
+        c = cmin
+        while 2 * c in degs and profile.predict_fast(r.input_len - p, p, c) >= \
+                calibration.SPEEDUP_THRESHOLD * profile.predict_fast(r.input_len - p, p, 2 * c):
+            c *= 2
+        demand[k] += profile.predict_fast(r.input_len - p, p, c)
     # Per-worker capacity is per window; provision the busy windows (not the average).
     hist = HistoricalWorkload(
         demand_s=demand_percentile(demand, 0.5),
         samples=samples_from_lengths(lens[:: max(1, len(lens) // 2000)], profile, degs),
     )
-    return initial_composition(lattice, profile, hist).composition
+    return initial_composition(lattice, profile, hist,
+                               speedup_threshold=calibration.SPEEDUP_THRESHOLD).composition
 
 
 def deployment_for(
@@ -328,28 +335,47 @@ def sweep(
     profiled static threshold, timelines) for the report."""
     truth = truth or GroundTruth()
     lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
-    initial = historical_composition(lattice, controller_profile(profile, spec.kappa_scale),
-                                     workload, spec.window_s)
-    side: dict[str, Any] = {"initial_composition": initial.describe(), "timelines": {}}
-    static_th = None
+    ctl_profile = controller_profile(profile, spec.kappa_scale)
+    # The paper provisions each rate from its own history ("Static uses the same worker
+    # composition as Vertumnus at each request rate"): the initial composition is chosen per
+    # rate from the workload at that rate.
+    initial_by_scale = {
+        s: historical_composition(lattice, ctl_profile,
+                                  scale_rate(workload, s) if s != 1.0 else workload,
+                                  spec.window_s)
+        for s in rate_scales
+    }
+    side: dict[str, Any] = {
+        "initial_composition": {str(s): c.describe() for s, c in initial_by_scale.items()},
+        "timelines": {},
+    }
+    # Static's threshold is profiled offline per composition, at a rate below saturation
+    # (the sweep's lowest), and then held fixed.
+    static_th: dict[str, int] = {}
     if "static" in policies:
-        static_th, scores = profile_static_threshold(
-            workload, lattice, initial, profile, spec, truth,
-            rate_scale=static_profile_rate or min(rate_scales),
-        )
+        scores_by: dict[str, Any] = {}
+        for comp in {c.describe(): c for c in initial_by_scale.values()}.values():
+            th, scores = profile_static_threshold(
+                workload, lattice, comp, profile, spec, truth,
+                rate_scale=static_profile_rate or min(rate_scales),
+            )
+            static_th[comp.describe()] = th
+            scores_by[comp.describe()] = {str(k): v for k, v in scores.items()}
         side["static_threshold_tokens"] = static_th
-        side["static_threshold_scores"] = {str(k): v for k, v in scores.items()}
+        side["static_threshold_scores"] = scores_by
     rows: list[dict[str, Any]] = []
     for scale in rate_scales:
         wl = scale_rate(workload, scale) if scale != 1.0 else workload
         oracle = oracle_ttfts(wl, truth, spec.degrees)
+        initial = initial_by_scale[scale]
         for pol in policies:
             variants = ("sglang", "sglang_unbounded") if pol == "sglang" else (pol,)
             best_row: dict[str, Any] | None = None
             for var in variants:
                 dep = deployment_for(var, lattice, initial, spec)
-                if var == "static" and static_th is not None:
-                    dep = replace(dep, params={"threshold_tokens": static_th})
+                if var == "static" and initial.describe() in static_th:
+                    dep = replace(dep, params={"threshold_tokens":
+                                               static_th[initial.describe()]})
                 t0 = time.perf_counter()
                 res = run_deployment(wl, dep, profile, spec, truth)
                 wall = time.perf_counter() - t0

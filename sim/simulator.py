@@ -48,6 +48,7 @@ from shared.worker import GpuGroup, Lifecycle, WorkerKind
 from sim.groundtruth import GroundTruth, NoisyGroundTruth
 from sim.workloads.workload import Request, Workload
 
+
 def controller_profile(profile: Profile, kappa_scale: float) -> Profile:
     """The profile the controller judges capacity with: κ_C × ``kappa_scale`` for every degree
     the profile measured (the scheduler keeps the plain profile; it never uses κ)."""
@@ -280,6 +281,20 @@ class Simulator:
 
         ``progress(n)`` is called with the number of requests finished so far, every 1,000.
         """
+        # Speed: a run allocates millions of small objects while ~10^5 trie nodes and the
+        # workload stay alive, so the cyclic collector's passes would cost ~40% of it; the
+        # simulator creates no garbage cycles it relies on collecting, so the collector is
+        # paused for the run (reference counting still frees everything) and restored after.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(workload, composition, progress)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self, workload: Workload, composition: Composition,
+             progress: Callable[[int], None] | None) -> SimResult:
         if workload.block_size != self.B:
             raise InvalidInput(
                 f"workload block size {workload.block_size} != profile block size {self.B}"
@@ -304,40 +319,30 @@ class Simulator:
         now = 0.0
         heap = self._heap
         pop = heapq.heappop
-        # Speed: the run allocates millions of small objects while ~10^5 trie nodes stay
-        # alive, so the cyclic collector's passes would cost ~40% of the run; the simulator
-        # creates no garbage cycles it relies on collecting, so it is paused for the loop
-        # (plain reference counting still frees everything) and restored afterwards.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            while heap:
-                now, _, kind, a, b = pop(heap)
-                if kind == _FINISH:
-                    self._finish(a, b, now)
-                    remaining -= 1
-                    done += 1
-                    if progress is not None and done % 1000 == 0:
-                        progress(done)
-                elif kind == _ARRIVE:
-                    self._arrive(a, now)
-                elif kind == _WINDOW:
-                    if remaining > 0:
-                        self._window(now)
-                        ctl = self.ctl
-                        assert ctl is not None
-                        self._push(now + ctl.config.window_s, _WINDOW)
-                elif kind == _SCAN:
-                    if remaining > 0:
-                        self._scan(now)
-                        self._push(now + self.cfg.scan_interval_s, _SCAN)
-                elif kind == _XFER:
-                    self._transfer_done(a, now)
-                elif kind == _SWITCHED:
-                    self._switched(now)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+        while heap:
+            now, _, kind, a, b = pop(heap)
+            if kind == _FINISH:
+                self._finish(a, b, now)
+                remaining -= 1
+                done += 1
+                if progress is not None and done % 1000 == 0:
+                    progress(done)
+            elif kind == _ARRIVE:
+                self._arrive(a, now)
+            elif kind == _WINDOW:
+                if remaining > 0:
+                    self._window(now)
+                    ctl = self.ctl
+                    assert ctl is not None
+                    self._push(now + ctl.config.window_s, _WINDOW)
+            elif kind == _SCAN:
+                if remaining > 0:
+                    self._scan(now)
+                    self._push(now + self.cfg.scan_interval_s, _SCAN)
+            elif kind == _XFER:
+                self._transfer_done(a, now)
+            elif kind == _SWITCHED:
+                self._switched(now)
         # Requests that never got a worker (failed placement) were counted as records already.
         return SimResult(
             config=self.cfg,

@@ -206,11 +206,18 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
     from rich.console import Console
 
     from shared.subjects import Subjects
+    from vertumnus.live.http import HttpError, get_json
     from vertumnus.live.observe import Observer
     from vertumnus.live.report import LiveReport
     from vertumnus.live.stack import replay_with_progress
 
     err = Console(stderr=True)
+    try:
+        status, body = await get_json(gateway.rstrip("/") + "/health")
+    except (HttpError, ValueError) as exc:
+        raise ValueError(f"gateway {gateway} is not reachable: {exc}") from None
+    if status != 200:
+        raise ValueError(f"gateway {gateway} is not healthy: {status} {body}")
     observer = None
     nc = None
     if nats_url:

@@ -37,6 +37,7 @@ import heapq
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Final
 
 from services.cachemgr.actions import CacheAction, Reclaim, Replicate
@@ -399,10 +400,12 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
     intra: list[Candidate] = []
     reclaim: list[Candidate] = []
     e = len(trie._decays)
+    zeros = (0.0,) * nd
     hot_th = trie._hot_th
     full = lists or t_inter < hot_th[0] or t_intra < hot_th[1]
     # Reclaim candidates as (access / r, hash, degree, node, degree index): the list's ranking.
     rec_keys: list[tuple[float, BlockHash, Degree, TrieNode, int]] = []
+    zero_nodes: list[TrieNode] = []  # index path: multi-holder nodes with no access, by hash
     if full:
         hot: set[TrieNode] = set()
         for n in trie._nodes.values():
@@ -416,9 +419,9 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
                         reclaim.append(Candidate(n.hash, degrees[i], r, 0.0, 0.0))
                 continue
             if acc is None:
-                acc = _ZEROS[nd]
+                acc = zeros
             if mis is None:
-                mis = _ZEROS[nd]
+                mis = zeros
             keep = False
             for i in range(nd):
                 r = count[i]
@@ -455,8 +458,8 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
             if n.ep != e:
                 n.catch_up()
             count = n.count
-            acc = n._acc if n._acc is not None else _ZEROS[nd]
-            mis = n._mis if n._mis is not None else _ZEROS[nd]
+            acc = n._acc if n._acc is not None else zeros
+            mis = n._mis if n._mis is not None else zeros
             keep = False
             for i in range(nd):
                 r = count[i]
@@ -472,20 +475,20 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
                 drop.append(n)
         for n in drop:
             hot.discard(n)
-        zero_ok = 0.0 < t_rec  # access 0 < r·θ_reclaim for every r >= 1
+        # Multi-holder nodes without any access (most of them) all rank at access / r = 0,
+        # by (hash, degree): they are only sorted by hash here (in C) and expanded lazily.
+        multi = trie._multi
+        if 0.0 < t_rec:  # access 0 < r·θ_reclaim for every r >= 1
+            zero_nodes = [n for n in multi if n._acc is None]
+            zero_nodes.sort(key=_HASH)
         append = rec_keys.append
-        for n in trie._multi:
-            count = n.count
+        for n in multi:
             acc = n._acc
             if acc is None:
-                if zero_ok:
-                    for i in range(nd):
-                        r = count[i]
-                        if r:
-                            append((0.0, n.hash, degrees[i], n, i))
                 continue
             if n.ep != e:
                 n.catch_up()
+            count = n.count
             for i in range(nd):
                 r = count[i]
                 if r:
@@ -531,9 +534,11 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
             # A heap, popped in order until enough reclaims: few trials are ever needed.
             # (access / r, hash, degree) is unique, so the node is never compared.
             heapq.heapify(rec_keys)
+            ranked = _popped(rec_keys)
+            if zero_nodes:
+                ranked = heapq.merge(_zero_keys(zero_nodes, degrees), ranked)
             tests = [_InReclaimList(trie, i, t_rec) for i in range(nd)]
-            _take(actions, (Candidate(h, c, n.count[i], q, 0.0)
-                            for q, h, c, n, i in _popped(rec_keys)),
+            _take(actions, (Candidate(h, c, n.count[i], q, 0.0) for q, h, c, n, i in ranked),
                   lambda c: sel.reclaim(c, tests[trie._deg_idx[c.degree]]), bound)
     for a in actions:
         trie._begin(a)
@@ -546,13 +551,24 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
                       _collect(trie, cfg.gc_threshold))
 
 
+_HASH: Final = attrgetter("hash")
+
+
+def _zero_keys(nodes: list[TrieNode], degrees: tuple[Degree, ...]) -> Iterator:
+    """(0.0, hash, degree, node, degree index) for every degree a node is held at, in order
+    (``nodes`` sorted by hash; a node's degrees ascending)."""
+    order = sorted(range(len(degrees)), key=degrees.__getitem__)
+    for n in nodes:
+        count = n.count
+        for i in order:
+            if count[i]:
+                yield (0.0, n.hash, degrees[i], n, i)
+
+
 def _popped(heap: list) -> Iterator:
     pop = heapq.heappop
     while heap:
         yield pop(heap)
-
-
-_ZEROS: Final[dict[int, tuple[float, ...]]] = {k: (0.0,) * k for k in range(1, 65)}
 
 
 class _InReclaimList:
@@ -617,23 +633,25 @@ def _collect(trie: PrefixTrie, threshold: float) -> int:
     cands = [n for n in trie._unref
              if not n.children and n.hash not in protected
              and ((zero_cold and n._acc is None and n._mis is None) or cold(n))]
-    removed = 0
     nodes = trie._nodes
-    unref, hot, touched = trie._unref, trie._hot, trie._touched
+    gone: list[TrieNode] = []
     while cands:
         nxt: list[TrieNode] = []
         for n in cands:
-            if n.children or nodes.get(n.hash) is not n:
+            if n.children:
                 continue
             del nodes[n.hash]
-            unref.discard(n)
-            hot.discard(n)
-            touched.discard(n)
-            removed += 1
+            gone.append(n)
             p = n.parent
             if p is not None:
                 del p.children[n.hash]
                 if (not p.children and p.refs == 0 and p.hash not in protected and cold(p)):
                     nxt.append(p)
         cands = nxt
-    return removed
+    if gone:
+        trie._unref.difference_update(gone)
+        if trie._hot:
+            trie._hot.difference_update(gone)
+        if trie._touched:
+            trie._touched.difference_update(gone)
+    return len(gone)

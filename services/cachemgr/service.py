@@ -18,8 +18,9 @@ input                                  what the adapter does
                                        degree, L and the profile's Ê; then ``trie.on_reuse``: the
                                        lazy reconcile copies for pages pending at that worker
 timer, every ``scan_interval_s`` (H)   ``trie.scan(config, load)`` with each worker's outstanding
-                                       work from the worker-state bucket; each selected action is
-                                       sent as a command (below)
+                                       work from the worker-state bucket (no ``in_use``: pinned
+                                       blocks are the worker's to protect, and a reclaim skips
+                                       them); each selected action is sent as a command (below)
 worker-state KV (watch)                capacities and loads; registers workers before their
                                        first event (and asks for their snapshot)
 epoch KV key (watch)                   a changed composition: a degree-2C worker replaced by its
@@ -129,8 +130,10 @@ class CacheMgrSettings(ServiceSettings):
         default=16.0, ge=0, description="θ_intra: decayed accesses per replica for another one."
     )
     theta_reclaim: float = Field(
-        default=1.0, ge=0, description="θ_reclaim (< θ_intra): accesses per replica below which "
-        "a replica is reclaimed (never the last one in the pool)."
+        default=1.0,
+        ge=0,
+        description="θ_reclaim (< θ_intra): accesses per replica below which "
+        "a replica is reclaimed (never the last one in the pool).",
     )
     decay: float = Field(default=0.5, gt=0, lt=1, description="Statistics decay per scan.")
     max_actions_per_list: int = Field(
@@ -140,7 +143,8 @@ class CacheMgrSettings(ServiceSettings):
         default=1e-3, ge=0, description="Statistics below this are negligible for node GC."
     )
     default_capacity_blocks: int = Field(
-        default=4096, ge=1,
+        default=4096,
+        ge=1,
         description="Cache capacity assumed for a worker whose WorkerState is not known yet.",
     )
     snapshot_timeout_s: float = Field(default=5.0, gt=0, description="Wait for a snapshot.")
@@ -304,8 +308,9 @@ class CacheMgrService(MicroService):
         self.msettings = settings
         self.clock = clock
         if profile is None:
-            profile = Profile.load(settings.profile_path) if settings.profile_path else \
-                DEFAULT_PROFILE
+            profile = (
+                Profile.load(settings.profile_path) if settings.profile_path else DEFAULT_PROFILE
+            )
         self.profile = profile
         self.scan_config = settings.scan_config()
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
@@ -528,8 +533,7 @@ class CacheMgrService(MicroService):
             wid = WorkerId(w.worker_id)
             if w.lifecycle is Lifecycle.UNAVAILABLE and wid in tracked:
                 cancelled = self.trie.remove_worker(wid)
-                self.log.info("unavailable worker untracked", worker=wid,
-                              cancelled=len(cancelled))
+                self.log.info("unavailable worker untracked", worker=wid, cancelled=len(cancelled))
             elif w.lifecycle is not Lifecycle.UNAVAILABLE and wid not in tracked:
                 self._register(wid, w.degree, snapshot=True)
 
@@ -647,8 +651,7 @@ class CacheMgrService(MicroService):
             return t.on_reuse(wid, hashes)
         except VertumnusError as exc:
             self.counters["stats_skipped"] += 1
-            self.log.info("request stats not recorded", request_id=stats.request_id,
-                          error=str(exc))
+            self.log.info("request stats not recorded", request_id=stats.request_id, error=str(exc))
             return ()
 
     # -- the scan and the commands -----------------------------------------------------------------
@@ -666,7 +669,8 @@ class CacheMgrService(MicroService):
     def scan(self) -> ScanResult:
         """One periodic scan (Algorithm 2 + selection); sends the selected actions."""
         load = {
-            WorkerId(w): st.outstanding_s for w, st in self.states.items()
+            WorkerId(w): st.outstanding_s
+            for w, st in self.states.items()
             if w in self.trie.workers()
         }
         result = self.trie.scan(self.scan_config, load)
@@ -685,8 +689,7 @@ class CacheMgrService(MicroService):
             self._send(a)
         return result
 
-    def _command(self, action: CacheAction) -> ReplicateCommand | ReclaimCommand | \
-            ReconcileCommand:
+    def _command(self, action: CacheAction) -> ReplicateCommand | ReclaimCommand | ReconcileCommand:
         self._cmd_seq += 1
         cid = f"cm{self._cmd_seq}-{uuid.uuid4().hex[:8]}"
         epoch = self.record.epoch if self.record else 0
@@ -697,11 +700,17 @@ class CacheMgrService(MicroService):
         blocks = path_to(self.trie, action.node_hash)
         if action.kind == "reconcile":
             return ReconcileCommand(
-                command_id=cid, worker_id=action.dest, epoch=epoch, blocks=blocks,
+                command_id=cid,
+                worker_id=action.dest,
+                epoch=epoch,
+                blocks=blocks,
                 source_worker=action.source,
             )
         return ReplicateCommand(
-            command_id=cid, worker_id=action.dest, epoch=epoch, blocks=blocks,
+            command_id=cid,
+            worker_id=action.dest,
+            epoch=epoch,
+            blocks=blocks,
             source_worker=action.source,
         )
 
@@ -715,8 +724,13 @@ class CacheMgrService(MicroService):
             self._failed(action, str(exc))
             return
         self.counters["commands_sent"] += 1
-        self.log.info("cache command", op=cmd.op, worker=cmd.worker_id,
-                      command_id=cmd.command_id, action=action.to_wire())
+        self.log.info(
+            "cache command",
+            op=cmd.op,
+            worker=cmd.worker_id,
+            command_id=cmd.command_id,
+            action=action.to_wire(),
+        )
         try:
             res = await call(
                 self.nc,

@@ -127,9 +127,19 @@ class TrieNode:
         if k == e:
             return
         self.ep = e
-        if self._acc is None and self._mis is None:
+        acc, mis = self._acc, self._mis
+        if acc is None and mis is None:
             return
-        for arr in (self._acc, self._mis):
+        if e - k == 1:  # the common case: one scan behind
+            d = dh[k]
+            if acc is not None:
+                for i in range(len(acc)):
+                    acc[i] *= d
+            if mis is not None:
+                for i in range(len(mis)):
+                    mis[i] *= d
+            return
+        for arr in (acc, mis):
             if arr is None:
                 continue
             for i, v in enumerate(arr):
@@ -285,7 +295,8 @@ class PrefixTrie:
         # --- scan indexes (speed; see services.cachemgr.scan) -----------------------------
         # Decay factor of every scan so far, shared with the nodes (lazy decay, TrieNode).
         self._decays: list[float] = []
-        # Nodes whose access / missed grew since the last scan (record_request, set_statistics).
+        # Nodes whose access / missed grew past _hot_th since the last scan (record_request;
+        # set_statistics adds any node it changes).
         self._touched: set[TrieNode] = set()
         # Nodes that after the last scan's decay still had missed > _hot_th[0] or access >
         # _hot_th[1] at some degree. NOTE: invariant -- every other node not in _touched has
@@ -676,7 +687,9 @@ class PrefixTrie:
         reused = nodes[: reused_blocks]
         e = len(self._decays)
         nd = len(self.degrees)
+        # The scan index needs only nodes now above the last scan's thresholds (see _hot).
         touched = self._touched
+        th_mis, th_acc = self._hot_th
         for n in reused:
             if n.ep != e:
                 n.catch_up()
@@ -684,7 +697,8 @@ class PrefixTrie:
             if a is None:
                 a = n._acc = [0.0] * nd
             a[ci] += 1.0
-            touched.add(n)
+            if a[ci] > th_acc:
+                touched.add(n)
         total = 0.0
         for n, b in gains:
             if n.ep != e:
@@ -693,7 +707,8 @@ class PrefixTrie:
             if m is None:
                 m = n._mis = [0.0] * nd
             m[pi] += b
-            touched.add(n)
+            if m[pi] > th_mis:
+                touched.add(n)
             total += b
         return RecordResult(len(reused), len(gains), total)
 

@@ -18,6 +18,11 @@ nothing, so it counts nothing):
    is recorded as overridden).
 4. **Persistence.** An operation starts only after the same direction has been signalled
    for ``persistence`` consecutive windows; any other outcome resets the streak.
+   **Momentum** (our addition): once an operation in a direction has been carried out, the
+   next window that still signals that direction continues at once — the signal already
+   persisted and the composition is still on its way (a {2,4} pool over 40 GPUs is ten steps
+   from all-CP2 to all-CP4; re-proving persistence after every step would take minutes). A
+   window without that signal ends the momentum.
 5. **Admission.** A merge is admitted only if the adjacent composition keeps sufficient
    capacity: D ≤ ``merge_headroom``·K' (``merge_headroom`` < u gives hysteresis, so the
    merged composition does not split again at once). Our addition, symmetric to it: a split
@@ -182,6 +187,7 @@ class Planner:
     _streak: int = field(default=0, init=False)
     _ref: tuple[float, float] | None = field(default=None, init=False)  # (D_ref, f_ref)
     _ref_composition: Composition | None = field(default=None, init=False)
+    _momentum: OpKind | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.profile, Profile):
@@ -242,6 +248,7 @@ class Planner:
         ref = self._ref if same else None
         prev_dir, prev_streak = (self._streak_dir, self._streak) if same else (None, 0)
         if reconfiguring:
+            # NOTE: momentum survives an in-flight operation (it is what the operation did).
             self._commit(None, 0, ref, composition)
             return Decision(
                 window, cap, None, None, None, 0, None, "reconfiguration in flight", desc
@@ -280,10 +287,14 @@ class Planner:
         else:
             why = f"D={d:.1f}s within [{cfg.lower:.2f}, {cfg.upper:.2f}]·K={cap:.1f}s"
 
+        if direction is not self._momentum:
+            self._momentum = None
         if direction is None:
             self._commit(None, 0, new_ref, composition)
             return Decision(window, cap, cap_sig, frac_sig, None, 0, None, f"hold: {why}", desc)
         streak = prev_streak + 1 if direction is prev_dir else 1
+        if direction is self._momentum:
+            streak = max(streak, cfg.persistence)
         if streak < cfg.persistence:
             self._commit(direction, streak, new_ref, composition)
             return Decision(
@@ -309,6 +320,7 @@ class Planner:
         )
         if plan is not None:
             self._commit(None, 0, new_ref, composition)
+            self._momentum = direction
             return Decision(
                 window, cap, cap_sig, frac_sig, direction, streak, plan, plan.reason, desc
             )

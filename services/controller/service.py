@@ -16,8 +16,10 @@ input                                    what the adapter does
 ``{prefix}.cache.stats.*``               RequestStats, one per placement → ``core.assigned(at_s,
 (``demand_input="assignments"``)         predicted_s, input_len, degree)``
 timer, every ``tick_s``                  ``core.tick(now - report_grace_s)`` (windows close only
-                                         after their reports had time to arrive); a decision with
-                                         a plan is carried out (below)
+                                         after their reports had time to arrive, and in windows
+                                         mode never past the latest reported window: silent
+                                         schedulers are not zero demand); a decision with a plan
+                                         is carried out (below)
 worker-state KV (watch)                  per-worker outstanding work (drain estimate for the
                                          planner), queue length, lifecycle: a draining source
                                          whose state shows an empty queue under the drain record
@@ -140,7 +142,7 @@ from shared.service import (
 )
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, micro_service_name, validate_subject, validate_token
-from shared.worker import GpuGroup, Lifecycle
+from shared.worker import Lifecycle
 
 VERSION: Final[str] = "0.1.0"
 INFLIGHT_MARKER: Final[str] = "~in-flight"
@@ -177,14 +179,16 @@ class ControllerSettings(ServiceSettings):
     kappa: dict[int, float] = Field(
         default_factory=dict,
         description="Override of κ_C (seconds of predicted service per window one degree-C "
-        "worker serves within the SLO), e.g. {\"2\": 8.0, \"4\": 14.0}.",
+        'worker serves within the SLO), e.g. {"2": 8.0, "4": 14.0}.',
     )
     window_s: float = Field(
-        default=DEFAULT_WINDOW_S, gt=0,
+        default=DEFAULT_WINDOW_S,
+        gt=0,
         description="Observation window H (s); must equal the scheduler's window_s.",
     )
     long_threshold_tokens: int = Field(
-        default=DEFAULT_LONG_THRESHOLD_TOKENS, ge=1,
+        default=DEFAULT_LONG_THRESHOLD_TOKENS,
+        ge=1,
         description="Input length from which a request counts as long.",
     )
     upper: float = Field(default=0.9, description="Split when D > upper·capacity.")
@@ -210,7 +214,8 @@ class ControllerSettings(ServiceSettings):
         default=1.0, gt=0, description="How often windows are closed and decided (wall clock)."
     )
     report_grace_s: float = Field(
-        default=2.0, ge=0,
+        default=2.0,
+        ge=0,
         description="A window is closed this long after its end, so the scheduler replicas' "
         "reports for it have arrived (a later one counts in the next window).",
     )
@@ -221,7 +226,8 @@ class ControllerSettings(ServiceSettings):
         default=120.0, gt=0, description="Abort a reconfiguration whose sources did not drain."
     )
     lease_s: float = Field(
-        default=WORKER_LEASE_S, gt=0,
+        default=WORKER_LEASE_S,
+        gt=0,
         description="Worker-state bucket TTL (must match the other services).",
     )
     follow_record: bool = Field(
@@ -473,6 +479,7 @@ class ControllerService(MicroService):
         self._states: dict[str, WorkerState] = {}
         self._decisions: deque[dict[str, Any]] = deque(maxlen=settings.decisions_kept)
         self._floor = 0.0  # latest instant fed to the windows (they never go backwards)
+        self._reported_until = 0.0  # end of the latest window some replica reported
         self._tasks: list[asyncio.Task[None]] = []
         self.counters: dict[str, int] = {
             "reports": 0,
@@ -529,6 +536,7 @@ class ControllerService(MicroService):
             "instance": self.instance,
             "record_epoch": self.record.epoch if self.record else None,
             "revision": self.revision,
+            "reported_until_s": self._reported_until,
             "counters": dict(self.counters),
         }
         if core is None:
@@ -735,9 +743,7 @@ class ControllerService(MicroService):
 
     def _next_record(self, reason: str) -> EpochRecord:
         assert self.core is not None and self.record is not None
-        return epoch_record(
-            self.core.protocol.workers(), self.record.epoch + 1, self.now(), reason
-        )
+        return epoch_record(self.core.protocol.workers(), self.record.epoch + 1, self.now(), reason)
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -749,6 +755,7 @@ class ControllerService(MicroService):
             self.log.warning("malformed window report ignored", error=str(exc))
             return
         self.counters["reports"] += 1
+        self._reported_until = max(self._reported_until, report.window_start_s + report.window_s)
         for t, s, n in replay_report(report, self.config.long_threshold_tokens):
             self._assigned(t, s, n, None)
 
@@ -860,8 +867,9 @@ class ControllerService(MicroService):
         await self._publish_composition()
 
     async def _on_result(self, msg: Msg) -> None:
-        if not self._awaiting:
-            return
+        core = self.core
+        if core is None or not (self._awaiting or core.pending_plan or core.protocol.in_progress()):
+            return  # nothing drains: results are none of our business
         try:
             result = decode(FirstToken, msg.data, msg.headers)
         except SchemaError:
@@ -951,7 +959,12 @@ class ControllerService(MicroService):
             core = self.core
             if core is None:
                 return []
-            t = max(self.now() - self.csettings.report_grace_s, self._floor)
+            t = self.now() - self.csettings.report_grace_s
+            if self.csettings.demand_input == "windows":
+                # NOTE: a window closes only once some replica reported it: silence is not
+                # zero demand (which would read as "merge everything").
+                t = min(t, self._reported_until)
+            t = max(t, self._floor, core.windows.open_start_s)
             drain = {
                 WorkerId(w): st.outstanding_s
                 for w, st in self._states.items()
@@ -1006,9 +1019,7 @@ class ControllerService(MicroService):
             epoch=record.epoch,
             sources=list(plan.source_ids),
             targets=list(plan.target_ids),
-            redirected=[
-                RedirectedRequest(worker_id=w, request_id=r) for w, r in res.redirected
-            ],
+            redirected=[RedirectedRequest(worker_id=w, request_id=r) for w, r in res.redirected],
             in_flight={w: len(f) for w, f in in_flight.items()},
             reason=plan.reason,
             issued_at_s=self.now(),
@@ -1181,10 +1192,6 @@ class ControllerService(MicroService):
                 at_s=self.now(),
             ),
         )
-
-
-def _group(worker_id: str) -> GpuGroup:  # pragma: no cover - convenience for tools
-    return GpuGroup.from_worker_id(worker_id)
 
 
 __all__ = [

@@ -28,7 +28,8 @@ def _state(t: PrefixTrie) -> dict:
 def _history(seed: int, rounds: int):
     """Two identical tries driven through the same random history; yields at each scan."""
     rng = random.Random(seed)
-    tries = [PrefixTrie([2, 4], block_size=4), PrefixTrie([2, 4], block_size=4)]
+    degrees = rng.choice([[2, 4], [4, 2]])  # the degree order must not matter either
+    tries = [PrefixTrie(degrees, block_size=4), PrefixTrie(degrees, block_size=4)]
     workers = {f"w{i}": rng.choice([2, 4]) for i in range(rng.randint(2, 6))}
     for t in tries:
         for w, c in workers.items():
@@ -92,10 +93,22 @@ def _history(seed: int, rounds: int):
         yield rnd, tries, cfg, load, in_use, ids
 
 
+def _check_indexes(t: PrefixTrie) -> None:
+    """The scan indexes agree with a brute-force pass over the trie."""
+    nodes = list(t._nodes.values())
+    assert t._unref == {n for n in nodes if n.refs == 0}
+    assert t._multi == {n for n in nodes if len(n.holders) >= 2}
+    th_mis, th_acc = t._hot_th
+    for n in nodes:
+        if n not in t._hot and n not in t._touched:
+            assert max(n.missed) <= th_mis and max(n.access) <= th_acc
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10**6))
 def test_fast_scan_matches_full_scan(seed: int) -> None:
     for _, (full, fast), cfg, load, in_use, ids in _history(seed, 12):
+        _check_indexes(fast)
         a = full.scan(cfg, load, in_use)
         b = fast.scan(cfg, load, in_use, lists=False)
         assert a.actions == b.actions
@@ -103,6 +116,8 @@ def test_fast_scan_matches_full_scan(seed: int) -> None:
         assert b.inter == b.intra == b.reclaim == ()
         assert _state(full) == _state(fast)
         assert full.inflight() == fast.inflight()
+        _check_indexes(fast)
+        _check_indexes(full)
         # Carry the reclaims out on both, so the histories keep exercising removal.
         for act in a.actions:
             if isinstance(act, Reclaim):

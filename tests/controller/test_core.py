@@ -116,7 +116,8 @@ def test_closed_loop_follows_load_phases_like_section_9_3() -> None:
         "5CP8",
     ]
     assert core.protocol.epoch == 7
-    # Each operation needed two persistent windows: splits at windows 1 and 3; merges at
-    # 9, 11, 13, 15, 17 (0-based), the first low window being 8.
+    # The first operation of a direction needs two persistent windows (split at window 1,
+    # first merge at 9, the first low window being 8); momentum then continues one operation
+    # per window while the signal holds: split at 2, merges at 10, 11, 12, 13 (0-based).
     planned = [d.window.index for d in core.decisions if d.plan is not None]
-    assert planned == [1, 3, 9, 11, 13, 15, 17]
+    assert planned == [1, 2, 9, 10, 11, 12, 13]

@@ -283,3 +283,31 @@ def test_plans_are_adjacent_admitted_and_do_not_invite_an_immediate_reversal(
             # A mix-driven split never leaves the pool below the merge threshold.
             assert demand >= cfg.lower * k_after - 1e-9
         comp = after
+
+
+def test_momentum_continues_a_direction_and_any_other_window_ends_it() -> None:
+    """After an operation, the next window with the same signal acts at once; a window
+    without it ends the momentum, so the next operation needs persistence again."""
+    from services.controller.lattice import Composition, Lattice
+    from services.controller.planner import ControllerConfig, Planner
+    from services.controller.windows import WindowSummary
+    from shared.costmodel import Profile
+
+    lat = Lattice(16, {2, 4})
+    prof = Profile(kappa={2: 10.0, 4: 16.0})
+    planner = Planner(prof, ControllerConfig(persistence=2))
+    comp = Composition.from_counts(lat, {4: 4})  # K = 64, u·K = 57.6
+
+    def win(i: int, d: float) -> WindowSummary:
+        return WindowSummary(i, 20.0 * i, 20.0 * (i + 1), d, 10, 0)
+
+    assert planner.observe(win(0, 70.0), comp).plan is None  # 1/2
+    plan = planner.observe(win(1, 70.0), comp).plan
+    assert plan is not None and plan.kind.value == "split"
+    comp = comp.apply(plan.op)  # 2CP2/3CP4: K = 68, u·K = 61.2
+    plan2 = planner.observe(win(2, 70.0), comp).plan
+    assert plan2 is not None and plan2.kind.value == "split"  # momentum: no second wait
+    comp = comp.apply(plan2.op)  # K = 72, u·K = 64.8; l·K = 36
+    assert planner.observe(win(3, 50.0), comp).plan is None  # no signal: momentum ends
+    assert planner.observe(win(4, 70.0), comp).plan is None  # split pending 1/2 again
+    assert planner.observe(win(5, 70.0), comp).plan is not None

@@ -11,6 +11,7 @@ import time
 
 import torch
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
 
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
@@ -109,13 +110,21 @@ async def test_rankd_host_torch_split_merge(
     async def run(rid: str, wid: str, epoch: int, tokens: list[int]) -> FirstToken:
         sub = await nc.subscribe(s.result(rid))
         try:
-            await call(
-                nc,
-                s.worker_assign(wid),
-                assignment(rid, wid, epoch, tokens),
-                AssignmentAck,
-                timeout_s=WAIT_S,
-            )
+            # A worker shows up in host.services just before its micro endpoints subscribe;
+            # an early request finds no responders, so retry that answer (bounded).
+            async with asyncio.timeout(WAIT_S):
+                while True:
+                    try:
+                        await call(
+                            nc,
+                            s.worker_assign(wid),
+                            assignment(rid, wid, epoch, tokens),
+                            AssignmentAck,
+                            timeout_s=WAIT_S,
+                        )
+                        break
+                    except NoRespondersError:
+                        await asyncio.sleep(0.05)
             return decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
         finally:
             await sub.unsubscribe()

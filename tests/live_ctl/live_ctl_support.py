@@ -45,8 +45,9 @@ class Collector:
         with contextlib.suppress(ValueError):
             self.items.append(json.loads(msg.data))
 
-    async def first(self, pred: Callable[[dict[str, Any]], bool] = lambda _: True,
-                    *, what: str) -> dict[str, Any]:
+    async def first(
+        self, pred: Callable[[dict[str, Any]], bool] = lambda _: True, *, what: str
+    ) -> dict[str, Any]:
         async def probe() -> dict[str, Any] | None:
             return next((i for i in self.items if pred(i)), None)
 
@@ -78,8 +79,13 @@ class FakeRanks:
             self.records.append(rec)
             for w in rec.workers:
                 for gpu in w.group.gpus:
-                    ack = EpochAck(gpu=gpu, epoch=rec.epoch, degree=w.degree,
-                                   worker_id=w.worker_id, adopted_at_s=time.time())
+                    ack = EpochAck(
+                        gpu=gpu,
+                        epoch=rec.epoch,
+                        degree=w.degree,
+                        worker_id=w.worker_id,
+                        adopted_at_s=time.time(),
+                    )
                     data, headers = encode(ack)
                     await self.nc.publish(self.subjects.epoch_ack(gpu), data, headers=headers)
 
@@ -97,8 +103,14 @@ class FakeScheduler:
     """Publishes one WindowReport per window of ``window_s`` (on the Unix-epoch grid) with
     the demand ``demand()`` returns, as a scheduler replica does."""
 
-    def __init__(self, nc: Client, subjects: Subjects, window_s: float,
-                 demand: Callable[[], float], reporter: str = "sched-a") -> None:
+    def __init__(
+        self,
+        nc: Client,
+        subjects: Subjects,
+        window_s: float,
+        demand: Callable[[], float],
+        reporter: str = "sched-a",
+    ) -> None:
         self.nc, self.subjects, self.window_s = nc, subjects, window_s
         self.demand, self.reporter = demand, reporter
         self._task: asyncio.Task[None] | None = None
@@ -113,13 +125,19 @@ class FakeScheduler:
             if k != last:
                 last = k
                 rep = WindowReport(
-                    reporter=self.reporter, window_index=k, window_start_s=k * self.window_s,
-                    window_s=self.window_s, epoch=0, demand_s=self.demand(), requests=10,
+                    reporter=self.reporter,
+                    window_index=k,
+                    window_start_s=k * self.window_s,
+                    window_s=self.window_s,
+                    epoch=0,
+                    demand_s=self.demand(),
+                    requests=10,
                     long_requests=0,
                 )
                 data, headers = encode(rep)
-                await self.nc.publish(self.subjects.window_demand(self.reporter), data,
-                                      headers=headers)
+                await self.nc.publish(
+                    self.subjects.window_demand(self.reporter), data, headers=headers
+                )
             await asyncio.sleep(self.window_s / 8)
 
     async def stop(self) -> None:
@@ -127,3 +145,23 @@ class FakeScheduler:
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
+
+
+async def request(nc: Client, subject: str, body: bytes = b"", *, attempts: int = 5) -> Any:
+    """``nc.request`` that retries a *no responders* answer a few times.
+
+    NOTE: with nats-server 2.15.1 the first request to an endpoint that was subscribed (and
+    flushed) a moment earlier on another connection occasionally gets a 503 although
+    ``/subsz`` lists the subscription and an immediate retry succeeds (seen ~1 in 30 service
+    starts under load). Services treat no-responders as retryable anyway; tests do the same.
+    """
+    from nats.errors import NoRespondersError
+
+    for i in range(attempts):
+        try:
+            return await nc.request(subject, body, timeout=5)
+        except NoRespondersError:
+            if i == attempts - 1:
+                raise
+            await asyncio.sleep(0.05)
+    raise AssertionError("unreachable")

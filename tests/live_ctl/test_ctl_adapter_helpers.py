@@ -28,8 +28,16 @@ def test_diff_finds_splits_merges_and_plain_changes() -> None:
 
 
 def test_window_report_replays_exact_demand_count_and_long_fraction() -> None:
-    rep = WindowReport(reporter="s1", window_index=7, window_start_s=140.0, window_s=20.0,
-                       epoch=0, demand_s=12.0, requests=4, long_requests=1)
+    rep = WindowReport(
+        reporter="s1",
+        window_index=7,
+        window_start_s=140.0,
+        window_s=20.0,
+        epoch=0,
+        demand_s=12.0,
+        requests=4,
+        long_requests=1,
+    )
     w = DemandWindows(window_s=20.0, long_threshold_tokens=32_768, start_s=140.0)
     for t, s, n in replay_report(rep, 32_768):
         assert 140.0 <= t < 160.0
@@ -42,14 +50,22 @@ def test_window_report_replays_exact_demand_count_and_long_fraction() -> None:
 
 
 def test_cache_events_accept_both_wire_forms_and_reject_garbage() -> None:
-    ev = event_from_payload(b'{"schema_version": 1, "type": "stored", "worker": "w-cp2-g0", '
-                            b'"event_id": 1, "parent_hash": null, "block_hashes": [1, 2]}')
+    ev = event_from_payload(
+        b'{"schema_version": 1, "type": "stored", "worker": "w-cp2-g0", '
+        b'"event_id": 1, "parent_hash": null, "block_hashes": [1, 2]}'
+    )
     assert isinstance(ev, Stored) and ev.block_hashes == (1, 2)
-    snap = event_from_payload(b'{"type": "snapshot", "worker_id": "w-cp2-g0", '
-                              b'"last_event_id": 2, "blocks": [[1, null], [2, 1]]}')
+    snap = event_from_payload(
+        b'{"type": "snapshot", "worker_id": "w-cp2-g0", '
+        b'"last_event_id": 2, "blocks": [[1, null], [2, 1]]}'
+    )
     assert isinstance(snap, Snapshot) and snap.last_event_id == 2
-    for bad in (b"nope", b"[]", b'{"type": "stored"}', b'{"schema_version": 2, "type": "cleared",'
-                b' "worker": "w", "event_id": 1}'):
+    for bad in (
+        b"nope",
+        b"[]",
+        b'{"type": "stored"}',
+        b'{"schema_version": 2, "type": "cleared", "worker": "w", "event_id": 1}',
+    ):
         with pytest.raises(MalformedEvent):
             event_from_payload(bad)
 

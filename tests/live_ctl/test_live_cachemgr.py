@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any
 
-from live_ctl_support import Collector, eventually
+from live_ctl_support import Collector, eventually, request
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -37,8 +37,13 @@ A, B = "w-cp2-g0", "w-cp2-g2"
 
 def settings(url: str, prefix: str, **kw: Any) -> CacheMgrSettings:
     base: dict[str, Any] = dict(
-        nats_url=url, subject_prefix=prefix, degrees=[2, 4], scan_interval_s=3600.0,
-        housekeeping_s=0.1, snapshot_timeout_s=2.0, command_timeout_s=2.0,
+        nats_url=url,
+        subject_prefix=prefix,
+        degrees=[2, 4],
+        scan_interval_s=3600.0,
+        housekeeping_s=0.1,
+        snapshot_timeout_s=2.0,
+        command_timeout_s=2.0,
     )
     base.update(kw)
     return CacheMgrSettings(**base)
@@ -46,12 +51,13 @@ def settings(url: str, prefix: str, **kw: Any) -> CacheMgrSettings:
 
 async def inspect(nc: Client, prefix: str, match: list[int] | None = None) -> dict[str, Any]:
     body = json.dumps({"match": match}).encode() if match is not None else b""
-    msg = await nc.request(f"{cachemgr_group(Subjects(prefix))}.inspect", body, timeout=5)
+    msg = await request(nc, f"{cachemgr_group(Subjects(prefix))}.inspect", body)
     return json.loads(msg.data)
 
 
-async def stored(nc: Client, s: Subjects, worker: str, eid: int, parent: int | None,
-                 blocks: list[int]) -> None:
+async def stored(
+    nc: Client, s: Subjects, worker: str, eid: int, parent: int | None, blocks: list[int]
+) -> None:
     ev = CacheStored(worker=worker, event_id=eid, parent_hash=parent, block_hashes=blocks)
     data, headers = encode(ev)
     await nc.publish(s.cache_events(worker), data, headers=headers)
@@ -64,33 +70,60 @@ async def reply(nc: Client, msg: Msg, message: Any) -> None:
 
 def state(wid: str, gpus: list[int], blocks: int = 64) -> WorkerState:
     return WorkerState(
-        worker_id=wid, degree=len(gpus), gpus=gpus, epoch=0, lifecycle=Lifecycle.ACTIVE,
-        queue_len=0, outstanding_s=0.0, kv_free_blocks=blocks, kv_total_blocks=blocks,
+        worker_id=wid,
+        degree=len(gpus),
+        gpus=gpus,
+        epoch=0,
+        lifecycle=Lifecycle.ACTIVE,
+        queue_len=0,
+        outstanding_s=0.0,
+        kv_free_blocks=blocks,
+        kv_total_blocks=blocks,
         heartbeat_s=time.time(),
     )
 
 
 def stats(worker: str, degree: int, hashes: list[int], reused: int, rid: str) -> bytes:
-    return json.dumps({
-        "schema_version": 1, "request_id": rid, "reporter": "s1", "worker_id": worker,
-        "degree": degree, "input_len": 512 * len(hashes) + 100, "block_hashes": hashes,
-        "reused_blocks": reused, "prefix_tokens": 512 * reused, "preferred_degree": degree,
-        "preferred_worker": worker, "predicted_s": 0.5, "policy": "vertumnus",
-        "at_s": time.time(),
-    }).encode()
+    return json.dumps(
+        {
+            "schema_version": 1,
+            "request_id": rid,
+            "reporter": "s1",
+            "worker_id": worker,
+            "degree": degree,
+            "input_len": 512 * len(hashes) + 100,
+            "block_hashes": hashes,
+            "reused_blocks": reused,
+            "prefix_tokens": 512 * reused,
+            "preferred_degree": degree,
+            "preferred_worker": worker,
+            "predicted_s": 0.5,
+            "policy": "vertumnus",
+            "at_s": time.time(),
+        }
+    ).encode()
 
 
 async def test_events_build_the_trie_and_a_gap_brings_a_snapshot(
-        nc: Client, nats_server, uniq: str, services):
+    nc: Client, nats_server, uniq: str, services
+):
     s = Subjects(uniq)
     snapshot_requests: list[str] = []
 
     async def snapshot_of_a(msg: Msg) -> None:
         snapshot_requests.append(msg.subject)
-        await reply(nc, msg, CacheSnapshot(worker=A, last_event_id=3, blocks=[
-            (11, None), (12, 11), (13, 12), (14, 13), (15, 14)]))
+        await reply(
+            nc,
+            msg,
+            CacheSnapshot(
+                worker=A,
+                last_event_id=3,
+                blocks=[(11, None), (12, 11), (13, 12), (14, 13), (15, 14)],
+            ),
+        )
 
     await nc.subscribe(s.cache_snapshot(A), cb=snapshot_of_a)
+    await nc.flush()
     await services(CacheMgrService(settings(nats_server.url, uniq)))
 
     await stored(nc, s, A, 1, None, [11, 12, 13])
@@ -132,7 +165,8 @@ async def test_events_build_the_trie_and_a_gap_brings_a_snapshot(
 
 
 async def test_scan_replicates_to_the_right_worker_visible_only_after_its_event(
-        nc: Client, nats_server, uniq: str, services):
+    nc: Client, nats_server, uniq: str, services
+):
     s = Subjects(uniq)
     states = await worker_state_kv(nc.jetstream(), s)
     commands = Collector()
@@ -143,17 +177,33 @@ async def test_scan_replicates_to_the_right_worker_visible_only_after_its_event(
     async def b_command(msg: Msg) -> None:
         await commands.cb(msg)
         cmd = json.loads(msg.data)
-        await reply(nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id=B,
-                                                ok=True, blocks_done=len(cmd["blocks"])))
+        await reply(
+            nc,
+            msg,
+            CacheCommandResult(
+                command_id=cmd["command_id"], worker_id=B, ok=True, blocks_done=len(cmd["blocks"])
+            ),
+        )
 
     await nc.subscribe(s.cache_snapshot(B), cb=b_snapshot)
     await nc.subscribe(s.cache_cmd(B), cb=b_command)
     a_commands = Collector()
     await nc.subscribe(s.cache_cmd(A), cb=a_commands.cb)  # the holder must not be asked
+    await nc.flush()
     await states.put(B, to_json(state(B, [2, 3])))
-    await services(CacheMgrService(settings(
-        nats_server.url, uniq, scan_interval_s=0.2, theta_inter=1e9, theta_intra=0.5,
-        theta_reclaim=0.1, decay=0.5)))
+    await services(
+        CacheMgrService(
+            settings(
+                nats_server.url,
+                uniq,
+                scan_interval_s=0.2,
+                theta_inter=1e9,
+                theta_intra=0.5,
+                theta_reclaim=0.1,
+                decay=0.5,
+            )
+        )
+    )
     await stored(nc, s, A, 1, None, [11, 12, 13])
 
     async def both_known() -> bool:
@@ -189,14 +239,24 @@ async def test_scan_replicates_to_the_right_worker_visible_only_after_its_event(
 
 
 async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
-        nc: Client, nats_server, uniq: str, services):
+    nc: Client, nats_server, uniq: str, services
+):
     s = Subjects(uniq)
     kv = await epoch_kv(nc.jetstream(), s)
 
     def record(epoch: int, groups: list[tuple[int, int]]) -> bytes:
-        return to_json(EpochRecord(epoch=epoch, committed_at_s=time.time(), workers=[
-            EpochWorker(worker_id=f"w-cp{d}-g{g}", first_gpu=g, degree=d,
-                        lifecycle=Lifecycle.ACTIVE) for g, d in groups]))
+        return to_json(
+            EpochRecord(
+                epoch=epoch,
+                committed_at_s=time.time(),
+                workers=[
+                    EpochWorker(
+                        worker_id=f"w-cp{d}-g{g}", first_gpu=g, degree=d, lifecycle=Lifecycle.ACTIVE
+                    )
+                    for g, d in groups
+                ],
+            )
+        )
 
     await kv.put(s.epoch_key(), record(0, [(0, 4), (4, 4)]))
     left_cmds = Collector()
@@ -204,10 +264,12 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
     async def left_command(msg: Msg) -> None:
         await left_cmds.cb(msg)
         cmd = json.loads(msg.data)
-        await reply(nc, msg, CacheCommandResult(command_id=cmd["command_id"],
-                                                worker_id="w-cp2-g0", ok=True))
+        await reply(
+            nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id="w-cp2-g0", ok=True)
+        )
 
     await nc.subscribe(s.cache_cmd("w-cp2-g0"), cb=left_command)
+    await nc.flush()
     await services(CacheMgrService(settings(nats_server.url, uniq)))
     await stored(nc, s, "w-cp4-g0", 1, None, [11, 12, 13, 14])
 
@@ -230,20 +292,20 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
     assert left["pending"] + right["pending"] == 2
     owner = "w-cp2-g0" if left["pending"] else "w-cp2-g2"
     assert owner == "w-cp2-g0"  # tie → left
-    await nc.publish(s.prefix + ".cache.stats.s1",
-                     stats(owner, 2, [11, 12, 13, 14], 2, "r-reuse"))
+    await nc.publish(s.prefix + ".cache.stats.s1", stats(owner, 2, [11, 12, 13, 14], 2, "r-reuse"))
     cmd = await left_cmds.first(lambda c: c.get("op") == "reconcile", what="reconcile command")
     assert cmd["source_worker"] == "w-cp2-g2" and cmd["blocks"] == [11, 12, 13, 14]
     assert cmd["epoch"] == 1
 
 
 async def test_malformed_input_gets_400_and_cachemgr_keeps_running(
-        nc: Client, nats_server, uniq: str, services):
+    nc: Client, nats_server, uniq: str, services
+):
     s = Subjects(uniq)
     svc = await services(CacheMgrService(settings(nats_server.url, uniq)))
     group = cachemgr_group(s)
     for bad in (b"{nope", b'{"match": "x"}', b'{"extra": true}'):
-        msg = await nc.request(f"{group}.inspect", bad, timeout=5)
+        msg = await request(nc, f"{group}.inspect", bad)
         assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400", bad
     await nc.publish(s.cache_events(A), b"not json")
     await nc.publish(s.cache_events(A), b'{"type": "stored", "worker": "w-cp2-g0"}')

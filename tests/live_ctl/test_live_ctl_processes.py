@@ -22,20 +22,35 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     ("module", "args", "key"),
     [
-        ("services.controller", ["--initial", "2CP4", "--gpus", "8", "--degrees", "2,4"],
-         "composition"),
+        (
+            "services.controller",
+            ["--initial", "2CP4", "--gpus", "8", "--degrees", "2,4"],
+            "composition",
+        ),
         ("services.cachemgr", ["--degrees", "2,4", "--scan-interval-s", "5"], "nodes"),
     ],
 )
 async def test_service_process_starts_alone_and_stops_on_sigterm(
-        nc: Client, nats_server, uniq: str, module: str, args: list[str], key: str):
+    nc: Client, nats_server, uniq: str, module: str, args: list[str], key: str
+):
     env = dict(os.environ, VTM_LOG__FORMAT="json", PYTHONPATH=str(ROOT))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", module, "--nats-url", nats_server.url, "--prefix", uniq, *args,
-        cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        "-m",
+        module,
+        "--nats-url",
+        nats_server.url,
+        "--prefix",
+        uniq,
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     group = "controller" if module.endswith("controller") else "cachemgr"
     try:
+
         async def answers() -> dict | None:
             try:
                 msg = await nc.request(f"{uniq}.{group}.inspect", b"", timeout=1)

@@ -4,9 +4,12 @@ a tiny replay through the gateway's HTTP API, the report and the JSON results; a
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +17,15 @@ import pytest
 from live_up_support import REPO, alive, cli, run_cli, wait_until
 
 from vertumnus.live.report import REQUIRED_KEYS
+
+
+def _kill_leftovers(logs: Path) -> None:
+    """After a failed test: SIGKILL what this test started (by pid), so nothing leaks."""
+    with contextlib.suppress(OSError, ValueError):
+        for name, pid in json.loads((logs / "pids.json").read_text()).items():
+            if name != "orchestrator" and alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
@@ -34,6 +46,9 @@ def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
     assert 0.0 <= data["slo_attainment"] <= 1.0
     assert 0.0 <= data["hit_rate"] <= 1.0
     assert isinstance(data["reconfigurations"], int)
+    if "controller" not in data["services_missing"]:
+        # The initial epoch record was observed (4×CP2 by default on 8 GPUs).
+        assert data["composition"][0]["label"] == "4×CP2", data["composition"]
     # Clean stop: every child and the server are gone, and the services exited by SIGTERM
     # handling (status 0), not by SIGKILL.
     pids = json.loads((logs / "pids.json").read_text())
@@ -69,9 +84,38 @@ def test_interrupt_leaves_no_child_processes(tmp_path: Path, sig: signal.Signals
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        _kill_leftovers(logs)
     assert proc.returncode == 130, err.read_text()
     assert "interrupted" in stdout
     left = [n for n, p in children.items() if alive(p)]
     assert not left, f"still running after Ctrl-C: {left}"
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["interrupted"] is True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
+def test_even_sigkill_of_up_leaves_no_processes(tmp_path: Path) -> None:
+    # Children (and the nats-server shim) ask the kernel for SIGTERM when `up` dies.
+    logs = tmp_path / "logs"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as fh:
+        proc = subprocess.Popen(
+            cli("up", "--serve", "--time-scale", "0.05", "--log-dir", str(logs)),
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh, text=True)
+    try:
+        wait_until(lambda: "serving until" in err.read_text() or proc.poll() is not None,
+                   "the stack to serve")
+        assert proc.poll() is None, err.read_text()
+        pids = json.loads((logs / "pids.json").read_text())
+        children = {n: p for n, p in pids.items() if n != "orchestrator"}
+        assert all(alive(p) for p in children.values())
+        proc.kill()
+        proc.wait()
+        # They stop gracefully on their own (drain), so wait a bounded time.
+        wait_until(lambda: not any(alive(p) for p in children.values()),
+                   f"children to exit after SIGKILL of up: {children}", timeout_s=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill_leftovers(logs)

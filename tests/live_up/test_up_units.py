@@ -43,8 +43,8 @@ def test_wire_ids_are_subject_tokens() -> None:
 
 
 def test_default_compositions_and_notation() -> None:
-    assert default_composition(8, (2, 4)) == ("w-cp4-g0", "w-cp4-g4")
-    assert default_composition(6, (2, 4)) == ("w-cp4-g0", "w-cp2-g4")
+    assert default_composition(8, (2, 4)) == ("w-cp2-g0", "w-cp2-g2", "w-cp2-g4", "w-cp2-g6")
+    assert default_composition(6, (4, 8)) == ("w-cp4-g0", "w-cp1-g4", "w-cp1-g5")
     assert notation(("w-cp4-g0", "w-cp2-g4", "w-cp2-g6")) == "2CP2/1CP4"
     cfg = phased_config(240.0, 2.0)
     assert math.isclose(sum(p.duration_s for p in cfg.phases), 240.0)

@@ -5,7 +5,11 @@ loopback ports), then every service as a child process (:mod:`vertumnus.live.pro
 gateway (HTTP on a kernel-chosen port, learnt from its micro metadata), scheduler, controller,
 cachemgr, and one rankd *host* running every worker of the GPU range on the sim backend timed
 by the ground truth (:mod:`vertumnus.live.rankd_sim`). It is healthy when every service answers
-``$SRV.PING``, the gateway's ``GET /health`` is 200 and at least one worker is ACTIVE.
+``$SRV.PING``, the gateway's ``GET /health`` is 200 and at least one worker is ACTIVE. The
+controller starts last, just before the replay (its first windows then measure traffic, not an
+idle warm-up); the rank daemons run the same initial composition until its first record.
+Children die with the orchestrator even if it is SIGKILLed (Linux parent-death signal; the
+nats-server through a small exec shim, :func:`nats_binary_dying_with_parent`).
 
 :func:`run_up` replays the workload through the gateway (:mod:`vertumnus.live.replay`),
 watches epoch records (splits and merges) and results (:mod:`vertumnus.live.observe`), prints
@@ -128,21 +132,21 @@ class UpConfig:
         return self.time_scale if self.backend == "sim" else 1.0
 
     def workers(self) -> tuple[str, ...]:
-        """The initial composition the rank daemons start with when no epoch record exists."""
+        """The initial composition: the controller's first epoch record and what the rank
+        daemons run until it arrives (default: :func:`default_composition`)."""
         return self.initial_workers or default_composition(self.gpus, self.degrees)
 
 
 def default_composition(gpus: int, degrees: Sequence[int]) -> tuple[str, ...]:
-    """Every worker of the largest degree that fits (the controller's own default when it has
-    no history), smaller degrees only for a remainder."""
-    out, g = [], 0
-    for d in sorted(set(degrees), reverse=True):
-        while g + d <= gpus and g % d == 0:
-            out.append(GpuGroup(first_gpu=g, degree=d).worker_id)
-            g += d
-    while g < gpus:  # a pool not divisible by the smallest degree: CP1 workers
-        out.append(GpuGroup(first_gpu=g, degree=1).worker_id)
-        g += 1
+    """Every worker of the smallest degree (a pool not divisible by it: CP1 for the rest).
+
+    ``vertumnus up`` starts small and lets the controller merge as it measures the load: it
+    has no history to choose from (§6.1), and merges under light load are the controller's
+    first decisions, so even a short default run shows it at work.
+    """
+    d = min(degrees)
+    out = [GpuGroup(first_gpu=g, degree=d).worker_id for g in range(0, gpus - gpus % d, d)]
+    out += [GpuGroup(first_gpu=g, degree=1).worker_id for g in range(gpus - gpus % d, gpus)]
     return tuple(out)
 
 
@@ -156,7 +160,8 @@ def notation(workers: Sequence[str]) -> str:
 
 
 def phased_config(duration_s: float, rate: float, seed_cfg: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
-    """The synthetic default's four load phases, compressed to fit ``duration_s``."""
+    """The synthetic default's four load phases (sim/workloads/synthetic.py), compressed to
+    fit ``duration_s``."""
     from sim.workloads.synthetic import DEFAULT_PHASES, Phase, SyntheticConfig
 
     k = duration_s / sum(p.duration_s for p in DEFAULT_PHASES)
@@ -325,17 +330,29 @@ class LiveStack:
         self.observer = Observer(self.nc, self.subjects)
         await self.observer.start()
         specs = self.specs(self.nats.url)
-        # The controller writes the initial epoch record; rank daemons that start after it
-        # adopt it directly instead of starting their fallback workers and switching.
-        first = [(i, s) for i, s in specs if i.name == "controller"]
-        for info, spec in first:
-            self._start_child(info, spec)
-        if first:
-            await self.wait_epoch_record()
         for info, spec in specs:
             if info.name != "controller":
                 self._start_child(info, spec)
-        return await self.wait_healthy()
+        health = await self.wait_healthy()
+        # The controller starts last, when the traffic is about to start: its first windows
+        # then measure the replay, not an idle warm-up (which reads as "merge everything").
+        # Until its first epoch record the rank daemons run the same initial composition.
+        for info, spec in specs:
+            if info.name == "controller":
+                self._start_child(info, spec)
+                await self.wait_epoch_record()
+                await self.wait_pings(info.micro)
+                health.services[info.micro] = 1
+        return health
+
+    async def wait_pings(self, micro: str) -> None:
+        """Until micro service ``micro`` of this deployment answers ``$SRV.PING``."""
+        assert self.nc is not None
+        deadline = time.monotonic() + self.config.health_timeout_wall_s
+        while not await ping(self.nc, micro, prefix=self.config.prefix, window_s=0.1):
+            self.children.check()
+            if time.monotonic() > deadline:
+                raise StackError(f"{micro} does not answer $SRV.PING (logs in {self.log_dir})")
 
     def _start_child(self, info: ServiceInfo, spec: ChildSpec) -> None:
         self.children.start(spec)
@@ -446,6 +463,7 @@ async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: fl
                                show_progress: bool = True,
                                request_timeout_s: float = 600.0,
                                on_start: Callable[[], None] | None = None,
+                               bodies: Sequence[bytes] | None = None,
                                ) -> tuple[list[Any], bool]:
     """Replay with a rich progress bar (stderr); returns (records, interrupted)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -454,7 +472,8 @@ async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: fl
 
     rcfg = ReplayConfig(time_scale=time_scale, rate_scale=rate_scale, id_prefix=id_prefix,
                         request_timeout_s=request_timeout_s)
-    bodies = await asyncio.to_thread(prepare_bodies, requests, rcfg)
+    if bodies is None:
+        bodies = await asyncio.to_thread(prepare_bodies, requests, rcfg)
     if on_start is not None:
         on_start()
     done: list[Any] = []
@@ -496,6 +515,11 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
               f"{config.policy}, backend {config.backend}, {len(requests)} requests over "
               f"{config.duration_s:g} modelled s at time scale {scale:g} "
               f"(≈{config.duration_s * scale / config.rate_scale:.0f} s wall); logs {log_dir}")
+    from vertumnus.live.replay import ReplayConfig, prepare_bodies
+
+    # Encode every prompt before anything starts: it is CPU work, not load, and must not
+    # delay the replay once the controller watches.
+    bodies = await asyncio.to_thread(prepare_bodies, requests, ReplayConfig())
     stack = LiveStack(config, log_dir=log_dir)
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
@@ -534,7 +558,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                 health.gateway_url, requests, scale, config.rate_scale,
                 id_prefix="", console=err, show_progress=show_progress,
                 request_timeout_s=config.result_timeout_wall_s + 30.0,
-                on_start=observer.mark_start)
+                on_start=observer.mark_start, bodies=bodies)
             if not interrupted:
                 # Let the last epoch records and results arrive (bounded, wall seconds).
                 await asyncio.sleep(min(1.0, config.drain_wall_s))

@@ -1,0 +1,210 @@
+"""Does the simulator predict the live system? One workload, one policy, one seed, both ways.
+
+The same synthetic workload (the built-in generator, one steady phase, seed 0) runs
+
+* through the **simulator** (:func:`sim.experiments.run_deployment`): policy ``vertumnus``
+  with its controller and cache manager, 8 GPUs, degrees {2, 4}, starting from 4×CP2, the
+  built-in cost-model profile (what the live scheduler loads by default), the noisy ground
+  truth (seed 0, σ 0.04);
+* through the **live stack** (:class:`vertumnus.live.stack.LiveStack`: nats-server, gateway,
+  scheduler, controller, cache manager, rank daemons on the ``sim`` backend timed by the same
+  noisy ground truth × a time scale), replayed through the gateway's HTTP API at the
+  workload's arrival times × the time scale (``vertumnus.live.replay``); TTFTs divided by the
+  time scale are modelled seconds.
+
+Same policy means the same settings: the live services get the simulator's calibrated values
+(``sim/calibration.py``: β = 2.0, λ = 0.25, controller upper 1.0 / lower 0.75 / merge
+headroom 0.8 / persistence 2) through their ``VTM_*`` settings, because the live defaults are
+different (β 1.5, λ 0.5, upper 0.9, lower 0.5). κ is the profile's default (0.7·H) in both.
+
+Load levels: light (ρ ≈ 0.2) and about 70% of capacity (ρ ≈ 0.7), where ρ = GPU-seconds the
+workload demands on CP2 workers (ground truth, every earlier prefix cached) / GPU-seconds the
+pool offers over the workload's span. Prints each run's mean TTFT (and P50 / P90), the
+relative difference of the means (target: within 10%), the reconfigurations of each side.
+
+    .venv/bin/python bench/bench_sim_vs_live.py [--duration 100] [--time-scale 0.5]
+        [--loads 0.2,0.7] [--seed 0]
+
+Wall time ≈ 2 × duration × time scale + start-up (≈ 2 min at the defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from services.controller.lattice import Composition, Lattice  # noqa: E402
+from shared.costmodel import DEFAULT_PROFILE  # noqa: E402
+from sim import calibration  # noqa: E402
+from sim.experiments import ExperimentSpec, deployment_for, run_deployment  # noqa: E402
+from sim.groundtruth import DEFAULT_GROUND_TRUTH  # noqa: E402
+from sim.workloads import generate  # noqa: E402
+from sim.workloads.synthetic import SyntheticConfig  # noqa: E402
+from sim.workloads.workload import Workload, scale_rate  # noqa: E402
+from vertumnus.live.replay import ReplayConfig, prepare_bodies, replay  # noqa: E402
+from vertumnus.live.stack import LiveStack, UpConfig, default_composition  # noqa: E402
+
+GPUS = 8
+DEGREES = (2, 4)
+
+
+def demand_rho(wl: Workload, gpus: int = GPUS, degree: int = 2) -> float:
+    """GPU-seconds demanded at CP``degree`` (ideal cache) / GPU-seconds over the span."""
+    seen: set[int] = set()
+    B = wl.block_size
+    gpu_s = 0.0
+    for r in wl.requests:
+        hit = 0
+        for h in r.block_hashes:
+            if h not in seen:
+                break
+            hit += 1
+        seen.update(r.block_hashes)
+        p = min(hit * B, r.input_len - 1)
+        s = (DEFAULT_GROUND_TRUTH.prefill_time(r.input_len - p, p, degree)
+             + DEFAULT_GROUND_TRUTH.external_time(r.input_len, degree))
+        gpu_s += s * degree
+    ts = [r.arrival_s for r in wl.requests]
+    span = max(ts) - min(ts) if len(ts) > 1 else 1.0
+    return gpu_s / (gpus * span)
+
+
+def workload_at(rho: float, duration: float, seed: int, long_share: float
+                ) -> tuple[Workload, float]:
+    cfg = SyntheticConfig(duration_s=duration, rate=4.0, phases=(), long_share=long_share)
+    base = generate(cfg, seed=seed)
+    r0 = demand_rho(base)
+    wl = scale_rate(base, rho / r0)
+    return wl, demand_rho(wl)
+
+
+def stats(ttfts: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(ttfts, dtype=float)
+    return {"n": float(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90))}
+
+
+def run_sim(wl: Workload, seed: int) -> tuple[dict[str, float], dict[str, Any]]:
+    spec = ExperimentSpec(gpus=GPUS, degrees=DEGREES, seed=seed)
+    lattice = Lattice(GPUS, DEGREES, gpus_per_node=spec.gpus_per_node)
+    initial = Composition.parse(lattice, f"{GPUS // min(DEGREES)}CP{min(DEGREES)}")
+    dep = deployment_for("vertumnus", lattice, initial, spec)
+    res = run_deployment(wl, dep, DEFAULT_PROFILE, spec)
+    done = [r.ttft_s for r in res.records if r.ttft_s >= 0]
+    info = {"failed": len(res.records) - len(done),
+            "splits": sum(rc.kind == "split" for rc in res.reconfigurations),
+            "merges": sum(rc.kind == "merge" for rc in res.reconfigurations),
+            "params": dict(dep.params)}
+    return stats(done), info
+
+
+def live_env() -> dict[str, dict[str, str]]:
+    c = calibration.CONTROLLER
+    return {
+        "scheduler": {"VTM_POLICY_PARAMS": json.dumps({"beta": calibration.BETA,
+                                                       "lam": calibration.LAM})},
+        "controller": {"VTM_UPPER": f"{c.upper:g}", "VTM_LOWER": f"{c.lower:g}",
+                       "VTM_MERGE_HEADROOM": f"{c.merge_headroom:g}",
+                       "VTM_PERSISTENCE": str(c.persistence),
+                       "VTM_DEMAND_STABILITY": f"{c.demand_stability:g}",
+                       "VTM_LONG_FRACTION_DELTA": f"{c.long_fraction_delta:g}"},
+    }
+
+
+async def run_live(wl: Workload, seed: int, time_scale: float
+                   ) -> tuple[dict[str, float], dict[str, Any]]:
+    requests = list(wl)
+    cfg = UpConfig(gpus=GPUS, degrees=DEGREES, time_scale=time_scale, seed=seed,
+                   log_level="warning", duration_s=max(60.0, wl.duration_s or 60.0),
+                   health_timeout_wall_s=180, env=live_env())
+    assert cfg.workers() == default_composition(GPUS, DEGREES)
+    rcfg = ReplayConfig(time_scale=time_scale, id_prefix=f"svl{int(time.time()) % 100000}-")
+    bodies = await asyncio.to_thread(prepare_bodies, requests, rcfg)
+    stack = LiveStack(cfg, log_dir=Path(tempfile.mkdtemp(prefix="vtm-sim-vs-live-")))
+    try:
+        await stack.start()
+        assert stack.gateway_url is not None and stack.observer is not None
+        stack.observer.mark_start()
+        records = await replay(stack.gateway_url, requests, rcfg, bodies=bodies)
+        changes = list(stack.observer.changes)
+    finally:
+        await stack.stop()
+    ok = [r.ttft_s / time_scale for r in records if r.ok]
+    from vertumnus.live.report import describe_change
+
+    kinds = [describe_change(a, b).split(" ", 1)[0] for a, b in zip(changes, changes[1:],
+                                                                    strict=False)
+             if set(a.workers) != set(b.workers)]
+    overhead = [r.overhead_s for r in records if r.ok]
+    # Wall time the control plane adds on a request's path (intake wait + scheduling,
+    # dispatch and result delivery), in modelled seconds: what the simulator does not model.
+    ctl = [(r.overhead_s + r.intake_wait_s) / time_scale for r in records if r.ok]
+    info = {"failed": len(records) - len(ok), "splits": kinds.count("split"),
+            "merges": kinds.count("merge"),
+            "control_plane_mean_s": float(np.mean(ctl)) if ctl else math.nan,
+            "overhead_p50_ms": 1e3 * float(np.percentile(overhead, 50)) if overhead else math.nan}
+    return stats(ok), info
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=100.0, help="modelled seconds")
+    ap.add_argument("--time-scale", type=float, default=0.5)
+    ap.add_argument("--loads", default="0.2,0.7", help="target ρ per level")
+    ap.add_argument("--long-share", type=float, default=0.0,
+                    help="share of long (>32K-token) document requests (default 0: short "
+                    "chat only, so a 100 s run is not dominated by a few huge prefills)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    print(f"sim vs live: {GPUS} GPUs, degrees {list(DEGREES)}, from "
+          f"{GPUS // min(DEGREES)}xCP{min(DEGREES)}, policy vertumnus (calibrated β "
+          f"{calibration.BETA}, λ {calibration.LAM}), seed {args.seed}, synthetic steady "
+          f"workload over {args.duration:g} modelled s (long share {args.long_share:g}), live "
+          f"time scale {args.time_scale:g}")
+    rows = []
+    for rho in (float(x) for x in args.loads.split(",")):
+        wl, got = workload_at(rho, args.duration, args.seed, args.long_share)
+        t0 = time.monotonic()
+        s_sim, i_sim = run_sim(wl, args.seed)
+        t_sim = time.monotonic() - t0
+        t0 = time.monotonic()
+        s_live, i_live = asyncio.run(run_live(wl, args.seed, args.time_scale))
+        t_live = time.monotonic() - t0
+        rel = (s_live["mean"] - s_sim["mean"]) / s_sim["mean"]
+        rate = len(wl) / max(1e-9, wl.requests[-1].arrival_s - wl.requests[0].arrival_s)
+        print(f"\n-- load ρ ≈ {got:.2f}: {len(wl)} requests, {rate:.2f} req/s modelled, mean "
+              f"input {np.mean([r.input_len for r in wl.requests]):.0f} tokens")
+        print(f"   {'':6}{'mean TTFT':>10} {'P50':>8} {'P90':>8} {'done':>6} {'failed':>6} "
+              f"{'splits':>6} {'merges':>6} {'wall s':>7}")
+        for name, s, i, t in (("sim", s_sim, i_sim, t_sim), ("live", s_live, i_live, t_live)):
+            print(f"   {name:6}{s['mean']:10.3f} {s['p50']:8.3f} {s['p90']:8.3f} "
+                  f"{int(s['n']):6d} {i['failed']:6d} {i['splits']:6d} {i['merges']:6d} "
+                  f"{t:7.1f}")
+        print(f"   relative difference of mean TTFT (live − sim) / sim: {rel:+.1%}   "
+              f"(live control-plane overhead p50 {i_live['overhead_p50_ms']:.1f} wall ms = "
+              f"{i_live['overhead_p50_ms'] / 1e3 / args.time_scale:.3f} modelled s)")
+        net = s_live["mean"] - i_live["control_plane_mean_s"]
+        print(f"   live mean TTFT less its mean control-plane time (intake wait + overhead, "
+              f"{i_live['control_plane_mean_s']:.3f} modelled s): {net:.3f} → "
+              f"{(net - s_sim['mean']) / s_sim['mean']:+.1%} vs sim")
+        rows.append((got, rel))
+    print("\nsummary: " + "; ".join(f"ρ {g:.2f}: {r:+.1%}" for g, r in rows)
+          + " (target: within ±10%)")
+
+
+if __name__ == "__main__":
+    main()

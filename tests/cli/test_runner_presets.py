@@ -1,0 +1,143 @@
+"""``sim.runner`` (load_trace, run_simulate, print_table) and the §9.3 / §9.4 presets, small."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from shared.ids import InvalidInput
+from sim import presets, runner
+from sim.groundtruth import GroundTruth
+from sim.workloads import default_traces_dir, read_mooncake, truncate
+
+CONV = default_traces_dir() / "mooncake" / "conversation_trace.jsonl"
+
+
+def test_load_trace_synthetic_and_truncation() -> None:
+    a = runner.load_trace("synthetic", "auto", seed=0, rate=None, max_requests=50)
+    b = runner.load_trace("synthetic", "auto", seed=0, rate=None, max_requests=50)
+    c = runner.load_trace("synthetic", "auto", seed=1, rate=None, max_requests=50)
+    assert len(a) == 50
+    assert [r.block_hashes for r in a] == [r.block_hashes for r in b]
+    assert [r.arrival_s for r in a] != [r.arrival_s for r in c]
+    fast = runner.load_trace("synthetic", "auto", seed=0, rate=16.0, max_requests=50)
+    assert fast.requests[-1].arrival_s < a.requests[-1].arrival_s
+
+
+def test_load_trace_errors(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="not found"):
+        runner.load_trace(
+            str(tmp_path / "missing.jsonl"), "auto", seed=0, rate=None, max_requests=None
+        )
+    f = tmp_path / "t.jsonl"
+    f.write_text(
+        json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7]}) + "\n"
+    )
+    with pytest.raises(InvalidInput, match="format"):
+        runner.load_trace(str(f), "parquet", seed=0, rate=None, max_requests=None)
+    assert len(runner.load_trace(str(f), "mooncake", seed=0, rate=None, max_requests=None)) == 1
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(InvalidInput, match="no requests"):
+        runner.load_trace(str(empty), "mooncake", seed=0, rate=None, max_requests=None)
+
+
+@pytest.mark.skipif(not CONV.is_file(), reason="conversation trace not available")
+def test_load_trace_mooncake_matches_reader() -> None:
+    wl = runner.load_trace(str(CONV), "mooncake", seed=0, rate=None, max_requests=120)
+    ref = read_mooncake(CONV, seed=0, max_requests=120)
+    assert [(r.request_id, r.input_len, r.block_hashes) for r in wl] == [
+        (r.request_id, r.input_len, r.block_hashes) for r in ref
+    ]
+
+
+def test_run_simulate_rejects_unknown_policy_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="known: vertumnus"):
+        runner.run_simulate(
+            trace="synthetic", policies=["vertumnus", "nope"], rate_scales=[1.0], out=tmp_path / "o"
+        )
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(InvalidInput):
+        runner.run_simulate(trace="synthetic", policies=[], rate_scales=[1.0], out=tmp_path / "o2")
+
+
+def test_run_simulate_and_print_table(tmp_path: Path, profile_file: Path) -> None:
+    wl = truncate(
+        runner.load_trace("synthetic", "auto", seed=0, rate=None, max_requests=None),
+        max_requests=120,
+    )
+    summary = runner.run_simulate(
+        trace="synthetic",
+        policies=["homo_cp2", "round_robin"],
+        rate_scales=[1.0],
+        gpus=8,
+        degrees=(2, 4),
+        out=tmp_path,
+        profile_path=profile_file,
+        workload=wl,
+    )
+    rows = summary["rows"]
+    assert [r["policy"] for r in rows] == ["homo_cp2", "round_robin"]
+    assert rows[0]["composition_start"] == {"2": 4}
+    assert rows[1]["composition_start"] == {"4": 2}
+    assert json.loads((tmp_path / "results.json").read_text())[0]["policy"] == "homo_cp2"
+    buf = io.StringIO()
+    runner.print_table(summary, file=buf)
+    text = buf.getvalue()
+    assert "homo_cp2" in text and "round_robin" in text
+    assert f"{rows[0]['mean_ttft_s']:.3f}" in text
+
+
+def test_presets_are_listed_and_unknown_is_rejected(tmp_path: Path) -> None:
+    names = runner.preset_descriptions()
+    assert {"conversation", "leval", "azure-code", "reconfig", "ablation"} <= set(names)
+    with pytest.raises(InvalidInput, match="reconfig"):
+        runner.run_preset("nope", out=tmp_path)
+
+
+def test_reconfig_preset_small(tmp_path: Path) -> None:
+    fixed = ("4CP2/2CP4", "2CP2/3CP4")
+    s = presets.run_reconfig(out=tmp_path, seed=0, base_rate=0.6, gpus=16, fixed=fixed)
+    rows = {r["policy"]: r for r in s["rows"]}
+    assert set(rows) == {"vertumnus", *fixed}
+    n = rows["vertumnus"]["requests"]
+    for label, r in rows.items():
+        assert r["requests"] == r["completed"] == n, label
+    for f in fixed:  # fixed compositions never move
+        assert rows[f]["reconfigurations"] == 0
+        assert rows[f]["composition_start"] == rows[f]["composition_end"]
+    assert rows["vertumnus"]["composition_start"] == rows[fixed[0]]["composition_start"]
+    meta = json.loads((tmp_path / "reconfig.json").read_text())
+    assert len(meta["reconfigurations"]) == rows["vertumnus"]["reconfigurations"] >= 1
+    sw = GroundTruth().surroundings
+    for rc in meta["reconfigurations"]:
+        assert rc["drain_s"] >= 0
+        assert sw.switch_min_s <= rc["switch_s"] <= sw.switch_max_s
+    assert all(len(v) == len(presets.RECONFIG_PHASES) for v in meta["phase_mean_ttft_s"].values())
+    assert all(x is None or isinstance(x, int) for x in meta["windows_to_first_reaction"])
+    for name in ("reconfig.png", "results.json", "results.csv", "ttft_mean.png"):
+        assert (tmp_path / name).is_file(), name
+
+
+@pytest.mark.skipif(not CONV.is_file(), reason="conversation trace not available")
+def test_ablation_preset_small(tmp_path: Path) -> None:
+    wl = read_mooncake(CONV, seed=0, max_requests=200)
+    s = presets.run_ablation(
+        out=tmp_path, seed=0, rate_scales=(1.0, 2.0), cache_blocks_per_gpu=200, workload=wl
+    )
+    rows = s["rows"]
+    assert [(r["policy"], r["rate_scale"]) for r in rows] == [
+        (p, sc) for sc in (1.0, 2.0) for p in ("full", "no_replication")
+    ]
+    for r in rows:
+        assert r["completed"] == r["requests"] == 200
+        assert r["reconfigurations"] == 0
+        assert r["composition_start"] == {"2": 8, "4": 6}
+        assert math.isfinite(r["mean_ttft_s"])
+        if r["policy"] == "no_replication":
+            assert r["replications"] == r["reclamations"] == 0
+    assert json.loads((tmp_path / "meta.json").read_text())["cache_blocks_per_gpu"] == 200

@@ -1,0 +1,213 @@
+"""The controller and the cache manager with real rank daemons (rankd, sim backend).
+
+Wire compatibility end to end: rankd's cache events and snapshots build the cache manager's
+trie, a scan's replicate command is executed by the destination rankd and becomes visible
+through that rankd's own stored event; the controller's drain record is adopted by a real rank
+daemon, which stops admitting, and its WorkerState (rankd has no queue endpoint) tells the
+controller when its running request finished, so the split commits. (The split cannot be
+exposed here: rankd runs one fixed worker id per process, so no daemon serves the targets.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from live_ctl_support import Collector, FakeScheduler, eventually, request
+from nats.aio.client import Client
+
+from services.cachemgr.service import CacheMgrService, CacheMgrSettings, cachemgr_group
+from services.controller.service import (
+    ControllerService,
+    ControllerSettings,
+    drain_subject,
+    reconf_subject,
+)
+from services.rankd.backend import SimBackend
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
+from shared.schemas import Assignment, AssignmentAck, IntakeRequest
+from shared.service import call
+from shared.subjects import Subjects
+
+
+def rankd(url: str, prefix: str, wid: str) -> RankdService:
+    settings = RankdSettings(
+        nats_url=url, subject_prefix=prefix, worker_id=wid, heartbeat_s=0.2, kv_total_blocks=64
+    )
+    return RankdService(settings, SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.01))
+
+
+def assignment(rid: str, wid: str, degree: int, hashes: list[int]) -> Assignment:
+    now = time.time()
+    n = 512 * len(hashes) + 10
+    return Assignment(
+        request=IntakeRequest(
+            request_id=rid, input_len=n, block_hashes=hashes, arrival_s=now - 0.01
+        ),
+        worker_id=wid,
+        epoch=0,
+        degree=degree,
+        prefix_tokens=0,
+        recompute_tokens=n,
+        predicted_s=0.01,
+        dequeued_at_s=now,
+        assigned_at_s=now,
+    )
+
+
+async def test_cachemgr_with_real_rank_daemons(nc: Client, nats_server, uniq: str, services):
+    s = Subjects(uniq)
+    a = await services(rankd(nats_server.url, uniq, "w-cp2-g0"))
+    await services(rankd(nats_server.url, uniq, "w-cp2-g2"))
+    await services(
+        CacheMgrService(
+            CacheMgrSettings(
+                nats_url=nats_server.url,
+                subject_prefix=uniq,
+                degrees=[2, 4],
+                scan_interval_s=0.2,
+                theta_inter=1e9,
+                theta_intra=0.5,
+                theta_reclaim=0.1,
+                decay=0.5,
+            )
+        )
+    )
+    await call(
+        nc, s.worker_assign("w-cp2-g0"), assignment("r1", "w-cp2-g0", 2, [7, 8, 9]), AssignmentAck
+    )
+
+    async def trie(match: list[int]) -> dict[str, Any]:
+        msg = await request(
+            nc, f"{cachemgr_group(s)}.inspect", json.dumps({"match": match}).encode()
+        )
+        return json.loads(msg.data)
+
+    async def a_holds() -> dict[str, Any] | None:
+        body = await trie([7, 8, 9])
+        return body if body["match"]["held"].get("w-cp2-g0") == 3 else None
+
+    await eventually(a_holds, what="rankd's stored event in the trie")
+    for i in range(3):
+        stats = {
+            "schema_version": 1,
+            "request_id": f"s{i}",
+            "reporter": "s1",
+            "worker_id": "w-cp2-g0",
+            "degree": 2,
+            "input_len": 1546,
+            "block_hashes": [7, 8, 9],
+            "reused_blocks": 3,
+            "prefix_tokens": 1536,
+            "preferred_degree": 2,
+            "preferred_worker": "w-cp2-g0",
+            "predicted_s": 0.01,
+            "policy": "vertumnus",
+            "at_s": time.time(),
+        }
+        await nc.publish(f"{uniq}.cache.stats.s1", json.dumps(stats).encode())
+
+    async def replicated() -> dict[str, Any] | None:
+        body = await trie([7, 8, 9])
+        ok = body["match"]["held"].get("w-cp2-g2", 0) >= 1 and body["counters"]["commands_ok"]
+        return body if ok else None
+
+    body = await eventually(replicated, what="a replica installed and confirmed by rankd")
+    assert body["workers"]["w-cp2-g2"]["last_event_id"] >= 1  # visible through its own event
+    assert a.core.worker_id == "w-cp2-g0"
+
+
+class GatedBackend(SimBackend):
+    """The sim backend, holding every prefill until ``gate`` opens."""
+
+    def __init__(self) -> None:
+        super().__init__(prefill_time=lambda r, p, c, kind="cp": 0.01)
+        self.gate = asyncio.Event()
+
+    async def prefill(self, assignment: Assignment) -> Any:
+        await self.gate.wait()
+        return await super().prefill(assignment)
+
+
+async def test_controller_drains_real_rank_daemons(nc: Client, nats_server, uniq: str, services):
+    s = Subjects(uniq)
+    drains, reconfs = Collector(), Collector()
+    await nc.subscribe(drain_subject(s), cb=drains.cb)
+    await nc.subscribe(reconf_subject(s), cb=reconfs.cb)
+    await nc.flush()
+    ctl = await services(
+        ControllerService(
+            ControllerSettings(
+                nats_url=nats_server.url,
+                subject_prefix=uniq,
+                instance_id="ctl-r",
+                num_gpus=8,
+                degrees=[2, 4],
+                initial_composition="2CP4",
+                kappa={2: 1.0, 4: 1.0},
+                window_s=0.2,
+                tick_s=0.05,
+                report_grace_s=0.05,
+                persistence=2,
+                queue_query_timeout_s=0.3,
+            )
+        )
+    )
+    backends = {w: GatedBackend() for w in ("w-cp4-g0", "w-cp4-g4")}
+    for w, b in backends.items():
+        await services(
+            RankdService(
+                RankdSettings(
+                    nats_url=nats_server.url,
+                    subject_prefix=uniq,
+                    worker_id=w,
+                    heartbeat_s=0.2,
+                    kv_total_blocks=64,
+                ),
+                b,
+            )
+        )
+    # w-cp4-g0 has much more outstanding work, so the planner splits w-cp4-g4 (drains sooner).
+    for i, (w, pred) in enumerate([("w-cp4-g0", 5.0), ("w-cp4-g0", 5.0), ("w-cp4-g4", 0.5)]):
+        a = assignment(f"r{i}", w, 4, [100 + i]).model_copy(update={"predicted_s": pred})
+        await call(nc, s.worker_assign(w), a, AssignmentAck)
+
+    async def states_known() -> bool:
+        st = ctl._states
+        return (
+            "w-cp4-g4" in st
+            and st["w-cp4-g4"].queue_len == 1
+            and "w-cp4-g0" in st
+            and st["w-cp4-g0"].outstanding_s > st["w-cp4-g4"].outstanding_s
+        )
+
+    await eventually(states_known, what="both workers' states at the controller")
+    sched = FakeScheduler(nc, s, 0.2, lambda: 2.5)  # splits 2CP4 (K = 2) once, not 2CP2/1CP4
+    await sched.start()
+    try:
+        drain = await drains.first(what="drain notice")
+        assert drain["sources"] == ["w-cp4-g4"]
+        # rankd has no queue endpoint: the controller judged it from its WorkerState.
+        assert drain["in_flight"] == {"w-cp4-g4": 1} and drain["redirected"] == []
+
+        async def draining() -> bool:
+            return ctl._states["w-cp4-g4"].lifecycle.value == "draining"
+
+        await eventually(draining, what="rankd adopted the drain record")
+        assert not [r for r in reconfs.items if r["phase"] == "committed"]
+        backends["w-cp4-g4"].gate.set()  # its running request finishes
+        committed = await reconfs.first(
+            lambda r: r["phase"] == "committed", what="commit after the real worker drained"
+        )
+        assert committed["sources"] == ["w-cp4-g4"]
+        assert ctl.counters["finished"] == 1
+        body = ctl.inspect()
+        assert body["in_progress"][0]["phase"] == "committed"  # targets have no rank daemon
+        assert body["record_epoch"] == 2
+    finally:
+        for b in backends.values():
+            b.gate.set()
+        await sched.stop()

@@ -1,0 +1,127 @@
+"""The prefix-cache manager inside the simulator (§7): replication, reclamation, visibility.
+
+A replica becomes usable only when its transfer completes (ground-truth.md): with transfers
+that never complete during the run, every reuse a request gets on a worker must come from a
+prefix that worker computed itself earlier; with ordinary transfers, some reuse comes from
+replicas. With the cache manager off nothing is replicated or reclaimed.
+"""
+
+from __future__ import annotations
+
+import pytest
+from simeng_support import B, by_id, check_records, run
+
+from services.cachemgr.scan import ScanConfig
+from services.controller.lattice import Composition, Lattice
+from sim.groundtruth import GroundTruth, Surroundings
+from sim.simulator import SimResult
+from sim.workloads import Workload
+
+# Low thresholds and a short scan period so a 200 s workload sees many cache actions.
+EAGER = ScanConfig(
+    theta_inter=0.05, theta_intra=0.5, theta_reclaim=0.2, decay=0.5, max_actions_per_list=2
+)
+NEVER_S = 1e5  # a transfer latency longer than the whole run
+# 128 blocks per GPU: a CP2 worker (256 blocks = 131K tokens) still fits the longest request,
+# so no placement fails whatever the controller does.
+SMALL = dict(
+    gpus=16, degrees=(2, 4), cache_blocks_per_gpu=128, scan_interval_s=5.0, scan_config=EAGER
+)
+
+
+def _comp() -> Composition:
+    return Composition.parse(Lattice(16, (2, 4)), "4CP2/2CP4")
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reuse_not_computed_locally(res: SimResult, wl: Workload) -> list[str]:
+    """Requests whose reused prefix no earlier request on the same worker had computed."""
+    reqs = by_id(wl)
+    recs = sorted(res.records, key=lambda r: r.start_s)
+    out = []
+    for i, r in enumerate(recs):
+        if r.reused_tokens == 0:
+            continue
+        mine = reqs[r.request_id].block_hashes
+        need = r.reused_tokens // B if r.reused_tokens % B == 0 else len(mine)
+        if not any(
+            o.worker == r.worker
+            and o.finish_s <= r.start_s
+            and _common(reqs[o.request_id].block_hashes, mine) >= need
+            for o in recs[:i]
+        ):
+            out.append(r.request_id)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cached_run(profile, phased_workload) -> SimResult:
+    return run(phased_workload, profile, composition=_comp(), cache_manager=True, **SMALL)
+
+
+def test_cache_manager_on_with_small_caches_completes(cached_run, phased_workload) -> None:
+    res = cached_run
+    check_records(res, phased_workload, gpus=16)
+    assert res.replications > 0 and res.reclamations > 0
+    assert res.reconcile_transfers == 0  # no split / merge without the controller
+
+
+def test_replicas_are_used_once_installed(cached_run, phased_workload) -> None:
+    """Non-vacuity of the next test: with ordinary transfer times some requests reuse a
+    prefix their worker never computed — it arrived by replication."""
+    assert reuse_not_computed_locally(cached_run, phased_workload)
+
+
+def test_replicas_are_invisible_until_the_transfer_completes(profile, phased_workload) -> None:
+    slow = GroundTruth(surroundings=Surroundings(transfer_latency_s=NEVER_S))
+    res = run(
+        phased_workload, profile, composition=_comp(), cache_manager=True, truth=slow, **SMALL
+    )
+    check_records(res, phased_workload, gpus=16, truth=slow)
+    assert reuse_not_computed_locally(res, phased_workload) == []
+    # Replications are counted when they complete: after the (huge) transfer latency.
+    assert res.replications > 0
+    assert res.end_s >= NEVER_S
+    assert max(r.finish_s for r in res.records) < NEVER_S
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_cache_manager_off_replicates_and_reclaims_nothing(
+    profile, phased_workload, adaptive
+) -> None:
+    res = run(
+        phased_workload,
+        profile,
+        composition=_comp(),
+        cache_manager=False,
+        adaptive=adaptive,
+        **SMALL,
+    )
+    check_records(res, phased_workload, gpus=16)
+    assert (res.replications, res.reclamations, res.reconcile_transfers) == (0, 0, 0)
+    assert reuse_not_computed_locally(res, phased_workload) == [] or adaptive
+    if adaptive:
+        assert res.reconfigurations
+
+
+def test_split_and_merge_keep_prefixes_with_cache_manager(profile, phased_workload) -> None:
+    """With the controller and the cache manager on, retained prefixes survive a split or
+    merge (§6.2 reconciliation): some request reuses, on a worker created by a
+    reconfiguration, a prefix that worker never computed itself."""
+    res = run(
+        phased_workload, profile, composition=_comp(), cache_manager=True, adaptive=True, **SMALL
+    )
+    check_records(res, phased_workload, gpus=16)
+    assert res.reconfigurations
+    created = {w for rc in res.reconfigurations for w in rc.targets}
+    inherited = set(reuse_not_computed_locally(res, phased_workload))
+    recs = {r.request_id: r for r in res.records}
+    assert any(recs[i].worker in created for i in inherited)
