@@ -107,8 +107,9 @@ def historical_composition(
     demand = [0.0] * n_windows
     seen: set[int] = set()
     B = workload.block_size
+    t0 = workload.requests[0].arrival_s  # windows count from the trace's own start
     for r in workload.requests:
-        k = min(n_windows - 1, int(r.arrival_s // window_s))
+        k = min(n_windows - 1, int((r.arrival_s - t0) // window_s))
         hit = 0
         for h in r.block_hashes:
             if h not in seen:

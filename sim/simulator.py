@@ -220,6 +220,7 @@ class Simulator:
         self.replications = 0
         self.reclamations = 0
         self.reconcile_transfers = 0
+        self._lost = 0
 
     # ------------------------------------------------------------------ set-up
     def _capacity_blocks(self, degree: int) -> int:
@@ -330,13 +331,13 @@ class Simulator:
             elif kind == _ARRIVE:
                 self._arrive(a, now)
             elif kind == _WINDOW:
-                if remaining > 0:
+                if remaining > self._lost:
                     self._window(now)
                     ctl = self.ctl
                     assert ctl is not None
                     self._push(now + ctl.config.window_s, _WINDOW)
             elif kind == _SCAN:
-                if remaining > 0:
+                if remaining > self._lost:
                     self._scan(now)
                     self._push(now + self.cfg.scan_interval_s, _SCAN)
             elif kind == _XFER:
@@ -379,6 +380,7 @@ class Simulator:
                 return
             job.rec.failed = str(exc)
             del self.jobs[req.request_id]
+            self._lost += 1  # it will never finish: periodic events must not wait for it
             return
         if self.cfg.cache_manager:
             self.trie.record_request(

@@ -71,7 +71,7 @@ def register(app: typer.Typer) -> None:
         report = json.loads((Path(out) / "profile_report.json").read_text()) if (
             Path(out) / "profile_report.json").exists() else {}
         typer.echo(f"profile written to {path}")
-        for k in ("coefficients", "mape_vs_measured", "mape_vs_truth", "kappa"):
+        for k in ("coefficients", "fit_vs_measured", "fit_vs_truth", "kappa"):
             if k in report:
                 typer.echo(f"  {k}: {json.dumps(report[k])}")
 

@@ -295,7 +295,6 @@ PROFILE_MAPE_BUG = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason=PROFILE_MAPE_BUG)
 def test_profile_reports_the_fit_error(runner, tmp_path) -> None:
     out = tmp_path / "prof"
     text = _ok(

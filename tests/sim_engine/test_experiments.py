@@ -86,7 +86,6 @@ HIST_BUG = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason=HIST_BUG)
 def test_historical_composition_ignores_the_time_origin(lattice, profile, small_trace) -> None:
     """Shifting every arrival by a constant does not change the history's load."""
     prof = controller_profile(profile, SPEC.kappa_scale)

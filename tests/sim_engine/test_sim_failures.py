@@ -30,8 +30,8 @@ BUG = (
     "adaptive,cache_manager",
     [
         (False, False),
-        pytest.param(False, True, marks=pytest.mark.xfail(strict=True, reason=BUG)),
-        pytest.param(True, False, marks=pytest.mark.xfail(strict=True, reason=BUG)),
+        pytest.param(False, True),
+        pytest.param(True, False),
     ],
 )
 def test_failed_placement_terminates(profile, adaptive, cache_manager) -> None:
