@@ -384,7 +384,10 @@ class Simulator:
             return
         if self.cfg.cache_manager:
             self.trie.record_request(
-                match, d.worker, d.degree, d.reused_blocks, d.preferred_degree, req.input_len,
+                # The decision may count prefixes still in flight on the worker (SchedulerCore);
+                # ReusedPath is the part of MatchedPath the worker reuses.
+                match, d.worker, d.degree, min(d.reused_blocks, len(match.path)),
+                d.preferred_degree, req.input_len,
                 self.profile.predict_fast,
             )
             for act in on_reuse(self.trie, d.worker, req.block_hashes):

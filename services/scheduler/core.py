@@ -13,6 +13,15 @@
 * :meth:`set_view` installs a new cluster view (lifecycle / epoch changes, split, merge). A
   worker that left the view keeps its tracker until its last request finishes.
 
+* **in-flight prefixes** (for policies with ``counts_inflight_prefixes``, the J family): a
+  request queued behind another on the same worker that shares its prefix will find that
+  prefix cached when it starts (a worker serves its queue in order and caches every full
+  block it prefills). So the reusable prefix P_{i,w} the policy sees is the longer of the
+  cache view's and the longest prefix shared with a request already assigned to w and not
+  finished. Without it, a burst of requests on one new document (L-Eval) is spread over
+  every worker and each recomputes the document; SGLang's router gets the same effect by
+  inserting a prompt into its tree at routing time.
+
 Pure: time is a parameter; no clock, no IO. Every call validates first and changes nothing when
 it raises.
 """
@@ -27,7 +36,7 @@ from services.scheduler.errors import DuplicateRequest, UnknownRequest
 from services.scheduler.load import Assignment, LoadSnapshot, WorkerLoad
 from services.scheduler.policy import Policy
 from services.scheduler.view import ClusterView, RequestInfo
-from shared.ids import InvalidInput, RequestId, UnknownWorker, WorkerId
+from shared.ids import BlockHash, InvalidInput, RequestId, UnknownWorker, WorkerId
 
 
 class SchedulerCore:
@@ -47,6 +56,8 @@ class SchedulerCore:
         }
         self._where: dict[RequestId, WorkerId] = {}
         self._requests: dict[RequestId, RequestInfo] = {}
+        # worker -> full-block hash -> number of unfinished requests on it containing the block
+        self._inflight: dict[WorkerId, dict[BlockHash, int]] = {}
 
     # --- state -----------------------------------------------------------------------------
     @property
@@ -94,7 +105,10 @@ class SchedulerCore:
         if isinstance(request, RequestInfo) and request.request_id in self._where:
             where = self._where[request.request_id]
             raise DuplicateRequest(f"request {request.request_id!r} is already placed on {where}")
-        d = self.policy.place(request, self._view, held_blocks, self._loads, now)
+        held = held_blocks
+        if getattr(self.policy, "counts_inflight_prefixes", False) and self._inflight:
+            held = self._with_inflight(request, held_blocks)
+        d = self.policy.place(request, self._view, held, self._loads, now)
         self._loads[d.worker].reserve(
             request.request_id,
             d.predicted_s,
@@ -105,7 +119,51 @@ class SchedulerCore:
         )
         self._where[request.request_id] = d.worker
         self._requests[request.request_id] = request
+        idx = self._inflight.setdefault(d.worker, {})
+        for h in self._full_blocks(request):
+            idx[h] = idx.get(h, 0) + 1
         return d
+
+    def _full_blocks(self, request: RequestInfo) -> tuple[BlockHash, ...]:
+        n = request.length // self._view.block_size
+        hs = request.block_hashes
+        return hs if len(hs) <= n else hs[:n]
+
+    def _with_inflight(
+        self, request: RequestInfo, held_blocks: Mapping[WorkerId, int]
+    ) -> Mapping[WorkerId, int]:
+        """``held_blocks`` extended by prefixes of unfinished requests on each worker."""
+        blocks = self._full_blocks(request)
+        if not blocks:
+            return held_blocks
+        merged: dict[WorkerId, int] | None = None
+        first = blocks[0]
+        for w, idx in self._inflight.items():
+            if first not in idx:
+                continue
+            n = 1
+            for h in blocks[1:]:
+                if h not in idx:
+                    break
+                n += 1
+            if n > held_blocks.get(w, 0):
+                if merged is None:
+                    merged = dict(held_blocks)
+                merged[w] = n
+        return held_blocks if merged is None else merged
+
+    def _release_inflight(self, worker: WorkerId, request: RequestInfo) -> None:
+        idx = self._inflight.get(worker)
+        if idx is None:
+            return
+        for h in self._full_blocks(request):
+            c = idx.get(h, 0) - 1
+            if c > 0:
+                idx[h] = c
+            else:
+                idx.pop(h, None)
+        if not idx:
+            del self._inflight[worker]
 
     def start(self, request_id: RequestId, now: float) -> None:
         """The chosen worker began the request's prefill."""
@@ -119,7 +177,7 @@ class SchedulerCore:
         ld = self.load(worker)
         a = ld.finish(request_id)
         del self._where[request_id]
-        del self._requests[request_id]
+        self._release_inflight(worker, self._requests.pop(request_id))
         if worker not in self._view and len(ld) == 0:
             del self._loads[worker]
         self.policy.on_finish(request_id, worker, now)
@@ -136,5 +194,7 @@ class SchedulerCore:
         out = []
         for a in withdrawn:
             del self._where[a.request_id]
-            out.append(self._requests.pop(a.request_id))
+            req = self._requests.pop(a.request_id)
+            self._release_inflight(worker, req)
+            out.append(req)
         return tuple(out)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from pathlib import Path
@@ -61,6 +62,24 @@ from vertumnus.live.replay import ReplayConfig, prepare_bodies, replay
 from vertumnus.live.stack import load_requests
 
 RATE = 30.0  # req/s of steady load during the forced reconfigurations
+
+
+async def lost_diagnosis(nc, stack, tap, failed):  # type: ignore[no-untyped-def]
+    """For a failure message: what the wire and the scheduler's records say of lost ids."""
+    from services.scheduler.service import assignment_bucket
+
+    out = {}
+    kv = await nc.jetstream().key_value(assignment_bucket(stack.subjects))
+    by_id = tap.by_id()
+    for rid, *_ in failed:
+        try:
+            rec = (await kv.get(rid)).value.decode()
+        except Exception as exc:  # noqa: BLE001 - a diagnosis, never the failure itself
+            rec = repr(exc)
+        out[rid] = {"first_tokens": [(r.worker_id, r.epoch, r.error, r.finished_at_s)
+                                     for r in by_id.get(rid, [])], "record": rec}
+    (stack.log_dir / "lost.json").write_text(json.dumps(out, indent=1))
+    return out
 
 
 
@@ -141,7 +160,7 @@ async def test_controller_reconfigures_under_load(tmp_path: Path) -> None:
                                              if not r.ok}, tmp_path / "logs")
             failed = [(r.request_id, r.status, r.error) for r in records
                       if not r.ok and r.request_id in set(ids)]
-            assert not failed, failed[:10]
+            assert not failed, (failed[:5], await lost_diagnosis(nc, stack, tap, failed[:5]))
             await wait_until(lambda: tap.ok_ids() >= set(ids), "every FirstToken on the wire")
             await nc.flush()
             problems = exactly_once_problems(ids, tap)

@@ -152,7 +152,7 @@ def test_reservation_visible_to_next_concurrent_placement() -> None:
     v = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
     core = SchedulerCore(make_policy("vertumnus", profile=ROUND), v)
     d1 = core.place(req("r1", 1000), {}, 0.0)
-    d2 = core.place(req("r2", 1000), {}, 0.0)
+    d2 = core.place(req("r2", 1000, first=100), {}, 0.0)  # no shared prefix
     assert d1.worker == "a"  # tie -> worker id
     assert d2.worker == "b"
     assert d2.candidate(W("a")).q == pytest.approx(d1.predicted_s)
@@ -165,7 +165,7 @@ def test_running_request_progress_lowers_q() -> None:
     core.place(req("r1", 1000), {}, 0.0)  # on a; s = Ê_4(1000, 0)
     s = ROUND.predict(1000, 0, 4)
     core.start(RequestId("r1"), 0.0)
-    d = core.place(req("r2", 1000), {}, s / 2)
+    d = core.place(req("r2", 1000, first=100), {}, s / 2)  # no shared prefix
     assert d.candidate(W("a")).q == pytest.approx(s / 2)
     core.finish(RequestId("r1"), s)
     assert core.load(W("a")).queue_delay(s) == 0.0
@@ -313,3 +313,32 @@ def test_preferred_degree_at_a_common_prefix() -> None:
         preferred_degree_at(0, 0, [2], profile=ROUND, beta=BETA, lam=LAM)
     with pytest.raises(InvalidInput):
         preferred_degree_at(10, 0, [], profile=ROUND, beta=BETA, lam=LAM)
+
+
+def test_inflight_prefix_counts_as_reusable_on_its_worker() -> None:
+    from sched_support import B
+
+    """A request sharing the prefix of one still queued on a worker reuses it there (the FIFO
+    worker caches it first); once that request finishes the in-flight credit is gone."""
+    v = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND, lam=0.0), v)
+    d1 = core.place(req("r1", 8 * B), {}, 0.0)
+    assert d1.worker == "a"
+    d2 = core.place(req("r2", 8 * B + 10, nblocks=8), {}, 0.0)
+    assert d2.worker == "a"
+    assert d2.reused_blocks == 8 and d2.prefix_tokens == 8 * B
+    assert d2.candidate(W("b")).prefix_tokens == 0
+    core.finish(RequestId("r1"), 1.0)
+    core.finish(RequestId("r2"), 2.0)
+    d3 = core.place(req("r3", 8 * B + 10, nblocks=8), {}, 3.0)
+    assert d3.reused_blocks == 0  # nothing in flight and the cache view says nothing
+
+
+def test_baselines_do_not_get_inflight_prefixes() -> None:
+    from sched_support import B
+
+    v = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
+    core = SchedulerCore(make_policy("dynamo", profile=ROUND), v)
+    core.place(req("r1", 8 * B), {}, 0.0)
+    d2 = core.place(req("r2", 8 * B + 10, nblocks=8), {}, 0.0)
+    assert d2.reused_blocks == 0

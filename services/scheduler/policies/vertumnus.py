@@ -34,6 +34,10 @@ DEFAULT_LAMBDA: Final[float] = 0.5  # provisional, see module docstring
 class JPolicy:
     """Place by minimum J = q + β·s + λ·extraGPU (§5.3). Stateless."""
 
+    counts_inflight_prefixes = True
+    """SchedulerCore adds prefixes of unfinished requests on a worker to its reusable prefix
+    (a FIFO worker will have cached them by the time this request starts)."""
+
     def __init__(
         self,
         *,
