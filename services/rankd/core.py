@@ -27,7 +27,7 @@ Rules (§5.2, §6.2, §8):
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -45,6 +45,8 @@ from shared.schemas import (
 )
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
 
+FINISHED_MEMORY = 65_536
+"""Finished request ids remembered for idempotent admission (≫ ack_wait × rate)."""
 
 class NotAccepting(VertumnusError):
     """The worker is not ACTIVE (draining, switching, unavailable)."""
@@ -112,6 +114,9 @@ class WorkerCore:
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
         self._known: dict[str, Job] = {}
+        # Recently finished request ids: a scheduler that crashed between our ack and its own
+        # record re-sends the assignment; admission must stay idempotent after the run too.
+        self._finished: OrderedDict[str, None] = OrderedDict()
         self._seq = 0
         # The first record is adopted even if its epoch equals the configured start epoch.
         self._adopted_once = False
@@ -175,6 +180,8 @@ class WorkerCore:
     ) -> int:
         """Queue ``a``; return the number of requests ahead of it (running included)."""
         rid = a.request.request_id
+        if rid in self._finished:
+            return 0  # already served (its result went out); do not run it twice
         known = self._known.get(rid)
         if known is not None:
             if known is self._running:
@@ -238,6 +245,9 @@ class WorkerCore:
             raise InvalidInput(f"{request_id} is not the running request")
         self._running = None
         del self._known[request_id]
+        self._finished[request_id] = None
+        if len(self._finished) > FINISHED_MEMORY:
+            self._finished.popitem(last=False)
         if job.pinned:
             assert self.cache is not None
             self.cache.unpin(job.pinned)

@@ -18,8 +18,9 @@ Per process (one worker, its leader rank, for now):
   ``{prefix}.cache.cmd.{wid}`` executes a CacheCommand (replicate / reclaim / reconcile).
 * the epoch record is watched; a newer record is adopted (lifecycle from it) and one EpochAck
   per GPU of the worker is published on ``{prefix}.epoch.ack.{gpu}``; queued requests of a
-  worker leaving ACTIVE are redirected to intake (``Nats-Msg-Id`` = ``{rid}-r{epoch}`` so the
-  redirect is not de-duplicated against the original publish).
+  worker leaving ACTIVE are redirected to intake (``Nats-Msg-Id`` =
+  ``{rid}-r{epoch}-{worker}``, so the redirect is not de-duplicated against the original
+  publish nor against another source's redirect of the same request).
 * shutdown (SIGINT/SIGTERM): stop admitting, redirect queued requests, let the running one
   finish (bounded by ``drain_timeout_s``), publish a final UNAVAILABLE state, drain.
 
@@ -132,6 +133,7 @@ class RankdService(MicroService):
         self._dirty = asyncio.Event()  # state changed; publish soon
         self._idle = asyncio.Event()  # nothing running
         self._idle.set()
+
         self._events_lock = asyncio.Lock()  # cache events leave in event-id order
         self._update_metadata()
 
@@ -323,18 +325,33 @@ class RankdService(MicroService):
         await self.nc.publish(self.subjects.result(a.request.request_id), data, headers=headers)
 
     async def _redirect(self, jobs: Sequence[Job]) -> None:
-        """Send queued requests back to intake for re-placement (§6.2)."""
-        assert self._js is not None
+        """Send queued requests back to intake for re-placement (§6.2), in queue order.
+
+        ``Nats-Msg-Id`` = ``{rid}-r{epoch}-{worker}``: unique per hop (two sources of one merge
+        drain under the same epoch, and a request may be redirected by both).
+        KNOWN BUG (open): stopping the service while this loop runs loses the jobs not yet
+        republished (tests/live_accept: test_stopping_while_redirecting_loses_nothing)."""
+        epoch = self.core.epoch
         for job in jobs:
-            req = job.assignment.request
-            data, headers = encode(req)
-            headers["Nats-Msg-Id"] = f"{req.request_id}-r{self.core.epoch}"
-            headers.update(req.trace_context)
-            try:
-                await self._js.publish(self.subjects.intake_requests(), data, headers=headers)
-                self.log.info("redirected", request_id=req.request_id)
-            except (NoStreamResponseError, NoRespondersError, TimeoutError) as exc:
-                await self._publish_failure(job, f"redirect failed: {exc}")
+            await self._redirect_one(job, epoch)
+
+    async def _redirect_one(self, job: Job, epoch: int) -> None:
+        assert self._js is not None
+        req = job.assignment.request
+        data, headers = encode(req)
+        headers["Nats-Msg-Id"] = f"{req.request_id}-r{epoch}-{self.core.worker_id}"
+        headers.update(req.trace_context)
+        try:
+            ack = await self._js.publish(self.subjects.intake_requests(), data, headers=headers)
+        except (NoStreamResponseError, NoRespondersError, TimeoutError) as exc:
+            await self._publish_failure(job, f"redirect failed: {exc}")
+            return
+        if ack.duplicate:
+            self.log.warning("redirect de-duplicated by the intake stream",
+                             request_id=req.request_id, worker=self.core.worker_id, epoch=epoch)
+        else:
+            self.log.info("redirected", request_id=req.request_id,
+                          worker=self.core.worker_id, epoch=epoch)
 
     # -- cache events ---------------------------------------------------------------------------
 

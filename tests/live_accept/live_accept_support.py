@@ -514,14 +514,14 @@ class InProcess:
         assert started in done, f"{type(svc).__name__} did not start"
         return svc
 
-    async def rankd(self, worker_id: str, prefill_s: float = 0.02, handoff_s: float = 0.005
-                    ) -> Any:
+    async def rankd(self, worker_id: str, prefill_s: float = 0.02, handoff_s: float = 0.005,
+                    **settings_kw: Any) -> Any:
         from services.rankd.backend import SimBackend
         from services.rankd.service import RankdService
         from services.rankd.settings import RankdSettings
 
         settings = RankdSettings(nats_url=self.url, subject_prefix=self.prefix,
-                                 worker_id=worker_id, heartbeat_s=0.2)
+                                 worker_id=worker_id, heartbeat_s=0.2, **settings_kw)
         backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": prefill_s,
                              handoff_time=lambda n, c: handoff_s)
         return await self.run(RankdService(settings, backend))

@@ -30,7 +30,6 @@ import time
 import warnings
 from pathlib import Path
 
-import pytest
 from live_accept_support import (
     EpochLog,
     InProcess,
@@ -146,11 +145,6 @@ class DiesBeforeDispatchedRecord(SchedulerService):
         await super()._put_record(a, seq, msg_id, state)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a 'dispatching' assignment record is re-sent to the same worker after a scheduler "
-    "crash (services/scheduler/service.py handle_intake → _resume), and rankd's admission is "
-    "idempotent only while the request is queued or running (services/rankd/core.py "
-    "WorkerCore.finish deletes it from _known), so a finished request runs a second time"))
 async def test_resent_dispatching_assignment_runs_once(nats_server: EmbeddedNats) -> None:
     live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
     nc = await connect_url(nats_server.url)
