@@ -76,7 +76,7 @@ def _phase_bounds(phases: Sequence[Phase], duration: float) -> list[tuple[float,
 
 
 def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
-                 base_rate: float = 7.0, gpus: int = 40, degrees: tuple[int, ...] = (2, 4),
+                 base_rate: float = 24.0, gpus: int = 40, degrees: tuple[int, ...] = (2, 4),
                  fixed: tuple[str, str] = ("12CP2/4CP4", "4CP2/8CP4")) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
