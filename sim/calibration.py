@@ -2,18 +2,20 @@
 
 design.md leaves θ_inter, θ_intra, θ_reclaim, the decay, the per-list bound, the split / merge
 thresholds and persistence, β and λ to us: they are chosen here on the traces in
-``../shared/data/traces`` (never on a trace reported as held out) and every experiment and
-the live controller read them from this one place. ``vertumnus calibrate`` (sim/sweeps) re-runs
-the sweeps that produced them.
+``../shared/data/traces`` (never on a trace reported as held out) and every experiment reads
+them from this one place. Calibration trace: the Mooncake conversation trace (β/λ at ×2 and
+×3.5; thresholds over ×1…×4.5). NOTE: the live services still start from their own documented
+defaults (services/*/settings.py); pass these values to them explicitly.
 
 κ scale. ``vertumnus profile`` measures κ_C as §6.1 says: one degree-C worker, a FIFO queue, the
 workload's length mix, the largest window demand that keeps 90% token-weighted SLO attainment.
 A single FIFO worker has no one to route around a long request, so short requests queue behind
 it and κ comes out at 25-35% utilisation. A pool behind the J scheduler sustains much more: on
 the conversation trace the all-CP4 pool keeps its light-load TTFT up to a window demand of
-D/Σκ ≈ 2.0-2.2 and collapses at ≈ 2.9 (measured with ``/tmp``-free script
-``sim.calibration`` docs: rates ×1…×3.5, see the session note). The controller therefore judges
-capacity with κ × ``KAPPA_SCALE``; the thresholds below are fractions of that pooled capacity.
+D/Σκ ≈ 2.0-2.2 and collapses at ≈ 2.9 (simulated at rates ×1…×3.5 with the controller pinned:
+median D/Σκ 0.74, 1.52, 2.38, 2.89 at ×1, ×2, ×3, ×3.5; mean TTFT 0.92, 0.94, 1.78, 39 s).
+The controller therefore judges capacity with κ × ``KAPPA_SCALE``; the thresholds below are
+fractions of that pooled capacity.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ SCAN: Final[ScanConfig] = ScanConfig(
 )
 
 BETA: Final[float] = 2.0
+"""β ∈ {1, 1.5, 2, 3} × λ ∈ {0, 0.25, 0.5, 1} on the conversation trace: β = 2, λ = 0.25 had the
+lowest P90 at ×2 (2.10 s vs 2.13-2.54 s) and was within 1% of the best mean at ×3.5 (1.41 s for
+all of them): the J terms matter far less than the composition on this trace."""
 LAM: Final[float] = 0.25
 
 SPEEDUP_THRESHOLD: Final[float] = 1.1
