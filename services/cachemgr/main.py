@@ -17,14 +17,11 @@ gc_threshold, command_timeout_s, ...) is documented on the settings class and se
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from services.cachemgr.service import CacheMgrService, CacheMgrSettings
-from shared.logging import configure_logging
-from shared.telemetry import setup_tracing, shutdown_tracing
+from shared.servicemain import parse_flags, run_service
 
 
 def _degrees(text: str) -> list[int]:
@@ -43,15 +40,13 @@ _FLAGS: tuple[tuple[str, str, Any], ...] = (
 
 def parse_settings(argv: Sequence[str] | None = None) -> CacheMgrSettings:
     """Settings from the environment, overridden by the flags given."""
-    parser = argparse.ArgumentParser(
+    return parse_flags(
+        CacheMgrSettings,
+        _FLAGS,
+        argv,
         prog="python -m services.cachemgr",
         description="vertumnus cache manager: global prefix trie, replication, reclamation.",
     )
-    for flag, dest, typ in _FLAGS:
-        parser.add_argument(flag, dest=dest, type=typ, default=None)
-    args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
-    return CacheMgrSettings(**overrides)
 
 
 async def serve(settings: CacheMgrSettings) -> None:
@@ -60,13 +55,7 @@ async def serve(settings: CacheMgrSettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_settings(argv)
-    configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
-    setup_tracing(settings.service_name, settings.telemetry)
-    try:
-        asyncio.run(serve(settings))
-    finally:
-        shutdown_tracing()
+    run_service(parse_settings(argv), serve)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,11 @@ and set through its ``VTM_`` variable, e.g. ``VTM_KAPPA='{"2": 8, "4": 14}'``.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from services.controller.service import ControllerService, ControllerSettings
-from shared.logging import configure_logging
-from shared.telemetry import setup_tracing, shutdown_tracing
+from shared.servicemain import parse_flags, run_service
 
 
 def _degrees(text: str) -> list[int]:
@@ -48,15 +45,13 @@ _FLAGS: tuple[tuple[str, str, Any], ...] = (
 
 def parse_settings(argv: Sequence[str] | None = None) -> ControllerSettings:
     """Settings from the environment, overridden by the flags given."""
-    parser = argparse.ArgumentParser(
+    return parse_flags(
+        ControllerSettings,
+        _FLAGS,
+        argv,
         prog="python -m services.controller",
         description="vertumnus controller: splits and merges CP workers from window demand.",
     )
-    for flag, dest, typ in _FLAGS:
-        parser.add_argument(flag, dest=dest, type=typ, default=None)
-    args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
-    return ControllerSettings(**overrides)
 
 
 async def serve(settings: ControllerSettings) -> None:
@@ -65,13 +60,7 @@ async def serve(settings: ControllerSettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_settings(argv)
-    configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
-    setup_tracing(settings.service_name, settings.telemetry)
-    try:
-        asyncio.run(serve(settings))
-    finally:
-        shutdown_tracing()
+    run_service(parse_settings(argv), serve)
 
 
 if __name__ == "__main__":

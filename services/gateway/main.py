@@ -20,15 +20,11 @@ the settings class and set through its ``VTM_`` variable.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from collections.abc import Sequence
-from typing import Any
 
 from services.gateway.adapter import GatewayService
 from services.gateway.settings import GatewaySettings
-from shared.logging import configure_logging
-from shared.telemetry import setup_tracing, shutdown_tracing
+from shared.servicemain import parse_flags, run_service
 
 _FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--nats-url", "nats_url", str),
@@ -45,15 +41,13 @@ _FLAGS: tuple[tuple[str, str, type], ...] = (
 
 def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
     """Settings from the environment, overridden by the flags given."""
-    parser = argparse.ArgumentParser(
+    return parse_flags(
+        GatewaySettings,
+        _FLAGS,
+        argv,
         prog="python -m services.gateway",
         description="vertumnus gateway: HTTP and NATS completions onto the durable intake.",
     )
-    for flag, dest, typ in _FLAGS:
-        parser.add_argument(flag, dest=dest, type=typ, default=None)
-    args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
-    return GatewaySettings(**overrides)
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -62,13 +56,7 @@ async def serve(settings: GatewaySettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_settings(argv)
-    configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
-    setup_tracing(settings.service_name, settings.telemetry)
-    try:
-        asyncio.run(serve(settings))
-    finally:
-        shutdown_tracing()
+    run_service(parse_settings(argv), serve)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,11 @@ itself and calls :func:`serve` (``services/`` never imports ``sim/``).
 
 from __future__ import annotations
 
-import asyncio
-
 from services.rankd.backend import ExecutionBackend, SimBackend
 from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from shared.logging import configure_logging
-from shared.telemetry import setup_tracing, shutdown_tracing
+from shared.servicemain import run_service
 from shared.worker import WorkerKind
 
 
@@ -55,13 +52,7 @@ async def serve(settings: RankdSettings, backend: ExecutionBackend | None = None
 
 
 def main() -> None:
-    settings = RankdSettings()
-    configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
-    setup_tracing(settings.service_name, settings.telemetry)
-    try:
-        asyncio.run(serve(settings))
-    finally:
-        shutdown_tracing()
+    run_service(RankdSettings(), serve)
 
 
 if __name__ == "__main__":

@@ -20,15 +20,11 @@ per key).
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 from collections.abc import Sequence
-from typing import Any
 
 from services.scheduler.service import SchedulerService, SchedulerSettings
-from shared.logging import configure_logging
-from shared.telemetry import setup_tracing, shutdown_tracing
+from shared.servicemain import parse_flags, run_service
 
 _FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--nats-url", "nats_url", str),
@@ -43,15 +39,13 @@ _FLAGS: tuple[tuple[str, str, type], ...] = (
 
 def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
     """Settings from the environment, overridden by the flags given."""
-    parser = argparse.ArgumentParser(
+    return parse_flags(
+        SchedulerSettings,
+        _FLAGS,
+        argv,
         prog="python -m services.scheduler",
         description="vertumnus scheduler: places intake requests on prefill workers.",
     )
-    for flag, dest, typ in _FLAGS:
-        parser.add_argument(flag, dest=dest, type=typ, default=None)
-    args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
-    return SchedulerSettings(**overrides)
 
 
 async def serve(settings: SchedulerSettings) -> None:
@@ -60,13 +54,7 @@ async def serve(settings: SchedulerSettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_settings(argv)
-    configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
-    setup_tracing(settings.service_name, settings.telemetry)
-    try:
-        asyncio.run(serve(settings))
-    finally:
-        shutdown_tracing()
+    run_service(parse_settings(argv), serve)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ LiveStack`: an embedded ``nats-server`` on loopback, gateway, scheduler, control
 manager and a rank-daemon host on the ``sim`` backend timed by the ground truth × a small time
 scale) and check it from the outside: HTTP answers, FirstTokens on the wire, epoch records.
 The trace test runs the services in-process with an in-memory span exporter (one tracer
-provider per process, installed once here). Helpers live in ``live_accept_support``.
+provider per process, installed once here as ``_tracing``; ``spans`` of ``tests/conftest.py``
+clears it per test). Helpers live in ``live_accept_support``.
 """
 
 from __future__ import annotations
@@ -46,10 +47,3 @@ def nats_server() -> Iterator[EmbeddedNats]:
 def _tracing() -> InMemorySpanExporter:
     setup_tracing("vtm-accept-tests", span_processor=SimpleSpanProcessor(_EXPORTER))
     return _EXPORTER
-
-
-@pytest.fixture
-def spans(_tracing: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
-    _tracing.clear()
-    yield _tracing
-    _tracing.clear()

@@ -12,7 +12,6 @@ fitted profile and never this module.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Literal
 
 from pydantic import Field
@@ -21,8 +20,7 @@ from services.rankd.backend import ExecutionBackend, SimBackend
 from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from shared.logging import configure_logging
-from shared.telemetry import setup_tracing, shutdown_tracing
+from shared.servicemain import run_service
 from shared.worker import WorkerKind
 
 
@@ -71,13 +69,7 @@ async def serve(settings: SimRankdSettings) -> None:
 
 
 def main() -> None:
-    settings = SimRankdSettings()
-    configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
-    setup_tracing(settings.service_name, settings.telemetry)
-    try:
-        asyncio.run(serve(settings))
-    finally:
-        shutdown_tracing()
+    run_service(SimRankdSettings(), serve)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""Fixtures for tests against a real ``nats-server`` (JetStream on, random loopback ports).
+"""Fixtures shared by every test folder (pytest runs with ``--import-mode=importlib``; a
+``conftest.py`` at the top of the test tree is still seen by all subfolders).
 
-One server per test session (starting one takes a fraction of a second, but dozens add up);
-each test gets its own connection and must use unique subjects / bucket names (``uniq``) so
-tests never see each other's traffic. One OpenTelemetry provider per process: the in-memory
-exporter is installed once here and cleared per test that asks for it.
+Tests against a real ``nats-server`` (JetStream on, random loopback ports): one server per test
+session (starting one takes a fraction of a second, but dozens add up); each test gets its own
+connection (``nc``) and must use unique subjects / bucket names (``uniq``) so tests never see
+each other's traffic. One OpenTelemetry provider per process: the in-memory exporter is
+installed once here (``_tracing``) and cleared per test that asks for it (``spans``).
+
+A folder that needs something else overrides the fixture of the same name in its own conftest.
 """
 
 from __future__ import annotations

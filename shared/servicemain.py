@@ -1,0 +1,50 @@
+"""The common ``main`` of the service processes (gateway, scheduler, controller, cache manager).
+
+Each ``services/<name>/main.py`` keeps its own flags, help text and ``serve`` coroutine and
+calls :func:`parse_flags` (environment, then flags that win over it) and :func:`run_service`
+(logging, tracing, ``asyncio.run`` until SIGINT/SIGTERM, tracing flushed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
+
+from shared.logging import configure_logging
+from shared.settings import ServiceSettings
+from shared.telemetry import setup_tracing, shutdown_tracing
+
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def parse_flags(
+    settings_cls: type[S],
+    flags: Iterable[tuple[str, str, Any]],
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+) -> S:
+    """``settings_cls`` from the environment, overridden by the flags given in ``argv``.
+
+    ``flags`` are ``(flag, settings field, argparse type)``; a flag not given leaves the field
+    to the environment (or its default).
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for flag, dest, typ in flags:
+        parser.add_argument(flag, dest=dest, type=typ, default=None)
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    return settings_cls(**overrides)
+
+
+def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) -> None:
+    """Configure logging and tracing from ``settings``, run ``serve(settings)``, flush tracing."""
+    configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
+    setup_tracing(settings.service_name, settings.telemetry)
+    try:
+        asyncio.run(serve(settings))
+    finally:
+        shutdown_tracing()
