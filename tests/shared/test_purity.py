@@ -39,8 +39,7 @@ def _discover() -> list[str]:
                 continue
             rel = path.relative_to(ROOT).with_suffix("")
             mods.append(".".join(rel.parts))
-    if (ROOT / "services/rankd/blockcache.py").exists():
-        mods.append("services.rankd.blockcache")
+    mods += ["services.rankd.blockcache", "services.rankd.core"]
     return mods
 
 
