@@ -425,6 +425,28 @@ class CacheCommandResult(Message):
 # -- controller ---------------------------------------------------------------------------------
 
 
+class RequestStats(Message):
+    """Per-request statistics for the cache manager (Algorithm 1's inputs, §7.1).
+
+    The cache manager matches ``block_hashes`` in its own trie and calls
+    ``record_request(match, worker_id, degree, reused_blocks, preferred_degree, input_len)``.
+    """
+
+    request_id: Id
+    reporter: Id
+    worker_id: Id
+    degree: int = Field(ge=1)
+    input_len: int = Field(ge=1)
+    block_hashes: list[int]
+    reused_blocks: NonNegInt
+    prefix_tokens: NonNegInt
+    preferred_degree: int = Field(ge=1)
+    preferred_worker: Id
+    predicted_s: NonNegFloat
+    policy: str
+    at_s: WallTime
+
+
 class WindowReport(Message):
     """One scheduler replica's demand in window k (§6.1): D(k) in predicted service seconds."""
 
@@ -605,6 +627,7 @@ def dumps_pretty(msg: BaseModel) -> str:
 
 
 __all__ = [
+    "RequestStats",
     "CONTENT_TYPE",
     "JSON",
     "MSGPACK",

@@ -188,6 +188,13 @@ class Subjects:
     def window_demand_all(self) -> str:
         return self._join("window", "demand", "*")
 
+    def cache_stats(self, reporter: str) -> str:
+        """RequestStats (Algorithm 1's inputs, one per placement) from one scheduler replica."""
+        return self._join("cache", "stats", _id(reporter, "reporter"))
+
+    def cache_stats_all(self) -> str:
+        return self._join("cache", "stats", "*")
+
     # -- results and data plane ---------------------------------------------------------------
 
     def result(self, request_id: str) -> str:

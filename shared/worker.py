@@ -50,7 +50,8 @@ class GpuGroup:
         return worker_name(self.degree, self.first_gpu)
 
     def within_node(self, gpus_per_node: int = GPUS_PER_NODE) -> bool:
-        return self.first_gpu // gpus_per_node == (self.first_gpu + self.degree - 1) // gpus_per_node
+        last = self.first_gpu + self.degree - 1
+        return self.first_gpu // gpus_per_node == last // gpus_per_node
 
     @classmethod
     def from_worker_id(cls, wid: str) -> GpuGroup:

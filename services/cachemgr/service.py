@@ -39,8 +39,7 @@ its ``removed`` event; an ok reply just retires the in-flight action
 (``replication_done``), a failed reply, micro error, timeout or missing responder calls
 ``replication_failed`` / ``reclaim_failed`` so a later scan may choose again.
 
-Message this module consumes but does not define: RequestStats (services/scheduler/service.py,
-to move to shared/schemas.py).
+Message this module consumes: RequestStats (shared/schemas.py), published by the scheduler.
 """
 
 from __future__ import annotations
@@ -69,15 +68,12 @@ from shared.ids import DEFAULT_BLOCK_SIZE, BlockHash, InvalidInput, VertumnusErr
 from shared.schemas import (
     CacheCommandResult,
     EpochRecord,
-    Id,
     Message,
-    NonNegFloat,
-    NonNegInt,
     ReclaimCommand,
     ReconcileCommand,
     ReplicateCommand,
+    RequestStats,
     SchemaError,
-    WallTime,
     WorkerState,
     decode,
 )
@@ -176,30 +172,7 @@ def cachemgr_group(subjects: Subjects) -> str:
     return validate_subject(f"{subjects.prefix}.cachemgr")
 
 
-def cache_stats_all(subjects: Subjects) -> str:
-    """The scheduler's RequestStats (one per placement), all replicas."""
-    return validate_subject(f"{subjects.prefix}.cache.stats.*", allow_wildcards=True)
-
-
 # -- messages ------------------------------------------------------------------------------------
-
-
-class RequestStats(Message):
-    """Algorithm 1's inputs for one placement (same fields as the scheduler's RequestStats)."""
-
-    request_id: Id
-    reporter: Id
-    worker_id: Id
-    degree: int = Field(ge=1)
-    input_len: int = Field(ge=1)
-    block_hashes: list[int]
-    reused_blocks: NonNegInt
-    prefix_tokens: NonNegInt
-    preferred_degree: int = Field(ge=1)
-    preferred_worker: Id
-    predicted_s: NonNegFloat
-    policy: str
-    at_s: WallTime
 
 
 class InspectQuery(Message):
@@ -390,7 +363,7 @@ class CacheMgrService(MicroService):
         epoch_watch = await epochs.watch(s.epoch_key())
         subs = [
             await self.nc.subscribe(s.cache_events_all(), cb=self._on_event),
-            await self.nc.subscribe(cache_stats_all(s), cb=self._on_stats),
+            await self.nc.subscribe(s.cache_stats_all(), cb=self._on_stats),
         ]
         self._tasks = [
             asyncio.create_task(self._watch_states(state_watch), name="cm-states"),
@@ -770,8 +743,6 @@ __all__ = [
     "CacheMgrService",
     "CacheMgrSettings",
     "InspectQuery",
-    "RequestStats",
-    "cache_stats_all",
     "cachemgr_group",
     "degree_of",
     "diff_compositions",

@@ -123,6 +123,7 @@ from shared.schemas import (
     Message,
     NonNegFloat,
     NonNegInt,
+    RequestStats,
     SchemaError,
     WallTime,
     WindowReport,
@@ -292,11 +293,6 @@ def composition_subject(subjects: Subjects) -> str:
 def worker_queue_subject(subjects: Subjects, worker_id: str) -> str:
     """Request-reply to a worker leader: QueueQuery → QueueReport."""
     return f"{subjects.worker_group(worker_id)}.queue"
-
-
-def cache_stats_all(subjects: Subjects) -> str:
-    """The scheduler's RequestStats (see services/scheduler/service.py)."""
-    return validate_subject(f"{subjects.prefix}.cache.stats.*", allow_wildcards=True)
 
 
 # -- messages ---------------------------------------------------------------------------------
@@ -584,7 +580,7 @@ class ControllerService(MicroService):
         if self.csettings.demand_input == "windows":
             subs.append(await self.nc.subscribe(s.window_demand_all(), cb=self._on_report))
         else:
-            subs.append(await self.nc.subscribe(cache_stats_all(s), cb=self._on_assignment))
+            subs.append(await self.nc.subscribe(s.cache_stats_all(), cb=self._on_assignment))
         subs.append(await self.nc.subscribe(s.epoch_ack_all(), cb=self._on_ack))
         subs.append(await self.nc.subscribe(s.result_all(), cb=self._on_result))
         watchers: list[Any] = [state_watch]
@@ -761,14 +757,12 @@ class ControllerService(MicroService):
 
     async def _on_assignment(self, msg: Msg) -> None:
         try:
-            body = json.loads(msg.data)
-            t, s, n = float(body["at_s"]), float(body["predicted_s"]), int(body["input_len"])
-            degree = int(body["degree"]) if body.get("degree") is not None else None
-        except (ValueError, TypeError, KeyError) as exc:
+            st = decode(RequestStats, msg.data, msg.headers)
+        except SchemaError as exc:
             self.counters["malformed"] += 1
-            self.log.warning("malformed request stats ignored", error=repr(exc))
+            self.log.warning("malformed request stats ignored", error=str(exc))
             return
-        self._assigned(t, s, n, degree)
+        self._assigned(st.at_s, st.predicted_s, st.input_len, st.degree)
 
     def _assigned(self, t: float, s: float, n: int, degree: int | None) -> None:
         if self.core is None:

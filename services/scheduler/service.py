@@ -49,8 +49,8 @@ terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,excluded}``) plus the whol
 JSON (``vtm.decision``). ``intake_wait`` is recorded from the gateway's arrival stamp to the
 dequeue.
 
-Messages this module defines until they move to shared/ (see the report): RequestStats on
-``{prefix}.cache.stats.{reporter}`` and AssignmentRecord in the assignment bucket.
+It publishes RequestStats (shared/schemas.py) on ``{prefix}.cache.stats.{reporter}`` and
+keeps AssignmentRecord (defined here) in the assignment bucket.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ from shared.schemas import (
     NonNegFloat,
     NonNegInt,
     PlacementTerms,
+    RequestStats,
     SchemaError,
     TtftStages,
     WallTime,
@@ -219,15 +220,6 @@ def assignment_bucket(subjects: Subjects) -> str:
     return subjects.worker_state_bucket().removesuffix("_WORKERS") + "_ASSIGNMENTS"
 
 
-def cache_stats_subject(subjects: Subjects, reporter: str) -> str:
-    """RequestStats from one scheduler replica to the cache manager."""
-    return validate_subject(f"{subjects.prefix}.cache.stats.{validate_token(reporter)}")
-
-
-def cache_stats_all(subjects: Subjects) -> str:
-    return validate_subject(f"{subjects.prefix}.cache.stats.*", allow_wildcards=True)
-
-
 def scheduler_group(subjects: Subjects) -> str:
     return validate_subject(f"{subjects.prefix}.scheduler")
 
@@ -252,26 +244,6 @@ class AssignmentRecord(Message):
     assigned_at_s: WallTime
 
 
-class RequestStats(Message):
-    """Per-request statistics for the cache manager (Algorithm 1's inputs, §7.1).
-
-    The cache manager matches ``block_hashes`` in its own trie and calls
-    ``record_request(match, worker_id, degree, reused_blocks, preferred_degree, input_len)``.
-    """
-
-    request_id: Id
-    reporter: Id
-    worker_id: Id
-    degree: int = Field(ge=1)
-    input_len: int = Field(ge=1)
-    block_hashes: list[int]
-    reused_blocks: NonNegInt
-    prefix_tokens: NonNegInt
-    preferred_degree: int = Field(ge=1)
-    preferred_worker: Id
-    predicted_s: NonNegFloat
-    policy: str
-    at_s: WallTime
 
 
 # -- pure helpers (no IO) ---------------------------------------------------------------------
@@ -824,7 +796,7 @@ class SchedulerService(MicroService):
         )
         data, headers = encode(stats)
         try:
-            await self.nc.publish(cache_stats_subject(self.subjects, self.reporter), data,
+            await self.nc.publish(self.subjects.cache_stats(self.reporter), data,
                                   headers=headers)
             for summary in self.windows.record(now, d.predicted_s, req.input_len, d.degree):
                 await self._report_window(summary)
@@ -882,8 +854,6 @@ __all__ = [
     "SchedulerSettings",
     "SchedulerStats",
     "assignment_bucket",
-    "cache_stats_all",
-    "cache_stats_subject",
     "decision_attributes",
     "placement_terms",
     "scheduler_group",
