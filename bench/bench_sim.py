@@ -16,6 +16,15 @@ sensitive to other load than wall seconds).
 internal time (and by cumulative time). ``--rows FILE`` writes the full result rows (without the
 wall-clock fields) as JSON, for a before/after comparison. No assertion anywhere: speed is
 reported, not tested.
+
+Before/after in one run, under the same load: ``--against DIR`` times this checkout and the
+checkout at ``DIR`` (e.g. an unpacked ``git archive`` of the old commit) alternately, each side
+in its own child process (``--root``: which checkout's ``sim`` / ``services`` / ``shared`` are
+imported), ``--repeat`` rounds, and prints both sides' best times, the speed-up ratios and
+whether the digests agree::
+
+    git archive HEAD~1 | tar -x -C /tmp/old && .venv/bin/python bench/bench_sim.py \
+        --against /tmp/old --repeat 3
 """
 
 from __future__ import annotations
@@ -32,7 +41,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+
+def _root_from_argv(argv: list[str]) -> Path:
+    """The checkout to import the simulator from (``--root DIR``; default: this one). Read
+    before the imports below, which is why it is not left to argparse."""
+    for i, a in enumerate(argv):
+        if a == "--root" and i + 1 < len(argv):
+            return Path(argv[i + 1]).resolve()
+        if a.startswith("--root="):
+            return Path(a.split("=", 1)[1]).resolve()
+    return Path(__file__).resolve().parents[1]
+
+
+ROOT = _root_from_argv(sys.argv[1:])
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -80,7 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile top 20 per policy")
     ap.add_argument("--rows", type=Path, default=None,
                     help="write the result rows (no wall-clock fields) and digests as JSON")
+    ap.add_argument("--root", type=Path, default=None,
+                    help="import the simulator from this checkout (default: this one)")
+    ap.add_argument("--against", type=Path, default=None,
+                    help="time this checkout and the one at DIR alternately; print ratios")
+    ap.add_argument("--json-lines", action="store_true",
+                    help="print one JSON object per policy (used by --against)")
     args = ap.parse_args(argv)
+    if args.against is not None:
+        return _against(args)
 
     t0 = time.perf_counter()
     wl = load_workload(args.trace, seed=0)
@@ -117,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         assert res is not None
         n = len(res.records)
         best = min(walls)
+        if args.json_lines:
+            print(json.dumps({"policy": pol, "requests": n, "walls": walls, "cpus": cpus,
+                              "digest": records_digest(res)}), flush=True)
+            continue
         print(f"{pol:>10}: {n} requests, best {best:.3f} s = {n / best:,.0f} req/wall-s "
               f"(runs: {', '.join(f'{w:.3f}' for w in walls)}; CPU s: "
               f"{', '.join(f'{c:.3f}' for c in cpus)}); "
@@ -142,6 +175,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows is not None:
         args.rows.write_text(json.dumps(out_rows, indent=1, sort_keys=True, default=str))
         print(f"rows written to {args.rows}")
+    return 0
+
+
+def _against(args: argparse.Namespace) -> int:
+    """``--against DIR``: alternate child runs of both checkouts; best of each, and ratios."""
+    import subprocess
+
+    here = Path(__file__).resolve().parents[1]
+    sides = {"this": here, "against": args.against.resolve()}
+    base = [sys.executable, str(Path(__file__).resolve()), args.trace, "--rate-scale",
+            str(args.rate_scale), "--gpus", str(args.gpus), "--policies", *args.policies,
+            "--json-lines"]
+    if args.max_requests:
+        base += ["--max-requests", str(args.max_requests)]
+    runs: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in sides}
+    for rnd in range(max(1, args.repeat)):
+        # Alternate which side goes first, so a load trend does not favour one side.
+        order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
+        for side in order:
+            out = subprocess.run(base + ["--root", str(sides[side])], capture_output=True,
+                                 text=True, check=True).stdout
+            for line in out.splitlines():
+                if not line.startswith("{"):
+                    continue
+                r = json.loads(line)
+                acc = runs[side].setdefault(r["policy"], {"walls": [], "cpus": []})
+                acc["walls"] += r["walls"]
+                acc["cpus"] += r["cpus"]
+                acc["requests"], acc["digest"] = r["requests"], r["digest"]
+    print(f"this = {sides['this']}, against = {sides['against']}; {args.repeat} alternating "
+          f"rounds, best of each side")
+    for pol in args.policies:
+        a, b = runs["this"][pol], runs["against"][pol]
+        n = a["requests"]
+        wa, wb, ca, cb = min(a["walls"]), min(b["walls"]), min(a["cpus"]), min(b["cpus"])
+        same = "identical" if a["digest"] == b["digest"] else "DIFFERENT"
+        print(f"{pol:>10}: this {n / wa:,.0f} req/wall-s ({wa:.3f} s, CPU {ca:.3f} s) | "
+              f"against {n / wb:,.0f} req/wall-s ({wb:.3f} s, CPU {cb:.3f} s) | speed-up "
+              f"{wb / wa:.2f}x wall, {cb / ca:.2f}x CPU | digests {same}")
     return 0
 
 

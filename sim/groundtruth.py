@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 
@@ -332,11 +332,11 @@ class GroundTruth:
         """:meth:`prefill_time` for CP with valid plain-int inputs (speed: the simulator calls
         it once per request). The same float operations in the same order as
         :meth:`layer_terms` + :meth:`prefill_time` (bit-identical), without the validation
-        and the dict; a test compares the two."""
-        m, g, cal = self.model, self.gpu, self.calibration
-        f_peak, bw = g.peak_flops, g.effective_bandwidth
-        kv_layer = m.kv_bytes_per_token_layer
-        wd, we, e, k = m.dense_params_per_layer, m.expert_params, m.experts, m.top_k
+        and the dict, with the instance's constants looked up once (:func:`_cp_constants`);
+        a test compares the two."""
+        (f_peak, bw, kv_layer, wd, we, e, k, keep, ed_max, ed_half, em_max, em_half, ea_max,
+         ea_half, attn_pair, elem, dense_floor, alpha2, beta_ag, t_cpu, d0, d_cp, sigma,
+         layers) = _cp_constants(self)
         c = degree
         r_pad = r if c == 1 else math.ceil(r / (2 * c)) * 2 * c
         n = r_pad / c
@@ -347,30 +347,29 @@ class GroundTruth:
             chunk = r_pad / (2 * c)
             q_len = chunk
             last = 2 * c - 1
-            pairs = sum((chunk * (p + 0 * chunk) + chunk * (chunk + 1) / 2,
-                         chunk * (p + last * chunk) + chunk * (chunk + 1) / 2))
-        shard = 1
+            # (layer_terms sums the two chunks' pairs with sum(); 0 + a + b == a + b)
+            pairs = (chunk * (p + 0 * chunk) + chunk * (chunk + 1) / 2) \
+                + (chunk * (p + last * chunk) + chunk * (chunk + 1) / 2)
         kv_tokens = p + r_pad
-        touched = e * (1.0 - (1.0 - k / e) ** n)
-        ed, em, ea = cal.eta_dense, cal.eta_moe, cal.eta_attn
-        t_dense = max(2 * n * wd / (shard * f_peak * (ed.eta_max * n / (n + ed.x_half))),
-                      2 * wd / (shard * bw))
+        touched = e * (1.0 - keep ** n)
+        # shard = 1: 1 * f_peak and 1 * bw are f_peak and bw exactly.
+        t_dense = max(2 * n * wd / (f_peak * (ed_max * n / (n + ed_half))), dense_floor)
         t_moe = max(
-            2 * n * k * we / (shard * f_peak * (em.eta_max * n / (n + em.x_half))),
-            touched * 2 * we / (shard * bw),
+            2 * n * k * we / (f_peak * (em_max * n / (n + em_half))),
+            touched * 2 * we / bw,
         )
-        t_attn = m.attn_flops_per_pair_layer * pairs / (
-            f_peak * (ea.eta_max * q_len / (q_len + ea.x_half))) + (kv_tokens * kv_layer / bw)
-        t_elem = n * m.elementwise_bytes_per_token_layer / bw
+        t_attn = attn_pair * pairs / (
+            f_peak * (ea_max * q_len / (q_len + ea_half))) + (kv_tokens * kv_layer / bw)
+        t_elem = n * elem / bw
         t_gpu = t_dense + t_moe + t_attn + t_elem
         comm = 0.0
         if degree > 1:
-            comm = 2 * cal.alpha_ag + (degree - 1) * (n + p / degree) * kv_layer / cal.beta_ag
-        layer = max(t_gpu, cal.t_cpu)
-        fixed = cal.d0
+            comm = alpha2 + (degree - 1) * (n + p / degree) * kv_layer / beta_ag
+        layer = max(t_gpu, t_cpu)
+        fixed = d0
         if degree > 1:
-            fixed += cal.d_cp
-        return fixed + cal.sigma * r + m.layers * (layer + comm)
+            fixed += d_cp
+        return fixed + sigma * r + layers * (layer + comm)
 
     # --- around the prefill --------------------------------------------------------------
     def kv_handoff_time(self, total_tokens: int, degree: int) -> float:
@@ -448,12 +447,44 @@ class GroundTruth:
 
 DEFAULT_GROUND_TRUTH: Final[GroundTruth] = GroundTruth()
 
+# id(truth) -> (truth, constants of GroundTruth._prefill_time_cp); the entry keeps the instance
+# alive, so its id is not reused while cached (GroundTruth is frozen with slots: no room on it).
+_CP_CONSTANTS: dict[int, tuple[GroundTruth, tuple[Any, ...]]] = {}
+
+
+def _cp_constants(gt: GroundTruth) -> tuple[Any, ...]:
+    """The per-instance terms of the CP fast path, each computed as layer_terms computes it."""
+    ent = _CP_CONSTANTS.get(id(gt))
+    if ent is not None and ent[0] is gt:
+        return ent[1]
+    m, g, cal = gt.model, gt.gpu, gt.calibration
+    f_peak, bw = g.peak_flops, g.effective_bandwidth
+    e, k = m.experts, m.top_k
+    shard = 1
+    consts = (
+        f_peak, bw, m.kv_bytes_per_token_layer, m.dense_params_per_layer, m.expert_params,
+        e, k, 1.0 - k / e,
+        cal.eta_dense.eta_max, cal.eta_dense.x_half, cal.eta_moe.eta_max, cal.eta_moe.x_half,
+        cal.eta_attn.eta_max, cal.eta_attn.x_half,
+        m.attn_flops_per_pair_layer, m.elementwise_bytes_per_token_layer,
+        2 * m.dense_params_per_layer / (shard * bw),  # the dense weight-read floor
+        2 * cal.alpha_ag, cal.beta_ag, cal.t_cpu, cal.d0, cal.d_cp, cal.sigma, m.layers,
+    )
+    if len(_CP_CONSTANTS) >= 64:
+        _CP_CONSTANTS.clear()
+    _CP_CONSTANTS[id(gt)] = (gt, consts)
+    return consts
+
 
 def prefill_time(
     r: int, p: int, degree: int, *, kind: Kind = "cp", truth: GroundTruth = DEFAULT_GROUND_TRUTH
 ) -> float:
     """Noise-free prefill time (s) under the default (or given) ground truth."""
     return truth.prefill_time(r, p, degree, kind=kind)
+
+
+_NOISE_BLOCK: Final[int] = 1024
+"""Standard normals drawn per numpy call by :class:`NoisyGroundTruth` (speed only)."""
 
 
 class NoisyGroundTruth:
@@ -497,6 +528,13 @@ class NoisyGroundTruth:
         noise_seq, switch_seq = np.random.SeedSequence(self.seed).spawn(2)
         self._noise = np.random.default_rng(noise_seq)
         self._switch = np.random.default_rng(switch_seq)
+        # Speed: the noise stream is drawn in blocks (one numpy call per _NOISE_BLOCK prefills
+        # instead of one each). A block of standard normals is the same sequence as that many
+        # single draws from the same generator, so every factor is unchanged; nothing else
+        # draws from this stream.
+        self._z: list[float] = []
+        self._zi = 0
+        self._half_var = 0.5 * self.sigma**2
 
     def noise_free(self, r: int, p: int, degree: int, *, kind: Kind = "cp") -> float:
         return self.truth.prefill_time(r, p, degree, kind=kind)
@@ -506,8 +544,12 @@ class NoisyGroundTruth:
         base = self.truth.prefill_time(r, p, degree, kind=kind)
         if self.sigma == 0:
             return base
-        z = self._noise.standard_normal()
-        return base * math.exp(self.sigma * z - 0.5 * self.sigma**2)
+        i = self._zi
+        if i == len(self._z):
+            self._z = self._noise.standard_normal(_NOISE_BLOCK).tolist()
+            i = 0
+        self._zi = i + 1
+        return base * math.exp(self.sigma * self._z[i] - self._half_var)
 
     def external_time(self, total_tokens: int, degree: int) -> float:
         """KV handoff + first decode (s); not noisy (network and decode are not modelled)."""

@@ -45,6 +45,7 @@ from services.scheduler.view import ClusterView, RequestInfo, WorkerView
 from shared.costmodel import Profile
 from shared.ids import BlockHash, InvalidInput, RequestId, WorkerId
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
+from sim import calibration
 from sim.groundtruth import GroundTruth, NoisyGroundTruth
 from sim.workloads.workload import Request, Workload
 
@@ -60,10 +61,9 @@ def controller_profile(profile: Profile, kappa_scale: float) -> Profile:
 # Event kinds (ints: the heap compares tuples, and ints are the cheapest tie-breakers).
 _ARRIVE, _FINISH, _WINDOW, _SCAN, _XFER, _SWITCHED = range(6)
 
-DEFAULT_SCAN_CONFIG = ScanConfig(
-    theta_inter=2.0, theta_intra=16.0, theta_reclaim=1.0, decay=0.5, max_actions_per_list=1
-)
-"""Provisional scan thresholds (calibrated by ``vertumnus calibrate``; see sim/calibration.py).
+DEFAULT_SCAN_CONFIG: ScanConfig = calibration.SCAN
+"""The calibrated scan thresholds (services/calibration.py ``SCAN``, reasons there), as the live
+cache manager uses them.
 
 θ_inter in seconds of predicted benefit missed at the preferred degree; θ_intra / θ_reclaim in
 decayed accesses per replica (with decay 0.5 a steady rate of n accesses per scan settles at 2n);
@@ -160,12 +160,15 @@ class _Job:
 
 
 class _SimWorker:
-    __slots__ = ("wid", "group", "kind", "cache", "queue", "running", "lifecycle", "pinned")
+    __slots__ = ("wid", "group", "kind", "kind_name", "degree", "cache", "queue", "running",
+                 "lifecycle", "pinned")
 
     def __init__(self, wid: WorkerId, group: GpuGroup, kind: WorkerKind, capacity: int) -> None:
         self.wid = wid
         self.group = group
         self.kind = kind
+        self.kind_name = kind.value  # what the ground truth's ``kind`` argument takes
+        self.degree = group.degree
         self.cache = BlockCache(wid, capacity)
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
@@ -213,8 +216,8 @@ class Simulator:
         self.records: list[RequestRecord] = []
         self.reconfigs: list[Reconfiguration] = []
         self.timeline: list[tuple[float, dict[int, int]]] = []
-        self._reconf: Reconfiguration | None = None
-        self._plan: Plan | None = None
+        # Reconfigurations in flight (a plan's operations run concurrently), by protocol id.
+        self._active: dict[int, tuple[Reconfiguration, Plan]] = {}
         self._parked: deque[_Job] = deque()
         self.gpu_seconds = 0.0
         self.replications = 0
@@ -343,7 +346,7 @@ class Simulator:
             elif kind == _XFER:
                 self._transfer_done(a, now)
             elif kind == _SWITCHED:
-                self._switched(now)
+                self._switched(a, now)
         # Requests that never got a worker (failed placement) were counted as records already.
         return SimResult(
             config=self.cfg,
@@ -374,7 +377,7 @@ class Simulator:
         try:
             d = self.sched.place(job.info, match.held_blocks, now)
         except NoEligibleWorker as exc:
-            if self._reconf is not None and req.input_len <= self.cfg.max_seq_len:
+            if self._active and req.input_len <= self.cfg.max_seq_len:
                 # Every fitting worker is reconfiguring: hold it until the new workers exist.
                 self._parked.append(job)
                 return
@@ -390,10 +393,15 @@ class Simulator:
                 d.preferred_degree, req.input_len,
                 self.profile.predict_fast,
             )
-            for act in on_reuse(self.trie, d.worker, req.block_hashes):
-                self._issue_transfer(act, now)
-        if self.ctl is not None:
-            self.ctl.assigned(now, d.predicted_s, req.input_len, d.degree)
+            # on_reuse issues copies only for blocks pending at the worker (after a split or
+            # merge); asking first skips its per-request set-up in the common case (speed).
+            if self.trie.has_pending(d.worker):
+                for act in on_reuse(self.trie, d.worker, req.block_hashes):
+                    self._issue_transfer(act, now)
+        if self.ctl is not None and not job.rec.redirected:
+            # D(k) counts a request once: a redirect re-places demand already counted.
+            self.ctl.assigned(now, d.predicted_s, req.input_len, d.degree,
+                              min(d.reused_blocks * self.B, req.input_len - 1))
         job.rec.worker = d.worker
         job.rec.degree = d.degree
         job.rec.predicted_s = d.predicted_s
@@ -406,35 +414,41 @@ class Simulator:
         job = w.queue.popleft()
         L = job.req.input_len
         blocks = job.req.block_hashes
-        # What the worker can reuse *now* (its cache may have changed since placement).
-        hit = w.cache.lookup(blocks)
+        # What the worker can reuse *now* (its cache may have changed since placement),
+        # pinned while the request runs so that no other insert evicts it.
+        hit = w.cache.lookup(blocks, pin=True)
         p = min(hit * self.B, L - 1)
-        degree = w.group.degree
-        t = self.gt.prefill_time(L - p, p, degree, kind=w.kind.value)
+        degree = w.degree
+        t = self.gt.prefill_time(L - p, p, degree, kind=w.kind_name)
         if hit:
             w.pinned = blocks[:hit]
-            w.cache.pin(w.pinned)
         w.running = job
         self.sched.start(job.info.request_id, now)
-        job.rec.start_s = now
-        job.rec.reused_tokens = p
-        job.rec.actual_s = t
+        rec = job.rec
+        rec.start_s = now
+        rec.reused_tokens = p
+        rec.actual_s = t
         self.gpu_seconds += t * degree
-        self._push(now + t, _FINISH, w, job)
+        self._seq += 1  # self._push(now + t, _FINISH, w, job), inlined (speed)
+        heapq.heappush(self._heap, (now + t, self._seq, _FINISH, w, job))
 
     def _finish(self, w: _SimWorker, job: _Job, now: float) -> None:
         if w.pinned:
             w.cache.unpin(w.pinned)
             w.pinned = ()
-        if job.req.block_hashes:
-            w.cache.insert(job.req.block_hashes)
-            self._drain_cache_events(w)
+        req = job.req
+        if req.block_hashes:
+            cache = w.cache
+            cache.insert(req.block_hashes)
+            apply = self.trie.apply  # self._drain_cache_events(w), inlined (speed)
+            for ev in cache.take_events():
+                apply(ev)
         rid = job.info.request_id
         self.sched.finish(rid, now)
-        del self.jobs[job.req.request_id]
-        L = job.req.input_len
-        job.rec.finish_s = now
-        job.rec.ttft_s = now + self.gt.external_time(L, w.group.degree) - job.req.arrival_s
+        del self.jobs[req.request_id]
+        rec = job.rec
+        rec.finish_s = now
+        rec.ttft_s = now + self.gt.external_time(req.input_len, w.degree) - req.arrival_s
         w.running = None
         if self.ctl is not None and w.lifecycle is Lifecycle.DRAINING:
             self.ctl.protocol.finished(w.wid, rid, now)
@@ -448,8 +462,8 @@ class Simulator:
         assert ctl is not None
         drain = {wid: self.sched.load(wid).queue_delay(now) for wid in self.sched.view.worker_ids}
         for dec in ctl.tick(now, drain_s=drain, traffic=self._traffic):
-            if dec.plan is not None and self._reconf is None:
-                self._begin(dec.plan, now)
+            if dec.plans and not self._active:
+                self._begin(dec.plans, now)
 
     def _traffic(self, op: Any) -> float:
         """Expected reconciliation traffic of an op: blocks its sources hold (an upper bound of
@@ -457,23 +471,29 @@ class Simulator:
         return float(sum(self.trie.used_blocks(g.worker_id) for g in op.sources
                          if g.worker_id in self.workers))
 
-    def _begin(self, plan: Plan, now: float) -> None:
+    def _begin(self, plans: Sequence[Plan], now: float) -> None:
+        """Start every operation of a plan; their sources drain in parallel."""
         ctl = self.ctl
         assert ctl is not None
-        srcs = [self.workers[g.worker_id] for g in plan.sources]
-        queued = {w.wid: [j.info.request_id for j in w.queue] for w in srcs}
-        in_flight = {w.wid: [w.running.info.request_id] for w in srcs if w.running is not None}
-        res = ctl.start(plan, now, queued=queued, in_flight=in_flight)
-        rc = Reconfiguration(plan.kind.value, tuple(plan.source_ids), tuple(plan.target_ids),
-                             now, plan.reason, rid=res.reconfiguration)
-        self._reconf, self._plan = rc, plan
-        self.reconfigs.append(rc)
         redirect: list[_Job] = []
-        for w in srcs:
-            w.lifecycle = Lifecycle.DRAINING
-            for info in self.sched.drain(w.wid):
-                redirect.append(self.jobs[info.request_id])
-            w.queue.clear()
+        for plan in plans:
+            srcs = [self.workers[g.worker_id] for g in plan.sources]
+            queued = {w.wid: [j.info.request_id for j in w.queue] for w in srcs}
+            in_flight = {w.wid: [w.running.info.request_id] for w in srcs
+                         if w.running is not None}
+            res = ctl.start(plan, now, queued=queued, in_flight=in_flight)
+            rc = Reconfiguration(plan.kind.value, tuple(plan.source_ids),
+                                 tuple(plan.target_ids), now, plan.reason,
+                                 rid=res.reconfiguration)
+            self._active[rc.rid] = (rc, plan)
+            self.reconfigs.append(rc)
+            for w in srcs:
+                w.lifecycle = Lifecycle.DRAINING
+                for info in self.sched.drain(w.wid):
+                    redirect.append(self.jobs[info.request_id])
+                w.queue.clear()
+        # Redirect only after every source stopped admitting, so no queued request lands on
+        # a worker that a later operation of the same plan drains.
         self._rebuild_view()
         for job in redirect:
             job.rec.redirected += 1
@@ -481,20 +501,21 @@ class Simulator:
         self._maybe_drained(now)
 
     def _maybe_drained(self, now: float) -> None:
-        rc = self._reconf
-        if rc is None or rc.drained_s >= 0:
-            return
-        if any(self.workers[WorkerId(wid)].running is not None for wid in rc.sources):
-            return
-        rc.drained_s = now
-        for wid in rc.sources:
-            self.workers[WorkerId(wid)].lifecycle = Lifecycle.SWITCHING
-        self._push(now + self.gt.switch_time(), _SWITCHED)
+        for rc, _ in self._active.values():
+            if rc.drained_s >= 0:
+                continue
+            if any(self.workers[WorkerId(wid)].running is not None for wid in rc.sources):
+                continue
+            rc.drained_s = now
+            for wid in rc.sources:
+                self.workers[WorkerId(wid)].lifecycle = Lifecycle.SWITCHING
+            self._push(now + self.gt.switch_time(), _SWITCHED, rc.rid)
 
-    def _switched(self, now: float) -> None:
+    def _switched(self, rid: int, now: float) -> None:
         """Activate the pre-created groups: commit the epoch, every rank acks, expose."""
-        rc, plan, ctl = self._reconf, self._plan, self.ctl
-        assert rc is not None and plan is not None and ctl is not None
+        rc, plan = self._active.pop(rid)
+        ctl = self.ctl
+        assert ctl is not None
         record = ctl.protocol.switch_started(rc.rid, now)
         for g in plan.targets:
             for gpu in g.gpus:
@@ -504,7 +525,6 @@ class Simulator:
         new = [self._new_worker(g, register=False) for g in plan.targets]
         self._reconcile(plan, old, new)
         rc.exposed_s = now
-        self._reconf, self._plan = None, None
         self._rebuild_view()
         self._record_composition(now)
         parked, self._parked = self._parked, deque()

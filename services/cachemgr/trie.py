@@ -132,12 +132,15 @@ class TrieNode:
             return
         if e - k == 1:  # the common case: one scan behind
             d = dh[k]
-            if acc is not None:
-                for i in range(len(acc)):
-                    acc[i] *= d
-            if mis is not None:
-                for i in range(len(mis)):
-                    mis[i] *= d
+            for arr in (acc, mis):
+                if arr is None:
+                    continue
+                if len(arr) == 2:  # two degrees, the usual lattice: unrolled (speed)
+                    arr[0] *= d
+                    arr[1] *= d
+                else:
+                    for i in range(len(arr)):
+                        arr[i] *= d
             return
         for arr in (acc, mis):
             if arr is None:
@@ -370,6 +373,10 @@ class PrefixTrie:
         """Blocks awaiting reconciliation at the worker (§6.2): not reusable, not matched."""
         return frozenset(self._view(worker).pending)
 
+    def has_pending(self, worker: WorkerId) -> bool:
+        """Whether the worker has any block awaiting reconciliation (O(1); see on_reuse)."""
+        return bool(self._view(worker).pending)
+
     def donor_blocks(self, worker: WorkerId) -> frozenset[BlockHash]:
         """Resident pages kept only as reconcile sources (not in the worker's cache index)."""
         return frozenset(self._view(worker).donors)
@@ -487,21 +494,28 @@ class PrefixTrie:
         elif cls is Removed or isinstance(event, Removed):
             drop = self._drop_block
             valid, w, nodes, unref = view.valid, view.worker, self._nodes, self._unref
-            multi, di = self._multi, view.deg_idx
+            multi, di, orphans = self._multi, view.deg_idx, view.orphans
             for h in event.block_hashes:  # type: ignore[union-attr]
                 if h in valid:  # the common case of _drop_block, inlined (speed)
                     node = nodes[h]
                     hs = node.holders
                     if w in hs:
-                        if node.children:
-                            self._unmark_held(view, node)
-                        else:  # a leaf: _unmark_held without the walk
-                            hs.discard(w)
-                            if len(hs) == 1:
-                                multi.discard(node)
-                            node.count[di] -= 1
+                        # _unmark_held(view, node) inlined for the node itself; its subtree
+                        # walk is needed only below children the worker also holds (rare: a
+                        # worker evicts leaves of its own cache), visited in the same order.
+                        hs.discard(w)
+                        if len(hs) == 1:
+                            multi.discard(node)
+                        node.count[di] -= 1
+                        for c in node.children.values():
+                            if w in c.holders:
+                                below = [x for x in node.children.values() if w in x.holders]
+                                for x in reversed(below):
+                                    self._unmark_held(view, x)
+                                break
                     valid.discard(h)
-                    view.orphans.discard(h)
+                    if orphans:  # usually empty (the walk above may add to it)
+                        orphans.discard(h)
                     node.refs -= 1
                     if not node.refs:
                         unref.add(node)
@@ -537,32 +551,32 @@ class PrefixTrie:
             found.append(n)
             expected = n
             k += 1
-        if k < len(hs):
-            for h in hs[k + 1:]:
-                if h in nodes:
-                    self._check_chain(p, hs)  # raises
+        if k + 1 < len(hs) and not nodes.keys().isdisjoint(hs[k + 1:]):
+            self._check_chain(p, hs)  # raises
         for n in found:
             self._add_valid(view, n)
         if k == len(hs):
             return
         prev = found[-1] if found else parent
-        w, di, valid = view.worker, view.deg_idx, view.valid
+        w, di = view.worker, view.deg_idx
+        # Every new node is held iff the block it hangs under is (then the whole tail is).
         held = prev is None or w in prev.holders
         nd = len(self.degrees)
         dh = self._decays
-        for h in hs[k:] if k else hs:
+        new = hs[k:] if k else hs
+        for h in new:
             node = TrieNode(h, prev, nd, dh)
             nodes[h] = node
             if prev is not None:
                 prev.children[h] = node
             node.refs = 1
-            valid.add(h)
             if held:
                 node.holders.add(w)
                 node.count[di] += 1
-            else:
-                view.orphans.add(h)
             prev = node
+        view.valid.update(new)  # the same insertions, in the same order, as one call
+        if not held:
+            view.orphans.update(new)
 
     def confirm_installed(self, worker: WorkerId, block_hashes: Iterable[BlockHash]) -> int:
         """Mark pending blocks installed without an event (explicit confirmation, §6.2).
@@ -601,7 +615,11 @@ class PrefixTrie:
         if not path:
             return MatchResult((), _EMPTY)
         held = held_along(path)
-        return MatchResult(tuple(n.hash for n in path), MappingProxyType(held))
+        # The matched nodes' hashes are the request's first len(path) hashes (a slice is C).
+        k = len(path)
+        hashes = block_hashes[:k] if block_hashes.__class__ is tuple \
+            else tuple(block_hashes[:k])
+        return MatchResult(hashes, MappingProxyType(held))
 
     # ------------------------------------------------------------------ Algorithm 1
     def record_request(

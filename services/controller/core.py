@@ -2,7 +2,9 @@
 
 One object the adapter (live) and the simulator drive the same way:
 
-* ``assigned(now, predicted_s, input_len, degree)`` for every placement the scheduler reports;
+* ``assigned(now, predicted_s, input_len, degree, cached_tokens)`` for every placement the
+  scheduler reports (with ``ControllerConfig.merge_speedup`` set, the core works out each
+  request's preferred degree from the profile, §6.1 rule 1, for the planner's merge gate);
 * ``tick(now, drain_s=..., traffic=...)`` on a timer (any period ≤ H): closes the windows that
   ended, decides each (§6.2) and returns the :class:`Decision` list; a decision may carry a
   :class:`Plan`;
@@ -16,10 +18,13 @@ compare-and-set fails has lost leadership and must rebuild from the stored recor
 than continue. Ranks can only acknowledge an epoch they have read, so their acks always
 arrive after the commit.
 
-Rules: at most one plan is outstanding — from the moment a plan is returned until it is
-started or discarded, and while any reconfiguration is in flight, windows are still closed
-and reported but produce no new plan (the planner's streak stays reset). The composition the
-planner judges is always the protocol's current one.
+Rules: at most one plan is outstanding — from the moment a plan is returned until every one
+of its operations is started or the plan is discarded, and while any reconfiguration is in
+flight, windows are still closed and reported but produce no new plan (the planner's streak
+stays reset). A plan may hold several disjoint operations (``ControllerConfig.max_ops``); the
+adapter starts each (:attr:`pending_plans`), in any order — they are disjoint, so each is
+adjacent to the composition whatever the others did. The composition the planner judges is
+always the protocol's current one.
 """
 
 from __future__ import annotations
@@ -53,20 +58,51 @@ class ControllerCore:
             self.config.window_s, self.config.long_threshold_tokens, start_s
         )
         self.protocol = EpochProtocol(composition, epoch=epoch, acknowledged=acknowledged)
+        self._degrees = composition.lattice.sorted_degrees
         self._closed: list[WindowSummary] = []
-        self._pending: Plan | None = None
+        self._pending: list[Plan] = []
         self.decisions: list[Decision] = []  # every decision so far (reports, plots)
 
     @property
     def pending_plan(self) -> Plan | None:
-        """A plan returned by :meth:`tick` and not yet started or discarded."""
-        return self._pending
+        """The first operation of the plan returned by :meth:`tick` not yet started or
+        discarded, or None."""
+        return self._pending[0] if self._pending else None
+
+    @property
+    def pending_plans(self) -> tuple[Plan, ...]:
+        """Every operation of the outstanding plan not yet started (empty: none)."""
+        return tuple(self._pending)
 
     def assigned(
-        self, now: float, predicted_s: float, input_len: int, degree: int | None = None
+        self,
+        now: float,
+        predicted_s: float,
+        input_len: int,
+        degree: int | None = None,
+        cached_tokens: int = 0,
     ) -> None:
-        """The scheduler placed a request with predicted service ``predicted_s`` seconds."""
-        self._closed.extend(self.windows.record(now, predicted_s, input_len, degree))
+        """The scheduler placed a request with predicted service ``predicted_s`` seconds;
+        ``cached_tokens`` of its ``input_len`` are reused on the chosen worker."""
+        if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int):
+            raise InvalidInput(f"cached_tokens must be an integer >= 0, got {cached_tokens!r}")
+        if cached_tokens < 0:
+            raise InvalidInput(f"cached_tokens must be an integer >= 0, got {cached_tokens!r}")
+        preferred = None
+        threshold = self.config.merge_speedup
+        if threshold is not None and isinstance(input_len, int) and input_len >= 1:
+            # §6.1 rule 1 on this request: climb while doubling the degree pays the threshold.
+            p = min(cached_tokens, input_len - 1)
+            r = input_len - p
+            prof = self.planner.profile
+            degs = self._degrees
+            c = degs[0]
+            while 2 * c in degs and prof.predict_fast(r, p, c) >= threshold * prof.predict_fast(
+                r, p, 2 * c
+            ):
+                c *= 2
+            preferred = c
+        self._closed.extend(self.windows.record(now, predicted_s, input_len, degree, preferred))
 
     def tick(
         self,
@@ -80,7 +116,7 @@ class ControllerCore:
         self._closed = []
         out: list[Decision] = []
         for win in closed:
-            busy = self._pending is not None or bool(self.protocol.in_progress())
+            busy = bool(self._pending) or bool(self.protocol.in_progress())
             dec = self.planner.observe(
                 win,
                 self.protocol.composition,
@@ -89,8 +125,8 @@ class ControllerCore:
                 unavailable=self.protocol.unavailable(),
                 reconfiguring=busy,
             )
-            if dec.plan is not None:
-                self._pending = dec.plan
+            if dec.plans:
+                self._pending = list(dec.plans)
             out.append(dec)
         self.decisions.extend(out)
         return out
@@ -103,15 +139,15 @@ class ControllerCore:
         queued: Mapping[WorkerId, Sequence[RequestId]] | None = None,
         in_flight: Mapping[WorkerId, Collection[RequestId]] | None = None,
     ) -> StartResult:
-        """Start the pending ``plan`` (see :meth:`EpochProtocol.start`)."""
-        if plan != self._pending:
-            raise IllegalTransition("only the pending plan returned by tick() can be started")
+        """Start one pending operation ``plan`` (see :meth:`EpochProtocol.start`)."""
+        if plan not in self._pending:
+            raise IllegalTransition("only a pending plan returned by tick() can be started")
         res = self.protocol.start(plan, now, queued=queued, in_flight=in_flight)
-        self._pending = None
+        self._pending.remove(plan)
         return res
 
     def discard_plan(self) -> None:
-        """Drop the pending plan (e.g. the adapter lost the epoch compare-and-set)."""
-        if self._pending is None:
+        """Drop every pending operation (e.g. the adapter lost the epoch compare-and-set)."""
+        if not self._pending:
             raise InvalidInput("no pending plan to discard")
-        self._pending = None
+        self._pending = []

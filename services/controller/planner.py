@@ -24,7 +24,10 @@ nothing, so it counts nothing):
    from all-CP2 to all-CP4; re-proving persistence after every step would take minutes). A
    window without that signal ends the momentum.
 5. **Admission.** A merge is admitted only if the adjacent composition keeps sufficient
-   capacity: D ≤ ``merge_headroom``·K' (``merge_headroom`` < u gives hysteresis, so the
+   capacity: D̂ ≤ ``merge_headroom``·K', where D̂ is the largest demand of the streak's last
+   ``persistence`` windows (our addition: window demand varies by ±25% on these traces, and
+   a merge sized to the one quiet window that completed a streak is undone by the next busy
+   one) (``merge_headroom`` < u gives hysteresis, so the
    merged composition does not split again at once). Our addition, symmetric to it: a split
    driven by the long-fraction signal alone is admitted only if D ≥ l·K' (it would not
    leave the pool under-loaded, which would trigger a merge right back).
@@ -34,8 +37,31 @@ nothing, so it counts nothing):
    reconciliation traffic (Σ over sources of retained-prefix blocks weighted by recent
    access, from the cache manager; or a callable over the whole operation), then the lowest
    first GPU (determinism).
-7. **One at a time.** While a reconfiguration is in flight no plan is made and the streak
-   stays reset: signals measured against a composition that is changing are stale.
+7. **One plan at a time.** While a reconfiguration is in flight no plan is made and the
+   streak stays reset: signals measured against a composition that is changing are stale.
+8. **Multi-operation plans** (our addition; ``max_ops`` > 1). A plan may hold several
+   disjoint operations, chosen greedily on a *virtual* composition (each operation applied
+   before the next is chosen; a worker that is a source or a target of an earlier operation
+   of the plan takes no further part — it is draining or does not exist yet). The target is
+   what the window's demand calls for under headroom rules: a capacity split continues
+   while D > ``split_target``·K of the virtual composition (the pool lands inside the hold
+   band with room to grow), a capacity merge continues while the next merge is still
+   admitted (D̂ ≤ ``merge_headroom``·K'). A long-fraction move is one operation (the mix
+   is re-judged against the new composition).
+   Under constant demand this converges: no split follows a merge (an admitted merge keeps
+   D ≤ ``merge_headroom``·K' ≤ u·K'), each plan changes the worker count in one direction,
+   and no merge follows a split as long as a split plan raises K by less than u/l (D > u·K
+   before it and D < l·K after it cannot both hold) — true for every profile here (all
+   smallest over all largest degree is ×1.3 for the calibrated κ, u/l = 2).
+9. **Merge gate** (our addition; ``merge_speedup`` set). κ is profiled on one length mix; for
+   short requests a CP-2C worker is barely faster than a CP-C one yet serves half as many
+   at once, so κ over-rates it. When the window reports demand by preferred degree (§6.1
+   rule 1 per request, with ``merge_speedup`` as its threshold), a merge into degree 2C is
+   admitted only if the GPUs at degrees ≥ 2C afterwards do not exceed the share of demand
+   preferring ≥ 2C, times G, rounded up to whole degree-2C workers. The share is taken over
+   the last ``persistence`` windows that had requests (an idle gap says nothing about the
+   mix, and merging a short-request pool up during one left it slow when load returned);
+   before any such window, nothing is gated (e.g. an adapter that reports no breakdown).
 
 The planner is a pure core: values in (window summary, composition, per-worker estimates),
 a :class:`Decision` out; it keeps only the streak and the reference.
@@ -77,6 +103,12 @@ class ControllerConfig:
       reference that counts as a mix shift.
     * ``demand_stability`` 0.3 — demand within ±30% of the reference counts as stable.
     * ``persistence`` 2 windows (40 s at H = 20 s) before an operation starts.
+    * ``max_ops`` 1 — operations per plan (rule 8); 1 is the paper's one split or merge at a
+      time, larger values let one window's plan reach the composition the demand calls for.
+    * ``split_target`` 0.8 — a multi-operation split continues while D > 0.8·K (rule 8).
+    * ``merge_speedup`` None — the merge gate (rule 9) is off unless set.
+    * ``momentum`` True — rule 4's momentum; a multi-operation plan already goes as far as the
+      demand calls for, so with ``max_ops`` > 1 it can be turned off to re-prove persistence.
     """
 
     window_s: float = DEFAULT_WINDOW_S
@@ -87,6 +119,10 @@ class ControllerConfig:
     long_fraction_delta: float = 0.15
     demand_stability: float = 0.3
     persistence: int = 2
+    max_ops: int = 1
+    split_target: float = 0.8
+    momentum: bool = True
+    merge_speedup: float | None = None
 
     def __post_init__(self) -> None:
         def num(name: str) -> float:
@@ -122,6 +158,20 @@ class ControllerConfig:
         p = self.persistence
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
             raise InvalidInput(f"ControllerConfig.persistence must be an integer >= 1, got {p!r}")
+        m = self.max_ops
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise InvalidInput(f"ControllerConfig.max_ops must be an integer >= 1, got {m!r}")
+        if not isinstance(self.momentum, bool):
+            raise InvalidInput(f"ControllerConfig.momentum must be a bool, got {self.momentum!r}")
+        if self.merge_speedup is not None and not num("merge_speedup") >= 1.0:
+            raise InvalidInput(
+                f"ControllerConfig.merge_speedup must be None or >= 1, got {self.merge_speedup}"
+            )
+        if not (0.0 < num("split_target") <= self.upper):
+            raise InvalidInput(
+                f"ControllerConfig.split_target must be in (0, upper={self.upper}], "
+                f"got {self.split_target}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +219,17 @@ class Decision:
     fraction_signal: OpKind | None
     direction: OpKind | None
     streak: int
-    plan: Plan | None
+    plan: Plan | None  # the first operation of the plan (``plans[0]``), or None
     reason: str
     composition: str = ""  # the composition judged, e.g. "8CP4/1CP8"
+    plans: tuple[Plan, ...] = ()  # every operation of the plan, disjoint, in choice order
+
+    def __post_init__(self) -> None:
+        # Keep the two views consistent: a single-plan construction fills ``plans``.
+        if self.plan is not None and not self.plans:
+            object.__setattr__(self, "plans", (self.plan,))
+        if (self.plans[0] if self.plans else None) != self.plan:
+            raise InvalidInput("Decision.plan must be the first of Decision.plans")
 
 
 TrafficEstimate = Mapping[WorkerId, float] | Callable[[LatticeOp], float]
@@ -185,6 +243,9 @@ class Planner:
     config: ControllerConfig = field(default_factory=ControllerConfig)
     _streak_dir: OpKind | None = field(default=None, init=False)
     _streak: int = field(default=0, init=False)
+    _recent: tuple[float, ...] = field(default=(), init=False)  # D of the streak's last windows
+    # Demand by preferred degree of the last non-empty windows (rule 9).
+    _pref_hist: tuple[tuple[tuple[int, float], ...], ...] = field(default=(), init=False)
     _ref: tuple[float, float] | None = field(default=None, init=False)  # (D_ref, f_ref)
     _ref_composition: Composition | None = field(default=None, init=False)
     _momentum: OpKind | None = field(default=None, init=False)
@@ -207,6 +268,8 @@ class Planner:
     def reset(self) -> None:
         """Forget the streak and the reference (e.g. after a reconfiguration completed)."""
         self._streak_dir, self._streak = None, 0
+        self._recent = ()
+        self._pref_hist = ()
         self._ref, self._ref_composition = None, None
 
     def observe(
@@ -247,9 +310,12 @@ class Planner:
         same = composition == self._ref_composition
         ref = self._ref if same else None
         prev_dir, prev_streak = (self._streak_dir, self._streak) if same else (None, 0)
+        pref_hist = self._pref_hist
+        if window.demand_by_preferred:
+            pref_hist = (*pref_hist, window.demand_by_preferred)[-cfg.persistence :]
         if reconfiguring:
             # NOTE: momentum survives an in-flight operation (it is what the operation did).
-            self._commit(None, 0, ref, composition)
+            self._commit(None, 0, ref, composition, pref_hist=pref_hist)
             return Decision(
                 window, cap, None, None, None, 0, None, "reconfiguration in flight", desc
             )
@@ -290,13 +356,14 @@ class Planner:
         if direction is not self._momentum:
             self._momentum = None
         if direction is None:
-            self._commit(None, 0, new_ref, composition)
+            self._commit(None, 0, new_ref, composition, pref_hist=pref_hist)
             return Decision(window, cap, cap_sig, frac_sig, None, 0, None, f"hold: {why}", desc)
         streak = prev_streak + 1 if direction is prev_dir else 1
+        recent = ((*self._recent, d) if streak > 1 else (d,))[-cfg.persistence :]
         if direction is self._momentum:
             streak = max(streak, cfg.persistence)
         if streak < cfg.persistence:
-            self._commit(direction, streak, new_ref, composition)
+            self._commit(direction, streak, new_ref, composition, recent, pref_hist=pref_hist)
             return Decision(
                 window,
                 cap,
@@ -308,23 +375,42 @@ class Planner:
                 f"{direction.value} pending ({streak}/{cfg.persistence}): {why}",
                 desc,
             )
-        plan, refusal = self._choose(
+        plans, refusal = self._choose(
             direction,
             composition,
-            d,
+            max(recent) if direction is OpKind.MERGE else d,
             drains,
             traffic,
             set(excluded),
             capacity_driven=cap_sig is not None,
             why=why,
+            preferred=_sum_by_degree(pref_hist) if cfg.merge_speedup is not None else {},
         )
-        if plan is not None:
-            self._commit(None, 0, new_ref, composition)
-            self._momentum = direction
+        if plans:
+            self._commit(None, 0, new_ref, composition, pref_hist=pref_hist)
+            self._momentum = direction if cfg.momentum else None
+            reason = plans[0].reason
+            if len(plans) > 1:
+                after = composition
+                for pl in plans:
+                    after = after.apply(pl.op)
+                reason = (
+                    f"{len(plans)} {direction.value}s ({composition.describe()} -> "
+                    f"{after.describe()}): {why}"
+                )
             return Decision(
-                window, cap, cap_sig, frac_sig, direction, streak, plan, plan.reason, desc
+                window,
+                cap,
+                cap_sig,
+                frac_sig,
+                direction,
+                streak,
+                plans[0],
+                reason,
+                desc,
+                plans,
             )
-        self._commit(direction, streak, new_ref, composition)
+        self._commit(direction, streak, new_ref, composition, recent, pref_hist=pref_hist)
         return Decision(
             window,
             cap,
@@ -343,8 +429,13 @@ class Planner:
         streak: int,
         ref: tuple[float, float] | None,
         composition: Composition,
+        recent: tuple[float, ...] = (),
+        pref_hist: tuple[tuple[tuple[int, float], ...], ...] | None = None,
     ) -> None:
         self._streak_dir, self._streak = direction, streak
+        self._recent = recent
+        if pref_hist is not None:
+            self._pref_hist = pref_hist
         self._ref, self._ref_composition = ref, composition
 
     def _choose(
@@ -358,12 +449,72 @@ class Planner:
         *,
         capacity_driven: bool,
         why: str,
-    ) -> tuple[Plan | None, str]:
+        preferred: Mapping[int, float] | None = None,
+    ) -> tuple[tuple[Plan, ...], str]:
+        """Rules 5, 6 and 8: the operations of the plan, or () and why none was admitted."""
         cfg = self.config
+        # Only a capacity signal says how far to go; a mix shift moves one step at a time.
+        limit = cfg.max_ops if capacity_driven else 1
+        virtual = composition
+        touched = set(unavailable)
+        plans: list[Plan] = []
+        refusal = ""
+        while len(plans) < limit:
+            if plans and direction is OpKind.SPLIT:
+                # Rule 8: split until the pool has the target headroom.
+                if demand <= cfg.split_target * capacity(virtual, self.profile, unavailable):
+                    break
+            best, refusal = self._best_op(
+                direction,
+                virtual,
+                demand,
+                drains,
+                traffic,
+                touched,
+                unavailable,
+                capacity_driven=capacity_driven,
+                preferred=preferred or {},
+            )
+            if best is None:
+                break
+            op, drain, tr = best
+            after = virtual.apply(op)
+            plans.append(
+                Plan(
+                    kind=op.kind,
+                    sources=op.sources,
+                    targets=op.targets,
+                    reason=f"{op.describe()} ({virtual.describe()} -> {after.describe()}): {why}",
+                    predicted_drain_s=drain,
+                    reconcile_traffic=tr,
+                )
+            )
+            touched.update(op.source_ids)
+            touched.update(op.target_ids)
+            virtual = after
+        return tuple(plans), ("" if plans else refusal)
+
+    def _best_op(
+        self,
+        direction: OpKind,
+        composition: Composition,
+        demand: float,
+        drains: Mapping[WorkerId, float],
+        traffic: TrafficEstimate | None,
+        touched: set[WorkerId],
+        unavailable: set[WorkerId],
+        *,
+        capacity_driven: bool,
+        preferred: Mapping[int, float] | None = None,
+    ) -> tuple[tuple[LatticeOp, float, float] | None, str]:
+        """The best admitted adjacent operation on workers not ``touched`` (rules 5, 6, 9)."""
+        cfg = self.config
+        pref_total = sum(preferred.values()) if preferred else 0.0
+        gated = False
         ops = [
             op
             for op in composition.adjacent()
-            if op.kind is direction and not unavailable.intersection(op.source_ids)
+            if op.kind is direction and not touched.intersection(op.source_ids)
         ]
         if not ops:
             return None, f"no {direction.value} is possible from {composition.describe()}"
@@ -372,6 +523,14 @@ class Planner:
             cap_after = capacity(composition.apply(op), self.profile, unavailable)
             if direction is OpKind.MERGE and demand > cfg.merge_headroom * cap_after + _EPS:
                 continue
+            if direction is OpKind.MERGE and preferred and pref_total > 0:
+                big = op.targets[0].degree
+                share = sum(v for c, v in preferred.items() if c >= big) / pref_total
+                allowed = math.ceil(share * composition.lattice.num_gpus / big - _EPS) * big
+                held = sum(g.degree for g in composition.apply(op).groups if g.degree >= big)
+                if held > allowed:
+                    gated = True  # rule 9: the window's requests do not gain from degree big
+                    continue
             if (
                 direction is OpKind.SPLIT
                 and not capacity_driven
@@ -380,6 +539,8 @@ class Planner:
                 continue
             admitted.append(op)
         if not admitted:
+            if gated:
+                return None, "merge refused: the window's requests do not prefer the larger degree"
             if direction is OpKind.MERGE:
                 return None, (
                     f"merge refused: no merged composition keeps D ≤ "
@@ -401,15 +562,15 @@ class Planner:
 
         best = min(admitted, key=score)
         drain, tr, _ = score(best)
-        after = composition.apply(best).describe()
-        return Plan(
-            kind=best.kind,
-            sources=best.sources,
-            targets=best.targets,
-            reason=f"{best.describe()} ({composition.describe()} -> {after}): {why}",
-            predicted_drain_s=drain,
-            reconcile_traffic=tr,
-        ), ""
+        return (best, drain, tr), ""
+
+
+def _sum_by_degree(rows: tuple[tuple[tuple[int, float], ...], ...]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for row in rows:
+        for c, v in row:
+            out[c] = out.get(c, 0.0) + v
+    return out
 
 
 def _check_estimates(name: str, m: Mapping[WorkerId, float]) -> Mapping[WorkerId, float]:

@@ -8,6 +8,8 @@ Rules:
   predicted service time s_{i,wi} of each placement (Eq. 3), in seconds.
 * A request is *long* when its input length is at least ``long_threshold_tokens`` (default
   32K, the paper's longest SLO class); the window reports the long-request fraction.
+* An assignment may name the request's *preferred* degree (the caller's rule, e.g. the
+  controller core's speedup rule); the window reports D(k) split by it.
 * Closing is driven by time passed in as ``now``; a window closes once ``now`` reaches its
   end, whether or not it saw a request (an empty window closes with D = 0 and no fraction).
 * ``now`` must not go backwards across calls. An assignment stamped before the open
@@ -50,6 +52,7 @@ class WindowSummary:
     long_requests: int
     late: int = 0
     demand_by_degree: tuple[tuple[int, float], ...] = ()
+    demand_by_preferred: tuple[tuple[int, float], ...] = ()
 
     @property
     def long_fraction(self) -> float | None:
@@ -70,6 +73,7 @@ class DemandWindows:
     _long: int = field(default=0, init=False)
     _late: int = field(default=0, init=False)
     _by_degree: dict[int, float] = field(default_factory=dict, init=False)
+    _by_preferred: dict[int, float] = field(default_factory=dict, init=False)
     _last_now: float = field(default=-math.inf, init=False)
 
     def __post_init__(self) -> None:
@@ -106,9 +110,15 @@ class DemandWindows:
 
     # --- events ------------------------------------------------------------------------
     def record(
-        self, now: float, predicted_s: float, input_len: int, degree: int | None = None
+        self,
+        now: float,
+        predicted_s: float,
+        input_len: int,
+        degree: int | None = None,
+        preferred: int | None = None,
     ) -> list[WindowSummary]:
-        """Count one assignment (predicted service ``predicted_s`` s, ``input_len`` tokens).
+        """Count one assignment (predicted service ``predicted_s`` s, ``input_len`` tokens,
+        placed at ``degree``, preferring ``preferred``; both optional).
 
         Windows that ended at or before ``now`` are closed first and returned (usually
         none), so the assignment lands in the window that contains ``now``.
@@ -119,10 +129,9 @@ class DemandWindows:
             raise InvalidInput(f"predicted_s must be >= 0, got {predicted_s}")
         if isinstance(input_len, bool) or not isinstance(input_len, int) or input_len < 1:
             raise InvalidInput(f"input_len must be an integer >= 1 token, got {input_len!r}")
-        if degree is not None and (
-            isinstance(degree, bool) or not isinstance(degree, int) or degree < 1
-        ):
-            raise InvalidInput(f"degree must be an integer >= 1 or None, got {degree!r}")
+        for name, v in (("degree", degree), ("preferred", preferred)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise InvalidInput(f"{name} must be an integer >= 1 or None, got {v!r}")
         closed = self._close_until(now) if now >= self._last_now else []
         if now < self.open_start_s:
             self._late += 1
@@ -132,6 +141,8 @@ class DemandWindows:
             self._long += 1
         if degree is not None:
             self._by_degree[degree] = self._by_degree.get(degree, 0.0) + predicted_s
+        if preferred is not None:
+            self._by_preferred[preferred] = self._by_preferred.get(preferred, 0.0) + predicted_s
         return closed
 
     def advance(self, now: float) -> list[WindowSummary]:
@@ -161,9 +172,11 @@ class DemandWindows:
                     long_requests=self._long,
                     late=self._late,
                     demand_by_degree=tuple(sorted(self._by_degree.items())),
+                    demand_by_preferred=tuple(sorted(self._by_preferred.items())),
                 )
             )
             self._index += 1
             self._demand, self._requests, self._long, self._late = 0.0, 0, 0, 0
             self._by_degree = {}
+            self._by_preferred = {}
         return out

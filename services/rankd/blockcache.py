@@ -6,14 +6,17 @@ block is cached only if its parent is (or it is a prompt's first block). Evictio
 takes only leaves (no cached child), and never a pinned block (a running request's prefix, or
 the source of an in-flight replication).
 
-Data structures, chosen for the hot path (every request does one ``lookup`` and one ``insert``):
-* one ``OrderedDict`` hash -> entry, in LRU order (oldest first): lookup, touch (move_to_end)
-  and removal are O(1);
+Data structures, chosen for the hot path (every request does one ``lookup`` and one ``insert``,
+and a full cache evicts as many blocks as it stores): no Python object per block --
+* one ``OrderedDict`` hash -> parent hash, in LRU order (oldest first): lookup, touch
+  (move_to_end) and removal are O(1), and a new chain is stored with one C-level ``update``;
+* ``_kids``: hash -> number of cached children, only for blocks that have some (absent = a leaf),
+  so "is a leaf" is one dict probe;
+* ``_pins``: hash -> pin count, only for pinned blocks;
 * a path is touched leaf-first, so every ancestor is at least as recent as its descendants and
   the oldest entries are nearly always evictable leaves; the eviction scan from the old end only
   skips pinned blocks and the rare older interior block (amortised O(1) per eviction when few
-  blocks are pinned);
-* each entry counts its cached children, so "is a leaf" is O(1).
+  blocks are pinned).
 
 Every change is reported as a cache event (``Stored`` / ``Removed`` / ``Cleared``, see
 :mod:`services.cachemgr.events`) with this cache's own monotonic event ids, queued internally and
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Final
 
 from services.cachemgr.events import (
     CacheEvent,
@@ -35,14 +39,8 @@ from services.cachemgr.events import (
 )
 from shared.ids import BlockHash, InvalidInput, WorkerId
 
-
-class _Entry:
-    __slots__ = ("parent", "children", "pins")
-
-    def __init__(self, parent: BlockHash | None) -> None:
-        self.parent = parent
-        self.children = 0
-        self.pins = 0
+_MISSING: Final = object()
+"""Marks an absent block where ``None`` (a root block's parent) is a real value."""
 
 
 _INT_ONLY = frozenset({int})
@@ -74,7 +72,12 @@ class BlockCache:
             raise InvalidInput(f"capacity_blocks must be an integer >= 1, got {capacity_blocks!r}")
         self.worker = worker
         self.capacity_blocks = capacity_blocks
-        self._lru: OrderedDict[BlockHash, _Entry] = OrderedDict()
+        # hash -> parent hash (None: a prompt's first block), oldest first.
+        self._lru: OrderedDict[BlockHash, BlockHash | None] = OrderedDict()
+        # NOTE: invariants -- _kids[h] = number of cached blocks whose parent is h, present only
+        # when > 0; _pins[h] = pin count, present only when > 0 and only for cached blocks.
+        self._kids: dict[BlockHash, int] = {}
+        self._pins: dict[BlockHash, int] = {}
         self._events: list[CacheEvent] = []
         self._last_event_id = 0
 
@@ -90,13 +93,12 @@ class BlockCache:
 
     def parent_of(self, h: BlockHash) -> BlockHash | None:
         try:
-            return self._lru[h].parent
+            return self._lru[h]
         except KeyError:
             raise InvalidInput(f"block {h!r} is not cached") from None
 
     def pins(self, h: BlockHash) -> int:
-        e = self._lru.get(h)
-        return 0 if e is None else e.pins
+        return self._pins.get(h, 0)
 
     @property
     def last_event_id(self) -> int:
@@ -104,24 +106,31 @@ class BlockCache:
 
     def _prefix(self, hs: tuple[BlockHash, ...]) -> int:
         """Leading blocks of ``hs`` cached as a chain (raises on a chain conflict)."""
-        lru = self._lru
+        get = self._lru.get
         prev: BlockHash | None = None
         for i, h in enumerate(hs):
-            e = lru.get(h)
-            if e is None:
+            p = get(h, _MISSING)
+            if p is _MISSING:
                 return i
-            if e.parent != prev:
+            if p != prev:
                 raise InvalidInput(
-                    f"block {h} is cached under parent {e.parent}, "
-                    f"the request puts it under {prev}")
+                    f"block {h} is cached under parent {p}, the request puts it under {prev}")
             prev = h
         return len(hs)
 
-    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
-        """Longest cached prefix of the request in blocks; touches it in the LRU."""
+    def lookup(self, block_hashes: Sequence[BlockHash], *, pin: bool = False) -> int:
+        """Longest cached prefix of the request in blocks; touches it in the LRU.
+
+        With ``pin=True`` that prefix also gets one pin, as :meth:`pin` would give it (the
+        caller unpins ``block_hashes[:returned]`` when the request finishes).
+        """
         hs = _check_hashes(block_hashes)
         k = self._prefix(hs)
-        self._touch(hs[:k])
+        if k:
+            path = hs[:k]
+            self._touch(path)
+            if pin:
+                self._add_pins(path)
         return k
 
     # ------------------------------------------------------------------ changes
@@ -138,48 +147,50 @@ class BlockCache:
         if len(set(hs)) != len(hs):
             raise InvalidInput("block_hashes repeats a hash (not a chain)")
         k = self._prefix(hs)
-        lru = self._lru
+        lru, kids = self._lru, self._kids
         existing, new = hs[:k], hs[k:]
         if new and not lru.keys().isdisjoint(new):
             for h in new:
                 if h in lru:  # cached under another parent: the request's chain contradicts ours
-                    raise InvalidInput(
-                        f"block {h} is already cached under parent {lru[h].parent}")
+                    raise InvalidInput(f"block {h} is already cached under parent {lru[h]}")
+        parent = existing[-1] if existing else None
         evicted: list[BlockHash] = []
         want = len(new) - (self.capacity_blocks - len(lru))
         if want > 0:
-            # Protect the path we hang the new blocks under while evicting.
-            for h in existing:
-                lru[h].pins += 1
-            try:
-                while want > 0:  # _evict_one, inlined (speed)
-                    for v, e in lru.items():  # noqa: B007 (v is used after the break)
-                        if e.children == 0 and e.pins == 0:
+            pins = self._pins
+            # The block the new chain hangs under must survive (then so do its ancestors:
+            # each keeps a cached child). Evict the oldest unpinned leaf, one at a time.
+            while want > 0 and lru:
+                # The oldest block is nearly always an evictable leaf: take it in one call;
+                # otherwise put it back where it was and scan from the old end.
+                v, p = lru.popitem(last=False)
+                if v in kids or v in pins or v == parent:
+                    lru[v] = p
+                    lru.move_to_end(v, last=False)
+                    for v in lru:
+                        if v not in kids and v not in pins and v != parent:
                             break
                     else:
                         break
-                    del lru[v]
-                    if e.parent is not None:
-                        lru[e.parent].children -= 1
-                    evicted.append(v)
-                    want -= 1
-            finally:
-                for h in existing:
-                    lru[h].pins -= 1
+                    p = lru.pop(v)
+                if p is not None:
+                    c = kids[p] - 1
+                    if c:
+                        kids[p] = c
+                    else:
+                        del kids[p]
+                evicted.append(v)
+                want -= 1
         fit = min(len(new), self.capacity_blocks - len(lru))
         stored = new[:fit] if fit < len(new) else new
-        parent = existing[-1] if existing else None
         if stored:
-            # Insert leaf-first so that ancestors end up more recent than descendants; each
-            # new block but the last has exactly one cached child (the next one).
-            e = _Entry(stored[-2] if fit > 1 else parent)
-            lru[stored[-1]] = e
-            for i in range(fit - 2, -1, -1):
-                e = _Entry(stored[i - 1] if i else parent)
-                e.children = 1
-                lru[stored[i]] = e
+            # Leaf-first, so that ancestors end up more recent than descendants; each block
+            # hangs under the one before it, and each but the last has one cached child.
+            lru.update(zip(reversed(stored), reversed((parent, *stored[:-1])), strict=True))
+            if fit > 1:
+                kids.update(dict.fromkeys(stored[:-1], 1))
             if parent is not None:
-                lru[parent].children += 1
+                kids[parent] = kids.get(parent, 0) + 1
         if existing:
             self._touch(existing)
         if evicted:
@@ -191,39 +202,39 @@ class BlockCache:
                                                stored))
         cached = k + fit
         if pin:
-            for h in hs[:cached]:
-                lru[h].pins += 1
+            self._add_pins(hs[:cached])
         return cached
 
     def pin(self, block_hashes: Sequence[BlockHash]) -> None:
         """Pin cached blocks against eviction and removal (one pin per call)."""
         hs = _check_hashes(block_hashes)
+        lru = self._lru
         for h in hs:
-            if h not in self._lru:
+            if h not in lru:
                 raise InvalidInput(f"cannot pin block {h}: not cached")
-        for h in hs:
-            self._lru[h].pins += 1
+        self._add_pins(hs)
 
     def unpin(self, block_hashes: Sequence[BlockHash]) -> None:
         hs = _check_hashes(block_hashes)
-        lru = self._lru
+        pins = self._pins
+        get = pins.get
         if len(set(hs)) == len(hs):  # the usual case, one pin each: no counting (speed)
             for h in hs:
-                e = lru.get(h)
-                if e is None or e.pins < 1:
+                if get(h, 0) < 1:
                     raise InvalidInput(f"cannot unpin block {h}: not pinned 1 time(s)")
+        else:
+            need: dict[BlockHash, int] = {}
             for h in hs:
-                lru[h].pins -= 1
-            return
-        need: dict[BlockHash, int] = {}
+                need[h] = need.get(h, 0) + 1
+            for h, n in need.items():
+                if get(h, 0) < n:
+                    raise InvalidInput(f"cannot unpin block {h}: not pinned {n} time(s)")
         for h in hs:
-            need[h] = need.get(h, 0) + 1
-        for h, n in need.items():
-            e = self._lru.get(h)
-            if e is None or e.pins < n:
-                raise InvalidInput(f"cannot unpin block {h}: not pinned {n} time(s)")
-        for h in hs:
-            self._lru[h].pins -= 1
+            c = pins[h] - 1
+            if c:
+                pins[h] = c
+            else:
+                del pins[h]
 
     def remove(self, block_hashes: Sequence[BlockHash]) -> tuple[BlockHash, ...]:
         """Delete the given blocks where allowed (a reclaim command); returns those removed.
@@ -233,7 +244,7 @@ class BlockCache:
         error: the command may race with eviction or a new request). Emits one ``Removed``.
         """
         hs = _check_hashes(block_hashes)
-        lru = self._lru
+        lru, kids, pins = self._lru, self._kids, self._pins
         want = {h for h in hs if h in lru}
         depth: dict[BlockHash, int] = {}
 
@@ -242,7 +253,7 @@ class BlockCache:
             x: BlockHash | None = h
             while x is not None and x not in depth:
                 chain.append(x)
-                x = lru[x].parent
+                x = lru[x]
             d = -1 if x is None else depth[x]
             for y in reversed(chain):
                 d += 1
@@ -252,16 +263,20 @@ class BlockCache:
         removed_children: dict[BlockHash, int] = {}
         gone: list[BlockHash] = []
         for h in sorted(want, key=lambda x: -depth_of(x)):
-            e = lru[h]
-            if e.pins or e.children != removed_children.get(h, 0):
+            if h in pins or kids.get(h, 0) != removed_children.get(h, 0):
                 continue
             gone.append(h)
-            if e.parent is not None:
-                removed_children[e.parent] = removed_children.get(e.parent, 0) + 1
-        for h in gone:
-            e = lru.pop(h)
-            if e.parent is not None:
-                lru[e.parent].children -= 1
+            p = lru[h]
+            if p is not None:
+                removed_children[p] = removed_children.get(p, 0) + 1
+        for h in gone:  # deepest first: a block's children go before it
+            p = lru.pop(h)
+            if p is not None:
+                c = kids[p] - 1
+                if c:
+                    kids[p] = c
+                else:
+                    del kids[p]
         if gone:
             self._emit_removed(gone)
         return tuple(gone)
@@ -269,6 +284,8 @@ class BlockCache:
     def clear(self) -> None:
         """Drop every block (pins included: the worker is being reset). Emits ``Cleared``."""
         self._lru.clear()
+        self._kids.clear()
+        self._pins.clear()
         self._last_event_id += 1
         self._events.append(Cleared(self.worker, self._last_event_id))
 
@@ -282,36 +299,37 @@ class BlockCache:
         """
         if not isinstance(blocks, Sequence):
             raise InvalidInput("blocks must be a sequence of (hash, parent) pairs")
+        lru = self._lru
         parents: dict[BlockHash, BlockHash | None] = {}
         for pair in blocks:
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise InvalidInput(f"not a (hash, parent) pair: {pair!r}")
             h, p = pair
             _check_hashes((h,) if p is None else (h, p))
-            if h in self._lru and self._lru[h].parent != p:
-                raise InvalidInput(f"block {h} is cached under {self._lru[h].parent}, not {p}")
+            if h in lru and lru[h] != p:
+                raise InvalidInput(f"block {h} is cached under {lru[h]}, not {p}")
             parents[h] = p
-        new = {h: p for h, p in parents.items() if h not in self._lru}
+        new = {h: p for h, p in parents.items() if h not in lru}
         for h, p in new.items():
-            if p is not None and p not in self._lru and p not in new:
+            if p is not None and p not in lru and p not in new:
                 raise InvalidInput(f"block {h}'s parent {p} is neither cached nor adopted")
-        if len(self._lru) + len(new) > self.capacity_blocks:
+        if len(lru) + len(new) > self.capacity_blocks:
             raise InvalidInput(f"adopting {len(new)} blocks exceeds capacity "
-                               f"{self.capacity_blocks} (holding {len(self._lru)})")
+                               f"{self.capacity_blocks} (holding {len(lru)})")
         order = topological_order(new)
         if order is None:
             raise InvalidInput("adopted blocks form a cycle")
+        kids = self._kids
         for h in reversed(order):  # leaves first: ancestors end up more recent
-            self._lru[h] = _Entry(new[h])
+            lru[h] = new[h]
         for h in order:
             p = new[h]
             if p is not None:
-                self._lru[p].children += 1
+                kids[p] = kids.get(p, 0) + 1
 
     def snapshot(self) -> Snapshot:
         """The whole index as of the last event emitted (for a consumer that saw a gap)."""
-        return Snapshot(self.worker, self._last_event_id,
-                        tuple((h, e.parent) for h, e in self._lru.items()))
+        return Snapshot(self.worker, self._last_event_id, tuple(self._lru.items()))
 
     def take_events(self) -> list[CacheEvent]:
         """Drain the queued events, oldest first."""
@@ -324,18 +342,11 @@ class BlockCache:
         for h in reversed(path):
             move(h)
 
-    def _evict_one(self) -> BlockHash | None:
-        """Evict the oldest unpinned leaf (plain loop: no generator per eviction)."""
-        lru = self._lru
-        for victim, e in lru.items():  # noqa: B007 (victim is used after the break)
-            if e.children == 0 and e.pins == 0:
-                break
-        else:
-            return None
-        del lru[victim]
-        if e.parent is not None:
-            lru[e.parent].children -= 1
-        return victim
+    def _add_pins(self, hs: Sequence[BlockHash]) -> None:
+        pins = self._pins
+        get = pins.get
+        for h in hs:
+            pins[h] = get(h, 0) + 1
 
     def _emit_removed(self, hs: list[BlockHash]) -> None:
         self._last_event_id += 1

@@ -8,20 +8,24 @@ For every eligible worker w of request i (eligibility: :mod:`services.scheduler.
 
 with q_w the worker's outstanding predicted work (:mod:`services.scheduler.load`) and C_min the
 smallest degree among the *eligible* workers. The request goes to argmin J. Ties are broken
-deterministically: lower J, then smaller degree (fewer GPUs for the same cost), then worker id.
+deterministically: lower J, then smaller degree (fewer GPUs for the same cost), then a
+rendezvous rank of the worker for this request (:func:`_rendezvous`: spreads ties uniformly).
 
 PreferDegree(i) (§7.1) is the degree of argmin over eligible workers of J − q = β·s + λ·extra,
-each worker with its own P (the paper's definition; design.md), with the same tie-break.
+each worker with its own P (the paper's definition; design.md); ties there go to the smaller
+degree, then the worker id (only the degree is used downstream).
 
 Hot path: this runs once per request over every worker (512 in the scale benchmark), so the loop
-is written flat — coefficients looked up once per degree, Ê memoised per (degree, P) because most
-workers share P = 0 (cache miss), and the per-candidate terms stored column-wise (see
+is written flat and single-pass — C_min found first from a per-view table, Ê memoised per
+(degree, P) because most workers share P = 0 (cache miss), the crc32 of worker ids cached for
+the rendezvous tie-break, and the per-candidate terms stored column-wise (see
 :mod:`services.scheduler.decision`).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
 from typing import Final
 
@@ -37,36 +41,75 @@ from shared.worker import Lifecycle
 _ACTIVE: Final = Lifecycle.ACTIVE
 
 
-# Per view (immutable): ids, degrees and each worker's static eligibility terms, so a placement
-# does not re-read every WorkerView's attributes. Keyed by id(view); the entry keeps the view
-# alive, so the id cannot be reused while cached.
-_StaticRow = tuple[int, WorkerId, int, "Exclusion | None", int, int]
-_VIEW_CACHE: dict[int, tuple[ClusterView, tuple[WorkerId, ...], tuple[int, ...],
-                             tuple[_StaticRow, ...]]] = {}
+# Per view (immutable): ids, degrees and each worker's static eligibility terms (plus the crc32
+# of its id, the rendezvous input), so a placement does not re-read every WorkerView's
+# attributes; and the active workers as (min(max_seq_len, kv_capacity_tokens), degree) sorted by
+# degree, so C_min of a request is found before the single pass over the workers. Keyed by
+# id(view); the entry keeps the view alive, so the id cannot be reused while cached.
+_StaticRow = tuple[int, WorkerId, int, "Exclusion | None", int, int, int]
+_ViewStatic = tuple[tuple[WorkerId, ...], tuple[int, ...], tuple[_StaticRow, ...],
+                    tuple[tuple[int, int], ...]]
+_VIEW_CACHE: dict[int, tuple[ClusterView, _ViewStatic]] = {}
 _VIEW_CACHE_MAX: Final[int] = 64
 
 
-def _static_rows(
-    view: ClusterView,
-) -> tuple[tuple[WorkerId, ...], tuple[int, ...], tuple[_StaticRow, ...]]:
+def _static_rows(view: ClusterView) -> _ViewStatic:
     ent = _VIEW_CACHE.get(id(view))
     if ent is None or ent[0] is not view:
         ws = view.workers
-        ent = (
-            view,
+        static = (
             tuple(w.worker_id for w in ws),
             tuple(w.degree for w in ws),
             tuple(
                 (i, w.worker_id, w.degree,
                  None if w.lifecycle is _ACTIVE else LIFECYCLE_EXCLUSION[w.lifecycle],
-                 w.max_seq_len, w.kv_capacity_tokens)
+                 w.max_seq_len, w.kv_capacity_tokens, zlib.crc32(w.worker_id.encode()))
                 for i, w in enumerate(ws)
             ),
+            tuple(sorted(
+                (w.degree, min(w.max_seq_len, w.kv_capacity_tokens))
+                for w in ws if w.lifecycle is _ACTIVE
+            )),
         )
+        ent = (view, static)
         if len(_VIEW_CACHE) >= _VIEW_CACHE_MAX:
             _VIEW_CACHE.clear()
         _VIEW_CACHE[id(view)] = ent
-    return ent[1], ent[2], ent[3]
+    return ent[1]
+
+
+_MASK64: Final[int] = (1 << 64) - 1
+
+
+def _rendezvous(seed: int, worker: WorkerId) -> int:
+    """The rank of ``worker`` for the request whose crc32 is ``seed`` (lower ranks first).
+
+    Ties in J are common, not corner cases: at light load most workers are idle and miss, so
+    they share one J. Breaking them by worker id sends every such request to the same few
+    workers — on the conversation trace at ×1 the lowest-id CP4 worker got 100× the requests
+    of the highest — which concentrates both new prefixes (more LRU eviction on a few caches,
+    less total cache in use) and their follow-up turns (which then queue behind each other).
+    A rendezvous (lowest-hash-wins) rank spreads ties uniformly, like Dynamo's and
+    SGLang's random choice, yet is a pure function of (request, worker): replicas still agree
+    and a re-placed request ranks workers the same way. splitmix64's finaliser mixes the two
+    crc32 values so the ranks of different requests are independent (crc32 alone is affine).
+    """
+    return _rendezvous_crc(seed, zlib.crc32(worker.encode()))
+
+
+def _rendezvous_crc(seed: int, worker_crc: int) -> int:
+    """:func:`_rendezvous` given the crc32 of the worker id (cached per view: speed)."""
+    x = (seed << 32 ^ worker_crc) & _MASK64
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def tie_rank(request_id: str, worker: WorkerId) -> int:
+    """The rendezvous rank J uses among tied workers (lower first), for policies that break
+    ties as J does (e.g. ``static``): a pure function of (request, worker)."""
+    return _rendezvous(zlib.crc32(request_id.encode()), worker)
 
 
 def check_weights(beta: float, lam: float) -> None:
@@ -111,26 +154,37 @@ def place_j(
     B = view.block_size
     workers = view.workers
     n = len(workers)
-    ids, degs, rows = _static_rows(view)
+    ids, degs, rows, active = _static_rows(view)
+
+    # C_min: the smallest degree of an eligible worker (active, and L fits both its max_seq_len
+    # and its KV capacity). Known before the pass, so J is computed in the same pass as P, s, q.
+    cmin = 0
+    for c, limit in active:
+        if L <= limit:
+            cmin = c
+            break
 
     excl: list[Exclusion | None] = [None] * n
     qs: list[float | None] = [None] * n
     ss: list[float | None] = [None] * n
     ps: list[int | None] = [None] * n
     rs: list[int | None] = [None] * n
-
-    # Eligible workers as (index, P, s, q, degree, id): the per-eligible terms, aligned.
-    eligible: list[tuple[int, int, float, float, int, WorkerId]] = []
+    extras: list[float | None] = [None] * n
+    js: list[float | None] = [None] * n
 
     memo: dict[tuple[int, int], float] = {}  # (degree, P) -> Ê_degree(L − P, P)
     predict = profile.predict_fast
 
     held_get = held_blocks.get
     loads_get = loads.get
-    cmin = 0
+    best = pref = -1
+    best_h = seed = -1
+    best_j = pref_v = 0.0
+    best_c = pref_c = best_crc = 0
+    best_id = pref_id = ""
 
-    # --- pass 1: eligibility, P, R, q, s --------------------------------------------------
-    for i, wid, c, lexcl, max_len, kv_cap in rows:
+    # --- one pass: eligibility, P, R, q, s, the extra-GPU term, J, argmin J, argmin (J − q) ---
+    for i, wid, c, lexcl, max_len, kv_cap, wcrc in rows:
         ld = loads_get(wid)
         if ld is None:
             raise UnknownWorker(f"no load tracker for worker {wid!r} of the cluster view")
@@ -161,25 +215,6 @@ def place_j(
                     q += rem if rem > floor else floor
         else:
             q = ld.queue_delay(now)
-        ps[i] = p
-        rs[i] = L - p
-        ss[i] = s
-        qs[i] = q
-        if not eligible or c < cmin:
-            cmin = c
-        eligible.append((i, p, s, q, c, wid))
-
-    if not eligible:
-        raise NoEligibleWorker(request.request_id, {ids[i]: str(excl[i]) for i in range(n)})
-
-    # --- pass 2: extra-GPU term, J, argmin J and argmin (J − q) ---------------------------
-    extras: list[float | None] = [None] * n
-    js: list[float | None] = [None] * n
-    best = pref = -1
-    best_j = pref_v = 0.0
-    best_c = pref_c = 0
-    best_id = pref_id = ""
-    for i, p, s, q, c, wid in eligible:
         if c == cmin:
             extra = 0.0
         else:
@@ -190,14 +225,34 @@ def place_j(
             extra = c * s - cmin * e_min
         v = beta * s + lam * extra
         j = q + v
+        ps[i] = p
+        rs[i] = L - p
+        ss[i] = s
+        qs[i] = q
         extras[i] = extra
         js[i] = j
-        # NOTE: tie-break (lower value, then smaller degree, then worker id) is independent of
-        # the view's order, so every scheduler replica picks the same worker.
-        if best < 0 or j < best_j or (j == best_j and (c, wid) < (best_c, best_id)):
-            best, best_j, best_c, best_id = i, j, c, wid
-        if pref < 0 or v < pref_v or (v == pref_v and (c, wid) < (pref_c, pref_id)):
+        # NOTE: tie-break (lower J, then smaller degree, then the request's rendezvous rank of
+        # the worker) is independent of the view's order, so every scheduler replica picks the
+        # same worker; see _rendezvous for why not the worker id.
+        if best < 0 or j < best_j:
+            best, best_j, best_c, best_id, best_crc, best_h = i, j, c, wid, wcrc, -1
+        elif j == best_j and c <= best_c:
+            if c < best_c:
+                best, best_c, best_id, best_crc, best_h = i, c, wid, wcrc, -1
+            else:
+                if seed < 0:
+                    seed = zlib.crc32(request.request_id.encode())
+                if best_h < 0:
+                    best_h = _rendezvous_crc(seed, best_crc)
+                h = _rendezvous_crc(seed, wcrc)
+                if h < best_h or (h == best_h and wid < best_id):
+                    best, best_id, best_crc, best_h = i, wid, wcrc, h
+        if pref < 0 or v < pref_v or (v == pref_v and (c < pref_c or (c == pref_c
+                                                                      and wid < pref_id))):
             pref, pref_v, pref_c, pref_id = i, v, c, wid
+
+    if best < 0:
+        raise NoEligibleWorker(request.request_id, {ids[i]: str(excl[i]) for i in range(n)})
 
     p_best = ps[best]
     cols = CandidateColumns(

@@ -173,9 +173,13 @@ def test_merge_admission_refused_when_capacity_would_not_suffice() -> None:
     d = p.observe(win(1, 66.0), EIGHT_CP2)
     assert d.direction is OpKind.MERGE and d.plan is None
     assert "merge refused" in d.reason
-    # The condition still persists (streak 3); with less demand (61 ≤ 61.2) it is admitted.
+    # The condition still persists (streak 3), but admission is judged on the largest demand
+    # of the last two windows (max(66, 61) = 66 > 61.2): still refused.
     d = p.observe(win(2, 61.0), EIGHT_CP2)
-    assert d.streak == 3 and d.plan is not None
+    assert d.streak == 3 and d.plan is None
+    # Two windows at 61 ≤ 61.2: admitted.
+    d = p.observe(win(3, 61.0), EIGHT_CP2)
+    assert d.streak == 4 and d.plan is not None
 
 
 def test_no_split_possible_from_the_smallest_degree() -> None:

@@ -31,6 +31,7 @@ from services.scheduler import (
     make_policy,
     place_j,
 )
+from services.scheduler.placement import tie_rank
 from shared.costmodel import Coefficients, Profile
 from shared.ids import InvalidInput, RequestId, UnknownWorker, WorkerId
 from shared.worker import Lifecycle
@@ -153,10 +154,10 @@ def test_reservation_visible_to_next_concurrent_placement() -> None:
     core = SchedulerCore(make_policy("vertumnus", profile=ROUND), v)
     d1 = core.place(req("r1", 1000), {}, 0.0)
     d2 = core.place(req("r2", 1000, first=100), {}, 0.0)  # no shared prefix
-    assert d1.worker == "a"  # tie -> worker id
-    assert d2.worker == "b"
-    assert d2.candidate(W("a")).q == pytest.approx(d1.predicted_s)
-    assert core.load(W("a")).queue_delay(0.0) == pytest.approx(ROUND.predict(1000, 0, 4))
+    other = W("b") if d1.worker == "a" else W("a")
+    assert d2.worker == other  # the first one's reservation broke the tie
+    assert d2.candidate(d1.worker).q == pytest.approx(d1.predicted_s)
+    assert core.load(d1.worker).queue_delay(0.0) == pytest.approx(ROUND.predict(1000, 0, 4))
 
 
 def test_running_request_progress_lowers_q() -> None:
@@ -171,7 +172,7 @@ def test_running_request_progress_lowers_q() -> None:
     assert core.load(W("a")).queue_delay(s) == 0.0
 
 
-def test_tie_break_is_lower_degree_then_worker_id_whatever_the_order() -> None:
+def test_tie_break_is_lower_degree_then_a_per_request_rank_whatever_the_order() -> None:
     # Degree-independent model (c = alpha = 0) and λ = 0: every J is equal.
     flat = Profile(coefficients=Coefficients(d=0.1, a=0.001, b=0.0, c=0.0, alpha=0.0))
     ws = [
@@ -180,16 +181,45 @@ def test_tie_break_is_lower_degree_then_worker_id_whatever_the_order() -> None:
         WorkerView(W("a4"), 4),
         WorkerView(W("c2"), 2),
     ]
-    for order in (ws, ws[::-1], ws[1:] + ws[:1]):
-        v = view(*order)
-        d = place_j(req("r", 1000), v, {}, loads_for(v), 0.0, profile=flat, beta=1.0, lam=0.0)
-        assert d.worker == "b2"
-        assert d.preferred_worker == "b2"
-    v = view(WorkerView(W("z4"), 4), WorkerView(W("a4"), 4))
-    assert (
-        place_j(req("r", 1000), v, {}, loads_for(v), 0.0, profile=flat, beta=1.0, lam=0.0).worker
-        == "a4"
-    )
+    for rid in ("r", "s", "t", "u"):
+        chosen = set()
+        for order in (ws, ws[::-1], ws[1:] + ws[:1]):
+            v = view(*order)
+            d = place_j(req(rid, 1000), v, {}, loads_for(v), 0.0, profile=flat, beta=1.0,
+                        lam=0.0)
+            assert d.degree == 2  # smaller degree first
+            assert d.worker == tie_rank_min(rid, ["b2", "c2"])
+            assert d.preferred_worker == "b2"  # PreferDegree's tie-break: degree, worker id
+            chosen.add(d.worker)
+        assert len(chosen) == 1  # same worker whatever the view's order
+
+
+def tie_rank_min(rid: str, workers: list[str]) -> str:
+    return min(workers, key=lambda w: (tie_rank(rid, W(w)), w))
+
+
+def test_ties_spread_over_workers_instead_of_piling_on_the_lowest_id() -> None:
+    """Idle, cache-missing workers tie on J; over many requests each gets a fair share
+    (a worker-id tie-break sent every one of them to the same worker)."""
+    ws = [WorkerView(W(f"w{k:02d}"), 4) for k in range(10)]
+    v = view(*ws)
+    counts = dict.fromkeys((w.worker_id for w in ws), 0)
+    n = 2000
+    for k in range(n):
+        d = place_j(req(f"req-{k}", 1000), v, {}, loads_for(v), 0.0, profile=ROUND, beta=BETA,
+                    lam=LAM)
+        counts[d.worker] += 1
+    # Binomial(2000, 0.1): mean 200, sd 13.4; 140..260 is beyond 4 sd on either side.
+    assert all(140 <= c <= 260 for c in counts.values()), counts
+
+
+def test_a_cache_hit_still_beats_a_tie() -> None:
+    ws = [WorkerView(W(f"w{k}"), 4) for k in range(6)]
+    v = view(*ws)
+    for k in range(50):
+        d = place_j(req(f"q{k}", 1000), v, {W("w5"): 6}, loads_for(v), 0.0, profile=ROUND,
+                    beta=BETA, lam=LAM)
+        assert d.worker == "w5"
 
 
 def test_bad_inputs_raise_typed_errors_and_change_nothing() -> None:

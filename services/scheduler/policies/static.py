@@ -10,8 +10,10 @@ cache-blind static would be a straw man.
 
 Rule: among eligible workers let C_lo / C_hi be the smallest / largest degree; L > threshold →
 the class of degree C_hi, else C_lo (with one degree both are the same). Within the class,
-minimum q + s, ties by smaller degree then worker id (as J). Degrees strictly between C_lo and
-C_hi (a three-degree pool) are never used, as in the paper's two-class rule.
+minimum q + s, ties by smaller degree then the request's rendezvous rank of the worker (as J,
+:func:`~services.scheduler.placement.tie_rank`: idle cache-missing workers tie often at light
+load, and a worker-id tie-break would pile them onto the lowest ids). Degrees strictly between
+C_lo and C_hi (a three-degree pool) are never used, as in the paper's two-class rule.
 
 ``threshold_tokens`` is a parameter: the simulator profiles it offline (best mean TTFT of a few
 candidate lengths at a rate below saturation, peer-routing.md). The default 16,384 is only a
@@ -26,6 +28,7 @@ from collections.abc import Mapping
 from services.scheduler.decision import Decision
 from services.scheduler.evaluate import decide, evaluate
 from services.scheduler.load import WorkerLoad
+from services.scheduler.placement import tie_rank
 from services.scheduler.registry import register_policy
 from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
@@ -73,14 +76,14 @@ class StaticPolicy:
         cls = max(degs) if long_req else min(degs)
         scores: list[float | None] = [None] * len(ev.workers)
         best = -1
-        best_key: tuple[float, int, str] | None = None
+        best_key: tuple[float, int, int, str] | None = None
         for i in ev.eligible:
             w = ev.workers[i]
             if w.degree != cls:
                 continue
             cost = ev.q[i] + ev.s[i]  # type: ignore[operator]
             scores[i] = cost
-            key = (cost, w.degree, w.worker_id)
+            key = (cost, w.degree, tie_rank(request.request_id, w.worker_id), w.worker_id)
             if best_key is None or key < best_key:
                 best, best_key = i, key
         note = f"L {'>' if long_req else '<='} threshold {self.threshold_tokens} -> class C={cls}"

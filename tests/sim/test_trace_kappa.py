@@ -1,0 +1,149 @@
+"""κ measured on a trace's own traffic: the pooled ramp, arrival replay, the cache, the sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.costmodel import DEFAULT_PROFILE
+from shared.ids import InvalidInput
+from sim import runner
+from sim.groundtruth import NoisyGroundTruth
+from sim.profiling import (
+    KappaRamp,
+    cached_trace_kappa,
+    measure_kappa,
+    trace_kappa,
+    trace_kappa_key,
+)
+from sim.workloads import generate
+from sim.workloads.synthetic import steady
+from sim.workloads.workload import Request, Workload, truncate
+
+# Cheap ramps: these tests compare κ's, they do not need its precision.
+SMALL = KappaRamp(min_requests_per_level=400, load_step=0.1)
+
+
+def _bursty(n_bursts: int, burst: int, gap_s: float, length: int = 2048,
+            name: str = "bursty") -> Workload:
+    """``n_bursts`` bursts of ``burst`` simultaneous requests, ``gap_s`` apart."""
+    reqs = [
+        Request(f"r{b}-{i}", b * gap_s, length, 1, tuple(range(length // 512)))
+        for b in range(n_bursts)
+        for i in range(burst)
+    ]
+    return Workload(name, tuple(reqs))
+
+
+def test_pool_size_is_validated() -> None:
+    with pytest.raises(InvalidInput, match="pool_workers"):
+        KappaRamp(pool_workers=0)
+
+
+def test_a_routed_pool_sustains_more_per_worker_than_one_fifo_worker() -> None:
+    # Mostly short requests with a few long ones: one FIFO worker queues the short ones behind
+    # each long one; a pool routes around it, so its per-worker capacity is higher.
+    lengths = np.array([1024] * 18 + [32768] * 2)
+    single = measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 2, lengths,
+                           rng=np.random.default_rng(0), ramp=SMALL)
+    pooled = measure_kappa(
+        DEFAULT_PROFILE, NoisyGroundTruth(1), 2, lengths, rng=np.random.default_rng(0),
+        ramp=KappaRamp(min_requests_per_level=400, load_step=0.1, pool_workers=4),
+    )
+    assert single.status == pooled.status == "ok"
+    assert pooled.kappa > 1.3 * single.kappa
+    # Per-worker demand can never exceed a worker's whole window of (predicted) service by
+    # much: the fit is within a few percent of the truth.
+    assert pooled.kappa < 1.2 * SMALL.window_s
+    assert all(lvl["utilisation"] <= 1.0 for lvl in pooled.levels)
+
+
+def test_replayed_bursts_lower_kappa_against_poisson_arrivals() -> None:
+    lengths = np.full(50, 2048)
+    gaps = np.array([0.0] * 49 + [1.0])  # bursts of 50 at once, then a pause
+    kw = dict(rng=np.random.default_rng(0), ramp=SMALL)
+    poisson = measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 2, lengths, **kw)
+    kw = dict(rng=np.random.default_rng(0), ramp=SMALL)
+    bursty = measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 2, lengths,
+                           arrival_gaps=gaps, **kw)
+    assert bursty.kappa < 0.5 * poisson.kappa
+
+
+def test_replay_with_even_gaps_is_a_steady_stream() -> None:
+    # Evenly spaced arrivals queue less than Poisson ones: κ at least as high.
+    lengths = np.full(50, 2048)
+    even = measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 2, lengths,
+                         rng=np.random.default_rng(0), ramp=SMALL, arrival_gaps=np.ones(50))
+    poisson = measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 2, lengths,
+                            rng=np.random.default_rng(0), ramp=SMALL)
+    assert even.kappa >= poisson.kappa
+
+
+@pytest.mark.parametrize("gaps", [[-1.0, 1.0], [0.0, 0.0], [float("nan"), 1.0], []])
+def test_bad_arrival_gaps_are_rejected(gaps: list[float]) -> None:
+    with pytest.raises(InvalidInput, match="arrival_gaps"):
+        measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 2, [1024, 2048],
+                      rng=np.random.default_rng(0), ramp=SMALL, arrival_gaps=gaps)
+
+
+def test_trace_kappa_is_deterministic_and_follows_the_trace() -> None:
+    ramp = KappaRamp(min_requests_per_level=400, load_step=0.1, pool_workers=2)
+    calm = _bursty(40, 1, 1.0, name="calm")
+    burst = _bursty(4, 10, 10.0)  # same lengths and request count, same mean rate
+    a, rep = trace_kappa(DEFAULT_PROFILE, calm, degrees=(2, 4), seed=3, ramp=ramp)
+    b, _ = trace_kappa(DEFAULT_PROFILE, calm, degrees=(2, 4), seed=3, ramp=ramp)
+    c, _ = trace_kappa(DEFAULT_PROFILE, burst, degrees=(2, 4), seed=3, ramp=ramp)
+    assert a == b and set(a.kappa) == {2, 4} and a.window_s == ramp.window_s
+    assert a.coefficients == DEFAULT_PROFILE.coefficients  # only κ changes
+    assert rep["workload"] == "calm" and rep["requests"] == 40
+    assert rep["replay_arrivals"] is True and set(rep["results"]) == {"2", "4"}
+    assert all(c.kappa[d] < a.kappa[d] for d in (2, 4))
+    with pytest.raises(InvalidInput, match="no requests"):
+        trace_kappa(DEFAULT_PROFILE, Workload("empty", ()), degrees=(2,), ramp=ramp)
+
+
+def test_cached_trace_kappa_reuses_its_file(tmp_path: Path) -> None:
+    ramp = KappaRamp(min_requests_per_level=400, load_step=0.1, pool_workers=2)
+    wl = _bursty(30, 2, 1.0)
+    first, rep1 = cached_trace_kappa(DEFAULT_PROFILE, wl, tmp_path, degrees=(2,), ramp=ramp)
+    files = list(tmp_path.glob("kappa_*.json"))
+    assert len(files) == 1 and rep1["cached"] is False
+    assert files[0].name == f"kappa_{rep1['key']}.json"
+    again, rep2 = cached_trace_kappa(DEFAULT_PROFILE, wl, tmp_path, degrees=(2,), ramp=ramp)
+    assert rep2["cached"] is True and again == first
+    # Anything κ depends on changes the key: the trace, the degrees, the seed, the ramp.
+    key = trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2,), seed=0, ramp=ramp)
+    assert key == rep1["key"]
+    assert key != trace_kappa_key(DEFAULT_PROFILE, _bursty(30, 2, 2.0), degrees=(2,), seed=0,
+                                  ramp=ramp)
+    assert key != trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2, 4), seed=0, ramp=ramp)
+    assert key != trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2,), seed=1, ramp=ramp)
+    assert key != trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2,), seed=0, ramp=SMALL)
+    files[0].write_text("{not json")
+    with pytest.raises(InvalidInput, match="kappa cache"):
+        cached_trace_kappa(DEFAULT_PROFILE, wl, tmp_path, degrees=(2,), ramp=ramp)
+
+
+def test_simulate_without_a_profile_measures_kappa_on_the_trace(tmp_path: Path) -> None:
+    wl = truncate(generate(steady(120.0, 3.0, 0.05), seed=0), max_requests=200)
+    kw = dict(trace="synthetic", policies=["vertumnus"], rate_scales=[1.0], gpus=8,
+              degrees=(2, 4), workload=wl)
+    first = runner.run_simulate(out=tmp_path / "a", **kw)
+    meta = first["meta"]["kappa"]
+    assert meta["source"] == "trace" and meta["kappa_scale"] == 1.0 and meta["cached"] is False
+    assert meta["replay_arrivals"] is True
+    prof_dir = tmp_path / "a" / "profile"
+    cache = json.loads((prof_dir / f"kappa_{meta['cache_key']}.json").read_text())
+    saved = json.loads((prof_dir / "profile.json").read_text())
+    assert saved["kappa"] == cache["kappa"] == first["meta"]["profile"]["kappa"]
+    assert set(saved["kappa"]) == {"2", "4"}
+    # A second sweep into the same directory reads κ back and runs identically.
+    second = runner.run_simulate(out=tmp_path / "a", **kw)
+    assert second["meta"]["kappa"]["cached"] is True
+    assert [r["mean_ttft_s"] for r in second["rows"]] == [r["mean_ttft_s"] for r in first["rows"]]
+    # An explicit kappa_scale still wins.
+    third = runner.run_simulate(out=tmp_path / "a", spec_overrides={"kappa_scale": 2.0}, **kw)
+    assert third["meta"]["kappa"]["kappa_scale"] == 2.0
