@@ -28,7 +28,8 @@ connection per request, as ``vertumnus replay`` does), each with a client-chosen
    ``--exporter none`` records sampled spans without exporting). Target: ≥ 500 req/s.
 
     .venv/bin/python bench/bench_live.py [--part overhead|throughput|all] [--n 300]
-        [--rates 100,200,300,400,500,600] [--seconds 3] [--sampling 0.01,1.0]
+        [--rates 100,150,200,250,300,350,400,500,600,800] [--seconds 3]
+        [--sampling 0.01,1.0]
 
 The load generator shares the machine's cores with every service and the NATS server, so on a
 2-core machine the figures are a floor: the client's own CPU seconds are printed, and for the
@@ -336,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--overhead-time-scale", type=float, default=0.5)
     ap.add_argument("--moderate", type=float, default=0.3)
     ap.add_argument("--near", type=float, default=0.85)
-    ap.add_argument("--rates", default="100,200,300,400,500,600,800")
+    ap.add_argument("--rates", default="100,150,200,250,300,350,400,500,600,800")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--sampling", default="0.01,1.0")
     ap.add_argument("--exporter", choices=("console", "none"), default="console")

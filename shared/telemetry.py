@@ -100,6 +100,7 @@ def setup_tracing(
                 provider.add_span_processor(BatchSpanProcessor(exporter))
             trace.set_tracer_provider(provider)
             _provider = provider
+            _tracers.clear()  # a tracer fetched before now was the no-op proxy's
         if span_processor is not None:
             _provider.add_span_processor(span_processor)
         return _provider
@@ -117,8 +118,58 @@ def shutdown_tracing() -> None:
             _provider.shutdown()
 
 
+_tracers: dict[str, trace.Tracer] = {}
+
+
 def tracer(name: str = TRACER_NAME) -> trace.Tracer:
-    return trace.get_tracer(name)
+    """The tracer ``name`` of the installed provider, cached.
+
+    NOTE: ``trace.get_tracer`` builds a new Tracer (and instrumentation scope) on every call,
+    ~0.1 ms each; services call this several times per request.
+    """
+    t = _tracers.get(name)
+    if t is None:
+        t = _tracers[name] = trace.get_tracer(name)
+    return t
+
+
+def is_sampled(carrier: Mapping[str, str] | None) -> bool:
+    """Whether a W3C carrier's ``traceparent`` has the *sampled* flag set.
+
+    With the ``ParentBased`` sampler every descendant of an unsampled parent is dropped, so a
+    hot path may skip building spans (and their attributes) when this is False — it must still
+    pass the carrier on, so that the next hop keeps the decision instead of starting a root.
+    A missing or malformed header counts as not sampled (no parent: the next span would be a
+    root, sampled by ratio — callers that open a root span do not ask this).
+    """
+    tp = traceparent_of(carrier)
+    return tp is not None and bool(int(tp[53:55], 16) & 1)
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def traceparent_of(carrier: Mapping[str, str] | None) -> str | None:
+    """The carrier's ``traceparent`` (key matched case-insensitively) if it is well formed:
+    ``version-traceid(32 hex)-parentid(16 hex)-flags(2 hex)``, ids not all zero; else None.
+    A cheap stand-in for a full ``extract`` where only validity or the flags matter."""
+    if not carrier:
+        return None
+    tp = carrier.get("traceparent")
+    if tp is None:
+        for k, v in carrier.items():
+            if k.lower() == "traceparent":
+                tp = v
+                break
+        else:
+            return None
+    if (len(tp) < 55 or tp[2] != "-" or tp[35] != "-" or tp[52] != "-"
+            or not _HEX.issuperset(tp[:2]) or not _HEX.issuperset(tp[3:35])
+            or not _HEX.issuperset(tp[36:52]) or not _HEX.issuperset(tp[53:55])
+            or tp[:2] == "ff" or (len(tp) > 55 and tp[55] != "-")
+            or tp[3:35] == "0" * 32 or tp[36:52] == "0" * 16):
+        return None
+    return tp
 
 
 class _CaseInsensitiveGetter(Getter[Mapping[str, str]]):

@@ -59,6 +59,7 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 from pydantic import Field
 
+from services import calibration
 from services.cachemgr.actions import CacheAction, Reclaim, Replicate
 from services.cachemgr.events import CacheEvent, MalformedEvent, Snapshot, event_from_wire
 from services.cachemgr.scan import ScanConfig, ScanResult
@@ -88,6 +89,7 @@ from shared.service import (
 )
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, micro_service_name, validate_subject
+from shared.tasks import cancel_and_wait
 from shared.telemetry import inject
 from shared.worker import GpuGroup, Lifecycle
 
@@ -101,7 +103,8 @@ class CacheMgrSettings(ServiceSettings):
     """The cache-manager process (environment ``VTM_*``; CLI flags of ``main`` override).
 
     Scan thresholds map one-to-one onto :class:`~services.cachemgr.scan.ScanConfig`; the
-    defaults are the simulator's provisional ones (sim/simulator.py ``DEFAULT_SCAN_CONFIG``).
+    defaults are the calibrated ones the simulator's experiments use (services/calibration.py
+    ``SCAN``), so a live run and a simulation of the same trace scan alike.
     """
 
     service_name: str = Field(default="vtm-cachemgr", description="Name in logs / traces.")
@@ -120,20 +123,25 @@ class CacheMgrSettings(ServiceSettings):
         default=20.0, gt=0, description="H: seconds between periodic scans (Algorithm 2)."
     )
     theta_inter: float = Field(
-        default=2.0, ge=0, description="θ_inter: missed benefit (s) for a first replica."
+        default=calibration.SCAN.theta_inter, ge=0,
+        description="θ_inter: missed benefit (s) for a first replica."
     )
     theta_intra: float = Field(
-        default=16.0, ge=0, description="θ_intra: decayed accesses per replica for another one."
+        default=calibration.SCAN.theta_intra, ge=0,
+        description="θ_intra: decayed accesses per replica for another one."
     )
     theta_reclaim: float = Field(
-        default=1.0,
+        default=calibration.SCAN.theta_reclaim,
         ge=0,
         description="θ_reclaim (< θ_intra): accesses per replica below which "
         "a replica is reclaimed (never the last one in the pool).",
     )
-    decay: float = Field(default=0.5, gt=0, lt=1, description="Statistics decay per scan.")
+    decay: float = Field(
+        default=calibration.SCAN.decay, gt=0, lt=1, description="Statistics decay per scan."
+    )
     max_actions_per_list: int = Field(
-        default=1, ge=0, description="Actions taken per list and scan (the paper: one transfer)."
+        default=calibration.SCAN.max_actions_per_list, ge=0,
+        description="Actions taken per list and scan (the paper: one transfer)."
     )
     gc_threshold: float = Field(
         default=1e-3, ge=0, description="Statistics below this are negligible for node GC."
@@ -373,9 +381,7 @@ class CacheMgrService(MicroService):
         ]
 
         async def teardown() -> None:
-            for t in list(self._tasks):
-                t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await cancel_and_wait(self._tasks, self.log)  # re-cancels (shared/tasks.py)
             for w in (state_watch, epoch_watch):
                 with contextlib.suppress(Exception):
                     await w.stop()

@@ -28,22 +28,28 @@ worker-state KV (watch)                  per-worker outstanding work (drain esti
 ``{prefix}.epoch.ack.*`` (EpochAck)      ``protocol.ack`` for ranks of committed targets
 =======================================  ==========================================================
 
-Carrying out a plan (a split or merge):
+Carrying out a plan (one or more splits and merges on disjoint workers, ``max_ops``):
 
-1. *Queues.* Each source is asked ``{prefix}.worker.{wid}.queue`` (QueueQuery → QueueReport:
-   queued and in-flight request ids). A worker that does not answer is judged from its
-   WorkerState: nothing queued is known (the worker redirects its own queue when it adopts the
-   drain record), and one opaque in-flight marker if its ``queue_len`` > 0, resolved when its
-   state shows an empty queue.
-2. *Drain.* ``core.start(plan, ...)``; then the **drain record** — the current composition with
-   the sources DRAINING (parked ones SWITCHING) under the next record epoch — is written with
-   compare-and-set (``kv.update(key, value, last=revision)``). Rank daemons adopting it stop
-   admitting and hand their queued requests back to intake (``Nats-Msg-Id`` ``{rid}-r{epoch}``).
-   Then the DrainNotice (the *redirect* message, :func:`drain_subject`) and a
-   ReconfigurationEvent (phase ``draining``) are published.
-3. *Commit.* When every source drained: ``protocol.switch_started`` and the **commit record**
-   (sources gone, targets SWITCHING) is written by compare-and-set. The adapter remembers the
-   record epoch of the commit: ranks acknowledge record epochs, the protocol counts its own.
+1. *Queues.* Each source of every operation is asked (concurrently)
+   ``{prefix}.worker.{wid}.queue`` (QueueQuery → QueueReport: queued and in-flight ids). A
+   worker that does not answer is judged from its WorkerState: nothing queued is known (the
+   worker redirects its own queue when it adopts the drain record), and one opaque in-flight
+   marker if its ``queue_len`` > 0, resolved when its state shows an empty queue.
+2. *Drain.* ``core.start(op, ...)`` for every operation; then **one drain record** — the
+   current composition with the sources of all of them DRAINING (parked ones SWITCHING) under
+   the next record epoch — is written with compare-and-set (``kv.update(key, value,
+   last=revision)``). Rank daemons adopting it stop admitting and hand their queued requests
+   back to intake (``Nats-Msg-Id`` ``{rid}-r{epoch}``); since every source of the plan stops
+   in the same record, no redirected request is re-placed on a worker that another operation
+   of the plan drains. Then per operation the DrainNotice (the *redirect* message,
+   :func:`drain_subject`; ``plan`` lists the plan's reconfigurations) and a
+   ReconfigurationEvent (phase ``draining``) are published. From here each operation is its
+   own reconfiguration of the epoch protocol (which commits disjoint operations under
+   epochs of their own), exactly as the simulator times them:
+3. *Commit.* When every source of an operation drained: ``protocol.switch_started`` and the
+   **commit record** (sources gone, targets SWITCHING) is written by compare-and-set. The
+   adapter remembers the record epoch of the commit: ranks acknowledge record epochs, the
+   protocol counts its own.
 4. *Acks.* An EpochAck for a rank of a committed target, naming the commit's record epoch, is
    passed to ``protocol.ack``; acks of untouched workers (ranks ack every record they adopt)
    and of other records are ignored.
@@ -66,7 +72,8 @@ is older than ``drain_timeout_s`` they are failed and re-admitted the same way.
 ``inspect`` (``{prefix}.controller.inspect``, optional JSON body ``{"decisions": N}``; a
 malformed body is a 400 micro error) answers the composition, the protocol and record epochs,
 every worker's lifecycle, the schedulable workers, reconfigurations in progress and done (with
-drain and switch times), the pending plan, the open window, the last N decisions and counters.
+drain and switch times), the pending operations, the core's config and the κ it judges with
+(× ``kappa_scale``), the open window, the last N decisions and counters.
 Malformed pub/sub input (reports, acks, states) is counted (``malformed``) and dropped.
 
 Leadership: the epoch record is the only arbiter. Every write is a compare-and-set on the
@@ -84,6 +91,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -101,6 +109,7 @@ from nats.js.kv import KeyValue
 from nats.micro.request import Request
 from pydantic import Field, field_validator
 
+from services.calibration import CONTROLLER, KAPPA_SCALE
 from services.controller.core import ControllerCore
 from services.controller.lattice import Composition, Lattice
 from services.controller.lifecycle import (
@@ -109,9 +118,9 @@ from services.controller.lifecycle import (
     IllegalTransition,
     Phase,
     Reconfiguration,
+    StartResult,
 )
 from services.controller.planner import ControllerConfig, Decision, Plan
-from services.controller.windows import DEFAULT_LONG_THRESHOLD_TOKENS, DEFAULT_WINDOW_S
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import GPUS_PER_NODE, InvalidInput, RequestId, VertumnusError, WorkerId
 from shared.schemas import (
@@ -143,6 +152,7 @@ from shared.service import (
 )
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, micro_service_name, validate_subject, validate_token
+from shared.tasks import cancel_and_wait
 from shared.worker import Lifecycle
 
 VERSION: Final[str] = "0.1.0"
@@ -157,7 +167,11 @@ class ControllerSettings(ServiceSettings):
     """The controller process (environment ``VTM_*``; CLI flags of ``main`` override).
 
     The planner's thresholds map one-to-one onto :class:`ControllerConfig` (see its docstring
-    for what each means and why the defaults are what they are).
+    for what each means). Their defaults, and ``kappa_scale``'s, are the calibrated values of
+    ``services/calibration.py`` (``CONTROLLER``, ``KAPPA_SCALE``; the reasons are documented there),
+    read from there rather than repeated, so the live controller and the simulator cannot
+    drift apart. ``window_s`` must also equal the scheduler replicas' window (their default,
+    :data:`~services.controller.windows.DEFAULT_WINDOW_S`, is the calibrated H as well).
     """
 
     service_name: str = Field(default="vtm-controller", description="Name in logs / traces.")
@@ -180,31 +194,68 @@ class ControllerSettings(ServiceSettings):
     kappa: dict[int, float] = Field(
         default_factory=dict,
         description="Override of κ_C (seconds of predicted service per window one degree-C "
-        'worker serves within the SLO), e.g. {"2": 8.0, "4": 14.0}.',
+        "worker serves within the SLO, as profiled: kappa_scale still applies), e.g. "
+        '{"2": 8.0, "4": 14.0}.',
     )
     window_s: float = Field(
-        default=DEFAULT_WINDOW_S,
+        default=CONTROLLER.window_s,
         gt=0,
         description="Observation window H (s); must equal the scheduler's window_s.",
     )
     long_threshold_tokens: int = Field(
-        default=DEFAULT_LONG_THRESHOLD_TOKENS,
+        default=CONTROLLER.long_threshold_tokens,
         ge=1,
         description="Input length from which a request counts as long.",
     )
-    upper: float = Field(default=0.9, description="Split when D > upper·capacity.")
-    lower: float = Field(default=0.5, description="Merge when D < lower·capacity.")
+    upper: float = Field(default=CONTROLLER.upper, description="Split when D > upper·capacity.")
+    lower: float = Field(default=CONTROLLER.lower, description="Merge when D < lower·capacity.")
     merge_headroom: float = Field(
-        default=0.8, description="A merge must leave D ≤ merge_headroom·capacity after it."
+        default=CONTROLLER.merge_headroom,
+        description="A merge must leave D ≤ merge_headroom·capacity after it.",
     )
     long_fraction_delta: float = Field(
-        default=0.15, description="Change of the long-request share that signals a mix shift."
+        default=CONTROLLER.long_fraction_delta,
+        description="Change of the long-request share that signals a mix shift.",
     )
     demand_stability: float = Field(
-        default=0.3, description="Relative demand band within which demand counts as stable."
+        default=CONTROLLER.demand_stability,
+        description="Relative demand band within which demand counts as stable.",
     )
     persistence: int = Field(
-        default=2, ge=1, description="Consecutive windows a direction must persist."
+        default=CONTROLLER.persistence,
+        ge=1,
+        description="Consecutive windows a direction must persist.",
+    )
+    max_ops: int = Field(
+        default=CONTROLLER.max_ops,
+        ge=1,
+        description="Operations (splits or merges on disjoint workers) one window's plan may "
+        "hold; 1 is the paper's one operation at a time. All operations of a plan start "
+        "under one drain record (see 'Carrying out a plan').",
+    )
+    split_target: float = Field(
+        default=CONTROLLER.split_target,
+        description="A multi-operation split plan adds splits while D > split_target·capacity "
+        "(≤ upper).",
+    )
+    momentum: bool = Field(
+        default=CONTROLLER.momentum,
+        description="Planner rule 4's momentum: after an operation, the next one in the same "
+        "direction needs no fresh persistence.",
+    )
+    merge_speedup: float | None = Field(
+        default=CONTROLLER.merge_speedup,
+        description="Merge gate (planner rule 9): a request prefers degree 2C when "
+        "Ê_C/Ê_2C ≥ this; a merge into 2C needs that much demand preferring ≥ 2C. None: off. "
+        "Needs per-request lengths, so it acts only with demand_input='assignments' (window "
+        "reports carry none; see controller_config).",
+    )
+    kappa_scale: float = Field(
+        default=KAPPA_SCALE,
+        gt=0,
+        description="Capacity is judged with κ_C × kappa_scale (pooled capacity behind the J "
+        "scheduler over single-worker κ; services/calibration.py explains the value). 1.0: κ as "
+        "profiled.",
     )
     demand_input: Literal["windows", "assignments"] = Field(
         default="windows",
@@ -247,6 +298,14 @@ class ControllerSettings(ServiceSettings):
         return v
 
     def controller_config(self) -> ControllerConfig:
+        """The core's config (raises InvalidInput on inconsistent thresholds).
+
+        In ``demand_input="windows"`` mode the merge gate is off (``merge_speedup`` None): a
+        WindowReport carries D(k), counts and the long share but no request lengths or cached
+        tokens, and the core would judge each replayed assignment's preferred degree from its
+        placeholder length (1 token or the long threshold), which refuses every merge of a
+        short-request window. The planner treats "no breakdown" as "nothing gated".
+        """
         return ControllerConfig(
             window_s=self.window_s,
             long_threshold_tokens=self.long_threshold_tokens,
@@ -256,16 +315,29 @@ class ControllerSettings(ServiceSettings):
             long_fraction_delta=self.long_fraction_delta,
             demand_stability=self.demand_stability,
             persistence=self.persistence,
+            max_ops=self.max_ops,
+            split_target=self.split_target,
+            momentum=self.momentum,
+            merge_speedup=self.merge_speedup if self.demand_input == "assignments" else None,
         )
 
     def lattice(self) -> Lattice:
         return Lattice(self.num_gpus, self.degrees, self.gpus_per_node)
 
     def load_profile(self) -> Profile:
+        """The fitted profile (or the default one) with the ``kappa`` overrides; κ unscaled."""
         profile = Profile.load(self.profile_path) if self.profile_path else DEFAULT_PROFILE
         if self.kappa:
             profile = profile.with_kappa({**profile.kappa, **self.kappa})
         return profile
+
+    def judging_profile(self, profile: Profile) -> Profile:
+        """``profile`` with κ_C × ``kappa_scale``: what the controller judges capacity with
+        (the simulator does the same, sim/simulator.py ``controller_profile``). Only κ
+        changes; the cost model (and so the merge gate's Ê ratios) is untouched."""
+        if self.kappa_scale == 1.0 or not profile.kappa:
+            return profile
+        return profile.with_kappa({c: k * self.kappa_scale for c, k in profile.kappa.items()})
 
 
 # -- names this adapter needs that shared/subjects.py does not have (yet) ---------------------
@@ -330,6 +402,11 @@ class DrainNotice(Message):
     targets: list[Id]
     redirected: list[RedirectedRequest] = Field(default_factory=list)
     in_flight: dict[str, NonNegInt] = Field(default_factory=dict)
+    plan: list[NonNegInt] = Field(
+        default_factory=list,
+        description="every reconfiguration of the plan this one belongs to (all started "
+        "under the same drain record ``epoch``)",
+    )
     reason: str = ""
     issued_at_s: WallTime
 
@@ -426,6 +503,7 @@ def decision_dict(d: Decision) -> dict[str, Any]:
         "composition": d.composition,
         "reason": d.reason,
         "plan": d.plan.to_dict() if d.plan is not None else None,
+        "plans": [p.to_dict() for p in d.plans],
     }
 
 
@@ -460,7 +538,10 @@ class ControllerService(MicroService):
         self._clock = clock
         self._last_now = 0.0
         self.lattice = settings.lattice()
-        self.profile = profile if profile is not None else settings.load_profile()
+        # κ as profiled (or passed) × kappa_scale: the planner's capacity (module doc).
+        self.profile = settings.judging_profile(
+            profile if profile is not None else settings.load_profile()
+        )
         self.config = settings.controller_config()
         self.core: ControllerCore | None = None
         self.record: EpochRecord | None = None
@@ -557,6 +638,10 @@ class ControllerService(MicroService):
                 "in_progress": [proto.reconfiguration(r).to_dict() for r in proto.in_progress()],
                 "reconfigurations": [r.to_dict() for r in proto.history()],
                 "pending_plan": core.pending_plan.to_dict() if core.pending_plan else None,
+                "pending_plans": [p.to_dict() for p in core.pending_plans],
+                "config": dataclasses.asdict(self.config),
+                "kappa_scale": self.csettings.kappa_scale,
+                "kappa": {str(c): k for c, k in self.profile.kappa.items()},
                 "open_window": {
                     "index": core.windows.open_index,
                     "start_s": core.windows.open_start_s,
@@ -596,9 +681,7 @@ class ControllerService(MicroService):
             )
 
         async def teardown() -> None:
-            for t in self._tasks:
-                t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await cancel_and_wait(self._tasks, self.log)  # re-cancels (shared/tasks.py)
             for w in watchers:
                 with contextlib.suppress(Exception):
                     await w.stop()
@@ -762,13 +845,17 @@ class ControllerService(MicroService):
             self.counters["malformed"] += 1
             self.log.warning("malformed request stats ignored", error=str(exc))
             return
-        self._assigned(st.at_s, st.predicted_s, st.input_len, st.degree)
+        # prefix_tokens: what the chosen worker reuses (the core's merge gate judges the
+        # request's preferred degree on its uncached part, as the simulator does).
+        self._assigned(st.at_s, st.predicted_s, st.input_len, st.degree, st.prefix_tokens)
 
-    def _assigned(self, t: float, s: float, n: int, degree: int | None) -> None:
+    def _assigned(
+        self, t: float, s: float, n: int, degree: int | None, cached_tokens: int = 0
+    ) -> None:
         if self.core is None:
             return
         try:
-            self.core.assigned(t, s, n, degree)
+            self.core.assigned(t, s, n, degree, cached_tokens)
         except InvalidInput as exc:
             self.counters["malformed"] += 1
             self.log.warning("demand rejected", error=str(exc))
@@ -971,9 +1058,9 @@ class ControllerService(MicroService):
                     self.log.info("window decided", **decision_dict(d))
                 else:
                     self.log.debug("window decided", **decision_dict(d))
-            plan = core.pending_plan
-            if plan is not None:
-                await self._carry_out(plan)
+            plans = core.pending_plans
+            if plans:
+                await self._carry_out(plans)
             await self._abort_stuck()
             if self.core is core:  # not rebuilt by a lost compare-and-set above
                 await self._check_leases()
@@ -981,48 +1068,73 @@ class ControllerService(MicroService):
                 await self._readmit_leftovers()
             return decisions
 
-    async def _carry_out(self, plan: Plan) -> None:
-        """Steps 1-2 of the module doc (lock held)."""
+    async def _carry_out(self, plans: Sequence[Plan]) -> None:
+        """Steps 1-2 of the module doc for every operation of one plan (lock held).
+
+        The operations are disjoint; all of them start under **one** drain record, so every
+        source stops admitting (and the scheduler drops every source) in the same record
+        before any rank daemon hands its queue back: a redirected request cannot land on a
+        worker another operation of the plan drains (the simulator's rule). From there each
+        operation is a reconfiguration of its own in the epoch protocol — it commits its own
+        epoch once its own sources drained and is exposed once its own targets' ranks all
+        acknowledged — which is what EpochProtocol defines for concurrent disjoint
+        operations, and the simulator's timing."""
         core = self.core
         assert core is not None
         self.counters["plans"] += 1
-        queued: dict[WorkerId, list[RequestId]] = {}
-        in_flight: dict[WorkerId, set[RequestId]] = {}
-        for wid in plan.source_ids:
-            q, f = await self._queues(wid)
-            queued[wid], in_flight[wid] = q, f
-        try:
-            res = core.start(plan, self.now(), queued=queued, in_flight=in_flight)
-        except VertumnusError as exc:
-            self.log.warning("plan could not start", error=str(exc), plan=plan.to_dict())
-            with contextlib.suppress(InvalidInput):
-                core.discard_plan()
+        sources = [wid for plan in plans for wid in plan.source_ids]
+        # Asked concurrently: an unanswered query costs queue_query_timeout_s once, not per
+        # source.
+        answers = await asyncio.gather(*(self._queues(wid) for wid in sources))
+        queued = {wid: q for wid, (q, _) in zip(sources, answers, strict=True)}
+        in_flight = {wid: f for wid, (_, f) in zip(sources, answers, strict=True)}
+        now = self.now()
+        started: list[tuple[Plan, StartResult]] = []
+        for plan in plans:
+            try:
+                started.append((plan, core.start(plan, now, queued=queued, in_flight=in_flight)))
+            except VertumnusError as exc:
+                self.log.warning("operation could not start", error=str(exc), plan=plan.to_dict())
+        if core.pending_plans:  # the ones that could not start: the next plan re-judges
+            core.discard_plan()
+        if not started:
             return
-        rid = res.reconfiguration
-        record = self._next_record(f"drain: {plan.reason}")
+        reason = (
+            started[0][0].reason
+            if len(started) == 1
+            else (f"{len(started)} operations: " + "; ".join(p.reason for p, _ in started))
+        )
+        record = self._next_record(f"drain: {reason}")
         try:
             await self._write(record)
         except LostLeadership:
             return  # core rebuilt from the winner's record; nothing of ours was published
-        self._drain_epoch[rid] = record.epoch
-        self._awaiting[rid] = {w: set(f) for w, f in in_flight.items() if f}
-        recon = core.protocol.reconfiguration(rid)
-        notice = DrainNotice(
-            reconfiguration=rid,
-            kind=plan.kind.value,
-            epoch=record.epoch,
-            sources=list(plan.source_ids),
-            targets=list(plan.target_ids),
-            redirected=[RedirectedRequest(worker_id=w, request_id=r) for w, r in res.redirected],
-            in_flight={w: len(f) for w, f in in_flight.items()},
-            reason=plan.reason,
-            issued_at_s=self.now(),
-        )
-        await self._publish(drain_subject(self.subjects), notice)
-        await self._publish_reconf(recon)
-        self.log.info("reconfiguration started", **recon.to_dict())
-        if res.drained:
-            await self._commit(rid)
+        rids = [res.reconfiguration for _, res in started]
+        for plan, res in started:
+            rid = res.reconfiguration
+            self._drain_epoch[rid] = record.epoch
+            self._awaiting[rid] = {w: set(in_flight[w]) for w in plan.source_ids if in_flight[w]}
+            notice = DrainNotice(
+                reconfiguration=rid,
+                kind=plan.kind.value,
+                epoch=record.epoch,
+                sources=list(plan.source_ids),
+                targets=list(plan.target_ids),
+                redirected=[
+                    RedirectedRequest(worker_id=w, request_id=r) for w, r in res.redirected
+                ],
+                in_flight={w: len(in_flight[w]) for w in plan.source_ids},
+                plan=rids,
+                reason=plan.reason,
+                issued_at_s=self.now(),
+            )
+            await self._publish(drain_subject(self.subjects), notice)
+            recon = core.protocol.reconfiguration(rid)
+            await self._publish_reconf(recon)
+            self.log.info("reconfiguration started", plan=rids, **recon.to_dict())
+        for _, res in started:
+            if res.drained and self.core is core:
+                await self._commit(res.reconfiguration)
 
     async def _queues(self, wid: WorkerId) -> tuple[list[RequestId], set[RequestId]]:
         """A source's queued and in-flight ids: asked, else judged from its WorkerState."""

@@ -13,8 +13,10 @@ One completion (:meth:`GatewayService.complete`):
    NATS / intake, 504 no first token in time, 502 the worker failed);
 2. compute the chained hashes of the prompt's *full* blocks (``chain_hashes``, shared with
    rankd, so equal hash ⇔ equal prefix across the system);
-3. open the root span ``request`` and subscribe to ``{prefix}.result.{rid}`` *before*
-   publishing, so the result cannot be missed;
+3. open the root span ``request`` and register the request with the gateway's one
+   subscription to ``{prefix}.result.*`` *before* publishing, so the result cannot be missed
+   (one wildcard subscription instead of a subscribe/unsubscribe pair per request: each of
+   those is a protocol round of interest changes on the server and an asyncio task here);
 4. publish the IntakeRequest to the JetStream work queue with ``Nats-Msg-Id`` = request id
    (a client retry with the same ``request_id`` is de-duplicated by the stream) and the trace
    context in the headers (and in the message, for rankd's redirects);
@@ -131,10 +133,10 @@ def check_limits(tokens: Sequence[int], max_tokens: int, settings: GatewaySettin
                             f"{n + max_tokens} exceeds the maximum sequence length "
                             f"{settings.max_seq_len}")
     limit = settings.vocab_size if settings.vocab_size is not None else INT32_MAX + 1
-    for i, t in enumerate(tokens):
-        if t >= limit:
-            raise Unprocessable(f"prompt token {i} has id {t}, outside the vocabulary "
-                                f"[0, {limit})")
+    if n and max(tokens) >= limit:  # one C-level pass; the index only on the error path
+        i, t = next((i, t) for i, t in enumerate(tokens) if t >= limit)
+        raise Unprocessable(f"prompt token {i} has id {t}, outside the vocabulary "
+                            f"[0, {limit})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +181,9 @@ class GatewayService(MicroService):
         self._states: KeyValue | None = None
         self._http: Any = None
         self._tokenizer: Any = None
+        # request id -> futures waiting for its FirstToken (several when a client retries an
+        # id that is still in flight: the duplicate waits for the original's result).
+        self._waiting: dict[str, list[asyncio.Future[tuple[Msg, float]]]] = {}
         if settings.tokenizer_path is not None:
             try:
                 from tokenizers import Tokenizer  # engine extra; only when configured
@@ -197,6 +202,13 @@ class GatewayService(MicroService):
         self._js = self.nc.jetstream()
         await ensure_intake_stream(self._js, self.subjects)
         self._states = await worker_state_kv(self._js, self.subjects)
+        results = await self.nc.subscribe(self.subjects.result_all(), cb=self._on_result)
+
+        async def unsubscribe() -> None:
+            with contextlib.suppress(Exception):
+                await results.unsubscribe()
+
+        stack.push_async_callback(unsubscribe)
         if self.gsettings.http_port is not None:
             from services.gateway.app import make_http_server
 
@@ -238,6 +250,19 @@ class GatewayService(MicroService):
         except GatewayError as exc:
             raise exc.to_service_error() from exc
         return done.result.model_copy(update={"stages": done.stages()})
+
+    async def _on_result(self, msg: Msg) -> None:
+        """Hand a FirstToken to whoever waits for its request id (the id is the subject's
+        last token; results of requests that entered at another gateway are ignored)."""
+        # The first token is here now: stamped on arrival, not when the waiting coroutine
+        # next runs (that is the HTTP answer's path, not TTFT).
+        received = time.time()
+        rid = msg.subject.rpartition(".")[2]
+        waiters = self._waiting.pop(rid, None)
+        if waiters:
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result((msg, received))
 
     # -- one completion ---------------------------------------------------------------------
 
@@ -306,17 +331,8 @@ class GatewayService(MicroService):
             raise TooLarge(f"intake message of {len(data)} bytes exceeds the NATS server's "
                            f"max_payload of {self.nc.max_payload} bytes; send a shorter prompt "
                            "(or run the gateway with forward_tokens=false)")
-        got: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
-
-        async def on_result(msg: Msg) -> None:
-            if not got.done():
-                got.set_result(msg)
-
-        try:
-            sub = await self.nc.subscribe(self.subjects.result(rid), cb=on_result)
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                nats.errors.ConnectionDrainingError) as exc:
-            raise Unavailable(f"NATS unavailable: {type(exc).__name__}") from exc
+        got: asyncio.Future[tuple[Msg, float]] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(rid, []).append(got)
         try:
             try:
                 ack = await self._js.publish(self.subjects.intake_requests(), data,
@@ -332,7 +348,7 @@ class GatewayService(MicroService):
                 self.log.info("duplicate request id; waiting for the original's result")
             try:
                 async with asyncio.timeout(self.gsettings.result_timeout_s):
-                    msg = await got
+                    msg, received = await got
             except TimeoutError:
                 raise FirstTokenTimeout(
                     f"no first token for request {rid} within "
@@ -340,9 +356,7 @@ class GatewayService(MicroService):
                     + (" (a duplicate of an earlier request id whose result was already "
                        "delivered?)" if duplicate else "")) from None
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        received = time.time()
+            self._forget(rid, got)
         try:
             result = decode(FirstToken, msg.data, msg.headers)
         except SchemaError as exc:
@@ -357,6 +371,16 @@ class GatewayService(MicroService):
             trace_id=format(trace.get_current_span().get_span_context().trace_id, "032x"),
             text=self.detokenize(result.token),
         )
+
+    def _forget(self, rid: str, fut: asyncio.Future[tuple[Msg, float]]) -> None:
+        """Drop one waiter (answered, timed out or failed before publishing)."""
+        waiters = self._waiting.get(rid)
+        if waiters is None:
+            return
+        with contextlib.suppress(ValueError):
+            waiters.remove(fut)
+        if not waiters:
+            del self._waiting[rid]
 
     # -- workers ------------------------------------------------------------------------------
 

@@ -14,6 +14,10 @@ Contract: ``prefill`` runs one request to completion (prefill, KV handoff, first
 returns a :class:`PrefillResult` with measured wall-clock stage durations; it raises
 :class:`~shared.ids.InvalidInput` for a request the backend cannot serve (then nothing ran).
 Durations are wall seconds as measured (with a time scale s, modelled seconds = wall / s).
+The three stages are consecutive: prefill starts at ``started_at_s``, the KV transfer at
+``started_at_s + prefill_s``, the first decode after that, and the first token exists at
+``finished_at_s`` (= the sum, up to clock rounding); the rank daemon turns them into the
+``prefill``, ``kv_transfer`` and ``first_decode`` spans.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ class PrefillTimeFn(Protocol):
 
 
 HandoffTimeFn = Callable[[int, int], float]
-"""Modelled KV handoff + first decode time (s) for (total tokens, degree); e.g.
-``NoisyGroundTruth.external_time``."""
+"""Modelled time (s) of a stage after the prefill for (total tokens, degree): the KV handoff
+(e.g. ``GroundTruth.kv_handoff_time``) or the first decode step (e.g. a constant
+``Surroundings.first_decode_s``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +66,7 @@ class PrefillResult:
     first_decode_s: float
     finished_at_s: float
     modelled_prefill_s: float
-    modelled_handoff_s: float
+    modelled_handoff_s: float  # KV transfer + first decode
 
 
 @runtime_checkable
@@ -93,11 +98,20 @@ class SimBackend:
 
     ``prefill_time`` (optional): modelled prefill seconds for (R, P, C, kind); default: the
     assignment's ``predicted_s`` (the scheduler's own estimate, for dev runs without a ground
-    truth). ``handoff_time`` (optional): modelled KV handoff + first decode seconds for
-    (total tokens, C), reported as ``kv_transfer_s``; default 0.
+    truth). ``handoff_time`` (optional): modelled KV handoff seconds for (total tokens, C),
+    reported as ``kv_transfer_s``; default 0. ``first_decode_time`` (optional): modelled first
+    decode step for (total tokens, C), reported as ``first_decode_s``; default 0. (A caller
+    with only the sum of the two, like ``external_time``, may pass it as ``handoff_time``.)
 
     NOTE: the scale multiplies sleeps only; a time_scale of 0.01 runs a trace 100× faster
     and every measured duration is then ~0.01× its modelled value.
+
+    ``handoff_off_worker`` (default False): the KV handoff and first decode do not hold the
+    worker. ``prefill`` then returns when the prefill ends, with the two later stages' scaled
+    durations and a ``finished_at_s`` in the near future; the caller (rankd) frees the worker
+    at once and publishes the first token at ``finished_at_s``. This is the simulator's
+    model (sim/simulator.py frees a worker at its prefill's end and adds ``external_time`` to
+    TTFT only): the KV streams to the decode side while the next prefill runs.
     """
 
     name: Final[str] = "sim"  # type: ignore[misc]
@@ -108,6 +122,8 @@ class SimBackend:
         kind: str = "cp",
         prefill_time: PrefillTimeFn | None = None,
         handoff_time: HandoffTimeFn | None = None,
+        first_decode_time: HandoffTimeFn | None = None,
+        handoff_off_worker: bool = False,
         time_scale: float = 1.0,
         vocab: int = DEFAULT_VOCAB,
         clock: Callable[[], float] = time.time,
@@ -119,6 +135,8 @@ class SimBackend:
         self._kind = kind
         self._prefill_time = prefill_time
         self._handoff_time = handoff_time
+        self._first_decode_time = first_decode_time
+        self.handoff_off_worker = handoff_off_worker
         self._scale = time_scale
         self._vocab = vocab
         self._clock = clock
@@ -128,41 +146,63 @@ class SimBackend:
     def time_scale(self) -> float:
         return self._scale
 
-    def modelled_times(self, a: Assignment) -> tuple[float, float]:
-        """(prefill, handoff) modelled seconds for an assignment; validates first."""
+    def modelled_stages(self, a: Assignment) -> tuple[float, float, float]:
+        """(prefill, KV transfer, first decode) modelled seconds; validates first."""
         if self._prefill_time is not None:
             prefill = float(
                 self._prefill_time(a.recompute_tokens, a.prefix_tokens, a.degree, kind=self._kind)
             )
         else:
             prefill = a.predicted_s
-        handoff = (
-            float(self._handoff_time(a.request.input_len, a.degree)) if self._handoff_time else 0.0
-        )
-        for label, value in (("prefill", prefill), ("handoff", handoff)):
+        total = a.request.input_len
+        kv = float(self._handoff_time(total, a.degree)) if self._handoff_time else 0.0
+        decode = float(self._first_decode_time(total, a.degree)) if self._first_decode_time else 0.0
+        for label, value in (("prefill", prefill), ("KV transfer", kv), ("first decode", decode)):
             if not (value >= 0 and value != float("inf")):
                 raise InvalidInput(f"modelled {label} time must be finite and >= 0, got {value}")
-        return prefill, handoff
+        return prefill, kv, decode
+
+    def modelled_times(self, a: Assignment) -> tuple[float, float]:
+        """(prefill, handoff = KV transfer + first decode) modelled seconds; validates first."""
+        prefill, kv, decode = self.modelled_stages(a)
+        return prefill, kv + decode
 
     async def prefill(self, assignment: Assignment) -> PrefillResult:
         if self._closed:
             raise RuntimeError("backend closed")
-        prefill_m, handoff_m = self.modelled_times(assignment)
+        prefill_m, kv_m, decode_m = self.modelled_stages(assignment)
         started = self._clock()
         await asyncio.sleep(prefill_m * self._scale)
         prefilled = self._clock()
-        await asyncio.sleep(handoff_m * self._scale)
+        if self.handoff_off_worker:
+            kv_s, decode_s = kv_m * self._scale, decode_m * self._scale
+            return PrefillResult(
+                request_id=assignment.request.request_id,
+                token=fake_token(assignment.request.request_id, self._vocab),
+                started_at_s=started,
+                prefill_s=prefilled - started,
+                kv_transfer_s=kv_s,
+                first_decode_s=decode_s,
+                finished_at_s=prefilled + kv_s + decode_s,
+                modelled_prefill_s=prefill_m,
+                modelled_handoff_s=kv_m + decode_m,
+            )
+        if kv_m:
+            await asyncio.sleep(kv_m * self._scale)
+        transferred = self._clock()
+        if decode_m:
+            await asyncio.sleep(decode_m * self._scale)
         finished = self._clock()
         return PrefillResult(
             request_id=assignment.request.request_id,
             token=fake_token(assignment.request.request_id, self._vocab),
             started_at_s=started,
             prefill_s=prefilled - started,
-            kv_transfer_s=finished - prefilled,
-            first_decode_s=0.0,
+            kv_transfer_s=transferred - prefilled,
+            first_decode_s=finished - transferred,
             finished_at_s=finished,
             modelled_prefill_s=prefill_m,
-            modelled_handoff_s=handoff_m,
+            modelled_handoff_s=kv_m + decode_m,
         )
 
     async def close(self) -> None:

@@ -15,8 +15,25 @@ Rules (§5.2, §6.2, §8):
 * Adopting an EpochRecord with a newer epoch takes this worker's lifecycle from it (absent →
   UNAVAILABLE). Leaving ACTIVE hands back every queued, not-yet-started request (they are
   redirected, §6.2); the running one finishes under the old geometry.
-* Outstanding work = Σ predicted seconds of queued requests + the running one's predicted
-  remainder (elapsed wall time divided by the time scale, floored at 0).
+* A handed-back request is *redirecting*: it left the FIFO (it can never start here, so it is
+  never both redirected and executed) but this worker still owns it — it counts in
+  ``len``, ``queue_len`` and outstanding work, and a new assignment of its id is refused
+  (:class:`NotAccepting`) — until the adapter reports the redirect settled
+  (:meth:`WorkerCore.redirect_settled`: intake acknowledged it, it definitely failed and the
+  client was told, or the adapter gave up with the outcome logged). So a worker whose state
+  shows an empty queue has really handed everything back, and a stop in the middle of
+  redirecting loses nothing silently.
+* Exactly once across a scheduler crash (§8): an admitted job remembers its *source*, the
+  ``Nats-Msg-Id`` of the intake message the scheduler placed (header
+  :data:`INTAKE_MSG_HEADER` on the assignment). A scheduler that crashed after our ack re-sends
+  the assignment when that message is redelivered. If the job was handed back meanwhile, the
+  request already lives on in intake under the redirect's message, so the re-sent assignment
+  must neither run here nor be placed again: admission with the same source raises
+  :class:`Redirecting` while the redirect is unsettled (retry later; the scheduler keeps its
+  record) and :class:`HandedBack` once intake acknowledged the redirect (the scheduler acks the
+  old message). A different source (the redirect itself placed back here) is admitted.
+* Outstanding work = Σ predicted seconds of queued and redirecting requests + the running
+  one's predicted remainder (elapsed wall time divided by the time scale, floored at 0).
 * The worker's own prefix cache (:class:`~services.rankd.blockcache.BlockCache`, LRU) decides
   what is actually reused: when a request starts, its longest cached prefix of full blocks is
   looked up and pinned, and the request executes with that P (≤ L − 1, so R ≥ 1) whatever the
@@ -30,6 +47,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from services.cachemgr.events import CacheEvent, Snapshot
 from services.rankd.blockcache import BlockCache
@@ -46,7 +64,35 @@ from shared.schemas import (
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
 
 FINISHED_MEMORY = 65_536
-"""Finished request ids remembered for idempotent admission (≫ ack_wait × rate)."""
+"""Finished (and handed-back) request ids remembered for idempotent admission (≫ ack_wait ×
+rate)."""
+
+INTAKE_MSG_HEADER: Final[str] = "Vtm-Intake-Msg-Id"
+"""Assignment header: the ``Nats-Msg-Id`` of the intake message the scheduler placed."""
+REDIRECTING_CODE: Final[str] = "425"
+"""Micro error code of :class:`Redirecting` ("too early": retry; keep the assignment record)."""
+HANDED_BACK_CODE: Final[str] = "410"
+"""Micro error code of :class:`HandedBack` ("gone": intake holds the request under the
+redirect's message; ack the re-sent one, place nothing)."""
+
+def rank_shares(recompute_tokens: int, degree: int) -> tuple[int, ...]:
+    """New tokens each rank of a degree-``degree`` CP worker prefills, by rank index.
+
+    The zigzag partition (services/rankd/engine/zigzag.py, paper §2.1): R is padded to a
+    multiple of 2C and cut into 2C chunks of L = R_pad / 2C; rank k owns chunks k and
+    2C − 1 − k, so each rank gets an early (cheap) and a late (expensive) chunk. Padding sits
+    at the end, so the last ranks' late chunks may hold fewer real tokens. Sums to R."""
+    if recompute_tokens < 1 or degree < 1:
+        raise InvalidInput(f"need R >= 1 and degree >= 1, got R={recompute_tokens}, "
+                           f"degree={degree}")
+    two_c = 2 * degree
+    ell = -(-recompute_tokens // two_c)
+
+    def real(chunk: int) -> int:
+        return max(0, min(ell, recompute_tokens - chunk * ell))
+
+    return tuple(real(k) + real(two_c - 1 - k) for k in range(degree))
+
 
 class NotAccepting(VertumnusError):
     """The worker is not ACTIVE (draining, switching, unavailable)."""
@@ -60,6 +106,15 @@ class QueueFull(VertumnusError):
     """The FIFO is at its bound."""
 
 
+class Redirecting(NotAccepting):
+    """The request is being handed back to intake by this worker (redirect not settled)."""
+
+
+class HandedBack(NotAccepting):
+    """This assignment's intake message was admitted here and then handed back: intake
+    acknowledged the redirect, which now carries the request (see module rules)."""
+
+
 @dataclass(slots=True)
 class Job:
     """One admitted request and what the adapter needs to finish it."""
@@ -70,6 +125,7 @@ class Job:
     started_at_s: float | None = None
     executed: Assignment | None = None  # the assignment with P, R as found at start
     pinned: tuple[BlockHash, ...] = ()
+    source: str | None = None  # Nats-Msg-Id of the intake message placed (INTAKE_MSG_HEADER)
 
     @property
     def request_id(self) -> str:
@@ -112,11 +168,16 @@ class WorkerCore:
         self.max_queue = max_queue
         self.time_scale = time_scale
         self._queue: deque[Job] = deque()
+        # Handed back to intake, publish not yet settled (see module rules); insertion order.
+        self._redirecting: dict[str, Job] = {}
         self._running: Job | None = None
         self._known: dict[str, Job] = {}
         # Recently finished request ids: a scheduler that crashed between our ack and its own
         # record re-sends the assignment; admission must stay idempotent after the run too.
         self._finished: OrderedDict[str, None] = OrderedDict()
+        # Request id → source of the admission whose redirect intake acknowledged (bounded
+        # like _finished): a re-sent assignment from that source is answered HandedBack.
+        self._handed_back: OrderedDict[str, str] = OrderedDict()
         self._seq = 0
         # The first record is adopted even if its epoch equals the configured start epoch.
         self._adopted_once = False
@@ -138,12 +199,23 @@ class WorkerCore:
     def running(self) -> Job | None:
         return self._running
 
+    @property
+    def queued(self) -> tuple[Job, ...]:
+        """Requests waiting in the FIFO (not started), in order."""
+        return tuple(self._queue)
+
+    @property
+    def redirecting(self) -> tuple[Job, ...]:
+        """Requests handed back to intake whose redirect is not settled yet, oldest first."""
+        return tuple(self._redirecting.values())
+
     def __len__(self) -> int:
-        """Requests waiting or running."""
-        return len(self._queue) + (self._running is not None)
+        """Requests waiting, being redirected or running."""
+        return len(self._queue) + len(self._redirecting) + (self._running is not None)
 
     def outstanding_s(self, now: float) -> float:
         total = sum(j.assignment.predicted_s for j in self._queue)
+        total += sum(j.assignment.predicted_s for j in self._redirecting.values())
         if self._running is not None and self._running.started_at_s is not None:
             elapsed = max(0.0, now - self._running.started_at_s) / self.time_scale
             total += max(0.0, self._running.assignment.predicted_s - elapsed)
@@ -176,12 +248,24 @@ class WorkerCore:
     # -- transitions ------------------------------------------------------------------------
 
     def admit(
-        self, a: Assignment, now: float, trace_carrier: Mapping[str, str] | None = None
+        self, a: Assignment, now: float, trace_carrier: Mapping[str, str] | None = None,
+        *, source: str | None = None,
     ) -> int:
-        """Queue ``a``; return the number of requests ahead of it (running included)."""
+        """Queue ``a``; return the number of requests ahead of it (running included).
+
+        ``source``: the intake message the scheduler placed (see module rules); None (an
+        older scheduler, a test) is never matched as handed back."""
         rid = a.request.request_id
         if rid in self._finished:
             return 0  # already served (its result went out); do not run it twice
+        redirecting = self._redirecting.get(rid)
+        if redirecting is not None:
+            # Handed back to intake and maybe already stored there: queueing it here too could
+            # run it twice. The scheduler retries later; by then the redirect has settled.
+            raise Redirecting(f"{rid} is being redirected by {self.worker_id}")
+        if source is not None and self._handed_back.get(rid) == source:
+            raise HandedBack(f"{rid} (intake message {source}) was handed back to intake by "
+                             f"{self.worker_id}")
         known = self._known.get(rid)
         if known is not None:
             if known is self._running:
@@ -197,8 +281,8 @@ class WorkerCore:
             raise EpochAhead(f"{self.worker_id} is at epoch {self.epoch}, assignment {a.epoch}")
         if len(self) >= self.max_queue:
             raise QueueFull(f"{self.worker_id} queue is full ({self.max_queue})")
-        position = len(self)
-        job = Job(a, accepted_at_s=now, trace_carrier=dict(trace_carrier or {}))
+        position = len(self._queue) + (self._running is not None)  # redirecting: not ahead
+        job = Job(a, accepted_at_s=now, trace_carrier=dict(trace_carrier or {}), source=source)
         self._queue.append(job)
         self._known[rid] = job
         return position
@@ -306,12 +390,34 @@ class WorkerCore:
         )
 
     def take_queued(self) -> tuple[Job, ...]:
-        """Remove and return every queued (not running) request, in order."""
+        """Hand back every queued (not running) request, in order: each leaves the FIFO and
+        becomes *redirecting* until :meth:`redirect_settled` (see module rules)."""
         jobs = tuple(self._queue)
         self._queue.clear()
         for j in jobs:
-            del self._known[j.request_id]
+            self._redirecting[j.request_id] = j
         return jobs
+
+    def redirect_settled(self, request_id: str, *, in_intake: bool = False) -> Job:
+        """The redirect of ``request_id`` is over: intake acknowledged it (``in_intake``), or it
+        failed, or its outcome is unknown and was logged. Forget the request. Raises
+        InvalidInput if it is not redirecting.
+
+        The id is not remembered as finished: it may legitimately come back to this worker
+        through intake (under the redirect's message) once the worker is ACTIVE again. With
+        ``in_intake`` its source is remembered, so a re-sent assignment of the *old* message
+        is answered :class:`HandedBack` (see module rules). Without it nothing is remembered:
+        a re-sent assignment is then refused as for any worker not ACTIVE, or admitted."""
+        job = self._redirecting.pop(request_id, None)
+        if job is None:
+            raise InvalidInput(f"{request_id} is not being redirected by {self.worker_id}")
+        del self._known[request_id]
+        if in_intake and job.source is not None:
+            self._handed_back[request_id] = job.source
+            self._handed_back.move_to_end(request_id)
+            if len(self._handed_back) > FINISHED_MEMORY:
+                self._handed_back.popitem(last=False)
+        return job
 
     def set_lifecycle(self, lifecycle: Lifecycle) -> tuple[Job, ...]:
         """Change lifecycle locally (e.g. shutdown); leaving ACTIVE returns queued jobs."""

@@ -8,8 +8,9 @@ lies in that range, all on one NATS connection:
 * on start, the workers come from the epoch record if one exists, else from ``initial``;
 * on every newer record, services for new workers in range are started (they read and adopt
   the record themselves, then acknowledge it per GPU), and services of workers that left the
-  composition are stopped: each has already adopted the record as UNAVAILABLE, redirected its
-  queue, and finishes its running request before stopping (bounded by ``drain_timeout_s``).
+  composition are stopped: each has already adopted the record as UNAVAILABLE and handed its
+  queue back to intake; its stop waits until intake has acknowledged every redirect (bounded
+  by ``redirect_timeout_s``) and its running request has finished (``drain_timeout_s``).
 
 This is how a split or merge happens in the live sim without restarting a process: the
 worker set changes; the process (and, with a real engine, the weights) stays.
@@ -34,6 +35,7 @@ from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput
 from shared.schemas import EpochRecord, SchemaError, decode
 from shared.service import epoch_kv
+from shared.tasks import cancel_and_wait, cancel_requested
 from shared.worker import GpuGroup, WorkerKind
 
 BackendFactory = Callable[[str, WorkerKind], ExecutionBackend]
@@ -163,11 +165,15 @@ class RankdHost:
             watcher = await epochs.watch(key)
             stack.push_async_callback(watcher.stop)
             follow = asyncio.create_task(self._follow(watcher), name="rankd-host-epochs")
-            stack.callback(follow.cancel)
+            # Awaited, not just cancelled: a follower still applying a record while the workers
+            # stop could start a new one after _stop_all (cancel_and_wait: shared/tasks.py).
+            stack.push_async_callback(cancel_and_wait, [follow], log)
             await self._stop.wait()
 
     async def _follow(self, watcher: object) -> None:
         async for entry in watcher:  # type: ignore[attr-defined]
+            if cancel_requested():  # a cancel swallowed inside a KV call (shared/tasks.py)
+                return
             if entry is None or not entry.value:
                 continue
             record = self._decode(entry.value)

@@ -4,11 +4,16 @@ Per process (one worker, its leader rank, for now):
 
 * micro service ``vtm-rankd`` with endpoint ``{prefix}.worker.{wid}.assign``: an Assignment
   in, an AssignmentAck out (queue position) or a micro error (400 malformed, 404 wrong worker,
-  409 not ACTIVE / epoch ahead / queue full). Admission is instant; execution is FIFO in a
-  background task through an :class:`~services.rankd.backend.ExecutionBackend`.
+  409 not ACTIVE / epoch ahead / queue full; for a re-sent assignment of a request this worker
+  handed back: 425 while the redirect is unsettled, 410 once intake holds it — see
+  :mod:`services.rankd.core`). Admission is instant; execution is FIFO in a background task
+  through an :class:`~services.rankd.backend.ExecutionBackend`.
 * after each request, a FirstToken on ``{prefix}.result.{rid}`` with TTFT stage timings
-  (wall seconds, see :mod:`services.rankd.backend`), and spans ``queue_wait`` and ``prefill``
-  parented to the assigning scheduler's trace context (predicted and modelled time on them).
+  (wall seconds, see :mod:`services.rankd.backend`), and spans ``queue_wait``, ``prefill``
+  (with one ``prefill_rank`` child per rank: rank, GPU, share of the new tokens),
+  ``kv_transfer`` and ``first_decode`` parented to the assigning scheduler's trace context
+  (predicted and modelled times on them; the last three from the backend's measured instants,
+  so the spans and the FirstToken's breakdown agree).
 * WorkerState in the worker-state KV bucket (key = worker id) on every change, coalesced, and
   at least every ``heartbeat_s`` (the liveness lease).
 * the worker's prefix cache (LRU, :mod:`services.rankd.blockcache`) decides the P actually
@@ -21,8 +26,19 @@ Per process (one worker, its leader rank, for now):
   worker leaving ACTIVE are redirected to intake (``Nats-Msg-Id`` =
   ``{rid}-r{epoch}-{worker}``, so the redirect is not de-duplicated against the original
   publish nor against another source's redirect of the same request).
-* shutdown (SIGINT/SIGTERM): stop admitting, redirect queued requests, let the running one
-  finish (bounded by ``drain_timeout_s``), publish a final UNAVAILABLE state, drain.
+* redirects run in their own tasks (not inside the epoch watcher, which a stop cancels) and
+  are pipelined (up to :data:`REDIRECT_WINDOW` publishes awaiting their acks at once). A
+  request stays this worker's (counted in ``queue_len``) until intake acknowledges it; a
+  publish whose ack does not come is retried with the same ``Nats-Msg-Id`` (de-duplicated by
+  the stream, so a retry never stores it twice) until ``redirect_timeout_s``. A redirect that
+  definitely failed (no intake stream, refused) is answered to the client with an error
+  FirstToken; one whose outcome is unknown (a timed-out publish may have been stored) is
+  logged and left to intake / the gateway's timeout, never answered twice.
+* shutdown (SIGINT/SIGTERM): stop admitting, redirect queued requests and wait for every
+  outstanding redirect (bounded by ``redirect_timeout_s``) while the running request finishes
+  (bounded by ``drain_timeout_s``), publish a final UNAVAILABLE state, drain. The waits come
+  before the connection drains: a JetStream publish on a draining connection never gets its
+  ack (the reply subscription is gone) and would sit out its whole timeout.
 
 No policy lives here: admission rules and bookkeeping are in :mod:`services.rankd.core`.
 """
@@ -31,20 +47,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Final
 
-from nats.errors import NoRespondersError
+import nats.errors
 from nats.js import JetStreamContext
-from nats.js.errors import NoStreamResponseError, NotFoundError
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
-from nats.micro.request import Request
+from nats.micro.request import Request, ServiceError
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
 
 from services.rankd.backend import ExecutionBackend, PrefillResult
-from services.rankd.core import Job, WorkerCore
+from services.rankd.core import (
+    HANDED_BACK_CODE,
+    INTAKE_MSG_HEADER,
+    REDIRECTING_CODE,
+    HandedBack,
+    Job,
+    Redirecting,
+    WorkerCore,
+    rank_shares,
+)
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput
 from shared.schemas import (
@@ -65,15 +94,29 @@ from shared.schemas import (
 )
 from shared.service import Endpoint, MicroService, epoch_kv, request_model, worker_state_kv
 from shared.subjects import micro_service_name
-from shared.telemetry import Stage, inject, record_span, stage_span
+from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_requested as _cancel_requested
+from shared.telemetry import Stage, extract, inject, record_span, tracer
 from shared.worker import Lifecycle
 
 VERSION: Final[str] = "0.1.0"
+WATCH_TASK: Final[str] = "rankd-epochs"
+REDIRECT_WINDOW: Final[int] = 64
+"""Redirect publishes awaiting their JetStream acks at once (pipelined, queue order kept)."""
+REDIRECT_ATTEMPT_S: Final[float] = 2.0
+"""Ack timeout of one redirect publish attempt (then retried, same ``Nats-Msg-Id``)."""
+STATE_MIN_INTERVAL_S: Final[float] = 0.05
+"""Least time between two WorkerState publications that change neither lifecycle nor epoch."""
 
 
 def _wire_json(wire: dict[str, object]) -> bytes:
     """JSON bytes of a core event's wire dict (validated again by the wire schema)."""
     return json.dumps(wire).encode()
+
+
+def _ns(t_s: float) -> int:
+    """Unix seconds → OpenTelemetry nanoseconds."""
+    return int(t_s * 1e9)
 
 
 def _nonneg(x: float) -> float:
@@ -127,6 +170,9 @@ class RankdService(MicroService):
             max_queue=settings.max_queue,
             time_scale=getattr(backend, "time_scale", 1.0),
         )
+        bind = getattr(backend, "bind_cache", None)
+        if callable(bind):  # a real engine keeps its KV in lockstep with this worker's cache
+            bind(self.core.cache)
         self._js: JetStreamContext | None = None
         self._state_kv: KeyValue | None = None
         self._work = asyncio.Event()  # something to start
@@ -135,6 +181,12 @@ class RankdService(MicroService):
         self._idle.set()
 
         self._events_lock = asyncio.Lock()  # cache events leave in event-id order
+        # Redirect tasks in flight: separate from the epoch watcher so a stop does not cancel
+        # them; _shutdown waits for them (bounded).
+        self._redirects: set[asyncio.Task[None]] = set()
+        # First tokens still in their KV handoff after the worker moved on (a backend with
+        # handoff_off_worker); _shutdown waits for them.
+        self._handoffs: set[asyncio.Task[None]] = set()
         self._update_metadata()
 
     # -- endpoints ----------------------------------------------------------------------------
@@ -164,6 +216,9 @@ class RankdService(MicroService):
 
     async def _on_cache_cmd(self, request: Request) -> CacheCommandResult:
         cmd = request_model(request, CacheCommand)
+        prepare = getattr(self.backend, "prepare_cache_command", None)
+        if callable(prepare):  # a real engine moves the KV first; cmd shrinks to what it holds
+            cmd = await prepare(cmd)
         result = self.core.apply_command(cmd)
         await self._publish_cache_events()
         self._dirty.set()
@@ -171,7 +226,13 @@ class RankdService(MicroService):
 
     async def _on_assign(self, request: Request) -> AssignmentAck:
         a = request_model(request, Assignment)
-        position = self.core.admit(a, self.clock(), trace_carrier=inject({}))
+        source = (request.headers or {}).get(INTAKE_MSG_HEADER)
+        try:
+            position = self.core.admit(a, self.clock(), trace_carrier=inject({}), source=source)
+        except HandedBack as exc:  # the scheduler acks its old message (core module rules)
+            raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc
+        except Redirecting as exc:  # the scheduler retries and keeps its record
+            raise ServiceError(code=REDIRECTING_CODE, description=str(exc)) from exc
         self._work.set()
         self._dirty.set()
         self.log.debug("admitted", request_id=a.request.request_id, position=position)
@@ -202,7 +263,7 @@ class RankdService(MicroService):
         tasks = [
             asyncio.create_task(self._executor(), name="rankd-executor"),
             asyncio.create_task(self._publisher(), name="rankd-state"),
-            asyncio.create_task(self._watch_epochs(watcher), name="rankd-epochs"),
+            asyncio.create_task(self._watch_epochs(watcher), name=WATCH_TASK),
         ]
         await self._publish_state()
 
@@ -213,14 +274,21 @@ class RankdService(MicroService):
         stack.push_async_callback(teardown)
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
-        redirected = self.core.set_lifecycle(Lifecycle.UNAVAILABLE)
-        await self._redirect(redirected)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.settings.drain_timeout_s):
-                await self._idle.wait()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # No epoch is adopted from here on (the watcher may still hold entries): cancelling it
+        # cannot split an adoption from its hand-back, which happen without an await between.
+        await cancel_and_wait([t for t in tasks if t.get_name() == WATCH_TASK], self.log)
+        self._hand_back(self.core.set_lifecycle(Lifecycle.UNAVAILABLE))
+
+        async def running_done() -> None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.drain_timeout_s):
+                    await self._idle.wait()
+
+        # Both bounded, concurrently: the stop takes max(redirects, running request).
+        await asyncio.gather(self._settle_redirects(), running_done())
+        if self._handoffs:  # each ends at its finished_at_s: a short, bounded wait
+            await asyncio.wait(set(self._handoffs), timeout=self.settings.drain_timeout_s)
+        await cancel_and_wait(tasks, self.log)
         running = self.core.running
         if running is not None:  # drain timed out mid-request
             self.core.finish(running.request_id, ok=False)
@@ -231,7 +299,7 @@ class RankdService(MicroService):
     # -- execution ----------------------------------------------------------------------------
 
     async def _executor(self) -> None:
-        while True:
+        while not _cancel_requested():
             await self._work.wait()
             self._work.clear()
             while (job := self.core.start_next(self.clock())) is not None:
@@ -259,12 +327,15 @@ class RankdService(MicroService):
             parent=job.trace_carrier,
             attributes={"vtm.worker_id": a.worker_id, "vtm.request_id": a.request.request_id},
         )
-        with stage_span(
-            Stage.PREFILL,
-            parent=job.trace_carrier,
+        ids = {"vtm.request_id": a.request.request_id, "vtm.worker_id": a.worker_id}
+        # The prefill span is current while the backend runs (anything it traces hangs under
+        # it) but ends where the backend measured the prefill's end: the KV handoff and the
+        # first decode that follow get spans of their own.
+        with tracer().start_as_current_span(
+            str(Stage.PREFILL),
+            context=extract(job.trace_carrier),
             attributes={
-                "vtm.request_id": a.request.request_id,
-                "vtm.worker_id": a.worker_id,
+                **ids,
                 "vtm.degree": a.degree,
                 "vtm.epoch": a.epoch,
                 "vtm.prefix_tokens": a.prefix_tokens,
@@ -273,13 +344,20 @@ class RankdService(MicroService):
                 "vtm.predicted_s": a.predicted_s,
                 "vtm.backend": self.backend.name,
             },
+            end_on_exit=False,
+            record_exception=False,
+            set_status_on_exception=False,
         ) as span:
             try:
                 result = await self.backend.prefill(a)
             except asyncio.CancelledError:
+                span.set_status(Status(StatusCode.ERROR, "cancelled (worker stopping)"))
+                span.end()
                 raise
             except Exception as exc:
                 span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                span.end()
                 if not isinstance(exc, InvalidInput):
                     self.log.exception("prefill failed", request_id=job.request_id)
                 self.core.finish(job.request_id, ok=False)
@@ -287,9 +365,81 @@ class RankdService(MicroService):
                 return
             span.set_attribute("vtm.modelled_prefill_s", result.modelled_prefill_s)
             span.set_attribute("vtm.actual_prefill_s", result.prefill_s)
+            prefilled = result.started_at_s + result.prefill_s
+            span.end(end_time=_ns(prefilled))
+            if span.get_span_context().trace_flags.sampled:  # unsampled: no span objects
+                self._record_rank_spans(job, result, prefilled, span, ids)
+        self._record_handoff_spans(job, result, prefilled, ids)
         self.core.finish(job.request_id, ok=True)
-        await self._publish_result(job, result)
+        await self._deliver_result(job, result)
         await self._publish_cache_events()
+
+    async def _deliver_result(self, job: Job, result: PrefillResult) -> None:
+        """Publish the first token now, or at ``result.finished_at_s`` when the backend freed
+        the worker at the prefill's end (SimBackend ``handoff_off_worker``: the KV handoff
+        and first decode run off this worker's FIFO, as in the simulator) — then from a task
+        of its own, so the next request starts meanwhile."""
+        delay = result.finished_at_s - self.clock()
+        if delay <= 0:
+            await self._publish_result(job, result)
+            return
+
+        async def at_first_token() -> None:
+            await asyncio.sleep(delay)
+            # Measured, as a blocking backend's stages are: a late timer lengthens the last
+            # stage (as a late sleep inside the backend would), not the control plane's share.
+            late = max(0.0, self.clock() - result.finished_at_s)
+            done = dataclasses.replace(result, first_decode_s=result.first_decode_s + late,
+                                       finished_at_s=result.finished_at_s + late)
+            try:
+                await self._publish_result(job, done)
+            except Exception:  # e.g. the connection closed under us
+                self.log.exception("first token publish failed", request_id=job.request_id)
+
+        task = asyncio.create_task(at_first_token(), name="rankd-handoff")
+        self._handoffs.add(task)
+        task.add_done_callback(self._handoffs.discard)
+
+    def _record_rank_spans(self, job: Job, result: PrefillResult, prefilled: float,
+                           prefill_span: Span, ids: dict[str, str]) -> None:
+        """One ``prefill_rank`` span per rank of the worker, children of ``prefill``: rank
+        index, GPU and the rank's share of the R new tokens (zigzag, :func:`rank_shares`).
+
+        Recorded by the leader on behalf of every rank: only the leader sees the request (in
+        the sim the other ranks are not processes at all; with the torch engine they follow
+        the leader's broadcast). The ranks of a CP prefill run in lockstep (an all-gather per
+        layer), so each rank's span covers the worker's measured prefill."""
+        a = job.executed or job.assignment
+        parent = trace.set_span_in_context(prefill_span)
+        shares = rank_shares(a.recompute_tokens, a.degree)
+        for rank, tokens in enumerate(shares):
+            record_span(Stage.PREFILL_RANK, start_s=result.started_at_s, end_s=prefilled,
+                        parent=parent,
+                        attributes={**ids, "vtm.rank": rank,
+                                    "vtm.gpu": self.core.group.first_gpu + rank,
+                                    "vtm.degree": a.degree, "vtm.rank_tokens": tokens,
+                                    "vtm.rank_share": tokens / a.recompute_tokens,
+                                    "vtm.recompute_tokens": a.recompute_tokens,
+                                    "vtm.prefix_tokens": a.prefix_tokens,
+                                    "vtm.backend": self.backend.name})
+
+    def _record_handoff_spans(self, job: Job, result: PrefillResult, prefilled: float,
+                              ids: dict[str, str]) -> None:
+        """``kv_transfer`` (KV handoff to decode) and ``first_decode`` (first decode iteration
+        → first token) spans from the backend's measured instants, siblings of ``prefill``
+        under the assignment's server span; the same durations go into the FirstToken."""
+        transferred = prefilled + result.kv_transfer_s
+        record_span(Stage.KV_TRANSFER, start_s=prefilled, end_s=transferred,
+                    parent=job.trace_carrier,
+                    attributes={**ids, "vtm.degree": job.assignment.degree,
+                                "vtm.total_tokens": job.assignment.request.input_len,
+                                "vtm.modelled_handoff_s": result.modelled_handoff_s,
+                                "vtm.backend": self.backend.name})
+        record_span(Stage.FIRST_DECODE, start_s=transferred,
+                    end_s=transferred + result.first_decode_s,
+                    parent=job.trace_carrier,
+                    attributes={**ids, "vtm.token": result.token,
+                                "vtm.backend": self.backend.name})
 
     async def _publish_result(self, job: Job, result: PrefillResult) -> None:
         a = job.assignment
@@ -324,34 +474,103 @@ class RankdService(MicroService):
         data, headers = encode(msg)
         await self.nc.publish(self.subjects.result(a.request.request_id), data, headers=headers)
 
+    def _hand_back(self, jobs: Sequence[Job]) -> None:
+        """Start redirecting ``jobs`` (just handed back by the core) in a task of their own.
+
+        Called right after the core call that handed them back, with no await in between, so
+        no cancellation can fall between the two."""
+        if not jobs:
+            return
+        task = asyncio.create_task(self._redirect(jobs), name="rankd-redirect")
+        self._redirects.add(task)
+        task.add_done_callback(self._redirects.discard)
+        self._dirty.set()
+
+    async def _settle_redirects(self) -> None:
+        """Stop: wait for outstanding redirects (each bounds itself by ``redirect_timeout_s``;
+        the wait adds one attempt's slack), then give up on any left, logging each id."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        pending = set(self._redirects)
+        if pending:
+            _, pending = await asyncio.wait(
+                pending, timeout=self.rsettings.redirect_timeout_s + REDIRECT_ATTEMPT_S
+            )
+            await cancel_and_wait(list(pending), self.log)
+            self.log.info("redirects settled at stop", waited_s=round(loop.time() - t0, 4),
+                          cancelled_tasks=len(pending))
+        for job in self.core.redirecting:  # only after a cancelled publish: outcome unknown
+            self.core.redirect_settled(job.request_id)
+            self.log.error("redirect outcome unknown at stop", request_id=job.request_id,
+                           worker=self.core.worker_id)
+
     async def _redirect(self, jobs: Sequence[Job]) -> None:
-        """Send queued requests back to intake for re-placement (§6.2), in queue order.
+        """Send handed-back requests to intake for re-placement (§6.2), in queue order,
+        :data:`REDIRECT_WINDOW` publishes in flight at a time; settle each in the core.
 
         ``Nats-Msg-Id`` = ``{rid}-r{epoch}-{worker}``: unique per hop (two sources of one merge
-        drain under the same epoch, and a request may be redirected by both).
-        KNOWN BUG (open): stopping the service while this loop runs loses the jobs not yet
-        republished (tests/live_accept: test_stopping_while_redirecting_loses_nothing)."""
+        drain under the same epoch, and a request may be redirected by both)."""
         epoch = self.core.epoch
-        for job in jobs:
-            await self._redirect_one(job, epoch)
+        deadline = asyncio.get_running_loop().time() + self.rsettings.redirect_timeout_s
+        for i in range(0, len(jobs), REDIRECT_WINDOW):
+            if _cancel_requested():  # a cancel swallowed inside a publish (cancel_and_wait)
+                raise asyncio.CancelledError
+            await asyncio.gather(
+                *(self._redirect_one(j, epoch, deadline) for j in jobs[i : i + REDIRECT_WINDOW])
+            )
 
-    async def _redirect_one(self, job: Job, epoch: int) -> None:
+    async def _redirect_one(self, job: Job, epoch: int, deadline: float) -> None:
+        """Publish one redirect until intake acknowledges it or ``deadline`` (loop time)
+        passes; then settle it in the core. Never raises but CancelledError (the job then
+        stays *redirecting*; :meth:`_settle_redirects` deals with it)."""
         assert self._js is not None
+        loop = asyncio.get_running_loop()
         req = job.assignment.request
+        rid = req.request_id
         data, headers = encode(req)
-        headers["Nats-Msg-Id"] = f"{req.request_id}-r{epoch}-{self.core.worker_id}"
+        headers["Nats-Msg-Id"] = f"{rid}-r{epoch}-{self.core.worker_id}"
         headers.update(req.trace_context)
-        try:
-            ack = await self._js.publish(self.subjects.intake_requests(), data, headers=headers)
-        except (NoStreamResponseError, NoRespondersError, TimeoutError) as exc:
-            await self._publish_failure(job, f"redirect failed: {exc}")
+        maybe_stored = False  # an attempt timed out: intake may hold it without our ack
+        error: str | None = None
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                error = f"not acknowledged by intake within {self.rsettings.redirect_timeout_s} s"
+                break
+            if self.nc.is_closed or self.nc.is_draining:
+                error = "connection closing"  # its ack could never arrive (module docstring)
+                break
+            try:
+                ack = await self._js.publish(self.subjects.intake_requests(), data,
+                                             headers=headers,
+                                             timeout=min(left, REDIRECT_ATTEMPT_S))
+            except TimeoutError:
+                maybe_stored = True  # retry: the same Nats-Msg-Id is de-duplicated
+                continue
+            except nats.errors.Error as exc:  # no intake stream, refused, connection closed
+                error = f"{type(exc).__name__}: {exc}"
+                break
+            if ack.duplicate:
+                # A retry after a lost ack, or a de-duplicated hop: it is in intake either way.
+                self.log.warning("redirect de-duplicated by the intake stream",
+                                 request_id=rid, worker=self.core.worker_id, epoch=epoch)
+            else:
+                self.log.info("redirected", request_id=rid, worker=self.core.worker_id,
+                              epoch=epoch)
+            break
+        self.core.redirect_settled(rid, in_intake=error is None)
+        self._dirty.set()
+        if error is None:
             return
-        if ack.duplicate:
-            self.log.warning("redirect de-duplicated by the intake stream",
-                             request_id=req.request_id, worker=self.core.worker_id, epoch=epoch)
-        else:
-            self.log.info("redirected", request_id=req.request_id,
-                          worker=self.core.worker_id, epoch=epoch)
+        if maybe_stored:
+            # Intake may serve it: an error answer now could contradict its real first token.
+            self.log.error("redirect outcome unknown", request_id=rid,
+                           worker=self.core.worker_id, error=error)
+            return
+        self.log.error("redirect failed", request_id=rid, worker=self.core.worker_id,
+                       error=error)
+        with contextlib.suppress(Exception):  # the connection may be closing
+            await self._publish_failure(job, f"redirect failed: {error}")
 
     # -- cache events ---------------------------------------------------------------------------
 
@@ -374,12 +593,24 @@ class RankdService(MicroService):
         await self._state_kv.put(self.core.worker_id, to_json(state))
 
     async def _publisher(self) -> None:
-        while True:
+        loop = asyncio.get_running_loop()
+        last_key: tuple[Lifecycle, int] | None = None
+        last_t = -math.inf
+        while not _cancel_requested():
             # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
             # races with the event being set, and shutdown would then wait forever.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.rsettings.heartbeat_s):
                     await self._dirty.wait()
+            # Coalesce under load: every admit/start/finish marks the state dirty, and each
+            # publication is fanned out to every watcher (scheduler, controller, cache
+            # manager). Queue-length changes go out at most every STATE_MIN_INTERVAL_S; a
+            # lifecycle or epoch change goes out at once.
+            key = (self.core.lifecycle, self.core.epoch)
+            wait = last_t + STATE_MIN_INTERVAL_S - loop.time()
+            if key == last_key and wait > 0:
+                await asyncio.sleep(wait)
+            last_key, last_t = (self.core.lifecycle, self.core.epoch), loop.time()
             self._dirty.clear()
             try:
                 await self._publish_state()
@@ -388,6 +619,8 @@ class RankdService(MicroService):
 
     async def _watch_epochs(self, watcher: KeyValue.KeyWatcher) -> None:
         async for entry in watcher:
+            if _cancel_requested():
+                return
             if entry is None or not entry.value:  # end of initial values / delete marker
                 continue
             await self._adopt_payload(entry.value)
@@ -407,8 +640,8 @@ class RankdService(MicroService):
             lifecycle=adoption.lifecycle.value,
             member=adoption.member,
         )
+        self._hand_back(adoption.redirected)  # no await since core.adopt (see _hand_back)
         self._update_metadata()
-        await self._redirect(adoption.redirected)
         if adoption.member:
             now = self.clock()
             for gpu in self.core.group.gpus:

@@ -21,10 +21,16 @@ worker-state KV (watch all keys)       rebuild the ClusterView (lease: a state w
                                        marks the worker stale in the trie and the adapter asks
                                        ``{prefix}.cache.snapshot.{wid}`` for a snapshot, which
                                        it applies
-``{prefix}.result.*`` (FirstToken)     ``core.finish``: release the reservation
+``{prefix}.result.*`` (FirstToken)     ``core.finish``: release the reservation; the worker's
+                                       next queued request started when this prefill ended
+                                       (``core.start``, FIFO order)
 the worker's AssignmentAck             ``queue_position == 0`` (nothing ahead on the FIFO
                                        worker) → ``core.start``: its prefill starts now
 =====================================  ===========================================================
+
+Placement is sequential, in intake order; the round trips after it (record store, the
+worker's AssignmentAck, the intake ack) of up to ``max_inflight`` requests overlap, so the
+rate is bounded by CPU, not by one request's round-trip latency (see ``handle_intake``).
 
 Idempotency (at-least-once intake, at-most-once dispatch per intake message): the record in
 the ``{STEM}_ASSIGNMENTS`` KV bucket, key = request id, holds the intake *stream sequence* (and
@@ -36,7 +42,11 @@ the same request id (a redirect from a draining worker, which rankd republishes 
 ``Nats-Msg-Id`` ``{rid}-r{epoch}``, or a client reusing its id after the duplicate window) is
 placed again, the old reservation released. A ``dispatching`` record (we crashed
 between recording and the worker's ack) is re-sent to the *same* worker; rankd's admission is
-idempotent on request id.
+idempotent on request id. The assignment carries the message's ``Nats-Msg-Id`` (header
+``Vtm-Intake-Msg-Id``): if the worker had admitted it and handed it back to intake meanwhile,
+it answers 410 (the redirect is stored: this message is acked, nothing placed) or 425 (the
+redirect is in flight: NAK, record kept). A redelivery whose record names a *newer* stream
+sequence was superseded by such a redirect (already placed) and is acked without placement.
 
 Failure handling: no eligible worker, or the worker refused / did not answer → the reservation
 is released and the message is NAK'ed with ``retry_delay_s``; on its last delivery
@@ -47,7 +57,9 @@ Tracing: a ``schedule`` span, child of the gateway's root span (context from the
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
 terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,excluded}``) plus the whole decision as
 JSON (``vtm.decision``). ``intake_wait`` is recorded from the gateway's arrival stamp to the
-dequeue.
+dequeue. Both only for a sampled trace (the ``traceparent`` flag; a message without any trace
+context starts a root, sampled by ratio): an unsampled request builds no span and no
+attributes, and its carrier is passed on to the worker unchanged.
 
 It publishes RequestStats (shared/schemas.py) on ``{prefix}.cache.stats.{reporter}`` and
 keeps AssignmentRecord (defined here) in the assignment bucket.
@@ -75,12 +87,13 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
-from opentelemetry import trace
 from pydantic import Field, field_validator
 
+from services import calibration
 from services.cachemgr.events import MalformedEvent, Snapshot, event_from_wire
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from services.controller.windows import DEFAULT_WINDOW_S, DemandWindows
+from services.rankd.core import HANDED_BACK_CODE, INTAKE_MSG_HEADER, REDIRECTING_CODE
 from services.scheduler.core import SchedulerCore
 from services.scheduler.decision import Decision
 from services.scheduler.errors import NoEligibleWorker, UnknownRequest
@@ -121,11 +134,21 @@ from shared.service import (
 )
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, micro_service_name, validate_subject, validate_token
-from shared.telemetry import Stage, extract, inject, record_span, stage_span
+from shared.tasks import cancel_and_wait
+from shared.telemetry import (
+    Stage,
+    inject,
+    is_sampled,
+    record_span,
+    stage_span,
+    traceparent_of,
+)
 from shared.worker import Lifecycle
 
 VERSION: Final[str] = "0.1.0"
 MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
+HANDED_BACK: Final[int] = int(HANDED_BACK_CODE)
+REDIRECTING: Final[int] = int(REDIRECTING_CODE)
 ASSIGNMENT_TTL_S: Final[float] = 3600.0
 
 
@@ -147,7 +170,8 @@ class SchedulerSettings(ServiceSettings):
     policy_params: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword parameters of the policy (JSON object in the environment), e.g. "
-        '{"beta": 1.5, "lam": 0.5} for vertumnus; unknown names are rejected at start.',
+        '{"beta": 1.5, "lam": 0.5} for vertumnus; unknown names are rejected at start. Unset '
+        "weights of vertumnus default to the calibrated ones (services/calibration.py BETA, LAM).",
     )
     profile_path: Path | None = Field(
         default=None,
@@ -184,7 +208,22 @@ class SchedulerSettings(ServiceSettings):
         ge=0,
         description="NAK delay when no worker is eligible or the worker refused.",
     )
+    hold_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="When no worker is eligible (e.g. every one is switching during a "
+        "reconfiguration), keep the message and place it as soon as the worker view changes, "
+        "for up to this long; only then NAK it with retry_delay_s (which counts against "
+        "max_deliver). 0: NAK at once.",
+    )
     fetch_batch: int = Field(default=16, ge=1, description="Intake messages per fetch.")
+    max_inflight: int = Field(
+        default=256,
+        ge=1,
+        description="Intake messages placed and dispatched but not yet acknowledged by their "
+        "worker. Placement stays strictly sequential (message order); only the waits for the "
+        "worker's AssignmentAck and the record store overlap.",
+    )
     dispatch_timeout_s: float = Field(
         default=5.0, gt=0, description="Wait for the worker's AssignmentAck."
     )
@@ -333,7 +372,8 @@ def trace_carrier(headers: Mapping[str, str] | None, req: IntakeRequest) -> dict
     NOTE: a carrier (a plain dict), not an extracted ``Context``: ``Context`` subclasses dict,
     so shared.telemetry's ``stage_span``/``record_span`` would take it for headers.
     """
-    if headers and trace.get_current_span(extract(headers)).get_span_context().is_valid:
+    if traceparent_of(headers) is not None:  # NOTE: not extract(): this runs per request
+        assert headers is not None
         return {k: v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
     return dict(req.trace_context)
 
@@ -365,6 +405,8 @@ class SchedulerStats:
     placed: int = 0
     dispatched: int = 0
     redelivered_acked: int = 0
+    superseded_acked: int = 0  # an older message of a request placed again under a newer one
+    handed_back_acked: int = 0  # a re-sent assignment the worker had handed back to intake
     redirected: int = 0
     retried: int = 0
     failed: int = 0
@@ -374,6 +416,7 @@ class SchedulerStats:
     gaps: int = 0
     snapshots_applied: int = 0
     windows_reported: int = 0
+    starts_inferred: int = 0
 
 
 class SchedulerService(MicroService):
@@ -407,7 +450,8 @@ class SchedulerService(MicroService):
             settings.policy,
             profile=profile,
             rng=random.Random(settings.seed),
-            **settings.policy_params,
+            # The calibrated weights unless the operator set them (services/calibration.py).
+            **{**calibration.policy_params(settings.policy), **settings.policy_params},
         )
         self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size))
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
@@ -420,6 +464,10 @@ class SchedulerService(MicroService):
         self._js: JetStreamContext | None = None
         self._records: KeyValue | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(settings.max_inflight)
+        # Resolved (and dropped) when the worker view changes; made by the first held request.
+        self._view_changed: asyncio.Future[None] | None = None
 
     # -- endpoints ----------------------------------------------------------------------------
 
@@ -480,9 +528,17 @@ class SchedulerService(MicroService):
         ]
 
         async def teardown() -> None:
-            for t in self._tasks:
-                t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            intake = [t for t in self._tasks if t.get_name() == "sched-intake"]
+            # No new intake; dispatches already sent may complete. cancel_and_wait: a cancel
+            # racing a fetch's reply is dropped on 3.11 (shared/tasks.py).
+            await cancel_and_wait(intake, self.log)
+            await self._finish_inflight(self.ssettings.dispatch_timeout_s)
+            # Records sent without waiting (``dispatched``): stored before we go, so a
+            # restarted scheduler finds them (bounded; each is also cancelled on its own).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(js.publish_async_completed(),
+                                       self.ssettings.dispatch_timeout_s)
+            await cancel_and_wait(self._tasks, self.log)
             with contextlib.suppress(Exception):
                 await watcher.stop()
             for sub in (events, results):
@@ -524,6 +580,10 @@ class SchedulerService(MicroService):
         if views == self.core.view.workers:
             return
         self.core.set_view(ClusterView(views, block_size=st.block_size))
+        # Wake requests held for an eligible worker (see _place_held).
+        changed, self._view_changed = self._view_changed, None
+        if changed is not None and not changed.done():
+            changed.set_result(None)
         self.set_metadata(workers=str(len(views)))
         known = set(self.trie.workers())
         for w in views:
@@ -606,11 +666,42 @@ class SchedulerService(MicroService):
             result = decode(FirstToken, msg.data, msg.headers)
         except SchemaError:
             return
+        rid = result.request_id
         try:
-            self.core.finish(result.request_id, self.clock())
+            worker = self.core.worker_of(rid)
+            self.core.finish(rid, self.clock())
         except UnknownRequest:
             return  # placed by another replica, or already released
         self.stats.finished += 1
+        # The worker was free again when the prefill ended: the KV handoff and the first
+        # decode that follow it in TTFT run off its FIFO (as in the simulator).
+        st = result.stages
+        self._infer_next_start(worker, result.finished_at_s - st.kv_transfer_s
+                               - st.first_decode_s)
+
+    def _infer_next_start(self, worker: WorkerId, at_s: float) -> None:
+        """A worker serves its queue in order: when one request's result is out and nothing
+        else runs there, the oldest waiting request started when that one finished.
+
+        Without this, a request admitted behind others (AssignmentAck position > 0) would count
+        its *whole* prediction in q_w until its own result arrived, and the scheduler would see
+        every busy worker as fuller than it is — the simulator, which sees starts directly,
+        does not. The instant is when the worker's previous prefill ended (its clock: same
+        host), never before the request was placed. Estimates: with several scheduler
+        replicas a worker's FIFO also holds their requests, and a backend that keeps the
+        worker through the KV handoff starts the next one that much later; the next result
+        corrects either.
+        """
+        ld = self.core.loads.get(worker)
+        if ld is None or ld.running or not ld.waiting:
+            return
+        nxt = ld.queued()[0]
+        at = max(at_s, ld.assignment(nxt).reserved_at)
+        try:
+            self.core.start(nxt, min(at, self.clock()))
+        except VertumnusError:
+            return
+        self.stats.starts_inferred += 1
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -627,16 +718,49 @@ class SchedulerService(MicroService):
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                try:
-                    await self.handle_intake(msg)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    # Unexpected: leave it for redelivery (ack_wait) rather than lose it.
-                    self.log.exception("intake handling failed")
+                # NOTE: one task per message, started in message order. handle_intake does not
+                # suspend between its start and the moment the assignment is in the connection's
+                # write buffer (the rare redelivery path excepted: it reads the record first), so
+                # placements — and dispatches to any one worker — keep intake order, while the
+                # round trips of many requests overlap instead of adding up.
+                await self._slots.acquire()
+                task = asyncio.create_task(self._handle_guarded(msg), name="sched-dispatch")
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
+
+    async def _handle_guarded(self, msg: Msg) -> None:
+        try:
+            await self.handle_intake(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Unexpected: leave it for redelivery (ack_wait) rather than lose it.
+            self.log.exception("intake handling failed")
+        finally:
+            self._slots.release()
+
+    async def _finish_inflight(self, timeout_s: float) -> None:
+        """At shutdown: let dispatches already sent complete (bounded), then cancel the rest
+        (an unacked message is redelivered; its record makes the re-send idempotent)."""
+        pending = set(self._inflight)
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout_s)
+            await cancel_and_wait(late, self.log)
 
     async def handle_intake(self, msg: Msg) -> None:
-        """One intake delivery: idempotency, placement, dispatch, ack (see module docstring)."""
+        """One intake delivery: idempotency, placement, dispatch, ack (see module docstring).
+
+        Sequence (each step on the same NATS connection, so the server sees them in order):
+        place; send the ``dispatching`` record; send the Assignment to the worker; await the
+        worker's AssignmentAck and then the record's store acknowledgement; send the
+        ``dispatched`` record; ack the intake message. The record is sent *before* the
+        assignment without waiting for its store acknowledgement: bytes leave the connection
+        in order, so if the assignment reached the worker the record reached the server (a
+        SIGKILL after that cannot lose it). The ``dispatched`` record is not awaited either:
+        the intake ack right behind it is what stops redelivery; the record only narrows the
+        window in which a redelivery re-sends to the same worker (whose admission is
+        idempotent on request id).
+        """
         dequeued = self.clock()
         try:
             req = decode(IntakeRequest, msg.data, msg.headers)
@@ -657,8 +781,20 @@ class SchedulerService(MicroService):
             self.log.info("redelivered intake acked without dispatch", request_id=rid)
             await msg.ack()
             return
+        if record is not None and record.stream_seq > seq:
+            # A newer message of this request was placed: a worker admitted this one and
+            # handed it back (its redirect is that message), so the request lives on there.
+            # Placing this one too would run it twice.
+            self.stats.superseded_acked += 1
+            self.log.info("superseded intake message acked", request_id=rid,
+                          stream_seq=seq, newer_seq=record.stream_seq)
+            await msg.ack()
+            return
         parent = trace_carrier(msg.headers, req)
-        if delivery == 1:
+        # Unsampled (the usual case at a 1% ratio): no span objects or attributes at all; the
+        # carrier still travels with the assignment so the worker keeps the decision.
+        sampled = is_sampled(parent) or not parent
+        if delivery == 1 and sampled:
             record_span(Stage.INTAKE_WAIT, start_s=req.arrival_s, end_s=dequeued, parent=parent,
                         attributes={"vtm.request_id": rid})
         if record is not None and record.stream_seq != seq:
@@ -671,44 +807,131 @@ class SchedulerService(MicroService):
                 self.stats.redirected += 1
             self._release(rid)
 
-        with stage_span(Stage.SCHEDULE, parent=parent, attributes={
-            "vtm.request_id": rid, "vtm.scheduler": self.reporter,
-            "vtm.delivery": delivery}) as span:
+        span_cm: contextlib.AbstractContextManager[Any] = (
+            stage_span(Stage.SCHEDULE, parent=parent, attributes={
+                "vtm.request_id": rid, "vtm.scheduler": self.reporter,
+                "vtm.delivery": delivery}) if sampled else contextlib.nullcontext(None))
+        with span_cm as span:
+            stored: Any = None
             if record is not None:  # "dispatching": we crashed before the worker's ack
                 assignment, decision = await self._resume(req, record, dequeued), None
-                span.set_attribute("vtm.resumed", True)
+                if span is not None:
+                    span.set_attribute("vtm.resumed", True)
             else:
                 try:
-                    assignment, decision = self._place(req, dequeued)
+                    try:
+                        assignment, decision = self._place(req, dequeued)
+                    except NoEligibleWorker as first:
+                        assignment, decision = await self._place_held(req, first)
                 except NoEligibleWorker as exc:
-                    span.set_attribute("vtm.no_eligible_worker", str(exc))
+                    if span is not None:
+                        span.set_attribute("vtm.no_eligible_worker", str(exc))
                     await self._retry_or_fail(msg, req, str(exc))
                     return
-                span.set_attributes(decision_attributes(decision))
-                await self._put_record(assignment, seq, msg_id, "dispatching")
+                if span is not None:
+                    span.set_attributes(decision_attributes(decision))
+                stored = await self._put_record(assignment, seq, msg_id, "dispatching")
+            # The intake message's id lets the worker recognise a re-send of a message it
+            # has handed back (services/rankd/core.py, "Exactly once across a scheduler crash").
+            hdrs = {INTAKE_MSG_HEADER: msg_id} if sampled else {**parent, INTAKE_MSG_HEADER: msg_id}
             try:
                 ack = await call(self.nc, self.subjects.worker_assign(assignment.worker_id),
                                  assignment, AssignmentAck,
-                                 timeout_s=self.ssettings.dispatch_timeout_s)
+                                 timeout_s=self.ssettings.dispatch_timeout_s, headers=hdrs)
             except (RemoteError, SchemaError, nats.errors.NoRespondersError,
                     nats.errors.TimeoutError, TimeoutError) as exc:
-                span.set_attribute("vtm.dispatch_error", repr(exc))
+                if isinstance(exc, RemoteError) and exc.code in (HANDED_BACK, REDIRECTING):
+                    if span is not None:
+                        span.set_attribute("vtm.dispatch_error", repr(exc))
+                    await self._handed_back(msg, req, exc.code, stored, own=record is None)
+                    return
+                if span is not None:
+                    span.set_attribute("vtm.dispatch_error", repr(exc))
                 self._release(rid)
+                await self._settle(stored, rid)
                 await self._delete_record(rid)
                 await self._retry_or_fail(
                     msg, req, f"worker {assignment.worker_id} did not accept: {exc}")
                 return
-            await self._put_record(assignment, seq, msg_id, "dispatched")
-            self.stats.dispatched += 1
-            span.set_attribute("vtm.queue_position", ack.queue_position)
             if ack.queue_position == 0:
                 # Nothing ahead of it on a FIFO worker: its prefill starts now, so q_w counts
                 # only its remaining predicted time from here on.
                 with contextlib.suppress(VertumnusError):
                     self.core.start(rid, self.clock())
+            await self._settle(stored, rid)
+            done = await self._put_record(assignment, seq, msg_id, "dispatched")
+            if done is not None:  # not awaited (see above); bounded all the same
+                done.add_done_callback(self._log_store_failure)
+                asyncio.get_running_loop().call_later(
+                    self.ssettings.dispatch_timeout_s, done.cancel)
+            self.stats.dispatched += 1
+            if span is not None:
+                span.set_attribute("vtm.queue_position", ack.queue_position)
         await msg.ack()
         if decision is not None:
             await self._after_dispatch(req, assignment, decision)
+
+    async def _handed_back(self, msg: Msg, req: IntakeRequest, code: int, stored: Any, *,
+                           own: bool) -> None:
+        """The worker had admitted this message's assignment before and handed it back to
+        intake (410: its redirect, a newer message, is stored there: ack this one) or is
+        handing it back now (425: retry, *keeping* the record so the next delivery asks the
+        same worker again). Deleting the record or placing afresh could run it twice.
+        ``own``: this delivery placed it (else it re-sent a recorded assignment and the core
+        holds no reservation of this delivery)."""
+        rid = req.request_id
+        if own:
+            self._release(rid)
+        await self._settle(stored, rid)
+        if code == HANDED_BACK:
+            self.stats.handed_back_acked += 1
+            self.log.info("re-sent assignment had been handed back; acked", request_id=rid)
+            await msg.ack()
+            return
+        await self._retry_or_fail(msg, req, "the worker is handing it back to intake")
+
+    async def _settle(self, stored: Any, rid: str) -> None:
+        """Wait for a record's store acknowledgement; a failure is logged, not fatal (the
+        assignment itself went through; only a crash-restart would have needed the record)."""
+        if stored is None:
+            return
+        try:
+            # NOTE: publish_async futures have no timeout of their own; wait_for cancels a
+            # late one, which also frees its slot in nats-py's pending-publish semaphore.
+            await asyncio.wait_for(stored, self.ssettings.dispatch_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # TimeoutError included
+            self.log.warning("assignment record not stored", request_id=rid, error=repr(exc))
+
+    def _log_store_failure(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            self.log.warning("dispatched record not acknowledged in time")
+        elif fut.exception() is not None:
+            self.log.warning("dispatched record not stored", error=repr(fut.exception()))
+
+    async def _place_held(self, req: IntakeRequest, why: NoEligibleWorker
+                          ) -> tuple[Assignment, Decision]:
+        """No worker is eligible now: keep the message and try again at each change of the
+        worker view, for up to ``hold_s``; raise NoEligibleWorker after that.
+
+        A NAK would put the request back for ``retry_delay_s`` whatever happens meanwhile, so
+        a request arriving while every worker switches (a multi-op reconfiguration) would wait
+        up to that much *after* a worker is back; the simulator places it the moment one is.
+        The wait counts as intake wait (``dequeued_at_s`` is when it is finally placed).
+        Raises the last NoEligibleWorker (its reason names every worker's exclusion)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ssettings.hold_s
+        while (left := deadline - loop.time()) > 0:
+            if self._view_changed is None:
+                self._view_changed = loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._view_changed), left)
+            try:
+                return self._place(req, self.clock())
+            except NoEligibleWorker as exc:
+                why = exc
+        raise why
 
     def _place(self, req: IntakeRequest, dequeued: float) -> tuple[Assignment, Decision]:
         hashes = tuple(req.block_hashes)
@@ -787,7 +1010,7 @@ class SchedulerService(MicroService):
 
     async def _after_dispatch(self, req: IntakeRequest, a: Assignment, d: Decision) -> None:
         now = self.clock()
-        stats = RequestStats(
+        stats = RequestStats.model_construct(  # every field from validated messages
             request_id=req.request_id, reporter=self.reporter, worker_id=a.worker_id,
             degree=a.degree, input_len=req.input_len, block_hashes=list(req.block_hashes),
             reused_blocks=d.reused_blocks, prefix_tokens=d.prefix_tokens,
@@ -832,14 +1055,19 @@ class SchedulerService(MicroService):
         except SchemaError:
             return None
 
-    async def _put_record(self, a: Assignment, seq: int, msg_id: str, state: str) -> None:
-        assert self._records is not None
-        rec = AssignmentRecord(
+    async def _put_record(self, a: Assignment, seq: int, msg_id: str, state: str
+                          ) -> asyncio.Future[Any] | None:
+        """Send the record (in the connection's write buffer on return) and return the future
+        of its store acknowledgement; the caller decides whether to wait for it."""
+        assert self._js is not None and self._records is not None
+        rec = AssignmentRecord.model_construct(  # built from validated values: no re-check
             request_id=a.request.request_id, stream_seq=seq, msg_id=msg_id, worker_id=a.worker_id,
-            epoch=a.epoch, degree=a.degree, predicted_s=a.predicted_s, state=state,  # type: ignore[arg-type]
+            epoch=a.epoch, degree=a.degree, predicted_s=a.predicted_s, state=state,
             scheduler=self.reporter, assigned_at_s=a.assigned_at_s,
         )
-        await self._records.put(a.request.request_id, to_json(rec))
+        # The KV bucket's subject for the key (what KeyValue.put publishes to), asynchronously.
+        return await self._js.publish_async(
+            f"$KV.{assignment_bucket(self.subjects)}.{a.request.request_id}", to_json(rec))
 
     async def _delete_record(self, rid: str) -> None:
         assert self._records is not None

@@ -260,6 +260,38 @@ async def test_epoch_adoption_acks_drain_and_redirect(
     await res_sub.unsubscribe()
 
 
+async def test_redirect_that_cannot_reach_intake_is_answered_not_lost(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """No intake stream: each handed-back request gets exactly one error FirstToken (never a
+    silent loss), and the worker keeps counting it until then (its state never shows an empty
+    queue with requests unaccounted for)."""
+    s = Subjects(uniq)
+    svc, task = await start_rankd(
+        nats_server.url, uniq, SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0),
+        drain_timeout_s=0.5,
+    )
+    sub, results, done = await collect(nc, s.result_all(), 2, FirstToken)
+    for rid in ("q-1", "q-2", "q-3"):
+        await call(nc, s.worker_assign(WID), assignment(rid), AssignmentAck, timeout_s=WAIT_S)
+    assert len(svc.core) == 3
+    epochs = await nc.jetstream().key_value(s.epoch_bucket())
+    await epochs.put(
+        s.epoch_key(),
+        to_json(EpochRecord(epoch=1, committed_at_s=time.time(), workers=[
+            EpochWorker(worker_id=WID, first_gpu=2, degree=2, lifecycle=Lifecycle.DRAINING)])),
+    )
+    await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+    assert sorted(r.request_id for r in results) == ["q-2", "q-3"]  # q-1 runs in place
+    assert all(r.token is None and "redirect failed" in (r.error or "") for r in results)
+    assert svc.core.redirecting == () and len(svc.core) == 1
+    await asyncio.sleep(0.2)  # nothing else arrives for them
+    assert len(results) == 2
+    await sub.unsubscribe()
+    svc.request_stop()
+    await asyncio.wait_for(task, timeout=WAIT_S)
+
+
 async def test_main_process_stops_on_sigterm(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:

@@ -41,6 +41,44 @@ async def test_uses_injected_time_function_and_scale() -> None:
     assert res.token == fake_token("r-1")
 
 
+async def test_kv_transfer_and_first_decode_are_separate_consecutive_stages() -> None:
+    ticks = iter(range(100))
+    backend = SimBackend(
+        prefill_time=lambda r, p, c, kind="cp": 2.0,
+        handoff_time=lambda n, c: n / 100 / c,  # 100 tokens over degree 2: 0.5
+        first_decode_time=lambda n, c: 0.25,
+        time_scale=0.001,
+        clock=lambda: float(next(ticks)),  # each stage boundary reads the clock once
+    )
+    a = assignment()
+    assert backend.modelled_stages(a) == (2.0, 0.5, 0.25)
+    assert backend.modelled_times(a) == (2.0, 0.75)  # handoff = KV transfer + first decode
+    res = await backend.prefill(a)
+    assert (res.started_at_s, res.prefill_s, res.kv_transfer_s, res.first_decode_s) == (
+        0.0, 1.0, 1.0, 1.0)
+    assert res.finished_at_s == res.started_at_s + res.prefill_s + res.kv_transfer_s + (
+        res.first_decode_s)
+    assert res.modelled_handoff_s == 0.75
+    bad = SimBackend(first_decode_time=lambda n, c: -1.0)
+    with pytest.raises(InvalidInput, match="first decode"):
+        await bad.prefill(a)
+
+
+def test_rankd_sim_times_stages_by_the_ground_truth() -> None:
+    from shared.worker import WorkerKind
+    from sim.groundtruth import DEFAULT_GROUND_TRUTH
+    from vertumnus.live.rankd_sim import SimRankdSettings, backend_factory
+
+    for truth in ("exact", "noisy"):
+        make = backend_factory(SimRankdSettings(truth=truth, time_scale=0.01))
+        backend = make("w-cp2-g0", WorkerKind.CP)
+        a = assignment()
+        _, kv, decode = backend.modelled_stages(a)  # type: ignore[attr-defined]
+        assert kv == DEFAULT_GROUND_TRUTH.kv_handoff_time(100, 2)
+        assert kv + decode == pytest.approx(DEFAULT_GROUND_TRUTH.external_time(100, 2))
+        assert decode == DEFAULT_GROUND_TRUTH.surroundings.first_decode_s > 0
+
+
 async def test_defaults_to_prediction_and_validates() -> None:
     backend = SimBackend(time_scale=0.001)
     assert backend.modelled_times(assignment(0.25)) == (0.25, 0.0)

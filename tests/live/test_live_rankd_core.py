@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
+import contextlib
 
-from services.rankd.core import EpochAhead, NotAccepting, QueueFull, WorkerCore
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.rankd.core import (
+    EpochAhead,
+    HandedBack,
+    NotAccepting,
+    QueueFull,
+    Redirecting,
+    WorkerCore,
+)
 from shared.ids import InvalidInput, UnknownWorker
 from shared.schemas import (
     Assignment,
@@ -83,10 +94,13 @@ def test_refusals_change_nothing() -> None:
     with pytest.raises(EpochAhead):
         core.admit(assignment("x", epoch=4), 0.0)
     assert core.admit(assignment("x", epoch=2), 0.0) == 0  # lagging scheduler view is fine
-    core.set_lifecycle(Lifecycle.DRAINING)
+    handed = core.set_lifecycle(Lifecycle.DRAINING)
+    assert [j.request_id for j in handed] == ["x"]  # leaving ACTIVE handed "x" back
     with pytest.raises(NotAccepting):
         core.admit(assignment("y", epoch=3), 0.0)
-    assert len(core) == 0  # leaving ACTIVE handed "x" back
+    assert len(core) == 1  # "x" is still this worker's until its redirect settles
+    core.redirect_settled("x")
+    assert len(core) == 0
 
 
 def test_epoch_adoption_and_redirects() -> None:
@@ -103,6 +117,102 @@ def test_epoch_adoption_and_redirects() -> None:
     assert core.running is not None and core.running.request_id == "a"  # finishes in place
     gone = core.adopt(record(3, None))
     assert not gone.member and gone.lifecycle is Lifecycle.UNAVAILABLE and core.epoch == 3
+
+
+def test_redirecting_jobs_stay_owned_until_settled_and_never_start() -> None:
+    core = WorkerCore(WID, time_scale=1.0)
+    for r, predicted in (("a", 1.0), ("b", 2.0), ("c", 4.0)):
+        core.admit(assignment(r, predicted=predicted), 0.0)
+    core.start_next(0.0)
+    handed = core.adopt(record(1, Lifecycle.DRAINING)).redirected
+    assert [j.request_id for j in handed] == ["b", "c"]
+    assert [j.request_id for j in core.redirecting] == ["b", "c"]
+    # Still counted: the state must not show an empty (drained) queue before intake has them.
+    assert len(core) == 3 and core.state(0.0).queue_len == 3
+    assert core.outstanding_s(0.0) == pytest.approx(1.0 + 2.0 + 4.0)
+    # Never executed here: the FIFO no longer holds them, even after the running one ends.
+    core.finish("a")
+    assert core.start_next(1.0) is None
+    # A new assignment of an id being redirected is refused, whatever the lifecycle.
+    core.set_lifecycle(Lifecycle.ACTIVE)
+    with pytest.raises(NotAccepting):
+        core.admit(assignment("b", epoch=1), 1.0)
+    assert core.redirect_settled("b").request_id == "b"
+    with pytest.raises(InvalidInput):
+        core.redirect_settled("b")  # settled once
+    with pytest.raises(InvalidInput):
+        core.redirect_settled("a")  # finished, never redirected
+    assert [j.request_id for j in core.redirecting] == ["c"] and len(core) == 1
+    # Once settled, the id may come back through intake and run here (not "finished").
+    assert core.admit(assignment("b", epoch=1), 2.0) == 0
+    assert core.start_next(2.0).request_id == "b"  # type: ignore[union-attr]
+    core.redirect_settled("c")
+    assert len(core) == 1 and core.outstanding_s(2.0) == pytest.approx(1.0)  # "b" running
+
+
+def test_resent_assignment_of_a_handed_back_message_is_recognised() -> None:
+    """A scheduler that crashed after our ack re-sends the assignment of the same intake
+    message (source): while the redirect is unsettled it is Redirecting; once intake holds the
+    redirect it is HandedBack — even after the worker is ACTIVE again — while the redirect's
+    own message (another source) is admitted; a redirect that failed remembers nothing."""
+    core = WorkerCore(WID)
+    for r in ("x", "y"):
+        core.admit(assignment(r), 0.0, source=r)
+    core.start_next(0.0)
+    core.admit(assignment("z"), 0.0, source="z")
+    core.adopt(record(1, Lifecycle.DRAINING))
+    assert [j.request_id for j in core.redirecting] == ["y", "z"]
+    with pytest.raises(Redirecting):
+        core.admit(assignment("y", epoch=1), 1.0, source="y")
+    with pytest.raises(Redirecting):  # any source: it may already be in intake
+        core.admit(assignment("y", epoch=1), 1.0, source="y-r1-" + WID)
+    core.redirect_settled("y", in_intake=True)
+    core.redirect_settled("z")  # failed / outcome unknown: nothing remembered
+    with pytest.raises(HandedBack):
+        core.admit(assignment("y", epoch=1), 1.0, source="y")
+    with pytest.raises(NotAccepting) as exc:  # not ACTIVE, and not this source
+        core.admit(assignment("z", epoch=1), 1.0, source="z")
+    assert not isinstance(exc.value, HandedBack)
+    core.adopt(record(2, Lifecycle.ACTIVE))
+    with pytest.raises(HandedBack):
+        core.admit(assignment("y", epoch=2), 2.0, source="y")
+    with pytest.raises(HandedBack):
+        core.admit(assignment("y", epoch=2), 2.0, source="y")  # refused, nothing changed
+    assert len(core) == 1  # "x" still running
+    # The redirect's own message placed back here, and a scheduler sending no source: admitted.
+    assert core.admit(assignment("y", epoch=2), 2.0, source="y-r1-" + WID) == 1
+    assert core.admit(assignment("z", epoch=2), 2.0) == 2
+    assert [j.source for j in core.queued] == ["y-r1-" + WID, None]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "start", "finish", "drain", "activate",
+                                           "settle"]), st.integers(0, 5)), max_size=60))
+def test_a_handed_back_job_never_starts_and_is_counted_until_settled(
+        ops: list[tuple[str, int]]) -> None:
+    core = WorkerCore(WID)
+    # Job objects handed back, kept alive so identities stay unique (re-admission = new Job).
+    handed: dict[int, object] = {}
+    epoch = 0
+    for op, k in ops:
+        rid = f"r{k}"
+        if op == "admit":
+            with contextlib.suppress(NotAccepting):
+                core.admit(assignment(rid, epoch=epoch), 0.0)
+        elif op == "start":
+            job = core.start_next(0.0)
+            assert job is None or id(job) not in handed  # never both redirected and run
+        elif op == "finish" and core.running is not None:
+            core.finish(core.running.request_id)
+        elif op in ("drain", "activate"):
+            epoch += 1
+            lc = Lifecycle.DRAINING if op == "drain" else Lifecycle.ACTIVE
+            handed.update({id(j): j for j in core.adopt(record(epoch, lc)).redirected})
+        elif op == "settle" and core.redirecting:
+            core.redirect_settled(core.redirecting[k % len(core.redirecting)].request_id)
+        queued = core.state(0.0).queue_len - len(core.redirecting) - (core.running is not None)
+        assert queued >= 0 and len(core) == core.state(0.0).queue_len
+        assert all(id(j) in handed for j in core.redirecting)
 
 
 def test_first_record_adopted_even_at_same_epoch() -> None:
@@ -203,3 +313,40 @@ def test_cache_commands() -> None:
                 command_id="c8", worker_id=WID, epoch=2, blocks=[9, 5], source_worker="w-cp4-g0"
             )
         )
+
+
+def test_rank_shares_follow_the_zigzag_partition() -> None:
+    from services.rankd.core import rank_shares
+
+    # Hand-derived: R = 10, C = 2 → L = 3, chunks [0,3) [3,6) [6,9) [9,10); rank 0 owns
+    # chunks 0 and 3 (3 + 1), rank 1 chunks 1 and 2 (3 + 3).
+    assert rank_shares(10, 2) == (4, 6)
+    assert rank_shares(13, 4) == (2, 3, 4, 4)  # L = 2, R_pad = 16: padding in chunks 6, 7
+    assert rank_shares(8, 4) == (2, 2, 2, 2)
+    assert rank_shares(1, 4) == (1, 0, 0, 0)
+    assert rank_shares(7, 1) == (7,)
+    for bad in ((0, 2), (5, 0)):
+        with pytest.raises(InvalidInput):
+            rank_shares(*bad)
+
+
+@given(st.integers(1, 100_000), st.sampled_from([1, 2, 4, 8]))
+def test_rank_shares_sum_to_r_and_are_balanced(r: int, c: int) -> None:
+    from services.rankd.core import rank_shares
+
+    shares = rank_shares(r, c)
+    assert len(shares) == c and sum(shares) == r
+    ell = -(-r // (2 * c))
+    assert all(0 <= s <= 2 * ell for s in shares)
+
+
+def test_rank_shares_match_the_engine_partition() -> None:
+    torch = pytest.importorskip("torch")  # the engine extra
+    from services.rankd.core import rank_shares
+    from services.rankd.engine.zigzag import ZigzagPlan
+
+    del torch
+    for r in (*range(1, 70), 511, 512, 513, 4097):
+        for c in (1, 2, 4, 8):
+            plan = ZigzagPlan(r, c)
+            assert rank_shares(r, c) == tuple(int(plan.real_rows(k).sum()) for k in range(c))

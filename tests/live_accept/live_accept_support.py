@@ -26,7 +26,6 @@ import random
 import tempfile
 import time
 import uuid
-import warnings
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -285,11 +284,13 @@ def exactly_once_problems(ids: Sequence[str], tap: ResultTap) -> list[str]:
 
 
 def execution_interval(r: FirstToken) -> tuple[float, float]:
-    """[start, end] of the request's time on its worker: the worker holds its slot from the
-    start of prefill until the KV handoff and first decode are done (Unix seconds, measured
-    by the rank daemon's own clock)."""
+    """[start, end] of the request's prefill on its worker's GPUs (Unix seconds, measured by
+    the rank daemon's own clock). Only the prefill is counted: in the live sim stack the KV
+    handoff and first decode run off the worker's slot (vertumnus/live/rankd_sim.py
+    ``handoff_off_worker``, the simulator's model), so the next prefill may overlap them."""
     st = r.stages
-    return r.finished_at_s - (st.prefill_s + st.kv_transfer_s + st.first_decode_s), r.finished_at_s
+    start = r.finished_at_s - (st.prefill_s + st.kv_transfer_s + st.first_decode_s)
+    return start, start + st.prefill_s
 
 
 def geometry_violations(results: Sequence[FirstToken], records: dict[int, EpochRecord]
@@ -556,50 +557,3 @@ class InProcess:
             except Exception:  # pragma: no cover - shutdown noise must not mask a failure
                 task.cancel()
         self.tasks.clear()
-
-
-# -- the known redirect-loss bug (see test_accept_reconfig.py) -----------------------------------
-
-KNOWN_REDIRECT_BUG = True
-"""Set to False once rankd's redirects get unique message ids: then a lost request fails the
-integration tests whatever its history (the deterministic xfail will XPASS first)."""
-
-
-def redirect_counts(log_dir: Path) -> dict[str, int]:
-    """How many times the rank daemons redirected each request (their ``redirected`` info
-    log lines; the stack's children log JSON at info level in these tests)."""
-    counts: dict[str, int] = defaultdict(int)
-    try:
-        lines = (Path(log_dir) / "rankd.log").read_text(errors="replace").splitlines()
-    except OSError:
-        return {}
-    for line in lines:
-        if '"redirected"' not in line:
-            continue
-        with contextlib.suppress(ValueError):
-            rec = json.loads(line)
-            if rec.get("event") == "redirected" and rec.get("request_id"):
-                counts[rec["request_id"]] += 1
-    return dict(counts)
-
-
-def tolerated_losses(lost: dict[str, int], log_dir: Path) -> set[str]:
-    """Of the lost requests (id → HTTP status), those matching the known bug's signature:
-    the client got 504 (no first token) and the request had been redirected at least twice
-    (a second redirect under the same epoch number is dropped as a duplicate). Empty when
-    :data:`KNOWN_REDIRECT_BUG` is False."""
-    if not KNOWN_REDIRECT_BUG or not lost:
-        return set()
-    counts = redirect_counts(log_dir)
-    return {rid for rid, status in lost.items() if status == 504 and counts.get(rid, 0) >= 2}
-
-
-def without_known_losses(ids: list[str], lost: dict[str, int], log_dir: Path) -> list[str]:
-    """``ids`` less the lost requests that match the known redirect bug (documented by
-    ``test_second_redirect_under_one_epoch_is_not_dropped``), with a warning naming them;
-    any other lost request stays in and fails the checks that follow."""
-    known = tolerated_losses(lost, log_dir)
-    if known:
-        warnings.warn(f"known bug (second redirect under one epoch dropped): lost {sorted(known)}",
-                      stacklevel=2)
-    return [rid for rid in ids if rid not in known]

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import nats
-import pytest
 from live_accept_support import (
     ActingController,
     EpochLog,
@@ -43,7 +42,6 @@ from live_accept_support import (
     small_config,
     splits_and_merges,
     wait_until,
-    without_known_losses,
 )
 
 from shared.natsserver import EmbeddedNats
@@ -113,11 +111,9 @@ async def test_forced_merge_and_split_under_load(tmp_path: Path) -> None:
             ids, answers = await fire_until(stack.gateway_url, "acc-b", RATE, done,
                                             after_stop=30)
             await task  # raises if a step failed
-            sent = list(ids)
-            ids = without_known_losses(ids, {rid: a[0].status for rid, a in answers.items()
-                                             if len(a) == 1 and a[0].status != 200},
-                                       tmp_path / "logs")
-            problems = answered_once_ok(ids, answers, sent)
+            # No loss is tolerated here (rank daemons keep handed-back requests until intake
+            # acknowledges them; see test_stopping_while_redirecting_loses_nothing).
+            problems = answered_once_ok(ids, answers)
             assert not problems, problems[:10]
             await wait_until(lambda: tap.ok_ids() >= set(ids), "every FirstToken on the wire")
             await nc.flush()
@@ -140,12 +136,6 @@ async def test_forced_merge_and_split_under_load(tmp_path: Path) -> None:
             await nc.drain()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "KNOWN BUG (open): a draining rank daemon stopped while it is still republishing its queue "
-    "to intake loses the rest (services/rankd/core.py adopt -> take_queued, then "
-    "services/rankd/service.py _redirect awaited one publish at a time; the host's stop "
-    "cancels it). Loses requests in about 1 run in 3-4 of this test; a shielded redirect awaited at "
-    "shutdown was tried and made the stop outlast its bound"))
 async def test_controller_reconfigures_under_load(tmp_path: Path) -> None:
     # The default `vertumnus up` workload (four load phases) over 240 modelled s, 20× faster.
     cfg = small_config(time_scale=0.05)
@@ -162,10 +152,7 @@ async def test_controller_reconfigures_under_load(tmp_path: Path) -> None:
             records = await replay(stack.gateway_url, requests, rcfg, bodies=bodies)
             ids = [r.request_id for r in records]
             assert len(ids) == len(requests) == len(set(ids))
-            ids = without_known_losses(ids, {r.request_id: r.status for r in records
-                                             if not r.ok}, tmp_path / "logs")
-            failed = [(r.request_id, r.status, r.error) for r in records
-                      if not r.ok and r.request_id in set(ids)]
+            failed = [(r.request_id, r.status, r.error) for r in records if not r.ok]
             assert not failed, (failed[:5], await lost_diagnosis(nc, stack, tap, failed[:5]))
             await wait_until(lambda: tap.ok_ids() >= set(ids), "every FirstToken on the wire")
             await nc.flush()
@@ -228,22 +215,29 @@ async def test_second_redirect_under_one_epoch_is_not_dropped(nats_server: Embed
         await nc.drain()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "KNOWN BUG (open): a draining rank daemon stopped while it is still republishing its queue "
-    "to intake loses the rest (services/rankd/core.py adopt -> take_queued, then "
-    "services/rankd/service.py _redirect awaited one publish at a time; the host's stop "
-    "cancels it). Reproduces in about half the attempts; a shielded redirect awaited at "
-    "shutdown was tried and made the stop outlast its bound"))
 async def test_stopping_while_redirecting_loses_nothing(nats_server: EmbeddedNats) -> None:
-    """Reproduction of the loss seen in test_controller_reconfigures_under_load
-    (requests admitted by a draining source, never run, never redirected): a real rank daemon
-    with a long queue adopts a drain record and is stopped right away, as the rank host does
-    when the commit record follows."""
-    # The stop races the redirect loop (the loss shows in about half the attempts on this
-    # machine): a few attempts, each with fresh subjects, make the outcome dependable.
+    """The loss once seen in test_controller_reconfigures_under_load (requests admitted by a
+    draining source, never run, never redirected): a real rank daemon with a long queue adopts
+    a drain record and is stopped right away, as the rank host does when the commit record
+    follows. The stop must hand every queued request to intake before it returns (the rank
+    daemon keeps them until intake acknowledges each), exactly once."""
+    # The stop races the redirects (before the fix the loss showed in about half the attempts
+    # on this machine): a few attempts, each with fresh subjects, make the outcome dependable.
     for _attempt in range(8):
         redirected, n = await stop_while_redirecting(nats_server)
         assert redirected == n, f"only {redirected} of {n} queued requests were redirected"
+
+
+async def first_call(nc: nats.aio.client.Client, subject: str, a: Assignment) -> AssignmentAck:
+    """The first assignment to a just-started rank daemon: nats-server sometimes answers the
+    first request to a just-registered micro endpoint with "no responders"; retried (bounded,
+    a correctness wait only)."""
+    for _ in range(100):
+        try:
+            return await call(nc, subject, a, AssignmentAck, timeout_s=10)
+        except nats.errors.NoRespondersError:
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{subject}: no responders after 100 tries")
 
 
 async def stop_while_redirecting(nats_server: EmbeddedNats) -> tuple[int, int]:
@@ -266,7 +260,7 @@ async def stop_while_redirecting(nats_server: EmbeddedNats) -> tuple[int, int]:
                               assigned_at_s=now)
 
         n = 600  # the redirect loop takes far longer than the drain bound below
-        await call(nc, s.worker_assign(wid), assignment("busy-1"), AssignmentAck, timeout_s=10)
+        await first_call(nc, s.worker_assign(wid), assignment("busy-1"))
         await asyncio.gather(*(call(nc, s.worker_assign(wid), assignment(f"q-{i}"),
                                     AssignmentAck, timeout_s=30) for i in range(n)))
         assert len(rankd.core) == n + 1
@@ -277,8 +271,7 @@ async def stop_while_redirecting(nats_server: EmbeddedNats) -> tuple[int, int]:
         await wait_until(lambda: rankd.core.lifecycle is Lifecycle.DRAINING, "drain adopted",
                          poll_s=0.001)
         await live.stop(rankd)  # the commit record came: the host stops the source
-        await asyncio.sleep(0.3)
-        info = await js.stream_info(s.intake_stream())
+        info = await js.stream_info(s.intake_stream())  # no wait: the stop settled them
         return info.state.messages, n
     finally:
         await live.close()

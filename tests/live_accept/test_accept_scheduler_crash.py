@@ -10,15 +10,14 @@ after ``ack_wait``) and the idempotent assignment (the assignment-record KV buck
 admission by request id). Checked: every HTTP answer 200, exactly once; at least one
 FirstToken per id on the wire, none failed, none for ids never sent (nothing lost).
 
-Known bug (see ``test_resent_dispatching_assignment_runs_once`` below, a deterministic
-reproduction marked xfail strict): a kill between the worker's AssignmentAck and the
-``dispatched`` record leaves a ``dispatching`` record; the restarted scheduler re-sends the
-assignment to the same worker, which has usually finished the request already and runs it a
-second time (a second FirstToken on the wire; the client still gets one answer). Until it is
-fixed, the SIGKILL test tolerates duplicates *of exactly that signature* (same worker, both
-successful, the second assigned after a restart) and warns with their ids; any other
-duplicate fails it. When the fix lands, the xfail turns into a failure (XPASS strict):
-then delete ``KNOWN_RESEND_BUG`` so the SIGKILL test demands exactly one FirstToken per id.
+A kill between the worker's AssignmentAck and the ``dispatched`` record leaves a
+``dispatching`` record; the restarted scheduler re-sends the assignment to the same worker, whose
+admission is idempotent on request id (queued, running, or remembered as finished) — see
+``test_resent_dispatching_assignment_runs_once``. The controller runs too and may reconfigure
+while the scheduler is down, so a worker may hand a request back to intake that a dead scheduler
+had left ``dispatching``: see ``test_resent_assignment_of_redirected_request_runs_once``
+(tests/live_accept/test_accept_redirect_resend.py). So the test demands exactly one
+FirstToken per id, none failed.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import asyncio
 import os
 import signal
 import time
-import warnings
 from pathlib import Path
 
 from live_accept_support import (
@@ -41,7 +39,6 @@ from live_accept_support import (
     running_stack,
     small_config,
     wait_until,
-    without_known_losses,
 )
 
 from services.scheduler.service import SchedulerService
@@ -52,7 +49,6 @@ from vertumnus.live.stack import LiveStack
 
 RATE = 30.0
 KILLS = 2
-KNOWN_RESEND_BUG = True
 
 
 async def kill_and_restart_scheduler(stack: LiveStack) -> tuple[int, float]:
@@ -98,10 +94,6 @@ async def test_scheduler_sigkill_and_restart_lose_nothing(tmp_path: Path) -> Non
             ids = list(sent)
             await task
             assert [c for c, _ in kills] == [-signal.SIGKILL] * KILLS
-            # The controller runs too and may reconfigure: see KNOWN_REDIRECT_BUG.
-            ids = without_known_losses(ids, {rid: a[0].status for rid, a in answers.items()
-                                             if len(a) == 1 and a[0].status != 200},
-                                       tmp_path / "logs")
             problems = answered_once_ok(ids, answers, sent)
             assert not problems, problems[:10]
             await wait_until(lambda: tap.ok_ids() >= set(ids), "every FirstToken on the wire")
@@ -113,19 +105,9 @@ async def test_scheduler_sigkill_and_restart_lose_nothing(tmp_path: Path) -> Non
             assert not set(tap.by_id()) - set(sent), "FirstTokens for ids never sent"
             failed = [(r.request_id, r.error) for r in tap.results if r.error is not None]
             assert not failed, failed[:10]  # nothing lost, nothing failed
-            twice = {rid: rs for rid, rs in by_id.items() if len(rs) > 1}
-            first_restart = min(t for _, t in kills)
-            unexplained = {
-                rid: [(r.worker_id, r.epoch, r.finished_at_s) for r in rs]
-                for rid, rs in twice.items()
-                if not (KNOWN_RESEND_BUG and len(rs) == 2
-                        and rs[0].worker_id == rs[1].worker_id
-                        and rs[1].finished_at_s > first_restart)
-            }
-            assert not unexplained, unexplained
-            if twice:
-                warnings.warn(f"known bug (re-sent 'dispatching' assignment ran again): "
-                              f"{sorted(twice)}", stacklevel=1)
+            twice = {rid: [(r.worker_id, r.epoch, r.finished_at_s) for r in rs]
+                     for rid, rs in by_id.items() if len(rs) > 1}
+            assert not twice, f"executed more than once: {twice}"
             bad = geometry_violations([rs[0] for rs in by_id.values()], epochs.records)
             assert not bad, bad[:10]
         finally:

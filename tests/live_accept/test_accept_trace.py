@@ -1,7 +1,8 @@
 """Acceptance (d): one request's trace has every TTFT stage span, correctly parented.
 
 The services run in-process (gateway with its HTTP API, scheduler, one rank daemon on the sim
-backend) on a real ``nats-server``, so every span reaches this process' in-memory exporter;
+backend with modelled prefill, KV handoff and first decode times) on a real ``nats-server``,
+so every span reaches this process' in-memory exporter;
 the context travels exactly as between processes (W3C ``traceparent`` in NATS headers and in
 the intake message). Expected tree (names are :class:`shared.telemetry.Stage`)::
 
@@ -11,21 +12,26 @@ the intake message). Expected tree (names are :class:`shared.telemetry.Stage`)::
         └── vtm-rankd.assign       (rank daemon's server span of the assignment)
             ├── queue_wait         (assignment accepted → prefill starts)
             ├── prefill            (predicted and modelled time on it)
+            │   └── prefill_rank × C   (one per rank: rank, GPU, its zigzag share of R)
             ├── kv_transfer        (KV handoff to decode)
             └── first_decode       (first decode iteration → first token)
 
-``kv_transfer`` and ``first_decode`` spans are emitted by nothing yet (the Stage names exist
-in shared/telemetry.py; the FirstToken carries their durations): the second test documents it.
+The second test checks the ``kv_transfer`` and ``first_decode`` spans against the TTFT
+breakdown the gateway returns (the same measured durations), and that the breakdown adds up.
+The third checks the per-rank prefill spans of a degree-4 worker (count, parent, rank, GPU,
+share of the new tokens).
 """
 
 from __future__ import annotations
 
 import os
 
-import pytest
 from live_accept_support import InProcess, prompt_tokens, wait_until
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from services.rankd.backend import SimBackend
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
 from shared.telemetry import Stage
 from vertumnus.live.http import request
@@ -33,14 +39,20 @@ from vertumnus.live.http import request
 B = 16
 
 
-async def one_traced_request(nats_server: EmbeddedNats, spans: InMemorySpanExporter
-                             ) -> tuple[str, dict[str, list]]:  # type: ignore[type-arg]
+async def one_traced_request(nats_server: EmbeddedNats, spans: InMemorySpanExporter,
+                             worker_id: str = "w-cp2-g0"
+                             ) -> tuple[dict, dict[str, list]]:  # type: ignore[type-arg]
+    """(the HTTP answer's ``vtm`` object, the request's finished spans by name)."""
     import json
     import random
 
     live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
     try:
-        await live.rankd("w-cp2-g0")
+        await live.run(RankdService(
+            RankdSettings(nats_url=live.url, subject_prefix=live.prefix, worker_id=worker_id,
+                          heartbeat_s=0.2),
+            SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.02,
+                       handoff_time=lambda n, c: 0.005, first_decode_time=lambda n, c: 0.003)))
         sched = await live.scheduler(block_size=B)
         gw = await live.gateway(block_size=B)
         await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
@@ -51,7 +63,8 @@ async def one_traced_request(nats_server: EmbeddedNats, spans: InMemorySpanExpor
         r = await request(f"http://127.0.0.1:{gw.http_port}/v1/completions", "POST", body,
                           timeout_s=60)
         assert r.status == 200, r.body
-        trace_id = r.json()["vtm"]["trace_id"]
+        vtm = r.json()["vtm"]
+        trace_id = vtm["trace_id"]
 
         def of_trace() -> dict[str, list]:  # type: ignore[type-arg]
             out: dict[str, list] = {}  # type: ignore[type-arg]
@@ -60,9 +73,11 @@ async def one_traced_request(nats_server: EmbeddedNats, spans: InMemorySpanExpor
                     out.setdefault(s.name, []).append(s)
             return out
 
-        await wait_until(lambda: {"request", "prefill", "queue_wait"} <= set(of_trace()),
+        # (prefill_rank spans, if any, end before kv_transfer: recorded in the same step.)
+        await wait_until(lambda: {"request", "prefill", "queue_wait", "kv_transfer",
+                                  "first_decode"} <= set(of_trace()),
                          "the request's spans to end")
-        return trace_id, of_trace()
+        return vtm, of_trace()
     finally:
         await live.close()
 
@@ -100,16 +115,67 @@ async def test_trace_has_every_emitted_stage_correctly_parented(
     assert one["prefill"].end_time <= root.end_time
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: no service emits the kv_transfer and first_decode (first token) stage spans: "
-    "Stage.KV_TRANSFER / Stage.FIRST_DECODE in shared/telemetry.py are never used; rankd "
-    "(services/rankd/service.py _run) records only queue_wait and prefill, though the "
-    "FirstToken carries kv_transfer_s and first_decode_s"))
 async def test_trace_has_kv_transfer_and_first_token_spans(
         nats_server: EmbeddedNats, spans: InMemorySpanExporter) -> None:
-    _, by_name = await one_traced_request(nats_server, spans)
+    vtm, by_name = await one_traced_request(nats_server, spans)
     prefill = by_name["prefill"][0]
+    got = {}
     for stage in (Stage.KV_TRANSFER, Stage.FIRST_DECODE):
-        got = by_name.get(str(stage), [])
-        assert len(got) == 1, f"no {stage} span in the trace: {sorted(by_name)}"
-        assert got[0].parent.span_id in (prefill.parent.span_id, prefill.context.span_id)
+        ss = by_name.get(str(stage), [])
+        assert len(ss) == 1, f"no single {stage} span in the trace: {sorted(by_name)}"
+        got[stage] = span = ss[0]
+        # Siblings of prefill under the rank daemon's server span of the assignment.
+        assert span.parent.span_id == prefill.parent.span_id
+        assert span.attributes["vtm.request_id"] == "trace-1"
+        assert span.attributes["vtm.worker_id"] == "w-cp2-g0"
+    kv, decode = got[Stage.KV_TRANSFER], got[Stage.FIRST_DECODE]
+    root = by_name["request"][0]
+    # Consecutive: prefill → KV transfer → first decode → the gateway's first token.
+    assert prefill.end_time == kv.start_time and kv.end_time == decode.start_time
+    assert decode.end_time <= root.end_time
+    assert kv.attributes["vtm.modelled_handoff_s"] > 0
+    # The spans are the TTFT breakdown the client got: the same measured durations (up to the
+    # float rounding of Unix-time nanoseconds). The prefill span opens just before the backend
+    # reads its clock, so it may only be longer than the measured prefill.
+    st = vtm["stages"]
+
+    def seconds(span) -> float:  # type: ignore[no-untyped-def]
+        return (span.end_time - span.start_time) / 1e9
+
+    assert st["prefill_s"] > 0 and seconds(prefill) >= st["prefill_s"] - 2e-6, st
+    for span, key in ((kv, "kv_transfer_s"), (decode, "first_decode_s")):
+        assert st[key] > 0, (key, st)
+        assert abs(seconds(span) - st[key]) < 2e-6, (key, seconds(span), st)
+    # ... and it adds up: what the stages leave of the TTFT is the system's own overhead.
+    overhead = st["total_s"] - (st["intake_wait_s"] + st["queue_wait_s"] + st["prefill_s"]
+                                + st["kv_transfer_s"] + st["first_decode_s"])
+    assert 0 <= overhead < st["total_s"], st
+
+
+async def test_trace_has_a_prefill_span_per_rank(
+        nats_server: EmbeddedNats, spans: InMemorySpanExporter) -> None:
+    from services.rankd.core import rank_shares
+
+    _, by_name = await one_traced_request(nats_server, spans, worker_id="w-cp4-g4")
+    prefill = by_name["prefill"][0]
+    ranks = by_name.get(str(Stage.PREFILL_RANK), [])
+    assert len(ranks) == 4, [s.attributes for s in ranks]  # one per rank of the degree-4 worker
+    assert sorted(s.attributes["vtm.rank"] for s in ranks) == [0, 1, 2, 3]
+    r = prefill.attributes["vtm.recompute_tokens"]
+    assert r >= 2 * 4, r  # enough new tokens that every rank has a share
+    shares = rank_shares(r, 4)
+    for s in sorted(ranks, key=lambda s: s.attributes["vtm.rank"]):
+        k = s.attributes["vtm.rank"]
+        assert s.parent.span_id == prefill.context.span_id  # children of the worker's prefill
+        assert s.context.trace_id == prefill.context.trace_id
+        assert s.attributes["vtm.request_id"] == "trace-1"
+        assert s.attributes["vtm.worker_id"] == "w-cp4-g4"
+        assert s.attributes["vtm.gpu"] == 4 + k
+        assert s.attributes["vtm.degree"] == 4
+        assert s.attributes["vtm.rank_tokens"] == shares[k]
+        assert s.attributes["vtm.rank_share"] == shares[k] / r
+        assert s.attributes["vtm.recompute_tokens"] == r
+        # Lockstep ranks: each covers the worker's measured prefill (the prefill span opens
+        # just before the backend reads its clock).
+        assert prefill.start_time <= s.start_time < s.end_time == prefill.end_time
+    assert sum(s.attributes["vtm.rank_tokens"] for s in ranks) == r

@@ -40,9 +40,20 @@ from shared.subjects import Subjects
 from shared.worker import Lifecycle
 
 H = 0.2
-# κ = 1 s per worker: 2CP4 has K = 2 (split above u·K = 1.8); after one split, 2CP2/1CP4 has
-# K = 3 and D = 2.5 sits inside [l·K, u·K] = [1.5, 2.7]: a steady demand splits exactly once.
+# κ = 1 s per worker, unscaled: 2CP4 has K = 2 (split above u·K = 1.8); after one split,
+# 2CP2/1CP4 has K = 3 and D = 2.5 sits inside [l·K, u·K] = [1.5, 2.7]: a steady demand splits
+# exactly once. These tests pin the one-operation planner of the paper (max_ops 1, the
+# pre-calibration thresholds); test_live_multi_op.py runs the calibrated defaults.
 DEMAND = 2.5
+ONE_OP: dict[str, Any] = dict(
+    kappa_scale=1.0,
+    upper=0.9,
+    merge_headroom=0.8,
+    max_ops=1,
+    split_target=0.8,
+    momentum=True,
+    merge_speedup=None,
+)
 
 
 def settings(url: str, prefix: str, instance: str, **kw: Any) -> ControllerSettings:
@@ -59,6 +70,7 @@ def settings(url: str, prefix: str, instance: str, **kw: Any) -> ControllerSetti
         report_grace_s=0.05,
         persistence=2,
         queue_query_timeout_s=0.5,
+        **ONE_OP,
     )
     base.update(kw)
     return ControllerSettings(**base)

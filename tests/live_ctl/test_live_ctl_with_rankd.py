@@ -153,6 +153,13 @@ async def test_controller_drains_real_rank_daemons(nc: Client, nats_server, uniq
                 report_grace_s=0.05,
                 persistence=2,
                 queue_query_timeout_s=0.3,
+                # The one-operation planner with unscaled κ (this test's demand arithmetic).
+                kappa_scale=1.0,
+                upper=0.9,
+                merge_headroom=0.8,
+                max_ops=1,
+                split_target=0.8,
+                momentum=True,
             )
         )
     )

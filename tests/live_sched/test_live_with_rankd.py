@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 
 from live_sched_support import Services, http, wait_until
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.rankd.backend import SimBackend
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
+from shared.schemas import FirstToken, decode
 
 B = 16
 
@@ -52,3 +55,51 @@ async def test_requests_through_real_rankd(live: Services,
     # /v1/workers reads what the rank daemons publish.
     workers = (await http(gw.http_port, "GET", "/v1/workers")).json()["workers"]
     assert {w["worker_id"] for w in workers} == {"w-cp2-g0", "w-cp4-g4"}
+
+
+
+async def test_handoff_off_worker_frees_the_worker_at_prefill_end(live: Services,
+                                                                  nc: Client) -> None:
+    """With ``handoff_off_worker`` (what ``vertumnus up`` runs, as the simulator models it)
+    the worker starts its next prefill while the previous request's KV handoff is still
+    under way, and each first token still comes after its own handoff; the scheduler infers
+    the queued request's start from the first result."""
+    wid = "w-cp2-g0"
+    settings = RankdSettings(nats_url=live.url, subject_prefix=live.prefix, worker_id=wid,
+                             heartbeat_s=0.2)
+    backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.1,
+                         handoff_time=lambda n, c: 0.5, first_decode_time=lambda n, c: 0.1,
+                         handoff_off_worker=True)
+    await live._run(RankdService(settings, backend))
+    results: dict[str, FirstToken] = {}
+
+    async def on_result(msg: Msg) -> None:
+        r = decode(FirstToken, msg.data, msg.headers)
+        results[r.request_id] = r
+
+    sub = await nc.subscribe(live.subjects.result_all(), cb=on_result)
+    try:
+        sched = await live.scheduler(block_size=B)
+        gw = await live.gateway(block_size=B)
+        await wait_until(lambda: len(sched.core.view) == 1, "the rank daemon in the view")
+        bodies = [{"prompt": list(range(i * 100, i * 100 + 40)), "request_id": f"ho-{i}"}
+                  for i in (1, 2)]
+        replies = await asyncio.gather(*(http(gw.http_port, "POST", "/v1/completions", b)
+                                         for b in bodies))
+        assert [r.status for r in replies] == [200, 200], [r.body for r in replies]
+        await wait_until(lambda: len(results) == 2, "both first tokens on the wire")
+    finally:
+        await sub.unsubscribe()
+    a, b = sorted(results.values(), key=lambda r: r.finished_at_s)
+
+    def prefill_span(r: FirstToken) -> tuple[float, float]:
+        end = r.finished_at_s - r.stages.first_decode_s - r.stages.kv_transfer_s
+        return end - r.stages.prefill_s, end
+
+    for r in (a, b):  # the handoff and the first decode are still in TTFT, after the prefill
+        assert r.stages.kv_transfer_s >= 0.5 and r.stages.first_decode_s >= 0.1
+    (_, a_end), (b_start, _) = prefill_span(a), prefill_span(b)
+    # One FIFO worker: b's prefill began after a's ended, and before a's first token existed
+    # (a blocking backend would have held the worker through a's 0.6 s handoff).
+    assert a_end - 1e-6 <= b_start < a.finished_at_s
+    await wait_until(lambda: sched.stats.finished == 2, "both reservations released")

@@ -2,8 +2,10 @@
 
 ``python -m vertumnus.live.rankd_sim`` is ``python -m services.rankd.main`` with one change:
 each worker's :class:`~services.rankd.backend.SimBackend` sleeps for the ground truth's
-prefill time (``sim.groundtruth.NoisyGroundTruth.prefill_time``) and KV handoff + first decode
-time (``external_time``), scaled by ``VTM_TIME_SCALE``, instead of the scheduler's prediction.
+prefill time (``sim.groundtruth.NoisyGroundTruth.prefill_time``), KV handoff time
+(``GroundTruth.kv_handoff_time``) and first decode step (``Surroundings.first_decode_s``; the
+two sum to ``external_time``), scaled by ``VTM_TIME_SCALE``, instead of the scheduler's
+prediction. The rank daemon reports each as its own TTFT stage (and span).
 ``services/`` never imports ``sim/``; this launcher is where the two meet.
 
 Honesty (design.md): only the *workers* see the ground truth; the scheduler still loads a
@@ -16,7 +18,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.rankd.backend import ExecutionBackend, SimBackend
+from services.rankd.backend import ExecutionBackend, HandoffTimeFn, SimBackend
 from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
@@ -39,20 +41,37 @@ class SimRankdSettings(RankdSettings):
     )
 
 
+def _constant(seconds: float) -> HandoffTimeFn:
+    """One decode iteration takes the same time whatever the prompt (the ground truth's
+    ``first_decode_s``)."""
+
+    def first_decode(total_tokens: int, degree: int) -> float:
+        return seconds
+
+    return first_decode
+
+
 def backend_factory(settings: SimRankdSettings):  # type: ignore[no-untyped-def]
     """A (worker id, kind) → SimBackend factory sharing one ground truth per process."""
-    prefill = handoff = None
+    prefill = handoff = first_decode = None
     if settings.truth != "predicted":
         from sim.groundtruth import DEFAULT_GROUND_TRUTH, NoisyGroundTruth
 
+        exact = DEFAULT_GROUND_TRUTH
         if settings.truth == "noisy":
-            truth = NoisyGroundTruth(seed=settings.truth_seed, sigma=settings.truth_noise)
-            prefill, handoff = truth.prefill_time, truth.external_time
+            noisy = NoisyGroundTruth(seed=settings.truth_seed, sigma=settings.truth_noise)
+            # Only the prefill is noisy; handoff and decode are the noise-free model either way.
+            prefill, exact = noisy.prefill_time, noisy.truth
         else:
-            prefill, handoff = DEFAULT_GROUND_TRUTH.prefill_time, DEFAULT_GROUND_TRUTH.external_time
+            prefill = exact.prefill_time
+        handoff = exact.kv_handoff_time
+        first_decode = _constant(exact.surroundings.first_decode_s)
 
     def make(wid: str, kind: WorkerKind) -> ExecutionBackend:
+        # handoff_off_worker: the worker is free at its prefill's end, as in the simulator
+        # (the handoff and first decode still count in TTFT).
         return SimBackend(kind=kind.value, prefill_time=prefill, handoff_time=handoff,
+                          first_decode_time=first_decode, handoff_off_worker=True,
                           time_scale=settings.time_scale)
 
     return make

@@ -1,0 +1,256 @@
+"""Multi-operation plans carried out live, and the live defaults = the calibrated values.
+
+With the calibrated defaults (``max_ops`` 64, ``split_target`` 1.0, ``merge_headroom`` 0.4,
+κ × ``KAPPA_SCALE``) one window's plan may hold several disjoint operations. The controller
+starts all of them under one drain record (every source stops admitting in the same record,
+before any queue is handed back), then each operation commits its own epoch once its own
+sources drained and is exposed once its own targets' ranks acknowledged (the epoch protocol's
+concurrent disjoint reconfigurations, as the simulator runs them).
+
+Demand arithmetic (κ_2 = κ_4 = 1 s, × 2.2 → 2.2 s per worker):
+
+* splits: 2CP4 has K = 4.4; D = 7 > u·K = 4.4 → split; one split leaves K = 6.6 < D, two
+  leave 4CP2 with K = 8.8 ≥ D and D/K = 0.8 inside [l, u]: one plan of exactly two splits.
+* merges: 4CP2 has K = 8.8; D = 1 < l·K = 4.4 → merge; two merges leave 2CP4 (K = 4.4,
+  D ≤ 0.4·K = 1.76): one plan of two merges, after which no merge is possible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from live_ctl_support import Collector, FakeRanks, FakeScheduler, eventually
+from nats.aio.client import Client
+
+from services.controller.planner import ControllerConfig
+from services.controller.service import (
+    ControllerService,
+    ControllerSettings,
+    QueueReport,
+    composition_subject,
+    drain_subject,
+    reconf_subject,
+    worker_queue_subject,
+)
+from shared.costmodel import DEFAULT_PROFILE
+from shared.schemas import EpochRecord, FirstToken, TtftStages, decode, encode
+from shared.service import epoch_kv
+from shared.subjects import Subjects
+from sim.calibration import CONTROLLER, KAPPA_SCALE
+from sim.simulator import controller_profile
+
+H = 0.2
+KAPPA = {2: 1.0, 4: 1.0}
+
+
+def settings(url: str, prefix: str, initial: str, **kw: Any) -> ControllerSettings:
+    """The calibrated planner (defaults untouched) on a fast clock."""
+    base: dict[str, Any] = dict(
+        nats_url=url,
+        subject_prefix=prefix,
+        instance_id="ctl-m",
+        num_gpus=8,
+        degrees=[2, 4],
+        initial_composition=initial,
+        kappa=KAPPA,
+        window_s=H,
+        tick_s=0.05,
+        report_grace_s=0.05,
+        queue_query_timeout_s=0.3,
+    )
+    base.update(kw)
+    return ControllerSettings(**base)
+
+
+def layout(rec: EpochRecord) -> dict[str, str]:
+    return {w.worker_id: w.lifecycle.value for w in rec.workers}
+
+
+def assert_partition(rec: EpochRecord, gpus: int) -> None:
+    """Every GPU belongs to exactly one worker of the record: no two geometries overlap."""
+    owned = sorted(g for w in rec.workers for g in w.group.gpus)
+    assert owned == list(range(gpus)), (rec.epoch, layout(rec))
+
+
+def test_live_defaults_are_the_calibrated_values(monkeypatch) -> None:
+    for f in dataclasses.fields(ControllerConfig):
+        monkeypatch.delenv(f"VTM_{f.name.upper()}", raising=False)
+    monkeypatch.delenv("VTM_KAPPA_SCALE", raising=False)
+    monkeypatch.delenv("VTM_DEMAND_INPUT", raising=False)
+    st = ControllerSettings()
+    for f in dataclasses.fields(ControllerConfig):
+        assert getattr(st, f.name) == getattr(CONTROLLER, f.name), f.name
+    assert st.kappa_scale == KAPPA_SCALE
+    # With per-request lengths the core runs exactly the simulator's config; from window
+    # reports (no lengths) the merge gate is off and everything else is the same.
+    assert ControllerSettings(demand_input="assignments").controller_config() == CONTROLLER
+    assert st.controller_config() == dataclasses.replace(CONTROLLER, merge_speedup=None)
+    # κ is scaled as the simulator scales the controller's profile.
+    prof = DEFAULT_PROFILE.with_kappa({2: 8.0, 4: 14.0})
+    assert st.judging_profile(prof) == controller_profile(prof, KAPPA_SCALE)
+    assert st.judging_profile(prof).kappa_for(4) == 14.0 * KAPPA_SCALE
+    one = ControllerSettings(kappa_scale=1.0)
+    assert one.judging_profile(prof) is prof
+
+
+async def test_two_splits_in_one_plan_share_one_drain_record(
+    nc: Client, nats_server, uniq: str, services
+):
+    s = Subjects(uniq)
+    # Each source has one queued and one running request.
+    for wid in ("w-cp4-g0", "w-cp4-g4"):
+
+        async def answer(msg, wid: str = wid) -> None:
+            rep = QueueReport(worker_id=wid, queued=[f"q-{wid}"], in_flight=[f"f-{wid}"])
+            data, headers = encode(rep)
+            await nc.publish(msg.reply, data, headers=headers)
+
+        await nc.subscribe(worker_queue_subject(s, wid), cb=answer)
+    drains, reconfs, comps = Collector(), Collector(), Collector()
+    await nc.subscribe(drain_subject(s), cb=drains.cb)
+    await nc.subscribe(reconf_subject(s), cb=reconfs.cb)
+    await nc.subscribe(composition_subject(s), cb=comps.cb)
+    await nc.flush()
+    ranks = FakeRanks(nc, s)
+    await ranks.start()
+    sched = FakeScheduler(nc, s, H, lambda: 7.0)
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "2CP4")))
+
+    async def finish(wid: str) -> None:
+        done = FirstToken(
+            request_id=f"f-{wid}",
+            token=1,
+            worker_id=wid,
+            epoch=0,
+            stages=TtftStages(),
+            finished_at_s=time.time(),
+        )
+        data, headers = encode(done)
+        await nc.publish(s.result(f"f-{wid}"), data, headers=headers)
+
+    try:
+        await sched.start()
+
+        async def two_notices() -> bool:
+            return len(drains.items) >= 2
+
+        await eventually(two_notices, what="a drain notice per operation")
+        d1, d2 = sorted(drains.items[:2], key=lambda d: d["sources"])
+        assert d1["kind"] == d2["kind"] == "split"
+        assert d1["sources"] == ["w-cp4-g0"] and d2["sources"] == ["w-cp4-g4"]
+        assert d1["targets"] == ["w-cp2-g0", "w-cp2-g2"]
+        assert d2["targets"] == ["w-cp2-g4", "w-cp2-g6"]
+        # One plan, one drain record: both sources stopped admitting in the same record.
+        assert d1["epoch"] == d2["epoch"] == 1
+        assert d1["plan"] == d2["plan"] == sorted([d1["reconfiguration"], d2["reconfiguration"]])
+        assert [r["request_id"] for r in d1["redirected"]] == ["q-w-cp4-g0"]
+        assert [r["request_id"] for r in d2["redirected"]] == ["q-w-cp4-g4"]
+        kv = await epoch_kv(nc.jetstream(), s)
+        stored = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
+        assert stored.epoch == 1
+        assert layout(stored) == {"w-cp4-g0": "draining", "w-cp4-g4": "draining"}
+        body = ctl.inspect()
+        assert body["pending_plans"] == [] and len(body["in_progress"]) == 2
+
+        # g4's running request finishes: its operation commits alone; g0 keeps its geometry
+        # (still draining, its request still running) in every record until its own finishes.
+        await finish("w-cp4-g4")
+        c4 = await reconfs.first(
+            lambda r: r["phase"] == "committed" and r["sources"] == ["w-cp4-g4"],
+            what="the g4 split committed",
+        )
+
+        # ... and is exposed on its own acks while g0 still drains under its old geometry.
+        async def g4_exposed_g0_draining() -> bool:
+            return any(
+                layout(r) == {"w-cp4-g0": "draining", "w-cp2-g4": "active", "w-cp2-g6": "active"}
+                for r in ranks.records
+            )
+
+        await eventually(g4_exposed_g0_draining, what="g4's targets active beside draining g0")
+        assert not [
+            r for r in reconfs.items if r["phase"] == "committed" and r["sources"] == ["w-cp4-g0"]
+        ]
+        assert all("w-cp4-g0" in layout(r) for r in ranks.records)
+
+        await finish("w-cp4-g0")
+
+        async def both_exposed() -> bool:
+            return ctl.counters["exposed"] == 2
+
+        await eventually(both_exposed, what="both splits exposed")
+        comp = await comps.first(
+            lambda c: c["composition"] == "4CP2" and len(c["schedulable"]) == 4,
+            what="4CP2 published, all schedulable",
+        )
+        assert sorted(comp["schedulable"]) == ["w-cp2-g0", "w-cp2-g2", "w-cp2-g4", "w-cp2-g6"]
+        for rid in (d1["reconfiguration"], d2["reconfiguration"]):
+            phases = [r["phase"] for r in reconfs.items if r["reconfiguration"] == rid]
+            assert phases == ["draining", "drained", "committed", "ready", "exposed"], phases
+        c0 = next(
+            r for r in reconfs.items if r["phase"] == "committed" and r["sources"] == ["w-cp4-g0"]
+        )
+        assert c4["epoch"] != c0["epoch"]  # each operation committed under its own epoch
+
+        # Every record partitions the GPUs; a retired source never reappears; the final
+        # record is the whole new composition, all active.
+        for r in ranks.records:
+            assert_partition(r, 8)
+        retired = [i for i, r in enumerate(ranks.records) if "w-cp4-g0" not in layout(r)]
+        assert retired == list(range(retired[0], len(ranks.records)))
+        stored = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
+        assert layout(stored) == {w: "active" for w in comp["schedulable"]}
+        assert stored.epoch == comp["epoch"] == ranks.records[-1].epoch
+        assert ctl.counters["acks"] == 8  # every rank of the four targets, once
+        assert ctl.counters["plans"] == 1 and ctl.counters["finished"] == 2
+        body = ctl.inspect()
+        assert body["composition"] == "4CP2" and body["in_progress"] == []
+        assert body["config"]["max_ops"] == CONTROLLER.max_ops
+        assert body["kappa"] == {"2": 1.0 * KAPPA_SCALE, "4": 1.0 * KAPPA_SCALE}
+    finally:
+        await sched.stop()
+        await ranks.stop()
+
+
+async def test_two_merges_in_one_plan_of_unanswering_workers(
+    nc: Client, nats_server, uniq: str, services
+):
+    s = Subjects(uniq)
+    drains, comps = Collector(), Collector()
+    await nc.subscribe(drain_subject(s), cb=drains.cb)
+    await nc.subscribe(composition_subject(s), cb=comps.cb)
+    await nc.flush()
+    ranks = FakeRanks(nc, s)
+    await ranks.start()
+    sched = FakeScheduler(nc, s, H, lambda: 1.0)
+    # No queue endpoint and no worker state: nothing is known to run, the sources are
+    # drained at once and each merge commits straight away.
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "4CP2")))
+    try:
+        await sched.start()
+        comp = await comps.first(
+            lambda c: c["composition"] == "2CP4" and len(c["schedulable"]) == 2,
+            what="2CP4 exposed, both schedulable",
+        )
+        assert sorted(comp["schedulable"]) == ["w-cp4-g0", "w-cp4-g4"]
+        assert len(drains.items) == 2
+        assert {d["epoch"] for d in drains.items} == {1}
+        assert sorted(tuple(d["sources"]) for d in drains.items) == [
+            ("w-cp2-g0", "w-cp2-g2"),
+            ("w-cp2-g4", "w-cp2-g6"),
+        ]
+        # One drain record stops all four sources; nothing ran, so all are parked already.
+        drain_record = next(r for r in ranks.records if r.epoch == 1)
+        assert layout(drain_record) == {f"w-cp2-g{g}": "switching" for g in (0, 2, 4, 6)}
+        for r in ranks.records:
+            assert_partition(r, 8)
+        assert ctl.counters["plans"] == 1 and ctl.counters["exposed"] == 2
+        assert ctl.counters["acks"] == 8
+        kv = await epoch_kv(nc.jetstream(), s)
+        stored = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
+        assert layout(stored) == {"w-cp4-g0": "active", "w-cp4-g4": "active"}
+    finally:
+        await sched.stop()
+        await ranks.stop()

@@ -1,0 +1,40 @@
+"""The live services start from the simulator's calibrated values (sim/calibration.py), so a
+live run and a simulation of the same trace and policy decide alike; an operator's explicit
+setting still wins."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.cachemgr.service import CacheMgrSettings
+from services.scheduler.service import SchedulerService, SchedulerSettings
+from sim import calibration
+
+
+def test_cachemgr_scan_defaults_are_the_calibrated_scan() -> None:
+    live = CacheMgrSettings().scan_config()
+    for field in ("theta_inter", "theta_intra", "theta_reclaim", "decay",
+                  "max_actions_per_list"):
+        assert getattr(live, field) == getattr(calibration.SCAN, field), field
+
+
+def test_cachemgr_explicit_threshold_wins() -> None:
+    live = CacheMgrSettings(theta_intra=calibration.SCAN.theta_intra + 3).scan_config()
+    assert live.theta_intra == calibration.SCAN.theta_intra + 3
+    assert dataclasses.replace(live, theta_intra=calibration.SCAN.theta_intra).theta_inter == \
+        calibration.SCAN.theta_inter
+
+
+def test_scheduler_vertumnus_weights_default_to_calibrated() -> None:
+    svc = SchedulerService(SchedulerSettings(policy="vertumnus"))
+    policy = svc.core.policy
+    assert (policy.beta, policy.lam) == (calibration.BETA, calibration.LAM)  # type: ignore[attr-defined]
+
+
+def test_scheduler_explicit_weights_win_and_baselines_keep_their_defaults() -> None:
+    svc = SchedulerService(SchedulerSettings(policy="vertumnus",
+                                             policy_params={"beta": 1.0}))
+    assert svc.core.policy.beta == 1.0  # type: ignore[attr-defined]
+    assert svc.core.policy.lam == calibration.LAM  # type: ignore[attr-defined]
+    assert calibration.policy_params("dynamo") == {}
+    assert calibration.policy_params("homo") == {}
