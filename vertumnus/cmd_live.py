@@ -3,7 +3,9 @@
 * ``up`` — the whole live system on this machine (embedded nats-server, every service as a
   child process, rank daemons on the sim backend timed by the ground truth), a replay of the
   built-in phased synthetic workload through the gateway, the TTFT report; stops everything
-  at the end or on Ctrl-C.
+  at the end or on Ctrl-C. ``--backend torch`` runs real CP prefill instead: one gloo rank
+  process per GPU of ``--gpus`` on this CPU, the small random-weight Qwen3 (or
+  ``--model-path``), and by default the short-prompt workload ``synthetic-short``.
 * ``replay`` — the same replay and report against a stack that is already running.
 * ``tap`` — print the messages of a subject (default ``vtm.>``) decoded by Content-Type.
 * ``gateway | scheduler | controller | cachemgr | rankd`` — run that service's main with the
@@ -84,7 +86,9 @@ def register(app: typer.Typer) -> None:
         degrees: Annotated[str, typer.Option(help="CP degrees, comma-separated")] = "2,4",
         policy: Annotated[str, typer.Option(help="Scheduler policy (registry name)")] = "vertumnus",
         workload: Annotated[str, typer.Option(
-            help="'synthetic' (phased) or a trace path")] = "synthetic",
+            help="'synthetic' (phased), 'synthetic-short' (phased, prompts of tens to a few "
+                 "hundred tokens, 16-token blocks) or a trace path; default: 'synthetic' with "
+                 "--backend sim, 'synthetic-short' with --backend torch")] = "",
         rate: Annotated[float | None, typer.Option(
             help="Base request rate, req/s modelled (default 0.25 per GPU)")] = None,
         duration: Annotated[float, typer.Option(
@@ -92,7 +96,12 @@ def register(app: typer.Typer) -> None:
         time_scale: Annotated[float, typer.Option(
             help="Wall seconds per modelled second (0.1 = 10× faster)")] = 0.1,
         rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,
-        backend: Annotated[str, typer.Option(help="rankd backend: sim or torch")] = "sim",
+        backend: Annotated[str, typer.Option(
+            help="rankd backend: sim (modelled time) or torch (real CP prefill: one gloo rank "
+                 "process per GPU on this CPU, a small random-weight Qwen3 unless "
+                 "--model-path)")] = "sim",
+        model_path: Annotated[Path | None, typer.Option(
+            help="--backend torch: local HF-format Qwen3 checkpoint directory")] = None,
         seed: Annotated[int, typer.Option()] = 0,
         max_requests: Annotated[int | None, typer.Option(help="Replay only the first N")] = None,
         profile: Annotated[Path | None, typer.Option(
@@ -125,7 +134,7 @@ def register(app: typer.Typer) -> None:
                 rate_scale=rate_scale, seed=seed, max_requests=max_requests, profile=profile,
                 prefix=prefix, log_dir=log_dir, stop_timeout_wall_s=stop_timeout,
                 health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
-                http_port=http_port,
+                http_port=http_port, model_path=model_path,
             )
         except ValueError as exc:
             _fail(str(exc))
@@ -142,7 +151,8 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def replay(
         gateway: Annotated[str, typer.Option(help="Gateway base URL, http://host:port")],
-        trace: Annotated[str, typer.Option(help="'synthetic' or a trace file")] = "synthetic",
+        trace: Annotated[str, typer.Option(
+            help="'synthetic', 'synthetic-short' or a trace file")] = "synthetic",
         rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,
         time_scale: Annotated[float, typer.Option(
             help="The stack's time scale: arrivals × scale, TTFT ÷ scale")] = 1.0,
@@ -160,12 +170,12 @@ def register(app: typer.Typer) -> None:
 
         from vertumnus.live.stack import load_requests, write_json
 
-        _, reqs = load_requests(trace, duration_s=duration, rate=rate, seed=seed,
-                                max_requests=max_requests, default_rate=2.0)
+        wl, reqs = load_requests(trace, duration_s=duration, rate=rate, seed=seed,
+                                 max_requests=max_requests, default_rate=2.0)
         try:
             summary = asyncio.run(_replay_main(
                 gateway, reqs, time_scale=time_scale, rate_scale=rate_scale, nats_url=nats_url,
-                prefix=prefix, progress=progress,
+                prefix=prefix, progress=progress, block_size=wl.block_size,
                 meta={"workload": trace, "rate_scale": rate_scale, "seed": seed}))
         except ValueError as exc:
             _fail(str(exc))
@@ -202,7 +212,7 @@ def register(app: typer.Typer) -> None:
 
 async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate_scale: float,
                        nats_url: str | None, prefix: str, progress: bool,
-                       meta: dict[str, Any]) -> dict[str, Any]:
+                       meta: dict[str, Any], block_size: int = 512) -> dict[str, Any]:
     from rich.console import Console
 
     from shared.subjects import Subjects
@@ -230,7 +240,7 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
         # A fresh id prefix: the intake de-duplicates request ids for two minutes.
         records, interrupted = await replay_with_progress(
             gateway, reqs, time_scale, rate_scale, id_prefix=f"x{uuid.uuid4().hex[:6]}-",
-            console=err, show_progress=progress,
+            console=err, show_progress=progress, block_size=block_size,
             on_start=observer.mark_start if observer is not None else None)
         if observer is not None:
             await asyncio.sleep(0.5)

@@ -49,6 +49,13 @@ class RankdSettings(ServiceSettings):
     max_queue: int = Field(
         default=4096, ge=1, description="Assignments queued beyond this are refused (409)."
     )
+    redirect_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Bound on handing one batch of queued requests back to intake (drain or "
+        "stop): publishes are retried with the same Nats-Msg-Id until acknowledged or this "
+        "passes; a stop waits for outstanding redirects at most this long.",
+    )
 
     host_gpus: str | None = Field(
         default=None,

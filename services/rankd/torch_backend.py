@@ -16,7 +16,12 @@ created once at start-up) with the other workers of the same GPU range, and per 
    same processes, no weight reload (:meth:`TorchBackend.adopt` does it eagerly);
 3. **prefill**: one zigzag CP step over the members (``RankEngine.prefill``: longest cached
    prefix reused, new full blocks stored); the first token is the greedy token of the last
-   position, identical on every member;
+   position, identical on every member. Inside rankd (:meth:`TorchBackend.bind_cache`) the
+   engine's cache is kept in lockstep with the worker's BlockCache — same block names (the
+   request's ``block_hashes``), the P rankd decided, rankd's evictions applied before the
+   step and the engine's own evictions removed from the BlockCache after it — so the prefix
+   reused, the FirstToken's ``prefix_tokens`` and the published cache events agree;
+   standalone (no rankd) the engine's own cache decides over its own hashes;
 4. **KV hand-off**: CP rank 0 returns the whole sequence's KV (prefix + new) as a safetensors
    blob; the leader cuts it into ≤ 512 KiB chunks in the wire format of
    ``engine/decode.py`` (``encode_chunks`` / ``ChunkReassembler``, what ChunkedBytesTransport
@@ -56,6 +61,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.rankd.backend import ExecutionBackend, PrefillResult
+from services.rankd.blockcache import BlockCache
 from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldSpec
 from shared.ids import InvalidInput, UnknownWorker
 from shared.schemas import Assignment, IntakeRequest
@@ -77,6 +83,16 @@ TINY_MODEL: Final[dict[str, Any]] = {
     "max_position_embeddings": 8192,
 }
 """A tiny random Qwen3 (dev and tests on CPU); a real deployment sets ``model_path``."""
+
+LIVE_TORCH_MODEL: Final[dict[str, Any]] = {
+    **TINY_MODEL,
+    "vocab_size": 151_936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+}
+"""The small random model of ``vertumnus up --backend torch``: TINY_MODEL's layers with
+Qwen3's vocabulary (tied embeddings, as the small Qwen3 checkpoints), so the token ids a
+replay sends (drawn from Qwen3's range) are valid prompts."""
 
 
 # --- token ids -------------------------------------------------------------------------------
@@ -297,6 +313,7 @@ class TorchOutcome:
     token: int
     decode_token: int | None
     prefix_len: int  # what the engine's own cache reused
+    assigned_prefix_len: int  # what rankd's BlockCache decided (= prefix_len in lockstep)
     input_len: int
     synthesised_ids: bool
     engine_s: tuple[float, ...]  # per member rank, in rank order
@@ -336,6 +353,94 @@ class TorchBackend:
         self._keep = keep_outcomes
         self.switches: list[tuple[int, float, tuple[SwitchReply, ...]]] = []
         self._closed = False
+        self._bound = False
+        self._cache: BlockCache | None = None
+
+    def bind_cache(self, cache: BlockCache | None) -> None:
+        """Keep the engine's cache in lockstep with rankd's BlockCache of this worker (called
+        by RankdService; the BlockCache decides P and is what the cache events publish).
+
+        From then on every step (a) first drops from the engine every block the BlockCache no
+        longer holds (its LRU evictions, reclaims), (b) keys the engine's pages by the
+        request's ``block_hashes`` (the gateway's chain: the blocks rankd caches when the
+        request finishes), (c) reuses exactly the prefix rankd decided
+        (``assignment.prefix_tokens``), and (d) removes from the BlockCache any block the
+        engine had to evict to make room (its pages per rank are a hard limit; the removal
+        goes out as a ``Removed`` cache event after the request). So at every step boundary
+        both hold the same blocks, and the prefix the engine reuses is the FirstToken's
+        ``prefix_tokens``. Cache-manager replicate / reconcile commands move the KV first
+        (:meth:`prepare_cache_command`), so rankd never records a block the engine lacks; if
+        the engine still reused less than rankd decided (a lockstep bug), it is recorded
+        (:meth:`prefix_shortfall`) and the request is still correct (recomputed).
+        ``None`` (a worker without a cache): the engine caches nothing.
+
+        Requests must then come with the engine's block size (InvalidInput otherwise).
+        """
+        self._bound = True
+        self._cache = cache
+
+    def _stale_blocks(self) -> list[int]:
+        """Blocks the engine holds for this worker and rankd's BlockCache no longer does
+        (its evictions, reclaims since the last step). Runs on the event loop that owns the
+        BlockCache; the engine side is the leader's mirror (no round trip)."""
+        if not self._bound:
+            return []
+        held = self.world.cached_blocks(self.worker_id)
+        cache = self._cache
+        return list(held) if cache is None else [h for h in held if h not in cache]
+
+    async def sync_cache(self) -> int:
+        """Apply rankd's pending removals to the engine now instead of at the next step (the
+        step does it first anyway); returns the number of blocks dropped. Only when this
+        worker's ranks are in its geometry (else the next step's switch comes first)."""
+        drop = self._stale_blocks()
+        if not drop or any(self.world.geometry(r)[1] != self.degree for r in self.ranks):
+            return 0
+        return len(await asyncio.to_thread(self.world.remove, self.ranks, drop))
+
+    async def prepare_cache_command(self, cmd: Any) -> Any:
+        """Move the KV a cache-manager command needs before rankd applies it to its
+        BlockCache (called by RankdService; keeps the lockstep of :meth:`bind_cache`).
+
+        A replicate / reconcile command names ``source_worker``: its blocks (the leading part
+        the source holds, from its active or retired cache) are copied into this worker's
+        engine cache when the source's ranks are in this world and this worker's ranks are in
+        its geometry; the command is returned cut to the leading blocks the engine now holds,
+        so rankd records exactly those (nothing, when nothing could be copied: an ordinary
+        miss later, never a hit without KV). Reclaims pass unchanged (rankd's removals reach
+        the engine before its next step). Engine evictions caused by the copy are removed from
+        the BlockCache, as after a prefill.
+        """
+        source = getattr(cmd, "source_worker", None)
+        if not self._bound or source is None or cmd.worker_id != self.worker_id:
+            return cmd  # nothing to move (or not ours: rankd refuses it)
+        if all(self.world.geometry(r)[1] == self.degree for r in self.ranks):
+            try:
+                g = GpuGroup.from_worker_id(source)
+                src = self.world.members(g.first_gpu, g.degree)
+            except InvalidInput:
+                src = None  # another host's worker: its KV is not reachable from here
+            if src is not None and self._cache is not None:
+                _, evicted = await asyncio.to_thread(
+                    self.world.copy_prefix, src, source, self.ranks, list(cmd.blocks)
+                )
+                if evicted:
+                    self._cache.remove(list(evicted))
+        held = self.world.cached_blocks(self.worker_id)
+        n = 0
+        while n < len(cmd.blocks) and cmd.blocks[n] in held:
+            n += 1
+        # model_copy: an empty block list is a valid outcome here, not a wire message.
+        return cmd.model_copy(update={"blocks": list(cmd.blocks[:n])})
+
+    def prefix_shortfall(self) -> dict[str, int]:
+        """Requests whose engine reused fewer tokens than rankd decided (request id → tokens
+        short); empty when the two caches agreed on every remembered request."""
+        return {
+            o.request_id: o.assigned_prefix_len - o.prefix_len
+            for o in self.outcomes.values()
+            if o.assigned_prefix_len != o.prefix_len
+        }
 
     @property
     def degree(self) -> int:
@@ -352,6 +457,12 @@ class TorchBackend:
             raise UnknownWorker(f"assignment for {a.worker_id} reached {self.worker_id}")
         if a.degree != self.degree:
             raise InvalidInput(f"assignment degree {a.degree} != worker degree {self.degree}")
+        if self._bound and a.request.block_size != self.world.spec.block_size:
+            raise InvalidInput(
+                f"request block size {a.request.block_size} != engine block size "
+                f"{self.world.spec.block_size}: rankd's cache and the engine's would name "
+                "different blocks (set VTM_TORCH_BLOCK_SIZE to the gateway's VTM_BLOCK_SIZE)"
+            )
 
     async def adopt(self, epoch: int) -> tuple[SwitchReply, ...]:
         """Bring this worker's ranks into its geometry now (eager split / merge); no-op when
@@ -369,12 +480,13 @@ class TorchBackend:
         ids = request_token_ids(req, self.world.vocab_size)
         started = self._clock()
         t0 = time.perf_counter()
-        switched, replies, switch_s = await asyncio.to_thread(
-            self._step, assignment.epoch, ids, req.request_id
-        )
+        drop = self._stale_blocks()
+        switched, replies, switch_s = await asyncio.to_thread(self._step, assignment, ids, drop)
         step_s = time.perf_counter() - t0
         prefilled = self._clock()
         lead: RankReply = replies[0]
+        if self._cache is not None and lead.evicted:
+            self._cache.remove(list(lead.evicted))  # (d) in bind_cache
         handoff = None
         if self.handoff is not None and lead.kv_blob is not None:
             handoff = await self.handoff.transfer(req.request_id, lead.kv_blob)
@@ -389,6 +501,7 @@ class TorchBackend:
                 token=lead.token,
                 decode_token=None if handoff is None else handoff.token,
                 prefix_len=lead.prefix_len,
+                assigned_prefix_len=assignment.prefix_tokens if self._bound else lead.prefix_len,
                 input_len=req.input_len,
                 synthesised_ids=req.tokens is None,
                 engine_s=tuple(r.seconds for r in replies),
@@ -403,7 +516,8 @@ class TorchBackend:
         return PrefillResult(
             request_id=req.request_id,
             token=lead.token,
-            started_at_s=started,
+            # Consecutive stages (backend.py contract): the prefill starts after the switch.
+            started_at_s=started + switch_s,
             prefill_s=max(0.0, step_s - switch_s),
             kv_transfer_s=max(0.0, (finished - prefilled) - decode_s),
             first_decode_s=decode_s,
@@ -413,14 +527,29 @@ class TorchBackend:
         )
 
     def _step(
-        self, epoch: int, ids: list[int], request_id: str
+        self, a: Assignment, ids: list[int], drop: list[int]
     ) -> tuple[list[SwitchReply], list[RankReply], float]:
+        req = a.request
+        if not self._bound:  # standalone: the engine's own cache decides, over its own hashes
+            return self.world.step(
+                self.ranks,
+                a.epoch,
+                ids,
+                want_kv=self.handoff is not None,
+                meta={"request_id": req.request_id},
+            )
+        cache = self._cache
+        full = min(len(req.block_hashes), req.input_len // req.block_size)
         return self.world.step(
             self.ranks,
-            epoch,
+            a.epoch,
             ids,
             want_kv=self.handoff is not None,
-            meta={"request_id": request_id},
+            meta={"request_id": req.request_id},
+            # The blocks rankd will cache for this request are exactly these (core.finish).
+            chain=list(req.block_hashes[:full]) if cache is not None else [],
+            max_prefix=a.prefix_tokens if cache is not None else 0,
+            drop=drop,
         )
 
     def _remember(self, o: TorchOutcome) -> None:

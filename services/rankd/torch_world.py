@@ -12,7 +12,11 @@ A :class:`TorchWorld` is owned by the rank-daemon process (the workers' leader s
    may start in different degrees: the initial composition can mix CP1 and CP2 workers),
 4. serves commands from the leader over a private pipe, one at a time:
    ``prefill`` (one :meth:`RankEngine.prefill` step, SPMD over the members of a worker),
-   ``switch`` (:meth:`RankEngine.switch`, split or merge at a step boundary), ``info``, ``stop``.
+   ``switch`` (:meth:`RankEngine.switch`, split or merge at a step boundary), ``remove``
+   (drop cached blocks of the active worker), ``blocks`` (its cached block hashes),
+   ``export`` / ``import`` (KV replication between workers, :meth:`TorchWorld.copy_prefix`),
+   ``info``, ``stop``. The leader mirrors each worker's cache index from the replies (stored and
+   evicted blocks, removals), so it knows what the engine holds without asking.
 
 Commands to a worker go to every member rank; the leader holds the members' locks (acquired in
 ascending rank order, so two workers sharing no rank run concurrently and a switch that spans
@@ -43,7 +47,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Final
 
-from shared.ids import InvalidInput, VertumnusError
+from shared.ids import InvalidInput, VertumnusError, worker_name
 
 DEFAULT_REPLY_TIMEOUT_S: Final[float] = 600.0  # hang guard, not a latency bound
 
@@ -123,6 +127,8 @@ class RankReply:
     seconds: float
     worker: str
     kv_blob: bytes | None = None
+    evicted: tuple[int, ...] = ()  # blocks the step's store evicted to make room
+    stored_blocks: tuple[int, ...] = ()  # the hashes of the ``stored`` blocks
 
 
 @dataclass(frozen=True)
@@ -220,8 +226,9 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
                 if op == "info":
                     conn.send(("ok", info()))
                 elif op == "prefill":
-                    _, ids, want_kv, meta = msg
-                    out = engine.prefill(ids)
+                    _, ids, want_kv, meta, chain, max_prefix = msg
+                    out = engine.prefill(ids, chain=chain, max_prefix=max_prefix)
+                    engine.take_events()  # the leader mirrors the index from the replies
                     blob = None
                     if want_kv and engine.group.rank == 0:
                         kv_meta = dict(meta, token=out.next_token, length=len(ids))
@@ -238,9 +245,23 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
                                 out.seconds,
                                 str(engine.worker_id),
                                 blob,
+                                tuple(int(h) for h in out.evicted),
+                                tuple(int(h) for h in out.stored),
                             ),
                         )
                     )
+                elif op == "remove":
+                    gone = engine.remove(msg[1])
+                    engine.take_events()
+                    conn.send(("ok", tuple(int(h) for h in gone)))
+                elif op == "blocks":
+                    conn.send(("ok", (str(engine.worker_id), engine.cached_blocks())))
+                elif op == "export":
+                    conn.send(("ok", engine.export_prefix(msg[1], msg[2])))
+                elif op == "import":
+                    stored, evicted = engine.import_prefix(msg[1], msg[2])
+                    engine.take_events()
+                    conn.send(("ok", ([int(h) for h in stored], [int(h) for h in evicted])))
                 elif op == "switch":
                     _, epoch, degree = msg
                     rep = engine.switch(epoch, degree)
@@ -290,6 +311,10 @@ class TorchWorld:
         self._locks = [threading.RLock() for _ in range(spec.world_size)]
         # The leader's exact view of each rank's (epoch, degree): every command passes here.
         self._geometry = [(0, spec.initial_degree(r)) for r in range(spec.world_size)]
+        # The leader's mirror of each worker's engine cache index (block hashes), kept from
+        # the replies of every command that changes it (prefill: stored / evicted; remove).
+        self._blocks: dict[str, set[int]] = {}
+        self._mirror_lock = threading.Lock()  # read on the event loop, written by step threads
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -439,9 +464,87 @@ class TorchWorld:
         *,
         want_kv: bool = False,
         meta: dict[str, Any] | None = None,
+        chain: Sequence[int] | None = None,
+        max_prefix: int | None = None,
     ) -> list[RankReply]:
-        """One CP prefill step over ``ranks`` (one worker's members, its active group)."""
-        return self._round(ranks, ("prefill", list(token_ids), want_kv, dict(meta or {})))
+        """One CP prefill step over ``ranks`` (one worker's members, its active group).
+
+        ``chain`` / ``max_prefix``: cache keys of the request's full blocks and a cap on the
+        reused prefix (``RankKVCache.lookup``); None: the engine hashes the ids itself."""
+        msg = (
+            "prefill",
+            list(token_ids),
+            want_kv,
+            dict(meta or {}),
+            None if chain is None else [int(h) for h in chain],
+            max_prefix,
+        )
+        replies: list[RankReply] = self._round(ranks, msg)
+        lead = replies[0]
+        self._mirror(lead.worker, lead.stored_blocks, lead.evicted)
+        return replies
+
+    def _mirror(self, worker: str, added: Sequence[int], gone: Sequence[int]) -> None:
+        with self._mirror_lock:
+            mirror = self._blocks.setdefault(worker, set())
+            mirror.difference_update(gone)
+            mirror.update(added)
+
+    def cached_blocks(self, worker_id: str) -> frozenset[int]:
+        """The leader's view of ``worker_id``'s engine cache index (no round trip)."""
+        with self._mirror_lock:
+            return frozenset(self._blocks.get(worker_id, ()))
+
+    def engine_blocks(self, ranks: Sequence[int]) -> list[tuple[str, frozenset[int]]]:
+        """Ask each rank of ``ranks`` for its active worker and cached block hashes (audits
+        and tests: the engine's actual index, not the leader's mirror)."""
+        return self._round(ranks, ("blocks",))
+
+    def copy_prefix(
+        self,
+        src_ranks: Sequence[int],
+        src_worker: str,
+        dst_ranks: Sequence[int],
+        hashes: Sequence[int],
+    ) -> tuple[list[int], list[int]]:
+        """Replicate KV between workers of this world (a replicate / reconcile command): the
+        longest leading part of the chain ``hashes`` that ``src_worker``'s cache holds on
+        ``src_ranks`` (its active or retired cache: after a split / merge the old worker's
+        pages stay resident) is installed into the active cache of the worker made of
+        ``dst_ranks`` (its members, in its geometry), each destination rank keeping the pages
+        it owns at the destination's degree (a re-shard when the degrees differ).
+
+        Checked on the leader before anything is installed: only a prefix whose every page
+        arrived is sent, so every destination member does the same thing. Returns the
+        destination's (stored, evicted) block hashes; ([], []) when nothing could be copied.
+        """
+        src, dst = sorted(set(src_ranks)), sorted(set(dst_ranks))
+        with self._locked(src + dst):
+            answers = self._round(src, ("export", src_worker, [int(h) for h in hashes]))
+            chain = min((c for c, _ in answers), key=len)  # members agree; be safe
+            pages = {pg.hash: pg for _, pgs in answers for pg in pgs}
+            whole = 0
+            while whole < len(chain) and chain[whole][0] in pages:
+                whole += 1
+            chain = chain[:whole]
+            if not chain:
+                return [], []
+            keep = [pages[h] for h, _ in chain]
+            replies = self._round(dst, ("import", chain, keep))
+        stored, evicted = replies[0]
+        self._mirror(str(worker_name(len(dst), dst[0] + self.spec.gpu_offset)), stored, evicted)
+        return list(stored), list(evicted)
+
+    def remove(self, ranks: Sequence[int], hashes: Sequence[int]) -> frozenset[int]:
+        """Drop blocks (and their cached descendants) from the active cache of the worker
+        made of ``ranks`` (its members, in its geometry); returns what was removed."""
+        answers: list[tuple[int, ...]] = self._round(ranks, ("remove", [int(h) for h in hashes]))
+        gone = frozenset(answers[0])
+        if any(frozenset(a) != gone for a in answers):
+            self.broken = "members' cache indices diverged"
+            raise WorldBroken(f"members removed different blocks: {answers!r}")
+        self._mirror(str(worker_name(len(ranks), min(ranks) + self.spec.gpu_offset)), (), gone)
+        return gone
 
     def switch(self, ranks: Sequence[int], epoch: int, degree: int) -> list[SwitchReply]:
         """Adopt ``epoch`` at ``degree`` on ``ranks``, which must be whole groups of ``degree``
@@ -479,11 +582,16 @@ class TorchWorld:
         *,
         want_kv: bool = False,
         meta: dict[str, Any] | None = None,
+        chain: Sequence[int] | None = None,
+        max_prefix: int | None = None,
+        drop: Sequence[int] = (),
     ) -> tuple[list[SwitchReply], list[RankReply], float]:
         """One engine step of the worker made of ``ranks``: switch them to that worker's
         geometry first if they are in another one (split / merge at this step boundary, under
-        ``epoch``), then prefill. Atomic with respect to other workers' commands. Returns the
-        switch reports (empty if none), the members' replies and the switch's wall seconds."""
+        ``epoch``); then remove the blocks ``drop`` from its cache (so that it follows an
+        authoritative index, e.g. rankd's BlockCache); then prefill. Atomic
+        with respect to other workers' commands. Returns the switch reports (empty if none),
+        the members' replies and the switch's wall seconds."""
         ranks = sorted(set(ranks))
         degree = len(ranks)
         with self._locked(ranks):
@@ -492,4 +600,9 @@ class TorchWorld:
             if any(self._geometry[r][1] != degree for r in ranks):
                 switched = self.switch(ranks, epoch, degree)
             switch_s = time.perf_counter() - t0 if switched else 0.0
-            return switched, self.prefill(ranks, token_ids, want_kv=want_kv, meta=meta), switch_s
+            if drop:
+                self.remove(ranks, drop)
+            replies = self.prefill(
+                ranks, token_ids, want_kv=want_kv, meta=meta, chain=chain, max_prefix=max_prefix
+            )
+            return switched, replies, switch_s

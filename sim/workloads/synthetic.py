@@ -291,12 +291,56 @@ def steady(duration_s: float, rate: float, long_share: float, **kw: Any) -> Synt
     return SyntheticConfig(duration_s=duration_s, rate=rate, long_share=long_share, phases=(), **kw)
 
 
+SHORT_BLOCK_SIZE: Final[int] = 16
+"""Block size of the short-prompt preset: prompts of tens to a few hundred tokens share
+prefixes at a granularity a 512-token block would hide."""
+
+
+def short_prompts(
+    duration_s: float = 240.0,
+    rate: float = 1.0,
+    *,
+    phases: tuple[Phase, ...] = DEFAULT_PHASES,
+    **kw: Any,
+) -> SyntheticConfig:
+    """The short-prompt preset (``vertumnus up --backend torch`` default, workload name
+    ``synthetic-short``): the default's structure — shared system prompts, multi-turn
+    sessions, a pool of recurring "documents", load phases (``phases`` rescaled to fill
+    ``duration_s``) — at lengths a CPU engine serves in milliseconds: system prompts
+    32–160 tokens, first turns ~48, follow-ups ~24, documents 200–400, every prompt
+    ≤ 512 tokens, blocks of :data:`SHORT_BLOCK_SIZE`. ``kw`` overrides any field.
+    """
+    if phases:
+        k = duration_s / sum(p.duration_s for p in phases)
+        phases = tuple(Phase(p.duration_s * k, p.rate_multiplier, p.long_share) for p in phases)
+    base: dict[str, Any] = {
+        "duration_s": duration_s,
+        "rate": rate,
+        "phases": phases,
+        "short_len": LogNormalLength(48, 0.7, 4, 256),
+        "long_len": LogNormalLength(280, 0.25, 200, 400),
+        "output_len": LogNormalLength(16, 0.7, 1, 64),
+        "n_system_prompts": 4,
+        "system_prompt_len": LogNormalLength(80, 0.5, 32, 160),
+        "turn_len": LogNormalLength(24, 0.6, 4, 96),
+        "think_time_s": 8.0,
+        "long_doc_pool": 8,
+        "question_len": LogNormalLength(16, 0.5, 4, 64),
+        "max_input_len": 512,
+        "block_size": SHORT_BLOCK_SIZE,
+    }
+    base.update(kw)
+    return SyntheticConfig(**base)
+
+
 __all__: Sequence[str] = (
     "DEFAULT_PHASES",
+    "SHORT_BLOCK_SIZE",
     "LogNormalLength",
     "Phase",
     "SyntheticConfig",
     "generate",
     "phase_table",
+    "short_prompts",
     "steady",
 )

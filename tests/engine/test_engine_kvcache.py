@@ -15,7 +15,7 @@ from services.rankd.engine.decode import BlobReassembler, encode_chunks
 from services.rankd.engine.errors import KVFormatError
 from services.rankd.engine.kvcache import RankKVCache, pages_from_bytes, pages_to_bytes
 from services.rankd.engine.model import Qwen3ForCausalLM
-from shared.ids import WorkerId
+from shared.ids import InvalidInput, WorkerId
 
 CFG = Qwen3Config(max_position_embeddings=128)
 B = 4
@@ -80,8 +80,35 @@ def test_store_then_lookup_returns_the_stored_pages(degree: int) -> None:
     assert looks[0].match.prefix_len == 20
     assert torch.equal(gathered(ranks, looks), stack_kv([(k[:20], v[:20]) for k, v in kv]))
     assert all(len(c.pool) == len(range(r, 5, degree)) for r, c in enumerate(ranks))
-    # R >= 1: a request equal to a cached prefix still recomputes its last token
-    assert ranks[0].lookup(ids[:20]).match.prefix_len == 16
+    # R >= 1: a request equal to a cached prefix still recomputes its last token; its last
+    # page is reused partially (P = n - 1, rankd BlockCache's rule min(hit·B, n − 1)).
+    looks = [c.lookup(ids[:20]) for c in ranks]
+    assert looks[0].match.prefix_len == 19 and len(looks[0].match.block_hashes) == 5
+    assert torch.equal(gathered(ranks, looks), stack_kv([(k[:19], v[:19]) for k, v in kv]))
+    # A cap (rankd's decided P) limits the reuse, also mid-page.
+    assert [c.lookup(ids + [7], max_prefix=9).match.prefix_len for c in ranks] == [9] * degree
+    assert ranks[0].lookup(ids + [7], max_prefix=0).match.prefix_len == 0
+
+
+def test_explicit_chain_keys_the_cache() -> None:
+    """rankd's hash chain names the blocks: stored under it, found by it, never by the ids'
+    own hashes; a chain longer than the full blocks is refused."""
+    ranks = worker(2)
+    ids = list(range(10, 30))  # 20 tokens: 5 full blocks
+    chain = [101, 102, 103]  # only the first 3 blocks are named: only they are cached
+    looks = [c.lookup(ids, chain=chain) for c in ranks]
+    kv = fake_kv(len(ids))
+    for c, lk in zip(ranks, looks, strict=True):
+        c.store(lk, kv)
+    assert ranks[0].blocks() == ranks[1].blocks() == frozenset(chain)
+    assert ranks[0].lookup(ids + [1]).match.prefix_len == 0  # own hashes: a miss
+    again = [c.lookup(ids + [1], chain=chain) for c in ranks]
+    assert again[0].match.prefix_len == 12
+    assert torch.equal(gathered(ranks, again), stack_kv([(k[:12], v[:12]) for k, v in kv]))
+    with pytest.raises(InvalidInput, match="6 block hashes for 20 tokens"):
+        ranks[0].lookup(ids, chain=[1, 2, 3, 4, 5, 6])
+    with pytest.raises(InvalidInput, match="max_prefix"):
+        ranks[0].lookup(ids, max_prefix=-1)
 
 
 def test_events_and_indexes_agree_across_ranks() -> None:

@@ -7,8 +7,11 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from services.rankd.engine.profiling import torch_profile_command
 from shared.costmodel import Profile
+from shared.ids import InvalidInput
 
 TINY = {
     "vocab_size": 256,
@@ -22,6 +25,12 @@ TINY = {
 }
 
 
+def test_torch_profile_refuses_an_unknown_estimator(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="estimator must be one of"):
+        torch_profile_command(tmp_path, estimator="mean", model_config=TINY, max_world=2)
+    assert not (tmp_path / "profile.json").exists()
+
+
 def test_torch_profile_writes_a_loadable_profile(tmp_path: Path) -> None:
     path = torch_profile_command(
         tmp_path,
@@ -33,11 +42,16 @@ def test_torch_profile_writes_a_loadable_profile(tmp_path: Path) -> None:
         model_config=TINY,
         block_size=16,
         max_world=2,
+        estimator="min",
     )
     assert path == tmp_path / "profile.json"
     prof = Profile.load(path)
     report = json.loads((tmp_path / "profile_report.json").read_text())
     assert report["degrees"] == [1, 2]
+    assert report["estimator"] == "min" and report["warmup_passes"] == 1
+    assert report["repeat_spread"] == 0.0  # one repeat: no spread to measure
+    by_point = {(r["degree"], r["r"], r["p"]): r["seconds"] for r in report["raw"]}
+    assert all(s["seconds"] == by_point[(s["degree"], s["r"], s["p"])] for s in report["samples"])
     assert any("[8] ignored" in n for n in report["notes"])
     assert {(s["degree"], s["p"]) for s in report["samples"]} == {
         (c, p) for c in (1, 2) for p in (0, 32)

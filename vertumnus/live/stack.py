@@ -1,15 +1,17 @@
 """``vertumnus up``: the whole live system on one machine, a replay through it, a report.
 
 :class:`LiveStack` starts an embedded ``nats-server`` (JetStream, temporary store, kernel-chosen
-loopback ports), then every service as a child process (:mod:`vertumnus.live.procs`):
-gateway (HTTP on a kernel-chosen port, learnt from its micro metadata), scheduler, controller,
-cachemgr, and one rankd *host* running every worker of the GPU range on the sim backend timed
-by the ground truth (:mod:`vertumnus.live.rankd_sim`). It is healthy when every service answers
-``$SRV.PING``, the gateway's ``GET /health`` is 200 and at least one worker is ACTIVE. The
-controller starts last, just before the replay (its first windows then measure traffic, not an
-idle warm-up); the rank daemons run the same initial composition until its first record.
-Children die with the orchestrator even if it is SIGKILLed (Linux parent-death signal; the
-nats-server through a small exec shim, :func:`nats_binary_dying_with_parent`).
+loopback ports), then every service as a child process (:mod:`vertumnus.live.procs`): gateway
+(HTTP on a kernel-chosen port, learnt from its micro metadata), scheduler, controller, cachemgr,
+and one rankd *host* running every worker of the GPU range on the sim backend timed by the
+ground truth (:mod:`vertumnus.live.rankd_sim`) — or, with ``backend="torch"``, on the real CP
+engine (one gloo rank process per GPU on this CPU, ``VTM_TORCH_*`` from
+:meth:`LiveStack.torch_env`; every service then uses the workload's block size). It is healthy
+when every service answers ``$SRV.PING``, the gateway's ``GET /health`` is 200 and at least one
+worker is ACTIVE. The controller starts last, just before the replay (its first windows then
+measure traffic, not an idle warm-up); the rank daemons run the same initial composition until
+its first record. Children die with the orchestrator even if it is SIGKILLed (Linux parent-death
+signal; the nats-server through a small exec shim, :func:`nats_binary_dying_with_parent`).
 
 :func:`run_up` replays the workload through the gateway (:mod:`vertumnus.live.replay`),
 watches epoch records (splits and merges) and results (:mod:`vertumnus.live.observe`), prints
@@ -43,6 +45,7 @@ import nats
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from shared.ids import DEFAULT_BLOCK_SIZE
 from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv
 from shared.subjects import Subjects
@@ -77,7 +80,9 @@ class UpConfig:
     degrees: tuple[int, ...] = (2, 4)
     policy: str = "vertumnus"
     backend: str = "sim"
-    workload: str = "synthetic"
+    workload: str = ""
+    """'synthetic', 'synthetic-short' or a trace path; '' = the backend's default
+    (:func:`default_workload`)."""
     rate: float | None = None
     duration_s: float = DEFAULT_DURATION_S
     time_scale: float = DEFAULT_TIME_SCALE
@@ -101,8 +106,13 @@ class UpConfig:
     """Gateway HTTP port (0: the kernel picks one)."""
     env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Extra ``VTM_*`` variables per service name (override the computed ones)."""
+    model_path: Path | None = None
+    """torch backend: a local HF-format Qwen3 checkpoint directory (default: the small
+    random-weight model :data:`LIVE_TORCH_MODEL`)."""
 
     def __post_init__(self) -> None:
+        if not self.workload:
+            object.__setattr__(self, "workload", default_workload(self.backend))
         if self.gpus < 1:
             raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
         if not self.degrees or any(d < 1 or d & (d - 1) for d in self.degrees):
@@ -117,6 +127,16 @@ class UpConfig:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
         if self.backend not in ("sim", "torch"):
             raise ValueError(f"--backend must be sim or torch, got {self.backend!r}")
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per cache block, stack-wide (gateway hashes, scheduler, cache manager, the
+        torch engine's pages): the short-prompt preset's blocks, else the default."""
+        if self.workload == "synthetic-short":
+            from sim.workloads.synthetic import SHORT_BLOCK_SIZE
+
+            return SHORT_BLOCK_SIZE
+        return DEFAULT_BLOCK_SIZE
 
     @property
     def base_rate(self) -> float:
@@ -135,6 +155,13 @@ class UpConfig:
         """The initial composition: the controller's first epoch record and what the rank
         daemons run until it arrives (default: :func:`default_composition`)."""
         return self.initial_workers or default_composition(self.gpus, self.degrees)
+
+
+def default_workload(backend: str) -> str:
+    """``synthetic`` for the sim backend; ``synthetic-short`` (prompts of tens to a few hundred
+    tokens, sim/workloads/synthetic.py ``short_prompts``) for the torch backend, whose CPU
+    engine would take minutes per default-length prompt."""
+    return "synthetic-short" if backend == "torch" else "synthetic"
 
 
 def default_composition(gpus: int, degrees: Sequence[int]) -> tuple[str, ...]:
@@ -172,12 +199,18 @@ def phased_config(duration_s: float, rate: float, seed_cfg: dict[str, Any] | Non
 
 def load_requests(spec: str, *, duration_s: float, rate: float | None, seed: int,
                   max_requests: int | None, default_rate: float) -> tuple[Any, list[Any]]:
-    """(workload, requests) for ``'synthetic'`` (phased, ``duration_s``) or a trace path."""
+    """(workload, requests) for ``'synthetic'`` / ``'synthetic-short'`` (phased, ``duration_s``)
+    or a trace path."""
     from sim.workloads import generate, load_workload
     from sim.workloads.workload import truncate
 
     if spec == "synthetic":
         wl = generate(phased_config(duration_s, rate or default_rate), seed=seed)
+    elif spec == "synthetic-short":
+        from sim.workloads.synthetic import short_prompts
+
+        wl = generate(short_prompts(duration_s, rate or default_rate), seed=seed,
+                      name="short")
     else:
         wl = load_workload(spec, seed=seed, rate=rate)
         if len(wl) and duration_s:
@@ -259,6 +292,7 @@ class LiveStack:
         }
         per: dict[str, dict[str, str]] = {
             "gateway": {
+                "VTM_BLOCK_SIZE": str(c.block_size),
                 "VTM_HTTP_HOST": "127.0.0.1",
                 "VTM_HTTP_PORT": str(c.http_port),
                 # The sim backend needs only lengths and block hashes; long prompts' token
@@ -269,6 +303,7 @@ class LiveStack:
                 "VTM_RESULT_TIMEOUT_S": f"{c.result_timeout_wall_s:g}",
             },
             "scheduler": {
+                "VTM_BLOCK_SIZE": str(c.block_size),
                 "VTM_POLICY": c.policy,
                 "VTM_SEED": str(c.seed),
                 "VTM_WINDOW_S": window,
@@ -287,6 +322,7 @@ class LiveStack:
                 **({"VTM_PROFILE_PATH": str(c.profile)} if c.profile else {}),
             },
             "cachemgr": {
+                "VTM_BLOCK_SIZE": str(c.block_size),
                 "VTM_DEGREES": degrees,
                 "VTM_SCAN_INTERVAL_S": window,  # H, scaled like the controller's window
                 **({"VTM_PROFILE_PATH": str(c.profile)} if c.profile else {}),
@@ -298,9 +334,25 @@ class LiveStack:
                 "VTM_TIME_SCALE": f"{scale:g}",
                 "VTM_TRUTH": c.truth,
                 "VTM_TRUTH_SEED": str(c.seed),
+                **(self.torch_env() if c.backend == "torch" else {}),
             },
         }
         return {**common, **per.get(name, {}), **dict(c.env.get(name, {}))}
+
+    def torch_env(self) -> dict[str, str]:
+        """rankd's ``VTM_TORCH_*`` settings for ``--backend torch``: the small random-weight
+        model with Qwen3's vocabulary (the replay's token ids are in that range) unless a
+        checkpoint is given; engine pages of the stack's block size (the engine's cache then
+        names blocks as the gateway hashes them, services/rankd/torch_backend.py)."""
+        from services.rankd.torch_backend import LIVE_TORCH_MODEL
+
+        c = self.config
+        env = {"VTM_TORCH_BLOCK_SIZE": str(c.block_size), "VTM_TORCH_DEVICE": "cpu"}
+        if c.model_path is not None:
+            env["VTM_TORCH_MODEL_PATH"] = str(c.model_path)
+        else:
+            env["VTM_TORCH_MODEL_JSON"] = json.dumps(LIVE_TORCH_MODEL)
+        return env
 
     def specs(self, nats_url: str) -> list[tuple[ServiceInfo, ChildSpec]]:
         out = []
@@ -310,7 +362,15 @@ class LiveStack:
             if not info.runnable():
                 self.missing.append(name)
                 continue
-            env, dropped = filter_env(info.settings_class(), self.service_env(name, nats_url))
+            full = self.service_env(name, nats_url)
+            env, dropped = filter_env(info.settings_class(), full)
+            if name == "rankd" and self.config.backend == "torch":
+                # The torch backend reads its own VTM_TORCH_* settings class.
+                from services.rankd.torch_backend import TorchSettings
+
+                extra, _ = filter_env(TorchSettings, full)
+                env.update(extra)
+                dropped = [d for d in dropped if d not in extra]
             if dropped:
                 self.ignored[name] = dropped
             out.append((info, ChildSpec.module(name, info.module, env=env)))
@@ -464,6 +524,7 @@ async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: fl
                                request_timeout_s: float = 600.0,
                                on_start: Callable[[], None] | None = None,
                                bodies: Sequence[bytes] | None = None,
+                               block_size: int = DEFAULT_BLOCK_SIZE,
                                ) -> tuple[list[Any], bool]:
     """Replay with a rich progress bar (stderr); returns (records, interrupted)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -471,7 +532,7 @@ async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: fl
     from vertumnus.live.replay import ReplayConfig, prepare_bodies, replay
 
     rcfg = ReplayConfig(time_scale=time_scale, rate_scale=rate_scale, id_prefix=id_prefix,
-                        request_timeout_s=request_timeout_s)
+                        request_timeout_s=request_timeout_s, block_size=block_size)
     if bodies is None:
         bodies = await asyncio.to_thread(prepare_bodies, requests, rcfg)
     if on_start is not None:
@@ -519,7 +580,8 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
 
     # Encode every prompt before anything starts: it is CPU work, not load, and must not
     # delay the replay once the controller watches.
-    bodies = await asyncio.to_thread(prepare_bodies, requests, ReplayConfig())
+    bodies = await asyncio.to_thread(prepare_bodies, requests,
+                                     ReplayConfig(block_size=config.block_size))
     stack = LiveStack(config, log_dir=log_dir)
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()

@@ -11,7 +11,8 @@
 4. A C = 1 prefill of a small model in bf16 with each backend equals the float32 SDPA-mask
    prefill (same greedy token), and prefill times for a few lengths are printed.
 
-Exits 0 with a message when there is no CUDA device; exits 1 if a check fails.
+Exits 0 when every check passed, 1 if a check failed, 2 (``NO_DEVICE``, message on stderr)
+when there is no CUDA device and ``--cpu-dry-run`` was not given: nothing checked is not a pass.
 ``--cpu-dry-run`` runs checks 3-4 with the SDPA-mask kernel on CPU (exercises this script).
 """
 
@@ -34,6 +35,7 @@ from services.rankd.engine.groups import local_group
 from services.rankd.engine.model import Qwen3ForCausalLM, reference_attention
 from services.rankd.engine.zigzag import ZigzagPlan
 
+NO_DEVICE = 2  # exit status when there is no CUDA device (nothing checked)
 TOL = 2e-2  # relative error for bf16 kernels against a float32 reference
 
 
@@ -251,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         if not args.cpu_dry_run:
+            # Not a pass: nothing was checked, so a script or CI step must not read success.
             print(
-                "cuda_check: no CUDA device available; nothing to check here "
-                "(the CPU path is covered by tests/engine). Run this on a GPU machine."
+                f"cuda_check: FAILED: no CUDA device available (torch {torch.__version__}, "
+                f"built with CUDA {torch.version.cuda or 'none'}); nothing was checked. Run it "
+                "on a machine with a GPU, or add --cpu-dry-run to exercise the script on CPU.",
+                file=sys.stderr,
             )
-            return 0
+            return NO_DEVICE
         dev, dtype = torch.device("cpu"), torch.float32
         check_zigzag(Backend.SDPA_MASK, dev, dtype, report)
         check_model([], dev, dtype, [min(args.lengths)], report)

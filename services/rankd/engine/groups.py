@@ -73,6 +73,14 @@ class SwitchReport:
     seconds: float  # from the switch call until every member of the new group parked
 
 
+def collective_device() -> torch.device:
+    """The device collectives of the default process group use: the current CUDA device for
+    NCCL, the CPU otherwise (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class RankGroups:
     """All lattice groups of ``degrees`` over the world; the active one per epoch.
 
@@ -86,9 +94,13 @@ class RankGroups:
         initial_degree: int = 1,
         gpu_offset: int = 0,
         warm: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise GroupError("torch.distributed is not initialised")
+        # The warm-up tensor must live where the backend communicates: NCCL only moves CUDA
+        # tensors (of the rank's current device), gloo CPU ones.
+        self.device = torch.device(device) if device is not None else collective_device()
         self.world = dist.get_world_size()
         self.me = dist.get_rank()
         self.gpu_offset = gpu_offset
@@ -106,7 +118,7 @@ class RankGroups:
         if warm:
             for d in self.degrees:
                 g = self._groups[d]
-                g.all_gather(torch.zeros(1))
+                g.all_gather(torch.zeros(1, device=self.device))
         if initial_degree not in self._groups:
             raise GroupError(f"initial degree {initial_degree} not in {self.degrees}")
         self.active: CPGroup = self._groups[initial_degree]

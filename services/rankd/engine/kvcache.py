@@ -89,6 +89,12 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._nodes)
 
+    def blocks(self) -> frozenset[BlockHash]:
+        return frozenset(BlockHash(h) for h in self._nodes)
+
+    def parent_of(self, h: int) -> int | None:
+        return self._nodes[h].parent
+
     def owner(self, h: int) -> int:
         return self._nodes[h].page % self.degree
 
@@ -359,6 +365,7 @@ class RankKVCache:
         self.rank, self.degree, self.block_size = rank, degree, block_size
         self.shape = (layers, 2, block_size, kv_heads, head_dim)
         self.index = PrefixIndex(worker, degree, pages_per_rank)
+        self.last_evicted: list[BlockHash] = []  # what the last store() evicted to make room
         self.pool = PagePool(pages_per_rank, layers, block_size, kv_heads, head_dim, dtype, device)
 
     @property
@@ -368,23 +375,64 @@ class RankKVCache:
     def take_events(self) -> list[Event]:
         return self.index.take_events()
 
-    def lookup(self, token_ids: Tensor | list[int]) -> Lookup:
-        """Longest cached prefix of a request, keeping R >= 1 (the last token is always
-        recomputed, so at most (n - 1) // B blocks match)."""
-        ids = torch.as_tensor(token_ids).reshape(-1)
-        chain = chain_hashes(ids.tolist(), self.block_size)
-        usable = chain[: (ids.numel() - 1) // self.block_size]
-        matched = self.index.match(usable)
-        local = self._local_shard(matched)
-        return Lookup(MatchResult(matched, len(matched) * self.block_size), local, chain)
+    def blocks(self) -> frozenset[BlockHash]:
+        """Every cached block hash (worker-level: identical on every rank)."""
+        return self.index.blocks()
 
-    def _local_shard(self, matched: list[BlockHash]) -> Tensor | None:
+    def lookup(
+        self,
+        token_ids: Tensor | list[int],
+        *,
+        chain: list[BlockHash] | None = None,
+        max_prefix: int | None = None,
+    ) -> Lookup:
+        """Longest cached prefix of a request, keeping R >= 1: P = min(matched·B, n − 1), so
+        when every full block matches and n is a multiple of B the last page is reused
+        partially (its first B − 1 tokens) and only the last token is recomputed — the same
+        rule as rankd's BlockCache (``min(hit·B, n − 1)``).
+
+        ``chain``: the request's full-block hashes (root first, at most n // B of them) used
+        as cache keys instead of hashing ``token_ids`` here — rankd passes the gateway's hash
+        chain so that this cache and its own BlockCache name blocks alike; blocks beyond the
+        chain are neither reused nor stored. ``max_prefix``: reuse at most this many tokens
+        (rankd's decided P). Raises InvalidInput for a chain longer than the full blocks or a
+        negative ``max_prefix``.
+        """
+        ids = torch.as_tensor(token_ids).reshape(-1)
+        n = ids.numel()
+        full = n // self.block_size
+        if chain is None:
+            chain = chain_hashes(ids.tolist(), self.block_size)
+        elif len(chain) > full:
+            raise InvalidInput(
+                f"{len(chain)} block hashes for {n} tokens ({full} full blocks of "
+                f"{self.block_size})"
+            )
+        limit = max(0, n - 1)
+        if max_prefix is not None:
+            if max_prefix < 0:
+                raise InvalidInput(f"max_prefix must be >= 0, got {max_prefix}")
+            limit = min(limit, max_prefix)
+        usable = list(chain[: -(-limit // self.block_size)])  # blocks touching [0, limit)
+        matched = self.index.match(usable)
+        p = min(len(matched) * self.block_size, limit)
+        local = self._local_shard(matched, p)
+        return Lookup(MatchResult(matched, p), local, list(chain))
+
+    def _local_shard(self, matched: list[BlockHash], prefix_len: int) -> Tensor | None:
+        """This rank's pages of the matched chain, the last page cut to the prefix's end."""
         if not matched:
             return None
-        mine = [h for p, h in enumerate(matched) if p % self.degree == self.rank]
-        if not mine:
+        last = len(matched) - 1
+        cut = prefix_len - last * self.block_size  # tokens used of the last page (1..B)
+        parts = []
+        for p, h in enumerate(matched):
+            if p % self.degree == self.rank:
+                page = self.pool.get(h)
+                parts.append(page[:, :, :cut] if p == last else page)
+        if not parts:
             return self.pool.data.new_zeros(*self.shape[:2], 0, *self.shape[3:])
-        return torch.cat([self.pool.get(h) for h in mine], dim=2)
+        return torch.cat(parts, dim=2)
 
     def store(self, lookup: Lookup, new_kv: KVLayers) -> list[BlockHash]:
         """Cache the request's new FULL blocks after prefill. ``new_kv``: per layer (R, Hkv, D)
@@ -400,6 +448,7 @@ class RankKVCache:
         stored, evicted = self.index.insert(parent, todo, protect=set(lookup.match.block_hashes))
         for h in evicted:
             self.pool.drop(h)
+        self.last_evicted = evicted
         for h in stored:
             page = first + todo.index(h)
             if page % self.degree == self.rank:
@@ -446,6 +495,7 @@ class RankKVCache:
         stored, evicted = self.index.insert(parent, hashes[len(head) :], protect=set(head))
         for h in evicted:
             self.pool.drop(h)
+        self.last_evicted = evicted
         for h in stored:
             page = hashes.index(h)
             if page % self.degree == self.rank:

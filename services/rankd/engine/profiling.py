@@ -7,9 +7,11 @@
    [0, C)) prefills every (R, P) point of the grid: the P-token prefix is prefilled first (so
    it is cached as whole blocks), then the full P + R request, whose engine step (lookup of the
    cached prefix, zigzag CP prefill of R tokens, storing new blocks) is timed on every member;
-   the sample is the slowest member's time, and the median over ``repeats`` fresh requests
-   (new random ids, so nothing else is reused) is fitted. One warm-up request per degree is
-   discarded.
+   the sample is the slowest member's time, and the median (or ``min``) over ``repeats``
+   fresh requests (new random ids, so nothing else is reused) is fitted. Per degree, one
+   untimed pass over the whole grid (``warmup``) runs first, so that no timed request is the
+   first of its shape; the repeats are interleaved over the grid (slow drifts of a shared
+   machine's load hit every point alike), and their spread is reported as the noise floor.
 2. **Fit** Eq. 2 with :func:`shared.costmodel.fit_profile` twice: one coefficient set for all
    degrees, and one set per degree (``per_degree=True``). Both MAPEs against the measurements
    are reported; the profile stores the per-degree fit only if its MAPE is lower (the report
@@ -54,7 +56,7 @@ PROFILE_MODEL: Final[dict[str, Any]] = {
 
 DEFAULT_LENGTHS: Final[tuple[int, ...]] = (16, 32, 64, 128, 256, 512)
 DEFAULT_PREFIXES: Final[tuple[int, ...]] = (0, 128, 512)
-DEFAULT_REPEATS: Final[int] = 3
+DEFAULT_REPEATS: Final[int] = 5
 CPU_MAX_WORLD: Final[int] = 4
 
 PROFILE_FILE: Final[str] = "profile.json"
@@ -93,8 +95,13 @@ def measure(
     block_size: int = 16,
     device: str = "cpu",
     dtype: str = "float32",
+    warmup: int = 1,
 ) -> tuple[list[dict[str, Any]], dict[int, float]]:
-    """Raw measurements (one dict per request timed) and each degree's switch time (s)."""
+    """Raw measurements (one dict per request timed) and each degree's switch time (s).
+
+    ``warmup``: untimed passes over the whole (R, P) grid per degree before the timed ones
+    (0: a single warm-up request per degree), so that no timed request is the first of its
+    shape (allocator growth, kernel selection)."""
     from services.rankd.torch_world import TorchWorld, WorldSpec
     from shared.ids import InvalidInput
 
@@ -137,6 +144,13 @@ def measure(
             members = list(range(c))
             warm = rng.integers(0, vocab, min(lengths) + block_size).tolist()
             world.prefill(members, warm)
+            for _ in range(warmup):
+                for p in prefixes:
+                    for r in lengths:
+                        ids = rng.integers(0, vocab, p + r).tolist()
+                        if p:
+                            world.prefill(members, ids[:p])
+                        world.prefill(members, ids)
             for rep in range(repeats):
                 for p in prefixes:
                     for r in lengths:
@@ -158,11 +172,25 @@ def measure(
     return rows, switch_s
 
 
-def _medians(rows: Sequence[dict[str, Any]]) -> list[Sample]:
+ESTIMATORS: Final[dict[str, Any]] = {"median": statistics.median, "min": min}
+"""How the repeats of one (R, P, C) point become the fitted sample."""
+
+
+def _medians(rows: Sequence[dict[str, Any]], estimator: str = "median") -> list[Sample]:
+    est = ESTIMATORS[estimator]
     groups: dict[tuple[int, int, int], list[float]] = {}
     for row in rows:
         groups.setdefault((row["r"], row["p"], row["degree"]), []).append(row["seconds"])
-    return [Sample(r, p, c, statistics.median(v)) for (r, p, c), v in sorted(groups.items())]
+    return [Sample(r, p, c, float(est(v))) for (r, p, c), v in sorted(groups.items())]
+
+
+def spread(rows: Sequence[dict[str, Any]]) -> float:
+    """Measurement noise: the median over points of (max − min) / median of the repeats."""
+    groups: dict[tuple[int, int, int], list[float]] = {}
+    for row in rows:
+        groups.setdefault((row["r"], row["p"], row["degree"]), []).append(row["seconds"])
+    rel = [(max(v) - min(v)) / statistics.median(v) for v in groups.values() if len(v) > 1]
+    return float(statistics.median(rel)) if rel else 0.0
 
 
 def plot_fits(
@@ -218,8 +246,19 @@ def torch_profile_command(
     block_size: int = 16,
     device: str = "cpu",
     max_world: int | None = None,
+    warmup: int = 1,
+    estimator: str = "median",
 ) -> Path:
-    """Profile the real engine (module docstring); returns the path of ``profile.json``."""
+    """Profile the real engine (module docstring); returns the path of ``profile.json``.
+
+    ``warmup``: untimed passes over the grid per degree (:func:`measure`); ``estimator``:
+    ``median`` (default: the typical time, what a scheduler faces) or ``min`` (the
+    interference-free time; lower fit error on a shared machine, but biased low against
+    typical times) of the repeats of each point."""
+    from shared.ids import InvalidInput
+
+    if estimator not in ESTIMATORS:
+        raise InvalidInput(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
     if max_world is None:
         if device == "cuda":
             import torch
@@ -241,12 +280,13 @@ def torch_profile_command(
         model_path=model_path,
         block_size=block_size,
         device=device,
+        warmup=warmup,
     )
     wall = time.perf_counter() - t0
     reused_wrong = [r for r in rows if r["prefix_reused"] != r["p"]]
     if reused_wrong:
         notes.append(f"{len(reused_wrong)} requests reused a prefix other than the planned P")
-    samples = _medians(rows)
+    samples = _medians(rows, estimator)
     cfg = model_config or PROFILE_MODEL
     name = model_path or (
         f"qwen3-random(seed={seed}, layers={cfg['num_hidden_layers']}, "
@@ -274,6 +314,10 @@ def torch_profile_command(
         "hardware": hardware,
         "degrees": list(degs),
         "grid": {"lengths": list(lengths), "prefixes": list(prefixes), "repeats": repeats},
+        "warmup_passes": warmup,
+        "estimator": estimator,
+        # Noise floor: median over points of (max − min) / median of their repeats.
+        "repeat_spread": spread(rows),
         "block_size": block_size,
         "seed": seed,
         "stored": "per_degree" if use_per else "single",

@@ -14,7 +14,7 @@ arguments in the same order.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -22,7 +22,7 @@ from torch import Tensor
 from services.rankd.engine.attention import Backend
 from services.rankd.engine.cp_prefill import PrefillResult, cp_prefill
 from services.rankd.engine.groups import CPGroup, RankGroups, SwitchReport
-from services.rankd.engine.kvcache import Event, RankKVCache
+from services.rankd.engine.kvcache import Event, Page, RankKVCache
 from services.rankd.engine.model import Qwen3ForCausalLM
 from shared.ids import BlockHash, WorkerId
 
@@ -30,12 +30,13 @@ from shared.ids import BlockHash, WorkerId
 @dataclass(frozen=True)
 class StepOutput:
     """One prefill step: the CP result, the prefix length reused, the blocks newly cached,
-    and the step's wall time on this rank (seconds)."""
+    the step's wall time on this rank (seconds) and the blocks evicted to make room."""
 
     result: PrefillResult
     prefix_len: int
     stored: list[BlockHash]
     seconds: float
+    evicted: list[BlockHash] = field(default_factory=list)
 
     @property
     def next_token(self) -> int:
@@ -82,13 +83,24 @@ class RankEngine:
     def worker_id(self) -> WorkerId:
         return self.group.worker_id
 
-    def prefill(self, token_ids: Tensor | list[int]) -> StepOutput:
-        """Prefill a whole request (all its tokens); reuses its longest cached prefix."""
+    def prefill(
+        self,
+        token_ids: Tensor | list[int],
+        *,
+        chain: list[BlockHash] | None = None,
+        max_prefix: int | None = None,
+    ) -> StepOutput:
+        """Prefill a whole request (all its tokens); reuses its longest cached prefix.
+
+        ``chain`` / ``max_prefix``: the request's block hashes as cache keys and a cap on the
+        reused prefix (see :meth:`RankKVCache.lookup`); rankd passes its own so that this cache
+        follows rankd's BlockCache. Input errors are raised before any collective.
+        """
         t0 = time.perf_counter()
         ids = self.model.check_request(torch.as_tensor(token_ids))  # before touching the cache
         grp = self.groups.begin_step()
         try:
-            look = self.cache.lookup(ids)
+            look = self.cache.lookup(ids, chain=chain, max_prefix=max_prefix)
             p = look.match.prefix_len
             res = cp_prefill(
                 self.model, grp, ids[p:], look.local_kv, p, self.block_size, self.backend
@@ -96,7 +108,50 @@ class RankEngine:
             stored = self.cache.store(look, res.new_kv)
         finally:
             self.groups.end_step()
-        return StepOutput(res, p, stored, time.perf_counter() - t0)
+        return StepOutput(res, p, stored, time.perf_counter() - t0, self.cache.last_evicted)
+
+    def cache_of(self, worker: str) -> RankKVCache | None:
+        """This rank's cache of ``worker``: the active one, a retired one (its pages stay
+        resident after a split / merge for reconciliation), or None."""
+        if worker == self.cache.worker:
+            return self.cache
+        return self.retired.get(WorkerId(worker))
+
+    def export_prefix(
+        self, worker: str, hashes: list[BlockHash]
+    ) -> tuple[list[tuple[BlockHash, BlockHash | None]], list[Page]]:
+        """The longest leading part of the chain ``hashes`` that ``worker``'s cache on this
+        rank holds: its (hash, parent) metadata and this rank's pages of it (copies). Empty
+        when this rank has no cache of ``worker``. No collective."""
+        cache = self.cache_of(worker)
+        if cache is None:
+            return [], []
+        held: list[BlockHash] = []
+        parent = None
+        for h in hashes:
+            if h not in cache.index or cache.index.parent_of(h) != parent:
+                break
+            held.append(h)
+            parent = h
+        # On the CPU for transport: pipes and other processes need no CUDA context.
+        pages = [replace(pg, kv=pg.kv.cpu()) for pg in cache.export_pages(held)]
+        return cache.chain_of(held), pages
+
+    def import_prefix(
+        self, chain: list[tuple[BlockHash, BlockHash | None]], pages: list[Page]
+    ) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Install a chain and its pages into the active cache (keeping this rank's pages);
+        returns (stored, evicted). Validates first: KVFormatError changes nothing."""
+        stored = self.cache.import_prefix(chain, pages)
+        return stored, self.cache.last_evicted
+
+    def remove(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """Drop blocks (and their cached descendants) from the active cache; no collective."""
+        return self.cache.remove(list(hashes))
+
+    def cached_blocks(self) -> frozenset[BlockHash]:
+        """The block hashes the active cache holds (identical on every member)."""
+        return self.cache.blocks()
 
     def switch(self, epoch: int, degree: int) -> SwitchReport:
         """Adopt ``epoch`` at CP degree ``degree`` (split or merge) at this step boundary."""

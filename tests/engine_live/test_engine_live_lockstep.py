@@ -1,0 +1,303 @@
+"""The torch engine's per-rank prefix cache and rankd's BlockCache stay in lockstep.
+
+A rank daemon (RankdService, real nats-server) on the torch backend with a 2-rank gloo world.
+rankd's BlockCache decides the cached prefix P of every request and publishes cache events;
+the engine must reuse exactly that P and hold exactly the blocks the events describe. Small
+capacities force evictions on both sides: rankd's LRU (5 blocks per worker, applied to the
+engine before its next step) and the engine's pages per rank (3, its evictions removed from
+the BlockCache and published). Checked after every request: FirstToken.prefix_tokens = the
+prefix the engine reused = the expected P; the engine's actual index (asked from the rank
+processes) = the BlockCache = the set rebuilt from the published events; first tokens equal
+the single-process model's greedy tokens (a partially reused last page included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import torch
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+
+from services.rankd.engine.blockhash import chain_hashes
+from services.rankd.engine.config import Qwen3Config
+from services.rankd.engine.model import Qwen3ForCausalLM
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
+from services.rankd.torch_backend import TorchSettings, single_worker_backend, start_torch_host
+from shared.natsserver import EmbeddedNats
+from shared.schemas import (
+    Assignment,
+    AssignmentAck,
+    CacheCleared,
+    CacheCommandResult,
+    CacheEvent,
+    CacheRemoved,
+    CacheStored,
+    EpochRecord,
+    EpochWorker,
+    FirstToken,
+    IntakeRequest,
+    ReconcileCommand,
+    ReplicateCommand,
+    decode,
+    to_json,
+)
+from shared.service import call
+from shared.subjects import Subjects
+from shared.worker import GpuGroup, Lifecycle
+
+WAIT_S = 120.0  # hang guard only
+B = 16
+CFG = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+}
+SEED = 5
+WID = "w-cp2-g0"
+
+
+def toks(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CFG["vocab_size"], (n,), generator=g).tolist()
+
+
+def assignment(rid: str, tokens: list[int]) -> Assignment:
+    now = time.time()
+    return Assignment(
+        request=IntakeRequest(
+            request_id=rid,
+            input_len=len(tokens),
+            tokens=tokens,
+            block_hashes=chain_hashes(tokens, B),  # what the gateway computes
+            block_size=B,
+            arrival_s=now,
+        ),
+        worker_id=WID,
+        epoch=0,
+        degree=2,
+        prefix_tokens=0,  # the scheduler's guess; rankd's cache decides
+        recompute_tokens=len(tokens),
+        predicted_s=0.01,
+        assigned_at_s=now,
+    )
+
+
+async def test_engine_cache_follows_rankd_block_cache(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    s = Subjects(uniq)
+    settings = RankdSettings(
+        nats_url=nats_server.url,
+        subject_prefix=uniq,
+        worker_id=WID,
+        kv_total_blocks=5,
+        drain_timeout_s=10,
+    )
+    ts = TorchSettings(
+        model_json=json.dumps(CFG),
+        seed=SEED,
+        degrees="1,2",
+        block_size=B,
+        pages_per_rank=3,
+        handoff="local",
+    )
+    backend = await asyncio.to_thread(single_worker_backend, settings, ts)
+    world = backend.world
+    svc = RankdService(settings, backend)
+    task = asyncio.create_task(svc.run(nc, handle_signals=False))
+    model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
+
+    published: set[int] = set()
+    events = await nc.subscribe(s.cache_events(WID))
+
+    async def drain_events() -> None:
+        while True:
+            try:
+                msg = await events.next_msg(timeout=0.3)
+            except Exception:  # nats TimeoutError: nothing more in flight
+                return
+            ev = decode(CacheEvent, msg.data)
+            if isinstance(ev, CacheStored):
+                published.update(ev.block_hashes)
+            elif isinstance(ev, CacheRemoved):
+                published.difference_update(ev.block_hashes)
+            elif isinstance(ev, CacheCleared):
+                published.clear()
+
+    async def run(rid: str, tokens: list[int]) -> FirstToken:
+        sub = await nc.subscribe(s.result(rid))
+        try:
+            await call(
+                nc, s.worker_assign(WID), assignment(rid, tokens), AssignmentAck, timeout_s=WAIT_S
+            )
+            return decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
+        finally:
+            await sub.unsubscribe()
+
+    a = toks(1, 40)  # blocks a1 a2 (+ 8 tokens)
+    b = toks(2, 17)
+    c = toks(3, 64)  # blocks c1..c4
+    steps = [
+        ("r0", a, 0),
+        ("r1", a[:32] + b, 32),  # a1 a2 reused, b3 stored
+        ("r2", a[:32] + b[:16], 47),  # every block cached, n = 3B: the last page partially
+        ("r3", c, 0),  # the engine evicts b3 (rank 0 full), rankd evicts a2 (5 blocks)
+        # a2 is gone on both sides: only a1 reused; a2 stored again, rankd evicts c4 (LRU)
+        ("r4", a[:32] + [7] * 5, 16),
+    ]
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await svc.started.wait()
+        for rid, tokens, want_p in steps:
+            ft = await run(rid, tokens)
+            assert ft.error is None, (rid, ft.error)
+            out = backend.outcomes[rid]
+            assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token, rid
+            assert ft.prefix_tokens == out.prefix_len == want_p, (rid, ft.prefix_tokens, out)
+            await drain_events()
+            await backend.sync_cache()  # what the next step does first
+            actual = world.engine_blocks(backend.ranks)
+            assert [w for w, _ in actual] == [WID, WID]
+            assert actual[0][1] == actual[1][1] == svc.core.cache.blocks() == published, rid
+        assert backend.prefix_shortfall() == {}
+        assert published == {*chain_hashes(a, B), *chain_hashes(c, B)[:3]}
+    finally:
+        await events.unsubscribe()
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    assert not any(world.alive())
+
+
+async def test_replicate_and_reconcile_move_real_kv(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """Cache-manager commands on the torch backend move KV between the workers of one world
+    before rankd records the blocks: a replicate w-cp1-g0 → w-cp1-g1 makes a request on g1
+    reuse the copied prefix (and get the single-process token); a replicate from a worker
+    outside the world records nothing; after a merge into w-cp2-g0 a reconcile from the
+    retired w-cp1-g0 re-shards its pages to degree 2. Engine and BlockCache agree after each.
+    """
+    s = Subjects(uniq)
+    settings = RankdSettings(
+        nats_url=nats_server.url,
+        subject_prefix=uniq,
+        heartbeat_s=0.2,
+        drain_timeout_s=10,
+        host_gpus="0-1",
+        initial_workers="w-cp1-g0,w-cp1-g1",
+    )
+    ts = TorchSettings(
+        model_json=json.dumps(CFG), seed=SEED, degrees="1,2", block_size=B, handoff="local"
+    )
+    host, pool = await start_torch_host(settings, ts, nc=nc)
+    task = asyncio.create_task(host.run(nc, handle_signals=False))
+    model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
+
+    async def wait_for(wanted: set[str]) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while host.worker_ids != wanted or len(host.services) != len(wanted):
+                host.changed.clear()
+                await host.changed.wait()
+
+    async def run(rid: str, wid: str, epoch: int, tokens: list[int]) -> FirstToken:
+        a = assignment(rid, tokens).model_copy(
+            update={"worker_id": wid, "epoch": epoch, "degree": GpuGroup.from_worker_id(wid).degree}
+        )
+        sub = await nc.subscribe(s.result(rid))
+        try:
+            async with asyncio.timeout(WAIT_S):
+                while True:  # the worker's endpoints subscribe just after it is listed
+                    try:
+                        await call(nc, s.worker_assign(wid), a, AssignmentAck, timeout_s=WAIT_S)
+                        break
+                    except NoRespondersError:
+                        await asyncio.sleep(0.05)
+            ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
+        finally:
+            await sub.unsubscribe()
+        assert ft.error is None, (rid, ft.error)
+        assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token, rid
+        return ft
+
+    async def command(wid: str, cmd: object) -> CacheCommandResult:
+        return await call(nc, s.cache_cmd(wid), cmd, CacheCommandResult, timeout_s=WAIT_S)
+
+    def agree(wid: str) -> frozenset[int]:
+        svc = host.services[wid]
+        backend = svc.backend
+        actual = pool.world.engine_blocks(backend.ranks)
+        assert {w for w, _ in actual} == {wid}
+        assert all(b == svc.core.cache.blocks() for _, b in actual), wid
+        return svc.core.cache.blocks()
+
+    doc = toks(11, 48)  # 3 blocks
+    chain = chain_hashes(doc, B)
+    try:
+        await wait_for({"w-cp1-g0", "w-cp1-g1"})
+        assert (await run("p0", "w-cp1-g0", 0, doc + [1, 2])).prefix_tokens == 0
+        res = await command(
+            "w-cp1-g1",
+            ReplicateCommand(
+                command_id="c1",
+                worker_id="w-cp1-g1",
+                epoch=0,
+                blocks=chain,
+                source_worker="w-cp1-g0",
+            ),
+        )
+        assert res.ok and res.blocks_done == 3
+        assert agree("w-cp1-g1") == frozenset(chain)
+        assert (await run("p1", "w-cp1-g1", 0, doc + [9] * 7)).prefix_tokens == 48
+
+        far = await command(
+            "w-cp1-g0",
+            ReplicateCommand(
+                command_id="c2",
+                worker_id="w-cp1-g0",
+                epoch=0,
+                blocks=chain_hashes(toks(12, 32), B),
+                source_worker="w-cp1-g5",
+            ),
+        )  # not in this world: no KV reachable, nothing recorded
+        assert far.ok and far.blocks_done == 0
+        assert agree("w-cp1-g0") == frozenset(chain)
+
+        rec = EpochRecord(
+            epoch=1,
+            committed_at_s=time.time(),
+            workers=[
+                EpochWorker(worker_id="w-cp2-g0", first_gpu=0, degree=2, lifecycle=Lifecycle.ACTIVE)
+            ],
+        )
+        epochs = await nc.jetstream().key_value(s.epoch_bucket())
+        await epochs.put(s.epoch_key(), to_json(rec))
+        await wait_for({"w-cp2-g0"})
+        other = toks(13, 20)
+        await run("m0", "w-cp2-g0", 1, other)  # the merged worker's first step: ranks switch
+        res = await command(
+            "w-cp2-g0",
+            ReconcileCommand(
+                command_id="c3",
+                worker_id="w-cp2-g0",
+                epoch=1,
+                blocks=chain[:2],
+                source_worker="w-cp1-g0",
+            ),
+        )  # the retired degree-1 cache, re-sharded to degree 2
+        assert res.ok and res.blocks_done == 2
+        assert set(chain[:2]) <= agree("w-cp2-g0")
+        assert (await run("m1", "w-cp2-g0", 1, doc[:32] + [5] * 9)).prefix_tokens == 32
+        agree("w-cp2-g0")
+    finally:
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+        await pool.close()
