@@ -85,6 +85,9 @@ class ExperimentSpec:
     controller: ControllerConfig = calibration.CONTROLLER
     scan: ScanConfig = calibration.SCAN
     kappa_scale: float = calibration.KAPPA_SCALE
+    """The controller judges capacity with κ_C × this. KAPPA_SCALE corrects a single-worker κ
+    (``vertumnus profile``); sim/runner.py sets 1.0 when κ was measured on the trace with a
+    routed pool (sim/profiling.py ``TRACE_KAPPA_RAMP``), which is already a pooled capacity."""
 
 
 # --- compositions -----------------------------------------------------------------------------

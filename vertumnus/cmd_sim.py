@@ -43,7 +43,9 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option(help="Directory for profile.json, plot, report")] = Path(
             "runs/profile"
         ),
-        backend: Annotated[str, typer.Option(help="sim (ground truth) or torch (real engine)")] = "sim",
+        backend: Annotated[
+            str, typer.Option(help="sim (ground truth) or torch (real engine)")
+        ] = "sim",
         degrees: Annotated[str, typer.Option(help="CP degrees to profile")] = "1,2,4,8",
         seed: Annotated[int, typer.Option()] = 0,
         workload: Annotated[
@@ -92,7 +94,9 @@ def register(app: typer.Typer) -> None:
         degrees: Annotated[str, typer.Option(help="CP degrees of the lattice")] = "2,4",
         seed: Annotated[int, typer.Option()] = 0,
         out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/simulate"),
-        preset: Annotated[str, typer.Option(help="Named experiment of §9 (see --list-presets)")] = "",
+        preset: Annotated[
+            str, typer.Option(help="Named experiment of §9 (see --list-presets)")
+        ] = "",
         list_presets: Annotated[bool, typer.Option("--list-presets")] = False,
         profile_path: Annotated[
             Path | None, typer.Option("--profile", help="Profile JSON (default: profile the sim)")
