@@ -180,15 +180,17 @@ class WorkerLoad:
         now: float = 0.0,
     ) -> Assignment:
         """Add a placed request's predicted service to this worker's queue (it waits)."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidInput(f"request_id must be a non-empty string, got {request_id!r}")
-        _check_time("predicted_s", predicted_s)
-        if predicted_s < 0:
-            raise InvalidInput(f"predicted_s must be >= 0, got {predicted_s!r}")
-        _check_count("tokens", tokens)
-        _check_count("uncached_tokens", uncached_tokens)
-        _check_count("blocks", blocks)
-        _check_time("now", now)
+        # Fast exact-type checks first (speed: once per placement); anything they do not pass
+        # goes through the full validation below, which raises or accepts exactly as before.
+        if not (
+            predicted_s.__class__ is float and 0.0 <= predicted_s < math.inf
+            and now.__class__ is float and -math.inf < now < math.inf
+            and tokens.__class__ is int and tokens >= 0
+            and uncached_tokens.__class__ is int and uncached_tokens >= 0
+            and blocks.__class__ is int and blocks >= 0
+            and request_id.__class__ is str and request_id
+        ):
+            self._check_reserve(request_id, predicted_s, tokens, uncached_tokens, blocks, now)
         if request_id in self._reqs:
             raise DuplicateRequest(
                 f"request {request_id!r} is already reserved on worker {self.worker}"
@@ -200,6 +202,19 @@ class WorkerLoad:
         self._uncached += uncached_tokens
         self._blocks += blocks
         return a
+
+    @staticmethod
+    def _check_reserve(request_id: RequestId, predicted_s: float, tokens: int,
+                       uncached_tokens: int, blocks: int, now: float) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidInput(f"request_id must be a non-empty string, got {request_id!r}")
+        _check_time("predicted_s", predicted_s)
+        if predicted_s < 0:
+            raise InvalidInput(f"predicted_s must be >= 0, got {predicted_s!r}")
+        _check_count("tokens", tokens)
+        _check_count("uncached_tokens", uncached_tokens)
+        _check_count("blocks", blocks)
+        _check_time("now", now)
 
     def start(self, request_id: RequestId, now: float) -> None:
         """The worker began executing the request at ``now``: it stops waiting, starts running."""
