@@ -48,6 +48,7 @@ CONTROLLER: Final[ControllerConfig] = ControllerConfig(
     split_target=1.0,
     momentum=False,
     merge_speedup=1.15,
+    preference_shift=0.25,
 )
 """Multi-operation plans (``max_ops`` 64, more than any pool here has workers): one window's plan
 goes as far as the demand calls for — one operation per window took up to ten windows (200 s)
@@ -65,7 +66,22 @@ minutes), so merges must pay for that; on the reconfiguration preset (lower, mer
 merge gate, planner rule 9, with ``SPEEDUP_THRESHOLD``'s rule): κ over-rates a CP4 worker for
 short requests (2K tokens: CP4 is 7% faster than CP2 for twice the GPUs), and on the Azure code
 trace the pool merged to 10CP4 in an idle window and stayed there (×4: 0.89 s; gated: 0.53 s).
-A "mix split" back to the bound was tried and dropped: it cost conversation ×2 3.6%."""
+A "mix split" back to the bound was tried and dropped: it cost conversation ×2 3.6%.
+``preference_shift`` 0.25 (planner rule 10): when the share of a window's demand preferring CP4
+exceeds the share of GPUs at CP4 by 0.25 and there is no capacity signal, merge once (after the
+usual persistence). On the reconfiguration preset the rate falls at S2→S3 / S4→S5 as the long
+share rises, so rule 2's stable-demand mix signal never fired and the first merge came from
+rule 1 eight to twelve windows in; with rule 10 it comes 3-5 windows in (seeds 0/1/2: 3/3, 4/4,
+3/5). Mean TTFT in S3 / S5, seeds 0/1/2, without → with: 0.495/0.535 → 0.493/0.574,
+0.534/0.539 → 0.518/0.515, 0.537/0.564 → 0.537/0.568 (within seed noise). Merging as far as the
+gate allows in one plan was worse (S3/S5 0.526/0.557, 0.547/0.587, 0.535/0.600): the merged
+workers lose cached prefixes (long requests on them reuse ~50% instead of ~85% for a minute)
+just when the long requests arrive. Thresholds 0.15 and 0.35 (multi-merge) reacted in 3/3 and
+3/5 windows. What the fixed 12CP2/4CP4 pool gains in S3/S5 (0.45/0.43 s) it gains in the first
+60 s of the phase, before any controller with persistence 2 can act: a pool split to 20CP2 for
+S2 serves the first minute of long requests at 1.1-1.4 s vs 0.7-0.95 s; later in the phase the
+all-CP2 pool is as fast as 12CP2/4CP4. Keeping CP4 workers through S2 (a split gate holding the
+preferring share of GPUs at CP4) left 18CP2/1CP4: S2 0.467, S3 0.81, S5 0.74 — dropped."""
 
 SCAN: Final[ScanConfig] = ScanConfig(
     theta_inter=0.25, theta_intra=8.0, theta_reclaim=0.25, decay=0.5, max_actions_per_list=1
@@ -128,11 +144,14 @@ and cost light-load TTFT (×1: 6CP2/7CP4 then three merges)."""
 def policy_params(policy: str) -> dict[str, float]:
     """The calibrated keyword parameters of ``policy`` (``make_policy(policy, **these)``).
 
-    Only ``vertumnus`` has calibrated weights (β, λ above); every other policy, baselines and
-    the J-family ablations included, runs with its source's defaults, exactly as the
-    experiments deploy them (sim/experiments.py ``deployment_for``). The live scheduler starts
-    from these too, so a live run and a simulation of the same policy place alike.
+    The J family (``vertumnus`` and its fixed-pool forms ``homo``, ``homo_cp2``) shares the
+    calibrated weights β, λ: a fixed pool under the same scheduler is the paper's Homo, and
+    comparing it with weights of its own would credit adaptivity with what is only a different
+    β (near saturation a higher β raises the hit rate, and 1-2% less work moves mean TTFT by
+    20%: conversation ×4.7, homo_cp2 4.03 s at β 1.5 vs 3.20 s at β 2). Every other policy
+    runs with its source's defaults, exactly as the experiments deploy them
+    (sim/experiments.py ``deployment_for``). The live scheduler starts from these too.
     """
-    if policy == "vertumnus":
+    if policy in ("vertumnus", "homo", "homo_cp2"):
         return {"beta": BETA, "lam": LAM}
     return {}

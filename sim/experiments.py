@@ -156,15 +156,17 @@ def deployment_for(
         comp = ov.pop("composition", initial)
         adaptive = ov.pop("adaptive", True)
         cache_manager = ov.pop("cache_manager", True)
-        params = {"beta": calibration.BETA, "lam": calibration.LAM, **jparams, **ov}
+        params = {**calibration.policy_params(policy), **jparams, **ov}
         return Deployment(policy, "vertumnus", comp, adaptive=adaptive,
                           cache_manager=cache_manager, params=params)
     if policy == "static":
         return Deployment(policy, "static", initial)
     if policy == "homo":
-        return Deployment(policy, "homo", homo, params=jparams)
+        return Deployment(policy, "homo", homo,
+                          params={**calibration.policy_params(policy), **jparams})
     if policy == "homo_cp2":
-        return Deployment(policy, "homo_cp2", Composition.uniform(lattice, degs[0]), params=jparams)
+        return Deployment(policy, "homo_cp2", Composition.uniform(lattice, degs[0]),
+                          params={**calibration.policy_params(policy), **jparams})
     if policy == "vllm":
         return Deployment(policy, "vllm", homo, kind=WorkerKind.TP)
     if policy in ("sglang", "sglang_unbounded"):

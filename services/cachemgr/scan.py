@@ -34,6 +34,7 @@ with a descendant is never collected, so no held node loses its path).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -405,7 +406,10 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
     full = lists or t_inter < hot_th[0] or t_intra < hot_th[1]
     # Reclaim candidates as (access / r, hash, degree, node, degree index): the list's ranking.
     rec_keys: list[tuple[float, BlockHash, Degree, TrieNode, int]] = []
-    zero_nodes: list[TrieNode] = []  # index path: multi-holder nodes with no access, by hash
+    # Index path: multi-holder nodes with a zero access at some degree (by hash), and those
+    # with any access at all (source of the positive reclaim keys).
+    zero_nodes: list[TrieNode] = []
+    acc_nodes: list[TrieNode] = []
     if full:
         hot: set[TrieNode] = set()
         for n in trie._nodes.values():
@@ -475,26 +479,29 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
                 drop.append(n)
         for n in drop:
             hot.discard(n)
-        # Multi-holder nodes without any access (most of them) all rank at access / r = 0,
-        # by (hash, degree): they are only sorted by hash here (in C) and expanded lazily.
-        multi = trie._multi
-        if 0.0 < t_rec:  # access 0 < r·θ_reclaim for every r >= 1
-            zero_nodes = [n for n in multi if n._acc is None]
+        # Reclaim candidates leave Algorithm 2's list in (access / r, hash, degree) order and
+        # selection stops after a few. Every multi-holder node with a zero access at a degree
+        # it is held at ranks at access / r = 0 (most candidates: no access at all, or none at
+        # that degree), so those come first, ordered by (hash, degree): the nodes are only
+        # sorted by hash here (in C) and expanded lazily (_zero_keys). The positive keys are
+        # built and heap-ordered only if the zero ones run out (_positive_keys).
+        if 0.0 < t_rec:  # access 0 < r·θ_reclaim for every r >= 1; else the list is empty
+            zero_append, acc_append = zero_nodes.append, acc_nodes.append
+            for n in trie._multi:
+                acc = n._acc
+                if acc is None:
+                    zero_append(n)
+                    continue
+                # A decay keeps a zero zero; a positive value needs the exact decayed value
+                # (it could underflow to zero), so only then is the node caught up here.
+                if 0.0 in acc:
+                    zero_append(n)
+                elif n.ep != e:
+                    n.catch_up()
+                    if 0.0 in acc:
+                        zero_append(n)
+                acc_append(n)
             zero_nodes.sort(key=_HASH)
-        append = rec_keys.append
-        for n in multi:
-            acc = n._acc
-            if acc is None:
-                continue
-            if n.ep != e:
-                n.catch_up()
-            count = n.count
-            for i in range(nd):
-                r = count[i]
-                if r:
-                    a = acc[i]
-                    if a < r * t_rec:
-                        append((a / r, n.hash, degrees[i], n, i))
     trie._touched = set()
     trie._hot_th = (t_inter, t_intra)
 
@@ -533,10 +540,13 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
             # others without side effects. Ancestors are tested for list membership directly.
             # A heap, popped in order until enough reclaims: few trials are ever needed.
             # (access / r, hash, degree) is unique, so the node is never compared.
-            heapq.heapify(rec_keys)
-            ranked = _popped(rec_keys)
-            if zero_nodes:
-                ranked = heapq.merge(_zero_keys(zero_nodes, degrees), ranked)
+            ranked: Iterable[tuple[float, BlockHash, Degree, TrieNode, int]]
+            if full:
+                heapq.heapify(rec_keys)
+                ranked = _popped(rec_keys)
+            else:
+                ranked = itertools.chain(_zero_keys(zero_nodes, degrees),
+                                         _positive_keys(acc_nodes, degrees, t_rec))
             tests = [_InReclaimList(trie, i, t_rec) for i in range(nd)]
             _take(actions, (Candidate(h, c, n.count[i], q, 0.0) for q, h, c, n, i in ranked),
                   lambda c: sel.reclaim(c, tests[trie._deg_idx[c.degree]]), bound)
@@ -555,14 +565,35 @@ _HASH: Final = attrgetter("hash")
 
 
 def _zero_keys(nodes: list[TrieNode], degrees: tuple[Degree, ...]) -> Iterator:
-    """(0.0, hash, degree, node, degree index) for every degree a node is held at, in order
-    (``nodes`` sorted by hash; a node's degrees ascending)."""
+    """(access / r = 0.0, hash, degree, node, degree index) for every degree a node is held at
+    with zero access, in order (``nodes`` sorted by hash; a node's degrees ascending). A zero
+    stays zero under decay, so a node need not be caught up for this."""
     order = sorted(range(len(degrees)), key=degrees.__getitem__)
     for n in nodes:
-        count = n.count
+        count, acc = n.count, n._acc
         for i in order:
-            if count[i]:
-                yield (0.0, n.hash, degrees[i], n, i)
+            r = count[i]
+            if r and (acc is None or acc[i] == 0.0):
+                yield (0.0 if acc is None else acc[i] / r, n.hash, degrees[i], n, i)
+
+
+def _positive_keys(nodes: list[TrieNode], degrees: tuple[Degree, ...],
+                   t_rec: float) -> Iterator:
+    """The reclaim keys with access > 0 (access < r·θ_reclaim) of ``nodes``, in
+    (access / r, hash, degree) order; built on the first ``next`` only."""
+    keys = []
+    for n in nodes:
+        if n.ep != len(n._dh):
+            n.catch_up()
+        count, acc = n.count, n._acc
+        for i in range(len(degrees)):
+            r = count[i]
+            if r:
+                a = acc[i]
+                if 0.0 < a < r * t_rec:
+                    keys.append((a / r, n.hash, degrees[i], n, i))
+    heapq.heapify(keys)
+    yield from _popped(keys)
 
 
 def _popped(heap: list) -> Iterator:
@@ -625,8 +656,13 @@ def _collect(trie: PrefixTrie, threshold: float) -> int:
         acc, mis = n._acc, n._mis
         if acc is None and mis is None:
             return zero_cold
-        if n.ep != e:
-            n.catch_up()
+        below = (0.0 if acc is None else max(acc)) < threshold and \
+            (0.0 if mis is None else max(mis)) < threshold
+        if below or n.ep == e:
+            # NOTE: a decay (0 < d < 1) never raises a value >= 0, so values below the
+            # threshold before the pending decays are below it after them: no catch-up needed.
+            return below
+        n.catch_up()
         return (0.0 if acc is None else max(acc)) < threshold and \
             (0.0 if mis is None else max(mis)) < threshold
 

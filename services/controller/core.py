@@ -84,10 +84,13 @@ class ControllerCore:
     ) -> None:
         """The scheduler placed a request with predicted service ``predicted_s`` seconds;
         ``cached_tokens`` of its ``input_len`` are reused on the chosen worker."""
-        if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int):
-            raise InvalidInput(f"cached_tokens must be an integer >= 0, got {cached_tokens!r}")
-        if cached_tokens < 0:
-            raise InvalidInput(f"cached_tokens must be an integer >= 0, got {cached_tokens!r}")
+        if cached_tokens.__class__ is not int or cached_tokens < 0:  # exact int first: speed
+            if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int):
+                raise InvalidInput(
+                    f"cached_tokens must be an integer >= 0, got {cached_tokens!r}")
+            if cached_tokens < 0:
+                raise InvalidInput(
+                    f"cached_tokens must be an integer >= 0, got {cached_tokens!r}")
         preferred = None
         threshold = self.config.merge_speedup
         if threshold is not None and isinstance(input_len, int) and input_len >= 1:

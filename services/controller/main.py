@@ -14,8 +14,8 @@ flags, which win over the environment:
   --instance-id ID          VTM_INSTANCE_ID            this replica's id
 
 Every other setting (upper, lower, merge_headroom, persistence, max_ops, split_target,
-momentum, merge_speedup, kappa_scale, tick_s, report_grace_s, drain_timeout_s, kappa,
-demand_input, follow_record, ...) is documented on the settings class and set through its
+momentum, merge_speedup, preference_shift, kappa_scale, tick_s, report_grace_s, drain_timeout_s,
+kappa, demand_input, follow_record, ...) is documented on the settings class and set through its
 ``VTM_`` variable, e.g. ``VTM_KAPPA='{"2": 8, "4": 14}'`` or ``VTM_MAX_OPS=1`` (the paper's one
 operation at a time). The planner's thresholds and ``kappa_scale`` default to the calibrated
 values of ``services/calibration.py`` (the simulator's), not to literals of their own.

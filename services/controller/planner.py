@@ -62,6 +62,23 @@ nothing, so it counts nothing):
    the last ``persistence`` windows that had requests (an idle gap says nothing about the
    mix, and merging a short-request pool up during one left it slow when load returned);
    before any such window, nothing is gated (e.g. an adapter that reports no breakdown).
+10. **Preference shift** (our addition; ``preference_shift`` set). It reads the same
+   demand-by-preferred-degree breakdown as rule 9 (the core computes it only with
+   ``merge_speedup`` set; a window without it signals nothing). The
+   §6.2 mix signal as a multi-operation move: a window with no capacity signal whose share of
+   demand preferring degree ≥ 2C exceeds the share of the pool's GPUs at ≥ 2C by at least
+   ``preference_shift`` signals MERGE (it takes the fraction signal's place when rule 2 gives
+   none). Rule 2 waits for demand to be stable, but the shift to long requests comes with a
+   drop in rate (the reconfiguration preset's S2→S3: the long share goes 1% → 30% while the
+   rate falls to a fifth), so the reference keeps being re-based and the mix is never
+   judged; rule 1 then waits for D < l·K, eight to ten windows later. The move persists like
+   any other signal and, like rule 2's, is one merge (then re-judged against the new
+   composition), within rule 9's gate, admitted while D̂ ≤ ``upper``·K' (the merged pool
+   still holds the recent peak; ``merge_headroom``'s margin is for merges driven by spare
+   capacity, which these are not). A plan merging as far as the gate allows was measured
+   and dropped: every merge costs the merged workers' cached prefixes at the moment the
+   long requests arrive (calibration, CONTROLLER). No preference split is made: one was
+   tried (a "mix split" back to the bound) and cost the conversation trace.
 
 The planner is a pure core: values in (window summary, composition, per-worker estimates),
 a :class:`Decision` out; it keeps only the streak and the reference.
@@ -107,6 +124,7 @@ class ControllerConfig:
       time, larger values let one window's plan reach the composition the demand calls for.
     * ``split_target`` 0.8 — a multi-operation split continues while D > 0.8·K (rule 8).
     * ``merge_speedup`` None — the merge gate (rule 9) is off unless set.
+    * ``preference_shift`` None — rule 10 (the preference-shift merge) is off unless set.
     * ``momentum`` True — rule 4's momentum; a multi-operation plan already goes as far as the
       demand calls for, so with ``max_ops`` > 1 it can be turned off to re-prove persistence.
     """
@@ -123,6 +141,7 @@ class ControllerConfig:
     split_target: float = 0.8
     momentum: bool = True
     merge_speedup: float | None = None
+    preference_shift: float | None = None
 
     def __post_init__(self) -> None:
         def num(name: str) -> float:
@@ -167,6 +186,12 @@ class ControllerConfig:
             raise InvalidInput(
                 f"ControllerConfig.merge_speedup must be None or >= 1, got {self.merge_speedup}"
             )
+        if self.preference_shift is not None:
+            if not (0.0 < num("preference_shift") <= 1.0):
+                raise InvalidInput(
+                    f"ControllerConfig.preference_shift must be None or in (0, 1], "
+                    f"got {self.preference_shift}"
+                )
         if not (0.0 < num("split_target") <= self.upper):
             raise InvalidInput(
                 f"ControllerConfig.split_target must be in (0, upper={self.upper}], "
@@ -332,6 +357,17 @@ class Planner:
                 frac_sig = OpKind.MERGE
             elif ref[1] - f >= cfg.long_fraction_delta - _EPS:
                 frac_sig = OpKind.SPLIT
+        pref_sig = False
+        if (
+            cfg.preference_shift is not None
+            and cap_sig is None
+            and frac_sig is None
+            and window.demand_by_preferred
+            and _preference_exceeds(
+                composition, dict(window.demand_by_preferred), cfg.preference_shift, excluded
+            )
+        ):
+            frac_sig, pref_sig = OpKind.MERGE, True
         new_ref = ref
         # (Re)base the reference on a busy window with no capacity signal whose demand is not
         # comparable with the old reference: the mix is judged against the current level.
@@ -347,6 +383,8 @@ class Planner:
             )
             if frac_sig is not None and frac_sig is not cap_sig:
                 why += f" (capacity overrides long-fraction {frac_sig.value})"
+        elif pref_sig:
+            why = "demand preferring a larger degree exceeds its share of GPUs"
         elif frac_sig is not None:
             assert ref is not None and f is not None
             why = f"long fraction {f:.2f} vs reference {ref[1]:.2f} at stable demand"
@@ -383,6 +421,7 @@ class Planner:
             traffic,
             set(excluded),
             capacity_driven=cap_sig is not None,
+            preference_driven=pref_sig and cap_sig is None,
             why=why,
             preferred=_sum_by_degree(pref_hist) if cfg.merge_speedup is not None else {},
         )
@@ -450,10 +489,12 @@ class Planner:
         capacity_driven: bool,
         why: str,
         preferred: Mapping[int, float] | None = None,
+        preference_driven: bool = False,
     ) -> tuple[tuple[Plan, ...], str]:
-        """Rules 5, 6 and 8: the operations of the plan, or () and why none was admitted."""
+        """Rules 5, 6, 8 and 10: the operations of the plan, or () and why none was admitted."""
         cfg = self.config
-        # Only a capacity signal says how far to go; a mix shift moves one step at a time.
+        # Only a capacity signal says how far to go; a mix shift (rule 2 or 10) moves one step
+        # at a time and is re-judged against the new composition.
         limit = cfg.max_ops if capacity_driven else 1
         virtual = composition
         touched = set(unavailable)
@@ -474,6 +515,7 @@ class Planner:
                 unavailable,
                 capacity_driven=capacity_driven,
                 preferred=preferred or {},
+                headroom=cfg.upper if preference_driven else cfg.merge_headroom,
             )
             if best is None:
                 break
@@ -506,9 +548,11 @@ class Planner:
         *,
         capacity_driven: bool,
         preferred: Mapping[int, float] | None = None,
+        headroom: float | None = None,
     ) -> tuple[tuple[LatticeOp, float, float] | None, str]:
         """The best admitted adjacent operation on workers not ``touched`` (rules 5, 6, 9)."""
         cfg = self.config
+        headroom = cfg.merge_headroom if headroom is None else headroom
         pref_total = sum(preferred.values()) if preferred else 0.0
         gated = False
         ops = [
@@ -521,7 +565,7 @@ class Planner:
         admitted = []
         for op in ops:
             cap_after = capacity(composition.apply(op), self.profile, unavailable)
-            if direction is OpKind.MERGE and demand > cfg.merge_headroom * cap_after + _EPS:
+            if direction is OpKind.MERGE and demand > headroom * cap_after + _EPS:
                 continue
             if direction is OpKind.MERGE and preferred and pref_total > 0:
                 big = op.targets[0].degree
@@ -543,8 +587,7 @@ class Planner:
                 return None, "merge refused: the window's requests do not prefer the larger degree"
             if direction is OpKind.MERGE:
                 return None, (
-                    f"merge refused: no merged composition keeps D ≤ "
-                    f"{cfg.merge_headroom:.2f}·capacity"
+                    f"merge refused: no merged composition keeps D ≤ {headroom:.2f}·capacity"
                 )
             return None, "split refused: it would leave demand below the lower threshold"
 
@@ -563,6 +606,27 @@ class Planner:
         best = min(admitted, key=score)
         drain, tr, _ = score(best)
         return (best, drain, tr), ""
+
+
+def _preference_exceeds(
+    composition: Composition,
+    by_preferred: Mapping[int, float],
+    threshold: float,
+    excluded: Collection[WorkerId],
+) -> bool:
+    """Rule 10: for some degree C above the smallest, the share of demand preferring ≥ C
+    exceeds the share of the available GPUs at ≥ C by at least ``threshold``."""
+    total = sum(by_preferred.values())
+    groups = [g for g in composition.groups if g.worker_id not in excluded]
+    gpus = sum(g.degree for g in groups)
+    if total <= 0 or gpus <= 0:
+        return False
+    for c in composition.lattice.sorted_degrees[1:]:
+        want = sum(v for d, v in by_preferred.items() if d >= c) / total
+        held = sum(g.degree for g in groups if g.degree >= c) / gpus
+        if want - held >= threshold - _EPS:
+            return True
+    return False
 
 
 def _sum_by_degree(rows: tuple[tuple[tuple[int, float], ...], ...]) -> dict[int, float]:

@@ -250,6 +250,12 @@ class ControllerSettings(ServiceSettings):
         "Needs per-request lengths, so it acts only with demand_input='assignments' (window "
         "reports carry none; see controller_config).",
     )
+    preference_shift: float | None = Field(
+        default=CONTROLLER.preference_shift,
+        description="Planner rule 10: merge once when the share of demand preferring a larger "
+        "degree exceeds that degree's share of GPUs by this much. None: off. Reads the same "
+        "per-request breakdown as merge_speedup, so it acts only when the merge gate does.",
+    )
     kappa_scale: float = Field(
         default=KAPPA_SCALE,
         gt=0,
@@ -319,6 +325,7 @@ class ControllerSettings(ServiceSettings):
             split_target=self.split_target,
             momentum=self.momentum,
             merge_speedup=self.merge_speedup if self.demand_input == "assignments" else None,
+            preference_shift=self.preference_shift,
         )
 
     def lattice(self) -> Lattice:

@@ -123,15 +123,24 @@ class DemandWindows:
         Windows that ended at or before ``now`` are closed first and returned (usually
         none), so the assignment lands in the window that contains ``now``.
         """
-        now = _check_time("now", now)
-        predicted_s = _check_time("predicted_s", predicted_s)
-        if predicted_s < 0:
-            raise InvalidInput(f"predicted_s must be >= 0, got {predicted_s}")
-        if isinstance(input_len, bool) or not isinstance(input_len, int) or input_len < 1:
-            raise InvalidInput(f"input_len must be an integer >= 1 token, got {input_len!r}")
-        for name, v in (("degree", degree), ("preferred", preferred)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise InvalidInput(f"{name} must be an integer >= 1 or None, got {v!r}")
+        # Exact-type checks first (speed: once per placement); anything else goes through the
+        # full validation, which converts or raises exactly as before.
+        if not (
+            now.__class__ is float and -math.inf < now < math.inf
+            and predicted_s.__class__ is float and 0.0 <= predicted_s < math.inf
+            and input_len.__class__ is int and input_len >= 1
+            and (degree is None or (degree.__class__ is int and degree >= 1))
+            and (preferred is None or (preferred.__class__ is int and preferred >= 1))
+        ):
+            now = _check_time("now", now)
+            predicted_s = _check_time("predicted_s", predicted_s)
+            if predicted_s < 0:
+                raise InvalidInput(f"predicted_s must be >= 0, got {predicted_s}")
+            if isinstance(input_len, bool) or not isinstance(input_len, int) or input_len < 1:
+                raise InvalidInput(f"input_len must be an integer >= 1 token, got {input_len!r}")
+            for name, v in (("degree", degree), ("preferred", preferred)):
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                    raise InvalidInput(f"{name} must be an integer >= 1 or None, got {v!r}")
         closed = self._close_until(now) if now >= self._last_now else []
         if now < self.open_start_s:
             self._late += 1

@@ -29,7 +29,6 @@ it raises.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Mapping
 
 from services.scheduler.decision import Decision
@@ -58,8 +57,7 @@ class SchedulerCore:
         self._where: dict[RequestId, WorkerId] = {}
         self._requests: dict[RequestId, RequestInfo] = {}
         # worker -> full-block hash -> number of unfinished requests on it containing the block
-        # (a Counter: its update() counts a request's blocks in C, once per placement)
-        self._inflight: dict[WorkerId, Counter[BlockHash]] = {}
+        self._inflight: dict[WorkerId, dict[BlockHash, int]] = {}
 
     # --- state -----------------------------------------------------------------------------
     @property
@@ -121,10 +119,9 @@ class SchedulerCore:
         )
         self._where[request.request_id] = d.worker
         self._requests[request.request_id] = request
-        idx = self._inflight.get(d.worker)
-        if idx is None:
-            idx = self._inflight[d.worker] = Counter()
-        idx.update(self._full_blocks(request))
+        idx = self._inflight.setdefault(d.worker, {})
+        for h in self._full_blocks(request):
+            idx[h] = idx.get(h, 0) + 1
         return d
 
     def _full_blocks(self, request: RequestInfo) -> tuple[BlockHash, ...]:
@@ -160,9 +157,9 @@ class SchedulerCore:
         if idx is None:
             return
         for h in self._full_blocks(request):
-            c = idx[h]  # a Counter: 0 if absent
-            if c > 1:
-                idx[h] = c - 1
+            c = idx.get(h, 0) - 1
+            if c > 0:
+                idx[h] = c
             else:
                 idx.pop(h, None)
         if not idx:

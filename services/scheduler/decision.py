@@ -8,11 +8,14 @@ the policy computed — or why the worker was excluded.
 The per-candidate terms are stored column-wise (one tuple per term) and turned into
 :class:`CandidateTerms` objects only when read: at 512 workers, building 512 objects per
 placement would cost as much as the placement itself, while most decisions are never inspected.
+A policy may also defer the columns themselves (:meth:`CandidateColumns.deferred`): they are then
+computed on first read from values it fixed at decision time.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
@@ -54,32 +57,121 @@ class CandidateTerms:
         return self.excluded is None
 
 
-@dataclass(frozen=True, slots=True)
-class CandidateColumns:
-    """Column-wise candidate terms; index i is the i-th worker of the view."""
+# The nine columns of CandidateColumns, in its constructor's order.
+ColumnTuples = tuple[
+    tuple[WorkerId, ...],
+    tuple[int, ...],
+    tuple[Exclusion | None, ...],
+    tuple[float | None, ...],
+    tuple[float | None, ...],
+    tuple[float | None, ...],
+    tuple[float | None, ...],
+    tuple[int | None, ...],
+    tuple[int | None, ...],
+]
 
-    workers: tuple[WorkerId, ...]
-    degrees: tuple[int, ...]
-    excluded: tuple[Exclusion | None, ...]
-    q: tuple[float | None, ...]
-    s: tuple[float | None, ...]
-    extra_gpu: tuple[float | None, ...]
-    score: tuple[float | None, ...]
-    prefix_tokens: tuple[int | None, ...]
-    uncached_tokens: tuple[int | None, ...]
+
+class CandidateColumns:
+    """Column-wise candidate terms; index i is the i-th worker of the view. Immutable.
+
+    Given directly (nine tuples), or :meth:`deferred`: computed by a pure function of values the
+    policy fixed at decision time, on the first read (speed: the simulator never reads them, and
+    storing nine terms per worker per placement was a sixth of the placement's cost).
+    """
+
+    __slots__ = ("_cols", "_build")
+
+    def __init__(
+        self,
+        workers: tuple[WorkerId, ...],
+        degrees: tuple[int, ...],
+        excluded: tuple[Exclusion | None, ...],
+        q: tuple[float | None, ...],
+        s: tuple[float | None, ...],
+        extra_gpu: tuple[float | None, ...],
+        score: tuple[float | None, ...],
+        prefix_tokens: tuple[int | None, ...],
+        uncached_tokens: tuple[int | None, ...],
+    ) -> None:
+        self._cols: ColumnTuples | None = (
+            workers, degrees, excluded, q, s, extra_gpu, score, prefix_tokens, uncached_tokens
+        )
+        self._build: Callable[[], ColumnTuples] | None = None
+
+    @classmethod
+    def deferred(cls, build: Callable[[], ColumnTuples]) -> CandidateColumns:
+        """Columns computed by ``build()`` (the nine tuples, in ``__init__``'s order) when first
+        read. ``build`` must be pure and must not depend on anything that changes later."""
+        self = cls.__new__(cls)
+        self._cols = None
+        self._build = build
+        return self
+
+    def _get(self) -> ColumnTuples:
+        cols = self._cols
+        if cols is None:
+            cols = self._cols = self._build()  # type: ignore[misc]
+            self._build = None
+        return cols
+
+    @property
+    def workers(self) -> tuple[WorkerId, ...]:
+        return self._get()[0]
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return self._get()[1]
+
+    @property
+    def excluded(self) -> tuple[Exclusion | None, ...]:
+        return self._get()[2]
+
+    @property
+    def q(self) -> tuple[float | None, ...]:
+        return self._get()[3]
+
+    @property
+    def s(self) -> tuple[float | None, ...]:
+        return self._get()[4]
+
+    @property
+    def extra_gpu(self) -> tuple[float | None, ...]:
+        return self._get()[5]
+
+    @property
+    def score(self) -> tuple[float | None, ...]:
+        return self._get()[6]
+
+    @property
+    def prefix_tokens(self) -> tuple[int | None, ...]:
+        return self._get()[7]
+
+    @property
+    def uncached_tokens(self) -> tuple[int | None, ...]:
+        return self._get()[8]
 
     def row(self, i: int) -> CandidateTerms:
-        return CandidateTerms(
-            self.workers[i],
-            self.degrees[i],
-            self.excluded[i],
-            self.q[i],
-            self.s[i],
-            self.extra_gpu[i],
-            self.score[i],
-            self.prefix_tokens[i],
-            self.uncached_tokens[i],
-        )
+        c = self._get()
+        return CandidateTerms(c[0][i], c[1][i], c[2][i], c[3][i], c[4][i], c[5][i], c[6][i],
+                              c[7][i], c[8][i])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CandidateColumns):
+            return NotImplemented
+        return self._get() == other._get()
+
+    def __hash__(self) -> int:
+        return hash(self._get())
+
+    def __reduce__(self) -> tuple[type[CandidateColumns], ColumnTuples]:
+        # copy / pickle the values (a deferred builder may be a closure)
+        return (CandidateColumns, self._get())
+
+    def __repr__(self) -> str:
+        names = ("workers", "degrees", "excluded", "q", "s", "extra_gpu", "score",
+                 "prefix_tokens", "uncached_tokens")
+        return "CandidateColumns(" + ", ".join(
+            f"{k}={v!r}" for k, v in zip(names, self._get(), strict=True)) + ")"
 
 
 @dataclass(frozen=True, slots=True)

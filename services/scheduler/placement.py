@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Final
 
-from services.scheduler.decision import CandidateColumns, Decision, Exclusion
+from services.scheduler.decision import CandidateColumns, ColumnTuples, Decision, Exclusion
 from services.scheduler.eligibility import LIFECYCLE_EXCLUSION
 from services.scheduler.errors import NoEligibleWorker
 from services.scheduler.load import WorkerLoad
@@ -42,11 +42,13 @@ _ACTIVE: Final = Lifecycle.ACTIVE
 
 
 # Per view (immutable): ids, degrees and each worker's static eligibility terms (plus the crc32
-# of its id, the rendezvous input), so a placement does not re-read every WorkerView's
-# attributes; and the active workers as (min(max_seq_len, kv_capacity_tokens), degree) sorted by
-# degree, so C_min of a request is found before the single pass over the workers. Keyed by
-# id(view); the entry keeps the view alive, so the id cannot be reused while cached.
-_StaticRow = tuple[int, WorkerId, int, "Exclusion | None", int, int, int]
+# of its id, the rendezvous input, and degree·n + rank of its id among the view's ids, one int
+# ordered as (degree, id) for PreferDegree's tie-break), so a placement does not re-read every
+# WorkerView's attributes; and the active workers as (degree, min(max_seq_len,
+# kv_capacity_tokens)) sorted by degree, so C_min of a request is found before the single pass
+# over the workers. Keyed by id(view); the entry keeps the view alive, so the id cannot be
+# reused while cached.
+_StaticRow = tuple[int, WorkerId, int, "Exclusion | None", int, int, int, int]
 _ViewStatic = tuple[tuple[WorkerId, ...], tuple[int, ...], tuple[_StaticRow, ...],
                     tuple[tuple[int, int], ...]]
 _VIEW_CACHE: dict[int, tuple[ClusterView, _ViewStatic]] = {}
@@ -57,13 +59,16 @@ def _static_rows(view: ClusterView) -> _ViewStatic:
     ent = _VIEW_CACHE.get(id(view))
     if ent is None or ent[0] is not view:
         ws = view.workers
+        n = len(ws)
+        id_rank = {wid: k for k, wid in enumerate(sorted(w.worker_id for w in ws))}
         static = (
             tuple(w.worker_id for w in ws),
             tuple(w.degree for w in ws),
             tuple(
                 (i, w.worker_id, w.degree,
                  None if w.lifecycle is _ACTIVE else LIFECYCLE_EXCLUSION[w.lifecycle],
-                 w.max_seq_len, w.kv_capacity_tokens, zlib.crc32(w.worker_id.encode()))
+                 w.max_seq_len, w.kv_capacity_tokens, zlib.crc32(w.worker_id.encode()),
+                 w.degree * n + id_rank[w.worker_id])
                 for i, w in enumerate(ws)
             ),
             tuple(sorted(
@@ -109,7 +114,7 @@ def _rendezvous_crc(seed: int, worker_crc: int) -> int:
 def tie_rank(request_id: str, worker: WorkerId) -> int:
     """The rendezvous rank J uses among tied workers (lower first), for policies that break
     ties as J does (e.g. ``static``): a pure function of (request, worker)."""
-    return _rendezvous(zlib.crc32(request_id.encode()), worker)
+    return _rendezvous_crc(zlib.crc32(request_id.encode()), zlib.crc32(worker.encode()))
 
 
 def check_weights(beta: float, lam: float) -> None:
@@ -166,13 +171,13 @@ def place_j(
 
     excl: list[Exclusion | None] = [None] * n
     qs: list[float | None] = [None] * n
-    ss: list[float | None] = [None] * n
     ps: list[int | None] = [None] * n
-    rs: list[int | None] = [None] * n
-    extras: list[float | None] = [None] * n
-    js: list[float | None] = [None] * n
+    # Only q and P are kept per worker: the other candidate terms follow from them and `terms`
+    # and are computed if the decision's columns are ever read (_j_columns).
 
-    memo: dict[tuple[int, int], float] = {}  # (degree, P) -> Ê_degree(L − P, P)
+    # (degree, P) -> (s = Ê_degree(L − P, P), extra-GPU term, β·s + λ·extra = J − q)
+    terms: dict[tuple[int, int], tuple[float, float, float]] = {}
+    ecmin: dict[int, float] = {}  # P -> Ê_{C_min}(L − P, P)
     predict = profile.predict_fast
 
     held_get = held_blocks.get
@@ -180,11 +185,11 @@ def place_j(
     best = pref = -1
     best_h = seed = -1
     best_j = pref_v = 0.0
-    best_c = pref_c = best_crc = 0
-    best_id = pref_id = ""
+    best_c = pref_ck = best_crc = 0
+    best_id = ""
 
     # --- one pass: eligibility, P, R, q, s, the extra-GPU term, J, argmin J, argmin (J − q) ---
-    for i, wid, c, lexcl, max_len, kv_cap, wcrc in rows:
+    for i, wid, c, lexcl, max_len, kv_cap, wcrc, ck in rows:
         ld = loads_get(wid)
         if ld is None:
             raise UnknownWorker(f"no load tracker for worker {wid!r} of the cluster view")
@@ -200,11 +205,21 @@ def place_j(
         p = held_get(wid, 0) * B
         if p > Lm1:
             p = Lm1
-        # Ê memoised: most workers miss (P = 0) and share one value per degree.
+        # (s, extra, J − q) memoised per (degree, P): most workers miss (P = 0) and share one
+        # value per degree.
         key = (c, p)
-        s = memo.get(key)
-        if s is None:
-            s = memo[key] = predict(L - p, p, c)
+        t = terms.get(key)
+        if t is None:
+            s = predict(L - p, p, c)
+            if c == cmin:
+                extra = 0.0
+            else:
+                e_min = ecmin.get(p)
+                if e_min is None:
+                    e_min = ecmin[p] = predict(L - p, p, cmin)
+                extra = c * s - cmin * e_min
+            t = terms[key] = (s, extra, beta * s + lam * extra)
+        s, extra, v = t
         if ld.__class__ is WorkerLoad:
             # ld.queue_delay(now), inlined (speed; NOTE: keep in step with that method).
             q = ld._queued_s
@@ -215,22 +230,9 @@ def place_j(
                     q += rem if rem > floor else floor
         else:
             q = ld.queue_delay(now)
-        if c == cmin:
-            extra = 0.0
-        else:
-            key = (cmin, p)
-            e_min = memo.get(key)
-            if e_min is None:
-                e_min = memo[key] = predict(L - p, p, cmin)
-            extra = c * s - cmin * e_min
-        v = beta * s + lam * extra
         j = q + v
         ps[i] = p
-        rs[i] = L - p
-        ss[i] = s
         qs[i] = q
-        extras[i] = extra
-        js[i] = j
         # NOTE: tie-break (lower J, then smaller degree, then the request's rendezvous rank of
         # the worker) is independent of the view's order, so every scheduler replica picks the
         # same worker; see _rendezvous for why not the worker id.
@@ -247,25 +249,14 @@ def place_j(
                 h = _rendezvous_crc(seed, wcrc)
                 if h < best_h or (h == best_h and wid < best_id):
                     best, best_id, best_crc, best_h = i, wid, wcrc, h
-        if pref < 0 or v < pref_v or (v == pref_v and (c < pref_c or (c == pref_c
-                                                                      and wid < pref_id))):
-            pref, pref_v, pref_c, pref_id = i, v, c, wid
+        if pref < 0 or v < pref_v or (v == pref_v and ck < pref_ck):  # ck: (degree, id)
+            pref, pref_v, pref_ck = i, v, ck
 
     if best < 0:
         raise NoEligibleWorker(request.request_id, {ids[i]: str(excl[i]) for i in range(n)})
 
-    p_best = ps[best]
-    cols = CandidateColumns(
-        ids,
-        degs,
-        tuple(excl),
-        tuple(qs),
-        tuple(ss),
-        tuple(extras),
-        tuple(js),
-        tuple(ps),
-        tuple(rs),
-    )
+    p_best: int = ps[best]  # type: ignore[assignment]
+    cols = CandidateColumns.deferred(lambda: _j_columns(ids, degs, excl, qs, ps, terms, L))
     return Decision(
         policy=policy,
         request_id=request.request_id,
@@ -273,10 +264,10 @@ def place_j(
         now=float(now),
         worker=ids[best],
         degree=degs[best],
-        prefix_tokens=p_best,  # type: ignore[arg-type]
-        uncached_tokens=L - p_best,  # type: ignore[operator]
-        predicted_s=ss[best],  # type: ignore[arg-type]
-        reused_blocks=p_best // B,  # type: ignore[operator]
+        prefix_tokens=p_best,
+        uncached_tokens=L - p_best,
+        predicted_s=terms[(degs[best], p_best)][0],
+        reused_blocks=p_best // B,
         preferred_degree=degs[pref],
         preferred_worker=ids[pref],
         objective="min",
@@ -284,6 +275,33 @@ def place_j(
         columns=cols,
         epoch=workers[best].epoch,
     )
+
+
+def _j_columns(
+    ids: tuple[WorkerId, ...],
+    degs: tuple[int, ...],
+    excl: list[Exclusion | None],
+    qs: list[float | None],
+    ps: list[int | None],
+    terms: dict[tuple[int, int], tuple[float, float, float]],
+    L: int,
+) -> ColumnTuples:
+    """The candidate columns of a :func:`place_j` decision from what it kept: each eligible
+    worker's q and P, and (s, extra, J − q) per (degree, P) -- the same values, and J by the
+    same addition, as the placement compared."""
+    n = len(ids)
+    ss: list[float | None] = [None] * n
+    extras: list[float | None] = [None] * n
+    js: list[float | None] = [None] * n
+    rs: list[int | None] = [None] * n
+    for i in range(n):
+        p = ps[i]
+        if p is None:
+            continue
+        s, extra, v = terms[(degs[i], p)]
+        ss[i], extras[i], js[i], rs[i] = s, extra, qs[i] + v, L - p  # type: ignore[operator]
+    return (ids, degs, tuple(excl), tuple(qs), tuple(ss), tuple(extras), tuple(js), tuple(ps),
+            tuple(rs))
 
 
 def preferred_degree_at(

@@ -83,6 +83,13 @@ def test_bad_configuration(kwargs: dict) -> None:
         (1.0, 1.0, 2.5),
         (1.0, 1.0, True),
         (1e12, 1.0, 10),
+        (-math.inf, 1.0, 10),
+        (1.0, math.nan, 10),
+        (1.0, 1.0, 10, True),
+        (1.0, 1.0, 10, 2.0),
+        (1.0, 1.0, 10, 0),
+        (1.0, 1.0, 10, None, 0),
+        (1.0, 1.0, 10, None, False),
     ],
 )
 def test_bad_records_change_nothing(args: tuple) -> None:
@@ -99,3 +106,13 @@ def test_time_going_backwards_is_rejected() -> None:
     with pytest.raises(InvalidInput, match="backwards"):
         w.advance(49.0)
     assert w.open_index == 2
+
+
+def test_integer_times_and_degrees_are_accepted() -> None:
+    w = DemandWindows()
+    w.record(1, 2, 10, 2, 4)
+    w.record(2.0, 0.5, 40_000, 4, 4)
+    (win,) = w.advance(20)
+    assert win.demand_s == 2.5 and win.requests == 2 and win.long_requests == 1
+    assert win.demand_by_degree == ((2, 2.0), (4, 0.5))
+    assert win.demand_by_preferred == ((4, 2.5),)

@@ -75,6 +75,47 @@ def test_duplicate_reserve_and_unknown_ops_change_nothing() -> None:
     assert issubclass(DuplicateRequest, VertumnusError)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"predicted_s": float("inf")},
+        {"predicted_s": -0.5},
+        {"predicted_s": True},
+        {"now": float("nan")},
+        {"now": float("-inf")},
+        {"tokens": True},
+        {"tokens": 1.0},
+        {"uncached_tokens": -1},
+        {"blocks": -2},
+        {"request_id": ""},
+        {"request_id": 7},
+    ],
+)
+def test_reserve_rejects_each_bad_argument(kwargs: dict) -> None:
+    # reserve() checks exact float / int types first (speed) and falls back to the full
+    # validation for anything else: every bad value must still raise, with nothing changed.
+    args = {"request_id": R("b"), "predicted_s": 1.0, "tokens": 10, "uncached_tokens": 5,
+            "blocks": 1, "now": 0.0} | kwargs
+    ld = WorkerLoad(WorkerId("w"))
+    ld.reserve(R("a"), 1.0)
+    before = _state(ld)
+    rid, pred = args.pop("request_id"), args.pop("predicted_s")
+    with pytest.raises(InvalidInput):
+        ld.reserve(rid, pred, **args)
+    assert _state(ld) == before
+
+
+def test_reserve_accepts_ints_and_float_subclasses() -> None:
+    class Seconds(float):
+        pass
+
+    ld = WorkerLoad(WorkerId("w"))
+    ld.reserve(R("a"), 2, tokens=3, now=1)
+    ld.reserve(R("b"), Seconds(0.5), now=Seconds(2.0))
+    assert ld.queued_work_s == 2.5
+    assert ld.assignment(R("b")).reserved_at == 2.0
+
+
 def test_withdraw_queued_for_redirect() -> None:
     ld = WorkerLoad(WorkerId("w"))
     for i, s in enumerate([1.0, 2.0, 3.0]):

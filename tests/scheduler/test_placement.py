@@ -15,6 +15,9 @@ Request L = 1000 (10 blocks). Worker "w2" (CP2) holds nothing; worker "w4" (CP4)
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,6 +34,7 @@ from services.scheduler import (
     make_policy,
     place_j,
 )
+from services.scheduler.decision import CandidateColumns
 from services.scheduler.placement import tie_rank
 from shared.costmodel import Coefficients, Profile
 from shared.ids import InvalidInput, RequestId, UnknownWorker, WorkerId
@@ -170,6 +174,37 @@ def test_running_request_progress_lowers_q() -> None:
     assert d.candidate(W("a")).q == pytest.approx(s / 2)
     core.finish(RequestId("r1"), s)
     assert core.load(W("a")).queue_delay(s) == 0.0
+
+
+def test_columns_keep_the_decision_time_terms_after_the_reservation() -> None:
+    """The candidate columns are computed on first read; they must show what the placement
+    compared (q before its own reservation), however late they are read."""
+    v = view(WorkerView(W("b2"), 2), WorkerView(W("a2"), 2), WorkerView(W("c4"), 4),
+             WorkerView(W("d4"), 4, lifecycle=Lifecycle.DRAINING))
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND, beta=BETA, lam=LAM), v)
+    d = core.place(req("r1", 1000), {W("c4"): 6}, 0.0)
+    core.start(RequestId("r1"), 0.0)
+    d2 = core.place(req("r2", 1000, first=100), {}, 0.5)
+    core.finish(RequestId("r1"), 3.0)
+    chosen = d.chosen
+    assert chosen.q == 0.0 and chosen.s == d.predicted_s
+    assert chosen.score == min(c.score for c in d.candidates if c.eligible)
+    for c in d.candidates:
+        if c.eligible:
+            assert c.score == c.q + (BETA * c.s + LAM * c.extra_gpu)  # J, bit for bit
+            assert c.prefix_tokens + c.uncached_tokens == 1000
+        else:
+            assert c.excluded is Exclusion.DRAINING and c.score is None and c.q is None
+    assert (d.preferred_degree, d.preferred_worker) == (4, W("c4"))  # its 6-block hit
+    # A miss everywhere: β·s + λ·extra is lower at CP2 (3.525 vs 3.69); the tie between the
+    # two CP2 workers goes to the smaller id, whatever the view's order.
+    assert (d2.preferred_degree, d2.preferred_worker) == (2, W("a2"))
+    cols = d.columns
+    eager = CandidateColumns(cols.workers, cols.degrees, cols.excluded, cols.q, cols.s,
+                             cols.extra_gpu, cols.score, cols.prefix_tokens,
+                             cols.uncached_tokens)
+    assert eager == cols and hash(eager) == hash(cols) and repr(eager) == repr(cols)
+    assert pickle.loads(pickle.dumps(d2)) == d2 and copy.deepcopy(d2) == d2
 
 
 def test_tie_break_is_lower_degree_then_a_per_request_rank_whatever_the_order() -> None:

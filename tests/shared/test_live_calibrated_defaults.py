@@ -37,4 +37,4 @@ def test_scheduler_explicit_weights_win_and_baselines_keep_their_defaults() -> N
     assert svc.core.policy.beta == 1.0  # type: ignore[attr-defined]
     assert svc.core.policy.lam == calibration.LAM  # type: ignore[attr-defined]
     assert calibration.policy_params("dynamo") == {}
-    assert calibration.policy_params("homo") == {}
+    assert calibration.policy_params("homo") == {"beta": calibration.BETA, "lam": calibration.LAM}

@@ -105,7 +105,9 @@ def test_deployments_are_as_documented(lattice, initial) -> None:
     v = deps["vertumnus"]
     assert (v.registry_name, v.adaptive, v.cache_manager) == ("vertumnus", True, True)
     assert v.composition == initial
-    assert (v.params["beta"], v.params["lam"]) == (calibration.BETA, calibration.LAM)
+    for p in ("vertumnus", "homo", "homo_cp2"):  # one scheduler, one set of weights
+        assert (deps[p].params["beta"], deps[p].params["lam"]) == (
+            calibration.BETA, calibration.LAM), p
     s = deps["static"]
     assert s.composition == initial and not s.adaptive and not s.cache_manager
     assert {g.degree for g in deps["homo"].composition.groups} == {4}
