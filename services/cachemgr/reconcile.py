@@ -233,6 +233,15 @@ def reconcile_merge(
             if _on_left(nodes[h].depth, c) == is_left:
                 on_rank.add(h)
     valid = _whole_prefixes(nodes, on_rank)
+    if len(valid) > cap:
+        # Donor pages are leftovers of an earlier split kept outside the children's LRU caches;
+        # when the merged worker cannot index them all, the children's own cached pages win,
+        # then the shallowest (a depth cut keeps whole prefixes: ancestors are shallower).
+        own = lv.valid | rv.valid
+        valid = _whole_prefixes(nodes, {h for h in on_rank if h in own})
+        if len(valid) > cap:
+            valid = set(sorted(valid, key=lambda h: (nodes[h].depth, h))[:cap])
+        resident = own
     # Every other resident page is pending on the merged worker itself: it either sits on the
     # wrong rank or waits for an ancestor that does.
     pend: dict[BlockHash, WorkerId | None] = {h: parent for h in resident - valid}

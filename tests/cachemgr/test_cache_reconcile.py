@@ -101,6 +101,22 @@ def test_merge_marks_misplaced_pages_pending() -> None:
     assert t.match([10, 11, 12, 13]).held(P) == 4 and t.inflight() == ()
 
 
+def test_merge_never_indexes_more_than_the_merged_capacity() -> None:
+    """Donor pages (leftovers of a split, outside the children's caches) plus the children's
+    own pages can exceed the merged worker's capacity; its cache could not adopt them all, so
+    the children's own pages win and nothing beyond the capacity is indexed as valid."""
+    t = split_setup()
+    t.reconcile_split(P, (L, R), {L: 50, R: 50})
+    assert t.worker_blocks(L) == {10, 11} and t.donor_blocks(R) == {12, 13}
+    # Without the cap, pages 0-3 (10, 11 on L; donors 12, 13 on R) would all be valid.
+    plan = t.reconcile_merge((L, R), P, 2)
+    assert plan.valid == {10, 11} and t.worker_blocks(P) == {10, 11}
+    assert {12, 13} <= plan.pending  # recomputed or copied on reuse, like any miss
+    t2 = split_setup()
+    t2.reconcile_split(P, (L, R), {L: 50, R: 50})
+    assert t2.reconcile_merge((L, R), P, 100).valid == {10, 11, 12, 13}  # room: all kept
+
+
 def test_reconcile_validation_changes_nothing() -> None:
     t = split_setup()
     t.add_worker(R, 2, 10)
