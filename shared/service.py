@@ -31,6 +31,7 @@ Subclasses override :meth:`MicroService.endpoints` and optionally :meth:`MicroSe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -55,7 +56,8 @@ from shared.ids import InvalidInput, UnknownWorker, VertumnusError
 from shared.schemas import JSON, SchemaError, decode, encode
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, validate_subject
-from shared.telemetry import extract, inject, tracer
+from shared.tasks import cancel_and_wait
+from shared.telemetry import extract, inject, is_sampled, traceparent_of, tracer
 
 DEFAULT_QUEUE_GROUP: Final[str] = "q"
 WORKER_LEASE_S: Final[float] = 10.0
@@ -206,6 +208,140 @@ async def ensure_intake_stream(
     )
 
 
+# -- continuous pull from a durable consumer --------------------------------------------------
+
+
+class PullConsumer:
+    """Messages of a durable JetStream pull consumer, each handed to ``handler`` on arrival.
+
+    Why not nats-py's ``PullSubscription.fetch(batch, timeout)``: once a lingering pull has
+    delivered one message, ``fetch`` keeps waiting for the rest of the batch (or a status
+    that ends the pull, or its timeout) before returning *any*; and a pull it gave up on
+    stays on the server and takes the next messages, which the next ``fetch`` then holds
+    until its own timeout. A request arriving in such a moment waited hundreds of
+    milliseconds in the client while the consumer loop was idle.
+
+    Here up to ``batch`` deliveries are requested at any time (pull requests of
+    ``expires_s``; a new one for the difference whenever fewer than half are outstanding) and
+    every message goes to ``handler`` as it arrives, in delivery order, one at a time:
+    ``handler`` is awaited before the next message, so a handler that waits (e.g. for a free
+    slot) is the back-pressure. A pull ends with a 404/408/409 status that says how many of
+    its deliveries were left (``Nats-Pending-Messages``); should that status never come (a
+    reconnect), the credit is given up ``grace_s`` after the latest pull expired and a new
+    pull is sent. Messages keep their JetStream reply subject: ``ack``/``nak``/``term`` and
+    ``metadata`` work as on fetched ones.
+
+    ``start`` subscribes and sends the first pull; ``stop`` sends no more pulls, removes the
+    interest (the server drops pulls nobody listens to) and hands back, with a NAK (at once
+    redeliverable, e.g. to another replica), every delivery already received but not yet
+    handed over; the one being handled is finished first. The consumer must exist.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        stream: str,
+        consumer: str,
+        handler: Callable[[Any], Awaitable[None]],
+        batch: int = 16,
+        expires_s: float = 2.0,
+        grace_s: float = 0.5,
+        api_prefix: str = "$JS.API",
+    ) -> None:
+        if batch < 1:
+            raise InvalidInput(f"pull batch must be >= 1, got {batch}")
+        if expires_s <= 0 or grace_s <= 0:
+            raise InvalidInput(f"expires_s and grace_s must be > 0, got {expires_s}, {grace_s}")
+        self._nc = nc
+        for name in (stream, consumer):
+            if not _NAME_RE.match(name):
+                raise InvalidInput(f"stream/consumer name {name!r} must match {_NAME_RE.pattern}")
+        self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._handler = handler
+        self._batch = batch
+        self._expires_s = expires_s
+        self._grace_s = grace_s
+        # Each pull asks for the same expiry (ns; a little less than the client's view so the
+        # server's status comes before our fallback).
+        self._expires_ns = int(expires_s * 1e9)
+        self._outstanding = 0
+        self._expiry = 0.0  # loop time the latest pull expires
+        self._busy = False
+        self._stopping = False
+        self._inbox = ""
+        self._sub: Any = None
+        self._timer: asyncio.Task[None] | None = None
+        self.pulls = 0  # pull requests sent (for tests and status)
+
+    async def start(self) -> None:
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._inbox, cb=self._on_msg)
+        await self._pull()
+        self._timer = asyncio.create_task(self._fallback(), name="pull-fallback")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._timer is not None:
+            await cancel_and_wait([self._timer], log)
+        if self._sub is not None:
+            try:  # unsubscribe, then let the callback NAK what is queued (see _on_msg)
+                await self._sub.drain()
+            except Exception:  # closed or draining connection: nothing left to hand back
+                with contextlib.suppress(Exception):
+                    await self._sub.unsubscribe()
+
+    async def _pull(self) -> None:
+        n = self._batch - self._outstanding
+        if n <= 0:
+            return
+        self._outstanding += n
+        self._expiry = asyncio.get_running_loop().time() + self._expires_s
+        self.pulls += 1
+        body = b'{"batch":%d,"expires":%d}' % (n, self._expires_ns)
+        try:
+            await self._nc.publish(self._next_subject, body, reply=self._inbox)
+        except Exception as exc:  # closed/reconnecting: the fallback pulls again
+            self._outstanding -= n
+            log.warning("pull request not sent", error=repr(exc))
+
+    async def _on_msg(self, msg: Any) -> None:
+        hdrs = msg.headers
+        status = hdrs.get("Status") if hdrs and not msg.data else None
+        if status is None and self._stopping:
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            return
+        if status is None:
+            self._outstanding = max(0, self._outstanding - 1)
+            self._busy = True
+            try:
+                await self._handler(msg)
+            finally:
+                self._busy = False
+        elif status != "100":  # 100: idle heartbeat / flow control (not asked for)
+            left = hdrs.get("Nats-Pending-Messages")
+            if left is not None and left.isdigit():
+                self._outstanding = max(0, self._outstanding - int(left))
+            else:  # a pull refused as a whole (409 …); the fallback re-pulls after grace
+                if status not in ("404", "408"):
+                    log.warning("pull request ended", status=status,
+                                description=hdrs.get("Description", ""))
+                return
+        if self._outstanding <= self._batch // 2 and not self._stopping:
+            await self._pull()
+
+    async def _fallback(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(max(0.05, self._expiry + self._grace_s - loop.time()))
+            if (not self._busy and not self._stopping
+                    and loop.time() >= self._expiry + self._grace_s):
+                # Every pull sent has expired and its status never came: start afresh.
+                self._outstanding = 0
+                await self._pull()
+
+
 # -- endpoints and the service base ------------------------------------------------------------
 
 
@@ -235,12 +371,23 @@ def wrap_handler(service_name: str, endpoint: Endpoint) -> Callable[[Request], A
     span_name = f"{service_name}.{endpoint.name}"
 
     async def handle(request: Request) -> None:
-        with tracer().start_as_current_span(
-            span_name,
-            context=extract(request.headers),
-            kind=trace.SpanKind.SERVER,
-            attributes={"messaging.destination.name": request.subject},
-        ) as span:
+        headers = request.headers
+        span_cm: contextlib.AbstractContextManager[trace.Span]
+        if traceparent_of(headers) is not None and not is_sampled(headers):
+            # An unsampled caller (the usual case at a low ratio; every descendant is dropped
+            # by the ParentBased sampler): no span object, its context is current instead, so
+            # what the handler injects downstream carries the same decision.
+            span_cm = trace.use_span(trace.get_current_span(extract(headers)),
+                                     end_on_exit=False, record_exception=False,
+                                     set_status_on_exception=False)
+        else:
+            span_cm = tracer().start_as_current_span(
+                span_name,
+                context=extract(headers),
+                kind=trace.SpanKind.SERVER,
+                attributes={"messaging.destination.name": request.subject},
+            )
+        with span_cm as span:
             with structlog.contextvars.bound_contextvars(endpoint=endpoint.name):
                 try:
                     reply = await endpoint.handler(request)
@@ -436,6 +583,7 @@ __all__ = [
     "JSON",
     "Endpoint",
     "MicroService",
+    "PullConsumer",
     "RemoteError",
     "SchemaError",
     "call",

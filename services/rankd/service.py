@@ -77,11 +77,13 @@ from services.rankd.core import (
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput
 from shared.schemas import (
+    CONTENT_TYPE,
+    JSON,
+    SCHEMA_VERSION,
     Assignment,
     AssignmentAck,
     CacheCommand,
     CacheCommandResult,
-    CacheEvent,
     CacheSnapshot,
     EpochAck,
     EpochRecord,
@@ -96,7 +98,15 @@ from shared.service import Endpoint, MicroService, epoch_kv, request_model, work
 from shared.subjects import micro_service_name
 from shared.tasks import cancel_and_wait
 from shared.tasks import cancel_requested as _cancel_requested
-from shared.telemetry import Stage, extract, inject, record_span, tracer
+from shared.telemetry import (
+    Stage,
+    extract,
+    inject,
+    is_sampled,
+    record_span,
+    traceparent_of,
+    tracer,
+)
 from shared.worker import Lifecycle
 
 VERSION: Final[str] = "0.1.0"
@@ -110,8 +120,15 @@ STATE_MIN_INTERVAL_S: Final[float] = 0.05
 
 
 def _wire_json(wire: dict[str, object]) -> bytes:
-    """JSON bytes of a core event's wire dict (validated again by the wire schema)."""
-    return json.dumps(wire).encode()
+    """JSON bytes of a core event's wire dict, in shared.schemas' CacheEvent form.
+
+    NOTE: not validated again through the wire schema: the core's events are checked when
+    built (services/cachemgr/events.py) and this runs for every event of every request;
+    tests/live decode what is published with ``decode(CacheEvent, ...)``."""
+    return json.dumps({"schema_version": SCHEMA_VERSION, **wire}, separators=(",", ":")).encode()
+
+
+_JSON_HEADERS: Final[dict[str, str]] = {CONTENT_TYPE: JSON}
 
 
 def _ns(t_s: float) -> int:
@@ -320,34 +337,45 @@ class RankdService(MicroService):
     async def _run(self, job: Job) -> None:
         a = job.executed or job.assignment  # P, R as this worker's cache found them
         assert job.started_at_s is not None
-        record_span(
-            Stage.QUEUE_WAIT,
-            start_s=a.assigned_at_s,
-            end_s=job.started_at_s,
-            parent=job.trace_carrier,
-            attributes={"vtm.worker_id": a.worker_id, "vtm.request_id": a.request.request_id},
-        )
+        # Unsampled (the usual case at a 1% ratio): no span objects or attributes; the parent's
+        # non-recording span is current during the prefill so anything the backend traces
+        # keeps the decision. No valid context at all: spans as before (roots, by ratio).
+        sampled = is_sampled(job.trace_carrier) or traceparent_of(job.trace_carrier) is None
         ids = {"vtm.request_id": a.request.request_id, "vtm.worker_id": a.worker_id}
-        # The prefill span is current while the backend runs (anything it traces hangs under
-        # it) but ends where the backend measured the prefill's end: the KV handoff and the
-        # first decode that follow get spans of their own.
-        with tracer().start_as_current_span(
-            str(Stage.PREFILL),
-            context=extract(job.trace_carrier),
-            attributes={
-                **ids,
-                "vtm.degree": a.degree,
-                "vtm.epoch": a.epoch,
-                "vtm.prefix_tokens": a.prefix_tokens,
-                "vtm.recompute_tokens": a.recompute_tokens,
-                "vtm.assigned_prefix_tokens": job.assignment.prefix_tokens,
-                "vtm.predicted_s": a.predicted_s,
-                "vtm.backend": self.backend.name,
-            },
-            end_on_exit=False,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
+        span_cm: contextlib.AbstractContextManager[Span]
+        if sampled:
+            record_span(
+                Stage.QUEUE_WAIT,
+                start_s=a.assigned_at_s,
+                end_s=job.started_at_s,
+                parent=job.trace_carrier,
+                attributes=ids,
+            )
+            # The prefill span is current while the backend runs (anything it traces hangs
+            # under it) but ends where the backend measured the prefill's end: the KV handoff
+            # and the first decode that follow get spans of their own.
+            span_cm = tracer().start_as_current_span(
+                str(Stage.PREFILL),
+                context=extract(job.trace_carrier),
+                attributes={
+                    **ids,
+                    "vtm.degree": a.degree,
+                    "vtm.epoch": a.epoch,
+                    "vtm.prefix_tokens": a.prefix_tokens,
+                    "vtm.recompute_tokens": a.recompute_tokens,
+                    "vtm.assigned_prefix_tokens": job.assignment.prefix_tokens,
+                    "vtm.predicted_s": a.predicted_s,
+                    "vtm.backend": self.backend.name,
+                },
+                end_on_exit=False,
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+        else:
+            span_cm = trace.use_span(trace.get_current_span(extract(job.trace_carrier)),
+                                     end_on_exit=False, record_exception=False,
+                                     set_status_on_exception=False)
+        with span_cm as span:
             try:
                 result = await self.backend.prefill(a)
             except asyncio.CancelledError:
@@ -369,7 +397,8 @@ class RankdService(MicroService):
             span.end(end_time=_ns(prefilled))
             if span.get_span_context().trace_flags.sampled:  # unsampled: no span objects
                 self._record_rank_spans(job, result, prefilled, span, ids)
-        self._record_handoff_spans(job, result, prefilled, ids)
+        if sampled:
+            self._record_handoff_spans(job, result, prefilled, ids)
         self.core.finish(job.request_id, ok=True)
         await self._deliver_result(job, result)
         await self._publish_cache_events()
@@ -581,9 +610,7 @@ class RankdService(MicroService):
     async def _publish_cache_events_locked(self) -> None:
         subject = self.subjects.cache_events(self.core.worker_id)
         for ev in self.core.take_cache_events():
-            wire = decode(CacheEvent, _wire_json(ev.to_wire()))
-            data, headers = encode(wire)
-            await self.nc.publish(subject, data, headers=headers)
+            await self.nc.publish(subject, _wire_json(ev.to_wire()), headers=_JSON_HEADERS)
 
     # -- state and epochs ---------------------------------------------------------------------
 

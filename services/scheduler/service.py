@@ -28,6 +28,9 @@ the worker's AssignmentAck             ``queue_position == 0`` (nothing ahead on
                                        worker) → ``core.start``: its prefill starts now
 =====================================  ===========================================================
 
+Intake deliveries are requested ahead (``fetch_batch``) and each is handled the moment it
+arrives (:class:`shared.service.PullConsumer`), never held for the rest of a batch: a fetch
+that waits for a full batch or its timeout showed up as intake waits of up to its timeout.
 Placement is sequential, in intake order; the round trips after it (record store, the
 worker's AssignmentAck, the intake ack) of up to ``max_inflight`` requests overlap, so the
 rate is bounded by CPU, not by one request's round-trip latency (see ``handle_intake``).
@@ -84,7 +87,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
 from pydantic import Field, field_validator
@@ -102,6 +105,7 @@ from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerV
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, VertumnusError, WorkerId
 from shared.schemas import (
+    SCHEMA_VERSION,
     Assignment,
     AssignmentAck,
     FirstToken,
@@ -120,12 +124,12 @@ from shared.schemas import (
     decode,
     encode,
     from_json,
-    to_json,
 )
 from shared.service import (
     WORKER_LEASE_S,
     Endpoint,
     MicroService,
+    PullConsumer,
     RemoteError,
     call,
     ensure_intake_stream,
@@ -216,7 +220,10 @@ class SchedulerSettings(ServiceSettings):
         "for up to this long; only then NAK it with retry_delay_s (which counts against "
         "max_deliver). 0: NAK at once.",
     )
-    fetch_batch: int = Field(default=16, ge=1, description="Intake messages per fetch.")
+    fetch_batch: int = Field(
+        default=16, ge=1,
+        description="Intake deliveries requested ahead (shared.service.PullConsumer); each "
+        "is handled as it arrives.")
     max_inflight: int = Field(
         default=256,
         ge=1,
@@ -463,6 +470,7 @@ class SchedulerService(MicroService):
         self._snapshotting: set[str] = set()
         self._js: JetStreamContext | None = None
         self._records: KeyValue | None = None
+        self._records_prefix = ""
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(settings.max_inflight)
@@ -503,35 +511,28 @@ class SchedulerService(MicroService):
         s = self.subjects
         js = self._js = self.nc.jetstream()
         await ensure_intake_stream(js, s)
+        self._records_prefix = f"$KV.{assignment_bucket(s)}."
         self._records = await ensure_key_value(
             js, assignment_bucket(s), ttl_s=self.ssettings.assignment_ttl_s,
             description="vertumnus assignment records (idempotency)",
         )
         states = await worker_state_kv(js, s, lease_s=self.ssettings.lease_s)
         watcher = await states.watchall()
-        psub = await js.pull_subscribe(
-            s.intake_requests(),
-            durable=s.intake_consumer(),
-            stream=s.intake_stream(),
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=self.ssettings.ack_wait_s,
-                max_deliver=self.ssettings.max_deliver,
-            ),
-        )
+        await self._ensure_consumer(js)
+        puller = PullConsumer(self.nc, stream=s.intake_stream(), consumer=s.intake_consumer(),
+                              handler=self._on_intake, batch=self.ssettings.fetch_batch)
         events = await self.nc.subscribe(s.cache_events_all(), cb=self._on_cache_event)
         results = await self.nc.subscribe(s.result_all(), cb=self._on_result)
+        await puller.start()
         self._tasks = [
             asyncio.create_task(self._watch_states(watcher), name="sched-states"),
-            asyncio.create_task(self._intake_loop(psub), name="sched-intake"),
             asyncio.create_task(self._housekeeping(), name="sched-housekeeping"),
         ]
 
         async def teardown() -> None:
-            intake = [t for t in self._tasks if t.get_name() == "sched-intake"]
-            # No new intake; dispatches already sent may complete. cancel_and_wait: a cancel
-            # racing a fetch's reply is dropped on 3.11 (shared/tasks.py).
-            await cancel_and_wait(intake, self.log)
+            # No new intake (a message being handed over finishes first); dispatches already
+            # sent may complete.
+            await puller.stop()
             await self._finish_inflight(self.ssettings.dispatch_timeout_s)
             # Records sent without waiting (``dispatched``): stored before we go, so a
             # restarted scheduler finds them (bounded; each is also cancelled on its own).
@@ -544,8 +545,6 @@ class SchedulerService(MicroService):
             for sub in (events, results):
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
 
         stack.push_async_callback(teardown)
 
@@ -705,28 +704,35 @@ class SchedulerService(MicroService):
 
     # -- intake ---------------------------------------------------------------------------------
 
-    async def _intake_loop(self, psub: JetStreamContext.PullSubscription) -> None:
-        while True:
-            try:
-                msgs = await psub.fetch(self.ssettings.fetch_batch, timeout=1.0)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # connection hiccup: retry, do not die
-                self.log.warning("intake fetch failed", error=repr(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                # NOTE: one task per message, started in message order. handle_intake does not
-                # suspend between its start and the moment the assignment is in the connection's
-                # write buffer (the rare redelivery path excepted: it reads the record first), so
-                # placements — and dispatches to any one worker — keep intake order, while the
-                # round trips of many requests overlap instead of adding up.
-                await self._slots.acquire()
-                task = asyncio.create_task(self._handle_guarded(msg), name="sched-dispatch")
-                self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
+    async def _ensure_consumer(self, js: JetStreamContext) -> None:
+        """The durable intake consumer (created when missing; an existing one is kept, as
+        every replica shares it)."""
+        s = self.subjects
+        try:
+            await js.consumer_info(s.intake_stream(), s.intake_consumer())
+            return
+        except NotFoundError:
+            pass
+        await js.add_consumer(s.intake_stream(), ConsumerConfig(
+            durable_name=s.intake_consumer(),
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ssettings.ack_wait_s,
+            max_deliver=self.ssettings.max_deliver,
+            filter_subject=s.intake_requests(),
+        ))
+
+    async def _on_intake(self, msg: Msg) -> None:
+        """One intake delivery, as it arrives (shared.service.PullConsumer, delivery order)."""
+        # NOTE: one task per message, started in message order. handle_intake does not
+        # suspend between its start and the moment the assignment is in the connection's
+        # write buffer (the rare redelivery path excepted: it reads the record first), so
+        # placements — and dispatches to any one worker — keep intake order, while the
+        # round trips of many requests overlap instead of adding up. Waiting for a slot here
+        # holds back the next delivery (back-pressure).
+        await self._slots.acquire()
+        task = asyncio.create_task(self._handle_guarded(msg), name="sched-dispatch")
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
 
     async def _handle_guarded(self, msg: Msg) -> None:
         try:
@@ -1060,14 +1066,17 @@ class SchedulerService(MicroService):
         """Send the record (in the connection's write buffer on return) and return the future
         of its store acknowledgement; the caller decides whether to wait for it."""
         assert self._js is not None and self._records is not None
-        rec = AssignmentRecord.model_construct(  # built from validated values: no re-check
-            request_id=a.request.request_id, stream_seq=seq, msg_id=msg_id, worker_id=a.worker_id,
-            epoch=a.epoch, degree=a.degree, predicted_s=a.predicted_s, state=state,
-            scheduler=self.reporter, assigned_at_s=a.assigned_at_s,
-        )
+        # AssignmentRecord's JSON straight from validated values (two per request: a model
+        # instance per record cost more than the rest of the record path); every reader
+        # decodes it with from_json(AssignmentRecord, ...), which checks it.
+        rec = json.dumps({
+            "schema_version": SCHEMA_VERSION, "request_id": a.request.request_id,
+            "stream_seq": seq, "msg_id": msg_id, "worker_id": a.worker_id, "epoch": a.epoch,
+            "degree": a.degree, "predicted_s": a.predicted_s, "state": state,
+            "scheduler": self.reporter, "assigned_at_s": a.assigned_at_s,
+        }, separators=(",", ":")).encode()
         # The KV bucket's subject for the key (what KeyValue.put publishes to), asynchronously.
-        return await self._js.publish_async(
-            f"$KV.{assignment_bucket(self.subjects)}.{a.request.request_id}", to_json(rec))
+        return await self._js.publish_async(f"{self._records_prefix}{a.request.request_id}", rec)
 
     async def _delete_record(self, rid: str) -> None:
         assert self._records is not None

@@ -178,6 +178,37 @@ async def test_fifo_results_state_and_spans(
     assert any(x.name == "queue_wait" for x in spans.get_finished_spans())
 
 
+async def test_unsampled_request_is_served_without_spans_and_keeps_the_decision(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str, spans: InMemorySpanExporter
+) -> None:
+    """An assignment whose trace context is *not sampled* (the usual case at a 1% ratio) is
+    served like any other — FIFO result, stage breakdown, cache event in the wire schema —
+    while no span of its trace is recorded; one with a sampled context is traced. The
+    worker keeps the caller's decision (it does not start a root of its own)."""
+    svc, gate = rankd
+    s = Subjects(uniq)
+    trace_hex, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    sampled_trace = "5bf92f3577b34da6a3ce929d0e0e4736"
+    sub, results, done = await collect(nc, s.result_all(), 2, FirstToken)
+    ev_sub, events, got_event = await collect(nc, s.cache_events(WID), 1, CacheEvent)
+    await call(nc, s.worker_assign(WID), assignment("u-1"), AssignmentAck, timeout_s=WAIT_S,
+               headers={"traceparent": f"00-{trace_hex}-{parent}-00"})
+    await call(nc, s.worker_assign(WID), assignment("s-1"), AssignmentAck, timeout_s=WAIT_S,
+               headers={"traceparent": f"00-{sampled_trace}-{parent}-01"})
+    await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+    await asyncio.wait_for(got_event.wait(), timeout=WAIT_S)
+    await sub.unsubscribe()
+    await ev_sub.unsubscribe()
+    assert [r.request_id for r in results] == ["u-1", "s-1"]
+    assert results[0].error is None and results[0].stages.prefill_s > 0
+    assert isinstance(events[0], CacheStored) and events[0].worker == WID
+    finished = spans.get_finished_spans()
+    # Nothing of the unsampled request, not even a root of the worker's own.
+    assert {format(x.context.trace_id, "032x") for x in finished} == {sampled_trace}
+    traced = {x.name for x in finished if format(x.context.trace_id, "032x") == sampled_trace}
+    assert {"prefill", "queue_wait", "kv_transfer", "first_decode"} <= traced
+
+
 async def test_bad_assignments_get_micro_errors(
     rankd: tuple[RankdService, Gate], nc: Client, uniq: str
 ) -> None:

@@ -154,3 +154,158 @@ def test_error_code_table() -> None:
     assert error_code(UnknownWorker("w")) == "404"
     assert error_code(VertumnusError("x")) == "409"
     assert error_code(KeyError("x")) == "500"
+
+
+# -- PullConsumer: continuous pull, each message on arrival --------------------------------------
+
+
+async def _work_queue(nc: Client, uniq: str) -> tuple[str, str, str]:
+    from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
+
+    js = nc.jetstream()
+    stream, subject = f"S{uniq.replace('.', '_')}", f"{uniq}.work"
+    await js.add_stream(StreamConfig(name=stream, subjects=[subject],
+                                     retention=RetentionPolicy.WORK_QUEUE))
+    await js.add_consumer(stream, ConsumerConfig(durable_name="c", ack_policy=AckPolicy.EXPLICIT,
+                                                 ack_wait=30))
+    return stream, "c", subject
+
+
+async def test_pull_consumer_hands_over_each_message_before_the_batch_fills(
+        nc: Client, uniq: str) -> None:
+    """One message with 16 requested and a 60 s pull: handed over without the other 15 or the
+    pull's expiry (nats-py's fetch(16, 60) would hold it up to 60 s); order kept; credit
+    renewed past the first batch."""
+    from shared.service import PullConsumer
+
+    stream, consumer, subject = await _work_queue(nc, uniq)
+    got: list[bytes] = []
+    first = asyncio.Event()
+
+    async def handler(msg) -> None:
+        got.append(msg.data)
+        assert msg.metadata.stream == stream  # a JetStream delivery: ack/metadata work
+        await msg.ack()
+        first.set()
+
+    pc = PullConsumer(nc, stream=stream, consumer=consumer, handler=handler, batch=16,
+                      expires_s=60.0)
+    await pc.start()
+    try:
+        js = nc.jetstream()
+        await js.publish(subject, b"0")
+        await asyncio.wait_for(first.wait(), timeout=20)  # far below the pull's 60 s
+        for i in range(1, 50):
+            await js.publish(subject, str(i).encode())
+        async with asyncio.timeout(30):
+            while len(got) < 50:
+                await asyncio.sleep(0.01)
+        assert got == [str(i).encode() for i in range(50)]
+        assert pc.pulls >= 50 // 16  # credit renewed, not one pull per message
+        assert pc.pulls < 50
+    finally:
+        await pc.stop()
+
+
+async def test_pull_consumer_back_pressure_and_expiry(nc: Client, uniq: str) -> None:
+    """A handler that waits holds back the next delivery; after every pull expired the
+    consumer pulls again, so a later message still arrives."""
+    from shared.service import PullConsumer
+
+    stream, consumer, subject = await _work_queue(nc, uniq)
+    gate = asyncio.Event()
+    seen: list[bytes] = []
+
+    async def handler(msg) -> None:
+        seen.append(msg.data)
+        await gate.wait()
+        await msg.ack()
+
+    pc = PullConsumer(nc, stream=stream, consumer=consumer, handler=handler, batch=4,
+                      expires_s=0.2, grace_s=0.1)
+    await pc.start()
+    try:
+        js = nc.jetstream()
+        for i in range(3):
+            await js.publish(subject, str(i).encode())
+        async with asyncio.timeout(20):
+            while not seen:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert seen == [b"0"]  # the handler has not returned: nothing else handed over
+        gate.set()
+        async with asyncio.timeout(20):
+            while len(seen) < 3:
+                await asyncio.sleep(0.01)
+        pulls = pc.pulls
+        async with asyncio.timeout(20):  # several expiries pass with nothing to deliver
+            while pc.pulls < pulls + 2:
+                await asyncio.sleep(0.05)
+        await js.publish(subject, b"late")
+        async with asyncio.timeout(20):
+            while len(seen) < 4:
+                await asyncio.sleep(0.01)
+        assert seen == [b"0", b"1", b"2", b"late"]
+    finally:
+        await pc.stop()
+
+
+async def test_pull_consumer_stop_hands_back_what_it_holds(nc: Client, uniq: str) -> None:
+    """Deliveries received but not handed over when ``stop`` runs are NAK'ed: the next
+    consumer gets them at once, not after ack_wait (30 s here); the one being handled is
+    finished (acked), not handed back."""
+    from shared.service import PullConsumer
+
+    stream, consumer, subject = await _work_queue(nc, uniq)
+    gate = asyncio.Event()
+    first: list[bytes] = []
+
+    async def blocked(msg) -> None:
+        first.append(msg.data)
+        await gate.wait()
+        await msg.ack()
+
+    pc = PullConsumer(nc, stream=stream, consumer=consumer, handler=blocked, batch=8)
+    await pc.start()
+    js = nc.jetstream()
+    for i in range(3):
+        await js.publish(subject, str(i).encode())
+    async with asyncio.timeout(20):
+        while not first:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # the other two are delivered and queued behind the handler
+    stopping = asyncio.create_task(pc.stop())
+    await asyncio.sleep(0.1)
+    gate.set()
+    await asyncio.wait_for(stopping, timeout=20)
+    assert first == [b"0"]
+
+    second: list[bytes] = []
+
+    async def take(msg) -> None:
+        second.append(msg.data)
+        await msg.ack()
+
+    pc2 = PullConsumer(nc, stream=stream, consumer=consumer, handler=take, batch=8)
+    await pc2.start()
+    try:
+        async with asyncio.timeout(15):  # well below ack_wait
+            while len(second) < 2:
+                await asyncio.sleep(0.01)
+        assert sorted(second) == [b"1", b"2"]
+    finally:
+        await pc2.stop()
+
+
+def test_pull_consumer_validates() -> None:
+    from shared.service import PullConsumer
+
+    async def handler(msg) -> None:
+        return None
+
+    with pytest.raises(InvalidInput):
+        PullConsumer(None, stream="S", consumer="c", handler=handler, batch=0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        PullConsumer(None, stream="S.x", consumer="c", handler=handler)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        PullConsumer(None, stream="S", consumer="c", handler=handler, expires_s=0)  # type: ignore[arg-type]
