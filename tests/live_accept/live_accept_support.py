@@ -525,7 +525,27 @@ class InProcess:
                                  worker_id=worker_id, heartbeat_s=0.2, **settings_kw)
         backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": prefill_s,
                              handoff_time=lambda n, c: handoff_s)
-        return await self.run(RankdService(settings, backend))
+        svc = await self.run(RankdService(settings, backend))
+        await self.until_served(self.subjects.worker_assign(worker_id))
+        return svc
+
+    async def until_served(self, subject: str) -> None:
+        """Return once a request on ``subject`` reaches a responder. The service flushed its
+        subscriptions before saying it started, yet on a loaded machine nats-server has answered
+        another client's first request with "no responders" (seen in CI, cf. nats-server#2876);
+        an empty payload is a bad request the endpoint rejects (400), which proves it listens."""
+        nc = await nats.connect(self.url, connect_timeout=5)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                try:
+                    await nc.request(subject, b"", timeout=WAIT_S)
+                    return
+                except nats.errors.NoRespondersError:
+                    assert time.monotonic() < deadline, f"no responder on {subject}"
+                    await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
 
     async def scheduler(self, cls: type | None = None, **kw: Any) -> Any:
         from services.scheduler.service import SchedulerService, SchedulerSettings
