@@ -147,6 +147,28 @@ async def call(
     return decode(reply_type, msg.data, msg.headers)  # type: ignore[no-any-return]
 
 
+async def until_served(nc: Client, subject: str, *, timeout_s: float = 30.0) -> None:
+    """Return once a request on ``subject`` reaches a responder; raise ``TimeoutError`` if none
+    does within ``timeout_s``.
+
+    A micro service flushes its subscriptions before it reports itself started, yet nats-server
+    (2.15) occasionally answers another connection's first request to a just-subscribed subject
+    with "no responders"; an immediate retry succeeds (cf. nats-server#2876). Supervisors and
+    tests that talk to a service they have just started wait here first. The probe is an empty
+    request, which every endpoint rejects as a bad request (400) without side effects.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            await nc.request(subject, b"", timeout=max(0.1, deadline - loop.time()))
+            return
+        except nats.errors.NoRespondersError:
+            if loop.time() >= deadline:
+                raise TimeoutError(f"no responder on {subject} within {timeout_s} s") from None
+            await asyncio.sleep(0.05)
+
+
 # -- JetStream resources (one definition, so every service creates them identically) ----------
 
 

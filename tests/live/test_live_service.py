@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
+from uuid import uuid4
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.micro.request import Request
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import BaseModel, ConfigDict
@@ -21,6 +23,7 @@ from shared.service import (
     call,
     error_code,
     request_model,
+    until_served,
 )
 from shared.settings import ServiceSettings
 from shared.telemetry import tracer
@@ -309,3 +312,23 @@ def test_pull_consumer_validates() -> None:
         PullConsumer(None, stream="S.x", consumer="c", handler=handler)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
         PullConsumer(None, stream="S", consumer="c", handler=handler, expires_s=0)  # type: ignore[arg-type]
+
+
+WAIT_UNTIL_S = 30.0  # a correctness bound on a loaded machine, not a speed check
+
+
+async def test_until_served_waits_for_a_responder_and_bounds_the_wait(nc: Client) -> None:
+    """``until_served`` returns once the subject answers (even with an error reply) and raises
+    ``TimeoutError`` naming the subject when nothing ever subscribes."""
+    subject = "t-until." + uuid4().hex
+
+    async def reject(msg: Msg) -> None:  # a bad request reply still proves a responder
+        await nc.publish(msg.reply, b"", headers={"Nats-Service-Error-Code": "400"})
+
+    with pytest.raises(TimeoutError, match=subject):
+        await until_served(nc, subject + ".none", timeout_s=0.3)
+    sub = await nc.subscribe(subject, cb=reject)
+    try:
+        await until_served(nc, subject, timeout_s=WAIT_UNTIL_S)
+    finally:
+        await sub.unsubscribe()

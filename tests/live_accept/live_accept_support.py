@@ -37,7 +37,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from shared.schemas import EpochRecord, FirstToken, SchemaError, decode
-from shared.service import epoch_kv
+from shared.service import epoch_kv, until_served
 from shared.subjects import Subjects
 from shared.worker import GpuGroup
 from vertumnus.live.http import HttpError, request
@@ -530,20 +530,10 @@ class InProcess:
         return svc
 
     async def until_served(self, subject: str) -> None:
-        """Return once a request on ``subject`` reaches a responder. The service flushed its
-        subscriptions before saying it started, yet on a loaded machine nats-server has answered
-        another client's first request with "no responders" (seen in CI, cf. nats-server#2876);
-        an empty payload is a bad request the endpoint rejects (400), which proves it listens."""
+        """Wait until ``subject`` has a responder (see :func:`shared.service.until_served`)."""
         nc = await nats.connect(self.url, connect_timeout=5)
         try:
-            deadline = time.monotonic() + WAIT_S
-            while True:
-                try:
-                    await nc.request(subject, b"", timeout=WAIT_S)
-                    return
-                except nats.errors.NoRespondersError:
-                    assert time.monotonic() < deadline, f"no responder on {subject}"
-                    await asyncio.sleep(0.05)
+            await until_served(nc, subject, timeout_s=WAIT_S)
         finally:
             await nc.close()
 
