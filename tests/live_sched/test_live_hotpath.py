@@ -183,6 +183,7 @@ async def test_request_held_until_a_worker_is_eligible(live: Services, fake_work
     await asyncio.sleep(0.3)  # let it be fetched and held (nothing to assert on meanwhile)
     w = await fake_worker("w-cp2-g0", 2, 0)
     await wait_until(lambda: len(w.assignments) == 1, "placed once the worker appeared")
+    await wait_until(lambda: sched.stats.dispatched >= 1, "the dispatch recorded (ack received)")
     assert sched.stats.retried == 0 and sched.stats.dispatched == 1
     # The hold counts as intake wait: dequeued (placed) after the worker came.
     a = w.assignments[0]

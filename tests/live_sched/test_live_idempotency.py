@@ -51,6 +51,8 @@ async def test_duplicate_publish_is_deduplicated(live: Services, fake_worker, nc
     await publish(nc, s, intake("after-1"))
     await wait_until(lambda: len(w.assignments) == 2, "both requests dispatched")
     assert [a.request.request_id for a in w.assignments] == ["dup-1", "after-1"]
+    # The scheduler counts a dispatch when the worker's ack reaches it, just after the worker.
+    await wait_until(lambda: sched.stats.dispatched >= 2, "both dispatches recorded")
     assert sched.stats.dispatched == 2
 
 
@@ -113,6 +115,8 @@ async def test_restarted_scheduler_sees_the_record(
     await publish(nc, s, intake("new-1"))
     await wait_until(lambda: len(w.assignments) == 2, "the new request")
     assert [x.request.request_id for x in w.assignments] == ["old-1", "new-1"]
+    # B counts its dispatch when the worker's ack reaches it, a moment after the worker got it.
+    await wait_until(lambda: b.stats.dispatched >= 1, "B's dispatch of the new request")
     assert b.stats.dispatched == 1
 
 
