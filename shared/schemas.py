@@ -447,9 +447,30 @@ class RequestStats(Message):
     at_s: WallTime
 
 
-class WindowReport(Message):
-    """One scheduler replica's demand in window k (§6.1): D(k) in predicted service seconds."""
+WINDOW_REPORT_VERSION: Final[int] = 2
+"""WindowReport's schema version: 2 added the demand-by-preferred-degree breakdown."""
 
+# Relative slack for "the breakdown does not exceed D(k)": both are float sums of the same
+# predictions, added in the same order, so only rounding separates them.
+_SUM_SLACK: Final[float] = 1e-9
+
+
+class WindowReport(Message):
+    """One scheduler replica's demand in window k (§6.1): D(k) in predicted service seconds.
+
+    Versions (both decode; a controller treats a version-1 report as one without a
+    breakdown, which its merge gate reads as "nothing gated"):
+
+    * 1 — D(k), request counts, the long-request count, D by placed degree.
+    * 2 — adds ``demand_by_preferred``: D(k) split by each request's preferred degree (§6.1
+      rule 1, ``services.controller.core.request_preferred_degree``) as the scheduler's
+      fitted profile sees it, with the rule's inputs (``preferred_degrees``,
+      ``preferred_speedup``) so a controller configured with another rule can refuse the
+      breakdown instead of misreading it. Empty with ``preferred_speedup`` None when the
+      scheduler computes no breakdown.
+    """
+
+    schema_version: Literal[1, 2] = WINDOW_REPORT_VERSION  # type: ignore[assignment]
     reporter: Id
     window_index: NonNegInt
     window_start_s: WallTime
@@ -459,11 +480,42 @@ class WindowReport(Message):
     requests: NonNegInt
     long_requests: NonNegInt = Field(description="requests at or above the long threshold")
     demand_by_degree: dict[int, NonNegFloat] = Field(default_factory=dict)
+    demand_by_preferred: dict[Annotated[int, Field(ge=1)], NonNegFloat] = Field(
+        default_factory=dict,
+        description="(v2) D(k) by each request's preferred degree (§6.1 rule 1); sums to at "
+        "most demand_s",
+    )
+    preferred_degrees: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list,
+        description="(v2) the degree set rule 1 climbed over (ascending, distinct)",
+    )
+    preferred_speedup: float | None = Field(
+        default=None, ge=1.0, allow_inf_nan=False,
+        description="(v2) rule 1's threshold: C → 2C while Ê_C ≥ this · Ê_2C; None: no "
+        "breakdown computed",
+    )
 
     @model_validator(mode="after")
     def _counts(self) -> WindowReport:
         if self.long_requests > self.requests:
             raise ValueError("long_requests > requests")
+        has_rule = self.preferred_speedup is not None or bool(self.preferred_degrees)
+        if self.schema_version == 1 and (self.demand_by_preferred or has_rule):
+            raise ValueError("a version-1 report carries no preferred-degree breakdown")
+        if self.demand_by_preferred and self.preferred_speedup is None:
+            raise ValueError("demand_by_preferred needs the rule's preferred_speedup")
+        if (self.preferred_speedup is None) != (not self.preferred_degrees):
+            raise ValueError("give preferred_speedup and preferred_degrees together")
+        degs = self.preferred_degrees
+        if any(a >= b for a, b in zip(degs, degs[1:], strict=False)):
+            raise ValueError("preferred_degrees must be ascending and distinct")
+        if not set(self.demand_by_preferred) <= set(degs):
+            raise ValueError("demand_by_preferred names a degree outside preferred_degrees")
+        total = sum(self.demand_by_preferred.values())
+        if total > self.demand_s * (1.0 + _SUM_SLACK) + _SUM_SLACK:
+            raise ValueError(f"demand_by_preferred sums to {total} > demand_s {self.demand_s}")
+        if len(self.demand_by_preferred) > self.requests:
+            raise ValueError("demand_by_preferred names more degrees than there are requests")
         return self
 
 
@@ -632,6 +684,7 @@ __all__ = [
     "JSON",
     "MSGPACK",
     "SCHEMA_VERSION",
+    "WINDOW_REPORT_VERSION",
     "Assignment",
     "AssignmentAck",
     "CacheCleared",

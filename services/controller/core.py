@@ -4,7 +4,9 @@ One object the adapter (live) and the simulator drive the same way:
 
 * ``assigned(now, predicted_s, input_len, degree, cached_tokens)`` for every placement the
   scheduler reports (with ``ControllerConfig.merge_speedup`` set, the core works out each
-  request's preferred degree from the profile, §6.1 rule 1, for the planner's merge gate);
+  request's preferred degree from the profile, §6.1 rule 1 — :func:`request_preferred_degree`
+  — for the planner's merge gate; a caller that already knows it, e.g. from a scheduler's
+  window report, passes ``preferred=`` instead);
 * ``tick(now, drain_s=..., traffic=...)`` on a timer (any period ≤ H): closes the windows that
   ended, decides each (§6.2) and returns the :class:`Decision` list; a decision may carry a
   :class:`Plan`;
@@ -30,6 +32,8 @@ always the protocol's current one.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from enum import Enum
+from typing import Final, Literal
 
 from services.controller.lattice import Composition
 from services.controller.lifecycle import EpochProtocol, IllegalTransition, StartResult
@@ -37,6 +41,42 @@ from services.controller.planner import ControllerConfig, Decision, Plan, Planne
 from services.controller.windows import DemandWindows, WindowSummary
 from shared.costmodel import Profile
 from shared.ids import InvalidInput, RequestId, WorkerId
+
+
+class FromProfile(Enum):
+    """Type of :data:`FROM_PROFILE` (a one-member enum, so type checkers see a literal)."""
+
+    TOKEN = "from-profile"
+
+
+FROM_PROFILE: Final = FromProfile.TOKEN
+"""``ControllerCore.assigned(preferred=FROM_PROFILE)``: judge the preferred degree from the
+request's lengths (the default)."""
+
+
+def request_preferred_degree(
+    profile: Profile,
+    degrees: Sequence[int],
+    speedup: float,
+    input_len: int,
+    cached_tokens: int,
+) -> int:
+    """§6.1 rule 1 for one request: from the smallest of ``degrees`` (sorted ascending), climb
+    to 2C while Ê_C(R, P) ≥ ``speedup`` · Ê_2C(R, P) and 2C is one of ``degrees``.
+
+    P = min(``cached_tokens``, L − 1), R = L − P (a request recomputes at least one token).
+    The one definition the simulator (through :meth:`ControllerCore.assigned`), the live
+    controller and the scheduler's window reports share. Pure; inputs are trusted (callers
+    validate): ``input_len`` ≥ 1, ``cached_tokens`` ≥ 0, ``degrees`` sorted and non-empty.
+    """
+    p = min(cached_tokens, input_len - 1)
+    r = input_len - p
+    c = degrees[0]
+    while 2 * c in degrees and profile.predict_fast(r, p, c) >= speedup * profile.predict_fast(
+        r, p, 2 * c
+    ):
+        c *= 2
+    return c
 
 
 class ControllerCore:
@@ -81,9 +121,16 @@ class ControllerCore:
         input_len: int,
         degree: int | None = None,
         cached_tokens: int = 0,
+        *,
+        preferred: int | None | Literal[FromProfile.TOKEN] = FROM_PROFILE,
     ) -> None:
         """The scheduler placed a request with predicted service ``predicted_s`` seconds;
-        ``cached_tokens`` of its ``input_len`` are reused on the chosen worker."""
+        ``cached_tokens`` of its ``input_len`` are reused on the chosen worker.
+
+        ``preferred``: the request's preferred degree for the merge gate. ``FROM_PROFILE``
+        (default): worked out here (:func:`request_preferred_degree`) when ``merge_speedup``
+        is set; an int: as given (checked by the windows); None: unknown, the request adds
+        nothing to the demand-by-preferred-degree breakdown."""
         if cached_tokens.__class__ is not int or cached_tokens < 0:  # exact int first: speed
             if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int):
                 raise InvalidInput(
@@ -91,20 +138,13 @@ class ControllerCore:
             if cached_tokens < 0:
                 raise InvalidInput(
                     f"cached_tokens must be an integer >= 0, got {cached_tokens!r}")
-        preferred = None
-        threshold = self.config.merge_speedup
-        if threshold is not None and isinstance(input_len, int) and input_len >= 1:
-            # §6.1 rule 1 on this request: climb while doubling the degree pays the threshold.
-            p = min(cached_tokens, input_len - 1)
-            r = input_len - p
-            prof = self.planner.profile
-            degs = self._degrees
-            c = degs[0]
-            while 2 * c in degs and prof.predict_fast(r, p, c) >= threshold * prof.predict_fast(
-                r, p, 2 * c
-            ):
-                c *= 2
-            preferred = c
+        if preferred is FROM_PROFILE:
+            preferred = None
+            threshold = self.config.merge_speedup
+            if threshold is not None and isinstance(input_len, int) and input_len >= 1:
+                preferred = request_preferred_degree(
+                    self.planner.profile, self._degrees, threshold, input_len, cached_tokens
+                )
         self._closed.extend(self.windows.record(now, predicted_s, input_len, degree, preferred))
 
     def tick(

@@ -9,10 +9,11 @@ ControllerCore`; this module moves messages and keeps the books an adapter must 
 input                                    what the adapter does
 =======================================  ==========================================================
 ``{prefix}.window.demand.*``             WindowReport of each scheduler replica → ``core.assigned``
-(``demand_input="windows"``, default)    (the report is replayed as its ``requests`` assignments,
-                                         demand spread evenly, ``long_requests`` of them long, at
-                                         the middle of its window: D(k), count and long fraction
-                                         are exact; reports of several replicas add up)
+(``demand_input="windows"``, default)    (the report is replayed as its ``requests`` assignments
+                                         at the middle of its window, :func:`replay_report`: D(k),
+                                         count, long fraction and the demand by preferred degree
+                                         — the merge gate's input, when the report's rule is
+                                         ours — are exact; reports of several replicas add up)
 ``{prefix}.cache.stats.*``               RequestStats, one per placement → ``core.assigned(at_s,
 (``demand_input="assignments"``)         predicted_s, input_len, degree)``
 timer, every ``tick_s``                  ``core.tick(now - report_grace_s)`` (windows close only
@@ -110,7 +111,7 @@ from nats.micro.request import Request
 from pydantic import Field, field_validator
 
 from services.calibration import CONTROLLER, KAPPA_SCALE
-from services.controller.core import ControllerCore
+from services.controller.core import FROM_PROFILE, ControllerCore, FromProfile
 from services.controller.lattice import Composition, Lattice
 from services.controller.lifecycle import (
     ControlRecord,
@@ -247,8 +248,9 @@ class ControllerSettings(ServiceSettings):
         default=CONTROLLER.merge_speedup,
         description="Merge gate (planner rule 9): a request prefers degree 2C when "
         "Ê_C/Ê_2C ≥ this; a merge into 2C needs that much demand preferring ≥ 2C. None: off. "
-        "Needs per-request lengths, so it acts only with demand_input='assignments' (window "
-        "reports carry none; see controller_config).",
+        "With demand_input='windows' the scheduler replicas compute the breakdown (their "
+        "merge_speedup and degrees must equal these; a report made with another rule counts "
+        "as one without a breakdown, which the gate does not hold back).",
     )
     preference_shift: float | None = Field(
         default=CONTROLLER.preference_shift,
@@ -306,11 +308,11 @@ class ControllerSettings(ServiceSettings):
     def controller_config(self) -> ControllerConfig:
         """The core's config (raises InvalidInput on inconsistent thresholds).
 
-        In ``demand_input="windows"`` mode the merge gate is off (``merge_speedup`` None): a
-        WindowReport carries D(k), counts and the long share but no request lengths or cached
-        tokens, and the core would judge each replayed assignment's preferred degree from its
-        placeholder length (1 token or the long threshold), which refuses every merge of a
-        short-request window. The planner treats "no breakdown" as "nothing gated".
+        The same in both ``demand_input`` modes. In ``windows`` mode the core never judges a
+        replayed assignment's preferred degree from its placeholder length (which would
+        refuse every merge of a short-request window): the adapter passes the report's own
+        breakdown (WindowReport version 2), or None for each request of a report without one
+        — the planner treats "no breakdown" as "nothing gated".
         """
         return ControllerConfig(
             window_s=self.window_s,
@@ -324,7 +326,7 @@ class ControllerSettings(ServiceSettings):
             max_ops=self.max_ops,
             split_target=self.split_target,
             momentum=self.momentum,
-            merge_speedup=self.merge_speedup if self.demand_input == "assignments" else None,
+            merge_speedup=self.merge_speedup,
             preference_shift=self.preference_shift,
         )
 
@@ -483,16 +485,49 @@ def epoch_record(
     )
 
 
-def replay_report(report: WindowReport, long_len: int) -> list[tuple[float, float, int]]:
-    """A WindowReport as ``(time, predicted_s, input_len)`` assignments for ``core.assigned``:
-    ``requests`` of them at the window's middle, demand spread evenly, ``long_requests`` long.
-    Reproduces D(k), the request count and the long fraction exactly."""
+def replay_report(
+    report: WindowReport, long_len: int, *, with_preferred: bool = False
+) -> list[tuple[float, float, int, int | None]]:
+    """A WindowReport as ``(time, predicted_s, input_len, preferred)`` assignments for
+    ``core.assigned``: ``requests`` of them at the window's middle, the first
+    ``long_requests`` long (``long_len`` tokens, the others 1).
+
+    With ``with_preferred`` (the report's rule is the controller's) each degree of
+    ``demand_by_preferred`` is one assignment carrying that degree's demand, and the other
+    requests share the rest of D(k) evenly with no preferred degree; otherwise demand is
+    spread evenly and no assignment names a preferred degree. Either way the replayed window
+    has the report's D(k), request count, long count and (with ``with_preferred``)
+    demand-by-preferred-degree. Pure."""
     n = report.requests
     if n == 0:
         return []
     t = report.window_start_s + report.window_s / 2.0
-    each = report.demand_s / n
-    return [(t, each, long_len if i < report.long_requests else 1) for i in range(n)]
+    buckets: list[tuple[float, int | None]] = []
+    if with_preferred and report.demand_by_preferred:
+        buckets = [(v, c) for c, v in sorted(report.demand_by_preferred.items())]
+    rest_n = n - len(buckets)  # ≥ 0: the schema allows at most one degree per request
+    rest_s = max(0.0, report.demand_s - sum(v for v, _ in buckets))
+    if rest_n:
+        buckets += [(rest_s / rest_n, None)] * rest_n
+    elif rest_s > 0:  # every request has a preferred degree: only rounding is left over
+        v, c = buckets[-1]
+        buckets[-1] = (v + rest_s, c)
+    return [
+        (t, s, long_len if i < report.long_requests else 1, c)
+        for i, (s, c) in enumerate(buckets)
+    ]
+
+
+def report_rule_matches(report: WindowReport, merge_speedup: float | None,
+                        degrees: Sequence[int]) -> bool:
+    """Whether the report's preferred-degree breakdown was made with the controller's rule
+    (same threshold, same degree set): only then may the merge gate read it."""
+    if merge_speedup is None or report.preferred_speedup is None:
+        return False
+    return (
+        math.isclose(report.preferred_speedup, merge_speedup, rel_tol=1e-9)
+        and list(report.preferred_degrees) == sorted(set(degrees))
+    )
 
 
 def decision_dict(d: Decision) -> dict[str, Any]:
@@ -584,6 +619,7 @@ class ControllerService(MicroService):
             "recovered": 0,
             "readmitted": 0,
             "errors": 0,
+            "breakdown_mismatch": 0,  # reports whose preferred-degree rule is not ours
         }
 
     # -- clock ------------------------------------------------------------------------------
@@ -842,8 +878,16 @@ class ControllerService(MicroService):
             return
         self.counters["reports"] += 1
         self._reported_until = max(self._reported_until, report.window_start_s + report.window_s)
-        for t, s, n in replay_report(report, self.config.long_threshold_tokens):
-            self._assigned(t, s, n, None)
+        use = report_rule_matches(report, self.config.merge_speedup, self.csettings.degrees)
+        if not use and report.preferred_speedup is not None and self.config.merge_speedup:
+            self.counters["breakdown_mismatch"] += 1
+            self.log.warning(
+                "window report's preferred-degree rule differs from ours; breakdown ignored",
+                reporter=report.reporter, speedup=report.preferred_speedup,
+                degrees=report.preferred_degrees, ours=self.config.merge_speedup)
+        replay = replay_report(report, self.config.long_threshold_tokens, with_preferred=use)
+        for t, s, n, preferred in replay:
+            self._assigned(t, s, n, None, preferred=preferred)
 
     async def _on_assignment(self, msg: Msg) -> None:
         try:
@@ -857,12 +901,13 @@ class ControllerService(MicroService):
         self._assigned(st.at_s, st.predicted_s, st.input_len, st.degree, st.prefix_tokens)
 
     def _assigned(
-        self, t: float, s: float, n: int, degree: int | None, cached_tokens: int = 0
+        self, t: float, s: float, n: int, degree: int | None, cached_tokens: int = 0,
+        *, preferred: int | None | Literal[FromProfile.TOKEN] = FROM_PROFILE,
     ) -> None:
         if self.core is None:
             return
         try:
-            self.core.assigned(t, s, n, degree, cached_tokens)
+            self.core.assigned(t, s, n, degree, cached_tokens, preferred=preferred)
         except InvalidInput as exc:
             self.counters["malformed"] += 1
             self.log.warning("demand rejected", error=str(exc))

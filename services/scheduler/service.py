@@ -95,7 +95,8 @@ from pydantic import Field, field_validator
 from services import calibration
 from services.cachemgr.events import MalformedEvent, Snapshot, event_from_wire
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
-from services.controller.windows import DEFAULT_WINDOW_S, DemandWindows
+from services.controller.core import request_preferred_degree
+from services.controller.windows import DEFAULT_WINDOW_S, DemandWindows, WindowSummary
 from services.rankd.core import HANDED_BACK_CODE, INTAKE_MSG_HEADER, REDIRECTING_CODE
 from services.scheduler.core import SchedulerCore
 from services.scheduler.decision import Decision
@@ -242,6 +243,15 @@ class SchedulerSettings(ServiceSettings):
         gt=0,
         description="Controller window H in seconds; windows are aligned on multiples of H "
         "since the Unix epoch so every replica's windows coincide.",
+    )
+    merge_speedup: float | None = Field(
+        default=calibration.CONTROLLER.merge_speedup,
+        ge=1.0,
+        description="§6.1 rule 1's threshold for the demand-by-preferred-degree breakdown of "
+        "WindowReports (a request prefers 2C over C when Ê_C ≥ this · Ê_2C, climbing over "
+        "`degrees`); the controller's merge gate reads it and ignores a breakdown made with "
+        "another threshold or degree set, so keep both equal to the controller's "
+        "merge_speedup and degrees. None: no breakdown (the gate then admits every merge).",
     )
     assignment_ttl_s: float = Field(
         default=ASSIGNMENT_TTL_S,
@@ -465,6 +475,8 @@ class SchedulerService(MicroService):
         # Windows aligned on multiples of H since the Unix epoch: every replica's coincide.
         start = math.floor(clock() / settings.window_s) * settings.window_s
         self.windows = DemandWindows(window_s=settings.window_s, start_s=start)
+        # §6.1 rule 1 over the pool's degree set (the controller's lattice degrees).
+        self._rule_degrees: tuple[int, ...] = tuple(sorted(set(settings.degrees)))
         self.stats = SchedulerStats()
         self._states: dict[str, WorkerState] = {}
         self._snapshotting: set[str] = set()
@@ -1027,21 +1039,47 @@ class SchedulerService(MicroService):
         try:
             await self.nc.publish(self.subjects.cache_stats(self.reporter), data,
                                   headers=headers)
-            for summary in self.windows.record(now, d.predicted_s, req.input_len, d.degree):
+            for summary in self.account(now, req.input_len, d):
                 await self._report_window(summary)
         except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError,
                 InvalidInput) as exc:
             self.log.warning("stats publish failed", error=str(exc))
 
-    async def _report_window(self, summary: Any) -> None:
+    def account(self, now: float, input_len: int, d: Decision) -> list[WindowSummary]:
+        """Count one placement in the open window (D(k), degree, preferred degree); returns
+        the windows it closed, for :meth:`window_report`. Pure (no IO)."""
+        return self.windows.record(now, d.predicted_s, input_len, d.degree,
+                                   self.preferred_degree(input_len, d))
+
+    def preferred_degree(self, input_len: int, d: Decision) -> int | None:
+        """The request's preferred degree for the window report (§6.1 rule 1 on the fitted
+        profile; None when ``merge_speedup`` is off). Its cached part is what the chosen
+        worker reuses in whole blocks — the simulator's definition (sim/simulator.py feeds
+        the controller core ``min(reused_blocks·B, L − 1)``)."""
+        speedup = self.ssettings.merge_speedup
+        if speedup is None:
+            return None
+        cached = d.reused_blocks * self.ssettings.block_size
+        return request_preferred_degree(self.profile, self._rule_degrees, speedup, input_len,
+                                        cached)
+
+    def window_report(self, summary: WindowSummary) -> WindowReport:
+        """The WindowReport of one closed window (pure: no IO)."""
         epoch = max((w.epoch for w in self.core.view.workers), default=0)
-        report = WindowReport(
+        speedup = self.ssettings.merge_speedup
+        return WindowReport(
             reporter=self.reporter, window_index=summary.index,
             window_start_s=max(0.0, summary.start_s), window_s=self.windows.window_s,
             epoch=epoch, demand_s=summary.demand_s, requests=summary.requests,
             long_requests=summary.long_requests,
             demand_by_degree=dict(summary.demand_by_degree),
+            demand_by_preferred=dict(summary.demand_by_preferred),
+            preferred_degrees=list(self._rule_degrees) if speedup is not None else [],
+            preferred_speedup=speedup,
         )
+
+    async def _report_window(self, summary: WindowSummary) -> None:
+        report = self.window_report(summary)
         data, headers = encode(report)
         await self.nc.publish(self.subjects.window_demand(self.reporter), data, headers=headers)
         self.stats.windows_reported += 1

@@ -99,9 +99,16 @@ class FakeRanks:
                 await self._watcher.stop()
 
 
+V2_FIELDS = ("demand_by_preferred", "preferred_degrees", "preferred_speedup")
+
+
 class FakeScheduler:
     """Publishes one WindowReport per window of ``window_s`` (on the Unix-epoch grid) with
-    the demand ``demand()`` returns, as a scheduler replica does."""
+    the demand ``demand()`` returns, as a scheduler replica does.
+
+    ``fields``: extra WindowReport fields of every report (e.g. the demand by preferred
+    degree); ``v1``: publish the JSON an older (version-1) scheduler sends, without the
+    version-2 fields."""
 
     def __init__(
         self,
@@ -110,9 +117,14 @@ class FakeScheduler:
         window_s: float,
         demand: Callable[[], float],
         reporter: str = "sched-a",
+        *,
+        fields: Callable[[float], dict[str, Any]] | None = None,
+        v1: bool = False,
     ) -> None:
         self.nc, self.subjects, self.window_s = nc, subjects, window_s
         self.demand, self.reporter = demand, reporter
+        self.fields, self.v1 = fields, v1
+        self.sent = 0
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -124,20 +136,26 @@ class FakeScheduler:
             k = math.floor(time.time() / self.window_s)
             if k != last:
                 last = k
+                demand = self.demand()
                 rep = WindowReport(
                     reporter=self.reporter,
                     window_index=k,
                     window_start_s=k * self.window_s,
                     window_s=self.window_s,
                     epoch=0,
-                    demand_s=self.demand(),
+                    demand_s=demand,
                     requests=10,
                     long_requests=0,
+                    **({"schema_version": 1} if self.v1 else {}),
+                    **(self.fields(demand) if self.fields else {}),
                 )
                 data, headers = encode(rep)
+                if self.v1:
+                    data = rep.model_dump_json(exclude=set(V2_FIELDS)).encode()
                 await self.nc.publish(
                     self.subjects.window_demand(self.reporter), data, headers=headers
                 )
+                self.sent += 1
             await asyncio.sleep(self.window_s / 8)
 
     async def stop(self) -> None:

@@ -6,9 +6,9 @@ import pytest
 
 from services.cachemgr.events import MalformedEvent, Snapshot, Stored
 from services.cachemgr.service import diff_compositions, event_from_payload
-from services.controller.service import ControllerSettings, replay_report
+from services.controller.service import ControllerSettings, replay_report, report_rule_matches
 from services.controller.windows import DemandWindows
-from shared.schemas import WindowReport
+from shared.schemas import SchemaError, WindowReport, from_json, to_json
 from shared.worker import GpuGroup
 
 
@@ -39,14 +39,81 @@ def test_window_report_replays_exact_demand_count_and_long_fraction() -> None:
         long_requests=1,
     )
     w = DemandWindows(window_s=20.0, long_threshold_tokens=32_768, start_s=140.0)
-    for t, s, n in replay_report(rep, 32_768):
-        assert 140.0 <= t < 160.0
+    for t, s, n, preferred in replay_report(rep, 32_768):
+        assert 140.0 <= t < 160.0 and preferred is None
         w.record(t, s, n)
     (closed,) = w.advance(160.0)
     assert closed.demand_s == pytest.approx(12.0)
     assert closed.requests == 4 and closed.long_requests == 1
     empty = rep.model_copy(update={"requests": 0, "long_requests": 0, "demand_s": 0.0})
     assert replay_report(empty, 32_768) == []
+
+
+V1_REPORT = (
+    b'{"schema_version": 1, "reporter": "s1", "window_index": 7, "window_start_s": 140.0, '
+    b'"window_s": 20.0, "epoch": 0, "demand_s": 12.0, "requests": 5, "long_requests": 1, '
+    b'"demand_by_degree": {"2": 12.0}}'
+)
+
+
+def v2_report(by_preferred: dict[int, float], **kw) -> WindowReport:
+    base = dict(
+        reporter="s1", window_index=7, window_start_s=140.0, window_s=20.0, epoch=0,
+        demand_s=12.0, requests=5, long_requests=1, demand_by_preferred=by_preferred,
+        preferred_degrees=[2, 4], preferred_speedup=1.15,
+    )
+    base.update(kw)
+    return WindowReport(**base)
+
+
+def test_window_report_replays_the_preferred_degree_breakdown_exactly() -> None:
+    rep = v2_report({2: 3.0, 4: 7.0})  # 2.0 s of demand from requests with no preference
+    assert rep.schema_version == 2
+    assert from_json(WindowReport, to_json(rep)) == rep
+    w = DemandWindows(window_s=20.0, long_threshold_tokens=32_768, start_s=140.0)
+    replay = replay_report(rep, 32_768, with_preferred=True)
+    assert len(replay) == 5
+    for t, s, n, preferred in replay:
+        w.record(t, s, n, None, preferred)
+    (closed,) = w.advance(160.0)
+    assert closed.demand_s == pytest.approx(12.0)
+    assert closed.requests == 5 and closed.long_requests == 1
+    assert dict(closed.demand_by_preferred) == {2: pytest.approx(3.0), 4: pytest.approx(7.0)}
+    # Without the controller's rule the breakdown is not replayed.
+    assert all(p is None for *_, p in replay_report(rep, 32_768))
+    # Every request in a bucket: D(k) is still exact (rounding goes to the last bucket).
+    full = v2_report({2: 5.0, 4: 7.0 - 1e-12}, requests=2, long_requests=0)
+    got = replay_report(full, 32_768, with_preferred=True)
+    assert [p for *_, p in got] == [2, 4]
+    assert sum(s for _, s, _, _ in got) == pytest.approx(12.0, abs=1e-15)
+
+
+def test_window_report_versions_decode_and_bad_breakdowns_are_refused() -> None:
+    old = from_json(WindowReport, V1_REPORT)  # an older scheduler's report still decodes
+    assert old.schema_version == 1 and old.demand_by_preferred == {}
+    assert old.preferred_speedup is None
+    assert not report_rule_matches(old, 1.15, [2, 4])
+    assert report_rule_matches(v2_report({2: 1.0}), 1.15, [4, 2])
+    assert not report_rule_matches(v2_report({2: 1.0}), 1.3, [2, 4])
+    assert not report_rule_matches(v2_report({2: 1.0}), 1.15, [1, 2, 4])
+    assert not report_rule_matches(v2_report({2: 1.0}), None, [2, 4])
+    bad = [
+        dict(schema_version=1),  # a v1 report carries no breakdown
+        dict(preferred_speedup=None, preferred_degrees=[]),  # breakdown without its rule
+        dict(preferred_degrees=[4, 2]),
+        dict(preferred_degrees=[2, 2, 4]),
+        dict(preferred_speedup=0.5),
+        {"demand_by_preferred": {8: 1.0}},  # a degree outside the rule's set
+        {"demand_by_preferred": {2: 10.0, 4: 3.0}},  # more than D(k)
+        {"demand_by_preferred": {2: -1.0}},
+        {"demand_by_preferred": {2: 1.0, 4: 1.0}, "requests": 1, "long_requests": 0},
+        dict(preferred_speedup=1.15, preferred_degrees=[], demand_by_preferred={}),
+    ]
+    for kw in bad:
+        by = kw.pop("demand_by_preferred", {2: 1.0})
+        with pytest.raises(SchemaError):
+            from_json(WindowReport, v2_report({}).model_copy(
+                update={"demand_by_preferred": by, **kw}).model_dump_json())
 
 
 def test_cache_events_accept_both_wire_forms_and_reject_garbage() -> None:

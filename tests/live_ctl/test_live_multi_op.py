@@ -83,10 +83,10 @@ def test_live_defaults_are_the_calibrated_values(monkeypatch) -> None:
     for f in dataclasses.fields(ControllerConfig):
         assert getattr(st, f.name) == getattr(CONTROLLER, f.name), f.name
     assert st.kappa_scale == KAPPA_SCALE
-    # With per-request lengths the core runs exactly the simulator's config; from window
-    # reports (no lengths) the merge gate is off and everything else is the same.
+    # Either demand input runs exactly the simulator's config (window reports carry the
+    # demand by preferred degree the merge gate reads).
     assert ControllerSettings(demand_input="assignments").controller_config() == CONTROLLER
-    assert st.controller_config() == dataclasses.replace(CONTROLLER, merge_speedup=None)
+    assert st.controller_config() == CONTROLLER
     # κ is scaled as the simulator scales the controller's profile.
     prof = DEFAULT_PROFILE.with_kappa({2: 8.0, 4: 14.0})
     assert st.judging_profile(prof) == controller_profile(prof, KAPPA_SCALE)
