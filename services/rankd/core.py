@@ -32,6 +32,18 @@ Rules (§5.2, §6.2, §8):
   :class:`Redirecting` while the redirect is unsettled (retry later; the scheduler keeps its
   record) and :class:`HandedBack` once intake acknowledged the redirect (the scheduler acks the
   old message). A different source (the redirect itself placed back here) is admitted.
+* One hand-back, one intake message: the redirect's ``Nats-Msg-Id`` is a function of the
+  source and this worker (:func:`handback_msg_id`), so every publish of that hand-back — a
+  retry after a lost ack, a re-publish to settle an unknown outcome, or the scheduler's own
+  publish on behalf of a worker it knows is gone — is de-duplicated by the intake stream
+  (within its duplicate window) and the request is stored there once.
+* A redirect whose outcome is unknown (every publish attempt timed out: intake may or may
+  not hold it) is remembered with its source (:meth:`WorkerCore.redirect_settled` with
+  ``unknown``): a re-sent assignment of that source raises :class:`HandBackUnknown`; the
+  adapter publishes the hand-back again (same id: stored at most once) and, once intake
+  acknowledges it, reports :meth:`WorkerCore.handback_confirmed` and answers as for
+  :class:`HandedBack` (else as for :class:`Redirecting`). Forgetting it instead would let the
+  re-sent assignment be refused as "not ACTIVE" and placed afresh beside a stored redirect.
 * Outstanding work = Σ predicted seconds of queued and redirecting requests + the running
   one's predicted remainder (elapsed wall time divided by the time scale, floored at 0).
 * The worker's own prefix cache (:class:`~services.rankd.blockcache.BlockCache`, LRU) decides
@@ -44,6 +56,7 @@ Rules (§5.2, §6.2, §8):
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -74,6 +87,30 @@ REDIRECTING_CODE: Final[str] = "425"
 HANDED_BACK_CODE: Final[str] = "410"
 """Micro error code of :class:`HandedBack` ("gone": intake holds the request under the
 redirect's message; ack the re-sent one, place nothing)."""
+
+# Longest hand-back id built by chaining (a request redirected many times); beyond it the
+# source part is replaced by a digest. JetStream compares ids as strings of any length; the
+# bound only keeps headers and logs small.
+_MAX_HANDBACK_ID: Final[int] = 200
+
+
+def handback_msg_id(request_id: str, source: str | None, worker_id: str, epoch: int) -> str:
+    """``Nats-Msg-Id`` of the intake message that hands ``request_id`` back from ``worker_id``.
+
+    With the ``source`` (the ``Nats-Msg-Id`` of the intake message whose assignment the worker
+    admitted): ``{source}>{worker_id}`` — one id per hop (a worker admits one source of a
+    request at most once, see :class:`HandedBack`), computable by the scheduler too, so a
+    worker's hand-back and a scheduler's publish on a gone worker's behalf are the same intake
+    message. Without one (an assignment from an older scheduler, or a test):
+    ``{request_id}-r{epoch}-{worker_id}``. Pure."""
+    if source is None:
+        return f"{request_id}-r{epoch}-{worker_id}"
+    mid = f"{source}>{worker_id}"
+    if len(mid) <= _MAX_HANDBACK_ID:
+        return mid
+    digest = hashlib.sha256(source.encode()).hexdigest()[:32]
+    return f"{request_id[:64]}-h{digest}>{worker_id}"
+
 
 def rank_shares(recompute_tokens: int, degree: int) -> tuple[int, ...]:
     """New tokens each rank of a degree-``degree`` CP worker prefills, by rank index.
@@ -113,6 +150,16 @@ class Redirecting(NotAccepting):
 class HandedBack(NotAccepting):
     """This assignment's intake message was admitted here and then handed back: intake
     acknowledged the redirect, which now carries the request (see module rules)."""
+
+
+class HandBackUnknown(Redirecting):
+    """This assignment's intake message was admitted here and handed back, but whether intake
+    stored the hand-back is unknown; ``job`` is what to publish again to settle it (see
+    module rules). Answered as :class:`Redirecting` by an adapter that does not."""
+
+    def __init__(self, message: str, job: Job) -> None:
+        super().__init__(message)
+        self.job = job
 
 
 @dataclass(slots=True)
@@ -178,6 +225,8 @@ class WorkerCore:
         # Request id → source of the admission whose redirect intake acknowledged (bounded
         # like _finished): a re-sent assignment from that source is answered HandedBack.
         self._handed_back: OrderedDict[str, str] = OrderedDict()
+        # Request id → the handed-back job whose redirect's outcome is unknown (bounded).
+        self._handback_unknown: OrderedDict[str, Job] = OrderedDict()
         self._seq = 0
         # The first record is adopted even if its epoch equals the configured start epoch.
         self._adopted_once = False
@@ -266,6 +315,11 @@ class WorkerCore:
         if source is not None and self._handed_back.get(rid) == source:
             raise HandedBack(f"{rid} (intake message {source}) was handed back to intake by "
                              f"{self.worker_id}")
+        unknown = self._handback_unknown.get(rid) if source is not None else None
+        if unknown is not None and unknown.source == source:
+            raise HandBackUnknown(f"{rid} (intake message {source}) was handed back by "
+                                  f"{self.worker_id}; whether intake holds it is unknown",
+                                  unknown)
         known = self._known.get(rid)
         if known is not None:
             if known is self._running:
@@ -398,26 +452,50 @@ class WorkerCore:
             self._redirecting[j.request_id] = j
         return jobs
 
-    def redirect_settled(self, request_id: str, *, in_intake: bool = False) -> Job:
-        """The redirect of ``request_id`` is over: intake acknowledged it (``in_intake``), or it
-        failed, or its outcome is unknown and was logged. Forget the request. Raises
-        InvalidInput if it is not redirecting.
+    def redirect_settled(self, request_id: str, *, in_intake: bool = False,
+                         unknown: bool = False) -> Job:
+        """The redirect of ``request_id`` is over: intake acknowledged it (``in_intake``), or
+        its outcome is ``unknown`` (a publish timed out: intake may hold it), or it definitely
+        failed (neither; the client is told). Forget the request. Raises InvalidInput if it is
+        not redirecting, or if both flags are given.
 
         The id is not remembered as finished: it may legitimately come back to this worker
         through intake (under the redirect's message) once the worker is ACTIVE again. With
         ``in_intake`` its source is remembered, so a re-sent assignment of the *old* message
-        is answered :class:`HandedBack` (see module rules). Without it nothing is remembered:
-        a re-sent assignment is then refused as for any worker not ACTIVE, or admitted."""
+        is answered :class:`HandedBack`; with ``unknown`` the job is remembered, so one raises
+        :class:`HandBackUnknown` (see module rules). After a definite failure nothing is
+        remembered: a re-sent assignment is refused as for any worker not ACTIVE, or
+        admitted."""
+        if in_intake and unknown:
+            raise InvalidInput("a redirect is either in intake or of unknown outcome")
         job = self._redirecting.pop(request_id, None)
         if job is None:
             raise InvalidInput(f"{request_id} is not being redirected by {self.worker_id}")
         del self._known[request_id]
-        if in_intake and job.source is not None:
-            self._handed_back[request_id] = job.source
-            self._handed_back.move_to_end(request_id)
-            if len(self._handed_back) > FINISHED_MEMORY:
-                self._handed_back.popitem(last=False)
+        if job.source is not None:
+            if in_intake:
+                self._remember_handed_back(request_id, job.source)
+            elif unknown:
+                self._handback_unknown[request_id] = job
+                self._handback_unknown.move_to_end(request_id)
+                if len(self._handback_unknown) > FINISHED_MEMORY:
+                    self._handback_unknown.popitem(last=False)
         return job
+
+    def handback_confirmed(self, request_id: str) -> None:
+        """Intake acknowledged a hand-back whose outcome was unknown (published again under
+        its id): from now on a re-sent assignment of its source is :class:`HandedBack`.
+        Raises InvalidInput if no such hand-back is remembered."""
+        job = self._handback_unknown.pop(request_id, None)
+        if job is None or job.source is None:
+            raise InvalidInput(f"no hand-back of unknown outcome for {request_id}")
+        self._remember_handed_back(request_id, job.source)
+
+    def _remember_handed_back(self, request_id: str, source: str) -> None:
+        self._handed_back[request_id] = source
+        self._handed_back.move_to_end(request_id)
+        if len(self._handed_back) > FINISHED_MEMORY:
+            self._handed_back.popitem(last=False)
 
     def set_lifecycle(self, lifecycle: Lifecycle) -> tuple[Job, ...]:
         """Change lifecycle locally (e.g. shutdown); leaving ACTIVE returns queued jobs."""

@@ -24,8 +24,9 @@ Per process (one worker, its leader rank, for now):
 * the epoch record is watched; a newer record is adopted (lifecycle from it) and one EpochAck
   per GPU of the worker is published on ``{prefix}.epoch.ack.{gpu}``; queued requests of a
   worker leaving ACTIVE are redirected to intake (``Nats-Msg-Id`` =
-  ``{rid}-r{epoch}-{worker}``, so the redirect is not de-duplicated against the original
-  publish nor against another source's redirect of the same request).
+  :func:`~services.rankd.core.handback_msg_id`: ``{source}>{worker}``, one id per hop, so the
+  redirect is not de-duplicated against the original publish nor against another source's
+  redirect of the same request, but every publish of *this* hand-back is).
 * redirects run in their own tasks (not inside the epoch watcher, which a stop cancels) and
   are pipelined (up to :data:`REDIRECT_WINDOW` publishes awaiting their acks at once). A
   request stays this worker's (counted in ``queue_len``) until intake acknowledges it; a
@@ -33,7 +34,9 @@ Per process (one worker, its leader rank, for now):
   the stream, so a retry never stores it twice) until ``redirect_timeout_s``. A redirect that
   definitely failed (no intake stream, refused) is answered to the client with an error
   FirstToken; one whose outcome is unknown (a timed-out publish may have been stored) is
-  logged and left to intake / the gateway's timeout, never answered twice.
+  logged, never answered twice, and remembered by the core: a re-sent assignment of its
+  source is settled by publishing the hand-back again under its id (stored at most once) and
+  answered 410 once intake acknowledges it, 425 otherwise.
 * shutdown (SIGINT/SIGTERM): stop admitting, redirect queued requests and wait for every
   outstanding redirect (bounded by ``redirect_timeout_s``) while the running request finishes
   (bounded by ``drain_timeout_s``), publish a final UNAVAILABLE state, drain. The waits come
@@ -68,10 +71,12 @@ from services.rankd.core import (
     HANDED_BACK_CODE,
     INTAKE_MSG_HEADER,
     REDIRECTING_CODE,
+    HandBackUnknown,
     HandedBack,
     Job,
     Redirecting,
     WorkerCore,
+    handback_msg_id,
     rank_shares,
 )
 from services.rankd.settings import RankdSettings
@@ -246,6 +251,10 @@ class RankdService(MicroService):
         source = (request.headers or {}).get(INTAKE_MSG_HEADER)
         try:
             position = self.core.admit(a, self.clock(), trace_carrier=inject({}), source=source)
+        except HandBackUnknown as exc:  # settle it now: publish the hand-back again
+            if await self._confirm_handback(exc.job):
+                raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc
+            raise ServiceError(code=REDIRECTING_CODE, description=str(exc)) from exc
         except HandedBack as exc:  # the scheduler acks its old message (core module rules)
             raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc
         except Redirecting as exc:  # the scheduler retries and keeps its record
@@ -515,6 +524,29 @@ class RankdService(MicroService):
         task.add_done_callback(self._redirects.discard)
         self._dirty.set()
 
+    async def _confirm_handback(self, job: Job) -> bool:
+        """Publish a hand-back of unknown outcome again, under its own id (so intake stores it
+        at most once), one attempt; True once intake acknowledged it (the core then answers
+        its source HandedBack). The id does not depend on the epoch: the job has a source."""
+        assert self._js is not None
+        req = job.assignment.request
+        data, headers = encode(req)
+        headers["Nats-Msg-Id"] = handback_msg_id(req.request_id, job.source,
+                                                 self.core.worker_id, self.core.epoch)
+        headers.update(req.trace_context)
+        try:
+            ack = await self._js.publish(self.subjects.intake_requests(), data, headers=headers,
+                                         timeout=REDIRECT_ATTEMPT_S)
+        except (TimeoutError, nats.errors.Error) as exc:
+            self.log.warning("hand-back of unknown outcome still unsettled",
+                             request_id=req.request_id, error=repr(exc))
+            return False
+        with contextlib.suppress(InvalidInput):  # settled meanwhile by a concurrent re-send
+            self.core.handback_confirmed(req.request_id)
+        self.log.info("hand-back of unknown outcome settled", request_id=req.request_id,
+                      duplicate=bool(ack.duplicate))
+        return True
+
     async def _settle_redirects(self) -> None:
         """Stop: wait for outstanding redirects (each bounds itself by ``redirect_timeout_s``;
         the wait adds one attempt's slack), then give up on any left, logging each id."""
@@ -537,8 +569,9 @@ class RankdService(MicroService):
         """Send handed-back requests to intake for re-placement (§6.2), in queue order,
         :data:`REDIRECT_WINDOW` publishes in flight at a time; settle each in the core.
 
-        ``Nats-Msg-Id`` = ``{rid}-r{epoch}-{worker}``: unique per hop (two sources of one merge
-        drain under the same epoch, and a request may be redirected by both)."""
+        ``Nats-Msg-Id`` = :func:`handback_msg_id`: unique per hop (two sources of one merge
+        drain under the same epoch, and a request may be redirected by both), the same for
+        every publish of one hand-back."""
         epoch = self.core.epoch
         deadline = asyncio.get_running_loop().time() + self.rsettings.redirect_timeout_s
         for i in range(0, len(jobs), REDIRECT_WINDOW):
@@ -557,7 +590,7 @@ class RankdService(MicroService):
         req = job.assignment.request
         rid = req.request_id
         data, headers = encode(req)
-        headers["Nats-Msg-Id"] = f"{rid}-r{epoch}-{self.core.worker_id}"
+        headers["Nats-Msg-Id"] = handback_msg_id(rid, job.source, self.core.worker_id, epoch)
         headers.update(req.trace_context)
         maybe_stored = False  # an attempt timed out: intake may hold it without our ack
         error: str | None = None
@@ -587,7 +620,8 @@ class RankdService(MicroService):
                 self.log.info("redirected", request_id=rid, worker=self.core.worker_id,
                               epoch=epoch)
             break
-        self.core.redirect_settled(rid, in_intake=error is None)
+        self.core.redirect_settled(rid, in_intake=error is None,
+                                   unknown=error is not None and maybe_stored)
         self._dirty.set()
         if error is None:
             return

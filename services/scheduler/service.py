@@ -42,7 +42,7 @@ here (the stream drops a repeated ``Nats-Msg-Id`` within its duplicate window). 
 whose request id has a ``dispatched`` record with the *same* stream sequence is a redelivery:
 acked, not dispatched again (a restarted scheduler sees the same record). A new message under
 the same request id (a redirect from a draining worker, which rankd republishes with
-``Nats-Msg-Id`` ``{rid}-r{epoch}``, or a client reusing its id after the duplicate window) is
+``Nats-Msg-Id`` ``{source}>{worker}``, or a client reusing its id after the duplicate window) is
 placed again, the old reservation released. A ``dispatching`` record (we crashed
 between recording and the worker's ack) is re-sent to the *same* worker; rankd's admission is
 idempotent on request id. The assignment carries the message's ``Nats-Msg-Id`` (header
@@ -51,10 +51,25 @@ it answers 410 (the redirect is stored: this message is acked, nothing placed) o
 redirect is in flight: NAK, record kept). A redelivery whose record names a *newer* stream
 sequence was superseded by such a redirect (already placed) and is acked without placement.
 
-Failure handling: no eligible worker, or the worker refused / did not answer → the reservation
-is released and the message is NAK'ed with ``retry_delay_s``; on its last delivery
-(``max_deliver``) a FirstToken with an error is published so the client is not left waiting,
-and the message is terminated. A malformed intake message is terminated at once.
+Failure handling: no eligible worker, or the worker refused (a micro error: it does not hold
+the request) → the reservation is released, the record deleted and the message NAK'ed with
+``retry_delay_s``. A dispatch whose outcome is *unknown* — it timed out (the worker may have
+admitted it and only its answer was lost), or a re-send of a recorded assignment got "no
+responders" (the worker may have admitted an earlier send) — keeps the ``dispatching``
+record and NAKs: the next delivery re-sends to the *same* worker under the same intake
+message id (rankd answers idempotently: its queue position, or 410 / 425 if it handed the
+request back), until the worker answers or is known gone. A first send that gets "no
+responders" reached no worker and is re-placed. *Known gone* (only once the worker-state
+view has loaded): no state (lease expired out of the bucket), a heartbeat older than
+``lease_s``, or UNAVAILABLE with nothing queued, running or being redirected — whatever it
+had is finished (its result went out first) or handed back to intake. The request is then
+handed back on the worker's behalf: published to intake under the id the worker would have
+used for it (:func:`services.rankd.core.handback_msg_id`), so if the worker did hand it back,
+intake de-duplicates the two (within its duplicate window), and the old message is acked; a
+request whose result this replica saw is acked without either. On its last delivery
+(``max_deliver``) a message that still failed gets a FirstToken with an error (so the client
+is not left waiting; a worker that did admit it may still answer first) and is terminated. A
+malformed intake message is terminated at once.
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
@@ -77,6 +92,7 @@ import math
 import random
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -97,7 +113,13 @@ from services.cachemgr.events import MalformedEvent, Snapshot, event_from_wire
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from services.controller.core import request_preferred_degree
 from services.controller.windows import DEFAULT_WINDOW_S, DemandWindows, WindowSummary
-from services.rankd.core import HANDED_BACK_CODE, INTAKE_MSG_HEADER, REDIRECTING_CODE
+from services.rankd.core import (
+    FINISHED_MEMORY,
+    HANDED_BACK_CODE,
+    INTAKE_MSG_HEADER,
+    REDIRECTING_CODE,
+    handback_msg_id,
+)
 from services.scheduler.core import SchedulerCore
 from services.scheduler.decision import Decision
 from services.scheduler.errors import NoEligibleWorker, UnknownRequest
@@ -434,6 +456,11 @@ class SchedulerStats:
     snapshots_applied: int = 0
     windows_reported: int = 0
     starts_inferred: int = 0
+    dispatch_unknown: int = 0  # dispatches whose outcome was unknown (record kept, NAK)
+    resent: int = 0  # recorded assignments re-sent to their worker
+    gone_handed_back: int = 0  # handed back to intake on behalf of a worker known gone
+    gone_in_intake: int = 0  # ... and intake already held that hand-back (de-duplicated)
+    finished_acked: int = 0  # a redelivery of a request whose result was seen: acked
 
 
 class SchedulerService(MicroService):
@@ -479,6 +506,10 @@ class SchedulerService(MicroService):
         self._rule_degrees: tuple[int, ...] = tuple(sorted(set(settings.degrees)))
         self.stats = SchedulerStats()
         self._states: dict[str, WorkerState] = {}
+        self._states_loaded = False  # the watcher delivered the bucket's initial values
+        # Request ids whose first token this replica saw (bounded): a recorded dispatch of one
+        # of them is not sent again, nor handed back for a gone worker.
+        self._served: OrderedDict[str, None] = OrderedDict()
         self._snapshotting: set[str] = set()
         self._js: JetStreamContext | None = None
         self._records: KeyValue | None = None
@@ -565,6 +596,7 @@ class SchedulerService(MicroService):
     async def _watch_states(self, watcher: KeyValue.KeyWatcher) -> None:
         async for entry in watcher:
             if entry is None:  # end of the initial values
+                self._states_loaded = True
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 self._states.pop(entry.key, None)
@@ -678,6 +710,11 @@ class SchedulerService(MicroService):
         except SchemaError:
             return
         rid = result.request_id
+        if result.error is None:
+            self._served[rid] = None
+            self._served.move_to_end(rid)
+            if len(self._served) > FINISHED_MEMORY:
+                self._served.popitem(last=False)
         try:
             worker = self.core.worker_of(rid)
             self.core.finish(rid, self.clock())
@@ -831,8 +868,17 @@ class SchedulerService(MicroService):
                 "vtm.delivery": delivery}) if sampled else contextlib.nullcontext(None))
         with span_cm as span:
             stored: Any = None
-            if record is not None:  # "dispatching": we crashed before the worker's ack
+            if record is not None:  # "dispatching": a crash or an unknown dispatch outcome
+                if rid in self._served:
+                    self.stats.finished_acked += 1
+                    self.log.info("redelivery of a served request acked", request_id=rid)
+                    await msg.ack()
+                    return
+                if self.worker_gone(record.worker_id):
+                    await self._hand_back_for_gone(msg, req, record, parent)
+                    return
                 assignment, decision = await self._resume(req, record, dequeued), None
+                self.stats.resent += 1
                 if span is not None:
                     span.set_attribute("vtm.resumed", True)
             else:
@@ -853,18 +899,19 @@ class SchedulerService(MicroService):
             # has handed back (services/rankd/core.py, "Exactly once across a scheduler crash").
             hdrs = {INTAKE_MSG_HEADER: msg_id} if sampled else {**parent, INTAKE_MSG_HEADER: msg_id}
             try:
-                ack = await call(self.nc, self.subjects.worker_assign(assignment.worker_id),
-                                 assignment, AssignmentAck,
-                                 timeout_s=self.ssettings.dispatch_timeout_s, headers=hdrs)
+                ack = await self._dispatch(assignment, hdrs)
             except (RemoteError, SchemaError, nats.errors.NoRespondersError,
                     nats.errors.TimeoutError, TimeoutError) as exc:
-                if isinstance(exc, RemoteError) and exc.code in (HANDED_BACK, REDIRECTING):
-                    if span is not None:
-                        span.set_attribute("vtm.dispatch_error", repr(exc))
-                    await self._handed_back(msg, req, exc.code, stored, own=record is None)
-                    return
                 if span is not None:
                     span.set_attribute("vtm.dispatch_error", repr(exc))
+                if isinstance(exc, RemoteError) and exc.code in (HANDED_BACK, REDIRECTING):
+                    await self._handed_back(msg, req, exc.code, stored, own=record is None)
+                    return
+                unknown = isinstance(exc, (nats.errors.TimeoutError, TimeoutError)) or (
+                    isinstance(exc, nats.errors.NoRespondersError) and record is not None)
+                if unknown:
+                    await self._outcome_unknown(msg, req, assignment, seq, msg_id, stored, exc)
+                    return
                 self._release(rid)
                 await self._settle(stored, rid)
                 await self._delete_record(rid)
@@ -889,6 +936,63 @@ class SchedulerService(MicroService):
         if decision is not None:
             await self._after_dispatch(req, assignment, decision)
 
+    async def _dispatch(self, a: Assignment, headers: dict[str, str]) -> AssignmentAck:
+        """Send the assignment to its worker and return the worker's AssignmentAck (raises
+        what :func:`shared.service.call` raises)."""
+        return await call(self.nc, self.subjects.worker_assign(a.worker_id), a, AssignmentAck,
+                          timeout_s=self.ssettings.dispatch_timeout_s, headers=headers)
+
+    async def _outcome_unknown(self, msg: Msg, req: IntakeRequest, a: Assignment, seq: int,
+                               msg_id: str, stored: Any, exc: BaseException) -> None:
+        """The worker may have admitted the assignment (see "Failure handling"): keep the
+        ``dispatching`` record, so the next delivery re-sends it to the same worker, and NAK.
+        The record must be stored for that: a failed store is tried once more."""
+        rid = req.request_id
+        self.stats.dispatch_unknown += 1
+        self._release(rid)  # re-sent without a reservation, as after a crash
+        if stored is not None and not await self._settle(stored, rid):
+            again = await self._put_record(a, seq, msg_id, "dispatching")
+            await self._settle(again, rid)
+        self.log.warning("dispatch outcome unknown; record kept", request_id=rid,
+                         worker=a.worker_id, error=repr(exc))
+        await self._retry_or_fail(msg, req, f"worker {a.worker_id} did not answer: {exc!r}")
+
+    def worker_gone(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is known gone (see "Failure handling"); never before the
+        worker-state view has loaded (a restarted scheduler knows nothing yet)."""
+        if not self._states_loaded:
+            return False
+        state = self._states.get(worker_id)
+        if state is None:
+            return True
+        if self.clock() - state.heartbeat_s > self.ssettings.lease_s:
+            return True
+        return state.lifecycle is Lifecycle.UNAVAILABLE and state.queue_len == 0
+
+    async def _hand_back_for_gone(self, msg: Msg, req: IntakeRequest, rec: AssignmentRecord,
+                                  parent: Mapping[str, str]) -> None:
+        """The recorded worker is gone: publish the request to intake under the id of the
+        worker's own hand-back (de-duplicated against it), then ack the old message."""
+        assert self._js is not None
+        rid = req.request_id
+        data, headers = encode(req)
+        headers.update(parent)
+        headers[MSG_ID_HEADER] = handback_msg_id(rid, rec.msg_id, rec.worker_id, rec.epoch)
+        try:
+            pub = await self._js.publish(self.subjects.intake_requests(), data,
+                                         headers=headers,
+                                         timeout=self.ssettings.dispatch_timeout_s)
+        except (nats.errors.Error, TimeoutError) as exc:
+            await self._retry_or_fail(msg, req, f"hand-back for gone worker {rec.worker_id} "
+                                                f"failed: {exc!r}")
+            return
+        self._release(rid)
+        self.stats.gone_handed_back += 1
+        self.stats.gone_in_intake += bool(pub.duplicate)
+        self.log.info("handed back for a gone worker", request_id=rid, worker=rec.worker_id,
+                      duplicate=bool(pub.duplicate))
+        await msg.ack()
+
     async def _handed_back(self, msg: Msg, req: IntakeRequest, code: int, stored: Any, *,
                            own: bool) -> None:
         """The worker had admitted this message's assignment before and handed it back to
@@ -908,11 +1012,12 @@ class SchedulerService(MicroService):
             return
         await self._retry_or_fail(msg, req, "the worker is handing it back to intake")
 
-    async def _settle(self, stored: Any, rid: str) -> None:
+    async def _settle(self, stored: Any, rid: str) -> bool:
         """Wait for a record's store acknowledgement; a failure is logged, not fatal (the
-        assignment itself went through; only a crash-restart would have needed the record)."""
+        assignment itself went through; only a crash-restart would have needed the record).
+        True: stored (or nothing to wait for)."""
         if stored is None:
-            return
+            return True
         try:
             # NOTE: publish_async futures have no timeout of their own; wait_for cancels a
             # late one, which also frees its slot in nats-py's pending-publish semaphore.
@@ -921,6 +1026,8 @@ class SchedulerService(MicroService):
             raise
         except Exception as exc:  # TimeoutError included
             self.log.warning("assignment record not stored", request_id=rid, error=repr(exc))
+            return False
+        return True
 
     def _log_store_failure(self, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled():

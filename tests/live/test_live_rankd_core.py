@@ -10,11 +10,13 @@ from hypothesis import strategies as st
 
 from services.rankd.core import (
     EpochAhead,
+    HandBackUnknown,
     HandedBack,
     NotAccepting,
     QueueFull,
     Redirecting,
     WorkerCore,
+    handback_msg_id,
 )
 from shared.ids import InvalidInput, UnknownWorker
 from shared.schemas import (
@@ -183,6 +185,48 @@ def test_resent_assignment_of_a_handed_back_message_is_recognised() -> None:
     assert core.admit(assignment("y", epoch=2), 2.0, source="y-r1-" + WID) == 1
     assert core.admit(assignment("z", epoch=2), 2.0) == 2
     assert [j.source for j in core.queued] == ["y-r1-" + WID, None]
+
+
+def test_a_handback_of_unknown_outcome_is_remembered_until_confirmed() -> None:
+    """A redirect whose publish outcome is unknown: a re-sent assignment of its source raises
+    HandBackUnknown (carrying the job to publish again) — not a plain "not ACTIVE", which
+    would let the scheduler place it afresh beside a stored redirect — until the adapter
+    confirms intake holds it; then HandedBack. Other sources are unaffected."""
+    core = WorkerCore(WID)
+    core.admit(assignment("x"), 0.0, source="x")
+    core.start_next(0.0)
+    core.admit(assignment("u"), 0.0, source="u")
+    core.adopt(record(1, Lifecycle.DRAINING))
+    with pytest.raises(InvalidInput):
+        core.redirect_settled("u", in_intake=True, unknown=True)
+    assert [j.request_id for j in core.redirecting] == ["u"]  # the refusal changed nothing
+    core.redirect_settled("u", unknown=True)
+    assert len(core) == 1  # only "x": u is no longer this worker's
+    with pytest.raises(HandBackUnknown) as exc:
+        core.admit(assignment("u", epoch=1), 1.0, source="u")
+    assert isinstance(exc.value, Redirecting)  # an adapter that cannot settle it answers 425
+    assert exc.value.job.request_id == "u" and exc.value.job.source == "u"
+    with pytest.raises(NotAccepting) as other:  # another source: just not ACTIVE
+        core.admit(assignment("u", epoch=1), 1.0, source="u>" + WID)
+    assert not isinstance(other.value, Redirecting)
+    core.handback_confirmed("u")
+    with pytest.raises(HandedBack):
+        core.admit(assignment("u", epoch=1), 1.0, source="u")
+    with pytest.raises(InvalidInput):
+        core.handback_confirmed("u")  # nothing unknown left
+    assert len(core) == 1
+
+
+def test_handback_ids_are_one_per_hop_and_computable_by_the_scheduler() -> None:
+    assert handback_msg_id("x", "x", WID, 3) == "x>" + WID
+    hop2 = handback_msg_id("x", "x>" + WID, "w-cp4-g4", 4)
+    assert hop2 == f"x>{WID}>w-cp4-g4"
+    assert handback_msg_id("x", None, WID, 3) == f"x-r3-{WID}"  # no source: the epoch form
+    long_source = ">".join(["w-cp2-g0"] * 40)
+    a = handback_msg_id("x", long_source, WID, 1)
+    assert len(a) <= 200 and a.endswith(">" + WID)
+    assert a == handback_msg_id("x", long_source, WID, 9)  # deterministic, epoch-free
+    assert a != handback_msg_id("x", long_source + "!", WID, 1)
 
 
 @settings(max_examples=200, deadline=None)

@@ -2,7 +2,7 @@
 
 The scenario: scheduler A places intake message M1 of request ``x`` on worker W; W acks; A dies
 before its ``dispatched`` record and before acking M1 (the record stays ``dispatching``). W is
-then drained: it hands ``x`` back to intake as M2 (``Nats-Msg-Id`` ``x-r1-W``), which a new
+then drained: it hands ``x`` back to intake as M2 (``Nats-Msg-Id`` ``x>W``), which a new
 scheduler B places on W2. M1 is redelivered to B too (ack_wait), and B re-sends the recorded
 assignment to W. Whatever the order in which B sees M1's redelivery and M2, ``x`` must run
 exactly once:

@@ -122,7 +122,7 @@ async def test_restarted_scheduler_sees_the_record(
 
 async def test_redirect_is_placed_again(live: Services, fake_worker, nc: Client,  # type: ignore[no-untyped-def]
                                         uniq: str) -> None:
-    """rankd redirects queued requests of a draining worker with Nats-Msg-Id {rid}-r{epoch}:
+    """rankd redirects queued requests of a draining worker under a new Nats-Msg-Id:
     same request id, a new message → a fresh placement, the old reservation released."""
     s = Subjects(uniq)
     w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)

@@ -1,0 +1,226 @@
+"""Exactly once when a dispatch's outcome is unknown (real nats-server, services in-process).
+
+1. *The worker's answer is lost.* The scheduler sends x's assignment to W; W admits it, but
+   the scheduler sees a timeout. Before the fix the scheduler deleted its record and NAK'ed,
+   and the next delivery placed x afresh — with the ``round_robin`` policy, on W2: x ran
+   twice. Now the ``dispatching`` record is kept and the next delivery re-sends to W under
+   the same intake message id, which W answers idempotently (x still running), or — if this
+   scheduler saw x's first token meanwhile — is acked without a re-send.
+2. *The worker stopped.* Scheduler A places x (message M1) on W, which queues it behind a long
+   request; A dies before its ``dispatched`` record. W is stopped: it hands x back to intake
+   (message M2, ``Nats-Msg-Id`` ``{M1}>{W}``) and leaves a final UNAVAILABLE state with an
+   empty queue. Scheduler B handles M1's redeliveries before M2. Before the fix B re-sent the
+   assignment, got "no responders", deleted the record and NAK'ed, and the next delivery of
+   M1 was placed afresh (on W2) beside M2 (on W3): x ran twice. Now B knows W is gone and
+   hands x back on W's behalf under the same id, which intake de-duplicates against W's own
+   hand-back; B acks M1 and x runs once (M2, on W3).
+
+Nothing is left to chance: a scheduler subclass loses exactly one answer after the worker
+admitted (1); a gated scheduler holds M2 until M1 is settled and only W3 is ACTIVE, so a
+second placement shows on a worker of its own (2). Waits are bounded by events (the
+scheduler's acks), never timed assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from live_accept_support import ActingController, InProcess, ResultTap, wait_until
+from nats.aio.msg import Msg
+from nats.micro.request import Request
+
+from services.rankd.backend import SimBackend
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
+from services.scheduler.service import SchedulerService
+from shared.natsserver import EmbeddedNats
+from shared.schemas import Assignment, AssignmentAck, IntakeRequest, encode
+from shared.service import call, epoch_kv
+from shared.worker import Lifecycle
+
+W, W2, W3 = "w-cp2-g0", "w-cp2-g2", "w-cp2-g4"
+BLOCKER_LEN = 4000  # a request this long holds its worker for the whole scenario
+
+
+class RecordingRankd(RankdService):
+    """rankd that remembers the request id of every assignment it answered with an ack."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.admitted: list[str] = []
+
+    async def _on_assign(self, request: Request) -> AssignmentAck:
+        ack = await super()._on_assign(request)
+        self.admitted.append(ack.request_id)
+        return ack
+
+
+async def start_rankd(live: InProcess, wid: str, **kw: Any) -> RecordingRankd:
+    settings = RankdSettings(nats_url=live.url, subject_prefix=live.prefix, worker_id=wid,
+                             heartbeat_s=0.2, drain_timeout_s=0.5, **kw)
+    backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 120.0 if r >= BLOCKER_LEN
+                         else 0.02, handoff_time=lambda n, c: 0.001)
+    svc = await live.run(RecordingRankd(settings, backend))
+    await live.until_served(live.subjects.worker_assign(wid))
+    return svc
+
+
+async def publish_intake(nc: Any, live: InProcess, rid: str, length: int = 40) -> None:
+    req = IntakeRequest(request_id=rid, input_len=length, block_size=16, arrival_s=time.time())
+    data, headers = encode(req)
+    headers["Nats-Msg-Id"] = rid
+    await nc.jetstream().publish(live.subjects.intake_requests(), data, headers=headers)
+
+
+class LosesOneAnswer(SchedulerService):
+    """The worker admits x's first assignment, but its answer never reaches us: a timeout is
+    raised instead — at once, or (``after_result``) once x's first token was seen here."""
+
+    rid = "lost-x"
+    after_result = False
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.lost = 0
+
+    async def _dispatch(self, a: Assignment, headers: dict[str, str]) -> AssignmentAck:
+        ack = await super()._dispatch(a, headers)
+        if a.request.request_id == self.rid and not self.lost:
+            self.lost += 1
+            if self.after_result:
+                await wait_until(lambda: self.rid in self._served, "x served")
+            raise nats.errors.TimeoutError
+        return ack
+
+
+@pytest.mark.parametrize("x_state", ["running", "finished"])
+async def test_lost_answer_is_not_placed_again(nats_server: EmbeddedNats, x_state: str) -> None:
+    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
+    nc = await nats.connect(nats_server.url, connect_timeout=5)
+    tap = await ResultTap(nc, live.subjects).start()
+    rid = LosesOneAnswer.rid
+    try:
+        w = await start_rankd(live, W)
+        w2 = await start_rankd(live, W2)
+        LosesOneAnswer.after_result = x_state == "finished"
+        # round_robin: a fresh placement after W is W2, so a second placement shows.
+        sched = await live.scheduler(cls=LosesOneAnswer, policy="round_robin", block_size=16,
+                                     retry_delay_s=0.05)
+        await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+        # "running": x holds W for the whole test; "finished": it is done in a moment.
+        await publish_intake(nc, live, rid, BLOCKER_LEN if x_state == "running" else 40)
+        # The message is acked only once settled: a re-send W answered, or x's token seen.
+        await wait_until(lambda: sched.stats.dispatched + sched.stats.finished_acked == 1,
+                         "x's message settled")
+        assert w2.admitted == []  # never placed a second time
+        assert sched.lost == 1 and sched.stats.dispatch_unknown == 1, sched.stats
+        if x_state == "running":
+            # The send whose answer was lost, then the re-send W answered idempotently.
+            assert w.admitted == [rid, rid]
+            assert sched.stats.resent == 1 and sched.stats.dispatched == 1, sched.stats
+            assert [j.request_id for j in (w.core.running, *w.core.queued) if j] == [rid]
+        else:
+            assert w.admitted == [rid]
+            assert sched.stats.finished_acked == 1 and sched.stats.resent == 0, sched.stats
+            runs = [(r.worker_id, r.error) for r in tap.results if r.request_id == rid]
+            assert runs == [(W, None)], runs
+    finally:
+        await live.close()
+        await tap.stop()
+        await nc.drain()
+
+
+class DiesBeforeDispatchedRecord(SchedulerService):
+    """Scheduler A: dies (for this message) after W's ack, before the ``dispatched`` record."""
+
+    async def _put_record(self, a, seq, msg_id, state):  # type: ignore[no-untyped-def]
+        if state == "dispatched":
+            raise ConnectionError("killed before the dispatched record")
+        return await super()._put_record(a, seq, msg_id, state)
+
+
+class GatedScheduler(SchedulerService):
+    """Scheduler B: handles nothing before its worker-state view has loaded; deliveries of M1
+    (the original message) at once; M2 (W's hand-back) only once ``later`` is set."""
+
+    rid = "gone-x"
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.later = asyncio.Event()
+        self.handled: list[str] = []
+
+    async def handle_intake(self, msg: Msg) -> None:
+        await wait_until(lambda: self._states_loaded, "B's worker-state view loaded")
+        kind = "M1" if (msg.headers or {}).get("Nats-Msg-Id") == self.rid else "M2"
+        if kind == "M2":
+            await self.later.wait()
+        await super().handle_intake(msg)
+        self.handled.append(kind)
+
+
+async def test_stopped_worker_request_is_handed_back_once(nats_server: EmbeddedNats) -> None:
+    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
+    nc = await nats.connect(nats_server.url, connect_timeout=5)
+    tap = await ResultTap(nc, live.subjects).start()
+    rid = GatedScheduler.rid
+    try:
+        w = await start_rankd(live, W)
+        blocker = IntakeRequest(request_id="gone-blocker", input_len=BLOCKER_LEN, block_size=16,
+                                arrival_s=time.time())
+        await call(nc, live.subjects.worker_assign(W),
+                   Assignment(request=blocker, worker_id=W, epoch=0, degree=2,
+                              prefix_tokens=0, recompute_tokens=BLOCKER_LEN, predicted_s=0.1,
+                              assigned_at_s=time.time()), AssignmentAck, timeout_s=5.0)
+        await wait_until(lambda: w.core.running is not None, "the blocker running on W")
+        a = await live.scheduler(cls=DiesBeforeDispatchedRecord, block_size=16,
+                                 ack_wait_s=1.0, instance_id="sched-a")
+        await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
+        await publish_intake(nc, live, rid)
+        await wait_until(lambda: any(j.request_id == rid for j in w.core.queued),
+                         "x queued on W")
+        await live.stop(a)  # M1 unacked, its record "dispatching" on W
+
+        w2 = await start_rankd(live, W2)
+        w3 = await start_rankd(live, W3)
+        kv = await epoch_kv(nc.jetstream(), live.subjects)
+        rec = ActingController._make(1, {W: Lifecycle.ACTIVE, W2: Lifecycle.ACTIVE},
+                                     "W and W2")
+        await kv.put(live.subjects.epoch_key(), rec.model_dump_json().encode())
+        await wait_until(lambda: all(s.core.epoch == 1 for s in (w, w2, w3)),
+                         "epoch 1 adopted")
+        # W stops: x goes back to intake as M2; its last state is UNAVAILABLE, queue empty.
+        await live.stop(w)
+
+        b = await live.scheduler(cls=GatedScheduler, block_size=16, ack_wait_s=1.0,
+                                 retry_delay_s=0.05, instance_id="sched-b")
+        # M1 is settled: acked after handing x back for W (or, before the fix, after placing
+        # it afresh on W2, the only ACTIVE worker).
+        await wait_until(lambda: b.stats.gone_handed_back + b.stats.dispatched >= 1,
+                         "M1 settled at B")
+        # From here only W3 is ACTIVE: M2's placement lands there.
+        rec = ActingController._make(2, {W2: Lifecycle.DRAINING, W3: Lifecycle.ACTIVE},
+                                     "drain W2")
+        await kv.put(live.subjects.epoch_key(), rec.model_dump_json().encode())
+        await wait_until(lambda: any(v.worker_id == W3 and v.lifecycle is Lifecycle.ACTIVE
+                                     for v in b.core.view.workers), "W3 ACTIVE in B's view")
+        b.later.set()
+        await wait_until(lambda: "M2" in b.handled, "B handled M2")
+        await wait_until(lambda: rid in tap.ok_ids(), "x's first token")
+        # W2 never saw x; W3 ran it once (M2); B handed x back for W under W's own id, which
+        # intake had stored already (so no third message exists).
+        assert w2.admitted == [] and w3.admitted == [rid]
+        assert b.stats.gone_handed_back == 1 and b.stats.gone_in_intake == 1, b.stats
+        assert b.stats.dispatched == 1, b.stats  # M2 only
+        runs = [(r.worker_id, r.error) for r in tap.results if r.request_id == rid]
+        assert runs == [(W3, None)], runs
+    finally:
+        await live.close()
+        await tap.stop()
+        await nc.drain()
