@@ -22,6 +22,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import structlog
 
+from shared.tasks import cancel_and_wait
+
 log = structlog.get_logger("vertumnus.http")
 
 IDLE_TIMEOUT_S: Final[float] = 60.0
@@ -109,9 +111,8 @@ class HttpServer:
         if self._server is None:
             return
         self._server.close()
-        for t in list(self._conns):
-            t.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
+        # Bounded even if a connection's handler swallows a cancel (shared/tasks.py).
+        await cancel_and_wait(list(self._conns), log)
         with contextlib.suppress(Exception):
             await self._server.wait_closed()
         self._server = None

@@ -24,6 +24,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from shared.schemas import EpochRecord, FirstToken, SchemaError, decode
 from shared.service import epoch_kv
 from shared.subjects import Subjects
+from shared.tasks import cancel_and_wait
 from vertumnus.live.report import CompositionChange
 
 
@@ -123,9 +124,7 @@ class Observer:
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)  # bounded even if a cancel is swallowed (3.11)
 
     def summary_counts(self) -> Mapping[str, Any]:
         return {"results_seen": self.results, "epochs_seen": len(self.changes),

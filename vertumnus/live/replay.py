@@ -31,6 +31,7 @@ from typing import Any, Final
 import numpy as np
 
 from shared.ids import DEFAULT_BLOCK_SIZE
+from shared.tasks import cancel_and_wait
 from sim.workloads.workload import Request, Workload
 from vertumnus.live.http import HttpError, request
 
@@ -219,9 +220,9 @@ async def replay(
     try:
         await asyncio.gather(*tasks)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Not cancel-then-gather: a cancel landing as a reply arrives can be swallowed on
+        # 3.11 (shared/tasks.py), and the gather would wait for that request to time out.
+        await cancel_and_wait(tasks)
     return [r for r in results if r is not None]
 
 
