@@ -40,7 +40,8 @@ Carrying out a plan (one or more splits and merges on disjoint workers, ``max_op
    current composition with the sources of all of them DRAINING (parked ones SWITCHING) under
    the next record epoch — is written with compare-and-set (``kv.update(key, value,
    last=revision)``). Rank daemons adopting it stop admitting and hand their queued requests
-   back to intake (``Nats-Msg-Id`` ``{rid}-r{epoch}``); since every source of the plan stops
+   back to intake (``Nats-Msg-Id`` ``{source}>{worker}``, rankd's ``handback_msg_id``); since
+   every source of the plan stops
    in the same record, no redirected request is re-placed on a worker that another operation
    of the plan drains. Then per operation the DrainNotice (the *redirect* message,
    :func:`drain_subject`; ``plan`` lists the plan's reconfigurations) and a
