@@ -49,6 +49,11 @@ CONTROLLER: Final[ControllerConfig] = ControllerConfig(
     momentum=False,
     merge_speedup=1.15,
     preference_shift=0.25,
+    merge_memory=3,
+    long_shift=0.05,
+    large_floor=3,
+    backlog_s=1.0,
+    newest_first=True,
 )
 """Multi-operation plans (``max_ops`` 64, more than any pool here has workers): one window's plan
 goes as far as the demand calls for — one operation per window took up to ten windows (200 s)
@@ -81,7 +86,32 @@ just when the long requests arrive. Thresholds 0.15 and 0.35 (multi-merge) react
 60 s of the phase, before any controller with persistence 2 can act: a pool split to 20CP2 for
 S2 serves the first minute of long requests at 1.1-1.4 s vs 0.7-0.95 s; later in the phase the
 all-CP2 pool is as fast as 12CP2/4CP4. Keeping CP4 workers through S2 (a split gate holding the
-preferring share of GPUs at CP4) left 18CP2/1CP4: S2 0.467, S3 0.81, S5 0.74 — dropped."""
+preferring share of GPUs at CP4) left 18CP2/1CP4: S2 0.467, S3 0.81, S5 0.74 — dropped.
+
+Rules 11-14 and newest first (planner module doc; session 3). What decides the reconfiguration
+preset's long phases is where the long documents are cached when the phase starts. Fixed pools
+over all five phases (seed 0, S1…S5 mean TTFT s): 20CP2 0.478/0.396/0.522/0.384/0.515,
+18CP2/1CP4 0.461/0.411/0.627/0.391/0.577, 16CP2/2CP4 0.456/0.430/0.460/0.405/0.463,
+14CP2/3CP4 0.445/0.465/0.444/0.426/0.440, 12CP2/4CP4 0.446/0.540/0.450/0.487/0.434. One or two
+CP4 workers are worse than none (the documents concentrate there and J queues the long
+requests behind them: 3-4.5 s in the first minute of S3), so the split that S2's κ calls for
+(D/K 1.1-1.6 on any pool, with 0.2-0.4 s queues) keeps ``large_floor`` 3 CP4 workers unless the
+median worker has ``backlog_s`` 1 s of outstanding work (conversation ×4: 1.6-5.8 s, so the
+floor never holds there). Each long phase is then recognised by ``long_shift`` 0.05 (long
+share 0.5% → 7-10% against the composition's own earlier windows; rule 10 misses S5 because
+the long requests' cached documents make them CP2-preferring) and gets one merge, and the short
+phase splits that merged worker again (``newest_first``). Reconfiguration preset, S1…S5 vs the
+better fixed pool (%), seeds 0/1/2: +0.0/−10.8/+5.3/−10.9/+1.2, +0.0/−24.1/+4.2/−15.4/−1.5,
++0.0/−2.4/+7.2/−9.8/+3.9 (before: S3/S5 +9.6/+32.2, +26.6/+23.7, +27.5/+44.1); windows to the first
+reaction 2/2/3/2, 2/3/2/4, 2/3/2/2. Tried and dropped: a floor from the remembered demand
+preferring CP4 (over 15 windows: it falls to 1-2 CP4 in S3 once the documents are cached, and
+the S4 split then reaches 18CP2/1CP4: S5 0.65-0.80 s); merging twice per long-share shift (S3
++6.7/+5.1/+8.3%, S5 +24.5/+0.8/+23.8%); acting on the first long-share window (persistence 1:
+seed 0 S5 +7.9%); κ measured on the preset's own trace (κ_2 11.7, κ_4 8.0 with scale 1: the
+same decisions as κ × 2.2). ``merge_memory`` 3: conversation ×4 made five rule-10 merges that the
+next window split again (1.552 s vs homo_cp2 1.502); with it none (1.500); ×3 1.143 → 1.152,
+×3.5 1.334 → 1.341, the other rates unchanged. ``backlog_s`` also stops merges into a queue
+after the last arrival (conversation ×6: 94.2 → 74.1 s)."""
 
 SCAN: Final[ScanConfig] = ScanConfig(
     theta_inter=0.25, theta_intra=8.0, theta_reclaim=0.25, decay=0.5, max_actions_per_list=1

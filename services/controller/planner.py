@@ -33,10 +33,16 @@ nothing, so it counts nothing):
    leave the pool under-loaded, which would trigger a merge right back).
 6. **Choice.** Among admitted adjacent operations in the chosen direction on workers that are
    all active: minimise the predicted drain interval (max over the sources of their
-   outstanding in-flight predicted work — sources drain in parallel), then the expected
-   reconciliation traffic (Σ over sources of retained-prefix blocks weighted by recent
-   access, from the cache manager; or a callable over the whole operation), then the lowest
-   first GPU (determinism).
+   outstanding in-flight predicted work — sources drain in parallel), then (with
+   ``newest_first``, our addition) the operation whose youngest source joined the
+   composition last, then the expected reconciliation traffic (Σ over sources of
+   retained-prefix blocks weighted by recent access, from the cache manager; or a callable
+   over the whole operation), then the lowest first GPU (determinism). Newest first makes a
+   split undo the latest merge (and a merge the latest split) rather than break up a worker
+   whose cache has served its degree longer: on the reconfiguration preset the long phase's
+   merged worker is the one split when the short phase returns, and the workers that have
+   held the long documents since the start keep them (S5 mean TTFT, seeds 0/1/2, with rules
+   11-14: 0.561/0.474/0.429 s without it, 0.439/0.410/0.431 s with it).
 7. **One plan at a time.** While a reconfiguration is in flight no plan is made and the
    streak stays reset: signals measured against a composition that is changing are stale.
 8. **Multi-operation plans** (our addition; ``max_ops`` > 1). A plan may hold several
@@ -80,8 +86,43 @@ nothing, so it counts nothing):
    long requests arrive (calibration, CONTROLLER). No preference split is made: one was
    tried (a "mix split" back to the bound) and cost the conversation trace.
 
+11. **Peak memory for preference-shift merges** (our addition; ``merge_memory`` set). A rule-10
+   merge is admitted against the largest demand of the last ``merge_memory`` windows (not only
+   the streak's): demand near capacity varies by ±20% from window to window, and a merge
+   admitted in two quieter windows was split again by the next busy one (conversation ×4:
+   five operations alternating 20CP2 ↔ 18CP2/1CP4). Capacity merges keep rule 5 (their
+   headroom already leaves a margin), and so do rule-12 merges.
+12. **Long-share shift** (our addition; ``long_shift`` set). A window with no capacity signal
+   (and no rule-2/10 signal) whose long-request fraction exceeds the request-weighted long
+   fraction of the earlier busy windows *on the same composition* by at least ``long_shift``
+   signals MERGE; at least ``persistence`` such earlier windows are needed. It is rule 2
+   without the stable-demand condition and against a memory that a composition change
+   resets: the shift to long requests comes with a drop in demand (the reconfiguration
+   preset's S2→S3: long share 0.5% → 7-10% while D falls to 60%), so rule 2's reference is
+   re-based and never judged, and rule 10's per-request preference sees the long requests as
+   CP2-preferring once their documents are cached. Like rule 10 it is one merge, admitted
+   while D̂ ≤ ``upper``·K', and not gated by rule 9 (the long share is the signal). Resetting
+   the memory on every composition change bounds it to one merge per shift.
+13. **Floor of larger-degree workers** (our addition; ``large_floor`` set). A split never takes
+   the number of workers at degree ≥ 2C from at least ``large_floor`` to fewer, unless the
+   pool is backlogged (rule 14). Below the floor it does not act (a lone CP4 worker is worse
+   than none: the long requests' cached documents concentrate on it and the scheduler queues
+   them there). Why: κ judges a short-request burst over capacity that the pool serves well
+   (the reconfiguration preset's S2 at D/K 1.4 with 0.2-0.4 s queues); splitting the last
+   large workers for it costs the next long phase its cached documents (fixed pools over all
+   five phases, seed 0, S3/S5 mean TTFT: 20CP2 0.52/0.52 s, 18CP2/1CP4 0.63/0.58,
+   16CP2/2CP4 0.46/0.46, 14CP2/3CP4 0.44/0.44, 12CP2/4CP4 0.45/0.43).
+14. **Backlog** (our addition; ``backlog_s`` set). The pool is backlogged when the median
+   available worker's outstanding work (``drain_s``) is at least ``backlog_s``. Then no merge
+   is made (D counts arrivals, so once arrivals stop D falls to 0 while the queues are still
+   long: conversation ×6 merged 20CP2 → 4CP2/8CP4 over minutes of queued work), and rule 13
+   yields (a pool that really cannot keep up splits as far as the demand calls for:
+   conversation ×4, median queue 1.6-5.8 s). The median, because one long request queued on
+   one worker says nothing about the pool.
+
 The planner is a pure core: values in (window summary, composition, per-worker estimates),
-a :class:`Decision` out; it keeps only the streak and the reference.
+a :class:`Decision` out; it keeps the streak, the reference and the short histories of rules
+6 and 9-13 (when each worker appeared, demand by preferred degree, demand, long counts).
 """
 
 from __future__ import annotations
@@ -127,6 +168,11 @@ class ControllerConfig:
     * ``preference_shift`` None — rule 10 (the preference-shift merge) is off unless set.
     * ``momentum`` True — rule 4's momentum; a multi-operation plan already goes as far as the
       demand calls for, so with ``max_ops`` > 1 it can be turned off to re-prove persistence.
+    * ``merge_memory`` None — rule 11 off (windows of demand a rule-10 merge must fit).
+    * ``long_shift`` None — rule 12 off (rise of the long fraction that signals a merge).
+    * ``large_floor`` None — rule 13 off (larger-degree workers a split keeps).
+    * ``backlog_s`` None — rule 14 off (median outstanding work, s, that counts as backlog).
+    * ``newest_first`` False — rule 6's newest-first key off.
     """
 
     window_s: float = DEFAULT_WINDOW_S
@@ -142,6 +188,11 @@ class ControllerConfig:
     momentum: bool = True
     merge_speedup: float | None = None
     preference_shift: float | None = None
+    merge_memory: int | None = None
+    long_shift: float | None = None
+    large_floor: int | None = None
+    backlog_s: float | None = None
+    newest_first: bool = False
 
     def __post_init__(self) -> None:
         def num(name: str) -> float:
@@ -192,6 +243,23 @@ class ControllerConfig:
                     f"ControllerConfig.preference_shift must be None or in (0, 1], "
                     f"got {self.preference_shift}"
                 )
+        mm = self.merge_memory
+        if mm is not None and (isinstance(mm, bool) or not isinstance(mm, int) or mm < 1):
+            raise InvalidInput(
+                f"ControllerConfig.merge_memory must be None or an integer >= 1, got {mm!r}")
+        if self.long_shift is not None and not (0.0 < num("long_shift") <= 1.0):
+            raise InvalidInput(
+                f"ControllerConfig.long_shift must be None or in (0, 1], got {self.long_shift}")
+        lf = self.large_floor
+        if lf is not None and (isinstance(lf, bool) or not isinstance(lf, int) or lf < 1):
+            raise InvalidInput(
+                f"ControllerConfig.large_floor must be None or an integer >= 1, got {lf!r}")
+        if self.backlog_s is not None and not num("backlog_s") > 0:
+            raise InvalidInput(
+                f"ControllerConfig.backlog_s must be None or > 0, got {self.backlog_s}")
+        if not isinstance(self.newest_first, bool):
+            raise InvalidInput(
+                f"ControllerConfig.newest_first must be a bool, got {self.newest_first!r}")
         if not (0.0 < num("split_target") <= self.upper):
             raise InvalidInput(
                 f"ControllerConfig.split_target must be in (0, upper={self.upper}], "
@@ -269,6 +337,11 @@ class Planner:
     _streak_dir: OpKind | None = field(default=None, init=False)
     _streak: int = field(default=0, init=False)
     _recent: tuple[float, ...] = field(default=(), init=False)  # D of the streak's last windows
+    _demand_hist: tuple[float, ...] = field(default=(), init=False)  # D of the last windows (11)
+    # (requests, long requests) of the busy windows since the composition last changed (12).
+    _mix_hist: tuple[tuple[int, int], ...] = field(default=(), init=False)
+    _mix_composition: Composition | None = field(default=None, init=False)
+    _born: dict[WorkerId, int] = field(default_factory=dict, init=False)  # worker -> window seen
     # Demand by preferred degree of the last non-empty windows (rule 9).
     _pref_hist: tuple[tuple[tuple[int, float], ...], ...] = field(default=(), init=False)
     _ref: tuple[float, float] | None = field(default=None, init=False)  # (D_ref, f_ref)
@@ -296,6 +369,7 @@ class Planner:
         self._recent = ()
         self._pref_hist = ()
         self._ref, self._ref_composition = None, None
+        self._mix_hist, self._mix_composition = (), None
 
     def observe(
         self,
@@ -307,7 +381,7 @@ class Planner:
         unavailable: Collection[WorkerId] = (),
         reconfiguring: bool = False,
     ) -> Decision:
-        """Decide for one closed window (rules 1–7 of the module doc).
+        """Decide for one closed window (the rules of the module doc).
 
         ``drain_s``: worker → predicted seconds until its in-flight prefill finishes (queued
         requests are redirected, so they do not delay a drain; passing all outstanding work
@@ -335,6 +409,17 @@ class Planner:
         same = composition == self._ref_composition
         ref = self._ref if same else None
         prev_dir, prev_streak = (self._streak_dir, self._streak) if same else (None, 0)
+        born = {w: self._born.get(w, window.index) for w in composition.worker_ids}
+        self._born = born
+        demand_hist = self._demand_hist
+        if cfg.merge_memory is not None:
+            demand_hist = (*demand_hist, d)[-cfg.merge_memory :]
+            self._demand_hist = demand_hist
+        mix_hist = self._mix_hist if composition == self._mix_composition else ()
+        mix_before = mix_hist
+        if window.requests:
+            mix_hist = (*mix_hist, (window.requests, window.long_requests))
+        self._mix_hist, self._mix_composition = mix_hist, composition
         pref_hist = self._pref_hist
         if window.demand_by_preferred:
             pref_hist = (*pref_hist, window.demand_by_preferred)[-cfg.persistence :]
@@ -368,6 +453,18 @@ class Planner:
             )
         ):
             frac_sig, pref_sig = OpKind.MERGE, True
+        long_sig = False
+        if (
+            cfg.long_shift is not None
+            and cap_sig is None
+            and frac_sig is None
+            and f is not None
+            and len(mix_before) >= cfg.persistence
+        ):
+            n_req = sum(r for r, _ in mix_before)
+            f_mem = sum(lg for _, lg in mix_before) / n_req if n_req else 0.0
+            if f - f_mem >= cfg.long_shift - _EPS:
+                frac_sig, long_sig = OpKind.MERGE, True
         new_ref = ref
         # (Re)base the reference on a busy window with no capacity signal whose demand is not
         # comparable with the old reference: the mix is judged against the current level.
@@ -385,6 +482,8 @@ class Planner:
                 why += f" (capacity overrides long-fraction {frac_sig.value})"
         elif pref_sig:
             why = "demand preferring a larger degree exceeds its share of GPUs"
+        elif long_sig:
+            why = f"long fraction {f:.2f} above this composition's earlier windows"
         elif frac_sig is not None:
             assert ref is not None and f is not None
             why = f"long fraction {f:.2f} vs reference {ref[1]:.2f} at stable demand"
@@ -413,18 +512,38 @@ class Planner:
                 f"{direction.value} pending ({streak}/{cfg.persistence}): {why}",
                 desc,
             )
-        plans, refusal = self._choose(
-            direction,
-            composition,
-            max(recent) if direction is OpKind.MERGE else d,
-            drains,
-            traffic,
-            set(excluded),
-            capacity_driven=cap_sig is not None,
-            preference_driven=pref_sig and cap_sig is None,
-            why=why,
-            preferred=_sum_by_degree(pref_hist) if cfg.merge_speedup is not None else {},
+        peak = max(recent)
+        if pref_sig and cap_sig is None and demand_hist:
+            peak = max(peak, *demand_hist)  # rule 11
+        backlog = 0.0
+        if cfg.backlog_s is not None:
+            avail = [g.worker_id for g in composition.groups if g.worker_id not in excluded]
+            if avail:
+                qs = sorted(drains.get(w, 0.0) for w in avail)
+                backlog = qs[len(qs) // 2]
+        backlogged = cfg.backlog_s is not None and backlog >= cfg.backlog_s
+        plans: tuple[Plan, ...] = ()
+        refusal = (
+            f"merge refused: the pool is backlogged (median queued work {backlog:.1f}s)"
         )
+        if direction is OpKind.SPLIT or not backlogged:
+            plans, refusal = self._choose(
+                direction,
+                composition,
+                peak if direction is OpKind.MERGE else d,
+                drains,
+                traffic,
+                set(excluded),
+                capacity_driven=cap_sig is not None,
+                preference_driven=(pref_sig or long_sig) and cap_sig is None,
+                why=why,
+                preferred=(
+                    _sum_by_degree(pref_hist)
+                    if cfg.merge_speedup is not None and not long_sig
+                    else {}
+                ),
+                floor=(cfg.large_floor if cfg.large_floor is not None and not backlogged else 0),
+            )
         if plans:
             self._commit(None, 0, new_ref, composition, pref_hist=pref_hist)
             self._momentum = direction if cfg.momentum else None
@@ -490,6 +609,7 @@ class Planner:
         why: str,
         preferred: Mapping[int, float] | None = None,
         preference_driven: bool = False,
+        floor: int = 0,
     ) -> tuple[tuple[Plan, ...], str]:
         """Rules 5, 6, 8 and 10: the operations of the plan, or () and why none was admitted."""
         cfg = self.config
@@ -516,6 +636,7 @@ class Planner:
                 capacity_driven=capacity_driven,
                 preferred=preferred or {},
                 headroom=cfg.upper if preference_driven else cfg.merge_headroom,
+                floor=floor,
             )
             if best is None:
                 break
@@ -549,12 +670,13 @@ class Planner:
         capacity_driven: bool,
         preferred: Mapping[int, float] | None = None,
         headroom: float | None = None,
+        floor: int = 0,
     ) -> tuple[tuple[LatticeOp, float, float] | None, str]:
         """The best admitted adjacent operation on workers not ``touched`` (rules 5, 6, 9)."""
         cfg = self.config
         headroom = cfg.merge_headroom if headroom is None else headroom
         pref_total = sum(preferred.values()) if preferred else 0.0
-        gated = False
+        gated = floored = False
         ops = [
             op
             for op in composition.adjacent()
@@ -575,6 +697,12 @@ class Planner:
                 if held > allowed:
                     gated = True  # rule 9: the window's requests do not gain from degree big
                     continue
+            if direction is OpKind.SPLIT and floor:  # rule 13
+                big = op.sources[0].degree
+                before = sum(1 for g in composition.groups if g.degree >= big)
+                if before - 1 < floor <= before:
+                    floored = True
+                    continue
             if (
                 direction is OpKind.SPLIT
                 and not capacity_driven
@@ -585,14 +713,22 @@ class Planner:
         if not admitted:
             if gated:
                 return None, "merge refused: the window's requests do not prefer the larger degree"
+            if floored:
+                return None, (
+                    f"split refused: it would leave fewer than {floor} larger-degree workers "
+                    "and the pool is not backlogged"
+                )
             if direction is OpKind.MERGE:
                 return None, (
                     f"merge refused: no merged composition keeps D ≤ {headroom:.2f}·capacity"
                 )
             return None, "split refused: it would leave demand below the lower threshold"
 
-        def score(op: LatticeOp) -> tuple[float, float, int]:
+        def score(op: LatticeOp) -> tuple[float, float, float, int]:
             drain = max(drains.get(w, 0.0) for w in op.source_ids)
+            newest = (
+                -max(self._born.get(w, 0) for w in op.source_ids) if cfg.newest_first else 0
+            )
             if traffic is None:
                 tr = 0.0
             elif callable(traffic):
@@ -601,10 +737,10 @@ class Planner:
                     raise InvalidInput(f"traffic estimate for {op.describe()} is {tr!r}")
             else:
                 tr = sum(traffic.get(w, 0.0) for w in op.source_ids)
-            return drain, tr, op.sources[0].first_gpu
+            return drain, newest, tr, op.sources[0].first_gpu
 
         best = min(admitted, key=score)
-        drain, tr, _ = score(best)
+        drain, _, tr, _ = score(best)
         return (best, drain, tr), ""
 
 

@@ -258,6 +258,32 @@ class ControllerSettings(ServiceSettings):
         "degree exceeds that degree's share of GPUs by this much. None: off. Reads the same "
         "per-request breakdown as merge_speedup, so it acts only when the merge gate does.",
     )
+    merge_memory: int | None = Field(
+        default=CONTROLLER.merge_memory,
+        description="Planner rule 11: a rule-10 merge must fit the peak demand of the last this "
+        "many windows under upper·capacity. None: the streak's windows only.",
+    )
+    long_shift: float | None = Field(
+        default=CONTROLLER.long_shift,
+        description="Planner rule 12: merge once when a window's long-request fraction exceeds "
+        "that of the earlier windows on the same composition by this much. None: off.",
+    )
+    large_floor: int | None = Field(
+        default=CONTROLLER.large_floor,
+        description="Planner rule 13: a split never takes the number of larger-degree workers "
+        "from at least this many to fewer unless the pool is backlogged. None: off.",
+    )
+    backlog_s: float | None = Field(
+        default=CONTROLLER.backlog_s,
+        description="Planner rule 14: the pool is backlogged when the median worker's "
+        "outstanding work is at least this many seconds; then no merge, and rule 13 yields. "
+        "None: never backlogged.",
+    )
+    newest_first: bool = Field(
+        default=CONTROLLER.newest_first,
+        description="Planner rule 6: among operations of equal drain, take the sources that "
+        "joined the composition last.",
+    )
     kappa_scale: float = Field(
         default=KAPPA_SCALE,
         gt=0,
@@ -328,6 +354,11 @@ class ControllerSettings(ServiceSettings):
             momentum=self.momentum,
             merge_speedup=self.merge_speedup,
             preference_shift=self.preference_shift,
+            merge_memory=self.merge_memory,
+            long_shift=self.long_shift,
+            large_floor=self.large_floor,
+            backlog_s=self.backlog_s,
+            newest_first=self.newest_first,
         )
 
     def lattice(self) -> Lattice:
