@@ -106,7 +106,8 @@ windows) and gets one merge, and the short phase splits that merged worker again
 S3/S5 +9.6/+32.2, +26.6/+23.7, +27.5/+44.1); windows to the first reaction 2/2/3/2, 2/3/2/2,
 2/2/2/2 (before 2/3/4/3, 2/4/3/4, 2/10/3/5). S3 stays 4-7% behind 12CP2/4CP4: it starts with
 three CP4 workers instead of four, and the long requests queue 1-2 s on them in the first
-minute (a fixed 14CP2/3CP4 is as far behind). Tried and dropped: a floor from the remembered demand
+minute (a fixed 14CP2/3CP4, whose CP4 workers have held the documents since the start, is
+−1.3%/+1.7% on seeds 0/2: the S2 split costs the split worker's documents). Tried and dropped: a floor from the remembered demand
 preferring CP4 (over 15 windows: it falls to 1-2 CP4 in S3 once the documents are cached, and
 the S4 split then reaches 18CP2/1CP4: S5 0.65-0.80 s); merging twice per long-share shift (S3
 +6.7/+5.1/+8.3%, S5 +24.5/+0.8/+23.8%); acting on the first long-share window (persistence 1:
