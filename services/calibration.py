@@ -52,7 +52,7 @@ CONTROLLER: Final[ControllerConfig] = ControllerConfig(
     merge_memory=3,
     long_shift=0.04,
     large_floor=3,
-    backlog_s=1.0,
+    backlog_s=2.0,
     newest_first=True,
 )
 """Multi-operation plans (``max_ops`` 64, more than any pool here has workers): one window's plan

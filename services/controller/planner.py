@@ -32,17 +32,19 @@ nothing, so it counts nothing):
    driven by the long-fraction signal alone is admitted only if D ≥ l·K' (it would not
    leave the pool under-loaded, which would trigger a merge right back).
 6. **Choice.** Among admitted adjacent operations in the chosen direction on workers that are
-   all active: minimise the predicted drain interval (max over the sources of their
-   outstanding in-flight predicted work — sources drain in parallel), then (with
-   ``newest_first``, our addition) the operation whose youngest source joined the
-   composition last, then the expected reconciliation traffic (Σ over sources of
-   retained-prefix blocks weighted by recent access, from the cache manager; or a callable
-   over the whole operation), then the lowest first GPU (determinism). Newest first makes a
-   split undo the latest merge (and a merge the latest split) rather than break up a worker
-   whose cache has served its degree longer: on the reconfiguration preset the long phase's
-   merged worker is the one split when the short phase returns, and the workers that have
-   held the long documents since the start keep them (S5 mean TTFT, seeds 0/1/2, with rules
-   11-14: 0.561/0.474/0.429 s without it, 0.439/0.410/0.431 s with it).
+   all active: (with ``newest_first``, our addition) first the operation whose youngest
+   source joined the composition last; then minimise the predicted drain interval (max over
+   the sources of their outstanding in-flight predicted work — sources drain in parallel),
+   then the expected reconciliation traffic (Σ over sources of retained-prefix blocks
+   weighted by recent access, from the cache manager; or a callable over the whole
+   operation), then the lowest first GPU (determinism). Newest first makes a split undo the
+   latest merge (and a merge the latest split) rather than break up a worker whose cache has
+   served its degree longer: on the reconfiguration preset the long phase's merged worker is
+   the one split when the short phase returns, and the workers that have held the long
+   documents since the start keep them. It comes before the drain because the drain is
+   bounded by one running request (queued ones are redirected) while a worker's cache is
+   worth minutes: with the drain first, seed 3's S4 split took an original CP4 worker whose
+   drain estimate was 0 and S5 lost 23% to 12CP2/4CP4 (newest first: +1.6%).
 7. **One plan at a time.** While a reconfiguration is in flight no plan is made and the
    streak stays reset: signals measured against a composition that is changing are stale.
 8. **Multi-operation plans** (our addition; ``max_ops`` > 1). A plan may hold several
@@ -116,9 +118,11 @@ nothing, so it counts nothing):
    available worker's outstanding work (``drain_s``) is at least ``backlog_s``. Then no merge
    is made (D counts arrivals, so once arrivals stop D falls to 0 while the queues are still
    long: conversation ×6 merged 20CP2 → 4CP2/8CP4 over minutes of queued work), and rule 13
-   yields (a pool that really cannot keep up splits as far as the demand calls for:
-   conversation ×4, median queue 1.6-5.8 s). The median, because one long request queued on
-   one worker says nothing about the pool.
+   yields (a pool that really cannot keep up splits as far as the demand calls for). The
+   median, because one long request queued on one worker says nothing about the pool.
+   ``backlog_s`` must be well above the transient queues of a burst: at 1 s the floor gave
+   way to a 1.1-1.2 s median in the middle of the preset's S2/S4 (seeds 3, 4), and the three
+   splits at once, into the start of the long phase, cost S3 +100% / S4 +76%.
 
 The planner is a pure core: values in (window summary, composition, per-worker estimates),
 a :class:`Decision` out; it keeps the streak, the reference and the short histories of rules
@@ -724,7 +728,7 @@ class Planner:
                 )
             return None, "split refused: it would leave demand below the lower threshold"
 
-        def score(op: LatticeOp) -> tuple[float, float, float, int]:
+        def score(op: LatticeOp) -> tuple[int, float, float, int]:
             drain = max(drains.get(w, 0.0) for w in op.source_ids)
             newest = (
                 -max(self._born.get(w, 0) for w in op.source_ids) if cfg.newest_first else 0
@@ -737,10 +741,10 @@ class Planner:
                     raise InvalidInput(f"traffic estimate for {op.describe()} is {tr!r}")
             else:
                 tr = sum(traffic.get(w, 0.0) for w in op.source_ids)
-            return drain, newest, tr, op.sources[0].first_gpu
+            return newest, drain, tr, op.sources[0].first_gpu
 
         best = min(admitted, key=score)
-        drain, _, tr, _ = score(best)
+        _, drain, tr, _ = score(best)
         return (best, drain, tr), ""
 
 

@@ -214,3 +214,20 @@ def test_split_takes_the_newest_larger_worker(newest_first: bool, expected_gpu: 
 def test_validation(field: str, bad: object) -> None:
     with pytest.raises(InvalidInput):
         ControllerConfig(**{field: bad})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("newest_first, expected_gpu", [(True, 12), (False, 0)])
+def test_newest_first_comes_before_the_drain(newest_first: bool, expected_gpu: int) -> None:
+    # As above, but the newest CP4 worker (GPUs 12-15) has 3 s of outstanding work and the
+    # older one none: the drain key alone would pick GPUs 0-3; newest first still splits 12-15.
+    cfg = ControllerConfig(persistence=2, max_ops=8, split_target=0.9, newest_first=newest_first)
+    p = Planner(PROFILE, cfg)
+    one = merge_at(EIGHT_CP2, 0)
+    two = merge_at(one, 12)
+    drains = {g.worker_id: (3.0 if g.first_gpu == 12 else 0.0) for g in two.groups}
+    p.observe(win(0, 50.0), EIGHT_CP2)
+    p.observe(win(1, 50.0), one)
+    p.observe(win(2, 66.0), two, drain_s=drains)
+    d = p.observe(win(3, 66.0), two, drain_s=drains)
+    assert len(d.plans) == 1 and d.plans[0].sources[0].first_gpu == expected_gpu
+    assert d.plans[0].predicted_drain_s == (3.0 if newest_first else 0.0)
