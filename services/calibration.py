@@ -96,25 +96,32 @@ over all five phases (seed 0, S1…S5 mean TTFT s): 20CP2 0.478/0.396/0.522/0.38
 CP4 workers are worse than none (the documents concentrate there and J queues the long
 requests behind them: 3-4.5 s in the first minute of S3), so the split that S2's κ calls for
 (D/K 1.1-1.6 on any pool, with 0.2-0.4 s queues) keeps ``large_floor`` 3 CP4 workers unless the
-median worker has ``backlog_s`` 1 s of outstanding work (conversation ×4: 1.6-5.8 s, so the
-floor never holds there). Each long phase is then recognised by ``long_shift`` 0.04 (long
-share 0.5% → 5-10% against the composition's own earlier windows; rule 10 misses S5 because
-the long requests' cached documents make them CP2-preferring; 0.05 missed seed 1's S5 for two
-windows) and gets one merge, and the short phase splits that merged worker again
-(``newest_first``). Reconfiguration preset, S1…S5 vs the better fixed pool (%), seeds 0/1/2:
-+0.0/−10.8/+5.3/−10.9/+1.2, +0.0/−24.1/+4.2/−15.4/−0.3, +0.0/−2.4/+7.3/−10.0/+4.2 (before:
-S3/S5 +9.6/+32.2, +26.6/+23.7, +27.5/+44.1); windows to the first reaction 2/2/3/2, 2/3/2/2,
-2/2/2/2 (before 2/3/4/3, 2/4/3/4, 2/10/3/5). S3 stays 4-7% behind 12CP2/4CP4: it starts with
-three CP4 workers instead of four, and the long requests queue 1-2 s on them in the first
-minute (a fixed 14CP2/3CP4, whose CP4 workers have held the documents since the start, is
-−1.3%/+1.7% on seeds 0/2: the S2 split costs the split worker's documents). Tried and dropped: a floor from the remembered demand
+median worker has ``backlog_s`` 2 s of outstanding work (1 s gave way to the 1.1-1.2 s of a
+burst on seeds 3 and 4: S3 +100%, S4 +76%). Each long phase is then recognised by
+``long_shift`` 0.04 (long share 0.5% → 5-10% against the composition's own earlier windows;
+rule 10 misses S5 because the long requests' cached documents make them CP2-preferring; 0.05
+missed seed 1's S5 for two windows) and gets one merge, and the short phase splits that merged
+worker again (``newest_first``, ahead of the drain key: with the drain first seed 3's S5 was
++23%). Reconfiguration preset, S1…S5 vs the better fixed pool (%):
+seed 0 +0.0/−10.8/+5.3/−10.9/+1.4, seed 1 +0.0/−24.1/+4.2/−16.0/−0.5,
+seed 2 +0.0/−2.4/+7.3/−10.0/+4.2, seed 3 +0.0/−7.0/+7.8/−28.6/+1.6,
+seed 4 +0.0/−29.7/+8.2/−8.9/+3.8 (before, S3/S5: +9.6/+32.2, +26.6/+23.7, +27.5/+44.1,
++26.8/+23.6, +23.3/+31.7); windows to the first reaction 2/2/3/2, 2/3/2/2, 2/2/2/2, 2/3/3/2,
+2/3/3/2 (before 2/3/4/3, 2/4/3/4, 2/10/3/5, 2/6/3/9, 2/5/3/6). S3 stays 4-8% behind
+12CP2/4CP4: it starts with three CP4 workers instead of four, and the long requests queue 1-2 s
+on them in the first minute (a fixed 14CP2/3CP4, whose CP4 workers have held the documents since
+the start, is −1.3%/+1.7% on seeds 0/2: the S2 split costs the split worker's documents, and
+which worker that is matters: taking the fullest instead of the emptiest cache gave seed 2
+S3 +13%). Tried and dropped: a floor from the remembered demand
 preferring CP4 (over 15 windows: it falls to 1-2 CP4 in S3 once the documents are cached, and
 the S4 split then reaches 18CP2/1CP4: S5 0.65-0.80 s); merging twice per long-share shift (S3
 +6.7/+5.1/+8.3%, S5 +24.5/+0.8/+23.8%); acting on the first long-share window (persistence 1:
-seed 0 S5 +7.9%); κ measured on the preset's own trace (κ_2 11.7, κ_4 8.0 with scale 1: the
-same decisions as κ × 2.2). ``merge_memory`` 3: conversation ×4 made five rule-10 merges that the
-next window split again (1.552 s vs homo_cp2 1.502); with it none (1.500); ×3 1.143 → 1.152,
-×3.5 1.334 → 1.341, the other rates unchanged. ``backlog_s`` also stops merges into a queue
+seed 0 S5 +7.9%); admitting a long-share merge on its last window's demand only (seed 1 S5
++15%); κ measured on the preset's own trace (κ_2 11.7, κ_4 8.0 with scale 1: the same decisions
+as κ × 2.2). ``merge_memory`` 3: conversation ×4 made five rule-10 merges that the next window
+split again (1.552 s vs homo_cp2 1.502); with it none (1.500). Conversation ×1…×4.7 after all of
+this: 0.874, 0.925, 1.047, 1.152, 1.304, 1.500, 2.341, 2.801, 3.828 s (before 0.874, 0.925,
+1.047, 1.143, 1.334, 1.552, 2.341, 2.801, 3.828). ``backlog_s`` also stops merges into a queue
 after the last arrival (conversation ×6: 94.2 → 74.1 s)."""
 
 SCAN: Final[ScanConfig] = ScanConfig(
