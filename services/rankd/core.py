@@ -112,6 +112,13 @@ def handback_msg_id(request_id: str, source: str | None, worker_id: str, epoch: 
     return f"{request_id[:64]}-h{digest}>{worker_id}"
 
 
+def is_handback_msg_id(msg_id: str) -> bool:
+    """True when ``msg_id`` names a hand-back (:func:`handback_msg_id` with a source): request
+    ids never contain ``>``, so only a hand-back's ``{source}>{worker}`` does. The epoch form
+    (no source) is not recognised; only assignments without an intake message id make it. Pure."""
+    return ">" in msg_id
+
+
 def rank_shares(recompute_tokens: int, degree: int) -> tuple[int, ...]:
     """New tokens each rank of a degree-``degree`` CP worker prefills, by rank index.
 

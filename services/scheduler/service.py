@@ -119,6 +119,7 @@ from services.rankd.core import (
     INTAKE_MSG_HEADER,
     REDIRECTING_CODE,
     handback_msg_id,
+    is_handback_msg_id,
 )
 from services.scheduler.core import SchedulerCore
 from services.scheduler.decision import Decision
@@ -934,7 +935,8 @@ class SchedulerService(MicroService):
                 span.set_attribute("vtm.queue_position", ack.queue_position)
         await msg.ack()
         if decision is not None:
-            await self._after_dispatch(req, assignment, decision)
+            await self._after_dispatch(req, assignment, decision,
+                                       in_demand=not is_handback_msg_id(msg_id))
 
     async def _dispatch(self, a: Assignment, headers: dict[str, str]) -> AssignmentAck:
         """Send the assignment to its worker and return the worker's AssignmentAck (raises
@@ -1133,7 +1135,13 @@ class SchedulerService(MicroService):
         await self.nc.publish(self.subjects.result(req.request_id), data, headers=inject(headers))
         await msg.term()
 
-    async def _after_dispatch(self, req: IntakeRequest, a: Assignment, d: Decision) -> None:
+    async def _after_dispatch(self, req: IntakeRequest, a: Assignment, d: Decision, *,
+                              in_demand: bool = True) -> None:
+        """Publish the placement's cache statistics and count it in the demand window.
+
+        A hand-back (a request a draining worker returned, ``in_demand`` False) was counted
+        when it was first placed; counting it again would inflate D(k) in exactly the windows
+        of a reconfiguration, so it only advances the windows (the simulator does the same)."""
         now = self.clock()
         stats = RequestStats.model_construct(  # every field from validated messages
             request_id=req.request_id, reporter=self.reporter, worker_id=a.worker_id,
@@ -1146,7 +1154,9 @@ class SchedulerService(MicroService):
         try:
             await self.nc.publish(self.subjects.cache_stats(self.reporter), data,
                                   headers=headers)
-            for summary in self.account(now, req.input_len, d):
+            closed = (self.account(now, req.input_len, d) if in_demand
+                      else self.windows.advance(now))
+            for summary in closed:
                 await self._report_window(summary)
         except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError,
                 InvalidInput) as exc:

@@ -10,6 +10,7 @@ from live_sched_support import Services, wait_until
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from services.rankd.core import handback_msg_id
 from services.rankd.engine.blockhash import chain_hashes
 from services.scheduler.service import (
     AssignmentRecord,
@@ -17,7 +18,7 @@ from services.scheduler.service import (
     SchedulerSettings,
     assignment_bucket,
 )
-from shared.schemas import IntakeRequest, encode, from_json
+from shared.schemas import IntakeRequest, WindowReport, decode, encode, from_json
 from shared.subjects import Subjects
 
 B = 16
@@ -135,3 +136,30 @@ async def test_redirect_is_placed_again(live: Services, fake_worker, nc: Client,
     await wait_until(lambda: len(w.assignments) == 2, "placement of the redirect")
     assert sched.stats.redirected == 1
     assert len(sched.core.loads["w-cp2-g0"]) == 1  # old reservation released, new one held
+
+
+async def test_hand_back_is_not_counted_twice_in_demand(live: Services, fake_worker,  # type: ignore[no-untyped-def]
+                                                        nc: Client, uniq: str) -> None:
+    """A hand-back (``{source}>{worker}``) is placed again but was counted in D(k) at its
+    first placement: the window reports count the request once, as the simulator does."""
+    s = Subjects(uniq)
+    reports: list[WindowReport] = []
+
+    async def on_report(msg: Msg) -> None:
+        reports.append(decode(WindowReport, msg.data, msg.headers))
+
+    sub = await nc.subscribe(s.window_demand_all(), cb=on_report)
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    sched = await live.scheduler(block_size=B, window_s=0.5)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    await publish(nc, s, intake("hb-1"))
+    await wait_until(lambda: len(w.assignments) == 1, "first placement")
+    await publish(nc, s, intake("hb-1"), msg_id=handback_msg_id("hb-1", "hb-1", "w-cp2-g0", 1))
+    await wait_until(lambda: len(w.assignments) == 2, "placement of the hand-back")
+    await wait_until(lambda: sched.stats.dispatched >= 2, "both dispatches recorded")
+    # A window that opened after both placements has closed: every count is in the reports.
+    after = time.time()
+    await wait_until(lambda: any(r.window_start_s >= after for r in reports),
+                     "a later window reported")
+    await sub.unsubscribe()
+    assert sum(r.requests for r in reports) == 1
