@@ -314,16 +314,40 @@ class Simulator:
             self.ctl = ControllerCore(composition, controller_profile(self.profile,
                                                                      self.cfg.kappa_scale), cc)
             self._push(cc.window_s, _WINDOW)
-        for req in workload.requests:
-            self._push(req.arrival_s, _ARRIVE, req)
+        # Arrivals are not pushed on the heap (speed: a heap holding every request costs
+        # log N per event): they are numbered as if pushed here, taken in workload order --
+        # sorted by arrival, ties in the given order (a Workload invariant), i.e. by (time,
+        # number) -- and merged with the heap by the (time, number) order the heap uses, so
+        # every event is handled in exactly the order one heap of all events would give.
+        reqs = workload.requests
+        base = self._seq + 1
+        self._seq += len(reqs)
+        arrivals = [(r.arrival_s, base + i, r) for i, r in enumerate(reqs)]
+        n_arr = len(arrivals)
+        ai = 0
         if self.cfg.cache_manager:
             self._push(self.cfg.scan_interval_s, _SCAN)
-        remaining = len(workload.requests)
+        remaining = len(reqs)
         done = 0
         now = 0.0
         heap = self._heap
         pop = heapq.heappop
-        while heap:
+        while True:
+            if ai < n_arr:
+                t_a, s_a, req = arrivals[ai]
+                if heap:
+                    top = heap[0]
+                    t_h = top[0]
+                    take = t_a < t_h or (t_a == t_h and s_a < top[1])
+                else:
+                    take = True
+                if take:
+                    ai += 1
+                    now = t_a
+                    self._arrive(req, now)
+                    continue
+            elif not heap:
+                break
             now, _, kind, a, b = pop(heap)
             if kind == _FINISH:
                 self._finish(a, b, now)
@@ -331,8 +355,6 @@ class Simulator:
                 done += 1
                 if progress is not None and done % 1000 == 0:
                     progress(done)
-            elif kind == _ARRIVE:
-                self._arrive(a, now)
             elif kind == _WINDOW:
                 if remaining > self._lost:
                     self._window(now)
