@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from services.cachemgr.reconcile import RehomeConfig
 from services.cachemgr.scan import ScanConfig
 from services.controller.planner import ControllerConfig
 
@@ -122,7 +123,53 @@ as κ × 2.2). ``merge_memory`` 3: conversation ×4 made five rule-10 merges tha
 split again (1.552 s vs homo_cp2 1.502); with it none (1.500). Conversation ×1…×4.7 after all of
 this: 0.874, 0.925, 1.047, 1.152, 1.304, 1.500, 2.341, 2.801, 3.828 s (before 0.874, 0.925,
 1.047, 1.143, 1.334, 1.552, 2.341, 2.801, 3.828). ``backlog_s`` also stops merges into a queue
-after the last arrival (conversation ×6: 94.2 → 74.1 s)."""
+after the last arrival (conversation ×6: 94.2 → 74.1 s).
+
+What S3 still lost, and ``REHOME`` (session 4). With rules 11-14, S3 was +4-8% behind
+12CP2/4CP4, lost in the first minute, before a controller can act: per-window means, the first
+window of S3 held −0.3/−0.1/+2.4/+5.4/+4.1 points of seeds 0-4's deficit (+5.3/+4.3/+7.2/+7.8/
++8.2%) and the first three windows +3.5/+1.6/+5.6/+6.5/+5.0. The cause was the cache state the
+phase starts with: by t = 600 the S2 split's two CP2 children held none of the parent's document
+blocks (prefixes over 32K tokens; seed 3: 884 at the split → 0), because CP2 caches fill and
+evict under S2's short burst while the CP4 caches never fill (2,200-2,700 of 5,560 blocks used
+at the split). ``REHOME`` copies them to the remaining CP4 workers when the split starts (see
+REHOME). Measured and not kept, all without re-homing: (a) which CP4 worker the S2 split takes,
+forced, S3 Δ% for w-cp4-g0/g4/g8/g12: seed 0 8.5/5.3/12.5/4.6, seed 1 4.2/8.0/12.0/13.3,
+seed 2 7.3/22.9/12.5/2.8 (S5 +8.2), seed 3 7.8/9.0/7.0/20.1, seed 4 3.7/13.6/8.9/8.2, seed 5
+10.2/12.2/6.7/6.8; no cache-manager statistic at the split ranks them: the fewest
+access-weighted blocks (what ``traffic``'s contract describes; the simulator passes plain
+block counts) picks 12.5/8.0/22.9/20.1/8.9 on seeds 0-4, the fewest document blocks
+4.6/8.0/7.3/7.0/13.6/6.7 on seeds 0-5, the most access-weighted document blocks
+4.6/4.2/12.5/7.8/3.7/6.7 (mean 6.6%, the same as the drain-then-fewest-blocks choice kept,
+5.3/4.2/7.3/7.8/8.2/6.7), and on seed 6 (first split in S1) the worst of the three remaining
+workers (12.3 vs 7.2). (b) A long-share rise of at least 0.05 acting on its first window (no
+persistence): S3/S5 seed 0 +4.9/+4.3, 1 +4.2/−0.5, 2 +7.3/+4.1, 3 +8.1/+1.5, 4 +7.9/+4.7 (at
+0.08: unchanged). (c) No S3 merge at all (rules 10 and 12 off): S3 seed 0 +5.1%, seed 2 +5.7%
+-- the merge was not what cost S3."""
+
+REHOME: Final[RehomeConfig] = RehomeConfig(min_blocks=64, fill=0.75)
+"""Re-homing a split parent's documents (reconcile.py ``rehome_on_split``): prefixes of at least 64
+blocks (32K tokens, the preset's long threshold), while a peer stays within 75% of its cache.
+Why: a split's children are half-degree workers whose caches a short-request burst fills and
+evicts, while the remaining workers of the parent's degree have room; on the reconfiguration
+preset the S2 split lost every document the split worker held, and S3 paid for it in its first
+minute (CONTROLLER, session 4). Copies start with the drain: 10-28 prefixes, 1,145-4,379 blocks
+per split, each copy (one prefix, at most 256 blocks) 0.08 s at most in the simulator's model,
+which does not make concurrent copies share links (serialised per destination: about 0.5 s),
+against a 0.5-1.0 s switch; none failed on seeds 0-6. Hottest first by the scan's access
+statistics. Reconfiguration preset, S1…S5 Δ% vs the better fixed pool, without → with: seed 0
++0.0/−10.8/+5.3/−10.9/+1.4 → +0.0/−14.7/+2.9/−11.4/+1.2; seed 1 +0.0/−24.1/+4.2/−16.0/−0.5 →
++0.0/−32.8/+1.2/−16.6/−1.1; seed 2 +0.0/−2.4/+7.3/−10.0/+4.2 → +0.0/−8.8/+3.7/−9.1/+4.2; seed 3
++0.0/−7.0/+7.8/−28.6/+1.6 → +0.0/−12.9/+8.3/−29.1/+3.2; seed 4 +0.0/−29.7/+8.2/−8.9/+3.8 →
++0.0/−35.8/+0.9/−8.9/+4.7; and on seeds not looked at while choosing the values, seed 5
++0.0/−7.2/+6.7/−8.1/+2.6 → +0.0/−9.5/+0.7/−7.8/+1.7, seed 6 +1.9/−39.4/+7.2/−27.0/+5.2 →
++0.1/−41.1/+2.3/−26.2/+0.2. Windows to the first reaction, seeds 0-4: 2/2/3/2, 2/3/2/2, 2/2/2/2,
+2/2/3/2, 2/2/2/2 (before 2/2/3/2, 2/3/2/2, 2/2/2/2, 2/3/3/2, 2/3/3/2). Seed 3's S3 stays +8%: its
+first window gains (0.649 → 0.504 s) and windows 2-6 lose it again (L hit 0.88-0.94). Variants on
+seeds 2/3 (S3 %): fill 0.9 or 1.0 the same as 0.75 (the bound does not bind at the split, the
+peers being at 41-49%); ``min_blocks`` 128: 2.7/8.6; 32: 3.8/13.7. Conversation ×1…×4.7
+(vertumnus, seed 0): 0.874, 0.925, 1.039, 1.138, 1.304, 1.500, 2.341, 2.801, 3.828 s (before
+0.874, 0.925, 1.047, 1.152, 1.304, 1.500, 2.341, 2.801, 3.828)."""
 
 SCAN: Final[ScanConfig] = ScanConfig(
     theta_inter=0.25, theta_intra=8.0, theta_reclaim=0.25, decay=0.5, max_actions_per_list=1

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from services.cachemgr.reconcile import RehomeConfig
 from services.cachemgr.scan import ScanConfig
 from services.controller.composition import (
     HistoricalWorkload,
@@ -84,6 +85,7 @@ class ExperimentSpec:
     vertumnus_overrides: Mapping[str, Any] = field(default_factory=dict)
     controller: ControllerConfig = calibration.CONTROLLER
     scan: ScanConfig = calibration.SCAN
+    rehome: RehomeConfig | None = calibration.REHOME
     kappa_scale: float = calibration.KAPPA_SCALE
     """The controller judges capacity with κ_C × this. KAPPA_SCALE corrects a single-worker κ
     (``vertumnus profile``); sim/runner.py sets 1.0 when κ was measured on the trace with a
@@ -223,6 +225,7 @@ def run_deployment(
         scan_interval_s=spec.scan_interval_s,
         seed=spec.seed,
         scan_config=spec.scan,
+        rehome=spec.rehome,
         controller_config=spec.controller,
         kappa_scale=spec.kappa_scale,
     )

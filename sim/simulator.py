@@ -31,7 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.cachemgr.actions import Reclaim, Replicate
-from services.cachemgr.reconcile import on_reuse, reconcile_merge, reconcile_split
+from services.cachemgr.reconcile import (
+    RehomeConfig,
+    on_reuse,
+    reconcile_merge,
+    reconcile_split,
+    rehome_on_split,
+)
 from services.cachemgr.scan import ScanConfig
 from services.cachemgr.trie import PrefixTrie
 from services.controller.core import ControllerCore
@@ -95,6 +101,9 @@ class SimConfig:
     noise_sigma: float = 0.04
     scan_config: ScanConfig = DEFAULT_SCAN_CONFIG
     controller_config: ControllerConfig | None = None
+    rehome: RehomeConfig | None = None
+    """With ``cache_manager``: re-home a split parent's long prefixes to its degree's other
+    workers when the split starts (services/cachemgr/reconcile.py ``rehome_on_split``)."""
     kappa_scale: float = 1.0
     """Multiplies the profile's κ_C for the controller only (see sim/calibration.py)."""
 
@@ -498,8 +507,16 @@ class Simulator:
         ctl = self.ctl
         assert ctl is not None
         redirect: list[_Job] = []
+        leaving = {w for plan in plans for w in plan.source_ids}
         for plan in plans:
             srcs = [self.workers[g.worker_id] for g in plan.sources]
+            if plan.kind is OpKind.SPLIT and self.cfg.cache_manager and self.cfg.rehome:
+                # Copies start with the drain; one still running when the parent is gone fails.
+                deg = srcs[0].group.degree
+                peers = [wid for wid, w in self.workers.items() if w.group.degree == deg
+                         and w.lifecycle is Lifecycle.ACTIVE and wid not in leaving]
+                for act in rehome_on_split(self.trie, srcs[0].wid, peers, self.cfg.rehome):
+                    self._issue_transfer(act, now)
             queued = {w.wid: [j.info.request_id for j in w.queue] for w in srcs}
             in_flight = {w.wid: [w.running.info.request_id] for w in srcs
                          if w.running is not None}

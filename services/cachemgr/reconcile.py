@@ -37,6 +37,13 @@ copy left is dropped from pending (an ordinary miss; the request recomputes it).
 becomes valid on the worker's ``Stored`` event for it, or on
 :meth:`PrefixTrie.confirm_installed`.
 
+Re-homing (our addition; :func:`rehome_on_split`): when a split *starts*, the parent's long
+retained prefixes are copied to the other workers of its degree, which keep them where the
+smaller children would evict them. NOTE: only the simulator issues these today (at the plan's
+start, from the draining parent); the live cache manager learns of a split from the new epoch
+record, after the parent is gone, and would need the controller's reconfiguration-start notice
+(or copy from the children's resident pages) to do the same.
+
 The children (or merged worker) are registered with ``last_event_id = 0``: their event streams
 start afresh at 1 under their new ids; the parent (children) are removed, cancelling their
 in-flight operations (returned in the plan so the adapter can abort them).
@@ -323,3 +330,96 @@ def _source(trie: PrefixTrie, view: WorkerView, n: TrieNode) -> WorkerId | None:
                 and (best is None or w < best):
             best = w
     return best
+
+
+@dataclass(frozen=True, slots=True)
+class RehomeConfig:
+    """Re-homing a split's long prefixes (:func:`rehome_on_split`; our addition to §6.2).
+
+    ``min_blocks``: retained prefixes of at least this many blocks are re-homed (long documents;
+    shorter ones are cheap to recompute and belong on the smaller degree anyway). ``fill``: a
+    peer takes a copy only while its used blocks (in-flight copies included) stay within
+    ``fill`` × its capacity, so the copies do not push out what the peer itself serves.
+    """
+
+    min_blocks: int
+    fill: float
+
+    def __post_init__(self) -> None:
+        m = self.min_blocks
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise InvalidInput(f"RehomeConfig.min_blocks must be an integer >= 1, got {m!r}")
+        f = self.fill
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 < f <= 1.0:
+            raise InvalidInput(f"RehomeConfig.fill must be in (0, 1], got {f!r}")
+
+
+def rehome_on_split(
+    trie: PrefixTrie, parent: WorkerId, peers: Sequence[WorkerId], config: RehomeConfig
+) -> tuple[Replicate, ...]:
+    """Copies of ``parent``'s long retained prefixes to ``peers``, issued when a split starts.
+
+    Why: the split's children are workers of half the degree, and on the reconfiguration preset
+    a short-request burst is what calls for the split: the children's caches fill and evict,
+    and by the next long phase they hold none of the parent's documents (seed 3: 884 document
+    blocks at the split, 0 five minutes later), while the remaining workers of the parent's
+    degree never fill their larger caches. Copying the documents to them before the parent
+    goes keeps them where the long requests will be served.
+
+    Contract: ``peers`` are workers of ``parent``'s degree that stay (not sources of the same
+    plan); unknown ids raise :class:`~shared.ids.UnknownWorker`, a peer of another degree
+    :class:`InvalidInput`. Retained prefixes of ``parent`` (held nodes with no held child there)
+    of at least ``config.min_blocks`` blocks are taken hottest first (access summed over
+    degrees along the root->node path, from the scan's statistics; ties: longer first, then
+    hash); each goes to the peer with the most free room (capacity − used, in-flight copies
+    included; ties by id), as the blocks that peer misses on its path, if they fit under
+    ``config.fill`` × that peer's capacity; it is skipped when they do not, or when that peer
+    already holds it whole. The returned actions
+    (``kind="intra"``: another replica at the same degree) are recorded as in flight, so the
+    next choice sees the room they take; the caller carries them out and reports
+    ``replication_done`` / ``replication_failed`` as for the scan's actions.
+
+    Inputs are the cache manager's own (held prefixes, capacities, access statistics). Live
+    path: not wired yet -- the live manager reconciles on the epoch record after the switch,
+    when the parent is gone (see the module doc).
+    """
+    if not isinstance(config, RehomeConfig):
+        raise InvalidInput(f"expected a RehomeConfig, got {config!r}")
+    pview = trie._view(_check_id("parent", parent))
+    views = []
+    for p in peers:
+        v = trie._view(_check_id("peer", p))
+        if v.degree != pview.degree:
+            raise InvalidInput(
+                f"peer {p!r} has degree {v.degree}, the parent {parent!r} {pview.degree}")
+        if p != parent:
+            views.append(v)
+    if not views:
+        return ()
+    held = trie.held_nodes(parent)
+    nodes = trie._nodes
+    leaves = []
+    for h in held:
+        n = nodes[h]
+        if n.depth + 1 < config.min_blocks or any(c in held for c in n.children):
+            continue
+        path = n.path()
+        heat = sum(sum(x.access) for x in path)
+        leaves.append((-heat, -(n.depth + 1), h, path))
+    leaves.sort()
+    out: list[Replicate] = []
+    for _, _, h, path in leaves:
+        room = sorted(
+            ((v.capacity_blocks - trie.used_blocks(v.worker), v.worker, v) for v in views),
+            key=lambda r: (-r[0], r[1]),
+        )
+        free, _, v = room[0]
+        missing = tuple(x.hash for x in path if x.hash not in v.valid)
+        if not missing:
+            continue  # the roomiest peer already holds it whole
+        if trie.used_blocks(v.worker) + len(missing) > config.fill * v.capacity_blocks:
+            continue
+        a = Replicate(h, Degree(v.degree), parent, v.worker, missing, "intra")
+        trie._begin(a)
+        out.append(a)
+    return tuple(out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from simeng_support import B, by_id, check_records, run
 
+from services.cachemgr.reconcile import RehomeConfig
 from services.cachemgr.scan import ScanConfig
 from services.controller.lattice import Composition, Lattice
 from sim.groundtruth import GroundTruth, Surroundings
@@ -125,3 +126,22 @@ def test_split_and_merge_keep_prefixes_with_cache_manager(profile, phased_worklo
     inherited = set(reuse_not_computed_locally(res, phased_workload))
     recs = {r.request_id: r for r in res.records}
     assert any(recs[i].worker in created for i in inherited)
+
+
+def test_split_rehomes_long_prefixes_to_same_degree_peers(profile, phased_workload) -> None:
+    """With re-homing on, a split copies the parent's retained prefixes to the other workers of
+    its degree (reconcile.py ``rehome_on_split``); the scan is set never to replicate, so every
+    replication here is one of those copies, and without re-homing there are none. Caches of
+    2048 blocks per GPU leave the peers room (at 128 they are full by the first split)."""
+    quiet = ScanConfig(theta_inter=1e9, theta_intra=1e9, theta_reclaim=0.2, decay=0.5)
+    base = dict(SMALL, scan_config=quiet, cache_blocks_per_gpu=2048)
+    off = run(phased_workload, profile, composition=_comp(), cache_manager=True,
+              adaptive=True, **base)
+    on = run(phased_workload, profile, composition=_comp(), cache_manager=True,
+             adaptive=True, rehome=RehomeConfig(min_blocks=1, fill=1.0), **base)
+    check_records(on, phased_workload, gpus=16)
+    assert off.replications == 0
+    splits = [rc for rc in on.reconfigurations if rc.kind == "split"]
+    assert splits  # the calm-then-heavy workload makes the controller split
+    # Each copy is confirmed on a peer of the parent's degree, so some replications happen.
+    assert on.replications > 0
