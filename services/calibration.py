@@ -170,7 +170,9 @@ Seed 3's S3 stays +8%: its first window gains (0.649 → 0.504 s) and windows 2-
 hit 0.88-0.94). Variants on seeds 2/3 (S3 %): fill 0.9 or 1.0 the same as 0.75 (the bound does
 not bind at the split, the peers being at 41-49%); ``min_blocks`` 128: 2.7/8.6; 32: 3.8/13.7.
 Conversation ×1…×4.7 (vertumnus, seed 0): 0.874, 0.925, 1.039, 1.138, 1.304, 1.500, 2.341, 2.801,
-3.828 s (before 0.874, 0.925, 1.047, 1.152, 1.304, 1.500, 2.341, 2.801, 3.828)."""
+3.828 s (before 0.874, 0.925, 1.047, 1.152, 1.304, 1.500, 2.341, 2.801, 3.828). The live cache
+manager starts from it too (``CacheMgrSettings.rehome*``; it re-homes on the controller's
+DrainNotice of a split)."""
 
 SCAN: Final[ScanConfig] = ScanConfig(
     theta_inter=0.25, theta_intra=8.0, theta_reclaim=0.25, decay=0.5, max_actions_per_list=1

@@ -39,10 +39,9 @@ becomes valid on the worker's ``Stored`` event for it, or on
 
 Re-homing (our addition; :func:`rehome_on_split`): when a split *starts*, the parent's long
 retained prefixes are copied to the other workers of its degree, which keep them where the
-smaller children would evict them. NOTE: only the simulator issues these today (at the plan's
-start, from the draining parent); the live cache manager learns of a split from the new epoch
-record, after the parent is gone, and would need the controller's reconfiguration-start notice
-(or copy from the children's resident pages) to do the same.
+smaller children would evict them. Both callers issue the copies from the draining parent at
+the split's start: the simulator at the plan's start, the live cache manager on the
+controller's DrainNotice (which precedes the switch).
 
 The children (or merged worker) are registered with ``last_event_id = 0``: their event streams
 start afresh at 1 under their new ids; the parent (children) are removed, cancelling their
@@ -379,9 +378,10 @@ def rehome_on_split(
     next choice sees the room they take; the caller carries them out and reports
     ``replication_done`` / ``replication_failed`` as for the scan's actions.
 
-    Inputs are the cache manager's own (held prefixes, capacities, access statistics). Live
-    path: not wired yet -- the live manager reconciles on the epoch record after the switch,
-    when the parent is gone (see the module doc).
+    Inputs are the cache manager's own (held prefixes, capacities, access statistics). Callers:
+    the simulator when a split starts, and the live cache manager on the controller's
+    DrainNotice of a split (services/cachemgr/service.py ``on_drain``), while the draining
+    parent still holds its pages.
     """
     if not isinstance(config, RehomeConfig):
         raise InvalidInput(f"expected a RehomeConfig, got {config!r}")

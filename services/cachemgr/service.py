@@ -27,6 +27,11 @@ epoch KV key (watch)                   a changed composition: a degree-2C worker
                                        two halves → ``trie.reconcile_split``; two halves replaced
                                        by their parent → ``trie.reconcile_merge``; any other
                                        worker gone → ``remove_worker``, new → registered
+``{prefix}.ctl.drain`` (DrainNotice)   a split starts (its parent stops admitting, its cache
+                                       intact until the switch): ``rehome_on_split`` copies the
+                                       parent's long prefixes to the workers of its degree that
+                                       stay, sent as ReplicateCommands (the simulator does the
+                                       same at the split's start)
 =====================================  ============================================================
 
 Commands (JSON, shared/schemas CacheCommand) go request-reply to
@@ -62,8 +67,10 @@ from pydantic import Field
 from services import calibration
 from services.cachemgr.actions import CacheAction, Reclaim, Replicate
 from services.cachemgr.events import CacheEvent, MalformedEvent, Snapshot, event_from_wire
+from services.cachemgr.reconcile import RehomeConfig, rehome_on_split
 from services.cachemgr.scan import ScanConfig, ScanResult
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
+from services.controller.service import DrainNotice, drain_subject
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import DEFAULT_BLOCK_SIZE, BlockHash, InvalidInput, VertumnusError, WorkerId
 from shared.schemas import (
@@ -161,6 +168,25 @@ class CacheMgrSettings(ServiceSettings):
     housekeeping_s: float = Field(
         default=1.0, gt=0, description="How often snapshots of stale workers are re-requested."
     )
+    rehome: bool = Field(
+        default=True,
+        description="When a split starts (the controller's DrainNotice), copy the parent's long "
+        "prefixes to the workers of its degree that stay (reconcile.py rehome_on_split).",
+    )
+    rehome_min_blocks: int = Field(
+        default=calibration.REHOME.min_blocks, ge=1,
+        description="Re-homing: prefixes of at least this many blocks are copied.",
+    )
+    rehome_fill: float = Field(
+        default=calibration.REHOME.fill, gt=0, le=1,
+        description="Re-homing: a peer takes copies only up to this fraction of its capacity.",
+    )
+
+    def rehome_config(self) -> RehomeConfig | None:
+        """The re-homing settings, or None when re-homing is off."""
+        if not self.rehome:
+            return None
+        return RehomeConfig(min_blocks=self.rehome_min_blocks, fill=self.rehome_fill)
 
     def scan_config(self) -> ScanConfig:
         return ScanConfig(
@@ -316,6 +342,7 @@ class CacheMgrService(MicroService):
             "commands_ok": 0,
             "commands_failed": 0,
             "splits": 0,
+            "rehomed": 0,
             "merges": 0,
         }
 
@@ -372,6 +399,7 @@ class CacheMgrService(MicroService):
         subs = [
             await self.nc.subscribe(s.cache_events_all(), cb=self._on_event),
             await self.nc.subscribe(s.cache_stats_all(), cb=self._on_stats),
+            await self.nc.subscribe(drain_subject(s), cb=self._on_drain),
         ]
         self._tasks = [
             asyncio.create_task(self._watch_states(state_watch), name="cm-states"),
@@ -503,6 +531,47 @@ class CacheMgrService(MicroService):
         for w in added:
             self._register(w, new[w].degree, snapshot=False)
         self._follow_lifecycles(record)
+
+    async def _on_drain(self, msg: Msg) -> None:
+        try:
+            notice = decode(DrainNotice, msg.data, msg.headers)
+        except SchemaError as exc:
+            self.counters["malformed"] += 1
+            self.log.error("bad drain notice ignored", error=str(exc))
+            return
+        try:
+            self.on_drain(notice)
+        except VertumnusError as exc:
+            self.counters["rejected"] += 1
+            self.log.error("drain notice not acted on", error=str(exc))
+
+    def on_drain(self, notice: DrainNotice) -> list[CacheAction]:
+        """A split starts (its parent stops admitting, its cache still intact until the
+        switch): re-home the parent's long prefixes onto the workers of its degree that stay
+        (reconcile.py ``rehome_on_split``), exactly when the simulator does (``_begin``).
+        Returns the copies sent; merges and untracked parents send none."""
+        config = self.msettings.rehome_config()
+        if config is None or notice.kind != "split" or len(notice.sources) != 1:
+            return []
+        parent = WorkerId(notice.sources[0])
+        tracked = self.trie.workers()
+        if parent not in tracked:
+            return []
+        degree = self.trie.worker_degree(parent)
+        leaving = set(notice.sources)
+        if self.record is not None:  # every source of the plan is DRAINING in its record
+            leaving |= {w.worker_id for w in self.record.workers
+                        if w.lifecycle is not Lifecycle.ACTIVE}
+        peers = [w for w in tracked
+                 if w not in leaving and w != parent and self.trie.worker_degree(w) == degree]
+        actions = list(rehome_on_split(self.trie, parent, peers, config)) if peers else []
+        if actions:
+            self.counters["rehomed"] += len(actions)
+            self.log.info("split parent re-homed", parent=parent, copies=len(actions),
+                          reconfiguration=notice.reconfiguration)
+        for a in actions:
+            self._send(a)
+        return actions
 
     def _follow_lifecycles(self, record: EpochRecord) -> None:
         """An UNAVAILABLE worker (failed, lease lost) holds nothing we can count on: it is

@@ -218,3 +218,54 @@ async def test_controller_drains_real_rank_daemons(nc: Client, nats_server, uniq
         for b in backends.values():
             b.gate.set()
         await sched.stop()
+
+
+async def test_split_drain_notice_rehomes_the_parents_long_prefix(
+    nc: Client, nats_server, uniq: str, services
+):
+    """The controller's DrainNotice of a split makes the cache manager copy the parent's long
+    prefixes to the other worker of its degree (rehome_on_split, as the simulator does at the
+    split's start); a merge's notice copies nothing."""
+    from services.controller.service import DrainNotice
+    from shared.schemas import encode
+
+    s = Subjects(uniq)
+    await services(rankd(nats_server.url, uniq, "w-cp4-g0"))
+    await services(rankd(nats_server.url, uniq, "w-cp4-g4"))
+    cm = await services(
+        CacheMgrService(
+            CacheMgrSettings(
+                nats_url=nats_server.url, subject_prefix=uniq, degrees=[2, 4],
+                scan_interval_s=3600.0,  # no scan: every copy here is a re-homing
+                rehome_min_blocks=3,
+            )
+        )
+    )
+    doc = [11, 12, 13, 14]  # a 4-block "document" (>= rehome_min_blocks)
+    await call(nc, s.worker_assign("w-cp4-g0"), assignment("d1", "w-cp4-g0", 4, doc),
+               AssignmentAck)
+
+    async def held() -> dict[str, int]:
+        msg = await request(nc, f"{cachemgr_group(s)}.inspect",
+                            json.dumps({"match": doc}).encode())
+        return json.loads(msg.data)["match"]["held"]
+
+    async def parent_holds() -> bool:
+        return (await held()).get("w-cp4-g0") == 4 and "w-cp4-g4" in cm.trie.workers()
+
+    await eventually(parent_holds, what="the parent's document in the trie")
+
+    async def notice(kind: str, sources: list[str], targets: list[str]) -> None:
+        data, headers = encode(DrainNotice(reconfiguration=1, kind=kind, epoch=1,
+                                           sources=sources, targets=targets,
+                                           issued_at_s=time.time()))
+        await nc.publish(drain_subject(s), data, headers=headers)
+
+    await notice("merge", ["w-cp4-g0"], ["w-cp8-g0"])  # not a split: nothing moves
+    await notice("split", ["w-cp4-g0"], ["w-cp2-g0", "w-cp2-g2"])
+
+    async def rehomed() -> bool:
+        return (await held()).get("w-cp4-g4") == 4
+
+    await eventually(rehomed, what="the document copied to the other CP4 worker")
+    assert cm.counters["rehomed"] == 1  # one copy, from the split's notice only

@@ -25,6 +25,11 @@ def test_cachemgr_explicit_threshold_wins() -> None:
         calibration.SCAN.theta_inter
 
 
+def test_cachemgr_rehome_defaults_to_the_calibrated_rehome_and_can_be_off() -> None:
+    assert CacheMgrSettings().rehome_config() == calibration.REHOME
+    assert CacheMgrSettings(rehome=False).rehome_config() is None
+
+
 def test_scheduler_vertumnus_weights_default_to_calibrated() -> None:
     svc = SchedulerService(SchedulerSettings(policy="vertumnus"))
     policy = svc.core.policy
