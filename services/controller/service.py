@@ -42,8 +42,8 @@ Carrying out a plan (one or more splits and merges on disjoint workers, ``max_op
    last=revision)``). Rank daemons adopting it stop admitting and hand their queued requests
    back to intake (``Nats-Msg-Id`` ``{source}>{worker}``, rankd's ``handback_msg_id``); since
    every source of the plan stops in the same record, no redirected request is re-placed on a
-   worker that another operation of the plan drains. Then per operation the DrainNotice (the *redirect* message,
-   :func:`drain_subject`; ``plan`` lists the plan's reconfigurations) and a
+   worker that another operation of the plan drains. Then per operation the DrainNotice (the
+   *redirect* message, :func:`drain_subject`; ``plan`` lists the plan's reconfigurations) and a
    ReconfigurationEvent (phase ``draining``) are published. From here each operation is its
    own reconfiguration of the epoch protocol (which commits disjoint operations under
    epochs of their own), exactly as the simulator times them:
