@@ -330,7 +330,8 @@ def _trace(rel: str) -> str:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "conversation": dict(
-        desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: Mooncake conversation trace, all policies, rising rate",
+        desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: Mooncake conversation trace, all policies, "
+        "rising rate",
         trace=_trace("mooncake/conversation_trace.jsonl"), fmt="mooncake",
         # The strongest baseline's SLO attainment runs from ~93% (×1) to ~50% (×4.7, all-CP2
         # homo_cp2 at 52%; ×4.8 is 33%): the cliff is steep, hence the fine steps at the top.
