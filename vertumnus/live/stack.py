@@ -63,8 +63,10 @@ DEFAULT_DURATION_S: Final[float] = 240.0
 RATE_PER_GPU: Final[float] = 0.25
 """Default base request rate per GPU (req/s). The synthetic default runs 8 req/s on 40 GPUs
 (0.2 per GPU, around the pool's capacity); a small pool sees few requests per window, so the
-default is a little higher so the burst phase crosses the split threshold (measured at 8
-GPUs, seed 0: one split in the burst, one merge in the calm phase, 93% SLO attainment)."""
+default is a little higher. Measured at 8 GPUs, seed 0, with the session-3 controller (which
+no longer splits into a burst it can absorb): 2.0 req/s, one merge (4×CP2 → 2×CP2 + 1×CP4),
+95% SLO attainment; at ``--rate 2.4`` the burst also splits that CP4 worker and the calm
+phase merges it again (3 reconfigurations, 69% SLO: past the pool's capacity)."""
 
 
 class StackError(RuntimeError):
