@@ -281,8 +281,8 @@ class ControllerSettings(ServiceSettings):
     )
     newest_first: bool = Field(
         default=CONTROLLER.newest_first,
-        description="Planner rule 6: among operations of equal drain, take the sources that "
-        "joined the composition last.",
+        description="Planner rule 6: take first the operation whose sources joined the "
+        "composition last (before the drain key).",
     )
     kappa_scale: float = Field(
         default=KAPPA_SCALE,
