@@ -24,7 +24,6 @@ the rendezvous tie-break, and the per-candidate terms stored column-wise (see
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
 from collections.abc import Mapping
@@ -258,47 +257,24 @@ def place_j(
 
     p_best: int = ps[best]  # type: ignore[assignment]
     cols = CandidateColumns.deferred(lambda: _j_columns(ids, degs, excl, qs, ps, terms, L))
-    return _new_decision(
-        policy,  # policy
-        request.request_id,  # request_id
-        L,  # length
-        float(now),  # now
-        ids[best],  # worker
-        degs[best],  # degree
-        p_best,  # prefix_tokens
-        L - p_best,  # uncached_tokens
-        terms[(degs[best], p_best)][0],  # predicted_s
-        p_best // B,  # reused_blocks
-        degs[pref],  # preferred_degree
-        ids[pref],  # preferred_worker
-        "min",  # objective
-        "J",  # score_label
-        cols,  # columns
-        "",  # note
-        workers[best].epoch,  # epoch
+    return Decision(
+        policy=policy,
+        request_id=request.request_id,
+        length=L,
+        now=float(now),
+        worker=ids[best],
+        degree=degs[best],
+        prefix_tokens=p_best,
+        uncached_tokens=L - p_best,
+        predicted_s=terms[(degs[best], p_best)][0],
+        reused_blocks=p_best // B,
+        preferred_degree=degs[pref],
+        preferred_worker=ids[pref],
+        objective="min",
+        score_label="J",
+        columns=cols,
+        epoch=workers[best].epoch,
     )
-
-
-# Decision(**fields) for place_j, built through the slots' own setters (speed: a frozen
-# dataclass's __init__ with keywords costs twice as much, once per placement). Decision has no
-# __post_init__, so the object is the one __init__ would build. The field order is checked here
-# at import so a change to Decision cannot silently shift values.
-_DECISION_FIELDS: Final = ("policy", "request_id", "length", "now", "worker", "degree",
-                           "prefix_tokens", "uncached_tokens", "predicted_s", "reused_blocks",
-                           "preferred_degree", "preferred_worker", "objective", "score_label",
-                           "columns", "note", "epoch")
-if tuple(f.name for f in dataclasses.fields(Decision)) != _DECISION_FIELDS \
-        or hasattr(Decision, "__post_init__"):  # pragma: no cover - a guard for edits
-    raise ImportError("services.scheduler.decision.Decision changed: update _new_decision")
-_DECISION_SETTERS: Final = tuple(Decision.__dict__[f].__set__ for f in _DECISION_FIELDS)
-
-
-def _new_decision(*values: object) -> Decision:
-    """A :class:`Decision` with ``values`` in :data:`_DECISION_FIELDS` order (every field)."""
-    d = object.__new__(Decision)
-    for setter, v in zip(_DECISION_SETTERS, values, strict=True):
-        setter(d, v)
-    return d
 
 
 def _j_columns(

@@ -407,27 +407,3 @@ def test_baselines_do_not_get_inflight_prefixes() -> None:
     core.place(req("r1", 8 * B), {}, 0.0)
     d2 = core.place(req("r2", 8 * B + 10, nblocks=8), {}, 0.0)
     assert d2.reused_blocks == 0
-
-
-def test_place_j_decision_is_the_dataclass_init_built_one() -> None:
-    """place_j builds its Decision through the slots' setters (speed): it must be exactly the
-    object ``Decision(**fields)`` gives -- equal, same hash input, copyable, picklable,
-    immutable."""
-    import dataclasses
-
-    from services.scheduler.decision import Decision
-
-    v = two_degree_view()
-    loads = loads_for(v)
-    loads[W("w4")].reserve(RequestId("old"), 1.5)
-    d = place_j(req("r", 1000), v, {W("w4"): 6}, loads, 0.25, profile=ROUND, beta=BETA, lam=LAM)
-    values = {f.name: getattr(d, f.name) for f in dataclasses.fields(Decision)}
-    ref = Decision(**values)
-    assert d == ref and repr(d) == repr(ref)
-    assert values["note"] == "" and values["epoch"] == 0 and values["now"] == 0.25
-    assert (values["objective"], values["score_label"], values["policy"]) == ("min", "J",
-                                                                               "vertumnus")
-    assert dataclasses.replace(d, note="x").note == "x"
-    assert pickle.loads(pickle.dumps(d)) == d and copy.deepcopy(d) == d
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        d.worker = W("w2")  # type: ignore[misc]
