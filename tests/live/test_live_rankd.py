@@ -40,7 +40,7 @@ from shared.schemas import (
     from_json,
     to_json,
 )
-from shared.service import RemoteError, call, ensure_intake_stream, until_served
+from shared.service import RemoteError, call, ensure_intake_stream
 from shared.subjects import Subjects
 from shared.telemetry import tracer
 from shared.worker import Lifecycle
@@ -98,7 +98,6 @@ async def start_rankd(
     svc = RankdService(settings, backend)
     task = asyncio.create_task(svc.run(handle_signals=False))
     await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
-    await until_served(svc.nc, svc.subjects.worker_assign(WID), timeout_s=WAIT_S)
     return svc, task
 
 

@@ -14,7 +14,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from shared.service import MicroService, until_served
+from shared.service import MicroService
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # helpers in live_ctl_support (import-mode=importlib)
@@ -28,9 +28,6 @@ async def services() -> AsyncIterator[Callable[[MicroService], Awaitable[MicroSe
 
         async def start(svc: MicroService) -> MicroService:
             await svc.start(stack)
-            wid = getattr(getattr(svc, "core", None), "worker_id", None)
-            if wid is not None:  # a rank daemon: tests send it assignments straight away
-                await until_served(svc.nc, svc.subjects.worker_assign(wid))
             return svc
 
         yield start
