@@ -24,6 +24,12 @@ DEFAULT_BLOCK_SIZE: Final[int] = 512
 
 GPUS_PER_NODE: Final[int] = 8
 
+DEFAULT_DEGREES: Final[tuple[int, ...]] = (2, 4)
+"""Supported CP degrees when none are configured (the paper's Qwen3 pool, §9). The scheduler,
+controller and cache manager all default to it: the controller reads the scheduler's demand
+breakdown only when both use the same degrees, and the cache manager keeps statistics only
+for the degrees it knows, so standalone services must agree without being told."""
+
 
 class VertumnusError(Exception):
     """Base of every typed error the cores raise on bad input or illegal operations.

@@ -40,6 +40,12 @@ def parse_flags(
     return settings_cls(**overrides)
 
 
+def degree_list(text: str) -> list[int]:
+    """A ``--degrees`` flag: comma-separated integers (``"2,4"``). A non-integer raises
+    ValueError, which argparse reports as an invalid value of the flag."""
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
 def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) -> None:
     """Configure logging and tracing from ``settings``, run ``serve(settings)``, flush tracing."""
     configure_logging(settings.log.format, settings.log.level, service=settings.service_name)

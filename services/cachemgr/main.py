@@ -21,17 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.cachemgr.service import CacheMgrService, CacheMgrSettings
-from shared.servicemain import parse_flags, run_service
-
-
-def _degrees(text: str) -> list[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
-
+from shared.servicemain import degree_list, parse_flags, run_service
 
 _FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--nats-url", "nats_url", str),
     ("--prefix", "subject_prefix", str),
-    ("--degrees", "degrees", _degrees),
+    ("--degrees", "degrees", degree_list),
     ("--profile", "profile_path", str),
     ("--scan-interval-s", "scan_interval_s", float),
     ("--block-size", "block_size", int),

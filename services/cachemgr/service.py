@@ -72,7 +72,14 @@ from services.cachemgr.scan import ScanConfig, ScanResult
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from services.controller.service import DrainNotice, drain_subject
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import DEFAULT_BLOCK_SIZE, BlockHash, InvalidInput, VertumnusError, WorkerId
+from shared.ids import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DEGREES,
+    BlockHash,
+    InvalidInput,
+    VertumnusError,
+    WorkerId,
+)
 from shared.schemas import (
     CacheCommandResult,
     EpochRecord,
@@ -116,7 +123,7 @@ class CacheMgrSettings(ServiceSettings):
 
     service_name: str = Field(default="vtm-cachemgr", description="Name in logs / traces.")
     degrees: list[int] = Field(
-        default_factory=lambda: [1, 2, 4, 8],
+        default_factory=lambda: list(DEFAULT_DEGREES),
         description="Supported CP degrees (statistics are kept per degree); a worker of "
         "another degree is not tracked.",
     )

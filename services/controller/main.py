@@ -27,18 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.controller.service import ControllerService, ControllerSettings
-from shared.servicemain import parse_flags, run_service
-
-
-def _degrees(text: str) -> list[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
-
+from shared.servicemain import degree_list, parse_flags, run_service
 
 _FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--nats-url", "nats_url", str),
     ("--prefix", "subject_prefix", str),
     ("--gpus", "num_gpus", int),
-    ("--degrees", "degrees", _degrees),
+    ("--degrees", "degrees", degree_list),
     ("--initial", "initial_composition", str),
     ("--profile", "profile_path", str),
     ("--window-s", "window_s", float),

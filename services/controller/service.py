@@ -123,7 +123,14 @@ from services.controller.lifecycle import (
 )
 from services.controller.planner import ControllerConfig, Decision, Plan
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import GPUS_PER_NODE, InvalidInput, RequestId, VertumnusError, WorkerId
+from shared.ids import (
+    DEFAULT_DEGREES,
+    GPUS_PER_NODE,
+    InvalidInput,
+    RequestId,
+    VertumnusError,
+    WorkerId,
+)
 from shared.schemas import (
     EpochAck,
     EpochRecord,
@@ -178,7 +185,8 @@ class ControllerSettings(ServiceSettings):
     service_name: str = Field(default="vtm-controller", description="Name in logs / traces.")
     num_gpus: int = Field(default=8, ge=1, description="G: GPUs in the prefill pool.")
     degrees: list[int] = Field(
-        default_factory=lambda: [2, 4], description="Supported CP degrees (powers of two)."
+        default_factory=lambda: list(DEFAULT_DEGREES),
+        description="Supported CP degrees (powers of two).",
     )
     gpus_per_node: int = Field(default=GPUS_PER_NODE, ge=1, description="GPUs per node.")
     initial_composition: str | None = Field(

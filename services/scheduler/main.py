@@ -11,6 +11,7 @@ win over the environment:
   --profile PATH          VTM_PROFILE_PATH      fitted cost-model profile (JSON)
   --instance-id ID        VTM_INSTANCE_ID       this replica's id (reporter id on the wire)
   --seed N                VTM_SEED              policy random seed
+  --degrees 2,4           VTM_DEGREES           the pool's CP degrees (JSON list in env)
 
 Every other setting (ack_wait_s, max_deliver, window_s, lease_s, ...) is documented on the
 settings class and set through its ``VTM_`` variable. NOTE: pydantic-settings merges a
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from services.scheduler.service import SchedulerService, SchedulerSettings
-from shared.servicemain import parse_flags, run_service
+from shared.servicemain import degree_list, parse_flags, run_service
 
-_FLAGS: tuple[tuple[str, str, type], ...] = (
+_FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--nats-url", "nats_url", str),
     ("--prefix", "subject_prefix", str),
     ("--policy", "policy", str),
@@ -34,6 +36,7 @@ _FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--profile", "profile_path", str),
     ("--instance-id", "instance_id", str),
     ("--seed", "seed", int),
+    ("--degrees", "degrees", degree_list),
 )
 
 

@@ -127,7 +127,7 @@ from services.scheduler.errors import NoEligibleWorker, UnknownRequest
 from services.scheduler.registry import make_policy
 from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, VertumnusError, WorkerId
+from shared.ids import DEFAULT_BLOCK_SIZE, DEFAULT_DEGREES, InvalidInput, VertumnusError, WorkerId
 from shared.schemas import (
     SCHEMA_VERSION,
     Assignment,
@@ -211,8 +211,9 @@ class SchedulerSettings(ServiceSettings):
         default=DEFAULT_BLOCK_SIZE, ge=1, description="Cache block size B in tokens."
     )
     degrees: list[int] = Field(
-        default_factory=lambda: [1, 2, 4, 8, 16],
-        description="CP degrees the replica prefix trie keeps statistics for; a worker of "
+        default_factory=lambda: list(DEFAULT_DEGREES),
+        description="The pool's supported CP degrees (the controller's): the replica prefix "
+        "trie keeps statistics for them and the demand breakdown uses them; a worker of "
         "another degree is scheduled but its cache is not tracked.",
     )
     max_seq_len: int = Field(

@@ -43,3 +43,34 @@ def test_scheduler_explicit_weights_win_and_baselines_keep_their_defaults() -> N
     assert svc.core.policy.lam == calibration.LAM  # type: ignore[attr-defined]
     assert calibration.policy_params("dynamo") == {}
     assert calibration.policy_params("homo") == {"beta": calibration.BETA, "lam": calibration.LAM}
+
+
+def test_standalone_services_agree_on_the_degrees() -> None:
+    """Started without configuration, the three control-plane services use one degree set, so
+    the controller's merge gate reads the scheduler's breakdown (report_rule_matches) and the
+    cache manager tracks every worker the controller can make."""
+    from services.controller.service import ControllerSettings, report_rule_matches
+    from services.controller.windows import WindowSummary
+
+    sched, ctl, cm = SchedulerSettings(), ControllerSettings(), CacheMgrSettings()
+    assert sched.degrees == ctl.degrees == cm.degrees
+    assert set(ctl.degrees) == set(ctl.lattice().degrees)
+    report = SchedulerService(sched).window_report(WindowSummary(0, 0.0, 2.0, 0.0, 0, 0))
+    assert report_rule_matches(report, ctl.merge_speedup, ctl.degrees)
+    # The rule the gate checks does distinguish degree sets (so the assertion above can fail).
+    assert not report_rule_matches(report, ctl.merge_speedup, [2, 4, 8])
+
+
+def test_degrees_flag_parses_and_bad_values_name_the_flag(capsys: object) -> None:
+    import pytest
+
+    from services.cachemgr.main import parse_settings as cm_parse
+    from services.controller.main import parse_settings as ctl_parse
+    from services.scheduler.main import parse_settings as sched_parse
+
+    for parse in (sched_parse, ctl_parse, cm_parse):
+        assert parse(["--degrees", "2, 4,8"]).degrees == [2, 4, 8]
+        with pytest.raises(SystemExit):
+            parse(["--degrees", "2,four"])
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert "--degrees" in err and "'2,four'" in err
