@@ -172,7 +172,23 @@ not bind at the split, the peers being at 41-49%); ``min_blocks`` 128: 2.7/8.6; 
 Conversation ×1…×4.7 (vertumnus, seed 0): 0.874, 0.925, 1.039, 1.138, 1.304, 1.500, 2.341, 2.801,
 3.828 s (before 0.874, 0.925, 1.047, 1.152, 1.304, 1.500, 2.341, 2.801, 3.828). The live cache
 manager starts from it too (``CacheMgrSettings.rehome*``; it re-homes on the controller's
-DrainNotice of a split)."""
+DrainNotice of a split).
+
+Merges (``rehome_on_merge``). Seed 3's S3 loss was the merged worker: it starts with
+its two CP2 children's caches (S2's short prompts, full), so J sent it 7, 2, 1, 1, 0 long
+requests in its first five windows against 11-16 on each other CP4 worker, whose long requests
+waited 1-4 s. At the switch the merged worker now gets its peers' long prefixes, hottest first,
+up to ``fill`` of its capacity in copies (its own cache does not bound them: the LRU makes
+room); it then serves 14, 6, 9, 12, 8 long requests at hit 0.97-0.99. Reconfiguration preset,
+S1…S5 Δ% vs the better fixed pool, split re-homing only → both: seed 0 −14.7/+2.9/−11.4/+1.2 →
+−14.7/+0.3/−10.8/+1.3 (S2…S5; S1 unchanged), seed 1 −32.8/+1.2/−16.6/−1.1 →
+−32.8/−0.9/−16.1/−2.4, seed 2 −8.8/+3.7/−9.1/+4.2 → −8.8/−2.0/−10.4/+1.7, seed 3
+−12.9/+8.3/−29.1/+3.2 → −12.9/+5.7/−28.6/+3.3, seed 4 −35.8/+0.9/−8.9/+4.7 →
+−35.8/−3.0/−9.1/−0.1, seed 5 −9.5/+0.7/−7.8/+1.7 → −9.5/−0.4/−7.6/+0.1, seed 6
+−41.1/+2.3/−26.2/+0.2 → −41.1/−1.1/−24.9/+0.7, seed 7 −5.9/+1.3/−5.4/+0.9 →
+−5.9/−3.3/−6.2/−1.0, seed 8 −5.0/+3.7/−5.0/+1.5 → −5.0/+0.8/−4.8/−1.4. Conversation ×1…×4.7:
+0.874, 0.925, 1.039, 1.140, 1.296, 1.500, 2.341, 2.801, 3.828 s (×3 and ×3.5 merge; the rest
+unchanged). The live cache manager re-homes when the epoch record shows the merge."""
 
 SCAN: Final[ScanConfig] = ScanConfig(
     theta_inter=0.25, theta_intra=8.0, theta_reclaim=0.25, decay=0.5, max_actions_per_list=1

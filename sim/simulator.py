@@ -36,6 +36,7 @@ from services.cachemgr.reconcile import (
     on_reuse,
     reconcile_merge,
     reconcile_split,
+    rehome_on_merge,
     rehome_on_split,
 )
 from services.cachemgr.scan import ScanConfig
@@ -103,7 +104,8 @@ class SimConfig:
     controller_config: ControllerConfig | None = None
     rehome: RehomeConfig | None = None
     """With ``cache_manager``: re-home a split parent's long prefixes to its degree's other
-    workers when the split starts (services/cachemgr/reconcile.py ``rehome_on_split``)."""
+    workers when the split starts, and a merged worker's degree's long prefixes to it when it
+    is exposed (services/cachemgr/reconcile.py ``rehome_on_split`` / ``rehome_on_merge``)."""
     kappa_scale: float = 1.0
     """Multiplies the profile's κ_C for the controller only (see sim/calibration.py)."""
 
@@ -563,6 +565,13 @@ class Simulator:
         old = [self.workers.pop(WorkerId(wid)) for wid in rc.sources]
         new = [self._new_worker(g, register=False) for g in plan.targets]
         self._reconcile(plan, old, new)
+        if plan.kind is OpKind.MERGE and self.cfg.cache_manager and self.cfg.rehome:
+            # The merged worker gets copies of its peers' long prefixes as it is exposed.
+            deg = new[0].group.degree
+            peers = [wid for wid, w in self.workers.items() if w.group.degree == deg
+                     and w.lifecycle is Lifecycle.ACTIVE and w is not new[0]]
+            for act in rehome_on_merge(self.trie, new[0].wid, peers, self.cfg.rehome):
+                self._issue_transfer(act, now)
         rc.exposed_s = now
         self._rebuild_view()
         self._record_composition(now)

@@ -41,7 +41,10 @@ Re-homing (our addition; :func:`rehome_on_split`): when a split *starts*, the pa
 retained prefixes are copied to the other workers of its degree, which keep them where the
 smaller children would evict them. Both callers issue the copies from the draining parent at
 the split's start: the simulator at the plan's start, the live cache manager on the
-controller's DrainNotice (which precedes the switch).
+controller's DrainNotice (which precedes the switch). Its mirror, :func:`rehome_on_merge`: when
+a merge's worker is exposed, the long prefixes the other workers of its degree hold are copied
+to it, so that the long requests it was made for find their documents there (the simulator at
+the switch, the live cache manager on the epoch record that shows the merge).
 
 The children (or merged worker) are registered with ``last_event_id = 0``: their event streams
 start afresh at 1 under their new ids; the parent (children) are removed, cancelling their
@@ -420,6 +423,82 @@ def rehome_on_split(
         if trie.used_blocks(v.worker) + len(missing) > config.fill * v.capacity_blocks:
             continue
         a = Replicate(h, Degree(v.degree), parent, v.worker, missing, "intra")
+        trie._begin(a)
+        out.append(a)
+    return tuple(out)
+
+
+def rehome_on_merge(
+    trie: PrefixTrie, merged: WorkerId, peers: Sequence[WorkerId], config: RehomeConfig
+) -> tuple[Replicate, ...]:
+    """Copies of the long prefixes ``merged``'s peers hold to ``merged``, issued when a merge's
+    new worker is exposed (the mirror of :func:`rehome_on_split`).
+
+    Why: a merge into degree 2C is made for long requests, but the merged worker starts with
+    its children's caches, which hold what the smaller degree served (short prompts), while
+    the long requests' documents sit on the workers already at 2C. J places a long request
+    where its document is cached, so the new worker gets almost none of them and its peers
+    queue (reconfiguration preset, seed 3, the S2→S3 merge: 7, 2, 1, 1, 0 long requests per
+    window on the merged worker against 11-16 on each peer, whose long requests waited 1-3 s).
+
+    Contract: ``merged`` is registered (after ``reconcile_merge``); ``peers`` are the other
+    workers of its degree that stay (unknown ids raise :class:`~shared.ids.UnknownWorker`, a
+    peer of another degree :class:`InvalidInput`; ``merged`` itself is ignored). Retained
+    prefixes of the peers (held nodes with no held child at that peer) of at least
+    ``config.min_blocks`` blocks are taken hottest first (access summed over degrees along the
+    root->node path; ties: longer first, then hash), each once; a prefix is skipped when
+    ``merged`` already holds it whole or has any of its blocks pending (the lazy reconcile
+    brings those), or when its missing blocks would take the blocks copied by this call past
+    ``config.fill`` × ``merged``'s capacity. Unlike a split's peers, the merged worker's own
+    cache does not limit the copies: it is its children's, full of what the smaller degree
+    served, and its LRU makes room as the copies land. The source is the holder among the
+    peers with the fewest copies issued by this call (ties by id), so the copies spread over
+    the peers. The returned actions (``kind="intra"``) are recorded as in flight; the caller
+    carries them out and reports ``replication_done`` / ``replication_failed``.
+    """
+    if not isinstance(config, RehomeConfig):
+        raise InvalidInput(f"expected a RehomeConfig, got {config!r}")
+    mview = trie._view(_check_id("merged", merged))
+    views = []
+    for p in peers:
+        v = trie._view(_check_id("peer", p))
+        if v.degree != mview.degree:
+            raise InvalidInput(
+                f"peer {p!r} has degree {v.degree}, the merged worker {merged!r} {mview.degree}")
+        if p != merged and not v.stale:
+            views.append(v)
+    if not views:
+        return ()
+    nodes = trie._nodes
+    leaves: dict[BlockHash, tuple[float, int, list[TrieNode]]] = {}
+    for v in views:
+        held = trie.held_nodes(v.worker)
+        for h in held:
+            if h in leaves:
+                continue
+            n = nodes[h]
+            if n.depth + 1 < config.min_blocks or any(c in held for c in n.children):
+                continue
+            path = n.path()
+            leaves[h] = (sum(sum(x.access) for x in path), n.depth + 1, path)
+    order = sorted(leaves, key=lambda h: (-leaves[h][0], -leaves[h][1], h))
+    sources = {v.worker: 0 for v in views}
+    room = config.fill * mview.capacity_blocks
+    out: list[Replicate] = []
+    for h in order:
+        path = leaves[h][2]
+        if any(x.hash in mview.pending for x in path):
+            continue
+        missing = tuple(x.hash for x in path if x.hash not in mview.valid)
+        if not missing:
+            continue
+        if len(missing) > room:
+            continue
+        room -= len(missing)
+        holders = path[-1].holders
+        src = min((w for w in sources if w in holders), key=lambda w: (sources[w], w))
+        sources[src] += 1
+        a = Replicate(h, Degree(mview.degree), src, merged, missing, "intra")
         trie._begin(a)
         out.append(a)
     return tuple(out)

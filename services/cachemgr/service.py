@@ -25,8 +25,10 @@ worker-state KV (watch)                capacities and loads; registers workers b
                                        first event (and asks for their snapshot)
 epoch KV key (watch)                   a changed composition: a degree-2C worker replaced by its
                                        two halves → ``trie.reconcile_split``; two halves replaced
-                                       by their parent → ``trie.reconcile_merge``; any other
-                                       worker gone → ``remove_worker``, new → registered
+                                       by their parent → ``trie.reconcile_merge``, then
+                                       ``rehome_on_merge`` copies the degree's long prefixes
+                                       to the merged worker; any other worker gone →
+                                       ``remove_worker``, new → registered
 ``{prefix}.ctl.drain`` (DrainNotice)   a split starts (its parent stops admitting, its cache
                                        intact until the switch): ``rehome_on_split`` copies the
                                        parent's long prefixes to the workers of its degree that
@@ -67,7 +69,7 @@ from pydantic import Field
 from services import calibration
 from services.cachemgr.actions import CacheAction, Reclaim, Replicate
 from services.cachemgr.events import CacheEvent, MalformedEvent, Snapshot, event_from_wire
-from services.cachemgr.reconcile import RehomeConfig, rehome_on_split
+from services.cachemgr.reconcile import RehomeConfig, rehome_on_merge, rehome_on_split
 from services.cachemgr.scan import ScanConfig, ScanResult
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from services.controller.service import DrainNotice, drain_subject
@@ -178,7 +180,8 @@ class CacheMgrSettings(ServiceSettings):
     rehome: bool = Field(
         default=True,
         description="When a split starts (the controller's DrainNotice), copy the parent's long "
-        "prefixes to the workers of its degree that stay (reconcile.py rehome_on_split).",
+        "prefixes to the workers of its degree that stay (reconcile.py rehome_on_split); when "
+        "a merge's worker is exposed, copy its degree's long prefixes to it (rehome_on_merge).",
     )
     rehome_min_blocks: int = Field(
         default=calibration.REHOME.min_blocks, ge=1,
@@ -186,7 +189,8 @@ class CacheMgrSettings(ServiceSettings):
     )
     rehome_fill: float = Field(
         default=calibration.REHOME.fill, gt=0, le=1,
-        description="Re-homing: a peer takes copies only up to this fraction of its capacity.",
+        description="Re-homing: a split's peer takes copies only up to this fraction of its "
+        "capacity; a merged worker takes at most this fraction of its capacity in copies.",
     )
 
     def rehome_config(self) -> RehomeConfig | None:
@@ -499,6 +503,7 @@ class CacheMgrService(MicroService):
             return
         splits, merges, removed, added = diff_compositions(record_groups(old), new)
         known = set(self.trie.workers())
+        merged: list[WorkerId] = []
         for parent, children in splits:
             if parent not in known or any(c in known for c in children):
                 # Nothing to reconcile from (untracked parent): plain removal and addition.
@@ -531,6 +536,7 @@ class CacheMgrService(MicroService):
                 pending=len(mplan.pending),
                 cancelled=len(mplan.cancelled),
             )
+            merged.append(WorkerId(parent))
         for w in removed:
             if w in self.trie.workers():
                 self.trie.remove_worker(w)
@@ -538,6 +544,27 @@ class CacheMgrService(MicroService):
         for w in added:
             self._register(w, new[w].degree, snapshot=False)
         self._follow_lifecycles(record)
+        for m in merged:
+            self._rehome_merged(m, record)
+
+    def _rehome_merged(self, merged: WorkerId, record: EpochRecord) -> list[CacheAction]:
+        """A merge's new worker is exposed: copy its degree's long prefixes to it (reconcile.py
+        ``rehome_on_merge``), exactly when the simulator does (``_switched``)."""
+        config = self.msettings.rehome_config()
+        if config is None or merged not in self.trie.workers():
+            return []
+        degree = self.trie.worker_degree(merged)
+        active = {w.worker_id for w in record.workers if w.lifecycle is Lifecycle.ACTIVE}
+        peers = [w for w in self.trie.workers() if w != merged and w in active
+                 and self.trie.worker_degree(w) == degree]
+        actions = list(rehome_on_merge(self.trie, merged, peers, config)) if peers else []
+        if actions:
+            self.counters["rehomed"] += len(actions)
+            self.log.info("merged worker re-homed", worker=merged, copies=len(actions),
+                          epoch=record.epoch)
+        for a in actions:
+            self._send(a)
+        return actions
 
     async def _on_drain(self, msg: Msg) -> None:
         try:

@@ -1,4 +1,5 @@
-"""Re-homing a split parent's long prefixes onto its degree's other workers (reconcile.py)."""
+"""Re-homing long prefixes across a reconfiguration (reconcile.py): a split parent's onto its
+degree's other workers, and its peers' onto a merged worker."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from services.cachemgr.actions import Replicate
 from services.cachemgr.events import Stored
-from services.cachemgr.reconcile import RehomeConfig, rehome_on_split
+from services.cachemgr.reconcile import RehomeConfig, rehome_on_merge, rehome_on_split
 from services.cachemgr.trie import PrefixTrie
 from shared.ids import InvalidInput, UnknownWorker
 
@@ -71,3 +72,78 @@ def test_nothing_without_peers_and_bad_input_raises() -> None:
                 {"min_blocks": 4, "fill": 1.5}, {"min_blocks": True, "fill": 0.5}):
         with pytest.raises(InvalidInput):
             RehomeConfig(**bad)  # type: ignore[arg-type]
+
+
+# --- merge ---------------------------------------------------------------------------------
+M = "w-cp4-g12"
+
+
+def merged_setup(cap_m: int = 20) -> PrefixTrie:
+    """P and A (peers at degree 4) hold documents; M is the merged worker, full of short
+    prompts from its children."""
+    t = PrefixTrie([2, 4], block_size=4)
+    t.add_worker(P, 4, 100)
+    t.add_worker(A, 4, 100)
+    t.add_worker(M, 4, cap_m)
+    t.add_worker(S, 2, 50)
+    t.apply(Stored(P, 1, None, (1, 2, 3, 4, 5)))  # document 1: 5 blocks
+    t.apply(Stored(A, 1, None, (1, 2, 3, 4, 5)))  # ... held by both peers
+    t.apply(Stored(A, 2, None, (20, 21, 22, 23)))  # document 2: 4 blocks, on A only
+    t.apply(Stored(P, 2, None, (40, 41)))  # short: below min_blocks
+    t.apply(Stored(M, 1, None, (60, 61, 62, 63, 64, 65)))  # the children's short prompts
+    t.apply(Stored(S, 1, None, (70, 71, 72, 73, 74)))  # another degree's document
+    return t
+
+
+def test_merged_worker_gets_its_peers_long_prefixes_once_spread_over_sources() -> None:
+    t = merged_setup()
+    t.apply(Stored(M, 2, None, (1, 2)))  # M holds document 1's head already
+    acts = rehome_on_merge(t, M, [P, A], CFG)
+    # Equal heat: longer first. Document 1 from P (ties on copies issued go to the smaller
+    # id), only its missing blocks; document 2 from A (P has issued one already, and only A
+    # holds it). The short prefix and the degree-2 document are not copied; M's own
+    # cache (used 8 of 20) does not limit the copies.
+    assert acts == (Replicate(5, 4, P, M, (3, 4, 5), "intra"),
+                    Replicate(23, 4, A, M, (20, 21, 22, 23), "intra"))
+    assert set(t.inflight()) == set(acts)
+    assert t.match([1, 2, 3, 4, 5]).held(M) == 2  # visible only on M's own report
+    t.apply(Stored(M, 3, 2, (3, 4, 5)))
+    assert t.match([1, 2, 3, 4, 5]).held(M) == 5
+    assert acts[0] not in t.inflight()
+
+
+def test_merge_copies_hottest_first_within_fill_and_skip_whole_or_pending() -> None:
+    t = merged_setup(cap_m=10)
+    t.set_statistics(22, 4, access=2.0)  # document 2 is hotter
+    # fill 0.5 of 10 blocks: document 2 (4 blocks) fits, document 1 (5 more) does not.
+    assert rehome_on_merge(t, M, [P, A], RehomeConfig(min_blocks=4, fill=0.5)) == (
+        Replicate(23, 4, A, M, (20, 21, 22, 23), "intra"),)
+    t2 = merged_setup()
+    t2.apply(Stored(M, 2, None, (20, 21, 22, 23)))  # whole already
+    assert [a.node_hash for a in rehome_on_merge(t2, M, [P, A], CFG)] == [5]
+
+
+def test_merge_without_peers_and_bad_input() -> None:
+    t = merged_setup()
+    assert rehome_on_merge(t, M, [], CFG) == ()
+    assert rehome_on_merge(t, M, [M], CFG) == ()
+    with pytest.raises(InvalidInput):
+        rehome_on_merge(t, M, [S], CFG)
+    with pytest.raises(UnknownWorker):
+        rehome_on_merge(t, M, ["w-cp4-g16"], CFG)
+    with pytest.raises(InvalidInput):
+        rehome_on_merge(t, M, [P], None)  # type: ignore[arg-type]
+
+
+def test_merge_skips_a_prefix_the_lazy_reconcile_will_bring() -> None:
+    t = PrefixTrie([2, 4], block_size=4)
+    left, right = "w-cp2-g12", "w-cp2-g14"
+    t.add_worker(A, 4, 100)
+    t.add_worker(left, 2, 50)
+    t.add_worker(right, 2, 50)
+    t.apply(Stored(A, 1, None, (1, 2, 3, 4, 5)))
+    t.apply(Stored(A, 2, None, (20, 21, 22, 23)))
+    t.apply(Stored(left, 1, None, (1, 2, 3, 4, 5)))  # pages 2, 3 land on the wrong ranks
+    t.reconcile_merge((left, right), M, 100)
+    assert t.pending_blocks(M)  # the precondition of this test
+    assert [a.node_hash for a in rehome_on_merge(t, M, [A], CFG)] == [23]

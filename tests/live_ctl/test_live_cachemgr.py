@@ -55,6 +55,22 @@ async def inspect(nc: Client, prefix: str, match: list[int] | None = None) -> di
     return json.loads(msg.data)
 
 
+def epoch_record(epoch: int, groups: list[tuple[int, int]]) -> bytes:
+    """An all-ACTIVE EpochRecord of (first GPU, degree) groups, as JSON."""
+    return to_json(
+        EpochRecord(
+            epoch=epoch,
+            committed_at_s=time.time(),
+            workers=[
+                EpochWorker(
+                    worker_id=f"w-cp{d}-g{g}", first_gpu=g, degree=d, lifecycle=Lifecycle.ACTIVE
+                )
+                for g, d in groups
+            ],
+        )
+    )
+
+
 async def stored(
     nc: Client, s: Subjects, worker: str, eid: int, parent: int | None, blocks: list[int]
 ) -> None:
@@ -244,21 +260,7 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
     s = Subjects(uniq)
     kv = await epoch_kv(nc.jetstream(), s)
 
-    def record(epoch: int, groups: list[tuple[int, int]]) -> bytes:
-        return to_json(
-            EpochRecord(
-                epoch=epoch,
-                committed_at_s=time.time(),
-                workers=[
-                    EpochWorker(
-                        worker_id=f"w-cp{d}-g{g}", first_gpu=g, degree=d, lifecycle=Lifecycle.ACTIVE
-                    )
-                    for g, d in groups
-                ],
-            )
-        )
-
-    await kv.put(s.epoch_key(), record(0, [(0, 4), (4, 4)]))
+    await kv.put(s.epoch_key(), epoch_record(0, [(0, 4), (4, 4)]))
     left_cmds = Collector()
 
     async def left_command(msg: Msg) -> None:
@@ -278,7 +280,7 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
         return w.get("w-cp4-g0", {}).get("blocks") == 4
 
     await eventually(parent_holds, what="parent's events applied")
-    await kv.put(s.epoch_key(), record(1, [(0, 2), (2, 2), (4, 4)]))
+    await kv.put(s.epoch_key(), epoch_record(1, [(0, 2), (2, 2), (4, 4)]))
 
     async def split() -> dict[str, Any] | None:
         body = await inspect(nc, uniq)
@@ -296,6 +298,44 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
     cmd = await left_cmds.first(lambda c: c.get("op") == "reconcile", what="reconcile command")
     assert cmd["source_worker"] == "w-cp2-g2" and cmd["blocks"] == [11, 12, 13, 14]
     assert cmd["epoch"] == 1
+
+
+async def test_merge_rehomes_the_degrees_long_prefixes_onto_the_merged_worker(
+    nc: Client, nats_server, uniq: str, services
+):
+    """When the epoch record shows a merge, the cache manager reconciles it and copies the
+    long prefixes the merged worker's degree holds to it (rehome_on_merge, as the simulator
+    does at the switch); the short ones stay where they are."""
+    s = Subjects(uniq)
+    kv = await epoch_kv(nc.jetstream(), s)
+    await kv.put(s.epoch_key(), epoch_record(0, [(0, 2), (2, 2), (4, 4)]))
+    cmds = Collector()
+
+    async def merged_command(msg: Msg) -> None:
+        await cmds.cb(msg)
+        cmd = json.loads(msg.data)
+        await reply(
+            nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id="w-cp4-g0", ok=True)
+        )
+
+    await nc.subscribe(s.cache_cmd("w-cp4-g0"), cb=merged_command)
+    await nc.flush()
+    svc = await services(CacheMgrService(settings(nats_server.url, uniq, rehome_min_blocks=3)))
+    await stored(nc, s, "w-cp4-g4", 1, None, [11, 12, 13, 14])  # a document
+    await stored(nc, s, "w-cp4-g4", 2, None, [21, 22])  # a short prompt
+    await stored(nc, s, "w-cp2-g0", 1, None, [31, 32])  # the children's short prompts
+
+    async def peer_holds() -> bool:
+        w = (await inspect(nc, uniq))["workers"]
+        return w.get("w-cp4-g4", {}).get("blocks") == 6 and w.get("w-cp2-g0", {}).get(
+            "blocks") == 2
+
+    await eventually(peer_holds, what="the peer's and the child's events applied")
+    assert svc.counters["rehomed"] == 0
+    await kv.put(s.epoch_key(), epoch_record(1, [(0, 4), (4, 4)]))
+    cmd = await cmds.first(lambda c: c.get("op") == "replicate", what="re-homing copy")
+    assert cmd["source_worker"] == "w-cp4-g4" and cmd["blocks"] == [11, 12, 13, 14]
+    assert svc.counters["merges"] == 1 and svc.counters["rehomed"] == 1
 
 
 async def test_malformed_input_gets_400_and_cachemgr_keeps_running(

@@ -145,3 +145,25 @@ def test_split_rehomes_long_prefixes_to_same_degree_peers(profile, phased_worklo
     assert splits  # the calm-then-heavy workload makes the controller split
     # Each copy is confirmed on a peer of the parent's degree, so some replications happen.
     assert on.replications > 0
+
+
+def test_merge_rehomes_its_degrees_long_prefixes_onto_the_merged_worker(
+    profile, phased_workload
+) -> None:
+    """With re-homing on, a merge's new worker gets copies of the long prefixes the other
+    workers of its degree hold (reconcile.py ``rehome_on_merge``), as it is exposed. From
+    8CP2, the calm first 120 s only merge (the first has no CP4 peer to copy from, the later
+    ones do); the scan never replicates, so every replication is such a copy."""
+    quiet = ScanConfig(theta_inter=1e9, theta_intra=1e9, theta_reclaim=0.2, decay=0.5)
+    base = dict(SMALL, scan_config=quiet, cache_blocks_per_gpu=2048)
+    calm = Workload("calm", tuple(r for r in phased_workload.requests if r.arrival_s < 120.0),
+                    phased_workload.block_size)
+    comp = Composition.parse(Lattice(16, (2, 4)), "8CP2")
+    off = run(calm, profile, composition=comp, cache_manager=True, adaptive=True, **base)
+    on = run(calm, profile, composition=comp, cache_manager=True, adaptive=True,
+             rehome=RehomeConfig(min_blocks=1, fill=1.0), **base)
+    check_records(on, calm, gpus=16)
+    kinds = [rc.kind for rc in on.reconfigurations]
+    assert kinds.count("merge") >= 2 and "split" not in kinds
+    assert off.replications == 0
+    assert on.replications > 0
