@@ -52,6 +52,7 @@ CONTROLLER: Final[ControllerConfig] = ControllerConfig(
     preference_shift=0.25,
     merge_memory=3,
     long_shift=0.04,
+    long_shift_persistence=1,
     large_floor=3,
     backlog_s=2.0,
     newest_first=True,
@@ -145,7 +146,19 @@ block counts) picks 12.5/8.0/22.9/20.1/8.9 on seeds 0-4, the fewest document blo
 workers (12.3 vs 7.2). (b) A long-share rise of at least 0.05 acting on its first window (no
 persistence): S3/S5 seed 0 +4.9/+4.3, 1 +4.2/−0.5, 2 +7.3/+4.1, 3 +8.1/+1.5, 4 +7.9/+4.7 (at
 0.08: unchanged). (c) No S3 merge at all (rules 10 and 12 off): S3 seed 0 +5.1%, seed 2 +5.7%
--- the merge was not what cost S3."""
+-- the merge was not what cost S3.
+
+``long_shift_persistence`` 1. With merge re-homing (REHOME) the merged worker serves the long
+requests from its first window, so the window a long-share merge waits is pure loss: three CP4
+workers queue the phase's first long requests 1-4 s (seed 3, t = 600-640). Acting on the first
+window of the rise, S1…S5 Δ% vs the better fixed pool, seeds 0-8 (persistence 2 → 1):
+seed 0 +0.3/+1.3 → −0.5/+0.3 (S3/S5), seed 1 −0.9/−2.4 → −0.9/−2.5, seed 2 −2.0/+1.7 →
+−3.5/−1.4, seed 3 +5.7/+3.3 → +1.4/−0.7, seed 4 −3.0/−0.1 → −2.5/+0.4, seed 5 −0.4/+0.1 →
+−0.4/−0.6, seed 6 −1.1/+0.7 → −1.8/+4.2 (S4 −24.9 → −20.5), seed 7 −3.3/−1.0 → −3.2/−1.5,
+seed 8 +0.8/−1.4 → +0.8/+1.1; S2 and S4 otherwise within 0.8 points; windows from S2→S3 and
+S4→S5 to their merges 2 → 1 (seed 6 S3: 3 → 2; the splits unchanged). Without re-homing the same
+change cost seed 0 S5 +7.9% (above). Conversation ×1…×4.7 unchanged (×2.5 makes two operations
+instead of one, same mean 1.039 s)."""
 
 REHOME: Final[RehomeConfig] = RehomeConfig(min_blocks=64, fill=0.75)
 """Re-homing a split parent's documents (reconcile.py ``rehome_on_split``): prefixes of at least 64

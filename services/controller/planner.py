@@ -104,7 +104,10 @@ nothing, so it counts nothing):
    re-based and never judged, and rule 10's per-request preference sees the long requests as
    CP2-preferring once their documents are cached. Like rule 10 it is one merge, admitted
    while D̂ ≤ ``upper``·K', and not gated by rule 9 (the long share is the signal). Resetting
-   the memory on every composition change bounds it to one merge per shift.
+   the memory on every composition change bounds it to one merge per shift. The signal is
+   acted on after ``long_shift_persistence`` windows when that is set (else ``persistence``):
+   it is already judged against at least ``persistence`` earlier windows, and each window it
+   waits, the long requests queue on the larger-degree workers there are.
 13. **Floor of larger-degree workers** (our addition; ``large_floor`` set). A split never takes
    the number of workers at degree ≥ 2C from at least ``large_floor`` to fewer, unless the
    pool is backlogged (rule 14). Below the floor it does not act (a lone CP4 worker is worse
@@ -174,6 +177,7 @@ class ControllerConfig:
       demand calls for, so with ``max_ops`` > 1 it can be turned off to re-prove persistence.
     * ``merge_memory`` None — rule 11 off (windows of demand a rule-10 merge must fit).
     * ``long_shift`` None — rule 12 off (rise of the long fraction that signals a merge).
+    * ``long_shift_persistence`` None — a rule-12 signal waits ``persistence`` windows.
     * ``large_floor`` None — rule 13 off (larger-degree workers a split keeps).
     * ``backlog_s`` None — rule 14 off (median outstanding work, s, that counts as backlog).
     * ``newest_first`` False — rule 6's newest-first key off.
@@ -194,6 +198,7 @@ class ControllerConfig:
     preference_shift: float | None = None
     merge_memory: int | None = None
     long_shift: float | None = None
+    long_shift_persistence: int | None = None
     large_floor: int | None = None
     backlog_s: float | None = None
     newest_first: bool = False
@@ -254,6 +259,11 @@ class ControllerConfig:
         if self.long_shift is not None and not (0.0 < num("long_shift") <= 1.0):
             raise InvalidInput(
                 f"ControllerConfig.long_shift must be None or in (0, 1], got {self.long_shift}")
+        lp = self.long_shift_persistence
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 1):
+            raise InvalidInput(
+                "ControllerConfig.long_shift_persistence must be None or an integer >= 1, "
+                f"got {lp!r}")
         lf = self.large_floor
         if lf is not None and (isinstance(lf, bool) or not isinstance(lf, int) or lf < 1):
             raise InvalidInput(
@@ -503,7 +513,10 @@ class Planner:
         recent = ((*self._recent, d) if streak > 1 else (d,))[-cfg.persistence :]
         if direction is self._momentum:
             streak = max(streak, cfg.persistence)
-        if streak < cfg.persistence:
+        need = cfg.persistence
+        if long_sig and cfg.long_shift_persistence is not None:
+            need = cfg.long_shift_persistence
+        if streak < need:
             self._commit(direction, streak, new_ref, composition, recent, pref_hist=pref_hist)
             return Decision(
                 window,
@@ -513,7 +526,7 @@ class Planner:
                 direction,
                 streak,
                 None,
-                f"{direction.value} pending ({streak}/{cfg.persistence}): {why}",
+                f"{direction.value} pending ({streak}/{need}): {why}",
                 desc,
             )
         peak = max(recent)

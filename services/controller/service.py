@@ -276,6 +276,11 @@ class ControllerSettings(ServiceSettings):
         description="Planner rule 12: merge once when a window's long-request fraction exceeds "
         "that of the earlier windows on the same composition by this much. None: off.",
     )
+    long_shift_persistence: int | None = Field(
+        default=CONTROLLER.long_shift_persistence,
+        description="Planner rule 12: windows a long-fraction rise must last before its merge. "
+        "None: persistence.",
+    )
     large_floor: int | None = Field(
         default=CONTROLLER.large_floor,
         description="Planner rule 13: a split never takes the number of larger-degree workers "
@@ -364,6 +369,7 @@ class ControllerSettings(ServiceSettings):
             preference_shift=self.preference_shift,
             merge_memory=self.merge_memory,
             long_shift=self.long_shift,
+            long_shift_persistence=self.long_shift_persistence,
             large_floor=self.large_floor,
             backlog_s=self.backlog_s,
             newest_first=self.newest_first,

@@ -110,6 +110,21 @@ def test_long_share_needs_memory_and_the_threshold() -> None:
         assert p.observe(win(k, 50.0, long=1), EIGHT_CP2).direction is None
 
 
+def test_long_share_persistence_of_its_own() -> None:
+    # As above with long_shift_persistence 1: the first window of the rise merges; other
+    # signals still wait `persistence` windows (a capacity merge, D = 30 < l·K = 40).
+    cfg = ControllerConfig(persistence=2, max_ops=8, long_shift=0.05, long_shift_persistence=1)
+    p = Planner(PROFILE, cfg)
+    for k in range(2):
+        p.observe(win(k, 50.0), EIGHT_CP2)
+    d = p.observe(win(2, 50.0, long=1), EIGHT_CP2)
+    assert len(d.plans) == 1 and "long fraction" in d.reason
+    assert EIGHT_CP2.apply(d.plans[0].op).describe() == "6CP2/1CP4"
+    p = Planner(PROFILE, cfg)
+    d = p.observe(win(0, 30.0), EIGHT_CP2)
+    assert d.capacity_signal is OpKind.MERGE and d.plans == () and "(1/2)" in d.reason
+
+
 def test_capacity_signal_overrides_the_long_share() -> None:
     # D = 75 > u·K = 72 -> SPLIT although the long share rose.
     p = Planner(PROFILE, LONG)
@@ -208,6 +223,8 @@ def test_split_takes_the_newest_larger_worker(newest_first: bool, expected_gpu: 
     "field, bad",
     [("merge_memory", 0), ("merge_memory", 1.5), ("merge_memory", True),
      ("long_shift", 0.0), ("long_shift", 1.5), ("long_shift", math.nan),
+     ("long_shift_persistence", 0), ("long_shift_persistence", 1.0),
+     ("long_shift_persistence", True),
      ("large_floor", 0), ("large_floor", "3"), ("backlog_s", 0.0), ("backlog_s", -1.0),
      ("backlog_s", math.inf), ("newest_first", 1)],
 )
