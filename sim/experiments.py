@@ -22,8 +22,10 @@ round_robin
 from __future__ import annotations
 
 import math
+import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -339,9 +341,18 @@ def sweep(
     *,
     on_run: Callable[[str, float], None] | None = None,
     static_profile_rate: float | None = None,
+    jobs: int = 1,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run every (policy, rate_scale); returns result rows and a side dict (compositions,
-    profiled static threshold, timelines) for the report."""
+    profiled static threshold, timelines) for the report.
+
+    ``jobs`` > 1 runs the cells in that many worker processes; the rows (but for their
+    ``wall_s`` and ``sim_requests_per_wall_s``) and their order are the same as with 1.
+    ``on_run(policy, rate_scale)`` is called as each cell finishes. Raises
+    :class:`InvalidInput` for ``jobs`` < 1.
+    """
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise InvalidInput(f"jobs must be an integer >= 1, got {jobs!r}")
     truth = truth or GroundTruth()
     lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
     ctl_profile = controller_profile(profile, spec.kappa_scale)
@@ -372,36 +383,105 @@ def sweep(
             scores_by[comp.describe()] = {str(k): v for k, v in scores.items()}
         side["static_threshold_tokens"] = static_th
         side["static_threshold_scores"] = scores_by
-    rows: list[dict[str, Any]] = []
-    for scale in rate_scales:
-        wl = scale_rate(workload, scale) if scale != 1.0 else workload
-        oracle = oracle_ttfts(wl, truth, spec.degrees)
-        initial = initial_by_scale[scale]
-        for pol in policies:
-            variants = ("sglang", "sglang_unbounded") if pol == "sglang" else (pol,)
-            best_row: dict[str, Any] | None = None
-            for var in variants:
-                dep = deployment_for(var, lattice, initial, spec)
-                if var == "static" and initial.describe() in static_th:
-                    dep = replace(dep, params={"threshold_tokens":
-                                               static_th[initial.describe()]})
-                t0 = time.perf_counter()
-                res = run_deployment(wl, dep, profile, spec, truth)
-                wall = time.perf_counter() - t0
-                row = summarize_run(res, policy=pol, rate_scale=scale, slo=spec.slo,
-                                    oracle=oracle, wall_s=wall)
-                row["variant"] = var
-                if best_row is None or row["mean_ttft_s"] < best_row["mean_ttft_s"]:
-                    best_row = row
-                if pol == "vertumnus":
-                    side["timelines"][str(scale)] = [
-                        [t, {str(k): v for k, v in c.items()}] for t, c in res.composition_timeline
-                    ]
-            assert best_row is not None
-            rows.append(best_row)
+    ctx = _SweepCells(workload, profile, spec, truth, lattice, initial_by_scale, static_th)
+    cells = [(scale, pol) for scale in rate_scales for pol in policies]
+    results: list[tuple[dict[str, Any], Any] | None] = [None] * len(cells)
+    if jobs == 1:
+        for i, (scale, pol) in enumerate(cells):
+            results[i] = ctx.run(scale, pol)
             if on_run is not None:
                 on_run(pol, scale)
+    else:
+        # Each cell is one independent deterministic run (its own simulator and noise stream
+        # from the seed), so running cells in other processes changes no result; "spawn"
+        # because the caller may run threads (the progress bar) that a fork would copy.
+        pool = ProcessPoolExecutor(max_workers=min(jobs, len(cells)),
+                                   mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_cells, initargs=(ctx,))
+        with pool:
+            futures = {pool.submit(_run_cell, scale, pol): i
+                       for i, (scale, pol) in enumerate(cells)}
+            for fut in as_completed(futures):
+                i = futures[fut]
+                results[i] = fut.result()
+                if on_run is not None:
+                    on_run(cells[i][1], cells[i][0])
+    rows: list[dict[str, Any]] = []
+    for (scale, _pol), res in zip(cells, results, strict=True):
+        assert res is not None
+        row, timeline = res
+        rows.append(row)
+        if timeline is not None:
+            side["timelines"][str(scale)] = timeline
     return rows, side
+
+
+@dataclass
+class _SweepCells:
+    """What every (rate, policy) cell of a sweep shares; runs one cell (:meth:`run`)."""
+
+    workload: Workload
+    profile: Profile
+    spec: ExperimentSpec
+    truth: GroundTruth
+    lattice: Lattice
+    initial_by_scale: Mapping[float, Composition]
+    static_th: Mapping[str, int]
+    # Per rate: the scaled workload and its oracle TTFTs (computed once per process).
+    _by_scale: dict[float, tuple[Workload, np.ndarray]] = field(default_factory=dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_by_scale"] = {}  # recomputed in each process, not shipped
+        return state
+
+    def at(self, scale: float) -> tuple[Workload, np.ndarray]:
+        got = self._by_scale.get(scale)
+        if got is None:
+            wl = scale_rate(self.workload, scale) if scale != 1.0 else self.workload
+            got = self._by_scale[scale] = (wl, oracle_ttfts(wl, self.truth, self.spec.degrees))
+        return got
+
+    def run(self, scale: float, pol: str) -> tuple[dict[str, Any], Any]:
+        """The cell's result row (the stronger variant's, for ``sglang``) and, for
+        ``vertumnus``, its composition timeline (else None)."""
+        wl, oracle = self.at(scale)
+        initial = self.initial_by_scale[scale]
+        variants = ("sglang", "sglang_unbounded") if pol == "sglang" else (pol,)
+        best_row: dict[str, Any] | None = None
+        timeline = None
+        for var in variants:
+            dep = deployment_for(var, self.lattice, initial, self.spec)
+            if var == "static" and initial.describe() in self.static_th:
+                dep = replace(dep, params={"threshold_tokens":
+                                           self.static_th[initial.describe()]})
+            t0 = time.perf_counter()
+            res = run_deployment(wl, dep, self.profile, self.spec, self.truth)
+            wall = time.perf_counter() - t0
+            row = summarize_run(res, policy=pol, rate_scale=scale, slo=self.spec.slo,
+                                oracle=oracle, wall_s=wall)
+            row["variant"] = var
+            if best_row is None or row["mean_ttft_s"] < best_row["mean_ttft_s"]:
+                best_row = row
+            if pol == "vertumnus":
+                timeline = [[t, {str(k): v for k, v in c.items()}]
+                            for t, c in res.composition_timeline]
+        assert best_row is not None
+        return best_row, timeline
+
+
+_CELLS: _SweepCells | None = None
+"""The sweep of a worker process (set once by :func:`_init_cells`)."""
+
+
+def _init_cells(cells: _SweepCells) -> None:
+    global _CELLS
+    _CELLS = cells
+
+
+def _run_cell(scale: float, pol: str) -> tuple[dict[str, Any], Any]:
+    assert _CELLS is not None, "worker process not initialised"
+    return _CELLS.run(scale, pol)
 
 
 def strongest_baseline(rows: Iterable[Mapping[str, Any]], rate_scale: float,

@@ -144,14 +144,19 @@ def run_simulate(
     progress: bool = False,
     spec_overrides: Mapping[str, Any] | None = None,
     workload: Workload | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
+
+    ``jobs``: worker processes for the sweep's cells (same results; see ``sweep``).
 
     The profile: ``profile_path`` as given (its κ judged with ``calibration.KAPPA_SCALE``: a
     ``vertumnus profile`` κ is a single worker's), else one measured now with κ on this trace
     (:func:`obtain_trace_profile`, κ already pooled: ``kappa_scale`` 1.0). ``spec_overrides``
     may still set ``kappa_scale``. meta.json records the κ source.
     """
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise InvalidInput(f"--jobs must be an integer >= 1, got {jobs!r}")
     unknown = [p for p in policies if p not in ALL_POLICIES]
     if unknown:
         raise InvalidInput(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
@@ -177,7 +182,7 @@ def run_simulate(
     kappa_info["kappa_scale"] = spec.kappa_scale
     t0 = time.perf_counter()
     rows, side = _with_progress(progress, len(policies) * len(rate_scales), lambda cb: sweep(
-        wl, policies, rate_scales, prof, spec, GroundTruth(), on_run=cb))
+        wl, policies, rate_scales, prof, spec, GroundTruth(), on_run=cb, jobs=jobs))
     meta = {
         "workload": wl.name,
         "workload_stats": _jsonable(workload_stats(wl)),
@@ -358,12 +363,18 @@ def preset_descriptions() -> dict[str, str]:
     return out
 
 
-def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False) -> dict[str, Any]:
+def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
+               policies: Sequence[str] | None = None, jobs: int = 1) -> dict[str, Any]:
+    """Run a named experiment. ``policies`` (the trace presets only; default: all eight
+    compared policies) and ``jobs`` (worker processes for a trace preset's sweep)."""
     if name in PRESETS:
         p = dict(PRESETS[name])
         p.pop("desc")
-        return run_simulate(policies=list(ALL_POLICIES[:8]), out=out, seed=seed, gpus=40,
-                            degrees=(2, 4), progress=progress, **p)
+        pols = list(ALL_POLICIES[:8]) if policies is None else list(policies)
+        return run_simulate(policies=pols, out=out, seed=seed, gpus=40,
+                            degrees=(2, 4), progress=progress, jobs=jobs, **p)
+    if policies is not None:
+        raise InvalidInput(f"preset {name!r} runs fixed deployments; --policies does not apply")
     from sim import presets
 
     return presets.run(name, out=out, seed=seed, progress=progress)

@@ -11,6 +11,8 @@ import typer
 
 from shared.ids import InvalidInput
 
+_DEFAULT_POLICIES = "vertumnus,static,homo,homo_cp2,sglang,vllm,dynamo,llmd"
+
 
 def _fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
@@ -83,9 +85,9 @@ def register(app: typer.Typer) -> None:
         format: Annotated[
             str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")
         ] = "auto",
-        policies: Annotated[str, typer.Option(help="Comma-separated policy names")] = (
-            "vertumnus,static,homo,homo_cp2,sglang,vllm,dynamo,llmd"
-        ),
+        policies: Annotated[
+            str, typer.Option(help="Comma-separated policy names")
+        ] = _DEFAULT_POLICIES,
         rate_scale: Annotated[str, typer.Option(help="Arrival-rate multipliers")] = "1",
         rate: Annotated[
             float, typer.Option(help="L-Eval / synthetic base rate in req/s (0: default)")
@@ -105,6 +107,10 @@ def register(app: typer.Typer) -> None:
         cache_blocks_per_gpu: Annotated[int, typer.Option(help="0: HBM budget")] = 0,
         beta: Annotated[float, typer.Option(help="β of J (0: calibrated default)")] = 0.0,
         lam: Annotated[float, typer.Option(help="λ of J (-1: calibrated default)")] = -1.0,
+        jobs: Annotated[
+            int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
+                              "(same results)")
+        ] = 1,
     ) -> None:
         """Compare policies on one trace over request rates; writes results.json, CSV, plots."""
         from sim import runner
@@ -120,10 +126,14 @@ def register(app: typer.Typer) -> None:
                 degrees=_ints(degrees, "degrees"), seed=seed, out=out,
                 profile_path=profile_path, max_requests=max_requests or None,
                 cache_blocks_per_gpu=cache_blocks_per_gpu or None,
-                beta=beta or None, lam=None if lam < 0 else lam,
+                beta=beta or None, lam=None if lam < 0 else lam, jobs=jobs,
             )
             if preset:
-                summary = runner.run_preset(preset, out=out, seed=seed, progress=True)
+                # A preset fixes its trace and rates; --policies narrows a trace preset's
+                # policies when given (anything but the default list).
+                chosen = None if policies == _DEFAULT_POLICIES else args["policies"]
+                summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
+                                            policies=chosen, jobs=jobs)
             else:
                 summary = runner.run_simulate(**args, progress=True)
         except InvalidInput as exc:

@@ -121,6 +121,11 @@ class Workload:
         reqs = sorted(requests, key=lambda r: r.arrival_s)
         return cls(name, tuple(reqs), block_size, dict(metadata or {}))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The read-only metadata view cannot be pickled (a sweep ships the workload to its
+        # worker processes): rebuild from a plain dict, through the same checks.
+        return (type(self), (self.name, self.requests, self.block_size, dict(self.metadata)))
+
     def __len__(self) -> int:
         return len(self.requests)
 

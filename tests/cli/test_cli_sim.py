@@ -227,6 +227,7 @@ def test_unknown_policy_exits_2_with_known_names(runner, tmp_path) -> None:
         ["--rate-scale", "x"],
         ["--degrees", "two"],
         ["--degrees", "0"],
+        ["--jobs", "0"],
     ],
 )
 def test_bad_numbers_exit_2(runner, tmp_path, args) -> None:
@@ -262,6 +263,14 @@ def test_bad_cluster_exits_2(runner, tmp_path, profile_file, args, words) -> Non
     )
     assert res.exit_code == 2, res.output
     assert "error:" in res.output and words in res.output
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_policies_do_not_apply_to_a_fixed_deployment_preset(runner, tmp_path) -> None:
+    res = runner.invoke(app, ["simulate", "--preset", "reconfig", "--policies", "homo",
+                              "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    assert "error:" in res.output and "reconfig" in res.output and "--policies" in res.output
     assert not (tmp_path / "o" / "results.json").exists()
 
 
