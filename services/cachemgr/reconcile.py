@@ -356,6 +356,24 @@ class RehomeConfig:
             raise InvalidInput(f"RehomeConfig.fill must be in (0, 1], got {f!r}")
 
 
+def _rehome_views(trie: PrefixTrie, config: object, role: str, worker: WorkerId,
+                  peers: Sequence[WorkerId]) -> tuple[WorkerView, list[WorkerView]]:
+    """Checked inputs of a re-homing: the worker's view and its peers' (itself left out).
+    Raises InvalidInput (a bad config, a peer of another degree) or UnknownWorker."""
+    if not isinstance(config, RehomeConfig):
+        raise InvalidInput(f"expected a RehomeConfig, got {config!r}")
+    wview = trie._view(_check_id(role, worker))
+    views = []
+    for p in peers:
+        v = trie._view(_check_id("peer", p))
+        if v.degree != wview.degree:
+            raise InvalidInput(
+                f"peer {p!r} has degree {v.degree}, the {role} {worker!r} {wview.degree}")
+        if p != worker:
+            views.append(v)
+    return wview, views
+
+
 def rehome_on_split(
     trie: PrefixTrie, parent: WorkerId, peers: Sequence[WorkerId], config: RehomeConfig
 ) -> tuple[Replicate, ...]:
@@ -386,17 +404,7 @@ def rehome_on_split(
     DrainNotice of a split (services/cachemgr/service.py ``on_drain``), while the draining
     parent still holds its pages.
     """
-    if not isinstance(config, RehomeConfig):
-        raise InvalidInput(f"expected a RehomeConfig, got {config!r}")
-    pview = trie._view(_check_id("parent", parent))
-    views = []
-    for p in peers:
-        v = trie._view(_check_id("peer", p))
-        if v.degree != pview.degree:
-            raise InvalidInput(
-                f"peer {p!r} has degree {v.degree}, the parent {parent!r} {pview.degree}")
-        if p != parent:
-            views.append(v)
+    pview, views = _rehome_views(trie, config, "parent", parent, peers)
     if not views:
         return ()
     held = trie.held_nodes(parent)
@@ -456,17 +464,8 @@ def rehome_on_merge(
     the peers. The returned actions (``kind="intra"``) are recorded as in flight; the caller
     carries them out and reports ``replication_done`` / ``replication_failed``.
     """
-    if not isinstance(config, RehomeConfig):
-        raise InvalidInput(f"expected a RehomeConfig, got {config!r}")
-    mview = trie._view(_check_id("merged", merged))
-    views = []
-    for p in peers:
-        v = trie._view(_check_id("peer", p))
-        if v.degree != mview.degree:
-            raise InvalidInput(
-                f"peer {p!r} has degree {v.degree}, the merged worker {merged!r} {mview.degree}")
-        if p != merged and not v.stale:
-            views.append(v)
+    mview, views = _rehome_views(trie, config, "merged worker", merged, peers)
+    views = [v for v in views if not v.stale]  # a stale view holds nothing to copy from
     if not views:
         return ()
     nodes = trie._nodes

@@ -558,10 +558,15 @@ class CacheMgrService(MicroService):
         peers = [w for w in self.trie.workers() if w != merged and w in active
                  and self.trie.worker_degree(w) == degree]
         actions = list(rehome_on_merge(self.trie, merged, peers, config)) if peers else []
+        return self._send_rehomed(actions, "merged worker re-homed", worker=merged,
+                                  epoch=record.epoch)
+
+    def _send_rehomed(self, actions: list[CacheAction], what: str,
+                      **log: Any) -> list[CacheAction]:
+        """Count, log and send a re-homing's copies; returns them."""
         if actions:
             self.counters["rehomed"] += len(actions)
-            self.log.info("merged worker re-homed", worker=merged, copies=len(actions),
-                          epoch=record.epoch)
+            self.log.info(what, copies=len(actions), **log)
         for a in actions:
             self._send(a)
         return actions
@@ -599,13 +604,8 @@ class CacheMgrService(MicroService):
         peers = [w for w in tracked
                  if w not in leaving and w != parent and self.trie.worker_degree(w) == degree]
         actions = list(rehome_on_split(self.trie, parent, peers, config)) if peers else []
-        if actions:
-            self.counters["rehomed"] += len(actions)
-            self.log.info("split parent re-homed", parent=parent, copies=len(actions),
-                          reconfiguration=notice.reconfiguration)
-        for a in actions:
-            self._send(a)
-        return actions
+        return self._send_rehomed(actions, "split parent re-homed", parent=parent,
+                                  reconfiguration=notice.reconfiguration)
 
     def _follow_lifecycles(self, record: EpochRecord) -> None:
         """An UNAVAILABLE worker (failed, lease lost) holds nothing we can count on: it is

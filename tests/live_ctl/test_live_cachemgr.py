@@ -71,6 +71,23 @@ def epoch_record(epoch: int, groups: list[tuple[int, int]]) -> bytes:
     )
 
 
+async def acking_worker(nc: Client, s: Subjects, worker: str) -> Collector:
+    """A stand-in for ``worker``'s cache-command endpoint: collects each command and answers
+    it ok. Subscribed and flushed when this returns."""
+    cmds = Collector()
+
+    async def on_command(msg: Msg) -> None:
+        await cmds.cb(msg)
+        cmd = json.loads(msg.data)
+        await reply(
+            nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id=worker, ok=True)
+        )
+
+    await nc.subscribe(s.cache_cmd(worker), cb=on_command)
+    await nc.flush()
+    return cmds
+
+
 async def stored(
     nc: Client, s: Subjects, worker: str, eid: int, parent: int | None, blocks: list[int]
 ) -> None:
@@ -261,17 +278,7 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
     kv = await epoch_kv(nc.jetstream(), s)
 
     await kv.put(s.epoch_key(), epoch_record(0, [(0, 4), (4, 4)]))
-    left_cmds = Collector()
-
-    async def left_command(msg: Msg) -> None:
-        await left_cmds.cb(msg)
-        cmd = json.loads(msg.data)
-        await reply(
-            nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id="w-cp2-g0", ok=True)
-        )
-
-    await nc.subscribe(s.cache_cmd("w-cp2-g0"), cb=left_command)
-    await nc.flush()
+    left_cmds = await acking_worker(nc, s, "w-cp2-g0")
     await services(CacheMgrService(settings(nats_server.url, uniq)))
     await stored(nc, s, "w-cp4-g0", 1, None, [11, 12, 13, 14])
 
@@ -309,17 +316,7 @@ async def test_merge_rehomes_the_degrees_long_prefixes_onto_the_merged_worker(
     s = Subjects(uniq)
     kv = await epoch_kv(nc.jetstream(), s)
     await kv.put(s.epoch_key(), epoch_record(0, [(0, 2), (2, 2), (4, 4)]))
-    cmds = Collector()
-
-    async def merged_command(msg: Msg) -> None:
-        await cmds.cb(msg)
-        cmd = json.loads(msg.data)
-        await reply(
-            nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id="w-cp4-g0", ok=True)
-        )
-
-    await nc.subscribe(s.cache_cmd("w-cp4-g0"), cb=merged_command)
-    await nc.flush()
+    cmds = await acking_worker(nc, s, "w-cp4-g0")
     svc = await services(CacheMgrService(settings(nats_server.url, uniq, rehome_min_blocks=3)))
     await stored(nc, s, "w-cp4-g4", 1, None, [11, 12, 13, 14])  # a document
     await stored(nc, s, "w-cp4-g4", 2, None, [21, 22])  # a short prompt
