@@ -158,7 +158,11 @@ seed 0 +0.3/+1.3 → −0.5/+0.3 (S3/S5), seed 1 −0.9/−2.4 → −0.9/−2.5
 seed 8 +0.8/−1.4 → +0.8/+1.1; S2 and S4 otherwise within 0.8 points; windows from S2→S3 and
 S4→S5 to their merges 2 → 1 (seed 6 S3: 3 → 2; the splits unchanged). Without re-homing the same
 change cost seed 0 S5 +7.9% (above). Conversation ×1…×4.7 unchanged (×2.5 makes two operations
-instead of one, same mean 1.039 s)."""
+instead of one, same mean 1.039 s). Seeds 9-14, not looked at while choosing either change, S3/S5
+Δ% before both (split re-homing only, persistence 2) → with both: seed 9 +4.5/+4.4 → +3.3/+3.7,
+seed 10 +4.0/+1.5 → −1.4/−1.4, seed 11 +6.2/+5.6 → −0.8/+2.0, seed 12 +1.8/+7.4 → −1.0/+1.4,
+seed 13 −28.9/−0.2 → −30.1/−8.3, seed 14 +3.3/+2.3 → +0.7/+0.5 (S2 and S4 within 1.5 points;
+seed 13 splits in S1 already, +1.8% there both times)."""
 
 REHOME: Final[RehomeConfig] = RehomeConfig(min_blocks=64, fill=0.75)
 """Re-homing a split parent's documents (reconcile.py ``rehome_on_split``): prefixes of at least 64
