@@ -63,10 +63,12 @@ DEFAULT_DURATION_S: Final[float] = 240.0
 RATE_PER_GPU: Final[float] = 0.25
 """Default base request rate per GPU (req/s). The synthetic default runs 8 req/s on 40 GPUs
 (0.2 per GPU, around the pool's capacity); a small pool sees few requests per window, so the
-default is a little higher. Measured at 8 GPUs, seed 0, with the session-3 controller (which
-no longer splits into a burst it can absorb): 2.0 req/s, one merge (4×CP2 → 2×CP2 + 1×CP4),
-95% SLO attainment; at ``--rate 2.4`` the burst also splits that CP4 worker and the calm
-phase merges it again (3 reconfigurations, 69% SLO: past the pool's capacity)."""
+default is a little higher. Measured at 8 GPUs, seed 0 (the controller does not split into a
+burst it can absorb): 2.0 req/s, one merge (4×CP2 → 2×CP2 + 1×CP4), 94-95% SLO attainment; at
+``--rate 2.4``, past the pool's capacity (69% SLO), one run split that CP4 worker in the burst
+and merged it again (3 reconfigurations), a later one (long-share merges acting on their first
+window) merged twice, to 2×CP4, re-homing the documents onto the second merged worker. A live
+run's timing is wall-clock, so runs differ in detail."""
 
 
 class StackError(RuntimeError):
