@@ -15,8 +15,8 @@ The skeleton, per request of the trace (in arrival order, 40 GPUs as 20 CP2 work
    and find each worker's longest held prefix (holder sets shrink along the path);
 3. ``J``       -- for every worker: P from the held blocks, s = Ê(R, P) (a linear model,
    memoised per P), q from a float, J = q + β·s; argmin;
-4. ``cache``   -- the chosen worker's LRU (an ``OrderedDict``): touch the reused blocks,
-   insert the new ones, evict over capacity;
+4. ``cache``   -- the chosen worker's LRU (an ``OrderedDict``): insert the new blocks, touch
+   the reused ones (deepest first, so eviction takes leaves first), evict over capacity;
 5. ``trie``    -- add the new blocks to the global index with their holder, drop the
    evicted blocks' holder;
 6. ``stats``   -- one float add per reused node (Algorithm 1's access counter).
@@ -117,16 +117,19 @@ def skeleton(reqs: list[tuple[float, tuple[int, ...], int]], n_workers: int,
         heapq.heappop(heap)
         t4 = clock()
         # --- the chosen worker's LRU
+        # Deepest block first, so every block is more recent than its descendants and eviction
+        # (oldest first) takes leaves first, as services.rankd.blockcache does: a worker's
+        # blocks stay whole prefixes, which the match above relies on.
         lru = lrus[best]
         reused = held.get(best, 0)
-        for h in hs[:reused]:
-            lru.move_to_end(h)
         new = hs[reused:]
-        for h in new:
+        for h in reversed(new):
             if h in lru:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
+        for h in reversed(hs[:reused]):
+            lru.move_to_end(h)
         evicted = []
         while len(lru) > cap:
             evicted.append(lru.popitem(last=False)[0])
