@@ -51,9 +51,10 @@ Carrying out a plan (one or more splits and merges on disjoint workers, ``max_op
    **commit record** (sources gone, targets SWITCHING) is written by compare-and-set. The
    adapter remembers the record epoch of the commit: ranks acknowledge record epochs, the
    protocol counts its own.
-4. *Acks.* An EpochAck for a rank of a committed target, naming the commit's record epoch, is
-   passed to ``protocol.ack``; acks of untouched workers (ranks ack every record they adopt)
-   and of other records are ignored.
+4. *Acks.* An EpochAck for a rank of a committed target, naming the commit's record epoch or
+   a later record (a rank that finished switching after another operation's commit adopts
+   that one), is passed to ``protocol.ack``; acks of untouched workers (ranks ack every record
+   they adopt) and of earlier records are ignored.
 5. *Expose.* When every rank acknowledged: the **exposure record** (targets ACTIVE) is written
    by compare-and-set, then ``protocol.exposed``; the CompositionNotice and the
    ReconfigurationEvent (phase ``exposed``, with drain and switch times) are published.
@@ -1096,12 +1097,21 @@ class ControllerService(MicroService):
             self.counters["acks_ignored"] += 1
             return
         w = proto.worker(wid)
-        # Ranks acknowledge every record they adopt; only the commit record of a target that
-        # is still switching under a reconfiguration counts.
+        # Ranks acknowledge every record they adopt; only an ack for a target that is still
+        # switching counts, naming its commit record or a later one. A later one counts
+        # because a rank ready only after the next record was written (another operation of
+        # the same plan committed meanwhile; a switch takes up to a second) adopts that record
+        # instead: every record from the commit on shows this target switching in the same
+        # geometry, so adopting any of them is adopting the commit. Requiring the exact commit
+        # epoch left such a target switching for ever. An epoch beyond the last record written
+        # is not one of ours.
+        commit = self._commit_epoch.get(w.epoch)
+        last = self.record.epoch if self.record is not None else -1
         if (
             w.state is not Lifecycle.SWITCHING
             or wid != ack.worker_id
-            or self._commit_epoch.get(w.epoch) != ack.epoch
+            or commit is None
+            or not commit <= ack.epoch <= last
         ):
             self.counters["acks_ignored"] += 1
             return

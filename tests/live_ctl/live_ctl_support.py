@@ -55,13 +55,20 @@ class Collector:
 
 
 class FakeRanks:
-    """Rank daemons as rankd behaves: adopt every newer epoch record, ack each member GPU."""
+    """Rank daemons as rankd behaves: adopt every newer epoch record, ack each member GPU.
 
-    def __init__(self, nc: Client, subjects: Subjects) -> None:
+    ``coalesce_s`` > 0: ranks that are busy (switching their geometry) for that long after a
+    record arrives, then adopt and ack only the newest record they have by then -- as a
+    rankd whose switch ends after the controller wrote further records does."""
+
+    def __init__(self, nc: Client, subjects: Subjects, *, coalesce_s: float = 0.0) -> None:
         self.nc = nc
         self.subjects = subjects
+        self.coalesce_s = coalesce_s
         self.records: list[EpochRecord] = []
+        self.acked: list[int] = []  # record epochs acknowledged, in order
         self._task: asyncio.Task[None] | None = None
+        self._late: asyncio.Task[None] | None = None
         self._watcher: Any = None
 
     async def start(self) -> None:
@@ -77,23 +84,35 @@ class FakeRanks:
             if self.records and rec.epoch <= self.records[-1].epoch:
                 continue
             self.records.append(rec)
-            for w in rec.workers:
-                for gpu in w.group.gpus:
-                    ack = EpochAck(
-                        gpu=gpu,
-                        epoch=rec.epoch,
-                        degree=w.degree,
-                        worker_id=w.worker_id,
-                        adopted_at_s=time.time(),
-                    )
-                    data, headers = encode(ack)
-                    await self.nc.publish(self.subjects.epoch_ack(gpu), data, headers=headers)
+            if self.coalesce_s <= 0:
+                await self._ack(rec)
+            elif self._late is None or self._late.done():
+                self._late = asyncio.create_task(self._ack_newest_later())
+
+    async def _ack_newest_later(self) -> None:
+        await asyncio.sleep(self.coalesce_s)
+        await self._ack(self.records[-1])
+
+    async def _ack(self, rec: EpochRecord) -> None:
+        self.acked.append(rec.epoch)
+        for w in rec.workers:
+            for gpu in w.group.gpus:
+                ack = EpochAck(
+                    gpu=gpu,
+                    epoch=rec.epoch,
+                    degree=w.degree,
+                    worker_id=w.worker_id,
+                    adopted_at_s=time.time(),
+                )
+                data, headers = encode(ack)
+                await self.nc.publish(self.subjects.epoch_ack(gpu), data, headers=headers)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+        for task in (self._task, self._late):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()

@@ -254,3 +254,41 @@ async def test_two_merges_in_one_plan_of_unanswering_workers(
     finally:
         await sched.stop()
         await ranks.stop()
+
+
+async def test_merge_target_acking_a_later_record_is_exposed(
+    nc: Client, nats_server, uniq: str, services
+):
+    """Both merges of one plan commit within milliseconds (nothing to drain). The ranks finish
+    switching only after both commit records exist, so the first merge's target acknowledges
+    the *second* commit record, never its own. That ack counts (every record from its commit
+    on shows it switching in the same geometry): `vertumnus up` once kept such a target
+    switching for the whole replay, half the pool idle."""
+    s = Subjects(uniq)
+    comps = Collector()
+    await nc.subscribe(composition_subject(s), cb=comps.cb)
+    await nc.flush()
+    ranks = FakeRanks(nc, s, coalesce_s=0.3)
+    await ranks.start()
+    sched = FakeScheduler(nc, s, H, lambda: 1.0)
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "4CP2")))
+    try:
+        await sched.start()
+        comp = await comps.first(
+            lambda c: c["composition"] == "2CP4" and len(c["schedulable"]) == 2,
+            what="2CP4 exposed, both schedulable",
+        )
+        assert sorted(comp["schedulable"]) == ["w-cp4-g0", "w-cp4-g4"]
+        # Records 2 and 3 commit the two merges; the ranks skipped record 2.
+        commits = [r.epoch for r in ranks.records
+                   if {"w-cp4-g0", "w-cp4-g4"} & set(layout(r))
+                   and "active" not in layout(r).values()]
+        assert commits[:2] == [2, 3]
+        assert 2 not in ranks.acked and 3 in ranks.acked
+        assert ctl.counters["exposed"] == 2 and ctl.counters["acks"] == 8
+        kv = await epoch_kv(nc.jetstream(), s)
+        stored = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
+        assert layout(stored) == {"w-cp4-g0": "active", "w-cp4-g4": "active"}
+    finally:
+        await sched.stop()
+        await ranks.stop()
