@@ -106,6 +106,9 @@ def register(app: typer.Typer) -> None:
         max_requests: Annotated[int | None, typer.Option(help="Replay only the first N")] = None,
         profile: Annotated[Path | None, typer.Option(
             help="Fitted cost-model profile for the scheduler (vertumnus profile)")] = None,
+        profile_engine: Annotated[bool, typer.Option(
+            help="--backend torch without --profile: fit the cost model on the engine first "
+                 "(≈15 s; else the services predict the simulated H20's times)")] = True,
         prefix: Annotated[str, typer.Option(help="Subject prefix")] = "vtm",
         log_dir: Annotated[Path | None, typer.Option(
             help="Service logs and pids.json (default: a temporary directory)")] = None,
@@ -134,7 +137,7 @@ def register(app: typer.Typer) -> None:
                 rate_scale=rate_scale, seed=seed, max_requests=max_requests, profile=profile,
                 prefix=prefix, log_dir=log_dir, stop_timeout_wall_s=stop_timeout,
                 health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
-                http_port=http_port, model_path=model_path,
+                http_port=http_port, model_path=model_path, profile_engine=profile_engine,
             )
         except ValueError as exc:
             _fail(str(exc))

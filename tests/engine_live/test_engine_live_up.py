@@ -108,6 +108,13 @@ async def test_up_backend_torch_4_ranks_reports_and_first_tokens(tmp_path: Path)
     assert data["requests"] == N and data["completed"] == N, data["errors"]
     assert data["mean_ttft_s"] > 0 and 0.0 <= data["hit_rate"] <= 1.0
     assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
+    # Without --profile the cost model was fitted on this engine (model, 16-token blocks,
+    # degrees) before the stack started, and every predicting service read it.
+    assert data["profile"] == str(logs / "engine-profile" / "profile.json")
+    fitted = json.loads((logs / "engine-profile" / "profile_report.json").read_text())
+    assert fitted["backend"] == "torch" and fitted["block_size"] == 16
+    assert fitted["degrees"] == [2, 4] and fitted["model_config"]["vocab_size"] == 151_936
+    assert "engine profile" in stderr
 
     # First tokens: the same prompts (regenerated as `up` built them) through the model in one
     # process. Every result seen must match; the listener saw at least a couple.

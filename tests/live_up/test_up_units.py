@@ -4,6 +4,7 @@ settings discovery, the report's keys."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from services.gateway.settings import GatewaySettings
 from services.rankd.engine.blockhash import chain_hashes
@@ -87,3 +88,19 @@ def test_report_keys_and_overhead() -> None:
     assert math.isclose(s["hit_rate"], 0.512)
     assert s["slo_attainment"] == 1.0  # 0.5 s ≤ 1 s for L < 8192
     assert s["errors"] == {"no worker": 1}
+
+
+def test_rankd_env_carries_the_ground_truth_only_for_the_sim_backend(tmp_path: Path) -> None:
+    from vertumnus.live.stack import LiveStack, UpConfig
+
+    sim = LiveStack(UpConfig(gpus=4, backend="sim"), log_dir=tmp_path).service_env("rankd", "nats://x:1")
+    assert sim["VTM_BACKEND"] == "sim" and sim["VTM_TRUTH"] == "noisy"
+    assert not [k for k in sim if k.startswith("VTM_TORCH_")]
+    torch = LiveStack(UpConfig(gpus=4, backend="torch"), log_dir=tmp_path).service_env("rankd", "nats://x:1")
+    assert torch["VTM_BACKEND"] == "torch" and torch["VTM_TORCH_DEVICE"] == "cpu"
+    assert "VTM_TRUTH" not in torch and "VTM_TRUTH_SEED" not in torch
+    # A profile given (or fitted on the engine) reaches every service that predicts.
+    prof = LiveStack(UpConfig(gpus=4, backend="torch", profile=Path("/p/profile.json")),
+                     log_dir=tmp_path)
+    for name in ("scheduler", "controller", "cachemgr"):
+        assert prof.service_env(name, "nats://x:1")["VTM_PROFILE_PATH"] == "/p/profile.json"

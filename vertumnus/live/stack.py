@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -113,6 +114,9 @@ class UpConfig:
     model_path: Path | None = None
     """torch backend: a local HF-format Qwen3 checkpoint directory (default: the small
     random-weight model :data:`LIVE_TORCH_MODEL`)."""
+    profile_engine: bool = True
+    """torch backend without ``profile``: fit Ê_C on the engine first (:func:`engine_profile`),
+    so the scheduler predicts this engine's times, not the simulated H20's."""
 
     def __post_init__(self) -> None:
         if not self.workload:
@@ -336,9 +340,9 @@ class LiveStack:
                 "VTM_INITIAL_WORKERS": ",".join(c.workers()),
                 "VTM_BACKEND": c.backend,
                 "VTM_TIME_SCALE": f"{scale:g}",
-                "VTM_TRUTH": c.truth,
-                "VTM_TRUTH_SEED": str(c.seed),
-                **(self.torch_env() if c.backend == "torch" else {}),
+                # The modelled ground truth is the sim backend's; the torch engine runs.
+                **({"VTM_TRUTH": c.truth, "VTM_TRUTH_SEED": str(c.seed)}
+                   if c.backend == "sim" else self.torch_env()),
             },
         }
         return {**common, **per.get(name, {}), **dict(c.env.get(name, {}))}
@@ -563,6 +567,24 @@ async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: fl
     return done, interrupted
 
 
+def engine_profile(config: UpConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """Fit Ê_C on the torch engine ``config`` runs (its model, block size and degrees, CPU
+    gloo ranks): :func:`services.rankd.engine.profiling.torch_profile_command` on its default
+    grid (prompts of 16-512 tokens, the short-prompt workload's range). Returns the profile's
+    path and its report. Without it the services would predict with the simulated H20
+    profile, several times this engine's times (a MAPE of ~270% in ``up``'s report)."""
+    from services.rankd.engine.profiling import torch_profile_command
+    from services.rankd.torch_backend import LIVE_TORCH_MODEL
+
+    path = torch_profile_command(
+        out_dir, degrees=tuple(sorted(config.degrees)), seed=config.seed,
+        model_config=None if config.model_path else dict(LIVE_TORCH_MODEL),
+        model_path=str(config.model_path) if config.model_path else None,
+        block_size=config.block_size, device="cpu")
+    report = json.loads((Path(out_dir) / "profile_report.json").read_text())
+    return Path(path), report
+
+
 async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = None,
                  json_path: Path | None = None, show_progress: bool = True) -> dict[str, Any]:
     """Start the stack, replay, report, stop. Returns the summary (also written to JSON)."""
@@ -582,6 +604,13 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
               f"(≈{config.duration_s * scale / config.rate_scale:.0f} s wall); logs {log_dir}")
     from vertumnus.live.replay import ReplayConfig, prepare_bodies
 
+    if config.backend == "torch" and config.profile is None and config.profile_engine:
+        err.print("profiling the torch engine for the scheduler's cost model "
+                  "(--profile PATH reuses one, --no-profile-engine skips)…")
+        path, rep = await asyncio.to_thread(engine_profile, config, log_dir / "engine-profile")
+        err.print(f"engine profile {path}: MAPE {rep.get('mape_vs_measured', math.nan):.1%} "
+                  f"against the measured grid, degrees {rep.get('degrees')}")
+        config = dataclasses.replace(config, profile=path)
     # Encode every prompt before anything starts: it is CPU work, not load, and must not
     # delay the replay once the controller watches.
     bodies = await asyncio.to_thread(prepare_bodies, requests,
@@ -659,6 +688,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             "duration_s": config.duration_s, "rate": config.base_rate,
             "rate_scale": config.rate_scale, "seed": config.seed,
             "requests_planned": len(requests), "services_missing": stack.missing,
+            "profile": str(config.profile) if config.profile else None,
             "exit_codes": codes, "log_dir": str(log_dir),
             **(observer.summary_counts() if observer else {}),
         },
