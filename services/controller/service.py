@@ -60,7 +60,9 @@ Carrying out a plan (one or more splits and merges on disjoint workers, ``max_op
    ReconfigurationEvent (phase ``exposed``, with drain and switch times) are published.
 
 A reconfiguration whose sources have not drained after ``drain_timeout_s`` is aborted
-(``protocol.abort``; a record with the sources ACTIVE again).
+(``protocol.abort``; a record with the sources ACTIVE again). A worker still waiting for rank
+acks ``ack_timeout_s`` after the last record gets the record re-announced (the same
+composition under the next epoch), so a lost ack cannot leave it switching.
 
 Liveness (§5.2 lifecycle): a worker whose last WorkerState is older than ``lease_s`` fails
 (``protocol.fail``: UNAVAILABLE in the next record; an uncommitted reconfiguration it is a
@@ -324,6 +326,13 @@ class ControllerSettings(ServiceSettings):
     )
     drain_timeout_s: float = Field(
         default=120.0, gt=0, description="Abort a reconfiguration whose sources did not drain."
+    )
+    ack_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Re-announce the record (a new one, same composition) when a committed "
+        "target or re-admitted worker still lacks rank acks this long after the last record: "
+        "acks are plain NATS messages, and one lost would leave the worker switching.",
     )
     lease_s: float = Field(
         default=WORKER_LEASE_S,
@@ -660,6 +669,7 @@ class ControllerService(MicroService):
             "acks_rejected": 0,
             "finished": 0,
             "aborted": 0,
+            "reannounced": 0,
             "exposed": 0,
             "failed": 0,
             "recovered": 0,
@@ -1169,6 +1179,8 @@ class ControllerService(MicroService):
             if plans:
                 await self._carry_out(plans)
             await self._abort_stuck()
+            if self.core is core:
+                await self._reannounce_unacked()
             if self.core is core:  # not rebuilt by a lost compare-and-set above
                 await self._check_leases()
             if self.core is core:
@@ -1336,6 +1348,37 @@ class ControllerService(MicroService):
                 return
             await self._publish_reconf(aborted)
             self.log.warning("reconfiguration aborted: drain timeout", **aborted.to_dict())
+
+    async def _reannounce_unacked(self) -> None:
+        """Step 4's safety net. Ranks acknowledge with plain NATS messages (at most once): an
+        ack lost on the way (a reconnect, a slow consumer) would leave its worker switching
+        for ever, and its GPUs idle. When some worker awaits acks -- a target of a committed
+        reconfiguration, or a re-admitted worker -- and no record was written for
+        ``ack_timeout_s``, the record is written again (same composition, next epoch): every
+        rank adopts it and acknowledges anew, and an ack of a record after the commit counts
+        (:meth:`_ack`). Repeated every ``ack_timeout_s`` while acks are missing."""
+        core = self.core
+        assert core is not None
+        if self.record is None or self.now() - self.record.committed_at_s < \
+                self.csettings.ack_timeout_s:
+            return
+        proto = core.protocol
+        waiting = [
+            w.worker_id for w in proto.workers()
+            if w.state is Lifecycle.SWITCHING and (
+                w.reconfiguration is None
+                or proto.reconfiguration(w.reconfiguration).phase is Phase.COMMITTED)
+        ]
+        if not waiting:
+            return
+        record = self._next_record(f"re-announce: {', '.join(waiting)} await rank acks")
+        try:
+            await self._write(record)
+        except LostLeadership:
+            return
+        self.counters["reannounced"] += 1
+        self.log.warning("record re-announced: rank acks missing", workers=waiting,
+                         record_epoch=record.epoch)
 
     async def _watch_record(self, watcher: Any) -> None:
         """Follow records written by another controller while we have nothing in flight."""

@@ -59,12 +59,15 @@ class FakeRanks:
 
     ``coalesce_s`` > 0: ranks that are busy (switching their geometry) for that long after a
     record arrives, then adopt and ack only the newest record they have by then -- as a
-    rankd whose switch ends after the controller wrote further records does."""
+    rankd whose switch ends after the controller wrote further records does.
+    ``lose_epochs``: records whose acks are lost on the way (adopted, never heard of)."""
 
-    def __init__(self, nc: Client, subjects: Subjects, *, coalesce_s: float = 0.0) -> None:
+    def __init__(self, nc: Client, subjects: Subjects, *, coalesce_s: float = 0.0,
+                 lose_epochs: frozenset[int] = frozenset()) -> None:
         self.nc = nc
         self.subjects = subjects
         self.coalesce_s = coalesce_s
+        self.lose_epochs = lose_epochs
         self.records: list[EpochRecord] = []
         self.acked: list[int] = []  # record epochs acknowledged, in order
         self._task: asyncio.Task[None] | None = None
@@ -94,6 +97,8 @@ class FakeRanks:
         await self._ack(self.records[-1])
 
     async def _ack(self, rec: EpochRecord) -> None:
+        if rec.epoch in self.lose_epochs:
+            return
         self.acked.append(rec.epoch)
         for w in rec.workers:
             for gpu in w.group.gpus:

@@ -292,3 +292,35 @@ async def test_merge_target_acking_a_later_record_is_exposed(
     finally:
         await sched.stop()
         await ranks.stop()
+
+
+async def test_lost_acks_are_recovered_by_re_announcing_the_record(
+    nc: Client, nats_server, uniq: str, services
+):
+    """Every ack of both merges' commit records (2 and 3) is lost. After ``ack_timeout_s``
+    without a record the controller writes the same composition again; the ranks adopt it and
+    ack, and both targets are exposed."""
+    s = Subjects(uniq)
+    comps = Collector()
+    await nc.subscribe(composition_subject(s), cb=comps.cb)
+    await nc.flush()
+    ranks = FakeRanks(nc, s, lose_epochs=frozenset({2, 3}))
+    await ranks.start()
+    sched = FakeScheduler(nc, s, H, lambda: 1.0)
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "4CP2",
+                                                    ack_timeout_s=0.5)))
+    try:
+        await sched.start()
+        comp = await comps.first(
+            lambda c: c["composition"] == "2CP4" and len(c["schedulable"]) == 2,
+            what="2CP4 exposed after the re-announcement",
+        )
+        assert sorted(comp["schedulable"]) == ["w-cp4-g0", "w-cp4-g4"]
+        assert ctl.counters["reannounced"] >= 1 and ctl.counters["exposed"] == 2
+        re = next(r for r in ranks.records if r.epoch == 4)
+        # The re-announced record is the commit records' composition, both targets switching.
+        assert layout(re) == {"w-cp4-g0": "switching", "w-cp4-g4": "switching"}
+        assert {2, 3}.isdisjoint(ranks.acked) and 4 in ranks.acked
+    finally:
+        await sched.stop()
+        await ranks.stop()
