@@ -104,3 +104,22 @@ def test_rankd_env_carries_the_ground_truth_only_for_the_sim_backend(tmp_path: P
                      log_dir=tmp_path)
     for name in ("scheduler", "controller", "cachemgr"):
         assert prof.service_env(name, "nats://x:1")["VTM_PROFILE_PATH"] == "/p/profile.json"
+
+
+def test_up_torch_without_the_engine_extra_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    import asyncio
+    import io
+    import sys
+
+    import pytest
+    from rich.console import Console
+
+    from vertumnus.live.stack import StackError, UpConfig, run_up
+
+    # As on an install without the engine extra: the engine's modules cannot be imported.
+    monkeypatch.setitem(sys.modules, "services.rankd.engine.profiling", None)
+    cfg = UpConfig(gpus=4, backend="torch", log_dir=tmp_path, max_requests=2)
+    quiet = Console(file=io.StringIO())
+    with pytest.raises(StackError, match="needs the 'engine' extra"):
+        asyncio.run(run_up(cfg, console=quiet, err_console=quiet, show_progress=False))
+    assert not (tmp_path / "pids.json").exists()  # nothing was started

@@ -607,7 +607,12 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     if config.backend == "torch" and config.profile is None and config.profile_engine:
         err.print("profiling the torch engine for the scheduler's cost model "
                   "(--profile PATH reuses one, --no-profile-engine skips)…")
-        path, rep = await asyncio.to_thread(engine_profile, config, log_dir / "engine-profile")
+        try:
+            path, rep = await asyncio.to_thread(engine_profile, config,
+                                                log_dir / "engine-profile")
+        except ModuleNotFoundError as exc:
+            raise StackError(f"--backend torch needs the 'engine' extra ({exc.name} missing): "
+                             "pip install -e '.[engine]'") from None
         err.print(f"engine profile {path}: MAPE {rep.get('mape_vs_measured', math.nan):.1%} "
                   f"against the measured grid, degrees {rep.get('degrees')}")
         config = dataclasses.replace(config, profile=path)
