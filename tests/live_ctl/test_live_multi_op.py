@@ -17,8 +17,10 @@ Demand arithmetic (κ_2 = κ_4 = 1 s, × 2.2 → 2.2 s per worker):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from live_ctl_support import Collector, FakeRanks, FakeScheduler, eventually
@@ -214,20 +216,23 @@ async def test_two_splits_in_one_plan_share_one_drain_record(
         await ranks.stop()
 
 
-async def test_two_merges_in_one_plan_of_unanswering_workers(
-    nc: Client, nats_server, uniq: str, services
-):
+@contextlib.asynccontextmanager
+async def two_merges(nc: Client, url: str, uniq: str, services, *,
+                     ranks_kw: dict[str, Any] | None = None,
+                     **settings_kw: Any) -> AsyncIterator[tuple[Any, ...]]:
+    """4CP2 at a demand of one worker: one plan of two merges. No queue endpoint and no worker
+    state, so nothing is known to run: the sources are drained at once and each merge commits
+    straight away. Yields (controller, ranks, the first 2CP4 composition notice with both
+    workers schedulable, drain notices, subjects)."""
     s = Subjects(uniq)
     drains, comps = Collector(), Collector()
     await nc.subscribe(drain_subject(s), cb=drains.cb)
     await nc.subscribe(composition_subject(s), cb=comps.cb)
     await nc.flush()
-    ranks = FakeRanks(nc, s)
+    ranks = FakeRanks(nc, s, **(ranks_kw or {}))
     await ranks.start()
     sched = FakeScheduler(nc, s, H, lambda: 1.0)
-    # No queue endpoint and no worker state: nothing is known to run, the sources are
-    # drained at once and each merge commits straight away.
-    ctl = await services(ControllerService(settings(nats_server.url, uniq, "4CP2")))
+    ctl = await services(ControllerService(settings(url, uniq, "4CP2", **settings_kw)))
     try:
         await sched.start()
         comp = await comps.first(
@@ -235,6 +240,21 @@ async def test_two_merges_in_one_plan_of_unanswering_workers(
             what="2CP4 exposed, both schedulable",
         )
         assert sorted(comp["schedulable"]) == ["w-cp4-g0", "w-cp4-g4"]
+        yield ctl, ranks, comp, drains, s
+    finally:
+        await sched.stop()
+        await ranks.stop()
+
+
+async def stored_layout(nc: Client, s: Subjects) -> dict[str, str]:
+    kv = await epoch_kv(nc.jetstream(), s)
+    return layout(decode(EpochRecord, (await kv.get(s.epoch_key())).value))
+
+
+async def test_two_merges_in_one_plan_of_unanswering_workers(
+    nc: Client, nats_server, uniq: str, services
+):
+    async with two_merges(nc, nats_server.url, uniq, services) as (ctl, ranks, _, drains, s):
         assert len(drains.items) == 2
         assert {d["epoch"] for d in drains.items} == {1}
         assert sorted(tuple(d["sources"]) for d in drains.items) == [
@@ -248,12 +268,7 @@ async def test_two_merges_in_one_plan_of_unanswering_workers(
             assert_partition(r, 8)
         assert ctl.counters["plans"] == 1 and ctl.counters["exposed"] == 2
         assert ctl.counters["acks"] == 8
-        kv = await epoch_kv(nc.jetstream(), s)
-        stored = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
-        assert layout(stored) == {"w-cp4-g0": "active", "w-cp4-g4": "active"}
-    finally:
-        await sched.stop()
-        await ranks.stop()
+        assert await stored_layout(nc, s) == {"w-cp4-g0": "active", "w-cp4-g4": "active"}
 
 
 async def test_merge_target_acking_a_later_record_is_exposed(
@@ -264,21 +279,8 @@ async def test_merge_target_acking_a_later_record_is_exposed(
     the *second* commit record, never its own. That ack counts (every record from its commit
     on shows it switching in the same geometry): `vertumnus up` once kept such a target
     switching for the whole replay, half the pool idle."""
-    s = Subjects(uniq)
-    comps = Collector()
-    await nc.subscribe(composition_subject(s), cb=comps.cb)
-    await nc.flush()
-    ranks = FakeRanks(nc, s, coalesce_s=0.3)
-    await ranks.start()
-    sched = FakeScheduler(nc, s, H, lambda: 1.0)
-    ctl = await services(ControllerService(settings(nats_server.url, uniq, "4CP2")))
-    try:
-        await sched.start()
-        comp = await comps.first(
-            lambda c: c["composition"] == "2CP4" and len(c["schedulable"]) == 2,
-            what="2CP4 exposed, both schedulable",
-        )
-        assert sorted(comp["schedulable"]) == ["w-cp4-g0", "w-cp4-g4"]
+    async with two_merges(nc, nats_server.url, uniq, services,
+                          ranks_kw={"coalesce_s": 0.3}) as (ctl, ranks, _, _, s):
         # Records 2 and 3 commit the two merges; the ranks skipped record 2.
         commits = [r.epoch for r in ranks.records
                    if {"w-cp4-g0", "w-cp4-g4"} & set(layout(r))
@@ -286,12 +288,7 @@ async def test_merge_target_acking_a_later_record_is_exposed(
         assert commits[:2] == [2, 3]
         assert 2 not in ranks.acked and 3 in ranks.acked
         assert ctl.counters["exposed"] == 2 and ctl.counters["acks"] == 8
-        kv = await epoch_kv(nc.jetstream(), s)
-        stored = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
-        assert layout(stored) == {"w-cp4-g0": "active", "w-cp4-g4": "active"}
-    finally:
-        await sched.stop()
-        await ranks.stop()
+        assert await stored_layout(nc, s) == {"w-cp4-g0": "active", "w-cp4-g4": "active"}
 
 
 async def test_lost_acks_are_recovered_by_re_announcing_the_record(
@@ -300,27 +297,11 @@ async def test_lost_acks_are_recovered_by_re_announcing_the_record(
     """Every ack of both merges' commit records (2 and 3) is lost. After ``ack_timeout_s``
     without a record the controller writes the same composition again; the ranks adopt it and
     ack, and both targets are exposed."""
-    s = Subjects(uniq)
-    comps = Collector()
-    await nc.subscribe(composition_subject(s), cb=comps.cb)
-    await nc.flush()
-    ranks = FakeRanks(nc, s, lose_epochs=frozenset({2, 3}))
-    await ranks.start()
-    sched = FakeScheduler(nc, s, H, lambda: 1.0)
-    ctl = await services(ControllerService(settings(nats_server.url, uniq, "4CP2",
-                                                    ack_timeout_s=0.5)))
-    try:
-        await sched.start()
-        comp = await comps.first(
-            lambda c: c["composition"] == "2CP4" and len(c["schedulable"]) == 2,
-            what="2CP4 exposed after the re-announcement",
-        )
-        assert sorted(comp["schedulable"]) == ["w-cp4-g0", "w-cp4-g4"]
+    async with two_merges(nc, nats_server.url, uniq, services,
+                          ranks_kw={"lose_epochs": frozenset({2, 3})},
+                          ack_timeout_s=0.5) as (ctl, ranks, _, _, _):
         assert ctl.counters["reannounced"] >= 1 and ctl.counters["exposed"] == 2
         re = next(r for r in ranks.records if r.epoch == 4)
         # The re-announced record is the commit records' composition, both targets switching.
         assert layout(re) == {"w-cp4-g0": "switching", "w-cp4-g4": "switching"}
         assert {2, 3}.isdisjoint(ranks.acked) and 4 in ranks.acked
-    finally:
-        await sched.stop()
-        await ranks.stop()
