@@ -1350,34 +1350,56 @@ class ControllerService(MicroService):
             self.log.warning("reconfiguration aborted: drain timeout", **aborted.to_dict())
 
     async def _reannounce_unacked(self) -> None:
-        """Step 4's safety net. Ranks acknowledge with plain NATS messages (at most once): an
-        ack lost on the way (a reconnect, a slow consumer) would leave its worker switching
-        for ever, and its GPUs idle. When some worker awaits acks -- a target of a committed
-        reconfiguration, or a re-admitted worker -- and no record was written for
-        ``ack_timeout_s``, the record is written again (same composition, next epoch): every
-        rank adopts it and acknowledges anew, and an ack of a record after the commit counts
-        (:meth:`_ack`). Repeated every ``ack_timeout_s`` while acks are missing."""
+        """Steps 3-5's safety net, when no record was written for ``ack_timeout_s``.
+
+        * Ranks acknowledge with plain NATS messages (at most once): an ack lost on the way (a
+          reconnect, a slow consumer) would leave its worker switching for ever, its GPUs
+          idle. When some worker awaits acks -- a target of a committed reconfiguration, or a
+          re-admitted worker -- the record is written again (same composition, next epoch):
+          every rank adopts it and acknowledges anew, and an ack of a record after the commit
+          counts (:meth:`_ack`). A worker whose commit record never got written (the write
+          failed after the protocol committed) has this as its first commit record.
+        * A reconfiguration whose sources drained but whose commit never got written (DRAINED:
+          an earlier write of the same plan failed) is committed again; one whose ranks all
+          acknowledged but whose exposure record failed to write (READY) is exposed again.
+
+        Repeated every ``ack_timeout_s`` while anything waits."""
         core = self.core
         assert core is not None
         if self.record is None or self.now() - self.record.committed_at_s < \
                 self.csettings.ack_timeout_s:
             return
         proto = core.protocol
+        for rid in proto.in_progress():
+            phase = proto.reconfiguration(rid).phase
+            if self.core is not core or phase not in (Phase.DRAINED, Phase.READY):
+                continue
+            self.log.warning("stalled reconfiguration retried", reconfiguration=rid,
+                             phase=phase.value)
+            if phase is Phase.DRAINED:
+                await self._commit(rid)
+            else:
+                await self._expose(rid)
+        if self.core is not core:
+            return
         waiting = [
-            w.worker_id for w in proto.workers()
+            w for w in proto.workers()
             if w.state is Lifecycle.SWITCHING and (
                 w.reconfiguration is None
                 or proto.reconfiguration(w.reconfiguration).phase is Phase.COMMITTED)
         ]
         if not waiting:
             return
-        record = self._next_record(f"re-announce: {', '.join(waiting)} await rank acks")
+        names = [w.worker_id for w in waiting]
+        record = self._next_record(f"re-announce: {', '.join(names)} await rank acks")
         try:
             await self._write(record)
         except LostLeadership:
             return
+        for w in waiting:
+            self._commit_epoch.setdefault(w.epoch, record.epoch)
         self.counters["reannounced"] += 1
-        self.log.warning("record re-announced: rank acks missing", workers=waiting,
+        self.log.warning("record re-announced: rank acks missing", workers=names,
                          record_epoch=record.epoch)
 
     async def _watch_record(self, watcher: Any) -> None:

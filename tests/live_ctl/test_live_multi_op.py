@@ -20,9 +20,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import nats
 from live_ctl_support import Collector, FakeRanks, FakeScheduler, eventually
 from nats.aio.client import Client
 
@@ -219,11 +220,13 @@ async def test_two_splits_in_one_plan_share_one_drain_record(
 @contextlib.asynccontextmanager
 async def two_merges(nc: Client, url: str, uniq: str, services, *,
                      ranks_kw: dict[str, Any] | None = None,
+                     prepare: Callable[[ControllerService], None] | None = None,
                      **settings_kw: Any) -> AsyncIterator[tuple[Any, ...]]:
     """4CP2 at a demand of one worker: one plan of two merges. No queue endpoint and no worker
     state, so nothing is known to run: the sources are drained at once and each merge commits
-    straight away. Yields (controller, ranks, the first 2CP4 composition notice with both
-    workers schedulable, drain notices, subjects)."""
+    straight away. ``prepare`` gets the controller before any window closes. Yields
+    (controller, ranks, the first 2CP4 composition notice with both workers schedulable, drain
+    notices, subjects)."""
     s = Subjects(uniq)
     drains, comps = Collector(), Collector()
     await nc.subscribe(drain_subject(s), cb=drains.cb)
@@ -233,6 +236,8 @@ async def two_merges(nc: Client, url: str, uniq: str, services, *,
     await ranks.start()
     sched = FakeScheduler(nc, s, H, lambda: 1.0)
     ctl = await services(ControllerService(settings(url, uniq, "4CP2", **settings_kw)))
+    if prepare is not None:
+        prepare(ctl)
     try:
         await sched.start()
         comp = await comps.first(
@@ -305,3 +310,45 @@ async def test_lost_acks_are_recovered_by_re_announcing_the_record(
         # The re-announced record is the commit records' composition, both targets switching.
         assert layout(re) == {"w-cp4-g0": "switching", "w-cp4-g4": "switching"}
         assert {2, 3}.isdisjoint(ranks.acked) and 4 in ranks.acked
+
+
+def fail_first_write(reason_prefix: str, failed: list[int]) -> Callable[[ControllerService], None]:
+    """Fault injection: the controller's first record write whose reason starts with
+    ``reason_prefix`` times out, as a JetStream KV update can (the record is not stored)."""
+
+    def prepare(ctl: ControllerService) -> None:
+        write = ctl._write
+
+        async def flaky(record: EpochRecord) -> None:
+            if record.reason.startswith(reason_prefix) and not failed:
+                failed.append(record.epoch)
+                raise nats.errors.TimeoutError
+            await write(record)
+
+        ctl._write = flaky  # type: ignore[method-assign]
+
+    return prepare
+
+
+async def test_a_commit_record_that_failed_to_write_is_recovered(
+    nc: Client, nats_server, uniq: str, services
+):
+    """The first merge's commit record is never stored (after the protocol committed it): its
+    target is re-announced and the plan's second merge, never committed behind the failed
+    write, is committed; both end exposed."""
+    failed: list[int] = []
+    async with two_merges(nc, nats_server.url, uniq, services, ack_timeout_s=0.5,
+                          prepare=fail_first_write("commit", failed)) as (ctl, _, _, _, s):
+        assert len(failed) == 1
+        assert ctl.counters["reannounced"] >= 1 and ctl.counters["exposed"] == 2
+        assert await stored_layout(nc, s) == {"w-cp4-g0": "active", "w-cp4-g4": "active"}
+
+
+async def test_an_exposure_record_that_failed_to_write_is_retried(
+    nc: Client, nats_server, uniq: str, services
+):
+    failed: list[int] = []
+    async with two_merges(nc, nats_server.url, uniq, services, ack_timeout_s=0.5,
+                          prepare=fail_first_write("expose", failed)) as (ctl, _, _, _, s):
+        assert len(failed) == 1 and ctl.counters["exposed"] == 2
+        assert await stored_layout(nc, s) == {"w-cp4-g0": "active", "w-cp4-g4": "active"}
