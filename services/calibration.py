@@ -50,6 +50,7 @@ CONTROLLER: Final[ControllerConfig] = ControllerConfig(
     momentum=False,
     merge_speedup=1.15,
     preference_shift=0.25,
+    preference_headroom=0.9,
     merge_memory=3,
     long_shift=0.04,
     long_shift_persistence=1,
@@ -162,7 +163,20 @@ instead of one, same mean 1.039 s). Seeds 9-14, not looked at while choosing eit
 Δ% before both (split re-homing only, persistence 2) → with both: seed 9 +4.5/+4.4 → +3.3/+3.7,
 seed 10 +4.0/+1.5 → −1.4/−1.4, seed 11 +6.2/+5.6 → −0.8/+2.0, seed 12 +1.8/+7.4 → −1.0/+1.4,
 seed 13 −28.9/−0.2 → −30.1/−8.3, seed 14 +3.3/+2.3 → +0.7/+0.5 (S2 and S4 within 1.5 points;
-seed 13 splits in S1 already, +1.8% there both times)."""
+seed 13 splits in S1 already, +1.8% there both times).
+
+``preference_headroom`` 0.9 (session 5). Conversation seeds 1-3 (the preset had been run on seed
+0 only) showed seed 2 at ×4 +4.3% mean and +8.2% P90 behind homo_cp2 (1.615 vs 1.548 s): rule 10
+merged three times (t = 380, 680, 720 s, each admitted with D̂ ≤ 1.0·K'), and the next busy window
+(D = 334 > u·K = 274) split all three back, two of them draining for 15 and 19 s behind long
+prefills. Vertumnus's mean against homo_cp2, ×3.0/×3.5/×4.0, headroom 1.0 → 0.9 (0.8): seed 0
+−12.1/−3.3/−0.2 → −10.2/−0.2/−0.1 (−9.6/+0.6/−0.1); seed 1 −14.8/−0.7/−1.3 → −11.1/+0.4/−1.3
+(−11.3/−0.5/−1.3); seed 2 −13.1/−3.5/+4.3 → −12.4/−3.3/−2.9 (−12.8/−0.6/−2.9); seed 3
+−12.0/−4.1/+0.9 → −10.3/−2.0/−1.6 (−9.5/+1.0/−1.6). The margin gives up about two points at ×3
+and some of ×3.5's gain for no loss beyond 3% at any rate on any of the four seeds; 0.9 keeps
+more of ×3.5 than 0.8. Other rates, L-Eval, Azure code and the reconfiguration preset (seeds
+0-14 at 0.8; 0-3, 6 and 9 at 0.9) are unchanged: their rule-10 merges, if any, pass either
+bound."""
 
 REHOME: Final[RehomeConfig] = RehomeConfig(min_blocks=64, fill=0.75)
 """Re-homing a split parent's documents (reconcile.py ``rehome_on_split``): prefixes of at least 64

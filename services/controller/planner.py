@@ -81,12 +81,15 @@ nothing, so it counts nothing):
    rate falls to a fifth), so the reference keeps being re-based and the mix is never
    judged; rule 1 then waits for D < l·K, eight to ten windows later. The move persists like
    any other signal and, like rule 2's, is one merge (then re-judged against the new
-   composition), within rule 9's gate, admitted while D̂ ≤ ``upper``·K' (the merged pool
-   still holds the recent peak; ``merge_headroom``'s margin is for merges driven by spare
-   capacity, which these are not). A plan merging as far as the gate allows was measured
-   and dropped: every merge costs the merged workers' cached prefixes at the moment the
-   long requests arrive (calibration, CONTROLLER). No preference split is made: one was
-   tried (a "mix split" back to the bound) and cost the conversation trace.
+   composition), within rule 9's gate, admitted while D̂ ≤ ``preference_headroom``·K'
+   (default ``upper``: the merged pool still holds the recent peak; ``merge_headroom``'s
+   margin is for merges driven by spare capacity, which these are not). A margin below
+   ``upper`` keeps the rule from merging a pool that runs near capacity, where the next busy
+   window splits it again with long drains (calibration, CONTROLLER). A plan merging as far
+   as the gate allows was measured and dropped: every merge costs the merged workers' cached
+   prefixes at the moment the long requests arrive (calibration, CONTROLLER). No preference
+   split is made: one was tried (a "mix split" back to the bound) and cost the conversation
+   trace.
 
 11. **Peak memory for preference-shift merges** (our addition; ``merge_memory`` set). A rule-10
    merge is admitted against the largest demand of the last ``merge_memory`` windows (not only
@@ -173,6 +176,7 @@ class ControllerConfig:
     * ``split_target`` 0.8 — a multi-operation split continues while D > 0.8·K (rule 8).
     * ``merge_speedup`` None — the merge gate (rule 9) is off unless set.
     * ``preference_shift`` None — rule 10 (the preference-shift merge) is off unless set.
+    * ``preference_headroom`` None — a rule-10 merge is admitted up to ``upper``·K'.
     * ``momentum`` True — rule 4's momentum; a multi-operation plan already goes as far as the
       demand calls for, so with ``max_ops`` > 1 it can be turned off to re-prove persistence.
     * ``merge_memory`` None — rule 11 off (windows of demand a rule-10 merge must fit).
@@ -196,6 +200,7 @@ class ControllerConfig:
     momentum: bool = True
     merge_speedup: float | None = None
     preference_shift: float | None = None
+    preference_headroom: float | None = None
     merge_memory: int | None = None
     long_shift: float | None = None
     long_shift_persistence: int | None = None
@@ -252,6 +257,11 @@ class ControllerConfig:
                     f"ControllerConfig.preference_shift must be None or in (0, 1], "
                     f"got {self.preference_shift}"
                 )
+        if self.preference_headroom is not None and not (
+                0.0 < num("preference_headroom") <= self.upper):
+            raise InvalidInput(
+                f"ControllerConfig.preference_headroom must be None or in (0, upper="
+                f"{self.upper}], got {self.preference_headroom}")
         mm = self.merge_memory
         if mm is not None and (isinstance(mm, bool) or not isinstance(mm, int) or mm < 1):
             raise InvalidInput(
@@ -553,6 +563,7 @@ class Planner:
                 set(excluded),
                 capacity_driven=cap_sig is not None,
                 preference_driven=(pref_sig or long_sig) and cap_sig is None,
+                mix_rule=10 if pref_sig else 12 if long_sig else None,
                 why=why,
                 preferred=(
                     _sum_by_degree(pref_hist)
@@ -627,6 +638,7 @@ class Planner:
         preferred: Mapping[int, float] | None = None,
         preference_driven: bool = False,
         floor: int = 0,
+        mix_rule: int | None = None,
     ) -> tuple[tuple[Plan, ...], str]:
         """Rules 5, 6, 8 and 10: the operations of the plan, or () and why none was admitted."""
         cfg = self.config
@@ -652,7 +664,7 @@ class Planner:
                 unavailable,
                 capacity_driven=capacity_driven,
                 preferred=preferred or {},
-                headroom=cfg.upper if preference_driven else cfg.merge_headroom,
+                headroom=self._mix_headroom(mix_rule) if preference_driven else cfg.merge_headroom,
                 floor=floor,
             )
             if best is None:
@@ -673,6 +685,14 @@ class Planner:
             touched.update(op.target_ids)
             virtual = after
         return tuple(plans), ("" if plans else refusal)
+
+    def _mix_headroom(self, rule: int | None) -> float:
+        """Admission bound (× K') of a mix-driven merge: rule 10's ``preference_headroom``
+        when set, else ``upper`` (rule 12 always)."""
+        cfg = self.config
+        if rule == 10 and cfg.preference_headroom is not None:
+            return cfg.preference_headroom
+        return cfg.upper
 
     def _best_op(
         self,

@@ -269,6 +269,11 @@ class ControllerSettings(ServiceSettings):
         "degree exceeds that degree's share of GPUs by this much. None: off. Reads the same "
         "per-request breakdown as merge_speedup, so it acts only when the merge gate does.",
     )
+    preference_headroom: float | None = Field(
+        default=CONTROLLER.preference_headroom,
+        description="Planner rule 10: a preference-shift merge is admitted only while the "
+        "recent peak demand is at most this × the merged pool's capacity. None: upper.",
+    )
     merge_memory: int | None = Field(
         default=CONTROLLER.merge_memory,
         description="Planner rule 11: a rule-10 merge must fit the peak demand of the last this "
@@ -377,6 +382,7 @@ class ControllerSettings(ServiceSettings):
             momentum=self.momentum,
             merge_speedup=self.merge_speedup,
             preference_shift=self.preference_shift,
+            preference_headroom=self.preference_headroom,
             merge_memory=self.merge_memory,
             long_shift=self.long_shift,
             long_shift_persistence=self.long_shift_persistence,

@@ -125,6 +125,17 @@ def test_long_share_persistence_of_its_own() -> None:
     assert d.capacity_signal is OpKind.MERGE and d.plans == () and "(1/2)" in d.reason
 
 
+def test_preference_headroom_does_not_bound_a_long_share_merge() -> None:
+    # Rule 12's merge is admitted under upper, whatever rule 10's own bound says.
+    cfg = ControllerConfig(persistence=2, max_ops=8, long_shift=0.05, long_shift_persistence=1,
+                           preference_headroom=0.1)
+    p = Planner(PROFILE, cfg)
+    for k in range(2):
+        p.observe(win(k, 50.0), EIGHT_CP2)
+    d = p.observe(win(2, 50.0, long=1), EIGHT_CP2)
+    assert len(d.plans) == 1 and "long fraction" in d.reason
+
+
 def test_capacity_signal_overrides_the_long_share() -> None:
     # D = 75 > u·K = 72 -> SPLIT although the long share rose.
     p = Planner(PROFILE, LONG)

@@ -127,3 +127,27 @@ def test_core_without_merge_speedup_reports_no_breakdown_so_no_shift() -> None:
         core.assigned(20.0 * k + 1.0, 50.0, 100_000, degree=2)
         (d,) = core.tick(20.0 * (k + 1))
         assert d.window.demand_by_preferred == () and d.direction is None
+
+
+@pytest.mark.parametrize("demand, admitted", [(58.0, True), (62.0, False)])
+def test_preference_headroom_bounds_the_merge(demand: float, admitted: bool) -> None:
+    # 8CP2, D in [40, 72]: no capacity signal; all of it prefers CP4. A merge leaves K' = 76.
+    # Under u = 0.9 both demands are admitted (≤ 68.4); with preference_headroom 0.8 only
+    # D ≤ 60.8 is: 58 merges, 62 is refused by the 0.80 bound.
+    for cfg, ok in ((CFG, True),
+                    (ControllerConfig(persistence=2, max_ops=8, merge_speedup=1.2,
+                                      preference_shift=0.25, preference_headroom=0.8), admitted)):
+        p = Planner(PROFILE, cfg)
+        p.observe(pwin(0, demand, {4: demand}), EIGHT_CP2)
+        d = p.observe(pwin(1, demand, {4: demand}), EIGHT_CP2)
+        assert d.direction is OpKind.MERGE
+        assert (len(d.plans) == 1) is ok, d.reason
+        if not ok:
+            assert "0.80·capacity" in d.reason
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 0.95, math.nan, True, "0.8"])
+def test_preference_headroom_validation(bad: object) -> None:
+    # (0, upper]: upper is 0.9 by default.
+    with pytest.raises(InvalidInput):
+        ControllerConfig(preference_headroom=bad)  # type: ignore[arg-type]
