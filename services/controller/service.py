@@ -60,9 +60,11 @@ Carrying out a plan (one or more splits and merges on disjoint workers, ``max_op
    ReconfigurationEvent (phase ``exposed``, with drain and switch times) are published.
 
 A reconfiguration whose sources have not drained after ``drain_timeout_s`` is aborted
-(``protocol.abort``; a record with the sources ACTIVE again). A worker still waiting for rank
-acks ``ack_timeout_s`` after the last record gets the record re-announced (the same
-composition under the next epoch), so a lost ack cannot leave it switching.
+(``protocol.abort``; a record with the sources ACTIVE again). When ``ack_timeout_s`` pass
+without a record while something waits, the plan is resumed: a worker still waiting for rank
+acks gets the record re-announced (the same composition under the next epoch), so a lost ack
+cannot leave it switching, and an operation whose commit or exposure record failed to write
+is committed or exposed again.
 
 Liveness (§5.2 lifecycle): a worker whose last WorkerState is older than ``lease_s`` fails
 (``protocol.fail``: UNAVAILABLE in the next record; an uncommitted reconfiguration it is a
@@ -1186,7 +1188,7 @@ class ControllerService(MicroService):
                 await self._carry_out(plans)
             await self._abort_stuck()
             if self.core is core:
-                await self._reannounce_unacked()
+                await self._resume_stalled()
             if self.core is core:  # not rebuilt by a lost compare-and-set above
                 await self._check_leases()
             if self.core is core:
@@ -1355,7 +1357,7 @@ class ControllerService(MicroService):
             await self._publish_reconf(aborted)
             self.log.warning("reconfiguration aborted: drain timeout", **aborted.to_dict())
 
-    async def _reannounce_unacked(self) -> None:
+    async def _resume_stalled(self) -> None:
         """Steps 3-5's safety net, when no record was written for ``ack_timeout_s``.
 
         * Ranks acknowledge with plain NATS messages (at most once): an ack lost on the way (a
