@@ -185,6 +185,21 @@ class AssignmentAck(Message):
     queue_position: NonNegInt = Field(description="requests ahead of this one, incl. running")
 
 
+class QueueQuery(Message):
+    """Controller (or scheduler) → worker leader: list your queued and in-flight request ids."""
+
+    worker_id: Id
+    reconfiguration: NonNegInt = 0
+
+
+class QueueReport(Message):
+    """Worker leader → asker: its FIFO (queue order) and what is executing."""
+
+    worker_id: Id
+    queued: list[Id] = Field(default_factory=list)
+    in_flight: list[Id] = Field(default_factory=list)
+
+
 # -- workers and epochs ------------------------------------------------------------------------
 
 
@@ -703,6 +718,8 @@ __all__ = [
     "KvChunk",
     "Message",
     "PlacementTerms",
+    "QueueQuery",
+    "QueueReport",
     "ReclaimCommand",
     "ReconcileCommand",
     "ReplicateCommand",

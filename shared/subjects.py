@@ -136,6 +136,10 @@ class Subjects:
         """Assignments to the worker's leader rank (request-reply micro endpoint)."""
         return f"{self.worker_group(worker_id)}.assign"
 
+    def worker_queue(self, worker_id: str) -> str:
+        """The worker leader's queue listing (request-reply: QueueQuery → QueueReport)."""
+        return f"{self.worker_group(worker_id)}.queue"
+
     def worker_assign_all(self) -> str:
         """Filter over every worker's assign subject (for taps)."""
         return self._join("worker", "*", "assign")

@@ -89,8 +89,9 @@ core and rebuilds it from the stored record (``cas_lost`` and ``rebuilt`` in ``i
 With ``follow_record`` (default) the controller also watches the key and, while it has
 nothing in progress, adopts records written by others (so a passive replica stays current).
 
-Messages this module defines until they move to shared/ (see the report): QueueQuery /
-QueueReport, DrainNotice, ReconfigurationEvent, CompositionNotice, InspectQuery.
+Messages this module defines until they move to shared/ (see the report): DrainNotice,
+ReconfigurationEvent, CompositionNotice, InspectQuery. (QueueQuery / QueueReport moved to
+:mod:`shared.schemas`, since rankd answers them; re-exported here.)
 """
 
 from __future__ import annotations
@@ -145,6 +146,8 @@ from shared.schemas import (
     Message,
     NonNegFloat,
     NonNegInt,
+    QueueQuery,
+    QueueReport,
     RequestStats,
     SchemaError,
     WallTime,
@@ -435,26 +438,11 @@ def composition_subject(subjects: Subjects) -> str:
 
 
 def worker_queue_subject(subjects: Subjects, worker_id: str) -> str:
-    """Request-reply to a worker leader: QueueQuery → QueueReport."""
-    return f"{subjects.worker_group(worker_id)}.queue"
+    """Request-reply to a worker leader: QueueQuery → QueueReport (rankd's ``queue``)."""
+    return subjects.worker_queue(worker_id)
 
 
 # -- messages ---------------------------------------------------------------------------------
-
-
-class QueueQuery(Message):
-    """Controller → worker leader: list your queued and in-flight request ids."""
-
-    worker_id: Id
-    reconfiguration: NonNegInt = 0
-
-
-class QueueReport(Message):
-    """Worker leader → controller: its FIFO (queue order) and what is executing."""
-
-    worker_id: Id
-    queued: list[Id] = Field(default_factory=list)
-    in_flight: list[Id] = Field(default_factory=list)
 
 
 class RedirectedRequest(Message):

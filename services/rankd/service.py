@@ -7,7 +7,10 @@ Per process (one worker, its leader rank, for now):
   409 not ACTIVE / epoch ahead / queue full; for a re-sent assignment of a request this worker
   handed back: 425 while the redirect is unsettled, 410 once intake holds it — see
   :mod:`services.rankd.core`). Admission is instant; execution is FIFO in a background task
-  through an :class:`~services.rankd.backend.ExecutionBackend`.
+  through an :class:`~services.rankd.backend.ExecutionBackend`. Endpoint
+  ``{prefix}.worker.{wid}.queue``: a QueueQuery in, a QueueReport out (the running request
+  and the FIFO in order; 400 malformed, 404 another worker's id) -- the controller's first
+  step of a split or merge.
 * after each request, a FirstToken on ``{prefix}.result.{rid}`` with TTFT stage timings
   (wall seconds, see :mod:`services.rankd.backend`), and spans ``queue_wait``, ``prefill``
   (with one ``prefill_rank`` child per rank: rank, GPU, share of the new tokens),
@@ -80,7 +83,7 @@ from services.rankd.core import (
     rank_shares,
 )
 from services.rankd.settings import RankdSettings
-from shared.ids import InvalidInput
+from shared.ids import InvalidInput, UnknownWorker
 from shared.schemas import (
     CONTENT_TYPE,
     JSON,
@@ -93,6 +96,8 @@ from shared.schemas import (
     EpochAck,
     EpochRecord,
     FirstToken,
+    QueueQuery,
+    QueueReport,
     SchemaError,
     TtftStages,
     decode,
@@ -217,6 +222,7 @@ class RankdService(MicroService):
         wid = self.core.worker_id
         return [
             Endpoint("assign", self._on_assign),
+            Endpoint("queue", self._on_queue),
             Endpoint(
                 "cache-snapshot",
                 self._on_snapshot,
@@ -227,6 +233,19 @@ class RankdService(MicroService):
                 "cache-cmd", self._on_cache_cmd, subject=self.subjects.cache_cmd(wid), absolute=True
             ),
         ]
+
+    async def _on_queue(self, request: Request) -> QueueReport:
+        """The controller's step 1 (and a scheduler unsure of a dispatch): this worker's FIFO
+        in order and what executes now. 400 malformed, 404 for another worker's id."""
+        q = request_model(request, QueueQuery)
+        if q.worker_id != self.core.worker_id:
+            raise UnknownWorker(f"queue query for {q.worker_id} reached {self.core.worker_id}")
+        running = self.core.running
+        return QueueReport(
+            worker_id=self.core.worker_id,
+            queued=[j.request_id for j in self.core.queued],
+            in_flight=[running.request_id] if running is not None else [],
+        )
 
     async def _on_snapshot(self, request: Request) -> CacheSnapshot:
         async with self._events_lock:

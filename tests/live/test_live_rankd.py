@@ -33,6 +33,8 @@ from shared.schemas import (
     EpochWorker,
     FirstToken,
     IntakeRequest,
+    QueueQuery,
+    QueueReport,
     ReclaimCommand,
     ReplicateCommand,
     WorkerState,
@@ -224,6 +226,44 @@ async def test_bad_assignments_get_micro_errors(
         assert err.value.code == code
     ack = await call(nc, s.worker_assign(WID), assignment("ok"), AssignmentAck, timeout_s=WAIT_S)
     assert ack.request_id == "ok"  # still serving
+
+
+async def test_queue_endpoint_lists_running_and_queued_requests(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """``{prefix}.worker.{wid}.queue``: what executes now and the FIFO in order (the
+    controller's step 1); a query for another worker is a 404, a malformed one a 400."""
+    first = asyncio.Event()
+
+    def slow_first(r: int, p: int, degree: int, *, kind: str = "cp") -> float:
+        if first.is_set():
+            return 0.05
+        first.set()
+        return 30.0  # holds the worker for the whole test; the stop does not wait for it
+
+    svc, task = await start_rankd(nats_server.url, uniq,
+                                  SimBackend(prefill_time=slow_first, time_scale=1.0),
+                                  drain_timeout_s=0.5)
+    s = Subjects(uniq)
+    try:
+        for rid in ("q-a", "q-b", "q-c"):
+            await call(nc, s.worker_assign(WID), assignment(rid), AssignmentAck,
+                       timeout_s=WAIT_S)
+        await asyncio.wait_for(first.wait(), timeout=WAIT_S)
+        rep = await call(nc, s.worker_queue(WID), QueueQuery(worker_id=WID), QueueReport,
+                         timeout_s=WAIT_S)
+        assert (rep.worker_id, rep.in_flight, rep.queued) == (WID, ["q-a"], ["q-b", "q-c"])
+        for body, code in ((QueueQuery(worker_id="w-cp2-g0"), 404), (b"\x00", 400),
+                           (b'{"worker_id": "Bad Id"}', 400)):
+            with pytest.raises(RemoteError) as err:
+                await call(nc, s.worker_queue(WID), body, QueueReport, timeout_s=WAIT_S)
+            assert err.value.code == code
+        again = await call(nc, s.worker_queue(WID), QueueQuery(worker_id=WID), QueueReport,
+                           timeout_s=WAIT_S)
+        assert again == rep  # still serving, nothing changed
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def test_epoch_adoption_acks_drain_and_redirect(
