@@ -68,7 +68,9 @@ used for it (:func:`services.rankd.core.handback_msg_id`), so if the worker did 
 intake de-duplicates the two (within its duplicate window), and the old message is acked; a
 request whose result this replica saw is acked without either. On its last delivery
 (``max_deliver``) a message that still failed gets a FirstToken with an error (so the client
-is not left waiting; a worker that did admit it may still answer first) and is terminated. A
+is not left waiting) and is terminated -- unless its outcome is unknown and the worker, asked
+on its ``queue`` endpoint, lists the request as queued or running: then its own first token
+answers the client and the message is acked (``unknown_held``). A
 malformed intake message is terminated at once.
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
@@ -139,6 +141,8 @@ from shared.schemas import (
     NonNegFloat,
     NonNegInt,
     PlacementTerms,
+    QueueQuery,
+    QueueReport,
     RequestStats,
     SchemaError,
     TtftStages,
@@ -463,6 +467,7 @@ class SchedulerStats:
     gone_handed_back: int = 0  # handed back to intake on behalf of a worker known gone
     gone_in_intake: int = 0  # ... and intake already held that hand-back (de-duplicated)
     finished_acked: int = 0  # a redelivery of a request whose result was seen: acked
+    unknown_held: int = 0  # last delivery, outcome unknown, but the worker lists it: acked
 
 
 class SchedulerService(MicroService):
@@ -958,7 +963,28 @@ class SchedulerService(MicroService):
             await self._settle(again, rid)
         self.log.warning("dispatch outcome unknown; record kept", request_id=rid,
                          worker=a.worker_id, error=repr(exc))
+        if self._deliveries(msg) >= self.ssettings.max_deliver and \
+                await self._worker_holds(a.worker_id, rid):
+            # No delivery is left to re-send it, but the worker has it queued or running:
+            # its first token will answer the client, so no error FirstToken goes out.
+            self.stats.unknown_held += 1
+            self.log.info("last delivery: the worker holds the request", request_id=rid,
+                          worker=a.worker_id)
+            await msg.ack()
+            return
         await self._retry_or_fail(msg, req, f"worker {a.worker_id} did not answer: {exc!r}")
+
+    async def _worker_holds(self, worker_id: str, request_id: str) -> bool:
+        """Whether the worker lists the request as queued or running (its ``queue``
+        endpoint); False when it does not answer."""
+        try:
+            rep = await call(self.nc, self.subjects.worker_queue(worker_id),
+                             QueueQuery(worker_id=worker_id), QueueReport,
+                             timeout_s=self.ssettings.dispatch_timeout_s)
+        except (RemoteError, SchemaError, nats.errors.NoRespondersError,
+                nats.errors.TimeoutError, TimeoutError):
+            return False
+        return request_id in rep.in_flight or request_id in rep.queued
 
     def worker_gone(self, worker_id: str) -> bool:
         """Whether ``worker_id`` is known gone (see "Failure handling"); never before the

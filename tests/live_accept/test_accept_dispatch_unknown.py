@@ -136,6 +136,57 @@ async def test_lost_answer_is_not_placed_again(nats_server: EmbeddedNats, x_stat
         await nc.drain()
 
 
+class NeverHearsBack(SchedulerService):
+    """Every answer about x is lost: after the worker admitted it (``admit``), or because the
+    assignment never reached it (not ``admit``)."""
+
+    rid = "unheard-x"
+    admit = True
+
+    async def _dispatch(self, a: Assignment, headers: dict[str, str]) -> AssignmentAck:
+        if a.request.request_id != self.rid:
+            return await super()._dispatch(a, headers)
+        if self.admit:
+            await super()._dispatch(a, headers)
+        raise nats.errors.TimeoutError
+
+
+@pytest.mark.parametrize("admitted", [True, False])
+async def test_last_delivery_asks_the_worker_before_failing(nats_server: EmbeddedNats,
+                                                            admitted: bool) -> None:
+    """On its last delivery x's outcome is still unknown. The scheduler asks W's ``queue``
+    endpoint: W runs x, so no error goes to the client (W's first token will answer) and the
+    message is acked; W never got x, so the client gets an error FirstToken as before."""
+    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
+    nc = await nats.connect(nats_server.url, connect_timeout=5)
+    tap = await ResultTap(nc, live.subjects).start()
+    rid = NeverHearsBack.rid
+    try:
+        w = await start_rankd(live, W)
+        NeverHearsBack.admit = admitted
+        sched = await live.scheduler(cls=NeverHearsBack, policy="round_robin", block_size=16,
+                                     retry_delay_s=0.05, max_deliver=2)
+        await wait_until(lambda: len(sched.core.view) == 1, "W in the view")
+        await publish_intake(nc, live, rid, BLOCKER_LEN)
+        await wait_until(lambda: sched.stats.unknown_held + sched.stats.failed == 1,
+                         "x's last delivery settled")
+        assert sched.stats.dispatch_unknown == 2 and sched.stats.resent == 1, sched.stats
+        if admitted:
+            assert sched.stats.unknown_held == 1 and sched.stats.failed == 0, sched.stats
+            assert [j.request_id for j in (w.core.running, *w.core.queued) if j] == [rid]
+            assert not [r for r in tap.results if r.request_id == rid]  # no error sent
+        else:
+            assert sched.stats.failed == 1 and w.admitted == [], sched.stats
+            await wait_until(lambda: any(r.request_id == rid for r in tap.results),
+                             "the error FirstToken")
+            [err] = [r for r in tap.results if r.request_id == rid]
+            assert err.error is not None and "did not answer" in err.error
+    finally:
+        await live.close()
+        await tap.stop()
+        await nc.drain()
+
+
 class DiesBeforeDispatchedRecord(SchedulerService):
     """Scheduler A: dies (for this message) after W's ack, before the ``dispatched`` record."""
 
