@@ -16,6 +16,7 @@ Map (prefix ``vtm``):
 ``vtm.intake.requests``        durable intake, JetStream work-queue stream ``VTM_INTAKE``
 ``vtm.gateway.completions``    gateway's NATS request subject (CompletionRequest)
 ``vtm.worker.{wid}.assign``    Assignment to one worker's leader rank (micro endpoint)
+``vtm.worker.{wid}.queue``     request-reply: QueueQuery -> the worker's running and queued ids
 ``vtm.rank.{gpu}.ctl``         epoch / geometry control to one rank daemon
 ``vtm.epoch.ack.{gpu}``        EpochAck from a rank
 ``vtm.cache.events.{wid}``     CacheEvent stream of one worker
