@@ -62,15 +62,16 @@ request back), until the worker answers or is known gone. A first send that gets
 responders" reached no worker and is re-placed. *Known gone* (only once the worker-state
 view has loaded): no state (lease expired out of the bucket), a heartbeat older than
 ``lease_s``, or UNAVAILABLE with nothing queued, running or being redirected — whatever it
-had is finished (its result went out first) or handed back to intake. The request is then
-handed back on the worker's behalf: published to intake under the id the worker would have
-used for it (:func:`services.rankd.core.handback_msg_id`), so if the worker did hand it back,
-intake de-duplicates the two (within its duplicate window), and the old message is acked; a
-request whose result this replica saw is acked without either. On its last delivery
-(``max_deliver``) a message that still failed gets a FirstToken with an error (so the client
-is not left waiting) and is terminated -- unless its outcome is unknown and the worker, asked
-on its ``queue`` endpoint, lists the request as queued or running: then its own first token
-answers the client and the message is acked (``unknown_held``). A
+had is finished (its result went out first) or handed back to intake — and the worker's
+``queue`` endpoint does not list the request (a view that lags a live worker is overruled).
+The request is then handed back on the worker's behalf: published to intake under the id
+the worker would have used for it (:func:`services.rankd.core.handback_msg_id`), so if the
+worker did hand it back, intake de-duplicates the two (within its duplicate window), and the
+old message is acked; a request whose result this replica saw is acked without either. On
+its last delivery (``max_deliver``) a message that still failed gets a FirstToken with an
+error (so the client is not left waiting) and is terminated -- unless its outcome is unknown
+and the worker, asked on its ``queue`` endpoint, lists the request as queued or running: then
+its own first token answers the client and the message is acked (``unknown_held``). A
 malformed intake message is terminated at once.
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
@@ -881,7 +882,10 @@ class SchedulerService(MicroService):
                     self.log.info("redelivery of a served request acked", request_id=rid)
                     await msg.ack()
                     return
-                if self.worker_gone(record.worker_id):
+                # "Gone" is judged from the worker-state view, which can lag; a worker that
+                # still lists the request is alive and will run it: re-send, do not hand back.
+                if self.worker_gone(record.worker_id) and \
+                        not await self._worker_holds(record.worker_id, rid):
                     await self._hand_back_for_gone(msg, req, record, parent)
                     return
                 assignment, decision = await self._resume(req, record, dequeued), None

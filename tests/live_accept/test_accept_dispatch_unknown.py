@@ -187,6 +187,41 @@ async def test_last_delivery_asks_the_worker_before_failing(nats_server: Embedde
         await nc.drain()
 
 
+class LaggingView(LosesOneAnswer):
+    """As LosesOneAnswer, with a worker-state view that judges W gone (a heartbeat it has not
+    seen yet, say) while W is alive and running x."""
+
+    rid = "lagging-x"
+
+    def worker_gone(self, worker_id: str) -> bool:
+        return worker_id == W or super().worker_gone(worker_id)
+
+
+async def test_a_worker_judged_gone_that_holds_the_request_gets_it_re_sent(
+    nats_server: EmbeddedNats,
+) -> None:
+    """x's first answer is lost and the view says W is gone. W's ``queue`` endpoint still lists
+    x, so the redelivery re-sends it to W (answered idempotently) instead of handing x back
+    for another worker: x is placed once. Handing it back put it on W2 as well."""
+    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
+    nc = await nats.connect(nats_server.url, connect_timeout=5)
+    rid = LaggingView.rid
+    try:
+        w = await start_rankd(live, W)
+        w2 = await start_rankd(live, W2)
+        LaggingView.after_result = False
+        sched = await live.scheduler(cls=LaggingView, policy="round_robin", block_size=16,
+                                     retry_delay_s=0.05)
+        await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+        await publish_intake(nc, live, rid, BLOCKER_LEN)
+        await wait_until(lambda: sched.stats.dispatched == 1, "x's re-send answered")
+        assert sched.stats.gone_handed_back == 0 and sched.stats.resent == 1, sched.stats
+        assert w.admitted == [rid, rid] and w2.admitted == []
+    finally:
+        await live.close()
+        await nc.drain()
+
+
 class DiesBeforeDispatchedRecord(SchedulerService):
     """Scheduler A: dies (for this message) after W's ack, before the ``dispatched`` record."""
 
