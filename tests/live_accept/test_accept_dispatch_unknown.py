@@ -24,8 +24,10 @@ scheduler's acks), never timed assertions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -78,6 +80,21 @@ async def publish_intake(nc: Any, live: InProcess, rid: str, length: int = 40) -
     await nc.jetstream().publish(live.subjects.intake_requests(), data, headers=headers)
 
 
+@contextlib.asynccontextmanager
+async def running(nats_server: EmbeddedNats) -> AsyncIterator[tuple[InProcess, Any, ResultTap]]:
+    """Services in this process under a fresh prefix, a client and a tap of every result;
+    everything closed afterwards."""
+    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
+    nc = await nats.connect(nats_server.url, connect_timeout=5)
+    tap = await ResultTap(nc, live.subjects).start()
+    try:
+        yield live, nc, tap
+    finally:
+        await live.close()
+        await tap.stop()
+        await nc.drain()
+
+
 class LosesOneAnswer(SchedulerService):
     """The worker admits x's first assignment, but its answer never reaches us: a timeout is
     raised instead — at once, or (``after_result``) once x's first token was seen here."""
@@ -101,11 +118,8 @@ class LosesOneAnswer(SchedulerService):
 
 @pytest.mark.parametrize("x_state", ["running", "finished"])
 async def test_lost_answer_is_not_placed_again(nats_server: EmbeddedNats, x_state: str) -> None:
-    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
-    nc = await nats.connect(nats_server.url, connect_timeout=5)
-    tap = await ResultTap(nc, live.subjects).start()
     rid = LosesOneAnswer.rid
-    try:
+    async with running(nats_server) as (live, nc, tap):
         w = await start_rankd(live, W)
         w2 = await start_rankd(live, W2)
         LosesOneAnswer.after_result = x_state == "finished"
@@ -130,10 +144,6 @@ async def test_lost_answer_is_not_placed_again(nats_server: EmbeddedNats, x_stat
             assert sched.stats.finished_acked == 1 and sched.stats.resent == 0, sched.stats
             runs = [(r.worker_id, r.error) for r in tap.results if r.request_id == rid]
             assert runs == [(W, None)], runs
-    finally:
-        await live.close()
-        await tap.stop()
-        await nc.drain()
 
 
 class NeverHearsBack(SchedulerService):
@@ -157,11 +167,8 @@ async def test_last_delivery_asks_the_worker_before_failing(nats_server: Embedde
     """On its last delivery x's outcome is still unknown. The scheduler asks W's ``queue``
     endpoint: W runs x, so no error goes to the client (W's first token will answer) and the
     message is acked; W never got x, so the client gets an error FirstToken as before."""
-    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
-    nc = await nats.connect(nats_server.url, connect_timeout=5)
-    tap = await ResultTap(nc, live.subjects).start()
     rid = NeverHearsBack.rid
-    try:
+    async with running(nats_server) as (live, nc, tap):
         w = await start_rankd(live, W)
         NeverHearsBack.admit = admitted
         sched = await live.scheduler(cls=NeverHearsBack, policy="round_robin", block_size=16,
@@ -181,10 +188,6 @@ async def test_last_delivery_asks_the_worker_before_failing(nats_server: Embedde
                              "the error FirstToken")
             [err] = [r for r in tap.results if r.request_id == rid]
             assert err.error is not None and "did not answer" in err.error
-    finally:
-        await live.close()
-        await tap.stop()
-        await nc.drain()
 
 
 class LaggingView(LosesOneAnswer):
@@ -203,10 +206,8 @@ async def test_a_worker_judged_gone_that_holds_the_request_gets_it_re_sent(
     """x's first answer is lost and the view says W is gone. W's ``queue`` endpoint still lists
     x, so the redelivery re-sends it to W (answered idempotently) instead of handing x back
     for another worker: x is placed once. Handing it back put it on W2 as well."""
-    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
-    nc = await nats.connect(nats_server.url, connect_timeout=5)
     rid = LaggingView.rid
-    try:
+    async with running(nats_server) as (live, nc, _):
         w = await start_rankd(live, W)
         w2 = await start_rankd(live, W2)
         LaggingView.after_result = False
@@ -217,9 +218,6 @@ async def test_a_worker_judged_gone_that_holds_the_request_gets_it_re_sent(
         await wait_until(lambda: sched.stats.dispatched == 1, "x's re-send answered")
         assert sched.stats.gone_handed_back == 0 and sched.stats.resent == 1, sched.stats
         assert w.admitted == [rid, rid] and w2.admitted == []
-    finally:
-        await live.close()
-        await nc.drain()
 
 
 class DiesBeforeDispatchedRecord(SchedulerService):
@@ -252,11 +250,8 @@ class GatedScheduler(SchedulerService):
 
 
 async def test_stopped_worker_request_is_handed_back_once(nats_server: EmbeddedNats) -> None:
-    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
-    nc = await nats.connect(nats_server.url, connect_timeout=5)
-    tap = await ResultTap(nc, live.subjects).start()
     rid = GatedScheduler.rid
-    try:
+    async with running(nats_server) as (live, nc, tap):
         w = await start_rankd(live, W)
         blocker = IntakeRequest(request_id="gone-blocker", input_len=BLOCKER_LEN, block_size=16,
                                 arrival_s=time.time())
@@ -306,7 +301,3 @@ async def test_stopped_worker_request_is_handed_back_once(nats_server: EmbeddedN
         assert b.stats.dispatched == 1, b.stats  # M2 only
         runs = [(r.worker_id, r.error) for r in tap.results if r.request_id == rid]
         assert runs == [(W3, None)], runs
-    finally:
-        await live.close()
-        await tap.stop()
-        await nc.drain()
