@@ -26,7 +26,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -43,6 +43,7 @@ TRACER_NAME = "vertumnus"
 _PROPAGATOR = TraceContextTextMapPropagator()
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
+_limits: SpanLimits | None = None  # the installed provider's (read from the OTEL_* limits)
 
 
 class Stage(StrEnum):
@@ -91,9 +92,14 @@ def setup_tracing(
     settings = settings or TelemetrySettings()
     with _lock:
         if _provider is None:
+            global _limits
+            # Built here (it reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT / OTEL_ATTRIBUTE_COUNT_LIMIT)
+            # so that span_attribute_limit() reports exactly what the provider enforces.
+            _limits = SpanLimits()
             provider = TracerProvider(
                 resource=Resource.create({SERVICE_NAME: service_name}),
                 sampler=ParentBased(TraceIdRatioBased(settings.sampling_ratio)),
+                span_limits=_limits,
             )
             exporter = _exporter(settings)
             if exporter is not None:
@@ -104,6 +110,18 @@ def setup_tracing(
         if span_processor is not None:
             _provider.add_span_processor(span_processor)
         return _provider
+
+
+def span_attribute_limit() -> int | None:
+    """How many attributes one span keeps (None: no limit).
+
+    The installed provider's limit, else what one would get now: the OpenTelemetry SDK's
+    ``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`` / ``OTEL_ATTRIBUTE_COUNT_LIMIT``, default 128. Past it
+    the SDK silently replaces the *oldest* attributes (logging a warning for each), so a
+    producer with more to say than the limit must choose what to leave out itself.
+    """
+    limits = _limits if _limits is not None else SpanLimits()
+    return limits.max_span_attributes
 
 
 def add_span_processor(processor: SpanProcessor) -> None:

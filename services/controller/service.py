@@ -13,7 +13,8 @@ input                                    what the adapter does
                                          at the middle of its window, :func:`replay_report`: D(k),
                                          count, long fraction and the demand by preferred degree
                                          — the merge gate's input, when the report's rule is
-                                         ours — are exact; reports of several replicas add up)
+                                         ours — are exact; reports of several replicas add up;
+                                         a replica's second copy of a window is ignored)
 ``{prefix}.cache.stats.*``               RequestStats, one per placement → ``core.assigned(at_s,
 (``demand_input="assignments"``)         predicted_s, input_len, degree)``
 timer, every ``tick_s``                  ``core.tick(now - report_grace_s)`` (windows close only
@@ -174,6 +175,8 @@ from shared.worker import Lifecycle
 VERSION: Final[str] = "0.1.0"
 INFLIGHT_MARKER: Final[str] = "~in-flight"
 """Request id standing for "whatever runs there" when a source did not list its work."""
+_SEEN_REPORTS_KEPT: Final[int] = 4096
+"""Window reports remembered for de-duplication (a copy follows its original by one window)."""
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -650,9 +653,13 @@ class ControllerService(MicroService):
         self._decisions: deque[dict[str, Any]] = deque(maxlen=settings.decisions_kept)
         self._floor = 0.0  # latest instant fed to the windows (they never go backwards)
         self._reported_until = 0.0  # end of the latest window some replica reported
+        # (reporter, window number since the epoch) of the reports counted, oldest first and
+        # bounded: each scheduler replica sends every report twice (services/scheduler).
+        self._seen_reports: dict[tuple[str, int], None] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.counters: dict[str, int] = {
             "reports": 0,
+            "duplicate_reports": 0,
             "assignments": 0,
             "malformed": 0,
             "plans": 0,
@@ -928,6 +935,13 @@ class ControllerService(MicroService):
             self.counters["malformed"] += 1
             self.log.warning("malformed window report ignored", error=str(exc))
             return
+        key = (report.reporter, round(report.window_start_s / report.window_s))
+        if key in self._seen_reports:
+            self.counters["duplicate_reports"] += 1
+            return
+        self._seen_reports[key] = None
+        if len(self._seen_reports) > _SEEN_REPORTS_KEPT:
+            del self._seen_reports[next(iter(self._seen_reports))]
         self.counters["reports"] += 1
         self._reported_until = max(self._reported_until, report.window_start_s + report.window_s)
         use = report_rule_matches(report, self.config.merge_speedup, self.csettings.degrees)

@@ -41,14 +41,16 @@ from shared.worker import Lifecycle
 _ACTIVE: Final = Lifecycle.ACTIVE
 
 
-# Per view (immutable): ids, degrees and each worker's static eligibility terms (plus the crc32
-# of its id, the rendezvous input, and degree·n + rank of its id among the view's ids, one int
-# ordered as (degree, id) for PreferDegree's tie-break), so a placement does not re-read every
+# Per view (immutable): ids, degrees and each worker's static eligibility terms (max_seq_len and
+# the length limit min(max_seq_len, kv_capacity_tokens), plus the crc32 of its id, the
+# rendezvous input, degree·n + rank of its id among the view's ids, one int ordered as
+# (degree, id) for PreferDegree's tie-break, and the rank of its degree among the view's
+# degrees, which keys the per-(degree, P) memo as one int), so a placement does not re-read every
 # WorkerView's attributes; and the active workers as (degree, min(max_seq_len,
 # kv_capacity_tokens)) sorted by degree, so C_min of a request is found before the single pass
 # over the workers. Keyed by id(view); the entry keeps the view alive, so the id cannot be
 # reused while cached.
-_StaticRow = tuple[int, WorkerId, int, "Exclusion | None", int, int, int, int]
+_StaticRow = tuple[int, WorkerId, int, "Exclusion | None", int, int, int, int, int]
 _ViewStatic = tuple[tuple[WorkerId, ...], tuple[int, ...], tuple[_StaticRow, ...],
                     tuple[tuple[int, int], ...]]
 _VIEW_CACHE: dict[int, tuple[ClusterView, _ViewStatic]] = {}
@@ -61,14 +63,16 @@ def _static_rows(view: ClusterView) -> _ViewStatic:
         ws = view.workers
         n = len(ws)
         id_rank = {wid: k for k, wid in enumerate(sorted(w.worker_id for w in ws))}
+        deg_rank = {c: k for k, c in enumerate(sorted({w.degree for w in ws}))}
         static = (
             tuple(w.worker_id for w in ws),
             tuple(w.degree for w in ws),
             tuple(
                 (i, w.worker_id, w.degree,
                  None if w.lifecycle is _ACTIVE else LIFECYCLE_EXCLUSION[w.lifecycle],
-                 w.max_seq_len, w.kv_capacity_tokens, zlib.crc32(w.worker_id.encode()),
-                 w.degree * n + id_rank[w.worker_id])
+                 w.max_seq_len, min(w.max_seq_len, w.kv_capacity_tokens),
+                 zlib.crc32(w.worker_id.encode()), w.degree * n + id_rank[w.worker_id],
+                 deg_rank[w.degree])
                 for i, w in enumerate(ws)
             ),
             tuple(sorted(
@@ -175,8 +179,9 @@ def place_j(
     # Only q and P are kept per worker: the other candidate terms follow from them and `terms`
     # and are computed if the decision's columns are ever read (_j_columns).
 
-    # (degree, P) -> (s = Ê_degree(L − P, P), extra-GPU term, β·s + λ·extra = J − q)
-    terms: dict[tuple[int, int], tuple[float, float, float]] = {}
+    # (degree, P) as P·n + rank of the degree (an int key: cheaper than a tuple) ->
+    # (s = Ê_degree(L − P, P), extra-GPU term, β·s + λ·extra = J − q)
+    terms: dict[int, tuple[float, float, float]] = {}
     ecmin: dict[int, float] = {}  # P -> Ê_{C_min}(L − P, P)
     predict = profile.predict_fast
 
@@ -189,25 +194,22 @@ def place_j(
     best_id = ""
 
     # --- one pass: eligibility, P, R, q, s, the extra-GPU term, J, argmin J, argmin (J − q) ---
-    for i, wid, c, lexcl, max_len, kv_cap, wcrc, ck in rows:
+    for i, wid, c, lexcl, max_len, limit, wcrc, ck, dk in rows:
         ld = loads_get(wid)
         if ld is None:
             raise UnknownWorker(f"no load tracker for worker {wid!r} of the cluster view")
         if lexcl is not None:
             excl[i] = lexcl
             continue
-        if L > max_len:
-            excl[i] = Exclusion.TOO_LONG
-            continue
-        if L > kv_cap:
-            excl[i] = Exclusion.NO_MEMORY
+        if L > limit:  # one test for both limits (speed); then which one it broke
+            excl[i] = Exclusion.TOO_LONG if L > max_len else Exclusion.NO_MEMORY
             continue
         p = held_get(wid, 0) * B
         if p > Lm1:
             p = Lm1
         # (s, extra, J − q) memoised per (degree, P): most workers miss (P = 0) and share one
         # value per degree.
-        key = (c, p)
+        key = p * n + dk
         t = terms.get(key)
         if t is None:
             s = predict(L - p, p, c)
@@ -256,7 +258,7 @@ def place_j(
         raise NoEligibleWorker(request.request_id, {ids[i]: str(excl[i]) for i in range(n)})
 
     p_best: int = ps[best]  # type: ignore[assignment]
-    cols = CandidateColumns.deferred(lambda: _j_columns(ids, degs, excl, qs, ps, terms, L))
+    cols = CandidateColumns.deferred(lambda: _j_columns(ids, rows, excl, qs, ps, terms, L))
     return Decision(
         policy=policy,
         request_id=request.request_id,
@@ -266,7 +268,7 @@ def place_j(
         degree=degs[best],
         prefix_tokens=p_best,
         uncached_tokens=L - p_best,
-        predicted_s=terms[(degs[best], p_best)][0],
+        predicted_s=terms[p_best * n + rows[best][8]][0],
         reused_blocks=p_best // B,
         preferred_degree=degs[pref],
         preferred_worker=ids[pref],
@@ -279,17 +281,18 @@ def place_j(
 
 def _j_columns(
     ids: tuple[WorkerId, ...],
-    degs: tuple[int, ...],
+    rows: tuple[_StaticRow, ...],
     excl: list[Exclusion | None],
     qs: list[float | None],
     ps: list[int | None],
-    terms: dict[tuple[int, int], tuple[float, float, float]],
+    terms: dict[int, tuple[float, float, float]],
     L: int,
 ) -> ColumnTuples:
     """The candidate columns of a :func:`place_j` decision from what it kept: each eligible
     worker's q and P, and (s, extra, J − q) per (degree, P) -- the same values, and J by the
     same addition, as the placement compared."""
     n = len(ids)
+    degs = tuple(r[2] for r in rows)
     ss: list[float | None] = [None] * n
     extras: list[float | None] = [None] * n
     js: list[float | None] = [None] * n
@@ -298,7 +301,7 @@ def _j_columns(
         p = ps[i]
         if p is None:
             continue
-        s, extra, v = terms[(degs[i], p)]
+        s, extra, v = terms[p * n + rows[i][8]]
         ss[i], extras[i], js[i], rs[i] = s, extra, qs[i] + v, L - p  # type: ignore[operator]
     return (ids, degs, tuple(excl), tuple(qs), tuple(ss), tuple(extras), tuple(js), tuple(ps),
             tuple(rs))

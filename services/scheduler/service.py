@@ -13,7 +13,8 @@ intake (durable pull consumer          decode IntakeRequest; idempotency check a
 explicit ack, ack_wait, max_deliver)   ``core.place``; record; dispatch the JSON Assignment
                                        (request-reply) to ``{prefix}.worker.{wid}.assign``;
                                        ack; send RequestStats (cachemgr) and WindowReport
-                                       (controller, when a window closes)
+                                       (controller, when a window closes; each report goes
+                                       out again just ahead of the next one)
 worker-state KV (watch all keys)       rebuild the ClusterView (lease: a state whose heartbeat
                                        is older than ``lease_s`` is UNAVAILABLE); register new
                                        workers in the replica PrefixTrie
@@ -125,7 +126,7 @@ from services.rankd.core import (
     is_handback_msg_id,
 )
 from services.scheduler.core import SchedulerCore
-from services.scheduler.decision import Decision
+from services.scheduler.decision import CandidateTerms, Decision
 from services.scheduler.errors import NoEligibleWorker, UnknownRequest
 from services.scheduler.registry import make_policy
 from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
@@ -173,6 +174,7 @@ from shared.telemetry import (
     inject,
     is_sampled,
     record_span,
+    span_attribute_limit,
     stage_span,
     traceparent_of,
 )
@@ -374,8 +376,24 @@ def placement_terms(decision: Decision, policy: object, candidates: int) -> Plac
     )
 
 
-def decision_attributes(decision: Decision) -> dict[str, Any]:
-    """Span attributes: the choice and every candidate's terms (OTel primitives only)."""
+SCHEDULE_SPAN_RESERVED: Final[int] = 8
+"""Attributes of the schedule span set outside :func:`decision_attributes` (request id,
+scheduler, delivery, queue position, a dispatch error, ...): kept free of candidate terms."""
+
+_CANDIDATE_TERMS: Final[tuple[str, ...]] = ("q", "s", "extra_gpu", "score", "P", "R")
+
+
+def decision_attributes(decision: Decision, limit: int | None = None) -> dict[str, Any]:
+    """Span attributes: the choice and the candidates' terms (OTel primitives only).
+
+    At most ``limit`` attributes (None: no bound). The choice, ``vtm.candidates`` (eligible
+    workers), ``vtm.decision`` (the whole decision as JSON, every candidate included) and
+    ``vtm.candidates_shown`` always fit; then each candidate's
+    ``vtm.candidate.{wid}.{degree,q,s,extra_gpu,score,P,R | excluded}`` as a whole, the chosen
+    worker first, then eligible ones from the best score, then excluded ones, while they fit.
+    ``vtm.candidates_shown`` says how many got theirs, so a large pool's span is never cut by
+    the SDK's limit (which would drop the oldest attributes: the choice itself).
+    """
     attrs: dict[str, Any] = {
         "vtm.policy": decision.policy,
         "vtm.request_id": decision.request_id,
@@ -394,20 +412,41 @@ def decision_attributes(decision: Decision) -> dict[str, Any]:
     chosen = decision.chosen
     if chosen.score is not None and math.isfinite(chosen.score):
         attrs["vtm.j"] = chosen.score
-    eligible = 0
-    for c in decision.candidates:
-        key = f"vtm.candidate.{c.worker}"
-        attrs[f"{key}.degree"] = c.degree
-        if c.excluded is not None:
-            attrs[f"{key}.excluded"] = str(c.excluded)
-            continue
-        eligible += 1
-        for name, value in (("q", c.q), ("s", c.s), ("extra_gpu", c.extra_gpu),
-                            ("score", c.score), ("P", c.prefix_tokens), ("R", c.uncached_tokens)):
-            if value is not None and (not isinstance(value, float) or math.isfinite(value)):
-                attrs[f"{key}.{name}"] = value
-    attrs["vtm.candidates"] = eligible
+    cands = decision.candidates
+    attrs["vtm.candidates"] = sum(1 for c in cands if c.excluded is None)
     attrs["vtm.decision"] = json.dumps(decision.to_dict(), default=str)
+    attrs["vtm.candidates_shown"] = 0
+    sign = -1.0 if decision.objective == "max" else 1.0
+
+    def rank(c: CandidateTerms) -> tuple[int, float, str]:
+        if c.worker == decision.worker:
+            return (0, 0.0, c.worker)
+        if c.excluded is not None:
+            return (3, 0.0, c.worker)
+        score = c.score
+        if score is None or not math.isfinite(score):
+            return (2, 0.0, c.worker)
+        return (1, sign * score, c.worker)
+
+    room = math.inf if limit is None else limit - len(attrs)
+    shown = 0
+    for c in sorted(cands, key=rank):
+        key = f"vtm.candidate.{c.worker}"
+        group: dict[str, Any] = {f"{key}.degree": c.degree}
+        if c.excluded is not None:
+            group[f"{key}.excluded"] = str(c.excluded)
+        else:
+            for name, value in zip(_CANDIDATE_TERMS, (c.q, c.s, c.extra_gpu, c.score,
+                                                      c.prefix_tokens, c.uncached_tokens),
+                                   strict=True):
+                if value is not None and (not isinstance(value, float) or math.isfinite(value)):
+                    group[f"{key}.{name}"] = value
+        if len(group) > room:
+            break  # later candidates rank lower: the shown ones are a prefix of the ranking
+        attrs.update(group)
+        room -= len(group)
+        shown += 1
+    attrs["vtm.candidates_shown"] = shown
     return attrs
 
 
@@ -462,6 +501,7 @@ class SchedulerStats:
     gaps: int = 0
     snapshots_applied: int = 0
     windows_reported: int = 0
+    windows_resent: int = 0  # previous window's report sent again before the next one
     starts_inferred: int = 0
     dispatch_unknown: int = 0  # dispatches whose outcome was unknown (record kept, NAK)
     resent: int = 0  # recorded assignments re-sent to their worker
@@ -510,6 +550,7 @@ class SchedulerService(MicroService):
         # Windows aligned on multiples of H since the Unix epoch: every replica's coincide.
         start = math.floor(clock() / settings.window_s) * settings.window_s
         self.windows = DemandWindows(window_s=settings.window_s, start_s=start)
+        self._last_report: WindowReport | None = None  # re-sent with the next (_report_window)
         # §6.1 rule 1 over the pool's degree set (the controller's lattice degrees).
         self._rule_degrees: tuple[int, ...] = tuple(sorted(set(settings.degrees)))
         self.stats = SchedulerStats()
@@ -904,7 +945,9 @@ class SchedulerService(MicroService):
                     await self._retry_or_fail(msg, req, str(exc))
                     return
                 if span is not None:
-                    span.set_attributes(decision_attributes(decision))
+                    limit = span_attribute_limit()
+                    span.set_attributes(decision_attributes(
+                        decision, None if limit is None else limit - SCHEDULE_SPAN_RESERVED))
                 stored = await self._put_record(assignment, seq, msg_id, "dispatching")
             # The intake message's id lets the worker recognise a re-send of a message it
             # has handed back (services/rankd/core.py, "Exactly once across a scheduler crash").
@@ -1227,9 +1270,24 @@ class SchedulerService(MicroService):
         )
 
     async def _report_window(self, summary: WindowSummary) -> None:
+        """Publish the report of a closed window, preceded by the previous window's again.
+
+        Reports are plain NATS messages (at most once). A lost one would not just lose its
+        window's demand: the controller closes a window once a later report shows it ended,
+        so the window would read as D = 0 -- "merge everything". Sending each report twice,
+        the second time just ahead of the next one, closes that gap for any single loss; the
+        controller counts a window's report once (by reporter and window) and ignores the
+        copy it already has.
+        """
+        subject = self.subjects.window_demand(self.reporter)
+        if self._last_report is not None:
+            data, headers = encode(self._last_report)
+            await self.nc.publish(subject, data, headers=headers)
+            self.stats.windows_resent += 1
         report = self.window_report(summary)
         data, headers = encode(report)
-        await self.nc.publish(self.subjects.window_demand(self.reporter), data, headers=headers)
+        await self.nc.publish(subject, data, headers=headers)
+        self._last_report = report
         self.stats.windows_reported += 1
 
     # -- assignment records -------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from shared.schemas import (
     EpochRecord,
     FirstToken,
     TtftStages,
+    WindowReport,
     WorkerState,
     decode,
     encode,
@@ -341,3 +343,44 @@ async def test_restart_readmits_workers_left_mid_reconfiguration(
         assert ctl.counters["readmitted"] == 1
     finally:
         await ranks.stop()
+
+
+async def test_a_lost_window_report_is_recovered_from_its_copy(
+    nc: Client, nats_server, uniq: str, services
+):
+    """A scheduler sends each window's report again just ahead of the next one. The copy of
+    a lost report gives its window its demand (without it, the next report would close the
+    window with D = 0); the copy of a report that arrived is ignored (counted once)."""
+    s = Subjects(uniq)
+    h = 0.5
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "ctl-a", window_s=h)))
+    k = math.floor(time.time() / h) + 1  # a window that opens after the controller started
+
+    def report(i: int, demand: float) -> WindowReport:
+        return WindowReport(reporter="sched-a", window_index=i, window_start_s=i * h,
+                            window_s=h, epoch=0, demand_s=demand, requests=10, long_requests=0)
+
+    async def send_at(t: float, *reps: WindowReport) -> None:
+        await asyncio.sleep(max(0.0, t - time.time()))
+        for r in reps:
+            data, headers = encode(r)
+            await nc.publish(s.window_demand("sched-a"), data, headers=headers)
+
+    # Window k's own report (due at its end) is lost; its copy comes ahead of k+1's.
+    await send_at((k + 2) * h + 0.01, report(k, 1.25), report(k + 1, 0.75))
+    # The copies of k+1 and k+2 arrive although their reports did: duplicates (counted, they
+    # would land in the window open then, as any late report does).
+    await send_at((k + 3) * h + 0.01, report(k + 1, 0.75), report(k + 2, 0.5))
+    await send_at((k + 4) * h + 0.01, report(k + 2, 0.5), report(k + 3, 0.25))
+
+    async def decided() -> bool:
+        body = await inspect(nc, uniq, b'{"decisions": 50}')
+        starts = {round(d["window_start_s"] / h) for d in body["decisions"]}
+        return {k, k + 1, k + 2} <= starts
+
+    await eventually(decided, what="windows k to k+2 decided")
+    body = await inspect(nc, uniq, b'{"decisions": 50}')
+    demand = {round(d["window_start_s"] / h): d["demand_s"] for d in body["decisions"]}
+    assert demand[k] == pytest.approx(1.25) and demand[k + 1] == pytest.approx(0.75)
+    assert demand[k + 2] == pytest.approx(0.5)
+    assert ctl.counters["duplicate_reports"] == 2 and ctl.counters["reports"] == 4

@@ -187,6 +187,16 @@ async def test_window_demand_reaches_the_controller_subject(
     await wait_until(lambda: len(stats) == 1, "request statistics")
     assert stats[0]["request_id"] == rid and stats[0]["worker_id"] == "w-cp2-g0"
     assert stats[0]["block_hashes"] == chain_hashes(PROMPT, B)
+    # Every report goes out again just ahead of the next one (a lost one is covered):
+    # consecutive messages (copy, next) after the first report.
+    await wait_until(lambda: sched.stats.windows_reported >= 3, "three windows reported")
+    await wait_until(lambda: len(reports) >= 2 * sched.stats.windows_reported - 1,
+                     "every report and its copy received")
+    assert sched.stats.windows_resent == sched.stats.windows_reported - 1
+    mine = [r for r in reports if r.reporter == sched.reporter]
+    originals = [mine[0]] + mine[2::2]
+    assert mine[1::2] == originals[:len(mine[1::2])]  # each copy equals its original
+    assert [r.window_start_s for r in originals] == sorted({r.window_start_s for r in mine})
     await sub.unsubscribe()
     await sub2.unsubscribe()
 
