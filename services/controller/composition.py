@@ -59,7 +59,23 @@ def capacity(
     """Aggregate profiled capacity Σ_w κ_{C_w} of ``composition`` (seconds per window).
 
     Workers in ``exclude`` (e.g. failed ones) contribute nothing: they serve no demand.
+    With ``exclude`` a frozenset (or empty), the value is kept on the composition per (profile
+    object, exclude) and computed once: the planner asks for the capacity of the same
+    compositions window after window. A profile is frozen, so its κ cannot change.
     """
+    if exclude.__class__ is frozenset or not exclude:
+        key = (id(profile), exclude if exclude.__class__ is frozenset else frozenset())
+        memo = composition._derived.capacity
+        hit = memo.get(key)
+        if hit is not None and hit[0] is profile:
+            return hit[1]
+        value = _capacity(composition, profile, key[1])
+        memo[key] = (profile, value)
+        return value
+    return _capacity(composition, profile, exclude)
+
+
+def _capacity(composition: Composition, profile: Profile, exclude: Collection[WorkerId]) -> float:
     return float(
         sum(profile.kappa_for(g.degree) for g in composition.groups if g.worker_id not in exclude)
     )

@@ -15,6 +15,13 @@ Rules (the buddy lattice):
 
 Everything here is a pure value: compositions are frozen and operations return new ones.
 Invalid input raises :class:`shared.ids.InvalidInput` and builds nothing.
+
+Because a composition never changes, what is derived from it (its adjacent operations, the
+composition each of them leads to, its capacity under a profile) is computed once per
+composition object and kept on it (:class:`_Derived`). The controller judges the same
+composition window after window and evaluates every adjacent operation each time; the memo
+turns that into dictionary look-ups. Only successful results are kept: an operation that does
+not apply raises every time it is tried.
 """
 
 from __future__ import annotations
@@ -227,6 +234,27 @@ def _describe_counts(degrees: tuple[int, ...], counts: Iterable[int]) -> str:
     return "/".join(parts) if parts else "empty"
 
 
+class _Derived:
+    """Values derived from one (frozen) composition, filled on first use; never stale.
+
+    * ``adjacent``: :func:`adjacent`'s answer, or None before the first call;
+    * ``applied``: operation -> the composition :func:`apply` built for it (only operations
+      that applied; equal operations share an entry);
+    * ``capacity``: (id of a profile, excluded workers) -> (that profile, capacity), for
+      :func:`services.controller.composition.capacity`. The profile is kept to check identity
+      (an id may be reused once an object is gone) and has no hash of its own (it holds dicts).
+
+    Not part of a composition's equality, hash, repr or pickled state.
+    """
+
+    __slots__ = ("adjacent", "applied", "capacity")
+
+    def __init__(self) -> None:
+        self.adjacent: tuple[LatticeOp, ...] | None = None
+        self.applied: dict[LatticeOp, Composition] = {}
+        self.capacity: dict[tuple[int, frozenset[WorkerId]], tuple[object, float]] = {}
+
+
 @dataclass(frozen=True)
 class Composition:
     """A valid worker composition: disjoint lattice groups covering all G GPUs.
@@ -237,6 +265,7 @@ class Composition:
     lattice: Lattice
     groups: tuple[GpuGroup, ...]
     _by_id: Mapping[WorkerId, GpuGroup] = field(init=False, repr=False, compare=False)
+    _derived: _Derived = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lattice, Lattice):
@@ -257,6 +286,15 @@ class Composition:
             raise InvalidInput(f"GPUs [{covered}, {self.lattice.num_gpus}) are not covered")
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "_by_id", {g.worker_id: g for g in groups})
+        object.__setattr__(self, "_derived", _Derived())
+
+    def __getstate__(self) -> dict[str, object]:
+        # The memo may reach many neighbouring compositions; a copy starts without it.
+        return {k: v for k, v in self.__dict__.items() if k != "_derived"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_derived", _Derived())
 
     # --- constructors ------------------------------------------------------------------
     @classmethod
@@ -353,11 +391,15 @@ class Composition:
 
     # --- adjacency ---------------------------------------------------------------------
     def adjacent(self) -> tuple[LatticeOp, ...]:
-        """Every split and merge leading to an adjacent composition, in GPU order."""
+        """Every split and merge leading to an adjacent composition, in GPU order
+        (computed once per composition)."""
         return adjacent(self)
 
     def apply(self, op: LatticeOp) -> Composition:
-        """The adjacent composition after ``op``; raises if ``op`` does not apply here."""
+        """The adjacent composition after ``op``; raises if ``op`` does not apply here.
+
+        Memoised per composition: applying an equal operation again returns the same
+        (equal, validated) composition object."""
         return apply(self, op)
 
 
@@ -389,7 +431,16 @@ def adjacent(composition: Composition) -> tuple[LatticeOp, ...]:
     """Enumerate the split and merge operations applicable to ``composition``.
 
     Order: by first GPU, splits before merges at the same GPU (deterministic for tie-breaks).
+    Computed once per composition object (the same tuple is returned after that).
     """
+    derived = composition._derived
+    ops = derived.adjacent
+    if ops is None:
+        ops = derived.adjacent = _enumerate_adjacent(composition)
+    return ops
+
+
+def _enumerate_adjacent(composition: Composition) -> tuple[LatticeOp, ...]:
     lat = composition.lattice
     ops: list[LatticeOp] = []
     gs = composition.groups
@@ -405,9 +456,27 @@ def adjacent(composition: Composition) -> tuple[LatticeOp, ...]:
 
 
 def apply(composition: Composition, op: LatticeOp) -> Composition:
-    """Replace ``op.sources`` by ``op.targets``; the result is validated like any composition."""
+    """Replace ``op.sources`` by ``op.targets``; the result is validated like any composition.
+
+    Memoised per composition (see the module doc): an operation equal to one that already
+    applied returns that result; anything else is checked and built as below, and kept only
+    if it succeeds.
+    """
     if not isinstance(op, LatticeOp):
         raise InvalidInput(f"expected a LatticeOp, got {op!r}")
+    applied = composition._derived.applied
+    try:
+        return applied[op]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable parts (e.g. a list of sources): validation rejects it
+        return _apply_checked(composition, op)
+    after = _apply_checked(composition, op)
+    applied[op] = after
+    return after
+
+
+def _apply_checked(composition: Composition, op: LatticeOp) -> Composition:
     lat = composition.lattice
     expected = (
         _split_of(lat, op.sources[0])

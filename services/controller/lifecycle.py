@@ -375,6 +375,8 @@ class EpochProtocol:
         }
         self._reconfs: dict[int, _Reconf] = {}
         self._next_id = 1
+        # The current composition, built on first use after each change of ``_workers``.
+        self._composition: Composition | None = composition
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -384,8 +386,16 @@ class EpochProtocol:
 
     @property
     def composition(self) -> Composition:
-        """The groups of the current epoch (retired sources excluded, targets included)."""
-        return Composition(self._lattice, tuple(w.group for w in self._workers.values()))
+        """The groups of the current epoch (retired sources excluded, targets included).
+
+        The same object until the workers change (a commit): compositions are frozen, and one
+        kept object keeps what is derived from it (adjacent compositions, capacity) for the
+        planner's next window."""
+        comp = self._composition
+        if comp is None:
+            comp = Composition(self._lattice, tuple(w.group for w in self._workers.values()))
+            self._composition = comp
+        return comp
 
     def state(self, worker: WorkerId) -> Lifecycle:
         return self._worker(worker).state
@@ -541,6 +551,7 @@ class EpochProtocol:
         r.phase = Phase.COMMITTED
         r.switch_started_at = now
         r.last_t = now
+        self._composition = None  # the groups change below
         for g in r.sources:
             w = self._workers.pop(g.worker_id)
             worker_transition(w.state, WorkerEvent.RETIRE)

@@ -544,7 +544,7 @@ class Planner:
             peak = max(peak, *demand_hist)  # rule 11
         backlog = 0.0
         if cfg.backlog_s is not None:
-            avail = [g.worker_id for g in composition.groups if g.worker_id not in excluded]
+            avail = [w for w in composition.worker_ids if w not in excluded]  # GPU order
             if avail:
                 qs = sorted(drains.get(w, 0.0) for w in avail)
                 backlog = qs[len(qs) // 2]
@@ -560,7 +560,7 @@ class Planner:
                 peak if direction is OpKind.MERGE else d,
                 drains,
                 traffic,
-                set(excluded),
+                excluded,
                 capacity_driven=cap_sig is not None,
                 preference_driven=(pref_sig or long_sig) and cap_sig is None,
                 mix_rule=10 if pref_sig else 12 if long_sig else None,
@@ -631,7 +631,7 @@ class Planner:
         demand: float,
         drains: Mapping[WorkerId, float],
         traffic: TrafficEstimate | None,
-        unavailable: set[WorkerId],
+        unavailable: frozenset[WorkerId],
         *,
         capacity_driven: bool,
         why: str,
@@ -702,7 +702,7 @@ class Planner:
         drains: Mapping[WorkerId, float],
         traffic: TrafficEstimate | None,
         touched: set[WorkerId],
-        unavailable: set[WorkerId],
+        unavailable: frozenset[WorkerId],
         *,
         capacity_driven: bool,
         preferred: Mapping[int, float] | None = None,
@@ -723,14 +723,15 @@ class Planner:
             return None, f"no {direction.value} is possible from {composition.describe()}"
         admitted = []
         for op in ops:
-            cap_after = capacity(composition.apply(op), self.profile, unavailable)
+            after = composition.apply(op)
+            cap_after = capacity(after, self.profile, unavailable)
             if direction is OpKind.MERGE and demand > headroom * cap_after + _EPS:
                 continue
             if direction is OpKind.MERGE and preferred and pref_total > 0:
                 big = op.targets[0].degree
                 share = sum(v for c, v in preferred.items() if c >= big) / pref_total
                 allowed = math.ceil(share * composition.lattice.num_gpus / big - _EPS) * big
-                held = sum(g.degree for g in composition.apply(op).groups if g.degree >= big)
+                held = sum(g.degree for g in after.groups if g.degree >= big)
                 if held > allowed:
                     gated = True  # rule 9: the window's requests do not gain from degree big
                     continue

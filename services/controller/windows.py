@@ -34,6 +34,44 @@ DEFAULT_LONG_THRESHOLD_TOKENS: Final[int] = 32_768
 MAX_WINDOWS_PER_ADVANCE: Final[int] = 1_000_000
 
 
+# Steps of one ulp _first_closing may take; rounding moves the threshold by a few at most.
+_MAX_THRESHOLD_STEPS: Final[int] = 64
+
+
+def _first_closing(start_s: float, window_s: float, index: int) -> float:
+    """The smallest float ``t`` with ``floor((t - start_s) / window_s) > index``, i.e. the
+    earliest ``now`` at which :meth:`DemandWindows._close_until` closes window ``index``;
+    -inf when it cannot be pinned down (then every call takes the full path).
+
+    Exact, not approximate: ``(t - start_s) / window_s`` rounds monotonically in ``t``
+    (window_s > 0), so the predicate is false below one float and true from it on. The
+    computed end ``start_s + (index + 1) * window_s`` is within a few ulps of that float,
+    found by stepping with :func:`math.nextafter` (bounded; rounding moves it by ulps).
+    """
+
+    def closes(t: float) -> bool:
+        return math.floor((t - start_s) / window_s) > index
+
+    try:
+        t = start_s + (index + 1) * window_s
+        if not math.isfinite(t):
+            return -math.inf
+        if closes(t):  # step down while the float below still closes
+            for _ in range(_MAX_THRESHOLD_STEPS):
+                below = math.nextafter(t, -math.inf)
+                if not closes(below):
+                    return t
+                t = below
+        else:  # step up to the first float that closes
+            for _ in range(_MAX_THRESHOLD_STEPS):
+                t = math.nextafter(t, math.inf)
+                if closes(t):
+                    return t
+    except (OverflowError, ValueError):
+        pass
+    return -math.inf
+
+
 def _check_time(name: str, t: float) -> float:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
         raise InvalidInput(f"{name} must be a finite number of seconds, got {t!r}")
@@ -62,7 +100,11 @@ class WindowSummary:
 
 @dataclass
 class DemandWindows:
-    """Accumulates D(k) for the open window and closes windows as time advances."""
+    """Accumulates D(k) for the open window and closes windows as time advances.
+
+    ``window_s``, ``long_threshold_tokens`` and ``start_s`` are fixed once constructed (the
+    open window's bounds are derived from them and kept).
+    """
 
     window_s: float = DEFAULT_WINDOW_S
     long_threshold_tokens: int = DEFAULT_LONG_THRESHOLD_TOKENS
@@ -75,6 +117,10 @@ class DemandWindows:
     _by_degree: dict[int, float] = field(default_factory=dict, init=False)
     _by_preferred: dict[int, float] = field(default_factory=dict, init=False)
     _last_now: float = field(default=-math.inf, init=False)
+    # Derived from (start_s, window_s, _index), refreshed whenever _index moves: the open
+    # window's start, and the earliest `now` that closes it (record's fast path).
+    _open_start: float = field(default=0.0, init=False, repr=False)
+    _close_at: float = field(default=-math.inf, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.window_s = _check_time("window_s", self.window_s)
@@ -89,6 +135,11 @@ class DemandWindows:
                 f"long_threshold_tokens must be an integer >= 1, got {self.long_threshold_tokens!r}"
             )
         self.start_s = _check_time("start_s", self.start_s)
+        self._refresh_bounds()
+
+    def _refresh_bounds(self) -> None:
+        self._open_start = self.open_start_s
+        self._close_at = _first_closing(self.start_s, self.window_s, self._index)
 
     # --- queries -----------------------------------------------------------------------
     @property
@@ -141,8 +192,14 @@ class DemandWindows:
             for name, v in (("degree", degree), ("preferred", preferred)):
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                     raise InvalidInput(f"{name} must be an integer >= 1 or None, got {v!r}")
-        closed = self._close_until(now) if now >= self._last_now else []
-        if now < self.open_start_s:
+        if now < self._close_at:
+            # No window ends by `now` (the threshold is exact): what _close_until would do.
+            closed: list[WindowSummary] = []
+            if now > self._last_now:
+                self._last_now = now
+        else:
+            closed = self._close_until(now) if now >= self._last_now else []
+        if now < self._open_start:
             self._late += 1
         self._demand += predicted_s
         self._requests += 1
@@ -188,4 +245,6 @@ class DemandWindows:
             self._demand, self._requests, self._long, self._late = 0.0, 0, 0, 0
             self._by_degree = {}
             self._by_preferred = {}
+        if out:
+            self._refresh_bounds()
         return out

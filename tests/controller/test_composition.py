@@ -142,3 +142,17 @@ def test_bad_history_is_rejected() -> None:
     missing_degree = HistoricalSample(10, {2: 1.0})
     with pytest.raises(InvalidInput, match="service_s\\[4\\]"):
         initial_composition(LAT, PROFILE, HistoricalWorkload(1.0, (missing_degree,)))
+
+
+def test_capacity_memo_is_per_profile_and_exclusion() -> None:
+    comp = Composition.from_counts(LAT, {2: 2, 4: 3})
+    other = Profile(kappa={2: 1.0, 4: 2.0})
+    for _ in range(2):  # second round answers from the memo
+        assert capacity(comp, PROFILE) == 68.0
+        assert capacity(comp, other) == 8.0
+        assert capacity(comp, PROFILE, frozenset({"w-cp4-g0"})) == 52.0
+        assert capacity(comp, PROFILE, {"w-cp4-g0", "w-cp2-g12"}) == 42.0  # a set: no memo
+        assert capacity(comp, PROFILE, ()) == 68.0
+    # An equal composition built afresh agrees.
+    assert capacity(Composition(LAT, comp.groups), other, frozenset({"w-cp2-g12"})) == 7.0
+    assert capacity(comp, other, frozenset({"w-cp2-g12"})) == 7.0

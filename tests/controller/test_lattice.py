@@ -249,3 +249,79 @@ def test_parse_round_trips_the_paper_notation() -> None:
     for bad in ["", "8CP4/", "CP4", "8XP4", "9CP4"]:
         with pytest.raises(InvalidInput):
             Composition.parse(lat, bad)
+
+
+# --- memoised adjacency (the planner evaluates the same neighbours every window) -----------
+def test_apply_memo_returns_the_same_validated_composition() -> None:
+    lat = Lattice(40, {2, 4})
+    comp = Composition.parse(lat, "8CP2/6CP4")
+    assert comp.adjacent() is comp.adjacent()  # enumerated once
+    for op in comp.adjacent():
+        first = comp.apply(op)
+        # An equal (not identical) operation hits the same entry.
+        again = apply(comp, LatticeOp(op.kind, tuple(op.sources), tuple(op.targets)))
+        assert again is first
+        # Equal to what an unmemoised build gives: a fresh, equal composition has no memo.
+        fresh = Composition(lat, comp.groups).apply(op)
+        assert fresh == first and fresh is not first
+        kept = tuple(g for g in comp.groups if g not in op.sources)
+        assert first == Composition(lat, kept + op.targets)
+        assert repr(first) == repr(fresh) and hash(first) == hash(fresh)
+
+
+def test_memo_is_not_part_of_equality_repr_or_pickled_state() -> None:
+    import pickle
+
+    lat = Lattice(16, {2, 4})
+    used, unused = Composition.uniform(lat, 4), Composition.uniform(lat, 4)
+    for op in used.adjacent():
+        used.apply(op)
+    assert used == unused and hash(used) == hash(unused) and repr(used) == repr(unused)
+    copy = pickle.loads(pickle.dumps(used))
+    assert copy == used
+    assert copy._derived.applied == {} and copy._derived.adjacent is None
+    assert copy.adjacent() == used.adjacent()
+
+
+def test_invalid_ops_still_raise_after_valid_ones_were_memoised() -> None:
+    lat = Lattice(16, {2, 4})
+    comp = Composition.uniform(lat, 4)
+    for op in comp.adjacent():
+        comp.apply(op)
+    bad = [
+        LatticeOp(OpKind.MERGE, (GpuGroup(0, 2), GpuGroup(2, 2)), (GpuGroup(0, 4),)),
+        LatticeOp(OpKind.SPLIT, (GpuGroup(0, 4),), (GpuGroup(0, 4),)),
+        # Unhashable parts cannot be looked up; they are rejected by validation.
+        LatticeOp(OpKind.SPLIT, [GpuGroup(0, 4)], [GpuGroup(0, 2), GpuGroup(2, 2)]),  # type: ignore[arg-type]
+    ]
+    for op in bad:
+        for _ in range(2):  # a failure is never memoised
+            with pytest.raises(InvalidInput, match="not a lattice|not a worker"):
+                comp.apply(op)
+    with pytest.raises(InvalidInput, match="expected a LatticeOp"):
+        comp.apply("split w-cp4-g0")  # type: ignore[arg-type]
+    assert len(comp._derived.applied) == len(comp.adjacent())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lat_idx=st.integers(0, len(LATTICES) - 1),
+    start_idx=st.integers(0, 10_000),
+    choices=st.lists(st.integers(0, 10_000), max_size=20),
+)
+def test_memoised_walks_match_unmemoised_ones(
+    lat_idx: int, start_idx: int, choices: list[int]
+) -> None:
+    lat = LATTICES[lat_idx]
+    starts = sorted(lat.achievable_counts())
+    vec = starts[start_idx % len(starts)]
+    comp = Composition.from_counts(lat, dict(zip(lat.sorted_degrees, vec, strict=True)))
+    for k in choices:
+        ops = comp.adjacent()
+        if not ops:
+            break
+        op = ops[k % len(ops)]
+        twin = Composition(lat, comp.groups)  # fresh memo every step
+        assert twin.adjacent() == ops
+        assert comp.apply(op) == twin.apply(op) == comp.apply(op)
+        comp = comp.apply(op)

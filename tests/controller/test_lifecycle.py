@@ -396,3 +396,15 @@ def test_control_record_and_report_serialise() -> None:
         )
     report = json.loads(json.dumps(p.reconfiguration(rid).to_dict()))
     assert report["phase"] == "committed" and report["drain_s"] == 0.0
+
+
+def test_composition_is_one_object_until_a_commit() -> None:
+    start = Composition.uniform(LAT, 4)
+    p = EpochProtocol(start)
+    assert p.composition is p.composition == start
+    rid = p.start(SPLIT_G8, 1.0).reconfiguration  # nothing in flight: drained at once
+    assert p.composition is p.composition == start  # draining changes no groups
+    p.switch_started(rid, 2.0)
+    after = p.composition
+    assert after == start.apply(SPLIT_G8) and after.describe() == "2CP2/3CP4"
+    assert p.composition is after

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.controller.windows import DemandWindows
 from shared.ids import InvalidInput
@@ -116,3 +118,73 @@ def test_integer_times_and_degrees_are_accepted() -> None:
     assert win.demand_s == 2.5 and win.requests == 2 and win.long_requests == 1
     assert win.demand_by_degree == ((2, 2.0), (4, 0.5))
     assert win.demand_by_preferred == ((4, 2.5),)
+
+
+# --- record's fast path: the exact first `now` that closes the open window -----------------
+def _closes(start: float, window: float, index: int, t: float) -> bool:
+    return math.floor((t - start) / window) > index  # the rule _close_until applies
+
+
+@pytest.mark.parametrize(
+    ("start", "window"),
+    [(0.0, 20.0), (0.3, 0.1), (140.0, 20.0), (-7.25, 3.3), (1e9, 1e-3), (0.0, 1e-300)],
+)
+def test_first_closing_is_the_exact_threshold(start: float, window: float) -> None:
+    from services.controller.windows import _first_closing
+
+    for index in (0, 1, 2, 3, 7, 29, 1000, 123_457):
+        t = _first_closing(start, window, index)
+        assert math.isfinite(t)
+        assert _closes(start, window, index, t)
+        assert not _closes(start, window, index, math.nextafter(t, -math.inf))
+
+
+class _FullPath(DemandWindows):
+    """Reference: every record takes the full close check (as before the fast path)."""
+
+    def _refresh_bounds(self) -> None:
+        super()._refresh_bounds()
+        self._close_at = -math.inf
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    start=st.sampled_from([0.0, 0.3, 140.0, -5.5]),
+    window=st.sampled_from([20.0, 0.1, 3.3, 1.0]),
+    steps=st.lists(
+        st.tuples(
+            st.one_of(
+                st.floats(-0.5, 3.0, allow_nan=False),  # forward, or a little back (late)
+                st.sampled_from([0.0, 0.1, 0.2, 0.3]),  # repeats and awkward decimal steps
+            ),
+            st.integers(0, 2),  # ulps nudged around the step
+        ),
+        max_size=60,
+    ),
+)
+def test_fast_path_records_exactly_like_the_full_check(
+    start: float, window: float, steps: list[tuple[float, int]]
+) -> None:
+    fast = DemandWindows(window_s=window, long_threshold_tokens=100, start_s=start)
+    ref = _FullPath(window_s=window, long_threshold_tokens=100, start_s=start)
+    now = start
+    for i, (dt, ulps) in enumerate(steps):
+        now = now + dt * window
+        for _ in range(ulps):
+            now = math.nextafter(now, math.inf if i % 2 else -math.inf)
+        assert fast.record(now, 0.5, 50 + i, degree=2, preferred=4) == ref.record(
+            now, 0.5, 50 + i, degree=2, preferred=4
+        )
+        assert (fast._index, fast._late, fast._last_now) == (ref._index, ref._late, ref._last_now)
+        assert fast._open_start == fast.open_start_s
+    if now >= fast._last_now:
+        assert fast.advance(now + window) == ref.advance(now + window)
+
+
+def test_a_record_at_each_boundary_float_lands_in_the_right_window() -> None:
+    w = DemandWindows(window_s=0.1, start_s=0.3)
+    for k in range(1, 40):
+        edge = 0.3 + k * 0.1  # not exactly representable: the threshold is a few ulps off
+        for t in (math.nextafter(edge, -math.inf), edge, math.nextafter(edge, math.inf)):
+            w.record(t, 1.0, 10)
+            assert w.open_index == max(0, math.floor((t - 0.3) / 0.1))
