@@ -84,7 +84,11 @@ def register(app: typer.Typer) -> None:
     def up(
         gpus: Annotated[int, typer.Option(help="GPUs in the prefill pool (simulated)")] = 8,
         degrees: Annotated[str, typer.Option(help="CP degrees, comma-separated")] = "2,4",
-        policy: Annotated[str, typer.Option(help="Scheduler policy (registry name)")] = "vertumnus",
+        policy: Annotated[str, typer.Option(
+            help="Scheduler policy (registry name). A baseline runs on the pool its source "
+            "deploys, held, as in `simulate` (homo, sglang, dynamo, llmd, round_robin: all "
+            "CP4; homo_cp2: the smallest degree; vllm: TP-4; static: the start composition)"
+        )] = "vertumnus",
         workload: Annotated[str, typer.Option(
             help="'synthetic' (phased), 'synthetic-short' (phased, prompts of tens to a few "
                  "hundred tokens, 16-token blocks) or a trace path; default: 'synthetic' with "

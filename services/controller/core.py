@@ -35,6 +35,7 @@ from collections.abc import Collection, Mapping, Sequence
 from enum import Enum
 from typing import Final, Literal
 
+from services.controller.composition import capacity
 from services.controller.lattice import Composition
 from services.controller.lifecycle import EpochProtocol, IllegalTransition, StartResult
 from services.controller.planner import ControllerConfig, Decision, Plan, Planner, TrafficEstimate
@@ -48,6 +49,9 @@ class FromProfile(Enum):
 
     TOKEN = "from-profile"
 
+
+HELD_REASON: Final[str] = "composition held: a fixed deployment"
+"""The reason of every decision of ``ControllerCore.tick(hold=True)``."""
 
 FROM_PROFILE: Final = FromProfile.TOKEN
 """``ControllerCore.assigned(preferred=FROM_PROFILE)``: judge the preferred degree from the
@@ -153,12 +157,23 @@ class ControllerCore:
         *,
         drain_s: Mapping[WorkerId, float] | None = None,
         traffic: TrafficEstimate | None = None,
+        hold: bool = False,
     ) -> list[Decision]:
-        """Close the windows that ended by ``now`` and decide each, oldest first."""
+        """Close the windows that ended by ``now`` and decide each, oldest first.
+
+        ``hold``: the composition is fixed (a baseline's deployment, the simulator's
+        non-adaptive runs): each window is still closed and reported with its D(k) and the
+        pool's capacity, but the planner is not consulted and nothing is planned."""
         closed = self._closed + self.windows.advance(now)
         self._closed = []
         out: list[Decision] = []
         for win in closed:
+            if hold:
+                comp = self.protocol.composition
+                cap = capacity(comp, self.planner.profile, frozenset(self.protocol.unavailable()))
+                out.append(Decision(win, cap, None, None, None, 0, None, HELD_REASON,
+                                    comp.describe()))
+                continue
             busy = bool(self._pending) or bool(self.protocol.in_progress())
             dec = self.planner.observe(
                 win,

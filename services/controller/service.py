@@ -115,7 +115,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.calibration import CONTROLLER, KAPPA_SCALE
 from services.controller.core import FROM_PROFILE, ControllerCore, FromProfile
@@ -170,7 +170,7 @@ from shared.service import (
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, micro_service_name, validate_subject, validate_token
 from shared.tasks import cancel_and_wait
-from shared.worker import Lifecycle
+from shared.worker import GpuGroup, Lifecycle, WorkerKind
 
 VERSION: Final[str] = "0.1.0"
 INFLIGHT_MARKER: Final[str] = "~in-flight"
@@ -308,6 +308,18 @@ class ControllerSettings(ServiceSettings):
         "outstanding work is at least this many seconds; then no merge, and rule 13 yields. "
         "None: never backlogged.",
     )
+    adaptive: bool = Field(
+        default=True,
+        description="False: hold the composition, as a baseline's fixed deployment runs (the "
+        "simulator's non-adaptive policies): windows are still closed and decided, for "
+        "inspect, but nothing is planned. Leases and re-admission work as ever.",
+    )
+    kind: WorkerKind = Field(
+        default=WorkerKind.CP,
+        description="Kind of every worker: 'cp', or 'tp' (the vLLM-like baseline's "
+        "tensor-parallel workers, named w-tp{T}-g{first}; only with adaptive false, since "
+        "splits and merges are CP lattice operations).",
+    )
     newest_first: bool = Field(
         default=CONTROLLER.newest_first,
         description="Planner rule 6: take first the operation whose sources joined the "
@@ -359,6 +371,12 @@ class ControllerSettings(ServiceSettings):
         "compare-and-set.",
     )
     decisions_kept: int = Field(default=200, ge=1, description="Recent decisions kept.")
+
+    @model_validator(mode="after")
+    def _tp_is_fixed(self) -> ControllerSettings:
+        if self.kind is WorkerKind.TP and self.adaptive:
+            raise ValueError("kind 'tp' needs adaptive false: TP workers are not split or merged")
+        return self
 
     @field_validator("kappa", mode="before")
     @classmethod
@@ -520,14 +538,18 @@ def composition_of(record: EpochRecord, lattice: Lattice) -> Composition:
 
 
 def epoch_record(
-    protocol_workers: Sequence[Any], epoch: int, now: float, reason: str
+    protocol_workers: Sequence[Any], epoch: int, now: float, reason: str,
+    kind: WorkerKind = WorkerKind.CP,
 ) -> EpochRecord:
-    """An EpochRecord of the protocol's workers (lifecycle as the protocol has it)."""
+    """An EpochRecord of the protocol's workers (lifecycle as the protocol has it), all of
+    ``kind`` (a TP worker is named ``w-tp{T}-g{first}``; the protocol knows it by its
+    group's CP name, :func:`protocol_worker_id`)."""
     return EpochRecord(
         epoch=epoch,
         workers=[
             EpochWorker(
-                worker_id=w.worker_id,
+                worker_id=w.worker_id if kind is WorkerKind.CP else tp_worker_id(w.group),
+                kind=kind,
                 first_gpu=w.group.first_gpu,
                 degree=w.group.degree,
                 lifecycle=w.state,
@@ -537,6 +559,20 @@ def epoch_record(
         committed_at_s=now,
         reason=reason[:500],
     )
+
+
+def tp_worker_id(group: GpuGroup) -> WorkerId:
+    """The id of the TP worker on ``group``: ``w-tp{T}-g{first}`` (the simulator's naming)."""
+    return WorkerId(f"w-tp{group.degree}-g{group.first_gpu}")
+
+
+def protocol_worker_id(worker_id: str) -> WorkerId:
+    """The id the epoch protocol knows a worker by: its lattice group's CP name (a TP
+    worker's ``w-tp4-g0`` is ``w-cp4-g0``); an id that names no group is returned as is."""
+    try:
+        return GpuGroup.from_worker_id(worker_id).worker_id
+    except InvalidInput:
+        return WorkerId(worker_id)
 
 
 def replay_report(
@@ -807,7 +843,8 @@ class ControllerService(MicroService):
             core = ControllerCore(
                 comp, self.profile, self.config, start_s=self._window_origin(), epoch=0
             )
-            rec = epoch_record(core.protocol.workers(), 0, self.now(), "initial composition")
+            rec = epoch_record(core.protocol.workers(), 0, self.now(), "initial composition",
+                               self.csettings.kind)
             try:
                 self.revision = await self._kv.create(key, to_json(rec))
                 self.core, self.record = core, rec
@@ -924,7 +961,8 @@ class ControllerService(MicroService):
 
     def _next_record(self, reason: str) -> EpochRecord:
         assert self.core is not None and self.record is not None
-        return epoch_record(self.core.protocol.workers(), self.record.epoch + 1, self.now(), reason)
+        return epoch_record(self.core.protocol.workers(), self.record.epoch + 1, self.now(),
+                            reason, self.csettings.kind)
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -986,7 +1024,7 @@ class ControllerService(MicroService):
             if entry is None:
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self._states.pop(entry.key, None)
+                self._states.pop(self._pid(entry.key), None)
                 continue
             try:
                 state = decode(WorkerState, entry.value)
@@ -994,9 +1032,15 @@ class ControllerService(MicroService):
                 self.counters["malformed"] += 1
                 self.log.warning("bad worker state ignored", key=entry.key, error=str(exc))
                 continue
-            self._states[state.worker_id] = state
+            self._states[self._pid(state.worker_id)] = state
             await self._state_drained(state)
             await self._maybe_recover(state)
+
+    def _pid(self, worker_id: str) -> WorkerId:
+        """The protocol's id of a worker named ``worker_id`` by its rank daemon."""
+        if self.csettings.kind is WorkerKind.CP:
+            return WorkerId(worker_id)
+        return protocol_worker_id(worker_id)
 
     async def _state_drained(self, state: WorkerState) -> None:
         """A draining source whose state (under the drain record) shows nothing left."""
@@ -1004,11 +1048,11 @@ class ControllerService(MicroService):
             return
         async with self._lock:
             for rid, per_worker in list(self._awaiting.items()):
-                left = per_worker.get(WorkerId(state.worker_id))
+                left = per_worker.get(self._pid(state.worker_id))
                 if not left or state.epoch < self._drain_epoch.get(rid, 0):
                     continue
                 for req in list(left):
-                    await self._finished(WorkerId(state.worker_id), req)
+                    await self._finished(self._pid(state.worker_id), req)
 
     async def _maybe_recover(self, state: WorkerState) -> None:
         """A failed worker heartbeats again: re-admit it under a fresh epoch."""
@@ -1016,7 +1060,7 @@ class ControllerService(MicroService):
             return
         async with self._lock:
             core = self.core
-            wid = WorkerId(state.worker_id)
+            wid = self._pid(state.worker_id)
             if core is None or wid not in core.protocol.composition:
                 return
             if core.protocol.state(wid) is not Lifecycle.UNAVAILABLE:
@@ -1178,7 +1222,7 @@ class ControllerService(MicroService):
                 for w, st in self._states.items()
                 if w in core.protocol.composition
             }
-            decisions = core.tick(t, drain_s=drain)
+            decisions = core.tick(t, drain_s=drain, hold=not self.csettings.adaptive)
             for d in decisions:
                 self._decisions.append(decision_dict(d))
                 if d.plan is not None:

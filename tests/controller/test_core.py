@@ -121,3 +121,24 @@ def test_closed_loop_follows_load_phases_like_section_9_3() -> None:
     # per window while the signal holds: split at 2, merges at 10, 11, 12, 13 (0-based).
     planned = [d.window.index for d in core.decisions if d.plan is not None]
     assert planned == [1, 2, 9, 10, 11, 12, 13]
+
+
+def test_hold_measures_every_window_and_plans_nothing() -> None:
+    """tick(hold=True): a fixed deployment's controller. Windows close with their D(k) and
+    the pool's capacity, but neither an overload nor an idle pool gives a plan."""
+    from services.controller.core import HELD_REASON
+
+    core = ControllerCore(Composition.uniform(LAT, 4), PROFILE)  # K = 64
+    for k in range(4):  # far above u·K for four windows: would split after two
+        _load(core, 20.0 * k, 200.0)
+    held = core.tick(80.0, hold=True)
+    assert [d.window.demand_s for d in held] == pytest.approx([200.0] * 4)
+    assert all(d.plan is None and d.direction is None and d.reason == HELD_REASON
+               and d.capacity_s == 64.0 and d.composition == "4CP4" for d in held)
+    assert core.tick(200.0, hold=True)[-1].plan is None  # idle windows: no merge either
+    assert core.pending_plan is None and len(core.decisions) == 10
+    # The same windows unheld split (the hold is what stopped it).
+    free = ControllerCore(Composition.uniform(LAT, 4), PROFILE)
+    for k in range(4):
+        _load(free, 20.0 * k, 200.0)
+    assert any(d.plan is not None for d in free.tick(80.0))

@@ -384,3 +384,56 @@ async def test_a_lost_window_report_is_recovered_from_its_copy(
     assert demand[k] == pytest.approx(1.25) and demand[k + 1] == pytest.approx(0.75)
     assert demand[k + 2] == pytest.approx(0.5)
     assert ctl.counters["duplicate_reports"] == 2 and ctl.counters["reports"] == 4
+
+
+async def test_a_held_tp_pool_plans_nothing_and_its_leases_still_apply(
+    nc: Client, nats_server, uniq: str, services
+):
+    """``adaptive=False, kind='tp'``: the vLLM-like baseline's fixed TP-4 pool as ``vertumnus
+    up --policy vllm`` deploys it. Demand 5x the capacity gives no plan; the epoch record
+    names TP workers; a TP worker's stale heartbeat still fails it (its state is matched to
+    the protocol's worker by its GPU group)."""
+    from services.controller.core import HELD_REASON
+    from shared.worker import WorkerKind
+
+    s = Subjects(uniq)
+    states = await worker_state_kv(nc.jetstream(), s)
+    tp = {"kind": WorkerKind.TP}
+    await states.put("w-tp4-g4", to_json(worker_state(
+        "w-tp4-g4", [4, 5, 6, 7], queue=0, outstanding=0.0).model_copy(update=tp)))
+    await states.put("w-tp4-g0", to_json(worker_state(
+        "w-tp4-g0", [0, 1, 2, 3], queue=0, outstanding=0.0).model_copy(
+            update={**tp, "heartbeat_s": time.time() - 60})))
+    drains = Collector()
+    await nc.subscribe(drain_subject(s), cb=drains.cb)
+    sched = FakeScheduler(nc, s, H, lambda: 10.0)  # K = 2: a free controller would split
+    ctl = await services(ControllerService(
+        settings(nats_server.url, uniq, "ctl-a", adaptive=False, kind="tp")))
+    try:
+        await sched.start()
+
+        async def decided() -> bool:
+            body = await inspect(nc, uniq, b'{"decisions": 50}')
+            return len([d for d in body["decisions"] if d["demand_s"] > 0]) >= 3
+
+        await eventually(decided, what="three loaded windows decided")
+        body = await inspect(nc, uniq, b'{"decisions": 50}')
+        assert all(d["plan"] is None and d["reason"] == HELD_REASON for d in body["decisions"])
+        assert not drains.items and ctl.counters["plans"] == 0
+        kv = await epoch_kv(nc.jetstream(), s)
+        rec = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
+        assert {(w.worker_id, w.kind, w.lifecycle) for w in rec.workers} == {
+            ("w-tp4-g0", WorkerKind.TP, Lifecycle.UNAVAILABLE),
+            ("w-tp4-g4", WorkerKind.TP, Lifecycle.ACTIVE),
+        }
+        assert rec.epoch == 1 and ctl.counters["failed"] == 1
+    finally:
+        await sched.stop()
+
+
+def test_tp_workers_need_a_held_composition() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="kind 'tp' needs adaptive false"):
+        ControllerSettings(kind="tp")
+    assert ControllerSettings(kind="tp", adaptive=False).kind == "tp"

@@ -57,6 +57,23 @@ def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
     assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
 
 
+def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path) -> None:
+    """``--policy vllm`` deploys vLLM's pool, as the simulator's comparison does: TP-4 workers,
+    held (no split or merge), and they serve every request."""
+    out = tmp_path / "results.json"
+    logs = tmp_path / "logs"
+    proc = run_cli(["up", "--policy", "vllm", "--max-requests", "8", "--duration", "60",
+                    "--time-scale", "0.05", "--log-dir", str(logs), "--json", str(out),
+                    "--no-progress", "--stop-timeout", "10"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["completed"] == 8, data["errors"]
+    assert data["reconfigurations"] == 0 and data["policy"] == "vllm"
+    if "controller" not in data["services_missing"]:
+        assert data["composition"][0]["label"] == "2×TP4", data["composition"]
+    assert "TP4" in proc.stdout
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_interrupt_leaves_no_child_processes(tmp_path: Path, sig: signal.Signals) -> None:
     logs = tmp_path / "logs"

@@ -73,6 +73,7 @@ def test_composition_changes_are_named() -> None:
     assert describe_change(b2, c).startswith("merge")
     assert reconfigurations([a, b, b2, c]) == 2
     assert b.label() == "2×CP2 + 1×CP4"
+    assert CompositionChange(1, 0.0, ("w-tp4-g0", "w-tp4-g4")).label() == "2×TP4"
 
 
 def test_report_keys_and_overhead() -> None:
@@ -123,3 +124,40 @@ def test_up_torch_without_the_engine_extra_is_a_clear_error(tmp_path: Path, monk
     with pytest.raises(StackError, match="needs the 'engine' extra"):
         asyncio.run(run_up(cfg, console=quiet, err_console=quiet, show_progress=False))
     assert not (tmp_path / "pids.json").exists()  # nothing was started
+
+
+def test_each_policy_is_deployed_as_the_simulator_deploys_it(tmp_path: Path) -> None:
+    """``up --policy P`` starts P's own pool, held (sim/experiments.py's table): a baseline
+    runs neither the controller's splits and merges nor the cache manager's copies."""
+    import pytest
+
+    from sim.experiments import ALL_POLICIES
+    from vertumnus.live.stack import LiveStack, UpConfig
+
+    expect = {
+        "vertumnus": ("w-cp2-g0,w-cp2-g2,w-cp2-g4,w-cp2-g6", "cp", "true", None),
+        "static": ("w-cp2-g0,w-cp2-g2,w-cp2-g4,w-cp2-g6", "cp", "false", "0"),
+        "homo_cp2": ("w-cp2-g0,w-cp2-g2,w-cp2-g4,w-cp2-g6", "cp", "false", "0"),
+        "vllm": ("w-tp4-g0,w-tp4-g4", "tp", "false", "0"),
+        **{p: ("w-cp4-g0,w-cp4-g4", "cp", "false", "0")
+           for p in ("homo", "sglang", "dynamo", "llmd", "round_robin")},
+    }
+    assert set(expect) >= set(ALL_POLICIES) - {"sglang_unbounded"}
+    for policy, (workers, kind, adaptive, actions) in expect.items():
+        stack = LiveStack(UpConfig(gpus=8, policy=policy), log_dir=tmp_path)
+        rankd = stack.service_env("rankd", "nats://x:1")
+        ctl = stack.service_env("controller", "nats://x:1")
+        cm = stack.service_env("cachemgr", "nats://x:1")
+        assert (rankd["VTM_INITIAL_WORKERS"], rankd["VTM_KIND"]) == (workers, kind), policy
+        assert (ctl["VTM_KIND"], ctl["VTM_ADAPTIVE"]) == (kind, adaptive), policy
+        assert cm.get("VTM_MAX_ACTIONS_PER_LIST") == actions, policy
+    # static and vertumnus start from the same given composition; homo ignores it.
+    mixed = ("w-cp2-g0", "w-cp2-g2", "w-cp4-g4")
+    assert UpConfig(policy="static", initial_workers=mixed).workers() == mixed
+    assert UpConfig(policy="homo", initial_workers=mixed).workers() == ("w-cp4-g0", "w-cp4-g4")
+    # Without degree 4, the homogeneous baselines take the largest degree (as the simulator).
+    assert UpConfig(gpus=16, degrees=(2, 8), policy="sglang").workers() == (
+        "w-cp8-g0", "w-cp8-g8")
+    # The torch engine runs CP workers only: vllm's TP pool is refused before anything starts.
+    with pytest.raises(ValueError, match="deploys TP workers"):
+        UpConfig(gpus=8, backend="torch", policy="vllm")

@@ -47,7 +47,18 @@ class CompositionChange:
         return dict(sorted(out.items()))
 
     def label(self) -> str:
-        return " + ".join(f"{n}×CP{d}" for d, n in self.degrees().items()) or "(none)"
+        """``'2×CP2 + 1×CP4'`` (TP workers, the vllm baseline's, as ``TP4``)."""
+        out: dict[tuple[int, str], int] = {}
+        for w in self.workers:
+            if _lattice(w):
+                key = (GpuGroup.from_worker_id(w).degree, _kind(w))
+                out[key] = out.get(key, 0) + 1
+        return " + ".join(f"{n}×{k}{d}" for (d, k), n in sorted(out.items())) or "(none)"
+
+
+def _kind(worker_id: str) -> str:
+    """'TP' for a tensor-parallel worker's id (``w-tp4-g0``), else 'CP'."""
+    return "TP" if worker_id.startswith("w-tp") else "CP"
 
 
 def describe_change(old: CompositionChange, new: CompositionChange) -> str:
@@ -187,8 +198,10 @@ class LiveReport:
             d = Table(title="per degree")
             for col in ("degree", "requests", "mean TTFT", "hit rate"):
                 d.add_column(col, justify="right")
+            kinds = {_degree(r.worker_id): _kind(r.worker_id) for r in self.records
+                     if r.ok and r.worker_id}
             for deg, v in s["per_degree"].items():
-                d.add_row(f"CP{deg}", str(v["requests"]), _f(v["ttft_mean"]),
+                d.add_row(f"{kinds.get(deg, 'CP')}{deg}", str(v["requests"]), _f(v["ttft_mean"]),
                           _f(v["hit_rate"], pct=True))
             console.print(d)
         if self.changes:

@@ -50,7 +50,7 @@ from shared.ids import DEFAULT_BLOCK_SIZE
 from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv
 from shared.subjects import Subjects
-from shared.worker import GpuGroup
+from shared.worker import GpuGroup, WorkerKind
 from vertumnus.live.http import HttpError, get_json
 from vertumnus.live.observe import Observer, ping
 from vertumnus.live.procs import ChildSet, ChildSpec
@@ -135,6 +135,9 @@ class UpConfig:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
         if self.backend not in ("sim", "torch"):
             raise ValueError(f"--backend must be sim or torch, got {self.backend!r}")
+        if self.backend == "torch" and self.deployment().kind is WorkerKind.TP:
+            raise ValueError(f"--policy {self.policy} deploys TP workers, which only the sim "
+                             "backend models (the torch engine runs CP workers)")
 
     @property
     def block_size(self) -> int:
@@ -161,8 +164,52 @@ class UpConfig:
 
     def workers(self) -> tuple[str, ...]:
         """The initial composition: the controller's first epoch record and what the rank
-        daemons run until it arrives (default: :func:`default_composition`)."""
-        return self.initial_workers or default_composition(self.gpus, self.degrees)
+        daemons run until it arrives. ``vertumnus`` and ``static`` start from
+        ``initial_workers`` (default: :func:`default_composition`); every other policy from
+        the pool its source deploys (:meth:`deployment`)."""
+        return self.deployment().workers
+
+    def deployment(self) -> LiveDeployment:
+        """The pool ``policy``'s source deploys, exactly as the simulator's comparisons deploy
+        it (:func:`sim.experiments.deployment_for`, the module table there): ``vertumnus``
+        from ``initial_workers`` (default :func:`default_composition`: live there is no
+        history for §6.1) with the controller and the cache manager on; ``static`` on that
+        composition, held; ``homo``, ``sglang``, ``dynamo``, ``llmd`` and ``round_robin`` on
+        all-CP4 workers (the largest degree when 4 is not one), ``homo_cp2`` on all
+        smallest-degree ones, ``vllm`` on all TP-4 ones -- each held fixed and without the
+        cache manager's replication and reclamation (a baseline's caches are its workers'
+        own). A policy the table does not know runs as vertumnus does."""
+        from services.controller.lattice import Composition, Lattice
+        from shared.ids import InvalidInput
+        from sim.experiments import ExperimentSpec, deployment_for
+
+        start = self.initial_workers or default_composition(self.gpus, self.degrees)
+        degrees = tuple(sorted(set(self.degrees)))
+        lattice = Lattice(self.gpus, degrees)
+        initial = Composition(lattice, tuple(GpuGroup.from_worker_id(w) for w in start))
+        try:
+            dep = deployment_for(self.policy, lattice, initial,
+                                 ExperimentSpec(gpus=self.gpus, degrees=degrees))
+        except InvalidInput:
+            return LiveDeployment(tuple(start), WorkerKind.CP, True, True)
+        if dep.kind is WorkerKind.TP:
+            ids = tuple(f"w-tp{g.degree}-g{g.first_gpu}" for g in dep.composition.groups)
+        else:
+            ids = tuple(g.worker_id for g in dep.composition.groups)
+        return LiveDeployment(ids, dep.kind, dep.adaptive, dep.cache_manager)
+
+
+@dataclass(frozen=True)
+class LiveDeployment:
+    """What ``vertumnus up`` starts for a policy (:meth:`UpConfig.deployment`)."""
+
+    workers: tuple[str, ...]
+    """Initial worker ids (TP workers are ``w-tp{T}-g{first}``)."""
+    kind: WorkerKind
+    adaptive: bool
+    """The controller splits and merges (else it holds the composition)."""
+    cache_manager: bool
+    """The cache manager replicates and reclaims (else it only follows the caches)."""
 
 
 def default_workload(backend: str) -> str:
@@ -287,6 +334,7 @@ class LiveStack:
 
     def service_env(self, name: str, nats_url: str) -> dict[str, str]:
         c = self.config
+        dep = c.deployment()
         scale = c.effective_time_scale
         window = f"{WINDOW_S * scale:g}"
         degrees = json.dumps(sorted(set(c.degrees)))
@@ -326,18 +374,24 @@ class LiveStack:
                 # their end, and look often enough to notice.
                 "VTM_TICK_S": f"{min(1.0, WINDOW_S * scale / 4):g}",
                 "VTM_REPORT_GRACE_S": f"{min(2.0, WINDOW_S * scale / 4):g}",
-                "VTM_INITIAL_COMPOSITION": notation(c.workers()),
+                "VTM_INITIAL_COMPOSITION": notation(dep.workers),
+                # A baseline's pool is its source's, held (the simulator's comparisons).
+                "VTM_ADAPTIVE": "true" if dep.adaptive else "false",
+                "VTM_KIND": dep.kind.value,
                 **({"VTM_PROFILE_PATH": str(c.profile)} if c.profile else {}),
             },
             "cachemgr": {
                 "VTM_BLOCK_SIZE": str(c.block_size),
                 "VTM_DEGREES": degrees,
                 "VTM_SCAN_INTERVAL_S": window,  # H, scaled like the controller's window
+                # Without a cache manager (baselines) the scan issues no copy and no deletion.
+                **({} if dep.cache_manager else {"VTM_MAX_ACTIONS_PER_LIST": "0"}),
                 **({"VTM_PROFILE_PATH": str(c.profile)} if c.profile else {}),
             },
             "rankd": {
                 "VTM_HOST_GPUS": f"0-{c.gpus - 1}",
-                "VTM_INITIAL_WORKERS": ",".join(c.workers()),
+                "VTM_INITIAL_WORKERS": ",".join(dep.workers),
+                "VTM_KIND": dep.kind.value,
                 "VTM_BACKEND": c.backend,
                 "VTM_TIME_SCALE": f"{scale:g}",
                 # The modelled ground truth is the sim backend's; the torch engine runs.
