@@ -86,7 +86,9 @@ async def test_forced_merge_and_split_under_load(tmp_path: Path) -> None:
     # round_robin: every active worker gets its share, so each geometry is exercised under
     # load (vertumnus' J prefers the cheaper CP2 workers at this light load and might leave
     # the merged CP4 idle for its short life; placement is not what this test is about).
-    cfg = small_config(policy="round_robin")
+    # (A baseline deploys its own pool, all CP4 for round_robin: the start is given.)
+    cfg = small_config(policy="round_robin",
+                       initial_workers=("w-cp2-g0", "w-cp2-g2", "w-cp2-g4", "w-cp2-g6"))
     initial = cfg.workers()
     assert initial == ("w-cp2-g0", "w-cp2-g2", "w-cp2-g4", "w-cp2-g6")
     async with running_stack(cfg, tmp_path / "logs", cls=StackWithoutController) as stack:

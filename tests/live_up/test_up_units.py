@@ -151,10 +151,12 @@ def test_each_policy_is_deployed_as_the_simulator_deploys_it(tmp_path: Path) -> 
         assert (rankd["VTM_INITIAL_WORKERS"], rankd["VTM_KIND"]) == (workers, kind), policy
         assert (ctl["VTM_KIND"], ctl["VTM_ADAPTIVE"]) == (kind, adaptive), policy
         assert cm.get("VTM_MAX_ACTIONS_PER_LIST") == actions, policy
-    # static and vertumnus start from the same given composition; homo ignores it.
+    # A given start replaces the pool for every policy (the kind stays the policy's).
     mixed = ("w-cp2-g0", "w-cp2-g2", "w-cp4-g4")
     assert UpConfig(policy="static", initial_workers=mixed).workers() == mixed
-    assert UpConfig(policy="homo", initial_workers=mixed).workers() == ("w-cp4-g0", "w-cp4-g4")
+    assert UpConfig(policy="homo", initial_workers=mixed).workers() == mixed
+    assert UpConfig(policy="vllm", initial_workers=mixed).workers() == (
+        "w-tp2-g0", "w-tp2-g2", "w-tp4-g4")
     # Without degree 4, the homogeneous baselines take the largest degree (as the simulator).
     assert UpConfig(gpus=16, degrees=(2, 8), policy="sglang").workers() == (
         "w-cp8-g0", "w-cp8-g8")

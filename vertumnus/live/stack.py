@@ -164,9 +164,8 @@ class UpConfig:
 
     def workers(self) -> tuple[str, ...]:
         """The initial composition: the controller's first epoch record and what the rank
-        daemons run until it arrives. ``vertumnus`` and ``static`` start from
-        ``initial_workers`` (default: :func:`default_composition`); every other policy from
-        the pool its source deploys (:meth:`deployment`)."""
+        daemons run until it arrives: ``initial_workers`` when given, else the pool the
+        policy's source deploys (:meth:`deployment`)."""
         return self.deployment().workers
 
     def deployment(self) -> LiveDeployment:
@@ -178,7 +177,9 @@ class UpConfig:
         all-CP4 workers (the largest degree when 4 is not one), ``homo_cp2`` on all
         smallest-degree ones, ``vllm`` on all TP-4 ones -- each held fixed and without the
         cache manager's replication and reclamation (a baseline's caches are its workers'
-        own). A policy the table does not know runs as vertumnus does."""
+        own). ``initial_workers``, when given, replace the pool's groups for every policy
+        (a test or an operator choosing the start). A policy the table does not know runs as
+        vertumnus does."""
         from services.controller.lattice import Composition, Lattice
         from shared.ids import InvalidInput
         from sim.experiments import ExperimentSpec, deployment_for
@@ -192,10 +193,11 @@ class UpConfig:
                                  ExperimentSpec(gpus=self.gpus, degrees=degrees))
         except InvalidInput:
             return LiveDeployment(tuple(start), WorkerKind.CP, True, True)
+        groups = initial.groups if self.initial_workers else dep.composition.groups
         if dep.kind is WorkerKind.TP:
-            ids = tuple(f"w-tp{g.degree}-g{g.first_gpu}" for g in dep.composition.groups)
+            ids = tuple(f"w-tp{g.degree}-g{g.first_gpu}" for g in groups)
         else:
-            ids = tuple(g.worker_id for g in dep.composition.groups)
+            ids = tuple(g.worker_id for g in groups)
         return LiveDeployment(ids, dep.kind, dep.adaptive, dep.cache_manager)
 
 
