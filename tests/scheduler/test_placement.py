@@ -233,6 +233,22 @@ def tie_rank_min(rid: str, workers: list[str]) -> str:
     return min(workers, key=lambda w: (tie_rank(rid, W(w)), w))
 
 
+def test_a_large_tie_goes_to_the_lowest_rank_for_every_request() -> None:
+    """place_j inlines the rank arithmetic: it must pick what tie_rank says, over many
+    requests and a tie group of twelve (every idle worker of the smaller degree)."""
+    flat = Profile(coefficients=Coefficients(d=0.1, a=0.001, b=0.0, c=0.0, alpha=0.0))
+    names = [f"w-cp2-g{2 * k}" for k in range(12)]
+    v = view(*(WorkerView(W(n), 2) for n in names), WorkerView(W("w-cp4-g24"), 4))
+    loads = loads_for(v)
+    picked = set()
+    for k in range(200):
+        rid = f"req-{k}"
+        d = place_j(req(rid, 1000), v, {}, loads, 0.0, profile=flat, beta=1.0, lam=0.0)
+        assert d.worker == tie_rank_min(rid, names)
+        picked.add(d.worker)
+    assert picked == set(names)  # and the ranks spread the ties over the whole group
+
+
 def test_ties_spread_over_workers_instead_of_piling_on_the_lowest_id() -> None:
     """Idle, cache-missing workers tie on J; over many requests each gets a fair share
     (a worker-id tie-break sent every one of them to the same worker)."""
