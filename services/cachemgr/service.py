@@ -175,7 +175,8 @@ class CacheMgrSettings(ServiceSettings):
         default=WORKER_LEASE_S, gt=0, description="Worker-state bucket TTL (as other services)."
     )
     housekeeping_s: float = Field(
-        default=1.0, gt=0, description="How often snapshots of stale workers are re-requested."
+        default=1.0, gt=0,
+        description="How often snapshots of stale workers (and unanswered ones) are asked again."
     )
     rehome: bool = Field(
         default=True,
@@ -336,6 +337,7 @@ class CacheMgrService(MicroService):
         self.record: EpochRecord | None = None
         self.last_scan: dict[str, Any] | None = None
         self._snapshotting: set[str] = set()
+        self._snapshot_retry: set[str] = set()  # unanswered snapshot requests, asked again
         self._tasks: list[asyncio.Task[None]] = []
         self._cmd_seq = 0
         self.counters: dict[str, int] = {
@@ -668,6 +670,7 @@ class CacheMgrService(MicroService):
             event = event_from_payload(reply.data)
             if not isinstance(event, Snapshot) or event.worker != worker:
                 raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
+            self._snapshot_retry.discard(worker)
             if worker in self.trie.workers():
                 outcome = self.trie.apply(event)
                 if outcome is ApplyOutcome.APPLIED:
@@ -681,7 +684,12 @@ class CacheMgrService(MicroService):
                 )
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
             self.counters["snapshots_failed"] += 1
-            self.log.info("cache snapshot unavailable", worker=worker, error=repr(exc))
+            # A worker tracked without its index would count its cached prefixes as missing
+            # until its first event: housekeeping asks again while it is tracked.
+            if worker in self.trie.workers():
+                self._snapshot_retry.add(worker)
+            self.log.info("cache snapshot unavailable; will ask again", worker=worker,
+                          error=repr(exc))
         except VertumnusError as exc:
             self.counters["snapshots_failed"] += 1
             self.log.warning("cache snapshot rejected", worker=worker, error=str(exc))
@@ -691,7 +699,8 @@ class CacheMgrService(MicroService):
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(self.msettings.housekeeping_s)
-            for w in self.trie.stale_workers():
+            self._snapshot_retry &= set(self.trie.workers())  # untracked meanwhile
+            for w in {*self.trie.stale_workers(), *self._snapshot_retry}:
                 self._request_snapshot(w)
 
     # -- per-request statistics -------------------------------------------------------------------

@@ -501,6 +501,7 @@ class SchedulerStats:
     gaps: int = 0
     snapshots_applied: int = 0
     windows_reported: int = 0
+    snapshots_unanswered: int = 0  # asked again by housekeeping while the worker is known
     windows_resent: int = 0  # previous window's report sent again before the next one
     starts_inferred: int = 0
     dispatch_unknown: int = 0  # dispatches whose outcome was unknown (record kept, NAK)
@@ -560,6 +561,8 @@ class SchedulerService(MicroService):
         # of them is not sent again, nor handed back for a gone worker.
         self._served: OrderedDict[str, None] = OrderedDict()
         self._snapshotting: set[str] = set()
+        # Workers whose snapshot request went unanswered (asked again by housekeeping).
+        self._snapshot_retry: set[str] = set()
         self._js: JetStreamContext | None = None
         self._records: KeyValue | None = None
         self._records_prefix = ""
@@ -690,7 +693,7 @@ class SchedulerService(MicroService):
 
     async def _housekeeping(self) -> None:
         """Lease expiry (KV watchers are not told about TTL expiry), window closing, snapshots
-        of stale workers whose earlier request failed."""
+        of stale workers and of workers whose snapshot request went unanswered."""
         period = min(1.0, self.ssettings.lease_s / 4, self.ssettings.window_s / 4)
         while True:
             await asyncio.sleep(period)
@@ -698,7 +701,9 @@ class SchedulerService(MicroService):
                 self._rebuild_view()
                 for summary in self.windows.advance(self.clock()):
                     await self._report_window(summary)
-                for wid in self.trie.stale_workers():
+                registered = set(self.trie.workers())
+                self._snapshot_retry &= registered  # workers gone meanwhile
+                for wid in {*self.trie.stale_workers(), *self._snapshot_retry}:
                     self._request_snapshot(wid)
             except asyncio.CancelledError:
                 raise
@@ -739,13 +744,21 @@ class SchedulerService(MicroService):
             event = wire_event(reply.data)
             if not isinstance(event, Snapshot) or event.worker != worker:
                 raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
+            self._snapshot_retry.discard(worker)
             if worker in self.trie.workers():
                 self.trie.apply(event)
                 self.stats.snapshots_applied += 1
                 self.log.info("cache snapshot applied", worker=worker,
                               last_event_id=event.last_event_id, blocks=len(event.blocks))
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
-            self.log.warning("cache snapshot unavailable", worker=worker, error=repr(exc))
+            # Typically a worker just created by a split or merge whose endpoint is not up
+            # yet: without its index the trie would miss the prefixes it kept (reconcile)
+            # until its first event, so housekeeping asks again while it is in the trie.
+            self.stats.snapshots_unanswered += 1
+            if worker in self.trie.workers():
+                self._snapshot_retry.add(worker)
+            self.log.warning("cache snapshot unavailable; will ask again", worker=worker,
+                             error=repr(exc))
         except (MalformedEvent, InvalidInput, VertumnusError) as exc:
             self.log.warning("cache snapshot rejected", worker=worker, error=str(exc))
         finally:

@@ -197,6 +197,37 @@ async def test_events_build_the_trie_and_a_gap_brings_a_snapshot(
     assert body["workers"][A]["blocks"] == 6 and body["counters"]["gaps"] == 1
 
 
+async def test_an_unanswered_snapshot_is_asked_again(
+    nc: Client, nats_server, uniq: str, services
+):
+    """A worker tracked from its state whose snapshot endpoint is not up yet: the manager
+    asks again (housekeeping) and learns the blocks it holds, with no cache event."""
+    s = Subjects(uniq)
+    states = await worker_state_kv(nc.jetstream(), s)
+    await states.put(B, to_json(state(B, [2, 3])))
+    await services(CacheMgrService(settings(nats_server.url, uniq)))
+
+    async def unanswered() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        return body if B in body["workers"] and body["counters"]["snapshots_failed"] else None
+
+    body = await eventually(unanswered, what="B tracked, its snapshot unanswered")
+    assert body["workers"][B]["blocks"] == 0
+
+    async def b_snapshot(msg: Msg) -> None:
+        await reply(nc, msg, CacheSnapshot(worker=B, last_event_id=0,
+                                           blocks=[(31, None), (32, 31)]))
+
+    await nc.subscribe(s.cache_snapshot(B), cb=b_snapshot)
+
+    async def learnt() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq, match=[31, 32])
+        return body if body["counters"]["snapshots_applied"] else None
+
+    body = await eventually(learnt, what="the snapshot asked again and applied")
+    assert body["workers"][B]["blocks"] == 2 and body["match"]["held"] == {B: 2}
+
+
 async def test_scan_replicates_to_the_right_worker_visible_only_after_its_event(
     nc: Client, nats_server, uniq: str, services
 ):

@@ -136,6 +136,26 @@ async def test_trie_follows_events_and_snapshots(live: Services, fake_worker,  #
     assert span.attributes["vtm.candidate.w-cp4-g4.P"] == B
 
 
+async def test_an_unanswered_first_snapshot_is_asked_again(live: Services,  # type: ignore[no-untyped-def]
+                                                          fake_worker) -> None:
+    """A worker new to the scheduler may hold blocks already (a merged worker keeps its
+    prefixes). Its snapshot endpoint not up yet when the scheduler first asks, the scheduler
+    asks again later and learns them, with no cache event from the worker."""
+    a = await fake_worker("w-cp2-g0", 2, 0)
+    hashes = chain_hashes(PROMPT, B)
+    await a.store(None, hashes[:2], publish=False)
+    snap = a._subs.pop()  # no snapshot endpoint for now (FakeWorker.start subscribed it last)
+    await snap.unsubscribe()
+    sched = await live.scheduler(block_size=B)
+    await wait_until(lambda: sched.stats.snapshots_unanswered >= 1, "first snapshot unanswered")
+    assert sched.trie.match(hashes).held_blocks == {}
+    a._subs.append(await a.nc.subscribe(a.subjects.cache_snapshot(a.worker_id),
+                                        cb=a._on_snapshot))
+    await wait_until(lambda: sched.trie.match(hashes).held_blocks == {"w-cp2-g0": 2},
+                     "snapshot asked again and applied")
+    assert a.snapshot_requests >= 1
+
+
 @pytest.mark.parametrize("policy", ["vllm", "sglang", "round_robin", "static", "dynamo", "llmd"])
 async def test_baselines_run_live(live: Services, fake_worker, policy: str) -> None:  # type: ignore[no-untyped-def]
     a, b = await two_workers(fake_worker)
