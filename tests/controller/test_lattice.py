@@ -204,6 +204,14 @@ LATTICES = [
 ]
 
 
+def _start(lat_idx: int, start_idx: int) -> tuple[Lattice, Composition]:
+    """A lattice of LATTICES and one of its achievable compositions (a walk's start)."""
+    lat = LATTICES[lat_idx]
+    starts = sorted(lat.achievable_counts())
+    vec = starts[start_idx % len(starts)]
+    return lat, Composition.from_counts(lat, dict(zip(lat.sorted_degrees, vec, strict=True)))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     lat_idx=st.integers(0, len(LATTICES) - 1),
@@ -213,10 +221,7 @@ LATTICES = [
 def test_random_walks_keep_a_valid_composition(
     lat_idx: int, start_idx: int, choices: list[int]
 ) -> None:
-    lat = LATTICES[lat_idx]
-    starts = sorted(lat.achievable_counts())
-    vec = starts[start_idx % len(starts)]
-    comp = Composition.from_counts(lat, dict(zip(lat.sorted_degrees, vec, strict=True)))
+    lat, comp = _start(lat_idx, start_idx)
     for k in choices:
         ops = adjacent(comp)
         if not ops:
@@ -312,10 +317,7 @@ def test_invalid_ops_still_raise_after_valid_ones_were_memoised() -> None:
 def test_memoised_walks_match_unmemoised_ones(
     lat_idx: int, start_idx: int, choices: list[int]
 ) -> None:
-    lat = LATTICES[lat_idx]
-    starts = sorted(lat.achievable_counts())
-    vec = starts[start_idx % len(starts)]
-    comp = Composition.from_counts(lat, dict(zip(lat.sorted_degrees, vec, strict=True)))
+    lat, comp = _start(lat_idx, start_idx)
     for k in choices:
         ops = comp.adjacent()
         if not ops:
