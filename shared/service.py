@@ -536,9 +536,7 @@ class MicroService:
                 servers=self.settings.nats_servers,
                 name=f"{self.name}:{self.settings.instance_id or ''}",
                 connect_timeout=self.settings.connect_timeout_s,
-                error_cb=self._on_error,
-                disconnected_cb=self._on_disconnect,
-                reconnected_cb=self._on_reconnect,
+                **nats_callbacks(self.log, self._stop.is_set),  # is_set: our own drain
             )
             stack.push_async_callback(self._drain, nc)
         self._nc = nc
@@ -598,17 +596,94 @@ class MicroService:
         except (TimeoutError, nats.errors.ConnectionClosedError):
             await nc.close()
 
-    async def _on_error(self, exc: Exception) -> None:
-        self.log.warning("nats error", error=str(exc))
 
-    async def _on_disconnect(self) -> None:
-        if self._stop.is_set():  # our own drain at shutdown
-            self.log.info("nats disconnected")
+
+class KvWatch:
+    """A watch of a KV bucket's keys that survives a server restart: an async iterator of
+    entries (None marks the end of a watch's initial values), as ``KeyValue.watch`` gives.
+
+    nats-py's watch is an ordered consumer that is not reset when its server restarts
+    (nats.py#510): the client reconnects and the watch stays silent for ever -- a rank host
+    would adopt no epoch record again, a scheduler would see no worker state again. So
+    whenever the connection has reconnected since the watch was made, it is made again (if
+    the server cannot take it yet, at the next check, every ``check_s``). The new watch first
+    delivers each key's current value (a delete marker for a deleted key) and None, as any new
+    watch does: a consumer sees a restart as a replay of the current values, which the
+    stack's consumers (worker states, epoch records) take idempotently, and nothing written
+    during the outage is missed. ``remade`` counts the re-watches.
+    """
+
+    def __init__(self, nc: Client, kv: KeyValue, keys: str = ">", *,
+                 check_s: float = 1.0) -> None:
+        if not check_s > 0:
+            raise InvalidInput(f"check_s must be > 0, got {check_s!r}")
+        self._nc, self._kv, self._keys, self._check_s = nc, kv, keys, check_s
+        self._watcher: Any = None
+        self._reconnects = 0
+        self._stopped = False
+        self.remade = 0
+
+    async def start(self) -> KvWatch:
+        self._reconnects = self._nc.stats["reconnects"]
+        self._watcher = await self._kv.watch(self._keys)
+        return self
+
+    async def stop(self) -> None:
+        self._stopped = True
+        if self._watcher is not None:
+            await self._watcher.stop()
+
+    def __aiter__(self) -> KvWatch:
+        return self
+
+    async def __anext__(self) -> Any:
+        while True:
+            if self._stopped:
+                raise StopAsyncIteration
+            if self._nc.stats["reconnects"] != self._reconnects and self._nc.is_connected:
+                await self._remake()
+            try:
+                entry = await self._watcher.updates(timeout=self._check_s)
+            except nats.errors.TimeoutError:
+                continue
+            if entry is KeyValue.KeyWatcher.STOP_ITER:  # a stopped (replaced) watcher
+                continue
+            return entry
+
+    async def _remake(self) -> None:
+        reconnects = self._nc.stats["reconnects"]
+        try:
+            watcher = await self._kv.watch(self._keys)
+        except (nats.errors.Error, TimeoutError) as exc:  # the server is not ready yet
+            log.info("kv watch not made again yet", keys=self._keys, error=repr(exc))
+            return
+        old, self._watcher, self._reconnects = self._watcher, watcher, reconnects
+        self.remade += 1
+        with contextlib.suppress(Exception):
+            await old.stop()
+        log.info("kv watch made again after a reconnect", keys=self._keys)
+
+
+def nats_callbacks(log: Any, stopping: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    """``error_cb`` / ``disconnected_cb`` / ``reconnected_cb`` for ``nats.connect`` that log
+    through ``log`` (structlog) as :class:`MicroService` does: a transient error or disconnect
+    is a warning (nats-py reconnects by itself), not nats-py's default ERROR with a traceback;
+    a disconnect while ``stopping()`` (our own drain) is info."""
+
+    async def error_cb(exc: Exception) -> None:
+        log.warning("nats error", error=str(exc))
+
+    async def disconnected_cb() -> None:
+        if stopping():
+            log.info("nats disconnected")
         else:
-            self.log.warning("nats disconnected")
+            log.warning("nats disconnected")
 
-    async def _on_reconnect(self) -> None:
-        self.log.info("nats reconnected")
+    async def reconnected_cb() -> None:
+        log.info("nats reconnected")
+
+    return {"error_cb": error_cb, "disconnected_cb": disconnected_cb,
+            "reconnected_cb": reconnected_cb}
 
 
 __all__ = [
@@ -619,6 +694,8 @@ __all__ = [
     "RemoteError",
     "SchemaError",
     "call",
+    "KvWatch",
+    "nats_callbacks",
     "ensure_intake_stream",
     "ensure_key_value",
     "epoch_kv",

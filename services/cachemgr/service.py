@@ -97,6 +97,7 @@ from shared.schemas import (
 from shared.service import (
     WORKER_LEASE_S,
     Endpoint,
+    KvWatch,
     MicroService,
     RemoteError,
     call,
@@ -407,8 +408,9 @@ class CacheMgrService(MicroService):
         js = self.nc.jetstream()
         states = await worker_state_kv(js, s, lease_s=self.msettings.lease_s)
         epochs = await epoch_kv(js, s)
-        state_watch = await states.watchall()
-        epoch_watch = await epochs.watch(s.epoch_key())
+        # Watches that are made again after a server restart (KvWatch).
+        state_watch = await KvWatch(self.nc, states).start()
+        epoch_watch = await KvWatch(self.nc, epochs, s.epoch_key()).start()
         subs = [
             await self.nc.subscribe(s.cache_events_all(), cb=self._on_event),
             await self.nc.subscribe(s.cache_stats_all(), cb=self._on_stats),

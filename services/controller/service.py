@@ -161,6 +161,7 @@ from shared.schemas import (
 from shared.service import (
     WORKER_LEASE_S,
     Endpoint,
+    KvWatch,
     MicroService,
     RemoteError,
     call,
@@ -798,7 +799,7 @@ class ControllerService(MicroService):
         self._kv = await epoch_kv(js, s)
         await self._bootstrap()
         states = await worker_state_kv(js, s, lease_s=self.csettings.lease_s)
-        state_watch = await states.watchall()
+        state_watch = await KvWatch(self.nc, states).start()  # survives a server restart
         subs = []
         if self.csettings.demand_input == "windows":
             subs.append(await self.nc.subscribe(s.window_demand_all(), cb=self._on_report))
@@ -812,7 +813,7 @@ class ControllerService(MicroService):
             asyncio.create_task(self._ticker(), name="ctl-ticker"),
         ]
         if self.csettings.follow_record:
-            rec_watch = await self._kv.watch(s.epoch_key())
+            rec_watch = await KvWatch(self.nc, self._kv, s.epoch_key()).start()
             watchers.append(rec_watch)
             self._tasks.append(
                 asyncio.create_task(self._watch_record(rec_watch), name="ctl-record")

@@ -34,7 +34,7 @@ from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput
 from shared.schemas import EpochRecord, SchemaError, decode
-from shared.service import epoch_kv
+from shared.service import KvWatch, epoch_kv, nats_callbacks
 from shared.tasks import cancel_and_wait, cancel_requested
 from shared.worker import GpuGroup, WorkerKind
 
@@ -145,6 +145,7 @@ class RankdHost:
                     servers=self.settings.nats_servers,
                     name=f"vtm-rankd-host:{self.gpus.start}-{self.gpus.stop - 1}",
                     connect_timeout=self.settings.connect_timeout_s,
+                    **nats_callbacks(log, self._stop.is_set),
                 )
                 stack.push_async_callback(nc.drain)
             self._nc = nc
@@ -162,7 +163,7 @@ class RankdHost:
                 for wid in self.initial:
                     await self._start_worker(wid, self.settings.kind, self.settings.epoch)
                 self._changed.set()
-            watcher = await epochs.watch(key)
+            watcher = await KvWatch(nc, epochs, key).start()  # survives a server restart
             stack.push_async_callback(watcher.stop)
             follow = asyncio.create_task(self._follow(watcher), name="rankd-host-epochs")
             # Awaited, not just cancelled: a follower still applying a record while the workers

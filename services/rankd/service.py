@@ -104,7 +104,14 @@ from shared.schemas import (
     encode,
     to_json,
 )
-from shared.service import Endpoint, MicroService, epoch_kv, request_model, worker_state_kv
+from shared.service import (
+    Endpoint,
+    KvWatch,
+    MicroService,
+    epoch_kv,
+    request_model,
+    worker_state_kv,
+)
 from shared.subjects import micro_service_name
 from shared.tasks import cancel_and_wait
 from shared.tasks import cancel_requested as _cancel_requested
@@ -303,7 +310,7 @@ class RankdService(MicroService):
             entry = None
         if entry is not None and entry.value:
             await self._adopt_payload(entry.value)
-        watcher = await epochs.watch(self.subjects.epoch_key())
+        watcher = await KvWatch(self.nc, epochs, self.subjects.epoch_key()).start()
 
         tasks = [
             asyncio.create_task(self._executor(), name="rankd-executor"),
@@ -697,7 +704,7 @@ class RankdService(MicroService):
             except Exception as exc:  # a KV hiccup must not stop the heartbeat
                 self.log.warning("state publish failed", error=str(exc))
 
-    async def _watch_epochs(self, watcher: KeyValue.KeyWatcher) -> None:
+    async def _watch_epochs(self, watcher: KvWatch) -> None:
         async for entry in watcher:
             if _cancel_requested():
                 return

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
+import structlog
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -67,6 +68,8 @@ from shared.ids import InvalidInput, UnknownWorker
 from shared.schemas import Assignment, IntakeRequest
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, WorkerKind
+
+_log = structlog.get_logger("vertumnus.rankd.torch")
 
 KV_CONTENT_TYPE: Final[str] = "application/vnd.vertumnus.kv-chunk"
 DECODE_QUEUE: Final[str] = "vtm-decode"
@@ -218,7 +221,10 @@ class NatsKVHandoff:
         if self._nc is None:
             import nats
 
-            self._nc = await nats.connect(servers=self._servers, name="vtm-rankd-kv")
+            from shared.service import nats_callbacks
+
+            self._nc = await nats.connect(servers=self._servers, name="vtm-rankd-kv",
+                                          **nats_callbacks(_log))
         return self._nc
 
     async def transfer(self, request_id: str, blob: bytes) -> HandoffResult:
@@ -678,7 +684,10 @@ class TorchPool:
         if nc is None:
             import nats
 
-            nc = self._decode_nc = await nats.connect(servers=self.servers, name="vtm-decode")
+            from shared.service import nats_callbacks
+
+            nc = self._decode_nc = await nats.connect(servers=self.servers, name="vtm-decode",
+                                                      **nats_callbacks(_log))
         model = await asyncio.to_thread(_decode_model, self.settings)
         self.decode_role = KVDecodeRole(model, self.subjects)
         await self.decode_role.start(nc)

@@ -158,6 +158,7 @@ from shared.schemas import (
 from shared.service import (
     WORKER_LEASE_S,
     Endpoint,
+    KvWatch,
     MicroService,
     PullConsumer,
     RemoteError,
@@ -612,7 +613,7 @@ class SchedulerService(MicroService):
             description="vertumnus assignment records (idempotency)",
         )
         states = await worker_state_kv(js, s, lease_s=self.ssettings.lease_s)
-        watcher = await states.watchall()
+        watcher = await KvWatch(self.nc, states).start()  # survives a server restart
         await self._ensure_consumer(js)
         puller = PullConsumer(self.nc, stream=s.intake_stream(), consumer=s.intake_consumer(),
                               handler=self._on_intake, batch=self.ssettings.fetch_batch)

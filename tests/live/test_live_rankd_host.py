@@ -26,7 +26,7 @@ from shared.schemas import (
     decode,
     to_json,
 )
-from shared.service import call
+from shared.service import call, epoch_kv
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, Lifecycle
 
@@ -159,3 +159,55 @@ def test_settings_host_mode() -> None:
         RankdSettings(host_gpus="7-0")
     with pytest.raises(ValueError):
         RankdSettings(initial_workers="nope")
+
+
+async def test_a_server_restart_is_survived(uniq: str) -> None:
+    """nats-server killed and started again on its port with its store: the host's workers
+    serve again, a record written after the restart still reaches the host (its epoch watch
+    resumes), and the blip is logged as warnings, not errors."""
+    import os
+    import signal
+
+    import nats
+    from structlog.testing import capture_logs
+
+    server = EmbeddedNats().start()
+    port = int(server.url.rsplit(":", 1)[1])
+    s = Subjects(uniq)
+    settings = RankdSettings(nats_url=server.url, subject_prefix=uniq, heartbeat_s=0.2,
+                             drain_timeout_s=5)
+    host = RankdHost(settings, range(0, 2), lambda wid, kind: SimBackend(time_scale=1.0),
+                     initial=["w-cp2-g0"])
+    task = asyncio.create_task(host.run(handle_signals=False))
+    again: EmbeddedNats | None = None
+    nc: Client | None = None
+    try:
+        # A record adopted first: the host's epoch watch is running when the server dies.
+        await wait_for_workers(host, {"w-cp2-g0"})
+        nc = await nats.connect(server.url)
+        epochs = await epoch_kv(nc.jetstream(), s)
+        await epochs.put(s.epoch_key(), record(1, "w-cp1-g0", "w-cp1-g1"))
+        await wait_for_workers(host, {"w-cp1-g0", "w-cp1-g1"})
+        await nc.close()
+        with capture_logs() as logs:
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            again = EmbeddedNats(port=port, store_dir=server.store_dir).start()
+            nc = await nats.connect(again.url)
+            ack = await call_when_up(nc, s.worker_assign("w-cp1-g1"),
+                                     assignment("a-0", "w-cp1-g1", 1), AssignmentAck)
+            assert ack.queue_position == 0
+            epochs = await nc.jetstream().key_value(s.epoch_bucket())
+            await epochs.put(s.epoch_key(), record(2, "w-cp2-g0"))
+            await wait_for_workers(host, {"w-cp2-g0"})
+        assert not [e for e in logs if e["log_level"] in ("error", "critical")], logs
+        assert any(e["event"] == "nats disconnected" for e in logs)
+    finally:
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=20)
+        if nc is not None:
+            await nc.close()
+        if again is not None:
+            again.stop()
+        server.stop()

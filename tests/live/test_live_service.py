@@ -332,3 +332,101 @@ async def test_until_served_waits_for_a_responder_and_bounds_the_wait(nc: Client
         await until_served(nc, subject, timeout_s=WAIT_UNTIL_S)
     finally:
         await sub.unsubscribe()
+
+
+async def test_a_server_restart_is_survived_and_logged_as_warnings(uniq: str) -> None:
+    """nats-server killed and started again on its port with its JetStream store: the service
+    reconnects by itself and serves again. The blip is logged as warnings through the
+    service's logger (nats_callbacks), not as nats-py's default error with a traceback."""
+    import os
+    import signal
+
+    from structlog.testing import capture_logs
+
+    server = EmbeddedNats().start()
+    port = int(server.url.rsplit(":", 1)[1])
+    store = server.store_dir
+    svc = Toy(ServiceSettings(nats_url=server.url, subject_prefix=uniq))
+    task = asyncio.create_task(svc.run(handle_signals=False))
+    again: EmbeddedNats | None = None
+    try:
+        await asyncio.wait_for(svc.started.wait(), timeout=10)
+        with capture_logs() as logs:
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            again = EmbeddedNats(port=port, store_dir=store).start()
+            client = await __import__("nats").connect(again.url)
+            try:
+                await until_served(client, f"{uniq}.toy.add", timeout_s=30)
+                assert (await call(client, f"{uniq}.toy.add", Add(a=2, b=3), Sum)).total == 5
+            finally:
+                await client.close()
+        events = {(e["event"], e["log_level"]) for e in logs}
+        assert ("nats disconnected", "warning") in events
+        assert ("nats reconnected", "info") in events
+        assert not [e for e in logs if e["log_level"] in ("error", "critical")]
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=15)
+        if again is not None:
+            again.stop()
+        server.stop()
+
+
+async def test_kv_watch_is_made_again_after_a_server_restart(uniq: str) -> None:
+    """KvWatch: after nats-server is killed and started again (same port, same store), the
+    watch is made again once the client reconnected -- it replays the key's current value and
+    the end-of-initial-values marker, then delivers what is written after the restart."""
+    import os
+    import signal
+
+    import nats
+
+    from shared.service import KvWatch, epoch_kv
+    from shared.subjects import Subjects
+
+    server = EmbeddedNats().start()
+    port = int(server.url.rsplit(":", 1)[1])
+    again: EmbeddedNats | None = None
+    nc = await nats.connect(server.url, reconnect_time_wait=0.2)
+    got: list[bytes | None] = []
+    try:
+        s = Subjects(uniq)
+        kv = await epoch_kv(nc.jetstream(), s)
+        watch = await KvWatch(nc, kv, s.epoch_key(), check_s=0.1).start()
+
+        async def follow() -> None:
+            async for e in watch:
+                got.append(None if e is None else e.value)
+
+        task = asyncio.create_task(follow())
+        await kv.put(s.epoch_key(), b"1")
+        async with asyncio.timeout(10):
+            while got != [None, b"1"]:
+                await asyncio.sleep(0.05)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        again = EmbeddedNats(port=port, store_dir=server.store_dir).start()
+        async with asyncio.timeout(20):
+            while watch.remade < 1:
+                await asyncio.sleep(0.05)
+            await kv.put(s.epoch_key(), b"2")
+            while got[-1:] != [b"2"]:
+                await asyncio.sleep(0.05)
+        assert got == [None, b"1", b"1", None, b"2"]  # the replay of "1", then the new value
+        await watch.stop()
+        await asyncio.wait_for(task, timeout=5)  # stop ends the iteration
+    finally:
+        await nc.close()
+        if again is not None:
+            again.stop()
+        server.stop()
+
+
+def test_kv_watch_validates() -> None:
+    from shared.service import KvWatch
+
+    with pytest.raises(InvalidInput, match="check_s"):
+        KvWatch(None, None, check_s=0)  # type: ignore[arg-type]
