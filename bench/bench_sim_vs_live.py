@@ -3,7 +3,8 @@
 The same synthetic workload (the built-in generator, one steady phase, seed 0) runs
 
 * through the **simulator** (:func:`sim.experiments.run_deployment`): policy ``vertumnus``
-  with its controller and cache manager, 8 GPUs, degrees {2, 4}, starting from 4×CP2, the
+  (``--policy``: any policy of the comparisons, on the pool its source deploys, held) with its
+  controller and cache manager, 8 GPUs, degrees {2, 4}, starting from 4×CP2, the
   built-in cost-model profile (what the live scheduler loads by default), the noisy ground
   truth (seed 0, σ 0.04);
 * through the **live stack** (:class:`vertumnus.live.stack.LiveStack`: nats-server, gateway,
@@ -23,7 +24,7 @@ pool offers over the workload's span. Prints each run's mean TTFT (and P50 / P90
 relative difference of the means (target: within 10%), the reconfigurations of each side.
 
     .venv/bin/python bench/bench_sim_vs_live.py [--duration 100] [--time-scale 1.0]
-        [--loads 0.2,0.7] [--seed 0]
+        [--loads 0.2,0.7] [--seed 0] [--policy vertumnus]
 
 Wall time ≈ 2 × duration × time scale + start-up (≈ 4 min at the defaults). The default time
 scale is 1 (modelled seconds are wall seconds): with a scale s < 1 every wall millisecond the
@@ -103,11 +104,12 @@ def stats(ttfts: Sequence[float]) -> dict[str, float]:
             "p90": float(np.percentile(a, 90))}
 
 
-def run_sim(wl: Workload, seed: int) -> tuple[dict[str, float], dict[str, Any]]:
+def run_sim(wl: Workload, seed: int, policy: str = "vertumnus"
+            ) -> tuple[dict[str, float], dict[str, Any]]:
     spec = ExperimentSpec(gpus=GPUS, degrees=DEGREES, seed=seed)
     lattice = Lattice(GPUS, DEGREES, gpus_per_node=spec.gpus_per_node)
     initial = Composition.parse(lattice, f"{GPUS // min(DEGREES)}CP{min(DEGREES)}")
-    dep = deployment_for("vertumnus", lattice, initial, spec)
+    dep = deployment_for(policy, lattice, initial, spec)
     res = run_deployment(wl, dep, DEFAULT_PROFILE, spec)
     done = [r.ttft_s for r in res.records if r.ttft_s >= 0]
     info = {"failed": len(res.records) - len(done),
@@ -117,11 +119,11 @@ def run_sim(wl: Workload, seed: int) -> tuple[dict[str, float], dict[str, Any]]:
     return stats(done), info
 
 
-def live_env() -> dict[str, dict[str, str]]:
+def live_env(policy: str = "vertumnus") -> dict[str, dict[str, str]]:
     c = calibration.CONTROLLER
     return {
-        "scheduler": {"VTM_POLICY_PARAMS": json.dumps({"beta": calibration.BETA,
-                                                       "lam": calibration.LAM})},
+        # The simulator's parameters of the policy (β, λ for the J family; none otherwise).
+        "scheduler": {"VTM_POLICY_PARAMS": json.dumps(calibration.policy_params(policy))},
         "controller": {"VTM_UPPER": f"{c.upper:g}", "VTM_LOWER": f"{c.lower:g}",
                        "VTM_MERGE_HEADROOM": f"{c.merge_headroom:g}",
                        "VTM_PERSISTENCE": str(c.persistence),
@@ -130,13 +132,16 @@ def live_env() -> dict[str, dict[str, str]]:
     }
 
 
-async def run_live(wl: Workload, seed: int, time_scale: float
+async def run_live(wl: Workload, seed: int, time_scale: float, policy: str = "vertumnus"
                    ) -> tuple[dict[str, float], dict[str, Any]]:
     requests = list(wl)
+    # A baseline runs on the pool its source deploys, held, as in run_sim (UpConfig.deployment).
     cfg = UpConfig(gpus=GPUS, degrees=DEGREES, time_scale=time_scale, seed=seed,
-                   log_level="warning", duration_s=max(60.0, wl.duration_s or 60.0),
-                   health_timeout_wall_s=180, env=live_env())
-    assert cfg.workers() == default_composition(GPUS, DEGREES)
+                   policy=policy, log_level="warning",
+                   duration_s=max(60.0, wl.duration_s or 60.0),
+                   health_timeout_wall_s=180, env=live_env(policy))
+    if policy == "vertumnus":
+        assert cfg.workers() == default_composition(GPUS, DEGREES)
     rcfg = ReplayConfig(time_scale=time_scale, id_prefix=f"svl{int(time.time()) % 100000}-")
     bodies = await asyncio.to_thread(prepare_bodies, requests, rcfg)
     stack = LiveStack(cfg, log_dir=Path(tempfile.mkdtemp(prefix="vtm-sim-vs-live-")))
@@ -174,20 +179,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="share of long (>32K-token) document requests (default 0: short "
                     "chat only, so a 100 s run is not dominated by a few huge prefills)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy", default="vertumnus",
+                    help="any policy of the simulator's comparisons; both sides deploy its pool")
     args = ap.parse_args(argv)
     print(f"sim vs live: {GPUS} GPUs, degrees {list(DEGREES)}, from "
-          f"{GPUS // min(DEGREES)}xCP{min(DEGREES)}, policy vertumnus (calibrated β "
-          f"{calibration.BETA}, λ {calibration.LAM}), seed {args.seed}, synthetic steady "
-          f"workload over {args.duration:g} modelled s (long share {args.long_share:g}), live "
-          f"time scale {args.time_scale:g}")
+          f"{GPUS // min(DEGREES)}xCP{min(DEGREES)}, policy {args.policy} (calibrated "
+          f"parameters {calibration.policy_params(args.policy)}), seed {args.seed}, "
+          f"synthetic steady workload over {args.duration:g} modelled s (long share "
+          f"{args.long_share:g}), live time scale {args.time_scale:g}")
     rows = []
     for rho in (float(x) for x in args.loads.split(",")):
         wl, got = workload_at(rho, args.duration, args.seed, args.long_share)
         t0 = time.monotonic()
-        s_sim, i_sim = run_sim(wl, args.seed)
+        s_sim, i_sim = run_sim(wl, args.seed, args.policy)
         t_sim = time.monotonic() - t0
         t0 = time.monotonic()
-        s_live, i_live = asyncio.run(run_live(wl, args.seed, args.time_scale))
+        s_live, i_live = asyncio.run(run_live(wl, args.seed, args.time_scale, args.policy))
         t_live = time.monotonic() - t0
         rel = (s_live["mean"] - s_sim["mean"]) / s_sim["mean"]
         rate = len(wl) / max(1e-9, wl.requests[-1].arrival_s - wl.requests[0].arrival_s)

@@ -42,16 +42,20 @@ from shared.ids import BlockHash, InvalidInput, RequestId, UnknownWorker, Worker
 class SchedulerCore:
     """Placement + reservation bookkeeping for one policy over one (changing) cluster view."""
 
-    def __init__(self, policy: Policy, view: ClusterView, *, overrun_floor_s: float = 0.0) -> None:
+    def __init__(self, policy: Policy, view: ClusterView, *, overrun_floor_s: float = 0.0,
+                 time_scale: float = 1.0) -> None:
+        """``time_scale``: clock seconds per predicted second (:class:`WorkerLoad`)."""
         if not isinstance(view, ClusterView):
             raise InvalidInput(f"view must be a ClusterView, got {type(view).__name__}")
         if not hasattr(policy, "place"):
             raise InvalidInput(f"policy must implement place(), got {type(policy).__name__}")
         self.policy = policy
         self._overrun_floor_s = overrun_floor_s
+        self._time_scale = time_scale
         self._view = view
         self._loads: dict[WorkerId, WorkerLoad] = {
-            w.worker_id: WorkerLoad(w.worker_id, overrun_floor_s=overrun_floor_s)
+            w.worker_id: WorkerLoad(w.worker_id, overrun_floor_s=overrun_floor_s,
+                                    time_scale=time_scale)
             for w in view.workers
         }
         self._where: dict[RequestId, WorkerId] = {}
@@ -91,7 +95,8 @@ class SchedulerCore:
         for w in view.workers:
             if w.worker_id not in self._loads:
                 self._loads[w.worker_id] = WorkerLoad(
-                    w.worker_id, overrun_floor_s=self._overrun_floor_s
+                    w.worker_id, overrun_floor_s=self._overrun_floor_s,
+                    time_scale=self._time_scale,
                 )
         for wid in [w for w, ld in self._loads.items() if w not in view and len(ld) == 0]:
             del self._loads[wid]

@@ -9,6 +9,9 @@ its prediction minus the time it has run, never below ``overrun_floor_s`` (defau
 that overran its prediction is treated as about to finish — the model has no better estimate, and
 a positive floor would charge every overrunning worker a constant that J cannot tell apart from
 real work). The floor is a constructor parameter so a deployment can choose otherwise.
+``time_scale`` (default 1): clock seconds per predicted second, for a harness whose clock runs
+scaled (``vertumnus up``'s simulated ranks sleep the modelled time × its time scale); the time a
+request has run is divided by it before it is taken off the prediction.
 
 Pure: time is a parameter (``now``), never read from a clock. Every mutator validates first and
 raises a typed error with nothing changed.
@@ -70,6 +73,7 @@ class WorkerLoad:
     __slots__ = (
         "worker",
         "overrun_floor_s",
+        "_per_clock_s",
         "_reqs",
         "_running",
         "_queued_s",
@@ -78,14 +82,22 @@ class WorkerLoad:
         "_blocks",
     )
 
-    def __init__(self, worker: WorkerId, *, overrun_floor_s: float = 0.0) -> None:
+    def __init__(self, worker: WorkerId, *, overrun_floor_s: float = 0.0,
+                 time_scale: float = 1.0) -> None:
         if not isinstance(worker, str) or not worker:
             raise InvalidInput(f"worker must be a non-empty string, got {worker!r}")
         _check_time("overrun_floor_s", overrun_floor_s)
         if overrun_floor_s < 0:
             raise InvalidInput(f"overrun_floor_s must be >= 0, got {overrun_floor_s!r}")
+        _check_time("time_scale", time_scale)
+        if not time_scale > 0:
+            raise InvalidInput(f"time_scale must be > 0, got {time_scale!r}")
         self.worker = worker
         self.overrun_floor_s = float(overrun_floor_s)
+        # Clock seconds -> predicted seconds: ``now`` may run time-scaled (vertumnus up: wall
+        # = modelled × scale) while predictions are the profile's seconds. 1/1.0 is exactly
+        # 1.0, so an unscaled run computes exactly what it did without the factor.
+        self._per_clock_s = 1.0 / float(time_scale)
         self._reqs: dict[RequestId, Assignment] = {}  # insertion order = reservation order
         self._running: dict[RequestId, Assignment] = {}
         self._queued_s = 0.0
@@ -100,7 +112,8 @@ class WorkerLoad:
         if self._running:
             floor = self.overrun_floor_s
             for a in self._running.values():
-                rem = a.predicted_s - (now - a.started_at)  # type: ignore[operator]
+                rem = a.predicted_s - (now - a.started_at) * self._per_clock_s  # type: ignore
+
                 q += rem if rem > floor else floor
         return q
 

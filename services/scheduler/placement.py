@@ -227,8 +227,9 @@ def place_j(
             q = ld._queued_s
             if ld._running:
                 floor = ld.overrun_floor_s
+                per = ld._per_clock_s
                 for a in ld._running.values():
-                    rem = a.predicted_s - (now - a.started_at)  # type: ignore[operator]
+                    rem = a.predicted_s - (now - a.started_at) * per  # type: ignore[operator]
                     q += rem if rem > floor else floor
         else:
             q = ld.queue_delay(now)

@@ -67,6 +67,26 @@ def policy_names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+def policy_durations(name: str) -> dict[str, float]:
+    """The duration parameters of policy ``name`` (keyword parameters named ``*_s``, in
+    seconds of the time the policy is given: a refresh period, an eviction interval) with
+    their defaults. A harness that runs time scaled (``vertumnus up``: wall = modelled ×
+    scale) scales these as it scales every other period, so the policy behaves in modelled
+    time as in the simulator. :class:`UnknownPolicy` for an unknown name."""
+    _load_builtins()
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise UnknownPolicy(
+            f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}"
+        )
+    return {
+        k: float(p.default)
+        for k, p in inspect.signature(factory).parameters.items()
+        if k.endswith("_s") and isinstance(p.default, int | float)
+        and not isinstance(p.default, bool)
+    }
+
+
 def make_policy(
     name: str,
     *,

@@ -270,6 +270,12 @@ class SchedulerSettings(ServiceSettings):
     snapshot_timeout_s: float = Field(
         default=5.0, gt=0, description="Wait for a worker's cache snapshot reply."
     )
+    time_scale: float = Field(
+        default=1.0, gt=0,
+        description="Wall seconds per predicted second of the workers' times: 1 in a real "
+        "deployment; `vertumnus up`'s simulated ranks sleep the modelled time × its time scale, "
+        "and q_w then takes the time a request has run in modelled seconds.",
+    )
     window_s: float = Field(
         default=DEFAULT_WINDOW_S,
         gt=0,
@@ -547,7 +553,8 @@ class SchedulerService(MicroService):
             # The calibrated weights unless the operator set them (services/calibration.py).
             **{**calibration.policy_params(settings.policy), **settings.policy_params},
         )
-        self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size))
+        self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size),
+                                  time_scale=settings.time_scale)
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
         # Windows aligned on multiples of H since the Unix epoch: every replica's coincide.
         start = math.floor(clock() / settings.window_s) * settings.window_s

@@ -163,3 +163,26 @@ def test_each_policy_is_deployed_as_the_simulator_deploys_it(tmp_path: Path) -> 
     # The torch engine runs CP workers only: vllm's TP pool is refused before anything starts.
     with pytest.raises(ValueError, match="deploys TP workers"):
         UpConfig(gpus=8, backend="torch", policy="vllm")
+
+
+def test_scheduler_gets_the_time_scale_and_scaled_policy_periods(tmp_path: Path) -> None:
+    """Under `up`'s time scale the scheduler counts elapsed time in modelled seconds and the
+    policies' own periods (vLLM's 100 ms count refresh, SGLang's 30 s eviction) are scaled like
+    every other period; parameters given for the run win over the scaled defaults."""
+    import json
+
+    from vertumnus.live.stack import LiveStack, UpConfig
+
+    def env(**kw):  # type: ignore[no-untyped-def]
+        return LiveStack(UpConfig(gpus=8, **kw), log_dir=tmp_path).service_env(
+            "scheduler", "nats://x:1")
+
+    assert env()["VTM_TIME_SCALE"] == "0.1" and "VTM_POLICY_PARAMS" not in env()
+    assert json.loads(env(policy="vllm")["VTM_POLICY_PARAMS"]) == {"refresh_period_s": 0.01}
+    assert json.loads(env(policy="sglang", time_scale=0.5)["VTM_POLICY_PARAMS"]) == {
+        "eviction_interval_s": 15.0}
+    given = env(policy="vllm", env={"scheduler": {"VTM_POLICY_PARAMS": '{"waiting_weight": 2}'}})
+    assert json.loads(given["VTM_POLICY_PARAMS"]) == {"refresh_period_s": 0.01,
+                                                      "waiting_weight": 2}
+    # Unscaled (time scale 1, or a real engine): nothing to scale.
+    assert "VTM_POLICY_PARAMS" not in env(policy="vllm", time_scale=1.0)

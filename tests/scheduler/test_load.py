@@ -10,6 +10,7 @@ from services.scheduler import DuplicateRequest, IllegalTransition, UnknownReque
 from shared.ids import InvalidInput, RequestId, VertumnusError, WorkerId
 
 R = RequestId
+W = WorkerId
 
 
 def test_reserve_start_finish_queue_delay() -> None:
@@ -44,6 +45,27 @@ def test_overrun_floor() -> None:
 
 def _state(ld: WorkerLoad) -> tuple:
     return (ld.waiting, ld.running, ld.queue_delay(5.0), ld.inflight_tokens, ld.queued())
+
+
+def test_a_scaled_clock_counts_elapsed_time_in_predicted_seconds() -> None:
+    """time_scale 0.1 (vertumnus up's default: wall = modelled × 0.1): 0.05 clock seconds of
+    running are 0.5 predicted seconds; J's inlined copy agrees (placement.place_j)."""
+    from services.scheduler import ClusterView, RequestInfo, WorkerView, place_j
+    from tests.scheduler.sched_support import ROUND
+
+    ld = WorkerLoad(W("w"), time_scale=0.1)
+    ld.reserve(R("a"), 1.0, now=0.0)
+    ld.start(R("a"), 0.0)
+    ld.reserve(R("b"), 2.0, now=0.0)
+    assert ld.queue_delay(0.05) == pytest.approx(2.5)
+    assert ld.queue_delay(0.2) == pytest.approx(2.0)  # overran: the floor (0)
+    assert WorkerLoad(W("v")).queue_delay(0.0) == 0.0
+    v = ClusterView((WorkerView(W("w"), 2),), block_size=100)
+    d = place_j(RequestInfo(R("c"), 100), v, {}, {W("w"): ld}, 0.05, profile=ROUND, beta=1.0,
+                lam=0.0)
+    assert d.candidate(W("w")).q == pytest.approx(2.5)
+    with pytest.raises(InvalidInput, match="time_scale"):
+        WorkerLoad(W("x"), time_scale=0)
 
 
 def test_duplicate_reserve_and_unknown_ops_change_nothing() -> None:

@@ -127,3 +127,14 @@ def test_duplicate_placement_rejected() -> None:
     with pytest.raises(DuplicateRequest):
         core.place(req("r", 500), {}, 0.0)
     assert core.load(W("a")).unfinished == 1
+
+
+def test_policy_durations_are_the_periods_in_seconds() -> None:
+    from services.scheduler.errors import UnknownPolicy
+    from services.scheduler.registry import policy_durations
+
+    assert policy_durations("vllm") == {"refresh_period_s": 0.1}
+    assert policy_durations("sglang") == {"eviction_interval_s": 30.0}
+    assert policy_durations("vertumnus") == {} and policy_durations("round_robin") == {}
+    with pytest.raises(UnknownPolicy):
+        policy_durations("nope")

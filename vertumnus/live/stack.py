@@ -339,6 +339,7 @@ class LiveStack:
         dep = c.deployment()
         scale = c.effective_time_scale
         window = f"{WINDOW_S * scale:g}"
+        durations = self.policy_durations()
         degrees = json.dumps(sorted(set(c.degrees)))
         common = {
             "VTM_NATS_URL": nats_url,
@@ -365,6 +366,10 @@ class LiveStack:
                 "VTM_POLICY": c.policy,
                 "VTM_SEED": str(c.seed),
                 "VTM_WINDOW_S": window,
+                "VTM_TIME_SCALE": f"{scale:g}",  # q_w: elapsed wall → modelled seconds
+                # The policy's own periods (vLLM's count refresh, SGLang's tree eviction)
+                # scaled like every other period, so it acts in modelled time as simulated.
+                **({"VTM_POLICY_PARAMS": json.dumps(durations)} if durations else {}),
                 "VTM_DEGREES": degrees,
                 **({"VTM_PROFILE_PATH": str(c.profile)} if c.profile else {}),
             },
@@ -401,7 +406,27 @@ class LiveStack:
                    if c.backend == "sim" else self.torch_env()),
             },
         }
-        return {**common, **per.get(name, {}), **dict(c.env.get(name, {}))}
+        env = {**common, **per.get(name, {}), **dict(c.env.get(name, {}))}
+        given = c.env.get(name, {}).get("VTM_POLICY_PARAMS")
+        if name == "scheduler" and durations and given:
+            # Parameters given for the run win; the scaled periods fill in the others.
+            env["VTM_POLICY_PARAMS"] = json.dumps({**durations, **json.loads(given)})
+        return env
+
+    def policy_durations(self) -> dict[str, float]:
+        """The policy's duration parameters (:func:`policy_durations`) × the time scale, in
+        wall seconds; empty at scale 1 or for a policy the registry does not know."""
+        from services.scheduler.errors import UnknownPolicy
+        from services.scheduler.registry import policy_durations
+
+        scale = self.config.effective_time_scale
+        if scale == 1.0:
+            return {}
+        try:
+            return {k: float(f"{v * scale:.12g}")
+                    for k, v in policy_durations(self.config.policy).items()}
+        except UnknownPolicy:
+            return {}
 
     def torch_env(self) -> dict[str, str]:
         """rankd's ``VTM_TORCH_*`` settings for ``--backend torch``: the small random-weight
