@@ -160,9 +160,12 @@ def test_each_policy_is_deployed_as_the_simulator_deploys_it(tmp_path: Path) -> 
     # Without degree 4, the homogeneous baselines take the largest degree (as the simulator).
     assert UpConfig(gpus=16, degrees=(2, 8), policy="sglang").workers() == (
         "w-cp8-g0", "w-cp8-g8")
-    # The torch engine runs CP workers only: vllm's TP pool is refused before anything starts.
+    # The torch engine runs CP workers only: vllm's TP pool is refused before anything starts,
+    # and so is a policy the registry does not know.
     with pytest.raises(ValueError, match="deploys TP workers"):
         UpConfig(gpus=8, backend="torch", policy="vllm")
+    with pytest.raises(ValueError, match="'nosuch' is not a policy; known: dynamo, homo"):
+        UpConfig(gpus=8, policy="nosuch")
 
 
 def test_scheduler_gets_the_time_scale_and_scaled_policy_periods(tmp_path: Path) -> None:

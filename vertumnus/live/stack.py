@@ -135,6 +135,11 @@ class UpConfig:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
         if self.backend not in ("sim", "torch"):
             raise ValueError(f"--backend must be sim or torch, got {self.backend!r}")
+        from services.scheduler.registry import policy_names
+
+        if self.policy not in policy_names():
+            raise ValueError(f"--policy {self.policy!r} is not a policy; known: "
+                             f"{', '.join(policy_names())}")
         if self.backend == "torch" and self.deployment().kind is WorkerKind.TP:
             raise ValueError(f"--policy {self.policy} deploys TP workers, which only the sim "
                              "backend models (the torch engine runs CP workers)")
