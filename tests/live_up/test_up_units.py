@@ -166,6 +166,8 @@ def test_each_policy_is_deployed_as_the_simulator_deploys_it(tmp_path: Path) -> 
         UpConfig(gpus=8, backend="torch", policy="vllm")
     with pytest.raises(ValueError, match="'nosuch' is not a policy; known: dynamo, homo"):
         UpConfig(gpus=8, policy="nosuch")
+    with pytest.raises(ValueError, match="--gpus 6 --degrees 4: .*not a multiple"):
+        UpConfig(gpus=6, degrees=(4,))
 
 
 def test_scheduler_gets_the_time_scale_and_scaled_policy_periods(tmp_path: Path) -> None:

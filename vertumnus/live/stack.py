@@ -135,8 +135,15 @@ class UpConfig:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
         if self.backend not in ("sim", "torch"):
             raise ValueError(f"--backend must be sim or torch, got {self.backend!r}")
+        from services.controller.lattice import Lattice
         from services.scheduler.registry import policy_names
+        from shared.ids import InvalidInput
 
+        try:
+            Lattice(self.gpus, tuple(sorted(set(self.degrees))))
+        except InvalidInput as exc:  # e.g. --gpus 6 --degrees 4
+            raise ValueError(f"--gpus {self.gpus} --degrees "
+                             f"{','.join(map(str, self.degrees))}: {exc}") from None
         if self.policy not in policy_names():
             raise ValueError(f"--policy {self.policy!r} is not a policy; known: "
                              f"{', '.join(policy_names())}")
