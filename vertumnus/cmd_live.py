@@ -238,9 +238,12 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
     observer = None
     nc = None
     if nats_url:
-        import nats
+        from vertumnus.live.tap import connect_cli
 
-        nc = await nats.connect(nats_url, name="vertumnus-replay", connect_timeout=5)
+        try:
+            nc = await connect_cli(nats_url, "vertumnus-replay")
+        except OSError as exc:
+            raise ValueError(f"cannot reach NATS at {nats_url}: {exc}") from None
         observer = Observer(nc, Subjects(prefix))
         await observer.start()
     try:

@@ -56,3 +56,27 @@ def test_render_json_msgpack_text_binary() -> None:
     kind, text = render_payload(b"\xc1", {CONTENT_TYPE: MSGPACK})  # 0xc1: never used
     assert kind == "binary" and "undecodable msgpack" in text
     assert render_payload(b"", {CONTENT_TYPE: JSON}) == ("empty", "")
+
+
+async def test_an_unreachable_server_is_one_clear_error() -> None:
+    """nats-py would retry an unreachable server for minutes with a traceback each time; the
+    tools say at once that they cannot reach it (OSError, the CLI's "cannot reach NATS")."""
+    import socket
+
+    import pytest
+
+    from vertumnus.live.tap import tap
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(OSError, match="no server answered|Connect|refused|NoServers"):
+        await tap(f"nats://127.0.0.1:{port}", "x.>", timeout_s=1, connect_timeout_s=0.5)
+
+
+def test_the_cli_names_the_unreachable_server() -> None:
+    proc = subprocess.run(cli("tap", "x.>", "--nats", "nats://127.0.0.1:9", "--timeout", "1"),
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "cannot reach NATS at nats://127.0.0.1:9" in proc.stderr
+    assert "Traceback" not in proc.stderr

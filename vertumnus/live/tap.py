@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Final
@@ -88,14 +89,39 @@ def format_message(msg: Msg, *, show_trace: bool = False, now: float | None = No
     return "\n".join(out)
 
 
+async def connect_cli(url: str, name: str, *, timeout_s: float = 5.0) -> nats.NATS:
+    """Connect a command-line tool to NATS, or raise ``OSError`` naming the URL.
+
+    nats-py keeps retrying an unreachable server for minutes, printing a traceback each time
+    (its default error callback); a tool should say at once that it cannot reach it. Errors
+    after the connection was made (a server restart) are one line on stderr each."""
+    connected = False
+
+    async def on_error(exc: Exception) -> None:
+        if connected:
+            print(f"nats: {exc!r}", file=sys.stderr)
+
+    try:
+        nc = await asyncio.wait_for(
+            nats.connect(url, name=name, connect_timeout=timeout_s, error_cb=on_error),
+            timeout_s + 1.0)
+    except TimeoutError:
+        raise OSError(f"no server answered within {timeout_s:g} s") from None
+    except (OSError, nats.errors.Error) as exc:
+        raise OSError(repr(exc)) from None
+    connected = True
+    return nc
+
+
 async def tap(url: str, subject: str, *, count: int | None = None,
               timeout_s: float | None = None, show_trace: bool = False,
-              out: Callable[[str], None] = print, queue: str = "") -> int:
+              out: Callable[[str], None] = print, queue: str = "",
+              connect_timeout_s: float = 5.0) -> int:
     """Subscribe and print until ``count`` messages, ``timeout_s`` or cancellation.
 
     Returns the number of messages printed.
     """
-    nc = await nats.connect(url, name="vertumnus-tap", connect_timeout=5)
+    nc = await connect_cli(url, "vertumnus-tap", timeout_s=connect_timeout_s)
     seen = 0
     done = asyncio.Event()
 
