@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
+from pydantic import ValidationError
+
+from shared.ids import InvalidInput
 from shared.logging import configure_logging
 from shared.settings import ServiceSettings
 from shared.telemetry import setup_tracing, shutdown_tracing
@@ -37,7 +41,30 @@ def parse_flags(
         parser.add_argument(flag, dest=dest, type=typ, default=None)
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
-    return settings_cls(**overrides)
+    try:
+        return settings_cls(**overrides)
+    except ValidationError as exc:
+        parser.exit(2, f"{prog}: invalid settings:\n{settings_errors(exc)}\n")
+
+
+def settings_errors(exc: ValidationError) -> str:
+    """One line per problem: the setting (its ``VTM_*`` name) and what is wrong with it."""
+    lines = []
+    for e in exc.errors():
+        loc = "__".join(str(x) for x in e["loc"])
+        where = f"VTM_{loc.upper()}" if loc else "settings"
+        lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})" if loc
+                     else f"  {where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_settings(settings_cls: type[S], prog: str) -> S:
+    """``settings_cls()`` from the environment; a bad value exits 2 naming it (no traceback)."""
+    try:
+        return settings_cls()
+    except ValidationError as exc:
+        print(f"{prog}: invalid settings:\n{settings_errors(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def degree_list(text: str) -> list[int]:
@@ -52,5 +79,10 @@ def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) ->
     setup_tracing(settings.service_name, settings.telemetry)
     try:
         asyncio.run(serve(settings))
+    except InvalidInput as exc:
+        # Settings valid one by one but not together (a GPU count the degrees cannot tile,
+        # an unknown policy): the service cannot start. One line, not a traceback.
+        print(f"{settings.service_name}: cannot start: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     finally:
         shutdown_tracing()

@@ -16,7 +16,7 @@ from services.rankd.backend import ExecutionBackend, SimBackend
 from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from shared.servicemain import run_service
+from shared.servicemain import load_settings, run_service
 from shared.worker import WorkerKind
 
 
@@ -52,7 +52,7 @@ async def serve(settings: RankdSettings, backend: ExecutionBackend | None = None
 
 
 def main() -> None:
-    run_service(RankdSettings(), serve)
+    run_service(load_settings(RankdSettings, "vertumnus rankd"), serve)
 
 
 if __name__ == "__main__":
