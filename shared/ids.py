@@ -52,3 +52,8 @@ class UnknownWorker(VertumnusError, KeyError):
 def worker_name(degree: int, first_gpu: int) -> WorkerId:
     """Canonical worker id for the lattice group [first_gpu, first_gpu + degree)."""
     return WorkerId(f"w-cp{degree}-g{first_gpu}")
+
+
+def tp_worker_name(degree: int, first_gpu: int) -> WorkerId:
+    """Id of a tensor-parallel worker (the vLLM-like baseline's) on the same group."""
+    return WorkerId(f"w-tp{degree}-g{first_gpu}")

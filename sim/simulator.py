@@ -50,7 +50,7 @@ from services.scheduler.errors import NoEligibleWorker
 from services.scheduler.registry import make_policy
 from services.scheduler.view import ClusterView, RequestInfo, WorkerView
 from shared.costmodel import Profile
-from shared.ids import BlockHash, InvalidInput, RequestId, WorkerId
+from shared.ids import BlockHash, InvalidInput, RequestId, WorkerId, tp_worker_name
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
 from sim import calibration
 from sim.groundtruth import GroundTruth, NoisyGroundTruth
@@ -246,7 +246,7 @@ class Simulator:
     def _worker_id(self, group: GpuGroup) -> WorkerId:
         if self.cfg.worker_kind is WorkerKind.CP:
             return group.worker_id
-        return WorkerId(f"w-tp{group.degree}-g{group.first_gpu}")
+        return tp_worker_name(group.degree, group.first_gpu)
 
     def _new_worker(self, group: GpuGroup, *, register: bool = True) -> _SimWorker:
         wid = self._worker_id(group)

@@ -137,6 +137,7 @@ from shared.ids import (
     RequestId,
     VertumnusError,
     WorkerId,
+    tp_worker_name,
 )
 from shared.schemas import (
     EpochAck,
@@ -549,7 +550,8 @@ def epoch_record(
         epoch=epoch,
         workers=[
             EpochWorker(
-                worker_id=w.worker_id if kind is WorkerKind.CP else tp_worker_id(w.group),
+                worker_id=(w.worker_id if kind is WorkerKind.CP
+                           else tp_worker_name(w.group.degree, w.group.first_gpu)),
                 kind=kind,
                 first_gpu=w.group.first_gpu,
                 degree=w.group.degree,
@@ -560,11 +562,6 @@ def epoch_record(
         committed_at_s=now,
         reason=reason[:500],
     )
-
-
-def tp_worker_id(group: GpuGroup) -> WorkerId:
-    """The id of the TP worker on ``group``: ``w-tp{T}-g{first}`` (the simulator's naming)."""
-    return WorkerId(f"w-tp{group.degree}-g{group.first_gpu}")
 
 
 def protocol_worker_id(worker_id: str) -> WorkerId:

@@ -46,7 +46,7 @@ import nats
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from shared.ids import DEFAULT_BLOCK_SIZE
+from shared.ids import DEFAULT_BLOCK_SIZE, tp_worker_name
 from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv
 from shared.subjects import Subjects
@@ -207,7 +207,7 @@ class UpConfig:
             return LiveDeployment(tuple(start), WorkerKind.CP, True, True)
         groups = initial.groups if self.initial_workers else dep.composition.groups
         if dep.kind is WorkerKind.TP:
-            ids = tuple(f"w-tp{g.degree}-g{g.first_gpu}" for g in groups)
+            ids = tuple(tp_worker_name(g.degree, g.first_gpu) for g in groups)
         else:
             ids = tuple(g.worker_id for g in groups)
         return LiveDeployment(ids, dep.kind, dep.adaptive, dep.cache_manager)
