@@ -46,7 +46,7 @@ import nats
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from shared.ids import DEFAULT_BLOCK_SIZE, tp_worker_name
+from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, tp_worker_name
 from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv
 from shared.subjects import Subjects
@@ -137,7 +137,6 @@ class UpConfig:
             raise ValueError(f"--backend must be sim or torch, got {self.backend!r}")
         from services.controller.lattice import Lattice
         from services.scheduler.registry import policy_names
-        from shared.ids import InvalidInput
 
         try:
             Lattice(self.gpus, tuple(sorted(set(self.degrees))))
@@ -193,7 +192,6 @@ class UpConfig:
         (a test or an operator choosing the start). A policy the table does not know runs as
         vertumnus does."""
         from services.controller.lattice import Composition, Lattice
-        from shared.ids import InvalidInput
         from sim.experiments import ExperimentSpec, deployment_for
 
         start = self.initial_workers or default_composition(self.gpus, self.degrees)
