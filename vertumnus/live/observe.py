@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from shared.schemas import EpochRecord, FirstToken, SchemaError, decode
-from shared.service import epoch_kv
+from shared.service import KvWatch, epoch_kv
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait
 from vertumnus.live.report import CompositionChange
@@ -102,7 +102,8 @@ class Observer:
                 kv = await epoch_kv(js, self.subjects)
             except (BucketNotFoundError, NotFoundError, TimeoutError):
                 await asyncio.sleep(0.5)
-        self._watcher = await kv.watch(self.subjects.epoch_key())
+        # Made again after a server restart (replay --nats may watch a long-lived server).
+        self._watcher = await KvWatch(self.nc, kv, self.subjects.epoch_key()).start()
         async for entry in self._watcher:
             if entry is None or not entry.value:
                 continue
