@@ -193,6 +193,20 @@ class Subjects:
     def window_demand_all(self) -> str:
         return self._join("window", "demand", "*")
 
+    def window_demand_again(self, reporter: str) -> str:
+        """The second copy of a replica's WindowReport, sent just ahead of its next one (a
+        subject of its own, one token longer: a subscriber of :meth:`window_demand_all` that
+        does not de-duplicate never sees the copies)."""
+        return self._join("window", "demand", _id(reporter, "reporter"), "again")
+
+    def window_demand_again_all(self) -> str:
+        return self._join("window", "demand", "*", "again")
+
+    def window_demand_with_copies(self) -> str:
+        """Every replica's reports and their copies, on one subscription (so a copy is
+        handled in order with the report its sender published after it)."""
+        return self._join("window", "demand", ">")
+
     def cache_stats(self, reporter: str) -> str:
         """RequestStats (Algorithm 1's inputs, one per placement) from one scheduler replica."""
         return self._join("cache", "stats", _id(reporter, "reporter"))

@@ -8,7 +8,7 @@ ControllerCore`; this module moves messages and keeps the books an adapter must 
 =======================================  ==========================================================
 input                                    what the adapter does
 =======================================  ==========================================================
-``{prefix}.window.demand.*``             WindowReport of each scheduler replica → ``core.assigned``
+``{prefix}.window.demand.>``             WindowReport of each scheduler replica → ``core.assigned``
 (``demand_input="windows"``, default)    (the report is replayed as its ``requests`` assignments
                                          at the middle of its window, :func:`replay_report`: D(k),
                                          count, long fraction and the demand by preferred degree
@@ -799,7 +799,10 @@ class ControllerService(MicroService):
         state_watch = await KvWatch(self.nc, states).start()  # survives a server restart
         subs = []
         if self.csettings.demand_input == "windows":
-            subs.append(await self.nc.subscribe(s.window_demand_all(), cb=self._on_report))
+            # One subscription for reports and their copies, so a copy is handled in order
+            # with the report after it (NATS orders one subscription's messages per sender).
+            subs.append(await self.nc.subscribe(s.window_demand_with_copies(),
+                                                cb=self._on_report))
         else:
             subs.append(await self.nc.subscribe(s.cache_stats_all(), cb=self._on_assignment))
         subs.append(await self.nc.subscribe(s.epoch_ack_all(), cb=self._on_ack))

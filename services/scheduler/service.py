@@ -1296,18 +1296,20 @@ class SchedulerService(MicroService):
         Reports are plain NATS messages (at most once). A lost one would not just lose its
         window's demand: the controller closes a window once a later report shows it ended,
         so the window would read as D = 0 -- "merge everything". Sending each report twice,
-        the second time just ahead of the next one, closes that gap for any single loss; the
-        controller counts a window's report once (by reporter and window) and ignores the
-        copy it already has.
+        the second time just ahead of the next one (on ``window_demand_again``, so that a
+        subscriber that does not de-duplicate never sees copies), closes that gap for any
+        single loss; the controller counts a window's report once (by reporter and window)
+        and ignores the copy it already has.
         """
-        subject = self.subjects.window_demand(self.reporter)
         if self._last_report is not None:
             data, headers = encode(self._last_report)
-            await self.nc.publish(subject, data, headers=headers)
+            await self.nc.publish(self.subjects.window_demand_again(self.reporter), data,
+                                  headers=headers)
             self.stats.windows_resent += 1
         report = self.window_report(summary)
         data, headers = encode(report)
-        await self.nc.publish(subject, data, headers=headers)
+        await self.nc.publish(self.subjects.window_demand(self.reporter), data,
+                              headers=headers)
         self._last_report = report
         self.stats.windows_reported += 1
 

@@ -360,11 +360,13 @@ async def test_a_lost_window_report_is_recovered_from_its_copy(
         return WindowReport(reporter="sched-a", window_index=i, window_start_s=i * h,
                             window_s=h, epoch=0, demand_s=demand, requests=10, long_requests=0)
 
-    async def send_at(t: float, *reps: WindowReport) -> None:
+    async def send_at(t: float, copy: WindowReport, rep: WindowReport) -> None:
+        """A copy of the previous window's report, then this window's, as a scheduler does."""
         await asyncio.sleep(max(0.0, t - time.time()))
-        for r in reps:
-            data, headers = encode(r)
-            await nc.publish(s.window_demand("sched-a"), data, headers=headers)
+        data, headers = encode(copy)
+        await nc.publish(s.window_demand_again("sched-a"), data, headers=headers)
+        data, headers = encode(rep)
+        await nc.publish(s.window_demand("sched-a"), data, headers=headers)
 
     # Window k's own report (due at its end) is lost; its copy comes ahead of k+1's.
     await send_at((k + 2) * h + 0.01, report(k, 1.25), report(k + 1, 0.75))
