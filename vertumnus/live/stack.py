@@ -425,18 +425,14 @@ class LiveStack:
 
     def policy_durations(self) -> dict[str, float]:
         """The policy's duration parameters (:func:`policy_durations`) × the time scale, in
-        wall seconds; empty at scale 1 or for a policy the registry does not know."""
-        from services.scheduler.errors import UnknownPolicy
+        wall seconds; empty at scale 1. (UpConfig has checked that the policy exists.)"""
         from services.scheduler.registry import policy_durations
 
         scale = self.config.effective_time_scale
         if scale == 1.0:
             return {}
-        try:
-            return {k: float(f"{v * scale:.12g}")
-                    for k, v in policy_durations(self.config.policy).items()}
-        except UnknownPolicy:
-            return {}
+        return {k: float(f"{v * scale:.12g}")
+                for k, v in policy_durations(self.config.policy).items()}
 
     def torch_env(self) -> dict[str, str]:
         """rankd's ``VTM_TORCH_*`` settings for ``--backend torch``: the small random-weight
