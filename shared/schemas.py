@@ -70,6 +70,10 @@ WallTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 """Unix seconds (``time.time()``): instants compared across processes on one host."""
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
 """A worker or request id: one legal subject token (see shared/subjects.py)."""
+Incarnation = Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9_-]*$")]
+"""Which start of a worker: a token its rank daemon draws when it creates the worker, so a
+restarted (or re-created) worker with the same id is told apart from the one before it;
+"" = not given (a reader then cannot tell)."""
 
 
 class Message(BaseModel):
@@ -183,6 +187,8 @@ class AssignmentAck(Message):
     worker_id: Id
     epoch: NonNegInt
     queue_position: NonNegInt = Field(description="requests ahead of this one, incl. running")
+    incarnation: Incarnation = Field(
+        default="", description="the admitting worker's incarnation (WorkerState.incarnation)")
 
 
 class QueueQuery(Message):
@@ -207,7 +213,9 @@ class WorkerState(Message):
     """One worker's state in the worker-state KV bucket (key = worker id).
 
     ``heartbeat_s`` is refreshed periodically; a reader treats a state older than its lease
-    as UNAVAILABLE. ``seq`` increases with every publication by that worker.
+    as UNAVAILABLE. ``seq`` increases with every publication by that worker (it starts again
+    when the worker does). ``incarnation`` changes when the worker under this id is started
+    again (a rank daemon restart, or the id re-created by a reconfiguration).
     """
 
     worker_id: Id
@@ -224,6 +232,9 @@ class WorkerState(Message):
     input_tokens: NonNegInt = Field(default=0, description="cumulative input tokens")
     served: NonNegInt = Field(default=0, description="requests completed")
     seq: NonNegInt = 0
+    incarnation: Incarnation = Field(
+        default="", description="this start of the worker; a new value means the requests "
+        "and cache of the one before are gone")
     heartbeat_s: WallTime
 
     @model_validator(mode="after")

@@ -210,7 +210,10 @@ class WorkerCore:
         kv_total_blocks: int = 0,
         max_queue: int = 4096,
         time_scale: float = 1.0,
+        incarnation: str = "",
     ) -> None:
+        """``incarnation``: this start of the worker (the adapter draws it), published in
+        every state so readers can tell a restarted worker from the one before it."""
         self.group = GpuGroup.from_worker_id(worker_id)  # raises InvalidInput
         if epoch < 0 or kv_total_blocks < 0 or max_queue < 1 or not time_scale > 0:
             raise InvalidInput("epoch, kv_total_blocks >= 0; max_queue >= 1; time_scale > 0")
@@ -221,6 +224,7 @@ class WorkerCore:
         self.kv_total_blocks = kv_total_blocks
         self.max_queue = max_queue
         self.time_scale = time_scale
+        self.incarnation = incarnation
         self._queue: deque[Job] = deque()
         # Handed back to intake, publish not yet settled (see module rules); insertion order.
         self._redirecting: dict[str, Job] = {}
@@ -298,6 +302,7 @@ class WorkerCore:
             input_tokens=self.input_tokens,
             served=self.served,
             seq=self._seq,
+            incarnation=self.incarnation,
             heartbeat_s=now,
         )
 

@@ -57,6 +57,7 @@ import dataclasses
 import json
 import math
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Final
@@ -203,6 +204,9 @@ class RankdService(MicroService):
             kv_total_blocks=settings.kv_total_blocks,
             max_queue=settings.max_queue,
             time_scale=getattr(backend, "time_scale", 1.0),
+            # A new token per start: a restart under the same worker id is then visible to
+            # the scheduler and the cache manager (its queue and cache are gone).
+            incarnation=uuid.uuid4().hex[:16],
         )
         bind = getattr(backend, "bind_cache", None)
         if callable(bind):  # a real engine keeps its KV in lockstep with this worker's cache
@@ -293,6 +297,7 @@ class RankdService(MicroService):
             worker_id=self.core.worker_id,
             epoch=self.core.epoch,
             queue_position=position,
+            incarnation=self.core.incarnation,
         )
 
     # -- setup and teardown -------------------------------------------------------------------
