@@ -75,6 +75,18 @@ and the worker, asked on its ``queue`` endpoint, lists the request as queued or 
 its own first token answers the client and the message is acked (``unknown_held``). A
 malformed intake message is terminated at once.
 
+Lost workers (:mod:`services.scheduler.ledger`): every request this replica dispatched stays
+in its ledger until a result for it arrives. A worker whose state names a new *incarnation*
+(its rank daemon was restarted under the same id) lost what the old one held; a worker whose
+heartbeat is older than ``lease_s`` and whose ``queue`` endpoint has no responder (the process
+died) lost everything. Housekeeping (and a restart, at once) hands those requests back to
+intake under the worker's own hand-back id, releasing their reservations, so they are placed
+again instead of leaving their clients to the gateway's result timeout; a restarted worker's
+replica-trie view is also reset (its cache is empty and its event ids start again). A first
+send that finds no responder marks the worker unreachable: not eligible until its state
+changes (a new ``seq`` or incarnation), so retries go to another worker. A hand-back of a
+request whose first token this replica saw is acked unplaced.
+
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
 terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,excluded}``) plus the whole decision as
@@ -128,6 +140,7 @@ from services.rankd.core import (
 from services.scheduler.core import SchedulerCore
 from services.scheduler.decision import CandidateTerms, Decision
 from services.scheduler.errors import NoEligibleWorker, UnknownRequest
+from services.scheduler.ledger import DispatchLedger, Loss, LostWorker, Sent
 from services.scheduler.registry import make_policy
 from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
 from shared.costmodel import DEFAULT_PROFILE, Profile
@@ -344,10 +357,11 @@ class AssignmentRecord(Message):
 
 
 def worker_view(state: WorkerState, *, now: float, lease_s: float, block_size: int,
-                max_seq_len: int) -> WorkerView:
-    """The scheduler's view of one worker-state record (lease expiry → UNAVAILABLE)."""
+                max_seq_len: int, reachable: bool = True) -> WorkerView:
+    """The scheduler's view of one worker-state record (lease expiry, or ``reachable``
+    False: a send to it found no responder since this state → UNAVAILABLE)."""
     lifecycle = state.lifecycle
-    if now - state.heartbeat_s > lease_s:
+    if now - state.heartbeat_s > lease_s or not reachable:
         lifecycle = Lifecycle.UNAVAILABLE
     return WorkerView(
         worker_id=WorkerId(state.worker_id),
@@ -517,6 +531,10 @@ class SchedulerStats:
     gone_in_intake: int = 0  # ... and intake already held that hand-back (de-duplicated)
     finished_acked: int = 0  # a redelivery of a request whose result was seen: acked
     unknown_held: int = 0  # last delivery, outcome unknown, but the worker lists it: acked
+    lost_handed_back: int = 0  # dispatched to a worker that died or restarted: handed back
+    lost_in_intake: int = 0  # ... and intake already held that hand-back (de-duplicated)
+    workers_restarted: int = 0  # a worker's state named a new incarnation
+    unreachable_marked: int = 0  # a first send found no responder: worker excluded for now
 
 
 class SchedulerService(MicroService):
@@ -568,6 +586,13 @@ class SchedulerService(MicroService):
         # Request ids whose first token this replica saw (bounded): a recorded dispatch of one
         # of them is not sent again, nor handed back for a gone worker.
         self._served: OrderedDict[str, None] = OrderedDict()
+        # Dispatched requests whose result this replica has not seen (see ledger.py): what a
+        # worker that dies or restarts takes with it, handed back to intake.
+        self.ledger = DispatchLedger()
+        self._recovering: set[str] = set()  # workers whose loss is being handled
+        # Worker id -> (incarnation, seq) of its state when a first send found no responder:
+        # not eligible until a newer state shows it is back (see _rebuild_view).
+        self._unreachable: dict[str, tuple[str, int]] = {}
         self._snapshotting: set[str] = set()
         # Workers whose snapshot request went unanswered (asked again by housekeeping).
         self._snapshot_retry: set[str] = set()
@@ -669,15 +694,42 @@ class SchedulerService(MicroService):
                 except SchemaError as exc:
                     self.log.error("bad worker state ignored", key=entry.key, error=str(exc))
                     continue
+                old = self._states.get(entry.key)
                 self._states[entry.key] = state
+                if old is not None and old.incarnation and state.incarnation \
+                        and old.incarnation != state.incarnation:
+                    self._worker_restarted(entry.key, old, state)
             self._rebuild_view()
+
+    def _worker_restarted(self, wid: str, old: WorkerState, new: WorkerState) -> None:
+        """A new incarnation runs under ``wid``: its cache is empty and its event ids start
+        again, so the replica trie forgets the old one's blocks (``_rebuild_view`` registers
+        it afresh and asks for its snapshot); the requests the old one held are recovered."""
+        self.stats.workers_restarted += 1
+        self.log.warning("worker restarted", worker=wid, old=old.incarnation,
+                         new=new.incarnation)
+        if wid in self.trie.workers():
+            self.trie.remove_worker(WorkerId(wid))
+            self._track_cache(new)
+        self._unreachable.pop(wid, None)
+        self._recover_lost()
+
+    def _reachable(self, state: WorkerState) -> bool:
+        """False while the worker's state is the one it had when a send found no responder."""
+        mark = self._unreachable.get(state.worker_id)
+        if mark is None:
+            return True
+        if mark == (state.incarnation, state.seq):
+            return False
+        del self._unreachable[state.worker_id]  # a newer state: it published since
+        return True
 
     def _rebuild_view(self) -> None:
         now = self.clock()
         st = self.ssettings
         views = tuple(
             worker_view(state, now=now, lease_s=st.lease_s, block_size=st.block_size,
-                        max_seq_len=st.max_seq_len)
+                        max_seq_len=st.max_seq_len, reachable=self._reachable(state))
             for _, state in sorted(self._states.items())
         )
         if views == self.core.view.workers:
@@ -692,12 +744,16 @@ class SchedulerService(MicroService):
         for w in views:
             if w.worker_id in known or w.degree not in self.trie.degrees:
                 continue
-            state = self._states[w.worker_id]
-            self.trie.add_worker(w.worker_id, w.degree, max(1, state.kv_total_blocks))
-            # It may have cached blocks already (we started after it): ask for its index.
-            self._request_snapshot(w.worker_id)
+            self._track_cache(self._states[w.worker_id])
         for wid in known - {w.worker_id for w in views}:
             self.trie.remove_worker(wid)
+
+    def _track_cache(self, state: WorkerState) -> None:
+        """Register the worker in the replica trie with an empty cache and ask for its index
+        (it may have cached blocks already: we started after it, or it was re-created)."""
+        self.trie.add_worker(WorkerId(state.worker_id), state.degree,
+                             max(1, state.kv_total_blocks))
+        self._request_snapshot(state.worker_id)
 
     async def _housekeeping(self) -> None:
         """Lease expiry (KV watchers are not told about TTL expiry), window closing, snapshots
@@ -709,6 +765,7 @@ class SchedulerService(MicroService):
                 self._rebuild_view()
                 for summary in self.windows.advance(self.clock()):
                     await self._report_window(summary)
+                self._recover_lost()
                 registered = set(self.trie.workers())
                 self._snapshot_retry &= registered  # workers gone meanwhile
                 for wid in {*self.trie.stale_workers(), *self._snapshot_retry}:
@@ -780,6 +837,7 @@ class SchedulerService(MicroService):
         except SchemaError:
             return
         rid = result.request_id
+        self.ledger.pop(rid)
         if result.error is None:
             self._served[rid] = None
             self._served.move_to_end(rid)
@@ -898,6 +956,7 @@ class SchedulerService(MicroService):
         msg_id = (msg.headers or {}).get(MSG_ID_HEADER) or rid
         seq = self._stream_seq(msg)
         delivery = self._deliveries(msg)
+        self.ledger.supersede(rid, seq)
         # NOTE: only a redelivery can match a record (a record names the stream sequence of a
         # message that was delivered before), so a first delivery skips the KV read.
         record = await self._get_record(rid) if delivery > 1 else None
@@ -913,6 +972,13 @@ class SchedulerService(MicroService):
             self.stats.superseded_acked += 1
             self.log.info("superseded intake message acked", request_id=rid,
                           stream_seq=seq, newer_seq=record.stream_seq)
+            await msg.ack()
+            return
+        if is_handback_msg_id(msg_id) and rid in self._served:
+            # A hand-back (by a worker, or by a replica for a lost worker) of a request whose
+            # first token is out: placing it would run it a second time for nobody.
+            self.stats.finished_acked += 1
+            self.log.info("hand-back of a served request acked", request_id=rid)
             await msg.ack()
             return
         parent = trace_carrier(msg.headers, req)
@@ -987,12 +1053,16 @@ class SchedulerService(MicroService):
                 if unknown:
                     await self._outcome_unknown(msg, req, assignment, seq, msg_id, stored, exc)
                     return
+                if isinstance(exc, nats.errors.NoRespondersError):
+                    self._mark_unreachable(assignment.worker_id)
                 self._release(rid)
                 await self._settle(stored, rid)
                 await self._delete_record(rid)
                 await self._retry_or_fail(
                     msg, req, f"worker {assignment.worker_id} did not accept: {exc}")
                 return
+            self.ledger.add(Sent(rid, assignment.worker_id, ack.incarnation, msg_id, seq, req,
+                                 dict(parent)))
             if ack.queue_position == 0:
                 # Nothing ahead of it on a FIFO worker: its prefill starts now, so q_w counts
                 # only its remaining predicted time from here on.
@@ -1017,6 +1087,93 @@ class SchedulerService(MicroService):
         what :func:`shared.service.call` raises)."""
         return await call(self.nc, self.subjects.worker_assign(a.worker_id), a, AssignmentAck,
                           timeout_s=self.ssettings.dispatch_timeout_s, headers=headers)
+
+    def _mark_unreachable(self, wid: str) -> None:
+        """A first send to ``wid`` found no responder: nobody serves its subject (the process
+        died, or its endpoint is not up yet). Until its state changes it is not eligible, so
+        the retry goes elsewhere instead of to the same absent worker."""
+        state = self._states.get(wid)
+        if state is None:
+            return
+        self._unreachable[wid] = (state.incarnation, state.seq)
+        self.stats.unreachable_marked += 1
+        self.log.warning("worker unreachable; not eligible until its state changes", worker=wid)
+        self._rebuild_view()
+
+    def _recover_lost(self) -> None:
+        """Start recovering the requests of every worker the ledger finds lost (ledger.py);
+        one task per worker at a time."""
+        if not len(self.ledger):
+            return
+        for lost in self.ledger.lost(self._states, now=self.clock(),
+                                     lease_s=self.ssettings.lease_s,
+                                     loaded=self._states_loaded):
+            if lost.worker_id in self._recovering:
+                continue
+            self._recovering.add(lost.worker_id)
+            task = asyncio.create_task(self._recover(lost), name=f"recover-{lost.worker_id}")
+            self._tasks.append(task)
+            task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _recover(self, lost: LostWorker) -> None:
+        """Hand back to intake the requests ``lost`` lists that its worker does not hold.
+
+        The worker's ``queue`` endpoint decides: a SILENT worker that answers is alive (its
+        heartbeats are what is missing) and keeps everything; a RESTARTED one keeps what its
+        new incarnation lists (a re-send reached it). A request answered meanwhile is left
+        alone (its result removed it from the ledger)."""
+        wid = lost.worker_id
+        try:
+            listed = await self._queue_of(wid)
+            if lost.loss is Loss.SILENT and listed is not None:
+                return
+            for sent in lost.requests:
+                if self.ledger.get(sent.request_id) is not sent:
+                    continue  # answered, superseded or already handed back
+                if listed is not None and sent.request_id in listed:
+                    self.ledger.adopted(sent.request_id, lost.incarnation)
+                    continue
+                await self._hand_back_lost(sent, lost.loss)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the next housekeeping round tries again
+            self.log.warning("recovering a lost worker's requests failed", worker=wid,
+                             error=repr(exc))
+        finally:
+            self._recovering.discard(wid)
+
+    async def _queue_of(self, wid: str) -> set[str] | None:
+        """The request ids the worker lists (queued or running); None when it does not answer."""
+        try:
+            rep = await call(self.nc, self.subjects.worker_queue(wid),
+                             QueueQuery(worker_id=wid), QueueReport,
+                             timeout_s=self.ssettings.dispatch_timeout_s)
+        except (RemoteError, SchemaError, nats.errors.NoRespondersError,
+                nats.errors.TimeoutError, TimeoutError):
+            return None
+        return {*rep.in_flight, *rep.queued}
+
+    async def _hand_back_lost(self, sent: Sent, loss: Loss) -> None:
+        """Publish ``sent``'s request to intake under the id its worker's own hand-back would
+        have (so the two are one message), release its reservation and forget it. A failed
+        publish leaves it in the ledger for the next round."""
+        assert self._js is not None
+        rid, wid = sent.request_id, sent.worker_id
+        data, headers = encode(sent.request)
+        headers.update(sent.carrier)
+        headers[MSG_ID_HEADER] = handback_msg_id(rid, sent.msg_id, wid, 0)
+        pub = await self._js.publish(self.subjects.intake_requests(), data, headers=headers,
+                                     timeout=self.ssettings.dispatch_timeout_s)
+        # Answered while the publish was out (rare): handle_intake acks that hand-back
+        # unplaced, as the result is in _served.
+        self.ledger.pop(rid)
+        with contextlib.suppress(UnknownRequest):
+            if self.core.worker_of(rid) == wid:
+                self.core.finish(rid, self.clock())
+        self.stats.lost_handed_back += 1
+        self.stats.lost_in_intake += bool(pub.duplicate)
+        self.log.warning("request handed back: its worker was lost", request_id=rid,
+                         worker=wid, loss=str(loss), duplicate=bool(pub.duplicate))
 
     async def _outcome_unknown(self, msg: Msg, req: IntakeRequest, a: Assignment, seq: int,
                                msg_id: str, stored: Any, exc: BaseException) -> None:
