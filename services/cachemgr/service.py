@@ -22,7 +22,14 @@ timer, every ``scan_interval_s`` (H)   ``trie.scan(config, load)`` with each wor
                                        blocks are the worker's to protect, and a reclaim skips
                                        them); each selected action is sent as a command (below)
 worker-state KV (watch)                capacities and loads; registers workers before their
-                                       first event (and asks for their snapshot)
+                                       first event (and asks for their snapshot); remembers
+                                       each registered worker's ``incarnation``: another
+                                       (non-empty) one is a restart of the worker under the
+                                       same id, whose cache and event ids start afresh, so its
+                                       view is reset (untracked, in-flight operations
+                                       cancelled, registered again with the same degree and
+                                       capacity, empty, ``last_event_id`` 0) and its snapshot
+                                       is requested
 epoch KV key (watch)                   a changed composition: a degree-2C worker replaced by its
                                        two halves → ``trie.reconcile_split``; two halves replaced
                                        by their parent → ``trie.reconcile_merge``, then
@@ -45,6 +52,15 @@ counts only when the destination's own ``stored`` event arrives, a reclaimed one
 its ``removed`` event; an ok reply just retires the in-flight action
 (``replication_done``), a failed reply, micro error, timeout or missing responder calls
 ``replication_failed`` / ``reclaim_failed`` so a later scan may choose again.
+
+Incarnations (WorkerState ``incarnation``, drawn by the rank daemon at each start): the first
+non-empty one seen for a registered worker is only recorded; an empty one (older rank daemons)
+never resets anything. The record belongs to one registration: whenever a worker leaves the
+trie by any path (epoch record, UNAVAILABLE, split parent, merged children, restart) it is
+forgotten, so a worker a reconfiguration removes and registers again (with the reconcile plans
+of a split or merge) takes its new process's incarnation as a first one and keeps its plans.
+A snapshot reply asked of the worker before its restart is not applied (it may describe the
+old process's cache); the snapshot is asked again.
 
 Message this module consumes: RequestStats (shared/schemas.py), published by the scheduler.
 """
@@ -255,6 +271,14 @@ def degree_of(worker: str) -> int | None:
         return None
 
 
+def worker_restarted(recorded: str | None, incarnation: str) -> bool:
+    """Whether a worker state carrying ``incarnation`` shows a new start of the worker whose
+    current registration recorded ``recorded`` (None or "": none recorded yet): only two
+    non-empty, different tokens do. An empty ``incarnation`` (an older rank daemon) never does;
+    the first one seen is only recorded."""
+    return bool(recorded) and bool(incarnation) and incarnation != recorded
+
+
 def record_groups(record: EpochRecord) -> dict[WorkerId, GpuGroup]:
     return {WorkerId(w.worker_id): w.group for w in record.workers}
 
@@ -339,6 +363,11 @@ class CacheMgrService(MicroService):
         self.last_scan: dict[str, Any] | None = None
         self._snapshotting: set[str] = set()
         self._snapshot_retry: set[str] = set()  # unanswered snapshot requests, asked again
+        # Incarnation of each registered worker's current process (first non-empty one seen
+        # while registered); forgotten whenever the worker leaves the trie.
+        self._incarnations: dict[str, str] = {}
+        # Restarts seen per worker: a snapshot asked before one is not applied after it.
+        self._restarts: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._cmd_seq = 0
         self.counters: dict[str, int] = {
@@ -358,6 +387,7 @@ class CacheMgrService(MicroService):
             "splits": 0,
             "rehomed": 0,
             "merges": 0,
+            "restarts": 0,
         }
 
     # -- endpoints --------------------------------------------------------------------------
@@ -387,6 +417,7 @@ class CacheMgrService(MicroService):
                     "capacity_blocks": t.capacity_blocks(w),
                     "last_event_id": t.last_event_id(w),
                     "stale": t.is_stale(w),
+                    "incarnation": self._incarnations.get(w, ""),
                 }
                 for w in t.workers()
             },
@@ -473,11 +504,51 @@ class CacheMgrService(MicroService):
                 self.counters["malformed"] += 1
                 self.log.warning("bad worker state ignored", key=entry.key, error=str(exc))
                 continue
-            self.states[state.worker_id] = state
-            # Without an epoch record the worker states define the pool; with one, only
-            # workers of the record are tracked (a retired worker's last state lingers).
-            if self.record is None or state.worker_id in record_groups(self.record):
-                self._register(state.worker_id, state.degree, snapshot=True)
+            try:
+                self.on_state(state)
+            except VertumnusError as exc:
+                self.counters["rejected"] += 1
+                self.log.error("worker state not acted on", worker=state.worker_id,
+                               error=str(exc))
+
+    def on_state(self, state: WorkerState) -> None:
+        """One worker's state from the bucket: keep it (capacity, load); register a worker of
+        the pool (and ask for its snapshot); a registered worker's new incarnation is a
+        restart (``_reset_restarted``)."""
+        wid = state.worker_id
+        self.states[wid] = state
+        if wid in self.trie.workers() and worker_restarted(
+            self._incarnations.get(wid), state.incarnation
+        ):
+            self._reset_restarted(WorkerId(wid), state.incarnation)
+            return
+        # Without an epoch record the worker states define the pool; with one, only
+        # workers of the record are tracked (a retired worker's last state lingers).
+        if self.record is None or wid in record_groups(self.record):
+            if self._register(wid, state.degree, snapshot=True) and state.incarnation:
+                self._incarnations.setdefault(wid, state.incarnation)
+
+    def _reset_restarted(self, worker: WorkerId, incarnation: str) -> None:
+        """``worker`` was started again under its id: its cache is empty and its event ids
+        start again at 1. Its view is dropped (in-flight operations to, from or at it are
+        cancelled) and registered afresh with the same degree and capacity, then its snapshot
+        is asked for."""
+        degree = self.trie.worker_degree(worker)
+        capacity = self.trie.capacity_blocks(worker)
+        previous = self._incarnations.get(worker, "")
+        cancelled = self.trie.remove_worker(worker)
+        self.trie.add_worker(worker, degree, capacity)
+        self._incarnations[worker] = incarnation
+        self._restarts[worker] = self._restarts.get(worker, 0) + 1
+        self.counters["restarts"] += 1
+        self.log.info(
+            "worker restarted; its cache view was reset",
+            worker=worker,
+            incarnation=incarnation,
+            previous=previous,
+            cancelled=len(cancelled),
+        )
+        self._request_snapshot(worker)
 
     async def _watch_epochs(self, watcher: Any) -> None:
         async for entry in watcher:
@@ -518,6 +589,7 @@ class CacheMgrService(MicroService):
             plan = self.trie.reconcile_split(
                 parent, children, {c: self._capacity(c) for c in children}
             )
+            self._incarnations.pop(parent, None)
             self.counters["splits"] += 1
             self.log.info(
                 "split reconciled",
@@ -532,6 +604,8 @@ class CacheMgrService(MicroService):
                 added.append(parent)
                 continue
             mplan = self.trie.reconcile_merge(children, parent, self._capacity(parent))
+            for c in children:
+                self._incarnations.pop(c, None)
             self.counters["merges"] += 1
             self.log.info(
                 "merge reconciled",
@@ -544,6 +618,7 @@ class CacheMgrService(MicroService):
         for w in removed:
             if w in self.trie.workers():
                 self.trie.remove_worker(w)
+                self._incarnations.pop(w, None)
                 self.log.info("worker untracked", worker=w)
         for w in added:
             self._register(w, new[w].degree, snapshot=False)
@@ -619,6 +694,7 @@ class CacheMgrService(MicroService):
             wid = WorkerId(w.worker_id)
             if w.lifecycle is Lifecycle.UNAVAILABLE and wid in tracked:
                 cancelled = self.trie.remove_worker(wid)
+                self._incarnations.pop(wid, None)
                 self.log.info("unavailable worker untracked", worker=wid, cancelled=len(cancelled))
             elif w.lifecycle is not Lifecycle.UNAVAILABLE and wid not in tracked:
                 self._register(wid, w.degree, snapshot=True)
@@ -662,6 +738,7 @@ class CacheMgrService(MicroService):
         self._spawn(self._fetch_snapshot(worker), f"snapshot-{worker}")
 
     async def _fetch_snapshot(self, worker: str) -> None:
+        restarts = self._restarts.get(worker, 0)
         try:
             reply = await self.nc.request(
                 self.subjects.cache_snapshot(worker),
@@ -672,6 +749,12 @@ class CacheMgrService(MicroService):
             event = event_from_payload(reply.data)
             if not isinstance(event, Snapshot) or event.worker != worker:
                 raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
+            if self._restarts.get(worker, 0) != restarts:
+                # Asked before the worker restarted: it may list the old process's cache.
+                if worker in self.trie.workers():
+                    self._snapshot_retry.add(worker)
+                self.log.info("cache snapshot of a previous incarnation ignored", worker=worker)
+                return
             self._snapshot_retry.discard(worker)
             if worker in self.trie.workers():
                 outcome = self.trie.apply(event)
@@ -868,4 +951,5 @@ __all__ = [
     "diff_compositions",
     "event_from_payload",
     "path_to",
+    "worker_restarted",
 ]
