@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.cachemgr.events import MalformedEvent, Snapshot, Stored
-from services.cachemgr.service import diff_compositions, event_from_payload
+from services.cachemgr.service import diff_compositions, event_from_payload, worker_restarted
 from services.controller.service import ControllerSettings, replay_report, report_rule_matches
 from services.controller.windows import DemandWindows
 from shared.schemas import SchemaError, WindowReport, from_json, to_json
@@ -25,6 +25,14 @@ def test_diff_finds_splits_merges_and_plain_changes() -> None:
     # w-cp8-g8 became a CP4 and two CP2s: not one adjacent operation.
     assert removed == ["w-cp8-g8"] and sorted(added) == ["w-cp2-g12", "w-cp2-g14", "w-cp4-g8"]
     assert diff_compositions(old, old) == ([], [], [], [])
+
+
+def test_only_a_changed_nonempty_incarnation_is_a_restart() -> None:
+    assert worker_restarted("a", "b")
+    assert not worker_restarted("a", "a")
+    assert not worker_restarted("a", "")  # an older rank daemon: never a reset
+    assert not worker_restarted(None, "a") and not worker_restarted("", "a")  # first seen
+    assert not worker_restarted(None, "") and not worker_restarted("", "")
 
 
 def test_window_report_replays_exact_demand_count_and_long_fraction() -> None:

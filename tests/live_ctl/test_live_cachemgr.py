@@ -4,11 +4,15 @@ Events of two workers build the trie; a gap triggers a snapshot request whose re
 applied; a scan with low thresholds sends a replicate command to the worker lacking a hot
 prefix and the replica becomes visible only with that worker's own stored event; an epoch
 change reconciles a split and a request routed to a child with pending pages sends a lazy
-reconcile command; malformed input gets 400 / is dropped while the service keeps running.
+reconcile command; malformed input gets 400 / is dropped while the service keeps running; a
+worker whose WorkerState shows a new incarnation (started again under its id) is tracked
+afresh, while a re-published or empty incarnation, or a reconfiguration that registers the
+worker again, leaves its view alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -101,14 +105,16 @@ async def reply(nc: Client, msg: Msg, message: Any) -> None:
     await nc.publish(msg.reply, data, headers=headers)
 
 
-def state(wid: str, gpus: list[int], blocks: int = 64) -> WorkerState:
+def state(wid: str, gpus: list[int], blocks: int = 64, incarnation: str = "",
+          queue_len: int = 0) -> WorkerState:
     return WorkerState(
         worker_id=wid,
+        incarnation=incarnation,
         degree=len(gpus),
         gpus=gpus,
         epoch=0,
         lifecycle=Lifecycle.ACTIVE,
-        queue_len=0,
+        queue_len=queue_len,
         outstanding_s=0.0,
         kv_free_blocks=blocks,
         kv_total_blocks=blocks,
@@ -388,3 +394,254 @@ async def test_malformed_input_gets_400_and_cachemgr_keeps_running(
     body = await eventually(counted, what="malformed input counted, good input applied")
     assert body["workers"][A]["blocks"] == 2
     assert svc.counters["malformed"] == 3
+
+
+# -- restarted workers (WorkerState incarnation) -------------------------------------------------
+
+
+async def worker_a_with_blocks(
+    nc: Client, nats_server, uniq: str, services, incarnation: str
+) -> tuple[CacheMgrService, list[str]]:
+    """The manager with A registered from its state (``incarnation``), its (empty) snapshot
+    applied, then events 1-2 of A (blocks 11-14) and event 1 of B (11, 12) applied.
+    Returns the service and the snapshot requests A has answered (its subjects)."""
+    s = Subjects(uniq)
+    states = await worker_state_kv(nc.jetstream(), s)
+    snapshot_requests: list[str] = []
+
+    async def a_snapshot(msg: Msg) -> None:  # every process of A starts with an empty cache
+        snapshot_requests.append(msg.subject)
+        await reply(nc, msg, CacheSnapshot(worker=A, last_event_id=0, blocks=[]))
+
+    await nc.subscribe(s.cache_snapshot(A), cb=a_snapshot)
+    await nc.flush()
+    await states.put(A, to_json(state(A, [0, 1], incarnation=incarnation)))
+    svc = await services(CacheMgrService(settings(nats_server.url, uniq)))
+
+    async def registered() -> bool:
+        body = await inspect(nc, uniq)
+        w = body["workers"].get(A)
+        return bool(w and w["incarnation"] == incarnation
+                    and body["counters"]["snapshots_applied"] >= 1)
+
+    await eventually(registered, what="A registered from its state, its snapshot applied",
+                     timeout=10)
+    await stored(nc, s, A, 1, None, [11, 12, 13])
+    await stored(nc, s, A, 2, 13, [14])
+    await stored(nc, s, B, 1, None, [11, 12])
+
+    async def built() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq, match=[11, 12, 13, 14])
+        return body if body["counters"]["events_applied"] == 3 else None
+
+    body = await eventually(built, what="A's and B's events applied", timeout=10)
+    assert body["match"]["held"] == {A: 4, B: 2}
+    assert body["workers"][A]["last_event_id"] == 2
+    return svc, snapshot_requests
+
+
+async def seen_state_of(nc: Client, uniq: str, worker: str, incarnation: str) -> dict[str, Any]:
+    """Wait until the manager recorded ``worker``'s ``incarnation``: every worker state put
+    before that one (the watch is ordered) has been acted on by then."""
+
+    async def seen() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        w = body["workers"].get(worker)
+        return body if w and w["incarnation"] == incarnation else None
+
+    return await eventually(seen, what=f"{worker}'s incarnation {incarnation!r}", timeout=10)
+
+
+async def test_a_worker_with_a_new_incarnation_is_tracked_afresh(
+    nc: Client, nats_server, uniq: str, services
+):
+    """A rank daemon killed and started again brings back its worker id with a new
+    incarnation, an empty cache and event ids from 1: the manager drops the old view (the
+    old process's blocks no longer count), applies the new process's event 1 and asks it for
+    its snapshot."""
+    s = Subjects(uniq)
+    svc, snapshot_requests = await worker_a_with_blocks(nc, nats_server, uniq, services, "a")
+    asked = len(snapshot_requests)
+    states = await worker_state_kv(nc.jetstream(), s)
+    await states.put(A, to_json(state(A, [0, 1], incarnation="b")))
+
+    async def reset() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq, match=[11, 12, 13, 14])
+        w = body["workers"][A]
+        ok = body["counters"]["restarts"] == 1 and len(snapshot_requests) > asked
+        return body if ok and w["blocks"] == 0 else None
+
+    body = await eventually(reset, what="A's view reset, its snapshot asked for", timeout=10)
+    w = body["workers"][A]
+    assert w["last_event_id"] == 0 and w["incarnation"] == "b" and not w["stale"]
+    assert w["degree"] == 2 and w["capacity_blocks"] == 64
+    assert body["match"]["held"] == {B: 2}  # B's replica is the only one left
+
+    await stored(nc, s, A, 1, None, [21, 22])  # the new process's first event
+
+    async def applied() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq, match=[21, 22])
+        return body if body["counters"]["events_applied"] == 4 else None
+
+    body = await eventually(applied, what="event 1 of the new process applied", timeout=10)
+    assert body["counters"]["duplicates"] == 0 and body["counters"]["gaps"] == 0
+    assert body["match"] == {"matched_blocks": 2, "held": {A: 2}}
+    assert body["workers"][A]["blocks"] == 2 and body["workers"][A]["last_event_id"] == 1
+    assert svc.counters["restarts"] == 1
+
+
+async def test_a_republished_incarnation_changes_nothing(
+    nc: Client, nats_server, uniq: str, services
+):
+    """Heartbeats re-publish a worker's state with the same incarnation: its view stays; a
+    later different one still resets it (the recorded incarnation is the first one)."""
+    s = Subjects(uniq)
+    svc, snapshot_requests = await worker_a_with_blocks(nc, nats_server, uniq, services, "a")
+    asked = len(snapshot_requests)
+    states = await worker_state_kv(nc.jetstream(), s)
+    await states.put(A, to_json(state(A, [0, 1], incarnation="a", queue_len=3)))
+    await states.put(A, to_json(state(A, [0, 1], incarnation="a")))
+    await states.put(B, to_json(state(B, [2, 3], incarnation="b0")))  # a marker behind them
+    body = await seen_state_of(nc, uniq, B, "b0")
+    w = body["workers"][A]
+    assert w["blocks"] == 4 and w["last_event_id"] == 2 and w["incarnation"] == "a"
+    assert body["counters"]["restarts"] == 0 and len(snapshot_requests) == asked
+    await stored(nc, s, A, 3, 14, [15])  # A's events go on
+
+    async def continued() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        return body if body["workers"][A]["last_event_id"] == 3 else None
+
+    body = await eventually(continued, what="A's event 3 applied", timeout=10)
+    assert body["workers"][A]["blocks"] == 5
+
+    await states.put(A, to_json(state(A, [0, 1], incarnation="a2")))
+    body = await seen_state_of(nc, uniq, A, "a2")
+    assert body["counters"]["restarts"] == 1 and body["workers"][A]["blocks"] == 0
+    assert svc.counters["restarts"] == 1
+
+
+async def test_an_empty_incarnation_never_resets_a_worker(
+    nc: Client, nats_server, uniq: str, services
+):
+    """Older rank daemons publish no incarnation: such states never reset anything, the first
+    non-empty one is only recorded, and an empty one after it does not replace it."""
+    s = Subjects(uniq)
+    svc, _ = await worker_a_with_blocks(nc, nats_server, uniq, services, "")
+    states = await worker_state_kv(nc.jetstream(), s)
+    await states.put(A, to_json(state(A, [0, 1], queue_len=2)))
+    await states.put(B, to_json(state(B, [2, 3], incarnation="b0")))  # a marker behind it
+    body = await seen_state_of(nc, uniq, B, "b0")
+    assert body["counters"]["restarts"] == 0 and body["workers"][A]["incarnation"] == ""
+    assert body["workers"][A]["blocks"] == 4
+
+    await states.put(A, to_json(state(A, [0, 1], incarnation="a")))  # first one: recorded
+    body = await seen_state_of(nc, uniq, A, "a")
+    assert body["counters"]["restarts"] == 0 and body["workers"][A]["blocks"] == 4
+    await states.put(A, to_json(state(A, [0, 1])))  # empty again: still no reset
+    await states.put("w-cp2-g4", to_json(state("w-cp2-g4", [4, 5], incarnation="m")))
+    body = await seen_state_of(nc, uniq, "w-cp2-g4", "m")  # another marker
+    assert body["counters"]["restarts"] == 0 and body["workers"][A]["blocks"] == 4
+    assert body["workers"][A]["incarnation"] == "a"
+
+    await states.put(A, to_json(state(A, [0, 1], incarnation="a2")))  # a restart after all
+    body = await seen_state_of(nc, uniq, A, "a2")
+    assert body["counters"]["restarts"] == 1 and body["workers"][A]["blocks"] == 0
+    assert svc.counters["restarts"] == 1
+
+
+async def test_a_reconfiguration_that_registers_a_worker_again_keeps_its_plans(
+    nc: Client, nats_server, uniq: str, services
+):
+    """Two halves merged, then split again: the halves come back from the split with their
+    reconcile plans and new processes (new incarnations). Their first states after the split
+    are recorded, not taken as restarts (the merge forgot their old incarnations); a restart
+    after that resets the view as usual."""
+    s = Subjects(uniq)
+    kv = await epoch_kv(nc.jetstream(), s)
+    states = await worker_state_kv(nc.jetstream(), s)
+    left, right, parent = "w-cp2-g0", "w-cp2-g2", "w-cp4-g0"
+    await kv.put(s.epoch_key(), epoch_record(0, [(0, 2), (2, 2), (4, 4)]))
+    await states.put(left, to_json(state(left, [0, 1], incarnation="l1")))
+    await states.put(right, to_json(state(right, [2, 3], incarnation="r1")))
+    svc = await services(CacheMgrService(settings(nats_server.url, uniq)))
+    await seen_state_of(nc, uniq, left, "l1")
+    await seen_state_of(nc, uniq, right, "r1")
+
+    await kv.put(s.epoch_key(), epoch_record(1, [(0, 4), (4, 4)]))
+
+    async def merged() -> bool:
+        body = await inspect(nc, uniq)
+        return body["counters"]["merges"] == 1
+
+    await eventually(merged, what="merge reconciled", timeout=10)
+    await stored(nc, s, parent, 1, None, [11, 12, 13, 14])
+
+    async def parent_holds() -> bool:
+        w = (await inspect(nc, uniq))["workers"]
+        return w.get(parent, {}).get("blocks") == 4
+
+    await eventually(parent_holds, what="merged worker's events applied", timeout=10)
+    await kv.put(s.epoch_key(), epoch_record(2, [(0, 2), (2, 2), (4, 4)]))
+
+    async def split() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        return body if body["counters"]["splits"] == 1 else None
+
+    body = await eventually(split, what="split reconciled", timeout=10)
+    plans = {x: body["workers"][x]["pending"] for x in (left, right)}
+    assert sum(plans.values()) == 2 and plans[left] == 2  # as in the split test above
+    held = {x: body["workers"][x]["blocks"] for x in (left, right)}
+
+    await states.put(left, to_json(state(left, [0, 1], incarnation="l2")))
+    await states.put(right, to_json(state(right, [2, 3], incarnation="r2")))
+    await seen_state_of(nc, uniq, left, "l2")
+    body = await seen_state_of(nc, uniq, right, "r2")
+    assert body["counters"]["restarts"] == 0
+    assert {x: body["workers"][x]["pending"] for x in (left, right)} == plans
+    assert {x: body["workers"][x]["blocks"] for x in (left, right)} == held
+
+    await states.put(left, to_json(state(left, [0, 1], incarnation="l3")))  # now a restart
+    body = await seen_state_of(nc, uniq, left, "l3")
+    assert body["counters"]["restarts"] == 1 and svc.counters["restarts"] == 1
+    assert body["workers"][left]["pending"] == 0 and body["workers"][left]["blocks"] == 0
+    assert body["workers"][right]["pending"] == plans[right]
+
+
+async def test_a_snapshot_asked_before_a_restart_is_not_applied_after_it(
+    nc: Client, nats_server, uniq: str, services
+):
+    """The old process answers a snapshot request only after its successor's state arrived:
+    that snapshot may list the old cache, so it is dropped and the snapshot asked again."""
+    s = Subjects(uniq)
+    states = await worker_state_kv(nc.jetstream(), s)
+    release = asyncio.Event()
+    snapshot_requests: list[str] = []
+
+    async def a_snapshot(msg: Msg) -> None:
+        snapshot_requests.append(msg.subject)
+        if len(snapshot_requests) == 1:  # the old process, slow to answer
+            await release.wait()
+            old = CacheSnapshot(worker=A, last_event_id=5, blocks=[(11, None), (12, 11)])
+            await reply(nc, msg, old)
+        else:
+            await reply(nc, msg, CacheSnapshot(worker=A, last_event_id=0, blocks=[]))
+
+    await nc.subscribe(s.cache_snapshot(A), cb=a_snapshot)
+    await nc.flush()
+    await states.put(A, to_json(state(A, [0, 1], incarnation="a")))
+    svc = await services(CacheMgrService(settings(nats_server.url, uniq)))
+    await seen_state_of(nc, uniq, A, "a")
+    assert snapshot_requests  # asked when A was registered
+    await states.put(A, to_json(state(A, [0, 1], incarnation="b")))
+    await seen_state_of(nc, uniq, A, "b")
+    release.set()
+
+    async def asked_again() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        ok = len(snapshot_requests) >= 2 and body["counters"]["snapshots_applied"] >= 1
+        return body if ok else None
+
+    body = await eventually(asked_again, what="the snapshot asked again and applied", timeout=10)
+    assert body["workers"][A]["blocks"] == 0 and body["workers"][A]["last_event_id"] == 0
+    assert svc.counters["restarts"] == 1
