@@ -20,6 +20,14 @@ class Lifecycle(StrEnum):
     UNAVAILABLE = "unavailable"  # failed, lease expired, or not yet acknowledged
 
 
+def worker_restarted(recorded: str | None, incarnation: str) -> bool:
+    """Whether a worker state carrying ``incarnation`` (``WorkerState.incarnation``) shows a new
+    start of the worker for which ``recorded`` was seen (None or "": none yet): only two
+    non-empty, different tokens do. An empty ``incarnation`` (an older rank daemon) never does;
+    the first one seen is only recorded. Pure."""
+    return bool(recorded) and bool(incarnation) and incarnation != recorded
+
+
 class WorkerKind(StrEnum):
     CP = "cp"  # context parallel: zigzag partition of the sequence over C ranks
     TP = "tp"  # tensor parallel (the vLLM-like baseline's workers)

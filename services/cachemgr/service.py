@@ -124,7 +124,7 @@ from shared.settings import ServiceSettings
 from shared.subjects import Subjects, micro_service_name, validate_subject
 from shared.tasks import cancel_and_wait
 from shared.telemetry import inject
-from shared.worker import GpuGroup, Lifecycle
+from shared.worker import GpuGroup, Lifecycle, worker_restarted
 
 VERSION: Final[str] = "0.1.0"
 
@@ -269,14 +269,6 @@ def degree_of(worker: str) -> int | None:
         return GpuGroup.from_worker_id(worker).degree
     except InvalidInput:
         return None
-
-
-def worker_restarted(recorded: str | None, incarnation: str) -> bool:
-    """Whether a worker state carrying ``incarnation`` shows a new start of the worker whose
-    current registration recorded ``recorded`` (None or "": none recorded yet): only two
-    non-empty, different tokens do. An empty ``incarnation`` (an older rank daemon) never does;
-    the first one seen is only recorded."""
-    return bool(recorded) and bool(incarnation) and incarnation != recorded
 
 
 def record_groups(record: EpochRecord) -> dict[WorkerId, GpuGroup]:
@@ -951,5 +943,4 @@ __all__ = [
     "diff_compositions",
     "event_from_payload",
     "path_to",
-    "worker_restarted",
 ]

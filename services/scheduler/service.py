@@ -192,7 +192,7 @@ from shared.telemetry import (
     stage_span,
     traceparent_of,
 )
-from shared.worker import Lifecycle
+from shared.worker import Lifecycle, worker_restarted
 
 VERSION: Final[str] = "0.1.0"
 MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
@@ -696,8 +696,7 @@ class SchedulerService(MicroService):
                     continue
                 old = self._states.get(entry.key)
                 self._states[entry.key] = state
-                if old is not None and old.incarnation and state.incarnation \
-                        and old.incarnation != state.incarnation:
+                if old is not None and worker_restarted(old.incarnation, state.incarnation):
                     self._worker_restarted(entry.key, old, state)
             self._rebuild_view()
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from services.cachemgr.events import MalformedEvent, Snapshot, Stored
-from services.cachemgr.service import diff_compositions, event_from_payload, worker_restarted
+from services.cachemgr.service import diff_compositions, event_from_payload
 from services.controller.service import ControllerSettings, replay_report, report_rule_matches
 from services.controller.windows import DemandWindows
 from shared.schemas import SchemaError, WindowReport, from_json, to_json
-from shared.worker import GpuGroup
+from shared.worker import GpuGroup, worker_restarted
 
 
 def groups(*pairs: tuple[int, int]) -> dict:
