@@ -8,9 +8,12 @@ message it came from, the worker and the worker's *incarnation* that admitted it
 (``AssignmentAck.incarnation``) -- until its first token (or an error result) arrives, and asks
 :meth:`DispatchLedger.lost` which of them a worker can no longer answer:
 
-* **restarted**: the worker's state names another incarnation than the one that admitted the
-  request (a rank daemon restarted under the same worker id): its queue started empty, so
-  the request is gone for certain (unless the new incarnation lists it: the adapter asks);
+* **restarted**: the incarnation that admitted the request was *retired* -- the adapter saw
+  the worker's state change from it to another one (a rank daemon restarted under the same
+  worker id): its queue started empty, so the request is gone for certain (unless the new
+  incarnation lists it: the adapter asks). Only a retired incarnation counts, not merely one
+  that differs from the state in view: an AssignmentAck of the new process can arrive before
+  its first state does, and its requests are not lost;
 * **silent**: the worker's heartbeat is older than the lease (or its state is gone from a
   loaded view): the adapter asks the worker's ``queue`` endpoint, and only if nobody answers
   is the request given up on -- a worker whose heartbeats stopped reaching the bucket but that
@@ -73,6 +76,8 @@ class DispatchLedger:
         self.limit = limit
         self._sent: OrderedDict[str, Sent] = OrderedDict()
         self._by_worker: dict[str, set[str]] = {}
+        # Worker id -> incarnations seen replaced by another (restarts); few per worker.
+        self._retired: dict[str, set[str]] = {}
 
     def __len__(self) -> int:
         return len(self._sent)
@@ -113,6 +118,11 @@ class DispatchLedger:
             return None
         return self.pop(request_id)
 
+    def retire(self, worker_id: str, incarnation: str) -> None:
+        """The worker's state changed from ``incarnation`` to another: that process is gone."""
+        if incarnation:
+            self._retired.setdefault(worker_id, set()).add(incarnation)
+
     def adopted(self, request_id: str, incarnation: str) -> None:
         """The worker's current incarnation lists the request (it was re-sent there)."""
         sent = self._sent.get(request_id)
@@ -125,8 +135,8 @@ class DispatchLedger:
 
         ``states``: the worker-state view (latest state per worker id); ``loaded``: whether
         the view has its initial values (before that, a missing state proves nothing).
-        RESTARTED lists only the requests admitted by another incarnation; SILENT lists all
-        of the worker's requests. Sorted by worker id (deterministic)."""
+        RESTARTED lists only the requests admitted by a retired incarnation (:meth:`retire`);
+        SILENT lists all of the worker's requests. Sorted by worker id (deterministic)."""
         out: list[LostWorker] = []
         for wid in sorted(self._by_worker):
             sents = tuple(self._sent[r] for r in sorted(self._by_worker[wid]))
@@ -138,10 +148,10 @@ class DispatchLedger:
             if now - state.heartbeat_s > lease_s:
                 out.append(LostWorker(wid, Loss.SILENT, state.incarnation, sents))
                 continue
-            inc = state.incarnation
-            if not inc:
+            retired = self._retired.get(wid)
+            if not retired:
                 continue
-            old = tuple(s for s in sents if s.incarnation and s.incarnation != inc)
+            old = tuple(s for s in sents if s.incarnation in retired)
             if old:
-                out.append(LostWorker(wid, Loss.RESTARTED, inc, old))
+                out.append(LostWorker(wid, Loss.RESTARTED, state.incarnation, old))
         return out

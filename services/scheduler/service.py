@@ -705,6 +705,7 @@ class SchedulerService(MicroService):
         again, so the replica trie forgets the old one's blocks (``_rebuild_view`` registers
         it afresh and asks for its snapshot); the requests the old one held are recovered."""
         self.stats.workers_restarted += 1
+        self.ledger.retire(wid, old.incarnation)
         self.log.warning("worker restarted", worker=wid, old=old.incarnation,
                          new=new.incarnation)
         if wid in self.trie.workers():

@@ -66,16 +66,22 @@ def test_a_live_worker_of_the_same_incarnation_loses_nothing() -> None:
     assert lost(led, {"w-cp2-g0": state(age_s=LEASE)}) == []  # exactly at the lease: alive
 
 
-def test_a_restart_loses_only_what_the_old_incarnation_admitted() -> None:
+def test_a_restart_loses_only_what_the_retired_incarnation_admitted() -> None:
     led = DispatchLedger()
     led.add(sent("x", inc="a"))
     led.add(sent("y", inc="b"))  # admitted by the new one already
     led.add(sent("z", inc=""))  # an old rank daemon: cannot tell
+    # A state naming another incarnation is not enough: "b"'s ack may come before its state.
+    assert lost(led, {"w-cp2-g0": state(inc="a")}) == []
+    led.retire("w-cp2-g0", "a")
+    led.retire("w-cp2-g0", "")  # no incarnation: nothing to retire
+    assert lost(led, {"w-cp2-g0": state(inc="b")}) == [
+        ("w-cp2-g0", Loss.RESTARTED, "b", ["x"])]
+    led.retire("w-cp2-g2", "a")  # another worker's "a" is not this one's
     assert lost(led, {"w-cp2-g0": state(inc="b")}) == [
         ("w-cp2-g0", Loss.RESTARTED, "b", ["x"])]
     led.adopted("x", "b")  # the new incarnation lists it (a re-send reached it)
     assert lost(led, {"w-cp2-g0": state(inc="b")}) == []
-    assert lost(led, {"w-cp2-g0": state(inc="")}) == []  # a state without one: no verdict
 
 
 def test_a_silent_worker_lists_everything_it_holds() -> None:
