@@ -9,12 +9,17 @@ Rules this module enforces:
   (``PR_SET_PDEATHSIG``), so even a SIGKILLed orchestrator leaves no orphan;
 * :meth:`ChildSet.stop` sends SIGTERM to each child's whole process group, waits up to a bound,
   then SIGKILLs the group; it is idempotent and safe on children that already exited;
-* each child's stdout and stderr go to one log file (``<logdir>/<name>.log``), whose tail is
-  quoted when a child dies early.
+* :meth:`ChildSet.kill` SIGKILLs one child's group (a crash, for fault injection) and takes it
+  out of the set, so neither :meth:`~ChildSet.check` nor :meth:`~ChildSet.stop` reports it;
+  :meth:`ChildSet.restart` starts the same spec again in the same place of the stop order;
+* each child's stdout and stderr go to one log file (``<logdir>/<name>.log``, appended to: a
+  restarted child's output follows its predecessor's), whose tail is quoted when a child dies
+  early.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import ctypes.util
@@ -69,11 +74,14 @@ class ChildSpec:
         return cls(name, [python or sys.executable, "-m", module, *args], dict(env or {}))
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two starts of one spec are two children
 class Child:
     spec: ChildSpec
     proc: subprocess.Popen[bytes]
     log_path: Path
+    order: int = 0
+    """Start rank in its :class:`ChildSet` (stop order is the reverse); a restarted child
+    keeps the rank of the one it replaces."""
 
     @property
     def name(self) -> str:
@@ -94,7 +102,11 @@ class Child:
 
 
 class ChildSet:
-    """The children of one orchestrator, stopped in reverse start order."""
+    """The children of one orchestrator, stopped in reverse start order.
+
+    Not thread-safe: call :meth:`start`, :meth:`kill` and :meth:`restart` from one thread (the
+    one that forks must outlive the child, see :meth:`start`), never while :meth:`stop` runs.
+    """
 
     def __init__(self, log_dir: Path, *, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
         if stop_timeout_s <= 0:
@@ -103,8 +115,51 @@ class ChildSet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stop_timeout_s = stop_timeout_s
         self.children: list[Child] = []
+        """The running children (and any that exited by themselves), by start rank."""
+        self._next_order = 0
 
     def start(self, spec: ChildSpec) -> Child:
+        """Start ``spec`` as the last child (stopped first). Call it from a thread that lives
+        as long as the child: on Linux the parent-death signal fires when the *thread* that
+        forked ends (e.g. a worker thread of ``asyncio.to_thread``), not the process."""
+        child = self._spawn(spec, self._next_order)
+        self._next_order += 1
+        self.children.append(child)
+        return child
+
+    def kill(self, child: Child, timeout_s: float = 5.0) -> int | None:
+        """SIGKILL ``child``'s whole process group (a crash: no shutdown handler runs), reap it
+        and take it out of :attr:`children`. Returns its exit status (``-9`` when the kill did
+        it; its own status if it had already exited; None if it was still not reaped after
+        ``timeout_s``). Raises :class:`ValueError` if ``child`` is not in this set."""
+        if child not in self.children:
+            raise ValueError(f"{child.name} (pid {child.pid}) is not a child of this set")
+        self.children.remove(child)
+        _signal_group(child.proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=timeout_s)
+        return child.proc.returncode
+
+    def restart(self, child: Child) -> Child:
+        """Start ``child``'s spec again (same argv and env, log appended to the same file) and
+        return the new child, in ``child``'s place of the stop order. ``child`` is killed first
+        (:meth:`kill`) if it is still in the set. Raises :class:`ValueError` if its place is
+        taken (it was restarted already) or lies outside this set's ranks."""
+        if child in self.children:
+            self.kill(child)
+        elif child.order >= self._next_order or any(c.order == child.order
+                                                    for c in self.children):
+            raise ValueError(f"{child.name} (pid {child.pid}) was restarted already or is not "
+                             "a child of this set")
+        new = self._spawn(child.spec, child.order)
+        bisect.insort(self.children, new, key=lambda c: c.order)
+        return new
+
+    def find(self, name: str) -> Child | None:
+        """The child named ``name`` (the first by start rank), or None."""
+        return next((c for c in self.children if c.name == name), None)
+
+    def _spawn(self, spec: ChildSpec, order: int) -> Child:
         env = {**os.environ, **spec.env}
         # Children must not inherit a terminal-only log format guess; they log JSON to a file.
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -119,9 +174,7 @@ class ChildSet:
                 start_new_session=True,
                 preexec_fn=_child_preexec,
             )
-        child = Child(spec, proc, log_path)
-        self.children.append(child)
-        return child
+        return Child(spec, proc, log_path, order)
 
     @property
     def pids(self) -> list[int]:
