@@ -1,6 +1,7 @@
 """``vertumnus up`` end to end: real nats-server, every service that exists as a child process,
-a tiny replay through the gateway's HTTP API, the report and the JSON results; and Ctrl-C
-(SIGINT to the ``vertumnus up`` process, twice) or SIGTERM stops every child and the server."""
+a tiny replay through the gateway's HTTP API, the report and the JSON results; a rank daemon
+killed and restarted during the replay loses no request; and Ctrl-C (SIGINT to the
+``vertumnus up`` process, twice) or SIGTERM stops every child and the server."""
 
 from __future__ import annotations
 
@@ -72,6 +73,35 @@ def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path) -> None:
     if "controller" not in data["services_missing"]:
         assert data["composition"][0]["label"] == "2×TP4", data["composition"]
     assert "TP4" in proc.stdout
+
+
+def test_up_survives_a_rank_daemon_crash_and_restart(tmp_path: Path) -> None:
+    """``--kill-rankd-at 1 --restart-rankd-after 1``: the rank daemon (every worker) is
+    SIGKILLed while requests are arriving (the replay's arrivals span ≈2 wall s) and started
+    again a second later; every request still completes, ``faults`` lists both actions, and
+    the restarted process is the one pids.json names and the stop reports (status 0)."""
+    out = tmp_path / "results.json"
+    logs = tmp_path / "logs"
+    try:
+        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
+                        "0.05", "--kill-rankd-at", "1", "--restart-rankd-after", "1",
+                        "--log-dir", str(logs), "--json", str(out), "--no-progress",
+                        "--stop-timeout", "10"])
+    finally:
+        _kill_leftovers(logs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
+    kill, restart = data["faults"]
+    assert (kill["action"], kill["service"], kill["status"]) == ("kill", "rankd", -9)
+    assert (restart["action"], restart["service"]) == ("restart", "rankd")
+    assert kill["at_s"] >= 1.0 - 1e-3 and restart["at_s"] >= kill["at_s"] + 1.0 - 1e-3
+    assert restart["pid"] != kill["pid"]
+    assert "faults injected" in proc.stdout and "restart rankd" in proc.stdout, proc.stdout
+    pids = json.loads((logs / "pids.json").read_text())
+    assert pids["rankd"] == restart["pid"]
+    assert not [n for n, p in pids.items() if n != "orchestrator" and alive(p)]
+    assert data["exit_codes"]["rankd"] == 0, data["exit_codes"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])

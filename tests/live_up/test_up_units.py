@@ -191,3 +191,62 @@ def test_scheduler_gets_the_time_scale_and_scaled_policy_periods(tmp_path: Path)
                                                       "waiting_weight": 2}
     # Unscaled (time scale 1, or a real engine): nothing to scale.
     assert "VTM_POLICY_PARAMS" not in env(policy="vllm", time_scale=1.0)
+
+
+def test_fault_injection_options_are_checked_before_anything_starts() -> None:
+    """``--kill-rankd-at`` / ``--restart-rankd-after``: each refusal names the option and the
+    problem; a valid pair becomes the crash plan (none without a kill)."""
+    import pytest
+
+    from vertumnus.live.faults import CrashPlan
+    from vertumnus.live.stack import UpConfig
+
+    assert UpConfig().crash_plan() is None
+    assert UpConfig(kill_rankd_at_wall_s=30.0, restart_rankd_after_wall_s=5.0).crash_plan() == (
+        CrashPlan(30.0, 5.0, "rankd"))
+    assert UpConfig(kill_rankd_at_wall_s=0.0).crash_plan() == CrashPlan(0.0, None)
+    with pytest.raises(ValueError, match=r"--kill-rankd-at must be finite and >= 0 .*got -1"):
+        UpConfig(kill_rankd_at_wall_s=-1.0)
+    with pytest.raises(ValueError, match=r"--kill-rankd-at must be finite .*got nan"):
+        UpConfig(kill_rankd_at_wall_s=math.nan)
+    with pytest.raises(ValueError, match=r"--restart-rankd-after must be finite and >= 0 .*-0.5"):
+        UpConfig(kill_rankd_at_wall_s=1.0, restart_rankd_after_wall_s=-0.5)
+    with pytest.raises(ValueError, match="--restart-rankd-after needs --kill-rankd-at"):
+        UpConfig(restart_rankd_after_wall_s=5.0)
+    with pytest.raises(ValueError, match="only for --backend sim.*--backend torch runs one "
+                                         "process per GPU rank"):
+        UpConfig(gpus=4, backend="torch", kill_rankd_at_wall_s=1.0)
+    with pytest.raises(ValueError, match="--serve runs no replay"):
+        UpConfig(serve=True, kill_rankd_at_wall_s=1.0, restart_rankd_after_wall_s=1.0)
+    with pytest.raises(ValueError, match="kill_at_s must be finite and >= 0"):
+        CrashPlan(-1.0)
+
+
+def test_the_cli_refuses_a_bad_fault_option_with_its_name() -> None:
+    """The refusal reaches the user as one error line (exit 2), before anything starts."""
+    from typer.testing import CliRunner
+
+    from vertumnus.cli import app
+
+    res = CliRunner().invoke(app, ["up", "--restart-rankd-after", "5"])
+    assert res.exit_code == 2
+    assert "--restart-rankd-after needs --kill-rankd-at" in res.output
+
+
+def test_report_lists_the_injected_faults() -> None:
+    """``faults`` is in every summary (empty when none); the printed report has one line."""
+    import io
+
+    from rich.console import Console
+
+    ok = ReplayRecord("r1", 0.0, 1000, 200, ttft_s=0.05, worker_id="w-cp2-g0")
+    assert LiveReport([ok], time_scale=0.1).summary()["faults"] == []
+    faults = [{"action": "kill", "service": "rankd", "at_s": 30.012, "pid": 812, "status": -9},
+              {"action": "restart", "service": "rankd", "at_s": 35.02, "pid": 901}]
+    report = LiveReport([ok], time_scale=0.1, faults=faults)
+    assert report.summary()["faults"] == faults
+    out = io.StringIO()
+    report.render(Console(file=out, width=200))
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("faults")]
+    assert lines == ["faults injected (wall s after the replay start): kill rankd (pid 812) at "
+                     "30.0 s, restart rankd (pid 901) at 35.0 s"]

@@ -1,4 +1,5 @@
-"""The live run's report: TTFT table, SLO attainment, hit rate, overhead, composition changes.
+"""The live run's report: TTFT table, SLO attainment, hit rate, overhead, composition changes,
+injected faults.
 
 Metrics come from :mod:`sim.metrics` (the same definitions as the simulator): TTFT in
 *modelled* seconds (wall ÷ time scale) so the paper's Table 2 deadlines apply, token-weighted
@@ -19,6 +20,7 @@ from rich.table import Table
 from shared.ids import InvalidInput
 from shared.worker import GpuGroup
 from sim.metrics import QWEN3_SLO, RequestRecord, SloTable, summarize
+from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.replay import ReplayRecord
 
 REQUIRED_KEYS = (
@@ -111,6 +113,8 @@ class LiveReport:
     prefix_tokens: Mapping[str, int] = field(default_factory=dict)
     """Reused tokens by request id from the results tap, where the HTTP answer lacks them."""
     meta: dict[str, Any] = field(default_factory=dict)
+    faults: Sequence[Mapping[str, Any]] = field(default_factory=list)
+    """Faults injected during the run (:meth:`vertumnus.live.faults.FaultEvent.as_dict`)."""
 
     def metric_records(self) -> list[RequestRecord]:
         out = []
@@ -164,6 +168,7 @@ class LiveReport:
                 {"epoch": c.epoch, "at_s": c.at_s, "workers": list(c.workers),
                  "label": c.label(), "reason": c.reason} for c in self.changes
             ],
+            "faults": [dict(f) for f in self.faults],
         }
         out.update(self.meta)
         return out
@@ -221,6 +226,9 @@ class LiveReport:
             console.print(c)
         else:
             console.print("composition: no epoch record observed (no controller running?)")
+        if s["faults"]:
+            console.print("faults injected (wall s after the replay start): "
+                          + describe_faults(s["faults"]))
         if s["errors"]:
             console.print("errors: " + "; ".join(f"{n}× {e}" for e, n in s["errors"].items()))
 

@@ -51,9 +51,10 @@ from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, WorkerKind
+from vertumnus.live.faults import CrashPlan, FaultEvent, run_crash
 from vertumnus.live.http import HttpError, get_json
 from vertumnus.live.observe import Observer, ping
-from vertumnus.live.procs import ChildSet, ChildSpec
+from vertumnus.live.procs import Child, ChildSet, ChildSpec
 from vertumnus.live.registry import SERVICES, SIM_RANKD, ServiceInfo, filter_env
 from vertumnus.live.report import REQUIRED_KEYS, LiveReport
 
@@ -117,6 +118,12 @@ class UpConfig:
     profile_engine: bool = True
     """torch backend without ``profile``: fit Ê_C on the engine first (:func:`engine_profile`),
     so the scheduler predicts this engine's times, not the simulated H20's."""
+    kill_rankd_at_wall_s: float | None = None
+    """Fault injection (sim backend, replay only): SIGKILL the rank-daemon child this many wall
+    seconds after the replay starts (:mod:`vertumnus.live.faults`); None: no fault."""
+    restart_rankd_after_wall_s: float | None = None
+    """Start the killed rank daemon again (same spec) this many wall seconds after the kill;
+    None: it stays dead. Needs ``kill_rankd_at_wall_s``."""
 
     def __post_init__(self) -> None:
         if not self.workload:
@@ -149,6 +156,34 @@ class UpConfig:
         if self.backend == "torch" and self.deployment().kind is WorkerKind.TP:
             raise ValueError(f"--policy {self.policy} deploys TP workers, which only the sim "
                              "backend models (the torch engine runs CP workers)")
+        self._check_faults()
+
+    def _check_faults(self) -> None:
+        """The fault-injection options: non-negative, a restart only after a kill, and only
+        where there is one rank-daemon child to kill and a replay to time it from."""
+        kill, restart = self.kill_rankd_at_wall_s, self.restart_rankd_after_wall_s
+        for flag, v in (("--kill-rankd-at", kill), ("--restart-rankd-after", restart)):
+            if v is not None and not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{flag} must be finite and >= 0 wall seconds, got {v}")
+        if restart is not None and kill is None:
+            raise ValueError("--restart-rankd-after needs --kill-rankd-at (it restarts the rank "
+                             "daemon that the kill stopped)")
+        if kill is None:
+            return
+        if self.backend != "sim":
+            raise ValueError(f"--kill-rankd-at is only for --backend sim (one rank-daemon "
+                             f"process hosts every worker); --backend {self.backend} runs one "
+                             "process per GPU rank")
+        if self.serve:
+            raise ValueError("--kill-rankd-at is timed from the replay's start and --serve "
+                             "runs no replay (kill the rankd pid in the log dir's pids.json "
+                             "yourself)")
+
+    def crash_plan(self) -> CrashPlan | None:
+        """The rank-daemon crash to inject during the replay, or None."""
+        if self.kill_rankd_at_wall_s is None:
+            return None
+        return CrashPlan(self.kill_rankd_at_wall_s, self.restart_rankd_after_wall_s)
 
     @property
     def block_size(self) -> int:
@@ -341,6 +376,8 @@ class LiveStack:
         self.expected: dict[str, int] = {}
         self.gateway_url: str | None = None
         self.observer: Observer | None = None
+        self._killed: dict[str, Child] = {}
+        """Children killed by :meth:`kill_child`, by name, until :meth:`restart_child`."""
 
     # -- environment of each child ----------------------------------------------------------
 
@@ -530,6 +567,31 @@ class LiveStack:
                                  f"{self.config.health_timeout_wall_s} s (logs in {self.log_dir})")
             await asyncio.sleep(0.2)
 
+    def kill_child(self, name: str) -> tuple[int, int | None]:
+        """Crash the child ``name``: SIGKILL its whole process group
+        (:meth:`ChildSet.kill`), which takes it out of the child set (neither the health checks
+        nor the exit codes report it) and out of ``pids.json``, until :meth:`restart_child`.
+        Returns its pid and exit status. Raises :class:`StackError` if no such child runs."""
+        child = self.children.find(name)
+        if child is None:
+            raise StackError(f"no {name} child to kill (not started, or killed already)")
+        status = self.children.kill(child)
+        self._killed[name] = child
+        self._write_pids()
+        return child.pid, status
+
+    def restart_child(self, name: str) -> int:
+        """Start the child ``name`` that :meth:`kill_child` killed again, from the very same
+        spec (same argv and environment; its log continues in the same file); ``pids.json``
+        lists the new pid. Returns it. Raises :class:`StackError` if ``name`` was not killed.
+        Call it from the event loop's thread (the parent-death signal, :meth:`ChildSet.start`)."""
+        child = self._killed.pop(name, None)
+        if child is None:
+            raise StackError(f"no killed {name} child to restart")
+        new = self.children.restart(child)
+        self._write_pids()
+        return new.pid
+
     def _write_pids(self) -> None:
         pids = {c.name: c.pid for c in self.children.children}
         if self.nats is not None and self.nats.pid is not None:
@@ -689,6 +751,15 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
               f"{config.policy}, backend {config.backend}, {len(requests)} requests over "
               f"{config.duration_s:g} modelled s at time scale {scale:g} "
               f"(≈{config.duration_s * scale / config.rate_scale:.0f} s wall); logs {log_dir}")
+    plan = config.crash_plan()
+    if plan is not None:
+        last_s = (requests[-1].arrival_s * scale / config.rate_scale) if requests else 0.0
+        again = ("never restarted" if plan.restart_after_s is None
+                 else f"restarted {plan.restart_after_s:g} s later")
+        late = (f" [yellow](after the last arrival at ≈{last_s:.0f} s: it fires only while "
+                "requests are still open)" if plan.kill_at_s > last_s else "")
+        err.print(f"fault: {plan.service} killed {plan.kill_at_s:g} wall s after the replay "
+                  f"starts, {again}{late}")
     from vertumnus.live.replay import ReplayConfig, prepare_bodies
 
     if config.backend == "torch" and config.profile is None and config.profile_engine:
@@ -720,6 +791,23 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     observer: Observer | None = None
     interrupted = False
     health: Health | None = None
+    faults: list[FaultEvent] = []
+    crash: asyncio.Task[None] | None = None
+
+    def replay_started() -> None:
+        # The replay's clock starts here: composition changes and faults share it.
+        nonlocal crash
+        assert stack.observer is not None
+        stack.observer.mark_start()
+        if plan is not None:
+            crash = asyncio.create_task(run_crash(
+                plan, kill=lambda: stack.kill_child(plan.service),
+                restart=lambda: stack.restart_child(plan.service), events=faults,
+                t0=stack.observer.t0,
+                on_event=lambda ev: err.print(f"fault: {ev.action} {ev.service} (pid {ev.pid}) "
+                                              f"at {ev.at_s:.1f} s")),
+                name="fault-injection")
+
     try:
         try:
             health = await stack.start()
@@ -745,7 +833,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                 health.gateway_url, requests, scale, config.rate_scale,
                 id_prefix="", console=err, show_progress=show_progress,
                 request_timeout_s=config.result_timeout_wall_s + 30.0,
-                on_start=observer.mark_start, bodies=bodies)
+                on_start=replay_started, bodies=bodies)
             if not interrupted:
                 # Let the last epoch records and results arrive (bounded, wall seconds).
                 await asyncio.sleep(min(1.0, config.drain_wall_s))
@@ -756,6 +844,18 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             while me.cancelling():
                 me.uncancel()
     finally:
+        if crash is not None and plan is not None:
+            # A fault not yet due when the replay ends never happens. cancel() suffices, no
+            # await: kill and restart run synchronously on this thread, so the task is parked
+            # in a sleep now and can no longer touch the child set, which the stop below
+            # hands to a worker thread (ChildSet is not thread-safe).
+            failure = crash.exception() if crash.done() and not crash.cancelled() else None
+            crash.cancel()
+            if failure is not None:
+                err.print(f"[red]fault injection failed: {failure}")
+            elif len(faults) < (1 if plan.restart_after_s is None else 2):
+                err.print(f"[yellow]fault injection: the replay ended before the planned "
+                          f"{'restart' if faults else 'kill'} of {plan.service}")
         observer = stack.observer
         bound = config.stop_timeout_wall_s + 15.0
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -784,6 +884,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             "exit_codes": codes, "log_dir": str(log_dir),
             **(observer.summary_counts() if observer else {}),
         },
+        faults=[f.as_dict() for f in faults],
     )
     summary = report.summary()
     if config.serve:

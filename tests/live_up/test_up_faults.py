@@ -1,0 +1,125 @@
+"""Fault injection of ``vertumnus up``: a child killed and started again with real processes
+(:class:`ChildSet`), and the timing task (:func:`run_crash`) that does it during the replay.
+The end-to-end run with a real stack is in test_up_run.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+from live_up_support import alive, wait_until
+
+from vertumnus.live.faults import CrashPlan, FaultEvent, run_crash
+from vertumnus.live.procs import ChildSet, ChildSpec
+
+_SLEEP = "import time; print('started', flush=True); time.sleep(60)"
+
+
+def _spec(name: str) -> ChildSpec:
+    return ChildSpec(name, [sys.executable, "-c", _SLEEP])
+
+
+def test_kill_then_restart_gives_one_live_new_child_in_its_place(tmp_path: Path) -> None:
+    children = ChildSet(tmp_path, stop_timeout_s=5.0)
+    try:
+        first = children.start(_spec("first"))
+        victim = children.start(_spec("victim"))
+        last = children.start(_spec("last"))
+        wait_until(lambda: (tmp_path / "victim.log").read_text().count("started") == 1,
+                   "the victim to start")
+
+        status = children.kill(victim)
+        assert status == -9  # SIGKILL: a crash, not a shutdown
+        assert not alive(victim.pid)
+        assert [c.name for c in children.children] == ["first", "last"]
+        children.check()  # the killed child is not reported as one that died
+
+        new = children.restart(victim)
+        assert new.pid != victim.pid and alive(new.pid)
+        assert new.spec is victim.spec
+        # One entry for it, in its old place of the stop order (reverse start order).
+        assert [c.name for c in children.children] == ["first", "victim", "last"]
+        assert children.find("victim") is new and children.pids == [first.pid, new.pid, last.pid]
+        # Its log continues in the same file.
+        wait_until(lambda: (tmp_path / "victim.log").read_text().count("started") == 2,
+                   "the restarted child to log")
+        with pytest.raises(ValueError, match="restarted already"):
+            children.restart(victim)  # its place is taken
+        with pytest.raises(ValueError, match="not a child of this set"):
+            children.kill(victim)
+
+        codes = children.stop()
+        assert codes == {"first": -15, "victim": -15, "last": -15}  # the new one, by SIGTERM
+        assert not any(alive(p) for p in (first.pid, new.pid, last.pid))
+    finally:
+        children.stop(timeout_s=1.0)
+
+
+def test_restart_of_a_running_child_kills_it_first(tmp_path: Path) -> None:
+    children = ChildSet(tmp_path, stop_timeout_s=5.0)
+    try:
+        old = children.start(_spec("only"))
+        new = children.restart(old)
+        assert not alive(old.pid) and alive(new.pid)
+        assert children.children == [new]
+    finally:
+        children.stop(timeout_s=1.0)
+
+
+def test_crash_kills_then_restarts_and_records_both() -> None:
+    calls: list[str] = []
+    events: list[FaultEvent] = []
+    seen: list[FaultEvent] = []
+
+    def kill() -> tuple[int, int | None]:
+        calls.append("kill")
+        return 11, -9
+
+    def restart() -> int:
+        calls.append("restart")
+        return 12
+
+    asyncio.run(run_crash(CrashPlan(0.05, 0.05), kill=kill, restart=restart, events=events,
+                          on_event=seen.append))
+    assert calls == ["kill", "restart"] and seen == events
+    kill_ev, restart_ev = events
+    assert (kill_ev.action, kill_ev.pid, kill_ev.status) == ("kill", 11, -9)
+    assert (restart_ev.action, restart_ev.pid) == ("restart", 12)
+    # Never early: at or after the planned moments, on the replay's clock (the event loop may
+    # wake a timer up to its clock resolution early: 1 ms of slack).
+    assert kill_ev.at_s >= 0.05 - 1e-3 and restart_ev.at_s >= kill_ev.at_s + 0.05 - 1e-3
+    assert kill_ev.as_dict() == {"action": "kill", "service": "rankd",
+                                 "at_s": round(kill_ev.at_s, 3), "pid": 11, "status": -9}
+    assert "status" not in restart_ev.as_dict()
+
+
+def test_crash_without_restart_and_a_crash_not_yet_due() -> None:
+    calls: list[str] = []
+
+    def kill() -> tuple[int, int | None]:
+        calls.append("kill")
+        return 11, -9
+
+    def restart() -> int:
+        calls.append("restart")
+        return 12
+
+    async def main() -> list[FaultEvent]:
+        events: list[FaultEvent] = []
+        await run_crash(CrashPlan(0.0), kill=kill, restart=restart, events=events)
+        assert [e.action for e in events] == ["kill"]
+        # Cancelled before it is due (the replay ended): nothing happens, nothing is listed.
+        late: list[FaultEvent] = []
+        task = asyncio.create_task(run_crash(CrashPlan(60.0, 1.0), kill=kill, restart=restart,
+                                             events=late))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return late
+
+    assert asyncio.run(main()) == []
+    assert calls == ["kill"]

@@ -1,0 +1,107 @@
+"""Fault injection for ``vertumnus up``: crash the rank daemon during the replay, start it again.
+
+``vertumnus up --kill-rankd-at S [--restart-rankd-after D]`` (sim backend): S wall seconds
+after the replay starts the orchestrator SIGKILLs the rank-daemon child (its whole process
+group: a crash, no shutdown handler runs, every worker it hosts is gone with its queue), and D
+wall seconds after the kill starts it again from the very same child spec. The new process
+re-adopts the current epoch record and brings every worker back under its old id with a new
+incarnation; the scheduler hands the requests the dead one held back to intake
+(``services/scheduler/ledger.py``), so a run with a restart should lose no request.
+
+:func:`run_crash` is the injection itself, independent of processes: it calls a ``kill`` and a
+``restart`` callable at the planned moments and records what it did as :class:`FaultEvent`
+(``at_s`` = wall seconds since the replay started, the clock of the report's composition
+changes). It runs as a task alongside the replay and is cancelled at the replay's end; what has
+fired by then is in the list, what has not fired never happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+RANKD: Final[str] = "rankd"
+"""The child the crash is injected into (the sim backend's one rank-daemon host)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CrashPlan:
+    """Kill ``service`` ``kill_at_s`` wall seconds after the replay starts; start it again
+    ``restart_after_s`` wall seconds after the kill (None: never)."""
+
+    kill_at_s: float
+    restart_after_s: float | None = None
+    service: str = RANKD
+
+    def __post_init__(self) -> None:
+        for name in ("kill_at_s", "restart_after_s"):
+            v = getattr(self, name)
+            if v is not None and not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
+
+
+@dataclass(frozen=True, slots=True)
+class FaultEvent:
+    """One injected fault, as it happened."""
+
+    action: str
+    """``"kill"`` or ``"restart"``."""
+    service: str
+    at_s: float
+    """Wall seconds since the replay started."""
+    pid: int
+    """The killed process, or the restarted (new) one."""
+    status: int | None = None
+    """kill: the killed process' exit status (-9: the SIGKILL ended it)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The summary's ``faults`` entry (``status`` only for a kill)."""
+        out: dict[str, Any] = {"action": self.action, "service": self.service,
+                               "at_s": round(self.at_s, 3), "pid": self.pid}
+        if self.action == "kill":
+            out["status"] = self.status
+        return out
+
+
+async def run_crash(plan: CrashPlan, *, kill: Callable[[], tuple[int, int | None]],
+                    restart: Callable[[], int], events: list[FaultEvent],
+                    t0: float | None = None,
+                    on_event: Callable[[FaultEvent], None] | None = None) -> None:
+    """Carry out ``plan``: at ``t0 + kill_at_s`` call ``kill()`` (returns the killed pid and
+    its exit status), then, ``restart_after_s`` after it returned, ``restart()`` (returns the
+    new pid). Each event is appended to ``events`` (and passed to ``on_event``) as soon as it
+    happened, so a cancelled run leaves exactly what was done. ``t0`` is the replay's start on
+    the ``time.monotonic()`` clock (default: now).
+
+    ``kill`` and ``restart`` run on the event loop's thread, synchronously: the child set is
+    not thread-safe, and a child forked from a worker thread would get its parent-death
+    signal when that thread ends (:meth:`vertumnus.live.procs.ChildSet.start`)."""
+    t0 = time.monotonic() if t0 is None else t0
+
+    def record(action: str, pid: int, status: int | None = None) -> None:
+        ev = FaultEvent(action, plan.service, time.monotonic() - t0, pid, status)
+        events.append(ev)
+        if on_event is not None:
+            on_event(ev)
+
+    await asyncio.sleep(max(0.0, t0 + plan.kill_at_s - time.monotonic()))
+    pid, status = kill()
+    record("kill", pid, status)
+    if plan.restart_after_s is None:
+        return
+    await asyncio.sleep(plan.restart_after_s)
+    record("restart", restart())
+
+
+def describe(events: Iterable[Mapping[str, Any]]) -> str:
+    """One line of :meth:`FaultEvent.as_dict` entries: ``'kill rankd (pid 812) at 30.0 s,
+    restart rankd (pid 901) at 35.0 s'`` (``'none'`` for none)."""
+    return ", ".join(f"{d['action']} {d['service']} (pid {d['pid']}) at {d['at_s']:.1f} s"
+                     for d in events) or "none"
+
+
+__all__ = ["RANKD", "CrashPlan", "FaultEvent", "describe", "run_crash"]
