@@ -54,12 +54,9 @@ KILLS = 2
 async def kill_and_restart_scheduler(stack: LiveStack) -> tuple[int, float]:
     """SIGKILL the scheduler child, reap it, start it again with the same spec; wait until
     the new one answers ``$SRV.PING``. Returns (exit status, restart time in Unix s)."""
-    old = next(c for c in stack.children.children if c.name == "scheduler")
-    os.kill(old.pid, signal.SIGKILL)
-    code = await asyncio.to_thread(old.proc.wait, 30)
-    stack.children.children.remove(old)
+    _, code = stack.kill_child("scheduler")
     restarted = time.time()
-    stack.children.start(old.spec)
+    stack.restart_child("scheduler")
     assert stack.nc is not None
     deadline = time.monotonic() + 90
     while not await ping(stack.nc, "vtm-scheduler", prefix=stack.config.prefix, window_s=0.2):
