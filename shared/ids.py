@@ -42,6 +42,17 @@ class InvalidInput(VertumnusError, ValueError):
     """An argument is malformed (negative length, degree outside the set, bad event...)."""
 
 
+class WorkerFault(VertumnusError):
+    """The *worker* can no longer compute (a rank process died, a device failed, its
+    collectives are broken): the request that met it is not at fault and must not be failed.
+
+    Raised by an execution backend (``services.rankd.torch_world.WorldBroken`` derives from
+    it). A rank daemon hands the request back to intake with the rest of its queue, stops
+    admitting and exits non-zero so that its supervisor restarts it (services/rankd/service.py).
+    Unlike other VertumnusErrors it says nothing about the caller's input or the state a core
+    was asked to change."""
+
+
 class UnknownWorker(VertumnusError, KeyError):
     """A worker id the core has never been told about."""
 

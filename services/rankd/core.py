@@ -44,6 +44,15 @@ Rules (§5.2, §6.2, §8):
   acknowledges it, reports :meth:`WorkerCore.handback_confirmed` and answers as for
   :class:`HandedBack` (else as for :class:`Redirecting`). Forgetting it instead would let the
   re-sent assignment be refused as "not ACTIVE" and placed afresh beside a stored redirect.
+* A worker fault (:meth:`WorkerCore.fault`: the backend raised
+  :class:`~shared.ids.WorkerFault`, the worker itself can no longer compute) hands back what
+  the worker holds instead of failing it: the request whose execution met the fault stops
+  running and becomes *redirecting* (not finished: not counted as served, its blocks not
+  cached, its id not remembered as finished, so it may come back through intake), then every
+  queued request in order. The worker becomes UNAVAILABLE for good: a later epoch record or a
+  local lifecycle change never makes a faulted worker ACTIVE again (the process restarts
+  instead, as a new incarnation). A fault detected elsewhere (another worker of the same rank
+  host) leaves the running request alone: it may still complete, or meet the fault itself.
 * Outstanding work = Σ predicted seconds of queued and redirecting requests + the running
   one's predicted remainder (elapsed wall time divided by the time scale, floored at 0).
 * The worker's own prefix cache (:class:`~services.rankd.blockcache.BlockCache`, LRU) decides
@@ -248,12 +257,18 @@ class WorkerCore:
             BlockCache(self.worker_id, kv_total_blocks) if kv_total_blocks > 0 else None
         )
         self._pinned_blocks = 0
+        self._faulted = False
 
     # -- queries ----------------------------------------------------------------------------
 
     @property
     def degree(self) -> int:
         return self.group.degree
+
+    @property
+    def faulted(self) -> bool:
+        """True once :meth:`fault` was called: the worker can no longer compute (module rules)."""
+        return self._faulted
 
     @property
     def running(self) -> Job | None:
@@ -398,10 +413,7 @@ class WorkerCore:
         self._finished[request_id] = None
         if len(self._finished) > FINISHED_MEMORY:
             self._finished.popitem(last=False)
-        if job.pinned:
-            assert self.cache is not None
-            self.cache.unpin(job.pinned)
-            self._pinned_blocks -= len(job.pinned)
+        self._unpin(job)
         if ok:
             executed = job.executed or job.assignment
             self.served += 1
@@ -416,6 +428,40 @@ class WorkerCore:
                     # client hash) is not cached; the request itself already succeeded.
                     pass
         return job
+
+    def _unpin(self, job: Job) -> None:
+        if job.pinned:
+            assert self.cache is not None
+            self.cache.unpin(job.pinned)
+            self._pinned_blocks -= len(job.pinned)
+            job.pinned = ()
+
+    def fault(self, running: str | None = None) -> tuple[Job, ...]:
+        """The worker can no longer compute (see module rules): lifecycle UNAVAILABLE for good;
+        hand back ``running`` (the request whose execution met the fault) first, then every
+        queued request in order. Each returned job is *redirecting* until
+        :meth:`redirect_settled`, exactly as after :meth:`take_queued`.
+
+        ``running`` None (the fault was detected elsewhere): the running request, if any, stays
+        running and ends by :meth:`finish` or by a later ``fault`` naming it. Raises
+        InvalidInput, changing nothing, if ``running`` is given and is not the running
+        request. Calling it again hands back what was admitted meanwhile (nothing: a faulted
+        worker admits nothing) and the running request when named."""
+        job = self._running
+        if running is not None and (job is None or job.request_id != running):
+            raise InvalidInput(f"{running} is not the running request")
+        self._faulted = True
+        self.lifecycle = Lifecycle.UNAVAILABLE
+        handed: list[Job] = []
+        if running is not None and job is not None:
+            # Not a finish: the request produced nothing, so it is neither served nor
+            # remembered as finished (its redirect may bring it back here, or anywhere).
+            self._running = None
+            self._unpin(job)
+            self._redirecting[job.request_id] = job
+            handed.append(job)
+        handed.extend(self.take_queued())
+        return tuple(handed)
 
     # -- prefix cache -------------------------------------------------------------------------
 
@@ -510,12 +556,14 @@ class WorkerCore:
             self._handed_back.popitem(last=False)
 
     def set_lifecycle(self, lifecycle: Lifecycle) -> tuple[Job, ...]:
-        """Change lifecycle locally (e.g. shutdown); leaving ACTIVE returns queued jobs."""
-        self.lifecycle = lifecycle
-        return self.take_queued() if lifecycle is not Lifecycle.ACTIVE else ()
+        """Change lifecycle locally (e.g. shutdown); leaving ACTIVE returns queued jobs. A
+        faulted worker stays UNAVAILABLE whatever is asked (module rules)."""
+        self.lifecycle = Lifecycle.UNAVAILABLE if self._faulted else lifecycle
+        return self.take_queued() if self.lifecycle is not Lifecycle.ACTIVE else ()
 
     def adopt(self, record: EpochRecord) -> Adoption:
-        """Adopt a newer epoch record (see module rules); an older or equal one is ignored."""
+        """Adopt a newer epoch record (see module rules); an older or equal one is ignored.
+        A faulted worker adopts the epoch but stays UNAVAILABLE (the Adoption says so)."""
         mine = next((w for w in record.workers if w.worker_id == self.worker_id), None)
         if record.epoch <= self.epoch and self._adopted_once:
             return Adoption(False, self.epoch, self.lifecycle, mine is not None)
@@ -523,4 +571,4 @@ class WorkerCore:
         self.epoch = max(self.epoch, record.epoch)
         lifecycle = mine.lifecycle if mine is not None else Lifecycle.UNAVAILABLE
         redirected = self.set_lifecycle(lifecycle)
-        return Adoption(True, self.epoch, lifecycle, mine is not None, redirected)
+        return Adoption(True, self.epoch, self.lifecycle, mine is not None, redirected)

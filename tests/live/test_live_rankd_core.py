@@ -217,6 +217,66 @@ def test_a_handback_of_unknown_outcome_is_remembered_until_confirmed() -> None:
     assert len(core) == 1
 
 
+def test_a_worker_fault_hands_back_the_running_job_and_the_queue() -> None:
+    """fault(running): the request that met the fault becomes a redirect, not a finish (not
+    served, its pinned blocks released, nothing cached, not remembered as finished), handed
+    back first, then the FIFO in order; the worker is UNAVAILABLE and admits nothing."""
+    core = WorkerCore(WID, kv_total_blocks=8)
+    core.admit(assignment("warm", hashes=(1, 2)), 0.0)
+    core.start_next(0.0)
+    core.finish("warm")
+    core.take_cache_events()
+    core.admit(assignment("a", hashes=(1, 2, 3), predicted=1.0), 1.0, source="a")
+    for r in ("b", "c"):
+        core.admit(assignment(r, predicted=2.0), 1.0, source=r)
+    job = core.start_next(1.0)
+    assert job is not None and job.pinned and core.state(1.0).kv_free_blocks == 6
+    with pytest.raises(InvalidInput):
+        core.fault("b")  # not the running request: nothing changes
+    assert core.lifecycle is Lifecycle.ACTIVE and core.running is job and not core.faulted
+    handed = core.fault("a")
+    assert [j.request_id for j in handed] == ["a", "b", "c"]
+    assert [j.request_id for j in core.redirecting] == ["a", "b", "c"]
+    assert core.running is None and core.queued == () and core.faulted
+    assert core.lifecycle is Lifecycle.UNAVAILABLE
+    st = core.state(1.0)  # still this worker's until settled, and nothing counted as served
+    assert (st.lifecycle, st.queue_len, st.served, st.kv_free_blocks) == (
+        Lifecycle.UNAVAILABLE, 3, 1, 8)
+    assert core.outstanding_s(1.0) == pytest.approx(5.0)
+    assert core.take_cache_events() == []  # the faulted request stored nothing
+    with pytest.raises(NotAccepting):
+        core.admit(assignment("d"), 2.0)
+    with pytest.raises(Redirecting):
+        core.admit(assignment("a"), 2.0, source="a")
+    with pytest.raises(InvalidInput):
+        core.finish("a")  # no longer running: it can never be finished (or answered) here
+    for r in ("a", "b", "c"):
+        core.redirect_settled(r, in_intake=True)
+    assert len(core) == 0 and core.state(2.0).queue_len == 0
+    with pytest.raises(HandedBack):  # a re-sent assignment of the old message: in intake
+        core.admit(assignment("a"), 3.0, source="a")
+
+
+def test_a_faulted_worker_stays_unavailable_and_a_fault_elsewhere_spares_the_running_job() -> None:
+    """fault() without a running id (another worker of the host met it): the running request
+    stays and may finish; a newer epoch record or a local change never re-activates."""
+    core = WorkerCore(WID)
+    for r in ("a", "b"):
+        core.admit(assignment(r), 0.0)
+    core.start_next(0.0)
+    assert [j.request_id for j in core.fault()] == ["b"]
+    assert core.running is not None and core.running.request_id == "a"
+    adoption = core.adopt(record(1, Lifecycle.ACTIVE))
+    assert adoption.adopted and adoption.member and core.epoch == 1
+    assert adoption.lifecycle is Lifecycle.UNAVAILABLE and core.lifecycle is Lifecycle.UNAVAILABLE
+    assert core.set_lifecycle(Lifecycle.ACTIVE) == () and core.lifecycle is Lifecycle.UNAVAILABLE
+    with pytest.raises(NotAccepting):
+        core.admit(assignment("c", epoch=1), 1.0)
+    assert core.fault() == ()  # again: nothing new to hand back
+    core.finish("a")  # the running request completed after all: it is served
+    assert core.served == 1 and core.fault() == ()
+
+
 def test_handback_ids_are_one_per_hop_and_computable_by_the_scheduler() -> None:
     assert handback_msg_id("x", "x", WID, 3) == "x>" + WID
     hop2 = handback_msg_id("x", "x>" + WID, "w-cp4-g4", 4)
