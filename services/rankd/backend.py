@@ -18,6 +18,14 @@ The three stages are consecutive: prefill starts at ``started_at_s``, the KV tra
 ``started_at_s + prefill_s``, the first decode after that, and the first token exists at
 ``finished_at_s`` (= the sum, up to clock rounding); the rank daemon turns them into the
 ``prefill``, ``kv_transfer`` and ``first_decode`` spans.
+
+Faults: ``prefill`` raises :class:`~shared.ids.WorkerFault` (e.g. the torch world's
+``WorldBroken``) when the *worker* can no longer compute — the request is not at fault; the
+rank daemon hands it back to intake instead of answering it with an error, and stops for a
+restart (services/rankd/service.py). Any other exception is the request's failure. A backend
+may also offer ``health() -> WorkerFault | None`` (optional, non-blocking, called on the
+event loop every :data:`~services.rankd.service.HEALTH_PERIOD_S`): a fault it returns is
+handled the same way without waiting for a request to meet it.
 """
 
 from __future__ import annotations

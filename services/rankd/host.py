@@ -14,6 +14,15 @@ lies in that range, all on one NATS connection:
 
 This is how a split or merge happens in the live sim without restarting a process: the
 worker set changes; the process (and, with a real engine, the weights) stays.
+
+Worker faults: the process is the unit of restart. When one worker meets a
+:class:`~shared.ids.WorkerFault` (a request's execution raised it, or its backend's health
+probe reported it; with the torch backend the world its workers share is broken, so every one
+of them is), every worker of the host fails the same way
+(:meth:`RankdService.fail <services.rankd.service.RankdService.fail>`: hands back its queue,
+UNAVAILABLE, stops), no new worker is started, and once every worker has stopped (hand-backs
+settled) :meth:`RankdHost.run` raises the fault: the process exits non-zero and its supervisor
+starts it again, drawing new worker incarnations.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from nats.js.errors import NotFoundError
 from services.rankd.backend import ExecutionBackend
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from shared.ids import InvalidInput
+from shared.ids import InvalidInput, WorkerFault
 from shared.schemas import EpochRecord, SchemaError, decode
 from shared.service import KvWatch, epoch_kv, nats_callbacks
 from shared.tasks import cancel_and_wait, cancel_requested
@@ -70,6 +79,8 @@ class RankdHost:
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()  # the worker set changed (tests wait on it)
         self._nc: Client | None = None
+        self.fault: WorkerFault | None = None
+        """The worker fault that ended this host (:meth:`fail`); :meth:`run` raises it."""
 
     def _in_range(self, g: GpuGroup) -> bool:
         return g.first_gpu >= self.gpus.start and g.first_gpu + g.degree <= self.gpus.stop
@@ -86,12 +97,30 @@ class RankdHost:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def fail(self, exc: WorkerFault, *, cause_logged: bool = False) -> None:
+        """Every worker of this host can no longer compute (module docstring): each one hands
+        back and stops, the host stops and :meth:`run` raises ``exc``. ``cause_logged``: a
+        worker already logged the cause (it met the fault). Idempotent (the first fault wins)."""
+        if self.fault is not None:
+            return
+        self.fault = exc
+        if not cause_logged:
+            log.error("rank host fault: every worker hands its requests back to intake, "
+                      "exiting for a restart", gpus=f"{self.gpus.start}-{self.gpus.stop - 1}",
+                      cause=str(exc))
+        for svc in list(self.services.values()):
+            svc.fail(exc, cause_logged=True)
+        self._stop.set()
+
+    def _worker_fault(self, exc: WorkerFault) -> None:
+        self.fail(exc, cause_logged=True)
+
     # -- worker set ---------------------------------------------------------------------------
 
     async def _start_worker(self, wid: str, kind: WorkerKind, epoch: int) -> None:
         assert self._nc is not None
         settings = self.settings.model_copy(update={"worker_id": wid, "kind": kind, "epoch": epoch})
-        svc = RankdService(settings, self.backend_factory(wid, kind))
+        svc = RankdService(settings, self.backend_factory(wid, kind), on_fault=self._worker_fault)
         task = asyncio.create_task(svc.run(self._nc, handle_signals=False), name=f"rankd-{wid}")
         self.services[wid] = svc
         self._tasks[wid] = task
@@ -107,12 +136,15 @@ class RankdHost:
         if self._tasks.get(wid) is task:
             del self._tasks[wid]
             del self.services[wid]
-        if not task.cancelled() and task.exception() is not None:
-            log.error("worker service failed", worker_id=wid, error=repr(task.exception()))
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, WorkerFault):
+            self.fail(exc, cause_logged=True)  # no-op: the worker reported it when it met it
+        elif exc is not None:
+            log.error("worker service failed", worker_id=wid, error=repr(exc))
         self._changed.set()
 
     async def _apply(self, record: EpochRecord) -> None:
-        if record.epoch <= self._epoch:
+        if record.epoch <= self._epoch or self.fault is not None:  # a faulted host only stops
             return
         self._epoch = record.epoch
         wanted = {w.worker_id: w for w in record.workers if self._in_range(w.group)}
@@ -133,7 +165,8 @@ class RankdHost:
     # -- main ---------------------------------------------------------------------------------
 
     async def run(self, nc: Client | None = None, *, handle_signals: bool = True) -> None:
-        """Serve until :meth:`request_stop` or SIGINT/SIGTERM; then stop every worker."""
+        """Serve until :meth:`request_stop`, SIGINT/SIGTERM or a worker fault; then stop every
+        worker. After a fault, raises it once every worker has stopped (module docstring)."""
         async with AsyncExitStack() as stack:
             if handle_signals:
                 loop = asyncio.get_running_loop()
@@ -170,6 +203,8 @@ class RankdHost:
             # stop could start a new one after _stop_all (cancel_and_wait: shared/tasks.py).
             stack.push_async_callback(cancel_and_wait, [follow], log)
             await self._stop.wait()
+        if self.fault is not None:
+            raise self.fault
 
     async def _follow(self, watcher: object) -> None:
         async for entry in watcher:  # type: ignore[attr-defined]

@@ -8,16 +8,30 @@ following the epoch record (:mod:`services.rankd.host`).
 The ``sim`` backend started this way uses the assignment's predicted time (no ground truth);
 a launcher that wants the simulator's ground truth builds ``SimBackend(prefill_time=...)``
 itself and calls :func:`serve` (``services/`` never imports ``sim/``).
+
+Exit status: 0 after SIGINT/SIGTERM; :data:`WORKER_FAULT_EXIT` after a worker fault (a rank
+process died: the requests were handed back to intake first, see
+:mod:`services.rankd.service`), so a supervisor (docker compose ``restart:``, systemd, k8s)
+starts the process again; 2 for settings that cannot work together.
 """
 
 from __future__ import annotations
+
+from typing import Final
+
+import structlog
 
 from services.rankd.backend import ExecutionBackend, SimBackend
 from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
+from shared.ids import WorkerFault
 from shared.servicemain import load_settings, run_service
 from shared.worker import WorkerKind
+
+WORKER_FAULT_EXIT: Final[int] = 75
+"""Exit status after a worker fault: EX_TEMPFAIL ("try again"), the process should be
+restarted. Any non-zero status makes ``restart: on-failure`` act; this one says why."""
 
 
 def make_backend(settings: RankdSettings) -> ExecutionBackend:
@@ -52,7 +66,13 @@ async def serve(settings: RankdSettings, backend: ExecutionBackend | None = None
 
 
 def main() -> None:
-    run_service(load_settings(RankdSettings, "vertumnus rankd"), serve)
+    try:
+        run_service(load_settings(RankdSettings, "vertumnus rankd"), serve)
+    except WorkerFault:
+        # The cause was logged as an error when it was met; no traceback on top of it.
+        structlog.get_logger("vertumnus.rankd").info("exiting for a restart",
+                                                     exit_status=WORKER_FAULT_EXIT)
+        raise SystemExit(WORKER_FAULT_EXIT) from None
 
 
 if __name__ == "__main__":

@@ -40,6 +40,21 @@ Per process (one worker, its leader rank, for now):
   logged, never answered twice, and remembered by the core: a re-sent assignment of its
   source is settled by publishing the hand-back again under its id (stored at most once) and
   answered 410 once intake acknowledges it, 425 otherwise.
+* a backend error is answered by its kind. :class:`~shared.ids.InvalidInput` (the request's
+  fault: nothing ran) and any other unexpected exception: an error FirstToken
+  (``prefill failed: ...``) for that request, and the worker serves on.
+  :class:`~shared.ids.WorkerFault` (the worker's fault: a rank process died, the torch world
+  is broken — :class:`~services.rankd.torch_world.WorldBroken`): no answer to anyone; the
+  worker hands back the request that met it (it becomes a redirect, not a finish) and every
+  queued one, exactly as a drain does, becomes UNAVAILABLE for good (published at once;
+  admission answers 409, a newer epoch record cannot make it ACTIVE again, no EpochAck), logs
+  one error line naming the cause, and stops; once the hand-backs are settled (bounded by
+  ``redirect_timeout_s``) :meth:`RankdService.run` raises the fault, so the process exits
+  non-zero and its supervisor restarts it as a new incarnation (the scheduler and the cache
+  manager re-admit it). A cache command whose engine step meets one does the same (and is
+  answered 409), and so does a fault reported by the backend's optional ``health()`` probe
+  (every :data:`HEALTH_PERIOD_S`; the running request, if any, then finishes or meets the
+  fault itself). In a rank host every worker of the host follows (:mod:`services.rankd.host`).
 * shutdown (SIGINT/SIGTERM): stop admitting, redirect queued requests and wait for every
   outstanding redirect (bounded by ``redirect_timeout_s``) while the running request finishes
   (bounded by ``drain_timeout_s``), publish a final UNAVAILABLE state, drain. The waits come
@@ -63,6 +78,7 @@ from contextlib import AsyncExitStack
 from typing import Final
 
 import nats.errors
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
@@ -84,7 +100,7 @@ from services.rankd.core import (
     rank_shares,
 )
 from services.rankd.settings import RankdSettings
-from shared.ids import InvalidInput, UnknownWorker
+from shared.ids import InvalidInput, UnknownWorker, WorkerFault
 from shared.schemas import (
     CONTENT_TYPE,
     JSON,
@@ -133,6 +149,9 @@ REDIRECT_WINDOW: Final[int] = 64
 """Redirect publishes awaiting their JetStream acks at once (pipelined, queue order kept)."""
 REDIRECT_ATTEMPT_S: Final[float] = 2.0
 """Ack timeout of one redirect publish attempt (then retried, same ``Nats-Msg-Id``)."""
+HEALTH_PERIOD_S: Final[float] = 0.5
+"""Period of the backend's optional health probe (a rank dying under an idle worker is noticed
+within it; the probe is a non-blocking check, e.g. ``waitpid`` on the rank processes)."""
 STATE_MIN_INTERVAL_S: Final[float] = 0.05
 """Least time between two WorkerState publications that change neither lifecycle nor epoch."""
 
@@ -184,7 +203,10 @@ class RankdService(MicroService):
         backend: ExecutionBackend,
         *,
         clock: Callable[[], float] = time.time,
+        on_fault: Callable[[WorkerFault], None] | None = None,
     ) -> None:
+        """``on_fault``: called once, synchronously, when this worker meets a
+        :class:`~shared.ids.WorkerFault` itself (a rank host stops its other workers)."""
         subjects = settings.subjects
         super().__init__(
             settings,
@@ -225,6 +247,9 @@ class RankdService(MicroService):
         # First tokens still in their KV handoff after the worker moved on (a backend with
         # handoff_off_worker); _shutdown waits for them.
         self._handoffs: set[asyncio.Task[None]] = set()
+        self._on_fault = on_fault
+        self.fault: WorkerFault | None = None
+        """The worker fault that stopped this worker (:meth:`fail`); :meth:`run` raises it."""
         self._update_metadata()
 
     # -- endpoints ----------------------------------------------------------------------------
@@ -270,7 +295,11 @@ class RankdService(MicroService):
         cmd = request_model(request, CacheCommand)
         prepare = getattr(self.backend, "prepare_cache_command", None)
         if callable(prepare):  # a real engine moves the KV first; cmd shrinks to what it holds
-            cmd = await prepare(cmd)
+            try:
+                cmd = await prepare(cmd)
+            except WorkerFault as exc:  # the engine is gone: so is the worker (answered 409)
+                self.fail(exc)
+                raise
         result = self.core.apply_command(cmd)
         await self._publish_cache_events()
         self._dirty.set()
@@ -302,6 +331,43 @@ class RankdService(MicroService):
 
     # -- setup and teardown -------------------------------------------------------------------
 
+    async def run(self, nc: Client | None = None, *, handle_signals: bool = True) -> None:
+        """Serve until stopped (see :meth:`MicroService.run`). After a worker fault the stop
+        is the usual graceful one (hand-backs settled first) and then the fault is raised, so
+        a process ends non-zero and its supervisor restarts it."""
+        await super().run(nc, handle_signals=handle_signals)
+        if self.fault is not None:
+            raise self.fault
+
+    def fail(
+        self, exc: WorkerFault, *, running: Job | None = None, cause_logged: bool = False
+    ) -> None:
+        """This worker can no longer compute (module docstring): stop admitting (UNAVAILABLE,
+        for good), hand back ``running`` (the job whose execution raised ``exc``; None: leave
+        the running one to finish or fail on its own) and every queued job through the same
+        redirects as a drain, and stop; :meth:`run` then raises the first fault.
+
+        ``cause_logged``: the caller (a rank host) already logged the cause as an error.
+        Synchronous, no await between the core's hand-back and the redirect task (see
+        :meth:`_hand_back`); idempotent except that a later call may hand back ``running``."""
+        first = self.fault is None
+        if first:
+            self.fault = exc
+        self._hand_back(self.core.fault(running.request_id if running is not None else None))
+        self._update_metadata()
+        self._dirty.set()  # UNAVAILABLE goes out at once: schedulers stop placing here
+        if first:
+            if cause_logged:
+                self.log.warning("worker stops: its rank host faulted", worker=self.core.worker_id,
+                                 cause=str(exc))
+            else:
+                self.log.error("worker fault: requests handed back to intake, exiting for a "
+                               "restart", worker=self.core.worker_id, cause=str(exc),
+                               request_id=running.request_id if running is not None else None)
+            if self._on_fault is not None:
+                self._on_fault(exc)
+        self.request_stop()
+
     async def setup(self, stack: AsyncExitStack) -> None:
         self._js = self.nc.jetstream()
         self._state_kv = await worker_state_kv(
@@ -322,6 +388,9 @@ class RankdService(MicroService):
             asyncio.create_task(self._publisher(), name="rankd-state"),
             asyncio.create_task(self._watch_epochs(watcher), name=WATCH_TASK),
         ]
+        health = getattr(self.backend, "health", None)
+        if callable(health):  # optional backend method (services/rankd/backend.py)
+            tasks.append(asyncio.create_task(self._probe_health(health), name="rankd-health"))
         await self._publish_state()
 
         async def teardown() -> None:
@@ -329,6 +398,19 @@ class RankdService(MicroService):
             await self._shutdown(tasks)
 
         stack.push_async_callback(teardown)
+
+    async def _probe_health(self, health: Callable[[], WorkerFault | None]) -> None:
+        """Fail the worker as soon as its backend reports a fault, even with nothing running."""
+        while not _cancel_requested():
+            try:
+                fault = health()
+            except Exception:  # a broken probe must not pass for a healthy worker silently
+                self.log.exception("health probe failed; no longer probing")
+                return
+            if fault is not None:
+                self.fail(fault)
+                return
+            await asyncio.sleep(HEALTH_PERIOD_S)
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
         # No epoch is adopted from here on (the watcher may still hold entries): cancelling it
@@ -343,6 +425,9 @@ class RankdService(MicroService):
 
         # Both bounded, concurrently: the stop takes max(redirects, running request).
         await asyncio.gather(self._settle_redirects(), running_done())
+        # A running request that met a worker fault meanwhile was handed back while the wait
+        # above may already have ended: settle its redirect too (bounded likewise).
+        await self._settle_redirects()
         if self._handoffs:  # each ends at its finished_at_s: a short, bounded wait
             await asyncio.wait(set(self._handoffs), timeout=self.settings.drain_timeout_s)
         await cancel_and_wait(tasks, self.log)
@@ -422,6 +507,13 @@ class RankdService(MicroService):
                 span.set_status(Status(StatusCode.ERROR, "cancelled (worker stopping)"))
                 span.end()
                 raise
+            except WorkerFault as exc:
+                # Not the request's fault: it goes back to intake (with the queue), no answer.
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"worker fault, handed back: {exc}"))
+                span.end()
+                self.fail(exc, running=job)
+                return
             except Exception as exc:
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
@@ -583,14 +675,20 @@ class RankdService(MicroService):
         the wait adds one attempt's slack), then give up on any left, logging each id."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        pending = set(self._redirects)
-        if pending:
-            _, pending = await asyncio.wait(
+        cancelled = 0
+        waited = False
+        # A loop: a worker fault of the running request may start a redirect while we wait.
+        while pending := {t for t in self._redirects if not t.done()}:
+            waited = True
+            _, left = await asyncio.wait(
                 pending, timeout=self.rsettings.redirect_timeout_s + REDIRECT_ATTEMPT_S
             )
-            await cancel_and_wait(list(pending), self.log)
+            await cancel_and_wait(list(left), self.log)
+            cancelled += len(left)
+        if waited:
             self.log.info("redirects settled at stop", waited_s=round(loop.time() - t0, 4),
-                          cancelled_tasks=len(pending))
+                          cancelled_tasks=cancelled)
+        # No await since the loop ended: every job still redirecting lost its task.
         for job in self.core.redirecting:  # only after a cancelled publish: outcome unknown
             self.core.redirect_settled(job.request_id)
             self.log.error("redirect outcome unknown at stop", request_id=job.request_id,
@@ -734,7 +832,7 @@ class RankdService(MicroService):
         )
         self._hand_back(adoption.redirected)  # no await since core.adopt (see _hand_back)
         self._update_metadata()
-        if adoption.member:
+        if adoption.member and not self.core.faulted:  # a faulted worker serves no geometry
             now = self.clock()
             for gpu in self.core.group.gpus:
                 ack = EpochAck(

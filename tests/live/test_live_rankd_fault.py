@@ -1,0 +1,232 @@
+"""A worker fault (the backend says the *worker* can no longer compute, e.g. a rank process
+died) on a real nats-server: no request is failed for it. The running and queued requests are
+handed back to intake under their hand-back ids, the worker publishes UNAVAILABLE and stops,
+and the service (or the whole rank host) ends with the fault so its process exits non-zero.
+The real torch world version is tests/engine_live/test_engine_live_fault.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.js import JetStreamContext
+
+from services.rankd import main as rankd_main
+from services.rankd.backend import PrefillResult, SimBackend
+from services.rankd.core import INTAKE_MSG_HEADER, handback_msg_id
+from services.rankd.host import RankdHost
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
+from shared.ids import WorkerFault
+from shared.natsserver import EmbeddedNats
+from shared.schemas import (
+    Assignment,
+    AssignmentAck,
+    FirstToken,
+    IntakeRequest,
+    WorkerState,
+    decode,
+    from_json,
+)
+from shared.service import call, ensure_intake_stream
+from shared.subjects import Subjects
+from shared.worker import GpuGroup, Lifecycle
+
+WAIT_S = 20.0  # bound for correctness waits only; nothing asserts on speed
+CAUSE = "rank 1 (GPU 1, pid 4242) was killed by SIGKILL"
+
+
+def assignment(rid: str, wid: str) -> Assignment:
+    now = time.time()
+    return Assignment(
+        request=IntakeRequest(request_id=rid, input_len=100, arrival_s=now - 0.01),
+        worker_id=wid,
+        epoch=0,
+        degree=GpuGroup.from_worker_id(wid).degree,
+        prefix_tokens=0,
+        recompute_tokens=100,
+        predicted_s=0.01,
+        assigned_at_s=now,
+    )
+
+
+class Gated:
+    """An execution backend whose prefills wait for :attr:`release`; then each raises
+    ``fault`` (the worker can no longer compute) or returns an instant sim result."""
+
+    name = "sim"
+
+    def __init__(self, fault: WorkerFault | None = None) -> None:
+        self.fault = fault
+        self.release = asyncio.Event()
+        self.running = asyncio.Event()
+        self._sim = SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.0)
+
+    async def prefill(self, assignment: Assignment) -> PrefillResult:
+        self.running.set()
+        await self.release.wait()
+        if self.fault is not None:
+            raise self.fault
+        return await self._sim.prefill(assignment)
+
+    async def close(self) -> None:
+        await self._sim.close()
+
+
+async def assign(nc: Client, s: Subjects, rid: str, wid: str) -> AssignmentAck:
+    """Assign ``rid`` as the scheduler does (intake message id ``m-{rid}``), once the worker's
+    endpoint is up (a host's worker shows up just before its endpoints subscribe)."""
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            try:
+                return await call(nc, s.worker_assign(wid), assignment(rid, wid), AssignmentAck,
+                                  timeout_s=WAIT_S, headers={INTAKE_MSG_HEADER: f"m-{rid}"})
+            except NoRespondersError:
+                await asyncio.sleep(0.05)
+
+
+async def results_of(nc: Client, s: Subjects) -> tuple[list[FirstToken], object]:
+    got: list[FirstToken] = []
+
+    async def cb(msg: Msg) -> None:
+        got.append(decode(FirstToken, msg.data, msg.headers))
+
+    return got, await nc.subscribe(s.result_all(), cb=cb)
+
+
+async def handed_back(js: JetStreamContext, s: Subjects, n: int) -> dict[str, str]:
+    """The next ``n`` requests in intake: request id → Nats-Msg-Id (bounded wait)."""
+    consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
+    got: dict[str, str] = {}
+    async with asyncio.timeout(WAIT_S):
+        while len(got) < n:
+            for m in await consumer.fetch(n - len(got), timeout=WAIT_S):
+                got[decode(IntakeRequest, m.data, m.headers).request_id] = (
+                    (m.headers or {}).get("Nats-Msg-Id", ""))
+                await m.ack()
+    return got
+
+
+async def last_state(js: JetStreamContext, s: Subjects, wid: str) -> WorkerState:
+    kv = await js.key_value(s.worker_state_bucket())
+    return from_json(WorkerState, (await kv.get(wid)).value)
+
+
+async def test_a_worker_fault_hands_back_instead_of_failing(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    wid = "w-cp2-g2"
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    backend = Gated(WorkerFault(CAUSE))
+    svc = RankdService(
+        RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, worker_id=wid,
+                      heartbeat_s=0.2, redirect_timeout_s=5.0, drain_timeout_s=5.0),
+        backend,
+    )
+    task = asyncio.create_task(svc.run(handle_signals=False))
+    await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
+    results, sub = await results_of(nc, s)
+    for rid in ("q-1", "q-2", "q-3"):
+        await assign(nc, s, rid, wid)
+    await asyncio.wait_for(backend.running.wait(), timeout=WAIT_S)  # q-1 runs, q-2, q-3 wait
+    backend.release.set()  # q-1's prefill meets the fault
+
+    with pytest.raises(WorkerFault, match="killed by SIGKILL"):
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    assert svc.fault is not None and svc.core.served == 0 and len(svc.core) == 0
+    intake = await handed_back(js, s, 3)
+    assert intake == {rid: handback_msg_id(rid, f"m-{rid}", wid, 0)
+                      for rid in ("q-1", "q-2", "q-3")}
+    await nc.flush()  # the service drained its connection: whatever it published is here
+    assert results == []  # nobody was answered with an error for the worker's fault
+    state = await last_state(js, s, wid)
+    assert (state.lifecycle, state.queue_len) == (Lifecycle.UNAVAILABLE, 0)
+    await sub.unsubscribe()  # type: ignore[attr-defined]
+
+
+async def test_a_worker_fault_stops_every_worker_of_the_host(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """One worker meets the fault: every worker of the host hands its queue back; a request
+    running elsewhere may still complete (its answer is valid); the host ends with the fault."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    backends = {"w-cp1-g0": Gated(WorkerFault(CAUSE)), "w-cp1-g1": Gated()}
+    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2,
+                             redirect_timeout_s=5.0, drain_timeout_s=WAIT_S)
+    host = RankdHost(settings, range(0, 2), lambda wid, kind: backends[wid],
+                     initial=list(backends))
+    task = asyncio.create_task(host.run(nc, handle_signals=False))
+    results, sub = await results_of(nc, s)
+    for rid, wid in (("f-1", "w-cp1-g0"), ("f-2", "w-cp1-g0"), ("b-1", "w-cp1-g1"),
+                     ("b-2", "w-cp1-g1")):
+        await assign(nc, s, rid, wid)
+    for b in backends.values():
+        await asyncio.wait_for(b.running.wait(), timeout=WAIT_S)  # f-1 and b-1 run
+    backends["w-cp1-g0"].release.set()
+
+    intake = await handed_back(js, s, 3)
+    assert intake == {rid: handback_msg_id(rid, f"m-{rid}", wid, 0)
+                      for rid, wid in (("f-1", "w-cp1-g0"), ("f-2", "w-cp1-g0"),
+                                       ("b-2", "w-cp1-g1"))}
+    backends["w-cp1-g1"].release.set()  # b-1 was not at fault and completes
+    with pytest.raises(WorkerFault, match="killed by SIGKILL"):
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    await nc.flush()
+    assert [(r.request_id, r.error) for r in results] == [("b-1", None)]
+    for wid in backends:
+        assert (await last_state(js, s, wid)).lifecycle is Lifecycle.UNAVAILABLE
+    await sub.unsubscribe()  # type: ignore[attr-defined]
+
+
+async def test_a_health_probe_fault_stops_every_worker_of_the_host(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """A backend's health probe (the torch world: a rank died, here under an idle worker)
+    reports a fault: every worker of the host hands its queue back, a running request may
+    still finish, the host ends with the fault."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    backends = {"w-cp1-g0": Gated(), "w-cp1-g1": Gated()}
+    broken: list[WorkerFault] = []
+    backends["w-cp1-g1"].health = lambda: broken[0] if broken else None  # type: ignore[attr-defined]
+    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2,
+                             redirect_timeout_s=5.0, drain_timeout_s=WAIT_S)
+    host = RankdHost(settings, range(0, 2), lambda wid, kind: backends[wid],
+                     initial=list(backends))
+    task = asyncio.create_task(host.run(nc, handle_signals=False))
+    results, sub = await results_of(nc, s)
+    for rid in ("a-1", "a-2"):
+        await assign(nc, s, rid, "w-cp1-g0")
+    await asyncio.wait_for(backends["w-cp1-g0"].running.wait(), timeout=WAIT_S)
+    broken.append(WorkerFault(CAUSE))
+    assert await handed_back(js, s, 1) == {"a-2": handback_msg_id("a-2", "m-a-2", "w-cp1-g0", 0)}
+    backends["w-cp1-g0"].release.set()
+    with pytest.raises(WorkerFault, match="killed by SIGKILL"):
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    await nc.flush()
+    assert [(r.request_id, r.error) for r in results] == [("a-1", None)]
+    for wid in backends:
+        assert (await last_state(js, s, wid)).lifecycle is Lifecycle.UNAVAILABLE
+    await sub.unsubscribe()  # type: ignore[attr-defined]
+
+
+def test_main_exits_non_zero_after_a_worker_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m services.rankd.main`` ends with WORKER_FAULT_EXIT (not 0, no traceback) when
+    its service or host raised a worker fault, so its supervisor restarts it."""
+
+    def faulted(settings: object, serve: object) -> None:
+        raise WorkerFault(CAUSE)
+
+    monkeypatch.setattr(rankd_main, "run_service", faulted)
+    with pytest.raises(SystemExit) as exc:
+        rankd_main.main()
+    assert exc.value.code == rankd_main.WORKER_FAULT_EXIT != 0
