@@ -41,7 +41,16 @@ kept in :attr:`TorchBackend.outcomes` (bounded).
 Errors: bad input (token id outside the vocabulary, a sequence longer than the model's
 positions, wrong worker) raises :class:`~shared.ids.InvalidInput` subclasses (the engine checks
 before any collective, so every rank stays up); rankd turns them into a FirstToken with
-``error``. A broken world raises :class:`~services.rankd.torch_world.WorldBroken`.
+``error``. A broken world (a rank process died — OOM kill, segfault, SIGKILL — or failed
+outside the input checks, or stopped answering) raises
+:class:`~services.rankd.torch_world.WorldBroken`, a :class:`~shared.ids.WorkerFault`: the
+request is not at fault and gets no error answer; rankd hands it back to intake with the
+worker's queue, the worker turns UNAVAILABLE and stops. The world is shared by every worker of
+the host and stays broken, so in host mode (:func:`serve_torch_host`) every worker hands back
+and stops, and the host raises the fault: the process exits non-zero for its supervisor to
+restart it with a fresh world. :meth:`TorchBackend.health` (probed by rankd) notices a dead
+rank under an idle worker as well. A single worker (:func:`single_worker_backend`) follows the
+same rule through its RankdService.
 """
 
 from __future__ import annotations
@@ -63,7 +72,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.rankd.backend import ExecutionBackend, PrefillResult
 from services.rankd.blockcache import BlockCache
-from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldSpec
+from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldBroken, WorldSpec
 from shared.ids import InvalidInput, UnknownWorker
 from shared.schemas import Assignment, IntakeRequest
 from shared.subjects import Subjects
@@ -439,6 +448,13 @@ class TorchBackend:
         # model_copy: an empty block list is a valid outcome here, not a wire message.
         return cmd.model_copy(update={"blocks": list(cmd.blocks[:n])})
 
+    def health(self) -> WorldBroken | None:
+        """rankd's health probe (optional backend method, see services/rankd/backend.py): None
+        while every rank process of the world runs, else the fault that breaks this worker —
+        and every other worker of the world."""
+        why = self.world.health()
+        return None if why is None else WorldBroken(why)
+
     def prefix_shortfall(self) -> dict[str, int]:
         """Requests whose engine reused fewer tokens than rankd decided (request id → tokens
         short); empty when the two caches agreed on every remembered request."""
@@ -775,7 +791,9 @@ async def serve_torch_host(
 ) -> None:
     """rankd's ``backend=torch`` in host mode (``VTM_HOST_GPUS``): one world over the host's
     GPU range for the process's lifetime; workers follow the epoch record (RankdHost), each
-    one a :class:`TorchBackend` on the shared world, switching geometry at its first step."""
+    one a :class:`TorchBackend` on the shared world, switching geometry at its first step.
+    Raises :class:`~services.rankd.torch_world.WorldBroken` once the world broke and every
+    worker has handed back and stopped (module docstring, "Errors")."""
     host, pool = await start_torch_host(settings, torch_settings, nc=nc)
     try:
         await host.run(nc, handle_signals=nc is None)

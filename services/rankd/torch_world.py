@@ -26,8 +26,14 @@ command sequence (the SPMD contract of the engine).
 Errors: bad input (token out of vocabulary, too long) is detected by the engine before any
 collective on every member identically (engine/errors.py); each member answers with the typed
 error, the leader re-raises it as that :class:`~shared.ids.InvalidInput` subclass and every
-rank stays up. A rank that dies or stops answering makes the world *broken*
-(:class:`WorldBroken`); it is not restarted here.
+rank stays up. A rank that dies or stops answering makes the world *broken* for good
+(:class:`WorldBroken`, a :class:`~shared.ids.WorkerFault`: every later command raises it too);
+it is not restarted here — the rank daemon hands its requests back and its process exits to
+be restarted (services/rankd/service.py). The error names the rank that died (GPU, pid, signal
+or exit status) even when a surviving member reported the failure first (its collective broke),
+and a leader waiting on one member notices a dead peer of the same command at once rather than
+after the reply timeout. :meth:`TorchWorld.health` finds a dead rank without a command (a rank
+host probes it, so a rank dying under an idle worker is noticed too).
 
 Blocking by design (pipes); the async backend calls it through ``asyncio.to_thread``.
 """
@@ -37,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -47,13 +54,18 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Final
 
-from shared.ids import InvalidInput, VertumnusError, worker_name
+from shared.ids import InvalidInput, WorkerFault, worker_name
 
 DEFAULT_REPLY_TIMEOUT_S: Final[float] = 600.0  # hang guard, not a latency bound
+REAP_GRACE_S: Final[float] = 1.0
+"""How long a failure waits for a dying rank's exit status (its pipe and sockets close as it
+exits, slightly before it can be reaped), so the error names the rank that died."""
 
 
-class WorldBroken(VertumnusError):
-    """A rank process died, failed outside the engine's input checks, or stopped answering."""
+class WorldBroken(WorkerFault):
+    """A rank process died, failed outside the engine's input checks, or stopped answering.
+
+    A worker fault (not the request's): every worker on this world is broken for good."""
 
 
 @dataclass(frozen=True)
@@ -397,18 +409,62 @@ class TorchWorld:
             )
         return tuple(range(start, start + degree))
 
-    def _recv(self, rank: int, timeout: float) -> tuple[Any, ...]:
-        conn, proc = self._conns[rank], self._procs[rank]
+    def health(self) -> str | None:
+        """None while every rank process runs (or the world was closed on purpose); else why
+        the world is broken, which it then is for good. Non-blocking: safe on an event loop."""
+        if self._closed:
+            return None
+        if self.broken is not None:
+            return self.broken
+        for r in range(len(self._procs)):
+            if (why := self._death(r)) is not None:
+                self.broken = why
+                return why
+        return None
+
+    def _death(self, rank: int) -> str | None:
+        """Why rank ``rank``'s process is gone (``rank 1 (GPU 1, pid 4242) was killed by
+        SIGKILL``), None while it runs."""
+        proc = self._procs[rank]
+        if proc.is_alive():
+            return None
+        code = proc.exitcode
+        how = f"exited with status {code}"
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        return f"rank {rank} (GPU {rank + self.spec.gpu_offset}, pid {proc.pid}) {how}"
+
+    def _first_death(self, ranks: Sequence[int], grace_s: float = 0.0) -> str | None:
+        """The first rank of ``ranks`` whose process is gone, described; else None, after
+        waiting up to ``grace_s`` for one to be reaped (failure paths only)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for r in ranks:
+                if (why := self._death(r)) is not None:
+                    return why
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    def _recv(self, rank: int, timeout: float, peers: Sequence[int] = ()) -> tuple[Any, ...]:
+        """Rank ``rank``'s next answer. Raises WorldBroken when it, or one of ``peers`` (the
+        other members of the same command: ``rank`` may wait on them in a collective that a
+        dead peer never completes), is gone, or after ``timeout`` seconds."""
+        conn = self._conns[rank]
         deadline = time.monotonic() + timeout
         while not conn.poll(0.2):
-            if not proc.is_alive():
-                raise WorldBroken(f"rank {rank} (pid {proc.pid}) exited ({proc.exitcode})")
+            if (why := self._first_death((rank, *peers))) is not None:
+                raise WorldBroken(why)
             if time.monotonic() > deadline:
                 raise WorldBroken(f"rank {rank} did not answer within {timeout:.0f} s")
         try:
             return conn.recv()
-        except EOFError as exc:
-            raise WorldBroken(f"rank {rank} closed its pipe") from exc
+        except (EOFError, OSError) as exc:  # OSError: a reset socket pair (a killed rank)
+            why = self._first_death((rank, *peers), REAP_GRACE_S)
+            raise WorldBroken(why or f"rank {rank} closed its pipe ({exc!r})") from exc
 
     def _round(self, ranks: Sequence[int], msg: tuple[Any, ...]) -> list[Any]:
         """Send ``msg`` to every rank of ``ranks`` and collect their answers (rank order)."""
@@ -419,18 +475,28 @@ class TorchWorld:
         ranks = sorted(ranks)
         with self._locked(ranks):
             for r in ranks:
-                self._conns[r].send(msg)
+                try:
+                    self._conns[r].send(msg)
+                except OSError as exc:  # BrokenPipeError: the rank is gone (or going)
+                    why = self._first_death(ranks, REAP_GRACE_S)
+                    self.broken = why or f"rank {r}'s pipe broke: {exc}"
+                    raise WorldBroken(self.broken) from exc
             answers = []
             for r in ranks:
                 try:
-                    answers.append(self._recv(r, self.reply_timeout_s))
+                    answers.append(self._recv(r, self.reply_timeout_s, ranks))
                 except WorldBroken as exc:
                     self.broken = str(exc)
                     raise
         fatal = [(r, a) for r, a in zip(ranks, answers, strict=True) if a[0] == "fatal"]
         if fatal:
-            self.broken = f"rank {fatal[0][0]} failed"
-            raise WorldBroken("\n".join(f"rank {r}:\n{a[1]}" for r, a in fatal))
+            # A member whose collective broke because a peer died reports the failure first:
+            # name the dead rank (the cause) before the survivors' tracebacks.
+            dead = self._first_death(ranks, REAP_GRACE_S)
+            last = fatal[0][1].strip().splitlines()[-1:] or ["?"]
+            self.broken = (f"{dead}; rank {fatal[0][0]} then failed: {last[0]}" if dead
+                           else f"rank {fatal[0][0]} failed: {last[0]}")
+            raise WorldBroken("\n".join([self.broken, *(f"rank {r}:\n{a[1]}" for r, a in fatal)]))
         invalid = [a for a in answers if a[0] == "invalid"]
         if invalid:
             if len(invalid) != len(answers):  # some members ran, some refused: not SPMD any more

@@ -1,0 +1,148 @@
+"""A rank process of a real torch world (gloo, 2 ranks, a tiny random model) is killed while a
+CP2 worker of the rank host has a request running and two queued: none of them is answered
+with an error; all three are republished to intake under their hand-back ids, the worker's last
+published state is UNAVAILABLE, and the host ends with ``WorldBroken`` naming the dead rank
+(the process would exit non-zero for its supervisor to restart it).
+
+The rank is stopped (SIGSTOP) before the requests arrive, so the first one is provably running
+(its step waits on the stopped member) and the others queued when it is killed: no timing is
+assumed. The fast, fake-backend version of the same contract is
+tests/live/test_live_rankd_fault.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from services.rankd.core import INTAKE_MSG_HEADER, handback_msg_id
+from services.rankd.settings import RankdSettings
+from services.rankd.torch_backend import TorchSettings, start_torch_host
+from services.rankd.torch_world import WorldBroken
+from shared.natsserver import EmbeddedNats
+from shared.schemas import (
+    Assignment,
+    AssignmentAck,
+    FirstToken,
+    IntakeRequest,
+    WorkerState,
+    decode,
+    from_json,
+)
+from shared.service import call, ensure_intake_stream
+from shared.subjects import Subjects
+from shared.worker import Lifecycle
+
+WAIT_S = 120.0  # hang guard only
+WID = "w-cp2-g0"
+CFG = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+}
+
+
+def assignment(rid: str, tokens: list[int]) -> Assignment:
+    now = time.time()
+    return Assignment(
+        request=IntakeRequest(
+            request_id=rid, input_len=len(tokens), tokens=tokens, block_size=16, arrival_s=now
+        ),
+        worker_id=WID,
+        epoch=0,
+        degree=2,
+        prefix_tokens=0,
+        recompute_tokens=len(tokens),
+        predicted_s=0.01,
+        assigned_at_s=now,
+    )
+
+
+async def test_a_killed_rank_hands_every_request_back_and_ends_the_host(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    settings = RankdSettings(
+        nats_url=nats_server.url,
+        subject_prefix=uniq,
+        heartbeat_s=0.2,
+        drain_timeout_s=WAIT_S,
+        host_gpus="0-1",
+        initial_workers=WID,
+    )
+    ts = TorchSettings(model_json=json.dumps(CFG), seed=3, block_size=16, pages_per_rank=64,
+                       degrees="1,2", decode_timeout_s=WAIT_S)
+    host, pool = await start_torch_host(settings, ts, nc=nc)
+    task = asyncio.create_task(host.run(nc, handle_signals=False))
+    victim = pool.world.pids[1]
+    results: list[FirstToken] = []
+
+    async def on_result(msg: Msg) -> None:
+        results.append(decode(FirstToken, msg.data, msg.headers))
+
+    sub = await nc.subscribe(s.result_all(), cb=on_result)
+    rids = ("q-1", "q-2", "q-3")
+    try:
+        os.kill(victim, signal.SIGSTOP)  # q-1's step will wait on this member
+        async with asyncio.timeout(WAIT_S):
+            for i, rid in enumerate(rids):
+                while True:  # the worker's endpoints subscribe just after host start (bounded)
+                    try:
+                        await call(nc, s.worker_assign(WID),
+                                   assignment(rid, list(range(10 + i, 50 + i))), AssignmentAck,
+                                   timeout_s=WAIT_S, headers={INTAKE_MSG_HEADER: f"m-{rid}"})
+                        break
+                    except NoRespondersError:
+                        await asyncio.sleep(0.05)
+            svc = host.services[WID]
+            while svc.core.running is None:  # the executor picks q-1 up (bounded)
+                await asyncio.sleep(0.02)
+        assert svc.core.running.request_id == "q-1"
+        assert [j.request_id for j in svc.core.queued] == ["q-2", "q-3"]
+
+        os.kill(victim, signal.SIGKILL)
+        cause = rf"rank 1 \(GPU 1, pid {victim}\) was killed by SIGKILL"
+        with pytest.raises(WorldBroken, match=cause):
+            await asyncio.wait_for(task, timeout=WAIT_S)
+        assert re.search(cause, pool.world.broken or "")
+
+        consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
+        intake: dict[str, str] = {}
+        async with asyncio.timeout(WAIT_S):
+            while len(intake) < len(rids):
+                for m in await consumer.fetch(len(rids) - len(intake), timeout=WAIT_S):
+                    rid = decode(IntakeRequest, m.data, m.headers).request_id
+                    intake[rid] = (m.headers or {}).get("Nats-Msg-Id", "")
+                    await m.ack()
+        assert intake == {rid: handback_msg_id(rid, f"m-{rid}", WID, 0) for rid in rids}
+        await nc.flush()
+        assert results == []  # no error FirstToken for requests that were never at fault
+        kv = await js.key_value(s.worker_state_bucket())
+        state = from_json(WorkerState, (await kv.get(WID)).value)
+        assert (state.lifecycle, state.queue_len, state.served) == (Lifecycle.UNAVAILABLE, 0, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+        await sub.unsubscribe()
+        if not task.done():
+            host.request_stop()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, timeout=WAIT_S)
+        await pool.close()
+    assert not any(pool.world.alive())
