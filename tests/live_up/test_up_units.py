@@ -233,6 +233,15 @@ def test_the_cli_refuses_a_bad_fault_option_with_its_name() -> None:
     assert "--restart-rankd-after needs --kill-rankd-at" in res.output
 
 
+def test_report_counts_errors_by_message_whatever_the_request_id() -> None:
+    recs = [ReplayRecord(f"q-{i}", 0.0, 100, 503,
+                         error=f"not scheduled: no eligible worker for request 'q-{i}' (w: x)")
+            for i in range(3)]
+    recs.append(ReplayRecord("q-9", 0.0, 100, 504, error=None))
+    assert LiveReport(recs, time_scale=0.1).summary()["errors"] == {
+        "not scheduled: no eligible worker for request '<id>' (w: x)": 3, "HTTP 504": 1}
+
+
 def test_report_lists_the_injected_faults() -> None:
     """``faults`` is in every summary (empty when none); the printed report has one line."""
     import io

@@ -234,9 +234,15 @@ class LiveReport:
 
 
 def _error_counts(failed: Sequence[ReplayRecord]) -> dict[str, int]:
+    """Failures by message, the request's own id replaced by ``<id>``: the services name the
+    request in their errors ("no eligible worker for request 'x' ..."), which would otherwise
+    list one line per request."""
     out: dict[str, int] = {}
     for r in failed:
-        key = (r.error or f"HTTP {r.status}")[:120]
+        msg = r.error or f"HTTP {r.status}"
+        if r.request_id:
+            msg = msg.replace(r.request_id, "<id>")
+        key = msg[:120]
         out[key] = out.get(key, 0) + 1
     return out
 
