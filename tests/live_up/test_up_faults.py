@@ -13,7 +13,8 @@ import pytest
 from live_up_support import alive, wait_until
 
 from vertumnus.live.faults import CrashPlan, FaultEvent, run_crash
-from vertumnus.live.procs import ChildSet, ChildSpec
+from vertumnus.live.procs import ChildFailed, ChildSet, ChildSpec
+from vertumnus.live.stack import MAX_RESTARTS, LiveStack, UpConfig
 
 _SLEEP = "import time; print('started', flush=True); time.sleep(60)"
 
@@ -56,6 +57,31 @@ def test_kill_then_restart_gives_one_live_new_child_in_its_place(tmp_path: Path)
         assert not any(alive(p) for p in (first.pid, new.pid, last.pid))
     finally:
         children.stop(timeout_s=1.0)
+
+
+def test_supervision_restarts_an_exited_child_a_bounded_number_of_times(tmp_path: Path) -> None:
+    """LiveStack.restart_exited: a child that exits (here at once, status 75: a rank host
+    asking for a restart) is started again from its spec, at most MAX_RESTARTS times; then it
+    stays exited and check() reports it. A running child is left alone."""
+    stack = LiveStack(UpConfig(gpus=4), log_dir=tmp_path)
+    try:
+        keeps = stack.children.start(_spec("keeps"))
+        quits = stack.children.start(
+            ChildSpec("quits", [sys.executable, "-c", "raise SystemExit(75)"]))
+        seen = [quits.pid]
+        for _ in range(MAX_RESTARTS):
+            wait_until(lambda: stack.children.find("quits").proc.poll() is not None,
+                       "the child to exit")
+            [(name, old, status, new)] = stack.restart_exited()
+            assert (name, old, status) == ("quits", seen[-1], 75) and new not in seen
+            seen.append(new)
+        wait_until(lambda: stack.children.find("quits").proc.poll() is not None, "last exit")
+        assert stack.restart_exited() == []  # past the limit: left exited
+        with pytest.raises(ChildFailed, match="quits"):
+            stack.children.check()
+        assert stack.children.find("keeps") is keeps and alive(keeps.pid)
+    finally:
+        stack.children.stop(timeout_s=1.0)
 
 
 def test_restart_of_a_running_child_kills_it_first(tmp_path: Path) -> None:

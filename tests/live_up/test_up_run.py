@@ -97,10 +97,49 @@ def test_up_survives_a_rank_daemon_crash_and_restart(tmp_path: Path) -> None:
     assert (restart["action"], restart["service"]) == ("restart", "rankd")
     assert kill["at_s"] >= 1.0 - 1e-3 and restart["at_s"] >= kill["at_s"] + 1.0 - 1e-3
     assert restart["pid"] != kill["pid"]
-    assert "faults injected" in proc.stdout and "restart rankd" in proc.stdout, proc.stdout
+    assert "faults and restarts" in proc.stdout and "restart rankd" in proc.stdout, proc.stdout
     pids = json.loads((logs / "pids.json").read_text())
     assert pids["rankd"] == restart["pid"]
     assert not [n for n, p in pids.items() if n != "orchestrator" and alive(p)]
+    assert data["exit_codes"]["rankd"] == 0, data["exit_codes"]
+
+
+def test_up_restarts_a_service_that_dies_on_its_own(tmp_path: Path) -> None:
+    """The rank daemon is SIGKILLed from outside (not by ``up``'s fault injection) once the
+    replay runs: ``up`` supervises its children as compose's ``restart: unless-stopped``
+    would, so it starts the rank daemon again; every request completes and ``faults`` lists
+    the exit (status -9) and the restart."""
+    out = tmp_path / "results.json"
+    logs = tmp_path / "logs"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as fh:
+        proc = subprocess.Popen(
+            cli("up", "--max-requests", "40", "--duration", "60", "--time-scale", "0.05",
+                "--log-dir", str(logs), "--json", str(out), "--no-progress",
+                "--stop-timeout", "10"),
+            cwd=REPO, stdout=subprocess.PIPE, stderr=fh, text=True)
+    try:
+        # "healthy:" is printed when every service (the controller last) is up: the replay
+        # starts right after it.
+        wait_until(lambda: "healthy:" in err.read_text() or proc.poll() is not None,
+                   "the stack to become healthy")
+        assert proc.poll() is None, err.read_text()
+        killed = json.loads((logs / "pids.json").read_text())["rankd"]
+        os.kill(killed, signal.SIGKILL)
+        stdout, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill_leftovers(logs)
+    assert proc.returncode == 0, stdout + err.read_text()
+    data = json.loads(out.read_text())
+    assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
+    exited, restarted = data["faults"]
+    assert (exited["action"], exited["service"], exited["pid"], exited["status"]) == (
+        "exit", "rankd", killed, -9)
+    assert (restarted["action"], restarted["service"]) == ("restart", "rankd")
+    assert json.loads((logs / "pids.json").read_text())["rankd"] == restarted["pid"] != killed
     assert data["exit_codes"]["rankd"] == 0, data["exit_codes"]
 
 

@@ -257,5 +257,5 @@ def test_report_lists_the_injected_faults() -> None:
     out = io.StringIO()
     report.render(Console(file=out, width=200))
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("faults")]
-    assert lines == ["faults injected (wall s after the replay start): kill rankd (pid 812) at "
+    assert lines == ["faults and restarts (wall s after the replay start): kill rankd (pid 812) at "
                      "30.0 s, restart rankd (pid 901) at 35.0 s"]

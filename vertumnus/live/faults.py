@@ -1,5 +1,11 @@
 """Fault injection for ``vertumnus up``: crash the rank daemon during the replay, start it again.
 
+(Apart from injection, ``up`` also supervises its children during the run, as compose's
+``restart: unless-stopped`` would: one that exits on its own -- a crash, or a torch rank host
+exiting 75 after a rank died -- is started again, at most ``MAX_RESTARTS`` times;
+:meth:`vertumnus.live.stack.LiveStack.restart_exited`. Both kinds are :class:`FaultEvent`s of
+the summary's ``faults``.)
+
 ``vertumnus up --kill-rankd-at S [--restart-rankd-after D]`` (sim backend): S wall seconds
 after the replay starts the orchestrator SIGKILLs the rank-daemon child (its whole process
 group: a crash, no shutdown handler runs, every worker it hosts is gone with its queue), and D
@@ -49,20 +55,23 @@ class FaultEvent:
     """One injected fault, as it happened."""
 
     action: str
-    """``"kill"`` or ``"restart"``."""
+    """``"kill"`` (injected), ``"exit"`` (a child ended on its own during the run: a crash, or a
+    rank host's exit for a restart after a worker fault) or ``"restart"`` (injected, or the
+    orchestrator's supervision after an exit)."""
     service: str
     at_s: float
     """Wall seconds since the replay started."""
     pid: int
     """The killed process, or the restarted (new) one."""
     status: int | None = None
-    """kill: the killed process' exit status (-9: the SIGKILL ended it)."""
+    """kill / exit: the process' exit status (-9: a SIGKILL ended it; 75: a rank daemon that
+    met a worker fault asks for a restart)."""
 
     def as_dict(self) -> dict[str, Any]:
-        """The summary's ``faults`` entry (``status`` only for a kill)."""
+        """The summary's ``faults`` entry (``status`` only for a kill or an exit)."""
         out: dict[str, Any] = {"action": self.action, "service": self.service,
                                "at_s": round(self.at_s, 3), "pid": self.pid}
-        if self.action == "kill":
+        if self.action in ("kill", "exit"):
             out["status"] = self.status
         return out
 
@@ -100,8 +109,10 @@ async def run_crash(plan: CrashPlan, *, kill: Callable[[], tuple[int, int | None
 def describe(events: Iterable[Mapping[str, Any]]) -> str:
     """One line of :meth:`FaultEvent.as_dict` entries: ``'kill rankd (pid 812) at 30.0 s,
     restart rankd (pid 901) at 35.0 s'`` (``'none'`` for none)."""
-    return ", ".join(f"{d['action']} {d['service']} (pid {d['pid']}) at {d['at_s']:.1f} s"
-                     for d in events) or "none"
+    return ", ".join(
+        f"{d['action']} {d['service']} (pid {d['pid']}"
+        + (f", status {d['status']}" if d["action"] == "exit" else "")
+        + f") at {d['at_s']:.1f} s" for d in events) or "none"
 
 
 __all__ = ["RANKD", "CrashPlan", "FaultEvent", "describe", "run_crash"]

@@ -227,7 +227,7 @@ class LiveReport:
         else:
             console.print("composition: no epoch record observed (no controller running?)")
         if s["faults"]:
-            console.print("faults injected (wall s after the replay start): "
+            console.print("faults and restarts (wall s after the replay start): "
                           + describe_faults(s["faults"]))
         if s["errors"]:
             console.print("errors: " + "; ".join(f"{n}× {e}" for e, n in s["errors"].items()))

@@ -61,6 +61,10 @@ from vertumnus.live.report import REQUIRED_KEYS, LiveReport
 WINDOW_S: Final[float] = 20.0
 """The controller window H and cache scan period of the paper, modelled seconds."""
 DEFAULT_TIME_SCALE: Final[float] = 0.1
+MAX_RESTARTS: Final[int] = 3
+"""Restarts of one service by ``up``'s supervision (:meth:`LiveStack.restart_exited`)."""
+SUPERVISE_PERIOD_S: Final[float] = 0.5
+"""How often ``up`` looks for exited children during the replay (wall seconds)."""
 DEFAULT_DURATION_S: Final[float] = 240.0
 RATE_PER_GPU: Final[float] = 0.25
 """Default base request rate per GPU (req/s). The synthetic default runs 8 req/s on 40 GPUs
@@ -377,6 +381,7 @@ class LiveStack:
         self.gateway_url: str | None = None
         self.observer: Observer | None = None
         self._killed: dict[str, Child] = {}
+        self._restarts: dict[str, int] = {}  # restart_exited's count per service
         """Children killed by :meth:`kill_child`, by name, until :meth:`restart_child`."""
 
     # -- environment of each child ----------------------------------------------------------
@@ -592,6 +597,25 @@ class LiveStack:
         self._write_pids()
         return new.pid
 
+    def restart_exited(self) -> list[tuple[str, int, int | None, int]]:
+        """Supervision, as compose's ``restart: unless-stopped`` does for a deployment: start
+        again, from its very spec, every child that has exited (a crash, or a rank host that
+        met a worker fault and exits 75 to be restarted), at most :data:`MAX_RESTARTS` times
+        per service; past that it stays exited (:meth:`ChildSet.check` then reports it).
+        Returns (service, old pid, its exit status, new pid) per restart. Call it from the
+        event loop's thread (:meth:`restart_child`'s reason)."""
+        out: list[tuple[str, int, int | None, int]] = []
+        for child in list(self.children.children):
+            status = child.proc.poll()
+            if status is None or self._restarts.get(child.name, 0) >= MAX_RESTARTS:
+                continue
+            self._restarts[child.name] = self._restarts.get(child.name, 0) + 1
+            new = self.children.restart(child)
+            out.append((child.name, child.pid, status, new.pid))
+        if out:
+            self._write_pids()
+        return out
+
     def _write_pids(self) -> None:
         pids = {c.name: c.pid for c in self.children.children}
         if self.nats is not None and self.nats.pid is not None:
@@ -793,19 +817,40 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     health: Health | None = None
     faults: list[FaultEvent] = []
     crash: asyncio.Task[None] | None = None
+    supervisor: asyncio.Task[None] | None = None
+
+    def note(ev: FaultEvent) -> None:
+        err.print(f"fault: {ev.action} {ev.service} (pid {ev.pid}"
+                  + (f", status {ev.status}" if ev.action == "exit" else "")
+                  + f") at {ev.at_s:.1f} s")
+
+    def restart_exited(t0: float) -> None:
+        # Children that end during the run are started again, as compose would (see
+        # LiveStack.restart_exited); injected kills are not seen here (kill_child takes the
+        # child out of the set).
+        for name, old, status, new in stack.restart_exited():
+            at = time.monotonic() - t0
+            for ev in (FaultEvent("exit", name, at, old, status),
+                       FaultEvent("restart", name, at, new)):
+                faults.append(ev)
+                note(ev)
+
+    async def supervise(t0: float) -> None:
+        while True:
+            await asyncio.sleep(SUPERVISE_PERIOD_S)
+            restart_exited(t0)
 
     def replay_started() -> None:
         # The replay's clock starts here: composition changes and faults share it.
-        nonlocal crash
+        nonlocal crash, supervisor
         assert stack.observer is not None
         stack.observer.mark_start()
+        supervisor = asyncio.create_task(supervise(stack.observer.t0), name="supervision")
         if plan is not None:
             crash = asyncio.create_task(run_crash(
                 plan, kill=lambda: stack.kill_child(plan.service),
                 restart=lambda: stack.restart_child(plan.service), events=faults,
-                t0=stack.observer.t0,
-                on_event=lambda ev: err.print(f"fault: {ev.action} {ev.service} (pid {ev.pid}) "
-                                              f"at {ev.at_s:.1f} s")),
+                t0=stack.observer.t0, on_event=note),
                 name="fault-injection")
 
     try:
@@ -827,8 +872,9 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                           f"\n  vertumnus tap '{config.prefix}.>' --nats {stack.nats.url}")
                 observer.mark_start()
                 while True:
-                    await asyncio.sleep(1.0)
-                    stack.children.check()
+                    await asyncio.sleep(SUPERVISE_PERIOD_S)
+                    restart_exited(observer.t0)
+                    stack.children.check()  # a service past MAX_RESTARTS ends the serving
             records, interrupted = await replay_with_progress(
                 health.gateway_url, requests, scale, config.rate_scale,
                 id_prefix="", console=err, show_progress=show_progress,
@@ -844,6 +890,14 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             while me.cancelling():
                 me.uncancel()
     finally:
+        if supervisor is not None:
+            # Parked in its sleep (restarts run synchronously on this thread): cancel() is
+            # enough, and it can no longer touch the child set the stop hands to a thread.
+            failed = supervisor.exception() if supervisor.done() and \
+                not supervisor.cancelled() else None
+            supervisor.cancel()
+            if failed is not None:
+                err.print(f"[red]supervision failed: {failed}")
         if crash is not None and plan is not None:
             # A fault not yet due when the replay ends never happens. cancel() suffices, no
             # await: kill and restart run synchronously on this thread, so the task is parked
