@@ -590,6 +590,7 @@ class SchedulerService(MicroService):
         # worker that dies or restarts takes with it, handed back to intake.
         self.ledger = DispatchLedger()
         self._recovering: set[str] = set()  # workers whose loss is being handled
+        self._restarts: dict[str, int] = {}  # restarts seen per worker (snapshot replies)
         # Worker id -> (incarnation, seq) of its state when a first send found no responder:
         # not eligible until a newer state shows it is back (see _rebuild_view).
         self._unreachable: dict[str, tuple[str, int]] = {}
@@ -705,6 +706,7 @@ class SchedulerService(MicroService):
         again, so the replica trie forgets the old one's blocks (``_rebuild_view`` registers
         it afresh and asks for its snapshot); the requests the old one held are recovered."""
         self.stats.workers_restarted += 1
+        self._restarts[wid] = self._restarts.get(wid, 0) + 1
         self.ledger.retire(wid, old.incarnation)
         self.log.warning("worker restarted", worker=wid, old=old.incarnation,
                          new=new.incarnation)
@@ -801,6 +803,7 @@ class SchedulerService(MicroService):
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def _fetch_snapshot(self, worker: str) -> None:
+        restarts = self._restarts.get(worker, 0)
         try:
             reply = await self.nc.request(
                 self.subjects.cache_snapshot(worker), b"{}",
@@ -809,6 +812,10 @@ class SchedulerService(MicroService):
             event = wire_event(reply.data)
             if not isinstance(event, Snapshot) or event.worker != worker:
                 raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
+            if self._restarts.get(worker, 0) != restarts:
+                # Asked before the worker restarted: it may list the old process's cache.
+                self._snapshot_retry.add(worker)
+                return
             self._snapshot_retry.discard(worker)
             if worker in self.trie.workers():
                 self.trie.apply(event)

@@ -126,6 +126,7 @@ class FakeWorker:
     event_id: int = 0
     snapshot_requests: int = 0
     reply_results: bool = True
+    incarnation: str = ""  # WorkerState.incarnation (a test changes it to play a restart)
     _subs: list[Any] = field(default_factory=list)
 
     async def start(self) -> FakeWorker:
@@ -149,7 +150,8 @@ class FakeWorker:
             gpus=list(range(self.first_gpu, self.first_gpu + self.degree)), epoch=0,
             lifecycle=lifecycle, queue_len=0, outstanding_s=0.0,
             kv_free_blocks=self.kv_total_blocks, kv_total_blocks=self.kv_total_blocks,
-            hit_tokens=512, input_tokens=2048, served=1, heartbeat_s=time.time(),
+            hit_tokens=512, input_tokens=2048, served=1, incarnation=self.incarnation,
+            heartbeat_s=time.time(),
         )
         await kv.put(self.worker_id, to_json(state))
 

@@ -156,6 +156,45 @@ async def test_an_unanswered_first_snapshot_is_asked_again(live: Services,  # ty
     assert a.snapshot_requests >= 1
 
 
+async def test_a_snapshot_asked_before_a_restart_is_not_applied_after_it(
+        live: Services, fake_worker) -> None:  # type: ignore[no-untyped-def]
+    """The old process answers the scheduler's snapshot request only after its successor's
+    state (a new incarnation) arrived: that reply lists the old cache, so it is dropped and
+    the snapshot asked again; the new process's empty cache is what the trie then holds."""
+    a = await fake_worker("w-cp2-g0", 2, 0)
+    a.incarnation = "old"
+    await a.publish_state()
+    hashes = chain_hashes(PROMPT, B)
+    await a.store(None, hashes[:2], publish=False)
+    snap = a._subs.pop()  # FakeWorker.start subscribed its snapshot endpoint last
+    await snap.unsubscribe()
+    release = asyncio.Event()
+    asked: list[int] = []
+
+    async def slow_then_empty(msg: Msg) -> None:
+        asked.append(1)
+        if len(asked) == 1:  # the old process, slow to answer, with its old blocks
+            await release.wait()
+            await a._on_snapshot(msg)
+            return
+        body = {"type": "snapshot", "worker": a.worker_id, "last_event_id": 0, "blocks": []}
+        await msg.respond(json.dumps(body).encode())
+
+    a._subs.append(await a.nc.subscribe(a.subjects.cache_snapshot(a.worker_id),
+                                        cb=slow_then_empty))
+    await a.nc.flush()
+    sched = await live.scheduler(block_size=B)
+    await wait_until(lambda: asked, "the first snapshot request")
+    a.incarnation = "new"
+    await a.publish_state()
+    await wait_until(lambda: sched.stats.workers_restarted == 1, "the restart seen")
+    release.set()
+    await wait_until(lambda: len(asked) >= 2 and sched.stats.snapshots_applied >= 1,
+                     "the snapshot asked again and applied")
+    assert sched.trie.match(hashes).held_blocks == {}
+    assert sched.trie.last_event_id("w-cp2-g0") == 0
+
+
 @pytest.mark.parametrize("policy", ["vllm", "sglang", "round_robin", "static", "dynamo", "llmd"])
 async def test_baselines_run_live(live: Services, fake_worker, policy: str) -> None:  # type: ignore[no-untyped-def]
     a, b = await two_workers(fake_worker)
