@@ -1209,14 +1209,8 @@ class SchedulerService(MicroService):
     async def _worker_holds(self, worker_id: str, request_id: str) -> bool:
         """Whether the worker lists the request as queued or running (its ``queue``
         endpoint); False when it does not answer."""
-        try:
-            rep = await call(self.nc, self.subjects.worker_queue(worker_id),
-                             QueueQuery(worker_id=worker_id), QueueReport,
-                             timeout_s=self.ssettings.dispatch_timeout_s)
-        except (RemoteError, SchemaError, nats.errors.NoRespondersError,
-                nats.errors.TimeoutError, TimeoutError):
-            return False
-        return request_id in rep.in_flight or request_id in rep.queued
+        listed = await self._queue_of(worker_id)
+        return listed is not None and request_id in listed
 
     def worker_gone(self, worker_id: str) -> bool:
         """Whether ``worker_id`` is known gone (see "Failure handling"); never before the
