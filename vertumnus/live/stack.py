@@ -52,6 +52,7 @@ from shared.service import epoch_kv
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, WorkerKind
 from vertumnus.live.faults import CrashPlan, FaultEvent, run_crash
+from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.http import HttpError, get_json
 from vertumnus.live.observe import Observer, ping
 from vertumnus.live.procs import Child, ChildSet, ChildSpec
@@ -820,9 +821,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     supervisor: asyncio.Task[None] | None = None
 
     def note(ev: FaultEvent) -> None:
-        err.print(f"fault: {ev.action} {ev.service} (pid {ev.pid}"
-                  + (f", status {ev.status}" if ev.action == "exit" else "")
-                  + f") at {ev.at_s:.1f} s")
+        err.print(f"fault: {describe_faults([ev.as_dict()])}")
 
     def restart_exited(t0: float) -> None:
         # Children that end during the run are started again, as compose would (see
