@@ -230,6 +230,33 @@ async def ensure_intake_stream(
     )
 
 
+async def ensure_results_stream(
+    js: JetStreamContext,
+    subjects: Subjects,
+    *,
+    max_age_s: float = INTAKE_DUPLICATE_WINDOW_S,
+) -> StreamInfo:
+    """The stream that keeps each request's latest FirstToken (``{prefix}.result.<id>``) for
+    ``max_age_s``: as long as the intake de-duplicates a re-sent request id, so a retry that
+    the intake drops as a duplicate can still be answered after the original's result went
+    by. In memory: a result lost with the server only costs such a retry its answer."""
+    name = subjects.results_stream()
+    try:
+        return await js.stream_info(name)
+    except NotFoundError:
+        pass
+    return await js.add_stream(
+        StreamConfig(
+            name=name,
+            subjects=[subjects.result_all()],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.MEMORY,
+            max_age=max_age_s,
+            max_msgs_per_subject=1,
+        )
+    )
+
+
 # -- continuous pull from a durable consumer --------------------------------------------------
 
 
@@ -698,6 +725,7 @@ __all__ = [
     "nats_callbacks",
     "ensure_intake_stream",
     "ensure_key_value",
+    "ensure_results_stream",
     "epoch_kv",
     "worker_state_kv",
     "error_code",

@@ -223,6 +223,11 @@ class Subjects:
     def result_all(self) -> str:
         return self._join("result", "*")
 
+    def results_stream(self) -> str:
+        """Name of the stream keeping the latest :meth:`result` of each request for a while,
+        so a client's retry of a request id already answered gets that answer."""
+        return f"{self._name_stem}_RESULTS"
+
     def kv_handoff(self, request_id: str) -> str:
         """KV handoff data chunks (msgpack, ``Content-Type`` header) of one request."""
         return self._join("kv", _id(request_id, "request id"))

@@ -18,8 +18,11 @@ One completion (:meth:`GatewayService.complete`):
    (one wildcard subscription instead of a subscribe/unsubscribe pair per request: each of
    those is a protocol round of interest changes on the server and an asyncio task here);
 4. publish the IntakeRequest to the JetStream work queue with ``Nats-Msg-Id`` = request id
-   (a client retry with the same ``request_id`` is de-duplicated by the stream) and the trace
-   context in the headers (and in the message, for rankd's redirects);
+   and the trace context in the headers (and in the message, for rankd's redirects). A client
+   retry with the same ``request_id`` (at this gateway or another, e.g. after a gateway crash
+   cut the client off) is de-duplicated by the stream and answered with the original's result:
+   the one still to come, or the one the results stream kept (``ensure_results_stream``: each
+   request's latest result for as long as the intake de-duplicates);
 5. wait for the FirstToken; answer with the token, the TTFT measured here (received → first
    token here) and the worker's stage breakdown.
 
@@ -40,7 +43,13 @@ from typing import Any, Final
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError, NoStreamResponseError
+from nats.js.errors import (
+    KeyDeletedError,
+    KeyNotFoundError,
+    NoKeysError,
+    NoStreamResponseError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 from opentelemetry import trace
@@ -59,7 +68,13 @@ from shared.schemas import (
     encode,
     from_json,
 )
-from shared.service import Endpoint, MicroService, ensure_intake_stream, worker_state_kv
+from shared.service import (
+    Endpoint,
+    MicroService,
+    ensure_intake_stream,
+    ensure_results_stream,
+    worker_state_kv,
+)
 from shared.subjects import micro_service_name, validate_subject
 from shared.telemetry import Stage, inject, tracer
 
@@ -201,6 +216,7 @@ class GatewayService(MicroService):
     async def setup(self, stack: AsyncExitStack) -> None:
         self._js = self.nc.jetstream()
         await ensure_intake_stream(self._js, self.subjects)
+        await ensure_results_stream(self._js, self.subjects)
         self._states = await worker_state_kv(self._js, self.subjects)
         results = await self.nc.subscribe(self.subjects.result_all(), cb=self._on_result)
 
@@ -345,7 +361,14 @@ class GatewayService(MicroService):
                 raise Unavailable(f"intake stream unavailable: {type(exc).__name__}") from exc
             duplicate = bool(ack.duplicate)
             if duplicate:
-                self.log.info("duplicate request id; waiting for the original's result")
+                # A retry (say, after a gateway crash cut the client off): the intake dropped
+                # it, so the original's result is the answer -- kept in the results stream if
+                # it already went by, else still to come on the subscription.
+                kept = await self._kept_result(rid)
+                if kept is not None and not got.done():
+                    got.set_result((kept, time.time()))
+                self.log.info("duplicate request id; answered with the original's result",
+                              kept=kept is not None)
             try:
                 async with asyncio.timeout(self.gsettings.result_timeout_s):
                     msg, received = await got
@@ -353,8 +376,8 @@ class GatewayService(MicroService):
                 raise FirstTokenTimeout(
                     f"no first token for request {rid} within "
                     f"{self.gsettings.result_timeout_s} s"
-                    + (" (a duplicate of an earlier request id whose result was already "
-                       "delivered?)" if duplicate else "")) from None
+                    + (" (a duplicate of an earlier request id whose result is no longer "
+                       "kept?)" if duplicate else "")) from None
         finally:
             self._forget(rid, got)
         try:
@@ -371,6 +394,21 @@ class GatewayService(MicroService):
             trace_id=format(trace.get_current_span().get_span_context().trace_id, "032x"),
             text=self.detokenize(result.token),
         )
+
+    async def _kept_result(self, rid: str) -> Any:
+        """The latest result of ``rid`` in the results stream (``.data``, ``.headers``), or
+        None: none kept, or the stream did not answer (then the live result may still come)."""
+        assert self._js is not None
+        try:
+            return await asyncio.wait_for(
+                self._js.get_last_msg(self.subjects.results_stream(),
+                                      self.subjects.result(rid)),
+                self.gsettings.publish_timeout_s)
+        except NotFoundError:
+            return None
+        except (nats.errors.Error, TimeoutError) as exc:
+            self.log.warning("results stream not read", error=f"{type(exc).__name__}: {exc}")
+            return None
 
     def _forget(self, rid: str, fut: asyncio.Future[tuple[Msg, float]]) -> None:
         """Drop one waiter (answered, timed out or failed before publishing)."""

@@ -69,3 +69,31 @@ async def test_text_prompt_with_a_tokenizer(live: Services, fake_worker,  # type
     assert out["choices"][0]["token_ids"] == [fake_token("txt-1")]
     assert isinstance(out["choices"][0]["text"], str)
     assert json.loads(reply.body)["vtm"]["request_id"] == "txt-1"
+
+
+async def test_a_retry_of_an_answered_request_gets_the_original_answer(
+    live: Services, fake_worker  # type: ignore[no-untyped-def]
+) -> None:
+    """A client cut off by a gateway crash sends the same request id again, to a new gateway:
+    the intake drops it as a duplicate (nothing is computed twice) and the answer is the
+    original's, kept by the results stream although it went by before the retry -- not a
+    wait for a result that will never come again (504)."""
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=2)
+    first_gw = await live.gateway(block_size=2)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    body = {"prompt_tokens": list(range(9)), "request_id": "again-1"}
+    first = await http(first_gw.http_port, "POST", "/v1/completions", body)
+    assert first.status == 200, first.body
+    assert first.json()["vtm"]["duplicate"] is False
+    await live.stop(first_gw)
+
+    # result_timeout_s is short: a retry waiting for the live result would fail with 504.
+    second_gw = await live.gateway(block_size=2, result_timeout_s=3.0)
+    again = await http(second_gw.http_port, "POST", "/v1/completions", body)
+    assert again.status == 200, again.body
+    out = again.json()
+    assert out["vtm"]["duplicate"] is True
+    assert out["choices"][0]["token_ids"] == [fake_token("again-1")]
+    assert out["vtm"]["worker_id"] == first.json()["vtm"]["worker_id"] == "w-cp2-g0"
+    assert [a.request.request_id for a in w.assignments] == ["again-1"]  # computed once
