@@ -509,11 +509,14 @@ class CacheMgrService(MicroService):
         restart (``_reset_restarted``)."""
         wid = state.worker_id
         self.states[wid] = state
-        if wid in self.trie.workers() and worker_restarted(
-            self._incarnations.get(wid), state.incarnation
-        ):
-            self._reset_restarted(WorkerId(wid), state.incarnation)
-            return
+        if wid in self.trie.workers():
+            if worker_restarted(self._incarnations.get(wid), state.incarnation):
+                self._reset_restarted(WorkerId(wid), state.incarnation)
+                return
+            if 0 < state.kv_total_blocks != self.trie.capacity_blocks(WorkerId(wid)):
+                # Registered before its state was known (from the epoch record, with the
+                # default capacity): its own figure replaces the guess.
+                self.trie.set_capacity(WorkerId(wid), state.kv_total_blocks)
         # Without an epoch record the worker states define the pool; with one, only
         # workers of the record are tracked (a retired worker's last state lingers).
         if self.record is None or wid in record_groups(self.record):
@@ -523,10 +526,10 @@ class CacheMgrService(MicroService):
     def _reset_restarted(self, worker: WorkerId, incarnation: str) -> None:
         """``worker`` was started again under its id: its cache is empty and its event ids
         start again at 1. Its view is dropped (in-flight operations to, from or at it are
-        cancelled) and registered afresh with the same degree and capacity, then its snapshot
-        is asked for."""
+        cancelled) and registered afresh with the same degree and the capacity its new state
+        gives, then its snapshot is asked for."""
         degree = self.trie.worker_degree(worker)
-        capacity = self.trie.capacity_blocks(worker)
+        capacity = self._capacity(worker)
         previous = self._incarnations.get(worker, "")
         cancelled = self.trie.remove_worker(worker)
         self.trie.add_worker(worker, degree, capacity)

@@ -364,6 +364,15 @@ class PrefixTrie:
     def capacity_blocks(self, worker: WorkerId) -> int:
         return self._view(worker).capacity_blocks
 
+    def set_capacity(self, worker: WorkerId, capacity_blocks: int) -> None:
+        """The worker's cache holds ``capacity_blocks`` blocks (its state told us, or a new
+        process has another size); holdings are kept: the worker's own evictions, reported
+        as events, bring them within it."""
+        if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) \
+                or capacity_blocks < 1:
+            raise InvalidInput(f"capacity_blocks must be an integer >= 1, got {capacity_blocks!r}")
+        self._view(worker).capacity_blocks = capacity_blocks
+
     def is_stale(self, worker: WorkerId) -> bool:
         return self._view(worker).stale
 

@@ -235,3 +235,17 @@ def test_holders_match_an_independent_model(ops) -> None:
             assert t.is_stale(v) == (s is None)
             if s is not None:
                 assert t.worker_blocks(v) == s
+
+
+def test_set_capacity_keeps_holdings_and_checks_its_input(make_trie) -> None:
+    t, f = make_trie({"a": 2})
+    f.store("a", [1, 2, 3])
+    before = state(t)
+    t.set_capacity("a", 7)
+    assert t.capacity_blocks("a") == 7 and state(t) == before
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(InvalidInput, match="capacity_blocks must be an integer >= 1"):
+            t.set_capacity("a", bad)  # type: ignore[arg-type]
+    assert t.capacity_blocks("a") == 7
+    with pytest.raises(UnknownWorker):
+        t.set_capacity("zz", 5)

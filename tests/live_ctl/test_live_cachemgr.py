@@ -521,6 +521,30 @@ async def test_a_republished_incarnation_changes_nothing(
     assert svc.counters["restarts"] == 1
 
 
+async def test_a_worker_s_capacity_follows_its_state(
+    nc: Client, nats_server, uniq: str, services
+):
+    """The capacity the manager plans copies against is the worker's own ``kv_total_blocks``:
+    a state with another figure (the worker was registered on a guess) replaces it and keeps
+    the holdings; a restarted process is registered with its new state's figure, not the old
+    process's."""
+    s = Subjects(uniq)
+    await worker_a_with_blocks(nc, nats_server, uniq, services, "a")
+    states = await worker_state_kv(nc.jetstream(), s)
+    await states.put(A, to_json(state(A, [0, 1], blocks=96, incarnation="a")))
+    await states.put(B, to_json(state(B, [2, 3], incarnation="b0")))  # a marker behind it
+    body = await seen_state_of(nc, uniq, B, "b0")
+    w = body["workers"][A]
+    assert (w["capacity_blocks"], w["blocks"], w["last_event_id"]) == (96, 4, 2)
+    assert body["counters"]["restarts"] == 0
+
+    await states.put(A, to_json(state(A, [0, 1], blocks=200, incarnation="a2")))
+    body = await seen_state_of(nc, uniq, A, "a2")
+    w = body["workers"][A]
+    assert body["counters"]["restarts"] == 1
+    assert (w["capacity_blocks"], w["blocks"], w["last_event_id"]) == (200, 0, 0)
+
+
 async def test_an_empty_incarnation_never_resets_a_worker(
     nc: Client, nats_server, uniq: str, services
 ):
