@@ -17,7 +17,8 @@ starts the process again; 2 for settings that cannot work together.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Callable, Coroutine
+from typing import Any, Final, TypeVar
 
 import structlog
 
@@ -28,6 +29,8 @@ from services.rankd.settings import RankdSettings
 from shared.ids import WorkerFault
 from shared.servicemain import load_settings, run_service
 from shared.worker import WorkerKind
+
+S = TypeVar("S", bound=RankdSettings)
 
 WORKER_FAULT_EXIT: Final[int] = 75
 """Exit status after a worker fault: EX_TEMPFAIL ("try again"), the process should be
@@ -65,14 +68,21 @@ async def serve(settings: RankdSettings, backend: ExecutionBackend | None = None
     await service.run()
 
 
-def main() -> None:
+def run_rankd(settings: S, serve_fn: Callable[[S], Coroutine[Any, Any, None]]) -> None:
+    """:func:`shared.servicemain.run_service` for a rank daemon (this main's, or a launcher's
+    with its own ``serve``): a :class:`WorkerFault` ends the process with
+    :data:`WORKER_FAULT_EXIT`, not a traceback."""
     try:
-        run_service(load_settings(RankdSettings, "vertumnus rankd"), serve)
+        run_service(settings, serve_fn)
     except WorkerFault:
         # The cause was logged as an error when it was met; no traceback on top of it.
         structlog.get_logger("vertumnus.rankd").info("exiting for a restart",
                                                      exit_status=WORKER_FAULT_EXIT)
         raise SystemExit(WORKER_FAULT_EXIT) from None
+
+
+def main() -> None:
+    run_rankd(load_settings(RankdSettings, "vertumnus rankd"), serve)
 
 
 if __name__ == "__main__":

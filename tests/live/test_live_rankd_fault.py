@@ -230,3 +230,17 @@ def test_main_exits_non_zero_after_a_worker_fault(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(SystemExit) as exc:
         rankd_main.main()
     assert exc.value.code == rankd_main.WORKER_FAULT_EXIT != 0
+
+
+def test_the_sim_launcher_exits_for_a_restart_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vertumnus up``'s sim rank daemon (its own ``serve`` with the ground truth) ends a
+    worker fault the same way as the real main: exit status WORKER_FAULT_EXIT."""
+    from vertumnus.live import rankd_sim
+
+    def faulted(settings: object, serve: object) -> None:
+        raise WorkerFault(CAUSE)
+
+    monkeypatch.setattr(rankd_main, "run_service", faulted)
+    with pytest.raises(SystemExit) as exc:
+        rankd_sim.main()
+    assert exc.value.code == rankd_main.WORKER_FAULT_EXIT

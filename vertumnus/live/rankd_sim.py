@@ -20,9 +20,9 @@ from pydantic import Field
 
 from services.rankd.backend import ExecutionBackend, HandoffTimeFn, SimBackend
 from services.rankd.host import RankdHost
+from services.rankd.main import run_rankd
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from shared.servicemain import run_service
 from shared.worker import WorkerKind
 
 
@@ -88,7 +88,7 @@ async def serve(settings: SimRankdSettings) -> None:
 
 
 def main() -> None:
-    run_service(SimRankdSettings(), serve)
+    run_rankd(SimRankdSettings(), serve)  # a worker fault exits 75, as the real main does
 
 
 if __name__ == "__main__":
