@@ -6,8 +6,8 @@
   at the end or on Ctrl-C. ``--backend torch`` runs real CP prefill instead: one gloo rank
   process per GPU of ``--gpus`` on this CPU, the small random-weight Qwen3 (or
   ``--model-path``), and by default the short-prompt workload ``synthetic-short``.
-  ``--kill-rankd-at S [--restart-rankd-after D]`` (sim backend) crashes the rank daemon
-  during the replay and starts it again (:mod:`vertumnus.live.faults`).
+  ``--kill-at S [--restart-after D] [--kill-service NAME]`` crashes a service (default the rank
+  daemon) during the replay and starts it again (:mod:`vertumnus.live.faults`).
 * ``replay`` — the same replay and report against a stack that is already running.
 * ``tap`` — print the messages of a subject (default ``vtm.>``) decoded by Content-Type.
 * ``gateway | scheduler | controller | cachemgr | rankd`` — run that service's main with the
@@ -129,12 +129,15 @@ def register(app: typer.Typer) -> None:
         ] = False,
         nats_port: Annotated[int, typer.Option(help="nats-server port (-1: any free)")] = -1,
         http_port: Annotated[int, typer.Option(help="Gateway HTTP port (0: any free)")] = 0,
-        kill_rankd_at: Annotated[float | None, typer.Option(
-            help="Fault injection (--backend sim): SIGKILL the rank daemon (every worker) this "
-                 "many wall seconds after the replay starts")] = None,
-        restart_rankd_after: Annotated[float | None, typer.Option(
-            help="Start the killed rank daemon again this many wall seconds after the kill "
+        kill_at: Annotated[float | None, typer.Option(
+            help="Fault injection: SIGKILL the --kill-service child this many wall seconds "
+                 "after the replay starts")] = None,
+        restart_after: Annotated[float | None, typer.Option(
+            help="Start the killed service again this many wall seconds after the kill "
                  "(default: never)")] = None,
+        kill_service: Annotated[str, typer.Option(
+            help="The service --kill-at crashes: gateway, scheduler, controller, cachemgr or "
+                 "rankd (every worker; --backend sim)")] = "rankd",
     ) -> None:
         """Start nats + every service, replay a workload through the gateway, report, stop."""
         from rich.console import Console
@@ -150,8 +153,8 @@ def register(app: typer.Typer) -> None:
                 prefix=prefix, log_dir=log_dir, stop_timeout_wall_s=stop_timeout,
                 health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
                 http_port=http_port, model_path=model_path, profile_engine=profile_engine,
-                kill_rankd_at_wall_s=kill_rankd_at,
-                restart_rankd_after_wall_s=restart_rankd_after,
+                kill_at_wall_s=kill_at, restart_after_wall_s=restart_after,
+                kill_service=kill_service,
             )
         except ValueError as exc:
             _fail(str(exc))

@@ -76,7 +76,7 @@ def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path) -> None:
 
 
 def test_up_survives_a_rank_daemon_crash_and_restart(tmp_path: Path) -> None:
-    """``--kill-rankd-at 1 --restart-rankd-after 1``: the rank daemon (every worker) is
+    """``--kill-at 1 --restart-after 1``: the rank daemon (every worker) is
     SIGKILLed while requests are arriving (the replay's arrivals span ≈2 wall s) and started
     again a second later; every request still completes, ``faults`` lists both actions, and
     the restarted process is the one pids.json names and the stop reports (status 0)."""
@@ -84,7 +84,7 @@ def test_up_survives_a_rank_daemon_crash_and_restart(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     try:
         proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
-                        "0.05", "--kill-rankd-at", "1", "--restart-rankd-after", "1",
+                        "0.05", "--kill-at", "1", "--restart-after", "1",
                         "--log-dir", str(logs), "--json", str(out), "--no-progress",
                         "--stop-timeout", "10"])
     finally:

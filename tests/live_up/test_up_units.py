@@ -194,30 +194,38 @@ def test_scheduler_gets_the_time_scale_and_scaled_policy_periods(tmp_path: Path)
 
 
 def test_fault_injection_options_are_checked_before_anything_starts() -> None:
-    """``--kill-rankd-at`` / ``--restart-rankd-after``: each refusal names the option and the
-    problem; a valid pair becomes the crash plan (none without a kill)."""
+    """``--kill-at`` / ``--restart-after`` / ``--kill-service``: each refusal names the option
+    and the problem; a valid set becomes the crash plan (none without a kill)."""
     import pytest
 
     from vertumnus.live.faults import CrashPlan
     from vertumnus.live.stack import UpConfig
 
     assert UpConfig().crash_plan() is None
-    assert UpConfig(kill_rankd_at_wall_s=30.0, restart_rankd_after_wall_s=5.0).crash_plan() == (
+    assert UpConfig(kill_at_wall_s=30.0, restart_after_wall_s=5.0).crash_plan() == (
         CrashPlan(30.0, 5.0, "rankd"))
-    assert UpConfig(kill_rankd_at_wall_s=0.0).crash_plan() == CrashPlan(0.0, None)
-    with pytest.raises(ValueError, match=r"--kill-rankd-at must be finite and >= 0 .*got -1"):
-        UpConfig(kill_rankd_at_wall_s=-1.0)
-    with pytest.raises(ValueError, match=r"--kill-rankd-at must be finite .*got nan"):
-        UpConfig(kill_rankd_at_wall_s=math.nan)
-    with pytest.raises(ValueError, match=r"--restart-rankd-after must be finite and >= 0 .*-0.5"):
-        UpConfig(kill_rankd_at_wall_s=1.0, restart_rankd_after_wall_s=-0.5)
-    with pytest.raises(ValueError, match="--restart-rankd-after needs --kill-rankd-at"):
-        UpConfig(restart_rankd_after_wall_s=5.0)
+    assert UpConfig(kill_at_wall_s=0.0).crash_plan() == CrashPlan(0.0, None)
+    assert UpConfig(kill_at_wall_s=2.0, kill_service="scheduler").crash_plan() == (
+        CrashPlan(2.0, None, "scheduler"))
+    # Any service but the rank daemon can be crashed with the torch backend too.
+    assert UpConfig(gpus=4, backend="torch", kill_at_wall_s=1.0,
+                    kill_service="cachemgr").crash_plan() == CrashPlan(1.0, None, "cachemgr")
+    with pytest.raises(ValueError, match=r"--kill-at must be finite and >= 0 .*got -1"):
+        UpConfig(kill_at_wall_s=-1.0)
+    with pytest.raises(ValueError, match=r"--kill-at must be finite .*got nan"):
+        UpConfig(kill_at_wall_s=math.nan)
+    with pytest.raises(ValueError, match=r"--restart-after must be finite and >= 0 .*-0.5"):
+        UpConfig(kill_at_wall_s=1.0, restart_after_wall_s=-0.5)
+    with pytest.raises(ValueError, match="--restart-after needs --kill-at"):
+        UpConfig(restart_after_wall_s=5.0)
+    with pytest.raises(ValueError, match="--kill-service 'nats' is not a service; known: "
+                                         "gateway, scheduler, controller, cachemgr, rankd"):
+        UpConfig(kill_at_wall_s=1.0, kill_service="nats")
     with pytest.raises(ValueError, match="only for --backend sim.*--backend torch runs one "
                                          "process per GPU rank"):
-        UpConfig(gpus=4, backend="torch", kill_rankd_at_wall_s=1.0)
+        UpConfig(gpus=4, backend="torch", kill_at_wall_s=1.0)
     with pytest.raises(ValueError, match="--serve runs no replay"):
-        UpConfig(serve=True, kill_rankd_at_wall_s=1.0, restart_rankd_after_wall_s=1.0)
+        UpConfig(serve=True, kill_at_wall_s=1.0, restart_after_wall_s=1.0)
     with pytest.raises(ValueError, match="kill_at_s must be finite and >= 0"):
         CrashPlan(-1.0)
 
@@ -228,9 +236,12 @@ def test_the_cli_refuses_a_bad_fault_option_with_its_name() -> None:
 
     from vertumnus.cli import app
 
-    res = CliRunner().invoke(app, ["up", "--restart-rankd-after", "5"])
+    res = CliRunner().invoke(app, ["up", "--restart-after", "5"])
     assert res.exit_code == 2
-    assert "--restart-rankd-after needs --kill-rankd-at" in res.output
+    assert "--restart-after needs --kill-at" in res.output
+    res = CliRunner().invoke(app, ["up", "--kill-at", "5", "--kill-service", "nats"])
+    assert res.exit_code == 2
+    assert "--kill-service 'nats' is not a service" in res.output
 
 
 def test_report_counts_errors_by_message_whatever_the_request_id() -> None:

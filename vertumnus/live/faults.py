@@ -1,4 +1,4 @@
-"""Fault injection for ``vertumnus up``: crash the rank daemon during the replay, start it again.
+"""Fault injection for ``vertumnus up``: crash a service during the replay, start it again.
 
 (Apart from injection, ``up`` also supervises its children during the run, as compose's
 ``restart: unless-stopped`` would: one that exits on its own -- a crash, or a torch rank host
@@ -6,13 +6,24 @@ exiting 75 after a rank died -- is started again, at most ``MAX_RESTARTS`` times
 :meth:`vertumnus.live.stack.LiveStack.restart_exited`. Both kinds are :class:`FaultEvent`s of
 the summary's ``faults``.)
 
-``vertumnus up --kill-rankd-at S [--restart-rankd-after D]`` (sim backend): S wall seconds
-after the replay starts the orchestrator SIGKILLs the rank-daemon child (its whole process
-group: a crash, no shutdown handler runs, every worker it hosts is gone with its queue), and D
-wall seconds after the kill starts it again from the very same child spec. The new process
-re-adopts the current epoch record and brings every worker back under its old id with a new
-incarnation; the scheduler hands the requests the dead one held back to intake
-(``services/scheduler/ledger.py``), so a run with a restart should lose no request.
+``vertumnus up --kill-at S [--restart-after D] [--kill-service NAME]``: S wall seconds after
+the replay starts the orchestrator SIGKILLs the service's child (its whole process group: a
+crash, no shutdown handler runs), and D wall seconds after the kill starts it again from the
+very same child spec. What each service's crash costs, and what brings it back:
+
+* ``rankd`` (the default; sim backend: one process hosts every worker, each with its queue):
+  the new process re-adopts the current epoch record and brings every worker back under its
+  old id with a new incarnation; the scheduler hands the requests the dead one held back to
+  intake (``services/scheduler/ledger.py``), so a run with a restart should lose no request.
+* ``scheduler``: intake is a JetStream work queue, so arrivals wait for the new process;
+  assignments in flight are re-sent from their records (exactly once: the rank daemons
+  de-duplicate by intake message).
+* ``controller``: no placement stops; a reconfiguration in progress is finished or rolled
+  back from its epoch record by the new process.
+* ``cachemgr``: no placement stops; replication and reclamation pause, and the new process
+  rebuilds its trie from the workers' snapshots.
+* ``gateway``: the HTTP front door: a client's request open on it when it dies is lost to that
+  client, and arrivals meanwhile are refused; the replay counts both as failed.
 
 :func:`run_crash` is the injection itself, independent of processes: it calls a ``kill`` and a
 ``restart`` callable at the planned moments and records what it did as :class:`FaultEvent`
@@ -31,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 RANKD: Final[str] = "rankd"
-"""The child the crash is injected into (the sim backend's one rank-daemon host)."""
+"""The default child to crash (the sim backend's one rank-daemon host)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,15 @@ class HttpError(RuntimeError):
     """The connection failed or the response was not HTTP."""
 
 
+class ConnectionRefused(HttpError):
+    """Nothing listens at the URL: the request never reached a server (safe to send again)."""
+
+
+class ConnectionDropped(HttpError):
+    """The server closed or lost the connection after the request was sent, before a whole
+    response came (it crashed?): the request may have been taken."""
+
+
 @dataclass(frozen=True, slots=True)
 class Response:
     status: int
@@ -43,7 +52,10 @@ async def request(url: str, method: str = "GET", body: bytes | None = None, *,
     path = path or "/"
     try:
         async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+            except ConnectionRefusedError as exc:
+                raise ConnectionRefused(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
             try:
                 head = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}",
                         "Connection: close", "Accept: application/json"]
@@ -52,8 +64,15 @@ async def request(url: str, method: str = "GET", body: bytes | None = None, *,
                 writer.write(("\r\n".join(head) + "\r\n\r\n").encode("ascii"))
                 if body:
                     writer.write(body)
-                await writer.drain()
-                status_line = await reader.readline()
+                try:
+                    await writer.drain()
+                    status_line = await reader.readline()
+                except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                    raise ConnectionDropped(f"{method} {url}: connection lost: "
+                                            f"{type(exc).__name__}: {exc}") from exc
+                if not status_line:
+                    raise ConnectionDropped(f"{method} {url}: connection closed before a "
+                                            "response")
                 fields = status_line.decode("latin-1").split(" ", 2)
                 if len(fields) < 2 or not fields[0].startswith("HTTP/"):
                     raise HttpError(f"not an HTTP response: {status_line[:80]!r}")
@@ -88,4 +107,12 @@ async def get_json(url: str, *, timeout_s: float = 10.0) -> tuple[int, Any]:
         return r.status, None
 
 
-__all__ = ["HttpError", "Response", "get_json", "request", "split_url"]
+__all__ = [
+    "ConnectionDropped",
+    "ConnectionRefused",
+    "HttpError",
+    "Response",
+    "get_json",
+    "request",
+    "split_url",
+]

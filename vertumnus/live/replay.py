@@ -13,14 +13,17 @@ together). Measured TTFTs are divided by ``time_scale`` to give *modelled* secon
 what the SLO deadlines (paper Table 2) are about; the overhead figures stay in wall time.
 
 TTFT is the gateway's own measurement (request received → first token there, design.md
-"Metrics"); the client-side round trip is recorded too. Overhead per request = TTFT − intake
-wait − worker queue wait − prefill − KV transfer − first decode (what the system adds around
-the work: scheduling, dispatch, result delivery).
+"Metrics"), plus, for a request the client had to send again (a gateway restarting refused the
+connection, or died with it open: ``ReplayConfig.retry_s``), the time from its first try to
+the try that was answered; the client-side round trip is recorded too. Overhead per request =
+TTFT − retry wait − intake wait − worker queue wait − prefill − KV transfer − first decode
+(what the system adds around the work: scheduling, dispatch, result delivery).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -33,7 +36,13 @@ import numpy as np
 from shared.ids import DEFAULT_BLOCK_SIZE
 from shared.tasks import cancel_and_wait
 from sim.workloads.workload import Request, Workload
-from vertumnus.live.http import HttpError, request
+from vertumnus.live.http import (
+    ConnectionDropped,
+    ConnectionRefused,
+    HttpError,
+    Response,
+    request,
+)
 
 VOCAB: Final[int] = 151_936  # Qwen3's vocabulary, so ids stay in a real model's range
 _MASK64: Final[int] = (1 << 64) - 1
@@ -96,7 +105,7 @@ class ReplayRecord:
     input_len: int
     status: int  # HTTP status; 0 = no response (connection error)
     error: str | None = None
-    ttft_s: float = math.nan  # gateway-measured, wall
+    ttft_s: float = math.nan  # wall: measured by the gateway, plus retry_wait_s
     client_s: float = math.nan  # client round trip, wall
     intake_wait_s: float = 0.0
     schedule_s: float = 0.0
@@ -108,6 +117,11 @@ class ReplayRecord:
     worker_id: str | None = None
     epoch: int | None = None
     predicted_prefill_s: float | None = None  # modelled (the scheduler's Ê_C)
+    retry_wait_s: float = 0.0
+    """Wall seconds from the first try to the try that was answered (0: the first was); part
+    of ``ttft_s``, which runs from the first try."""
+    retries: int = 0
+    """Tries after the first (``ReplayConfig.retry_s``)."""
 
     @property
     def ok(self) -> bool:
@@ -115,9 +129,10 @@ class ReplayRecord:
 
     @property
     def overhead_s(self) -> float:
-        """TTFT − intake wait − queue wait − prefill − KV transfer − first decode (wall)."""
-        return self.ttft_s - (self.intake_wait_s + self.queue_wait_s + self.prefill_s
-                              + self.kv_transfer_s + self.first_decode_s)
+        """TTFT − connect wait − intake wait − queue wait − prefill − KV transfer − first
+        decode (wall): the time the system's own steps add."""
+        return self.ttft_s - (self.retry_wait_s + self.intake_wait_s + self.queue_wait_s
+                              + self.prefill_s + self.kv_transfer_s + self.first_decode_s)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,12 +175,21 @@ class ReplayConfig:
     request_timeout_s: float = 600.0
     id_prefix: str = ""
     block_size: int = DEFAULT_BLOCK_SIZE
+    retry_s: float = 10.0
+    """A request whose connection was refused (no gateway listening: one restarting) or
+    dropped before a response (the gateway died with it open) is sent again, with the same
+    request id and a backoff up to 1 s, until this many wall seconds after its first failure,
+    as an HTTP client behind a load balancer would. Safe: a refused one never reached a
+    gateway, and the intake de-duplicates a request id it already has and the gateway answers
+    the copy with the original's result. 0: no retry."""
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "rate_scale", "request_timeout_s"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
+        if not (self.retry_s >= 0 and math.isfinite(self.retry_s)):
+            raise ValueError(f"retry_s must be finite and >= 0, got {self.retry_s}")
 
 
 def prepare_bodies(requests: Sequence[Request], config: ReplayConfig) -> list[bytes]:
@@ -200,16 +224,19 @@ async def replay(
         if delay > 0:
             await asyncio.sleep(delay)
         sent = time.monotonic()
+        rid = wire_id(req, config.id_prefix)
         try:
-            resp = await request(url, "POST", body, timeout_s=config.request_timeout_s)
+            resp, waited, retries = await _send(url, body, config)
             try:
                 payload = resp.json()
             except ValueError:
                 payload = None
-            rec = record_from_response(req, resp.status, payload, time.monotonic() - sent,
-                                       wire_id(req, config.id_prefix))
+            rec = record_from_response(req, resp.status, payload, time.monotonic() - sent, rid)
+            if retries:
+                rec = dataclasses.replace(rec, retry_wait_s=waited, retries=retries,
+                                          ttft_s=rec.ttft_s + waited)
         except (HttpError, TimeoutError) as exc:
-            rec = ReplayRecord(wire_id(req, config.id_prefix), req.arrival_s, req.input_len, 0,
+            rec = ReplayRecord(rid, req.arrival_s, req.input_len, 0,
                                error=str(exc), client_s=time.monotonic() - sent)
         results[i] = rec
         if on_result is not None:
@@ -224,6 +251,31 @@ async def replay(
         # 3.11 (shared/tasks.py), and the gather would wait for that request to time out.
         await cancel_and_wait(tasks)
     return [r for r in results if r is not None]
+
+
+async def _send(url: str, body: bytes, config: ReplayConfig) -> tuple[Response, float, int]:
+    """POST ``body``; a refused or dropped connection is tried again until
+    ``config.retry_s`` after the first failure. Returns the response, the wall seconds from the
+    first try to the one answered, and the number of retries. Raises the last
+    :class:`HttpError` (or TimeoutError)."""
+    first = time.monotonic()
+    retries = 0
+    pause = 0.05
+    deadline = 0.0
+    while True:
+        tried = time.monotonic()
+        try:
+            resp = await request(url, "POST", body, timeout_s=config.request_timeout_s)
+            return resp, tried - first, retries
+        except (ConnectionRefused, ConnectionDropped) as exc:
+            now = time.monotonic()
+            if not retries:
+                deadline = now + config.retry_s  # from the first failure, never extended
+            if now + pause > deadline:
+                raise exc
+        await asyncio.sleep(pause)
+        pause = min(1.0, pause * 2)
+        retries += 1
 
 
 def workload_requests(workload: Workload, max_requests: int | None = None) -> list[Request]:

@@ -164,6 +164,7 @@ class LiveReport:
             "wall_mean_ttft_s": float(np.mean([r.ttft_s for r in ok])) if ok else math.nan,
             "wall_mean_client_s": float(np.mean([r.client_s for r in ok])) if ok else math.nan,
             "errors": _error_counts(failed),
+            "retried": sum(1 for r in self.records if r.retries),
             "composition": [
                 {"epoch": c.epoch, "at_s": c.at_s, "workers": list(c.workers),
                  "label": c.label(), "reason": c.reason} for c in self.changes
@@ -229,6 +230,9 @@ class LiveReport:
         if s["faults"]:
             console.print("faults and restarts (wall s after the replay start): "
                           + describe_faults(s["faults"]))
+        if s["retried"]:
+            console.print(f"sent again by the client (connection refused or dropped: a gateway "
+                          f"restarting): {s['retried']} requests")
         if s["errors"]:
             console.print("errors: " + "; ".join(f"{n}× {e}" for e, n in s["errors"].items()))
 

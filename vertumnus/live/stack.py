@@ -51,9 +51,9 @@ from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, WorkerKind
-from vertumnus.live.faults import CrashPlan, FaultEvent, run_crash
+from vertumnus.live.faults import RANKD, CrashPlan, FaultEvent, run_crash
 from vertumnus.live.faults import describe as describe_faults
-from vertumnus.live.http import HttpError, get_json
+from vertumnus.live.http import HttpError, get_json, split_url
 from vertumnus.live.observe import Observer, ping
 from vertumnus.live.procs import Child, ChildSet, ChildSpec
 from vertumnus.live.registry import SERVICES, SIM_RANKD, ServiceInfo, filter_env
@@ -123,12 +123,15 @@ class UpConfig:
     profile_engine: bool = True
     """torch backend without ``profile``: fit Ê_C on the engine first (:func:`engine_profile`),
     so the scheduler predicts this engine's times, not the simulated H20's."""
-    kill_rankd_at_wall_s: float | None = None
-    """Fault injection (sim backend, replay only): SIGKILL the rank-daemon child this many wall
-    seconds after the replay starts (:mod:`vertumnus.live.faults`); None: no fault."""
-    restart_rankd_after_wall_s: float | None = None
-    """Start the killed rank daemon again (same spec) this many wall seconds after the kill;
-    None: it stays dead. Needs ``kill_rankd_at_wall_s``."""
+    kill_at_wall_s: float | None = None
+    """Fault injection (replay only): SIGKILL the ``kill_service`` child this many wall seconds
+    after the replay starts (:mod:`vertumnus.live.faults`); None: no fault."""
+    restart_after_wall_s: float | None = None
+    """Start the killed child again (same spec) this many wall seconds after the kill; None: it
+    stays dead (``up``'s supervision does not restart an injected kill). Needs
+    ``kill_at_wall_s``."""
+    kill_service: str = RANKD
+    """The child the fault is injected into: one of :data:`vertumnus.live.registry.SERVICES`."""
 
     def __post_init__(self) -> None:
         if not self.workload:
@@ -164,31 +167,33 @@ class UpConfig:
         self._check_faults()
 
     def _check_faults(self) -> None:
-        """The fault-injection options: non-negative, a restart only after a kill, and only
-        where there is one rank-daemon child to kill and a replay to time it from."""
-        kill, restart = self.kill_rankd_at_wall_s, self.restart_rankd_after_wall_s
-        for flag, v in (("--kill-rankd-at", kill), ("--restart-rankd-after", restart)):
+        """The fault-injection options: a known service, non-negative times, a restart only
+        after a kill, a replay to time them from, and one process to kill."""
+        kill, restart = self.kill_at_wall_s, self.restart_after_wall_s
+        for flag, v in (("--kill-at", kill), ("--restart-after", restart)):
             if v is not None and not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{flag} must be finite and >= 0 wall seconds, got {v}")
+        if self.kill_service not in SERVICES:
+            raise ValueError(f"--kill-service {self.kill_service!r} is not a service; known: "
+                             f"{', '.join(SERVICES)}")
         if restart is not None and kill is None:
-            raise ValueError("--restart-rankd-after needs --kill-rankd-at (it restarts the rank "
-                             "daemon that the kill stopped)")
+            raise ValueError("--restart-after needs --kill-at (it restarts the service that "
+                             "the kill stopped)")
         if kill is None:
             return
-        if self.backend != "sim":
-            raise ValueError(f"--kill-rankd-at is only for --backend sim (one rank-daemon "
+        if self.kill_service == RANKD and self.backend != "sim":
+            raise ValueError(f"--kill-service rankd is only for --backend sim (one rank-daemon "
                              f"process hosts every worker); --backend {self.backend} runs one "
                              "process per GPU rank")
         if self.serve:
-            raise ValueError("--kill-rankd-at is timed from the replay's start and --serve "
-                             "runs no replay (kill the rankd pid in the log dir's pids.json "
-                             "yourself)")
+            raise ValueError("--kill-at is timed from the replay's start and --serve runs no "
+                             "replay (kill a pid of the log dir's pids.json yourself)")
 
     def crash_plan(self) -> CrashPlan | None:
-        """The rank-daemon crash to inject during the replay, or None."""
-        if self.kill_rankd_at_wall_s is None:
+        """The crash to inject during the replay, or None."""
+        if self.kill_at_wall_s is None:
             return None
-        return CrashPlan(self.kill_rankd_at_wall_s, self.restart_rankd_after_wall_s)
+        return CrashPlan(self.kill_at_wall_s, self.restart_after_wall_s, self.kill_service)
 
     @property
     def block_size(self) -> int:
@@ -657,6 +662,7 @@ class LiveStack:
                               if w.get("lifecycle") == "active"]
                     if status == 200 and wstatus == 200 and active:
                         self.gateway_url = url
+                        self._pin_gateway_port(url)
                         return Health(url, answered, active)
                     last = (f"gateway /health {status}, /v1/workers {wstatus}, "
                             f"{len(active)} active workers")
@@ -664,6 +670,17 @@ class LiveStack:
                 raise StackError(f"stack not healthy after {self.config.health_timeout_wall_s}"
                                  f" s: {last} (logs in {self.log_dir})")
             await asyncio.sleep(0.3)
+
+    def _pin_gateway_port(self, url: str) -> None:
+        """A gateway started on a port the kernel picked (``http_port`` 0) is started again,
+        after a crash or an injected kill, on that very port: clients keep its URL, as they
+        would keep a deployment's address."""
+        child = self.children.find("gateway")
+        if child is None or child.spec.env.get("VTM_HTTP_PORT") != "0":
+            return
+        port = split_url(url)[1]
+        child.spec = dataclasses.replace(child.spec,
+                                         env={**child.spec.env, "VTM_HTTP_PORT": str(port)})
 
     async def stop(self) -> dict[str, int | None]:
         """Stop children (SIGTERM, then SIGKILL after the bound) and the server."""
