@@ -104,6 +104,34 @@ def test_up_survives_a_rank_daemon_crash_and_restart(tmp_path: Path) -> None:
     assert data["exit_codes"]["rankd"] == 0, data["exit_codes"]
 
 
+def test_up_survives_a_gateway_crash_and_restart(tmp_path: Path) -> None:
+    """``--kill-service gateway``: the gateway dies with requests open on it while more are
+    arriving, and starts again a second later on the same port; the replay sends the refused
+    and the cut-off requests again under their ids, and every one completes, once."""
+    out = tmp_path / "results.json"
+    logs = tmp_path / "logs"
+    try:
+        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
+                        "0.05", "--kill-service", "gateway", "--kill-at", "1",
+                        "--restart-after", "1", "--log-dir", str(logs), "--json", str(out),
+                        "--no-progress", "--stop-timeout", "10"])
+    finally:
+        _kill_leftovers(logs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
+    assert [(f["action"], f["service"]) for f in data["faults"]] == [
+        ("kill", "gateway"), ("restart", "gateway")]
+    assert data["retried"] >= 1  # arrivals went on through the outage
+    listening = [json.loads(line)["url"] for line in
+                 (logs / "gateway.log").read_text().splitlines()
+                 if '"http listening"' in line]
+    assert len(listening) == 2 and listening[0] == listening[1]  # the same address again
+    # Each request was computed once: one result each went by on the results subject.
+    assert data["results_seen"] == 40
+    assert data["exit_codes"]["gateway"] == 0, data["exit_codes"]
+
+
 def test_up_restarts_a_service_that_dies_on_its_own(tmp_path: Path) -> None:
     """The rank daemon is SIGKILLed from outside (not by ``up``'s fault injection) once the
     replay runs: ``up`` supervises its children as compose's ``restart: unless-stopped``
