@@ -129,6 +129,8 @@ def register(app: typer.Typer) -> None:
         ] = False,
         nats_port: Annotated[int, typer.Option(help="nats-server port (-1: any free)")] = -1,
         http_port: Annotated[int, typer.Option(help="Gateway HTTP port (0: any free)")] = 0,
+        schedulers: Annotated[int, typer.Option(
+            help="Scheduler replicas (one process each, sharing the intake)")] = 1,
         kill_at: Annotated[float | None, typer.Option(
             help="Fault injection: SIGKILL the --kill-service child this many wall seconds "
                  "after the replay starts")] = None,
@@ -154,7 +156,7 @@ def register(app: typer.Typer) -> None:
                 health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
                 http_port=http_port, model_path=model_path, profile_engine=profile_engine,
                 kill_at_wall_s=kill_at, restart_after_wall_s=restart_after,
-                kill_service=kill_service,
+                kill_service=kill_service, schedulers=schedulers,
             )
         except ValueError as exc:
             _fail(str(exc))

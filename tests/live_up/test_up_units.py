@@ -193,6 +193,26 @@ def test_scheduler_gets_the_time_scale_and_scaled_policy_periods(tmp_path: Path)
     assert "VTM_POLICY_PARAMS" not in env(policy="vllm", time_scale=1.0)
 
 
+def test_scheduler_replicas_are_children_that_differ_by_instance_id(tmp_path: Path) -> None:
+    import pytest
+
+    from vertumnus.live.stack import MAX_SCHEDULERS, LiveStack, UpConfig
+
+    specs = LiveStack(UpConfig(schedulers=3), log_dir=tmp_path).specs("nats://x:1")
+    sched = [spec for info, spec in specs if info.name == "scheduler"]
+    assert [s.name for s in sched] == ["scheduler", "scheduler-2", "scheduler-3"]
+    assert [s.env["VTM_INSTANCE_ID"] for s in sched] == [
+        "scheduler-0", "scheduler-1", "scheduler-2"]
+    # Everything else is the same: one deployment, one intake consumer.
+    assert {frozenset((k, v) for k, v in s.env.items() if k != "VTM_INSTANCE_ID")
+            for s in sched} == {frozenset((k, v) for k, v in sched[0].env.items()
+                                          if k != "VTM_INSTANCE_ID")}
+    assert len([1 for info, _ in specs if info.name == "gateway"]) == 1
+    for bad in (0, MAX_SCHEDULERS + 1):
+        with pytest.raises(ValueError, match=f"--schedulers must be 1..{MAX_SCHEDULERS}"):
+            UpConfig(schedulers=bad)
+
+
 def test_fault_injection_options_are_checked_before_anything_starts() -> None:
     """``--kill-at`` / ``--restart-after`` / ``--kill-service``: each refusal names the option
     and the problem; a valid set becomes the crash plan (none without a kill)."""

@@ -66,6 +66,8 @@ MAX_RESTARTS: Final[int] = 3
 """Restarts of one service by ``up``'s supervision (:meth:`LiveStack.restart_exited`)."""
 SUPERVISE_PERIOD_S: Final[float] = 0.5
 """How often ``up`` looks for exited children during the replay (wall seconds)."""
+MAX_SCHEDULERS: Final[int] = 8
+"""Most scheduler replicas ``up --schedulers`` starts (each is a process on this machine)."""
 DEFAULT_DURATION_S: Final[float] = 240.0
 RATE_PER_GPU: Final[float] = 0.25
 """Default base request rate per GPU (req/s). The synthetic default runs 8 req/s on 40 GPUs
@@ -115,6 +117,10 @@ class UpConfig:
     """nats-server client port (-1: the kernel picks one)."""
     http_port: int = 0
     """Gateway HTTP port (0: the kernel picks one)."""
+    schedulers: int = 1
+    """Scheduler replicas (children ``scheduler``, ``scheduler-2``, …) sharing the intake's
+    durable consumer, each with its own view and ledger, as ``docker compose up --scale
+    scheduler=N`` runs them."""
     env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Extra ``VTM_*`` variables per service name (override the computed ones)."""
     model_path: Path | None = None
@@ -146,6 +152,8 @@ class UpConfig:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
+        if not 1 <= self.schedulers <= MAX_SCHEDULERS:
+            raise ValueError(f"--schedulers must be 1..{MAX_SCHEDULERS}, got {self.schedulers}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
         if self.backend not in ("sim", "torch"):
@@ -517,6 +525,12 @@ class LiveStack:
             if dropped:
                 self.ignored[name] = dropped
             out.append((info, ChildSpec.module(name, info.module, env=env)))
+            if name == "scheduler":
+                for k in range(1, self.config.schedulers):
+                    # Replicas differ by instance id only (logs, micro metadata, records).
+                    replica = f"{name}-{k + 1}"
+                    out.append((info, ChildSpec.module(
+                        replica, info.module, env={**env, "VTM_INSTANCE_ID": f"{name}-{k}"})))
         return out
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -643,7 +657,7 @@ class LiveStack:
             for micro in self.expected:
                 answered[micro] = len(await ping(self.nc, micro, prefix=self.config.prefix,
                                                  window_s=0.2))
-            waiting = [m for m, n in self.expected.items() if answered.get(m, 0) < 1]
+            waiting = [m for m, n in self.expected.items() if answered.get(m, 0) < n]
             if waiting:
                 last = f"no $SRV.PING answer from {', '.join(waiting)}"
             else:
