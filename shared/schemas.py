@@ -71,6 +71,8 @@ WallTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
 """A worker or request id: one legal subject token (see shared/subjects.py)."""
 Incarnation = Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9_-]*$")]
+MAX_SCHEDULER_REPLICAS: Final[int] = 64
+"""Most scheduler replicas a WorkerState itemises (``outstanding_by``)."""
 """Which start of a worker: a token its rank daemon draws when it creates the worker, so a
 restarted (or re-created) worker with the same id is told apart from the one before it;
 "" = not given (a reader then cannot tell)."""
@@ -169,6 +171,9 @@ class Assignment(Message):
     )
     assigned_at_s: WallTime
     terms: PlacementTerms | None = None
+    scheduler_id: Id | None = Field(
+        default=None, description="the scheduler replica that placed it (its reporter id): "
+        "the worker reports its outstanding work per replica (WorkerState.outstanding_by)")
 
     @model_validator(mode="after")
     def _lengths(self) -> Assignment:
@@ -226,6 +231,10 @@ class WorkerState(Message):
     lifecycle: Lifecycle
     queue_len: NonNegInt = Field(description="requests waiting or running")
     outstanding_s: NonNegFloat = Field(description="Σ predicted remaining service time")
+    outstanding_by: dict[Id, NonNegFloat] = Field(
+        default_factory=dict, max_length=MAX_SCHEDULER_REPLICAS,
+        description="the part of outstanding_s placed by each scheduler replica (by "
+        "Assignment.scheduler_id): a replica counts the rest as other replicas' load")
     kv_free_blocks: NonNegInt = Field(description="free + LRU-evictable cache blocks")
     kv_total_blocks: NonNegInt
     hit_tokens: NonNegInt = Field(default=0, description="cumulative reused input tokens")

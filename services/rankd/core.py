@@ -75,6 +75,7 @@ from services.cachemgr.events import CacheEvent, Snapshot
 from services.rankd.blockcache import BlockCache
 from shared.ids import BlockHash, InvalidInput, UnknownWorker, VertumnusError, WorkerId
 from shared.schemas import (
+    MAX_SCHEDULER_REPLICAS,
     Assignment,
     CacheCommandResult,
     EpochRecord,
@@ -296,6 +297,29 @@ class WorkerCore:
             total += max(0.0, self._running.assignment.predicted_s - elapsed)
         return total
 
+    def outstanding_by(self, now: float) -> dict[str, float]:
+        """:meth:`outstanding_s` split by the scheduler replica that placed each request
+        (``Assignment.scheduler_id``; requests without one are in no entry). At most
+        MAX_SCHEDULER_REPLICAS entries, the largest: a replica left out counts all of this
+        worker's work as other replicas' (an over-estimate, never an under-estimate)."""
+        by: dict[str, float] = {}
+
+        def add(a: Assignment, seconds: float) -> None:
+            if a.scheduler_id is not None:
+                by[a.scheduler_id] = by.get(a.scheduler_id, 0.0) + seconds
+
+        for j in self._queue:
+            add(j.assignment, j.assignment.predicted_s)
+        for j in self._redirecting.values():
+            add(j.assignment, j.assignment.predicted_s)
+        if self._running is not None and self._running.started_at_s is not None:
+            elapsed = max(0.0, now - self._running.started_at_s) / self.time_scale
+            add(self._running.assignment,
+                max(0.0, self._running.assignment.predicted_s - elapsed))
+        if len(by) > MAX_SCHEDULER_REPLICAS:
+            by = dict(sorted(by.items(), key=lambda kv: -kv[1])[:MAX_SCHEDULER_REPLICAS])
+        return by
+
     def state(self, now: float, *, kv_free_blocks: int | None = None) -> WorkerState:
         """The WorkerState to publish now (``seq`` increases on every call)."""
         self._seq += 1
@@ -311,6 +335,7 @@ class WorkerCore:
             lifecycle=self.lifecycle,
             queue_len=len(self),
             outstanding_s=self.outstanding_s(now),
+            outstanding_by=self.outstanding_by(now),
             kv_free_blocks=max(0, min(free, self.kv_total_blocks)),
             kv_total_blocks=self.kv_total_blocks,
             hit_tokens=self.hit_tokens,

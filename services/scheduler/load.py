@@ -13,6 +13,13 @@ real work). The floor is a constructor parameter so a deployment can choose othe
 scaled (``vertumnus up``'s simulated ranks sleep the modelled time × its time scale); the time a
 request has run is divided by it before it is taken off the prediction.
 
+Other scheduler replicas (live, several replicas share the intake): each reserves only what it
+placed, so a worker also holds *foreign* work this tracker never saw. The worker reports it
+(``WorkerState.outstanding_s`` minus this replica's share of it): :meth:`WorkerLoad.set_foreign`
+records that figure and its time, and q_w adds it, less the time run since (the worker serves
+its FIFO at one predicted second per predicted second; the next report corrects the
+estimate), never below 0. A lone scheduler has no foreign work: its q_w is unchanged.
+
 Pure: time is a parameter (``now``), never read from a clock. Every mutator validates first and
 raises a typed error with nothing changed.
 """
@@ -80,6 +87,8 @@ class WorkerLoad:
         "_tokens",
         "_uncached",
         "_blocks",
+        "_foreign_s",
+        "_foreign_at",
     )
 
     def __init__(self, worker: WorkerId, *, overrun_floor_s: float = 0.0,
@@ -104,6 +113,8 @@ class WorkerLoad:
         self._tokens = 0
         self._uncached = 0
         self._blocks = 0
+        self._foreign_s = 0.0  # other replicas' work at _foreign_at (see the module docstring)
+        self._foreign_at = 0.0
 
     # --- queries -------------------------------------------------------------------------
     def queue_delay(self, now: float) -> float:
@@ -115,7 +126,16 @@ class WorkerLoad:
                 rem = a.predicted_s - (now - a.started_at) * self._per_clock_s  # type: ignore
 
                 q += rem if rem > floor else floor
+        if self._foreign_s:
+            f = self._foreign_s - (now - self._foreign_at) * self._per_clock_s
+            if f > 0.0:
+                q += f
         return q
+
+    @property
+    def foreign_s(self) -> float:
+        """Other replicas' work on this worker as last reported (:meth:`set_foreign`)."""
+        return self._foreign_s
 
     @property
     def waiting(self) -> int:
@@ -182,6 +202,16 @@ class WorkerLoad:
         )
 
     # --- mutators ------------------------------------------------------------------------
+    def set_foreign(self, seconds: float, now: float) -> None:
+        """Other scheduler replicas have ``seconds`` of predicted work on this worker as of
+        ``now`` (the worker's report); it replaces the previous figure."""
+        _check_time("seconds", seconds)
+        if seconds < 0:
+            raise InvalidInput(f"foreign work must be >= 0 seconds, got {seconds!r}")
+        _check_time("now", now)
+        self._foreign_s = float(seconds)
+        self._foreign_at = float(now)
+
     def reserve(
         self,
         request_id: RequestId,

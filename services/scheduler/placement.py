@@ -231,6 +231,10 @@ def place_j(
                 for a in ld._running.values():
                     rem = a.predicted_s - (now - a.started_at) * per  # type: ignore[operator]
                     q += rem if rem > floor else floor
+            if ld._foreign_s:  # other scheduler replicas' work (live only)
+                f = ld._foreign_s - (now - ld._foreign_at) * ld._per_clock_s
+                if f > 0.0:
+                    q += f
         else:
             q = ld.queue_delay(now)
         j = q + v

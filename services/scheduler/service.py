@@ -700,6 +700,18 @@ class SchedulerService(MicroService):
                 if old is not None and worker_restarted(old.incarnation, state.incarnation):
                     self._worker_restarted(entry.key, old, state)
             self._rebuild_view()
+            if entry.key in self._states:
+                self._note_foreign(self._states[entry.key])
+
+    def _note_foreign(self, state: WorkerState) -> None:
+        """The worker's outstanding work that other scheduler replicas placed (its report
+        less this replica's share) goes into its q_w (:meth:`WorkerLoad.set_foreign`); 0 with
+        one replica."""
+        ld = self.core.loads.get(WorkerId(state.worker_id))
+        if ld is None:
+            return
+        foreign = state.outstanding_s - state.outstanding_by.get(self.reporter, 0.0)
+        ld.set_foreign(max(0.0, foreign), min(state.heartbeat_s, self.clock()))
 
     def _worker_restarted(self, wid: str, old: WorkerState, new: WorkerState) -> None:
         """A new incarnation runs under ``wid``: its cache is empty and its event ids start
@@ -1332,6 +1344,7 @@ class SchedulerService(MicroService):
             dequeued_at_s=dequeued,
             assigned_at_s=self.clock(),
             terms=placement_terms(decision, self.core.policy, eligible),
+            scheduler_id=self.reporter,
         )
         return assignment, decision
 
@@ -1343,7 +1356,7 @@ class SchedulerService(MicroService):
         return Assignment(
             request=req, worker_id=rec.worker_id, epoch=rec.epoch, degree=rec.degree,
             prefix_tokens=p, recompute_tokens=req.input_len - p, predicted_s=rec.predicted_s,
-            dequeued_at_s=dequeued, assigned_at_s=self.clock(),
+            dequeued_at_s=dequeued, assigned_at_s=self.clock(), scheduler_id=self.reporter,
         )
 
     def _placed(self, rid: str) -> bool:

@@ -341,6 +341,23 @@ def test_state_and_outstanding() -> None:
     assert (s2.hit_tokens, s2.input_tokens) == (0, 1000)
 
 
+def test_outstanding_work_is_itemised_by_scheduler_replica() -> None:
+    """Each scheduler replica reads its own share of the worker's outstanding work off the
+    state (the rest is other replicas' load); requests without a replica id are in none."""
+    core = WorkerCore(WID, time_scale=0.5)
+    core.admit(assignment("a", predicted=2.0).model_copy(update={"scheduler_id": "s1"}), 0.0)
+    core.admit(assignment("b", predicted=3.0).model_copy(update={"scheduler_id": "s2"}), 0.0)
+    core.admit(assignment("c", predicted=1.5).model_copy(update={"scheduler_id": "s1"}), 0.0)
+    core.admit(assignment("d", predicted=4.0), 0.0)  # an older scheduler: no id
+    core.start_next(10.0)
+    # a ran 0.5 wall s at scale 0.5 = 1 modelled s: 1 s of a left
+    assert core.outstanding_by(10.5) == pytest.approx({"s1": 1.0 + 1.5, "s2": 3.0})
+    st = core.state(10.5)
+    assert st.outstanding_by == pytest.approx({"s1": 2.5, "s2": 3.0})
+    assert st.outstanding_s == pytest.approx(2.5 + 3.0 + 4.0)
+    assert WorkerCore(WID).state(0.0).outstanding_by == {}
+
+
 def test_bad_construction() -> None:
     with pytest.raises(InvalidInput):
         WorkerCore("worker-7")

@@ -127,6 +127,8 @@ class FakeWorker:
     snapshot_requests: int = 0
     reply_results: bool = True
     incarnation: str = ""  # WorkerState.incarnation (a test changes it to play a restart)
+    outstanding_s: float = 0.0  # WorkerState.outstanding_s / outstanding_by as published
+    outstanding_by: dict[str, float] = field(default_factory=dict)
     _subs: list[Any] = field(default_factory=list)
 
     async def start(self) -> FakeWorker:
@@ -148,7 +150,8 @@ class FakeWorker:
         state = WorkerState(
             worker_id=self.worker_id, degree=self.degree,
             gpus=list(range(self.first_gpu, self.first_gpu + self.degree)), epoch=0,
-            lifecycle=lifecycle, queue_len=0, outstanding_s=0.0,
+            lifecycle=lifecycle, queue_len=0, outstanding_s=self.outstanding_s,
+            outstanding_by=self.outstanding_by,
             kv_free_blocks=self.kv_total_blocks, kv_total_blocks=self.kv_total_blocks,
             hit_tokens=512, input_tokens=2048, served=1, incarnation=self.incarnation,
             heartbeat_s=time.time(),

@@ -68,6 +68,41 @@ def test_a_scaled_clock_counts_elapsed_time_in_predicted_seconds() -> None:
         WorkerLoad(W("x"), time_scale=0)
 
 
+def test_other_replicas_work_adds_to_q_and_runs_down_with_the_clock() -> None:
+    """Foreign work (other scheduler replicas', as the worker reported it at a time) is part
+    of q_w, less the predicted seconds run since, never below 0; a new report replaces it.
+    J's inlined copy agrees (placement.place_j), with a scaled clock too."""
+    from services.scheduler import ClusterView, RequestInfo, WorkerView, place_j
+    from tests.scheduler.sched_support import ROUND
+
+    ld = WorkerLoad(W("w"))
+    ld.reserve(R("a"), 1.0, now=0.0)
+    assert ld.foreign_s == 0.0 and ld.queue_delay(3.0) == pytest.approx(1.0)
+    ld.set_foreign(2.0, 10.0)
+    assert ld.foreign_s == 2.0
+    assert ld.queue_delay(10.0) == pytest.approx(3.0)
+    assert ld.queue_delay(11.5) == pytest.approx(1.5)
+    assert ld.queue_delay(13.0) == pytest.approx(1.0)  # run down: only our own work left
+    ld.set_foreign(0.5, 13.0)
+    assert ld.queue_delay(13.0) == pytest.approx(1.5)
+    ld.set_foreign(0.0, 14.0)
+    assert ld.queue_delay(14.0) == pytest.approx(1.0)
+
+    scaled = WorkerLoad(W("w"), time_scale=0.1)
+    scaled.set_foreign(2.0, 0.0)
+    assert scaled.queue_delay(0.05) == pytest.approx(1.5)  # 0.05 clock s = 0.5 predicted s
+    v = ClusterView((WorkerView(W("w"), 2),), block_size=100)
+    d = place_j(RequestInfo(R("c"), 100), v, {}, {W("w"): scaled}, 0.05, profile=ROUND,
+                beta=1.0, lam=0.0)
+    assert d.candidate(W("w")).q == scaled.queue_delay(0.05)
+    for bad in (-1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(InvalidInput):
+            ld.set_foreign(bad, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        ld.set_foreign(1.0, float("nan"))
+    assert ld.foreign_s == 0.0  # nothing changed by the refusals
+
+
 def test_duplicate_reserve_and_unknown_ops_change_nothing() -> None:
     ld = WorkerLoad(WorkerId("w"))
     ld.reserve(R("a"), 1.0, tokens=10)

@@ -1,0 +1,76 @@
+"""Several scheduler replicas share the intake, and each reserves only what it placed: a worker
+reports its outstanding work per replica (``WorkerState.outstanding_by``, keyed by
+``Assignment.scheduler_id``), and each replica counts the rest as other replicas' load in q_w.
+Real nats-server, scheduler services in-process, fake workers publishing their states."""
+
+from __future__ import annotations
+
+import time
+
+from live_sched_support import Services, wait_until
+from nats.aio.client import Client
+
+from services.rankd.engine.blockhash import chain_hashes
+from shared.ids import WorkerId
+from shared.schemas import IntakeRequest, encode
+from shared.subjects import Subjects
+
+B = 16
+
+
+async def publish(nc: Client, uniq: str, rid: str) -> None:
+    tokens = list(range(40))
+    req = IntakeRequest(request_id=rid, input_len=len(tokens),
+                        block_hashes=chain_hashes(tokens, B), block_size=B,
+                        arrival_s=time.time())
+    data, headers = encode(req)
+    headers["Nats-Msg-Id"] = rid
+    await nc.jetstream().publish(Subjects(uniq).intake_requests(), data, headers=headers)
+
+
+async def test_each_replica_counts_the_others_share_of_a_worker(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    a = await live.scheduler(block_size=B, instance_id="sched-a")
+    b = await live.scheduler(block_size=B, instance_id="sched-b")
+    for s in (a, b):
+        await wait_until(lambda s=s: len(s.core.view) == 1, "the worker in each view")
+    wid = WorkerId("w-cp2-g0")
+    w.outstanding_s, w.outstanding_by = 5.0, {"sched-a": 2.0, "sched-b": 3.0}
+    await w.publish_state()
+    await wait_until(lambda: a.core.loads[wid].foreign_s == 3.0
+                     and b.core.loads[wid].foreign_s == 2.0, "each replica's foreign share")
+    # Work no replica claims (an older scheduler's) is foreign to all.
+    w.outstanding_s, w.outstanding_by = 4.0, {"sched-a": 1.0}
+    await w.publish_state()
+    await wait_until(lambda: a.core.loads[wid].foreign_s == 3.0
+                     and b.core.loads[wid].foreign_s == 4.0, "the new report")
+
+    # Every assignment names the replica that placed it.
+    for i in range(6):
+        await publish(nc, uniq, f"rep-{i}")
+    await wait_until(lambda: len(w.assignments) == 6, "six assignments")
+    by = {x.request.request_id: x.scheduler_id for x in w.assignments}
+    assert set(by.values()) <= {"sched-a", "sched-b"}
+    assert a.stats.dispatched + b.stats.dispatched == 6
+    assert sum(1 for v in by.values() if v == "sched-a") == a.stats.dispatched
+
+
+async def test_a_replica_places_away_from_a_worker_busy_with_others_work(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """Two idle-looking workers of one degree; the other replicas have 60 s queued on one of
+    them. This replica's J sends a request to the other one, every time."""
+    busy = await fake_worker("w-cp2-g0", 2, 0, outstanding_s=60.0,
+                             outstanding_by={"sched-x": 60.0})
+    free = await fake_worker("w-cp2-g2", 2, 2)
+    sched = await live.scheduler(block_size=B, instance_id="sched-a")
+    await wait_until(lambda: len(sched.core.view) == 2
+                     and sched.core.loads[WorkerId("w-cp2-g0")].foreign_s == 60.0,
+                     "both workers, the busy one's foreign work")
+    for i in range(4):
+        await publish(nc, uniq, f"away-{i}")
+    await wait_until(lambda: len(free.assignments) + len(busy.assignments) == 4,
+                     "four assignments")
+    assert len(free.assignments) == 4 and not busy.assignments
