@@ -20,7 +20,10 @@
   cache view's and the longest prefix shared with a request already assigned to w and not
   finished. Without it, a burst of requests on one new document (L-Eval) is spread over
   every worker and each recomputes the document; SGLang's router gets the same effect by
-  inserting a prompt into its tree at routing time.
+  inserting a prompt into its tree at routing time. With several scheduler replicas, the
+  requests the *others* placed count too (:meth:`note_foreign`, from their placement
+  statistics; :meth:`forget_foreign` at their result): otherwise a conversation's next turn,
+  pulled by another replica while the previous one waits, would lose its worker.
 
 Pure: time is a parameter; no clock, no IO. Every call validates first and changes nothing when
 it raises.
@@ -62,6 +65,8 @@ class SchedulerCore:
         self._requests: dict[RequestId, RequestInfo] = {}
         # worker -> full-block hash -> number of unfinished requests on it containing the block
         self._inflight: dict[WorkerId, dict[BlockHash, int]] = {}
+        # Other replicas' unfinished requests in _inflight: id -> (worker, request, noted at)
+        self._foreign: dict[RequestId, tuple[WorkerId, RequestInfo, float]] = {}
 
     # --- state -----------------------------------------------------------------------------
     @property
@@ -110,6 +115,8 @@ class SchedulerCore:
         if isinstance(request, RequestInfo) and request.request_id in self._where:
             where = self._where[request.request_id]
             raise DuplicateRequest(f"request {request.request_id!r} is already placed on {where}")
+        if self._foreign and request.request_id in self._foreign:
+            self.forget_foreign(request.request_id)  # handed back, and now ours to place
         held = held_blocks
         if getattr(self.policy, "counts_inflight_prefixes", False) and self._inflight:
             held = self._with_inflight(request, held_blocks)
@@ -124,10 +131,54 @@ class SchedulerCore:
         )
         self._where[request.request_id] = d.worker
         self._requests[request.request_id] = request
-        idx = self._inflight.setdefault(d.worker, {})
+        self._add_inflight(d.worker, request)
+        return d
+
+    def _add_inflight(self, worker: WorkerId, request: RequestInfo) -> None:
+        idx = self._inflight.setdefault(worker, {})
         for h in self._full_blocks(request):
             idx[h] = idx.get(h, 0) + 1
-        return d
+
+    # --- other replicas' requests (in-flight prefixes only) ----------------------------------
+    def note_foreign(self, request: RequestInfo, worker: WorkerId, now: float) -> bool:
+        """Another scheduler replica placed ``request`` on ``worker``: its full blocks count as
+        in flight there (never as load: that comes from the worker's report) until
+        :meth:`forget_foreign`. A request this core placed itself is ignored (False); one
+        noted before moves to ``worker`` (re-placed after a hand-back)."""
+        if not isinstance(request, RequestInfo):
+            raise InvalidInput(f"request must be a RequestInfo, got {type(request).__name__}")
+        if not isinstance(worker, str) or not worker:
+            raise InvalidInput(f"worker must be a non-empty string, got {worker!r}")
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise InvalidInput(f"now must be a finite number of seconds, got {now!r}")
+        rid = request.request_id
+        if rid in self._where:
+            return False
+        self.forget_foreign(rid)
+        self._foreign[rid] = (worker, request, float(now))
+        self._add_inflight(worker, request)
+        return True
+
+    def forget_foreign(self, request_id: RequestId) -> bool:
+        """The other replica's request finished (or left): its blocks stop counting."""
+        entry = self._foreign.pop(request_id, None)
+        if entry is None:
+            return False
+        self._release_inflight(entry[0], entry[1])
+        return True
+
+    def expire_foreign(self, before: float) -> int:
+        """Forget other replicas' requests noted before ``before`` (their result was missed:
+        a bound on what a lost message can leave behind). Returns how many."""
+        old = [rid for rid, (_, _, at) in self._foreign.items() if at < before]
+        for rid in old:
+            self.forget_foreign(rid)
+        return len(old)
+
+    @property
+    def foreign_requests(self) -> int:
+        """Other replicas' requests counted in the in-flight prefixes now."""
+        return len(self._foreign)
 
     def _full_blocks(self, request: RequestInfo) -> tuple[BlockHash, ...]:
         n = request.length // self._view.block_size

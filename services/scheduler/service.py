@@ -97,6 +97,11 @@ attributes, and its carrier is passed on to the worker unchanged.
 
 It publishes RequestStats (shared/schemas.py) on ``{prefix}.cache.stats.{reporter}`` and
 keeps AssignmentRecord (defined here) in the assignment bucket.
+
+Replicas: several schedulers share the intake's consumer. Each reserves what it places; the
+others' work on a worker reaches its q_w from the worker's state (``outstanding_by``, by
+``Assignment.scheduler_id``), and the others' placements (their RequestStats) count as
+in-flight prefixes until their results (:meth:`SchedulerCore.note_foreign`).
 """
 
 from __future__ import annotations
@@ -309,6 +314,14 @@ class SchedulerSettings(ServiceSettings):
         gt=0,
         description="How long assignment records (idempotency) are kept; must exceed the "
         "intake duplicate window and the longest redelivery horizon.",
+    )
+
+    peer_ttl_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Another replica's placement counts for the in-flight prefix affinity "
+        "until its result, at most this long (wall seconds; bounds what a missed result "
+        "leaves behind).",
     )
 
     @field_validator("policy_params", mode="before")
@@ -535,6 +548,8 @@ class SchedulerStats:
     lost_in_intake: int = 0  # ... and intake already held that hand-back (de-duplicated)
     workers_restarted: int = 0  # a worker's state named a new incarnation
     unreachable_marked: int = 0  # a first send found no responder: worker excluded for now
+    peer_placements: int = 0  # another replica's placement noted (in-flight prefix affinity)
+    peer_expired: int = 0  # ... forgotten without its result (peer_ttl_s)
 
 
 class SchedulerService(MicroService):
@@ -652,6 +667,8 @@ class SchedulerService(MicroService):
                               handler=self._on_intake, batch=self.ssettings.fetch_batch)
         events = await self.nc.subscribe(s.cache_events_all(), cb=self._on_cache_event)
         results = await self.nc.subscribe(s.result_all(), cb=self._on_result)
+        # Every replica's placement statistics: the others' placements are in-flight prefixes.
+        peers = await self.nc.subscribe(s.cache_stats_all(), cb=self._on_peer_stats)
         await puller.start()
         self._tasks = [
             asyncio.create_task(self._watch_states(watcher), name="sched-states"),
@@ -671,7 +688,7 @@ class SchedulerService(MicroService):
             await cancel_and_wait(self._tasks, self.log)
             with contextlib.suppress(Exception):
                 await watcher.stop()
-            for sub in (events, results):
+            for sub in (events, results, peers):
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
 
@@ -780,6 +797,8 @@ class SchedulerService(MicroService):
                 for summary in self.windows.advance(self.clock()):
                     await self._report_window(summary)
                 self._recover_lost()
+                self.stats.peer_expired += self.core.expire_foreign(
+                    self.clock() - self.ssettings.peer_ttl_s)
                 registered = set(self.trie.workers())
                 self._snapshot_retry &= registered  # workers gone meanwhile
                 for wid in {*self.trie.stale_workers(), *self._snapshot_retry}:
@@ -850,12 +869,28 @@ class SchedulerService(MicroService):
 
     # -- completions --------------------------------------------------------------------------
 
+    async def _on_peer_stats(self, msg: Msg) -> None:
+        """Another replica placed a request (its RequestStats): the request's prefix is in
+        flight on that worker until its result (:meth:`SchedulerCore.note_foreign`)."""
+        if msg.subject.rpartition(".")[2] == self.reporter:
+            return  # our own (the subject's last token is the reporter): not even decoded
+        try:
+            st = decode(RequestStats, msg.data, msg.headers)
+            if st.reporter == self.reporter:
+                return
+            info = RequestInfo(st.request_id, st.input_len, tuple(st.block_hashes))
+            if self.core.note_foreign(info, WorkerId(st.worker_id), self.clock()):
+                self.stats.peer_placements += 1
+        except (SchemaError, VertumnusError) as exc:
+            self.log.warning("peer placement ignored", subject=msg.subject, error=str(exc))
+
     async def _on_result(self, msg: Msg) -> None:
         try:
             result = decode(FirstToken, msg.data, msg.headers)
         except SchemaError:
             return
         rid = result.request_id
+        self.core.forget_foreign(rid)
         self.ledger.pop(rid)
         if result.error is None:
             self._served[rid] = None

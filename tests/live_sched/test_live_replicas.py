@@ -74,3 +74,48 @@ async def test_a_replica_places_away_from_a_worker_busy_with_others_work(
     await wait_until(lambda: len(free.assignments) + len(busy.assignments) == 4,
                      "four assignments")
     assert len(free.assignments) == 4 and not busy.assignments
+
+
+async def test_another_replicas_placement_keeps_a_conversation_on_its_worker(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """Another replica placed four conversations' turns on w-cp2-g2 (its RequestStats went
+    by) and they are still queued there. Each next turn, pulled by this replica, goes to the
+    same worker: their prefixes will be cached there when they start. After the results the
+    other replica's requests are forgotten."""
+    from shared.schemas import FirstToken, RequestStats, TtftStages
+
+    s = Subjects(uniq)
+    w0 = await fake_worker("w-cp2-g0", 2, 0)
+    w2 = await fake_worker("w-cp2-g2", 2, 2)
+    sched = await live.scheduler(block_size=B, instance_id="sched-a")
+    await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+    turns = [list(range(1000 * k, 1000 * k + 64)) for k in range(4)]  # 4 full blocks each
+    for k, tokens in enumerate(turns):
+        stats = RequestStats(
+            request_id=f"peer-{k}", reporter="sched-x", worker_id="w-cp2-g2", degree=2,
+            input_len=len(tokens), block_hashes=chain_hashes(tokens, B), reused_blocks=0,
+            prefix_tokens=0, preferred_degree=2, preferred_worker="w-cp2-g2",
+            predicted_s=0.5, policy="vertumnus", at_s=time.time())
+        data, headers = encode(stats)
+        await nc.publish(s.cache_stats("sched-x"), data, headers=headers)
+    await wait_until(lambda: sched.core.foreign_requests == 4, "the peer's four placements")
+    for k, tokens in enumerate(turns):
+        nxt = tokens + list(range(5000 + 100 * k, 5000 + 100 * k + 20))
+        req = IntakeRequest(request_id=f"next-{k}", input_len=len(nxt),
+                            block_hashes=chain_hashes(nxt, B), block_size=B,
+                            arrival_s=time.time())
+        data, headers = encode(req)
+        headers["Nats-Msg-Id"] = req.request_id
+        await nc.jetstream().publish(s.intake_requests(), data, headers=headers)
+        await wait_until(lambda k=k: len(w0.assignments) + len(w2.assignments) == k + 1,
+                         f"turn {k} placed")
+    assert [a.request.request_id for a in w2.assignments] == [f"next-{k}" for k in range(4)]
+    assert all(a.prefix_tokens == 4 * B for a in w2.assignments) and not w0.assignments
+    for k in range(4):  # the other replica's requests finish
+        done = FirstToken(request_id=f"peer-{k}", token=1, worker_id="w-cp2-g2", epoch=0,
+                          stages=TtftStages(total_s=0.1), finished_at_s=time.time())
+        data, headers = encode(done)
+        await nc.publish(s.result(f"peer-{k}"), data, headers=headers)
+    await wait_until(lambda: sched.core.foreign_requests == 0, "the peer's requests forgotten")
+    assert sched.stats.peer_placements == 4

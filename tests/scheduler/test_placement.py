@@ -415,6 +415,42 @@ def test_inflight_prefix_counts_as_reusable_on_its_worker() -> None:
     assert d3.reused_blocks == 0  # nothing in flight and the cache view says nothing
 
 
+def test_another_replicas_request_is_an_inflight_prefix_until_forgotten() -> None:
+    """A request another scheduler replica placed on "b" (noted from its statistics) makes a
+    request sharing its prefix reuse it on "b" -- no load is reserved for it (the worker's
+    report carries that) -- until its result makes this core forget it."""
+    from sched_support import B
+
+    v = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND, lam=0.0), v)
+    assert core.note_foreign(req("p1", 8 * B), W("b"), 5.0)
+    assert core.foreign_requests == 1 and core.load(W("b")).unfinished == 0
+    d = core.place(req("r1", 8 * B + 10, nblocks=8), {}, 6.0)
+    assert (d.worker, d.reused_blocks) == ("b", 8)
+    core.finish(RequestId("r1"), 7.0)
+    assert core.forget_foreign(RequestId("p1")) and not core.forget_foreign(RequestId("p1"))
+    d = core.place(req("r2", 8 * B + 10, nblocks=8), {}, 8.0)
+    assert d.reused_blocks == 0 and core.foreign_requests == 0
+    # Our own request is never foreign; a noted one that comes to us to place is ours.
+    assert not core.note_foreign(req("r2", 8 * B + 10, nblocks=8), W("a"), 9.0)
+    assert core.note_foreign(req("p2", 8 * B), W("a"), 9.0)
+    core.place(req("p2", 8 * B), {}, 10.0)
+    assert core.foreign_requests == 0
+    # Re-noted elsewhere (re-placed by a peer after a hand-back): it moves.
+    core.note_foreign(req("p3", 4 * B, first=100), W("a"), 11.0)
+    core.note_foreign(req("p3", 4 * B, first=100), W("b"), 12.0)
+    d = core.place(req("r3", 4 * B + 10, nblocks=4, first=100), {}, 12.0)
+    assert d.worker == "b" and core.foreign_requests == 1
+    # A result that never came: expired by age, the oldest first.
+    core.note_foreign(req("p4", 4 * B, first=200), W("a"), 20.0)
+    assert core.expire_foreign(15.0) == 1 and core.foreign_requests == 1
+    for bad in ((object(), W("a"), 1.0), (req("x", 10), "", 1.0),
+                (req("x", 10), W("a"), float("nan"))):
+        with pytest.raises(InvalidInput):
+            core.note_foreign(*bad)  # type: ignore[arg-type]
+    assert core.foreign_requests == 1
+
+
 def test_baselines_do_not_get_inflight_prefixes() -> None:
     from sched_support import B
 
