@@ -207,6 +207,16 @@ async def epoch_kv(js: JetStreamContext, subjects: Subjects) -> KeyValue:
     )
 
 
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    """The stream ``config.name`` as it exists, else created with ``config`` (an existing one
+    is kept as it is: every replica of every service may call this at start)."""
+    assert config.name is not None
+    try:
+        return await js.stream_info(config.name)
+    except NotFoundError:
+        return await js.add_stream(config)
+
+
 async def ensure_intake_stream(
     js: JetStreamContext,
     subjects: Subjects,
@@ -214,20 +224,13 @@ async def ensure_intake_stream(
     duplicate_window_s: float = INTAKE_DUPLICATE_WINDOW_S,
 ) -> StreamInfo:
     """The durable intake work-queue stream (``Nats-Msg-Id`` de-duplication window)."""
-    name = subjects.intake_stream()
-    try:
-        return await js.stream_info(name)
-    except NotFoundError:
-        pass
-    return await js.add_stream(
-        StreamConfig(
-            name=name,
-            subjects=[subjects.intake_requests()],
-            retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE,
-            duplicate_window=duplicate_window_s,
-        )
-    )
+    return await _ensure_stream(js, StreamConfig(
+        name=subjects.intake_stream(),
+        subjects=[subjects.intake_requests()],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        duplicate_window=duplicate_window_s,
+    ))
 
 
 async def ensure_results_stream(
@@ -240,21 +243,14 @@ async def ensure_results_stream(
     ``max_age_s``: as long as the intake de-duplicates a re-sent request id, so a retry that
     the intake drops as a duplicate can still be answered after the original's result went
     by. In memory: a result lost with the server only costs such a retry its answer."""
-    name = subjects.results_stream()
-    try:
-        return await js.stream_info(name)
-    except NotFoundError:
-        pass
-    return await js.add_stream(
-        StreamConfig(
-            name=name,
-            subjects=[subjects.result_all()],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.MEMORY,
-            max_age=max_age_s,
-            max_msgs_per_subject=1,
-        )
-    )
+    return await _ensure_stream(js, StreamConfig(
+        name=subjects.results_stream(),
+        subjects=[subjects.result_all()],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.MEMORY,
+        max_age=max_age_s,
+        max_msgs_per_subject=1,
+    ))
 
 
 # -- continuous pull from a durable consumer --------------------------------------------------
