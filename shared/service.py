@@ -66,6 +66,8 @@ Readers should also treat a state whose ``heartbeat_s`` is older than their own 
 (KV watchers are not told about TTL expiry)."""
 EPOCH_HISTORY: Final[int] = 16
 INTAKE_DUPLICATE_WINDOW_S: Final[float] = 120.0
+RESULTS_STREAM_MAX_BYTES: Final[int] = 64 * 1024 * 1024
+"""Server memory the results stream may hold (≈ 100k results of ~600 bytes)."""
 _NAME_RE: Final[re.Pattern[str]] = re.compile(r"^[A-Za-z0-9_-]+$")
 
 Reply = BaseModel | bytes | None
@@ -250,6 +252,7 @@ async def ensure_results_stream(
         storage=StorageType.MEMORY,
         max_age=max_age_s,
         max_msgs_per_subject=1,
+        max_bytes=RESULTS_STREAM_MAX_BYTES,  # the oldest go first past it (a bound, not a goal)
     ))
 
 
