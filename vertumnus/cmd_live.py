@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import runpy
 import sys
 import uuid
@@ -187,6 +188,9 @@ def register(app: typer.Typer) -> None:
         prefix: Annotated[str, typer.Option(help="Subject prefix (with --nats)")] = "vtm",
         json_out: Annotated[Path | None, typer.Option("--json", help="Write results JSON")] = None,
         progress: Annotated[bool, typer.Option(help="Show the progress bar")] = True,
+        retry: Annotated[float, typer.Option(
+            help="Wall seconds to keep sending a request again whose connection was refused or "
+                 "dropped (a gateway restarting; same request id); 0: never")] = 10.0,
     ) -> None:
         """Replay a trace (or the synthetic workload) through a running gateway; report."""
 
@@ -197,7 +201,7 @@ def register(app: typer.Typer) -> None:
         try:
             summary = asyncio.run(_replay_main(
                 gateway, reqs, time_scale=time_scale, rate_scale=rate_scale, nats_url=nats_url,
-                prefix=prefix, progress=progress, block_size=wl.block_size,
+                prefix=prefix, progress=progress, block_size=wl.block_size, retry_s=retry,
                 meta={"workload": trace, "rate_scale": rate_scale, "seed": seed}))
         except ValueError as exc:
             _fail(str(exc))
@@ -234,7 +238,8 @@ def register(app: typer.Typer) -> None:
 
 async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate_scale: float,
                        nats_url: str | None, prefix: str, progress: bool,
-                       meta: dict[str, Any], block_size: int = 512) -> dict[str, Any]:
+                       meta: dict[str, Any], block_size: int = 512,
+                       retry_s: float = 10.0) -> dict[str, Any]:
     from rich.console import Console
 
     from shared.subjects import Subjects
@@ -244,6 +249,8 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
     from vertumnus.live.stack import replay_with_progress
 
     err = Console(stderr=True)
+    if not (retry_s >= 0 and math.isfinite(retry_s)):
+        raise ValueError(f"--retry must be finite and >= 0 wall seconds, got {retry_s}")
     try:
         status, body = await get_json(gateway.rstrip("/") + "/health")
     except (HttpError, ValueError) as exc:
@@ -265,7 +272,7 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
         # A fresh id prefix: the intake de-duplicates request ids for two minutes.
         records, interrupted = await replay_with_progress(
             gateway, reqs, time_scale, rate_scale, id_prefix=f"x{uuid.uuid4().hex[:6]}-",
-            console=err, show_progress=progress, block_size=block_size,
+            console=err, show_progress=progress, block_size=block_size, retry_s=retry_s,
             on_start=observer.mark_start if observer is not None else None)
         if observer is not None:
             await asyncio.sleep(0.5)

@@ -262,6 +262,10 @@ def test_the_cli_refuses_a_bad_fault_option_with_its_name() -> None:
     res = CliRunner().invoke(app, ["up", "--kill-at", "5", "--kill-service", "nats"])
     assert res.exit_code == 2
     assert "--kill-service 'nats' is not a service" in res.output
+    res = CliRunner().invoke(app, ["replay", "--gateway", "http://127.0.0.1:9",
+                                   "--max-requests", "1", "--retry", "-1"])
+    assert res.exit_code == 2
+    assert "--retry must be finite and >= 0" in res.output
 
 
 def test_report_counts_errors_by_message_whatever_the_request_id() -> None:

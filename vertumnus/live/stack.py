@@ -738,6 +738,7 @@ async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: fl
                                on_start: Callable[[], None] | None = None,
                                bodies: Sequence[bytes] | None = None,
                                block_size: int = DEFAULT_BLOCK_SIZE,
+                               retry_s: float = 10.0,
                                ) -> tuple[list[Any], bool]:
     """Replay with a rich progress bar (stderr); returns (records, interrupted)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -745,7 +746,8 @@ async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: fl
     from vertumnus.live.replay import ReplayConfig, prepare_bodies, replay
 
     rcfg = ReplayConfig(time_scale=time_scale, rate_scale=rate_scale, id_prefix=id_prefix,
-                        request_timeout_s=request_timeout_s, block_size=block_size)
+                        request_timeout_s=request_timeout_s, block_size=block_size,
+                        retry_s=retry_s)
     if bodies is None:
         bodies = await asyncio.to_thread(prepare_bodies, requests, rcfg)
     if on_start is not None:
