@@ -22,7 +22,9 @@ One completion (:meth:`GatewayService.complete`):
    retry with the same ``request_id`` (at this gateway or another, e.g. after a gateway crash
    cut the client off) is de-duplicated by the stream and answered with the original's result:
    the one still to come, or the one the results stream kept (``ensure_results_stream``: each
-   request's latest result for as long as the intake de-duplicates);
+   request's latest result for as long as the intake de-duplicates). A retry of a request the
+   scheduler gave up on (503, "not scheduled") is a new attempt instead, published again
+   under an id derived from that failure's;
 5. wait for the FirstToken; answer with the token, the TTFT measured here (received → first
    token here) and the worker's stage breakdown.
 
@@ -81,6 +83,8 @@ from shared.telemetry import Stage, inject, tracer
 VERSION: Final[str] = "0.1.0"
 MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
 INT32_MAX: Final[int] = (1 << 31) - 1
+NOT_SCHEDULED: Final[str] = "not scheduled"
+"""How a scheduler's error result starts when no worker took the request (HTTP 503)."""
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -365,10 +369,24 @@ class GatewayService(MicroService):
                 # it, so the original's result is the answer -- kept in the results stream if
                 # it already went by, else still to come on the subscription.
                 kept = await self._kept_result(rid)
-                if kept is not None and not got.done():
-                    got.set_result((kept, time.time()))
-                self.log.info("duplicate request id; answered with the original's result",
-                              kept=kept is not None)
+                if kept is not None and _not_scheduled(kept):
+                    # ...unless the scheduler gave up on it (503: "try again later"): then
+                    # this is that later try, a new intake message. Its id is derived from
+                    # the failure's, so concurrent retries of one failure are one message.
+                    headers[MSG_ID_HEADER] = f"{rid}~{kept.seq}"
+                    try:
+                        await self._js.publish(self.subjects.intake_requests(), data,
+                                               headers=headers,
+                                               timeout=self.gsettings.publish_timeout_s)
+                    except (nats.errors.Error, TimeoutError) as exc:
+                        raise Unavailable(
+                            f"intake stream unavailable: {type(exc).__name__}") from exc
+                    self.log.info("retry of a request that was not scheduled; sent again")
+                else:
+                    if kept is not None and not got.done():
+                        got.set_result((kept, time.time()))
+                    self.log.info("duplicate request id; answered with the original's result",
+                                  kept=kept is not None)
             try:
                 async with asyncio.timeout(self.gsettings.result_timeout_s):
                     msg, received = await got
@@ -385,7 +403,7 @@ class GatewayService(MicroService):
         except SchemaError as exc:
             raise WorkerFailed(f"malformed first-token result: {schema_message(exc)}") from exc
         if result.error is not None:
-            if result.error.startswith("not scheduled"):
+            if result.error.startswith(NOT_SCHEDULED):
                 raise Unavailable(result.error)
             raise WorkerFailed(f"request {rid} failed: {result.error}")
         return Completion(
@@ -445,6 +463,15 @@ class GatewayService(MicroService):
             except SchemaError as exc:
                 self.log.warning("bad worker state skipped", key=key, error=str(exc))
         return out
+
+
+def _not_scheduled(kept: Any) -> bool:
+    """A kept result that says the scheduler gave up on the request (no worker took it)."""
+    try:
+        result = decode(FirstToken, kept.data, kept.headers)
+    except SchemaError:
+        return False
+    return result.error is not None and result.error.startswith(NOT_SCHEDULED)
 
 
 class InvalidConfig(ValueError):

@@ -97,3 +97,25 @@ async def test_a_retry_of_an_answered_request_gets_the_original_answer(
     assert out["choices"][0]["token_ids"] == [fake_token("again-1")]
     assert out["vtm"]["worker_id"] == first.json()["vtm"]["worker_id"] == "w-cp2-g0"
     assert [a.request.request_id for a in w.assignments] == ["again-1"]  # computed once
+
+
+async def test_a_retry_after_a_503_is_a_new_attempt(
+    live: Services, fake_worker  # type: ignore[no-untyped-def]
+) -> None:
+    """No worker: the scheduler gives up and the client gets 503 ("try again later"). The
+    client tries again with the same request id once a worker is up: that is scheduled and
+    answered (not the kept 503, and not a wait on a result that never comes). A second retry
+    then gets that answer, without another computation."""
+    sched = await live.scheduler(block_size=2, max_deliver=2, retry_delay_s=0.05)
+    gw = await live.gateway(block_size=2, result_timeout_s=5.0)
+    body = {"prompt_tokens": list(range(9)), "request_id": "later-1"}
+    first = await http(gw.http_port, "POST", "/v1/completions", body)
+    assert first.status == 503, first.body
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+    again = await http(gw.http_port, "POST", "/v1/completions", body)
+    assert again.status == 200, again.body
+    assert again.json()["choices"][0]["token_ids"] == [fake_token("later-1")]
+    third = await http(gw.http_port, "POST", "/v1/completions", body)
+    assert third.status == 200 and third.json()["vtm"]["duplicate"] is True
+    assert [a.request.request_id for a in w.assignments] == ["later-1"]
