@@ -132,6 +132,31 @@ def test_up_survives_a_gateway_crash_and_restart(tmp_path: Path) -> None:
     assert data["exit_codes"]["gateway"] == 0, data["exit_codes"]
 
 
+def test_up_runs_scheduler_replicas(tmp_path: Path) -> None:
+    """``--schedulers 2``: two scheduler processes share the intake (both answer $SRV.PING
+    before the replay starts, both are stopped cleanly) and every request completes once."""
+    out = tmp_path / "results.json"
+    logs = tmp_path / "logs"
+    try:
+        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
+                        "0.05", "--schedulers", "2", "--log-dir", str(logs), "--json",
+                        str(out), "--no-progress", "--stop-timeout", "10"])
+    finally:
+        _kill_leftovers(logs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "'vtm-scheduler': 2" in proc.stderr.replace("\n", " "), proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
+    assert data["results_seen"] == 40
+    pids = json.loads((logs / "pids.json").read_text())
+    assert {"scheduler", "scheduler-2"} <= set(pids)
+    assert data["exit_codes"]["scheduler"] == data["exit_codes"]["scheduler-2"] == 0
+    started = [json.loads(line) for name in ("scheduler.log", "scheduler-2.log")
+               for line in (logs / name).read_text().splitlines()
+               if '"service started"' in line]
+    assert len(started) == 2
+
+
 def test_up_restarts_a_service_that_dies_on_its_own(tmp_path: Path) -> None:
     """The rank daemon is SIGKILLed from outside (not by ``up``'s fault injection) once the
     replay runs: ``up`` supervises its children as compose's ``restart: unless-stopped``
