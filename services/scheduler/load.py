@@ -212,6 +212,18 @@ class WorkerLoad:
         self._foreign_s = float(seconds)
         self._foreign_at = float(now)
 
+    def add_foreign(self, seconds: float, now: float) -> None:
+        """Another replica just placed ``seconds`` of predicted work here (its placement went
+        by before the worker's next report, which then replaces the sum): the foreign work
+        still left at ``now`` plus ``seconds``."""
+        _check_time("seconds", seconds)
+        if seconds < 0:
+            raise InvalidInput(f"foreign work must be >= 0 seconds, got {seconds!r}")
+        _check_time("now", now)
+        left = self._foreign_s - (now - self._foreign_at) * self._per_clock_s
+        self._foreign_s = (left if left > 0.0 else 0.0) + float(seconds)
+        self._foreign_at = float(now)
+
     def reserve(
         self,
         request_id: RequestId,

@@ -879,8 +879,14 @@ class SchedulerService(MicroService):
             if st.reporter == self.reporter:
                 return
             info = RequestInfo(st.request_id, st.input_len, tuple(st.block_hashes))
-            if self.core.note_foreign(info, WorkerId(st.worker_id), self.clock()):
+            now = self.clock()
+            if self.core.note_foreign(info, WorkerId(st.worker_id), now):
                 self.stats.peer_placements += 1
+                # Its work counts at once, not only from the worker's next report (which
+                # replaces the figure, this request included).
+                ld = self.core.loads.get(WorkerId(st.worker_id))
+                if ld is not None:
+                    ld.add_foreign(st.predicted_s, now)
         except (SchemaError, VertumnusError) as exc:
             self.log.warning("peer placement ignored", subject=msg.subject, error=str(exc))
 

@@ -96,10 +96,14 @@ async def test_another_replicas_placement_keeps_a_conversation_on_its_worker(
             request_id=f"peer-{k}", reporter="sched-x", worker_id="w-cp2-g2", degree=2,
             input_len=len(tokens), block_hashes=chain_hashes(tokens, B), reused_blocks=0,
             prefix_tokens=0, preferred_degree=2, preferred_worker="w-cp2-g2",
-            predicted_s=0.5, policy="vertumnus", at_s=time.time())
+            predicted_s=0.001, policy="vertumnus", at_s=time.time())
         data, headers = encode(stats)
         await nc.publish(s.cache_stats("sched-x"), data, headers=headers)
     await wait_until(lambda: sched.core.foreign_requests == 4, "the peer's four placements")
+    # Their predicted work counts on w-cp2-g2 at once (until its next report): 4 × 1 ms,
+    # less what the clock ran down meanwhile (short: so J's load term does not outweigh the
+    # few cached blocks of these small prompts).
+    assert 0.0 < sched.core.loads[WorkerId("w-cp2-g2")].foreign_s <= 0.004
     for k, tokens in enumerate(turns):
         nxt = tokens + list(range(5000 + 100 * k, 5000 + 100 * k + 20))
         req = IntakeRequest(request_id=f"next-{k}", input_len=len(nxt),

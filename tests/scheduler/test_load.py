@@ -101,6 +101,17 @@ def test_other_replicas_work_adds_to_q_and_runs_down_with_the_clock() -> None:
     with pytest.raises(InvalidInput):
         ld.set_foreign(1.0, float("nan"))
     assert ld.foreign_s == 0.0  # nothing changed by the refusals
+    # A peer's placement adds to what is left of the last figure; a report replaces the sum.
+    ld.set_foreign(2.0, 20.0)
+    ld.add_foreign(1.5, 21.0)
+    assert ld.foreign_s == pytest.approx(2.5) and ld.queue_delay(21.0) == pytest.approx(3.5)
+    ld.add_foreign(0.5, 30.0)  # the rest had run down
+    assert ld.foreign_s == pytest.approx(0.5)
+    ld.set_foreign(0.25, 30.0)
+    assert ld.foreign_s == 0.25
+    with pytest.raises(InvalidInput):
+        ld.add_foreign(-1.0, 31.0)
+    assert ld.foreign_s == 0.25
 
 
 def test_duplicate_reserve_and_unknown_ops_change_nothing() -> None:
