@@ -100,8 +100,9 @@ keeps AssignmentRecord (defined here) in the assignment bucket.
 
 Replicas: several schedulers share the intake's consumer. Each reserves what it places; the
 others' work on a worker reaches its q_w from the worker's state (``outstanding_by``, by
-``Assignment.scheduler_id``), and the others' placements (their RequestStats) count as
-in-flight prefixes until their results (:meth:`SchedulerCore.note_foreign`).
+``Assignment.scheduler_id``) and, between two states, from the others' placements (their
+RequestStats: ``WorkerLoad.add_foreign``), which also count as in-flight prefixes until their
+results (:meth:`SchedulerCore.note_foreign`).
 """
 
 from __future__ import annotations
