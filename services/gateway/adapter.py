@@ -83,6 +83,8 @@ from shared.telemetry import Stage, inject, tracer
 VERSION: Final[str] = "0.1.0"
 MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
 INT32_MAX: Final[int] = (1 << 31) - 1
+STREAM_NOT_FOUND: Final[int] = 10059
+"""JetStream API error code of a request naming a stream that does not exist."""
 NOT_SCHEDULED: Final[str] = "not scheduled"
 """How a scheduler's error result starts when no worker took the request (HTTP 503)."""
 
@@ -422,7 +424,13 @@ class GatewayService(MicroService):
                 self._js.get_last_msg(self.subjects.results_stream(),
                                       self.subjects.result(rid)),
                 self.gsettings.publish_timeout_s)
-        except NotFoundError:
+        except NotFoundError as exc:
+            if exc.err_code == STREAM_NOT_FOUND:
+                # Lost with a server that kept no store (it is in memory): make it again, so
+                # the next retries find their results (this one waits for its live result).
+                self.log.warning("results stream missing; creating it again")
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await ensure_results_stream(self._js, self.subjects)
             return None
         except (nats.errors.Error, TimeoutError) as exc:
             self.log.warning("results stream not read", error=f"{type(exc).__name__}: {exc}")

@@ -119,3 +119,30 @@ async def test_a_retry_after_a_503_is_a_new_attempt(
     third = await http(gw.http_port, "POST", "/v1/completions", body)
     assert third.status == 200 and third.json()["vtm"]["duplicate"] is True
     assert [a.request.request_id for a in w.assignments] == ["later-1"]
+
+
+async def test_a_lost_results_stream_is_made_again(
+    live: Services, fake_worker, nc, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """The results stream lives in the server's memory: a server restarted without it loses
+    it. A retry then finds no stream; the gateway creates it again, so later answered
+    requests are kept for their retries once more."""
+    from shared.subjects import Subjects
+
+    await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=2)
+    gw = await live.gateway(block_size=2, result_timeout_s=3.0)
+    await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+    js = nc.jetstream()
+    stream = Subjects(uniq).results_stream()
+    await js.delete_stream(stream)
+    body = {"prompt_tokens": list(range(9)), "request_id": "lost-1"}
+    assert (await http(gw.http_port, "POST", "/v1/completions", body)).status == 200
+    # Its result went by with no stream to keep it: the retry cannot be answered (504), and
+    # the gateway makes the stream again meanwhile.
+    assert (await http(gw.http_port, "POST", "/v1/completions", body)).status == 504
+    assert (await js.stream_info(stream)).config.subjects == [Subjects(uniq).result_all()]
+    body = {"prompt_tokens": list(range(9)), "request_id": "lost-2"}
+    assert (await http(gw.http_port, "POST", "/v1/completions", body)).status == 200
+    again = await http(gw.http_port, "POST", "/v1/completions", body)
+    assert again.status == 200 and again.json()["vtm"]["duplicate"] is True
