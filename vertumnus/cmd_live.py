@@ -139,8 +139,8 @@ def register(app: typer.Typer) -> None:
             help="Start the killed service again this many wall seconds after the kill "
                  "(default: never)")] = None,
         kill_service: Annotated[str, typer.Option(
-            help="The service --kill-at crashes: gateway, scheduler, controller, cachemgr or "
-                 "rankd (every worker; --backend sim)")] = "rankd",
+            help="The service --kill-at crashes: gateway, scheduler, controller, cachemgr, "
+                 "rankd (every worker; --backend sim) or nats (the server)")] = "rankd",
     ) -> None:
         """Start nats + every service, replay a workload through the gateway, report, stop."""
         from rich.console import Console

@@ -337,7 +337,7 @@ class GatewayService(MicroService):
 
     async def _publish_and_wait(self, rid: str, tokens: list[int], hashes: list[int],
                                 body: CompletionRequest, arrival: float) -> Completion:
-        if not self.nats_connected or self._js is None:
+        if self._js is None or not await self._nats_back(self.gsettings.nats_wait_s):
             raise Unavailable("not connected to NATS; try again later")
         carrier = inject({})
         intake = IntakeRequest(
@@ -356,15 +356,7 @@ class GatewayService(MicroService):
         got: asyncio.Future[tuple[Msg, float]] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(rid, []).append(got)
         try:
-            try:
-                ack = await self._js.publish(self.subjects.intake_requests(), data,
-                                             headers=headers,
-                                             timeout=self.gsettings.publish_timeout_s)
-            except (nats.errors.NoRespondersError, NoStreamResponseError,
-                    nats.errors.TimeoutError, TimeoutError, nats.errors.ConnectionClosedError,
-                    nats.errors.ConnectionReconnectingError,
-                    nats.errors.ConnectionDrainingError) as exc:
-                raise Unavailable(f"intake stream unavailable: {type(exc).__name__}") from exc
+            ack = await self._publish_intake(data, headers)
             duplicate = bool(ack.duplicate)
             if duplicate:
                 # A retry (say, after a gateway crash cut the client off): the intake dropped
@@ -376,13 +368,7 @@ class GatewayService(MicroService):
                     # this is that later try, a new intake message. Its id is derived from
                     # the failure's, so concurrent retries of one failure are one message.
                     headers[MSG_ID_HEADER] = f"{rid}~{kept.seq}"
-                    try:
-                        await self._js.publish(self.subjects.intake_requests(), data,
-                                               headers=headers,
-                                               timeout=self.gsettings.publish_timeout_s)
-                    except (nats.errors.Error, TimeoutError) as exc:
-                        raise Unavailable(
-                            f"intake stream unavailable: {type(exc).__name__}") from exc
+                    await self._publish_intake(data, headers)
                     self.log.info("retry of a request that was not scheduled; sent again")
                 else:
                     if kept is not None and not got.done():
@@ -414,6 +400,40 @@ class GatewayService(MicroService):
             trace_id=format(trace.get_current_span().get_span_context().trace_id, "032x"),
             text=self.detokenize(result.token),
         )
+
+    async def _nats_back(self, within_s: float) -> bool:
+        """Connected now, or again within ``within_s`` (nats-py reconnects on its own)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while not self.nats_connected:
+            if self._nc is None or self._nc.is_closed or loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def _publish_intake(self, data: bytes, headers: dict[str, str]) -> Any:
+        """Publish to the intake and return its ack. A connection lost or an intake that does
+        not answer (a broker restarting, JetStream recovering its store) is waited for and the
+        message published again, up to ``nats_wait_s``: the ``Nats-Msg-Id`` makes a repeat
+        that did land a duplicate. Then :class:`Unavailable` (503)."""
+        assert self._js is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.gsettings.nats_wait_s
+        while True:
+            try:
+                return await self._js.publish(self.subjects.intake_requests(), data,
+                                              headers=headers,
+                                              timeout=self.gsettings.publish_timeout_s)
+            except (nats.errors.NoRespondersError, NoStreamResponseError,
+                    nats.errors.TimeoutError, TimeoutError, nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError,
+                    nats.errors.ConnectionDrainingError) as exc:
+                left = deadline - loop.time()
+                if left <= 0 or not await self._nats_back(left):
+                    raise Unavailable(
+                        f"intake stream unavailable: {type(exc).__name__}") from exc
+                self.log.info("intake publish retried", error=type(exc).__name__)
+                await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
 
     async def _kept_result(self, rid: str) -> Any:
         """The latest result of ``rid`` in the results stream (``.data``, ``.headers``), or

@@ -68,3 +68,8 @@ class GatewaySettings(ServiceSettings):
     publish_timeout_s: float = Field(
         default=5.0, gt=0, description="Wait for the intake stream's publish ack (503 after)."
     )
+    nats_wait_s: float = Field(
+        default=10.0, ge=0, description="How long a request waits for a lost NATS connection "
+        "(or an intake that does not answer yet) to come back, publishing again, before 503: "
+        "a broker restart delays requests instead of failing them. 0: 503 at once.",
+    )

@@ -132,6 +132,32 @@ def test_up_survives_a_gateway_crash_and_restart(tmp_path: Path) -> None:
     assert data["exit_codes"]["gateway"] == 0, data["exit_codes"]
 
 
+def test_up_survives_a_nats_server_crash_and_restart(tmp_path: Path) -> None:
+    """``--kill-service nats``: the server is SIGKILLed while requests arrive and started
+    again a second later on its port and JetStream store. Every service reconnects, the
+    gateway holds the requests that arrive meanwhile until it can enqueue them
+    (``nats_wait_s``), and every request completes."""
+    out = tmp_path / "results.json"
+    logs = tmp_path / "logs"
+    try:
+        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
+                        "0.05", "--kill-service", "nats", "--kill-at", "1",
+                        "--restart-after", "1", "--log-dir", str(logs), "--json", str(out),
+                        "--no-progress", "--stop-timeout", "10"])
+    finally:
+        _kill_leftovers(logs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
+    kill, restart = data["faults"]
+    assert (kill["action"], kill["service"], kill["status"]) == ("kill", "nats", -9)
+    assert (restart["action"], restart["service"]) == ("restart", "nats")
+    pids = json.loads((logs / "pids.json").read_text())
+    assert pids["nats-server"] == restart["pid"]
+    assert "Traceback" not in proc.stderr  # the orchestrator's own client reconnects quietly
+    assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
+
+
 def test_up_runs_scheduler_replicas(tmp_path: Path) -> None:
     """``--schedulers 2``: two scheduler processes share the intake (both answer $SRV.PING
     before the replay starts, both are stopped cleanly) and every request completes once."""

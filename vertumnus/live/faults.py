@@ -22,8 +22,13 @@ very same child spec. What each service's crash costs, and what brings it back:
   back from its epoch record by the new process.
 * ``cachemgr``: no placement stops; replication and reclamation pause, and the new process
   rebuilds its trie from the workers' snapshots.
-* ``gateway``: the HTTP front door: a client's request open on it when it dies is lost to that
-  client, and arrivals meanwhile are refused; the replay counts both as failed.
+* ``gateway``: the HTTP front door, started again on the same port: a client whose request
+  was open on it, or whose connection is refused meanwhile, sends it again under the same id
+  (the replay does, ``ReplayConfig.retry_s``); the intake de-duplicates it and the gateway
+  answers with the original's result.
+* ``nats``: the server itself, started again on its port and JetStream store: every service
+  reconnects; the intake, consumers and buckets are recovered from the store; KV watches are
+  made again (``shared.service.KvWatch``).
 
 :func:`run_crash` is the injection itself, independent of processes: it calls a ``kill`` and a
 ``restart`` callable at the planned moments and records what it did as :class:`FaultEvent`
@@ -43,6 +48,8 @@ from typing import Any, Final
 
 RANKD: Final[str] = "rankd"
 """The default child to crash (the sim backend's one rank-daemon host)."""
+NATS: Final[str] = "nats"
+"""The nats-server itself (started again on its port and JetStream store)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,4 +133,4 @@ def describe(events: Iterable[Mapping[str, Any]]) -> str:
         + f") at {d['at_s']:.1f} s" for d in events) or "none"
 
 
-__all__ = ["RANKD", "CrashPlan", "FaultEvent", "describe", "run_crash"]
+__all__ = ["NATS", "RANKD", "CrashPlan", "FaultEvent", "describe", "run_crash"]

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client
@@ -48,10 +49,10 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, tp_worker_name
 from shared.natsserver import EmbeddedNats, find_nats_server
-from shared.service import epoch_kv
+from shared.service import epoch_kv, nats_callbacks
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, WorkerKind
-from vertumnus.live.faults import RANKD, CrashPlan, FaultEvent, run_crash
+from vertumnus.live.faults import NATS, RANKD, CrashPlan, FaultEvent, run_crash
 from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.http import HttpError, get_json, split_url
 from vertumnus.live.observe import Observer, ping
@@ -181,9 +182,9 @@ class UpConfig:
         for flag, v in (("--kill-at", kill), ("--restart-after", restart)):
             if v is not None and not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{flag} must be finite and >= 0 wall seconds, got {v}")
-        if self.kill_service not in SERVICES:
+        if self.kill_service not in (*SERVICES, NATS):
             raise ValueError(f"--kill-service {self.kill_service!r} is not a service; known: "
-                             f"{', '.join(SERVICES)}")
+                             f"{', '.join((*SERVICES, NATS))}")
         if restart is not None and kill is None:
             raise ValueError("--restart-after needs --kill-at (it restarts the service that "
                              "the kill stopped)")
@@ -396,6 +397,7 @@ class LiveStack:
         self.observer: Observer | None = None
         self._killed: dict[str, Child] = {}
         self._restarts: dict[str, int] = {}  # restart_exited's count per service
+        self._killed_nats: int | None = None  # the port of a nats-server kill_child killed
         """Children killed by :meth:`kill_child`, by name, until :meth:`restart_child`."""
 
     # -- environment of each child ----------------------------------------------------------
@@ -535,14 +537,23 @@ class LiveStack:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
+    def _new_nats(self, port: int) -> EmbeddedNats:
+        # The JetStream store is ours, not the server's temporary one, so a server started
+        # again after a crash (fault injection) finds the streams and buckets where they were.
+        return EmbeddedNats(port=port, binary=nats_binary_dying_with_parent(self.log_dir),
+                            store_dir=self.log_dir / "nats-store")
+
     async def start(self) -> Health:
-        self.nats = EmbeddedNats(port=self.config.nats_port,
-                                 binary=nats_binary_dying_with_parent(self.log_dir))
+        self.nats = self._new_nats(self.config.nats_port)
         # NOTE: started from this (the main) thread: the parent-death signal of the shim
         # follows the thread that forked, and a worker thread of to_thread may end first.
         self.nats.start()
         self._write_pids()
-        self.nc = await nats.connect(self.nats.url, name="vertumnus-up", connect_timeout=5)
+        # nats-py reconnects by itself; its default callbacks would print a traceback per
+        # failed attempt on the terminal during a server restart (fault injection), which the
+        # run's own "fault:" lines already tell.
+        self.nc = await nats.connect(self.nats.url, name="vertumnus-up", connect_timeout=5,
+                                     reconnect_time_wait=0.5, **nats_callbacks(_SILENT))
         # Watch from the very start, so warm-up reconfigurations are seen (and told apart).
         self.observer = Observer(self.nc, self.subjects)
         await self.observer.start()
@@ -596,7 +607,10 @@ class LiveStack:
         """Crash the child ``name``: SIGKILL its whole process group
         (:meth:`ChildSet.kill`), which takes it out of the child set (neither the health checks
         nor the exit codes report it) and out of ``pids.json``, until :meth:`restart_child`.
-        Returns its pid and exit status. Raises :class:`StackError` if no such child runs."""
+        Returns its pid and exit status. Raises :class:`StackError` if no such child runs.
+        ``nats`` is the server itself (:meth:`_kill_nats`)."""
+        if name == NATS:
+            return self._kill_nats()
         child = self.children.find(name)
         if child is None:
             raise StackError(f"no {name} child to kill (not started, or killed already)")
@@ -610,12 +624,44 @@ class LiveStack:
         spec (same argv and environment; its log continues in the same file); ``pids.json``
         lists the new pid. Returns it. Raises :class:`StackError` if ``name`` was not killed.
         Call it from the event loop's thread (the parent-death signal, :meth:`ChildSet.start`)."""
+        if name == NATS:
+            return self._restart_nats()
         child = self._killed.pop(name, None)
         if child is None:
             raise StackError(f"no killed {name} child to restart")
         new = self.children.restart(child)
         self._write_pids()
         return new.pid
+
+    def _kill_nats(self) -> tuple[int, int | None]:
+        """SIGKILL the nats-server (its own session: the whole group); its port and store are
+        kept for :meth:`_restart_nats`. Every service and the observer lose their connection
+        and reconnect on their own once a server is back."""
+        server = self.nats
+        if server is None or server.pid is None or self._killed_nats is not None:
+            raise StackError("no nats-server to kill (not started, or killed already)")
+        pid = server.pid
+        port = urlsplit(server.url).port
+        assert port is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        status = server._proc.wait() if server._proc is not None else None
+        server.stop()  # reaped already: this only removes its work dir (not our store)
+        self._killed_nats = port
+        self.nats = None
+        self._write_pids()
+        return pid, status
+
+    def _restart_nats(self) -> int:
+        """A nats-server on the killed one's port and store (JetStream recovers the streams,
+        consumers and buckets from it). Returns its pid."""
+        if self._killed_nats is None:
+            raise StackError("no killed nats-server to restart")
+        self.nats = self._new_nats(self._killed_nats).start()
+        self._killed_nats = None
+        self._write_pids()
+        assert self.nats.pid is not None
+        return self.nats.pid
 
     def restart_exited(self) -> list[tuple[str, int, int | None, int]]:
         """Supervision, as compose's ``restart: unless-stopped`` does for a deployment: start
@@ -712,6 +758,18 @@ class LiveStack:
 
 
 # -- the run ------------------------------------------------------------------------------------
+
+
+class _Silent:
+    """A logger that drops everything (the orchestrator's own NATS connection)."""
+
+    def warning(self, *_a: Any, **_k: Any) -> None:
+        return None
+
+    info = warning
+
+
+_SILENT: Final = _Silent()
 
 
 def _finite(obj: Any) -> Any:
