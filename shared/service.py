@@ -562,6 +562,7 @@ class MicroService:
                 servers=self.settings.nats_servers,
                 name=f"{self.name}:{self.settings.instance_id or ''}",
                 connect_timeout=self.settings.connect_timeout_s,
+                **reconnect_options(self.settings),
                 **nats_callbacks(self.log, self._stop.is_set),  # is_set: our own drain
             )
             stack.push_async_callback(self._drain, nc)
@@ -690,6 +691,13 @@ class KvWatch:
         log.info("kv watch made again after a reconnect", keys=self._keys)
 
 
+def reconnect_options(settings: ServiceSettings) -> dict[str, Any]:
+    """``nats.connect`` options of a service: reconnect every ``reconnect_wait_s``, for ever.
+    (nats-py's defaults give up after 60 attempts 2 s apart: a broker down for two minutes
+    would leave a live process that never serves again.)"""
+    return {"reconnect_time_wait": settings.reconnect_wait_s, "max_reconnect_attempts": -1}
+
+
 def nats_callbacks(log: Any, stopping: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """``error_cb`` / ``disconnected_cb`` / ``reconnected_cb`` for ``nats.connect`` that log
     through ``log`` (structlog) as :class:`MicroService` does: a transient error or disconnect
@@ -721,6 +729,7 @@ __all__ = [
     "SchemaError",
     "call",
     "KvWatch",
+    "reconnect_options",
     "nats_callbacks",
     "ensure_intake_stream",
     "ensure_key_value",

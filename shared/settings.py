@@ -96,6 +96,10 @@ class ServiceSettings(BaseSettings):
     drain_timeout_s: float = Field(
         default=10.0, gt=0, description="Upper bound on graceful shutdown (drain) time."
     )
+    reconnect_wait_s: float = Field(
+        default=0.5, gt=0, description="Pause between attempts to reconnect to a lost NATS "
+        "server; attempts never stop (a service outlives a broker restart of any length).",
+    )
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     log: LogSettings = Field(default_factory=LogSettings)
 

@@ -43,7 +43,7 @@ from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput, WorkerFault
 from shared.schemas import EpochRecord, SchemaError, decode
-from shared.service import KvWatch, epoch_kv, nats_callbacks
+from shared.service import KvWatch, epoch_kv, nats_callbacks, reconnect_options
 from shared.tasks import cancel_and_wait, cancel_requested
 from shared.worker import GpuGroup, WorkerKind
 
@@ -178,6 +178,7 @@ class RankdHost:
                     servers=self.settings.nats_servers,
                     name=f"vtm-rankd-host:{self.gpus.start}-{self.gpus.stop - 1}",
                     connect_timeout=self.settings.connect_timeout_s,
+                    **reconnect_options(self.settings),
                     **nats_callbacks(log, self._stop.is_set),
                 )
                 stack.push_async_callback(nc.drain)
