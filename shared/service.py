@@ -244,16 +244,44 @@ async def ensure_results_stream(
     """The stream that keeps each request's latest FirstToken (``{prefix}.result.<id>``) for
     ``max_age_s``: as long as the intake de-duplicates a re-sent request id, so a retry that
     the intake drops as a duplicate can still be answered after the original's result went
-    by. In memory: a result lost with the server only costs such a retry its answer."""
+    by, and a gateway that was cut off from NATS when a result went by finds it there
+    (:func:`publish_result` stores every result before it counts as sent). On file, like the
+    intake: it outlives a server restart."""
     return await _ensure_stream(js, StreamConfig(
         name=subjects.results_stream(),
         subjects=[subjects.result_all()],
         retention=RetentionPolicy.LIMITS,
-        storage=StorageType.MEMORY,
+        storage=StorageType.FILE,
         max_age=max_age_s,
         max_msgs_per_subject=1,
         max_bytes=RESULTS_STREAM_MAX_BYTES,  # the oldest go first past it (a bound, not a goal)
     ))
+
+
+async def publish_result(nc: Client, subject: str, data: bytes, headers: dict[str, str], *,
+                         timeout_s: float = 2.0, within_s: float = 30.0,
+                         log: Any = None) -> bool:
+    """Publish a FirstToken so that it is not lost to a broker blip: as a JetStream publish,
+    which the waiting gateway receives like any message and the results stream stores,
+    sent again (after the connection is back) until the stream acknowledges it, for up to
+    ``within_s``. A repeat may reach the gateway twice; a result is idempotent there.
+    Returns False (after a warning through ``log``) when it was never acknowledged."""
+    js = nc.jetstream()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        try:
+            await js.publish(subject, data, headers=headers, timeout=timeout_s)
+            return True
+        except (nats.errors.Error, TimeoutError) as exc:
+            if loop.time() >= deadline or nc.is_closed:
+                if log is not None:
+                    log.warning("result not stored by the results stream", subject=subject,
+                                error=f"{type(exc).__name__}: {exc}")
+                return False
+        while not nc.is_connected and not nc.is_closed and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)
 
 
 # -- continuous pull from a durable consumer --------------------------------------------------
@@ -734,6 +762,7 @@ __all__ = [
     "ensure_intake_stream",
     "ensure_key_value",
     "ensure_results_stream",
+    "publish_result",
     "epoch_kv",
     "worker_state_kv",
     "error_code",

@@ -78,11 +78,14 @@ from shared.service import (
     worker_state_kv,
 )
 from shared.subjects import micro_service_name, validate_subject
+from shared.tasks import cancel_and_wait
 from shared.telemetry import Stage, inject, tracer
 
 VERSION: Final[str] = "0.1.0"
 MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
 INT32_MAX: Final[int] = (1 << 31) - 1
+SWEEP_PERIOD_S: Final[float] = 0.25
+"""How often the gateway checks whether its NATS connection was re-established."""
 STREAM_NOT_FOUND: Final[int] = 10059
 """JetStream API error code of a request naming a stream that does not exist."""
 NOT_SCHEDULED: Final[str] = "not scheduled"
@@ -231,6 +234,12 @@ class GatewayService(MicroService):
                 await results.unsubscribe()
 
         stack.push_async_callback(unsubscribe)
+        sweeper = asyncio.create_task(self._sweep_after_reconnects(), name="gateway-sweep")
+
+        async def stop_sweeper() -> None:
+            await cancel_and_wait([sweeper])
+
+        stack.push_async_callback(stop_sweeper)
         if self.gsettings.http_port is not None:
             from services.gateway.app import make_http_server
 
@@ -285,6 +294,30 @@ class GatewayService(MicroService):
             for fut in waiters:
                 if not fut.done():
                     fut.set_result((msg, received))
+
+    async def _sweep_after_reconnects(self) -> None:
+        """After our connection to NATS came back, look up every request still waiting in
+        the results stream: a result that went by while we were cut off is there (workers
+        store every result, ``publish_result``). A scheduler's "not scheduled" result is left
+        alone: it may be an earlier attempt's, and this one's is still to come."""
+        seen = self.nc.stats["reconnects"]
+        while True:
+            await asyncio.sleep(SWEEP_PERIOD_S)
+            now = self.nc.stats["reconnects"]
+            if now == seen or not self.nats_connected:
+                continue
+            seen = now
+            found = 0
+            for rid in list(self._waiting):
+                kept = await self._kept_result(rid)
+                if kept is None or _not_scheduled(kept):
+                    continue
+                received = time.time()
+                for fut in self._waiting.pop(rid, ()):
+                    if not fut.done():
+                        fut.set_result((kept, received))
+                        found += 1
+            self.log.info("waiting requests looked up after a reconnect", answered=found)
 
     # -- one completion ---------------------------------------------------------------------
 
@@ -446,8 +479,8 @@ class GatewayService(MicroService):
                 self.gsettings.publish_timeout_s)
         except NotFoundError as exc:
             if exc.err_code == STREAM_NOT_FOUND:
-                # Lost with a server that kept no store (it is in memory): make it again, so
-                # the next retries find their results (this one waits for its live result).
+                # Lost with the server's store: make it again, so the next retries find
+                # their results (this one waits for its live result).
                 self.log.warning("results stream missing; creating it again")
                 with contextlib.suppress(nats.errors.Error, TimeoutError):
                     await ensure_results_stream(self._js, self.subjects)

@@ -125,7 +125,9 @@ from shared.service import (
     Endpoint,
     KvWatch,
     MicroService,
+    ensure_results_stream,
     epoch_kv,
+    publish_result,
     request_model,
     worker_state_kv,
 )
@@ -374,6 +376,7 @@ class RankdService(MicroService):
             self._js, self.subjects, lease_s=self.rsettings.lease_s
         )
         epochs = await epoch_kv(self._js, self.subjects)
+        await ensure_results_stream(self._js, self.subjects)  # publish_result stores into it
         # Adopt the current record before serving, so the first admission uses it.
         try:
             entry = await epochs.get(self.subjects.epoch_key())
@@ -615,9 +618,7 @@ class RankdService(MicroService):
             finished_at_s=result.finished_at_s,
         )
         data, headers = encode(msg)
-        await self.nc.publish(
-            self.subjects.result(a.request.request_id), data, headers=inject(headers)
-        )
+        self._send_result(self.subjects.result(a.request.request_id), data, inject(headers))
 
     async def _publish_failure(self, job: Job, reason: str) -> None:
         a = job.assignment
@@ -633,7 +634,16 @@ class RankdService(MicroService):
             finished_at_s=now,
         )
         data, headers = encode(msg)
-        await self.nc.publish(self.subjects.result(a.request.request_id), data, headers=headers)
+        self._send_result(self.subjects.result(a.request.request_id), data, headers)
+
+    def _send_result(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """Publish a FirstToken from a task of its own (:func:`publish_result`: stored by the
+        results stream, sent again across a broker blip), so the worker's next request does
+        not wait for the stream's acknowledgement; shutdown waits for it (``_handoffs``)."""
+        task = asyncio.create_task(
+            publish_result(self.nc, subject, data, headers, log=self.log), name="rankd-result")
+        self._handoffs.add(task)
+        task.add_done_callback(self._handoffs.discard)
 
     def _hand_back(self, jobs: Sequence[Job]) -> None:
         """Start redirecting ``jobs`` (just handed back by the core) in a task of their own.

@@ -124,9 +124,9 @@ async def test_a_retry_after_a_503_is_a_new_attempt(
 async def test_a_lost_results_stream_is_made_again(
     live: Services, fake_worker, nc, uniq: str  # type: ignore[no-untyped-def]
 ) -> None:
-    """The results stream lives in the server's memory: a server restarted without it loses
-    it. A retry then finds no stream; the gateway creates it again, so later answered
-    requests are kept for their retries once more."""
+    """The results stream is lost with a server's store (deleted here). A retry then finds no
+    stream; the gateway creates it again, so later answered requests are kept for their
+    retries once more."""
     from shared.subjects import Subjects
 
     await fake_worker("w-cp2-g0", 2, 0)

@@ -238,9 +238,11 @@ def test_fault_injection_options_are_checked_before_anything_starts() -> None:
         UpConfig(kill_at_wall_s=1.0, restart_after_wall_s=-0.5)
     with pytest.raises(ValueError, match="--restart-after needs --kill-at"):
         UpConfig(restart_after_wall_s=5.0)
-    with pytest.raises(ValueError, match="--kill-service 'nats' is not a service; known: "
-                                         "gateway, scheduler, controller, cachemgr, rankd"):
-        UpConfig(kill_at_wall_s=1.0, kill_service="nats")
+    with pytest.raises(ValueError, match="--kill-service 'redis' is not a service; known: "
+                                         "gateway, scheduler, controller, cachemgr, rankd, nats"):
+        UpConfig(kill_at_wall_s=1.0, kill_service="redis")
+    assert UpConfig(kill_at_wall_s=1.0, kill_service="nats").crash_plan() == CrashPlan(
+        1.0, None, "nats")
     with pytest.raises(ValueError, match="only for --backend sim.*--backend torch runs one "
                                          "process per GPU rank"):
         UpConfig(gpus=4, backend="torch", kill_at_wall_s=1.0)
@@ -259,9 +261,9 @@ def test_the_cli_refuses_a_bad_fault_option_with_its_name() -> None:
     res = CliRunner().invoke(app, ["up", "--restart-after", "5"])
     assert res.exit_code == 2
     assert "--restart-after needs --kill-at" in res.output
-    res = CliRunner().invoke(app, ["up", "--kill-at", "5", "--kill-service", "nats"])
+    res = CliRunner().invoke(app, ["up", "--kill-at", "5", "--kill-service", "redis"])
     assert res.exit_code == 2
-    assert "--kill-service 'nats' is not a service" in res.output
+    assert "--kill-service 'redis' is not a service" in res.output
     res = CliRunner().invoke(app, ["replay", "--gateway", "http://127.0.0.1:9",
                                    "--max-requests", "1", "--retry", "-1"])
     assert res.exit_code == 2
