@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from live_up_support import REPO, alive, cli, run_cli, wait_until
@@ -27,6 +28,22 @@ def _kill_leftovers(logs: Path) -> None:
             if name != "orchestrator" and alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def run_up_40(tmp_path: Path, *extra: str) -> tuple[Any, dict[str, Any], Path]:
+    """``vertumnus up`` on 40 requests (arrivals over ≈3 wall s) with ``extra`` options;
+    returns the process, its JSON results and its log dir (what it left running is killed).
+    Asserts the run itself succeeded."""
+    out = tmp_path / "results.json"
+    logs = tmp_path / "logs"
+    try:
+        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
+                        "0.05", *extra, "--log-dir", str(logs), "--json", str(out),
+                        "--no-progress", "--stop-timeout", "10"])
+    finally:
+        _kill_leftovers(logs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text()), logs
 
 
 def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
@@ -80,17 +97,7 @@ def test_up_survives_a_rank_daemon_crash_and_restart(tmp_path: Path) -> None:
     SIGKILLed while requests are arriving (the replay's arrivals span ≈2 wall s) and started
     again a second later; every request still completes, ``faults`` lists both actions, and
     the restarted process is the one pids.json names and the stop reports (status 0)."""
-    out = tmp_path / "results.json"
-    logs = tmp_path / "logs"
-    try:
-        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
-                        "0.05", "--kill-at", "1", "--restart-after", "1",
-                        "--log-dir", str(logs), "--json", str(out), "--no-progress",
-                        "--stop-timeout", "10"])
-    finally:
-        _kill_leftovers(logs)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
+    proc, data, logs = run_up_40(tmp_path, "--kill-at", "1", "--restart-after", "1")
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     kill, restart = data["faults"]
     assert (kill["action"], kill["service"], kill["status"]) == ("kill", "rankd", -9)
@@ -108,17 +115,8 @@ def test_up_survives_a_gateway_crash_and_restart(tmp_path: Path) -> None:
     """``--kill-service gateway``: the gateway dies with requests open on it while more are
     arriving, and starts again a second later on the same port; the replay sends the refused
     and the cut-off requests again under their ids, and every one completes, once."""
-    out = tmp_path / "results.json"
-    logs = tmp_path / "logs"
-    try:
-        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
-                        "0.05", "--kill-service", "gateway", "--kill-at", "1",
-                        "--restart-after", "1", "--log-dir", str(logs), "--json", str(out),
-                        "--no-progress", "--stop-timeout", "10"])
-    finally:
-        _kill_leftovers(logs)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
+    proc, data, logs = run_up_40(tmp_path, "--kill-service", "gateway", "--kill-at", "1",
+                                 "--restart-after", "1")
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     assert [(f["action"], f["service"]) for f in data["faults"]] == [
         ("kill", "gateway"), ("restart", "gateway")]
@@ -137,17 +135,8 @@ def test_up_survives_a_nats_server_crash_and_restart(tmp_path: Path) -> None:
     again a second later on its port and JetStream store. Every service reconnects, the
     gateway holds the requests that arrive meanwhile until it can enqueue them
     (``nats_wait_s``), and every request completes."""
-    out = tmp_path / "results.json"
-    logs = tmp_path / "logs"
-    try:
-        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
-                        "0.05", "--kill-service", "nats", "--kill-at", "1",
-                        "--restart-after", "1", "--log-dir", str(logs), "--json", str(out),
-                        "--no-progress", "--stop-timeout", "10"])
-    finally:
-        _kill_leftovers(logs)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
+    proc, data, logs = run_up_40(tmp_path, "--kill-service", "nats", "--kill-at", "1",
+                                 "--restart-after", "1")
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     kill, restart = data["faults"]
     assert (kill["action"], kill["service"], kill["status"]) == ("kill", "nats", -9)
@@ -161,17 +150,8 @@ def test_up_survives_a_nats_server_crash_and_restart(tmp_path: Path) -> None:
 def test_up_runs_scheduler_replicas(tmp_path: Path) -> None:
     """``--schedulers 2``: two scheduler processes share the intake (both answer $SRV.PING
     before the replay starts, both are stopped cleanly) and every request completes once."""
-    out = tmp_path / "results.json"
-    logs = tmp_path / "logs"
-    try:
-        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
-                        "0.05", "--schedulers", "2", "--log-dir", str(logs), "--json",
-                        str(out), "--no-progress", "--stop-timeout", "10"])
-    finally:
-        _kill_leftovers(logs)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc, data, logs = run_up_40(tmp_path, "--schedulers", "2")
     assert "'vtm-scheduler': 2" in proc.stderr.replace("\n", " "), proc.stderr
-    data = json.loads(out.read_text())
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     assert data["results_seen"] == 40
     pids = json.loads((logs / "pids.json").read_text())
