@@ -20,6 +20,7 @@ polling HTTP are blocking, short, and the same code serves pytest fixtures and a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -245,6 +246,20 @@ class EmbeddedNats:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+
+    def kill(self) -> int | None:
+        """Crash the server: SIGKILL (its own session, so its whole group), reap it, clean up
+        as :meth:`stop` does; a given ``store_dir`` stays for a server started on it again.
+        Returns its exit status (None if it was not running)."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        status = proc.wait()
+        self.stop()
+        return status
 
     # -- context managers ---------------------------------------------------------------------
 

@@ -62,3 +62,25 @@ def test_start_failure_reports_the_server_log() -> None:
     with pytest.raises(NatsServerStartError, match="exited"):
         srv.start()
     assert not srv.running
+
+
+async def test_a_killed_server_leaves_its_given_store_for_the_next_one(tmp_path) -> None:
+    """kill(): a crash (SIGKILL), not a stop; a server started again on the same port and
+    store finds the stream the first one had."""
+    store = tmp_path / "store"
+    first = EmbeddedNats(store_dir=store).start()
+    port = int(first.url.rsplit(":", 1)[1])
+    nc = await nats.connect(first.url)
+    await nc.jetstream().add_stream(name="KEEP", subjects=["keep.>"])
+    await nc.jetstream().publish("keep.a", b"1")
+    await nc.close()
+    assert first.kill() == -9
+    assert not first.running and first.kill() is None and store.is_dir()
+    again = EmbeddedNats(port=port, store_dir=store).start()
+    try:
+        nc = await nats.connect(again.url)
+        info = await nc.jetstream().stream_info("KEEP")
+        assert info.state.messages == 1
+        await nc.close()
+    finally:
+        again.stop()

@@ -643,10 +643,7 @@ class LiveStack:
         pid = server.pid
         port = urlsplit(server.url).port
         assert port is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-        status = server._proc.wait() if server._proc is not None else None
-        server.stop()  # reaped already: this only removes its work dir (not our store)
+        status = server.kill()  # our store (not the server's work dir) stays
         self._killed_nats = port
         self.nats = None
         self._write_pids()
