@@ -287,13 +287,17 @@ class GatewayService(MicroService):
         last token; results of requests that entered at another gateway are ignored)."""
         # The first token is here now: stamped on arrival, not when the waiting coroutine
         # next runs (that is the HTTP answer's path, not TTFT).
-        received = time.time()
-        rid = msg.subject.rpartition(".")[2]
-        waiters = self._waiting.pop(rid, None)
-        if waiters:
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result((msg, received))
+        self._deliver(msg.subject.rpartition(".")[2], msg, time.time())
+
+    def _deliver(self, rid: str, msg: Any, received: float) -> int:
+        """Hand a result (``.data``, ``.headers``) to everyone waiting for ``rid``; returns
+        how many were still waiting."""
+        n = 0
+        for fut in self._waiting.pop(rid, ()):
+            if not fut.done():
+                fut.set_result((msg, received))
+                n += 1
+        return n
 
     async def _sweep_after_reconnects(self) -> None:
         """After our connection to NATS came back, look up every request still waiting in
@@ -312,11 +316,7 @@ class GatewayService(MicroService):
                 kept = await self._kept_result(rid)
                 if kept is None or _not_scheduled(kept):
                     continue
-                received = time.time()
-                for fut in self._waiting.pop(rid, ()):
-                    if not fut.done():
-                        fut.set_result((kept, received))
-                        found += 1
+                found += self._deliver(rid, kept, time.time())
             self.log.info("waiting requests looked up after a reconnect", answered=found)
 
     # -- one completion ---------------------------------------------------------------------

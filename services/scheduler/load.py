@@ -69,6 +69,14 @@ def _check_count(name: str, v: int) -> None:
         raise InvalidInput(f"{name} must be an integer >= 0, got {v!r}")
 
 
+def _check_work(seconds: float, now: float) -> None:
+    """Other replicas' work: finite seconds >= 0, at a finite time."""
+    _check_time("seconds", seconds)
+    if seconds < 0:
+        raise InvalidInput(f"foreign work must be >= 0 seconds, got {seconds!r}")
+    _check_time("now", now)
+
+
 class WorkerLoad:
     """The unfinished requests assigned to one worker, with O(1) aggregates.
 
@@ -205,10 +213,7 @@ class WorkerLoad:
     def set_foreign(self, seconds: float, now: float) -> None:
         """Other scheduler replicas have ``seconds`` of predicted work on this worker as of
         ``now`` (the worker's report); it replaces the previous figure."""
-        _check_time("seconds", seconds)
-        if seconds < 0:
-            raise InvalidInput(f"foreign work must be >= 0 seconds, got {seconds!r}")
-        _check_time("now", now)
+        _check_work(seconds, now)
         self._foreign_s = float(seconds)
         self._foreign_at = float(now)
 
@@ -216,10 +221,7 @@ class WorkerLoad:
         """Another replica just placed ``seconds`` of predicted work here (its placement went
         by before the worker's next report, which then replaces the sum): the foreign work
         still left at ``now`` plus ``seconds``."""
-        _check_time("seconds", seconds)
-        if seconds < 0:
-            raise InvalidInput(f"foreign work must be >= 0 seconds, got {seconds!r}")
-        _check_time("now", now)
+        _check_work(seconds, now)
         left = self._foreign_s - (now - self._foreign_at) * self._per_clock_s
         self._foreign_s = (left if left > 0.0 else 0.0) + float(seconds)
         self._foreign_at = float(now)

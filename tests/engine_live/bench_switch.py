@@ -16,18 +16,11 @@ import statistics
 import sys
 import time
 
+from services.rankd.torch_backend import TINY_MODEL
 from services.rankd.torch_world import TorchWorld, WorldSpec
 
-CFG = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-}
+# The project's tiny random Qwen3 (TINY_MODEL), with a smaller vocabulary and context.
+CFG = {**TINY_MODEL, "vocab_size": 256, "max_position_embeddings": 512}
 
 
 def main(world: int = 4, cycles: int = 10) -> None:

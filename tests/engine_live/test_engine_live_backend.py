@@ -17,6 +17,7 @@ from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.errors import GroupError, TokenOutOfVocab
 from services.rankd.engine.model import Qwen3ForCausalLM
 from services.rankd.torch_backend import (
+    TINY_MODEL,
     KVDecodeRole,
     LocalKVHandoff,
     NatsKVHandoff,
@@ -29,16 +30,8 @@ from shared.schemas import Assignment, IntakeRequest
 from shared.subjects import Subjects
 from shared.worker import GpuGroup
 
-CFG = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-}
+# The project's tiny random Qwen3 (TINY_MODEL), with a smaller vocabulary and context.
+CFG = {**TINY_MODEL, "vocab_size": 256, "max_position_embeddings": 512}
 SEED = 7
 B = 16  # engine block size = the requests' block size, so trace hashes and engine pages align
 

@@ -26,7 +26,7 @@ from nats.errors import NoRespondersError
 
 from services.rankd.core import INTAKE_MSG_HEADER, handback_msg_id
 from services.rankd.settings import RankdSettings
-from services.rankd.torch_backend import TorchSettings, start_torch_host
+from services.rankd.torch_backend import TINY_MODEL, TorchSettings, start_torch_host
 from services.rankd.torch_world import WorldBroken
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
@@ -44,16 +44,8 @@ from shared.worker import Lifecycle
 
 WAIT_S = 120.0  # hang guard only
 WID = "w-cp2-g0"
-CFG = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-}
+# The project's tiny random Qwen3 (TINY_MODEL), with a smaller vocabulary and context.
+CFG = {**TINY_MODEL, "vocab_size": 256, "max_position_embeddings": 512}
 
 
 def assignment(rid: str, tokens: list[int]) -> Assignment:

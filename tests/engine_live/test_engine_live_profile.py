@@ -10,19 +10,12 @@ from pathlib import Path
 import pytest
 
 from services.rankd.engine.profiling import torch_profile_command
+from services.rankd.torch_backend import TINY_MODEL
 from shared.costmodel import Profile
 from shared.ids import InvalidInput
 
-TINY = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 256,
-}
+# The project's tiny random Qwen3 (TINY_MODEL), with a smaller vocabulary and context.
+TINY = {**TINY_MODEL, "vocab_size": 256, "max_position_embeddings": 256}
 
 
 def test_torch_profile_refuses_an_unknown_estimator(tmp_path: Path) -> None:

@@ -17,7 +17,12 @@ from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from services.rankd.torch_backend import TorchSettings, single_worker_backend, start_torch_host
+from services.rankd.torch_backend import (
+    TINY_MODEL,
+    TorchSettings,
+    single_worker_backend,
+    start_torch_host,
+)
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
@@ -34,16 +39,8 @@ from shared.subjects import Subjects
 from shared.worker import GpuGroup, Lifecycle
 
 WAIT_S = 120.0  # hang guard only
-CFG = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-}
+# The project's tiny random Qwen3 (TINY_MODEL), with a smaller vocabulary and context.
+CFG = {**TINY_MODEL, "vocab_size": 256, "max_position_embeddings": 512}
 SEED = 3
 
 

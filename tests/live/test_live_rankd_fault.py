@@ -150,6 +150,19 @@ async def test_a_worker_fault_hands_back_instead_of_failing(
     await sub.unsubscribe()  # type: ignore[attr-defined]
 
 
+async def host_ended_by_the_fault(task, nc, js, s, backends, results, sub, *,  # type: ignore[no-untyped-def]
+                                  completed: str) -> None:
+    """The host's run ends with the fault; only ``completed`` got a (good) result; every
+    worker's last state is UNAVAILABLE."""
+    with pytest.raises(WorkerFault, match="killed by SIGKILL"):
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    await nc.flush()
+    assert [(r.request_id, r.error) for r in results] == [(completed, None)]
+    for wid in backends:
+        assert (await last_state(js, s, wid)).lifecycle is Lifecycle.UNAVAILABLE
+    await sub.unsubscribe()
+
+
 async def test_a_worker_fault_stops_every_worker_of_the_host(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
@@ -177,13 +190,7 @@ async def test_a_worker_fault_stops_every_worker_of_the_host(
                       for rid, wid in (("f-1", "w-cp1-g0"), ("f-2", "w-cp1-g0"),
                                        ("b-2", "w-cp1-g1"))}
     backends["w-cp1-g1"].release.set()  # b-1 was not at fault and completes
-    with pytest.raises(WorkerFault, match="killed by SIGKILL"):
-        await asyncio.wait_for(task, timeout=WAIT_S)
-    await nc.flush()
-    assert [(r.request_id, r.error) for r in results] == [("b-1", None)]
-    for wid in backends:
-        assert (await last_state(js, s, wid)).lifecycle is Lifecycle.UNAVAILABLE
-    await sub.unsubscribe()  # type: ignore[attr-defined]
+    await host_ended_by_the_fault(task, nc, js, s, backends, results, sub, completed="b-1")
 
 
 async def test_a_health_probe_fault_stops_every_worker_of_the_host(
@@ -210,13 +217,7 @@ async def test_a_health_probe_fault_stops_every_worker_of_the_host(
     broken.append(WorkerFault(CAUSE))
     assert await handed_back(js, s, 1) == {"a-2": handback_msg_id("a-2", "m-a-2", "w-cp1-g0", 0)}
     backends["w-cp1-g0"].release.set()
-    with pytest.raises(WorkerFault, match="killed by SIGKILL"):
-        await asyncio.wait_for(task, timeout=WAIT_S)
-    await nc.flush()
-    assert [(r.request_id, r.error) for r in results] == [("a-1", None)]
-    for wid in backends:
-        assert (await last_state(js, s, wid)).lifecycle is Lifecycle.UNAVAILABLE
-    await sub.unsubscribe()  # type: ignore[attr-defined]
+    await host_ended_by_the_fault(task, nc, js, s, backends, results, sub, completed="a-1")
 
 
 def test_main_exits_non_zero_after_a_worker_fault(monkeypatch: pytest.MonkeyPatch) -> None:
