@@ -124,7 +124,9 @@ class DispatchLedger:
             self._retired.setdefault(worker_id, set()).add(incarnation)
 
     def adopted(self, request_id: str, incarnation: str) -> None:
-        """The worker's current incarnation lists the request (it was re-sent there)."""
+        """``incarnation`` of the worker holds the request: its AssignmentAck said so (a
+        dispatch enters the ledger before the ack, with none), or it lists the request (a
+        re-send reached it)."""
         sent = self._sent.get(request_id)
         if sent is not None and sent.incarnation != incarnation:
             self._sent[request_id] = replace(sent, incarnation=incarnation)

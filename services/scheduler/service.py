@@ -41,7 +41,8 @@ the ``{STEM}_ASSIGNMENTS`` KV bucket, key = request id, holds the intake *stream
 ``Nats-Msg-Id``) of the message that produced the assignment. Duplicate publishes never get
 here (the stream drops a repeated ``Nats-Msg-Id`` within its duplicate window). A delivery
 whose request id has a ``dispatched`` record with the *same* stream sequence is a redelivery:
-acked, not dispatched again (a restarted scheduler sees the same record). A new message under
+never dispatched again (a restarted scheduler sees the same record; see "Held intake
+messages" for what it does instead). A new message under
 the same request id (a redirect from a draining worker, which rankd republishes with
 ``Nats-Msg-Id`` ``{source}>{worker}``, or a client reusing its id after the duplicate window) is
 placed again, the old reservation released. A ``dispatching`` record (we crashed
@@ -86,6 +87,20 @@ replica-trie view is also reset (its cache is empty and its event ids start agai
 send that finds no responder marks the worker unreachable: not eligible until its state
 changes (a new ``seq`` or incarnation), so retries go to another worker. A hand-back of a
 request whose first token this replica saw is acked unplaced.
+
+Held intake messages (``hold_intake``, the default): a dispatched request's intake message
+is acked only when its result arrives or the request is handed back, and marked in progress
+every ``ack_wait_s / 3`` meanwhile; a replica that stops NAKs what it holds. So when a replica
+dies or restarts, its dispatched requests are redelivered (after ``ack_wait``, or at once after
+a NAK) to a replica -- another one, or its next process -- which *adopts* each one the
+worker still lists (or that it cannot ask yet while the worker's state is fresh): it enters
+its ledger, and a worker lost afterwards is recovered as above. Before, a restarted replica
+started with an empty ledger, and a worker dying after that lost its requests for good (the
+client got a 504). A redelivery whose first token is out (``_served``, or kept in the results
+stream) is acked; one whose worker is gone, or restarted since it admitted the request
+(``AssignmentRecord.incarnation``), is handed back; one that a live worker no longer lists
+(it ran it, or handed it back itself) is acked. The consumer's ``max_ack_pending`` must
+cover every replica's dispatched-but-unanswered requests.
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
@@ -146,7 +161,7 @@ from services.rankd.core import (
 from services.scheduler.core import SchedulerCore
 from services.scheduler.decision import CandidateTerms, Decision
 from services.scheduler.errors import NoEligibleWorker, UnknownRequest
-from services.scheduler.ledger import DispatchLedger, Loss, LostWorker, Sent
+from services.scheduler.ledger import LEDGER_LIMIT, DispatchLedger, Loss, LostWorker, Sent
 from services.scheduler.registry import make_policy
 from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
 from shared.costmodel import DEFAULT_PROFILE, Profile
@@ -184,6 +199,7 @@ from shared.service import (
     call,
     ensure_intake_stream,
     ensure_key_value,
+    ensure_results_stream,
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
@@ -258,6 +274,19 @@ class SchedulerSettings(ServiceSettings):
     )
     max_deliver: int = Field(
         default=5, ge=1, description="Intake deliveries before a request fails for good."
+    )
+    hold_intake: bool = Field(
+        default=True,
+        description="Ack a dispatched request's intake message only when its result arrives "
+        "(or it is handed back), keeping it in progress meanwhile: a replica that dies or "
+        "restarts leaves its dispatched requests to be redelivered to a replica that adopts "
+        "them, so a worker lost after that is still recovered. False: ack at dispatch.",
+    )
+    max_ack_pending: int = Field(
+        default=LEDGER_LIMIT, ge=1,
+        description="Intake consumer max_ack_pending (when the scheduler creates the "
+        "consumer): unacked deliveries of all replicas together; with hold_intake every "
+        "dispatched request awaiting its result counts.",
     )
     retry_delay_s: float = Field(
         default=0.5,
@@ -363,6 +392,9 @@ class AssignmentRecord(Message):
     state: Literal["dispatching", "dispatched"]
     scheduler: str
     assigned_at_s: WallTime
+    incarnation: str = Field(
+        default="", description="the worker incarnation that admitted it (its AssignmentAck; "
+        "set on a ``dispatched`` record): a restart of the worker since then lost it")
 
 
 
@@ -551,6 +583,8 @@ class SchedulerStats:
     unreachable_marked: int = 0  # a first send found no responder: worker excluded for now
     peer_placements: int = 0  # another replica's placement noted (in-flight prefix affinity)
     peer_expired: int = 0  # ... forgotten without its result (peer_ttl_s)
+    adopted: int = 0  # a held message redelivered (its replica gone): its worker holds it
+    adopted_lost: int = 0  # ... its worker is gone and does not hold it: handed back
 
 
 class SchedulerService(MicroService):
@@ -605,6 +639,10 @@ class SchedulerService(MicroService):
         # Dispatched requests whose result this replica has not seen (see ledger.py): what a
         # worker that dies or restarts takes with it, handed back to intake.
         self.ledger = DispatchLedger()
+        # hold_intake: the unacked intake message of each dispatch in the ledger, by request
+        # id (NOTE: invariant -- a held message's request is in the ledger under that
+        # message's stream sequence; _keep_held acks any other).
+        self._held: dict[str, Msg] = {}
         self._recovering: set[str] = set()  # workers whose loss is being handled
         self._restarts: dict[str, int] = {}  # restarts seen per worker (snapshot replies)
         # Worker id -> (incarnation, seq) of its state when a first send found no responder:
@@ -656,6 +694,7 @@ class SchedulerService(MicroService):
         s = self.subjects
         js = self._js = self.nc.jetstream()
         await ensure_intake_stream(js, s)
+        await ensure_results_stream(js, s)  # read when a held message comes back (_redelivered)
         self._records_prefix = f"$KV.{assignment_bucket(s)}."
         self._records = await ensure_key_value(
             js, assignment_bucket(s), ttl_s=self.ssettings.assignment_ttl_s,
@@ -674,6 +713,7 @@ class SchedulerService(MicroService):
         self._tasks = [
             asyncio.create_task(self._watch_states(watcher), name="sched-states"),
             asyncio.create_task(self._housekeeping(), name="sched-housekeeping"),
+            asyncio.create_task(self._keep_held(), name="sched-keep-held"),
         ]
 
         async def teardown() -> None:
@@ -681,6 +721,12 @@ class SchedulerService(MicroService):
             # sent may complete.
             await puller.stop()
             await self._finish_inflight(self.ssettings.dispatch_timeout_s)
+            # Held messages go back at once (a NAK, not ack_wait later) to a replica that
+            # adopts them -- another one, or this one's next process.
+            held, self._held = self._held, {}
+            for m in held.values():
+                with contextlib.suppress(Exception):
+                    await m.nak()
             # Records sent without waiting (``dispatched``): stored before we go, so a
             # restarted scheduler finds them (bounded; each is also cancelled on its own).
             with contextlib.suppress(Exception):
@@ -899,6 +945,7 @@ class SchedulerService(MicroService):
         rid = result.request_id
         self.core.forget_foreign(rid)
         self.ledger.pop(rid)
+        await self._release_held(rid)
         if result.error is None:
             self._served[rid] = None
             self._served.move_to_end(rid)
@@ -956,6 +1003,7 @@ class SchedulerService(MicroService):
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.ssettings.ack_wait_s,
             max_deliver=self.ssettings.max_deliver,
+            max_ack_pending=self.ssettings.max_ack_pending,
             filter_subject=s.intake_requests(),
         ))
 
@@ -1022,9 +1070,7 @@ class SchedulerService(MicroService):
         # message that was delivered before), so a first delivery skips the KV read.
         record = await self._get_record(rid) if delivery > 1 else None
         if record is not None and record.stream_seq == seq and record.state == "dispatched":
-            self.stats.redelivered_acked += 1
-            self.log.info("redelivered intake acked without dispatch", request_id=rid)
-            await msg.ack()
+            await self._redelivered(msg, req, record)
             return
         if record is not None and record.stream_seq > seq:
             # A newer message of this request was placed: a worker admitted this one and
@@ -1100,10 +1146,15 @@ class SchedulerService(MicroService):
             # The intake message's id lets the worker recognise a re-send of a message it
             # has handed back (services/rankd/core.py, "Exactly once across a scheduler crash").
             hdrs = {INTAKE_MSG_HEADER: msg_id} if sampled else {**parent, INTAKE_MSG_HEADER: msg_id}
+            # In the ledger before the send: a result that overtakes the worker's ack finds
+            # it there (and takes it out); added after the ack, it would outlive its result.
+            self.ledger.add(Sent(rid, assignment.worker_id, "", msg_id, seq, req,
+                                 dict(parent)))
             try:
                 ack = await self._dispatch(assignment, hdrs)
             except (RemoteError, SchemaError, nats.errors.NoRespondersError,
                     nats.errors.TimeoutError, TimeoutError) as exc:
+                self.ledger.pop(rid)
                 if span is not None:
                     span.set_attribute("vtm.dispatch_error", repr(exc))
                 if isinstance(exc, RemoteError) and exc.code in (HANDED_BACK, REDIRECTING):
@@ -1122,15 +1173,15 @@ class SchedulerService(MicroService):
                 await self._retry_or_fail(
                     msg, req, f"worker {assignment.worker_id} did not accept: {exc}")
                 return
-            self.ledger.add(Sent(rid, assignment.worker_id, ack.incarnation, msg_id, seq, req,
-                                 dict(parent)))
+            self.ledger.adopted(rid, ack.incarnation)  # the incarnation that admitted it
             if ack.queue_position == 0:
                 # Nothing ahead of it on a FIFO worker: its prefill starts now, so q_w counts
                 # only its remaining predicted time from here on.
                 with contextlib.suppress(VertumnusError):
                     self.core.start(rid, self.clock())
             await self._settle(stored, rid)
-            done = await self._put_record(assignment, seq, msg_id, "dispatched")
+            done = await self._put_record(assignment, seq, msg_id, "dispatched",
+                                          ack.incarnation)
             if done is not None:  # not awaited (see above); bounded all the same
                 done.add_done_callback(self._log_store_failure)
                 asyncio.get_running_loop().call_later(
@@ -1138,7 +1189,7 @@ class SchedulerService(MicroService):
             self.stats.dispatched += 1
             if span is not None:
                 span.set_attribute("vtm.queue_position", ack.queue_position)
-        await msg.ack()
+        await self._ack_or_hold(msg, rid, seq)
         if decision is not None:
             await self._after_dispatch(req, assignment, decision,
                                        in_demand=not is_handback_msg_id(msg_id))
@@ -1228,6 +1279,7 @@ class SchedulerService(MicroService):
         # Answered while the publish was out (rare): handle_intake acks that hand-back
         # unplaced, as the result is in _served.
         self.ledger.pop(rid)
+        await self._release_held(rid)
         with contextlib.suppress(UnknownRequest):
             if self.core.worker_of(rid) == wid:
                 self.core.finish(rid, self.clock())
@@ -1320,6 +1372,107 @@ class SchedulerService(MicroService):
             await msg.ack()
             return
         await self._retry_or_fail(msg, req, "the worker is handing it back to intake")
+
+    # -- held intake messages (hold_intake) ---------------------------------------------------
+
+    async def _ack_or_hold(self, msg: Msg, rid: str, seq: int) -> None:
+        """The dispatch of ``msg`` is done: ack it, or with ``hold_intake`` keep it unacked
+        while the ledger holds the dispatch (until its result or its hand-back; see
+        "Held intake messages"). A result that came before this point is acked at once."""
+        sent = self.ledger.get(rid)
+        if not self.ssettings.hold_intake or sent is None or sent.stream_seq != seq:
+            await msg.ack()
+            return
+        old = self._held.get(rid)
+        self._held[rid] = msg
+        if old is not None and old is not msg:
+            with contextlib.suppress(Exception):  # an older message of the request
+                await old.ack()
+
+    async def _release_held(self, rid: str) -> None:
+        """The ledger let go of ``rid`` (its result came, or it was handed back): ack its
+        held intake message. A failed ack only means a redelivery, which finds the result."""
+        msg = self._held.pop(rid, None)
+        if msg is not None:
+            with contextlib.suppress(Exception):
+                await msg.ack()
+
+    async def _keep_held(self) -> None:
+        """Every ack_wait / 3: mark each held message in progress (no redelivery while this
+        replica lives), and ack those whose dispatch left the ledger some other way (a newer
+        message superseded it, the ledger's bound dropped it)."""
+        period = self.ssettings.ack_wait_s / 3
+        while True:
+            await asyncio.sleep(period)
+            for rid, msg in list(self._held.items()):
+                sent = self.ledger.get(rid)
+                try:
+                    if sent is None or sent.stream_seq != self._stream_seq(msg):
+                        if self._held.get(rid) is msg:
+                            del self._held[rid]
+                        await msg.ack()
+                    else:
+                        await msg.in_progress()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the connection is down: the next round again
+                    self.log.debug("held intake message not renewed", request_id=rid,
+                                   error=repr(exc))
+
+    async def _redelivered(self, msg: Msg, req: IntakeRequest, rec: AssignmentRecord) -> None:
+        """A message dispatched before (its ``dispatched`` record names this stream sequence)
+        is delivered again: the replica that held it died or stopped (or, with hold_intake
+        off, died between the record and the ack). Its first token out → ack. Else the
+        worker decides: it lists the request → adopt it (the ledger and this replica's hold
+        take over, so a later loss of that worker is still recovered); it answers without it
+        and is the incarnation that admitted it → it ran it (or handed it back) → ack; it is
+        gone, or restarted since → hand the request back to intake. A worker that does not
+        answer yet while its state is fresh is adopted too: the ledger finds it if it died."""
+        rid = req.request_id
+        if rid in self._served or await self._result_kept(rid):
+            self.stats.redelivered_acked += 1
+            self.log.info("redelivered intake acked without dispatch", request_id=rid)
+            await msg.ack()
+            return
+        if not self.ssettings.hold_intake:  # nothing is held: this is the crash-before-ack case
+            self.stats.redelivered_acked += 1
+            self.log.info("redelivered intake acked without dispatch", request_id=rid)
+            await msg.ack()
+            return
+        wid = rec.worker_id
+        listed = await self._queue_of(wid)
+        state = self._states.get(wid)
+        restarted = state is not None and bool(rec.incarnation) \
+            and state.incarnation != rec.incarnation
+        carrier = trace_carrier(msg.headers, req)
+        if (listed is None and self.worker_gone(wid)) or \
+                (listed is not None and rid not in listed and restarted):
+            self.stats.adopted_lost += 1
+            await self._hand_back_for_gone(msg, req, rec, carrier)
+            return
+        if listed is not None and rid not in listed:
+            self.stats.redelivered_acked += 1
+            self.log.info("redelivered intake acked: its worker no longer holds it",
+                          request_id=rid, worker=wid)
+            await msg.ack()
+            return
+        seq = self._stream_seq(msg)
+        inc = state.incarnation if state is not None and listed is not None else rec.incarnation
+        self.ledger.add(Sent(rid, wid, inc, rec.msg_id, seq, req, carrier))
+        self.stats.adopted += 1
+        self.log.info("dispatched request adopted", request_id=rid, worker=wid,
+                      listed=listed is not None)
+        await self._ack_or_hold(msg, rid, seq)
+
+    async def _result_kept(self, rid: str) -> bool:
+        """Whether the results stream keeps a first token (not an error) for ``rid``."""
+        assert self._js is not None
+        try:
+            kept = await self._js.get_last_msg(self.subjects.results_stream(),
+                                               self.subjects.result(rid))
+            return decode(FirstToken, kept.data, kept.headers).error is None
+        except Exception:  # none kept (NotFoundError), or unreadable: not known served
+            return False
 
     async def _settle(self, stored: Any, rid: str) -> bool:
         """Wait for a record's store acknowledgement; a failure is logged, not fatal (the
@@ -1541,8 +1694,8 @@ class SchedulerService(MicroService):
         except SchemaError:
             return None
 
-    async def _put_record(self, a: Assignment, seq: int, msg_id: str, state: str
-                          ) -> asyncio.Future[Any] | None:
+    async def _put_record(self, a: Assignment, seq: int, msg_id: str, state: str,
+                          incarnation: str = "") -> asyncio.Future[Any] | None:
         """Send the record (in the connection's write buffer on return) and return the future
         of its store acknowledgement; the caller decides whether to wait for it."""
         assert self._js is not None and self._records is not None
@@ -1554,6 +1707,7 @@ class SchedulerService(MicroService):
             "stream_seq": seq, "msg_id": msg_id, "worker_id": a.worker_id, "epoch": a.epoch,
             "degree": a.degree, "predicted_s": a.predicted_s, "state": state,
             "scheduler": self.reporter, "assigned_at_s": a.assigned_at_s,
+            "incarnation": incarnation,
         }, separators=(",", ":")).encode()
         # The KV bucket's subject for the key (what KeyValue.put publishes to), asynchronously.
         return await self._js.publish_async(f"{self._records_prefix}{a.request.request_id}", rec)

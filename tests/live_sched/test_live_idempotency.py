@@ -4,6 +4,7 @@ scheduler), and a redirect (same request id, new message id) is placed again."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from live_sched_support import Services, wait_until
@@ -18,7 +19,15 @@ from services.scheduler.service import (
     SchedulerSettings,
     assignment_bucket,
 )
-from shared.schemas import IntakeRequest, WindowReport, decode, encode, from_json
+from shared.schemas import (
+    FirstToken,
+    IntakeRequest,
+    TtftStages,
+    WindowReport,
+    decode,
+    encode,
+    from_json,
+)
 from shared.subjects import Subjects
 
 B = 16
@@ -163,3 +172,79 @@ async def test_hand_back_is_not_counted_twice_in_demand(live: Services, fake_wor
                      "a later window reported")
     await sub.unsubscribe()
     assert sum(r.requests for r in reports) == 1
+
+
+async def _intake_messages(nc: Client, s: Subjects) -> int:
+    return (await nc.jetstream().stream_info(s.intake_stream())).state.messages
+
+
+async def _answer(nc: Client, s: Subjects, rid: str, worker: str) -> None:
+    result = FirstToken(request_id=rid, token=7, worker_id=worker, epoch=0,
+                        predicted_prefill_s=0.1, stages=TtftStages(total_s=0.2),
+                        finished_at_s=time.time())
+    data, headers = encode(result)
+    await nc.publish(s.result(rid), data, headers=headers)
+
+
+async def test_a_dispatched_message_is_held_until_its_result(
+        live: Services, fake_worker, nc: Client, uniq: str) -> None:  # type: ignore[no-untyped-def]
+    """hold_intake (the default): the intake message of a dispatched request stays unacked
+    -- renewed every ack_wait / 3, so never redelivered -- until its result; off, it is
+    acked at dispatch."""
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    sched = await live.scheduler(block_size=B, ack_wait_s=1.5)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    await publish(nc, s, intake("held-1"))
+    await wait_until(lambda: "held-1" in sched._held, "the message held")
+    # Over two ack_waits later: still held, never redelivered (the renewals reach the server).
+    await asyncio.sleep(4.0)
+    assert await _intake_messages(nc, s) == 1
+    assert len(w.assignments) == 1 and sched.stats.adopted == 0
+    assert sched.stats.redelivered_acked == 0
+    await _answer(nc, s, "held-1", w.worker_id)
+    await wait_until(lambda: "held-1" not in sched._held, "released by its result")
+    for _ in range(100):
+        if await _intake_messages(nc, s) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await _intake_messages(nc, s) == 0
+    await live.stop(sched)
+
+    off = await live.scheduler(block_size=B, hold_intake=False)
+    await wait_until(lambda: len(off.core.view) == 1, "worker in the view")
+    await publish(nc, s, intake("acked-1"))
+    await wait_until(lambda: off.stats.dispatched == 1, "dispatched")
+    for _ in range(100):
+        if await _intake_messages(nc, s) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await _intake_messages(nc, s) == 0  # acked though the worker has not answered
+    assert not off._held and "acked-1" in off.ledger
+
+
+async def test_a_stopping_replica_hands_its_held_messages_to_the_next(
+        live: Services, fake_worker, nc: Client, uniq: str) -> None:  # type: ignore[no-untyped-def]
+    """A replica that stops NAKs what it holds; the next one gets it at once and adopts it
+    (the fake worker has no ``queue`` endpoint: its fresh state keeps the request adopted),
+    and acks it when the result comes."""
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    a = await live.scheduler(block_size=B, ack_wait_s=30.0, instance_id="sched-a")
+    await wait_until(lambda: len(a.core.view) == 1, "worker in A's view")
+    await publish(nc, s, intake("pass-1"))
+    await wait_until(lambda: "pass-1" in a._held, "held by A")
+    await live.stop(a)
+    b = await live.scheduler(block_size=B, ack_wait_s=30.0, instance_id="sched-b")
+    # Well inside ack_wait: only the NAK can have brought it back this soon.
+    await wait_until(lambda: b.stats.adopted == 1, "adopted by B")
+    assert "pass-1" in b.ledger and "pass-1" in b._held
+    assert b.ledger.get("pass-1").worker_id == w.worker_id  # type: ignore[union-attr]
+    assert len(w.assignments) == 1  # not dispatched again
+    await _answer(nc, s, "pass-1", w.worker_id)
+    await wait_until(lambda: "pass-1" not in b.ledger and not b._held, "released")
+    for _ in range(100):
+        if await _intake_messages(nc, s) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await _intake_messages(nc, s) == 0

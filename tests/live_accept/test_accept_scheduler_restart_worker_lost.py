@@ -1,0 +1,103 @@
+"""A scheduler replica that stops or dies, and *then* the worker of a request it dispatched
+dies too: the request is still answered (real nats-server, real rank daemon processes killed
+with SIGKILL, schedulers in-process).
+
+The replica that dispatched x keeps x's intake message unacked until x's result
+(``hold_intake``). When it goes, x comes back from intake -- at once after a stop (it NAKs
+what it holds), after ``ack_wait`` after a crash (nothing renews it) -- to the next replica,
+which *adopts* x: the worker lists it, so it enters that replica's ledger. When the worker then
+dies, that replica hands x back and another worker answers it.
+
+Before, the dispatching replica acked x at dispatch and only its own in-memory ledger knew x:
+its successor never heard of x, and x's client waited for the gateway's result timeout.
+
+A worker that restarted between the two (its new incarnation does not list x; the record
+names the incarnation that admitted x) makes the successor hand x back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+from live_accept_support import InProcess, wait_until
+from test_accept_dispatch_unknown import running
+from test_accept_worker_lost import (
+    LONG,
+    W2,
+    W,
+    answers,
+    kill,
+    publish_intake,
+    rankd_process,
+    wait_holds,
+)
+
+from shared.natsserver import EmbeddedNats
+
+
+async def wait_intake_empty(nc: nats.NATS, live: InProcess) -> None:
+    """Every intake message acked (the work queue drops acked messages)."""
+    deadline = time.monotonic() + 30
+    while (await nc.jetstream().stream_info(live.subjects.intake_stream())).state.messages:
+        assert time.monotonic() < deadline, "intake messages left unacked"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["stopped", "crashed"])
+async def test_a_request_outlives_its_scheduler_and_then_its_worker(
+        nats_server: EmbeddedNats, crash: bool) -> None:
+    async with running(nats_server) as (live, nc, tap):
+        with rankd_process(live, W, time_scale=1000.0) as proc:  # x would run for hours
+            await live.until_served(live.subjects.worker_assign(W))
+            kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, lease_s=1.5,
+                      ack_wait_s=1.5)
+            a = await live.scheduler(instance_id="sched-a", **kw)
+            await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
+            await publish_intake(nc, live, "x", LONG)
+            await wait_holds(nc, live, W, "x")
+            await wait_until(lambda: "x" in a._held, "x's message held by A")
+            if crash:
+                a._held.clear()  # as a SIGKILL would leave it: neither renewed nor NAKed
+            await live.stop(a)
+            b = await live.scheduler(instance_id="sched-b", **kw)
+            await wait_until(lambda: b.stats.adopted == 1, "B adopts x")
+            assert "x" in b.ledger and b.ledger.get("x").worker_id == W  # type: ignore[union-attr]
+            assert answers(tap, "x") == []
+            await live.rankd(W2)
+            kill(proc)
+            await wait_until(lambda: answers(tap, "x") != [], "x answered")
+            assert answers(tap, "x") == [(W2, None)]
+            assert b.stats.lost_handed_back == 1, b.stats
+            assert b.stats.failed == 0, b.stats
+            await wait_until(lambda: "x" not in b.ledger and not b._held, "x released")
+            await wait_intake_empty(nc, live)
+
+
+async def test_a_worker_restarted_meanwhile_gets_the_request_back_at_once(
+        nats_server: EmbeddedNats) -> None:
+    async with running(nats_server) as (live, nc, tap):
+        kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, ack_wait_s=1.5)
+        with rankd_process(live, W, time_scale=1000.0) as first:
+            await live.until_served(live.subjects.worker_assign(W))
+            a = await live.scheduler(instance_id="sched-a", **kw)
+            await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
+            await publish_intake(nc, live, "x", LONG)
+            await wait_holds(nc, live, W, "x")
+            await wait_until(lambda: "x" in a._held, "x's message held by A")
+            old = a._states[W].incarnation
+            a._held.clear()  # A dies: x comes back after ack_wait
+            await live.stop(a)
+            kill(first)
+        with rankd_process(live, W, time_scale=0.001):  # the same id, a new incarnation
+            await live.until_served(live.subjects.worker_assign(W))
+            b = await live.scheduler(instance_id="sched-b", **kw)
+            await wait_until(lambda: b._states.get(W) is not None
+                             and b._states[W].incarnation != old, "W's new state at B")
+            await wait_until(lambda: answers(tap, "x") != [], "x answered")
+            assert answers(tap, "x") == [(W, None)]
+            assert b.stats.adopted_lost == 1, b.stats
+            assert b.stats.adopted == 0 and b.stats.failed == 0, b.stats
+            await wait_intake_empty(nc, live)
