@@ -47,6 +47,19 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     return vals
 
 
+def _times(text: str | None, name: str) -> tuple[float, ...] | None:
+    """Comma-separated wall seconds (None: the option was not given)."""
+    if text is None:
+        return None
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        _fail(f"--{name} must be comma-separated seconds, got {text!r}")
+    if not vals:
+        _fail(f"--{name} needs at least one value")
+    return vals
+
+
 def run_service_module(module: str, argv: list[str], prog: str) -> None:
     """Run ``python -m module`` in this process with ``argv`` (what the service mains read)."""
     from vertumnus.live.registry import module_runnable
@@ -132,15 +145,16 @@ def register(app: typer.Typer) -> None:
         http_port: Annotated[int, typer.Option(help="Gateway HTTP port (0: any free)")] = 0,
         schedulers: Annotated[int, typer.Option(
             help="Scheduler replicas (one process each, sharing the intake)")] = 1,
-        kill_at: Annotated[float | None, typer.Option(
+        kill_at: Annotated[str | None, typer.Option(
             help="Fault injection: SIGKILL the --kill-service child this many wall seconds "
-                 "after the replay starts")] = None,
-        restart_after: Annotated[float | None, typer.Option(
+                 "after the replay starts (comma-separated: one time per service)")] = None,
+        restart_after: Annotated[str | None, typer.Option(
             help="Start the killed service again this many wall seconds after the kill "
-                 "(default: never)")] = None,
+                 "(default: never; comma-separated: one per service)")] = None,
         kill_service: Annotated[str, typer.Option(
             help="The service --kill-at crashes: gateway, scheduler, controller, cachemgr, "
-                 "rankd (every worker; --backend sim) or nats (the server)")] = "rankd",
+                 "rankd (every worker; --backend sim) or nats (the server); several "
+                 "comma-separated, e.g. scheduler,rankd with --kill-at 20,25")] = "rankd",
     ) -> None:
         """Start nats + every service, replay a workload through the gateway, report, stop."""
         from rich.console import Console
@@ -156,7 +170,8 @@ def register(app: typer.Typer) -> None:
                 prefix=prefix, log_dir=log_dir, stop_timeout_wall_s=stop_timeout,
                 health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
                 http_port=http_port, model_path=model_path, profile_engine=profile_engine,
-                kill_at_wall_s=kill_at, restart_after_wall_s=restart_after,
+                kill_at_wall_s=_times(kill_at, "kill-at"),
+                restart_after_wall_s=_times(restart_after, "restart-after"),
                 kill_service=kill_service, schedulers=schedulers,
             )
         except ValueError as exc:

@@ -147,6 +147,24 @@ def test_up_survives_a_nats_server_crash_and_restart(tmp_path: Path) -> None:
     assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
 
 
+def test_up_crashes_two_services_each_at_its_time(tmp_path: Path) -> None:
+    """``--kill-service scheduler,rankd --kill-at 1,2 --restart-after 1``: the scheduler
+    dies, and while its successor starts the rank daemon dies too; each is started again a
+    second after its kill, and every request completes."""
+    proc, data, logs = run_up_40(tmp_path, "--kill-service", "scheduler,rankd",
+                                 "--kill-at", "1,2", "--restart-after", "1")
+    assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
+    by = {(f["action"], f["service"]): f for f in data["faults"]}
+    assert set(by) == {("kill", "scheduler"), ("restart", "scheduler"), ("kill", "rankd"),
+                       ("restart", "rankd")}, data["faults"]
+    assert by[("kill", "scheduler")]["at_s"] >= 1.0 - 1e-3
+    assert by[("kill", "rankd")]["at_s"] >= 2.0 - 1e-3
+    for name in ("scheduler", "rankd"):
+        assert by[("restart", name)]["at_s"] >= by[("kill", name)]["at_s"] + 1.0 - 1e-3
+    assert "kill scheduler" in proc.stdout and "kill rankd" in proc.stdout, proc.stdout
+    assert data["exit_codes"]["scheduler"] == 0 and data["exit_codes"]["rankd"] == 0
+
+
 def test_up_runs_scheduler_replicas(tmp_path: Path) -> None:
     """``--schedulers 2``: two scheduler processes share the intake (both answer $SRV.PING
     before the replay starts, both are stopped cleanly) and every request completes once."""

@@ -221,15 +221,30 @@ def test_fault_injection_options_are_checked_before_anything_starts() -> None:
     from vertumnus.live.faults import CrashPlan
     from vertumnus.live.stack import UpConfig
 
-    assert UpConfig().crash_plan() is None
-    assert UpConfig(kill_at_wall_s=30.0, restart_after_wall_s=5.0).crash_plan() == (
-        CrashPlan(30.0, 5.0, "rankd"))
-    assert UpConfig(kill_at_wall_s=0.0).crash_plan() == CrashPlan(0.0, None)
-    assert UpConfig(kill_at_wall_s=2.0, kill_service="scheduler").crash_plan() == (
-        CrashPlan(2.0, None, "scheduler"))
+    assert UpConfig().crash_plans() == ()
+    assert UpConfig(kill_at_wall_s=30.0, restart_after_wall_s=5.0).crash_plans() == (
+        CrashPlan(30.0, 5.0, "rankd"),)
+    assert UpConfig(kill_at_wall_s=0.0).crash_plans() == (CrashPlan(0.0, None),)
+    assert UpConfig(kill_at_wall_s=2.0, kill_service="scheduler").crash_plans() == (
+        CrashPlan(2.0, None, "scheduler"),)
     # Any service but the rank daemon can be crashed with the torch backend too.
     assert UpConfig(gpus=4, backend="torch", kill_at_wall_s=1.0,
-                    kill_service="cachemgr").crash_plan() == CrashPlan(1.0, None, "cachemgr")
+                    kill_service="cachemgr").crash_plans() == (CrashPlan(1.0, None, "cachemgr"),)
+    # Several services: one time each (or one for all), one restart delay each (or one).
+    assert UpConfig(kill_at_wall_s=(20.0, 25.0), restart_after_wall_s=3.0,
+                    kill_service="scheduler,rankd").crash_plans() == (
+        CrashPlan(20.0, 3.0, "scheduler"), CrashPlan(25.0, 3.0, "rankd"))
+    assert UpConfig(kill_at_wall_s=(5.0,), restart_after_wall_s=(1.0, 2.0),
+                    kill_service="gateway, nats").crash_plans() == (
+        CrashPlan(5.0, 1.0, "gateway"), CrashPlan(5.0, 2.0, "nats"))
+    with pytest.raises(ValueError, match=r"--kill-at has 3 values for 2 service\(s\)"):
+        UpConfig(kill_at_wall_s=(1.0, 2.0, 3.0), kill_service="scheduler,rankd")
+    with pytest.raises(ValueError, match=r"--restart-after has 2 values for 1 service\(s\)"):
+        UpConfig(kill_at_wall_s=1.0, restart_after_wall_s=(1.0, 2.0))
+    with pytest.raises(ValueError, match="--kill-service names a service twice"):
+        UpConfig(kill_at_wall_s=1.0, kill_service="rankd,rankd")
+    with pytest.raises(ValueError, match=r"--kill-at must be finite and >= 0 .*got -2"):
+        UpConfig(kill_at_wall_s=(1.0, -2.0), kill_service="scheduler,rankd")
     with pytest.raises(ValueError, match=r"--kill-at must be finite and >= 0 .*got -1"):
         UpConfig(kill_at_wall_s=-1.0)
     with pytest.raises(ValueError, match=r"--kill-at must be finite .*got nan"):
@@ -241,8 +256,8 @@ def test_fault_injection_options_are_checked_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="--kill-service 'redis' is not a service; known: "
                                          "gateway, scheduler, controller, cachemgr, rankd, nats"):
         UpConfig(kill_at_wall_s=1.0, kill_service="redis")
-    assert UpConfig(kill_at_wall_s=1.0, kill_service="nats").crash_plan() == CrashPlan(
-        1.0, None, "nats")
+    assert UpConfig(kill_at_wall_s=1.0, kill_service="nats").crash_plans() == (CrashPlan(
+        1.0, None, "nats"),)
     with pytest.raises(ValueError, match="only for --backend sim.*--backend torch runs one "
                                          "process per GPU rank"):
         UpConfig(gpus=4, backend="torch", kill_at_wall_s=1.0)
@@ -264,6 +279,12 @@ def test_the_cli_refuses_a_bad_fault_option_with_its_name() -> None:
     res = CliRunner().invoke(app, ["up", "--kill-at", "5", "--kill-service", "redis"])
     assert res.exit_code == 2
     assert "--kill-service 'redis' is not a service" in res.output
+    res = CliRunner().invoke(app, ["up", "--kill-at", "5,x", "--kill-service", "gateway,nats"])
+    assert res.exit_code == 2
+    assert "--kill-at must be comma-separated seconds, got '5,x'" in res.output
+    res = CliRunner().invoke(app, ["up", "--kill-at", "5,6", "--kill-service", "gateway"])
+    assert res.exit_code == 2
+    assert "--kill-at has 2 values for 1 service(s)" in res.output
     res = CliRunner().invoke(app, ["replay", "--gateway", "http://127.0.0.1:9",
                                    "--max-requests", "1", "--retry", "-1"])
     assert res.exit_code == 2

@@ -9,7 +9,10 @@ the summary's ``faults``.)
 ``vertumnus up --kill-at S [--restart-after D] [--kill-service NAME]``: S wall seconds after
 the replay starts the orchestrator SIGKILLs the service's child (its whole process group: a
 crash, no shutdown handler runs), and D wall seconds after the kill starts it again from the
-very same child spec. What each service's crash costs, and what brings it back:
+very same child spec. Several services, comma-separated, each get a :class:`CrashPlan` of
+their own (``--kill-service scheduler,rankd --kill-at 20,21.5 --restart-after 1``: a rank
+daemon dies while the restarted scheduler has not yet got back the requests its predecessor
+dispatched). What each service's crash costs, and what brings it back:
 
 * ``rankd`` (the default; sim backend: one process hosts every worker, each with its queue):
   the new process re-adopts the current epoch record and brings every worker back under its
@@ -17,7 +20,9 @@ very same child spec. What each service's crash costs, and what brings it back:
   intake (``services/scheduler/ledger.py``), so a run with a restart should lose no request.
 * ``scheduler``: intake is a JetStream work queue, so arrivals wait for the new process;
   assignments in flight are re-sent from their records (exactly once: the rank daemons
-  de-duplicate by intake message).
+  de-duplicate by intake message); the requests it had dispatched come back from intake after
+  ``ack_wait`` (their messages were held until their results) and the new process adopts
+  those their workers still hold, so a worker lost after that is recovered too.
 * ``controller``: no placement stops; a reconfiguration in progress is finished or rolled
   back from its epoch record by the new process.
 * ``cachemgr``: no placement stops; replication and reclamation pause, and the new process

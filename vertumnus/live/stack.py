@@ -130,15 +130,18 @@ class UpConfig:
     profile_engine: bool = True
     """torch backend without ``profile``: fit Ê_C on the engine first (:func:`engine_profile`),
     so the scheduler predicts this engine's times, not the simulated H20's."""
-    kill_at_wall_s: float | None = None
+    kill_at_wall_s: float | tuple[float, ...] | None = None
     """Fault injection (replay only): SIGKILL the ``kill_service`` child this many wall seconds
-    after the replay starts (:mod:`vertumnus.live.faults`); None: no fault."""
-    restart_after_wall_s: float | None = None
+    after the replay starts (:mod:`vertumnus.live.faults`); None: no fault. A tuple: one time
+    per service of ``kill_service`` (one value: the same time for each)."""
+    restart_after_wall_s: float | tuple[float, ...] | None = None
     """Start the killed child again (same spec) this many wall seconds after the kill; None: it
     stays dead (``up``'s supervision does not restart an injected kill). Needs
-    ``kill_at_wall_s``."""
+    ``kill_at_wall_s``. A tuple: one delay per killed service."""
     kill_service: str = RANKD
-    """The child the fault is injected into: one of :data:`vertumnus.live.registry.SERVICES`."""
+    """The child the fault is injected into: one of :data:`vertumnus.live.registry.SERVICES`
+    or ``nats``; several, comma-separated, each crashed at its own ``kill_at_wall_s`` (e.g. a
+    scheduler, then a rank daemon while the new scheduler has not seen its requests)."""
 
     def __post_init__(self) -> None:
         if not self.workload:
@@ -175,22 +178,44 @@ class UpConfig:
                              "backend models (the torch engine runs CP workers)")
         self._check_faults()
 
+    def _fault_services(self) -> tuple[str, ...]:
+        return tuple(x.strip() for x in self.kill_service.split(","))
+
+    @staticmethod
+    def _per_service(v: float | tuple[float, ...] | None, n: int, flag: str
+                     ) -> tuple[float | None, ...]:
+        """``v`` as one value per killed service (a single value stands for every one)."""
+        vals: tuple[float | None, ...] = v if isinstance(v, tuple) else (v,)
+        for x in vals:
+            if x is not None and not (x >= 0 and math.isfinite(x)):
+                raise ValueError(f"{flag} must be finite and >= 0 wall seconds, got {x}")
+        if len(vals) == 1:
+            return vals * n
+        if len(vals) != n:
+            raise ValueError(f"{flag} has {len(vals)} values for {n} service(s) of "
+                             f"--kill-service (give one, or one per service)")
+        return vals
+
     def _check_faults(self) -> None:
-        """The fault-injection options: a known service, non-negative times, a restart only
-        after a kill, a replay to time them from, and one process to kill."""
+        """The fault-injection options: known services, each at most once, non-negative
+        times (one, or one per service), a restart only after a kill, a replay to time them
+        from, and one process per service to kill."""
         kill, restart = self.kill_at_wall_s, self.restart_after_wall_s
-        for flag, v in (("--kill-at", kill), ("--restart-after", restart)):
-            if v is not None and not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{flag} must be finite and >= 0 wall seconds, got {v}")
-        if self.kill_service not in (*SERVICES, NATS):
-            raise ValueError(f"--kill-service {self.kill_service!r} is not a service; known: "
-                             f"{', '.join((*SERVICES, NATS))}")
+        names = self._fault_services()
+        self._per_service(kill, len(names), "--kill-at")
+        self._per_service(restart, len(names), "--restart-after")
+        for name in names:
+            if name not in (*SERVICES, NATS):
+                raise ValueError(f"--kill-service {name!r} is not a service; known: "
+                                 f"{', '.join((*SERVICES, NATS))}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--kill-service names a service twice: {self.kill_service!r}")
         if restart is not None and kill is None:
             raise ValueError("--restart-after needs --kill-at (it restarts the service that "
                              "the kill stopped)")
         if kill is None:
             return
-        if self.kill_service == RANKD and self.backend != "sim":
+        if RANKD in names and self.backend != "sim":
             raise ValueError(f"--kill-service rankd is only for --backend sim (one rank-daemon "
                              f"process hosts every worker); --backend {self.backend} runs one "
                              "process per GPU rank")
@@ -198,11 +223,16 @@ class UpConfig:
             raise ValueError("--kill-at is timed from the replay's start and --serve runs no "
                              "replay (kill a pid of the log dir's pids.json yourself)")
 
-    def crash_plan(self) -> CrashPlan | None:
-        """The crash to inject during the replay, or None."""
+    def crash_plans(self) -> tuple[CrashPlan, ...]:
+        """The crashes to inject during the replay, one per killed service (none without
+        ``kill_at_wall_s``)."""
         if self.kill_at_wall_s is None:
-            return None
-        return CrashPlan(self.kill_at_wall_s, self.restart_after_wall_s, self.kill_service)
+            return ()
+        names = self._fault_services()
+        kills = self._per_service(self.kill_at_wall_s, len(names), "--kill-at")
+        restarts = self._per_service(self.restart_after_wall_s, len(names), "--restart-after")
+        return tuple(CrashPlan(k, r, n)  # type: ignore[arg-type]
+                     for k, r, n in zip(kills, restarts, names, strict=True))
 
     @property
     def block_size(self) -> int:
@@ -864,9 +894,9 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
               f"{config.policy}, backend {config.backend}, {len(requests)} requests over "
               f"{config.duration_s:g} modelled s at time scale {scale:g} "
               f"(≈{config.duration_s * scale / config.rate_scale:.0f} s wall); logs {log_dir}")
-    plan = config.crash_plan()
-    if plan is not None:
-        last_s = (requests[-1].arrival_s * scale / config.rate_scale) if requests else 0.0
+    plans = config.crash_plans()
+    last_s = (requests[-1].arrival_s * scale / config.rate_scale) if requests else 0.0
+    for plan in plans:
         again = ("never restarted" if plan.restart_after_s is None
                  else f"restarted {plan.restart_after_s:g} s later")
         late = (f" [yellow](after the last arrival at ≈{last_s:.0f} s: it fires only while "
@@ -905,7 +935,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     interrupted = False
     health: Health | None = None
     faults: list[FaultEvent] = []
-    crash: asyncio.Task[None] | None = None
+    crashes: list[tuple[CrashPlan, asyncio.Task[None]]] = []
     supervisor: asyncio.Task[None] | None = None
 
     def note(ev: FaultEvent) -> None:
@@ -929,16 +959,16 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
 
     def replay_started() -> None:
         # The replay's clock starts here: composition changes and faults share it.
-        nonlocal crash, supervisor
+        nonlocal supervisor
         assert stack.observer is not None
         stack.observer.mark_start()
         supervisor = asyncio.create_task(supervise(stack.observer.t0), name="supervision")
-        if plan is not None:
-            crash = asyncio.create_task(run_crash(
-                plan, kill=lambda: stack.kill_child(plan.service),
-                restart=lambda: stack.restart_child(plan.service), events=faults,
+        for plan in plans:
+            crashes.append((plan, asyncio.create_task(run_crash(
+                plan, kill=lambda name=plan.service: stack.kill_child(name),
+                restart=lambda name=plan.service: stack.restart_child(name), events=faults,
                 t0=stack.observer.t0, on_event=note),
-                name="fault-injection")
+                name=f"fault-injection-{plan.service}")))
 
     try:
         try:
@@ -985,18 +1015,21 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             supervisor.cancel()
             if failed is not None:
                 err.print(f"[red]supervision failed: {failed}")
-        if crash is not None and plan is not None:
+        for plan, crash in crashes:
             # A fault not yet due when the replay ends never happens. cancel() suffices, no
             # await: kill and restart run synchronously on this thread, so the task is parked
             # in a sleep now and can no longer touch the child set, which the stop below
             # hands to a worker thread (ChildSet is not thread-safe).
             failure = crash.exception() if crash.done() and not crash.cancelled() else None
             crash.cancel()
+            done = [f.action for f in faults if f.service == plan.service
+                    and f.action in ("kill", "restart")]
             if failure is not None:
-                err.print(f"[red]fault injection failed: {failure}")
-            elif len(faults) < (1 if plan.restart_after_s is None else 2):
+                err.print(f"[red]fault injection failed ({plan.service}): {failure}")
+            elif "kill" not in done or (plan.restart_after_s is not None
+                                        and "restart" not in done):
                 err.print(f"[yellow]fault injection: the replay ended before the planned "
-                          f"{'restart' if faults else 'kill'} of {plan.service}")
+                          f"{'restart' if 'kill' in done else 'kill'} of {plan.service}")
         observer = stack.observer
         bound = config.stop_timeout_wall_s + 15.0
         with contextlib.suppress(NotImplementedError, RuntimeError):
