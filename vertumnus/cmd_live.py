@@ -29,35 +29,19 @@ from typing import Annotated, Any
 
 import typer
 
+from vertumnus.cliargs import comma_list
+from vertumnus.cliargs import fail as _fail
+
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-def _fail(msg: str, code: int = 2) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(code)
-
-
 def _ints(text: str, name: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        _fail(f"--{name} must be comma-separated integers, got {text!r}")
-    if not vals:
-        _fail(f"--{name} needs at least one value")
-    return vals
+    return comma_list(text, name, int, "integers")
 
 
 def _times(text: str | None, name: str) -> tuple[float, ...] | None:
     """Comma-separated wall seconds (None: the option was not given)."""
-    if text is None:
-        return None
-    try:
-        vals = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        _fail(f"--{name} must be comma-separated seconds, got {text!r}")
-    if not vals:
-        _fail(f"--{name} needs at least one value")
-    return vals
+    return None if text is None else comma_list(text, name, float, "seconds")
 
 
 def run_service_module(module: str, argv: list[str], prog: str) -> None:

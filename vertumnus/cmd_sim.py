@@ -10,33 +10,20 @@ from typing import Annotated, Any
 import typer
 
 from shared.ids import InvalidInput
+from vertumnus.cliargs import comma_list
+from vertumnus.cliargs import fail as _fail
 
 _DEFAULT_POLICIES = "vertumnus,static,homo,homo_cp2,sglang,vllm,dynamo,llmd"
 
 
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
-
-
 def _floats(text: str, name: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        _fail(f"--{name} must be comma-separated numbers, got {text!r}")
-    if not vals or any(v <= 0 for v in vals):
-        _fail(f"--{name} needs positive numbers, got {text!r}")
-    return vals
+    return list(comma_list(text, name, float, "numbers", valid=lambda v: v > 0,
+                           need="positive numbers"))
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        _fail(f"--{name} must be comma-separated integers, got {text!r}")
-    if not vals or any(v < 1 for v in vals):
-        _fail(f"--{name} needs integers >= 1, got {text!r}")
-    return vals
+    return comma_list(text, name, int, "integers", valid=lambda v: v >= 1,
+                      need="integers >= 1")
 
 
 def register(app: typer.Typer) -> None:

@@ -1429,12 +1429,9 @@ class SchedulerService(MicroService):
         gone, or restarted since → hand the request back to intake. A worker that does not
         answer yet while its state is fresh is adopted too: the ledger finds it if it died."""
         rid = req.request_id
-        if rid in self._served or await self._result_kept(rid):
-            self.stats.redelivered_acked += 1
-            self.log.info("redelivered intake acked without dispatch", request_id=rid)
-            await msg.ack()
-            return
-        if not self.ssettings.hold_intake:  # nothing is held: this is the crash-before-ack case
+        # Without hold_intake nothing is held: this is the crash-before-ack case.
+        if rid in self._served or not self.ssettings.hold_intake \
+                or await self._result_kept(rid):
             self.stats.redelivered_acked += 1
             self.log.info("redelivered intake acked without dispatch", request_id=rid)
             await msg.ack()
