@@ -585,6 +585,7 @@ class SchedulerStats:
     peer_expired: int = 0  # ... forgotten without its result (peer_ttl_s)
     adopted: int = 0  # a held message redelivered (its replica gone): its worker holds it
     adopted_lost: int = 0  # ... its worker is gone and does not hold it: handed back
+    held_renewals: int = 0  # rounds that marked the held intake messages in progress
 
 
 class SchedulerService(MicroService):
@@ -1418,6 +1419,8 @@ class SchedulerService(MicroService):
                 except Exception as exc:  # the connection is down: the next round again
                     self.log.debug("held intake message not renewed", request_id=rid,
                                    error=repr(exc))
+            if self._held:
+                self.stats.held_renewals += 1
 
     async def _redelivered(self, msg: Msg, req: IntakeRequest, rec: AssignmentRecord) -> None:
         """A message dispatched before (its ``dispatched`` record names this stream sequence)

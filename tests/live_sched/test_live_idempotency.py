@@ -197,8 +197,11 @@ async def test_a_dispatched_message_is_held_until_its_result(
     await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
     await publish(nc, s, intake("held-1"))
     await wait_until(lambda: "held-1" in sched._held, "the message held")
-    # Over two ack_waits later: still held, never redelivered (the renewals reach the server).
-    await asyncio.sleep(4.0)
+    # Four renewal rounds (every ack_wait / 3) span over two ack_waits: still held, never
+    # redelivered (the renewals reach the server).
+    await wait_until(lambda: sched.stats.held_renewals >= 4, "four renewal rounds")
+    consumer = await nc.jetstream().consumer_info(s.intake_stream(), s.intake_consumer())
+    assert consumer.num_redelivered == 0 and consumer.num_ack_pending == 1
     assert await _intake_messages(nc, s) == 1
     assert len(w.assignments) == 1 and sched.stats.adopted == 0
     assert sched.stats.redelivered_acked == 0
