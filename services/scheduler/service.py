@@ -100,7 +100,11 @@ client got a 504). A redelivery whose first token is out (``_served``, or kept i
 stream) is acked; one whose worker is gone, or restarted since it admitted the request
 (``AssignmentRecord.incarnation``), is handed back; one that a live worker no longer lists
 (it ran it, or handed it back itself) is acked. The consumer's ``max_ack_pending`` must
-cover every replica's dispatched-but-unanswered requests.
+cover every replica's dispatched-but-unanswered requests. A replica with a fixed instance id
+that starts NAKs, before taking any delivery, the messages its dead predecessor held (the
+records naming it keep each delivery's reply subject; an adoption rewrites the record under
+the adopter), so after a crash and restart they come back at once rather than after
+``ack_wait``.
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
@@ -188,6 +192,7 @@ from shared.schemas import (
     decode,
     encode,
     from_json,
+    to_json,
 )
 from shared.service import (
     WORKER_LEASE_S,
@@ -395,6 +400,11 @@ class AssignmentRecord(Message):
     incarnation: str = Field(
         default="", description="the worker incarnation that admitted it (its AssignmentAck; "
         "set on a ``dispatched`` record): a restart of the worker since then lost it")
+    ack_subject: str = Field(
+        default="", max_length=512,
+        description="reply subject of the intake delivery ``scheduler`` held (empty: not "
+        "known). The next process of a replica with a fixed instance id NAKs it at start, "
+        "so what its predecessor held comes back at once, not after ack_wait.")
 
 
 
@@ -586,6 +596,7 @@ class SchedulerStats:
     adopted: int = 0  # a held message redelivered (its replica gone): its worker holds it
     adopted_lost: int = 0  # ... its worker is gone and does not hold it: handed back
     held_renewals: int = 0  # rounds that marked the held intake messages in progress
+    predecessor_naked: int = 0  # held by this replica's previous process: NAKed at start
 
 
 class SchedulerService(MicroService):
@@ -710,6 +721,10 @@ class SchedulerService(MicroService):
         results = await self.nc.subscribe(s.result_all(), cb=self._on_result)
         # Every replica's placement statistics: the others' placements are in-flight prefixes.
         peers = await self.nc.subscribe(s.cache_stats_all(), cb=self._on_peer_stats)
+        if self.ssettings.hold_intake and self.ssettings.instance_id:
+            # Before this process takes any delivery: none of its own can be mistaken for
+            # its predecessor's.
+            await self._give_back_predecessor_holds(js)
         await puller.start()
         self._tasks = [
             asyncio.create_task(self._watch_states(watcher), name="sched-states"),
@@ -1143,7 +1158,8 @@ class SchedulerService(MicroService):
                     limit = span_attribute_limit()
                     span.set_attributes(decision_attributes(
                         decision, None if limit is None else limit - SCHEDULE_SPAN_RESERVED))
-                stored = await self._put_record(assignment, seq, msg_id, "dispatching")
+                stored = await self._put_record(assignment, seq, msg_id, "dispatching",
+                                                ack_subject=msg.reply)
             # The intake message's id lets the worker recognise a re-send of a message it
             # has handed back (services/rankd/core.py, "Exactly once across a scheduler crash").
             hdrs = {INTAKE_MSG_HEADER: msg_id} if sampled else {**parent, INTAKE_MSG_HEADER: msg_id}
@@ -1182,11 +1198,8 @@ class SchedulerService(MicroService):
                     self.core.start(rid, self.clock())
             await self._settle(stored, rid)
             done = await self._put_record(assignment, seq, msg_id, "dispatched",
-                                          ack.incarnation)
-            if done is not None:  # not awaited (see above); bounded all the same
-                done.add_done_callback(self._log_store_failure)
-                asyncio.get_running_loop().call_later(
-                    self.ssettings.dispatch_timeout_s, done.cancel)
+                                          ack.incarnation, msg.reply)
+            self._store_unawaited(done)  # not awaited (see above)
             self.stats.dispatched += 1
             if span is not None:
                 span.set_attribute("vtm.queue_position", ack.queue_position)
@@ -1390,6 +1403,55 @@ class SchedulerService(MicroService):
             with contextlib.suppress(Exception):  # an older message of the request
                 await old.ack()
 
+    async def _give_back_predecessor_holds(self, js: JetStreamContext) -> None:
+        """NAK the intake messages this replica's previous process held when it died.
+
+        Only for a fixed instance id (``VTM_INSTANCE_ID``): the records naming it as the
+        scheduler were then written by an earlier process of this replica, which is gone (two
+        live processes must not share an id). The intake is a work queue, so the messages it
+        still has up to the consumer's last delivery are the unacked ones: for each whose
+        record names this replica, this message and its delivery's reply subject, a NAK makes
+        the server deliver it again at once -- to a replica that adopts it or hands it back
+        (_redelivered) -- instead of after ``ack_wait``. Best effort, bounded by
+        ``max_ack_pending`` messages: anything missed still comes back after ``ack_wait``.
+
+        NOTE: the server applies a NAK to the message's current delivery, whatever delivery
+        the reply subject names; if the predecessor's hold already expired and another replica
+        took the message, the NAK sends it on once more and the next replica adopts it too
+        (each acks it on the result; their hand-backs of it share one id).
+        """
+        s = self.subjects
+        stream = s.intake_stream()
+        try:
+            info = await js.consumer_info(stream, s.intake_consumer())
+            last = info.delivered.stream_seq if info.delivered is not None else 0
+            seq, seen, naked = 1, 0, 0
+            while seq <= last and seen < self.ssettings.max_ack_pending:
+                try:
+                    m = await js.get_msg(stream, seq, subject=s.intake_requests(), next=True)
+                except NotFoundError:
+                    break
+                if m.seq is None or m.seq > last:
+                    break
+                seq, seen = m.seq + 1, seen + 1
+                try:
+                    rid = decode(IntakeRequest, m.data or b"", m.headers).request_id
+                except SchemaError:
+                    continue  # malformed: its delivery terminates it
+                rec = await self._get_record(rid)
+                if rec is not None and rec.scheduler == self.reporter and rec.ack_subject \
+                        and rec.stream_seq == m.seq:
+                    await self.nc.publish(rec.ack_subject, b"-NAK")
+                    naked += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never keeps the replica from starting
+            self.log.warning("predecessor's held messages not given back", error=repr(exc))
+            return
+        self.stats.predecessor_naked += naked
+        if naked:
+            self.log.info("predecessor's held intake messages given back", count=naked)
+
     async def _release_held(self, rid: str) -> None:
         """The ledger let go of ``rid`` (its result came, or it was handed back): ack its
         held intake message. A failed ack only means a redelivery, which finds the result."""
@@ -1462,6 +1524,13 @@ class SchedulerService(MicroService):
         self.stats.adopted += 1
         self.log.info("dispatched request adopted", request_id=rid, worker=wid,
                       listed=listed is not None)
+        # The record names the new holder and its delivery, so that this replica's own next
+        # process can give the message back at once too (_give_back_predecessor_holds).
+        assert self._js is not None
+        self._store_unawaited(await self._js.publish_async(
+            f"{self._records_prefix}{rid}", to_json(rec.model_copy(update={
+                "scheduler": self.reporter, "ack_subject": msg.reply or "",
+                "incarnation": inc}))))
         await self._ack_or_hold(msg, rid, seq)
 
     async def _result_kept(self, rid: str) -> bool:
@@ -1490,6 +1559,13 @@ class SchedulerService(MicroService):
             self.log.warning("assignment record not stored", request_id=rid, error=repr(exc))
             return False
         return True
+
+    def _store_unawaited(self, done: asyncio.Future[Any] | None) -> None:
+        """A record's store acknowledgement nobody waits for: logged if it fails, cancelled
+        after ``dispatch_timeout_s`` (bounded all the same)."""
+        if done is not None:
+            done.add_done_callback(self._log_store_failure)
+            asyncio.get_running_loop().call_later(self.ssettings.dispatch_timeout_s, done.cancel)
 
     def _log_store_failure(self, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled():
@@ -1695,7 +1771,8 @@ class SchedulerService(MicroService):
             return None
 
     async def _put_record(self, a: Assignment, seq: int, msg_id: str, state: str,
-                          incarnation: str = "") -> asyncio.Future[Any] | None:
+                          incarnation: str = "", ack_subject: str | None = ""
+                          ) -> asyncio.Future[Any] | None:
         """Send the record (in the connection's write buffer on return) and return the future
         of its store acknowledgement; the caller decides whether to wait for it."""
         assert self._js is not None and self._records is not None
@@ -1707,7 +1784,7 @@ class SchedulerService(MicroService):
             "stream_seq": seq, "msg_id": msg_id, "worker_id": a.worker_id, "epoch": a.epoch,
             "degree": a.degree, "predicted_s": a.predicted_s, "state": state,
             "scheduler": self.reporter, "assigned_at_s": a.assigned_at_s,
-            "incarnation": incarnation,
+            "incarnation": incarnation, "ack_subject": ack_subject or "",
         }, separators=(",", ":")).encode()
         # The KV bucket's subject for the key (what KeyValue.put publishes to), asynchronously.
         return await self._js.publish_async(f"{self._records_prefix}{a.request.request_id}", rec)

@@ -223,10 +223,10 @@ async def test_a_worker_judged_gone_that_holds_the_request_gets_it_re_sent(
 class DiesBeforeDispatchedRecord(SchedulerService):
     """Scheduler A: dies (for this message) after W's ack, before the ``dispatched`` record."""
 
-    async def _put_record(self, a, seq, msg_id, state):  # type: ignore[no-untyped-def]
+    async def _put_record(self, a, seq, msg_id, state, *args, **kw):  # type: ignore[no-untyped-def]
         if state == "dispatched":
             raise ConnectionError("killed before the dispatched record")
-        return await super()._put_record(a, seq, msg_id, state)
+        return await super()._put_record(a, seq, msg_id, state, *args, **kw)
 
 
 class GatedScheduler(SchedulerService):

@@ -48,10 +48,10 @@ BLOCKER_LEN = 4000  # the blocker's input length: its prefill holds W while x wa
 class DiesBeforeDispatchedRecord(SchedulerService):
     """Scheduler A: dies (for this message) after W's ack, before the ``dispatched`` record."""
 
-    async def _put_record(self, a, seq, msg_id, state):  # type: ignore[no-untyped-def]
+    async def _put_record(self, a, seq, msg_id, state, *args, **kw):  # type: ignore[no-untyped-def]
         if state == "dispatched":
             raise ConnectionError("killed before the dispatched record")
-        await super()._put_record(a, seq, msg_id, state)
+        await super()._put_record(a, seq, msg_id, state, *args, **kw)
 
 
 class GatedScheduler(SchedulerService):

@@ -118,10 +118,10 @@ class DiesBeforeDispatchedRecord(SchedulerService):
     acknowledged the assignment, the ``dispatched`` record and the intake ack are not written
     (the record stays ``dispatching``, the message is redelivered after ack_wait)."""
 
-    async def _put_record(self, a, seq, msg_id, state):  # type: ignore[no-untyped-def]
+    async def _put_record(self, a, seq, msg_id, state, *args, **kw):  # type: ignore[no-untyped-def]
         if state == "dispatched":
             raise ConnectionError("killed before the dispatched record")
-        await super()._put_record(a, seq, msg_id, state)
+        await super()._put_record(a, seq, msg_id, state, *args, **kw)
 
 
 async def test_resent_dispatching_assignment_runs_once(nats_server: EmbeddedNats) -> None:

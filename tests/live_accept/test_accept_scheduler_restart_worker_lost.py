@@ -101,3 +101,67 @@ async def test_a_worker_restarted_meanwhile_gets_the_request_back_at_once(
             assert b.stats.adopted_lost == 1, b.stats
             assert b.stats.adopted == 0 and b.stats.failed == 0, b.stats
             await wait_intake_empty(nc, live)
+
+
+async def test_a_replica_restarted_under_its_id_takes_back_what_it_held_at_once(
+        nats_server: EmbeddedNats) -> None:
+    """A crash, then the same replica (fixed instance id) starts again: it NAKs the intake
+    message its dead process held, so x comes back now, not after ack_wait (two minutes
+    here, longer than any wait below), and is adopted; the worker's death is then recovered."""
+    async with running(nats_server) as (live, nc, tap):
+        with rankd_process(live, W, time_scale=1000.0) as proc:
+            await live.until_served(live.subjects.worker_assign(W))
+            kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, lease_s=1.5,
+                      ack_wait_s=120.0)
+            a = await live.scheduler(instance_id="sched-a", **kw)
+            await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
+            await publish_intake(nc, live, "x", LONG)
+            await wait_holds(nc, live, W, "x")
+            await wait_until(lambda: "x" in a._held, "x's message held by A")
+            a._held.clear()  # as a SIGKILL would leave it: neither renewed nor NAKed
+            await live.stop(a)
+            other = await live.scheduler(instance_id="sched-b", **kw)
+            assert other.stats.predecessor_naked == 0  # not its predecessor's message
+            await live.stop(other)
+            again = await live.scheduler(instance_id="sched-a", **kw)
+            assert again.stats.predecessor_naked == 1, again.stats
+            await wait_until(lambda: again.stats.adopted == 1, "A's next process adopts x",
+                             timeout_s=60.0)
+            await live.rankd(W2)
+            kill(proc)
+            await wait_until(lambda: answers(tap, "x") != [], "x answered", timeout_s=60.0)
+            assert answers(tap, "x") == [(W2, None)]
+            assert again.stats.failed == 0, again.stats
+            await wait_intake_empty(nc, live)
+
+
+async def test_an_adopted_request_is_recorded_under_its_new_holder(
+        nats_server: EmbeddedNats) -> None:
+    """B adopts x after A's crash: x's record now names B and B's delivery, so B's own next
+    process could give it back at once too."""
+    async with running(nats_server) as (live, nc, tap):
+        with rankd_process(live, W, time_scale=1000.0):
+            await live.until_served(live.subjects.worker_assign(W))
+            kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, ack_wait_s=1.5)
+            a = await live.scheduler(instance_id="sched-a", **kw)
+            await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
+            await publish_intake(nc, live, "x", LONG)
+            await wait_holds(nc, live, W, "x")
+            await wait_until(lambda: "x" in a._held, "x's message held by A")
+            first = await a._get_record("x")
+            assert first is not None and first.scheduler == "sched-a"
+            assert first.ack_subject == a._held["x"].reply
+            a._held.clear()
+            await live.stop(a)
+            b = await live.scheduler(instance_id="sched-b", **kw)
+            await wait_until(lambda: b.stats.adopted == 1, "B adopts x")
+
+            async def recorded() -> bool:
+                rec = await b._get_record("x")
+                return rec is not None and rec.scheduler == "sched-b" \
+                    and rec.ack_subject == b._held["x"].reply \
+                    and rec.ack_subject != first.ack_subject
+            deadline = time.monotonic() + 30
+            while not await recorded():
+                assert time.monotonic() < deadline, "x's record not rewritten"
+                await asyncio.sleep(0.05)
