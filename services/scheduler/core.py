@@ -134,6 +134,30 @@ class SchedulerCore:
         self._add_inflight(d.worker, request)
         return d
 
+    def adopt(self, request: RequestInfo, worker: WorkerId, predicted_s: float, now: float,
+              *, uncached_tokens: int = 0, running: bool = False) -> bool:
+        """Reserve a request placed on ``worker`` by an earlier process of this scheduler
+        (its work counts as this core's from now on, as if :meth:`place` had placed it;
+        ``running``: the worker already began it). Returns False, changing nothing, when the
+        request is placed here already. :class:`UnknownWorker` when ``worker`` has no load
+        tracker (not in the view); :class:`InvalidInput` on a bad argument."""
+        if not isinstance(request, RequestInfo):
+            raise InvalidInput(f"request must be a RequestInfo, got {type(request).__name__}")
+        rid = request.request_id
+        if rid in self._where:
+            return False
+        ld = self.load(worker)
+        self.forget_foreign(rid)
+        ld.reserve(rid, float(predicted_s), tokens=request.length,
+                   uncached_tokens=uncached_tokens,
+                   blocks=-(-request.length // self._view.block_size), now=float(now))
+        self._where[rid] = worker
+        self._requests[rid] = request
+        self._add_inflight(worker, request)
+        if running:
+            ld.start(rid, float(now))
+        return True
+
     def _add_inflight(self, worker: WorkerId, request: RequestInfo) -> None:
         idx = self._inflight.setdefault(worker, {})
         for h in self._full_blocks(request):

@@ -102,9 +102,10 @@ stream) is acked; one whose worker is gone, or restarted since it admitted the r
 (it ran it, or handed it back itself) is acked. The consumer's ``max_ack_pending`` must
 cover every replica's dispatched-but-unanswered requests. A replica with a fixed instance id
 that starts NAKs, before taking any delivery, the messages its dead predecessor held (the
-records naming it keep each delivery's reply subject; an adoption rewrites the record under
-the adopter), so after a crash and restart they come back at once rather than after
-``ack_wait``.
+records name the holder and keep its delivery's reply subject; an adoption makes the adopter
+the holder), so after a crash and restart they come back at once rather than after
+``ack_wait``. A request its predecessor placed is reserved in the adopter's core when adopted
+(the worker reports it as this replica's work, which ``_note_foreign`` leaves to the core).
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
@@ -400,11 +401,15 @@ class AssignmentRecord(Message):
     incarnation: str = Field(
         default="", description="the worker incarnation that admitted it (its AssignmentAck; "
         "set on a ``dispatched`` record): a restart of the worker since then lost it")
+    holder: str = Field(
+        default="", max_length=256,
+        description="the replica holding the intake message (empty: ``scheduler``; another "
+        "one after it adopted the request)")
     ack_subject: str = Field(
         default="", max_length=512,
-        description="reply subject of the intake delivery ``scheduler`` held (empty: not "
-        "known). The next process of a replica with a fixed instance id NAKs it at start, "
-        "so what its predecessor held comes back at once, not after ack_wait.")
+        description="reply subject of the holder's intake delivery (empty: not known). The "
+        "next process of a replica with a fixed instance id NAKs it at start, so what its "
+        "predecessor held comes back at once, not after ack_wait.")
 
 
 
@@ -597,6 +602,7 @@ class SchedulerStats:
     adopted_lost: int = 0  # ... its worker is gone and does not hold it: handed back
     held_renewals: int = 0  # rounds that marked the held intake messages in progress
     predecessor_naked: int = 0  # held by this replica's previous process: NAKed at start
+    adopted_reserved: int = 0  # adopted requests placed by that process: reserved in the core
 
 
 class SchedulerService(MicroService):
@@ -1270,14 +1276,18 @@ class SchedulerService(MicroService):
 
     async def _queue_of(self, wid: str) -> set[str] | None:
         """The request ids the worker lists (queued or running); None when it does not answer."""
+        rep = await self._report_of(wid)
+        return None if rep is None else {*rep.in_flight, *rep.queued}
+
+    async def _report_of(self, wid: str) -> QueueReport | None:
+        """The worker's queue report; None when it does not answer."""
         try:
-            rep = await call(self.nc, self.subjects.worker_queue(wid),
-                             QueueQuery(worker_id=wid), QueueReport,
-                             timeout_s=self.ssettings.dispatch_timeout_s)
+            return await call(self.nc, self.subjects.worker_queue(wid),
+                              QueueQuery(worker_id=wid), QueueReport,
+                              timeout_s=self.ssettings.dispatch_timeout_s)
         except (RemoteError, SchemaError, nats.errors.NoRespondersError,
                 nats.errors.TimeoutError, TimeoutError):
             return None
-        return {*rep.in_flight, *rep.queued}
 
     async def _hand_back_lost(self, sent: Sent, loss: Loss) -> None:
         """Publish ``sent``'s request to intake under the id its worker's own hand-back would
@@ -1439,8 +1449,8 @@ class SchedulerService(MicroService):
                 except SchemaError:
                     continue  # malformed: its delivery terminates it
                 rec = await self._get_record(rid)
-                if rec is not None and rec.scheduler == self.reporter and rec.ack_subject \
-                        and rec.stream_seq == m.seq:
+                if rec is not None and (rec.holder or rec.scheduler) == self.reporter \
+                        and rec.ack_subject and rec.stream_seq == m.seq:
                     await self.nc.publish(rec.ack_subject, b"-NAK")
                     naked += 1
         except asyncio.CancelledError:
@@ -1502,7 +1512,8 @@ class SchedulerService(MicroService):
             await msg.ack()
             return
         wid = rec.worker_id
-        listed = await self._queue_of(wid)
+        report = await self._report_of(wid)
+        listed = None if report is None else {*report.in_flight, *report.queued}
         state = self._states.get(wid)
         restarted = state is not None and bool(rec.incarnation) \
             and state.incarnation != rec.incarnation
@@ -1522,6 +1533,14 @@ class SchedulerService(MicroService):
         inc = state.incarnation if state is not None and listed is not None else rec.incarnation
         self.ledger.add(Sent(rid, wid, inc, rec.msg_id, seq, req, carrier))
         self.stats.adopted += 1
+        if rec.scheduler == self.reporter:
+            # Placed by this replica's previous process: the worker reports it as this
+            # replica's work, which _note_foreign leaves to the core, so the core reserves it.
+            with contextlib.suppress(VertumnusError):
+                self.stats.adopted_reserved += self.core.adopt(
+                    RequestInfo(rid, req.input_len, tuple(req.block_hashes), req.arrival_s),
+                    WorkerId(wid), rec.predicted_s, self.clock(),
+                    running=report is not None and rid in report.in_flight)
         self.log.info("dispatched request adopted", request_id=rid, worker=wid,
                       listed=listed is not None)
         # The record names the new holder and its delivery, so that this replica's own next
@@ -1529,7 +1548,7 @@ class SchedulerService(MicroService):
         assert self._js is not None
         self._store_unawaited(await self._js.publish_async(
             f"{self._records_prefix}{rid}", to_json(rec.model_copy(update={
-                "scheduler": self.reporter, "ack_subject": msg.reply or "",
+                "holder": self.reporter, "ack_subject": msg.reply or "",
                 "incarnation": inc}))))
         await self._ack_or_hold(msg, rid, seq)
 

@@ -127,6 +127,10 @@ async def test_a_replica_restarted_under_its_id_takes_back_what_it_held_at_once(
             assert again.stats.predecessor_naked == 1, again.stats
             await wait_until(lambda: again.stats.adopted == 1, "A's next process adopts x",
                              timeout_s=60.0)
+            # The worker reports x as sched-a's work, so sched-a's core counts it as its own.
+            assert again.stats.adopted_reserved == 1, again.stats
+            assert again.core.worker_of("x") == W  # type: ignore[arg-type]
+            assert again.core.load(W).unfinished == 1  # type: ignore[arg-type]
             await live.rankd(W2)
             kill(proc)
             await wait_until(lambda: answers(tap, "x") != [], "x answered", timeout_s=60.0)
@@ -137,8 +141,8 @@ async def test_a_replica_restarted_under_its_id_takes_back_what_it_held_at_once(
 
 async def test_an_adopted_request_is_recorded_under_its_new_holder(
         nats_server: EmbeddedNats) -> None:
-    """B adopts x after A's crash: x's record now names B and B's delivery, so B's own next
-    process could give it back at once too."""
+    """B adopts x after A's crash: x's record now names B as its holder, with B's delivery, so
+    B's own next process could give it back at once too; A stays its scheduler."""
     async with running(nats_server) as (live, nc, tap):
         with rankd_process(live, W, time_scale=1000.0):
             await live.until_served(live.subjects.worker_assign(W))
@@ -156,9 +160,13 @@ async def test_an_adopted_request_is_recorded_under_its_new_holder(
             b = await live.scheduler(instance_id="sched-b", **kw)
             await wait_until(lambda: b.stats.adopted == 1, "B adopts x")
 
+            # x is sched-a's work in W's reports (counted as foreign at B): no reservation.
+            assert b.stats.adopted_reserved == 0 and "x" not in b.core._where, b.stats
+
             async def recorded() -> bool:
                 rec = await b._get_record("x")
-                return rec is not None and rec.scheduler == "sched-b" \
+                return rec is not None and rec.holder == "sched-b" \
+                    and rec.scheduler == "sched-a" \
                     and rec.ack_subject == b._held["x"].reply \
                     and rec.ack_subject != first.ack_subject
             deadline = time.monotonic() + 30

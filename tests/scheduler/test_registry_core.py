@@ -138,3 +138,34 @@ def test_policy_durations_are_the_periods_in_seconds() -> None:
     assert policy_durations("vertumnus") == {} and policy_durations("round_robin") == {}
     with pytest.raises(UnknownPolicy):
         policy_durations("nope")
+
+
+def test_adopt_reserves_a_request_placed_by_an_earlier_process() -> None:
+    v = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), v)
+    assert core.adopt(req("x", 500), W("a"), 2.0, 10.0) is True
+    assert core.worker_of(RequestId("x")) == "a"
+    assert core.load(W("a")).queue_delay(10.0) == pytest.approx(2.0)
+    assert core.load(W("a")).unfinished == 1
+    # the adopted work is load: a new request goes to the idle worker
+    assert core.place(req("y", 500, first=100), {}, 10.0).worker == "b"
+    assert core.adopt(req("x", 500), W("b"), 2.0, 10.0) is False  # placed here already
+    assert core.worker_of(RequestId("x")) == "a"
+    core.finish(RequestId("x"), 11.0)
+    assert core.load(W("a")).unfinished == 0
+
+
+def test_adopt_a_running_request_and_refusals() -> None:
+    v = view(WorkerView(W("a"), 4))
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), v)
+    assert core.adopt(req("x", 500), W("a"), 2.0, 10.0, running=True)
+    # running since the adoption: what is left of its predicted time
+    assert core.load(W("a")).queue_delay(11.0) == pytest.approx(1.0)
+    from shared.ids import UnknownWorker
+    with pytest.raises(UnknownWorker):
+        core.adopt(req("z", 500), W("nope"), 1.0, 10.0)
+    with pytest.raises(InvalidInput):
+        core.adopt(req("z", 500), W("a"), -1.0, 10.0)
+    with pytest.raises(InvalidInput):
+        core.adopt("z", W("a"), 1.0, 10.0)  # type: ignore[arg-type]
+    assert core.load(W("a")).unfinished == 1  # the refusals changed nothing
