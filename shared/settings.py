@@ -13,12 +13,26 @@ Settings are read once in a service's ``main`` and passed down; cores never read
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+import socket
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.subjects import Subjects, validate_subject
+
+HOSTNAME_INSTANCE: Final[str] = "@hostname"
+"""``instance_id`` value that stands for this host's name (:func:`hostname_token`)."""
+
+
+def hostname_token(hostname: str) -> str:
+    """A host name as an instance id (a subject token): its first label, lowercase, every
+    character other than a letter, digit, '-' or '_' replaced by '-', prefixed with 'h' when
+    it would not start with a letter or digit (or is empty). Pure."""
+    label = hostname.split(".", 1)[0].lower()
+    token = re.sub(r"[^a-z0-9_-]", "-", label)
+    return token if token[:1].isalnum() else f"h{token}"
 
 
 class TelemetrySettings(BaseModel):
@@ -88,7 +102,10 @@ class ServiceSettings(BaseSettings):
     instance_id: str | None = Field(
         default=None,
         description="This replica's id (defaults to a random NATS-assigned id); "
-        "appears in micro metadata and logs.",
+        "appears in micro metadata and logs. '@hostname': the host's name made a subject "
+        "token (first label, lowercase, other characters '-'), which a container keeps "
+        "across restarts: a scheduler restarted under the same id takes back at once what "
+        "its dead process held.",
     )
     connect_timeout_s: float = Field(
         default=5.0, gt=0, description="Timeout of one NATS connection attempt."
@@ -108,6 +125,11 @@ class ServiceSettings(BaseSettings):
     def _prefix(cls, v: str) -> str:
         validate_subject(v)
         return v
+
+    @field_validator("instance_id")
+    @classmethod
+    def _instance(cls, v: str | None) -> str | None:
+        return hostname_token(socket.gethostname()) if v == HOSTNAME_INSTANCE else v
 
     @property
     def subjects(self) -> Subjects:

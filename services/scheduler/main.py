@@ -9,7 +9,8 @@ win over the environment:
   --policy NAME           VTM_POLICY            registered policy (vertumnus, vllm, sglang, ...)
   --policy-params JSON    VTM_POLICY_PARAMS     policy keyword parameters, a JSON object
   --profile PATH          VTM_PROFILE_PATH      fitted cost-model profile (JSON)
-  --instance-id ID        VTM_INSTANCE_ID       this replica's id (reporter id on the wire)
+  --instance-id ID        VTM_INSTANCE_ID       this replica's id (reporter id on the wire;
+                                                @hostname: the host's name, kept by a container)
   --seed N                VTM_SEED              policy random seed
   --degrees 2,4           VTM_DEGREES           the pool's CP degrees (JSON list in env)
 
