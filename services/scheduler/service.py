@@ -1423,7 +1423,8 @@ class SchedulerService(MicroService):
         record names this replica, this message and its delivery's reply subject, a NAK makes
         the server deliver it again at once -- to a replica that adopts it or hands it back
         (_redelivered) -- instead of after ``ack_wait``. Best effort, bounded by
-        ``max_ack_pending`` messages: anything missed still comes back after ``ack_wait``.
+        ``max_ack_pending`` messages and ``ack_wait_s / 3`` seconds (this replica takes no
+        delivery meanwhile): anything missed still comes back after ``ack_wait``.
 
         NOTE: the server applies a NAK to the message's current delivery, whatever delivery
         the reply subject names; if the predecessor's hold already expired and another replica
@@ -1432,11 +1433,18 @@ class SchedulerService(MicroService):
         """
         s = self.subjects
         stream = s.intake_stream()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._give_back_budget_s()
+        seen = naked = 0
         try:
             info = await js.consumer_info(stream, s.intake_consumer())
             last = info.delivered.stream_seq if info.delivered is not None else 0
-            seq, seen, naked = 1, 0, 0
+            seq = 1
             while seq <= last and seen < self.ssettings.max_ack_pending:
+                if loop.time() >= deadline:
+                    self.log.warning("predecessor's held messages: scan cut short",
+                                     seen=seen, given_back=naked)
+                    break
                 try:
                     m = await js.get_msg(stream, seq, subject=s.intake_requests(), next=True)
                 except NotFoundError:
@@ -1456,11 +1464,15 @@ class SchedulerService(MicroService):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never keeps the replica from starting
-            self.log.warning("predecessor's held messages not given back", error=repr(exc))
-            return
+            self.log.warning("predecessor's held messages not all given back",
+                             error=repr(exc), given_back=naked)
         self.stats.predecessor_naked += naked
         if naked:
             self.log.info("predecessor's held intake messages given back", count=naked)
+
+    def _give_back_budget_s(self) -> float:
+        """How long :meth:`_give_back_predecessor_holds` may take (the replica waits)."""
+        return self.ssettings.ack_wait_s / 3
 
     async def _release_held(self, rid: str) -> None:
         """The ledger let go of ``rid`` (its result came, or it was handed back): ack its

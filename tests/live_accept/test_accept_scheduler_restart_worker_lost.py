@@ -35,7 +35,13 @@ from test_accept_worker_lost import (
     wait_holds,
 )
 
+from services.scheduler.service import SchedulerService
 from shared.natsserver import EmbeddedNats
+
+
+class NoTimeToGiveBack(SchedulerService):
+    def _give_back_budget_s(self) -> float:
+        return 0.0
 
 
 async def wait_intake_empty(nc: nats.NATS, live: InProcess) -> None:
@@ -123,6 +129,10 @@ async def test_a_replica_restarted_under_its_id_takes_back_what_it_held_at_once(
             other = await live.scheduler(instance_id="sched-b", **kw)
             assert other.stats.predecessor_naked == 0  # not its predecessor's message
             await live.stop(other)
+            # The scan is bounded in time (ack_wait / 3; none here: cut short at once).
+            hasty = await live.scheduler(NoTimeToGiveBack, instance_id="sched-a", **kw)
+            assert hasty.stats.predecessor_naked == 0, hasty.stats
+            await live.stop(hasty)
             again = await live.scheduler(instance_id="sched-a", **kw)
             assert again.stats.predecessor_naked == 1, again.stats
             await wait_until(lambda: again.stats.adopted == 1, "A's next process adopts x",
