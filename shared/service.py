@@ -669,10 +669,12 @@ class KvWatch:
     """
 
     def __init__(self, nc: Client, kv: KeyValue, keys: str = ">", *,
-                 check_s: float = 1.0) -> None:
+                 check_s: float = 1.0, logger: Any = None) -> None:
         if not check_s > 0:
             raise InvalidInput(f"check_s must be > 0, got {check_s!r}")
         self._nc, self._kv, self._keys, self._check_s = nc, kv, keys, check_s
+        # Where the re-watches are told (structlog-like ``info``; default this module's log).
+        self._log = log if logger is None else logger
         self._watcher: Any = None
         self._reconnects = 0
         self._stopped = False
@@ -710,13 +712,13 @@ class KvWatch:
         try:
             watcher = await self._kv.watch(self._keys)
         except (nats.errors.Error, TimeoutError) as exc:  # the server is not ready yet
-            log.info("kv watch not made again yet", keys=self._keys, error=repr(exc))
+            self._log.info("kv watch not made again yet", keys=self._keys, error=repr(exc))
             return
         old, self._watcher, self._reconnects = self._watcher, watcher, reconnects
         self.remade += 1
         with contextlib.suppress(Exception):
             await old.stop()
-        log.info("kv watch made again after a reconnect", keys=self._keys)
+        self._log.info("kv watch made again after a reconnect", keys=self._keys)
 
 
 def reconnect_options(settings: ServiceSettings) -> dict[str, Any]:

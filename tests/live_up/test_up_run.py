@@ -144,6 +144,7 @@ def test_up_survives_a_nats_server_crash_and_restart(tmp_path: Path) -> None:
     pids = json.loads((logs / "pids.json").read_text())
     assert pids["nats-server"] == restart["pid"]
     assert "Traceback" not in proc.stderr  # the orchestrator's own client reconnects quietly
+    assert "kv watch" not in proc.stdout + proc.stderr  # ... and so does its epoch watch
     assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
 
 

@@ -53,6 +53,13 @@ async def ping(nc: Client, name: str | None = None, *, prefix: str | None = None
     return answers
 
 
+class _Quiet:
+    """A logger that says nothing (KvWatch's re-watch notes, inside a command's output)."""
+
+    def info(self, *args: Any, **kw: Any) -> None:
+        return None
+
+
 class Observer:
     """Epoch records and first-token results of one deployment, as they happen."""
 
@@ -103,7 +110,9 @@ class Observer:
             except (BucketNotFoundError, NotFoundError, TimeoutError):
                 await asyncio.sleep(0.5)
         # Made again after a server restart (replay --nats may watch a long-lived server).
-        self._watcher = await KvWatch(self.nc, kv, self.subjects.epoch_key()).start()
+        # Quietly: the command's own output (a table) is no place for a service log line.
+        self._watcher = await KvWatch(self.nc, kv, self.subjects.epoch_key(),
+                                      logger=_Quiet()).start()
         async for entry in self._watcher:
             if entry is None or not entry.value:
                 continue
