@@ -437,7 +437,7 @@ class RankdService(MicroService):
         running = self.core.running
         if running is not None:  # drain timed out mid-request
             self.core.finish(running.request_id, ok=False)
-            await self._publish_failure(running, "worker stopped during prefill")
+            self._publish_failure(running, "worker stopped during prefill")
         await self._publish_state()
         await self.backend.close()
 
@@ -524,7 +524,7 @@ class RankdService(MicroService):
                 if not isinstance(exc, InvalidInput):
                     self.log.exception("prefill failed", request_id=job.request_id)
                 self.core.finish(job.request_id, ok=False)
-                await self._publish_failure(job, f"prefill failed: {exc}")
+                self._publish_failure(job, f"prefill failed: {exc}")
                 return
             span.set_attribute("vtm.modelled_prefill_s", result.modelled_prefill_s)
             span.set_attribute("vtm.actual_prefill_s", result.prefill_s)
@@ -545,7 +545,7 @@ class RankdService(MicroService):
         of its own, so the next request starts meanwhile."""
         delay = result.finished_at_s - self.clock()
         if delay <= 0:
-            await self._publish_result(job, result)
+            self._publish_result(job, result)
             return
 
         async def at_first_token() -> None:
@@ -556,7 +556,7 @@ class RankdService(MicroService):
             done = dataclasses.replace(result, first_decode_s=result.first_decode_s + late,
                                        finished_at_s=result.finished_at_s + late)
             try:
-                await self._publish_result(job, done)
+                self._publish_result(job, done)
             except Exception:  # e.g. the connection closed under us
                 self.log.exception("first token publish failed", request_id=job.request_id)
 
@@ -605,7 +605,7 @@ class RankdService(MicroService):
                     attributes={**ids, "vtm.token": result.token,
                                 "vtm.backend": self.backend.name})
 
-    async def _publish_result(self, job: Job, result: PrefillResult) -> None:
+    def _publish_result(self, job: Job, result: PrefillResult) -> None:
         a = job.assignment
         msg = FirstToken(
             request_id=a.request.request_id,
@@ -620,7 +620,7 @@ class RankdService(MicroService):
         data, headers = encode(msg)
         self._send_result(self.subjects.result(a.request.request_id), data, inject(headers))
 
-    async def _publish_failure(self, job: Job, reason: str) -> None:
+    def _publish_failure(self, job: Job, reason: str) -> None:
         a = job.assignment
         now = self.clock()
         msg = FirstToken(
@@ -772,7 +772,7 @@ class RankdService(MicroService):
         self.log.error("redirect failed", request_id=rid, worker=self.core.worker_id,
                        error=error)
         with contextlib.suppress(Exception):  # the connection may be closing
-            await self._publish_failure(job, f"redirect failed: {error}")
+            self._publish_failure(job, f"redirect failed: {error}")
 
     # -- cache events ---------------------------------------------------------------------------
 

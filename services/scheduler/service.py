@@ -206,6 +206,7 @@ from shared.service import (
     ensure_intake_stream,
     ensure_key_value,
     ensure_results_stream,
+    publish_result,
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
@@ -1700,7 +1701,11 @@ class SchedulerService(MicroService):
             stages=TtftStages(total_s=max(0.0, now - req.arrival_s)), finished_at_s=now,
         )
         data, headers = encode(fail)
-        await self.nc.publish(self.subjects.result(req.request_id), data, headers=inject(headers))
+        # Stored by the results stream (sent again across a broker blip), as workers' results
+        # are: a gateway cut off meanwhile finds it there.
+        await publish_result(self.nc, self.subjects.result(req.request_id), data,
+                             inject(headers), timeout_s=self.ssettings.dispatch_timeout_s,
+                             log=self.log)
         await msg.term()
 
     async def _after_dispatch(self, req: IntakeRequest, a: Assignment, d: Decision, *,
