@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import nats
 import pytest
@@ -44,6 +45,16 @@ class NoTimeToGiveBack(SchedulerService):
         return 0.0
 
 
+async def a_holds_x(live: InProcess, nc: nats.NATS, kw: dict[str, Any]) -> Any:
+    """Scheduler A (``sched-a``) dispatches x to W, which queues it; A holds x's message."""
+    a = await live.scheduler(instance_id="sched-a", **kw)
+    await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
+    await publish_intake(nc, live, "x", LONG)
+    await wait_holds(nc, live, W, "x")
+    await wait_until(lambda: "x" in a._held, "x's message held by A")
+    return a
+
+
 async def wait_intake_empty(nc: nats.NATS, live: InProcess) -> None:
     """Every intake message acked (the work queue drops acked messages)."""
     deadline = time.monotonic() + 30
@@ -60,11 +71,7 @@ async def test_a_request_outlives_its_scheduler_and_then_its_worker(
             await live.until_served(live.subjects.worker_assign(W))
             kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, lease_s=1.5,
                       ack_wait_s=1.5)
-            a = await live.scheduler(instance_id="sched-a", **kw)
-            await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
-            await publish_intake(nc, live, "x", LONG)
-            await wait_holds(nc, live, W, "x")
-            await wait_until(lambda: "x" in a._held, "x's message held by A")
+            a = await a_holds_x(live, nc, kw)
             if crash:
                 a._held.clear()  # as a SIGKILL would leave it: neither renewed nor NAKed
             await live.stop(a)
@@ -88,11 +95,7 @@ async def test_a_worker_restarted_meanwhile_gets_the_request_back_at_once(
         kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, ack_wait_s=1.5)
         with rankd_process(live, W, time_scale=1000.0) as first:
             await live.until_served(live.subjects.worker_assign(W))
-            a = await live.scheduler(instance_id="sched-a", **kw)
-            await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
-            await publish_intake(nc, live, "x", LONG)
-            await wait_holds(nc, live, W, "x")
-            await wait_until(lambda: "x" in a._held, "x's message held by A")
+            a = await a_holds_x(live, nc, kw)
             old = a._states[W].incarnation
             a._held.clear()  # A dies: x comes back after ack_wait
             await live.stop(a)
@@ -119,11 +122,7 @@ async def test_a_replica_restarted_under_its_id_takes_back_what_it_held_at_once(
             await live.until_served(live.subjects.worker_assign(W))
             kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, lease_s=1.5,
                       ack_wait_s=120.0)
-            a = await live.scheduler(instance_id="sched-a", **kw)
-            await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
-            await publish_intake(nc, live, "x", LONG)
-            await wait_holds(nc, live, W, "x")
-            await wait_until(lambda: "x" in a._held, "x's message held by A")
+            a = await a_holds_x(live, nc, kw)
             a._held.clear()  # as a SIGKILL would leave it: neither renewed nor NAKed
             await live.stop(a)
             other = await live.scheduler(instance_id="sched-b", **kw)
@@ -157,11 +156,7 @@ async def test_an_adopted_request_is_recorded_under_its_new_holder(
         with rankd_process(live, W, time_scale=1000.0):
             await live.until_served(live.subjects.worker_assign(W))
             kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, ack_wait_s=1.5)
-            a = await live.scheduler(instance_id="sched-a", **kw)
-            await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
-            await publish_intake(nc, live, "x", LONG)
-            await wait_holds(nc, live, W, "x")
-            await wait_until(lambda: "x" in a._held, "x's message held by A")
+            a = await a_holds_x(live, nc, kw)
             first = await a._get_record("x")
             assert first is not None and first.scheduler == "sched-a"
             assert first.ack_subject == a._held["x"].reply
