@@ -1418,10 +1418,11 @@ class SchedulerService(MicroService):
         """NAK the intake messages this replica's previous process held when it died.
 
         Only for a fixed instance id (``VTM_INSTANCE_ID``): the records naming it as the
-        scheduler were then written by an earlier process of this replica, which is gone (two
+        holder were then written by an earlier process of this replica, which is gone (two
         live processes must not share an id). The intake is a work queue, so the messages it
         still has up to the consumer's last delivery are the unacked ones: for each whose
-        record names this replica, this message and its delivery's reply subject, a NAK makes
+        record names this replica as holder, this message and its delivery's reply subject
+        (``AssignmentRecord.ack_subject``), a NAK makes
         the server deliver it again at once -- to a replica that adopts it or hands it back
         (_redelivered) -- instead of after ``ack_wait``. Best effort, bounded by
         ``max_ack_pending`` messages and ``ack_wait_s / 3`` seconds (this replica takes no
