@@ -56,7 +56,7 @@ from shared.ids import InvalidInput, UnknownWorker, VertumnusError
 from shared.schemas import JSON, SchemaError, decode, encode
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, validate_subject
-from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_and_wait, cancel_requested
 from shared.telemetry import extract, inject, is_sampled, traceparent_of, tracer
 
 DEFAULT_QUEUE_GROUP: Final[str] = "q"
@@ -697,6 +697,8 @@ class KvWatch:
         while True:
             if self._stopped:
                 raise StopAsyncIteration
+            if cancel_requested():  # a stop's cancel swallowed by a wait_for (shared/tasks.py)
+                raise asyncio.CancelledError
             if self._nc.stats["reconnects"] != self._reconnects and self._nc.is_connected:
                 await self._remake()
             try:

@@ -82,3 +82,55 @@ async def test_bounded_and_quiet_about_finished_tasks() -> None:
     await s
     with pytest.raises(ValueError):
         await cancel_and_wait([], grace_s=0)
+
+
+class _FakeWatcher:
+    """A KV watcher whose updates arrive through wait_for (as nats-py's do), one future each."""
+
+    def __init__(self, replies: list[asyncio.Future[object]]) -> None:
+        self.replies = replies
+
+    async def updates(self, timeout: float) -> object:
+        fut = asyncio.get_running_loop().create_future()
+        self.replies.append(fut)
+        return await asyncio.wait_for(fut, 60)
+
+    async def stop(self) -> None:
+        return None
+
+
+class _FakeKv:
+    def __init__(self, watcher: _FakeWatcher) -> None:
+        self.watcher = watcher
+
+    async def watch(self, keys: str) -> _FakeWatcher:
+        return self.watcher
+
+
+class _FakeNc:
+    stats = {"reconnects": 0}
+    is_connected = True
+
+
+async def test_a_kv_watch_leaves_on_a_swallowed_cancel() -> None:
+    """A service's watch loop ends on its stop's first cancel even when a wait_for inside the
+    watcher swallowed it (the entry and the cancel landed in one loop iteration)."""
+    from shared.service import KvWatch
+
+    replies: list[asyncio.Future[object]] = []
+    watch = await KvWatch(_FakeNc(), _FakeKv(_FakeWatcher(replies))).start()  # type: ignore
+    seen: list[object] = []
+
+    async def follow() -> None:
+        async for entry in watch:
+            seen.append(entry)
+
+    task = asyncio.create_task(follow())
+    while not replies:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    replies[0].set_result("entry")
+    task.cancel()
+    _, pending = await asyncio.wait({task}, timeout=5)
+    assert not pending and task.cancelled()
+    assert len(replies) == 1  # it did not wait for another entry
