@@ -538,6 +538,12 @@ class MicroService:
         """The endpoints to add under :attr:`group` (override)."""
         return ()
 
+    def stats_data(self) -> dict[str, Any] | None:
+        """The service's own counters, JSON-able, reported as every endpoint's ``data`` in
+        ``$SRV.STATS`` (``nats micro stats NAME``: one answer per replica, where an endpoint
+        request reaches only one); None (the default) reports none (override)."""
+        return None
+
     async def setup(self, stack: AsyncExitStack) -> None:
         """Called after connecting and before endpoints are added (override).
 
@@ -604,6 +610,7 @@ class MicroService:
                 description=self.description or None,
                 metadata=self._metadata,
                 queue_group=self.queue_group,
+                stats_handler=lambda _endpoint: self.stats_data(),
             ),
         )
         stack.push_async_callback(self._service.stop)

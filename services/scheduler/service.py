@@ -684,6 +684,10 @@ class SchedulerService(MicroService):
     def endpoints(self) -> Sequence[Endpoint]:
         return [Endpoint("status", self._on_status)]
 
+    def stats_data(self) -> dict[str, Any]:
+        """:class:`SchedulerStats` of this replica, in ``$SRV.STATS`` (every replica answers)."""
+        return dict(vars(self.stats))
+
     async def _on_status(self, request: Request) -> bytes:
         now = self.clock()
         body = {

@@ -130,6 +130,45 @@ async def test_discovery_ping_info_stats(toy: Toy, nc: Client, uniq: str) -> Non
     stats = json.loads((await nc.request("$SRV.STATS.vtm-toy", b"", timeout=10)).data)
     add = next(e for e in stats["endpoints"] if e["name"] == "add")
     assert add["num_requests"] >= 1 and add["num_errors"] >= 1
+    assert add.get("data") is None  # no counters of its own (stats_data: None)
+
+
+class CountingToy(Toy):
+    """A Toy that reports its own counters (MicroService.stats_data)."""
+
+    def __init__(self, settings: ServiceSettings, served: int) -> None:
+        super().__init__(settings)
+        self.served = served
+
+    def stats_data(self) -> dict[str, int]:
+        return {"served": self.served}
+
+
+async def test_every_replica_reports_its_own_counters_in_stats(
+        nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:
+    """``$SRV.STATS``: each replica answers with its counters as every endpoint's ``data``
+    (an endpoint request would reach only one of them, through the queue group)."""
+    from vertumnus.live.observe import service_stats
+
+    toys = [CountingToy(ServiceSettings(nats_url=nats_server.url, subject_prefix=uniq), n)
+            for n in (3, 4)]
+    tasks = [asyncio.create_task(t.run(handle_signals=False)) for t in toys]
+    try:
+        for t in toys:
+            await asyncio.wait_for(t.started.wait(), timeout=10)
+        answers = await service_stats(nc, "vtm-toy", prefix=uniq, window_s=0.5)
+        assert len(answers) == 2
+        data = sorted(e["data"]["served"] for a in answers for e in a["endpoints"]
+                      if e["name"] == "add")
+        assert data == [3, 4]
+        toys[0].served = 7  # read at each request
+        again = await service_stats(nc, "vtm-toy", prefix=uniq, window_s=0.5)
+        assert sorted(a["endpoints"][0]["data"]["served"] for a in again) == [4, 7]
+        assert await service_stats(nc, "vtm-toy", prefix="other", window_s=0.2) == []
+    finally:
+        for t in toys:
+            t.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
 
 
 async def test_stop_cleans_up(nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:

@@ -158,6 +158,11 @@ def test_up_crashes_two_services_each_at_its_time(tmp_path: Path) -> None:
     by = {(f["action"], f["service"]): f for f in data["faults"]}
     assert set(by) == {("kill", "scheduler"), ("restart", "scheduler"), ("kill", "rankd"),
                        ("restart", "rankd")}, data["faults"]
+    # The restarted scheduler answered $SRV.STATS with its recovery counters (how many
+    # depends on what was in flight at the kills).
+    recovery = data["scheduler_recovery"]
+    assert {"predecessor_naked", "adopted", "lost_handed_back"} <= set(recovery), recovery
+    assert all(isinstance(v, int) and v >= 0 for v in recovery.values()), recovery
     assert by[("kill", "scheduler")]["at_s"] >= 1.0 - 1e-3
     assert by[("kill", "rankd")]["at_s"] >= 2.0 - 1e-3
     for name in ("scheduler", "rankd"):

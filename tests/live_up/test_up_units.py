@@ -17,6 +17,7 @@ from vertumnus.live.report import (
     LiveReport,
     describe_change,
     reconfigurations,
+    scheduler_recovery,
 )
 from vertumnus.live.stack import default_composition, notation, phased_config
 
@@ -317,3 +318,38 @@ def test_report_lists_the_injected_faults() -> None:
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("faults")]
     assert lines == ["faults and restarts (wall s after the replay start): kill rankd (pid 812) at "
                      "30.0 s, restart rankd (pid 901) at 35.0 s"]
+
+
+def test_scheduler_recovery_sums_the_replicas_counters() -> None:
+    """Each replica's ``$SRV.STATS`` answer carries its SchedulerStats in every endpoint's
+    ``data``: counted once per replica; missing, malformed or negative values count 0."""
+    def answer(**data: object) -> dict[str, object]:
+        return {"endpoints": [{"name": "status", "data": data}, {"name": "x", "data": data}]}
+
+    got = scheduler_recovery([answer(predecessor_naked=3, adopted=2, lost_handed_back=1),
+                              answer(adopted=5, redelivered_acked="7", resent=-1),
+                              {"endpoints": [{"name": "status", "data": None}]}, {}])
+    assert got == {"predecessor_naked": 3, "adopted": 7, "adopted_lost": 0,
+                   "lost_handed_back": 1, "gone_handed_back": 0, "redelivered_acked": 0,
+                   "resent": 0}
+    assert set(scheduler_recovery([])) == set(got) and not any(scheduler_recovery([]).values())
+
+
+def test_report_prints_the_scheduler_recovery_only_when_there_was_some() -> None:
+    import io
+
+    from rich.console import Console
+
+    ok = ReplayRecord("r1", 0.0, 1000, 200, ttft_s=0.05, worker_id="w-cp2-g0")
+
+    def lines(recovery: dict[str, int]) -> list[str]:
+        out = io.StringIO()
+        LiveReport([ok], time_scale=0.1, meta={"scheduler_recovery": recovery}).render(
+            Console(file=out, width=400))
+        return [ln for ln in out.getvalue().splitlines() if ln.startswith("scheduler recovery")]
+
+    assert lines(scheduler_recovery([])) == []
+    rec = {**scheduler_recovery([]), "predecessor_naked": 4, "lost_handed_back": 2}
+    assert lines(rec) == ["scheduler recovery (replicas running at the end; a killed process' "
+                          "counts went with it): 4 held messages given back by a restarted "
+                          "replica, 2 handed back for a lost worker"]

@@ -31,7 +31,20 @@ from vertumnus.live.report import CompositionChange
 async def ping(nc: Client, name: str | None = None, *, prefix: str | None = None,
                window_s: float = 0.5) -> list[dict[str, Any]]:
     """Every ``$SRV.PING`` answer (optionally of micro service ``name``) within ``window_s``."""
-    subject = "$SRV.PING" + (f".{name}" if name else "")
+    return await _every_answer(nc, "$SRV.PING" + (f".{name}" if name else ""), prefix, window_s)
+
+
+async def service_stats(nc: Client, name: str, *, prefix: str | None = None,
+                        window_s: float = 0.5) -> list[dict[str, Any]]:
+    """Every replica's ``$SRV.STATS`` answer for micro service ``name`` within ``window_s``
+    (each endpoint's ``data`` holds the service's own counters, ``MicroService.stats_data``)."""
+    return await _every_answer(nc, f"$SRV.STATS.{name}", prefix, window_s)
+
+
+async def _every_answer(nc: Client, subject: str, prefix: str | None,
+                        window_s: float) -> list[dict[str, Any]]:
+    """The JSON objects answering a request on ``subject`` within ``window_s`` (nats-py's
+    ``request`` returns only the first), of this deployment only when ``prefix`` is given."""
     inbox = nc.new_inbox()
     answers: list[dict[str, Any]] = []
 
@@ -141,4 +154,4 @@ class Observer:
                 "cache_commands": dict(sorted(self.cache_commands.items()))}
 
 
-__all__ = ["Observer", "ping"]
+__all__ = ["Observer", "ping", "service_stats"]

@@ -29,6 +29,34 @@ REQUIRED_KEYS = (
 )
 
 
+RECOVERY_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("predecessor_naked", "held messages given back by a restarted replica"),
+    ("adopted", "dispatched requests adopted from a gone replica"),
+    ("adopted_lost", "of a gone replica, handed back (worker gone or restarted)"),
+    ("lost_handed_back", "handed back for a lost worker"),
+    ("gone_handed_back", "handed back for a gone worker on redelivery"),
+    ("redelivered_acked", "redeliveries found answered"),
+    ("resent", "recorded assignments sent again"),
+)
+"""The scheduler's recovery counters (``SchedulerStats``) ``up`` sums over its replicas."""
+
+
+def scheduler_recovery(answers: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Sum :data:`RECOVERY_COUNTERS` over ``$SRV.STATS`` answers of the scheduler's replicas
+    (the counters are every endpoint's ``data``; a replica is counted once). Pure."""
+    out = dict.fromkeys((k for k, _ in RECOVERY_COUNTERS), 0)
+    for a in answers:
+        data = next((e.get("data") for e in a.get("endpoints") or ()
+                     if isinstance(e, Mapping) and isinstance(e.get("data"), Mapping)), None)
+        if data is None:
+            continue
+        for k in out:
+            v = data.get(k)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                out[k] += v
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class CompositionChange:
     """One epoch record as observed (``at_s`` = seconds since the replay started, wall)."""
@@ -230,6 +258,12 @@ class LiveReport:
         if s["faults"]:
             console.print("faults and restarts (wall s after the replay start): "
                           + describe_faults(s["faults"]))
+        recovery = s.get("scheduler_recovery") or {}
+        if any(recovery.values()):
+            console.print("scheduler recovery (replicas running at the end; a killed process' "
+                          "counts went with it): " + ", ".join(
+                              f"{recovery[k]} {what}" for k, what in RECOVERY_COUNTERS
+                              if recovery.get(k)))
         if s["retried"]:
             console.print(f"sent again by the client (connection refused or dropped: a gateway "
                           f"restarting): {s['retried']} requests")

@@ -50,15 +50,15 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, tp_worker_name
 from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv, nats_callbacks
-from shared.subjects import Subjects
+from shared.subjects import Subjects, micro_service_name
 from shared.worker import GpuGroup, WorkerKind
 from vertumnus.live.faults import NATS, RANKD, CrashPlan, FaultEvent, run_crash
 from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.http import HttpError, get_json, split_url
-from vertumnus.live.observe import Observer, ping
+from vertumnus.live.observe import Observer, ping, service_stats
 from vertumnus.live.procs import Child, ChildSet, ChildSpec
 from vertumnus.live.registry import SERVICES, SIM_RANKD, ServiceInfo, filter_env
-from vertumnus.live.report import REQUIRED_KEYS, LiveReport
+from vertumnus.live.report import REQUIRED_KEYS, LiveReport, scheduler_recovery
 
 WINDOW_S: Final[float] = 20.0
 """The controller window H and cache scan period of the paper, modelled seconds."""
@@ -799,6 +799,17 @@ class _Silent:
 _SILENT: Final = _Silent()
 
 
+async def _scheduler_recovery(stack: LiveStack) -> dict[str, int]:
+    """The scheduler replicas' recovery counters, summed (``$SRV.STATS``, before the stop);
+    zeros when none answers (bounded: one short collection window)."""
+    answers: list[dict[str, Any]] = []
+    if stack.nc is not None and stack.nc.is_connected:
+        with contextlib.suppress(Exception):
+            answers = await service_stats(stack.nc, micro_service_name("scheduler"),
+                                          prefix=stack.config.prefix, window_s=0.3)
+    return scheduler_recovery(answers)
+
+
 def _finite(obj: Any) -> Any:
     """JSON-safe: NaN / inf → None, recursively."""
     if isinstance(obj, float):
@@ -1037,6 +1048,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, lambda: err.print(
                     f"already stopping (at most ~{bound:.0f} s)…"))
+        recovery = await _scheduler_recovery(stack)
         err.print("stopping services…")
         try:
             codes = await asyncio.shield(stack.stop())
@@ -1057,6 +1069,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             "profile": str(config.profile) if config.profile else None,
             "exit_codes": codes, "log_dir": str(log_dir),
             **(observer.summary_counts() if observer else {}),
+            "scheduler_recovery": recovery,
         },
         faults=[f.as_dict() for f in faults],
     )
