@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -42,6 +43,7 @@ from typing import Any, Final, TypeVar
 import nats
 import structlog
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
@@ -169,6 +171,33 @@ async def until_served(nc: Client, subject: str, *, timeout_s: float = 30.0) -> 
             if loop.time() >= deadline:
                 raise TimeoutError(f"no responder on {subject} within {timeout_s} s") from None
             await asyncio.sleep(0.05)
+
+
+async def every_answer(nc: Client, subject: str, *, prefix: str | None = None,
+                       window_s: float = 0.5) -> list[dict[str, Any]]:
+    """The JSON objects that answer a request on ``subject`` within ``window_s`` -- all of
+    them, where nats-py's ``request`` returns the first (``$SRV.PING/INFO/STATS``: one per
+    service instance) -- of this deployment only when ``prefix`` is given (their micro
+    metadata ``prefix``). Answers that are not JSON objects are ignored."""
+    inbox = nc.new_inbox()
+    answers: list[dict[str, Any]] = []
+
+    async def on_msg(msg: Msg) -> None:
+        with contextlib.suppress(ValueError):
+            info = json.loads(msg.data)
+            if isinstance(info, dict):
+                answers.append(info)
+
+    sub = await nc.subscribe(inbox, cb=on_msg)
+    try:
+        await nc.publish(subject, b"", reply=inbox)
+        await nc.flush()
+        await asyncio.sleep(window_s)
+    finally:
+        await sub.unsubscribe()
+    if prefix is not None:
+        answers = [a for a in answers if (a.get("metadata") or {}).get("prefix") == prefix]
+    return answers
 
 
 # -- JetStream resources (one definition, so every service creates them identically) ----------
@@ -775,6 +804,7 @@ __all__ = [
     "ensure_results_stream",
     "publish_result",
     "epoch_kv",
+    "every_answer",
     "worker_state_kv",
     "error_code",
     "raise_for_error",

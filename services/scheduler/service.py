@@ -106,6 +106,9 @@ records name the holder and keep its delivery's reply subject; an adoption makes
 the holder), so after a crash and restart they come back at once rather than after
 ``ack_wait``. A request its predecessor placed is reserved in the adopter's core when adopted
 (the worker reports it as this replica's work, which ``_note_foreign`` leaves to the core).
+A replica that dies for good is noticed by the others (``$SRV.PING`` every ``peer_check_s``;
+unlisted for ``peer_gone_s``), and the live one with the smallest id gives back what it held
+the same way.
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
@@ -206,6 +209,7 @@ from shared.service import (
     ensure_intake_stream,
     ensure_key_value,
     ensure_results_stream,
+    every_answer,
     publish_result,
     worker_state_kv,
 )
@@ -288,6 +292,17 @@ class SchedulerSettings(ServiceSettings):
         "(or it is handed back), keeping it in progress meanwhile: a replica that dies or "
         "restarts leaves its dispatched requests to be redelivered to a replica that adopts "
         "them, so a worker lost after that is still recovered. False: ack at dispatch.",
+    )
+    peer_check_s: float = Field(
+        default=2.0, gt=0,
+        description="How often a replica lists the scheduler replicas ($SRV.PING) to notice "
+        "one that is gone (hold_intake).",
+    )
+    peer_gone_s: float = Field(
+        default=10.0, gt=0,
+        description="A replica that answered no listing for this long is gone: the live one "
+        "with the smallest id NAKs the intake messages it held, so they come back before "
+        "ack_wait (too late to matter once ack_wait * 2/3 has passed since it was seen).",
     )
     max_ack_pending: int = Field(
         default=LEDGER_LIMIT, ge=1,
@@ -603,6 +618,8 @@ class SchedulerStats:
     adopted_lost: int = 0  # ... its worker is gone and does not hold it: handed back
     held_renewals: int = 0  # rounds that marked the held intake messages in progress
     predecessor_naked: int = 0  # held by this replica's previous process: NAKed at start
+    peers_gone: int = 0  # other replicas that stopped answering the replica listing
+    peer_naked: int = 0  # held by a gone replica: NAKed by this one (the smallest live id)
     adopted_reserved: int = 0  # adopted requests placed by that process: reserved in the core
 
 
@@ -663,6 +680,9 @@ class SchedulerService(MicroService):
         # message's stream sequence; _keep_held acks any other).
         self._held: dict[str, Msg] = {}
         self._recovering: set[str] = set()  # workers whose loss is being handled
+        # Scheduler replicas (reporter ids, this one included) -> when last listed
+        # (loop time; _watch_peers).
+        self._peers: dict[str, float] = {}
         self._restarts: dict[str, int] = {}  # restarts seen per worker (snapshot replies)
         # Worker id -> (incarnation, seq) of its state when a first send found no responder:
         # not eligible until a newer state shows it is back (see _rebuild_view).
@@ -735,13 +755,16 @@ class SchedulerService(MicroService):
         if self.ssettings.hold_intake and self.ssettings.instance_id:
             # Before this process takes any delivery: none of its own can be mistaken for
             # its predecessor's.
-            await self._give_back_predecessor_holds(js)
+            self.stats.predecessor_naked += await self._give_back_holds(
+                js, self.reporter, why="this replica's previous process")
         await puller.start()
         self._tasks = [
             asyncio.create_task(self._watch_states(watcher), name="sched-states"),
             asyncio.create_task(self._housekeeping(), name="sched-housekeeping"),
             asyncio.create_task(self._keep_held(), name="sched-keep-held"),
         ]
+        if self.ssettings.hold_intake:
+            self._tasks.append(asyncio.create_task(self._watch_peers(js), name="sched-peers"))
 
         async def teardown() -> None:
             # No new intake (a message being handed over finishes first); dispatches already
@@ -1418,22 +1441,23 @@ class SchedulerService(MicroService):
             with contextlib.suppress(Exception):  # an older message of the request
                 await old.ack()
 
-    async def _give_back_predecessor_holds(self, js: JetStreamContext) -> None:
-        """NAK the intake messages this replica's previous process held when it died.
+    async def _give_back_holds(self, js: JetStreamContext, holder: str, *, why: str) -> int:
+        """NAK the intake messages that replica ``holder``, now gone, held; returns how many.
 
-        Only for a fixed instance id (``VTM_INSTANCE_ID``): the records naming it as the
-        holder were then written by an earlier process of this replica, which is gone (two
-        live processes must not share an id). The intake is a work queue, so the messages it
-        still has up to the consumer's last delivery are the unacked ones: for each whose
-        record names this replica as holder, this message and its delivery's reply subject
-        (``AssignmentRecord.ack_subject``), a NAK makes
-        the server deliver it again at once -- to a replica that adopts it or hands it back
+        Called for this replica's own id at start when the id is fixed (``VTM_INSTANCE_ID``:
+        the records naming it as the holder were written by an earlier process of this
+        replica, which is gone -- two live processes must not share an id), and by
+        :meth:`_watch_peers` for a replica that stopped answering. The intake is a work
+        queue, so the messages it still has up to the consumer's last delivery are the
+        unacked ones: for each whose record names ``holder`` as holder, this message and its
+        delivery's reply subject (``AssignmentRecord.ack_subject``), a NAK makes the server
+        deliver it again at once -- to a replica that adopts it or hands it back
         (_redelivered) -- instead of after ``ack_wait``. Best effort, bounded by
-        ``max_ack_pending`` messages and ``ack_wait_s / 3`` seconds (this replica takes no
-        delivery meanwhile): anything missed still comes back after ``ack_wait``.
+        ``max_ack_pending`` messages and ``ack_wait_s / 3`` seconds: anything missed still
+        comes back after ``ack_wait``.
 
         NOTE: the server applies a NAK to the message's current delivery, whatever delivery
-        the reply subject names; if the predecessor's hold already expired and another replica
+        the reply subject names; if the gone replica's hold already expired and another one
         took the message, the NAK sends it on once more and the next replica adopts it too
         (each acks it on the result; their hand-backs of it share one id).
         """
@@ -1448,8 +1472,8 @@ class SchedulerService(MicroService):
             seq = 1
             while seq <= last and seen < self.ssettings.max_ack_pending:
                 if loop.time() >= deadline:
-                    self.log.warning("predecessor's held messages: scan cut short",
-                                     seen=seen, given_back=naked)
+                    self.log.warning("gone replica's held messages: scan cut short",
+                                     holder=holder, seen=seen, given_back=naked)
                     break
                 try:
                     m = await js.get_msg(stream, seq, subject=s.intake_requests(), next=True)
@@ -1463,21 +1487,61 @@ class SchedulerService(MicroService):
                 except SchemaError:
                     continue  # malformed: its delivery terminates it
                 rec = await self._get_record(rid)
-                if rec is not None and (rec.holder or rec.scheduler) == self.reporter \
+                if rec is not None and (rec.holder or rec.scheduler) == holder \
                         and rec.ack_subject and rec.stream_seq == m.seq:
                     await self.nc.publish(rec.ack_subject, b"-NAK")
                     naked += 1
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # never keeps the replica from starting
-            self.log.warning("predecessor's held messages not all given back",
+        except Exception as exc:  # never keeps the replica from starting or serving
+            self.log.warning("gone replica's held messages not all given back", holder=holder,
                              error=repr(exc), given_back=naked)
-        self.stats.predecessor_naked += naked
         if naked:
-            self.log.info("predecessor's held intake messages given back", count=naked)
+            self.log.info("gone replica's held intake messages given back", holder=holder,
+                          why=why, count=naked)
+        return naked
+
+    async def _watch_peers(self, js: JetStreamContext) -> None:
+        """Every ``peer_check_s``: list the scheduler replicas of this deployment (their micro
+        metadata ``reporter``). One not listed for ``peer_gone_s`` is gone; the live replica
+        with the smallest id (the same one in every replica's view, barring a listing that
+        missed someone: then two give back, which is harmless) NAKs what the gone one held
+        (:meth:`_give_back_holds`), unless ``ack_wait * 2/3`` has passed since it was last
+        seen (its holds expire about then: they come back by themselves)."""
+        name = micro_service_name("scheduler")
+        loop = asyncio.get_running_loop()
+        period = self.ssettings.peer_check_s
+        while True:
+            await asyncio.sleep(period)
+            try:
+                answers = await every_answer(self.nc, f"$SRV.PING.{name}",
+                                             prefix=self.subjects.prefix,
+                                             window_s=min(0.25, period / 2))
+                now = loop.time()
+                live = {str((a.get("metadata") or {}).get("reporter") or "")
+                        for a in answers} - {""}
+                live.add(self.reporter)
+                for r in live:
+                    self._peers[r] = now
+                for r, seen_at in list(self._peers.items()):
+                    if now - seen_at <= self.ssettings.peer_gone_s:
+                        continue
+                    del self._peers[r]
+                    self.stats.peers_gone += 1
+                    self.log.warning("scheduler replica gone", replica=r,
+                                     unseen_s=round(now - seen_at, 1))
+                    if min(live) != self.reporter \
+                            or now - seen_at >= self.ssettings.ack_wait_s * 2 / 3:
+                        continue
+                    self.stats.peer_naked += await self._give_back_holds(
+                        js, r, why="replica gone")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next round again
+                self.log.warning("scheduler replicas not listed", error=repr(exc))
 
     def _give_back_budget_s(self) -> float:
-        """How long :meth:`_give_back_predecessor_holds` may take (the replica waits)."""
+        """How long :meth:`_give_back_holds` may take (at start, the replica waits)."""
         return self.ssettings.ack_wait_s / 3
 
     async def _release_held(self, rid: str) -> None:
@@ -1562,7 +1626,7 @@ class SchedulerService(MicroService):
         self.log.info("dispatched request adopted", request_id=rid, worker=wid,
                       listed=listed is not None)
         # The record names the new holder and its delivery, so that this replica's own next
-        # process can give the message back at once too (_give_back_predecessor_holds).
+        # process (or a survivor, if this replica dies) can give it back at once (_give_back_holds).
         assert self._js is not None
         self._store_unawaited(await self._js.publish_async(
             f"{self._records_prefix}{rid}", to_json(rec.model_copy(update={

@@ -178,3 +178,40 @@ async def test_an_adopted_request_is_recorded_under_its_new_holder(
             while not await recorded():
                 assert time.monotonic() < deadline, "x's record not rewritten"
                 await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("ack_wait_s", [120.0, 1.2], ids=["long-ack-wait", "short-ack-wait"])
+async def test_survivors_take_back_what_a_gone_replica_held(
+        nats_server: EmbeddedNats, ack_wait_s: float) -> None:
+    """A dies and does not come back. The other replicas notice it gone from their listing
+    ($SRV.PING) after ``peer_gone_s``; the one with the smallest id (sched-0, not sched-b)
+    NAKs x, so x is adopted now rather than after ack_wait (two minutes), and W's death
+    after that is recovered. With an ack_wait so short that A's hold expires before A is
+    found gone (2/3 of 1.2 s < 1 s), nobody NAKs: x comes back by itself."""
+    async with running(nats_server) as (live, nc, tap):
+        with rankd_process(live, W, time_scale=1000.0) as proc:
+            await live.until_served(live.subjects.worker_assign(W))
+            kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, lease_s=1.5,
+                      ack_wait_s=ack_wait_s, peer_check_s=0.2, peer_gone_s=1.0)
+            a = await a_holds_x(live, nc, kw)
+            b = await live.scheduler(instance_id="sched-b", **kw)
+            c = await live.scheduler(instance_id="sched-0", **kw)
+            for s in (b, c):
+                await wait_until(lambda s=s: {"sched-a", "sched-b", "sched-0"} <= set(s._peers),
+                                 "every replica listed")
+            a._held.clear()  # as a SIGKILL would leave it: neither renewed nor NAKed
+            await live.stop(a)
+            await wait_until(lambda: b.stats.adopted + c.stats.adopted == 1, "x adopted",
+                             timeout_s=60.0)
+            await wait_until(lambda: b.stats.peers_gone == c.stats.peers_gone == 1,
+                             "A gone at both")
+            # (Each decides right where it counts A gone; a give-back is counted once done.)
+            naked = 1 if ack_wait_s > 1.5 else 0
+            await wait_until(lambda: c.stats.peer_naked == naked, "C's give-back counted")
+            assert c.stats.peer_naked == naked and b.stats.peer_naked == 0, (b.stats, c.stats)
+            await live.rankd(W2)
+            kill(proc)
+            await wait_until(lambda: answers(tap, "x") != [], "x answered", timeout_s=60.0)
+            assert answers(tap, "x") == [(W2, None)]
+            assert b.stats.failed == c.stats.failed == 0
+            await wait_intake_empty(nc, live)

@@ -329,7 +329,7 @@ def test_scheduler_recovery_sums_the_replicas_counters() -> None:
     got = scheduler_recovery([answer(predecessor_naked=3, adopted=2, lost_handed_back=1),
                               answer(adopted=5, redelivered_acked="7", resent=-1),
                               {"endpoints": [{"name": "status", "data": None}]}, {}])
-    assert got == {"predecessor_naked": 3, "adopted": 7, "adopted_lost": 0,
+    assert got == {"predecessor_naked": 3, "peer_naked": 0, "adopted": 7, "adopted_lost": 0,
                    "lost_handed_back": 1, "gone_handed_back": 0, "redelivered_acked": 0,
                    "resent": 0}
     assert set(scheduler_recovery([])) == set(got) and not any(scheduler_recovery([]).values())

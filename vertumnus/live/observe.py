@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from shared.schemas import EpochRecord, FirstToken, SchemaError, decode
-from shared.service import KvWatch, epoch_kv
+from shared.service import KvWatch, epoch_kv, every_answer
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait
 from vertumnus.live.report import CompositionChange
@@ -31,39 +31,15 @@ from vertumnus.live.report import CompositionChange
 async def ping(nc: Client, name: str | None = None, *, prefix: str | None = None,
                window_s: float = 0.5) -> list[dict[str, Any]]:
     """Every ``$SRV.PING`` answer (optionally of micro service ``name``) within ``window_s``."""
-    return await _every_answer(nc, "$SRV.PING" + (f".{name}" if name else ""), prefix, window_s)
+    return await every_answer(nc, "$SRV.PING" + (f".{name}" if name else ""), prefix=prefix,
+                              window_s=window_s)
 
 
 async def service_stats(nc: Client, name: str, *, prefix: str | None = None,
                         window_s: float = 0.5) -> list[dict[str, Any]]:
     """Every replica's ``$SRV.STATS`` answer for micro service ``name`` within ``window_s``
     (each endpoint's ``data`` holds the service's own counters, ``MicroService.stats_data``)."""
-    return await _every_answer(nc, f"$SRV.STATS.{name}", prefix, window_s)
-
-
-async def _every_answer(nc: Client, subject: str, prefix: str | None,
-                        window_s: float) -> list[dict[str, Any]]:
-    """The JSON objects answering a request on ``subject`` within ``window_s`` (nats-py's
-    ``request`` returns only the first), of this deployment only when ``prefix`` is given."""
-    inbox = nc.new_inbox()
-    answers: list[dict[str, Any]] = []
-
-    async def on_msg(msg: Msg) -> None:
-        with contextlib.suppress(ValueError):
-            info = json.loads(msg.data)
-            if isinstance(info, dict):
-                answers.append(info)
-
-    sub = await nc.subscribe(inbox, cb=on_msg)
-    try:
-        await nc.publish(subject, b"", reply=inbox)
-        await nc.flush()
-        await asyncio.sleep(window_s)
-    finally:
-        await sub.unsubscribe()
-    if prefix is not None:
-        answers = [a for a in answers if (a.get("metadata") or {}).get("prefix") == prefix]
-    return answers
+    return await every_answer(nc, f"$SRV.STATS.{name}", prefix=prefix, window_s=window_s)
 
 
 class _Quiet:

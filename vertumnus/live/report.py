@@ -31,6 +31,7 @@ REQUIRED_KEYS = (
 
 RECOVERY_COUNTERS: tuple[tuple[str, str], ...] = (
     ("predecessor_naked", "held messages given back by a restarted replica"),
+    ("peer_naked", "held messages of a gone replica given back by a survivor"),
     ("adopted", "dispatched requests adopted from a gone replica"),
     ("adopted_lost", "of a gone replica, handed back (worker gone or restarted)"),
     ("lost_handed_back", "handed back for a lost worker"),
