@@ -427,6 +427,14 @@ class AssignmentRecord(Message):
         "next process of a replica with a fixed instance id NAKs it at start, so what its "
         "predecessor held comes back at once, not after ack_wait.")
 
+    @field_validator("ack_subject")
+    @classmethod
+    def _ack_subject(cls, v: str) -> str:
+        # A NAK is published to it: only ever a JetStream acknowledgement subject.
+        if v and (not v.startswith("$JS.ACK.") or any(c.isspace() for c in v)):
+            raise ValueError(f"not a JetStream ack subject: {v[:80]!r}")
+        return v
+
 
 
 
