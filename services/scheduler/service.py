@@ -108,7 +108,9 @@ the holder), so after a crash and restart they come back at once rather than aft
 (the worker reports it as this replica's work, which ``_note_foreign`` leaves to the core).
 A replica that dies for good is noticed by the others (``$SRV.PING`` every ``peer_check_s``;
 unlisted for ``peer_gone_s``), and the live one with the smallest id gives back what it held
-the same way.
+the same way. A replica that starts also notes every other holder its walk of the unacked
+messages finds: one that never answers its listing (dead before this process started, which
+the others may never have seen) is found gone after ``peer_gone_s`` and given back by it.
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
@@ -629,6 +631,7 @@ class SchedulerStats:
     peers_gone: int = 0  # other replicas that stopped answering the replica listing
     peer_naked: int = 0  # held by a gone replica: NAKed by this one (the smallest live id)
     adopted_reserved: int = 0  # adopted requests placed by that process: reserved in the core
+    holders_found: int = 0  # other replicas holding intake messages at this one's start
 
 
 class SchedulerService(MicroService):
@@ -691,6 +694,10 @@ class SchedulerService(MicroService):
         # Scheduler replicas (reporter ids, this one included) -> when last listed
         # (loop time; _watch_peers).
         self._peers: dict[str, float] = {}
+        # Replicas known only as holders of intake messages found at start, never listed
+        # (dead before this process started, perhaps): found gone, this replica gives back
+        # what they held whatever its rank -- the others may never have seen them.
+        self._unlisted: set[str] = set()
         self._restarts: dict[str, int] = {}  # restarts seen per worker (snapshot replies)
         # Worker id -> (incarnation, seq) of its state when a first send found no responder:
         # not eligible until a newer state shows it is back (see _rebuild_view).
@@ -760,11 +767,21 @@ class SchedulerService(MicroService):
         results = await self.nc.subscribe(s.result_all(), cb=self._on_result)
         # Every replica's placement statistics: the others' placements are in-flight prefixes.
         peers = await self.nc.subscribe(s.cache_stats_all(), cb=self._on_peer_stats)
-        if self.ssettings.hold_intake and self.ssettings.instance_id:
+        if self.ssettings.hold_intake:
             # Before this process takes any delivery: none of its own can be mistaken for
-            # its predecessor's.
+            # its predecessor's (a fixed id: the records naming it are a dead process's).
+            # Every other holder found is watched like a listed replica from now on, so one
+            # that died before this process started is found gone too (_watch_peers).
+            found: set[str] = set()
             self.stats.predecessor_naked += await self._give_back_holds(
-                js, self.reporter, why="this replica's previous process")
+                js, self.reporter if self.ssettings.instance_id else None,
+                why="this replica's previous process", holders=found)
+            found.discard(self.reporter)
+            now = asyncio.get_running_loop().time()
+            for r in found:
+                self._peers.setdefault(r, now)
+            self._unlisted |= found
+            self.stats.holders_found += len(found)
         await puller.start()
         self._tasks = [
             asyncio.create_task(self._watch_states(watcher), name="sched-states"),
@@ -1449,8 +1466,11 @@ class SchedulerService(MicroService):
             with contextlib.suppress(Exception):  # an older message of the request
                 await old.ack()
 
-    async def _give_back_holds(self, js: JetStreamContext, holder: str, *, why: str) -> int:
+    async def _give_back_holds(self, js: JetStreamContext, holder: str | None, *, why: str,
+                               holders: set[str] | None = None) -> int:
         """NAK the intake messages that replica ``holder``, now gone, held; returns how many.
+        ``holder=None`` NAKs nothing; ``holders``, if given, gets the holder of every unacked
+        message's record that the walk read (for :meth:`setup`).
 
         Called for this replica's own id at start when the id is fixed (``VTM_INSTANCE_ID``:
         the records naming it as the holder were written by an earlier process of this
@@ -1495,8 +1515,11 @@ class SchedulerService(MicroService):
                 except SchemaError:
                     continue  # malformed: its delivery terminates it
                 rec = await self._get_record(rid)
-                if rec is not None and (rec.holder or rec.scheduler) == holder \
-                        and rec.ack_subject and rec.stream_seq == m.seq:
+                if rec is None or rec.stream_seq != m.seq:
+                    continue
+                if holders is not None:
+                    holders.add(rec.holder or rec.scheduler)
+                if (rec.holder or rec.scheduler) == holder and rec.ack_subject:
                     await self.nc.publish(rec.ack_subject, b"-NAK")
                     naked += 1
         except asyncio.CancelledError:
@@ -1515,7 +1538,9 @@ class SchedulerService(MicroService):
         with the smallest id (the same one in every replica's view, barring a listing that
         missed someone: then two give back, which is harmless) NAKs what the gone one held
         (:meth:`_give_back_holds`), unless ``ack_wait * 2/3`` has passed since it was last
-        seen (its holds expire about then: they come back by themselves)."""
+        seen (its holds expire about then: they come back by themselves). A holder found at
+        start and never listed (:meth:`setup`; "seen" at this replica's start) is given back
+        by every replica that found it: the others may never have known it."""
         name = micro_service_name("scheduler")
         loop = asyncio.get_running_loop()
         period = self.ssettings.peer_check_s
@@ -1531,14 +1556,17 @@ class SchedulerService(MicroService):
                 live.add(self.reporter)
                 for r in live:
                     self._peers[r] = now
+                self._unlisted -= live
                 for r, seen_at in list(self._peers.items()):
                     if now - seen_at <= self.ssettings.peer_gone_s:
                         continue
                     del self._peers[r]
+                    unlisted = r in self._unlisted
+                    self._unlisted.discard(r)
                     self.stats.peers_gone += 1
                     self.log.warning("scheduler replica gone", replica=r,
-                                     unseen_s=round(now - seen_at, 1))
-                    if min(live) != self.reporter \
+                                     unseen_s=round(now - seen_at, 1), never_listed=unlisted)
+                    if (min(live) != self.reporter and not unlisted) \
                             or now - seen_at >= self.ssettings.ack_wait_s * 2 / 3:
                         continue
                     self.stats.peer_naked += await self._give_back_holds(

@@ -216,3 +216,37 @@ async def test_survivors_take_back_what_a_gone_replica_held(
             assert answers(tap, "x") == [(W2, None)]
             assert b.stats.failed == c.stats.failed == 0
             await wait_intake_empty(nc, live)
+
+
+async def test_a_replica_dead_before_the_others_started_is_found_gone(
+        nats_server: EmbeddedNats) -> None:
+    """A holds x and dies before any other replica runs, so no replica ever lists it. B (no
+    fixed id) finds A as x's holder when it starts, watches it like a listed replica, finds
+    it gone after ``peer_gone_s`` and NAKs x -- though sched-0, whose id is smaller, runs
+    too: sched-0 never knew A (its start-up walk has no time here), so the rank rule would
+    leave x to ack_wait (two minutes). x is adopted and W's death after that recovered."""
+    async with running(nats_server) as (live, nc, tap):
+        with rankd_process(live, W, time_scale=1000.0) as proc:
+            await live.until_served(live.subjects.worker_assign(W))
+            kw = dict(policy="round_robin", block_size=16, retry_delay_s=0.05, lease_s=1.5,
+                      ack_wait_s=120.0, peer_check_s=0.4, peer_gone_s=2.0)
+            a = await a_holds_x(live, nc, kw)
+            a._held.clear()  # as a SIGKILL would leave it: neither renewed nor NAKed
+            await live.stop(a)
+            c = await live.scheduler(NoTimeToGiveBack, instance_id="sched-0", **kw)
+            b = await live.scheduler(instance_id=None, **kw)
+            assert b.reporter > c.reporter
+            assert b.stats.holders_found == 1 and c.stats.holders_found == 0, (b.stats, c.stats)
+            assert "sched-a" in b._peers and "sched-a" not in c._peers
+            await wait_until(lambda: b.stats.peer_naked == 1, "B gives back x",
+                             timeout_s=60.0)
+            await wait_until(lambda: b.stats.adopted + c.stats.adopted == 1, "x adopted",
+                             timeout_s=60.0)
+            assert b.stats.peers_gone == 1 and c.stats.peer_naked == 0, (b.stats, c.stats)
+            assert "sched-a" not in b._peers and not b._unlisted
+            await live.rankd(W2)
+            kill(proc)
+            await wait_until(lambda: answers(tap, "x") != [], "x answered", timeout_s=60.0)
+            assert answers(tap, "x") == [(W2, None)]
+            assert b.stats.failed == c.stats.failed == 0
+            await wait_intake_empty(nc, live)

@@ -204,10 +204,11 @@ class UpConfig:
         names = self._fault_services()
         self._per_service(kill, len(names), "--kill-at")
         self._per_service(restart, len(names), "--restart-after")
+        replicas = tuple(f"scheduler-{k}" for k in range(2, self.schedulers + 1))
         for name in names:
-            if name not in (*SERVICES, NATS):
+            if name not in (*SERVICES, NATS, *replicas):
                 raise ValueError(f"--kill-service {name!r} is not a service; known: "
-                                 f"{', '.join((*SERVICES, NATS))}")
+                                 f"{', '.join((*SERVICES, NATS, *replicas))}")
         if len(set(names)) != len(names):
             raise ValueError(f"--kill-service names a service twice: {self.kill_service!r}")
         if restart is not None and kill is None:
