@@ -63,6 +63,18 @@ async def wait_intake_empty(nc: nats.NATS, live: InProcess) -> None:
         await asyncio.sleep(0.05)
 
 
+async def w_dies_and_w2_answers_x(live: InProcess, nc: nats.NATS, tap: Any, proc: Any,
+                                  *replicas: Any) -> None:
+    """W2 starts and W is SIGKILLed: x, adopted by one of ``replicas``, is handed back and
+    answered by W2; no replica failed anything, and every intake message is acked."""
+    await live.rankd(W2)
+    kill(proc)
+    await wait_until(lambda: answers(tap, "x") != [], "x answered", timeout_s=60.0)
+    assert answers(tap, "x") == [(W2, None)]
+    assert all(r.stats.failed == 0 for r in replicas), [r.stats for r in replicas]
+    await wait_intake_empty(nc, live)
+
+
 @pytest.mark.parametrize("crash", [False, True], ids=["stopped", "crashed"])
 async def test_a_request_outlives_its_scheduler_and_then_its_worker(
         nats_server: EmbeddedNats, crash: bool) -> None:
@@ -210,12 +222,7 @@ async def test_survivors_take_back_what_a_gone_replica_held(
             naked = 1 if ack_wait_s > 1.5 else 0
             await wait_until(lambda: c.stats.peer_naked == naked, "C's give-back counted")
             assert c.stats.peer_naked == naked and b.stats.peer_naked == 0, (b.stats, c.stats)
-            await live.rankd(W2)
-            kill(proc)
-            await wait_until(lambda: answers(tap, "x") != [], "x answered", timeout_s=60.0)
-            assert answers(tap, "x") == [(W2, None)]
-            assert b.stats.failed == c.stats.failed == 0
-            await wait_intake_empty(nc, live)
+            await w_dies_and_w2_answers_x(live, nc, tap, proc, b, c)
 
 
 async def test_a_replica_dead_before_the_others_started_is_found_gone(
@@ -244,9 +251,4 @@ async def test_a_replica_dead_before_the_others_started_is_found_gone(
                              timeout_s=60.0)
             assert b.stats.peers_gone == 1 and c.stats.peer_naked == 0, (b.stats, c.stats)
             assert "sched-a" not in b._peers and not b._unlisted
-            await live.rankd(W2)
-            kill(proc)
-            await wait_until(lambda: answers(tap, "x") != [], "x answered", timeout_s=60.0)
-            assert answers(tap, "x") == [(W2, None)]
-            assert b.stats.failed == c.stats.failed == 0
-            await wait_intake_empty(nc, live)
+            await w_dies_and_w2_answers_x(live, nc, tap, proc, b, c)
