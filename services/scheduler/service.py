@@ -632,6 +632,7 @@ class SchedulerStats:
     peer_naked: int = 0  # held by a gone replica: NAKed by this one (the smallest live id)
     adopted_reserved: int = 0  # adopted requests placed by that process: reserved in the core
     holders_found: int = 0  # other replicas holding intake messages at this one's start
+    fail_found_answered: int = 0  # a last delivery's failure not sent: its first token was out
 
 
 class SchedulerService(MicroService):
@@ -1624,7 +1625,7 @@ class SchedulerService(MicroService):
         rid = req.request_id
         # Without hold_intake nothing is held: this is the crash-before-ack case.
         if rid in self._served or not self.ssettings.hold_intake \
-                or await self._result_kept(rid):
+                or await self._result_kept(rid, since_s=req.arrival_s):
             self.stats.redelivered_acked += 1
             self.log.info("redelivered intake acked without dispatch", request_id=rid)
             await msg.ack()
@@ -1670,15 +1671,18 @@ class SchedulerService(MicroService):
                 "incarnation": inc}))))
         await self._ack_or_hold(msg, rid, seq)
 
-    async def _result_kept(self, rid: str) -> bool:
-        """Whether the results stream keeps a first token (not an error) for ``rid``."""
+    async def _result_kept(self, rid: str, *, since_s: float | None = None) -> bool:
+        """Whether the results stream keeps a first token (not an error) for ``rid``, one
+        finished at or after ``since_s`` if given (wall time: not an earlier request that
+        used the same id)."""
         assert self._js is not None
         try:
             kept = await self._js.get_last_msg(self.subjects.results_stream(),
                                                self.subjects.result(rid))
-            return decode(FirstToken, kept.data, kept.headers).error is None
+            ft = decode(FirstToken, kept.data, kept.headers)
         except Exception:  # none kept (NotFoundError), or unreadable: not known served
             return False
+        return ft.error is None and (since_s is None or ft.finished_at_s >= since_s)
 
     async def _settle(self, stored: Any, rid: str) -> bool:
         """Wait for a record's store acknowledgement; a failure is logged, not fatal (the
@@ -1797,6 +1801,17 @@ class SchedulerService(MicroService):
             self.stats.retried += 1
             self.log.info("intake retry", request_id=req.request_id, reason=reason)
             await msg.nak(delay=self.ssettings.retry_delay_s)
+            return
+        rid = req.request_id
+        if await self._result_kept(rid, since_s=req.arrival_s):
+            # Its first token is out already (a worker ran it while every answer about the
+            # dispatch was lost, say): an error now would follow the client's answer and
+            # replace it in the results stream, where a client that asks again reads it.
+            # (Not ``_served``: it may remember an earlier request that used the same id.)
+            self.stats.fail_found_answered += 1
+            self.log.info("last delivery of an answered request acked", request_id=rid,
+                          reason=reason)
+            await msg.ack()
             return
         self.stats.failed += 1
         self.log.error("request failed", request_id=req.request_id, reason=reason)

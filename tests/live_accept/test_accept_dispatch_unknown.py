@@ -42,7 +42,15 @@ from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from services.scheduler.service import SchedulerService
 from shared.natsserver import EmbeddedNats
-from shared.schemas import Assignment, AssignmentAck, IntakeRequest, encode
+from shared.schemas import (
+    Assignment,
+    AssignmentAck,
+    FirstToken,
+    IntakeRequest,
+    TtftStages,
+    decode,
+    encode,
+)
 from shared.service import call, epoch_kv
 from shared.worker import Lifecycle
 
@@ -190,6 +198,60 @@ async def test_last_delivery_asks_the_worker_before_failing(nats_server: Embedde
             assert err.error is not None and "did not answer" in err.error
 
 
+class RanBeforeAsked(SchedulerService):
+    """x's assignment reaches W once, and W's answer is lost; the re-send is lost outright;
+    this replica misses x's first token (a core message lost, say). W has run x by the time
+    the last delivery asks W whether it holds x."""
+
+    rid = "ran-x"
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.sent = 0
+
+    async def _dispatch(self, a: Assignment, headers: dict[str, str]) -> AssignmentAck:
+        if a.request.request_id != self.rid:
+            return await super()._dispatch(a, headers)
+        self.sent += 1
+        if self.sent == 1:
+            await super()._dispatch(a, headers)
+        raise nats.errors.TimeoutError
+
+    async def _on_result(self, msg: Msg) -> None:
+        if msg.subject != self.subjects.result(self.rid):
+            await super()._on_result(msg)
+
+    async def _worker_holds(self, worker_id: str, request_id: str) -> bool:
+        while request_id == self.rid and not await self._result_kept(request_id):
+            await asyncio.sleep(0.02)  # W has not run x yet
+        return await super()._worker_holds(worker_id, request_id)
+
+
+async def test_last_delivery_of_a_request_already_answered_sends_no_error(
+        nats_server: EmbeddedNats) -> None:
+    """Every answer about x's dispatch is lost, and W runs x before the last delivery gives
+    up: x's first token has gone out, so no error FirstToken follows it (it would replace x's
+    answer in the results stream, where a client asking again reads it); the message is
+    acked."""
+    rid = RanBeforeAsked.rid
+    async with running(nats_server) as (live, nc, tap):
+        w = await start_rankd(live, W)
+        sched = await live.scheduler(cls=RanBeforeAsked, policy="round_robin", block_size=16,
+                                     retry_delay_s=0.05, max_deliver=2)
+        await wait_until(lambda: len(sched.core.view) == 1, "W in the view")
+        await publish_intake(nc, live, rid)
+        await wait_until(lambda: sched.stats.fail_found_answered + sched.stats.failed == 1,
+                         "x's last delivery settled")
+        assert sched.stats.fail_found_answered == 1 and sched.stats.failed == 0, sched.stats
+        assert sched.stats.unknown_held == 0 and w.admitted == [rid], sched.stats
+        # What a client asking again reads: x's answer, not an error after it.
+        kept = await nc.jetstream().get_last_msg(live.subjects.results_stream(),
+                                                 live.subjects.result(rid))
+        assert decode(FirstToken, kept.data, kept.headers).error is None
+        assert [(r.worker_id, r.error) for r in tap.results if r.request_id == rid] \
+            == [(W, None)]
+
+
 class LaggingView(LosesOneAnswer):
     """As LosesOneAnswer, with a worker-state view that judges W gone (a heartbeat it has not
     seen yet, say) while W is alive and running x."""
@@ -301,3 +363,24 @@ async def test_stopped_worker_request_is_handed_back_once(nats_server: EmbeddedN
         assert b.stats.dispatched == 1, b.stats  # M2 only
         runs = [(r.worker_id, r.error) for r in tap.results if r.request_id == rid]
         assert runs == [(W3, None)], runs
+
+
+async def test_an_earlier_requests_answer_under_the_same_id_does_not_count(
+        nats_server: EmbeddedNats) -> None:
+    """The results stream keeps a first token for x's id that finished before x arrived (an
+    earlier request that used the id). x cannot be placed (no worker): its last delivery
+    sends the error FirstToken as usual -- that old answer is not x's."""
+    rid = "reused-x"
+    async with running(nats_server) as (live, nc, tap):
+        sched = await live.scheduler(policy="round_robin", block_size=16, retry_delay_s=0.05,
+                                     max_deliver=2, hold_s=0.05)
+        old = FirstToken(request_id=rid, token=7, worker_id=W,
+                         finished_at_s=time.time() - 600.0, stages=TtftStages(total_s=0.1))
+        data, headers = encode(old)
+        await nc.jetstream().publish(live.subjects.result(rid), data, headers=headers)
+        await publish_intake(nc, live, rid)
+        await wait_until(lambda: sched.stats.fail_found_answered + sched.stats.failed == 1,
+                         "x's last delivery settled")
+        assert sched.stats.failed == 1 and sched.stats.fail_found_answered == 0, sched.stats
+        await wait_until(lambda: any(r.request_id == rid and r.error for r in tap.results),
+                         "the error FirstToken")

@@ -37,6 +37,7 @@ RECOVERY_COUNTERS: tuple[tuple[str, str], ...] = (
     ("lost_handed_back", "handed back for a lost worker"),
     ("gone_handed_back", "handed back for a gone worker on redelivery"),
     ("redelivered_acked", "redeliveries found answered"),
+    ("fail_found_answered", "last deliveries found answered (no error sent)"),
     ("resent", "recorded assignments sent again"),
 )
 """The scheduler's recovery counters (``SchedulerStats``) ``up`` sums over its replicas."""
