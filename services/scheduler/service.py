@@ -73,8 +73,11 @@ old message is acked; a request whose result this replica saw is acked without e
 its last delivery (``max_deliver``) a message that still failed gets a FirstToken with an
 error (so the client is not left waiting) and is terminated -- unless its outcome is unknown
 and the worker, asked on its ``queue`` endpoint, lists the request as queued or running: then
-its own first token answers the client and the message is acked (``unknown_held``). A
-malformed intake message is terminated at once.
+its own first token answers the client and the message is acked (``unknown_held``), or the
+results stream already keeps a first token of it (finished after it arrived: the worker ran
+it while every answer about it was lost): an error would only replace that answer there, so
+the message is acked (``fail_found_answered``). A malformed intake message is terminated at
+once.
 
 Lost workers (:mod:`services.scheduler.ledger`): every request this replica dispatched stays
 in its ledger until a result for it arrives. A worker whose state names a new *incarnation*
