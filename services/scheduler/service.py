@@ -771,21 +771,13 @@ class SchedulerService(MicroService):
         results = await self.nc.subscribe(s.result_all(), cb=self._on_result)
         # Every replica's placement statistics: the others' placements are in-flight prefixes.
         peers = await self.nc.subscribe(s.cache_stats_all(), cb=self._on_peer_stats)
-        if self.ssettings.hold_intake:
+        found: set[str] | None = None  # holders of the unacked messages (_watch_peers)
+        if self.ssettings.hold_intake and self.ssettings.instance_id:
             # Before this process takes any delivery: none of its own can be mistaken for
-            # its predecessor's (a fixed id: the records naming it are a dead process's).
-            # Every other holder found is watched like a listed replica from now on, so one
-            # that died before this process started is found gone too (_watch_peers).
-            found: set[str] = set()
+            # its predecessor's.
+            found = set()
             self.stats.predecessor_naked += await self._give_back_holds(
-                js, self.reporter if self.ssettings.instance_id else None,
-                why="this replica's previous process", holders=found)
-            found.discard(self.reporter)
-            now = asyncio.get_running_loop().time()
-            for r in found:
-                self._peers.setdefault(r, now)
-            self._unlisted |= found
-            self.stats.holders_found += len(found)
+                js, self.reporter, why="this replica's previous process", holders=found)
         await puller.start()
         self._tasks = [
             asyncio.create_task(self._watch_states(watcher), name="sched-states"),
@@ -793,7 +785,8 @@ class SchedulerService(MicroService):
             asyncio.create_task(self._keep_held(), name="sched-keep-held"),
         ]
         if self.ssettings.hold_intake:
-            self._tasks.append(asyncio.create_task(self._watch_peers(js), name="sched-peers"))
+            self._tasks.append(asyncio.create_task(self._watch_peers(js, found),
+                                                   name="sched-peers"))
 
         async def teardown() -> None:
             # No new intake (a message being handed over finishes first); dispatches already
@@ -1536,7 +1529,7 @@ class SchedulerService(MicroService):
                           why=why, count=naked)
         return naked
 
-    async def _watch_peers(self, js: JetStreamContext) -> None:
+    async def _watch_peers(self, js: JetStreamContext, found: set[str] | None) -> None:
         """Every ``peer_check_s``: list the scheduler replicas of this deployment (their micro
         metadata ``reporter``). One not listed for ``peer_gone_s`` is gone; the live replica
         with the smallest id (the same one in every replica's view, barring a listing that
@@ -1544,9 +1537,20 @@ class SchedulerService(MicroService):
         (:meth:`_give_back_holds`), unless ``ack_wait * 2/3`` has passed since it was last
         seen (its holds expire about then: they come back by themselves). A holder found at
         start and never listed (:meth:`setup`; "seen" at this replica's start) is given back
-        by every replica that found it: the others may never have known it."""
+        by every replica that found it: the others may never have known it.
+
+        ``found``: the holders :meth:`setup` read; None: read them first (a replica without
+        a fixed id walks in the background, so as not to hold up its start)."""
         name = micro_service_name("scheduler")
         loop = asyncio.get_running_loop()
+        if found is None:
+            found = set()
+            await self._give_back_holds(js, None, why="", holders=found)
+        found.discard(self.reporter)  # (its own, before this process or since it started)
+        for r in found:
+            self._peers.setdefault(r, loop.time())
+        self._unlisted |= found
+        self.stats.holders_found += len(found)
         period = self.ssettings.peer_check_s
         while True:
             await asyncio.sleep(period)
