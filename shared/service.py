@@ -70,6 +70,8 @@ EPOCH_HISTORY: Final[int] = 16
 INTAKE_DUPLICATE_WINDOW_S: Final[float] = 120.0
 RESULTS_STREAM_MAX_BYTES: Final[int] = 64 * 1024 * 1024
 """Server memory the results stream may hold (≈ 100k results of ~600 bytes)."""
+JETSTREAM_CHECK_S: Final[float] = 1.0
+"""How often a service looks for a reconnect after which to ensure its JetStream assets."""
 _NAME_RE: Final[re.Pattern[str]] = re.compile(r"^[A-Za-z0-9_-]+$")
 
 Reply = BaseModel | bytes | None
@@ -579,6 +581,17 @@ class MicroService:
         Register cleanup with ``stack``; it runs before the connection drains.
         """
 
+    async def ensure_jetstream(self) -> None:
+        """Make what this service needs of JetStream -- streams, KV buckets, consumers, and
+        records that only it writes -- where missing; idempotent (override; none by default).
+
+        A service calls it from :meth:`setup`; :meth:`start` calls it again after every
+        reconnect (every ``JETSTREAM_CHECK_S`` until it succeeds), so a server that comes
+        back *without* its store (no persistent volume, a new node) gets them back and the
+        system serves again; otherwise every publish to a stream lost with the store would
+        fail for as long as the processes live. A server that kept its store has them all.
+        """
+
     # -- accessors ----------------------------------------------------------------------------
 
     @property
@@ -643,6 +656,9 @@ class MicroService:
             ),
         )
         stack.push_async_callback(self._service.stop)
+        if type(self).ensure_jetstream is not MicroService.ensure_jetstream:
+            keeper = asyncio.create_task(self._keep_jetstream(nc), name=f"{self.name}-jetstream")
+            stack.push_async_callback(cancel_and_wait, [keeper], self.log)
         group = self._service.add_group(name=self.group, queue_group=self.queue_group)
         for ep in self.endpoints():
             target = self._service if ep.absolute else group
@@ -679,6 +695,24 @@ class MicroService:
             await self._stop.wait()
             self.log.info("service stopping")
         self._started.clear()
+
+    async def _keep_jetstream(self, nc: Client) -> None:
+        """:meth:`ensure_jetstream` after each reconnect, until it succeeds."""
+        done = nc.stats["reconnects"]
+        while True:
+            await asyncio.sleep(JETSTREAM_CHECK_S)
+            reconnects = nc.stats["reconnects"]
+            if reconnects == done or not nc.is_connected:
+                continue
+            try:
+                await self.ensure_jetstream()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # JetStream not ready yet (recovering): the next check
+                self.log.info("jetstream assets not ensured yet", error=repr(exc))
+                continue
+            done = reconnects
+            self.log.info("jetstream assets ensured after a reconnect")
 
     async def _drain(self, nc: Client) -> None:
         try:

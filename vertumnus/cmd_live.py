@@ -137,7 +137,8 @@ def register(app: typer.Typer) -> None:
                  "(default: never; comma-separated: one per service)")] = None,
         kill_service: Annotated[str, typer.Option(
             help="The service --kill-at crashes: gateway, scheduler, controller, cachemgr, "
-                 "rankd (every worker; --backend sim) or nats (the server), or one scheduler "
+                 "rankd (every worker; --backend sim), nats (the server; nats-empty: it comes back "
+                 "with an empty store), or one scheduler "
                  "replica of --schedulers (scheduler-2, …; 'scheduler' is the first); several "
                  "comma-separated, e.g. scheduler,rankd with --kill-at 20,25")] = "rankd",
     ) -> None:

@@ -79,6 +79,7 @@ from typing import Any, Final
 
 import nats.errors
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 from nats.micro.request import Request
 from pydantic import Field
 
@@ -353,6 +354,8 @@ class CacheMgrService(MicroService):
         self.states: dict[str, WorkerState] = {}
         self.record: EpochRecord | None = None
         self.last_scan: dict[str, Any] | None = None
+        self._state_kv: KeyValue | None = None
+        self._epoch_kv: KeyValue | None = None
         self._snapshotting: set[str] = set()
         self._snapshot_retry: set[str] = set()  # unanswered snapshot requests, asked again
         # Incarnation of each registered worker's current process (first non-empty one seen
@@ -426,11 +429,16 @@ class CacheMgrService(MicroService):
 
     # -- setup ------------------------------------------------------------------------------
 
+    async def ensure_jetstream(self) -> None:
+        js = self.nc.jetstream()
+        self._state_kv = await worker_state_kv(js, self.subjects, lease_s=self.msettings.lease_s)
+        self._epoch_kv = await epoch_kv(js, self.subjects)
+
     async def setup(self, stack: AsyncExitStack) -> None:
         s = self.subjects
-        js = self.nc.jetstream()
-        states = await worker_state_kv(js, s, lease_s=self.msettings.lease_s)
-        epochs = await epoch_kv(js, s)
+        await self.ensure_jetstream()
+        states, epochs = self._state_kv, self._epoch_kv
+        assert states is not None and epochs is not None
         # Watches that are made again after a server restart (KvWatch).
         state_watch = await KvWatch(self.nc, states).start()
         epoch_watch = await KvWatch(self.nc, epochs, s.epoch_key()).start()

@@ -677,6 +677,7 @@ class ControllerService(MicroService):
         self.record: EpochRecord | None = None
         self.revision: int = 0
         self._kv: KeyValue | None = None
+        self._state_kv: KeyValue | None = None
         self._lock = asyncio.Lock()
         # Adapter books: protocol epoch -> record epoch of its commit; per reconfiguration the
         # drain record epoch and the in-flight ids still awaited per source.
@@ -698,6 +699,7 @@ class ControllerService(MicroService):
             "malformed": 0,
             "plans": 0,
             "records_written": 0,
+            "records_rewritten": 0,  # the record written again after the store lost it
             "cas_lost": 0,
             "rebuilt": 0,
             "followed": 0,
@@ -790,12 +792,33 @@ class ControllerService(MicroService):
 
     # -- setup ------------------------------------------------------------------------------
 
-    async def setup(self, stack: AsyncExitStack) -> None:
+    async def ensure_jetstream(self) -> None:
+        """The epoch and worker-state buckets; and the epoch record, if this controller has
+        one and the store has none (lost with the server's store: the rank hosts and every
+        service follow the record, so the current one is written again)."""
         s = self.subjects
         js = self.nc.jetstream()
         self._kv = await epoch_kv(js, s)
+        self._state_kv = await worker_state_kv(js, s, lease_s=self.csettings.lease_s)
+        if self.record is None:
+            return  # before _bootstrap
+        async with self._lock:
+            if await self._get_record() is not None:
+                return
+            try:
+                self.revision = await self._kv.create(s.epoch_key(), to_json(self.record))
+            except KeyWrongLastSequenceError:
+                return  # another controller wrote one first: our next CAS finds it
+            self.counters["records_rewritten"] += 1
+            self.log.warning("epoch record missing from the store; written again",
+                             epoch=self.record.epoch, revision=self.revision)
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        s = self.subjects
+        await self.ensure_jetstream()
         await self._bootstrap()
-        states = await worker_state_kv(js, s, lease_s=self.csettings.lease_s)
+        states = self._state_kv
+        assert states is not None
         state_watch = await KvWatch(self.nc, states).start()  # survives a server restart
         subs = []
         if self.csettings.demand_input == "windows":

@@ -222,11 +222,14 @@ class GatewayService(MicroService):
         # "completions" in group "{prefix}.gateway" is subjects.gateway_completions().
         return [Endpoint("completions", self._on_completion)]
 
-    async def setup(self, stack: AsyncExitStack) -> None:
+    async def ensure_jetstream(self) -> None:
         self._js = self.nc.jetstream()
         await ensure_intake_stream(self._js, self.subjects)
         await ensure_results_stream(self._js, self.subjects)
         self._states = await worker_state_kv(self._js, self.subjects)
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        await self.ensure_jetstream()
         results = await self.nc.subscribe(self.subjects.result_all(), cb=self._on_result)
 
         async def unsubscribe() -> None:

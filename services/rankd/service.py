@@ -237,6 +237,7 @@ class RankdService(MicroService):
             bind(self.core.cache)
         self._js: JetStreamContext | None = None
         self._state_kv: KeyValue | None = None
+        self._epochs: KeyValue | None = None
         self._work = asyncio.Event()  # something to start
         self._dirty = asyncio.Event()  # state changed; publish soon
         self._idle = asyncio.Event()  # nothing running
@@ -370,13 +371,19 @@ class RankdService(MicroService):
                 self._on_fault(exc)
         self.request_stop()
 
-    async def setup(self, stack: AsyncExitStack) -> None:
+    async def ensure_jetstream(self) -> None:
         self._js = self.nc.jetstream()
         self._state_kv = await worker_state_kv(
             self._js, self.subjects, lease_s=self.rsettings.lease_s
         )
-        epochs = await epoch_kv(self._js, self.subjects)
+        self._epochs = await epoch_kv(self._js, self.subjects)
         await ensure_results_stream(self._js, self.subjects)  # publish_result stores into it
+        self._dirty.set()  # this worker's state at once (it may have gone with the store)
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        await self.ensure_jetstream()
+        epochs = self._epochs
+        assert epochs is not None
         # Adopt the current record before serving, so the first admission uses it.
         try:
             entry = await epochs.get(self.subjects.epoch_key())

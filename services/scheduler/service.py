@@ -711,6 +711,7 @@ class SchedulerService(MicroService):
         self._snapshot_retry: set[str] = set()
         self._js: JetStreamContext | None = None
         self._records: KeyValue | None = None
+        self._state_kv: KeyValue | None = None
         self._records_prefix = ""
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[None]] = set()
@@ -752,19 +753,25 @@ class SchedulerService(MicroService):
 
     # -- setup --------------------------------------------------------------------------------
 
-    async def setup(self, stack: AsyncExitStack) -> None:
+    async def ensure_jetstream(self) -> None:
         s = self.subjects
         js = self._js = self.nc.jetstream()
         await ensure_intake_stream(js, s)
         await ensure_results_stream(js, s)  # read when a held message comes back (_redelivered)
-        self._records_prefix = f"$KV.{assignment_bucket(s)}."
         self._records = await ensure_key_value(
             js, assignment_bucket(s), ttl_s=self.ssettings.assignment_ttl_s,
             description="vertumnus assignment records (idempotency)",
         )
-        states = await worker_state_kv(js, s, lease_s=self.ssettings.lease_s)
-        watcher = await KvWatch(self.nc, states).start()  # survives a server restart
+        self._state_kv = await worker_state_kv(js, s, lease_s=self.ssettings.lease_s)
         await self._ensure_consumer(js)
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        s = self.subjects
+        self._records_prefix = f"$KV.{assignment_bucket(s)}."
+        await self.ensure_jetstream()
+        js, states = self._js, self._state_kv
+        assert js is not None and states is not None
+        watcher = await KvWatch(self.nc, states).start()  # survives a server restart
         puller = PullConsumer(self.nc, stream=s.intake_stream(), consumer=s.intake_consumer(),
                               handler=self._on_intake, batch=self.ssettings.fetch_batch)
         events = await self.nc.subscribe(s.cache_events_all(), cb=self._on_cache_event)

@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from uuid import uuid4
 
+import nats.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from shared.ids import InvalidInput, UnknownWorker, VertumnusError
 from shared.natsserver import EmbeddedNats
 from shared.service import (
+    JETSTREAM_CHECK_S,
     Endpoint,
     MicroService,
     RemoteError,
@@ -373,28 +375,33 @@ async def test_until_served_waits_for_a_responder_and_bounds_the_wait(nc: Client
         await sub.unsubscribe()
 
 
+async def crash_and_restart(server: EmbeddedNats, port: int) -> EmbeddedNats:
+    """SIGKILL nats-server, then start another on its port with its JetStream store."""
+    import os
+    import signal
+
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    await asyncio.sleep(0.3)
+    return EmbeddedNats(port=port, store_dir=server.store_dir).start()
+
+
 async def test_a_server_restart_is_survived_and_logged_as_warnings(uniq: str) -> None:
     """nats-server killed and started again on its port with its JetStream store: the service
     reconnects by itself and serves again. The blip is logged as warnings through the
     service's logger (nats_callbacks), not as nats-py's default error with a traceback."""
-    import os
-    import signal
 
     from structlog.testing import capture_logs
 
     server = EmbeddedNats().start()
     port = int(server.url.rsplit(":", 1)[1])
-    store = server.store_dir
     svc = Toy(ServiceSettings(nats_url=server.url, subject_prefix=uniq))
     task = asyncio.create_task(svc.run(handle_signals=False))
     again: EmbeddedNats | None = None
     try:
         await asyncio.wait_for(svc.started.wait(), timeout=10)
         with capture_logs() as logs:
-            assert server.pid is not None
-            os.kill(server.pid, signal.SIGKILL)
-            await asyncio.sleep(0.5)
-            again = EmbeddedNats(port=port, store_dir=store).start()
+            again = await crash_and_restart(server, port)
             client = await __import__("nats").connect(again.url)
             try:
                 await until_served(client, f"{uniq}.toy.add", timeout_s=30)
@@ -413,12 +420,56 @@ async def test_a_server_restart_is_survived_and_logged_as_warnings(uniq: str) ->
         server.stop()
 
 
+class ToyWithJetStream(Toy):
+    """Toy whose JetStream assets are "not ready" at the first try after a reconnect."""
+
+    def __init__(self, settings: ServiceSettings) -> None:
+        super().__init__(settings)
+        self.ensured = 0
+
+    async def ensure_jetstream(self) -> None:
+        self.ensured += 1
+        if self.ensured == 1:
+            raise nats.errors.Error("jetstream not ready")
+
+
+async def test_jetstream_assets_are_ensured_again_after_each_reconnect(uniq: str) -> None:
+    """A service that has JetStream assets ensures them again once its connection is back
+    (until that succeeds: a failure is tried again at the next check); only after a
+    reconnect; a service without any runs no such task."""
+
+    server = EmbeddedNats().start()
+    port = int(server.url.rsplit(":", 1)[1])
+    settings = ServiceSettings(nats_url=server.url, subject_prefix=uniq)
+    svc, plain = ToyWithJetStream(settings), Toy(settings)
+    tasks = [asyncio.create_task(s.run(handle_signals=False)) for s in (svc, plain)]
+    again: EmbeddedNats | None = None
+    try:
+        for s in (svc, plain):
+            await asyncio.wait_for(s.started.wait(), timeout=10)
+        # One keeper: svc's (both are named vtm-toy; plain has no JetStream assets).
+        assert sum(t.get_name() == "vtm-toy-jetstream" for t in asyncio.all_tasks()) == 1
+        await asyncio.sleep(2.5 * JETSTREAM_CHECK_S)
+        assert svc.ensured == 0  # no reconnect, nothing to do
+        again = await crash_and_restart(server, port)
+        async with asyncio.timeout(30):
+            while svc.ensured < 2:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(2.5 * JETSTREAM_CHECK_S)
+        assert svc.ensured == 2  # ensured once it succeeded: not again without a reconnect
+    finally:
+        for s in (svc, plain):
+            s.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=15)
+        if again is not None:
+            again.stop()
+        server.stop()
+
+
 async def test_kv_watch_is_made_again_after_a_server_restart(uniq: str) -> None:
     """KvWatch: after nats-server is killed and started again (same port, same store), the
     watch is made again once the client reconnected -- it replays the key's current value and
     the end-of-initial-values marker, then delivers what is written after the restart."""
-    import os
-    import signal
 
     import nats
 
@@ -444,10 +495,7 @@ async def test_kv_watch_is_made_again_after_a_server_restart(uniq: str) -> None:
         async with asyncio.timeout(10):
             while got != [None, b"1"]:
                 await asyncio.sleep(0.05)
-        assert server.pid is not None
-        os.kill(server.pid, signal.SIGKILL)
-        await asyncio.sleep(0.3)
-        again = EmbeddedNats(port=port, store_dir=server.store_dir).start()
+        again = await crash_and_restart(server, port)
         async with asyncio.timeout(20):
             while watch.remade < 1:
                 await asyncio.sleep(0.05)

@@ -259,12 +259,15 @@ def test_fault_injection_options_are_checked_before_anything_starts() -> None:
         UpConfig(kill_at_wall_s=1.0, kill_service="redis")
     assert UpConfig(kill_at_wall_s=1.0, kill_service="nats").crash_plans() == (CrashPlan(
         1.0, None, "nats"),)
+    assert UpConfig(kill_at_wall_s=1.0, restart_after_wall_s=2.0,
+                    kill_service="nats-empty").crash_plans() == (CrashPlan(1.0, 2.0,
+                                                                           "nats-empty"),)
     # One scheduler replica of several, by its child name (the first one is 'scheduler').
     assert UpConfig(schedulers=3, kill_at_wall_s=(1.0, 2.0), restart_after_wall_s=(None, 1.0),
                     kill_service="scheduler,scheduler-3").crash_plans() == (
         CrashPlan(1.0, None, "scheduler"), CrashPlan(2.0, 1.0, "scheduler-3"))
     with pytest.raises(ValueError, match="--kill-service 'scheduler-3' is not a service; known: "
-                                         "gateway, .*, nats, scheduler-2$"):
+                                         "gateway, .*, nats, nats-empty, scheduler-2$"):
         UpConfig(schedulers=2, kill_at_wall_s=1.0, kill_service="scheduler-3")
     with pytest.raises(ValueError, match="only for --backend sim.*--backend torch runs one "
                                          "process per GPU rank"):

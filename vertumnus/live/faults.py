@@ -34,6 +34,10 @@ dispatched). What each service's crash costs, and what brings it back:
 * ``nats``: the server itself, started again on its port and JetStream store: every service
   reconnects; the intake, consumers and buckets are recovered from the store; KV watches are
   made again (``shared.service.KvWatch``).
+* ``nats-empty``: the server, started again on its port with an *empty* store (one without a
+  persistent volume): every service makes its streams, buckets and consumers again after the
+  reconnect (``MicroService.ensure_jetstream``), the controller its epoch record, each rank
+  daemon its state; what the lost store held (queued intake messages, records) is gone.
 
 :func:`run_crash` is the injection itself, independent of processes: it calls a ``kill`` and a
 ``restart`` callable at the planned moments and records what it did as :class:`FaultEvent`
@@ -55,6 +59,8 @@ RANKD: Final[str] = "rankd"
 """The default child to crash (the sim backend's one rank-daemon host)."""
 NATS: Final[str] = "nats"
 """The nats-server itself (started again on its port and JetStream store)."""
+NATS_EMPTY: Final[str] = "nats-empty"
+"""The nats-server, started again on its port with an empty JetStream store."""
 
 
 @dataclass(frozen=True, slots=True)

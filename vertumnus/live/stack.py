@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -52,7 +53,7 @@ from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv, nats_callbacks
 from shared.subjects import Subjects, micro_service_name
 from shared.worker import GpuGroup, WorkerKind
-from vertumnus.live.faults import NATS, RANKD, CrashPlan, FaultEvent, run_crash
+from vertumnus.live.faults import NATS, NATS_EMPTY, RANKD, CrashPlan, FaultEvent, run_crash
 from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.http import HttpError, get_json, split_url
 from vertumnus.live.observe import Observer, ping, service_stats
@@ -206,9 +207,9 @@ class UpConfig:
         self._per_service(restart, len(names), "--restart-after")
         replicas = tuple(f"scheduler-{k}" for k in range(2, self.schedulers + 1))
         for name in names:
-            if name not in (*SERVICES, NATS, *replicas):
+            if name not in (*SERVICES, NATS, NATS_EMPTY, *replicas):
                 raise ValueError(f"--kill-service {name!r} is not a service; known: "
-                                 f"{', '.join((*SERVICES, NATS, *replicas))}")
+                                 f"{', '.join((*SERVICES, NATS, NATS_EMPTY, *replicas))}")
         if len(set(names)) != len(names):
             raise ValueError(f"--kill-service names a service twice: {self.kill_service!r}")
         if restart is not None and kill is None:
@@ -572,7 +573,11 @@ class LiveStack:
         # The JetStream store is ours, not the server's temporary one, so a server started
         # again after a crash (fault injection) finds the streams and buckets where they were.
         return EmbeddedNats(port=port, binary=nats_binary_dying_with_parent(self.log_dir),
-                            store_dir=self.log_dir / "nats-store")
+                            store_dir=self._nats_store)
+
+    @property
+    def _nats_store(self) -> Path:
+        return self.log_dir / "nats-store"
 
     async def start(self) -> Health:
         self.nats = self._new_nats(self.config.nats_port)
@@ -639,8 +644,8 @@ class LiveStack:
         (:meth:`ChildSet.kill`), which takes it out of the child set (neither the health checks
         nor the exit codes report it) and out of ``pids.json``, until :meth:`restart_child`.
         Returns its pid and exit status. Raises :class:`StackError` if no such child runs.
-        ``nats`` is the server itself (:meth:`_kill_nats`)."""
-        if name == NATS:
+        ``nats`` and ``nats-empty`` are the server itself (:meth:`_kill_nats`)."""
+        if name in (NATS, NATS_EMPTY):
             return self._kill_nats()
         child = self.children.find(name)
         if child is None:
@@ -655,8 +660,8 @@ class LiveStack:
         spec (same argv and environment; its log continues in the same file); ``pids.json``
         lists the new pid. Returns it. Raises :class:`StackError` if ``name`` was not killed.
         Call it from the event loop's thread (the parent-death signal, :meth:`ChildSet.start`)."""
-        if name == NATS:
-            return self._restart_nats()
+        if name in (NATS, NATS_EMPTY):
+            return self._restart_nats(empty=name == NATS_EMPTY)
         child = self._killed.pop(name, None)
         if child is None:
             raise StackError(f"no killed {name} child to restart")
@@ -680,11 +685,14 @@ class LiveStack:
         self._write_pids()
         return pid, status
 
-    def _restart_nats(self) -> int:
+    def _restart_nats(self, *, empty: bool = False) -> int:
         """A nats-server on the killed one's port and store (JetStream recovers the streams,
-        consumers and buckets from it). Returns its pid."""
+        consumers and buckets from it; ``empty``: the store is emptied first, as a server
+        without a persistent volume comes back). Returns its pid."""
         if self._killed_nats is None:
             raise StackError("no killed nats-server to restart")
+        if empty:
+            shutil.rmtree(self._nats_store, ignore_errors=True)
         self.nats = self._new_nats(self._killed_nats).start()
         self._killed_nats = None
         self._write_pids()
