@@ -1688,7 +1688,9 @@ class SchedulerService(MicroService):
     async def _result_kept(self, rid: str, *, since_s: float | None = None) -> bool:
         """Whether the results stream keeps a first token (not an error) for ``rid``, one
         finished at or after ``since_s`` if given (wall time: not an earlier request that
-        used the same id)."""
+        used the same id). The two stamps come from different hosts (worker, gateway): a
+        clock skew larger than the request's time in the system makes its own answer not
+        count, and the caller then does what it did before this check."""
         assert self._js is not None
         try:
             kept = await self._js.get_last_msg(self.subjects.results_stream(),
