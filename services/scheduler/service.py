@@ -307,7 +307,9 @@ class SchedulerSettings(ServiceSettings):
         default=10.0, gt=0,
         description="A replica that answered no listing for this long is gone: the live one "
         "with the smallest id NAKs the intake messages it held, so they come back before "
-        "ack_wait (too late to matter once ack_wait * 2/3 has passed since it was seen).",
+        "ack_wait (too late to matter once ack_wait * 2/3 has passed since it was seen). A "
+        "replica known only as the holder of messages found at start, and never listed, is "
+        "given back by every replica that found it.",
     )
     max_ack_pending: int = Field(
         default=LEDGER_LIMIT, ge=1,
