@@ -1500,14 +1500,15 @@ class SchedulerService(MicroService):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._give_back_budget_s()
         seen = naked = 0
+        what = "intake holders" if holder is None else "gone replica's held messages"
         try:
             info = await js.consumer_info(stream, s.intake_consumer())
             last = info.delivered.stream_seq if info.delivered is not None else 0
             seq = 1
             while seq <= last and seen < self.ssettings.max_ack_pending:
                 if loop.time() >= deadline:
-                    self.log.warning("gone replica's held messages: scan cut short",
-                                     holder=holder, seen=seen, given_back=naked)
+                    self.log.warning(f"{what}: scan cut short", holder=holder, seen=seen,
+                                     given_back=naked)
                     break
                 try:
                     m = await js.get_msg(stream, seq, subject=s.intake_requests(), next=True)
@@ -1531,7 +1532,7 @@ class SchedulerService(MicroService):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never keeps the replica from starting or serving
-            self.log.warning("gone replica's held messages not all given back", holder=holder,
+            self.log.warning(f"{what}: scan failed", holder=holder,
                              error=repr(exc), given_back=naked)
         if naked:
             self.log.info("gone replica's held intake messages given back", holder=holder,
