@@ -698,7 +698,7 @@ class MicroService:
 
     async def _keep_jetstream(self, nc: Client) -> None:
         """:meth:`ensure_jetstream` after each reconnect, until it succeeds."""
-        done = nc.stats["reconnects"]
+        done = told = nc.stats["reconnects"]
         while True:
             await asyncio.sleep(JETSTREAM_CHECK_S)
             reconnects = nc.stats["reconnects"]
@@ -709,9 +709,11 @@ class MicroService:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # JetStream not ready yet (recovering): the next check
-                self.log.info("jetstream assets not ensured yet", error=repr(exc))
+                if told != reconnects:  # once per reconnect (it may take a while)
+                    told = reconnects
+                    self.log.info("jetstream assets not ensured yet", error=repr(exc))
                 continue
-            done = reconnects
+            done = told = reconnects
             self.log.info("jetstream assets ensured after a reconnect")
 
     async def _drain(self, nc: Client) -> None:
