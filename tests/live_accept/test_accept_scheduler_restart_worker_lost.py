@@ -91,14 +91,9 @@ async def test_a_request_outlives_its_scheduler_and_then_its_worker(
             await wait_until(lambda: b.stats.adopted == 1, "B adopts x")
             assert "x" in b.ledger and b.ledger.get("x").worker_id == W  # type: ignore[union-attr]
             assert answers(tap, "x") == []
-            await live.rankd(W2)
-            kill(proc)
-            await wait_until(lambda: answers(tap, "x") != [], "x answered")
-            assert answers(tap, "x") == [(W2, None)]
+            await w_dies_and_w2_answers_x(live, nc, tap, proc, b)
             assert b.stats.lost_handed_back == 1, b.stats
-            assert b.stats.failed == 0, b.stats
             await wait_until(lambda: "x" not in b.ledger and not b._held, "x released")
-            await wait_intake_empty(nc, live)
 
 
 async def test_a_worker_restarted_meanwhile_gets_the_request_back_at_once(
