@@ -72,6 +72,10 @@ RESULTS_STREAM_MAX_BYTES: Final[int] = 64 * 1024 * 1024
 """Server memory the results stream may hold (≈ 100k results of ~600 bytes)."""
 JETSTREAM_CHECK_S: Final[float] = 1.0
 """How often a service looks for a reconnect after which to ensure its JetStream assets."""
+REPUBLISHED_HEADER: Final[str] = "Vtm-Republished"
+"""Header of an intake message a gateway sent again because the server lost its store (the
+intake stream was made anew): the request may have been dispatched before the loss, so a
+scheduler asks the workers before placing it (value: why it was sent again)."""
 _NAME_RE: Final[re.Pattern[str]] = re.compile(r"^[A-Za-z0-9_-]+$")
 
 Reply = BaseModel | bytes | None

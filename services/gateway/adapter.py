@@ -28,6 +28,13 @@ One completion (:meth:`GatewayService.complete`):
 5. wait for the FirstToken; answer with the token, the TTFT measured here (received → first
    token here) and the worker's stage breakdown.
 
+A server that comes back without its store (no persistent volume, a new node) has lost the
+intake with every message in it, some never delivered. The gateway notices an intake stream
+born after the one it knew (``ensure_jetstream``, after every reconnect) and sends each
+waiting request's message again under its ``Nats-Msg-Id`` (a duplicate of one already in the
+new stream is dropped), marked ``REPUBLISHED_HEADER``: a scheduler places it only if no
+worker holds it. Counters (``$SRV.STATS``): ``intake_remade``, ``republished``.
+
 No scheduling happens here; the gateway does not know the workers.
 """
 
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import time
 import uuid
 from collections.abc import Sequence
@@ -71,6 +79,7 @@ from shared.schemas import (
     from_json,
 )
 from shared.service import (
+    REPUBLISHED_HEADER,
     Endpoint,
     MicroService,
     ensure_intake_stream,
@@ -208,6 +217,12 @@ class GatewayService(MicroService):
         # request id -> futures waiting for its FirstToken (several when a client retries an
         # id that is still in flight: the duplicate waits for the original's result).
         self._waiting: dict[str, list[asyncio.Future[tuple[Msg, float]]]] = {}
+        # request id -> its intake message (data, headers) while someone waits for it: sent
+        # again if the server loses its store (_republish_waiting).
+        self._intake_msgs: dict[str, tuple[bytes, dict[str, str]]] = {}
+        self._intake_created: datetime.datetime | None = None  # the intake stream's birth
+        self._republish_due = False
+        self.counters: dict[str, int] = {"intake_remade": 0, "republished": 0}
         if settings.tokenizer_path is not None:
             try:
                 from tokenizers import Tokenizer  # engine extra; only when configured
@@ -222,9 +237,25 @@ class GatewayService(MicroService):
         # "completions" in group "{prefix}.gateway" is subjects.gateway_completions().
         return [Endpoint("completions", self._on_completion)]
 
+    def stats_data(self) -> dict[str, Any]:
+        return {**self.counters, "waiting": len(self._waiting)}
+
     async def ensure_jetstream(self) -> None:
         self._js = self.nc.jetstream()
-        await ensure_intake_stream(self._js, self.subjects)
+        info = await ensure_intake_stream(self._js, self.subjects)
+        # An intake stream born after the one this gateway knew was made anew: the server
+        # lost its store (no persistent volume, a new node), and with it every message not
+        # yet acked -- some never delivered. The waiting requests are sent again (by the
+        # sweeper, _republish_waiting).
+        if self._intake_created is not None and info.created is not None \
+                and info.created != self._intake_created:
+            self.counters["intake_remade"] += 1
+            self._republish_due = True
+            self.log.warning("the intake stream was made anew (the server lost its store); "
+                             "sending the waiting requests again",
+                             waiting=len(self._intake_msgs))
+        if info.created is not None:
+            self._intake_created = info.created
         await ensure_results_stream(self._js, self.subjects)
         self._states = await worker_state_kv(self._js, self.subjects)
 
@@ -296,6 +327,7 @@ class GatewayService(MicroService):
         """Hand a result (``.data``, ``.headers``) to everyone waiting for ``rid``; returns
         how many were still waiting."""
         n = 0
+        self._intake_msgs.pop(rid, None)
         for fut in self._waiting.pop(rid, ()):
             if not fut.done():
                 fut.set_result((msg, received))
@@ -310,6 +342,9 @@ class GatewayService(MicroService):
         seen = self.nc.stats["reconnects"]
         while True:
             await asyncio.sleep(SWEEP_PERIOD_S)
+            if self._republish_due and self.nats_connected:
+                self._republish_due = False
+                await self._republish_waiting()
             now = self.nc.stats["reconnects"]
             if now == seen or not self.nats_connected:
                 continue
@@ -321,6 +356,33 @@ class GatewayService(MicroService):
                     continue
                 found += self._deliver(rid, kept, time.time())
             self.log.info("waiting requests looked up after a reconnect", answered=found)
+
+    async def _republish_waiting(self) -> None:
+        """Send every waiting request's intake message again, marked ``REPUBLISHED_HEADER``
+        (a scheduler asks the workers first: most were dispatched before the loss and will
+        be answered). Under the same ``Nats-Msg-Id``: a message that already reached the new
+        stream is dropped as a duplicate, and so is a second re-send. A failed publish leaves
+        the rest to the sweeper's next round."""
+        assert self._js is not None
+        sent = 0
+        for rid, (data, headers) in list(self._intake_msgs.items()):
+            if rid not in self._intake_msgs:
+                continue  # answered meanwhile
+            try:
+                ack = await self._js.publish(
+                    self.subjects.intake_requests(), data,
+                    headers={**headers, REPUBLISHED_HEADER: "store-lost"},
+                    timeout=self.gsettings.publish_timeout_s)
+            except (nats.errors.Error, TimeoutError) as exc:
+                self._republish_due = True
+                self.log.warning("waiting requests not all sent again; trying again",
+                                 error=f"{type(exc).__name__}: {exc}", sent=sent)
+                return
+            if not ack.duplicate:
+                sent += 1
+        self.counters["republished"] += sent
+        self.log.info("waiting requests sent again after the store was lost", sent=sent,
+                      waiting=len(self._intake_msgs))
 
     # -- one completion ---------------------------------------------------------------------
 
@@ -391,6 +453,7 @@ class GatewayService(MicroService):
                            "(or run the gateway with forward_tokens=false)")
         got: asyncio.Future[tuple[Msg, float]] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(rid, []).append(got)
+        self._intake_msgs.setdefault(rid, (data, headers))  # a duplicate keeps the original's
         try:
             ack = await self._publish_intake(data, headers)
             duplicate = bool(ack.duplicate)
@@ -404,6 +467,7 @@ class GatewayService(MicroService):
                     # this is that later try, a new intake message. Its id is derived from
                     # the failure's, so concurrent retries of one failure are one message.
                     headers[MSG_ID_HEADER] = f"{rid}~{kept.seq}"
+                    self._intake_msgs[rid] = (data, headers)
                     await self._publish_intake(data, headers)
                     self.log.info("retry of a request that was not scheduled; sent again")
                 else:
@@ -501,6 +565,7 @@ class GatewayService(MicroService):
             waiters.remove(fut)
         if not waiters:
             del self._waiting[rid]
+            self._intake_msgs.pop(rid, None)
 
     # -- workers ------------------------------------------------------------------------------
 

@@ -114,6 +114,11 @@ unlisted for ``peer_gone_s``), and the live one with the smallest id gives back 
 the same way. A replica that starts also notes every other holder its walk of the unacked
 messages finds: one that never answers its listing (dead before this process started, which
 the others may never have seen) is found gone after ``peer_gone_s`` and given back by it.
+A server that comes back without its store loses the intake with every message in it; the
+gateway sends its waiting requests again (``REPUBLISHED_HEADER``), and a replica places such
+a message only if no worker lists the request and its first token is not out
+(``_republished_known``): the ones dispatched before the loss are still answered by their
+workers, the ones never delivered would otherwise be lost.
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
@@ -204,6 +209,7 @@ from shared.schemas import (
     to_json,
 )
 from shared.service import (
+    REPUBLISHED_HEADER,
     WORKER_LEASE_S,
     Endpoint,
     KvWatch,
@@ -638,6 +644,9 @@ class SchedulerStats:
     adopted_reserved: int = 0  # adopted requests placed by that process: reserved in the core
     holders_found: int = 0  # other replicas holding intake messages at this one's start
     fail_found_answered: int = 0  # a last delivery's failure not sent: its first token was out
+    republished_held: int = 0  # a gateway's re-send after a store loss: a worker holds it
+    republished_answered: int = 0  # ... its first token is out already
+    republished_placed: int = 0  # ... neither: placed (it was lost with the store)
 
 
 class SchedulerService(MicroService):
@@ -1146,6 +1155,13 @@ class SchedulerService(MicroService):
         msg_id = (msg.headers or {}).get(MSG_ID_HEADER) or rid
         seq = self._stream_seq(msg)
         delivery = self._deliveries(msg)
+        if REPUBLISHED_HEADER in (msg.headers or {}):
+            # A gateway's re-send after the server lost its store. Checked before the ledger
+            # lets go of an earlier dispatch of this request (which a worker may still hold),
+            # and on a redelivery too unless this very message was placed since.
+            rec = await self._get_record(rid) if delivery > 1 else None
+            if (rec is None or rec.stream_seq != seq) and await self._republished_known(msg, req):
+                return
         self.ledger.supersede(rid, seq)
         # NOTE: only a redelivery can match a record (a record names the stream sequence of a
         # message that was delivered before), so a first delivery skips the KV read.
@@ -1687,6 +1703,42 @@ class SchedulerService(MicroService):
                 "holder": self.reporter, "ack_subject": msg.reply or "",
                 "incarnation": inc}))))
         await self._ack_or_hold(msg, rid, seq)
+
+    async def _republished_known(self, msg: Msg, req: IntakeRequest) -> bool:
+        """A gateway sent ``req`` again because the intake stream was made anew (the server
+        lost its store, ``REPUBLISHED_HEADER``): the lost message may have been dispatched
+        already -- schedulers pull eagerly, so most were -- and its worker will answer it, or
+        it may never have been delivered. A worker of this replica's view (every one not known
+        gone, asked at once) that lists the request holds it → ack; else its first token is
+        out already (this replica saw it, or the results stream keeps it; looked up *after*
+        the workers, so one that finished in between counts) → ack; else it was lost with the
+        store: False, and the caller places it like any new message. Whoever placed it before
+        keeps its own ledger entry (that worker's loss is still recovered there); a worker that
+        does not answer counts as not holding it (at worst the request runs twice; its client
+        gets one answer)."""
+        rid = req.request_id
+        if rid in self._served:
+            self.stats.republished_answered += 1
+            await msg.ack()
+            return True
+        wids = [w for w in self._states if not self.worker_gone(w)]
+        listed = await asyncio.gather(*(self._queue_of(w) for w in wids))
+        holder = next((w for w, ids in zip(wids, listed, strict=True)
+                       if ids is not None and rid in ids), None)
+        if holder is not None:
+            self.stats.republished_held += 1
+            self.log.info("re-sent request held by a worker; acked", request_id=rid,
+                          worker=holder)
+            await msg.ack()
+            return True
+        if await self._result_kept(rid, since_s=req.arrival_s):
+            self.stats.republished_answered += 1
+            self.log.info("re-sent request already answered; acked", request_id=rid)
+            await msg.ack()
+            return True
+        self.stats.republished_placed += 1
+        self.log.info("re-sent request lost with the store; placing it", request_id=rid)
+        return False
 
     async def _result_kept(self, rid: str, *, since_s: float | None = None) -> bool:
         """Whether the results stream keeps a first token (not an error) for ``rid``, one

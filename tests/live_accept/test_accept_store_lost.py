@@ -19,26 +19,32 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import nats
+import nats.errors
+import pytest
 from live_accept_support import InProcess, prompt_tokens, wait_until
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from services.controller.service import ControllerService, ControllerSettings
 from shared.natsserver import EmbeddedNats
 from shared.schemas import EpochRecord, decode
-from shared.service import epoch_kv
+from shared.service import REPUBLISHED_HEADER, epoch_kv
 from vertumnus.live.http import request
 
 W = "w-cp2-g0"
 B = 16
 
 
-async def complete(gw: object, rid: str) -> int:
-    """POST one request to the gateway; its HTTP status."""
-    body = json.dumps({"prompt": prompt_tokens(rid, random.Random(rid), prefix_len=64,
-                                               min_tail=30, max_tail=60),
-                       "request_id": rid}).encode()
+async def complete(gw: object, rid: str, length: int | None = None) -> int:
+    """POST one request to the gateway (a short prompt, or ``length`` tokens); its HTTP
+    status."""
+    rng = random.Random(rid)
+    prompt = prompt_tokens(rid, rng, prefix_len=64, min_tail=30, max_tail=60) \
+        if length is None else [rng.randrange(1, 50_000) for _ in range(length)]
+    body = json.dumps({"prompt": prompt, "request_id": rid}).encode()
     r = await request(f"http://127.0.0.1:{gw.http_port}/v1/completions",  # type: ignore[attr-defined]
                       "POST", body, timeout_s=60)
     return r.status
@@ -96,6 +102,160 @@ async def test_a_server_back_without_its_store_serves_again(tmp_path: Path) -> N
         await eventually(intake_back, "the intake stream and its consumer made again")
         await eventually(w_state_back, "W's state published again")
         assert await complete(gw, "after") == 200
+    finally:
+        if nc is not None:
+            await nc.close()
+        await live.close()
+        if again is not None:
+            again.stop()
+        server.stop()
+
+
+async def intake_messages(js: object, live: InProcess) -> int:
+    info = await js.stream_info(live.subjects.intake_stream())  # type: ignore[attr-defined]
+    return int(info.state.messages)
+
+
+async def test_a_request_lost_with_the_store_before_delivery_is_sent_again(
+        tmp_path: Path) -> None:
+    """No scheduler runs while x is published, so x waits in the intake, undelivered; the
+    server then comes back empty. The gateway finds the intake stream made anew and sends x
+    again; the scheduler (started now) finds no worker holding it and places it: x is
+    answered. Before, x was lost with the store and its client got a 504."""
+    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
+    port = int(server.url.rsplit(":", 1)[1])
+    again: EmbeddedNats | None = None
+    live = InProcess(server.url, "t" + os.urandom(5).hex())
+    nc = None
+    try:
+        await live.run(ControllerService(ControllerSettings(
+            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=2,
+            degrees=[2], initial_composition="1CP2", kappa={2: 1.0}, window_s=1.0)))
+        await live.rankd(W)
+        gw = await live.gateway(block_size=B, result_timeout_s=60.0)
+        nc = await nats.connect(server.url)
+        x = asyncio.create_task(complete(gw, "x"))
+        await eventually(lambda: _has_messages(nc, live, 1), "x in the intake")
+        await nc.close()
+        nc = None
+
+        server.kill()
+        again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+        sched = await live.scheduler(block_size=B)
+        assert await x == 200
+        assert gw.counters["intake_remade"] == gw.counters["republished"] == 1
+        assert sched.stats.republished_placed == 1
+        assert sched.stats.republished_held == sched.stats.republished_answered == 0
+    finally:
+        if nc is not None:
+            await nc.close()
+        await live.close()
+        if again is not None:
+            again.stop()
+        server.stop()
+
+
+async def _has_messages(nc: object, live: InProcess, n: int) -> bool:
+    return await intake_messages(nc.jetstream(), live) == n  # type: ignore[attr-defined]
+
+
+async def test_a_request_a_worker_holds_is_not_placed_again_after_the_store_is_lost(
+        tmp_path: Path) -> None:
+    """Scheduler A dispatches x to one of two idle workers, where it runs (a long prefill),
+    and stops; the server comes back empty. The gateway sends x again (it cannot know x was
+    dispatched); scheduler B, started now, asks the workers, finds x held and acks it. Without
+    the check B placed x afresh -- on the other worker, idle while x's worker reports A's work
+    -- and x ran twice."""
+    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
+    port = int(server.url.rsplit(":", 1)[1])
+    again: EmbeddedNats | None = None
+    live = InProcess(server.url, "t" + os.urandom(5).hex())
+    try:
+        await live.run(ControllerService(ControllerSettings(
+            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=4,
+            degrees=[2], initial_composition="2CP2", kappa={2: 1.0}, window_s=1.0)))
+        workers = [await live.rankd(w, prefill_s=30.0) for w in (W, "w-cp2-g2")]
+        a = await live.scheduler(block_size=B)
+        gw = await live.gateway(block_size=B, result_timeout_s=120.0)
+        await wait_until(lambda: len(a.core.view) == 2, "both workers in A's view")
+        # Long enough that x's worker still reports ~10 s of A's work to B after the restart
+        # (the default profile predicts ~11 s at CP2).
+        x = asyncio.create_task(complete(gw, "x", length=64_000))
+        await wait_until(lambda: a.stats.dispatched == 1, "x dispatched")
+        await live.stop(a)
+
+        server.kill()
+        again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+        await wait_until(lambda: gw.counters["republished"] == 1, "x sent again")
+        nc = await nats.connect(again.url)
+        states = nc.jetstream()
+
+        async def states_back() -> bool:
+            kv = await states.key_value(live.subjects.worker_state_bucket())
+            return all([bool((await kv.get(w)).value) for w in (W, "w-cp2-g2")])
+
+        await eventually(states_back, "both workers' states published again")
+        await nc.close()
+        b = await live.scheduler(block_size=B)
+        st = b.stats
+        await wait_until(lambda: st.republished_held + st.republished_placed
+                         + st.republished_answered == 1 or st.dispatched > 0,
+                         "the re-sent x handled")
+        assert sum(len(w.core) for w in workers) == 1  # x, on one worker only
+        assert st.dispatched == 0 and st.republished_held == 1
+        x.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await x
+    finally:
+        await live.close()
+        if again is not None:
+            again.stop()
+        server.stop()
+
+
+async def test_the_gateways_re_send_is_tried_again_and_never_doubles_a_message(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """x and y wait undelivered when the store is lost. The gateway's first re-send fails
+    (an injected publish timeout): the sweeper's next round sends both. A second re-send of
+    the same requests is dropped by the new stream as duplicates (same ``Nats-Msg-Id``): the
+    intake holds each once, and a scheduler answers both."""
+    real_publish = JetStreamContext.publish
+    failures = [1]
+
+    async def flaky(self: JetStreamContext, subject: str, payload: bytes = b"",
+                    **kw: Any) -> Any:
+        if REPUBLISHED_HEADER in (kw.get("headers") or {}) and failures[0] > 0:
+            failures[0] -= 1
+            raise nats.errors.TimeoutError
+        return await real_publish(self, subject, payload, **kw)
+
+    monkeypatch.setattr(JetStreamContext, "publish", flaky)
+    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
+    port = int(server.url.rsplit(":", 1)[1])
+    again: EmbeddedNats | None = None
+    live = InProcess(server.url, "t" + os.urandom(5).hex())
+    nc = None
+    try:
+        await live.run(ControllerService(ControllerSettings(
+            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=2,
+            degrees=[2], initial_composition="1CP2", kappa={2: 1.0}, window_s=1.0)))
+        await live.rankd(W)
+        gw = await live.gateway(block_size=B, result_timeout_s=60.0)
+        nc = await nats.connect(server.url)
+        calls = [asyncio.create_task(complete(gw, rid)) for rid in ("x", "y")]
+        await eventually(lambda: _has_messages(nc, live, 2), "x and y in the intake")
+        await nc.close()
+
+        server.kill()
+        again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+        await wait_until(lambda: gw.counters["republished"] == 2, "x and y sent again")
+        assert failures == [0]  # the first try failed
+        await gw._republish_waiting()  # again: both are duplicates now
+        assert gw.counters["republished"] == 2
+        nc = await nats.connect(again.url)
+        assert await intake_messages(nc.jetstream(), live) == 2
+        await live.scheduler(block_size=B)
+        assert await asyncio.gather(*calls) == [200, 200]
     finally:
         if nc is not None:
             await nc.close()

@@ -39,6 +39,8 @@ RECOVERY_COUNTERS: tuple[tuple[str, str], ...] = (
     ("redelivered_acked", "redeliveries found answered"),
     ("fail_found_answered", "last deliveries found answered (no error sent)"),
     ("resent", "recorded assignments sent again"),
+    ("republished_held", "re-sent after a store loss, found held by a worker"),
+    ("republished_placed", "re-sent after a store loss, lost with it: placed"),
 )
 """The scheduler's recovery counters (``SchedulerStats``) ``up`` sums over its replicas."""
 
