@@ -1709,11 +1709,14 @@ class SchedulerService(MicroService):
         lost its store, ``REPUBLISHED_HEADER``): the lost message may have been dispatched
         already -- schedulers pull eagerly, so most were -- and its worker will answer it, or
         it may never have been delivered. A worker of this replica's view (every one not known
-        gone, asked at once) that lists the request holds it → ack; else its first token is
+        gone, asked at once) that lists the request holds it → adopt it (:meth:`_redelivered`
+        with a record made from what is known: this replica holds the message and recovers
+        the request if that worker is lost, whoever dispatched it); else its first token is
         out already (this replica saw it, or the results stream keeps it; looked up *after*
         the workers, so one that finished in between counts) → ack; else it was lost with the
-        store: False, and the caller places it like any new message. Whoever placed it before
-        keeps its own ledger entry (that worker's loss is still recovered there); a worker that
+        store: False, and the caller places it like any new message. A live replica that placed
+        it before keeps its own ledger entry too: if the worker is lost both hand it back under
+        the one id the worker's own hand-back would have (one intake message). A worker that
         does not answer counts as not holding it (at worst the request runs twice; its client
         gets one answer)."""
         rid = req.request_id
@@ -1726,10 +1729,23 @@ class SchedulerService(MicroService):
         holder = next((w for w, ids in zip(wids, listed, strict=True)
                        if ids is not None and rid in ids), None)
         if holder is not None:
+            # Adopted like a held message redelivered: the replica that dispatched it may be
+            # gone with its ledger (its record and held message went with the store), and
+            # then nobody would hand the request back if this worker died too.
             self.stats.republished_held += 1
-            self.log.info("re-sent request held by a worker; acked", request_id=rid,
+            self.log.info("re-sent request held by a worker; adopting it", request_id=rid,
                           worker=holder)
-            await msg.ack()
+            state = self._states.get(holder)
+            degree = state.degree if state is not None else 1
+            mine = rid in self.ledger
+            await self._redelivered(msg, req, AssignmentRecord(
+                request_id=rid, stream_seq=self._stream_seq(msg),
+                msg_id=(msg.headers or {}).get(MSG_ID_HEADER) or rid, worker_id=holder,
+                epoch=state.epoch if state is not None else 0, degree=degree,
+                predicted_s=self.profile.predict(req.input_len, 0, degree),
+                state="dispatched", scheduler=self.reporter if mine else "",
+                assigned_at_s=req.arrival_s,
+                incarnation=state.incarnation if state is not None else ""))
             return True
         if await self._result_kept(rid, since_s=req.arrival_s):
             self.stats.republished_answered += 1

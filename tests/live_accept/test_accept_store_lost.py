@@ -27,6 +27,9 @@ import pytest
 from live_accept_support import InProcess, prompt_tokens, wait_until
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from test_accept_dispatch_unknown import running
+from test_accept_scheduler_restart_worker_lost import w_dies_and_w2_answers_x
+from test_accept_worker_lost import W2, W, rankd_process, wait_holds
 
 from services.controller.service import ControllerService, ControllerSettings
 from shared.natsserver import EmbeddedNats
@@ -34,7 +37,6 @@ from shared.schemas import EpochRecord, decode
 from shared.service import REPUBLISHED_HEADER, epoch_kv
 from vertumnus.live.http import request
 
-W = "w-cp2-g0"
 B = 16
 
 
@@ -174,7 +176,7 @@ async def test_a_request_a_worker_holds_is_not_placed_again_after_the_store_is_l
         await live.run(ControllerService(ControllerSettings(
             nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=4,
             degrees=[2], initial_composition="2CP2", kappa={2: 1.0}, window_s=1.0)))
-        workers = [await live.rankd(w, prefill_s=30.0) for w in (W, "w-cp2-g2")]
+        workers = [await live.rankd(w, prefill_s=30.0) for w in (W, W2)]
         a = await live.scheduler(block_size=B)
         gw = await live.gateway(block_size=B, result_timeout_s=120.0)
         await wait_until(lambda: len(a.core.view) == 2, "both workers in A's view")
@@ -192,7 +194,7 @@ async def test_a_request_a_worker_holds_is_not_placed_again_after_the_store_is_l
 
         async def states_back() -> bool:
             kv = await states.key_value(live.subjects.worker_state_bucket())
-            return all([bool((await kv.get(w)).value) for w in (W, "w-cp2-g2")])
+            return all([bool((await kv.get(w)).value) for w in (W, W2)])
 
         await eventually(states_back, "both workers' states published again")
         await nc.close()
@@ -260,6 +262,42 @@ async def test_the_gateways_re_send_is_tried_again_and_never_doubles_a_message(
         if nc is not None:
             await nc.close()
         await live.close()
+        if again is not None:
+            again.stop()
+        server.stop()
+
+
+async def test_a_re_sent_request_whose_scheduler_is_gone_is_recovered_when_its_worker_dies(
+        tmp_path: Path) -> None:
+    """Scheduler A dispatches x to W (a process; x would run for hours) and dies, then the
+    server loses its store -- A's held message and its record with it. B, started after,
+    gets the gateway's re-send, finds x held by W and adopts it; W is SIGKILLed: B hands x
+    back and W2 answers it. When B only acked the re-send (W will answer it), nobody knew x
+    any more once W died, and its client got a 504."""
+    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
+    port = int(server.url.rsplit(":", 1)[1])
+    again: EmbeddedNats | None = None
+    try:
+        async with running(server) as (live, nc, tap):
+            with rankd_process(live, W, time_scale=1000.0) as proc:
+                await live.until_served(live.subjects.worker_assign(W))
+                kw = dict(policy="round_robin", block_size=B, retry_delay_s=0.05, lease_s=1.5,
+                          ack_wait_s=1.5)
+                a = await live.scheduler(instance_id="sched-a", **kw)
+                gw = await live.gateway(block_size=B, result_timeout_s=120.0)
+                x = asyncio.create_task(complete(gw, "x"))
+                await wait_holds(nc, live, W, "x")
+                a._held.clear()  # as a SIGKILL would leave it: neither renewed nor NAKed
+                await live.stop(a)
+
+                server.kill()
+                again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+                b = await live.scheduler(instance_id="sched-b", **kw)
+                await wait_until(lambda: b.stats.republished_held == 1, "B finds x held")
+                assert b.ledger.get("x").worker_id == W  # type: ignore[union-attr]
+                await w_dies_and_w2_answers_x(live, nc, tap, proc, b)
+                assert await x == 200
+    finally:
         if again is not None:
             again.stop()
         server.stop()
