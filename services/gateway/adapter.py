@@ -32,8 +32,8 @@ A server that comes back without its store (no persistent volume, a new node) ha
 intake with every message in it, some never delivered. The gateway notices an intake stream
 born after the one it knew (``ensure_jetstream``, after every reconnect) and sends each
 waiting request's message again under its ``Nats-Msg-Id`` (a duplicate of one already in the
-new stream is dropped), marked ``REPUBLISHED_HEADER``: a scheduler places it only if no
-worker holds it. Counters (``$SRV.STATS``): ``intake_remade``, ``republished``.
+new stream is dropped), marked ``REPUBLISHED_HEADER``: a scheduler adopts it where a worker
+holds it and places it otherwise. Counters (``$SRV.STATS``): ``intake_remade``, ``republished``.
 
 No scheduling happens here; the gateway does not know the workers.
 """

@@ -115,10 +115,10 @@ the same way. A replica that starts also notes every other holder its walk of th
 messages finds: one that never answers its listing (dead before this process started, which
 the others may never have seen) is found gone after ``peer_gone_s`` and given back by it.
 A server that comes back without its store loses the intake with every message in it; the
-gateway sends its waiting requests again (``REPUBLISHED_HEADER``), and a replica places such
-a message only if no worker lists the request and its first token is not out
-(``_republished_known``): the ones dispatched before the loss are still answered by their
-workers, the ones never delivered would otherwise be lost.
+gateway sends its waiting requests again (``REPUBLISHED_HEADER``), and a replica adopts such
+a message where a worker lists the request, acks it if its first token is out, and places it
+otherwise (``_republished_known``): the ones dispatched before the loss are still answered by
+their workers (and recovered if those die), the ones never delivered would otherwise be lost.
 
 Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
 message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
@@ -239,6 +239,8 @@ from shared.telemetry import (
 from shared.worker import Lifecycle, worker_restarted
 
 VERSION: Final[str] = "0.1.0"
+REPUBLISHED_POLL_S: Final[float] = 0.05
+"""How often a gateway's re-send after a store loss looks for the worker view to load."""
 MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
 HANDED_BACK: Final[int] = int(HANDED_BACK_CODE)
 REDIRECTING: Final[int] = int(REDIRECTING_CODE)
@@ -1724,6 +1726,12 @@ class SchedulerService(MicroService):
             self.stats.republished_answered += 1
             await msg.ack()
             return True
+        # A replica that has just started may not know the workers yet (the others' states
+        # come back after the loss too): who to ask is the question here, so wait for them.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ssettings.hold_s
+        while not (self._states_loaded and self._states) and loop.time() < deadline:
+            await asyncio.sleep(REPUBLISHED_POLL_S)
         wids = [w for w in self._states if not self.worker_gone(w)]
         listed = await asyncio.gather(*(self._queue_of(w) for w in wids))
         holder = next((w for w, ids in zip(wids, listed, strict=True)
