@@ -280,6 +280,12 @@ class WorkerCore:
         """Requests waiting in the FIFO (not started), in order."""
         return tuple(self._queue)
 
+    def answered(self, request_id: str) -> bool:
+        """Whether this worker finished ``request_id`` (ran it to its first token, or failed
+        it) recently enough to remember (``FINISHED_MEMORY``): :meth:`admit` will not run it
+        again."""
+        return request_id in self._finished
+
     @property
     def redirecting(self) -> tuple[Job, ...]:
         """Requests handed back to intake whose redirect is not settled yet, oldest first."""

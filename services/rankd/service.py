@@ -73,9 +73,10 @@ import json
 import math
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from typing import Final
+from typing import Any, Final
 
 import nats.errors
 from nats.aio.client import Client
@@ -151,6 +152,9 @@ REDIRECT_WINDOW: Final[int] = 64
 """Redirect publishes awaiting their JetStream acks at once (pipelined, queue order kept)."""
 REDIRECT_ATTEMPT_S: Final[float] = 2.0
 """Ack timeout of one redirect publish attempt (then retried, same ``Nats-Msg-Id``)."""
+ANSWER_MEMORY: Final[int] = 8_192
+"""First tokens (and failures) a worker keeps to send again when a request it answered is
+assigned to it again (~0.7 KB each)."""
 HEALTH_PERIOD_S: Final[float] = 0.5
 """Period of the backend's optional health probe (a rank dying under an idle worker is noticed
 within it; the probe is a non-blocking check, e.g. ``waitpid`` on the rank processes)."""
@@ -250,6 +254,9 @@ class RankdService(MicroService):
         # First tokens still in their KV handoff after the worker moved on (a backend with
         # handoff_off_worker); _shutdown waits for them.
         self._handoffs: set[asyncio.Task[None]] = set()
+        # request id -> (subject, data, headers) of its first token, the latest ANSWER_MEMORY
+        self._answers: OrderedDict[str, tuple[str, bytes, dict[str, str]]] = OrderedDict()
+        self.answers_resent = 0
         self._on_fault = on_fault
         self.fault: WorkerFault | None = None
         """The worker fault that stopped this worker (:meth:`fail`); :meth:`run` raises it."""
@@ -308,9 +315,24 @@ class RankdService(MicroService):
         self._dirty.set()
         return result
 
+    def stats_data(self) -> dict[str, Any]:
+        return {"served": self.core.served, "answers_resent": self.answers_resent}
+
     async def _on_assign(self, request: Request) -> AssignmentAck:
         a = request_model(request, Assignment)
         source = (request.headers or {}).get(INTAKE_MSG_HEADER)
+        rid = a.request.request_id
+        if self.core.answered(rid):
+            # Assigned again after it was answered: its answer went out, but whoever waits
+            # now did not get it -- the results stream that kept it was lost with the server's
+            # store, or a client sent the id again after the intake's de-duplication window.
+            # It is not run twice (the core admits it as done); its answer is sent again.
+            kept = self._answers.get(rid)
+            if kept is not None:
+                self.answers_resent += 1
+                self.log.info("request answered before assigned again; answer sent again",
+                              request_id=rid)
+                self._send_result(*kept)
         try:
             position = self.core.admit(a, self.clock(), trace_carrier=inject({}), source=source)
         except HandBackUnknown as exc:  # settle it now: publish the hand-back again
@@ -625,7 +647,8 @@ class RankdService(MicroService):
             finished_at_s=result.finished_at_s,
         )
         data, headers = encode(msg)
-        self._send_result(self.subjects.result(a.request.request_id), data, inject(headers))
+        self._keep_answer(a.request.request_id, self.subjects.result(a.request.request_id),
+                          data, inject(headers))
 
     def _publish_failure(self, job: Job, reason: str) -> None:
         a = job.assignment
@@ -641,7 +664,17 @@ class RankdService(MicroService):
             finished_at_s=now,
         )
         data, headers = encode(msg)
-        self._send_result(self.subjects.result(a.request.request_id), data, headers)
+        self._keep_answer(a.request.request_id, self.subjects.result(a.request.request_id),
+                          data, headers)
+
+    def _keep_answer(self, rid: str, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """Send a request's FirstToken and keep it (the latest ``ANSWER_MEMORY``) to send
+        again if the request is assigned here again (:meth:`_on_assign`)."""
+        self._answers[rid] = (subject, data, headers)
+        self._answers.move_to_end(rid)
+        if len(self._answers) > ANSWER_MEMORY:
+            self._answers.popitem(last=False)
+        self._send_result(subject, data, headers)
 
     def _send_result(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         """Publish a FirstToken from a task of its own (:func:`publish_result`: stored by the

@@ -1714,18 +1714,17 @@ class SchedulerService(MicroService):
         gone, asked at once) that lists the request holds it → adopt it (:meth:`_redelivered`
         with a record made from what is known: this replica holds the message and recovers
         the request if that worker is lost, whoever dispatched it); else its first token is
-        out already (this replica saw it, or the results stream keeps it; looked up *after*
-        the workers, so one that finished in between counts) → ack; else it was lost with the
-        store: False, and the caller places it like any new message. A live replica that placed
+        out already (the results stream keeps one finished after this request's arrival --
+        not an earlier one, which a retry's client never got; looked up *after* the workers,
+        so one that finished in between counts) → ack; else it was lost with the store:
+        False, and the caller places it like any new message. A live replica that placed
         it before keeps its own ledger entry too: if the worker is lost both hand it back under
         the one id the worker's own hand-back would have (one intake message). A worker that
         does not answer counts as not holding it (at worst the request runs twice; its client
         gets one answer)."""
         rid = req.request_id
-        if rid in self._served:
-            self.stats.republished_answered += 1
-            await msg.ack()
-            return True
+        # NOTE: not `rid in self._served`: that answer may be an earlier one which this
+        # message's client (a retry after the loss) never got; see the results check below.
         # A replica that has just started may not know the workers yet (the others' states
         # come back after the loss too): who to ask is the question here, so wait for them.
         loop = asyncio.get_running_loop()

@@ -293,11 +293,46 @@ async def test_a_re_sent_request_whose_scheduler_is_gone_is_recovered_when_its_w
                 server.kill()
                 again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
                 b = await live.scheduler(instance_id="sched-b", **kw)
-                await wait_until(lambda: b.stats.republished_held == 1, "B finds x held")
+                await wait_until(lambda: "x" in b.ledger, "B adopts x")
+                assert b.stats.republished_held == 1
                 assert b.ledger.get("x").worker_id == W  # type: ignore[union-attr]
                 await w_dies_and_w2_answers_x(live, nc, tap, proc, b)
                 assert await x == 200
     finally:
+        if again is not None:
+            again.stop()
+        server.stop()
+
+
+async def test_a_client_retry_after_the_store_is_lost_gets_the_workers_answer_again(
+        tmp_path: Path) -> None:
+    """x is answered; the server then loses its store, and with it the intake's
+    de-duplication and the results stream that kept x's answer. The client sends x again
+    (same id, as after a gateway crash cut it off): the intake takes it as new and the
+    scheduler places it on W, which answered x already and does not run it twice -- it sends
+    its kept answer again. Before, W acked the assignment and sent nothing: the retry got a
+    504."""
+    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
+    port = int(server.url.rsplit(":", 1)[1])
+    again: EmbeddedNats | None = None
+    live = InProcess(server.url, "t" + os.urandom(5).hex())
+    try:
+        await live.run(ControllerService(ControllerSettings(
+            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=2,
+            degrees=[2], initial_composition="1CP2", kappa={2: 1.0}, window_s=1.0)))
+        w = await live.rankd(W)
+        sched = await live.scheduler(block_size=B)
+        gw = await live.gateway(block_size=B, result_timeout_s=30.0)
+        await wait_until(lambda: len(sched.core.view) == 1, "W in the scheduler's view")
+        assert await complete(gw, "x") == 200
+
+        server.kill()
+        again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+        assert await complete(gw, "x") == 200
+        assert w.answers_resent == 1
+        assert len(w.core) == 0 and w.core.served == 1  # not run twice
+    finally:
+        await live.close()
         if again is not None:
             again.stop()
         server.stop()
