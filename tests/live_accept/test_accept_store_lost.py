@@ -17,7 +17,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,50 @@ async def complete(gw: object, rid: str, length: int | None = None) -> int:
     return r.status
 
 
+class LosableServer:
+    """A nats-server on a store of its own; :meth:`lose` kills it and starts a new one on the
+    same port with an empty store, as a server without a persistent volume comes back."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self._tmp = tmp_path
+        self.servers = [EmbeddedNats(store_dir=tmp_path / "store-1").start()]
+
+    @property
+    def url(self) -> str:
+        return self.servers[-1].url
+
+    def lose(self) -> None:
+        port = int(self.url.rsplit(":", 1)[1])
+        self.servers[-1].kill()
+        self.servers.append(EmbeddedNats(
+            port=port, store_dir=self._tmp / f"store-{len(self.servers) + 1}").start())
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+@contextlib.asynccontextmanager
+async def losable(tmp_path: Path) -> AsyncIterator[tuple[LosableServer, InProcess]]:
+    """A :class:`LosableServer` and services in this process under a fresh prefix; all
+    stopped afterwards."""
+    server = LosableServer(tmp_path)
+    live = InProcess(server.url, "t" + os.urandom(5).hex())
+    try:
+        yield server, live
+    finally:
+        await live.close()
+        server.stop()
+
+
+async def controller(live: InProcess, composition: str = "1CP2") -> ControllerService:
+    """A controller of ``composition`` (CP2 workers only), in this process."""
+    gpus = 2 * int(composition.split("CP", 1)[0])
+    return await live.run(ControllerService(ControllerSettings(  # type: ignore[no-any-return]
+        nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=gpus,
+        degrees=[2], initial_composition=composition, kappa={2: 1.0}, window_s=1.0)))
+
+
 async def eventually(check: Callable[[], Awaitable[bool]], what: str,
                      timeout_s: float = 60.0) -> None:
     """Until ``check()`` is true; a JetStream "not found" counts as not yet."""
@@ -64,16 +108,27 @@ async def eventually(check: Callable[[], Awaitable[bool]], what: str,
         await asyncio.sleep(0.05)
 
 
-async def test_a_server_back_without_its_store_serves_again(tmp_path: Path) -> None:
-    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
-    port = int(server.url.rsplit(":", 1)[1])
-    again: EmbeddedNats | None = None
-    live = InProcess(server.url, "t" + os.urandom(5).hex())
-    nc = None
+async def intake_messages(nc: nats.NATS, live: InProcess) -> int:
+    info = await nc.jetstream().stream_info(live.subjects.intake_stream())
+    return int(info.state.messages)
+
+
+async def intake_holds(url: str, live: InProcess, n: int) -> None:
+    """Until the intake stream holds ``n`` messages."""
+    nc = await nats.connect(url)
     try:
-        ctl = await live.run(ControllerService(ControllerSettings(
-            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=2,
-            degrees=[2], initial_composition="1CP2", kappa={2: 1.0}, window_s=1.0)))
+        await eventually(lambda: _holds(nc, live, n), f"{n} messages in the intake")
+    finally:
+        await nc.close()
+
+
+async def _holds(nc: nats.NATS, live: InProcess, n: int) -> bool:
+    return await intake_messages(nc, live) == n
+
+
+async def test_a_server_back_without_its_store_serves_again(tmp_path: Path) -> None:
+    async with losable(tmp_path) as (server, live):
+        ctl = await controller(live)
         await live.rankd(W)
         sched = await live.scheduler(block_size=B)
         gw = await live.gateway(block_size=B)
@@ -81,41 +136,30 @@ async def test_a_server_back_without_its_store_serves_again(tmp_path: Path) -> N
         assert await complete(gw, "before") == 200
         epoch = ctl.record.epoch
 
-        server.kill()
-        again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
-        nc = await nats.connect(again.url)
-        js = nc.jetstream()
+        server.lose()
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            await wait_until(lambda: ctl.counters["records_rewritten"] == 1,
+                             "the controller's record written again")
+            kv = await epoch_kv(js, live.subjects)
+            rec = decode(EpochRecord, (await kv.get(live.subjects.epoch_key())).value)
+            assert rec.epoch == epoch and [w.worker_id for w in rec.workers] == [W]
 
-        await wait_until(lambda: ctl.counters["records_rewritten"] == 1,
-                         "the controller's record written again")
-        kv = await epoch_kv(js, live.subjects)
-        rec = decode(EpochRecord, (await kv.get(live.subjects.epoch_key())).value)
-        assert rec.epoch == epoch and [w.worker_id for w in rec.workers] == [W]
+            async def intake_back() -> bool:
+                await js.consumer_info(live.subjects.intake_stream(),
+                                       live.subjects.intake_consumer())
+                return True
 
-        async def intake_back() -> bool:
-            await js.consumer_info(live.subjects.intake_stream(),
-                                   live.subjects.intake_consumer())
-            return True
+            async def w_state_back() -> bool:
+                states = await js.key_value(live.subjects.worker_state_bucket())
+                return bool((await states.get(W)).value)
 
-        async def w_state_back() -> bool:
-            states = await js.key_value(live.subjects.worker_state_bucket())
-            return bool((await states.get(W)).value)
-
-        await eventually(intake_back, "the intake stream and its consumer made again")
-        await eventually(w_state_back, "W's state published again")
-        assert await complete(gw, "after") == 200
-    finally:
-        if nc is not None:
+            await eventually(intake_back, "the intake stream and its consumer made again")
+            await eventually(w_state_back, "W's state published again")
+        finally:
             await nc.close()
-        await live.close()
-        if again is not None:
-            again.stop()
-        server.stop()
-
-
-async def intake_messages(js: object, live: InProcess) -> int:
-    info = await js.stream_info(live.subjects.intake_stream())  # type: ignore[attr-defined]
-    return int(info.state.messages)
+        assert await complete(gw, "after") == 200
 
 
 async def test_a_request_lost_with_the_store_before_delivery_is_sent_again(
@@ -124,58 +168,30 @@ async def test_a_request_lost_with_the_store_before_delivery_is_sent_again(
     server then comes back empty. The gateway finds the intake stream made anew and sends x
     again; the scheduler (started now) finds no worker holding it and places it: x is
     answered. Before, x was lost with the store and its client got a 504."""
-    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
-    port = int(server.url.rsplit(":", 1)[1])
-    again: EmbeddedNats | None = None
-    live = InProcess(server.url, "t" + os.urandom(5).hex())
-    nc = None
-    try:
-        await live.run(ControllerService(ControllerSettings(
-            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=2,
-            degrees=[2], initial_composition="1CP2", kappa={2: 1.0}, window_s=1.0)))
+    async with losable(tmp_path) as (server, live):
+        await controller(live)
         await live.rankd(W)
         gw = await live.gateway(block_size=B, result_timeout_s=60.0)
-        nc = await nats.connect(server.url)
         x = asyncio.create_task(complete(gw, "x"))
-        await eventually(lambda: _has_messages(nc, live, 1), "x in the intake")
-        await nc.close()
-        nc = None
+        await intake_holds(server.url, live, 1)
 
-        server.kill()
-        again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+        server.lose()
         sched = await live.scheduler(block_size=B)
         assert await x == 200
         assert gw.counters["intake_remade"] == gw.counters["republished"] == 1
         assert sched.stats.republished_placed == 1
         assert sched.stats.republished_held == sched.stats.republished_answered == 0
-    finally:
-        if nc is not None:
-            await nc.close()
-        await live.close()
-        if again is not None:
-            again.stop()
-        server.stop()
-
-
-async def _has_messages(nc: object, live: InProcess, n: int) -> bool:
-    return await intake_messages(nc.jetstream(), live) == n  # type: ignore[attr-defined]
 
 
 async def test_a_request_a_worker_holds_is_not_placed_again_after_the_store_is_lost(
         tmp_path: Path) -> None:
     """Scheduler A dispatches x to one of two idle workers, where it runs (a long prefill),
     and stops; the server comes back empty. The gateway sends x again (it cannot know x was
-    dispatched); scheduler B, started now, asks the workers, finds x held and acks it. Without
-    the check B placed x afresh -- on the other worker, idle while x's worker reports A's work
-    -- and x ran twice."""
-    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
-    port = int(server.url.rsplit(":", 1)[1])
-    again: EmbeddedNats | None = None
-    live = InProcess(server.url, "t" + os.urandom(5).hex())
-    try:
-        await live.run(ControllerService(ControllerSettings(
-            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=4,
-            degrees=[2], initial_composition="2CP2", kappa={2: 1.0}, window_s=1.0)))
+    dispatched); scheduler B, started now, asks the workers and finds x held. Without the
+    check B placed x afresh -- on the other worker, idle while x's worker reports A's work --
+    and x ran twice."""
+    async with losable(tmp_path) as (server, live):
+        await controller(live, "2CP2")
         workers = [await live.rankd(w, prefill_s=30.0) for w in (W, W2)]
         a = await live.scheduler(block_size=B)
         gw = await live.gateway(block_size=B, result_timeout_s=120.0)
@@ -186,18 +202,17 @@ async def test_a_request_a_worker_holds_is_not_placed_again_after_the_store_is_l
         await wait_until(lambda: a.stats.dispatched == 1, "x dispatched")
         await live.stop(a)
 
-        server.kill()
-        again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+        server.lose()
         await wait_until(lambda: gw.counters["republished"] == 1, "x sent again")
-        nc = await nats.connect(again.url)
-        states = nc.jetstream()
+        nc = await nats.connect(server.url)
+        try:
+            async def states_back() -> bool:
+                kv = await nc.jetstream().key_value(live.subjects.worker_state_bucket())
+                return all([bool((await kv.get(w)).value) for w in (W, W2)])
 
-        async def states_back() -> bool:
-            kv = await states.key_value(live.subjects.worker_state_bucket())
-            return all([bool((await kv.get(w)).value) for w in (W, W2)])
-
-        await eventually(states_back, "both workers' states published again")
-        await nc.close()
+            await eventually(states_back, "both workers' states published again")
+        finally:
+            await nc.close()
         b = await live.scheduler(block_size=B)
         st = b.stats
         await wait_until(lambda: st.republished_held + st.republished_placed
@@ -208,11 +223,6 @@ async def test_a_request_a_worker_holds_is_not_placed_again_after_the_store_is_l
         x.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await x
-    finally:
-        await live.close()
-        if again is not None:
-            again.stop()
-        server.stop()
 
 
 async def test_the_gateways_re_send_is_tried_again_and_never_doubles_a_message(
@@ -232,39 +242,21 @@ async def test_the_gateways_re_send_is_tried_again_and_never_doubles_a_message(
         return await real_publish(self, subject, payload, **kw)
 
     monkeypatch.setattr(JetStreamContext, "publish", flaky)
-    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
-    port = int(server.url.rsplit(":", 1)[1])
-    again: EmbeddedNats | None = None
-    live = InProcess(server.url, "t" + os.urandom(5).hex())
-    nc = None
-    try:
-        await live.run(ControllerService(ControllerSettings(
-            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=2,
-            degrees=[2], initial_composition="1CP2", kappa={2: 1.0}, window_s=1.0)))
+    async with losable(tmp_path) as (server, live):
+        await controller(live)
         await live.rankd(W)
         gw = await live.gateway(block_size=B, result_timeout_s=60.0)
-        nc = await nats.connect(server.url)
         calls = [asyncio.create_task(complete(gw, rid)) for rid in ("x", "y")]
-        await eventually(lambda: _has_messages(nc, live, 2), "x and y in the intake")
-        await nc.close()
+        await intake_holds(server.url, live, 2)
 
-        server.kill()
-        again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+        server.lose()
         await wait_until(lambda: gw.counters["republished"] == 2, "x and y sent again")
         assert failures == [0]  # the first try failed
         await gw._republish_waiting()  # again: both are duplicates now
         assert gw.counters["republished"] == 2
-        nc = await nats.connect(again.url)
-        assert await intake_messages(nc.jetstream(), live) == 2
+        await intake_holds(server.url, live, 2)
         await live.scheduler(block_size=B)
         assert await asyncio.gather(*calls) == [200, 200]
-    finally:
-        if nc is not None:
-            await nc.close()
-        await live.close()
-        if again is not None:
-            again.stop()
-        server.stop()
 
 
 async def test_a_re_sent_request_whose_scheduler_is_gone_is_recovered_when_its_worker_dies(
@@ -274,11 +266,9 @@ async def test_a_re_sent_request_whose_scheduler_is_gone_is_recovered_when_its_w
     gets the gateway's re-send, finds x held by W and adopts it; W is SIGKILLed: B hands x
     back and W2 answers it. When B only acked the re-send (W will answer it), nobody knew x
     any more once W died, and its client got a 504."""
-    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
-    port = int(server.url.rsplit(":", 1)[1])
-    again: EmbeddedNats | None = None
+    server = LosableServer(tmp_path)
     try:
-        async with running(server) as (live, nc, tap):
+        async with running(server.servers[0]) as (live, nc, tap):
             with rankd_process(live, W, time_scale=1000.0) as proc:
                 await live.until_served(live.subjects.worker_assign(W))
                 kw = dict(policy="round_robin", block_size=B, retry_delay_s=0.05, lease_s=1.5,
@@ -290,8 +280,7 @@ async def test_a_re_sent_request_whose_scheduler_is_gone_is_recovered_when_its_w
                 a._held.clear()  # as a SIGKILL would leave it: neither renewed nor NAKed
                 await live.stop(a)
 
-                server.kill()
-                again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+                server.lose()
                 b = await live.scheduler(instance_id="sched-b", **kw)
                 await wait_until(lambda: "x" in b.ledger, "B adopts x")
                 assert b.stats.republished_held == 1
@@ -299,8 +288,6 @@ async def test_a_re_sent_request_whose_scheduler_is_gone_is_recovered_when_its_w
                 await w_dies_and_w2_answers_x(live, nc, tap, proc, b)
                 assert await x == 200
     finally:
-        if again is not None:
-            again.stop()
         server.stop()
 
 
@@ -312,27 +299,15 @@ async def test_a_client_retry_after_the_store_is_lost_gets_the_workers_answer_ag
     scheduler places it on W, which answered x already and does not run it twice -- it sends
     its kept answer again. Before, W acked the assignment and sent nothing: the retry got a
     504."""
-    server = EmbeddedNats(store_dir=tmp_path / "store-1").start()
-    port = int(server.url.rsplit(":", 1)[1])
-    again: EmbeddedNats | None = None
-    live = InProcess(server.url, "t" + os.urandom(5).hex())
-    try:
-        await live.run(ControllerService(ControllerSettings(
-            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=2,
-            degrees=[2], initial_composition="1CP2", kappa={2: 1.0}, window_s=1.0)))
+    async with losable(tmp_path) as (server, live):
+        await controller(live)
         w = await live.rankd(W)
         sched = await live.scheduler(block_size=B)
         gw = await live.gateway(block_size=B, result_timeout_s=30.0)
         await wait_until(lambda: len(sched.core.view) == 1, "W in the scheduler's view")
         assert await complete(gw, "x") == 200
 
-        server.kill()
-        again = EmbeddedNats(port=port, store_dir=tmp_path / "store-2").start()
+        server.lose()
         assert await complete(gw, "x") == 200
         assert w.answers_resent == 1
         assert len(w.core) == 0 and w.core.served == 1  # not run twice
-    finally:
-        await live.close()
-        if again is not None:
-            again.stop()
-        server.stop()
