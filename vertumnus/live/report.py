@@ -40,6 +40,7 @@ RECOVERY_COUNTERS: tuple[tuple[str, str], ...] = (
     ("fail_found_answered", "last deliveries found answered (no error sent)"),
     ("resent", "recorded assignments sent again"),
     ("republished_held", "re-sent after a store loss, found held by a worker"),
+    ("republished_answered", "re-sent after a store loss, answered meanwhile"),
     ("republished_placed", "re-sent after a store loss, lost with it: placed"),
 )
 """The scheduler's recovery counters (``SchedulerStats``) ``up`` sums over its replicas."""
