@@ -12,8 +12,8 @@ Rules (§5.2, §6.2, §8):
   scheduler's view may lag by one record), and room in the queue. A request already queued or
   running is admitted again idempotently (same position), so a redelivered assignment does not
   run twice; so is one finished recently (:meth:`WorkerCore.answered`: position 0, nothing
-  queued; the service sends that request's kept answer again). A refused admission changes
-  nothing.
+  queued; for a later attempt of the request -- another arrival -- the service sends its kept
+  answer again). A refused admission changes nothing.
 * Adopting an EpochRecord with a newer epoch takes this worker's lifecycle from it (absent →
   UNAVAILABLE). Leaving ACTIVE hands back every queued, not-yet-started request (they are
   redirected, §6.2); the running one finishes under the old geometry.

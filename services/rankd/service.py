@@ -114,6 +114,7 @@ from shared.schemas import (
     EpochAck,
     EpochRecord,
     FirstToken,
+    IntakeRequest,
     QueueQuery,
     QueueReport,
     SchemaError,
@@ -254,8 +255,10 @@ class RankdService(MicroService):
         # First tokens still in their KV handoff after the worker moved on (a backend with
         # handoff_off_worker); _shutdown waits for them.
         self._handoffs: set[asyncio.Task[None]] = set()
-        # request id -> (subject, data, headers) of its first token, the latest ANSWER_MEMORY
-        self._answers: OrderedDict[str, tuple[str, bytes, dict[str, str]]] = OrderedDict()
+        # request id -> (its arrival, subject, data, headers) of its first token, the latest
+        # ANSWER_MEMORY
+        self._answers: OrderedDict[str, tuple[float, str, bytes, dict[str, str]]] = \
+            OrderedDict()
         self.answers_resent = 0
         self._on_fault = on_fault
         self.fault: WorkerFault | None = None
@@ -323,16 +326,18 @@ class RankdService(MicroService):
         source = (request.headers or {}).get(INTAKE_MSG_HEADER)
         rid = a.request.request_id
         if self.core.answered(rid):
-            # Assigned again after it was answered: its answer went out, but whoever waits
-            # now did not get it -- the results stream that kept it was lost with the server's
-            # store, or a client sent the id again after the intake's de-duplication window.
-            # It is not run twice (the core admits it as done); its answer is sent again.
+            # Assigned again after it was answered. The same attempt (same arrival: a
+            # scheduler re-sending its assignment after a crash) had its answer: nothing to do.
+            # A later attempt under the same id (a client retry the intake took as new: the
+            # server lost its store, or the de-duplication window had passed) waits for an
+            # answer it did not get, and the results stream may have lost the one it kept:
+            # it is not run twice (the core admits it as done), its answer is sent again.
             kept = self._answers.get(rid)
-            if kept is not None:
+            if kept is not None and kept[0] != a.request.arrival_s:
                 self.answers_resent += 1
                 self.log.info("request answered before assigned again; answer sent again",
                               request_id=rid)
-                self._send_result(*kept)
+                self._send_result(*kept[1:])
         try:
             position = self.core.admit(a, self.clock(), trace_carrier=inject({}), source=source)
         except HandBackUnknown as exc:  # settle it now: publish the hand-back again
@@ -647,8 +652,8 @@ class RankdService(MicroService):
             finished_at_s=result.finished_at_s,
         )
         data, headers = encode(msg)
-        self._keep_answer(a.request.request_id, self.subjects.result(a.request.request_id),
-                          data, inject(headers))
+        self._keep_answer(a.request, self.subjects.result(a.request.request_id), data,
+                          inject(headers))
 
     def _publish_failure(self, job: Job, reason: str) -> None:
         a = job.assignment
@@ -664,13 +669,15 @@ class RankdService(MicroService):
             finished_at_s=now,
         )
         data, headers = encode(msg)
-        self._keep_answer(a.request.request_id, self.subjects.result(a.request.request_id),
-                          data, headers)
+        self._keep_answer(a.request, self.subjects.result(a.request.request_id), data,
+                          headers)
 
-    def _keep_answer(self, rid: str, subject: str, data: bytes, headers: dict[str, str]) -> None:
+    def _keep_answer(self, req: IntakeRequest, subject: str, data: bytes,
+                     headers: dict[str, str]) -> None:
         """Send a request's FirstToken and keep it (the latest ``ANSWER_MEMORY``) to send
-        again if the request is assigned here again (:meth:`_on_assign`)."""
-        self._answers[rid] = (subject, data, headers)
+        again if a later attempt of the request is assigned here (:meth:`_on_assign`)."""
+        rid = req.request_id
+        self._answers[rid] = (req.arrival_s, subject, data, headers)
         self._answers.move_to_end(rid)
         if len(self._answers) > ANSWER_MEMORY:
             self._answers.popitem(last=False)
