@@ -90,6 +90,13 @@ core and rebuilds it from the stored record (``cas_lost`` and ``rebuilt`` in ``i
 With ``follow_record`` (default) the controller also watches the key and, while it has
 nothing in progress, adopts records written by others (so a passive replica stays current).
 
+A server that comes back without its store has lost the record. A controller that lived
+through the loss writes its own again (``ensure_jetstream``, ``records_rewritten``); one
+started after it writes its initial composition, which the running workers ignore as older.
+A live worker whose state shows an epoch above the record's reveals that: after
+``WORKERS_SETTLE_S`` the controller writes a record of every live ACTIVE worker at an epoch
+above theirs and rebuilds its core from it (``rebuilt_from_workers``).
+
 Messages this module defines until they move to shared/ (see the report): DrainNotice,
 ReconfigurationEvent, CompositionNotice, InspectQuery. (QueueQuery / QueueReport moved to
 :mod:`shared.schemas`, since rankd answers them; re-exported here.)
@@ -176,6 +183,10 @@ from shared.worker import GpuGroup, Lifecycle, WorkerKind
 
 VERSION: Final[str] = "0.1.0"
 INFLIGHT_MARKER: Final[str] = "~in-flight"
+WORKERS_SETTLE_S: Final[float] = 2.0
+"""How long a controller that finds workers ahead of its record waits for the rest of their
+states before rebuilding the record from them (each worker publishes its state again within
+about a heartbeat of a server's restart)."""
 """Request id standing for "whatever runs there" when a source did not list its work."""
 _SEEN_REPORTS_KEPT: Final[int] = 4096
 """Window reports remembered for de-duplication (a copy follows its original by one window)."""
@@ -692,6 +703,7 @@ class ControllerService(MicroService):
         # bounded: each scheduler replica sends every report twice (services/scheduler).
         self._seen_reports: dict[tuple[str, int], None] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._ahead: asyncio.Task[None] | None = None  # _rebuild_from_workers, while pending
         self.counters: dict[str, int] = {
             "reports": 0,
             "duplicate_reports": 0,
@@ -700,6 +712,7 @@ class ControllerService(MicroService):
             "plans": 0,
             "records_written": 0,
             "records_rewritten": 0,  # the record written again after the store lost it
+            "rebuilt_from_workers": 0,  # the record made from the workers' states (store lost)
             "cas_lost": 0,
             "rebuilt": 0,
             "followed": 0,
@@ -1057,8 +1070,67 @@ class ControllerService(MicroService):
                 self.log.warning("bad worker state ignored", key=entry.key, error=str(exc))
                 continue
             self._states[self._pid(state.worker_id)] = state
+            self._note_workers_ahead(state)
             await self._state_drained(state)
             await self._maybe_recover(state)
+
+    def _note_workers_ahead(self, state: WorkerState) -> None:
+        """A live worker at an epoch above our record's: the server lost its store, and the
+        record with it, while the workers ran on, and this controller (started after the loss)
+        wrote its initial record, which they ignore as older. Their composition is the real
+        one: :meth:`_rebuild_from_workers` takes it, once the states have settled."""
+        rec = self.record
+        if rec is None or state.epoch <= rec.epoch or self._ahead is not None \
+                or self.now() - state.heartbeat_s > self.csettings.lease_s:
+            return
+        self._ahead = asyncio.create_task(self._rebuild_from_workers(), name="ctl-ahead")
+        self._tasks.append(self._ahead)
+
+    async def _rebuild_from_workers(self) -> None:
+        """After ``WORKERS_SETTLE_S`` (every worker publishes its state again after a loss,
+        one by one: a record naming only some of them would make the others leave), write a
+        record of every live ACTIVE worker's group at an epoch above all of theirs (CAS on our
+        revision) and rebuild the core from it, dropping any plan made from the initial
+        composition. Workers that are not ACTIVE (mid-reconfiguration when the store went)
+        are left out: they leave, and the planner sees the GPUs they free."""
+        try:
+            await asyncio.sleep(WORKERS_SETTLE_S)
+            async with self._lock:
+                rec = self.record
+                now = self.now()
+                live = sorted((st for st in self._states.values()
+                               if now - st.heartbeat_s <= self.csettings.lease_s),
+                              key=lambda st: st.gpus[0])
+                top = max((st.epoch for st in live), default=-1)
+                if rec is None or top <= rec.epoch:
+                    return
+                new = EpochRecord(
+                    epoch=top + 1,
+                    workers=[EpochWorker(worker_id=st.worker_id, kind=st.kind,
+                                         first_gpu=st.gpus[0], degree=st.degree,
+                                         lifecycle=Lifecycle.ACTIVE)
+                             for st in live if st.lifecycle is Lifecycle.ACTIVE],
+                    committed_at_s=now,
+                    reason="rebuilt from the workers' states: the store lost the record",
+                )
+                try:
+                    composition_of(new, self.lattice)
+                except VertumnusError as exc:
+                    self.log.error("workers ahead of the epoch record, but their groups are "
+                                   "no composition of this lattice; record kept",
+                                   error=str(exc), record_epoch=rec.epoch, workers_epoch=top)
+                    return
+                await self._write(new)
+                self._rebuild(new, self.revision)
+                self.counters["rebuilt_from_workers"] += 1
+                self.log.warning("workers ahead of the epoch record (the store lost it): record "
+                                 "rebuilt from their states", epoch=new.epoch,
+                                 workers=[w.worker_id for w in new.workers])
+                await self._publish_composition()
+        except LostLeadership:
+            pass  # another controller wrote first; our core follows its record
+        finally:
+            self._ahead = None
 
     def _pid(self, worker_id: str) -> WorkerId:
         """The protocol's id of a worker named ``worker_id`` by its rank daemon."""

@@ -33,8 +33,9 @@ from test_accept_worker_lost import W2, W, rankd_process, wait_holds
 
 from services.controller.service import ControllerService, ControllerSettings
 from shared.natsserver import EmbeddedNats
-from shared.schemas import EpochRecord, decode
+from shared.schemas import EpochRecord, EpochWorker, decode, to_json
 from shared.service import REPUBLISHED_HEADER, epoch_kv
+from shared.worker import Lifecycle
 from vertumnus.live.http import request
 
 B = 16
@@ -311,3 +312,38 @@ async def test_a_client_retry_after_the_store_is_lost_gets_the_workers_answer_ag
         assert await complete(gw, "x") == 200
         assert w.answers_resent == 1
         assert len(w.core) == 0 and w.core.served == 1  # not run twice
+
+
+async def test_a_controller_started_after_the_store_is_lost_takes_the_workers_composition(
+        tmp_path: Path) -> None:
+    """The worker runs 1×CP4 at epoch 2 (records written here, as a controller would); the
+    server loses its store; a controller started now writes its initial 2×CP2 at epoch 0,
+    which the worker ignores as older. It finds the worker's state ahead of its record and
+    rebuilds the record from the workers' states: epoch 3, 1×CP4, which the worker adopts.
+    Before, it planned from 2×CP2 -- workers that do not exist -- until its epochs passed the
+    worker's, which then took that composition without a drain."""
+    cp4 = "w-cp4-g0"
+    async with losable(tmp_path) as (server, live):
+        nc = await nats.connect(server.url)
+        try:
+            kv = await epoch_kv(nc.jetstream(), live.subjects)
+            await kv.create(live.subjects.epoch_key(), to_json(EpochRecord(
+                epoch=2, workers=[EpochWorker(worker_id=cp4, first_gpu=0, degree=4,
+                                              lifecycle=Lifecycle.ACTIVE)],
+                committed_at_s=time.time(), reason="as a controller would")))
+        finally:
+            await nc.close()
+        w = await live.rankd(cp4)
+        await wait_until(lambda: w.core.epoch == 2, "the worker at epoch 2")
+
+        server.lose()
+        ctl = await live.run(ControllerService(ControllerSettings(
+            nats_url=live.url, subject_prefix=live.prefix, instance_id="ctl", num_gpus=4,
+            degrees=[2, 4], initial_composition="2CP2", kappa={2: 1.0, 4: 1.0},
+            window_s=1.0)))
+        await wait_until(lambda: ctl.record.epoch == 3, "the record rebuilt from the workers")
+        assert [x.worker_id for x in ctl.record.workers] == [cp4]
+        assert ctl.counters["rebuilt_from_workers"] == 1
+        assert [x.worker_id for x in ctl.core.protocol.workers()] == [cp4]
+        await wait_until(lambda: w.core.epoch == 3, "the worker adopts the rebuilt record")
+        assert w.core.lifecycle is Lifecycle.ACTIVE
