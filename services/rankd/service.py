@@ -154,8 +154,8 @@ REDIRECT_WINDOW: Final[int] = 64
 REDIRECT_ATTEMPT_S: Final[float] = 2.0
 """Ack timeout of one redirect publish attempt (then retried, same ``Nats-Msg-Id``)."""
 ANSWER_MEMORY: Final[int] = 8_192
-"""First tokens (and failures) a worker keeps to send again when a request it answered is
-assigned to it again (~0.7 KB each)."""
+"""First tokens (and failures) a worker keeps to send again when a later attempt (another
+arrival) of a request it answered is assigned to it (~0.7 KB each)."""
 HEALTH_PERIOD_S: Final[float] = 0.5
 """Period of the backend's optional health probe (a rank dying under an idle worker is noticed
 within it; the probe is a non-blocking check, e.g. ``waitpid`` on the rank processes)."""
