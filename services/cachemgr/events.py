@@ -19,6 +19,7 @@ Construction validates, so a malformed event never exists as an object: every pr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
@@ -254,7 +255,7 @@ def event_from_wire(d: Any) -> CacheEvent:
     if not isinstance(d, Mapping):
         raise MalformedEvent(f"cache event must be a JSON object, got {type(d).__name__}")
     kind = d.get("type")
-    if kind not in _FIELDS:
+    if not isinstance(kind, str) or kind not in _FIELDS:  # (a dict or list is unhashable)
         raise MalformedEvent(
             f"unknown cache event type {kind!r}; expected one of {sorted(_FIELDS)}")
     extra = set(d) - _FIELDS[kind]
@@ -283,3 +284,20 @@ def event_from_wire(d: Any) -> CacheEvent:
             raise MalformedEvent(f"blocks[{i}] must be a [hash, parent] pair, got {pair!r}")
         pairs.append((pair[0], pair[1]))
     return Snapshot(worker, _field(d, "last_event_id"), tuple(pairs))
+
+
+def event_from_json(payload: bytes) -> CacheEvent:
+    """A cache event from a NATS payload (JSON): design.md's form or shared.schemas' (a
+    ``schema_version`` other than 1 is rejected, else dropped; ``worker_id`` is accepted for
+    ``worker``). Raises :class:`MalformedEvent` naming the problem, whatever the bytes."""
+    try:
+        d = json.loads(payload)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise MalformedEvent(f"cache event is not JSON: {exc}") from None
+    if isinstance(d, dict):
+        d = dict(d)
+        if d.pop("schema_version", 1) != 1:
+            raise MalformedEvent("unsupported schema_version")
+        if "worker_id" in d and "worker" not in d:
+            d["worker"] = d.pop("worker_id")
+    return event_from_wire(d)

@@ -85,7 +85,7 @@ from pydantic import Field
 
 from services import calibration
 from services.cachemgr.actions import CacheAction, Reclaim, Replicate
-from services.cachemgr.events import CacheEvent, MalformedEvent, Snapshot, event_from_wire
+from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
 from services.cachemgr.reconcile import RehomeConfig, rehome_on_merge, rehome_on_split
 from services.cachemgr.scan import ScanConfig, ScanResult
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
@@ -246,22 +246,6 @@ class InspectQuery(Message):
 
 
 # -- pure helpers ----------------------------------------------------------------------------------
-
-
-def event_from_payload(payload: bytes) -> CacheEvent:
-    """A core cache event from the wire: design.md's form or shared/schemas' (its
-    ``schema_version`` dropped, ``worker_id`` accepted for ``worker``). Raises MalformedEvent."""
-    try:
-        d = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedEvent(f"cache event is not JSON: {exc}") from None
-    if isinstance(d, dict):
-        d = dict(d)
-        if d.pop("schema_version", 1) != 1:
-            raise MalformedEvent("unsupported schema_version")
-        if "worker_id" in d and "worker" not in d:
-            d["worker"] = d.pop("worker_id")
-    return event_from_wire(d)
 
 
 def degree_of(worker: str) -> int | None:
@@ -706,7 +690,7 @@ class CacheMgrService(MicroService):
 
     async def _on_event(self, msg: Msg) -> None:
         try:
-            event = event_from_payload(msg.data)
+            event = event_from_json(msg.data)
             if isinstance(event, Snapshot):
                 raise MalformedEvent("snapshots come as replies, not on the event stream")
         except MalformedEvent as exc:
@@ -749,7 +733,7 @@ class CacheMgrService(MicroService):
                 timeout=self.msettings.snapshot_timeout_s,
                 headers=inject({}),
             )
-            event = event_from_payload(reply.data)
+            event = event_from_json(reply.data)
             if not isinstance(event, Snapshot) or event.worker != worker:
                 raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
             if self._restarts.get(worker, 0) != restarts:
@@ -952,6 +936,5 @@ __all__ = [
     "cachemgr_group",
     "degree_of",
     "diff_compositions",
-    "event_from_payload",
     "path_to",
 ]

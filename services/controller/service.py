@@ -97,6 +97,17 @@ A live worker whose state shows an epoch above the record's reveals that: after
 ``WORKERS_SETTLE_S`` the controller writes a record of every live ACTIVE worker at an epoch
 above theirs and rebuilds its core from it (``rebuilt_from_workers``).
 
+A value at the epoch key that is no record of this pool -- bytes that do not decode, or a
+record whose workers are no composition of the lattice (a mistaken ``nats kv put``, a
+foreign deployment on the same prefix) -- is not another controller's decision: there is
+nothing to follow, and left there it would make every compare-and-set fail for good (no
+reconfiguration again, no controller able to start). The controller writes its own record
+over it by compare-and-set on that value's revision, at an epoch above both (rank daemons
+adopt only newer epochs, and may have adopted a decodable one): at once when its watch sees
+it with nothing in progress, else on the write that finds it (then its core is rebuilt from
+that record, as after a lost compare-and-set), on start and after a reconnect
+(``records_repaired``, logged as an error).
+
 Messages this module defines until they move to shared/ (see the report): DrainNotice,
 ReconfigurationEvent, CompositionNotice, InspectQuery. (QueueQuery / QueueReport moved to
 :mod:`shared.schemas`, since rankd answers them; re-exported here.)
@@ -655,6 +666,18 @@ class LostLeadership(VertumnusError):
     """Our compare-and-set on the epoch record failed: another controller wrote first."""
 
 
+class UnreadableRecord(VertumnusError):
+    """The epoch key holds a value that is no record of this pool: it does not decode, or its
+    workers are no composition of the lattice. ``revision`` is that value's (to write over
+    it by compare-and-set), ``epoch`` its epoch if it decoded."""
+
+    def __init__(self, revision: int, epoch: int | None, error: str) -> None:
+        super().__init__(f"unreadable epoch record at revision {revision}: {error}")
+        self.revision = revision
+        self.epoch = epoch
+        self.error = error
+
+
 class ControllerService(MicroService):
     """The live controller. Construct, then ``await run()`` (or ``start(stack)`` in tests)."""
 
@@ -712,6 +735,7 @@ class ControllerService(MicroService):
             "plans": 0,
             "records_written": 0,
             "records_rewritten": 0,  # the record written again after the store lost it
+            "records_repaired": 0,  # ours written over a value that was no record of ours
             "rebuilt_from_workers": 0,  # the record made from the workers' states (store lost)
             "cas_lost": 0,
             "rebuilt": 0,
@@ -816,7 +840,12 @@ class ControllerService(MicroService):
         if self.record is None:
             return  # before _bootstrap
         async with self._lock:
-            if await self._get_record() is not None:
+            try:
+                if await self._get_record() is not None:
+                    return
+            except UnreadableRecord as bad:
+                with contextlib.suppress(LostLeadership):
+                    await self._repair(bad)
                 return
             try:
                 self.revision = await self._kv.create(s.epoch_key(), to_json(self.record))
@@ -870,22 +899,35 @@ class ControllerService(MicroService):
         """Resume from the stored record, or write the initial one (create = CAS on absence)."""
         assert self._kv is not None
         key = self.subjects.epoch_key()
-        entry = await self._get_record()
+        replace: UnreadableRecord | None = None
+        try:
+            entry = await self._get_record()
+        except UnreadableRecord as bad:
+            entry, replace = None, bad
         if entry is None:
             comp = (
                 Composition.parse(self.lattice, self.csettings.initial_composition)
                 if self.csettings.initial_composition
                 else Composition.uniform(self.lattice, max(self.lattice.degrees))
             )
+            # Over an unreadable value: above its epoch, if it has one (ranks may hold it).
+            epoch = 0 if replace is None or replace.epoch is None else replace.epoch + 1
             core = ControllerCore(
-                comp, self.profile, self.config, start_s=self._window_origin(), epoch=0
+                comp, self.profile, self.config, start_s=self._window_origin(), epoch=epoch
             )
-            rec = epoch_record(core.protocol.workers(), 0, self.now(), "initial composition",
-                               self.csettings.kind)
+            rec = epoch_record(core.protocol.workers(), epoch, self.now(),
+                               "initial composition", self.csettings.kind)
             try:
-                self.revision = await self._kv.create(key, to_json(rec))
+                if replace is None:
+                    self.revision = await self._kv.create(key, to_json(rec))
+                else:
+                    self.revision = await self._kv.update(key, to_json(rec),
+                                                          last=replace.revision)
+                    self.counters["records_repaired"] += 1
+                    self.log.error("epoch record unreadable; initial record written over it",
+                                   error=replace.error, epoch=epoch)
                 self.core, self.record = core, rec
-                self._commit_epoch = {0: 0}
+                self._commit_epoch = {epoch: epoch}
                 self.counters["records_written"] += 1
                 self.log.info("initial epoch record written", composition=comp.describe())
                 await self._publish_composition()
@@ -945,7 +987,47 @@ class ControllerService(MicroService):
             return None
         if entry.value is None or not entry.value:
             return None
-        return decode(EpochRecord, entry.value), int(entry.revision or 0)
+        return self._readable(entry.value, int(entry.revision or 0))
+
+    def _readable(self, value: bytes, revision: int) -> tuple[EpochRecord, int]:
+        """The record in a stored value, checked against the lattice; raises
+        :class:`UnreadableRecord`."""
+        try:
+            record = decode(EpochRecord, value)
+        except SchemaError as exc:
+            raise UnreadableRecord(revision, None, str(exc)) from None
+        try:
+            composition_of(record, self.lattice)
+        except VertumnusError as exc:
+            raise UnreadableRecord(revision, record.epoch, str(exc)) from None
+        return record, revision
+
+    async def _repair(self, bad: UnreadableRecord) -> None:
+        """Write our record over an unreadable value (lock held; see the module docstring):
+        our protocol's workers, at an epoch above ours and the value's. Another write first
+        -> :class:`LostLeadership`, after rebuilding from it if it is a record (else the
+        next write or watch event tries again)."""
+        assert self._kv is not None and self.core is not None and self.record is not None
+        epoch = max(self.record.epoch, -1 if bad.epoch is None else bad.epoch) + 1
+        record = epoch_record(self.core.protocol.workers(), epoch, self.now(),
+                              "written over an unreadable record", self.csettings.kind)
+        self.log.error("epoch record unreadable; ours written over it", error=bad.error,
+                       revision=bad.revision, epoch=epoch)
+        try:
+            self.revision = await self._kv.update(self.subjects.epoch_key(), to_json(record),
+                                                  last=bad.revision)
+        except KeyWrongLastSequenceError:
+            self.counters["cas_lost"] += 1
+            with contextlib.suppress(UnreadableRecord):
+                stored = await self._get_record()
+                if stored is not None:
+                    self._rebuild(*stored)
+                    self.counters["rebuilt"] += 1
+            raise LostLeadership(f"epoch {epoch} was taken by another writer") from None
+        self.record = record
+        self.counters["records_written"] += 1
+        self.counters["records_repaired"] += 1
+        self.set_metadata(epoch=str(record.epoch))
 
     def _rebuild(self, record: EpochRecord, revision: int) -> None:
         """A fresh core from a stored record (start, lost leadership, or following)."""
@@ -987,7 +1069,13 @@ class ControllerService(MicroService):
                 attempted_epoch=record.epoch,
                 revision=self.revision,
             )
-            stored = await self._get_record()
+            try:
+                stored = await self._get_record()
+            except UnreadableRecord as bad:
+                # Nobody's decision: ours goes over it, and the core restarts from it (the
+                # write this was is abandoned, as after a lost compare-and-set).
+                await self._repair(bad)
+                stored = (self.record, self.revision)
             if stored is not None:
                 self._rebuild(*stored)
                 self.counters["rebuilt"] += 1
@@ -1567,11 +1655,15 @@ class ControllerService(MicroService):
                 if core is not None and (core.pending_plan or core.protocol.in_progress()):
                     continue  # our next write will fail and rebuild from the store
                 try:
-                    record = decode(EpochRecord, entry.value)
-                    self._rebuild(record, rev)
-                except (SchemaError, InvalidInput) as exc:
-                    self.log.error("foreign epoch record not adoptable", error=str(exc))
+                    record, _ = self._readable(entry.value, rev)
+                except UnreadableRecord as bad:
+                    if core is None or self.record is None:
+                        continue
+                    with contextlib.suppress(LostLeadership):
+                        await self._repair(bad)
+                        await self._publish_composition()
                     continue
+                self._rebuild(record, rev)
                 self.counters["followed"] += 1
 
     # -- publications ---------------------------------------------------------------------------

@@ -216,13 +216,16 @@ class GatewayService(MicroService):
         self._tokenizer: Any = None
         # request id -> futures waiting for its FirstToken (several when a client retries an
         # id that is still in flight: the duplicate waits for the original's result).
-        self._waiting: dict[str, list[asyncio.Future[tuple[Msg, float]]]] = {}
+        self._waiting: dict[str, list[asyncio.Future[tuple[FirstToken, float]]]] = {}
         # request id -> its intake message (data, headers) while someone waits for it: sent
         # again if the server loses its store (_republish_waiting).
         self._intake_msgs: dict[str, tuple[bytes, dict[str, str]]] = {}
         self._intake_created: datetime.datetime | None = None  # the intake stream's birth
         self._republish_due = False
-        self.counters: dict[str, int] = {"intake_remade": 0, "republished": 0}
+        # results_malformed: messages on a result subject that are no FirstToken of that
+        # subject's request (ignored: the request keeps waiting for its real result).
+        self.counters: dict[str, int] = {"intake_remade": 0, "republished": 0,
+                                         "results_malformed": 0}
         if settings.tokenizer_path is not None:
             try:
                 from tokenizers import Tokenizer  # engine extra; only when configured
@@ -318,19 +321,45 @@ class GatewayService(MicroService):
 
     async def _on_result(self, msg: Msg) -> None:
         """Hand a FirstToken to whoever waits for its request id (the id is the subject's
-        last token; results of requests that entered at another gateway are ignored)."""
+        last token; results of requests that entered at another gateway are ignored).
+
+        A message there that is not a FirstToken *of that request* (bad bytes, another
+        request's result) is counted (``results_malformed``), logged and ignored: the
+        request keeps waiting for its own result, which a malformed message must not
+        pre-empt (bad input anywhere on the bus loses nothing)."""
         # The first token is here now: stamped on arrival, not when the waiting coroutine
         # next runs (that is the HTTP answer's path, not TTFT).
-        self._deliver(msg.subject.rpartition(".")[2], msg, time.time())
+        received = time.time()
+        rid = msg.subject.rpartition(".")[2]
+        if rid not in self._waiting:
+            return  # not ours (decoding every result of every gateway would be wasted work)
+        result = self._result_of(rid, msg)
+        if result is not None:
+            self._deliver(rid, result, received)
 
-    def _deliver(self, rid: str, msg: Any, received: float) -> int:
-        """Hand a result (``.data``, ``.headers``) to everyone waiting for ``rid``; returns
-        how many were still waiting."""
+    def _result_of(self, rid: str, msg: Any) -> FirstToken | None:
+        """The FirstToken of ``rid`` in a result message (``.data``, ``.headers``), or None
+        (logged and counted) when the message is not one."""
+        try:
+            result = decode(FirstToken, msg.data, msg.headers)
+        except SchemaError as exc:
+            error = schema_message(exc)
+        else:
+            if result.request_id == rid:
+                return result
+            error = f"it is the result of request {result.request_id!r}"
+        self.counters["results_malformed"] += 1
+        self.log.warning("malformed first-token result ignored", request_id=rid, error=error)
+        return None
+
+    def _deliver(self, rid: str, result: FirstToken, received: float) -> int:
+        """Hand a result to everyone waiting for ``rid``; returns how many were still
+        waiting."""
         n = 0
         self._intake_msgs.pop(rid, None)
         for fut in self._waiting.pop(rid, ()):
             if not fut.done():
-                fut.set_result((msg, received))
+                fut.set_result((result, received))
                 n += 1
         return n
 
@@ -352,9 +381,9 @@ class GatewayService(MicroService):
             found = 0
             for rid in list(self._waiting):
                 kept = await self._kept_result(rid)
-                if kept is None or _not_scheduled(kept):
+                if kept is None or _not_scheduled(kept[0]):
                     continue
-                found += self._deliver(rid, kept, time.time())
+                found += self._deliver(rid, kept[0], time.time())
             self.log.info("waiting requests looked up after a reconnect", answered=found)
 
     async def _republish_waiting(self) -> None:
@@ -451,7 +480,8 @@ class GatewayService(MicroService):
             raise TooLarge(f"intake message of {len(data)} bytes exceeds the NATS server's "
                            f"max_payload of {self.nc.max_payload} bytes; send a shorter prompt "
                            "(or run the gateway with forward_tokens=false)")
-        got: asyncio.Future[tuple[Msg, float]] = asyncio.get_running_loop().create_future()
+        got: asyncio.Future[tuple[FirstToken, float]] = \
+            asyncio.get_running_loop().create_future()
         self._waiting.setdefault(rid, []).append(got)
         self._intake_msgs.setdefault(rid, (data, headers))  # a duplicate keeps the original's
         try:
@@ -462,22 +492,22 @@ class GatewayService(MicroService):
                 # it, so the original's result is the answer -- kept in the results stream if
                 # it already went by, else still to come on the subscription.
                 kept = await self._kept_result(rid)
-                if kept is not None and _not_scheduled(kept):
+                if kept is not None and _not_scheduled(kept[0]):
                     # ...unless the scheduler gave up on it (503: "try again later"): then
                     # this is that later try, a new intake message. Its id is derived from
                     # the failure's, so concurrent retries of one failure are one message.
-                    headers[MSG_ID_HEADER] = f"{rid}~{kept.seq}"
+                    headers[MSG_ID_HEADER] = f"{rid}~{kept[1]}"
                     self._intake_msgs[rid] = (data, headers)
                     await self._publish_intake(data, headers)
                     self.log.info("retry of a request that was not scheduled; sent again")
                 else:
                     if kept is not None and not got.done():
-                        got.set_result((kept, time.time()))
+                        got.set_result((kept[0], time.time()))
                     self.log.info("duplicate request id; answered with the original's result",
                                   kept=kept is not None)
             try:
                 async with asyncio.timeout(self.gsettings.result_timeout_s):
-                    msg, received = await got
+                    result, received = await got
             except TimeoutError:
                 raise FirstTokenTimeout(
                     f"no first token for request {rid} within "
@@ -486,10 +516,6 @@ class GatewayService(MicroService):
                        "kept?)" if duplicate else "")) from None
         finally:
             self._forget(rid, got)
-        try:
-            result = decode(FirstToken, msg.data, msg.headers)
-        except SchemaError as exc:
-            raise WorkerFailed(f"malformed first-token result: {schema_message(exc)}") from exc
         if result.error is not None:
             if result.error.startswith(NOT_SCHEDULED):
                 raise Unavailable(result.error)
@@ -535,12 +561,13 @@ class GatewayService(MicroService):
                 self.log.info("intake publish retried", error=type(exc).__name__)
                 await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
 
-    async def _kept_result(self, rid: str) -> Any:
-        """The latest result of ``rid`` in the results stream (``.data``, ``.headers``), or
-        None: none kept, or the stream did not answer (then the live result may still come)."""
+    async def _kept_result(self, rid: str) -> tuple[FirstToken, int] | None:
+        """The latest result of ``rid`` in the results stream and its stream sequence, or
+        None: none kept, the stream did not answer (then the live result may still come), or
+        what it keeps is no FirstToken of ``rid`` (logged: see :meth:`_result_of`)."""
         assert self._js is not None
         try:
-            return await asyncio.wait_for(
+            kept = await asyncio.wait_for(
                 self._js.get_last_msg(self.subjects.results_stream(),
                                       self.subjects.result(rid)),
                 self.gsettings.publish_timeout_s)
@@ -555,8 +582,10 @@ class GatewayService(MicroService):
         except (nats.errors.Error, TimeoutError) as exc:
             self.log.warning("results stream not read", error=f"{type(exc).__name__}: {exc}")
             return None
+        result = self._result_of(rid, kept)
+        return None if result is None else (result, kept.seq)
 
-    def _forget(self, rid: str, fut: asyncio.Future[tuple[Msg, float]]) -> None:
+    def _forget(self, rid: str, fut: asyncio.Future[tuple[FirstToken, float]]) -> None:
         """Drop one waiter (answered, timed out or failed before publishing)."""
         waiters = self._waiting.get(rid)
         if waiters is None:
@@ -594,12 +623,8 @@ class GatewayService(MicroService):
         return out
 
 
-def _not_scheduled(kept: Any) -> bool:
-    """A kept result that says the scheduler gave up on the request (no worker took it)."""
-    try:
-        result = decode(FirstToken, kept.data, kept.headers)
-    except SchemaError:
-        return False
+def _not_scheduled(result: FirstToken) -> bool:
+    """A result that says the scheduler gave up on the request (no worker took it)."""
     return result.error is not None and result.error.startswith(NOT_SCHEDULED)
 
 

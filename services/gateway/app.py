@@ -46,7 +46,7 @@ def parse_completion_body(raw: bytes) -> tuple[CompletionRequest, str | None]:
     """The CompletionRequest and model name of an HTTP body (raises BadRequest)."""
     try:
         obj = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # (nested too deep)
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequest("request body must be a JSON object")

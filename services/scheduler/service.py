@@ -164,7 +164,7 @@ from nats.micro.request import Request
 from pydantic import Field, field_validator
 
 from services import calibration
-from services.cachemgr.events import MalformedEvent, Snapshot, event_from_wire
+from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from services.controller.core import request_preferred_degree
 from services.controller.windows import DEFAULT_WINDOW_S, DemandWindows, WindowSummary
@@ -584,23 +584,6 @@ def trace_carrier(headers: Mapping[str, str] | None, req: IntakeRequest) -> dict
     return dict(req.trace_context)
 
 
-def wire_event(payload: bytes) -> Any:
-    """A cache event from the wire: design.md's ``worker`` form or shared.schemas' ``worker_id``
-    form (``schema_version`` dropped). Raises MalformedEvent."""
-    try:
-        d = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedEvent(f"cache event is not JSON: {exc}") from None
-    if isinstance(d, dict):
-        d = dict(d)
-        d.pop("schema_version", None)
-        if "worker_id" in d and "worker" not in d:
-            d["worker"] = d.pop("worker_id")
-        if d.get("type") == "snapshot" and "blocks" in d:
-            d["blocks"] = [list(p) if isinstance(p, list | tuple) else p for p in d["blocks"]]
-    return event_from_wire(d)
-
-
 # -- the service --------------------------------------------------------------------------------
 
 
@@ -951,7 +934,7 @@ class SchedulerService(MicroService):
 
     async def _on_cache_event(self, msg: Msg) -> None:
         try:
-            event = wire_event(msg.data)
+            event = event_from_json(msg.data)
             if event.worker not in self.trie.workers():
                 return  # not (yet) in the worker-state view; its first state brings a snapshot
             outcome = self.trie.apply(event)
@@ -979,7 +962,7 @@ class SchedulerService(MicroService):
                 self.subjects.cache_snapshot(worker), b"{}",
                 timeout=self.ssettings.snapshot_timeout_s, headers=inject({}),
             )
-            event = wire_event(reply.data)
+            event = event_from_json(reply.data)
             if not isinstance(event, Snapshot) or event.worker != worker:
                 raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
             if self._restarts.get(worker, 0) != restarts:
@@ -2055,6 +2038,5 @@ __all__ = [
     "decision_attributes",
     "placement_terms",
     "scheduler_group",
-    "wire_event",
     "worker_view",
 ]

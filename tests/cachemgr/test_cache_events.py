@@ -60,6 +60,7 @@ GOOD = {"type": "stored", "worker": "w", "event_id": 1, "parent_hash": None,
     [
         ([], "JSON object"),
         ({**GOOD, "type": "stord"}, "unknown cache event type"),
+        ({**GOOD, "type": {}}, "unknown cache event type"),
         ({k: v for k, v in GOOD.items() if k != "event_id"}, "lacks field 'event_id'"),
         ({**GOOD, "extra": 1}, "unexpected fields"),
         ({**GOOD, "worker": ""}, "worker"),

@@ -13,7 +13,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from shared.schemas import EpochAck, EpochRecord, WindowReport, decode, encode
+from shared.schemas import EpochAck, EpochRecord, SchemaError, WindowReport, decode, encode
 from shared.service import epoch_kv
 from shared.subjects import Subjects
 
@@ -83,7 +83,10 @@ class FakeRanks:
         async for entry in self._watcher:
             if entry is None or not entry.value:
                 continue
-            rec = decode(EpochRecord, entry.value)
+            try:
+                rec = decode(EpochRecord, entry.value)
+            except SchemaError:
+                continue  # as rankd: a value that is no record is ignored
             if self.records and rec.epoch <= self.records[-1].epoch:
                 continue
             self.records.append(rec)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.cachemgr.events import MalformedEvent, Snapshot, Stored
-from services.cachemgr.service import diff_compositions, event_from_payload
+from services.cachemgr.events import MalformedEvent, Snapshot, Stored, event_from_json
+from services.cachemgr.service import diff_compositions
 from services.controller.service import ControllerSettings, replay_report, report_rule_matches
 from services.controller.windows import DemandWindows
 from shared.schemas import SchemaError, WindowReport, from_json, to_json
@@ -125,12 +125,12 @@ def test_window_report_versions_decode_and_bad_breakdowns_are_refused() -> None:
 
 
 def test_cache_events_accept_both_wire_forms_and_reject_garbage() -> None:
-    ev = event_from_payload(
+    ev = event_from_json(
         b'{"schema_version": 1, "type": "stored", "worker": "w-cp2-g0", '
         b'"event_id": 1, "parent_hash": null, "block_hashes": [1, 2]}'
     )
     assert isinstance(ev, Stored) and ev.block_hashes == (1, 2)
-    snap = event_from_payload(
+    snap = event_from_json(
         b'{"type": "snapshot", "worker_id": "w-cp2-g0", '
         b'"last_event_id": 2, "blocks": [[1, null], [2, 1]]}'
     )
@@ -140,9 +140,15 @@ def test_cache_events_accept_both_wire_forms_and_reject_garbage() -> None:
         b"[]",
         b'{"type": "stored"}',
         b'{"schema_version": 2, "type": "cleared", "worker": "w", "event_id": 1}',
+        # Found by throwing bad input at a live stack: these raised TypeError /
+        # RecursionError past the services' handlers (nats-py's error callback caught them).
+        b'{"type": {}, "worker": "w", "event_id": 1}',
+        b'{"type": ["stored"], "worker": "w", "event_id": 1}',
+        b'{"type": "snapshot", "worker": "w", "last_event_id": 0, "blocks": 1}',
+        b"[" * 100_000,
     ):
         with pytest.raises(MalformedEvent):
-            event_from_payload(bad)
+            event_from_json(bad)
 
 
 def test_controller_settings_map_onto_the_core_config(monkeypatch) -> None:

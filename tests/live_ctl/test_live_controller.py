@@ -30,6 +30,7 @@ from services.controller.service import (
 from shared.schemas import (
     EpochRecord,
     FirstToken,
+    SchemaError,
     TtftStages,
     WindowReport,
     WorkerState,
@@ -260,6 +261,69 @@ async def test_malformed_input_gets_400_and_controller_keeps_running(
     with pytest.raises(RemoteError) as err:
         await call(nc, f"{group}.inspect", b"[]", dict)
     assert err.value.code == 400
+
+
+async def test_an_unreadable_epoch_record_is_written_over(
+    nc: Client, nats_server, uniq: str, services
+):
+    """A value at the epoch key that is no record of the pool -- bytes that do not decode,
+    then a record whose workers are no composition (epoch 50, no workers: ranks would adopt
+    it) -- is written over with the controller's own composition at an epoch above it, and
+    reconfiguration still works after (before: the value stayed, every compare-and-set on it
+    failed, and no split ever happened)."""
+    s = Subjects(uniq)
+    reconfs = Collector()
+    await nc.subscribe(reconf_subject(s), cb=reconfs.cb)
+    ranks = FakeRanks(nc, s)
+    await ranks.start()
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "ctl-a")))
+    kv = await epoch_kv(nc.jetstream(), s)
+
+    async def stored() -> EpochRecord | None:
+        try:
+            return decode(EpochRecord, (await kv.get(s.epoch_key())).value)
+        except SchemaError:
+            return None
+
+    async def repaired_above(epoch: int) -> EpochRecord | None:
+        rec = await stored()
+        return rec if rec is not None and rec.epoch > epoch else None
+
+    sched = FakeScheduler(nc, s, H, lambda: DEMAND)
+    try:
+        await kv.put(s.epoch_key(), b"\x00 not a record")
+        rec = await eventually(lambda: repaired_above(0), what="the garbage written over")
+        assert [w.worker_id for w in rec.workers] == ["w-cp4-g0", "w-cp4-g4"]
+        assert ctl.counters["records_repaired"] == 1
+        foreign = EpochRecord(epoch=50, workers=[], committed_at_s=time.time())
+        await kv.put(s.epoch_key(), to_json(foreign))
+        rec = await eventually(lambda: repaired_above(50), what="the foreign record written over")
+        assert rec.epoch == 51 and len(rec.workers) == 2
+        assert ctl.counters["records_repaired"] == 2
+
+        async def ranks_follow() -> bool:
+            return bool(ranks.records) and ranks.records[-1].epoch == 51
+
+        await eventually(ranks_follow, what="the ranks on the repaired record")
+        await sched.start()
+        await reconfs.first(lambda r: r["phase"] == "exposed", what="a split after the repairs")
+    finally:
+        await sched.stop()
+        await ranks.stop()
+
+
+async def test_a_controller_starts_over_an_unreadable_epoch_record(
+    nc: Client, nats_server, uniq: str, services
+):
+    """Garbage at the epoch key before any controller: one starts (before: its start failed
+    on the value) and writes its initial composition over it."""
+    s = Subjects(uniq)
+    kv = await epoch_kv(nc.jetstream(), s)
+    await kv.put(s.epoch_key(), b'{"epoch": "x"}')
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "ctl-a")))
+    rec = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
+    assert rec == ctl.record and rec.epoch == 0 and len(rec.workers) == 2
+    assert ctl.counters["records_repaired"] == 1
 
 
 async def test_lease_loss_fails_a_worker_and_its_heartbeat_readmits_it(

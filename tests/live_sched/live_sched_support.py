@@ -165,8 +165,12 @@ class FakeWorker:
                             epoch=a.epoch, queue_position=0)
         data, headers = encode(ack)
         await msg.respond(data)
-        if not self.reply_results:
-            return
+        if self.reply_results:
+            await self.answer(a)
+
+    async def answer(self, a: Assignment) -> None:
+        """Publish the FirstToken of an assignment (what it does on its own unless
+        ``reply_results`` is off)."""
         now = time.time()
         arrival = a.request.arrival_s
         dequeued = a.dequeued_at_s or arrival

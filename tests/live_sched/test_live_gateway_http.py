@@ -146,3 +146,35 @@ async def test_a_lost_results_stream_is_made_again(
     assert (await http(gw.http_port, "POST", "/v1/completions", body)).status == 200
     again = await http(gw.http_port, "POST", "/v1/completions", body)
     assert again.status == 200 and again.json()["vtm"]["duplicate"] is True
+
+
+async def test_a_malformed_result_does_not_answer_a_waiting_request(
+    live: Services, fake_worker, nc, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """Bad bytes on a waiting request's result subject, and another request's valid result
+    there, are ignored and counted; the client gets the request's own result when it comes
+    (before: 502 "malformed first-token result", and the real answer went unheard)."""
+    from shared.schemas import FirstToken, TtftStages, encode
+    from shared.subjects import Subjects
+
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    sched = await live.scheduler(block_size=2)
+    gw = await live.gateway(block_size=2)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    body = {"prompt_tokens": list(range(9)), "request_id": "bad-res-1"}
+    client = asyncio.create_task(http(gw.http_port, "POST", "/v1/completions", body))
+    await wait_until(lambda: len(w.assignments) == 1, "the assignment at the worker")
+    subject = Subjects(uniq).result("bad-res-1")
+    await nc.publish(subject, b"\x00 not a result")
+    other = FirstToken(request_id="someone-else", token=7, stages=TtftStages(
+        intake_wait_s=0, schedule_s=0, queue_wait_s=0, prefill_s=0, kv_transfer_s=0,
+        first_decode_s=0, total_s=0), finished_at_s=1.0)
+    data, headers = encode(other)
+    await nc.publish(subject, data, headers=headers)
+    await wait_until(lambda: gw.counters.get("results_malformed") == 2 or client.done(),
+                     "both messages counted (or the client answered)")
+    assert not client.done(), client.result().body  # still waiting for its own result
+    await w.answer(w.assignments[0])
+    reply = await asyncio.wait_for(client, WAIT_S)
+    assert reply.status == 200, reply.body
+    assert reply.json()["choices"][0]["token_ids"] == [fake_token("bad-res-1")]

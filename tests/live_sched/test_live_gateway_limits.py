@@ -18,6 +18,7 @@ LIMITS = {"max_body_bytes": 2048, "max_prompt_tokens": 64, "max_seq_len": 80,
     ("method", "path", "kw", "status", "needle"),
     [
         ("POST", "/v1/completions", {"raw": b"{not json"}, 400, "not valid JSON"),
+        ("POST", "/v1/completions", {"raw": b"[" * 2000}, 400, "not valid JSON"),  # too deep
         ("POST", "/v1/completions", {"body": [1, 2]}, 400, "JSON object"),
         ("POST", "/v1/completions", {"body": {"max_tokens": 1}}, 400, "'prompt' is required"),
         ("POST", "/v1/completions", {"body": {"prompt": [1, 2], "stream": True}}, 400,
