@@ -181,17 +181,19 @@ class HttpServer:
             headers[name.lower()] = value.strip()
         if "chunked" in headers.get("transfer-encoding", "").lower():
             raise _Reject(411, "chunked request bodies are not supported; send Content-Length")
-        try:
-            length = int(headers.get("content-length", "0"))
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            raise _Reject(400, "invalid Content-Length") from None
+        raw_length = headers.get("content-length", "0")
+        # 1*DIGIT (RFC 9110): int() alone would also take "+5", " 5", "1_0".
+        if not (raw_length.isascii() and raw_length.isdigit()):
+            raise _Reject(400, "invalid Content-Length")
+        length = int(raw_length)
         if length > self.max_body_bytes:
             raise _Reject(413, f"request body of {length} bytes is over the limit of "
                                f"{self.max_body_bytes} bytes")
+        try:
+            split = urlsplit(target)
+        except ValueError:  # e.g. "http://[::1/x": an unclosed IPv6 host
+            raise _Reject(400, f"malformed request target {target[:60]!r}") from None
         body = await reader.readexactly(length) if length else b""
-        split = urlsplit(target)
         return HttpRequest(method.upper(), split.path or "/", parse_qs(split.query), headers,
                            body, peer)
 

@@ -190,7 +190,9 @@ class KVDecodeRole:
         rid = "?"
         try:
             async with self._lock:
-                done = self._asm.add(msg.data)
+                # Tagged with the transfer's reply inbox (one per attempt): a stray chunk
+                # naming this request cannot mix into its transfer.
+                done = self._asm.add(msg.data, msg.reply or "")
             if done is None:
                 return
             rid, kv, meta = done

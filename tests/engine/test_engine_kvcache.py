@@ -266,3 +266,32 @@ def test_index_invariants_under_random_traffic(ops, degree) -> None:
 def test_malformed_page_payload() -> None:
     with pytest.raises(KVFormatError):
         pages_from_bytes(b"\x08" + b"\x00" * 7 + b"{}")
+
+
+def test_reassembly_is_per_transfer_and_bounded() -> None:
+    """Chunks are assembled per (key, tag): a stray chunk naming the same key under another
+    tag (another reply inbox) does not mix in, a contradicting count drops only its own set,
+    and open sets are bounded by age and number (a sender that died mid-transfer, or bad
+    input claiming any count, cannot grow the decode role without end)."""
+    now = [0.0]
+    asm = BlobReassembler(max_pending=2, stale_s=10.0, clock=lambda: now[0])
+    real = encode_chunks("r-1", b"a" * 100, 64)
+    assert len(real) > 2
+    stray = encode_chunks("r-1", b"x" * 500, 64)  # same key, another chunk count
+    assert asm.add(real[0], "inbox-1") is None
+    assert asm.add(stray[0], "other") is None  # its own set, not a contradiction of ours
+    with pytest.raises(KVFormatError, match="inconsistent"):
+        asm.add(stray[0], "inbox-1")  # contradicts inbox-1's count: that set is dropped
+    assert asm.pending == 1 and asm.dropped == 1
+    done = [d for c in real if (d := asm.add(c, "inbox-2")) is not None]
+    assert done == [("r-1", b"a" * 100)]  # a new attempt assembles cleanly
+    # Bounded by number: a third open set pushes out the least recently fed.
+    asm.add(encode_chunks("r-2", b"b" * 100, 64)[0], "t")
+    asm.add(encode_chunks("r-3", b"c" * 100, 64)[0], "t")
+    assert asm.pending == 2 and asm.dropped == 2
+    # Bounded by age: nothing fed for stale_s, and the next chunk drops them.
+    now[0] = 11.0
+    assert asm.add(encode_chunks("r-4", b"d" * 100, 64)[0], "t") is None
+    assert asm.pending == 1 and asm.dropped == 4
+    with pytest.raises(InvalidInput):
+        BlobReassembler(max_pending=0)

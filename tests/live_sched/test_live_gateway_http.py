@@ -42,6 +42,27 @@ async def test_keep_alive_serves_several_requests_on_one_connection(live: Servic
     writer.close()
 
 
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        # Found by fuzzing the HTTP port: the connection closed without an answer.
+        (b"GET http://[::1/x HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+        (b"GET /health HTTP/1.1\r\nContent-Length: 1_0\r\n\r\n0123456789", 400),
+        (b"GET /health HTTP/1.1\r\nContent-Length: +2\r\n\r\n{}", 400),
+        (b"GET /health HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+    ],
+)
+async def test_a_malformed_request_head_gets_400(live: Services, head: bytes, status: int) -> None:
+    gw = await live.gateway()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.http_port)
+    writer.write(head)
+    await writer.drain()
+    code, _, body = await read_response(reader)
+    assert code == status, body
+    writer.close()
+    assert (await http(gw.http_port, "GET", "/health")).status == 200
+
+
 @pytest.fixture
 def tokenizer_file(tmp_path: Path) -> Path:
     tokenizers = pytest.importorskip("tokenizers")

@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Iterable
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -128,34 +130,75 @@ def parse_chunk(chunk: bytes) -> tuple[str, int, int, bytes]:
 
 
 class BlobReassembler:
-    """Collects chunks of any number of keys, in any order; duplicates are ignored."""
+    """Collects chunks of any number of keys, in any order; duplicates are ignored.
 
-    def __init__(self) -> None:
-        self._parts: dict[str, dict[int, bytes]] = {}
-        self._total: dict[str, int] = {}
+    A set is named by its key *and* a ``tag`` the caller gives (the NATS reply inbox of the
+    transfer: one per attempt), so a stray or malformed chunk carrying a real request id --
+    or an earlier, abandoned attempt of the same request -- never mixes into a transfer.
+    Bounded, since a sender may die mid-transfer and bad input may claim any chunk count: a
+    set with no new chunk for ``stale_s`` seconds is dropped (checked as chunks arrive), and
+    past ``max_pending`` open sets the least recently fed one goes. A chunk whose count
+    contradicts its set's raises :class:`KVFormatError` and drops that set.
+    """
 
-    def add(self, chunk: bytes) -> tuple[str, bytes] | None:
-        """Returns (key, blob) once the key's last missing chunk arrives."""
+    def __init__(self, *, max_pending: int = 64, stale_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_pending < 1 or not stale_s > 0:
+            raise InvalidInput("max_pending must be >= 1 and stale_s > 0")
+        self.max_pending = max_pending
+        self.stale_s = stale_s
+        self._clock = clock
+        # (key, tag) -> (total, parts by seq, last fed at); least recently fed first.
+        self._open: OrderedDict[tuple[str, str], tuple[int, dict[int, bytes], float]] = \
+            OrderedDict()
+        self.dropped = 0  # sets given up (stale, over max_pending, or contradicted)
+
+    @property
+    def pending(self) -> int:
+        return len(self._open)
+
+    def add(self, chunk: bytes, tag: str = "") -> tuple[str, bytes] | None:
+        """Returns (key, blob) once the set's last missing chunk arrives."""
         rid, seq, total, payload = parse_chunk(chunk)
-        if self._total.setdefault(rid, total) != total:
+        now = self._clock()
+        opened = self._open
+        while opened:  # the least recently fed first: stop at the first fresh one
+            first = next(iter(opened))
+            if now - opened[first][2] <= self.stale_s:
+                break
+            del opened[first]
+            self.dropped += 1
+        name = (rid, tag)
+        entry = opened.pop(name, None)
+        if entry is None:
+            entry = (total, {}, now)
+        elif entry[0] != total:
+            self.dropped += 1
             raise KVFormatError(f"request {rid}: inconsistent chunk count")
-        parts = self._parts.setdefault(rid, {})
+        parts = entry[1]
         parts[seq] = payload
-        if len(parts) < total:
-            return None
-        del self._parts[rid], self._total[rid]
-        return rid, b"".join(parts[i] for i in range(total))
+        if len(parts) == total:
+            return rid, b"".join(parts[i] for i in range(total))
+        opened[name] = (total, parts, now)
+        while len(opened) > self.max_pending:
+            opened.popitem(last=False)
+            self.dropped += 1
+        return None
 
 
 class ChunkReassembler:
     """:class:`BlobReassembler` for KV hand-off chunks: yields decoded KV."""
 
-    def __init__(self) -> None:
-        self._blobs = BlobReassembler()
+    def __init__(self, **bounds: Any) -> None:
+        self._blobs = BlobReassembler(**bounds)
 
-    def add(self, chunk: bytes) -> tuple[str, KVLayers, dict[str, Any]] | None:
+    @property
+    def blobs(self) -> BlobReassembler:
+        return self._blobs
+
+    def add(self, chunk: bytes, tag: str = "") -> tuple[str, KVLayers, dict[str, Any]] | None:
         """Returns (request_id, kv, meta) once the request's last missing chunk arrives."""
-        done = self._blobs.add(chunk)
+        done = self._blobs.add(chunk, tag)
         if done is None:
             return None
         kv, meta = kv_from_bytes(done[1])
