@@ -23,6 +23,13 @@ request of the replay completed, no 5xx, no exception in any log. Nothing is ass
 
     .venv/bin/python bench/fuzz_live.py [--seconds 60] [--seed 1] [--kv-real] [--epoch]
         [--up-args "--rate-scale 2 --schedulers 2"]
+
+``--up-args`` flags come after the defaults (``--duration 900``), so they override them; with
+``--backend torch`` (time scale 1) pass a shorter ``--duration`` too, e.g. ``"--backend torch
+--gpus 4 --duration 80"``. Schema-valid assignments under the right epoch are real work: on
+the torch backend each is a real prefill, so a long probe there also measures overload (on
+this 2-core machine, two late worker heartbeats -- a lease expiry and a re-admission -- in a
+40 s probe; every request still answered).
 """
 
 from __future__ import annotations
@@ -337,7 +344,7 @@ async def main() -> None:
         try:
             await wait_healthy(url, proc, 120.0)
             nc = await nats.connect(url, name="fuzz", max_reconnect_attempts=-1,
-                                    error_cb=_quiet, disconnected_cb=_noop)
+                                    error_cb=_note_error, disconnected_cb=_noop)
             fz = Fuzzer(nc, random.Random(args.seed), kv_real=args.kv_real, epoch=args.epoch)
             await fz.discover()
             print(f"workers {fz.workers}; {len(fz.endpoints)} micro endpoints")
@@ -350,6 +357,7 @@ async def main() -> None:
             for (where, what), count in sorted(fz.answers.items()):
                 print(f"  {where}: {what} {count}")
             print("5xx answers:", dict(fz.server_errors) or "none")
+            print("the fuzzing client's own connection errors:", dict(CLIENT_ERRORS) or "none")
             proc.wait(timeout=600)
         finally:
             if proc.poll() is None:
@@ -365,6 +373,13 @@ async def main() -> None:
 
 async def _quiet(exc: Exception) -> None:
     return None
+
+
+CLIENT_ERRORS: Counter[str] = Counter()
+
+
+async def _note_error(exc: Exception) -> None:
+    CLIENT_ERRORS[f"{type(exc).__name__}: {exc}"[:120]] += 1
 
 
 async def _noop() -> None:
