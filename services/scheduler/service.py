@@ -338,6 +338,13 @@ class SchedulerSettings(ServiceSettings):
         "for up to this long; only then NAK it with retry_delay_s (which counts against "
         "max_deliver). 0: NAK at once.",
     )
+    republished_listing_s: float = Field(
+        default=1.0, ge=0,
+        description="How long one listing of every worker's queue answers the gateways' "
+        "re-sends after a store loss: they come in a burst (every waiting request of every "
+        "gateway), and a listing taken after the loss is as good as a later one for them -- "
+        "their lost messages cannot be dispatched again meanwhile -- so each worker is asked "
+        "about once per burst, not once per message. 0: a listing per message.")
     fetch_batch: int = Field(
         default=16, ge=1,
         description="Intake deliveries requested ahead (shared.service.PullConsumer); each "
@@ -632,6 +639,7 @@ class SchedulerStats:
     republished_held: int = 0  # a gateway's re-send after a store loss: a worker holds it
     republished_answered: int = 0  # ... its first token is out already
     republished_placed: int = 0  # ... neither: placed (it was lost with the store)
+    republished_listings: int = 0  # listings of every worker's queue those checks took
 
 
 class SchedulerService(MicroService):
@@ -683,6 +691,10 @@ class SchedulerService(MicroService):
         # Request ids whose first token this replica saw (bounded): a recorded dispatch of one
         # of them is not sent again, nor handed back for a gone worker.
         self._served: OrderedDict[str, None] = OrderedDict()
+        # The workers' queues as last listed for re-sent messages (taken at, worker -> ids or
+        # None: no answer; republished_listing_s), and the lock one listing is taken under.
+        self._listing: tuple[float, dict[str, set[str] | None]] | None = None
+        self._listing_lock = asyncio.Lock()
         # Dispatched requests whose result this replica has not seen (see ledger.py): what a
         # worker that dies or restarts takes with it, handed back to intake.
         self.ledger = DispatchLedger()
@@ -1714,10 +1726,9 @@ class SchedulerService(MicroService):
         deadline = loop.time() + self.ssettings.hold_s
         while not (self._states_loaded and self._states) and loop.time() < deadline:
             await asyncio.sleep(REPUBLISHED_POLL_S)
-        wids = [w for w in self._states if not self.worker_gone(w)]
-        listed = await asyncio.gather(*(self._queue_of(w) for w in wids))
-        holder = next((w for w, ids in zip(wids, listed, strict=True)
-                       if ids is not None and rid in ids), None)
+        listing = await self._worker_listing()
+        holder = next((w for w, ids in listing.items()
+                       if ids is not None and rid in ids and not self.worker_gone(w)), None)
         if holder is not None:
             # Adopted like a held message redelivered: the replica that dispatched it may be
             # gone with its ledger (its record and held message went with the store), and
@@ -1745,6 +1756,24 @@ class SchedulerService(MicroService):
         self.stats.republished_placed += 1
         self.log.info("re-sent request lost with the store; placing it", request_id=rid)
         return False
+
+    async def _worker_listing(self) -> dict[str, set[str] | None]:
+        """Every worker's listed request ids (None: no answer), asked of every worker not known
+        gone at once; one listing answers for ``republished_listing_s``, and callers that
+        come while it is taken wait for it. A worker the view gained since makes a new one."""
+        loop = asyncio.get_running_loop()
+        async with self._listing_lock:
+            wids = [w for w in self._states if not self.worker_gone(w)]
+            known = self._listing
+            if known is not None \
+                    and loop.time() - known[0] <= self.ssettings.republished_listing_s \
+                    and all(w in known[1] for w in wids):
+                return known[1]
+            taken = loop.time()
+            listed = await asyncio.gather(*(self._queue_of(w) for w in wids))
+            self.stats.republished_listings += 1
+            self._listing = (taken, dict(zip(wids, listed, strict=True)))
+            return self._listing[1]
 
     async def _result_kept(self, rid: str, *, since_s: float | None = None) -> bool:
         """Whether the results stream keeps a first token (not an error) for ``rid``, one

@@ -23,6 +23,7 @@ from shared.schemas import (
     Assignment,
     AssignmentAck,
     FirstToken,
+    QueueReport,
     TtftStages,
     WorkerState,
     decode,
@@ -125,6 +126,7 @@ class FakeWorker:
     blocks: dict[int, int | None] = field(default_factory=dict)
     event_id: int = 0
     snapshot_requests: int = 0
+    queue_queries: int = 0  # QueueQuery requests answered (it lists what it was assigned)
     reply_results: bool = True
     incarnation: str = ""  # WorkerState.incarnation (a test changes it to play a restart)
     outstanding_s: float = 0.0  # WorkerState.outstanding_s / outstanding_by as published
@@ -136,6 +138,8 @@ class FakeWorker:
             self.subjects.worker_assign(self.worker_id), cb=self._on_assign))
         self._subs.append(await self.nc.subscribe(
             self.subjects.cache_snapshot(self.worker_id), cb=self._on_snapshot))
+        self._subs.append(await self.nc.subscribe(
+            self.subjects.worker_queue(self.worker_id), cb=self._on_queue))
         await self.nc.flush()
         await self.publish_state()
         return self
@@ -185,6 +189,13 @@ class FakeWorker:
         )
         data, headers = encode(result)
         await self.nc.publish(self.subjects.result(a.request.request_id), data, headers=headers)
+
+    async def _on_queue(self, msg: Msg) -> None:
+        self.queue_queries += 1
+        report = QueueReport(worker_id=self.worker_id,
+                             queued=[a.request.request_id for a in self.assignments])
+        data, _ = encode(report)  # JSON: the default content type needs no header
+        await msg.respond(data)
 
     async def _on_snapshot(self, msg: Msg) -> None:
         self.snapshot_requests += 1

@@ -251,3 +251,34 @@ async def test_a_stopping_replica_hands_its_held_messages_to_the_next(
             break
         await asyncio.sleep(0.05)
     assert await _intake_messages(nc, s) == 0
+
+
+async def test_re_sent_messages_after_a_store_loss_share_one_listing_of_the_workers(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """The gateways' re-sends after a store loss come in a burst: the scheduler asks each
+    worker for its queue once for the burst, not once per message (before: 6 messages, 6
+    queries per worker). A request a worker lists is adopted, not placed again; the others are
+    placed."""
+    from shared.service import REPUBLISHED_HEADER
+
+    s = Subjects(uniq)
+    a = await fake_worker("w-cp2-g0", 2, 0)
+    b = await fake_worker("w-cp2-g2", 2, 2)
+    # A listing answers for the whole test: the burst is one however slow this machine is.
+    sched = await live.scheduler(block_size=B, republished_listing_s=600.0)
+    await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+    await publish(nc, s, intake("held-1"))
+    await wait_until(lambda: len(a.assignments) + len(b.assignments) == 1, "held-1 dispatched")
+    for rid in ("held-1", *(f"resent-{i}" for i in range(5))):
+        data, headers = encode(intake(rid))
+        headers["Nats-Msg-Id"] = f"{rid}-again"  # the new stream's copy (no duplicate here)
+        headers[REPUBLISHED_HEADER] = "1"
+        await nc.jetstream().publish(s.intake_requests(), data, headers=headers)
+    st = sched.stats
+    await wait_until(lambda: st.republished_held + st.republished_placed == 6,
+                     "every re-sent message decided")
+    assert st.republished_held == 1 and st.republished_placed == 5
+    held = [r.request.request_id for w in (a, b) for r in w.assignments]
+    assert sorted(held) == sorted(["held-1", *(f"resent-{i}" for i in range(5))])  # once each
+    assert st.republished_listings == 1 and a.queue_queries == b.queue_queries == 1
