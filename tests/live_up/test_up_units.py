@@ -342,7 +342,8 @@ def test_scheduler_recovery_sums_the_replicas_counters() -> None:
     assert got == {"predecessor_naked": 3, "peer_naked": 0, "adopted": 7, "adopted_lost": 0,
                    "lost_handed_back": 1, "gone_handed_back": 0, "redelivered_acked": 0,
                    "fail_found_answered": 0, "resent": 0, "republished_held": 0,
-                   "republished_answered": 0, "republished_placed": 0}
+                   "republished_answered": 0, "republished_placed": 0,
+                   "republished_listings": 0}
     assert set(scheduler_recovery([])) == set(got) and not any(scheduler_recovery([]).values())
 
 

@@ -42,6 +42,7 @@ RECOVERY_COUNTERS: tuple[tuple[str, str], ...] = (
     ("republished_held", "re-sent after a store loss, found held by a worker"),
     ("republished_answered", "re-sent after a store loss, answered meanwhile"),
     ("republished_placed", "re-sent after a store loss, lost with it: placed"),
+    ("republished_listings", "listings of the workers' queues those took"),
 )
 """The scheduler's recovery counters (``SchedulerStats``) ``up`` sums over its replicas."""
 
