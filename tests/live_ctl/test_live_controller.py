@@ -312,6 +312,33 @@ async def test_an_unreadable_epoch_record_is_written_over(
         await ranks.stop()
 
 
+async def test_a_write_that_finds_an_unreadable_epoch_record_writes_over_it(
+    nc: Client, nats_server, uniq: str, services
+):
+    """Without following the key, the controller meets the garbage on its next write (the
+    split's drain record): the compare-and-set fails, the value is no record, so it writes
+    its own over it, rebuilds from that and plans the split again, which then completes."""
+    s = Subjects(uniq)
+    reconfs = Collector()
+    await nc.subscribe(reconf_subject(s), cb=reconfs.cb)
+    ranks = FakeRanks(nc, s)
+    await ranks.start()
+    ctl = await services(ControllerService(settings(nats_server.url, uniq, "ctl-a",
+                                                    follow_record=False)))
+    kv = await epoch_kv(nc.jetstream(), s)
+    await kv.put(s.epoch_key(), b"not a record")
+    sched = FakeScheduler(nc, s, H, lambda: DEMAND)
+    try:
+        await sched.start()
+        await reconfs.first(lambda r: r["phase"] == "exposed", what="the split, after a repair")
+        assert ctl.counters["records_repaired"] == 1 and ctl.counters["cas_lost"] == 1
+        stored = decode(EpochRecord, (await kv.get(s.epoch_key())).value)
+        assert stored == ctl.record and len(stored.workers) == 3  # 2CP2 + 1CP4
+    finally:
+        await sched.stop()
+        await ranks.stop()
+
+
 async def test_a_controller_starts_over_an_unreadable_epoch_record(
     nc: Client, nats_server, uniq: str, services
 ):
