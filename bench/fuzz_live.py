@@ -14,7 +14,8 @@ as answers allow, a random mix of bad input to every subject the services listen
   workers' keys too) and, with ``--epoch``, into the epoch record's key;
 
 on core subjects (cache events, window reports, epoch acks, rank control, results, KV
-hand-off chunks, the drain notice), request-reply endpoints (every ``$SRV`` endpoint found,
+hand-off chunks, the drain notice), request-reply endpoints (``$SRV`` discovery, every
+endpoint it lists,
 worker queues and assignments, cache snapshots and commands, the gateway's completions) and
 the intake stream. Then it waits for the replay to end and prints what answered how (micro
 error codes per endpoint), the replay's completed / failed requests and errors, and per
@@ -217,6 +218,8 @@ class Fuzzer:
             (lambda: S.cache_snapshot(self.worker()), "snapshot"),
             (lambda: S.cache_cmd(self.worker()), "cmd"),
             *((lambda e=e: e, "queue") for e in self.endpoints),
+            (lambda: rnd.choice(["$SRV.PING", "$SRV.INFO", "$SRV.STATS",
+                                 "$SRV.STATS.vtm-scheduler", "$SRV.INFO.vtm-rankd"]), "queue"),
         ]
         pick = rnd.random()
         try:

@@ -613,6 +613,7 @@ class SchedulerStats:
     snapshots_applied: int = 0
     windows_reported: int = 0
     snapshots_unanswered: int = 0  # asked again by housekeeping while the worker is known
+    housekeeping_rounds: int = 0
     windows_resent: int = 0  # previous window's report sent again before the next one
     starts_inferred: int = 0
     dispatch_unknown: int = 0  # dispatches whose outcome was unknown (record kept, NAK)
@@ -922,7 +923,10 @@ class SchedulerService(MicroService):
 
     async def _housekeeping(self) -> None:
         """Lease expiry (KV watchers are not told about TTL expiry), window closing, snapshots
-        of stale workers and of workers whose snapshot request went unanswered."""
+        of stale workers and of workers whose snapshot request went unanswered -- only while
+        their lease holds: a worker gone for good (its state expired; the KV is not told) keeps
+        its last state here and would be asked every round for ever. Its next state, if it
+        comes back, makes it asked again."""
         period = min(1.0, self.ssettings.lease_s / 4, self.ssettings.window_s / 4)
         while True:
             await asyncio.sleep(period)
@@ -936,7 +940,9 @@ class SchedulerService(MicroService):
                 registered = set(self.trie.workers())
                 self._snapshot_retry &= registered  # workers gone meanwhile
                 for wid in {*self.trie.stale_workers(), *self._snapshot_retry}:
-                    self._request_snapshot(wid)
+                    if self._leased(wid):
+                        self._request_snapshot(wid)
+                self.stats.housekeeping_rounds += 1
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # housekeeping must survive one bad round
@@ -957,7 +963,13 @@ class SchedulerService(MicroService):
             self.stats.events_applied += 1
         elif outcome is ApplyOutcome.GAP:
             self.stats.gaps += 1
-            self._request_snapshot(event.worker)
+            if self._leased(event.worker):  # else housekeeping asks once it is back
+                self._request_snapshot(event.worker)
+
+    def _leased(self, wid: str) -> bool:
+        """The worker's last state is within its lease (it may answer a snapshot request)."""
+        state = self._states.get(wid)
+        return state is not None and self.clock() - state.heartbeat_s <= self.ssettings.lease_s
 
     def _request_snapshot(self, worker: str) -> None:
         if worker in self._snapshotting:

@@ -137,9 +137,10 @@ class FakeWorker:
         self._subs.append(await self.nc.subscribe(
             self.subjects.worker_assign(self.worker_id), cb=self._on_assign))
         self._subs.append(await self.nc.subscribe(
-            self.subjects.cache_snapshot(self.worker_id), cb=self._on_snapshot))
-        self._subs.append(await self.nc.subscribe(
             self.subjects.worker_queue(self.worker_id), cb=self._on_queue))
+        # Last: tests pop it to play a snapshot endpoint that is not up yet.
+        self._subs.append(await self.nc.subscribe(
+            self.subjects.cache_snapshot(self.worker_id), cb=self._on_snapshot))
         await self.nc.flush()
         await self.publish_state()
         return self

@@ -156,6 +156,30 @@ async def test_an_unanswered_first_snapshot_is_asked_again(live: Services,  # ty
     assert a.snapshot_requests >= 1
 
 
+async def test_a_worker_whose_lease_ran_out_is_not_asked_for_its_snapshot(
+        live: Services, fake_worker) -> None:  # type: ignore[no-untyped-def]
+    """A worker gone for good keeps its last state in the scheduler (the KV does not report
+    TTL expiry). A gap in its events makes it stale; while its lease is out it is not asked
+    for its snapshot (before: at the gap and then every housekeeping round, for ever, each
+    unanswered). A fresh state brings it back, and it is asked then."""
+    a = await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=B, lease_s=0.5)
+    await wait_until(lambda: sched.stats.snapshots_applied >= 1, "first snapshot")
+    await wait_until(lambda: str(sched.core.view.workers[0].lifecycle) == "unavailable",
+                     "lease expiry")
+    await a.stop()  # gone: nothing answers on its subjects
+    await a.store(None, chain_hashes(PROMPT, B)[:1], skip_ids=3)  # event 4 after 0: a gap
+    await wait_until(lambda: sched.stats.gaps == 1, "the gap")
+    rounds = sched.stats.housekeeping_rounds
+    await wait_until(lambda: sched.stats.housekeeping_rounds >= rounds + 3,
+                     "three housekeeping rounds")
+    assert sched.trie.is_stale("w-cp2-g0")
+    assert sched.stats.snapshots_unanswered == 0
+    await a.start()  # back: its endpoints up again and a fresh state
+    await wait_until(lambda: not sched.trie.is_stale("w-cp2-g0"), "asked again and applied")
+    assert sched.trie.match(chain_hashes(PROMPT, B)).held("w-cp2-g0") == 1
+
+
 async def test_a_snapshot_asked_before_a_restart_is_not_applied_after_it(
         live: Services, fake_worker) -> None:  # type: ignore[no-untyped-def]
     """The old process answers the scheduler's snapshot request only after its successor's
