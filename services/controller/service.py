@@ -1013,21 +1013,8 @@ class ControllerService(MicroService):
                               "written over an unreadable record", self.csettings.kind)
         self.log.error("epoch record unreadable; ours written over it", error=bad.error,
                        revision=bad.revision, epoch=epoch)
-        try:
-            self.revision = await self._kv.update(self.subjects.epoch_key(), to_json(record),
-                                                  last=bad.revision)
-        except KeyWrongLastSequenceError:
-            self.counters["cas_lost"] += 1
-            with contextlib.suppress(UnreadableRecord):
-                stored = await self._get_record()
-                if stored is not None:
-                    self._rebuild(*stored)
-                    self.counters["rebuilt"] += 1
-            raise LostLeadership(f"epoch {epoch} was taken by another writer") from None
-        self.record = record
-        self.counters["records_written"] += 1
+        await self._cas(record, bad.revision, repairing=True)
         self.counters["records_repaired"] += 1
-        self.set_metadata(epoch=str(record.epoch))
 
     def _rebuild(self, record: EpochRecord, revision: int) -> None:
         """A fresh core from a stored record (start, lost leadership, or following)."""
@@ -1057,24 +1044,36 @@ class ControllerService(MicroService):
 
     async def _write(self, record: EpochRecord) -> None:
         """CAS the record on our revision; on loss rebuild from the store and raise."""
+        await self._cas(record, self.revision)
+
+    async def _cas(self, record: EpochRecord, last: int, *, repairing: bool = False) -> None:
+        """Write ``record`` by compare-and-set on revision ``last``. Another write first ->
+        count it, rebuild the core from what the store holds and raise LostLeadership; a
+        value there that is no record is written over first (:meth:`_repair`), unless this
+        write was that repair (then the next write or watch event tries again)."""
         assert self._kv is not None
         try:
             self.revision = await self._kv.update(
-                self.subjects.epoch_key(), to_json(record), last=self.revision
+                self.subjects.epoch_key(), to_json(record), last=last
             )
         except KeyWrongLastSequenceError:
             self.counters["cas_lost"] += 1
             self.log.warning(
                 "lost the epoch compare-and-set: another controller wrote first",
                 attempted_epoch=record.epoch,
-                revision=self.revision,
+                revision=last,
             )
+            stored: tuple[EpochRecord, int] | None
             try:
                 stored = await self._get_record()
             except UnreadableRecord as bad:
+                if repairing:
+                    raise LostLeadership(f"epoch {record.epoch} was taken by another "
+                                         "writer") from None
                 # Nobody's decision: ours goes over it, and the core restarts from it (the
                 # write this was is abandoned, as after a lost compare-and-set).
                 await self._repair(bad)
+                assert self.record is not None
                 stored = (self.record, self.revision)
             if stored is not None:
                 self._rebuild(*stored)
