@@ -70,6 +70,10 @@ EPOCH_HISTORY: Final[int] = 16
 INTAKE_DUPLICATE_WINDOW_S: Final[float] = 120.0
 RESULTS_STREAM_MAX_BYTES: Final[int] = 64 * 1024 * 1024
 """Server memory the results stream may hold (≈ 100k results of ~600 bytes)."""
+RESULTS_KEPT_PER_REQUEST: Final[int] = 4
+"""Results the results stream keeps per request id: the latest and a few before it, so that a
+stray message on a request's result subject (bad input) does not displace its answer
+(:func:`kept_results`; readers take the latest that is a FirstToken of that request)."""
 JETSTREAM_CHECK_S: Final[float] = 1.0
 """How often a service looks for a reconnect after which to ensure its JetStream assets."""
 REPUBLISHED_HEADER: Final[str] = "Vtm-Republished"
@@ -276,8 +280,9 @@ async def ensure_results_stream(
     *,
     max_age_s: float = INTAKE_DUPLICATE_WINDOW_S,
 ) -> StreamInfo:
-    """The stream that keeps each request's latest FirstToken (``{prefix}.result.<id>``) for
-    ``max_age_s``: as long as the intake de-duplicates a re-sent request id, so a retry that
+    """The stream that keeps each request's latest FirstTokens (``{prefix}.result.<id>``, up
+    to :data:`RESULTS_KEPT_PER_REQUEST`) for ``max_age_s``: as long as the intake
+    de-duplicates a re-sent request id, so a retry that
     the intake drops as a duplicate can still be answered after the original's result went
     by, and a gateway that was cut off from NATS when a result went by finds it there
     (:func:`publish_result` stores every result before it counts as sent). On file, like the
@@ -288,9 +293,27 @@ async def ensure_results_stream(
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         max_age=max_age_s,
-        max_msgs_per_subject=1,
+        max_msgs_per_subject=RESULTS_KEPT_PER_REQUEST,
         max_bytes=RESULTS_STREAM_MAX_BYTES,  # the oldest go first past it (a bound, not a goal)
     ))
+
+
+async def kept_results(js: JetStreamContext, subjects: Subjects, request_id: str) -> list[Any]:
+    """Every message the results stream keeps for ``request_id``, oldest first (at most
+    :data:`RESULTS_KEPT_PER_REQUEST`; none: empty). For a reader whose latest one
+    (``get_last_msg``) is no result of that request. Raises what JetStream raises, except
+    NotFoundError (the end)."""
+    out: list[Any] = []
+    seq = 1
+    for _ in range(RESULTS_KEPT_PER_REQUEST):
+        try:
+            msg = await js.get_msg(subjects.results_stream(), seq=seq,
+                                   subject=subjects.result(request_id), next=True)
+        except NotFoundError:
+            break
+        out.append(msg)
+        seq = int(msg.seq) + 1
+    return out
 
 
 async def publish_result(nc: Client, subject: str, data: bytes, headers: dict[str, str], *,

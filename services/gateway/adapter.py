@@ -84,6 +84,7 @@ from shared.service import (
     MicroService,
     ensure_intake_stream,
     ensure_results_stream,
+    kept_results,
     worker_state_kv,
 )
 from shared.subjects import micro_service_name, validate_subject
@@ -337,9 +338,9 @@ class GatewayService(MicroService):
         if result is not None:
             self._deliver(rid, result, received)
 
-    def _result_of(self, rid: str, msg: Any) -> FirstToken | None:
+    def _result_of(self, rid: str, msg: Any, *, count: bool = True) -> FirstToken | None:
         """The FirstToken of ``rid`` in a result message (``.data``, ``.headers``), or None
-        (logged and counted) when the message is not one."""
+        (logged and, with ``count``, counted) when the message is not one."""
         try:
             result = decode(FirstToken, msg.data, msg.headers)
         except SchemaError as exc:
@@ -348,8 +349,10 @@ class GatewayService(MicroService):
             if result.request_id == rid:
                 return result
             error = f"it is the result of request {result.request_id!r}"
-        self.counters["results_malformed"] += 1
-        self.log.warning("malformed first-token result ignored", request_id=rid, error=error)
+        if count:
+            self.counters["results_malformed"] += 1
+            self.log.warning("malformed first-token result ignored", request_id=rid,
+                             error=error)
         return None
 
     def _deliver(self, rid: str, result: FirstToken, received: float) -> int:
@@ -563,14 +566,23 @@ class GatewayService(MicroService):
 
     async def _kept_result(self, rid: str) -> tuple[FirstToken, int] | None:
         """The latest result of ``rid`` in the results stream and its stream sequence, or
-        None: none kept, the stream did not answer (then the live result may still come), or
-        what it keeps is no FirstToken of ``rid`` (logged: see :meth:`_result_of`)."""
+        None: none kept, or the stream did not answer (then the live result may still come).
+        What the stream keeps there that is no FirstToken of ``rid`` (bad input; logged, see
+        :meth:`_result_of`) is passed over for the latest one before it that is."""
         assert self._js is not None
         try:
             kept = await asyncio.wait_for(
                 self._js.get_last_msg(self.subjects.results_stream(),
                                       self.subjects.result(rid)),
                 self.gsettings.publish_timeout_s)
+            result = self._result_of(rid, kept)
+            if result is None:
+                earlier = await asyncio.wait_for(kept_results(self._js, self.subjects, rid),
+                                                 self.gsettings.publish_timeout_s)
+                for kept in reversed(earlier):
+                    result = self._result_of(rid, kept, count=False)
+                    if result is not None:
+                        break
         except NotFoundError as exc:
             if exc.err_code == STREAM_NOT_FOUND:
                 # Lost with the server's store: make it again, so the next retries find
@@ -582,7 +594,6 @@ class GatewayService(MicroService):
         except (nats.errors.Error, TimeoutError) as exc:
             self.log.warning("results stream not read", error=f"{type(exc).__name__}: {exc}")
             return None
-        result = self._result_of(rid, kept)
         return None if result is None else (result, kept.seq)
 
     def _forget(self, rid: str, fut: asyncio.Future[tuple[FirstToken, float]]) -> None:

@@ -221,6 +221,7 @@ from shared.service import (
     ensure_key_value,
     ensure_results_stream,
     every_answer,
+    kept_results,
     publish_result,
     worker_state_kv,
 )
@@ -1794,13 +1795,25 @@ class SchedulerService(MicroService):
         clock skew larger than the request's time in the system makes its own answer not
         count, and the caller then does what it did before this check."""
         assert self._js is not None
+
+        def first_token(kept: Any) -> FirstToken | None:
+            try:
+                ft = decode(FirstToken, kept.data, kept.headers)
+            except SchemaError:
+                return None
+            return ft if ft.request_id == rid else None
+
         try:
             kept = await self._js.get_last_msg(self.subjects.results_stream(),
                                                self.subjects.result(rid))
-            ft = decode(FirstToken, kept.data, kept.headers)
-        except Exception:  # none kept (NotFoundError), or unreadable: not known served
+            ft = first_token(kept)
+            if ft is None:  # bad input there: the latest before it that is a result
+                ft = next((f for k in reversed(await kept_results(self._js, self.subjects, rid))
+                           if (f := first_token(k)) is not None), None)
+        except Exception:  # none kept (NotFoundError), or the stream did not answer
             return False
-        return ft.error is None and (since_s is None or ft.finished_at_s >= since_s)
+        return ft is not None and ft.error is None \
+            and (since_s is None or ft.finished_at_s >= since_s)
 
     async def _settle(self, stored: Any, rid: str) -> bool:
         """Wait for a record's store acknowledgement; a failure is logged, not fatal (the

@@ -199,3 +199,28 @@ async def test_a_malformed_result_does_not_answer_a_waiting_request(
     reply = await asyncio.wait_for(client, WAIT_S)
     assert reply.status == 200, reply.body
     assert reply.json()["choices"][0]["token_ids"] == [fake_token("bad-res-1")]
+
+
+async def test_a_retry_gets_the_answer_kept_before_a_malformed_result(
+    live: Services, fake_worker, nc, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """After a request was answered, bad bytes on its result subject are the latest message
+    the results stream keeps for it. A retry (a duplicate at the intake) still gets the
+    answer: the stream keeps a few messages per request and the gateway passes over what is
+    no result of that request (before: one kept per request, displaced; the retry timed out,
+    504)."""
+    from shared.subjects import Subjects
+
+    await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=2)
+    gw = await live.gateway(block_size=2, result_timeout_s=3.0)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    body = {"prompt_tokens": list(range(9)), "request_id": "kept-1"}
+    first = await http(gw.http_port, "POST", "/v1/completions", body)
+    assert first.status == 200, first.body
+    await nc.publish(Subjects(uniq).result("kept-1"), b"\x00 not a result")
+    await nc.flush()
+    again = await http(gw.http_port, "POST", "/v1/completions", body)
+    assert again.status == 200, again.body
+    assert again.json()["vtm"]["duplicate"] is True
+    assert again.json()["choices"][0]["token_ids"] == [fake_token("kept-1")]

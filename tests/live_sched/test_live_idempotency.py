@@ -282,3 +282,25 @@ async def test_re_sent_messages_after_a_store_loss_share_one_listing_of_the_work
     held = [r.request.request_id for w in (a, b) for r in w.assignments]
     assert sorted(held) == sorted(["held-1", *(f"resent-{i}" for i in range(5))])  # once each
     assert st.republished_listings == 1 and a.queue_queries == b.queue_queries == 1
+
+
+async def test_a_kept_answer_counts_although_bad_input_followed_it(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """The scheduler's look-up of a kept answer (a re-sent or last delivery already answered)
+    passes over a stray message published after the answer (before: the stray was the only
+    message kept, so the answer did not count and the request would run again)."""
+    s = Subjects(uniq)
+    sched = await live.scheduler(block_size=B)
+    stages = TtftStages(intake_wait_s=0, schedule_s=0, queue_wait_s=0, prefill_s=0,
+                        kv_transfer_s=0, first_decode_s=0, total_s=0)
+    answer = FirstToken(request_id="ans-1", token=5, stages=stages, finished_at_s=time.time())
+    data, headers = encode(answer)
+    js = nc.jetstream()
+    await js.publish(s.result("ans-1"), data, headers=headers)  # stored, as workers do
+    assert await sched._result_kept("ans-1")
+    other = answer.model_copy(update={"request_id": "someone-else"})
+    await js.publish(s.result("ans-1"), encode(other)[0])  # valid, but not ans-1's
+    await js.publish(s.result("ans-1"), b"\x00 not a result")
+    assert await sched._result_kept("ans-1")
+    assert not await sched._result_kept("never-answered")
