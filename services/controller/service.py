@@ -1300,8 +1300,8 @@ class ControllerService(MicroService):
             result = decode(FirstToken, msg.data, msg.headers)
         except SchemaError:
             return  # not ours to judge: the gateway reports malformed results
-        if result.worker_id is None:
-            return
+        if result.worker_id is None or result.request_id != msg.subject.rpartition(".")[2]:
+            return  # (another request's result on this one's subject: bad input)
         async with self._lock:
             await self._finished(WorkerId(result.worker_id), RequestId(result.request_id))
 

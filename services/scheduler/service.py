@@ -1043,6 +1043,8 @@ class SchedulerService(MicroService):
         except SchemaError:
             return
         rid = result.request_id
+        if rid != msg.subject.rpartition(".")[2]:
+            return  # another request's result on this one's subject: bad input, not news
         self.core.forget_foreign(rid)
         self.ledger.pop(rid)
         await self._release_held(rid)

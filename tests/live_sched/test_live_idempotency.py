@@ -19,6 +19,7 @@ from services.scheduler.service import (
     SchedulerSettings,
     assignment_bucket,
 )
+from shared.ids import RequestId
 from shared.schemas import (
     FirstToken,
     IntakeRequest,
@@ -304,3 +305,28 @@ async def test_a_kept_answer_counts_although_bad_input_followed_it(
     await js.publish(s.result("ans-1"), b"\x00 not a result")
     assert await sched._result_kept("ans-1")
     assert not await sched._result_kept("never-answered")
+
+
+async def test_a_result_on_another_requests_subject_finishes_nothing(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """A FirstToken of request a published on b's result subject (bad input) does not release
+    a's reservation: the scheduler takes a result only on its own request's subject (before:
+    a counted as finished, its worker's queue estimate short by a's work)."""
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    sched = await live.scheduler(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    for rid in ("a-1", "c-1"):
+        await publish(nc, s, intake(rid))
+    await wait_until(lambda: len(w.assignments) == 2, "both dispatched")
+    a, c = w.assignments
+    stages = TtftStages(intake_wait_s=0, schedule_s=0, queue_wait_s=0, prefill_s=0,
+                        kv_transfer_s=0, first_decode_s=0, total_s=0)
+    stray = FirstToken(request_id="a-1", token=1, stages=stages, finished_at_s=time.time())
+    await nc.publish(s.result("b-1"), encode(stray)[0])
+    await w.answer(c)  # after the stray on the same connection: handled after it
+    await wait_until(lambda: sched.stats.finished == 1, "c finished")
+    assert sched.core.worker_of(RequestId("a-1")) == "w-cp2-g0"  # a still in flight there
+    await w.answer(a)
+    await wait_until(lambda: sched.stats.finished == 2, "a finished on its own subject")
