@@ -232,6 +232,16 @@ async def ensure_key_value(
     )
 
 
+async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
+    """The keys holding a value or a delete marker in KV ``bucket`` (sorted), from its stream's
+    per-subject state -- not ``KeyValue.keys()``, whose watcher can end its initial replay
+    early and answer with a partial or empty list (nats-py issue 842). Raises what
+    ``stream_info`` raises (NotFoundError: no bucket)."""
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    return sorted(s[len(prefix):] for s in (info.state.subjects or {}))
+
+
 async def worker_state_kv(
     js: JetStreamContext, subjects: Subjects, *, lease_s: float = WORKER_LEASE_S
 ) -> KeyValue:

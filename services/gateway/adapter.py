@@ -56,7 +56,6 @@ from nats.js import JetStreamContext
 from nats.js.errors import (
     KeyDeletedError,
     KeyNotFoundError,
-    NoKeysError,
     NoStreamResponseError,
     NotFoundError,
 )
@@ -82,6 +81,7 @@ from shared.service import (
     REPUBLISHED_HEADER,
     Endpoint,
     MicroService,
+    bucket_keys,
     ensure_intake_stream,
     ensure_results_stream,
     kept_results,
@@ -611,16 +611,16 @@ class GatewayService(MicroService):
 
     async def worker_states(self) -> list[WorkerState]:
         """Every worker's state from the worker-state KV bucket (sorted by id)."""
-        if not self.nats_connected or self._states is None:
+        if not self.nats_connected or self._states is None or self._js is None:
             raise Unavailable("not connected to NATS; try again later")
         try:
-            keys = await self._states.keys()
-        except NoKeysError:
+            keys = await bucket_keys(self._js, self.subjects.worker_state_bucket())
+        except NotFoundError:
             return []
         except (nats.errors.TimeoutError, TimeoutError) as exc:
             raise Unavailable("worker-state bucket did not answer") from exc
         out: list[WorkerState] = []
-        for key in sorted(keys):
+        for key in keys:
             try:
                 entry = await self._states.get(key)
             except (KeyNotFoundError, KeyDeletedError):
