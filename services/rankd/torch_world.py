@@ -35,11 +35,20 @@ and a leader waiting on one member notices a dead peer of the same command at on
 after the reply timeout. :meth:`TorchWorld.health` finds a dead rank without a command (a rank
 host probes it, so a rank dying under an idle worker is noticed too).
 
+Stopping: only the leader stops a rank (``stop``, or the end of its pipe when the leader is
+gone; :meth:`TorchWorld.close` kills what does not stop). A rank ignores SIGINT and SIGTERM
+(:data:`LEADER_SIGNALS`): the rank processes share the leader's process group, so a stop sent
+to the group (``vertumnus up`` stopping its children, systemd's control-group kill, a Ctrl-C at
+a terminal) reaches them too, and a rank killed by it while the leader still runs is a dead
+rank to the leader's health probe -- an orderly stop ended as a world fault (exit status 75).
+SIGKILL still ends a rank, as any death does, and is reported as one.
+
 Blocking by design (pipes); the async backend calls it through ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing as mp
 import os
@@ -57,6 +66,9 @@ from typing import Any, Final
 from shared.ids import InvalidInput, WorkerFault, worker_name
 
 DEFAULT_REPLY_TIMEOUT_S: Final[float] = 600.0  # hang guard, not a latency bound
+LEADER_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGINT, signal.SIGTERM)
+"""Signals a rank process ignores: they stop its leader, which then stops the ranks (module
+docstring, "Stopping")."""
 REAP_GRACE_S: Final[float] = 1.0
 """How long a failure waits for a dying rank's exit status (its pipe and sockets close as it
 exits, slightly before it can be reaped), so the error names the rank that died."""
@@ -184,6 +196,10 @@ def _build_model(spec: WorldSpec, rank: int) -> Any:
 
 def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None:
     """Body of one rank process (module level: picklable for the spawn start method)."""
+    # First of all (the imports below take seconds): a stop of the process group is the
+    # leader's to carry out (module docstring, "Stopping").
+    for sig in LEADER_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -367,6 +383,10 @@ class TorchWorld:
             raise
         self.pids = tuple(pids)
         self.vocab_size = vocab.pop()
+        # A leader that exits without closing the world (an error path) stops its ranks on
+        # the way out: multiprocessing's own exit handler, which runs after this one, would
+        # SIGTERM them -- ignored -- and then wait for them for ever.
+        atexit.register(self.close)
         return self
 
     def close(self) -> None:
@@ -374,6 +394,7 @@ class TorchWorld:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         for c in self._conns:
             with contextlib.suppress(Exception):
                 c.send(("stop",))

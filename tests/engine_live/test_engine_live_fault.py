@@ -138,3 +138,45 @@ async def test_a_killed_rank_hands_every_request_back_and_ends_the_host(
                 await asyncio.wait_for(task, timeout=WAIT_S)
         await pool.close()
     assert not any(pool.world.alive())
+
+
+async def test_a_stop_sent_to_the_whole_process_group_is_no_world_fault(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """The rank processes share the rank daemon's process group, so a stop sent to the group
+    (``vertumnus up``, systemd, a Ctrl-C) reaches them as well as the daemon. They leave it to
+    the daemon: alive and serving after SIGTERM and SIGINT, no fault for its health probe, and
+    the host's stop ends without one, its ranks stopped by the pool (status 0). Before, the
+    signal killed the ranks while the workers were still stopping, and a probe that ran then
+    made the orderly stop a world fault (exit status 75)."""
+    s = Subjects(uniq)
+    await ensure_intake_stream(nc.jetstream(), s)
+    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2,
+                             drain_timeout_s=WAIT_S, host_gpus="0-1", initial_workers=WID)
+    ts = TorchSettings(model_json=json.dumps(CFG), seed=3, block_size=16, pages_per_rank=64,
+                       degrees="1,2", decode_timeout_s=WAIT_S)
+    host, pool = await start_torch_host(settings, ts, nc=nc)
+    task = asyncio.create_task(host.run(nc, handle_signals=False))
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while WID not in host.services:
+                await asyncio.sleep(0.02)
+        for pid in pool.world.pids:
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGINT)
+        # Answered after the signals were delivered (a rank takes them before it returns from
+        # waiting on its pipe): a rank they ended would be gone by now.
+        infos = await asyncio.to_thread(pool.world.info)
+        assert [i.pid for i in infos] == list(pool.world.pids)
+        assert host.services[WID].backend.health() is None  # type: ignore[attr-defined]
+
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)  # returns: no WorldBroken raised
+        assert host.fault is None and pool.world.broken is None
+    finally:
+        if not task.done():
+            host.request_stop()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, timeout=WAIT_S)
+        await pool.close()
+    assert [p.exitcode for p in pool.world._procs] == [0, 0]

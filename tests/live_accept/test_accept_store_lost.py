@@ -307,10 +307,56 @@ async def test_a_client_retry_after_the_store_is_lost_gets_the_workers_answer_ag
         gw = await live.gateway(block_size=B, result_timeout_s=30.0)
         await wait_until(lambda: len(sched.core.view) == 1, "W in the scheduler's view")
         assert await complete(gw, "x") == 200
+        # The gateway has x's answer as soon as the server forwards it, maybe before the
+        # results stream's acknowledgement reaches W. An answer unacknowledged when the store
+        # is lost is published again after the reconnect (publish_result) and answers a
+        # retry waiting then, before the scheduler's assignment reaches W (the next test).
+        # Here the old store acknowledged it: W has nothing to publish again.
+        await wait_until(lambda: not w._handoffs, "x's answer acknowledged by the store")
 
         server.lose()
         assert await complete(gw, "x") == 200
         assert w.answers_resent == 1
+        assert len(w.core) == 0 and w.core.served == 1  # not run twice
+
+
+async def test_an_answer_the_lost_store_never_acknowledged_is_published_again_for_a_retry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """x is answered, but the server dies before it acknowledges W's publish of the answer
+    (held back here). W publishes it again after the reconnect (``publish_result``), into
+    the results stream made anew; the client's retry of x, waiting at the gateway then (no
+    scheduler runs, so no assignment reaches W), is answered with it: x's own answer, from
+    the worker that ran it, and x is not run twice."""
+    real_publish = JetStreamContext.publish
+    lost = asyncio.Event()
+    held: list[str] = []
+
+    async def ack_lost(self: JetStreamContext, subject: str, payload: bytes = b"",
+                       **kw: Any) -> Any:
+        if subject.endswith(".result.x") and not held:
+            held.append(subject)  # the first publish reaches the gateway; its ack never comes
+            await self._nc.publish(subject, payload, headers=kw.get("headers"))
+            await lost.wait()
+            raise nats.errors.TimeoutError
+        return await real_publish(self, subject, payload, **kw)
+
+    monkeypatch.setattr(JetStreamContext, "publish", ack_lost)
+    async with losable(tmp_path) as (server, live):
+        await controller(live)
+        w = await live.rankd(W)
+        sched = await live.scheduler(block_size=B)
+        gw = await live.gateway(block_size=B, result_timeout_s=30.0)
+        await wait_until(lambda: len(sched.core.view) == 1, "W in the scheduler's view")
+        assert await complete(gw, "x") == 200
+        assert len(w._handoffs) == 1  # x's answer, unacknowledged
+        await live.stop(sched)
+
+        server.lose()
+        retry = asyncio.create_task(complete(gw, "x"))
+        await intake_holds(server.url, live, 1)  # the retry waits at the gateway
+        lost.set()
+        assert await retry == 200
+        assert w.answers_resent == 0  # no assignment reached W: its first publish answered
         assert len(w.core) == 0 and w.core.served == 1  # not run twice
 
 
