@@ -55,7 +55,7 @@ from opentelemetry import trace
 from pydantic import BaseModel
 
 from shared.ids import InvalidInput, UnknownWorker, VertumnusError
-from shared.schemas import JSON, SchemaError, decode, encode
+from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, validate_subject
 from shared.tasks import cancel_and_wait, cancel_requested
@@ -324,6 +324,45 @@ async def kept_results(js: JetStreamContext, subjects: Subjects, request_id: str
         out.append(msg)
         seq = int(msg.seq) + 1
     return out
+
+
+def first_token_of(request_id: str, msg: Any) -> FirstToken:
+    """The FirstToken of ``request_id`` in a message of its result subject (``.data``,
+    ``.headers``). Anything else published there -- bytes that do not decode, or another
+    request's result -- raises :class:`SchemaError` (field ``request_id`` for the latter):
+    bad input, which must neither answer nor finish that request."""
+    result = decode(FirstToken, msg.data, msg.headers)
+    if result.request_id != request_id:
+        raise SchemaError("FirstToken", "request_id",
+                          f"it is the result of request {result.request_id!r}")
+    return result
+
+
+async def latest_result(
+    js: JetStreamContext,
+    subjects: Subjects,
+    request_id: str,
+    *,
+    on_bad: Callable[[SchemaError], None] | None = None,
+) -> tuple[FirstToken, int] | None:
+    """The latest FirstToken of ``request_id`` the results stream keeps, and its stream
+    sequence; None when it keeps none. Messages kept there that are no FirstToken of that
+    request (:func:`first_token_of`) are passed over for the latest one before them that is;
+    ``on_bad`` hears of the latest message only when it is such (once per read, not for
+    every earlier one). Raises what JetStream raises: NotFoundError when the stream keeps
+    nothing for the request, or when the stream itself is missing (``err_code``)."""
+    kept = await js.get_last_msg(subjects.results_stream(), subjects.result(request_id))
+    try:
+        return first_token_of(request_id, kept), int(kept.seq)
+    except SchemaError as exc:
+        if on_bad is not None:
+            on_bad(exc)
+    for earlier in reversed(await kept_results(js, subjects, request_id)):
+        try:
+            return first_token_of(request_id, earlier), int(earlier.seq)
+        except SchemaError:
+            continue
+    return None
 
 
 async def publish_result(nc: Client, subject: str, data: bytes, headers: dict[str, str], *,
@@ -875,6 +914,9 @@ __all__ = [
     "ensure_intake_stream",
     "ensure_key_value",
     "ensure_results_stream",
+    "first_token_of",
+    "kept_results",
+    "latest_result",
     "publish_result",
     "epoch_kv",
     "every_answer",

@@ -161,7 +161,6 @@ from shared.schemas import (
     EpochAck,
     EpochRecord,
     EpochWorker,
-    FirstToken,
     Id,
     Message,
     NonNegFloat,
@@ -185,6 +184,7 @@ from shared.service import (
     RemoteError,
     call,
     epoch_kv,
+    first_token_of,
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
@@ -1297,11 +1297,13 @@ class ControllerService(MicroService):
         if core is None or not (self._awaiting or core.pending_plan or core.protocol.in_progress()):
             return  # nothing drains: results are none of our business
         try:
-            result = decode(FirstToken, msg.data, msg.headers)
+            result = first_token_of(msg.subject.rpartition(".")[2], msg)
         except SchemaError:
-            return  # not ours to judge: the gateway reports malformed results
-        if result.worker_id is None or result.request_id != msg.subject.rpartition(".")[2]:
-            return  # (another request's result on this one's subject: bad input)
+            # Undecodable, or another request's result on this one's subject: not ours
+            # to judge (the gateway reports malformed results).
+            return
+        if result.worker_id is None:
+            return
         async with self._lock:
             await self._finished(WorkerId(result.worker_id), RequestId(result.request_id))
 

@@ -84,7 +84,8 @@ from shared.service import (
     bucket_keys,
     ensure_intake_stream,
     ensure_results_stream,
-    kept_results,
+    first_token_of,
+    latest_result,
     worker_state_kv,
 )
 from shared.subjects import micro_service_name, validate_subject
@@ -338,22 +339,19 @@ class GatewayService(MicroService):
         if result is not None:
             self._deliver(rid, result, received)
 
-    def _result_of(self, rid: str, msg: Any, *, count: bool = True) -> FirstToken | None:
-        """The FirstToken of ``rid`` in a result message (``.data``, ``.headers``), or None
-        (logged and, with ``count``, counted) when the message is not one."""
+    def _result_of(self, rid: str, msg: Any) -> FirstToken | None:
+        """The FirstToken of ``rid`` in a result message, or None (counted and logged:
+        :meth:`_malformed`) when the message is none (``shared.service.first_token_of``)."""
         try:
-            result = decode(FirstToken, msg.data, msg.headers)
+            return first_token_of(rid, msg)
         except SchemaError as exc:
-            error = schema_message(exc)
-        else:
-            if result.request_id == rid:
-                return result
-            error = f"it is the result of request {result.request_id!r}"
-        if count:
-            self.counters["results_malformed"] += 1
-            self.log.warning("malformed first-token result ignored", request_id=rid,
-                             error=error)
-        return None
+            self._malformed(rid, exc)
+            return None
+
+    def _malformed(self, rid: str, exc: SchemaError) -> None:
+        self.counters["results_malformed"] += 1
+        self.log.warning("malformed first-token result ignored", request_id=rid,
+                         error=schema_message(exc))
 
     def _deliver(self, rid: str, result: FirstToken, received: float) -> int:
         """Hand a result to everyone waiting for ``rid``; returns how many were still
@@ -571,18 +569,10 @@ class GatewayService(MicroService):
         :meth:`_result_of`) is passed over for the latest one before it that is."""
         assert self._js is not None
         try:
-            kept = await asyncio.wait_for(
-                self._js.get_last_msg(self.subjects.results_stream(),
-                                      self.subjects.result(rid)),
+            return await asyncio.wait_for(
+                latest_result(self._js, self.subjects, rid,
+                              on_bad=lambda exc: self._malformed(rid, exc)),
                 self.gsettings.publish_timeout_s)
-            result = self._result_of(rid, kept)
-            if result is None:
-                earlier = await asyncio.wait_for(kept_results(self._js, self.subjects, rid),
-                                                 self.gsettings.publish_timeout_s)
-                for kept in reversed(earlier):
-                    result = self._result_of(rid, kept, count=False)
-                    if result is not None:
-                        break
         except NotFoundError as exc:
             if exc.err_code == STREAM_NOT_FOUND:
                 # Lost with the server's store: make it again, so the next retries find
@@ -594,7 +584,6 @@ class GatewayService(MicroService):
         except (nats.errors.Error, TimeoutError) as exc:
             self.log.warning("results stream not read", error=f"{type(exc).__name__}: {exc}")
             return None
-        return None if result is None else (result, kept.seq)
 
     def _forget(self, rid: str, fut: asyncio.Future[tuple[FirstToken, float]]) -> None:
         """Drop one waiter (answered, timed out or failed before publishing)."""

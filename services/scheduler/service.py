@@ -221,7 +221,8 @@ from shared.service import (
     ensure_key_value,
     ensure_results_stream,
     every_answer,
-    kept_results,
+    first_token_of,
+    latest_result,
     publish_result,
     worker_state_kv,
 )
@@ -1038,13 +1039,13 @@ class SchedulerService(MicroService):
             self.log.warning("peer placement ignored", subject=msg.subject, error=str(exc))
 
     async def _on_result(self, msg: Msg) -> None:
+        rid = msg.subject.rpartition(".")[2]
         try:
-            result = decode(FirstToken, msg.data, msg.headers)
+            # Undecodable, or another request's result on this one's subject: bad input,
+            # not news.
+            result = first_token_of(rid, msg)
         except SchemaError:
             return
-        rid = result.request_id
-        if rid != msg.subject.rpartition(".")[2]:
-            return  # another request's result on this one's subject: bad input, not news
         self.core.forget_foreign(rid)
         self.ledger.pop(rid)
         await self._release_held(rid)
@@ -1797,25 +1798,12 @@ class SchedulerService(MicroService):
         clock skew larger than the request's time in the system makes its own answer not
         count, and the caller then does what it did before this check."""
         assert self._js is not None
-
-        def first_token(kept: Any) -> FirstToken | None:
-            try:
-                ft = decode(FirstToken, kept.data, kept.headers)
-            except SchemaError:
-                return None
-            return ft if ft.request_id == rid else None
-
         try:
-            kept = await self._js.get_last_msg(self.subjects.results_stream(),
-                                               self.subjects.result(rid))
-            ft = first_token(kept)
-            if ft is None:  # bad input there: the latest before it that is a result
-                ft = next((f for k in reversed(await kept_results(self._js, self.subjects, rid))
-                           if (f := first_token(k)) is not None), None)
+            kept = await latest_result(self._js, self.subjects, rid)
         except Exception:  # none kept (NotFoundError), or the stream did not answer
             return False
-        return ft is not None and ft.error is None \
-            and (since_s is None or ft.finished_at_s >= since_s)
+        return kept is not None and kept[0].error is None \
+            and (since_s is None or kept[0].finished_at_s >= since_s)
 
     async def _settle(self, stored: Any, rid: str) -> bool:
         """Wait for a record's store acknowledgement; a failure is logged, not fatal (the

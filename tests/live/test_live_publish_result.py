@@ -7,10 +7,32 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from nats.aio.client import Client
+from nats.js.errors import NotFoundError
 
-from shared.service import ensure_results_stream, publish_result
+from shared.schemas import FirstToken, SchemaError, TtftStages, encode
+from shared.service import (
+    RESULTS_KEPT_PER_REQUEST,
+    ensure_results_stream,
+    first_token_of,
+    latest_result,
+    publish_result,
+)
 from shared.subjects import Subjects
+
+
+def first_token(rid: str, token: int = 7) -> FirstToken:
+    return FirstToken(request_id=rid, token=token, stages=TtftStages(
+        intake_wait_s=0, schedule_s=0, queue_wait_s=0, prefill_s=0, kv_transfer_s=0,
+        first_decode_s=0, total_s=0), finished_at_s=1.0)
+
+
+class Kept:
+    """A message as a reader gets it: ``.data`` and ``.headers``."""
+
+    def __init__(self, ft: FirstToken | bytes) -> None:
+        self.data, self.headers = (ft, None) if isinstance(ft, bytes) else encode(ft)
 
 
 class Notes:
@@ -51,3 +73,35 @@ async def test_gives_up_after_its_bound_and_says_so(nc: Client, uniq: str) -> No
                                     within_s=0.3, log=notes)
     assert [e for e, _ in notes.warnings] == ["result not stored by the results stream"]
     assert notes.warnings[0][1]["subject"] == s.result("r3")
+
+
+def test_first_token_of_takes_only_a_result_of_that_request() -> None:
+    assert first_token_of("a", Kept(first_token("a"))).token == 7
+    with pytest.raises(SchemaError) as other:
+        first_token_of("a", Kept(first_token("b")))
+    assert other.value.field == "request_id" and "'b'" in other.value.reason
+    with pytest.raises(SchemaError) as junk:
+        first_token_of("a", Kept(b"\x00 no message"))
+    assert junk.value.field == "<payload>"
+
+
+async def test_latest_result_passes_over_what_is_no_result_of_that_request(
+        nc: Client, uniq: str) -> None:
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_results_stream(js, s)
+    with pytest.raises(NotFoundError):  # nothing kept for it
+        await latest_result(js, s, "a")
+    answer, stray = encode(first_token("a", 11)), encode(first_token("b"))
+    await js.publish(s.result("a"), answer[0], headers=answer[1])
+    await js.publish(s.result("a"), stray[0], headers=stray[1])
+    await js.publish(s.result("a"), b"junk")
+    bad: list[SchemaError] = []
+    kept = await latest_result(js, s, "a", on_bad=bad.append)
+    assert kept is not None and kept[0].token == 11 and kept[1] == 1
+    assert [e.field for e in bad] == ["<payload>"]  # the latest only, once
+
+    # More strays than the stream keeps per request: the answer is gone, none is found.
+    for _ in range(RESULTS_KEPT_PER_REQUEST):
+        await js.publish(s.result("a"), b"junk")
+    assert await latest_result(js, s, "a") is None
