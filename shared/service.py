@@ -73,7 +73,7 @@ RESULTS_STREAM_MAX_BYTES: Final[int] = 64 * 1024 * 1024
 RESULTS_KEPT_PER_REQUEST: Final[int] = 4
 """Results the results stream keeps per request id: the latest and a few before it, so that a
 stray message on a request's result subject (bad input) does not displace its answer
-(:func:`kept_results`; readers take the latest that is a FirstToken of that request)."""
+(:func:`latest_result`: the latest that is a FirstToken of that request)."""
 JETSTREAM_CHECK_S: Final[float] = 1.0
 """How often a service looks for a reconnect after which to ensure its JetStream assets."""
 REPUBLISHED_HEADER: Final[str] = "Vtm-Republished"
