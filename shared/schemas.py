@@ -583,6 +583,11 @@ class FirstToken(Message):
     stages: TtftStages
     finished_at_s: WallTime
     error: str | None = None
+    arrival_s: WallTime | None = Field(
+        default=None,
+        description="the answered request's arrival_s, echoed from its IntakeRequest: which "
+        "attempt of a request id this answers, on the gateway's own clock (None: not known)",
+    )
 
     @model_validator(mode="after")
     def _token_or_error(self) -> FirstToken:

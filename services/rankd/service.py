@@ -650,6 +650,7 @@ class RankdService(MicroService):
             prefix_tokens=(job.executed or a).prefix_tokens,
             stages=ttft_stages(job, result),
             finished_at_s=result.finished_at_s,
+            arrival_s=a.request.arrival_s,
         )
         data, headers = encode(msg)
         self._keep_answer(a.request, self.subjects.result(a.request.request_id), data,
@@ -667,6 +668,7 @@ class RankdService(MicroService):
             predicted_prefill_s=a.predicted_s,
             stages=TtftStages(total_s=_nonneg(now - a.request.arrival_s)),
             finished_at_s=now,
+            arrival_s=a.request.arrival_s,
         )
         data, headers = encode(msg)
         self._keep_answer(a.request, self.subjects.result(a.request.request_id), data,

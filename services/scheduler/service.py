@@ -1793,17 +1793,25 @@ class SchedulerService(MicroService):
 
     async def _result_kept(self, rid: str, *, since_s: float | None = None) -> bool:
         """Whether the results stream keeps a first token (not an error) for ``rid``, one
-        finished at or after ``since_s`` if given (wall time: not an earlier request that
-        used the same id). The two stamps come from different hosts (worker, gateway): a
-        clock skew larger than the request's time in the system makes its own answer not
-        count, and the caller then does what it did before this check."""
+        that answers an attempt that arrived at or after ``since_s`` if given (the request's
+        ``arrival_s``: not an earlier request that used the same id).
+
+        Both stamps are the gateway's: a FirstToken echoes the ``arrival_s`` of the request
+        it answers. One without it (an older producer) is judged by when it finished, a
+        stamp from the worker's host instead: there a clock skew larger than the request's
+        time in the system makes its own answer not count, and the caller then does what it
+        did before this check (the request is placed again; its worker sends the answer it
+        kept)."""
         assert self._js is not None
         try:
             kept = await latest_result(self._js, self.subjects, rid)
         except Exception:  # none kept (NotFoundError), or the stream did not answer
             return False
-        return kept is not None and kept[0].error is None \
-            and (since_s is None or kept[0].finished_at_s >= since_s)
+        if kept is None or kept[0].error is not None:
+            return False
+        ft = kept[0]
+        return since_s is None or (ft.finished_at_s if ft.arrival_s is None
+                                   else ft.arrival_s) >= since_s
 
     async def _settle(self, stored: Any, rid: str) -> bool:
         """Wait for a record's store acknowledgement; a failure is logged, not fatal (the
@@ -1940,6 +1948,7 @@ class SchedulerService(MicroService):
         fail = FirstToken(
             request_id=req.request_id, token=None, error=f"not scheduled: {reason}",
             stages=TtftStages(total_s=max(0.0, now - req.arrival_s)), finished_at_s=now,
+            arrival_s=req.arrival_s,
         )
         data, headers = encode(fail)
         # Stored by the results stream (sent again across a broker blip), as workers' results

@@ -135,12 +135,12 @@ async def test_fifo_results_state_and_spans(
     sub, results, done = await collect(nc, s.result_all(), 3, FirstToken)
     ev_sub, events, got_event = await collect(nc, s.cache_events(WID), 1, CacheEvent)
     acks = []
+    arrived = time.time()
     with tracer().start_as_current_span("schedule") as sched:
         for rid in ("r-a", "r-b", "r-c"):
             acks.append(
-                await call(
-                    nc, s.worker_assign(WID), assignment(rid), AssignmentAck, timeout_s=WAIT_S
-                )
+                await call(nc, s.worker_assign(WID), assignment(rid, arrival=arrived),
+                           AssignmentAck, timeout_s=WAIT_S)
             )
     assert [a.queue_position for a in acks] == [0, 1, 2]
     await asyncio.wait_for(done.wait(), timeout=WAIT_S)
@@ -156,6 +156,7 @@ async def test_fifo_results_state_and_spans(
     assert events[0] == CacheStored(worker=WID, event_id=1, parent_hash=None, block_hashes=[1, 2])
     for r in results:
         assert r.token == fake_token(r.request_id) and r.worker_id == WID
+        assert r.arrival_s == arrived  # the answered attempt's stamp, echoed
         st = r.stages
         assert st.prefill_s > 0 and st.total_s >= st.prefill_s
         assert st.intake_wait_s >= 0 and st.schedule_s >= 0
@@ -296,10 +297,10 @@ async def test_epoch_adoption_acks_drain_and_redirect(
     assert sorted((a.gpu, a.epoch, a.worker_id) for a in acks) == [(2, 1, WID), (3, 1, WID)]
     await sub.unsubscribe()
 
+    arrived = time.time()
     for rid in ("q-1", "q-2", "q-3"):
-        await call(
-            nc, s.worker_assign(WID), assignment(rid, epoch=1), AssignmentAck, timeout_s=WAIT_S
-        )
+        await call(nc, s.worker_assign(WID), assignment(rid, epoch=1, arrival=arrived),
+                   AssignmentAck, timeout_s=WAIT_S)
     consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
     await epochs.put(s.epoch_key(), rec(2, Lifecycle.DRAINING))
     redirected = []
@@ -324,6 +325,7 @@ async def test_epoch_adoption_acks_drain_and_redirect(
     await asyncio.wait_for(task, timeout=WAIT_S)
     await asyncio.wait_for(failed.wait(), timeout=WAIT_S)
     assert failures[0].token is None and "stopped" in failures[0].error
+    assert failures[0].arrival_s == arrived  # which attempt it answers
     state = from_json(
         WorkerState, (await (await js.key_value(s.worker_state_bucket())).get(WID)).value
     )

@@ -307,6 +307,33 @@ async def test_a_kept_answer_counts_although_bad_input_followed_it(
     assert not await sched._result_kept("never-answered")
 
 
+async def test_a_kept_answer_is_matched_to_its_attempt_by_the_gateways_clock(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """Whether a kept answer answers this attempt of a request id is judged by the arrival
+    stamp the answer echoes (the gateway's clock), not by when the worker finished it (its
+    host's clock): an answer from a worker whose clock is a minute behind still counts for
+    its own attempt (before: it did not, and the request was placed again), and an answer to
+    an earlier attempt under the same id does not count for a later one."""
+    s = Subjects(uniq)
+    sched = await live.scheduler(block_size=B)
+    stages = TtftStages(intake_wait_s=0, schedule_s=0, queue_wait_s=0, prefill_s=0,
+                        kv_transfer_s=0, first_decode_s=0, total_s=0)
+    arrival = time.time()
+    behind = FirstToken(request_id="skew-1", token=5, stages=stages,
+                        finished_at_s=arrival - 60.0, arrival_s=arrival)
+    data, headers = encode(behind)
+    js = nc.jetstream()
+    await js.publish(s.result("skew-1"), data, headers=headers)
+    assert await sched._result_kept("skew-1", since_s=arrival)
+    assert not await sched._result_kept("skew-1", since_s=arrival + 1.0)  # a later attempt
+    # An answer without the echo (an older worker) is judged by when it finished.
+    old = encode(behind.model_copy(update={"arrival_s": None}))
+    await js.publish(s.result("skew-1"), old[0], headers=old[1])
+    assert not await sched._result_kept("skew-1", since_s=arrival)
+    assert await sched._result_kept("skew-1", since_s=arrival - 60.0)
+
+
 async def test_a_result_on_another_requests_subject_finishes_nothing(
     live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
 ) -> None:
