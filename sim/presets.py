@@ -39,6 +39,7 @@ from sim.experiments import (
     summarize_run,
 )
 from sim.groundtruth import GroundTruth
+from sim.hardware import ground_truth_to_mapping
 from sim.runner import _jsonable, load_trace, obtain_profile, write_outputs
 from sim.workloads import default_traces_dir, generate
 from sim.workloads.synthetic import Phase, SyntheticConfig
@@ -62,11 +63,13 @@ def descriptions() -> dict[str, str]:
     }
 
 
-def run(name: str, *, out: Path, seed: int = 0, progress: bool = False) -> dict[str, Any]:
+def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
+        truth: GroundTruth | None = None) -> dict[str, Any]:
+    """Run the preset ``name``; ``truth``: the simulated hardware (default: the note's)."""
     if name == "reconfig":
-        return run_reconfig(out=out, seed=seed, progress=progress)
+        return run_reconfig(out=out, seed=seed, progress=progress, truth=truth)
     if name == "ablation":
-        return run_ablation(out=out, seed=seed, progress=progress)
+        return run_ablation(out=out, seed=seed, progress=progress, truth=truth)
     raise InvalidInput(f"unknown preset {name!r}; known: conversation, leval, azure-code, "
                        "reconfig, ablation")
 
@@ -83,16 +86,17 @@ def _phase_bounds(phases: Sequence[Phase], duration: float) -> list[tuple[float,
 
 def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
                  base_rate: float = 24.0, gpus: int = 40, degrees: tuple[int, ...] = (2, 4),
-                 fixed: tuple[str, str] = ("12CP2/4CP4", "4CP2/8CP4")) -> dict[str, Any]:
+                 fixed: tuple[str, str] = ("12CP2/4CP4", "4CP2/8CP4"),
+                 truth: GroundTruth | None = None) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     duration = sum(p.duration_s for p in RECONFIG_PHASES)
     wl = generate(SyntheticConfig(duration_s=duration, rate=base_rate, phases=RECONFIG_PHASES),
                   seed=seed, name="reconfig-phases")
-    prof = obtain_profile(None, out, degrees, seed)
+    truth = truth or GroundTruth()
+    prof = obtain_profile(None, out, degrees, seed, truth)
     spec = ExperimentSpec(gpus=gpus, degrees=degrees, seed=seed)
     lattice = Lattice(gpus, degrees)
-    truth = GroundTruth()
     bounds = _phase_bounds(RECONFIG_PHASES, duration)
     start = Composition.parse(lattice, fixed[0])
     # The fixed compositions run the same J scheduler with the same calibrated weights: the
@@ -143,6 +147,7 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
         "first_reaction_kind": reaction_kind,
         "drain_switch_s": _drain_switch_summary(reconfs),
         "profile": prof.to_dict(),
+        "hardware": ground_truth_to_mapping(truth),
     }
     write_outputs(out, rows, meta)
     _plot_phases(out, bounds, phases_out, timelines)
@@ -205,18 +210,19 @@ def _plot_phases(out: Path, bounds: list[tuple[float, float]], per: dict[str, li
 def run_ablation(*, out: Path, seed: int = 0, progress: bool = False,
                  rate_scales: Sequence[float] = (1.5, 2.0, 2.5, 3.0),
                  cache_blocks_per_gpu: int = 200, composition: str = "8CP2/6CP4",
-                 workload: Workload | None = None) -> dict[str, Any]:
+                 workload: Workload | None = None,
+                 truth: GroundTruth | None = None) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     wl = workload or load_trace(str(default_traces_dir() / "mooncake/conversation_trace.jsonl"),
                                 "mooncake", seed=seed, rate=None, max_requests=None)
     degrees = (2, 4)
-    prof = obtain_profile(None, out, degrees, seed)
+    truth = truth or GroundTruth()
+    prof = obtain_profile(None, out, degrees, seed, truth)
     spec = ExperimentSpec(gpus=40, degrees=degrees, seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu)
     lattice = Lattice(40, degrees)
     comp = Composition.parse(lattice, composition)
-    truth = GroundTruth()
     rows = []
     for scale in rate_scales:
         w = scale_rate(wl, scale) if scale != 1.0 else wl
@@ -232,6 +238,6 @@ def run_ablation(*, out: Path, seed: int = 0, progress: bool = False,
                                       oracle=oracle, wall_s=time.perf_counter() - t0))
     meta = {"workload": wl.name, "gpus": 40, "degrees": list(degrees), "seed": seed,
             "composition": composition, "cache_blocks_per_gpu": cache_blocks_per_gpu,
-            "profile": prof.to_dict()}
+            "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth)}
     write_outputs(out, rows, meta)
     return {"rows": rows, "meta": meta}

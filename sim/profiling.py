@@ -39,6 +39,7 @@ import numpy as np
 from shared.costmodel import Profile, Sample, fit_profile, mape
 from shared.ids import InvalidInput
 from sim.groundtruth import DEFAULT_GROUND_TRUTH, GroundTruth, Kind, NoisyGroundTruth
+from sim.hardware import ground_truth_to_mapping
 from sim.metrics import QWEN3_SLO, SloTable
 from sim.workloads import Workload, generate, load_workload, workload_stats
 
@@ -563,6 +564,7 @@ def run_profile(
         "degrees": list(degs),
         "model": truth.model.name,
         "gpu": truth.gpu.name,
+        "hardware": ground_truth_to_mapping(truth),
         "grid": {
             "r": list(PROFILE_R),
             "p": list(PROFILE_P),
@@ -606,11 +608,14 @@ def profile_command(
     degrees: Sequence[int] = PROFILE_DEGREES,
     seed: int = 0,
     kappa_workload: Workload | str | Path | None = None,
+    truth: GroundTruth | None = None,
 ) -> Path:
     """CLI entry of ``vertumnus profile``: returns the path of the written profile.json.
 
     ``kappa_workload`` may be a Workload, a trace path or "synthetic" (loaded with
     :func:`sim.workloads.load_workload`; L-Eval needs a rate, so pass a Workload for it).
+    ``truth``: the simulated hardware measured (``--hardware``, :mod:`sim.hardware`; None:
+    the default).
     Only the ``sim`` backend is implemented here.
     """
     if backend != "sim":
@@ -618,5 +623,6 @@ def profile_command(
     wl = kappa_workload
     if isinstance(wl, (str, Path)):
         wl = load_workload(wl, seed=seed)
-    run_profile(out_dir, degrees=degrees, seed=seed, kappa_workload=wl)
+    run_profile(out_dir, degrees=degrees, seed=seed, kappa_workload=wl,
+                truth=truth or DEFAULT_GROUND_TRUTH)
     return Path(out_dir) / PROFILE_FILE

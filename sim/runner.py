@@ -29,6 +29,7 @@ from shared.costmodel import Profile
 from shared.ids import InvalidInput
 from sim.experiments import ALL_POLICIES, ExperimentSpec, sweep
 from sim.groundtruth import GroundTruth
+from sim.hardware import ground_truth_to_mapping
 from sim.workloads import (
     default_traces_dir,
     generate,
@@ -87,8 +88,8 @@ def _is_leval(path: Path) -> bool:
     return '"doc_sha1"' in first or '"doc_id"' in first
 
 
-def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload: Workload
-                         ) -> tuple[Profile, dict[str, Any]]:
+def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload: Workload,
+                         truth: GroundTruth | None = None) -> tuple[Profile, dict[str, Any]]:
     """The profile a sweep uses when no profile file is given: Ê fitted on the sim backend
     (``out/profile``, as ``vertumnus profile`` writes it) and κ_C measured on ``workload``'s own
     traffic (:func:`sim.profiling.trace_kappa`: a routed pool, the trace's length mix and
@@ -105,22 +106,24 @@ def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload:
 
     degs = sorted(set(degrees))
     fitted, _ = run_profile(out / "profile", degrees=sorted(set(degrees) | {1}), seed=seed,
-                            measure_kappas=False)
+                            measure_kappas=False, truth=truth or GroundTruth())
     prof, report = cached_trace_kappa(fitted, workload, out / "profile", degrees=degs, seed=seed)
     prof.save(out / "profile" / PROFILE_FILE)
     return prof, report
 
 
-def obtain_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], seed: int
-                   ) -> Profile:
+def obtain_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], seed: int,
+                   truth: GroundTruth | None = None) -> Profile:
     """The fitted profile the policies use: a given file, or one measured now on the sim
-    backend (written to ``out/profile``). Never the ground truth itself."""
+    backend of ``truth``'s hardware (written to ``out/profile``). Never the ground truth
+    itself."""
     if profile_path is not None:
         return Profile.load(profile_path)
     from sim.profiling import run_profile
 
     degs = sorted(set(degrees) | {1})
-    prof, _ = run_profile(out / "profile", degrees=degs, seed=seed)
+    prof, _ = run_profile(out / "profile", degrees=degs, seed=seed,
+                          truth=truth or GroundTruth())
     return prof
 
 
@@ -145,10 +148,14 @@ def run_simulate(
     spec_overrides: Mapping[str, Any] | None = None,
     workload: Workload | None = None,
     jobs: int = 1,
+    truth: GroundTruth | None = None,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
 
     ``jobs``: worker processes for the sweep's cells (same results; see ``sweep``).
+    ``truth``: the simulated hardware (default: the note's Qwen3-30B-A3B on H20;
+    :mod:`sim.hardware` reads one from a file); the profile measured here is fitted on it,
+    and meta.json records it.
 
     The profile: ``profile_path`` as given (its κ judged with ``calibration.KAPPA_SCALE``: a
     ``vertumnus profile`` κ is a single worker's), else one measured now with κ on this trace
@@ -164,14 +171,15 @@ def run_simulate(
         raise InvalidInput("no policies given")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    truth = truth or GroundTruth()
     wl = workload or load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
     overrides = dict(spec_overrides or {})
     kappa_info: dict[str, Any]
     if profile_path is not None:
-        prof = obtain_profile(profile_path, out, degrees, seed)
+        prof = obtain_profile(profile_path, out, degrees, seed, truth)
         kappa_info = {"source": str(profile_path)}
     else:
-        prof, krep = obtain_trace_profile(out, degrees, seed, wl)
+        prof, krep = obtain_trace_profile(out, degrees, seed, wl, truth)
         overrides.setdefault("kappa_scale", 1.0)
         kappa_info = {"source": "trace", "cache_key": krep.get("key"),
                       "cached": krep.get("cached"), "replay_arrivals": krep["replay_arrivals"],
@@ -182,7 +190,7 @@ def run_simulate(
     kappa_info["kappa_scale"] = spec.kappa_scale
     t0 = time.perf_counter()
     rows, side = _with_progress(progress, len(policies) * len(rate_scales), lambda cb: sweep(
-        wl, policies, rate_scales, prof, spec, GroundTruth(), on_run=cb, jobs=jobs))
+        wl, policies, rate_scales, prof, spec, truth, on_run=cb, jobs=jobs))
     meta = {
         "workload": wl.name,
         "workload_stats": _jsonable(workload_stats(wl)),
@@ -192,6 +200,7 @@ def run_simulate(
         "cache_blocks_per_gpu": cache_blocks_per_gpu,
         "profile": prof.to_dict(),
         "kappa": kappa_info,
+        "hardware": ground_truth_to_mapping(truth),
         "wall_s": time.perf_counter() - t0,
         **_jsonable(side),
     }
@@ -364,17 +373,19 @@ def preset_descriptions() -> dict[str, str]:
 
 
 def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
-               policies: Sequence[str] | None = None, jobs: int = 1) -> dict[str, Any]:
+               policies: Sequence[str] | None = None, jobs: int = 1,
+               truth: GroundTruth | None = None) -> dict[str, Any]:
     """Run a named experiment. ``policies`` (the trace presets only; default: all eight
-    compared policies) and ``jobs`` (worker processes for a trace preset's sweep)."""
+    compared policies), ``jobs`` (worker processes for a trace preset's sweep) and ``truth``
+    (the simulated hardware; default: the note's)."""
     if name in PRESETS:
         p = dict(PRESETS[name])
         p.pop("desc")
         pols = list(ALL_POLICIES[:8]) if policies is None else list(policies)
         return run_simulate(policies=pols, out=out, seed=seed, gpus=40,
-                            degrees=(2, 4), progress=progress, jobs=jobs, **p)
+                            degrees=(2, 4), progress=progress, jobs=jobs, truth=truth, **p)
     if policies is not None:
         raise InvalidInput(f"preset {name!r} runs fixed deployments; --policies does not apply")
     from sim import presets
 
-    return presets.run(name, out=out, seed=seed, progress=progress)
+    return presets.run(name, out=out, seed=seed, progress=progress, truth=truth)

@@ -26,6 +26,20 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
                       need="integers >= 1")
 
 
+_HARDWARE_HELP = ("Simulated model and GPUs: a .json or .toml file (sim/hardware.py; "
+                  "default: Qwen3-30B-A3B on H20)")
+
+
+def _truth(hardware: Path | None) -> dict[str, Any]:
+    """``{"truth": ground truth}`` of a ``--hardware`` file (None: the default); raises
+    InvalidInput naming the file and the bad key."""
+    if hardware is None:
+        return {"truth": None}
+    from sim.hardware import load_ground_truth
+
+    return {"truth": load_ground_truth(hardware)}
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def profile(
@@ -40,6 +54,9 @@ def register(app: typer.Typer) -> None:
         workload: Annotated[
             str, typer.Option(help="Length mix for the κ ramp: 'synthetic' or a trace path")
         ] = "synthetic",
+        hardware: Annotated[
+            Path | None, typer.Option(help=_HARDWARE_HELP + " (sim backend)")
+        ] = None,
     ) -> None:
         """Measure a (R, P, C) grid, fit Ê_C, report MAPE, measure κ_C, write the profile."""
         degs = _ints(degrees, "degrees")
@@ -48,8 +65,11 @@ def register(app: typer.Typer) -> None:
                 from sim.profiling import profile_command
 
                 path = profile_command(out, backend="sim", degrees=degs, seed=seed,
-                                       kappa_workload=workload)
+                                       kappa_workload=workload, **_truth(hardware))
             elif backend == "torch":
+                if hardware is not None:
+                    _fail("--hardware describes the simulated hardware; the torch backend "
+                          "measures the machine it runs on")
                 try:
                     from services.rankd.engine.profiling import torch_profile_command
                 except ModuleNotFoundError as exc:
@@ -98,6 +118,7 @@ def register(app: typer.Typer) -> None:
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
                               "(same results)")
         ] = 1,
+        hardware: Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)] = None,
     ) -> None:
         """Compare policies on one trace over request rates; writes results.json, CSV, plots."""
         from sim import runner
@@ -114,13 +135,14 @@ def register(app: typer.Typer) -> None:
                 profile_path=profile_path, max_requests=max_requests or None,
                 cache_blocks_per_gpu=cache_blocks_per_gpu or None,
                 beta=beta or None, lam=None if lam < 0 else lam, jobs=jobs,
+                **_truth(hardware),
             )
             if preset:
                 # A preset fixes its trace and rates; --policies narrows a trace preset's
                 # policies when given (anything but the default list).
                 chosen = None if policies == _DEFAULT_POLICIES else args["policies"]
                 summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
-                                            policies=chosen, jobs=jobs)
+                                            policies=chosen, jobs=jobs, truth=args["truth"])
             else:
                 summary = runner.run_simulate(**args, progress=True)
         except InvalidInput as exc:

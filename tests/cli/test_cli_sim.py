@@ -321,6 +321,56 @@ def test_profile_rejects_unknown_backend(runner, tmp_path) -> None:
     assert not (tmp_path / "profile.json").exists()
 
 
+# --- --hardware ---------------------------------------------------------------------------------
+def test_simulate_on_a_hardware_file(sim_dir, runner, profile_file, tmp_path) -> None:
+    """The sweep runs on the file's hardware and records it; the same trace on a faster GPU
+    has a lower zero-queue limit at every (policy, rate)."""
+    out, _ = sim_dir
+    hw = tmp_path / "h200.toml"
+    hw.write_text('gpu = "H200"\n')
+    fast = tmp_path / "fast"
+    _ok(runner.invoke(app, [*SIM_ARGS, "--out", str(fast), "--profile", str(profile_file),
+                            "--hardware", str(hw)]))
+    meta = json.loads((fast / "meta.json").read_text())
+    assert meta["hardware"]["gpu"]["name"] == "H200"
+    assert meta["hardware"]["memory_gpu"]["name"] == "H200"
+    assert json.loads((out / "meta.json").read_text())["hardware"]["gpu"]["name"] == "H20"
+    base = {(r["policy"], r["rate_scale"]): r for r in
+            json.loads((out / "results.json").read_text())}
+    rows = json.loads((fast / "results.json").read_text())
+    assert len(rows) == len(base)
+    for r in rows:
+        assert r["oracle_mean_ttft_s"] < base[(r["policy"], r["rate_scale"])][
+            "oracle_mean_ttft_s"]
+
+
+def test_profile_on_a_hardware_file(runner, tmp_path) -> None:
+    hw = tmp_path / "h200.json"
+    hw.write_text(json.dumps({"gpu": "H200"}))
+    out = tmp_path / "prof"
+    _ok(runner.invoke(app, ["profile", "--backend", "sim", "--out", str(out), "--degrees",
+                            "1,2", "--hardware", str(hw)]))
+    report = json.loads((out / "profile_report.json").read_text())
+    assert report["gpu"] == "H200" and report["hardware"]["gpu"]["name"] == "H200"
+    # Fitted on that GPU: its fixed cost is well under the H20 fit's (d ≈ 91 ms there).
+    assert Profile.load(out / "profile.json").coefficients.d < 0.05
+
+
+@pytest.mark.parametrize(("command", "words"), [
+    (["simulate", "--trace", "synthetic"], "gpu: unknown GPU preset 'B300'"),
+    (["simulate", "--preset", "ablation"], "gpu: unknown GPU preset 'B300'"),
+    (["profile", "--backend", "sim"], "gpu: unknown GPU preset 'B300'"),
+    (["profile", "--backend", "torch"], "the torch backend measures the machine it runs on"),
+])
+def test_a_bad_hardware_file_exits_2_naming_the_key(runner, tmp_path, command, words) -> None:
+    hw = tmp_path / "hw.toml"
+    hw.write_text('gpu = "B300"\n')
+    res = runner.invoke(app, [*command, "--hardware", str(hw), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2, res.output
+    assert words in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
 # --- demo ---------------------------------------------------------------------------------------
 ROW = re.compile(
     r"^(\*| ) (w-cp\d+-g\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+"

@@ -1,0 +1,128 @@
+"""The simulated hardware as a file (``sim/hardware.py``): what a file may say, what it gets
+back for what it leaves out, and a clear error naming the key for everything else."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.ids import InvalidInput
+from sim.groundtruth import H20, H20_3E, H200, GroundTruth
+from sim.hardware import ground_truth_from_mapping, ground_truth_to_mapping, load_ground_truth
+from sim.profiling import PROFILE_P, PROFILE_R, run_profile, score_against_truth
+
+
+def test_the_default_hardware_round_trips_through_a_mapping() -> None:
+    m = ground_truth_to_mapping(GroundTruth())
+    assert json.loads(json.dumps(m)) == m  # JSON as it is (meta.json)
+    assert ground_truth_from_mapping(m) == GroundTruth()
+    assert ground_truth_from_mapping({}) == GroundTruth()
+
+
+def test_toml_and_json_files_say_the_same(tmp_path: Path) -> None:
+    toml = tmp_path / "hw.toml"
+    toml.write_text('gpu = "H200"\n\n[model]\nname = "mine"\nlayers = 64\n\n'
+                    '[calibration.eta_moe]\neta_max = 0.7\nx_half = 2048\n')
+    js = tmp_path / "hw.json"
+    js.write_text(json.dumps({"gpu": "H200", "model": {"name": "mine", "layers": 64},
+                              "calibration": {"eta_moe": {"eta_max": 0.7, "x_half": 2048}}}))
+    a, b = load_ground_truth(toml), load_ground_truth(js)
+    assert a == b
+    assert a.model.layers == 64 and a.model.name == "mine"
+    assert a.model.hidden == GroundTruth().model.hidden  # left out: the default
+    assert a.calibration.eta_moe.eta_max == 0.7 and a.calibration.eta_moe.x_half == 2048.0
+    assert a.calibration.d_cp == GroundTruth().calibration.d_cp
+
+
+def test_gpu_presets_and_which_gpu_sets_the_memory() -> None:
+    d = GroundTruth()
+    assert (d.gpu, d.memory_gpu) == (H20, H20_3E)  # the note's pair, while neither is given
+    only = ground_truth_from_mapping({"gpu": "H200"})
+    assert (only.gpu, only.memory_gpu) == (H200, H200)
+    both = ground_truth_from_mapping({"gpu": "H200", "memory_gpu": "H20"})
+    assert (both.gpu, both.memory_gpu) == (H200, H20)
+    small = ground_truth_from_mapping({"gpu": {"preset": "H200", "hbm_bytes": 80e9,
+                                               "name": "H200-80G"}})
+    assert small.gpu.peak_flops == H200.peak_flops and small.gpu.hbm_bytes == 80e9
+    assert small.kv_capacity_blocks(1) < only.kv_capacity_blocks(1)
+    own = ground_truth_from_mapping({"gpu": {"name": "X", "peak_flops": 500e12,
+                                             "hbm_bytes": 192e9, "hbm_bandwidth": 8e12}})
+    assert own.gpu.bandwidth_efficiency == H20.bandwidth_efficiency  # its default
+
+
+def test_a_faster_gpu_prefills_faster_and_caches_what_its_memory_holds() -> None:
+    fast = ground_truth_from_mapping({"gpu": "H200"})
+    d = GroundTruth()
+    for r in PROFILE_R:
+        for c in (1, 2, 4):
+            assert fast.prefill_time(r, 0, c) < d.prefill_time(r, 0, c), (r, c)
+    assert fast.kv_capacity_blocks(2) == d.kv_capacity_blocks(2)  # H200 and H20-3e: 141 GB
+
+
+def test_a_profile_fitted_on_a_hardware_file_describes_that_hardware() -> None:
+    """The sweep fits its profile on the file's hardware (never hands the ground truth to
+    the scheduler): that profile predicts it better than one fitted on the default."""
+    fast = ground_truth_from_mapping({"gpu": "H200"})
+    grid = [(r, p, c) for r in PROFILE_R for p in PROFILE_P for c in (1, 2) if p < r]
+    own, _ = run_profile_quiet(fast)
+    default, _ = run_profile_quiet(GroundTruth())
+    assert score_against_truth(own, grid, fast)["mape"] \
+        < score_against_truth(default, grid, fast)["mape"] / 2
+
+
+def run_profile_quiet(truth: GroundTruth) -> Any:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return run_profile(d, degrees=(1, 2), seed=0, truth=truth, measure_kappas=False)
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    ([1, 2], "must be a table"),
+    ({"gpus": "H200"}, "unknown key(s) 'gpus'"),
+    ({"gpu": "H100"}, "unknown GPU preset 'H100'"),
+    ({"gpu": {"peak_flops": 1e15}}, "gpu: missing field(s) name, hbm_bytes, hbm_bandwidth"),
+    ({"gpu": {"preset": "B200"}}, "gpu.preset: unknown GPU preset 'B200'"),
+    ({"memory_gpu": {"preset": "H20", "hbm_bytes": -1}}, "memory_gpu.hbm_bytes: must be > 0"),
+    ({"model": {"layerz": 3}}, "model: unknown field(s) 'layerz'"),
+    ({"model": {"layers": "many"}}, "model.layers: must be a number"),
+    ({"model": {"layers": 2.5}}, "model.layers: must be an integer"),
+    ({"model": {"layers": True}}, "model.layers: must be a number"),
+    ({"model": {"name": ""}}, "model.name: must be a non-empty string"),
+    ({"model": {"top_k": 200}}, "top_k 200 exceeds experts 128"),
+    ({"model": {"weight_bytes": 1e12}}, "not a usable ground truth"),
+    ({"calibration": {"beta_ag": 0}}, "calibration.beta_ag: must be > 0"),
+    ({"calibration": {"d_cp": -0.1}}, "calibration.d_cp: must be >= 0"),
+    ({"calibration": {"sigma": float("nan")}}, "calibration.sigma: must be finite"),
+    ({"calibration": {"eta_attn": {"eta_max": 1.5, "x_half": 1}}},
+     "calibration.eta_attn.eta_max: an efficiency is at most 1"),
+    ({"calibration": {"eta_attn": 0.8}}, "calibration.eta_attn: must be a table"),
+    ({"surroundings": {"switch_min_s": 2.0}}, "switch_min_s <= switch_max_s"),
+    ({"surroundings": {"kv_capacity_blocks_per_gpu": 0}},
+     "surroundings.kv_capacity_blocks_per_gpu: must be > 0"),
+])
+def test_bad_hardware_is_an_error_naming_the_key(data: Any, words: str) -> None:
+    with pytest.raises(InvalidInput) as exc:
+        ground_truth_from_mapping(data, source="hw.json")
+    assert str(exc.value).startswith("hw.json"), exc.value
+    assert words in str(exc.value), exc.value
+
+
+def test_bad_files_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="hardware file not found"):
+        load_ground_truth(tmp_path / "none.json")
+    yaml = tmp_path / "hw.yaml"
+    yaml.write_text("gpu: H200\n")
+    with pytest.raises(InvalidInput, match=r"hw\.yaml: a hardware file is \.json or \.toml"):
+        load_ground_truth(yaml)
+    broken = tmp_path / "hw.toml"
+    broken.write_text("gpu = \n")
+    with pytest.raises(InvalidInput, match=r"hw\.toml: not valid TOML"):
+        load_ground_truth(broken)
+    truncated = tmp_path / "hw.json"
+    truncated.write_text('{"gpu": "H2')
+    with pytest.raises(InvalidInput, match=r"hw\.json: not valid JSON"):
+        load_ground_truth(truncated)
