@@ -292,6 +292,18 @@ async def test_a_re_sent_request_whose_scheduler_is_gone_is_recovered_when_its_w
         server.stop()
 
 
+async def x_answered(live: InProcess) -> tuple[Any, Any, Any]:
+    """A controller, worker W, a scheduler and a gateway; request x answered through them.
+    Returns (W, the scheduler, the gateway)."""
+    await controller(live)
+    w = await live.rankd(W)
+    sched = await live.scheduler(block_size=B)
+    gw = await live.gateway(block_size=B, result_timeout_s=30.0)
+    await wait_until(lambda: len(sched.core.view) == 1, "W in the scheduler's view")
+    assert await complete(gw, "x") == 200
+    return w, sched, gw
+
+
 async def test_a_client_retry_after_the_store_is_lost_gets_the_workers_answer_again(
         tmp_path: Path) -> None:
     """x is answered; the server then loses its store, and with it the intake's
@@ -301,12 +313,7 @@ async def test_a_client_retry_after_the_store_is_lost_gets_the_workers_answer_ag
     its kept answer again. Before, W acked the assignment and sent nothing: the retry got a
     504."""
     async with losable(tmp_path) as (server, live):
-        await controller(live)
-        w = await live.rankd(W)
-        sched = await live.scheduler(block_size=B)
-        gw = await live.gateway(block_size=B, result_timeout_s=30.0)
-        await wait_until(lambda: len(sched.core.view) == 1, "W in the scheduler's view")
-        assert await complete(gw, "x") == 200
+        w, sched, gw = await x_answered(live)
         # The gateway has x's answer as soon as the server forwards it, maybe before the
         # results stream's acknowledgement reaches W. An answer unacknowledged when the store
         # is lost is published again after the reconnect (publish_result) and answers a
@@ -342,12 +349,7 @@ async def test_an_answer_the_lost_store_never_acknowledged_is_published_again_fo
 
     monkeypatch.setattr(JetStreamContext, "publish", ack_lost)
     async with losable(tmp_path) as (server, live):
-        await controller(live)
-        w = await live.rankd(W)
-        sched = await live.scheduler(block_size=B)
-        gw = await live.gateway(block_size=B, result_timeout_s=30.0)
-        await wait_until(lambda: len(sched.core.view) == 1, "W in the scheduler's view")
-        assert await complete(gw, "x") == 200
+        w, sched, gw = await x_answered(live)
         assert len(w._handoffs) == 1  # x's answer, unacknowledged
         await live.stop(sched)
 
