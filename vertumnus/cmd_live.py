@@ -113,6 +113,10 @@ def register(app: typer.Typer) -> None:
         profile_engine: Annotated[bool, typer.Option(
             help="--backend torch without --profile: fit the cost model on the engine first "
                  "(≈15 s; else the services predict the simulated H20's times)")] = True,
+        hardware: Annotated[Path | None, typer.Option(
+            help="--backend sim: the modelled model and GPUs, a .json or .toml file "
+                 "(sim/hardware.py; default: Qwen3-30B-A3B on H20); without --profile the "
+                 "cost model is fitted on it first (≈5 s)")] = None,
         prefix: Annotated[str, typer.Option(help="Subject prefix")] = "vtm",
         log_dir: Annotated[Path | None, typer.Option(
             help="Service logs and pids.json (default: a temporary directory)")] = None,
@@ -158,7 +162,7 @@ def register(app: typer.Typer) -> None:
                 http_port=http_port, model_path=model_path, profile_engine=profile_engine,
                 kill_at_wall_s=_times(kill_at, "kill-at"),
                 restart_after_wall_s=_times(restart_after, "restart-after"),
-                kill_service=kill_service, schedulers=schedulers,
+                kill_service=kill_service, schedulers=schedulers, hardware=hardware,
             )
         except ValueError as exc:
             _fail(str(exc))

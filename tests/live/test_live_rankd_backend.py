@@ -79,6 +79,24 @@ def test_rankd_sim_times_stages_by_the_ground_truth() -> None:
         assert decode == DEFAULT_GROUND_TRUTH.surroundings.first_decode_s > 0
 
 
+def test_rankd_sim_times_stages_by_a_hardware_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``VTM_HARDWARE_PATH``: the rank daemons model the file's hardware (what ``vertumnus up
+    --hardware`` sets), the prefill and the first decode both."""
+    from shared.worker import WorkerKind
+    from sim.groundtruth import DEFAULT_GROUND_TRUTH
+    from sim.hardware import load_ground_truth
+    from vertumnus.live.rankd_sim import SimRankdSettings, backend_factory
+
+    hw = tmp_path / "hw.toml"
+    hw.write_text('gpu = "H200"\n[surroundings]\nfirst_decode_s = 0.02\n')
+    truth = load_ground_truth(hw)
+    make = backend_factory(SimRankdSettings(truth="exact", time_scale=0.01, hardware_path=hw))
+    prefill, kv, decode = make("w-cp2-g0", WorkerKind.CP).modelled_stages(  # type: ignore[attr-defined]
+        assignment())
+    assert prefill == truth.prefill_time(60, 40, 2) < DEFAULT_GROUND_TRUTH.prefill_time(60, 40, 2)
+    assert (kv, decode) == (truth.kv_handoff_time(100, 2), 0.02)
+
+
 async def test_defaults_to_prediction_and_validates() -> None:
     backend = SimBackend(time_scale=0.001)
     assert backend.modelled_times(assignment(0.25)) == (0.25, 0.0)

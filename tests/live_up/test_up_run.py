@@ -75,6 +75,21 @@ def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
     assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
 
 
+def test_up_models_the_hardware_of_a_file(tmp_path: Path) -> None:
+    """``--hardware``: the rank daemons model the file's GPUs and the services predict with
+    a profile fitted on them first (not the default H20's)."""
+    hw = tmp_path / "h200.toml"
+    hw.write_text('gpu = "H200"\n')
+    proc, data, logs = run_up_40(tmp_path, "--hardware", str(hw))
+    assert data["completed"] == 40, data["errors"]
+    assert data["hardware"] == str(hw.resolve())
+    fitted = logs / "hardware-profile" / "profile.json"
+    assert data["profile"] == str(fitted)
+    report = json.loads((logs / "hardware-profile" / "profile_report.json").read_text())
+    assert report["hardware"]["gpu"]["name"] == "H200"
+    assert "hardware profile" in " ".join(proc.stderr.split())
+
+
 def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path) -> None:
     """``--policy vllm`` deploys vLLM's pool, as the simulator's comparison does: TP-4 workers,
     held (no split or merge), and they serve every request."""

@@ -4,7 +4,10 @@ settings discovery, the report's keys."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
+
+import pytest
 
 from services.gateway.settings import GatewaySettings
 from services.rankd.engine.blockhash import chain_hashes
@@ -106,6 +109,24 @@ def test_rankd_env_carries_the_ground_truth_only_for_the_sim_backend(tmp_path: P
                      log_dir=tmp_path)
     for name in ("scheduler", "controller", "cachemgr"):
         assert prof.service_env(name, "nats://x:1")["VTM_PROFILE_PATH"] == "/p/profile.json"
+
+
+def test_a_hardware_file_reaches_the_rank_daemons_and_is_checked_first(tmp_path: Path) -> None:
+    from vertumnus.live.stack import LiveStack, UpConfig
+
+    hw = tmp_path / "hw.toml"
+    hw.write_text('gpu = "H200"\n')
+    cfg = UpConfig(gpus=4, backend="sim", hardware=Path(os.path.relpath(hw)))
+    assert cfg.hardware == hw.resolve()  # children may start elsewhere
+    env = LiveStack(cfg, log_dir=tmp_path).service_env("rankd", "nats://x:1")
+    assert env["VTM_HARDWARE_PATH"] == str(hw.resolve())
+    plain = LiveStack(UpConfig(gpus=4), log_dir=tmp_path).service_env("rankd", "nats://x:1")
+    assert "VTM_HARDWARE_PATH" not in plain
+    with pytest.raises(ValueError, match="the torch engine runs on this machine"):
+        UpConfig(gpus=4, backend="torch", hardware=hw)
+    hw.write_text('gpu = "H100"\n')
+    with pytest.raises(ValueError, match=r"hw\.toml: gpu: unknown GPU preset 'H100'"):
+        UpConfig(gpus=4, hardware=hw)
 
 
 def test_up_torch_without_the_engine_extra_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:

@@ -14,6 +14,7 @@ fitted profile and never this module.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -39,6 +40,13 @@ class SimRankdSettings(RankdSettings):
     truth_noise: float = Field(
         default=0.04, ge=0, description="Lognormal sigma of the ground-truth noise ('noisy')."
     )
+    hardware_path: Path | None = Field(
+        default=None,
+        description="The modelled model and GPUs: a .json or .toml hardware file "
+        "(sim/hardware.py), as `vertumnus simulate --hardware` reads it; None: the ground "
+        "truth's default (Qwen3-30B-A3B on H20). The services that predict need a profile "
+        "fitted on the same hardware (VTM_PROFILE_PATH; `vertumnus up --hardware` fits one).",
+    )
 
 
 def _constant(seconds: float) -> HandoffTimeFn:
@@ -56,10 +64,12 @@ def backend_factory(settings: SimRankdSettings):  # type: ignore[no-untyped-def]
     prefill = handoff = first_decode = None
     if settings.truth != "predicted":
         from sim.groundtruth import DEFAULT_GROUND_TRUTH, NoisyGroundTruth
+        from sim.hardware import load_ground_truth
 
-        exact = DEFAULT_GROUND_TRUTH
+        exact = DEFAULT_GROUND_TRUTH if settings.hardware_path is None \
+            else load_ground_truth(settings.hardware_path)
         if settings.truth == "noisy":
-            noisy = NoisyGroundTruth(seed=settings.truth_seed, sigma=settings.truth_noise)
+            noisy = NoisyGroundTruth(exact, seed=settings.truth_seed, sigma=settings.truth_noise)
             # Only the prefill is noisy; handoff and decode are the noise-free model either way.
             prefill, exact = noisy.prefill_time, noisy.truth
         else:

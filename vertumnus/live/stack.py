@@ -139,6 +139,10 @@ class UpConfig:
     """Start the killed child again (same spec) this many wall seconds after the kill; None: it
     stays dead (``up``'s supervision does not restart an injected kill). Needs
     ``kill_at_wall_s``. A tuple: one delay per killed service."""
+    hardware: Path | None = None
+    """--backend sim: the modelled model and GPUs (a hardware file, ``sim/hardware.py``) the
+    rank daemons time their work by; without ``profile``, a profile is fitted on the same
+    hardware first (:func:`hardware_profile`). None: the ground truth's default."""
     kill_service: str = RANKD
     """The child the fault is injected into: one of :data:`vertumnus.live.registry.SERVICES`
     or ``nats``; several, comma-separated, each crashed at its own ``kill_at_wall_s`` (e.g. a
@@ -174,6 +178,17 @@ class UpConfig:
         if self.policy not in policy_names():
             raise ValueError(f"--policy {self.policy!r} is not a policy; known: "
                              f"{', '.join(policy_names())}")
+        if self.hardware is not None:
+            if self.backend != "sim":
+                raise ValueError("--hardware describes the modelled hardware of the sim "
+                                 "backend; the torch engine runs on this machine")
+            from sim.hardware import load_ground_truth
+
+            try:
+                load_ground_truth(self.hardware)  # read here: an error before anything starts
+            except InvalidInput as exc:
+                raise ValueError(str(exc)) from None
+            object.__setattr__(self, "hardware", Path(self.hardware).resolve())
         if self.backend == "torch" and self.deployment().kind is WorkerKind.TP:
             raise ValueError(f"--policy {self.policy} deploys TP workers, which only the sim "
                              "backend models (the torch engine runs CP workers)")
@@ -502,7 +517,8 @@ class LiveStack:
                 "VTM_BACKEND": c.backend,
                 "VTM_TIME_SCALE": f"{scale:g}",
                 # The modelled ground truth is the sim backend's; the torch engine runs.
-                **({"VTM_TRUTH": c.truth, "VTM_TRUTH_SEED": str(c.seed)}
+                **({"VTM_TRUTH": c.truth, "VTM_TRUTH_SEED": str(c.seed),
+                    **({"VTM_HARDWARE_PATH": str(c.hardware)} if c.hardware else {})}
                    if c.backend == "sim" else self.torch_env()),
             },
         }
@@ -897,6 +913,22 @@ def engine_profile(config: UpConfig, out_dir: Path) -> tuple[Path, dict[str, Any
     return Path(path), report
 
 
+def hardware_profile(config: UpConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """Fit Ê_C and measure κ_C on the sim backend's ``config.hardware`` (``vertumnus profile
+    --backend sim --hardware``, degrees 1 and the run's), so the services predict the
+    hardware the rank daemons model, not the default H20. Returns the profile's path and its
+    report."""
+    from sim.hardware import load_ground_truth
+    from sim.profiling import profile_command
+
+    assert config.hardware is not None
+    path = profile_command(out_dir, backend="sim", degrees=sorted(set(config.degrees) | {1}),
+                           seed=config.seed, kappa_workload="synthetic",
+                           truth=load_ground_truth(config.hardware))
+    report = json.loads((Path(out_dir) / "profile_report.json").read_text())
+    return path, report
+
+
 async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = None,
                  json_path: Path | None = None, show_progress: bool = True) -> dict[str, Any]:
     """Start the stack, replay, report, stop. Returns the summary (also written to JSON)."""
@@ -936,6 +968,15 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                              "pip install -e '.[engine]'") from None
         err.print(f"engine profile {path}: MAPE {rep.get('mape_vs_measured', math.nan):.1%} "
                   f"against the measured grid, degrees {rep.get('degrees')}")
+        config = dataclasses.replace(config, profile=path)
+    if config.backend == "sim" and config.hardware is not None and config.profile is None:
+        err.print(f"profiling the modelled hardware of {config.hardware} for the services' "
+                  "cost model (--profile PATH reuses one)…")
+        path, rep = await asyncio.to_thread(hardware_profile, config,
+                                            log_dir / "hardware-profile")
+        err.print(f"hardware profile {path}: MAPE "
+                  f"{rep['fit_vs_truth']['mape']:.1%} against the modelled hardware, degrees "
+                  f"{rep.get('degrees')}")
         config = dataclasses.replace(config, profile=path)
     # Encode every prompt before anything starts: it is CPU work, not load, and must not
     # delay the replay once the controller watches.
@@ -1076,6 +1117,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             "rate_scale": config.rate_scale, "seed": config.seed,
             "requests_planned": len(requests), "services_missing": stack.missing,
             "profile": str(config.profile) if config.profile else None,
+            "hardware": str(config.hardware) if config.hardware else None,
             "exit_codes": codes, "log_dir": str(log_dir),
             **(observer.summary_counts() if observer else {}),
             "scheduler_recovery": recovery,
