@@ -64,12 +64,15 @@ def descriptions() -> dict[str, str]:
 
 
 def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
-        truth: GroundTruth | None = None) -> dict[str, Any]:
-    """Run the preset ``name``; ``truth``: the simulated hardware (default: the note's)."""
+        truth: GroundTruth | None = None, per_degree: bool = False) -> dict[str, Any]:
+    """Run the preset ``name``; ``truth``: the simulated hardware (default: the note's);
+    ``per_degree``: the profile fits one coefficient set per degree."""
     if name == "reconfig":
-        return run_reconfig(out=out, seed=seed, progress=progress, truth=truth)
+        return run_reconfig(out=out, seed=seed, progress=progress, truth=truth,
+                            per_degree=per_degree)
     if name == "ablation":
-        return run_ablation(out=out, seed=seed, progress=progress, truth=truth)
+        return run_ablation(out=out, seed=seed, progress=progress, truth=truth,
+                            per_degree=per_degree)
     raise InvalidInput(f"unknown preset {name!r}; known: conversation, leval, azure-code, "
                        "reconfig, ablation")
 
@@ -87,14 +90,15 @@ def _phase_bounds(phases: Sequence[Phase], duration: float) -> list[tuple[float,
 def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
                  base_rate: float = 24.0, gpus: int = 40, degrees: tuple[int, ...] = (2, 4),
                  fixed: tuple[str, str] = ("12CP2/4CP4", "4CP2/8CP4"),
-                 truth: GroundTruth | None = None) -> dict[str, Any]:
+                 truth: GroundTruth | None = None,
+                 per_degree: bool = False) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     duration = sum(p.duration_s for p in RECONFIG_PHASES)
     wl = generate(SyntheticConfig(duration_s=duration, rate=base_rate, phases=RECONFIG_PHASES),
                   seed=seed, name="reconfig-phases")
     truth = truth or GroundTruth()
-    prof = obtain_profile(None, out, degrees, seed, truth)
+    prof = obtain_profile(None, out, degrees, seed, truth, per_degree=per_degree)
     spec = ExperimentSpec(gpus=gpus, degrees=degrees, seed=seed)
     lattice = Lattice(gpus, degrees)
     bounds = _phase_bounds(RECONFIG_PHASES, duration)
@@ -211,14 +215,15 @@ def run_ablation(*, out: Path, seed: int = 0, progress: bool = False,
                  rate_scales: Sequence[float] = (1.5, 2.0, 2.5, 3.0),
                  cache_blocks_per_gpu: int = 200, composition: str = "8CP2/6CP4",
                  workload: Workload | None = None,
-                 truth: GroundTruth | None = None) -> dict[str, Any]:
+                 truth: GroundTruth | None = None,
+                 per_degree: bool = False) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     wl = workload or load_trace(str(default_traces_dir() / "mooncake/conversation_trace.jsonl"),
                                 "mooncake", seed=seed, rate=None, max_requests=None)
     degrees = (2, 4)
     truth = truth or GroundTruth()
-    prof = obtain_profile(None, out, degrees, seed, truth)
+    prof = obtain_profile(None, out, degrees, seed, truth, per_degree=per_degree)
     spec = ExperimentSpec(gpus=40, degrees=degrees, seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu)
     lattice = Lattice(40, degrees)

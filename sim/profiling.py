@@ -495,8 +495,14 @@ def run_profile(
     ramp: KappaRamp = KappaRamp(),
     kind: Kind = "cp",
     measure_kappas: bool = True,
+    per_degree: bool = False,
 ) -> tuple[Profile, dict[str, Any]]:
     """Profile the simulated backend; write profile.json, the scatter plot (+ CSV) and a report.
+
+    ``per_degree``: fit one coefficient set per degree as well (Ê_C of each C on its own
+    samples; :func:`shared.costmodel.fit_profile`), used for every degree profiled. The one
+    global set (the default, as ground-truth.md fits it) cannot follow hardware whose CP
+    fixed costs dominate short prompts, e.g. H200 (docs/evaluation.md).
 
     Returns the profile (coefficients, fit MAPE against the measurements, κ per degree with
     ``window_s`` = the ramp's H) and the report dict also written to ``profile_report.json``.
@@ -513,7 +519,7 @@ def run_profile(
     base = Profile(
         model=truth.model.name, hardware=truth.gpu.name if kind == "cp" else f"{truth.gpu.name} TP"
     )
-    profile = fit_profile(samples, base=base)
+    profile = fit_profile(samples, base=base, per_degree=per_degree)
     truth_score = score_against_truth(profile, grid, truth, kind=kind)
 
     kappa_report: dict[str, Any] = {}
@@ -609,6 +615,7 @@ def profile_command(
     seed: int = 0,
     kappa_workload: Workload | str | Path | None = None,
     truth: GroundTruth | None = None,
+    per_degree: bool = False,
 ) -> Path:
     """CLI entry of ``vertumnus profile``: returns the path of the written profile.json.
 
@@ -624,5 +631,5 @@ def profile_command(
     if isinstance(wl, (str, Path)):
         wl = load_workload(wl, seed=seed)
     run_profile(out_dir, degrees=degrees, seed=seed, kappa_workload=wl,
-                truth=truth or DEFAULT_GROUND_TRUTH)
+                truth=truth or DEFAULT_GROUND_TRUTH, per_degree=per_degree)
     return Path(out_dir) / PROFILE_FILE

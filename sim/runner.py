@@ -89,7 +89,8 @@ def _is_leval(path: Path) -> bool:
 
 
 def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload: Workload,
-                         truth: GroundTruth | None = None) -> tuple[Profile, dict[str, Any]]:
+                         truth: GroundTruth | None = None, *, per_degree: bool = False
+                         ) -> tuple[Profile, dict[str, Any]]:
     """The profile a sweep uses when no profile file is given: Ê fitted on the sim backend
     (``out/profile``, as ``vertumnus profile`` writes it) and κ_C measured on ``workload``'s own
     traffic (:func:`sim.profiling.trace_kappa`: a routed pool, the trace's length mix and
@@ -106,14 +107,15 @@ def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload:
 
     degs = sorted(set(degrees))
     fitted, _ = run_profile(out / "profile", degrees=sorted(set(degrees) | {1}), seed=seed,
-                            measure_kappas=False, truth=truth or GroundTruth())
+                            measure_kappas=False, truth=truth or GroundTruth(),
+                            per_degree=per_degree)
     prof, report = cached_trace_kappa(fitted, workload, out / "profile", degrees=degs, seed=seed)
     prof.save(out / "profile" / PROFILE_FILE)
     return prof, report
 
 
 def obtain_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], seed: int,
-                   truth: GroundTruth | None = None) -> Profile:
+                   truth: GroundTruth | None = None, *, per_degree: bool = False) -> Profile:
     """The fitted profile the policies use: a given file, or one measured now on the sim
     backend of ``truth``'s hardware (written to ``out/profile``). Never the ground truth
     itself."""
@@ -123,7 +125,7 @@ def obtain_profile(profile_path: Path | None, out: Path, degrees: Sequence[int],
 
     degs = sorted(set(degrees) | {1})
     prof, _ = run_profile(out / "profile", degrees=degs, seed=seed,
-                          truth=truth or GroundTruth())
+                          truth=truth or GroundTruth(), per_degree=per_degree)
     return prof
 
 
@@ -149,13 +151,15 @@ def run_simulate(
     workload: Workload | None = None,
     jobs: int = 1,
     truth: GroundTruth | None = None,
+    per_degree: bool = False,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
 
     ``jobs``: worker processes for the sweep's cells (same results; see ``sweep``).
     ``truth``: the simulated hardware (default: the note's Qwen3-30B-A3B on H20;
     :mod:`sim.hardware` reads one from a file); the profile measured here is fitted on it,
-    and meta.json records it.
+    and meta.json records it. ``per_degree``: that profile fits one coefficient set per
+    degree (:func:`sim.profiling.run_profile`).
 
     The profile: ``profile_path`` as given (its κ judged with ``calibration.KAPPA_SCALE``: a
     ``vertumnus profile`` κ is a single worker's), else one measured now with κ on this trace
@@ -179,7 +183,8 @@ def run_simulate(
         prof = obtain_profile(profile_path, out, degrees, seed, truth)
         kappa_info = {"source": str(profile_path)}
     else:
-        prof, krep = obtain_trace_profile(out, degrees, seed, wl, truth)
+        prof, krep = obtain_trace_profile(out, degrees, seed, wl, truth,
+                                          per_degree=per_degree)
         overrides.setdefault("kappa_scale", 1.0)
         kappa_info = {"source": "trace", "cache_key": krep.get("key"),
                       "cached": krep.get("cached"), "replay_arrivals": krep["replay_arrivals"],
@@ -374,18 +379,20 @@ def preset_descriptions() -> dict[str, str]:
 
 def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                policies: Sequence[str] | None = None, jobs: int = 1,
-               truth: GroundTruth | None = None) -> dict[str, Any]:
+               truth: GroundTruth | None = None, per_degree: bool = False) -> dict[str, Any]:
     """Run a named experiment. ``policies`` (the trace presets only; default: all eight
-    compared policies), ``jobs`` (worker processes for a trace preset's sweep) and ``truth``
-    (the simulated hardware; default: the note's)."""
+    compared policies), ``jobs`` (worker processes for a trace preset's sweep), ``truth``
+    (the simulated hardware; default: the note's) and ``per_degree`` (the profile's fit)."""
     if name in PRESETS:
         p = dict(PRESETS[name])
         p.pop("desc")
         pols = list(ALL_POLICIES[:8]) if policies is None else list(policies)
         return run_simulate(policies=pols, out=out, seed=seed, gpus=40,
-                            degrees=(2, 4), progress=progress, jobs=jobs, truth=truth, **p)
+                            degrees=(2, 4), progress=progress, jobs=jobs, truth=truth,
+                            per_degree=per_degree, **p)
     if policies is not None:
         raise InvalidInput(f"preset {name!r} runs fixed deployments; --policies does not apply")
     from sim import presets
 
-    return presets.run(name, out=out, seed=seed, progress=progress, truth=truth)
+    return presets.run(name, out=out, seed=seed, progress=progress, truth=truth,
+                       per_degree=per_degree)

@@ -117,6 +117,9 @@ def register(app: typer.Typer) -> None:
             help="--backend sim: the modelled model and GPUs, a .json or .toml file "
                  "(sim/hardware.py; default: Qwen3-30B-A3B on H20); without --profile the "
                  "cost model is fitted on it first (≈5 s)")] = None,
+        per_degree: Annotated[bool, typer.Option(
+            help="--backend sim without --profile: fit the cost model on the modelled "
+                 "hardware with one coefficient set per CP degree")] = False,
         prefix: Annotated[str, typer.Option(help="Subject prefix")] = "vtm",
         log_dir: Annotated[Path | None, typer.Option(
             help="Service logs and pids.json (default: a temporary directory)")] = None,
@@ -163,6 +166,7 @@ def register(app: typer.Typer) -> None:
                 kill_at_wall_s=_times(kill_at, "kill-at"),
                 restart_after_wall_s=_times(restart_after, "restart-after"),
                 kill_service=kill_service, schedulers=schedulers, hardware=hardware,
+                per_degree=per_degree,
             )
         except ValueError as exc:
             _fail(str(exc))

@@ -26,6 +26,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
                       need="integers >= 1")
 
 
+_PER_DEGREE_HELP = ("Fit one cost-model coefficient set per CP degree, not one for all "
+                    "(other hardware, e.g. H200: docs/evaluation.md)")
 _HARDWARE_HELP = ("Simulated model and GPUs: a .json or .toml file (sim/hardware.py; "
                   "default: Qwen3-30B-A3B on H20)")
 
@@ -57,6 +59,8 @@ def register(app: typer.Typer) -> None:
         hardware: Annotated[
             Path | None, typer.Option(help=_HARDWARE_HELP + " (sim backend)")
         ] = None,
+        per_degree: Annotated[bool, typer.Option(help=_PER_DEGREE_HELP + " (sim backend)")
+                              ] = False,
     ) -> None:
         """Measure a (R, P, C) grid, fit Ê_C, report MAPE, measure κ_C, write the profile."""
         degs = _ints(degrees, "degrees")
@@ -65,11 +69,12 @@ def register(app: typer.Typer) -> None:
                 from sim.profiling import profile_command
 
                 path = profile_command(out, backend="sim", degrees=degs, seed=seed,
-                                       kappa_workload=workload, **_truth(hardware))
+                                       kappa_workload=workload, per_degree=per_degree,
+                                       **_truth(hardware))
             elif backend == "torch":
-                if hardware is not None:
-                    _fail("--hardware describes the simulated hardware; the torch backend "
-                          "measures the machine it runs on")
+                if hardware is not None or per_degree:
+                    _fail("--hardware and --per-degree are the sim backend's; the torch "
+                          "backend measures the machine it runs on")
                 try:
                     from services.rankd.engine.profiling import torch_profile_command
                 except ModuleNotFoundError as exc:
@@ -119,6 +124,9 @@ def register(app: typer.Typer) -> None:
                               "(same results)")
         ] = 1,
         hardware: Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)] = None,
+        per_degree: Annotated[bool, typer.Option(
+            help=_PER_DEGREE_HELP + " (the profile measured here, not a --profile file)")
+        ] = False,
     ) -> None:
         """Compare policies on one trace over request rates; writes results.json, CSV, plots."""
         from sim import runner
@@ -135,14 +143,17 @@ def register(app: typer.Typer) -> None:
                 profile_path=profile_path, max_requests=max_requests or None,
                 cache_blocks_per_gpu=cache_blocks_per_gpu or None,
                 beta=beta or None, lam=None if lam < 0 else lam, jobs=jobs,
-                **_truth(hardware),
+                per_degree=per_degree, **_truth(hardware),
             )
+            if per_degree and profile_path is not None:
+                _fail("--per-degree shapes the profile measured here; --profile gives one")
             if preset:
                 # A preset fixes its trace and rates; --policies narrows a trace preset's
                 # policies when given (anything but the default list).
                 chosen = None if policies == _DEFAULT_POLICIES else args["policies"]
                 summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
-                                            policies=chosen, jobs=jobs, truth=args["truth"])
+                                            policies=chosen, jobs=jobs, truth=args["truth"],
+                                            per_degree=per_degree)
             else:
                 summary = runner.run_simulate(**args, progress=True)
         except InvalidInput as exc:

@@ -354,6 +354,11 @@ def test_profile_on_a_hardware_file(runner, tmp_path) -> None:
     assert report["gpu"] == "H200" and report["hardware"]["gpu"]["name"] == "H200"
     # Fitted on that GPU: its fixed cost is well under the H20 fit's (d ≈ 91 ms there).
     assert Profile.load(out / "profile.json").coefficients.d < 0.05
+    assert not Profile.load(out / "profile.json").per_degree
+    per = tmp_path / "per"
+    _ok(runner.invoke(app, ["profile", "--backend", "sim", "--out", str(per), "--degrees",
+                            "1,2", "--hardware", str(hw), "--per-degree"]))
+    assert set(Profile.load(per / "profile.json").per_degree) == {1, 2}
 
 
 @pytest.mark.parametrize(("command", "words"), [
@@ -361,10 +366,11 @@ def test_profile_on_a_hardware_file(runner, tmp_path) -> None:
     (["simulate", "--preset", "ablation"], "gpu: unknown GPU preset 'B300'"),
     (["profile", "--backend", "sim"], "gpu: unknown GPU preset 'B300'"),
     (["profile", "--backend", "torch"], "the torch backend measures the machine it runs on"),
+    (["profile", "--backend", "torch", "--per-degree"], "the torch backend measures"),
 ])
 def test_a_bad_hardware_file_exits_2_naming_the_key(runner, tmp_path, command, words) -> None:
     hw = tmp_path / "hw.toml"
-    hw.write_text('gpu = "B300"\n')
+    hw.write_text('gpu = "B300"\n' if "--per-degree" not in command else 'gpu = "H200"\n')
     res = runner.invoke(app, [*command, "--hardware", str(hw), "--out", str(tmp_path / "o")])
     assert res.exit_code == 2, res.output
     assert words in " ".join(res.output.split()), res.output
@@ -414,3 +420,9 @@ def test_console_script_help() -> None:
     assert out.returncode == 0, out.stderr
     for cmd in ("simulate", "report", "profile", "demo"):
         assert cmd in out.stdout
+
+
+def test_per_degree_applies_to_the_profile_measured_here(runner, tmp_path, profile_file) -> None:
+    res = runner.invoke(app, [*SIM_ARGS, "--out", str(tmp_path / "o"), "--profile",
+                              str(profile_file), "--per-degree"])
+    assert res.exit_code == 2 and "--profile gives one" in res.output, res.output

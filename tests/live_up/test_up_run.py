@@ -77,16 +77,17 @@ def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
 
 def test_up_models_the_hardware_of_a_file(tmp_path: Path) -> None:
     """``--hardware``: the rank daemons model the file's GPUs and the services predict with
-    a profile fitted on them first (not the default H20's)."""
+    a profile fitted on them first (not the default H20's), here one set per degree."""
     hw = tmp_path / "h200.toml"
     hw.write_text('gpu = "H200"\n')
-    proc, data, logs = run_up_40(tmp_path, "--hardware", str(hw))
+    proc, data, logs = run_up_40(tmp_path, "--hardware", str(hw), "--per-degree")
     assert data["completed"] == 40, data["errors"]
     assert data["hardware"] == str(hw.resolve())
     fitted = logs / "hardware-profile" / "profile.json"
     assert data["profile"] == str(fitted)
     report = json.loads((logs / "hardware-profile" / "profile_report.json").read_text())
     assert report["hardware"]["gpu"]["name"] == "H200"
+    assert set(json.loads(fitted.read_text())["per_degree"]) == {"1", "2", "4"}
     assert "hardware profile" in " ".join(proc.stderr.split())
 
 

@@ -127,6 +127,9 @@ def test_a_hardware_file_reaches_the_rank_daemons_and_is_checked_first(tmp_path:
     hw.write_text('gpu = "H100"\n')
     with pytest.raises(ValueError, match=r"hw\.toml: gpu: unknown GPU preset 'H100'"):
         UpConfig(gpus=4, hardware=hw)
+    for bad in (dict(backend="torch"), dict(profile=Path("/p/profile.json"))):
+        with pytest.raises(ValueError, match="--per-degree shapes the profile"):
+            UpConfig(gpus=4, per_degree=True, **bad)  # type: ignore[arg-type]
 
 
 def test_up_torch_without_the_engine_extra_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:

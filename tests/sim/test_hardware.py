@@ -73,11 +73,26 @@ def test_a_profile_fitted_on_a_hardware_file_describes_that_hardware() -> None:
         < score_against_truth(default, grid, fast)["mape"] / 2
 
 
-def run_profile_quiet(truth: GroundTruth) -> Any:
+def test_a_coefficient_set_per_degree_follows_hardware_one_set_cannot() -> None:
+    """On H200 the CP fixed cost dominates short prompts at C > 1 and is absent at C = 1: one
+    global set misses short prompts by a third; one set per degree fits them."""
+    fast = ground_truth_from_mapping({"gpu": "H200"})
+    grid = [(r, p, c) for r in PROFILE_R for p in PROFILE_P for c in (1, 2) if p < r]
+    one, _ = run_profile_quiet(fast)
+    per, _ = run_profile_quiet(fast, per_degree=True)
+    assert not one.per_degree and set(per.per_degree) == {1, 2}
+    assert score_against_truth(per, grid, fast)["mape"] \
+        < score_against_truth(one, grid, fast)["mape"] / 3
+    short = fast.prefill_time(1024, 0, 2)
+    assert abs(per.predict(1024, 0, 2) / short - 1) < 0.1 < abs(one.predict(1024, 0, 2) / short - 1)
+
+
+def run_profile_quiet(truth: GroundTruth, *, per_degree: bool = False) -> Any:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        return run_profile(d, degrees=(1, 2), seed=0, truth=truth, measure_kappas=False)
+        return run_profile(d, degrees=(1, 2), seed=0, truth=truth, measure_kappas=False,
+                           per_degree=per_degree)
 
 
 @pytest.mark.parametrize(("data", "words"), [

@@ -143,6 +143,10 @@ class UpConfig:
     """--backend sim: the modelled model and GPUs (a hardware file, ``sim/hardware.py``) the
     rank daemons time their work by; without ``profile``, a profile is fitted on the same
     hardware first (:func:`hardware_profile`). None: the ground truth's default."""
+    per_degree: bool = False
+    """--backend sim without ``profile``: fit the services' profile on the modelled hardware
+    with one coefficient set per degree (:func:`hardware_profile`), even on the default
+    hardware."""
     kill_service: str = RANKD
     """The child the fault is injected into: one of :data:`vertumnus.live.registry.SERVICES`
     or ``nats``; several, comma-separated, each crashed at its own ``kill_at_wall_s`` (e.g. a
@@ -189,6 +193,10 @@ class UpConfig:
             except InvalidInput as exc:
                 raise ValueError(str(exc)) from None
             object.__setattr__(self, "hardware", Path(self.hardware).resolve())
+        if self.per_degree and (self.backend != "sim" or self.profile is not None):
+            raise ValueError("--per-degree shapes the profile --backend sim fits on the "
+                             "modelled hardware; --profile gives one, and --backend torch "
+                             "fits its own")
         if self.backend == "torch" and self.deployment().kind is WorkerKind.TP:
             raise ValueError(f"--policy {self.policy} deploys TP workers, which only the sim "
                              "backend models (the torch engine runs CP workers)")
@@ -914,17 +922,18 @@ def engine_profile(config: UpConfig, out_dir: Path) -> tuple[Path, dict[str, Any
 
 
 def hardware_profile(config: UpConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """Fit Ê_C and measure κ_C on the sim backend's ``config.hardware`` (``vertumnus profile
-    --backend sim --hardware``, degrees 1 and the run's), so the services predict the
-    hardware the rank daemons model, not the default H20. Returns the profile's path and its
-    report."""
+    """Fit Ê_C and measure κ_C on the sim backend's modelled hardware, ``config.hardware`` or
+    the default (``vertumnus profile --backend sim [--hardware] [--per-degree]``, degrees 1
+    and the run's), so the services predict the hardware the rank daemons model, not the
+    default H20. Returns the profile's path and its report."""
     from sim.hardware import load_ground_truth
     from sim.profiling import profile_command
 
-    assert config.hardware is not None
     path = profile_command(out_dir, backend="sim", degrees=sorted(set(config.degrees) | {1}),
                            seed=config.seed, kappa_workload="synthetic",
-                           truth=load_ground_truth(config.hardware))
+                           truth=None if config.hardware is None
+                           else load_ground_truth(config.hardware),
+                           per_degree=config.per_degree)
     report = json.loads((Path(out_dir) / "profile_report.json").read_text())
     return path, report
 
@@ -969,15 +978,18 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
         err.print(f"engine profile {path}: MAPE {rep.get('mape_vs_measured', math.nan):.1%} "
                   f"against the measured grid, degrees {rep.get('degrees')}")
         config = dataclasses.replace(config, profile=path)
-    if config.backend == "sim" and config.hardware is not None and config.profile is None:
-        err.print(f"profiling the modelled hardware of {config.hardware} for the services' "
-                  "cost model (--profile PATH reuses one)…")
+    if config.backend == "sim" and config.profile is None \
+            and (config.hardware is not None or config.per_degree):
+        err.print(f"profiling the modelled hardware ({config.hardware or 'the default'}) for "
+                  "the services' cost model (--profile PATH reuses one)…")
         path, rep = await asyncio.to_thread(hardware_profile, config,
                                             log_dir / "hardware-profile")
         err.print(f"hardware profile {path}: MAPE "
                   f"{rep['fit_vs_truth']['mape']:.1%} against the modelled hardware, degrees "
                   f"{rep.get('degrees')}")
-        config = dataclasses.replace(config, profile=path)
+        # The profile is fitted now: --per-degree has done its part (a config that gives a
+        # profile cannot ask for a fit).
+        config = dataclasses.replace(config, profile=path, per_degree=False)
     # Encode every prompt before anything starts: it is CPU work, not load, and must not
     # delay the replay once the controller watches.
     bodies = await asyncio.to_thread(prepare_bodies, requests,
