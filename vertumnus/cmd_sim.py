@@ -162,6 +162,30 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"results in {out}/results.json (plots: {out}/*.png)")
 
     @app.command()
+    def hardware(
+        file: Annotated[Path | None, typer.Argument(
+            help="A hardware file to check (default: print the built-in hardware)")] = None,
+    ) -> None:
+        """Print the simulated hardware as JSON, every field: the built-in one (a template
+        for --hardware) or FILE read, checked and completed with the defaults it leaves out."""
+        from shared.ids import DEFAULT_BLOCK_SIZE
+        from sim.groundtruth import GroundTruth
+        from sim.hardware import ground_truth_to_mapping
+
+        try:
+            truth = _truth(file)["truth"] or GroundTruth()
+            blocks = truth.kv_capacity_blocks(1)
+        except InvalidInput as exc:
+            _fail(str(exc))
+        typer.echo(json.dumps(ground_truth_to_mapping(truth), indent=2))
+        # A summary on stderr, so that stdout stays a hardware file.
+        times = ", ".join(f"CP{c} {truth.prefill_time(8192, 0, c):.3f} s" for c in (1, 2, 4, 8))
+        typer.echo(f"{truth.model.name} on {truth.gpu.name} (KV memory of "
+                   f"{truth.memory_gpu.name}: {blocks} blocks of {DEFAULT_BLOCK_SIZE} tokens per "
+                   f"GPU); "
+                   f"an 8K-token prefill: {times}", err=True)
+
+    @app.command()
     def report(
         directory: Annotated[Path, typer.Argument(help="A simulate output directory")],
     ) -> None:

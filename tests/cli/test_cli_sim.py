@@ -426,3 +426,21 @@ def test_per_degree_applies_to_the_profile_measured_here(runner, tmp_path, profi
     res = runner.invoke(app, [*SIM_ARGS, "--out", str(tmp_path / "o"), "--profile",
                               str(profile_file), "--per-degree"])
     assert res.exit_code == 2 and "--profile gives one" in res.output, res.output
+
+
+def test_hardware_prints_a_template_and_checks_a_file(runner, tmp_path) -> None:
+    from sim.groundtruth import GroundTruth
+    from sim.hardware import ground_truth_from_mapping
+
+    res = CliRunner().invoke(app, ["hardware"])
+    _ok(res)
+    template = json.loads(res.stdout)  # stdout is a hardware file; the summary is on stderr
+    assert ground_truth_from_mapping(template) == GroundTruth()
+    assert "Qwen3-30B-A3B on H20" in res.stderr
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({**template, "gpu": "H200", "memory_gpu": "H200"}))
+    res = CliRunner().invoke(app, ["hardware", str(mine)])
+    assert json.loads(_ok(res) and res.stdout)["gpu"]["name"] == "H200"
+    mine.write_text(json.dumps({"gpu": {"name": "X"}}))
+    res = runner.invoke(app, ["hardware", str(mine)])
+    assert res.exit_code == 2 and "gpu: missing field(s)" in " ".join(res.output.split())
