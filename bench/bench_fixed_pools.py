@@ -13,6 +13,10 @@ attainment (%), GPU-seconds of prefill, replications and reclamations.
 
     .venv/bin/python bench/bench_fixed_pools.py [--trace PATH] [--rate-scale 4.7]
         [--pools 20CP2,18CP2/1CP4,16CP2/2CP4,12CP2/4CP4] [--gpus 40] [--seed 0] [--out DIR]
+        [--hardware FILE]
+
+``--hardware``: the simulated model and GPUs (``sim/hardware.py``); the profile is fitted on
+them, as ``vertumnus simulate --hardware`` does.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from sim.experiments import (  # noqa: E402
     summarize_run,
 )
 from sim.groundtruth import GroundTruth  # noqa: E402
+from sim.hardware import load_ground_truth  # noqa: E402
 from sim.runner import load_trace, obtain_trace_profile  # noqa: E402
 from sim.workloads import default_traces_dir  # noqa: E402
 from sim.workloads.workload import scale_rate  # noqa: E402
@@ -55,23 +60,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None,
                     help="where the profile is cached (default: a temporary folder)")
+    ap.add_argument("--hardware", type=Path, default=None,
+                    help="simulated model and GPUs, a .json or .toml file (sim/hardware.py)")
     args = ap.parse_args(argv)
     try:
         degrees = tuple(sorted(int(x) for x in args.degrees.split(",") if x))
         lattice = Lattice(args.gpus, degrees)
         pools = [Composition.parse(lattice, p) for p in args.pools.split(",") if p]
         wl0 = load_trace(args.trace, args.format, seed=args.seed, rate=None, max_requests=None)
+        truth = GroundTruth() if args.hardware is None else load_ground_truth(args.hardware)
     except (InvalidInput, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="vtm-fixed-"))
-    profile, _ = obtain_trace_profile(out, degrees, args.seed, wl0)
+    profile, _ = obtain_trace_profile(out, degrees, args.seed, wl0, truth)
     # κ measured on the trace is already a pooled capacity (sim/runner.py run_simulate).
     spec = ExperimentSpec(gpus=args.gpus, degrees=degrees, seed=args.seed, kappa_scale=1.0)
-    truth = GroundTruth()
     wl = scale_rate(wl0, args.rate_scale) if args.rate_scale != 1.0 else wl0
     oracle = oracle_ttfts(wl, truth, degrees)
-    print(f"{wl0.name} ×{args.rate_scale:g}: {len(wl)} requests, {args.gpus} GPUs, J with "
+    print(f"{wl0.name} ×{args.rate_scale:g}: {len(wl)} requests, {args.gpus} {truth.gpu.name} "
+          f"GPUs, J with "
           f"β {calibration.BETA} / λ {calibration.LAM}, seed {args.seed}")
     print(f"{'pool':<14} {'cache mgr':<9} {'mean s':>8} {'P90 s':>8} {'SLO %':>6} "
           f"{'GPU-s':>9} {'repl':>5} {'recl':>5} {'wall s':>7}")
