@@ -21,6 +21,11 @@ def _floats(text: str, name: str) -> list[float]:
                            need="positive numbers"))
 
 
+def _nonneg(text: str, name: str) -> list[float]:
+    return list(comma_list(text, name, float, "numbers", valid=lambda v: v >= 0,
+                           need="numbers >= 0"))
+
+
 def _ints(text: str, name: str) -> tuple[int, ...]:
     return comma_list(text, name, int, "integers", valid=lambda v: v >= 1,
                       need="integers >= 1")
@@ -160,6 +165,62 @@ def register(app: typer.Typer) -> None:
             _fail(str(exc))
         runner.print_table(summary, file=sys.stdout)
         typer.echo(f"results in {out}/results.json (plots: {out}/*.png)")
+
+    @app.command()
+    def tune(
+        trace: Annotated[str, typer.Option(help="'synthetic' or a trace file")] = "synthetic",
+        format: Annotated[
+            str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")
+        ] = "auto",
+        rate_scale: Annotated[str, typer.Option(help="Arrival-rate multipliers")] = "2,3.5",
+        beta: Annotated[str, typer.Option(help="β values of J to try (>= 1)")] = "1,1.5,2,3",
+        lam: Annotated[str, typer.Option(help="λ values of J to try (>= 0)")] = "0,0.25,0.5,1",
+        rate: Annotated[
+            float, typer.Option(help="L-Eval / synthetic base rate in req/s (0: default)")
+        ] = 0.0,
+        gpus: Annotated[int, typer.Option(help="Prefill-pool GPUs")] = 40,
+        degrees: Annotated[str, typer.Option(help="CP degrees of the lattice")] = "2,4",
+        seed: Annotated[int, typer.Option()] = 0,
+        out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/tune"),
+        profile_path: Annotated[
+            Path | None, typer.Option("--profile", help="Profile JSON (default: profile the sim)")
+        ] = None,
+        max_requests: Annotated[int, typer.Option(help="Truncate the trace (0: all)")] = 0,
+        jobs: Annotated[int, typer.Option(help="Worker processes for each pair's rates")] = 1,
+        hardware: Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)] = None,
+        per_degree: Annotated[bool, typer.Option(help=_PER_DEGREE_HELP)] = False,
+    ) -> None:
+        """Choose J's β and λ for a trace and hardware: vertumnus at every pair, over rates."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from sim import runner
+
+        try:
+            if per_degree and profile_path is not None:
+                _fail("--per-degree shapes the profile measured here; --profile gives one")
+            result = runner.run_tune(
+                trace=trace, fmt=format, rate_scales=_floats(rate_scale, "rate-scale"),
+                betas=_nonneg(beta, "beta"), lams=_nonneg(lam, "lam"), rate=rate or None,
+                gpus=gpus, degrees=_ints(degrees, "degrees"), seed=seed, out=out,
+                profile_path=profile_path, max_requests=max_requests or None, progress=True,
+                jobs=jobs, per_degree=per_degree, **_truth(hardware))
+        except InvalidInput as exc:
+            _fail(str(exc))
+        scales = result["meta"]["rate_scales"]
+        t = Table(title=f"{result['meta']['workload']}: vertumnus's mean TTFT (s) by β, λ")
+        for col in ("β", "λ", *(f"×{s:g}" for s in scales), "mean", "P90"):
+            t.add_column(col, justify="right")
+        for p in result["pairs"]:
+            by = {r["rate_scale"]: r["mean_ttft_s"] for r in result["rows"]
+                  if r["beta"] == p["beta"] and r["lam"] == p["lam"]}
+            t.add_row(f"{p['beta']:g}", f"{p['lam']:g}", *(f"{by[s]:.3f}" for s in scales),
+                      f"{p['mean_ttft_s']:.3f}", f"{p['p90_ttft_s']:.3f}")
+        Console(file=sys.stdout).print(t)
+        best = result["best"]
+        typer.echo(f"best: β {best['beta']:g}, λ {best['lam']:g} (lowest mean TTFT over the "
+                   f"rates; simulate --beta {best['beta']:g} --lam {best['lam']:g}, or the "
+                   f"scheduler's VTM_POLICY_PARAMS); {out}/tune.json")
 
     @app.command()
     def hardware(

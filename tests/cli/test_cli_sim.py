@@ -444,3 +444,46 @@ def test_hardware_prints_a_template_and_checks_a_file(runner, tmp_path) -> None:
     mine.write_text(json.dumps({"gpu": {"name": "X"}}))
     res = runner.invoke(app, ["hardware", str(mine)])
     assert res.exit_code == 2 and "gpu: missing field(s)" in " ".join(res.output.split())
+
+
+# --- tune ---------------------------------------------------------------------------------------
+def test_tune_runs_every_pair_and_names_the_best(runner, tmp_path, profile_file) -> None:
+    out = tmp_path / "tune"
+    text = _ok(runner.invoke(app, [
+        "tune", "--max-requests", "200", "--gpus", "8", "--beta", "1,2", "--lam", "0,1",
+        "--rate-scale", "1,2", "--profile", str(profile_file), "--out", str(out)]))
+    got = json.loads((out / "tune.json").read_text())
+    assert sorted((r["beta"], r["lam"], r["rate_scale"]) for r in got["rows"]) == sorted(
+        (b, lam, s) for b in (1.0, 2.0) for lam in (0.0, 1.0) for s in (1.0, 2.0))
+    pairs = got["pairs"]
+    assert len(pairs) == 4
+    for p in pairs:  # each pair's figure is the average of its rows
+        mine = [r["mean_ttft_s"] for r in got["rows"]
+                if (r["beta"], r["lam"]) == (p["beta"], p["lam"])]
+        assert p["mean_ttft_s"] == pytest.approx(sum(mine) / len(mine))
+    assert [p["mean_ttft_s"] for p in pairs] == sorted(p["mean_ttft_s"] for p in pairs)
+    assert got["best"] == {"beta": pairs[0]["beta"], "lam": pairs[0]["lam"]}
+    assert f"best: β {pairs[0]['beta']:g}, λ {pairs[0]['lam']:g}" in text
+    with (out / "tune.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == 8
+    # A cell is the one simulate runs with those weights.
+    sim_out = tmp_path / "sim"
+    _ok(runner.invoke(app, [*SIM_ARGS, "--gpus", "8", "--policies", "vertumnus", "--beta", "2",
+                            "--lam", "1", "--profile", str(profile_file), "--out",
+                            str(sim_out)]))
+    sim_rows = json.loads((sim_out / "results.json").read_text())
+    for r in sim_rows:
+        cell = next(c for c in got["rows"] if (c["beta"], c["lam"], c["rate_scale"])
+                    == (2.0, 1.0, r["rate_scale"]))
+        assert cell["mean_ttft_s"] == r["mean_ttft_s"]
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--beta", "0.5"], "beta must be a finite number >= 1.0"),
+    (["--lam", "-1"], "numbers >= 0"),
+    (["--beta", ""], "beta"),
+])
+def test_tune_rejects_weights_j_does_not_take(runner, tmp_path, args, words) -> None:
+    res = runner.invoke(app, ["tune", "--max-requests", "50", "--out", str(tmp_path), *args])
+    assert res.exit_code == 2 and words in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "tune.json").exists()
