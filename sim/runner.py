@@ -129,6 +129,21 @@ def obtain_profile(profile_path: Path | None, out: Path, degrees: Sequence[int],
     return prof
 
 
+def sweep_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], seed: int,
+                  workload: Workload, truth: GroundTruth, *, per_degree: bool = False
+                  ) -> tuple[Profile, dict[str, Any]]:
+    """The profile a sweep uses and where its κ came from: the file given (its κ a single
+    worker's, judged with ``KAPPA_SCALE``), else :func:`obtain_trace_profile` (κ measured on
+    ``workload`` with a routed pool: a pooled capacity, so the sweep's ``kappa_scale`` is 1.0).
+    """
+    if profile_path is not None:
+        return obtain_profile(profile_path, out, degrees, seed, truth), \
+            {"source": str(profile_path)}
+    prof, krep = obtain_trace_profile(out, degrees, seed, workload, truth, per_degree=per_degree)
+    return prof, {"source": "trace", "cache_key": krep.get("key"), "cached": krep.get("cached"),
+                  "replay_arrivals": krep["replay_arrivals"], "ramp": krep["ramp"]}
+
+
 # --- the run ---------------------------------------------------------------------------------
 def run_simulate(
     *,
@@ -177,18 +192,11 @@ def run_simulate(
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
     wl = workload or load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
+    prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
+                                     per_degree=per_degree)
     overrides = dict(spec_overrides or {})
-    kappa_info: dict[str, Any]
-    if profile_path is not None:
-        prof = obtain_profile(profile_path, out, degrees, seed, truth)
-        kappa_info = {"source": str(profile_path)}
-    else:
-        prof, krep = obtain_trace_profile(out, degrees, seed, wl, truth,
-                                          per_degree=per_degree)
+    if profile_path is None:
         overrides.setdefault("kappa_scale", 1.0)
-        kappa_info = {"source": "trace", "cache_key": krep.get("key"),
-                      "cached": krep.get("cached"), "replay_arrivals": krep["replay_arrivals"],
-                      "ramp": krep["ramp"]}
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
                           **overrides)
@@ -244,13 +252,9 @@ def run_tune(
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
     wl = load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
-    overrides: dict[str, Any] = {}
-    if profile_path is not None:
-        prof = obtain_profile(profile_path, out, degrees, seed, truth)
-    else:
-        prof, _ = obtain_trace_profile(out, degrees, seed, wl, truth, per_degree=per_degree)
-        overrides["kappa_scale"] = 1.0  # κ measured on the trace: pooled (run_simulate)
-    spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed, **overrides)
+    prof, _ = sweep_profile(profile_path, out, degrees, seed, wl, truth, per_degree=per_degree)
+    spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
+                          **({} if profile_path is not None else {"kappa_scale": 1.0}))
     n = len(set(betas)) * len(set(lams)) * len(rate_scales)
     result = _with_progress(progress, n, lambda cb: tune_weights(
         wl, rate_scales, betas, lams, prof, spec, truth, jobs=jobs, on_run=cb))

@@ -37,6 +37,19 @@ _HARDWARE_HELP = ("Simulated model and GPUs: a .json or .toml file (sim/hardware
                   "default: Qwen3-30B-A3B on H20)")
 
 
+# Options that simulate and tune share (typer reads the Annotated aliases).
+_Trace = Annotated[str, typer.Option(help="'synthetic' or a trace file")]
+_Format = Annotated[
+    str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")]
+_Rate = Annotated[float, typer.Option(help="L-Eval / synthetic base rate in req/s (0: default)")]
+_Gpus = Annotated[int, typer.Option(help="Prefill-pool GPUs")]
+_Degrees = Annotated[str, typer.Option(help="CP degrees of the lattice")]
+_ProfilePath = Annotated[
+    Path | None, typer.Option("--profile", help="Profile JSON (default: profile the sim)")]
+_MaxRequests = Annotated[int, typer.Option(help="Truncate the trace (0: all)")]
+_Hardware = Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)]
+
+
 def _truth(hardware: Path | None) -> dict[str, Any]:
     """``{"truth": ground truth}`` of a ``--hardware`` file (None: the default); raises
     InvalidInput naming the file and the bad key."""
@@ -98,29 +111,23 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def simulate(
-        trace: Annotated[str, typer.Option(help="'synthetic' or a trace file")] = "synthetic",
-        format: Annotated[
-            str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")
-        ] = "auto",
+        trace: _Trace = "synthetic",
+        format: _Format = "auto",
         policies: Annotated[
             str, typer.Option(help="Comma-separated policy names")
         ] = _DEFAULT_POLICIES,
         rate_scale: Annotated[str, typer.Option(help="Arrival-rate multipliers")] = "1",
-        rate: Annotated[
-            float, typer.Option(help="L-Eval / synthetic base rate in req/s (0: default)")
-        ] = 0.0,
-        gpus: Annotated[int, typer.Option(help="Prefill-pool GPUs")] = 40,
-        degrees: Annotated[str, typer.Option(help="CP degrees of the lattice")] = "2,4",
+        rate: _Rate = 0.0,
+        gpus: _Gpus = 40,
+        degrees: _Degrees = "2,4",
         seed: Annotated[int, typer.Option()] = 0,
         out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/simulate"),
         preset: Annotated[
             str, typer.Option(help="Named experiment of §9 (see --list-presets)")
         ] = "",
         list_presets: Annotated[bool, typer.Option("--list-presets")] = False,
-        profile_path: Annotated[
-            Path | None, typer.Option("--profile", help="Profile JSON (default: profile the sim)")
-        ] = None,
-        max_requests: Annotated[int, typer.Option(help="Truncate the trace (0: all)")] = 0,
+        profile_path: _ProfilePath = None,
+        max_requests: _MaxRequests = 0,
         cache_blocks_per_gpu: Annotated[int, typer.Option(help="0: HBM budget")] = 0,
         beta: Annotated[float, typer.Option(help="β of J (0: calibrated default)")] = 0.0,
         lam: Annotated[float, typer.Option(help="λ of J (-1: calibrated default)")] = -1.0,
@@ -128,7 +135,7 @@ def register(app: typer.Typer) -> None:
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
                               "(same results)")
         ] = 1,
-        hardware: Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)] = None,
+        hardware: _Hardware = None,
         per_degree: Annotated[bool, typer.Option(
             help=_PER_DEGREE_HELP + " (the profile measured here, not a --profile file)")
         ] = False,
@@ -168,26 +175,20 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def tune(
-        trace: Annotated[str, typer.Option(help="'synthetic' or a trace file")] = "synthetic",
-        format: Annotated[
-            str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")
-        ] = "auto",
+        trace: _Trace = "synthetic",
+        format: _Format = "auto",
         rate_scale: Annotated[str, typer.Option(help="Arrival-rate multipliers")] = "2,3.5",
         beta: Annotated[str, typer.Option(help="β values of J to try (>= 1)")] = "1,1.5,2,3",
         lam: Annotated[str, typer.Option(help="λ values of J to try (>= 0)")] = "0,0.25,0.5,1",
-        rate: Annotated[
-            float, typer.Option(help="L-Eval / synthetic base rate in req/s (0: default)")
-        ] = 0.0,
-        gpus: Annotated[int, typer.Option(help="Prefill-pool GPUs")] = 40,
-        degrees: Annotated[str, typer.Option(help="CP degrees of the lattice")] = "2,4",
+        rate: _Rate = 0.0,
+        gpus: _Gpus = 40,
+        degrees: _Degrees = "2,4",
         seed: Annotated[int, typer.Option()] = 0,
         out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/tune"),
-        profile_path: Annotated[
-            Path | None, typer.Option("--profile", help="Profile JSON (default: profile the sim)")
-        ] = None,
-        max_requests: Annotated[int, typer.Option(help="Truncate the trace (0: all)")] = 0,
+        profile_path: _ProfilePath = None,
+        max_requests: _MaxRequests = 0,
         jobs: Annotated[int, typer.Option(help="Worker processes for each pair's rates")] = 1,
-        hardware: Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)] = None,
+        hardware: _Hardware = None,
         per_degree: Annotated[bool, typer.Option(help=_PER_DEGREE_HELP)] = False,
     ) -> None:
         """Choose J's β and λ for a trace and hardware: vertumnus at every pair, over rates."""
