@@ -50,14 +50,14 @@ _MaxRequests = Annotated[int, typer.Option(help="Truncate the trace (0: all)")]
 _Hardware = Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)]
 
 
-def _truth(hardware: Path | None) -> dict[str, Any]:
-    """``{"truth": ground truth}`` of a ``--hardware`` file (None: the default); raises
-    InvalidInput naming the file and the bad key."""
+def _truth(hardware: Path | None) -> Any:
+    """The ground truth of a ``--hardware`` file (None: the default); raises InvalidInput
+    naming the file and the bad key."""
     if hardware is None:
-        return {"truth": None}
+        return None
     from sim.hardware import load_ground_truth
 
-    return {"truth": load_ground_truth(hardware)}
+    return load_ground_truth(hardware)
 
 
 def register(app: typer.Typer) -> None:
@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
 
                 path = profile_command(out, backend="sim", degrees=degs, seed=seed,
                                        kappa_workload=workload, per_degree=per_degree,
-                                       **_truth(hardware))
+                                       truth=_truth(hardware))
             elif backend == "torch":
                 if hardware is not None or per_degree:
                     _fail("--hardware and --per-degree are the sim backend's; the torch "
@@ -155,7 +155,7 @@ def register(app: typer.Typer) -> None:
                 profile_path=profile_path, max_requests=max_requests or None,
                 cache_blocks_per_gpu=cache_blocks_per_gpu or None,
                 beta=beta or None, lam=None if lam < 0 else lam, jobs=jobs,
-                per_degree=per_degree, **_truth(hardware),
+                per_degree=per_degree, truth=_truth(hardware),
             )
             if per_degree and profile_path is not None:
                 _fail("--per-degree shapes the profile measured here; --profile gives one")
@@ -205,7 +205,7 @@ def register(app: typer.Typer) -> None:
                 betas=_nonneg(beta, "beta"), lams=_nonneg(lam, "lam"), rate=rate or None,
                 gpus=gpus, degrees=_ints(degrees, "degrees"), seed=seed, out=out,
                 profile_path=profile_path, max_requests=max_requests or None, progress=True,
-                jobs=jobs, per_degree=per_degree, **_truth(hardware))
+                jobs=jobs, per_degree=per_degree, truth=_truth(hardware))
         except InvalidInput as exc:
             _fail(str(exc))
         scales = result["meta"]["rate_scales"]
@@ -235,7 +235,7 @@ def register(app: typer.Typer) -> None:
         from sim.hardware import ground_truth_to_mapping
 
         try:
-            truth = _truth(file)["truth"] or GroundTruth()
+            truth = _truth(file) or GroundTruth()
             blocks = truth.kv_capacity_blocks(1)
         except InvalidInput as exc:
             _fail(str(exc))
