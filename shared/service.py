@@ -35,6 +35,7 @@ import contextlib
 import json
 import re
 import signal
+import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -55,10 +56,11 @@ from opentelemetry import trace
 from pydantic import BaseModel
 
 from shared.ids import InvalidInput, UnknownWorker, VertumnusError
+from shared.natsauth import security_options
 from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, validate_subject
-from shared.tasks import cancel_and_wait, cancel_requested
+from shared.tasks import cancel_and_wait, cancel_requested, unless_stopped
 from shared.telemetry import extract, inject, is_sampled, traceparent_of, tracer
 
 DEFAULT_QUEUE_GROUP: Final[str] = "q"
@@ -715,6 +717,7 @@ class MicroService:
                 name=f"{self.name}:{self.settings.instance_id or ''}",
                 connect_timeout=self.settings.connect_timeout_s,
                 **reconnect_options(self.settings),
+                **security_options(self.settings),
                 **nats_callbacks(self.log, self._stop.is_set),  # is_set: our own drain
             )
             stack.push_async_callback(self._drain, nc)
@@ -767,7 +770,10 @@ class MicroService:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(sig, self._stop.set)
                     stack.callback(loop.remove_signal_handler, sig)
-            await self.start(stack, nc)
+            started, _ = await unless_stopped(self.start(stack, nc), self._stop, self.log)
+            if not started:
+                self.log.info("service stopped before it had started")
+                return
             await self._stop.wait()
             self.log.info("service stopping")
         self._started.clear()
@@ -878,14 +884,37 @@ def reconnect_options(settings: ServiceSettings) -> dict[str, Any]:
     return {"reconnect_time_wait": settings.reconnect_wait_s, "max_reconnect_attempts": -1}
 
 
+def security_hint(exc: BaseException) -> str | None:
+    """What to check when ``exc`` (from nats-py) says the server refused our credentials or
+    the TLS handshake failed; None for any other error."""
+    if isinstance(exc, ssl.SSLError):
+        return ("the TLS handshake failed: check VTM_NATS_TLS_CA (the server's CA), "
+                "VTM_NATS_TLS_CERT / VTM_NATS_TLS_KEY and VTM_NATS_TLS_HOSTNAME")
+    text = str(exc).lower()
+    if "authorization violation" in text or "authentication" in text:
+        return ("the server refused this process's credentials: check VTM_NATS_CREDS, "
+                "VTM_NATS_NKEY_SEED, VTM_NATS_TOKEN or VTM_NATS_USER / VTM_NATS_PASSWORD")
+    if "secure connection" in text or "tls" in text:
+        return ("the server and this process disagree on TLS: set VTM_NATS_TLS_CA (or a "
+                "tls:// URL) for a server that requires it, a client certificate for one that "
+                "verifies clients")
+    return None
+
+
 def nats_callbacks(log: Any, stopping: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """``error_cb`` / ``disconnected_cb`` / ``reconnected_cb`` for ``nats.connect`` that log
     through ``log`` (structlog) as :class:`MicroService` does: a transient error or disconnect
     is a warning (nats-py reconnects by itself), not nats-py's default ERROR with a traceback;
-    a disconnect while ``stopping()`` (our own drain) is info."""
+    a disconnect while ``stopping()`` (our own drain) is info. A server refusing this
+    process's credentials, or a failed TLS handshake, is an error naming the settings to check
+    (the process keeps retrying: the server's accounts may be fixed while it runs)."""
 
     async def error_cb(exc: Exception) -> None:
-        log.warning("nats error", error=str(exc))
+        hint = security_hint(exc)
+        if hint is None:
+            log.warning("nats error", error=str(exc))
+        else:
+            log.error("nats refused the connection", error=str(exc), hint=hint)
 
     async def disconnected_cb() -> None:
         if stopping():
@@ -911,6 +940,7 @@ __all__ = [
     "KvWatch",
     "reconnect_options",
     "nats_callbacks",
+    "security_hint",
     "ensure_intake_stream",
     "ensure_key_value",
     "ensure_results_stream",

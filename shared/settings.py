@@ -4,6 +4,7 @@ Every service's settings subclass :class:`ServiceSettings` and add their own doc
 fields. Examples::
 
     VTM_NATS_URL=nats://127.0.0.1:4222
+    VTM_NATS_CREDS=/run/secrets/vtm.creds VTM_NATS_TLS_CA=/etc/vtm/ca.pem
     VTM_SUBJECT_PREFIX=vtm
     VTM_TELEMETRY__EXPORTER=otlp VTM_TELEMETRY__ENDPOINT=http://jaeger:4317
     VTM_LOG__FORMAT=json
@@ -13,11 +14,22 @@ Settings are read once in a service's ``main`` and passed down; cores never read
 
 from __future__ import annotations
 
+import os
 import re
 import socket
-from typing import Final, Literal
+from pathlib import Path
+from typing import Final, Literal, Self
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FilePath,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.subjects import Subjects, validate_subject
@@ -90,6 +102,39 @@ class ServiceSettings(BaseSettings):
         default="nats://127.0.0.1:4222",
         description="NATS server URL(s), comma-separated for a cluster.",
     )
+    # Credentials and TLS (shared/natsauth.py turns them into nats.connect options). At most
+    # one way of authenticating; secrets are SecretStr so that no log or repr shows them.
+    nats_creds: FilePath | None = Field(
+        default=None,
+        description="NATS credentials file (a user JWT and its nkey seed, e.g. from `nsc`), for "
+        "a server in operator (decentralised JWT) mode.",
+    )
+    nats_nkey_seed: FilePath | None = Field(
+        default=None, description="File holding a user nkey seed ('SU…'), for a server whose "
+        "users are nkeys."
+    )
+    nats_token: SecretStr | None = Field(
+        default=None, description="Authentication token (a server started with `--auth`)."
+    )
+    nats_user: str | None = Field(default=None, description="User name (with nats_password).")
+    nats_password: SecretStr | None = Field(
+        default=None, description="Password of nats_user."
+    )
+    nats_tls_ca: FilePath | None = Field(
+        default=None, description="CA bundle (PEM) the server's certificate must chain to; "
+        "setting it turns TLS on (unset: the system's CAs, when TLS is on)."
+    )
+    nats_tls_cert: FilePath | None = Field(
+        default=None, description="Client certificate (PEM) for a server that verifies "
+        "clients (mutual TLS); turns TLS on; needs nats_tls_key."
+    )
+    nats_tls_key: FilePath | None = Field(
+        default=None, description="Private key (PEM) of nats_tls_cert."
+    )
+    nats_tls_hostname: str | None = Field(
+        default=None, description="Host name the server's certificate must name, when it is "
+        "not the one in VTM_NATS_URL (e.g. a certificate for 'nats' reached at an IP address)."
+    )
     subject_prefix: str = Field(
         default="vtm",
         description="Prefix of every subject, stream and bucket name; two deployments on one "
@@ -125,6 +170,32 @@ class ServiceSettings(BaseSettings):
     def _prefix(cls, v: str) -> str:
         validate_subject(v)
         return v
+
+    @field_validator("nats_creds", "nats_nkey_seed", "nats_tls_ca", "nats_tls_cert",
+                     "nats_tls_key")
+    @classmethod
+    def _readable(cls, v: Path | None) -> Path | None:
+        if v is not None and not os.access(v, os.R_OK):
+            raise ValueError(f"file {str(v)!r} is not readable by this process")
+        return v
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> Self:
+        ways = [name for name, v in (("VTM_NATS_CREDS", self.nats_creds),
+                                     ("VTM_NATS_NKEY_SEED", self.nats_nkey_seed),
+                                     ("VTM_NATS_TOKEN", self.nats_token),
+                                     ("VTM_NATS_USER", self.nats_user)) if v is not None]
+        if any(urlsplit(u if "://" in u else f"nats://{u}").username
+               for u in self.nats_servers):
+            ways.append("credentials in VTM_NATS_URL")
+        if len(ways) > 1:
+            raise ValueError(f"more than one way to authenticate to NATS: {', '.join(ways)} "
+                             "(set one)")
+        if (self.nats_user is None) != (self.nats_password is None):
+            raise ValueError("VTM_NATS_USER and VTM_NATS_PASSWORD go together (set both)")
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ValueError("VTM_NATS_TLS_CERT and VTM_NATS_TLS_KEY go together (set both)")
+        return self
 
     @field_validator("instance_id")
     @classmethod

@@ -16,10 +16,12 @@ times; :func:`cancel_requested` lets a loop notice a swallowed cancel itself and
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
 
 import structlog
+
+T = TypeVar("T")
 
 _log = structlog.get_logger("vertumnus.tasks")
 
@@ -56,6 +58,29 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], log: Any = None, *
     return pending
 
 
+async def unless_stopped(coro: Coroutine[Any, Any, T], stop: asyncio.Event,
+                         log: Any = None) -> tuple[bool, T | None]:
+    """Run ``coro`` unless ``stop`` is set first: ``(True, its result)`` when it finished
+    (its exception, if any, is raised), ``(False, None)`` when ``stop`` came first (``coro``
+    is then cancelled and awaited).
+
+    Why: a service's start waits for its NATS server (nats-py retries an unreachable one, or
+    one that refuses its credentials, for as long as the service lets it). A SIGTERM in that
+    wait must stop the process at once, not after the server shows up (or a supervisor's
+    SIGKILL)."""
+    work = asyncio.ensure_future(coro)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            await cancel_and_wait([work], log)
+        await cancel_and_wait([stopped], log)
+    if work.cancelled():
+        return False, None
+    return True, work.result()  # raises what coro raised
+
+
 def cancel_requested() -> bool:
     """True if the current task was cancelled but the CancelledError was swallowed on the way
     (see the module docstring): a loop checks it so it stops all the same."""
@@ -63,4 +88,4 @@ def cancel_requested() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-__all__ = ["cancel_and_wait", "cancel_requested"]
+__all__ = ["cancel_and_wait", "cancel_requested", "unless_stopped"]

@@ -120,6 +120,10 @@ class SimBackend:
     at once and publishes the first token at ``finished_at_s``. This is the simulator's
     model (sim/simulator.py frees a worker at its prefill's end and adds ``external_time`` to
     TTFT only): the KV streams to the decode side while the next prefill runs.
+
+    ``kv_capacity_blocks`` (optional): the modelled worker's KV-cache capacity in blocks (e.g.
+    the modelled GPUs' HBM budget for its degree). rankd sizes the worker's cache with it
+    unless ``VTM_KV_TOTAL_BLOCKS`` is set; None leaves the setting's default.
     """
 
     name: Final[str] = "sim"  # type: ignore[misc]
@@ -135,9 +139,16 @@ class SimBackend:
         time_scale: float = 1.0,
         vocab: int = DEFAULT_VOCAB,
         clock: Callable[[], float] = time.time,
+        kv_capacity_blocks: int | None = None,
     ) -> None:
         if not time_scale > 0 or time_scale != time_scale:
             raise InvalidInput(f"time_scale must be > 0, got {time_scale}")
+        if kv_capacity_blocks is not None and (isinstance(kv_capacity_blocks, bool)
+                                               or not isinstance(kv_capacity_blocks, int)
+                                               or kv_capacity_blocks < 1):
+            raise InvalidInput(f"kv_capacity_blocks must be an integer >= 1, "
+                               f"got {kv_capacity_blocks!r}")
+        self.kv_capacity_blocks = kv_capacity_blocks
         if vocab < 1:
             raise InvalidInput(f"vocab must be >= 1, got {vocab}")
         self._kind = kind

@@ -42,9 +42,10 @@ from services.rankd.backend import ExecutionBackend
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput, WorkerFault
+from shared.natsauth import security_options
 from shared.schemas import EpochRecord, SchemaError, decode
 from shared.service import KvWatch, epoch_kv, nats_callbacks, reconnect_options
-from shared.tasks import cancel_and_wait, cancel_requested
+from shared.tasks import cancel_and_wait, cancel_requested, unless_stopped
 from shared.worker import GpuGroup, WorkerKind
 
 BackendFactory = Callable[[str, WorkerKind], ExecutionBackend]
@@ -174,13 +175,18 @@ class RankdHost:
                     loop.add_signal_handler(sig, self._stop.set)
                     stack.callback(loop.remove_signal_handler, sig)
             if nc is None:
-                nc = await nats.connect(
+                # A stop while the server is unreachable (or refuses us) ends the run at once.
+                connected, nc = await unless_stopped(nats.connect(
                     servers=self.settings.nats_servers,
                     name=f"vtm-rankd-host:{self.gpus.start}-{self.gpus.stop - 1}",
                     connect_timeout=self.settings.connect_timeout_s,
                     **reconnect_options(self.settings),
+                    **security_options(self.settings),
                     **nats_callbacks(log, self._stop.is_set),
-                )
+                ), self._stop, log)
+                if not connected or nc is None:
+                    log.info("rank host stopped before it had connected")
+                    return
                 stack.push_async_callback(nc.drain)
             self._nc = nc
             stack.push_async_callback(self._stop_all)

@@ -185,6 +185,16 @@ def _nonneg(x: float) -> float:
     return max(0.0, x)
 
 
+def kv_capacity(settings: RankdSettings, backend: ExecutionBackend) -> int:
+    """The worker's KV-cache capacity in blocks: ``VTM_KV_TOTAL_BLOCKS`` when it was set,
+    else the backend's own (a modelled worker's HBM budget, ``kv_capacity_blocks``), else the
+    setting's default."""
+    own = getattr(backend, "kv_capacity_blocks", None)
+    if "kv_total_blocks" in settings.model_fields_set or own is None:
+        return settings.kv_total_blocks
+    return int(own)
+
+
 def ttft_stages(job: Job, result: PrefillResult) -> TtftStages:
     """Stage breakdown of one finished request from the instants the pipeline recorded."""
     a = job.assignment
@@ -230,7 +240,7 @@ class RankdService(MicroService):
             settings.worker_id,
             kind=settings.kind,
             epoch=settings.epoch,
-            kv_total_blocks=settings.kv_total_blocks,
+            kv_total_blocks=kv_capacity(settings, backend),
             max_queue=settings.max_queue,
             time_scale=getattr(backend, "time_scale", 1.0),
             # A new token per start: a restart under the same worker id is then visible to

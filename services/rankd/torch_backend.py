@@ -61,7 +61,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -74,6 +74,7 @@ from services.rankd.backend import ExecutionBackend, PrefillResult
 from services.rankd.blockcache import BlockCache
 from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldBroken, WorldSpec
 from shared.ids import InvalidInput, UnknownWorker
+from shared.natsauth import security_options
 from shared.schemas import Assignment, IntakeRequest
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, WorkerKind
@@ -221,10 +222,13 @@ class NatsKVHandoff:
         *,
         servers: Sequence[str] = (),
         timeout_s: float = 60.0,
+        connect_options: Mapping[str, Any] | None = None,
     ) -> None:
         self._nc = nc
         self._own = nc is None
         self._servers = list(servers)
+        # Credentials and TLS of its own connection (shared.natsauth.security_options).
+        self._connect_options = dict(connect_options or {})
         self.subjects = subjects
         self.timeout_s = timeout_s
 
@@ -235,7 +239,7 @@ class NatsKVHandoff:
             from shared.service import nats_callbacks
 
             self._nc = await nats.connect(servers=self._servers, name="vtm-rankd-kv",
-                                          **nats_callbacks(_log))
+                                          **self._connect_options, **nats_callbacks(_log))
         return self._nc
 
     async def transfer(self, request_id: str, blob: bytes) -> HandoffResult:
@@ -653,6 +657,8 @@ class TorchPool:
     handoff: KVHandoff | None = None
     decode_role: KVDecodeRole | None = None
     _decode_nc: Any = None
+    connect_options: dict[str, Any] = field(default_factory=dict)
+    """Credentials and TLS of the pool's own NATS connections (hand-off, decode role)."""
 
     @classmethod
     def start(
@@ -663,6 +669,7 @@ class TorchPool:
         subjects: Subjects | None = None,
         servers: Sequence[str] = (),
         settings: TorchSettings | None = None,
+        connect_options: Mapping[str, Any] | None = None,
     ) -> TorchPool:
         """Spawn the world over ``gpus`` (blocking; ranks not covered by ``initial_workers``
         start at degree 1)."""
@@ -694,8 +701,10 @@ class TorchPool:
         if ts.handoff == "local":
             handoff = LocalKVHandoff(_decode_model(ts))
         else:
-            handoff = NatsKVHandoff(None, subj, servers=servers, timeout_s=ts.decode_timeout_s)
-        return cls(world, subj, ts, list(servers), handoff)
+            handoff = NatsKVHandoff(None, subj, servers=servers, timeout_s=ts.decode_timeout_s,
+                                    connect_options=connect_options)
+        return cls(world, subj, ts, list(servers), handoff,
+                   connect_options=dict(connect_options or {}))
 
     async def start_decode_role(self, nc: Any | None = None) -> KVDecodeRole:
         """Start the embedded decode role (own connection unless ``nc`` is given)."""
@@ -705,6 +714,7 @@ class TorchPool:
             from shared.service import nats_callbacks
 
             nc = self._decode_nc = await nats.connect(servers=self.servers, name="vtm-decode",
+                                                      **self.connect_options,
                                                       **nats_callbacks(_log))
         model = await asyncio.to_thread(_decode_model, self.settings)
         self.decode_role = KVDecodeRole(model, self.subjects)
@@ -758,6 +768,7 @@ def single_worker_backend(
         subjects=settings.subjects,
         servers=settings.nats_servers,
         settings=torch_settings,
+        connect_options=security_options(settings),
     )
     return _PoolBackend(pool, settings.worker_id, settings.kind)
 
@@ -777,6 +788,7 @@ async def start_torch_host(
         subjects=settings.subjects,
         servers=settings.nats_servers,
         settings=torch_settings,
+        connect_options=security_options(settings),
     )
     try:
         if pool.settings.handoff == "nats" and pool.settings.embedded_decode:

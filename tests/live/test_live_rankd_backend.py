@@ -97,6 +97,46 @@ def test_rankd_sim_times_stages_by_a_hardware_file(tmp_path) -> None:  # type: i
     assert (kv, decode) == (truth.kv_handoff_time(100, 2), 0.02)
 
 
+def test_rankd_sim_sizes_each_workers_cache_by_the_modelled_hbm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A sim worker's cache is what its GPUs' HBM leaves for KV at its degree (as in the
+    simulator), on the default hardware or a file's, in the gateway's block size; an explicit
+    ``VTM_KV_TOTAL_BLOCKS`` wins."""
+    from services.rankd.service import RankdService, kv_capacity
+    from shared.worker import WorkerKind
+    from sim.groundtruth import DEFAULT_GROUND_TRUTH
+    from sim.hardware import load_ground_truth
+    from vertumnus.live.rankd_sim import SimRankdSettings, backend_factory
+
+    hw = tmp_path / "hw.toml"
+    hw.write_text('gpu = "H200"\n[surroundings]\nkv_reserve_bytes = 20e9\n')
+    for settings, truth in ((SimRankdSettings(), DEFAULT_GROUND_TRUTH),
+                            (SimRankdSettings(truth="predicted", block_size=256),
+                             DEFAULT_GROUND_TRUTH),
+                            (SimRankdSettings(hardware_path=hw), load_ground_truth(hw))):
+        make = backend_factory(settings)
+        for wid, degree in (("w-cp2-g0", 2), ("w-cp4-g4", 4), ("w-tp4-g0", 4)):
+            backend = make(wid, WorkerKind.CP)
+            want = truth.kv_capacity_blocks(degree, block_size=settings.block_size)
+            assert backend.kv_capacity_blocks == want  # type: ignore[attr-defined]
+            assert kv_capacity(settings, backend) == want
+    # Different hardware, a different capacity (the check above is not vacuous).
+    default = DEFAULT_GROUND_TRUTH.kv_capacity_blocks
+    assert load_ground_truth(hw).kv_capacity_blocks(2) != default(2)
+    assert default(4) == 2 * default(2)
+    explicit = SimRankdSettings(kv_total_blocks=100, worker_id="w-cp2-g0")
+    backend = backend_factory(explicit)("w-cp2-g0", WorkerKind.CP)
+    assert kv_capacity(explicit, backend) == 100
+    # The worker's core gets it; a host's per-worker copy of the settings keeps "explicit".
+    copied = explicit.model_copy(update={"worker_id": "w-cp4-g4"})
+    assert RankdService(copied, backend).core.kv_total_blocks == 100
+    assert RankdService(SimRankdSettings(worker_id="w-cp2-g0"), backend).core.kv_total_blocks \
+        == DEFAULT_GROUND_TRUTH.kv_capacity_blocks(2)
+    # A backend with no opinion (the torch one, the plain sim one) leaves the setting's default.
+    assert kv_capacity(SimRankdSettings(), SimBackend()) == 65_536
+    with pytest.raises(InvalidInput, match="kv_capacity_blocks"):
+        SimBackend(kv_capacity_blocks=0)
+
+
 async def test_defaults_to_prediction_and_validates() -> None:
     backend = SimBackend(time_scale=0.001)
     assert backend.modelled_times(assignment(0.25)) == (0.25, 0.0)

@@ -89,6 +89,15 @@ def test_up_models_the_hardware_of_a_file(tmp_path: Path) -> None:
     assert report["hardware"]["gpu"]["name"] == "H200"
     assert set(json.loads(fitted.read_text())["per_degree"]) == {"1", "2", "4"}
     assert "hardware profile" in " ".join(proc.stderr.split())
+    # The workers' caches are what the file's GPUs leave for KV at their degree, as in the
+    # simulator (not the rank daemons' 65,536-block default).
+    from shared.worker import GpuGroup
+    from sim.hardware import load_ground_truth
+
+    truth = load_ground_truth(hw)
+    assert data["kv_total_blocks"] and all(
+        blocks == truth.kv_capacity_blocks(GpuGroup.from_worker_id(wid).degree) != 65_536
+        for wid, blocks in data["kv_total_blocks"].items()), data["kv_total_blocks"]
 
 
 def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path) -> None:

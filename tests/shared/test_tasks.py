@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shared.tasks import cancel_and_wait, cancel_requested
+from shared.tasks import cancel_and_wait, cancel_requested, unless_stopped
 
 
 def _loop_task(replies: list[asyncio.Future[int]], seen: list[str]) -> asyncio.Task[None]:
@@ -134,3 +134,37 @@ async def test_a_kv_watch_leaves_on_a_swallowed_cancel() -> None:
     _, pending = await asyncio.wait({task}, timeout=5)
     assert not pending and task.cancelled()
     assert len(replies) == 1  # it did not wait for another entry
+
+
+async def test_unless_stopped_gives_the_result_or_stops_the_wait() -> None:
+    stop = asyncio.Event()
+
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        return 42
+
+    assert await unless_stopped(answer(), stop) == (True, 42)
+
+    async def fails() -> None:
+        raise ValueError("bad")
+
+    with pytest.raises(ValueError, match="bad"):
+        await unless_stopped(fails(), stop)
+
+    cleaned: list[str] = []
+    forever = asyncio.Event()
+
+    async def waits_for_a_server() -> None:
+        try:
+            await forever.wait()
+        finally:
+            cleaned.append("cancelled and awaited")
+
+    waiting = asyncio.create_task(unless_stopped(waits_for_a_server(), stop))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    stop.set()
+    assert await asyncio.wait_for(waiting, 5) == (False, None)
+    assert cleaned == ["cancelled and awaited"]
+    # Stopped already: the work is not left running.
+    assert await unless_stopped(forever.wait(), stop) == (False, None)

@@ -5,7 +5,10 @@ each worker's :class:`~services.rankd.backend.SimBackend` sleeps for the ground 
 prefill time (``sim.groundtruth.NoisyGroundTruth.prefill_time``), KV handoff time
 (``GroundTruth.kv_handoff_time``) and first decode step (``Surroundings.first_decode_s``; the
 two sum to ``external_time``), scaled by ``VTM_TIME_SCALE``, instead of the scheduler's
-prediction. The rank daemon reports each as its own TTFT stage (and span).
+prediction. The rank daemon reports each as its own TTFT stage (and span). Each worker's KV
+cache holds what the modelled GPUs' HBM leaves for it at its degree
+(``GroundTruth.kv_capacity_blocks``, as the simulator's workers), unless
+``VTM_KV_TOTAL_BLOCKS`` says otherwise.
 ``services/`` never imports ``sim/``; this launcher is where the two meet.
 
 Honesty (design.md): only the *workers* see the ground truth; the scheduler still loads a
@@ -24,7 +27,8 @@ from services.rankd.host import RankdHost
 from services.rankd.main import run_rankd
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from shared.worker import WorkerKind
+from shared.ids import DEFAULT_BLOCK_SIZE
+from shared.worker import GpuGroup, WorkerKind
 
 
 class SimRankdSettings(RankdSettings):
@@ -47,6 +51,11 @@ class SimRankdSettings(RankdSettings):
         "truth's default (Qwen3-30B-A3B on H20). The services that predict need a profile "
         "fitted on the same hardware (VTM_PROFILE_PATH; `vertumnus up --hardware` fits one).",
     )
+    block_size: int = Field(
+        default=DEFAULT_BLOCK_SIZE, ge=1,
+        description="Tokens per cache block (the gateway's VTM_BLOCK_SIZE): sizes each "
+        "worker's cache in blocks from the hardware's HBM budget.",
+    )
 
 
 def _constant(seconds: float) -> HandoffTimeFn:
@@ -61,13 +70,14 @@ def _constant(seconds: float) -> HandoffTimeFn:
 
 def backend_factory(settings: SimRankdSettings):  # type: ignore[no-untyped-def]
     """A (worker id, kind) → SimBackend factory sharing one ground truth per process."""
-    prefill = handoff = first_decode = None
-    if settings.truth != "predicted":
-        from sim.groundtruth import DEFAULT_GROUND_TRUTH, NoisyGroundTruth
-        from sim.hardware import load_ground_truth
+    from sim.groundtruth import DEFAULT_GROUND_TRUTH, NoisyGroundTruth
+    from sim.hardware import load_ground_truth
 
-        exact = DEFAULT_GROUND_TRUTH if settings.hardware_path is None \
-            else load_ground_truth(settings.hardware_path)
+    prefill = handoff = first_decode = None
+    exact = DEFAULT_GROUND_TRUTH if settings.hardware_path is None \
+        else load_ground_truth(settings.hardware_path)
+    capacity = exact.kv_capacity_blocks  # the HBM budget, whatever times the prefill
+    if settings.truth != "predicted":
         if settings.truth == "noisy":
             noisy = NoisyGroundTruth(exact, seed=settings.truth_seed, sigma=settings.truth_noise)
             # Only the prefill is noisy; handoff and decode are the noise-free model either way.
@@ -82,7 +92,9 @@ def backend_factory(settings: SimRankdSettings):  # type: ignore[no-untyped-def]
         # (the handoff and first decode still count in TTFT).
         return SimBackend(kind=kind.value, prefill_time=prefill, handoff_time=handoff,
                           first_decode_time=first_decode, handoff_off_worker=True,
-                          time_scale=settings.time_scale)
+                          time_scale=settings.time_scale,
+                          kv_capacity_blocks=capacity(GpuGroup.from_worker_id(wid).degree,
+                                                      block_size=settings.block_size))
 
     return make
 

@@ -433,6 +433,8 @@ class Health:
     gateway_url: str
     services: dict[str, int]
     active_workers: list[str]
+    kv_total_blocks: dict[str, int] = field(default_factory=dict)
+    """Each active worker's KV-cache capacity in blocks, as it reports it."""
 
 
 class LiveStack:
@@ -524,6 +526,7 @@ class LiveStack:
                 "VTM_KIND": dep.kind.value,
                 "VTM_BACKEND": c.backend,
                 "VTM_TIME_SCALE": f"{scale:g}",
+                "VTM_BLOCK_SIZE": str(c.block_size),  # sizes the sim workers' caches
                 # The modelled ground truth is the sim backend's; the torch engine runs.
                 **({"VTM_TRUTH": c.truth, "VTM_TRUTH_SEED": str(c.seed),
                     **({"VTM_HARDWARE_PATH": str(c.hardware)} if c.hardware else {})}
@@ -778,12 +781,14 @@ class LiveStack:
                         wstatus, body = await get_json(f"{url}/v1/workers")
                     except HttpError as exc:
                         status, wstatus, body, last = 0, 0, None, str(exc)
-                    active = [w["worker_id"] for w in (body or {}).get("workers", [])
-                              if w.get("lifecycle") == "active"]
+                    workers = [w for w in (body or {}).get("workers", [])
+                               if w.get("lifecycle") == "active"]
+                    active = [w["worker_id"] for w in workers]
                     if status == 200 and wstatus == 200 and active:
                         self.gateway_url = url
                         self._pin_gateway_port(url)
-                        return Health(url, answered, active)
+                        return Health(url, answered, active, {
+                            w["worker_id"]: int(w.get("kv_total_blocks") or 0) for w in workers})
                     last = (f"gateway /health {status}, /v1/workers {wstatus}, "
                             f"{len(active)} active workers")
             if time.monotonic() > deadline:
@@ -1004,6 +1009,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, me.cancel)
     records: list[Any] = []
+    cache_blocks: dict[str, int] = {}  # the workers' cache capacity once healthy
     observer: Observer | None = None
     interrupted = False
     health: Health | None = None
@@ -1046,6 +1052,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     try:
         try:
             health = await stack.start()
+            cache_blocks = dict(sorted(health.kv_total_blocks.items()))
             if stack.missing:
                 err.print(f"[yellow]not started (module not found): {', '.join(stack.missing)}")
             for name, dropped in stack.ignored.items():
@@ -1130,6 +1137,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             "requests_planned": len(requests), "services_missing": stack.missing,
             "profile": str(config.profile) if config.profile else None,
             "hardware": str(config.hardware) if config.hardware else None,
+            "kv_total_blocks": cache_blocks,
             "exit_codes": codes, "log_dir": str(log_dir),
             **(observer.summary_counts() if observer else {}),
             "scheduler_recovery": recovery,

@@ -20,6 +20,8 @@ import msgpack
 import nats
 from nats.aio.msg import Msg
 
+from shared.ids import InvalidInput
+from shared.natsauth import security_options
 from shared.schemas import JSON, MSGPACK, content_type_of
 
 PREVIEW_BYTES: Final[int] = 16
@@ -94,7 +96,21 @@ async def connect_cli(url: str, name: str, *, timeout_s: float = 5.0) -> nats.NA
 
     nats-py keeps retrying an unreachable server for minutes, printing a traceback each time
     (its default error callback); a tool should say at once that it cannot reach it. Errors
-    after the connection was made (a server restart) are one line on stderr each."""
+    after the connection was made (a server restart) are one line on stderr each.
+
+    Credentials and TLS come from the same ``VTM_NATS_*`` variables as the services'
+    (:mod:`shared.natsauth`); a bad one raises ``OSError`` naming it."""
+    from pydantic import ValidationError
+
+    from shared.servicemain import settings_errors
+    from shared.settings import ServiceSettings
+
+    try:
+        secure = security_options(ServiceSettings())
+    except ValidationError as exc:
+        raise OSError(f"invalid settings:\n{settings_errors(exc)}") from None
+    except InvalidInput as exc:
+        raise OSError(str(exc)) from None
     connected = False
 
     async def on_error(exc: Exception) -> None:
@@ -103,7 +119,8 @@ async def connect_cli(url: str, name: str, *, timeout_s: float = 5.0) -> nats.NA
 
     try:
         nc = await asyncio.wait_for(
-            nats.connect(url, name=name, connect_timeout=timeout_s, error_cb=on_error),
+            nats.connect(url, name=name, connect_timeout=timeout_s, error_cb=on_error,
+                         **secure),
             timeout_s + 1.0)
     except TimeoutError:
         raise OSError(f"no server answered within {timeout_s:g} s") from None

@@ -1,0 +1,76 @@
+"""How a process proves who it is to NATS and encrypts the connection (settings → nats.connect).
+
+Contract:
+
+* :func:`security_options` turns the credentials and TLS fields of a
+  :class:`~shared.settings.ServiceSettings` (``VTM_NATS_CREDS``, ``VTM_NATS_NKEY_SEED``,
+  ``VTM_NATS_TOKEN``, ``VTM_NATS_USER`` / ``VTM_NATS_PASSWORD``, ``VTM_NATS_TLS_CA``,
+  ``VTM_NATS_TLS_CERT`` / ``VTM_NATS_TLS_KEY``, ``VTM_NATS_TLS_HOSTNAME``) into ``nats.connect``
+  keyword arguments. Every connection a vertumnus process opens passes them (a service's own,
+  a rank host's, the torch KV hand-off's, the decode role's, ``vertumnus replay --nats`` /
+  ``tap``'s), so one set of variables secures a whole deployment.
+* With none of them set it returns ``{}``: nats-py's defaults, i.e. a user:password in
+  ``VTM_NATS_URL`` still works, and a ``tls://`` URL still gets TLS with the system's CAs.
+* TLS is on when a CA or a client certificate is given. The context verifies the server
+  against ``VTM_NATS_TLS_CA`` (the system's CAs when unset) and presents the client
+  certificate when one is given (a server with ``verify: true``). A file that cannot be read
+  or is not a certificate / key raises :class:`~shared.ids.InvalidInput` naming the setting,
+  which a service's main reports as "cannot start".
+* Which combinations are allowed is checked by the settings themselves (one way of
+  authenticating at most, a password with a user, a key with a certificate); files are read
+  here, at connect time, so a rotated certificate is picked up by a restart.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import TYPE_CHECKING, Any
+
+from shared.ids import InvalidInput
+
+if TYPE_CHECKING:
+    from shared.settings import ServiceSettings
+
+
+def tls_context(settings: ServiceSettings) -> ssl.SSLContext | None:
+    """The client TLS context of ``settings`` (None: no TLS setting given)."""
+    ca, cert, key = settings.nats_tls_ca, settings.nats_tls_cert, settings.nats_tls_key
+    if ca is None and cert is None:
+        return None
+    try:
+        ctx = ssl.create_default_context(cafile=str(ca) if ca is not None else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidInput(f"VTM_NATS_TLS_CA {str(ca)!r} is not a readable CA bundle: "
+                           f"{exc}") from None
+    if cert is not None:
+        try:
+            ctx.load_cert_chain(str(cert), str(key) if key is not None else None)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidInput(
+                f"VTM_NATS_TLS_CERT {str(cert)!r} / VTM_NATS_TLS_KEY {str(key)!r} are not a "
+                f"readable certificate and its private key: {exc}") from None
+    return ctx
+
+
+def security_options(settings: ServiceSettings) -> dict[str, Any]:
+    """``nats.connect`` keyword arguments for ``settings``' credentials and TLS (module doc)."""
+    opts: dict[str, Any] = {}
+    if settings.nats_creds is not None:
+        opts["user_credentials"] = str(settings.nats_creds)
+    if settings.nats_nkey_seed is not None:
+        opts["nkeys_seed"] = str(settings.nats_nkey_seed)
+    if settings.nats_token is not None:
+        opts["token"] = settings.nats_token.get_secret_value()
+    if settings.nats_user is not None:
+        opts["user"] = settings.nats_user
+        if settings.nats_password is not None:
+            opts["password"] = settings.nats_password.get_secret_value()
+    ctx = tls_context(settings)
+    if ctx is not None:
+        opts["tls"] = ctx
+    if settings.nats_tls_hostname is not None:
+        opts["tls_hostname"] = settings.nats_tls_hostname
+    return opts
+
+
+__all__ = ["security_options", "tls_context"]
