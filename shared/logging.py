@@ -62,8 +62,28 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(_LEVELS[level])
+    quiet_ssl_eof_warning()
     if service is not None:
         structlog.contextvars.bind_contextvars(service=service)
+
+
+_SSL_EOF = "returning true from eof_received() has no effect when using ssl"
+
+
+class _NoSslEofWarning(logging.Filter):
+    """Drops asyncio's warning that ``eof_received`` returned True on a TLS transport: nats-py's
+    protocol does so, and asyncio logs it each time a server closes a TLS connection (every
+    drain at a stop). It tells an operator nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _SSL_EOF
+
+
+def quiet_ssl_eof_warning() -> None:
+    """Install :class:`_NoSslEofWarning` on the ``asyncio`` logger (idempotent)."""
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _NoSslEofWarning) for f in log.filters):
+        log.addFilter(_NoSslEofWarning())
 
 
 def get_logger(name: str | None = None, **initial: Any) -> structlog.stdlib.BoundLogger:

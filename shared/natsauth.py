@@ -73,4 +73,20 @@ def security_options(settings: ServiceSettings) -> dict[str, Any]:
     return opts
 
 
-__all__ = ["security_options", "tls_context"]
+def env_security_options() -> dict[str, Any]:
+    """:func:`security_options` of the ``VTM_NATS_*`` variables of this process's environment
+    (a command-line tool's connections: ``vertumnus replay --nats``, ``tap``, ``up``'s own).
+    Raises :class:`~shared.ids.InvalidInput` naming the variables when they are unusable."""
+    from pydantic import ValidationError
+
+    from shared.servicemain import settings_errors
+    from shared.settings import ServiceSettings
+
+    try:
+        settings = ServiceSettings()
+    except ValidationError as exc:
+        raise InvalidInput(f"invalid settings:\n{settings_errors(exc)}") from None
+    return security_options(settings)
+
+
+__all__ = ["env_security_options", "security_options", "tls_context"]

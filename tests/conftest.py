@@ -12,8 +12,10 @@ A folder that needs something else overrides the fixture of the same name in its
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import nats
 import pytest
@@ -25,6 +27,11 @@ from shared.natsserver import EmbeddedNats, NatsServerNotFound
 from shared.telemetry import setup_tracing
 
 _EXPORTER = InMemorySpanExporter()
+
+# Helpers shared by several folders (natssecurity_support) live at the top of the tree.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 @pytest.fixture(scope="session")

@@ -133,6 +133,10 @@ def register(app: typer.Typer) -> None:
             help="No replay: keep the stack running until Ctrl-C (drive it with `replay`)")
         ] = False,
         nats_port: Annotated[int, typer.Option(help="nats-server port (-1: any free)")] = -1,
+        nats_config: Annotated[Path | None, typer.Option(
+            help="A nats-server configuration file for the embedded server (e.g. TLS and "
+                 "users); up and every service connect with the VTM_NATS_* credentials and "
+                 "TLS settings of this environment")] = None,
         http_port: Annotated[int, typer.Option(help="Gateway HTTP port (0: any free)")] = 0,
         schedulers: Annotated[int, typer.Option(
             help="Scheduler replicas (one process each, sharing the intake)")] = 1,
@@ -162,6 +166,7 @@ def register(app: typer.Typer) -> None:
                 rate_scale=rate_scale, seed=seed, max_requests=max_requests, profile=profile,
                 prefix=prefix, log_dir=log_dir, stop_timeout_wall_s=stop_timeout,
                 health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
+                nats_config=nats_config,
                 http_port=http_port, model_path=model_path, profile_engine=profile_engine,
                 kill_at_wall_s=_times(kill_at, "kill-at"),
                 restart_after_wall_s=_times(restart_after, "restart-after"),

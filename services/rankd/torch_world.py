@@ -41,7 +41,10 @@ gone; :meth:`TorchWorld.close` kills what does not stop). A rank ignores SIGINT 
 to the group (``vertumnus up`` stopping its children, systemd's control-group kill, a Ctrl-C at
 a terminal) reaches them too, and a rank killed by it while the leader still runs is a dead
 rank to the leader's health probe -- an orderly stop ended as a world fault (exit status 75).
-SIGKILL still ends a rank, as any death does, and is reported as one.
+SIGKILL still ends a rank, as any death does, and is reported as one. A rank is spawned with
+those signals blocked (:func:`start_shielded`; the mask survives fork and exec) and unblocks
+them only once it ignores them, so a group stop in the instant of its start-up (the
+interpreter starting, the spawn bootstrap) stays pending and is then ignored too.
 
 Blocking by design (pipes); the async backend calls it through ``asyncio.to_thread``.
 """
@@ -61,6 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, Final
 
 from shared.ids import InvalidInput, WorkerFault, worker_name
@@ -194,12 +198,24 @@ def _build_model(spec: WorldSpec, rank: int) -> Any:
     return Qwen3ForCausalLM.random(cfg, seed=spec.seed, dtype=dtype).to(device)
 
 
+def start_shielded(process: BaseProcess) -> None:
+    """Start ``process`` with :data:`LEADER_SIGNALS` blocked in this thread for the time of
+    the spawn: the child inherits the mask, so those signals stay pending until it unblocks
+    them itself (``_rank_main``, after ignoring them). This thread's mask is restored."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, LEADER_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None:
     """Body of one rank process (module level: picklable for the spawn start method)."""
     # First of all (the imports below take seconds): a stop of the process group is the
     # leader's to carry out (module docstring, "Stopping").
     for sig in LEADER_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, LEADER_SIGNALS)  # blocked by start_shielded
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -366,7 +382,7 @@ class TorchWorld:
                 name=f"vtm-rank-{r}",
                 daemon=True,
             )
-            p.start()
+            start_shielded(p)
             child.close()
             self._conns.append(parent)
             self._procs.append(p)

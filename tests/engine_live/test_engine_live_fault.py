@@ -27,7 +27,7 @@ from nats.errors import NoRespondersError
 from services.rankd.core import INTAKE_MSG_HEADER, handback_msg_id
 from services.rankd.settings import RankdSettings
 from services.rankd.torch_backend import TINY_MODEL, TorchSettings, start_torch_host
-from services.rankd.torch_world import WorldBroken
+from services.rankd.torch_world import WorldBroken, start_shielded
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
@@ -180,3 +180,22 @@ async def test_a_stop_sent_to_the_whole_process_group_is_no_world_fault(
                 await asyncio.wait_for(task, timeout=WAIT_S)
         await pool.close()
     assert [p.exitcode for p in pool.world._procs] == [0, 0]
+
+
+def test_a_rank_spawned_shielded_outlives_a_stop_in_its_first_instant() -> None:
+    """A group stop that lands before a rank's code runs (its interpreter still starting)
+    stays pending, blocked by the mask the rank was spawned with, and never kills it. The
+    control: the same signal kills a process spawned plainly."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    shielded = ctx.Process(target=time.sleep, args=(0.5,))
+    start_shielded(shielded)
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # restored here
+    os.kill(shielded.pid, signal.SIGTERM)  # type: ignore[arg-type]
+    plain = ctx.Process(target=time.sleep, args=(0.5,))
+    plain.start()
+    os.kill(plain.pid, signal.SIGTERM)  # type: ignore[arg-type]
+    shielded.join(60)
+    plain.join(60)
+    assert (shielded.exitcode, plain.exitcode) == (0, -signal.SIGTERM)

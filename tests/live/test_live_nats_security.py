@@ -1,13 +1,11 @@
 """Services on a NATS server that authenticates clients and encrypts connections: tokens,
 users, nkeys, JWT credentials (operator mode) and mutual TLS, each against a real
-``nats-server`` configured for it; the keys, JWTs and certificates are made here, per test
-(``nkeys`` for keys and signatures, ``trustme`` for a throw-away CA)."""
+``nats-server`` configured for it; the keys, JWTs and certificates are made per test
+(``natssecurity_support``)."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 import os
 import signal
@@ -21,8 +19,8 @@ from typing import Any
 import nats
 import nkeys
 import pytest
-import trustme
 from nats.micro.request import Request
+from natssecurity_support import make_pki, new_nkey, operator_mode, secured_server, tls_block
 from pydantic import BaseModel, ConfigDict
 
 from services.rankd.backend import SimBackend
@@ -39,67 +37,9 @@ from vertumnus.live.tap import connect_cli
 REPO = Path(__file__).resolve().parents[2]
 
 
-# -- keys, JWTs, certificates -----------------------------------------------------------------
-
-
-def _nkey(prefix: int) -> tuple[str, Any]:
-    """A fresh nkey: (seed, key pair)."""
-    seed = nkeys.encode_seed(os.urandom(32), prefix)
-    return seed.decode(), nkeys.from_seed(seed)
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _jwt(issuer: Any, subject: str, name: str, claims: dict[str, Any]) -> str:
-    """A NATS JWT (ed25519-nkey) for ``subject`` signed by the ``issuer`` key pair."""
-    body: dict[str, Any] = {"iat": int(time.time()), "iss": issuer.public_key.decode(),
-                            "name": name, "sub": subject, "nats": {**claims, "version": 2}}
-    body["jti"] = base64.b32encode(
-        hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()).decode().rstrip("=")
-    head = _b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
-    signed = f"{head}.{_b64(json.dumps(body).encode())}"
-    return f"{signed}.{_b64(issuer.sign(signed.encode()))}"
-
-
-def _operator_mode(tmp: Path) -> tuple[Path, Path]:
-    """A server configuration trusting a new operator with one account, and a user's
-    credentials file in that account: (config, creds)."""
-    _, op = _nkey(nkeys.PREFIX_BYTE_OPERATOR)
-    _, acct = _nkey(nkeys.PREFIX_BYTE_ACCOUNT)
-    user_seed, user = _nkey(nkeys.PREFIX_BYTE_USER)
-    no_limit = {k: -1 for k in ("subs", "data", "payload", "imports", "exports", "conn", "leaf")}
-    op_jwt = _jwt(op, op.public_key.decode(), "vtm-operator", {"type": "operator"})
-    acct_jwt = _jwt(op, acct.public_key.decode(), "vtm", {
-        "type": "account", "limits": {**no_limit, "wildcards": True},
-        "default_permissions": {"pub": {}, "sub": {}}})
-    user_jwt = _jwt(acct, user.public_key.decode(), "vtm-service", {
-        "type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1})
-    conf = tmp / "operator.conf"
-    conf.write_text(f'operator: "{op_jwt}"\nresolver: MEMORY\n'
-                    f'resolver_preload: {{ {acct.public_key.decode()}: "{acct_jwt}" }}\n')
-    creds = tmp / "service.creds"
-    creds.write_text(f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------"
-                     f"\n\n-----BEGIN USER NKEY SEED-----\n{user_seed}\n"
-                     "------END USER NKEY SEED------\n")
-    return conf, creds
-
-
 @pytest.fixture
 def pki(tmp_path: Path) -> dict[str, Path]:
-    """PEM files: a CA, a server certificate for 127.0.0.1 / localhost and a client's."""
-    ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    client = ca.issue_cert("vtm-service@example.org")
-    files: dict[str, Path] = {}
-    for name, blob in (("ca", ca.cert_pem), ("server_cert", server.cert_chain_pems[0]),
-                       ("server_key", server.private_key_pem),
-                       ("client_cert", client.cert_chain_pems[0]),
-                       ("client_key", client.private_key_pem)):
-        files[name] = tmp_path / f"{name}.pem"
-        blob.write_to_path(files[name])
-    return files
+    return make_pki(tmp_path)
 
 
 # -- a service to reach ------------------------------------------------------------------------
@@ -171,7 +111,7 @@ async def test_a_service_reaches_a_server_that_authenticates_each_way(
         args = ("--user", "vtm", "--pass", "pw-123")
         settings.update(nats_user="vtm", nats_password="pw-123")
     elif way == "nkey":
-        seed, user = _nkey(nkeys.PREFIX_BYTE_USER)
+        seed, user = new_nkey(nkeys.PREFIX_BYTE_USER)
         conf = tmp_path / "nkey.conf"
         public = user.public_key.decode()
         conf.write_text(f'authorization {{ users = [ {{ nkey: "{public}" }} ] }}\n')
@@ -179,7 +119,7 @@ async def test_a_service_reaches_a_server_that_authenticates_each_way(
         args = ("-c", str(conf))
         settings["nats_nkey_seed"] = tmp_path / "user.nk"
     else:
-        conf, creds = _operator_mode(tmp_path)
+        conf, creds = operator_mode(tmp_path)
         args = ("-c", str(conf))
         settings["nats_creds"] = creds
     with EmbeddedNats(jetstream=False, extra_args=args) as srv:
@@ -191,8 +131,7 @@ async def test_a_service_reaches_a_server_that_authenticates_each_way(
 async def test_mutual_tls_verifies_both_sides(pki: dict[str, Path], tmp_path: Path,
                                               uniq: str) -> None:
     conf = tmp_path / "tls.conf"
-    conf.write_text(f'tls {{ cert_file: "{pki["server_cert"]}", key_file: "{pki["server_key"]}", '
-                    f'ca_file: "{pki["ca"]}", verify: true }}\n')
+    conf.write_text(tls_block(pki))
     with EmbeddedNats(jetstream=False, extra_args=("-c", str(conf))) as srv:
         assert srv.url.startswith("tls://")
         # No CA: the client cannot trust the server. A CA but no certificate: the server
@@ -252,22 +191,12 @@ async def test_a_rank_host_connects_with_its_settings_and_stops_while_refused(
 
 
 @pytest.fixture
-def secured(pki: dict[str, Path], tmp_path: Path) -> Iterator[tuple[EmbeddedNats, dict[str, str]]]:
+def secured(tmp_path: Path) -> Iterator[tuple[EmbeddedNats, dict[str, str]]]:
     """A JetStream server with mutual TLS whose only user is an nkey, and the environment a
     service process needs to reach it."""
-    seed, user = _nkey(nkeys.PREFIX_BYTE_USER)
-    (tmp_path / "svc.nk").write_text(seed + "\n")
-    conf = tmp_path / "secured.conf"
-    conf.write_text(
-        f'tls {{ cert_file: "{pki["server_cert"]}", key_file: "{pki["server_key"]}", '
-        f'ca_file: "{pki["ca"]}", verify: true }}\n'
-        f'authorization {{ users = [ {{ nkey: "{user.public_key.decode()}" }} ] }}\n')
-    env = {"VTM_NATS_NKEY_SEED": str(tmp_path / "svc.nk"), "VTM_NATS_TLS_CA": str(pki["ca"]),
-           "VTM_NATS_TLS_CERT": str(pki["client_cert"]),
-           "VTM_NATS_TLS_KEY": str(pki["client_key"]), "VTM_LOG__FORMAT": "json"}
+    conf, env = secured_server(tmp_path)
     with EmbeddedNats(extra_args=("-c", str(conf))) as srv:
-        env["VTM_NATS_URL"] = srv.url
-        yield srv, env
+        yield srv, {**env, "VTM_NATS_URL": srv.url, "VTM_LOG__FORMAT": "json"}
 
 
 def _start(module: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -311,7 +240,7 @@ async def test_a_service_process_runs_on_a_secured_server_from_its_environment(
 async def test_refused_credentials_are_an_error_naming_the_settings_and_the_service_waits(
         secured: tuple[EmbeddedNats, dict[str, str]], tmp_path: Path) -> None:
     _, env = secured
-    seed, _ = _nkey(nkeys.PREFIX_BYTE_USER)  # a user the server does not know
+    seed, _ = new_nkey(nkeys.PREFIX_BYTE_USER)  # a user the server does not know
     (tmp_path / "stranger.nk").write_text(seed)
     log = tmp_path / "stranger.log"
     proc = _start("services.cachemgr", {**env, "VTM_NATS_NKEY_SEED": str(tmp_path / "stranger.nk"),

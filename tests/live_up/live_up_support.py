@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,3 +67,13 @@ def descendants(pid: int) -> set[int]:
         out |= nxt
         frontier = nxt
     return {p for p in out if alive(p)}
+
+
+def kill_leftovers(logs: Path) -> None:
+    """After a failed test: SIGKILL what ``vertumnus up`` started (its pids.json in ``logs``),
+    so nothing leaks."""
+    with contextlib.suppress(OSError, ValueError):
+        for name, pid in json.loads((logs / "pids.json").read_text()).items():
+            if name != "orchestrator" and alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

@@ -5,7 +5,6 @@ killed and restarted during the replay loses no request; and Ctrl-C (SIGINT to t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -16,18 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from live_up_support import REPO, alive, cli, run_cli, wait_until
+from live_up_support import REPO, alive, cli, kill_leftovers, run_cli, wait_until
 
 from vertumnus.live.report import REQUIRED_KEYS
-
-
-def _kill_leftovers(logs: Path) -> None:
-    """After a failed test: SIGKILL what this test started (by pid), so nothing leaks."""
-    with contextlib.suppress(OSError, ValueError):
-        for name, pid in json.loads((logs / "pids.json").read_text()).items():
-            if name != "orchestrator" and alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
 
 
 def run_up_40(tmp_path: Path, *extra: str) -> tuple[Any, dict[str, Any], Path]:
@@ -41,7 +31,7 @@ def run_up_40(tmp_path: Path, *extra: str) -> tuple[Any, dict[str, Any], Path]:
                         "0.05", *extra, "--log-dir", str(logs), "--json", str(out),
                         "--no-progress", "--stop-timeout", "10"])
     finally:
-        _kill_leftovers(logs)
+        kill_leftovers(logs)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, json.loads(out.read_text()), logs
 
@@ -239,7 +229,7 @@ def test_up_restarts_a_service_that_dies_on_its_own(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        _kill_leftovers(logs)
+        kill_leftovers(logs)
     assert proc.returncode == 0, stdout + err.read_text()
     data = json.loads(out.read_text())
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
@@ -278,7 +268,7 @@ def test_interrupt_leaves_no_child_processes(tmp_path: Path, sig: signal.Signals
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        _kill_leftovers(logs)
+        kill_leftovers(logs)
     assert proc.returncode == 130, err.read_text()
     assert "interrupted" in stdout
     left = [n for n, p in children.items() if alive(p)]
@@ -312,4 +302,4 @@ def test_even_sigkill_of_up_leaves_no_processes(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        _kill_leftovers(logs)
+        kill_leftovers(logs)

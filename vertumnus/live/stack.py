@@ -49,8 +49,10 @@ from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, tp_worker_name
+from shared.logging import quiet_ssl_eof_warning
+from shared.natsauth import env_security_options
 from shared.natsserver import EmbeddedNats, find_nats_server
-from shared.service import epoch_kv, nats_callbacks
+from shared.service import epoch_kv, nats_callbacks, security_hint
 from shared.subjects import Subjects, micro_service_name
 from shared.worker import GpuGroup, WorkerKind
 from vertumnus.live.faults import NATS, NATS_EMPTY, RANKD, CrashPlan, FaultEvent, run_crash
@@ -117,6 +119,11 @@ class UpConfig:
     """Start the stack and keep it running until Ctrl-C instead of replaying."""
     nats_port: int = -1
     """nats-server client port (-1: the kernel picks one)."""
+    nats_config: Path | None = None
+    """A nats-server configuration file for the embedded server (``-c``; e.g. TLS and users:
+    a production bus's security tried on one machine). Every service, and ``up`` itself,
+    connects with the ``VTM_NATS_*`` credentials and TLS settings of ``up``'s environment
+    (:mod:`shared.natsauth`); JetStream, ports and the store stay ``up``'s."""
     http_port: int = 0
     """Gateway HTTP port (0: the kernel picks one)."""
     schedulers: int = 1
@@ -193,6 +200,14 @@ class UpConfig:
             except InvalidInput as exc:
                 raise ValueError(str(exc)) from None
             object.__setattr__(self, "hardware", Path(self.hardware).resolve())
+        if self.nats_config is not None:
+            if not Path(self.nats_config).is_file():
+                raise ValueError(f"--nats-config {str(self.nats_config)!r} is not a file")
+            object.__setattr__(self, "nats_config", Path(self.nats_config).resolve())
+        try:  # the credentials up and its services connect with: unusable ones fail here
+            env_security_options()
+        except InvalidInput as exc:
+            raise ValueError(f"NATS security settings: {exc}") from None
         if self.per_degree and (self.backend != "sim" or self.profile is not None):
             raise ValueError("--per-degree shapes the profile --backend sim fits on the "
                              "modelled hardware; --profile gives one, and --backend torch "
@@ -599,8 +614,10 @@ class LiveStack:
     def _new_nats(self, port: int) -> EmbeddedNats:
         # The JetStream store is ours, not the server's temporary one, so a server started
         # again after a crash (fault injection) finds the streams and buckets where they were.
+        cfg = self.config.nats_config
         return EmbeddedNats(port=port, binary=nats_binary_dying_with_parent(self.log_dir),
-                            store_dir=self._nats_store)
+                            store_dir=self._nats_store,
+                            extra_args=("-c", str(cfg)) if cfg is not None else ())
 
     @property
     def _nats_store(self) -> Path:
@@ -615,8 +632,7 @@ class LiveStack:
         # nats-py reconnects by itself; its default callbacks would print a traceback per
         # failed attempt on the terminal during a server restart (fault injection), which the
         # run's own "fault:" lines already tell.
-        self.nc = await nats.connect(self.nats.url, name="vertumnus-up", connect_timeout=5,
-                                     reconnect_time_wait=0.5, **nats_callbacks(_SILENT))
+        self.nc = await self._connect(self.nats.url)
         # Watch from the very start, so warm-up reconfigurations are seen (and told apart).
         self.observer = Observer(self.nc, self.subjects)
         await self.observer.start()
@@ -635,6 +651,29 @@ class LiveStack:
                 await self.wait_pings(info.micro)
                 health.services[info.micro] = 1
         return health
+
+    async def _connect(self, url: str) -> Client:
+        """up's own connection, with the environment's credentials and TLS (as the services
+        have them); a server that refuses them is a StackError naming the settings."""
+        refused: list[str] = []
+        quiet_ssl_eof_warning()
+
+        async def on_error(exc: Exception) -> None:
+            hint = security_hint(exc)
+            if hint is not None:
+                refused.append(f"{exc} ({hint})")
+
+        try:
+            # nats-py would retry a refusal for half a minute: a few attempts tell.
+            return await asyncio.wait_for(nats.connect(
+                url, name="vertumnus-up", connect_timeout=5, reconnect_time_wait=0.5,
+                **env_security_options(), **{**nats_callbacks(_SILENT), "error_cb": on_error}),
+                timeout=10)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            why = refused[-1] if refused else repr(exc)
+            raise StackError(f"cannot connect to the embedded nats-server at {url}: {why}"
+                             + (f" (--nats-config {self.config.nats_config})"
+                                if self.config.nats_config else "")) from None
 
     async def wait_pings(self, micro: str) -> None:
         """Until micro service ``micro`` of this deployment answers ``$SRV.PING``."""
@@ -1137,6 +1176,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             "requests_planned": len(requests), "services_missing": stack.missing,
             "profile": str(config.profile) if config.profile else None,
             "hardware": str(config.hardware) if config.hardware else None,
+            "nats_config": str(config.nats_config) if config.nats_config else None,
             "kv_total_blocks": cache_blocks,
             "exit_codes": codes, "log_dir": str(log_dir),
             **(observer.summary_counts() if observer else {}),

@@ -21,7 +21,8 @@ import nats
 from nats.aio.msg import Msg
 
 from shared.ids import InvalidInput
-from shared.natsauth import security_options
+from shared.logging import quiet_ssl_eof_warning
+from shared.natsauth import env_security_options
 from shared.schemas import JSON, MSGPACK, content_type_of
 
 PREVIEW_BYTES: Final[int] = 16
@@ -100,15 +101,9 @@ async def connect_cli(url: str, name: str, *, timeout_s: float = 5.0) -> nats.NA
 
     Credentials and TLS come from the same ``VTM_NATS_*`` variables as the services'
     (:mod:`shared.natsauth`); a bad one raises ``OSError`` naming it."""
-    from pydantic import ValidationError
-
-    from shared.servicemain import settings_errors
-    from shared.settings import ServiceSettings
-
+    quiet_ssl_eof_warning()
     try:
-        secure = security_options(ServiceSettings())
-    except ValidationError as exc:
-        raise OSError(f"invalid settings:\n{settings_errors(exc)}") from None
+        secure = env_security_options()
     except InvalidInput as exc:
         raise OSError(str(exc)) from None
     connected = False

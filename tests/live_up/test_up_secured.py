@@ -1,0 +1,48 @@
+"""``vertumnus up --nats-config``: the whole live stack on a secured bus (mutual TLS, an nkey
+user), every service and ``up`` itself connecting with the ``VTM_NATS_*`` settings of its
+environment; without them, up stops at once with an error naming what to check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from live_up_support import kill_leftovers, run_cli
+from natssecurity_support import secured_server
+
+
+def test_up_runs_every_service_on_a_secured_bus(tmp_path: Path) -> None:
+    conf, env = secured_server(tmp_path)
+    out, logs = tmp_path / "results.json", tmp_path / "logs"
+    try:
+        proc = run_cli(["up", "--nats-config", str(conf), "--max-requests", "40", "--duration",
+                        "60", "--time-scale", "0.05", "--log-dir", str(logs), "--json",
+                        str(out), "--no-progress", "--stop-timeout", "10"], env=env)
+    finally:
+        kill_leftovers(logs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["completed"], data["failed"]) == (40, 0), data["errors"]
+    assert data["nats_config"] == str(conf.resolve())
+    assert data["services_missing"] == [] and set(data["exit_codes"].values()) == {0}
+    assert "tls://" in proc.stderr  # the server up started is the configured one
+    # No refusal, and not asyncio's warning at each TLS close either (shared/logging.py).
+    assert "eof_received" not in proc.stderr
+    for log in logs.glob("*.log"):
+        assert "nats refused the connection" not in log.read_text(), log.name
+        assert "eof_received" not in log.read_text(), log.name
+
+
+def test_up_without_the_credentials_stops_naming_them(tmp_path: Path) -> None:
+    conf, env = secured_server(tmp_path)
+    logs = tmp_path / "logs"
+    try:
+        proc = run_cli(["up", "--nats-config", str(conf), "--max-requests", "4",
+                        "--log-dir", str(logs), "--no-progress"],
+                       env={"VTM_NATS_TLS_CA": env["VTM_NATS_TLS_CA"]})  # no client identity
+    finally:
+        kill_leftovers(logs)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    text = " ".join(proc.stderr.split())
+    assert "cannot connect to the embedded nats-server" in text, text
+    assert "--nats-config" in text and "Traceback" not in text
