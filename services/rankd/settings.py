@@ -45,9 +45,9 @@ class RankdSettings(ServiceSettings):
     )
     kv_total_blocks: int = Field(
         default=65_536, ge=0, description="KV cache capacity of the worker, in cache blocks. "
-        "Unset, a backend that models its hardware sizes it (the sim rank daemons of "
-        "vertumnus.live.rankd_sim: the modelled GPUs' HBM budget at the worker's degree); "
-        "otherwise this default.",
+        "Unset, the backend sizes it when it knows its memory: the torch engine (degree × "
+        "VTM_TORCH_PAGES_PER_RANK) and the sim rank daemons of vertumnus.live.rankd_sim (the "
+        "modelled GPUs' HBM budget at the worker's degree); otherwise this default.",
     )
     max_queue: int = Field(
         default=4096, ge=1, description="Assignments queued beyond this are refused (409)."

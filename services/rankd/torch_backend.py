@@ -377,6 +377,15 @@ class TorchBackend:
         self._bound = False
         self._cache: BlockCache | None = None
 
+    @property
+    def kv_capacity_blocks(self) -> int:
+        """The engine's KV capacity for this worker in blocks: one page per block, page p of
+        a prefix on rank p mod C, so C × ``pages_per_rank`` (at most: a rank that is full
+        evicts even when another has room). rankd sizes the worker's BlockCache with it
+        unless ``VTM_KV_TOTAL_BLOCKS`` is set, so the scheduler and the cache manager plan
+        against what the engine can hold."""
+        return self.group.degree * self.world.spec.pages_per_rank
+
     def bind_cache(self, cache: BlockCache | None) -> None:
         """Keep the engine's cache in lockstep with rankd's BlockCache of this worker (called
         by RankdService; the BlockCache decides P and is what the cache events publish).

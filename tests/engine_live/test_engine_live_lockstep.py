@@ -24,7 +24,7 @@ from nats.errors import NoRespondersError
 from services.rankd.engine.blockhash import chain_hashes
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
-from services.rankd.service import RankdService
+from services.rankd.service import RankdService, kv_capacity
 from services.rankd.settings import RankdSettings
 from services.rankd.torch_backend import (
     TINY_MODEL,
@@ -109,6 +109,11 @@ async def test_engine_cache_follows_rankd_block_cache(
     )
     backend = await asyncio.to_thread(single_worker_backend, settings, ts)
     world = backend.world
+    # The engine holds C × pages_per_rank blocks, which sizes rankd's cache unless the
+    # setting is given (here it is, smaller: the lockstep must then follow rankd's LRU).
+    assert backend.kv_capacity_blocks == 2 * 3
+    assert kv_capacity(RankdSettings(worker_id=WID), backend) == 6
+    assert kv_capacity(settings, backend) == 5
     svc = RankdService(settings, backend)
     task = asyncio.create_task(svc.run(nc, handle_signals=False))
     model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
