@@ -85,7 +85,8 @@ def env_security_options() -> dict[str, Any]:
     try:
         settings = ServiceSettings()
     except ValidationError as exc:
-        raise InvalidInput(f"invalid settings:\n{settings_errors(exc)}") from None
+        raise InvalidInput(f"invalid settings:\n{settings_errors(exc, ServiceSettings)}") \
+            from None
     return security_options(settings)
 
 

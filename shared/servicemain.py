@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from shared.ids import InvalidInput
 from shared.logging import configure_logging
@@ -44,18 +44,33 @@ def parse_flags(
     try:
         return settings_cls(**overrides)
     except ValidationError as exc:
-        parser.exit(2, f"{prog}: invalid settings:\n{settings_errors(exc)}\n")
+        parser.exit(2, f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}\n")
 
 
-def settings_errors(exc: ValidationError) -> str:
-    """One line per problem: the setting (its ``VTM_*`` name) and what is wrong with it."""
+def settings_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One line per problem: the setting (its ``VTM_*`` name) and what is wrong with it, with
+    the value given -- except for a secret of ``model`` (a ``SecretStr`` field: a token, a
+    password, API keys), whose value no error message may show."""
     lines = []
     for e in exc.errors():
         loc = "__".join(str(x) for x in e["loc"])
         where = f"VTM_{loc.upper()}" if loc else "settings"
-        lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})" if loc
-                     else f"  {where}: {e['msg']}")
+        if not loc:
+            lines.append(f"  {where}: {e['msg']}")
+        elif _secret(model, e["loc"]):
+            lines.append(f"  {where}: {e['msg']} (value not shown: a secret)")
+        else:
+            lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
+
+
+def _secret(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> bool:
+    """Whether the top-level field at ``loc`` of ``model`` holds a secret (None: any field
+    could, so say yes)."""
+    if model is None:
+        return True
+    field = model.model_fields.get(str(loc[0]))
+    return field is not None and "SecretStr" in str(field.annotation)
 
 
 def load_settings(settings_cls: type[S], prog: str) -> S:
@@ -63,7 +78,8 @@ def load_settings(settings_cls: type[S], prog: str) -> S:
     try:
         return settings_cls()
     except ValidationError as exc:
-        print(f"{prog}: invalid settings:\n{settings_errors(exc)}", file=sys.stderr)
+        print(f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}",
+              file=sys.stderr)
         raise SystemExit(2) from None
 
 

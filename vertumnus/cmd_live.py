@@ -205,6 +205,9 @@ def register(app: typer.Typer) -> None:
         retry: Annotated[float, typer.Option(
             help="Wall seconds to keep sending a request again whose connection was refused or "
                  "dropped (a gateway restarting; same request id); 0: never")] = 10.0,
+        api_key: Annotated[str | None, typer.Option(
+            envvar="VTM_API_KEY", show_envvar=True,
+            help="Sent as 'Authorization: Bearer KEY' (a gateway with VTM_API_KEYS)")] = None,
     ) -> None:
         """Replay a trace (or the synthetic workload) through a running gateway; report."""
 
@@ -216,7 +219,7 @@ def register(app: typer.Typer) -> None:
             summary = asyncio.run(_replay_main(
                 gateway, reqs, time_scale=time_scale, rate_scale=rate_scale, nats_url=nats_url,
                 prefix=prefix, progress=progress, block_size=wl.block_size, retry_s=retry,
-                meta={"workload": trace, "rate_scale": rate_scale, "seed": seed}))
+                api_key=api_key, meta={"workload": trace, "rate_scale": rate_scale, "seed": seed}))
         except ValueError as exc:
             _fail(str(exc))
         if json_out is not None:
@@ -253,7 +256,7 @@ def register(app: typer.Typer) -> None:
 async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate_scale: float,
                        nats_url: str | None, prefix: str, progress: bool,
                        meta: dict[str, Any], block_size: int = 512,
-                       retry_s: float = 10.0) -> dict[str, Any]:
+                       retry_s: float = 10.0, api_key: str | None = None) -> dict[str, Any]:
     from rich.console import Console
 
     from shared.subjects import Subjects
@@ -271,6 +274,13 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
         raise ValueError(f"gateway {gateway} is not reachable: {exc}") from None
     if status != 200:
         raise ValueError(f"gateway {gateway} is not healthy: {status} {body}")
+    try:  # /health is open to probes; a key the gateway refuses fails here, not per request
+        status, body = await get_json(gateway.rstrip("/") + "/v1/workers", api_key=api_key)
+    except (HttpError, ValueError) as exc:
+        raise ValueError(f"gateway {gateway} is not reachable: {exc}") from None
+    if status == 401:
+        raise ValueError(f"gateway {gateway} refused {'the' if api_key else 'a request without'}"
+                         " API key (--api-key / VTM_API_KEY)")
     observer = None
     nc = None
     if nats_url:
@@ -287,7 +297,7 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
         records, interrupted = await replay_with_progress(
             gateway, reqs, time_scale, rate_scale, id_prefix=f"x{uuid.uuid4().hex[:6]}-",
             console=err, show_progress=progress, block_size=block_size, retry_s=retry_s,
-            on_start=observer.mark_start if observer is not None else None)
+            api_key=api_key, on_start=observer.mark_start if observer is not None else None)
         if observer is not None:
             await asyncio.sleep(0.5)
     finally:

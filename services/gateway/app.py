@@ -12,14 +12,19 @@
                            worker-state KV bucket
 =========================  ==================================================================
 
+With API keys configured (``VTM_API_KEYS``), every ``/v1`` route needs ``Authorization: Bearer
+<key>``; ``/health`` stays open for probes.
+
 Errors are OpenAI-style ``{"error": {"message", "type", "code"}}`` with: 400 malformed JSON or
-fields (and ``stream: true``), 404 unknown path, 405 wrong method, 411 chunked body, 413 body
-or prompt too large, 422 semantically impossible (too long with ``max_tokens``, token id out of
-range, text without a tokenizer), 431 head too large, 503 no NATS, 504 no first token in time.
+fields (and ``stream: true``), 401 no or a wrong API key, 404 unknown path, 405 wrong method,
+411 chunked body, 413 body or prompt too large, 422 semantically impossible (too long with
+``max_tokens``, token id out of range, text without a tokenizer), 431 head too large, 503 no
+NATS, 504 no first token in time.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from typing import Any, Final
@@ -27,7 +32,13 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from services.gateway.adapter import BadRequest, Completion, GatewayError, GatewayService
-from services.gateway.httpserver import HttpRequest, HttpResponse, HttpServer, error_response
+from services.gateway.httpserver import (
+    HttpRequest,
+    HttpResponse,
+    HttpServer,
+    error_body,
+    error_response,
+)
 from shared.schemas import CompletionRequest
 
 # OpenAI completion fields we accept and ignore (sampling does not matter for the first token
@@ -126,11 +137,29 @@ def completion_json(done: Completion, model: str) -> dict[str, Any]:
     }
 
 
+def needs_key(path: str) -> bool:
+    """The routes API keys protect: every ``/v1`` one (not ``/health``, for probes)."""
+    return path.startswith("/v1/") or path.rstrip("/") == "/v1"
+
+
 class GatewayApp:
     """Routes of the HTTP API."""
 
     def __init__(self, service: GatewayService) -> None:
         self.service = service
+        self._keys = service.gsettings.api_key_list
+
+    def authorized(self, req: HttpRequest) -> bool:
+        """Whether ``req`` carries one of the API keys (always, when none is configured).
+        Every key is compared, in constant time, so the answer's timing tells nothing."""
+        if not self._keys:
+            return True
+        scheme, _, given = req.headers.get("authorization", "").strip().partition(" ")
+        token = given.strip().encode("utf-8", "surrogateescape")
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(token, key)
+        return ok and scheme.lower() == "bearer"
 
     async def __call__(self, req: HttpRequest) -> HttpResponse:
         arrival = time.time()
@@ -139,6 +168,12 @@ class GatewayApp:
             "/health": ("GET", self.health),
             "/v1/workers": ("GET", self.workers),
         }.get(req.path.rstrip("/") or "/")
+        # The key first: a client without one learns nothing of the /v1 routes, not even
+        # which exist.
+        if needs_key(req.path) and not self.authorized(req):
+            return HttpResponse.json(401, error_body(
+                401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                type_="invalid_api_key"), {"WWW-Authenticate": 'Bearer realm="vertumnus"'})
         if route is None:
             return error_response(404, f"no route {req.path}")
         method, handler = route

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 
 from shared.ids import DEFAULT_BLOCK_SIZE
 from shared.settings import ServiceSettings
@@ -22,6 +22,14 @@ class GatewaySettings(ServiceSettings):
         le=65535,
         description="HTTP listen port (0: the kernel picks one, see GatewayService.http_port); "
         "None: no HTTP server, the NATS subject only.",
+    )
+    api_keys: SecretStr | None = Field(
+        default=None,
+        description="Comma-separated API keys. Set, every /v1 route needs the header "
+        "'Authorization: Bearer <one of them>' (401 otherwise; OpenAI's and vLLM's "
+        "--api-key convention); /health stays open for probes. Several keys let a key be "
+        "rotated without a gap. None: no authentication (a private network, a proxy that "
+        "authenticates).",
     )
     model_name: str = Field(
         default="vertumnus",
@@ -73,3 +81,20 @@ class GatewaySettings(ServiceSettings):
         "(or an intake that does not answer yet) to come back, publishing again, before 503: "
         "a broker restart delays requests instead of failing them. 0: 503 at once.",
     )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            keys = [k.strip() for k in v.get_secret_value().split(",")]
+            if not all(keys) or any(c.isspace() for k in keys for c in k):
+                # The message must not echo the keys (settings errors print their input).
+                raise ValueError("must be comma-separated non-empty keys without spaces")
+        return v
+
+    @property
+    def api_key_list(self) -> tuple[bytes, ...]:
+        """The API keys (empty: no authentication), as bytes for a constant-time compare."""
+        if self.api_keys is None:
+            return ()
+        return tuple(k.strip().encode() for k in self.api_keys.get_secret_value().split(","))

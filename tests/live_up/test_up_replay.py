@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 from live_up_support import REPO, alive, cli, run_cli
@@ -47,3 +48,33 @@ def test_service_commands_delegate_to_the_service_mains() -> None:
     assert "--max-prompt-tokens" in proc.stdout  # the gateway's own argparse help
     proc = run_cli(["scheduler", "--help"], timeout_s=60)
     assert proc.returncode == 0 and "--policy" in proc.stdout, proc.stderr
+
+
+async def test_replay_and_up_send_the_gateways_api_key(tmp_path: Path) -> None:
+    """A gateway with API keys: ``up`` finds it healthy with the first key (its health check
+    reads /v1/workers), ``replay`` without a key stops at once naming the option, and with
+    ``VTM_API_KEY`` (the second key) every request is served."""
+    cfg = UpConfig(time_scale=0.05, health_timeout_wall_s=120.0, stop_timeout_wall_s=10.0,
+                   env={"gateway": {"VTM_API_KEYS": "key-a,key-b"}})
+    stack = LiveStack(cfg, log_dir=tmp_path / "logs")
+    assert stack.api_key == "key-a"
+    try:
+        health = await stack.start()
+        args = ("replay", "--gateway", health.gateway_url, "--trace", "synthetic", "--duration",
+                "60", "--max-requests", "4", "--time-scale", "0.05", "--no-progress")
+        for env, ok in (({}, False), ({"VTM_API_KEY": "key-b"}, True)):
+            proc = await asyncio.create_subprocess_exec(
+                *cli(*args, "--json", str(tmp_path / "replay.json")), cwd=REPO,
+                env={k: v for k, v in os.environ.items() if k != "VTM_API_KEY"} | env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            _, stderr = await asyncio.wait_for(proc.communicate(), 180)
+            if ok:
+                assert proc.returncode == 0, stderr.decode()
+                data = json.loads((tmp_path / "replay.json").read_text())
+                assert data["completed"] == 4, data["errors"]
+            else:
+                assert proc.returncode != 0
+                text = " ".join(stderr.decode().split())
+                assert "refused a request without API key (--api-key / VTM_API_KEY)" in text
+    finally:
+        await stack.stop()

@@ -32,7 +32,7 @@ def pki(tmp_path: Path) -> dict[str, Path]:
 def _errors(**kw: object) -> str:
     with pytest.raises(ValidationError) as err:
         ServiceSettings(**kw)  # type: ignore[arg-type]
-    return settings_errors(err.value)
+    return settings_errors(err.value, ServiceSettings)
 
 
 def test_no_security_setting_leaves_nats_py_defaults() -> None:

@@ -46,8 +46,9 @@ def split_url(url: str) -> tuple[str, int, str]:
 
 
 async def request(url: str, method: str = "GET", body: bytes | None = None, *,
-                  timeout_s: float = 300.0) -> Response:
-    """One request; raises :class:`HttpError` on a connection or protocol failure."""
+                  timeout_s: float = 300.0, api_key: str | None = None) -> Response:
+    """One request (with ``Authorization: Bearer api_key`` when given); raises
+    :class:`HttpError` on a connection or protocol failure."""
     host, port, path = split_url(url)
     path = path or "/"
     try:
@@ -59,6 +60,8 @@ async def request(url: str, method: str = "GET", body: bytes | None = None, *,
             try:
                 head = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}",
                         "Connection: close", "Accept: application/json"]
+                if api_key:
+                    head.append(f"Authorization: Bearer {api_key}")
                 if body is not None:
                     head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
                 writer.write(("\r\n".join(head) + "\r\n\r\n").encode("ascii"))
@@ -99,8 +102,9 @@ async def request(url: str, method: str = "GET", body: bytes | None = None, *,
         raise HttpError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
 
 
-async def get_json(url: str, *, timeout_s: float = 10.0) -> tuple[int, Any]:
-    r = await request(url, "GET", timeout_s=timeout_s)
+async def get_json(url: str, *, timeout_s: float = 10.0,
+                   api_key: str | None = None) -> tuple[int, Any]:
+    r = await request(url, "GET", timeout_s=timeout_s, api_key=api_key)
     try:
         return r.status, r.json()
     except ValueError:

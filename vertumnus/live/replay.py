@@ -28,7 +28,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 import numpy as np
@@ -182,6 +182,8 @@ class ReplayConfig:
     as an HTTP client behind a load balancer would. Safe: a refused one never reached a
     gateway, and the intake de-duplicates a request id it already has and the gateway answers
     the copy with the original's result. 0: no retry."""
+    api_key: str | None = field(default=None, repr=False)
+    """Sent as ``Authorization: Bearer`` (a gateway with ``VTM_API_KEYS``); None: none."""
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "rate_scale", "request_timeout_s"):
@@ -265,7 +267,8 @@ async def _send(url: str, body: bytes, config: ReplayConfig) -> tuple[Response, 
     while True:
         tried = time.monotonic()
         try:
-            resp = await request(url, "POST", body, timeout_s=config.request_timeout_s)
+            resp = await request(url, "POST", body, timeout_s=config.request_timeout_s,
+                                 api_key=config.api_key)
             return resp, tried - first, retries
         except (ConnectionRefused, ConnectionDropped) as exc:
             now = time.monotonic()

@@ -652,6 +652,14 @@ class LiveStack:
                 health.services[info.micro] = 1
         return health
 
+    @property
+    def api_key(self) -> str | None:
+        """The key up sends the gateway: the first of the ``VTM_API_KEYS`` the gateway child
+        gets (from ``env`` or up's environment); None when it has none."""
+        keys = dict(self.config.env.get("gateway", {})).get("VTM_API_KEYS",
+                                                          os.environ.get("VTM_API_KEYS", ""))
+        return keys.split(",")[0].strip() or None
+
     async def _connect(self, url: str) -> Client:
         """up's own connection, with the environment's credentials and TLS (as the services
         have them); a server that refuses them is a StackError naming the settings."""
@@ -817,7 +825,8 @@ class LiveStack:
                 else:
                     try:
                         status, _ = await get_json(f"{url}/health")
-                        wstatus, body = await get_json(f"{url}/v1/workers")
+                        wstatus, body = await get_json(f"{url}/v1/workers",
+                                                       api_key=self.api_key)
                     except HttpError as exc:
                         status, wstatus, body, last = 0, 0, None, str(exc)
                     workers = [w for w in (body or {}).get("workers", [])
@@ -912,6 +921,7 @@ async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: fl
                                bodies: Sequence[bytes] | None = None,
                                block_size: int = DEFAULT_BLOCK_SIZE,
                                retry_s: float = 10.0,
+                               api_key: str | None = None,
                                ) -> tuple[list[Any], bool]:
     """Replay with a rich progress bar (stderr); returns (records, interrupted)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -920,7 +930,7 @@ async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: fl
 
     rcfg = ReplayConfig(time_scale=time_scale, rate_scale=rate_scale, id_prefix=id_prefix,
                         request_timeout_s=request_timeout_s, block_size=block_size,
-                        retry_s=retry_s)
+                        retry_s=retry_s, api_key=api_key)
     if bodies is None:
         bodies = await asyncio.to_thread(prepare_bodies, requests, rcfg)
     if on_start is not None:
@@ -1115,7 +1125,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                 health.gateway_url, requests, scale, config.rate_scale,
                 id_prefix="", console=err, show_progress=show_progress,
                 request_timeout_s=config.result_timeout_wall_s + 30.0,
-                on_start=replay_started, bodies=bodies)
+                on_start=replay_started, bodies=bodies, api_key=stack.api_key)
             if not interrupted:
                 # Let the last epoch records and results arrive (bounded, wall seconds).
                 await asyncio.sleep(min(1.0, config.drain_wall_s))
