@@ -29,7 +29,8 @@ class GatewaySettings(ServiceSettings):
         "'Authorization: Bearer <one of them>' (401 otherwise; OpenAI's and vLLM's "
         "--api-key convention); /health stays open for probes. Several keys let a key be "
         "rotated without a gap. None: no authentication (a private network, a proxy that "
-        "authenticates).",
+        "authenticates). The gateway's NATS request subject is the bus's to protect "
+        "(VTM_NATS_* credentials and the server's permissions).",
     )
     model_name: str = Field(
         default="vertumnus",
