@@ -187,7 +187,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def replay(
-        gateway: Annotated[str, typer.Option(help="Gateway base URL, http://host:port")],
+        gateway: Annotated[str, typer.Option(
+            help="Gateway base URL, http://host:port or https://host:port (its certificate "
+                 "verified against $VTM_GATEWAY_CA, else the system's CAs)")],
         trace: Annotated[str, typer.Option(
             help="'synthetic', 'synthetic-short' or a trace file")] = "synthetic",
         rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,

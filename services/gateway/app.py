@@ -38,6 +38,7 @@ from services.gateway.httpserver import (
     HttpServer,
     error_body,
     error_response,
+    server_tls,
 )
 from shared.schemas import CompletionRequest
 
@@ -237,4 +238,5 @@ def make_http_server(service: GatewayService) -> HttpServer:
         port=st.http_port or 0,
         max_body_bytes=st.max_body_bytes,
         max_header_bytes=st.max_header_bytes,
+        tls=server_tls(st.http_tls_cert, st.http_tls_key),
     )

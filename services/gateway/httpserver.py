@@ -14,14 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
 import structlog
 
+from shared.ids import InvalidInput
 from shared.tasks import cancel_and_wait
 
 log = structlog.get_logger("vertumnus.http")
@@ -63,6 +66,20 @@ def error_body(status: int, message: str, *, type_: str | None = None) -> dict[s
     }
 
 
+def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """The HTTPS context of ``VTM_HTTP_TLS_CERT`` / ``VTM_HTTP_TLS_KEY`` (None: plain HTTP);
+    files that are no certificate chain and its key raise InvalidInput naming the settings."""
+    if cert is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(str(cert), str(key) if key is not None else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidInput(f"VTM_HTTP_TLS_CERT {str(cert)!r} / VTM_HTTP_TLS_KEY {str(key)!r} "
+                           f"are not a certificate chain and its private key: {exc}") from None
+    return ctx
+
+
 def error_response(status: int, message: str) -> HttpResponse:
     return HttpResponse.json(status, error_body(status, message))
 
@@ -82,8 +99,10 @@ class HttpServer:
 
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
                  max_body_bytes: int = 4 << 20, max_header_bytes: int = 16 << 10,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._handler = handler
+        self._tls = tls
         self._host = host
         self._port = port
         self.max_body_bytes = max_body_bytes
@@ -100,11 +119,12 @@ class HttpServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self._host}:{self.port}"
+        return f"{'https' if self._tls is not None else 'http'}://{self._host}:{self.port}"
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(
-            self._on_connection, self._host, self._port, limit=self.max_header_bytes + 2
+            self._on_connection, self._host, self._port, limit=self.max_header_bytes + 2,
+            ssl=self._tls,
         )
 
     async def close(self) -> None:

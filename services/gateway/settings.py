@@ -4,10 +4,12 @@ services.gateway`` override). See shared/settings.py for the settings every serv
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, FilePath, SecretStr, field_validator, model_validator
 
-from shared.ids import DEFAULT_BLOCK_SIZE
+from services.gateway.httpserver import server_tls
+from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 from shared.settings import ServiceSettings
 
 
@@ -22,6 +24,13 @@ class GatewaySettings(ServiceSettings):
         le=65535,
         description="HTTP listen port (0: the kernel picks one, see GatewayService.http_port); "
         "None: no HTTP server, the NATS subject only.",
+    )
+    http_tls_cert: FilePath | None = Field(
+        default=None, description="Certificate chain (PEM) to serve HTTPS with; needs "
+        "http_tls_key. None: plain HTTP (TLS ends at a proxy, or a private network).",
+    )
+    http_tls_key: FilePath | None = Field(
+        default=None, description="Private key (PEM) of http_tls_cert."
     )
     api_keys: SecretStr | None = Field(
         default=None,
@@ -99,3 +108,13 @@ class GatewaySettings(ServiceSettings):
         if self.api_keys is None:
             return ()
         return tuple(k.strip().encode() for k in self.api_keys.get_secret_value().split(","))
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Self:
+        if (self.http_tls_cert is None) != (self.http_tls_key is None):
+            raise ValueError("VTM_HTTP_TLS_CERT and VTM_HTTP_TLS_KEY go together (set both)")
+        try:  # read here, so a bad pair stops the gateway before it connects anywhere
+            server_tls(self.http_tls_cert, self.http_tls_key)
+        except InvalidInput as exc:
+            raise ValueError(str(exc)) from None
+        return self

@@ -205,6 +205,18 @@ def _start(module: str, env: dict[str, str], log: Path) -> subprocess.Popen[byte
                                 stderr=subprocess.STDOUT, env={**os.environ, **env})
 
 
+async def _stop(proc: subprocess.Popen[bytes]) -> int:
+    """SIGTERM and its exit status; a process that ignores it is killed (nothing leaks) and
+    the test fails."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return await asyncio.to_thread(proc.wait, 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        await asyncio.to_thread(proc.wait, 30)
+        raise AssertionError("the service did not stop on SIGTERM") from None
+
+
 async def test_a_service_process_runs_on_a_secured_server_from_its_environment(
         secured: tuple[EmbeddedNats, dict[str, str]], tmp_path: Path, uniq: str) -> None:
     srv, env = secured
@@ -230,8 +242,7 @@ async def test_a_service_process_runs_on_a_secured_server_from_its_environment(
         finally:
             await nc.drain()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = await asyncio.to_thread(proc.wait, 30)
+        rc = await _stop(proc)
     log = (tmp_path / "cachemgr.log").read_text()
     assert rc == 0, log
     assert "nats refused" not in log and "Traceback" not in log
@@ -259,8 +270,7 @@ async def test_refused_credentials_are_an_error_naming_the_settings_and_the_serv
         assert "VTM_NATS_NKEY_SEED" in refused[0]["hint"]
         assert proc.poll() is None  # still running, still trying
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = await asyncio.to_thread(proc.wait, 30)
+        rc = await _stop(proc)
     # A stop while it waits for the server ends it cleanly (it did not hang in its start).
     assert rc == 0, log.read_text()
     assert "service stopped before it had started" in log.read_text()

@@ -1,6 +1,7 @@
 """``vertumnus up --nats-config``: the whole live stack on a secured bus (mutual TLS, an nkey
 user), every service and ``up`` itself connecting with the ``VTM_NATS_*`` settings of its
-environment; without them, up stops at once with an error naming what to check."""
+environment, and the gateway on HTTPS with API keys; without the bus's credentials, up stops
+at once with an error naming what to check."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import json
 from pathlib import Path
 
 from live_up_support import kill_leftovers, run_cli
-from natssecurity_support import secured_server
+from natssecurity_support import make_pki, secured_server
 
 
 def test_up_runs_every_service_on_a_secured_bus(tmp_path: Path) -> None:
     conf, env = secured_server(tmp_path)
+    (tmp_path / "web").mkdir()
+    web = make_pki(tmp_path / "web")  # the gateway's own certificate, another CA
+    env |= {"VTM_HTTP_TLS_CERT": str(web["server_cert"]),
+            "VTM_HTTP_TLS_KEY": str(web["server_key"]), "VTM_API_KEYS": "up-key",
+            "VTM_GATEWAY_CA": str(web["ca"])}  # the gateway's side, and up's as its client
     out, logs = tmp_path / "results.json", tmp_path / "logs"
     try:
         proc = run_cli(["up", "--nats-config", str(conf), "--max-requests", "40", "--duration",
@@ -26,6 +32,7 @@ def test_up_runs_every_service_on_a_secured_bus(tmp_path: Path) -> None:
     assert data["nats_config"] == str(conf.resolve())
     assert data["services_missing"] == [] and set(data["exit_codes"].values()) == {0}
     assert "tls://" in proc.stderr  # the server up started is the configured one
+    assert "gateway https://" in proc.stderr  # and the gateway it found healthy
     # No refusal, and not asyncio's warning at each TLS close either (shared/logging.py).
     assert "eof_received" not in proc.stderr
     for log in logs.glob("*.log"):

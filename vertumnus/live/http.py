@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import ssl
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 
@@ -37,12 +39,30 @@ class Response:
         return json.loads(self.body) if self.body else None
 
 
+GATEWAY_CA_ENV: Final[str] = "VTM_GATEWAY_CA"
+"""The CA bundle (PEM) an ``https://`` gateway's certificate must chain to (unset: the
+system's CAs): the client side of the gateway's ``VTM_HTTP_TLS_CERT``."""
+
+
 def split_url(url: str) -> tuple[str, int, str]:
-    """(host, port, base path) of an ``http://host:port[/base]`` URL."""
+    """(host, port, base path) of an ``http://`` or ``https://host:port[/base]`` URL."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"expected an http://host:port URL, got {url!r}")
-    return parts.hostname, parts.port or 80, parts.path.rstrip("/")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http(s)://host:port URL, got {url!r}")
+    default = 443 if parts.scheme == "https" else 80
+    return parts.hostname, parts.port or default, parts.path.rstrip("/")
+
+
+def client_tls(url: str) -> ssl.SSLContext | None:
+    """The TLS context for ``url``: None for http://; for https://, one that verifies the
+    server against ``$VTM_GATEWAY_CA`` (or the system's CAs)."""
+    if urlsplit(url).scheme != "https":
+        return None
+    ca = os.environ.get(GATEWAY_CA_ENV) or None
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"{GATEWAY_CA_ENV} {ca!r} is not a readable CA bundle: {exc}") from None
 
 
 async def request(url: str, method: str = "GET", body: bytes | None = None, *,
@@ -54,7 +74,7 @@ async def request(url: str, method: str = "GET", body: bytes | None = None, *,
     try:
         async with asyncio.timeout(timeout_s):
             try:
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await asyncio.open_connection(host, port, ssl=client_tls(url))
             except ConnectionRefusedError as exc:
                 raise ConnectionRefused(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
             try:
