@@ -1113,9 +1113,11 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             observer = stack.observer
             assert observer is not None
             if config.serve:
+                # The gateway's API key, when it has one, goes by VTM_API_KEY (not printed).
+                key = " (with VTM_API_KEY set to one of its keys)" if stack.api_key else ""
                 err.print(f"serving until Ctrl-C. Try:\n  vertumnus replay --gateway "
                           f"{health.gateway_url} --time-scale {scale:g} --nats {stack.nats.url}"
-                          f"\n  vertumnus tap '{config.prefix}.>' --nats {stack.nats.url}")
+                          f"{key}\n  vertumnus tap '{config.prefix}.>' --nats {stack.nats.url}")
                 observer.mark_start()
                 while True:
                     await asyncio.sleep(SUPERVISE_PERIOD_S)
