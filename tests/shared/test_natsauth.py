@@ -1,5 +1,5 @@
 """NATS credentials and TLS settings (shared/settings.py) and the connect options they become
-(shared/natsauth.py), with throw-away certificates from ``trustme``."""
+(shared/natsauth.py), with throw-away certificates (``natssecurity_support``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ssl
 from pathlib import Path
 
 import pytest
-import trustme
+from natssecurity_support import make_pki
 from pydantic import ValidationError
 
 from shared.ids import InvalidInput
@@ -19,14 +19,8 @@ from shared.settings import ServiceSettings
 
 @pytest.fixture
 def pki(tmp_path: Path) -> dict[str, Path]:
-    """A CA, a server certificate for localhost and a client certificate, as PEM files."""
-    ca = trustme.CA()
-    files = {k: tmp_path / f"{k}.pem" for k in ("ca", "cert", "key")}
-    ca.cert_pem.write_to_path(files["ca"])
-    client = ca.issue_cert("vtm-client@example.org")
-    client.cert_chain_pems[0].write_to_path(files["cert"])
-    client.private_key_pem.write_to_path(files["key"])
-    return files
+    """A CA and a client certificate (and a server's), as PEM files."""
+    return make_pki(tmp_path)
 
 
 def _errors(**kw: object) -> str:
@@ -76,7 +70,7 @@ def test_settings_that_do_not_go_together_are_refused(kw: dict[str, str], messag
 def test_a_certificate_needs_its_key_and_files_must_exist(pki: dict[str, Path],
                                                           tmp_path: Path) -> None:
     assert "VTM_NATS_TLS_CERT and VTM_NATS_TLS_KEY go together" in _errors(
-        nats_tls_cert=pki["cert"])
+        nats_tls_cert=pki["client_cert"])
     text = _errors(nats_tls_ca=tmp_path / "nope.pem")
     assert "VTM_NATS_TLS_CA: Path does not point to a file" in text
     assert "VTM_NATS_CREDS: Path does not point to a file" in _errors(nats_creds=tmp_path)
@@ -98,12 +92,12 @@ def test_tls_verifies_the_server_against_the_ca_and_presents_the_client_cert(
     assert ctx.verify_mode is ssl.CERT_REQUIRED and ctx.check_hostname
     assert len(ctx.get_ca_certs()) == 1
     opts = security_options(ServiceSettings(
-        nats_tls_ca=pki["ca"], nats_tls_cert=pki["cert"], nats_tls_key=pki["key"],
+        nats_tls_ca=pki["ca"], nats_tls_cert=pki["client_cert"], nats_tls_key=pki["client_key"],
         nats_tls_hostname="nats", nats_token="t"))
     assert set(opts) == {"tls", "tls_hostname", "token"} and opts["tls_hostname"] == "nats"
     # A client certificate alone still turns TLS on (the system's CAs verify the server).
-    assert tls_context(ServiceSettings(nats_tls_cert=pki["cert"],
-                                       nats_tls_key=pki["key"])) is not None
+    assert tls_context(ServiceSettings(nats_tls_cert=pki["client_cert"],
+                                       nats_tls_key=pki["client_key"])) is not None
     assert tls_context(ServiceSettings(nats_tls_hostname="nats")) is None
 
 
@@ -114,10 +108,10 @@ def test_a_file_that_is_not_a_certificate_or_key_is_named(pki: dict[str, Path],
     with pytest.raises(InvalidInput, match="VTM_NATS_TLS_CA .*junk.pem"):
         tls_context(ServiceSettings(nats_tls_ca=junk))
     with pytest.raises(InvalidInput, match="VTM_NATS_TLS_CERT .*VTM_NATS_TLS_KEY"):
-        tls_context(ServiceSettings(nats_tls_cert=pki["cert"], nats_tls_key=junk))
+        tls_context(ServiceSettings(nats_tls_cert=pki["client_cert"], nats_tls_key=junk))
     # The key of another certificate does not match this one.
     with pytest.raises(InvalidInput, match="VTM_NATS_TLS_CERT"):
-        tls_context(ServiceSettings(nats_tls_cert=pki["cert"], nats_tls_key=pki["ca"]))
+        tls_context(ServiceSettings(nats_tls_cert=pki["client_cert"], nats_tls_key=pki["ca"]))
 
 
 def test_security_hints_name_what_to_check() -> None:
