@@ -27,12 +27,16 @@ def spawn(module: str, env: dict[str, str], *args: str) -> subprocess.Popen[byte
 
 
 async def find_service(nc: Client, name: str, prefix: str) -> dict:
-    """$SRV.INFO of the service ``name`` whose metadata prefix is ``prefix`` (waits for it)."""
+    """$SRV.INFO of the service ``name`` whose metadata prefix is ``prefix``, once it lists
+    its endpoints (waits for it: a micro service answers discovery from ``add_service`` on,
+    before its endpoints are added)."""
     found: list[dict] = []
 
     async def on_reply(msg: Msg) -> None:
+        if not msg.data:  # a no-responders status: nobody has started yet
+            return
         info = json.loads(msg.data)
-        if info.get("metadata", {}).get("prefix") == prefix:
+        if info.get("metadata", {}).get("prefix") == prefix and info.get("endpoints"):
             found.append(info)
 
     inbox = nc.new_inbox()
