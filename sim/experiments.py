@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -92,6 +92,19 @@ class ExperimentSpec:
     """The controller judges capacity with κ_C × this. KAPPA_SCALE corrects a single-worker κ
     (``vertumnus profile``); sim/runner.py sets 1.0 when κ was measured on the trace with a
     routed pool (sim/profiling.py ``TRACE_KAPPA_RAMP``), which is already a pooled capacity."""
+    warmup_s: float = 0.0
+    """Simulated seconds from the first arrival (at each rate) whose requests are run but left
+    out of the TTFT, SLO, hit-rate and oracle figures (§9.1: "we warm up each system until its
+    request processing and prefix-cache state stabilize"). 0: every request counts."""
+
+    def __post_init__(self) -> None:
+        check_warmup_s(self.warmup_s)
+
+
+def check_warmup_s(w: object) -> None:
+    """A warm-up is a finite number of seconds >= 0 (else :class:`InvalidInput`)."""
+    if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
+        raise InvalidInput(f"warm-up must be a finite number of seconds >= 0, got {w!r}")
 
 
 # --- compositions -----------------------------------------------------------------------------
@@ -242,9 +255,22 @@ def summarize_run(
     slo: SloTable,
     oracle: np.ndarray,
     wall_s: float,
+    warmup_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The results.json row of one (policy, rate_scale) run."""
+    """The results.json row of one (policy, rate_scale) run.
+
+    ``warmup_s`` > 0: requests arriving in the first ``warmup_s`` seconds (from the run's first
+    arrival) are left out of every per-request figure (counts, TTFT, SLO, hit rate, per degree,
+    request rate; ``oracle`` must already be the measured requests' only); ``warmup_requests``
+    says how many. GPU-seconds, reconfigurations and transfers cover the whole run.
+    """
     recs = res.records
+    warm = 0
+    if warmup_s > 0 and recs:
+        start = min(r.arrival_s for r in recs) + warmup_s
+        measured = [r for r in recs if r.arrival_s >= start]
+        warm = len(recs) - len(measured)
+        recs = measured
     done = [r for r in recs if r.ttft_s >= 0]
     ttft = np.array([r.ttft_s for r in done]) if done else np.array([math.nan])
     lens_all = np.array([r.input_len for r in recs], dtype=float)
@@ -271,6 +297,7 @@ def summarize_run(
         "rate_scale": rate_scale,
         "workload": res.workload_name,
         "requests": len(recs),
+        "warmup_requests": warm,
         "completed": len(done),
         "failed": len(recs) - len(done),
         "mean_ttft_s": float(np.mean(ttft)),
@@ -293,16 +320,15 @@ def summarize_run(
         "composition_start": {str(k): v for k, v in first.items()},
         "composition_end": {str(k): v for k, v in last.items()},
         "per_degree": per_degree,
-        "request_rate": len(recs) / res_duration(res) if recs else 0.0,
+        "request_rate": len(recs) / _span(recs) if recs else 0.0,
         "wall_s": wall_s,
         "sim_requests_per_wall_s": len(recs) / wall_s if wall_s > 0 else None,
     }
 
 
-def res_duration(res: SimResult) -> float:
-    if not res.records:
-        return 0.0
-    span = max(r.arrival_s for r in res.records) - min(r.arrival_s for r in res.records)
+def _span(recs: Sequence[Any]) -> float:
+    """Seconds from the first arrival of ``recs`` to the last (1.0 for a single instant)."""
+    span = max(r.arrival_s for r in recs) - min(r.arrival_s for r in recs)
     return span if span > 0 else 1.0
 
 
@@ -439,7 +465,12 @@ class _SweepCells:
         got = self._by_scale.get(scale)
         if got is None:
             wl = scale_rate(self.workload, scale) if scale != 1.0 else self.workload
-            got = self._by_scale[scale] = (wl, oracle_ttfts(wl, self.truth, self.spec.degrees))
+            oracle = oracle_ttfts(wl, self.truth, self.spec.degrees)
+            if self.spec.warmup_s > 0 and wl.requests:
+                # The oracle of the measured requests only (summarize_run leaves the same out).
+                start = min(r.arrival_s for r in wl.requests) + self.spec.warmup_s
+                oracle = oracle[np.array([r.arrival_s >= start for r in wl.requests])]
+            got = self._by_scale[scale] = (wl, oracle)
         return got
 
     def run(self, scale: float, pol: str) -> tuple[dict[str, Any], Any]:
@@ -459,7 +490,7 @@ class _SweepCells:
             res = run_deployment(wl, dep, self.profile, self.spec, self.truth)
             wall = time.perf_counter() - t0
             row = summarize_run(res, policy=pol, rate_scale=scale, slo=self.spec.slo,
-                                oracle=oracle, wall_s=wall)
+                                oracle=oracle, wall_s=wall, warmup_s=self.spec.warmup_s)
             row["variant"] = var
             if best_row is None or row["mean_ttft_s"] < best_row["mean_ttft_s"]:
                 best_row = row
@@ -482,6 +513,75 @@ def _init_cells(cells: _SweepCells) -> None:
 def _run_cell(scale: float, pol: str) -> tuple[dict[str, Any], Any]:
     assert _CELLS is not None, "worker process not initialised"
     return _CELLS.run(scale, pol)
+
+
+REPEAT_METRICS: tuple[str, ...] = (
+    "mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "slo_attainment", "hit_rate",
+    "gpu_seconds", "reconfigurations", "completed", "failed",
+)
+"""The figures each seed's run keeps in a combined row's ``runs`` (the spread behind a mean)."""
+
+
+_FIRST_SEED: Final = frozenset({"policy", "rate_scale", "workload", "variant",
+                                 "composition_start", "composition_end"})
+"""Fields a combined row takes from the first seed's run: names, and whole compositions (a mean
+of compositions is none)."""
+
+
+def _mean_of(vals: Sequence[Any], first: Any) -> Any:
+    """The mean of one field over the seeds (``None`` = absent there, skipped); dicts per key;
+    anything that is not a number (``bool`` included) is ``first``, as are mixed kinds."""
+    if isinstance(first, Mapping):
+        if not all(v is None or isinstance(v, Mapping) for v in vals):
+            return first
+        keys = list(dict.fromkeys(k for v in vals if v is not None for k in v))
+        return {k: _mean_of([None if v is None else v.get(k) for v in vals],
+                            next(v[k] for v in vals if v is not None and k in v))
+                for k in keys}
+    present = [v for v in vals if v is not None]
+    if not present or not all(isinstance(v, int | float) and not isinstance(v, bool)
+                              for v in present):
+        return first
+    if all(isinstance(v, int) for v in present) and len(set(present)) == 1:
+        return present[0]  # a count equal in every run stays an int
+    return float(np.mean(present))
+
+
+def combine_repeats(rows_by_seed: Sequence[Sequence[Mapping[str, Any]]],
+                    seeds: Sequence[int]) -> list[dict[str, Any]]:
+    """One row per (policy, rate_scale) from the same sweep run once per seed (§9.1: "we
+    repeat each experiment three times and report the average across these runs").
+
+    A numeric field (``bool`` excepted) is the mean over the seeds, skipping seeds where it is
+    ``None`` or absent; a count equal in every run stays an ``int``; a dict of figures
+    (``per_degree``) is combined key by key. Names, the variant and the compositions
+    (:data:`_FIRST_SEED`), and any other value, are the first seed's. Each row adds ``seeds`` and
+    ``runs``: every seed's :data:`REPEAT_METRICS`, in seed order. Rows are matched by
+    (policy, rate_scale) and keep the first seed's order. Raises :class:`InvalidInput` when
+    the seeds' sweeps do not hold the same cells or the seeds are not as many as the sweeps.
+    """
+    if len(rows_by_seed) != len(seeds) or not seeds:
+        raise InvalidInput(f"{len(rows_by_seed)} sweeps for {len(seeds)} seeds")
+    keyed: list[dict[tuple[str, float], Mapping[str, Any]]] = []
+    for rows in rows_by_seed:
+        by = {(r["policy"], r["rate_scale"]): r for r in rows}
+        if len(by) != len(rows):
+            raise InvalidInput("a sweep repeats a (policy, rate_scale) cell")
+        keyed.append(by)
+    if any(by.keys() != keyed[0].keys() for by in keyed[1:]):
+        raise InvalidInput("the seeds' sweeps do not hold the same (policy, rate_scale) cells")
+    out: list[dict[str, Any]] = []
+    for first in rows_by_seed[0]:
+        key = (first["policy"], first["rate_scale"])
+        runs = [by[key] for by in keyed]
+        row = {k: v if k in _FIRST_SEED else _mean_of([r.get(k) for r in runs], v)
+               for k, v in first.items()}
+        row["seeds"] = [int(x) for x in seeds]
+        row["runs"] = [{"seed": int(sd), "variant": r.get("variant"),
+                        **{m: r.get(m) for m in REPEAT_METRICS}}
+                       for sd, r in zip(seeds, runs, strict=True)]
+        out.append(row)
+    return out
 
 
 def strongest_baseline(rows: Iterable[Mapping[str, Any]], rate_scale: float,

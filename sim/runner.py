@@ -22,12 +22,19 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
 from shared.costmodel import Profile
 from shared.ids import InvalidInput
-from sim.experiments import ALL_POLICIES, ExperimentSpec, sweep
+from sim.experiments import (
+    ALL_POLICIES,
+    ExperimentSpec,
+    check_warmup_s,
+    combine_repeats,
+    sweep,
+)
 from sim.groundtruth import GroundTruth
 from sim.hardware import ground_truth_to_mapping
 from sim.workloads import (
@@ -43,10 +50,10 @@ from sim.workloads.synthetic import SyntheticConfig
 from sim.workloads.workload import Workload, truncate
 
 RESULT_KEYS = (
-    "policy", "rate_scale", "request_rate", "requests", "completed", "failed", "mean_ttft_s",
-    "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "slo_attainment", "hit_rate", "gpu_seconds",
-    "reconfigurations", "splits", "merges", "drain_s_mean", "switch_s_mean", "replications",
-    "reclamations", "oracle_mean_ttft_s", "prediction_mape", "variant", "wall_s",
+    "policy", "rate_scale", "request_rate", "requests", "warmup_requests", "completed", "failed",
+    "mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "slo_attainment", "hit_rate",
+    "gpu_seconds", "reconfigurations", "splits", "merges", "drain_s_mean", "switch_s_mean",
+    "replications", "reclamations", "oracle_mean_ttft_s", "prediction_mape", "variant", "wall_s",
     "sim_requests_per_wall_s",
 )
 
@@ -167,8 +174,18 @@ def run_simulate(
     jobs: int = 1,
     truth: GroundTruth | None = None,
     per_degree: bool = False,
+    repeats: int = 1,
+    warmup_s: float = 0.0,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
+
+    ``repeats`` N > 1 runs the whole sweep once per seed ``seed`` … ``seed + N − 1`` and reports
+    the mean of each figure (:func:`sim.experiments.combine_repeats`; each row's ``runs`` lists
+    every seed's), as §9.1 does with three runs. A seed draws the trace's arrivals where the
+    format leaves them to chance (ticks spread within their tick, L-Eval's Poisson process, the
+    synthetic generator) and the ground truth's noise; the profile is measured once, on the
+    first seed's trace (it is offline work). ``workload`` given: every seed runs it as it is.
+    ``warmup_s``: see :attr:`sim.experiments.ExperimentSpec.warmup_s`.
 
     ``jobs``: worker processes for the sweep's cells (same results; see ``sweep``).
     ``truth``: the simulated hardware (default: the note's Qwen3-30B-A3B on H20;
@@ -183,6 +200,9 @@ def run_simulate(
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidInput(f"--jobs must be an integer >= 1, got {jobs!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise InvalidInput(f"--repeats must be an integer >= 1, got {repeats!r}")
+    check_warmup_s(warmup_s)
     unknown = [p for p in policies if p not in ALL_POLICIES]
     if unknown:
         raise InvalidInput(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
@@ -199,17 +219,39 @@ def run_simulate(
         overrides.setdefault("kappa_scale", 1.0)
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
-                          **overrides)
+                          warmup_s=warmup_s, **overrides)
     kappa_info["kappa_scale"] = spec.kappa_scale
+    seeds = [seed + k for k in range(repeats)]
+    _check_warmup(wl, rate_scales, spec.warmup_s)
     t0 = time.perf_counter()
-    rows, side = _with_progress(progress, len(policies) * len(rate_scales), lambda cb: sweep(
-        wl, policies, rate_scales, prof, spec, truth, on_run=cb, jobs=jobs))
+
+    def run_all(cb: Callable[[str, float], None]) -> tuple[list[dict[str, Any]], Any]:
+        runs = []
+        for k, sd in enumerate(seeds):
+            wl_k = wl if k == 0 or workload is not None else load_trace(
+                trace, fmt, seed=sd, rate=rate, max_requests=max_requests)
+            if k:
+                _check_warmup(wl_k, rate_scales, spec.warmup_s)
+            runs.append(sweep(wl_k, policies, rate_scales, prof, replace(spec, seed=sd), truth,
+                              on_run=cb, jobs=jobs))
+        if len(runs) == 1:
+            return runs[0]
+        side = dict(runs[0][1])  # the first seed's compositions and timelines
+        if "static_threshold_tokens" in side:
+            side["static_threshold_tokens_by_seed"] = {
+                str(sd): r[1]["static_threshold_tokens"] for sd, r in zip(seeds, runs,
+                                                                          strict=True)}
+        return combine_repeats([r[0] for r in runs], seeds), side
+
+    rows, side = _with_progress(progress, len(policies) * len(rate_scales) * repeats, run_all)
     meta = {
         "workload": wl.name,
         "workload_stats": _jsonable(workload_stats(wl)),
         "gpus": gpus,
         "degrees": list(spec.degrees),
         "seed": seed,
+        "seeds": seeds,
+        "warmup_s": spec.warmup_s,
         "cache_blocks_per_gpu": cache_blocks_per_gpu,
         "profile": prof.to_dict(),
         "kappa": kappa_info,
@@ -219,6 +261,19 @@ def run_simulate(
     }
     write_outputs(out, rows, meta)
     return {"rows": rows, "meta": meta}
+
+
+def _check_warmup(wl: Workload, rate_scales: Sequence[float], warmup_s: float) -> None:
+    """Every rate must leave requests after the warm-up (arrival times shrink by the scale)."""
+    if warmup_s <= 0 or not wl.requests:
+        return
+    arr = [r.arrival_s for r in wl.requests]
+    span = max(arr) - min(arr)
+    for s in rate_scales:
+        if not span / s >= warmup_s:
+            raise InvalidInput(
+                f"--warmup {warmup_s:g} s leaves no request at rate ×{s:g}: the trace's arrivals "
+                f"span {span / s:.1f} s there")
 
 
 def run_tune(
@@ -239,15 +294,20 @@ def run_tune(
     jobs: int = 1,
     truth: GroundTruth | None = None,
     per_degree: bool = False,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """``vertumnus tune``: :func:`sim.tuning.tune_weights` on a trace, with the profile a
     sweep would use (:func:`run_simulate`: the file given, else fitted on ``truth`` with κ
     measured on the trace); writes ``out/tune.json`` (rows, pairs best first, the best, the
-    run's settings) and ``out/tune.csv`` (the rows). Returns what tune.json holds."""
+    run's settings) and ``out/tune.csv`` (the rows). Returns what tune.json holds.
+    ``repeats`` N > 1: every cell is the mean over seeds ``seed`` … ``seed + N − 1`` (as
+    :func:`run_simulate`'s)."""
     from sim.tuning import ROW_KEYS, tune_weights
 
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidInput(f"--jobs must be an integer >= 1, got {jobs!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise InvalidInput(f"--repeats must be an integer >= 1, got {repeats!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -255,11 +315,15 @@ def run_tune(
     prof, _ = sweep_profile(profile_path, out, degrees, seed, wl, truth, per_degree=per_degree)
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           **({} if profile_path is not None else {"kappa_scale": 1.0}))
-    n = len(set(betas)) * len(set(lams)) * len(rate_scales)
+    more = [(seed + k, load_trace(trace, fmt, seed=seed + k, rate=rate,
+                                  max_requests=max_requests)) for k in range(1, repeats)]
+    n = len(set(betas)) * len(set(lams)) * len(rate_scales) * repeats
     result = _with_progress(progress, n, lambda cb: tune_weights(
-        wl, rate_scales, betas, lams, prof, spec, truth, jobs=jobs, on_run=cb))
+        wl, rate_scales, betas, lams, prof, spec, truth, jobs=jobs, on_run=cb,
+        more_seeds=more))
     result["meta"] = {"workload": wl.name, "gpus": gpus, "degrees": list(spec.degrees),
-                      "seed": seed, "rate_scales": list(rate_scales),
+                      "seed": seed, "seeds": [seed + k for k in range(repeats)],
+                      "rate_scales": list(rate_scales),
                       "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth)}
     (out / "tune.json").write_text(json.dumps(_jsonable(result), indent=1) + "\n")
     with (out / "tune.csv").open("w", newline="") as fh:
@@ -323,11 +387,18 @@ def plot(out: Path, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) 
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for pol in policies:
-            pts = sorted((r["request_rate"], r[key]) for r in rows if r["policy"] == pol
-                         and r.get(key) is not None)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], marker="o",
-                        label=pol, linewidth=2.5 if pol == "vertumnus" else 1.2)
+            mine = sorted((r for r in rows if r["policy"] == pol and r.get(key) is not None),
+                          key=lambda r: r["request_rate"])
+            if not mine:
+                continue
+            xs = [r["request_rate"] for r in mine]
+            ys = [r[key] * scale for r in mine]
+            line = ax.plot(xs, ys, marker="o", label=pol,
+                           linewidth=2.5 if pol == "vertumnus" else 1.2)
+            spread = _spread(mine, key, scale)
+            if spread is not None:  # repeated runs: the seeds' range around the mean
+                ax.errorbar(xs, ys, yerr=spread, fmt="none", capsize=2,
+                            ecolor=line[0].get_color(), linewidth=0.8)
         if key == "mean_ttft_s":
             pts = sorted({(r["request_rate"], r["oracle_mean_ttft_s"]) for r in rows})
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "k:", label="oracle (zero queue)")
@@ -364,6 +435,22 @@ def plot(out: Path, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) 
         plt.close(fig)
 
 
+def _spread(rows: Sequence[Mapping[str, Any]], key: str, scale: float
+            ) -> list[list[float]] | None:
+    """Error bars (below, above the mean) spanning the seeds' values, when every row holds
+    ``runs`` (``--repeats``) with ``key``; else None."""
+    lo: list[float] = []
+    hi: list[float] = []
+    for r in rows:
+        vals = [x[key] for x in r.get("runs") or () if isinstance(x, Mapping)
+                and isinstance(x.get(key), int | float)]
+        if len(vals) < 2:
+            return None
+        lo.append(max(0.0, (r[key] - min(vals)) * scale))
+        hi.append(max(0.0, (max(vals) - r[key]) * scale))
+    return [lo, hi]
+
+
 def redraw(directory: Path) -> dict[str, Any]:
     """``vertumnus report DIR``: rebuild CSV and plots from results.json / meta.json."""
     d = Path(directory)
@@ -385,7 +472,14 @@ def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
     from rich.table import Table
 
     rows = summary["rows"]
-    t = Table(title=f"{summary['meta'].get('workload', '')} — TTFT by policy and rate")
+    meta = summary["meta"]
+    how = []
+    if len(meta.get("seeds") or ()) > 1:
+        how.append(f"mean of seeds {', '.join(str(x) for x in meta['seeds'])}")
+    if meta.get("warmup_s"):
+        how.append(f"after a {meta['warmup_s']:g} s warm-up")
+    t = Table(title=f"{meta.get('workload', '')} — TTFT by policy and rate"
+              + (f" ({'; '.join(how)})" if how else ""))
     for col in ("policy", "rate ×", "req/s", "mean s", "P50 s", "P90 s", "P99 s", "SLO %",
                 "hit %", "reconf", "oracle s"):
         t.add_column(col, justify="right" if col != "policy" else "left")
@@ -435,19 +529,24 @@ def preset_descriptions() -> dict[str, str]:
 
 def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                policies: Sequence[str] | None = None, jobs: int = 1,
-               truth: GroundTruth | None = None, per_degree: bool = False) -> dict[str, Any]:
+               truth: GroundTruth | None = None, per_degree: bool = False, repeats: int = 1,
+               warmup_s: float = 0.0) -> dict[str, Any]:
     """Run a named experiment. ``policies`` (the trace presets only; default: all eight
     compared policies), ``jobs`` (worker processes for a trace preset's sweep), ``truth``
-    (the simulated hardware; default: the note's) and ``per_degree`` (the profile's fit)."""
+    (the simulated hardware; default: the note's), ``per_degree`` (the profile's fit),
+    ``repeats`` and ``warmup_s`` (the trace presets only; see :func:`run_simulate`)."""
     if name in PRESETS:
         p = dict(PRESETS[name])
         p.pop("desc")
         pols = list(ALL_POLICIES[:8]) if policies is None else list(policies)
         return run_simulate(policies=pols, out=out, seed=seed, gpus=40,
                             degrees=(2, 4), progress=progress, jobs=jobs, truth=truth,
-                            per_degree=per_degree, **p)
+                            per_degree=per_degree, repeats=repeats, warmup_s=warmup_s, **p)
     if policies is not None:
         raise InvalidInput(f"preset {name!r} runs fixed deployments; --policies does not apply")
+    if repeats != 1 or warmup_s:
+        raise InvalidInput(f"preset {name!r} reports its phases as they run; --repeats and "
+                           f"--warmup apply to the trace presets ({', '.join(PRESETS)})")
     from sim import presets
 
     return presets.run(name, out=out, seed=seed, progress=progress, truth=truth,

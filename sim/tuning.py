@@ -22,7 +22,7 @@ from typing import Any
 from services.scheduler.placement import check_weights
 from shared.costmodel import Profile
 from shared.ids import InvalidInput
-from sim.experiments import ExperimentSpec, sweep
+from sim.experiments import ExperimentSpec, combine_repeats, sweep
 from sim.groundtruth import GroundTruth
 from sim.workloads.workload import Workload
 
@@ -41,8 +41,13 @@ def tune_weights(
     *,
     jobs: int = 1,
     on_run: Callable[[str, float], None] | None = None,
+    more_seeds: Sequence[tuple[int, Workload]] = (),
 ) -> dict[str, Any]:
     """Vertumnus at every (β, λ) of ``betas`` × ``lams`` and every rate of ``rate_scales``.
+
+    ``more_seeds``: (seed, that seed's workload) pairs run as well as ``spec.seed`` on
+    ``workload``; each row is then the mean over the seeds
+    (:func:`sim.experiments.combine_repeats`), with ``seeds``.
 
     Returns ``{"rows": one per (β, λ, rate), "pairs": one per (β, λ) with the averages over
     the rates, best first, "best": {"beta", "lam"}}``. ``on_run(label, rate)`` is called as
@@ -58,16 +63,23 @@ def tune_weights(
     if any(not s > 0 for s in rate_scales):
         raise InvalidInput(f"rate scales must be > 0, got {list(rate_scales)}")
     betas, lams = sorted({float(b) for b in betas}), sorted({float(v) for v in lams})
+    runs = [(spec.seed, workload), *more_seeds]
+    seeds = [sd for sd, _ in runs]
+    if len(set(seeds)) != len(seeds):
+        raise InvalidInput(f"seeds repeat: {seeds}")
     rows: list[dict[str, Any]] = []
     for b in betas:
         for lam in lams:
             label = f"β {b:g} λ {lam:g}"
-            cells, _ = sweep(
-                workload, ["vertumnus"], rate_scales, profile, replace(spec, beta=b, lam=lam),
-                truth, jobs=jobs,
-                on_run=None if on_run is None else (lambda _p, s, _l=label: on_run(_l, s)))
+            per_seed = [sweep(
+                wl, ["vertumnus"], rate_scales, profile,
+                replace(spec, beta=b, lam=lam, seed=sd), truth, jobs=jobs,
+                on_run=None if on_run is None else (lambda _p, s, _l=label: on_run(_l, s)))[0]
+                for sd, wl in runs]
+            cells = per_seed[0] if len(runs) == 1 else combine_repeats(per_seed, seeds)
             rows.extend({"beta": float(b), "lam": float(lam),
-                         **{k: r[k] for k in ROW_KEYS[2:]}} for r in cells)
+                         **{k: r[k] for k in ROW_KEYS[2:]},
+                         **({"seeds": seeds} if len(runs) > 1 else {})} for r in cells)
     pairs = []
     for b in betas:
         for lam in lams:

@@ -139,6 +139,14 @@ def register(app: typer.Typer) -> None:
         per_degree: Annotated[bool, typer.Option(
             help=_PER_DEGREE_HELP + " (the profile measured here, not a --profile file)")
         ] = False,
+        repeats: Annotated[int, typer.Option(
+            help="Run the sweep once per seed (--seed, --seed+1, ...) and report the mean of "
+            "each figure, every seed's in each row's 'runs' (the paper averages 3 runs)")
+        ] = 1,
+        warmup: Annotated[float, typer.Option(
+            help="Seconds (simulated, from each rate's first arrival) whose requests are run "
+            "but not counted in TTFT, SLO or hit rate")
+        ] = 0.0,
     ) -> None:
         """Compare policies on one trace over request rates; writes results.json, CSV, plots."""
         from sim import runner
@@ -155,7 +163,8 @@ def register(app: typer.Typer) -> None:
                 profile_path=profile_path, max_requests=max_requests or None,
                 cache_blocks_per_gpu=cache_blocks_per_gpu or None,
                 beta=beta or None, lam=None if lam < 0 else lam, jobs=jobs,
-                per_degree=per_degree, truth=_truth(hardware),
+                per_degree=per_degree, truth=_truth(hardware), repeats=repeats,
+                warmup_s=warmup,
             )
             if per_degree and profile_path is not None:
                 _fail("--per-degree shapes the profile measured here; --profile gives one")
@@ -165,7 +174,8 @@ def register(app: typer.Typer) -> None:
                 chosen = None if policies == _DEFAULT_POLICIES else args["policies"]
                 summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
                                             policies=chosen, jobs=jobs, truth=args["truth"],
-                                            per_degree=per_degree)
+                                            per_degree=per_degree, repeats=repeats,
+                                            warmup_s=warmup)
             else:
                 summary = runner.run_simulate(**args, progress=True)
         except InvalidInput as exc:
@@ -190,6 +200,9 @@ def register(app: typer.Typer) -> None:
         jobs: Annotated[int, typer.Option(help="Worker processes for each pair's rates")] = 1,
         hardware: _Hardware = None,
         per_degree: Annotated[bool, typer.Option(help=_PER_DEGREE_HELP)] = False,
+        repeats: Annotated[int, typer.Option(
+            help="Judge each pair by the mean over this many seeds (--seed, --seed+1, ...)")
+        ] = 1,
     ) -> None:
         """Choose J's β and λ for a trace and hardware: vertumnus at every pair, over rates."""
         from rich.console import Console
@@ -205,11 +218,13 @@ def register(app: typer.Typer) -> None:
                 betas=_nonneg(beta, "beta"), lams=_nonneg(lam, "lam"), rate=rate or None,
                 gpus=gpus, degrees=_ints(degrees, "degrees"), seed=seed, out=out,
                 profile_path=profile_path, max_requests=max_requests or None, progress=True,
-                jobs=jobs, per_degree=per_degree, truth=_truth(hardware))
+                jobs=jobs, per_degree=per_degree, truth=_truth(hardware), repeats=repeats)
         except InvalidInput as exc:
             _fail(str(exc))
         scales = result["meta"]["rate_scales"]
-        t = Table(title=f"{result['meta']['workload']}: vertumnus's mean TTFT (s) by β, λ")
+        seeds = result["meta"]["seeds"]
+        t = Table(title=f"{result['meta']['workload']}: vertumnus's mean TTFT (s) by β, λ"
+                  + (f" (mean of seeds {', '.join(map(str, seeds))})" if len(seeds) > 1 else ""))
         for col in ("β", "λ", *(f"×{s:g}" for s in scales), "mean", "P90"):
             t.add_column(col, justify="right")
         for p in result["pairs"]:
@@ -228,8 +243,11 @@ def register(app: typer.Typer) -> None:
         file: Annotated[Path | None, typer.Argument(
             help="A hardware file to check (default: print the built-in hardware)")] = None,
     ) -> None:
-        """Print the simulated hardware as JSON, every field: the built-in one (a template
-        for --hardware) or FILE read, checked and completed with the defaults it leaves out."""
+        """Print the simulated hardware as JSON: the built-in one, or FILE checked and completed.
+
+        Every field is printed: the built-in hardware is a template for --hardware; FILE is
+        read, checked and completed with the defaults it leaves out.
+        """
         from shared.ids import DEFAULT_BLOCK_SIZE
         from sim.groundtruth import GroundTruth
         from sim.hardware import ground_truth_to_mapping
