@@ -63,6 +63,49 @@ DEEPSEEK_V4_SLO: Final[SloTable] = SloTable(
 )
 """Paper Table 2, DeepSeek-V4-Flash-FP8."""
 
+SLO_TABLES: Final[dict[str, SloTable]] = {t.name: t for t in (QWEN3_SLO, DEEPSEEK_V4_SLO)}
+"""The named tables ``--slo`` accepts (paper Table 2)."""
+
+
+def parse_slo(text: str) -> SloTable:
+    """An SLO table from a name of :data:`SLO_TABLES` or ``BOUND:SECONDS,…,inf:SECONDS``
+    (a prompt shorter than BOUND tokens must see its first token within SECONDS; the first
+    bound it is under wins; the last bound is ``inf``), e.g. ``8192:1,32768:5,inf:10`` (the
+    Qwen3 table). Raises :class:`InvalidInput` naming what is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidInput("an SLO is a table name or BOUND:SECONDS pairs, got nothing")
+    name = text.strip()
+    if name in SLO_TABLES:
+        return SLO_TABLES[name]
+    if ":" not in name:
+        raise InvalidInput(f"unknown SLO table {name!r}; known: {', '.join(SLO_TABLES)}, or "
+                           "BOUND:SECONDS pairs such as 8192:1,32768:5,inf:10")
+    pairs: list[tuple[float, float]] = []
+    for part in name.split(","):
+        bound_s, sep, tau_s = part.strip().partition(":")
+        if not sep:
+            raise InvalidInput(f"SLO entry {part.strip()!r} is not BOUND:SECONDS")
+        try:
+            bound = math.inf if bound_s.strip().lower() == "inf" else int(bound_s)
+        except ValueError:
+            raise InvalidInput(f"SLO bound {bound_s.strip()!r} is not a whole number of tokens "
+                               "or 'inf'") from None
+        try:
+            tau = float(tau_s)
+        except ValueError:
+            raise InvalidInput(f"SLO deadline {tau_s.strip()!r} is not a number of seconds"
+                               ) from None
+        if not bound > 0:
+            raise InvalidInput(f"SLO bound must be > 0 tokens, got {bound_s.strip()!r}")
+        pairs.append((bound, tau))
+    return SloTable(tuple(pairs), name)
+
+
+def slo_to_dict(slo: SloTable) -> dict[str, Any]:
+    """The table as JSON can hold it (``inf`` written as the string "inf")."""
+    return {"name": slo.name,
+            "bounds": [["inf" if math.isinf(b) else int(b), tau] for b, tau in slo.bounds]}
+
 
 def slo_attainment(
     input_lens: Sequence[int] | np.ndarray,

@@ -40,6 +40,7 @@ from sim.experiments import (
 )
 from sim.groundtruth import GroundTruth
 from sim.hardware import ground_truth_to_mapping
+from sim.metrics import QWEN3_SLO, SloTable, slo_to_dict
 from sim.runner import _jsonable, load_trace, obtain_profile, write_outputs
 from sim.workloads import default_traces_dir, generate
 from sim.workloads.synthetic import Phase, SyntheticConfig
@@ -64,15 +65,17 @@ def descriptions() -> dict[str, str]:
 
 
 def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
-        truth: GroundTruth | None = None, per_degree: bool = False) -> dict[str, Any]:
+        truth: GroundTruth | None = None, per_degree: bool = False,
+        slo: SloTable = QWEN3_SLO) -> dict[str, Any]:
     """Run the preset ``name``; ``truth``: the simulated hardware (default: the note's);
-    ``per_degree``: the profile fits one coefficient set per degree."""
+    ``per_degree``: the profile fits one coefficient set per degree; ``slo``: the TTFT
+    deadlines (attainment, and the κ the profile measures)."""
     if name == "reconfig":
         return run_reconfig(out=out, seed=seed, progress=progress, truth=truth,
-                            per_degree=per_degree)
+                            per_degree=per_degree, slo=slo)
     if name == "ablation":
         return run_ablation(out=out, seed=seed, progress=progress, truth=truth,
-                            per_degree=per_degree)
+                            per_degree=per_degree, slo=slo)
     raise InvalidInput(f"unknown preset {name!r}; known: conversation, leval, azure-code, "
                        "reconfig, ablation")
 
@@ -91,15 +94,15 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
                  base_rate: float = 24.0, gpus: int = 40, degrees: tuple[int, ...] = (2, 4),
                  fixed: tuple[str, str] = ("12CP2/4CP4", "4CP2/8CP4"),
                  truth: GroundTruth | None = None,
-                 per_degree: bool = False) -> dict[str, Any]:
+                 per_degree: bool = False, slo: SloTable = QWEN3_SLO) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     duration = sum(p.duration_s for p in RECONFIG_PHASES)
     wl = generate(SyntheticConfig(duration_s=duration, rate=base_rate, phases=RECONFIG_PHASES),
                   seed=seed, name="reconfig-phases")
     truth = truth or GroundTruth()
-    prof = obtain_profile(None, out, degrees, seed, truth, per_degree=per_degree)
-    spec = ExperimentSpec(gpus=gpus, degrees=degrees, seed=seed)
+    prof = obtain_profile(None, out, degrees, seed, truth, per_degree=per_degree, slo=slo)
+    spec = ExperimentSpec(gpus=gpus, degrees=degrees, seed=seed, slo=slo)
     lattice = Lattice(gpus, degrees)
     bounds = _phase_bounds(RECONFIG_PHASES, duration)
     start = Composition.parse(lattice, fixed[0])
@@ -152,6 +155,7 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
         "drain_switch_s": _drain_switch_summary(reconfs),
         "profile": prof.to_dict(),
         "hardware": ground_truth_to_mapping(truth),
+        "slo": slo_to_dict(slo),
     }
     write_outputs(out, rows, meta)
     _plot_phases(out, bounds, phases_out, timelines)
@@ -216,15 +220,15 @@ def run_ablation(*, out: Path, seed: int = 0, progress: bool = False,
                  cache_blocks_per_gpu: int = 200, composition: str = "8CP2/6CP4",
                  workload: Workload | None = None,
                  truth: GroundTruth | None = None,
-                 per_degree: bool = False) -> dict[str, Any]:
+                 per_degree: bool = False, slo: SloTable = QWEN3_SLO) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     wl = workload or load_trace(str(default_traces_dir() / "mooncake/conversation_trace.jsonl"),
                                 "mooncake", seed=seed, rate=None, max_requests=None)
     degrees = (2, 4)
     truth = truth or GroundTruth()
-    prof = obtain_profile(None, out, degrees, seed, truth, per_degree=per_degree)
-    spec = ExperimentSpec(gpus=40, degrees=degrees, seed=seed,
+    prof = obtain_profile(None, out, degrees, seed, truth, per_degree=per_degree, slo=slo)
+    spec = ExperimentSpec(gpus=40, degrees=degrees, seed=seed, slo=slo,
                           cache_blocks_per_gpu=cache_blocks_per_gpu)
     lattice = Lattice(40, degrees)
     comp = Composition.parse(lattice, composition)
@@ -243,6 +247,7 @@ def run_ablation(*, out: Path, seed: int = 0, progress: bool = False,
                                       oracle=oracle, wall_s=time.perf_counter() - t0))
     meta = {"workload": wl.name, "gpus": 40, "degrees": list(degrees), "seed": seed,
             "composition": composition, "cache_blocks_per_gpu": cache_blocks_per_gpu,
-            "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth)}
+            "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth),
+            "slo": slo_to_dict(slo)}
     write_outputs(out, rows, meta)
     return {"rows": rows, "meta": meta}

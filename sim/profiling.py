@@ -40,7 +40,7 @@ from shared.costmodel import Profile, Sample, fit_profile, mape
 from shared.ids import InvalidInput
 from sim.groundtruth import DEFAULT_GROUND_TRUTH, GroundTruth, Kind, NoisyGroundTruth
 from sim.hardware import ground_truth_to_mapping
-from sim.metrics import QWEN3_SLO, SloTable
+from sim.metrics import QWEN3_SLO, SloTable, slo_to_dict
 from sim.workloads import Workload, generate, load_workload, workload_stats
 
 PROFILE_R: Final[tuple[int, ...]] = tuple(1 << i for i in range(10, 18))
@@ -433,6 +433,7 @@ def trace_kappa(
         "noise_sigma": noise_sigma,
         "kappa": {str(c): k for c, k in kappas.items()},
         "ramp": {k: v for k, v in asdict(ramp).items() if k != "slo"},
+        "slo": slo_to_dict(ramp.slo),
         "results": results,
     }
     return out, report
@@ -587,7 +588,7 @@ def run_profile(
         "kappa": {str(c): k for c, k in profile.kappa.items()},
         "kappa_ramp": {
             **{k: v for k, v in asdict(ramp).items() if k != "slo"},
-            "slo": [[b if math.isfinite(b) else "inf", tau] for b, tau in ramp.slo.bounds],
+            "slo": slo_to_dict(ramp.slo),
             "results": kappa_report,
         },
         "kappa_workload": wl_info,
@@ -616,13 +617,14 @@ def profile_command(
     kappa_workload: Workload | str | Path | None = None,
     truth: GroundTruth | None = None,
     per_degree: bool = False,
+    slo: SloTable = QWEN3_SLO,
 ) -> Path:
     """CLI entry of ``vertumnus profile``: returns the path of the written profile.json.
 
     ``kappa_workload`` may be a Workload, a trace path or "synthetic" (loaded with
     :func:`sim.workloads.load_workload`; L-Eval needs a rate, so pass a Workload for it).
     ``truth``: the simulated hardware measured (``--hardware``, :mod:`sim.hardware`; None:
-    the default).
+    the default). ``slo``: the TTFT deadlines κ must keep (the ramp's SLO).
     Only the ``sim`` backend is implemented here.
     """
     if backend != "sim":
@@ -631,5 +633,6 @@ def profile_command(
     if isinstance(wl, (str, Path)):
         wl = load_workload(wl, seed=seed)
     run_profile(out_dir, degrees=degrees, seed=seed, kappa_workload=wl,
-                truth=truth or DEFAULT_GROUND_TRUTH, per_degree=per_degree)
+                truth=truth or DEFAULT_GROUND_TRUTH, per_degree=per_degree,
+                ramp=KappaRamp(slo=slo))
     return Path(out_dir) / PROFILE_FILE

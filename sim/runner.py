@@ -37,6 +37,7 @@ from sim.experiments import (
 )
 from sim.groundtruth import GroundTruth
 from sim.hardware import ground_truth_to_mapping
+from sim.metrics import QWEN3_SLO, SloTable, slo_to_dict
 from sim.workloads import (
     default_traces_dir,
     generate,
@@ -96,8 +97,8 @@ def _is_leval(path: Path) -> bool:
 
 
 def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload: Workload,
-                         truth: GroundTruth | None = None, *, per_degree: bool = False
-                         ) -> tuple[Profile, dict[str, Any]]:
+                         truth: GroundTruth | None = None, *, per_degree: bool = False,
+                         slo: SloTable = QWEN3_SLO) -> tuple[Profile, dict[str, Any]]:
     """The profile a sweep uses when no profile file is given: Ê fitted on the sim backend
     (``out/profile``, as ``vertumnus profile`` writes it) and κ_C measured on ``workload``'s own
     traffic (:func:`sim.profiling.trace_kappa`: a routed pool, the trace's length mix and
@@ -108,37 +109,41 @@ def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload:
     measured on the embedded synthetic mix (mean 7.6K tokens), which says little about the
     Azure code trace (mean 2K tokens, arrivals in bursts); see sim/profiling.py
     ``TRACE_KAPPA_RAMP``. κ measured this way is a pooled capacity, so it is used with
-    ``kappa_scale`` 1.0 (:func:`run_simulate`).
+    ``kappa_scale`` 1.0 (:func:`run_simulate`). ``slo``: the TTFT deadlines κ must keep
+    (the ramp's attainment target is measured against them).
     """
-    from sim.profiling import PROFILE_FILE, cached_trace_kappa, run_profile
+    from sim.profiling import PROFILE_FILE, TRACE_KAPPA_RAMP, cached_trace_kappa, run_profile
 
     degs = sorted(set(degrees))
     fitted, _ = run_profile(out / "profile", degrees=sorted(set(degrees) | {1}), seed=seed,
                             measure_kappas=False, truth=truth or GroundTruth(),
                             per_degree=per_degree)
-    prof, report = cached_trace_kappa(fitted, workload, out / "profile", degrees=degs, seed=seed)
+    prof, report = cached_trace_kappa(fitted, workload, out / "profile", degrees=degs, seed=seed,
+                                      ramp=replace(TRACE_KAPPA_RAMP, slo=slo))
     prof.save(out / "profile" / PROFILE_FILE)
     return prof, report
 
 
 def obtain_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], seed: int,
-                   truth: GroundTruth | None = None, *, per_degree: bool = False) -> Profile:
+                   truth: GroundTruth | None = None, *, per_degree: bool = False,
+                   slo: SloTable = QWEN3_SLO) -> Profile:
     """The fitted profile the policies use: a given file, or one measured now on the sim
-    backend of ``truth``'s hardware (written to ``out/profile``). Never the ground truth
-    itself."""
+    backend of ``truth``'s hardware (written to ``out/profile``; κ under ``slo``). Never the
+    ground truth itself."""
     if profile_path is not None:
         return Profile.load(profile_path)
-    from sim.profiling import run_profile
+    from sim.profiling import KappaRamp, run_profile
 
     degs = sorted(set(degrees) | {1})
     prof, _ = run_profile(out / "profile", degrees=degs, seed=seed,
-                          truth=truth or GroundTruth(), per_degree=per_degree)
+                          truth=truth or GroundTruth(), per_degree=per_degree,
+                          ramp=KappaRamp(slo=slo))
     return prof
 
 
 def sweep_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], seed: int,
-                  workload: Workload, truth: GroundTruth, *, per_degree: bool = False
-                  ) -> tuple[Profile, dict[str, Any]]:
+                  workload: Workload, truth: GroundTruth, *, per_degree: bool = False,
+                  slo: SloTable = QWEN3_SLO) -> tuple[Profile, dict[str, Any]]:
     """The profile a sweep uses and where its κ came from: the file given (its κ a single
     worker's, judged with ``KAPPA_SCALE``), else :func:`obtain_trace_profile` (κ measured on
     ``workload`` with a routed pool: a pooled capacity, so the sweep's ``kappa_scale`` is 1.0).
@@ -146,7 +151,8 @@ def sweep_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], 
     if profile_path is not None:
         return obtain_profile(profile_path, out, degrees, seed, truth), \
             {"source": str(profile_path)}
-    prof, krep = obtain_trace_profile(out, degrees, seed, workload, truth, per_degree=per_degree)
+    prof, krep = obtain_trace_profile(out, degrees, seed, workload, truth, per_degree=per_degree,
+                                      slo=slo)
     return prof, {"source": "trace", "cache_key": krep.get("key"), "cached": krep.get("cached"),
                   "replay_arrivals": krep["replay_arrivals"], "ramp": krep["ramp"]}
 
@@ -176,8 +182,12 @@ def run_simulate(
     per_degree: bool = False,
     repeats: int = 1,
     warmup_s: float = 0.0,
+    slo: SloTable = QWEN3_SLO,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
+
+    ``slo``: the TTFT deadlines by prompt length that SLO attainment counts, and that κ is
+    measured to keep when the profile is measured here (default: paper Table 2, Qwen3).
 
     ``repeats`` N > 1 runs the whole sweep once per seed ``seed`` … ``seed + N − 1`` and reports
     the mean of each figure (:func:`sim.experiments.combine_repeats`; each row's ``runs`` lists
@@ -213,13 +223,13 @@ def run_simulate(
     truth = truth or GroundTruth()
     wl = workload or load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
-                                     per_degree=per_degree)
+                                     per_degree=per_degree, slo=slo)
     overrides = dict(spec_overrides or {})
     if profile_path is None:
         overrides.setdefault("kappa_scale", 1.0)
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
-                          warmup_s=warmup_s, **overrides)
+                          warmup_s=warmup_s, slo=slo, **overrides)
     kappa_info["kappa_scale"] = spec.kappa_scale
     seeds = [seed + k for k in range(repeats)]
     _check_warmup(wl, rate_scales, spec.warmup_s)
@@ -252,6 +262,7 @@ def run_simulate(
         "seed": seed,
         "seeds": seeds,
         "warmup_s": spec.warmup_s,
+        "slo": slo_to_dict(slo),
         "cache_blocks_per_gpu": cache_blocks_per_gpu,
         "profile": prof.to_dict(),
         "kappa": kappa_info,
@@ -295,6 +306,7 @@ def run_tune(
     truth: GroundTruth | None = None,
     per_degree: bool = False,
     repeats: int = 1,
+    slo: SloTable = QWEN3_SLO,
 ) -> dict[str, Any]:
     """``vertumnus tune``: :func:`sim.tuning.tune_weights` on a trace, with the profile a
     sweep would use (:func:`run_simulate`: the file given, else fitted on ``truth`` with κ
@@ -312,8 +324,9 @@ def run_tune(
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
     wl = load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
-    prof, _ = sweep_profile(profile_path, out, degrees, seed, wl, truth, per_degree=per_degree)
-    spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
+    prof, _ = sweep_profile(profile_path, out, degrees, seed, wl, truth, per_degree=per_degree,
+                            slo=slo)
+    spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
                           **({} if profile_path is not None else {"kappa_scale": 1.0}))
     more = [(seed + k, load_trace(trace, fmt, seed=seed + k, rate=rate,
                                   max_requests=max_requests)) for k in range(1, repeats)]
@@ -323,7 +336,7 @@ def run_tune(
         more_seeds=more))
     result["meta"] = {"workload": wl.name, "gpus": gpus, "degrees": list(spec.degrees),
                       "seed": seed, "seeds": [seed + k for k in range(repeats)],
-                      "rate_scales": list(rate_scales),
+                      "rate_scales": list(rate_scales), "slo": slo_to_dict(slo),
                       "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth)}
     (out / "tune.json").write_text(json.dumps(_jsonable(result), indent=1) + "\n")
     with (out / "tune.csv").open("w", newline="") as fh:
@@ -530,18 +543,20 @@ def preset_descriptions() -> dict[str, str]:
 def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                policies: Sequence[str] | None = None, jobs: int = 1,
                truth: GroundTruth | None = None, per_degree: bool = False, repeats: int = 1,
-               warmup_s: float = 0.0) -> dict[str, Any]:
+               warmup_s: float = 0.0, slo: SloTable = QWEN3_SLO) -> dict[str, Any]:
     """Run a named experiment. ``policies`` (the trace presets only; default: all eight
     compared policies), ``jobs`` (worker processes for a trace preset's sweep), ``truth``
     (the simulated hardware; default: the note's), ``per_degree`` (the profile's fit),
-    ``repeats`` and ``warmup_s`` (the trace presets only; see :func:`run_simulate`)."""
+    ``repeats`` and ``warmup_s`` (the trace presets only; see :func:`run_simulate`) and
+    ``slo`` (the TTFT deadlines)."""
     if name in PRESETS:
         p = dict(PRESETS[name])
         p.pop("desc")
         pols = list(ALL_POLICIES[:8]) if policies is None else list(policies)
         return run_simulate(policies=pols, out=out, seed=seed, gpus=40,
                             degrees=(2, 4), progress=progress, jobs=jobs, truth=truth,
-                            per_degree=per_degree, repeats=repeats, warmup_s=warmup_s, **p)
+                            per_degree=per_degree, repeats=repeats, warmup_s=warmup_s,
+                            slo=slo, **p)
     if policies is not None:
         raise InvalidInput(f"preset {name!r} runs fixed deployments; --policies does not apply")
     if repeats != 1 or warmup_s:
@@ -550,4 +565,4 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     from sim import presets
 
     return presets.run(name, out=out, seed=seed, progress=progress, truth=truth,
-                       per_degree=per_degree)
+                       per_degree=per_degree, slo=slo)

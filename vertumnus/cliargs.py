@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import typer
+
+if TYPE_CHECKING:
+    from sim.metrics import SloTable
 
 T = TypeVar("T", int, float)
 
@@ -29,3 +32,19 @@ def comma_list(text: str, name: str, conv: Callable[[str], T], kind: str, *,
     if not vals or (valid is not None and not all(valid(v) for v in vals)):
         fail(f"--{name} needs {need}, got {text!r}")
     return vals
+
+
+SLO_HELP = ("TTFT deadlines by prompt length: a table name (qwen3-30b-a3b, deepseek-v4-flash: "
+            "paper Table 2) or BOUND:SECONDS pairs, e.g. 8192:1,32768:5,inf:10 (under 8,192 "
+            "tokens 1 s, …)")
+
+
+def slo_table(text: str) -> SloTable:
+    """``--slo``'s table (:func:`sim.metrics.parse_slo`); a bad one exits 2 naming why."""
+    from shared.ids import InvalidInput
+    from sim.metrics import parse_slo
+
+    try:
+        return parse_slo(text)
+    except InvalidInput as exc:
+        fail(f"--slo: {exc}")

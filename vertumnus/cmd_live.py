@@ -25,12 +25,15 @@ import runpy
 import sys
 import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from vertumnus.cliargs import comma_list
+from vertumnus.cliargs import SLO_HELP, comma_list, slo_table
 from vertumnus.cliargs import fail as _fail
+
+if TYPE_CHECKING:
+    from sim.metrics import SloTable
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -120,6 +123,9 @@ def register(app: typer.Typer) -> None:
         per_degree: Annotated[bool, typer.Option(
             help="--backend sim without --profile: fit the cost model on the modelled "
                  "hardware with one coefficient set per CP degree")] = False,
+        slo: Annotated[str, typer.Option(
+            help=SLO_HELP + "; the report's SLO attainment, and with --backend sim and no "
+                 "--profile, the deadlines κ is profiled to keep")] = "qwen3-30b-a3b",
         prefix: Annotated[str, typer.Option(help="Subject prefix")] = "vtm",
         log_dir: Annotated[Path | None, typer.Option(
             help="Service logs and pids.json (default: a temporary directory)")] = None,
@@ -171,7 +177,7 @@ def register(app: typer.Typer) -> None:
                 kill_at_wall_s=_times(kill_at, "kill-at"),
                 restart_after_wall_s=_times(restart_after, "restart-after"),
                 kill_service=kill_service, schedulers=schedulers, hardware=hardware,
-                per_degree=per_degree,
+                per_degree=per_degree, slo=slo_table(slo),
             )
         except ValueError as exc:
             _fail(str(exc))
@@ -210,18 +216,22 @@ def register(app: typer.Typer) -> None:
         api_key: Annotated[str | None, typer.Option(
             envvar="VTM_API_KEY", show_envvar=True,
             help="Sent as 'Authorization: Bearer KEY' (a gateway with VTM_API_KEYS)")] = None,
+        slo: Annotated[str, typer.Option(help=SLO_HELP + " (the report's SLO attainment)")
+                       ] = "qwen3-30b-a3b",
     ) -> None:
         """Replay a trace (or the synthetic workload) through a running gateway; report."""
 
         from vertumnus.live.stack import load_requests, write_json
 
+        table = slo_table(slo)
         wl, reqs = load_requests(trace, duration_s=duration, rate=rate, seed=seed,
                                  max_requests=max_requests, default_rate=2.0)
         try:
             summary = asyncio.run(_replay_main(
                 gateway, reqs, time_scale=time_scale, rate_scale=rate_scale, nats_url=nats_url,
                 prefix=prefix, progress=progress, block_size=wl.block_size, retry_s=retry,
-                api_key=api_key, meta={"workload": trace, "rate_scale": rate_scale, "seed": seed}))
+                api_key=api_key, slo=table,
+                meta={"workload": trace, "rate_scale": rate_scale, "seed": seed}))
         except ValueError as exc:
             _fail(str(exc))
         if json_out is not None:
@@ -258,7 +268,8 @@ def register(app: typer.Typer) -> None:
 async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate_scale: float,
                        nats_url: str | None, prefix: str, progress: bool,
                        meta: dict[str, Any], block_size: int = 512,
-                       retry_s: float = 10.0, api_key: str | None = None) -> dict[str, Any]:
+                       retry_s: float = 10.0, api_key: str | None = None,
+                       slo: SloTable | None = None) -> dict[str, Any]:
     from rich.console import Console
 
     from shared.subjects import Subjects
@@ -309,7 +320,7 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
             with contextlib.suppress(Exception):
                 await nc.drain()
     prefix_tokens = dict(observer.prefix_tokens) if observer is not None else {}
-    report = LiveReport(records, time_scale,
+    report = LiveReport(records, time_scale, **({} if slo is None else {"slo": slo}),
                         changes=list(observer.changes) if observer else [],
                         prefix_tokens=prefix_tokens,
                         meta={**meta, "interrupted": interrupted, "gateway": gateway,

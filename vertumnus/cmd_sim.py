@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from shared.ids import InvalidInput
-from vertumnus.cliargs import comma_list
+from vertumnus.cliargs import SLO_HELP, comma_list, slo_table
 from vertumnus.cliargs import fail as _fail
 
 _DEFAULT_POLICIES = "vertumnus,static,homo,homo_cp2,sglang,vllm,dynamo,llmd"
@@ -48,6 +48,7 @@ _ProfilePath = Annotated[
     Path | None, typer.Option("--profile", help="Profile JSON (default: profile the sim)")]
 _MaxRequests = Annotated[int, typer.Option(help="Truncate the trace (0: all)")]
 _Hardware = Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)]
+_Slo = Annotated[str, typer.Option(help=SLO_HELP)]
 
 
 def _truth(hardware: Path | None) -> Any:
@@ -79,20 +80,24 @@ def register(app: typer.Typer) -> None:
         ] = None,
         per_degree: Annotated[bool, typer.Option(help=_PER_DEGREE_HELP + " (sim backend)")
                               ] = False,
+        slo: Annotated[str, typer.Option(help=SLO_HELP + "; κ_C is the demand that keeps it "
+                                         "(sim backend)")] = "qwen3-30b-a3b",
     ) -> None:
         """Measure a (R, P, C) grid, fit Ê_C, report MAPE, measure κ_C, write the profile."""
         degs = _ints(degrees, "degrees")
+        table = slo_table(slo)
         try:
             if backend == "sim":
                 from sim.profiling import profile_command
 
                 path = profile_command(out, backend="sim", degrees=degs, seed=seed,
                                        kappa_workload=workload, per_degree=per_degree,
-                                       truth=_truth(hardware))
+                                       truth=_truth(hardware), slo=table)
             elif backend == "torch":
-                if hardware is not None or per_degree:
-                    _fail("--hardware and --per-degree are the sim backend's; the torch "
-                          "backend measures the machine it runs on")
+                if hardware is not None or per_degree or table.bounds != slo_table(
+                        "qwen3-30b-a3b").bounds:
+                    _fail("--hardware, --per-degree and --slo are the sim backend's; the torch "
+                          "backend measures the machine it runs on (no κ)")
                 try:
                     from services.rankd.engine.profiling import torch_profile_command
                 except ModuleNotFoundError as exc:
@@ -147,6 +152,7 @@ def register(app: typer.Typer) -> None:
             help="Seconds (simulated, from each rate's first arrival) whose requests are run "
             "but not counted in TTFT, SLO or hit rate")
         ] = 0.0,
+        slo: _Slo = "qwen3-30b-a3b",
     ) -> None:
         """Compare policies on one trace over request rates; writes results.json, CSV, plots."""
         from sim import runner
@@ -164,7 +170,7 @@ def register(app: typer.Typer) -> None:
                 cache_blocks_per_gpu=cache_blocks_per_gpu or None,
                 beta=beta or None, lam=None if lam < 0 else lam, jobs=jobs,
                 per_degree=per_degree, truth=_truth(hardware), repeats=repeats,
-                warmup_s=warmup,
+                warmup_s=warmup, slo=slo_table(slo),
             )
             if per_degree and profile_path is not None:
                 _fail("--per-degree shapes the profile measured here; --profile gives one")
@@ -175,7 +181,7 @@ def register(app: typer.Typer) -> None:
                 summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
                                             policies=chosen, jobs=jobs, truth=args["truth"],
                                             per_degree=per_degree, repeats=repeats,
-                                            warmup_s=warmup)
+                                            warmup_s=warmup, slo=args["slo"])
             else:
                 summary = runner.run_simulate(**args, progress=True)
         except InvalidInput as exc:
@@ -203,6 +209,7 @@ def register(app: typer.Typer) -> None:
         repeats: Annotated[int, typer.Option(
             help="Judge each pair by the mean over this many seeds (--seed, --seed+1, ...)")
         ] = 1,
+        slo: _Slo = "qwen3-30b-a3b",
     ) -> None:
         """Choose J's β and λ for a trace and hardware: vertumnus at every pair, over rates."""
         from rich.console import Console
@@ -218,7 +225,8 @@ def register(app: typer.Typer) -> None:
                 betas=_nonneg(beta, "beta"), lams=_nonneg(lam, "lam"), rate=rate or None,
                 gpus=gpus, degrees=_ints(degrees, "degrees"), seed=seed, out=out,
                 profile_path=profile_path, max_requests=max_requests or None, progress=True,
-                jobs=jobs, per_degree=per_degree, truth=_truth(hardware), repeats=repeats)
+                jobs=jobs, per_degree=per_degree, truth=_truth(hardware), repeats=repeats,
+                slo=slo_table(slo))
         except InvalidInput as exc:
             _fail(str(exc))
         scales = result["meta"]["rate_scales"]

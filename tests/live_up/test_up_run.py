@@ -90,6 +90,20 @@ def test_up_models_the_hardware_of_a_file(tmp_path: Path) -> None:
         for wid, blocks in data["kv_total_blocks"].items()), data["kv_total_blocks"]
 
 
+def test_up_holds_the_pool_to_the_given_slo(tmp_path: Path) -> None:
+    """``--slo``: the report counts attainment against those deadlines, and the services'
+    profile is measured first so that κ_C is the demand that keeps them."""
+    proc, data, logs = run_up_40(tmp_path, "--slo", "deepseek-v4-flash")
+    assert data["completed"] == 40, data["errors"]
+    assert data["slo"] == {"name": "deepseek-v4-flash",
+                           "bounds": [[8192, 0.5], [32768, 2.0], ["inf", 5.0]]}
+    fitted = logs / "hardware-profile" / "profile.json"
+    assert data["profile"] == str(fitted)
+    report = json.loads((logs / "hardware-profile" / "profile_report.json").read_text())
+    assert report["kappa_ramp"]["slo"]["name"] == "deepseek-v4-flash"
+    assert "deepseek-v4-flash" in proc.stdout
+
+
 def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path) -> None:
     """``--policy vllm`` deploys vLLM's pool, as the simulator's comparison does: TP-4 workers,
     held (no split or merge), and they serve every request."""

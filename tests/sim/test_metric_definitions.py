@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -94,3 +95,40 @@ def test_record_validation() -> None:
         RequestRecord("a", 0.0, 100, 1.0, reused_tokens=101)
     with pytest.raises(InvalidInput):
         RequestRecord("a", 0.0, 100, -1.0)
+
+
+# --- --slo: a named table or BOUND:SECONDS pairs -----------------------------------------------
+def test_parse_slo_names_and_pairs() -> None:
+    from sim.metrics import SLO_TABLES, parse_slo, slo_to_dict
+
+    assert parse_slo("qwen3-30b-a3b") is QWEN3_SLO
+    assert parse_slo(" deepseek-v4-flash ") is DEEPSEEK_V4_SLO
+    assert set(SLO_TABLES) == {"qwen3-30b-a3b", "deepseek-v4-flash"}
+    mine = parse_slo("4096:0.5, 16384:2,INF:6")
+    assert mine.bounds == ((4096, 0.5), (16384, 2.0), (math.inf, 6.0))
+    assert [mine(x) for x in (4095, 4096, 16384, 10**6)] == [0.5, 2.0, 6.0, 6.0]
+    assert parse_slo("8192:1,32768:5,inf:10").bounds == QWEN3_SLO.bounds
+    assert parse_slo("inf:3").deadline(1) == 3.0
+    assert slo_to_dict(mine) == {"name": "4096:0.5, 16384:2,INF:6",
+                                 "bounds": [[4096, 0.5], [16384, 2.0], ["inf", 6.0]]}
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("", "nothing"),
+    ("qwen3", "unknown SLO table 'qwen3'; known: qwen3-30b-a3b"),
+    ("8192:1", "last SLO bound must be inf"),
+    ("8192,inf:1", "'8192' is not BOUND:SECONDS"),
+    ("8k:1,inf:2", "bound '8k' is not a whole number"),
+    ("1.5:1,inf:2", "bound '1.5' is not a whole number"),
+    ("8192:soon,inf:2", "deadline 'soon' is not a number"),
+    ("0:1,inf:2", "bound must be > 0"),
+    ("8192:1,4096:2,inf:3", "must increase"),
+    ("8192:-1,inf:2", "deadline must be finite and > 0"),
+    ("inf:nan", "deadline must be finite and > 0"),
+    ("inf:inf", "deadline must be finite and > 0"),
+])
+def test_parse_slo_names_what_is_wrong(text: str, words: str) -> None:
+    from sim.metrics import parse_slo
+
+    with pytest.raises(InvalidInput, match=re.escape(words)):
+        parse_slo(text)

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from shared.ids import InvalidInput
 from shared.worker import GpuGroup
-from sim.metrics import QWEN3_SLO, RequestRecord, SloTable, summarize
+from sim.metrics import QWEN3_SLO, RequestRecord, SloTable, slo_to_dict, summarize
 from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.replay import ReplayRecord
 
@@ -191,7 +191,7 @@ class LiveReport:
             "reconfigurations_warmup": reconfigurations(self.changes, warmup=True),
             "time_scale": self.time_scale,
             "ttft_unit": "modelled seconds (wall / time_scale)",
-            "slo": self.slo.name,
+            "slo": slo_to_dict(self.slo),
             "prediction_mape": s.get("prediction_mape", math.nan),
             "gpu_seconds": s.get("gpu_seconds", math.nan),
             "per_degree": {str(k): v for k, v in (s.get("per_degree") or {}).items()},

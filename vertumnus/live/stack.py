@@ -55,6 +55,7 @@ from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv, nats_callbacks, security_hint
 from shared.subjects import Subjects, micro_service_name
 from shared.worker import GpuGroup, WorkerKind
+from sim.metrics import QWEN3_SLO, SloTable
 from vertumnus.live.faults import NATS, NATS_EMPTY, RANKD, CrashPlan, FaultEvent, run_crash
 from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.http import HttpError, get_json, split_url
@@ -154,6 +155,10 @@ class UpConfig:
     """--backend sim without ``profile``: fit the services' profile on the modelled hardware
     with one coefficient set per degree (:func:`hardware_profile`), even on the default
     hardware."""
+    slo: SloTable = QWEN3_SLO
+    """The TTFT deadlines the report's SLO attainment counts; with --backend sim and no
+    ``profile``, one other than the default also has the services' profile measured first
+    (:func:`hardware_profile`), so that κ_C is the demand that keeps these deadlines."""
     kill_service: str = RANKD
     """The child the fault is injected into: one of :data:`vertumnus.live.registry.SERVICES`
     or ``nats``; several, comma-separated, each crashed at its own ``kill_at_wall_s`` (e.g. a
@@ -208,6 +213,8 @@ class UpConfig:
             env_security_options()
         except InvalidInput as exc:
             raise ValueError(f"NATS security settings: {exc}") from None
+        if not isinstance(self.slo, SloTable):
+            raise ValueError(f"slo must be an SLO table, got {self.slo!r}")
         if self.per_degree and (self.backend != "sim" or self.profile is not None):
             raise ValueError("--per-degree shapes the profile --backend sim fits on the "
                              "modelled hardware; --profile gives one, and --backend torch "
@@ -987,7 +994,7 @@ def hardware_profile(config: UpConfig, out_dir: Path) -> tuple[Path, dict[str, A
                            seed=config.seed, kappa_workload="synthetic",
                            truth=None if config.hardware is None
                            else load_ground_truth(config.hardware),
-                           per_degree=config.per_degree)
+                           per_degree=config.per_degree, slo=config.slo)
     report = json.loads((Path(out_dir) / "profile_report.json").read_text())
     return path, report
 
@@ -1033,7 +1040,8 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                   f"against the measured grid, degrees {rep.get('degrees')}")
         config = dataclasses.replace(config, profile=path)
     if config.backend == "sim" and config.profile is None \
-            and (config.hardware is not None or config.per_degree):
+            and (config.hardware is not None or config.per_degree
+                 or config.slo.bounds != QWEN3_SLO.bounds):
         err.print(f"profiling the modelled hardware ({config.hardware or 'the default'}) for "
                   "the services' cost model (--profile PATH reuses one)…")
         path, rep = await asyncio.to_thread(hardware_profile, config,
@@ -1177,7 +1185,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                 with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                     loop.remove_signal_handler(sig)
     report = LiveReport(
-        records, scale,
+        records, scale, slo=config.slo,
         changes=list(observer.changes) if observer else [],
         prefix_tokens=dict(observer.prefix_tokens) if observer else {},
         meta={
