@@ -33,11 +33,12 @@ from sim.experiments import (
     ExperimentSpec,
     check_warmup_s,
     combine_repeats,
+    oracle_ttfts,
     sweep,
 )
 from sim.groundtruth import GroundTruth
 from sim.hardware import ground_truth_to_mapping
-from sim.metrics import QWEN3_SLO, SloTable, slo_to_dict
+from sim.metrics import QWEN3_SLO, SloTable, slo_attainment, slo_to_dict
 from sim.workloads import (
     default_traces_dir,
     generate,
@@ -208,16 +209,9 @@ def run_simulate(
     (:func:`obtain_trace_profile`, κ already pooled: ``kappa_scale`` 1.0). ``spec_overrides``
     may still set ``kappa_scale``. meta.json records the κ source.
     """
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise InvalidInput(f"--jobs must be an integer >= 1, got {jobs!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise InvalidInput(f"--repeats must be an integer >= 1, got {repeats!r}")
+    _check_counts(jobs=jobs, repeats=repeats)
     check_warmup_s(warmup_s)
-    unknown = [p for p in policies if p not in ALL_POLICIES]
-    if unknown:
-        raise InvalidInput(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
-    if not policies:
-        raise InvalidInput("no policies given")
+    _check_policies(policies)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -274,6 +268,21 @@ def run_simulate(
     return {"rows": rows, "meta": meta}
 
 
+def _check_policies(policies: Sequence[str]) -> None:
+    unknown = [p for p in policies if p not in ALL_POLICIES]
+    if unknown:
+        raise InvalidInput(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
+    if not policies:
+        raise InvalidInput("no policies given")
+
+
+def _check_counts(**counts: object) -> None:
+    """Each ``--name`` is an integer >= 1."""
+    for name, v in counts.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidInput(f"--{name} must be an integer >= 1, got {v!r}")
+
+
 def _check_warmup(wl: Workload, rate_scales: Sequence[float], warmup_s: float) -> None:
     """Every rate must leave requests after the warm-up (arrival times shrink by the scale)."""
     if warmup_s <= 0 or not wl.requests:
@@ -316,10 +325,7 @@ def run_tune(
     :func:`run_simulate`'s)."""
     from sim.tuning import ROW_KEYS, tune_weights
 
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise InvalidInput(f"--jobs must be an integer >= 1, got {jobs!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise InvalidInput(f"--repeats must be an integer >= 1, got {repeats!r}")
+    _check_counts(jobs=jobs, repeats=repeats)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -344,6 +350,126 @@ def run_tune(
         w.writeheader()
         w.writerows(result["rows"])
     return result
+
+
+def run_size(
+    *,
+    trace: str,
+    fmt: str = "auto",
+    policies: Sequence[str],
+    rate_scale: float,
+    target: float = 0.9,
+    gpus_min: int | None = None,
+    gpus_max: int = 80,
+    step: int | None = None,
+    rate: float | None = None,
+    degrees: Sequence[int] = (2, 4),
+    seed: int = 0,
+    out: Path,
+    profile_path: Path | None = None,
+    max_requests: int | None = None,
+    progress: bool = False,
+    jobs: int = 1,
+    truth: GroundTruth | None = None,
+    per_degree: bool = False,
+    slo: SloTable = QWEN3_SLO,
+    warmup_s: float = 0.0,
+) -> dict[str, Any]:
+    """``vertumnus size``: the smallest pool (GPUs) with which each policy keeps token-weighted
+    SLO attainment >= ``target`` on the trace at ``rate_scale`` (:mod:`sim.sizing`), with the
+    profile a sweep would use (:func:`run_simulate`). Writes ``out/size.json`` (per policy: the
+    answer and every evaluated size), ``out/size.csv`` (the evaluated sizes) and
+    ``out/size.png`` (attainment against GPUs). Everything is checked before anything runs."""
+    from sim.sizing import POINT_KEYS, pool_sizes, size_pools
+
+    _check_policies(policies)
+    if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target <= 1:
+        raise InvalidInput(f"--target must be an SLO attainment in (0, 1], got {target!r}")
+    if not (rate_scale > 0 and math.isfinite(rate_scale)):
+        raise InvalidInput(f"--rate-scale must be a finite number > 0, got {rate_scale!r}")
+    _check_counts(jobs=jobs)
+    check_warmup_s(warmup_s)
+    sizes = pool_sizes(degrees, gpus_min, gpus_max, step)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    truth = truth or GroundTruth()
+    wl = load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
+    _check_warmup(wl, [rate_scale], warmup_s)
+    # No pool beats the zero-queue oracle (each request alone on its best degree, every
+    # earlier prefix cached): a target above its attainment cannot be met by any size.
+    ceiling = oracle_attainment(wl, truth, degrees, slo, warmup_s)
+    if target > ceiling:
+        raise InvalidInput(
+            f"--target {target:g} is above what any pool can reach on this trace: even the "
+            f"zero-queue oracle (each request alone on an idle worker of its best degree, "
+            f"every earlier prefix cached) meets the SLO for {ceiling:.1%} of tokens")
+    prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
+                                     per_degree=per_degree, slo=slo)
+    spec = ExperimentSpec(gpus=sizes[-1], degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
+                          warmup_s=warmup_s,
+                          **({} if profile_path is not None else {"kappa_scale": 1.0}))
+    t0 = time.perf_counter()
+    results = _with_progress(progress, len(policies), lambda cb: size_pools(
+        wl, policies, rate_scale, prof, spec, truth, target=target, sizes=sizes, jobs=jobs,
+        on_done=lambda pol: cb(pol, rate_scale)))
+    summary = {
+        "policies": results,
+        "meta": {"workload": wl.name, "rate_scale": rate_scale, "target": target,
+                 "sizes": sizes, "degrees": list(spec.degrees), "seed": seed,
+                 "slo": slo_to_dict(slo), "warmup_s": warmup_s, "kappa": kappa_info,
+                 "oracle_slo_attainment": ceiling,
+                 "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth),
+                 "wall_s": time.perf_counter() - t0},
+    }
+    (out / "size.json").write_text(json.dumps(_jsonable(summary), indent=1) + "\n")
+    with (out / "size.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["policy", *POINT_KEYS, "meets"])
+        w.writeheader()
+        for r in results:
+            for pt in r["points"]:
+                att = pt["slo_attainment"]
+                w.writerow({"policy": r["policy"], **_jsonable(pt),
+                            "meets": att is not None and att >= target})
+    _plot_size(out, summary)
+    return summary
+
+
+def oracle_attainment(wl: Workload, truth: GroundTruth, degrees: Sequence[int], slo: SloTable,
+                      warmup_s: float = 0.0) -> float:
+    """Token-weighted SLO attainment of the zero-queue oracle (:func:`oracle_ttfts`) over the
+    requests arriving after ``warmup_s``: an upper bound for any pool on this trace, up to the
+    ground truth's noise (the oracle has none; a noisy run can beat it by a few tenths of a
+    point where prompts sit at their deadline)."""
+    ttft = oracle_ttfts(wl, truth, degrees)
+    t0 = min(r.arrival_s for r in wl.requests)
+    keep = [i for i, r in enumerate(wl.requests) if r.arrival_s >= t0 + warmup_s]
+    return slo_attainment([wl.requests[i].input_len for i in keep], ttft[keep], slo)
+
+
+def _plot_size(out: Path, summary: Mapping[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta = summary["meta"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in summary["policies"]:
+        pts = [(p["gpus"], p["slo_attainment"]) for p in r["points"]
+               if p["slo_attainment"] is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o",
+                    label=f"{r['policy']}: {r['gpus'] or '>' + str(meta['sizes'][-1])} GPUs",
+                    linewidth=2.5 if r["policy"] == "vertumnus" else 1.2)
+    ax.axhline(100 * meta["target"], color="k", linestyle=":", label="target")
+    ax.set_xlabel("Prefill-pool GPUs")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_title(f"{meta['workload']} ×{meta['rate_scale']:g}: GPUs to meet the SLO")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "size.png", dpi=110)
+    plt.close(fig)
 
 
 def _with_progress(enabled: bool, total: int, fn: Callable[[Callable[[str, float], None]], Any]

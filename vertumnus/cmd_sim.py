@@ -247,6 +247,71 @@ def register(app: typer.Typer) -> None:
                    f"scheduler's VTM_POLICY_PARAMS); {out}/tune.json")
 
     @app.command()
+    def size(
+        trace: _Trace = "synthetic",
+        format: _Format = "auto",
+        policies: Annotated[
+            str, typer.Option(help="Comma-separated policy names")
+        ] = _DEFAULT_POLICIES,
+        rate_scale: Annotated[float, typer.Option(help="Arrival-rate multiplier")] = 1.0,
+        target: Annotated[float, typer.Option(
+            help="Token-weighted SLO attainment to keep, in (0, 1]")] = 0.9,
+        gpus_min: Annotated[int, typer.Option(help="Smallest pool tried (0: --step)")] = 0,
+        gpus_max: Annotated[int, typer.Option(help="Largest pool tried")] = 80,
+        step: Annotated[int, typer.Option(
+            help="Pool sizes tried go up by this (a multiple of the largest degree; "
+            "0: the largest degree)")] = 0,
+        rate: _Rate = 0.0,
+        degrees: _Degrees = "2,4",
+        seed: Annotated[int, typer.Option()] = 0,
+        out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/size"),
+        profile_path: _ProfilePath = None,
+        max_requests: _MaxRequests = 0,
+        jobs: Annotated[int, typer.Option(help="Worker processes (one policy each)")] = 1,
+        hardware: _Hardware = None,
+        per_degree: Annotated[bool, typer.Option(
+            help=_PER_DEGREE_HELP + " (the profile measured here, not a --profile file)")
+        ] = False,
+        slo: _Slo = "qwen3-30b-a3b",
+        warmup: Annotated[float, typer.Option(
+            help="Seconds (simulated) whose requests are run but not counted")] = 0.0,
+    ) -> None:
+        """Find the fewest GPUs with which each policy meets an SLO on a trace at a rate."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from sim import runner
+
+        if per_degree and profile_path is not None:
+            _fail("--per-degree shapes the profile measured here; --profile gives one")
+        table = slo_table(slo)
+        try:
+            summary = runner.run_size(
+                trace=trace, fmt=format, policies=[p for p in policies.split(",") if p],
+                rate_scale=rate_scale, target=target, gpus_min=gpus_min or None,
+                gpus_max=gpus_max, step=step or None, rate=rate or None,
+                degrees=_ints(degrees, "degrees"), seed=seed, out=out,
+                profile_path=profile_path, max_requests=max_requests or None, progress=True,
+                jobs=jobs, truth=_truth(hardware), per_degree=per_degree, slo=table,
+                warmup_s=warmup)
+        except InvalidInput as exc:
+            _fail(str(exc))
+        meta = summary["meta"]
+        t = Table(title=f"{meta['workload']} ×{meta['rate_scale']:g}: fewest GPUs for "
+                  f"{100 * meta['target']:g}% SLO attainment ({table.name}; the zero-queue "
+                  f"oracle reaches {100 * meta['oracle_slo_attainment']:.1f}%)")
+        for col in ("policy", "GPUs", "SLO % there", "mean TTFT there (s)", "tried"):
+            t.add_column(col, justify="left" if col == "policy" else "right")
+        for r in summary["policies"]:
+            at = next((p for p in r["points"] if p["gpus"] == r["gpus"]), None)
+            t.add_row(r["policy"], str(r["gpus"]) if r["gpus"] else f"> {meta['sizes'][-1]}",
+                      f"{100 * at['slo_attainment']:.1f}" if at else "-",
+                      f"{at['mean_ttft_s']:.3f}" if at else "-",
+                      ", ".join(str(p["gpus"]) for p in r["points"]))
+        Console(file=sys.stdout, width=140).print(t)
+        typer.echo(f"results in {out}/size.json (plot: {out}/size.png)")
+
+    @app.command()
     def hardware(
         file: Annotated[Path | None, typer.Argument(
             help="A hardware file to check (default: print the built-in hardware)")] = None,
