@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from shared.ids import InvalidInput
 from shared.logging import configure_logging
+from shared.metrics import setup_metrics, shutdown_metrics
 from shared.settings import ServiceSettings
 from shared.telemetry import setup_tracing, shutdown_tracing
 
@@ -90,9 +91,11 @@ def degree_list(text: str) -> list[int]:
 
 
 def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) -> None:
-    """Configure logging and tracing from ``settings``, run ``serve(settings)``, flush tracing."""
+    """Configure logging, tracing and metrics from ``settings``, run ``serve(settings)``, flush
+    tracing and metrics."""
     configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
     setup_tracing(settings.service_name, settings.telemetry)
+    setup_metrics(settings.service_name, settings.telemetry)
     try:
         asyncio.run(serve(settings))
     except InvalidInput as exc:
@@ -102,3 +105,4 @@ def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) ->
         raise SystemExit(2) from None
     finally:
         shutdown_tracing()
+        shutdown_metrics()

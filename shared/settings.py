@@ -7,6 +7,8 @@ fields. Examples::
     VTM_NATS_CREDS=/run/secrets/vtm.creds VTM_NATS_TLS_CA=/etc/vtm/ca.pem
     VTM_SUBJECT_PREFIX=vtm
     VTM_TELEMETRY__EXPORTER=otlp VTM_TELEMETRY__ENDPOINT=http://jaeger:4317
+    VTM_TELEMETRY__METRICS_EXPORTER=otlp
+    VTM_TELEMETRY__METRICS_ENDPOINT=http://prometheus:9090/api/v1/otlp/v1/metrics
     VTM_LOG__FORMAT=json
 
 Settings are read once in a service's ``main`` and passed down; cores never read them.
@@ -48,7 +50,7 @@ def hostname_token(hostname: str) -> str:
 
 
 class TelemetrySettings(BaseModel):
-    """OpenTelemetry tracing (see shared/telemetry.py)."""
+    """OpenTelemetry tracing (shared/telemetry.py) and metrics (shared/metrics.py)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -73,6 +75,27 @@ class TelemetrySettings(BaseModel):
         le=1.0,
         description="Fraction of new root traces sampled (parent-based: a request's stages "
         "follow the gateway's decision).",
+    )
+    metrics_exporter: Literal["otlp", "console", "none"] = Field(
+        default="none",
+        description="Where metrics go (shared/metrics.py): 'otlp' (Prometheus' OTLP receiver "
+        "or any collector), 'console' (stdout), 'none' (recorded, not exported).",
+    )
+    metrics_protocol: Literal["grpc", "http"] = Field(
+        default="http",
+        description="OTLP transport of metrics: 'http' (e.g. Prometheus' "
+        "http://prometheus:9090/api/v1/otlp/v1/metrics) or 'grpc' (a collector's 4317).",
+    )
+    metrics_endpoint: str | None = Field(
+        default=None,
+        description="OTLP metrics endpoint. None: the exporter's default / "
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT.",
+    )
+    metrics_interval_s: float = Field(
+        default=15.0,
+        gt=0.0,
+        le=3600.0,
+        description="Seconds between two metric exports.",
     )
 
 

@@ -5,7 +5,8 @@ Tests against a real ``nats-server`` (JetStream on, random loopback ports): one 
 session (starting one takes a fraction of a second, but dozens add up); each test gets its own
 connection (``nc``) and must use unique subjects / bucket names (``uniq``) so tests never see
 each other's traffic. One OpenTelemetry provider per process: the in-memory exporter is
-installed once here (``_tracing``) and cleared per test that asks for it (``spans``).
+installed once here (``_tracing``) and cleared per test that asks for it (``spans``); likewise
+one meter provider with an in-memory reader (``metric_reader``; ``metricsread.points`` reads it).
 
 A folder that needs something else overrides the fixture of the same name in its own conftest.
 """
@@ -20,13 +21,19 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from shared.metrics import setup_metrics
 from shared.natsserver import EmbeddedNats, NatsServerNotFound
 from shared.telemetry import setup_tracing
 
 _EXPORTER = InMemorySpanExporter()
+_METRICS = InMemoryMetricReader()
+# Installed at import: a reader can only be given to the provider when it is made, and the
+# first setup_metrics of the process (any in-process service) makes it.
+setup_metrics("vtm-tests", reader=_METRICS)
 
 # Helpers shared by several folders (natssecurity_support) live at the top of the tree.
 _HERE = str(Path(__file__).resolve().parent)
@@ -70,3 +77,10 @@ def spans(_tracing: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
     _tracing.clear()
     yield _tracing
     _tracing.clear()
+
+
+@pytest.fixture(scope="session")
+def metric_reader() -> InMemoryMetricReader:
+    """The process's one meter provider, read in memory (cumulative: compare before/after)."""
+    return _METRICS
+

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 import typer
 
 if TYPE_CHECKING:
-    from sim.metrics import SloTable
+    from shared.slo import SloTable
 
 T = TypeVar("T", int, float)
 
@@ -42,7 +42,7 @@ SLO_HELP = ("TTFT deadlines by prompt length: a table name (qwen3-30b-a3b, deeps
 def slo_table(text: str) -> SloTable:
     """``--slo``'s table (:func:`sim.metrics.parse_slo`); a bad one exits 2 naming why."""
     from shared.ids import InvalidInput
-    from sim.metrics import parse_slo
+    from shared.slo import parse_slo
 
     try:
         return parse_slo(text)

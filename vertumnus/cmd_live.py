@@ -33,7 +33,7 @@ from vertumnus.cliargs import SLO_HELP, comma_list, slo_table
 from vertumnus.cliargs import fail as _fail
 
 if TYPE_CHECKING:
-    from sim.metrics import SloTable
+    from shared.slo import SloTable
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 

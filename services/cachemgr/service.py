@@ -86,6 +86,7 @@ from pydantic import Field
 from services import calibration
 from services.cachemgr.actions import CacheAction, Reclaim, Replicate
 from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
+from services.cachemgr.metrics import CacheMetrics
 from services.cachemgr.reconcile import RehomeConfig, rehome_on_merge, rehome_on_split
 from services.cachemgr.scan import ScanConfig, ScanResult
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
@@ -335,6 +336,8 @@ class CacheMgrService(MicroService):
         self.profile = profile
         self.scan_config = settings.scan_config()
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
+        # Read by the metric reader's thread: len() of the trie's node dict, one C call.
+        self.metrics = CacheMetrics(lambda: len(self.trie))
         self.states: dict[str, WorkerState] = {}
         self.record: EpochRecord | None = None
         self.last_scan: dict[str, Any] | None = None
@@ -915,6 +918,7 @@ class CacheMgrService(MicroService):
             self._failed(action, res.error or "refused")
             return
         self.counters["commands_ok"] += 1
+        self.metrics.done(action, ok=True)
         if isinstance(action, Replicate):
             # NOTE: retires the in-flight copy only; the replica becomes visible with the
             # destination's own stored event (usually already applied by now).
@@ -922,6 +926,7 @@ class CacheMgrService(MicroService):
 
     def _failed(self, action: CacheAction, why: str) -> None:
         self.counters["commands_failed"] += 1
+        self.metrics.done(action, ok=False)
         self.log.warning("cache command failed", action=action.to_wire(), error=why)
         if isinstance(action, Replicate):
             self.trie.replication_failed(action)

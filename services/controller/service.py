@@ -146,6 +146,7 @@ from services.controller.lifecycle import (
     Reconfiguration,
     StartResult,
 )
+from services.controller.metrics import PoolMetrics
 from services.controller.planner import ControllerConfig, Decision, Plan
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import (
@@ -708,6 +709,8 @@ class ControllerService(MicroService):
         )
         self.config = settings.controller_config()
         self.core: ControllerCore | None = None
+        self.metrics = PoolMetrics(
+            lambda: None if self.core is None else self.core.protocol.composition.counts())
         self.record: EpochRecord | None = None
         self.revision: int = 0
         self._kv: KeyValue | None = None
@@ -1678,6 +1681,8 @@ class ControllerService(MicroService):
 
     async def _publish_reconf(self, r: Reconfiguration) -> None:
         assert self.core is not None
+        if r.phase is Phase.EXPOSED or r.phase is Phase.ABORTED:  # each is published once
+            self.metrics.ended(r)
         await self._publish(
             reconf_subject(self.subjects),
             ReconfigurationEvent(

@@ -63,6 +63,7 @@ from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 from opentelemetry import trace
 
+from services.gateway.metrics import RequestMetrics
 from services.gateway.settings import GatewaySettings
 from services.rankd.engine.blockhash import chain_hashes
 from shared.logging import bind_request
@@ -228,6 +229,7 @@ class GatewayService(MicroService):
         # subject's request (ignored: the request keeps waiting for its real result).
         self.counters: dict[str, int] = {"intake_remade": 0, "republished": 0,
                                          "results_malformed": 0}
+        self.metrics = RequestMetrics(settings.slo_table)
         if settings.tokenizer_path is not None:
             try:
                 from tokenizers import Tokenizer  # engine extra; only when configured
@@ -436,6 +438,20 @@ class GatewayService(MicroService):
     async def complete(self, body: CompletionRequest, *, arrival_s: float | None = None,
                        http: bool = False) -> Completion:
         """Run one completion to its first token (see the module docstring)."""
+        entry = "http" if http else "nats"
+        try:
+            done = await self._complete(body, arrival_s=arrival_s, entry=entry)
+        except GatewayError as exc:
+            self.metrics.refused(exc.status, entry)
+            raise
+        except Exception:
+            self.metrics.refused(500, entry)  # answered as an internal error by the caller
+            raise
+        self.metrics.answered(done.result, done.input_len, done.ttft_s, entry)
+        return done
+
+    async def _complete(self, body: CompletionRequest, *, arrival_s: float | None,
+                        entry: str) -> Completion:
         arrival = arrival_s if arrival_s is not None else time.time()
         if body.stream:
             raise BadRequest("stream=true is not supported yet (no server-sent events); "
@@ -446,7 +462,7 @@ class GatewayService(MicroService):
         hashes = chain_hashes(tokens, self.gsettings.block_size)
         attrs = {"vtm.request_id": rid, "vtm.input_len": len(tokens),
                  "vtm.full_blocks": len(hashes), "vtm.max_tokens": body.max_tokens,
-                 "vtm.entry": "http" if http else "nats"}
+                 "vtm.entry": entry}
         with tracer().start_as_current_span(
             str(Stage.REQUEST), kind=trace.SpanKind.SERVER, attributes=attrs,
             start_time=int(arrival * 1e9),

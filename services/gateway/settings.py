@@ -11,6 +11,7 @@ from pydantic import Field, FilePath, SecretStr, field_validator, model_validato
 from services.gateway.httpserver import server_tls
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 from shared.settings import ServiceSettings
+from shared.slo import SloTable, parse_slo
 
 
 class GatewaySettings(ServiceSettings):
@@ -91,6 +92,25 @@ class GatewaySettings(ServiceSettings):
         "(or an intake that does not answer yet) to come back, publishing again, before 503: "
         "a broker restart delays requests instead of failing them. 0: 503 at once.",
     )
+    slo: str = Field(
+        default="qwen3-30b-a3b",
+        description="TTFT deadlines the vtm.request.slo_tokens metric counts: a table name "
+        "(qwen3-30b-a3b, deepseek-v4-flash: paper Table 2) or BOUND:SECONDS pairs, e.g. "
+        "8192:1,32768:5,inf:10.",
+    )
+
+    @field_validator("slo")
+    @classmethod
+    def _slo(cls, v: str) -> str:
+        try:
+            parse_slo(v)
+        except InvalidInput as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @property
+    def slo_table(self) -> SloTable:
+        return parse_slo(self.slo)
 
     @field_validator("api_keys")
     @classmethod

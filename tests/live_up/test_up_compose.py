@@ -74,6 +74,14 @@ def test_infrastructure_services(compose: dict[str, Any]) -> None:
     assert s["jaeger"]["image"].startswith("cr.jaegertracing.io/jaegertracing/jaeger")
     ports = {p.split(":")[-1] for p in s["jaeger"]["ports"]}
     assert {"4317", "4318", "16686"} <= ports
+    # Metrics: Prometheus takes the services' OTLP push itself, at the address they are given.
+    assert s["prometheus"]["image"].startswith("prom/prometheus")
+    assert "--web.enable-otlp-receiver" in s["prometheus"]["command"]
+    assert "9090" in {p.split(":")[-1] for p in s["prometheus"]["ports"]}
+    env = s["gateway"]["environment"]
+    assert env["VTM_TELEMETRY__METRICS_EXPORTER"] == "otlp"
+    assert env["VTM_TELEMETRY__METRICS_ENDPOINT"] == \
+        "http://prometheus:9090/api/v1/otlp/v1/metrics"
     assert s["nats-box"]["image"].startswith("natsio/nats-box")
     assert s["nats-box"]["environment"]["NATS_URL"] == "nats://nats:4222"
     # Depends-on targets exist.

@@ -27,8 +27,10 @@ CORE_PACKAGES = [
     "services/cachemgr",
     "services/controller",
 ]
-# Adapter modules (NATS glue) are allowed to import nats/asyncio.
-ADAPTER_NAMES = {"adapter.py", "main.py", "service.py", "__main__.py", "app.py"}
+# Adapter modules (NATS glue) are allowed to import nats/asyncio; so are the adapters'
+# OpenTelemetry instruments (metrics.py: shared.metrics reads the service settings, and
+# pydantic-settings imports asyncio), which record what an adapter did and decide nothing.
+ADAPTER_NAMES = {"adapter.py", "main.py", "service.py", "__main__.py", "app.py", "metrics.py"}
 
 
 def _discover() -> list[str]:

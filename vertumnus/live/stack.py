@@ -53,9 +53,9 @@ from shared.logging import quiet_ssl_eof_warning
 from shared.natsauth import env_security_options
 from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv, nats_callbacks, security_hint
+from shared.slo import QWEN3_SLO, SloTable
 from shared.subjects import Subjects, micro_service_name
 from shared.worker import GpuGroup, WorkerKind
-from sim.metrics import QWEN3_SLO, SloTable
 from vertumnus.live.faults import NATS, NATS_EMPTY, RANKD, CrashPlan, FaultEvent, run_crash
 from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.http import HttpError, get_json, split_url
