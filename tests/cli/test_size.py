@@ -75,6 +75,11 @@ def test_size_finds_the_fewest_gpus_that_meet_the_target(tmp_path: Path,
                                     profile_path=profile_file, out=tmp_path / r["policy"])
         assert alone["rows"][0]["slo_attainment"] == pts[r["gpus"]]["slo_attainment"]
         assert alone["rows"][0]["mean_ttft_s"] == pts[r["gpus"]]["mean_ttft_s"]
+    # Policies searched in two processes: the same answers and points.
+    twice = runner.run_size(trace="synthetic", policies=["vertumnus", "homo"], rate_scale=1.0,
+                            target=0.8, gpus_max=32, max_requests=400, out=tmp_path / "j2",
+                            profile_path=profile_file, jobs=2)
+    assert twice["policies"] == summary["policies"]
     saved = json.loads((tmp_path / "size.json").read_text())
     assert [r["gpus"] for r in saved["policies"]] == [r["gpus"] for r in summary["policies"]]
     with (tmp_path / "size.csv").open() as fh:
