@@ -100,6 +100,7 @@ from services.rankd.core import (
     handback_msg_id,
     rank_shares,
 )
+from services.rankd.metrics import WorkerMetrics
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput, UnknownWorker, WorkerFault
 from shared.schemas import (
@@ -247,6 +248,7 @@ class RankdService(MicroService):
             # the scheduler and the cache manager (its queue and cache are gone).
             incarnation=uuid.uuid4().hex[:16],
         )
+        self.metrics = WorkerMetrics(self.core)
         bind = getattr(backend, "bind_cache", None)
         if callable(bind):  # a real engine keeps its KV in lockstep with this worker's cache
             bind(self.core.cache)
@@ -578,6 +580,7 @@ class RankdService(MicroService):
                 self._record_rank_spans(job, result, prefilled, span, ids)
         if sampled:
             self._record_handoff_spans(job, result, prefilled, ids)
+        self.metrics.prefilled(a.degree, result.prefill_s / self.core.time_scale, a.predicted_s)
         self.core.finish(job.request_id, ok=True)
         await self._deliver_result(job, result)
         await self._publish_cache_events()

@@ -180,6 +180,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.decision import CandidateTerms, Decision
 from services.scheduler.errors import NoEligibleWorker, UnknownRequest
 from services.scheduler.ledger import LEDGER_LIMIT, DispatchLedger, Loss, LostWorker, Sent
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import make_policy
 from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
 from shared.costmodel import DEFAULT_PROFILE, Profile
@@ -689,6 +690,7 @@ class SchedulerService(MicroService):
         # §6.1 rule 1 over the pool's degree set (the controller's lattice degrees).
         self._rule_degrees: tuple[int, ...] = tuple(sorted(set(settings.degrees)))
         self.stats = SchedulerStats()
+        self.metrics = SchedulerMetrics()
         self._states: dict[str, WorkerState] = {}
         self._states_loaded = False  # the watcher delivered the bucket's initial values
         # Request ids whose first token this replica saw (bounded): a recorded dispatch of one
@@ -1244,10 +1246,12 @@ class SchedulerService(MicroService):
                     except NoEligibleWorker as first:
                         assignment, decision = await self._place_held(req, first)
                 except NoEligibleWorker as exc:
+                    self.metrics.no_worker()
                     if span is not None:
                         span.set_attribute("vtm.no_eligible_worker", str(exc))
                     await self._retry_or_fail(msg, req, str(exc))
                     return
+                self.metrics.placed(decision)
                 if span is not None:
                     limit = span_attribute_limit()
                     span.set_attributes(decision_attributes(

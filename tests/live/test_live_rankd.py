@@ -450,3 +450,32 @@ async def test_cache_snapshot_and_commands(
     with pytest.raises(RemoteError) as err:
         await call(nc, s.cache_cmd(WID), b'{"op": "nope"}', CacheCommandResult, timeout_s=WAIT_S)
     assert err.value.code == 400
+
+
+async def test_a_worker_measures_its_prefills_queue_and_cache(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str, metric_reader
+) -> None:  # type: ignore[no-untyped-def]
+    """vtm.worker.*: each prefill against the prediction (the sim backend takes 0.05 s where
+    the assignment predicted 0.2: a ratio of at least 0.25), the cache's blocks, its capacity
+    and its queue."""
+    from metricsread import points, total
+
+    svc, _ = rankd
+    s = Subjects(uniq)
+    sub, results, done = await collect(nc, s.result_all(), 2, FirstToken)
+    prefills = total(metric_reader, "vtm.worker.prefill", worker=WID, degree="2")
+    ratios = points(metric_reader, "vtm.worker.prediction_ratio").get((("degree", "2"),), (0, 0.0))
+    for rid in ("m-a", "m-b"):
+        await call(nc, s.worker_assign(WID), assignment(rid), AssignmentAck, timeout_s=WAIT_S)
+    await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+    await sub.unsubscribe()
+    assert total(metric_reader, "vtm.worker.prefill", worker=WID, degree="2") - prefills == 2
+    count, sum_ = points(metric_reader, "vtm.worker.prediction_ratio")[(("degree", "2"),)]
+    assert count - ratios[0] == 2
+    # Measured (≥ the 0.05 s slept) over predicted (0.2 s): no upper bound, a busy machine
+    # may sleep longer.
+    assert (sum_ - ratios[1]) / 2 > 0.2
+    assert points(metric_reader, "vtm.worker.kv_blocks")[(("worker", WID),)] == 2
+    assert points(metric_reader, "vtm.worker.kv_capacity")[(("worker", WID),)] == \
+        svc.core.kv_total_blocks > 0
+    assert points(metric_reader, "vtm.worker.queue")[(("worker", WID),)] == 0

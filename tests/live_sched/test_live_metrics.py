@@ -1,5 +1,6 @@
-"""The gateway's metrics end to end: a request through gateway, scheduler and a (fake) worker
-is counted with its status, TTFT, stages and tokens; a refused one with its status."""
+"""Metrics end to end: a request through gateway, scheduler and a (fake) worker is counted by
+the gateway with its status, TTFT, stages and tokens (a refused one with its status) and by the
+scheduler with its placement; a request no worker can take is counted as unplaced."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ async def test_a_request_is_measured_at_the_gateway(
             "prefill": total(metric_reader, "vtm.request.stage", stage="prefill"),
             "tokens": total(metric_reader, "vtm.request.input_tokens", degree="2"),
             "slo": total(metric_reader, "vtm.request.slo_tokens", degree="2"),
+            "placed": total(metric_reader, "vtm.scheduler.placements", policy="vertumnus",
+                            degree="2"),
         }
 
     before = snap()
@@ -37,4 +40,16 @@ async def test_a_request_is_measured_at_the_gateway(
     delta = {k: after[k] - before[k] for k in before}
     # The fake worker answers at once: well within the 1 s deadline of a short prompt.
     assert delta == {"ok": 1, "bad": 1, "ttft": 1, "prefill": 1, "tokens": len(PROMPT),
-                     "slo": len(PROMPT)}
+                     "slo": len(PROMPT), "placed": 1}
+
+
+async def test_a_request_no_worker_takes_is_counted_unplaced(
+        live: Services, metric_reader: InMemoryMetricReader) -> None:
+    await live.scheduler(block_size=B, max_deliver=2, retry_delay_s=0.05)
+    gw = await live.gateway(block_size=B)
+    before = total(metric_reader, "vtm.scheduler.unplaced")
+    refused = total(metric_reader, "vtm.gateway.completions", status="503")
+    reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
+    assert reply.status == 503
+    assert total(metric_reader, "vtm.scheduler.unplaced") - before == 2  # both deliveries
+    assert total(metric_reader, "vtm.gateway.completions", status="503") - refused == 1
