@@ -216,6 +216,12 @@ def run_simulate(
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
     wl = workload or load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
+    seeds = [seed + k for k in range(repeats)]
+    # Every seed's trace, checked before anything runs (the profile is the first seed's).
+    wls = [wl] + [wl if workload is not None else load_trace(
+        trace, fmt, seed=sd, rate=rate, max_requests=max_requests) for sd in seeds[1:]]
+    for w in wls:
+        _check_warmup(w, rate_scales, warmup_s)
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
                                      per_degree=per_degree, slo=slo)
     overrides = dict(spec_overrides or {})
@@ -225,19 +231,11 @@ def run_simulate(
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
                           warmup_s=warmup_s, slo=slo, **overrides)
     kappa_info["kappa_scale"] = spec.kappa_scale
-    seeds = [seed + k for k in range(repeats)]
-    _check_warmup(wl, rate_scales, spec.warmup_s)
     t0 = time.perf_counter()
 
     def run_all(cb: Callable[[str, float], None]) -> tuple[list[dict[str, Any]], Any]:
-        runs = []
-        for k, sd in enumerate(seeds):
-            wl_k = wl if k == 0 or workload is not None else load_trace(
-                trace, fmt, seed=sd, rate=rate, max_requests=max_requests)
-            if k:
-                _check_warmup(wl_k, rate_scales, spec.warmup_s)
-            runs.append(sweep(wl_k, policies, rate_scales, prof, replace(spec, seed=sd), truth,
-                              on_run=cb, jobs=jobs))
+        runs = [sweep(w, policies, rate_scales, prof, replace(spec, seed=sd), truth,
+                      on_run=cb, jobs=jobs) for sd, w in zip(seeds, wls, strict=True)]
         if len(runs) == 1:
             return runs[0]
         side = dict(runs[0][1])  # the first seed's compositions and timelines
