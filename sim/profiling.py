@@ -397,9 +397,15 @@ def trace_kappa(
     ramp: KappaRamp = TRACE_KAPPA_RAMP,
     replay_arrivals: bool = True,
     kind: Kind = "cp",
+    pool_gpus: int | None = None,
 ) -> tuple[Profile, dict[str, Any]]:
     """κ_C per degree measured on ``workload``'s own traffic; returns (profile with that κ and
     ``window_s`` = the ramp's H, report).
+
+    ``pool_gpus``: the GPUs of the pool κ is for. A routed pool sustains more per worker the
+    more workers share the traffic, so degree C is measured on a pool of
+    min(``ramp.pool_workers``, pool_gpus // C) workers (:func:`ramp_pools`): κ measured on 8
+    workers over-rates the 2 CP4 workers of an 8-GPU pool. None: ``ramp.pool_workers``.
 
     §6.1: the operator profiles κ on a representative history of their traffic. Here that
     history is the trace being simulated: its input-length mix and (``replay_arrivals``) its
@@ -419,8 +425,10 @@ def trace_kappa(
     rng = np.random.default_rng(arr_seq)
     kappas: dict[int, float] = {}
     results: dict[str, Any] = {}
+    pools = ramp_pools(ramp, degs, pool_gpus)
     for c in degs:
-        res = measure_kappa(profile, k_truth, c, lengths, rng=rng, ramp=ramp, kind=kind,
+        res = measure_kappa(profile, k_truth, c, lengths, rng=rng,
+                            ramp=replace(ramp, pool_workers=pools[c]), kind=kind,
                             arrival_gaps=gaps if replay_arrivals else None)
         kappas[c] = res.kappa
         results[str(c)] = res.as_dict()
@@ -433,24 +441,41 @@ def trace_kappa(
         "noise_sigma": noise_sigma,
         "kappa": {str(c): k for c, k in kappas.items()},
         "ramp": {k: v for k, v in asdict(ramp).items() if k != "slo"},
+        "pool_workers": {str(c): n for c, n in pools.items()},
         "slo": slo_to_dict(ramp.slo),
         "results": results,
     }
     return out, report
 
 
+def ramp_pools(ramp: KappaRamp, degrees: Sequence[int], pool_gpus: int | None
+               ) -> dict[int, int]:
+    """Workers of the routed pool κ_C is measured on, per degree: ``ramp.pool_workers``, at
+    most the degree-C workers ``pool_gpus`` holds (at least 1)."""
+    if pool_gpus is not None and (isinstance(pool_gpus, bool) or not isinstance(pool_gpus, int)
+                                  or pool_gpus < 1):
+        raise InvalidInput(f"pool_gpus must be an integer >= 1, got {pool_gpus!r}")
+    return {c: ramp.pool_workers if pool_gpus is None
+            else max(1, min(ramp.pool_workers, pool_gpus // c)) for c in degrees}
+
+
 def trace_kappa_key(profile: Profile, workload: Workload, *, degrees: Sequence[int], seed: int,
                     ramp: KappaRamp = TRACE_KAPPA_RAMP, replay_arrivals: bool = True,
-                    noise_sigma: float = 0.04) -> str:
+                    noise_sigma: float = 0.04, pool_gpus: int | None = None) -> str:
     """A digest of everything :func:`trace_kappa`'s result depends on (the cache file name)."""
     import hashlib
+
+    pools = ramp_pools(ramp, _check_degrees(degrees), pool_gpus)
+    # Pools the ramp's own size: the key of a cache written before pools could be smaller.
+    extra = [] if all(n == ramp.pool_workers for n in pools.values()) else \
+        [{"pools": {str(c): n for c, n in sorted(pools.items())}}]
 
     lengths, gaps = _trace_arrays(workload)
     h = hashlib.sha256()
     fitted = {k: v for k, v in profile.to_dict().items() if k != "kappa"}
     h.update(json.dumps([fitted, sorted(_check_degrees(degrees)), seed, noise_sigma,
                          replay_arrivals, {k: v for k, v in asdict(ramp).items() if k != "slo"},
-                         [list(b) for b in ramp.slo.bounds]],
+                         [list(b) for b in ramp.slo.bounds], *extra],
                         sort_keys=True, default=str).encode())
     h.update(lengths.tobytes())
     h.update(np.round(gaps, 9).tobytes())
@@ -460,12 +485,13 @@ def trace_kappa_key(profile: Profile, workload: Workload, *, degrees: Sequence[i
 def cached_trace_kappa(
     profile: Profile, workload: Workload, cache_dir: str | Path, *, degrees: Sequence[int],
     seed: int = 0, ramp: KappaRamp = TRACE_KAPPA_RAMP, replay_arrivals: bool = True,
+    pool_gpus: int | None = None,
 ) -> tuple[Profile, dict[str, Any]]:
     """:func:`trace_kappa`, cached as ``cache_dir/kappa_<key>.json`` (the report, κ included);
     a later sweep of the same trace, profile and settings reads κ back instead of re-measuring.
     """
     key = trace_kappa_key(profile, workload, degrees=degrees, seed=seed, ramp=ramp,
-                          replay_arrivals=replay_arrivals)
+                          replay_arrivals=replay_arrivals, pool_gpus=pool_gpus)
     path = Path(cache_dir) / f"kappa_{key}.json"
     if path.is_file():
         try:
@@ -476,7 +502,7 @@ def cached_trace_kappa(
         report["cached"] = True
         return replace(profile.with_kappa(kappas), window_s=ramp.window_s), report
     prof, report = trace_kappa(profile, workload, degrees=degrees, seed=seed, ramp=ramp,
-                               replay_arrivals=replay_arrivals)
+                               replay_arrivals=replay_arrivals, pool_gpus=pool_gpus)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {**report, "key": key}
     path.write_text(json.dumps(report, indent=1, default=_json_default) + "\n")

@@ -99,7 +99,8 @@ def _is_leval(path: Path) -> bool:
 
 def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload: Workload,
                          truth: GroundTruth | None = None, *, per_degree: bool = False,
-                         slo: SloTable = QWEN3_SLO) -> tuple[Profile, dict[str, Any]]:
+                         slo: SloTable = QWEN3_SLO, gpus: int | None = None
+                         ) -> tuple[Profile, dict[str, Any]]:
     """The profile a sweep uses when no profile file is given: Ê fitted on the sim backend
     (``out/profile``, as ``vertumnus profile`` writes it) and κ_C measured on ``workload``'s own
     traffic (:func:`sim.profiling.trace_kappa`: a routed pool, the trace's length mix and
@@ -111,7 +112,9 @@ def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload:
     Azure code trace (mean 2K tokens, arrivals in bursts); see sim/profiling.py
     ``TRACE_KAPPA_RAMP``. κ measured this way is a pooled capacity, so it is used with
     ``kappa_scale`` 1.0 (:func:`run_simulate`). ``slo``: the TTFT deadlines κ must keep
-    (the ramp's attainment target is measured against them).
+    (the ramp's attainment target is measured against them). ``gpus``: the pool κ is for
+    (a pool too small for the ramp's 8 workers of a degree is measured with as many as it
+    holds: :func:`sim.profiling.ramp_pools`).
     """
     from sim.profiling import PROFILE_FILE, TRACE_KAPPA_RAMP, cached_trace_kappa, run_profile
 
@@ -120,7 +123,7 @@ def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload:
                             measure_kappas=False, truth=truth or GroundTruth(),
                             per_degree=per_degree)
     prof, report = cached_trace_kappa(fitted, workload, out / "profile", degrees=degs, seed=seed,
-                                      ramp=replace(TRACE_KAPPA_RAMP, slo=slo))
+                                      ramp=replace(TRACE_KAPPA_RAMP, slo=slo), pool_gpus=gpus)
     prof.save(out / "profile" / PROFILE_FILE)
     return prof, report
 
@@ -144,7 +147,8 @@ def obtain_profile(profile_path: Path | None, out: Path, degrees: Sequence[int],
 
 def sweep_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], seed: int,
                   workload: Workload, truth: GroundTruth, *, per_degree: bool = False,
-                  slo: SloTable = QWEN3_SLO) -> tuple[Profile, dict[str, Any]]:
+                  slo: SloTable = QWEN3_SLO, gpus: int | None = None
+                  ) -> tuple[Profile, dict[str, Any]]:
     """The profile a sweep uses and where its κ came from: the file given (its κ a single
     worker's, judged with ``KAPPA_SCALE``), else :func:`obtain_trace_profile` (κ measured on
     ``workload`` with a routed pool: a pooled capacity, so the sweep's ``kappa_scale`` is 1.0).
@@ -153,9 +157,10 @@ def sweep_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], 
         return obtain_profile(profile_path, out, degrees, seed, truth), \
             {"source": str(profile_path)}
     prof, krep = obtain_trace_profile(out, degrees, seed, workload, truth, per_degree=per_degree,
-                                      slo=slo)
+                                      slo=slo, gpus=gpus)
     return prof, {"source": "trace", "cache_key": krep.get("key"), "cached": krep.get("cached"),
-                  "replay_arrivals": krep["replay_arrivals"], "ramp": krep["ramp"]}
+                  "replay_arrivals": krep["replay_arrivals"], "ramp": krep["ramp"],
+                  "pool_workers": krep.get("pool_workers")}
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -223,7 +228,7 @@ def run_simulate(
     for w in wls:
         _check_warmup(w, rate_scales, warmup_s)
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
-                                     per_degree=per_degree, slo=slo)
+                                     per_degree=per_degree, slo=slo, gpus=gpus)
     overrides = dict(spec_overrides or {})
     if profile_path is None:
         overrides.setdefault("kappa_scale", 1.0)
@@ -329,7 +334,7 @@ def run_tune(
     truth = truth or GroundTruth()
     wl = load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
     prof, _ = sweep_profile(profile_path, out, degrees, seed, wl, truth, per_degree=per_degree,
-                            slo=slo)
+                            slo=slo, gpus=gpus)
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
                           **({} if profile_path is not None else {"kappa_scale": 1.0}))
     more = [(seed + k, load_trace(trace, fmt, seed=seed + k, rate=rate,
@@ -401,14 +406,19 @@ def run_size(
             f"--target {target:g} is above what any pool can reach on this trace: even the "
             f"zero-queue oracle (each request alone on an idle worker of its best degree, "
             f"every earlier prefix cached) meets the SLO for {ceiling:.1%} of tokens")
-    prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
-                                     per_degree=per_degree, slo=slo)
+    if profile_path is not None:
+        prof = Profile.load(profile_path)
+        profiles, kappa_info = {g: prof for g in sizes}, {"source": str(profile_path)}
+    else:
+        profiles, kappa_info = trace_profiles_by_size(out, degrees, seed, wl, truth, sizes,
+                                                      per_degree=per_degree, slo=slo)
+        prof = profiles[sizes[-1]]
     spec = ExperimentSpec(gpus=sizes[-1], degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
                           warmup_s=warmup_s,
                           **({} if profile_path is not None else {"kappa_scale": 1.0}))
     t0 = time.perf_counter()
     results = _with_progress(progress, len(policies), lambda cb: size_pools(
-        wl, policies, rate_scale, prof, spec, truth, target=target, sizes=sizes, jobs=jobs,
+        wl, policies, rate_scale, profiles, spec, truth, target=target, sizes=sizes, jobs=jobs,
         on_done=lambda pol: cb(pol, rate_scale)))
     summary = {
         "policies": results,
@@ -430,6 +440,34 @@ def run_size(
                             "meets": att is not None and att >= target})
     _plot_size(out, summary)
     return summary
+
+
+def trace_profiles_by_size(out: Path, degrees: Sequence[int], seed: int, workload: Workload,
+                           truth: GroundTruth, sizes: Sequence[int], *,
+                           per_degree: bool = False, slo: SloTable = QWEN3_SLO
+                           ) -> tuple[dict[int, Profile], dict[str, Any]]:
+    """The profile of each pool size: Ê fitted once, κ measured on the trace for each distinct
+    set of ramp pools the sizes give (:func:`sim.profiling.ramp_pools`; sizes of 8 or more
+    workers per degree share one). Returns the profiles by size and what κ each size took."""
+    from sim.profiling import TRACE_KAPPA_RAMP, cached_trace_kappa, ramp_pools, run_profile
+
+    degs = sorted(set(degrees))
+    ramp = replace(TRACE_KAPPA_RAMP, slo=slo)
+    fitted, _ = run_profile(out / "profile", degrees=sorted(set(degrees) | {1}), seed=seed,
+                            measure_kappas=False, truth=truth, per_degree=per_degree)
+    by_pools: dict[tuple[tuple[int, int], ...], Profile] = {}
+    profiles: dict[int, Profile] = {}
+    info: dict[str, Any] = {"source": "trace", "by_size": {}}
+    for g in sizes:
+        pools = tuple(sorted(ramp_pools(ramp, degs, g).items()))
+        if pools not in by_pools:
+            by_pools[pools], _ = cached_trace_kappa(fitted, workload, out / "profile",
+                                                    degrees=degs, seed=seed, ramp=ramp,
+                                                    pool_gpus=g)
+        profiles[g] = by_pools[pools]
+        info["by_size"][str(g)] = {"pool_workers": {str(c): n for c, n in pools},
+                                   "kappa": {str(c): k for c, k in profiles[g].kappa.items()}}
+    return profiles, info
 
 
 def oracle_attainment(wl: Workload, truth: GroundTruth, degrees: Sequence[int], slo: SloTable,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Any
@@ -74,15 +74,17 @@ def pool_sizes(degrees: Sequence[int], gpus_min: int | None, gpus_max: int,
     return list(range(lo, gpus_max + 1, step))
 
 
-def size_policy(policy: str, workload: Workload, rate_scale: float, profile: Profile,
-                spec: ExperimentSpec, truth: GroundTruth, sizes: Sequence[int],
-                target: float) -> dict[str, Any]:
+def size_policy(policy: str, workload: Workload, rate_scale: float,
+                profiles: Mapping[int, Profile], spec: ExperimentSpec, truth: GroundTruth,
+                sizes: Sequence[int], target: float) -> dict[str, Any]:
     """One policy's search: ``{"policy", "gpus" (None: not met up to the largest size),
-    "points": every evaluated size's :data:`POINT_KEYS`, by size}``."""
+    "points": every evaluated size's :data:`POINT_KEYS`, by size}``. ``profiles``: the
+    profile of each pool size (κ depends on the pool: :func:`sim.profiling.ramp_pools`)."""
     points: dict[int, dict[str, Any]] = {}
 
     def meets(g: int) -> bool:
-        rows, _ = sweep(workload, [policy], [rate_scale], profile, replace(spec, gpus=g), truth)
+        rows, _ = sweep(workload, [policy], [rate_scale], profiles[g], replace(spec, gpus=g),
+                        truth)
         (row,) = rows
         points[g] = {k: (g if k == "gpus" else row.get(k)) for k in POINT_KEYS}
         att = row["slo_attainment"]
@@ -97,7 +99,7 @@ def size_pools(
     workload: Workload,
     policies: Sequence[str],
     rate_scale: float,
-    profile: Profile,
+    profiles: Mapping[int, Profile],
     spec: ExperimentSpec,
     truth: GroundTruth | None = None,
     *,
@@ -108,8 +110,8 @@ def size_pools(
 ) -> list[dict[str, Any]]:
     """:func:`size_policy` for every policy (in ``jobs`` processes; the same results), in
     ``policies`` order. ``target``: the token-weighted SLO attainment to meet, in (0, 1].
-    Raises :class:`InvalidInput` for a target outside (0, 1], a rate that is not > 0 or no
-    policies."""
+    Raises :class:`InvalidInput` for a target outside (0, 1], a rate that is not > 0, no
+    policies or a size without a profile."""
     if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target <= 1:
         raise InvalidInput(f"--target must be an SLO attainment in (0, 1], got {target!r}")
     if not (isinstance(rate_scale, int | float) and rate_scale > 0 and math.isfinite(rate_scale)):
@@ -118,8 +120,11 @@ def size_pools(
         raise InvalidInput("no policies given")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidInput(f"jobs must be an integer >= 1, got {jobs!r}")
+    missing = [g for g in sizes if g not in profiles]
+    if missing:
+        raise InvalidInput(f"no profile for pool sizes {missing}")
     truth = truth or GroundTruth()
-    args = (workload, rate_scale, profile, spec, truth, list(sizes), float(target))
+    args = (workload, rate_scale, dict(profiles), spec, truth, list(sizes), float(target))
     out: dict[str, dict[str, Any]] = {}
     if jobs == 1 or len(policies) == 1:
         for pol in policies:

@@ -139,3 +139,17 @@ def test_size_cli_prints_the_table(runner_cli, tmp_path: Path, profile_file: Pat
 @pytest.fixture
 def runner_cli(runner):  # the session's typer CliRunner (conftest) under a clearer name
     return runner
+
+
+def test_size_measures_kappa_for_each_pool_it_tries(tmp_path: Path) -> None:
+    """Without --profile, κ is measured on the trace for each pool size's own worker counts
+    (an 8-GPU pool has 4 CP2 and 2 CP4 workers; from 32 GPUs on, the ramp's 8 each)."""
+    summary = runner.run_size(trace="synthetic", policies=["homo"], rate_scale=1.0,
+                              target=0.5, gpus_min=4, gpus_max=36, step=4, max_requests=300,
+                              out=tmp_path)
+    by = summary["meta"]["kappa"]["by_size"]
+    assert set(by) == {str(g) for g in range(4, 40, 4)}
+    assert by["8"]["pool_workers"] == {"2": 4, "4": 2}
+    assert by["32"]["pool_workers"] == by["36"]["pool_workers"] == {"2": 8, "4": 8}
+    assert by["32"]["kappa"] == by["36"]["kappa"]  # one measurement for the same pools
+    assert len(list((tmp_path / "profile").glob("kappa_*.json"))) == 8  # 4, 8, …, 28, ≥ 32

@@ -147,3 +147,33 @@ def test_simulate_without_a_profile_measures_kappa_on_the_trace(tmp_path: Path) 
     # An explicit kappa_scale still wins.
     third = runner.run_simulate(out=tmp_path / "a", spec_overrides={"kappa_scale": 2.0}, **kw)
     assert third["meta"]["kappa"]["kappa_scale"] == 2.0
+
+
+def test_a_small_pool_measures_kappa_on_as_many_workers_as_it_holds() -> None:
+    """κ of degree C comes from a routed pool of min(ramp's workers, GPUs / C): a pool of 8
+    GPUs has 2 CP4 workers, and 2 workers sustain less per worker than 4 (fewer lanes to route
+    around a long request), so an 8-GPU pool must not be judged with a 4-worker κ."""
+    from sim.profiling import ramp_pools
+
+    ramp = KappaRamp(min_requests_per_level=400, load_step=0.1, pool_workers=4)
+    assert ramp_pools(ramp, (2, 4), None) == {2: 4, 4: 4}
+    assert ramp_pools(ramp, (2, 4), 40) == {2: 4, 4: 4}
+    assert ramp_pools(ramp, (2, 4), 8) == {2: 4, 4: 2}
+    assert ramp_pools(ramp, (2, 4), 2) == {2: 1, 4: 1}  # never below one worker
+    with pytest.raises(InvalidInput, match="pool_gpus"):
+        ramp_pools(ramp, (2,), 0)
+    # Short prompts with a long one every tenth: a long prefill blocks its worker's FIFO,
+    # and the fewer the workers the more short ones wait behind it.
+    wl = Workload("mix", tuple(
+        Request(f"r{i}", i * 0.5, n, 1, tuple(range(n // 512)))
+        for i, n in enumerate(32768 if i % 10 == 0 else 2048 for i in range(200))))
+    wide, rep_wide = trace_kappa(DEFAULT_PROFILE, wl, degrees=(4,), ramp=ramp, pool_gpus=16)
+    narrow, rep = trace_kappa(DEFAULT_PROFILE, wl, degrees=(4,), ramp=ramp, pool_gpus=8)
+    assert rep_wide["pool_workers"] == {"4": 4} and rep["pool_workers"] == {"4": 2}
+    assert narrow.kappa[4] < wide.kappa[4]
+    # A pool the ramp's own size keeps the key it always had; a smaller one changes it.
+    key = trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(4,), seed=0, ramp=ramp)
+    assert trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(4,), seed=0, ramp=ramp,
+                           pool_gpus=16) == key
+    assert trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(4,), seed=0, ramp=ramp,
+                           pool_gpus=8) != key
