@@ -383,7 +383,7 @@ def run_size(
     profile a sweep would use (:func:`run_simulate`). Writes ``out/size.json`` (per policy: the
     answer and every evaluated size), ``out/size.csv`` (the evaluated sizes) and
     ``out/size.png`` (attainment against GPUs). Everything is checked before anything runs."""
-    from sim.sizing import POINT_KEYS, pool_sizes, size_pools
+    from sim.sizing import pool_sizes, size_pools
 
     _check_policies(policies)
     if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target <= 1:
@@ -430,16 +430,48 @@ def run_size(
                  "wall_s": time.perf_counter() - t0},
     }
     (out / "size.json").write_text(json.dumps(_jsonable(summary), indent=1) + "\n")
+    write_size_outputs(out, summary)
+    return summary
+
+
+def write_size_outputs(out: Path, summary: Mapping[str, Any]) -> None:
+    """size.csv (every evaluated pool size of every policy) and size.png from a size summary
+    (what size.json holds)."""
+    from sim.sizing import POINT_KEYS
+
+    target = summary["meta"]["target"]
     with (out / "size.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=["policy", *POINT_KEYS, "meets"])
         w.writeheader()
-        for r in results:
+        for r in summary["policies"]:
             for pt in r["points"]:
                 att = pt["slo_attainment"]
                 w.writerow({"policy": r["policy"], **_jsonable(pt),
                             "meets": att is not None and att >= target})
     _plot_size(out, summary)
-    return summary
+
+
+def print_size_table(summary: Mapping[str, Any], file: IO[str]) -> None:
+    """Each policy's answer, its figures there and the sizes tried."""
+    from rich.console import Console
+    from rich.table import Table
+
+    meta = summary["meta"]
+    slo = meta.get("slo") or {}
+    oracle = meta.get("oracle_slo_attainment")
+    t = Table(title=f"{meta['workload']} ×{meta['rate_scale']:g}: fewest GPUs for "
+              f"{100 * meta['target']:g}% SLO attainment ({slo.get('name', '?')}"
+              + (f"; the zero-queue oracle reaches {100 * oracle:.1f}%)"
+                 if oracle is not None else ")"))
+    for col in ("policy", "GPUs", "SLO % there", "mean TTFT there (s)", "tried"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in summary["policies"]:
+        at = next((p for p in r["points"] if p["gpus"] == r["gpus"]), None)
+        t.add_row(r["policy"], str(r["gpus"]) if r["gpus"] else f"> {meta['sizes'][-1]}",
+                  f"{100 * at['slo_attainment']:.1f}" if at else "-",
+                  f"{at['mean_ttft_s']:.3f}" if at else "-",
+                  ", ".join(str(p["gpus"]) for p in r["points"]))
+    Console(file=file, width=140).print(t)
 
 
 def trace_profiles_by_size(out: Path, degrees: Sequence[int], seed: int, workload: Workload,
@@ -627,8 +659,18 @@ def _spread(rows: Sequence[Mapping[str, Any]], key: str, scale: float
 
 
 def redraw(directory: Path) -> dict[str, Any]:
-    """``vertumnus report DIR``: rebuild CSV and plots from results.json / meta.json."""
+    """``vertumnus report DIR``: rebuild CSV and plots from results.json / meta.json, or a
+    ``vertumnus size`` directory's from its size.json (the summary gets ``"kind": "size"``)."""
     d = Path(directory)
+    if not (d / "results.json").exists() and (d / "size.json").exists():
+        try:
+            summary = json.loads((d / "size.json").read_text())
+            write_size_outputs(d, summary)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"{d}/size.json is not valid JSON: {exc}") from exc
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InvalidInput(f"{d}/size.json is not a size summary: {exc!r}") from exc
+        return {**summary, "kind": "size"}
     try:
         rows = json.loads((d / "results.json").read_text())
         meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}

@@ -277,8 +277,6 @@ def register(app: typer.Typer) -> None:
             help="Seconds (simulated) whose requests are run but not counted")] = 0.0,
     ) -> None:
         """Find the fewest GPUs with which each policy meets an SLO on a trace at a rate."""
-        from rich.console import Console
-        from rich.table import Table
 
         from sim import runner
 
@@ -296,19 +294,7 @@ def register(app: typer.Typer) -> None:
                 warmup_s=warmup)
         except InvalidInput as exc:
             _fail(str(exc))
-        meta = summary["meta"]
-        t = Table(title=f"{meta['workload']} ×{meta['rate_scale']:g}: fewest GPUs for "
-                  f"{100 * meta['target']:g}% SLO attainment ({table.name}; the zero-queue "
-                  f"oracle reaches {100 * meta['oracle_slo_attainment']:.1f}%)")
-        for col in ("policy", "GPUs", "SLO % there", "mean TTFT there (s)", "tried"):
-            t.add_column(col, justify="left" if col == "policy" else "right")
-        for r in summary["policies"]:
-            at = next((p for p in r["points"] if p["gpus"] == r["gpus"]), None)
-            t.add_row(r["policy"], str(r["gpus"]) if r["gpus"] else f"> {meta['sizes'][-1]}",
-                      f"{100 * at['slo_attainment']:.1f}" if at else "-",
-                      f"{at['mean_ttft_s']:.3f}" if at else "-",
-                      ", ".join(str(p["gpus"]) for p in r["points"]))
-        Console(file=sys.stdout, width=140).print(t)
+        runner.print_size_table(summary, file=sys.stdout)
         typer.echo(f"results in {out}/size.json (plot: {out}/size.png)")
 
     @app.command()
@@ -340,13 +326,16 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def report(
-        directory: Annotated[Path, typer.Argument(help="A simulate output directory")],
+        directory: Annotated[Path, typer.Argument(help="A simulate or size output directory")],
     ) -> None:
-        """Redraw the plots and CSV of a simulate run from its results.json."""
+        """Redraw the plots and CSV of a simulate (or size) run from its results (size) JSON."""
         from sim import runner
 
         try:
             summary = runner.redraw(directory)
         except InvalidInput as exc:
             _fail(str(exc))
-        runner.print_table(summary, file=sys.stdout)
+        if summary.get("kind") == "size":
+            runner.print_size_table(summary, file=sys.stdout)
+        else:
+            runner.print_table(summary, file=sys.stdout)

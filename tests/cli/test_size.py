@@ -134,6 +134,16 @@ def test_size_cli_prints_the_table(runner_cli, tmp_path: Path, profile_file: Pat
     assert res.exit_code == 0, res.output
     got = json.loads((tmp_path / "size.json").read_text())["policies"][0]["gpus"]
     assert "fewest GPUs for 50% SLO attainment" in res.output and f" {got} " in res.output
+    # `report` redraws a size directory: the same table, the CSV and plot made again.
+    for name in ("size.csv", "size.png"):
+        (tmp_path / name).unlink()
+    again = runner_cli.invoke(app, ["report", str(tmp_path)])
+    assert again.exit_code == 0, again.output
+    assert "fewest GPUs for 50% SLO attainment" in again.output and f" {got} " in again.output
+    assert (tmp_path / "size.csv").stat().st_size > 0 and (tmp_path / "size.png").exists()
+    (tmp_path / "size.json").write_text('{"policies": 3}')
+    bad = runner_cli.invoke(app, ["report", str(tmp_path)])
+    assert bad.exit_code == 2 and "not a size summary" in bad.output
 
 
 @pytest.fixture
