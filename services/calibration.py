@@ -222,9 +222,13 @@ S1…S5 Δ% vs the better fixed pool, split re-homing only → both: seed 0 −1
 unchanged). The live cache manager re-homes when the epoch record shows the merge."""
 
 SCAN: Final[ScanConfig] = ScanConfig(
-    theta_inter=0.25, theta_intra=8.0, theta_reclaim=0.25, decay=0.5, max_actions_per_list=1
+    theta_inter=0.25, theta_intra=8.0, theta_reclaim=0.25, decay=0.5, max_actions_per_list=1,
+    max_replications=1,
 )
-"""Algorithm 2's thresholds for a 20 s scan (§7.2), one action per list per scan (§8).
+"""Algorithm 2's thresholds for a 20 s scan (§7.2), one action per list per scan and at most one
+replication started per scan, inter and intra together (§8's "at most one active transfer per
+scan"). On these traces a scan seldom replicates at all (ablation preset: 3 copies in 337
+scans, never two in one), so the shared bound changed no reported figure.
 
 What they mean here. Statistics settle at n / (1 − decay) = 2n for n events per scan (decay
 0.5: a ~40 s memory). ``theta_intra`` 8: another same-degree copy once a prefix gets more than

@@ -544,10 +544,13 @@ def _with_progress(enabled: bool, total: int, fn: Callable[[Callable[[str, float
                    ) -> Any:
     if not enabled:
         return fn(lambda p, s: None)
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # On stderr (conventions.md): stdout carries the tables, which a user may pipe or redirect.
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-                  "{task.total}"), TimeElapsedColumn(), transient=False) as bar:
+                  "{task.total}"), TimeElapsedColumn(), transient=False,
+                  console=Console(stderr=True)) as bar:
         task = bar.add_task("simulating", total=total)
 
         def cb(policy: str, scale: float) -> None:

@@ -57,8 +57,10 @@ class ScanConfig:
 
     ``theta_inter`` is in seconds of predicted benefit (missed accumulates Ê differences);
     ``theta_intra``/``theta_reclaim`` are per-replica accesses per (decayed) scan horizon.
-    ``max_actions_per_list`` bounds each list per scan (the paper dispatches at most one active
-    transfer per scan). ``gc_threshold``: statistics below it are negligible for garbage
+    ``max_actions_per_list`` bounds each list per scan. ``max_replications`` bounds the copies a
+    scan starts, inter and intra together (§8: "the cache dispatcher launches at most one active
+    transfer per scan"; the calibrated default is 1); None leaves only the per-list bound.
+    ``gc_threshold``: statistics below it are negligible for garbage
     collection. ``near_tie``: relative gap under which intra candidates count as tied.
     """
 
@@ -67,6 +69,7 @@ class ScanConfig:
     theta_reclaim: float
     decay: float
     max_actions_per_list: int = 1
+    max_replications: int | None = None
     gc_threshold: float = 1e-3
     near_tie: float = 0.05
 
@@ -86,6 +89,9 @@ class ScanConfig:
         m = self.max_actions_per_list
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise InvalidInput(f"max_actions_per_list must be an integer >= 0, got {m!r}")
+        r = self.max_replications
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise InvalidInput(f"max_replications must be an integer >= 0 or None, got {r!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -517,7 +523,10 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
             if fp:
                 ranked_inter.append((c.missed / fp, c))
         ranked_inter.sort(key=lambda x: (-x[0], x[1].node_hash, x[1].degree))
-        _take(actions, (c for _, c in ranked_inter), lambda c: sel.replicate(c, "inter"), bound)
+        # Copies share one budget across both lists (ScanConfig.max_replications).
+        cap = cfg.max_replications
+        n_inter = _take(actions, (c for _, c in ranked_inter), lambda c: sel.replicate(c, "inter"),
+                        bound if cap is None else min(bound, cap))
 
         if not full:
             # The full pass lists in trie order (a node's degrees in index order); ties of the
@@ -526,7 +535,8 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
             intra.sort(key=lambda c: (c.node_hash, di[c.degree]))
         with_fp = [(c, fp) for c in intra if (fp := sel.min_footprint(c)) is not None]
         _take(actions, _ranked_intra(with_fp, cfg.near_tie),
-              lambda c: sel.replicate(c, "intra"), bound)
+              lambda c: sel.replicate(c, "intra"),
+              bound if cap is None else min(bound, cap - n_inter))
 
         if lists:
             reclaim_sorted = sorted(reclaim, key=lambda c: (c.access / c.replicas, c.node_hash,
@@ -622,15 +632,17 @@ class _InReclaimList:
         return a < r * self.t_rec
 
 
-def _take(out: list[CacheAction], ranked: Iterable[Candidate], make, bound: int) -> None:
+def _take(out: list[CacheAction], ranked: Iterable[Candidate], make, bound: int) -> int:
+    """Append up to ``bound`` actions ``make`` gives for ``ranked`` (None: skipped); how many."""
     taken = 0
     for c in ranked:
         if taken >= bound:
-            return
+            break
         a = make(c)
         if a is not None:
             out.append(a)
             taken += 1
+    return taken
 
 
 def _collect(trie: PrefixTrie, threshold: float) -> int:

@@ -176,7 +176,12 @@ class CacheMgrSettings(ServiceSettings):
     )
     max_actions_per_list: int = Field(
         default=calibration.SCAN.max_actions_per_list, ge=0,
-        description="Actions taken per list and scan (the paper: one transfer)."
+        description="Actions taken per list and scan."
+    )
+    max_replications: int | None = Field(
+        default=calibration.SCAN.max_replications, ge=0,
+        description="Replication copies started per scan, both lists together (§8: at most "
+        "one transfer per scan); null: only the per-list bound.",
     )
     gc_threshold: float = Field(
         default=1e-3, ge=0, description="Statistics below this are negligible for node GC."
@@ -226,6 +231,7 @@ class CacheMgrSettings(ServiceSettings):
             theta_reclaim=self.theta_reclaim,
             decay=self.decay,
             max_actions_per_list=self.max_actions_per_list,
+            max_replications=self.max_replications,
             gc_threshold=self.gc_threshold,
         )
 

@@ -137,6 +137,33 @@ def test_bound_per_list(make_trie) -> None:
     assert len(t.scan(cfg(max_actions_per_list=0)).actions) == 0
 
 
+def test_one_replication_per_scan_across_both_lists(make_trie) -> None:
+    """§8: the dispatcher starts at most one transfer per scan. With an inter and an intra
+    candidate and one action per list, the lists alone would start two copies; the shared
+    bound keeps the first (inter ranks first) and leaves reclamation alone."""
+
+    def scan(**kw):
+        t, f = make_trie({"a": 2, "b": 2, "d": 2, "c": 4})
+        f.store("a", [1, 2])
+        f.store("b", [1, 2])
+        f.store("a", [7])
+        f.store("b", [7])
+        t.set_statistics(2, 2, access=10.0)  # r = 2: 10 > 2·2 -> intra
+        t.set_statistics(1, 4, missed=3.0)  # r = 0 at degree 4 -> inter
+        t.set_statistics(7, 2, access=0.1)  # r = 2, cold -> reclaim
+        return t.scan(cfg(max_actions_per_list=1, **kw))
+
+    both = scan()
+    assert sorted(a.kind for a in replicas(both)) == ["inter", "intra"]
+    one = scan(max_replications=1)
+    assert [a.kind for a in replicas(one)] == ["inter"]
+    assert [a for a in one.actions if isinstance(a, Reclaim)]  # not a replication: unbounded
+    none = scan(max_replications=0)
+    assert replicas(none) == () and [a for a in none.actions if isinstance(a, Reclaim)]
+    with pytest.raises(InvalidInput, match="max_replications"):
+        cfg(max_replications=-1)
+
+
 def test_replica_visible_only_after_destination_confirms(make_trie) -> None:
     t, f = make_trie({"a": 2, "c": 4})
     f.store("a", [1, 2])

@@ -14,7 +14,7 @@ from sim import calibration
 def test_cachemgr_scan_defaults_are_the_calibrated_scan() -> None:
     live = CacheMgrSettings().scan_config()
     for field in ("theta_inter", "theta_intra", "theta_reclaim", "decay",
-                  "max_actions_per_list"):
+                  "max_actions_per_list", "max_replications"):
         assert getattr(live, field) == getattr(calibration.SCAN, field), field
 
 
