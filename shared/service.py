@@ -56,6 +56,7 @@ from opentelemetry import trace
 from pydantic import BaseModel
 
 from shared.ids import InvalidInput, UnknownWorker, VertumnusError
+from shared.logging import current_trace_id
 from shared.natsauth import security_options
 from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
 from shared.settings import ServiceSettings
@@ -573,7 +574,11 @@ def wrap_handler(service_name: str, endpoint: Endpoint) -> Callable[[Request], A
                 attributes={"messaging.destination.name": request.subject},
             )
         with span_cm as span:
-            with structlog.contextvars.bound_contextvars(endpoint=endpoint.name):
+            # The trace id on every log line of the handler (conventions.md: bound per message);
+            # a handler that knows its request id binds that too (shared.logging.bind_request).
+            tid = current_trace_id()
+            with structlog.contextvars.bound_contextvars(
+                    endpoint=endpoint.name, **({"trace_id": tid} if tid is not None else {})):
                 try:
                     reply = await endpoint.handler(request)
                 except Exception as exc:

@@ -190,6 +190,13 @@ def traceparent_of(carrier: Mapping[str, str] | None) -> str | None:
     return tp
 
 
+def trace_id_of(carrier: Mapping[str, str] | None) -> str | None:
+    """The trace id (32 hex) of the carrier's well-formed ``traceparent``, else None: what a
+    handler binds on its log lines before (or without) opening a span of its own."""
+    tp = traceparent_of(carrier)
+    return None if tp is None else tp[3:35]
+
+
 class _CaseInsensitiveGetter(Getter[Mapping[str, str]]):
     """Header lookup ignoring case: ``traceparent`` == ``Traceparent``."""
 

@@ -185,6 +185,7 @@ from services.scheduler.registry import make_policy
 from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import DEFAULT_BLOCK_SIZE, DEFAULT_DEGREES, InvalidInput, VertumnusError, WorkerId
+from shared.logging import bind_request
 from shared.schemas import (
     SCHEMA_VERSION,
     Assignment,
@@ -237,6 +238,7 @@ from shared.telemetry import (
     record_span,
     span_attribute_limit,
     stage_span,
+    trace_id_of,
     traceparent_of,
 )
 from shared.worker import Lifecycle, worker_restarted
@@ -1166,6 +1168,13 @@ class SchedulerService(MicroService):
             self.log.error("malformed intake message terminated", error=str(exc))
             await msg.term()
             return
+        # Every log line of this delivery carries its request and trace ids (conventions.md);
+        # the gateway's trace context travels in the request.
+        with bind_request(req.request_id, trace_id_of(req.trace_context)):
+            await self._handle_request(msg, req, dequeued)
+
+    async def _handle_request(self, msg: Msg, req: IntakeRequest, dequeued: float) -> None:
+        """:meth:`handle_intake` once the delivery decoded."""
         rid = req.request_id
         msg_id = (msg.headers or {}).get(MSG_ID_HEADER) or rid
         seq = self._stream_seq(msg)

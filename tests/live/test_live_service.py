@@ -116,6 +116,25 @@ async def test_endpoint_errors_and_keeps_serving(
     assert toy.setup_ran
 
 
+async def test_a_handlers_log_lines_carry_the_callers_trace_id(
+    toy: Toy, nc: Client, uniq: str
+) -> None:
+    """conventions.md: the trace id is bound per message; the wrapper binds the caller's (its
+    ``traceparent``, sampled or not) with the endpoint on every line the handler logs."""
+    from structlog.contextvars import merge_contextvars
+    from structlog.testing import capture_logs
+
+    tid = "4bf92f3577b34da6a3ce929d0e0e4736"
+    for flags in ("01", "00"):
+        with capture_logs(processors=[merge_contextvars]) as logs:
+            reply = await nc.request(f"{uniq}.toy.add", Add(a=-1, b=0).model_dump_json().encode(),
+                                     timeout=10,
+                                     headers={"traceparent": f"00-{tid}-00f067aa0ba902b7-{flags}"})
+        assert reply.headers and reply.headers.get("Nats-Service-Error-Code") == "400"
+        (line,) = [e for e in logs if e["event"] == "request rejected"]
+        assert line["trace_id"] == tid and line["endpoint"] == "add", flags
+
+
 async def test_discovery_ping_info_stats(toy: Toy, nc: Client, uniq: str) -> None:
     ping = json.loads((await nc.request("$SRV.PING.vtm-toy", b"", timeout=10)).data)
     assert ping["name"] == "vtm-toy" and ping["version"] == "1.2.3"
