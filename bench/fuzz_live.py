@@ -209,7 +209,7 @@ class Fuzzer:
             (lambda: S.rank_ctl(rnd.randrange(9)), "epoch"),
             (lambda: S.result(self.request_id()), "result"),
             (lambda: S.kv_handoff(self.request_id()), "result"),
-            (lambda: f"{S.prefix}.ctl.drain", "window"),
+            (lambda: S.ctl_drain(), "window"),
         ]
         requests = [
             (S.gateway_completions, "completion"),

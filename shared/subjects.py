@@ -17,16 +17,21 @@ Map (prefix ``vtm``):
 ``vtm.gateway.completions``    gateway's NATS request subject (CompletionRequest)
 ``vtm.worker.{wid}.assign``    Assignment to one worker's leader rank (micro endpoint)
 ``vtm.worker.{wid}.queue``     request-reply: QueueQuery -> the worker's running and queued ids
-``vtm.rank.{gpu}.ctl``         epoch / geometry control to one rank daemon
+``vtm.rank.ctl.{gpu}``         epoch / geometry control to one rank daemon
 ``vtm.epoch.ack.{gpu}``        EpochAck from a rank
 ``vtm.cache.events.{wid}``     CacheEvent stream of one worker
 ``vtm.cache.snapshot.{wid}``   request-reply: ask a worker for a snapshot of its index
 ``vtm.cache.cmd.{wid}``        CacheCommand (replicate / reclaim / reconcile) to a worker
-``vtm.window.demand.{src}``    WindowReport from one scheduler replica
+``vtm.window.demand.{src}``    WindowReport from one scheduler replica (``….again``: its copy)
+``vtm.ctl.drain``              DrainNotice: a reconfiguration's sources stop admitting
+``vtm.ctl.reconf``             ReconfigurationEvent at every phase of a reconfiguration
+``vtm.ctl.composition``        CompositionNotice: the schedulable composition
+``vtm.{component}.…``          a service's micro endpoint group (``vtm.scheduler``, …)
 ``vtm.result.{rid}``           FirstToken (first-token result) of one request
-``vtm.kv.{rid}``               KV handoff chunks of one request (msgpack)
+``vtm.kv.{rid}``               KV handoff chunks of one request (binary, ``Content-Type``)
 KV ``VTM_WORKERS``             WorkerState per worker (key = worker id)
 KV ``VTM_EPOCH``, key current  EpochRecord, updated by compare-and-set
+KV ``VTM_ASSIGNMENTS``         AssignmentRecord per request (key = request id)
 =============================  =========================================================
 """
 
@@ -147,7 +152,7 @@ class Subjects:
 
     def rank_ctl(self, gpu: int) -> str:
         """Control (epoch / geometry) messages to the rank daemon of ``gpu``."""
-        return self._join("rank", _id(gpu, "gpu"), "ctl")
+        return self._join("rank", "ctl", _id(gpu, "gpu"))
 
     def epoch_ack(self, gpu: int) -> str:
         """EpochAck published by the rank daemon of ``gpu``."""
@@ -166,6 +171,28 @@ class Subjects:
 
     def epoch_key(self) -> str:
         return "current"
+
+    def assignment_bucket(self) -> str:
+        """KV bucket of the scheduler's AssignmentRecord, key = request id."""
+        return f"{self._name_stem}_ASSIGNMENTS"
+
+    def service_group(self, component: str) -> str:
+        """The micro endpoint group of a service (``vtm.scheduler``, ``vtm.gateway``, …)."""
+        return self._join(validate_token(component, what="component"))
+
+    # -- controller notices -------------------------------------------------------------------
+
+    def ctl_drain(self) -> str:
+        """DrainNotice: a reconfiguration's sources stop admitting; queued work is re-placed."""
+        return self._join("ctl", "drain")
+
+    def ctl_reconf(self) -> str:
+        """ReconfigurationEvent at every phase change (drain and switch times when exposed)."""
+        return self._join("ctl", "reconf")
+
+    def ctl_composition(self) -> str:
+        """CompositionNotice: the schedulable composition after an exposure (and at start)."""
+        return self._join("ctl", "composition")
 
     # -- prefix cache -------------------------------------------------------------------------
 
@@ -229,7 +256,7 @@ class Subjects:
         return f"{self._name_stem}_RESULTS"
 
     def kv_handoff(self, request_id: str) -> str:
-        """KV handoff data chunks (msgpack, ``Content-Type`` header) of one request."""
+        """KV handoff data chunks (binary, ``Content-Type`` header) of one request."""
         return self._join("kv", _id(request_id, "request id"))
 
     def everything(self) -> str:

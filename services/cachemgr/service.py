@@ -123,7 +123,7 @@ from shared.service import (
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
-from shared.subjects import Subjects, micro_service_name, validate_subject
+from shared.subjects import Subjects, micro_service_name
 from shared.tasks import cancel_and_wait
 from shared.telemetry import inject
 from shared.worker import GpuGroup, Lifecycle, worker_restarted
@@ -240,7 +240,7 @@ class CacheMgrSettings(ServiceSettings):
 
 
 def cachemgr_group(subjects: Subjects) -> str:
-    return validate_subject(f"{subjects.prefix}.cachemgr")
+    return subjects.service_group("cachemgr")
 
 
 # -- messages ------------------------------------------------------------------------------------

@@ -189,7 +189,7 @@ from shared.service import (
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
-from shared.subjects import Subjects, micro_service_name, validate_subject, validate_token
+from shared.subjects import Subjects, micro_service_name, validate_token
 from shared.tasks import cancel_and_wait
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
 
@@ -461,26 +461,26 @@ class ControllerSettings(ServiceSettings):
         return profile.with_kappa({c: k * self.kappa_scale for c, k in profile.kappa.items()})
 
 
-# -- names this adapter needs that shared/subjects.py does not have (yet) ---------------------
+# -- names (built in shared/subjects.py; these keep the adapter's call sites short) ---------
 
 
 def controller_group(subjects: Subjects) -> str:
-    return validate_subject(f"{subjects.prefix}.controller")
+    return subjects.service_group("controller")
 
 
 def drain_subject(subjects: Subjects) -> str:
     """DrainNotice (the redirect message): sources stop admitting, queued work re-placed."""
-    return validate_subject(f"{subjects.prefix}.ctl.drain")
+    return subjects.ctl_drain()
 
 
 def reconf_subject(subjects: Subjects) -> str:
     """ReconfigurationEvent at every phase change (drain and switch times when exposed)."""
-    return validate_subject(f"{subjects.prefix}.ctl.reconf")
+    return subjects.ctl_reconf()
 
 
 def composition_subject(subjects: Subjects) -> str:
     """CompositionNotice: the schedulable composition after an exposure (and at start)."""
-    return validate_subject(f"{subjects.prefix}.ctl.composition")
+    return subjects.ctl_composition()
 
 
 def worker_queue_subject(subjects: Subjects, worker_id: str) -> str:

@@ -229,7 +229,7 @@ from shared.service import (
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
-from shared.subjects import Subjects, micro_service_name, validate_subject, validate_token
+from shared.subjects import Subjects, micro_service_name, validate_token
 from shared.tasks import cancel_and_wait
 from shared.telemetry import (
     Stage,
@@ -411,16 +411,16 @@ class SchedulerSettings(ServiceSettings):
         return v
 
 
-# -- names this adapter needs that shared/subjects.py does not have (yet) ---------------------
+# -- names (built in shared/subjects.py) -------------------------------------------------------
 
 
 def assignment_bucket(subjects: Subjects) -> str:
     """KV bucket of AssignmentRecord, key = request id (``VTM_ASSIGNMENTS``)."""
-    return subjects.worker_state_bucket().removesuffix("_WORKERS") + "_ASSIGNMENTS"
+    return subjects.assignment_bucket()
 
 
 def scheduler_group(subjects: Subjects) -> str:
-    return validate_subject(f"{subjects.prefix}.scheduler")
+    return subjects.service_group("scheduler")
 
 
 # -- messages this adapter defines --------------------------------------------------------------

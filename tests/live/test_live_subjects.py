@@ -18,7 +18,11 @@ def test_default_spellings() -> None:
     assert s.intake_requests() == "vtm.intake.requests"
     assert s.intake_stream() == "VTM_INTAKE"
     assert s.worker_assign("w-cp4-g8") == "vtm.worker.w-cp4-g8.assign"
-    assert s.rank_ctl(3) == "vtm.rank.3.ctl"
+    assert s.rank_ctl(3) == "vtm.rank.ctl.3"
+    assert s.ctl_drain() == "vtm.ctl.drain" and s.ctl_reconf() == "vtm.ctl.reconf"
+    assert s.ctl_composition() == "vtm.ctl.composition"
+    assert s.service_group("scheduler") == "vtm.scheduler"
+    assert s.assignment_bucket() == "VTM_ASSIGNMENTS"
     assert s.epoch_ack(3) == "vtm.epoch.ack.3"
     assert s.cache_events("w-cp2-g0") == "vtm.cache.events.w-cp2-g0"
     assert s.cache_snapshot("w-cp2-g0") == "vtm.cache.snapshot.w-cp2-g0"
@@ -37,6 +41,8 @@ def test_multi_token_prefix_names() -> None:
     assert s.result("x") == "dev.vtm-a.result.x"
     assert s.intake_stream() == "DEV_VTM_A_INTAKE"
     assert s.worker_state_bucket() == "DEV_VTM_A_WORKERS"
+    assert s.assignment_bucket() == "DEV_VTM_A_ASSIGNMENTS"
+    assert s.ctl_drain() == "dev.vtm-a.ctl.drain"
 
 
 @pytest.mark.parametrize("bad", ["W-CP4", "a b", "a.b", "*", ">", "$sys", "", "-x", "a\tb"])
