@@ -570,13 +570,24 @@ class TtftStages(Message):
 
 
 class FirstToken(Message):
-    """The first output token of a request (or its failure), published on its result subject."""
+    """The first output token of a request (or its failure), published on its result subject.
+
+    Units: ``stages`` and ``finished_at_s`` are wall seconds as measured; ``predicted_prefill_s``
+    is the scheduler's Ê_C in *modelled* seconds. A worker that models time (the ``sim``
+    backend) runs at ``time_scale`` (modelled seconds × ``time_scale`` = wall seconds), so the
+    prediction comparable with ``stages.prefill_s`` is ``predicted_prefill_s × time_scale``.
+    """
 
     request_id: Id
     token: int | None = Field(description="first output token id (None if failed)")
     worker_id: Id | None = None
     epoch: NonNegInt | None = None
-    predicted_prefill_s: NonNegFloat | None = None
+    predicted_prefill_s: NonNegFloat | None = Field(
+        default=None, description="the scheduler's Ê_C(R, P), modelled seconds")
+    time_scale: float = Field(
+        default=1.0, gt=0.0, allow_inf_nan=False,
+        description="the worker's wall seconds per modelled second (1: real time, as a real "
+        "engine runs)")
     prefix_tokens: NonNegInt | None = Field(
         default=None, description="P actually reused at the worker (may differ from assigned)"
     )

@@ -89,7 +89,7 @@ from shared.service import (
     latest_result,
     worker_state_kv,
 )
-from shared.subjects import micro_service_name, validate_subject
+from shared.subjects import micro_service_name
 from shared.tasks import cancel_and_wait
 from shared.telemetry import Stage, inject, tracer
 
@@ -208,7 +208,7 @@ class GatewayService(MicroService):
             settings,
             name=micro_service_name("gateway"),
             version=VERSION,
-            group=validate_subject(f"{settings.subjects.prefix}.gateway"),
+            group=settings.subjects.service_group("gateway"),
             description="vertumnus gateway (HTTP + NATS completions → intake)",
             metadata={"block_size": str(settings.block_size)},
         )
@@ -437,26 +437,33 @@ class GatewayService(MicroService):
 
     async def complete(self, body: CompletionRequest, *, arrival_s: float | None = None,
                        http: bool = False) -> Completion:
-        """Run one completion to its first token (see the module docstring)."""
+        """Run one completion to its first token (see the module docstring).
+
+        Every outcome is recorded in :attr:`metrics`; a failure after the prompt was tokenized
+        with the prompt's length, so the SLO attainment counts it as a miss
+        (:meth:`RequestMetrics.refused`)."""
         entry = "http" if http else "nats"
+        arrival = arrival_s if arrival_s is not None else time.time()
+        input_len: int | None = None  # unknown until the prompt is tokenized
         try:
-            done = await self._complete(body, arrival_s=arrival_s, entry=entry)
+            if body.stream:
+                raise BadRequest("stream=true is not supported yet (no server-sent events); "
+                                 "send stream=false")
+            tokens = self.tokenize(body)
+            input_len = len(tokens)
+            done = await self._complete(body, tokens, arrival=arrival, entry=entry)
         except GatewayError as exc:
-            self.metrics.refused(exc.status, entry)
+            self.metrics.refused(exc.status, entry, input_len)
             raise
         except Exception:
-            self.metrics.refused(500, entry)  # answered as an internal error by the caller
+            # Answered as an internal error by the caller.
+            self.metrics.refused(500, entry, input_len)
             raise
         self.metrics.answered(done.result, done.input_len, done.ttft_s, entry)
         return done
 
-    async def _complete(self, body: CompletionRequest, *, arrival_s: float | None,
+    async def _complete(self, body: CompletionRequest, tokens: list[int], *, arrival: float,
                         entry: str) -> Completion:
-        arrival = arrival_s if arrival_s is not None else time.time()
-        if body.stream:
-            raise BadRequest("stream=true is not supported yet (no server-sent events); "
-                             "send stream=false")
-        tokens = self.tokenize(body)
         check_limits(tokens, body.max_tokens, self.gsettings)
         rid = body.request_id or new_request_id()
         hashes = chain_hashes(tokens, self.gsettings.block_size)

@@ -103,7 +103,13 @@ def parse_completion_body(raw: bytes) -> tuple[CompletionRequest, str | None]:
 
 
 def completion_json(done: Completion, model: str) -> dict[str, Any]:
-    """OpenAI-style completion object with the first token and the TTFT breakdown."""
+    """OpenAI-style completion object with the first token and the TTFT breakdown.
+
+    Units in ``vtm``: ``ttft_s`` and ``stages`` are wall seconds (measured);
+    ``predicted_prefill_s`` is the scheduler's Ê_C in modelled seconds; ``time_scale`` is the
+    serving worker's wall seconds per modelled second (1 in real time; a ``sim`` worker under
+    ``vertumnus up --time-scale`` less), so ``predicted_prefill_s × time_scale`` is the
+    prediction of ``stages.prefill_s``."""
     r = done.result
     return {
         "id": f"cmpl-{done.request_id}",
@@ -131,7 +137,8 @@ def completion_json(done: Completion, model: str) -> dict[str, Any]:
             "stages": done.stages().model_dump(exclude={"schema_version"}),
             "worker_id": r.worker_id,
             "epoch": r.epoch,
-            "predicted_prefill_s": r.predicted_prefill_s,
+            "predicted_prefill_s": r.predicted_prefill_s,  # modelled seconds
+            "time_scale": r.time_scale,
             "duplicate": done.duplicate,
             "trace_id": done.trace_id,
         },

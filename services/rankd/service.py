@@ -12,11 +12,16 @@ Per process (one worker, its leader rank, for now):
   and the FIFO in order; 400 malformed, 404 another worker's id) -- the controller's first
   step of a split or merge.
 * after each request, a FirstToken on ``{prefix}.result.{rid}`` with TTFT stage timings
-  (wall seconds, see :mod:`services.rankd.backend`), and spans ``queue_wait``, ``prefill``
+  (wall seconds, see :mod:`services.rankd.backend`), the predicted prefill (modelled seconds)
+  and the worker's ``time_scale``, and spans ``queue_wait``, ``prefill``
   (with one ``prefill_rank`` child per rank: rank, GPU, share of the new tokens),
   ``kv_transfer`` and ``first_decode`` parented to the assigning scheduler's trace context
   (predicted and modelled times on them; the last three from the backend's measured instants,
-  so the spans and the FirstToken's breakdown agree).
+  so the spans and the FirstToken's breakdown agree). Units on ``prefill``:
+  ``vtm.predicted_s`` and ``vtm.modelled_prefill_s`` modelled seconds,
+  ``vtm.actual_prefill_s`` wall seconds, ``vtm.actual_prefill_model_s`` the same in modelled
+  seconds (÷ ``vtm.time_scale``, wall seconds per modelled second), so prediction and
+  measurement compare like with like at any time scale.
 * WorkerState in the worker-state KV bucket (key = worker id) on every change, coalesced, and
   at least every ``heartbeat_s`` (the liveness lease).
 * the worker's prefix cache (LRU, :mod:`services.rankd.blockcache`) decides the P actually
@@ -538,7 +543,8 @@ class RankdService(MicroService):
                     "vtm.prefix_tokens": a.prefix_tokens,
                     "vtm.recompute_tokens": a.recompute_tokens,
                     "vtm.assigned_prefix_tokens": job.assignment.prefix_tokens,
-                    "vtm.predicted_s": a.predicted_s,
+                    "vtm.predicted_s": a.predicted_s,  # modelled seconds
+                    "vtm.time_scale": self.core.time_scale,
                     "vtm.backend": self.backend.name,
                 },
                 end_on_exit=False,
@@ -573,13 +579,17 @@ class RankdService(MicroService):
                 self._publish_failure(job, f"prefill failed: {exc}")
                 return
             span.set_attribute("vtm.modelled_prefill_s", result.modelled_prefill_s)
-            span.set_attribute("vtm.actual_prefill_s", result.prefill_s)
+            span.set_attribute("vtm.actual_prefill_s", result.prefill_s)  # wall
+            # In the unit of vtm.predicted_s: the wall figure alone is time_scale × off.
+            span.set_attribute("vtm.actual_prefill_model_s",
+                               result.prefill_s / self.core.time_scale)
             prefilled = result.started_at_s + result.prefill_s
             span.end(end_time=_ns(prefilled))
             if span.get_span_context().trace_flags.sampled:  # unsampled: no span objects
                 self._record_rank_spans(job, result, prefilled, span, ids)
         if sampled:
             self._record_handoff_spans(job, result, prefilled, ids)
+        # Both in modelled seconds (the measured wall time ÷ the time scale).
         self.metrics.prefilled(a.degree, result.prefill_s / self.core.time_scale, a.predicted_s)
         self.core.finish(job.request_id, ok=True)
         await self._deliver_result(job, result)
@@ -660,6 +670,7 @@ class RankdService(MicroService):
             worker_id=a.worker_id,
             epoch=a.epoch,
             predicted_prefill_s=a.predicted_s,
+            time_scale=self.core.time_scale,
             prefix_tokens=(job.executed or a).prefix_tokens,
             stages=ttft_stages(job, result),
             finished_at_s=result.finished_at_s,
@@ -679,6 +690,7 @@ class RankdService(MicroService):
             worker_id=a.worker_id,
             epoch=a.epoch,
             predicted_prefill_s=a.predicted_s,
+            time_scale=self.core.time_scale,
             stages=TtftStages(total_s=_nonneg(now - a.request.arrival_s)),
             finished_at_s=now,
             arrival_s=a.request.arrival_s,

@@ -479,3 +479,48 @@ async def test_a_worker_measures_its_prefills_queue_and_cache(
     assert points(metric_reader, "vtm.worker.kv_capacity")[(("worker", WID),)] == \
         svc.core.kv_total_blocks > 0
     assert points(metric_reader, "vtm.worker.queue")[(("worker", WID),)] == 0
+
+
+async def test_a_scaled_worker_gives_each_figure_in_one_unit(
+    nats_server: EmbeddedNats, uniq: str, nc: Client, spans: InMemorySpanExporter,
+    metric_reader,  # type: ignore[no-untyped-def]
+) -> None:
+    """At time scale 0.1 (what ``vertumnus up`` runs) a prefill modelled at 0.5 s sleeps
+    0.05 wall s. The FirstToken's stages stay wall seconds and say the scale; the prefill span
+    has the wall figure and the modelled one (÷ the scale: the unit of ``vtm.predicted_s``);
+    the prediction ratio compares modelled with modelled (≈ 1, where wall over modelled would
+    read ≈ the scale)."""
+    from metricsread import points
+
+    scale, modelled = 0.1, 0.5
+    svc, task = await start_rankd(
+        nats_server.url, uniq,
+        SimBackend(prefill_time=lambda r, p, c, kind="cp": modelled, time_scale=scale))
+    s = Subjects(uniq)
+    ratios = points(metric_reader, "vtm.worker.prediction_ratio").get((("degree", "2"),), (0, 0.0))
+    try:
+        sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
+        with tracer().start_as_current_span("schedule"):
+            await call(nc, s.worker_assign(WID), assignment("ts-1", predicted=modelled),
+                       AssignmentAck, timeout_s=WAIT_S)
+        await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+        await sub.unsubscribe()
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    (r,) = results
+    assert (r.time_scale, r.predicted_prefill_s) == (scale, modelled)
+    wall = r.stages.prefill_s
+    # It slept the scaled time (no upper bound: a busy machine may sleep longer).
+    assert wall >= 0.9 * modelled * scale
+    (pre,) = [x for x in spans.get_finished_spans()
+              if x.name == "prefill" and x.attributes["vtm.request_id"] == "ts-1"]
+    at = pre.attributes
+    assert at["vtm.time_scale"] == scale
+    assert (at["vtm.predicted_s"], at["vtm.modelled_prefill_s"]) == (modelled, modelled)
+    assert at["vtm.actual_prefill_s"] == pytest.approx(wall)  # wall, as the stages
+    assert at["vtm.actual_prefill_model_s"] == pytest.approx(wall / scale)
+    assert at["vtm.actual_prefill_model_s"] >= 0.9 * at["vtm.predicted_s"]
+    count, sum_ = points(metric_reader, "vtm.worker.prediction_ratio")[(("degree", "2"),)]
+    assert count - ratios[0] == 1
+    assert sum_ - ratios[1] >= 0.9

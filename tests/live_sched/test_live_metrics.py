@@ -1,6 +1,7 @@
 """Metrics end to end: a request through gateway, scheduler and a (fake) worker is counted by
 the gateway with its status, TTFT, stages and tokens (a refused one with its status) and by the
-scheduler with its placement; a request no worker can take is counted as unplaced."""
+scheduler with its placement; a request no worker can take is counted as unplaced, and its
+prompt tokens count in the SLO attainment's denominator as a miss."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ async def test_a_request_is_measured_at_the_gateway(
             "bad": total(metric_reader, "vtm.gateway.completions", status="400", entry="http"),
             "ttft": total(metric_reader, "vtm.request.ttft", degree="2"),
             "prefill": total(metric_reader, "vtm.request.stage", stage="prefill"),
-            "tokens": total(metric_reader, "vtm.request.input_tokens", degree="2"),
+            "tokens": total(metric_reader, "vtm.request.input_tokens", degree="2",
+                            status="200"),
+            # The 400 (stream=true) is refused before its prompt is tokenized: no tokens.
+            "all_tokens": total(metric_reader, "vtm.request.input_tokens"),
             "slo": total(metric_reader, "vtm.request.slo_tokens", degree="2"),
             "placed": total(metric_reader, "vtm.scheduler.placements", policy="vertumnus",
                             degree="2"),
@@ -40,7 +44,7 @@ async def test_a_request_is_measured_at_the_gateway(
     delta = {k: after[k] - before[k] for k in before}
     # The fake worker answers at once: well within the 1 s deadline of a short prompt.
     assert delta == {"ok": 1, "bad": 1, "ttft": 1, "prefill": 1, "tokens": len(PROMPT),
-                     "slo": len(PROMPT), "placed": 1}
+                     "all_tokens": len(PROMPT), "slo": len(PROMPT), "placed": 1}
 
 
 async def test_a_request_no_worker_takes_is_counted_unplaced(
@@ -49,7 +53,15 @@ async def test_a_request_no_worker_takes_is_counted_unplaced(
     gw = await live.gateway(block_size=B)
     before = total(metric_reader, "vtm.scheduler.unplaced")
     refused = total(metric_reader, "vtm.gateway.completions", status="503")
+    tokens = total(metric_reader, "vtm.request.input_tokens")
+    slo = total(metric_reader, "vtm.request.slo_tokens")
     reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
     assert reply.status == 503
     assert total(metric_reader, "vtm.scheduler.unplaced") - before == 2  # both deliveries
     assert total(metric_reader, "vtm.gateway.completions", status="503") - refused == 1
+    # A miss in the README's attainment (slo / input tokens, every status): its tokens are in
+    # the denominator, under its status and no worker's degree, and not in the numerator.
+    assert total(metric_reader, "vtm.request.input_tokens") - tokens == len(PROMPT)
+    assert total(metric_reader, "vtm.request.input_tokens", status="503", degree="?") \
+        >= len(PROMPT)
+    assert total(metric_reader, "vtm.request.slo_tokens") == slo

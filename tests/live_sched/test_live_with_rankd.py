@@ -57,6 +57,26 @@ async def test_requests_through_real_rankd(live: Services,
     assert {w["worker_id"] for w in workers} == {"w-cp2-g0", "w-cp4-g4"}
 
 
+async def test_the_answer_says_the_workers_time_scale(live: Services) -> None:
+    """A worker at time scale 0.1 (``vertumnus up``'s default) sleeps the scheduler's
+    prediction × 0.1: the answer's stages are wall seconds, ``predicted_prefill_s`` modelled
+    seconds, and ``time_scale`` converts one to the other."""
+    scale = 0.1
+    settings = RankdSettings(nats_url=live.url, subject_prefix=live.prefix,
+                             worker_id="w-cp2-g0", heartbeat_s=0.2)
+    # No prefill_time: the sim backend takes the assignment's predicted_s (modelled).
+    await live._run(RankdService(settings, SimBackend(time_scale=scale)))
+    sched = await live.scheduler(block_size=B)
+    gw = await live.gateway(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "the rank daemon in the view")
+    reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": list(range(400))})
+    assert reply.status == 200, reply.body
+    vtm = reply.json()["vtm"]
+    assert vtm["time_scale"] == scale and vtm["predicted_prefill_s"] > 0
+    # Wall prefill ≥ the scaled prediction (no upper bound: a busy machine sleeps longer).
+    assert vtm["stages"]["prefill_s"] >= 0.9 * vtm["predicted_prefill_s"] * scale
+
+
 
 async def test_handoff_off_worker_frees_the_worker_at_prefill_end(live: Services,
                                                                   nc: Client) -> None:

@@ -1,7 +1,8 @@
 """The replay client sends a request again when a gateway restarts: a refused connection (nothing
 listens yet) and a connection dropped before any response (the gateway died with it open) are
 retried with the same body until ``ReplayConfig.retry_s`` after the first failure, and the
-time lost counts in the request's TTFT. Real loopback sockets, a minimal HTTP responder."""
+time lost counts in the request's TTFT; a request that got no answer keeps its input length and
+is a miss in the report's SLO attainment. Real loopback sockets, a minimal HTTP responder."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from sim.workloads.workload import Request
 from vertumnus.live.http import ConnectionDropped, ConnectionRefused, request
 from vertumnus.live.replay import ReplayConfig, replay
+from vertumnus.live.report import LiveReport
 
 GATEWAY_TTFT_S = 0.25
 
@@ -129,6 +131,27 @@ async def test_retries_stop_at_the_budget_and_none_without_one() -> None:
                           ReplayConfig(retry_s=0.6, block_size=512))
     assert not rec.ok and rec.status == 0
     assert loop.time() - t0 >= 0.3  # it did wait within its budget before giving up
+
+
+async def test_a_request_that_got_no_answer_lowers_the_slo_attainment() -> None:
+    """One request answered within its deadline, one sent where nothing listens: the failed
+    one's record keeps the workload's input length and weighs in as a miss."""
+    port = free_port()
+    gw = Gateway(port)
+    await gw.start()
+    try:
+        (ok,) = await replay(f"http://127.0.0.1:{port}", one_request(),
+                             ReplayConfig(retry_s=0.0, block_size=512))
+    finally:
+        await gw.stop()
+    (lost,) = await replay(f"http://127.0.0.1:{free_port()}",
+                           [Request("q2", 0.0, 1800, 1, (2,))],
+                           ReplayConfig(retry_s=0.0, block_size=512))
+    assert ok.ok and not lost.ok and (lost.status, lost.input_len) == (0, 1800)
+    s = LiveReport([ok, lost], time_scale=1.0).summary()  # 0.25 s TTFT: within 1 s
+    assert s["slo_attainment"] == pytest.approx(600 / 2400)
+    assert s["slo_attainment_completed"] == 1.0
+    assert (s["failed"], s["unanswered"], s["failed_input_tokens"]) == (1, 1, 1800)
 
 
 def test_the_retry_budget_is_checked() -> None:

@@ -91,8 +91,38 @@ def test_report_keys_and_overhead() -> None:
     assert math.isclose(s["mean_ttft_s"], 0.5)  # modelled = wall / time scale
     assert math.isclose(s["overhead_p50_ms"], 5.0)
     assert math.isclose(s["hit_rate"], 0.512)
-    assert s["slo_attainment"] == 1.0  # 0.5 s ≤ 1 s for L < 8192
+    # 0.5 s ≤ 1 s for L < 8192, but the failed 9000-token request is a miss.
+    assert s["slo_attainment"] == pytest.approx(1000 / 10_000)
+    assert s["slo_attainment_completed"] == 1.0
+    assert (s["input_tokens"], s["failed_input_tokens"], s["unanswered"]) == (10_000, 9000, 0)
     assert s["errors"] == {"no worker": 1}
+
+
+def test_failed_and_unanswered_requests_are_slo_misses_weighted_by_length() -> None:
+    """design.md "Metrics": Σ L·[TTFT ≤ τ(L)] / Σ L over every request, as the simulator
+    counts it; the TTFT figures stay over the completed requests."""
+    import io
+
+    from rich.console import Console
+
+    met = ReplayRecord("r1", 0.0, 4000, 200, ttft_s=0.05, worker_id="w-cp2-g0")  # 0.5 s
+    late = ReplayRecord("r2", 0.0, 1000, 200, ttft_s=0.2, worker_id="w-cp2-g0")  # 2 s > 1 s
+    refused = ReplayRecord("r3", 0.0, 2000, 503, error="not scheduled")
+    timed_out = ReplayRecord("r4", 0.0, 3000, 0, error="TimeoutError: no answer")
+    report = LiveReport([met, late, refused, timed_out], time_scale=0.1)
+    s = report.summary()
+    assert (s["requests"], s["completed"], s["failed"], s["unanswered"]) == (4, 2, 2, 1)
+    assert s["slo_attainment"] == pytest.approx(4000 / 10_000)
+    assert s["slo_attainment_completed"] == pytest.approx(4000 / 5000)
+    assert (s["input_tokens"], s["failed_input_tokens"]) == (10_000, 5000)
+    assert math.isclose(s["mean_ttft_s"], 1.25)  # (0.5 + 2) / 2: completed only
+    assert LiveReport([met, late], time_scale=0.1).summary()["slo_attainment"] == \
+        s["slo_attainment_completed"]
+    out = io.StringIO()
+    report.render(Console(file=out, width=300))
+    text = out.getvalue()
+    assert "4 / 2 / 2 (1)" in text and "40.0% (completed only 80.0%)" in text
+    assert "failed = miss" in text
 
 
 def test_rankd_env_carries_the_ground_truth_only_for_the_sim_backend(tmp_path: Path) -> None:

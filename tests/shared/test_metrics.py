@@ -83,6 +83,24 @@ def test_request_metrics_give_hit_rate_and_slo_attainment(
     assert total(metric_reader, "vtm.gateway.completions", status="503", entry="http") == n + 1
 
 
+def test_a_refused_request_with_a_known_length_is_an_slo_miss(
+        metric_reader: InMemoryMetricReader) -> None:
+    rm = RequestMetrics(parse_slo("8192:1,inf:5"))
+    names = ("vtm.request.input_tokens", "vtm.request.slo_tokens")
+    before = {n: total(metric_reader, n) for n in names}
+    answered = total(metric_reader, "vtm.request.input_tokens", status="200")
+    rm.answered(_result("w-cp4-g12", 0), 3000, 0.2, "http")  # met
+    rm.refused(504, "http", 1000)  # tokenized, no first token in time: a miss
+    rm.refused(503, "nats", 2000)  # tokenized, not scheduled: a miss
+    rm.refused(400, "http")  # malformed: no length, no tokens
+    got = {n: total(metric_reader, n) - v for n, v in before.items()}
+    # Attainment = slo / input tokens over every status: 3000 / 6000, not 3000 / 3000.
+    assert got == {"vtm.request.input_tokens": 6000, "vtm.request.slo_tokens": 3000}
+    assert total(metric_reader, "vtm.request.input_tokens", status="200") - answered == 3000
+    refused = points(metric_reader, "vtm.request.input_tokens")
+    assert refused[(("degree", "?"), ("status", "504"))] >= 1000
+
+
 def test_degree_label() -> None:
     assert degree_label("w-cp2-g6") == "2" and degree_label("w-tp4-g0") == "4"
     assert degree_label(None) == degree_label("") == degree_label("worker-7") == "?"

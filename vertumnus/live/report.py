@@ -4,6 +4,14 @@ injected faults.
 Metrics come from :mod:`sim.metrics` (the same definitions as the simulator): TTFT in
 *modelled* seconds (wall ÷ time scale) so the paper's Table 2 deadlines apply, token-weighted
 SLO attainment, token-level hit rate. Overhead percentiles are wall milliseconds.
+
+Which requests each figure covers: the SLO attainment covers every request with a record,
+answered or not; a failed one (an HTTP error, or no response: refused or dropped connection,
+the client's timeout) is a miss weighted by its input length, which the replay knows from the
+workload request it sent (design.md "Metrics"; the simulator counts a failed request the same
+way). TTFT, hit rate, overhead, cost-model error and the per-degree figures cover the completed
+requests only. A run cut short (``interrupted``) has no record of the requests still in flight
+or not yet sent; they are counted nowhere (``up`` reports ``requests_planned``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,14 @@ from rich.table import Table
 
 from shared.ids import InvalidInput
 from shared.worker import GpuGroup
-from sim.metrics import QWEN3_SLO, RequestRecord, SloTable, slo_to_dict, summarize
+from sim.metrics import (
+    QWEN3_SLO,
+    RequestRecord,
+    SloTable,
+    slo_attainment,
+    slo_to_dict,
+    summarize,
+)
 from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.replay import ReplayRecord
 
@@ -151,6 +166,8 @@ class LiveReport:
     """Faults injected during the run (:meth:`vertumnus.live.faults.FaultEvent.as_dict`)."""
 
     def metric_records(self) -> list[RequestRecord]:
+        """The completed requests as :class:`RequestRecord` (modelled seconds); failed ones
+        have no TTFT and are left out (:meth:`slo_attainment` counts them)."""
         out = []
         for r in self.records:
             if not r.ok:
@@ -168,7 +185,21 @@ class LiveReport:
             ))
         return out
 
+    def slo_attainment(self) -> float:
+        """Token-weighted SLO attainment over every recorded request (design.md "Metrics"):
+        Σ L·[TTFT ≤ τ(L)] / Σ L with TTFT in modelled seconds, a failed or unanswered request
+        a miss weighted by its input length. NaN for no request with an input length."""
+        counted = [r for r in self.records if r.input_len >= 1]
+        lens = [r.input_len for r in counted]
+        ttfts = [max(0.0, r.ttft_s) / self.time_scale if r.ok else math.inf for r in counted]
+        return slo_attainment(lens, ttfts, self.slo)
+
     def summary(self) -> dict[str, Any]:
+        """The report as JSON-ready figures (:data:`REQUIRED_KEYS` and more). ``requests`` =
+        ``completed`` + ``failed`` (``unanswered`` of those got no HTTP response at all);
+        ``slo_attainment`` covers them all, ``failed_input_tokens`` being misses, and
+        ``slo_attainment_completed`` the completed ones only; the TTFT figures are over the
+        completed requests (see the module docstring)."""
         recs = self.metric_records()
         s = summarize(recs, self.slo)
         ok = [r for r in self.records if r.ok]
@@ -178,11 +209,15 @@ class LiveReport:
             "requests": len(self.records),
             "completed": len(ok),
             "failed": len(failed),
+            "unanswered": sum(1 for r in failed if r.status == 0),
+            "input_tokens": sum(max(0, r.input_len) for r in self.records),
+            "failed_input_tokens": sum(max(0, r.input_len) for r in failed),
             "mean_ttft_s": s.get("ttft_mean", math.nan),
             "p50_ttft_s": s.get("ttft_p50", math.nan),
             "p90_ttft_s": s.get("ttft_p90", math.nan),
             "p99_ttft_s": s.get("ttft_p99", math.nan),
-            "slo_attainment": s.get("slo_attainment", math.nan),
+            "slo_attainment": self.slo_attainment(),
+            "slo_attainment_completed": s.get("slo_attainment", math.nan),
             "hit_rate": s.get("hit_rate", math.nan),
             "overhead_p50_ms": _pct(over, 50),
             "overhead_p99_ms": _pct(over, 99),
@@ -214,14 +249,16 @@ class LiveReport:
         t.add_column("metric")
         t.add_column("value", justify="right")
         rows = [
-            ("requests / completed / failed",
-             f"{s['requests']} / {s['completed']} / {s['failed']}"),
-            ("TTFT mean", _f(s["mean_ttft_s"])),
-            ("TTFT P50", _f(s["p50_ttft_s"])),
-            ("TTFT P90", _f(s["p90_ttft_s"])),
-            ("TTFT P99", _f(s["p99_ttft_s"])),
-            (f"SLO attainment (token-weighted, {self.slo.name})",
-             _f(s["slo_attainment"], pct=True)),
+            ("requests / completed / failed (no response)",
+             f"{s['requests']} / {s['completed']} / {s['failed']} ({s['unanswered']})"),
+            ("TTFT mean (completed)", _f(s["mean_ttft_s"])),
+            ("TTFT P50 (completed)", _f(s["p50_ttft_s"])),
+            ("TTFT P90 (completed)", _f(s["p90_ttft_s"])),
+            ("TTFT P99 (completed)", _f(s["p99_ttft_s"])),
+            (f"SLO attainment (token-weighted, {self.slo.name}; all requests, failed = miss)",
+             _f(s["slo_attainment"], pct=True)
+             + (f" (completed only {_f(s['slo_attainment_completed'], pct=True)})"
+                if s["failed"] else "")),
             ("prefix hit rate (tokens)", _f(s["hit_rate"], pct=True)),
             ("overhead P50 / P99 (wall ms)",
              f"{_f(s['overhead_p50_ms'], 1)} / {_f(s['overhead_p99_ms'], 1)}"),
