@@ -90,7 +90,6 @@ from services.cachemgr.metrics import CacheMetrics
 from services.cachemgr.reconcile import RehomeConfig, rehome_on_merge, rehome_on_split
 from services.cachemgr.scan import ScanConfig, ScanResult
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
-from services.controller.service import DrainNotice, drain_subject
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import (
     DEFAULT_BLOCK_SIZE,
@@ -102,6 +101,7 @@ from shared.ids import (
 )
 from shared.schemas import (
     CacheCommandResult,
+    DrainNotice,
     EpochRecord,
     Message,
     ReclaimCommand,
@@ -438,7 +438,7 @@ class CacheMgrService(MicroService):
         subs = [
             await self.nc.subscribe(s.cache_events_all(), cb=self._on_event),
             await self.nc.subscribe(s.cache_stats_all(), cb=self._on_stats),
-            await self.nc.subscribe(drain_subject(s), cb=self._on_drain),
+            await self.nc.subscribe(s.ctl_drain(), cb=self._on_drain),
         ]
         self._tasks = [
             asyncio.create_task(self._watch_states(state_watch), name="cm-states"),

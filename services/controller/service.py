@@ -159,18 +159,18 @@ from shared.ids import (
     tp_worker_name,
 )
 from shared.schemas import (
+    CompositionNotice,
+    DrainNotice,
     EpochAck,
     EpochRecord,
     EpochWorker,
-    Id,
     Message,
-    NonNegFloat,
-    NonNegInt,
     QueueQuery,
     QueueReport,
+    ReconfigurationEvent,
+    RedirectedRequest,
     RequestStats,
     SchemaError,
-    WallTime,
     WindowReport,
     WorkerState,
     decode,
@@ -489,63 +489,6 @@ def worker_queue_subject(subjects: Subjects, worker_id: str) -> str:
 
 
 # -- messages ---------------------------------------------------------------------------------
-
-
-class RedirectedRequest(Message):
-    worker_id: Id
-    request_id: Id
-
-
-class DrainNotice(Message):
-    """The sources of a reconfiguration stop admitting (§6.2). The scheduler drops them from
-    its candidate set at once and re-places ``redirected`` (their queued requests, in queue
-    order) when they come back through intake; ``in_flight`` finish under the old geometry."""
-
-    reconfiguration: NonNegInt
-    kind: Literal["split", "merge"]
-    epoch: NonNegInt = Field(description="record epoch of the drain record")
-    sources: list[Id]
-    targets: list[Id]
-    redirected: list[RedirectedRequest] = Field(default_factory=list)
-    in_flight: dict[str, NonNegInt] = Field(default_factory=dict)
-    plan: list[NonNegInt] = Field(
-        default_factory=list,
-        description="every reconfiguration of the plan this one belongs to (all started "
-        "under the same drain record ``epoch``)",
-    )
-    reason: str = ""
-    issued_at_s: WallTime
-
-
-class ReconfigurationEvent(Message):
-    """One phase change of a split or merge; the exposed one carries drain and switch times."""
-
-    reconfiguration: NonNegInt
-    kind: Literal["split", "merge"]
-    phase: Literal["draining", "drained", "committed", "ready", "exposed", "aborted"]
-    sources: list[Id]
-    targets: list[Id]
-    epoch: NonNegInt | None = Field(description="record epoch of the commit (None before)")
-    started_at_s: WallTime
-    drained_at_s: WallTime | None = None
-    switch_started_at_s: WallTime | None = None
-    exposed_at_s: WallTime | None = None
-    aborted_at_s: WallTime | None = None
-    drain_s: NonNegFloat | None = None
-    switch_s: NonNegFloat | None = None
-    redirected: NonNegInt = 0
-    composition: str = ""
-    controller: str = ""
-
-
-class CompositionNotice(Message):
-    """The composition under the record ``epoch`` and which workers are schedulable."""
-
-    epoch: NonNegInt
-    composition: str
-    workers: list[EpochWorker]
-    schedulable: list[Id]
-    at_s: WallTime
 
 
 class InspectQuery(Message):

@@ -65,7 +65,7 @@ from opentelemetry import trace
 
 from services.gateway.metrics import RequestMetrics
 from services.gateway.settings import GatewaySettings
-from services.rankd.engine.blockhash import chain_hashes
+from shared.blockhash import chain_hashes
 from shared.logging import bind_request
 from shared.schemas import (
     CompletionRequest,

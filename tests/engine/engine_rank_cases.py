@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.rankd.engine.blockhash import chain_hashes
 from services.rankd.engine.checkpoint import load_model
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.cp_prefill import cp_prefill, shard_prefix, stack_kv
@@ -31,6 +30,7 @@ from services.rankd.engine.errors import (
 from services.rankd.engine.groups import RankGroups
 from services.rankd.engine.model import Qwen3ForCausalLM
 from services.rankd.engine.rank import RankEngine
+from shared.blockhash import chain_hashes
 
 CFG = Qwen3Config(
     vocab_size=256,

@@ -8,13 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.rankd.engine.blockhash import chain_hashes
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.cp_prefill import page_positions, stack_kv
 from services.rankd.engine.decode import BlobReassembler, encode_chunks
 from services.rankd.engine.errors import KVFormatError
 from services.rankd.engine.kvcache import RankKVCache, pages_from_bytes, pages_to_bytes
 from services.rankd.engine.model import Qwen3ForCausalLM
+from shared.blockhash import chain_hashes
 from shared.ids import InvalidInput, WorkerId
 
 CFG = Qwen3Config(max_position_embeddings=128)

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.rankd.engine.attention import masked_attention, zigzag_attention
-from services.rankd.engine.blockhash import HASH_MASK, chain_hashes
 from services.rankd.engine.checkpoint import load_model, load_tokenizer, save_model
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.errors import CheckpointError, SequenceTooLong, TokenOutOfVocab
 from services.rankd.engine.model import Qwen3ForCausalLM, reference_attention
 from services.rankd.engine.zigzag import ZigzagPlan
+from shared.blockhash import HASH_MASK, chain_hashes
 from shared.ids import InvalidInput
 
 CFG = Qwen3Config(max_position_embeddings=64)

@@ -21,7 +21,6 @@ import torch
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 
-from services.rankd.engine.blockhash import chain_hashes
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
 from services.rankd.service import RankdService, kv_capacity
@@ -32,6 +31,7 @@ from services.rankd.torch_backend import (
     single_worker_backend,
     start_torch_host,
 )
+from shared.blockhash import chain_hashes
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,

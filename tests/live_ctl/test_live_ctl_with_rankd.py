@@ -226,8 +226,7 @@ async def test_split_drain_notice_rehomes_the_parents_long_prefix(
     """The controller's DrainNotice of a split makes the cache manager copy the parent's long
     prefixes to the other worker of its degree (rehome_on_split, as the simulator does at the
     split's start); a merge's notice copies nothing."""
-    from services.controller.service import DrainNotice
-    from shared.schemas import encode
+    from shared.schemas import DrainNotice, encode
 
     s = Subjects(uniq)
     await services(rankd(nats_server.url, uniq, "w-cp4-g0"))

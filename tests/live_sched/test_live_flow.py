@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.rankd.engine.blockhash import chain_hashes
+from shared.blockhash import chain_hashes
 from shared.schemas import CompletionRequest, FirstToken, WindowReport, decode
 from shared.service import call
 from shared.subjects import Subjects

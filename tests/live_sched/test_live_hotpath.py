@@ -11,8 +11,8 @@ from live_sched_support import Services, wait_until
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.rankd.engine.blockhash import chain_hashes
 from services.scheduler.service import AssignmentRecord, assignment_bucket
+from shared.blockhash import chain_hashes
 from shared.schemas import (
     Assignment,
     AssignmentAck,

@@ -12,13 +12,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.rankd.core import handback_msg_id
-from services.rankd.engine.blockhash import chain_hashes
 from services.scheduler.service import (
     AssignmentRecord,
     SchedulerService,
     SchedulerSettings,
     assignment_bucket,
 )
+from shared.blockhash import chain_hashes
 from shared.ids import RequestId
 from shared.schemas import (
     FirstToken,

@@ -10,7 +10,7 @@ import time
 from live_sched_support import Services, wait_until
 from nats.aio.client import Client
 
-from services.rankd.engine.blockhash import chain_hashes
+from shared.blockhash import chain_hashes
 from shared.ids import WorkerId
 from shared.schemas import IntakeRequest, encode
 from shared.subjects import Subjects

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.gateway.settings import GatewaySettings
-from services.rankd.engine.blockhash import chain_hashes
+from shared.blockhash import chain_hashes
 from sim.workloads.workload import Request
 from vertumnus.live.registry import SERVICES, SIM_RANKD, env_names, filter_env, module_runnable
 from vertumnus.live.replay import BlockTokens, ReplayRecord, wire_id

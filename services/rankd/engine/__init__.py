@@ -6,5 +6,5 @@ Modules are named after what they are: ``config`` (HF Qwen3 config), ``model`` (
 single-process reference forward), ``checkpoint`` (HF-format directory IO), ``zigzag`` (the
 partition), ``attention`` (masked / varlen attention kernels), ``groups`` (lattice process
 groups), ``cp_prefill`` (the CP forward), ``kvcache`` (prefix cache), ``decode`` (decode role
-and KV transport), ``blockhash`` (chained block hashes shared with the gateway).
+and KV transport). Chained block hashes, shared with the gateway, are ``shared.blockhash``.
 """

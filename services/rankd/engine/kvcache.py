@@ -41,9 +41,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from services.rankd.engine.blockhash import chain_hashes
 from services.rankd.engine.errors import KVFormatError
 from services.rankd.engine.model import KVLayers
+from shared.blockhash import chain_hashes
 from shared.ids import BlockHash, InvalidInput, WorkerId
 
 Event = dict[str, Any]
