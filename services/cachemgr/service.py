@@ -331,7 +331,7 @@ class CacheMgrService(MicroService):
             version=VERSION,
             group=cachemgr_group(settings.subjects),
             description="vertumnus global prefix-cache manager",
-            metadata={"degrees": ",".join(map(str, settings.degrees))},
+            metadata={"degrees": ",".join(map(str, settings.degrees)), "epoch": "0"},
         )
         self.msettings = settings
         self.clock = clock
@@ -568,6 +568,7 @@ class CacheMgrService(MicroService):
         if old is not None and record.epoch <= old.epoch:
             return
         self.record = record
+        self.set_metadata(epoch=str(record.epoch))  # conventions.md: metadata has the epoch
         new = record_groups(record)
         if old is None:
             self._follow_lifecycles(record)

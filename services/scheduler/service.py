@@ -667,7 +667,7 @@ class SchedulerService(MicroService):
             version=VERSION,
             group=scheduler_group(subjects),
             description="vertumnus request scheduler",
-            metadata={"policy": settings.policy, "reporter": self.reporter},
+            metadata={"policy": settings.policy, "reporter": self.reporter, "epoch": "0"},
         )
         self.ssettings = settings
         self.clock = clock
@@ -911,7 +911,9 @@ class SchedulerService(MicroService):
         changed, self._view_changed = self._view_changed, None
         if changed is not None and not changed.done():
             changed.set_result(None)
-        self.set_metadata(workers=str(len(views)))
+        # conventions.md: micro metadata carries the epoch; the newest its workers acknowledged.
+        self.set_metadata(workers=str(len(views)),
+                          epoch=str(max((w.epoch for w in views), default=0)))
         known = set(self.trie.workers())
         for w in views:
             if w.worker_id in known or w.degree not in self.trie.degrees:

@@ -316,7 +316,8 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
 
     await kv.put(s.epoch_key(), epoch_record(0, [(0, 4), (4, 4)]))
     left_cmds = await acking_worker(nc, s, "w-cp2-g0")
-    await services(CacheMgrService(settings(nats_server.url, uniq)))
+    svc = CacheMgrService(settings(nats_server.url, uniq))
+    await services(svc)
     await stored(nc, s, "w-cp4-g0", 1, None, [11, 12, 13, 14])
 
     async def parent_holds() -> bool:
@@ -332,6 +333,10 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
 
     body = await eventually(split, what="split reconciled")
     assert "w-cp4-g0" not in body["workers"]
+    # The micro metadata names the epoch reconciled to (conventions.md: metadata has the epoch).
+    info = json.loads((await nc.request(f"$SRV.INFO.vtm-cachemgr.{svc.service.id}", b"",
+                                        timeout=10)).data)
+    assert info["metadata"]["epoch"] == "1"
     left, right = body["workers"]["w-cp2-g0"], body["workers"]["w-cp2-g2"]
     # Pages 0, 1 of the prefix sit on the left child's ranks, 2, 3 on the right's: the prefix
     # goes to one child, whose missing pages are pending (nothing copied yet).

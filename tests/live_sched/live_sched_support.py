@@ -129,6 +129,7 @@ class FakeWorker:
     queue_queries: int = 0  # QueueQuery requests answered (it lists what it was assigned)
     reply_results: bool = True
     incarnation: str = ""  # WorkerState.incarnation (a test changes it to play a restart)
+    epoch: int = 0  # WorkerState.epoch as published
     outstanding_s: float = 0.0  # WorkerState.outstanding_s / outstanding_by as published
     outstanding_by: dict[str, float] = field(default_factory=dict)
     _subs: list[Any] = field(default_factory=list)
@@ -154,7 +155,7 @@ class FakeWorker:
         kv = await worker_state_kv(self.nc.jetstream(), self.subjects)
         state = WorkerState(
             worker_id=self.worker_id, degree=self.degree,
-            gpus=list(range(self.first_gpu, self.first_gpu + self.degree)), epoch=0,
+            gpus=list(range(self.first_gpu, self.first_gpu + self.degree)), epoch=self.epoch,
             lifecycle=lifecycle, queue_len=0, outstanding_s=self.outstanding_s,
             outstanding_by=self.outstanding_by,
             kv_free_blocks=self.kv_total_blocks, kv_total_blocks=self.kv_total_blocks,
