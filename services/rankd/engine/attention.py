@@ -7,7 +7,7 @@ k <= q (rule 3). On CPU we call SDPA with an explicit boolean mask built from po
 ``flash_attn_varlen_func`` when importable (``causal=True`` is bottom-right aligned for
 seqlen_q < seqlen_k, rule 5), else SDPA with the mask. torch's ``varlen_attn`` with
 ``window_size=(-1, 0)`` (rule 7) is implemented but opt-in (``Backend.TORCH_VARLEN`` or
-``VERTUMNUS_TORCH_VARLEN=1``) until ``cuda_check.py`` has verified its alignment on a GPU.
+``VTM_TORCH_VARLEN=1``) until ``cuda_check.py`` has verified its alignment on a GPU.
 
 Shapes: q (Tq, H, D); k, v (Tk, Hkv, D) with H % Hkv == 0 (GQA); output (Tq, H, D).
 """
@@ -51,7 +51,7 @@ def default_backend(device: torch.device, dtype: torch.dtype) -> Backend:
         if _flash_varlen is not None:
             return Backend.FLASH_VARLEN
         # NOTE: opt-in until its bottom-right alignment is verified on a GPU (rule 7).
-        if os.environ.get("VERTUMNUS_TORCH_VARLEN") == "1" and _torch_varlen() is not None:
+        if os.environ.get("VTM_TORCH_VARLEN") == "1" and _torch_varlen() is not None:
             return Backend.TORCH_VARLEN
     return Backend.SDPA_MASK
 
