@@ -45,7 +45,7 @@ import contextlib
 import datetime
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Final
@@ -91,7 +91,7 @@ from shared.service import (
 )
 from shared.subjects import micro_service_name
 from shared.tasks import cancel_and_wait
-from shared.telemetry import Stage, inject, tracer
+from shared.telemetry import Stage, extract, inject, traceparent_of, tracer
 
 VERSION: Final[str] = "0.1.0"
 MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
@@ -436,10 +436,14 @@ class GatewayService(MicroService):
         return str(self._tokenizer.decode([token]))
 
     async def complete(self, body: CompletionRequest, *, arrival_s: float | None = None,
-                       http: bool = False) -> Completion:
+                       http: bool = False, carrier: Mapping[str, str] | None = None
+                       ) -> Completion:
         """Run one completion to its first token (see the module docstring).
 
-        Every outcome is recorded in :attr:`metrics`; a failure after the prompt was tokenized
+        ``carrier``: the caller's W3C trace context (an HTTP client's ``traceparent`` /
+        ``tracestate`` headers); the request's span joins that trace instead of starting one.
+        None: the current context (the NATS endpoint's server span, or a new trace). Every
+        outcome is recorded in :attr:`metrics`; a failure after the prompt was tokenized
         with the prompt's length, so the SLO attainment counts it as a miss
         (:meth:`RequestMetrics.refused`)."""
         entry = "http" if http else "nats"
@@ -451,7 +455,8 @@ class GatewayService(MicroService):
                                  "send stream=false")
             tokens = self.tokenize(body)
             input_len = len(tokens)
-            done = await self._complete(body, tokens, arrival=arrival, entry=entry)
+            done = await self._complete(body, tokens, arrival=arrival, entry=entry,
+                                        carrier=carrier)
         except GatewayError as exc:
             self.metrics.refused(exc.status, entry, input_len)
             raise
@@ -463,7 +468,7 @@ class GatewayService(MicroService):
         return done
 
     async def _complete(self, body: CompletionRequest, tokens: list[int], *, arrival: float,
-                        entry: str) -> Completion:
+                        entry: str, carrier: Mapping[str, str] | None = None) -> Completion:
         check_limits(tokens, body.max_tokens, self.gsettings)
         rid = body.request_id or new_request_id()
         hashes = chain_hashes(tokens, self.gsettings.block_size)
@@ -473,6 +478,7 @@ class GatewayService(MicroService):
         with tracer().start_as_current_span(
             str(Stage.REQUEST), kind=trace.SpanKind.SERVER, attributes=attrs,
             start_time=int(arrival * 1e9),
+            context=extract(carrier) if traceparent_of(carrier) is not None else None,
         ) as span, bind_request(rid):
             try:
                 done = await self._publish_and_wait(rid, tokens, hashes, body, arrival)

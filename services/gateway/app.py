@@ -199,7 +199,9 @@ class GatewayApp:
         if ctype not in ("application/json", ""):
             raise BadRequest(f"Content-Type must be application/json, got {ctype!r}")
         body, model = parse_completion_body(req.body)
-        done = await self.service.complete(body, arrival_s=arrival, http=True)
+        # A client's traceparent makes the request's trace part of the client's (W3C).
+        done = await self.service.complete(body, arrival_s=arrival, http=True,
+                                           carrier=req.headers)
         return HttpResponse.json(
             200, completion_json(done, model or self.service.gsettings.model_name),
             {"X-Request-Id": done.request_id},

@@ -89,6 +89,35 @@ async def test_http_request_flows_end_to_end(
     assert vtm["trace_id"] == format(root.context.trace_id, "032x")
 
 
+async def test_a_clients_traceparent_makes_the_request_part_of_its_trace(
+    live: Services, fake_worker, spans: InMemorySpanExporter  # type: ignore[no-untyped-def]
+) -> None:
+    """W3C trace context over HTTP: the gateway's root span becomes a child of the client's
+    span, so the client's trace holds every TTFT stage; a malformed header starts a new trace."""
+    await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=B)
+    gw = await live.gateway(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+    tid, parent = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"
+    ids = []
+    for tp in (f"00-{tid}-{parent}-01", "00-not-a-traceparent-01"):
+        reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT},
+                           headers={"traceparent": tp})
+        assert reply.status == 200, reply.body
+        ids.append(reply.json()["vtm"]["request_id"])
+    await wait_until(lambda: sum(s.name == "schedule" for s in spans.get_finished_spans()) == 2,
+                     "both schedule spans ended")
+    finished = spans.get_finished_spans()
+    joined, fresh = (next(s for s in finished if s.name == "request"
+                          and s.attributes.get("vtm.request_id") == rid) for rid in ids)
+    assert format(joined.context.trace_id, "032x") == tid
+    assert joined.parent is not None and format(joined.parent.span_id, "016x") == parent
+    sched_span = next(s for s in finished if s.name == "schedule"
+                      and s.attributes.get("vtm.request_id") == ids[0])
+    assert sched_span.context.trace_id == joined.context.trace_id
+    assert fresh.parent is None and format(fresh.context.trace_id, "032x") != tid
+
+
 async def test_nats_completion_subject(live: Services, fake_worker, nc: Client,  # type: ignore[no-untyped-def]
                                        uniq: str) -> None:
     w = await fake_worker("w-cp2-g0", 2, 0)
