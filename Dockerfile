@@ -17,7 +17,12 @@ COPY shared ./shared
 COPY services ./services
 COPY sim ./sim
 COPY vertumnus ./vertumnus
-RUN pip install . && useradd --create-home --uid 10001 vtm
+# /var/lib/vertumnus/profile: where compose's one-shot `profile` service writes the fitted
+# profile. It exists here owned by vtm so that a named volume mounted on it starts with that
+# owner (Docker copies the image directory's ownership into a new volume); otherwise the volume
+# root would be root's and the non-root service could not write it.
+RUN pip install . && useradd --create-home --uid 10001 vtm \
+    && install -d -o vtm -g vtm /var/lib/vertumnus/profile
 USER vtm
 
 # Services log JSON and export spans over OTLP when configured (VTM_TELEMETRY__*).

@@ -13,7 +13,10 @@
 * ``gateway | scheduler | controller | cachemgr | rankd`` — run that service's main with the
   remaining arguments (``vertumnus gateway --port 8080`` = ``python -m services.gateway
   --port 8080``); configuration by ``VTM_*`` environment variables as documented on each
-  service's settings class.
+  service's settings class. ``rankd`` runs :mod:`vertumnus.live.rankd_sim`, so that its
+  ``sim`` backend sleeps for the simulator's ground truth as design.md's sim backend does
+  (``services.rankd.main`` cannot import it; ``VTM_TRUTH=predicted`` asks for that module's
+  prediction-timed sim); ``VTM_BACKEND=torch`` goes to ``services.rankd.main`` unchanged.
 """
 
 from __future__ import annotations
@@ -64,22 +67,23 @@ def run_service_module(module: str, argv: list[str], prog: str) -> None:
 def _service_command(app: typer.Typer, name: str) -> None:
     from vertumnus.live.registry import SERVICES, SIM_RANKD
 
-    info = SERVICES[name]
+    # A standalone rank daemon models the hardware like every other sim rankd (up, compose):
+    # the launcher that wires the ground truth in, not the service module that cannot.
+    info = SIM_RANKD if name == "rankd" else SERVICES[name]
     help_text = (f"Run the {name} service ({info.doc}): `python -m {info.module}` with the "
                  "remaining arguments; settings from VTM_* variables.")
     if name == "rankd":
-        help_text += (" `vertumnus rankd --sim-truth` runs the sim backend timed by the "
-                      f"simulator's ground truth ({SIM_RANKD.module}).")
+        help_text += (" VTM_TRUTH: noisy (default) or exact ground truth, or predicted (the "
+                      f"scheduler's prediction, as {SERVICES['rankd'].module}); VTM_BACKEND="
+                      "torch runs the real engine. --sim-truth (the default now) is accepted.")
 
     @app.command(name=name, help=help_text, context_settings=_PASS_THROUGH,
                  add_help_option=False)
     def _cmd(ctx: typer.Context) -> None:
         args = list(ctx.args)
-        module = info.module
         if name == "rankd" and "--sim-truth" in args:
-            args.remove("--sim-truth")
-            module = SIM_RANKD.module
-        run_service_module(module, args, f"vertumnus {name}")
+            args.remove("--sim-truth")  # what it asked for is the default; scripts keep working
+        run_service_module(info.module, args, f"vertumnus {name}")
 
 
 def register(app: typer.Typer) -> None:

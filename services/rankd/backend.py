@@ -1,14 +1,24 @@
 """Execution backends of a rank daemon: what actually happens when a worker prefills.
 
 :class:`ExecutionBackend` is the seam between the rankd adapter (NATS, FIFO, state, results)
-and execution. Two implementations are planned (design.md, layer 3):
+and execution. Two implementations (design.md, layer 3), chosen by ``VTM_BACKEND``
+(``RankdSettings.backend``) through :data:`BACKENDS`:
 
 * ``sim`` (:class:`SimBackend`, here): computes nothing; sleeps for a modelled time × a time
-  scale. The modelled time comes from a callable given at construction (the lead wires the
-  simulator's ground truth, ``sim.groundtruth``; this module never imports ``sim/``); without
-  one it uses the scheduler's prediction carried by the assignment.
-* ``torch``: real CP prefill over ``services/rankd/engine`` (plugs in later behind the same
-  Protocol).
+  scale. The modelled prefill, KV handoff and first decode times come from callables given at
+  construction. The simulator's ground truth (``sim.groundtruth``) is wired in by
+  :mod:`vertumnus.live.rankd_sim` — what ``vertumnus rankd``, ``vertumnus up`` and
+  docker-compose run — because nothing under ``services/`` imports ``sim/``
+  (tests/sim_engine/test_sim_honesty.py). Without callables (:data:`BACKENDS`' ``sim``, i.e.
+  ``python -m services.rankd.main``) it sleeps for the scheduler's prediction carried by the
+  assignment, with 0 s of KV handoff and first decode: a harness whose time the caller sets
+  through ``predicted_s``, not a model of any hardware.
+* ``torch`` (:class:`services.rankd.torch_backend.TorchBackend`): real CP prefill over
+  ``services/rankd/engine`` on persistent rank processes (one per GPU), KV handoff to a decode
+  role and its first decode step; needs the ``engine`` extra (torch), imported lazily. One
+  worker: :func:`~services.rankd.torch_backend.single_worker_backend`; a host
+  (``VTM_HOST_GPUS``) shares one world among its workers:
+  :func:`~services.rankd.torch_backend.serve_torch_host` (services/rankd/main.py).
 
 Contract: ``prefill`` runs one request to completion (prefill, KV handoff, first decode) and
 returns a :class:`PrefillResult` with measured wall-clock stage durations; it raises
@@ -33,12 +43,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final, Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
 
 from shared.ids import InvalidInput
 from shared.schemas import Assignment
+
+if TYPE_CHECKING:
+    from services.rankd.settings import RankdSettings
 
 DEFAULT_VOCAB: Final[int] = 151_936  # Qwen3's vocabulary: fake tokens stay in a real range
 
@@ -105,8 +119,9 @@ class SimBackend:
     """Sleeps for the modelled time × ``time_scale`` instead of computing.
 
     ``prefill_time`` (optional): modelled prefill seconds for (R, P, C, kind); default: the
-    assignment's ``predicted_s`` (the scheduler's own estimate, for dev runs without a ground
-    truth). ``handoff_time`` (optional): modelled KV handoff seconds for (total tokens, C),
+    assignment's ``predicted_s`` (the scheduler's own estimate: no hardware is modelled, see
+    the module docstring; :mod:`vertumnus.live.rankd_sim` passes the ground truth's).
+    ``handoff_time`` (optional): modelled KV handoff seconds for (total tokens, C),
     reported as ``kv_transfer_s``; default 0. ``first_decode_time`` (optional): modelled first
     decode step for (total tokens, C), reported as ``first_decode_s``; default 0. (A caller
     with only the sum of the two, like ``external_time``, may pass it as ``handoff_time``.)
@@ -228,5 +243,32 @@ class SimBackend:
         self._closed = True
 
 
-BACKENDS: Final[dict[str, Callable[..., ExecutionBackend]]] = {"sim": SimBackend}
-"""Backends by name; ``torch`` registers here when it lands."""
+class BackendFactory(Protocol):
+    """One worker's backend from its rank daemon's settings (``worker_id``, ``kind``, ...)."""
+
+    def __call__(self, settings: RankdSettings) -> ExecutionBackend: ...
+
+
+def sim_backend(settings: RankdSettings) -> ExecutionBackend:
+    """``sim`` as the service builds it alone: timed by each assignment's ``predicted_s``
+    (× ``VTM_TIME_SCALE``), no KV handoff or first decode time. ``services/`` cannot reach the
+    simulator's ground truth; :mod:`vertumnus.live.rankd_sim` builds the ground-truth-timed one."""
+    return SimBackend(kind=settings.kind.value, time_scale=settings.time_scale)
+
+
+def torch_backend(settings: RankdSettings) -> ExecutionBackend:
+    """``torch`` for one worker: a world over exactly its GPUs, started in its degree
+    (blocking: spawns the rank processes)."""
+    # Imported here: torch is the optional 'engine' extra, and importing it is slow.
+    from services.rankd.torch_backend import single_worker_backend
+
+    return single_worker_backend(settings)
+
+
+BACKENDS: Final[Mapping[str, BackendFactory]] = MappingProxyType({
+    "sim": sim_backend,
+    "torch": torch_backend,
+})
+"""Backends by ``VTM_BACKEND`` name (the values ``RankdSettings.backend`` accepts), each as a
+one-worker factory; :func:`services.rankd.main.make_backend` looks them up. NOTE: a torch
+*host* does not build its workers here: they share one world (``serve_torch_host``)."""

@@ -5,9 +5,17 @@ and tracing, builds the backend and runs until SIGINT/SIGTERM: one worker
 (``VTM_WORKER_ID=w-cp4-g0``), or with ``VTM_HOST_GPUS=0-7`` every worker of that GPU range,
 following the epoch record (:mod:`services.rankd.host`).
 
-The ``sim`` backend started this way uses the assignment's predicted time (no ground truth);
-a launcher that wants the simulator's ground truth builds ``SimBackend(prefill_time=...)``
-itself and calls :func:`serve` (``services/`` never imports ``sim/``).
+Timing of the ``sim`` backend started this way: the assignment's ``predicted_s`` (the
+scheduler's own estimate) × ``VTM_TIME_SCALE``, with 0 s of KV transfer and first decode — no
+ground truth, and this is deliberate, not a fallback: nothing under ``services/`` imports
+``sim/``, where the ground truth lives (design.md: services are thin adapters; enforced by
+tests/sim_engine/test_sim_honesty.py), so the service cannot time itself by it. The process logs
+a warning saying so at start. Use it where the caller sets the time through ``predicted_s``
+(tests, harnesses). A rank daemon that models the hardware — design.md's ``sim`` backend,
+"sleeps for the ground-truth time" — is :mod:`vertumnus.live.rankd_sim`: what ``vertumnus
+rankd`` runs by default, and ``vertumnus up`` and docker-compose run (``VTM_TRUTH`` chooses
+noisy / exact ground truth, or ``predicted`` for this module's timing). The torch backend
+computes for real and is the same here and there.
 
 Exit status: 0 after SIGINT/SIGTERM; :data:`WORKER_FAULT_EXIT` after a worker fault (a rank
 process died: the requests were handed back to intake first, see
@@ -22,7 +30,7 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
-from services.rankd.backend import ExecutionBackend, SimBackend
+from services.rankd.backend import BACKENDS, ExecutionBackend
 from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
@@ -37,19 +45,30 @@ WORKER_FAULT_EXIT: Final[int] = 75
 restarted. Any non-zero status makes ``restart: on-failure`` act; this one says why."""
 
 
-def make_backend(settings: RankdSettings) -> ExecutionBackend:
-    """The backend named in settings: ``sim`` or ``torch`` (imported lazily: torch is an extra)."""
-    if settings.backend == "sim":
-        return SimBackend(kind=settings.kind.value, time_scale=settings.time_scale)
-    if settings.backend == "torch":
-        from services.rankd.torch_backend import single_worker_backend
+PREDICTED_TIME_WARNING: Final[str] = (
+    "sim backend timed by each assignment's predicted_s (the scheduler's estimate), with no KV "
+    "transfer or first decode time: no ground truth (services never import sim/); "
+    "`vertumnus rankd` or `python -m vertumnus.live.rankd_sim` times it by the ground truth"
+)
 
-        return single_worker_backend(settings)
-    raise ValueError(f"unknown backend {settings.backend!r}")  # pragma: no cover
+
+def make_backend(settings: RankdSettings) -> ExecutionBackend:
+    """One worker's backend named in settings (:data:`~services.rankd.backend.BACKENDS`):
+    ``sim`` timed by the prediction, or ``torch`` (imported lazily: torch is an extra)."""
+    factory = BACKENDS.get(settings.backend)
+    if factory is None:  # pragma: no cover - the settings' Literal admits only registered names
+        raise ValueError(f"unknown backend {settings.backend!r}")
+    return factory(settings)
 
 
 async def serve(settings: RankdSettings, backend: ExecutionBackend | None = None) -> None:
-    """Run one rank daemon (or, with ``host_gpus``, a host of them) until signalled."""
+    """Run one rank daemon (or, with ``host_gpus``, a host of them) until signalled.
+
+    ``backend`` (one worker only): run on it instead of :func:`make_backend`'s."""
+    if backend is None and settings.backend == "sim":
+        # Said once per process, where an operator looks: a sim pool on this entry point
+        # reports TTFTs that merely echo the scheduler's predictions.
+        structlog.get_logger("vertumnus.rankd").warning(PREDICTED_TIME_WARNING)
     gpus = settings.host_range
     if gpus is not None and settings.backend == "torch":
         from services.rankd.torch_backend import serve_torch_host

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -419,6 +420,107 @@ async def test_main_process_stops_on_sigterm(
             proc.kill()
             proc.wait()
 
+
+
+def _console_spans(stdout: str) -> list[dict]:
+    """The spans an OpenTelemetry ConsoleSpanExporter printed: indented JSON objects, each
+    starting at column 0 (other output is skipped)."""
+    decoder = json.JSONDecoder()
+    spans, offset = [], 0
+    for line in stdout.splitlines(keepends=True):
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                obj, _ = decoder.raw_decode(stdout, offset)
+                if isinstance(obj, dict) and "context" in obj and "attributes" in obj:
+                    spans.append(obj)
+        offset += len(line)
+    return spans
+
+
+async def test_vertumnus_rankd_sleeps_for_the_ground_truth_by_default(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """A standalone ``vertumnus rankd`` on the sim backend (no flag, no VTM_TRUTH) is timed by
+    the simulator's ground truth — prefill (noisy, seed 0), KV handoff and first decode — not
+    by the scheduler's prediction. Checked on the modelled values the process records (its
+    spans) and on the stages it reports, which for the handoff are the modelled times × the
+    time scale; nothing here bounds a wall-clock duration from above."""
+    from sim.groundtruth import DEFAULT_GROUND_TRUTH, NoisyGroundTruth
+
+    scale, wid, length, predicted = 0.01, "w-cp2-g4", 16_384, 100.0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VTM_")}
+    env.update({
+        "VTM_NATS_URL": nats_server.url,
+        "VTM_SUBJECT_PREFIX": uniq,
+        "VTM_WORKER_ID": wid,
+        "VTM_LOG__FORMAT": "json",
+        "VTM_HEARTBEAT_S": "0.2",
+        "VTM_TIME_SCALE": str(scale),
+        "VTM_TELEMETRY__EXPORTER": "console",  # spans on stdout, flushed at exit
+    })
+    proc = subprocess.Popen([sys.executable, "-m", "vertumnus", "rankd"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        s = Subjects(uniq)
+        ready = False
+        for _ in range(400):  # wait (bounded) until the service answers discovery
+            try:
+                info = json.loads((await nc.request("$SRV.INFO.vtm-rankd", b"",
+                                                    timeout=0.5)).data)
+                if info["metadata"].get("prefix") == uniq:
+                    ready = True
+                    break
+            except Exception:
+                await asyncio.sleep(0.05)
+        assert ready, proc.stderr.read1().decode() if proc.stderr else ""
+        sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
+        now = time.time()
+        a = Assignment(
+            request=IntakeRequest(request_id="gt-1", input_len=length, arrival_s=now - 0.01,
+                                  block_hashes=list(range(1, length // 512 + 1))),
+            worker_id=wid, epoch=0, degree=2, prefix_tokens=0, recompute_tokens=length,
+            predicted_s=predicted, dequeued_at_s=now - 0.005, assigned_at_s=now,
+        )
+        await call(nc, s.worker_assign(wid), a, AssignmentAck, timeout_s=WAIT_S)
+        await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+        await sub.unsubscribe()
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, WAIT_S)
+        out, err = proc.communicate()
+        assert rc == 0, err.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    # The ground truth of this request on a fresh worker (P = 0): the process's noise stream
+    # is seeded 0 and this is its first draw; handoff and decode are noise-free.
+    prefill_m = NoisyGroundTruth(DEFAULT_GROUND_TRUTH, seed=0, sigma=0.04).prefill_time(
+        length, 0, 2)
+    kv_m = DEFAULT_GROUND_TRUTH.kv_handoff_time(length, 2)
+    decode_m = DEFAULT_GROUND_TRUTH.surroundings.first_decode_s
+    assert kv_m > 0 and decode_m > 0 and abs(prefill_m - predicted) > 1.0
+
+    (res,) = results
+    assert res.token is not None and res.prefix_tokens == 0
+    assert res.predicted_prefill_s == predicted  # carried, but not what the worker slept for
+    st = res.stages
+    # The KV handoff runs off the worker: its stage is the modelled time × scale, exactly.
+    assert st.kv_transfer_s == pytest.approx(kv_m * scale, rel=1e-9)
+    # The first decode is the modelled step × scale, lengthened only by a late timer; the
+    # prefill slept the modelled time × scale (lower bounds: sleeps never end early).
+    assert st.first_decode_s >= decode_m * scale * (1 - 1e-6)
+    assert st.prefill_s >= prefill_m * scale * 0.9
+
+    spans = {x["name"]: x["attributes"] for x in _console_spans(out.decode())}
+    assert spans["prefill"]["vtm.predicted_s"] == predicted
+    assert spans["prefill"]["vtm.modelled_prefill_s"] == pytest.approx(prefill_m, rel=1e-12)
+    assert spans["kv_transfer"]["vtm.modelled_handoff_s"] == pytest.approx(
+        kv_m + decode_m, rel=1e-12)
+    # No prediction-timed fallback was taken (services.rankd.main warns when it is).
+    from services.rankd.main import PREDICTED_TIME_WARNING
+
+    assert PREDICTED_TIME_WARNING not in err.decode()
 
 async def test_cache_snapshot_and_commands(
     rankd: tuple[RankdService, Gate], nc: Client, uniq: str

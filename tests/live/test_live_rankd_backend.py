@@ -153,3 +153,55 @@ async def test_defaults_to_prediction_and_validates() -> None:
 def test_fake_token_is_stable_and_in_vocab() -> None:
     assert fake_token("abc") == fake_token("abc")
     assert 0 <= fake_token("abc", vocab=10) < 10
+
+
+def test_backend_registry_names_every_backend_the_settings_accept() -> None:
+    """``BACKENDS`` is the lookup behind ``VTM_BACKEND``: both backends, nothing else. On its
+    own (``python -m services.rankd.main``) the sim backend cannot reach the ground truth
+    (services never import ``sim``), so it echoes the prediction with no handoff time."""
+    from typing import get_args
+
+    from services.rankd import main as rankd_main
+    from services.rankd.backend import BACKENDS
+    from services.rankd.settings import RankdSettings
+
+    accepted = set(get_args(RankdSettings.model_fields["backend"].annotation))
+    assert set(BACKENDS) == accepted == {"sim", "torch"}
+    backend = rankd_main.make_backend(RankdSettings(backend="sim", time_scale=0.5))
+    assert isinstance(backend, SimBackend) and backend.time_scale == 0.5
+    assert backend.modelled_stages(assignment(0.25)) == (0.25, 0.0, 0.0)
+
+
+async def test_the_ground_truth_launcher_runs_other_backends_as_the_service_main(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vertumnus rankd`` runs the launcher whatever the backend: ``VTM_BACKEND=torch`` must
+    reach the service main's real engine, not a sim backend."""
+    from services.rankd import main as rankd_main
+    from vertumnus.live import rankd_sim
+
+    seen: list[object] = []
+
+    async def service_serve(settings: object, backend: object = None) -> None:
+        seen.append(settings)
+
+    monkeypatch.setattr(rankd_main, "serve", service_serve)
+    torch_settings = rankd_sim.SimRankdSettings(backend="torch")
+    await rankd_sim.serve(torch_settings)
+    assert seen == [torch_settings]
+
+
+@pytest.mark.parametrize("argv", [["rankd"], ["rankd", "--sim-truth"]])
+def test_vertumnus_rankd_runs_the_ground_truth_launcher(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
+    """By default (``--sim-truth``, the former opt-in, still accepted and dropped)."""
+    from typer.testing import CliRunner
+
+    from vertumnus import cmd_live
+    from vertumnus.cli import app
+
+    ran: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(cmd_live, "run_service_module",
+                        lambda module, args, prog: ran.append((module, args)))
+    res = CliRunner().invoke(app, [*argv, "--extra"])
+    assert res.exit_code == 0, res.output
+    assert ran == [("vertumnus.live.rankd_sim", ["--extra"])]

@@ -9,7 +9,11 @@ prediction. The rank daemon reports each as its own TTFT stage (and span). Each 
 cache holds what the modelled GPUs' HBM leaves for it at its degree
 (``GroundTruth.kv_capacity_blocks``, as the simulator's workers), unless
 ``VTM_KV_TOTAL_BLOCKS`` says otherwise.
-``services/`` never imports ``sim/``; this launcher is where the two meet.
+``services/`` never imports ``sim/``; this launcher is where the two meet. It is what
+``vertumnus rankd`` runs (by default: a standalone rank daemon models the hardware, design.md
+layer 3), and what ``vertumnus up --backend sim`` and docker-compose run. ``VTM_TRUTH=predicted``
+gives back the service module's own timing (the assignment's prediction, no handoff time);
+``VTM_BACKEND=torch`` runs ``services.rankd.main`` unchanged (real compute, no modelled time).
 
 Honesty (design.md): only the *workers* see the ground truth; the scheduler still loads a
 fitted profile and never this module.
@@ -22,12 +26,14 @@ from typing import Literal
 
 from pydantic import Field
 
+from services.rankd import main as rankd_main
 from services.rankd.backend import ExecutionBackend, HandoffTimeFn, SimBackend
 from services.rankd.host import RankdHost
 from services.rankd.main import run_rankd
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import DEFAULT_BLOCK_SIZE
+from shared.servicemain import load_settings
 from shared.worker import GpuGroup, WorkerKind
 
 
@@ -36,9 +42,10 @@ class SimRankdSettings(RankdSettings):
 
     truth: Literal["noisy", "exact", "predicted"] = Field(
         default="noisy",
-        description="Time source of the sim backend: 'noisy' (ground truth × seeded lognormal "
-        "noise, like the simulator's workers), 'exact' (noise-free ground truth), 'predicted' "
-        "(the assignment's predicted time, as services.rankd.main does).",
+        description="Time source of the sim backend: 'noisy' (the default: ground truth × "
+        "seeded lognormal noise, like the simulator's workers), 'exact' (noise-free ground "
+        "truth), 'predicted' (the assignment's predicted time and no KV handoff or first decode "
+        "time, as python -m services.rankd.main does). Ignored by VTM_BACKEND=torch.",
     )
     truth_seed: int = Field(default=0, ge=0, description="Seed of the ground-truth noise.")
     truth_noise: float = Field(
@@ -100,7 +107,13 @@ def backend_factory(settings: SimRankdSettings):  # type: ignore[no-untyped-def]
 
 
 async def serve(settings: SimRankdSettings) -> None:
-    """One worker (``VTM_WORKER_ID``) or a host (``VTM_HOST_GPUS``) until SIGINT/SIGTERM."""
+    """One worker (``VTM_WORKER_ID``) or a host (``VTM_HOST_GPUS``) until SIGINT/SIGTERM.
+
+    A backend other than ``sim`` models nothing: ``services.rankd.main``'s own ``serve`` runs
+    it (so ``vertumnus rankd`` serves ``VTM_BACKEND=torch`` as the service module does)."""
+    if settings.backend != "sim":
+        await rankd_main.serve(settings)
+        return
     make = backend_factory(settings)
     gpus = settings.host_range
     if gpus is not None:
@@ -110,7 +123,8 @@ async def serve(settings: SimRankdSettings) -> None:
 
 
 def main() -> None:
-    run_rankd(SimRankdSettings(), serve)  # a worker fault exits 75, as the real main does
+    # A bad VTM_* value exits 2 naming it; a worker fault exits 75, as the real main does.
+    run_rankd(load_settings(SimRankdSettings, "vertumnus rankd"), serve)
 
 
 if __name__ == "__main__":
