@@ -89,6 +89,9 @@ class PrefillResult:
     finished_at_s: float
     modelled_prefill_s: float
     modelled_handoff_s: float  # KV transfer + first decode
+    rank_compute_s: tuple[float, ...] = ()
+    """Measured compute seconds of each member rank in rank order (the torch engine's time in
+    its step on that rank, wall seconds); empty where the ranks are not processes (sim)."""
 
 
 @runtime_checkable

@@ -628,21 +628,29 @@ class RankdService(MicroService):
 
         Recorded by the leader on behalf of every rank: only the leader sees the request (in
         the sim the other ranks are not processes at all; with the torch engine they follow
-        the leader's broadcast). The ranks of a CP prefill run in lockstep (an all-gather per
-        layer), so each rank's span covers the worker's measured prefill."""
+        the leader's broadcast). Where the backend measured each rank's compute
+        (``PrefillResult.rank_compute_s``, the torch engine) a rank's span lasts that long from
+        the step's start (``vtm.rank_measured`` true, ``vtm.rank_compute_s``), so a straggler
+        rank shows; otherwise (sim) the ranks run in lockstep by construction and each span
+        covers the worker's measured prefill."""
         a = job.executed or job.assignment
         parent = trace.set_span_in_context(prefill_span)
         shares = rank_shares(a.recompute_tokens, a.degree)
+        measured = len(result.rank_compute_s) == len(shares)
         for rank, tokens in enumerate(shares):
-            record_span(Stage.PREFILL_RANK, start_s=result.started_at_s, end_s=prefilled,
-                        parent=parent,
-                        attributes={**ids, "vtm.rank": rank,
-                                    "vtm.gpu": self.core.group.first_gpu + rank,
-                                    "vtm.degree": a.degree, "vtm.rank_tokens": tokens,
-                                    "vtm.rank_share": tokens / a.recompute_tokens,
-                                    "vtm.recompute_tokens": a.recompute_tokens,
-                                    "vtm.prefix_tokens": a.prefix_tokens,
-                                    "vtm.backend": self.backend.name})
+            attrs = {**ids, "vtm.rank": rank, "vtm.gpu": self.core.group.first_gpu + rank,
+                     "vtm.degree": a.degree, "vtm.rank_tokens": tokens,
+                     "vtm.rank_share": tokens / a.recompute_tokens,
+                     "vtm.recompute_tokens": a.recompute_tokens,
+                     "vtm.prefix_tokens": a.prefix_tokens, "vtm.backend": self.backend.name,
+                     "vtm.rank_measured": measured}
+            end = prefilled
+            if measured:
+                compute = result.rank_compute_s[rank]
+                attrs["vtm.rank_compute_s"] = compute
+                end = min(prefilled, result.started_at_s + compute)
+            record_span(Stage.PREFILL_RANK, start_s=result.started_at_s, end_s=end,
+                        parent=parent, attributes=attrs)
 
     def _record_handoff_spans(self, job: Job, result: PrefillResult, prefilled: float,
                               ids: dict[str, str]) -> None:

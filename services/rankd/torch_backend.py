@@ -561,6 +561,7 @@ class TorchBackend:
             finished_at_s=finished,
             modelled_prefill_s=assignment.predicted_s,
             modelled_handoff_s=0.0,
+            rank_compute_s=tuple(r.seconds for r in replies),
         )
 
     def _step(

@@ -12,6 +12,7 @@ import time
 import torch
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
@@ -36,6 +37,7 @@ from shared.schemas import (
 )
 from shared.service import call
 from shared.subjects import Subjects
+from shared.telemetry import Stage
 from shared.worker import GpuGroup, Lifecycle
 
 WAIT_S = 120.0  # hang guard only
@@ -166,9 +168,11 @@ async def test_rankd_host_torch_split_merge(
     assert not any(pool.world.alive())
 
 
-async def test_rankd_single_worker_torch(nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:
+async def test_rankd_single_worker_torch(nats_server: EmbeddedNats, nc: Client, uniq: str,
+                                        spans: InMemorySpanExporter) -> None:
     """``backend=torch`` for one worker (no host mode): the backend owns its world and its
-    decode role; closing the service stops the rank processes."""
+    decode role; closing the service stops the rank processes. Each rank's ``prefill_rank``
+    span lasts that rank's measured compute (the engine's time on that rank)."""
     s = Subjects(uniq)
     settings = RankdSettings(
         nats_url=nats_server.url, subject_prefix=uniq, worker_id="w-cp2-g0", drain_timeout_s=10
@@ -199,6 +203,20 @@ async def test_rankd_single_worker_torch(nats_server: EmbeddedNats, nc: Client, 
         out = backend.outcomes["s-0"]
         assert out.handoff is not None and out.handoff.via == "nats"
         assert out.decode_token == model.greedy_generate(torch.tensor(tokens), 2)[1]
+        finished = spans.get_finished_spans()
+        prefill = next(x for x in finished if x.name == str(Stage.PREFILL)
+                       and x.attributes.get("vtm.request_id") == "s-0")
+        ranks = sorted((x for x in finished if x.name == str(Stage.PREFILL_RANK)
+                        and x.attributes.get("vtm.request_id") == "s-0"),
+                       key=lambda x: x.attributes["vtm.rank"])
+        assert [x.attributes["vtm.rank_compute_s"] for x in ranks] == list(out.engine_s)
+        for x in ranks:
+            assert x.attributes["vtm.rank_measured"] is True
+            assert x.parent.span_id == prefill.context.span_id
+            # Epoch seconds as floats carry ~0.2 µs: the span's ends are that exact.
+            compute_ns = x.attributes["vtm.rank_compute_s"] * 1e9
+            assert x.end_time - x.start_time <= compute_ns + 1000
+            assert x.end_time <= prefill.end_time
     finally:
         svc.request_stop()
         await asyncio.wait_for(task, timeout=WAIT_S)

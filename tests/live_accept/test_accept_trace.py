@@ -175,6 +175,7 @@ async def test_trace_has_a_prefill_span_per_rank(
         assert s.attributes["vtm.rank_tokens"] == shares[k]
         assert s.attributes["vtm.rank_share"] == shares[k] / r
         assert s.attributes["vtm.recompute_tokens"] == r
+        assert s.attributes["vtm.rank_measured"] is False  # sim: no rank processes to time
         # Lockstep ranks: each covers the worker's measured prefill (the prefill span opens
         # just before the backend reads its clock).
         assert prefill.start_time <= s.start_time < s.end_time == prefill.end_time
