@@ -32,6 +32,9 @@ from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 
 PROFILE_SCHEMA_VERSION: Final[int] = 1
 
+KAPPA_FALLBACK_SHARE: Final[float] = 0.7
+"""κ_C of a degree the profile has no κ for, as a share of the window (``Profile.kappa_for``)."""
+
 
 def attention_work(r: int, p: int) -> float:
     """W(R, P) = R·P + R(R+1)/2: query-key pairs left after reusing a P-token prefix (Eq. 1)."""
@@ -97,8 +100,8 @@ class Profile:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise InvalidInput(f"block_size must be >= 1, got {self.block_size}")
-        if self.window_s <= 0:
-            raise InvalidInput(f"window_s must be > 0, got {self.window_s}")
+        if not (self.window_s > 0 and math.isfinite(self.window_s)):
+            raise InvalidInput(f"window_s must be finite and > 0, got {self.window_s}")
         for c, k in self.kappa.items():
             if c < 1 or not (k > 0 and math.isfinite(k)):
                 raise InvalidInput(f"kappa[{c}] must be a positive finite number, got {k!r}")
@@ -118,8 +121,38 @@ class Profile:
         return co.d + co.a * r + co.b * p + (co.c * r + co.alpha * w) / degree
 
     def kappa_for(self, degree: int) -> float:
-        """κ_C; a degree never profiled falls back to 70% of the window (documented default)."""
-        return float(self.kappa.get(degree, 0.7 * self.window_s))
+        """κ_C; a degree never profiled falls back to 70% of the window (documented default).
+
+        The fallback is deliberate: profiles of the torch backend carry no κ, and the live
+        controller runs on them. A caller that wants measured κ for its degrees checks with
+        :meth:`check_degrees` (or :meth:`missing_kappa`) first.
+        """
+        return float(self.kappa.get(degree, KAPPA_FALLBACK_SHARE * self.window_s))
+
+    def missing_kappa(self, degrees: Iterable[int]) -> tuple[int, ...]:
+        """The degrees among ``degrees`` (sorted, each once) that have no κ of their own, i.e.
+        those :meth:`kappa_for` answers with the 0.7·window fallback."""
+        return tuple(sorted({int(c) for c in degrees} - set(self.kappa)))
+
+    def check_degrees(self, degrees: Iterable[int], *, source: str = "profile") -> None:
+        """Raise :class:`InvalidInput` unless every degree in ``degrees`` has a measured κ.
+
+        For a run that sizes its pool from κ (the simulator's sweeps): a profile without κ
+        for a degree in use would silently get the fallback of :meth:`kappa_for`. The message
+        starts with ``source`` (e.g. ``"profile runs/p/profile.json"``) and names the missing
+        degrees and those the profile has.
+        """
+        missing = self.missing_kappa(degrees)
+        if not missing:
+            return
+        have = ", ".join(str(c) for c in sorted(self.kappa)) or "none"
+        raise InvalidInput(
+            f"{source} has no kappa for CP degree(s) {', '.join(map(str, missing))} (it has "
+            f"kappa for: {have}); without it each would be assumed to serve "
+            f"{KAPPA_FALLBACK_SHARE:g} x window_s = {KAPPA_FALLBACK_SHARE * self.window_s:g} s "
+            f"per window. Profile those degrees (vertumnus profile --degrees ...) or run "
+            f"without them"
+        )
 
     def with_kappa(self, kappa: Mapping[int, float]) -> Profile:
         return replace(self, kappa=dict(kappa))
@@ -144,48 +177,174 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
-        try:
-            if data.get("schema_version", PROFILE_SCHEMA_VERSION) != PROFILE_SCHEMA_VERSION:
-                raise InvalidInput(
-                    f"unsupported profile schema_version {data.get('schema_version')!r}"
-                )
-            co = Coefficients(**{k: float(v) for k, v in data["coefficients"].items()})
-            per = {
-                int(c): Coefficients(**{k: float(v) for k, v in d.items()})
-                for c, d in data.get("per_degree", {}).items()
-            }
-            fit = data.get("fit", {}) or {}
-            return cls(
-                coefficients=co,
-                per_degree=per,
-                kappa={int(c): float(k) for c, k in data.get("kappa", {}).items()},
-                window_s=float(data.get("window_s", 20.0)),
-                block_size=int(data.get("block_size", DEFAULT_BLOCK_SIZE)),
-                model=str(data.get("model", "unknown")),
-                hardware=str(data.get("hardware", "unknown")),
-                fit_mape=None if fit.get("mape") is None else float(fit["mape"]),
-                fit_mape_per_degree={
-                    int(c): float(m) for c, m in (fit.get("mape_per_degree") or {}).items()
-                },
-            )
-        except InvalidInput:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise InvalidInput(f"malformed profile: {exc!r}") from exc
+    def from_dict(cls, data: Any, *, source: str = "profile") -> Profile:
+        """The profile a parsed profile file describes (the shape :meth:`to_dict` writes).
+
+        Every value is checked where it is read, so an error names the field in the file's
+        terms, prefixed by ``source`` (e.g. ``"profile runs/p/profile.json: 'coefficients'
+        is missing"``): the file must be an object with a ``coefficients`` object of the five
+        coefficients, each a finite number >= 0, not all of ``d``, ``a``, ``c``, ``alpha``
+        zero (a request with no cached prefix would be predicted to take no time; ``b`` alone
+        only prices cached tokens); ``per_degree`` likewise per CP degree; ``kappa`` a
+        positive finite number per degree; ``window_s`` > 0 and ``block_size`` >= 1.
+        Raises :class:`InvalidInput`. Missing κ for a degree is *not* an error here (see
+        :meth:`kappa_for`, :meth:`check_degrees`).
+        """
+        if not isinstance(data, Mapping):
+            raise InvalidInput(f"{source}: expected a JSON object, got {_json_kind(data)}")
+        version = data.get("schema_version", PROFILE_SCHEMA_VERSION)
+        if isinstance(version, bool) or version != PROFILE_SCHEMA_VERSION:
+            raise InvalidInput(f"{source}: unsupported schema_version {version!r} (this version "
+                               f"reads {PROFILE_SCHEMA_VERSION})")
+        if "coefficients" not in data:
+            raise InvalidInput(f"{source}: 'coefficients' is missing")
+        co = _coefficients(data["coefficients"], f"{source}: coefficients")
+        per = {
+            c: _coefficients(d, f"{source}: per_degree.{c}")
+            for c, d in _degree_items(data.get("per_degree", {}), f"{source}: per_degree")
+        }
+        kappa = {
+            c: _number(k, f"{source}: kappa.{c}", positive=True)
+            for c, k in _degree_items(data.get("kappa", {}), f"{source}: kappa")
+        }
+        fit = data.get("fit", {})
+        if fit is None:
+            fit = {}
+        elif not isinstance(fit, Mapping):
+            raise InvalidInput(f"{source}: 'fit' must be an object, got {_json_kind(fit)}")
+        # The fit's MAPE is a report, not an input to any decision: any number (NaN when a
+        # degree had no samples) or null.
+        mape_all = fit.get("mape")
+        mape_per_raw = fit.get("mape_per_degree") or {}
+        block_size = data.get("block_size", DEFAULT_BLOCK_SIZE)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise InvalidInput(f"{source}: block_size must be an integer >= 1, got "
+                               f"{block_size!r}")
+        return cls(
+            coefficients=co,
+            per_degree=per,
+            kappa=kappa,
+            window_s=_number(data.get("window_s", 20.0), f"{source}: window_s", positive=True),
+            block_size=block_size,
+            model=str(data.get("model", "unknown")),
+            hardware=str(data.get("hardware", "unknown")),
+            fit_mape=None if mape_all is None else _number(
+                mape_all, f"{source}: fit.mape", finite=False),
+            fit_mape_per_degree={
+                c: _number(m, f"{source}: fit.mape_per_degree.{c}", finite=False)
+                for c, m in _degree_items(mape_per_raw, f"{source}: fit.mape_per_degree")
+            },
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> Profile:
+    def load(cls, path: str | Path, *, degrees: Iterable[int] | None = None) -> Profile:
+        """Read a profile file (UTF-8 JSON, :meth:`from_dict`). Raises :class:`InvalidInput`
+        naming the file: missing, a directory, unreadable, not UTF-8, not JSON, or malformed.
+
+        ``degrees``: the CP degrees the caller will run; when given, each must have its own κ
+        (:meth:`check_degrees`). None (the services' use) accepts the fallback of
+        :meth:`kappa_for`.
+        """
+        p = Path(path)
+        where = f"profile {p}"
+        if p.is_dir():
+            raise InvalidInput(f"{where} is a directory, not a profile file")
         try:
-            data = json.loads(Path(path).read_text())
+            raw = p.read_bytes()
         except FileNotFoundError as exc:
-            raise InvalidInput(f"profile file not found: {path}") from exc
+            raise InvalidInput(f"profile file not found: {p}") from exc
+        except OSError as exc:
+            raise InvalidInput(f"cannot read {where}: {exc.strerror or exc}") from exc
+        try:
+            text = raw.decode("utf-8-sig")  # tolerate a byte-order mark
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{where}: not JSON (not valid UTF-8 text)") from None
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise InvalidInput(f"profile file {path} is not JSON: {exc}") from exc
-        return cls.from_dict(data)
+            raise InvalidInput(f"{where}: not JSON ({exc})") from exc
+        except RecursionError:
+            raise InvalidInput(f"{where}: not JSON (nested too deep)") from None
+        prof = cls.from_dict(data, source=where)
+        if degrees is not None:
+            prof.check_degrees(degrees, source=where)
+        return prof
+
+
+def _json_kind(v: Any) -> str:
+    """How a JSON reader would name ``v``'s type, for messages about a file's shape."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"a boolean ({'true' if v else 'false'})"
+    if isinstance(v, (int, float)):
+        return f"a number ({v!r})"
+    if isinstance(v, str):
+        return f"a string ({v!r})"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, Mapping):
+        return "an object"
+    return type(v).__name__
+
+
+def _number(v: Any, where: str, *, positive: bool = False, finite: bool = True) -> float:
+    """``v`` as a float: a JSON number (not a boolean or string), finite unless ``finite`` is
+    False, and > 0 (``positive``) or >= 0 (otherwise; NaN passes only when not ``finite``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidInput(f"{where} must be a number, got {_json_kind(v)}")
+    x = float(v)
+    if not finite:
+        return x
+    if not math.isfinite(x):
+        raise InvalidInput(f"{where} must be finite, got {x!r}")
+    if x < 0 or (positive and x == 0):
+        raise InvalidInput(f"{where} must be {'> 0' if positive else '>= 0'}, got {v!r}")
+    return x
+
+
+def _coefficients(v: Any, where: str) -> Coefficients:
+    """One coefficient set from its JSON object (see :meth:`Profile.from_dict`)."""
+    if not isinstance(v, Mapping):
+        raise InvalidInput(f"{where} must be an object of {', '.join(_COEFF_NAMES)}, got "
+                           f"{_json_kind(v)}")
+    missing = [k for k in _COEFF_NAMES if k not in v]
+    if missing:
+        raise InvalidInput(f"{where} lacks {', '.join(map(repr, missing))}")
+    unknown = sorted(str(k) for k in v if k not in _COEFF_NAMES)
+    if unknown:
+        raise InvalidInput(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; "
+                           f"known: {', '.join(_COEFF_NAMES)}")
+    co = Coefficients(**{k: _number(v[k], f"{where}.{k}") for k in _COEFF_NAMES})
+    # With R >= 1 and C >= 1, Ê > 0 for every request exactly when one of these is > 0
+    # (W(R, P) >= 1); b alone prices only cached tokens, and a request may have none.
+    if not (co.d > 0 or co.a > 0 or co.c > 0 or co.alpha > 0):
+        raise InvalidInput(f"{where}: d, a, c and alpha are all 0, so a request without a "
+                           f"cached prefix would be predicted to take no time; at least one "
+                           f"must be > 0")
+    return co
+
+
+def _degree_items(v: Any, where: str) -> list[tuple[int, Any]]:
+    """The (CP degree, value) pairs of a JSON object keyed by degree (``{"2": ...}``)."""
+    if not isinstance(v, Mapping):
+        raise InvalidInput(f"{where} must be an object keyed by CP degree, got {_json_kind(v)}")
+    out: list[tuple[int, Any]] = []
+    for key, value in v.items():
+        try:
+            c = int(key)
+        except (TypeError, ValueError):
+            c = 0
+        if c < 1 or str(key).strip() != str(c):
+            raise InvalidInput(f"{where}: key {key!r} is not a CP degree (an integer >= 1)")
+        out.append((c, value))
+    return out
+
+
+_COEFF_NAMES: Final[tuple[str, ...]] = ("d", "a", "b", "c", "alpha")
 
 
 DEFAULT_PROFILE: Final[Profile] = Profile()

@@ -24,7 +24,9 @@ and only holds while neither is given). The calibration's kernel efficiencies (`
 
 Every value is checked (a number where a number belongs, finite, positive unless the field may
 be 0) and the result must be usable: a model whose weights leave no room for KV in the memory
-GPU is an error. Errors are :class:`~shared.ids.InvalidInput` naming the file and the key.
+GPU is an error, and so is one whose heads do not fit grouped-query attention (``q_heads`` a
+multiple of ``kv_heads``). Errors are :class:`~shared.ids.InvalidInput` naming the file and
+the key.
 
 The simulator's policies never see this file: they get the profile fitted on the ground truth
 it describes (``sim.profiling``), as with the default hardware.
@@ -141,6 +143,20 @@ def _gpu(where: str, data: Any) -> GpuSpec:
     return _build(GpuSpec, where, table, base)
 
 
+def _check_heads(where: str, model: ModelSpec) -> None:
+    """Grouped-query attention: each KV head serves the same whole number of query heads, so
+    ``kv_heads`` <= ``q_heads`` and ``q_heads`` is a multiple of ``kv_heads`` (the ground
+    truth's KV sizes and TP sharding assume it; ``ModelSpec`` itself only checks >= 1)."""
+    if model.kv_heads > model.q_heads:
+        raise InvalidInput(f"{where}.kv_heads: {model.kv_heads} KV heads exceed the "
+                           f"{model.q_heads} query heads (q_heads); a model has at most one KV "
+                           f"head per query head")
+    if model.q_heads % model.kv_heads:
+        raise InvalidInput(f"{where}.q_heads: {model.q_heads} query heads are not a multiple "
+                           f"of the {model.kv_heads} KV heads (kv_heads); grouped-query "
+                           f"attention gives every KV head the same number of query heads")
+
+
 def ground_truth_from_mapping(data: Any, *, source: str = "hardware") -> GroundTruth:
     """The ground truth a hardware mapping describes (module docstring); ``source`` names it
     in errors. Raises :class:`InvalidInput` naming the key of the first bad value."""
@@ -155,8 +171,10 @@ def ground_truth_from_mapping(data: Any, *, source: str = "hardware") -> GroundT
         memory_gpu = _gpu(f"{source}: memory_gpu", data["memory_gpu"])
     else:
         memory_gpu = gpu if "gpu" in data else base.memory_gpu
+    model = _build(ModelSpec, f"{source}: model", data.get("model", {}))
+    _check_heads(f"{source}: model", model)
     truth = GroundTruth(
-        model=_build(ModelSpec, f"{source}: model", data.get("model", {})),
+        model=model,
         gpu=gpu,
         memory_gpu=memory_gpu,
         calibration=_build(Calibration, f"{source}: calibration", data.get("calibration", {})),
@@ -177,19 +195,37 @@ def ground_truth_from_mapping(data: Any, *, source: str = "hardware") -> GroundT
 
 
 def load_ground_truth(path: str | Path) -> GroundTruth:
-    """Read a hardware file (``.json`` or ``.toml``); see the module docstring."""
+    """Read a hardware file (``.json`` or ``.toml``, UTF-8); see the module docstring.
+
+    Raises :class:`InvalidInput` naming the file: missing, a directory, another suffix, not
+    UTF-8 (with the line), not valid JSON/TOML, or a bad value (with the key).
+    """
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise InvalidInput(f"hardware file {p} is a directory, not a file")
+    if not p.exists():
         raise InvalidInput(f"hardware file not found: {p}")
+    if not p.is_file():
+        raise InvalidInput(f"hardware file {p} is not a regular file")
     suffix = p.suffix.lower()
+    if suffix not in (".json", ".toml"):
+        # Checked before reading: the suffix decides the parser, so say what it is rather
+        # than report a parse error in a format the file never claimed.
+        has = f"the suffix {p.suffix!r}" if suffix else "no suffix"
+        raise InvalidInput(f"{p}: a hardware file is .json or .toml; this one has {has}")
     try:
-        if suffix == ".json":
-            data = json.loads(p.read_text(encoding="utf-8"))
-        elif suffix == ".toml":
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        else:
-            raise InvalidInput(f"{p}: a hardware file is .json or .toml, not {suffix or 'none'}")
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, TOMLDecodeError
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise InvalidInput(f"cannot read hardware file {p}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark (some editors write one) is fine
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise InvalidInput(f"{p}:{line}: not valid UTF-8 text (byte 0x{raw[exc.start]:02x}); "
+                           f"a hardware file is UTF-8 {suffix[1:].upper()}") from None
+    try:
+        data = json.loads(text) if suffix == ".json" else tomllib.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, TOMLDecodeError; "[[[[..."
         raise InvalidInput(f"{p}: not valid {suffix[1:].upper()}: {exc}") from None
     return ground_truth_from_mapping(data, source=str(p))
 

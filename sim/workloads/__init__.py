@@ -16,6 +16,7 @@ from sim.workloads.azure import read_azure
 from sim.workloads.errors import TraceFormatError
 from sim.workloads.leval import read_leval
 from sim.workloads.mooncake import read_mooncake
+from sim.workloads.parsing import first_nonblank_line
 from sim.workloads.stats import oracle_reuse, workload_stats
 from sim.workloads.synthetic import Phase, SyntheticConfig, generate
 from sim.workloads.workload import Request, Workload, scale_rate, truncate
@@ -43,21 +44,24 @@ def load_workload(
     """Load a workload from a path, choosing the reader by content, or ``"synthetic"``.
 
     ``*.csv`` → Azure; JSONL whose first row has ``doc_sha1`` → L-Eval (needs ``rate``, req/s);
-    other JSONL → Mooncake. ``rate`` for the other formats rescales arrivals to that mean
+    other JSONL → Mooncake (two or more requests all at one instant are an error there; see
+    :func:`read_mooncake`). ``rate`` for the other formats rescales arrivals to that mean
     rate (Mooncake/Azure) or sets the synthetic base rate. Extra keyword arguments go to the
-    reader.
+    reader. Bad input (a missing file, a directory, a malformed or non-UTF-8 trace) is
+    :class:`InvalidInput` (:class:`TraceFormatError` naming file:line where it has one).
     """
     if str(spec) == "synthetic":
         cfg = SyntheticConfig(rate=rate) if rate is not None else SyntheticConfig()
         return generate(cfg, seed=seed, **kwargs)
     path = Path(spec)
+    if path.is_dir():
+        raise InvalidInput(f"workload {spec!r} is a directory, not a trace file")
     if not path.is_file():
         raise InvalidInput(f"workload {spec!r} is neither 'synthetic' nor an existing file")
     if path.suffix.lower() == ".csv":
         wl = read_azure(path, **kwargs)
     else:
-        with path.open(encoding="utf-8") as fh:
-            first = next((line for line in fh if line.strip()), "")
+        first = first_nonblank_line(path)  # bad UTF-8 here is a TraceFormatError, too
         if '"doc_sha1"' in first:
             if rate is None:
                 raise InvalidInput(f"{path}: L-Eval has no arrival times; give a rate (req/s)")
@@ -76,6 +80,7 @@ __all__ = [
     "TraceFormatError",
     "Workload",
     "default_traces_dir",
+    "first_nonblank_line",
     "generate",
     "load_workload",
     "oracle_reuse",

@@ -9,12 +9,15 @@ hashes (it is treated as uncached; oracle reuse is 0). Rows must be in time orde
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterator
+from contextlib import closing
 from datetime import datetime
 from pathlib import Path
 
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 from sim.workloads.blocks import chain
 from sim.workloads.errors import TraceFormatError
+from sim.workloads.parsing import check_arrivals_vary, iter_lines
 from sim.workloads.workload import Request, Workload, truncate
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -46,6 +49,25 @@ def _int_cell(value: str | None, column: str, path: Path, line: int, minimum: in
     return v
 
 
+def _csv_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """(line number, cells) of each CSV record of ``path``, the header included.
+
+    Lines are decoded one by one (:func:`~sim.workloads.parsing.iter_lines`) so that bad UTF-8
+    is a :class:`TraceFormatError` naming its line; the csv reader counts the lines it pulls,
+    so ``line_num`` stays the file's line number (a record's last line if it spans several).
+    """
+    with closing(iter_lines(path)) as numbered:
+        reader = csv.reader(text for _, text in numbered)
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:  # e.g. a bare carriage return inside an unquoted field
+                raise TraceFormatError(path, reader.line_num, f"not valid CSV ({exc})") from None
+            yield reader.line_num, row
+
+
 def read_azure(
     path: str | Path,
     *,
@@ -57,35 +79,38 @@ def read_azure(
 ) -> Workload:
     """Read an Azure 2023 CSV trace. Request ids ``{name}-{row index}``; unique block hashes.
 
-    Rows with ContextTokens = 0 are rejected (a prefill needs at least one token).
+    Rows with ContextTokens = 0 are rejected (a prefill needs at least one token), and so is
+    a file whose two or more rows all have one TIMESTAMP (no arrival process to replay,
+    :func:`~sim.workloads.parsing.check_arrivals_vary`). Errors are
+    :class:`TraceFormatError` naming file:line (bad UTF-8 included).
     """
     path = Path(path)
     if block_size < 1:
         raise InvalidInput(f"block_size must be >= 1, got {block_size}")
     name = name or path.stem
-    try:
-        fh = path.open(newline="", encoding="utf-8")
-    except OSError as exc:
-        raise InvalidInput(f"cannot open trace {path}: {exc}") from exc
     reqs: list[Request] = []
     t0: float | None = None
+    first_stamp = ""
     prev = float("-inf")
     read_all = start_s is None and end_s is None
-    with fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if header is None:
+    seen = 0  # data rows read, including those only scanned past max_requests
+    varied = False  # some TIMESTAMP differs from the first one
+    with closing(_csv_rows(path)) as records:
+        first = next(records, None)
+        if first is None:
             raise TraceFormatError(path, 1, "empty file (expected a header)")
-        header = [h.strip() for h in header]
+        header = [h.strip() for h in first[1]]
         missing = [c for c in COLUMNS if c not in header]
         if missing:
-            raise TraceFormatError(path, 1, f"header lacks column(s) {missing}; got {header}")
+            raise TraceFormatError(
+                path, first[0], f"header lacks column(s) {missing}; got {header}"
+            )
         col = {c: header.index(c) for c in COLUMNS}
-        for row in reader:
-            line = reader.line_num
+        for line, row in records:
             if not row or all(not cell.strip() for cell in row):
                 continue
-            if read_all and max_requests is not None and len(reqs) >= max_requests:
+            scanning = read_all and max_requests is not None and len(reqs) >= max_requests
+            if scanning and (varied or t0 is None):
                 break
             if len(row) != len(header):
                 raise TraceFormatError(path, line, f"expected {len(header)} fields, got {len(row)}")
@@ -100,13 +125,21 @@ def read_azure(
                     path, line, "TIMESTAMP goes backwards (rows must be in time order)"
                 )
             prev = t
+            seen += 1
             if t0 is None:
-                t0 = t
+                t0, first_stamp = t, row[col["TIMESTAMP"]].strip()
+            varied = varied or t != t0
+            if scanning:
+                # Past max_requests: read on (timestamps only) until one differs, so that
+                # stopping early neither hides a file of one instant nor rejects a burst.
+                continue
             inp = _int_cell(row[col["ContextTokens"]], "ContextTokens", path, line, 1)
             out = _int_cell(row[col["GeneratedTokens"]], "GeneratedTokens", path, line, 0)
             rid = f"{name}-{len(reqs)}"
             hashes = chain(("azure", rid, j) for j in range(inp // block_size))
             reqs.append(Request(rid, t - t0, inp, out, hashes))
+    check_arrivals_vary(path, "azure", requests=seen, varied=varied,
+                        shown=f"TIMESTAMP {first_stamp}")
     wl = Workload.from_requests(
         name,
         reqs,

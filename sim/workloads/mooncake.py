@@ -18,7 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
-from sim.workloads.parsing import hash_ids_field, int_field, iter_jsonl
+from sim.workloads.parsing import (
+    check_arrivals_vary,
+    hash_ids_field,
+    int_field,
+    iter_jsonl,
+)
 from sim.workloads.workload import Request, Workload, truncate
 
 
@@ -74,6 +79,11 @@ def read_mooncake(
     timestamps. ``max_requests`` / ``start_s`` / ``end_s`` truncate (see :func:`truncate`;
     ``max_requests`` alone stops reading early). Request ids are ``{name}-{index}`` with the
     0-based record index.
+
+    Raises :class:`~sim.workloads.errors.TraceFormatError` naming file:line for a bad line
+    (bad JSON or UTF-8, a missing or ill-typed field) and naming the file when two or more
+    records all share one timestamp (:func:`~sim.workloads.parsing.check_arrivals_vary`; an
+    L-Eval file read as Mooncake) unless ``tick_s`` > 0 asks for that tick to be spread.
     """
     path = Path(path)
     if block_size < 1:
@@ -84,16 +94,30 @@ def read_mooncake(
     stamps: list[int] = []
     rows: list[tuple[int, int, tuple[int, ...], str | None]] = []
     read_all = start_s is None and end_s is None
+    seen = 0  # records read, including those only scanned past max_requests
+    varied = False  # some timestamp differs from the first one
     for line_no, row in iter_jsonl(path):
         if read_all and max_requests is not None and len(rows) >= max_requests:
-            break
+            if varied or not stamps:
+                break
+            # Stopping early must neither hide a file whose timestamps are all equal nor
+            # reject one whose first requests merely share a tick: read on (timestamps only)
+            # until one differs, which for a timed trace is at most one tick further.
+            seen += 1
+            varied = int_field(row, "timestamp", path, line_no, 0) != stamps[0]
+            continue
         ts = int_field(row, "timestamp", path, line_no, 0)
         inp = int_field(row, "input_length", path, line_no, 1)
         out = int_field(row, "output_length", path, line_no, 0)
         hids = hash_ids_field(row, inp, block_size, path, line_no)
         session = row.get("session_id")
+        seen += 1
+        varied = varied or (bool(stamps) and ts != stamps[0])
         stamps.append(ts)
         rows.append((inp, out, hids, None if session is None else str(session)))
+    if stamps and not tick_s:
+        check_arrivals_vary(path, "mooncake", requests=seen, varied=varied,
+                            shown=f"timestamp {stamps[0]} ms")
     ts_arr = np.array(stamps, dtype=np.int64)
     tick_ms = detect_tick_ms(ts_arr) if tick_s is None else tick_s * 1000.0
     arrivals = spread_within_ticks(ts_arr, tick_ms, np.random.default_rng(seed))

@@ -1,7 +1,8 @@
-"""Line-level parsing helpers shared by the JSONL readers; every failure names file:line."""
+"""Line-level parsing helpers shared by the trace readers; every failure names file:line."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,25 +11,128 @@ from typing import Any
 from shared.ids import InvalidInput
 from sim.workloads.errors import TraceFormatError
 
+_BOM = "\ufeff"
+
+
+# Leading bytes of files that are not text traces, for a message that says what the file is.
+_SIGNATURES: tuple[tuple[bytes, str], ...] = (
+    (b"\x1f\x8b", "a gzip-compressed file; decompress it first"),
+    (b"PK\x03\x04", "a zip archive; extract the trace first"),
+    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file; decompress it first"),
+    (b"BZh", "a bzip2-compressed file; decompress it first"),
+    (b"\xfd7zXZ\x00", "an xz-compressed file; decompress it first"),
+    (b"\xff\xfe", "UTF-16 text; save it as UTF-8"),
+    (b"\xfe\xff", "UTF-16 text; save it as UTF-8"),
+)
+_SNIFF_BYTES = 8192
+
+
+def open_trace(path: Path) -> io.BufferedReader:
+    """``path`` opened for binary reading, after a look at its first bytes.
+
+    Raises :class:`InvalidInput` (never a raw ``OSError``) when it is a directory or cannot be
+    opened, and :class:`TraceFormatError` naming the file when it is plainly not text: a
+    compressed file or archive, UTF-16, or binary data (a NUL byte, which text never has).
+    """
+    if path.is_dir():
+        raise InvalidInput(f"{path} is a directory, not a trace file")
+    try:
+        fh = path.open("rb")
+    except OSError as exc:
+        raise InvalidInput(f"cannot open trace {path}: {exc}") from exc
+    try:
+        head = fh.peek(_SNIFF_BYTES)[:_SNIFF_BYTES]
+    except OSError as exc:
+        fh.close()
+        raise InvalidInput(f"cannot read trace {path}: {exc}") from exc
+    problem = next((what for magic, what in _SIGNATURES if head.startswith(magic)), None)
+    if problem is None and b"\0" in head:
+        problem = "binary data (it has NUL bytes)"
+    if problem is not None:
+        fh.close()
+        raise TraceFormatError(path, None, f"not a text trace: {problem}")
+    return fh
+
+
+def decode_line(raw: bytes, path: Path, line_no: int) -> str:
+    """One line of a trace as text, or a :class:`TraceFormatError` naming ``path:line_no``.
+
+    Traces are UTF-8. A NUL byte never occurs in a text trace (binary data has them), so it
+    gets its own message rather than a decoding error. A UTF-8 byte-order mark on line 1 is
+    dropped (spreadsheet exports write one).
+    """
+    if b"\0" in raw:
+        raise TraceFormatError(path, line_no, "has a NUL byte: binary data, not UTF-8 text")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(
+            path, line_no,
+            f"not valid UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start} of the line)",
+        ) from None
+    if line_no == 1 and text.startswith(_BOM):
+        text = text[len(_BOM):]
+    return text
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Yield (1-based line number, text with its line ending) for every line of ``path``.
+
+    Lines are read as bytes and decoded one by one (:func:`decode_line`) so that a bad byte is
+    reported with its line, which a text-mode file object cannot do. Lines end at ``\\n``
+    (``\\r\\n`` keeps its ``\\r``, which the JSON and CSV parsers accept).
+    """
+    with open_trace(path) as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            yield line_no, decode_line(raw, path, line_no)
+
+
+def first_nonblank_line(path: Path) -> str:
+    """The first line of ``path`` with something on it ("" for an empty file), for telling
+    formats apart; bad bytes up to that line are :class:`TraceFormatError` as in
+    :func:`iter_lines`."""
+    for _, text in iter_lines(path):
+        if text.strip():
+            return text
+    return ""
+
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (1-based line number, object) for each non-blank line; bad JSON (a truncated
-    last line included) is a :class:`TraceFormatError` naming the line."""
-    try:
-        fh = path.open(encoding="utf-8")
-    except OSError as exc:
-        raise InvalidInput(f"cannot open trace {path}: {exc}") from exc
-    with fh:
-        for line_no, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(path, line_no, f"not valid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise TraceFormatError(path, line_no, "a line must be a JSON object")
-            yield line_no, row
+    last line included) or bad UTF-8 is a :class:`TraceFormatError` naming the line."""
+    for line_no, text in iter_lines(path):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(path, line_no, f"not valid JSON ({exc.msg})") from exc
+        except RecursionError:  # "[[[[...": nested deeper than the parser can go
+            raise TraceFormatError(path, line_no, "not valid JSON (nested too deep)") from None
+        if not isinstance(row, dict):
+            raise TraceFormatError(path, line_no, "a line must be a JSON object")
+        yield line_no, row
+
+
+def check_arrivals_vary(path: Path, fmt: str, *, requests: int, varied: bool, shown: str) -> None:
+    """Reject a trace whose two or more requests all arrive at the same instant.
+
+    Such a file has no arrival process to replay (every request would be queued at once,
+    which measures nothing the trace stands for). The usual cause is a benchmark file without
+    arrival times read as a timed trace, e.g. an L-Eval file (timestamps all 0) read with
+    ``--format mooncake``. A single request, or a burst inside a trace that also has other
+    times, is fine. ``requests``: how many records the file has (as far as it was read);
+    ``varied``: whether any of their times differs from the first; ``fmt``: the format it was
+    read as; ``shown``: the shared time as the file writes it (``"timestamp 0 ms"``).
+    """
+    if varied or requests < 2:
+        return
+    raise TraceFormatError(
+        path, None,
+        f"all {requests} requests have the same arrival time ({shown}) when read as {fmt}, "
+        f"so there is no arrival process to replay; for a file without arrival times (such "
+        f"as L-Eval) use --format leval, which draws Poisson arrivals at --rate",
+    )
 
 
 def int_field(row: dict[str, Any], key: str, path: Path, line: int, minimum: int) -> int:

@@ -113,10 +113,100 @@ def test_malformed_profile_file_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(InvalidInput, match="not JSON"):
         Profile.load(bad)
     bad.write_text(json.dumps({"coefficients": {"d": 1}}))
-    with pytest.raises(InvalidInput, match="malformed"):
+    with pytest.raises(InvalidInput, match=r"coefficients lacks 'a', 'b', 'c', 'alpha'"):
         Profile.load(bad)
     with pytest.raises(InvalidInput, match="not found"):
         Profile.load(tmp_path / "missing.json")
     with pytest.raises(InvalidInput):
         Profile(kappa={2: -1.0})
     assert math.isfinite(Profile().predict(1, 0, 1))
+
+
+GOOD = {"coefficients": ROUND.as_dict(), "kappa": {"2": 11.5}}
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ([1, 2], "expected a JSON object, got a list"),
+        ("x", "expected a JSON object, got a string ('x')"),
+        ({"kappa": {"2": 1.0}}, "'coefficients' is missing"),
+        ({"coefficients": [1, 2, 3, 4, 5]}, "coefficients must be an object of d, a, b, c, "
+                                            "alpha, got a list"),
+        ({"coefficients": {**ROUND.as_dict(), "e": 1.0}}, "coefficients has unknown key(s) 'e'"),
+        ({"coefficients": {**ROUND.as_dict(), "a": -1e-4}}, "coefficients.a must be >= 0"),
+        ({"coefficients": {**ROUND.as_dict(), "d": float("nan")}},
+         "coefficients.d must be finite"),
+        ({"coefficients": {**ROUND.as_dict(), "alpha": float("inf")}},
+         "coefficients.alpha must be finite"),
+        ({"coefficients": {**ROUND.as_dict(), "b": "1e-5"}},
+         "coefficients.b must be a number, got a string"),
+        ({"coefficients": {**ROUND.as_dict(), "c": True}}, "coefficients.c must be a number"),
+        ({"coefficients": dict.fromkeys("dabc", 0.0) | {"alpha": 0.0}},
+         "coefficients: d, a, c and alpha are all 0"),
+        ({"coefficients": dict.fromkeys("dac", 0.0) | {"b": 1e-5, "alpha": 0.0}},
+         "coefficients: d, a, c and alpha are all 0"),
+        ({**GOOD, "per_degree": {"4": {**ROUND.as_dict(), "d": -0.1}}},
+         "per_degree.4.d must be >= 0"),
+        ({**GOOD, "per_degree": {"four": ROUND.as_dict()}},
+         "per_degree: key 'four' is not a CP degree"),
+        ({**GOOD, "per_degree": {"0": ROUND.as_dict()}}, "per_degree: key '0' is not a CP"),
+        ({**GOOD, "per_degree": [ROUND.as_dict()]}, "per_degree must be an object keyed by CP"),
+        ({**GOOD, "kappa": {"2": -1.0}}, "kappa.2 must be > 0"),
+        ({**GOOD, "kappa": {"2": None}}, "kappa.2 must be a number, got null"),
+        ({**GOOD, "kappa": [11.5]}, "kappa must be an object keyed by CP degree, got a list"),
+        ({**GOOD, "window_s": 0}, "window_s must be > 0"),
+        ({**GOOD, "window_s": float("nan")}, "window_s must be finite"),
+        ({**GOOD, "block_size": 0}, "block_size must be an integer >= 1"),
+        ({**GOOD, "block_size": 512.5}, "block_size must be an integer >= 1"),
+        ({**GOOD, "fit": [0.1]}, "'fit' must be an object, got a list"),
+        ({**GOOD, "fit": {"mape": "low"}}, "fit.mape must be a number"),
+        ({**GOOD, "schema_version": 2}, "unsupported schema_version 2"),
+    ],
+)
+def test_a_bad_profile_file_names_the_file_and_field(tmp_path, data, words: str) -> None:
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(data))
+    with pytest.raises(InvalidInput) as ei:
+        Profile.load(f)
+    msg = str(ei.value)
+    assert msg.startswith(f"profile {f}: "), msg
+    assert words in msg, msg
+    # No Python exception text leaks into the message.
+    for leak in ("Error(", "object has no attribute", "positional argument", "KeyError"):
+        assert leak not in msg, msg
+
+
+def test_a_profile_file_that_is_not_json_text(tmp_path) -> None:
+    f = tmp_path / "p.json"
+    f.write_bytes(b'{"coefficients": \xff}')
+    with pytest.raises(InvalidInput, match=r"p\.json: not JSON \(not valid UTF-8 text\)"):
+        Profile.load(f)
+    with pytest.raises(InvalidInput, match="is a directory, not a profile file"):
+        Profile.load(tmp_path)
+    # A byte-order mark is tolerated; b alone may be 0 and so may all but one coefficient.
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps(
+        {"coefficients": {"d": 0, "a": 0, "b": 0, "c": 0, "alpha": 1e-9}}).encode())
+    assert Profile.load(f).predict(1, 0, 1) > 0
+
+
+def test_missing_kappa_is_reported_and_checkable(tmp_path) -> None:
+    prof = Profile(coefficients=ROUND, kappa={2: 11.5})
+    f = tmp_path / "profile.json"
+    prof.save(f)
+    loaded = Profile.load(f)  # the services' use: the documented fallback stays
+    assert loaded.kappa_for(4) == pytest.approx(0.7 * loaded.window_s)
+    assert loaded.missing_kappa([8, 2, 4, 4]) == (4, 8)
+    assert loaded.missing_kappa([2]) == ()
+    loaded.check_degrees([2])
+    with pytest.raises(InvalidInput) as ei:
+        loaded.check_degrees([2, 4, 8], source=f"profile {f}")
+    msg = str(ei.value)
+    assert msg.startswith(f"profile {f} has no kappa for CP degree(s) 4, 8 (it has kappa for: 2)")
+    with pytest.raises(InvalidInput, match=r"has no kappa for CP degree\(s\) 4 "):
+        Profile.load(f, degrees=[2, 4])
+    assert Profile.load(f, degrees=[2]) == prof
+    none = Profile(coefficients=ROUND)
+    with pytest.raises(InvalidInput, match=r"profile has no kappa for CP degree\(s\) 2, 4 "
+                                           r"\(it has kappa for: none\)"):
+        none.check_degrees((2, 4))

@@ -108,6 +108,10 @@ def run_profile_quiet(truth: GroundTruth, *, per_degree: bool = False) -> Any:
     ({"model": {"layers": True}}, "model.layers: must be a number"),
     ({"model": {"name": ""}}, "model.name: must be a non-empty string"),
     ({"model": {"top_k": 200}}, "top_k 200 exceeds experts 128"),
+    ({"model": {"kv_heads": 64}}, "model.kv_heads: 64 KV heads exceed the 32 query heads"),
+    ({"model": {"q_heads": 8, "kv_heads": 16}}, "model.kv_heads: 16 KV heads exceed the 8"),
+    ({"model": {"q_heads": 30, "kv_heads": 4}},
+     "model.q_heads: 30 query heads are not a multiple of the 4 KV heads"),
     ({"model": {"weight_bytes": 1e12}}, "not a usable ground truth"),
     ({"calibration": {"beta_ag": 0}}, "calibration.beta_ag: must be > 0"),
     ({"calibration": {"d_cp": -0.1}}, "calibration.d_cp: must be >= 0"),
@@ -141,3 +145,38 @@ def test_bad_files_name_the_file(tmp_path: Path) -> None:
     truncated.write_text('{"gpu": "H2')
     with pytest.raises(InvalidInput, match=r"hw\.json: not valid JSON"):
         load_ground_truth(truncated)
+
+
+def test_grouped_query_heads_that_fit_are_accepted() -> None:
+    assert ground_truth_from_mapping({"model": {"q_heads": 32, "kv_heads": 32}}).model.kv_heads \
+        == 32  # multi-head attention: one KV head per query head
+    assert ground_truth_from_mapping({"model": {"q_heads": 64, "kv_heads": 8}}).model.q_heads \
+        == 64
+
+
+def test_a_file_that_is_not_a_hardware_file_says_what_it_is(tmp_path: Path) -> None:
+    bare = tmp_path / "afile"
+    bare.write_text("{}")
+    with pytest.raises(InvalidInput) as exc:
+        load_ground_truth(bare)
+    assert str(exc.value) == f"{bare}: a hardware file is .json or .toml; this one has no suffix"
+    yaml = tmp_path / "hw.yaml"
+    yaml.write_text("gpu: H200\n")
+    with pytest.raises(InvalidInput) as exc:
+        load_ground_truth(yaml)
+    assert "YAML" not in str(exc.value)  # it was never parsed as YAML
+    assert str(exc.value).endswith("this one has the suffix '.yaml'"), exc.value
+    with pytest.raises(InvalidInput) as exc:
+        load_ground_truth(tmp_path)
+    assert str(exc.value) == f"hardware file {tmp_path} is a directory, not a file"
+    bad = tmp_path / "hw.json"
+    bad.write_bytes(b'{"gpu":\n "H2\xff00"}')
+    with pytest.raises(InvalidInput, match=r"hw\.json:2: not valid UTF-8 text \(byte 0xff\)"):
+        load_ground_truth(bad)
+    heads = tmp_path / "heads.toml"
+    heads.write_text("[model]\nq_heads = 32\nkv_heads = 64\n")
+    with pytest.raises(InvalidInput, match=r"heads\.toml: model\.kv_heads: 64 KV heads exceed"):
+        load_ground_truth(heads)
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"gpu": "H200"}).encode())
+    assert load_ground_truth(bom).gpu == H200
