@@ -41,6 +41,7 @@ from sim.hardware import ground_truth_to_mapping
 from sim.metrics import QWEN3_SLO, SloTable, slo_attainment, slo_to_dict
 from sim.workloads import (
     default_traces_dir,
+    first_nonblank_line,
     generate,
     load_workload,
     read_azure,
@@ -61,14 +62,36 @@ RESULT_KEYS = (
 
 
 # --- inputs ----------------------------------------------------------------------------------
+TRACE_FORMATS: tuple[str, ...] = ("auto", "mooncake", "azure", "leval", "synthetic")
+"""What ``--format`` takes: a trace file's reader, ``auto`` (detected) or ``synthetic``."""
+
+
+def check_trace_format(trace: str, fmt: str) -> None:
+    """Raise :class:`InvalidInput` for a format that is not one of :data:`TRACE_FORMATS`, or
+    one that contradicts the trace: ``synthetic`` generates its requests, so a trace file
+    with it would be ignored; a file format needs a file, not ``--trace synthetic``."""
+    if fmt not in TRACE_FORMATS:
+        raise InvalidInput(f"unknown --format {fmt!r}; use {'|'.join(TRACE_FORMATS)}")
+    if fmt == "synthetic" and trace != "synthetic":
+        raise InvalidInput(f"--format synthetic generates its requests, so --trace {trace} "
+                           "would be ignored; give one or the other")
+    if trace == "synthetic" and fmt not in ("auto", "synthetic"):
+        raise InvalidInput(f"--format {fmt} reads a trace file, but --trace is 'synthetic'; "
+                           "give the file with --trace")
+
+
 def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
                max_requests: int | None) -> Workload:
-    """Read ``trace`` ('synthetic' or a file) with the named or detected format."""
-    if trace == "synthetic" or fmt == "synthetic":
+    """Read ``trace`` ('synthetic' or a file) with the named or detected format; raises
+    :class:`InvalidInput` for a format that contradicts it (:func:`check_trace_format`)."""
+    check_trace_format(trace, fmt)
+    if trace == "synthetic":
         cfg = SyntheticConfig(rate=rate) if rate else SyntheticConfig()
         wl = generate(cfg, seed=seed)
     else:
         path = Path(trace)
+        if path.is_dir():
+            raise InvalidInput(f"trace {trace} is a directory, not a file")
         if not path.is_file():
             raise InvalidInput(f"trace file not found: {trace}")
         if fmt == "auto":
@@ -78,10 +101,8 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
             wl = read_mooncake(path, seed=seed)
         elif fmt == "azure":
             wl = read_azure(path)
-        elif fmt == "leval":
+        else:  # "leval": check_trace_format let nothing else through
             wl = read_leval(path, rate=rate or 1.0, seed=seed)
-        else:
-            raise InvalidInput(f"unknown --format {fmt!r}; use mooncake|azure|leval|synthetic")
     if max_requests:
         wl = truncate(wl, max_requests=max_requests)
     if not wl.requests:
@@ -92,8 +113,7 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
 def _is_leval(path: Path) -> bool:
     if path.suffix.lower() != ".jsonl":
         return False
-    with path.open(encoding="utf-8") as fh:
-        first = next((line for line in fh if line.strip()), "")
+    first = first_nonblank_line(path)  # bad bytes: a TraceFormatError naming the line
     return '"doc_sha1"' in first or '"doc_id"' in first
 
 
@@ -135,7 +155,7 @@ def obtain_profile(profile_path: Path | None, out: Path, degrees: Sequence[int],
     backend of ``truth``'s hardware (written to ``out/profile``; κ under ``slo``). Never the
     ground truth itself."""
     if profile_path is not None:
-        return Profile.load(profile_path)
+        return Profile.load(profile_path, degrees=degrees)  # κ for every degree in use
     from sim.profiling import KappaRamp, run_profile
 
     degs = sorted(set(degrees) | {1})
@@ -214,9 +234,10 @@ def run_simulate(
     (:func:`obtain_trace_profile`, κ already pooled: ``kappa_scale`` 1.0). ``spec_overrides``
     may still set ``kappa_scale``. meta.json records the κ source.
     """
-    _check_counts(jobs=jobs, repeats=repeats)
+    check_counts(jobs=jobs, repeats=repeats)
+    check_seed(seed)
     check_warmup_s(warmup_s)
-    _check_policies(policies)
+    check_policies(policies)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -271,7 +292,12 @@ def run_simulate(
     return {"rows": rows, "meta": meta}
 
 
-def _check_policies(policies: Sequence[str]) -> None:
+def check_policies(policies: Sequence[str]) -> None:
+    """Raise :class:`InvalidInput` for no policies, an unknown one or one named twice (its
+    rows would repeat)."""
+    twice = sorted({p for i, p in enumerate(policies) if p in policies[:i]})
+    if twice:
+        raise InvalidInput(f"policies repeat: {', '.join(twice)}")
     unknown = [p for p in policies if p not in ALL_POLICIES]
     if unknown:
         raise InvalidInput(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
@@ -279,11 +305,18 @@ def _check_policies(policies: Sequence[str]) -> None:
         raise InvalidInput("no policies given")
 
 
-def _check_counts(**counts: object) -> None:
-    """Each ``--name`` is an integer >= 1."""
+def check_counts(**counts: object) -> None:
+    """Each ``--name`` is an integer >= 1 (else :class:`InvalidInput`)."""
     for name, v in counts.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InvalidInput(f"--{name} must be an integer >= 1, got {v!r}")
+
+
+def check_seed(seed: object) -> None:
+    """A seed is an integer >= 0, what numpy's generators take (else :class:`InvalidInput`,
+    before anything runs rather than numpy's error deep in a run)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InvalidInput(f"--seed must be an integer >= 0, got {seed!r}")
 
 
 def _check_warmup(wl: Workload, rate_scales: Sequence[float], warmup_s: float) -> None:
@@ -326,9 +359,16 @@ def run_tune(
     run's settings) and ``out/tune.csv`` (the rows). Returns what tune.json holds.
     ``repeats`` N > 1: every cell is the mean over seeds ``seed`` … ``seed + N − 1`` (as
     :func:`run_simulate`'s)."""
+    from services.scheduler.placement import check_weights
     from sim.tuning import ROW_KEYS, tune_weights
 
-    _check_counts(jobs=jobs, repeats=repeats)
+    check_counts(jobs=jobs, repeats=repeats)
+    check_seed(seed)
+    # J's weights now, not after the profile is measured (tune_weights checks them again).
+    for b in betas:
+        check_weights(b, 0.0)
+    for lam in lams:
+        check_weights(1.0, lam)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -383,16 +423,11 @@ def run_size(
     profile a sweep would use (:func:`run_simulate`). Writes ``out/size.json`` (per policy: the
     answer and every evaluated size), ``out/size.csv`` (the evaluated sizes) and
     ``out/size.png`` (attainment against GPUs). Everything is checked before anything runs."""
-    from sim.sizing import pool_sizes, size_pools
+    from sim.sizing import size_pools
 
-    _check_policies(policies)
-    if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target <= 1:
-        raise InvalidInput(f"--target must be an SLO attainment in (0, 1], got {target!r}")
-    if not (rate_scale > 0 and math.isfinite(rate_scale)):
-        raise InvalidInput(f"--rate-scale must be a finite number > 0, got {rate_scale!r}")
-    _check_counts(jobs=jobs)
-    check_warmup_s(warmup_s)
-    sizes = pool_sizes(degrees, gpus_min, gpus_max, step)
+    sizes = check_size(policies=policies, rate_scale=rate_scale, target=target, jobs=jobs,
+                       seed=seed, warmup_s=warmup_s, degrees=degrees, gpus_min=gpus_min,
+                       gpus_max=gpus_max, step=step)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -407,7 +442,7 @@ def run_size(
             f"zero-queue oracle (each request alone on an idle worker of its best degree, "
             f"every earlier prefix cached) meets the SLO for {ceiling:.1%} of tokens")
     if profile_path is not None:
-        prof = Profile.load(profile_path)
+        prof = Profile.load(profile_path, degrees=degrees)
         profiles, kappa_info = {g: prof for g in sizes}, {"source": str(profile_path)}
     else:
         profiles, kappa_info = trace_profiles_by_size(out, degrees, seed, wl, truth, sizes,
@@ -432,6 +467,25 @@ def run_size(
     (out / "size.json").write_text(json.dumps(_jsonable(summary), indent=1) + "\n")
     write_size_outputs(out, summary)
     return summary
+
+
+def check_size(*, policies: Sequence[str], rate_scale: float, target: float, jobs: int,
+               seed: int, warmup_s: float, degrees: Sequence[int], gpus_min: int | None,
+               gpus_max: int, step: int | None) -> list[int]:
+    """:func:`run_size`'s arguments checked as they are given (nothing read or run): raises
+    :class:`InvalidInput` for a bad one; returns the pool sizes the search tries
+    (:func:`sim.sizing.pool_sizes`)."""
+    from sim.sizing import pool_sizes
+
+    check_policies(policies)
+    if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target <= 1:
+        raise InvalidInput(f"--target must be an SLO attainment in (0, 1], got {target!r}")
+    if not (rate_scale > 0 and math.isfinite(rate_scale)):
+        raise InvalidInput(f"--rate-scale must be a finite number > 0, got {rate_scale!r}")
+    check_counts(jobs=jobs)
+    check_seed(seed)
+    check_warmup_s(warmup_s)
+    return pool_sizes(degrees, gpus_min, gpus_max, step)
 
 
 def write_size_outputs(out: Path, summary: Mapping[str, Any]) -> None:
@@ -610,7 +664,8 @@ def plot(out: Path, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) 
                 ax.errorbar(xs, ys, yerr=spread, fmt="none", capsize=2,
                             ecolor=line[0].get_color(), linewidth=0.8)
         if key == "mean_ttft_s":
-            pts = sorted({(r["request_rate"], r["oracle_mean_ttft_s"]) for r in rows})
+            pts = sorted({(r["request_rate"], r["oracle_mean_ttft_s"]) for r in rows
+                          if r.get("oracle_mean_ttft_s") is not None})
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "k:", label="oracle (zero queue)")
         ax.set_xlabel("Request rate (req/s)")
         ax.set_ylabel(label)
@@ -661,30 +716,119 @@ def _spread(rows: Sequence[Mapping[str, Any]], key: str, scale: float
     return [lo, hi]
 
 
+REPORT_KEYS: tuple[str, ...] = (
+    "policy", "rate_scale", "request_rate", "mean_ttft_s", "p50_ttft_s", "p90_ttft_s",
+    "p99_ttft_s", "slo_attainment", "hit_rate", "reconfigurations", "oracle_mean_ttft_s",
+)
+"""The fields of a results.json row that ``vertumnus report`` reads (table and plots)."""
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in ``path``; :class:`InvalidInput` naming the file when it is a directory, is
+    unreadable, is not UTF-8 or not JSON (a missing file is the caller's to check)."""
+    if path.is_dir():
+        raise InvalidInput(f"{path} is a directory, not a JSON file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _check_rows(rows: Any, path: Path) -> list[dict[str, Any]]:
+    """results.json's rows as :func:`redraw` needs them: a non-empty list of objects with
+    every :data:`REPORT_KEYS` field (a figure may be null: a non-finite one is written so)."""
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise InvalidInput(f"{path} is not a list of result rows")
+    if not rows:
+        raise InvalidInput(f"{path} has no result rows (an empty list)")
+    for i, r in enumerate(rows):
+        missing = [k for k in REPORT_KEYS if k not in r]
+        if missing:
+            raise InvalidInput(f"{path}: row {i} ({r.get('policy', '?')}) lacks "
+                               f"{', '.join(missing)}")
+        if not isinstance(r["policy"], str):
+            raise InvalidInput(f"{path}: row {i}: policy is {r['policy']!r}, not a name")
+        for k in REPORT_KEYS[1:]:
+            v = r[k]
+            # The rate is each plot's x: a row without one cannot be drawn.
+            if not (_is_number(v) or (v is None and k not in ("rate_scale", "request_rate"))):
+                raise InvalidInput(f"{path}: row {i} ({r['policy']}): {k} is {v!r}, "
+                                   "not a number")
+    return rows
+
+
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "workload": (str,), "gpus": (int,), "degrees": (list,), "seeds": (list,),
+    "warmup_s": (int, float), "timelines": (dict,),
+}
+
+
+def _check_meta(meta: Any, path: Path) -> dict[str, Any]:
+    """meta.json as :func:`redraw` reads it: an object whose fields it uses have their
+    types (any may be absent or null)."""
+    if not isinstance(meta, dict):
+        raise InvalidInput(f"{path} is not a JSON object")
+    for k, types in _META_TYPES.items():
+        v = meta.get(k)
+        if v is not None and (not isinstance(v, types) or isinstance(v, bool)):
+            raise InvalidInput(f"{path}: {k} is {v!r}, not a {types[0].__name__}")
+    return meta
+
+
 def redraw(directory: Path) -> dict[str, Any]:
     """``vertumnus report DIR``: rebuild CSV and plots from results.json / meta.json, or a
-    ``vertumnus size`` directory's from its size.json (the summary gets ``"kind": "size"``)."""
+    ``vertumnus size`` directory's from its size.json (the summary gets ``"kind": "size"``).
+
+    Raises :class:`InvalidInput` naming the file at fault, before anything is written, for a
+    directory that is missing or is a file, a results.json / meta.json / size.json that
+    cannot be read (a directory, not UTF-8, not JSON) or does not hold what a run writes (no
+    rows, a row without a field the table or plots need), and for outputs that cannot be
+    written into ``directory``."""
     d = Path(directory)
-    if not (d / "results.json").exists() and (d / "size.json").exists():
-        try:
-            summary = json.loads((d / "size.json").read_text())
-            write_size_outputs(d, summary)
-        except json.JSONDecodeError as exc:
-            raise InvalidInput(f"{d}/size.json is not valid JSON: {exc}") from exc
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise InvalidInput(f"{d}/size.json is not a size summary: {exc!r}") from exc
-        return {**summary, "kind": "size"}
+    if not d.exists():
+        raise InvalidInput(f"{d}: no such directory")
+    if not d.is_dir():
+        raise InvalidInput(f"{d} is not a directory (give the directory a simulate or size "
+                           "run wrote)")
+    results, meta_path, size_path = d / "results.json", d / "meta.json", d / "size.json"
     try:
-        rows = json.loads((d / "results.json").read_text())
-        meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
-    except FileNotFoundError as exc:
-        raise InvalidInput(f"{d} has no results.json (run vertumnus simulate first)") from exc
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"{d}/results.json is not valid JSON: {exc}") from exc
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and "policy" in r for r in rows):
-        raise InvalidInput(f"{d}/results.json is not a list of result rows")
-    write_outputs(d, rows, meta)
+        if not results.exists() and size_path.exists():
+            summary = _read_json(size_path)
+            if not isinstance(summary, dict):
+                raise InvalidInput(f"{size_path} is not a size summary (not a JSON object)")
+            try:
+                write_size_outputs(d, summary)
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                raise InvalidInput(f"{size_path} is not a size summary: {exc!r}") from exc
+            return {**summary, "kind": "size"}
+        if not results.exists():
+            raise InvalidInput(f"{d} has no results.json (run vertumnus simulate first)")
+        rows = _check_rows(_read_json(results), results)
+        meta = _check_meta(_read_json(meta_path), meta_path) if meta_path.exists() else {}
+        try:
+            write_outputs(d, rows, meta)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            # The rows are checked above: what is left to fail is meta.json's content.
+            raise InvalidInput(f"{meta_path} is not a simulate run's meta: {exc!r}") from exc
+    except OSError as exc:
+        raise InvalidInput(f"cannot write the report into {d}: {exc.strerror or exc}") from exc
     return {"rows": rows, "meta": meta}
+
+
+def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
+    """A table cell: ``v`` (× ``scale``) formatted with ``spec``; '-' for a figure a run
+    could not give (null in results.json)."""
+    return "-" if v is None else format(v * scale, spec)
 
 
 def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
@@ -705,10 +849,11 @@ def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
         t.add_column(col, justify="right" if col != "policy" else "left")
     for r in rows:
         t.add_row(r["policy"], f"{r['rate_scale']:g}", f"{r['request_rate']:.2f}",
-                  f"{r['mean_ttft_s']:.3f}", f"{r['p50_ttft_s']:.3f}", f"{r['p90_ttft_s']:.3f}",
-                  f"{r['p99_ttft_s']:.3f}", f"{100 * r['slo_attainment']:.1f}",
-                  f"{100 * r['hit_rate']:.1f}", str(r["reconfigurations"]),
-                  f"{r['oracle_mean_ttft_s']:.3f}")
+                  *(_fmt(r[k], ".3f") for k in ("mean_ttft_s", "p50_ttft_s", "p90_ttft_s",
+                                                "p99_ttft_s")),
+                  _fmt(r["slo_attainment"], ".1f", 100), _fmt(r["hit_rate"], ".1f", 100),
+                  "-" if r["reconfigurations"] is None else str(r["reconfigurations"]),
+                  _fmt(r["oracle_mean_ttft_s"], ".3f"))
     Console(file=file, width=140).print(t)
 
 
@@ -747,6 +892,23 @@ def preset_descriptions() -> dict[str, str]:
     return out
 
 
+def check_preset(name: str, *, policies: Sequence[str] | None = None, repeats: int = 1,
+                 warmup_s: float = 0.0) -> None:
+    """Raise :class:`InvalidInput` for a name that is no preset (the empty name included), or
+    ``policies`` / ``repeats`` / ``warmup_s`` given to a preset of fixed deployments (they
+    apply to the trace presets, :data:`PRESETS`)."""
+    known = preset_descriptions()
+    if name not in known:
+        raise InvalidInput(f"unknown preset {name!r}; known: {', '.join(known)}")
+    if name in PRESETS:
+        return
+    if policies is not None:
+        raise InvalidInput(f"preset {name!r} runs fixed deployments; --policies does not apply")
+    if repeats != 1 or warmup_s:
+        raise InvalidInput(f"preset {name!r} reports its phases as they run; --repeats and "
+                           f"--warmup apply to the trace presets ({', '.join(PRESETS)})")
+
+
 def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                policies: Sequence[str] | None = None, jobs: int = 1,
                truth: GroundTruth | None = None, per_degree: bool = False, repeats: int = 1,
@@ -755,7 +917,10 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     compared policies), ``jobs`` (worker processes for a trace preset's sweep), ``truth``
     (the simulated hardware; default: the note's), ``per_degree`` (the profile's fit),
     ``repeats`` and ``warmup_s`` (the trace presets only; see :func:`run_simulate`) and
-    ``slo`` (the TTFT deadlines)."""
+    ``slo`` (the TTFT deadlines). Raises :class:`InvalidInput` as :func:`check_preset` does,
+    before anything runs."""
+    check_preset(name, policies=policies, repeats=repeats, warmup_s=warmup_s)
+    check_seed(seed)
     if name in PRESETS:
         p = dict(PRESETS[name])
         p.pop("desc")
@@ -764,11 +929,6 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                             degrees=(2, 4), progress=progress, jobs=jobs, truth=truth,
                             per_degree=per_degree, repeats=repeats, warmup_s=warmup_s,
                             slo=slo, **p)
-    if policies is not None:
-        raise InvalidInput(f"preset {name!r} runs fixed deployments; --policies does not apply")
-    if repeats != 1 or warmup_s:
-        raise InvalidInput(f"preset {name!r} reports its phases as they run; --repeats and "
-                           f"--warmup apply to the trace presets ({', '.join(PRESETS)})")
     from sim import presets
 
     return presets.run(name, out=out, seed=seed, progress=progress, truth=truth,

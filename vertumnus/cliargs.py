@@ -1,8 +1,15 @@
-"""Option parsing shared by the CLI's commands: one error line, exit status 2."""
+"""Option parsing shared by the CLI's commands: one error line, exit status 2.
+
+Every check here runs before a command starts its work, so that bad input costs nothing and
+leaves nothing half-written: a list option's entries, a seed, a file the command reads and a
+file or directory it writes.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import typer
@@ -10,7 +17,7 @@ import typer
 if TYPE_CHECKING:
     from shared.slo import SloTable
 
-T = TypeVar("T", int, float)
+T = TypeVar("T", int, float, str)
 
 
 def fail(msg: str, code: int = 2) -> NoReturn:
@@ -20,18 +27,123 @@ def fail(msg: str, code: int = 2) -> NoReturn:
 
 
 def comma_list(text: str, name: str, conv: Callable[[str], T], kind: str, *,
-               valid: Callable[[T], bool] | None = None, need: str = "at least one value"
-               ) -> tuple[T, ...]:
-    """``--name``'s comma-separated values converted by ``conv``; refuses a value that does
-    not convert (naming ``kind``), no value at all, or one that ``valid`` rejects (saying
-    what it ``need``s)."""
+               valid: Callable[[T], bool] | None = None, need: str = "at least one value",
+               unique: bool = False) -> tuple[T, ...]:
+    """``--name``'s comma-separated values converted by ``conv`` (each entry stripped of
+    blanks first), in the order given; refuses no value at all, an empty entry (``a,,b``,
+    ``a,``: a typo, not a value to skip), a value that does not convert (naming ``kind``),
+    one that ``valid`` rejects (saying what it ``need``s) and, with ``unique``, a value given
+    twice (compared after conversion: ``1`` and ``1.0`` are the same number)."""
+    if not text.strip():
+        fail(f"--{name} needs {need}, got {text!r}")
+    entries = [x.strip() for x in text.split(",")]
+    if not all(entries):
+        fail(f"--{name} has an empty entry in {text!r}")
     try:
-        vals = tuple(conv(x) for x in text.split(",") if x.strip())
+        vals = tuple(conv(x) for x in entries)
     except ValueError:
         fail(f"--{name} must be comma-separated {kind}, got {text!r}")
-    if not vals or (valid is not None and not all(valid(v) for v in vals)):
+    if valid is not None and not all(valid(v) for v in vals):
         fail(f"--{name} needs {need}, got {text!r}")
+    if unique:
+        twice = [v for i, v in enumerate(vals) if v in vals[:i]]
+        if twice:
+            fail(f"--{name} repeats {', '.join(map(str, dict.fromkeys(twice)))}, got {text!r}")
     return vals
+
+
+def check_seed(seed: int, name: str = "seed") -> int:
+    """``--name`` as a random seed: an integer >= 0 (what numpy's generators take); else
+    exits 2 naming the option."""
+    if seed < 0:
+        fail(f"--{name} must be an integer >= 0, got {seed}")
+    return seed
+
+
+# The lower bound of each weight of J, for the message only: the check itself is
+# services.scheduler.placement.check_weights, the scheduler's own (§5.3).
+_J_WEIGHT_MIN = {"beta": 1.0, "lam": 0.0}
+
+
+def j_weight(value: float, name: str, *, default: float | None = None) -> float:
+    """``--beta`` or ``--lam`` (``name``) as a weight of J: a value the scheduler takes
+    (:func:`services.scheduler.placement.check_weights`: β >= 1, λ >= 0, finite) or the
+    option's documented ``default`` sentinel (e.g. -1: the calibrated default), returned as
+    given. Anything else exits 2 naming the option and the bound, before any run."""
+    from services.scheduler.placement import check_weights
+    from shared.ids import InvalidInput
+
+    if default is not None and value == default:
+        return value
+    try:
+        if name == "beta":
+            check_weights(value, 0.0)
+        else:
+            check_weights(1.0, value)
+    except InvalidInput:
+        also = "" if default is None else f"{default:g} (the calibrated default) or "
+        fail(f"--{name} must be {also}a finite number >= {_J_WEIGHT_MIN[name]}, "
+             f"got {value:g}")
+    return value
+
+
+def _dir_problem(directory: Path) -> str | None:
+    """Why files cannot be written in ``directory``, created first (with its parents) if
+    missing; None when they can. Creating it is the only reliable test: a path under /proc
+    or on a read-only mount looks fine until then."""
+    if directory.exists() and not directory.is_dir():
+        return "exists and is not a directory"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, a read-only or virtual file system, …
+        return f"cannot be created ({exc.strerror or exc})"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
+
+
+def output_dir(path: Path, name: str = "out") -> Path:
+    """The directory ``--name`` writes into: created if missing (with its parents), and
+    writable. Exits 2 naming the option, the path and the problem when it is a file, cannot
+    be created or is not writable. Call it after the cheap checks, before the long work: it
+    creates the directory."""
+    p = Path(path)
+    why = _dir_problem(p)
+    if why is not None:
+        fail(f"--{name} {p}: {why}")
+    return p
+
+
+def output_file(path: Path, name: str) -> Path:
+    """A file ``--name`` will write: not a directory, writable if it exists, and in a
+    directory that exists (created if missing, with its parents) and is writable. Exits 2
+    naming the option, the path and the problem. The file itself is not created."""
+    p = Path(path)
+    if p.is_dir():
+        fail(f"--{name} {p}: is a directory, not a file")
+    if p.exists() and not os.access(p, os.W_OK):
+        fail(f"--{name} {p}: file is not writable")
+    why = _dir_problem(p.parent)
+    if why is not None:
+        fail(f"--{name} {p}: its directory {p.parent} {why}")
+    return p
+
+
+def input_file(path: Path, name: str) -> Path:
+    """A file ``--name`` reads: it exists, is a regular file (not a directory, a device or a
+    pipe, which could block) and is readable. Exits 2 naming the option, the path and the
+    problem; the content is the caller's to check."""
+    p = Path(path)
+    what = f"--{name} {p}"
+    if not p.exists():
+        fail(f"{what}: no such file")
+    if p.is_dir():
+        fail(f"{what}: is a directory, not a file")
+    if not p.is_file():
+        fail(f"{what}: not a regular file")
+    if not os.access(p, os.R_OK):
+        fail(f"{what}: file is not readable")
+    return p
 
 
 SLO_HELP = ("TTFT deadlines by prompt length: a table name (qwen3-30b-a3b, deepseek-v4-flash: "

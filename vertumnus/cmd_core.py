@@ -20,6 +20,9 @@ def register(app: typer.Typer) -> None:
         lam: Annotated[float, typer.Option(help="λ of J")] = 0.5,
     ) -> None:
         """Show placements (every J term), a cache scan's actions and a controller plan."""
+        from vertumnus.cliargs import j_weight
         from vertumnus.demo import run_demo
 
-        run_demo(beta=beta, lam=lam, echo=typer.echo)
+        # Checked before the first line is printed: a weight J refuses would otherwise stop
+        # the demo half-way, at its first placement.
+        run_demo(beta=j_weight(beta, "beta"), lam=j_weight(lam, "lam"), echo=typer.echo)

@@ -3,32 +3,117 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from shared.ids import InvalidInput
-from vertumnus.cliargs import SLO_HELP, comma_list, slo_table
+from vertumnus.cliargs import (
+    SLO_HELP,
+    check_seed,
+    comma_list,
+    input_file,
+    j_weight,
+    output_dir,
+    slo_table,
+)
 from vertumnus.cliargs import fail as _fail
 
 _DEFAULT_POLICIES = "vertumnus,static,homo,homo_cp2,sglang,vllm,dynamo,llmd"
 
 
 def _floats(text: str, name: str) -> list[float]:
-    return list(comma_list(text, name, float, "numbers", valid=lambda v: v > 0,
-                           need="positive numbers"))
+    return list(comma_list(text, name, float, "numbers",
+                           valid=lambda v: math.isfinite(v) and v > 0,
+                           need="finite numbers > 0", unique=True))
 
 
-def _nonneg(text: str, name: str) -> list[float]:
-    return list(comma_list(text, name, float, "numbers", valid=lambda v: v >= 0,
-                           need="numbers >= 0"))
+def _weights(text: str, name: str) -> list[float]:
+    """``tune``'s ``--beta`` / ``--lam`` grid: values J takes (:func:`j_weight`), each once
+    (a repeated pair would be run twice and reported once)."""
+    vals = comma_list(text, name, float, "numbers", unique=True)
+    return [j_weight(v, name) for v in vals]
 
 
-def _ints(text: str, name: str) -> tuple[int, ...]:
-    return comma_list(text, name, int, "integers", valid=lambda v: v >= 1,
-                      need="integers >= 1")
+def _names(text: str, name: str) -> list[str]:
+    """Comma-separated names (``--policies``), each once: a repeated policy would repeat
+    its rows."""
+    return list(comma_list(text, name, str, "names", unique=True))
+
+
+def _degrees(text: str, name: str = "degrees") -> tuple[int, ...]:
+    """``--degrees``: integers >= 1, each once, each a CP degree the lattice takes (a power
+    of two no larger than a node: :class:`services.controller.lattice.Lattice`, the check a
+    simulated pool makes, run here before any work). Exits 2 naming the option."""
+    from services.controller.lattice import Lattice
+
+    degs = comma_list(text, name, int, "integers", valid=lambda v: v >= 1,
+                      need="integers >= 1", unique=True)
+    try:
+        # Any pool those degrees tile: only the degree checks can fail for it.
+        Lattice(max(degs), degs)
+    except InvalidInput as exc:
+        _fail(f"--{name}: {exc}")
+    return degs
+
+
+def _check(fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+    """Run a :mod:`sim.runner` check; its InvalidInput exits 2 with its message."""
+    try:
+        fn(*args, **kwargs)
+    except InvalidInput as exc:
+        _fail(str(exc))
+
+
+def _profile_file(path: Path | None, degrees: Sequence[int] | None = None) -> Path | None:
+    """``--profile``: a readable profile JSON, loaded once now so that a wrong file (a
+    directory, not UTF-8, not JSON, not a profile, no κ for one of ``degrees`` when given: the
+    controller would judge that degree's capacity by a placeholder) exits 2 naming it before
+    any run."""
+    if path is None:
+        return None
+    from shared.costmodel import Profile
+
+    input_file(path, "profile")
+    try:
+        Profile.load(path, degrees=degrees)
+    except InvalidInput as exc:
+        _fail(f"--profile: {exc}")
+    except UnicodeDecodeError as exc:
+        _fail(f"--profile {path}: not UTF-8 text (byte {exc.start}: {exc.reason})")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        _fail(f"--profile {path}: not a profile file ({exc!r})")
+    return path
+
+
+def _check_run_numbers(*, rate: float, max_requests: int) -> None:
+    """``--rate`` (0: the default) and ``--max-requests`` (0: all) take no negative value."""
+    if not (math.isfinite(rate) and rate >= 0):
+        _fail(f"--rate must be a finite number of requests/s >= 0 (0: the default), got {rate}")
+    if max_requests < 0:
+        _fail(f"--max-requests must be an integer >= 0 (0: all), got {max_requests}")
+
+
+def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
+    """The options among ``names`` (parameter names) given explicitly, as their flags
+    (``--rate-scale``), in ``names`` order."""
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    # By the source's name: typer ships its own copy of click, whose ParameterSource enum is
+    # not click's. A value equal to the default but typed out still counts as given.
+    return [flags[n] for n in names
+            if (src := ctx.get_parameter_source(n)) is not None
+            and src.name not in ("DEFAULT", "DEFAULT_MAP")]
+
+
+# What a preset fixes itself (sim/runner.py PRESETS, sim/presets.py): given with --preset,
+# these would be ignored, so they are refused. --out, --seed, --jobs, --hardware,
+# --per-degree, --slo (and, for the trace presets, --policies, --repeats, --warmup) apply.
+_PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
+                 "max_requests", "cache_blocks_per_gpu", "beta", "lam")
 
 
 _PER_DEGREE_HELP = ("Fit one cost-model coefficient set per CP degree, not one for all "
@@ -51,13 +136,16 @@ _Hardware = Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)]
 _Slo = Annotated[str, typer.Option(help=SLO_HELP)]
 
 
-def _truth(hardware: Path | None) -> Any:
+def _truth(hardware: Path | None, *, option: bool = True) -> Any:
     """The ground truth of a ``--hardware`` file (None: the default); raises InvalidInput
-    naming the file and the bad key."""
+    naming the file and the bad key. ``option``: the path came from ``--hardware`` (a path
+    that is no readable file exits 2 naming the option)."""
     if hardware is None:
         return None
     from sim.hardware import load_ground_truth
 
+    if option:
+        input_file(hardware, "hardware")
     return load_ground_truth(hardware)
 
 
@@ -83,28 +171,38 @@ def register(app: typer.Typer) -> None:
         slo: Annotated[str, typer.Option(help=SLO_HELP + "; κ_C is the demand that keeps it "
                                          "(sim backend)")] = "qwen3-30b-a3b",
     ) -> None:
-        """Measure a (R, P, C) grid, fit Ê_C, report MAPE, measure κ_C, write the profile."""
-        degs = _ints(degrees, "degrees")
+        """Measure a (R, P, C) grid, fit Ê_C, report MAPE, measure κ_C, write the profile.
+
+        With one degree the fit cannot tell a (per new token) from c (per new token, split
+        over C): c is folded into a (c = 0), right at that degree only; the output says so.
+        """
+        if backend not in ("sim", "torch"):
+            _fail(f"unknown backend {backend!r}; use 'sim' or 'torch'")
+        check_seed(seed)
+        degs = _degrees(degrees)
         table = slo_table(slo)
+        if workload != "synthetic":
+            input_file(Path(workload), "workload")
+        if backend == "torch" and (hardware is not None or per_degree or table.bounds
+                                   != slo_table("qwen3-30b-a3b").bounds):
+            _fail("--hardware, --per-degree and --slo are the sim backend's; the torch "
+                  "backend measures the machine it runs on (no κ)")
         try:
             if backend == "sim":
                 from sim.profiling import profile_command
 
+                truth = _truth(hardware)
+                output_dir(out)
                 path = profile_command(out, backend="sim", degrees=degs, seed=seed,
                                        kappa_workload=workload, per_degree=per_degree,
-                                       truth=_truth(hardware), slo=table)
-            elif backend == "torch":
-                if hardware is not None or per_degree or table.bounds != slo_table(
-                        "qwen3-30b-a3b").bounds:
-                    _fail("--hardware, --per-degree and --slo are the sim backend's; the torch "
-                          "backend measures the machine it runs on (no κ)")
+                                       truth=truth, slo=table)
+            else:
                 try:
                     from services.rankd.engine.profiling import torch_profile_command
                 except ModuleNotFoundError as exc:
                     _fail(f"the torch backend needs the 'engine' extra ({exc.name} missing)")
+                output_dir(out)
                 path = torch_profile_command(out, degrees=degs, seed=seed)
-            else:
-                _fail(f"unknown backend {backend!r}; use 'sim' or 'torch'")
         except InvalidInput as exc:
             _fail(str(exc))
         report = json.loads((Path(out) / "profile_report.json").read_text()) if (
@@ -113,9 +211,18 @@ def register(app: typer.Typer) -> None:
         for k in ("coefficients", "fit_vs_measured", "fit_vs_truth", "kappa"):
             if k in report:
                 typer.echo(f"  {k}: {json.dumps(report[k])}")
+        if len(degs) == 1:
+            # shared.costmodel.fit_profile folds c into a when every sample has one degree
+            # (R and R/C are then the same column): the fit is right at that degree, but
+            # its c (and so any other degree's prediction) was never measured.
+            typer.echo(f"warning: one degree profiled (--degrees {degs[0]}): c is not "
+                       f"identifiable (R and R/C coincide), so it is folded into a (c = 0); "
+                       f"the profile predicts degree {degs[0]} only. Profile two or more "
+                       f"degrees to fit c.", err=True)
 
     @app.command()
     def simulate(
+        ctx: typer.Context,
         trace: _Trace = "synthetic",
         format: _Format = "auto",
         policies: Annotated[
@@ -128,8 +235,10 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option()] = 0,
         out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/simulate"),
         preset: Annotated[
-            str, typer.Option(help="Named experiment of §9 (see --list-presets)")
-        ] = "",
+            str | None, typer.Option(help="Named experiment of §9 (see --list-presets); it "
+                                     "fixes the trace, rates, cluster and profile, so those "
+                                     "options are refused with it")
+        ] = None,
         list_presets: Annotated[bool, typer.Option("--list-presets")] = False,
         profile_path: _ProfilePath = None,
         max_requests: _MaxRequests = 0,
@@ -154,36 +263,61 @@ def register(app: typer.Typer) -> None:
         ] = 0.0,
         slo: _Slo = "qwen3-30b-a3b",
     ) -> None:
-        """Compare policies on one trace over request rates; writes results.json, CSV, plots."""
+        """Compare policies on one trace over request rates; writes results.json, CSV, plots.
+
+        Every option is checked before anything runs (exit 2 naming the problem).
+        """
         from sim import runner
 
         if list_presets:
             for name, desc in runner.preset_descriptions().items():
                 typer.echo(f"{name:24s} {desc}")
             return
-        try:
+        check_seed(seed)
+        if per_degree and profile_path is not None:
+            _fail("--per-degree shapes the profile measured here; --profile gives one")
+        _check(runner.check_counts, jobs=jobs, repeats=repeats)
+        _check(runner.check_warmup_s, warmup)
+        table = slo_table(slo)
+        if preset is not None:
+            # --policies narrows a trace preset's policies only when given.
+            chosen = _names(policies, "policies") if _given(ctx, ["policies"]) else None
+            _check(runner.check_preset, preset, policies=chosen, repeats=repeats,
+                   warmup_s=warmup)
+            fixed = _given(ctx, _PRESET_FIXES)
+            if fixed:
+                _fail(f"--preset {preset!r} fixes its trace, rates, cluster and profile; "
+                      f"leave out {', '.join(fixed)} (or drop --preset)")
+            if chosen is not None:
+                _check(runner.check_policies, chosen)
+        else:
+            chosen = _names(policies, "policies")
+            _check(runner.check_policies, chosen)
+            _check(runner.check_trace_format, trace, format)
+            _check_run_numbers(rate=rate, max_requests=max_requests)
+            degs = _degrees(degrees)
             args: dict[str, Any] = dict(
-                trace=trace, fmt=format, policies=[p for p in policies.split(",") if p],
+                trace=trace, fmt=format, policies=chosen,
                 rate_scales=_floats(rate_scale, "rate-scale"), rate=rate or None, gpus=gpus,
-                degrees=_ints(degrees, "degrees"), seed=seed, out=out,
-                profile_path=profile_path, max_requests=max_requests or None,
+                degrees=degs, seed=seed, out=out,
+                profile_path=_profile_file(profile_path, degs),
+                max_requests=max_requests or None,
                 cache_blocks_per_gpu=cache_blocks_per_gpu or None,
-                beta=beta or None, lam=None if lam < 0 else lam, jobs=jobs,
-                per_degree=per_degree, truth=_truth(hardware), repeats=repeats,
-                warmup_s=warmup, slo=slo_table(slo),
+                # 0 and -1 are the documented "calibrated default" of each weight.
+                beta=j_weight(beta, "beta", default=0.0) or None,
+                lam=None if j_weight(lam, "lam", default=-1.0) == -1.0 else lam,
+                jobs=jobs, per_degree=per_degree, repeats=repeats, warmup_s=warmup, slo=table,
             )
-            if per_degree and profile_path is not None:
-                _fail("--per-degree shapes the profile measured here; --profile gives one")
-            if preset:
-                # A preset fixes its trace and rates; --policies narrows a trace preset's
-                # policies when given (anything but the default list).
-                chosen = None if policies == _DEFAULT_POLICIES else args["policies"]
+        try:
+            truth = _truth(hardware)
+            output_dir(out)
+            if preset is not None:
                 summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
-                                            policies=chosen, jobs=jobs, truth=args["truth"],
+                                            policies=chosen, jobs=jobs, truth=truth,
                                             per_degree=per_degree, repeats=repeats,
-                                            warmup_s=warmup, slo=args["slo"])
+                                            warmup_s=warmup, slo=table)
             else:
-                summary = runner.run_simulate(**args, progress=True)
+                summary = runner.run_simulate(**args, truth=truth, progress=True)
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_table(summary, file=sys.stdout)
@@ -217,16 +351,23 @@ def register(app: typer.Typer) -> None:
 
         from sim import runner
 
+        check_seed(seed)
+        if per_degree and profile_path is not None:
+            _fail("--per-degree shapes the profile measured here; --profile gives one")
+        _check(runner.check_counts, jobs=jobs, repeats=repeats)
+        _check(runner.check_trace_format, trace, format)
+        _check_run_numbers(rate=rate, max_requests=max_requests)
+        degs = _degrees(degrees)
+        args: dict[str, Any] = dict(
+            trace=trace, fmt=format, rate_scales=_floats(rate_scale, "rate-scale"),
+            betas=_weights(beta, "beta"), lams=_weights(lam, "lam"), rate=rate or None,
+            gpus=gpus, degrees=degs, seed=seed, out=out,
+            profile_path=_profile_file(profile_path, degs), max_requests=max_requests or None,
+            jobs=jobs, per_degree=per_degree, repeats=repeats, slo=slo_table(slo))
         try:
-            if per_degree and profile_path is not None:
-                _fail("--per-degree shapes the profile measured here; --profile gives one")
-            result = runner.run_tune(
-                trace=trace, fmt=format, rate_scales=_floats(rate_scale, "rate-scale"),
-                betas=_nonneg(beta, "beta"), lams=_nonneg(lam, "lam"), rate=rate or None,
-                gpus=gpus, degrees=_ints(degrees, "degrees"), seed=seed, out=out,
-                profile_path=profile_path, max_requests=max_requests or None, progress=True,
-                jobs=jobs, per_degree=per_degree, truth=_truth(hardware), repeats=repeats,
-                slo=slo_table(slo))
+            truth = _truth(hardware)
+            output_dir(out)
+            result = runner.run_tune(**args, truth=truth, progress=True)
         except InvalidInput as exc:
             _fail(str(exc))
         scales = result["meta"]["rate_scales"]
@@ -280,18 +421,27 @@ def register(app: typer.Typer) -> None:
 
         from sim import runner
 
+        check_seed(seed)
         if per_degree and profile_path is not None:
             _fail("--per-degree shapes the profile measured here; --profile gives one")
         table = slo_table(slo)
+        chosen = _names(policies, "policies")
+        degs = _degrees(degrees)
+        _check(runner.check_size, policies=chosen, rate_scale=rate_scale, target=target,
+               jobs=jobs, seed=seed, warmup_s=warmup, degrees=degs,
+               gpus_min=gpus_min or None, gpus_max=gpus_max, step=step or None)
+        _check(runner.check_trace_format, trace, format)
+        _check_run_numbers(rate=rate, max_requests=max_requests)
+        args: dict[str, Any] = dict(
+            trace=trace, fmt=format, policies=chosen, rate_scale=rate_scale, target=target,
+            gpus_min=gpus_min or None, gpus_max=gpus_max, step=step or None,
+            rate=rate or None, degrees=degs, seed=seed, out=out,
+            profile_path=_profile_file(profile_path, degs), max_requests=max_requests or None,
+            jobs=jobs, per_degree=per_degree, slo=table, warmup_s=warmup)
         try:
-            summary = runner.run_size(
-                trace=trace, fmt=format, policies=[p for p in policies.split(",") if p],
-                rate_scale=rate_scale, target=target, gpus_min=gpus_min or None,
-                gpus_max=gpus_max, step=step or None, rate=rate or None,
-                degrees=_ints(degrees, "degrees"), seed=seed, out=out,
-                profile_path=profile_path, max_requests=max_requests or None, progress=True,
-                jobs=jobs, truth=_truth(hardware), per_degree=per_degree, slo=table,
-                warmup_s=warmup)
+            truth = _truth(hardware)
+            output_dir(out)
+            summary = runner.run_size(**args, truth=truth, progress=True)
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_size_table(summary, file=sys.stdout)
@@ -312,7 +462,7 @@ def register(app: typer.Typer) -> None:
         from sim.hardware import ground_truth_to_mapping
 
         try:
-            truth = _truth(file) or GroundTruth()
+            truth = _truth(file, option=False) or GroundTruth()
             blocks = truth.kv_capacity_blocks(1)
         except InvalidInput as exc:
             _fail(str(exc))

@@ -480,7 +480,7 @@ def test_tune_runs_every_pair_and_names_the_best(runner, tmp_path, profile_file)
 
 @pytest.mark.parametrize(("args", "words"), [
     (["--beta", "0.5"], "beta must be a finite number >= 1.0"),
-    (["--lam", "-1"], "numbers >= 0"),
+    (["--lam", "-1"], "lam must be a finite number >= 0"),
     (["--beta", ""], "beta"),
 ])
 def test_tune_rejects_weights_j_does_not_take(runner, tmp_path, args, words) -> None:

@@ -1,0 +1,401 @@
+"""Bad input to ``simulate`` / ``tune`` / ``size`` / ``profile`` / ``report`` / ``demo``: exit 2
+with one ``error:`` line naming the option (or file) and the problem, no traceback, and no run
+started. Every refusal here comes from a check made before any simulation, so these are fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner, Result
+
+from sim import runner as sim_runner
+from vertumnus.cli import app
+from vertumnus.cliargs import comma_list, input_file, output_dir, output_file
+
+SIM = ["simulate", "--gpus", "8", "--policies", "vertumnus", "--max-requests", "30"]
+
+
+def _refused(res: Result, *words: str) -> str:
+    """Assert a clean refusal: exit 2, an ``error:`` line holding every one of ``words``, no
+    traceback. Returns the output with its white space collapsed."""
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output
+    assert "error:" in text, text
+    for w in words:
+        assert w in text, (w, text)
+    return text
+
+
+@pytest.fixture
+def no_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any sweep a test failure: the refusals under test must come before one."""
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("a run started despite bad input")
+
+    for name in ("run_simulate", "run_tune", "run_size", "run_preset"):
+        monkeypatch.setattr(sim_runner, name, boom)
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
+    """Stand-ins for simulate's runs that record their arguments and return an empty
+    summary, to see what accepted options reach the run without running it."""
+    seen: dict[str, dict[str, Any]] = {}
+
+    def fake(name: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            seen[name] = {"args": args, **kwargs}
+            return {"rows": [], "meta": {}}
+        return run
+
+    for name in ("run_simulate", "run_preset"):
+        monkeypatch.setattr(sim_runner, name, fake(name))
+    return seen
+
+
+# --- 1. seeds ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [SIM, ["tune"], ["size"], ["profile"]])
+def test_a_negative_seed_is_refused(runner: CliRunner, tmp_path: Path, no_runs: None,
+                                    command: list[str]) -> None:
+    res = runner.invoke(app, [*command, "--seed", "-1", "--out", str(tmp_path / "o")])
+    _refused(res, "--seed must be an integer >= 0, got -1")
+    assert not (tmp_path / "o").exists()
+
+
+# --- 2. --out ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [SIM, ["tune"], ["size"], ["profile"]])
+def test_an_out_that_is_a_file_or_cannot_be_made_is_refused(
+        runner: CliRunner, tmp_path: Path, no_runs: None, command: list[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = runner.invoke(app, [*command, "--out", str(afile)])
+    _refused(res, f"--out {afile}: exists and is not a directory")
+    under = afile / "sub"  # a parent that is a file: mkdir fails
+    res = runner.invoke(app, [*command, "--out", str(under)])
+    _refused(res, f"--out {under}: cannot be created")
+
+
+def test_output_helpers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    made = output_dir(tmp_path / "a" / "b")
+    assert made.is_dir()
+    f = tmp_path / "f.json"
+    f.write_text("{}")
+    with pytest.raises(typer.Exit) as exc:
+        output_dir(f, "log-dir")
+    assert exc.value.exit_code == 2
+    assert f"error: --log-dir {f}: exists and is not a directory" in capsys.readouterr().err
+    # A file to write: its directory is made; a directory or a file-as-parent is refused.
+    assert output_file(tmp_path / "new" / "x.json", "json") == tmp_path / "new" / "x.json"
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "x.json").exists()
+    for bad, words in ((tmp_path, "is a directory, not a file"),
+                       (f / "x.json", f"its directory {f} exists and is not a directory")):
+        with pytest.raises(typer.Exit):
+            output_file(bad, "json")
+        assert words in capsys.readouterr().err
+    # A file to read.
+    assert input_file(f, "profile") == f
+    for bad, words in ((tmp_path / "nope", "no such file"),
+                       (tmp_path, "is a directory, not a file")):
+        with pytest.raises(typer.Exit):
+            input_file(bad, "profile")
+        assert f"--profile {bad}: {words}" in capsys.readouterr().err
+
+
+# --- 3. demo -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "words"), [
+    (["--beta", "0.5"], "--beta must be a finite number >= 1.0, got 0.5"),
+    (["--beta", "-1"], "--beta must be a finite number >= 1.0"),
+    (["--beta", "nan"], "--beta must be a finite number >= 1.0, got nan"),
+    (["--beta", "inf"], "--beta must be a finite number >= 1.0, got inf"),
+    (["--lam", "-1"], "--lam must be a finite number >= 0.0, got -1"),
+])
+def test_demo_refuses_weights_j_does_not_take_before_printing(
+        runner: CliRunner, args: list[str], words: str) -> None:
+    text = _refused(runner.invoke(app, ["demo", *args]), words)
+    assert "Pool:" not in text  # refused before the demo's first line
+
+
+# --- 4. --profile --------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [SIM, ["tune"], ["size"]])
+def test_a_profile_that_is_no_profile_file_is_refused(
+        runner: CliRunner, tmp_path: Path, no_runs: None, command: list[str]) -> None:
+    out = ["--out", str(tmp_path / "o")]
+    _refused(runner.invoke(app, [*command, "--profile", str(tmp_path), *out]),
+             f"--profile {tmp_path}: is a directory, not a file")
+    _refused(runner.invoke(app, [*command, "--profile", str(tmp_path / "nope.json"), *out]),
+             "--profile", "nope.json", "no such file")
+    junk = tmp_path / "junk.json"
+    junk.write_bytes(b"\xff\xfe not json")
+    _refused(runner.invoke(app, [*command, "--profile", str(junk), *out]), "--profile",
+             str(junk))
+
+
+@pytest.mark.parametrize("command", [SIM, ["tune", "--gpus", "8"], ["size"]])
+def test_a_profile_without_kappa_for_a_degree_in_use_is_refused(
+        runner: CliRunner, tmp_path: Path, no_runs: None, profile_file: Path,
+        command: list[str]) -> None:
+    """The controller judges a degree's capacity by its κ; a profile lacking it (one fitted on
+    the torch backend, or cut by hand) would have it judged by a placeholder."""
+    data = json.loads(profile_file.read_text())
+    data["kappa"] = {k: v for k, v in data["kappa"].items() if k != "4"}
+    cut = tmp_path / "no-kappa-4.json"
+    cut.write_text(json.dumps(data))
+    _refused(runner.invoke(app, [*command, "--degrees", "2,4", "--profile", str(cut),
+                                 "--out", str(tmp_path / "o")]), "--profile", "kappa", "4")
+
+
+# --- 5. report -----------------------------------------------------------------------------------
+def _row(policy: str = "vertumnus", **figures: Any) -> dict[str, Any]:
+    return {"policy": policy, "rate_scale": 1.0, "request_rate": 2.0, "mean_ttft_s": 0.5,
+            "p50_ttft_s": 0.4, "p90_ttft_s": 0.9, "p99_ttft_s": 1.2, "slo_attainment": 0.95,
+            "hit_rate": 0.2, "reconfigurations": 0, "oracle_mean_ttft_s": 0.3, **figures}
+
+
+def test_report_refuses_what_no_run_wrote(runner: CliRunner, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    _refused(runner.invoke(app, ["report", str(afile)]), str(afile), "is not a directory")
+    _refused(runner.invoke(app, ["report", str(tmp_path / "nope")]), "no such directory")
+    cases: list[tuple[str, Any, tuple[str, ...]]] = [
+        ("dir", None, ("results.json is a directory, not a JSON file",)),
+        ("latin1", b"\xff\xfe[]", ("results.json is not UTF-8 text",)),
+        ("fields", [{"policy": "x"}], ("results.json: row 0 (x) lacks", "request_rate")),
+        ("empty", [], ("results.json has no result rows",)),
+        ("type", [_row(mean_ttft_s="fast")], ("results.json: row 0", "mean_ttft_s")),
+    ]
+    for name, content, words in cases:
+        d = tmp_path / name
+        d.mkdir()
+        results = d / "results.json"
+        if content is None:
+            results.mkdir()
+        elif isinstance(content, bytes):
+            results.write_bytes(content)
+        else:
+            results.write_text(json.dumps(content))
+        text = _refused(runner.invoke(app, ["report", str(d)]), *words)
+        assert "Warning" not in text
+        assert not (d / "results.csv").exists()
+
+
+def test_report_names_meta_json_when_it_is_the_broken_one(runner: CliRunner,
+                                                          tmp_path: Path) -> None:
+    (tmp_path / "results.json").write_text(json.dumps([_row()]))
+    for meta in ("{broken", json.dumps([1, 2]), json.dumps({"warmup_s": "soon"})):
+        (tmp_path / "meta.json").write_text(meta)
+        text = _refused(runner.invoke(app, ["report", str(tmp_path)]), "meta.json")
+        assert "results.json" not in text
+
+
+def test_report_draws_rows_with_a_figure_a_run_could_not_give(runner: CliRunner,
+                                                               tmp_path: Path) -> None:
+    # A non-finite figure is written as null (runner._jsonable): the table shows '-'.
+    (tmp_path / "results.json").write_text(json.dumps(
+        [_row(), _row("homo", mean_ttft_s=None, oracle_mean_ttft_s=None)]))
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "homo" in res.output and (tmp_path / "ttft_mean.png").exists()
+
+
+# --- 6. --preset ---------------------------------------------------------------------------------
+def test_a_preset_refuses_the_options_it_fixes(runner: CliRunner, tmp_path: Path,
+                                               no_runs: None) -> None:
+    res = runner.invoke(app, ["simulate", "--preset", "leval", "--gpus", "7", "--degrees", "3",
+                              "--trace", "/nonexistent", "--max-requests", "5", "--out",
+                              str(tmp_path / "o")])
+    text = _refused(res, "--preset 'leval' fixes", "--trace, --gpus, --degrees, --max-requests")
+    assert "--out" not in text.split("leave out")[1]
+    for opt, val in (("--rate-scale", "2"), ("--profile", "p.json"), ("--beta", "2"),
+                     ("--lam", "0.5"), ("--format", "auto"), ("--rate", "1"),
+                     ("--cache-blocks-per-gpu", "10")):
+        _refused(runner.invoke(app, ["simulate", "--preset", "conversation", opt, val]),
+                 f"leave out {opt} ")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["", "nope"])
+def test_an_unknown_or_empty_preset_is_refused(runner: CliRunner, tmp_path: Path,
+                                               no_runs: None, name: str) -> None:
+    res = runner.invoke(app, ["simulate", "--preset", name, "--out", str(tmp_path / "o")])
+    _refused(res, f"unknown preset {name!r}", "conversation")
+
+
+def test_a_preset_keeps_the_options_it_honours(runner: CliRunner, tmp_path: Path,
+                                               calls: dict[str, dict[str, Any]]) -> None:
+    out = tmp_path / "o"
+    res = runner.invoke(app, ["simulate", "--preset", "conversation", "--out", str(out),
+                              "--seed", "3", "--jobs", "2", "--repeats", "2", "--warmup", "5",
+                              "--policies", "vertumnus,homo"])
+    assert res.exit_code == 0, res.output
+    got = calls["run_preset"]
+    assert got["args"] == ("conversation",)
+    assert (got["out"], got["seed"], got["jobs"], got["repeats"], got["warmup_s"]) == (
+        out, 3, 2, 2, 5.0)
+    assert got["policies"] == ["vertumnus", "homo"]
+    assert out.is_dir()
+    # Without --policies the preset runs its own list.
+    assert runner.invoke(app, ["simulate", "--preset", "leval", "--out", str(out)]
+                         ).exit_code == 0
+    assert calls["run_preset"]["policies"] is None
+
+
+# --- 7. lists ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "words"), [
+    (["--policies", "vertumnus,vertumnus"], "--policies repeats vertumnus"),
+    (["--policies", "vertumnus,"], "--policies has an empty entry in 'vertumnus,'"),
+    (["--policies", ",vertumnus"], "--policies has an empty entry"),
+    (["--rate-scale", "1,,2"], "--rate-scale has an empty entry in '1,,2'"),
+    (["--rate-scale", "1,1.0"], "--rate-scale repeats 1.0"),
+    (["--rate-scale", "inf"], "--rate-scale needs finite numbers > 0"),
+    (["--degrees", "2,2"], "--degrees repeats 2"),
+    (["--degrees", "2,,4"], "--degrees has an empty entry"),
+])
+def test_simulate_lists_refuse_repeats_and_empty_entries(
+        runner: CliRunner, tmp_path: Path, no_runs: None, args: list[str], words: str) -> None:
+    _refused(runner.invoke(app, [*SIM, *args, "--out", str(tmp_path / "o")]), words)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--beta", "1.5,1.5"], "--beta repeats 1.5"),
+    (["--lam", "0,0.0"], "--lam repeats 0.0"),
+    (["--beta", "1,"], "--beta has an empty entry"),
+    (["--rate-scale", "2,2"], "--rate-scale repeats 2.0"),
+])
+def test_tune_lists_refuse_repeats_and_empty_entries(
+        runner: CliRunner, tmp_path: Path, no_runs: None, args: list[str], words: str) -> None:
+    _refused(runner.invoke(app, ["tune", *args, "--out", str(tmp_path / "o")]), words)
+
+
+def test_size_policies_refuse_repeats(runner: CliRunner, tmp_path: Path, no_runs: None) -> None:
+    _refused(runner.invoke(app, ["size", "--policies", "homo,homo", "--out",
+                                 str(tmp_path / "o")]), "--policies repeats homo")
+
+
+def test_comma_list_keeps_order_and_strips_blanks() -> None:
+    assert comma_list(" 2, 4 ", "degrees", int, "integers", unique=True) == (2, 4)
+    # Repeats are allowed unless asked for (e.g. one time per service killed).
+    assert comma_list("1,1", "kill-at", float, "seconds") == (1.0, 1.0)
+
+
+def test_runner_refuses_repeated_policies(tmp_path: Path) -> None:
+    from shared.ids import InvalidInput
+
+    with pytest.raises(InvalidInput, match="policies repeat: homo"):
+        sim_runner.check_policies(["homo", "vertumnus", "homo"])
+
+
+# --- 8. profile --degrees ------------------------------------------------------------------------
+@pytest.mark.parametrize(("degrees", "words"), [
+    ("3", "--degrees: every degree must be a power of two"),
+    ("16", "--degrees: degree 16 exceeds the node size 8"),
+    ("2,2", "--degrees repeats 2"),
+    ("1,2,4,6", "power of two"),
+])
+def test_profile_checks_degrees_as_simulate_does(runner: CliRunner, tmp_path: Path,
+                                                 degrees: str, words: str) -> None:
+    out = tmp_path / "o"
+    _refused(runner.invoke(app, ["profile", "--degrees", degrees, "--out", str(out)]), words)
+    assert not out.exists()
+    # simulate refuses the same degrees with the same words, before any run.
+    _refused(runner.invoke(app, [*SIM, "--degrees", degrees, "--out", str(out)]), words)
+
+
+def test_profile_of_one_degree_says_c_is_not_identifiable(runner: CliRunner,
+                                                          tmp_path: Path) -> None:
+    res = runner.invoke(app, ["profile", "--degrees", "4", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert '"c": 0.0' in res.output
+    assert "warning: one degree profiled (--degrees 4): c is not identifiable" in res.stderr
+    two = runner.invoke(app, ["profile", "--degrees", "2,4", "--out", str(tmp_path / "two")])
+    assert two.exit_code == 0 and "warning" not in two.output
+
+
+# --- 9. simulate --beta / --lam ------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "words"), [
+    (["--lam", "-5"], "--lam must be -1 (the calibrated default) or a finite number >= 0.0, "
+                      "got -5"),
+    (["--lam", "nan"], "--lam must be -1 (the calibrated default)"),
+    (["--beta", "0.5"], "--beta must be 0 (the calibrated default) or a finite number >= 1.0, "
+                        "got 0.5"),
+    (["--beta", "-1"], "--beta must be 0 (the calibrated default)"),
+])
+def test_simulate_refuses_weights_other_than_the_documented_default(
+        runner: CliRunner, tmp_path: Path, no_runs: None, args: list[str], words: str) -> None:
+    _refused(runner.invoke(app, [*SIM, *args, "--out", str(tmp_path / "o")]), words)
+
+
+def test_simulate_reads_the_documented_defaults_as_calibrated(
+        runner: CliRunner, tmp_path: Path, calls: dict[str, dict[str, Any]]) -> None:
+    out = ["--out", str(tmp_path / "o")]
+    assert runner.invoke(app, [*SIM, "--beta", "0", "--lam", "-1", *out]).exit_code == 0
+    assert (calls["run_simulate"]["beta"], calls["run_simulate"]["lam"]) == (None, None)
+    assert runner.invoke(app, [*SIM, "--beta", "2", "--lam", "0", *out]).exit_code == 0
+    assert (calls["run_simulate"]["beta"], calls["run_simulate"]["lam"]) == (2.0, 0.0)
+
+
+# --- 10. tune's weights --------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "words"), [
+    (["--beta", "0.5"], "--beta must be a finite number >= 1.0, got 0.5"),
+    (["--beta", "1,inf"], "--beta must be a finite number >= 1.0, got inf"),
+    (["--lam", "0,-0.25"], "--lam must be a finite number >= 0.0, got -0.25"),
+])
+def test_tune_checks_j_bounds_before_running(runner: CliRunner, tmp_path: Path, no_runs: None,
+                                             args: list[str], words: str) -> None:
+    out = tmp_path / "o"
+    _refused(runner.invoke(app, ["tune", *args, "--out", str(out)]), words)
+    assert not out.exists()
+
+
+def test_run_tune_checks_weights_before_profiling(tmp_path: Path) -> None:
+    from shared.ids import InvalidInput
+
+    with pytest.raises(InvalidInput, match="beta must be a finite number >= 1.0"):
+        sim_runner.run_tune(trace="synthetic", rate_scales=[1.0], betas=[0.5], lams=[0.0],
+                            out=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+# --- 11. --trace / --format ----------------------------------------------------------------------
+@pytest.mark.parametrize("command", [SIM, ["tune"], ["size"]])
+def test_contradictory_trace_and_format_are_refused(
+        runner: CliRunner, tmp_path: Path, no_runs: None, command: list[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1,
+                                 "hash_ids": [1]}) + "\n")
+    out = ["--out", str(tmp_path / "o")]
+    _refused(runner.invoke(app, [*command, "--format", "synthetic", "--trace", str(trace), *out]),
+             "--format synthetic", f"--trace {trace}")
+    _refused(runner.invoke(app, [*command, "--format", "bogus", "--trace", "synthetic", *out]),
+             "unknown --format 'bogus'")
+    _refused(runner.invoke(app, [*command, "--format", "mooncake", *out]),
+             "--format mooncake", "--trace is 'synthetic'")
+    assert not (tmp_path / "o").exists()
+
+
+def test_load_trace_refuses_contradictions(tmp_path: Path) -> None:
+    from shared.ids import InvalidInput
+
+    with pytest.raises(InvalidInput, match="--format synthetic"):
+        sim_runner.load_trace(str(tmp_path / "t.jsonl"), "synthetic", seed=0, rate=None,
+                              max_requests=None)
+    with pytest.raises(InvalidInput, match="--trace is 'synthetic'"):
+        sim_runner.load_trace("synthetic", "azure", seed=0, rate=None, max_requests=None)
+
+
+# --- a valid tiny run still runs -----------------------------------------------------------------
+def test_a_tiny_valid_simulate_runs(runner: CliRunner, tmp_path: Path, profile_file: Path
+                                    ) -> None:
+    out = tmp_path / "new" / "run"  # --out's parents are made
+    res = runner.invoke(app, [*SIM, "--rate-scale", "1, 2", "--profile", str(profile_file),
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["policy"], r["rate_scale"]) for r in rows] == [("vertumnus", 1.0),
+                                                              ("vertumnus", 2.0)]
