@@ -3,15 +3,25 @@
 Each ``services/<name>/main.py`` keeps its own flags, help text and ``serve`` coroutine and
 calls :func:`parse_flags` (environment, then flags that win over it) and :func:`run_service`
 (logging, tracing, ``asyncio.run`` until SIGINT/SIGTERM, tracing flushed at the end).
+
+Everything a process can tell is wrong from its arguments and settings alone ends it before it
+connects anywhere (a service waiting for NATS would otherwise retry forever on a typo):
+``--help`` prints the usage and exits 0, an unknown argument exits 2 naming it, and a setting
+that is valid by type but unusable (a NATS URL with no scheme, a negative seed, a composition
+that does not parse: :func:`check_nats_url` and each service's own checks, raising
+:class:`SettingProblem`) exits 2 naming its ``VTM_*`` variable and its flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
-from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any, TypeVar
+import textwrap
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, Final, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
 
@@ -23,6 +33,99 @@ from shared.telemetry import setup_tracing, shutdown_tracing
 
 S = TypeVar("S", bound=ServiceSettings)
 
+NATS_SCHEMES: Final[tuple[str, ...]] = ("nats", "tls", "ws", "wss")
+"""URL schemes a NATS server URL may have (what nats-py connects with)."""
+
+
+class SettingProblem(ValueError):
+    """A setting (or several that do not fit together) valid by type but unusable; raised by
+    a process's checks, reported by :func:`parse_flags` naming each field's ``VTM_*`` variable
+    (and flag) -- never its value, which the message gives only where it is no secret."""
+
+    def __init__(self, fields: str | Sequence[str], problem: str) -> None:
+        super().__init__(problem)
+        self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
+        self.problem = problem
+
+
+SettingsCheck = Callable[[S], None]
+"""A process's own check of its settings: returns, or raises :class:`SettingProblem`."""
+
+
+def _shown_url(url: str) -> str:
+    """``url`` fit for a message: user and password (``nats://u:p@host``) replaced by ***."""
+    return re.sub(r"^([^/@]*//)?[^/@]*@", r"\1***@", url)
+
+
+def check_nats_url(settings: ServiceSettings) -> None:
+    """``nats_url``: one or more comma-separated server URLs, each with a scheme of
+    :data:`NATS_SCHEMES`, a host and a valid port, not mixing websocket (ws, wss) with plain
+    (nats, tls) servers. nats-py would take ``notaurl`` for the host ``notaurl`` and retry it
+    forever; a scheme makes a typo visible at start."""
+    servers = settings.nats_servers
+    if not servers:
+        raise SettingProblem("nats_url", "no server URL given (e.g. nats://127.0.0.1:4222)")
+    for url in servers:
+        parts = urlsplit(url)
+        try:
+            parts.port  # noqa: B018 - parsing the port is the check
+        except ValueError:
+            raise SettingProblem("nats_url", f"{_shown_url(url)!r} has no valid port "
+                                 "(1..65535)") from None
+        if parts.scheme.lower() not in NATS_SCHEMES or not parts.hostname:
+            raise SettingProblem(
+                "nats_url", f"{_shown_url(url)!r} is not a NATS server URL: it needs a scheme "
+                f"({', '.join(s + '://' for s in NATS_SCHEMES)}) and a host, e.g. "
+                "nats://127.0.0.1:4222")
+    web = {urlsplit(u).scheme.lower() in ("ws", "wss") for u in servers}
+    if len(web) > 1:
+        raise SettingProblem("nats_url", "mixes websocket (ws://, wss://) and plain (nats://, "
+                             "tls://) server URLs")
+
+
+def seed_check(field: str) -> SettingsCheck[Any]:
+    """A check that the integer setting ``field`` (a random seed) is >= 0."""
+
+    def check(settings: ServiceSettings) -> None:
+        value = getattr(settings, field)
+        if value < 0:
+            raise SettingProblem(field, f"must be an integer >= 0 (a random seed), got {value}")
+
+    return check
+
+
+def check_settings(settings: S, checks: Iterable[SettingsCheck[S]], *, prog: str,
+                   flag_of: Mapping[str, str] | None = None) -> S:
+    """``settings`` once :func:`check_nats_url` and each of ``checks`` passed; else prints
+    ``{prog}: invalid settings:`` and a line naming the variables (``VTM_FIELD (--flag)``,
+    from ``flag_of``: field -> flag) and the problem on stderr, and exits 2."""
+    try:
+        check_nats_url(settings)
+        for check in checks:
+            check(settings)
+    except SettingProblem as exc:
+        names = ", ".join(f"VTM_{f.upper()}" + (f" ({flag_of[f]})" if flag_of and f in flag_of
+                                                else "") for f in exc.fields)
+        print(f"{prog}: invalid settings:\n  {names}: {exc.problem}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return settings
+
+
+def settings_epilog(settings_cls: type[ServiceSettings], *, flags: bool = True) -> str:
+    """The ``VTM_*`` variables of ``settings_cls`` for a ``--help`` text, one a line with the
+    first sentence of its description (nested groups as ``VTM_GROUP__*``); ``flags``: the
+    process has flags, which win over their variables."""
+    lines = ["settings (environment variables" + ("; a flag above wins over its variable):"
+                                                  if flags else "):")]
+    for name, field in settings_cls.model_fields.items():
+        nested = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        var = f"VTM_{name.upper()}" + ("__*" if nested else "")
+        # The first sentence: up to a full stop before a capital ("e.g. 8192" goes on).
+        doc = re.split(r"\.\s+(?=[A-Z])", field.description or "")[0].rstrip(".")
+        lines.append(textwrap.fill(doc, width=100, initial_indent=f"  {var:<28} ",
+                                   subsequent_indent=" " * 31) if doc else f"  {var}")
+    return "\n".join(lines)
+
 
 def parse_flags(
     settings_cls: type[S],
@@ -31,21 +134,32 @@ def parse_flags(
     *,
     prog: str,
     description: str,
+    checks: Iterable[SettingsCheck[S]] = (),
 ) -> S:
-    """``settings_cls`` from the environment, overridden by the flags given in ``argv``.
+    """``settings_cls`` from the environment, overridden by the flags given in ``argv``
+    (None: ``sys.argv[1:]``), then checked (:func:`check_settings`: the NATS URL and each of
+    ``checks``) -- all before the process connects anywhere.
 
     ``flags`` are ``(flag, settings field, argparse type)``; a flag not given leaves the field
-    to the environment (or its default).
+    to the environment (or its default). ``--help`` prints the flags and every ``VTM_*``
+    variable and exits 0; an argument that is no flag of this process, a flag's value that
+    does not convert, an invalid setting or a failed check exits 2 naming it (no traceback).
     """
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    flags = tuple(flags)
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     epilog=settings_epilog(settings_cls, flags=bool(flags)),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, dest, typ in flags:
-        parser.add_argument(flag, dest=dest, type=typ, default=None)
+        parser.add_argument(flag, dest=dest, type=typ, default=None,
+                            help=f"VTM_{dest.upper()}")
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
     try:
-        return settings_cls(**overrides)
+        settings = settings_cls(**overrides)
     except ValidationError as exc:
         parser.exit(2, f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}\n")
+    return check_settings(settings, checks, prog=prog,
+                          flag_of={dest: flag for flag, dest, _ in flags})
 
 
 def settings_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
@@ -74,14 +188,19 @@ def _secret(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> bool:
     return field is not None and "SecretStr" in str(field.annotation)
 
 
-def load_settings(settings_cls: type[S], prog: str) -> S:
-    """``settings_cls()`` from the environment; a bad value exits 2 naming it (no traceback)."""
+def load_settings(settings_cls: type[S], prog: str,
+                  checks: Iterable[SettingsCheck[S]] = ()) -> S:
+    """``settings_cls()`` from the environment, checked as :func:`check_settings` does; a bad
+    value exits 2 naming it (no traceback). It reads no argument: a process with a command
+    line parses it with :func:`parse_flags` (which handles ``--help`` and refuses unknown
+    arguments)."""
     try:
-        return settings_cls()
+        settings = settings_cls()
     except ValidationError as exc:
         print(f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}",
               file=sys.stderr)
         raise SystemExit(2) from None
+    return check_settings(settings, checks, prog=prog)
 
 
 def degree_list(text: str) -> list[int]:

@@ -90,6 +90,27 @@ def _id(value: object, what: str) -> str:
     return validate_token(str(value), what=what)
 
 
+def validate_filter(subject: str) -> str:
+    """Check a NATS subscription filter of any origin (a tap's): non-empty tokens without
+    white space, ``*`` only as a whole token, ``>`` only as the whole last token. Unlike
+    :func:`validate_subject` it admits the server's own subjects (``$KV.VTM_WORKERS.>``,
+    ``$JS.API.>``, ``_INBOX.>``): reading them is how an operator sees the KV buckets and
+    JetStream at work. Returns ``subject``; :class:`SubjectError` names the first fault."""
+    if not isinstance(subject, str) or not subject:
+        raise SubjectError(f"subject must be a non-empty string, got {subject!r}")
+    tokens = subject.split(".")
+    for i, tok in enumerate(tokens):
+        if not tok:
+            raise SubjectError(f"subject {subject!r} has an empty token (at {i})")
+        if any(ch.isspace() for ch in tok):
+            raise SubjectError(f"subject {subject!r} has white space in token {i}")
+        if tok == ">" and i != len(tokens) - 1:
+            raise SubjectError(f"subject {subject!r}: '>' may only be the last token")
+        if tok not in ("*", ">") and ("*" in tok or ">" in tok):
+            raise SubjectError(f"subject {subject!r}: wildcards must be whole tokens ({tok!r})")
+    return subject
+
+
 @dataclass(frozen=True, slots=True)
 class Subjects:
     """Subject and name builders under ``prefix`` (one or more dot-separated tokens).

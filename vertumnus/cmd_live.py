@@ -32,8 +32,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from vertumnus.cliargs import SLO_HELP, comma_list, slo_table
+from shared.ids import InvalidInput
+from vertumnus.cliargs import SLO_HELP, check_seed, comma_list, output_dir, output_file, slo_table
 from vertumnus.cliargs import fail as _fail
+
+# simulate's own checks of --degrees (integers, each once, CP degrees the lattice takes) and
+# of --profile (a readable profile file, loaded once): the live commands take the same
+# options and must refuse what simulate refuses, with the same words.
+from vertumnus.cmd_sim import _degrees, _profile_file
 
 if TYPE_CHECKING:
     from shared.slo import SloTable
@@ -41,13 +47,27 @@ if TYPE_CHECKING:
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-def _ints(text: str, name: str) -> tuple[int, ...]:
-    return comma_list(text, name, int, "integers")
-
-
 def _times(text: str | None, name: str) -> tuple[float, ...] | None:
     """Comma-separated wall seconds (None: the option was not given)."""
     return None if text is None else comma_list(text, name, float, "seconds")
+
+
+_MAX_REQUESTS_HELP = "Replay only the first N requests (0: all)"
+
+
+def _check_replay_numbers(*, rate: float | None, duration: float, time_scale: float,
+                          rate_scale: float, max_requests: int) -> None:
+    """``replay``'s numbers, each named on refusal (exit 2) before the workload is built:
+    ``--rate`` (None: the default) and ``--duration``, ``--time-scale``, ``--rate-scale``
+    finite and > 0; ``--max-requests`` >= 0 (0: all)."""
+    if rate is not None and not (rate > 0 and math.isfinite(rate)):
+        _fail(f"--rate must be a finite number of requests/s > 0, got {rate:g}")
+    for flag, v in (("--duration", duration), ("--time-scale", time_scale),
+                    ("--rate-scale", rate_scale)):
+        if not (v > 0 and math.isfinite(v)):
+            _fail(f"{flag} must be a finite number > 0, got {v:g}")
+    if max_requests < 0:
+        _fail(f"--max-requests must be an integer >= 0 (0: all), got {max_requests}")
 
 
 def run_service_module(module: str, argv: list[str], prog: str) -> None:
@@ -114,7 +134,7 @@ def register(app: typer.Typer) -> None:
         model_path: Annotated[Path | None, typer.Option(
             help="--backend torch: local HF-format Qwen3 checkpoint directory")] = None,
         seed: Annotated[int, typer.Option()] = 0,
-        max_requests: Annotated[int | None, typer.Option(help="Replay only the first N")] = None,
+        max_requests: Annotated[int, typer.Option(help=_MAX_REQUESTS_HELP)] = 0,
         profile: Annotated[Path | None, typer.Option(
             help="Fitted cost-model profile for the scheduler (vertumnus profile)")] = None,
         profile_engine: Annotated[bool, typer.Option(
@@ -163,17 +183,21 @@ def register(app: typer.Typer) -> None:
                  "replica of --schedulers (scheduler-2, …; 'scheduler' is the first); several "
                  "comma-separated, e.g. scheduler,rankd with --kill-at 20,25")] = "rankd",
     ) -> None:
-        """Start nats + every service, replay a workload through the gateway, report, stop."""
+        """Start nats + every service, replay a workload through the gateway, report, stop.
+
+        Every option is checked, the workload loaded and the output paths made ready before
+        anything starts (exit 2 naming the problem)."""
         from rich.console import Console
 
         from vertumnus.live.procs import ChildFailed
-        from vertumnus.live.stack import StackError, UpConfig, run_up
+        from vertumnus.live.stack import StackError, UpConfig, load_requests, run_up
 
         try:
             cfg = UpConfig(
-                gpus=gpus, degrees=_ints(degrees, "degrees"), policy=policy, backend=backend,
+                gpus=gpus, degrees=_degrees(degrees), policy=policy, backend=backend,
                 workload=workload, rate=rate, duration_s=duration, time_scale=time_scale,
-                rate_scale=rate_scale, seed=seed, max_requests=max_requests, profile=profile,
+                rate_scale=rate_scale, seed=seed, max_requests=max_requests or None,
+                profile=_profile_file(profile),
                 prefix=prefix, log_dir=log_dir, stop_timeout_wall_s=stop_timeout,
                 health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
                 nats_config=nats_config,
@@ -185,9 +209,25 @@ def register(app: typer.Typer) -> None:
             )
         except ValueError as exc:
             _fail(str(exc))
+        if cfg.model_path is not None and not Path(cfg.model_path).is_dir():
+            _fail(f"--model-path {cfg.model_path}: not a directory (a local HF-format Qwen3 "
+                  "checkpoint directory)")
+        try:  # before anything starts: a trace it cannot read must not cost a stack start
+            _, reqs = load_requests(cfg.workload, duration_s=cfg.duration_s, rate=cfg.rate,
+                                    seed=cfg.seed, max_requests=cfg.max_requests,
+                                    default_rate=cfg.base_rate)
+        except InvalidInput as exc:
+            _fail(f"--workload: {exc}")
+        # Last of the checks: they create the directories (a run must not lose its results
+        # to a path it cannot write once it is over).
+        if log_dir is not None:
+            output_dir(log_dir, "log-dir")
+        if json_out is not None:
+            output_file(json_out, "json")
         try:
             summary = asyncio.run(run_up(cfg, console=Console(), err_console=Console(stderr=True),
-                                         json_path=json_out, show_progress=progress))
+                                         json_path=json_out, show_progress=progress,
+                                         requests=reqs))
         except (StackError, ChildFailed) as exc:
             _fail(str(exc), 1)
         except KeyboardInterrupt:  # a second Ctrl-C during shutdown
@@ -208,7 +248,7 @@ def register(app: typer.Typer) -> None:
         rate: Annotated[float | None, typer.Option(help="Base rate req/s (synthetic)")] = None,
         duration: Annotated[float, typer.Option(help="Modelled seconds (synthetic)")] = 240.0,
         seed: Annotated[int, typer.Option()] = 0,
-        max_requests: Annotated[int | None, typer.Option(help="Replay only the first N")] = None,
+        max_requests: Annotated[int, typer.Option(help=_MAX_REQUESTS_HELP)] = 0,
         nats_url: Annotated[str | None, typer.Option(
             "--nats", help="NATS URL: adds hit rate and composition changes")] = None,
         prefix: Annotated[str, typer.Option(help="Subject prefix (with --nats)")] = "vtm",
@@ -223,13 +263,29 @@ def register(app: typer.Typer) -> None:
         slo: Annotated[str, typer.Option(help=SLO_HELP + " (the report's SLO attainment)")
                        ] = "qwen3-30b-a3b",
     ) -> None:
-        """Replay a trace (or the synthetic workload) through a running gateway; report."""
+        """Replay a trace (or the synthetic workload) through a running gateway; report.
 
+        Every option is checked and the workload loaded before the first request is sent
+        (exit 2 naming the problem)."""
+
+        from shared.subjects import validate_subject
         from vertumnus.live.stack import load_requests, write_json
 
+        check_seed(seed)
+        _check_replay_numbers(rate=rate, duration=duration, time_scale=time_scale,
+                              rate_scale=rate_scale, max_requests=max_requests)
+        try:
+            validate_subject(prefix)
+        except InvalidInput as exc:
+            _fail(f"--prefix: {exc}")
         table = slo_table(slo)
-        wl, reqs = load_requests(trace, duration_s=duration, rate=rate, seed=seed,
-                                 max_requests=max_requests, default_rate=2.0)
+        try:
+            wl, reqs = load_requests(trace, duration_s=duration, rate=rate, seed=seed,
+                                     max_requests=max_requests, default_rate=2.0)
+        except InvalidInput as exc:
+            _fail(f"--trace: {exc}")
+        if json_out is not None:  # now, not after the replay: its results must not be lost
+            output_file(json_out, "json")
         try:
             summary = asyncio.run(_replay_main(
                 gateway, reqs, time_scale=time_scale, rate_scale=rate_scale, nats_url=nats_url,
@@ -246,12 +302,30 @@ def register(app: typer.Typer) -> None:
     def tap(
         subject: Annotated[str, typer.Argument(help="Subject filter")] = "vtm.>",
         nats_url: Annotated[str, typer.Option("--nats", help="NATS URL")] = "nats://127.0.0.1:4222",
-        count: Annotated[int | None, typer.Option(help="Stop after N messages")] = None,
-        timeout: Annotated[float | None, typer.Option(help="Stop after S seconds")] = None,
+        count: Annotated[int | None, typer.Option(
+            help="Stop after N messages, N >= 1 (default: no limit)")] = None,
+        timeout: Annotated[float | None, typer.Option(
+            help="Stop after S seconds, S > 0 (default: no limit)")] = None,
         show_trace: Annotated[bool, typer.Option(help="Also print trace-context headers")] = False,
     ) -> None:
-        """Print every message on SUBJECT decoded by its Content-Type (JSON, msgpack, binary)."""
+        """Print every message on SUBJECT decoded by its Content-Type (JSON, msgpack, binary).
+
+        SUBJECT is any NATS filter (``*`` a whole token, ``>`` the last), the server's own
+        subjects too (``$KV.VTM_WORKERS.>`` shows the worker-state bucket's writes); it and
+        the limits are checked before connecting."""
+        from shared.subjects import validate_filter
         from vertumnus.live.tap import tap as run_tap
+
+        try:  # nats-py would raise its BadSubjectError only once connected
+            validate_filter(subject)
+        except InvalidInput as exc:
+            _fail(f"SUBJECT: {exc}")
+        if count is not None and count < 1:
+            _fail(f"--count must be an integer >= 1 (leave it out for no limit), got {count}")
+        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+            # nan would never time out, and <= 0 would stop before listening.
+            _fail(f"--timeout must be a finite number of seconds > 0 (leave it out for no "
+                  f"limit), got {timeout:g}")
 
         def out(text: str) -> None:
             typer.echo(text)

@@ -34,7 +34,9 @@ _FLAGS: tuple[tuple[str, str, Any], ...] = (
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> CacheMgrSettings:
-    """Settings from the environment, overridden by the flags given."""
+    """Settings from the environment, overridden by the flags given in ``argv`` (None:
+    ``sys.argv[1:]``), checked before anything connects: ``--help`` exits 0, an unknown
+    argument or a bad setting (e.g. a NATS URL without scheme) exits 2 naming it."""
     return parse_flags(
         CacheMgrSettings,
         _FLAGS,

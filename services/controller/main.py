@@ -26,8 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from services.controller.lattice import Composition
 from services.controller.service import ControllerService, ControllerSettings
-from shared.servicemain import degree_list, parse_flags, run_service
+from shared.ids import InvalidInput
+from shared.servicemain import SettingProblem, degree_list, parse_flags, run_service
 
 _FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--nats-url", "nats_url", str),
@@ -41,14 +43,36 @@ _FLAGS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
+def check_initial_composition(settings: ControllerSettings) -> None:
+    """``initial_composition``, when set, parses into a composition of the configured pool
+    (``Composition.parse`` on the settings' lattice): otherwise the controller would find out
+    only at its first bootstrap, once connected, and start without a record. Raises
+    :class:`SettingProblem`. A lattice the GPUs and degrees cannot make is left to the
+    service's start, which reports it ("cannot start")."""
+    if not settings.initial_composition:
+        return
+    try:
+        lattice = settings.lattice()
+    except InvalidInput:
+        return
+    try:
+        Composition.parse(lattice, settings.initial_composition)
+    except InvalidInput as exc:
+        raise SettingProblem("initial_composition", str(exc)) from None
+
+
 def parse_settings(argv: Sequence[str] | None = None) -> ControllerSettings:
-    """Settings from the environment, overridden by the flags given."""
+    """Settings from the environment, overridden by the flags given in ``argv`` (None:
+    ``sys.argv[1:]``), checked before anything connects: ``--help`` exits 0, an unknown
+    argument or a bad setting (a NATS URL without scheme, an initial composition that does
+    not parse) exits 2 naming it."""
     return parse_flags(
         ControllerSettings,
         _FLAGS,
         argv,
         prog="python -m services.controller",
         description="vertumnus controller: splits and merges CP workers from window demand.",
+        checks=(check_initial_composition,),
     )
 
 

@@ -236,7 +236,11 @@ class GatewayService(MicroService):
             except ImportError as exc:  # pragma: no cover - depends on installed extras
                 raise InvalidConfig("tokenizer_path is set but the `tokenizers` package is "
                                     "not installed (pip install 'vertumnus[engine]')") from exc
-            self._tokenizer = Tokenizer.from_file(str(settings.tokenizer_path))
+            try:
+                self._tokenizer = Tokenizer.from_file(str(settings.tokenizer_path))
+            except Exception as exc:  # tokenizers raises a bare Exception for any bad file
+                raise InvalidConfig(f"VTM_TOKENIZER_PATH {str(settings.tokenizer_path)!r}: "
+                                    f"not a readable tokenizer.json ({exc})") from None
 
     # -- lifecycle ----------------------------------------------------------------------------
 

@@ -20,11 +20,13 @@ the settings class and set through its ``VTM_`` variable.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-from services.gateway.adapter import GatewayService
+from services.gateway.adapter import GatewayService, InvalidConfig
 from services.gateway.settings import GatewaySettings
-from shared.servicemain import parse_flags, run_service
+from shared.ids import InvalidInput
+from shared.servicemain import SettingProblem, parse_flags, run_service
 
 _FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--nats-url", "nats_url", str),
@@ -39,20 +41,46 @@ _FLAGS: tuple[tuple[str, str, type], ...] = (
 )
 
 
+def check_tokenizer_path(settings: GatewaySettings) -> None:
+    """``tokenizer_path``, when set, is a readable regular file; raises
+    :class:`SettingProblem` naming the path. (Its content is checked when the gateway loads
+    it, still before it connects: :func:`serve`.)"""
+    path = settings.tokenizer_path
+    if path is None:
+        return
+    if not path.exists():
+        raise SettingProblem("tokenizer_path", f"{str(path)!r}: no such file")
+    if not path.is_file():
+        raise SettingProblem("tokenizer_path", f"{str(path)!r}: not a regular file (a "
+                             "tokenizer.json)")
+    if not os.access(path, os.R_OK):
+        raise SettingProblem("tokenizer_path", f"{str(path)!r}: file is not readable")
+
+
 def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
-    """Settings from the environment, overridden by the flags given."""
+    """Settings from the environment, overridden by the flags given in ``argv`` (None:
+    ``sys.argv[1:]``), checked before anything connects: ``--help`` exits 0, an unknown
+    argument or a bad setting (a NATS URL without scheme, a tokenizer file that is not
+    there) exits 2 naming it."""
     return parse_flags(
         GatewaySettings,
         _FLAGS,
         argv,
         prog="python -m services.gateway",
         description="vertumnus gateway: HTTP and NATS completions onto the durable intake.",
+        checks=(check_tokenizer_path,),
     )
 
 
 async def serve(settings: GatewaySettings) -> None:
-    """Run one gateway until SIGINT/SIGTERM."""
-    await GatewayService(settings).run()
+    """Run one gateway until SIGINT/SIGTERM. Settings the gateway cannot start with (a
+    tokenizer file it cannot load, the tokenizers package missing) raise InvalidInput before
+    it connects, which :func:`run_service` reports in one line (exit 2)."""
+    try:
+        gateway = GatewayService(settings)
+    except InvalidConfig as exc:
+        raise InvalidInput(str(exc)) from None
+    await gateway.run()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -25,7 +25,7 @@ starts the process again; 2 for settings that cannot work together.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final, TypeVar
 
 import structlog
@@ -35,7 +35,7 @@ from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import WorkerFault
-from shared.servicemain import load_settings, run_service
+from shared.servicemain import parse_flags, run_service
 from shared.worker import WorkerKind
 
 S = TypeVar("S", bound=RankdSettings)
@@ -100,8 +100,25 @@ def run_rankd(settings: S, serve_fn: Callable[[S], Coroutine[Any, Any, None]]) -
         raise SystemExit(WORKER_FAULT_EXIT) from None
 
 
-def main() -> None:
-    run_rankd(load_settings(RankdSettings, "vertumnus rankd"), serve)
+DESCRIPTION: Final[str] = (
+    "vertumnus rank daemon: one prefill worker (VTM_WORKER_ID) or, with VTM_HOST_GPUS, every "
+    "worker of a GPU range. Configured by VTM_* environment variables only: it takes no "
+    "arguments but --help.")
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> RankdSettings:
+    """Settings from the environment, checked before anything connects. ``argv`` (None:
+    ``sys.argv[1:]``) may hold only ``--help`` (usage and every ``VTM_*`` variable, exit 0):
+    any other argument exits 2 naming it, as does a bad setting (e.g. a NATS URL without
+    scheme) -- a rank daemon that ignored them would wait for NATS forever."""
+    return parse_flags(RankdSettings, (), argv, prog="python -m services.rankd.main",
+                       description=DESCRIPTION)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run a rank daemon; ``argv`` as :func:`parse_settings` (pass ``[]`` when calling it from
+    a process whose own ``sys.argv`` is not the daemon's, e.g. a test)."""
+    run_rankd(parse_settings(argv), serve)
 
 
 if __name__ == "__main__":

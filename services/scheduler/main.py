@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.scheduler.service import SchedulerService, SchedulerSettings
-from shared.servicemain import degree_list, parse_flags, run_service
+from shared.servicemain import degree_list, parse_flags, run_service, seed_check
 
 _FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--nats-url", "nats_url", str),
@@ -42,13 +42,16 @@ _FLAGS: tuple[tuple[str, str, Any], ...] = (
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
-    """Settings from the environment, overridden by the flags given."""
+    """Settings from the environment, overridden by the flags given in ``argv`` (None:
+    ``sys.argv[1:]``), checked before anything connects: ``--help`` exits 0, an unknown
+    argument or a bad setting (a NATS URL without scheme, a seed < 0) exits 2 naming it."""
     return parse_flags(
         SchedulerSettings,
         _FLAGS,
         argv,
         prog="python -m services.scheduler",
         description="vertumnus scheduler: places intake requests on prefill workers.",
+        checks=(seed_check("seed"),),
     )
 
 

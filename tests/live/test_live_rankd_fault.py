@@ -229,7 +229,7 @@ def test_main_exits_non_zero_after_a_worker_fault(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(rankd_main, "run_service", faulted)
     with pytest.raises(SystemExit) as exc:
-        rankd_main.main()
+        rankd_main.main([])
     assert exc.value.code == rankd_main.WORKER_FAULT_EXIT != 0
 
 
@@ -243,5 +243,5 @@ def test_the_sim_launcher_exits_for_a_restart_too(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(rankd_main, "run_service", faulted)
     with pytest.raises(SystemExit) as exc:
-        rankd_sim.main()
+        rankd_sim.main([])
     assert exc.value.code == rankd_main.WORKER_FAULT_EXIT

@@ -21,6 +21,7 @@ fitted profile and never this module.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -33,7 +34,7 @@ from services.rankd.main import run_rankd
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import DEFAULT_BLOCK_SIZE
-from shared.servicemain import load_settings
+from shared.servicemain import parse_flags
 from shared.worker import GpuGroup, WorkerKind
 
 
@@ -122,9 +123,20 @@ async def serve(settings: SimRankdSettings) -> None:
     await RankdService(settings, make(settings.worker_id, settings.kind)).run()
 
 
-def main() -> None:
-    # A bad VTM_* value exits 2 naming it; a worker fault exits 75, as the real main does.
-    run_rankd(load_settings(SimRankdSettings, "vertumnus rankd"), serve)
+DESCRIPTION = (
+    "vertumnus rank daemon on the sim backend timed by the simulator's ground truth "
+    "(VTM_TRUTH; VTM_BACKEND=torch runs the real engine): one worker (VTM_WORKER_ID) or, with "
+    "VTM_HOST_GPUS, every worker of a GPU range. Configured by VTM_* environment variables "
+    "only: it takes no arguments but --help.")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run a rank daemon; ``argv`` (None: ``sys.argv[1:]``) may hold only ``--help``: any
+    other argument, like a bad VTM_* value, exits 2 naming it before anything connects; a
+    worker fault exits 75, as the real main does. Pass ``[]`` when calling it from a process
+    whose own ``sys.argv`` is not the daemon's (a test)."""
+    run_rankd(parse_flags(SimRankdSettings, (), argv, prog="vertumnus rankd",
+                          description=DESCRIPTION), serve)
 
 
 if __name__ == "__main__":

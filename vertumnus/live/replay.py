@@ -282,8 +282,12 @@ async def _send(url: str, body: bytes, config: ReplayConfig) -> tuple[Response, 
 
 
 def workload_requests(workload: Workload, max_requests: int | None = None) -> list[Request]:
+    """The first ``max_requests`` requests of ``workload`` (None or 0: all); a negative count
+    raises ValueError (as a slice it would drop requests from the end)."""
+    if max_requests is not None and max_requests < 0:
+        raise ValueError(f"max_requests must be >= 0 (0: all), got {max_requests}")
     reqs = list(workload)
-    return reqs[:max_requests] if max_requests is not None else reqs
+    return reqs[:max_requests] if max_requests else reqs
 
 
 __all__ = [

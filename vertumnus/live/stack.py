@@ -54,7 +54,7 @@ from shared.natsauth import env_security_options
 from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv, nats_callbacks, security_hint
 from shared.slo import QWEN3_SLO, SloTable
-from shared.subjects import Subjects, micro_service_name
+from shared.subjects import Subjects, micro_service_name, validate_subject
 from shared.worker import GpuGroup, WorkerKind
 from vertumnus.live.faults import NATS, NATS_EMPTY, RANKD, CrashPlan, FaultEvent, run_crash
 from vertumnus.live.faults import describe as describe_faults
@@ -106,7 +106,10 @@ class UpConfig:
     time_scale: float = DEFAULT_TIME_SCALE
     rate_scale: float = 1.0
     seed: int = 0
+    """Seed of the workload, the policy and the ground-truth noise: an integer >= 0."""
     max_requests: int | None = None
+    """Replay only the first N requests; None or 0: all of them (as ``simulate``'s
+    ``--max-requests 0``)."""
     profile: Path | None = None
     prefix: str = "vtm"
     initial_workers: tuple[str, ...] | None = None
@@ -173,16 +176,18 @@ class UpConfig:
             raise ValueError(f"--degrees must be powers of two, got {self.degrees}")
         if max(self.degrees) > self.gpus:
             raise ValueError(f"degree {max(self.degrees)} exceeds --gpus {self.gpus}")
-        for name in ("duration_s", "time_scale", "rate_scale"):
+        for name, flag in (("duration_s", "--duration"), ("time_scale", "--time-scale"),
+                           ("rate_scale", "--rate-scale")):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be finite and > 0, got {v}")
+                raise ValueError(f"{flag} must be finite and > 0, got {v:g}")
         if not 1 <= self.schedulers <= MAX_SCHEDULERS:
             raise ValueError(f"--schedulers must be 1..{MAX_SCHEDULERS}, got {self.schedulers}")
-        if self.rate is not None and not self.rate > 0:
-            raise ValueError(f"--rate must be > 0, got {self.rate}")
+        if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"--rate must be finite and > 0, got {self.rate:g}")
         if self.backend not in ("sim", "torch"):
             raise ValueError(f"--backend must be sim or torch, got {self.backend!r}")
+        self._check_run_options()
         from services.controller.lattice import Lattice
         from services.scheduler.registry import policy_names
 
@@ -223,6 +228,36 @@ class UpConfig:
             raise ValueError(f"--policy {self.policy} deploys TP workers, which only the sim "
                              "backend models (the torch engine runs CP workers)")
         self._check_faults()
+
+    def _check_run_options(self) -> None:
+        """The options nothing else checks before the stack starts: each would otherwise
+        fail late (numpy's seed, the nats-server or gateway port, the prefix's subjects, the
+        shutdown timer) or be ignored (``--model-path`` on the sim backend). Raises
+        ValueError naming the option; touches no file (a path's checks are the CLI's)."""
+        if self.seed < 0:
+            raise ValueError(f"--seed must be an integer >= 0, got {self.seed}")
+        if self.max_requests is not None and self.max_requests < 0:
+            raise ValueError(f"--max-requests must be an integer >= 0 (0: all), "
+                             f"got {self.max_requests}")
+        if self.nats_port != -1 and not 0 < self.nats_port < 65536:
+            raise ValueError(f"--nats-port must be -1 (any free port) or in 1..65535, "
+                             f"got {self.nats_port}")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"--http-port must be 0 (any free port) or in 1..65535, "
+                             f"got {self.http_port}")
+        for flag, v in (("--stop-timeout", self.stop_timeout_wall_s),
+                        ("--health-timeout", self.health_timeout_wall_s)):
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{flag} must be finite and > 0 wall seconds, got {v:g}")
+        try:  # every subject, stream and bucket name starts with it
+            validate_subject(self.prefix)
+        except InvalidInput as exc:
+            raise ValueError(f"--prefix: {exc}") from None
+        if self.model_path is not None and self.backend != "torch":
+            # The sim backend models time, not weights: a checkpoint given to it would be
+            # silently unused.
+            raise ValueError("--model-path is the torch backend's checkpoint; it needs "
+                             f"--backend torch (got --backend {self.backend})")
 
     def _fault_services(self) -> tuple[str, ...]:
         return tuple(x.strip() for x in self.kill_service.split(","))
@@ -398,10 +433,19 @@ def phased_config(duration_s: float, rate: float, seed_cfg: dict[str, Any] | Non
 def load_requests(spec: str, *, duration_s: float, rate: float | None, seed: int,
                   max_requests: int | None, default_rate: float) -> tuple[Any, list[Any]]:
     """(workload, requests) for ``'synthetic'`` / ``'synthetic-short'`` (phased, ``duration_s``)
-    or a trace path."""
+    or a trace path; only the first ``max_requests`` requests (None or 0: all).
+
+    Raises :class:`~shared.ids.InvalidInput` (a :class:`ValueError`) for a workload that
+    cannot be read or generated: a missing file, a directory, a malformed trace
+    (:class:`~sim.workloads.errors.TraceFormatError`), a rate or duration out of range,
+    ``max_requests`` < 0. Callers turn it into their option's error before anything
+    starts."""
     from sim.workloads import generate, load_workload
     from sim.workloads.workload import truncate
 
+    if max_requests is not None and max_requests < 0:
+        # A negative N would slice from the end (reqs[:-1]: all but the last).
+        raise InvalidInput(f"max_requests must be >= 0 (0: all), got {max_requests}")
     if spec == "synthetic":
         wl = generate(phased_config(duration_s, rate or default_rate), seed=seed)
     elif spec == "synthetic-short":
@@ -415,7 +459,7 @@ def load_requests(spec: str, *, duration_s: float, rate: float | None, seed: int
             t0 = min(r.arrival_s for r in wl)
             wl = truncate(wl, start_s=t0, end_s=t0 + duration_s, rebase=True)
     reqs = list(wl)
-    if max_requests is not None:
+    if max_requests:
         reqs = reqs[:max_requests]
     return wl, reqs
 
@@ -1000,8 +1044,13 @@ def hardware_profile(config: UpConfig, out_dir: Path) -> tuple[Path, dict[str, A
 
 
 async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = None,
-                 json_path: Path | None = None, show_progress: bool = True) -> dict[str, Any]:
-    """Start the stack, replay, report, stop. Returns the summary (also written to JSON)."""
+                 json_path: Path | None = None, show_progress: bool = True,
+                 requests: Sequence[Any] | None = None) -> dict[str, Any]:
+    """Start the stack, replay, report, stop. Returns the summary (also written to JSON).
+
+    ``requests``: the workload's requests, loaded already by the caller (the CLI loads them
+    before anything starts, so that an unreadable trace costs nothing); None: loaded here
+    with :func:`load_requests` from ``config``."""
     from rich.console import Console
 
     console = console or Console()
@@ -1009,9 +1058,12 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="vtm-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     scale = config.effective_time_scale
-    _, requests = load_requests(config.workload, duration_s=config.duration_s, rate=config.rate,
-                                seed=config.seed, max_requests=config.max_requests,
-                                default_rate=config.base_rate)
+    if requests is None:
+        _, requests = load_requests(config.workload, duration_s=config.duration_s,
+                                    rate=config.rate, seed=config.seed,
+                                    max_requests=config.max_requests,
+                                    default_rate=config.base_rate)
+    requests = list(requests)
     err.print(f"vertumnus up: {config.gpus} GPUs, degrees {sorted(config.degrees)}, policy "
               f"{config.policy}, backend {config.backend}, {len(requests)} requests over "
               f"{config.duration_s:g} modelled s at time scale {scale:g} "
