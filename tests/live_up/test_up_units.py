@@ -419,3 +419,30 @@ def test_report_prints_the_scheduler_recovery_only_when_there_was_some() -> None
     assert lines(rec) == ["scheduler recovery (replicas running at the end; a killed process' "
                           "counts went with it): 4 held messages given back by a restarted "
                           "replica, 2 handed back for a lost worker"]
+
+
+def test_report_warns_when_the_workers_ran_at_another_time_scale() -> None:
+    """A replay's --time-scale converts wall TTFTs to modelled seconds; workers answering with
+    another time_scale make those figures off by the ratio, and the report says so."""
+    import io
+
+    from rich.console import Console
+
+    from vertumnus.live.replay import record_from_response
+
+    req = Request("r1", 0.0, 1000, 1)
+    answer = {"vtm": {"ttft_s": 0.05, "stages": {}, "worker_id": "w-cp2-g0", "time_scale": 0.1}}
+    rec = record_from_response(req, 200, answer, 0.06)
+    assert rec.worker_time_scale == 0.1
+    assert record_from_response(req, 200, {"vtm": {"time_scale": "x"}}, 0.1) \
+        .worker_time_scale is None
+
+    def printed(scale: float) -> str:
+        out = io.StringIO()
+        report = LiveReport([rec], time_scale=scale)
+        assert report.summary()["worker_time_scales"] == [0.1]
+        report.render(Console(file=out, width=400))
+        return out.getvalue()
+
+    assert "warning" not in printed(0.1)
+    assert "workers ran at time scale 0.1, this report divides by 1" in printed(1.0)

@@ -122,6 +122,10 @@ class ReplayRecord:
     of ``ttft_s``, which runs from the first try."""
     retries: int = 0
     """Tries after the first (``ReplayConfig.retry_s``)."""
+    worker_time_scale: float | None = None
+    """The answering worker's wall seconds per modelled second (its answer's ``time_scale``;
+    None: an older gateway that does not say). The report divides by the replay's own time
+    scale and says so when the workers run at another."""
 
     @property
     def ok(self) -> bool:
@@ -162,7 +166,15 @@ def record_from_response(req: Request, status: int, payload: Any, client_s: floa
         worker_id=vtm.get("worker_id"),
         epoch=vtm.get("epoch"),
         predicted_prefill_s=vtm.get("predicted_prefill_s"),
+        worker_time_scale=_finite_or_none(vtm.get("time_scale")),
     )
+
+
+def _finite_or_none(x: Any) -> float | None:
+    """``x`` as a finite float, or None for anything else (a missing or malformed field)."""
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        return None
+    return float(x)
 
 
 ProgressFn = Callable[[ReplayRecord], None]

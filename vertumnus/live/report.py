@@ -225,6 +225,7 @@ class LiveReport:
             "reconfigurations": reconfigurations(self.changes),
             "reconfigurations_warmup": reconfigurations(self.changes, warmup=True),
             "time_scale": self.time_scale,
+            "worker_time_scales": self.worker_time_scales(),
             "ttft_unit": "modelled seconds (wall / time_scale)",
             "slo": slo_to_dict(self.slo),
             "prediction_mape": s.get("prediction_mape", math.nan),
@@ -243,8 +244,22 @@ class LiveReport:
         out.update(self.meta)
         return out
 
+    def worker_time_scales(self) -> list[float]:
+        """The time scales the answering workers reported (sorted, distinct). One equal to
+        :attr:`time_scale` is the consistent case; any other means the modelled-second
+        figures are off by their ratio (a replay's ``--time-scale`` not the workers')."""
+        return sorted({r.worker_time_scale for r in self.records
+                       if r.ok and r.worker_time_scale is not None})
+
     def render(self, console: Console) -> None:
         s = self.summary()
+        other = [x for x in s["worker_time_scales"]
+                 if not math.isclose(x, self.time_scale, rel_tol=1e-9)]
+        if other:
+            console.print(f"[bold yellow]warning:[/] the workers ran at time scale "
+                          f"{', '.join(f'{x:g}' for x in other)}, this report divides by "
+                          f"{self.time_scale:g}: its modelled seconds are off by that ratio "
+                          "(give replay the workers' --time-scale)")
         t = Table(title=f"TTFT, modelled seconds (wall ÷ time scale {self.time_scale:g})")
         t.add_column("metric")
         t.add_column("value", justify="right")
