@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EXTRAS ?= dev,engine
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test clean
 
 $(BIN)/vertumnus: pyproject.toml
 	$(PY) -m venv $(VENV)
