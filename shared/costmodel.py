@@ -28,6 +28,7 @@ from typing import Any, Final
 import numpy as np
 from scipy.optimize import nnls
 
+from shared.files import path_kind
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 
 PROFILE_SCHEMA_VERSION: Final[int] = 1
@@ -250,7 +251,7 @@ class Profile:
         """
         p = Path(path)
         where = f"profile {p}"
-        if p.is_dir():
+        if path_kind(p, "profile") == "dir":  # a path it cannot look at: InvalidInput too
             raise InvalidInput(f"{where} is a directory, not a profile file")
         try:
             raw = p.read_bytes()

@@ -53,16 +53,24 @@ SettingsCheck = Callable[[S], None]
 
 
 def _shown_url(url: str) -> str:
-    """``url`` fit for a message: user and password (``nats://u:p@host``) replaced by ***."""
-    return re.sub(r"^([^/@]*//)?[^/@]*@", r"\1***@", url)
+    """``url`` fit for a message: everything before its last ``@`` (user and password,
+    ``nats://u:p@host``, even a password holding ``/`` or ``@``) replaced by ***."""
+    return re.sub(r"^([A-Za-z][\w+.-]*://)?.*@", r"\1***@", url)
+
+
+def _as_nats_uri(url: str) -> str:
+    """``url`` as nats-py reads a server entry: without a scheme (``host``, ``host:port``) it
+    is ``nats://`` that address, so those forms are checked as what they will connect to."""
+    return url if "://" in url else f"nats://{url}"
 
 
 def check_nats_url(settings: ServiceSettings) -> None:
     """``nats_url``: one or more comma-separated server URLs, each with a scheme of
     :data:`NATS_SCHEMES`, a host and a valid port, not mixing websocket (ws, wss) with plain
-    (nats, tls) servers. nats-py would take ``notaurl`` for the host ``notaurl`` and retry it
-    forever; a scheme makes a typo visible at start."""
-    servers = settings.nats_servers
+    (nats, tls) servers. An entry without a scheme (``nats:4222``, ``localhost``) is
+    ``nats://`` that address, as nats-py takes it (compose's ``nats`` host is one); a wrong
+    scheme (``http://``), a bad port or no host exits at start instead of retrying forever."""
+    servers = [_as_nats_uri(u) for u in settings.nats_servers]
     if not servers:
         raise SettingProblem("nats_url", "no server URL given (e.g. nats://127.0.0.1:4222)")
     for url in servers:

@@ -44,6 +44,7 @@ from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any, Final, get_type_hints
 
+from shared.files import path_kind
 from shared.ids import InvalidInput
 from sim.groundtruth import (
     GPU_PRESETS,
@@ -201,11 +202,12 @@ def load_ground_truth(path: str | Path) -> GroundTruth:
     UTF-8 (with the line), not valid JSON/TOML, or a bad value (with the key).
     """
     p = Path(path)
-    if p.is_dir():
+    kind = path_kind(p, "hardware file")
+    if kind == "dir":
         raise InvalidInput(f"hardware file {p} is a directory, not a file")
-    if not p.exists():
+    if kind == "missing":
         raise InvalidInput(f"hardware file not found: {p}")
-    if not p.is_file():
+    if kind != "file":
         raise InvalidInput(f"hardware file {p} is not a regular file")
     suffix = p.suffix.lower()
     if suffix not in (".json", ".toml"):

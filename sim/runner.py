@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared.costmodel import Profile
+from shared.files import path_kind
 from shared.ids import InvalidInput
 from sim.experiments import (
     ALL_POLICIES,
@@ -90,9 +91,10 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
         wl = generate(cfg, seed=seed)
     else:
         path = Path(trace)
-        if path.is_dir():
+        kind = path_kind(path, "trace")
+        if kind == "dir":
             raise InvalidInput(f"trace {trace} is a directory, not a file")
-        if not path.is_file():
+        if kind != "file":
             raise InvalidInput(f"trace file not found: {trace}")
         if fmt == "auto":
             wl = load_workload(path, seed=seed, rate=rate if rate else None) \
@@ -726,7 +728,7 @@ REPORT_KEYS: tuple[str, ...] = (
 def _read_json(path: Path) -> Any:
     """The JSON in ``path``; :class:`InvalidInput` naming the file when it is a directory, is
     unreadable, is not UTF-8 or not JSON (a missing file is the caller's to check)."""
-    if path.is_dir():
+    if path_kind(path, "file") == "dir":
         raise InvalidInput(f"{path} is a directory, not a JSON file")
     try:
         text = path.read_text(encoding="utf-8")

@@ -87,11 +87,28 @@ def j_weight(value: float, name: str, *, default: float | None = None) -> float:
     return value
 
 
+def _kind(path: Path, option: str | None = None) -> str | None:
+    """:func:`shared.files.path_kind` of ``path``; a path that cannot be looked at exits 2
+    naming ``option`` (None: returns None for the caller to say)."""
+    from shared.files import path_kind
+    from shared.ids import InvalidInput
+
+    try:
+        return path_kind(path, option or "path")
+    except InvalidInput as exc:
+        if option is None:
+            return None
+        fail(str(exc))
+
+
 def _dir_problem(directory: Path) -> str | None:
     """Why files cannot be written in ``directory``, created first (with its parents) if
     missing; None when they can. Creating it is the only reliable test: a path under /proc
     or on a read-only mount looks fine until then."""
-    if directory.exists() and not directory.is_dir():
+    kind = _kind(directory)
+    if kind is None:
+        return "cannot be looked at (permission denied on a parent directory?)"
+    if kind not in ("missing", "dir"):
         return "exists and is not a directory"
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -119,9 +136,10 @@ def output_file(path: Path, name: str) -> Path:
     directory that exists (created if missing, with its parents) and is writable. Exits 2
     naming the option, the path and the problem. The file itself is not created."""
     p = Path(path)
-    if p.is_dir():
+    kind = _kind(p, f"--{name}")
+    if kind == "dir":
         fail(f"--{name} {p}: is a directory, not a file")
-    if p.exists() and not os.access(p, os.W_OK):
+    if kind != "missing" and not os.access(p, os.W_OK):
         fail(f"--{name} {p}: file is not writable")
     why = _dir_problem(p.parent)
     if why is not None:
@@ -135,11 +153,12 @@ def input_file(path: Path, name: str) -> Path:
     problem; the content is the caller's to check."""
     p = Path(path)
     what = f"--{name} {p}"
-    if not p.exists():
+    kind = _kind(p, f"--{name}")
+    if kind == "missing":
         fail(f"{what}: no such file")
-    if p.is_dir():
+    if kind == "dir":
         fail(f"{what}: is a directory, not a file")
-    if not p.is_file():
+    if kind != "file":
         fail(f"{what}: not a regular file")
     if not os.access(p, os.R_OK):
         fail(f"{what}: file is not readable")

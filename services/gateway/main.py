@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from services.gateway.adapter import GatewayService, InvalidConfig
 from services.gateway.settings import GatewaySettings
+from shared.files import path_kind
 from shared.ids import InvalidInput
 from shared.servicemain import SettingProblem, parse_flags, run_service
 
@@ -48,9 +49,13 @@ def check_tokenizer_path(settings: GatewaySettings) -> None:
     path = settings.tokenizer_path
     if path is None:
         return
-    if not path.exists():
+    try:
+        kind = path_kind(path, "tokenizer")
+    except InvalidInput as exc:  # a parent directory it may not search
+        raise SettingProblem("tokenizer_path", str(exc)) from None
+    if kind == "missing":
         raise SettingProblem("tokenizer_path", f"{str(path)!r}: no such file")
-    if not path.is_file():
+    if kind != "file":
         raise SettingProblem("tokenizer_path", f"{str(path)!r}: not a regular file (a "
                              "tokenizer.json)")
     if not os.access(path, os.R_OK):

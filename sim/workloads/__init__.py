@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shared.files import path_kind
 from shared.ids import InvalidInput
 from sim.workloads.azure import read_azure
 from sim.workloads.errors import TraceFormatError
@@ -54,9 +55,10 @@ def load_workload(
         cfg = SyntheticConfig(rate=rate) if rate is not None else SyntheticConfig()
         return generate(cfg, seed=seed, **kwargs)
     path = Path(spec)
-    if path.is_dir():
+    kind = path_kind(path, "workload")
+    if kind == "dir":
         raise InvalidInput(f"workload {spec!r} is a directory, not a trace file")
-    if not path.is_file():
+    if kind != "file":
         raise InvalidInput(f"workload {spec!r} is neither 'synthetic' nor an existing file")
     if path.suffix.lower() == ".csv":
         wl = read_azure(path, **kwargs)

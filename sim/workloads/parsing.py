@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from shared.files import path_kind
 from shared.ids import InvalidInput
 from sim.workloads.errors import TraceFormatError
 
@@ -34,7 +35,7 @@ def open_trace(path: Path) -> io.BufferedReader:
     opened, and :class:`TraceFormatError` naming the file when it is plainly not text: a
     compressed file or archive, UTF-16, or binary data (a NUL byte, which text never has).
     """
-    if path.is_dir():
+    if path_kind(path, "trace") == "dir":
         raise InvalidInput(f"{path} is a directory, not a trace file")
     try:
         fh = path.open("rb")

@@ -43,8 +43,9 @@ BAD: list[tuple[list[str], list[str]]] = [
     (["rankd", "--bogus-flag"], ["unrecognized arguments: --bogus-flag"]),
     (["rankd", "--gpus", "-1"], ["unrecognized arguments: --gpus -1"]),
     (["gateway", "--bogus"], ["unrecognized arguments: --bogus"]),
-    (["gateway", "--nats-url", "notaurl"],
-     ["VTM_NATS_URL (--nats-url)", "'notaurl' is not a NATS server URL", "nats://"]),
+    (["gateway", "--nats-url", "http://127.0.0.1:4222"],
+     ["VTM_NATS_URL (--nats-url)", "'http://127.0.0.1:4222' is not a NATS server URL",
+      "nats://"]),
     (["cachemgr", "--nats-url", "nats://127.0.0.1:99999"],
      ["VTM_NATS_URL (--nats-url)", "no valid port"]),
     (["scheduler", "--nats-url", "ws://127.0.0.1:1,nats://127.0.0.1:2"],
@@ -70,9 +71,9 @@ def test_a_bad_argument_or_setting_exits_2_before_connecting(args: list[str],
 
 
 def test_a_bad_nats_url_in_the_environment_names_the_variable() -> None:
-    proc = _run(["rankd"], env={"VTM_NATS_URL": "localhost"})
+    proc = _run(["rankd"], env={"VTM_NATS_URL": "localhost:70000"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "VTM_NATS_URL: 'localhost' is not a NATS server URL" in proc.stderr
+    assert "VTM_NATS_URL: 'nats://localhost:70000' has no valid port" in proc.stderr
 
 
 def test_a_tokenizer_file_the_gateway_cannot_load_exits_2(tmp_path: Path) -> None:
@@ -95,6 +96,12 @@ def test_nats_url_check_takes_every_scheme_and_hides_passwords() -> None:
     assert "secret" not in str(exc.value) and exc.value.fields == ("nats_url",)
     with pytest.raises(SettingProblem, match="not a NATS server URL"):
         check_nats_url(ServiceSettings(nats_url="http://h:4222"))
+    # Without a scheme, as nats-py reads it: nats://host[:port] (compose's host is "nats").
+    check_nats_url(ServiceSettings(nats_url="nats,127.0.0.1:4222"))
+    for odd in ("nats://user:p/w@h:99999", "nats://u:a@b@h:99999"):
+        with pytest.raises(SettingProblem) as exc:
+            check_nats_url(ServiceSettings(nats_url=odd))
+        assert "p/w" not in str(exc.value) and "a@b" not in str(exc.value), str(exc.value)
     with pytest.raises(SettingProblem, match="no server URL"):
         check_nats_url(ServiceSettings(nats_url=" , "))
 
