@@ -197,7 +197,9 @@ def register(app: typer.Typer) -> None:
                 gpus=gpus, degrees=_degrees(degrees), policy=policy, backend=backend,
                 workload=workload, rate=rate, duration_s=duration, time_scale=time_scale,
                 rate_scale=rate_scale, seed=seed, max_requests=max_requests or None,
-                profile=_profile_file(profile),
+                # A sim pool's controller judges capacity by κ: a profile must have it for
+                # each degree (a torch profile has none: the engine fits Ê_C only).
+                profile=_profile_file(profile, _degrees(degrees) if backend == "sim" else None),
                 prefix=prefix, log_dir=log_dir, stop_timeout_wall_s=stop_timeout,
                 health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
                 nats_config=nats_config,

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from shared.costmodel import DEFAULT_PROFILE
 from shared.ids import InvalidInput
 from vertumnus.cli import app
 
@@ -123,6 +124,10 @@ def test_up_refuses_a_bad_option_before_starting(args: list[str], needles: list[
 def test_up_checks_its_files_and_output_paths_before_starting(
         tmp_path: Path, afile: Path, garbled: Path, tripwire: list[dict[str, Any]]) -> None:
     _refused(["up", "--profile", str(tmp_path)], "--profile", "is a directory")
+    # A sim pool's controller needs κ of each degree; a torch pool's profile has none.
+    no_kappa = tmp_path / "no-kappa.json"
+    DEFAULT_PROFILE.with_kappa({2: 10.0}).save(no_kappa)
+    _refused(["up", "--profile", str(no_kappa), "--degrees", "2,4"], "--profile", "kappa", "4")
     _refused(["up", "--workload", str(tmp_path)], "--workload", "directory")
     _refused(["up", "--workload", str(garbled)], "--workload", "garb.jsonl:1", "not valid JSON")
     _refused(["up", "--log-dir", str(afile)], f"--log-dir {afile}", "not a directory")
