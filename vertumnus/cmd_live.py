@@ -10,6 +10,8 @@
   daemon) during the replay and starts it again (:mod:`vertumnus.live.faults`).
 * ``replay`` — the same replay and report against a stack that is already running.
 * ``tap`` — print the messages of a subject (default ``vtm.>``) decoded by Content-Type.
+* ``status`` — one look at a running pool from NATS: the epoch record's composition, every
+  worker state (stale past the lease) and the services answering ``$SRV.PING``.
 * ``gateway | scheduler | controller | cachemgr | rankd`` — run that service's main with the
   remaining arguments (``vertumnus gateway --port 8080`` = ``python -m services.gateway
   --port 8080``); configuration by ``VTM_*`` environment variables as documented on each
@@ -340,6 +342,51 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(0) from None
         except OSError as exc:
             _fail(f"cannot reach NATS at {nats_url}: {exc}", 1)
+
+    @app.command()
+    def status(
+        nats_url: Annotated[str, typer.Option("--nats", help="NATS URL")] = "nats://127.0.0.1:4222",
+        prefix: Annotated[str, typer.Option(help="Subject prefix of the deployment")] = "vtm",
+        json_out: Annotated[bool, typer.Option(
+            "--json", help="Print one JSON object instead of the tables")] = False,
+        timeout: Annotated[float, typer.Option(
+            help="Seconds to wait for the server, the KV reads and the $SRV.PING answers, "
+                 "S > 0")] = 3.0,
+    ) -> None:
+        """Show a running pool once: the epoch's composition, every worker's state (load,
+        cache, heartbeat age; STALE past the lease) and the services answering $SRV.PING.
+
+        Read from NATS only, nothing written; credentials and TLS from the VTM_NATS_*
+        variables, as for tap. Notices (a missing bucket or record, malformed or stale
+        states, no services) go to stderr; exit 0 whatever they say, 2 if the server
+        cannot be reached."""
+        import json
+
+        from rich.console import Console
+
+        from shared.subjects import Subjects
+        from vertumnus.live.status import render
+        from vertumnus.live.status import status as read_status
+
+        try:  # Subjects checks what every builder needs (legal tokens, not too deep)
+            Subjects(prefix)
+        except InvalidInput as exc:
+            _fail(f"--prefix: {exc}")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            _fail(f"--timeout must be a finite number of seconds > 0, got {timeout:g}")
+        try:
+            summary = asyncio.run(read_status(nats_url, prefix, timeout_s=timeout))
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        except OSError as exc:
+            # 2, not tap's 1: nothing was read, so this answer says nothing about the pool.
+            _fail(f"cannot reach NATS at {nats_url}: {exc}")
+        for note in summary["notices"]:
+            typer.echo(f"{note['level']}: {note['message']}", err=True)
+        if json_out:
+            typer.echo(json.dumps(summary, indent=2, sort_keys=True))
+        else:
+            render(summary, Console())
 
     for name in ("gateway", "scheduler", "controller", "cachemgr", "rankd"):
         _service_command(app, name)
