@@ -8,7 +8,7 @@ file or directory it writes.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
@@ -163,6 +163,44 @@ def input_file(path: Path, name: str) -> Path:
     if not os.access(p, os.R_OK):
         fail(f"{what}: file is not readable")
     return p
+
+
+def degrees_option(text: str, name: str = "degrees") -> tuple[int, ...]:
+    """``--degrees``: integers >= 1, each once, each a CP degree the lattice takes (a power
+    of two no larger than a node: :class:`services.controller.lattice.Lattice`, the check a
+    simulated pool makes, run here before any work). Exits 2 naming the option."""
+    from services.controller.lattice import Lattice
+    from shared.ids import InvalidInput
+
+    degs = comma_list(text, name, int, "integers", valid=lambda v: v >= 1,
+                      need="integers >= 1", unique=True)
+    try:
+        # Any pool those degrees tile: only the degree checks can fail for it.
+        Lattice(max(degs), degs)
+    except InvalidInput as exc:
+        fail(f"--{name}: {exc}")
+    return degs
+
+
+def profile_file(path: Path | None, degrees: Sequence[int] | None = None) -> Path | None:
+    """``--profile``: a readable profile JSON, loaded once now so that a wrong file (a
+    directory, not UTF-8, not JSON, not a profile, no κ for one of ``degrees`` when given: the
+    controller would judge that degree's capacity by a placeholder) exits 2 naming it before
+    any run."""
+    if path is None:
+        return None
+    from shared.costmodel import Profile
+    from shared.ids import InvalidInput
+
+    input_file(path, "profile")
+    try:
+        Profile.load(path, degrees=degrees)
+    except InvalidInput as exc:
+        fail(f"--profile: {exc}")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        # A shape Profile.load does not name in the file's terms yet: still no traceback.
+        fail(f"--profile {path}: not a profile file ({exc!r})")
+    return path
 
 
 SLO_HELP = ("TTFT deadlines by prompt length: a table name (qwen3-30b-a3b, deepseek-v4-flash: "

@@ -35,13 +35,20 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from shared.ids import InvalidInput
-from vertumnus.cliargs import SLO_HELP, check_seed, comma_list, output_dir, output_file, slo_table
-from vertumnus.cliargs import fail as _fail
 
-# simulate's own checks of --degrees (integers, each once, CP degrees the lattice takes) and
-# of --profile (a readable profile file, loaded once): the live commands take the same
-# options and must refuse what simulate refuses, with the same words.
-from vertumnus.cmd_sim import _degrees, _profile_file
+# degrees_option / profile_file: simulate's checks of --degrees and --profile; the live
+# commands take the same options and refuse what simulate refuses, with the same words.
+from vertumnus.cliargs import (
+    SLO_HELP,
+    check_seed,
+    comma_list,
+    degrees_option,
+    output_dir,
+    output_file,
+    profile_file,
+    slo_table,
+)
+from vertumnus.cliargs import fail as _fail
 
 if TYPE_CHECKING:
     from shared.slo import SloTable
@@ -196,12 +203,13 @@ def register(app: typer.Typer) -> None:
 
         try:
             cfg = UpConfig(
-                gpus=gpus, degrees=_degrees(degrees), policy=policy, backend=backend,
+                gpus=gpus, degrees=degrees_option(degrees), policy=policy, backend=backend,
                 workload=workload, rate=rate, duration_s=duration, time_scale=time_scale,
                 rate_scale=rate_scale, seed=seed, max_requests=max_requests or None,
                 # A sim pool's controller judges capacity by κ: a profile must have it for
                 # each degree (a torch profile has none: the engine fits Ê_C only).
-                profile=_profile_file(profile, _degrees(degrees) if backend == "sim" else None),
+                profile=profile_file(profile,
+                                     degrees_option(degrees) if backend == "sim" else None),
                 prefix=prefix, log_dir=log_dir, stop_timeout_wall_s=stop_timeout,
                 health_timeout_wall_s=health_timeout, serve=serve, nats_port=nats_port,
                 nats_config=nats_config,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,9 +16,11 @@ from vertumnus.cliargs import (
     SLO_HELP,
     check_seed,
     comma_list,
+    degrees_option,
     input_file,
     j_weight,
     output_dir,
+    profile_file,
     slo_table,
 )
 from vertumnus.cliargs import fail as _fail
@@ -45,49 +47,12 @@ def _names(text: str, name: str) -> list[str]:
     return list(comma_list(text, name, str, "names", unique=True))
 
 
-def _degrees(text: str, name: str = "degrees") -> tuple[int, ...]:
-    """``--degrees``: integers >= 1, each once, each a CP degree the lattice takes (a power
-    of two no larger than a node: :class:`services.controller.lattice.Lattice`, the check a
-    simulated pool makes, run here before any work). Exits 2 naming the option."""
-    from services.controller.lattice import Lattice
-
-    degs = comma_list(text, name, int, "integers", valid=lambda v: v >= 1,
-                      need="integers >= 1", unique=True)
-    try:
-        # Any pool those degrees tile: only the degree checks can fail for it.
-        Lattice(max(degs), degs)
-    except InvalidInput as exc:
-        _fail(f"--{name}: {exc}")
-    return degs
-
-
 def _check(fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
     """Run a :mod:`sim.runner` check; its InvalidInput exits 2 with its message."""
     try:
         fn(*args, **kwargs)
     except InvalidInput as exc:
         _fail(str(exc))
-
-
-def _profile_file(path: Path | None, degrees: Sequence[int] | None = None) -> Path | None:
-    """``--profile``: a readable profile JSON, loaded once now so that a wrong file (a
-    directory, not UTF-8, not JSON, not a profile, no κ for one of ``degrees`` when given: the
-    controller would judge that degree's capacity by a placeholder) exits 2 naming it before
-    any run."""
-    if path is None:
-        return None
-    from shared.costmodel import Profile
-
-    input_file(path, "profile")
-    try:
-        Profile.load(path, degrees=degrees)
-    except InvalidInput as exc:
-        _fail(f"--profile: {exc}")
-    except UnicodeDecodeError as exc:
-        _fail(f"--profile {path}: not UTF-8 text (byte {exc.start}: {exc.reason})")
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        _fail(f"--profile {path}: not a profile file ({exc!r})")
-    return path
 
 
 def _check_run_numbers(*, rate: float, max_requests: int) -> None:
@@ -179,7 +144,7 @@ def register(app: typer.Typer) -> None:
         if backend not in ("sim", "torch"):
             _fail(f"unknown backend {backend!r}; use 'sim' or 'torch'")
         check_seed(seed)
-        degs = _degrees(degrees)
+        degs = degrees_option(degrees)
         table = slo_table(slo)
         if workload != "synthetic":
             input_file(Path(workload), "workload")
@@ -295,12 +260,12 @@ def register(app: typer.Typer) -> None:
             _check(runner.check_policies, chosen)
             _check(runner.check_trace_format, trace, format)
             _check_run_numbers(rate=rate, max_requests=max_requests)
-            degs = _degrees(degrees)
+            degs = degrees_option(degrees)
             args: dict[str, Any] = dict(
                 trace=trace, fmt=format, policies=chosen,
                 rate_scales=_floats(rate_scale, "rate-scale"), rate=rate or None, gpus=gpus,
                 degrees=degs, seed=seed, out=out,
-                profile_path=_profile_file(profile_path, degs),
+                profile_path=profile_file(profile_path, degs),
                 max_requests=max_requests or None,
                 cache_blocks_per_gpu=cache_blocks_per_gpu or None,
                 # 0 and -1 are the documented "calibrated default" of each weight.
@@ -357,12 +322,12 @@ def register(app: typer.Typer) -> None:
         _check(runner.check_counts, jobs=jobs, repeats=repeats)
         _check(runner.check_trace_format, trace, format)
         _check_run_numbers(rate=rate, max_requests=max_requests)
-        degs = _degrees(degrees)
+        degs = degrees_option(degrees)
         args: dict[str, Any] = dict(
             trace=trace, fmt=format, rate_scales=_floats(rate_scale, "rate-scale"),
             betas=_weights(beta, "beta"), lams=_weights(lam, "lam"), rate=rate or None,
             gpus=gpus, degrees=degs, seed=seed, out=out,
-            profile_path=_profile_file(profile_path, degs), max_requests=max_requests or None,
+            profile_path=profile_file(profile_path, degs), max_requests=max_requests or None,
             jobs=jobs, per_degree=per_degree, repeats=repeats, slo=slo_table(slo))
         try:
             truth = _truth(hardware)
@@ -426,7 +391,7 @@ def register(app: typer.Typer) -> None:
             _fail("--per-degree shapes the profile measured here; --profile gives one")
         table = slo_table(slo)
         chosen = _names(policies, "policies")
-        degs = _degrees(degrees)
+        degs = degrees_option(degrees)
         _check(runner.check_size, policies=chosen, rate_scale=rate_scale, target=target,
                jobs=jobs, seed=seed, warmup_s=warmup, degrees=degs,
                gpus_min=gpus_min or None, gpus_max=gpus_max, step=step or None)
@@ -436,7 +401,7 @@ def register(app: typer.Typer) -> None:
             trace=trace, fmt=format, policies=chosen, rate_scale=rate_scale, target=target,
             gpus_min=gpus_min or None, gpus_max=gpus_max, step=step or None,
             rate=rate or None, degrees=degs, seed=seed, out=out,
-            profile_path=_profile_file(profile_path, degs), max_requests=max_requests or None,
+            profile_path=profile_file(profile_path, degs), max_requests=max_requests or None,
             jobs=jobs, per_degree=per_degree, slo=table, warmup_s=warmup)
         try:
             truth = _truth(hardware)
