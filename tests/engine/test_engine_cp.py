@@ -45,9 +45,10 @@ def test_cp2_and_cp1_match_oracle(w2) -> None:
 def test_multi_turn_reuses_kv_written_by_cp_ranks(w2, w4) -> None:
     for res in w2 + w4:
         hits = {r["case"]: r.get("hit") for r in res["records"]}
-        for case, hit in hits.items():
-            if case.endswith("-turn1") or case.endswith("-turn2"):
-                assert hit and hit >= 12, f"{case}: expected a cache hit, got P={hit}"
+        later = {c: h for c, h in hits.items() if c.endswith(("-turn1", "-turn2"))}
+        assert len(later) >= 2, f"no later turns among {sorted(hits)}"  # something to check
+        for case, hit in later.items():
+            assert hit and hit >= 12, f"{case}: expected a cache hit, got P={hit}"
         assert all(r["R"] >= 1 for r in res["records"])
 
 

@@ -54,6 +54,7 @@ def test_greedy_generate_matches_full_recompute() -> None:
     m = Qwen3ForCausalLM.random(CFG, seed=1, dtype=torch.float64)
     ids = torch.arange(3, 12)
     toks = m.greedy_generate(ids, 3)
+    assert len(toks) == 3  # the loop below checks each of them
     seq = ids.tolist()
     for t in toks:
         assert m.reference_forward(torch.tensor(seq)).next_token == t

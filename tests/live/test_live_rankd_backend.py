@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from services.rankd.backend import ExecutionBackend, SimBackend, fake_token
@@ -22,8 +24,16 @@ def assignment(predicted: float = 0.5) -> Assignment:
     )
 
 
-async def test_uses_injected_time_function_and_scale() -> None:
+async def test_uses_injected_time_function_and_scale(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay: float, *args: object) -> None:
+        slept.append(delay)  # what the backend asked for; the test does not wait it out
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", recording_sleep)
 
     def truth(r: int, p: int, degree: int, *, kind: str = "cp") -> float:
         calls.append((r, p, degree, kind))
@@ -36,9 +46,18 @@ async def test_uses_injected_time_function_and_scale() -> None:
     res = await backend.prefill(assignment())
     assert calls == [(60, 40, 2, "tp")]
     assert (res.modelled_prefill_s, res.modelled_handoff_s) == (2.0, 1.0)
+    # The scale multiplies the sleeps: 2.0 s of prefill and 1.0 s of handoff at 0.001.
+    assert slept == [pytest.approx(0.002), pytest.approx(0.001)]
     assert res.prefill_s >= 0 and res.kv_transfer_s >= 0
     assert res.finished_at_s >= res.started_at_s
     assert res.token == fake_token("r-1")
+    # Off the worker, the later stages are reported scaled without being slept.
+    slept.clear()
+    off = SimBackend(prefill_time=truth, handoff_time=lambda n, c: 1.0, time_scale=0.001,
+                     handoff_off_worker=True)
+    res = await off.prefill(assignment())
+    assert slept == [pytest.approx(0.002)]
+    assert (res.kv_transfer_s, res.first_decode_s) == (pytest.approx(0.001), 0.0)
 
 
 async def test_kv_transfer_and_first_decode_are_separate_consecutive_stages() -> None:

@@ -180,7 +180,10 @@ async def test_request_held_until_a_worker_is_eligible(live: Services, fake_work
     s = Subjects(uniq)
     sched = await live.scheduler(block_size=B, hold_s=10.0, retry_delay_s=5.0)
     await publish(nc, s, intake("held-1"))
-    await asyncio.sleep(0.3)  # let it be fetched and held (nothing to assert on meanwhile)
+    # Fetched and held: the scheduler waits for a change of its worker view (a future that
+    # exists only while a request is held), rather than NAKing it for retry_delay_s.
+    await wait_until(lambda: sched._view_changed is not None, "the request held")
+    assert sched.stats.retried == 0 and sched.stats.placed == 0
     w = await fake_worker("w-cp2-g0", 2, 0)
     await wait_until(lambda: len(w.assignments) == 1, "placed once the worker appeared")
     await wait_until(lambda: sched.stats.dispatched >= 1, "the dispatch recorded (ack received)")
