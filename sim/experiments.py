@@ -48,7 +48,7 @@ from sim import calibration
 from sim.groundtruth import GroundTruth
 from sim.metrics import QWEN3_SLO, SloTable, slo_attainment
 from sim.simulator import SimConfig, SimResult, Simulator, controller_profile
-from sim.workloads.workload import Workload, scale_rate
+from sim.workloads.workload import Workload, history_reuse, scale_rate
 
 ALL_POLICIES: tuple[str, ...] = (
     "vertumnus", "static", "homo", "homo_cp2", "sglang", "vllm", "dynamo", "llmd", "round_robin",
@@ -125,18 +125,9 @@ def historical_composition(
     cmin = degs[0]
     n_windows = max(1, math.ceil((workload.duration_s or window_s) / window_s))
     demand = [0.0] * n_windows
-    seen: set[int] = set()
-    B = workload.block_size
     t0 = workload.requests[0].arrival_s  # windows count from the trace's own start
-    for r in workload.requests:
+    for r, p in zip(workload.requests, history_reuse(workload), strict=True):
         k = min(n_windows - 1, int((r.arrival_s - t0) // window_s))
-        hit = 0
-        for h in r.block_hashes:
-            if h not in seen:
-                break
-            hit += 1
-        seen.update(r.block_hashes)
-        p = min(hit * B, r.input_len - 1)
         # Each request's demand at the degree it would prefer (§6.1's mixture rule), so the
         # capacity check compares like with like: κ_C is in degree-C service seconds.
         c = cmin
@@ -198,22 +189,12 @@ def deployment_for(
 def oracle_ttfts(workload: Workload, truth: GroundTruth, degrees: Sequence[int]) -> np.ndarray:
     """Zero-queue oracle TTFT per request (s): alone on an idle worker of its best degree, with
     every earlier prefix cached (an infinite global cache in arrival order), no noise."""
-    seen: set[int] = set()
-    B = workload.block_size
     out = np.empty(len(workload.requests))
-    for i, r in enumerate(workload.requests):
-        hit = 0
-        for h in r.block_hashes:
-            if h in seen:
-                hit += 1
-            else:
-                break
-        p = min(hit * B, r.input_len - 1)
+    for i, (r, p) in enumerate(zip(workload.requests, history_reuse(workload), strict=True)):
         out[i] = min(
             truth.prefill_time(r.input_len - p, p, c) + truth.external_time(r.input_len, c)
             for c in degrees
         )
-        seen.update(r.block_hashes)
     return out
 
 

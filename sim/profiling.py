@@ -17,8 +17,9 @@
    whatever the cache saves.
 
 4. **κ on a trace** (:func:`trace_kappa`, what ``vertumnus simulate`` does when no profile file
-   is given): the same ramp, but with a routed pool of workers and the simulated trace's own
-   length mix and arrival pattern — see :data:`TRACE_KAPPA_RAMP` for why.
+   is given): the same ramp, but with a routed pool of workers replaying the simulated trace
+   itself — its requests in order, each with the prefix reuse its history showed, at its own
+   arrival pattern — see :data:`TRACE_KAPPA_RAMP` and :func:`measure_kappa` for why.
 
 The scheduler only ever gets the resulting profile file, never the ground truth.
 """
@@ -42,6 +43,7 @@ from sim.groundtruth import DEFAULT_GROUND_TRUTH, GroundTruth, Kind, NoisyGround
 from sim.hardware import ground_truth_to_mapping
 from sim.metrics import QWEN3_SLO, SloTable, slo_to_dict
 from sim.workloads import Workload, generate, load_workload, workload_stats
+from sim.workloads.workload import history_reuse
 
 PROFILE_R: Final[tuple[int, ...]] = tuple(1 << i for i in range(10, 18))
 PROFILE_P: Final[tuple[int, ...]] = (0, 2048, 8192, 32768, 65536)
@@ -223,15 +225,19 @@ def _ramp_level(
     kind: Kind,
     gaps: np.ndarray | None = None,
     feasible: np.ndarray | None = None,
+    reused: np.ndarray | None = None,
 ) -> dict[str, float]:
     """One load level: ``ramp.pool_workers`` FIFO workers of degree C, each arrival sent to
     the one that frees first; windows indexed by each request's completion; demand reported
     per worker. ``load`` is per worker (arrival rate × mean predicted service / workers).
 
-    Lengths are drawn independently from ``lengths``. Arrivals: Poisson without ``gaps``;
-    with ``gaps`` (mean-1 inter-arrival gaps of a trace, in order) the gaps are replayed from
-    a random offset, cyclically, scaled to the level's rate. A drawn length that is not
-    ``feasible`` at this degree keeps its arrival slot but is not served here."""
+    Without ``gaps``: Poisson arrivals, lengths drawn independently from ``lengths``. With
+    ``gaps`` (mean-1 inter-arrival gaps of a trace, in order) the trace is replayed from a
+    random offset, cyclically, scaled to the level's rate: request k has length
+    ``lengths[k]`` and arrives ``gaps[k]`` after the one before. ``reused[k]`` (default 0) of
+    its tokens are cached: it is served and counted in demand as Ê_C(L − P, P), its deadline
+    is its whole length's. A request that is not ``feasible`` at this degree keeps its arrival
+    slot but is not served here."""
     n_pool = ramp.pool_workers
     rate = load * n_pool / mean_pred
     n_windows = max(
@@ -248,22 +254,25 @@ def _ramp_level(
     idx = int(rng.integers(len(gaps))) if gaps is not None else 0
     t = rng.exponential(1.0 / rate) if gaps is None else 0.0
     while t < horizon:
-        j = int(rng.integers(n_len))
         if gaps is not None:
+            j = idx % n_len
             t_next = t + float(gaps[idx % len(gaps)]) / rate
             idx += 1
             if feasible is not None and not feasible[j]:
                 t = t_next
                 continue
+        else:
+            j = int(rng.integers(n_len))
         length = int(lengths[j])
-        service = truth.prefill_time(length, 0, degree, kind=kind)
+        p = 0 if reused is None else int(reused[j])
+        service = truth.prefill_time(length - p, p, degree, kind=kind)
         free_at = max(t, free[0]) + service
         heapq.heapreplace(free, free_at)
         busy += service
         ttft = free_at - t + truth.external_time(length, degree)
         # Requests finishing after the horizon count in the overflow window (never scored).
         w = min(int(free_at // ramp.window_s), n_windows)
-        demand[w] += profile.predict_fast(length, 0, degree)
+        demand[w] += profile.predict_fast(length - p, p, degree)
         tok_all[w] += length
         if ttft <= ramp.slo.deadline(length):
             tok_ok[w] += length
@@ -293,20 +302,38 @@ def measure_kappa(
     ramp: KappaRamp = KappaRamp(),
     kind: Kind = "cp",
     arrival_gaps: Sequence[float] | np.ndarray | None = None,
+    reused: Sequence[int] | np.ndarray | None = None,
 ) -> KappaResult:
     """κ_C of one degree-C worker (per worker of a ``ramp.pool_workers`` pool) for a length
     distribution (see the module docstring).
 
     ``arrival_gaps`` (optional, a trace's inter-arrival gaps in order) makes the ramp replay the
-    trace's own arrival pattern, scaled in rate, instead of Poisson arrivals, so κ reflects the
-    traffic's burstiness as well as its length mix. Lengths stay independent draws from the
-    mix: consecutive requests of a trace are often correlated through a shared prefix (L-Eval's
-    questions on one document), and the ramp serves uncached, so replaying the lengths in order
-    would count a cached burst as a burst of full prefills.
+    trace itself, scaled in rate, instead of Poisson arrivals with independent lengths: the
+    requests in their order (``lengths`` in arrival order) at the trace's own gaps, so κ
+    reflects the traffic's burstiness and which requests come together, not only its length
+    mix. ``reused`` (optional, parallel to ``lengths``): tokens of each request already cached
+    (e.g. :func:`sim.workloads.workload.history_reuse`); each is served and counted as
+    Ê_C(L − P, P), with the deadline of its whole length. Default: all uncached.
+
+    Why both, on a trace: consecutive requests are correlated through shared prefixes (L-Eval's
+    questions on one document come together; a conversation's turns follow each other), and
+    runs of long first reads and runs of short cached follow-ups load a small pool very
+    unevenly. Drawn independently and served uncached, the same lengths spread that work
+    evenly: on L-Eval ×2 (81% of tokens reused) an 8-GPU pool's κ_4 came out 13.0 s per window,
+    where the simulated all-CP4 pool already misses the target at a demand of 9.5 s; replayed
+    in order with its reuse, 10.3 s. (Serving the lengths uncached in order would count each
+    cached burst as a burst of full prefills; the reuse is what makes the order usable.)
     """
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.size == 0 or (lens < 1).any():
         raise InvalidInput("kappa ramp needs a non-empty set of input lengths >= 1")
+    reu = np.zeros_like(lens)
+    if reused is not None:
+        reu = np.asarray(reused)
+        if reu.shape != lens.shape or not np.issubdtype(reu.dtype, np.integer) \
+                or (reu < 0).any() or (reu >= lens).any():
+            raise InvalidInput("reused must give, for each length L, an integer 0 <= P < L")
+        reu = reu.astype(np.int64)
     gaps: np.ndarray | None = None
     if arrival_gaps is not None:
         gaps = np.asarray(arrival_gaps, dtype=float)
@@ -318,17 +345,18 @@ def measure_kappa(
     # its capacity; the scheduler sends them to larger degrees.
     feasible = np.array(
         [
-            truth.noise_free(int(x), 0, degree, kind=kind) + truth.external_time(int(x), degree)
-            <= ramp.slo.deadline(int(x))
-            for x in lens
+            truth.noise_free(int(x - r), int(r), degree, kind=kind)
+            + truth.external_time(int(x), degree) <= ramp.slo.deadline(int(x))
+            for x, r in zip(lens, reu, strict=True)
         ]
     )
     excluded = float(lens[~feasible].sum() / lens.sum())
     if not feasible.any():
         return KappaResult(degree, 1e-6, "infeasible", excluded, ())
-    mean_pred = float(np.mean([profile.predict_fast(int(x), 0, degree) for x in lens[feasible]]))
+    mean_pred = float(np.mean([profile.predict_fast(int(x - r), int(r), degree)
+                               for x, r in zip(lens[feasible], reu[feasible], strict=True)]))
     if gaps is None:
-        lens = lens[feasible]
+        lens, reu = lens[feasible], reu[feasible]
     else:
         # Replay keeps every arrival slot; the level's rate counts all of them, so the mean
         # predicted service per arrival counts the excluded ones as 0.
@@ -337,7 +365,7 @@ def measure_kappa(
     load = ramp.load_start
     while load <= ramp.load_max + 1e-9:
         lvl = _ramp_level(profile, truth, degree, lens, load, mean_pred, ramp, rng, kind,
-                          gaps, None if gaps is None else feasible)
+                          gaps, None if gaps is None else feasible, reu)
         levels.append(lvl)
         if lvl["attainment"] < ramp.target:
             break
@@ -362,7 +390,8 @@ TRACE_KAPPA_RAMP: Final[KappaRamp] = KappaRamp(
 
 Why a pool and not §6.1's single worker. A single FIFO worker has no one to route around a
 burst or a long request, so its κ is far below what the same worker sustains behind a
-load-aware router, and *by how much* depends on the traffic: on the conversation mix single
+load-aware router, and *by how much* depends on the traffic (figures measured when the ramp
+still drew lengths independently and served them uncached): on the conversation mix single
 κ_2/κ_4 were 5.4/7.2 s per 20 s window and a pool of 8 sustains 15.4/18.6 (×2.9/×2.6); on the
 Azure code mix (all short, Poisson arrivals) 8.2/11.1 vs 16.4/18.1 (×2.0/×1.6). One
 calibrated factor (sim/calibration.py KAPPA_SCALE 2.2, fitted on the conversation trace) over-
@@ -374,8 +403,9 @@ conversation 13.1/16.1). 90-window levels: bursts of a trace are rare events; 30
 left a 3-seed spread of ±17% on the Azure trace, 90 ±6%."""
 
 
-def _trace_arrays(workload: Workload) -> tuple[np.ndarray, np.ndarray]:
-    """Input lengths and inter-arrival gaps (s) of ``workload`` in arrival order."""
+def _trace_arrays(workload: Workload) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Input lengths, inter-arrival gaps (s) and history reuse (tokens) of ``workload`` in
+    arrival order."""
     if not workload.requests:
         raise InvalidInput(f"workload {workload.name!r} has no requests to measure kappa on")
     lengths = np.array([r.input_len for r in workload.requests], dtype=np.int64)
@@ -383,7 +413,7 @@ def _trace_arrays(workload: Workload) -> tuple[np.ndarray, np.ndarray]:
     gaps = np.diff(arrivals)
     if gaps.size == 0 or gaps.sum() <= 0:
         gaps = np.ones(1)  # a single instant: no arrival pattern to replay, Poisson-like
-    return lengths, gaps
+    return lengths, gaps, np.array(history_reuse(workload), dtype=np.int64)
 
 
 def trace_kappa(
@@ -408,18 +438,21 @@ def trace_kappa(
     workers over-rates the 2 CP4 workers of an 8-GPU pool. None: ``ramp.pool_workers``.
 
     §6.1: the operator profiles κ on a representative history of their traffic. Here that
-    history is the trace being simulated: its input-length mix and (``replay_arrivals``) its
-    inter-arrival pattern, replayed at increasing rate (see :func:`measure_kappa`; the Azure
+    history is the trace being simulated, each request with the prefix reuse its history
+    showed (:func:`sim.workloads.workload.history_reuse`): with ``replay_arrivals`` the trace
+    itself — its requests in order at its inter-arrival pattern — replayed at increasing rate;
+    without, Poisson arrivals of its (length, reuse) mix (see :func:`measure_kappa`; the Azure
     code trace's arrivals have a coefficient of variation of 13 — bursts of dozens of requests
     within a second — and its pooled κ is ~2 s against ~16 s under Poisson arrivals of the same
-    mix). Only lengths and arrival times of the trace are used, never its service times, and
+    mix). Only lengths, block identities and arrival times of the trace are used, never its
+    service times, and
     the ramp is the offline profiling step: it runs the noisy ground truth as ``vertumnus
     profile --backend sim`` does; the scheduler still only gets the fitted profile.
     Deterministic for a seed (the ramp's noise and arrivals come from ``seed``'s streams, as in
     :func:`run_profile`).
     """
     degs = _check_degrees(degrees)
-    lengths, gaps = _trace_arrays(workload)
+    lengths, gaps, reused = _trace_arrays(workload)
     _, noise_seq, arr_seq = np.random.SeedSequence(seed).spawn(3)
     k_truth = NoisyGroundTruth(int(noise_seq.generate_state(1)[0]), noise_sigma, truth)
     rng = np.random.default_rng(arr_seq)
@@ -429,7 +462,7 @@ def trace_kappa(
     for c in degs:
         res = measure_kappa(profile, k_truth, c, lengths, rng=rng,
                             ramp=replace(ramp, pool_workers=pools[c]), kind=kind,
-                            arrival_gaps=gaps if replay_arrivals else None)
+                            arrival_gaps=gaps if replay_arrivals else None, reused=reused)
         kappas[c] = res.kappa
         results[str(c)] = res.as_dict()
     out = replace(profile.with_kappa(kappas), window_s=ramp.window_s)
@@ -437,6 +470,7 @@ def trace_kappa(
         "workload": workload.name,
         "requests": int(lengths.size),
         "replay_arrivals": replay_arrivals,
+        "reused_token_share": float(reused.sum() / lengths.sum()),
         "seed": seed,
         "noise_sigma": noise_sigma,
         "kappa": {str(c): k for c, k in kappas.items()},
@@ -470,7 +504,7 @@ def trace_kappa_key(profile: Profile, workload: Workload, *, degrees: Sequence[i
     extra = [] if all(n == ramp.pool_workers for n in pools.values()) else \
         [{"pools": {str(c): n for c, n in sorted(pools.items())}}]
 
-    lengths, gaps = _trace_arrays(workload)
+    lengths, gaps, reused = _trace_arrays(workload)
     h = hashlib.sha256()
     fitted = {k: v for k, v in profile.to_dict().items() if k != "kappa"}
     h.update(json.dumps([fitted, sorted(_check_degrees(degrees)), seed, noise_sigma,
@@ -479,6 +513,10 @@ def trace_kappa_key(profile: Profile, workload: Workload, *, degrees: Sequence[i
                         sort_keys=True, default=str).encode())
     h.update(lengths.tobytes())
     h.update(np.round(gaps, 9).tobytes())
+    # The ramp's method: the trace replayed in order with its history reuse (a cache file of
+    # the earlier method, independent uncached draws, has a key without this).
+    h.update(b"in-order, history reuse")
+    h.update(reused.tobytes())
     return h.hexdigest()[:16]
 
 

@@ -146,6 +146,28 @@ class Workload:
         return replace(self, metadata={**self.metadata, **extra})
 
 
+def history_reuse(workload: Workload) -> list[int]:
+    """Tokens of each request's prompt that history already held, in arrival order: the
+    longest prefix of its blocks that some earlier request also had (an infinite cache that
+    saw every earlier request), capped at ``input_len − 1`` so at least one token is computed.
+
+    The one definition of "the reuse the history showed" that the zero-queue oracle, the
+    initial composition (§6.1) and κ's ramp on a trace all use.
+    """
+    seen: set[int] = set()
+    B = workload.block_size
+    out: list[int] = []
+    for r in workload.requests:
+        hit = 0
+        for h in r.block_hashes:
+            if h not in seen:
+                break
+            hit += 1
+        seen.update(r.block_hashes)
+        out.append(min(hit * B, r.input_len - 1))
+    return out
+
+
 def scale_rate(workload: Workload, factor: float) -> Workload:
     """Multiply the request rate by ``factor`` by compressing inter-arrival times.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from sim.profiling import (
 )
 from sim.workloads import generate
 from sim.workloads.synthetic import steady
-from sim.workloads.workload import Request, Workload, truncate
+from sim.workloads.workload import Request, Workload, history_reuse, truncate
 
 # Cheap ramps: these tests compare κ's, they do not need its precision.
 SMALL = KappaRamp(min_requests_per_level=400, load_step=0.1)
@@ -89,6 +90,57 @@ def test_bad_arrival_gaps_are_rejected(gaps: list[float]) -> None:
                       rng=np.random.default_rng(0), ramp=SMALL, arrival_gaps=gaps)
 
 
+def test_history_reuse_is_the_longest_prefix_an_earlier_request_had() -> None:
+    reqs = [
+        Request("a", 0.0, 1024, 1, (1, 2)),
+        Request("b", 1.0, 1536, 1, (1, 2, 3)),  # two blocks of a
+        Request("c", 2.0, 1000, 1, (9,)),  # new
+        Request("d", 3.0, 1100, 1, (1, 8)),  # a's first block only
+        Request("e", 4.0, 1024, 1, (1, 2)),  # all of a again: one token is still computed
+        Request("f", 5.0, 300, 1, ()),  # shorter than a block: nothing to reuse
+        Request("g", 6.0, 1024, 1, (9, 5)),  # c's block, then a new one
+    ]
+    assert history_reuse(Workload("w", tuple(reqs))) == [0, 1024, 0, 512, 1023, 0, 512]
+    assert history_reuse(Workload("empty", ())) == []
+
+
+def test_cached_requests_leave_slack_for_queueing() -> None:
+    # 6K-token prompts (1 s deadline) on CP2: uncached their prefill eats most of the deadline;
+    # with 5.5K of them cached the same pool queues much more before missing it.
+    lengths = np.full(60, 6144)
+    cold = measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 2, lengths,
+                         rng=np.random.default_rng(0), ramp=SMALL)
+    warm = measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 2, lengths,
+                         rng=np.random.default_rng(0), ramp=SMALL, reused=np.full(60, 5632))
+    assert cold.status == warm.status == "ok"
+    assert warm.kappa > 1.5 * cold.kappa
+    # Load is predicted service with the reuse: the same load is many more cached requests.
+    assert warm.levels[0]["rate_req_per_s"] > 3 * cold.levels[0]["rate_req_per_s"]
+
+
+@pytest.mark.parametrize("reused", [[0], [0, -1], [0, 2048], [0.5, 0], [[0, 0]]])
+def test_bad_reuse_is_rejected(reused: list[object]) -> None:
+    with pytest.raises(InvalidInput, match="reused"):
+        measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 2, [1024, 2048],
+                      rng=np.random.default_rng(0), ramp=SMALL, reused=np.array(reused))
+
+
+def test_a_replayed_trace_keeps_its_order() -> None:
+    # The same lengths at the same even gaps: long prompts in runs of 6 load a pool of 2 far
+    # more unevenly than the same prompts spread out one in 10. Drawn independently (the old
+    # ramp) both orders were one mix and gave one κ.
+    runs = np.array(([32768] * 6 + [1024] * 54) * 2)
+    spread = np.array(([32768] + [1024] * 9) * 12)
+    assert sorted(runs) == sorted(spread)
+    ramp = KappaRamp(min_requests_per_level=400, load_step=0.1, pool_workers=2)
+    kw = dict(ramp=ramp, arrival_gaps=np.ones(runs.size))
+    k_runs = measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 4, runs,
+                           rng=np.random.default_rng(0), **kw)
+    k_spread = measure_kappa(DEFAULT_PROFILE, NoisyGroundTruth(1), 4, spread,
+                             rng=np.random.default_rng(0), **kw)
+    assert k_runs.kappa < 0.8 * k_spread.kappa
+
+
 def test_trace_kappa_is_deterministic_and_follows_the_trace() -> None:
     ramp = KappaRamp(min_requests_per_level=400, load_step=0.1, pool_workers=2)
     calm = _bursty(40, 1, 1.0, name="calm")
@@ -100,6 +152,8 @@ def test_trace_kappa_is_deterministic_and_follows_the_trace() -> None:
     assert a.coefficients == DEFAULT_PROFILE.coefficients  # only κ changes
     assert rep["workload"] == "calm" and rep["requests"] == 40
     assert rep["replay_arrivals"] is True and set(rep["results"]) == {"2", "4"}
+    # _bursty repeats one prompt: every request after the first reuses all but one token.
+    assert rep["reused_token_share"] == pytest.approx((39 * 2047) / (40 * 2048))
     assert all(c.kappa[d] < a.kappa[d] for d in (2, 4))
     with pytest.raises(InvalidInput, match="no requests"):
         trace_kappa(DEFAULT_PROFILE, Workload("empty", ()), degrees=(2,), ramp=ramp)
@@ -122,6 +176,11 @@ def test_cached_trace_kappa_reuses_its_file(tmp_path: Path) -> None:
     assert key != trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2, 4), seed=0, ramp=ramp)
     assert key != trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2,), seed=1, ramp=ramp)
     assert key != trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2,), seed=0, ramp=SMALL)
+    # Same lengths and arrivals, other block identities: other reuse, another key.
+    fresh = Workload("bursty", tuple(replace(r, block_hashes=(1000 + i, 2000 + i, 3000 + i,
+                                                              4000 + i))
+                                     for i, r in enumerate(wl.requests)))
+    assert key != trace_kappa_key(DEFAULT_PROFILE, fresh, degrees=(2,), seed=0, ramp=ramp)
     files[0].write_text("{not json")
     with pytest.raises(InvalidInput, match="kappa cache"):
         cached_trace_kappa(DEFAULT_PROFILE, wl, tmp_path, degrees=(2,), ramp=ramp)

@@ -1,6 +1,6 @@
 """Split / merge switch times of the torch world (prints figures; not a test).
 
-    .venv/bin/python tests/engine_live/bench_switch.py [world] [cycles]
+    .venv/bin/python bench/bench_switch.py [world] [cycles]
 
 A world of ``world`` rank processes (gloo, 1 thread each, tiny random model) cycles
 C=world → world/2 → … → 1 → … → world ``cycles`` times with ``TorchWorld.switch`` (one
