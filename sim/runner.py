@@ -125,8 +125,9 @@ def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload:
                          ) -> tuple[Profile, dict[str, Any]]:
     """The profile a sweep uses when no profile file is given: Ê fitted on the sim backend
     (``out/profile``, as ``vertumnus profile`` writes it) and κ_C measured on ``workload``'s own
-    traffic (:func:`sim.profiling.trace_kappa`: a routed pool, the trace's length mix and
-    arrival pattern), cached as ``out/profile/kappa_<key>.json``. ``out/profile/profile.json``
+    traffic (:func:`sim.profiling.trace_kappa`: a routed pool replaying the trace, its requests
+    in order at their arrival gaps, each with the prefix reuse its history showed), cached as
+    ``out/profile/kappa_<key>.json``. ``out/profile/profile.json``
     is rewritten with that κ. Returns the profile and the κ report.
 
     Why per trace: §6.1 profiles κ on the operator's own traffic. The default profile's κ is

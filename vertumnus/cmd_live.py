@@ -145,7 +145,9 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option()] = 0,
         max_requests: Annotated[int, typer.Option(help=_MAX_REQUESTS_HELP)] = 0,
         profile: Annotated[Path | None, typer.Option(
-            help="Fitted cost-model profile for the scheduler (vertumnus profile)")] = None,
+            help="Fitted cost-model profile for the services (vertumnus profile); without "
+                 "it, --backend sim fits Ê_C and measures κ_C on the modelled hardware first "
+                 "(≈2 s, LOG_DIR/hardware-profile)")] = None,
         profile_engine: Annotated[bool, typer.Option(
             help="--backend torch without --profile: fit the cost model on the engine first "
                  "(≈15 s; else the services predict the simulated H20's times)")] = True,

@@ -54,6 +54,12 @@ def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
     assert 0.0 <= data["slo_attainment"] <= 1.0
     assert 0.0 <= data["hit_rate"] <= 1.0
     assert isinstance(data["reconfigurations"], int)
+    # With no --profile the default hardware is profiled first: the services judge capacity
+    # by κ_C measured on it, not by the built-in profile's placeholder (it has no κ).
+    fitted = logs / "hardware-profile" / "profile.json"
+    assert data["profile"] == str(fitted)
+    kappa = json.loads(fitted.read_text())["kappa"]
+    assert {"2", "4"} <= set(kappa) and all(k > 0 for k in kappa.values())
     if "controller" not in data["services_missing"]:
         # The initial epoch record was observed (4×CP2 by default on 8 GPUs).
         assert data["composition"][0]["label"] == "4×CP2", data["composition"]
