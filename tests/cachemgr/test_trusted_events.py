@@ -19,8 +19,10 @@ def test_trusted_constructors_equal_validated() -> None:
 def test_blockcache_events_are_valid_events() -> None:
     c = BlockCache("w", 4)
     c.insert((1, 2, 3))
-    c.insert((1, 2, 5, 6))  # evicts 3, stores 5 and 6 under 2 (one more eviction)
-    for ev in c.take_events():
+    c.insert((1, 2, 5, 6))  # evicts 3, stores 5 and 6 under 2
+    evs = c.take_events()
+    assert [type(ev) for ev in evs] == [Stored, Removed, Stored]
+    for ev in evs:
         rebuilt = type(ev)(*(getattr(ev, f) for f in ev.__dataclass_fields__))
         assert rebuilt == ev
 

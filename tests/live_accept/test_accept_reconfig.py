@@ -102,9 +102,13 @@ async def test_forced_merge_and_split_under_load(tmp_path: Path) -> None:
 
             async def reconfigure() -> None:
                 try:
-                    await asyncio.sleep(1.0)  # load is flowing
+                    # Waits on events, not time: load is served before the merge, and the
+                    # merged worker serves before it is split again.
+                    await wait_until(lambda: len(tap.ok_ids()) >= 10, "load served")
                     await ctl.reconfigure(["w-cp2-g0", "w-cp2-g2"], ["w-cp4-g0"], "merge")
-                    await asyncio.sleep(1.0)  # the merged worker serves a while
+                    await wait_until(lambda: any(r.worker_id == "w-cp4-g0" and r.error is None
+                                                 for r in tap.results),
+                                     "the merged worker served")
                     await ctl.reconfigure(["w-cp4-g0"], ["w-cp2-g0", "w-cp2-g2"], "split")
                 finally:
                     done.set()
@@ -204,9 +208,10 @@ async def test_second_redirect_under_one_epoch_is_not_dropped(nats_server: Embed
         rec = EpochRecord(epoch=1, committed_at_s=time.time(), workers=[
             EpochWorker(worker_id=wid, first_gpu=2, degree=2, lifecycle=Lifecycle.DRAINING)])
         await kv.create(s.epoch_key(), to_json(rec))
+        # len(core) counts a request until its redirect settled (intake's ack, a duplicate's
+        # included): once it is 1, the stream holds whatever the redirect stored.
         await wait_until(lambda: rankd.core.lifecycle is Lifecycle.DRAINING
                          and len(rankd.core) == 1, "x-1 redirected by this worker")
-        await asyncio.sleep(0.2)
         info = await js.stream_info(s.intake_stream())
         # x-1 is now queued nowhere: only a second intake message could bring it back.
         assert info.state.messages == 2, (

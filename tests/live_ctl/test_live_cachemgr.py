@@ -302,7 +302,7 @@ async def test_scan_replicates_to_the_right_worker_visible_only_after_its_event(
 
     async def visible() -> dict[str, Any] | None:
         body = await inspect(nc, uniq, match=[11, 12, 13])
-        return body if body["match"]["held"].get(B, 0) >= n else None
+        return body if body["match"]["held"].get(B, 0) == n else None
 
     body = await eventually(visible, what="replica visible after B's stored event")
     assert body["match"]["held"][A] == 3

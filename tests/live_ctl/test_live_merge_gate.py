@@ -114,6 +114,7 @@ async def test_low_load_is_merged_when_the_gate_allows(
         assert ctl.core is not None
         assert not any(GATE_REFUSAL in d.reason for d in ctl.core.decisions)
         with_demand = [d for d in ctl.core.decisions if d.window.requests]
+        assert with_demand, "no window carried the scheduler's reports"
         if report == "prefers_cp4":
             assert all(dict(d.window.demand_by_preferred).keys() == {4} for d in with_demand)
         else:

@@ -202,6 +202,7 @@ def test_dynamo_softmax_sampling_is_seeded() -> None:
         return [pol.place(req(f"r{k}", 1000), v, {}, loads, 0.0).worker for k in range(50)]
 
     assert run(3) == run(3)
+    assert run(3) != run(4)  # the seed, not a fixed order, decides the draws
     seq = run(3)
     # costs A = 15 + 17 = 32, B = 20: normalised by range 12 -> p(B) = 1 / (1 + e^-1) ≈ 0.73
     assert 0.5 < seq.count("B") / 50 < 0.95

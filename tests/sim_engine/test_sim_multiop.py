@@ -51,6 +51,7 @@ def test_some_plan_runs_several_operations_at_once(multi_run) -> None:
 
 def test_operations_of_a_plan_are_disjoint_and_plans_do_not_overlap(multi_run) -> None:
     rcs = multi_run.reconfigurations
+    assert rcs, "no plan: nothing to check"
     sw = GroundTruth().surroundings
     decided = sorted({rc.decided_s for rc in rcs})
     for t in decided:
@@ -68,6 +69,7 @@ def test_operations_of_a_plan_are_disjoint_and_plans_do_not_overlap(multi_run) -
 
 def test_timeline_tiles_the_pool_after_every_exposure(multi_run) -> None:
     tl = multi_run.composition_timeline
+    assert multi_run.reconfigurations, "no reconfiguration: the timeline never changes"
     assert len(tl) == 1 + sum(rc.exposed_s >= 0 for rc in multi_run.reconfigurations)
     for _, counts in tl:
         assert degree_counts_cover(counts) == GPUS
@@ -77,6 +79,7 @@ def test_no_request_starts_on_a_reconfiguring_worker_and_none_is_lost(
     multi_run, phased_workload
 ) -> None:
     check_records(multi_run, phased_workload, gpus=GPUS)
+    assert multi_run.reconfigurations, "no reconfiguration: no worker was ever a source"
     for rec in multi_run.records:
         for rc in multi_run.reconfigurations:
             if rec.worker in rc.sources:
