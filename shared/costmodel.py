@@ -97,6 +97,12 @@ class Profile:
     hardware: str = "H20"
     fit_mape: float | None = None
     fit_mape_per_degree: Mapping[int, float] = field(default_factory=dict)
+    kappa_pooled: bool = False
+    """How κ was measured. False: one degree-C worker alone (§6.1's ramp, ``vertumnus profile``);
+    a pool behind the J scheduler sustains more, so the controller judges capacity with
+    κ × a calibrated pool factor (``kappa_scale``). True: on a routed pool replaying a trace
+    (κ on a trace, what ``vertumnus simulate`` measures and writes), already a pool's capacity:
+    judged as it is (:meth:`capacity_scale`)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -158,6 +164,11 @@ class Profile:
     def with_kappa(self, kappa: Mapping[int, float]) -> Profile:
         return replace(self, kappa=dict(kappa))
 
+    def capacity_scale(self, pool_factor: float) -> float:
+        """The factor κ is multiplied by to judge a pool's capacity: ``pool_factor`` for a
+        single worker's κ, 1 for a pooled one (:attr:`kappa_pooled`)."""
+        return 1.0 if self.kappa_pooled else pool_factor
+
     # --- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -169,6 +180,7 @@ class Profile:
             "coefficients": self.coefficients.as_dict(),
             "per_degree": {str(c): co.as_dict() for c, co in sorted(self.per_degree.items())},
             "kappa": {str(c): k for c, k in sorted(self.kappa.items())},
+            "kappa_pooled": self.kappa_pooled,
             "fit": {
                 "mape": self.fit_mape,
                 "mape_per_degree": {
@@ -187,7 +199,8 @@ class Profile:
         coefficients, each a finite number >= 0, not all of ``d``, ``a``, ``c``, ``alpha``
         zero (a request with no cached prefix would be predicted to take no time; ``b`` alone
         only prices cached tokens); ``per_degree`` likewise per CP degree; ``kappa`` a
-        positive finite number per degree; ``window_s`` > 0 and ``block_size`` >= 1.
+        positive finite number per degree; ``kappa_pooled`` true or false (default false);
+        ``window_s`` > 0 and ``block_size`` >= 1.
         Raises :class:`InvalidInput`. Missing κ for a degree is *not* an error here (see
         :meth:`kappa_for`, :meth:`check_degrees`).
         """
@@ -221,6 +234,10 @@ class Profile:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise InvalidInput(f"{source}: block_size must be an integer >= 1, got "
                                f"{block_size!r}")
+        pooled = data.get("kappa_pooled", False)
+        if not isinstance(pooled, bool):
+            raise InvalidInput(f"{source}: kappa_pooled must be true or false, got "
+                               f"{_json_kind(pooled)}")
         return cls(
             coefficients=co,
             per_degree=per,
@@ -235,6 +252,7 @@ class Profile:
                 c: _number(m, f"{source}: fit.mape_per_degree.{c}", finite=False)
                 for c, m in _degree_items(mape_per_raw, f"{source}: fit.mape_per_degree")
             },
+            kappa_pooled=pooled,
         )
 
     def save(self, path: str | Path) -> None:

@@ -465,7 +465,8 @@ def trace_kappa(
                             arrival_gaps=gaps if replay_arrivals else None, reused=reused)
         kappas[c] = res.kappa
         results[str(c)] = res.as_dict()
-    out = replace(profile.with_kappa(kappas), window_s=ramp.window_s)
+    # A routed pool's capacity: the controller judges with it as it is (Profile.kappa_pooled).
+    out = replace(profile.with_kappa(kappas), window_s=ramp.window_s, kappa_pooled=True)
     report = {
         "workload": workload.name,
         "requests": int(lengths.size),
@@ -538,7 +539,8 @@ def cached_trace_kappa(
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InvalidInput(f"{path} is not a kappa cache file: {exc}") from exc
         report["cached"] = True
-        return replace(profile.with_kappa(kappas), window_s=ramp.window_s), report
+        return replace(profile.with_kappa(kappas), window_s=ramp.window_s,
+                       kappa_pooled=True), report
     prof, report = trace_kappa(profile, workload, degrees=degrees, seed=seed, ramp=ramp,
                                replay_arrivals=replay_arrivals, pool_gpus=pool_gpus)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ from typing import IO, Any
 from shared.costmodel import Profile
 from shared.files import path_kind
 from shared.ids import InvalidInput
+from sim import calibration
 from sim.experiments import (
     ALL_POLICIES,
     ExperimentSpec,
@@ -172,9 +173,10 @@ def sweep_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], 
                   workload: Workload, truth: GroundTruth, *, per_degree: bool = False,
                   slo: SloTable = QWEN3_SLO, gpus: int | None = None
                   ) -> tuple[Profile, dict[str, Any]]:
-    """The profile a sweep uses and where its κ came from: the file given (its κ a single
-    worker's, judged with ``KAPPA_SCALE``), else :func:`obtain_trace_profile` (κ measured on
-    ``workload`` with a routed pool: a pooled capacity, so the sweep's ``kappa_scale`` is 1.0).
+    """The profile a sweep uses and where its κ came from: the file given (its κ judged with
+    ``KAPPA_SCALE`` unless the file says it is pooled: ``Profile.capacity_scale``), else
+    :func:`obtain_trace_profile` (κ measured on ``workload`` with a routed pool: a pooled
+    capacity, so the sweep's ``kappa_scale`` is 1.0).
     """
     if profile_path is not None:
         return obtain_profile(profile_path, out, degrees, seed, truth), \
@@ -232,9 +234,10 @@ def run_simulate(
     and meta.json records it. ``per_degree``: that profile fits one coefficient set per
     degree (:func:`sim.profiling.run_profile`).
 
-    The profile: ``profile_path`` as given (its κ judged with ``calibration.KAPPA_SCALE``: a
-    ``vertumnus profile`` κ is a single worker's), else one measured now with κ on this trace
-    (:func:`obtain_trace_profile`, κ already pooled: ``kappa_scale`` 1.0). ``spec_overrides``
+    The profile: ``profile_path`` as given (its κ judged with ``calibration.KAPPA_SCALE`` when it
+    is a single worker's, as ``vertumnus profile`` measures it; as it is when the file says it
+    is pooled, as a sweep's own ``DIR/profile/profile.json``), else one measured now with κ on
+    this trace (:func:`obtain_trace_profile`, κ pooled: ``kappa_scale`` 1.0). ``spec_overrides``
     may still set ``kappa_scale``. meta.json records the κ source.
     """
     check_counts(jobs=jobs, repeats=repeats)
@@ -254,8 +257,7 @@ def run_simulate(
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
                                      per_degree=per_degree, slo=slo, gpus=gpus)
     overrides = dict(spec_overrides or {})
-    if profile_path is None:
-        overrides.setdefault("kappa_scale", 1.0)
+    overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
                           warmup_s=warmup_s, slo=slo, **overrides)
@@ -379,7 +381,7 @@ def run_tune(
     prof, _ = sweep_profile(profile_path, out, degrees, seed, wl, truth, per_degree=per_degree,
                             slo=slo, gpus=gpus)
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
-                          **({} if profile_path is not None else {"kappa_scale": 1.0}))
+                          kappa_scale=prof.capacity_scale(calibration.KAPPA_SCALE))
     more = [(seed + k, load_trace(trace, fmt, seed=seed + k, rate=rate,
                                   max_requests=max_requests)) for k in range(1, repeats)]
     n = len(set(betas)) * len(set(lams)) * len(rate_scales) * repeats
@@ -453,7 +455,7 @@ def run_size(
         prof = profiles[sizes[-1]]
     spec = ExperimentSpec(gpus=sizes[-1], degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
                           warmup_s=warmup_s,
-                          **({} if profile_path is not None else {"kappa_scale": 1.0}))
+                          kappa_scale=prof.capacity_scale(calibration.KAPPA_SCALE))
     t0 = time.perf_counter()
     results = _with_progress(progress, len(policies), lambda cb: size_pools(
         wl, policies, rate_scale, profiles, spec, truth, target=target, sizes=sizes, jobs=jobs,

@@ -355,7 +355,8 @@ class ControllerSettings(ServiceSettings):
         gt=0,
         description="Capacity is judged with κ_C × kappa_scale (pooled capacity behind the J "
         "scheduler over single-worker κ; services/calibration.py explains the value). 1.0: κ as "
-        "profiled.",
+        "profiled. Unset with a profile whose κ is pooled (kappa_pooled, as `vertumnus "
+        "simulate` writes it): 1.0.",
     )
     demand_input: Literal["windows", "assignments"] = Field(
         default="windows",
@@ -452,13 +453,21 @@ class ControllerSettings(ServiceSettings):
             profile = profile.with_kappa({**profile.kappa, **self.kappa})
         return profile
 
+    def effective_kappa_scale(self, profile: Profile) -> float:
+        """``kappa_scale`` as set, or when it is not set, the profile's own answer
+        (:meth:`Profile.capacity_scale`: 1 for a pooled κ, the calibrated factor otherwise)."""
+        if "kappa_scale" in self.model_fields_set:
+            return self.kappa_scale
+        return profile.capacity_scale(self.kappa_scale)
+
     def judging_profile(self, profile: Profile) -> Profile:
-        """``profile`` with κ_C × ``kappa_scale``: what the controller judges capacity with
-        (the simulator does the same, sim/simulator.py ``controller_profile``). Only κ
-        changes; the cost model (and so the merge gate's Ê ratios) is untouched."""
-        if self.kappa_scale == 1.0 or not profile.kappa:
+        """``profile`` with κ_C × :meth:`effective_kappa_scale`: what the controller judges
+        capacity with (the simulator does the same, sim/simulator.py ``controller_profile``).
+        Only κ changes; the cost model (and so the merge gate's Ê ratios) is untouched."""
+        scale = self.effective_kappa_scale(profile)
+        if scale == 1.0 or not profile.kappa:
             return profile
-        return profile.with_kappa({c: k * self.kappa_scale for c, k in profile.kappa.items()})
+        return profile.with_kappa({c: k * scale for c, k in profile.kappa.items()})
 
 
 # -- names (built in shared/subjects.py; these keep the adapter's call sites short) ---------
@@ -647,9 +656,9 @@ class ControllerService(MicroService):
         self._last_now = 0.0
         self.lattice = settings.lattice()
         # κ as profiled (or passed) × kappa_scale: the planner's capacity (module doc).
-        self.profile = settings.judging_profile(
-            profile if profile is not None else settings.load_profile()
-        )
+        loaded = profile if profile is not None else settings.load_profile()
+        self.kappa_scale = settings.effective_kappa_scale(loaded)
+        self.profile = settings.judging_profile(loaded)
         self.config = settings.controller_config()
         self.core: ControllerCore | None = None
         self.metrics = PoolMetrics(
@@ -761,7 +770,7 @@ class ControllerService(MicroService):
                 "pending_plan": core.pending_plan.to_dict() if core.pending_plan else None,
                 "pending_plans": [p.to_dict() for p in core.pending_plans],
                 "config": dataclasses.asdict(self.config),
-                "kappa_scale": self.csettings.kappa_scale,
+                "kappa_scale": self.kappa_scale,
                 "kappa": {str(c): k for c, k in self.profile.kappa.items()},
                 "open_window": {
                     "index": core.windows.open_index,

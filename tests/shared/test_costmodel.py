@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -107,6 +108,20 @@ def test_profile_round_trips_through_json(tmp_path) -> None:
     assert again.kappa_for(8) == pytest.approx(0.7 * again.window_s)
 
 
+def test_a_pooled_kappa_is_judged_as_it_is(tmp_path) -> None:
+    single = Profile(coefficients=ROUND, kappa={2: 11.5})
+    pooled = replace(single, kappa_pooled=True)
+    assert (single.capacity_scale(2.2), pooled.capacity_scale(2.2)) == (2.2, 1.0)
+    path = tmp_path / "profile.json"
+    pooled.save(path)
+    assert json.loads(path.read_text())["kappa_pooled"] is True
+    assert Profile.load(path) == pooled
+    # A file written before the field existed reads as a single worker's κ.
+    data = single.to_dict()
+    del data["kappa_pooled"]
+    assert Profile.from_dict(data) == single and not single.kappa_pooled
+
+
 def test_malformed_profile_file_is_a_clear_error(tmp_path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -159,6 +174,8 @@ GOOD = {"coefficients": ROUND.as_dict(), "kappa": {"2": 11.5}}
         ({**GOOD, "window_s": float("nan")}, "window_s must be finite"),
         ({**GOOD, "block_size": 0}, "block_size must be an integer >= 1"),
         ({**GOOD, "block_size": 512.5}, "block_size must be an integer >= 1"),
+        ({**GOOD, "kappa_pooled": "yes"}, "kappa_pooled must be true or false, got a string"),
+        ({**GOOD, "kappa_pooled": 1}, "kappa_pooled must be true or false, got a number"),
         ({**GOOD, "fit": [0.1]}, "'fit' must be an object, got a list"),
         ({**GOOD, "fit": {"mape": "low"}}, "fit.mape must be a number"),
         ({**GOOD, "schema_version": 2}, "unsupported schema_version 2"),

@@ -5,9 +5,14 @@ setting still wins."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+
+import pytest
 
 from services.cachemgr.service import CacheMgrSettings
+from services.controller.service import ControllerService, ControllerSettings
 from services.scheduler.service import SchedulerService, SchedulerSettings
+from shared.costmodel import Profile
 from sim import calibration
 
 
@@ -43,6 +48,28 @@ def test_scheduler_explicit_weights_win_and_baselines_keep_their_defaults() -> N
     assert svc.core.policy.lam == calibration.LAM  # type: ignore[attr-defined]
     assert calibration.policy_params("dynamo") == {}
     assert calibration.policy_params("homo") == {"beta": calibration.BETA, "lam": calibration.LAM}
+
+
+def test_controller_judges_a_pooled_kappa_as_it_is_unless_told_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A single worker's κ (vertumnus profile) × the calibrated pool factor, as the simulator's
+    # sweeps with --profile; a pooled κ (vertumnus simulate's profile.json) as it is.
+    single = Profile(kappa={2: 10.0, 4: 12.0})
+    pooled = dataclasses.replace(single, kappa_pooled=True)
+    monkeypatch.delenv("VTM_KAPPA_SCALE", raising=False)
+    s = ControllerSettings()
+    assert s.judging_profile(single).kappa == {2: 10.0 * calibration.KAPPA_SCALE,
+                                               4: 12.0 * calibration.KAPPA_SCALE}
+    assert s.judging_profile(pooled).kappa == {2: 10.0, 4: 12.0}
+    # The controller adapter reports and uses the factor it applied.
+    path = tmp_path / "profile.json"
+    pooled.save(path)
+    svc = ControllerService(ControllerSettings(profile_path=path))
+    assert (svc.kappa_scale, dict(svc.profile.kappa)) == (1.0, {2: 10.0, 4: 12.0})
+    # An operator's explicit factor wins, from the environment as from the constructor.
+    assert ControllerSettings(kappa_scale=1.5).judging_profile(pooled).kappa[2] == 15.0
+    monkeypatch.setenv("VTM_KAPPA_SCALE", "2.0")
+    assert ControllerSettings().judging_profile(pooled).kappa[2] == 20.0
 
 
 def test_standalone_services_agree_on_the_degrees() -> None:

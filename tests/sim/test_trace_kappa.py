@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.costmodel import DEFAULT_PROFILE
+from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import InvalidInput
-from sim import runner
+from sim import calibration, runner
 from sim.groundtruth import NoisyGroundTruth
 from sim.profiling import (
     KappaRamp,
@@ -150,6 +150,7 @@ def test_trace_kappa_is_deterministic_and_follows_the_trace() -> None:
     c, _ = trace_kappa(DEFAULT_PROFILE, burst, degrees=(2, 4), seed=3, ramp=ramp)
     assert a == b and set(a.kappa) == {2, 4} and a.window_s == ramp.window_s
     assert a.coefficients == DEFAULT_PROFILE.coefficients  # only κ changes
+    assert a.kappa_pooled and not DEFAULT_PROFILE.kappa_pooled  # a pool's capacity
     assert rep["workload"] == "calm" and rep["requests"] == 40
     assert rep["replay_arrivals"] is True and set(rep["results"]) == {"2", "4"}
     # _bursty repeats one prompt: every request after the first reuses all but one token.
@@ -206,6 +207,17 @@ def test_simulate_without_a_profile_measures_kappa_on_the_trace(tmp_path: Path) 
     # An explicit kappa_scale still wins.
     third = runner.run_simulate(out=tmp_path / "a", spec_overrides={"kappa_scale": 2.0}, **kw)
     assert third["meta"]["kappa"]["kappa_scale"] == 2.0
+    # The profile the sweep wrote says its κ is pooled: given back with --profile it is judged
+    # as it is (scale 1, not the single-worker pool factor), so the sweep runs the same.
+    assert saved["kappa_pooled"] is True
+    again = runner.run_simulate(out=tmp_path / "b", profile_path=prof_dir / "profile.json", **kw)
+    assert again["meta"]["kappa"]["kappa_scale"] == 1.0
+    assert [r["mean_ttft_s"] for r in again["rows"]] == [r["mean_ttft_s"] for r in first["rows"]]
+    # A single worker's κ (vertumnus profile) gets the calibrated pool factor.
+    single = tmp_path / "single.json"
+    replace(Profile.load(prof_dir / "profile.json"), kappa_pooled=False).save(single)
+    fourth = runner.run_simulate(out=tmp_path / "c", profile_path=single, **kw)
+    assert fourth["meta"]["kappa"]["kappa_scale"] == calibration.KAPPA_SCALE
 
 
 def test_a_small_pool_measures_kappa_on_as_many_workers_as_it_holds() -> None:
