@@ -60,7 +60,7 @@ from sim.experiments import ExperimentSpec, deployment_for, run_deployment  # no
 from sim.groundtruth import DEFAULT_GROUND_TRUTH  # noqa: E402
 from sim.workloads import generate  # noqa: E402
 from sim.workloads.synthetic import SyntheticConfig  # noqa: E402
-from sim.workloads.workload import Workload, scale_rate  # noqa: E402
+from sim.workloads.workload import Workload, history_reuse, scale_rate  # noqa: E402
 from vertumnus.live.replay import ReplayConfig, prepare_bodies, replay  # noqa: E402
 from vertumnus.live.stack import LiveStack, UpConfig, default_composition  # noqa: E402
 
@@ -70,17 +70,8 @@ DEGREES = (2, 4)
 
 def demand_rho(wl: Workload, gpus: int = GPUS, degree: int = 2) -> float:
     """GPU-seconds demanded at CP``degree`` (ideal cache) / GPU-seconds over the span."""
-    seen: set[int] = set()
-    B = wl.block_size
     gpu_s = 0.0
-    for r in wl.requests:
-        hit = 0
-        for h in r.block_hashes:
-            if h not in seen:
-                break
-            hit += 1
-        seen.update(r.block_hashes)
-        p = min(hit * B, r.input_len - 1)
+    for r, p in zip(wl.requests, history_reuse(wl), strict=True):
         s = (DEFAULT_GROUND_TRUTH.prefill_time(r.input_len - p, p, degree)
              + DEFAULT_GROUND_TRUTH.external_time(r.input_len, degree))
         gpu_s += s * degree

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.workloads.workload import Workload
+from sim.workloads.workload import Workload, history_hit_blocks
 
 LONG_THRESHOLD = 32_768
 """Requests with input_len > this count as long (stats.json's ">32K")."""
@@ -27,19 +27,12 @@ def oracle_reuse(workload: Workload) -> dict[str, float]:
     blocks only — stats.json's ``token_reuse_fullblock_only``, reproduced exactly.
     """
     bsz = workload.block_size
-    seen: set[int] = set()
     reused = total = fb_num = fb_den = 0
-    for r in workload.requests:
-        k = 0
-        for h in r.block_hashes:
-            if h not in seen:
-                break
-            k += 1
+    for r, k in zip(workload.requests, history_hit_blocks(workload), strict=True):
         reused += min(k * bsz, r.input_len - 1)
         total += r.input_len
         fb_num += k * bsz
         fb_den += len(r.block_hashes) * bsz
-        seen.update(r.block_hashes)
     return {
         "oracle_reuse": reused / total if total else 0.0,
         "oracle_reuse_full_blocks": fb_num / fb_den if fb_den else 0.0,

@@ -146,16 +146,11 @@ class Workload:
         return replace(self, metadata={**self.metadata, **extra})
 
 
-def history_reuse(workload: Workload) -> list[int]:
-    """Tokens of each request's prompt that history already held, in arrival order: the
-    longest prefix of its blocks that some earlier request also had (an infinite cache that
-    saw every earlier request), capped at ``input_len − 1`` so at least one token is computed.
-
-    The one definition of "the reuse the history showed" that the zero-queue oracle, the
-    initial composition (§6.1) and κ's ramp on a trace all use.
-    """
+def history_hit_blocks(workload: Workload) -> list[int]:
+    """For each request in arrival order, how many of its leading blocks some earlier request
+    also had: its hit in an infinite cache that saw every earlier request (block identities
+    are chained, so an equal id means an equal prefix up to it)."""
     seen: set[int] = set()
-    B = workload.block_size
     out: list[int] = []
     for r in workload.requests:
         hit = 0
@@ -164,8 +159,21 @@ def history_reuse(workload: Workload) -> list[int]:
                 break
             hit += 1
         seen.update(r.block_hashes)
-        out.append(min(hit * B, r.input_len - 1))
+        out.append(hit)
     return out
+
+
+def history_reuse(workload: Workload) -> list[int]:
+    """Tokens of each request's prompt that history already held, in arrival order: its
+    :func:`history_hit_blocks` in tokens, capped at ``input_len − 1`` so at least one token is
+    computed.
+
+    The one definition of "the reuse the history showed" that the zero-queue oracle, the
+    initial composition (§6.1) and κ's ramp on a trace all use.
+    """
+    B = workload.block_size
+    return [min(k * B, r.input_len - 1)
+            for r, k in zip(workload.requests, history_hit_blocks(workload), strict=True)]
 
 
 def scale_rate(workload: Workload, factor: float) -> Workload:
