@@ -82,6 +82,9 @@ class ExperimentSpec:
     scan_interval_s: float = 20.0
     beta: float | None = None
     lam: float | None = None
+    beta_queue_scale: float | None = None
+    """τ of J's load-following β for the J policies (vertumnus, homo, homo_cp2;
+    services/scheduler/placement.py). None: the calibrated default (β fixed)."""
     slo: SloTable = QWEN3_SLO
     static_thresholds: tuple[int, ...] = (4096, 8192, 16384, 32768)
     vertumnus_overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -159,6 +162,8 @@ def deployment_for(
         jparams["beta"] = spec.beta
     if spec.lam is not None:
         jparams["lam"] = spec.lam
+    if spec.beta_queue_scale is not None:
+        jparams["beta_queue_scale"] = spec.beta_queue_scale
     if policy == "vertumnus":
         ov = dict(spec.vertumnus_overrides)
         comp = ov.pop("composition", initial)

@@ -205,6 +205,7 @@ def run_simulate(
     cache_blocks_per_gpu: int | None = None,
     beta: float | None = None,
     lam: float | None = None,
+    beta_queue_scale: float | None = None,
     progress: bool = False,
     spec_overrides: Mapping[str, Any] | None = None,
     workload: Workload | None = None,
@@ -260,7 +261,8 @@ def run_simulate(
     overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
-                          warmup_s=warmup_s, slo=slo, **overrides)
+                          beta_queue_scale=beta_queue_scale, warmup_s=warmup_s, slo=slo,
+                          **overrides)
     kappa_info["kappa_scale"] = spec.kappa_scale
     t0 = time.perf_counter()
 

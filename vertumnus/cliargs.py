@@ -87,6 +87,20 @@ def j_weight(value: float, name: str, *, default: float | None = None) -> float:
     return value
 
 
+def beta_queue_option(value: float) -> float:
+    """``--beta-queue-scale``: τ of J's load-following β, a finite number of seconds >= 0 (0:
+    β fixed; :func:`services.scheduler.placement.check_beta_queue`). Else exits 2."""
+    from services.scheduler.placement import check_beta_queue
+    from shared.ids import InvalidInput
+
+    try:
+        check_beta_queue(value)
+    except InvalidInput:
+        fail(f"--beta-queue-scale must be a finite number of seconds >= 0 (0: β fixed), "
+             f"got {value:g}")
+    return value
+
+
 def _kind(path: Path, option: str | None = None) -> str | None:
     """:func:`shared.files.path_kind` of ``path``; a path that cannot be looked at exits 2
     naming ``option`` (None: returns None for the caller to say)."""

@@ -14,6 +14,7 @@ import typer
 from shared.ids import InvalidInput
 from vertumnus.cliargs import (
     SLO_HELP,
+    beta_queue_option,
     check_seed,
     comma_list,
     degrees_option,
@@ -78,7 +79,7 @@ def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
 # these would be ignored, so they are refused. --out, --seed, --jobs, --hardware,
 # --per-degree, --slo (and, for the trace presets, --policies, --repeats, --warmup) apply.
 _PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
-                 "max_requests", "cache_blocks_per_gpu", "beta", "lam")
+                 "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale")
 
 
 _PER_DEGREE_HELP = ("Fit one cost-model coefficient set per CP degree, not one for all "
@@ -210,6 +211,9 @@ def register(app: typer.Typer) -> None:
         cache_blocks_per_gpu: Annotated[int, typer.Option(help="0: HBM budget")] = 0,
         beta: Annotated[float, typer.Option(help="β of J (0: calibrated default)")] = 0.0,
         lam: Annotated[float, typer.Option(help="λ of J (-1: calibrated default)")] = -1.0,
+        beta_queue_scale: Annotated[float, typer.Option(
+            help="τ of J's load-following β, seconds of mean queueing delay: β rises from 1 "
+            "when the pool is idle to β at τ (0: β fixed, the calibrated default)")] = 0.0,
         jobs: Annotated[
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
                               "(same results)")
@@ -271,6 +275,7 @@ def register(app: typer.Typer) -> None:
                 # 0 and -1 are the documented "calibrated default" of each weight.
                 beta=j_weight(beta, "beta", default=0.0) or None,
                 lam=None if j_weight(lam, "lam", default=-1.0) == -1.0 else lam,
+                beta_queue_scale=beta_queue_option(beta_queue_scale) or None,
                 jobs=jobs, per_degree=per_degree, repeats=repeats, warmup_s=warmup, slo=table,
             )
         try:

@@ -7,7 +7,16 @@ For every eligible worker w of request i (eligibility: :mod:`services.scheduler.
     J_{i,w} = q_w + β·s_{i,w} + λ·(C_w·s_{i,w} − C_min·Ê_{C_min}(R_{i,w}, P_{i,w}))
 
 with q_w the worker's outstanding predicted work (:mod:`services.scheduler.load`) and C_min the
-smallest degree among the *eligible* workers. The request goes to argmin J. Ties are broken
+smallest degree among the *eligible* workers.
+
+β is the paper's constant unless ``beta_queue_scale`` (τ, seconds of the cost model like q, not
+of the clock: a time-scaled live run does not scale it) is set (our addition, off by default):
+then the β used is 1 + (β − 1)·min(1, q̄ / τ), q̄ the mean queueing delay of the view's active
+workers. J is then earliest-finish (β = 1) while the pool is idle and weighs cached work more as
+queues grow: at light load a cache-affine placement only queues a document's follow-ups behind
+each other, near saturation every cached token is capacity (docs/evaluation.md, "L-Eval and β").
+
+The request goes to argmin J. Ties are broken
 deterministically: lower J, then smaller degree (fewer GPUs for the same cost), then a
 rendezvous rank of the worker for this request (:func:`_rendezvous`: spreads ties uniformly).
 
@@ -121,6 +130,31 @@ def tie_rank(request_id: str, worker: WorkerId) -> int:
     return _rendezvous_crc(zlib.crc32(request_id.encode()), zlib.crc32(worker.encode()))
 
 
+def load_beta(beta: float, beta_queue_scale: float, rows: tuple[_StaticRow, ...],
+              loads: Mapping[WorkerId, WorkerLoad], now: float) -> float:
+    """1 + (β − 1)·min(1, q̄ / τ) with q̄ the mean queueing delay of the active workers in
+    ``rows`` that have a load tracker (a worker without one is reported by the caller)."""
+    total = 0.0
+    count = 0
+    for row in rows:
+        ld = loads.get(row[1])
+        if ld is None or row[3] is not None:
+            continue
+        total += ld.queue_delay(now)
+        count += 1
+    if not count:
+        return beta
+    return 1.0 + (beta - 1.0) * min(1.0, total / count / beta_queue_scale)
+
+
+def check_beta_queue(beta_queue_scale: float) -> None:
+    """τ of the load-following β: a finite number of (cost-model) seconds >= 0 (0: β fixed)."""
+    if isinstance(beta_queue_scale, bool) or not isinstance(beta_queue_scale, (int, float)) \
+            or not math.isfinite(beta_queue_scale) or beta_queue_scale < 0:
+        raise InvalidInput(f"beta_queue_scale must be a finite number of seconds >= 0, got "
+                           f"{beta_queue_scale!r}")
+
+
 def check_weights(beta: float, lam: float) -> None:
     """β ≥ 1 and λ ≥ 0, finite (§5.3)."""
     for name, v, lo in (("beta", beta, 1.0), ("lam", lam, 0.0)):
@@ -139,6 +173,7 @@ def place_j(
     beta: float,
     lam: float,
     policy: str = "vertumnus",
+    beta_queue_scale: float = 0.0,
 ) -> Decision:
     """Place ``request`` by minimum J; see the module docstring for the exact rule.
 
@@ -164,6 +199,8 @@ def place_j(
     workers = view.workers
     n = len(workers)
     ids, degs, rows, active = _static_rows(view)
+    if beta_queue_scale > 0.0 and beta > 1.0:
+        beta = load_beta(beta, beta_queue_scale, rows, loads, now)
 
     # C_min: the smallest degree of an eligible worker (active, and L fits both its max_seq_len
     # and its KV capacity). Known before the pass, so J is computed in the same pass as P, s, q.

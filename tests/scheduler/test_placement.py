@@ -459,3 +459,64 @@ def test_baselines_do_not_get_inflight_prefixes() -> None:
     core.place(req("r1", 8 * B), {}, 0.0)
     d2 = core.place(req("r2", 8 * B + 10, nblocks=8), {}, 0.0)
     assert d2.reused_blocks == 0
+
+
+def _busy_w4(v: ClusterView) -> dict[WorkerId, WorkerLoad]:
+    """The worked example's loads: q_w2 = 0, q_w4 = 1.5 at t = 0.5 (mean queue 0.75 s)."""
+    loads = loads_for(v)
+    loads[W("w4")].reserve(RequestId("old"), 1.5)
+    loads[W("w4")].start(RequestId("old"), 0.0)
+    loads[W("w4")].reserve(RequestId("queued"), 0.5)
+    return loads
+
+
+@pytest.mark.parametrize(
+    ("tau", "beta_used", "worker"),
+    [
+        (0.0, BETA, "w4"),  # off: the paper's fixed β (the worked example)
+        (0.75, BETA, "w4"),  # mean queue 0.75 s = τ: the full β
+        (0.25, BETA, "w4"),  # queues beyond τ: still the full β, never more
+        (3.0, 1.0 + (BETA - 1.0) * 0.25, "w2"),  # a quarter of the way: 1.125
+        (750.0, 1.0 + (BETA - 1.0) * 0.001, "w2"),  # an idle-looking pool: earliest finish
+    ],
+)
+def test_a_load_following_beta_rises_from_one_with_the_mean_queue(
+        tau: float, beta_used: float, worker: str) -> None:
+    # β = 1.5 sends the request to w4's cached prefix behind its 1.5 s queue (J 3.32 against
+    # 3.53); with β near 1 the idle w2 finishes first (J 2.35 against 2.90).
+    v = two_degree_view()
+    d = place_j(req("r", 1000), v, {W("w4"): 6}, _busy_w4(v), 0.5, profile=ROUND, beta=BETA,
+                lam=LAM, beta_queue_scale=tau)
+    assert d.worker == worker
+    # Every J term of the decision is the one compared, with the β used.
+    assert d.candidate(W("w2")).score == pytest.approx(beta_used * S_W2, rel=1e-9)
+    assert d.candidate(W("w4")).score == pytest.approx(1.5 + beta_used * S_W4 + LAM * EXTRA_W4,
+                                                       rel=1e-9)
+
+
+def test_the_mean_queue_counts_active_workers_only() -> None:
+    # w4 draining (excluded) with a long queue: the active pool (w2 alone) is idle, so β = 1.
+    v = view(WorkerView(W("w2"), 2), WorkerView(W("w2b"), 2),
+             WorkerView(W("w4"), 4, lifecycle=Lifecycle.DRAINING))
+    loads = loads_for(v)
+    loads[W("w4")].reserve(RequestId("big"), 100.0)
+    loads[W("w2b")].reserve(RequestId("small"), 0.3)
+    d = place_j(req("r", 1000), v, {W("w2b"): 6}, loads, 0.0, profile=ROUND, beta=2.0, lam=0.0,
+                beta_queue_scale=1.0)
+    # q̄ = (0 + 0.3) / 2 = 0.15 -> β = 1.15 (with w4 counted it would be the full 2).
+    s_hit = ROUND.predict(400, 600, 2)
+    assert d.candidate(W("w2b")).score == pytest.approx(0.3 + 1.15 * s_hit, rel=1e-9)
+
+
+@pytest.mark.parametrize("tau", [-1.0, float("nan"), float("inf"), True, "2"])
+def test_a_bad_beta_queue_scale_is_refused(tau: object) -> None:
+    with pytest.raises(InvalidInput, match="beta_queue_scale"):
+        make_policy("vertumnus", profile=ROUND, beta_queue_scale=tau)
+
+
+def test_the_j_policies_take_the_beta_queue_scale() -> None:
+    for name in ("vertumnus", "homo", "homo_cp2"):
+        pol = make_policy(name, profile=ROUND, beta_queue_scale=2.0)
+        assert pol.beta_queue_scale == 2.0  # type: ignore[attr-defined]
+        assert "beta_queue_scale=2.0" in repr(pol)
+    assert make_policy("vertumnus", profile=ROUND).beta_queue_scale == 0.0  # type: ignore
