@@ -131,20 +131,25 @@ def tie_rank(request_id: str, worker: WorkerId) -> int:
 
 
 def load_beta(beta: float, beta_queue_scale: float, rows: tuple[_StaticRow, ...],
-              loads: Mapping[WorkerId, WorkerLoad], now: float) -> float:
-    """1 + (β − 1)·min(1, q̄ / τ) with q̄ the mean queueing delay of the active workers in
-    ``rows`` that have a load tracker (a worker without one is reported by the caller)."""
+              loads: Mapping[WorkerId, WorkerLoad], now: float
+              ) -> tuple[float, list[float | None]]:
+    """(1 + (β − 1)·min(1, q̄ / τ), each row's queueing delay) with q̄ the mean queueing delay
+    of the active workers in ``rows`` that have a load tracker (None for the others; a worker
+    without one is reported by the caller). The delays are handed to the placement's pass so
+    that it does not compute them twice."""
+    qs: list[float | None] = [None] * len(rows)
     total = 0.0
     count = 0
-    for row in rows:
+    for k, row in enumerate(rows):
         ld = loads.get(row[1])
         if ld is None or row[3] is not None:
             continue
-        total += ld.queue_delay(now)
+        q = qs[k] = ld.queue_delay(now)
+        total += q
         count += 1
     if not count:
-        return beta
-    return 1.0 + (beta - 1.0) * min(1.0, total / count / beta_queue_scale)
+        return beta, qs
+    return 1.0 + (beta - 1.0) * min(1.0, total / count / beta_queue_scale), qs
 
 
 def check_beta_queue(beta_queue_scale: float) -> None:
@@ -199,8 +204,9 @@ def place_j(
     workers = view.workers
     n = len(workers)
     ids, degs, rows, active = _static_rows(view)
+    pre_q: list[float | None] | None = None
     if beta_queue_scale > 0.0 and beta > 1.0:
-        beta = load_beta(beta, beta_queue_scale, rows, loads, now)
+        beta, pre_q = load_beta(beta, beta_queue_scale, rows, loads, now)
 
     # C_min: the smallest degree of an eligible worker (active, and L fits both its max_seq_len
     # and its KV capacity). Known before the pass, so J is computed in the same pass as P, s, q.
@@ -259,7 +265,9 @@ def place_j(
                 extra = c * s - cmin * e_min
             t = terms[key] = (s, extra, beta * s + lam * extra)
         s, extra, v = t
-        if ld.__class__ is WorkerLoad:
+        if pre_q is not None:
+            q = pre_q[i]  # type: ignore[assignment]  # an active worker's: computed
+        elif ld.__class__ is WorkerLoad:
             # ld.queue_delay(now), inlined (speed; NOTE: keep in step with that method).
             q = ld._queued_s
             if ld._running:
