@@ -468,14 +468,19 @@ class PullConsumer:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._timer is not None:
-            await cancel_and_wait([self._timer], log)
         if self._sub is not None:
-            try:  # unsubscribe, then let the callback NAK what is queued (see _on_msg)
+            # Unsubscribe before anything can yield, then let the callback NAK what is queued
+            # (see _on_msg). The order matters: a NAK the server sees while this inbox still
+            # has interest is redelivered to this consumer's own open pull request, and the
+            # delivery is then stuck until ack_wait instead of going to the next consumer.
+            # drain() queues the UNSUB synchronously, ahead of any NAK the callback sends.
+            try:
                 await self._sub.drain()
             except Exception:  # closed or draining connection: nothing left to hand back
                 with contextlib.suppress(Exception):
                     await self._sub.unsubscribe()
+        if self._timer is not None:
+            await cancel_and_wait([self._timer], log)
 
     async def _pull(self) -> None:
         n = self._batch - self._outstanding
