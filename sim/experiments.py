@@ -94,7 +94,8 @@ class ExperimentSpec:
     kappa_scale: float = calibration.KAPPA_SCALE
     """The controller judges capacity with κ_C × this. KAPPA_SCALE corrects a single-worker κ
     (``vertumnus profile``); sim/runner.py sets 1.0 when κ was measured on the trace with a
-    routed pool (sim/profiling.py ``TRACE_KAPPA_RAMP``), which is already a pooled capacity."""
+    routed pool (sim/profiling.py ``TRACE_KAPPA_RAMP``), which is already a pooled capacity —
+    measured now, or read from a profile file that says so (``Profile.capacity_scale``)."""
     warmup_s: float = 0.0
     """Simulated seconds from the first arrival (at each rate) whose requests are run but left
     out of the TTFT, SLO, hit-rate and oracle figures (§9.1: "we warm up each system until its
