@@ -563,6 +563,7 @@ def run_profile(
     kind: Kind = "cp",
     measure_kappas: bool = True,
     per_degree: bool = False,
+    kappa_pool_gpus: int | None = None,
 ) -> tuple[Profile, dict[str, Any]]:
     """Profile the simulated backend; write profile.json, the scatter plot (+ CSV) and a report.
 
@@ -575,6 +576,13 @@ def run_profile(
     ``window_s`` = the ramp's H) and the report dict also written to ``profile_report.json``.
     ``kappa_workload`` supplies the κ ramp's length distribution (default: the embedded
     synthetic workload for ``seed``). Deterministic for a seed.
+
+    ``kappa_pool_gpus``: measure κ as ``vertumnus simulate`` does on a trace
+    (:func:`trace_kappa`) instead of on §6.1's single worker: a routed pool sized for a pool of
+    that many GPUs (at most ``TRACE_KAPPA_RAMP.pool_workers`` workers per degree) replays
+    ``kappa_workload`` in order at its own gaps, each request with its history's prefix reuse.
+    That κ is a pooled capacity: the profile is marked ``kappa_pooled`` and the controller
+    judges with it as it is (no calibrated pool factor); the ramp's SLO is ``ramp.slo``.
     """
     degs = _check_degrees(degrees)
     out = Path(out_dir)
@@ -591,18 +599,31 @@ def run_profile(
 
     kappa_report: dict[str, Any] = {}
     wl_info: dict[str, Any] | None = None
+    pools: dict[str, int] | None = None
     if measure_kappas:
         wl = kappa_workload if kappa_workload is not None else generate(seed=seed)
         wl_info = {k: v for k, v in workload_stats(wl).items() if not isinstance(v, dict)}
-        lengths = np.array([r.input_len for r in wl.requests], dtype=np.int64)
-        k_truth = NoisyGroundTruth(int(kappa_noise_seq.generate_state(1)[0]), noise_sigma, truth)
-        k_rng = np.random.default_rng(kappa_arr_seq)
-        kappas: dict[int, float] = {}
-        for c in degs:
-            res = measure_kappa(profile, k_truth, c, lengths, rng=k_rng, ramp=ramp, kind=kind)
-            kappas[c] = res.kappa
-            kappa_report[str(c)] = res.as_dict()
-        profile = replace(profile.with_kappa(kappas), window_s=ramp.window_s)
+        if kappa_pool_gpus is not None:
+            # The same κ as a sweep of this workload measures (its streams come from the
+            # same seed's spawn): the pooled, in-order replay.
+            ramp = replace(TRACE_KAPPA_RAMP, slo=ramp.slo)
+            profile, t_report = trace_kappa(profile, wl, degrees=degs, seed=seed, truth=truth,
+                                            noise_sigma=noise_sigma, ramp=ramp, kind=kind,
+                                            pool_gpus=kappa_pool_gpus)
+            kappa_report = t_report["results"]
+            pools = t_report["pool_workers"]
+        else:
+            lengths = np.array([r.input_len for r in wl.requests], dtype=np.int64)
+            k_truth = NoisyGroundTruth(int(kappa_noise_seq.generate_state(1)[0]), noise_sigma,
+                                       truth)
+            k_rng = np.random.default_rng(kappa_arr_seq)
+            kappas: dict[int, float] = {}
+            for c in degs:
+                res = measure_kappa(profile, k_truth, c, lengths, rng=k_rng, ramp=ramp,
+                                    kind=kind)
+                kappas[c] = res.kappa
+                kappa_report[str(c)] = res.as_dict()
+            profile = replace(profile.with_kappa(kappas), window_s=ramp.window_s)
 
     profile_path = out / PROFILE_FILE
     profile.save(profile_path)
@@ -652,9 +673,13 @@ def run_profile(
         },
         "fit_vs_truth": truth_score,
         "kappa": {str(c): k for c, k in profile.kappa.items()},
+        "kappa_pooled": profile.kappa_pooled,
         "kappa_ramp": {
             **{k: v for k, v in asdict(ramp).items() if k != "slo"},
             "slo": slo_to_dict(ramp.slo),
+            # Workers per degree of the routed pool (a pooled κ only): min(8, GPUs / C).
+            **({"pool_gpus": kappa_pool_gpus, "pool_workers_per_degree": pools}
+               if pools is not None else {}),
             "results": kappa_report,
         },
         "kappa_workload": wl_info,
@@ -684,14 +709,17 @@ def profile_command(
     truth: GroundTruth | None = None,
     per_degree: bool = False,
     slo: SloTable = QWEN3_SLO,
+    pool_gpus: int | None = None,
 ) -> Path:
     """CLI entry of ``vertumnus profile``: returns the path of the written profile.json.
 
     ``kappa_workload`` may be a Workload, a trace path or "synthetic" (loaded with
     :func:`sim.workloads.load_workload`; L-Eval needs a rate, so pass a Workload for it).
     ``truth``: the simulated hardware measured (``--hardware``, :mod:`sim.hardware`; None:
-    the default). ``slo``: the TTFT deadlines κ must keep (the ramp's SLO).
-    Only the ``sim`` backend is implemented here.
+    the default). ``slo``: the TTFT deadlines κ must keep (the ramp's SLO). ``pool_gpus``: κ
+    of a routed pool of that many GPUs replaying the workload (``run_profile``'s
+    ``kappa_pool_gpus``; the profile is marked pooled). Only the ``sim`` backend is
+    implemented here.
     """
     if backend != "sim":
         raise InvalidInput(f"profiling backend {backend!r} is not supported here (only 'sim')")
@@ -700,5 +728,5 @@ def profile_command(
         wl = load_workload(wl, seed=seed)
     run_profile(out_dir, degrees=degrees, seed=seed, kappa_workload=wl,
                 truth=truth or DEFAULT_GROUND_TRUTH, per_degree=per_degree,
-                ramp=KappaRamp(slo=slo))
+                ramp=KappaRamp(slo=slo), kappa_pool_gpus=pool_gpus)
     return Path(out_dir) / PROFILE_FILE

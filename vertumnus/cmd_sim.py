@@ -129,6 +129,13 @@ def register(app: typer.Typer) -> None:
         workload: Annotated[
             str, typer.Option(help="Length mix for the κ ramp: 'synthetic' or a trace path")
         ] = "synthetic",
+        format: _Format = "auto",
+        rate: _Rate = 0.0,
+        pool_gpus: Annotated[
+            int, typer.Option(help="Measure κ as `simulate` does on a trace: a routed pool for "
+                              "this many GPUs replays the workload in order with its prefix "
+                              "reuse; the profile is marked pooled (0: §6.1's single worker)")
+        ] = 0,
         hardware: Annotated[
             Path | None, typer.Option(help=_HARDWARE_HELP + " (sim backend)")
         ] = None,
@@ -141,27 +148,40 @@ def register(app: typer.Typer) -> None:
 
         With one degree the fit cannot tell a (per new token) from c (per new token, split
         over C): c is folded into a (c = 0), right at that degree only; the output says so.
+
+        κ: by default §6.1's single worker on a Poisson stream of the workload's lengths,
+        uncached (the controller multiplies it by the calibrated pool factor). With
+        ``--pool-gpus N`` and a trace, the pooled κ of that trace, the one ``simulate --trace
+        … --gpus N`` measures (README), so an operator's profile of their own traffic needs no
+        sweep.
         """
         if backend not in ("sim", "torch"):
             _fail(f"unknown backend {backend!r}; use 'sim' or 'torch'")
         check_seed(seed)
         degs = degrees_option(degrees)
         table = slo_table(slo)
+        _check_run_numbers(rate=rate, max_requests=0)
+        if pool_gpus < 0:
+            _fail(f"--pool-gpus must be an integer >= 0 (0: a single worker), got {pool_gpus}")
         if workload != "synthetic":
             input_file(Path(workload), "workload")
         if backend == "torch" and (hardware is not None or per_degree or table.bounds
-                                   != slo_table("qwen3-30b-a3b").bounds):
-            _fail("--hardware, --per-degree and --slo are the sim backend's; the torch "
-                  "backend measures the machine it runs on (no κ)")
+                                   != slo_table("qwen3-30b-a3b").bounds or pool_gpus
+                                   or workload != "synthetic"):
+            _fail("--hardware, --per-degree, --slo, --workload and --pool-gpus are the sim "
+                  "backend's; the torch backend measures the machine it runs on (no κ)")
         try:
             if backend == "sim":
                 from sim.profiling import profile_command
+                from sim.runner import load_trace
 
                 truth = _truth(hardware)
+                wl = load_trace(workload, format, seed=seed, rate=rate or None,
+                                max_requests=None)
                 output_dir(out)
                 path = profile_command(out, backend="sim", degrees=degs, seed=seed,
-                                       kappa_workload=workload, per_degree=per_degree,
-                                       truth=truth, slo=table)
+                                       kappa_workload=wl, per_degree=per_degree,
+                                       truth=truth, slo=table, pool_gpus=pool_gpus or None)
             else:
                 try:
                     from services.rankd.engine.profiling import torch_profile_command
@@ -174,7 +194,7 @@ def register(app: typer.Typer) -> None:
         report = json.loads((Path(out) / "profile_report.json").read_text()) if (
             Path(out) / "profile_report.json").exists() else {}
         typer.echo(f"profile written to {path}")
-        for k in ("coefficients", "fit_vs_measured", "fit_vs_truth", "kappa"):
+        for k in ("coefficients", "fit_vs_measured", "fit_vs_truth", "kappa", "kappa_pooled"):
             if k in report:
                 typer.echo(f"  {k}: {json.dumps(report[k])}")
         if len(degs) == 1:

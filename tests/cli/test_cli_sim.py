@@ -321,6 +321,64 @@ def test_profile_rejects_unknown_backend(runner, tmp_path) -> None:
     assert not (tmp_path / "profile.json").exists()
 
 
+def test_profile_measures_a_pooled_kappa_on_a_trace(runner, tmp_path) -> None:
+    """``--pool-gpus``: κ of a routed pool replaying the workload in order with its prefix
+    reuse (what a sweep of that workload measures), marked pooled; the fit is the same."""
+    from sim.profiling import trace_kappa
+    from sim.workloads import generate
+
+    single, pooled = tmp_path / "single", tmp_path / "pooled"
+    _ok(runner.invoke(app, ["profile", "--degrees", "1,2", "--out", str(single)]))
+    text = _ok(runner.invoke(app, ["profile", "--degrees", "1,2", "--out", str(pooled),
+                                   "--pool-gpus", "8"]))
+    p_single = Profile.load(single / "profile.json")
+    p_pooled = Profile.load(pooled / "profile.json")
+    assert not p_single.kappa_pooled and p_pooled.kappa_pooled
+    assert p_pooled.coefficients == p_single.coefficients
+    report = json.loads((pooled / "profile_report.json").read_text())
+    assert report["kappa_pooled"] is True
+    assert report["kappa_ramp"]["pool_workers"] == 8
+    assert report["kappa_ramp"]["pool_workers_per_degree"] == {"1": 8, "2": 4}  # 8 GPUs / C
+    assert "pool_workers_per_degree" not in json.loads(
+        (single / "profile_report.json").read_text())["kappa_ramp"]
+    # The κ the sweep's method gives the same fit on the same (default, synthetic) workload.
+    expected, _ = trace_kappa(p_single, generate(seed=0), degrees=(1, 2), seed=0, pool_gpus=8)
+    assert p_pooled.kappa == expected.kappa
+    # A load-aware pool routes around long prompts: each worker sustains more than alone.
+    assert all(p_pooled.kappa[c] > p_single.kappa[c] for c in (1, 2))
+    assert "kappa_pooled: true" in text
+
+
+def test_profile_takes_an_leval_trace_with_its_rate(runner, tmp_path) -> None:
+    """L-Eval has no arrival times: ``--rate`` sets them, as for ``simulate``; the pooled ramp
+    replays its documents' questions with their reuse."""
+    f = tmp_path / "lv.jsonl"
+    f.write_text("".join(json.dumps({
+        "task": "t", "doc_sha1": f"d{i // 4}", "instr_idx": i % 4, "doc_llama3_tokens": 6000,
+        "instr_llama3_tokens": 40, "llama3_tokens": 6040, "ref_output_llama3_tokens": 5,
+    }) + "\n" for i in range(40)))
+    out = tmp_path / "prof"
+    _ok(runner.invoke(app, ["profile", "--degrees", "2,4", "--out", str(out), "--workload",
+                            str(f), "--rate", "2", "--pool-gpus", "16"]))
+    report = json.loads((out / "profile_report.json").read_text())
+    assert report["kappa_workload"]["requests"] == 40
+    assert report["kappa_ramp"]["pool_workers_per_degree"] == {"2": 8, "4": 4}
+    assert all(k > 0 for k in Profile.load(out / "profile.json").kappa.values())
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--pool-gpus", "-1"], "--pool-gpus must be an integer >= 0"),
+    (["--rate", "-2"], "--rate must be a finite number"),
+    (["--backend", "torch", "--pool-gpus", "8"], "the torch backend measures"),
+    (["--workload", "synthetic", "--format", "azure"], "azure"),
+])
+def test_profile_refuses_bad_kappa_options(runner, tmp_path, args, words) -> None:
+    res = runner.invoke(app, ["profile", *args, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2, res.output
+    assert words in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "o" / "profile.json").exists()
+
+
 # --- --hardware ---------------------------------------------------------------------------------
 def test_simulate_on_a_hardware_file(sim_dir, runner, profile_file, tmp_path) -> None:
     """The sweep runs on the file's hardware and records it; the same trace on a faster GPU
