@@ -262,16 +262,43 @@ length instead of each worker's own P) gives missed demand at a degree without t
 often: conversation ×3, seeds 0-2, 8 inter replications, 1.4386/3.016 — within noise of the
 paper's definition (1.4436/3.019), so the paper's is kept."""
 
-BETA: Final[float] = 2.0
-"""β ∈ {1, 1.5, 2, 3} × λ ∈ {0, 0.25, 0.5, 1} on the conversation trace: β = 2, λ = 0.25 had the
-lowest P90 at ×2 (2.10 s vs 2.13-2.54 s) and was within 1% of the best mean at ×3.5 (1.41 s for
-all of them): the J terms matter far less than the composition on this trace.
-Re-checked after J's tie-break became a per-request rendezvous rank (services/scheduler/
-placement.py), vertumnus on the conversation trace, mean/P90 s at ×1 / ×2 / ×3.5:
-β 1: 0.870/1.73, 0.929/1.89, 1.353/2.70; β 1.5: 0.872/1.73, 0.926/1.85, 1.334/2.69;
+BETA: Final[float] = 3.0
+"""β of J, used with the busy-share β (:data:`BETA_BUSY_POWER`): β_eff = 1 + (β − 1)·b², b the
+share of the pool's GPUs with work (services/scheduler/placement.py).
+
+Why not a constant β. The best constant differs by trace: on L-Eval (documents re-read by
+follow-up questions that come together, 81% of tokens reused, a pool busy 6-18% of the time)
+β = 1 is 8-21% faster than β = 2, because a cache-affine J queues a document's follow-ups
+behind each other while other workers idle; on the conversation trace β = 1 is 10% slower at
+×3 and 26-53% slower at ×4.5-×4.7, where every cached token is capacity, and β = 3 is faster
+still near saturation (×4.7 3.24 s against 3.83) but slower at light load. The busy share at
+a request's arrival tells the two apart (mean over arrivals: L-Eval ×1-×3 0.07-0.26,
+conversation ×1 0.28, ×3 0.81, ×4.7 0.97), where the queueing delay does not (the
+reconfiguration preset's high-rate short phases keep short queues on a busy pool).
+
+Sweep (seed 0, λ 0.25, every J policy with the same setting, 2026-12-01; vertumnus's mean TTFT,
+s): β_eff = 1 + (β − 1)·b^k over β ∈ {2, 3, 4}, k ∈ {1, 2, 3} (and b/u0 for u0 ∈ {0.25, 0.5,
+0.75, 0.8, 0.9}), against the constant β = 2 (L-Eval ×1-×3 0.582-0.909; conversation ×3
+1.166, ×4.7 3.828; reconfiguration phases 0.446/0.461/0.447/0.433/0.435):
+β 3, k 2: L-Eval 0.544/0.625/0.684/0.728/0.764 (7-16% lower); conversation ×1-×4.7 within
+±0.4% up to ×4, ×4.5/×4.6/×4.7 2.153/2.320/3.041 (8-21% lower); phases 0.447/0.453/0.432/
+0.429/0.426 (none slower). β 3, k 3: L-Eval 1-4% lower again, conversation alike, but the
+fourth phase 0.449 (+4%). β 2, k 2: conversation ×4.7 3.95 (β too low near saturation).
+β 4, k 2: L-Eval 1-2% higher than β 3, conversation ×4.7 2.78, the first phase +1%. β 3 with
+the linear min(1, b/0.75): L-Eval only 1-7% lower. Azure code (no prefixes; an all-CP2 pool,
+where β only scales equal terms) is identical. Near saturation one seed's figure moves by ±5%.
+
+Before (the constant β): β ∈ {1, 1.5, 2, 3} × λ ∈ {0, 0.25, 0.5, 1} on the conversation
+trace: β = 2, λ = 0.25 had the lowest P90 at ×2 (2.10 s vs 2.13-2.54 s) and was within 1% of
+the best mean at ×3.5 (1.41 s for all of them): the J terms matter far less than the
+composition on this trace. Re-checked after J's tie-break became a per-request rendezvous
+rank (services/scheduler/placement.py), vertumnus on the conversation trace, mean/P90 s at
+×1 / ×2 / ×3.5: β 1: 0.870/1.73, 0.929/1.89, 1.353/2.70; β 1.5: 0.872/1.73, 0.926/1.85, 1.334/2.69;
 β 2: 0.874/1.74, 0.929/1.85, 1.337/2.68; β 3: 0.882/1.77, 0.938/1.89, 1.371/2.76 (λ 0.25);
 λ ∈ {0, 0.25, 0.5} gave identical runs at β 1.5 and 2 (the pool is homogeneous most of the
 time at these rates). β 1.5 and 2 are within 0.3% of each other; 2 is kept."""
+BETA_BUSY_POWER: Final[float] = 2.0
+"""k of the busy-share β (see :data:`BETA`); 0 is the paper's constant β."""
 LAM: Final[float] = 0.25
 
 SPEEDUP_THRESHOLD: Final[float] = 1.15
@@ -287,13 +314,13 @@ def policy_params(policy: str) -> dict[str, float]:
     """The calibrated keyword parameters of ``policy`` (``make_policy(policy, **these)``).
 
     The J family (``vertumnus`` and its fixed-pool forms ``homo``, ``homo_cp2``) shares the
-    calibrated weights β, λ: a fixed pool under the same scheduler is the paper's Homo, and
-    comparing it with weights of its own would credit adaptivity with what is only a different
-    β (near saturation a higher β raises the hit rate, and 1-2% less work moves mean TTFT by
-    20%: conversation ×4.7, homo_cp2 4.03 s at β 1.5 vs 3.20 s at β 2). Every other policy
-    runs with its source's defaults, exactly as the experiments deploy them
+    calibrated weights β, λ and the busy-share power k: a fixed pool under the same scheduler
+    is the paper's Homo, and comparing it with weights of its own would credit adaptivity with
+    what is only a different β (near saturation a higher β raises the hit rate, and 1-2% less
+    work moves mean TTFT by 20%: conversation ×4.7, homo_cp2 4.03 s at β 1.5 vs 3.20 s at β
+    2). Every other policy runs with its source's defaults, exactly as the experiments deploy them
     (sim/experiments.py ``deployment_for``). The live scheduler starts from these too.
     """
     if policy in ("vertumnus", "homo", "homo_cp2"):
-        return {"beta": BETA, "lam": LAM}
+        return {"beta": BETA, "lam": LAM, "beta_busy_power": BETA_BUSY_POWER}
     return {}

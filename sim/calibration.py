@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from services.calibration import (
     BETA,
+    BETA_BUSY_POWER,
     CONTROLLER,
     KAPPA_SCALE,
     LAM,
@@ -17,6 +18,7 @@ from services.calibration import (
 
 __all__ = [
     "BETA",
+    "BETA_BUSY_POWER",
     "CONTROLLER",
     "KAPPA_SCALE",
     "LAM",

@@ -83,8 +83,11 @@ class ExperimentSpec:
     beta: float | None = None
     lam: float | None = None
     beta_queue_scale: float | None = None
-    """τ of J's load-following β for the J policies (vertumnus, homo, homo_cp2;
-    services/scheduler/placement.py). None: the calibrated default (β fixed)."""
+    """τ of J's queue-following β for the J policies (vertumnus, homo, homo_cp2;
+    services/scheduler/placement.py). None: the calibrated default (off)."""
+    beta_busy_power: float | None = None
+    """k of J's busy-share β for the J policies (services/scheduler/placement.py; 0: β fixed,
+    the paper's form). None: the calibrated default (``calibration.BETA_BUSY_POWER``)."""
     slo: SloTable = QWEN3_SLO
     static_thresholds: tuple[int, ...] = (4096, 8192, 16384, 32768)
     vertumnus_overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -165,6 +168,8 @@ def deployment_for(
         jparams["lam"] = spec.lam
     if spec.beta_queue_scale is not None:
         jparams["beta_queue_scale"] = spec.beta_queue_scale
+    if spec.beta_busy_power is not None:
+        jparams["beta_busy_power"] = spec.beta_busy_power
     if policy == "vertumnus":
         ov = dict(spec.vertumnus_overrides)
         comp = ov.pop("composition", initial)

@@ -240,7 +240,7 @@ def run_ablation(*, out: Path, seed: int = 0, progress: bool = False,
             # Both variants are Vertumnus's scheduler with its calibrated weights (§9.4: "the
             # same request scheduler"); only the cache manager differs.
             dep = Deployment(label, "vertumnus", comp, adaptive=False, cache_manager=cm,
-                             params={"beta": calibration.BETA, "lam": calibration.LAM})
+                             params=calibration.policy_params("vertumnus"))
             t0 = time.perf_counter()
             res = run_deployment(w, dep, prof, spec, truth)
             rows.append(summarize_run(res, policy=label, rate_scale=scale, slo=spec.slo,

@@ -206,6 +206,7 @@ def run_simulate(
     beta: float | None = None,
     lam: float | None = None,
     beta_queue_scale: float | None = None,
+    beta_busy_power: float | None = None,
     progress: bool = False,
     spec_overrides: Mapping[str, Any] | None = None,
     workload: Workload | None = None,
@@ -261,7 +262,8 @@ def run_simulate(
     overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
-                          beta_queue_scale=beta_queue_scale, warmup_s=warmup_s, slo=slo,
+                          beta_queue_scale=beta_queue_scale,
+                          beta_busy_power=beta_busy_power, warmup_s=warmup_s, slo=slo,
                           **overrides)
     kappa_info["kappa_scale"] = spec.kappa_scale
     t0 = time.perf_counter()

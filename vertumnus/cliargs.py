@@ -87,16 +87,33 @@ def j_weight(value: float, name: str, *, default: float | None = None) -> float:
     return value
 
 
+def beta_busy_option(value: float) -> float | None:
+    """``--beta-busy-power``: k of J's busy-share β, a finite number >= 0 (0: β fixed, the
+    paper's form; :func:`services.scheduler.placement.check_beta_busy`), or -1 for the
+    calibrated default (None). Else exits 2."""
+    from services.scheduler.placement import check_beta_busy
+    from shared.ids import InvalidInput
+
+    if value == -1.0:
+        return None
+    try:
+        check_beta_busy(value)
+    except InvalidInput:
+        fail(f"--beta-busy-power must be a finite number >= 0 (0: β fixed; -1: the calibrated "
+             f"default), got {value:g}")
+    return value
+
+
 def beta_queue_option(value: float) -> float:
-    """``--beta-queue-scale``: τ of J's load-following β, a finite number of seconds >= 0 (0:
-    β fixed; :func:`services.scheduler.placement.check_beta_queue`). Else exits 2."""
+    """``--beta-queue-scale``: τ of J's queue-following β, a finite number of seconds >= 0 (0:
+    off; :func:`services.scheduler.placement.check_beta_queue`). Else exits 2."""
     from services.scheduler.placement import check_beta_queue
     from shared.ids import InvalidInput
 
     try:
         check_beta_queue(value)
     except InvalidInput:
-        fail(f"--beta-queue-scale must be a finite number of seconds >= 0 (0: β fixed), "
+        fail(f"--beta-queue-scale must be a finite number of seconds >= 0 (0: off), "
              f"got {value:g}")
     return value
 

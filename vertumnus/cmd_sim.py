@@ -14,6 +14,7 @@ import typer
 from shared.ids import InvalidInput
 from vertumnus.cliargs import (
     SLO_HELP,
+    beta_busy_option,
     beta_queue_option,
     check_seed,
     comma_list,
@@ -79,7 +80,8 @@ def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
 # these would be ignored, so they are refused. --out, --seed, --jobs, --hardware,
 # --per-degree, --slo (and, for the trace presets, --policies, --repeats, --warmup) apply.
 _PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
-                 "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale")
+                 "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale",
+                 "beta_busy_power")
 
 
 _PER_DEGREE_HELP = ("Fit one cost-model coefficient set per CP degree, not one for all "
@@ -232,8 +234,13 @@ def register(app: typer.Typer) -> None:
         beta: Annotated[float, typer.Option(help="β of J (0: calibrated default)")] = 0.0,
         lam: Annotated[float, typer.Option(help="λ of J (-1: calibrated default)")] = -1.0,
         beta_queue_scale: Annotated[float, typer.Option(
-            help="τ of J's load-following β, seconds of mean queueing delay: β rises from 1 "
-            "when the pool is idle to β at τ (0: β fixed, the calibrated default)")] = 0.0,
+            help="τ of J's queue-following β, seconds of mean queueing delay: β's weight "
+            "rises from 0 when the pool is idle to 1 at τ (0: off, the calibrated default)")
+        ] = 0.0,
+        beta_busy_power: Annotated[float, typer.Option(
+            help="k of J's busy-share β: β_eff = 1 + (β − 1)·b^k, b the share of the pool's "
+            "GPUs with work (0: β fixed, the paper's J; -1: the calibrated default)")
+        ] = -1.0,
         jobs: Annotated[
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
                               "(same results)")
@@ -296,6 +303,7 @@ def register(app: typer.Typer) -> None:
                 beta=j_weight(beta, "beta", default=0.0) or None,
                 lam=None if j_weight(lam, "lam", default=-1.0) == -1.0 else lam,
                 beta_queue_scale=beta_queue_option(beta_queue_scale) or None,
+                beta_busy_power=beta_busy_option(beta_busy_power),
                 jobs=jobs, per_degree=per_degree, repeats=repeats, warmup_s=warmup, slo=table,
             )
         try:

@@ -140,6 +140,14 @@ class WorkerLoad:
                 q += f
         return q
 
+    def busy(self, now: float) -> bool:
+        """Whether the worker holds unfinished work at ``now``: a request this tracker reserved
+        and has not seen finish, or other replicas' reported work not yet run off."""
+        if self._reqs:
+            return True
+        return bool(self._foreign_s) and \
+            self._foreign_s - (now - self._foreign_at) * self._per_clock_s > 0.0
+
     @property
     def foreign_s(self) -> float:
         """Other replicas' work on this worker as last reported (:meth:`set_foreign`)."""

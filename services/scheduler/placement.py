@@ -9,12 +9,25 @@ For every eligible worker w of request i (eligibility: :mod:`services.scheduler.
 with q_w the worker's outstanding predicted work (:mod:`services.scheduler.load`) and C_min the
 smallest degree among the *eligible* workers.
 
-β is the paper's constant unless ``beta_queue_scale`` (τ, seconds of the cost model like q, not
-of the clock: a time-scaled live run does not scale it) is set (our addition, off by default):
-then the β used is 1 + (β − 1)·min(1, q̄ / τ), q̄ the mean queueing delay of the view's active
-workers. J is then earliest-finish (β = 1) while the pool is idle and weighs cached work more as
-queues grow: at light load a cache-affine placement only queues a document's follow-ups behind
-each other, near saturation every cached token is capacity (docs/evaluation.md, "L-Eval and β").
+β is the paper's constant unless one of two load-following forms (our additions) is on. J
+then uses β_eff = 1 + (β − 1)·f with a load factor f ∈ [0, 1], the product of
+
+* ``beta_busy_power`` k > 0: f_busy = b^k, b the busy share of the pool — the GPUs of the view's
+  active workers that hold unfinished work (this scheduler's reservations, or other replicas'
+  reported work not yet run off), over the GPUs of all its active workers
+  (:func:`busy_share`). k = 0: f_busy = 1 (β fixed, the paper's form).
+* ``beta_queue_scale`` τ > 0 (seconds of the cost model like q, not of the clock: a
+  time-scaled live run does not scale it): f_queue = min(1, q̄ / τ), q̄ the mean queueing delay
+  of the view's active workers. τ = 0: f_queue = 1.
+
+Why. β > 1 charges a placement that recomputes a cached prefix elsewhere for the GPU time it
+takes from later requests; that time is worth something only when later requests will want it.
+While most of the pool is idle J is then earliest-finish (β_eff ≈ 1): a cache-affine placement
+would only queue a document's follow-ups behind each other (L-Eval); with every GPU busy each
+cached token is capacity (the conversation trace near saturation). The busy share is the
+calibrated default (services/calibration.py; docs/evaluation.md "L-Eval and β"): it tells the
+two regimes apart where the queueing delay does not (short requests at a high rate keep short
+queues on a fully busy pool).
 
 The request goes to argmin J. Ties are broken
 deterministically: lower J, then smaller degree (fewer GPUs for the same cost), then a
@@ -152,6 +165,32 @@ def load_beta(beta: float, beta_queue_scale: float, rows: tuple[_StaticRow, ...]
     return 1.0 + (beta - 1.0) * min(1.0, total / count / beta_queue_scale), qs
 
 
+def busy_share(rows: tuple[_StaticRow, ...], loads: Mapping[WorkerId, WorkerLoad],
+               now: float) -> float:
+    """b: the GPUs of the active workers in ``rows`` that hold unfinished work
+    (:meth:`WorkerLoad.busy`) over the GPUs of all active workers in ``rows`` with a load
+    tracker; 1.0 when there are none (β as given)."""
+    busy = total = 0
+    for row in rows:
+        if row[3] is not None:
+            continue
+        ld = loads.get(row[1])
+        if ld is None:
+            continue  # reported by the placement's pass (UnknownWorker)
+        total += row[2]
+        if ld.busy(now):
+            busy += row[2]
+    return busy / total if total else 1.0
+
+
+def check_beta_busy(beta_busy_power: float) -> None:
+    """k of the busy-share β: a finite number >= 0 (0: β fixed)."""
+    if isinstance(beta_busy_power, bool) or not isinstance(beta_busy_power, (int, float)) \
+            or not math.isfinite(beta_busy_power) or beta_busy_power < 0:
+        raise InvalidInput(f"beta_busy_power must be a finite number >= 0, got "
+                           f"{beta_busy_power!r}")
+
+
 def check_beta_queue(beta_queue_scale: float) -> None:
     """τ of the load-following β: a finite number of (cost-model) seconds >= 0 (0: β fixed)."""
     if isinstance(beta_queue_scale, bool) or not isinstance(beta_queue_scale, (int, float)) \
@@ -179,6 +218,7 @@ def place_j(
     lam: float,
     policy: str = "vertumnus",
     beta_queue_scale: float = 0.0,
+    beta_busy_power: float = 0.0,
 ) -> Decision:
     """Place ``request`` by minimum J; see the module docstring for the exact rule.
 
@@ -205,8 +245,11 @@ def place_j(
     n = len(workers)
     ids, degs, rows, active = _static_rows(view)
     pre_q: list[float | None] | None = None
-    if beta_queue_scale > 0.0 and beta > 1.0:
-        beta, pre_q = load_beta(beta, beta_queue_scale, rows, loads, now)
+    if beta > 1.0:
+        if beta_busy_power > 0.0:
+            beta = 1.0 + (beta - 1.0) * busy_share(rows, loads, now) ** beta_busy_power
+        if beta_queue_scale > 0.0 and beta > 1.0:
+            beta, pre_q = load_beta(beta, beta_queue_scale, rows, loads, now)
 
     # C_min: the smallest degree of an eligible worker (active, and L fits both its max_seq_len
     # and its KV capacity). Known before the pass, so J is computed in the same pass as P, s, q.

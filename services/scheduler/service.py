@@ -271,7 +271,8 @@ class SchedulerSettings(ServiceSettings):
         default_factory=dict,
         description="Keyword parameters of the policy (JSON object in the environment), e.g. "
         '{"beta": 1.5, "lam": 0.5} for vertumnus; unknown names are rejected at start. Unset '
-        "weights of vertumnus default to the calibrated ones (services/calibration.py BETA, LAM).",
+        "weights of vertumnus default to the calibrated ones (services/calibration.py BETA, LAM, "
+        "BETA_BUSY_POWER; {\"beta_busy_power\": 0} gives the paper's fixed β).",
     )
     profile_path: Path | None = Field(
         default=None,

@@ -520,3 +520,92 @@ def test_the_j_policies_take_the_beta_queue_scale() -> None:
         assert pol.beta_queue_scale == 2.0  # type: ignore[attr-defined]
         assert "beta_queue_scale=2.0" in repr(pol)
     assert make_policy("vertumnus", profile=ROUND).beta_queue_scale == 0.0  # type: ignore
+
+
+# --- the busy-share β (beta_busy_power) ---------------------------------------------------------
+def _scores(beta_used: float) -> tuple[float, float]:
+    """(J of w2, J of w4) of the worked example's terms with ``beta_used``."""
+    return beta_used * S_W2, 1.5 + beta_used * S_W4 + LAM * EXTRA_W4
+
+
+@pytest.mark.parametrize(
+    ("k", "beta_used", "worker"),
+    [
+        (0.0, BETA, "w4"),  # off: the paper's fixed β (the worked example)
+        # w4's 4 of the pool's 6 GPUs are busy: b = 2/3.
+        (0.5, 1.0 + (BETA - 1.0) * (4 / 6) ** 0.5, "w4"),  # 1.408: still w4's cached prefix
+        (1.0, 1.0 + (BETA - 1.0) * 4 / 6, "w2"),  # 1.333: the idle w2 finishes first
+        (2.0, 1.0 + (BETA - 1.0) * (4 / 6) ** 2, "w2"),  # 1.222
+    ],
+)
+def test_a_busy_share_beta_weighs_cached_work_by_the_busy_gpus(
+        k: float, beta_used: float, worker: str) -> None:
+    v = two_degree_view()
+    d = place_j(req("r", 1000), v, {W("w4"): 6}, _busy_w4(v), 0.5, profile=ROUND, beta=BETA,
+                lam=LAM, beta_busy_power=k)
+    j2, j4 = _scores(beta_used)
+    assert d.worker == (W("w2") if j2 < j4 else W("w4")) == W(worker)
+    assert d.candidate(W("w2")).score == pytest.approx(j2, rel=1e-9)
+    assert d.candidate(W("w4")).score == pytest.approx(j4, rel=1e-9)
+
+
+def test_the_busy_share_beta_is_the_full_beta_on_a_busy_pool_and_one_on_an_idle_one() -> None:
+    v = two_degree_view()
+    busy = _busy_w4(v)
+    busy[W("w2")].reserve(RequestId("w2-job"), 0.2)  # every GPU busy: b = 1 for any k
+    d = place_j(req("r", 1000), v, {W("w4"): 6}, busy, 0.5, profile=ROUND, beta=BETA, lam=LAM,
+                beta_busy_power=3.0)
+    assert d.candidate(W("w2")).score == pytest.approx(0.2 + BETA * S_W2, rel=1e-9)
+    idle = loads_for(v)  # b = 0: β_eff = 1, J = q + s + λ·extra, earliest finish
+    d = place_j(req("r", 1000), v, {W("w4"): 6}, idle, 0.5, profile=ROUND, beta=BETA, lam=LAM,
+                beta_busy_power=2.0)
+    assert d.candidate(W("w2")).score == pytest.approx(S_W2, rel=1e-9)
+    assert d.candidate(W("w4")).score == pytest.approx(S_W4 + LAM * EXTRA_W4, rel=1e-9)
+
+
+def test_the_busy_share_counts_active_gpus_and_other_replicas_work() -> None:
+    from services.scheduler.placement import _static_rows, busy_share
+
+    v = view(WorkerView(W("a"), 2), WorkerView(W("b"), 4), WorkerView(W("c"), 2),
+             WorkerView(W("d"), 4, lifecycle=Lifecycle.DRAINING))
+    rows = _static_rows(v)[2]
+    loads = loads_for(v)
+    assert busy_share(rows, loads, 0.0) == 0.0
+    loads[W("d")].reserve(RequestId("x"), 9.0)  # a draining worker is not in the pool
+    assert busy_share(rows, loads, 0.0) == 0.0
+    loads[W("b")].reserve(RequestId("y"), 1.0)  # 4 of the active 8 GPUs, queued
+    assert busy_share(rows, loads, 0.0) == 0.5
+    # Another replica's work on c (2 GPUs): busy until the worker has run it off.
+    loads[W("c")].set_foreign(2.0, 10.0)
+    assert busy_share(rows, loads, 11.9) == 0.75
+    assert busy_share(rows, loads, 12.0) == 0.5
+    loads[W("b")].finish(RequestId("y"))
+    assert busy_share(rows, loads, 12.0) == 0.0
+    # No active worker at all: β as given.
+    gone = view(WorkerView(W("d"), 4, lifecycle=Lifecycle.DRAINING))
+    assert busy_share(_static_rows(gone)[2], loads_for(gone), 0.0) == 1.0
+
+
+def test_the_busy_share_and_the_queue_scale_multiply() -> None:
+    # b = 4/6, k = 1; q̄ = (0 + 1.5) / 2 = 0.75 at t = 0.5, τ = 3: f = 4/6 · 0.25.
+    v = two_degree_view()
+    d = place_j(req("r", 1000), v, {W("w4"): 6}, _busy_w4(v), 0.5, profile=ROUND, beta=BETA,
+                lam=LAM, beta_busy_power=1.0, beta_queue_scale=3.0)
+    beta_used = 1.0 + (BETA - 1.0) * (4 / 6) * 0.25
+    assert d.candidate(W("w2")).score == pytest.approx(beta_used * S_W2, rel=1e-9)
+
+
+@pytest.mark.parametrize("k", [-1.0, float("nan"), float("inf"), True, "2"])
+def test_a_bad_beta_busy_power_is_refused(k: object) -> None:
+    with pytest.raises(InvalidInput, match="beta_busy_power"):
+        make_policy("vertumnus", profile=ROUND, beta_busy_power=k)
+
+
+def test_the_j_policies_take_the_beta_busy_power() -> None:
+    for name in ("vertumnus", "homo", "homo_cp2"):
+        pol = make_policy(name, profile=ROUND, beta_busy_power=2.0)
+        assert pol.beta_busy_power == 2.0  # type: ignore[attr-defined]
+        assert "beta_busy_power=2.0" in repr(pol)
+    # The factory's own default is the paper's fixed β; the calibrated one comes from
+    # services/calibration.py (policy_params).
+    assert make_policy("vertumnus", profile=ROUND).beta_busy_power == 0.0  # type: ignore

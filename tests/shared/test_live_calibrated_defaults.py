@@ -46,13 +46,19 @@ def test_scheduler_explicit_weights_win_and_baselines_keep_their_defaults() -> N
                                              policy_params={"beta": 1.0}))
     assert svc.core.policy.beta == 1.0  # type: ignore[attr-defined]
     assert svc.core.policy.lam == calibration.LAM  # type: ignore[attr-defined]
-    # The load-following β is off unless asked for (VTM_POLICY_PARAMS), like any J weight.
+    # The queue-following β is off unless asked for (VTM_POLICY_PARAMS), like any J weight.
     assert svc.core.policy.beta_queue_scale == 0.0  # type: ignore[attr-defined]
     on = SchedulerService(SchedulerSettings(policy="vertumnus",
                                             policy_params={"beta_queue_scale": 2.0}))
     assert on.core.policy.beta_queue_scale == 2.0  # type: ignore[attr-defined]
     assert calibration.policy_params("dynamo") == {}
-    assert calibration.policy_params("homo") == {"beta": calibration.BETA, "lam": calibration.LAM}
+    assert calibration.policy_params("homo") == {"beta": calibration.BETA, "lam": calibration.LAM,
+                                                 "beta_busy_power": calibration.BETA_BUSY_POWER}
+    # The busy-share β is on by default (calibrated), and a setting of 0 turns it off.
+    assert svc.core.policy.beta_busy_power == calibration.BETA_BUSY_POWER > 0  # type: ignore
+    fixed = SchedulerService(SchedulerSettings(policy="vertumnus",
+                                               policy_params={"beta_busy_power": 0}))
+    assert fixed.core.policy.beta_busy_power == 0.0  # type: ignore[attr-defined]
 
 
 def test_controller_judges_a_pooled_kappa_as_it_is_unless_told_otherwise(

@@ -21,7 +21,12 @@ from typing import Final
 
 from services.scheduler.decision import Decision
 from services.scheduler.load import WorkerLoad
-from services.scheduler.placement import check_beta_queue, check_weights, place_j
+from services.scheduler.placement import (
+    check_beta_busy,
+    check_beta_queue,
+    check_weights,
+    place_j,
+)
 from services.scheduler.registry import register_policy
 from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
@@ -48,15 +53,19 @@ class JPolicy:
         name: str = "vertumnus",
         pool_degree: int | None = None,
         beta_queue_scale: float = 0.0,
+        beta_busy_power: float = 0.0,
     ) -> None:
         check_weights(beta, lam)
         check_beta_queue(beta_queue_scale)
+        check_beta_busy(beta_busy_power)
         self._name = name
         self.profile = profile
         self.beta = float(beta)
         self.lam = float(lam)
         self.beta_queue_scale = float(beta_queue_scale)
-        """τ of the load-following β (:func:`place_j`); 0: β fixed, as in the paper."""
+        """τ of the queue-following β (:func:`place_j`); 0: off."""
+        self.beta_busy_power = float(beta_busy_power)
+        """k of the busy-share β (:func:`place_j`); 0: off (β fixed, as in the paper)."""
         self.pool_degree = pool_degree
         """The homogeneous pool's degree this policy is evaluated on (None: any composition)."""
 
@@ -83,6 +92,7 @@ class JPolicy:
             lam=self.lam,
             policy=self._name,
             beta_queue_scale=self.beta_queue_scale,
+            beta_busy_power=self.beta_busy_power,
         )
 
     def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
@@ -90,7 +100,8 @@ class JPolicy:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self._name!r}, beta={self.beta}, lam={self.lam}, "
-                f"beta_queue_scale={self.beta_queue_scale})")
+                f"beta_queue_scale={self.beta_queue_scale}, "
+                f"beta_busy_power={self.beta_busy_power})")
 
 
 @register_policy("vertumnus")
@@ -101,10 +112,11 @@ def make_vertumnus(
     beta: float = DEFAULT_BETA,
     lam: float = DEFAULT_LAMBDA,
     beta_queue_scale: float = 0.0,
+    beta_busy_power: float = 0.0,
 ) -> JPolicy:
     """Vertumnus (§5.3): J over a heterogeneous pool."""
     return JPolicy(profile=profile, rng=rng, beta=beta, lam=lam, name="vertumnus",
-                   beta_queue_scale=beta_queue_scale)
+                   beta_queue_scale=beta_queue_scale, beta_busy_power=beta_busy_power)
 
 
 @register_policy("homo")
@@ -116,11 +128,12 @@ def make_homo(
     lam: float = DEFAULT_LAMBDA,
     pool_degree: int = 4,
     beta_queue_scale: float = 0.0,
+    beta_busy_power: float = 0.0,
 ) -> JPolicy:
     """Homo (§9.1): all-CP4 pool, routed by J (= q + β·s within one degree)."""
     return JPolicy(
         profile=profile, rng=rng, beta=beta, lam=lam, name="homo", pool_degree=pool_degree,
-        beta_queue_scale=beta_queue_scale,
+        beta_queue_scale=beta_queue_scale, beta_busy_power=beta_busy_power,
     )
 
 
@@ -133,9 +146,10 @@ def make_homo_cp2(
     lam: float = DEFAULT_LAMBDA,
     pool_degree: int = 2,
     beta_queue_scale: float = 0.0,
+    beta_busy_power: float = 0.0,
 ) -> JPolicy:
     """All-CP2 pool (peer-routing.md, "Homogeneous pools at every degree"), routed by J."""
     return JPolicy(
         profile=profile, rng=rng, beta=beta, lam=lam, name="homo_cp2", pool_degree=pool_degree,
-        beta_queue_scale=beta_queue_scale,
+        beta_queue_scale=beta_queue_scale, beta_busy_power=beta_busy_power,
     )
