@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     oracle = oracle_ttfts(wl, truth, degrees)
     print(f"{wl0.name} ×{args.rate_scale:g}: {len(wl)} requests, {args.gpus} {truth.gpu.name} "
           f"GPUs, J with "
-          f"β {calibration.BETA} / λ {calibration.LAM}, seed {args.seed}")
+          f"β {calibration.BETA} / λ {calibration.LAM} / busy power {calibration.BETA_BUSY_POWER}, "
+          f"seed {args.seed}")
     print(f"{'pool':<14} {'cache mgr':<9} {'mean s':>8} {'P90 s':>8} {'SLO %':>6} "
           f"{'GPU-s':>9} {'repl':>5} {'recl':>5} {'wall s':>7}")
     for comp in pools:

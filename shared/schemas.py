@@ -150,7 +150,7 @@ class PlacementTerms(Message):
     q_s: NonNegFloat = Field(description="queueing term q_w")
     s_s: NonNegFloat = Field(description="service term s_{i,w}")
     gpu_cost_s: float = Field(allow_inf_nan=False, description="C_w·s − C_min·Ê_Cmin (may be <0)")
-    beta: NonNegFloat
+    beta: NonNegFloat = Field(description="β the score used (a load-following β's β_eff)")
     lam: NonNegFloat = Field(description="λ")
     j: float = Field(allow_inf_nan=False, description="J_{i,w}")
     candidates: NonNegInt = Field(description="eligible workers considered")

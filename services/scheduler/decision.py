@@ -203,6 +203,9 @@ class Decision:
     note: str = ""
     epoch: int = 0
     """The chosen worker's configuration epoch at decision time (ranks reject stale ones)."""
+    beta: float | None = None
+    """The β the J-family's scores used: the policy's β after any load-following factor
+    (:func:`services.scheduler.placement.place_j`); None for a policy without J."""
 
     @property
     def candidates(self) -> tuple[CandidateTerms, ...]:
@@ -238,6 +241,7 @@ class Decision:
             "score_label": self.score_label,
             "note": self.note,
             "epoch": self.epoch,
+            "beta": self.beta,
             "candidates": [
                 {
                     "worker": c.worker,
@@ -263,6 +267,8 @@ class Decision:
             f"preferred degree {self.preferred_degree} ({self.preferred_worker}); "
             f"{self.objective} {self.score_label}"
         )
+        if self.beta is not None:
+            head += f" (β {self.beta:.4g})"
         if self.note:
             head += f"; {self.note}"
         lines = [

@@ -369,6 +369,7 @@ def place_j(
         score_label="J",
         columns=cols,
         epoch=workers[best].epoch,
+        beta=beta,
     )
 
 

@@ -503,7 +503,8 @@ def placement_terms(decision: Decision, policy: object, candidates: int) -> Plac
         q_s=max(0.0, q),
         s_s=max(0.0, s),
         gpu_cost_s=_finite(c.extra_gpu) or 0.0,
-        beta=float(getattr(policy, "beta", 0.0)),
+        # The β the score used (a load-following β differs from the policy's setting).
+        beta=decision.beta if decision.beta is not None else float(getattr(policy, "beta", 0.0)),
         lam=float(getattr(policy, "lam", 0.0)),
         j=score if score is not None else 0.0,
         candidates=candidates,

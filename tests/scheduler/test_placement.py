@@ -544,6 +544,8 @@ def test_a_busy_share_beta_weighs_cached_work_by_the_busy_gpus(
     d = place_j(req("r", 1000), v, {W("w4"): 6}, _busy_w4(v), 0.5, profile=ROUND, beta=BETA,
                 lam=LAM, beta_busy_power=k)
     j2, j4 = _scores(beta_used)
+    assert d.beta == pytest.approx(beta_used, rel=1e-12)  # reported with the decision
+    assert f"(β {beta_used:.4g})" in d.explain()
     assert d.worker == (W("w2") if j2 < j4 else W("w4")) == W(worker)
     assert d.candidate(W("w2")).score == pytest.approx(j2, rel=1e-9)
     assert d.candidate(W("w4")).score == pytest.approx(j4, rel=1e-9)
@@ -609,3 +611,15 @@ def test_the_j_policies_take_the_beta_busy_power() -> None:
     # The factory's own default is the paper's fixed β; the calibrated one comes from
     # services/calibration.py (policy_params).
     assert make_policy("vertumnus", profile=ROUND).beta_busy_power == 0.0  # type: ignore
+
+
+def test_the_placement_terms_carry_the_beta_the_score_used() -> None:
+    from services.scheduler.service import placement_terms
+
+    v = two_degree_view()
+    pol = make_policy("vertumnus", profile=ROUND, beta=BETA, lam=LAM, beta_busy_power=2.0)
+    d = pol.place(req("r", 1000), v, {W("w4"): 6}, _busy_w4(v), 0.5)
+    terms = placement_terms(d, pol, 2)
+    assert terms is not None and terms.beta == d.beta < BETA
+    # J = q + β_eff·s + λ·extra with the β reported (the chosen worker is the idle w2).
+    assert terms.j == pytest.approx(terms.q_s + terms.beta * terms.s_s + LAM * terms.gpu_cost_s)
