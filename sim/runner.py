@@ -361,14 +361,16 @@ def run_tune(
     per_degree: bool = False,
     repeats: int = 1,
     slo: SloTable = QWEN3_SLO,
+    beta_busy_power: float | None = None,
 ) -> dict[str, Any]:
     """``vertumnus tune``: :func:`sim.tuning.tune_weights` on a trace, with the profile a
     sweep would use (:func:`run_simulate`: the file given, else fitted on ``truth`` with κ
     measured on the trace); writes ``out/tune.json`` (rows, pairs best first, the best, the
     run's settings) and ``out/tune.csv`` (the rows). Returns what tune.json holds.
     ``repeats`` N > 1: every cell is the mean over seeds ``seed`` … ``seed + N − 1`` (as
-    :func:`run_simulate`'s)."""
-    from services.scheduler.placement import check_weights
+    :func:`run_simulate`'s). ``beta_busy_power``: k of the busy-share β for every pair (None:
+    the calibrated default; 0: the paper's constant β)."""
+    from services.scheduler.placement import check_beta_busy, check_weights
     from sim.tuning import ROW_KEYS, tune_weights
 
     check_counts(jobs=jobs, repeats=repeats)
@@ -378,6 +380,8 @@ def run_tune(
         check_weights(b, 0.0)
     for lam in lams:
         check_weights(1.0, lam)
+    if beta_busy_power is not None:
+        check_beta_busy(beta_busy_power)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -385,7 +389,8 @@ def run_tune(
     prof, _ = sweep_profile(profile_path, out, degrees, seed, wl, truth, per_degree=per_degree,
                             slo=slo, gpus=gpus)
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
-                          kappa_scale=prof.capacity_scale(calibration.KAPPA_SCALE))
+                          kappa_scale=prof.capacity_scale(calibration.KAPPA_SCALE),
+                          beta_busy_power=beta_busy_power)
     more = [(seed + k, load_trace(trace, fmt, seed=seed + k, rate=rate,
                                   max_requests=max_requests)) for k in range(1, repeats)]
     n = len(set(betas)) * len(set(lams)) * len(rate_scales) * repeats
@@ -395,6 +400,8 @@ def run_tune(
     result["meta"] = {"workload": wl.name, "gpus": gpus, "degrees": list(spec.degrees),
                       "seed": seed, "seeds": [seed + k for k in range(repeats)],
                       "rate_scales": list(rate_scales), "slo": slo_to_dict(slo),
+                      "beta_busy_power": calibration.BETA_BUSY_POWER
+                      if beta_busy_power is None else beta_busy_power,
                       "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth)}
     (out / "tune.json").write_text(json.dumps(_jsonable(result), indent=1) + "\n")
     with (out / "tune.csv").open("w", newline="") as fh:
@@ -876,9 +883,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: Mooncake conversation trace, all policies, "
         "rising rate",
         trace=_trace("mooncake/conversation_trace.jsonl"), fmt="mooncake",
-        # The strongest baseline's SLO attainment runs from ~93% (×1) to ~50% (×4.7, all-CP2
-        # homo_cp2 at 52%; ×4.8 is 33%): the cliff is steep, hence the fine steps at the top.
-        rate_scales=[1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 4.6, 4.7],
+        # The strongest baseline's SLO attainment runs from ~93% (×1) to ~50% (×4.8, all-CP2
+        # homo_cp2 at 54% with the busy-share β; ×4.9 is 37%): the cliff is steep, hence the
+        # fine steps at the top.
+        rate_scales=[1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 4.6, 4.7, 4.8],
     ),
     "leval": dict(
         desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: L-Eval (Poisson arrivals), all policies",

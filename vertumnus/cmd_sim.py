@@ -342,6 +342,9 @@ def register(app: typer.Typer) -> None:
             help="Judge each pair by the mean over this many seeds (--seed, --seed+1, ...)")
         ] = 1,
         slo: _Slo = "qwen3-30b-a3b",
+        beta_busy_power: Annotated[float, typer.Option(
+            help="k of J's busy-share β for every pair (0: β constant, the paper's J; -1: the "
+            "calibrated default)")] = -1.0,
     ) -> None:
         """Choose J's β and λ for a trace and hardware: vertumnus at every pair, over rates."""
         from rich.console import Console
@@ -361,7 +364,8 @@ def register(app: typer.Typer) -> None:
             betas=_weights(beta, "beta"), lams=_weights(lam, "lam"), rate=rate or None,
             gpus=gpus, degrees=degs, seed=seed, out=out,
             profile_path=profile_file(profile_path, degs), max_requests=max_requests or None,
-            jobs=jobs, per_degree=per_degree, repeats=repeats, slo=slo_table(slo))
+            jobs=jobs, per_degree=per_degree, repeats=repeats, slo=slo_table(slo),
+            beta_busy_power=beta_busy_option(beta_busy_power))
         try:
             truth = _truth(hardware)
             output_dir(out)

@@ -536,6 +536,30 @@ def test_tune_runs_every_pair_and_names_the_best(runner, tmp_path, profile_file)
         assert cell["mean_ttft_s"] == r["mean_ttft_s"]
 
 
+def test_tune_and_simulate_take_the_busy_share_power(runner, tmp_path, profile_file) -> None:
+    """``--beta-busy-power 0`` (the paper's constant β) reaches every J run of both commands:
+    a tune cell is the simulate cell with the same setting; meta.json / tune.json record it."""
+    common = ["--max-requests", "200", "--gpus", "8", "--profile", str(profile_file)]
+    tuned = {}
+    for k in ("0", "-1"):
+        out = tmp_path / f"tune{k}"
+        _ok(runner.invoke(app, ["tune", *common, "--beta", "3", "--lam", "0.25", "--rate-scale",
+                                "2", "--beta-busy-power", k, "--out", str(out)]))
+        got = json.loads((out / "tune.json").read_text())
+        assert got["meta"]["beta_busy_power"] == (0.0 if k == "0" else 2.0)
+        tuned[k] = got["rows"][0]["mean_ttft_s"]
+    sim_out = tmp_path / "sim"
+    _ok(runner.invoke(app, ["simulate", "--trace", "synthetic", *common, "--policies",
+                            "vertumnus", "--rate-scale", "2", "--beta", "3", "--lam", "0.25",
+                            "--beta-busy-power", "0", "--out", str(sim_out)]))
+    assert json.loads((sim_out / "results.json").read_text())[0]["mean_ttft_s"] == tuned["0"]
+    # The calibrated default (busy share on) is another placement rule: another run.
+    assert tuned["-1"] != tuned["0"]
+    res = runner.invoke(app, ["tune", *common, "--beta-busy-power", "-2", "--out",
+                              str(tmp_path / "bad")])
+    assert res.exit_code == 2 and "--beta-busy-power must be" in " ".join(res.output.split())
+
+
 @pytest.mark.parametrize(("args", "words"), [
     (["--beta", "0.5"], "beta must be a finite number >= 1.0"),
     (["--lam", "-1"], "lam must be a finite number >= 0"),
