@@ -290,16 +290,23 @@ async def test_an_unreadable_epoch_record_is_written_over(
         rec = await stored()
         return rec if rec is not None and rec.epoch > epoch else None
 
+    async def counted(n: int) -> bool:
+        # The controller counts a repair after its write returns: the record can be read
+        # back before the count moves (seen once under load).
+        return ctl.counters["records_repaired"] >= n
+
     sched = FakeScheduler(nc, s, H, lambda: DEMAND)
     try:
         await kv.put(s.epoch_key(), b"\x00 not a record")
         rec = await eventually(lambda: repaired_above(0), what="the garbage written over")
         assert [w.worker_id for w in rec.workers] == ["w-cp4-g0", "w-cp4-g4"]
+        await eventually(lambda: counted(1), what="the first repair counted")
         assert ctl.counters["records_repaired"] == 1
         foreign = EpochRecord(epoch=50, workers=[], committed_at_s=time.time())
         await kv.put(s.epoch_key(), to_json(foreign))
         rec = await eventually(lambda: repaired_above(50), what="the foreign record written over")
         assert rec.epoch == 51 and len(rec.workers) == 2
+        await eventually(lambda: counted(2), what="the second repair counted")
         assert ctl.counters["records_repaired"] == 2
 
         async def ranks_follow() -> bool:
