@@ -153,8 +153,8 @@ def register(app: typer.Typer) -> None:
 
         κ: by default §6.1's single worker on a Poisson stream of the workload's lengths,
         uncached (the controller multiplies it by the calibrated pool factor). With
-        ``--pool-gpus N`` and a trace, the pooled κ of that trace, the one ``simulate --trace
-        … --gpus N`` measures (README), so an operator's profile of their own traffic needs no
+        --pool-gpus N and a trace, the pooled κ of that trace, the one 'simulate --trace T
+        --gpus N' measures (README), so an operator's profile of their own traffic needs no
         sweep.
         """
         if backend not in ("sim", "torch"):
