@@ -135,18 +135,21 @@ class WorkerLoad:
 
                 q += rem if rem > floor else floor
         if self._foreign_s:
-            f = self._foreign_s - (now - self._foreign_at) * self._per_clock_s
+            f = self._foreign_left(now)
             if f > 0.0:
                 q += f
         return q
+
+    def _foreign_left(self, now: float) -> float:
+        """Other replicas' reported work less what the worker has run since (may be < 0)."""
+        return self._foreign_s - (now - self._foreign_at) * self._per_clock_s
 
     def busy(self, now: float) -> bool:
         """Whether the worker holds unfinished work at ``now``: a request this tracker reserved
         and has not seen finish, or other replicas' reported work not yet run off."""
         if self._reqs:
             return True
-        return bool(self._foreign_s) and \
-            self._foreign_s - (now - self._foreign_at) * self._per_clock_s > 0.0
+        return bool(self._foreign_s) and self._foreign_left(now) > 0.0
 
     @property
     def foreign_s(self) -> float:
@@ -230,7 +233,7 @@ class WorkerLoad:
         by before the worker's next report, which then replaces the sum): the foreign work
         still left at ``now`` plus ``seconds``."""
         _check_work(seconds, now)
-        left = self._foreign_s - (now - self._foreign_at) * self._per_clock_s
+        left = self._foreign_left(now)
         self._foreign_s = (left if left > 0.0 else 0.0) + float(seconds)
         self._foreign_at = float(now)
 

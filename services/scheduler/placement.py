@@ -183,20 +183,21 @@ def busy_share(rows: tuple[_StaticRow, ...], loads: Mapping[WorkerId, WorkerLoad
     return busy / total if total else 1.0
 
 
+def _check_nonneg(name: str, value: float, unit: str) -> None:
+    """``value`` a finite number >= 0 (not a bool); else InvalidInput naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise InvalidInput(f"{name} must be a finite number{unit} >= 0, got {value!r}")
+
+
 def check_beta_busy(beta_busy_power: float) -> None:
     """k of the busy-share β: a finite number >= 0 (0: β fixed)."""
-    if isinstance(beta_busy_power, bool) or not isinstance(beta_busy_power, (int, float)) \
-            or not math.isfinite(beta_busy_power) or beta_busy_power < 0:
-        raise InvalidInput(f"beta_busy_power must be a finite number >= 0, got "
-                           f"{beta_busy_power!r}")
+    _check_nonneg("beta_busy_power", beta_busy_power, "")
 
 
 def check_beta_queue(beta_queue_scale: float) -> None:
-    """τ of the load-following β: a finite number of (cost-model) seconds >= 0 (0: β fixed)."""
-    if isinstance(beta_queue_scale, bool) or not isinstance(beta_queue_scale, (int, float)) \
-            or not math.isfinite(beta_queue_scale) or beta_queue_scale < 0:
-        raise InvalidInput(f"beta_queue_scale must be a finite number of seconds >= 0, got "
-                           f"{beta_queue_scale!r}")
+    """τ of the load-following β: a finite number of (cost-model) seconds >= 0 (0: off)."""
+    _check_nonneg("beta_queue_scale", beta_queue_scale, " of seconds")
 
 
 def check_weights(beta: float, lam: float) -> None:
