@@ -1112,12 +1112,23 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     stack = LiveStack(config, log_dir=log_dir)
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
+    bound = config.stop_timeout_wall_s + 15.0
+    stopping = False
+
+    def on_signal() -> None:
+        # Read when the handler runs, not when the signal came: a second Ctrl-C whose handler
+        # was queued just before the stop began must not cancel the stop half-way (orphans).
+        if stopping:
+            err.print(f"already stopping (at most ~{bound:.0f} s)…")
+        elif me is not None:
+            me.cancel()
+
     with contextlib.suppress(NotImplementedError, RuntimeError):
         if me is not None:
             # Explicit handlers: SIGINT may arrive ignored (a background job of a script), and
             # SIGTERM's default would kill us before the children are stopped.
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, me.cancel)
+                loop.add_signal_handler(sig, on_signal)
     records: list[Any] = []
     cache_blocks: dict[str, int] = {}  # the workers' cache capacity once healthy
     observer: Observer | None = None
@@ -1199,6 +1210,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             while me.cancelling():
                 me.uncancel()
     finally:
+        stopping = True  # from here a signal only says so (on_signal)
         if supervisor is not None:
             # Parked in its sleep (restarts run synchronously on this thread): cancel() is
             # enough, and it can no longer touch the child set the stop hands to a thread.
@@ -1223,20 +1235,9 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                 err.print(f"[yellow]fault injection: the replay ended before the planned "
                           f"{'restart' if 'kill' in done else 'kill'} of {plan.service}")
         observer = stack.observer
-        bound = config.stop_timeout_wall_s + 15.0
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            # A second Ctrl-C must not abort the shutdown half-way (orphans); it is bounded.
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, lambda: err.print(
-                    f"already stopping (at most ~{bound:.0f} s)…"))
         recovery = await _scheduler_recovery(stack)
         err.print("stopping services…")
-        try:
-            codes = await asyncio.shield(stack.stop())
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                    loop.remove_signal_handler(sig)
+        codes = await asyncio.shield(stack.stop())
     report = LiveReport(
         records, scale, slo=config.slo,
         changes=list(observer.changes) if observer else [],
@@ -1268,6 +1269,11 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
         write_json(json_path, summary)
         err.print(f"results written to {json_path}")
     assert all(k in summary for k in REQUIRED_KEYS)
+    # Only now: a Ctrl-C while the report is written must not lose it. (On an error the
+    # loop's close removes them.)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(sig)
     return summary
 
 
