@@ -809,10 +809,23 @@ class MicroService:
             self.log.info("jetstream assets ensured after a reconnect")
 
     async def _drain(self, nc: Client) -> None:
-        try:
-            async with asyncio.timeout(self.settings.drain_timeout_s):
-                await nc.drain()
-        except (TimeoutError, nats.errors.ConnectionClosedError):
+        await drain_or_close(nc, self.settings.drain_timeout_s)
+
+
+async def drain_or_close(nc: Client, timeout_s: float) -> None:
+    """A process's last step with its connection: drain ``nc`` (bounded by ``timeout_s``), else
+    close it. nats-py refuses to drain a connection closed already or one reconnecting (its
+    server down when the process is stopped: a killed nats-server not back yet); raised there,
+    the stop would end in a traceback and a non-zero exit, the connection never closed. The
+    close of a reconnecting one marks it closed and stops its reconnection, then may fail
+    writing what was queued meanwhile to the lost socket (ConnectionResetError): nothing is
+    left to hand to that server."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await nc.drain()
+    except (TimeoutError, nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionReconnectingError):
+        with contextlib.suppress(OSError):
             await nc.close()
 
 
@@ -947,6 +960,7 @@ __all__ = [
     "RemoteError",
     "SchemaError",
     "call",
+    "drain_or_close",
     "KvWatch",
     "reconnect_options",
     "nats_callbacks",

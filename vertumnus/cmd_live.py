@@ -280,10 +280,11 @@ def register(app: typer.Typer) -> None:
         """Replay a trace (or the synthetic workload) through a running gateway; report.
 
         Every option is checked and the workload loaded before the first request is sent
-        (exit 2 naming the problem)."""
+        (exit 2 naming the problem). Ctrl-C or SIGTERM ends the replay early: the report
+        (and --json) covers what finished, exit 130; further Ctrl-Cs only say so."""
 
         from shared.subjects import validate_subject
-        from vertumnus.live.stack import load_requests, write_json
+        from vertumnus.live.stack import load_requests
 
         check_seed(seed)
         _check_replay_numbers(rate=rate, duration=duration, time_scale=time_scale,
@@ -304,13 +305,14 @@ def register(app: typer.Typer) -> None:
             summary = asyncio.run(_replay_main(
                 gateway, reqs, time_scale=time_scale, rate_scale=rate_scale, nats_url=nats_url,
                 prefix=prefix, progress=progress, block_size=wl.block_size, retry_s=retry,
-                api_key=api_key, slo=table,
+                api_key=api_key, slo=table, json_path=json_out,
                 meta={"workload": trace, "rate_scale": rate_scale, "seed": seed}))
         except ValueError as exc:
             _fail(str(exc))
-        if json_out is not None:
-            write_json(json_out, summary)
-            typer.echo(f"results written to {json_out}", err=True)
+        except KeyboardInterrupt:  # before the replay began (asyncio's own handling)
+            raise typer.Exit(130) from None
+        if summary.get("interrupted"):
+            raise typer.Exit(130)  # as up: the report is out, the run was cut short
 
     @app.command()
     def tap(
@@ -406,14 +408,16 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
                        nats_url: str | None, prefix: str, progress: bool,
                        meta: dict[str, Any], block_size: int = 512,
                        retry_s: float = 10.0, api_key: str | None = None,
-                       slo: SloTable | None = None) -> dict[str, Any]:
+                       slo: SloTable | None = None,
+                       json_path: Path | None = None) -> dict[str, Any]:
     from rich.console import Console
 
     from shared.subjects import Subjects
     from vertumnus.live.http import HttpError, get_json
+    from vertumnus.live.interrupt import InterruptGuard
     from vertumnus.live.observe import Observer
     from vertumnus.live.report import LiveReport
-    from vertumnus.live.stack import replay_with_progress
+    from vertumnus.live.stack import replay_with_progress, write_json
 
     err = Console(stderr=True)
     if not (retry_s >= 0 and math.isfinite(retry_s)):
@@ -442,6 +446,12 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
             raise ValueError(f"cannot reach NATS at {nats_url}: {exc}") from None
         observer = Observer(nc, Subjects(prefix))
         await observer.start()
+    me = asyncio.current_task()
+    # The first Ctrl-C / SIGTERM ends the replay, the rest only say so: the report survives.
+    guard = InterruptGuard(lambda: err.print("already stopping…"))
+    guard.install()
+    records: list[Any] = []
+    interrupted = False
     try:
         # A fresh id prefix: the intake de-duplicates request ids for two minutes.
         records, interrupted = await replay_with_progress(
@@ -450,7 +460,13 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
             api_key=api_key, on_start=observer.mark_start if observer is not None else None)
         if observer is not None:
             await asyncio.sleep(0.5)
+    except asyncio.CancelledError:  # in the wait for the last results: the records stand
+        interrupted = True
     finally:
+        guard.stopping()
+        if interrupted and me is not None:
+            while me.cancelling():  # handled here: the stop's awaits must not see it
+                me.uncancel()
         if observer is not None:
             await observer.stop()
         if nc is not None:
@@ -463,4 +479,9 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
                         meta={**meta, "interrupted": interrupted, "gateway": gateway,
                               **(observer.summary_counts() if observer is not None else {})})
     report.render(Console())
-    return report.summary()
+    summary = report.summary()
+    if json_path is not None:
+        write_json(json_path, summary)
+        err.print(f"results written to {json_path}")
+    guard.remove()  # only now: a Ctrl-C while the report is written must not lose it
+    return summary

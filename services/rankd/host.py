@@ -44,7 +44,13 @@ from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput, WorkerFault
 from shared.natsauth import security_options
 from shared.schemas import EpochRecord, SchemaError, decode
-from shared.service import KvWatch, epoch_kv, nats_callbacks, reconnect_options
+from shared.service import (
+    KvWatch,
+    drain_or_close,
+    epoch_kv,
+    nats_callbacks,
+    reconnect_options,
+)
 from shared.tasks import cancel_and_wait, cancel_requested, unless_stopped
 from shared.worker import GpuGroup, WorkerKind
 
@@ -187,7 +193,8 @@ class RankdHost:
                 if not connected or nc is None:
                     log.info("rank host stopped before it had connected")
                     return
-                stack.push_async_callback(nc.drain)
+                # Not nc.drain alone: it raises on a connection still reconnecting.
+                stack.push_async_callback(drain_or_close, nc, self.settings.drain_timeout_s)
             self._nc = nc
             stack.push_async_callback(self._stop_all)
             epochs = await epoch_kv(nc.jetstream(), self.settings.subjects)

@@ -211,3 +211,32 @@ async def test_a_server_restart_is_survived(uniq: str) -> None:
         if again is not None:
             again.stop()
         server.stop()
+
+
+async def test_a_stop_while_the_server_is_down_ends_cleanly(uniq: str) -> None:
+    """Stopped while its nats-server is down (killed, not back yet), the host closes its
+    reconnecting connection and its run returns (nats-py refuses to drain such a connection:
+    the process ended in a traceback and exit status 1)."""
+    import os
+    import signal
+
+    server = EmbeddedNats().start()
+    settings = RankdSettings(nats_url=server.url, subject_prefix=uniq, drain_timeout_s=5)
+    host = RankdHost(settings, range(0, 2), lambda wid, kind: SimBackend(time_scale=1.0),
+                     initial=["w-cp2-g0"])
+    task = asyncio.create_task(host.run(handle_signals=False))
+    try:
+        await wait_for_workers(host, {"w-cp2-g0"})
+        async with asyncio.timeout(WAIT_S):  # started: following the epoch record
+            while not any(t.get_name() == "rankd-host-epochs" for t in asyncio.all_tasks()):
+                await asyncio.sleep(0.05)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+        async with asyncio.timeout(WAIT_S):
+            while host._nc is None or not host._nc.is_reconnecting:
+                await asyncio.sleep(0.05)
+    finally:
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=30)  # raises what the stop raised
+        server.stop()
+    assert host._nc.is_closed

@@ -543,3 +543,28 @@ def test_kv_watch_validates() -> None:
 
     with pytest.raises(InvalidInput, match="check_s"):
         KvWatch(None, None, check_s=0)  # type: ignore[arg-type]
+
+
+async def test_a_stop_while_the_server_is_down_ends_cleanly(uniq: str) -> None:
+    """Stopped while its nats-server is down (killed, not back yet: ``up`` ends a run between
+    an injected nats kill and its restart), a service closes its reconnecting connection and
+    its run returns: nats-py refuses to drain such a connection (ConnectionReconnectingError),
+    which ended the process in a traceback and exit status 1."""
+    import os
+    import signal
+
+    server = EmbeddedNats().start()
+    svc = Toy(ServiceSettings(nats_url=server.url, subject_prefix=uniq))
+    task = asyncio.create_task(svc.run(handle_signals=False))
+    try:
+        await asyncio.wait_for(svc.started.wait(), timeout=10)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+        async with asyncio.timeout(30):
+            while not svc.nc.is_reconnecting:
+                await asyncio.sleep(0.05)
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=15)  # raises what the stop raised
+        server.stop()
+    assert svc.cleaned_up and svc.nc.is_closed

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 from pathlib import Path
 
 from live_up_support import REPO, alive, cli, run_cli
@@ -78,3 +79,36 @@ async def test_replay_and_up_send_the_gateways_api_key(tmp_path: Path) -> None:
                 assert "refused a request without API key (--api-key / VTM_API_KEY)" in text
     finally:
         await stack.stop()
+
+
+async def test_an_interrupted_replay_reports_what_finished(tmp_path: Path) -> None:
+    """Ctrl-C ends ``vertumnus replay`` early with its report and --json, exit 130 as ``up``
+    (it used to exit 0). Later Ctrl-Cs only say so (tests/live/test_interrupt_guard.py):
+    asyncio's own handling raised KeyboardInterrupt on the second, wherever the command was,
+    a traceback and no report."""
+    cfg = UpConfig(time_scale=0.05, health_timeout_wall_s=120.0, stop_timeout_wall_s=10.0)
+    stack = LiveStack(cfg, log_dir=tmp_path / "logs")
+    try:
+        health = await stack.start()
+        assert stack.observer is not None
+        out = tmp_path / "replay.json"
+        proc = await asyncio.create_subprocess_exec(
+            *cli("replay", "--gateway", health.gateway_url, "--trace", "synthetic",
+                 "--duration", "3000", "--time-scale", "0.05", "--json", str(out),
+                 "--no-progress"),
+            cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        async with asyncio.timeout(120):  # replaying: results come back
+            while stack.observer.results < 3:
+                assert proc.returncode is None
+                await asyncio.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
+    finally:
+        await stack.stop()
+    assert proc.returncode == 130, stderr.decode()
+    assert "Traceback" not in stderr.decode(), stderr.decode()
+    assert "TTFT" in stdout.decode()
+    data = json.loads(out.read_text())
+    assert data["interrupted"] is True
+    # What finished before the Ctrl-C, of the ~6,000 the 3,000 s would have sent.
+    assert 3 <= data["completed"] <= data["requests"] < 1000, data

@@ -34,7 +34,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -55,10 +54,12 @@ from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv, nats_callbacks, security_hint
 from shared.slo import QWEN3_SLO, SloTable
 from shared.subjects import Subjects, micro_service_name, validate_subject
+from shared.tasks import cancel_requested
 from shared.worker import GpuGroup, WorkerKind
 from vertumnus.live.faults import NATS, NATS_EMPTY, RANKD, CrashPlan, FaultEvent, run_crash
 from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.http import HttpError, get_json, split_url
+from vertumnus.live.interrupt import InterruptGuard
 from vertumnus.live.observe import Observer, ping, service_stats
 from vertumnus.live.procs import Child, ChildSet, ChildSpec
 from vertumnus.live.registry import SERVICES, SIM_RANKD, ServiceInfo, filter_env
@@ -701,6 +702,8 @@ class LiveStack:
                 await self.wait_epoch_record()
                 await self.wait_pings(info.micro)
                 health.services[info.micro] = 1
+        if cancel_requested():  # dropped in the last answer awaited (see _check)
+            raise asyncio.CancelledError
         return health
 
     @property
@@ -739,9 +742,18 @@ class LiveStack:
         assert self.nc is not None
         deadline = time.monotonic() + self.config.health_timeout_wall_s
         while not await ping(self.nc, micro, prefix=self.config.prefix, window_s=0.1):
-            self.children.check()
+            self._check()
             if time.monotonic() > deadline:
                 raise StackError(f"{micro} does not answer $SRV.PING (logs in {self.log_dir})")
+
+    def _check(self) -> None:
+        """Each round of a wait of :meth:`start`: a child that exited ends it
+        (:class:`ChildFailed`), and so does an interrupt whose cancel a ``wait_for`` inside
+        nats-py dropped (it lands as the reply arrives; shared/tasks.py): run_up's Ctrl-C or
+        SIGTERM would otherwise be lost, the start going on to the replay."""
+        if cancel_requested():
+            raise asyncio.CancelledError
+        self.children.check()
 
     def _start_child(self, info: ServiceInfo, spec: ChildSpec) -> None:
         self.children.start(spec)
@@ -754,7 +766,7 @@ class LiveStack:
         kv = await epoch_kv(self.nc.jetstream(), self.subjects)
         deadline = time.monotonic() + self.config.health_timeout_wall_s
         while True:
-            self.children.check()
+            self._check()
             with contextlib.suppress(KeyNotFoundError, NotFoundError):
                 entry = await kv.get(self.subjects.epoch_key())
                 if entry is not None and entry.value:
@@ -859,7 +871,7 @@ class LiveStack:
         deadline = time.monotonic() + self.config.health_timeout_wall_s
         last = "nothing checked yet"
         while True:
-            self.children.check()
+            self._check()
             answered: dict[str, int] = {}
             for micro in self.expected:
                 answered[micro] = len(await ping(self.nc, micro, prefix=self.config.prefix,
@@ -1111,24 +1123,9 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                                      ReplayConfig(block_size=config.block_size))
     stack = LiveStack(config, log_dir=log_dir)
     me = asyncio.current_task()
-    loop = asyncio.get_running_loop()
     bound = config.stop_timeout_wall_s + 15.0
-    stopping = False
-
-    def on_signal() -> None:
-        # Read when the handler runs, not when the signal came: a second Ctrl-C whose handler
-        # was queued just before the stop began must not cancel the stop half-way (orphans).
-        if stopping:
-            err.print(f"already stopping (at most ~{bound:.0f} s)…")
-        elif me is not None:
-            me.cancel()
-
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        if me is not None:
-            # Explicit handlers: SIGINT may arrive ignored (a background job of a script), and
-            # SIGTERM's default would kill us before the children are stopped.
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, on_signal)
+    guard = InterruptGuard(lambda: err.print(f"already stopping (at most ~{bound:.0f} s)…"))
+    guard.install()
     records: list[Any] = []
     cache_blocks: dict[str, int] = {}  # the workers' cache capacity once healthy
     observer: Observer | None = None
@@ -1210,7 +1207,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             while me.cancelling():
                 me.uncancel()
     finally:
-        stopping = True  # from here a signal only says so (on_signal)
+        guard.stopping()  # from here a signal only says so
         if supervisor is not None:
             # Parked in its sleep (restarts run synchronously on this thread): cancel() is
             # enough, and it can no longer touch the child set the stop hands to a thread.
@@ -1271,9 +1268,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     assert all(k in summary for k in REQUIRED_KEYS)
     # Only now: a Ctrl-C while the report is written must not lose it. (On an error the
     # loop's close removes them.)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.remove_signal_handler(sig)
+    guard.remove()
     return summary
 
 
