@@ -28,6 +28,9 @@ from shared.ids import BlockHash, InvalidInput, WorkerId
 
 MAX_BLOCKS_PER_EVENT: Final[int] = 1 << 20
 """Upper bound on the blocks of one event: rejects absurd payloads before any work is done."""
+HASH_MIN: Final[int] = -(1 << 63)
+HASH_END: Final[int] = 1 << 64
+"""Block hashes lie in [HASH_MIN, HASH_END): msgpack's signed or unsigned 64-bit integers."""
 
 
 _set = object.__setattr__  # frozen dataclasses: the trusted constructors set slots directly
@@ -51,6 +54,10 @@ def _check_event_id(name: str, value: object, minimum: int) -> None:
 def _check_hash(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise MalformedEvent(f"{name} must be an integer block hash, got {value!r}")
+    # NOTE: the wire schema's range (shared.schemas HashInt): a hash outside it could never
+    # travel in a cache command, so a replicate or reclaim naming it could not be sent.
+    if not HASH_MIN <= value < HASH_END:
+        raise MalformedEvent(f"{name} must fit 64 bits [{HASH_MIN}, {HASH_END}), got {value}")
 
 
 def _check_hashes(name: str, hashes: object) -> None:

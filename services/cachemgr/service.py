@@ -98,6 +98,7 @@ from shared.ids import (
     InvalidInput,
     VertumnusError,
     WorkerId,
+    tp_worker_name,
 )
 from shared.schemas import (
     CacheCommandResult,
@@ -120,6 +121,7 @@ from shared.service import (
     RemoteError,
     call,
     epoch_kv,
+    raise_for_error,
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
@@ -256,11 +258,17 @@ class InspectQuery(Message):
 
 
 def degree_of(worker: str) -> int | None:
-    """The CP degree encoded in a lattice worker id (``w-cp4-g8`` → 4), or None."""
+    """The CP degree encoded in a lattice worker id (``w-cp4-g8`` → 4), or None.
+
+    Only the canonical spelling counts: ``from_worker_id`` also parses ``W-cp4-g8`` or
+    ``w-cp+4-g08``, which name no worker and no legal subject token (a command to or from
+    one could never be sent)."""
     try:
-        return GpuGroup.from_worker_id(worker).degree
+        group = GpuGroup.from_worker_id(worker)
     except InvalidInput:
         return None
+    canonical = {group.worker_id, tp_worker_name(group.degree, group.first_gpu)}
+    return group.degree if worker in canonical else None
 
 
 def record_groups(record: EpochRecord) -> dict[WorkerId, GpuGroup]:
@@ -509,6 +517,10 @@ class CacheMgrService(MicroService):
         the pool (and ask for its snapshot); a registered worker's new incarnation is a
         restart (``_reset_restarted``)."""
         wid = state.worker_id
+        named = degree_of(wid)
+        if named is not None and named != state.degree:  # the schema checks gpus, not the id
+            raise InvalidInput(f"worker state of {wid} gives degree {state.degree}, "
+                               f"its id names degree {named}")
         self.states[wid] = state
         if wid in self.trie.workers():
             if worker_restarted(self._incarnations.get(wid), state.incarnation):
@@ -571,6 +583,14 @@ class CacheMgrService(MicroService):
         self.set_metadata(epoch=str(record.epoch))  # conventions.md: metadata has the epoch
         new = record_groups(record)
         if old is None:
+            # Workers tracked before any record (from worker states or events) that it does
+            # not list are no part of the pool: e.g. a retired worker whose state lingers
+            # until its lease ends, seen first when this manager (re)starts.
+            for w in self.trie.workers():
+                if w not in new:
+                    self.trie.remove_worker(w)
+                    self._incarnations.pop(w, None)
+                    self.log.info("worker untracked: not in the epoch record", worker=w)
             self._follow_lifecycles(record)
             return
         splits, merges, removed, added = diff_compositions(record_groups(old), new)
@@ -736,13 +756,15 @@ class CacheMgrService(MicroService):
 
     async def _fetch_snapshot(self, worker: str) -> None:
         restarts = self._restarts.get(worker, 0)
+        subject = self.subjects.cache_snapshot(worker)
         try:
             reply = await self.nc.request(
-                self.subjects.cache_snapshot(worker),
+                subject,
                 b"{}",
                 timeout=self.msettings.snapshot_timeout_s,
                 headers=inject({}),
             )
+            raise_for_error(reply.headers, subject)  # a micro error is no snapshot
             event = event_from_json(reply.data)
             if not isinstance(event, Snapshot) or event.worker != worker:
                 raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
@@ -764,7 +786,8 @@ class CacheMgrService(MicroService):
                     blocks=len(event.blocks),
                     outcome=outcome.value,
                 )
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
+        except (RemoteError, nats.errors.NoRespondersError, nats.errors.TimeoutError,
+                TimeoutError) as exc:
             self.counters["snapshots_failed"] += 1
             # A worker tracked without its index would count its cached prefixes as missing
             # until its first event: housekeeping asks again while it is tracked.

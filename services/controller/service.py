@@ -81,7 +81,10 @@ malformed body is a 400 micro error) answers the composition, the protocol and r
 every worker's lifecycle, the schedulable workers, reconfigurations in progress and done (with
 drain and switch times), the pending operations, the core's config and the κ it judges with
 (× ``kappa_scale``), the open window, the last N decisions and counters.
-Malformed pub/sub input (reports, acks, states) is counted (``malformed``) and dropped.
+Malformed pub/sub input (reports, acks, states) is counted (``malformed``) and dropped; so is
+a report that decodes but cannot be replayed (:func:`report_problem`: stamped in the future,
+absurdly many requests, a window index that overflows), and a RequestStats (assignments
+mode) stamped more than a window ahead.
 
 Leadership: the epoch record is the only arbiter. Every write is a compare-and-set on the
 revision this controller last read or wrote; ``KeyWrongLastSequenceError`` means another
@@ -200,6 +203,12 @@ WORKERS_SETTLE_S: Final[float] = 2.0
 states before rebuilding the record from them (each worker publishes its state again within
 about a heartbeat of a server's restart)."""
 """Request id standing for "whatever runs there" when a source did not list its work."""
+_WRITE_ERRORS: Final = (nats.errors.Error, TimeoutError)
+"""What a record write or read may raise besides a lost compare-and-set (LostLeadership):
+JetStream unavailable, no stream, a timeout (nats.js.errors.Error is a nats.errors.Error)."""
+MAX_REPORT_REQUESTS: Final[int] = 1 << 20
+"""Most requests one WindowReport may count (its replay makes one assignment of each: about
+a second of the event loop at this bound); a report above it is rejected as malformed."""
 _SEEN_REPORTS_KEPT: Final[int] = 4096
 """Window reports remembered for de-duplication (a copy follows its original by one window)."""
 
@@ -579,6 +588,25 @@ def replay_report(
         (t, s, long_len if i < report.long_requests else 1, c)
         for i, (s, c) in enumerate(buckets)
     ]
+
+
+def report_problem(report: WindowReport, now: float, window_s: float) -> str | None:
+    """Why ``report`` cannot be replayed (:func:`replay_report`) at ``now`` by a controller
+    with windows of ``window_s``, or None. Pure.
+
+    * Its window's middle (the replay instant) lies more than one window after ``now``: the
+      demand windows would jump there, closing every window in between with D = 0, and stay
+      there (they never go backwards) while real reports count as late.
+    * More than :data:`MAX_REPORT_REQUESTS` requests: replayed one assignment each.
+    * A window so short that its index ``window_start_s / window_s`` is not finite."""
+    if report.requests > MAX_REPORT_REQUESTS:
+        return f"{report.requests} requests in one window, over {MAX_REPORT_REQUESTS}"
+    if not math.isfinite(report.window_start_s / report.window_s):
+        return f"window index of start {report.window_start_s} / {report.window_s} s overflows"
+    mid = report.window_start_s + report.window_s / 2.0
+    if mid > now + window_s:
+        return f"window starting at {report.window_start_s} lies in the future (now {now})"
+    return None
 
 
 def report_rule_matches(report: WindowReport, merge_speedup: float | None,
@@ -1052,6 +1080,11 @@ class ControllerService(MicroService):
             self.counters["malformed"] += 1
             self.log.warning("malformed window report ignored", error=str(exc))
             return
+        problem = report_problem(report, self.now(), self.config.window_s)
+        if problem is not None:
+            self.counters["malformed"] += 1
+            self.log.warning("window report rejected", reporter=report.reporter, error=problem)
+            return
         key = (report.reporter, round(report.window_start_s / report.window_s))
         if key in self._seen_reports:
             self.counters["duplicate_reports"] += 1
@@ -1078,6 +1111,11 @@ class ControllerService(MicroService):
         except SchemaError as exc:
             self.counters["malformed"] += 1
             self.log.warning("malformed request stats ignored", error=str(exc))
+            return
+        if st.at_s > self.now() + self.config.window_s:  # as in report_problem
+            self.counters["malformed"] += 1
+            self.log.warning("request stats rejected: stamped in the future",
+                             request_id=st.request_id, at_s=st.at_s)
             return
         # prefix_tokens: what the chosen worker reuses (the core's merge gate judges the
         # request's preferred degree on its uncached part, as the simulator does).
@@ -1112,9 +1150,17 @@ class ControllerService(MicroService):
                 self.log.warning("bad worker state ignored", key=entry.key, error=str(exc))
                 continue
             self._states[self._pid(state.worker_id)] = state
-            self._note_workers_ahead(state)
-            await self._state_drained(state)
-            await self._maybe_recover(state)
+            try:
+                self._note_workers_ahead(state)
+                await self._state_drained(state)
+                await self._maybe_recover(state)
+            except _WRITE_ERRORS as exc:
+                # A record write JetStream could not take (a server restart, a leader
+                # change): the tick resumes what it left undone (_resume_stalled); the
+                # watch must go on, or no heartbeat is seen again and every lease runs out.
+                self.counters["errors"] += 1
+                self.log.error("worker state not acted on", worker=state.worker_id,
+                               error=repr(exc))
 
     def _note_workers_ahead(self, state: WorkerState) -> None:
         """A live worker at an epoch above our record's: the server lost its store, and the
@@ -1615,9 +1661,14 @@ class ControllerService(MicroService):
                 except UnreadableRecord as bad:
                     if core is None or self.record is None:
                         continue
-                    with contextlib.suppress(LostLeadership):
+                    try:
                         await self._repair(bad)
                         await self._publish_composition()
+                    except LostLeadership:
+                        pass
+                    except _WRITE_ERRORS as exc:  # the next write or watch event tries again
+                        self.counters["errors"] += 1
+                        self.log.error("unreadable epoch record not repaired", error=repr(exc))
                     continue
                 self._rebuild(record, rev)
                 self.counters["followed"] += 1
@@ -1690,5 +1741,6 @@ __all__ = [
     "epoch_record",
     "reconf_subject",
     "replay_report",
+    "report_problem",
     "worker_queue_subject",
 ]

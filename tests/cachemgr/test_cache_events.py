@@ -18,7 +18,7 @@ from services.cachemgr.events import (
 )
 from shared.ids import InvalidInput
 
-hashes = st.integers(min_value=-(2**63), max_value=2**64)
+hashes = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 workers = st.text(min_size=1, max_size=12)
 
 
