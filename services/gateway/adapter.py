@@ -220,6 +220,8 @@ class GatewayService(MicroService):
         # request id -> futures waiting for its FirstToken (several when a client retries an
         # id that is still in flight: the duplicate waits for the original's result).
         self._waiting: dict[str, list[asyncio.Future[tuple[FirstToken, float]]]] = {}
+        # NATS completions waiting for their first token (_on_completion), cancelled at stop.
+        self._nats_completions: set[asyncio.Task[None]] = set()
         # request id -> its intake message (data, headers) while someone waits for it: sent
         # again if the server loses its store (_republish_waiting).
         self._intake_msgs: dict[str, tuple[bytes, dict[str, str]]] = {}
@@ -285,6 +287,11 @@ class GatewayService(MicroService):
             await cancel_and_wait([sweeper])
 
         stack.push_async_callback(stop_sweeper)
+
+        async def stop_nats_completions() -> None:
+            await cancel_and_wait(list(self._nats_completions), self.log)
+
+        stack.push_async_callback(stop_nats_completions)
         if self.gsettings.http_port is not None:
             from services.gateway.app import make_http_server
 
@@ -316,16 +323,41 @@ class GatewayService(MicroService):
 
     # -- NATS endpoint --------------------------------------------------------------------------
 
-    async def _on_completion(self, request: Request) -> FirstToken:
+    async def _on_completion(self, request: Request) -> None:
+        """Decode the body (a bad one is answered at once), then wait for the first token in
+        a task of its own and answer from there.
+
+        NOTE: nats-py runs one subscription's callbacks one after another; awaiting the first
+        token here would hold every later NATS completion back until this one's answer (or
+        its 504, ``result_timeout_s`` later)."""
         try:
             body = decode(CompletionRequest, request.data, request.headers)
         except SchemaError as exc:
             raise BadRequest(schema_message(exc)).to_service_error() from exc
+        task = asyncio.create_task(self._answer_completion(request, body),
+                                   name="gateway-nats-completion")
+        self._nats_completions.add(task)
+        task.add_done_callback(self._nats_completions.discard)
+
+    async def _answer_completion(self, request: Request, body: CompletionRequest) -> None:
+        """Run one NATS completion and answer it: its FirstToken, or a micro error with the
+        HTTP status as code (500 without details for an unexpected failure)."""
         try:
-            done = await self.complete(body)
-        except GatewayError as exc:
-            raise exc.to_service_error() from exc
-        return done.result.model_copy(update={"stages": done.stages()})
+            try:
+                done = await self.complete(body)
+            except GatewayError as exc:
+                err = exc.to_service_error()
+                await request.respond_error(err.code, err.description)
+                return
+            except Exception:
+                self.log.exception("NATS completion failed")
+                await request.respond_error("500", "internal error")
+                return
+            data, headers = encode(done.result.model_copy(update={"stages": done.stages()}))
+            await request.respond(data, headers=headers)
+        except (nats.errors.Error, TimeoutError) as exc:  # the answer could not be sent
+            self.log.warning("NATS completion not answered", error=f"{type(exc).__name__}: "
+                                                                   f"{exc}")
 
     async def _on_result(self, msg: Msg) -> None:
         """Hand a FirstToken to whoever waits for its request id (the id is the subject's

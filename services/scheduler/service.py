@@ -1218,8 +1218,11 @@ class SchedulerService(MicroService):
         # carrier still travels with the assignment so the worker keeps the decision.
         sampled = is_sampled(parent) or not parent
         if delivery == 1 and sampled:
-            record_span(Stage.INTAKE_WAIT, start_s=req.arrival_s, end_s=dequeued, parent=parent,
-                        attributes={"vtm.request_id": rid})
+            # An arrival after the dequeue (clock skew, or a bogus far-future stamp: any
+            # finite WallTime decodes, and 1e300 s would overflow the span's nanoseconds)
+            # is an empty wait, not a failed delivery.
+            record_span(Stage.INTAKE_WAIT, start_s=min(req.arrival_s, dequeued), end_s=dequeued,
+                        parent=parent, attributes={"vtm.request_id": rid})
         if record is not None and record.stream_seq != seq:
             record = None  # a record of an earlier message of this request id
         if record is None and self._placed(rid):
