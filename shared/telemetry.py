@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
@@ -278,12 +279,18 @@ def record_span(
     parent: Mapping[str, str] | otel_context.Context | None = None,
     attributes: Mapping[str, Any] | None = None,
 ) -> None:
-    """Record a finished stage whose start and end (Unix seconds) were measured already."""
+    """Record a finished stage whose start and end (Unix seconds) were measured already.
+
+    Times whose nanoseconds are no finite number (a bogus stamp of a message, e.g. 1e300 s)
+    record nothing: a trace must never fail the work it describes."""
+    start_ns, end_ns = start_s * 1e9, max(end_s, start_s) * 1e9
+    if not (math.isfinite(start_ns) and math.isfinite(end_ns)):
+        return
     ctx = _as_context(parent)
     span = tracer().start_span(
         str(stage),
         context=ctx,
         attributes=dict(attributes) if attributes else None,
-        start_time=int(start_s * 1e9),
+        start_time=int(start_ns),
     )
-    span.end(end_time=int(max(end_s, start_s) * 1e9))
+    span.end(end_time=int(end_ns))

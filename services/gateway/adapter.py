@@ -54,6 +54,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import (
+    APIError,
     KeyDeletedError,
     KeyNotFoundError,
     NoStreamResponseError,
@@ -626,6 +627,11 @@ class GatewayService(MicroService):
                         f"intake stream unavailable: {type(exc).__name__}") from exc
                 self.log.info("intake publish retried", error=type(exc).__name__)
                 await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
+            except APIError as exc:
+                # The stream refused it (full, out of storage, gone): the broker's trouble,
+                # and for the client one to retry later, not an internal error.
+                raise Unavailable(f"intake stream refused the request: "
+                                  f"{exc.description or type(exc).__name__}") from exc
 
     async def _kept_result(self, rid: str) -> tuple[FirstToken, int] | None:
         """The latest result of ``rid`` in the results stream and its stream sequence, or
@@ -671,7 +677,7 @@ class GatewayService(MicroService):
             keys = await bucket_keys(self._js, self.subjects.worker_state_bucket())
         except NotFoundError:
             return []
-        except (nats.errors.TimeoutError, TimeoutError) as exc:
+        except (nats.errors.Error, TimeoutError) as exc:  # a timeout, JetStream trouble
             raise Unavailable("worker-state bucket did not answer") from exc
         out: list[WorkerState] = []
         for key in keys:
@@ -679,6 +685,8 @@ class GatewayService(MicroService):
                 entry = await self._states.get(key)
             except (KeyNotFoundError, KeyDeletedError):
                 continue
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise Unavailable("worker-state bucket did not answer") from exc
             if not entry.value:
                 continue
             try:

@@ -27,10 +27,13 @@ raises a typed error with nothing changed.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 from services.scheduler.errors import DuplicateRequest, IllegalTransition, UnknownRequest
 from shared.ids import InvalidInput, RequestId, WorkerId
+
+_MAX_WORK_S = sys.float_info.max
 
 
 @dataclass(slots=True)
@@ -234,7 +237,9 @@ class WorkerLoad:
         still left at ``now`` plus ``seconds``."""
         _check_work(seconds, now)
         left = self._foreign_left(now)
-        self._foreign_s = (left if left > 0.0 else 0.0) + float(seconds)
+        # Saturated, never inf: two absurd (finite) placements must not make q_w inf, which
+        # no JSON status can carry; the worker's next report replaces the sum anyway.
+        self._foreign_s = min((left if left > 0.0 else 0.0) + float(seconds), _MAX_WORK_S)
         self._foreign_at = float(now)
 
     def reserve(

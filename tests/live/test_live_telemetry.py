@@ -68,5 +68,9 @@ async def test_context_survives_jetstream(
     wait = next(s for s in spans.get_finished_spans() if s.name == "intake_wait")
     assert wait.parent.span_id == root.get_span_context().span_id
     assert wait.end_time - wait.start_time == 1_000_000_000
+    # A bogus stamp (any finite float decodes as a WallTime) records nothing, raises nothing.
+    record_span(Stage.INTAKE_WAIT, start_s=1e300, end_s=1e300, parent=msg.headers)
+    record_span(Stage.INTAKE_WAIT, start_s=1.0, end_s=float("inf"), parent=msg.headers)
+    assert sum(s.name == "intake_wait" for s in spans.get_finished_spans()) == 1
     await js.delete_stream(uniq.upper())
     await asyncio.sleep(0)

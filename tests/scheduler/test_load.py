@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -112,6 +114,10 @@ def test_other_replicas_work_adds_to_q_and_runs_down_with_the_clock() -> None:
     with pytest.raises(InvalidInput):
         ld.add_foreign(-1.0, 31.0)
     assert ld.foreign_s == 0.25
+    # Absurd but finite placements of peers saturate: q_w stays a finite number (JSON).
+    ld.add_foreign(1e308, 31.0)
+    ld.add_foreign(1e308, 31.0)
+    assert math.isfinite(ld.foreign_s) and math.isfinite(ld.queue_delay(31.0))
 
 
 def test_duplicate_reserve_and_unknown_ops_change_nothing() -> None:
