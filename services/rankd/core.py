@@ -56,7 +56,8 @@ Rules (§5.2, §6.2, §8):
   instead, as a new incarnation). A fault detected elsewhere (another worker of the same rank
   host) leaves the running request alone: it may still complete, or meet the fault itself.
 * Outstanding work = Σ predicted seconds of queued and redirecting requests + the running
-  one's predicted remainder (elapsed wall time divided by the time scale, floored at 0).
+  one's predicted remainder (elapsed wall time divided by the time scale, floored at 0),
+  saturated at the largest float (a sum of huge predictions must not overflow to inf).
 * The worker's own prefix cache (:class:`~services.rankd.blockcache.BlockCache`, LRU) decides
   what is actually reused: when a request starts, its longest cached prefix of full blocks is
   looked up and pinned, and the request executes with that P (≤ L − 1, so R ≥ 1) whatever the
@@ -68,6 +69,7 @@ Rules (§5.2, §6.2, §8):
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -99,6 +101,10 @@ REDIRECTING_CODE: Final[str] = "425"
 HANDED_BACK_CODE: Final[str] = "410"
 """Micro error code of :class:`HandedBack` ("gone": intake holds the request under the
 redirect's message; ack the re-sent one, place nothing)."""
+
+_MAX_SECONDS: Final[float] = sys.float_info.max
+"""Outstanding work saturates here: each predicted_s is finite, but their sum may overflow to
+inf, which no WorkerState (the worker's liveness heartbeat) may carry."""
 
 # Longest hand-back id built by chaining (a request redirected many times); beyond it the
 # source part is replaced by a digest. JetStream compares ids as strings of any length; the
@@ -303,7 +309,7 @@ class WorkerCore:
         if self._running is not None and self._running.started_at_s is not None:
             elapsed = max(0.0, now - self._running.started_at_s) / self.time_scale
             total += max(0.0, self._running.assignment.predicted_s - elapsed)
-        return total
+        return min(total, _MAX_SECONDS)
 
     def outstanding_by(self, now: float) -> dict[str, float]:
         """:meth:`outstanding_s` split by the scheduler replica that placed each request
@@ -326,7 +332,7 @@ class WorkerCore:
                 max(0.0, self._running.assignment.predicted_s - elapsed))
         if len(by) > MAX_SCHEDULER_REPLICAS:
             by = dict(sorted(by.items(), key=lambda kv: -kv[1])[:MAX_SCHEDULER_REPLICAS])
-        return by
+        return {k: min(v, _MAX_SECONDS) for k, v in by.items()}
 
     def state(self, now: float, *, kv_free_blocks: int | None = None) -> WorkerState:
         """The WorkerState to publish now (``seq`` increases on every call)."""
@@ -421,10 +427,15 @@ class WorkerCore:
         """Look up and pin the cached prefix; return the assignment as it will execute."""
         a = job.assignment
         full = self._full_blocks(a)
-        if self.cache is None or not full:
-            hit = 0
-        else:
-            hit = self.cache.lookup(full)
+        hit = 0
+        if self.cache is not None and full:
+            try:
+                hit = self.cache.lookup(full)
+            except InvalidInput:
+                # NOTE: a chain that contradicts the cache (a hash collision, a repeated or
+                # bad client hash) reuses nothing; raising here would leave the job popped
+                # from the FIFO but never running and end the adapter's executor.
+                hit = 0
         if hit:
             job.pinned = full[:hit]
             assert self.cache is not None

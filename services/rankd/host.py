@@ -10,7 +10,10 @@ lies in that range, all on one NATS connection:
   the record themselves, then acknowledge it per GPU), and services of workers that left the
   composition are stopped: each has already adopted the record as UNAVAILABLE and handed its
   queue back to intake; its stop waits until intake has acknowledged every redirect (bounded
-  by ``redirect_timeout_s``) and its running request has finished (``drain_timeout_s``).
+  by ``redirect_timeout_s``) and its running request has finished (``drain_timeout_s``);
+* a worker of the record that this host cannot build (InvalidInput: e.g. a TP worker whose id
+  is no lattice id, or one the backend does not run) is logged and skipped; the record's
+  other workers start all the same.
 
 This is how a split or merge happens in the live sim without restarting a process: the
 worker set changes; the process (and, with a real engine, the weights) stays.
@@ -166,7 +169,11 @@ class RankdHost:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._tasks[wid])
             if wid not in self.services:
-                await self._start_worker(wid, w.kind, record.epoch)
+                try:
+                    await self._start_worker(wid, w.kind, record.epoch)
+                except InvalidInput as exc:  # a worker this host cannot build: only it is lost
+                    log.error("worker of the epoch record cannot start here", worker_id=wid,
+                              epoch=record.epoch, error=str(exc))
         self._changed.set()
 
     # -- main ---------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.rankd.backend import ExecutionBackend, PrefillResult
 from services.rankd.blockcache import BlockCache
+from services.rankd.engine.errors import SequenceTooLong
 from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldBroken, WorldSpec
 from shared.ids import InvalidInput, UnknownWorker
 from shared.natsauth import security_options
@@ -158,6 +159,12 @@ class KVDecodeRole:
 
     Reply (JSON to the completing chunk's reply subject): ``{"request_id", "token",
     "decode_s", "prefill_token"}`` or ``{"request_id", "error"}``.
+
+    NOTE: the queue group hands each message to any one member, so only a transfer's first
+    chunk goes through it: a role that receives the first chunk of an incomplete set answers
+    ``{"claim": <its own subject>}`` and the sender publishes the other chunks there (with
+    several roles -- one per torch rank-daemon process -- a transfer split between members
+    would never complete).
     """
 
     def __init__(self, model: Any, subjects: Subjects, *, queue: str = DECODE_QUEUE) -> None:
@@ -168,6 +175,8 @@ class KVDecodeRole:
         self.queue = queue
         self._asm = ChunkReassembler()
         self._sub: Any = None
+        self._direct_sub: Any = None
+        self._direct = ""  # this role's own subject for the rest of a claimed transfer
         self._lock = asyncio.Lock()
         self.served = 0
 
@@ -176,14 +185,17 @@ class KVDecodeRole:
         return self.subjects.kv_handoff("x").rsplit(".", 1)[0] + ".*"
 
     async def start(self, nc: Any) -> None:
+        self._direct = nc.new_inbox()
+        self._direct_sub = await nc.subscribe(self._direct, cb=self._on_chunk)
         self._sub = await nc.subscribe(self.subject, queue=self.queue, cb=self._on_chunk)
         await nc.flush()
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        for sub in (self._sub, self._direct_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._sub = self._direct_sub = None
 
     async def _on_chunk(self, msg: Any) -> None:
         from services.rankd.engine.decode import decode_step
@@ -195,6 +207,8 @@ class KVDecodeRole:
                 # naming this request cannot mix into its transfer.
                 done = self._asm.add(msg.data, msg.reply or "")
             if done is None:
+                if msg.reply and msg.subject != self._direct:  # a first chunk: claim the rest
+                    await msg.respond(json.dumps({"claim": self._direct}).encode())
                 return
             rid, kv, meta = done
             t0 = time.perf_counter()
@@ -248,23 +262,27 @@ class NatsKVHandoff:
         nc = await self._conn()
         chunks = encode_chunks(request_id, blob)
         inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, max_msgs=1)
+        sub = await nc.subscribe(inbox, max_msgs=2)
+        headers = {"Content-Type": KV_CONTENT_TYPE}
         try:
             t0 = time.perf_counter()
-            subject = self.subjects.kv_handoff(request_id)
-            for c in chunks:
-                await nc.publish(subject, c, reply=inbox, headers={"Content-Type": KV_CONTENT_TYPE})
-            try:
-                msg = await sub.next_msg(timeout=self.timeout_s)
-            except Exception as exc:  # nats TimeoutError
-                raise TimeoutError(
-                    f"no decode role answered for {request_id} within {self.timeout_s} s"
-                ) from exc
+            deadline = t0 + self.timeout_s
+            # The first chunk through the queue group; the rest to the role that claimed it
+            # (KVDecodeRole's NOTE).
+            await nc.publish(self.subjects.kv_handoff(request_id), chunks[0], reply=inbox,
+                             headers=headers)
+            reply = await self._reply(sub, request_id, deadline)
+            if len(chunks) > 1 and "error" not in reply:
+                claim = reply.get("claim")
+                if not isinstance(claim, str) or not claim:
+                    raise RuntimeError(f"decode role did not claim {request_id}: {reply!r}")
+                for c in chunks[1:]:
+                    await nc.publish(claim, c, reply=inbox, headers=headers)
+                reply = await self._reply(sub, request_id, deadline)
             elapsed = time.perf_counter() - t0
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        reply = json.loads(msg.data)
         if "error" in reply:
             raise RuntimeError(f"decode role failed for {request_id}: {reply['error']}")
         decode_s = float(reply["decode_s"])
@@ -276,6 +294,18 @@ class NatsKVHandoff:
             max(len(c) for c in chunks),
             "nats",
         )
+
+    async def _reply(self, sub: Any, request_id: str, deadline: float) -> dict[str, Any]:
+        try:
+            msg = await sub.next_msg(timeout=max(0.001, deadline - time.perf_counter()))
+        except Exception as exc:  # nats TimeoutError
+            raise TimeoutError(
+                f"no decode role answered for {request_id} within {self.timeout_s} s"
+            ) from exc
+        reply = json.loads(msg.data)
+        if not isinstance(reply, dict):
+            raise RuntimeError(f"decode role answered {request_id} with {reply!r}")
+        return reply
 
     async def close(self) -> None:
         if self._own and self._nc is not None:
@@ -494,6 +524,14 @@ class TorchBackend:
             raise UnknownWorker(f"assignment for {a.worker_id} reached {self.worker_id}")
         if a.degree != self.degree:
             raise InvalidInput(f"assignment degree {a.degree} != worker degree {self.degree}")
+        limit = self.world.max_positions
+        if limit and a.request.input_len > limit:
+            # Before the ids are made: synthesising (or shipping) an absurd input_len would
+            # stall the event loop or exhaust memory before the ranks could refuse it.
+            raise SequenceTooLong(
+                f"prompt of {a.request.input_len} tokens exceeds the model's "
+                f"{limit} positions"
+            )
         if self._bound and a.request.block_size != self.world.spec.block_size:
             raise InvalidInput(
                 f"request block size {a.request.block_size} != engine block size "

@@ -238,7 +238,8 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
         model = _build_model(spec, rank)
         groups = RankGroups(spec.degrees, spec.initial_degree(rank), spec.gpu_offset)
         engine = RankEngine(model, groups, spec.block_size, spec.pages_per_rank)
-        conn.send(("ready", os.getpid(), model.config.vocab_size))
+        conn.send(("ready", os.getpid(), model.config.vocab_size,
+                   model.config.max_position_embeddings))
     except BaseException:
         with contextlib.suppress(Exception):
             conn.send(("fatal", traceback.format_exc()))
@@ -364,6 +365,7 @@ class TorchWorld:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.pids: tuple[int, ...] = ()
         self.vocab_size = 0
+        self.max_positions = 0  # the model's max_position_embeddings (0: not started)
         self.broken: str | None = None
         self._closed = False
 
@@ -386,7 +388,7 @@ class TorchWorld:
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
-        pids, vocab = [], set()
+        pids, vocab, positions = [], set(), set()
         try:
             for r in range(self.spec.world_size):
                 msg = self._recv(r, self.spec.init_timeout_s + 60.0)
@@ -394,11 +396,13 @@ class TorchWorld:
                     raise WorldBroken(f"rank {r} failed to start:\n{msg[-1]}")
                 pids.append(msg[1])
                 vocab.add(msg[2])
+                positions.add(msg[3])
         except BaseException:
             self.close()
             raise
         self.pids = tuple(pids)
         self.vocab_size = vocab.pop()
+        self.max_positions = min(positions)
         # A leader that exits without closing the world (an error path) stops its ranks on
         # the way out: multiprocessing's own exit handler, which runs after this one, would
         # SIGTERM them -- ignored -- and then wait for them for ever.

@@ -295,3 +295,42 @@ def test_reassembly_is_per_transfer_and_bounded() -> None:
     assert asm.pending == 1 and asm.dropped == 4
     with pytest.raises(InvalidInput):
         BlobReassembler(max_pending=0)
+
+
+def _assert_index_sound(ranks: list[RankKVCache]) -> None:
+    idx = ranks[0].index
+    nodes = idx._nodes
+    for h, node in nodes.items():
+        assert node.parent != h and (node.parent is None or node.parent in nodes)
+        assert node.page == (0 if node.parent is None else nodes[node.parent].page + 1)
+        assert node.children == sum(1 for x in nodes.values() if x.parent == h)
+    for r, c in enumerate(ranks):
+        owned = {h for h, x in nodes.items() if x.page % len(ranks) == r}
+        assert idx.used(r) == len(owned)
+        assert set(c.pool._slot) == owned
+
+
+@pytest.mark.parametrize(
+    "bad", [[5, 5], [8, 9], [9, 10], [7, 10, 9]],
+    ids=["repeated", "reparented", "cached-head-elsewhere", "reparented-after-hit"],
+)
+def test_a_chain_contradicting_the_cache_stores_only_its_sound_head(bad: list[int]) -> None:
+    """rankd passes the request's hashes as the chain (bad input or a collision may repeat a
+    block or put a cached block under another parent): the index is never corrupted (no
+    self-parent, no leaked page or child count), and dropping what it stored frees it all."""
+    ranks = worker(2, pages=8)
+    ids = list(range(10, 10 + 2 * B))
+    looks = [c.lookup(ids, chain=[7, 9]) for c in ranks]
+    for c, lk in zip(ranks, looks, strict=True):
+        c.store(lk, fake_kv(len(ids)))
+    ids = list(range(40, 40 + len(bad) * B))
+    looks = [c.lookup(ids, chain=bad) for c in ranks]
+    for c, lk in zip(ranks, looks, strict=True):
+        c.store(lk, fake_kv(len(ids), seed=1))
+    _assert_index_sound(ranks)
+    assert ranks[0].index.parent_of(9) == 7  # the cached chain is untouched
+    for c in ranks:  # rankd drops what it did not cache (its BlockCache refused the chain)
+        c.remove([h for h in c.blocks() if h not in (7, 9)])
+    _assert_index_sound(ranks)
+    assert ranks[0].blocks() == frozenset({7, 9})
+    assert [ranks[0].index.used(r) for r in (0, 1)] == [1, 1]

@@ -14,7 +14,7 @@ from nats.aio.client import Client
 
 from services.rankd.backend import ExecutionBackend
 from services.rankd.engine.config import Qwen3Config
-from services.rankd.engine.errors import GroupError, TokenOutOfVocab
+from services.rankd.engine.errors import GroupError, SequenceTooLong, TokenOutOfVocab
 from services.rankd.engine.model import Qwen3ForCausalLM
 from services.rankd.torch_backend import (
     TINY_MODEL,
@@ -202,6 +202,21 @@ async def test_bad_input_is_a_clear_error_and_ranks_stay_up(
     assert out.decode_token == second and out.handoff is not None
     assert out.handoff.via == "in-process"
     assert world.pids == pids and all(world.alive())
+
+
+async def test_a_prompt_longer_than_the_model_is_refused_before_ids_are_made(
+    world: TorchWorld, model: Qwen3ForCausalLM
+) -> None:
+    """An assignment's input_len is bounded only by the schema: one past the model's positions
+    is refused by the leader before it synthesises (or ships) ids, so an absurd length costs
+    no memory or event-loop time, and every rank stays up."""
+    epoch = max(world.geometry(r)[0] for r in (0, 1)) + 1
+    backend = TorchBackend(world, "w-cp2-g0", handoff=LocalKVHandoff(model))
+    assert world.max_positions == CFG["max_position_embeddings"]
+    for n in (CFG["max_position_embeddings"] + 1, 10**12):
+        with pytest.raises(SequenceTooLong, match=f"prompt of {n} tokens exceeds"):
+            await backend.prefill(assign(f"long-{n}", "w-cp2-g0", epoch, input_len=n))
+    assert all(world.alive()) and world.broken is None
 
 
 def test_synthesised_ids_follow_the_hash_chain() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -471,3 +472,36 @@ def test_rank_shares_match_the_engine_partition() -> None:
         for c in (1, 2, 4, 8):
             plan = ZigzagPlan(r, c)
             assert rank_shares(r, c) == tuple(int(plan.real_rows(k).sum()) for k in range(c))
+
+
+@pytest.mark.parametrize("bad", [(9,), (7, 7), (7, 9, 7)], ids=["reparented", "repeated", "loop"])
+def test_a_chain_contradicting_the_cache_starts_as_a_miss(bad: tuple[int, ...]) -> None:
+    """A request whose block hashes contradict the cache (bad input, a collision) is not an
+    error of the worker: it starts with P = 0, runs, and the cache is left as it was."""
+    core = WorkerCore(WID, kv_total_blocks=8)
+    core.admit(assignment("a", length=512, hashes=(7, 9)), 0.0)
+    assert core.start_next(0.0) is not None
+    core.finish("a")
+    core.take_cache_events()
+    core.admit(assignment("b", length=256 * len(bad), hashes=bad), 1.0)
+    job = core.start_next(1.0)
+    assert job is not None and job.executed is not None and job.executed.prefix_tokens == 0
+    assert job.pinned == () and core.running is job
+    core.finish("b")
+    assert core.cache is not None and core.cache.blocks() == frozenset({7, 9})
+    assert core.cache.parent_of(9) == 7 and core.cache.pins(7) == core.cache.pins(9) == 0
+    assert len(core) == 0 and core.state(2.0).kv_free_blocks == 8
+
+
+def test_outstanding_work_of_huge_predictions_stays_publishable() -> None:
+    """Each predicted_s is finite (the schema's bound) but two near the float maximum sum to
+    inf, which the WorkerState schema refuses: the state (the worker's liveness heartbeat)
+    must still be built, saturated at the largest float."""
+    core = WorkerCore(WID)
+    for rid in ("a", "b", "c"):
+        a = assignment(rid, predicted=1.5e308).model_copy(update={"scheduler_id": "s-1"})
+        core.admit(a, 0.0)
+    core.start_next(0.0)
+    state = core.state(1.0)
+    assert state.outstanding_s == state.outstanding_by["s-1"] == sys.float_info.max
+    assert state.queue_len == 3

@@ -240,3 +240,42 @@ async def test_a_stop_while_the_server_is_down_ends_cleanly(uniq: str) -> None:
         await asyncio.wait_for(task, timeout=30)  # raises what the stop raised
         server.stop()
     assert host._nc.is_closed
+
+
+async def test_a_worker_that_cannot_start_does_not_stop_the_others(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """An epoch record naming a worker this host cannot build (here a TP worker whose id is
+    no lattice id: the record's schema allows it) costs that worker only: the record's other
+    workers start and serve, and the host keeps following the record."""
+    s = Subjects(uniq)
+    settings = RankdSettings(
+        nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2, drain_timeout_s=5
+    )
+    host = RankdHost(settings, range(0, 2), lambda wid, kind: SimBackend(time_scale=1.0))
+    epochs = await epoch_kv(nc.jetstream(), s)
+    odd = EpochRecord(
+        epoch=1,
+        workers=[
+            EpochWorker(worker_id="tp-odd", kind="tp", first_gpu=0, degree=1,
+                        lifecycle=Lifecycle.ACTIVE),
+            EpochWorker(worker_id="w-cp1-g1", first_gpu=1, degree=1, lifecycle=Lifecycle.ACTIVE),
+        ],
+        committed_at_s=time.time(),
+    )
+    await epochs.put(s.epoch_key(), to_json(odd))
+    task = asyncio.create_task(host.run(handle_signals=False))
+    try:
+        await wait_for_workers(host, {"w-cp1-g1"})
+        result = await nc.subscribe(s.result("e-1"))
+        await call_when_up(
+            nc, s.worker_assign("w-cp1-g1"), assignment("e-1", "w-cp1-g1", 1), AssignmentAck
+        )
+        first = decode(FirstToken, (await result.next_msg(timeout=WAIT_S)).data)
+        assert first.worker_id == "w-cp1-g1" and first.token is not None
+        await epochs.put(s.epoch_key(), record(2, "w-cp2-g0"))
+        await wait_for_workers(host, {"w-cp2-g0"})
+    finally:
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    assert host.services == {}

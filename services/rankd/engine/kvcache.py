@@ -143,12 +143,22 @@ class PrefixIndex:
             raise InvalidInput(f"parent block {parent} is not cached")
         base = 0 if parent is None else self._nodes[parent].page + 1
         path = self._path(parent)
-        # Skip the already-cached head of the chain.
+        # Skip the already-cached head of the chain (cached under the block before it).
+        nodes = self._nodes
         i = 0
-        while i < len(hashes) and hashes[i] in self._nodes:
+        while i < len(hashes) and hashes[i] in nodes and nodes[hashes[i]].parent == parent:
             parent = hashes[i]
             i += 1
-        new = list(hashes[i:])
+        # NOTE: stop before a block that is cached elsewhere or repeats (a bad or colliding
+        # chain from the request): storing it would overwrite its node and leak its page and
+        # its old parent's child count (a never-evictable block), or make it its own parent.
+        new: list[BlockHash] = []
+        seen: set[int] = set()
+        for h in hashes[i:]:
+            if h in nodes or h in seen:
+                break
+            seen.add(h)
+            new.append(h)
         first_page = base + i
         keep = set(protect) | set(path) | set(hashes[:i])
         evicted = self._make_room(first_page, len(new), keep)
