@@ -287,6 +287,8 @@ class Profile:
             raise InvalidInput(f"{where}: not JSON ({exc})") from exc
         except RecursionError:
             raise InvalidInput(f"{where}: not JSON (nested too deep)") from None
+        except ValueError as exc:  # an integer of more digits than Python converts
+            raise InvalidInput(f"{where}: not JSON ({exc})") from None
         prof = cls.from_dict(data, source=where)
         if degrees is not None:
             prof.check_degrees(degrees, source=where)

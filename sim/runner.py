@@ -51,6 +51,7 @@ from sim.workloads import (
     read_mooncake,
     workload_stats,
 )
+from sim.workloads.parsing import MAX_SPAN_S
 from sim.workloads.synthetic import SyntheticConfig
 from sim.workloads.workload import Workload, truncate
 
@@ -243,6 +244,7 @@ def run_simulate(
     may still set ``kappa_scale``. meta.json records the κ source.
     """
     check_counts(jobs=jobs, repeats=repeats)
+    check_gpus(gpus)
     check_seed(seed)
     check_warmup_s(warmup_s)
     check_policies(policies)
@@ -255,6 +257,7 @@ def run_simulate(
     wls = [wl] + [wl if workload is not None else load_trace(
         trace, fmt, seed=sd, rate=rate, max_requests=max_requests) for sd in seeds[1:]]
     for w in wls:
+        check_span(w, rate_scales)
         _check_warmup(w, rate_scales, warmup_s)
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
                                      per_degree=per_degree, slo=slo, gpus=gpus)
@@ -321,11 +324,35 @@ def check_counts(**counts: object) -> None:
             raise InvalidInput(f"--{name} must be an integer >= 1, got {v!r}")
 
 
+MAX_GPUS = 16384
+"""Largest pool a run takes: 16,384 GPUs build in seconds; far larger ones take minutes and
+gigabytes before the first request (a mistyped --gpus)."""
+
+
+def check_gpus(gpus: object, name: str = "gpus") -> None:
+    """``--gpus`` is an integer in [1, :data:`MAX_GPUS`] (else :class:`InvalidInput`)."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
+        raise InvalidInput(f"--{name} must be an integer in [1, {MAX_GPUS}], got {gpus!r}")
+
+
 def check_seed(seed: object) -> None:
     """A seed is an integer >= 0, what numpy's generators take (else :class:`InvalidInput`,
     before anything runs rather than numpy's error deep in a run)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InvalidInput(f"--seed must be an integer >= 0, got {seed!r}")
+
+
+def check_span(wl: Workload, rate_scales: Sequence[float]) -> None:
+    """Every rate's arrivals must span at most :data:`~sim.workloads.parsing.MAX_SPAN_S`
+    (scaling the rate by s divides the span by s): the simulator steps through every window
+    of it, so a tiny ``--rate-scale`` or ``--rate`` would run for hours or exhaust memory."""
+    for s in rate_scales:
+        span = wl.duration_s / s
+        if not span <= MAX_SPAN_S:
+            raise InvalidInput(
+                f"at rate ×{s:g} the trace's arrivals would span {span / 86400:.3g} days; the "
+                f"simulator takes at most {MAX_SPAN_S / 86400:.0f} (raise --rate-scale or "
+                f"--rate)")
 
 
 def _check_warmup(wl: Workload, rate_scales: Sequence[float], warmup_s: float) -> None:
@@ -374,6 +401,7 @@ def run_tune(
     from sim.tuning import ROW_KEYS, tune_weights
 
     check_counts(jobs=jobs, repeats=repeats)
+    check_gpus(gpus)
     check_seed(seed)
     # J's weights now, not after the profile is measured (tune_weights checks them again).
     for b in betas:
@@ -386,6 +414,7 @@ def run_tune(
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
     wl = load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
+    check_span(wl, rate_scales)
     prof, _ = sweep_profile(profile_path, out, degrees, seed, wl, truth, per_degree=per_degree,
                             slo=slo, gpus=gpus)
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
@@ -448,6 +477,7 @@ def run_size(
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
     wl = load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
+    check_span(wl, [rate_scale])
     _check_warmup(wl, [rate_scale], warmup_s)
     # No pool beats the zero-queue oracle (each request alone on its best degree, every
     # earlier prefix cached): a target above its attainment cannot be met by any size.
@@ -499,6 +529,7 @@ def check_size(*, policies: Sequence[str], rate_scale: float, target: float, job
     if not (rate_scale > 0 and math.isfinite(rate_scale)):
         raise InvalidInput(f"--rate-scale must be a finite number > 0, got {rate_scale!r}")
     check_counts(jobs=jobs)
+    check_gpus(gpus_max, "gpus-max")
     check_seed(seed)
     check_warmup_s(warmup_s)
     return pool_sizes(degrees, gpus_min, gpus_max, step)
@@ -754,6 +785,10 @@ def _read_json(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"{path} is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise InvalidInput(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput(f"{path} is not valid JSON: nested too deep") from None
 
 
 def _is_number(v: Any) -> bool:

@@ -290,6 +290,7 @@ def register(app: typer.Typer) -> None:
             chosen = _names(policies, "policies")
             _check(runner.check_policies, chosen)
             _check(runner.check_trace_format, trace, format)
+            _check(runner.check_gpus, gpus)
             _check_run_numbers(rate=rate, max_requests=max_requests)
             degs = degrees_option(degrees)
             args: dict[str, Any] = dict(
@@ -357,6 +358,7 @@ def register(app: typer.Typer) -> None:
             _fail("--per-degree shapes the profile measured here; --profile gives one")
         _check(runner.check_counts, jobs=jobs, repeats=repeats)
         _check(runner.check_trace_format, trace, format)
+        _check(runner.check_gpus, gpus)
         _check_run_numbers(rate=rate, max_requests=max_requests)
         degs = degrees_option(degrees)
         args: dict[str, Any] = dict(

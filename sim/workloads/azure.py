@@ -17,7 +17,7 @@ from pathlib import Path
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 from sim.workloads.blocks import chain
 from sim.workloads.errors import TraceFormatError
-from sim.workloads.parsing import check_arrivals_vary, iter_lines
+from sim.workloads.parsing import MAX_SPAN_S, MAX_TOKENS, check_arrivals_vary, iter_lines
 from sim.workloads.workload import Request, Workload, truncate
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -46,6 +46,8 @@ def _int_cell(value: str | None, column: str, path: Path, line: int, minimum: in
         ) from None
     if v < minimum:
         raise TraceFormatError(path, line, f"column {column} must be >= {minimum}, got {v}")
+    if v > MAX_TOKENS:
+        raise TraceFormatError(path, line, f"column {column} must be <= {MAX_TOKENS}, got {v}")
     return v
 
 
@@ -128,6 +130,10 @@ def read_azure(
             seen += 1
             if t0 is None:
                 t0, first_stamp = t, row[col["TIMESTAMP"]].strip()
+            if t - t0 > MAX_SPAN_S:
+                raise TraceFormatError(
+                    path, line, f"TIMESTAMP is {(t - t0) / 86400:.0f} days after the first "
+                    f"row's; a trace may span at most {MAX_SPAN_S / 86400:.0f} days")
             varied = varied or t != t0
             if scanning:
                 # Past max_requests: read on (timestamps only) until one differs, so that

@@ -25,7 +25,7 @@ import numpy as np
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 from sim.workloads.blocks import chain
 from sim.workloads.errors import TraceFormatError
-from sim.workloads.parsing import hash_ids_field, int_field, iter_jsonl
+from sim.workloads.parsing import MAX_TOKENS, hash_ids_field, int_field, iter_jsonl
 from sim.workloads.workload import Request, Workload, truncate
 
 Order = Literal["file", "shuffle"]
@@ -49,9 +49,11 @@ def _parse_lengths_row(
     if doc > inp:
         raise TraceFormatError(path, line, f"{doc_field} = {doc} exceeds {length_field} = {inp}")
     out_raw = row.get("ref_output_llama3_tokens", 0)
-    if isinstance(out_raw, bool) or not isinstance(out_raw, int) or out_raw < 0:
+    if isinstance(out_raw, bool) or not isinstance(out_raw, int) or not \
+            0 <= out_raw <= MAX_TOKENS:
         raise TraceFormatError(
-            path, line, f"ref_output_llama3_tokens must be an int >= 0, got {out_raw!r}"
+            path, line,
+            f"ref_output_llama3_tokens must be an int in [0, {MAX_TOKENS}], got {out_raw!r}"
         )
     sha = row.get("doc_sha1")
     if not isinstance(sha, str) or not sha:

@@ -14,17 +14,33 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
+from sim.workloads.errors import TraceFormatError
 from sim.workloads.parsing import (
+    MAX_SPAN_S,
+    MAX_TOKENS,
     check_arrivals_vary,
     hash_ids_field,
     int_field,
     iter_jsonl,
 )
 from sim.workloads.workload import Request, Workload, truncate
+
+_MAX_TIMESTAMP_MS = int(MAX_SPAN_S * 1000)
+
+
+def _timestamp(row: dict[str, Any], path: Path, line_no: int) -> int:
+    """A row's ``timestamp``: ms since the trace's start, at most MAX_SPAN_S of them."""
+    ts = int_field(row, "timestamp", path, line_no, 0, maximum=1 << 63)
+    if ts > _MAX_TIMESTAMP_MS:
+        raise TraceFormatError(
+            path, line_no, f"timestamp {ts} ms is over {MAX_SPAN_S / 86400:.0f} days: Mooncake "
+            "timestamps count milliseconds from the trace's start (not Unix time)")
+    return ts
 
 
 def detect_tick_ms(timestamps: np.ndarray) -> float:
@@ -81,7 +97,9 @@ def read_mooncake(
     0-based record index.
 
     Raises :class:`~sim.workloads.errors.TraceFormatError` naming file:line for a bad line
-    (bad JSON or UTF-8, a missing or ill-typed field) and naming the file when two or more
+    (bad JSON or UTF-8, a missing or ill-typed field, a count above
+    :data:`~sim.workloads.parsing.MAX_TOKENS`, a timestamp before the previous row's or past
+    :data:`~sim.workloads.parsing.MAX_SPAN_S`) and naming the file when two or more
     records all share one timestamp (:func:`~sim.workloads.parsing.check_arrivals_vary`; an
     L-Eval file read as Mooncake) unless ``tick_s`` > 0 asks for that tick to be spread.
     """
@@ -104,11 +122,14 @@ def read_mooncake(
             # reject one whose first requests merely share a tick: read on (timestamps only)
             # until one differs, which for a timed trace is at most one tick further.
             seen += 1
-            varied = int_field(row, "timestamp", path, line_no, 0) != stamps[0]
+            varied = _timestamp(row, path, line_no) != stamps[0]
             continue
-        ts = int_field(row, "timestamp", path, line_no, 0)
-        inp = int_field(row, "input_length", path, line_no, 1)
-        out = int_field(row, "output_length", path, line_no, 0)
+        ts = _timestamp(row, path, line_no)
+        if stamps and ts < stamps[-1]:
+            raise TraceFormatError(path, line_no, f"timestamp {ts} goes backwards (after "
+                                   f"{stamps[-1]}; rows must be in time order)")
+        inp = int_field(row, "input_length", path, line_no, 1, MAX_TOKENS)
+        out = int_field(row, "output_length", path, line_no, 0, MAX_TOKENS)
         hids = hash_ids_field(row, inp, block_size, path, line_no)
         session = row.get("session_id")
         seen += 1

@@ -14,6 +14,14 @@ from sim.workloads.errors import TraceFormatError
 
 _BOM = "\ufeff"
 
+MAX_TOKENS = 1 << 24
+"""Largest token count a trace field may hold (16,777,216: beyond any model's context); a
+larger one is a corrupt field, and would overflow the statistics or stall the block chaining."""
+MAX_SPAN_S = 366 * 86400.0
+"""Longest span of arrivals (s) a trace may have, as read or once its rate is scaled: the
+simulator steps its controller through every window of it, idle or not (a year of 20 s windows
+takes about a minute), so a longer span is a corrupt timestamp or a mistyped rate."""
+
 
 # Leading bytes of files that are not text traces, for a message that says what the file is.
 _SIGNATURES: tuple[tuple[bytes, str], ...] = (
@@ -110,6 +118,8 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise TraceFormatError(path, line_no, f"not valid JSON ({exc.msg})") from exc
         except RecursionError:  # "[[[[...": nested deeper than the parser can go
             raise TraceFormatError(path, line_no, "not valid JSON (nested too deep)") from None
+        except ValueError as exc:  # an integer of more digits than Python converts
+            raise TraceFormatError(path, line_no, f"not valid JSON ({exc})") from None
         if not isinstance(row, dict):
             raise TraceFormatError(path, line_no, "a line must be a JSON object")
         yield line_no, row
@@ -136,8 +146,9 @@ def check_arrivals_vary(path: Path, fmt: str, *, requests: int, varied: bool, sh
     )
 
 
-def int_field(row: dict[str, Any], key: str, path: Path, line: int, minimum: int) -> int:
-    """``row[key]`` as an int >= ``minimum`` (bools are not ints here)."""
+def int_field(row: dict[str, Any], key: str, path: Path, line: int, minimum: int,
+              maximum: int = MAX_TOKENS) -> int:
+    """``row[key]`` as an int in [``minimum``, ``maximum``] (bools are not ints here)."""
     if key not in row:
         raise TraceFormatError(path, line, f"missing field {key!r}")
     v = row[key]
@@ -145,6 +156,8 @@ def int_field(row: dict[str, Any], key: str, path: Path, line: int, minimum: int
         raise TraceFormatError(path, line, f"field {key!r} must be an integer, got {v!r}")
     if v < minimum:
         raise TraceFormatError(path, line, f"field {key!r} must be >= {minimum}, got {v}")
+    if v > maximum:
+        raise TraceFormatError(path, line, f"field {key!r} must be <= {maximum}, got {v}")
     return v
 
 

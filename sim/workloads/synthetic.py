@@ -84,6 +84,11 @@ DEFAULT_PHASES: Final[tuple[Phase, ...]] = (
 )
 
 
+MAX_REQUESTS = 1_000_000
+"""Most requests (base rate × duration) a synthetic workload may ask for: a million take about
+30 s and gigabytes to generate; a rate far beyond would exhaust memory."""
+
+
 @dataclass(frozen=True)
 class SyntheticConfig:
     """Parameters of the synthetic workload (time in s, lengths in tokens, rates in req/s)."""
@@ -130,6 +135,9 @@ class SyntheticConfig:
         checks = [
             (self.duration_s > 0 and math.isfinite(self.duration_s), "duration_s must be > 0"),
             (self.rate > 0 and math.isfinite(self.rate), "rate must be > 0 req/s"),
+            (self.rate * self.duration_s <= MAX_REQUESTS,
+             f"rate × duration_s must be at most {MAX_REQUESTS:,} requests, got "
+             f"{self.rate:g} req/s × {self.duration_s:g} s"),
             (0 <= self.long_share <= 1, "long_share must be in [0, 1]"),
             (0 <= self.system_prompt_share <= 1, "system_prompt_share must be in [0, 1]"),
             (0 <= self.session_share <= 1, "session_share must be in [0, 1]"),

@@ -241,7 +241,7 @@ def test_bad_numbers_exit_2(runner, tmp_path, args) -> None:
     [
         (["--gpus", "6", "--degrees", "2,4"], "multiple of degree 4"),
         (["--degrees", "3"], "power of two"),
-        (["--gpus", "0"], "num_gpus"),
+        (["--gpus", "0"], "--gpus"),
         (["--cache-blocks-per-gpu", "-1"], "cache_blocks_per_gpu"),
     ],
 )

@@ -127,6 +127,9 @@ def test_malformed_profile_file_is_a_clear_error(tmp_path) -> None:
     bad.write_text("{not json")
     with pytest.raises(InvalidInput, match="not JSON"):
         Profile.load(bad)
+    bad.write_text('{"a": ' + "9" * 5000 + "}")  # more digits than Python converts
+    with pytest.raises(InvalidInput, match="not JSON"):
+        Profile.load(bad)
     bad.write_text(json.dumps({"coefficients": {"d": 1}}))
     with pytest.raises(InvalidInput, match=r"coefficients lacks 'a', 'b', 'c', 'alpha'"):
         Profile.load(bad)
