@@ -28,7 +28,7 @@ from typing import Any, Final
 import numpy as np
 from scipy.optimize import nnls
 
-from shared.files import path_kind
+from shared.files import NotJson, parse_json, path_kind
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 
 PROFILE_SCHEMA_VERSION: Final[int] = 1
@@ -282,12 +282,8 @@ class Profile:
         except UnicodeDecodeError:
             raise InvalidInput(f"{where}: not JSON (not valid UTF-8 text)") from None
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidInput(f"{where}: not JSON ({exc})") from exc
-        except RecursionError:
-            raise InvalidInput(f"{where}: not JSON (nested too deep)") from None
-        except ValueError as exc:  # an integer of more digits than Python converts
+            data = parse_json(text)
+        except NotJson as exc:
             raise InvalidInput(f"{where}: not JSON ({exc})") from None
         prof = cls.from_dict(data, source=where)
         if degrees is not None:

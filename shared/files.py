@@ -9,9 +9,10 @@ written with them turns a user's unreadable path into a traceback. :func:`path_k
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from shared.ids import InvalidInput
 
@@ -35,3 +36,26 @@ def path_kind(path: str | Path, what: str = "path") -> PathKind:
     if stat.S_ISREG(mode):
         return "file"
     return "other"
+
+
+class NotJson(ValueError):
+    """Text that is no JSON. ``str()`` says why in full; ``msg`` without the position of a
+    syntax error (for a caller that names the line itself)."""
+
+    def __init__(self, message: str, msg: str | None = None) -> None:
+        super().__init__(message)
+        self.msg = msg or message
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads(text)``, with every way the text is not JSON one :class:`NotJson`: a syntax
+    error, nesting deeper than the parser goes ("[[[[..."), an integer of more digits than
+    Python converts (a ValueError json.loads raises as such, not a JSONDecodeError)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise NotJson(str(exc), exc.msg) from None
+    except RecursionError:
+        raise NotJson("nested too deep") from None
+    except ValueError as exc:
+        raise NotJson(str(exc)) from None

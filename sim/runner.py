@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared.costmodel import Profile
-from shared.files import path_kind
+from shared.files import NotJson, parse_json, path_kind
 from shared.ids import InvalidInput
 from sim import calibration
 from sim.experiments import (
@@ -782,13 +782,9 @@ def _read_json(path: Path) -> Any:
     except OSError as exc:
         raise InvalidInput(f"cannot read {path}: {exc.strerror or exc}") from exc
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"{path} is not valid JSON: {exc}") from exc
-    except ValueError as exc:  # an integer of more digits than Python converts
+        return parse_json(text)
+    except NotJson as exc:
         raise InvalidInput(f"{path} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidInput(f"{path} is not valid JSON: nested too deep") from None
 
 
 def _is_number(v: Any) -> bool:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from shared.files import path_kind
+from shared.files import NotJson, parse_json, path_kind
 from shared.ids import InvalidInput
 from sim.workloads.errors import TraceFormatError
 
@@ -113,13 +112,9 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if not text.strip():
             continue
         try:
-            row = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TraceFormatError(path, line_no, f"not valid JSON ({exc.msg})") from exc
-        except RecursionError:  # "[[[[...": nested deeper than the parser can go
-            raise TraceFormatError(path, line_no, "not valid JSON (nested too deep)") from None
-        except ValueError as exc:  # an integer of more digits than Python converts
-            raise TraceFormatError(path, line_no, f"not valid JSON ({exc})") from None
+            row = parse_json(text)
+        except NotJson as exc:
+            raise TraceFormatError(path, line_no, f"not valid JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise TraceFormatError(path, line_no, "a line must be a JSON object")
         yield line_no, row
