@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # helpers in cli_support (import-mode=importlib)
+    sys.path.insert(0, _HERE)
 
 
 @pytest.fixture(scope="session")

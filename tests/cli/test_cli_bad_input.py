@@ -11,26 +11,12 @@ from typing import Any
 
 import pytest
 import typer
-from typer.testing import CliRunner, Result
+from cli_support import SIM, _refused
+from typer.testing import CliRunner
 
 from sim import runner as sim_runner
 from vertumnus.cli import app
 from vertumnus.cliargs import comma_list, input_file, output_dir, output_file
-
-SIM = ["simulate", "--gpus", "8", "--policies", "vertumnus", "--max-requests", "30"]
-
-
-def _refused(res: Result, *words: str) -> str:
-    """Assert a clean refusal: exit 2, an ``error:`` line holding every one of ``words``, no
-    traceback. Returns the output with its white space collapsed."""
-    text = " ".join(res.output.split())
-    assert res.exit_code == 2, res.output
-    assert isinstance(res.exception, SystemExit), repr(res.exception)
-    assert "Traceback" not in res.output
-    assert "error:" in text, text
-    for w in words:
-        assert w in text, (w, text)
-    return text
 
 
 @pytest.fixture

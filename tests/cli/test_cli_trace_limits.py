@@ -7,23 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner, Result
+from cli_support import SIM, _refused
+from typer.testing import CliRunner
 
 from sim.runner import MAX_GPUS
 from sim.workloads.parsing import MAX_SPAN_S, MAX_TOKENS
 from vertumnus.cli import app
-
-SIM = ["simulate", "--gpus", "8", "--policies", "vertumnus", "--max-requests", "30"]
-
-
-def _refused(res: Result, *words: str) -> None:
-    text = " ".join(res.output.split())
-    assert res.exit_code == 2, res.output
-    assert isinstance(res.exception, SystemExit), repr(res.exception)
-    assert "Traceback" not in res.output
-    assert "error:" in text, text
-    for w in words:
-        assert w in text, (w, text)
 
 
 def _row(ts: int | str, inp: int | str = 1024, out: int | str = 1, hids: str = "[1, 2]") -> str:
