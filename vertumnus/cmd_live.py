@@ -446,7 +446,6 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
             raise ValueError(f"cannot reach NATS at {nats_url}: {exc}") from None
         observer = Observer(nc, Subjects(prefix))
         await observer.start()
-    me = asyncio.current_task()
     # The first Ctrl-C / SIGTERM ends the replay, the rest only say so: the report survives.
     guard = InterruptGuard(lambda: err.print("already stopping…"))
     guard.install()
@@ -463,10 +462,7 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
     except asyncio.CancelledError:  # in the wait for the last results: the records stand
         interrupted = True
     finally:
-        guard.stopping()
-        if interrupted and me is not None:
-            while me.cancelling():  # handled here: the stop's awaits must not see it
-                me.uncancel()
+        guard.stopping(handled=interrupted)
         if observer is not None:
             await observer.stop()
         if nc is not None:

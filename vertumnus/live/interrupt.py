@@ -48,9 +48,14 @@ class InterruptGuard:
         elif self._task is not None:
             self._task.cancel()
 
-    def stopping(self) -> None:
-        """From now on a signal only calls ``notice``."""
+    def stopping(self, *, handled: bool = False) -> None:
+        """From now on a signal only calls ``notice``. ``handled``: the command caught the
+        interrupt's cancellation and stops on its own, so the task's cancel count is cleared
+        (the stop's awaits must not see it again)."""
         self._stopping = True
+        if handled and self._task is not None:
+            while self._task.cancelling():
+                self._task.uncancel()
 
     def remove(self) -> None:
         if self._loop is None:

@@ -1122,7 +1122,6 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     bodies = await asyncio.to_thread(prepare_bodies, requests,
                                      ReplayConfig(block_size=config.block_size))
     stack = LiveStack(config, log_dir=log_dir)
-    me = asyncio.current_task()
     bound = config.stop_timeout_wall_s + 15.0
     guard = InterruptGuard(lambda: err.print(f"already stopping (at most ~{bound:.0f} s)…"))
     guard.install()
@@ -1202,12 +1201,10 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                 await asyncio.sleep(min(1.0, config.drain_wall_s))
         except asyncio.CancelledError:
             interrupted = True
-        if interrupted and me is not None:
-            # We handle the interruption (report, clean stop); later awaits must not see it.
-            while me.cancelling():
-                me.uncancel()
     finally:
-        guard.stopping()  # from here a signal only says so
+        # From here a signal only says so; an interruption caught above is handled (report,
+        # clean stop): later awaits must not see it.
+        guard.stopping(handled=interrupted)
         if supervisor is not None:
             # Parked in its sleep (restarts run synchronously on this thread): cancel() is
             # enough, and it can no longer touch the child set the stop hands to a thread.
