@@ -66,6 +66,15 @@ HashInt = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 """A chained block hash; must fit msgpack's signed or unsigned 64-bit integers."""
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 NonNegInt = Annotated[int, Field(ge=0)]
+MAX_TOKENS: Final[int] = 1 << 24
+"""Bound on a prompt's length and on every count derived from it (tokens, and blocks: a block
+holds at least one token). The trace readers use it too (``sim.workloads.parsing``), so every
+replayable request is a valid message; a larger value is refused at decoding instead of
+inflating the statistics it feeds (the cache manager's missed benefit, Algorithm 1; the
+controller's demand). Not to be confused with
+``shared.subjects.MAX_TOKENS`` (tokens of a subject)."""
+TokenCount = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
+"""A number of tokens or blocks within one prompt (0 allowed)."""
 WallTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 """Unix seconds (``time.time()``): instants compared across processes on one host."""
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
@@ -116,7 +125,7 @@ class IntakeRequest(Message):
     """
 
     request_id: Id
-    input_len: int = Field(ge=1, description="prompt length L in tokens")
+    input_len: int = Field(ge=1, le=MAX_TOKENS, description="prompt length L in tokens")
     tokens: list[NonNegInt] | None = Field(default=None, description="prompt token ids")
     block_hashes: list[HashInt] = Field(default_factory=list)
     block_size: int = Field(default=512, ge=1)
@@ -525,16 +534,19 @@ class RequestStats(Message):
 
     The cache manager matches ``block_hashes`` in its own trie and calls
     ``record_request(match, worker_id, degree, reused_blocks, preferred_degree, input_len)``.
+    Lengths and counts are bounded by :data:`MAX_TOKENS`, as the IntakeRequest they come from
+    (``input_len`` is Algorithm 1's L: at a huge L a node's missed benefit is the difference
+    of two huge, nearly equal predictions, which rounding makes anything up to ~10^11 s).
     """
 
     request_id: Id
     reporter: Id
     worker_id: Id
     degree: int = Field(ge=1)
-    input_len: int = Field(ge=1)
-    block_hashes: list[int]
-    reused_blocks: NonNegInt
-    prefix_tokens: NonNegInt
+    input_len: int = Field(ge=1, le=MAX_TOKENS, description="prompt length L in tokens")
+    block_hashes: list[HashInt] = Field(max_length=MAX_TOKENS)
+    reused_blocks: TokenCount = Field(description="blocks the chosen worker reuses")
+    prefix_tokens: TokenCount = Field(description="P: cached prefix tokens reused")
     preferred_degree: int = Field(ge=1)
     preferred_worker: Id
     predicted_s: NonNegFloat
@@ -794,6 +806,7 @@ __all__ = [
     "CONTENT_TYPE",
     "JSON",
     "MSGPACK",
+    "MAX_TOKENS",
     "SCHEMA_VERSION",
     "WINDOW_REPORT_VERSION",
     "Assignment",

@@ -50,8 +50,9 @@ destination (``blocks`` = the whole root→node path, root first; the worker cop
 the owner. The reply is a CacheCommandResult. Visibility follows the paper (§7.2): a replica
 counts only when the destination's own ``stored`` event arrives, a reclaimed one leaves only on
 its ``removed`` event; an ok reply just retires the in-flight action
-(``replication_done``), a failed reply, micro error, timeout or missing responder calls
-``replication_failed`` / ``reclaim_failed`` so a later scan may choose again.
+(``replication_done``), a failed reply, micro error, timeout or missing responder -- or any
+other error on the way, a nats client error or an unexpected exception (logged as an error)
+-- calls ``replication_failed`` / ``reclaim_failed`` so a later scan may choose again.
 
 Incarnations (WorkerState ``incarnation``, drawn by the rank daemon at each start): the first
 non-empty one seen for a registered worker is only recorded; an empty one (older rank daemons)
@@ -380,6 +381,7 @@ class CacheMgrService(MicroService):
             "commands_sent": 0,
             "commands_ok": 0,
             "commands_failed": 0,
+            "commands_errored": 0,  # of commands_failed: an unexpected exception (a bug)
             "splits": 0,
             "rehomed": 0,
             "merges": 0,
@@ -914,11 +916,43 @@ class CacheMgrService(MicroService):
         self._spawn(self._execute(action), "cache-cmd")
 
     async def _execute(self, action: CacheAction) -> None:
+        """Send ``action``'s command and settle the action exactly once.
+
+        An ok reply retires it as done (``replication_done``; a reclaim waits for its
+        ``removed`` event); anything else -- a refused reply, a micro error, a malformed reply,
+        no responder, a timeout, any nats client error, and any other exception -- settles it
+        as failed (:meth:`_failed`), so the trie retires its plan and a later scan or reuse may
+        issue it again. Never raises but :class:`asyncio.CancelledError` (shutdown), which
+        leaves the action as it is: the service is going away with its trie.
+        """
+        try:
+            error = await self._send_command(action)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # anything: an unsettled action would stay in flight for ever
+            self.counters["commands_errored"] += 1
+            self._failed(action, repr(exc), exc=exc)
+            return
+        if error is not None:
+            self._failed(action, error)
+            return
+        self.counters["commands_ok"] += 1
+        self.metrics.done(action, ok=True)
+        if isinstance(action, Replicate):
+            # NOTE: retires the in-flight copy only; the replica becomes visible with the
+            # destination's own stored event (usually already applied by now).
+            self.trie.replication_done(action)
+
+    async def _send_command(self, action: CacheAction) -> str | None:
+        """Build and send ``action``'s command; None if the worker did it, else why not.
+
+        The failures a command meets in normal operation come back as the reason; anything
+        else raises (for :meth:`_execute`, which settles the action either way).
+        """
         try:
             cmd = self._command(action)
         except (InvalidInput, SchemaError) as exc:  # e.g. a node collected meanwhile
-            self._failed(action, str(exc))
-            return
+            return str(exc)
         self.counters["commands_sent"] += 1
         self.log.info(
             "cache command",
@@ -938,26 +972,30 @@ class CacheMgrService(MicroService):
         except (
             RemoteError,
             SchemaError,
-            nats.errors.NoRespondersError,
-            nats.errors.TimeoutError,
+            # Every nats client error: no responders, its timeout, and a connection closed,
+            # draining or with a full outbound buffer (a long outage) -- the worker did not
+            # act on this command, or cannot tell us it did.
+            nats.errors.Error,
             TimeoutError,
         ) as exc:
-            self._failed(action, repr(exc))
-            return
+            return repr(exc)
         if not res.ok:
-            self._failed(action, res.error or "refused")
-            return
-        self.counters["commands_ok"] += 1
-        self.metrics.done(action, ok=True)
-        if isinstance(action, Replicate):
-            # NOTE: retires the in-flight copy only; the replica becomes visible with the
-            # destination's own stored event (usually already applied by now).
-            self.trie.replication_done(action)
+            return res.error or "refused"
+        return None
 
-    def _failed(self, action: CacheAction, why: str) -> None:
+    def _failed(self, action: CacheAction, why: str, *, exc: BaseException | None = None) -> None:
+        """Settle ``action`` as failed: counted, logged, its plan retired in the trie.
+
+        ``exc``: an unexpected exception behind the failure, logged as an error with its
+        traceback (the expected failures are a warning with ``why``).
+        """
         self.counters["commands_failed"] += 1
         self.metrics.done(action, ok=False)
-        self.log.warning("cache command failed", action=action.to_wire(), error=why)
+        if exc is None:
+            self.log.warning("cache command failed", action=action.to_wire(), error=why)
+        else:
+            self.log.error("cache command failed unexpectedly", action=action.to_wire(),
+                           error=why, exc_info=exc)
         if isinstance(action, Replicate):
             self.trie.replication_failed(action)
         else:

@@ -10,6 +10,7 @@ from pydantic import Field, FilePath, SecretStr, field_validator, model_validato
 
 from services.gateway.httpserver import server_tls
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
+from shared.schemas import MAX_TOKENS
 from shared.settings import ServiceSettings
 from shared.slo import SloTable, parse_slo
 
@@ -59,7 +60,9 @@ class GatewaySettings(ServiceSettings):
         default=16 << 10, ge=1024, description="Largest HTTP request head accepted (431 above)."
     )
     max_prompt_tokens: int = Field(
-        default=131_072, ge=1, description="Longest prompt accepted, in tokens (413 above)."
+        default=131_072, ge=1, le=MAX_TOKENS,
+        description="Longest prompt accepted, in tokens (413 above); at most 2^24, the intake "
+        "message's bound.",
     )
     max_seq_len: int = Field(
         default=131_072 + 8_192,

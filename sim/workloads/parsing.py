@@ -9,13 +9,15 @@ from typing import Any
 
 from shared.files import NotJson, parse_json, path_kind
 from shared.ids import InvalidInput
+from shared.schemas import MAX_TOKENS as SCHEMA_MAX_TOKENS
 from sim.workloads.errors import TraceFormatError
 
 _BOM = "\ufeff"
 
-MAX_TOKENS = 1 << 24
+MAX_TOKENS = SCHEMA_MAX_TOKENS
 """Largest token count a trace field may hold (16,777,216: beyond any model's context); a
-larger one is a corrupt field, and would overflow the statistics or stall the block chaining."""
+larger one is a corrupt field, and would overflow the statistics or stall the block chaining.
+The messages' bound (``shared.schemas.MAX_TOKENS``), so every replayable request is valid."""
 MAX_SPAN_S = 366 * 86400.0
 """Longest span of arrivals (s) a trace may have, as read or once its rate is scaled: the
 simulator steps its controller through every window of it, idle or not (a year of 20 s windows

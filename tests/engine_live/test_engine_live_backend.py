@@ -26,7 +26,7 @@ from services.rankd.torch_backend import (
 )
 from services.rankd.torch_world import TorchWorld, WorldSpec
 from shared.ids import UnknownWorker
-from shared.schemas import Assignment, IntakeRequest
+from shared.schemas import MAX_TOKENS, Assignment, IntakeRequest
 from shared.subjects import Subjects
 from shared.worker import GpuGroup
 
@@ -207,13 +207,13 @@ async def test_bad_input_is_a_clear_error_and_ranks_stay_up(
 async def test_a_prompt_longer_than_the_model_is_refused_before_ids_are_made(
     world: TorchWorld, model: Qwen3ForCausalLM
 ) -> None:
-    """An assignment's input_len is bounded only by the schema: one past the model's positions
-    is refused by the leader before it synthesises (or ships) ids, so an absurd length costs
-    no memory or event-loop time, and every rank stays up."""
+    """An assignment's input_len is bounded only by the schema (MAX_TOKENS, 2^24): one past the
+    model's positions is refused by the leader before it synthesises (or ships) ids, so the
+    largest valid length costs no memory or event-loop time, and every rank stays up."""
     epoch = max(world.geometry(r)[0] for r in (0, 1)) + 1
     backend = TorchBackend(world, "w-cp2-g0", handoff=LocalKVHandoff(model))
     assert world.max_positions == CFG["max_position_embeddings"]
-    for n in (CFG["max_position_embeddings"] + 1, 10**12):
+    for n in (CFG["max_position_embeddings"] + 1, MAX_TOKENS):
         with pytest.raises(SequenceTooLong, match=f"prompt of {n} tokens exceeds"):
             await backend.prefill(assign(f"long-{n}", "w-cp2-g0", epoch, input_len=n))
     assert all(world.alive()) and world.broken is None

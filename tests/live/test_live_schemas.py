@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import msgpack
@@ -12,6 +13,7 @@ from shared.ids import InvalidInput
 from shared.schemas import (
     CONTENT_TYPE,
     JSON,
+    MAX_TOKENS,
     MSGPACK,
     WINDOW_REPORT_VERSION,
     Assignment,
@@ -34,6 +36,7 @@ from shared.schemas import (
     ReclaimCommand,
     ReconcileCommand,
     ReplicateCommand,
+    RequestStats,
     SchemaError,
     TtftStages,
     WindowReport,
@@ -398,3 +401,52 @@ def test_cache_event_wire_matches_cachemgr_events() -> None:
             **wire,
             **({"parent_hash": wire.get("parent_hash")} if wire["type"] == "stored" else {}),
         }
+
+
+STATS = RequestStats(
+    request_id="r-1", reporter="s-0", worker_id="w-cp2-g0", degree=2, input_len=1100,
+    block_hashes=[11, 22], reused_blocks=2, prefix_tokens=1024, preferred_degree=2,
+    preferred_worker="w-cp2-g0", predicted_s=0.25, policy="vertumnus", at_s=1.0,
+)
+
+
+def test_token_bound_is_the_trace_readers() -> None:
+    """Every request a trace can replay is a valid message (and nothing longer is)."""
+    parsing = pytest.importorskip("sim.workloads.parsing")
+    assert MAX_TOKENS == parsing.MAX_TOKENS == 1 << 24
+
+
+def test_request_stats_at_the_token_bound_round_trip() -> None:
+    for msg in (STATS, STATS.model_copy(update={"input_len": MAX_TOKENS,
+                                                "prefix_tokens": MAX_TOKENS - 1})):
+        assert from_json(RequestStats, to_json(msg)) == msg
+        assert from_msgpack(RequestStats, to_msgpack(msg)) == msg
+    raw = _raw(INTAKE, input_len=MAX_TOKENS)
+    assert from_json(IntakeRequest, json.dumps(raw)).input_len == MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("target", "base", "changes", "field"),
+    [
+        # Algorithm 1's L: one huge value would inflate a prefix's missed benefit for ever.
+        (RequestStats, STATS, {"input_len": MAX_TOKENS + 1}, "input_len"),
+        (RequestStats, STATS, {"input_len": 10**30}, "input_len"),
+        (RequestStats, STATS, {"prefix_tokens": MAX_TOKENS + 1}, "prefix_tokens"),
+        (RequestStats, STATS, {"reused_blocks": MAX_TOKENS + 1}, "reused_blocks"),
+        (RequestStats, STATS, {"reused_blocks": -1}, "reused_blocks"),
+        (RequestStats, STATS, {"block_hashes": [2**64]}, "block_hashes.0"),
+        # Where RequestStats' input_len comes from: refused at the intake already.
+        (IntakeRequest, INTAKE, {"input_len": MAX_TOKENS + 1}, "input_len"),
+    ],
+)
+def test_token_counts_beyond_the_bound_are_refused(
+    target: type[BaseModel], base: BaseModel, changes: dict[str, object], field: str
+) -> None:
+    raw = _raw(base, **changes)
+    payloads = [(json.dumps(raw).encode(), JSON)]
+    with contextlib.suppress(OverflowError):  # msgpack has no ints beyond 64 bits
+        payloads.append((msgpack.packb(raw), MSGPACK))
+    for payload, ctype in payloads:
+        with pytest.raises(SchemaError) as err:
+            decode(target, payload, {CONTENT_TYPE: ctype})
+        assert err.value.model == target.__name__ and err.value.field == field

@@ -15,14 +15,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
+import nats.errors
+import pytest
 from live_ctl_support import Collector, eventually, request
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from structlog.testing import capture_logs
 
 from services.cachemgr.service import CacheMgrService, CacheMgrSettings, cachemgr_group
 from shared.schemas import (
+    MAX_TOKENS,
     CacheCommandResult,
     CacheSnapshot,
     CacheStored,
@@ -674,3 +679,139 @@ async def test_a_snapshot_asked_before_a_restart_is_not_applied_after_it(
     body = await eventually(asked_again, what="the snapshot asked again and applied", timeout=10)
     assert body["workers"][A]["blocks"] == 0 and body["workers"][A]["last_event_id"] == 0
     assert svc.counters["restarts"] == 1
+
+
+# -- commands that fail in any way, and statistics out of bounds ---------------------------------
+
+
+async def split_with_pending_pages(
+    nc: Client, nats_server, uniq: str, services
+) -> tuple[CacheMgrService, Collector]:
+    """The manager after the split of a CP4 worker holding [11..14] into two CP2 halves: the
+    left half (``w-cp2-g0``, an acking worker whose commands are returned) owns the prefix
+    and has 2 pages pending, so each request routed to it with the prefix sends a lazy
+    reconcile copy unless one is in flight."""
+    s = Subjects(uniq)
+    kv = await epoch_kv(nc.jetstream(), s)
+    await kv.put(s.epoch_key(), epoch_record(0, [(0, 4), (4, 4)]))
+    left_cmds = await acking_worker(nc, s, "w-cp2-g0")
+    svc = await services(CacheMgrService(settings(nats_server.url, uniq)))
+    await stored(nc, s, "w-cp4-g0", 1, None, [11, 12, 13, 14])
+
+    async def parent_holds() -> bool:
+        w = (await inspect(nc, uniq))["workers"]
+        return w.get("w-cp4-g0", {}).get("blocks") == 4
+
+    await eventually(parent_holds, what="parent's events applied", timeout=10)
+    await kv.put(s.epoch_key(), epoch_record(1, [(0, 2), (2, 2), (4, 4)]))
+
+    async def split() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        return body if body["counters"]["splits"] == 1 else None
+
+    body = await eventually(split, what="split reconciled", timeout=10)
+    assert body["workers"]["w-cp2-g0"]["pending"] == 2 and not body["in_flight"]
+    return svc, left_cmds
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        # A long outage fills nats-py's outbound buffer: the request raises at once.
+        lambda: nats.errors.OutboundBufferLimitError(),
+        # Anything else (a bug on the way): the action is settled all the same.
+        lambda: RuntimeError("injected fault"),
+    ],
+    ids=["outbound-buffer-full", "unexpected"],
+)
+async def test_a_command_that_raises_is_settled_and_sent_again(
+    nc: Client, nats_server, uniq: str, services, monkeypatch: pytest.MonkeyPatch,
+    fault: Callable[[], Exception],
+):
+    """A command whose request raises an error outside the usual replies (micro error,
+    timeout, no responders) is settled as failed: it leaves the in-flight set (the core
+    retires its plan), is logged with the error, and the next request routed there sends the
+    copy again, which the worker gets."""
+    s = Subjects(uniq)
+    svc, left_cmds = await split_with_pending_pages(nc, nats_server, uniq, services)
+    # The fault: the manager's own connection raises on its first command request; the
+    # server, the manager and the worker stay real.
+    real_request = svc.nc.request
+    raised: list[Exception] = []
+
+    async def request_once_failing(subject: str, *args: Any, **kwargs: Any) -> Msg:
+        if subject == s.cache_cmd("w-cp2-g0") and not raised:
+            raised.append(fault())
+            raise raised[-1]
+        return await real_request(subject, *args, **kwargs)
+
+    monkeypatch.setattr(svc.nc, "request", request_once_failing)
+    hashes = [11, 12, 13, 14]
+    with capture_logs() as logs:
+        await nc.publish(s.prefix + ".cache.stats.s1", stats("w-cp2-g0", 2, hashes, 2, "r-1"))
+
+        async def settled() -> dict[str, Any] | None:
+            body = await inspect(nc, uniq)
+            c = body["counters"]
+            ok = raised and c["commands_failed"] == 1 and not body["in_flight"]
+            return body if ok else None
+
+        body = await eventually(settled, what="the failed command settled", timeout=10)
+    assert not left_cmds.items  # the worker never heard of it
+    assert body["counters"]["commands_ok"] == 0
+    failed = [e for e in logs if e["event"].startswith("cache command failed")]
+    assert len(failed) == 1 and failed[0]["error"] == repr(raised[0])
+    assert failed[0]["action"]["kind"] == "reconcile"
+    unexpected = not isinstance(raised[0], nats.errors.Error)
+    assert failed[0]["log_level"] == ("error" if unexpected else "warning")
+    assert body["counters"]["commands_errored"] == int(unexpected)
+
+    # The plan is open again: the next request routed to the left half sends the copy.
+    await nc.publish(s.prefix + ".cache.stats.s1", stats("w-cp2-g0", 2, hashes, 2, "r-2"))
+    cmd = await left_cmds.first(lambda c: c.get("op") == "reconcile", what="copy sent again")
+    assert cmd["source_worker"] == "w-cp2-g2" and cmd["blocks"] == hashes
+
+    async def done() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        return body if body["counters"]["commands_ok"] == 1 and not body["in_flight"] else None
+
+    body = await eventually(done, what="the copy sent again retired", timeout=10)
+    assert body["counters"]["commands_failed"] == 1 and body["counters"]["stats_recorded"] == 2
+
+
+async def test_request_stats_beyond_the_token_bound_are_malformed(
+    nc: Client, nats_server, uniq: str, services
+):
+    """RequestStats with an ``input_len`` (Algorithm 1's L) or a reuse count above
+    MAX_TOKENS are refused as malformed (a warning, no statistics recorded); the manager
+    records the next valid one."""
+    s = Subjects(uniq)
+    svc = await services(CacheMgrService(settings(nats_server.url, uniq)))
+    await stored(nc, s, A, 1, None, [11, 12, 13])
+
+    async def tracked() -> bool:
+        return A in (await inspect(nc, uniq))["workers"]
+
+    await eventually(tracked, what="A tracked", timeout=10)
+    good = json.loads(stats(A, 2, [11, 12, 13], 3, "r-0"))
+    bad = [
+        {**good, "request_id": "r-1", "input_len": MAX_TOKENS + 1},
+        {**good, "request_id": "r-2", "input_len": 10**30},
+        {**good, "request_id": "r-3", "reused_blocks": MAX_TOKENS + 1},
+    ]
+    with capture_logs() as logs:
+        for b in bad:
+            await nc.publish(s.prefix + ".cache.stats.s1", json.dumps(b).encode())
+        await nc.publish(s.prefix + ".cache.stats.s1", json.dumps(good).encode())
+
+        async def counted() -> dict[str, Any] | None:
+            body = await inspect(nc, uniq)
+            c = body["counters"]
+            return body if c["malformed"] == len(bad) and c["stats_recorded"] == 1 else None
+
+        body = await eventually(counted, what="bad stats refused, the good one recorded",
+                                timeout=10)
+    assert body["counters"]["stats_skipped"] == 0 and svc.counters["malformed"] == len(bad)
+    rejected = [e for e in logs if e["event"] == "malformed request stats rejected"]
+    assert len(rejected) == len(bad) and all(e["log_level"] == "warning" for e in rejected)
+    assert all("RequestStats" in e["error"] for e in rejected)

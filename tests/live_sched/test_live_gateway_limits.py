@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from live_sched_support import Services, http
 from nats.aio.client import Client
+from pydantic import ValidationError
 
-from shared.schemas import CompletionRequest, FirstToken
+from services.gateway.settings import GatewaySettings
+from shared.schemas import MAX_TOKENS, CompletionRequest, FirstToken
 from shared.service import RemoteError, call
 from shared.subjects import Subjects
 
@@ -93,3 +95,11 @@ async def test_no_nats_is_503(live: Services) -> None:
     assert reply.status == 503 and "NATS" in reply.json()["error"]["message"]
     assert (await http(gw.http_port, "GET", "/health")).status == 503
     assert (await http(gw.http_port, "GET", "/v1/workers")).status == 503
+
+
+def test_a_prompt_limit_beyond_the_intake_bound_is_refused_at_start() -> None:
+    """``max_prompt_tokens`` above the intake message's bound (2^24 tokens) would accept
+    prompts the intake then refuses to encode: the setting itself is refused, naming it."""
+    assert GatewaySettings(max_prompt_tokens=MAX_TOKENS).max_prompt_tokens == MAX_TOKENS
+    with pytest.raises(ValidationError, match="max_prompt_tokens"):
+        GatewaySettings(max_prompt_tokens=MAX_TOKENS + 1)
