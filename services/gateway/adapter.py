@@ -10,7 +10,9 @@ One completion (:meth:`GatewayService.complete`):
 
 1. validate and enforce limits (:func:`check_limits`; a typed :class:`GatewayError` carries the
    HTTP status it maps to: 400 malformed, 413 too large, 422 semantically impossible, 503 no
-   NATS / intake, 504 no first token in time, 502 the worker failed);
+   NATS / intake, 504 no first token in time, 502 the worker failed). The gateway does not
+   know the workers' limits: a prompt within its own ``max_seq_len`` but longer than every
+   worker's is refused by the scheduler at once, also 422 (:func:`result_error`);
 2. compute the chained hashes of the prompt's *full* blocks (``chain_hashes``, shared with
    rankd, so equal hash ⇔ equal prefix across the system);
 3. open the root span ``request`` and register the request with the gateway's one
@@ -23,8 +25,9 @@ One completion (:meth:`GatewayService.complete`):
    cut the client off) is de-duplicated by the stream and answered with the original's result:
    the one still to come, or the one the results stream kept (``ensure_results_stream``: each
    request's latest result for as long as the intake de-duplicates). A retry of a request the
-   scheduler gave up on (503, "not scheduled") is a new attempt instead, published again
-   under an id derived from that failure's;
+   scheduler gave up on (503, "not scheduled") or refused (422, "not servable": the workers
+   may have changed since) is a new attempt instead, published again under an id derived from
+   that answer's;
 5. wait for the FirstToken; answer with the token, the TTFT measured here (received → first
    token here) and the worker's stage breakdown.
 
@@ -103,6 +106,10 @@ STREAM_NOT_FOUND: Final[int] = 10059
 """JetStream API error code of a request naming a stream that does not exist."""
 NOT_SCHEDULED: Final[str] = "not scheduled"
 """How a scheduler's error result starts when no worker took the request (HTTP 503)."""
+NOT_SERVABLE: Final[str] = "not servable"
+"""How a scheduler's error result starts when no worker it knows can ever serve the request,
+e.g. a prompt longer than every worker's max_seq_len (HTTP 422). NOTE: the scheduler writes
+both prefixes (``services.scheduler.service``); change them together."""
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -174,6 +181,18 @@ def check_limits(tokens: Sequence[int], max_tokens: int, settings: GatewaySettin
         i, t = next((i, t) for i, t in enumerate(tokens) if t >= limit)
         raise Unprocessable(f"prompt token {i} has id {t}, outside the vocabulary "
                             f"[0, {limit})")
+
+
+def result_error(rid: str, error: str) -> GatewayError:
+    """The client's error for a FirstToken that carries ``error`` instead of a token: the
+    scheduler's refusal (``not servable``: no worker can ever serve the request) is 422, like
+    the gateway's own sequence-length limit; its giving up (``not scheduled``: no worker took
+    it in time) is 503, try again later; anything else is the worker's failure, 502."""
+    if error.startswith(NOT_SERVABLE):
+        return Unprocessable(error)
+    if error.startswith(NOT_SCHEDULED):
+        return Unavailable(error)
+    return WorkerFailed(f"request {rid} failed: {error}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,8 +425,9 @@ class GatewayService(MicroService):
     async def _sweep_after_reconnects(self) -> None:
         """After our connection to NATS came back, look up every request still waiting in
         the results stream: a result that went by while we were cut off is there (workers
-        store every result, ``publish_result``). A scheduler's "not scheduled" result is left
-        alone: it may be an earlier attempt's, and this one's is still to come."""
+        store every result, ``publish_result``). A scheduler's "not scheduled" or "not servable"
+        result is left alone: it may be an earlier attempt's, and this one's is still to
+        come."""
         seen = self.nc.stats["reconnects"]
         while True:
             await asyncio.sleep(SWEEP_PERIOD_S)
@@ -421,7 +441,7 @@ class GatewayService(MicroService):
             found = 0
             for rid in list(self._waiting):
                 kept = await self._kept_result(rid)
-                if kept is None or _not_scheduled(kept[0]):
+                if kept is None or _from_scheduler(kept[0]):
                     continue
                 found += self._deliver(rid, kept[0], time.time())
             self.log.info("waiting requests looked up after a reconnect", answered=found)
@@ -559,10 +579,11 @@ class GatewayService(MicroService):
                 # it, so the original's result is the answer -- kept in the results stream if
                 # it already went by, else still to come on the subscription.
                 kept = await self._kept_result(rid)
-                if kept is not None and _not_scheduled(kept[0]):
-                    # ...unless the scheduler gave up on it (503: "try again later"): then
-                    # this is that later try, a new intake message. Its id is derived from
-                    # the failure's, so concurrent retries of one failure are one message.
+                if kept is not None and _from_scheduler(kept[0]):
+                    # ...unless the scheduler gave up on it (503: "try again later") or
+                    # refused it (422: against the workers of then): this is a later try, a
+                    # new intake message. Its id is derived from the failure's, so concurrent
+                    # retries of one failure are one message.
                     headers[MSG_ID_HEADER] = f"{rid}~{kept[1]}"
                     self._intake_msgs[rid] = (data, headers)
                     await self._publish_intake(data, headers)
@@ -584,9 +605,7 @@ class GatewayService(MicroService):
         finally:
             self._forget(rid, got)
         if result.error is not None:
-            if result.error.startswith(NOT_SCHEDULED):
-                raise Unavailable(result.error)
-            raise WorkerFailed(f"request {rid} failed: {result.error}")
+            raise result_error(rid, result.error)
         return Completion(
             request_id=rid, result=result, input_len=len(tokens), max_tokens=body.max_tokens,
             ttft_s=max(0.0, received - arrival), duplicate=duplicate,
@@ -696,9 +715,11 @@ class GatewayService(MicroService):
         return out
 
 
-def _not_scheduled(result: FirstToken) -> bool:
-    """A result that says the scheduler gave up on the request (no worker took it)."""
-    return result.error is not None and result.error.startswith(NOT_SCHEDULED)
+def _from_scheduler(result: FirstToken) -> bool:
+    """A result the scheduler sent instead of a worker: it gave up on the request (no worker
+    took it) or refused it (no worker it knew could serve it). Neither is the request's
+    answer for good: a later attempt is judged against the workers of then."""
+    return result.error is not None and result.error.startswith((NOT_SCHEDULED, NOT_SERVABLE))
 
 
 class InvalidConfig(ValueError):
@@ -718,5 +739,6 @@ __all__ = [
     "WorkerFailed",
     "check_limits",
     "new_request_id",
+    "result_error",
     "schema_message",
 ]

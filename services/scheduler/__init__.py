@@ -4,7 +4,7 @@ Public core API::
 
     from services.scheduler import (
         RequestInfo, WorkerView, ClusterView, WorkerLoad, Decision, SchedulerCore,
-        make_policy, policy_names, register_policy, NoEligibleWorker,
+        make_policy, policy_names, register_policy, NoEligibleWorker, SequenceTooLong,
     )
 """
 
@@ -14,6 +14,7 @@ from services.scheduler.errors import (
     DuplicateRequest,
     IllegalTransition,
     NoEligibleWorker,
+    SequenceTooLong,
     UnknownPolicy,
     UnknownRequest,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "Policy",
     "RequestInfo",
     "SchedulerCore",
+    "SequenceTooLong",
     "UnknownPolicy",
     "UnknownRequest",
     "WorkerLoad",

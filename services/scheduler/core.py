@@ -4,7 +4,10 @@
 
 * :meth:`place` asks the policy for a decision and **immediately reserves** the predicted
   service s_{i,w} on the chosen worker (§5.2), so the next placement — even one arriving before
-  the worker reports anything — sees it in q_w;
+  the worker reports anything — sees it in q_w; a request longer than every worker's
+  ``max_seq_len`` is refused with :class:`~services.scheduler.errors.SequenceTooLong` before
+  the policy sees it (a :class:`~services.scheduler.errors.NoEligibleWorker` that will not
+  pass: the caller must not retry it);
 * :meth:`start` / :meth:`finish` follow the request's execution on the worker (``finish`` also
   calls the policy's ``on_finish`` hook);
 * :meth:`drain` takes a worker's *queued* requests off it (§6.2: "Queued requests are redirected
@@ -35,6 +38,7 @@ import math
 from collections.abc import Mapping
 
 from services.scheduler.decision import Decision
+from services.scheduler.eligibility import longest_max_seq_len, sequence_too_long
 from services.scheduler.errors import DuplicateRequest, UnknownRequest
 from services.scheduler.load import Assignment, LoadSnapshot, WorkerLoad
 from services.scheduler.policy import Policy
@@ -56,6 +60,8 @@ class SchedulerCore:
         self._overrun_floor_s = overrun_floor_s
         self._time_scale = time_scale
         self._view = view
+        # Kept per view (immutable) so place() checks the permanent bound in O(1).
+        self._longest = longest_max_seq_len(view)
         self._loads: dict[WorkerId, WorkerLoad] = {
             w.worker_id: WorkerLoad(w.worker_id, overrun_floor_s=overrun_floor_s,
                                     time_scale=time_scale)
@@ -106,15 +112,25 @@ class SchedulerCore:
         for wid in [w for w, ld in self._loads.items() if w not in view and len(ld) == 0]:
             del self._loads[wid]
         self._view = view
+        self._longest = longest_max_seq_len(view)
 
     # --- request lifecycle --------------------------------------------------------------------
     def place(
         self, request: RequestInfo, held_blocks: Mapping[WorkerId, int], now: float
     ) -> Decision:
-        """Decide and reserve. :class:`DuplicateRequest` if the id is already placed."""
-        if isinstance(request, RequestInfo) and request.request_id in self._where:
-            where = self._where[request.request_id]
-            raise DuplicateRequest(f"request {request.request_id!r} is already placed on {where}")
+        """Decide and reserve. :class:`DuplicateRequest` if the id is already placed;
+        :class:`SequenceTooLong` if the request is longer than the ``max_seq_len`` of every
+        worker of the view (any lifecycle; an empty view never refuses: see
+        :func:`~services.scheduler.eligibility.longest_max_seq_len`); the policy's
+        :class:`~services.scheduler.errors.NoEligibleWorker` when no worker may serve it *now*."""
+        if isinstance(request, RequestInfo):
+            if request.request_id in self._where:
+                where = self._where[request.request_id]
+                raise DuplicateRequest(
+                    f"request {request.request_id!r} is already placed on {where}")
+            refused = sequence_too_long(request, self._view, self._longest)
+            if refused is not None:
+                raise refused
         if self._foreign and request.request_id in self._foreign:
             self.forget_foreign(request.request_id)  # handed back, and now ours to place
         held = held_blocks

@@ -7,6 +7,11 @@ prefix-cache miss never excludes a worker: it can always recompute the prefix.
 
 Every policy, baselines included, uses this filter: a baseline cannot send a request to a worker
 that physically cannot take it either.
+
+One exclusion is permanent: a request longer than the ``max_seq_len`` of every worker the view
+holds (:func:`sequence_too_long`). The others pass (a worker finishes draining or switching,
+comes back, or a split or merge changes the KV capacity), so the scheduler holds and retries a
+request they exclude, but refuses this one at once (:class:`SequenceTooLong`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from services.scheduler.decision import Exclusion
+from services.scheduler.errors import SequenceTooLong
 from services.scheduler.load import WorkerLoad
 from services.scheduler.view import ClusterView, RequestInfo, WorkerView
 from shared.ids import InvalidInput, UnknownWorker, WorkerId
@@ -39,6 +45,33 @@ def exclusion(worker: WorkerView, length: int) -> Exclusion | None:
     if length > worker.kv_capacity_tokens:
         return Exclusion.NO_MEMORY
     return None
+
+
+def longest_max_seq_len(view: ClusterView) -> int | None:
+    """The largest ``max_seq_len`` over every worker of ``view``, whatever its lifecycle; None
+    for a view without workers.
+
+    A draining, switching or unavailable worker counts: it may serve again. A view without
+    workers bounds nothing (the scheduler has seen no worker yet, or every state expired): the
+    workers still to come may have any limit. KV capacity is deliberately not part of it: it
+    differs by degree and a split or merge changes it, so it is never a reason to refuse.
+    """
+    return max((w.max_seq_len for w in view.workers), default=None)
+
+
+def sequence_too_long(request: RequestInfo, view: ClusterView,
+                      longest: int | None = None) -> SequenceTooLong | None:
+    """The refusal of a request no worker of ``view`` can ever serve (its length exceeds every
+    worker's ``max_seq_len``), or None when some worker's limit admits it or the view is
+    empty. ``longest``: :func:`longest_max_seq_len` of ``view`` when the caller keeps it (a
+    placement must not scan 512 workers for it); computed here otherwise. Pure."""
+    if longest is None:
+        longest = longest_max_seq_len(view)
+    if longest is None or request.length <= longest:
+        return None
+    reason = str(Exclusion.TOO_LONG)
+    return SequenceTooLong(request.request_id, request.length, longest,
+                           {w.worker_id: reason for w in view.workers})
 
 
 def check_place_inputs(

@@ -25,6 +25,27 @@ class NoEligibleWorker(VertumnusError):
         super().__init__(f"no eligible worker for request {request_id!r} ({detail})")
 
 
+class SequenceTooLong(NoEligibleWorker):
+    """The request is longer than the ``max_seq_len`` of *every* worker the view holds, whatever
+    their lifecycle: unlike a worker that is draining, switching, unavailable or short of KV,
+    this does not pass, so the request must be refused rather than held and retried.
+
+    A subclass of :class:`NoEligibleWorker` so that a caller that only knows "nothing may serve
+    it" (the simulator) keeps working; ``reasons`` names every worker with the TOO_LONG text.
+    ``max_seq_len`` is the largest limit among those workers.
+    """
+
+    def __init__(self, request_id: RequestId, length: int, max_seq_len: int,
+                 reasons: Mapping[WorkerId, str]) -> None:
+        super().__init__(request_id, reasons)
+        self.length = length
+        self.max_seq_len = max_seq_len
+        # Replaces the per-worker list of NoEligibleWorker: the one number a client can act on.
+        VertumnusError.__init__(
+            self, f"prompt of {length} tokens is longer than every worker's max_seq_len "
+            f"({max_seq_len} at most)")
+
+
 class UnknownPolicy(InvalidInput):
     """A policy name that is not in the registry; the message lists the known ones."""
 

@@ -7,6 +7,8 @@ name                                 kind     attributes
                                               ``preferred_degree`` (§7.1 PreferDegree)
 ``vtm.scheduler.unplaced``           counter  -: deliveries with no eligible worker after the
                                               hold (retried or failed with 503)
+``vtm.scheduler.refused``            counter  -: requests longer than every worker's
+                                              max_seq_len, refused at once (422)
 ===================================  =======  ===============================================
 
 ``degree`` against ``preferred_degree`` shows how often the pool's composition, not the
@@ -28,6 +30,9 @@ class SchedulerMetrics:
         self.unplaced = m.create_counter(
             "vtm.scheduler.unplaced", unit="{delivery}",
             description="Intake deliveries that found no eligible worker")
+        self.refused_too_long = m.create_counter(
+            "vtm.scheduler.refused", unit="{request}",
+            description="Requests refused at once: longer than every worker's max_seq_len")
 
     def placed(self, decision: Decision) -> None:
         self.placements.add(1, {"policy": decision.policy, "degree": str(decision.degree),
@@ -35,6 +40,9 @@ class SchedulerMetrics:
 
     def no_worker(self) -> None:
         self.unplaced.add(1)
+
+    def refused(self) -> None:
+        self.refused_too_long.add(1)
 
 
 __all__ = ["SchedulerMetrics"]

@@ -55,29 +55,33 @@ sequence was superseded by such a redirect (already placed) and is acked without
 
 Failure handling: no eligible worker, or the worker refused (a micro error: it does not hold
 the request) → the reservation is released, the record deleted and the message NAK'ed with
-``retry_delay_s``. A dispatch whose outcome is *unknown* — it timed out (the worker may have
-admitted it and only its answer was lost), or a re-send of a recorded assignment got "no
-responders" (the worker may have admitted an earlier send) — keeps the ``dispatching``
-record and NAKs: the next delivery re-sends to the *same* worker under the same intake
-message id (rankd answers idempotently: its queue position, or 410 / 425 if it handed the
-request back), until the worker answers or is known gone. A first send that gets "no
-responders" reached no worker and is re-placed. *Known gone* (only once the worker-state
-view has loaded): no state (lease expired out of the bucket), a heartbeat older than
-``lease_s``, or UNAVAILABLE with nothing queued, running or being redirected — whatever it
-had is finished (its result went out first) or handed back to intake — and the worker's
-``queue`` endpoint does not list the request (a view that lags a live worker is overruled).
-The request is then handed back on the worker's behalf: published to intake under the id
-the worker would have used for it (:func:`services.rankd.core.handback_msg_id`), so if the
-worker did hand it back, intake de-duplicates the two (within its duplicate window), and the
-old message is acked; a request whose result this replica saw is acked without either. On
-its last delivery (``max_deliver``) a message that still failed gets a FirstToken with an
+``retry_delay_s``. A request longer than the ``max_seq_len`` of every worker in the view
+(:class:`~services.scheduler.errors.SequenceTooLong`: no worker can ever serve it, whatever
+their lifecycle) is neither held nor NAK'ed: it gets a FirstToken whose error starts with
+``not servable`` (the gateway answers 422) and the message is terminated, on that delivery.
+An empty view refuses nothing (the workers still to come may take it): the request is held
+and retried as above, and refused as soon as a view with workers shows it too long.
+A dispatch whose outcome is *unknown* — it timed out (the worker may have admitted it and only
+its answer was lost), or a re-send of a recorded assignment got "no responders" (the worker may
+have admitted an earlier send) — keeps the ``dispatching`` record and NAKs: the next delivery
+re-sends to the *same* worker under the same intake message id (rankd answers idempotently: its
+queue position, or 410 / 425 if it handed the request back), until the worker answers or is
+known gone. A first send that gets "no responders" reached no worker and is re-placed. *Known
+gone* (only once the worker-state view has loaded): no state (lease expired out of the bucket),
+a heartbeat older than ``lease_s``, or UNAVAILABLE with nothing queued, running or being
+redirected — whatever it had is finished (its result went out first) or handed back to intake —
+and the worker's ``queue`` endpoint does not list the request (a view that lags a live worker
+is overruled). The request is then handed back on the worker's behalf: published to intake
+under the id the worker would have used for it (:func:`services.rankd.core.handback_msg_id`),
+so if the worker did hand it back, intake de-duplicates the two (within its duplicate window),
+and the old message is acked; a request whose result this replica saw is acked without either.
+On its last delivery (``max_deliver``) a message that still failed gets a FirstToken with an
 error (so the client is not left waiting) and is terminated -- unless its outcome is unknown
 and the worker, asked on its ``queue`` endpoint, lists the request as queued or running: then
 its own first token answers the client and the message is acked (``unknown_held``), or the
-results stream already keeps a first token of it (finished after it arrived: the worker ran
-it while every answer about it was lost): an error would only replace that answer there, so
-the message is acked (``fail_found_answered``). A malformed intake message is terminated at
-once.
+results stream already keeps a first token of it (finished after it arrived: the worker ran it
+while every answer about it was lost): an error would only replace that answer there, so the
+message is acked (``fail_found_answered``). A malformed intake message is terminated at once.
 
 Lost workers (:mod:`services.scheduler.ledger`): every request this replica dispatched stays
 in its ledger until a result for it arrives. A worker whose state names a new *incarnation*
@@ -178,7 +182,7 @@ from services.rankd.core import (
 )
 from services.scheduler.core import SchedulerCore
 from services.scheduler.decision import CandidateTerms, Decision
-from services.scheduler.errors import NoEligibleWorker, UnknownRequest
+from services.scheduler.errors import NoEligibleWorker, SequenceTooLong, UnknownRequest
 from services.scheduler.ledger import LEDGER_LIMIT, DispatchLedger, Loss, LostWorker, Sent
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import make_policy
@@ -250,6 +254,13 @@ MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
 HANDED_BACK: Final[int] = int(HANDED_BACK_CODE)
 REDIRECTING: Final[int] = int(REDIRECTING_CODE)
 ASSIGNMENT_TTL_S: Final[float] = 3600.0
+NOT_SCHEDULED: Final[str] = "not scheduled"
+"""How the error of a FirstToken starts when no worker took the request in ``max_deliver``
+deliveries (transient: the gateway answers 503, and a client retry is a new attempt)."""
+NOT_SERVABLE: Final[str] = "not servable"
+"""How the error of a FirstToken starts when no worker the scheduler knows can ever serve the
+request (longer than every worker's ``max_seq_len``): the gateway answers 422. NOTE: the
+gateway matches both prefixes (``services.gateway.adapter``); change them together."""
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -292,7 +303,9 @@ class SchedulerSettings(ServiceSettings):
     max_seq_len: int = Field(
         default=UNLIMITED,
         ge=1,
-        description="Longest input any worker serves (tokens); longer requests find no worker.",
+        description="Longest input any worker serves (tokens); every worker's view gets it. A "
+        "longer request is refused at once (an error starting 'not servable': HTTP 422 at the "
+        "gateway) rather than held and retried; with no worker in the view yet it waits.",
     )
     lease_s: float = Field(
         default=WORKER_LEASE_S,
@@ -613,6 +626,7 @@ class SchedulerStats:
     redirected: int = 0
     retried: int = 0
     failed: int = 0
+    refused: int = 0  # longer than every worker's max_seq_len: answered at once, not retried
     malformed: int = 0
     finished: int = 0
     events_applied: int = 0
@@ -643,7 +657,7 @@ class SchedulerStats:
     peer_naked: int = 0  # held by a gone replica: NAKed by this one (the smallest live id)
     adopted_reserved: int = 0  # adopted requests placed by that process: reserved in the core
     holders_found: int = 0  # other replicas holding intake messages at this one's start
-    fail_found_answered: int = 0  # a last delivery's failure not sent: its first token was out
+    fail_found_answered: int = 0  # a failure (or refusal) not sent: its first token was out
     republished_held: int = 0  # a gateway's re-send after a store loss: a worker holds it
     republished_answered: int = 0  # ... its first token is out already
     republished_placed: int = 0  # ... neither: placed (it was lost with the store)
@@ -1259,8 +1273,18 @@ class SchedulerService(MicroService):
                 try:
                     try:
                         assignment, decision = self._place(req, dequeued)
+                    except SequenceTooLong:
+                        raise
                     except NoEligibleWorker as first:
                         assignment, decision = await self._place_held(req, first)
+                except SequenceTooLong as exc:
+                    # Permanent: holding or NAKing it would only delay the client's answer
+                    # (by hold_s + retry_delay_s per delivery) and end in a misleading 503.
+                    self.metrics.refused()
+                    if span is not None:
+                        span.set_attribute("vtm.refused", str(exc))
+                    await self._refuse(msg, req, exc)
+                    return
                 except NoEligibleWorker as exc:
                     self.metrics.no_worker()
                     if span is not None:
@@ -1872,7 +1896,9 @@ class SchedulerService(MicroService):
         a request arriving while every worker switches (a multi-op reconfiguration) would wait
         up to that much *after* a worker is back; the simulator places it the moment one is.
         The wait counts as intake wait (``dequeued_at_s`` is when it is finally placed).
-        Raises the last NoEligibleWorker (its reason names every worker's exclusion)."""
+        Raises the last NoEligibleWorker (its reason names every worker's exclusion), and
+        :class:`SequenceTooLong` at once when a new view shows the request too long for every
+        worker (the first failure may have come from a view without workers)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ssettings.hold_s
         while (left := deadline - loop.time()) > 0:
@@ -1882,6 +1908,8 @@ class SchedulerService(MicroService):
                 await asyncio.wait_for(asyncio.shield(self._view_changed), left)
             try:
                 return self._place(req, self.clock())
+            except SequenceTooLong:
+                raise
             except NoEligibleWorker as exc:
                 why = exc
         raise why
@@ -1946,11 +1974,34 @@ class SchedulerService(MicroService):
             return 1
 
     async def _retry_or_fail(self, msg: Msg, req: IntakeRequest, reason: str) -> None:
+        """NAK for another delivery after ``retry_delay_s``; on the last one (``max_deliver``)
+        answer the client with a ``not scheduled`` error instead (:meth:`_send_failure`)."""
         if self._deliveries(msg) < self.ssettings.max_deliver:
             self.stats.retried += 1
             self.log.info("intake retry", request_id=req.request_id, reason=reason)
             await msg.nak(delay=self.ssettings.retry_delay_s)
             return
+        if await self._answered_already(msg, req, reason):
+            return
+        self.stats.failed += 1
+        self.log.error("request failed", request_id=req.request_id, reason=reason)
+        await self._send_failure(msg, req, f"{NOT_SCHEDULED}: {reason}")
+
+    async def _refuse(self, msg: Msg, req: IntakeRequest, exc: SequenceTooLong) -> None:
+        """Answer a request no worker can ever serve with a ``not servable`` error on this
+        delivery, whichever it is, and terminate its message. Nothing was reserved: the core
+        refuses before placing."""
+        reason = str(exc)
+        if await self._answered_already(msg, req, reason):
+            return
+        self.stats.refused += 1
+        self.log.warning("request refused", request_id=req.request_id, reason=reason,
+                         input_len=exc.length, max_seq_len=exc.max_seq_len)
+        await self._send_failure(msg, req, f"{NOT_SERVABLE}: {reason}")
+
+    async def _answered_already(self, msg: Msg, req: IntakeRequest, reason: str) -> bool:
+        """Before failing a request: True, acking its message, when the results stream
+        already keeps a first token of it (then no error may be sent)."""
         rid = req.request_id
         if await self._result_kept(rid, since_s=req.arrival_s):
             # Its first token is out already (a worker ran it while every answer about the
@@ -1958,15 +2009,19 @@ class SchedulerService(MicroService):
             # replace it in the results stream, where a client that asks again reads it.
             # (Not ``_served``: it may remember an earlier request that used the same id.)
             self.stats.fail_found_answered += 1
-            self.log.info("last delivery of an answered request acked", request_id=rid,
+            self.log.info("failure of an answered request not sent; acked", request_id=rid,
                           reason=reason)
             await msg.ack()
-            return
-        self.stats.failed += 1
-        self.log.error("request failed", request_id=req.request_id, reason=reason)
+            return True
+        return False
+
+    async def _send_failure(self, msg: Msg, req: IntakeRequest, error: str) -> None:
+        """Publish a FirstToken carrying ``error`` for the request's client, then terminate
+        the intake message (the counters are the caller's, counted before: a test or client
+        that has the answer sees them)."""
         now = self.clock()
         fail = FirstToken(
-            request_id=req.request_id, token=None, error=f"not scheduled: {reason}",
+            request_id=req.request_id, token=None, error=error,
             stages=TtftStages(total_s=max(0.0, now - req.arrival_s)), finished_at_s=now,
             arrival_s=req.arrival_s,
         )

@@ -1,0 +1,117 @@
+"""A prompt longer than every worker's ``max_seq_len`` but within the gateway's own limit is
+refused at once (422, naming both numbers), not held and retried into a 503.
+
+Before, the scheduler treated it like a transient "no eligible worker": held for ``hold_s``,
+NAK'ed for ``retry_delay_s``, ``max_deliver`` times (12.5 s with the defaults), then a 503
+"try again later" that no retry could ever turn into an answer. Here hold and retry delay are
+60 s and the gateway's result timeout 10 s, so that behaviour ends in a 504, not a 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from live_sched_support import Services, fake_token, http, wait_until
+from nats.aio.client import Client
+
+from services.gateway.adapter import (
+    Unavailable,
+    Unprocessable,
+    WorkerFailed,
+    result_error,
+)
+from shared.schemas import CompletionRequest, FirstToken
+from shared.service import RemoteError, call
+from shared.subjects import Subjects
+
+B = 16
+WORKER_MAX = 100  # every worker's max_seq_len (the scheduler's setting: its view gives it all)
+# Either old path (hold, NAK) outlasts the gateway's wait: only a prompt refusal answers.
+SLOW = {"hold_s": 60.0, "retry_delay_s": 60.0}
+GATEWAY = {"block_size": B, "result_timeout_s": 10.0}  # its own max_seq_len is far above 100
+NEEDLE = "prompt of 200 tokens is longer than every worker's max_seq_len (100 at most)"
+
+
+async def test_longer_than_every_worker_is_a_prompt_422(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    a = await fake_worker("w-cp2-g0", 2, 0)
+    b = await fake_worker("w-cp4-g4", 4, 4)
+    sched = await live.scheduler(block_size=B, max_seq_len=WORKER_MAX, **SLOW)
+    gw = await live.gateway(**GATEWAY)
+    assert gw.gsettings.max_seq_len > 200 + 16  # the gateway's own check lets it through
+    await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+
+    reply = await http(gw.http_port, "POST", "/v1/completions",
+                       {"prompt": list(range(200)), "max_tokens": 16})
+    assert reply.status == 422, reply.body
+    err = reply.json()["error"]
+    assert err["code"] == 422 and NEEDLE in err["message"], err
+    assert err["message"].startswith("not servable"), err
+    # The NATS endpoint answers the same refusal as a micro error.
+    with pytest.raises(RemoteError) as ei:
+        await call(nc, Subjects(uniq).gateway_completions(),
+                   CompletionRequest(prompt_tokens=list(range(200))), FirstToken, timeout_s=15)
+    assert ei.value.code == 422 and NEEDLE in ei.value.description, ei.value
+    # Refused on the first delivery: never held, NAK'ed or sent to a worker.
+    assert (sched.stats.refused, sched.stats.retried, sched.stats.failed) == (2, 0, 0)
+    assert sched.stats.placed == 0 and a.assignments == b.assignments == []
+    # A prompt within the workers' limit is still served.
+    ok = await http(gw.http_port, "POST", "/v1/completions",
+                    {"prompt": list(range(WORKER_MAX)), "request_id": "fits"})
+    assert ok.status == 200, ok.body
+    assert ok.json()["choices"][0]["token_ids"] == [fake_token("fits")]
+
+
+async def test_no_worker_yet_waits_and_is_refused_once_workers_show_the_limit(
+    live: Services, fake_worker  # type: ignore[no-untyped-def]
+) -> None:
+    """With no worker in the view the scheduler cannot know the limit of the workers to come:
+    the request is held as before; the first view with workers refuses it at once (before, the
+    hold went on to hold_s and then into retries)."""
+    sched = await live.scheduler(block_size=B, max_seq_len=WORKER_MAX, **SLOW)
+    gw = await live.gateway(**GATEWAY)
+    pending = asyncio.create_task(http(gw.http_port, "POST", "/v1/completions",
+                                       {"prompt": list(range(200))}))
+    await wait_until(lambda: sched._view_changed is not None, "the request held")
+    assert sched.stats.placed == sched.stats.retried == 0 and not pending.done()
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    reply = await pending
+    assert reply.status == 422 and NEEDLE in reply.json()["error"]["message"], reply.body
+    assert (sched.stats.refused, sched.stats.retried) == (1, 0)
+    assert w.assignments == []
+
+
+async def test_a_retry_after_a_refusal_is_a_new_attempt(
+    live: Services, fake_worker  # type: ignore[no-untyped-def]
+) -> None:
+    """A refusal is judged against the workers of then: once they serve longer prompts (here a
+    scheduler restarted with a larger limit), a client retry under the same request id is
+    scheduled and answered, not given the kept 422."""
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=B, max_seq_len=WORKER_MAX, **SLOW)
+    gw = await live.gateway(**GATEWAY)
+    await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+    body = {"prompt": list(range(200)), "request_id": "grow-1"}
+    first = await http(gw.http_port, "POST", "/v1/completions", body)
+    assert first.status == 422, first.body
+    await live.stop(sched)
+    sched = await live.scheduler(block_size=B, max_seq_len=1000, **SLOW)
+    await wait_until(lambda: len(sched.core.view) == 1, "the worker in the new view")
+    again = await http(gw.http_port, "POST", "/v1/completions", body)
+    assert again.status == 200, again.body
+    assert again.json()["choices"][0]["token_ids"] == [fake_token("grow-1")]
+    assert [a.request.request_id for a in w.assignments] == ["grow-1"]
+
+
+def test_result_errors_map_to_statuses() -> None:
+    """The gateway's reading of a failed FirstToken (pure)."""
+    refused = result_error("r", "not servable: prompt of 9 tokens is longer than ...")
+    assert isinstance(refused, Unprocessable) and refused.status == 422
+    assert refused.message.startswith("not servable: prompt of 9 tokens")
+    gave_up = result_error("r", "not scheduled: no eligible worker for request 'r' (...)")
+    assert isinstance(gave_up, Unavailable) and gave_up.status == 503
+    failed = result_error("r", "out of memory")
+    assert isinstance(failed, WorkerFailed) and failed.status == 502
+    assert failed.message == "request r failed: out of memory"
