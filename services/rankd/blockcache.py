@@ -100,6 +100,10 @@ class BlockCache:
     def pins(self, h: BlockHash) -> int:
         return self._pins.get(h, 0)
 
+    def pinned(self) -> frozenset[BlockHash]:
+        """Every block holding at least one pin (what a backend must keep resident)."""
+        return frozenset(self._pins)
+
     @property
     def last_event_id(self) -> int:
         return self._last_event_id

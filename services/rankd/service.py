@@ -30,7 +30,14 @@ Per process (one worker, its leader rank, for now):
   answers a CacheSnapshot (after publishing every earlier event) and
   ``{prefix}.cache.cmd.{wid}`` executes a CacheCommand (replicate / reclaim / reconcile).
 * the epoch record is watched; a newer record is adopted (lifecycle from it) and one EpochAck
-  per GPU of the worker is published on ``{prefix}.epoch.ack.{gpu}``; queued requests of a
+  per GPU of the worker is published on ``{prefix}.epoch.ack.{gpu}``. An ack whose publish
+  raises (e.g. OutboundBufferLimitError: the outbound buffer is full while the connection is
+  down; a closing connection) is logged and re-sent by a task of its own (after
+  :data:`ACK_RETRY_S`, doubling to :data:`ACK_RETRY_MAX_S`) until it goes out, a newer
+  adoption supersedes it (its own acks replace it) or the worker faults; neither the epoch
+  watcher nor a worker's start (which adopts the current record) ends on it. The controller
+  re-announces the record when acks stay missing (``ack_timeout_s``): the re-send makes that
+  safety net rarely needed, not unnecessary. Queued requests of a
   worker leaving ACTIVE are redirected to intake (``Nats-Msg-Id`` =
   :func:`~services.rankd.core.handback_msg_id`: ``{source}>{worker}``, one id per hop, so the
   redirect is not de-duplicated against the original publish nor against another source's
@@ -167,6 +174,12 @@ HEALTH_PERIOD_S: Final[float] = 0.5
 within it; the probe is a non-blocking check, e.g. ``waitpid`` on the rank processes)."""
 STATE_MIN_INTERVAL_S: Final[float] = 0.05
 """Least time between two WorkerState publications that change neither lifecycle nor epoch."""
+ACK_RETRY_S: Final[float] = 0.2
+"""Delay before an EpochAck that failed to publish is sent again (then doubling per failed
+round up to :data:`ACK_RETRY_MAX_S`): a switching worker is schedulable only once every rank
+acknowledged, so a lost ack costs GPU time until the controller re-announces the record."""
+ACK_RETRY_MAX_S: Final[float] = 2.0
+"""Longest delay between two re-send rounds of unsent EpochAcks (e.g. while reconnecting)."""
 
 
 def _wire_json(wire: dict[str, object]) -> bytes:
@@ -264,6 +277,10 @@ class RankdService(MicroService):
         self._dirty = asyncio.Event()  # state changed; publish soon
         self._idle = asyncio.Event()  # nothing running
         self._idle.set()
+        # GPU -> the EpochAck of the adopted epoch whose publish failed; _resend_acks sends
+        # them again. Only the current adoption's: a newer one replaces them (_adopt_payload).
+        self._unsent_acks: dict[int, EpochAck] = {}
+        self._acks_unsent = asyncio.Event()
 
         self._events_lock = asyncio.Lock()  # cache events leave in event-id order
         # Redirect tasks in flight: separate from the epoch watcher so a stop does not cancel
@@ -441,6 +458,8 @@ class RankdService(MicroService):
             asyncio.create_task(self._executor(), name="rankd-executor"),
             asyncio.create_task(self._publisher(), name="rankd-state"),
             asyncio.create_task(self._watch_epochs(watcher), name=WATCH_TASK),
+            # Acks that failed during the adoption above are waiting for it already.
+            asyncio.create_task(self._resend_acks(), name="rankd-epoch-acks"),
         ]
         health = getattr(self.backend, "health", None)
         if callable(health):  # optional backend method (services/rankd/backend.py)
@@ -905,7 +924,12 @@ class RankdService(MicroService):
                 return
             if entry is None or not entry.value:  # end of initial values / delete marker
                 continue
-            await self._adopt_payload(entry.value)
+            try:
+                await self._adopt_payload(entry.value)
+            except Exception:
+                # Safety net: whatever went wrong with this record, the worker must still
+                # follow the later ones (a dead watcher never adopts another epoch).
+                self.log.exception("epoch record handling failed; watching on")
 
     async def _adopt_payload(self, payload: bytes) -> None:
         try:
@@ -924,6 +948,10 @@ class RankdService(MicroService):
         )
         self._hand_back(adoption.redirected)  # no await since core.adopt (see _hand_back)
         self._update_metadata()
+        # Acks still unsent are for an older epoch: this adoption's acks supersede them (the
+        # controller counts an ack of any record from a target's commit on), and a worker
+        # that left the composition or faulted acknowledges nothing.
+        self._unsent_acks.clear()
         if adoption.member and not self.core.faulted:  # a faulted worker serves no geometry
             now = self.clock()
             for gpu in self.core.group.gpus:
@@ -934,9 +962,44 @@ class RankdService(MicroService):
                     worker_id=self.core.worker_id,
                     adopted_at_s=now,
                 )
-                data, headers = encode(ack)
-                await self.nc.publish(self.subjects.epoch_ack(gpu), data, headers=headers)
+                try:
+                    await self._publish_ack(ack)
+                except Exception as exc:  # never ends the watcher: re-sent (module docstring)
+                    self.log.warning("epoch ack not sent; will retry", gpu=gpu,
+                                     epoch=adoption.epoch, error=repr(exc))
+                    self._unsent_acks[gpu] = ack
+                    self._acks_unsent.set()
         self._dirty.set()
+
+    async def _publish_ack(self, ack: EpochAck) -> None:
+        data, headers = encode(ack)
+        await self.nc.publish(self.subjects.epoch_ack(ack.gpu), data, headers=headers)
+
+    async def _resend_acks(self) -> None:
+        """Re-send the EpochAcks whose publish failed (module docstring), oldest failure
+        first, with a growing delay while they keep failing; idle while none is unsent."""
+        delay = ACK_RETRY_S
+        while not _cancel_requested():
+            await self._acks_unsent.wait()
+            await asyncio.sleep(delay)
+            if self.core.faulted:  # a faulted worker acknowledges nothing
+                self._unsent_acks.clear()
+            for gpu, ack in list(self._unsent_acks.items()):
+                try:
+                    await self._publish_ack(ack)
+                except Exception as exc:
+                    self.log.debug("epoch ack still not sent", gpu=gpu, epoch=ack.epoch,
+                                   error=repr(exc))
+                    continue
+                # Unless a newer adoption replaced it while this one was being published.
+                if self._unsent_acks.get(gpu) is ack:
+                    del self._unsent_acks[gpu]
+                self.log.info("epoch ack sent on retry", gpu=gpu, epoch=ack.epoch)
+            if self._unsent_acks:
+                delay = min(2 * delay, ACK_RETRY_MAX_S)
+            else:  # no await since the check: a failure added meanwhile is not lost
+                self._acks_unsent.clear()
+                delay = ACK_RETRY_S
 
     def _update_metadata(self) -> None:
         g = self.core.group

@@ -406,6 +406,12 @@ class TorchBackend:
         self._closed = False
         self._bound = False
         self._cache: BlockCache | None = None
+        # NOTE: the full blocks of the request between the start of its step and the end of
+        # prefill() (its KV hand-off included): the engine stored its new blocks at the step,
+        # rankd records them only at the finish (core.finish, with no await after prefill()
+        # returns), and its prefix stays pinned until then. A cache command in that window
+        # must neither evict nor drop them (prepare_cache_command, _stale_blocks).
+        self._in_flight: tuple[int, ...] = ()
 
     @property
     def kv_capacity_blocks(self) -> int:
@@ -447,7 +453,11 @@ class TorchBackend:
             return []
         held = self.world.cached_blocks(self.worker_id)
         cache = self._cache
-        return list(held) if cache is None else [h for h in held if h not in cache]
+        if cache is None:
+            return list(held)
+        # The in-flight request's new blocks are not in the BlockCache yet, but will be.
+        keep = set(self._in_flight)
+        return [h for h in held if h not in cache and h not in keep]
 
     async def sync_cache(self) -> int:
         """Apply rankd's pending removals to the engine now instead of at the next step (the
@@ -470,6 +480,14 @@ class TorchBackend:
         miss later, never a hit without KV). Reclaims pass unchanged (rankd's removals reach
         the engine before its next step). Engine evictions caused by the copy are removed from
         the BlockCache, as after a prefill.
+
+        The copy never evicts a block the BlockCache has pinned (the running request's
+        prefix) nor a block of the request in flight (its prefix and the blocks its step
+        stored, which rankd records when it finishes: a command may arrive while its KV
+        hand-off runs). When that leaves too little room the engine installs the leading part
+        that fits and the command is cut to it, as for any full cache. Evicting them would
+        leave rankd recording blocks the engine lacks: the next request would be told a prefix
+        the engine cannot reuse (recomputed, correct, but recorded as a prefix shortfall).
         """
         source = getattr(cmd, "source_worker", None)
         if not self._bound or source is None or cmd.worker_id != self.worker_id:
@@ -481,8 +499,10 @@ class TorchBackend:
             except InvalidInput:
                 src = None  # another host's worker: its KV is not reachable from here
             if src is not None and self._cache is not None:
+                protect = self._cache.pinned() | set(self._in_flight)
                 _, evicted = await asyncio.to_thread(
-                    self.world.copy_prefix, src, source, self.ranks, list(cmd.blocks)
+                    self.world.copy_prefix, src, source, self.ranks, list(cmd.blocks),
+                    protect=protect,
                 )
                 if evicted:
                     self._cache.remove(list(evicted))
@@ -555,16 +575,23 @@ class TorchBackend:
         ids = request_token_ids(req, self.world.vocab_size)
         started = self._clock()
         t0 = time.perf_counter()
-        drop = self._stale_blocks()
-        switched, replies, switch_s = await asyncio.to_thread(self._step, assignment, ids, drop)
-        step_s = time.perf_counter() - t0
-        prefilled = self._clock()
-        lead: RankReply = replies[0]
-        if self._cache is not None and lead.evicted:
-            self._cache.remove(list(lead.evicted))  # (d) in bind_cache
-        handoff = None
-        if self.handoff is not None and lead.kv_blob is not None:
-            handoff = await self.handoff.transfer(req.request_id, lead.kv_blob)
+        drop = self._stale_blocks()  # before _in_flight is set: that one is this request's
+        full = min(len(req.block_hashes), req.input_len // req.block_size)
+        self._in_flight = tuple(int(h) for h in req.block_hashes[:full]) if self._bound else ()
+        try:
+            switched, replies, switch_s = await asyncio.to_thread(
+                self._step, assignment, ids, drop
+            )
+            step_s = time.perf_counter() - t0
+            prefilled = self._clock()
+            lead: RankReply = replies[0]
+            if self._cache is not None and lead.evicted:
+                self._cache.remove(list(lead.evicted))  # (d) in bind_cache
+            handoff = None
+            if self.handoff is not None and lead.kv_blob is not None:
+                handoff = await self.handoff.transfer(req.request_id, lead.kv_blob)
+        finally:
+            self._in_flight = ()
         finished = self._clock()
         if switched:
             self.switches.append((assignment.epoch, switch_s, tuple(switched)))

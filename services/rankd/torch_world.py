@@ -60,7 +60,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -304,7 +304,8 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
                 elif op == "export":
                     conn.send(("ok", engine.export_prefix(msg[1], msg[2])))
                 elif op == "import":
-                    stored, evicted = engine.import_prefix(msg[1], msg[2])
+                    _, chain, pages, protect = msg
+                    stored, evicted = engine.import_prefix(chain, pages, protect)
                     engine.take_events()
                     conn.send(("ok", ([int(h) for h in stored], [int(h) for h in evicted])))
                 elif op == "switch":
@@ -613,6 +614,8 @@ class TorchWorld:
         src_worker: str,
         dst_ranks: Sequence[int],
         hashes: Sequence[int],
+        *,
+        protect: Collection[int] = (),
     ) -> tuple[list[int], list[int]]:
         """Replicate KV between workers of this world (a replicate / reconcile command): the
         longest leading part of the chain ``hashes`` that ``src_worker``'s cache holds on
@@ -620,6 +623,11 @@ class TorchWorld:
         pages stay resident) is installed into the active cache of the worker made of
         ``dst_ranks`` (its members, in its geometry), each destination rank keeping the pages
         it owns at the destination's degree (a re-shard when the degrees differ).
+
+        The destination makes room by evicting its LRU leaves except the blocks of
+        ``protect`` (what its leader still needs resident: pinned blocks, the blocks of a
+        request whose KV hand-off is in progress); when that leaves too little room, only
+        the leading part of the chain that fits is installed.
 
         Checked on the leader before anything is installed: only a prefix whose every page
         arrived is sent, so every destination member does the same thing. Returns the
@@ -637,7 +645,7 @@ class TorchWorld:
             if not chain:
                 return [], []
             keep = [pages[h] for h, _ in chain]
-            replies = self._round(dst, ("import", chain, keep))
+            replies = self._round(dst, ("import", chain, keep, sorted(int(h) for h in protect)))
         stored, evicted = replies[0]
         self._mirror(str(worker_name(len(dst), dst[0] + self.spec.gpu_offset)), stored, evicted)
         return list(stored), list(evicted)

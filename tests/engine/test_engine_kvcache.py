@@ -214,6 +214,31 @@ def test_import_validates_before_changing_anything() -> None:
     assert len(dst[0].index) == 0 and dst[0].take_events() == []
 
 
+def test_import_never_evicts_protected_blocks_and_stores_what_fits() -> None:
+    src = worker(1, name="src")
+    doc = list(range(100, 113))  # 3 blocks
+    prefill(src, doc)
+    hashes = chain_hashes(doc, B)
+    chain, pages = src[0].chain_of(hashes), src[0].export_pages(hashes)
+    ids = list(range(9))  # 2 blocks: 2 of the destination's 3 pages
+    held = chain_hashes(ids, B)
+
+    dst = worker(1, pages=3)
+    prefill(dst, ids)
+    kept = {h: dst[0].pool.get(h).clone() for h in held}
+    # Protected (rankd still holds them): only the free page is used, nothing is evicted.
+    assert dst[0].import_prefix(chain, pages, protect=frozenset(held)) == hashes[:1]
+    assert dst[0].last_evicted == []
+    assert all(torch.equal(dst[0].pool.get(h), kv) for h, kv in kept.items())
+    assert dst[0].lookup(ids + [1]).match.prefix_len == 8
+
+    plain = worker(1, pages=3)
+    prefill(plain, ids)
+    # Unprotected, the same import takes their pages (LRU leaves, tail first).
+    assert plain[0].import_prefix(chain, pages) == hashes
+    assert plain[0].last_evicted == held[::-1]
+
+
 def test_reclaim_removes_descendants() -> None:
     ranks = worker(1)
     ids = list(range(16))

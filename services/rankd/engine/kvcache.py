@@ -477,10 +477,19 @@ class RankKVCache:
         return out
 
     def import_prefix(
-        self, chain: list[tuple[BlockHash, BlockHash | None]], pages: list[Page]
+        self,
+        chain: list[tuple[BlockHash, BlockHash | None]],
+        pages: list[Page],
+        protect: frozenset[BlockHash] | set[BlockHash] = frozenset(),
     ) -> list[BlockHash]:
         """Install a chain (root first: (hash, parent) per block, pages 0..n-1) whose pages
         come from another worker or degree; keeps the pages p ≡ rank (mod C).
+
+        Room is made by evicting LRU leaves, never a block of ``protect`` (nor the chain's
+        already-cached head); when that is not enough only the leading part that fits is
+        stored (possibly nothing). ``protect``: blocks the caller still needs resident --
+        rankd's pinned blocks and the blocks of the request whose KV hand-off is in progress
+        (see TorchBackend.prepare_cache_command).
 
         Validates first (chain links, every owned page present with the right shape) and
         changes nothing on failure (:class:`KVFormatError`).
@@ -502,7 +511,9 @@ class RankKVCache:
         hashes = [h for h, _ in chain]
         head = self.index.match(hashes)  # already cached part (also touches it)
         parent = head[-1] if head else None
-        stored, evicted = self.index.insert(parent, hashes[len(head) :], protect=set(head))
+        stored, evicted = self.index.insert(
+            parent, hashes[len(head) :], protect=set(head) | set(protect)
+        )
         for h in evicted:
             self.pool.drop(h)
         self.last_evicted = evicted

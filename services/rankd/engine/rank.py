@@ -138,11 +138,15 @@ class RankEngine:
         return cache.chain_of(held), pages
 
     def import_prefix(
-        self, chain: list[tuple[BlockHash, BlockHash | None]], pages: list[Page]
+        self,
+        chain: list[tuple[BlockHash, BlockHash | None]],
+        pages: list[Page],
+        protect: list[BlockHash] | tuple[BlockHash, ...] = (),
     ) -> tuple[list[BlockHash], list[BlockHash]]:
-        """Install a chain and its pages into the active cache (keeping this rank's pages);
+        """Install a chain and its pages into the active cache (keeping this rank's pages),
+        never evicting a block of ``protect`` to make room (what does not fit is not stored);
         returns (stored, evicted). Validates first: KVFormatError changes nothing."""
-        stored = self.cache.import_prefix(chain, pages)
+        stored = self.cache.import_prefix(chain, pages, frozenset(protect))
         return stored, self.cache.last_evicted
 
     def remove(self, hashes: list[BlockHash]) -> list[BlockHash]:
