@@ -11,11 +11,15 @@ Two parts, for a reason:
   (pages, layers, 2, B, Hkv, D) and a free list, holding only the pages it owns: page p of a
   prefix (the p-th block, 0-based) lives on CP rank p mod C (cp-attention.md rule 11).
 
-Capacity is ``pages_per_rank`` per rank; the index tracks per-rank use and evicts until each
-rank that must receive a new page has room. Eviction is LRU over *leaves* of the prefix tree
-(a block with no cached child), so a cached prefix never loses an inner block: it shrinks from
-its tail. LRU uses a logical clock and a heap with lazy deletion (O(log n) per operation; stale
-entries are skipped and the heap is compacted when it grows past 4x the live blocks).
+Capacity is ``pages_per_rank`` per rank; the index tracks every rank's use (each rank's copy
+holds all C counters, so ranks whose page needs differ -- a chain whose length is not a
+multiple of C -- still decide alike). A chain is stored up to its first page whose rank cannot
+get room; eviction is planned before anything is dropped and frees pages only for the pages
+that are stored (see :meth:`PrefixIndex._make_room`). Eviction is LRU over *leaves* of the
+prefix tree (a block with no cached child), so a cached prefix never loses an inner block: it
+shrinks from its tail. LRU uses a logical clock and a heap with lazy deletion (O(log n) per
+touch; stale entries are skipped and the heap is compacted when it grows past 4x the live
+blocks); a store that must evict plans on a copy of the heap (O(n log n), once or twice).
 
 Events (drained by the adapter with :meth:`PrefixIndex.take_events`, never published here):
 ``{"type": "stored", "worker", "event_id", "parent_hash", "block_hashes"}``,
@@ -135,9 +139,11 @@ class PrefixIndex:
     ) -> tuple[list[BlockHash], list[BlockHash]]:
         """Cache the chain ``hashes`` under ``parent`` (None = root; else must be cached).
 
-        Evicts LRU leaves (never ``protect`` nor the parent path) until each owner rank of a
-        new page has room; stores the longest prefix of ``hashes`` that fits. Blocks already
-        cached are skipped (touched). Returns (stored, evicted) and emits the events.
+        Stores the longest prefix of ``hashes`` that fits, evicting LRU leaves (never
+        ``protect`` nor the parent path) for those pages only: a page that cannot be stored
+        costs no other rank a page. Blocks already cached are skipped (touched). Returns
+        (stored, evicted) and emits the events. Deterministic in the index's state and the
+        arguments: every rank of the worker reaches the same outcome.
         """
         if parent is not None and parent not in self._nodes:
             raise InvalidInput(f"parent block {parent} is not cached")
@@ -236,8 +242,10 @@ class PrefixIndex:
             need[p % self.degree] += 1
         return need
 
-    def _fit(self, first_page: int, n: int) -> int:
-        free = [self.pages_per_rank - u for u in self._used]
+    def _fit(self, first_page: int, n: int, used: list[int] | None = None) -> int:
+        """How many of the pages ``first_page ..`` (at most ``n``) fit, in order, given the
+        per-rank ``used`` counts (default: the current ones)."""
+        free = [self.pages_per_rank - u for u in (self._used if used is None else used)]
         for k in range(n):
             r = (first_page + k) % self.degree
             if free[r] == 0:
@@ -245,28 +253,88 @@ class PrefixIndex:
             free[r] -= 1
         return n
 
-    def _make_room(self, first_page: int, n: int, keep: set[int]) -> list[BlockHash]:
+    def _plan_evictions(
+        self, first_page: int, n: int, keep: set[int]
+    ) -> tuple[list[BlockHash], list[int]]:
+        """Dry run of LRU eviction for the ``n`` pages from ``first_page``: (the leaves to
+        evict, in a valid order -- each is a leaf once the ones before it are gone; the
+        per-rank use afterwards). Changes nothing.
+
+        Pops LRU leaves (on a copy of the heap) and evicts one only when its owner rank is
+        still short for these pages and it is not in ``keep``; evicting a leaf may expose its
+        parent, which then competes by its own stamp. A rank whose every page is kept (or
+        only reachable through leaves on ranks that are no longer short) stays short: the
+        caller decides what to do with a plan that does not make room for all ``n``.
+        """
         need = self._need(first_page, n)
-        short = lambda r: need[r] > self.pages_per_rank - self._used[r]  # noqa: E731
+        used = list(self._used)
+        cap = self.pages_per_rank
         evicted: list[BlockHash] = []
-        skipped: list[tuple[int, int]] = []
-        while any(short(r) for r in range(self.degree)) and self._heap:
-            stamp, h = heapq.heappop(self._heap)
-            node = self._nodes.get(h)
-            if node is None or node.children or node.stamp != stamp:
+        if all(need[r] <= cap - used[r] for r in range(self.degree)):
+            return evicted, used  # the common case: room already, no heap copy
+        nodes = self._nodes
+        heap = list(self._heap)  # a copy of a heap is a heap
+        gone: set[int] = set()
+        lost_children: dict[int, int] = {}  # parent -> children evicted in this plan
+
+        def children(h: int) -> int:
+            return nodes[h].children - lost_children.get(h, 0)
+
+        # NOTE: an entry skipped because its rank is not short (or it is kept) is dropped from
+        # the copy for good, as the real heap did before: a rank's shortness only decreases.
+        while heap and any(need[r] > cap - used[r] for r in range(self.degree)):
+            stamp, h = heapq.heappop(heap)
+            node = nodes.get(h)
+            if node is None or h in gone or children(h) or node.stamp != stamp:
                 continue  # stale entry
-            if h in keep or not short(node.page % self.degree):
-                skipped.append((stamp, h))
+            r = node.page % self.degree
+            if h in keep or need[r] <= cap - used[r]:
                 continue
-            parent = node.parent
-            self._drop(h)
+            gone.add(h)
+            used[r] -= 1
             evicted.append(BlockHash(h))
+            parent = node.parent
+            if parent is not None:
+                lost_children[parent] = lost_children.get(parent, 0) + 1
+                if children(parent) == 0:
+                    heapq.heappush(heap, (nodes[parent].stamp, parent))
+        return evicted, used
+
+    def _make_room(self, first_page: int, n: int, keep: set[int]) -> list[BlockHash]:
+        """Evict LRU leaves (never ``keep``) for the ``n`` new pages from ``first_page``;
+        returns the evicted blocks (leaves first).
+
+        Only the leading part of a chain that fits is stored (:meth:`_fit`), so eviction is
+        planned first and evicts only for the pages that will be stored: when one rank cannot
+        get room (its pages are all kept, e.g. rankd's protected blocks), the other ranks do
+        not give up pages for pages of the chain beyond that point, which would be freed for
+        nothing (cache space lost, "removed" events for blocks nobody replaced). Every rank
+        runs this on an identical index, so every rank evicts the same blocks.
+        """
+        plan, used = self._plan_evictions(first_page, n, keep)
+        k = self._fit(first_page, n, used)
+        if k < n:
+            # Plan again for the k pages that fit: it evicts exactly each rank's shortfall.
+            lean, lean_used = self._plan_evictions(first_page, k, keep)
+            if self._fit(first_page, k, lean_used) == k:
+                plan = lean
+            else:
+                # Rare: the k pages fit only thanks to a parent exposed by evicting a leaf on a
+                # rank short for the later pages alone. Keep the plan's shortest head that
+                # still fits k (a head of a valid eviction order is valid).
+                used = list(self._used)
+                m = 0
+                while self._fit(first_page, k, used) < k:
+                    used[self._nodes[plan[m]].page % self.degree] -= 1
+                    m += 1
+                plan = plan[:m]
+        for h in plan:
+            parent = self._nodes[h].parent
+            self._drop(h)
             if parent is not None and self._nodes[parent].children == 0:
                 p = self._nodes[parent]
                 heapq.heappush(self._heap, (p.stamp, p.hash))
-        for e in skipped:
-            heapq.heappush(self._heap, e)
-        return evicted
+        return plan
 
     def _drop(self, h: int) -> None:
         n = self._nodes.pop(h)
@@ -491,8 +559,11 @@ class RankKVCache:
         rankd's pinned blocks and the blocks of the request whose KV hand-off is in progress
         (see TorchBackend.prepare_cache_command).
 
-        Validates first (chain links, every owned page present with the right shape) and
-        changes nothing on failure (:class:`KVFormatError`).
+        Validates first (chain links, every owned page present, every given page of the
+        chain with the right shape) and changes nothing on failure (:class:`KVFormatError`).
+        Shapes are checked on every given page, not only the owned ones, so that ranks given
+        the same pages (rankd sends every member the whole chain) refuse a bad payload
+        together: one rank refusing while the others install would split the worker's index.
         """
         by_hash = {pg.hash: pg for pg in pages}
         prev = None
@@ -500,9 +571,11 @@ class RankKVCache:
             if parent != prev:
                 raise KVFormatError(f"chain broken at block {i}: parent {parent} != {prev}")
             prev = h
-            if i % self.degree == self.rank and h not in self.index:
+            if h not in self.index:
                 pg = by_hash.get(h)
                 if pg is None:
+                    if i % self.degree != self.rank:
+                        continue  # another rank's page: the caller may give each rank its own
                     raise KVFormatError(f"page {i} ({h}) owned by rank {self.rank} is missing")
                 if tuple(pg.kv.shape) != self.shape:
                     raise KVFormatError(
