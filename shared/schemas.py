@@ -229,7 +229,9 @@ class WorkerState(Message):
     ``heartbeat_s`` is refreshed periodically; a reader treats a state older than its lease
     as UNAVAILABLE. ``seq`` increases with every publication by that worker (it starts again
     when the worker does). ``incarnation`` changes when the worker under this id is started
-    again (a rank daemon restart, or the id re-created by a reconfiguration).
+    again (a rank daemon restart, or the id re-created by a reconfiguration). ``max_seq_len``
+    is the worker's own prompt limit when its backend knows one; a scheduler takes the smaller
+    of it and its setting, so a prompt no worker can serve is refused before it is placed.
     """
 
     worker_id: Id
@@ -253,6 +255,12 @@ class WorkerState(Message):
     incarnation: Incarnation = Field(
         default="", description="this start of the worker; a new value means the requests "
         "and cache of the one before are gone")
+    max_seq_len: int | None = Field(
+        default=None, ge=1, le=MAX_TOKENS,
+        description="longest prompt (tokens) the worker's engine serves, e.g. the model's "
+        "max_position_embeddings; None: not known (the scheduler's own max_seq_len alone "
+        "applies). A limit above MAX_TOKENS is published as MAX_TOKENS: no valid request is "
+        "longer")
     heartbeat_s: WallTime
 
     @model_validator(mode="after")

@@ -233,6 +233,8 @@ class GatewayApp:
                 "served": s.served,
                 "kv_free_blocks": s.kv_free_blocks,
                 "kv_total_blocks": s.kv_total_blocks,
+                # The engine's own prompt limit (None: not published; the scheduler's applies).
+                "max_seq_len": s.max_seq_len,
                 "heartbeat_age_s": max(0.0, now - s.heartbeat_s),
             }
             for s in states

@@ -36,6 +36,14 @@ restart (services/rankd/service.py). Any other exception is the request's failur
 may also offer ``health() -> WorkerFault | None`` (optional, non-blocking, called on the
 event loop every :data:`~services.rankd.service.HEALTH_PERIOD_S`): a fault it returns is
 handled the same way without waiting for a request to meet it.
+
+Limits: a backend may offer ``max_seq_len`` (optional attribute or property, ``int | None``):
+the longest prompt in tokens it serves (the torch backend: its model's
+``max_position_embeddings`` once the world started), read at every state publication and
+published as ``WorkerState.max_seq_len`` (:func:`services.rankd.service.backend_max_seq_len`)
+so the scheduler never places a prompt the worker would refuse. Absent, None or < 1: not
+known. A backend that gives one must raise :class:`~shared.ids.InvalidInput` from
+``prefill`` for a longer prompt.
 """
 
 from __future__ import annotations
@@ -142,6 +150,11 @@ class SimBackend:
     ``kv_capacity_blocks`` (optional): the modelled worker's KV-cache capacity in blocks (e.g.
     the modelled GPUs' HBM budget for its degree). rankd sizes the worker's cache with it
     unless ``VTM_KV_TOTAL_BLOCKS`` is set; None leaves the setting's default.
+
+    ``max_seq_len`` (optional): the modelled engine's context limit in tokens; a longer prompt
+    is refused (:class:`~shared.ids.InvalidInput`, before any sleep) and rankd publishes the
+    limit in its WorkerState. None (the default: the simulator's model, ``sim.groundtruth``,
+    has no context limit) serves any length.
     """
 
     name: Final[str] = "sim"  # type: ignore[misc]
@@ -158,15 +171,17 @@ class SimBackend:
         vocab: int = DEFAULT_VOCAB,
         clock: Callable[[], float] = time.time,
         kv_capacity_blocks: int | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
         if not time_scale > 0 or time_scale != time_scale:
             raise InvalidInput(f"time_scale must be > 0, got {time_scale}")
-        if kv_capacity_blocks is not None and (isinstance(kv_capacity_blocks, bool)
-                                               or not isinstance(kv_capacity_blocks, int)
-                                               or kv_capacity_blocks < 1):
-            raise InvalidInput(f"kv_capacity_blocks must be an integer >= 1, "
-                               f"got {kv_capacity_blocks!r}")
+        for label, value in (("kv_capacity_blocks", kv_capacity_blocks),
+                             ("max_seq_len", max_seq_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise InvalidInput(f"{label} must be an integer >= 1, got {value!r}")
         self.kv_capacity_blocks = kv_capacity_blocks
+        self.max_seq_len = max_seq_len
         if vocab < 1:
             raise InvalidInput(f"vocab must be >= 1, got {vocab}")
         self._kind = kind
@@ -185,6 +200,9 @@ class SimBackend:
 
     def modelled_stages(self, a: Assignment) -> tuple[float, float, float]:
         """(prefill, KV transfer, first decode) modelled seconds; validates first."""
+        if self.max_seq_len is not None and a.request.input_len > self.max_seq_len:
+            raise InvalidInput(f"prompt of {a.request.input_len} tokens exceeds the modelled "
+                               f"engine's max_seq_len {self.max_seq_len}")
         if self._prefill_time is not None:
             prefill = float(
                 self._prefill_time(a.recompute_tokens, a.prefix_tokens, a.degree, kind=self._kind)

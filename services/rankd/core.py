@@ -334,8 +334,11 @@ class WorkerCore:
             by = dict(sorted(by.items(), key=lambda kv: -kv[1])[:MAX_SCHEDULER_REPLICAS])
         return {k: min(v, _MAX_SECONDS) for k, v in by.items()}
 
-    def state(self, now: float, *, kv_free_blocks: int | None = None) -> WorkerState:
-        """The WorkerState to publish now (``seq`` increases on every call)."""
+    def state(self, now: float, *, kv_free_blocks: int | None = None,
+              max_seq_len: int | None = None) -> WorkerState:
+        """The WorkerState to publish now (``seq`` increases on every call). ``max_seq_len``:
+        the engine's prompt limit, published as is (None: not known); the core does not
+        enforce it (the backend refuses a longer prompt)."""
         self._seq += 1
         free = (
             self.kv_total_blocks - self._pinned_blocks if kv_free_blocks is None else kv_free_blocks
@@ -357,6 +360,7 @@ class WorkerCore:
             served=self.served,
             seq=self._seq,
             incarnation=self.incarnation,
+            max_seq_len=max_seq_len,
             heartbeat_s=now,
         )
 

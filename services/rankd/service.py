@@ -23,7 +23,8 @@ Per process (one worker, its leader rank, for now):
   seconds (÷ ``vtm.time_scale``, wall seconds per modelled second), so prediction and
   measurement compare like with like at any time scale.
 * WorkerState in the worker-state KV bucket (key = worker id) on every change, coalesced, and
-  at least every ``heartbeat_s`` (the liveness lease).
+  at least every ``heartbeat_s`` (the liveness lease); its ``max_seq_len`` is the backend's
+  prompt limit when it has one (:func:`backend_max_seq_len`).
 * the worker's prefix cache (LRU, :mod:`services.rankd.blockcache`) decides the P actually
   reused; its events (stored / removed / cleared, per-worker monotonic ids) are published as
   JSON on ``{prefix}.cache.events.{wid}`` in order; ``{prefix}.cache.snapshot.{wid}``
@@ -118,6 +119,7 @@ from shared.ids import InvalidInput, UnknownWorker, WorkerFault
 from shared.schemas import (
     CONTENT_TYPE,
     JSON,
+    MAX_TOKENS,
     SCHEMA_VERSION,
     Assignment,
     AssignmentAck,
@@ -132,6 +134,7 @@ from shared.schemas import (
     QueueReport,
     SchemaError,
     TtftStages,
+    WorkerState,
     decode,
     encode,
     to_json,
@@ -212,6 +215,18 @@ def kv_capacity(settings: RankdSettings, backend: ExecutionBackend) -> int:
     if "kv_total_blocks" in settings.model_fields_set or own is None:
         return settings.kv_total_blocks
     return int(own)
+
+
+def backend_max_seq_len(backend: ExecutionBackend) -> int | None:
+    """The prompt limit (tokens) to publish as ``WorkerState.max_seq_len``: the backend's
+    optional ``max_seq_len`` (services/rankd/backend.py), None when it has none or it is not
+    known yet (< 1, e.g. a torch world not started). Capped at ``MAX_TOKENS``: no valid request
+    is longer, and a larger value (a model with huge position tables) would fail the schema
+    and with it the state publication, i.e. the worker's liveness heartbeat."""
+    limit = getattr(backend, "max_seq_len", None)
+    if limit is None or isinstance(limit, bool) or int(limit) < 1:
+        return None
+    return min(int(limit), MAX_TOKENS)
 
 
 def ttft_stages(job: Job, result: PrefillResult) -> TtftStages:
@@ -888,10 +903,15 @@ class RankdService(MicroService):
 
     # -- state and epochs ---------------------------------------------------------------------
 
+    def current_state(self) -> WorkerState:
+        """The WorkerState to publish now: the core's bookkeeping plus the backend's prompt
+        limit, read each time (a backend may learn it after construction). Advances the
+        state's ``seq``."""
+        return self.core.state(self.clock(), max_seq_len=backend_max_seq_len(self.backend))
+
     async def _publish_state(self) -> None:
         assert self._state_kv is not None
-        state = self.core.state(self.clock())
-        await self._state_kv.put(self.core.worker_id, to_json(state))
+        await self._state_kv.put(self.core.worker_id, to_json(self.current_state()))
 
     async def _publisher(self) -> None:
         loop = asyncio.get_running_loop()

@@ -422,6 +422,14 @@ class TorchBackend:
         against what the engine can hold."""
         return self.group.degree * self.world.spec.pages_per_rank
 
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest prompt this worker serves: its model's ``max_position_embeddings`` (the
+        smallest any rank reported), None until the world started. rankd publishes it in the
+        WorkerState so the scheduler refuses or routes a longer prompt instead of placing it
+        here, where :meth:`prefill` would refuse it (``SequenceTooLong``)."""
+        return self.world.max_positions or None
+
     def bind_cache(self, cache: BlockCache | None) -> None:
         """Keep the engine's cache in lockstep with rankd's BlockCache of this worker (called
         by RankdService; the BlockCache decides P and is what the cache events publish).

@@ -56,9 +56,11 @@ sequence was superseded by such a redirect (already placed) and is acked without
 Failure handling: no eligible worker, or the worker refused (a micro error: it does not hold
 the request) → the reservation is released, the record deleted and the message NAK'ed with
 ``retry_delay_s``. A request longer than the ``max_seq_len`` of every worker in the view
-(:class:`~services.scheduler.errors.SequenceTooLong`: no worker can ever serve it, whatever
-their lifecycle) is neither held nor NAK'ed: it gets a FirstToken whose error starts with
-``not servable`` (the gateway answers 422) and the message is terminated, on that delivery.
+(each worker's: the setting, lowered to the limit its WorkerState publishes, see
+:func:`worker_view`; :class:`~services.scheduler.errors.SequenceTooLong`: no worker can ever
+serve it, whatever their lifecycle) is neither held nor NAK'ed: it gets a FirstToken whose
+error starts with ``not servable`` (the gateway answers 422) and the message is terminated,
+on that delivery.
 An empty view refuses nothing (the workers still to come may take it): the request is held
 and retried as above, and refused as soon as a view with workers shows it too long.
 A dispatch whose outcome is *unknown* — it timed out (the worker may have admitted it and only
@@ -303,9 +305,12 @@ class SchedulerSettings(ServiceSettings):
     max_seq_len: int = Field(
         default=UNLIMITED,
         ge=1,
-        description="Longest input any worker serves (tokens); every worker's view gets it. A "
-        "longer request is refused at once (an error starting 'not servable': HTTP 422 at the "
-        "gateway) rather than held and retried; with no worker in the view yet it waits.",
+        description="Longest input any worker serves (tokens); every worker's view gets it, "
+        "lowered to the worker's own limit where its WorkerState publishes one "
+        "(max_seq_len: e.g. the torch engine's model positions). A request longer than "
+        "every worker's limit is refused at once (an error starting 'not servable': HTTP 422 "
+        "at the gateway) rather than held and retried; one that fits some workers goes to "
+        "one of them; with no worker in the view yet it waits.",
     )
     lease_s: float = Field(
         default=WORKER_LEASE_S,
@@ -485,7 +490,12 @@ class AssignmentRecord(Message):
 def worker_view(state: WorkerState, *, now: float, lease_s: float, block_size: int,
                 max_seq_len: int, reachable: bool = True) -> WorkerView:
     """The scheduler's view of one worker-state record (lease expiry, or ``reachable``
-    False: a send to it found no responder since this state → UNAVAILABLE)."""
+    False: a send to it found no responder since this state → UNAVAILABLE).
+
+    ``max_seq_len`` is the scheduler's setting; the view's limit is the smaller of it and the
+    worker's published ``state.max_seq_len`` (None: the setting alone). So the refusal of a
+    prompt longer than every worker, and the exclusion of a worker too short for it, follow
+    what each engine actually serves, not one number for the whole pool."""
     lifecycle = state.lifecycle
     if now - state.heartbeat_s > lease_s or not reachable:
         lifecycle = Lifecycle.UNAVAILABLE
@@ -495,7 +505,8 @@ def worker_view(state: WorkerState, *, now: float, lease_s: float, block_size: i
         kind=state.kind,
         lifecycle=lifecycle,
         epoch=state.epoch,
-        max_seq_len=max_seq_len,
+        max_seq_len=(max_seq_len if state.max_seq_len is None
+                     else min(max_seq_len, state.max_seq_len)),
         kv_capacity_tokens=max(1, state.kv_total_blocks) * block_size,
     )
 

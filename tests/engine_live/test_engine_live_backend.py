@@ -219,6 +219,22 @@ async def test_a_prompt_longer_than_the_model_is_refused_before_ids_are_made(
     assert all(world.alive()) and world.broken is None
 
 
+def test_the_published_state_carries_the_models_positions(world: TorchWorld) -> None:
+    """The worker's WorkerState says how long a prompt its engine serves (the model's
+    max_position_embeddings), so the scheduler refuses or routes a longer one before placing
+    it here; before the world started the limit is not known (None)."""
+    from services.rankd.service import RankdService
+    from services.rankd.settings import RankdSettings
+
+    backend = TorchBackend(world, "w-cp2-g0")  # not bound or run: only its state is read
+    assert backend.max_seq_len == CFG["max_position_embeddings"] == world.max_positions
+    state = RankdService(RankdSettings(worker_id="w-cp2-g0"), backend).current_state()
+    assert state.max_seq_len == CFG["max_position_embeddings"]
+    unstarted = TorchWorld(WorldSpec(world_size=2, degrees=(1, 2), initial_degrees=(2,),
+                                     model_config=CFG, block_size=B, pages_per_rank=64))
+    assert TorchBackend(unstarted, "w-cp2-g0").max_seq_len is None
+
+
 def test_synthesised_ids_follow_the_hash_chain() -> None:
     """Equal hash prefixes give equal token prefixes; tails depend on the request id; real
     ids pass through unchanged (out-of-vocabulary ones are the engine's to reject)."""

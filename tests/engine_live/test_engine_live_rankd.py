@@ -32,7 +32,9 @@ from shared.schemas import (
     EpochWorker,
     FirstToken,
     IntakeRequest,
+    WorkerState,
     decode,
+    from_json,
     to_json,
 )
 from shared.service import call
@@ -200,6 +202,10 @@ async def test_rankd_single_worker_torch(nats_server: EmbeddedNats, nc: Client, 
         ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
         assert ft.error is None
         assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token
+        # The worker-state bucket tells the scheduler the model's positions (its prompt limit).
+        kv = await nc.jetstream().key_value(s.worker_state_bucket())
+        state = from_json(WorkerState, (await kv.get("w-cp2-g0")).value)
+        assert state.max_seq_len == CFG["max_position_embeddings"]
         out = backend.outcomes["s-0"]
         assert out.handoff is not None and out.handoff.via == "nats"
         assert out.decode_token == model.greedy_generate(torch.tensor(tokens), 2)[1]

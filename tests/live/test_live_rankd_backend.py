@@ -224,3 +224,45 @@ def test_vertumnus_rankd_runs_the_ground_truth_launcher(
     res = CliRunner().invoke(app, [*argv, "--extra"])
     assert res.exit_code == 0, res.output
     assert ran == [("vertumnus.live.rankd_sim", ["--extra"])]
+
+
+async def test_a_sim_backend_with_a_context_limit_refuses_and_publishes_it() -> None:
+    """``max_seq_len`` on the sim backend: a longer prompt is refused before any time is
+    modelled (the limit is inclusive), and the rank daemon's WorkerState carries the limit;
+    without one (the default, and the ground-truth launcher's: its model has no context
+    limit) the state says None, i.e. "not known"."""
+    from services.rankd.service import RankdService, backend_max_seq_len
+    from services.rankd.settings import RankdSettings
+    from shared.schemas import MAX_TOKENS
+    from shared.worker import WorkerKind
+    from vertumnus.live.rankd_sim import SimRankdSettings, backend_factory
+
+    limited = SimBackend(max_seq_len=99, time_scale=0.001)
+    with pytest.raises(InvalidInput, match="prompt of 100 tokens exceeds .* max_seq_len 99"):
+        await limited.prefill(assignment())
+    assert (await SimBackend(max_seq_len=100, time_scale=0.001).prefill(assignment())).token \
+        == fake_token("r-1")
+    for bad in (0, -5, True, 2.5):
+        with pytest.raises(InvalidInput, match="max_seq_len"):
+            SimBackend(max_seq_len=bad)  # type: ignore[arg-type]
+
+    settings = RankdSettings(worker_id="w-cp2-g0")
+    assert RankdService(settings, limited).current_state().max_seq_len == 99
+    assert RankdService(settings, SimBackend()).current_state().max_seq_len is None
+    sim = backend_factory(SimRankdSettings())("w-cp2-g0", WorkerKind.CP)
+    assert RankdService(settings, sim).current_state().max_seq_len is None
+
+    # What gets published from a backend's attribute: unknown (absent, None, < 1: a torch
+    # world not started) is None; a limit beyond any valid request is capped at MAX_TOKENS
+    # (the schema's bound) rather than failing the state publication, the liveness heartbeat.
+    class Limit:
+        name = "x"
+
+        def __init__(self, limit: object) -> None:
+            self.max_seq_len = limit
+
+    assert backend_max_seq_len(SimBackend()) is None
+    for attr, want in ((None, None), (0, None), (512, 512), (MAX_TOKENS, MAX_TOKENS),
+                       (1 << 40, MAX_TOKENS)):
+        assert backend_max_seq_len(Limit(attr)) == want, attr  # type: ignore[arg-type]
+    assert backend_max_seq_len(object()) is None  # type: ignore[arg-type]

@@ -333,6 +333,26 @@ def test_worker_state_consistency() -> None:
             from_json(WorkerState, json.dumps({**raw, **change}))
 
 
+def test_worker_state_max_seq_len() -> None:
+    """A worker's own prompt limit: optional (a state without it, e.g. from an older rank
+    daemon, is valid and means "not known"), a positive token count up to MAX_TOKENS, and
+    carried through both codecs."""
+    raw = json.loads(to_json(SAMPLES[6][1]))
+    assert "max_seq_len" in raw  # the sample is a WorkerState
+    del raw["max_seq_len"]
+    assert from_json(WorkerState, json.dumps(raw)).max_seq_len is None
+    for limit in (1, 40_960, MAX_TOKENS):
+        st = from_json(WorkerState, json.dumps({**raw, "max_seq_len": limit}))
+        assert st.max_seq_len == limit
+        for ctype in (JSON, MSGPACK):
+            data, headers = encode(st, ctype)
+            assert decode(WorkerState, data, headers) == st
+    for bad in (0, -1, MAX_TOKENS + 1, 1.5, "abc", [512]):
+        with pytest.raises(SchemaError) as err:
+            from_json(WorkerState, json.dumps({**raw, "max_seq_len": bad}))
+        assert err.value.field == "max_seq_len", bad
+
+
 def test_epoch_record_rejects_overlap_and_misaligned_groups() -> None:
     good = json.loads(to_json(SAMPLES[7][1]))
     overlap = {

@@ -132,6 +132,7 @@ class FakeWorker:
     epoch: int = 0  # WorkerState.epoch as published
     outstanding_s: float = 0.0  # WorkerState.outstanding_s / outstanding_by as published
     outstanding_by: dict[str, float] = field(default_factory=dict)
+    max_seq_len: int | None = None  # WorkerState.max_seq_len as published (None: not known)
     _subs: list[Any] = field(default_factory=list)
 
     async def start(self) -> FakeWorker:
@@ -160,7 +161,7 @@ class FakeWorker:
             outstanding_by=self.outstanding_by,
             kv_free_blocks=self.kv_total_blocks, kv_total_blocks=self.kv_total_blocks,
             hit_tokens=512, input_tokens=2048, served=1, incarnation=self.incarnation,
-            heartbeat_s=time.time(),
+            max_seq_len=self.max_seq_len, heartbeat_s=time.time(),
         )
         await kv.put(self.worker_id, to_json(state))
 

@@ -21,6 +21,9 @@ from services.gateway.adapter import (
     WorkerFailed,
     result_error,
 )
+from services.rankd.backend import SimBackend
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
 from shared.schemas import CompletionRequest, FirstToken
 from shared.service import RemoteError, call
 from shared.subjects import Subjects
@@ -103,6 +106,65 @@ async def test_a_retry_after_a_refusal_is_a_new_attempt(
     assert again.status == 200, again.body
     assert again.json()["choices"][0]["token_ids"] == [fake_token("grow-1")]
     assert [a.request.request_id for a in w.assignments] == ["grow-1"]
+
+
+async def test_the_workers_published_limits_route_and_refuse(
+    live: Services, fake_worker  # type: ignore[no-untyped-def]
+) -> None:
+    """The scheduler's own limit is unlimited here: only the workers' states say how long a
+    prompt each serves (WorkerState.max_seq_len). A prompt that fits one worker goes to it,
+    never to the shorter one; one longer than both is refused at once (422 naming the largest
+    published limit), not placed on a worker that would fail it."""
+    short = await fake_worker("w-cp2-g0", 2, 0, max_seq_len=WORKER_MAX)
+    long = await fake_worker("w-cp4-g4", 4, 4, max_seq_len=3 * WORKER_MAX)
+    sched = await live.scheduler(block_size=B, **SLOW)
+    gw = await live.gateway(**GATEWAY)
+    await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+    assert {w.worker_id: w.max_seq_len for w in sched.core.view.workers} == {
+        "w-cp2-g0": WORKER_MAX, "w-cp4-g4": 3 * WORKER_MAX}
+
+    for i in range(3):
+        ok = await http(gw.http_port, "POST", "/v1/completions",
+                        {"prompt": list(range(2 * WORKER_MAX)), "request_id": f"mid-{i}"})
+        assert ok.status == 200, ok.body
+        assert ok.json()["vtm"]["worker_id"] == "w-cp4-g4"
+    assert short.assignments == [] and len(long.assignments) == 3
+
+    reply = await http(gw.http_port, "POST", "/v1/completions",
+                       {"prompt": list(range(4 * WORKER_MAX)), "max_tokens": 16})
+    assert reply.status == 422, reply.body
+    assert ("prompt of 400 tokens is longer than every worker's max_seq_len (300 at most)"
+            in reply.json()["error"]["message"]), reply.body
+    assert (sched.stats.refused, sched.stats.retried, sched.stats.placed) == (1, 0, 3)
+    assert len(long.assignments) == 3
+    # Operators see each worker's limit where they see its state.
+    workers = (await http(gw.http_port, "GET", "/v1/workers")).json()["workers"]
+    assert {w["worker_id"]: w["max_seq_len"] for w in workers} == {
+        "w-cp2-g0": WORKER_MAX, "w-cp4-g4": 3 * WORKER_MAX}
+
+
+async def test_a_rank_daemons_own_limit_refuses_at_once(live: Services) -> None:
+    """End to end with a real rank daemon whose backend has a context limit (the sim backend's
+    ``max_seq_len``, as the torch backend's model positions): rankd publishes it, and a longer
+    prompt is answered 422 by the scheduler at once instead of being placed and failed by the
+    worker (a 502), while a prompt at the limit is served."""
+    settings = RankdSettings(nats_url=live.url, subject_prefix=live.prefix,
+                             worker_id="w-cp2-g0", heartbeat_s=0.2)
+    backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.01, max_seq_len=WORKER_MAX)
+    rankd = await live._run(RankdService(settings, backend))
+    sched = await live.scheduler(block_size=B, **SLOW)
+    gw = await live.gateway(**GATEWAY)
+    await wait_until(lambda: len(sched.core.view) == 1, "the rank daemon in the view")
+    assert sched.core.view.workers[0].max_seq_len == WORKER_MAX
+
+    reply = await http(gw.http_port, "POST", "/v1/completions",
+                       {"prompt": list(range(2 * WORKER_MAX))})
+    assert reply.status == 422, reply.body
+    assert NEEDLE in reply.json()["error"]["message"], reply.body
+    ok = await http(gw.http_port, "POST", "/v1/completions", {"prompt": list(range(WORKER_MAX))})
+    assert ok.status == 200, ok.body
+    assert (sched.stats.refused, sched.stats.placed) == (1, 1)
+    await wait_until(lambda: rankd.core.served == 1, "the worker's count of served requests")
 
 
 def test_result_errors_map_to_statuses() -> None:

@@ -24,9 +24,12 @@ from services.scheduler import (
     make_policy,
     policy_names,
 )
-from services.scheduler.eligibility import longest_max_seq_len, sequence_too_long
+from services.scheduler.eligibility import exclusion, longest_max_seq_len, sequence_too_long
 from services.scheduler.errors import UnknownRequest
+from services.scheduler.service import worker_view
+from services.scheduler.view import UNLIMITED, ClusterView
 from shared.ids import RequestId, WorkerId
+from shared.schemas import WorkerState
 from shared.worker import Lifecycle
 
 W = WorkerId
@@ -126,3 +129,50 @@ def test_pure_helpers() -> None:
     # A bound the caller kept is used as given (the core keeps one per view).
     kept = sequence_too_long(req("r", 1200), v, 1000)
     assert kept is not None and kept.max_seq_len == 1000
+
+
+# -- the workers' own limits (WorkerState.max_seq_len) ----------------------------------------
+
+
+def state(wid: str, degree: int, first_gpu: int, limit: int | None) -> WorkerState:
+    return WorkerState(worker_id=wid, degree=degree,
+                       gpus=list(range(first_gpu, first_gpu + degree)), epoch=0,
+                       lifecycle=Lifecycle.ACTIVE, queue_len=0, outstanding_s=0.0,
+                       kv_free_blocks=4096, kv_total_blocks=4096, max_seq_len=limit,
+                       heartbeat_s=100.0)
+
+
+def views(*states: WorkerState, setting: int = UNLIMITED) -> ClusterView:
+    return view(*(worker_view(s, now=100.0, lease_s=10.0, block_size=16, max_seq_len=setting)
+                  for s in states))
+
+
+def test_worker_view_takes_the_smaller_of_the_setting_and_the_published_limit() -> None:
+    """The scheduler's setting is a ceiling for the whole pool; a worker that publishes a
+    lower limit (its engine's positions) gets that one; None (a worker that does not know,
+    or an older rank daemon) keeps the setting."""
+    def limit(published: int | None, setting: int) -> int:
+        return views(state("w-cp2-g0", 2, 0, published), setting=setting).workers[0].max_seq_len
+
+    assert limit(512, UNLIMITED) == 512
+    assert limit(512, 1000) == 512
+    assert limit(5000, 1000) == 1000
+    assert limit(None, 1000) == 1000
+    assert limit(None, UNLIMITED) == UNLIMITED
+
+
+@pytest.mark.parametrize("policy", sorted(policy_names()))
+def test_published_limits_route_refuse_and_bound(policy: str) -> None:
+    """Workers with different published limits: a prompt that fits only the longer one goes
+    there (the shorter is excluded as TOO_LONG), one longer than both is refused at once
+    naming the largest published limit, though the scheduler's own setting is unlimited."""
+    v = views(state("w-cp2-g0", 2, 0, 1000), state("w-cp4-g4", 4, 4, 3000))
+    assert longest_max_seq_len(v) == 3000
+    core = core_for(*v.workers, policy=policy)
+    assert exclusion(v.workers[0], 2000) is Exclusion.TOO_LONG
+    assert exclusion(v.workers[1], 2000) is None
+    for i in range(5):  # every policy, whatever its tie-breaking or randomness
+        assert core.place(req(f"fits-b-{i}", 2000), {}, 0.0).worker == "w-cp4-g4"
+    with pytest.raises(SequenceTooLong) as ei:
+        core.place(req("too-long", 3001), {}, 0.0)
+    assert ei.value.max_seq_len == 3000
