@@ -231,6 +231,21 @@ def profile_file(path: Path | None, degrees: Sequence[int] | None = None) -> Pat
     return path
 
 
+def nats_settings() -> None:
+    """The ``VTM_NATS_*`` credentials and TLS settings of this environment, checked as every
+    service and ``up`` check theirs (:func:`shared.natsauth.env_security_options`): two ways to
+    authenticate, a missing or unreadable file or a file that is no certificate exits 2 naming
+    the setting, before any connection (else a tool would report it as a server it cannot
+    reach)."""
+    from shared.ids import InvalidInput
+    from shared.natsauth import env_security_options
+
+    try:
+        env_security_options()
+    except InvalidInput as exc:
+        fail(f"NATS security settings: {exc}")
+
+
 SLO_HELP = ("TTFT deadlines by prompt length: a table name (qwen3-30b-a3b, deepseek-v4-flash: "
             "paper Table 2) or BOUND:SECONDS pairs, e.g. 8192:1,32768:5,inf:10 (under 8,192 "
             "tokens 1 s, …)")

@@ -43,6 +43,7 @@ from vertumnus.cliargs import (
     check_seed,
     comma_list,
     degrees_option,
+    nats_settings,
     output_dir,
     output_file,
     profile_file,
@@ -154,7 +155,7 @@ def register(app: typer.Typer) -> None:
         hardware: Annotated[Path | None, typer.Option(
             help="--backend sim: the modelled model and GPUs, a .json or .toml file "
                  "(sim/hardware.py; default: Qwen3-30B-A3B on H20); without --profile the "
-                 "cost model is fitted on it first (≈5 s)")] = None,
+                 "cost model is fitted on it first (≈2 s)")] = None,
         per_degree: Annotated[bool, typer.Option(
             help="--backend sim without --profile: fit the cost model on the modelled "
                  "hardware with one coefficient set per CP degree")] = False,
@@ -294,6 +295,8 @@ def register(app: typer.Typer) -> None:
         except InvalidInput as exc:
             _fail(f"--prefix: {exc}")
         table = slo_table(slo)
+        if nats_url is not None:
+            nats_settings()
         try:
             wl, reqs = load_requests(trace, duration_s=duration, rate=rate, seed=seed,
                                      max_requests=max_requests, default_rate=2.0)
@@ -342,6 +345,7 @@ def register(app: typer.Typer) -> None:
             # nan would never time out, and <= 0 would stop before listening.
             _fail(f"--timeout must be a finite number of seconds > 0 (leave it out for no "
                   f"limit), got {timeout:g}")
+        nats_settings()
 
         def out(text: str) -> None:
             typer.echo(text)
@@ -386,6 +390,7 @@ def register(app: typer.Typer) -> None:
             _fail(f"--prefix: {exc}")
         if not (timeout > 0 and math.isfinite(timeout)):
             _fail(f"--timeout must be a finite number of seconds > 0, got {timeout:g}")
+        nats_settings()
         try:
             summary = asyncio.run(read_status(nats_url, prefix, timeout_s=timeout))
         except KeyboardInterrupt:

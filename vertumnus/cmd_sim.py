@@ -153,9 +153,9 @@ def register(app: typer.Typer) -> None:
 
         κ: by default §6.1's single worker on a Poisson stream of the workload's lengths,
         uncached (the controller multiplies it by the calibrated pool factor). With
-        --pool-gpus N and a trace, the pooled κ of that trace, the one 'simulate --trace T
-        --gpus N' measures (README), so an operator's profile of their own traffic needs no
-        sweep.
+        --pool-gpus N and a trace, the pooled κ of that trace, measured as 'simulate --trace
+        T --gpus N' measures it (README), so an operator's profile of their own traffic needs
+        no sweep.
         """
         if backend not in ("sim", "torch"):
             _fail(f"unknown backend {backend!r}; use 'sim' or 'torch'")

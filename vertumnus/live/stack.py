@@ -1055,6 +1055,19 @@ def hardware_profile(config: UpConfig, out_dir: Path) -> tuple[Path, dict[str, A
     return path, report
 
 
+def up_banner(config: UpConfig, n_requests: int, log_dir: Path) -> str:
+    """``up``'s first line: the pool and what it will do -- the replay's size and length, or,
+    with ``serve``, that nothing is replayed (``replay`` drives the stack)."""
+    scale = config.effective_time_scale
+    head = (f"vertumnus up: {config.gpus} GPUs, degrees {sorted(config.degrees)}, policy "
+            f"{config.policy}, backend {config.backend}, ")
+    if config.serve:
+        return f"{head}no replay (--serve), time scale {scale:g}; logs {log_dir}"
+    return (f"{head}{n_requests} requests over {config.duration_s:g} modelled s at time scale "
+            f"{scale:g} (≈{config.duration_s * scale / config.rate_scale:.0f} s wall); "
+            f"logs {log_dir}")
+
+
 async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = None,
                  json_path: Path | None = None, show_progress: bool = True,
                  requests: Sequence[Any] | None = None) -> dict[str, Any]:
@@ -1076,10 +1089,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                                     max_requests=config.max_requests,
                                     default_rate=config.base_rate)
     requests = list(requests)
-    err.print(f"vertumnus up: {config.gpus} GPUs, degrees {sorted(config.degrees)}, policy "
-              f"{config.policy}, backend {config.backend}, {len(requests)} requests over "
-              f"{config.duration_s:g} modelled s at time scale {scale:g} "
-              f"(≈{config.duration_s * scale / config.rate_scale:.0f} s wall); logs {log_dir}")
+    err.print(up_banner(config, len(requests), log_dir))
     plans = config.crash_plans()
     last_s = (requests[-1].arrival_s * scale / config.rate_scale) if requests else 0.0
     for plan in plans:
