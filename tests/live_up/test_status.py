@@ -42,7 +42,8 @@ def _states(now: float) -> tuple[WorkerState, WorkerState]:
     fresh = WorkerState(worker_id="w-cp2-g0", degree=2, gpus=[0, 1], epoch=7,
                         lifecycle=Lifecycle.ACTIVE, queue_len=3, outstanding_s=1.25,
                         kv_free_blocks=900, kv_total_blocks=1000, hit_tokens=300,
-                        input_tokens=1000, served=42, heartbeat_s=now - 1.0)
+                        input_tokens=1000, served=42, max_seq_len=40_960,
+                        heartbeat_s=now - 1.0)
     stale = WorkerState(worker_id="w-cp4-g4", degree=4, gpus=[4, 5, 6, 7], epoch=6,
                         lifecycle=Lifecycle.DRAINING, queue_len=0, outstanding_s=0.0,
                         kv_free_blocks=2000, kv_total_blocks=2000, served=5,
@@ -96,6 +97,8 @@ def test_the_summary_has_every_figure_and_flags_stale_and_malformed_states() -> 
     stale = by["w-cp4-g4"]
     assert stale["stale"] is True and stale["heartbeat_age_s"] == 3 * WORKER_LEASE_S
     assert stale["hit_rate"] is None  # no input yet: no rate, not 0 %
+    # the engine's published prompt limit, or None where the backend has none
+    assert fresh["max_seq_len"] == 40_960 and stale["max_seq_len"] is None
     assert by["w-cp2-g2"]["malformed"] is True and "WorkerState" in by["w-cp2-g2"]["error"]
 
     sv = s["services"]

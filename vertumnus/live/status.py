@@ -100,6 +100,8 @@ def _worker_entry(key: str, value: bytes, now_s: float, lease_s: float) -> dict[
         "hit_rate": st.hit_tokens / st.input_tokens if st.input_tokens else None,
         "incarnation": st.incarnation, "seq": st.seq, "heartbeat_s": st.heartbeat_s,
         "heartbeat_age_s": age, "stale": age > lease_s,
+        # The engine's prompt limit (None: not published; the scheduler's setting applies).
+        "max_seq_len": st.max_seq_len,
     }
 
 
