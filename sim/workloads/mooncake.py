@@ -12,7 +12,7 @@ uniformly over the tick with a seeded generator, keeping their file order.
 
 from __future__ import annotations
 
-import math
+from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,10 @@ def spread_within_ticks(
 
     Within a group the offsets are sorted and handed out in file order, so the order of
     requests is preserved (a later request of a tick may extend an earlier one's prefix).
+    Across groups, too: where two stamps are closer than a tick (the conversation trace's
+    ticks jitter by a millisecond: gaps of 2,999 ms), a later stamp's request drawn before
+    an earlier stamp's request is moved up to that request's time (a tie, which keeps file
+    order); every arrival stays within its own [t, t + tick).
     """
     ts = timestamps_ms.astype(np.float64)
     if tick_ms <= 0:
@@ -74,6 +78,9 @@ def spread_within_ticks(
     for group in np.split(order, bounds):
         offsets = np.sort(rng.uniform(0.0, tick_ms, size=len(group)))
         out[group] = ts[group] + offsets
+    # Time order across overlapping ticks: a later stamp's request is raised to the latest
+    # arrival before it (still >= its own stamp, and < its stamp + tick, as that arrival is).
+    out[order] = np.maximum.accumulate(out[order])
     return out / 1000.0
 
 
@@ -92,9 +99,10 @@ def read_mooncake(
 
     ``tick_s``: None detects the timestamp quantisation (3 s for the conversation trace) and
     spreads each tick's requests uniformly within it (seeded by ``seed``); 0 keeps the raw
-    timestamps. ``max_requests`` / ``start_s`` / ``end_s`` truncate (see :func:`truncate`;
-    ``max_requests`` alone stops reading early). Request ids are ``{name}-{index}`` with the
-    0-based record index.
+    timestamps; a tick longer than :data:`~sim.workloads.parsing.MAX_SPAN_S` (or not a
+    number) is :class:`InvalidInput`. ``max_requests`` / ``start_s`` / ``end_s`` truncate
+    (see :func:`truncate`; ``max_requests`` alone stops reading early). Request ids are
+    ``{name}-{index}`` with the 0-based record index.
 
     Raises :class:`~sim.workloads.errors.TraceFormatError` naming file:line for a bad line
     (bad JSON or UTF-8, a missing or ill-typed field, a count above
@@ -106,8 +114,11 @@ def read_mooncake(
     path = Path(path)
     if block_size < 1:
         raise InvalidInput(f"block_size must be >= 1, got {block_size}")
-    if tick_s is not None and not (tick_s >= 0 and math.isfinite(tick_s)):
-        raise InvalidInput(f"tick_s must be finite and >= 0, got {tick_s!r}")
+    if tick_s is not None and (isinstance(tick_s, bool) or not isinstance(tick_s, Real)
+                               or not 0 <= tick_s <= MAX_SPAN_S):
+        # (a comparison, not math.isfinite, which overflows on a huge int; NaN fails it too)
+        raise InvalidInput(f"tick_s must be a number of seconds in [0, {MAX_SPAN_S:g}] (at "
+                           f"most the span a trace may have), got {tick_s!r}")
     name = name or path.stem
     stamps: list[int] = []
     rows: list[tuple[int, int, tuple[int, ...], str | None]] = []
