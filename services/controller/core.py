@@ -163,30 +163,39 @@ class ControllerCore:
 
         ``hold``: the composition is fixed (a baseline's deployment, the simulator's
         non-adaptive runs): each window is still closed and reported with its D(k) and the
-        pool's capacity, but the planner is not consulted and nothing is planned."""
+        pool's capacity, but the planner is not consulted and nothing is planned.
+
+        A window the planner refuses (a bad ``drain_s`` or ``traffic`` estimate raises
+        :class:`InvalidInput`, the planner unchanged) is not lost: it and the windows after it
+        wait for the next tick. Windows decided before it are in :attr:`decisions` (and a plan
+        of theirs in :attr:`pending_plans`)."""
         closed = self._closed + self.windows.advance(now)
         self._closed = []
         out: list[Decision] = []
-        for win in closed:
-            if hold:
-                comp = self.protocol.composition
-                cap = capacity(comp, self.planner.profile, frozenset(self.protocol.unavailable()))
-                out.append(Decision(win, cap, None, None, None, 0, None, HELD_REASON,
-                                    comp.describe()))
-                continue
-            busy = bool(self._pending) or bool(self.protocol.in_progress())
-            dec = self.planner.observe(
-                win,
-                self.protocol.composition,
-                drain_s=drain_s,
-                traffic=traffic,
-                unavailable=self.protocol.unavailable(),
-                reconfiguring=busy,
-            )
-            if dec.plans:
-                self._pending = list(dec.plans)
-            out.append(dec)
-        self.decisions.extend(out)
+        try:
+            for win in closed:
+                if hold:
+                    comp = self.protocol.composition
+                    unavailable = frozenset(self.protocol.unavailable())
+                    cap = capacity(comp, self.planner.profile, unavailable)
+                    out.append(Decision(win, cap, None, None, None, 0, None, HELD_REASON,
+                                        comp.describe()))
+                    continue
+                busy = bool(self._pending) or bool(self.protocol.in_progress())
+                dec = self.planner.observe(
+                    win,
+                    self.protocol.composition,
+                    drain_s=drain_s,
+                    traffic=traffic,
+                    unavailable=self.protocol.unavailable(),
+                    reconfiguring=busy,
+                )
+                if dec.plans:
+                    self._pending = list(dec.plans)
+                out.append(dec)
+        finally:
+            self._closed = closed[len(out) :]
+            self.decisions.extend(out)
         return out
 
     def start(

@@ -139,7 +139,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 from services.controller.composition import capacity
@@ -352,6 +352,18 @@ class Decision:
 TrafficEstimate = Mapping[WorkerId, float] | Callable[[LatticeOp], float]
 
 
+@dataclass(frozen=True, slots=True)
+class _Histories:
+    """What one window changes in the planner's memory besides the streak and the reference
+    (rule 4's momentum, rules 6, 11, 12), kept until the window's decision is committed."""
+
+    born: dict[WorkerId, int]
+    demand: tuple[float, ...]
+    mix: tuple[tuple[int, int], ...]
+    mix_composition: Composition
+    momentum: OpKind | None
+
+
 @dataclass
 class Planner:
     """Window-by-window decision state: the persistence streak and the reference window."""
@@ -434,22 +446,22 @@ class Planner:
         ref = self._ref if same else None
         prev_dir, prev_streak = (self._streak_dir, self._streak) if same else (None, 0)
         born = {w: self._born.get(w, window.index) for w in composition.worker_ids}
-        self._born = born
         demand_hist = self._demand_hist
         if cfg.merge_memory is not None:
             demand_hist = (*demand_hist, d)[-cfg.merge_memory :]
-            self._demand_hist = demand_hist
         mix_hist = self._mix_hist if composition == self._mix_composition else ()
         mix_before = mix_hist
         if window.requests:
             mix_hist = (*mix_hist, (window.requests, window.long_requests))
-        self._mix_hist, self._mix_composition = mix_hist, composition
+        # The histories of this window, committed with the decision (a traffic estimate that
+        # _choose refuses must not leave this window counted in them).
+        hist = _Histories(born, demand_hist, mix_hist, composition, self._momentum)
         pref_hist = self._pref_hist
         if window.demand_by_preferred:
             pref_hist = (*pref_hist, window.demand_by_preferred)[-cfg.persistence :]
         if reconfiguring:
             # NOTE: momentum survives an in-flight operation (it is what the operation did).
-            self._commit(None, 0, ref, composition, pref_hist=pref_hist)
+            self._commit(None, 0, ref, composition, pref_hist=pref_hist, hist=hist)
             return Decision(
                 window, cap, None, None, None, 0, None, "reconfiguration in flight", desc
             )
@@ -514,20 +526,22 @@ class Planner:
         else:
             why = f"D={d:.1f}s within [{cfg.lower:.2f}, {cfg.upper:.2f}]·K={cap:.1f}s"
 
-        if direction is not self._momentum:
-            self._momentum = None
+        if direction is not hist.momentum:
+            hist = replace(hist, momentum=None)  # a window without the signal ends it
         if direction is None:
-            self._commit(None, 0, new_ref, composition, pref_hist=pref_hist)
+            self._commit(None, 0, new_ref, composition, pref_hist=pref_hist, hist=hist)
             return Decision(window, cap, cap_sig, frac_sig, None, 0, None, f"hold: {why}", desc)
         streak = prev_streak + 1 if direction is prev_dir else 1
         recent = ((*self._recent, d) if streak > 1 else (d,))[-cfg.persistence :]
-        if direction is self._momentum:
+        if direction is hist.momentum:
             streak = max(streak, cfg.persistence)
         need = cfg.persistence
         if long_sig and cfg.long_shift_persistence is not None:
             need = cfg.long_shift_persistence
         if streak < need:
-            self._commit(direction, streak, new_ref, composition, recent, pref_hist=pref_hist)
+            self._commit(
+                direction, streak, new_ref, composition, recent, pref_hist=pref_hist, hist=hist
+            )
             return Decision(
                 window,
                 cap,
@@ -571,10 +585,11 @@ class Planner:
                     else {}
                 ),
                 floor=(cfg.large_floor if cfg.large_floor is not None and not backlogged else 0),
+                born=born,
             )
         if plans:
-            self._commit(None, 0, new_ref, composition, pref_hist=pref_hist)
-            self._momentum = direction if cfg.momentum else None
+            hist = replace(hist, momentum=direction if cfg.momentum else None)
+            self._commit(None, 0, new_ref, composition, pref_hist=pref_hist, hist=hist)
             reason = plans[0].reason
             if len(plans) > 1:
                 after = composition
@@ -596,7 +611,9 @@ class Planner:
                 desc,
                 plans,
             )
-        self._commit(direction, streak, new_ref, composition, recent, pref_hist=pref_hist)
+        self._commit(
+            direction, streak, new_ref, composition, recent, pref_hist=pref_hist, hist=hist
+        )
         return Decision(
             window,
             cap,
@@ -617,8 +634,13 @@ class Planner:
         composition: Composition,
         recent: tuple[float, ...] = (),
         pref_hist: tuple[tuple[tuple[int, float], ...], ...] | None = None,
+        hist: _Histories | None = None,
     ) -> None:
         self._streak_dir, self._streak = direction, streak
+        if hist is not None:
+            self._born, self._demand_hist = hist.born, hist.demand
+            self._mix_hist, self._mix_composition = hist.mix, hist.mix_composition
+            self._momentum = hist.momentum
         self._recent = recent
         if pref_hist is not None:
             self._pref_hist = pref_hist
@@ -639,6 +661,7 @@ class Planner:
         preference_driven: bool = False,
         floor: int = 0,
         mix_rule: int | None = None,
+        born: Mapping[WorkerId, int] | None = None,
     ) -> tuple[tuple[Plan, ...], str]:
         """Rules 5, 6, 8 and 10: the operations of the plan, or () and why none was admitted."""
         cfg = self.config
@@ -666,6 +689,7 @@ class Planner:
                 preferred=preferred or {},
                 headroom=self._mix_headroom(mix_rule) if preference_driven else cfg.merge_headroom,
                 floor=floor,
+                born=born,
             )
             if best is None:
                 break
@@ -708,9 +732,12 @@ class Planner:
         preferred: Mapping[int, float] | None = None,
         headroom: float | None = None,
         floor: int = 0,
+        born: Mapping[WorkerId, int] | None = None,
     ) -> tuple[tuple[LatticeOp, float, float] | None, str]:
-        """The best admitted adjacent operation on workers not ``touched`` (rules 5, 6, 9)."""
+        """The best admitted adjacent operation on workers not ``touched`` (rules 5, 6, 9);
+        ``born``: worker -> the window it was first seen in (rule 6), default the kept one."""
         cfg = self.config
+        born = self._born if born is None else born
         headroom = cfg.merge_headroom if headroom is None else headroom
         pref_total = sum(preferred.values()) if preferred else 0.0
         gated = floored = False
@@ -765,7 +792,7 @@ class Planner:
         def score(op: LatticeOp) -> tuple[int, float, float, int]:
             drain = max(drains.get(w, 0.0) for w in op.source_ids)
             newest = (
-                -max(self._born.get(w, 0) for w in op.source_ids) if cfg.newest_first else 0
+                -max(born.get(w, 0) for w in op.source_ids) if cfg.newest_first else 0
             )
             if traffic is None:
                 tr = 0.0
