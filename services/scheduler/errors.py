@@ -37,10 +37,11 @@ class SequenceTooLong(NoEligibleWorker):
 
     def __init__(self, request_id: RequestId, length: int, max_seq_len: int,
                  reasons: Mapping[WorkerId, str]) -> None:
-        super().__init__(request_id, reasons)
+        self.request_id = request_id
+        self.reasons = dict(reasons)
         self.length = length
         self.max_seq_len = max_seq_len
-        # Replaces the per-worker list of NoEligibleWorker: the one number a client can act on.
+        # Not NoEligibleWorker's per-worker list: the one number a client can act on.
         VertumnusError.__init__(
             self, f"prompt of {length} tokens is longer than every worker's max_seq_len "
             f"({max_seq_len} at most)")
