@@ -649,6 +649,14 @@ class TtftStages(Message):
     total_s: NonNegFloat = 0.0
 
 
+NOT_SCHEDULED: Final[str] = "not scheduled"
+"""How a scheduler's FirstToken ``error`` starts when no worker took the request in its
+deliveries (transient: the gateway answers 503, and a client retry is a new attempt)."""
+NOT_SERVABLE: Final[str] = "not servable"
+"""How a scheduler's FirstToken ``error`` starts when no worker it knows can ever serve the
+request (longer than every worker's ``max_seq_len``): the gateway answers 422."""
+
+
 class FirstToken(Message):
     """The first output token of a request (or its failure), published on its result subject.
 
@@ -815,6 +823,8 @@ __all__ = [
     "JSON",
     "MSGPACK",
     "MAX_TOKENS",
+    "NOT_SCHEDULED",
+    "NOT_SERVABLE",
     "SCHEMA_VERSION",
     "WINDOW_REPORT_VERSION",
     "Assignment",

@@ -72,6 +72,8 @@ from services.gateway.settings import GatewaySettings
 from shared.blockhash import chain_hashes
 from shared.logging import bind_request
 from shared.schemas import (
+    NOT_SCHEDULED,
+    NOT_SERVABLE,
     CompletionRequest,
     FirstToken,
     IntakeRequest,
@@ -104,12 +106,6 @@ SWEEP_PERIOD_S: Final[float] = 0.25
 """How often the gateway checks whether its NATS connection was re-established."""
 STREAM_NOT_FOUND: Final[int] = 10059
 """JetStream API error code of a request naming a stream that does not exist."""
-NOT_SCHEDULED: Final[str] = "not scheduled"
-"""How a scheduler's error result starts when no worker took the request (HTTP 503)."""
-NOT_SERVABLE: Final[str] = "not servable"
-"""How a scheduler's error result starts when no worker it knows can ever serve the request,
-e.g. a prompt longer than every worker's max_seq_len (HTTP 422). NOTE: the scheduler writes
-both prefixes (``services.scheduler.service``); change them together."""
 
 
 # -- errors -----------------------------------------------------------------------------------

@@ -193,6 +193,8 @@ from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import DEFAULT_BLOCK_SIZE, DEFAULT_DEGREES, InvalidInput, VertumnusError, WorkerId
 from shared.logging import bind_request
 from shared.schemas import (
+    NOT_SCHEDULED,
+    NOT_SERVABLE,
     SCHEMA_VERSION,
     Assignment,
     AssignmentAck,
@@ -256,13 +258,6 @@ MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
 HANDED_BACK: Final[int] = int(HANDED_BACK_CODE)
 REDIRECTING: Final[int] = int(REDIRECTING_CODE)
 ASSIGNMENT_TTL_S: Final[float] = 3600.0
-NOT_SCHEDULED: Final[str] = "not scheduled"
-"""How the error of a FirstToken starts when no worker took the request in ``max_deliver``
-deliveries (transient: the gateway answers 503, and a client retry is a new attempt)."""
-NOT_SERVABLE: Final[str] = "not servable"
-"""How the error of a FirstToken starts when no worker the scheduler knows can ever serve the
-request (longer than every worker's ``max_seq_len``): the gateway answers 422. NOTE: the
-gateway matches both prefixes (``services.gateway.adapter``); change them together."""
 
 
 # -- settings ---------------------------------------------------------------------------------
