@@ -22,7 +22,8 @@ What a subclass gets:
 * a server span per request, child of the caller's W3C trace context, with request-scoped
   log context;
 * :meth:`MicroService.run`: one ``AsyncExitStack``, SIGINT/SIGTERM → graceful stop (stop
-  endpoints, run the subclass's cleanup, drain the connection).
+  endpoints, run the subclass's cleanup, drain the connection), bounded in a service process
+  by ``stop_timeout_s`` (:mod:`shared.stopping`).
 
 Subclasses override :meth:`MicroService.endpoints` and optionally :meth:`MicroService.setup`
 (subscriptions, KV buckets, background tasks; register their cleanup on the stack).
@@ -34,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import re
-import signal
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -60,6 +60,7 @@ from shared.logging import current_trace_id
 from shared.natsauth import security_options
 from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
 from shared.settings import ServiceSettings
+from shared.stopping import handle_stop_signals
 from shared.subjects import Subjects, validate_subject
 from shared.tasks import cancel_and_wait, cancel_requested, unless_stopped
 from shared.telemetry import extract, inject, is_sampled, traceparent_of, tracer
@@ -776,10 +777,7 @@ class MicroService:
         """Start, serve until :meth:`request_stop` or SIGINT/SIGTERM, then stop gracefully."""
         async with AsyncExitStack() as stack:
             if handle_signals:
-                loop = asyncio.get_running_loop()
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, self._stop.set)
-                    stack.callback(loop.remove_signal_handler, sig)
+                handle_stop_signals(stack, self._stop)
             started, _ = await unless_stopped(self.start(stack, nc), self._stop, self.log)
             if not started:
                 self.log.info("service stopped before it had started")

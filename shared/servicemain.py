@@ -29,6 +29,7 @@ from shared.ids import InvalidInput
 from shared.logging import configure_logging
 from shared.metrics import setup_metrics, shutdown_metrics
 from shared.settings import ServiceSettings
+from shared.stopping import bound_stops, watch_parent
 from shared.telemetry import setup_tracing, shutdown_tracing
 
 S = TypeVar("S", bound=ServiceSettings)
@@ -219,8 +220,12 @@ def degree_list(text: str) -> list[int]:
 
 def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) -> None:
     """Configure logging, tracing and metrics from ``settings``, run ``serve(settings)``, flush
-    tracing and metrics."""
+    tracing and metrics. The process's graceful stop is bounded by ``stop_timeout_s``, and it
+    stops when ``parent_pid`` (if set) is no longer its parent (shared/stopping.py)."""
     configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
+    bound_stops(settings.stop_timeout_s)
+    if settings.parent_pid is not None:
+        watch_parent(settings.parent_pid)
     setup_tracing(settings.service_name, settings.telemetry)
     setup_metrics(settings.service_name, settings.telemetry)
     try:

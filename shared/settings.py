@@ -181,6 +181,18 @@ class ServiceSettings(BaseSettings):
     drain_timeout_s: float = Field(
         default=10.0, gt=0, description="Upper bound on graceful shutdown (drain) time."
     )
+    stop_timeout_s: float = Field(
+        default=45.0, gt=0, allow_inf_nan=False,
+        description="Upper bound on a whole graceful stop after SIGINT/SIGTERM: past it the "
+        "process logs the tasks it still waits for and exits with status 70 "
+        "(shared/stopping.py). Above the sum of a rank daemon's own bounds (redirect, drain "
+        "and the connection's drain: 30 s by default).",
+    )
+    parent_pid: int | None = Field(
+        default=None, gt=0,
+        description="Stop (as on SIGTERM) once the process of this pid is no longer this "
+        "process's parent; `vertumnus up` sets it for its children.",
+    )
     reconnect_wait_s: float = Field(
         default=0.5, gt=0, description="Pause between attempts to reconnect to a lost NATS "
         "server; attempts never stop (a service outlives a broker restart of any length).",

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack
 
@@ -54,6 +53,7 @@ from shared.service import (
     nats_callbacks,
     reconnect_options,
 )
+from shared.stopping import handle_stop_signals
 from shared.tasks import cancel_and_wait, cancel_requested, unless_stopped
 from shared.worker import GpuGroup, WorkerKind
 
@@ -183,10 +183,7 @@ class RankdHost:
         worker. After a fault, raises it once every worker has stopped (module docstring)."""
         async with AsyncExitStack() as stack:
             if handle_signals:
-                loop = asyncio.get_running_loop()
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, self._stop.set)
-                    stack.callback(loop.remove_signal_handler, sig)
+                handle_stop_signals(stack, self._stop)
             if nc is None:
                 # A stop while the server is unreachable (or refuses us) ends the run at once.
                 connected, nc = await unless_stopped(nats.connect(

@@ -6,7 +6,8 @@ Rules this module enforces:
   terminal reaches only the orchestrator, which then stops the children in order (gateway
   first, so no new work enters; rank daemons last, so running requests finish);
 * on Linux every child also asks the kernel for ``SIGTERM`` when its parent dies
-  (``PR_SET_PDEATHSIG``), so even a SIGKILLed orchestrator leaves no orphan;
+  (``PR_SET_PDEATHSIG``), so even a SIGKILLed orchestrator leaves no orphan (the services also
+  watch their parent themselves, ``VTM_PARENT_PID``: shared/stopping.py);
 * :meth:`ChildSet.stop` sends SIGTERM to each child's whole process group, waits up to a bound,
   then SIGKILLs the group; it is idempotent and safe on children that already exited;
 * :meth:`ChildSet.kill` SIGKILLs one child's group (a crash, for fault injection) and takes it

@@ -540,6 +540,9 @@ class LiveStack:
             "VTM_LOG__LEVEL": c.log_level,
             "VTM_TELEMETRY__EXPORTER": os.environ.get("VTM_TELEMETRY__EXPORTER", "none"),
             "VTM_INSTANCE_ID": f"{name}-0",
+            # Each child stops once this process is gone (shared/stopping.py): the portable
+            # check beside Linux's parent-death signal, and the one left should that be lost.
+            "VTM_PARENT_PID": str(os.getpid()),
         }
         per: dict[str, dict[str, str]] = {
             "gateway": {

@@ -1,0 +1,153 @@
+"""How a service process stops: SIGINT/SIGTERM start a graceful stop, which is bounded in
+time; a process told its parent's pid stops once that parent is gone.
+
+* :func:`handle_stop_signals` (each service's ``run``): a first SIGINT or SIGTERM sets the
+  service's stop event -- the graceful stop (stop endpoints, hand work back, drain) -- and arms
+  the stop deadline.
+* The **stop deadline** exists only in a service *process* (:func:`bound_stops`, called by
+  :func:`shared.servicemain.run_service`; a service run inside another program, e.g. a test,
+  is never ended by it). ``stop_timeout_s`` after the signal, a stop still not done logs an
+  error listing the asyncio tasks it still waits for (with where each one waits) and ends the
+  process with status :data:`STOP_TIMEOUT_EXIT`; should the event loop itself be stuck, the
+  interpreter's fault handler writes every thread's stack to stderr a little later and ends
+  it with status 1. A stop that cannot finish (a server gone mid-drain, a peer that never
+  answers) would otherwise keep the process, and whatever it holds, alive for ever.
+* :func:`watch_parent` (``parent_pid``, which ``vertumnus up`` sets for its children): once
+  that process is no longer this one's parent -- it died, even by SIGKILL -- the process sends
+  itself SIGTERM, so the graceful stop above runs. On Linux the kernel's parent-death signal
+  does the same (vertumnus/live/procs.py); this check is the portable one, and the one that
+  still works should that signal be lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import faulthandler
+import io
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from typing import Any, Final
+
+import structlog
+
+STOP_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGINT, signal.SIGTERM)
+STOP_TIMEOUT_EXIT: Final[int] = 70
+"""Exit status of a process whose graceful stop outlasted its ``stop_timeout_s``."""
+HARD_GRACE_S: Final[float] = 5.0
+"""After the deadline, how long the event loop has to report before the fault handler ends
+the process regardless (a loop blocked in a call never runs the report)."""
+PARENT_POLL_S: Final[float] = 0.5
+
+log = structlog.get_logger("vertumnus.stopping")
+
+_lock = threading.Lock()
+_timeout_s: float | None = None  # None: not a service process (no deadline)
+_armed = False
+
+
+def bound_stops(timeout_s: float) -> None:
+    """Give this process's graceful stops a deadline of ``timeout_s`` seconds (a process's
+    main calls it once; until then a stop is unbounded)."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    global _timeout_s
+    with _lock:
+        _timeout_s = float(timeout_s)
+
+
+def handle_stop_signals(stack: AsyncExitStack, stop: asyncio.Event) -> None:
+    """SIGINT/SIGTERM set ``stop`` and arm the stop deadline (:func:`arm_stop_deadline`),
+    until ``stack`` closes. Call from the running event loop."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("stop signal received", signal=sig.name)
+        stop.set()
+        arm_stop_deadline()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+        stack.callback(loop.remove_signal_handler, sig)
+
+
+def arm_stop_deadline() -> bool:
+    """Start the stop deadline of this process (once; later calls do nothing). Returns
+    whether it was armed by this call: False in a process without :func:`bound_stops` or
+    when already armed. Call from the running event loop."""
+    global _armed
+    with _lock:
+        if _timeout_s is None or _armed:
+            return False
+        _armed = True
+        timeout_s = _timeout_s
+    # The hard bound first: it holds even if the loop never runs the report below.
+    try:
+        faulthandler.dump_traceback_later(timeout_s + HARD_GRACE_S, exit=True)
+    except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # no usable stderr
+        log.warning("no hard stop deadline (the fault handler needs stderr)", error=repr(exc))
+    asyncio.get_running_loop().call_later(timeout_s, _stop_overdue, timeout_s)
+    return True
+
+
+def pending_tasks() -> list[str]:
+    """Each unfinished asyncio task of the running loop but the caller's, with the innermost
+    frame it waits in (``name: coroutine at file:line``)."""
+    current = asyncio.current_task()
+    out = []
+    for task in asyncio.all_tasks():
+        if task is current or task.done():
+            continue
+        frames = task.get_stack()
+        where = (f" at {frames[-1].f_code.co_filename}:{frames[-1].f_lineno}"
+                 if frames else "")
+        out.append(f"{task.get_name()}: {task.get_coro()!r}{where}")
+    return sorted(out)
+
+
+def _stop_overdue(timeout_s: float) -> None:
+    # A callback of the loop: report what the stop still waits for, then end the process.
+    stacks = io.StringIO()
+    for task in asyncio.all_tasks():
+        if not task.done():
+            task.print_stack(limit=8, file=stacks)
+    log.error("graceful stop overran its deadline; exiting", stop_timeout_s=timeout_s,
+              exit_status=STOP_TIMEOUT_EXIT, pending=pending_tasks(),
+              stacks=stacks.getvalue())
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(STOP_TIMEOUT_EXIT)
+
+
+def watch_parent(parent_pid: int, *, poll_s: float = PARENT_POLL_S,
+                 on_gone: Callable[[], Any] | None = None) -> threading.Thread:
+    """Start a daemon thread that calls ``on_gone`` (default: send this process SIGTERM) once
+    ``parent_pid`` is no longer this process's parent, then ends. A process adopted by
+    another (its parent died before the check began) stops at the first check."""
+    if parent_pid <= 0:
+        raise ValueError(f"parent_pid must be > 0, got {parent_pid}")
+    if not poll_s > 0:
+        raise ValueError(f"poll_s must be > 0, got {poll_s!r}")
+
+    def signal_self() -> None:
+        log.warning("parent process gone; stopping", parent_pid=parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        (on_gone or signal_self)()
+
+    thread = threading.Thread(target=watch, name="vtm-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+__all__ = ["HARD_GRACE_S", "STOP_SIGNALS", "STOP_TIMEOUT_EXIT", "arm_stop_deadline",
+           "bound_stops", "handle_stop_signals", "pending_tasks", "watch_parent"]
