@@ -105,6 +105,7 @@ class ControllerCore:
         self._degrees = composition.lattice.sorted_degrees
         self._closed: list[WindowSummary] = []
         self._pending: list[Plan] = []
+        self._pending_started = False  # an operation of the outstanding plan has started
         self.decisions: list[Decision] = []  # every decision so far (reports, plots)
 
     @property
@@ -191,7 +192,7 @@ class ControllerCore:
                     reconfiguring=busy,
                 )
                 if dec.plans:
-                    self._pending = list(dec.plans)
+                    self._pending, self._pending_started = list(dec.plans), False
                 out.append(dec)
         finally:
             self._closed = closed[len(out) :]
@@ -211,10 +212,15 @@ class ControllerCore:
             raise IllegalTransition("only a pending plan returned by tick() can be started")
         res = self.protocol.start(plan, now, queued=queued, in_flight=in_flight)
         self._pending.remove(plan)
+        self._pending_started = True
         return res
 
     def discard_plan(self) -> None:
-        """Drop every pending operation (e.g. the adapter lost the epoch compare-and-set)."""
+        """Drop every pending operation (e.g. the adapter lost the epoch compare-and-set). If
+        none of the plan's operations started, the planner takes back the momentum the plan
+        set (:meth:`Planner.plan_not_carried_out`)."""
         if not self._pending:
             raise InvalidInput("no pending plan to discard")
         self._pending = []
+        if not self._pending_started:
+            self.planner.plan_not_carried_out()

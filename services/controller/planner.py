@@ -399,6 +399,19 @@ class Planner:
     def streak(self) -> tuple[OpKind | None, int]:
         return self._streak_dir, self._streak
 
+    @property
+    def momentum(self) -> OpKind | None:
+        """Rule 4's momentum: the direction of the last operation carried out, while each
+        window since has shown that direction's signal; None otherwise."""
+        return self._momentum
+
+    def plan_not_carried_out(self) -> None:
+        """The last plan :meth:`observe` returned was dropped with none of its operations
+        started (e.g. the epoch compare-and-set was lost): the momentum it set is taken back,
+        since only an operation carried out earns it (the next window in that direction waits
+        for persistence again)."""
+        self._momentum = None
+
     def reset(self) -> None:
         """Forget the streak and the reference (e.g. after a reconfiguration completed)."""
         self._streak_dir, self._streak = None, 0

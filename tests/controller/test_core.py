@@ -7,7 +7,7 @@ import pytest
 from services.controller.core import ControllerCore
 from services.controller.lattice import Composition, Lattice, OpKind
 from services.controller.lifecycle import IllegalTransition
-from services.controller.planner import Plan
+from services.controller.planner import ControllerConfig, Plan
 from shared.costmodel import Profile
 from shared.ids import InvalidInput, RequestId, WorkerId
 from shared.worker import GpuGroup
@@ -121,6 +121,33 @@ def test_closed_loop_follows_load_phases_like_section_9_3() -> None:
     # per window while the signal holds: split at 2, merges at 10, 11, 12, 13 (0-based).
     planned = [d.window.index for d in core.decisions if d.plan is not None]
     assert planned == [1, 2, 9, 10, 11, 12, 13]
+
+
+def test_a_discarded_plan_earns_no_momentum_but_a_started_one_keeps_it() -> None:
+    """Rule 4's momentum is earned by an operation carried out: a plan dropped with none of
+    its operations started (the adapter lost the epoch compare-and-set) takes it back, so the
+    next window in that direction waits for persistence again; once an operation of the plan
+    started, dropping the rest keeps it."""
+    core = ControllerCore(Composition.uniform(LAT, 4), PROFILE)  # u·K = 57.6
+    for k in range(2):
+        _load(core, 20.0 * k, 70.0)
+    assert [d.plan is not None for d in core.tick(40.0)] == [False, True]
+    assert core.planner.momentum is OpKind.SPLIT  # set with the plan
+    core.discard_plan()
+    assert core.planner.momentum is None
+    _load(core, 40.0, 70.0)  # still overloaded: a split again, but after two windows
+    (d,) = core.tick(60.0)
+    assert d.plan is None and d.direction is OpKind.SPLIT and d.streak == 1
+
+    # A plan of several operations (persistence 1, up to 8 at once), one of them started.
+    core = ControllerCore(Composition.uniform(LAT, 4), PROFILE,
+                          ControllerConfig(persistence=1, max_ops=8))
+    core.assigned(1.0, 75.0, 2_000, degree=4)
+    core.tick(20.0)
+    assert len(core.pending_plans) > 1
+    core.start(core.pending_plans[0], 20.0)
+    core.discard_plan()
+    assert core.planner.momentum is OpKind.SPLIT
 
 
 def test_hold_measures_every_window_and_plans_nothing() -> None:
