@@ -425,10 +425,15 @@ class TorchBackend:
     @property
     def max_seq_len(self) -> int | None:
         """The longest prompt this worker serves: its model's ``max_position_embeddings`` (the
-        smallest any rank reported), None until the world started. rankd publishes it in the
-        WorkerState so the scheduler refuses or routes a longer prompt instead of placing it
-        here, where :meth:`prefill` would refuse it (``SequenceTooLong``)."""
-        return self.world.max_positions or None
+        smallest any rank reported), one less with a KV hand-off (its decode step puts the
+        first token at position P, which must exist too), None until the world started. rankd
+        publishes it in the WorkerState so the scheduler refuses or routes a longer prompt
+        instead of placing it here, where :meth:`prefill` refuses it (``SequenceTooLong``)
+        before any step, not after the prefill when the hand-off's decode fails."""
+        positions = self.world.max_positions
+        if not positions:
+            return None
+        return positions - 1 if self.handoff is not None else positions
 
     def bind_cache(self, cache: BlockCache | None) -> None:
         """Keep the engine's cache in lockstep with rankd's BlockCache of this worker (called
@@ -552,13 +557,15 @@ class TorchBackend:
             raise UnknownWorker(f"assignment for {a.worker_id} reached {self.worker_id}")
         if a.degree != self.degree:
             raise InvalidInput(f"assignment degree {a.degree} != worker degree {self.degree}")
-        limit = self.world.max_positions
-        if limit and a.request.input_len > limit:
+        limit = self.max_seq_len
+        if limit is not None and a.request.input_len > limit:
             # Before the ids are made: synthesising (or shipping) an absurd input_len would
             # stall the event loop or exhaust memory before the ranks could refuse it.
+            room = (" (one kept for the hand-off's first decoded token)"
+                    if self.handoff is not None else "")
             raise SequenceTooLong(
                 f"prompt of {a.request.input_len} tokens exceeds the model's "
-                f"{limit} positions"
+                f"{self.world.max_positions} positions{room}"
             )
         if self._bound and a.request.block_size != self.world.spec.block_size:
             raise InvalidInput(

@@ -219,6 +219,27 @@ async def test_a_prompt_longer_than_the_model_is_refused_before_ids_are_made(
     assert all(world.alive()) and world.broken is None
 
 
+async def test_with_a_handoff_a_prompt_leaves_a_position_for_its_first_decoded_token(
+    world: TorchWorld, model: Qwen3ForCausalLM
+) -> None:
+    """The hand-off's decode step puts the first token at position P: a prompt filling every
+    position of the model is refused before any step (before, it was prefilled and then
+    failed in the decode), one token shorter is served with its decoded token, and the
+    worker publishes that limit."""
+    epoch = max(world.geometry(r)[0] for r in (0, 1)) + 1
+    backend = TorchBackend(world, "w-cp2-g0", handoff=LocalKVHandoff(model))
+    positions = CFG["max_position_embeddings"]
+    assert backend.max_seq_len == positions - 1
+    with pytest.raises(SequenceTooLong, match=f"prompt of {positions} tokens exceeds the "
+                       f"model's {positions} positions \\(one kept for the hand-off"):
+        await backend.prefill(assign("full", "w-cp2-g0", epoch, tokens=[7] * positions))
+    ids = [(3 * i) % 200 + 1 for i in range(positions - 1)]
+    res = await backend.prefill(assign("fits", "w-cp2-g0", epoch, tokens=ids))
+    first, second = greedy(model, ids)
+    assert res.token == first and backend.outcomes["fits"].decode_token == second
+    assert all(world.alive()) and world.broken is None
+
+
 def test_the_published_state_carries_the_models_positions(world: TorchWorld) -> None:
     """The worker's WorkerState says how long a prompt its engine serves (the model's
     max_position_embeddings), so the scheduler refuses or routes a longer one before placing

@@ -202,10 +202,11 @@ async def test_rankd_single_worker_torch(nats_server: EmbeddedNats, nc: Client, 
         ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
         assert ft.error is None
         assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token
-        # The worker-state bucket tells the scheduler the model's positions (its prompt limit).
+        # The worker-state bucket tells the scheduler its prompt limit: the model's positions
+        # less the one the hand-off's first decoded token takes.
         kv = await nc.jetstream().key_value(s.worker_state_bucket())
         state = from_json(WorkerState, (await kv.get("w-cp2-g0")).value)
-        assert state.max_seq_len == CFG["max_position_embeddings"]
+        assert state.max_seq_len == CFG["max_position_embeddings"] - 1
         out = backend.outcomes["s-0"]
         assert out.handoff is not None and out.handoff.via == "nats"
         assert out.decode_token == model.greedy_generate(torch.tensor(tokens), 2)[1]
