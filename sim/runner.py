@@ -43,7 +43,7 @@ from sim.hardware import ground_truth_to_mapping
 from sim.metrics import QWEN3_SLO, SloTable, slo_attainment, slo_to_dict
 from sim.workloads import (
     default_traces_dir,
-    first_nonblank_line,
+    detect_format,
     generate,
     load_workload,
     read_azure,
@@ -99,8 +99,12 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
         if kind != "file":
             raise InvalidInput(f"trace file not found: {trace}")
         if fmt == "auto":
-            wl = load_workload(path, seed=seed, rate=rate if rate else None) \
-                if not _is_leval(path) else read_leval(path, rate=rate or 1.0, seed=seed)
+            # detect_format is load_workload's own test, so the two never disagree; L-Eval is
+            # read here because it needs a rate, which the CLI defaults to 1 req/s.
+            if detect_format(path) == "leval":
+                wl = read_leval(path, rate=rate or 1.0, seed=seed)
+            else:
+                wl = load_workload(path, seed=seed, rate=rate if rate else None)
         elif fmt == "mooncake":
             wl = read_mooncake(path, seed=seed)
         elif fmt == "azure":
@@ -112,13 +116,6 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
     if not wl.requests:
         raise InvalidInput(f"workload {trace!r} has no requests")
     return wl
-
-
-def _is_leval(path: Path) -> bool:
-    if path.suffix.lower() != ".jsonl":
-        return False
-    first = first_nonblank_line(path)  # bad bytes: a TraceFormatError naming the line
-    return '"doc_sha1"' in first or '"doc_id"' in first
 
 
 def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload: Workload,

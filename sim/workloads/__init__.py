@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from shared.files import path_kind
+from shared.files import NotJson, parse_json, path_kind
 from shared.ids import InvalidInput
 from sim.workloads.azure import read_azure
 from sim.workloads.errors import TraceFormatError
@@ -24,6 +24,11 @@ from sim.workloads.workload import Request, Workload, scale_rate, truncate
 
 TRACES_ENV = "VERTUMNUS_TRACES"
 
+TraceFormat = Literal["mooncake", "azure", "leval"]
+LEVAL_KEYS: tuple[str, ...] = ("doc_sha1", "doc_id")
+"""Top-level keys that make a JSON-lines file L-Eval (:func:`detect_format`): both L-Eval
+formats carry ``doc_sha1`` (the lengths format ``doc_id`` too); Mooncake traces have neither."""
+
 
 def default_traces_dir() -> Path:
     """Where the public traces live: ``$VERTUMNUS_TRACES`` if set, else ``../shared/data/traces``
@@ -35,6 +40,29 @@ def default_traces_dir() -> Path:
     return (repo / ".." / "shared" / "data" / "traces").resolve()
 
 
+def detect_format(path: str | Path) -> TraceFormat:
+    """The reader a trace file needs: the one definition :func:`load_workload` and
+    ``vertumnus simulate --format auto`` (``sim.runner.load_trace``) share.
+
+    ``*.csv`` (any case) → ``"azure"``. Any other file by its first non-blank line: a JSON
+    object with a key of :data:`LEVAL_KEYS` at its top level → ``"leval"``; anything else,
+    unreadable JSON included (that reader then names the line) → ``"mooncake"``. The suffix
+    of a JSON file does not matter, and a key is looked up in the parsed object rather than
+    as text, so a value or a nested key spelled like one does not count. Bad bytes up to that
+    line are a :class:`TraceFormatError` naming it (:func:`first_nonblank_line`).
+    """
+    path = Path(path)
+    if path.suffix.lower() == ".csv":
+        return "azure"
+    try:
+        row = parse_json(first_nonblank_line(path))
+    except NotJson:
+        return "mooncake"
+    if isinstance(row, dict) and any(k in row for k in LEVAL_KEYS):
+        return "leval"
+    return "mooncake"
+
+
 def load_workload(
     spec: str | Path,
     *,
@@ -44,10 +72,11 @@ def load_workload(
 ) -> Workload:
     """Load a workload from a path, choosing the reader by content, or ``"synthetic"``.
 
-    ``*.csv`` → Azure; JSONL whose first row has ``doc_sha1`` → L-Eval (needs ``rate``, req/s);
-    other JSONL → Mooncake (two or more requests all at one instant are an error there; see
-    :func:`read_mooncake`). ``rate`` for the other formats rescales arrivals to that mean
-    rate (Mooncake/Azure) or sets the synthetic base rate. Extra keyword arguments go to the
+    The format is :func:`detect_format`'s: ``*.csv`` → Azure; JSON lines whose first row has
+    ``doc_sha1`` or ``doc_id`` → L-Eval (needs ``rate``, req/s); other JSON lines → Mooncake
+    (two or more requests all at one instant are an error there; see :func:`read_mooncake`).
+    ``rate`` for the other formats rescales arrivals to that mean rate (Mooncake/Azure) or
+    sets the synthetic base rate. Extra keyword arguments go to the
     reader. Bad input (a missing file, a directory, a malformed or non-UTF-8 trace) is
     :class:`InvalidInput` (:class:`TraceFormatError` naming file:line where it has one).
     """
@@ -60,14 +89,14 @@ def load_workload(
         raise InvalidInput(f"workload {spec!r} is a directory, not a trace file")
     if kind != "file":
         raise InvalidInput(f"workload {spec!r} is neither 'synthetic' nor an existing file")
-    if path.suffix.lower() == ".csv":
+    fmt = detect_format(path)  # bad UTF-8 on the first line is a TraceFormatError, too
+    if fmt == "azure":
         wl = read_azure(path, **kwargs)
+    elif fmt == "leval":
+        if rate is None:
+            raise InvalidInput(f"{path}: L-Eval has no arrival times; give a rate (req/s)")
+        return read_leval(path, rate=rate, seed=seed, **kwargs)
     else:
-        first = first_nonblank_line(path)  # bad UTF-8 here is a TraceFormatError, too
-        if '"doc_sha1"' in first:
-            if rate is None:
-                raise InvalidInput(f"{path}: L-Eval has no arrival times; give a rate (req/s)")
-            return read_leval(path, rate=rate, seed=seed, **kwargs)
         wl = read_mooncake(path, seed=seed, **kwargs)
     if rate is not None and wl.duration_s > 0:
         wl = scale_rate(wl, rate / (len(wl) / wl.duration_s))
@@ -75,13 +104,16 @@ def load_workload(
 
 
 __all__ = [
+    "LEVAL_KEYS",
     "TRACES_ENV",
     "Phase",
     "Request",
     "SyntheticConfig",
+    "TraceFormat",
     "TraceFormatError",
     "Workload",
     "default_traces_dir",
+    "detect_format",
     "first_nonblank_line",
     "generate",
     "load_workload",

@@ -9,6 +9,7 @@ hashes (it is treated as uncached; oracle reuse is 0). Rows must be in time orde
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Iterator
 from contextlib import closing
 from datetime import datetime
@@ -37,12 +38,30 @@ def parse_timestamp(text: str) -> float:
     return seconds + (int(frac) / 10 ** len(frac) if frac else 0.0)
 
 
+_PLAIN_INT = re.compile(r"-?[0-9]+")  # [0-9]: \d matches any script's digits
+
+
 def _int_cell(value: str | None, column: str, path: Path, line: int, minimum: int) -> int:
-    try:
-        v = int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    """A count cell as an int in [``minimum``, MAX_TOKENS]; else TraceFormatError naming the
+    line and the column.
+
+    Only plain ASCII decimal integers are counts here (the real traces write nothing else, not
+    even spaces around them). ``int()`` alone would also take ``1_000``, ``+5``, ``" 12 "`` and
+    non-ASCII digits such as ``١٢``, so a cell some tool mangled would read as a number. A
+    minus sign is let through to the range check, whose message says more than "not an
+    integer".
+    """
+    if value is None or not _PLAIN_INT.fullmatch(value):
         raise TraceFormatError(
-            path, line, f"column {column} must be an integer, got {value!r}"
+            path, line,
+            f"column {column} must be a plain decimal integer (ASCII digits only), got {value!r}"
+        )
+    try:
+        v = int(value)
+    except ValueError:  # more digits than int() converts (thousands): far out of range
+        bound = f">= {minimum}" if value.startswith("-") else f"<= {MAX_TOKENS}"
+        raise TraceFormatError(
+            path, line, f"column {column} must be {bound}, got {len(value)} characters"
         ) from None
     if v < minimum:
         raise TraceFormatError(path, line, f"column {column} must be >= {minimum}, got {v}")

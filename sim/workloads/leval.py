@@ -8,7 +8,8 @@ Two formats are accepted, told apart per file by their fields:
   the document's full blocks are a shared prefix: requests on the same document get the same
   chained ids for those blocks; the blocks from the document's end on are the request's own.
 * Mooncake format (``leval_llama3_mooncake.jsonl``): real chained ``hash_ids`` computed from
-  Llama-3 token ids; its timestamps are all 0 and are ignored.
+  Llama-3 token ids, checked as the Mooncake reader checks them (64-bit, prefix-chained);
+  its timestamps are all 0 and are ignored.
 
 L-Eval has no arrival times: arrivals are a Poisson process at ``rate`` req/s (seeded), in
 file order (a document's questions one after another) or shuffled.
@@ -25,7 +26,13 @@ import numpy as np
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 from sim.workloads.blocks import chain
 from sim.workloads.errors import TraceFormatError
-from sim.workloads.parsing import MAX_TOKENS, hash_ids_field, int_field, iter_jsonl
+from sim.workloads.parsing import (
+    MAX_TOKENS,
+    PrefixChains,
+    hash_ids_field,
+    int_field,
+    iter_jsonl,
+)
 from sim.workloads.workload import Request, Workload, truncate
 
 Order = Literal["file", "shuffle"]
@@ -95,6 +102,7 @@ def read_leval(
     name = name or path.stem
     rows: list[tuple[int, int, tuple[int, ...]]] = []
     fmt: str | None = None
+    chains = PrefixChains(path)  # the Mooncake format's hash_ids
     for line_no, row in iter_jsonl(path):
         row_fmt = "mooncake" if "hash_ids" in row else "lengths"
         if fmt is None:
@@ -104,7 +112,7 @@ def read_leval(
         if fmt == "mooncake":
             inp = int_field(row, "input_length", path, line_no, 1)
             out = int_field(row, "output_length", path, line_no, 0)
-            hids = hash_ids_field(row, inp, block_size, path, line_no)
+            hids = hash_ids_field(row, inp, block_size, path, line_no, chains)
             rows.append((inp, out, hids))
         else:
             rows.append(_parse_lengths_row(row, path, line_no, length_field, block_size))

@@ -3,7 +3,9 @@
 One request per line: ``{"timestamp": ms since trace start, "input_length": tokens,
 "output_length": tokens, "hash_ids": [one id per 512-token block, prefix-chained]}``; extra
 keys are ignored. ``len(hash_ids) == ceil(input_length / block_size)``; the trailing partial
-block's id is dropped (only full blocks are cached, design.md).
+block's id is dropped (only full blocks are cached, design.md). Ids are unsigned 64-bit ints,
+and prefix-chained across the file: an id always follows the same predecessor (or is always
+a first block), and a request never repeats one (:class:`~sim.workloads.parsing.PrefixChains`).
 
 The conversation trace's timestamps are quantised to ~3 s ticks (~10 requests per tick).
 Replaying them as bursts would overstate queueing, so requests of one tick are spread
@@ -23,6 +25,7 @@ from sim.workloads.errors import TraceFormatError
 from sim.workloads.parsing import (
     MAX_SPAN_S,
     MAX_TOKENS,
+    PrefixChains,
     check_arrivals_vary,
     hash_ids_field,
     int_field,
@@ -107,7 +110,9 @@ def read_mooncake(
     Raises :class:`~sim.workloads.errors.TraceFormatError` naming file:line for a bad line
     (bad JSON or UTF-8, a missing or ill-typed field, a count above
     :data:`~sim.workloads.parsing.MAX_TOKENS`, a timestamp before the previous row's or past
-    :data:`~sim.workloads.parsing.MAX_SPAN_S`) and naming the file when two or more
+    :data:`~sim.workloads.parsing.MAX_SPAN_S`, a hash id outside [0, 2**64 - 1], repeated
+    within its request or after another predecessor than on an earlier line, which the
+    message names) and naming the file when two or more
     records all share one timestamp (:func:`~sim.workloads.parsing.check_arrivals_vary`; an
     L-Eval file read as Mooncake) unless ``tick_s`` > 0 asks for that tick to be spread.
     """
@@ -125,6 +130,7 @@ def read_mooncake(
     read_all = start_s is None and end_s is None
     seen = 0  # records read, including those only scanned past max_requests
     varied = False  # some timestamp differs from the first one
+    chains = PrefixChains(path)
     for line_no, row in iter_jsonl(path):
         if read_all and max_requests is not None and len(rows) >= max_requests:
             if varied or not stamps:
@@ -141,7 +147,7 @@ def read_mooncake(
                                    f"{stamps[-1]}; rows must be in time order)")
         inp = int_field(row, "input_length", path, line_no, 1, MAX_TOKENS)
         out = int_field(row, "output_length", path, line_no, 0, MAX_TOKENS)
-        hids = hash_ids_field(row, inp, block_size, path, line_no)
+        hids = hash_ids_field(row, inp, block_size, path, line_no, chains)
         session = row.get("session_id")
         seen += 1
         varied = varied or (bool(stamps) and ts != stamps[0])

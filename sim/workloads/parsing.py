@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,12 @@ MAX_TOKENS = SCHEMA_MAX_TOKENS
 """Largest token count a trace field may hold (16,777,216: beyond any model's context); a
 larger one is a corrupt field, and would overflow the statistics or stall the block chaining.
 The messages' bound (``shared.schemas.MAX_TOKENS``), so every replayable request is valid."""
+MAX_HASH_ID = (1 << 64) - 1
+"""Largest block id a trace may hold. Ids travel as msgpack's 64-bit integers
+(``shared.schemas.HashInt``) and seed the generator of a request's synthesised tokens, which
+folds an id into 64 bits (``services/rankd/torch_backend.py``): a wider or a negative id would
+alias another one there, so it is refused as corrupt. Mooncake ids are unsigned (the real
+traces' largest is 182,789)."""
 MAX_SPAN_S = 366 * 86400.0
 """Longest span of arrivals (s) a trace may have, as read or once its rate is scaled: the
 simulator steps its controller through every window of it, idle or not (a year of 20 s windows
@@ -158,15 +164,93 @@ def int_field(row: dict[str, Any], key: str, path: Path, line: int, minimum: int
     return v
 
 
+def _place(parent: int | None) -> str:
+    """Where a block stands in its chain, for messages."""
+    return "is a first block" if parent is None else f"follows {parent}"
+
+
+class PrefixChains:
+    """The predecessor of every block id one trace has listed so far (None: a first block).
+
+    Mooncake ``hash_ids`` are prefix-chained: an id stands for its block *and every block
+    before it*, which is how the cache manager's trie keys it (by its hash, under its parent).
+    A file in which one id follows two different predecessors, or is a first block in one
+    request and a later block in another, is therefore not a prefix trace: replaying it would
+    merge different prefixes into one cache entry and silently corrupt the cache state. One
+    instance checks one file, a request at a time in file order (:meth:`add`); after an error
+    it is spent (the reader stops there).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._parent: dict[int, int | None] = {}
+        # The line of each request that listed new ids, keyed by the first of them (see add).
+        self._run_line: dict[int, int] = {}
+
+    def add(self, ids: Sequence[Any], line: int) -> None:
+        """Check one request's ``hash_ids`` and record them: every id an int (not a bool) in
+        [0, :data:`MAX_HASH_ID`], none repeated within the request, and each after the same
+        predecessor as wherever it occurred before. Otherwise :class:`TraceFormatError`
+        naming ``line`` (and, for a conflict, the id and the earlier line that fixed its
+        predecessor). Cost: one dict lookup per block, one insertion per request."""
+        parent, top = self._parent, MAX_HASH_ID  # locals: this loop runs once per block
+        known = len(parent)
+        prev: int | None = None
+        for h in ids:
+            # type(), not isinstance(): a JSON true is a bool, and bool is a subclass of int.
+            if type(h) is not int or not 0 <= h <= top:
+                raise self._bad_id(h, line)
+            if parent.setdefault(h, prev) != prev:
+                raise self._conflict(ids, h, prev, line)
+            prev = h
+        new = len(parent) - known
+        if new:
+            # Where ids are chained, a known id's predecessor is known too, so a request's
+            # new ids are its last ones: where that run starts is all a message needs to
+            # find the line of any of them (_first_line), at no cost per block.
+            self._run_line[ids[len(ids) - new]] = line
+
+    def _first_line(self, h: int) -> int | None:
+        """The line that listed the recorded id ``h`` first (so fixed its predecessor): that of
+        the run of new ids it belongs to, whose first id is found by walking up from ``h``."""
+        node: int | None = h
+        while node is not None and node not in self._run_line:
+            node = self._parent.get(node)
+        return None if node is None else self._run_line[node]
+
+    def _bad_id(self, h: Any, line: int) -> TraceFormatError:
+        if type(h) is not int:
+            return TraceFormatError(self._path, line,
+                                    f"field 'hash_ids' must hold only integers, got {h!r}")
+        shown = str(h) if h.bit_length() <= 128 else f"of {h.bit_length()} bits"
+        return TraceFormatError(
+            self._path, line, f"field 'hash_ids' holds id {shown}, outside [0, 2**64 - 1]: "
+            "block ids are unsigned 64-bit integers")
+
+    def _conflict(self, ids: Sequence[Any], h: int, prev: int | None,
+                  line: int) -> TraceFormatError:
+        # Error path only: find the offending occurrence (the first one of h after prev).
+        j = next(k for k, x in enumerate(ids) if x == h and (ids[k - 1] if k else None) == prev)
+        if h in ids[:j]:
+            return TraceFormatError(
+                self._path, line, f"hash_ids repeat id {h} (blocks {list(ids).index(h)} and "
+                f"{j}): an id stands for its whole prefix, so a request cannot hold it twice")
+        return TraceFormatError(
+            self._path, line, f"hash id {h} {_place(prev)} here but {_place(self._parent[h])} "
+            f"on line {self._first_line(h)}: ids must be prefix-chained (an id stands for "
+            "its whole prefix, so it has one predecessor)")
+
+
 def hash_ids_field(
-    row: dict[str, Any], input_len: int, block_size: int, path: Path, line: int
+    row: dict[str, Any], input_len: int, block_size: int, path: Path, line: int,
+    chains: PrefixChains,
 ) -> tuple[int, ...]:
-    """The full blocks' ids of a Mooncake ``hash_ids`` list (ceil(L/B) ids expected)."""
+    """The full blocks' ids of a Mooncake ``hash_ids`` list: ceil(L/B) ids expected, checked
+    and recorded by ``chains`` (the file's :class:`PrefixChains`)."""
     hids = row.get("hash_ids")
     if not isinstance(hids, list):
         raise TraceFormatError(path, line, "field 'hash_ids' must be a list of integers")
-    if any(isinstance(h, bool) or not isinstance(h, int) for h in hids):
-        raise TraceFormatError(path, line, "field 'hash_ids' must hold only integers")
+    chains.add(hids, line)
     expected = -(-input_len // block_size)
     if len(hids) != expected:
         raise TraceFormatError(

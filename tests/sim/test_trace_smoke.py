@@ -13,6 +13,7 @@ import pytest
 
 from sim.workloads import (
     default_traces_dir,
+    detect_format,
     read_azure,
     read_leval,
     read_mooncake,
@@ -100,3 +101,16 @@ def test_leval_both_formats_match_stats_json() -> None:
     # Document-as-shared-prefix from lengths alone lands close to the real token hashes.
     assert s_der["oracle_reuse"] == pytest.approx(s_real["oracle_reuse"], abs=0.01)
     assert s_real["rate_req_per_s"] == pytest.approx(4.0, rel=0.1)
+
+
+@pytest.mark.parametrize(("rel", "fmt"), [
+    ("mooncake/conversation_trace.jsonl", "mooncake"),
+    ("azure2023/AzureLLMInferenceTrace_code.csv", "azure"),
+    ("azure2023/AzureLLMInferenceTrace_conv.csv", "azure"),
+    ("leval/leval_requests.jsonl", "leval"),
+    ("leval/leval_llama3_mooncake.jsonl", "leval"),
+])
+def test_every_trace_is_detected_as_its_format(rel: str, fmt: str) -> None:
+    """The one detection load_workload and ``--format auto`` share (the full reads above pass
+    the readers' checks: Mooncake ids prefix-chained and 64-bit, Azure counts plain digits)."""
+    assert detect_format(_trace(rel)) == fmt

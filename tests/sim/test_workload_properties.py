@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -411,12 +412,13 @@ def test_mooncake_a_tick_longer_than_a_trace_may_span_is_refused(tmp_path: Path)
 # --- readers: round trips --------------------------------------------------------------------
 def _mooncake_rows(wl: Workload) -> list[dict[str, Any]]:
     """A workload as Mooncake rows: ms timestamps, ceil(L/B) hash ids (a request-own id for
-    the trailing partial block)."""
+    the trailing partial block: above the 63 bits of the chained ids, as ids must be
+    unsigned 64-bit ints)."""
     rows = []
     for i, r in enumerate(wl):
         ids = list(r.block_hashes)
         if r.input_len % wl.block_size:
-            ids.append(-1 - i)
+            ids.append((1 << 63) + i)
         row = {"timestamp": round(r.arrival_s * 1000), "input_length": r.input_len,
                "output_length": r.output_len, "hash_ids": ids}
         if r.session_id is not None:
@@ -446,6 +448,48 @@ def test_mooncake_round_trip_of_a_generated_workload(cfg: SyntheticConfig, seed:
         assert (b.input_len, b.output_len, b.block_hashes, b.session_id) == \
             (a.input_len, a.output_len, a.block_hashes, a.session_id)
     assert back.block_size == cfg.block_size
+
+
+@FAST
+@given(small_configs(), seeds, st.data())
+def test_mooncake_a_broken_chain_names_the_id_and_the_line_that_fixed_it(
+        cfg: SyntheticConfig, seed: int, data: st.DataObject) -> None:
+    """A generated workload's ids are chained, so its rows read; one more row that puts an
+    id after a predecessor it never had (a fresh one, or none: a first block), or repeats an
+    id within itself, is refused naming that row's line, the id and, for a conflict, the
+    line where the id first appeared (which fixed its predecessor)."""
+    wl = generate(cfg, seed=seed)
+    rows = _mooncake_rows(wl)
+    assume(len({r["timestamp"] for r in rows}) > 1)
+    first_line: dict[int, int] = {}
+    parent: dict[int, int | None] = {}
+    for n, row in enumerate(rows, start=1):
+        prev = None
+        for h in row["hash_ids"]:
+            first_line.setdefault(h, n)
+            parent.setdefault(h, prev)
+            prev = h
+    assume(first_line)
+    h = data.draw(st.sampled_from(sorted(first_line)), label="id")
+    fresh = (1 << 64) - 1  # above the chained (63-bit) and the partial-block ids
+    repeat = data.draw(st.booleans(), label="repeat")
+    ids = [h, fresh, h] if repeat else [h] if parent[h] is not None else [fresh, h]
+    bad = {"timestamp": rows[-1]["timestamp"] + 1, "input_length": len(ids) * cfg.block_size,
+           "output_length": 1, "hash_ids": ids}
+    line = len(rows) + 1
+    with _tmpdir() as d:
+        path = _write_jsonl(d / "gen.jsonl", [*rows, bad])
+        with pytest.raises(TraceFormatError) as ei:
+            read_mooncake(path, tick_s=0, block_size=cfg.block_size)
+    assert ei.value.line == line and str(ei.value).startswith(f"{path}:{line}: ")
+    if repeat and parent[h] is None:  # [h, fresh, h]: h's second place is the conflict
+        assert f"repeat id {h} (blocks 0 and 2)" in ei.value.problem
+    elif repeat:  # h's first place already breaks its chain
+        assert f"hash id {h} is a first block here" in ei.value.problem
+    else:
+        assert f"hash id {h} " in ei.value.problem
+    if "repeat" not in ei.value.problem:
+        assert f"on line {first_line[h]}:" in ei.value.problem
 
 
 mooncake_rows = st.lists(
@@ -526,6 +570,32 @@ def test_azure_rows_read_back(rows: list[tuple[int, int, int]], t0: datetime,
     assert len(ids) == len(set(ids))
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(
+    st.text(max_size=8),
+    st.integers(-5, 2 * MAX_TOKENS).map(str),
+    st.from_regex(r"[ +\-0-9_\u0660-\u0669\uff10-\uff19]{1,6}", fullmatch=True),
+))
+def test_azure_counts_are_plain_ascii_decimal_integers(cell: str) -> None:
+    """A count cell reads exactly when it is ASCII digits (a minus sign aside, which the
+    range check refuses) in range: ``int()`` would also take ``1_000``, ``+5``, ``" 12 "``
+    and other scripts' digits. Otherwise the error names the line and the column."""
+    assume(not any(c in cell for c in ',"\r\n\0'))  # what CSV itself would split or quote
+    body = f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,5,1\n" \
+        f"2023-11-16 18:17:04.1,{cell},1\n"
+    plain = re.fullmatch(r"[0-9]+", cell) is not None
+    with _tmpdir() as d:
+        p = d / "az.csv"
+        p.write_text(body, encoding="utf-8")
+        if plain and 1 <= int(cell) <= MAX_TOKENS:
+            assert read_azure(p)[1].input_len == int(cell)
+            return
+        with pytest.raises(TraceFormatError) as ei:
+            read_azure(p)
+    assert ei.value.line == 3 and "column ContextTokens" in ei.value.problem
+    assert ("plain decimal" in ei.value.problem) == (not re.fullmatch(r"-?[0-9]+", cell))
+
+
 @FAST
 @given(
     st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 3000), st.integers(0, 500)),
@@ -577,6 +647,7 @@ json_values = st.recursive(
 def _rows_with(fields: list[str]) -> st.SearchStrategy[dict[str, Any]]:
     """Objects with some of ``fields`` (any JSON values, plausible ones often) and extras."""
     plausible = st.one_of(st.integers(0, 4000), st.lists(st.integers(0, 20), max_size=10),
+                          st.lists(st.sampled_from([1, 2, 3, 2**64 - 1, 2**64, -1]), max_size=4),
                           st.text(max_size=6), json_values)
     return st.builds(
         lambda d, extra: {**extra, **d},
@@ -681,7 +752,7 @@ cells = st.one_of(
     st.sampled_from(["2023-11-16 18:17:05", "2023-11-16 18:17:05.", "2023-11-16 18:17:05.1²",
                      "2023-11-16 18:17:05." + "9" * 5000, "2023-11-16 18:17:02.5",
                      "9999-12-31 23:59:59.9999999", "0001-01-01 00:00:00", "1_000", " 7 ",
-                     "１２", '"5"', '"unterminated', "2024-02-30 00:00:00"]),
+                     "１２", "١٢", "+5", "7 ", '"5"', '"unterminated', "2024-02-30 00:00:00"]),
 )
 
 

@@ -112,6 +112,61 @@ def test_mooncake_truncation_options(tmp_path: Path) -> None:
     assert [r.arrival_s for r in wl] == [2.0, 3.0, 4.0]
 
 
+@pytest.mark.parametrize(
+    ("rows", "line", "words"),
+    [
+        # id 2 follows 1 on line 1, then 4 on line 3
+        ([[1, 2, 3], [4, 5], [4, 2]], 3, ["hash id 2 follows 4 here", "follows 1 on line 1"]),
+        # a later block on line 1 is a request's first block on line 2
+        ([[1, 2, 3], [2, 7]], 2, ["hash id 2 is a first block here", "follows 1 on line 1"]),
+        # a first block on line 1 is a later block on line 2
+        ([[1, 2, 3], [9, 1]], 2, ["hash id 1 follows 9 here", "is a first block on line 1"]),
+        # the earlier line is the one that listed the id first (line 2), not a later user
+        ([[1, 2], [1, 5, 6, 7], [1, 5, 6], [8, 6]], 4, ["hash id 6 follows 8 here",
+                                                        "follows 5 on line 2"]),
+        # an id repeated within one request
+        ([[1, 2, 3], [5, 6, 5]], 2, ["repeat id 5", "blocks 0 and 2"]),
+        ([[5, 5]], 1, ["repeat id 5", "blocks 0 and 1"]),
+    ],
+)
+def test_mooncake_ids_must_be_prefix_chained(tmp_path: Path, rows: list[list[int]], line: int,
+                                            words: list[str]) -> None:
+    """A block id stands for its whole prefix (the trie keys a block under its parent): one
+    id after two predecessors would merge two prefixes into one cache entry. The old reader
+    accepted all of these."""
+    f = _write_jsonl(tmp_path / "c.jsonl",
+                     [_mc(1000 * i, 512 * len(ids), ids) for i, ids in enumerate(rows)])
+    for read in (lambda p: read_mooncake(p, tick_s=0), lambda p: read_leval(p, rate=1.0)):
+        with pytest.raises(TraceFormatError) as ei:
+            read(f)
+        assert ei.value.line == line and str(ei.value).startswith(f"{f}:{line}: ")
+        assert all(w in str(ei.value) for w in words), ei.value
+
+
+def test_mooncake_chained_ids_across_requests_read(tmp_path: Path) -> None:
+    """Shared prefixes, branches and a partial last block's id are all fine."""
+    rows = [[1, 2, 3], [1, 2, 4], [1, 5], [6], [1, 2, 3, 7]]
+    f = _write_jsonl(tmp_path / "ok.jsonl",
+                     [_mc(1000 * i, 512 * len(ids) - 1, ids) for i, ids in enumerate(rows)])
+    assert [r.block_hashes for r in read_mooncake(f, tick_s=0)] == \
+        [tuple(ids[:-1]) for ids in rows]
+
+
+@pytest.mark.parametrize("bad", [2**64, 2**64 + 5, 10**30, -1, -(2**63), True, False, 1.0])
+def test_mooncake_ids_must_be_unsigned_64_bit_ints(tmp_path: Path, bad: object) -> None:
+    """An id past 64 bits (or negative) would be folded into 64 bits downstream and alias
+    another block; the old reader accepted them (bools and floats it refused already)."""
+    f = tmp_path / "ids.jsonl"
+    f.write_text(json.dumps(_mc(0, 1000, [7, 8])) + "\n" + json.dumps(_mc(1000, 1000, [3, bad]))
+                 + "\n")
+    for read in (lambda p: read_mooncake(p, tick_s=0), lambda p: read_leval(p, rate=1.0)):
+        with pytest.raises(TraceFormatError) as ei:
+            read(f)
+        assert ei.value.line == 2 and "hash_ids" in ei.value.problem
+    f.write_text(json.dumps(_mc(0, 1000, [2**64 - 1, 0])) + "\n")
+    assert read_mooncake(f).requests[0].block_hashes == (2**64 - 1,)
+
+
 # --- Azure -----------------------------------------------------------------------------
 AZ_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -141,6 +196,19 @@ def test_azure_parse_and_unique_hashes(tmp_path: Path) -> None:
         ("2023-13-16 18:17:03.1,10,1\n", 2, "TIMESTAMP"),
         ("2023-11-16 18:17:03.1,10,1\n2023-11-16 18:17:02.1,10,1\n", 3, "backwards"),
         ("2023-11-16 18:17:03.1,0,1\n", 2, ">= 1"),
+        ("2023-11-16 18:17:03.1,-5,1\n", 2, ">= 1"),
+        ("2023-11-16 18:17:03.1,10,1\n2023-11-16 18:17:04.1,10,1\n"
+         "2023-11-16 18:17:05.1,10," + "9" * 5000 + "\n", 4, "column GeneratedTokens must be <="),
+        # int() takes all of these; a count is plain ASCII digits (the real traces have
+        # nothing else, not even spaces)
+        ("2023-11-16 18:17:03.1,1_000,1\n", 2, "column ContextTokens must be a plain decimal"),
+        ("2023-11-16 18:17:03.1, 12 ,1\n", 2, "column ContextTokens must be a plain decimal"),
+        ("2023-11-16 18:17:03.1,12 ,1\n", 2, "column ContextTokens must be a plain decimal"),
+        ("2023-11-16 18:17:03.1,+5,1\n", 2, "column ContextTokens must be a plain decimal"),
+        ("2023-11-16 18:17:03.1,\u0661\u0662,1\n", 2, "column ContextTokens must be a plain"),
+        ("2023-11-16 18:17:03.1,\uff11\uff12,1\n", 2, "column ContextTokens must be a plain"),
+        ("2023-11-16 18:17:03.1,10,1\n2023-11-16 18:17:04.1,10,\u0663\n", 3,
+         "column GeneratedTokens must be a plain decimal"),
     ],
 )
 def test_azure_bad_rows(tmp_path: Path, body: str, line: int, problem: str) -> None:
@@ -284,6 +352,62 @@ def test_load_workload_dispatch_and_rate(tmp_path: Path) -> None:
     assert syn.name == "synthetic" and len(syn) > 100
     with pytest.raises(InvalidInput, match="neither"):
         load_workload(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "fmt"),
+    [
+        # L-Eval lengths rows in a file not named *.jsonl: the CLI's old test looked at
+        # *.jsonl only (then load_workload, without a rate, refused it)
+        ("lv.json", [_lv("a", i, 2000, 600) for i in range(3)], "leval"),
+        ("lv", [_lv("a", i, 2000, 600) for i in range(3)], "leval"),
+        # Mooncake-format L-Eval rows that name their document by doc_id: the CLI read them
+        # as L-Eval, load_workload as Mooncake (and refused the file: all timestamps 0)
+        ("lvm.jsonl", [dict(_mc(0, 1025 + i, [0, 1, 10 + i]), doc_id=f"d:{i}")
+                       for i in range(3)], "leval"),
+        # a timed Mooncake trace that mentions doc_sha1 only inside a value: both old tests
+        # matched the text and replayed it with Poisson arrivals, dropping its timestamps
+        ("mc.jsonl", [dict(_mc(1000 * i, 600, [i, 50 + i]), meta={"doc_sha1": "x"})
+                      for i in range(3)], "mooncake"),
+        ("mc2.jsonl", [dict(_mc(1000 * i, 600, [i, 50 + i]), source="doc_id")
+                       for i in range(3)], "mooncake"),
+    ],
+)
+def test_one_format_detection_for_the_loader_and_the_cli(tmp_path: Path, name: str,
+                                                         rows: list[dict], fmt: str) -> None:
+    """load_workload and ``--format auto`` (runner.load_trace) both use detect_format, so they
+    read every file alike; each of these files was read differently by the two before."""
+    from sim import runner
+
+    f = _write_jsonl(tmp_path / name, rows)
+    # Without --rate the CLI reads L-Eval at 1 req/s; load_workload needs that rate given.
+    via_cli = runner.load_trace(str(f), "auto", seed=0, rate=None, max_requests=None)
+    via_loader = load_workload(f, rate=1.0 if fmt == "leval" else None)
+    assert via_cli.metadata["format"].startswith(fmt)
+    assert via_loader.metadata["format"] == via_cli.metadata["format"]
+    assert [r.arrival_s for r in via_loader] == [r.arrival_s for r in via_cli]
+    from sim.workloads import detect_format
+
+    assert detect_format(f) == fmt
+
+
+def test_detect_format_edge_cases(tmp_path: Path) -> None:
+    from sim.workloads import detect_format
+
+    az = tmp_path / "A.CSV"
+    az.write_text(AZ_HEADER)
+    assert detect_format(az) == "azure"
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('\n{"doc_sha1": "a", "llama3_tok\n')  # not JSON: the reader names line 2
+    assert detect_format(bad) == "mooncake"
+    with pytest.raises(TraceFormatError, match=r"b\.jsonl:2: not valid JSON"):
+        load_workload(bad, rate=1.0)
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n\n")
+    assert detect_format(empty) == "mooncake"
+    listed = tmp_path / "l.jsonl"
+    listed.write_text('["doc_sha1"]\n')
+    assert detect_format(listed) == "mooncake"
 
 
 def test_default_traces_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
