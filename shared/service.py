@@ -36,7 +36,7 @@ import contextlib
 import json
 import re
 import ssl
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -45,6 +45,7 @@ import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
@@ -89,6 +90,7 @@ _NAME_RE: Final[re.Pattern[str]] = re.compile(r"^[A-Za-z0-9_-]+$")
 Reply = BaseModel | bytes | None
 Handler = Callable[[Request], Awaitable[Reply]]
 M = TypeVar("M")
+T = TypeVar("T")
 
 log = structlog.get_logger("vertumnus.service")
 
@@ -467,7 +469,11 @@ class PullConsumer:
         await self._pull()
         self._timer = asyncio.create_task(self._fallback(), name="pull-fallback")
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """See the class docstring. Bounded: the hand-back (and the delivery being handled)
+        gets ``timeout_s``, and is given up as soon as the connection is lost -- no NAK can
+        reach the server then (the deliveries come again after ``ack_wait``), and nats-py's
+        drain would wait for a PONG that never comes (:func:`while_connected`)."""
         self._stopping = True
         if self._sub is not None:
             # Unsubscribe before anything can yield, then let the callback NAK what is queued
@@ -476,10 +482,12 @@ class PullConsumer:
             # delivery is then stuck until ack_wait instead of going to the next consumer.
             # drain() queues the UNSUB synchronously, ahead of any NAK the callback sends.
             try:
-                await self._sub.drain()
+                drained, _ = await while_connected(self._nc, self._sub.drain(),
+                                                   timeout_s=timeout_s)
             except Exception:  # closed or draining connection: nothing left to hand back
-                with contextlib.suppress(Exception):
-                    await self._sub.unsubscribe()
+                drained = False
+            if not drained:
+                await forget_subscription(self._nc, self._sub)
         if self._timer is not None:
             await cancel_and_wait([self._timer], log)
 
@@ -745,7 +753,9 @@ class MicroService:
                 stats_handler=lambda _endpoint: self.stats_data(),
             ),
         )
-        stack.push_async_callback(self._service.stop)
+        # Bounded, and without round trips once the server is gone (stop_micro_service).
+        stack.push_async_callback(stop_micro_service, nc, self._service,
+                                  self.settings.drain_timeout_s, self.log)
         if type(self).ensure_jetstream is not MicroService.ensure_jetstream:
             keeper = asyncio.create_task(self._keep_jetstream(nc), name=f"{self.name}-jetstream")
             stack.push_async_callback(cancel_and_wait, [keeper], self.log)
@@ -810,22 +820,167 @@ class MicroService:
         await drain_or_close(nc, self.settings.drain_timeout_s)
 
 
-async def drain_or_close(nc: Client, timeout_s: float) -> None:
-    """A process's last step with its connection: drain ``nc`` (bounded by ``timeout_s``), else
-    close it. nats-py refuses to drain a connection closed already or one reconnecting (its
-    server down when the process is stopped: a killed nats-server not back yet); raised there,
-    the stop would end in a traceback and a non-zero exit, the connection never closed. The
-    close of a reconnecting one marks it closed and stops its reconnection, then may fail
-    writing what was queued meanwhile to the lost socket (ConnectionResetError): nothing is
-    left to hand to that server."""
+CONNECTION_POLL_S: Final[float] = 0.02
+"""How often :func:`while_connected` looks whether its connection was lost."""
+
+
+async def while_connected(nc: Client, coro: Coroutine[Any, Any, T], *, timeout_s: float,
+                          lost: Callable[[], bool] | None = None) -> tuple[bool, T | None]:
+    """Run ``coro`` -- NATS round trips of a stop -- for at most ``timeout_s`` while ``nc``
+    keeps its server: ``(True, its result)`` when it finished (its exception is raised),
+    ``(False, None)`` when the connection was lost (``lost()``; default: ``nc`` is not
+    connected) or ``timeout_s`` passed first; ``coro`` is then cancelled and awaited (cancelled
+    again should it swallow the cancel: shared/tasks.py). On a connection lost already,
+    ``coro`` is not run at all.
+
+    Why: nats-py forgets a round trip whose connection drops instead of failing it. A flush
+    (every ``Subscription.drain``, so the micro ``Service.stop`` and ``Client.drain``) waits
+    for its PONG for the whole flush timeout (10 s) and then raises; a JetStream publish or KV
+    put waits for its ack for its own timeout. A service stopped while its server went away
+    (``vertumnus up`` killed: the server and the services get SIGTERM at once) spent those
+    timeouts one after the other, then ended in a traceback; here such a step ends within
+    ``CONNECTION_POLL_S`` of the loss."""
+    is_lost = lost if lost is not None else (lambda: not nc.is_connected)
+    if is_lost():
+        coro.close()
+        return False, None
+    work: asyncio.Task[T] = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     try:
-        async with asyncio.timeout(timeout_s):
-            await nc.drain()
+        while not work.done():
+            if is_lost() or loop.time() >= deadline:
+                break
+            await asyncio.wait({work}, timeout=min(CONNECTION_POLL_S,
+                                                   max(0.0, deadline - loop.time())))
+    finally:
+        if not work.done():
+            shield_pongs(nc)  # before the cancel can reach a flush's PONG waiter
+            await cancel_and_wait([work], log)
+            shield_pongs(nc)  # a waiter made and cancelled while the cancel was repeated
+    if not work.done() or work.cancelled():
+        return False, None
+    return True, work.result()  # raises what coro raised
+
+
+def shield_pongs(nc: Client) -> None:
+    """Put a proxy in place of each PONG waiter of ``nc`` (in place, in order), so that
+    cancelling a flush cannot break the connection.
+
+    nats-py answers a PONG by ``set_result`` on the oldest waiter without looking whether it
+    is done; a flush cancelled while its PING was outstanding (a bounded drain given up: see
+    :func:`while_connected`) leaves a cancelled waiter there, the PONG's InvalidStateError
+    ends the client's read loop silently, and the connection then looks connected but hands
+    nothing on -- no message, no ack, no reply (seen: a rank daemon whose bounded stop was
+    cut short lost every redirect's ack). Each proxy takes its PONG and passes it to the
+    waiter it replaced, unless that one was cancelled meanwhile; a waiter cancelled already
+    is replaced by a fresh future. The waiters stay aligned with the PINGs outstanding.
+    ``_pongs`` is private (no public view); nats-py empties it on a reconnect."""
+    pongs = getattr(nc, "_pongs", None)
+    if not pongs:
+        return
+    loop = asyncio.get_running_loop()
+
+    def relay(proxy: asyncio.Future[Any], waiter: asyncio.Future[Any]) -> None:
+        if waiter.done():
+            return
+        if proxy.cancelled():
+            waiter.cancel()
+        elif proxy.exception() is not None:
+            waiter.set_exception(proxy.exception())  # type: ignore[arg-type]
+        else:
+            waiter.set_result(proxy.result())
+
+    def proxy_of(waiter: asyncio.Future[Any]) -> asyncio.Future[Any]:
+        proxy: asyncio.Future[Any] = loop.create_future()
+        if not waiter.done():
+            proxy.add_done_callback(lambda p, w=waiter: relay(p, w))
+        return proxy
+
+    pongs[:] = [proxy_of(w) for w in pongs]
+
+
+FORGET_UNSUB_S: Final[float] = 1.0
+"""Bound on queueing one UNSUB in :func:`forget_subscription` (no round trip is awaited)."""
+
+
+async def forget_subscription(nc: Client, sub: Subscription) -> None:
+    """Stop ``sub`` at once, without a round trip: no more messages are handed to it (a
+    callback still running is cancelled) and a reconnect does not subscribe it again. For a
+    stop whose connection is lost, or whose drain of ``sub`` was given up half-way (nats-py
+    then marks it closed but keeps it registered, and would subscribe it again on the next
+    reconnect). The server forgets a lost connection's interest by itself; on a live one the
+    UNSUB is sent (not flushed). Never raises but CancelledError."""
+    if not sub._closed and not nc.is_closed:  # nats-py keeps these private
+        # Unregisters it; queues the UNSUB unless reconnecting (nothing is awaited then).
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(FORGET_UNSUB_S):
+                await sub.unsubscribe()
+    # A drain given up half-way (or the unsubscribe above cut short) left it registered.
+    sub._stop_processing()
+    nc._remove_sub(sub._id)
+
+
+async def stop_micro_service(nc: Client, service: Service, timeout_s: float,
+                             logger: Any = None) -> bool:
+    """Stop ``service`` (nats.micro): with the server there, its own ``stop`` (endpoints
+    unsubscribed, PING/INFO/STATS drained), bounded by ``timeout_s``; with the connection
+    lost before or during that, every subscription of it is forgotten
+    (:func:`forget_subscription`) instead: no round trip can complete then, and nats-py's
+    drain would wait 10 s per subscription for a PONG (:func:`while_connected`). Returns
+    whether the service's own stop completed; never raises but CancelledError."""
+    logger = logger if logger is not None else log
+    try:
+        done, _ = await while_connected(nc, service.stop(), timeout_s=timeout_s)
+    except (nats.errors.Error, TimeoutError, OSError) as exc:  # e.g. the server too slow
+        logger.warning("micro service stop failed", error=repr(exc))
+        done = False
+    if done:
+        return True
+    # nats-py keeps these only privately (nats.micro has no stop without round trips).
+    subs = [ep._subscription for ep in getattr(service, "_endpoints", ())]
+    subs += list(getattr(service, "_subscriptions", {}).values())
+    for sub in subs:
+        if sub is not None:
+            await forget_subscription(nc, sub)
+    service._endpoints = []
+    service._subscriptions = {}
+    service._stopped.set()
+    logger.info("micro service stopped without a drain (no connection to the server)")
+    return False
+
+
+async def drain_or_close(nc: Client, timeout_s: float) -> None:
+    """A process's last step with its connection: drain ``nc`` (bounded by ``timeout_s``, and
+    given up as soon as the connection is lost meanwhile), else close it. nats-py refuses to
+    drain a connection closed already or one reconnecting (its server down when the process
+    is stopped: a killed nats-server not back yet); raised there, the stop would end in a
+    traceback and a non-zero exit, the connection never closed. A server lost *during* the
+    drain would leave it waiting for PONGs that never come (:func:`while_connected`) for all
+    of ``timeout_s``, and nats-py's drain swallows the cancel of that bound to flush once
+    more (10 s). The close of a reconnecting one marks it closed and stops its reconnection
+    (made sure of here: nats-py's may outlive the close), then may fail writing what was
+    queued meanwhile to the lost socket (ConnectionResetError): nothing is left to hand to
+    that server."""
+    try:
+        # Lost: reconnecting (a drain ends CLOSED by itself, so closed is no loss here).
+        drained, _ = await while_connected(
+            nc, nc.drain(), timeout_s=timeout_s,
+            lost=lambda: nc.is_reconnecting or nc.is_connecting)
     except (TimeoutError, nats.errors.ConnectionClosedError,
             nats.errors.ConnectionReconnectingError):
+        drained = False
+    if not drained or not nc.is_closed:
         with contextlib.suppress(OSError):
             await nc.close()
-
+    # nats-py's close cancels its reconnect loop once and goes on after reconnect_time_wait
+    # whether it ended or not; a loop that missed the cancel (its server refusing a connect
+    # in the same loop step: shared/tasks.py) retries a gone server for ever, closed client
+    # or not, and asyncio.run's final cancel-and-gather then waits on it for ever: a process
+    # that never exits (seen in 1 of 7 stops with the server SIGKILLed at the SIGTERM).
+    reconnecting = getattr(nc, "_reconnection_task", None)  # private: no public handle
+    if reconnecting is not None and not reconnecting.done():
+        await cancel_and_wait([reconnecting], log, grace_s=0.2)
 
 
 class KvWatch:
@@ -959,6 +1114,9 @@ __all__ = [
     "SchemaError",
     "call",
     "drain_or_close",
+    "forget_subscription",
+    "stop_micro_service",
+    "while_connected",
     "KvWatch",
     "reconnect_options",
     "nats_callbacks",

@@ -49,6 +49,7 @@ log = structlog.get_logger("vertumnus.stopping")
 _lock = threading.Lock()
 _timeout_s: float | None = None  # None: not a service process (no deadline)
 _armed = False
+_signalled = False  # a stop signal reached handle_stop_signals' handler (the stop is under way)
 
 
 def bound_stops(timeout_s: float) -> None:
@@ -63,17 +64,30 @@ def bound_stops(timeout_s: float) -> None:
 
 def handle_stop_signals(stack: AsyncExitStack, stop: asyncio.Event) -> None:
     """SIGINT/SIGTERM set ``stop`` and arm the stop deadline (:func:`arm_stop_deadline`),
-    until ``stack`` closes. Call from the running event loop."""
+    until ``stack`` closes; in a service process (:func:`bound_stops`) that received one,
+    they are ignored from then on (its stop is done; the deadline still bounds the exit).
+    Call from the running event loop."""
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
+        global _signalled
+        _signalled = True
         log.info("stop signal received", signal=sig.name)
         stop.set()
         arm_stop_deadline()
 
+    def restore(sig: signal.Signals) -> None:
+        loop.remove_signal_handler(sig)
+        if _signalled and _timeout_s is not None:
+            # A service process whose graceful stop is done is on its way out (bounded by the
+            # deadline's fault handler): a later SIGTERM -- the kernel's parent-death signal
+            # or the parent watch after the stop that a supervisor's signal began -- would end
+            # it by the signal, its exit status (a clean 0) lost.
+            signal.signal(sig, signal.SIG_IGN)
+
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
-        stack.callback(loop.remove_signal_handler, sig)
+        stack.callback(restore, sig)
 
 
 def arm_stop_deadline() -> bool:
@@ -127,15 +141,22 @@ def _stop_overdue(timeout_s: float) -> None:
 
 def watch_parent(parent_pid: int, *, poll_s: float = PARENT_POLL_S,
                  on_gone: Callable[[], Any] | None = None) -> threading.Thread:
-    """Start a daemon thread that calls ``on_gone`` (default: send this process SIGTERM) once
-    ``parent_pid`` is no longer this process's parent, then ends. A process adopted by
-    another (its parent died before the check began) stops at the first check."""
+    """Start a daemon thread that calls ``on_gone`` (default: send this process SIGTERM,
+    unless a stop signal has been handled already) once ``parent_pid`` is no longer this
+    process's parent, then ends. A process adopted by another (its parent died before the
+    check began) stops at the first check."""
     if parent_pid <= 0:
         raise ValueError(f"parent_pid must be > 0, got {parent_pid}")
     if not poll_s > 0:
         raise ValueError(f"poll_s must be > 0, got {poll_s!r}")
 
     def signal_self() -> None:
+        if _signalled:
+            # The kernel's parent-death SIGTERM came first and the stop is under way: another
+            # SIGTERM adds nothing, and once the stop is done (its handler removed) it would
+            # end the process by the signal instead of its own exit status.
+            log.info("parent process gone; stopping already", parent_pid=parent_pid)
+            return
         log.warning("parent process gone; stopping", parent_pid=parent_pid)
         os.kill(os.getpid(), signal.SIGTERM)
 

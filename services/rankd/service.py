@@ -147,6 +147,7 @@ from shared.service import (
     epoch_kv,
     publish_result,
     request_model,
+    while_connected,
     worker_state_kv,
 )
 from shared.subjects import micro_service_name
@@ -177,6 +178,9 @@ HEALTH_PERIOD_S: Final[float] = 0.5
 within it; the probe is a non-blocking check, e.g. ``waitpid`` on the rank processes)."""
 STATE_MIN_INTERVAL_S: Final[float] = 0.05
 """Least time between two WorkerState publications that change neither lifecycle nor epoch."""
+FINAL_STATE_TIMEOUT_S: Final[float] = 5.0
+"""Bound on the final (UNAVAILABLE) state publication of a stop, given up at once should the
+connection lose its server (shared.service.while_connected)."""
 ACK_RETRY_S: Final[float] = 0.2
 """Delay before an EpochAck that failed to publish is sent again (then doubling per failed
 round up to :data:`ACK_RETRY_MAX_S`): a switching worker is schedulable only once every rank
@@ -523,8 +527,20 @@ class RankdService(MicroService):
         if running is not None:  # drain timed out mid-request
             self.core.finish(running.request_id, ok=False)
             self._publish_failure(running, "worker stopped during prefill")
-        await self._publish_state()
-        await self.backend.close()
+        try:
+            # The final UNAVAILABLE state, unless the server is gone: a put on a connection
+            # that lost it waited for its whole JetStream timeout, then raised past
+            # backend.close (the state expires with its lease anyway).
+            published, _ = await while_connected(self.nc, self._publish_state(),
+                                                 timeout_s=FINAL_STATE_TIMEOUT_S)
+            if not published:
+                self.log.warning("final state not published (no connection to the server)",
+                                 worker=self.core.worker_id)
+        except Exception as exc:  # a KV error: the stop goes on
+            self.log.warning("final state publish failed", worker=self.core.worker_id,
+                             error=repr(exc))
+        finally:
+            await self.backend.close()
 
     # -- execution ----------------------------------------------------------------------------
 
