@@ -968,7 +968,11 @@ async def drain_or_close(nc: Client, timeout_s: float) -> None:
             nc, nc.drain(), timeout_s=timeout_s,
             lost=lambda: nc.is_reconnecting or nc.is_connecting)
     except (TimeoutError, nats.errors.ConnectionClosedError,
-            nats.errors.ConnectionReconnectingError):
+            nats.errors.ConnectionReconnectingError, OSError):
+        # OSError: the socket died during the drain (ConnectionResetError). nats-py's drain
+        # catches the cancel of a bound given up (the loss seen: reconnecting) and flushes
+        # once more; with its read and write loops cancelled by the reconnect, that flush
+        # writes what was queued meanwhile to the lost socket itself and raises.
         drained = False
     if not drained or not nc.is_closed:
         with contextlib.suppress(OSError):

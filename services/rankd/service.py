@@ -520,8 +520,19 @@ class RankdService(MicroService):
         # A running request that met a worker fault meanwhile was handed back while the wait
         # above may already have ended: settle its redirect too (bounded likewise).
         await self._settle_redirects()
-        if self._handoffs:  # each ends at its finished_at_s: a short, bounded wait
-            await asyncio.wait(set(self._handoffs), timeout=self.settings.drain_timeout_s)
+        if self._handoffs:
+            # Each ends at its finished_at_s once the results stream stored its FirstToken: a
+            # short wait, bounded, and given up as soon as the connection is lost. No result
+            # can be stored then, and publish_result waits for a reconnect (up to its
+            # within_s): with the server gone (``vertumnus up`` killed) the stop waited out
+            # the whole drain_timeout_s, 10 s, with nothing left to do.
+            stored, _ = await while_connected(
+                self.nc, asyncio.wait(set(self._handoffs),
+                                      timeout=self.settings.drain_timeout_s),
+                timeout_s=self.settings.drain_timeout_s)
+            if not stored and self._handoffs:
+                self.log.warning("results not stored at stop (no connection to the server)",
+                                 worker=self.core.worker_id, results=len(self._handoffs))
         await cancel_and_wait(tasks, self.log)
         running = self.core.running
         if running is not None:  # drain timed out mid-request

@@ -234,6 +234,7 @@ from shared.service import (
     first_token_of,
     latest_result,
     publish_result,
+    while_connected,
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
@@ -845,9 +846,11 @@ class SchedulerService(MicroService):
                     await m.nak()
             # Records sent without waiting (``dispatched``): stored before we go, so a
             # restarted scheduler finds them (bounded; each is also cancelled on its own).
+            # Given up, like the dispatches, as soon as the connection is lost: no store
+            # acknowledgement can come then.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(js.publish_async_completed(),
-                                       self.ssettings.dispatch_timeout_s)
+                await while_connected(self.nc, js.publish_async_completed(),
+                                      timeout_s=self.ssettings.dispatch_timeout_s)
             await cancel_and_wait(self._tasks, self.log)
             with contextlib.suppress(Exception):
                 await watcher.stop()
@@ -1163,12 +1166,20 @@ class SchedulerService(MicroService):
             self._slots.release()
 
     async def _finish_inflight(self, timeout_s: float) -> None:
-        """At shutdown: let dispatches already sent complete (bounded), then cancel the rest
-        (an unacked message is redelivered; its record makes the re-send idempotent)."""
+        """At shutdown: let dispatches already sent complete (bounded by ``timeout_s``, and
+        given up as soon as the connection is lost), then cancel the rest (an unacked message
+        is redelivered; its record makes the re-send idempotent).
+
+        Why not wait out ``timeout_s`` with the server gone: nats-py forgets a request whose
+        connection drops rather than failing it, so a dispatch in flight when the server went
+        away (``vertumnus up`` killed: the server and the services get SIGTERM at once) waited
+        for its whole ``dispatch_timeout_s`` before the stop went on
+        (shared.service.while_connected)."""
         pending = set(self._inflight)
         if pending:
-            _, late = await asyncio.wait(pending, timeout=timeout_s)
-            await cancel_and_wait(late, self.log)
+            await while_connected(self.nc, asyncio.wait(pending, timeout=timeout_s),
+                                  timeout_s=timeout_s)
+            await cancel_and_wait([t for t in pending if not t.done()], self.log)
 
     async def handle_intake(self, msg: Msg) -> None:
         """One intake delivery: idempotency, placement, dispatch, ack (see module docstring).
@@ -1313,6 +1324,12 @@ class SchedulerService(MicroService):
                                  dict(parent)))
             try:
                 ack = await self._dispatch(assignment, hdrs)
+            except asyncio.CancelledError:
+                # A stop gave the dispatch up (_finish_inflight: its server gone). Nobody
+                # waits for the record's store acknowledgement now: retrieved all the same (a
+                # failure is logged, not left to "Future exception was never retrieved").
+                self._store_unawaited(stored)
+                raise
             except (RemoteError, SchemaError, nats.errors.NoRespondersError,
                     nats.errors.TimeoutError, TimeoutError) as exc:
                 self.ledger.pop(rid)

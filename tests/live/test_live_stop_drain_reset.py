@@ -1,0 +1,65 @@
+"""A connection's last drain ends cleanly when its socket dies under it.
+
+``vertumnus up`` killed: the kernel sends SIGTERM to the services and to nats-server at once;
+a service's connection may be draining (``shared.service.drain_or_close``) when the server
+closes it. nats-py then starts reconnecting and cancels its read and write loops;
+``while_connected`` gives the drain up (reconnecting), nats-py's drain catches that cancel
+and flushes once more -- with its loops gone, that flush writes what was queued meanwhile to
+the dead socket itself and raises ``ConnectionResetError``, which ended the stop with a
+traceback and exit status 1 (a rank host in 1 of 89 stops with requests in flight).
+
+Reproduced with a real nats-server: frozen (SIGSTOP) so that the drain waits for its PONG,
+then killed (SIGKILL); a publish while the client reconnects is what the final flush has to
+write. (Should the drain be given up before the test sees the client reconnecting, there is
+nothing queued and the old code passes too: the race is lost rarely.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+
+import nats
+import pytest
+
+from shared.natsserver import EmbeddedNats
+from shared.service import drain_or_close
+
+WAIT_S = 30.0  # a liveness bound, not a speed check
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedNats]:
+    """A nats-server of the test's own (it is killed)."""
+    srv = EmbeddedNats().start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+async def test_a_drain_whose_socket_dies_under_it_closes_the_connection(
+        server: EmbeddedNats) -> None:
+    nc = await nats.connect(server.url, connect_timeout=5, reconnect_time_wait=0.5,
+                            max_reconnect_attempts=-1)
+    try:
+        await nc.subscribe("probe.x")
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        stop = asyncio.create_task(drain_or_close(nc, WAIT_S))
+        async with asyncio.timeout(WAIT_S):
+            while not nc._pongs:  # the drain waits for its PONG (nats-py keeps them private)
+                await asyncio.sleep(0.005)
+        os.kill(server.pid, signal.SIGKILL)  # delivered to a stopped process too
+        async with asyncio.timeout(WAIT_S):
+            while not (nc.is_reconnecting or stop.done()):
+                await asyncio.sleep(0)
+        if not stop.done():
+            await nc.publish("probe.y", b"queued while reconnecting")
+        await asyncio.wait_for(stop, WAIT_S)  # old code: ConnectionResetError
+        assert nc.is_closed
+    finally:
+        if not nc.is_closed:
+            await nc.close()
