@@ -151,6 +151,23 @@ def historical_composition(
                                speedup_threshold=calibration.SPEEDUP_THRESHOLD).composition
 
 
+def check_pools(gpus: int, degrees: Sequence[int], *,
+                gpus_per_node: int = ExperimentSpec.gpus_per_node) -> None:
+    """The fixed pools :func:`deployment_for` builds fit ``gpus`` (else :class:`InvalidInput`
+    naming ``--gpus`` and ``--degrees``): the lattice itself, the all-smallest-degree pool
+    (``homo_cp2``) and the homo pool of the peers (degree :data:`HOMO_DEGREE`, else the
+    largest). For a check before a sweep runs (its profile and its first run take seconds to
+    minutes before the first pool is made)."""
+    degs = sorted(degrees)
+    try:
+        lattice = Lattice(gpus, degs, gpus_per_node=gpus_per_node)
+        Composition.uniform(lattice, degs[0])
+        Composition.uniform(lattice, HOMO_DEGREE if HOMO_DEGREE in degs else degs[-1])
+    except InvalidInput as exc:
+        raise InvalidInput(f"--gpus {gpus} with --degrees {','.join(map(str, degs))} "
+                           f"({gpus_per_node} GPUs a node): {exc}") from None
+
+
 def deployment_for(
     policy: str,
     lattice: Lattice,

@@ -33,6 +33,7 @@ from sim import calibration
 from sim.experiments import (
     ALL_POLICIES,
     ExperimentSpec,
+    check_pools,
     check_warmup_s,
     combine_repeats,
     oracle_ttfts,
@@ -242,6 +243,8 @@ def run_simulate(
     """
     check_counts(jobs=jobs, repeats=repeats)
     check_gpus(gpus)
+    check_pools(gpus, degrees, gpus_per_node=(spec_overrides or {}).get(
+        "gpus_per_node", ExperimentSpec.gpus_per_node))
     check_seed(seed)
     check_warmup_s(warmup_s)
     check_policies(policies)
@@ -399,6 +402,7 @@ def run_tune(
 
     check_counts(jobs=jobs, repeats=repeats)
     check_gpus(gpus)
+    check_pools(gpus, degrees)
     check_seed(seed)
     # J's weights now, not after the profile is measured (tune_weights checks them again).
     for b in betas:

@@ -375,6 +375,37 @@ def test_load_trace_refuses_contradictions(tmp_path: Path) -> None:
         sim_runner.load_trace("synthetic", "azure", seed=0, rate=None, max_requests=None)
 
 
+# --- 12. --gpus that no pool fits ---------------------------------------------------------------
+@pytest.mark.parametrize(("gpus", "degrees", "problem"), [
+    ("3", "2,4", "not a multiple of the smallest degree 2"),
+    ("6", "2,4", "node 0 has 6 GPUs, not a multiple of degree 4"),  # all-CP4 cannot be made
+    ("20", "2,8", "node 2 has 4 GPUs, not a multiple of degree 8"),  # homo: the largest
+])
+@pytest.mark.parametrize("command", [["simulate", "--policies", "vertumnus"], ["tune"]])
+def test_gpus_that_a_compared_pool_cannot_use_are_refused(
+        runner: CliRunner, tmp_path: Path, no_runs: None, command: list[str], gpus: str,
+        degrees: str, problem: str) -> None:
+    """Refused before the profile and the first run (it used to fail once the sweep had
+    started, after the profile was measured)."""
+    _refused(runner.invoke(app, [*command, "--gpus", gpus, "--degrees", degrees,
+                                 "--out", str(tmp_path / "o")]),
+             f"--gpus {gpus} with --degrees {degrees}", problem)
+    assert not (tmp_path / "o").exists()
+
+
+def test_check_pools_takes_every_pool_the_policies_build() -> None:
+    from shared.ids import InvalidInput
+    from sim.experiments import check_pools
+
+    check_pools(12, (2, 4, 8))  # homo is all-CP4 there: 8 + 4 GPUs both fit it
+    check_pools(40, (2, 4))
+    check_pools(16, (2, 4), gpus_per_node=4)
+    with pytest.raises(InvalidInput, match="node 0 has 2 GPUs, not a multiple of degree 4"):
+        check_pools(2, (2, 4))
+    with pytest.raises(InvalidInput, match="exceeds the node size 4"):
+        check_pools(16, (2, 8), gpus_per_node=4)
+
+
 # --- a valid tiny run still runs -----------------------------------------------------------------
 def test_a_tiny_valid_simulate_runs(runner: CliRunner, tmp_path: Path, profile_file: Path
                                     ) -> None:
