@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import nats
 import pytest
@@ -42,16 +40,6 @@ TOKENS = list(range(40))
 WORKER = "w-cp2-g0"
 
 
-@pytest.fixture
-def server() -> Iterator[EmbeddedNats]:
-    """A nats-server of the test's own (it is killed)."""
-    srv = EmbeddedNats().start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 async def wait_until(pred: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not pred():
@@ -61,9 +49,10 @@ async def wait_until(pred: Callable[[], bool], what: str) -> None:
 
 
 async def test_a_scheduler_whose_server_vanishes_with_a_dispatch_in_flight_stops(
-        server: EmbeddedNats, uniq: str) -> None:
+        own_nats_server: EmbeddedNats, uniq: str) -> None:
     s = Subjects(uniq)
-    nc = await nats.connect(server.url, max_reconnect_attempts=0, allow_reconnect=False)
+    nc = await nats.connect(own_nats_server.url, max_reconnect_attempts=0,
+                            allow_reconnect=False)
     assigned: list[Assignment] = []
 
     async def on_assign(msg: Msg) -> None:  # holds every assignment: never acks
@@ -83,7 +72,7 @@ async def test_a_scheduler_whose_server_vanishes_with_a_dispatch_in_flight_stops
             hit_tokens=0, input_tokens=0, served=0, heartbeat_s=time.time())))
 
         sched = SchedulerService(SchedulerSettings(
-            nats_url=server.url, subject_prefix=uniq, instance_id="sched-stoptest",
+            nats_url=own_nats_server.url, subject_prefix=uniq, instance_id="sched-stoptest",
             block_size=B, dispatch_timeout_s=DISPATCH_TIMEOUT_S, drain_timeout_s=WAIT_S))
         task = asyncio.create_task(sched.run(handle_signals=False))
         try:
@@ -97,8 +86,7 @@ async def test_a_scheduler_whose_server_vanishes_with_a_dispatch_in_flight_stops
             await nc.jetstream().publish(s.intake_requests(), data, headers=headers)
             await wait_until(lambda: bool(assigned), "the dispatch")  # in flight, unanswered
 
-            assert server.pid is not None
-            os.kill(server.pid, signal.SIGKILL)
+            own_nats_server.kill()
             await wait_until(lambda: not sched.nc.is_connected, "the connection's loss")
             sched.request_stop()
             await asyncio.wait_for(asyncio.shield(task), WAIT_S)

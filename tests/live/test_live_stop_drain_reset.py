@@ -17,12 +17,9 @@ nothing queued and the old code passes too: the race is lost rarely.)
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-from collections.abc import Iterator
 
 import nats
-import pytest
+from live_support import freeze, until_a_round_trip_waits
 
 from shared.natsserver import EmbeddedNats
 from shared.service import drain_or_close
@@ -30,29 +27,16 @@ from shared.service import drain_or_close
 WAIT_S = 30.0  # a liveness bound, not a speed check
 
 
-@pytest.fixture
-def server() -> Iterator[EmbeddedNats]:
-    """A nats-server of the test's own (it is killed)."""
-    srv = EmbeddedNats().start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 async def test_a_drain_whose_socket_dies_under_it_closes_the_connection(
-        server: EmbeddedNats) -> None:
-    nc = await nats.connect(server.url, connect_timeout=5, reconnect_time_wait=0.5,
+        own_nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(own_nats_server.url, connect_timeout=5, reconnect_time_wait=0.5,
                             max_reconnect_attempts=-1)
     try:
         await nc.subscribe("probe.x")
-        assert server.pid is not None
-        os.kill(server.pid, signal.SIGSTOP)
+        freeze(own_nats_server)
         stop = asyncio.create_task(drain_or_close(nc, WAIT_S))
-        async with asyncio.timeout(WAIT_S):
-            while not nc._pongs:  # the drain waits for its PONG (nats-py keeps them private)
-                await asyncio.sleep(0.005)
-        os.kill(server.pid, signal.SIGKILL)  # delivered to a stopped process too
+        await until_a_round_trip_waits(nc, WAIT_S)  # the drain waits for its PONG
+        own_nats_server.kill()  # SIGKILL: delivered to a stopped process too
         async with asyncio.timeout(WAIT_S):
             while not (nc.is_reconnecting or stop.done()):
                 await asyncio.sleep(0)

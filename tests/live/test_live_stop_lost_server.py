@@ -16,13 +16,9 @@ logged, the backend closed, the connection closed), not on timings.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-from collections.abc import Iterator
 
 import nats
-import pytest
-from nats.aio.client import Client
+from live_support import freeze, resume, until_a_round_trip_waits, until_started
 from nats.micro.request import Request
 from structlog.testing import capture_logs
 
@@ -34,30 +30,6 @@ from shared.service import Endpoint, MicroService, while_connected
 from shared.settings import ServiceSettings
 
 WAIT_S = 60.0  # a liveness bound (the old stop took 10-15 s and then raised), not a speed check
-
-
-@pytest.fixture
-def server() -> Iterator[EmbeddedNats]:
-    """A nats-server of the test's own (it is killed)."""
-    srv = EmbeddedNats().start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-async def freeze_until_a_round_trip_waits(server: EmbeddedNats, nc: Client) -> None:
-    """SIGSTOP ``server`` and return once ``nc`` waits for a PONG (a flush of the stop)."""
-    assert server.pid is not None
-    os.kill(server.pid, signal.SIGSTOP)
-    async with asyncio.timeout(WAIT_S):
-        while not nc._pongs:  # nats-py's outstanding PINGs (no public view of them)
-            await asyncio.sleep(0.01)
-
-
-def kill(server: EmbeddedNats) -> None:
-    assert server.pid is not None
-    os.kill(server.pid, signal.SIGKILL)  # delivered to a stopped process too
 
 
 class Echo(MicroService):
@@ -72,18 +44,20 @@ class Echo(MicroService):
 
 
 async def test_a_service_whose_server_vanishes_during_its_stop_ends_cleanly(
-        server: EmbeddedNats, uniq: str) -> None:
+        own_nats_server: EmbeddedNats, uniq: str) -> None:
     # drain_timeout_s above nats-py's 10 s flush timeout: the old stop met that timeout first.
-    settings = ServiceSettings(nats_url=server.url, subject_prefix=uniq, drain_timeout_s=30)
+    settings = ServiceSettings(nats_url=own_nats_server.url, subject_prefix=uniq,
+                               drain_timeout_s=30)
     svc = Echo(settings)
     task = asyncio.create_task(svc.run(handle_signals=False))
     try:
         await asyncio.wait_for(svc.started.wait(), WAIT_S)
         nc = svc.nc
         svc.request_stop()
-        await freeze_until_a_round_trip_waits(server, nc)
+        freeze(own_nats_server)
+        await until_a_round_trip_waits(nc, WAIT_S)
         with capture_logs() as logs:
-            kill(server)
+            own_nats_server.kill()
             await asyncio.wait_for(asyncio.shield(task), WAIT_S)  # raised FlushTimeoutError
     finally:
         svc.request_stop()
@@ -108,23 +82,22 @@ class Recorded(SimBackend):
 
 
 async def test_a_rank_worker_whose_server_vanishes_during_its_stop_closes_its_backend(
-        server: EmbeddedNats, uniq: str) -> None:
+        own_nats_server: EmbeddedNats, uniq: str) -> None:
     Recorded.closed = []
-    settings = RankdSettings(nats_url=server.url, subject_prefix=uniq, drain_timeout_s=30)
+    settings = RankdSettings(nats_url=own_nats_server.url, subject_prefix=uniq,
+                             drain_timeout_s=30)
     host = RankdHost(settings, range(0, 2), lambda wid, kind: Recorded(wid),
                      initial=["w-cp2-g0"])
     task = asyncio.create_task(host.run(handle_signals=False))
     try:
-        async with asyncio.timeout(WAIT_S):
-            while not (host.services and all(s.started.is_set()
-                                             for s in host.services.values())):
-                await asyncio.sleep(0.05)
+        await until_started(host, WAIT_S)
         nc = host._nc
         assert nc is not None
         with capture_logs() as logs:
             host.request_stop()
-            await freeze_until_a_round_trip_waits(server, nc)
-            kill(server)
+            freeze(own_nats_server)
+            await until_a_round_trip_waits(nc, WAIT_S)
+            own_nats_server.kill()
             await asyncio.wait_for(asyncio.shield(task), WAIT_S)
     finally:
         host.request_stop()
@@ -138,21 +111,20 @@ async def test_a_rank_worker_whose_server_vanishes_during_its_stop_closes_its_ba
 
 
 async def test_a_flush_cut_short_by_its_bound_leaves_the_connection_working(
-        server: EmbeddedNats) -> None:
+        own_nats_server: EmbeddedNats) -> None:
     """while_connected gives up a flush whose PONG is late (the server frozen, not gone) and
     cancels it; when the PONG then comes, nats-py sets the result of the oldest waiter without
     looking whether it was cancelled: before shield_pongs, the InvalidStateError ended the
     client's read loop and the connection stayed "connected" while delivering nothing."""
-    nc = await nats.connect(server.url, connect_timeout=5, allow_reconnect=False)
+    nc = await nats.connect(own_nats_server.url, connect_timeout=5, allow_reconnect=False)
     try:
         sub = await nc.subscribe("probe.x")
-        assert server.pid is not None
-        os.kill(server.pid, signal.SIGSTOP)
+        freeze(own_nats_server)
         try:
             done, _ = await while_connected(nc, nc.flush(timeout=30), timeout_s=0.3)
             assert not done  # given up: the server never answered in time
         finally:
-            os.kill(server.pid, signal.SIGCONT)  # the late PONG reaches the client now
+            resume(own_nats_server)  # the late PONG reaches the client now
         await nc.flush(timeout=WAIT_S)
         await nc.publish("probe.x", b"after")
         msg = await sub.next_msg(timeout=WAIT_S)  # old code: nothing is read any more

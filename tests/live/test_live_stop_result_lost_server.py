@@ -16,11 +16,8 @@ request that finished while the server went away.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-from collections.abc import Iterator
 
-import pytest
+from live_support import until_started
 from structlog.testing import capture_logs
 
 from services.rankd.backend import SimBackend
@@ -32,31 +29,17 @@ WAIT_S = 20.0  # a liveness bound (the old stop took min(drain_timeout_s, ~withi
 DRAIN_TIMEOUT_S = 120.0  # far past WAIT_S: a stop that waits it out fails the test
 
 
-@pytest.fixture
-def server() -> Iterator[EmbeddedNats]:
-    """A nats-server of the test's own (it is killed)."""
-    srv = EmbeddedNats().start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 async def test_a_rank_worker_whose_server_is_gone_does_not_wait_for_its_results(
-        server: EmbeddedNats, uniq: str) -> None:
-    settings = RankdSettings(nats_url=server.url, subject_prefix=uniq,
+        own_nats_server: EmbeddedNats, uniq: str) -> None:
+    settings = RankdSettings(nats_url=own_nats_server.url, subject_prefix=uniq,
                              drain_timeout_s=DRAIN_TIMEOUT_S)
     host = RankdHost(settings, range(0, 2), lambda wid, kind: SimBackend(time_scale=1.0),
                      initial=["w-cp2-g0"])
     task = asyncio.create_task(host.run(handle_signals=False))
     try:
-        async with asyncio.timeout(WAIT_S):
-            while not (host.services and all(s.started.is_set()
-                                             for s in host.services.values())):
-                await asyncio.sleep(0.05)
+        await until_started(host, WAIT_S)
         svc = host.services["w-cp2-g0"]
-        assert server.pid is not None
-        os.kill(server.pid, signal.SIGKILL)
+        own_nats_server.kill()
         async with asyncio.timeout(WAIT_S):
             while svc.nc.is_connected:
                 await asyncio.sleep(0.02)
