@@ -51,12 +51,12 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import nats
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from shared.natsclient import connect  # noqa: E402
 from shared.schemas import (  # noqa: E402
     EpochAck,
     EpochRecord,
@@ -294,8 +294,8 @@ async def wait_healthy(url: str, proc: subprocess.Popen[bytes], within_s: float)
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            nc = await nats.connect(url, connect_timeout=1, max_reconnect_attempts=0,
-                                    allow_reconnect=False, error_cb=_quiet)
+            nc = await connect(url, connect_timeout=1, max_reconnect_attempts=0,
+                               allow_reconnect=False, error_cb=_quiet)
         except Exception:  # noqa: BLE001 - not up yet
             await asyncio.sleep(0.5)
             continue
@@ -346,8 +346,8 @@ async def main() -> None:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         try:
             await wait_healthy(url, proc, 120.0)
-            nc = await nats.connect(url, name="fuzz", max_reconnect_attempts=-1,
-                                    error_cb=_note_error, disconnected_cb=_noop)
+            nc = await connect(url, name="fuzz", max_reconnect_attempts=-1,
+                               error_cb=_note_error, disconnected_cb=_noop)
             fz = Fuzzer(nc, random.Random(args.seed), kv_real=args.kv_real, epoch=args.epoch)
             await fz.discover()
             print(f"workers {fz.workers}; {len(fz.endpoints)} micro endpoints")

@@ -59,6 +59,7 @@ from pydantic import BaseModel
 from shared.ids import InvalidInput, UnknownWorker, VertumnusError
 from shared.logging import current_trace_id
 from shared.natsauth import security_options
+from shared.natsclient import connect
 from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
 from shared.settings import ServiceSettings
 from shared.stopping import handle_stop_signals
@@ -731,7 +732,7 @@ class MicroService:
         """Connect (unless ``nc`` is given; then the caller owns it), run :meth:`setup`, add the
         micro service and its endpoints. Everything started is undone by ``stack``."""
         if nc is None:
-            nc = await nats.connect(
+            nc = await connect(
                 servers=self.settings.nats_servers,
                 name=f"{self.name}:{self.settings.instance_id or ''}",
                 connect_timeout=self.settings.connect_timeout_s,
@@ -875,7 +876,12 @@ def shield_pongs(nc: Client) -> None:
     cut short lost every redirect's ack). Each proxy takes its PONG and passes it to the
     waiter it replaced, unless that one was cancelled meanwhile; a waiter cancelled already
     is replaced by a fresh future. The waiters stay aligned with the PINGs outstanding.
-    ``_pongs`` is private (no public view); nats-py empties it on a reconnect."""
+    ``_pongs`` is private (no public view); nats-py empties it on a reconnect.
+
+    Every connection the project opens itself is a :class:`shared.natsclient.Client`, which
+    consumes a PONG whose waiter is done already (so nats-py's own flush timeout cannot break
+    it either); this is for a plain nats-py client an embedding program hands in
+    (``start(stack, nc)``), and does no harm to the subclass."""
     pongs = getattr(nc, "_pongs", None)
     if not pongs:
         return

@@ -35,7 +35,6 @@ import contextlib
 from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack
 
-import nats
 import structlog
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
@@ -45,6 +44,7 @@ from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput, WorkerFault
 from shared.natsauth import security_options
+from shared.natsclient import connect
 from shared.schemas import EpochRecord, SchemaError, decode
 from shared.service import (
     KvWatch,
@@ -186,7 +186,7 @@ class RankdHost:
                 handle_stop_signals(stack, self._stop)
             if nc is None:
                 # A stop while the server is unreachable (or refuses us) ends the run at once.
-                connected, nc = await unless_stopped(nats.connect(
+                connected, nc = await unless_stopped(connect(
                     servers=self.settings.nats_servers,
                     name=f"vtm-rankd-host:{self.gpus.start}-{self.gpus.stop - 1}",
                     connect_timeout=self.settings.connect_timeout_s,

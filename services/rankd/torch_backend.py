@@ -248,12 +248,11 @@ class NatsKVHandoff:
 
     async def _conn(self) -> Any:
         if self._nc is None:
-            import nats
-
+            from shared.natsclient import connect
             from shared.service import nats_callbacks
 
-            self._nc = await nats.connect(servers=self._servers, name="vtm-rankd-kv",
-                                          **self._connect_options, **nats_callbacks(_log))
+            self._nc = await connect(servers=self._servers, name="vtm-rankd-kv",
+                                     **self._connect_options, **nats_callbacks(_log))
         return self._nc
 
     async def transfer(self, request_id: str, blob: bytes) -> HandoffResult:
@@ -799,13 +798,11 @@ class TorchPool:
     async def start_decode_role(self, nc: Any | None = None) -> KVDecodeRole:
         """Start the embedded decode role (own connection unless ``nc`` is given)."""
         if nc is None:
-            import nats
-
+            from shared.natsclient import connect
             from shared.service import nats_callbacks
 
-            nc = self._decode_nc = await nats.connect(servers=self.servers, name="vtm-decode",
-                                                      **self.connect_options,
-                                                      **nats_callbacks(_log))
+            nc = self._decode_nc = await connect(servers=self.servers, name="vtm-decode",
+                                                 **self.connect_options, **nats_callbacks(_log))
         model = await asyncio.to_thread(_decode_model, self.settings)
         self.decode_role = KVDecodeRole(model, self.subjects)
         await self.decode_role.start(nc)

@@ -50,6 +50,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, tp_worker_name
 from shared.logging import quiet_ssl_eof_warning
 from shared.natsauth import env_security_options
+from shared.natsclient import connect
 from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv, nats_callbacks, security_hint
 from shared.slo import QWEN3_SLO, SloTable
@@ -730,7 +731,7 @@ class LiveStack:
 
         try:
             # nats-py would retry a refusal for half a minute: a few attempts tell.
-            return await asyncio.wait_for(nats.connect(
+            return await asyncio.wait_for(connect(
                 url, name="vertumnus-up", connect_timeout=5, reconnect_time_wait=0.5,
                 **env_security_options(), **{**nats_callbacks(_SILENT), "error_cb": on_error}),
                 timeout=10)

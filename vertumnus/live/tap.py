@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from shared.ids import InvalidInput
 from shared.logging import quiet_ssl_eof_warning
 from shared.natsauth import env_security_options
+from shared.natsclient import connect
 from shared.schemas import JSON, MSGPACK, content_type_of
 
 PREVIEW_BYTES: Final[int] = 16
@@ -114,8 +115,7 @@ async def connect_cli(url: str, name: str, *, timeout_s: float = 5.0) -> nats.NA
 
     try:
         nc = await asyncio.wait_for(
-            nats.connect(url, name=name, connect_timeout=timeout_s, error_cb=on_error,
-                         **secure),
+            connect(url, name=name, connect_timeout=timeout_s, error_cb=on_error, **secure),
             timeout_s + 1.0)
     except TimeoutError:
         raise OSError(f"no server answered within {timeout_s:g} s") from None
