@@ -300,6 +300,18 @@ time at these rates). β 1.5 and 2 are within 0.3% of each other; 2 is kept."""
 BETA_BUSY_POWER: Final[float] = 2.0
 """k of the busy-share β (see :data:`BETA`); 0 is the paper's constant β."""
 LAM: Final[float] = 0.25
+"""λ of J: seconds of latency a placement pays per GPU-second it uses beyond running the request
+at the smallest eligible degree. On the conversation trace it hardly matters (λ ∈ {0, 0.25,
+0.5} gave identical runs: the pool is homogeneous most of the time); it matters on mixed
+pools. The reconfiguration preset needs it: its long phases re-read documents cached on the
+CP4 workers, and λ keeps the short requests off them (λ = 0: phases S3 / S4 / S5 0.631 /
+0.551 / 0.547 s against 0.432 / 0.429 / 0.426). The built-in synthetic workload would rather
+have none: at light load λ sends most short requests to the few CP2 workers of a CP4-heavy
+pool, which queue them (λ = 0: ×1 / ×1.5 / ×2 0.404 / 0.418 / 0.462 s against 0.419 / 0.440 /
+0.496, all-CP4 0.407 / 0.422 / 0.452). λ scaled by the pool's busy share b² (as β is), or by
+the busy share of the candidate's degree, serves the synthetic workload (within 1.1% of
+all-CP4) but costs the preset's long phases 16-30% (2026-12-01; docs/evaluation.md, "The
+built-in synthetic workload"), so the constant is kept."""
 
 SPEEDUP_THRESHOLD: Final[float] = 1.15
 """§6.1 initial composition (and the controller's merge gate, ``CONTROLLER.merge_speedup``): a
