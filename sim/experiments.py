@@ -151,18 +151,41 @@ def historical_composition(
                                speedup_threshold=calibration.SPEEDUP_THRESHOLD).composition
 
 
+_HOMO_POOL_POLICIES: Final[frozenset[str]] = frozenset(
+    {"homo", "vllm", "sglang", "sglang_unbounded", "dynamo", "llmd", "round_robin"})
+"""The policies that run the peers' homogeneous pool (:func:`deployment_for`)."""
+
+
+def _homo_degree(degrees: Sequence[int]) -> int:
+    """The degree of the peers' homogeneous pool: :data:`HOMO_DEGREE`, else the largest."""
+    return HOMO_DEGREE if HOMO_DEGREE in degrees else max(degrees)
+
+
+def _fixed_pool_degree(policy: str, degrees: Sequence[int]) -> int | None:
+    """The degree of the uniform pool :func:`deployment_for` gives ``policy``; None for the
+    policies that start from the initial composition (vertumnus, static)."""
+    if policy == "homo_cp2":
+        return min(degrees)
+    if policy in _HOMO_POOL_POLICIES:
+        return _homo_degree(degrees)
+    return None
+
+
 def check_pools(gpus: int, degrees: Sequence[int], *,
+                policies: Sequence[str] = ALL_POLICIES,
                 gpus_per_node: int = ExperimentSpec.gpus_per_node) -> None:
-    """The fixed pools :func:`deployment_for` builds fit ``gpus`` (else :class:`InvalidInput`
-    naming ``--gpus`` and ``--degrees``): the lattice itself, the all-smallest-degree pool
-    (``homo_cp2``) and the homo pool of the peers (degree :data:`HOMO_DEGREE`, else the
-    largest). For a check before a sweep runs (its profile and its first run take seconds to
-    minutes before the first pool is made)."""
+    """The pools :func:`deployment_for` builds for ``policies`` fit ``gpus`` (else
+    :class:`InvalidInput` naming ``--gpus`` and ``--degrees``): the lattice itself, and the
+    uniform pool of each policy that runs one (``homo_cp2``: all at the smallest degree; the
+    peers and ``homo``: all at :data:`HOMO_DEGREE`, else the largest). For a check before a
+    sweep runs (its profile and its first run take seconds to minutes before the first pool
+    is made)."""
     degs = sorted(degrees)
     try:
         lattice = Lattice(gpus, degs, gpus_per_node=gpus_per_node)
-        Composition.uniform(lattice, degs[0])
-        Composition.uniform(lattice, HOMO_DEGREE if HOMO_DEGREE in degs else degs[-1])
+        for c in sorted({d for p in policies
+                         if (d := _fixed_pool_degree(p, degs)) is not None}):
+            Composition.uniform(lattice, c)
     except InvalidInput as exc:
         raise InvalidInput(f"--gpus {gpus} with --degrees {','.join(map(str, degs))} "
                            f"({gpus_per_node} GPUs a node): {exc}") from None
@@ -176,8 +199,9 @@ def deployment_for(
 ) -> Deployment:
     """The pool and settings ``policy``'s source would deploy (module table)."""
     degs = lattice.sorted_degrees
-    homo_deg = HOMO_DEGREE if HOMO_DEGREE in degs else degs[-1]
-    homo = Composition.uniform(lattice, homo_deg)
+    fixed = _fixed_pool_degree(policy, degs)
+    # Only the pool this policy runs (another's may not fit the lattice: check_pools).
+    uniform = None if fixed is None else Composition.uniform(lattice, fixed)
     jparams: dict[str, Any] = {}
     if spec.beta is not None:
         jparams["beta"] = spec.beta
@@ -197,20 +221,18 @@ def deployment_for(
                           cache_manager=cache_manager, params=params)
     if policy == "static":
         return Deployment(policy, "static", initial)
-    if policy == "homo":
-        return Deployment(policy, "homo", homo,
-                          params={**calibration.policy_params(policy), **jparams})
-    if policy == "homo_cp2":
-        return Deployment(policy, "homo_cp2", Composition.uniform(lattice, degs[0]),
+    if uniform is None:
+        raise InvalidInput(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
+    if policy in ("homo", "homo_cp2"):
+        return Deployment(policy, policy, uniform,
                           params={**calibration.policy_params(policy), **jparams})
     if policy == "vllm":
-        return Deployment(policy, "vllm", homo, kind=WorkerKind.TP)
+        return Deployment(policy, "vllm", uniform, kind=WorkerKind.TP)
     if policy in ("sglang", "sglang_unbounded"):
-        return Deployment(policy, "sglang", homo,
+        return Deployment(policy, "sglang", uniform,
                           params={"unbounded": policy == "sglang_unbounded"})
-    if policy in ("dynamo", "llmd", "round_robin"):
-        return Deployment(policy, policy, homo)
-    raise InvalidInput(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
+    # dynamo, llmd, round_robin
+    return Deployment(policy, policy, uniform)
 
 
 # --- oracle -----------------------------------------------------------------------------------

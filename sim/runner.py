@@ -243,7 +243,7 @@ def run_simulate(
     """
     check_counts(jobs=jobs, repeats=repeats)
     check_gpus(gpus)
-    check_pools(gpus, degrees, gpus_per_node=(spec_overrides or {}).get(
+    check_pools(gpus, degrees, policies=policies, gpus_per_node=(spec_overrides or {}).get(
         "gpus_per_node", ExperimentSpec.gpus_per_node))
     check_seed(seed)
     check_warmup_s(warmup_s)
@@ -402,7 +402,7 @@ def run_tune(
 
     check_counts(jobs=jobs, repeats=repeats)
     check_gpus(gpus)
-    check_pools(gpus, degrees)
+    check_pools(gpus, degrees, policies=("vertumnus",))
     check_seed(seed)
     # J's weights now, not after the profile is measured (tune_weights checks them again).
     for b in betas:

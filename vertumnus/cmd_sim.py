@@ -293,7 +293,7 @@ def register(app: typer.Typer) -> None:
             _check(runner.check_gpus, gpus)
             _check_run_numbers(rate=rate, max_requests=max_requests)
             degs = degrees_option(degrees)
-            _check(runner.check_pools, gpus, degs)
+            _check(runner.check_pools, gpus, degs, policies=chosen)
             args: dict[str, Any] = dict(
                 trace=trace, fmt=format, policies=chosen,
                 rate_scales=_floats(rate_scale, "rate-scale"), rate=rate or None, gpus=gpus,
@@ -362,7 +362,7 @@ def register(app: typer.Typer) -> None:
         _check(runner.check_gpus, gpus)
         _check_run_numbers(rate=rate, max_requests=max_requests)
         degs = degrees_option(degrees)
-        _check(runner.check_pools, gpus, degs)
+        _check(runner.check_pools, gpus, degs, policies=("vertumnus",))  # tune runs only it
         args: dict[str, Any] = dict(
             trace=trace, fmt=format, rate_scales=_floats(rate_scale, "rate-scale"),
             betas=_weights(beta, "beta"), lams=_weights(lam, "lam"), rate=rate or None,

@@ -376,12 +376,13 @@ def test_load_trace_refuses_contradictions(tmp_path: Path) -> None:
 
 
 # --- 12. --gpus that no pool fits ---------------------------------------------------------------
-@pytest.mark.parametrize(("gpus", "degrees", "problem"), [
-    ("3", "2,4", "not a multiple of the smallest degree 2"),
-    ("6", "2,4", "node 0 has 6 GPUs, not a multiple of degree 4"),  # all-CP4 cannot be made
-    ("20", "2,8", "node 2 has 4 GPUs, not a multiple of degree 8"),  # homo: the largest
+@pytest.mark.parametrize(("command", "gpus", "degrees", "problem"), [
+    (["simulate"], "3", "2,4", "not a multiple of the smallest degree 2"),
+    (["tune"], "3", "2,4", "not a multiple of the smallest degree 2"),
+    (["simulate"], "6", "2,4", "node 0 has 6 GPUs, not a multiple of degree 4"),  # all-CP4
+    (["simulate", "--policies", "vertumnus,sglang"], "6", "2,4", "not a multiple of degree 4"),
+    (["simulate"], "20", "2,8", "node 2 has 4 GPUs, not a multiple of degree 8"),  # the largest
 ])
-@pytest.mark.parametrize("command", [["simulate", "--policies", "vertumnus"], ["tune"]])
 def test_gpus_that_a_compared_pool_cannot_use_are_refused(
         runner: CliRunner, tmp_path: Path, no_runs: None, command: list[str], gpus: str,
         degrees: str, problem: str) -> None:
@@ -393,17 +394,48 @@ def test_gpus_that_a_compared_pool_cannot_use_are_refused(
     assert not (tmp_path / "o").exists()
 
 
-def test_check_pools_takes_every_pool_the_policies_build() -> None:
+def test_gpus_that_only_an_unchosen_policy_cannot_use_are_taken(
+        runner: CliRunner, tmp_path: Path, calls: dict[str, dict[str, Any]]) -> None:
+    """6 GPUs hold 3×CP2 or 1×CP2 + 1×CP4 (as `up --gpus 6` runs) but no all-CP4 pool: only
+    the policies that run one are refused."""
+    res = runner.invoke(app, ["simulate", "--gpus", "6", "--policies",
+                              "vertumnus,static,homo_cp2", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert calls["run_simulate"]["gpus"] == 6
+
+
+def test_check_pools_takes_the_pools_of_the_policies_given() -> None:
     from shared.ids import InvalidInput
     from sim.experiments import check_pools
 
     check_pools(12, (2, 4, 8))  # homo is all-CP4 there: 8 + 4 GPUs both fit it
     check_pools(40, (2, 4))
     check_pools(16, (2, 4), gpus_per_node=4)
+    check_pools(6, (2, 4), policies=("vertumnus", "static", "homo_cp2"))
+    with pytest.raises(InvalidInput, match="node 0 has 6 GPUs, not a multiple of degree 4"):
+        check_pools(6, (2, 4), policies=("vertumnus", "llmd"))
     with pytest.raises(InvalidInput, match="node 0 has 2 GPUs, not a multiple of degree 4"):
         check_pools(2, (2, 4))
     with pytest.raises(InvalidInput, match="exceeds the node size 4"):
-        check_pools(16, (2, 8), gpus_per_node=4)
+        check_pools(16, (2, 8), gpus_per_node=4, policies=("vertumnus",))
+
+
+def test_a_run_of_a_policy_whose_pool_fits_builds_only_that_pool() -> None:
+    """deployment_for builds only the pool of the policy asked for: vertumnus on 6 GPUs does
+    not need the all-CP4 pool that 6 GPUs cannot hold."""
+    from services.controller.lattice import Composition, Lattice
+    from shared.ids import InvalidInput
+    from sim.experiments import ExperimentSpec, deployment_for
+
+    lattice = Lattice(6, (2, 4))
+    initial = Composition.from_counts(lattice, {2: 1, 4: 1})
+    spec = ExperimentSpec(gpus=6)
+    assert deployment_for("vertumnus", lattice, initial, spec).composition == initial
+    assert deployment_for("homo_cp2", lattice, initial, spec).composition.describe() == "3CP2"
+    with pytest.raises(InvalidInput, match="not a multiple of degree 4"):
+        deployment_for("dynamo", lattice, initial, spec)
+    with pytest.raises(InvalidInput, match="unknown policy 'nope'"):
+        deployment_for("nope", lattice, initial, spec)
 
 
 # --- a valid tiny run still runs -----------------------------------------------------------------
