@@ -309,8 +309,11 @@ def summarize_run(
     ttft_all = np.array([r.ttft_s if r.ttft_s >= 0 else math.inf for r in recs])
     reused = sum(r.reused_tokens for r in done)
     tokens = sum(r.input_len for r in done)
-    pred = np.array([r.predicted_s for r in done if r.actual_s > 0])
-    act = np.array([r.actual_s for r in done if r.actual_s > 0])
+    # The scheduler's profile is a CP fit: on TP workers (the vllm pool) predicted and actual
+    # times describe different executions, so their gap is no error of the model (None).
+    fitted_kind = res.config.worker_kind is WorkerKind.CP
+    pred = np.array([r.predicted_s for r in done if r.actual_s > 0 and fitted_kind])
+    act = np.array([r.actual_s for r in done if r.actual_s > 0 and fitted_kind])
     drains = [rc.drain_s for rc in res.reconfigurations if rc.exposed_s >= 0]
     switches = [rc.switch_s for rc in res.reconfigurations if rc.exposed_s >= 0]
     per_degree: dict[str, dict[str, float]] = {}

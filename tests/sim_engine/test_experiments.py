@@ -156,6 +156,11 @@ def test_vllm_runs_on_tp_workers(lattice, initial, profile, small_trace) -> None
     # TP and CP ground truths differ: the same request on a TP-4 worker takes the TP time.
     r = next(r for r in res.records if r.input_len > 8_000)
     assert gt.prefill_time(r.input_len, 0, 4, kind="tp") != gt.prefill_time(r.input_len, 0, 4)
+    # The CP-fitted profile says nothing about TP executions: no cost-model error is reported.
+    oracle = oracle_ttfts(small_trace, gt, SPEC.degrees)
+    row = summarize_run(res, policy="vllm", rate_scale=1.0, slo=QWEN3_SLO, oracle=oracle,
+                        wall_s=1.0)
+    assert row["prediction_mape"] is None
 
 
 def test_static_runs_the_historical_composition(lattice, initial, profile, small_trace) -> None:
@@ -194,6 +199,9 @@ def test_summarize_run_row(lattice, initial, profile, small_trace) -> None:
     assert row["oracle_mean_ttft_s"] <= row["mean_ttft_s"]
     assert 0 <= row["hit_rate"] <= 1 and 0 <= row["slo_attainment"] <= 1
     assert sum(v["requests"] for v in row["per_degree"].values()) == row["completed"]
+    pred = np.array([r.predicted_s for r in res.records])
+    act = np.array([r.actual_s for r in res.records])
+    assert row["prediction_mape"] == pytest.approx(np.mean(np.abs(pred - act) / act))
 
 
 def test_strongest_baseline() -> None:
