@@ -10,7 +10,12 @@ the decay (ranking is invariant under the uniform decay anyway).
 Selection (§7.2), each list ranked separately and at most ``max_actions_per_list`` taken:
 * inter:   by missed[z, C] per copied block, descending;
 * intra:   by access[z, C] / r descending; among near-ties (within ``near_tie``, relative) the
-           smaller copy footprint first;
+           smaller copy footprint first. A candidate whose child at C is also one with nearly
+           all of its demand (child's access >= (1 - ``near_tie``)·z's) is left to the child:
+           Algorithm 1 counts an access on every node of a reused path, so each ancestor of a
+           hot prefix ties with it and has the smallest footprint, and copying those one block
+           per scan would spend the scan's copy on a prefix's first block while the requests
+           reuse the whole path. The child's copy carries z's blocks with it;
 * reclaim: by access[z, C] / r ascending.
 Copy footprint for a destination = the blocks of the root->z path it does not have (valid).
 Destination: a non-stale degree-C worker without z and without an in-flight copy of z, whose
@@ -352,6 +357,27 @@ def _holder_groups(path: list[TrieNode]) -> list[tuple[int, set[WorkerId]]]:
     return groups
 
 
+def _chain_ends(trie: PrefixTrie, intra: list[Candidate], tie: float) -> list[Candidate]:
+    """``intra`` (order kept) without the candidates a child candidate at the same degree
+    subsumes: one with access >= (1 - ``tie``)·the parent's, i.e. the parent's demand almost
+    all continues into the child, whose copy brings the parent's blocks along (a copy is the
+    root->node path). A child has at most its parent's replicas, so its access / r is no lower.
+    """
+    by_key = {(c.node_hash, c.degree): c for c in intra}
+    nodes = trie._nodes
+    subsumed: set[tuple[BlockHash, Degree]] = set()
+    for c in intra:
+        parent = nodes[c.node_hash].parent
+        if parent is None:
+            continue
+        p = by_key.get((parent.hash, c.degree))
+        if p is not None and c.access >= (1.0 - tie) * p.access:
+            subsumed.add((p.node_hash, p.degree))
+    if not subsumed:
+        return intra
+    return [c for c in intra if (c.node_hash, c.degree) not in subsumed]
+
+
 def _ranked_intra(cands: list[tuple[Candidate, int]], tie: float) -> list[Candidate]:
     """access/r descending; within near-tie groups, smaller footprint first."""
     cands.sort(key=lambda cf: (-cf[0].access / cf[0].replicas, cf[1], cf[0].node_hash))
@@ -533,7 +559,8 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
             # stable sorts below are between one node's degrees only, so this order suffices.
             di = trie._deg_idx
             intra.sort(key=lambda c: (c.node_hash, di[c.degree]))
-        with_fp = [(c, fp) for c in intra if (fp := sel.min_footprint(c)) is not None]
+        with_fp = [(c, fp) for c in _chain_ends(trie, intra, cfg.near_tie)
+                   if (fp := sel.min_footprint(c)) is not None]
         _take(actions, _ranked_intra(with_fp, cfg.near_tie),
               lambda c: sel.replicate(c, "intra"),
               bound if cap is None else min(bound, cap - n_inter))

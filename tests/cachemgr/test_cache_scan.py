@@ -128,6 +128,24 @@ def test_intra_near_ties_prefer_smaller_footprint(make_trie) -> None:
     assert run(5.0) == (Replicate(3, 2, "a", "b", (1, 2, 3), "intra"),)  # clear winner
 
 
+def test_intra_copies_a_hot_chain_whole(make_trie) -> None:
+    # Algorithm 1 counts an access on every node of a reused path, so a hot prefix's ancestors
+    # tie with it; its first block (footprint 1) must not win the scan's copy alone.
+    def run(acc_tail: float):
+        t, f = make_trie({"a": 2, "b": 2, "c": 2})
+        f.store("a", [1, 2, 3])
+        f.store("b", [1, 2, 3])
+        t.set_statistics(1, 2, access=10.0)
+        t.set_statistics(2, 2, access=10.0)
+        t.set_statistics(3, 2, access=acc_tail)
+        return replicas(t.scan(cfg(max_actions_per_list=1), load={"a": 1.0}))
+
+    assert run(10.0) == (Replicate(3, 2, "b", "c", (1, 2, 3), "intra"),)
+    assert run(9.6) == (Replicate(3, 2, "b", "c", (1, 2, 3), "intra"),)  # within near_tie
+    # Half the demand stops at block 2: the chain ends there (block 3 is a weaker candidate).
+    assert run(4.5) == (Replicate(2, 2, "b", "c", (1, 2), "intra"),)
+
+
 def test_bound_per_list(make_trie) -> None:
     t, f = make_trie({"a": 2, "c": 4, "d": 4})
     for h in range(10, 15):
