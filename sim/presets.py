@@ -13,8 +13,9 @@ eviction to matter, on the Mooncake conversation trace at rising rates (×1.5-×
 8CP2/6CP4 pool saturates at ×3.5). The paper's ablation trace (Tool-Agent, recurring shared
 prefixes) is not available; on the conversation trace prefixes are re-read a few times minutes
 apart, so replication has little to act on and the gain is small (mostly reclamation of cold
-duplicates; sim/calibration.py, SCAN). ``run_ablation(workload=...)`` takes any workload, e.g.
-the synthetic one with Zipf-popular prompts and documents, where replication matters more.
+duplicates; sim/calibration.py, SCAN). ``run(..., workload=..., rate_scales=...)`` (the CLI's
+``--preset ablation --trace PATH --rate-scale …``) runs it on any workload: the Tool-Agent trace
+once downloaded (Mooncake format), or the synthetic one with Zipf-popular prompts and documents.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -60,22 +61,36 @@ def descriptions() -> dict[str, str]:
         "reconfig": "§9.3: phases of high-rate short / low-rate long load; Vertumnus vs two "
         "fixed compositions (40 GPUs, {2,4})",
         "ablation": "§9.4: fixed composition, cache manager on vs off, small caches, "
-        "conversation trace at rising rates",
+        "conversation trace at rising rates (--trace, --rate-scale, --cache-blocks-per-gpu "
+        "choose others)",
     }
+
+
+ABLATION_OPTIONS: Final = ("workload", "rate_scales", "cache_blocks_per_gpu")
+"""What ``ablation`` lets a caller choose (the rest is the experiment's); ``reconfig`` takes
+none: its phases are its workload."""
 
 
 def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         truth: GroundTruth | None = None, per_degree: bool = False,
-        slo: SloTable = QWEN3_SLO) -> dict[str, Any]:
+        slo: SloTable = QWEN3_SLO, **options: Any) -> dict[str, Any]:
     """Run the preset ``name``; ``truth``: the simulated hardware (default: the note's);
     ``per_degree``: the profile fits one coefficient set per degree; ``slo``: the TTFT
-    deadlines (attainment, and the κ the profile measures)."""
+    deadlines (attainment, and the κ the profile measures). ``options`` (``ablation`` only,
+    :data:`ABLATION_OPTIONS`; None = the preset's own): ``workload`` (default: the
+    conversation trace), ``rate_scales``, ``cache_blocks_per_gpu``. Raises
+    :class:`InvalidInput` for an option the preset does not take."""
+    given = {k: v for k, v in options.items() if v is not None}
+    allowed = ABLATION_OPTIONS if name == "ablation" else ()
+    extra = sorted(set(given) - set(allowed))
+    if extra and name in ("reconfig", "ablation"):
+        raise InvalidInput(f"preset {name!r} does not take {', '.join(extra)}")
     if name == "reconfig":
         return run_reconfig(out=out, seed=seed, progress=progress, truth=truth,
                             per_degree=per_degree, slo=slo)
     if name == "ablation":
         return run_ablation(out=out, seed=seed, progress=progress, truth=truth,
-                            per_degree=per_degree, slo=slo)
+                            per_degree=per_degree, slo=slo, **given)
     raise InvalidInput(f"unknown preset {name!r}; known: conversation, leval, azure-code, "
                        "reconfig, ablation")
 

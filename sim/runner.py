@@ -941,6 +941,20 @@ def preset_descriptions() -> dict[str, str]:
     return out
 
 
+PRESET_CHOICES: dict[str, tuple[str, ...]] = {
+    "ablation": ("trace", "format", "rate", "rate_scale", "max_requests", "cache_blocks_per_gpu"),
+}
+"""The ``simulate`` options (parameter names) a preset leaves to the user; every other preset
+fixes its trace, rates, cluster and profile. The ablation's workload is open because the
+paper's (Mooncake's Tool-Agent trace) is not shipped: a user who has it runs
+``--preset ablation --trace toolagent_trace.jsonl``."""
+
+
+def preset_choices(name: str) -> tuple[str, ...]:
+    """:data:`PRESET_CHOICES` of ``name`` (none for an unknown name)."""
+    return PRESET_CHOICES.get(name, ())
+
+
 def check_preset(name: str, *, policies: Sequence[str] | None = None, repeats: int = 1,
                  warmup_s: float = 0.0) -> None:
     """Raise :class:`InvalidInput` for a name that is no preset (the empty name included), or
@@ -961,15 +975,44 @@ def check_preset(name: str, *, policies: Sequence[str] | None = None, repeats: i
 def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                policies: Sequence[str] | None = None, jobs: int = 1,
                truth: GroundTruth | None = None, per_degree: bool = False, repeats: int = 1,
-               warmup_s: float = 0.0, slo: SloTable = QWEN3_SLO) -> dict[str, Any]:
+               warmup_s: float = 0.0, slo: SloTable = QWEN3_SLO, trace: str | None = None,
+               fmt: str = "auto", rate: float | None = None,
+               rate_scales: Sequence[float] | None = None, max_requests: int | None = None,
+               cache_blocks_per_gpu: int | None = None) -> dict[str, Any]:
     """Run a named experiment. ``policies`` (the trace presets only; default: all eight
     compared policies), ``jobs`` (worker processes for a trace preset's sweep), ``truth``
     (the simulated hardware; default: the note's), ``per_degree`` (the profile's fit),
     ``repeats`` and ``warmup_s`` (the trace presets only; see :func:`run_simulate`) and
-    ``slo`` (the TTFT deadlines). Raises :class:`InvalidInput` as :func:`check_preset` does,
-    before anything runs."""
+    ``slo`` (the TTFT deadlines). ``trace``, ``fmt``, ``rate``, ``rate_scales``,
+    ``max_requests`` and ``cache_blocks_per_gpu`` (None / "auto": the preset's own) only where
+    :data:`PRESET_CHOICES` allows them: the ablation's workload (a trace file or
+    ``synthetic``, read as :func:`load_trace` reads it; ``max_requests`` or ``rate`` alone
+    apply to its default trace), rates and cache size. Raises :class:`InvalidInput` as
+    :func:`check_preset` does, or for a choice the preset does not leave open, before
+    anything runs."""
     check_preset(name, policies=policies, repeats=repeats, warmup_s=warmup_s)
     check_seed(seed)
+    chosen = {"trace": trace, "format": None if fmt == "auto" else fmt, "rate": rate,
+              "rate_scale": rate_scales, "max_requests": max_requests,
+              "cache_blocks_per_gpu": cache_blocks_per_gpu}
+    extra = [k for k, v in chosen.items() if v is not None and k not in preset_choices(name)]
+    if extra:
+        raise InvalidInput(f"preset {name!r} fixes {', '.join(extra)}")
+    if cache_blocks_per_gpu is not None and (
+            isinstance(cache_blocks_per_gpu, bool) or not isinstance(cache_blocks_per_gpu, int)
+            or cache_blocks_per_gpu < 1):
+        raise InvalidInput(f"cache_blocks_per_gpu must be an integer >= 1, "
+                           f"got {cache_blocks_per_gpu!r}")
+    if rate_scales is not None and not (rate_scales and all(
+            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+            for x in rate_scales)):
+        raise InvalidInput(f"rate scales must be finite numbers > 0, got {list(rate_scales)!r}")
+    workload = None
+    if trace is not None or rate or max_requests or rate_scales is not None:
+        src = trace or _trace("mooncake/conversation_trace.jsonl")
+        workload = load_trace(src, fmt, seed=seed, rate=rate, max_requests=max_requests)
+        if rate_scales is not None:
+            check_span(workload, rate_scales)
     if name in PRESETS:
         p = dict(PRESETS[name])
         p.pop("desc")
@@ -981,4 +1024,6 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     from sim import presets
 
     return presets.run(name, out=out, seed=seed, progress=progress, truth=truth,
-                       per_degree=per_degree, slo=slo)
+                       per_degree=per_degree, slo=slo, workload=workload,
+                       rate_scales=None if rate_scales is None else tuple(rate_scales),
+                       cache_blocks_per_gpu=cache_blocks_per_gpu)

@@ -78,7 +78,8 @@ def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
 
 # What a preset fixes itself (sim/runner.py PRESETS, sim/presets.py): given with --preset,
 # these would be ignored, so they are refused. --out, --seed, --jobs, --hardware,
-# --per-degree, --slo (and, for the trace presets, --policies, --repeats, --warmup) apply.
+# --per-degree, --slo (and, for the trace presets, --policies, --repeats, --warmup) apply;
+# so do those of runner.PRESET_CHOICES (the ablation's workload, rates and cache size).
 _PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
                  "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale",
                  "beta_busy_power")
@@ -225,7 +226,8 @@ def register(app: typer.Typer) -> None:
         preset: Annotated[
             str | None, typer.Option(help="Named experiment of §9 (see --list-presets); it "
                                      "fixes the trace, rates, cluster and profile, so those "
-                                     "options are refused with it")
+                                     "options are refused with it (the ablation leaves its "
+                                     "trace, rates and cache size open)")
         ] = None,
         list_presets: Annotated[bool, typer.Option("--list-presets")] = False,
         profile_path: _ProfilePath = None,
@@ -280,12 +282,33 @@ def register(app: typer.Typer) -> None:
             chosen = _names(policies, "policies") if _given(ctx, ["policies"]) else None
             _check(runner.check_preset, preset, policies=chosen, repeats=repeats,
                    warmup_s=warmup)
-            fixed = _given(ctx, _PRESET_FIXES)
+            open_ = runner.preset_choices(preset)
+            fixed = _given(ctx, [n for n in _PRESET_FIXES if n not in open_])
             if fixed:
-                _fail(f"--preset {preset!r} fixes its trace, rates, cluster and profile; "
-                      f"leave out {', '.join(fixed)} (or drop --preset)")
+                what = ("its cluster and profile" if open_ else
+                        "its trace, rates, cluster and profile")
+                _fail(f"--preset {preset!r} fixes {what}; leave out {', '.join(fixed)} "
+                      f"(or drop --preset)")
             if chosen is not None:
                 _check(runner.check_policies, chosen)
+            given = set(_given(ctx, open_))
+            preset_args: dict[str, Any] = {}
+            if "--trace" in given or "--format" in given:
+                _check(runner.check_trace_format, trace, format)
+                preset_args.update(trace=trace, fmt=format)
+            _check_run_numbers(rate=rate, max_requests=max_requests)
+            if "--rate" in given:
+                preset_args["rate"] = rate or None
+            if "--max-requests" in given:
+                preset_args["max_requests"] = max_requests or None
+            if "--rate-scale" in given:
+                preset_args["rate_scales"] = _floats(rate_scale, "rate-scale")
+            if "--cache-blocks-per-gpu" in given:
+                if cache_blocks_per_gpu < 1:
+                    _fail(f"--preset {preset!r} sizes its caches to matter: "
+                          f"--cache-blocks-per-gpu must be >= 1 (0, the HBM budget, is not "
+                          f"offered), got {cache_blocks_per_gpu}")
+                preset_args["cache_blocks_per_gpu"] = cache_blocks_per_gpu
         else:
             chosen = _names(policies, "policies")
             _check(runner.check_policies, chosen)
@@ -315,7 +338,7 @@ def register(app: typer.Typer) -> None:
                 summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
                                             policies=chosen, jobs=jobs, truth=truth,
                                             per_degree=per_degree, repeats=repeats,
-                                            warmup_s=warmup, slo=table)
+                                            warmup_s=warmup, slo=table, **preset_args)
             else:
                 summary = runner.run_simulate(**args, truth=truth, progress=True)
         except InvalidInput as exc:

@@ -14,6 +14,7 @@ import typer
 from cli_support import SIM, _refused
 from typer.testing import CliRunner
 
+from shared.ids import InvalidInput
 from sim import runner as sim_runner
 from vertumnus.cli import app
 from vertumnus.cliargs import comma_list, input_file, output_dir, output_file
@@ -230,6 +231,57 @@ def test_a_preset_keeps_the_options_it_honours(runner: CliRunner, tmp_path: Path
     assert runner.invoke(app, ["simulate", "--preset", "leval", "--out", str(out)]
                          ).exit_code == 0
     assert calls["run_preset"]["policies"] is None
+
+
+def test_the_ablation_preset_leaves_its_workload_rates_and_cache_open(
+        runner: CliRunner, tmp_path: Path, calls: dict[str, dict[str, Any]]) -> None:
+    # The paper's ablation trace (Tool-Agent) is not shipped: a user who has it names it.
+    trace = tmp_path / "toolagent_trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, '
+                     '"hash_ids": [1, 2]}\n')
+    res = runner.invoke(app, ["simulate", "--preset", "ablation", "--trace", str(trace),
+                              "--rate-scale", "1,2", "--max-requests", "50",
+                              "--cache-blocks-per-gpu", "100", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    got = calls["run_preset"]
+    assert got["args"] == ("ablation",)
+    assert (got["trace"], got["fmt"], got["rate_scales"], got["max_requests"],
+            got["cache_blocks_per_gpu"]) == (str(trace), "auto", [1.0, 2.0], 50, 100)
+    assert "rate" not in got
+    # Left out, they are the preset's own.
+    assert runner.invoke(app, ["simulate", "--preset", "ablation", "--out", str(tmp_path / "o")]
+                         ).exit_code == 0
+    assert not {"trace", "rate_scales", "cache_blocks_per_gpu"} & set(calls["run_preset"])
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--gpus", "8"], "--preset 'ablation' fixes its cluster and profile; leave out --gpus"),
+    (["--degrees", "2,4,8", "--profile", "p.json"], "leave out --degrees, --profile"),
+    (["--cache-blocks-per-gpu", "0"], "--cache-blocks-per-gpu must be >= 1"),
+    (["--rate-scale", "0"], "--rate-scale"),
+    (["--trace", "synthetic", "--format", "azure"], "--format azure reads a trace file"),
+    (["--max-requests", "-1"], "--max-requests must be an integer >= 0"),
+])
+def test_the_ablation_preset_checks_what_it_leaves_open(runner: CliRunner, tmp_path: Path,
+                                                        no_runs: None, args: list[str],
+                                                        words: str) -> None:
+    res = runner.invoke(app, ["simulate", "--preset", "ablation", *args,
+                              "--out", str(tmp_path / "o")])
+    _refused(res, words)
+    assert not (tmp_path / "o").exists()
+
+
+def test_run_preset_refuses_a_choice_the_preset_fixes(tmp_path: Path) -> None:
+    for name, kw in (("conversation", {"trace": "synthetic"}), ("reconfig", {"rate": 2.0}),
+                     ("leval", {"rate_scales": [1.0]}),
+                     ("reconfig", {"cache_blocks_per_gpu": 10})):
+        with pytest.raises(InvalidInput, match=f"preset '{name}' fixes"):
+            sim_runner.run_preset(name, out=tmp_path / "o", **kw)
+    for kw in ({"rate_scales": []}, {"rate_scales": [float("nan")]},
+               {"cache_blocks_per_gpu": 0}, {"rate_scales": [1e-9]}):
+        with pytest.raises(InvalidInput):
+            sim_runner.run_preset("ablation", out=tmp_path / "o", trace="synthetic", **kw)
+    assert not (tmp_path / "o").exists()
 
 
 # --- 7. lists ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from shared.ids import InvalidInput
 from sim import runner
 from sim.experiments import REPEAT_METRICS, ExperimentSpec, combine_repeats, summarize_run
 from sim.metrics import QWEN3_SLO
+from sim.simulator import SimConfig
 from vertumnus.cli import app
 
 
@@ -79,7 +80,7 @@ def _rec(i: int, arrival: float, ttft: float, length: int = 1000, reused: int = 
 
 def _result(recs: list[object]) -> object:
     return SimpleNamespace(records=recs, reconfigurations=[], gpu_seconds=12.0, replications=0,
-                           reclamations=0, workload_name="w",
+                           reclamations=0, workload_name="w", config=SimConfig(),
                            composition_timeline=[(0.0, {2: 4})])
 
 

@@ -141,3 +141,17 @@ def test_ablation_preset_small(tmp_path: Path) -> None:
         if r["policy"] == "no_replication":
             assert r["replications"] == r["reclamations"] == 0
     assert json.loads((tmp_path / "meta.json").read_text())["cache_blocks_per_gpu"] == 200
+
+
+def test_ablation_preset_on_a_named_workload(tmp_path: Path) -> None:
+    # How a user with the paper's Tool-Agent trace runs §9.4 on it: any trace or 'synthetic'.
+    s = runner.run_preset("ablation", out=tmp_path, trace="synthetic", rate=4.0,
+                          max_requests=120, rate_scales=[1.0, 1.5], cache_blocks_per_gpu=50)
+    rows = s["rows"]
+    assert [(r["policy"], r["rate_scale"]) for r in rows] == [
+        (p, sc) for sc in (1.0, 1.5) for p in ("full", "no_replication")]
+    assert all(r["requests"] == r["completed"] == 120 for r in rows)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["cache_blocks_per_gpu"] == 50 and meta["workload"].startswith("synthetic")
+    # The same requests whichever variant: only the cache manager differs.
+    assert rows[0]["oracle_mean_ttft_s"] == rows[1]["oracle_mean_ttft_s"]
