@@ -15,7 +15,8 @@ Selection (§7.2), each list ranked separately and at most ``max_actions_per_lis
            Algorithm 1 counts an access on every node of a reused path, so each ancestor of a
            hot prefix ties with it and has the smallest footprint, and copying those one block
            per scan would spend the scan's copy on a prefix's first block while the requests
-           reuse the whole path. The child's copy carries z's blocks with it;
+           reuse the whole path. The child's copy carries z's blocks with it (z is tried
+           only after every chain end: for a chain whose end no destination can take);
 * reclaim: by access[z, C] / r ascending.
 Copy footprint for a destination = the blocks of the root->z path it does not have (valid).
 Destination: a non-stale degree-C worker without z and without an in-flight copy of z, whose
@@ -357,16 +358,20 @@ def _holder_groups(path: list[TrieNode]) -> list[tuple[int, set[WorkerId]]]:
     return groups
 
 
-def _chain_ends(trie: PrefixTrie, intra: list[Candidate], tie: float) -> list[Candidate]:
-    """``intra`` (order kept) without the candidates a child candidate at the same degree
-    subsumes: one with access >= (1 - ``tie``)·the parent's, i.e. the parent's demand almost
-    all continues into the child, whose copy brings the parent's blocks along (a copy is the
-    root->node path). A child has at most its parent's replicas, so its access / r is no lower.
+def _chain_ends(trie: PrefixTrie, intra: list[tuple[Candidate, int]],
+                tie: float) -> tuple[list[tuple[Candidate, int]], list[Candidate]]:
+    """Split ``intra`` (candidates with their footprints, order kept) into the chain ends and
+    the candidates a child candidate at the same degree subsumes: one with access >= (1 -
+    ``tie``)·the parent's, i.e. the parent's demand almost all continues into the child, whose
+    copy brings the parent's blocks along (a copy is the root->node path). A child has at most
+    its parent's replicas, so its access / r is no lower. The subsumed come back deepest first
+    (then by access / r): they are tried only after every chain end, so a chain whose end no
+    destination can take (footprints here are estimates) still gets its longest part that fits.
     """
-    by_key = {(c.node_hash, c.degree): c for c in intra}
+    by_key = {(c.node_hash, c.degree): c for c, _ in intra}
     nodes = trie._nodes
     subsumed: set[tuple[BlockHash, Degree]] = set()
-    for c in intra:
+    for c, _ in intra:
         parent = nodes[c.node_hash].parent
         if parent is None:
             continue
@@ -374,8 +379,12 @@ def _chain_ends(trie: PrefixTrie, intra: list[Candidate], tie: float) -> list[Ca
         if p is not None and c.access >= (1.0 - tie) * p.access:
             subsumed.add((p.node_hash, p.degree))
     if not subsumed:
-        return intra
-    return [c for c in intra if (c.node_hash, c.degree) not in subsumed]
+        return intra, []
+    ends = [cf for cf in intra if (cf[0].node_hash, cf[0].degree) not in subsumed]
+    inner = sorted((by_key[k] for k in subsumed),
+                   key=lambda c: (-nodes[c.node_hash].depth, -c.access / c.replicas,
+                                  c.node_hash, c.degree))
+    return ends, inner
 
 
 def _ranked_intra(cands: list[tuple[Candidate, int]], tie: float) -> list[Candidate]:
@@ -559,9 +568,9 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
             # stable sorts below are between one node's degrees only, so this order suffices.
             di = trie._deg_idx
             intra.sort(key=lambda c: (c.node_hash, di[c.degree]))
-        with_fp = [(c, fp) for c in _chain_ends(trie, intra, cfg.near_tie)
-                   if (fp := sel.min_footprint(c)) is not None]
-        _take(actions, _ranked_intra(with_fp, cfg.near_tie),
+        with_fp = [(c, fp) for c in intra if (fp := sel.min_footprint(c)) is not None]
+        ends, inner = _chain_ends(trie, with_fp, cfg.near_tie)
+        _take(actions, itertools.chain(_ranked_intra(ends, cfg.near_tie), inner),
               lambda c: sel.replicate(c, "intra"),
               bound if cap is None else min(bound, cap - n_inter))
 

@@ -145,6 +145,17 @@ def test_intra_copies_a_hot_chain_whole(make_trie) -> None:
     # Half the demand stops at block 2: the chain ends there (block 3 is a weaker candidate).
     assert run(4.5) == (Replicate(2, 2, "b", "c", (1, 2), "intra"),)
 
+    # The whole chain fits nowhere: the longest part that fits is copied instead.
+    t = PrefixTrie([2, 4], block_size=4)
+    for w, cap in (("a", 100), ("b", 100), ("c", 2)):
+        t.add_worker(w, 2, cap)
+    for w in ("a", "b"):
+        t.apply(Stored(w, 1, None, (1, 2, 3)))
+    for h in (1, 2, 3):
+        t.set_statistics(h, 2, access=10.0)
+    assert replicas(t.scan(cfg(max_actions_per_list=1), load={"a": 1.0})) == (
+        Replicate(2, 2, "b", "c", (1, 2), "intra"),)
+
 
 def test_bound_per_list(make_trie) -> None:
     t, f = make_trie({"a": 2, "c": 4, "d": 4})
