@@ -5,7 +5,8 @@ phases (synthetic, Qwen3 ground truth, 40 GPUs, degrees {2, 4}); Vertumnus with 
 against two fixed compositions — one with more small-degree workers, one with more large —
 run with the same scheduler and cache manager. Reports mean TTFT per phase, the composition
 over time, each split / merge with its drain and switch times (and their min / median / max
-per kind), and how many windows after a phase change the composition first moved.
+per kind; each operation in ``reconfig.json`` names its ``trigger``, the controller rule that
+decided it), and how many windows after a phase change the composition first moved.
 
 ``ablation`` (§9.4): a fixed composition, the full cache manager against the variant without
 replication and reclamation (worker-local LRU caches only), with per-GPU caches small enough for
@@ -148,7 +149,7 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
             reconfs = [
                 {"kind": rc.kind, "sources": rc.sources, "targets": rc.targets,
                  "decided_s": rc.decided_s, "drain_s": rc.drain_s, "switch_s": rc.switch_s,
-                 "reason": rc.reason}
+                 "reason": rc.reason, "trigger": rc.trigger}
                 for rc in res.reconfigurations if rc.exposed_s >= 0
             ]
     window = spec.window_s

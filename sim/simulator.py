@@ -153,6 +153,8 @@ class Reconfiguration:
     rid: int = -1
     drained_s: float = -1.0
     exposed_s: float = -1.0
+    trigger: str | None = None
+    """The controller rule that decided it (``Decision.trigger``, services/controller/planner)."""
 
     @property
     def drain_s(self) -> float:
@@ -496,7 +498,7 @@ class Simulator:
         drain = {wid: self.sched.load(wid).queue_delay(now) for wid in self.sched.view.worker_ids}
         for dec in ctl.tick(now, drain_s=drain, traffic=self._traffic):
             if dec.plans and not self._active:
-                self._begin(dec.plans, now)
+                self._begin(dec.plans, now, dec.trigger)
 
     def _traffic(self, op: Any) -> float:
         """Expected reconciliation traffic of an op: blocks its sources hold (an upper bound of
@@ -504,8 +506,9 @@ class Simulator:
         return float(sum(self.trie.used_blocks(g.worker_id) for g in op.sources
                          if g.worker_id in self.workers))
 
-    def _begin(self, plans: Sequence[Plan], now: float) -> None:
-        """Start every operation of a plan; their sources drain in parallel."""
+    def _begin(self, plans: Sequence[Plan], now: float, trigger: str | None = None) -> None:
+        """Start every operation of a plan (``trigger``: the decision's rule); their sources
+        drain in parallel."""
         ctl = self.ctl
         assert ctl is not None
         redirect: list[_Job] = []
@@ -525,7 +528,7 @@ class Simulator:
             res = ctl.start(plan, now, queued=queued, in_flight=in_flight)
             rc = Reconfiguration(plan.kind.value, tuple(plan.source_ids),
                                  tuple(plan.target_ids), now, plan.reason,
-                                 rid=res.reconfiguration)
+                                 rid=res.reconfiguration, trigger=trigger)
             self._active[rc.rid] = (rc, plan)
             self.reconfigs.append(rc)
             for w in srcs:

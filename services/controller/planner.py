@@ -140,7 +140,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Final
+from typing import Final, Literal
 
 from services.controller.composition import capacity
 from services.controller.lattice import Composition, LatticeOp, OpKind
@@ -326,9 +326,19 @@ class Plan:
         return tuple(g.worker_id for g in self.targets)
 
 
+Trigger = Literal["capacity", "long_fraction", "preference_shift", "long_shift"]
+"""The rule behind a decision's direction (:attr:`Decision.trigger`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The outcome of one window: the signals seen and the plan, if any."""
+    """The outcome of one window: the signals seen and the plan, if any.
+
+    ``trigger`` names the rule behind ``direction`` (machine-readable; ``reason`` says it in
+    words): ``"capacity"`` (rule 1: D against K), ``"long_fraction"`` (rule 2: the long
+    fraction against the reference window), ``"preference_shift"`` (rule 10),
+    ``"long_shift"`` (rule 12), or None when no rule signals (a hold within bounds, a window
+    held while an operation is in flight)."""
 
     window: WindowSummary
     capacity_s: float
@@ -340,6 +350,7 @@ class Decision:
     reason: str
     composition: str = ""  # the composition judged, e.g. "8CP4/1CP8"
     plans: tuple[Plan, ...] = ()  # every operation of the plan, disjoint, in choice order
+    trigger: Trigger | None = None
 
     def __post_init__(self) -> None:
         # Keep the two views consistent: a single-plan construction fills ``plans``.
@@ -521,6 +532,13 @@ class Planner:
             new_ref = (d, f)
 
         direction = cap_sig or frac_sig
+        trigger: Trigger | None = (
+            "capacity" if cap_sig is not None
+            else "preference_shift" if pref_sig
+            else "long_shift" if long_sig
+            else "long_fraction" if frac_sig is not None
+            else None
+        )
         if cap_sig is not None:
             why = (
                 f"D={d:.1f}s > u·K={cfg.upper * cap:.1f}s"
@@ -565,6 +583,7 @@ class Planner:
                 None,
                 f"{direction.value} pending ({streak}/{need}): {why}",
                 desc,
+                trigger=trigger,
             )
         peak = max(recent)
         if pref_sig and cap_sig is None and demand_hist:
@@ -623,6 +642,7 @@ class Planner:
                 reason,
                 desc,
                 plans,
+                trigger,
             )
         self._commit(
             direction, streak, new_ref, composition, recent, pref_hist=pref_hist, hist=hist
@@ -637,6 +657,7 @@ class Planner:
             None,
             f"hold: {refusal} ({why})",
             desc,
+            trigger=trigger,
         )
 
     def _commit(

@@ -80,7 +80,8 @@ is older than ``drain_timeout_s`` they are failed and re-admitted the same way.
 malformed body is a 400 micro error) answers the composition, the protocol and record epochs,
 every worker's lifecycle, the schedulable workers, reconfigurations in progress and done (with
 drain and switch times), the pending operations, the core's config and the κ it judges with
-(× ``kappa_scale``), the open window, the last N decisions and counters.
+(× ``kappa_scale``), the open window, the last N decisions (each with its ``trigger``, the
+rule behind it: :attr:`~services.controller.planner.Decision.trigger`) and counters.
 Malformed pub/sub input (reports, acks, states) is counted (``malformed``) and dropped; so is
 a report that decodes but cannot be replayed (:func:`report_problem`: stamped in the future,
 absurdly many requests, a window index that overflows), and a RequestStats (assignments
@@ -632,6 +633,7 @@ def decision_dict(d: Decision) -> dict[str, Any]:
         "capacity_signal": d.capacity_signal.value if d.capacity_signal else None,
         "fraction_signal": d.fraction_signal.value if d.fraction_signal else None,
         "direction": d.direction.value if d.direction else None,
+        "trigger": d.trigger,
         "streak": d.streak,
         "composition": d.composition,
         "reason": d.reason,

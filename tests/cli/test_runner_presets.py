@@ -113,6 +113,9 @@ def test_reconfig_preset_small(tmp_path: Path) -> None:
     assert rows["vertumnus"]["composition_start"] == rows[fixed[0]]["composition_start"]
     meta = json.loads((tmp_path / "reconfig.json").read_text())
     assert len(meta["reconfigurations"]) == rows["vertumnus"]["reconfigurations"] >= 1
+    # Every operation names the controller rule that decided it.
+    assert {rc["trigger"] for rc in meta["reconfigurations"]} <= {
+        "capacity", "long_fraction", "preference_shift", "long_shift"}
     sw = GroundTruth().surroundings
     for rc in meta["reconfigurations"]:
         assert rc["drain_s"] >= 0

@@ -122,6 +122,9 @@ def test_capacity_takes_precedence_over_the_long_fraction() -> None:
     assert d.fraction_signal is OpKind.MERGE
     assert d.direction is OpKind.SPLIT
     assert "capacity overrides" in d.reason
+    assert d.trigger == "capacity"
+    # Within bounds and no shift: no rule signals.
+    assert Planner(PROFILE).observe(win(0, 50.0, 10, 2), FOUR_CP4).trigger is None
 
 
 def test_long_fraction_increase_merges_at_stable_demand() -> None:
@@ -130,9 +133,10 @@ def test_long_fraction_increase_merges_at_stable_demand() -> None:
     p.observe(win(0, 50.0, 10, 1), MIXED)
     d1 = p.observe(win(1, 52.0, 10, 4), MIXED)  # +0.3 ≥ 0.15 at stable demand
     assert (d1.capacity_signal, d1.fraction_signal, d1.plan) == (None, OpKind.MERGE, None)
+    assert d1.trigger == "long_fraction"  # rule 2, pending
     d2 = p.observe(win(2, 52.0, 10, 4), MIXED)
     # Merged K' = 2·10 + 3·16 = 68; 0.8·68 = 54.4 ≥ 52: admitted; no estimates -> lowest GPU.
-    assert d2.plan is not None
+    assert d2.plan is not None and d2.trigger == "long_fraction"
     assert d2.plan.sources == (GpuGroup(8, 2), GpuGroup(10, 2))
 
 

@@ -455,6 +455,7 @@ def test_regression_a_refused_window_is_not_counted_in_the_histories() -> None:
     assert d == twin.observe(win(2, 50.0, 8), eight_cp2)
     assert d.capacity_signal is None and d.fraction_signal is OpKind.MERGE
     assert "above this composition's earlier windows" in d.reason
+    assert d.trigger == "long_shift"
 
 
 def test_regression_a_refused_window_keeps_the_momentum() -> None:

@@ -47,7 +47,7 @@ def test_shift_toward_the_larger_degree_merges_once_after_persistence() -> None:
     # Admitted: D̂ = 50 ≤ u·K' = 0.9·76 = 68.4; the gate allows ⌈0.6·16/4⌉·4 = 12 GPUs at CP4.
     # One merge although max_ops is 8 and two more would pass both: a mix move is one step.
     assert len(d.plans) == 1 and d.plan is not None and d.plan.kind is OpKind.MERGE
-    assert "prefer" in d.reason
+    assert "prefer" in d.reason and d.trigger == "preference_shift"
     assert EIGHT_CP2.apply(d.plan.op).describe() == "6CP2/1CP4"
 
 

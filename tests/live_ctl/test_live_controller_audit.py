@@ -59,6 +59,8 @@ async def test_unreplayable_window_reports_are_rejected(
     assert body["open_window"]["start_s"] <= time.time()
     assert body["reported_until_s"] <= time.time()
     assert all(d["window_start_s"] <= time.time() for d in body["decisions"])
+    assert all(d["trigger"] in (None, "capacity", "long_fraction", "preference_shift",
+                                "long_shift") for d in body["decisions"])
     assert ctl.counters["errors"] == 0
 
 
