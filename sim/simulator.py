@@ -43,7 +43,7 @@ from services.cachemgr.scan import ScanConfig
 from services.cachemgr.trie import PrefixTrie
 from services.controller.core import ControllerCore
 from services.controller.lattice import Composition, Lattice, OpKind
-from services.controller.planner import ControllerConfig, Plan
+from services.controller.planner import ControllerConfig, Plan, Trigger
 from services.rankd.blockcache import BlockCache
 from services.scheduler.core import SchedulerCore
 from services.scheduler.errors import NoEligibleWorker
@@ -153,7 +153,7 @@ class Reconfiguration:
     rid: int = -1
     drained_s: float = -1.0
     exposed_s: float = -1.0
-    trigger: str | None = None
+    trigger: Trigger | None = None
     """The controller rule that decided it (``Decision.trigger``, services/controller/planner)."""
 
     @property
@@ -506,7 +506,7 @@ class Simulator:
         return float(sum(self.trie.used_blocks(g.worker_id) for g in op.sources
                          if g.worker_id in self.workers))
 
-    def _begin(self, plans: Sequence[Plan], now: float, trigger: str | None = None) -> None:
+    def _begin(self, plans: Sequence[Plan], now: float, trigger: Trigger | None = None) -> None:
         """Start every operation of a plan (``trigger``: the decision's rule); their sources
         drain in parallel."""
         ctl = self.ctl
