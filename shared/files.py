@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import stat
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,3 +60,47 @@ def parse_json(text: str | bytes) -> Any:
         raise NotJson("nested too deep") from None
     except ValueError as exc:
         raise NotJson(str(exc)) from None
+
+
+CONFIG_SUFFIXES: tuple[str, ...] = (".json", ".toml")
+"""The suffixes of a configuration file (:func:`read_config_file`): the suffix picks the parser."""
+
+
+def read_config_file(path: str | Path, what: str) -> Any:
+    """The parsed contents of a JSON or TOML configuration file (``.json`` / ``.toml``, by its
+    suffix; UTF-8, a byte-order mark allowed), e.g. a hardware or a synthetic workload file.
+
+    Raises :class:`InvalidInput` naming the file as ``what`` (e.g. "hardware file"): missing,
+    a directory or not a regular file, another suffix, unreadable, not UTF-8 (with the line),
+    or not valid JSON/TOML. What the contents mean is the caller's to check.
+    """
+    p = Path(path)
+    kind = path_kind(p, what)
+    if kind == "dir":
+        raise InvalidInput(f"{what} {p} is a directory, not a file")
+    if kind == "missing":
+        raise InvalidInput(f"{what} not found: {p}")
+    if kind != "file":
+        raise InvalidInput(f"{what} {p} is not a regular file")
+    suffix = p.suffix.lower()
+    if suffix not in CONFIG_SUFFIXES:
+        # Checked before reading: the suffix decides the parser, so say what it is rather
+        # than report a parse error in a format the file never claimed.
+        has = f"the suffix {p.suffix!r}" if suffix else "no suffix"
+        raise InvalidInput(f"{p}: a {what} is .json or .toml; this one has {has}")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {what} {p}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark (some editors write one) is fine
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise InvalidInput(f"{p}:{line}: not valid UTF-8 text (byte 0x{raw[exc.start]:02x}); "
+                           f"a {what} is UTF-8 {suffix[1:].upper()}") from None
+    try:
+        if suffix == ".json":
+            return parse_json(text)
+        return tomllib.loads(text)
+    except (NotJson, tomllib.TOMLDecodeError, RecursionError) as exc:  # RecursionError: "[[[[..."
+        raise InvalidInput(f"{p}: not valid {suffix[1:].upper()}: {exc}") from None

@@ -36,15 +36,13 @@ Pure apart from :func:`load_ground_truth`, which reads the file.
 
 from __future__ import annotations
 
-import json
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any, Final, get_type_hints
 
-from shared.files import path_kind
+from shared.files import read_config_file
 from shared.ids import InvalidInput
 from sim.groundtruth import (
     GPU_PRESETS,
@@ -199,37 +197,11 @@ def load_ground_truth(path: str | Path) -> GroundTruth:
     """Read a hardware file (``.json`` or ``.toml``, UTF-8); see the module docstring.
 
     Raises :class:`InvalidInput` naming the file: missing, a directory, another suffix, not
-    UTF-8 (with the line), not valid JSON/TOML, or a bad value (with the key).
+    UTF-8 (with the line), not valid JSON/TOML (:func:`~shared.files.read_config_file`), or a
+    bad value (with the key).
     """
-    p = Path(path)
-    kind = path_kind(p, "hardware file")
-    if kind == "dir":
-        raise InvalidInput(f"hardware file {p} is a directory, not a file")
-    if kind == "missing":
-        raise InvalidInput(f"hardware file not found: {p}")
-    if kind != "file":
-        raise InvalidInput(f"hardware file {p} is not a regular file")
-    suffix = p.suffix.lower()
-    if suffix not in (".json", ".toml"):
-        # Checked before reading: the suffix decides the parser, so say what it is rather
-        # than report a parse error in a format the file never claimed.
-        has = f"the suffix {p.suffix!r}" if suffix else "no suffix"
-        raise InvalidInput(f"{p}: a hardware file is .json or .toml; this one has {has}")
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise InvalidInput(f"cannot read hardware file {p}: {exc.strerror or exc}") from None
-    try:
-        text = raw.decode("utf-8-sig")  # a byte-order mark (some editors write one) is fine
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise InvalidInput(f"{p}:{line}: not valid UTF-8 text (byte 0x{raw[exc.start]:02x}); "
-                           f"a hardware file is UTF-8 {suffix[1:].upper()}") from None
-    try:
-        data = json.loads(text) if suffix == ".json" else tomllib.loads(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, TOMLDecodeError; "[[[[..."
-        raise InvalidInput(f"{p}: not valid {suffix[1:].upper()}: {exc}") from None
-    return ground_truth_from_mapping(data, source=str(p))
+    data = read_config_file(path, "hardware file")
+    return ground_truth_from_mapping(data, source=str(Path(path)))
 
 
 def ground_truth_to_mapping(truth: GroundTruth) -> dict[str, Any]:

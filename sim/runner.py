@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared.costmodel import Profile
-from shared.files import NotJson, parse_json, path_kind
+from shared.files import CONFIG_SUFFIXES, NotJson, parse_json, path_kind
 from shared.ids import InvalidInput
 from sim import calibration
 from sim.experiments import (
@@ -46,12 +46,14 @@ from sim.workloads import (
     default_traces_dir,
     detect_format,
     generate,
+    generate_from_file,
     load_workload,
     read_azure,
     read_leval,
     read_mooncake,
     workload_stats,
 )
+from sim.workloads.errors import TraceFormatError
 from sim.workloads.parsing import MAX_SPAN_S
 from sim.workloads.synthetic import SyntheticConfig
 from sim.workloads.workload import Workload, truncate
@@ -67,18 +69,23 @@ RESULT_KEYS = (
 
 # --- inputs ----------------------------------------------------------------------------------
 TRACE_FORMATS: tuple[str, ...] = ("auto", "mooncake", "azure", "leval", "synthetic")
-"""What ``--format`` takes: a trace file's reader, ``auto`` (detected) or ``synthetic``."""
+"""What ``--format`` takes: a trace file's reader, ``auto`` (detected) or ``synthetic`` (the
+generator: ``--trace synthetic`` for its defaults, or a ``.toml`` / ``.json`` file of its
+parameters, :mod:`sim.workloads.synthetic_file`)."""
 
 
 def check_trace_format(trace: str, fmt: str) -> None:
     """Raise :class:`InvalidInput` for a format that is not one of :data:`TRACE_FORMATS`, or
-    one that contradicts the trace: ``synthetic`` generates its requests, so a trace file
-    with it would be ignored; a file format needs a file, not ``--trace synthetic``."""
+    one that contradicts the trace: a file format needs a file, not ``--trace synthetic``;
+    ``synthetic`` with a file reads the generator's parameters, from a ``.toml`` or ``.json``
+    file only (a trace file with it is a mix-up, said before anything is read)."""
     if fmt not in TRACE_FORMATS:
         raise InvalidInput(f"unknown --format {fmt!r}; use {'|'.join(TRACE_FORMATS)}")
-    if fmt == "synthetic" and trace != "synthetic":
-        raise InvalidInput(f"--format synthetic generates its requests, so --trace {trace} "
-                           "would be ignored; give one or the other")
+    if fmt == "synthetic" and trace != "synthetic" \
+            and Path(trace).suffix.lower() not in CONFIG_SUFFIXES:
+        raise InvalidInput(f"--format synthetic reads the generator's parameters from a .toml or "
+                           f".json file (`vertumnus synthetic` prints one); --trace {trace} is "
+                           f"neither: for a trace file leave --format auto or name its format")
     if trace == "synthetic" and fmt not in ("auto", "synthetic"):
         raise InvalidInput(f"--format {fmt} reads a trace file, but --trace is 'synthetic'; "
                            "give the file with --trace")
@@ -105,7 +112,17 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
             if detect_format(path) == "leval":
                 wl = read_leval(path, rate=rate or 1.0, seed=seed)
             else:
-                wl = load_workload(path, seed=seed, rate=rate if rate else None)
+                try:
+                    wl = load_workload(path, seed=seed, rate=rate if rate else None)
+                except TraceFormatError as exc:
+                    if path.suffix.lower() != ".json" or exc.line != 1:
+                        raise
+                    # A .json file read as JSON lines: most likely a parameter file.
+                    raise InvalidInput(f"{exc} (read as a Mooncake trace; a synthetic "
+                                       f"workload file in JSON needs --format synthetic)"
+                                       ) from None
+        elif fmt == "synthetic":
+            wl = generate_from_file(path, seed=seed, rate=rate if rate else None)
         elif fmt == "mooncake":
             wl = read_mooncake(path, seed=seed)
         elif fmt == "azure":
@@ -248,17 +265,18 @@ def run_simulate(
     check_seed(seed)
     check_warmup_s(warmup_s)
     check_policies(policies)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
     wl = workload or load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
     seeds = [seed + k for k in range(repeats)]
-    # Every seed's trace, checked before anything runs (the profile is the first seed's).
+    # Every seed's trace, checked before anything runs or is written (the profile is the
+    # first seed's).
     wls = [wl] + [wl if workload is not None else load_trace(
         trace, fmt, seed=sd, rate=rate, max_requests=max_requests) for sd in seeds[1:]]
     for w in wls:
         check_span(w, rate_scales)
         _check_warmup(w, rate_scales, warmup_s)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
                                      per_degree=per_degree, slo=slo, gpus=gpus)
     overrides = dict(spec_overrides or {})
@@ -287,6 +305,8 @@ def run_simulate(
     meta = {
         "workload": wl.name,
         "workload_stats": _jsonable(workload_stats(wl)),
+        # A generated workload's parameters: a workload file (`--format synthetic`) as it is.
+        "synthetic": _jsonable(wl.metadata.get("config")),
         "gpus": gpus,
         "degrees": list(spec.degrees),
         "seed": seed,

@@ -128,7 +128,8 @@ def register(app: typer.Typer) -> None:
         )] = "vertumnus",
         workload: Annotated[str, typer.Option(
             help="'synthetic' (phased), 'synthetic-short' (phased, prompts of tens to a few "
-                 "hundred tokens, 16-token blocks) or a trace path; default: 'synthetic' with "
+                 "hundred tokens, 16-token blocks), a trace path or a .toml synthetic "
+                 "workload file (`vertumnus synthetic`); default: 'synthetic' with "
                  "--backend sim, 'synthetic-short' with --backend torch")] = "",
         rate: Annotated[float | None, typer.Option(
             help="Base request rate, req/s modelled (default 0.25 per GPU)")] = None,
@@ -256,7 +257,8 @@ def register(app: typer.Typer) -> None:
             help="Gateway base URL, http://host:port or https://host:port (its certificate "
                  "verified against $VTM_GATEWAY_CA, else the system's CAs)")],
         trace: Annotated[str, typer.Option(
-            help="'synthetic', 'synthetic-short' or a trace file")] = "synthetic",
+            help="'synthetic', 'synthetic-short', a trace file or a .toml synthetic "
+                 "workload file")] = "synthetic",
         rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,
         time_scale: Annotated[float, typer.Option(
             help="The stack's time scale: arrivals × scale, TTFT ÷ scale")] = 1.0,

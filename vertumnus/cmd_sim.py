@@ -92,7 +92,9 @@ _HARDWARE_HELP = ("Simulated model and GPUs: a .json or .toml file (sim/hardware
 
 
 # Options that simulate and tune share (typer reads the Annotated aliases).
-_Trace = Annotated[str, typer.Option(help="'synthetic' or a trace file")]
+_Trace = Annotated[str, typer.Option(
+    help="'synthetic', a trace file, or a .toml file of the synthetic generator's parameters "
+         "(`vertumnus synthetic` prints one)")]
 _Format = Annotated[
     str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")]
 _Rate = Annotated[float, typer.Option(help="L-Eval / synthetic base rate in req/s (0: default)")]
@@ -502,6 +504,41 @@ def register(app: typer.Typer) -> None:
                    f"{truth.memory_gpu.name}: {blocks} blocks of {DEFAULT_BLOCK_SIZE} tokens per "
                    f"GPU); "
                    f"an 8K-token prefill: {times}", err=True)
+
+    @app.command()
+    def synthetic(
+        file: Annotated[Path | None, typer.Argument(
+            help="A synthetic workload file to check (default: print the built-in one)")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML")] = False,
+    ) -> None:
+        """Print the synthetic workload's parameters: the built-in default, or FILE checked and
+        completed.
+
+        The output is a workload file for --trace (TOML, with a comment on each field; JSON
+        with --json, which needs --format synthetic): edit it to describe your traffic's shape
+        (rate, load phases, long-document share, shared system prompts, sessions, lengths).
+        """
+        from sim.workloads.synthetic import SyntheticConfig, phase_table
+        from sim.workloads.synthetic_file import (
+            config_to_mapping,
+            config_to_toml,
+            load_synthetic_config,
+        )
+
+        try:
+            cfg = load_synthetic_config(file) if file is not None else SyntheticConfig()
+        except InvalidInput as exc:
+            _fail(str(exc))
+        if as_json:
+            typer.echo(json.dumps(config_to_mapping(cfg), indent=2))
+        else:
+            typer.echo(config_to_toml(cfg), nl=False)
+        # A summary on stderr, so that stdout stays a workload file.
+        segs = phase_table(cfg)
+        typer.echo(f"{cfg.duration_s:g} s in {len(segs)} segment(s) at "
+                   f"{min(p['rate'] for p in segs):g}-{max(p['rate'] for p in segs):g} req/s, "
+                   f"long share {min(p['long_share'] for p in segs):g}-"
+                   f"{max(p['long_share'] for p in segs):g}", err=True)
 
     @app.command()
     def report(

@@ -8,6 +8,7 @@ Transformations: :func:`scale_rate`, :func:`truncate`. Statistics: :func:`worklo
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,11 +21,12 @@ from sim.workloads.mooncake import read_mooncake
 from sim.workloads.parsing import first_nonblank_line
 from sim.workloads.stats import oracle_reuse, workload_stats
 from sim.workloads.synthetic import Phase, SyntheticConfig, generate
+from sim.workloads.synthetic_file import load_synthetic_config
 from sim.workloads.workload import Request, Workload, scale_rate, truncate
 
 TRACES_ENV = "VERTUMNUS_TRACES"
 
-TraceFormat = Literal["mooncake", "azure", "leval"]
+TraceFormat = Literal["mooncake", "azure", "leval", "synthetic"]
 LEVAL_KEYS: tuple[str, ...] = ("doc_sha1", "doc_id")
 """Top-level keys that make a JSON-lines file L-Eval (:func:`detect_format`): both L-Eval
 formats carry ``doc_sha1`` (the lengths format ``doc_id`` too); Mooncake traces have neither."""
@@ -44,7 +46,10 @@ def detect_format(path: str | Path) -> TraceFormat:
     """The reader a trace file needs: the one definition :func:`load_workload` and
     ``vertumnus simulate --format auto`` (``sim.runner.load_trace``) share.
 
-    ``*.csv`` (any case) → ``"azure"``. Any other file by its first non-blank line: a JSON
+    ``*.csv`` (any case) → ``"azure"``; ``*.toml`` → ``"synthetic"`` (the generator's
+    parameters, :mod:`sim.workloads.synthetic_file`; no trace format is TOML; a ``.json``
+    parameter file is named with ``--format synthetic``). Any other file by its first
+    non-blank line: a JSON
     object with a key of :data:`LEVAL_KEYS` at its top level → ``"leval"``; anything else,
     unreadable JSON included (that reader then names the line) → ``"mooncake"``. The suffix
     of a JSON file does not matter, and a key is looked up in the parsed object rather than
@@ -54,6 +59,8 @@ def detect_format(path: str | Path) -> TraceFormat:
     path = Path(path)
     if path.suffix.lower() == ".csv":
         return "azure"
+    if path.suffix.lower() == ".toml":
+        return "synthetic"
     try:
         row = parse_json(first_nonblank_line(path))
     except NotJson:
@@ -72,13 +79,15 @@ def load_workload(
 ) -> Workload:
     """Load a workload from a path, choosing the reader by content, or ``"synthetic"``.
 
-    The format is :func:`detect_format`'s: ``*.csv`` → Azure; JSON lines whose first row has
-    ``doc_sha1`` or ``doc_id`` → L-Eval (needs ``rate``, req/s); other JSON lines → Mooncake
-    (two or more requests all at one instant are an error there; see :func:`read_mooncake`).
-    ``rate`` for the other formats rescales arrivals to that mean rate (Mooncake/Azure) or
-    sets the synthetic base rate. Extra keyword arguments go to the
-    reader. Bad input (a missing file, a directory, a malformed or non-UTF-8 trace) is
-    :class:`InvalidInput` (:class:`TraceFormatError` naming file:line where it has one).
+    The format is :func:`detect_format`'s: ``*.csv`` → Azure; ``*.toml`` → the synthetic
+    generator with that file's parameters (:func:`generate_from_file`); JSON lines whose
+    first row has ``doc_sha1`` or ``doc_id`` → L-Eval (needs ``rate``, req/s); other JSON
+    lines → Mooncake (two or more requests all at one instant are an error there; see
+    :func:`read_mooncake`). ``rate`` for the other formats rescales arrivals to that mean
+    rate (Mooncake/Azure) or sets the synthetic base rate (a parameter file's too). Extra
+    keyword arguments go to the reader. Bad input (a missing file, a directory, a malformed
+    or non-UTF-8 trace) is :class:`InvalidInput` (:class:`TraceFormatError` naming file:line
+    where it has one).
     """
     if str(spec) == "synthetic":
         cfg = SyntheticConfig(rate=rate) if rate is not None else SyntheticConfig()
@@ -90,6 +99,8 @@ def load_workload(
     if kind != "file":
         raise InvalidInput(f"workload {spec!r} is neither 'synthetic' nor an existing file")
     fmt = detect_format(path)  # bad UTF-8 on the first line is a TraceFormatError, too
+    if fmt == "synthetic":
+        return generate_from_file(path, seed=seed, rate=rate)
     if fmt == "azure":
         wl = read_azure(path, **kwargs)
     elif fmt == "leval":
@@ -103,6 +114,23 @@ def load_workload(
     return wl
 
 
+def generate_from_file(path: str | Path, *, seed: int = 0, rate: float | None = None
+                       ) -> Workload:
+    """The synthetic workload a parameter file describes (``.toml`` / ``.json``,
+    :func:`~sim.workloads.synthetic_file.load_synthetic_config`), named after the file's stem;
+    ``rate`` (req/s) replaces the file's base rate. Raises :class:`InvalidInput` naming the
+    file and the key of a bad value."""
+    path = Path(path)
+    cfg = load_synthetic_config(path)
+    if rate is not None:
+        try:
+            cfg = replace(cfg, rate=rate)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{path} at rate {rate:g}: "
+                               f"{str(exc).removeprefix('SyntheticConfig: ')}") from None
+    return generate(cfg, seed=seed, name=path.stem or "synthetic")
+
+
 __all__ = [
     "LEVAL_KEYS",
     "TRACES_ENV",
@@ -114,6 +142,7 @@ __all__ = [
     "Workload",
     "default_traces_dir",
     "detect_format",
+    "generate_from_file",
     "first_nonblank_line",
     "generate",
     "load_workload",

@@ -31,6 +31,7 @@ import numpy as np
 
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 from sim.workloads.blocks import chain_hash
+from sim.workloads.parsing import MAX_SPAN_S, MAX_TOKENS
 from sim.workloads.workload import Request, Workload
 
 
@@ -44,8 +45,12 @@ class LogNormalLength:
     hi: int
 
     def __post_init__(self) -> None:
-        if not (self.median > 0 and self.sigma >= 0 and 0 <= self.lo <= self.hi):
-            raise InvalidInput(f"bad length distribution {self}")
+        # sigma is bounded so that exp(sigma·z) stays a float (an OverflowError otherwise);
+        # hi by the messages' token bound, as every trace reader bounds a length.
+        if not (0 < self.median < math.inf and 0 <= self.sigma <= MAX_SIGMA
+                and 0 <= self.lo <= self.hi <= MAX_TOKENS):
+            raise InvalidInput(f"bad length distribution {self}: needs median > 0 and finite, "
+                               f"0 <= sigma <= {MAX_SIGMA:g}, 0 <= lo <= hi <= {MAX_TOKENS:,}")
 
     def sample(self, rng: np.random.Generator) -> int:
         x = self.median * math.exp(self.sigma * rng.standard_normal())
@@ -83,6 +88,14 @@ DEFAULT_PHASES: Final[tuple[Phase, ...]] = (
     Phase(150.0, 0.4, 0.10),
 )
 
+
+MAX_POOL: Final[int] = 100_000
+"""Most system prompts or long documents a synthetic workload may draw from (each is sampled
+when the workload is generated)."""
+MAX_SIGMA: Final[float] = 10.0
+"""Largest log-space spread of a length distribution (e^(10·z) is already beyond any clip)."""
+MAX_SEGMENTS: Final[int] = 100_000
+"""Most phase segments the cycled schedule may make over ``duration_s``."""
 
 MAX_REQUESTS = 1_000_000
 """Most requests (base rate × duration) a synthetic workload may ask for: a million take about
@@ -141,14 +154,30 @@ class SyntheticConfig:
             (0 <= self.long_share <= 1, "long_share must be in [0, 1]"),
             (0 <= self.system_prompt_share <= 1, "system_prompt_share must be in [0, 1]"),
             (0 <= self.session_share <= 1, "session_share must be in [0, 1]"),
-            (self.mean_turns >= 2, "mean_turns must be >= 2"),
+            (2 <= self.mean_turns < math.inf, "mean_turns must be finite and >= 2"),
             (self.think_time_s > 0, "think_time_s must be > 0"),
-            (self.n_system_prompts >= 0 and self.long_doc_pool >= 0, "pool sizes must be >= 0"),
-            (self.max_input_len >= 1 and self.block_size >= 1, "max_input_len, block_size >= 1"),
+            (0 <= self.system_prompt_zipf < math.inf and 0 <= self.long_doc_zipf < math.inf,
+             "system_prompt_zipf and long_doc_zipf must be finite and >= 0"),
+            (0 <= self.n_system_prompts <= MAX_POOL and 0 <= self.long_doc_pool <= MAX_POOL,
+             f"n_system_prompts and long_doc_pool must be in [0, {MAX_POOL:,}]"),
+            (1 <= self.max_input_len <= MAX_TOKENS,
+             f"max_input_len must be in [1, {MAX_TOKENS:,}]"),
+            (self.block_size >= 1, "block_size must be >= 1"),
+            (self.duration_s <= MAX_SPAN_S, f"duration_s must be at most {MAX_SPAN_S:g} s"),
+            (self._segment_count() <= MAX_SEGMENTS,
+             f"the phases cycle into more than {MAX_SEGMENTS:,} segments over duration_s; "
+             "make them longer"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise InvalidInput(f"SyntheticConfig: {msg}")
+
+    def _segment_count(self) -> float:
+        """How many phase segments :meth:`segments` makes (checked before it loops)."""
+        if not self.phases or not (0 < self.duration_s < math.inf):
+            return 1
+        cycle = sum(p.duration_s for p in self.phases)
+        return math.ceil(self.duration_s / cycle) * len(self.phases)
 
     def phase_at(self, t: float) -> Phase:
         """The phase in force at time ``t`` (s) of the cycled schedule."""

@@ -222,6 +222,24 @@ def test_load_requests_takes_no_negative_count() -> None:
     assert len(workload_requests(every, 0)) == len(every)  # type: ignore[arg-type]
 
 
+def test_load_requests_reads_a_synthetic_workload_file(tmp_path) -> None:
+    """`up` / `replay --trace my.toml`: the generator with that file's parameters, cut to the
+    run's duration like a trace; a bad file is the loader's InvalidInput naming the key."""
+    from vertumnus.live.stack import load_requests
+
+    f = tmp_path / "agent.toml"
+    f.write_text("rate = 3.0\nphases = []\nlong_share = 0.0\n")
+    wl, reqs = load_requests(str(f), duration_s=30, rate=None, seed=0, max_requests=None,
+                             default_rate=2.0)
+    assert wl.name == "agent" and wl.metadata["config"]["rate"] == 3.0
+    assert reqs and all(r.arrival_s < 30 for r in reqs)
+    assert all(r.input_len < 32_768 for r in reqs)
+    f.write_text("rate = 0\n")
+    with pytest.raises(InvalidInput, match="agent.toml: rate must be > 0"):
+        load_requests(str(f), duration_s=30, rate=None, seed=0, max_requests=None,
+                      default_rate=2.0)
+
+
 # -- tap ------------------------------------------------------------------------------------
 
 

@@ -504,6 +504,53 @@ def test_hardware_prints_a_template_and_checks_a_file(runner, tmp_path) -> None:
     assert res.exit_code == 2 and "gpu: missing field(s)" in " ".join(res.output.split())
 
 
+def test_synthetic_prints_a_workload_file_that_simulate_runs(runner, tmp_path,
+                                                            profile_file) -> None:
+    import tomllib
+
+    from sim.workloads.synthetic import SyntheticConfig
+    from sim.workloads.synthetic_file import config_from_mapping
+
+    res = CliRunner().invoke(app, ["synthetic"])
+    _ok(res)
+    # stdout is a workload file; the summary is on stderr
+    assert config_from_mapping(tomllib.loads(res.stdout)) == SyntheticConfig()
+    assert "600 s in 4 segment(s) at 3.2-16 req/s" in res.stderr
+    mine = tmp_path / "agent.toml"
+    mine.write_text(res.stdout.replace("rate = 8.0", "rate = 3.0").replace(
+        "n_system_prompts = 6", "n_system_prompts = 2"))
+    res = CliRunner().invoke(app, ["synthetic", "--json", str(mine)])
+    as_json = json.loads(_ok(res) and res.stdout)
+    assert (as_json["rate"], as_json["n_system_prompts"]) == (3.0, 2)
+    # simulate runs it (TOML by its suffix, JSON with --format synthetic), and meta.json
+    # records the parameters as a workload file again.
+    js = tmp_path / "agent.json"
+    js.write_text(json.dumps(as_json))
+    outs = []
+    for trace, fmt in ((mine, "auto"), (js, "synthetic")):
+        out = tmp_path / f"o-{fmt}"
+        _ok(runner.invoke(app, ["simulate", "--trace", str(trace), "--format", fmt,
+                                "--policies", "homo", "--rate-scale", "1", "--gpus", "8",
+                                "--max-requests", "100", "--profile", str(profile_file),
+                                "--out", str(out)]))
+        meta = json.loads((out / "meta.json").read_text())
+        assert meta["workload"] == "agent"
+        assert config_from_mapping(meta["synthetic"]) == config_from_mapping(as_json)
+        outs.append(json.loads((out / "results.json").read_text())[0]["mean_ttft_s"])
+    assert outs[0] == outs[1]
+    # Bad files: named, exit 2, no traceback.
+    mine.write_text("rate = -1\n")
+    for args in (["synthetic", str(mine)],
+                 ["simulate", "--trace", str(mine), "--out", str(tmp_path / "bad")]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert f"{mine}: rate must be > 0 req/s" in " ".join(res.output.split())
+    res = runner.invoke(app, ["simulate", "--trace", str(js), "--out", str(tmp_path / "bad")])
+    assert res.exit_code == 2
+    assert "a synthetic workload file in JSON needs --format synthetic" in " ".join(
+        res.output.split())
+
+
 # --- tune ---------------------------------------------------------------------------------------
 def test_tune_runs_every_pair_and_names_the_best(runner, tmp_path, profile_file) -> None:
     out = tmp_path / "tune"
