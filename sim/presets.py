@@ -10,13 +10,14 @@ decided it), and how many windows after a phase change the composition first mov
 
 ``ablation`` (§9.4): a fixed composition, the full cache manager against the variant without
 replication and reclamation (worker-local LRU caches only), with per-GPU caches small enough for
-eviction to matter, on the Mooncake conversation trace at rising rates (×1.5-×3: the fixed
-8CP2/6CP4 pool saturates at ×3.5). The paper's ablation trace (Tool-Agent, recurring shared
-prefixes) is not available; on the conversation trace prefixes are re-read a few times minutes
-apart, so replication has little to act on and the gain is small (mostly reclamation of cold
-duplicates; sim/calibration.py, SCAN). ``run(..., workload=..., rate_scales=...)`` (the CLI's
-``--preset ablation --trace PATH --rate-scale …``) runs it on any workload: the Tool-Agent trace
-once downloaded (Mooncake format), or the synthetic one with Zipf-popular prompts and documents.
+eviction to matter, at rising rates. The paper's ablation trace (Mooncake Tool-Agent, recurring
+system and tool prefixes) is not shipped, so the default workload is a synthetic stand-in for
+its shape (:data:`~sim.workloads.synthetic.TOOL_AGENT_SHAPED`) at ×2-×4.5 (the fixed
+8CP2/6CP4 pool meets the SLO for 99% of tokens at ×2 and 49% at ×4.5, past saturation).
+``run(..., workload=..., rate_scales=...)`` (the CLI's ``--preset ablation --trace PATH
+--rate-scale …``) runs it on any workload: the Tool-Agent trace once downloaded (Mooncake
+format), the conversation trace (re-reads minutes apart: replication has little to act on, and
+the two variants tie), or any synthetic workload file.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -43,10 +45,15 @@ from sim.experiments import (
 from sim.groundtruth import GroundTruth
 from sim.hardware import ground_truth_to_mapping
 from sim.metrics import QWEN3_SLO, SloTable, slo_to_dict
-from sim.runner import _jsonable, load_trace, obtain_profile, write_outputs
-from sim.workloads import default_traces_dir, generate
-from sim.workloads.synthetic import Phase, SyntheticConfig
-from sim.workloads.workload import Workload, scale_rate
+from sim.runner import _jsonable, obtain_profile, write_outputs
+from sim.workloads import generate
+from sim.workloads.synthetic import (
+    TOOL_AGENT_NAME,
+    TOOL_AGENT_SHAPED,
+    Phase,
+    SyntheticConfig,
+)
+from sim.workloads.workload import Workload, scale_rate, truncate
 
 RECONFIG_PHASES: tuple[Phase, ...] = (
     Phase(300.0, 1.0, 0.05),  # S1 moderate, mixed
@@ -61,9 +68,9 @@ def descriptions() -> dict[str, str]:
     return {
         "reconfig": "§9.3: phases of high-rate short / low-rate long load; Vertumnus vs two "
         "fixed compositions (40 GPUs, {2,4})",
-        "ablation": "§9.4: fixed composition, cache manager on vs off, small caches, "
-        "conversation trace at rising rates (--trace, --rate-scale, --cache-blocks-per-gpu "
-        "choose others)",
+        "ablation": "§9.4: fixed composition, cache manager on vs off, small caches, a "
+        "Tool-Agent-shaped synthetic workload at rising rates (--trace, --rate-scale, "
+        "--cache-blocks-per-gpu choose others)",
     }
 
 
@@ -79,7 +86,7 @@ def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     ``per_degree``: the profile fits one coefficient set per degree; ``slo``: the TTFT
     deadlines (attainment, and the κ the profile measures). ``options`` (``ablation`` only,
     :data:`ABLATION_OPTIONS`; None = the preset's own): ``workload`` (default: the
-    conversation trace), ``rate_scales``, ``cache_blocks_per_gpu``. Raises
+    Tool-Agent-shaped synthetic workload), ``rate_scales``, ``cache_blocks_per_gpu``. Raises
     :class:`InvalidInput` for an option the preset does not take."""
     given = {k: v for k, v in options.items() if v is not None}
     allowed = ABLATION_OPTIONS if name == "ablation" else ()
@@ -231,16 +238,28 @@ def _plot_phases(out: Path, bounds: list[tuple[float, float]], per: dict[str, li
     plt.close(fig)
 
 
+ABLATION_RATE_SCALES: Final[tuple[float, ...]] = (2.0, 3.0, 3.5, 4.0, 4.5)
+"""The default workload's rates: from 99% SLO attainment down to saturation (49% at ×4.5)."""
+
+
+def ablation_workload(*, seed: int = 0, rate: float | None = None,
+                      max_requests: int | None = None) -> Workload:
+    """The ablation's default workload, :data:`TOOL_AGENT_SHAPED` for ``seed`` (``rate``:
+    its base rate instead of 10 req/s; ``max_requests``: only the first N)."""
+    cfg = TOOL_AGENT_SHAPED if rate is None else replace(TOOL_AGENT_SHAPED, rate=rate)
+    wl = generate(cfg, seed=seed, name=TOOL_AGENT_NAME)
+    return truncate(wl, max_requests=max_requests) if max_requests else wl
+
+
 def run_ablation(*, out: Path, seed: int = 0, progress: bool = False,
-                 rate_scales: Sequence[float] = (1.5, 2.0, 2.5, 3.0),
+                 rate_scales: Sequence[float] = ABLATION_RATE_SCALES,
                  cache_blocks_per_gpu: int = 200, composition: str = "8CP2/6CP4",
                  workload: Workload | None = None,
                  truth: GroundTruth | None = None,
                  per_degree: bool = False, slo: SloTable = QWEN3_SLO) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    wl = workload or load_trace(str(default_traces_dir() / "mooncake/conversation_trace.jsonl"),
-                                "mooncake", seed=seed, rate=None, max_requests=None)
+    wl = workload or ablation_workload(seed=seed)
     degrees = (2, 4)
     truth = truth or GroundTruth()
     prof = obtain_profile(None, out, degrees, seed, truth, per_degree=per_degree, slo=slo)

@@ -966,8 +966,9 @@ PRESET_CHOICES: dict[str, tuple[str, ...]] = {
 }
 """The ``simulate`` options (parameter names) a preset leaves to the user; every other preset
 fixes its trace, rates, cluster and profile. The ablation's workload is open because the
-paper's (Mooncake's Tool-Agent trace) is not shipped: a user who has it runs
-``--preset ablation --trace toolagent_trace.jsonl``."""
+paper's (Mooncake's Tool-Agent trace) is not shipped (its default is a synthetic stand-in for
+the trace's shape): a user who has it runs ``--preset ablation --trace
+toolagent_trace.jsonl``."""
 
 
 def preset_choices(name: str) -> tuple[str, ...]:
@@ -1007,7 +1008,7 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     ``max_requests`` and ``cache_blocks_per_gpu`` (None / "auto": the preset's own) only where
     :data:`PRESET_CHOICES` allows them: the ablation's workload (a trace file or
     ``synthetic``, read as :func:`load_trace` reads it; ``max_requests`` or ``rate`` alone
-    apply to its default trace), rates and cache size. Raises :class:`InvalidInput` as
+    apply to its default workload), rates and cache size. Raises :class:`InvalidInput` as
     :func:`check_preset` does, or for a choice the preset does not leave open, before
     anything runs."""
     check_preset(name, policies=policies, repeats=repeats, warmup_s=warmup_s)
@@ -1029,8 +1030,12 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         raise InvalidInput(f"rate scales must be finite numbers > 0, got {list(rate_scales)!r}")
     workload = None
     if trace is not None or rate or max_requests or rate_scales is not None:
-        src = trace or _trace("mooncake/conversation_trace.jsonl")
-        workload = load_trace(src, fmt, seed=seed, rate=rate, max_requests=max_requests)
+        if trace is not None:
+            workload = load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
+        else:  # the ablation's own workload, at the rate / length given
+            from sim.presets import ablation_workload
+
+            workload = ablation_workload(seed=seed, rate=rate, max_requests=max_requests)
         if rate_scales is not None:
             check_span(workload, rate_scales)
     if name in PRESETS:

@@ -370,7 +370,36 @@ def short_prompts(
     return SyntheticConfig(**base)
 
 
+TOOL_AGENT_NAME: Final[str] = "tool-agent-shaped"
+"""The workload name (and request-id prefix) of :data:`TOOL_AGENT_SHAPED`: the same as the file
+``docs/workloads/tool-agent-shaped.toml`` gives it, so both generate the same requests."""
+
+TOOL_AGENT_SHAPED: Final[SyntheticConfig] = SyntheticConfig(
+    duration_s=600.0,
+    rate=10.0,
+    long_share=0.02,
+    phases=(),
+    n_system_prompts=20,
+    system_prompt_len=LogNormalLength(6000, 0.3, 2048, 16384),
+    system_prompt_share=0.95,
+    system_prompt_zipf=1.0,
+    short_len=LogNormalLength(800, 0.8, 32, 8192),
+    session_share=0.5,
+    mean_turns=5.0,
+    turn_len=LogNormalLength(500, 0.8, 8, 4096),
+    think_time_s=8.0,
+)
+"""A stand-in for the shape of Mooncake's Tool-Agent trace (the paper's §9.4 workload, not
+shipped), as the paper describes it — "recurring system and tool prefixes", mean input ~8.6K
+tokens: 95% of conversations start with one of 20 tool prefixes of ~6K tokens, half are agent
+loops of ~5 turns 8 s apart, 2% are long documents; one steady phase of 10 req/s for 600 s.
+The cache ablation's default workload (``sim/presets.py``); ``docs/workloads/
+tool-agent-shaped.toml`` is the same as a file to edit."""
+
+
 __all__: Sequence[str] = (
+    "TOOL_AGENT_NAME",
+    "TOOL_AGENT_SHAPED",
     "DEFAULT_PHASES",
     "SHORT_BLOCK_SIZE",
     "LogNormalLength",

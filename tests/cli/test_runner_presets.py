@@ -146,21 +146,22 @@ def test_ablation_preset_small(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "meta.json").read_text())["cache_blocks_per_gpu"] == 200
 
 
-def test_ablation_preset_on_the_tool_agent_shaped_file(tmp_path: Path) -> None:
-    # The example workload file docs/evaluation.md measures the ablation on: it reads, and on
-    # its recurring tool prefixes the full manager copies prefixes where the ablated one
-    # cannot (a minute at ×3 is three scans).
+def test_ablation_preset_defaults_to_the_tool_agent_shaped_workload(tmp_path: Path) -> None:
+    # The default workload is the one docs/workloads/tool-agent-shaped.toml describes (same
+    # parameters, same name: the same requests), and on its recurring tool prefixes the full
+    # manager copies prefixes where the ablated one cannot (a minute at ×3 is three scans).
+    from sim.workloads.synthetic import TOOL_AGENT_NAME, TOOL_AGENT_SHAPED
     from sim.workloads.synthetic_file import load_synthetic_config
 
     f = Path(__file__).resolve().parents[2] / "docs" / "workloads" / "tool-agent-shaped.toml"
-    cfg = load_synthetic_config(f)
-    assert cfg.phases == () and cfg.n_system_prompts == 20
-    s = runner.run_preset("ablation", out=tmp_path, trace=str(f), max_requests=2000,
-                          rate_scales=[3.0])
+    assert load_synthetic_config(f) == TOOL_AGENT_SHAPED and f.stem == TOOL_AGENT_NAME
+    s = runner.run_preset("ablation", out=tmp_path, max_requests=2000, rate_scales=[3.0])
     full, ablated = s["rows"]
     assert (full["policy"], ablated["policy"]) == ("full", "no_replication")
+    assert full["requests"] == ablated["requests"] == 2000
     assert full["replications"] >= 1 and ablated["replications"] == 0
-    assert json.loads((tmp_path / "meta.json").read_text())["workload"] == "tool-agent-shaped"
+    assert json.loads((tmp_path / "meta.json").read_text())["workload"] == TOOL_AGENT_NAME
+    assert presets.ABLATION_RATE_SCALES[-1] == 4.5
 
 
 def test_ablation_preset_on_a_named_workload(tmp_path: Path) -> None:
