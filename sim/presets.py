@@ -32,7 +32,9 @@ from typing import Any, Final
 
 import numpy as np
 
+from services.controller.config_file import config_to_mapping
 from services.controller.lattice import Composition, Lattice
+from services.controller.planner import ControllerConfig
 from shared.ids import InvalidInput
 from sim import calibration
 from sim.experiments import (
@@ -45,7 +47,7 @@ from sim.experiments import (
 from sim.groundtruth import GroundTruth
 from sim.hardware import ground_truth_to_mapping
 from sim.metrics import QWEN3_SLO, SloTable, slo_to_dict
-from sim.runner import _jsonable, obtain_profile, write_outputs
+from sim.runner import _jsonable, controller_overrides, obtain_profile, write_outputs
 from sim.workloads import generate
 from sim.workloads.synthetic import (
     TOOL_AGENT_NAME,
@@ -81,13 +83,17 @@ none: its phases are its workload."""
 
 def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         truth: GroundTruth | None = None, per_degree: bool = False,
-        slo: SloTable = QWEN3_SLO, **options: Any) -> dict[str, Any]:
+        slo: SloTable = QWEN3_SLO, controller: ControllerConfig | None = None,
+        **options: Any) -> dict[str, Any]:
     """Run the preset ``name``; ``truth``: the simulated hardware (default: the note's);
     ``per_degree``: the profile fits one coefficient set per degree; ``slo``: the TTFT
     deadlines (attainment, and the κ the profile measures). ``options`` (``ablation`` only,
     :data:`ABLATION_OPTIONS`; None = the preset's own): ``workload`` (default: the
-    Tool-Agent-shaped synthetic workload), ``rate_scales``, ``cache_blocks_per_gpu``. Raises
-    :class:`InvalidInput` for an option the preset does not take."""
+    Tool-Agent-shaped synthetic workload), ``rate_scales``, ``cache_blocks_per_gpu``.
+    ``controller`` (``reconfig`` only; None: the calibrated thresholds): the adaptive pool's
+    controller setting. Raises :class:`InvalidInput` for an option the preset does not take."""
+    if controller is not None and name != "reconfig":
+        raise InvalidInput(f"preset {name!r} does not take a controller setting")
     given = {k: v for k, v in options.items() if v is not None}
     allowed = ABLATION_OPTIONS if name == "ablation" else ()
     extra = sorted(set(given) - set(allowed))
@@ -95,7 +101,7 @@ def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         raise InvalidInput(f"preset {name!r} does not take {', '.join(extra)}")
     if name == "reconfig":
         return run_reconfig(out=out, seed=seed, progress=progress, truth=truth,
-                            per_degree=per_degree, slo=slo)
+                            per_degree=per_degree, slo=slo, controller=controller)
     if name == "ablation":
         return run_ablation(out=out, seed=seed, progress=progress, truth=truth,
                             per_degree=per_degree, slo=slo, **given)
@@ -117,7 +123,9 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
                  base_rate: float = 24.0, gpus: int = 40, degrees: tuple[int, ...] = (2, 4),
                  fixed: tuple[str, str] = ("12CP2/4CP4", "4CP2/8CP4"),
                  truth: GroundTruth | None = None,
-                 per_degree: bool = False, slo: SloTable = QWEN3_SLO) -> dict[str, Any]:
+                 per_degree: bool = False, slo: SloTable = QWEN3_SLO,
+                 controller: ControllerConfig | None = None) -> dict[str, Any]:
+    ctl = controller_overrides(controller)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     duration = sum(p.duration_s for p in RECONFIG_PHASES)
@@ -125,7 +133,7 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
                   seed=seed, name="reconfig-phases")
     truth = truth or GroundTruth()
     prof = obtain_profile(None, out, degrees, seed, truth, per_degree=per_degree, slo=slo)
-    spec = ExperimentSpec(gpus=gpus, degrees=degrees, seed=seed, slo=slo)
+    spec = ExperimentSpec(gpus=gpus, degrees=degrees, seed=seed, slo=slo, **ctl)
     lattice = Lattice(gpus, degrees)
     bounds = _phase_bounds(RECONFIG_PHASES, duration)
     start = Composition.parse(lattice, fixed[0])
@@ -176,6 +184,7 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
         "reconfigurations": reconfs, "windows_to_first_reaction": reaction,
         "first_reaction_kind": reaction_kind,
         "drain_switch_s": _drain_switch_summary(reconfs),
+        "controller": config_to_mapping(spec.controller),
         "profile": prof.to_dict(),
         "hardware": ground_truth_to_mapping(truth),
         "slo": slo_to_dict(slo),

@@ -26,6 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
+from services.controller.config_file import config_to_mapping
+from services.controller.planner import ControllerConfig
 from shared.costmodel import Profile
 from shared.files import CONFIG_SUFFIXES, NotJson, parse_json, path_kind
 from shared.ids import InvalidInput
@@ -232,6 +234,7 @@ def run_simulate(
     repeats: int = 1,
     warmup_s: float = 0.0,
     slo: SloTable = QWEN3_SLO,
+    controller: ControllerConfig | None = None,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
 
@@ -244,7 +247,9 @@ def run_simulate(
     format leaves them to chance (ticks spread within their tick, L-Eval's Poisson process, the
     synthetic generator) and the ground truth's noise; the profile is measured once, on the
     first seed's trace (it is offline work). ``workload`` given: every seed runs it as it is.
-    ``warmup_s``: see :attr:`sim.experiments.ExperimentSpec.warmup_s`.
+    ``warmup_s``: see :attr:`sim.experiments.ExperimentSpec.warmup_s`. ``controller``: the
+    thresholds of every adaptive pool (default: the calibrated ones; a ``--controller`` file,
+    :mod:`services.controller.config_file`); meta.json records the setting used.
 
     ``jobs``: worker processes for the sweep's cells (same results; see ``sweep``).
     ``truth``: the simulated hardware (default: the note's Qwen3-30B-A3B on H20;
@@ -265,6 +270,7 @@ def run_simulate(
     check_seed(seed)
     check_warmup_s(warmup_s)
     check_policies(policies)
+    ctl = controller_overrides(controller)
     truth = truth or GroundTruth()
     wl = workload or load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
     seeds = [seed + k for k in range(repeats)]
@@ -279,7 +285,7 @@ def run_simulate(
     out.mkdir(parents=True, exist_ok=True)
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
                                      per_degree=per_degree, slo=slo, gpus=gpus)
-    overrides = dict(spec_overrides or {})
+    overrides = {**ctl, **(spec_overrides or {})}
     overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
@@ -316,12 +322,24 @@ def run_simulate(
         "cache_blocks_per_gpu": cache_blocks_per_gpu,
         "profile": prof.to_dict(),
         "kappa": kappa_info,
+        "controller": config_to_mapping(spec.controller),
         "hardware": ground_truth_to_mapping(truth),
         "wall_s": time.perf_counter() - t0,
         **_jsonable(side),
     }
     write_outputs(out, rows, meta)
     return {"rows": rows, "meta": meta}
+
+
+def controller_overrides(controller: ControllerConfig | None) -> dict[str, Any]:
+    """ExperimentSpec fields for a controller setting (``--controller FILE``): the config, and
+    its window H as the spec's (the §6.1 starting composition counts windows of H too); none
+    for None (the calibrated setting)."""
+    if controller is None:
+        return {}
+    if not isinstance(controller, ControllerConfig):
+        raise InvalidInput(f"controller must be a ControllerConfig, got {controller!r}")
+    return {"controller": controller, "window_s": controller.window_s}
 
 
 def check_policies(policies: Sequence[str]) -> None:
@@ -409,6 +427,7 @@ def run_tune(
     repeats: int = 1,
     slo: SloTable = QWEN3_SLO,
     beta_busy_power: float | None = None,
+    controller: ControllerConfig | None = None,
 ) -> dict[str, Any]:
     """``vertumnus tune``: :func:`sim.tuning.tune_weights` on a trace, with the profile a
     sweep would use (:func:`run_simulate`: the file given, else fitted on ``truth`` with κ
@@ -416,7 +435,8 @@ def run_tune(
     run's settings) and ``out/tune.csv`` (the rows). Returns what tune.json holds.
     ``repeats`` N > 1: every cell is the mean over seeds ``seed`` … ``seed + N − 1`` (as
     :func:`run_simulate`'s). ``beta_busy_power``: k of the busy-share β for every pair (None:
-    the calibrated default; 0: the paper's constant β)."""
+    the calibrated default; 0: the paper's constant β). ``controller``: the controller's
+    thresholds for every cell (default: the calibrated ones)."""
     from services.scheduler.placement import check_beta_busy, check_weights
     from sim.tuning import ROW_KEYS, tune_weights
 
@@ -431,6 +451,7 @@ def run_tune(
         check_weights(1.0, lam)
     if beta_busy_power is not None:
         check_beta_busy(beta_busy_power)
+    ctl = controller_overrides(controller)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -440,7 +461,7 @@ def run_tune(
                             slo=slo, gpus=gpus)
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
                           kappa_scale=prof.capacity_scale(calibration.KAPPA_SCALE),
-                          beta_busy_power=beta_busy_power)
+                          beta_busy_power=beta_busy_power, **ctl)
     more = [(seed + k, load_trace(trace, fmt, seed=seed + k, rate=rate,
                                   max_requests=max_requests)) for k in range(1, repeats)]
     n = len(set(betas)) * len(set(lams)) * len(rate_scales) * repeats
@@ -452,6 +473,7 @@ def run_tune(
                       "rate_scales": list(rate_scales), "slo": slo_to_dict(slo),
                       "beta_busy_power": calibration.BETA_BUSY_POWER
                       if beta_busy_power is None else beta_busy_power,
+                      "controller": config_to_mapping(spec.controller),
                       "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth)}
     (out / "tune.json").write_text(json.dumps(_jsonable(result), indent=1) + "\n")
     with (out / "tune.csv").open("w", newline="") as fh:
@@ -483,17 +505,20 @@ def run_size(
     per_degree: bool = False,
     slo: SloTable = QWEN3_SLO,
     warmup_s: float = 0.0,
+    controller: ControllerConfig | None = None,
 ) -> dict[str, Any]:
     """``vertumnus size``: the smallest pool (GPUs) with which each policy keeps token-weighted
     SLO attainment >= ``target`` on the trace at ``rate_scale`` (:mod:`sim.sizing`), with the
     profile a sweep would use (:func:`run_simulate`). Writes ``out/size.json`` (per policy: the
     answer and every evaluated size), ``out/size.csv`` (the evaluated sizes) and
-    ``out/size.png`` (attainment against GPUs). Everything is checked before anything runs."""
+    ``out/size.png`` (attainment against GPUs). ``controller``: the adaptive pools' thresholds
+    (default: the calibrated ones). Everything is checked before anything runs."""
     from sim.sizing import size_pools
 
     sizes = check_size(policies=policies, rate_scale=rate_scale, target=target, jobs=jobs,
                        seed=seed, warmup_s=warmup_s, degrees=degrees, gpus_min=gpus_min,
                        gpus_max=gpus_max, step=step)
+    ctl = controller_overrides(controller)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -517,7 +542,7 @@ def run_size(
         prof = profiles[sizes[-1]]
     spec = ExperimentSpec(gpus=sizes[-1], degrees=tuple(sorted(degrees)), seed=seed, slo=slo,
                           warmup_s=warmup_s,
-                          kappa_scale=prof.capacity_scale(calibration.KAPPA_SCALE))
+                          kappa_scale=prof.capacity_scale(calibration.KAPPA_SCALE), **ctl)
     t0 = time.perf_counter()
     results = _with_progress(progress, len(policies), lambda cb: size_pools(
         wl, policies, rate_scale, profiles, spec, truth, target=target, sizes=sizes, jobs=jobs,
@@ -528,6 +553,7 @@ def run_size(
                  "sizes": sizes, "degrees": list(spec.degrees), "seed": seed,
                  "slo": slo_to_dict(slo), "warmup_s": warmup_s, "kappa": kappa_info,
                  "oracle_slo_attainment": ceiling,
+                 "controller": config_to_mapping(spec.controller),
                  "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth),
                  "wall_s": time.perf_counter() - t0},
     }
@@ -999,7 +1025,8 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                warmup_s: float = 0.0, slo: SloTable = QWEN3_SLO, trace: str | None = None,
                fmt: str = "auto", rate: float | None = None,
                rate_scales: Sequence[float] | None = None, max_requests: int | None = None,
-               cache_blocks_per_gpu: int | None = None) -> dict[str, Any]:
+               cache_blocks_per_gpu: int | None = None,
+               controller: ControllerConfig | None = None) -> dict[str, Any]:
     """Run a named experiment. ``policies`` (the trace presets only; default: all eight
     compared policies), ``jobs`` (worker processes for a trace preset's sweep), ``truth``
     (the simulated hardware; default: the note's), ``per_degree`` (the profile's fit),
@@ -1008,11 +1035,16 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     ``max_requests`` and ``cache_blocks_per_gpu`` (None / "auto": the preset's own) only where
     :data:`PRESET_CHOICES` allows them: the ablation's workload (a trace file or
     ``synthetic``, read as :func:`load_trace` reads it; ``max_requests`` or ``rate`` alone
-    apply to its default workload), rates and cache size. Raises :class:`InvalidInput` as
-    :func:`check_preset` does, or for a choice the preset does not leave open, before
-    anything runs."""
+    apply to its default workload), rates and cache size. ``controller``: the adaptive pools'
+    thresholds (default: the calibrated ones); the ablation holds its composition fixed, so it
+    takes none. Raises :class:`InvalidInput` as :func:`check_preset` does, or for a choice the
+    preset does not leave open, before anything runs."""
     check_preset(name, policies=policies, repeats=repeats, warmup_s=warmup_s)
     check_seed(seed)
+    if controller is not None and name == "ablation":
+        raise InvalidInput("preset 'ablation' holds its composition fixed: a controller "
+                           "setting does not apply to it")
+    controller_overrides(controller)
     chosen = {"trace": trace, "format": None if fmt == "auto" else fmt, "rate": rate,
               "rate_scale": rate_scales, "max_requests": max_requests,
               "cache_blocks_per_gpu": cache_blocks_per_gpu}
@@ -1045,10 +1077,11 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         return run_simulate(policies=pols, out=out, seed=seed, gpus=40,
                             degrees=(2, 4), progress=progress, jobs=jobs, truth=truth,
                             per_degree=per_degree, repeats=repeats, warmup_s=warmup_s,
-                            slo=slo, **p)
+                            slo=slo, controller=controller, **p)
     from sim import presets
 
     return presets.run(name, out=out, seed=seed, progress=progress, truth=truth,
-                       per_degree=per_degree, slo=slo, workload=workload,
+                       per_degree=per_degree, slo=slo, controller=controller,
+                       workload=workload,
                        rate_scales=None if rate_scales is None else tuple(rate_scales),
                        cache_blocks_per_gpu=cache_blocks_per_gpu)

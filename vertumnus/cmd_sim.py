@@ -104,7 +104,23 @@ _ProfilePath = Annotated[
     Path | None, typer.Option("--profile", help="Profile JSON (default: profile the sim)")]
 _MaxRequests = Annotated[int, typer.Option(help="Truncate the trace (0: all)")]
 _Hardware = Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)]
+_Controller = Annotated[Path | None, typer.Option(
+    "--controller", help="The adaptive pools' controller thresholds: a .toml or .json file "
+    "(`vertumnus controller-config` prints the calibrated one; fields left out keep it)")]
 _Slo = Annotated[str, typer.Option(help=SLO_HELP)]
+
+
+def _controller(path: Path | None, *, option: bool = True) -> Any:
+    """The controller setting of a ``--controller`` file (None: the calibrated one); raises
+    InvalidInput naming the file and the bad key. ``option``: the path came from
+    ``--controller`` (a path that is no readable file exits 2 naming the option)."""
+    if path is None:
+        return None
+    from services.controller.config_file import load_controller_config
+
+    if option:
+        input_file(path, "controller")
+    return load_controller_config(path)
 
 
 def _truth(hardware: Path | None, *, option: bool = True) -> Any:
@@ -262,6 +278,7 @@ def register(app: typer.Typer) -> None:
             "but not counted in TTFT, SLO or hit rate")
         ] = 0.0,
         slo: _Slo = "qwen3-30b-a3b",
+        controller: _Controller = None,
     ) -> None:
         """Compare policies on one trace over request rates; writes results.json, CSV, plots.
 
@@ -335,14 +352,17 @@ def register(app: typer.Typer) -> None:
             )
         try:
             truth = _truth(hardware)
+            ctl = _controller(controller)
             output_dir(out)
             if preset is not None:
                 summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
                                             policies=chosen, jobs=jobs, truth=truth,
                                             per_degree=per_degree, repeats=repeats,
-                                            warmup_s=warmup, slo=table, **preset_args)
+                                            warmup_s=warmup, slo=table, controller=ctl,
+                                            **preset_args)
             else:
-                summary = runner.run_simulate(**args, truth=truth, progress=True)
+                summary = runner.run_simulate(**args, truth=truth, progress=True,
+                                              controller=ctl)
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_table(summary, file=sys.stdout)
@@ -372,6 +392,7 @@ def register(app: typer.Typer) -> None:
         beta_busy_power: Annotated[float, typer.Option(
             help="k of J's busy-share β for every pair (0: β constant, the paper's J; -1: the "
             "calibrated default)")] = -1.0,
+        controller: _Controller = None,
     ) -> None:
         """Choose J's β and λ for a trace and hardware: vertumnus at every pair, over rates."""
         from rich.console import Console
@@ -397,8 +418,9 @@ def register(app: typer.Typer) -> None:
             beta_busy_power=beta_busy_option(beta_busy_power))
         try:
             truth = _truth(hardware)
+            ctl = _controller(controller)
             output_dir(out)
-            result = runner.run_tune(**args, truth=truth, progress=True)
+            result = runner.run_tune(**args, truth=truth, progress=True, controller=ctl)
         except InvalidInput as exc:
             _fail(str(exc))
         scales = result["meta"]["rate_scales"]
@@ -447,6 +469,7 @@ def register(app: typer.Typer) -> None:
         slo: _Slo = "qwen3-30b-a3b",
         warmup: Annotated[float, typer.Option(
             help="Seconds (simulated) whose requests are run but not counted")] = 0.0,
+        controller: _Controller = None,
     ) -> None:
         """Find the fewest GPUs with which each policy meets an SLO on a trace at a rate."""
 
@@ -471,8 +494,9 @@ def register(app: typer.Typer) -> None:
             jobs=jobs, per_degree=per_degree, slo=table, warmup_s=warmup)
         try:
             truth = _truth(hardware)
+            ctl = _controller(controller)
             output_dir(out)
-            summary = runner.run_size(**args, truth=truth, progress=True)
+            summary = runner.run_size(**args, truth=truth, progress=True, controller=ctl)
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_size_table(summary, file=sys.stdout)
@@ -539,6 +563,38 @@ def register(app: typer.Typer) -> None:
                    f"{min(p['rate'] for p in segs):g}-{max(p['rate'] for p in segs):g} req/s, "
                    f"long share {min(p['long_share'] for p in segs):g}-"
                    f"{max(p['long_share'] for p in segs):g}", err=True)
+
+    @app.command("controller-config")
+    def controller_config(
+        file: Annotated[Path | None, typer.Argument(
+            help="A controller file to check (default: print the calibrated setting)")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML")] = False,
+    ) -> None:
+        """Print the controller's thresholds: the calibrated ones, or FILE checked and
+        completed.
+
+        The output is a file for --controller (simulate, tune, size; TOML with a comment on
+        each field, JSON with --json): edit it to try other split and merge thresholds on a
+        trace before setting them on the live controller (the same names as VTM_<NAME>).
+        """
+        from services.calibration import CONTROLLER
+        from services.controller.config_file import config_to_mapping, config_to_toml
+        from services.controller.service import ControllerSettings
+
+        try:
+            cfg = _controller(file, option=False) or CONTROLLER
+        except InvalidInput as exc:
+            _fail(str(exc))
+        if as_json:
+            typer.echo(json.dumps(config_to_mapping(cfg), indent=2))
+        else:
+            help_ = {k: f.description or "" for k, f in ControllerSettings.model_fields.items()}
+            typer.echo(config_to_toml(cfg, help_), nl=False)
+        changed = [k for k, v in config_to_mapping(cfg).items()
+                   if v != getattr(CONTROLLER, k)]
+        # A summary on stderr, so that stdout stays a controller file.
+        typer.echo("the calibrated setting" if not changed else
+                   f"differs from the calibrated setting in {', '.join(changed)}", err=True)
 
     @app.command()
     def report(

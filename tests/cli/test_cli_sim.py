@@ -551,6 +551,71 @@ def test_synthetic_prints_a_workload_file_that_simulate_runs(runner, tmp_path,
         res.output.split())
 
 
+def test_controller_config_prints_a_file_that_simulate_and_tune_run(runner, tmp_path,
+                                                                     profile_file) -> None:
+    import tomllib
+
+    from services.calibration import CONTROLLER
+    from services.controller.config_file import config_from_mapping
+
+    res = CliRunner().invoke(app, ["controller-config"])
+    _ok(res)
+    # stdout is a controller file (the calibrated setting); the summary is on stderr
+    assert config_from_mapping(tomllib.loads(res.stdout)) == CONTROLLER
+    assert "the calibrated setting" in res.stderr
+    mine = tmp_path / "ctl.toml"
+    mine.write_text(res.stdout.replace("persistence = 2", "persistence = 1"))
+    res = CliRunner().invoke(app, ["controller-config", "--json", str(mine)])
+    assert json.loads(_ok(res) and res.stdout)["persistence"] == 1
+    assert "differs from the calibrated setting in persistence" in res.stderr
+    # The same overloaded run with and without the file: persistence 1 acts on the first
+    # window that signals, the calibrated 2 not within these 200 requests. meta.json records
+    # the setting each ran with.
+    args = [*SIM_ARGS[:4], "vertumnus", "--rate-scale", "2", "--gpus", "8", "--max-requests",
+            "200", "--profile", str(profile_file)]
+    reconf, persistence = [], []
+    for extra in ([], ["--controller", str(mine)]):
+        out = tmp_path / f"o{len(extra)}"
+        _ok(runner.invoke(app, [*args, *extra, "--out", str(out)]))
+        reconf.append(json.loads((out / "results.json").read_text())[0]["reconfigurations"])
+        persistence.append(json.loads((out / "meta.json").read_text())["controller"][
+            "persistence"])
+    assert persistence == [2, 1]
+    assert reconf[0] == 0 < reconf[1]
+    out = tmp_path / "tune"
+    _ok(runner.invoke(app, ["tune", "--max-requests", "100", "--gpus", "8", "--beta", "2",
+                            "--lam", "0.25", "--rate-scale", "1", "--profile", str(profile_file),
+                            "--controller", str(mine), "--out", str(out)]))
+    assert json.loads((out / "tune.json").read_text())["meta"]["controller"]["persistence"] == 1
+    out = tmp_path / "size"
+    _ok(runner.invoke(app, ["size", "--policies", "vertumnus", "--max-requests", "100",
+                            "--gpus-max", "8", "--profile", str(profile_file),
+                            "--controller", str(mine), "--out", str(out)]))
+    assert json.loads((out / "size.json").read_text())["meta"]["controller"]["persistence"] == 1
+
+
+def test_a_bad_controller_file_exits_2_naming_it(runner, tmp_path) -> None:
+    mine = tmp_path / "ctl.toml"
+    mine.write_text("upper = 0.8\n")
+    for args in (["controller-config", str(mine)],
+                 ["simulate", "--controller", str(mine), "--out", str(tmp_path / "o")],
+                 ["size", "--controller", str(mine), "--out", str(tmp_path / "o")]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert (f"{mine}: ControllerConfig.preference_headroom must be None or in (0, "
+                f"upper=0.8], got 0.9 (preference_headroom is not in the file and keeps 0.9; "
+                f"set it there too)") in " ".join(res.output.split())
+    res = runner.invoke(app, ["simulate", "--controller", str(tmp_path / "none.toml"),
+                              "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--controller" in res.output
+    mine.write_text("persistence = 1\n")
+    res = runner.invoke(app, ["simulate", "--preset", "ablation", "--controller", str(mine),
+                              "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    assert "preset 'ablation' holds its composition fixed: a controller setting does not " \
+           "apply to it" in " ".join(res.output.split())
+
+
 # --- tune ---------------------------------------------------------------------------------------
 def test_tune_runs_every_pair_and_names_the_best(runner, tmp_path, profile_file) -> None:
     out = tmp_path / "tune"
