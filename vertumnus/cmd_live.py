@@ -160,6 +160,10 @@ def register(app: typer.Typer) -> None:
         per_degree: Annotated[bool, typer.Option(
             help="--backend sim without --profile: fit the cost model on the modelled "
                  "hardware with one coefficient set per CP degree")] = False,
+        controller: Annotated[Path | None, typer.Option(
+            "--controller",
+            help="The controller's thresholds: a .toml or .json file (`vertumnus "
+                 "controller-config`; the file `simulate --controller` evaluates)")] = None,
         slo: Annotated[str, typer.Option(
             help=SLO_HELP + "; the report's SLO attainment, and with --backend sim and no "
                  "--profile, the deadlines κ is profiled to keep")] = "qwen3-30b-a3b",
@@ -221,7 +225,7 @@ def register(app: typer.Typer) -> None:
                 kill_at_wall_s=_times(kill_at, "kill-at"),
                 restart_after_wall_s=_times(restart_after, "restart-after"),
                 kill_service=kill_service, schedulers=schedulers, hardware=hardware,
-                per_degree=per_degree, slo=slo_table(slo),
+                per_degree=per_degree, slo=slo_table(slo), controller=controller,
             )
         except ValueError as exc:
             _fail(str(exc))

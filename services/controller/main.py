@@ -13,6 +13,10 @@ flags, which win over the environment:
   --window-s H              VTM_WINDOW_S               observation window (= scheduler's)
   --instance-id ID          VTM_INSTANCE_ID            this replica's id
 
+  VTM_CONTROLLER_FILE: a controller file (``vertumnus controller-config`` prints the
+  calibrated one; the file ``vertumnus simulate --controller`` evaluates): its thresholds
+  replace the calibrated ones, and each threshold's own variable wins over it.
+
 Every other setting (upper, lower, merge_headroom, persistence, max_ops, split_target,
 momentum, merge_speedup, preference_shift, kappa_scale, tick_s, report_grace_s, drain_timeout_s,
 kappa, demand_input, follow_record, ...) is documented on the settings class and set through its
@@ -23,6 +27,7 @@ values of ``services/calibration.py`` (the simulator's), not to literals of thei
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,18 +66,34 @@ def check_initial_composition(settings: ControllerSettings) -> None:
         raise SettingProblem("initial_composition", str(exc)) from None
 
 
+def check_controller_config(settings: ControllerSettings) -> None:
+    """The planner's thresholds make a valid setting: the ``controller_file`` reads and checks
+    (named with its key), and the thresholds fit together (0 < lower < upper, split_target <=
+    upper, ...) with the variables set over it; otherwise the controller would refuse them
+    only at its start. Raises :class:`SettingProblem` naming the file's variable and the
+    threshold at fault."""
+    try:
+        settings.controller_config()
+    except InvalidInput as exc:
+        m = re.search(r"ControllerConfig\.(\w+)", str(exc))
+        fields = [f for f in ("controller_file",) if settings.controller_file is not None]
+        if m and m.group(1) in ControllerSettings.model_fields:
+            fields.append(m.group(1))
+        raise SettingProblem(fields or ["upper", "lower"], str(exc)) from None
+
+
 def parse_settings(argv: Sequence[str] | None = None) -> ControllerSettings:
     """Settings from the environment, overridden by the flags given in ``argv`` (None:
     ``sys.argv[1:]``), checked before anything connects: ``--help`` exits 0, an unknown
     argument or a bad setting (a NATS URL without scheme, an initial composition that does
-    not parse) exits 2 naming it."""
+    not parse, a controller file or thresholds the planner refuses) exits 2 naming it."""
     return parse_flags(
         ControllerSettings,
         _FLAGS,
         argv,
         prog="python -m services.controller",
         description="vertumnus controller: splits and merges CP workers from window demand.",
-        checks=(check_initial_composition,),
+        checks=(check_initial_composition, check_controller_config),
     )
 
 

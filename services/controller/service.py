@@ -138,8 +138,14 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
 from pydantic import Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from services.calibration import CONTROLLER, KAPPA_SCALE
+from services.controller.config_file import (
+    FIELD_KINDS,
+    config_to_mapping,
+    load_controller_config,
+)
 from services.controller.core import FROM_PROFILE, ControllerCore, FromProfile
 from services.controller.lattice import Composition, Lattice
 from services.controller.lifecycle import (
@@ -226,7 +232,15 @@ class ControllerSettings(ServiceSettings):
     read from there rather than repeated, so the live controller and the simulator cannot
     drift apart. ``window_s`` must also equal the scheduler replicas' window (their default,
     :data:`~services.controller.windows.DEFAULT_WINDOW_S`, is the calibrated H as well).
+
+    ``controller_file`` (``VTM_CONTROLLER_FILE``) names a controller file, the one
+    ``vertumnus simulate --controller`` evaluates (:mod:`services.controller.config_file`): its
+    thresholds replace the calibrated ones, and a threshold's own ``VTM_<NAME>`` variable (or
+    flag) wins over the file. ``null`` as a variable's value is None: ``VTM_MERGE_SPEEDUP=null``
+    turns rule 9 off, as ``false`` does in a file.
     """
+
+    model_config = SettingsConfigDict(env_parse_none_str="null")
 
     service_name: str = Field(default="vtm-controller", description="Name in logs / traces.")
     num_gpus: int = Field(default=8, ge=1, description="G: GPUs in the prefill pool.")
@@ -235,6 +249,12 @@ class ControllerSettings(ServiceSettings):
         description="Supported CP degrees (powers of two).",
     )
     gpus_per_node: int = Field(default=GPUS_PER_NODE, ge=1, description="GPUs per node.")
+    controller_file: Path | None = Field(
+        default=None,
+        description="A controller file (.toml or .json, as `vertumnus simulate --controller` "
+        "takes; `vertumnus controller-config` prints the calibrated one): its thresholds "
+        "replace the calibrated ones; a threshold's own variable wins over it.",
+    )
     initial_composition: str | None = Field(
         default=None,
         description="Composition written when no epoch record exists yet, in the paper's "
@@ -424,34 +444,24 @@ class ControllerSettings(ServiceSettings):
     def controller_config(self) -> ControllerConfig:
         """The core's config (raises InvalidInput on inconsistent thresholds).
 
-        The same in both ``demand_input`` modes. In ``windows`` mode the core never judges a
+        A ``controller_file`` is read here (InvalidInput naming it and the key). The same in
+        both ``demand_input`` modes. In ``windows`` mode the core never judges a
         replayed assignment's preferred degree from its placeholder length (which would
         refuse every merge of a short-request window): the adapter passes the report's own
         breakdown (WindowReport version 2), or None for each request of a report without one
         — the planner treats "no breakdown" as "nothing gated".
         """
-        return ControllerConfig(
-            window_s=self.window_s,
-            long_threshold_tokens=self.long_threshold_tokens,
-            upper=self.upper,
-            lower=self.lower,
-            merge_headroom=self.merge_headroom,
-            long_fraction_delta=self.long_fraction_delta,
-            demand_stability=self.demand_stability,
-            persistence=self.persistence,
-            max_ops=self.max_ops,
-            split_target=self.split_target,
-            momentum=self.momentum,
-            merge_speedup=self.merge_speedup,
-            preference_shift=self.preference_shift,
-            preference_headroom=self.preference_headroom,
-            merge_memory=self.merge_memory,
-            long_shift=self.long_shift,
-            long_shift_persistence=self.long_shift_persistence,
-            large_floor=self.large_floor,
-            backlog_s=self.backlog_s,
-            newest_first=self.newest_first,
-        )
+        # The file's setting (else the calibrated one, every field's default here), then each
+        # threshold set explicitly (a variable or a flag) over it.
+        base = (load_controller_config(self.controller_file) if self.controller_file is not None
+                else CONTROLLER)
+        given = {name: getattr(self, name) for name in FIELD_KINDS
+                 if name in self.model_fields_set}
+        try:
+            return dataclasses.replace(base, **given)
+        except InvalidInput as exc:
+            where = f" (with {self.controller_file})" if self.controller_file is not None else ""
+            raise InvalidInput(f"{exc}{where}") from None
 
     def lattice(self) -> Lattice:
         return Lattice(self.num_gpus, self.degrees, self.gpus_per_node)
@@ -842,6 +852,11 @@ class ControllerService(MicroService):
 
     async def setup(self, stack: AsyncExitStack) -> None:
         s = self.subjects
+        # The thresholds this controller decides by, once (a controller file and the variables
+        # over it are easy to get wrong; the log says what was taken).
+        self.log.info("planner thresholds", controller_file=(
+            None if self.csettings.controller_file is None
+            else str(self.csettings.controller_file)), **config_to_mapping(self.config))
         await self.ensure_jetstream()
         await self._bootstrap()
         states = self._state_kv

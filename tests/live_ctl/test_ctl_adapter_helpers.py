@@ -161,3 +161,51 @@ def test_controller_settings_map_onto_the_core_config(monkeypatch) -> None:
     prof = st.load_profile()
     assert prof.kappa_for(2) == 8.0 and prof.kappa_for(4) == 14.5
     assert st.lattice().degrees == frozenset({2, 4})
+
+
+def test_a_controller_file_sets_the_thresholds_and_each_variable_wins_over_it(
+        monkeypatch, tmp_path) -> None:
+    from dataclasses import replace
+
+    from services.calibration import CONTROLLER
+
+    for name in ("UPPER", "SPLIT_TARGET", "PERSISTENCE", "LARGE_FLOOR", "BACKLOG_S"):
+        monkeypatch.delenv(f"VTM_{name}", raising=False)
+    assert ControllerSettings().controller_config() == CONTROLLER  # nothing set: calibrated
+    mine = tmp_path / "ctl.toml"
+    mine.write_text("upper = 0.9\nsplit_target = 0.9\nlarge_floor = false\npersistence = 3\n")
+    monkeypatch.setenv("VTM_CONTROLLER_FILE", str(mine))
+    assert ControllerSettings().controller_config() == replace(
+        CONTROLLER, upper=0.9, split_target=0.9, large_floor=None, persistence=3)
+    # A variable wins over the file, and `null` is None (a rule off) as `false` is in a file.
+    monkeypatch.setenv("VTM_PERSISTENCE", "4")
+    monkeypatch.setenv("VTM_BACKLOG_S", "null")
+    cfg = ControllerSettings().controller_config()
+    assert (cfg.persistence, cfg.backlog_s, cfg.upper, cfg.large_floor) == (4, None, 0.9, None)
+
+
+def test_a_bad_controller_file_or_threshold_stops_the_controller_before_it_connects(
+        monkeypatch, tmp_path, capsys) -> None:
+    from services.controller.main import parse_settings
+
+    mine = tmp_path / "ctl.toml"
+    cases = [
+        ({"VTM_CONTROLLER_FILE": str(tmp_path / "none.toml")},
+         "VTM_CONTROLLER_FILE: controller file not found"),
+        ({"VTM_CONTROLLER_FILE": str(mine)},
+         "VTM_CONTROLLER_FILE, VTM_PREFERENCE_HEADROOM: " + str(mine)
+         + ": ControllerConfig.preference_headroom must be None or in (0, upper=0.8]"),
+        ({"VTM_UPPER": "0.3"},
+         "VTM_UPPER, VTM_LOWER: ControllerConfig needs 0 < lower < upper, got lower=0.5, "
+         "upper=0.3"),
+    ]
+    mine.write_text("upper = 0.8\n")
+    for env, words in cases:
+        for name in ("VTM_CONTROLLER_FILE", "VTM_UPPER"):
+            monkeypatch.delenv(name, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(SystemExit) as exc:
+            parse_settings([])
+        assert exc.value.code == 2
+        assert words in " ".join(capsys.readouterr().err.split())

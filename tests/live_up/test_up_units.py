@@ -446,3 +446,31 @@ def test_report_warns_when_the_workers_ran_at_another_time_scale() -> None:
 
     assert "warning" not in printed(0.1)
     assert "workers ran at time scale 0.1, this report divides by 1" in printed(1.0)
+
+
+def test_a_controller_file_reaches_the_controller_and_the_replicas_and_is_checked_first(
+        tmp_path: Path) -> None:
+    from services.calibration import CONTROLLER
+    from vertumnus.live.stack import LiveStack, UpConfig
+
+    mine = tmp_path / "ctl.toml"
+    mine.write_text("window_s = 10.0\nmerge_speedup = 1.3\nupper = 0.9\nsplit_target = 0.9\n")
+    cfg = UpConfig(gpus=4, controller=Path(os.path.relpath(mine)), time_scale=0.5)
+    assert cfg.controller == mine.resolve()  # children may start elsewhere
+    stack = LiveStack(cfg, log_dir=tmp_path)
+    ctl = stack.service_env("controller", "nats://x:1")
+    sched = stack.service_env("scheduler", "nats://x:1")
+    scan = stack.service_env("cachemgr", "nats://x:1")
+    assert ctl["VTM_CONTROLLER_FILE"] == str(mine.resolve())
+    # The file's window, scaled like the default one, for every service that counts windows.
+    assert ctl["VTM_WINDOW_S"] == sched["VTM_WINDOW_S"] == scan["VTM_SCAN_INTERVAL_S"] == "5"
+    assert sched["VTM_MERGE_SPEEDUP"] == "1.3"  # the replicas' breakdown uses rule 9's threshold
+    plain = LiveStack(UpConfig(gpus=4, time_scale=0.5), log_dir=tmp_path)
+    assert "VTM_CONTROLLER_FILE" not in plain.service_env("controller", "nats://x:1")
+    assert "VTM_MERGE_SPEEDUP" not in plain.service_env("scheduler", "nats://x:1")
+    assert plain.service_env("scheduler", "nats://x:1")["VTM_WINDOW_S"] == f"{20.0 * 0.5:g}"
+    assert CONTROLLER.window_s == 20.0
+    mine.write_text("upper = 0.8\n")
+    with pytest.raises(ValueError, match=r"--controller: .*ctl\.toml: ControllerConfig\."
+                                         r"preference_headroom"):
+        UpConfig(gpus=4, controller=mine)

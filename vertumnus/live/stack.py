@@ -164,6 +164,11 @@ class UpConfig:
     """The TTFT deadlines the report's SLO attainment counts; with --backend sim and no
     ``profile``, one other than the default also has the services' profile measured first
     (:func:`hardware_profile`), so that κ_C is the demand that keeps these deadlines."""
+    controller: Path | None = None
+    """A controller file (``vertumnus controller-config``; what ``simulate --controller``
+    evaluates): the live controller's thresholds (``VTM_CONTROLLER_FILE``), its window H (scaled
+    like the default one) for the controller, the scheduler replicas and the scan, and rule 9's
+    threshold for the replicas' window reports. None: the calibrated setting."""
     kill_service: str = RANKD
     """The child the fault is injected into: one of :data:`vertumnus.live.registry.SERVICES`
     or ``nats``; several, comma-separated, each crashed at its own ``kill_at_wall_s`` (e.g. a
@@ -212,6 +217,14 @@ class UpConfig:
             except InvalidInput as exc:
                 raise ValueError(str(exc)) from None
             object.__setattr__(self, "hardware", Path(self.hardware).resolve())
+        if self.controller is not None:
+            from services.controller.config_file import load_controller_config
+
+            try:
+                load_controller_config(self.controller)  # an error before anything starts
+            except InvalidInput as exc:
+                raise ValueError(f"--controller: {exc}") from None
+            object.__setattr__(self, "controller", Path(self.controller).resolve())
         if self.nats_config is not None:
             if not Path(self.nats_config).is_file():
                 raise ValueError(f"--nats-config {str(self.nats_config)!r} is not a file")
@@ -531,7 +544,13 @@ class LiveStack:
         c = self.config
         dep = c.deployment()
         scale = c.effective_time_scale
-        window = f"{WINDOW_S * scale:g}"
+        ctl = None
+        if c.controller is not None:
+            from services.controller.config_file import load_controller_config
+
+            ctl = load_controller_config(c.controller)  # checked by UpConfig
+        window_s = WINDOW_S if ctl is None else ctl.window_s
+        window = f"{window_s * scale:g}"
         durations = self.policy_durations()
         degrees = json.dumps(sorted(set(c.degrees)))
         common = {
@@ -568,6 +587,10 @@ class LiveStack:
                 **({"VTM_POLICY_PARAMS": json.dumps(durations)} if durations else {}),
                 "VTM_DEGREES": degrees,
                 **({"VTM_PROFILE_PATH": str(c.profile)} if c.profile else {}),
+                # The replicas' breakdown must use the controller's rule-9 threshold (one made
+                # with another counts as none). Rule 9 off: the controller ignores it.
+                **({"VTM_MERGE_SPEEDUP": repr(ctl.merge_speedup)}
+                   if ctl is not None and ctl.merge_speedup is not None else {}),
             },
             "controller": {
                 "VTM_NUM_GPUS": str(c.gpus),
@@ -575,8 +598,9 @@ class LiveStack:
                 "VTM_WINDOW_S": window,
                 # Wall-clock cadence: close windows a fraction of a (scaled) window after
                 # their end, and look often enough to notice.
-                "VTM_TICK_S": f"{min(1.0, WINDOW_S * scale / 4):g}",
-                "VTM_REPORT_GRACE_S": f"{min(2.0, WINDOW_S * scale / 4):g}",
+                "VTM_TICK_S": f"{min(1.0, window_s * scale / 4):g}",
+                "VTM_REPORT_GRACE_S": f"{min(2.0, window_s * scale / 4):g}",
+                **({"VTM_CONTROLLER_FILE": str(c.controller)} if c.controller else {}),
                 "VTM_INITIAL_COMPOSITION": notation(dep.workers),
                 # A baseline's pool is its source's, held (the simulator's comparisons).
                 "VTM_ADAPTIVE": "true" if dep.adaptive else "false",
