@@ -428,6 +428,7 @@ def run_tune(
     slo: SloTable = QWEN3_SLO,
     beta_busy_power: float | None = None,
     controller: ControllerConfig | None = None,
+    controllers: Sequence[tuple[str, ControllerConfig]] = (),
 ) -> dict[str, Any]:
     """``vertumnus tune``: :func:`sim.tuning.tune_weights` on a trace, with the profile a
     sweep would use (:func:`run_simulate`: the file given, else fitted on ``truth`` with κ
@@ -436,7 +437,8 @@ def run_tune(
     ``repeats`` N > 1: every cell is the mean over seeds ``seed`` … ``seed + N − 1`` (as
     :func:`run_simulate`'s). ``beta_busy_power``: k of the busy-share β for every pair (None:
     the calibrated default; 0: the paper's constant β). ``controller``: the controller's
-    thresholds for every cell (default: the calibrated ones)."""
+    thresholds for every cell (default: the calibrated ones); ``controllers``: (label, setting)
+    pairs, a third axis of the grid (:func:`sim.tuning.tune_weights`), instead of one."""
     from services.scheduler.placement import check_beta_busy, check_weights
     from sim.tuning import ROW_KEYS, tune_weights
 
@@ -452,6 +454,10 @@ def run_tune(
     if beta_busy_power is not None:
         check_beta_busy(beta_busy_power)
     ctl = controller_overrides(controller)
+    if controller is not None and controllers:
+        raise InvalidInput("give one controller setting or a list of them, not both")
+    for _, c in controllers:
+        controller_overrides(c)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     truth = truth or GroundTruth()
@@ -464,20 +470,24 @@ def run_tune(
                           beta_busy_power=beta_busy_power, **ctl)
     more = [(seed + k, load_trace(trace, fmt, seed=seed + k, rate=rate,
                                   max_requests=max_requests)) for k in range(1, repeats)]
-    n = len(set(betas)) * len(set(lams)) * len(rate_scales) * repeats
+    n = len(set(betas)) * len(set(lams)) * len(rate_scales) * repeats * max(1, len(controllers))
     result = _with_progress(progress, n, lambda cb: tune_weights(
         wl, rate_scales, betas, lams, prof, spec, truth, jobs=jobs, on_run=cb,
-        more_seeds=more))
+        more_seeds=more, controllers=controllers))
     result["meta"] = {"workload": wl.name, "gpus": gpus, "degrees": list(spec.degrees),
                       "seed": seed, "seeds": [seed + k for k in range(repeats)],
                       "rate_scales": list(rate_scales), "slo": slo_to_dict(slo),
                       "beta_busy_power": calibration.BETA_BUSY_POWER
                       if beta_busy_power is None else beta_busy_power,
-                      "controller": config_to_mapping(spec.controller),
+                      **({"controllers": {lab: config_to_mapping(c) for lab, c in controllers}}
+                         if controllers else {"controller": config_to_mapping(spec.controller)}),
                       "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth)}
     (out / "tune.json").write_text(json.dumps(_jsonable(result), indent=1) + "\n")
+    keys = list(ROW_KEYS)
+    if controllers:
+        keys.insert(keys.index("lam") + 1, "controller")
     with (out / "tune.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(ROW_KEYS), extrasaction="ignore")
+        w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(result["rows"])
     return result

@@ -392,9 +392,14 @@ def register(app: typer.Typer) -> None:
         beta_busy_power: Annotated[float, typer.Option(
             help="k of J's busy-share β for every pair (0: β constant, the paper's J; -1: the "
             "calibrated default)")] = -1.0,
-        controller: _Controller = None,
+        controller: Annotated[str | None, typer.Option(
+            "--controller", help="Controller file(s), .toml or .json (`vertumnus "
+            "controller-config`); several, comma-separated ('calibrated': the calibrated "
+            "setting), are a third axis: every pair runs with each")] = None,
     ) -> None:
-        """Choose J's β and λ for a trace and hardware: vertumnus at every pair, over rates."""
+        """Choose J's β and λ for a trace and hardware: vertumnus at every pair, over rates.
+
+        With several --controller files, choose among them too."""
         from rich.console import Console
         from rich.table import Table
 
@@ -416,29 +421,49 @@ def register(app: typer.Typer) -> None:
             profile_path=profile_file(profile_path, degs), max_requests=max_requests or None,
             jobs=jobs, per_degree=per_degree, repeats=repeats, slo=slo_table(slo),
             beta_busy_power=beta_busy_option(beta_busy_power))
+        files = [] if controller is None else _names(controller, "controller")
         try:
             truth = _truth(hardware)
-            ctl = _controller(controller)
+            # One file: every pair runs with it; several: a third axis, labelled as given.
+            settings = [(f, None if f == "calibrated" else _controller(Path(f)))
+                        for f in files]
+            if len(settings) > 1:
+                from services.calibration import CONTROLLER
+
+                axis = {"controllers": [(f, c or CONTROLLER) for f, c in settings]}
+            else:
+                axis = {"controller": settings[0][1] if settings else None}
             output_dir(out)
-            result = runner.run_tune(**args, truth=truth, progress=True, controller=ctl)
+            result = runner.run_tune(**args, truth=truth, progress=True, **axis)
         except InvalidInput as exc:
             _fail(str(exc))
         scales = result["meta"]["rate_scales"]
         seeds = result["meta"]["seeds"]
+        by_ctl = "controllers" in result["meta"]
         t = Table(title=f"{result['meta']['workload']}: vertumnus's mean TTFT (s) by β, λ"
+                  + (", controller" if by_ctl else "")
                   + (f" (mean of seeds {', '.join(map(str, seeds))})" if len(seeds) > 1 else ""))
-        for col in ("β", "λ", *(f"×{s:g}" for s in scales), "mean", "P90"):
-            t.add_column(col, justify="right")
+        for col in ("β", "λ", *(["controller"] if by_ctl else []), *(f"×{s:g}" for s in scales),
+                    "mean", "P90"):
+            t.add_column(col, justify="left" if col == "controller" else "right")
         for p in result["pairs"]:
             by = {r["rate_scale"]: r["mean_ttft_s"] for r in result["rows"]
-                  if r["beta"] == p["beta"] and r["lam"] == p["lam"]}
-            t.add_row(f"{p['beta']:g}", f"{p['lam']:g}", *(f"{by[s]:.3f}" for s in scales),
+                  if r["beta"] == p["beta"] and r["lam"] == p["lam"]
+                  and r.get("controller") == p.get("controller")}
+            t.add_row(f"{p['beta']:g}", f"{p['lam']:g}",
+                      *([p["controller"]] if by_ctl else []), *(f"{by[s]:.3f}" for s in scales),
                       f"{p['mean_ttft_s']:.3f}", f"{p['p90_ttft_s']:.3f}")
         Console(file=sys.stdout).print(t)
         best = result["best"]
-        typer.echo(f"best: β {best['beta']:g}, λ {best['lam']:g} (lowest mean TTFT over the "
-                   f"rates; simulate --beta {best['beta']:g} --lam {best['lam']:g}, or the "
-                   f"scheduler's VTM_POLICY_PARAMS); {out}/tune.json")
+        chosen = ""
+        if by_ctl:
+            chosen = (", the calibrated controller" if best["controller"] == "calibrated" else
+                      f", controller {best['controller']}")
+        how = f"simulate --beta {best['beta']:g} --lam {best['lam']:g}" + (
+            f" --controller {best['controller']}"
+            if by_ctl and best["controller"] != "calibrated" else "")
+        typer.echo(f"best: β {best['beta']:g}, λ {best['lam']:g}{chosen} (lowest mean TTFT over "
+                   f"the rates; {how}, or the scheduler's VTM_POLICY_PARAMS); {out}/tune.json")
 
     @app.command()
     def size(

@@ -648,6 +648,48 @@ def test_tune_runs_every_pair_and_names_the_best(runner, tmp_path, profile_file)
         assert cell["mean_ttft_s"] == r["mean_ttft_s"]
 
 
+def test_tune_chooses_among_controller_files(runner, tmp_path, profile_file) -> None:
+    """Several --controller files are a third axis of tune's grid: every (β, λ) runs with each
+    ('calibrated' names the calibrated setting), a cell is the simulate run with that file."""
+    mine = tmp_path / "eager.toml"
+    mine.write_text("persistence = 1\n")
+    out = tmp_path / "tune"
+    common = ["--max-requests", "200", "--gpus", "8", "--profile", str(profile_file)]
+    text = _ok(runner.invoke(app, [
+        "tune", *common, "--beta", "3", "--lam", "0,0.25", "--rate-scale", "1,2",
+        "--controller", f"calibrated,{mine}", "--out", str(out)]))
+    got = json.loads((out / "tune.json").read_text())
+    labels = ("calibrated", str(mine))
+    assert sorted((r["lam"], r["controller"], r["rate_scale"]) for r in got["rows"]) == sorted(
+        (lam, c, sc) for lam in (0.0, 0.25) for c in labels for sc in (1.0, 2.0))
+    assert len(got["pairs"]) == 4 and set(got["meta"]["controllers"]) == set(labels)
+    assert got["meta"]["controllers"][str(mine)]["persistence"] == 1
+    best = got["pairs"][0]
+    assert got["best"] == {k: best[k] for k in ("beta", "lam", "controller")}
+    assert f"best: β 3, λ {best['lam']:g}" in " ".join(text.split())
+    with (out / "tune.csv").open() as fh:
+        reader = csv.DictReader(fh)
+        assert reader.fieldnames[:3] == ["beta", "lam", "controller"]
+        assert len(list(reader)) == 8
+    # The eager file's cells are the simulate runs with that file (and differ from the
+    # calibrated ones: it reconfigures where the calibrated controller does not).
+    sim_out = tmp_path / "sim"
+    _ok(runner.invoke(app, [*SIM_ARGS[:4], "vertumnus", "--rate-scale", "1,2", *common,
+                            "--beta", "3", "--lam", "0.25", "--controller", str(mine),
+                            "--out", str(sim_out)]))
+    for r in json.loads((sim_out / "results.json").read_text()):
+        cell = next(c for c in got["rows"] if (c["lam"], c["controller"], c["rate_scale"])
+                    == (0.25, str(mine), r["rate_scale"]))
+        assert (cell["mean_ttft_s"], cell["reconfigurations"]) == (
+            r["mean_ttft_s"], r["reconfigurations"])
+    assert any(c["reconfigurations"] != d["reconfigurations"] for c in got["rows"]
+               for d in got["rows"] if c["controller"] != d["controller"]
+               and (c["lam"], c["rate_scale"]) == (d["lam"], d["rate_scale"]))
+    res = runner.invoke(app, ["tune", *common, "--controller", f"{mine},{mine}",
+                              "--out", str(tmp_path / "bad")])
+    assert res.exit_code == 2 and "controller" in res.output
+
+
 def test_tune_and_simulate_take_the_busy_share_power(runner, tmp_path, profile_file) -> None:
     """``--beta-busy-power 0`` (the paper's constant β) reaches every J run of both commands:
     a tune cell is the simulate cell with the same setting; meta.json / tune.json record it."""

@@ -148,3 +148,15 @@ def test_load_reads_toml_and_json_and_names_a_bad_file(tmp_path: Path) -> None:
         with pytest.raises(InvalidInput, match=None) as exc:
             load_controller_config(path)
         assert words in str(exc.value), str(exc.value)
+
+
+def test_the_shipped_controller_files_read() -> None:
+    """docs/controllers/*.toml are files the README and docs/evaluation.md run."""
+    root = Path(__file__).resolve().parents[2] / "docs" / "controllers"
+    files = sorted(root.glob("*.toml"))
+    assert files
+    for f in files:
+        assert load_controller_config(f) != CONTROLLER
+    agent = load_controller_config(root / "tool-agent.toml")
+    assert agent == replace(CONTROLLER, merge_speedup=None, upper=0.8, split_target=0.8,
+                            preference_headroom=0.8)
