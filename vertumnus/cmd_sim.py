@@ -123,6 +123,24 @@ def _controller(path: Path | None, *, option: bool = True) -> Any:
     return load_controller_config(path)
 
 
+def _changed(cfg: Any) -> list[str]:
+    """The fields in which the controller setting ``cfg`` differs from the calibrated one."""
+    from services.calibration import CONTROLLER
+    from services.controller.config_file import config_to_mapping
+
+    return [k for k, v in config_to_mapping(cfg).items() if v != getattr(CONTROLLER, k)]
+
+
+def _say_controller(path: Path | None, cfg: Any) -> None:
+    """One line after a run with ``--controller``: which thresholds the file changed."""
+    if path is None or cfg is None:
+        return
+    changed = _changed(cfg)
+    typer.echo(f"controller: {path} ("
+               + (f"differs from the calibrated setting in {', '.join(changed)})" if changed
+                  else "the calibrated setting)"))
+
+
 def _truth(hardware: Path | None, *, option: bool = True) -> Any:
     """The ground truth of a ``--hardware`` file (None: the default); raises InvalidInput
     naming the file and the bad key. ``option``: the path came from ``--hardware`` (a path
@@ -366,6 +384,7 @@ def register(app: typer.Typer) -> None:
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_table(summary, file=sys.stdout)
+        _say_controller(controller, ctl)
         typer.echo(f"results in {out}/results.json (plots: {out}/*.png)")
 
     @app.command()
@@ -525,6 +544,7 @@ def register(app: typer.Typer) -> None:
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_size_table(summary, file=sys.stdout)
+        _say_controller(controller, ctl)
         typer.echo(f"results in {out}/size.json (plot: {out}/size.png)")
 
     @app.command()
@@ -615,8 +635,7 @@ def register(app: typer.Typer) -> None:
         else:
             help_ = {k: f.description or "" for k, f in ControllerSettings.model_fields.items()}
             typer.echo(config_to_toml(cfg, help_), nl=False)
-        changed = [k for k, v in config_to_mapping(cfg).items()
-                   if v != getattr(CONTROLLER, k)]
+        changed = _changed(cfg)
         # A summary on stderr, so that stdout stays a controller file.
         typer.echo("the calibrated setting" if not changed else
                    f"differs from the calibrated setting in {', '.join(changed)}", err=True)

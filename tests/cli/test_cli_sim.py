@@ -576,7 +576,8 @@ def test_controller_config_prints_a_file_that_simulate_and_tune_run(runner, tmp_
     reconf, persistence = [], []
     for extra in ([], ["--controller", str(mine)]):
         out = tmp_path / f"o{len(extra)}"
-        _ok(runner.invoke(app, [*args, *extra, "--out", str(out)]))
+        text = _ok(runner.invoke(app, [*args, *extra, "--out", str(out)]))
+        assert ("differs from the calibrated setting in persistence)" in text) == bool(extra)
         reconf.append(json.loads((out / "results.json").read_text())[0]["reconfigurations"])
         persistence.append(json.loads((out / "meta.json").read_text())["controller"][
             "persistence"])
