@@ -750,7 +750,9 @@ AZURE_GOOD = (
     "2023-11-16 18:17:04.0319600,30,0\n"
 )
 cells = st.one_of(
-    st.text(max_size=12),
+    # No "\n" inside a cell: the fuzzed text is one line of the file (a newline would put
+    # what follows it on the next line, and the error there).
+    st.text(max_size=12).map(lambda s: s.replace("\n", " ")),
     odd_numbers.map(str),
     st.sampled_from(["2023-11-16 18:17:05", "2023-11-16 18:17:05.", "2023-11-16 18:17:05.1²",
                      "2023-11-16 18:17:05." + "9" * 5000, "2023-11-16 18:17:02.5",
