@@ -618,9 +618,10 @@ def register(app: typer.Typer) -> None:
         """Print the controller's thresholds: the calibrated ones, or FILE checked and
         completed.
 
-        The output is a file for --controller (simulate, tune, size; TOML with a comment on
+        The output is a file for --controller (simulate, tune, size, up; TOML with a comment on
         each field, JSON with --json): edit it to try other split and merge thresholds on a
-        trace before setting them on the live controller (the same names as VTM_<NAME>).
+        trace, then run them live (up --controller FILE, or VTM_CONTROLLER_FILE for the
+        controller service).
         """
         from services.calibration import CONTROLLER
         from services.controller.config_file import config_to_mapping, config_to_toml
