@@ -935,6 +935,14 @@ def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
     return "-" if v is None else format(v * scale, spec)
 
 
+def _count(v: Any) -> str:
+    """A count cell: the integer, or a mean over --repeats seeds to two decimals (3.33, not
+    3.3333333333333335); '-' for null."""
+    if v is None:
+        return "-"
+    return str(int(v)) if float(v).is_integer() else f"{v:.2f}"
+
+
 def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -956,7 +964,7 @@ def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
                   *(_fmt(r[k], ".3f") for k in ("mean_ttft_s", "p50_ttft_s", "p90_ttft_s",
                                                 "p99_ttft_s")),
                   _fmt(r["slo_attainment"], ".1f", 100), _fmt(r["hit_rate"], ".1f", 100),
-                  "-" if r["reconfigurations"] is None else str(r["reconfigurations"]),
+                  _count(r["reconfigurations"]),
                   _fmt(r["oracle_mean_ttft_s"], ".3f"))
     Console(file=file, width=140).print(t)
 

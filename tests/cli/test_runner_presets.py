@@ -176,3 +176,12 @@ def test_ablation_preset_on_a_named_workload(tmp_path: Path) -> None:
     assert meta["cache_blocks_per_gpu"] == 50 and meta["workload"].startswith("synthetic")
     # The same requests whichever variant: only the cache manager differs.
     assert rows[0]["oracle_mean_ttft_s"] == rows[1]["oracle_mean_ttft_s"]
+
+
+@pytest.mark.parametrize(("value", "cell"), [
+    (None, "-"), (0, "0"), (12, "12"), (1234, "1234"), (3.0, "3"),
+    (10 / 3, "3.33"), (2 / 3, "0.67"),
+])
+def test_a_count_cell_is_an_integer_or_a_mean_to_two_decimals(value, cell) -> None:
+    """Reconfigurations: a count, or with --repeats the mean over the seeds."""
+    assert runner._count(value) == cell
