@@ -10,8 +10,10 @@ written with them turns a user's unreadable path into a traceback. :func:`path_k
 from __future__ import annotations
 
 import json
+import math
 import stat
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -104,3 +106,30 @@ def read_config_file(path: str | Path, what: str) -> Any:
         return tomllib.loads(text)
     except (NotJson, tomllib.TOMLDecodeError, RecursionError) as exc:  # RecursionError: "[[[[..."
         raise InvalidInput(f"{p}: not valid {suffix[1:].upper()}: {exc}") from None
+
+
+def config_number(at: str, v: Any, *, integer: bool, also: str = "") -> int | float:
+    """A number of a configuration file (a synthetic workload or a controller file): an
+    ``int`` when ``integer`` (an integral float such as ``3.0`` counts), else a ``float``.
+    Raises :class:`InvalidInput` "``{at}``: must be a number / an integer / finite, got ..."
+    (``also`` is added after what it must be, e.g. " (or false)"); a bool is no number."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise InvalidInput(f"{at}: must be {'an integer' if integer else 'a number'}{also}, "
+                           f"got {v!r}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise InvalidInput(f"{at}: must be finite, got {v!r}")
+    if integer:
+        if isinstance(v, float) and not v.is_integer():
+            raise InvalidInput(f"{at}: must be an integer{also}, got {v!r}")
+        return int(v)
+    return float(v)
+
+
+def toml_value(v: Any) -> str:
+    """``v`` (a number, a bool, or a table of them) as a TOML value: Python's ``repr`` of an int
+    or a finite float is valid TOML; a mapping is an inline table."""
+    if isinstance(v, Mapping):
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return repr(v)

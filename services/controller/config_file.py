@@ -22,7 +22,6 @@ naming the file and the key. Pure apart from :func:`load_controller_config`, whi
 
 from __future__ import annotations
 
-import math
 import re
 import textwrap
 from collections.abc import Mapping
@@ -32,7 +31,7 @@ from typing import Any, Final, Literal
 
 from services.calibration import CONTROLLER
 from services.controller.planner import ControllerConfig
-from shared.files import read_config_file
+from shared.files import config_number, read_config_file, toml_value
 from shared.ids import InvalidInput
 
 _Kind = Literal["float", "int", "bool"]
@@ -74,17 +73,7 @@ def _value(at: str, v: Any, kind: _Kind, optional: bool) -> float | int | bool |
         if not isinstance(v, bool):
             raise InvalidInput(f"{at}: must be true or false, got {v!r}")
         return v
-    off = " (or false)" if optional else ""
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        what = "an integer" if kind == "int" else "a number"
-        raise InvalidInput(f"{at}: must be {what}{off}, got {v!r}")
-    if isinstance(v, float) and not math.isfinite(v):
-        raise InvalidInput(f"{at}: must be finite, got {v!r}")
-    if kind == "int":
-        if isinstance(v, float) and not v.is_integer():
-            raise InvalidInput(f"{at}: must be an integer{off}, got {v!r}")
-        return int(v)
-    return float(v)
+    return config_number(at, v, integer=kind == "int", also=" (or false)" if optional else "")
 
 
 def config_from_mapping(data: Any, *, source: str = "controller file",
@@ -123,11 +112,8 @@ def config_to_mapping(config: ControllerConfig) -> dict[str, Any]:
 
 
 def _toml_value(v: Any) -> str:
-    if v is None:
-        return "false"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return repr(v)
+    """A field's value in a file: None (an optional rule off) is ``false``."""
+    return "false" if v is None else toml_value(v)
 
 
 def config_to_toml(config: ControllerConfig, help: Mapping[str, str] | None = None) -> str:

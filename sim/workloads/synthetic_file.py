@@ -23,13 +23,12 @@ the result must satisfy the generator's own bounds; errors are
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Final
 
-from shared.files import read_config_file
+from shared.files import config_number, read_config_file, toml_value
 from shared.ids import InvalidInput
 from sim.workloads.synthetic import LogNormalLength, Phase, SyntheticConfig
 
@@ -64,18 +63,6 @@ FIELD_HELP: Final[Mapping[str, str]] = {
 """One line on each field of :class:`SyntheticConfig` (the template's comments)."""
 
 
-def _number(at: str, v: Any, *, integer: bool) -> int | float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise InvalidInput(f"{at}: must be a number, got {v!r}")
-    if isinstance(v, float) and not math.isfinite(v):
-        raise InvalidInput(f"{at}: must be finite, got {v!r}")
-    if integer:
-        if isinstance(v, float) and not v.is_integer():
-            raise InvalidInput(f"{at}: must be an integer, got {v!r}")
-        return int(v)
-    return float(v)
-
-
 def _table(at: str, v: Any, cls: type, base: Any | None, ints: frozenset[str]) -> Any:
     """An instance of the dataclass ``cls`` from the table ``v`` (fields left out: ``base``'s)."""
     if not isinstance(v, Mapping):
@@ -87,7 +74,7 @@ def _table(at: str, v: Any, cls: type, base: Any | None, ints: frozenset[str]) -
         raise InvalidInput(f"{at}: unknown field(s) {', '.join(map(repr, unknown))}; "
                            f"known: {', '.join(names)}")
     values = {k: None if x is None and k == "long_share" and cls is Phase
-              else _number(f"{at}.{k}", x, integer=k in ints) for k, x in v.items()}
+              else config_number(f"{at}.{k}", x, integer=k in ints) for k, x in v.items()}
     try:
         return replace(base, **values) if base is not None else cls(**values)
     except InvalidInput as exc:  # the dataclass's own checks
@@ -121,7 +108,7 @@ def config_from_mapping(data: Any, *, source: str = "synthetic workload") -> Syn
             values[name] = tuple(_table(f"{at}[{i}]", p, Phase, None, frozenset())
                                  for i, p in enumerate(v))
         else:
-            values[name] = _number(at, v, integer=name in _INT_FIELDS)
+            values[name] = config_number(at, v, integer=name in _INT_FIELDS)
     try:
         return replace(base, **values)
     except InvalidInput as exc:  # the config's own checks ("SyntheticConfig: ...")
@@ -146,14 +133,6 @@ def config_to_mapping(config: SyntheticConfig) -> dict[str, Any]:
     return out
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, Mapping):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return repr(v)  # ints and finite floats: Python's repr is valid TOML
-
-
 def config_to_toml(config: SyntheticConfig) -> str:
     """``config`` as a TOML file with a comment on each field (``vertumnus synthetic``)."""
     lines = ["# The synthetic workload's parameters (sim/workloads/synthetic_file.py).",
@@ -162,10 +141,10 @@ def config_to_toml(config: SyntheticConfig) -> str:
     for name, v in config_to_mapping(config).items():
         lines.append(f"# {FIELD_HELP[name]}")
         if name == "phases":
-            rows = [f"  {_toml_value(p)}," for p in v]
+            rows = [f"  {toml_value(p)}," for p in v]
             lines.append("phases = [" + ("\n" + "\n".join(rows) + "\n]" if rows else "]"))
         else:
-            lines.append(f"{name} = {_toml_value(v)}")
+            lines.append(f"{name} = {toml_value(v)}")
     return "\n".join(lines) + "\n"
 
 
