@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 
 import nats
-from live_support import freeze, until_a_round_trip_waits
+from frozen import freeze
+from live_support import until_a_round_trip_waits
 
 from shared.natsserver import EmbeddedNats
 from shared.service import drain_or_close

@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 
 import nats
-from live_support import freeze, resume, until_a_round_trip_waits, until_started
+from frozen import freeze, resume
+from live_support import until_a_round_trip_waits, until_started
 from nats.micro.request import Request
 from structlog.testing import capture_logs
 

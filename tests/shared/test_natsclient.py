@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import os
-import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import nats
 import nats.aio.client
 import pytest
+from frozen import freeze, resume
 from nats.aio.msg import Msg
 
 from shared.natsclient import Client, connect
@@ -46,27 +44,15 @@ def frozen_server() -> Iterator[EmbeddedNats]:
         srv.stop()
 
 
-def process_state(pid: int) -> str:
-    """The state letter of ``pid`` in ``/proc`` (``T``: stopped)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
-
-
 async def time_a_flush_out(server: EmbeddedNats, nc: nats.aio.client.Client) -> None:
     """Freeze ``server``, let a flush of ``nc`` time out (nats-py's FlushTimeoutError path),
     and resume it: the flush's PONG then comes after its waiter was cancelled."""
-    pid = server.pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
+    freeze(server)
     try:
-        # SIGSTOP takes effect asynchronously: the PING must not be read before it did.
-        async with asyncio.timeout(WAIT_S):
-            while process_state(pid) != "T":
-                await asyncio.sleep(0.001)
         with pytest.raises(nats.errors.FlushTimeoutError):
             await nc.flush(timeout=FLUSH_TIMEOUT_S)  # type: ignore[arg-type]  # int in stubs
     finally:
-        os.kill(pid, signal.SIGCONT)
+        resume(server)
 
 
 async def echo(nc: nats.aio.client.Client, subject: str) -> None:
