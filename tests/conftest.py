@@ -13,6 +13,7 @@ A folder that needs something else overrides the fixture of the same name in its
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from hypothesis import settings
 from nats.aio.client import Client
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -34,6 +36,14 @@ _METRICS = InMemoryMetricReader()
 # Installed at import: a reader can only be given to the provider when it is made, and the
 # first setup_metrics of the process (any in-process service) makes it.
 setup_metrics("vtm-tests", reader=_METRICS)
+
+# Property tests draw the same examples on every run (derandomize: the seed comes from each
+# test's source), so that a red CI is a defect of the change and not a rare draw; the example
+# database is then unused. HYPOTHESIS_PROFILE=explore draws fresh examples (and keeps the
+# failures found in .hypothesis/): run it by hand over several seeds to search further.
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 # Helpers shared by several folders (natssecurity_support) live at the top of the tree.
 _HERE = str(Path(__file__).resolve().parent)
