@@ -1,6 +1,7 @@
 """Freezing a nats-server under its clients (SIGSTOP) and resuming it (SIGCONT): a round trip
 sent meanwhile waits for its answer, which comes late once resumed. Used by the live stop tests
-and the client's late-PONG tests.
+and the client's late-PONG tests; :func:`until_stopped` also by the engine's fault test, whose
+stopped process is a rank of the torch world.
 """
 
 from __future__ import annotations

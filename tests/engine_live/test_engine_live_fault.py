@@ -20,6 +20,7 @@ import signal
 import time
 
 import pytest
+from frozen import until_stopped
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -92,6 +93,7 @@ async def test_a_killed_rank_hands_every_request_back_and_ends_the_host(
     rids = ("q-1", "q-2", "q-3")
     try:
         os.kill(victim, signal.SIGSTOP)  # q-1's step will wait on this member
+        until_stopped(victim)  # kill() returns before the stop takes hold
         async with asyncio.timeout(WAIT_S):
             for i, rid in enumerate(rids):
                 while True:  # the worker's endpoints subscribe just after host start (bounded)
