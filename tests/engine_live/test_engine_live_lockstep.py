@@ -121,12 +121,17 @@ async def test_engine_cache_follows_rankd_block_cache(
     published: set[int] = set()
     events = await nc.subscribe(s.cache_events(WID))
 
-    async def drain_events() -> None:
-        while True:
+    async def drain_events(until: frozenset[int]) -> None:
+        """Apply the cache events received until they describe ``until`` (rankd's cache: its
+        events for a request are published just after the result, so some may still be on
+        their way), or WAIT_S passed; the caller's assertion then tells which."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_S
+        while published != until and loop.time() < deadline:
             try:
                 msg = await events.next_msg(timeout=0.3)
-            except Exception:  # nats TimeoutError: nothing more in flight
-                return
+            except Exception:  # nats TimeoutError: nothing yet; look again
+                continue
             ev = decode(CacheEvent, msg.data)
             if isinstance(ev, CacheStored):
                 published.update(ev.block_hashes)
@@ -165,7 +170,7 @@ async def test_engine_cache_follows_rankd_block_cache(
             out = backend.outcomes[rid]
             assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token, rid
             assert ft.prefix_tokens == out.prefix_len == want_p, (rid, ft.prefix_tokens, out)
-            await drain_events()
+            await drain_events(svc.core.cache.blocks())
             await backend.sync_cache()  # what the next step does first
             actual = world.engine_blocks(backend.ranks)
             assert [w for w, _ in actual] == [WID, WID]

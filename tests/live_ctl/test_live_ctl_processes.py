@@ -63,7 +63,7 @@ async def test_service_process_starts_alone_and_stops_on_sigterm(
         assert key in body
         if module.endswith("controller"):
             assert body["composition"] == "2CP4"
-        ping = await nc.request(f"$SRV.PING.vtm-{group}", b"", timeout=2)
+        ping = await nc.request(f"$SRV.PING.vtm-{group}", b"", timeout=30)  # liveness bound
         assert json.loads(ping.data)["name"] == f"vtm-{group}"
     finally:
         if proc.returncode is None:
