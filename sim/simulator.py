@@ -205,6 +205,38 @@ class SimResult:
     end_s: float
 
 
+def install_copy(trie: PrefixTrie, cache: BlockCache, act: Replicate) -> int | None:
+    """Install the copy ``act`` at its destination, whose local cache is ``cache``, as a rank
+    daemon does when the pages arrive; returns the blocks of the path now cached there, or
+    None (nothing changed) when the copied node is no longer in ``trie`` (collected meanwhile:
+    the caller fails the action).
+
+    The whole root->node path is inserted (the missing blocks plus what the destination
+    already has), and the cache's events are applied to ``trie``: its ``Stored`` event is the
+    confirmation that makes the replica visible (and turns a reconcile copy's pending pages
+    valid). NOTE: the insert stores only the leading part that fits when the destination's
+    pinned blocks leave too little room, so only blocks the cache then holds are confirmed:
+    confirming all of ``act.blocks`` would make the trie claim pages the worker lacks, for
+    good (no ``Removed`` ever comes for a block the cache never had).
+    """
+    path: list[BlockHash] = []
+    x: BlockHash | None = act.node_hash
+    try:
+        while x is not None:
+            path.append(x)
+            x = trie.parent(x)
+    except InvalidInput:
+        return None
+    path.reverse()
+    stored = cache.insert(path)
+    for ev in cache.take_events():
+        trie.apply(ev)
+    if act.kind == "reconcile":
+        # Already valid by the Stored event: a cached block is never left pending.
+        trie.confirm_installed(act.dest, [h for h in act.blocks if h in cache])
+    return stored
+
+
 class Simulator:
     """Run one workload through one :class:`SimConfig`. One :meth:`run` per instance."""
 
@@ -635,22 +667,10 @@ class Simulator:
         if dst is None or (act.source not in self.workers):
             self.trie.replication_failed(act)
             return
-        # Install the whole root→node path (the missing blocks plus what dest already has);
-        # the destination's Stored event is the confirmation that makes the replica visible.
-        path: list[BlockHash] = []
-        x: BlockHash | None = act.node_hash
-        try:
-            while x is not None:
-                path.append(x)
-                x = self.trie.parent(x)
-        except InvalidInput:
+        if install_copy(self.trie, dst.cache, act) is None:
             self.trie.replication_failed(act)  # the node was collected meanwhile
             return
-        path.reverse()
-        dst.cache.insert(path)
-        self._drain_cache_events(dst)
         if act.kind == "reconcile":
-            self.trie.confirm_installed(dst.wid, act.blocks)
             self.reconcile_transfers += 1
         else:
             self.replications += 1

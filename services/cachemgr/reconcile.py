@@ -147,6 +147,14 @@ def reconcile_split(
     for h in pv.valid | pv.donors:
         physical[left if _on_left(nodes[h].depth, c) else right].add(h)
     whole = {x: _whole_prefixes(nodes, physical[x]) for x in (left, right)}
+    for x in (left, right):
+        if len(whole[x]) > caps[x]:
+            # The layout rule puts pages by depth, so one child can hold more whole-prefix
+            # pages than its cache index has room for (a parent full of one- and two-block
+            # prompts: all on the left). As in a merge, the shallowest are indexed (a depth cut
+            # keeps whole prefixes: ancestors are shallower); the rest stay resident, pending
+            # when a retained prefix is assigned here, else donors.
+            whole[x] = set(sorted(whole[x], key=lambda h: (nodes[h].depth, h))[:caps[x]])
     held = [nodes[h] for h in pv.valid if parent in nodes[h].holders]
     leaves = [n for n in held if not any(parent in ch.holders for ch in n.children.values())]
 

@@ -117,6 +117,30 @@ def test_merge_never_indexes_more_than_the_merged_capacity() -> None:
     assert t2.reconcile_merge((L, R), P, 100).valid == {10, 11, 12, 13}  # room: all kept
 
 
+def test_split_never_indexes_more_than_a_childs_capacity() -> None:
+    """Pages sit on ranks by depth, so a parent full of one- and two-block prompts has every
+    page on the left child's GPUs: more whole prefixes than the left child's cache index can
+    hold. The shallowest are indexed (whole prefixes still) and the child's cache adopts them;
+    every resident page is still accounted for (valid, pending or donor)."""
+    from services.rankd.blockcache import BlockCache
+
+    t = PrefixTrie([2, 4], block_size=4)
+    t.add_worker(P, 4, 8)
+    for i in range(4):  # four two-block prompts: depths 0 and 1, all on the left
+        t.apply(Stored(P, i + 1, None, (100 + i, 200 + i)))
+    plan = t.reconcile_split(P, (L, R), {L: 4, R: 4})
+    valid = t.worker_blocks(L)
+    assert valid == {100, 101, 102, 103} == plan.valid[L]  # the roots: depth 0 first
+    assert len(valid) <= t.capacity_blocks(L)
+    assert valid | t.pending_blocks(L) | t.donor_blocks(L) == {100 + i for i in range(4)} | {
+        200 + i for i in range(4)}
+    # The right child, with room, takes prefixes to copy over: pending, within its capacity.
+    assert t.worker_blocks(R) == frozenset() and t.used_blocks(R) <= t.capacity_blocks(R)
+    cache = BlockCache(L, 4)
+    cache.adopt([(h, t.parent(h)) for h in sorted(t.held_nodes(L), key=t.prefix_length)])
+    assert cache.blocks() == valid
+
+
 def test_reconcile_validation_changes_nothing() -> None:
     t = split_setup()
     t.add_worker(R, 2, 10)
