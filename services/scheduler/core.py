@@ -123,20 +123,36 @@ class SchedulerCore:
         worker of the view (any lifecycle; an empty view never refuses: see
         :func:`~services.scheduler.eligibility.longest_max_seq_len`); the policy's
         :class:`~services.scheduler.errors.NoEligibleWorker` when no worker may serve it *now*."""
-        if isinstance(request, RequestInfo):
-            if request.request_id in self._where:
-                where = self._where[request.request_id]
-                raise DuplicateRequest(
-                    f"request {request.request_id!r} is already placed on {where}")
-            refused = sequence_too_long(request, self._view, self._longest)
-            if refused is not None:
-                raise refused
+        # Checked here, not left to the policy: the foreign-entry and in-flight steps below
+        # read request.request_id / .length first (an AttributeError, not InvalidInput).
+        if not isinstance(request, RequestInfo):
+            raise InvalidInput(f"request must be a RequestInfo, got {type(request).__name__}")
+        if request.request_id in self._where:
+            where = self._where[request.request_id]
+            raise DuplicateRequest(
+                f"request {request.request_id!r} is already placed on {where}")
+        refused = sequence_too_long(request, self._view, self._longest)
+        if refused is not None:
+            raise refused
+        handed_back = None
         if self._foreign and request.request_id in self._foreign:
-            self.forget_foreign(request.request_id)  # handed back, and now ours to place
-        held = held_blocks
-        if getattr(self.policy, "counts_inflight_prefixes", False) and self._inflight:
-            held = self._with_inflight(request, held_blocks)
-        d = self.policy.place(request, self._view, held, self._loads, now)
+            # Handed back, and now ours to place: forgotten first, so that its own prefix does
+            # not count as in flight on the worker it left.
+            handed_back = self._foreign[request.request_id]
+            self.forget_foreign(request.request_id)
+        try:
+            held = held_blocks
+            if getattr(self.policy, "counts_inflight_prefixes", False) and self._inflight:
+                held = self._with_inflight(request, held_blocks)
+            d = self.policy.place(request, self._view, held, self._loads, now)
+        except BaseException:
+            if handed_back is not None:
+                # A refused call changes nothing (module docstring): the other replica's
+                # entry stays until the request is placed here (the caller holds and
+                # retries a NoEligibleWorker) or its result comes.
+                self._foreign[request.request_id] = handed_back
+                self._add_inflight(handed_back[0], handed_back[1])
+            raise
         self._loads[d.worker].reserve(
             request.request_id,
             d.predicted_s,
@@ -163,10 +179,13 @@ class SchedulerCore:
         if rid in self._where:
             return False
         ld = self.load(worker)
-        self.forget_foreign(rid)
-        ld.reserve(rid, float(predicted_s), tokens=request.length,
+        # Reserve (which validates every argument, raising InvalidInput; it converts to
+        # float itself) before forgetting another replica's entry for it: a refused call
+        # changes nothing, and float() of a bad argument raised TypeError/ValueError.
+        ld.reserve(rid, predicted_s, tokens=request.length,
                    uncached_tokens=uncached_tokens,
-                   blocks=-(-request.length // self._view.block_size), now=float(now))
+                   blocks=-(-request.length // self._view.block_size), now=now)
+        self.forget_foreign(rid)
         self._where[rid] = worker
         self._requests[rid] = request
         self._add_inflight(worker, request)
@@ -228,7 +247,14 @@ class SchedulerCore:
     def _with_inflight(
         self, request: RequestInfo, held_blocks: Mapping[WorkerId, int]
     ) -> Mapping[WorkerId, int]:
-        """``held_blocks`` extended by prefixes of unfinished requests on each worker."""
+        """``held_blocks`` extended by prefixes of unfinished requests on each worker.
+        :class:`InvalidInput` for a count that is not an integer >= 0 (the policy's check,
+        made here first: a longer in-flight prefix would replace the bad count before the
+        policy sees it, and a non-number would fail the comparison with a TypeError)."""
+        for w, h in held_blocks.items():
+            if h.__class__ is not int or h < 0:  # fast exact-int check first (speed)
+                if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+                    raise InvalidInput(f"held_blocks[{w!r}] must be an integer >= 0, got {h!r}")
         blocks = self._full_blocks(request)
         if not blocks:
             return held_blocks
@@ -293,4 +319,8 @@ class SchedulerCore:
             req = self._requests.pop(a.request_id)
             self._release_inflight(worker, req)
             out.append(req)
+        if worker not in self._view and len(ld) == 0:
+            # As finish() does: a worker that left the view keeps its tracker only while it
+            # holds a request (set_view); withdrawing its last one ends it too.
+            del self._loads[worker]
         return tuple(out)

@@ -9,6 +9,7 @@ from sched_support import ROUND, req, view
 
 from services.scheduler import (
     DuplicateRequest,
+    NoEligibleWorker,
     Policy,
     SchedulerCore,
     UnknownPolicy,
@@ -169,3 +170,78 @@ def test_adopt_a_running_request_and_refusals() -> None:
     with pytest.raises(InvalidInput):
         core.adopt("z", W("a"), 1.0, 10.0)  # type: ignore[arg-type]
     assert core.load(W("a")).unfinished == 1  # the refusals changed nothing
+
+
+# --- fixed cases found by tests/scheduler/test_core_state_machine.py ----------------------
+
+
+def test_place_rejects_a_non_request_while_requests_are_in_flight() -> None:
+    """InvalidInput, as with nothing in flight (it was an AttributeError from the foreign /
+    in-flight steps, which read the request before the policy checked it)."""
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), view(WorkerView(W("a"), 4)))
+    core.place(req("r", 500), {}, 0.0)
+    with pytest.raises(InvalidInput):
+        core.place("x", {}, 0.0)  # type: ignore[arg-type]
+    core.note_foreign(req("f", 500, first=50), W("a"), 0.0)
+    with pytest.raises(InvalidInput):
+        core.place(None, {}, 0.0)  # type: ignore[arg-type]
+    assert core.load(W("a")).unfinished == 1 and core.foreign_requests == 1
+
+
+def test_a_refused_placement_of_a_handed_back_request_keeps_its_foreign_entry() -> None:
+    """Another replica's request comes back and cannot be placed now (nothing eligible, or a
+    bad cache match): the call changes nothing, so its prefix still counts in flight on the
+    worker it was noted on (it was forgotten before the policy refused)."""
+    a, b = WorkerView(W("a"), 4), WorkerView(W("b"), 4)
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), view(a, b))
+    core.note_foreign(req("f", 500), W("a"), 0.0)
+    core.set_view(view(WorkerView(W("a"), 4, lifecycle=Lifecycle.DRAINING),
+                       WorkerView(W("b"), 4, lifecycle=Lifecycle.DRAINING)))
+    with pytest.raises(NoEligibleWorker):
+        core.place(req("f", 500), {}, 1.0)
+    core.set_view(view(a, b))
+    with pytest.raises(InvalidInput):
+        core.place(req("f", 500), {W("b"): -1}, 1.0)
+    assert core.foreign_requests == 1
+    d = core.place(req("g", 500), {}, 1.0)  # shares f's five blocks: P = L - 1 on a
+    assert d.candidate(W("a")).prefix_tokens == 499
+    assert d.candidate(W("b")).prefix_tokens == 0
+
+
+def test_a_bad_cache_match_is_refused_even_where_a_prefix_is_in_flight() -> None:
+    """A count that is not an integer >= 0 is InvalidInput (policy.py); a longer in-flight
+    prefix on the same worker replaced it before the policy saw it (accepted), and a
+    non-number failed the comparison with a TypeError."""
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), view(WorkerView(W("a"), 4)))
+    core.place(req("r", 500), {}, 0.0)
+    for bad in (-1, 1.5, "2", None):
+        with pytest.raises(InvalidInput):
+            core.place(req("s", 500), {W("a"): bad}, 0.0)  # type: ignore[dict-item]
+    assert core.load(W("a")).unfinished == 1
+
+
+def test_a_refused_adopt_keeps_the_foreign_entry() -> None:
+    """adopt() with a bad argument is InvalidInput (None was a TypeError) and changes
+    nothing: another replica's entry for the request stays (it was forgotten first)."""
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), view(WorkerView(W("a"), 4)))
+    core.note_foreign(req("f", 500), W("a"), 0.0)
+    for kwargs in ({"predicted_s": -1.0}, {"predicted_s": None}, {"now": float("nan")},
+                   {"uncached_tokens": -1}):
+        args = {"predicted_s": 1.0, "now": 0.0} | kwargs
+        with pytest.raises(InvalidInput):
+            core.adopt(req("f", 500), W("a"), **args)  # type: ignore[arg-type]
+        assert core.foreign_requests == 1
+    assert core.load(W("a")).unfinished == 0
+    assert core.adopt(req("f", 500), W("a"), 1, 0) is True  # ints are seconds too
+    assert core.foreign_requests == 0 and core.load(W("a")).queue_delay(0.0) == 1.0
+
+
+def test_draining_a_worker_that_left_the_view_drops_its_emptied_tracker() -> None:
+    """A worker outside the view keeps its tracker only while it holds a request (set_view,
+    finish); a drain that withdraws the last one ends it too (it stayed, empty)."""
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), view(WorkerView(W("a"), 4)))
+    core.place(req("r", 500), {}, 0.0)
+    core.set_view(view(WorkerView(W("b"), 4)))
+    assert W("a") in core.loads
+    assert [r.request_id for r in core.drain(W("a"))] == ["r"]
+    assert set(core.loads) == {"b"}
