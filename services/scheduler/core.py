@@ -100,9 +100,18 @@ class SchedulerCore:
         return {w: ld.snapshot(now) for w, ld in self._loads.items()}
 
     def set_view(self, view: ClusterView) -> None:
-        """Install a new view; add trackers for new workers, drop idle ones that left."""
+        """Install a new view; add trackers for new workers, drop idle ones that left.
+
+        :class:`InvalidInput` (nothing changes) for a view whose block size differs from the
+        current one while requests are in flight: their prefixes are counted and released in
+        blocks of the view's size, so a change would corrupt the in-flight index (the block
+        size is a deployment constant; no caller changes it)."""
         if not isinstance(view, ClusterView):
             raise InvalidInput(f"view must be a ClusterView, got {type(view).__name__}")
+        if view.block_size != self._view.block_size and (self._where or self._foreign):
+            raise InvalidInput(
+                f"block size {view.block_size} differs from {self._view.block_size} while "
+                f"{len(self._where) + len(self._foreign)} request(s) are in flight")
         for w in view.workers:
             if w.worker_id not in self._loads:
                 self._loads[w.worker_id] = WorkerLoad(

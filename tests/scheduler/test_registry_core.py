@@ -245,3 +245,17 @@ def test_draining_a_worker_that_left_the_view_drops_its_emptied_tracker() -> Non
     assert W("a") in core.loads
     assert [r.request_id for r in core.drain(W("a"))] == ["r"]
     assert set(core.loads) == {"b"}
+
+
+def test_a_view_with_another_block_size_is_refused_while_requests_are_in_flight() -> None:
+    """In-flight prefixes are counted and released in blocks of the view's size: a view that
+    changes it then is InvalidInput and changes nothing; with nothing in flight it is fine."""
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), view(WorkerView(W("a"), 4)))
+    core.place(req("r", 500), {}, 0.0)
+    other = view(WorkerView(W("a"), 4), block_size=core.view.block_size * 2)
+    with pytest.raises(InvalidInput):
+        core.set_view(other)
+    assert core.view.block_size != other.block_size
+    core.finish("r", 1.0)
+    core.set_view(other)
+    assert core.view.block_size == other.block_size
