@@ -237,7 +237,11 @@ class SchedulerCore:
 
     def expire_foreign(self, before: float) -> int:
         """Forget other replicas' requests noted before ``before`` (their result was missed:
-        a bound on what a lost message can leave behind). Returns how many."""
+        a bound on what a lost message can leave behind). Returns how many. InvalidInput
+        (nothing forgotten) unless ``before`` is a finite number of seconds."""
+        if isinstance(before, bool) or not isinstance(before, (int, float)) \
+                or not math.isfinite(before):
+            raise InvalidInput(f"before must be a finite number of seconds, got {before!r}")
         old = [rid for rid, (_, _, at) in self._foreign.items() if at < before]
         for rid in old:
             self.forget_foreign(rid)

@@ -259,3 +259,13 @@ def test_a_view_with_another_block_size_is_refused_while_requests_are_in_flight(
     core.finish("r", 1.0)
     core.set_view(other)
     assert core.view.block_size == other.block_size
+
+
+def test_expire_foreign_refuses_a_time_that_is_not_a_number() -> None:
+    core = SchedulerCore(make_policy("vertumnus", profile=ROUND), view(WorkerView(W("a"), 4)))
+    core.note_foreign(req("f", 500), W("a"), 0.0)
+    for bad in (None, "1", float("nan"), True):
+        with pytest.raises(InvalidInput):
+            core.expire_foreign(bad)  # type: ignore[arg-type]
+    assert core.foreign_requests == 1
+    assert core.expire_foreign(1.0) == 1 and core.foreign_requests == 0
