@@ -15,6 +15,13 @@ and the trie in step. Resident pages that are not part of a whole prefix are eit
 (resident copies kept only as sources for the sibling; released by
 ``PrefixTrie.release_donors`` when the worker frees them).
 
+Which blocks are valid on a new worker is decided by one pure function,
+:func:`reconciled_index`, over the predecessors' resident pages: the trie's reconciliation
+calls it, and so does a rank host seeding the new worker's BlockCache from its predecessors'
+caches (services/rankd/host.py ``seed_pages``). The rank daemons know only their indexed
+pages, not the trie's donors, so the two agree exactly when the predecessors hold no donors
+(see ``reconciled_index``).
+
 Split: each *retained prefix* of the parent (a node it holds with no held child there, i.e. a
 maximal cached prefix) is assigned to one child, by demand and capacity (greedy, heaviest demand
 first, to the child with less demand assigned so far among those with room for the pages to
@@ -57,10 +64,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal, NamedTuple
 
 from services.cachemgr.actions import CacheAction, Replicate
 from services.cachemgr.trie import PrefixTrie, TrieNode, WorkerView
 from shared.ids import BlockHash, Degree, InvalidInput, WorkerId
+from shared.worker import GpuGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +114,168 @@ def _by_depth(trie: PrefixTrie, hs: set[BlockHash]) -> list[TrieNode]:
     return sorted((trie._nodes[h] for h in hs), key=lambda n: (n.depth, n.hash))
 
 
+class ResidentPage(NamedTuple):
+    """One page a predecessor worker physically holds, as reconciliation sees it.
+
+    ``parent``: the block before it on its prefix (None for a root block); ``depth``: its block
+    index along the prefix (0 = root), which places it on a rank (layout rule); ``indexed``:
+    in the worker's own cache index (valid), else a *donor* (resident outside the index, known
+    to the cache manager's trie only).
+    """
+
+    parent: BlockHash | None
+    depth: int
+    indexed: bool = True
+
+
+NewWorker = Literal["left", "right", "merged"]
+"""Which worker :func:`reconciled_index` computes: a split's left / right child, or a merge's
+merged worker."""
+
+
+def index_pages(index: Mapping[BlockHash, BlockHash | None]) -> dict[BlockHash, ResidentPage]:
+    """The pages of one worker's own cache index (hash -> parent; e.g. a rank daemon's
+    BlockCache), all ``indexed``, with depths from the parent links.
+
+    Contract: ``index`` holds whole prefixes (every parent is None or in ``index``), what a
+    BlockCache holds; raises InvalidInput otherwise (a parent outside it, a cycle).
+    """
+    depth: dict[BlockHash, int] = {}
+    for h in index:
+        path: list[BlockHash] = []
+        x: BlockHash | None = h
+        while x is not None and x not in depth:
+            if x not in index:
+                raise InvalidInput(f"block {path[-1]}'s parent {x} is not in the index")
+            path.append(x)
+            if len(path) > len(index):
+                raise InvalidInput("the index's parent links form a cycle")
+            x = index[x]
+        d = -1 if x is None else depth[x]
+        for y in reversed(path):
+            d += 1
+            depth[y] = d
+    return {h: ResidentPage(p, depth[h]) for h, p in index.items()}
+
+
+def reconciled_index(
+    predecessors: Sequence[Mapping[BlockHash, ResidentPage]],
+    *,
+    child_degree: int,
+    new: NewWorker,
+    capacity_blocks: int,
+) -> tuple[tuple[BlockHash, BlockHash | None], ...]:
+    """The blocks a worker made by a split or merge starts with *valid*: its cache index, as
+    ``(hash, parent)`` pairs, shallowest first (ready for ``BlockCache.adopt``).
+
+    Shared by :func:`reconcile_split` / :func:`reconcile_merge` (the trie's valid blocks of the
+    new worker) and by the rank host that seeds the new worker's BlockCache, so that for equal
+    inputs the two agree by construction. Pure.
+
+    ``predecessors``: the resident pages of the worker(s) it replaces -- ``(parent,)`` for a
+    split (degree ``2 * child_degree``; ``new`` is ``"left"`` or ``"right"``), ``(left,
+    right)`` for a merge (each of degree ``child_degree``; ``new`` is ``"merged"``).
+    ``capacity_blocks``: the new worker's cache capacity; the result never exceeds it.
+
+    Split: the child's pages are those on its GPUs by the layout rule ((depth mod 2C) < C on
+    the left); valid are their whole prefixes (every ancestor among them), the shallowest
+    ``capacity_blocks`` of them when more (a depth cut keeps whole prefixes). Merge: a page is
+    on its new rank iff it came from the left child and (depth mod 2C) < C, or from the right
+    and >= C; valid are the whole prefixes of those; when more than fit, only the children's
+    *indexed* pages count (their own cached pages win over donors), then the shallowest.
+    Ties of the depth cut go by hash.
+
+    Agreement: the trie passes each predecessor's valid *and donor* pages; a rank daemon knows
+    only its indexed pages. They give the same result when the predecessors hold no donors
+    (workers not made by a split, or split children whose donors are gone). A split leaves
+    the non-assigned child's pages of a retained prefix as donors, so merging split children
+    back can make the trie's index of the merged worker larger than the rank daemon's seed.
+    """
+    cap = _check_cap("capacity_blocks", capacity_blocks)
+    c = _check_cap("child_degree", child_degree)
+    if new in ("left", "right"):
+        if len(predecessors) != 1:
+            raise InvalidInput("a split child has one predecessor (its parent)")
+        (pages,) = predecessors
+        want_left = new == "left"
+        on_rank = {h: pg for h, pg in pages.items() if _on_left(pg.depth, c) == want_left}
+        valid = _whole(on_rank)
+    elif new == "merged":
+        if len(predecessors) != 2:
+            raise InvalidInput("a merged worker has two predecessors (left, right)")
+        on_rank = {}
+        for pages, is_left in zip(predecessors, (True, False), strict=True):
+            for h, pg in pages.items():
+                if _on_left(pg.depth, c) == is_left:
+                    on_rank[h] = pg
+        valid = _whole(on_rank)
+        if len(valid) > cap:
+            # Donor pages are leftovers of an earlier split kept outside the children's LRU
+            # caches; when the merged worker cannot index them all, the children's own
+            # cached pages win.
+            valid = _whole({h: pg for h, pg in on_rank.items() if pg.indexed})
+    else:
+        raise InvalidInput(f"new must be 'left', 'right' or 'merged', got {new!r}")
+    order = sorted(valid, key=lambda h: (valid[h].depth, h))
+    return tuple((h, valid[h].parent) for h in order[:cap])
+
+
+def _whole(pages: Mapping[BlockHash, ResidentPage]) -> dict[BlockHash, ResidentPage]:
+    """The pages whose whole root path is among ``pages``."""
+    out: dict[BlockHash, ResidentPage] = {}
+    for h in sorted(pages, key=lambda h: pages[h].depth):
+        pg = pages[h]
+        if pg.parent is None or pg.parent in out:
+            out[h] = pg
+    return out
+
+
+def _trie_pages(trie: PrefixTrie, view: WorkerView) -> dict[BlockHash, ResidentPage]:
+    """What the trie knows ``view``'s worker physically holds: its valid and donor blocks."""
+    nodes = trie._nodes
+    out: dict[BlockHash, ResidentPage] = {}
+    for hs, indexed in ((view.valid, True), (view.donors, False)):
+        for h in hs:
+            n = nodes[h]
+            out[h] = ResidentPage(None if n.parent is None else n.parent.hash, n.depth, indexed)
+    return out
+
+
+def diff_compositions(
+    old: Mapping[WorkerId, GpuGroup], new: Mapping[WorkerId, GpuGroup]
+) -> tuple[
+    list[tuple[WorkerId, tuple[WorkerId, WorkerId]]],
+    list[tuple[tuple[WorkerId, WorkerId], WorkerId]],
+    list[WorkerId],
+    list[WorkerId],
+]:
+    """(splits, merges, removed, added) between two compositions: a removed degree-2C group
+    whose halves appeared is a split; two removed halves whose parent appeared a merge. Pure:
+    the cache manager reconciles its trie by it and a rank host seeds new workers by it."""
+    gone = {w: g for w, g in old.items() if w not in new}
+    came = {w: g for w, g in new.items() if w not in old}
+    splits, merges = [], []
+    for w, g in sorted(gone.items(), key=lambda x: x[1].first_gpu):
+        if g.degree < 2:
+            continue
+        half = g.degree // 2
+        lo, hi = GpuGroup(g.first_gpu, half), GpuGroup(g.first_gpu + half, half)
+        if lo.worker_id in came and hi.worker_id in came:
+            splits.append((w, (lo.worker_id, hi.worker_id)))
+    for w, g in sorted(came.items(), key=lambda x: x[1].first_gpu):
+        if g.degree < 2:
+            continue
+        half = g.degree // 2
+        lo, hi = GpuGroup(g.first_gpu, half), GpuGroup(g.first_gpu + half, half)
+        if lo.worker_id in gone and hi.worker_id in gone:
+            merges.append(((lo.worker_id, hi.worker_id), w))
+    used = {p for p, _ in splits} | {c for cs, _ in merges for c in cs}
+    made = {c for _, cs in splits for c in cs} | {p for _, p in merges}
+    removed = [w for w in gone if w not in used]
+    added = [w for w in came if w not in made]
+    return splits, merges, removed, added
+
+
 def reconcile_split(
     trie: PrefixTrie,
     parent: WorkerId,
@@ -146,15 +317,17 @@ def reconcile_split(
     physical: dict[WorkerId, set[BlockHash]] = {left: set(), right: set()}
     for h in pv.valid | pv.donors:
         physical[left if _on_left(nodes[h].depth, c) else right].add(h)
-    whole = {x: _whole_prefixes(nodes, physical[x]) for x in (left, right)}
-    for x in (left, right):
-        if len(whole[x]) > caps[x]:
-            # The layout rule puts pages by depth, so one child can hold more whole-prefix
-            # pages than its cache index has room for (a parent full of one- and two-block
-            # prompts: all on the left). As in a merge, the shallowest are indexed (a depth cut
-            # keeps whole prefixes: ancestors are shallower); the rest stay resident, pending
-            # when a retained prefix is assigned here, else donors.
-            whole[x] = set(sorted(whole[x], key=lambda h: (nodes[h].depth, h))[:caps[x]])
+    # The valid index of each child: the shared rule (reconciled_index), which the rank host
+    # also applies to seed the child's BlockCache. The layout rule puts pages by depth, so one
+    # child can hold more whole-prefix pages than its cache index has room for (a parent full
+    # of one- and two-block prompts: all on the left): the shallowest are indexed; the rest
+    # stay resident, pending when a retained prefix is assigned here, else donors.
+    ppages = (_trie_pages(trie, pv),)
+    whole = {
+        x: {h for h, _ in reconciled_index(ppages, child_degree=c, new=side,
+                                             capacity_blocks=caps[x])}
+        for x, side in ((left, "left"), (right, "right"))
+    }
     held = [nodes[h] for h in pv.valid if parent in nodes[h].holders]
     leaves = [n for n in held if not any(parent in ch.holders for ch in n.children.values())]
 
@@ -249,16 +422,17 @@ def reconcile_merge(
             resident.add(h)
             if _on_left(nodes[h].depth, c) == is_left:
                 on_rank.add(h)
-    valid = _whole_prefixes(nodes, on_rank)
-    if len(valid) > cap:
+    # The merged worker's valid index: the shared rule (reconciled_index), which the rank host
+    # also applies to seed its BlockCache.
+    valid = {h for h, _ in reconciled_index(
+        (_trie_pages(trie, lv), _trie_pages(trie, rv)), child_degree=c, new="merged",
+        capacity_blocks=cap)}
+    if len(_whole_prefixes(nodes, on_rank)) > cap:
         # Donor pages are leftovers of an earlier split kept outside the children's LRU caches;
-        # when the merged worker cannot index them all, the children's own cached pages win,
-        # then the shallowest (a depth cut keeps whole prefixes: ancestors are shallower).
-        own = lv.valid | rv.valid
-        valid = _whole_prefixes(nodes, {h for h in on_rank if h in own})
-        if len(valid) > cap:
-            valid = set(sorted(valid, key=lambda h: (nodes[h].depth, h))[:cap])
-        resident = own
+        # when the merged worker cannot index them all, the children's own cached pages win
+        # (reconciled_index) and the donors are given up: only the children's own pages stay
+        # resident (pending below when not valid).
+        resident = lv.valid | rv.valid
     # Every other resident page is pending on the merged worker itself: it either sits on the
     # wrong rank or waits for an ancestor that does.
     pend: dict[BlockHash, WorkerId | None] = {h: parent for h in resident - valid}

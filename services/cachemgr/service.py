@@ -34,7 +34,9 @@ epoch KV key (watch)                   a changed composition: a degree-2C worker
                                        two halves → ``trie.reconcile_split``; two halves replaced
                                        by their parent → ``trie.reconcile_merge``, then
                                        ``rehome_on_merge`` copies the degree's long prefixes
-                                       to the merged worker; any other worker gone →
+                                       to the merged worker; each worker a split or merge made
+                                       is asked for its snapshot once it runs (its own index
+                                       settles what it holds); any other worker gone →
                                        ``remove_worker``, new → registered
 ``{prefix}.ctl.drain`` (DrainNotice)   a split starts (its parent stops admitting, its cache
                                        intact until the switch): ``rehome_on_split`` copies the
@@ -73,7 +75,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, Final
@@ -88,7 +90,12 @@ from services import calibration
 from services.cachemgr.actions import CacheAction, Reclaim, Replicate
 from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
 from services.cachemgr.metrics import CacheMetrics
-from services.cachemgr.reconcile import RehomeConfig, rehome_on_merge, rehome_on_split
+from services.cachemgr.reconcile import (
+    RehomeConfig,
+    diff_compositions,
+    rehome_on_merge,
+    rehome_on_split,
+)
 from services.cachemgr.scan import ScanConfig, ScanResult
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from shared.costmodel import DEFAULT_PROFILE, Profile
@@ -274,40 +281,6 @@ def degree_of(worker: str) -> int | None:
 
 def record_groups(record: EpochRecord) -> dict[WorkerId, GpuGroup]:
     return {WorkerId(w.worker_id): w.group for w in record.workers}
-
-
-def diff_compositions(
-    old: Mapping[WorkerId, GpuGroup], new: Mapping[WorkerId, GpuGroup]
-) -> tuple[
-    list[tuple[WorkerId, tuple[WorkerId, WorkerId]]],
-    list[tuple[tuple[WorkerId, WorkerId], WorkerId]],
-    list[WorkerId],
-    list[WorkerId],
-]:
-    """(splits, merges, removed, added) between two compositions: a removed degree-2C group
-    whose halves appeared is a split; two removed halves whose parent appeared a merge."""
-    gone = {w: g for w, g in old.items() if w not in new}
-    came = {w: g for w, g in new.items() if w not in old}
-    splits, merges = [], []
-    for w, g in sorted(gone.items(), key=lambda x: x[1].first_gpu):
-        if g.degree < 2:
-            continue
-        half = g.degree // 2
-        lo, hi = GpuGroup(g.first_gpu, half), GpuGroup(g.first_gpu + half, half)
-        if lo.worker_id in came and hi.worker_id in came:
-            splits.append((w, (lo.worker_id, hi.worker_id)))
-    for w, g in sorted(came.items(), key=lambda x: x[1].first_gpu):
-        if g.degree < 2:
-            continue
-        half = g.degree // 2
-        lo, hi = GpuGroup(g.first_gpu, half), GpuGroup(g.first_gpu + half, half)
-        if lo.worker_id in gone and hi.worker_id in gone:
-            merges.append(((lo.worker_id, hi.worker_id), w))
-    used = {p for p, _ in splits} | {c for cs, _ in merges for c in cs}
-    made = {c for _, cs in splits for c in cs} | {p for _, p in merges}
-    removed = [w for w in gone if w not in used]
-    added = [w for w in came if w not in made]
-    return splits, merges, removed, added
 
 
 def path_to(trie: PrefixTrie, node: BlockHash) -> list[BlockHash]:
@@ -609,6 +582,7 @@ class CacheMgrService(MicroService):
                 parent, children, {c: self._capacity(c) for c in children}
             )
             self._incarnations.pop(parent, None)
+            self._confirm_reconciled(children)
             self.counters["splits"] += 1
             self.log.info(
                 "split reconciled",
@@ -625,6 +599,7 @@ class CacheMgrService(MicroService):
             mplan = self.trie.reconcile_merge(children, parent, self._capacity(parent))
             for c in children:
                 self._incarnations.pop(c, None)
+            self._confirm_reconciled((parent,))
             self.counters["merges"] += 1
             self.log.info(
                 "merge reconciled",
@@ -644,6 +619,19 @@ class CacheMgrService(MicroService):
         self._follow_lifecycles(record)
         for m in merged:
             self._rehome_merged(m, record)
+
+    def _confirm_reconciled(self, workers: Sequence[str]) -> None:
+        """Ask the workers a split or merge made for their snapshot once they run.
+
+        Why: reconciliation registers what §6.2 says they hold, and a rank host seeds their
+        caches by the same rule (services/rankd/host.py), but the worker's own index is what
+        it reuses and reports, and it can hold less: a backend that keeps real KV starts a new
+        worker empty (torch), and a merge of split children counts their donor pages, which no
+        rank daemon knows. The snapshot replaces the valid blocks with the worker's index and
+        keeps pending and donor pages (lazy reconcile copies still bring those); a worker not
+        up yet is asked again by the housekeeping, as any unanswered snapshot."""
+        for w in workers:
+            self._request_snapshot(w)
 
     def _rehome_merged(self, merged: WorkerId, record: EpochRecord) -> list[CacheAction]:
         """A merge's new worker is exposed: copy its degree's long prefixes to it (reconcile.py

@@ -18,6 +18,16 @@ lies in that range, all on one NATS connection:
 This is how a split or merge happens in the live sim without restarting a process: the
 worker set changes; the process (and, with a real engine, the weights) stays.
 
+Retained prefix pages (§6.2; design.md "Prefix pages under CP"): a worker made by a split or a
+merge (a record whose diff with the workers running here, by
+:func:`~services.cachemgr.reconcile.diff_compositions`, shows it) starts with the cache index the
+cache manager's trie gives it: :func:`~services.cachemgr.reconcile.reconciled_index` over its
+predecessors' BlockCaches as they are when this host applies the record (the controller drained
+them: nothing runs there), seeded with ``BlockCache.adopt`` before its service starts (before
+it admits anything or emits a cache event). Only with a backend whose KV is modelled (``sim``);
+a backend that keeps a real engine cache in lockstep with the BlockCache (``bind_cache``:
+``torch``) starts its new worker empty (see :meth:`RankdHost._seed`).
+
 Worker faults: the process is the unit of restart. When one worker meets a
 :class:`~shared.ids.WorkerFault` (a request's execution raised it, or its backend's health
 probe reported it; with the torch backend the world its workers share is broken, so every one
@@ -32,17 +42,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import structlog
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
+from services.cachemgr.reconcile import (
+    NewWorker,
+    ResidentPage,
+    diff_compositions,
+    index_pages,
+    reconciled_index,
+)
 from services.rankd.backend import ExecutionBackend
+from services.rankd.blockcache import BlockCache
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from shared.ids import InvalidInput, WorkerFault
+from shared.ids import BlockHash, InvalidInput, WorkerFault, WorkerId
 from shared.natsauth import security_options
 from shared.natsclient import connect
 from shared.schemas import EpochRecord, SchemaError, decode
@@ -61,6 +80,47 @@ BackendFactory = Callable[[str, WorkerKind], ExecutionBackend]
 """Builds the backend of one worker from its id and kind."""
 
 log = structlog.get_logger("vertumnus.rankd.host")
+
+
+@dataclass(frozen=True, slots=True)
+class Seed:
+    """What a worker made by a split or merge inherits: the pages of the worker(s) it replaces
+    (``(parent,)`` or ``(left, right)``, each its BlockCache index as reconciliation sees it)
+    and its place among them; the arguments of ``reconciled_index`` but its capacity."""
+
+    predecessors: tuple[Mapping[BlockHash, ResidentPage], ...]
+    child_degree: int
+    new: NewWorker
+
+
+def _pages(svc: RankdService | None) -> dict[BlockHash, ResidentPage]:
+    """The pages a running worker's own cache index holds (none without a cache)."""
+    cache: BlockCache | None = svc.core.cache if svc is not None else None
+    if cache is None:
+        return {}
+    return index_pages({h: cache.parent_of(h) for h in cache.blocks()})
+
+
+def seed_pages(
+    services: Mapping[str, RankdService], wanted: Mapping[str, GpuGroup]
+) -> dict[str, Seed]:
+    """New worker id -> its :class:`Seed`, for the workers of ``wanted`` (the record's workers
+    in this host's range) that a split or merge of the running (not stopping) ``services``
+    makes. Reads the predecessors' caches now: call it before they are asked to stop."""
+    running = {WorkerId(w): GpuGroup.from_worker_id(w)
+               for w, svc in services.items() if not svc.stopping}
+    splits, merges, _, _ = diff_compositions(
+        running, {WorkerId(w): g for w, g in wanted.items()})
+    seeds: dict[str, Seed] = {}
+    for parent, (lo, hi) in splits:
+        pages = (_pages(services.get(parent)),)
+        half = GpuGroup.from_worker_id(lo).degree
+        seeds[lo] = Seed(pages, half, "left")
+        seeds[hi] = Seed(pages, half, "right")
+    for (lo, hi), merged in merges:
+        seeds[merged] = Seed((_pages(services.get(lo)), _pages(services.get(hi))),
+                             GpuGroup.from_worker_id(lo).degree, "merged")
+    return seeds
 
 
 class RankdHost:
@@ -127,10 +187,14 @@ class RankdHost:
 
     # -- worker set ---------------------------------------------------------------------------
 
-    async def _start_worker(self, wid: str, kind: WorkerKind, epoch: int) -> None:
+    async def _start_worker(
+        self, wid: str, kind: WorkerKind, epoch: int, seed: Seed | None = None
+    ) -> None:
         assert self._nc is not None
         settings = self.settings.model_copy(update={"worker_id": wid, "kind": kind, "epoch": epoch})
         svc = RankdService(settings, self.backend_factory(wid, kind), on_fault=self._worker_fault)
+        if seed is not None:
+            self._seed(svc, seed)  # before run(): nothing admitted, no cache event emitted yet
         task = asyncio.create_task(svc.run(self._nc, handle_signals=False), name=f"rankd-{wid}")
         self.services[wid] = svc
         self._tasks[wid] = task
@@ -141,6 +205,35 @@ class RankdHost:
             started.cancel()
             raise task.exception()  # type: ignore[misc]
         log.info("worker started", worker_id=wid, epoch=epoch)
+
+    @staticmethod
+    def _seed(svc: RankdService, seed: Seed) -> None:
+        """Seed ``svc``'s BlockCache with the index the cache manager's reconciliation makes
+        valid for it (module docstring), unless its backend holds real KV.
+
+        Why not with ``bind_cache`` (the torch backend): its engine starts the new worker's
+        active cache empty (the predecessor's pages stay in a *retired* cache of each rank,
+        reachable only by an explicit copy), so a seeded BlockCache would record hits the
+        engine cannot serve (``prefix_shortfall``); unseeded, those prefixes are misses and the
+        trie's claims of them are wrong until the blocks are stored again.
+        A seed that cannot be adopted (a bug) is logged and the worker starts empty."""
+        cache = svc.core.cache
+        if cache is None:
+            return
+        if callable(getattr(svc.backend, "bind_cache", None)):
+            log.info("new worker's cache not seeded: its backend holds real KV",
+                     worker_id=svc.core.worker_id, backend=svc.backend.name)
+            return
+        try:
+            pairs = reconciled_index(seed.predecessors, child_degree=seed.child_degree,
+                                     new=seed.new, capacity_blocks=cache.capacity_blocks)
+            cache.adopt(pairs)
+        except InvalidInput:
+            log.exception("new worker's cache could not be seeded; it starts empty",
+                          worker_id=svc.core.worker_id)
+            return
+        log.info("new worker's cache seeded with its retained prefixes",
+                 worker_id=svc.core.worker_id, made_by=seed.new, blocks=len(pairs))
 
     def _reap(self, wid: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(wid) is task:
@@ -158,6 +251,13 @@ class RankdHost:
             return
         self._epoch = record.epoch
         wanted = {w.worker_id: w for w in record.workers if self._in_range(w.group)}
+        # Before any stop and any await: the predecessors' caches as of this record.
+        try:
+            seeds = seed_pages(self.services, {wid: w.group for wid, w in wanted.items()})
+        except InvalidInput:  # a broken index (a bug): the record applies all the same
+            log.exception("retained prefixes not computed; new workers start empty",
+                          epoch=record.epoch)
+            seeds = {}
         for wid, svc in list(self.services.items()):
             if wid not in wanted:
                 log.info("worker leaves the composition", worker_id=wid, epoch=record.epoch)
@@ -170,7 +270,7 @@ class RankdHost:
                     await asyncio.shield(self._tasks[wid])
             if wid not in self.services:
                 try:
-                    await self._start_worker(wid, w.kind, record.epoch)
+                    await self._start_worker(wid, w.kind, record.epoch, seeds.get(wid))
                 except InvalidInput as exc:  # a worker this host cannot build: only it is lost
                     log.error("worker of the epoch record cannot start here", worker_id=wid,
                               epoch=record.epoch, error=str(exc))
