@@ -383,15 +383,6 @@ def reconcile_split(
         cancelled)
 
 
-def _whole_prefixes(nodes: Mapping[BlockHash, TrieNode], hs: set[BlockHash]) -> set[BlockHash]:
-    """The blocks of ``hs`` whose whole root path is in ``hs``."""
-    out: set[BlockHash] = set()
-    for n in sorted((nodes[h] for h in hs), key=lambda n: n.depth):
-        if n.parent is None or n.parent.hash in out:
-            out.add(n.hash)
-    return out
-
-
 def reconcile_merge(
     trie: PrefixTrie,
     children: tuple[WorkerId, WorkerId],
@@ -413,21 +404,16 @@ def reconcile_merge(
             f"cannot merge degrees {lv.degree} and {rv.degree} into one of {trie.degrees}")
     cap = _check_cap("capacity_blocks", capacity_blocks)
     c = lv.degree
-    nodes = trie._nodes
 
-    on_rank: set[BlockHash] = set()
-    resident: set[BlockHash] = set()
-    for view, is_left in ((lv, True), (rv, False)):
-        for h in view.valid | view.donors:
-            resident.add(h)
-            if _on_left(nodes[h].depth, c) == is_left:
-                on_rank.add(h)
+    pages = (_trie_pages(trie, lv), _trie_pages(trie, rv))
+    resident = set(pages[0]) | set(pages[1])
+    on_rank = {h: pg for side, is_left in zip(pages, (True, False), strict=True)
+               for h, pg in side.items() if _on_left(pg.depth, c) == is_left}
     # The merged worker's valid index: the shared rule (reconciled_index), which the rank host
     # also applies to seed its BlockCache.
-    valid = {h for h, _ in reconciled_index(
-        (_trie_pages(trie, lv), _trie_pages(trie, rv)), child_degree=c, new="merged",
-        capacity_blocks=cap)}
-    if len(_whole_prefixes(nodes, on_rank)) > cap:
+    valid = {h for h, _ in reconciled_index(pages, child_degree=c, new="merged",
+                                            capacity_blocks=cap)}
+    if len(_whole(on_rank)) > cap:
         # Donor pages are leftovers of an earlier split kept outside the children's LRU caches;
         # when the merged worker cannot index them all, the children's own cached pages win
         # (reconciled_index) and the donors are given up: only the children's own pages stay
