@@ -24,9 +24,10 @@ merge (a record whose diff with the workers running here, by
 cache manager's trie gives it: :func:`~services.cachemgr.reconcile.reconciled_index` over its
 predecessors' BlockCaches as they are when this host applies the record (the controller drained
 them: nothing runs there), seeded with ``BlockCache.adopt`` before its service starts (before
-it admits anything or emits a cache event). Only with a backend whose KV is modelled (``sim``);
-a backend that keeps a real engine cache in lockstep with the BlockCache (``bind_cache``:
-``torch``) starts its new worker empty (see :meth:`RankdHost._seed`).
+it admits anything or emits a cache event). A backend whose KV is modelled (``sim``) needs
+nothing more; one that keeps a real engine cache in lockstep with the BlockCache (``torch``)
+first installs those chains from its predecessors' resident pages
+(``inherit_prefixes``), and only what it then holds is seeded (see :meth:`RankdHost._seed`).
 
 Worker faults: the process is the unit of restart. When one worker meets a
 :class:`~shared.ids.WorkerFault` (a request's execution raised it, or its backend's health
@@ -91,6 +92,9 @@ class Seed:
     predecessors: tuple[Mapping[BlockHash, ResidentPage], ...]
     child_degree: int
     new: NewWorker
+    sources: tuple[str, ...] = ()
+    """The predecessors' worker ids, in the order of ``predecessors`` (where a backend that
+    holds real KV copies the pages from: ``inherit_prefixes``)."""
 
 
 def _pages(svc: RankdService | None) -> dict[BlockHash, ResidentPage]:
@@ -115,11 +119,11 @@ def seed_pages(
     for parent, (lo, hi) in splits:
         pages = (_pages(services.get(parent)),)
         half = GpuGroup.from_worker_id(lo).degree
-        seeds[lo] = Seed(pages, half, "left")
-        seeds[hi] = Seed(pages, half, "right")
+        seeds[lo] = Seed(pages, half, "left", (parent,))
+        seeds[hi] = Seed(pages, half, "right", (parent,))
     for (lo, hi), merged in merges:
         seeds[merged] = Seed((_pages(services.get(lo)), _pages(services.get(hi))),
-                             GpuGroup.from_worker_id(lo).degree, "merged")
+                             GpuGroup.from_worker_id(lo).degree, "merged", (lo, hi))
     return seeds
 
 
@@ -194,7 +198,11 @@ class RankdHost:
         settings = self.settings.model_copy(update={"worker_id": wid, "kind": kind, "epoch": epoch})
         svc = RankdService(settings, self.backend_factory(wid, kind), on_fault=self._worker_fault)
         if seed is not None:
-            self._seed(svc, seed)  # before run(): nothing admitted, no cache event emitted yet
+            # Before run(): nothing admitted, no cache event emitted yet.
+            await self._seed(svc, seed, epoch)
+            if self.fault is not None:  # the host failed meanwhile: it starts nothing more
+                await svc.backend.close()
+                return
         task = asyncio.create_task(svc.run(self._nc, handle_signals=False), name=f"rankd-{wid}")
         self.services[wid] = svc
         self._tasks[wid] = task
@@ -207,33 +215,42 @@ class RankdHost:
         log.info("worker started", worker_id=wid, epoch=epoch)
 
     @staticmethod
-    def _seed(svc: RankdService, seed: Seed) -> None:
+    async def _seed(svc: RankdService, seed: Seed, epoch: int) -> None:
         """Seed ``svc``'s BlockCache with the index the cache manager's reconciliation makes
-        valid for it (module docstring), unless its backend holds real KV.
+        valid for it (module docstring).
 
-        Why not with ``bind_cache`` (the torch backend): its engine starts the new worker's
-        active cache empty (the predecessor's pages stay in a *retired* cache of each rank,
-        reachable only by an explicit copy), so a seeded BlockCache would record hits the
-        engine cannot serve (``prefix_shortfall``); unseeded, those prefixes are misses and the
-        trie's claims of them are wrong until the blocks are stored again.
-        A seed that cannot be adopted (a bug) is logged and the worker starts empty."""
+        A backend that keeps real KV in lockstep with the BlockCache (``bind_cache``) must
+        hold those pages first: with ``inherit_prefixes`` (the torch backend) it brings the
+        worker's ranks into its geometry, installs the chains from its predecessors' pages
+        (they stay resident after the switch, in a *retired* engine cache) and returns the
+        part it now holds; only that is seeded, so rankd never records a hit the engine cannot
+        serve (``prefix_shortfall``). Such a backend without ``inherit_prefixes`` starts
+        empty. A seed that cannot be computed, copied or adopted is logged and the worker
+        starts empty (its snapshot, which the cache manager asks for, keeps the trie true)."""
         cache = svc.core.cache
         if cache is None:
             return
-        if callable(getattr(svc.backend, "bind_cache", None)):
+        inherit = getattr(svc.backend, "inherit_prefixes", None)
+        if callable(getattr(svc.backend, "bind_cache", None)) and not callable(inherit):
             log.info("new worker's cache not seeded: its backend holds real KV",
                      worker_id=svc.core.worker_id, backend=svc.backend.name)
             return
         try:
             pairs = reconciled_index(seed.predecessors, child_degree=seed.child_degree,
                                      new=seed.new, capacity_blocks=cache.capacity_blocks)
+            wanted = len(pairs)
+            if callable(inherit):
+                pairs = await inherit(pairs, seed.sources, epoch)
             cache.adopt(pairs)
-        except InvalidInput:
-            log.exception("new worker's cache could not be seeded; it starts empty",
-                          worker_id=svc.core.worker_id)
+        except (InvalidInput, WorkerFault) as exc:
+            # A fault here is met again by the worker's first step or health probe, which
+            # then fails the host the usual way; this worker just starts empty.
+            log.warning("new worker's cache could not be seeded; it starts empty",
+                        worker_id=svc.core.worker_id, error=repr(exc))
             return
         log.info("new worker's cache seeded with its retained prefixes",
-                 worker_id=svc.core.worker_id, made_by=seed.new, blocks=len(pairs))
+                 worker_id=svc.core.worker_id, made_by=seed.new, blocks=len(pairs),
+                 reconciled=wanted)
 
     def _reap(self, wid: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(wid) is task:

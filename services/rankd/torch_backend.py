@@ -13,7 +13,10 @@ created once at start-up) with the other workers of the same GPU range, and per 
    engine's block size equals the request's);
 2. **geometry**: if the worker's ranks are in another geometry (the epoch record split or
    merged workers), they switch at this step boundary with ``RankEngine.switch(epoch, C)`` —
-   same processes, no weight reload (:meth:`TorchBackend.adopt` does it eagerly);
+   same processes, no weight reload (:meth:`TorchBackend.adopt` does it eagerly; in host
+   mode a worker made by a split or merge does it before it starts, with
+   :meth:`TorchBackend.inherit_prefixes`, which also installs its retained prefixes from
+   the predecessors' pages);
 3. **prefill**: one zigzag CP step over the members (``RankEngine.prefill``: longest cached
    prefix reused, new full blocks stored); the first token is the greedy token of the last
    position, identical on every member. Inside rankd (:meth:`TorchBackend.bind_cache`) the
@@ -136,6 +139,22 @@ def request_token_ids(request: IntakeRequest, vocab: int) -> list[int]:
         rng = np.random.default_rng(_seed_of(f"vtm-tail:{request.request_id}"))
         parts.append(rng.integers(0, vocab, rest))
     return [int(t) for t in np.concatenate(parts)]
+
+
+def _leaf_chains(pairs: Sequence[tuple[int, int | None]]) -> list[list[int]]:
+    """The root-to-leaf chains of a forest given as ``(hash, parent)`` pairs, parents before
+    children (shallowest first), leaves in the pairs' order. Every block lies on one."""
+    parent_of = dict(pairs)
+    inner = {p for _, p in pairs if p is not None}
+    chains = []
+    for h, _ in pairs:
+        if h in inner:
+            continue
+        chain = [h]
+        while (p := parent_of.get(chain[-1])) is not None:
+            chain.append(p)
+        chains.append(chain[::-1])
+    return chains
 
 
 # --- KV hand-off -------------------------------------------------------------------------------
@@ -524,6 +543,65 @@ class TorchBackend:
             n += 1
         # model_copy: an empty block list is a valid outcome here, not a wire message.
         return cmd.model_copy(update={"blocks": list(cmd.blocks[:n])})
+
+    async def inherit_prefixes(
+        self,
+        pairs: Sequence[tuple[int, int | None]],
+        sources: Sequence[str],
+        epoch: int,
+    ) -> list[tuple[int, int | None]]:
+        """Make this worker, just made by a split or merge (``epoch``), hold the retained
+        prefixes ``pairs`` (``(hash, parent)``, shallowest first: the reconciled index rankd
+        seeds its BlockCache with, services/rankd/host.py) in its engine cache; returns the
+        pairs it now holds, prefix-closed and in the same order: what rankd may seed.
+
+        Called by the rank host before the worker's service starts (nothing runs here yet;
+        the predecessors ``sources`` were drained). Steps: (1) its ranks switch to its geometry
+        now (:meth:`adopt`) rather than at its first step; (2) a cache it revives (a merge
+        back to a worker id these ranks retired) drops every block not in ``pairs``: those
+        pages are stale, the predecessors changed since; (3) each chain of ``pairs`` (one per
+        leaf) is copied from the predecessors' pages, which stay resident on their ranks in a
+        *retired* engine cache after the switch (:meth:`TorchWorld.copy_prefix`, which keeps
+        each page on the rank that owns it at this degree), trying the predecessors in turn
+        until the whole chain is held. A block the engine evicted for room, or that no
+        predecessor held, is left out with its descendants.
+
+        Not bound to a BlockCache (standalone): only (1), returns []. Raises
+        :class:`~shared.ids.InvalidInput` (e.g. a stale epoch) or :class:`WorldBroken`; what
+        was installed before stays, and rankd then seeds nothing (stale blocks are dropped
+        at the first step, as any block the BlockCache does not hold)."""
+        await self.adopt(epoch)
+        if not self._bound or self._cache is None or not pairs:
+            return []
+        return await asyncio.to_thread(self._inherit, list(pairs), list(sources))
+
+    def _inherit(
+        self, pairs: list[tuple[int, int | None]], sources: list[str]
+    ) -> list[tuple[int, int | None]]:
+        want = {h for h, _ in pairs}
+        stale = [h for h in self.world.cached_blocks(self.worker_id) if h not in want]
+        if stale:
+            self.world.remove(self.ranks, stale)
+        donors: list[tuple[str, tuple[int, ...]]] = []
+        for src in sources:
+            try:
+                g = GpuGroup.from_worker_id(src)
+                donors.append((src, self.world.members(g.first_gpu, g.degree)))
+            except InvalidInput:  # another host's worker: its KV is not reachable from here
+                continue
+        for chain in _leaf_chains(pairs):
+            for src, ranks in donors:
+                if set(chain) <= self.world.cached_blocks(self.worker_id):
+                    break
+                self.world.copy_prefix(ranks, src, self.ranks, chain)
+        held = self.world.cached_blocks(self.worker_id)
+        kept: set[int] = set()
+        out: list[tuple[int, int | None]] = []
+        for h, parent in pairs:
+            if h in held and (parent is None or parent in kept):
+                kept.add(h)
+                out.append((h, parent))
+        return out
 
     def health(self) -> WorldBroken | None:
         """rankd's health probe (optional backend method, see services/rankd/backend.py): None
