@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from engine_rank_cases import CFG, _ids, compare
 
 from services.rankd.engine.groups import RankGroups
@@ -88,4 +89,52 @@ def tight_cache_world(rank: int, world: int) -> dict[str, Any]:
     rec["blocks"] = sorted(int(h) for h in engine.cached_blocks())
     rec["pool"] = len(engine.cache.pool)
     rec["hashes"] = {"doc": [int(h) for h in hd], "other": [int(h) for h in ho]}
+    return rec
+
+
+def shared_pool_world(rank: int, world: int) -> dict[str, Any]:
+    """A degree-2 worker split into two degree-1 workers and merged back, on 4 pages per rank.
+
+    Every cache of a rank (active, retired) lives in the rank's one page pool. After the split
+    only rank 0's new worker needs more room than is free (a 13-block prompt: the pages its
+    retired CP2 cache holds are reclaimed), rank 1's does not; the merge back must then start a
+    new cache on *both* ranks -- reviving the retired one on rank 1 alone would leave the
+    members' indices different -- and the merged worker must still compute correctly.
+    """
+    groups = RankGroups((1, 2), initial_degree=2)
+    model = Qwen3ForCausalLM.random(CFG, seed=11, dtype=torch.float64)
+    engine = RankEngine(model, groups, block_size=B, pages_per_rank=4)
+    rec: dict[str, Any] = {"records": []}
+    pool = engine.pool
+    doc = _ids(25, 80)  # 6 full blocks: 3 pages on each rank, one slot free
+    engine.prefill(doc)
+    rec["before_split"] = {"pool": len(pool), "blocks": len(engine.cached_blocks())}
+
+    engine.switch(1, 1)
+    rec["retired_after_split"] = sorted(engine.retired)
+    if rank == 0:  # 4 full blocks: the active cache needs every slot of the pool
+        out = engine.prefill(_ids(17, 81))
+        rec["records"].append(compare("split-r0", model, out, _ids(17, 81), out.prefix_len,
+                                      engine))
+    else:  # 1 full block: fits beside the retired pages
+        engine.prefill(_ids(5, 82))
+    rec["retired_before_merge"] = sorted(engine.retired)
+    rec["caches_share_the_pool"] = engine.cache.pool is pool and all(
+        c.pool is pool for c in engine.retired.values())
+
+    engine.switch(2, 2)
+    rec["merged_blocks"] = sorted(int(h) for h in engine.cached_blocks())
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, rec["merged_blocks"])
+    # Fail here, not in a step's collective: members with different indices would hang it.
+    assert all(b == every[0] for b in every), f"the merged worker's members differ: {every}"
+    q = doc + _ids(6, 83)
+    out = engine.prefill(q)
+    rec["merged_P"] = out.prefix_len
+    rec["records"].append(compare("merged", model, out, q, out.prefix_len, engine))
+    again = engine.prefill(q + [out.next_token])
+    rec["again_P"] = again.prefix_len
+    rec["records"].append(compare("merged-again", model, again, q + [out.next_token],
+                                  again.prefix_len, engine))
+    rec["pool_capacity"] = pool.capacity
     return rec

@@ -9,7 +9,8 @@ Two parts, for a reason:
   decisions therefore agree on all ranks without any communication.
 * :class:`PagePool` — this rank's KV pages: one preallocated tensor
   (pages, layers, 2, B, Hkv, D) and a free list, holding only the pages it owns: page p of a
-  prefix (the p-th block, 0-based) lives on CP rank p mod C (cp-attention.md rule 11).
+  prefix (the p-th block, 0-based) lives on CP rank p mod C (cp-attention.md rule 11). In an
+  engine, every cache of the rank (the active worker's, the retired ones) shares one pool.
 
 Capacity is ``pages_per_rank`` per rank; the index tracks every rank's use (each rank's copy
 holds all C counters, so ranks whose page needs differ -- a chain whose length is not a
@@ -36,6 +37,7 @@ from __future__ import annotations
 import heapq
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -350,7 +352,22 @@ class PrefixIndex:
 
 
 class PagePool:
-    """This rank's KV pages: one (pages, layers, 2, B, Hkv, D) tensor and a free list."""
+    """One rank's KV pages: one preallocated (pages, layers, 2, B, Hkv, D) tensor and a free
+    list, shared by every cache of the rank (its active worker's and the retired ones).
+
+    Why one per rank: a rank is a member of one lattice worker per degree, and a split or
+    merge gives it a new cache while the old one stays resident (retired); a pool per cache
+    would multiply the rank's KV memory by the number of degrees (on a GPU sized for
+    ``pages_per_rank``, the first switch would run out of memory). A slot is keyed by block
+    hash and counts the caches holding it: a hash names a chain of tokens, hence also their
+    positions, so a block's page is the same KV in every cache of the rank and a cache that
+    installs a page another cache here holds shares its slot instead of copying it.
+
+    Room: a cache's index never holds more than its ``pages_per_rank`` pages on a rank, and
+    the pool has at least that many slots. When a page is needed and no slot is free,
+    :attr:`reclaim` (set by the engine: drop a retired cache) is called until one is; the
+    caches it cannot drop (the active one) fit by the index's own accounting.
+    """
 
     def __init__(
         self,
@@ -362,37 +379,64 @@ class PagePool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ) -> None:
+        if pages < 1:
+            raise InvalidInput(f"a page pool needs >= 1 page, got {pages}")
         self.data = torch.zeros(
             pages, layers, 2, block_size, kv_heads, head_dim, dtype=dtype, device=device
         )
         self._free = list(range(pages - 1, -1, -1))
         self._slot: dict[int, int] = {}
+        self._refs: dict[int, int] = {}
+        self.reclaim: Callable[[], bool] | None = None
+        """Frees at least one slot and returns True, or returns False (nothing to drop)."""
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
 
     def __contains__(self, h: int) -> bool:
         return h in self._slot
 
     def __len__(self) -> int:
+        """Slots in use (a page shared by several caches counts once)."""
         return len(self._slot)
 
-    def put(self, h: int, kv: Tensor) -> None:
-        """Store page ``h``: kv (layers, 2, B, Hkv, D)."""
-        slot = self._slot.get(h)
-        if slot is None:
-            slot = self._free.pop()  # NOTE: the index guaranteed room before any put
-            self._slot[h] = slot
+    def holders(self, h: int) -> int:
+        """How many caches of the rank hold page ``h`` (0: not resident)."""
+        return self._refs.get(h, 0)
+
+    def acquire(self, h: int, kv: Tensor) -> None:
+        """One more holder of page ``h``. Not resident: a slot is taken (reclaiming one when
+        none is free) and ``kv`` (layers, 2, B, Hkv, D) copied in. Resident: shared as is."""
+        if h in self._slot:
+            self._refs[h] += 1
+            return
+        while not self._free:
+            if self.reclaim is None or not self.reclaim():
+                # The index guaranteed room for the caches that cannot be dropped: a bug.
+                raise RuntimeError("no free KV page and nothing to reclaim")
+        slot = self._free.pop()
         self.data[slot].copy_(kv)
+        self._slot[h] = slot
+        self._refs[h] = 1
 
     def get(self, h: int) -> Tensor:
         return self.data[self._slot[h]]
 
-    def drop(self, h: int) -> None:
-        slot = self._slot.pop(h, None)
-        if slot is not None:
-            self._free.append(slot)
-
-    def clear(self) -> None:
-        for h in list(self._slot):
-            self.drop(h)
+    def release(self, h: int) -> None:
+        """One holder fewer of page ``h``; its slot is free once none is left."""
+        n = self._refs.get(h)
+        if n is None:
+            return
+        if n > 1:
+            self._refs[h] = n - 1
+            return
+        del self._refs[h]
+        self._free.append(self._slot.pop(h))
 
 
 @dataclass(frozen=True)
@@ -435,6 +479,7 @@ class RankKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        pool: PagePool | None = None,
     ) -> None:
         if not 0 <= rank < degree:
             raise InvalidInput(f"rank {rank} outside [0, {degree})")
@@ -444,7 +489,16 @@ class RankKVCache:
         self.shape = (layers, 2, block_size, kv_heads, head_dim)
         self.index = PrefixIndex(worker, degree, pages_per_rank)
         self.last_evicted: list[BlockHash] = []  # what the last store() evicted to make room
-        self.pool = PagePool(pages_per_rank, layers, block_size, kv_heads, head_dim, dtype, device)
+        if pool is None:
+            pool = PagePool(pages_per_rank, layers, block_size, kv_heads, head_dim, dtype, device)
+        elif tuple(pool.data.shape[1:]) != self.shape or pool.data.dtype != dtype:
+            raise InvalidInput(f"page pool of {tuple(pool.data.shape[1:])} {pool.data.dtype} "
+                               f"pages for a cache of {self.shape} {dtype}")
+        elif pool.capacity < pages_per_rank:
+            raise InvalidInput(f"page pool of {pool.capacity} pages for a cache of "
+                               f"{pages_per_rank} pages per rank")
+        self.pool = pool
+        self._mine: set[int] = set()  # the pages this cache holds on this rank (pool slots)
 
     @property
     def worker(self) -> WorkerId:
@@ -525,21 +579,21 @@ class RankKVCache:
         parent = lookup.match.block_hashes[-1] if first else None
         stored, evicted = self.index.insert(parent, todo, protect=set(lookup.match.block_hashes))
         for h in evicted:
-            self.pool.drop(h)
+            self._release(h)
         self.last_evicted = evicted
         for h in stored:
             page = first + todo.index(h)
             if page % self.degree == self.rank:
                 lo = page * b - p0
                 kv = torch.stack([torch.stack([k[lo : lo + b], v[lo : lo + b]]) for k, v in new_kv])
-                self.pool.put(h, kv)
+                self._acquire(h, kv)
         return stored
 
     def export_pages(self, hashes: list[BlockHash]) -> list[Page]:
         """This rank's pages among the cached chain ``hashes`` (root first), as copies."""
         out = []
         for h in hashes:
-            if h in self.index and h in self.pool:
+            if h in self.index and h in self._mine:
                 n = self.index._nodes[h]
                 out.append(Page(BlockHash(h), n.parent, n.page, self.pool.get(h).clone()))
         return out
@@ -588,12 +642,12 @@ class RankKVCache:
             parent, hashes[len(head) :], protect=set(head) | set(protect)
         )
         for h in evicted:
-            self.pool.drop(h)
+            self._release(h)
         self.last_evicted = evicted
         for h in stored:
             page = hashes.index(h)
             if page % self.degree == self.rank:
-                self.pool.put(h, by_hash[h].kv)
+                self._acquire(h, by_hash[h].kv)
         return stored
 
     def chain_of(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, BlockHash | None]]:
@@ -603,12 +657,27 @@ class RankKVCache:
     def remove(self, hashes: list[BlockHash]) -> list[BlockHash]:
         gone = self.index.remove(hashes)
         for h in gone:
-            self.pool.drop(h)
+            self._release(h)
         return gone
 
     def clear(self) -> None:
         self.index.clear()
-        self.pool.clear()
+        for h in list(self._mine):
+            self._release(h)
+
+    def exclusive_pages(self) -> int:
+        """Pages of this rank that only this cache holds: the slots dropping it would free."""
+        return sum(1 for h in self._mine if self.pool.holders(h) == 1)
+
+    def _acquire(self, h: int, kv: Tensor) -> None:
+        if h not in self._mine:
+            self.pool.acquire(h, kv)
+            self._mine.add(h)
+
+    def _release(self, h: int) -> None:
+        if h in self._mine:
+            self._mine.remove(h)
+            self.pool.release(h)
 
 
 def pages_to_bytes(chain: list[tuple[BlockHash, BlockHash | None]], pages: list[Page]) -> bytes:

@@ -5,7 +5,9 @@ prefill of the uncached suffix, storing the new full blocks. The geometry is pin
 step (§6.2); :meth:`RankEngine.switch` changes it between steps without restarting the process
 or reloading weights. After a switch the previous worker's cache is kept as *retired* (its
 pages stay resident for reconciliation: export them to the new geometry, then drop it with
-``retired.pop``); switching back to that worker revives it.
+``retired.pop``); switching back to that worker revives it. Every cache of the rank shares
+one page pool (allocated once); when the active cache needs a slot a retired cache holds, the
+retired cache goes (:meth:`RankEngine._reclaim`).
 
 Every method is an SPMD call over the active group: all members call it with the same
 arguments in the same order.
@@ -22,7 +24,7 @@ from torch import Tensor
 from services.rankd.engine.attention import Backend
 from services.rankd.engine.cp_prefill import PrefillResult, cp_prefill
 from services.rankd.engine.groups import CPGroup, RankGroups, SwitchReport
-from services.rankd.engine.kvcache import Event, Page, RankKVCache
+from services.rankd.engine.kvcache import Event, Page, PagePool, RankKVCache
 from services.rankd.engine.model import Qwen3ForCausalLM
 from shared.ids import BlockHash, WorkerId
 
@@ -57,6 +59,11 @@ class RankEngine:
         self.block_size = block_size
         self.pages_per_rank = pages_per_rank
         self.backend = backend
+        cfg = model.config
+        # One allocation of KV pages for the rank's lifetime, whatever the switches (PagePool).
+        self.pool = PagePool(pages_per_rank, cfg.num_hidden_layers, block_size,
+                             cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device)
+        self.pool.reclaim = self._reclaim
         self.cache = self._new_cache(groups.active)
         self.retired: dict[WorkerId, RankKVCache] = {}
 
@@ -73,7 +80,20 @@ class RankEngine:
             cfg.head_dim,
             self.model.dtype,
             self.model.device,
+            pool=self.pool,
         )
+
+    def _reclaim(self) -> bool:
+        """Make room in the rank's page pool for the active cache: drop the retired cache
+        retired longest ago among those holding a page no other cache shares; False if none
+        does. Retired caches are donors (export, copies after a split or merge), so losing
+        one costs only copies, which then find less; it is why a revival is agreed (switch)."""
+        for worker, cache in self.retired.items():
+            if cache.exclusive_pages():
+                del self.retired[worker]
+                cache.clear()
+                return True
+        return False
 
     @property
     def group(self) -> CPGroup:
@@ -164,10 +184,20 @@ class RankEngine:
         if report.new_worker != old.worker:
             self.retired[old.worker] = old
             # Returning to a worker this rank retired (e.g. split then merge back): its pages
-            # are still laid out for that geometry on every member, so it is revived as is.
+            # are still laid out for that geometry, so it is revived as is -- if every member
+            # still has it: a rank that dropped its copy for room (_reclaim) would leave the
+            # members' indices different, and every step relies on their being identical.
             revived = self.retired.pop(report.new_worker, None)
+            if not self._every_member(revived is not None) and revived is not None:
+                revived.clear()
+                revived = None
             self.cache = revived if revived is not None else self._new_cache(self.group)
         return report
+
+    def _every_member(self, flag: bool) -> bool:
+        """True iff ``flag`` holds on every member of the active group (a collective)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.groups.device)
+        return all(bool(x.item()) for x in self.group.all_gather(t))
 
     def take_events(self) -> list[Event]:
         return self.cache.take_events()
