@@ -620,9 +620,10 @@ class TorchWorld:
         """Replicate KV between workers of this world (a replicate / reconcile command): the
         longest leading part of the chain ``hashes`` that ``src_worker``'s cache holds on
         ``src_ranks`` (its active or retired cache: after a split / merge the old worker's
-        pages stay resident until the new worker needs their slots) is installed into the active cache of the worker made of
-        ``dst_ranks`` (its members, in its geometry), each destination rank keeping the pages
-        it owns at the destination's degree (a re-shard when the degrees differ).
+        pages stay resident until the new worker needs their slots) is installed into the
+        active cache of the worker made of ``dst_ranks`` (its members, in its geometry), each
+        destination rank keeping the pages it owns at the destination's degree (a re-shard
+        when the degrees differ).
 
         The destination makes room by evicting its LRU leaves except the blocks of
         ``protect`` (what its leader still needs resident: pinned blocks, the blocks of a

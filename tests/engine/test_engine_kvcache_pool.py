@@ -13,6 +13,7 @@ import torch
 from test_engine_kvcache import CFG, B, fake_kv, prefill
 
 from services.rankd.engine.kvcache import PagePool, RankKVCache
+from services.rankd.engine.rank import RankEngine
 from shared.blockhash import chain_hashes
 from shared.ids import InvalidInput, WorkerId
 
@@ -43,7 +44,7 @@ def test_a_page_another_cache_holds_is_shared_not_copied() -> None:
     stored = new.import_prefix(old.chain_of(hashes), old.export_pages(hashes))
     assert stored == hashes
     assert len(p) == 3 and [p.holders(h) for h in hashes] == [2, 2, 2]
-    assert old.exclusive_pages() == new.exclusive_pages() == 0
+    assert old.pages_outside(new) == new.pages_outside(old) == 0
     # Dropping one holder keeps the page for the other, intact.
     old.clear()
     assert len(p) == 3 and [p.holders(h) for h in hashes] == [1, 1, 1]
@@ -58,15 +59,15 @@ def test_a_full_pool_reclaims_for_the_cache_that_needs_room() -> None:
     p = pool(4)
     retired, active = cache("retired", p), cache("active", p)
     prefill([retired], ids(17, 2))  # 4 full blocks: every slot
-    assert p.free == 0 and retired.exclusive_pages() == 4
+    assert p.free == 0 and retired.pages_outside(active) == 4
     with pytest.raises(RuntimeError, match="nothing to reclaim"):
         prefill([active], ids(9, 3))  # no reclaim hook: a bug, said as one
 
     calls = []
 
     def drop_retired() -> bool:
-        calls.append(retired.exclusive_pages())
-        if not retired.exclusive_pages():
+        calls.append(retired.pages_outside(active))
+        if not retired.pages_outside(active):
             return False
         retired.clear()
         return True
@@ -104,3 +105,24 @@ def test_stored_kv_reads_back_from_a_shared_pool() -> None:
     assert look.match.prefix_len == 12 and look.local_kv is not None
     want = torch.stack([torch.stack([k[:12], v[:12]]) for k, v in kv])
     assert torch.equal(look.local_kv, want)
+
+
+def test_pages_only_retired_caches_share_are_reclaimed_too() -> None:
+    """Two retired caches holding the same pages: neither alone frees a slot, so the engine's
+    reclaim drops one, then the other (found by the state machine: it used to give up)."""
+    p = pool(2)
+    engine = object.__new__(RankEngine)  # its reclaim rule, without a process group
+    engine.pool, engine.retired = p, {}
+    p.reclaim = engine._reclaim
+    a, b = cache("a", p, 2), cache("b", p, 2)
+    doc = ids(9, 7)  # 2 full blocks: both slots
+    prefill([a], doc)
+    hashes = chain_hashes(doc, B)
+    b.import_prefix(a.chain_of(hashes), a.export_pages(hashes))
+    assert p.free == 0 and [p.holders(h) for h in hashes] == [2, 2]
+    engine.retired = {WorkerId("a"): a, WorkerId("b"): b}
+    engine.cache = cache("c", p, 2)
+    other = ids(5, 8)
+    prefill([engine.cache], other)
+    assert engine.retired == {} and engine.cache.blocks() == frozenset(chain_hashes(other, B))
+    assert len(p) == 1 and p.free == 1

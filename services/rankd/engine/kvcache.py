@@ -365,8 +365,9 @@ class PagePool:
 
     Room: a cache's index never holds more than its ``pages_per_rank`` pages on a rank, and
     the pool has at least that many slots. When a page is needed and no slot is free,
-    :attr:`reclaim` (set by the engine: drop a retired cache) is called until one is; the
-    caches it cannot drop (the active one) fit by the index's own accounting.
+    :attr:`reclaim` (set by the engine: drop a retired cache holding a page the active one
+    does not) is called until one is; the cache it cannot drop (the active one) fits by the
+    index's own accounting.
     """
 
     def __init__(
@@ -388,7 +389,9 @@ class PagePool:
         self._slot: dict[int, int] = {}
         self._refs: dict[int, int] = {}
         self.reclaim: Callable[[], bool] | None = None
-        """Frees at least one slot and returns True, or returns False (nothing to drop)."""
+        """Drops one holder of a page (and returns True; called again while no slot is
+        free: a page two retired caches share needs both dropped), or returns False when
+        nothing can be dropped."""
 
     @property
     def capacity(self) -> int:
@@ -415,7 +418,7 @@ class PagePool:
         if h in self._slot:
             self._refs[h] += 1
             return
-        while not self._free:
+        while not self._free:  # each reclaim drops a holder: this ends
             if self.reclaim is None or not self.reclaim():
                 # The index guaranteed room for the caches that cannot be dropped: a bug.
                 raise RuntimeError("no free KV page and nothing to reclaim")
@@ -665,9 +668,11 @@ class RankKVCache:
         for h in list(self._mine):
             self._release(h)
 
-    def exclusive_pages(self) -> int:
-        """Pages of this rank that only this cache holds: the slots dropping it would free."""
-        return sum(1 for h in self._mine if self.pool.holders(h) == 1)
+    def pages_outside(self, other: RankKVCache) -> int:
+        """Pages this cache holds on this rank that ``other`` does not (e.g. the active
+        cache): the slots that dropping this cache and every other holder but ``other``
+        would free."""
+        return len(self._mine - other._mine)
 
     def _acquire(self, h: int, kv: Tensor) -> None:
         if h not in self._mine:

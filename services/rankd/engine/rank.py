@@ -85,11 +85,13 @@ class RankEngine:
 
     def _reclaim(self) -> bool:
         """Make room in the rank's page pool for the active cache: drop the retired cache
-        retired longest ago among those holding a page no other cache shares; False if none
-        does. Retired caches are donors (export, copies after a split or merge), so losing
-        one costs only copies, which then find less; it is why a revival is agreed (switch)."""
+        retired longest ago among those holding a page the active cache does not (the pool
+        calls again while no slot is free: a page two retired caches hold frees when both
+        went); False if none does. Retired caches are donors (export, copies after a split
+        or merge), so losing one costs only copies, which then find less; it is why a
+        revival is agreed (switch)."""
         for worker, cache in self.retired.items():
-            if cache.exclusive_pages():
+            if cache.pages_outside(self.cache):
                 del self.retired[worker]
                 cache.clear()
                 return True
