@@ -27,7 +27,7 @@ from services.cachemgr.service import CacheMgrService, CacheMgrSettings
 from services.rankd.backend import SimBackend
 from services.rankd.host import RankdHost
 from services.rankd.settings import RankdSettings
-from shared.ids import WorkerId
+from shared.ids import WorkerFault, WorkerId
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
@@ -148,10 +148,16 @@ class Pool:
         return out
 
 
+def _sim_backend(wid: str, kind: object) -> SimBackend:
+    return SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.001)
+
+
 @asynccontextmanager
 async def pool(nats_server: EmbeddedNats, nc: Client, uniq: str,
                services: Callable[[MicroService], Awaitable[MicroService]],
-               initial: Sequence[str]) -> AsyncIterator[Pool]:
+               initial: Sequence[str],
+               backend: Callable[[str, object], SimBackend] = _sim_backend,
+               ) -> AsyncIterator[Pool]:
     s = Subjects(uniq)
     kv = await epoch_kv(nc.jetstream(), s)
     await kv.put(s.epoch_key(), record(0, *initial))
@@ -163,8 +169,7 @@ async def pool(nats_server: EmbeddedNats, nc: Client, uniq: str,
     assert isinstance(cachemgr, CacheMgrService)
     settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2,
                              drain_timeout_s=5, kv_total_blocks=CAPACITY)
-    host = RankdHost(settings, range(0, 4),
-                     lambda wid, kind: SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.001))
+    host = RankdHost(settings, range(0, 4), backend)  # type: ignore[arg-type]
     task = asyncio.create_task(host.run(handle_signals=False))
     p = Pool(nc, s, host, cachemgr)
     try:
@@ -257,3 +262,71 @@ async def test_split_then_merge_back_agrees_once_the_merged_worker_answers(
         await eventually(agreed, what="the trie agrees with the merged worker's cache",
                          timeout=WAIT_S)
         assert p.worker_blocks("w-cp4-g0") <= set(A)
+
+
+class Holding(SimBackend):
+    """A sim backend that, like the torch one, must hold a new worker's retained pages
+    before rankd seeds them (``inherit_prefixes``): it holds the first ``keep`` of them, or
+    meets ``fault`` (e.g. the torch world broke while copying)."""
+
+    def __init__(self, keep: int, fault: WorkerFault | None = None) -> None:
+        super().__init__(prefill_time=lambda r, p, c, kind="cp": 0.001)
+        self.keep, self.fault = keep, fault
+        self.calls: list[tuple[list[tuple[int, int | None]], tuple[str, ...], int]] = []
+
+    async def inherit_prefixes(self, pairs: Sequence[tuple[int, int | None]],
+                               sources: Sequence[str], epoch: int
+                               ) -> list[tuple[int, int | None]]:
+        self.calls.append((list(pairs), tuple(sources), epoch))
+        if self.fault is not None:
+            raise self.fault
+        return list(pairs[: self.keep])
+
+
+async def test_a_backend_holding_real_kv_seeds_only_what_it_holds(
+    nats_server: EmbeddedNats, nc: Client, uniq: str, services
+) -> None:
+    """The rank host seeds a new worker with what ``inherit_prefixes`` says its backend now
+    holds, not the whole reconciled index; a backend fault while copying leaves the worker
+    empty and running. Either way the trie comes to agree (the snapshot it asks for)."""
+    backends: dict[str, Holding] = {}
+
+    def backend(wid: str, kind: object) -> Holding:
+        # The CP4 worker made by the merge meets the fault (the first one is never seeded).
+        backends[wid] = Holding(keep=3, fault=WorkerFault("a rank died") if wid == "w-cp4-g0"
+                                else None)
+        return backends[wid]
+
+    async with pool(nats_server, nc, uniq, services, ["w-cp4-g0"], backend) as p:
+        for i, chain in enumerate((A, B, C, D)):
+            await p.serve(f"h-{i}", "w-cp4-g0", chain)
+        await p.in_step("w-cp4-g0", set(A + B + C + D))
+        await p.reconfigure("w-cp2-g0", "w-cp2-g2")
+
+        (pairs, sources, epoch), = backends["w-cp2-g0"].calls
+        assert {h for h, _ in pairs} == {101, 102, 201, 202, 301, 302, 401}
+        assert sources == ("w-cp4-g0",) and epoch == 1
+        assert p.worker_blocks("w-cp2-g0") == {h for h, _ in pairs[:3]}
+        assert backends["w-cp2-g2"].calls == [([], ("w-cp4-g0",), 1)]  # no whole prefix
+
+        async def agreed() -> bool:
+            return not p.disagreements("w-cp2-g0", "w-cp2-g2")
+
+        await eventually(agreed, what="the trie agrees with what the workers hold",
+                         timeout=WAIT_S)
+
+        # A merge whose copy meets a fault: the merged worker starts empty, and runs.
+        backends.clear()
+        await p.serve("h-left", "w-cp2-g0", A[:2])
+        await p.reconfigure("w-cp4-g0")
+        (pairs, sources, _), = backends["w-cp4-g0"].calls
+        assert pairs and sources == ("w-cp2-g0", "w-cp2-g2")
+        assert p.worker_blocks("w-cp4-g0") == frozenset()
+
+        async def merged_agreed() -> bool:
+            return not p.disagreements("w-cp4-g0")
+
+        await eventually(merged_agreed, what="the trie agrees with the merged worker",
+                         timeout=WAIT_S)
+        await p.serve("h-after", "w-cp4-g0", A)
+        assert p.worker_blocks("w-cp4-g0") == set(A)
