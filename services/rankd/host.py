@@ -26,7 +26,7 @@ predecessors' BlockCaches as they are when this host applies the record (the con
 them: nothing runs there), seeded with ``BlockCache.adopt`` before its service starts (before
 it admits anything or emits a cache event). A backend whose KV is modelled (``sim``) needs
 nothing more; one that keeps a real engine cache in lockstep with the BlockCache (``torch``)
-first installs those chains from its predecessors' resident pages
+first installs those chains in place from its predecessors' resident pages
 (``inherit_prefixes``), and only what it then holds is seeded (see :meth:`RankdHost._seed`).
 
 Worker faults: the process is the unit of restart. When one worker meets a
@@ -92,9 +92,6 @@ class Seed:
     predecessors: tuple[Mapping[BlockHash, ResidentPage], ...]
     child_degree: int
     new: NewWorker
-    sources: tuple[str, ...] = ()
-    """The predecessors' worker ids, in the order of ``predecessors`` (where a backend that
-    holds real KV copies the pages from: ``inherit_prefixes``)."""
 
 
 def _pages(svc: RankdService | None) -> dict[BlockHash, ResidentPage]:
@@ -119,11 +116,11 @@ def seed_pages(
     for parent, (lo, hi) in splits:
         pages = (_pages(services.get(parent)),)
         half = GpuGroup.from_worker_id(lo).degree
-        seeds[lo] = Seed(pages, half, "left", (parent,))
-        seeds[hi] = Seed(pages, half, "right", (parent,))
+        seeds[lo] = Seed(pages, half, "left")
+        seeds[hi] = Seed(pages, half, "right")
     for (lo, hi), merged in merges:
         seeds[merged] = Seed((_pages(services.get(lo)), _pages(services.get(hi))),
-                             GpuGroup.from_worker_id(lo).degree, "merged", (lo, hi))
+                             GpuGroup.from_worker_id(lo).degree, "merged")
     return seeds
 
 
@@ -221,9 +218,9 @@ class RankdHost:
 
         A backend that keeps real KV in lockstep with the BlockCache (``bind_cache``) must
         hold those pages first: with ``inherit_prefixes`` (the torch backend) it brings the
-        worker's ranks into its geometry, installs the chains from its predecessors' pages
-        (they stay resident after the switch, in a *retired* engine cache) and returns the
-        part it now holds; only that is seeded, so rankd never records a hit the engine cannot
+        worker's ranks into its geometry, installs the chains in place from its predecessors'
+        pages (they stay resident after the switch, in a *retired* engine cache) and returns
+        the part it now holds; only that is seeded, so rankd never records a hit the engine cannot
         serve (``prefix_shortfall``). Such a backend without ``inherit_prefixes`` starts
         empty. A seed that cannot be computed, copied or adopted is logged and the worker
         starts empty (its snapshot, which the cache manager asks for, keeps the trie true)."""
@@ -240,7 +237,7 @@ class RankdHost:
                                      new=seed.new, capacity_blocks=cache.capacity_blocks)
             wanted = len(pairs)
             if callable(inherit):
-                pairs = await inherit(pairs, seed.sources, epoch)
+                pairs = await inherit(pairs, epoch)
             cache.adopt(pairs)
         except (InvalidInput, WorkerFault) as exc:
             # A fault here is met again by the worker's first step or health probe, which

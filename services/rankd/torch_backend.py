@@ -15,8 +15,8 @@ created once at start-up) with the other workers of the same GPU range, and per 
    merged workers), they switch at this step boundary with ``RankEngine.switch(epoch, C)`` —
    same processes, no weight reload (:meth:`TorchBackend.adopt` does it eagerly; in host
    mode a worker made by a split or merge does it before it starts, with
-   :meth:`TorchBackend.inherit_prefixes`, which also installs its retained prefixes from
-   the predecessors' pages);
+   :meth:`TorchBackend.inherit_prefixes`, which also installs its retained prefixes in
+   place from the predecessors' resident pages);
 3. **prefill**: one zigzag CP step over the members (``RankEngine.prefill``: longest cached
    prefix reused, new full blocks stored); the first token is the greedy token of the last
    position, identical on every member. Inside rankd (:meth:`TorchBackend.bind_cache`) the
@@ -545,10 +545,7 @@ class TorchBackend:
         return cmd.model_copy(update={"blocks": list(cmd.blocks[:n])})
 
     async def inherit_prefixes(
-        self,
-        pairs: Sequence[tuple[int, int | None]],
-        sources: Sequence[str],
-        epoch: int,
+        self, pairs: Sequence[tuple[int, int | None]], epoch: int
     ) -> list[tuple[int, int | None]]:
         """Make this worker, just made by a split or merge (``epoch``), hold the retained
         prefixes ``pairs`` (``(hash, parent)``, shallowest first: the reconciled index rankd
@@ -556,15 +553,16 @@ class TorchBackend:
         pairs it now holds, prefix-closed and in the same order: what rankd may seed.
 
         Called by the rank host before the worker's service starts (nothing runs here yet;
-        the predecessors ``sources`` were drained). Steps: (1) its ranks switch to its geometry
-        now (:meth:`adopt`) rather than at its first step; (2) a cache it revives (a merge
-        back to a worker id these ranks retired) drops every block not in ``pairs``: those
-        pages are stale, the predecessors changed since; (3) each chain of ``pairs`` (one per
-        leaf) is copied from the predecessors' pages, which stay resident on their ranks in a
-        *retired* engine cache after the switch (:meth:`TorchWorld.copy_prefix`, which keeps
-        each page on the rank that owns it at this degree), trying the predecessors in turn
-        until the whole chain is held. A block the engine evicted for room, or that no
-        predecessor held, is left out with its descendants.
+        its predecessors were drained). Steps: (1) its ranks switch to its geometry now
+        (:meth:`adopt`) rather than at its first step; (2) a cache it revives (a merge back
+        to a worker id these ranks retired) drops every block not in ``pairs``: those pages
+        are stale, the predecessors changed since; (3) each chain of ``pairs`` (one per leaf)
+        is installed in place (:meth:`TorchWorld.adopt_resident`): the predecessors' pages
+        stay in their ranks' page pools after the switch (a *retired* engine cache), and the
+        layout rule the reconciliation follows (page p of a prefix on rank p mod C) means a
+        retained page is already on the rank that needs it, so no KV moves. A page reclaimed
+        meanwhile (its rank needed the slot), or evicted for room, leaves its block out with
+        its descendants; no other rank holds it either, so there is nothing to copy.
 
         Not bound to a BlockCache (standalone): only (1), returns []. Raises
         :class:`~shared.ids.InvalidInput` (e.g. a stale epoch) or :class:`WorldBroken`; what
@@ -573,27 +571,16 @@ class TorchBackend:
         await self.adopt(epoch)
         if not self._bound or self._cache is None or not pairs:
             return []
-        return await asyncio.to_thread(self._inherit, list(pairs), list(sources))
+        return await asyncio.to_thread(self._inherit, list(pairs))
 
-    def _inherit(
-        self, pairs: list[tuple[int, int | None]], sources: list[str]
-    ) -> list[tuple[int, int | None]]:
+    def _inherit(self, pairs: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
         want = {h for h, _ in pairs}
         stale = [h for h in self.world.cached_blocks(self.worker_id) if h not in want]
         if stale:
             self.world.remove(self.ranks, stale)
-        donors: list[tuple[str, tuple[int, ...]]] = []
-        for src in sources:
-            try:
-                g = GpuGroup.from_worker_id(src)
-                donors.append((src, self.world.members(g.first_gpu, g.degree)))
-            except InvalidInput:  # another host's worker: its KV is not reachable from here
-                continue
+        parent_of = dict(pairs)
         for chain in _leaf_chains(pairs):
-            for src, ranks in donors:
-                if set(chain) <= self.world.cached_blocks(self.worker_id):
-                    break
-                self.world.copy_prefix(ranks, src, self.ranks, chain)
+            self.world.adopt_resident(self.ranks, [(h, parent_of[h]) for h in chain])
         held = self.world.cached_blocks(self.worker_id)
         kept: set[int] = set()
         out: list[tuple[int, int | None]] = []

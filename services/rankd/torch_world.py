@@ -303,6 +303,8 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
                     conn.send(("ok", (str(engine.worker_id), engine.cached_blocks())))
                 elif op == "export":
                     conn.send(("ok", engine.export_prefix(msg[1], msg[2])))
+                elif op == "resident":
+                    conn.send(("ok", engine.resident_prefix(msg[1])))
                 elif op == "import":
                     _, chain, pages, protect = msg
                     stored, evicted = engine.import_prefix(chain, pages, protect)
@@ -369,6 +371,10 @@ class TorchWorld:
         self.max_positions = 0  # the model's max_position_embeddings (0: not started)
         self.broken: str | None = None
         self._closed = False
+        # Pages installed between workers: moved through this leader (copy_prefix) or shared
+        # in place where every member already held them (adopt_resident).
+        self.copied_pages = 0
+        self.adopted_pages = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -648,7 +654,35 @@ class TorchWorld:
             keep = [pages[h] for h, _ in chain]
             replies = self._round(dst, ("import", chain, keep, sorted(int(h) for h in protect)))
         stored, evicted = replies[0]
+        self.copied_pages += len(stored)
         self._mirror(str(worker_name(len(dst), dst[0] + self.spec.gpu_offset)), stored, evicted)
+        return list(stored), list(evicted)
+
+    def adopt_resident(
+        self,
+        dst_ranks: Sequence[int],
+        chain: Sequence[tuple[int, int | None]],
+        *,
+        protect: Collection[int] = (),
+    ) -> tuple[list[int], list[int]]:
+        """Install into the active cache of the worker made of ``dst_ranks`` the longest
+        leading part of ``chain`` (``(hash, parent)``, root first) whose pages every member
+        already holds where that worker needs them: each in its rank's page pool, from
+        another cache of the rank (after a split or merge, the retired predecessor's; page p
+        of a prefix sits on rank p mod C, so the pages a new worker retains are already on
+        its ranks). No KV moves; the members share the slots. Two rounds: each member says
+        how far it could go, then all install the shortest of those (so they do the same).
+        Room as in :meth:`copy_prefix`. Returns (stored, evicted)."""
+        dst = sorted(set(dst_ranks))
+        pairs = [(int(h), None if p is None else int(p)) for h, p in chain]
+        with self._locked(dst):
+            n = min(self._round(dst, ("resident", [h for h, _ in pairs])))
+            if n == 0:
+                return [], []
+            replies = self._round(dst, ("import", pairs[:n], [], sorted(int(h) for h in protect)))
+        stored, evicted = replies[0]
+        self._mirror(str(worker_name(len(dst), dst[0] + self.spec.gpu_offset)), stored, evicted)
+        self.adopted_pages += len(stored)
         return list(stored), list(evicted)
 
     def remove(self, ranks: Sequence[int], hashes: Sequence[int]) -> frozenset[int]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_engine_kvcache import CFG, B, fake_kv, prefill
 
+from services.rankd.engine.errors import KVFormatError
 from services.rankd.engine.kvcache import PagePool, RankKVCache
 from services.rankd.engine.rank import RankEngine
 from shared.blockhash import chain_hashes
@@ -126,3 +127,31 @@ def test_pages_only_retired_caches_share_are_reclaimed_too() -> None:
     prefill([engine.cache], other)
     assert engine.retired == {} and engine.cache.blocks() == frozenset(chain_hashes(other, B))
     assert len(p) == 1 and p.free == 1
+
+
+def test_a_new_worker_installs_the_pages_its_rank_holds_in_place() -> None:
+    """After a merge (a degree-1 cache retired, a degree-2 cache active on CP rank 0), the
+    active cache installs a chain with no page given: the pages it owns at degree 2 (0 and 2)
+    are in the rank's pool already, so the slots are shared; a chain whose owned page is not
+    resident goes only as far as :meth:`resident_prefix` says, and past that is refused."""
+    p = pool(8)
+    old = cache("old", p)
+    new = RankKVCache(WorkerId("new"), 2, 0, B, 4, CFG.num_hidden_layers,
+                      CFG.num_key_value_heads, CFG.head_dim, torch.float64, pool=p)
+    doc = ids(13, 9)  # 3 full blocks
+    prefill([old], doc)
+    hashes = chain_hashes(doc, B)
+    chain = old.chain_of(hashes)
+    assert new.resident_prefix(hashes) == 3
+    assert new.import_prefix(chain, []) == hashes
+    assert len(p) == 3 and [p.holders(h) for h in hashes] == [2, 1, 2]  # page 1: rank 1's
+    look = new.lookup(doc + [1])
+    assert look.match.prefix_len == 12 and look.local_kv is not None
+
+    other = ids(13, 10)
+    prefill([old], other[:8])  # 2 blocks resident: pages 0 and 1 of `other`
+    ho = chain_hashes(other, B)
+    assert new.resident_prefix(ho) == 2  # page 2 (this rank's) is not resident
+    with pytest.raises(KVFormatError, match="page 2 .* is missing"):
+        new.import_prefix([(h, p_) for h, p_ in zip(ho, [None, *ho[:-1]], strict=True)], [])
+    assert new.blocks() == frozenset(hashes)  # the refused import changed nothing

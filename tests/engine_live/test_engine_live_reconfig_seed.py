@@ -161,6 +161,9 @@ async def test_torch_split_and_merge_keep_the_retained_prefixes(
         await epochs.put(s.epoch_key(), record(2, "w-cp2-g0"))
         await wait_for({"w-cp2-g0"})
         assert rankd_blocks("w-cp2-g0") == engine_blocks("w-cp2-g0") == {101, 107, 201}
+        # Every retained page was already on the rank that needs it: shared in place (101 and
+        # 201 at the split, 107 at the merge; the revived cache kept 101 and 201), none moved.
+        assert (pool.world.adopted_pages, pool.world.copied_pages) == (3, 0)
         assert [pool.world.geometry(r) for r in (0, 1)] == [(2, 2), (2, 2)]  # switched eagerly
         await run("e", "w-cp2-g0", 2, [101, 107, 108], 2)  # the copied page is reused
         await run("f", "w-cp2-g0", 2, [201, 202], 1)

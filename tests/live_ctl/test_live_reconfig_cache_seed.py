@@ -272,12 +272,11 @@ class Holding(SimBackend):
     def __init__(self, keep: int, fault: WorkerFault | None = None) -> None:
         super().__init__(prefill_time=lambda r, p, c, kind="cp": 0.001)
         self.keep, self.fault = keep, fault
-        self.calls: list[tuple[list[tuple[int, int | None]], tuple[str, ...], int]] = []
+        self.calls: list[tuple[list[tuple[int, int | None]], int]] = []
 
-    async def inherit_prefixes(self, pairs: Sequence[tuple[int, int | None]],
-                               sources: Sequence[str], epoch: int
+    async def inherit_prefixes(self, pairs: Sequence[tuple[int, int | None]], epoch: int
                                ) -> list[tuple[int, int | None]]:
-        self.calls.append((list(pairs), tuple(sources), epoch))
+        self.calls.append((list(pairs), epoch))
         if self.fault is not None:
             raise self.fault
         return list(pairs[: self.keep])
@@ -303,11 +302,10 @@ async def test_a_backend_holding_real_kv_seeds_only_what_it_holds(
         await p.in_step("w-cp4-g0", set(A + B + C + D))
         await p.reconfigure("w-cp2-g0", "w-cp2-g2")
 
-        (pairs, sources, epoch), = backends["w-cp2-g0"].calls
-        assert {h for h, _ in pairs} == {101, 102, 201, 202, 301, 302, 401}
-        assert sources == ("w-cp4-g0",) and epoch == 1
+        (pairs, epoch), = backends["w-cp2-g0"].calls
+        assert {h for h, _ in pairs} == {101, 102, 201, 202, 301, 302, 401} and epoch == 1
         assert p.worker_blocks("w-cp2-g0") == {h for h, _ in pairs[:3]}
-        assert backends["w-cp2-g2"].calls == [([], ("w-cp4-g0",), 1)]  # no whole prefix
+        assert backends["w-cp2-g2"].calls == [([], 1)]  # no whole prefix
 
         async def agreed() -> bool:
             return not p.disagreements("w-cp2-g0", "w-cp2-g2")
@@ -319,8 +317,8 @@ async def test_a_backend_holding_real_kv_seeds_only_what_it_holds(
         backends.clear()
         await p.serve("h-left", "w-cp2-g0", A[:2])
         await p.reconfigure("w-cp4-g0")
-        (pairs, sources, _), = backends["w-cp4-g0"].calls
-        assert pairs and sources == ("w-cp2-g0", "w-cp2-g2")
+        (pairs, epoch), = backends["w-cp4-g0"].calls
+        assert pairs and epoch == 2
         assert p.worker_blocks("w-cp4-g0") == frozenset()
 
         async def merged_agreed() -> bool:

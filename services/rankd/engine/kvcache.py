@@ -412,12 +412,15 @@ class PagePool:
         """How many caches of the rank hold page ``h`` (0: not resident)."""
         return self._refs.get(h, 0)
 
-    def acquire(self, h: int, kv: Tensor) -> None:
+    def acquire(self, h: int, kv: Tensor | None) -> None:
         """One more holder of page ``h``. Not resident: a slot is taken (reclaiming one when
-        none is free) and ``kv`` (layers, 2, B, Hkv, D) copied in. Resident: shared as is."""
+        none is free) and ``kv`` (layers, 2, B, Hkv, D) copied in. Resident: shared as is
+        (``kv`` may then be None)."""
         if h in self._slot:
             self._refs[h] += 1
             return
+        if kv is None:
+            raise KVFormatError(f"page {h} is not resident and no KV was given")
         while not self._free:  # each reclaim drops a holder: this ends
             if self.reclaim is None or not self.reclaim():
                 # The index guaranteed room for the caches that cannot be dropped: a bug.
@@ -616,6 +619,11 @@ class RankKVCache:
         rankd's pinned blocks and the blocks of the request whose KV hand-off is in progress
         (see TorchBackend.prepare_cache_command).
 
+        An owned page may be left out of ``pages`` when this rank's pool already holds it
+        (another cache of the rank, e.g. the retired predecessor after a split or merge):
+        the slot is then shared, nothing is copied (:meth:`resident_prefix` says how far that
+        goes; every member must be able to, which the caller checks first).
+
         Validates first (chain links, every owned page present, every given page of the
         chain with the right shape) and changes nothing on failure (:class:`KVFormatError`).
         Shapes are checked on every given page, not only the owned ones, so that ranks given
@@ -631,8 +639,9 @@ class RankKVCache:
             if h not in self.index:
                 pg = by_hash.get(h)
                 if pg is None:
-                    if i % self.degree != self.rank:
-                        continue  # another rank's page: the caller may give each rank its own
+                    if i % self.degree != self.rank or h in self.pool:
+                        continue  # another rank's page (the caller may give each rank its
+                        # own), or one this rank's pool holds already (shared)
                     raise KVFormatError(f"page {i} ({h}) owned by rank {self.rank} is missing")
                 if tuple(pg.kv.shape) != self.shape:
                     raise KVFormatError(
@@ -647,11 +656,27 @@ class RankKVCache:
         for h in evicted:
             self._release(h)
         self.last_evicted = evicted
-        for h in stored:
-            page = hashes.index(h)
-            if page % self.degree == self.rank:
+        mine = [h for h in stored if hashes.index(h) % self.degree == self.rank]
+        # Shared pages first: a slot taken for a given page may reclaim the cache that holds
+        # a resident one.
+        for h in mine:
+            if h not in by_hash:
+                self._acquire(h, None)
+        for h in mine:
+            if h in by_hash:
                 self._acquire(h, by_hash[h].kv)
         return stored
+
+    def resident_prefix(self, hashes: list[BlockHash]) -> int:
+        """How many leading blocks of the chain ``hashes`` this rank could install without
+        being given a page: each page it owns at this degree is in this cache or elsewhere
+        in the rank's pool (:meth:`import_prefix` then shares it). No change."""
+        n = 0
+        for i, h in enumerate(hashes):
+            if i % self.degree == self.rank and h not in self.pool:
+                break
+            n += 1
+        return n
 
     def chain_of(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, BlockHash | None]]:
         """(hash, parent) metadata of a cached chain, for :meth:`import_prefix` elsewhere."""
@@ -674,7 +699,7 @@ class RankKVCache:
         would free."""
         return len(self._mine - other._mine)
 
-    def _acquire(self, h: int, kv: Tensor) -> None:
+    def _acquire(self, h: int, kv: Tensor | None) -> None:
         if h not in self._mine:
             self.pool.acquire(h, kv)
             self._mine.add(h)

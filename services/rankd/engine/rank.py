@@ -171,6 +171,11 @@ class RankEngine:
         stored = self.cache.import_prefix(chain, pages, frozenset(protect))
         return stored, self.cache.last_evicted
 
+    def resident_prefix(self, hashes: list[BlockHash]) -> int:
+        """How many leading blocks of the chain the active cache could install from pages
+        this rank already holds (:meth:`RankKVCache.resident_prefix`); no collective."""
+        return self.cache.resident_prefix(list(hashes))
+
     def remove(self, hashes: list[BlockHash]) -> list[BlockHash]:
         """Drop blocks (and their cached descendants) from the active cache; no collective."""
         return self.cache.remove(list(hashes))
