@@ -1,10 +1,11 @@
 """One engine rank's caches and their shared page pool through random interleavings.
 
 A hypothesis state machine plays rank 0 of a :class:`RankEngine` without a process group:
-the active cache stores prompts and imports chains from retired caches (the copies after a
-split or merge), blocks are removed, the rank switches to a new worker (the active cache is
-retired) or back to a retired one (revived), and a full pool reclaims retired caches through
-the engine's own ``_reclaim``. After every step:
+the active cache stores prompts, imports chains from retired caches (the copies after a
+split or merge) or installs them in place from the pages its rank's pool holds, blocks are
+removed, the rank switches to a new worker (the active cache is retired) or back to a retired
+one (revived), and a full pool reclaims retired caches through the engine's own
+``_reclaim``. After every step:
 
 * the pool's slots in use are exactly the pages the caches hold, each counted once, with as
   many holders as caches that hold it, and ``free + in use == capacity``;
@@ -94,11 +95,24 @@ class PoolMachine(RuleBasedStateMachine):
         if any(i % cache.degree == 0 and h not in {pg.hash for pg in pages}
                for i, h in enumerate(held)):
             return
-        # The pages other ranks own come from those ranks: here, from the expected KV.
+        # The pages other ranks own come from those ranks: here, from the expected KV (none
+        # for a block only ever installed in place: its other ranks are not modelled).
         mine = {pg.hash for pg in pages}
+        if any(h not in mine and h not in self.expected for h in held):
+            return
         pages += [Page(h, cache.index.parent_of(h), i, self.expected[h])
                   for i, h in enumerate(held) if h not in mine]
         self.engine.cache.import_prefix(cache.chain_of(held), pages)
+
+    @rule(doc=st.sampled_from(DOCS))
+    def install_in_place(self, doc: tuple[int, ...]) -> None:
+        """The adoption after a split or merge: as far as this rank's pool holds the pages
+        the active cache owns, installed with no page given (shared)."""
+        hashes = chain_hashes(list(doc), B)
+        n = self.engine.cache.resident_prefix(hashes)
+        chain = list(zip(hashes, [None, *hashes[:-1]], strict=True))[:n]
+        if chain:
+            self.engine.cache.import_prefix(chain, [])
 
     @precondition(lambda self: len(self.engine.cache.blocks()) > 0)
     @rule(data=st.data())
