@@ -506,9 +506,11 @@ class TorchBackend:
         A replicate / reconcile command names ``source_worker``: its blocks (the leading part
         the source holds, from its active or retired cache) are copied into this worker's
         engine cache when the source's ranks are in this world and this worker's ranks are in
-        its geometry; the command is returned cut to the leading blocks the engine now holds,
-        so rankd records exactly those (nothing, when nothing could be copied: an ordinary
-        miss later, never a hit without KV). Reclaims pass unchanged (rankd's removals reach
+        its geometry -- shared in place as far as every member's page pool already holds the
+        pages it owns (:meth:`TorchWorld.adopt_resident`), the rest sent; the command is
+        returned cut to the leading blocks the engine now holds, so rankd records exactly
+        those (nothing, when nothing could be copied: an ordinary miss later, never a hit
+        without KV). Reclaims pass unchanged (rankd's removals reach
         the engine before its next step). Engine evictions caused by the copy are removed from
         the BlockCache, as after a prefill.
 
@@ -523,17 +525,25 @@ class TorchBackend:
         source = getattr(cmd, "source_worker", None)
         if not self._bound or source is None or cmd.worker_id != self.worker_id:
             return cmd  # nothing to move (or not ours: rankd refuses it)
-        if all(self.world.geometry(r)[1] == self.degree for r in self.ranks):
+        if all(self.world.geometry(r)[1] == self.degree for r in self.ranks) \
+                and self._cache is not None:
+            protect = self._cache.pinned() | set(self._in_flight)
+            blocks = [int(h) for h in cmd.blocks]
+            # In place first: pages this worker's ranks already hold where it needs them (the
+            # retired predecessor's after a split or merge) are shared, not sent.
+            _, evicted = await asyncio.to_thread(
+                self.world.adopt_resident, self.ranks,
+                list(zip(blocks, [None, *blocks[:-1]], strict=True)), protect=protect)
+            if evicted:
+                self._cache.remove(list(evicted))
             try:
                 g = GpuGroup.from_worker_id(source)
                 src = self.world.members(g.first_gpu, g.degree)
             except InvalidInput:
                 src = None  # another host's worker: its KV is not reachable from here
-            if src is not None and self._cache is not None:
-                protect = self._cache.pinned() | set(self._in_flight)
+            if src is not None and not set(blocks) <= self.world.cached_blocks(self.worker_id):
                 _, evicted = await asyncio.to_thread(
-                    self.world.copy_prefix, src, source, self.ranks, list(cmd.blocks),
-                    protect=protect,
+                    self.world.copy_prefix, src, source, self.ranks, blocks, protect=protect,
                 )
                 if evicted:
                     self._cache.remove(list(evicted))

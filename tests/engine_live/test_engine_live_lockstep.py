@@ -45,6 +45,7 @@ from shared.schemas import (
     EpochWorker,
     FirstToken,
     IntakeRequest,
+    ReclaimCommand,
     ReconcileCommand,
     ReplicateCommand,
     decode,
@@ -190,8 +191,9 @@ async def test_replicate_and_reconcile_move_real_kv(
     """Cache-manager commands on the torch backend move KV between the workers of one world
     before rankd records the blocks: a replicate w-cp1-g0 → w-cp1-g1 makes a request on g1
     reuse the copied prefix (and get the single-process token); a replicate from a worker
-    outside the world records nothing; after a merge into w-cp2-g0 a reconcile from the
-    retired w-cp1-g0 re-shards its pages to degree 2. Engine and BlockCache agree after each.
+    outside the world records nothing; a merge into w-cp2-g0 retains in place the prefixes
+    whose pages are already on the right rank, and a reconcile from the retired w-cp1-g0
+    re-shards a page that is not. Engine and BlockCache agree after each.
     """
     s = Subjects(uniq)
     settings = RankdSettings(
@@ -285,24 +287,50 @@ async def test_replicate_and_reconcile_move_real_kv(
                 EpochWorker(worker_id="w-cp2-g0", first_gpu=0, degree=2, lifecycle=Lifecycle.ACTIVE)
             ],
         )
+        doc2 = toks(14, 48)  # 3 blocks on w-cp1-g0 only
+        chain2 = chain_hashes(doc2, B)
+        assert (await run("p2", "w-cp1-g0", 0, doc2 + [4])).prefix_tokens == 0
         epochs = await nc.jetstream().key_value(s.epoch_bucket())
         await epochs.put(s.epoch_key(), to_json(rec))
         await wait_for({"w-cp2-g0"})
+        # Retained in place at the merge: doc's pages (its block 1 on w-cp1-g1's rank, where
+        # the merged worker keeps page 1) and doc2's block 0; doc2's block 1 is on rank 0.
+        assert agree("w-cp2-g0") == frozenset(chain) | {chain2[0]}
+        copied = pool.world.copied_pages
         other = toks(13, 20)
-        await run("m0", "w-cp2-g0", 1, other)  # the merged worker's first step: ranks switch
+        await run("m0", "w-cp2-g0", 1, other)
         res = await command(
             "w-cp2-g0",
             ReconcileCommand(
                 command_id="c3",
                 worker_id="w-cp2-g0",
                 epoch=1,
-                blocks=chain[:2],
+                blocks=chain2[:2],
                 source_worker="w-cp1-g0",
             ),
-        )  # the retired degree-1 cache, re-sharded to degree 2
+        )  # the retired degree-1 cache, re-sharded to degree 2: its page 1 moves to rank 1
         assert res.ok and res.blocks_done == 2
-        assert set(chain[:2]) <= agree("w-cp2-g0")
-        assert (await run("m1", "w-cp2-g0", 1, doc[:32] + [5] * 9)).prefix_tokens == 32
+        assert pool.world.copied_pages == copied + 1
+        assert set(chain2[:2]) <= agree("w-cp2-g0")
+        assert (await run("m1", "w-cp2-g0", 1, doc2[:32] + [5] * 9)).prefix_tokens == 32
+        assert (await run("m2", "w-cp2-g0", 1, doc + [6] * 3)).prefix_tokens == 48
+
+        # Reclaimed from the merged worker, then reconciled again: the page (doc's block 2,
+        # page 2: rank 0) is still in rank 0's pool, held by the retired w-cp1-g0: shared in
+        # place, nothing sent.
+        res = await command("w-cp2-g0", ReclaimCommand(command_id="c4", worker_id="w-cp2-g0",
+                                                       epoch=1, blocks=[chain[2]]))
+        assert res.ok
+        # The engine drops it at its next step, or now (the backend's sync_cache).
+        assert await host.services["w-cp2-g0"].backend.sync_cache() == 1
+        assert chain[2] not in agree("w-cp2-g0")
+        copied, adopted = pool.world.copied_pages, pool.world.adopted_pages
+        res = await command("w-cp2-g0", ReconcileCommand(
+            command_id="c5", worker_id="w-cp2-g0", epoch=1, blocks=chain,
+            source_worker="w-cp1-g0"))
+        assert res.ok and res.blocks_done == 3 and chain[2] in agree("w-cp2-g0")
+        assert (pool.world.copied_pages, pool.world.adopted_pages) == (copied, adopted + 1)
+        assert (await run("m3", "w-cp2-g0", 1, doc + [7] * 3)).prefix_tokens == 48
         agree("w-cp2-g0")
     finally:
         host.request_stop()
