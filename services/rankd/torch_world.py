@@ -654,7 +654,8 @@ class TorchWorld:
             keep = [pages[h] for h, _ in chain]
             replies = self._round(dst, ("import", chain, keep, sorted(int(h) for h in protect)))
         stored, evicted = replies[0]
-        self.copied_pages += len(stored)
+        with self._mirror_lock:  # workers' commands run on several threads
+            self.copied_pages += len(stored)
         self._mirror(str(worker_name(len(dst), dst[0] + self.spec.gpu_offset)), stored, evicted)
         return list(stored), list(evicted)
 
@@ -682,7 +683,8 @@ class TorchWorld:
             replies = self._round(dst, ("import", pairs[:n], [], sorted(int(h) for h in protect)))
         stored, evicted = replies[0]
         self._mirror(str(worker_name(len(dst), dst[0] + self.spec.gpu_offset)), stored, evicted)
-        self.adopted_pages += len(stored)
+        with self._mirror_lock:  # workers' commands run on several threads
+            self.adopted_pages += len(stored)
         return list(stored), list(evicted)
 
     def remove(self, ranks: Sequence[int], hashes: Sequence[int]) -> frozenset[int]:
