@@ -277,6 +277,8 @@ class RankdHost:
                 log.info("worker leaves the composition", worker_id=wid, epoch=record.epoch)
                 svc.request_stop()
         for wid, w in wanted.items():
+            if self.fault is not None:  # failed while starting the workers before: no more
+                break
             old = self.services.get(wid)
             if old is not None and old.stopping:
                 # Re-created (e.g. merged back) while its previous instance still drains.

@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 
 from services.rankd import main as rankd_main
 from services.rankd.backend import PrefillResult, SimBackend
@@ -26,13 +27,16 @@ from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
     AssignmentAck,
+    EpochRecord,
+    EpochWorker,
     FirstToken,
     IntakeRequest,
     WorkerState,
     decode,
     from_json,
+    to_json,
 )
-from shared.service import call, ensure_intake_stream
+from shared.service import call, ensure_intake_stream, epoch_kv
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, Lifecycle
 
@@ -245,3 +249,51 @@ def test_the_sim_launcher_exits_for_a_restart_too(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(SystemExit) as exc:
         rankd_sim.main([])
     assert exc.value.code == rankd_main.WORKER_FAULT_EXIT
+
+
+async def test_a_fault_while_a_new_worker_inherits_its_pages_starts_nothing_more(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """A split's children install their retained pages before they start (torch:
+    ``inherit_prefixes``, which runs on a thread); if the host fails meanwhile (another worker
+    met a fault), the child is not started: the host stops and ends with the fault."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    hosts: list[RankdHost] = []
+    inherited: list[str] = []
+
+    class Inheriting(SimBackend):
+        def __init__(self, wid: str) -> None:
+            super().__init__(prefill_time=lambda r, p, c, kind="cp": 0.0)
+            self.wid = wid
+
+        async def inherit_prefixes(self, pairs: list[tuple[int, int | None]], epoch: int
+                                   ) -> list[tuple[int, int | None]]:
+            inherited.append(self.wid)
+            hosts[0].fail(WorkerFault(CAUSE))
+            return list(pairs)
+
+    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2,
+                             redirect_timeout_s=5.0, drain_timeout_s=WAIT_S, kv_total_blocks=64)
+    host = RankdHost(settings, range(0, 2), lambda wid, kind: Inheriting(wid),
+                     initial=["w-cp2-g0"])
+    hosts.append(host)
+    task = asyncio.create_task(host.run(nc, handle_signals=False))
+    async with asyncio.timeout(WAIT_S):
+        while host.worker_ids != {"w-cp2-g0"}:
+            host.changed.clear()
+            await host.changed.wait()
+    epochs = await epoch_kv(js, s)
+    children = [EpochWorker(worker_id=w, first_gpu=g, degree=1, lifecycle=Lifecycle.ACTIVE)
+                for w, g in (("w-cp1-g0", 0), ("w-cp1-g1", 1))]
+    await epochs.put(s.epoch_key(), to_json(EpochRecord(epoch=1, workers=children,
+                                                       committed_at_s=time.time())))
+    with pytest.raises(WorkerFault, match="killed by SIGKILL"):
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    assert inherited == ["w-cp1-g0"]  # the first child met it; neither child started
+    assert host.services == {}
+    states = await js.key_value(s.worker_state_bucket())
+    for child in ("w-cp1-g0", "w-cp1-g1"):
+        with pytest.raises(KeyNotFoundError):
+            await states.get(child)  # never published a state: never ran
