@@ -18,8 +18,8 @@ import json
 import time
 
 import torch
+from engine_live_support import first_token
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
 
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
@@ -221,18 +221,7 @@ async def test_replicate_and_reconcile_move_real_kv(
         a = assignment(rid, tokens).model_copy(
             update={"worker_id": wid, "epoch": epoch, "degree": GpuGroup.from_worker_id(wid).degree}
         )
-        sub = await nc.subscribe(s.result(rid))
-        try:
-            async with asyncio.timeout(WAIT_S):
-                while True:  # the worker's endpoints subscribe just after it is listed
-                    try:
-                        await call(nc, s.worker_assign(wid), a, AssignmentAck, timeout_s=WAIT_S)
-                        break
-                    except NoRespondersError:
-                        await asyncio.sleep(0.05)
-            ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
-        finally:
-            await sub.unsubscribe()
+        ft = await first_token(nc, s, a, WAIT_S)
         assert ft.error is None, (rid, ft.error)
         assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token, rid
         return ft

@@ -10,8 +10,8 @@ import json
 import time
 
 import torch
+from engine_live_support import first_token, record
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.rankd.engine.config import Qwen3Config
@@ -28,19 +28,16 @@ from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
     AssignmentAck,
-    EpochRecord,
-    EpochWorker,
     FirstToken,
     IntakeRequest,
     WorkerState,
     decode,
     from_json,
-    to_json,
 )
 from shared.service import call
 from shared.subjects import Subjects
 from shared.telemetry import Stage
-from shared.worker import GpuGroup, Lifecycle
+from shared.worker import GpuGroup
 
 WAIT_S = 120.0  # hang guard only
 # The project's tiny random Qwen3 (TINY_MODEL), with a smaller vocabulary and context.
@@ -62,19 +59,6 @@ def assignment(rid: str, wid: str, epoch: int, tokens: list[int]) -> Assignment:
         predicted_s=0.01,
         assigned_at_s=now,
     )
-
-
-def record(epoch: int, *wids: str) -> bytes:
-    workers = [
-        EpochWorker(
-            worker_id=w,
-            first_gpu=GpuGroup.from_worker_id(w).first_gpu,
-            degree=GpuGroup.from_worker_id(w).degree,
-            lifecycle=Lifecycle.ACTIVE,
-        )
-        for w in wids
-    ]
-    return to_json(EpochRecord(epoch=epoch, workers=workers, committed_at_s=time.time()))
 
 
 async def test_rankd_host_torch_split_merge(
@@ -109,26 +93,7 @@ async def test_rankd_host_torch_split_merge(
                 await host.changed.wait()
 
     async def run(rid: str, wid: str, epoch: int, tokens: list[int]) -> FirstToken:
-        sub = await nc.subscribe(s.result(rid))
-        try:
-            # A worker shows up in host.services just before its micro endpoints subscribe;
-            # an early request finds no responders, so retry that answer (bounded).
-            async with asyncio.timeout(WAIT_S):
-                while True:
-                    try:
-                        await call(
-                            nc,
-                            s.worker_assign(wid),
-                            assignment(rid, wid, epoch, tokens),
-                            AssignmentAck,
-                            timeout_s=WAIT_S,
-                        )
-                        break
-                    except NoRespondersError:
-                        await asyncio.sleep(0.05)
-            return decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
-        finally:
-            await sub.unsubscribe()
+        return await first_token(nc, s, assignment(rid, wid, epoch, tokens), WAIT_S)
 
     def ids(seed: int, n: int) -> list[int]:
         g = torch.Generator().manual_seed(seed)

@@ -21,8 +21,8 @@ import time
 from collections.abc import Sequence
 
 import torch
+from engine_live_support import first_token, record
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
 
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
@@ -37,31 +37,16 @@ from services.rankd.torch_backend import (
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
-    AssignmentAck,
-    EpochRecord,
-    EpochWorker,
     FirstToken,
     IntakeRequest,
-    decode,
-    to_json,
 )
-from shared.service import call
 from shared.subjects import Subjects
-from shared.worker import GpuGroup, Lifecycle
+from shared.worker import GpuGroup
 
 WAIT_S = 120.0  # hang guard only
 CFG = {**TINY_MODEL, "vocab_size": 256, "max_position_embeddings": 512}
 SEED = 5
 BLOCK = 16
-
-
-def record(epoch: int, *wids: str) -> bytes:
-    workers = [
-        EpochWorker(worker_id=w, first_gpu=GpuGroup.from_worker_id(w).first_gpu,
-                    degree=GpuGroup.from_worker_id(w).degree, lifecycle=Lifecycle.ACTIVE)
-        for w in wids
-    ]
-    return to_json(EpochRecord(epoch=epoch, workers=workers, committed_at_s=time.time()))
 
 
 def request(rid: str, chain: Sequence[int]) -> IntakeRequest:
@@ -114,18 +99,7 @@ async def test_torch_split_and_merge_keep_the_retained_prefixes(
         a = Assignment(request=req, worker_id=wid, epoch=epoch,
                        degree=GpuGroup.from_worker_id(wid).degree, prefix_tokens=p,
                        recompute_tokens=req.input_len - p, predicted_s=0.01, assigned_at_s=now)
-        sub = await nc.subscribe(s.result(rid))
-        try:
-            async with asyncio.timeout(WAIT_S):
-                while True:  # the worker's endpoints subscribe just after it shows up
-                    try:
-                        await call(nc, s.worker_assign(wid), a, AssignmentAck, timeout_s=WAIT_S)
-                        break
-                    except NoRespondersError:
-                        await asyncio.sleep(0.05)
-            ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
-        finally:
-            await sub.unsubscribe()
+        ft = await first_token(nc, s, a, WAIT_S)
         ids = request_token_ids(req, CFG["vocab_size"])
         assert ft.error is None and ft.token == model.reference_forward(
             torch.tensor(ids)).next_token, (rid, ft)
