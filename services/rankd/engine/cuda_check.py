@@ -10,15 +10,20 @@
    prefix, R < 2C included): the varlen path equals the SDPA-mask reference.
 4. A C = 1 prefill of a small model in bf16 with each backend equals the float32 SDPA-mask
    prefill (same greedy token), and prefill times for a few lengths are printed.
+5. The prefix cache's page pool on the device (one per rank, shared by a rank's caches): a
+   merged worker's cache installs a retired cache's pages in place (shared slots), another
+   installs pages exported to the CPU (copied back), a full pool reclaims the retired cache,
+   and every lookup reads back exactly the KV stored.
 
 Exits 0 when every check passed, 1 if a check failed, 2 (``NO_DEVICE``, message on stderr)
 when there is no CUDA device and ``--cpu-dry-run`` was not given: nothing checked is not a pass.
-``--cpu-dry-run`` runs checks 3-4 with the SDPA-mask kernel on CPU (exercises this script).
+``--cpu-dry-run`` runs checks 3-5 with the SDPA-mask kernel on CPU (exercises this script).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -235,6 +240,68 @@ def check_model(
         print(f"  R={n:>6}: " + "  ".join(row))
 
 
+def check_page_pool(dev: torch.device, dtype: torch.dtype, report: Callable[..., None]) -> None:
+    """Check 5 (module docstring): one rank's pool, a retired degree-1 cache and the caches of
+    rank 0 of a merged degree-2 worker, emulated in one process as the engine drives them."""
+    from services.rankd.engine.kvcache import PagePool, RankKVCache
+    from shared.blockhash import chain_hashes
+    from shared.ids import WorkerId
+
+    layers, heads, dim, b = 2, 2, 64, 16
+    pool = PagePool(4, layers, b, heads, dim, dtype, dev)
+
+    def cache(name: str, degree: int) -> RankKVCache:
+        return RankKVCache(WorkerId(name), degree, 0, b, 4, layers, heads, dim, dtype, dev,
+                           pool=pool)
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 1000, (3 * b + 1,), generator=g).tolist()
+    kv = [tuple(torch.randn(len(ids), heads, dim, generator=g).to(dev, dtype) for _ in (0, 1))
+          for _ in range(layers)]
+    retired, merged = cache("retired", 1), cache("merged", 2)
+    retired.store(retired.lookup(ids), kv)  # type: ignore[arg-type]
+    hashes = chain_hashes(ids, b)
+    chain = retired.chain_of(hashes)
+    in_place = merged.resident_prefix(hashes) == 3 and merged.import_prefix(chain, []) == hashes
+    shared = len(pool) == 3 and pool.holders(hashes[0]) == 2
+    look = merged.lookup(ids)  # pages 0 and 2 on CP rank 0 of the CP2 worker
+    want = torch.cat([torch.stack([k[p * b:(p + 1) * b], v[p * b:(p + 1) * b]])
+                      for p in (0, 2) for k, v in kv[:1]], dim=1)
+    got = None if look.local_kv is None else look.local_kv[0]
+    read_back = got is not None and got.device.type == dev.type and torch.equal(got, want)
+    # Pages exported to the CPU (as RankEngine.export_prefix ships them between workers) and
+    # installed by another cache of the rank: already resident, so the slots are shared.
+    exported = retired.export_pages(hashes)
+    on_device = all(pg.kv.device.type == dev.type for pg in exported)
+    other = cache("other", 1)
+    pages = [dataclasses.replace(pg, kv=pg.kv.cpu()) for pg in exported]
+    copied = other.import_prefix(chain, pages) == hashes and len(pool) == 3
+    # A full pool: a new cache's store reclaims the others' pages (the engine drops retired
+    # caches; here every cache but the new one is).
+    olds = [retired, merged, other]
+
+    def reclaim() -> bool:
+        if not olds:
+            return False
+        olds.pop(0).clear()
+        return True
+
+    pool.reclaim = reclaim
+    fresh = cache("fresh", 1)
+    ids2 = torch.randint(0, 1000, (4 * b + 1,), generator=g).tolist()
+    kv2 = [tuple(torch.randn(len(ids2), heads, dim, generator=g).to(dev, dtype) for _ in (0, 1))
+           for _ in range(layers)]
+    fresh.store(fresh.lookup(ids2), kv2)  # type: ignore[arg-type]
+    look2 = fresh.lookup(ids2)
+    full = look2.match.prefix_len == 4 * b and look2.local_kv is not None and torch.equal(
+        look2.local_kv[0], torch.stack([kv2[0][0][:4 * b], kv2[0][1][:4 * b]]))
+    report(f"page pool on {dev.type} {dtype}",
+           in_place and shared and read_back and on_device and copied and full,
+           f"in place {in_place}, shared slots {shared}, read back {read_back}, exported pages "
+           f"on the device {on_device}, installed from the CPU {copied}, reclaimed when full "
+           f"{full}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="check the CUDA attention path of the engine")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -264,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         dev, dtype = torch.device("cpu"), torch.float32
         check_zigzag(Backend.SDPA_MASK, dev, dtype, report)
         check_model([], dev, dtype, [min(args.lengths)], report)
+        check_page_pool(dev, dtype, report)
         return 1 if failures else 0
 
     dev = torch.device("cuda")
@@ -294,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         args.lengths,
         report,
     )
+    try:
+        check_page_pool(dev, torch.bfloat16, report)
+    except Exception as exc:
+        report("page pool on cuda", False, repr(exc))
     print(f"# {'all checks passed' if not failures else 'FAILED: ' + ', '.join(failures)}")
     return 1 if failures else 0
 
