@@ -195,6 +195,7 @@ class RankEngine:
             # still has it: a rank that dropped its copy for room (_reclaim) would leave the
             # members' indices different, and every step relies on their being identical.
             revived = self.retired.pop(report.new_worker, None)
+            # The collective first: every member must call it, reviving or not.
             if not self._every_member(revived is not None) and revived is not None:
                 revived.clear()
                 revived = None
