@@ -241,6 +241,20 @@ def _trie_pages(trie: PrefixTrie, view: WorkerView) -> dict[BlockHash, ResidentP
     return out
 
 
+def _with_halves(
+    side: Mapping[WorkerId, GpuGroup],
+) -> list[tuple[WorkerId, WorkerId, WorkerId]]:
+    """(worker, left half's id, right half's id) for the workers of ``side`` of degree >= 2,
+    by first GPU."""
+    out = []
+    for w, g in sorted(side.items(), key=lambda x: x[1].first_gpu):
+        if g.degree >= 2:
+            half = g.degree // 2
+            out.append((w, GpuGroup(g.first_gpu, half).worker_id,
+                        GpuGroup(g.first_gpu + half, half).worker_id))
+    return out
+
+
 def diff_compositions(
     old: Mapping[WorkerId, GpuGroup], new: Mapping[WorkerId, GpuGroup]
 ) -> tuple[
@@ -254,21 +268,8 @@ def diff_compositions(
     the cache manager reconciles its trie by it and a rank host seeds new workers by it."""
     gone = {w: g for w, g in old.items() if w not in new}
     came = {w: g for w, g in new.items() if w not in old}
-    splits, merges = [], []
-    for w, g in sorted(gone.items(), key=lambda x: x[1].first_gpu):
-        if g.degree < 2:
-            continue
-        half = g.degree // 2
-        lo, hi = GpuGroup(g.first_gpu, half), GpuGroup(g.first_gpu + half, half)
-        if lo.worker_id in came and hi.worker_id in came:
-            splits.append((w, (lo.worker_id, hi.worker_id)))
-    for w, g in sorted(came.items(), key=lambda x: x[1].first_gpu):
-        if g.degree < 2:
-            continue
-        half = g.degree // 2
-        lo, hi = GpuGroup(g.first_gpu, half), GpuGroup(g.first_gpu + half, half)
-        if lo.worker_id in gone and hi.worker_id in gone:
-            merges.append(((lo.worker_id, hi.worker_id), w))
+    splits = [(w, (lo, hi)) for w, lo, hi in _with_halves(gone) if lo in came and hi in came]
+    merges = [((lo, hi), w) for w, lo, hi in _with_halves(came) if lo in gone and hi in gone]
     used = {p for p, _ in splits} | {c for cs, _ in merges for c in cs}
     made = {c for _, cs in splits for c in cs} | {p for _, p in merges}
     removed = [w for w in gone if w not in used]
