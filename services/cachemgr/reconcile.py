@@ -61,7 +61,7 @@ in-flight operations (returned in the plan so the adapter can abort them).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, NamedTuple
@@ -103,6 +103,37 @@ def _check_cap(name: str, c: object) -> int:
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:
         raise InvalidInput(f"{name} must be an integer >= 1, got {c!r}")
     return c
+
+
+def guess_capacity(degree: int, known: Iterable[tuple[int, int]], default: int) -> int:
+    """The cache capacity (blocks) to plan with for a degree-``degree`` worker whose own
+    WorkerState has not arrived yet -- a worker a split or merge has just made. Pure.
+
+    ``known``: (degree, kv_total_blocks) of workers whose states did arrive. Why guess at all:
+    the reconciliation's depth cut and the split's assignment depend on the new worker's
+    capacity, and the rank host seeding that worker cuts with its real one
+    (:func:`reconciled_index`), so a fixed default makes the trie and the worker disagree
+    whenever the retained prefixes exceed either figure; the worker's snapshot settles it
+    later, but requests routed before then see the wrong holders.
+
+    A rank daemon's capacity is its backend's (C times one GPU's for the sim and torch
+    backends) unless ``VTM_KV_TOTAL_BLOCKS`` sets one figure for every worker. So: when every
+    known worker holds the same per GPU, that times ``degree``; else when every known worker
+    holds the same, that; else the (upper) median per GPU times ``degree``; ``default`` with nothing
+    known. Never below 1.
+    """
+    d = _check_cap("degree", degree)
+    pairs = [(_check_cap("known degree", kd), _check_cap("known capacity", kc))
+             for kd, kc in known]
+    if not pairs:
+        return _check_cap("default", default)
+    d0, c0 = pairs[0]
+    if all(c * d0 == c0 * kd for kd, c in pairs):  # one capacity per GPU, compared exactly
+        return max(1, c0 * d // d0)
+    if all(c == c0 for _, c in pairs):
+        return c0
+    per_gpu = sorted(c / kd for kd, c in pairs)
+    return max(1, int(per_gpu[len(per_gpu) // 2] * d))
 
 
 def _on_left(depth: int, child_degree: int) -> bool:

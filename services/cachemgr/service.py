@@ -37,7 +37,10 @@ epoch KV key (watch)                   a changed composition: a degree-2C worker
                                        to the merged worker; each worker a split or merge made
                                        is asked for its snapshot once it runs (its own index
                                        settles what it holds); any other worker gone →
-                                       ``remove_worker``, new → registered
+                                       ``remove_worker``, new → registered; a worker
+                                       whose state has not arrived is planned with the
+                                       capacity the known states imply for its degree
+                                       (``guess_capacity``), as its rank host seeds it
 ``{prefix}.ctl.drain`` (DrainNotice)   a split starts (its parent stops admitting, its cache
                                        intact until the switch): ``rehome_on_split`` copies the
                                        parent's long prefixes to the workers of its degree that
@@ -93,6 +96,7 @@ from services.cachemgr.metrics import CacheMetrics
 from services.cachemgr.reconcile import (
     RehomeConfig,
     diff_compositions,
+    guess_capacity,
     rehome_on_merge,
     rehome_on_split,
 )
@@ -199,7 +203,8 @@ class CacheMgrSettings(ServiceSettings):
     default_capacity_blocks: int = Field(
         default=4096,
         ge=1,
-        description="Cache capacity assumed for a worker whose WorkerState is not known yet.",
+        description="Cache capacity assumed for a worker whose WorkerState is not known yet "
+        "while no worker's is (after that, guessed from the known ones: reconcile.guess_capacity).",
     )
     snapshot_timeout_s: float = Field(default=5.0, gt=0, description="Wait for a snapshot.")
     command_timeout_s: float = Field(
@@ -448,11 +453,19 @@ class CacheMgrService(MicroService):
 
     # -- workers ------------------------------------------------------------------------------
 
-    def _capacity(self, worker: str) -> int:
+    def _capacity(self, worker: str, degree: int | None = None) -> int:
+        """``worker``'s cache capacity in blocks: its WorkerState's; before that arrives,
+        ``guess_capacity`` from the states that did (``degree`` given), else the setting's
+        default."""
         st = self.states.get(worker)
         if st is not None and st.kv_total_blocks > 0:
             return st.kv_total_blocks
-        return self.msettings.default_capacity_blocks
+        default = self.msettings.default_capacity_blocks
+        if degree is None:
+            return default
+        known = [(s.degree, s.kv_total_blocks) for s in self.states.values()
+                 if s.kv_total_blocks > 0]
+        return guess_capacity(degree, known, default)
 
     def _register(self, worker: str, degree: int | None = None, *, snapshot: bool) -> bool:
         """Track ``worker`` if its degree is supported; optionally ask for its snapshot."""
@@ -461,7 +474,7 @@ class CacheMgrService(MicroService):
         degree = degree if degree is not None else degree_of(worker)
         if degree is None or degree not in self.trie.degrees:
             return False
-        self.trie.add_worker(WorkerId(worker), degree, self._capacity(worker))
+        self.trie.add_worker(WorkerId(worker), degree, self._capacity(worker, degree))
         self.log.info("worker tracked", worker=worker, degree=degree)
         if snapshot:
             self._request_snapshot(worker)
@@ -517,7 +530,7 @@ class CacheMgrService(MicroService):
         cancelled) and registered afresh with the same degree and the capacity its new state
         gives, then its snapshot is asked for."""
         degree = self.trie.worker_degree(worker)
-        capacity = self._capacity(worker)
+        capacity = self._capacity(worker, degree)
         previous = self._incarnations.get(worker, "")
         cancelled = self.trie.remove_worker(worker)
         self.trie.add_worker(worker, degree, capacity)
@@ -579,7 +592,7 @@ class CacheMgrService(MicroService):
                 added.extend(children)
                 continue
             plan = self.trie.reconcile_split(
-                parent, children, {c: self._capacity(c) for c in children}
+                parent, children, {c: self._capacity(c, new[c].degree) for c in children}
             )
             self._incarnations.pop(parent, None)
             self._confirm_reconciled(children)
@@ -596,7 +609,8 @@ class CacheMgrService(MicroService):
                 removed.extend(c for c in children if c in known)
                 added.append(parent)
                 continue
-            mplan = self.trie.reconcile_merge(children, parent, self._capacity(parent))
+            mplan = self.trie.reconcile_merge(children, parent,
+                                              self._capacity(parent, new[parent].degree))
             for c in children:
                 self._incarnations.pop(c, None)
             self._confirm_reconciled((parent,))

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from services.cachemgr.events import Stored
-from services.cachemgr.reconcile import ResidentPage, index_pages, reconciled_index
+from services.cachemgr.reconcile import (
+    ResidentPage,
+    guess_capacity,
+    index_pages,
+    reconciled_index,
+)
 from services.cachemgr.trie import PrefixTrie
 from services.rankd.blockcache import BlockCache
 from shared.ids import InvalidInput
@@ -75,3 +80,30 @@ def test_bad_arguments() -> None:
         reconciled_index((one,), child_degree=2, new="middle", capacity_blocks=4)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
         reconciled_index((one,), child_degree=2, new="left", capacity_blocks=0)
+
+
+@pytest.mark.parametrize(
+    ("degree", "known", "expected"),
+    [
+        (2, [], 4096),  # nothing known: the default
+        (2, [(4, 8)], 4),  # one figure per GPU (the backends' rule): C times it
+        (8, [(4, 8), (2, 4)], 16),
+        (1, [(4, 10)], 2),  # rounded down
+        (1, [(4, 2)], 1),  # never below 1
+        (2, [(4, 64), (2, 64)], 64),  # one figure per worker (VTM_KV_TOTAL_BLOCKS)
+        (2, [(4, 40), (2, 6), (2, 12)], 12),  # mixed: the (upper) median per GPU, 6 × 2
+    ],
+)
+def test_guess_capacity(degree: int, known: list[tuple[int, int]], expected: int) -> None:
+    assert guess_capacity(degree, known, 4096) == expected
+
+
+@pytest.mark.parametrize(
+    ("degree", "known", "default"),
+    [(0, [], 1), (2, [(0, 8)], 1), (2, [(2, 0)], 1), (2, [], 0), (True, [], 1)],
+)
+def test_guess_capacity_refuses_what_is_no_capacity(
+    degree: int, known: list[tuple[int, int]], default: int
+) -> None:
+    with pytest.raises(InvalidInput):
+        guess_capacity(degree, known, default)

@@ -25,6 +25,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from structlog.testing import capture_logs
 
+from services.cachemgr.reconcile import index_pages, reconciled_index
 from services.cachemgr.service import CacheMgrService, CacheMgrSettings, cachemgr_group
 from shared.schemas import (
     MAX_TOKENS,
@@ -352,6 +353,68 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
     cmd = await left_cmds.first(lambda c: c.get("op") == "reconcile", what="reconcile command")
     assert cmd["source_worker"] == "w-cp2-g2" and cmd["blocks"] == [11, 12, 13, 14]
     assert cmd["epoch"] == 1
+
+
+async def test_workers_a_reconfiguration_makes_are_planned_with_their_hardware_s_capacity(
+    nc: Client, nats_server, uniq: str, services
+):
+    """Before a split's children publish a state, the manager plans them with the capacity
+    per GPU its known workers show (here 2 blocks per GPU: a CP4 holds 8), not the setting's
+    default. The split then cuts the parent's 8-block prefix as the rank host seeding the
+    children does with their real capacity of 4 (``reconciled_index``): no child has room for
+    it, so the left child keeps its whole prefix of 2 blocks and nothing is pending -- with
+    the default (4096) the trie would assign the prefix to the left child with 6 blocks
+    pending that the worker never gets. Merging back, the merged worker is planned with 8."""
+    s = Subjects(uniq)
+    kv = await epoch_kv(nc.jetstream(), s)
+    states = await worker_state_kv(nc.jetstream(), s)
+    parent, other = "w-cp4-g0", "w-cp4-g4"
+
+    async def empty_snapshot(msg: Msg) -> None:
+        worker = msg.subject.rsplit(".", 1)[-1]
+        await reply(nc, msg, CacheSnapshot(worker=worker, last_event_id=0, blocks=[]))
+
+    for w in (parent, other):
+        await nc.subscribe(s.cache_snapshot(w), cb=empty_snapshot)
+    await nc.flush()
+    await kv.put(s.epoch_key(), epoch_record(0, [(0, 4), (4, 4)]))
+    await states.put(parent, to_json(state(parent, [0, 1, 2, 3], blocks=8, incarnation="p")))
+    await states.put(other, to_json(state(other, [4, 5, 6, 7], blocks=8, incarnation="o")))
+    await services(CacheMgrService(settings(nats_server.url, uniq, default_capacity_blocks=4096)))
+    await seen_state_of(nc, uniq, other, "o")
+    chain = list(range(101, 109))
+    await stored(nc, s, parent, 1, None, chain)
+
+    async def parent_holds() -> bool:
+        w = (await inspect(nc, uniq))["workers"]
+        return w.get(parent, {}).get("blocks") == 8
+
+    await eventually(parent_holds, what="parent's events applied")
+    await kv.put(s.epoch_key(), epoch_record(1, [(0, 2), (2, 2), (4, 4)]))
+
+    async def split() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        return body if body["counters"]["splits"] == 1 else None
+
+    body = await eventually(split, what="split reconciled")
+    left, right = body["workers"]["w-cp2-g0"], body["workers"]["w-cp2-g2"]
+    assert (left["capacity_blocks"], right["capacity_blocks"]) == (4, 4)
+    seeded = reconciled_index(
+        (index_pages({h: (h - 1 if h > chain[0] else None) for h in chain}),),
+        child_degree=2, new="left", capacity_blocks=4)
+    assert [h for h, _ in seeded] == chain[:2]
+    assert (left["blocks"], left["pending"]) == (len(seeded), 0)
+    assert (right["blocks"], right["pending"]) == (0, 0)
+
+    await states.delete(parent)  # the merged worker's own figure is not known either
+    await kv.put(s.epoch_key(), epoch_record(2, [(0, 4), (4, 4)]))
+
+    async def merged() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        return body if body["counters"]["merges"] == 1 else None
+
+    body = await eventually(merged, what="merge reconciled")
+    assert body["workers"][parent]["capacity_blocks"] == 8
 
 
 async def test_merge_rehomes_the_degrees_long_prefixes_onto_the_merged_worker(
