@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from services.cachemgr.pull import PullConfig
 from services.cachemgr.reconcile import RehomeConfig
 from services.cachemgr.scan import ScanConfig
 from services.controller.planner import ControllerConfig
@@ -177,6 +178,30 @@ and some of ×3.5's gain for no loss beyond 3% at any rate on any of the four se
 more of ×3.5 than 0.8. Other rates, L-Eval, Azure code and the reconfiguration preset (seeds
 0-14 at 0.8; 0-3, 6 and 9 at 0.9) are unchanged: their rule-10 merges, if any, pass either
 bound."""
+
+PULL: Final[PullConfig] = PullConfig(min_blocks=2)
+"""Route-time pull (services/cachemgr/pull.py): a request's prefix is copied to the worker it
+was routed to when that worker lacks at least 2 blocks (1,024 tokens) of the longest prefix
+another worker holds. Why: J routes away from a busy holder, and near saturation every
+recomputed prefix is capacity; the copy costs links, not GPU time. The sweep (2026-12-02,
+seed 0, vertumnus only, ``vertumnus simulate … --pull-min-blocks N``), conversation trace mean
+TTFT (s) at ×1 / ×2.5 / ×3 / ×3.5 / ×4 / ×4.5 / ×4.8, and pulls at ×4.8:
+
+  ====  =====  =====  =====  =====  =====  =====  =====  =====
+  N     ×1     ×2.5   ×3     ×3.5   ×4     ×4.5   ×4.8   pulls
+  ====  =====  =====  =====  =====  =====  =====  =====  =====
+  off   0.871  1.041  1.171  1.321  1.505  2.153  3.863  0
+  1     0.871  1.004  1.130  1.259  1.428  1.798  2.360  2,086
+  2     0.871  1.005  1.138  1.259  1.448  1.798  2.349  1,494
+  4     0.871  1.015  1.132  1.274  1.423  1.817  2.420  1,077
+  8     0.871  1.013  1.141  1.280  1.436  1.834  2.507  695
+  16    0.871  1.016  1.130  1.277  1.465  1.909  2.772  272
+  ====  =====  =====  =====  =====  =====  =====  =====  =====
+
+1 and 2 are within 1.4% of each other at every rate; 2 sends 28-38% fewer copies. L-Eval
+(×1 / ×2 / ×3: 0.543 / 0.684 / 0.763 s) is the same with every N: its questions on one
+document arrive together and its queues are short, so a copy seldom lands before its request
+starts, and J already sends most of them to the document's holder."""
 
 REHOME: Final[RehomeConfig] = RehomeConfig(min_blocks=64, fill=0.75)
 """Re-homing a split parent's documents (reconcile.py ``rehome_on_split``): prefixes of at least 64

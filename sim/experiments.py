@@ -31,6 +31,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from services.cachemgr.pull import PullConfig
 from services.cachemgr.reconcile import RehomeConfig
 from services.cachemgr.scan import ScanConfig
 from services.controller.composition import (
@@ -94,6 +95,8 @@ class ExperimentSpec:
     controller: ControllerConfig = calibration.CONTROLLER
     scan: ScanConfig = calibration.SCAN
     rehome: RehomeConfig | None = calibration.REHOME
+    pull: PullConfig | None = calibration.PULL
+    """vertumnus's route-time pull (services/cachemgr/pull.py); None: off."""
     kappa_scale: float = calibration.KAPPA_SCALE
     """The controller judges capacity with κ_C × this. KAPPA_SCALE corrects a single-worker κ
     (``vertumnus profile``); sim/runner.py sets 1.0 when κ was measured on the trace with a
@@ -272,6 +275,7 @@ def run_deployment(
         seed=spec.seed,
         scan_config=spec.scan,
         rehome=spec.rehome,
+        pull=spec.pull,
         controller_config=spec.controller,
         kappa_scale=spec.kappa_scale,
     )
@@ -349,6 +353,7 @@ def summarize_run(
         "switch_s_mean": float(np.mean(switches)) if switches else None,
         "replications": res.replications,
         "reclamations": res.reclamations,
+        "pulls": res.pulls,
         "oracle_mean_ttft_s": float(np.mean(oracle)) if oracle.size else math.nan,
         "prediction_mape": float(np.mean(np.abs(pred - act) / act)) if act.size else None,
         "composition_start": {str(k): v for k, v in first.items()},

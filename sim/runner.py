@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
+from services.cachemgr.pull import PullConfig
 from services.controller.config_file import config_to_mapping
 from services.controller.planner import ControllerConfig
 from shared.costmodel import Profile
@@ -64,8 +65,8 @@ RESULT_KEYS = (
     "policy", "rate_scale", "request_rate", "requests", "warmup_requests", "completed", "failed",
     "mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "slo_attainment", "hit_rate",
     "gpu_seconds", "reconfigurations", "splits", "merges", "drain_s_mean", "switch_s_mean",
-    "replications", "reclamations", "oracle_mean_ttft_s", "prediction_mape", "variant", "wall_s",
-    "sim_requests_per_wall_s",
+    "replications", "reclamations", "pulls", "oracle_mean_ttft_s", "prediction_mape", "variant",
+    "wall_s", "sim_requests_per_wall_s",
 )
 
 
@@ -207,6 +208,15 @@ def sweep_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], 
 
 
 # --- the run ---------------------------------------------------------------------------------
+def pull_option(min_blocks: int) -> PullConfig | None:
+    """The route-time pull for ``--pull-min-blocks``: None for 0 (off); InvalidInput naming
+    the option for anything but an integer >= 0."""
+    if isinstance(min_blocks, bool) or not isinstance(min_blocks, int) or min_blocks < 0:
+        raise InvalidInput(f"--pull-min-blocks must be an integer >= 0 (0: no pull), "
+                           f"got {min_blocks!r}")
+    return PullConfig(min_blocks) if min_blocks else None
+
+
 def run_simulate(
     *,
     trace: str,
@@ -235,8 +245,12 @@ def run_simulate(
     warmup_s: float = 0.0,
     slo: SloTable = QWEN3_SLO,
     controller: ControllerConfig | None = None,
+    pull_min_blocks: int | None = None,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
+
+    ``pull_min_blocks``: vertumnus's route-time pull (services/cachemgr/pull.py) with this
+    ``min_blocks``, 0 for none, None for the calibrated one (``calibration.PULL``).
 
     ``slo``: the TTFT deadlines by prompt length that SLO attainment counts, and that κ is
     measured to keep when the profile is measured here (default: paper Table 2, Qwen3).
@@ -270,6 +284,8 @@ def run_simulate(
     check_seed(seed)
     check_warmup_s(warmup_s)
     check_policies(policies)
+    if pull_min_blocks is not None:
+        pull_option(pull_min_blocks)
     ctl = controller_overrides(controller)
     truth = truth or GroundTruth()
     wl = workload or load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
@@ -286,6 +302,8 @@ def run_simulate(
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
                                      per_degree=per_degree, slo=slo, gpus=gpus)
     overrides = {**ctl, **(spec_overrides or {})}
+    if pull_min_blocks is not None:
+        overrides["pull"] = pull_option(pull_min_blocks)
     overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
@@ -323,6 +341,7 @@ def run_simulate(
         "profile": prof.to_dict(),
         "kappa": kappa_info,
         "controller": config_to_mapping(spec.controller),
+        "pull_min_blocks": spec.pull.min_blocks if spec.pull is not None else 0,
         "hardware": ground_truth_to_mapping(truth),
         "wall_s": time.perf_counter() - t0,
         **_jsonable(side),

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.cachemgr.actions import Reclaim, Replicate
+from services.cachemgr.pull import PullConfig, pull_on_route
 from services.cachemgr.reconcile import (
     RehomeConfig,
     on_reuse,
@@ -106,6 +107,9 @@ class SimConfig:
     """With ``cache_manager``: re-home a split parent's long prefixes to its degree's other
     workers when the split starts, and a merged worker's degree's long prefixes to it when it
     is exposed (services/cachemgr/reconcile.py ``rehome_on_split`` / ``rehome_on_merge``)."""
+    pull: PullConfig | None = None
+    """With ``cache_manager``: pull a request's prefix to the worker it was routed to from
+    the worker holding the most of it (services/cachemgr/pull.py ``pull_on_route``)."""
     kappa_scale: float = 1.0
     """Multiplies the profile's κ_C for the controller only (see sim/calibration.py)."""
 
@@ -203,6 +207,8 @@ class SimResult:
     reclamations: int
     reconcile_transfers: int
     end_s: float
+    pulls: int = 0
+    """Route-time pulls that landed (services/cachemgr/pull.py)."""
 
 
 def install_copy(trie: PrefixTrie, cache: BlockCache, act: Replicate) -> int | None:
@@ -268,6 +274,7 @@ class Simulator:
         self.replications = 0
         self.reclamations = 0
         self.reconcile_transfers = 0
+        self.pulls = 0
         self._lost = 0
 
     # ------------------------------------------------------------------ set-up
@@ -425,6 +432,7 @@ class Simulator:
             replications=self.replications,
             reclamations=self.reclamations,
             reconcile_transfers=self.reconcile_transfers,
+            pulls=self.pulls,
             end_s=now,
         )
 
@@ -464,6 +472,9 @@ class Simulator:
             # merge); asking first skips its per-request set-up in the common case (speed).
             if self.trie.has_pending(d.worker):
                 for act in on_reuse(self.trie, d.worker, req.block_hashes):
+                    self._issue_transfer(act, now)
+            if self.cfg.pull is not None and match.held_blocks:
+                for act in pull_on_route(self.trie, match, d.worker, self.cfg.pull):
                     self._issue_transfer(act, now)
         if self.ctl is not None and not job.rec.redirected:
             # D(k) counts a request once: a redirect re-places demand already counted.
@@ -672,6 +683,8 @@ class Simulator:
             return
         if act.kind == "reconcile":
             self.reconcile_transfers += 1
+        elif act.kind == "route":
+            self.pulls += 1
         else:
             self.replications += 1
         self.trie.replication_done(act)

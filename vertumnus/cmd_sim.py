@@ -82,7 +82,7 @@ def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
 # so do those of runner.PRESET_CHOICES (the ablation's workload, rates and cache size).
 _PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
                  "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale",
-                 "beta_busy_power")
+                 "beta_busy_power", "pull_min_blocks")
 
 
 _PER_DEGREE_HELP = ("Fit one cost-model coefficient set per CP degree, not one for all "
@@ -279,6 +279,11 @@ def register(app: typer.Typer) -> None:
             help="k of J's busy-share β: β_eff = 1 + (β − 1)·b^k, b the share of the pool's "
             "GPUs with work (0: β fixed, the paper's J; -1: the calibrated default)")
         ] = -1.0,
+        pull_min_blocks: Annotated[int, typer.Option(
+            help="vertumnus's route-time pull: copy a request's prefix to its worker from "
+            "the worker holding the most of it when it lacks at least this many blocks "
+            "(0: off; -1: the calibrated default)")
+        ] = -1,
         jobs: Annotated[
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
                               "(same results)")
@@ -367,7 +372,10 @@ def register(app: typer.Typer) -> None:
                 beta_queue_scale=beta_queue_option(beta_queue_scale) or None,
                 beta_busy_power=beta_busy_option(beta_busy_power),
                 jobs=jobs, per_degree=per_degree, repeats=repeats, warmup_s=warmup, slo=table,
+                pull_min_blocks=None if pull_min_blocks == -1 else pull_min_blocks,
             )
+            if pull_min_blocks != -1:
+                _check(runner.pull_option, pull_min_blocks)
         try:
             truth = _truth(hardware)
             ctl = _controller(controller)

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeAlias
 
 from shared.ids import BlockHash, Degree, WorkerId
 
-ReplicateKind: TypeAlias = Literal["inter", "intra", "reconcile"]
+ReplicateKind: TypeAlias = Literal["inter", "intra", "reconcile", "route"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +23,9 @@ class Replicate:
     ``blocks`` are only what ``dest`` misses on the root->``node_hash`` path (root first), so
     ``dest`` can install them with one ``insert`` of the whole path. ``degree`` is ``dest``'s
     degree. ``kind``: "inter" (first replica at ``degree``), "intra" (another one at the same
-    degree) or "reconcile" (pending pages after a split/merge; ``source`` may equal ``dest``
-    when the pages only move between the ranks of one merged worker).
+    degree), "reconcile" (pending pages after a split/merge; ``source`` may equal ``dest``
+    when the pages only move between the ranks of one merged worker) or "route" (a request's
+    prefix pulled to the worker it was routed to: services/cachemgr/pull.py).
     """
 
     node_hash: BlockHash

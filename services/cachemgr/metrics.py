@@ -21,7 +21,7 @@ from shared.metrics import meter, observe_gauge
 
 
 def action_kind(action: CacheAction) -> str:
-    """"reclaim", or the copy's kind ("inter", "intra", "reconcile")."""
+    """"reclaim", or the copy's kind ("inter", "intra", "reconcile", "route")."""
     return "reclaim" if isinstance(action, Reclaim) else str(action.kind)
 
 

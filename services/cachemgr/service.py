@@ -16,7 +16,9 @@ input                                  what the adapter does
                                        ``trie.match(block_hashes)`` then ``trie.record_request``
                                        with the chosen worker, degree, reused blocks, preferred
                                        degree, L and the profile's Ê; then ``trie.on_reuse``: the
-                                       lazy reconcile copies for pages pending at that worker
+                                       lazy reconcile copies for pages pending at that worker;
+                                       then ``pull_on_route``: the part of the longest held
+                                       prefix that worker lacks, copied from a holder
 timer, every ``scan_interval_s`` (H)   ``trie.scan(config, load)`` with each worker's outstanding
                                        work from the worker-state bucket (no ``in_use``: pinned
                                        blocks are the worker's to protect, and a reclaim skips
@@ -93,6 +95,7 @@ from services import calibration
 from services.cachemgr.actions import CacheAction, Reclaim, Replicate
 from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
 from services.cachemgr.metrics import CacheMetrics
+from services.cachemgr.pull import PullConfig, pull_on_route
 from services.cachemgr.reconcile import (
     RehomeConfig,
     diff_compositions,
@@ -233,6 +236,20 @@ class CacheMgrSettings(ServiceSettings):
         "capacity; a merged worker takes at most this fraction of its capacity in copies.",
     )
 
+    pull: bool = Field(
+        default=True,
+        description="Route-time pull (pull.py): when a placement's worker lacks part of the "
+        "longest prefix another worker holds, copy that part to it from the holder.",
+    )
+    pull_min_blocks: int = Field(
+        default=calibration.PULL.min_blocks, ge=1,
+        description="Route-time pull: only when the worker lacks at least this many blocks.",
+    )
+
+    def pull_config(self) -> PullConfig | None:
+        """The route-time pull's settings, or None when it is off."""
+        return PullConfig(min_blocks=self.pull_min_blocks) if self.pull else None
+
     def rehome_config(self) -> RehomeConfig | None:
         """The re-homing settings, or None when re-homing is off."""
         if not self.rehome:
@@ -362,6 +379,7 @@ class CacheMgrService(MicroService):
             "commands_errored": 0,  # of commands_failed: an unexpected exception (a bug)
             "splits": 0,
             "rehomed": 0,
+            "pulls": 0,
             "merges": 0,
             "restarts": 0,
         }
@@ -826,7 +844,8 @@ class CacheMgrService(MicroService):
             self._send(a)
 
     def record_stats(self, stats: RequestStats) -> tuple[Replicate, ...]:
-        """Algorithm 1 for one placement, then the lazy reconcile copies it triggers."""
+        """Algorithm 1 for one placement, then the copies it triggers: the lazy reconcile
+        copies (§6.2) and the route-time pull (pull.py)."""
         t = self.trie
         wid = WorkerId(stats.worker_id)
         hashes = [BlockHash(h) for h in stats.block_hashes]
@@ -848,7 +867,13 @@ class CacheMgrService(MicroService):
                 self.profile.predict,
             )
             self.counters["stats_recorded"] += 1
-            return t.on_reuse(wid, hashes)
+            copies = t.on_reuse(wid, hashes)
+            pull = self.msettings.pull_config()
+            if pull is not None:
+                pulled = pull_on_route(t, match, wid, pull)
+                self.counters["pulls"] += len(pulled)
+                copies += pulled
+            return copies
         except VertumnusError as exc:
             self.counters["stats_skipped"] += 1
             self.log.info("request stats not recorded", request_id=stats.request_id, error=str(exc))

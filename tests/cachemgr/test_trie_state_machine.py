@@ -3,7 +3,8 @@
 A hypothesis state machine runs worker caches (:class:`BlockCache`, the rank daemons' own) over
 a small forest of prefixes, and the trie over what it is told: cache events delivered late,
 lost (a gap: the worker goes stale until a snapshot) or twice; requests matched and recorded
-(Algorithm 1), some left running with their blocks pinned; scans whose copies and reclaims are
+(Algorithm 1), some left running with their blocks pinned, some with their prefix pulled to
+their worker (services/cachemgr/pull.py); scans whose copies and reclaims are
 carried out (as the simulator does, ``sim.simulator.install_copy``), fail or stay in flight;
 lazy reconcile copies on reuse; splits and merges (§6.2) with their re-homing copies; workers
 leaving and joining. After every step the trie must agree with its own definitions (module
@@ -42,6 +43,7 @@ from hypothesis.stateful import (
 
 from services.cachemgr.actions import Reclaim, Replicate
 from services.cachemgr.events import CacheEvent
+from services.cachemgr.pull import PullConfig, pull_on_route
 from services.cachemgr.reconcile import RehomeConfig, rehome_on_merge, rehome_on_split
 from services.cachemgr.scan import ScanConfig
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
@@ -55,6 +57,7 @@ N_BLOCKS = 40
 SCAN = ScanConfig(theta_inter=1e-9, theta_intra=0.5, theta_reclaim=0.3, decay=0.8,
                   max_actions_per_list=2, max_replications=3)
 REHOME = RehomeConfig(min_blocks=3, fill=0.9)
+PULL = PullConfig(min_blocks=1)
 
 
 class TrieMachine(RuleBasedStateMachine):
@@ -156,6 +159,8 @@ class TrieMachine(RuleBasedStateMachine):
             t.record_request(m, w, self.degree[w], reused, pref, len(path) * 4,
                              DEFAULT_PROFILE.predict_fast)
             self.flying.extend(t.on_reuse(w, path))
+            if data.draw(st.booleans()):  # the route-time pull, as the manager issues it
+                self.flying.extend(pull_on_route(t, m, w, PULL))
             # Some stay running: their cached part is pinned (not evictable) until they finish.
             running = data.draw(st.sampled_from([False, True]))
             stored = self.caches[w].insert(path, pin=running)

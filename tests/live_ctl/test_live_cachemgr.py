@@ -314,6 +314,49 @@ async def test_scan_replicates_to_the_right_worker_visible_only_after_its_event(
     assert body["match"]["held"][A] == 3
 
 
+@pytest.mark.parametrize("pull", [True, False])
+async def test_a_placement_away_from_the_prefix_pulls_it_to_the_routed_worker(
+    nc: Client, nats_server, uniq: str, services, pull: bool
+):
+    """The scheduler routed a request to B while A holds its prefix: the route-time pull
+    (services/cachemgr/pull.py) sends B a replicate command for the prefix from A at once,
+    no scan needed (the scan is an hour away here); with ``pull`` off, nothing is sent."""
+    s = Subjects(uniq)
+    b_cmds = await acking_worker(nc, s, B)
+    a_cmds = await acking_worker(nc, s, A)
+    svc = await services(CacheMgrService(settings(nats_server.url, uniq, pull=pull)))
+    await stored(nc, s, A, 1, None, [11, 12, 13, 14])
+    await stored(nc, s, B, 1, None, [11])  # B has the first block only
+
+    async def both_known() -> bool:
+        w = (await inspect(nc, uniq))["workers"]
+        return w.get(A, {}).get("blocks") == 4 and w.get(B, {}).get("blocks") == 1
+
+    await eventually(both_known, what="both workers' events applied")
+    await nc.publish(s.prefix + ".cache.stats.s1", stats(B, 2, [11, 12, 13, 14, 15], 1, "r1"))
+
+    async def recorded() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        return body if body["counters"]["stats_recorded"] == 1 else None
+
+    body = await eventually(recorded, what="the placement recorded")
+    if not pull:
+        # The copy would have been recorded in flight with the stats, before any command.
+        assert body["counters"]["pulls"] == 0 and svc.trie.inflight() == ()
+        assert body["counters"]["commands_sent"] == 0
+        return
+    assert body["counters"]["pulls"] == 1
+    cmd = await b_cmds.first(lambda c: c.get("op") == "replicate", what="the pull")
+    # The whole root->node path; B copies only what it lacks (12-14).
+    assert (cmd["source_worker"], cmd["blocks"]) == (A, [11, 12, 13, 14])
+
+    async def settled() -> bool:
+        return svc.counters["commands_ok"] == 1 and svc.trie.inflight() == ()
+
+    await eventually(settled, what="the pull settled as done")
+    assert not a_cmds.items  # nothing was asked of the holder
+
+
 async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
     nc: Client, nats_server, uniq: str, services
 ):

@@ -35,6 +35,12 @@ def test_cachemgr_rehome_defaults_to_the_calibrated_rehome_and_can_be_off() -> N
     assert CacheMgrSettings(rehome=False).rehome_config() is None
 
 
+def test_cachemgr_pull_defaults_to_the_calibrated_pull_and_can_be_off() -> None:
+    assert CacheMgrSettings().pull_config() == calibration.PULL
+    assert CacheMgrSettings(pull=False).pull_config() is None
+    assert CacheMgrSettings(pull_min_blocks=7).pull_config().min_blocks == 7
+
+
 def test_scheduler_vertumnus_weights_default_to_calibrated() -> None:
     svc = SchedulerService(SchedulerSettings(policy="vertumnus"))
     policy = svc.core.policy

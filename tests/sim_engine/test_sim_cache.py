@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from simeng_support import B, by_id, check_records, run
 
+from services.cachemgr.pull import PullConfig
 from services.cachemgr.reconcile import RehomeConfig
 from services.cachemgr.scan import ScanConfig
 from services.controller.lattice import Composition, Lattice
@@ -167,3 +168,44 @@ def test_merge_rehomes_its_degrees_long_prefixes_onto_the_merged_worker(
     assert kinds.count("merge") >= 2 and "split" not in kinds
     assert off.replications == 0
     assert on.replications > 0
+
+
+# The scan never replicates: every copy below is a route-time pull.
+QUIET = ScanConfig(theta_inter=1e9, theta_intra=1e9, theta_reclaim=0.2, decay=0.5)
+
+
+def test_route_time_pulls_bring_prefixes_to_the_routed_worker(profile, phased_workload) -> None:
+    """With the pull on (services/cachemgr/pull.py), a request routed away from the worker
+    holding its prefix has that prefix copied to its worker: pulls land, and requests reuse
+    prefixes their worker never computed (the scan copies nothing here). Off, neither."""
+    base = dict(SMALL, scan_config=QUIET, cache_blocks_per_gpu=2048)
+    off = run(phased_workload, profile, composition=_comp(), cache_manager=True, **base)
+    on = run(phased_workload, profile, composition=_comp(), cache_manager=True,
+             pull=PullConfig(min_blocks=1), **base)
+    check_records(on, phased_workload, gpus=16)
+    assert (off.pulls, off.replications) == (0, 0)
+    assert reuse_not_computed_locally(off, phased_workload) == []
+    assert on.pulls > 0 and on.replications == 0
+    assert reuse_not_computed_locally(on, phased_workload)
+
+
+def test_a_pull_is_used_only_once_it_has_landed(profile, phased_workload) -> None:
+    """Transfers that never complete during the run: no pull lands, and every reuse is the
+    worker's own computation -- J does not count on a pull, and neither does the worker."""
+    slow = GroundTruth(surroundings=Surroundings(transfer_latency_s=NEVER_S))
+    base = dict(SMALL, scan_config=QUIET, cache_blocks_per_gpu=2048)
+    res = run(phased_workload, profile, composition=_comp(), cache_manager=True, truth=slow,
+              pull=PullConfig(min_blocks=1), **base)
+    check_records(res, phased_workload, gpus=16, truth=slow)
+    assert max(r.finish_s for r in res.records) < NEVER_S
+    assert reuse_not_computed_locally(res, phased_workload) == []
+    assert res.pulls > 0  # counted as they land, after the run's last request
+    assert res.end_s >= NEVER_S
+
+
+def test_the_pull_is_part_of_the_cache_manager(profile, phased_workload) -> None:
+    """With the cache manager off (every baseline), a pull setting does nothing."""
+    res = run(phased_workload, profile, composition=_comp(), cache_manager=False,
+              pull=PullConfig(min_blocks=1), **SMALL)
+    assert res.pulls == 0
+    assert reuse_not_computed_locally(res, phased_workload) == []

@@ -1,0 +1,97 @@
+"""The route-time pull (services/cachemgr/pull.py): a request's prefix copied to the worker it
+was routed to from the worker holding the most of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cachemgr.actions import Replicate
+from services.cachemgr.events import Removed, Stored
+from services.cachemgr.pull import PullConfig, pull_on_route
+from services.cachemgr.trie import PrefixTrie
+from shared.ids import InvalidInput, UnknownWorker
+
+A, B, C, D = "w-cp2-g0", "w-cp2-g2", "w-cp4-g4", "w-cp4-g8"
+ONE = PullConfig(min_blocks=1)
+REQ = [1, 2, 3, 4, 5, 6]
+
+
+def setup(cap: int = 100) -> PrefixTrie:
+    t = PrefixTrie([2, 4], block_size=4)
+    for w, d in ((A, 2), (B, 2), (C, 4), (D, 4)):
+        t.add_worker(w, d, cap)
+    t.apply(Stored(C, 1, None, (1, 2, 3, 4, 5)))  # C holds 5 of the request's 6 blocks
+    t.apply(Stored(A, 1, None, (1, 2)))  # A holds 2
+    return t
+
+
+def test_the_part_the_worker_lacks_comes_from_the_longest_holder_in_flight() -> None:
+    t = setup()
+    m = t.match(REQ)
+    acts = pull_on_route(t, m, A, ONE)
+    # A has blocks 1-2: only 3-5 move, from C (the only holder of 5), at A's degree.
+    assert acts == (Replicate(5, 2, C, A, (3, 4, 5), "route"),)
+    assert t.inflight() == acts
+    # Not visible before A's own Stored event; then held, and the copy is retired by it.
+    assert t.match(REQ).held(A) == 2
+    t.apply(Stored(A, 2, 2, (3, 4, 5)))
+    assert t.match(REQ).held(A) == 5
+    assert t.inflight() == ()
+
+
+def test_nothing_when_the_worker_holds_the_longest_prefix_or_the_gap_is_small() -> None:
+    t = setup()
+    m = t.match(REQ)
+    assert pull_on_route(t, m, C, ONE) == ()  # C holds the most already
+    assert pull_on_route(t, m, A, PullConfig(min_blocks=4)) == ()  # lacks 3 < 4
+    assert pull_on_route(t, m, B, PullConfig(min_blocks=5)) == (
+        Replicate(5, 2, C, B, (1, 2, 3, 4, 5), "route"),)  # B lacks all 5
+    t2 = PrefixTrie([2, 4], block_size=4)
+    t2.add_worker(A, 2, 10)
+    assert pull_on_route(t2, t2.match(REQ), A, ONE) == ()  # nobody holds any of it
+
+
+def test_a_holder_of_the_destinations_degree_is_preferred_then_the_lowest_id() -> None:
+    t = setup()
+    t.apply(Stored(B, 1, None, (1, 2, 3, 4, 5)))
+    t.apply(Stored(D, 1, None, (1, 2, 3, 4, 5)))
+    m = t.match(REQ)
+    # Holders of 5 blocks: B (CP2), C, D (CP4). A is CP2: B, whose pages map rank to rank.
+    assert pull_on_route(t, m, A, ONE)[0].source == B
+    # For a CP4 destination that holds nothing... make one: D drops its blocks.
+    t.apply(Removed(D, 2, (1, 2, 3, 4, 5)))
+    assert pull_on_route(t, t.match(REQ), D, ONE)[0].source == C
+
+
+def test_no_second_copy_while_one_to_the_worker_is_in_flight() -> None:
+    t = setup()
+    first = pull_on_route(t, t.match(REQ), B, ONE)
+    assert len(first) == 1
+    # The next turn of the same session, routed to B again before the copy landed.
+    assert pull_on_route(t, t.match(REQ), B, ONE) == ()
+    # A copy that landed or failed no longer blocks one.
+    assert t.replication_failed(first[0])
+    assert pull_on_route(t, t.match(REQ), B, ONE) == first
+
+
+def test_a_prefix_longer_than_the_destination_can_hold_is_not_pulled() -> None:
+    t = setup()
+    t.add_worker("w-cp2-g12", 2, 4)  # room for 4 blocks, the prefix is 5
+    assert pull_on_route(t, t.match(REQ), "w-cp2-g12", ONE) == ()
+
+
+def test_a_stale_destination_is_not_pulled_to() -> None:
+    t = setup()
+    t.apply(Stored(B, 5, None, (9,)))  # event 5 after none: a gap, B goes stale
+    assert pull_on_route(t, t.match(REQ), B, ONE) == ()
+
+
+def test_bad_input_is_refused() -> None:
+    t = setup()
+    with pytest.raises(UnknownWorker):
+        pull_on_route(t, t.match(REQ), "w-cp2-g30", ONE)
+    with pytest.raises(InvalidInput):
+        pull_on_route(t, t.match(REQ), A, {"min_blocks": 1})  # type: ignore[arg-type]
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(InvalidInput):
+            PullConfig(min_blocks=bad)  # type: ignore[arg-type]
