@@ -1,5 +1,6 @@
 """Fixed compositions under Vertumnus's J scheduler at one rate, with and without the cache
-manager. Prints figures; asserts nothing.
+manager (with: its scan, reclamation and route-time pull, as vertumnus runs them). Prints
+figures; asserts nothing.
 
 What it answers: at a given load, which worker composition would the best possible controller
 hold, and what does the cache manager add there? The conversation preset's highest rate (×4.7)

@@ -724,3 +724,29 @@ def test_tune_rejects_weights_j_does_not_take(runner, tmp_path, args, words) -> 
     res = runner.invoke(app, ["tune", "--max-requests", "50", "--out", str(tmp_path), *args])
     assert res.exit_code == 2 and words in " ".join(res.output.split()), res.output
     assert not (tmp_path / "tune.json").exists()
+
+
+def test_simulate_takes_the_pull_setting(runner, tmp_path, profile_file) -> None:
+    """``--pull-min-blocks`` reaches vertumnus's cache manager (0: off; meta.json records the
+    setting used, the calibrated one by default); a negative value, or the option with a
+    preset, which fixes vertumnus's settings, is refused before anything runs."""
+    common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
+              "--profile", str(profile_file), "--policies", "vertumnus,homo", "--rate-scale", "2"]
+    metas, rows = {}, {}
+    for k in ("0", "-1", "1"):
+        out = tmp_path / f"pull{k}"
+        _ok(runner.invoke(app, [*common, "--pull-min-blocks", k, "--out", str(out)]))
+        metas[k] = json.loads((out / "meta.json").read_text())["pull_min_blocks"]
+        rows[k] = {r["policy"]: r for r in json.loads((out / "results.json").read_text())}
+    assert metas == {"0": 0, "-1": 2, "1": 1}
+    assert rows["0"]["vertumnus"]["pulls"] == 0
+    assert rows["1"]["vertumnus"]["pulls"] > 0
+    assert rows["1"]["homo"]["pulls"] == 0  # a baseline has no cache manager
+    for bad, words in ((["--pull-min-blocks", "-2", *common[1:]],
+                        "--pull-min-blocks must be an integer >= 0"),
+                       (["--preset", "conversation", "--pull-min-blocks", "4"],
+                        "leave out --pull-min-blocks")):
+        out = tmp_path / "bad"
+        res = runner.invoke(app, ["simulate", *bad, "--out", str(out)])
+        assert res.exit_code == 2 and words in " ".join(res.output.split()), res.output
+        assert not (out / "results.json").exists()
