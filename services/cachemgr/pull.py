@@ -3,9 +3,10 @@ routed to, from the worker that holds the most of it.
 
 Why. J (§5) weighs a worker's queue against its cached prefix, so under load it often routes a
 request away from the worker holding its prefix, and that request then recomputes the prefix
--- GPU time that near saturation is the pool's capacity. On the Mooncake conversation trace,
-an infinite global cache would reuse 37% of the input tokens; Vertumnus's routing reused 31%
-with per-worker caches of unbounded size and 31% with the real ones. §7.2's replication is
+-- GPU time that near saturation is the pool's capacity. On the Mooncake conversation trace
+at ×4.8, an infinite global cache would reuse 37.4% of the input tokens; Vertumnus's routing
+reused 31.8% with per-worker caches of unbounded size and 30.8% with the real ones (34.4%
+with this pull; docs/evaluation.md "Route-time prefix pull"). §7.2's replication is
 periodic (one scan per H = 20 s) and driven by accumulated demand, which a multi-turn
 session's prefix -- reused once a turn, by one client -- never accumulates. A copy over the
 RDMA / NVLink links costs a small fraction of recomputing the prefix (40 GB/s per rank pair

@@ -65,6 +65,26 @@ async def inspect(nc: Client, prefix: str, match: list[int] | None = None) -> di
     return json.loads(msg.data)
 
 
+async def counted(nc: Client, prefix: str, counter: str, n: int, what: str) -> dict[str, Any]:
+    """The inspect body once the manager's ``counter`` reached ``n``."""
+
+    async def reached() -> dict[str, Any] | None:
+        body = await inspect(nc, prefix)
+        return body if body["counters"][counter] == n else None
+
+    return await eventually(reached, what=what)
+
+
+async def holding(nc: Client, prefix: str, worker: str, blocks: int) -> None:
+    """Wait until the manager's view of ``worker`` has ``blocks`` blocks."""
+
+    async def holds() -> bool:
+        w = (await inspect(nc, prefix))["workers"]
+        return w.get(worker, {}).get("blocks") == blocks
+
+    await eventually(holds, what=f"{worker}'s events applied")
+
+
 def epoch_record(epoch: int, groups: list[tuple[int, int]]) -> bytes:
     """An all-ACTIVE EpochRecord of (first GPU, degree) groups, as JSON."""
     return to_json(
@@ -335,11 +355,7 @@ async def test_a_placement_away_from_the_prefix_pulls_it_to_the_routed_worker(
     await eventually(both_known, what="both workers' events applied")
     await nc.publish(s.prefix + ".cache.stats.s1", stats(B, 2, [11, 12, 13, 14, 15], 1, "r1"))
 
-    async def recorded() -> dict[str, Any] | None:
-        body = await inspect(nc, uniq)
-        return body if body["counters"]["stats_recorded"] == 1 else None
-
-    body = await eventually(recorded, what="the placement recorded")
+    body = await counted(nc, uniq, "stats_recorded", 1, "the placement recorded")
     if not pull:
         # The copy would have been recorded in flight with the stats, before any command.
         assert body["counters"]["pulls"] == 0 and svc.trie.inflight() == ()
@@ -368,19 +384,9 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
     svc = CacheMgrService(settings(nats_server.url, uniq))
     await services(svc)
     await stored(nc, s, "w-cp4-g0", 1, None, [11, 12, 13, 14])
-
-    async def parent_holds() -> bool:
-        w = (await inspect(nc, uniq))["workers"]
-        return w.get("w-cp4-g0", {}).get("blocks") == 4
-
-    await eventually(parent_holds, what="parent's events applied")
+    await holding(nc, uniq, "w-cp4-g0", 4)
     await kv.put(s.epoch_key(), epoch_record(1, [(0, 2), (2, 2), (4, 4)]))
-
-    async def split() -> dict[str, Any] | None:
-        body = await inspect(nc, uniq)
-        return body if body["counters"]["splits"] == 1 else None
-
-    body = await eventually(split, what="split reconciled")
+    body = await counted(nc, uniq, "splits", 1, "split reconciled")
     assert "w-cp4-g0" not in body["workers"]
     # The micro metadata names the epoch reconciled to (conventions.md: metadata has the epoch).
     info = json.loads((await nc.request(f"$SRV.INFO.vtm-cachemgr.{svc.service.id}", b"",
@@ -427,19 +433,9 @@ async def test_workers_a_reconfiguration_makes_are_planned_with_their_hardware_s
     await seen_state_of(nc, uniq, other, "o")
     chain = list(range(101, 109))
     await stored(nc, s, parent, 1, None, chain)
-
-    async def parent_holds() -> bool:
-        w = (await inspect(nc, uniq))["workers"]
-        return w.get(parent, {}).get("blocks") == 8
-
-    await eventually(parent_holds, what="parent's events applied")
+    await holding(nc, uniq, parent, 8)
     await kv.put(s.epoch_key(), epoch_record(1, [(0, 2), (2, 2), (4, 4)]))
-
-    async def split() -> dict[str, Any] | None:
-        body = await inspect(nc, uniq)
-        return body if body["counters"]["splits"] == 1 else None
-
-    body = await eventually(split, what="split reconciled")
+    body = await counted(nc, uniq, "splits", 1, "split reconciled")
     left, right = body["workers"]["w-cp2-g0"], body["workers"]["w-cp2-g2"]
     assert (left["capacity_blocks"], right["capacity_blocks"]) == (4, 4)
     seeded = reconciled_index(
@@ -452,11 +448,7 @@ async def test_workers_a_reconfiguration_makes_are_planned_with_their_hardware_s
     await states.delete(parent)  # the merged worker's own figure is not known either
     await kv.put(s.epoch_key(), epoch_record(2, [(0, 4), (4, 4)]))
 
-    async def merged() -> dict[str, Any] | None:
-        body = await inspect(nc, uniq)
-        return body if body["counters"]["merges"] == 1 else None
-
-    body = await eventually(merged, what="merge reconciled")
+    body = await counted(nc, uniq, "merges", 1, "merge reconciled")
     assert body["workers"][parent]["capacity_blocks"] == 8
 
 
