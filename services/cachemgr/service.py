@@ -386,6 +386,11 @@ class CacheMgrService(MicroService):
 
     # -- endpoints --------------------------------------------------------------------------
 
+    def stats_data(self) -> dict[str, Any]:
+        """The manager's counters (``$SRV.STATS``: ``nats micro stats vtm-cachemgr``; ``vertumnus
+        up`` reports the pulls from them)."""
+        return dict(self.counters)
+
     def endpoints(self) -> Sequence[Endpoint]:
         return [Endpoint("inspect", self._on_inspect)]
 

@@ -371,6 +371,11 @@ async def test_a_placement_away_from_the_prefix_pulls_it_to_the_routed_worker(
 
     await eventually(settled, what="the pull settled as done")
     assert not a_cmds.items  # nothing was asked of the holder
+    # Its counters are the micro stats' data too (what `vertumnus up` reports the pulls from).
+    stats_answer = json.loads((await nc.request(f"$SRV.STATS.vtm-cachemgr.{svc.service.id}",
+                                                b"", timeout=10)).data)
+    data = stats_answer["endpoints"][0]["data"]
+    assert (data["pulls"], data["commands_ok"]) == (1, 1)
 
 
 async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(

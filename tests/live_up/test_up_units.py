@@ -15,12 +15,14 @@ from sim.workloads.workload import Request
 from vertumnus.live.registry import SERVICES, SIM_RANKD, env_names, filter_env, module_runnable
 from vertumnus.live.replay import BlockTokens, ReplayRecord, wire_id
 from vertumnus.live.report import (
+    CACHE_MANAGER_COUNTERS,
     REQUIRED_KEYS,
     CompositionChange,
     LiveReport,
     describe_change,
     reconfigurations,
     scheduler_recovery,
+    summed_counters,
 )
 from vertumnus.live.stack import default_composition, notation, phased_config
 
@@ -399,6 +401,31 @@ def test_scheduler_recovery_sums_the_replicas_counters() -> None:
                    "republished_answered": 0, "republished_placed": 0,
                    "republished_listings": 0}
     assert set(scheduler_recovery([])) == set(got) and not any(scheduler_recovery([]).values())
+
+
+def test_report_names_the_route_time_pulls_among_the_cache_commands() -> None:
+    """The cache manager's ``$SRV.STATS`` counters (summed over answers as the scheduler's
+    are) give the pulls; the row says how many of the replicate commands they were."""
+    import io
+
+    from rich.console import Console
+
+    ok = ReplayRecord("r1", 0.0, 1000, 200, ttft_s=0.05, worker_id="w-cp2-g0")
+    answer = {"endpoints": [{"name": "inspect", "data": {"pulls": 23, "commands_ok": 34}}]}
+    counts = summed_counters([answer], CACHE_MANAGER_COUNTERS)
+    assert counts == {"pulls": 23, "rehomed": 0, "commands_sent": 0, "commands_ok": 34,
+                      "commands_failed": 0}
+
+    def row(meta: dict[str, object]) -> list[str]:
+        out = io.StringIO()
+        LiveReport([ok], time_scale=0.1, meta=meta).render(Console(file=out, width=400))
+        return [ln for ln in out.getvalue().splitlines() if "cache commands" in ln]
+
+    cmds = {"reclaim": 7, "replicate": 25}
+    assert "7 reclaim, 25 replicate (23 route-time pulls among the replicates)" in \
+        row({"cache_commands": cmds, "cache_manager": counts})[0]
+    none = row({"cache_commands": cmds, "cache_manager": summed_counters([], ["pulls"])})[0]
+    assert "25 replicate" in none and "pulls" not in none
 
 
 def test_report_prints_the_scheduler_recovery_only_when_there_was_some() -> None:

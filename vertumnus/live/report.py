@@ -62,10 +62,22 @@ RECOVERY_COUNTERS: tuple[tuple[str, str], ...] = (
 """The scheduler's recovery counters (``SchedulerStats``) ``up`` sums over its replicas."""
 
 
+CACHE_MANAGER_COUNTERS: tuple[str, ...] = ("pulls", "rehomed", "commands_sent",
+                                           "commands_ok", "commands_failed")
+"""The cache manager's counters (``CacheMgrService.counters``) ``up`` reports."""
+
+
 def scheduler_recovery(answers: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """Sum :data:`RECOVERY_COUNTERS` over ``$SRV.STATS`` answers of the scheduler's replicas
     (the counters are every endpoint's ``data``; a replica is counted once). Pure."""
-    out = dict.fromkeys((k for k, _ in RECOVERY_COUNTERS), 0)
+    return summed_counters(answers, [k for k, _ in RECOVERY_COUNTERS])
+
+
+def summed_counters(answers: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, int]:
+    """Sum the counters ``keys`` over a micro service's ``$SRV.STATS`` answers (the counters
+    are every endpoint's ``data``; a replica is counted once; a missing, malformed or
+    negative value counts 0). Pure."""
+    out = dict.fromkeys(keys, 0)
     for a in answers:
         data = next((e.get("data") for e in a.get("endpoints") or ()
                      if isinstance(e, Mapping) and isinstance(e.get("data"), Mapping)), None)
@@ -281,8 +293,10 @@ class LiveReport:
             ("reconfigurations", str(s["reconfigurations"])),
         ]
         if "cache_commands" in s:
-            rows.append(("cache commands", ", ".join(
-                f"{n} {op}" for op, n in s["cache_commands"].items()) or "none"))
+            pulls = (s.get("cache_manager") or {}).get("pulls", 0)
+            rows.append(("cache commands", (", ".join(
+                f"{n} {op}" for op, n in s["cache_commands"].items()) or "none")
+                + (f" ({pulls} route-time pulls among the replicates)" if pulls else "")))
         for k, v in rows:
             t.add_row(k, v)
         console.print(t)

@@ -64,7 +64,13 @@ from vertumnus.live.interrupt import InterruptGuard
 from vertumnus.live.observe import Observer, ping, service_stats
 from vertumnus.live.procs import Child, ChildSet, ChildSpec
 from vertumnus.live.registry import SERVICES, SIM_RANKD, ServiceInfo, filter_env
-from vertumnus.live.report import REQUIRED_KEYS, LiveReport, scheduler_recovery
+from vertumnus.live.report import (
+    CACHE_MANAGER_COUNTERS,
+    REQUIRED_KEYS,
+    LiveReport,
+    scheduler_recovery,
+    summed_counters,
+)
 
 WINDOW_S: Final[float] = 20.0
 """The controller window H and cache scan period of the paper, modelled seconds."""
@@ -976,15 +982,25 @@ class _Silent:
 _SILENT: Final = _Silent()
 
 
-async def _scheduler_recovery(stack: LiveStack) -> dict[str, int]:
-    """The scheduler replicas' recovery counters, summed (``$SRV.STATS``, before the stop);
-    zeros when none answers (bounded: one short collection window)."""
+async def _stats_answers(stack: LiveStack, service: str) -> list[dict[str, Any]]:
+    """The ``$SRV.STATS`` answers of ``service``'s replicas (before the stop); none when none
+    answers (bounded: one short collection window)."""
     answers: list[dict[str, Any]] = []
     if stack.nc is not None and stack.nc.is_connected:
         with contextlib.suppress(Exception):
-            answers = await service_stats(stack.nc, micro_service_name("scheduler"),
+            answers = await service_stats(stack.nc, micro_service_name(service),
                                           prefix=stack.config.prefix, window_s=0.3)
-    return scheduler_recovery(answers)
+    return answers
+
+
+async def _scheduler_recovery(stack: LiveStack) -> dict[str, int]:
+    """The scheduler replicas' recovery counters, summed; zeros when none answers."""
+    return scheduler_recovery(await _stats_answers(stack, "scheduler"))
+
+
+async def _cache_manager_counts(stack: LiveStack) -> dict[str, int]:
+    """The cache manager's :data:`CACHE_MANAGER_COUNTERS`; zeros when it does not answer."""
+    return summed_counters(await _stats_answers(stack, "cachemgr"), CACHE_MANAGER_COUNTERS)
 
 
 def _finite(obj: Any) -> Any:
@@ -1268,6 +1284,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                           f"{'restart' if 'kill' in done else 'kill'} of {plan.service}")
         observer = stack.observer
         recovery = await _scheduler_recovery(stack)
+        cache_counts = await _cache_manager_counts(stack)
         err.print("stopping services…")
         codes = await asyncio.shield(stack.stop())
     report = LiveReport(
@@ -1287,6 +1304,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             "exit_codes": codes, "log_dir": str(log_dir),
             **(observer.summary_counts() if observer else {}),
             "scheduler_recovery": recovery,
+            "cache_manager": cache_counts,
         },
         faults=[f.as_dict() for f in faults],
     )
