@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from services import calibration
 from services.cachemgr.events import Stored
+from services.cachemgr.pull import pull_on_route
 from services.cachemgr.scan import ScanConfig
 from services.cachemgr.trie import PrefixTrie
 from services.controller.core import ControllerCore
@@ -17,6 +19,7 @@ from shared.costmodel import DEFAULT_PROFILE
 from shared.ids import BlockHash, RequestId, WorkerId
 
 B = 512
+PULL = calibration.PULL
 
 
 def _blocks(*ids: int) -> tuple[BlockHash, ...]:
@@ -51,6 +54,8 @@ def run_demo(*, beta: float = 1.5, lam: float = 0.5, echo: Callable[[str], None]
         ("doc-follow-up", 17_000, doc + _blocks(900, 901)),  # reuses the 16K document
         ("long-new", 60_000, _blocks(*range(2000, 2117))),  # 60K fresh tokens
         ("q-short-2", 900, _blocks(1)),
+        # The document again while its CP4 holder is busy with the 60K prompt.
+        ("doc-follow-up-2", 17_200, doc + _blocks(910, 911)),
     ]
     echo(f"== Placement (§5.3): J = q + β·s + λ·(C·s − C_min·Ê_Cmin), β={beta}, λ={lam}")
     for t, (rid, length, blocks) in enumerate(requests):
@@ -60,6 +65,10 @@ def run_demo(*, beta: float = 1.5, lam: float = 0.5, echo: Callable[[str], None]
         echo(d.explain())
         trie.record_request(m, d.worker, d.degree, d.reused_blocks, d.preferred_degree,
                             length, prof.predict_fast)
+        for a in pull_on_route(trie, m, d.worker, PULL):  # the cache manager, on this placement
+            echo(f"  route-time pull: {len(a.blocks)} blocks of the prefix from {a.source} to "
+                 f"{a.dest}, reused if they land before the request starts "
+                 f"(services/cachemgr/pull.py)")
         echo("")
 
     # --- Algorithm 2: one scan -------------------------------------------------------------
