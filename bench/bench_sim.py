@@ -14,7 +14,7 @@ does next, so a run that leaves less is faster end to end even where its own tim
 is not.
 
     .venv/bin/python bench/bench_sim.py [TRACE] [--rate-scale 2] [--policies vertumnus homo]
-        [--repeat 1] [--max-requests N] [--profile] [--rows FILE]
+        [--repeat 1] [--max-requests N] [--profile] [--rows FILE] [--pull-credit-blocks N]
 
 ``--profile`` runs each policy once more under cProfile and prints the top 20 functions by
 internal time (and by cumulative time). ``--rows FILE`` writes the full result rows (without the
@@ -43,6 +43,7 @@ import pstats
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=40)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per policy (best reported)")
     ap.add_argument("--max-requests", type=int, default=None)
+    ap.add_argument("--pull-credit-blocks", type=int, default=None,
+                    help="J's pull credit for the J pools (default: the calibrated one)")
     ap.add_argument("--profile", action="store_true", help="cProfile top 20 per policy")
     ap.add_argument("--rows", type=Path, default=None,
                     help="write the result rows (no wall-clock fields) and digests as JSON")
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         profile = run_profile(tmp, degrees=(1, 2, 4), seed=0)[0]
     spec = ExperimentSpec(gpus=args.gpus)
+    if args.pull_credit_blocks is not None:
+        spec = replace(spec, pull_credit_blocks=args.pull_credit_blocks)
     lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
     # As sim.experiments.sweep does: the initial composition is judged with the controller's
     # profile (κ scaled), when this version of the simulator has one.
@@ -210,6 +215,8 @@ def _against(args: argparse.Namespace) -> int:
             "--json-lines"]
     if args.max_requests:
         base += ["--max-requests", str(args.max_requests)]
+    if args.pull_credit_blocks is not None:
+        base += ["--pull-credit-blocks", str(args.pull_credit_blocks)]
     runs: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in sides}
     for rnd in range(max(1, args.repeat)):
         # Alternate which side goes first, so a load trend does not favour one side.

@@ -203,6 +203,76 @@ TTFT (s) at ×1 / ×2.5 / ×3 / ×3.5 / ×4 / ×4.5 / ×4.8, and pulls at ×4.8:
 document arrive together and its queues are short, so a copy seldom lands before its request
 starts, and J already sends most of them to the document's holder."""
 
+PULL_CREDIT_BLOCKS: Final[int] = 0
+"""J's credit for the route-time pull (services/scheduler/placement.py ``PullCredit``): a
+worker whose queue covers the copy's estimated time is priced as holding the longest prefix
+another worker holds, for copies of ``PULL.min_blocks`` up to this many blocks. **Off by
+default** (0); 64 (32K tokens) is the setting to try for session and agent traffic
+(``--pull-credit-blocks 64``, live ``VTM_PULL_CREDIT_BLOCKS=64``).
+
+Why off: it lowers mean TTFT on every workload with shared prefixes at every rate tried --
+the conversation trace by 1-7% (3 seeds, ×1-×4.8), the Tool-Agent-shaped workload by
+11-31%, the built-in one by 2-3% -- but it costs the reconfiguration preset's long-document
+phases. Over seeds 0-14 at 64, vertumnus's phase means are −4.5 / −12.2 / +2.3 / −9.4 /
++0.1% against the same preset without the credit (S1-S5, the mean over seeds); the long
+phase S3 is worse on seeds 4, 6, 12 and 13 (+6 / +15 / +20 / +31%), and seed 13's S5 ends
++10.7% against the better fixed pool, over the issue's 5% (without the credit the worst
+phase of the 15 seeds is +3.1%). The fixed 12CP2/4CP4 pool, which has the credit too, loses
+7.7% in S3 and 4.0% in S5 on average. What happens there (seed 13, the fixed pool, S3): the
+pulls rise from ~2,300 to ~14,000 a run and the scan's replications fall from 49 to 5; short
+requests leave the CP4 workers (5% → 1% of them), and the long ones there wait 1.2 s
+instead of 0.25 s and reuse 93% of their input instead of 99%. A form that keeps the gain
+without that cost was not found: a bound on the whole prefix instead of the copy, on the
+request's length (16K / 32K tokens), credit only towards a holder's degree or only at or
+above it -- each left seed 13's S5 25-36% slower than without the credit.
+Whoever takes it up: the interplay with the scan's replication of long documents is the
+place to start (docs/evaluation.md "J's pull credit").
+
+The bound, when the credit is on. The sweep (2026-12-02, seed 0 unless named; vertumnus only;
+mean TTFT in s). The runs used
+a scratch copy of the rule with the bound set by an environment variable; the landed code
+gives the same figures at 64 (the conversation row checked to the last digit). The
+conversation trace at ×1 / ×2.5 / ×3 / ×3.5 / ×4 / ×4.5 / ×4.8:
+
+  =====  =====  =====  =====  =====  =====  =====  =====
+  bound  ×1     ×2.5   ×3     ×3.5   ×4     ×4.5   ×4.8
+  =====  =====  =====  =====  =====  =====  =====  =====
+  off    0.871  1.005  1.138  1.259  1.448  1.798  2.349
+  16     0.868  0.991  1.114  1.247  1.435  1.786  2.389
+  32     0.864  0.978  1.086  1.234  1.376  1.764  2.358
+  48     0.860  0.967  1.077  1.195  1.348  1.721  2.334
+  64     0.858  0.950  1.071  1.190  1.371  1.721  2.285
+  128    0.856  0.946  1.046  1.166  1.304  1.693  2.309
+  none   0.852  0.940  1.031  1.135  1.285  1.678  2.334
+  =====  =====  =====  =====  =====  =====  =====  =====
+
+The Tool-Agent-shaped workload (docs/workloads/tool-agent-shaped.toml) at ×1 / ×2 / ×3 / ×4,
+the built-in workload at ×1 / ×1.5 / ×2, and the reconfiguration preset's last phase S5 (long
+requests at a low rate: the phase a long copy hurts) for seeds 0 / 1 / 2, with the worst
+phase of those seeds against the better fixed pool (the issue allows +5%; at 64 over seeds
+0-14 the worst is +10.7%, seed 13's S5: see above):
+
+  =====  =======================  =================  =================  =====
+  bound  Tool-Agent-shaped        built-in           reconfig. S5       worst
+  =====  =======================  =================  =================  =====
+  off    0.465 0.478 0.560 0.648  0.419 0.431 0.493  0.420 0.405 0.411  +0.2%
+  16     0.418 0.422 0.433 0.451  0.412 0.427 0.443  0.401 0.389 0.400  +2.1%
+  32     0.413 0.411 0.425 0.444  0.411 0.424 0.478  0.416 0.390 0.396  +1.9%
+  48     0.412 0.411 0.426 0.445  0.411 0.424 0.477  0.417 0.387 0.392  +0.7%
+  64     0.412 0.410 0.426 0.444  0.411 0.424 0.477  0.409 0.392 0.398  +0.9%
+  128    0.413 0.412 0.424 0.443  0.411 0.415 0.427  0.439 0.425 0.423  +5.5%
+  none   0.412 0.413 0.424 0.443  0.410 0.414 0.423  0.474 0.435 0.456  +5.7%
+  =====  =======================  =================  =================  =====
+
+The copy-time estimate (``PullCredit`` defaults, 2 ms + 0.6 ms a block) barely matters: at 64
+with 0.3 / 1.2 / 2.4 ms a block the conversation row moves by at most 4% (×1 0.858 in all
+three, ×4.8 2.320 / 2.367 / 2.325 s). An earlier form (2026-12-02, session 30's note) that let
+the credit count on prefixes only in flight on another worker sent copies from workers that
+did not hold the prefix yet and doubled ×4.8's mean; the credit counts only the trie's
+holdings. The rule is the same for every J pool whose cache manager pulls: the reconfiguration
+preset's fixed pools have it too."""
+
+
 REHOME: Final[RehomeConfig] = RehomeConfig(min_blocks=64, fill=0.75)
 """Re-homing a split parent's documents (reconcile.py ``rehome_on_split``): prefixes of at least 64
 blocks (32K tokens, the preset's long threshold), while a peer stays within 75% of its cache.

@@ -97,6 +97,9 @@ class ExperimentSpec:
     rehome: RehomeConfig | None = calibration.REHOME
     pull: PullConfig | None = calibration.PULL
     """vertumnus's route-time pull (services/cachemgr/pull.py); None: off."""
+    pull_credit_blocks: int = calibration.PULL_CREDIT_BLOCKS
+    """J counts on that pull for copies of up to this many blocks (0: off;
+    services/scheduler/placement.py ``PullCredit``)."""
     kappa_scale: float = calibration.KAPPA_SCALE
     """The controller judges capacity with κ_C × this. KAPPA_SCALE corrects a single-worker κ
     (``vertumnus profile``); sim/runner.py sets 1.0 when κ was measured on the trace with a
@@ -276,6 +279,7 @@ def run_deployment(
         scan_config=spec.scan,
         rehome=spec.rehome,
         pull=spec.pull,
+        pull_credit_blocks=spec.pull_credit_blocks,
         controller_config=spec.controller,
         kappa_scale=spec.kappa_scale,
     )

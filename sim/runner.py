@@ -217,6 +217,25 @@ def pull_option(min_blocks: int) -> PullConfig | None:
     return PullConfig(min_blocks) if min_blocks else None
 
 
+def pull_credit_option(max_blocks: int) -> int:
+    """J's pull credit for ``--pull-credit-blocks``: the longest copy J counts on (0: off);
+    InvalidInput naming the option for anything but an integer >= 0."""
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 0:
+        raise InvalidInput(f"--pull-credit-blocks must be an integer >= 0 (0: J counts only "
+                           f"what is held), got {max_blocks!r}")
+    return max_blocks
+
+
+def check_pull_credit(pull_min_blocks: int | None, pull_credit_blocks: int | None) -> None:
+    """The credit's longest copy may not be below the pull's shortest (None: the calibrated
+    value; a pull that is off makes the credit moot). InvalidInput naming both options."""
+    lo = calibration.PULL.min_blocks if pull_min_blocks is None else pull_min_blocks
+    hi = calibration.PULL_CREDIT_BLOCKS if pull_credit_blocks is None else pull_credit_blocks
+    if lo and hi and hi < lo:
+        raise InvalidInput(f"--pull-credit-blocks ({hi}) must be 0 or at least "
+                           f"--pull-min-blocks ({lo})")
+
+
 def run_simulate(
     *,
     trace: str,
@@ -246,11 +265,15 @@ def run_simulate(
     slo: SloTable = QWEN3_SLO,
     controller: ControllerConfig | None = None,
     pull_min_blocks: int | None = None,
+    pull_credit_blocks: int | None = None,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
 
     ``pull_min_blocks``: vertumnus's route-time pull (services/cachemgr/pull.py) with this
     ``min_blocks``, 0 for none, None for the calibrated one (``calibration.PULL``).
+    ``pull_credit_blocks``: J counts on that pull for copies of up to this many blocks
+    (services/scheduler/placement.py ``PullCredit``), 0 for never, None for the calibrated
+    ``calibration.PULL_CREDIT_BLOCKS``; it must not be below the pull's ``min_blocks``.
 
     ``slo``: the TTFT deadlines by prompt length that SLO attainment counts, and that κ is
     measured to keep when the profile is measured here (default: paper Table 2, Qwen3).
@@ -286,6 +309,9 @@ def run_simulate(
     check_policies(policies)
     if pull_min_blocks is not None:
         pull_option(pull_min_blocks)
+    if pull_credit_blocks is not None:
+        pull_credit_option(pull_credit_blocks)
+    check_pull_credit(pull_min_blocks, pull_credit_blocks)
     ctl = controller_overrides(controller)
     truth = truth or GroundTruth()
     wl = workload or load_trace(trace, fmt, seed=seed, rate=rate, max_requests=max_requests)
@@ -304,6 +330,8 @@ def run_simulate(
     overrides = {**ctl, **(spec_overrides or {})}
     if pull_min_blocks is not None:
         overrides["pull"] = pull_option(pull_min_blocks)
+    if pull_credit_blocks is not None:
+        overrides["pull_credit_blocks"] = pull_credit_blocks
     overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
@@ -342,6 +370,7 @@ def run_simulate(
         "kappa": kappa_info,
         "controller": config_to_mapping(spec.controller),
         "pull_min_blocks": spec.pull.min_blocks if spec.pull is not None else 0,
+        "pull_credit_blocks": spec.pull_credit_blocks if spec.pull is not None else 0,
         "hardware": ground_truth_to_mapping(truth),
         "wall_s": time.perf_counter() - t0,
         **_jsonable(side),

@@ -48,6 +48,8 @@ from services.controller.planner import ControllerConfig, Plan, Trigger
 from services.rankd.blockcache import BlockCache
 from services.scheduler.core import SchedulerCore
 from services.scheduler.errors import NoEligibleWorker
+from services.scheduler.placement import PullCredit
+from services.scheduler.policies.vertumnus import JPolicy
 from services.scheduler.registry import make_policy
 from services.scheduler.view import ClusterView, RequestInfo, WorkerView
 from shared.costmodel import Profile
@@ -110,6 +112,10 @@ class SimConfig:
     pull: PullConfig | None = None
     """With ``cache_manager``: pull a request's prefix to the worker it was routed to from
     the worker holding the most of it (services/cachemgr/pull.py ``pull_on_route``)."""
+    pull_credit_blocks: int = 0
+    """With ``cache_manager`` and ``pull``: a J policy counts on the pull for copies of up to
+    this many blocks (services/scheduler/placement.py ``PullCredit``, its ``min_blocks`` the
+    pull's); 0: J counts only what is held."""
     kappa_scale: float = 1.0
     """Multiplies the profile's κ_C for the controller only (see sim/calibration.py)."""
 
@@ -124,6 +130,19 @@ class SimConfig:
             raise InvalidInput("window_s and scan_interval_s must be > 0")
         if self.cache_blocks_per_gpu is not None and self.cache_blocks_per_gpu < 1:
             raise InvalidInput("cache_blocks_per_gpu must be >= 1")
+        c = self.pull_credit_blocks
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise InvalidInput(f"pull_credit_blocks must be an integer >= 0, got {c!r}")
+
+
+def pull_credit(config: SimConfig) -> PullCredit | None:
+    """J's credit for the route-time pull in ``config``'s deployment: only where its cache
+    manager pulls (``cache_manager`` and ``pull``) and ``pull_credit_blocks`` > 0; copies of
+    ``pull.min_blocks`` to ``pull_credit_blocks`` blocks (raises :class:`InvalidInput` when the
+    latter is below the former)."""
+    if not config.cache_manager or config.pull is None or not config.pull_credit_blocks:
+        return None
+    return PullCredit(min_blocks=config.pull.min_blocks, max_blocks=config.pull_credit_blocks)
 
 
 @dataclass(slots=True)
@@ -257,6 +276,9 @@ class Simulator:
         self.lattice = Lattice(config.gpus, config.degrees, gpus_per_node=config.gpus_per_node)
         policy = make_policy(config.policy, profile=profile,
                              rng=random.Random(config.seed + 1), **dict(config.policy_params))
+        credit = pull_credit(config)
+        if credit is not None and isinstance(policy, JPolicy):
+            policy = policy.with_pull(credit)
         self.sched = SchedulerCore(policy, ClusterView((), block_size=self.B))
         self.trie = PrefixTrie(config.degrees, block_size=self.B)
         self.workers: dict[WorkerId, _SimWorker] = {}

@@ -82,7 +82,7 @@ def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
 # so do those of runner.PRESET_CHOICES (the ablation's workload, rates and cache size).
 _PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
                  "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale",
-                 "beta_busy_power", "pull_min_blocks")
+                 "beta_busy_power", "pull_min_blocks", "pull_credit_blocks")
 
 
 _PER_DEGREE_HELP = ("Fit one cost-model coefficient set per CP degree, not one for all "
@@ -284,6 +284,11 @@ def register(app: typer.Typer) -> None:
             "the worker holding the most of it when it lacks at least this many blocks "
             "(0: off; -1: the calibrated default)")
         ] = -1,
+        pull_credit_blocks: Annotated[int, typer.Option(
+            help="J counts on that pull (prices a worker whose queue covers the copy as "
+            "holding the prefix) for copies of up to this many blocks (0: never; -1: the "
+            "calibrated default)")
+        ] = -1,
         jobs: Annotated[
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
                               "(same results)")
@@ -373,9 +378,13 @@ def register(app: typer.Typer) -> None:
                 beta_busy_power=beta_busy_option(beta_busy_power),
                 jobs=jobs, per_degree=per_degree, repeats=repeats, warmup_s=warmup, slo=table,
                 pull_min_blocks=None if pull_min_blocks == -1 else pull_min_blocks,
+                pull_credit_blocks=None if pull_credit_blocks == -1 else pull_credit_blocks,
             )
             if pull_min_blocks != -1:
                 _check(runner.pull_option, pull_min_blocks)
+            if pull_credit_blocks != -1:
+                _check(runner.pull_credit_option, pull_credit_blocks)
+            _check(runner.check_pull_credit, args["pull_min_blocks"], args["pull_credit_blocks"])
         try:
             truth = _truth(hardware)
             ctl = _controller(controller)

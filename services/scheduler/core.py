@@ -153,7 +153,13 @@ class SchedulerCore:
             held = held_blocks
             if getattr(self.policy, "counts_inflight_prefixes", False) and self._inflight:
                 held = self._with_inflight(request, held_blocks)
-            d = self.policy.place(request, self._view, held, self._loads, now)
+            if getattr(self.policy, "pull", None) is not None:
+                # The pull credit copies only what the trie says is held, not in-flight
+                # prefixes (placement.py "Pull credit").
+                d = self.policy.place(request, self._view, held, self._loads, now,
+                                      holdings=held_blocks)
+            else:
+                d = self.policy.place(request, self._view, held, self._loads, now)
         except BaseException:
             if handed_back is not None:
                 # A refused call changes nothing (module docstring): the other replica's

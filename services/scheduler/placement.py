@@ -29,6 +29,25 @@ calibrated default (services/calibration.py; docs/evaluation.md "L-Eval and β")
 two regimes apart where the queueing delay does not (short requests at a high rate keep short
 queues on a fully busy pool).
 
+**Pull credit** (our addition; off unless ``pull`` is given): the cache manager copies a
+request's prefix to the worker it was routed to from the worker holding the most of it
+(services/cachemgr/pull.py, the route-time pull). With a :class:`PullCredit`, J counts on that
+copy where it will have landed before the request starts: for worker w,
+
+    P_{i,w} = min(H·B, L − 1)   when   m ≤ H − h_w ≤ M  and  q_w ≥ t0 + t1·(H − h_w)
+
+with H the longest prefix any worker *holds* (``holdings``: the trie's, not counting prefixes
+of unfinished requests), h_w the worker's own count (``held_blocks``), m the pull's
+``min_blocks`` (below it no copy is sent), M ``max_blocks`` and t0 + t1·k the estimated copy
+time of k blocks. Otherwise P is as above. Why: without it J routes a session's next turn
+away from its busy holder and the turn recomputes its history unless the copy happens to land
+in time; with it J knows where the copy will be, so a queued placement away from the holder
+is priced at its real cost. Why M: a long copy displaces as much of the destination's cache
+(documents pushed out, then recomputed; the reconfiguration preset's long phases) -- the
+calibration's sweep is in services/calibration.py ``PULL_CREDIT_BLOCKS``. PreferDegree
+(below) leaves the credit out, as it leaves the load out: the copy counts only where the
+queue lets it land, and the controller's merge gate reads the preferred degree.
+
 The request goes to argmin J. Ties are broken
 deterministically: lower J, then smaller degree (fewer GPUs for the same cost), then a
 rendezvous rank of the worker for this request (:func:`_rendezvous`: spreads ties uniformly).
@@ -48,7 +67,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Final
 
 from services.scheduler.decision import CandidateColumns, ColumnTuples, Decision, Exclusion
@@ -183,6 +203,35 @@ def busy_share(rows: tuple[_StaticRow, ...], loads: Mapping[WorkerId, WorkerLoad
     return busy / total if total else 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class PullCredit:
+    """J's credit for the route-time pull (module docstring, "Pull credit").
+
+    ``min_blocks``: the cache manager's ``PullConfig.min_blocks`` (a shorter gap is not
+    copied, so it gets no credit). ``max_blocks``: the longest copy J counts on.
+    ``copy_base_s`` + ``copy_block_s``·k: the estimated time of a k-block copy, from the
+    deployment's link facts, not measured: the default is a 512-token block of Qwen3-30B-A3B
+    KV (48 MiB) over two 40 GB/s RDMA rank pairs, plus a command round trip. The credit needs
+    the worker's queue to cover it, so a rough figure only moves the border case
+    (docs/evaluation.md "Pull credit")."""
+
+    min_blocks: int
+    max_blocks: int
+    copy_base_s: float = 0.002
+    copy_block_s: float = 0.0006
+
+    def __post_init__(self) -> None:
+        for name in ("min_blocks", "max_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidInput(f"PullCredit.{name} must be an integer >= 1, got {v!r}")
+        if self.max_blocks < self.min_blocks:
+            raise InvalidInput(f"PullCredit.max_blocks ({self.max_blocks}) is below "
+                               f"min_blocks ({self.min_blocks})")
+        _check_nonneg("PullCredit.copy_base_s", self.copy_base_s, " of seconds")
+        _check_nonneg("PullCredit.copy_block_s", self.copy_block_s, " of seconds")
+
+
 def _check_nonneg(name: str, value: float, unit: str) -> None:
     """``value`` a finite number >= 0 (not a bool); else InvalidInput naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -220,12 +269,19 @@ def place_j(
     policy: str = "vertumnus",
     beta_queue_scale: float = 0.0,
     beta_busy_power: float = 0.0,
+    pull: PullCredit | None = None,
+    holdings: Mapping[WorkerId, int] | None = None,
 ) -> Decision:
     """Place ``request`` by minimum J; see the module docstring for the exact rule.
 
-    Raises :class:`InvalidInput` (bad request / held count / time), :class:`UnknownWorker` (a
-    worker of the view has no load tracker) or :class:`NoEligibleWorker`. Pure: reads ``loads``,
-    changes nothing; the caller reserves ``Decision.predicted_s`` on the chosen worker.
+    ``pull``: J's credit for the route-time pull (None: off); ``holdings``: the blocks each
+    worker holds of the request's prefix per the trie alone (what a pull copies from; None:
+    ``held_blocks``, which may add prefixes of unfinished requests).
+
+    Raises :class:`InvalidInput` (bad request / held count / time / credit),
+    :class:`UnknownWorker` (a worker of the view has no load tracker) or
+    :class:`NoEligibleWorker`. Pure: reads ``loads``, changes nothing; the caller reserves
+    ``Decision.predicted_s`` on the chosen worker.
     """
     # --- validation (cheap: held_blocks names only the workers with a hit) ---------------
     if not isinstance(request, RequestInfo):
@@ -238,6 +294,25 @@ def place_j(
         if h_.__class__ is not int or h_ < 0:  # fast exact-int check first, then the slow one
             if isinstance(h_, bool) or not isinstance(h_, int) or h_ < 0:
                 raise InvalidInput(f"held_blocks[{w_!r}] must be an integer >= 0, got {h_!r}")
+
+    # H of the pull credit (module docstring): 0 turns the credit off for this request.
+    pull_h = pull_min = pull_max = 0
+    pull_t0 = pull_t1 = 0.0
+    if pull is not None:
+        if not isinstance(pull, PullCredit):
+            raise InvalidInput(f"pull must be a PullCredit, got {type(pull).__name__}")
+        src = held_blocks if holdings is None else holdings
+        if src is not held_blocks:
+            for w_, h_ in src.items():
+                if h_.__class__ is not int or h_ < 0:
+                    if isinstance(h_, bool) or not isinstance(h_, int) or h_ < 0:
+                        raise InvalidInput(
+                            f"holdings[{w_!r}] must be an integer >= 0, got {h_!r}")
+        pull_h = max(src.values(), default=0)
+        pull_min, pull_max = pull.min_blocks, pull.max_blocks
+        pull_t0, pull_t1 = pull.copy_base_s, pull.copy_block_s
+        if pull_h < pull_min:
+            pull_h = 0
 
     L = request.length
     Lm1 = L - 1
@@ -291,24 +366,7 @@ def place_j(
         if L > limit:  # one test for both limits (speed); then which one it broke
             excl[i] = Exclusion.TOO_LONG if L > max_len else Exclusion.NO_MEMORY
             continue
-        p = held_get(wid, 0) * B
-        if p > Lm1:
-            p = Lm1
-        # (s, extra, J − q) memoised per (degree, P): most workers miss (P = 0) and share one
-        # value per degree.
-        key = p * n + dk
-        t = terms.get(key)
-        if t is None:
-            s = predict(L - p, p, c)
-            if c == cmin:
-                extra = 0.0
-            else:
-                e_min = ecmin.get(p)
-                if e_min is None:
-                    e_min = ecmin[p] = predict(L - p, p, cmin)
-                extra = c * s - cmin * e_min
-            t = terms[key] = (s, extra, beta * s + lam * extra)
-        s, extra, v = t
+        # q first: the pull credit depends on it.
         if pre_q is not None:
             q = pre_q[i]  # type: ignore[assignment]  # an active worker's: computed
         elif ld.__class__ is WorkerLoad:
@@ -326,6 +384,23 @@ def place_j(
                     q += f
         else:
             q = ld.queue_delay(now)
+        h = h_own = held_get(wid, 0)
+        if pull_h:
+            gap = pull_h - h
+            # The credit (module docstring): the copy is sent and lands before it starts. It
+            # fits: H full blocks of the request are at most L tokens, within the limit.
+            if pull_min <= gap <= pull_max and q >= pull_t0 + pull_t1 * gap:
+                h = pull_h
+        p = h * B
+        if p > Lm1:
+            p = Lm1
+        # (s, extra, J − q) memoised per (degree, P): most workers miss (P = 0) and share one
+        # value per degree.
+        key = p * n + dk
+        t = terms.get(key)
+        if t is None:
+            t = _new_term(terms, ecmin, predict, L, p, key, c, cmin, beta, lam)
+        s, extra, v = t
         j = q + v
         ps[i] = p
         qs[i] = q
@@ -345,6 +420,15 @@ def place_j(
                 h = _rendezvous_crc(seed, wcrc)
                 if h < best_h or (h == best_h and wid < best_id):
                     best, best_id, best_crc, best_h = i, wid, wcrc, h
+        if h != h_own:
+            # PreferDegree (§7.1) leaves the load out, so it prices the worker without the
+            # copy that only its queue makes count: its own prefix, as without the credit.
+            p_own = min(h_own * B, Lm1)
+            key = p_own * n + dk
+            t = terms.get(key)
+            if t is None:
+                t = _new_term(terms, ecmin, predict, L, p_own, key, c, cmin, beta, lam)
+            v = t[2]
         if pref < 0 or v < pref_v or (v == pref_v and ck < pref_ck):  # ck: (degree, id)
             pref, pref_v, pref_ck = i, v, ck
 
@@ -372,6 +456,24 @@ def place_j(
         epoch=workers[best].epoch,
         beta=beta,
     )
+
+
+def _new_term(terms: dict[int, tuple[float, float, float]], ecmin: dict[int, float],
+              predict: Callable[[int, int, int], float], L: int, p: int, key: int, c: int,
+              cmin: int, beta: float, lam: float) -> tuple[float, float, float]:
+    """(s, extra, β·s + λ·extra) of a degree-``c`` worker reusing ``p`` of ``L`` tokens,
+    stored in ``terms`` under ``key`` (the caller looked there first: most workers share a
+    (degree, P)); ``ecmin`` memoises Ê_{C_min} per P."""
+    s = predict(L - p, p, c)
+    if c == cmin:
+        extra = 0.0
+    else:
+        e_min = ecmin.get(p)
+        if e_min is None:
+            e_min = ecmin[p] = predict(L - p, p, cmin)
+        extra = c * s - cmin * e_min
+    t = terms[key] = (s, extra, beta * s + lam * extra)
+    return t
 
 
 def _j_columns(

@@ -167,7 +167,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services import calibration
 from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
@@ -187,6 +187,8 @@ from services.scheduler.decision import CandidateTerms, Decision
 from services.scheduler.errors import NoEligibleWorker, SequenceTooLong, UnknownRequest
 from services.scheduler.ledger import LEDGER_LIMIT, DispatchLedger, Loss, LostWorker, Sent
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.placement import PullCredit
+from services.scheduler.policies.vertumnus import JPolicy
 from services.scheduler.registry import make_policy
 from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
 from shared.costmodel import DEFAULT_PROFILE, Profile
@@ -403,6 +405,24 @@ class SchedulerSettings(ServiceSettings):
         "another threshold or degree set, so keep both equal to the controller's "
         "merge_speedup and degrees. None: no breakdown (the gate then admits every merge).",
     )
+    pull: bool = Field(
+        default=True,
+        description="The cache manager's route-time pull is on (the same VTM_PULL as the "
+        "cache manager's: keep them equal). With it, J's pull credit may count on the copy "
+        "(pull_credit_blocks); off: J counts only what is held.",
+    )
+    pull_min_blocks: int = Field(
+        default=calibration.PULL.min_blocks, ge=1,
+        description="The cache manager's pull_min_blocks (the same VTM_PULL_MIN_BLOCKS: keep "
+        "them equal): a shorter gap is not copied, so J gives it no credit.",
+    )
+    pull_credit_blocks: int = Field(
+        default=calibration.PULL_CREDIT_BLOCKS, ge=0,
+        description="J's pull credit (services/scheduler/placement.py PullCredit): a worker "
+        "whose queue covers the copy's estimated time is priced as holding the longest held "
+        "prefix, for copies of pull_min_blocks up to this many blocks. 0: no credit. J "
+        "policies only (vertumnus, homo, homo_cp2).",
+    )
     assignment_ttl_s: float = Field(
         default=ASSIGNMENT_TTL_S,
         gt=0,
@@ -424,6 +444,19 @@ class SchedulerSettings(ServiceSettings):
         if isinstance(v, str):
             return json.loads(v) if v.strip() else {}
         return v
+
+    @model_validator(mode="after")
+    def _credit(self) -> SchedulerSettings:
+        if self.pull and self.pull_credit_blocks and self.pull_credit_blocks < self.pull_min_blocks:
+            raise ValueError(f"pull_credit_blocks ({self.pull_credit_blocks}) must be 0 or at "
+                             f"least pull_min_blocks ({self.pull_min_blocks})")
+        return self
+
+    def pull_credit(self) -> PullCredit | None:
+        """J's pull credit for these settings, or None (pull off, or no credit)."""
+        if not self.pull or not self.pull_credit_blocks:
+            return None
+        return PullCredit(min_blocks=self.pull_min_blocks, max_blocks=self.pull_credit_blocks)
 
 
 # -- names (built in shared/subjects.py) -------------------------------------------------------
@@ -705,6 +738,9 @@ class SchedulerService(MicroService):
             # The calibrated weights unless the operator set them (services/calibration.py).
             **{**calibration.policy_params(settings.policy), **settings.policy_params},
         )
+        credit = settings.pull_credit()
+        if credit is not None and isinstance(policy, JPolicy):
+            policy = policy.with_pull(credit)
         self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size),
                                   time_scale=settings.time_scale)
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)

@@ -745,11 +745,42 @@ def test_simulate_takes_the_pull_setting(runner, tmp_path, profile_file) -> None
     assert rows["0"]["vertumnus"]["pulls"] == 0
     assert rows["1"]["vertumnus"]["pulls"] > 0
     assert rows["1"]["homo"]["pulls"] == 0  # a baseline has no cache manager
-    for bad, words in ((["--pull-min-blocks", "-2", *common[1:]],
-                        "--pull-min-blocks must be an integer >= 0"),
-                       (["--preset", "conversation", "--pull-min-blocks", "4"],
-                        "leave out --pull-min-blocks")):
+    _refused(runner, tmp_path, ((["--pull-min-blocks", "-2", *common[1:]],
+                                 "--pull-min-blocks must be an integer >= 0"),
+                                (["--preset", "conversation", "--pull-min-blocks", "4"],
+                                 "leave out --pull-min-blocks")))
+
+
+def _refused(runner, tmp_path, cases) -> None:
+    """Each (simulate arguments, words) exits with code 2 naming the problem, writing nothing."""
+    for bad, words in cases:
         out = tmp_path / "bad"
         res = runner.invoke(app, ["simulate", *bad, "--out", str(out)])
         assert res.exit_code == 2 and words in " ".join(res.output.split()), res.output
         assert not (out / "results.json").exists()
+
+
+def test_simulate_takes_the_pull_credit_setting(runner, tmp_path, profile_file) -> None:
+    """``--pull-credit-blocks`` reaches J (0: no credit; meta.json records the setting used,
+    the calibrated 0 by default, and 0 when the pull is off); a negative value, one below the
+    pull's min_blocks, or the option with a preset is refused before anything runs."""
+    common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
+              "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
+    metas, rows = {}, {}
+    for name, extra in (("off", ["--pull-credit-blocks", "0"]), ("default", []),
+                        ("on", ["--pull-credit-blocks", "64"]),
+                        ("nopull", ["--pull-min-blocks", "0", "--pull-credit-blocks", "64"])):
+        out = tmp_path / name
+        _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
+        metas[name] = json.loads((out / "meta.json").read_text())["pull_credit_blocks"]
+        rows[name] = json.loads((out / "results.json").read_text())[0]
+    assert metas == {"off": 0, "default": 0, "on": 64, "nopull": 0}
+    assert rows["off"]["mean_ttft_s"] == rows["default"]["mean_ttft_s"]
+    assert rows["off"]["mean_ttft_s"] != rows["on"]["mean_ttft_s"]  # J placed otherwise
+    _refused(runner, tmp_path, (
+        (["--pull-credit-blocks", "-2", *common[1:]],
+         "--pull-credit-blocks must be an integer >= 0"),
+        (["--pull-credit-blocks", "1", *common[1:]],
+         "--pull-credit-blocks (1) must be 0 or at least --pull-min-blocks (2)"),
+        (["--preset", "conversation", "--pull-credit-blocks", "4"],
+         "leave out --pull-credit-blocks")))

@@ -11,6 +11,7 @@ import pytest
 
 from services.cachemgr.service import CacheMgrSettings
 from services.controller.service import ControllerService, ControllerSettings
+from services.scheduler.placement import PullCredit
 from services.scheduler.service import SchedulerService, SchedulerSettings
 from shared.costmodel import Profile
 from sim import calibration
@@ -39,6 +40,35 @@ def test_cachemgr_pull_defaults_to_the_calibrated_pull_and_can_be_off() -> None:
     assert CacheMgrSettings().pull_config() == calibration.PULL
     assert CacheMgrSettings(pull=False).pull_config() is None
     assert CacheMgrSettings(pull_min_blocks=7).pull_config().min_blocks == 7
+
+
+def test_scheduler_pull_credit_follows_the_cache_managers_pull(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """J's pull credit is off by default (calibrated: 0); asked for, it takes the pull's
+    min_blocks. The scheduler reads the same VTM_PULL / VTM_PULL_MIN_BLOCKS as the cache
+    manager, so one setting turns both off or moves both."""
+    for var in ("VTM_PULL", "VTM_PULL_MIN_BLOCKS", "VTM_PULL_CREDIT_BLOCKS"):
+        monkeypatch.delenv(var, raising=False)
+    assert calibration.PULL_CREDIT_BLOCKS == 0
+    assert SchedulerService(SchedulerSettings()).core.policy.pull is None  # type: ignore
+    monkeypatch.setenv("VTM_PULL_CREDIT_BLOCKS", "64")
+    credit = SchedulerService(SchedulerSettings()).core.policy.pull  # type: ignore[attr-defined]
+    assert credit == PullCredit(min_blocks=calibration.PULL.min_blocks, max_blocks=64)
+    monkeypatch.setenv("VTM_PULL_MIN_BLOCKS", "5")
+    assert SchedulerSettings().pull_credit().min_blocks == 5  # type: ignore[union-attr]
+    assert CacheMgrSettings().pull_config().min_blocks == 5  # type: ignore[union-attr]
+    monkeypatch.setenv("VTM_PULL", "false")
+    assert SchedulerSettings().pull_credit() is None and CacheMgrSettings().pull_config() is None
+    monkeypatch.delenv("VTM_PULL")
+    monkeypatch.setenv("VTM_PULL_CREDIT_BLOCKS", "0")
+    off = SchedulerService(SchedulerSettings()).core.policy
+    assert off.pull is None  # type: ignore[attr-defined]
+    monkeypatch.setenv("VTM_PULL_CREDIT_BLOCKS", "4")  # below min_blocks 5
+    with pytest.raises(ValueError, match="pull_credit_blocks"):
+        SchedulerSettings()
+    monkeypatch.setenv("VTM_PULL_CREDIT_BLOCKS", "9")
+    # A baseline that is not J takes no credit.
+    assert not hasattr(SchedulerService(SchedulerSettings(policy="dynamo")).core.policy, "pull")
 
 
 def test_scheduler_vertumnus_weights_default_to_calibrated() -> None:

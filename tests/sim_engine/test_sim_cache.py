@@ -15,8 +15,10 @@ from services.cachemgr.pull import PullConfig
 from services.cachemgr.reconcile import RehomeConfig
 from services.cachemgr.scan import ScanConfig
 from services.controller.lattice import Composition, Lattice
+from services.scheduler.placement import PullCredit
+from shared.ids import InvalidInput
 from sim.groundtruth import GroundTruth, Surroundings
-from sim.simulator import SimResult
+from sim.simulator import SimConfig, SimResult, Simulator
 from sim.workloads import Workload
 
 # Low thresholds and a short scan period so a 200 s workload sees many cache actions.
@@ -209,3 +211,40 @@ def test_the_pull_is_part_of_the_cache_manager(profile, phased_workload) -> None
               pull=PullConfig(min_blocks=1), **SMALL)
     assert res.pulls == 0
     assert reuse_not_computed_locally(res, phased_workload) == []
+
+
+def test_j_counts_on_the_pull_only_where_the_cache_manager_pulls(profile) -> None:
+    """J's pull credit (services/scheduler/placement.py) is given to a J policy only when its
+    deployment's cache manager runs the route-time pull, with the pull's min_blocks."""
+    def credit(policy: str = "vertumnus", **kw: object) -> object:
+        cfg = SimConfig(policy=policy, **{**SMALL, **kw})  # type: ignore[arg-type]
+        return Simulator(cfg, profile).sched.policy.pull  # type: ignore[attr-defined]
+
+    on = dict(cache_manager=True, pull=PullConfig(min_blocks=3), pull_credit_blocks=40)
+    assert credit(**on) == PullCredit(min_blocks=3, max_blocks=40)
+    assert credit("homo_cp2", **on) == PullCredit(min_blocks=3, max_blocks=40)
+    assert credit(**{**on, "cache_manager": False}) is None
+    assert credit(**{**on, "pull": None}) is None
+    assert credit(**{**on, "pull_credit_blocks": 0}) is None
+    assert credit(cache_manager=True, pull=PullConfig(min_blocks=3)) is None  # SimConfig: off
+    cfg = SimConfig(policy="sglang", **{**SMALL, **on})  # type: ignore[arg-type]
+    assert not hasattr(Simulator(cfg, profile).sched.policy, "pull")  # not a J policy
+    with pytest.raises(InvalidInput, match="max_blocks"):
+        credit(**{**on, "pull_credit_blocks": 2})
+    for bad in (-1, 2.5, True):
+        with pytest.raises(InvalidInput, match="pull_credit_blocks"):
+            SimConfig(pull_credit_blocks=bad)  # type: ignore[arg-type]
+
+
+def test_with_the_credit_queued_requests_go_where_the_pull_lands(profile, phased_workload) -> None:
+    """With the credit, J sends queued requests away from a busy holder more often, and they
+    reuse the pulled prefix: more requests reuse blocks their worker never computed than with
+    the pull alone."""
+    base = dict(SMALL, scan_config=QUIET, cache_blocks_per_gpu=2048, cache_manager=True,
+                pull=PullConfig(min_blocks=1))
+    alone = run(phased_workload, profile, composition=_comp(), **base)
+    credited = run(phased_workload, profile, composition=_comp(), pull_credit_blocks=64, **base)
+    check_records(credited, phased_workload, gpus=16)
+    pulled_alone = reuse_not_computed_locally(alone, phased_workload)
+    pulled = reuse_not_computed_locally(credited, phased_workload)
+    assert len(pulled) > len(pulled_alone)

@@ -22,6 +22,7 @@ from typing import Final
 from services.scheduler.decision import Decision
 from services.scheduler.load import WorkerLoad
 from services.scheduler.placement import (
+    PullCredit,
     check_beta_busy,
     check_beta_queue,
     check_weights,
@@ -30,7 +31,7 @@ from services.scheduler.placement import (
 from services.scheduler.registry import register_policy
 from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import RequestId, WorkerId
+from shared.ids import InvalidInput, RequestId, WorkerId
 
 DEFAULT_BETA: Final[float] = 1.5  # provisional, see module docstring
 DEFAULT_LAMBDA: Final[float] = 0.5  # provisional, see module docstring
@@ -54,8 +55,11 @@ class JPolicy:
         pool_degree: int | None = None,
         beta_queue_scale: float = 0.0,
         beta_busy_power: float = 0.0,
+        pull: PullCredit | None = None,
     ) -> None:
         check_weights(beta, lam)
+        if pull is not None and not isinstance(pull, PullCredit):
+            raise InvalidInput(f"pull must be a PullCredit, got {type(pull).__name__}")
         check_beta_queue(beta_queue_scale)
         check_beta_busy(beta_busy_power)
         self._name = name
@@ -68,6 +72,17 @@ class JPolicy:
         """k of the busy-share β (:func:`place_j`); 0: off (β fixed, as in the paper)."""
         self.pool_degree = pool_degree
         """The homogeneous pool's degree this policy is evaluated on (None: any composition)."""
+        self.pull = pull
+        """J's credit for the cache manager's route-time pull (placement.py "Pull credit");
+        None: J counts only what is held. Set it only where the cache manager pulls
+        (:meth:`with_pull`)."""
+
+    def with_pull(self, pull: PullCredit | None) -> JPolicy:
+        """This policy with J's pull credit ``pull`` (None: without): a new policy, for a
+        deployment whose cache manager runs the route-time pull with ``pull.min_blocks``."""
+        return JPolicy(profile=self.profile, beta=self.beta, lam=self.lam, name=self._name,
+                       pool_degree=self.pool_degree, beta_queue_scale=self.beta_queue_scale,
+                       beta_busy_power=self.beta_busy_power, pull=pull)
 
     @property
     def name(self) -> str:
@@ -80,7 +95,11 @@ class JPolicy:
         held_blocks: Mapping[WorkerId, int],
         loads: Mapping[WorkerId, WorkerLoad],
         now: float,
+        *,
+        holdings: Mapping[WorkerId, int] | None = None,
     ) -> Decision:
+        """J's decision (:func:`place_j`); ``holdings``: the trie's own counts when
+        ``held_blocks`` adds in-flight prefixes (the pull credit copies only what is held)."""
         return place_j(
             request,
             view,
@@ -93,6 +112,8 @@ class JPolicy:
             policy=self._name,
             beta_queue_scale=self.beta_queue_scale,
             beta_busy_power=self.beta_busy_power,
+            pull=self.pull,
+            holdings=holdings,
         )
 
     def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
@@ -101,7 +122,7 @@ class JPolicy:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self._name!r}, beta={self.beta}, lam={self.lam}, "
                 f"beta_queue_scale={self.beta_queue_scale}, "
-                f"beta_busy_power={self.beta_busy_power})")
+                f"beta_busy_power={self.beta_busy_power}, pull={self.pull})")
 
 
 @register_policy("vertumnus")

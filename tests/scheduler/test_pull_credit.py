@@ -1,0 +1,154 @@
+"""J's pull credit (services/scheduler/placement.py "Pull credit"): a worker whose queue covers
+the route-time pull's copy is priced as holding the longest prefix any worker holds.
+
+Two CP4 workers (no λ term between them): "a" holds 8 of the request's 10 blocks and is busy,
+"b" holds nothing. Without the credit J keeps the request on "a" (recomputing 800 tokens on
+"b" costs more than "a"'s extra queue); with it "b" is priced with the 800 cached tokens the
+copy will have brought, and wins."""
+
+from __future__ import annotations
+
+import pytest
+from sched_support import ROUND, loads_for, req, view
+
+from services.scheduler import ClusterView, SchedulerCore, WorkerView, make_policy, place_j
+from services.scheduler.placement import PullCredit
+from services.scheduler.policies.vertumnus import JPolicy
+from shared.ids import InvalidInput, RequestId, WorkerId
+
+W = WorkerId
+BETA, LAM = 1.5, 0.5
+CREDIT = PullCredit(min_blocks=2, max_blocks=64)
+
+
+def pool() -> ClusterView:
+    return view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
+
+
+def busy(v: ClusterView, q_a: float = 2.0, q_b: float = 0.5) -> dict:
+    loads = loads_for(v)
+    loads[W("a")].reserve(RequestId("qa"), q_a)
+    if q_b:
+        loads[W("b")].reserve(RequestId("qb"), q_b)
+    return loads
+
+
+def place(held: dict, loads: dict, pull: PullCredit | None = CREDIT, holdings: dict | None = None,
+          length: int = 1000):
+    return place_j(req("r", length), pool(), held, loads, 0.0, profile=ROUND, beta=BETA, lam=LAM,
+                   pull=pull, holdings=holdings)
+
+
+def test_the_credit_prices_a_queued_worker_with_the_pulled_prefix() -> None:
+    v = pool()
+    without = place({W("a"): 8}, busy(v), pull=None)
+    assert without.worker == "a"
+    assert without.candidate(W("b")).prefix_tokens == 0
+    d = place({W("a"): 8}, busy(v))
+    assert d.worker == "b"
+    assert (d.prefix_tokens, d.uncached_tokens, d.reused_blocks) == (800, 200, 8)
+    assert d.predicted_s == pytest.approx(ROUND.predict(200, 800, 4), rel=1e-12)
+    # Both priced with the same prefix: only the queues differ.
+    ca, cb = d.candidate(W("a")), d.candidate(W("b"))
+    assert ca.prefix_tokens == cb.prefix_tokens == 800
+    assert ca.score - cb.score == pytest.approx(2.0 - 0.5, rel=1e-9)
+
+
+def test_no_credit_where_the_copy_would_land_after_the_request_starts() -> None:
+    # Estimated copy of 8 blocks: 0.1 + 0.05·8 = 0.5 s.
+    slow = PullCredit(min_blocks=2, max_blocks=64, copy_base_s=0.1, copy_block_s=0.05)
+    v = pool()
+    assert place({W("a"): 8}, busy(v, q_b=0.5), pull=slow).candidate(W("b")).prefix_tokens == 800
+    assert place({W("a"): 8}, busy(v, q_b=0.49), pull=slow).candidate(W("b")).prefix_tokens == 0
+    # An idle worker starts the request at once: the copy cannot be there.
+    d = place({W("a"): 8}, busy(v, q_b=0.0))
+    assert d.candidate(W("b")).prefix_tokens == 0
+
+
+@pytest.mark.parametrize(("held_b", "credit", "expect"), [
+    (7, PullCredit(2, 64), 700),   # gap 1 < min_blocks: no copy is sent, its own 7 blocks
+    (6, PullCredit(2, 64), 800),   # gap 2 = min_blocks
+    (0, PullCredit(2, 8), 800),    # gap 8 = max_blocks
+    (0, PullCredit(2, 7), 0),      # gap 8 > max_blocks: a copy J does not count on
+])
+def test_the_gap_must_lie_between_min_and_max_blocks(held_b: int, credit: PullCredit,
+                                                     expect: int) -> None:
+    held = {W("a"): 8, W("b"): held_b}
+    d = place(held, busy(pool()), pull=credit)
+    assert d.candidate(W("b")).prefix_tokens == expect
+    assert d.candidate(W("a")).prefix_tokens == 800  # the holder keeps its own prefix
+
+
+def test_only_what_the_trie_holds_is_pulled_not_an_inflight_prefix() -> None:
+    # held_blocks says "a" will have 8 blocks (an unfinished request's prefix); the trie says
+    # nobody holds them yet, so there is nothing to copy.
+    d = place({W("a"): 8}, busy(pool()), holdings={})
+    assert d.candidate(W("b")).prefix_tokens == 0
+    assert d.candidate(W("a")).prefix_tokens == 800
+    # A holder of fewer blocks than held_blocks claims: the credit is for what it holds.
+    d = place({W("a"): 8}, busy(pool()), holdings={W("a"): 5})
+    assert d.candidate(W("b")).prefix_tokens == 500
+
+
+def test_the_credit_crosses_degrees_and_still_charges_the_extra_gpus() -> None:
+    v = view(WorkerView(W("w2"), 2), WorkerView(W("w4"), 4))
+    loads = loads_for(v)
+    loads[W("w4")].reserve(RequestId("qa"), 2.0)
+    loads[W("w2")].reserve(RequestId("qb"), 0.5)
+    d = place_j(req("r", 1000), v, {W("w4"): 8}, loads, 0.0, profile=ROUND, beta=BETA, lam=LAM,
+                pull=CREDIT)
+    c2 = d.candidate(W("w2"))
+    assert c2.prefix_tokens == 800
+    assert c2.s == pytest.approx(ROUND.predict(200, 800, 2), rel=1e-12)
+    assert d.candidate(W("w4")).extra_gpu == pytest.approx(
+        4 * ROUND.predict(200, 800, 4) - 2 * ROUND.predict(200, 800, 2), rel=1e-9)
+
+
+def test_without_credit_the_decision_is_unchanged() -> None:
+    v = pool()
+    a = place({W("a"): 8}, busy(v), pull=None)
+    b = place_j(req("r", 1000), v, {W("a"): 8}, busy(v), 0.0, profile=ROUND, beta=BETA, lam=LAM)
+    assert a.to_dict() == b.to_dict()
+    # Nobody holds min_blocks: the credit has nothing to count on.
+    c = place({W("a"): 1}, busy(v))
+    assert c.candidate(W("b")).prefix_tokens == 0
+
+
+def test_bad_credit_and_holdings_are_refused() -> None:
+    for kw in ({"min_blocks": 0, "max_blocks": 4}, {"min_blocks": 2, "max_blocks": 1},
+               {"min_blocks": True, "max_blocks": 4}, {"min_blocks": 2, "max_blocks": 4.0},
+               {"min_blocks": 2, "max_blocks": 4, "copy_base_s": -1.0},
+               {"min_blocks": 2, "max_blocks": 4, "copy_block_s": float("nan")}):
+        with pytest.raises(InvalidInput):
+            PullCredit(**kw)  # type: ignore[arg-type]
+    v = pool()
+    with pytest.raises(InvalidInput, match="PullCredit"):
+        place({W("a"): 8}, busy(v), pull="yes")  # type: ignore[arg-type]
+    for bad in (-1, 2.0, True):
+        with pytest.raises(InvalidInput, match="holdings"):
+            place({W("a"): 8}, busy(v), holdings={W("a"): bad})
+
+
+def test_the_policy_carries_the_credit_and_the_core_hands_it_the_trie_holdings() -> None:
+    base = make_policy("vertumnus", profile=ROUND, beta=BETA, lam=LAM)
+    assert isinstance(base, JPolicy) and base.pull is None
+    with pytest.raises(InvalidInput, match="PullCredit"):
+        JPolicy(profile=ROUND, pull=2)  # type: ignore[arg-type]
+    pol = base.with_pull(CREDIT)
+    assert pol.pull == CREDIT and base.pull is None
+    assert (pol.name, pol.beta, pol.lam, pol.beta_busy_power) == (
+        base.name, base.beta, base.lam, base.beta_busy_power)
+    assert pol.with_pull(None).pull is None
+    core = SchedulerCore(pol, pool())
+    core.place(req("long-a", 5000, nblocks=0), {}, 0.0)  # a: busy with no prefix
+    core.place(req("long-b", 2000, nblocks=0), {}, 0.0)  # b: less busy
+    # r1 goes where J says; its prefix is then in flight there, not held anywhere.
+    d1 = core.place(req("r1", 1000), {}, 0.0)
+    other = W("a") if d1.worker == "b" else W("b")
+    d2 = core.place(req("r2", 1000), {}, 0.0)
+    assert d2.candidate(W(d1.worker)).prefix_tokens == 999  # in flight on r1's worker
+    assert d2.candidate(other).prefix_tokens == 0  # nothing held to pull
+    # Once the trie says r1's worker holds 8 blocks, the other (queued) worker gets the credit.
+    d3 = core.place(req("r3", 1000), {W(d1.worker): 8}, 0.0)
+    assert d3.candidate(W(d1.worker)).prefix_tokens == 999
+    assert d3.candidate(other).prefix_tokens == 800
