@@ -221,12 +221,14 @@ phase of the 15 seeds is +3.1%). The fixed 12CP2/4CP4 pool, which has the credit
 7.7% in S3 and 4.0% in S5 on average. What happens there (seed 13, the fixed pool, S3): the
 pulls rise from ~2,300 to ~14,000 a run and the scan's replications fall from 49 to 5; short
 requests leave the CP4 workers (5% → 1% of them), and the long ones there wait 1.2 s
-instead of 0.25 s and reuse 93% of their input instead of 99%. A form that keeps the gain
-without that cost was not found: a bound on the whole prefix instead of the copy, on the
-request's length (16K / 32K tokens), credit only towards a holder's degree or only at or
-above it -- each left seed 13's S5 25-36% slower than without the credit.
-Whoever takes it up: the interplay with the scan's replication of long documents is the
-place to start (docs/evaluation.md "J's pull credit").
+instead of 0.25 s and reuse 93% of their input instead of 99%; at their arrival the pool
+holds 92-93% of their input anywhere instead of 98-99%, so the documents are pushed out of
+the caches, not routed past. A form that keeps the gain without that cost was not found: a
+bound on the whole prefix instead of the copy, a bound of 32, a bound on the request's length
+(16K / 32K tokens), credit only towards a holder's degree or only at or above it, only while
+at most one or two workers hold the prefix, the pull itself capped at 64 blocks -- each left
+seed 13's S3 or S5 15-53% slower than without the credit. What J lacks is a price for what a
+copy displaces from the destination's cache (docs/evaluation.md "J's pull credit").
 
 The bound, when the credit is on. The sweep (2026-12-02, seed 0 unless named; vertumnus only;
 mean TTFT in s). The runs used
