@@ -206,6 +206,9 @@ class Decision:
     beta: float | None = None
     """The β the J-family's scores used: the policy's β after any load-following factor
     (:func:`services.scheduler.placement.place_j`); None for a policy without J."""
+    pulled_blocks: int = 0
+    """Of ``reused_blocks``, those J counted on the route-time pull bringing to the chosen
+    worker (its pull credit, placement.py "Pull credit"); 0 when the credit did not apply."""
 
     @property
     def candidates(self) -> tuple[CandidateTerms, ...]:
@@ -242,6 +245,7 @@ class Decision:
             "note": self.note,
             "epoch": self.epoch,
             "beta": self.beta,
+            "pulled_blocks": self.pulled_blocks,
             "candidates": [
                 {
                     "worker": c.worker,
@@ -269,6 +273,8 @@ class Decision:
         )
         if self.beta is not None:
             head += f" (β {self.beta:.4g})"
+        if self.pulled_blocks:
+            head += f"; counts on a pull of {self.pulled_blocks} blocks"
         if self.note:
             head += f"; {self.note}"
         lines = [

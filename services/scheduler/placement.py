@@ -436,6 +436,9 @@ def place_j(
         raise NoEligibleWorker(request.request_id, {ids[i]: str(excl[i]) for i in range(n)})
 
     p_best: int = ps[best]  # type: ignore[assignment]
+    # Credited on the chosen worker: P beyond its own prefix (only the credit gives that).
+    pulled = pull_h - held_get(ids[best], 0) if pull_h and p_best > min(
+        held_get(ids[best], 0) * B, Lm1) else 0
     cols = CandidateColumns.deferred(lambda: _j_columns(ids, rows, excl, qs, ps, terms, L))
     return Decision(
         policy=policy,
@@ -455,6 +458,7 @@ def place_j(
         columns=cols,
         epoch=workers[best].epoch,
         beta=beta,
+        pulled_blocks=pulled,
     )
 
 

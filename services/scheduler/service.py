@@ -593,6 +593,7 @@ def decision_attributes(decision: Decision, limit: int | None = None) -> dict[st
         "vtm.recompute_tokens": decision.uncached_tokens,
         "vtm.predicted_s": decision.predicted_s,
         "vtm.reused_blocks": decision.reused_blocks,
+        "vtm.pulled_blocks": decision.pulled_blocks,
         "vtm.preferred_degree": decision.preferred_degree,
         "vtm.preferred_worker": decision.preferred_worker,
         "vtm.objective": f"{decision.objective} {decision.score_label}",

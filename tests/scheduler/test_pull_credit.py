@@ -14,6 +14,7 @@ from sched_support import ROUND, loads_for, req, view
 from services.scheduler import ClusterView, SchedulerCore, WorkerView, make_policy, place_j
 from services.scheduler.placement import PullCredit
 from services.scheduler.policies.vertumnus import JPolicy
+from services.scheduler.service import decision_attributes
 from shared.ids import InvalidInput, RequestId, WorkerId
 
 W = WorkerId
@@ -44,9 +45,14 @@ def test_the_credit_prices_a_queued_worker_with_the_pulled_prefix() -> None:
     without = place({W("a"): 8}, busy(v), pull=None)
     assert without.worker == "a"
     assert without.candidate(W("b")).prefix_tokens == 0
+    assert without.pulled_blocks == 0 and "pull" not in without.explain()
     d = place({W("a"): 8}, busy(v))
     assert d.worker == "b"
     assert (d.prefix_tokens, d.uncached_tokens, d.reused_blocks) == (800, 200, 8)
+    # The decision says which part J counts on the pull for (explain, JSON, span).
+    assert d.pulled_blocks == 8 and d.to_dict()["pulled_blocks"] == 8
+    assert "counts on a pull of 8 blocks" in d.explain()
+    assert decision_attributes(d)["vtm.pulled_blocks"] == 8
     assert d.predicted_s == pytest.approx(ROUND.predict(200, 800, 4), rel=1e-12)
     # Both priced with the same prefix: only the queues differ.
     ca, cb = d.candidate(W("a")), d.candidate(W("b"))
@@ -77,6 +83,10 @@ def test_the_gap_must_lie_between_min_and_max_blocks(held_b: int, credit: PullCr
     d = place(held, busy(pool()), pull=credit)
     assert d.candidate(W("b")).prefix_tokens == expect
     assert d.candidate(W("a")).prefix_tokens == 800  # the holder keeps its own prefix
+    if d.worker == "b":
+        assert d.pulled_blocks == (8 - held_b if expect == 800 else 0)
+    else:
+        assert d.pulled_blocks == 0  # the holder needs no copy
 
 
 def test_only_what_the_trie_holds_is_pulled_not_an_inflight_prefix() -> None:
