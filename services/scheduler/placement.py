@@ -384,14 +384,14 @@ def place_j(
                     q += f
         else:
             q = ld.queue_delay(now)
-        h = h_own = held_get(wid, 0)
+        blocks = own = held_get(wid, 0)
         if pull_h:
-            gap = pull_h - h
+            gap = pull_h - own
             # The credit (module docstring): the copy is sent and lands before it starts. It
             # fits: H full blocks of the request are at most L tokens, within the limit.
             if pull_min <= gap <= pull_max and q >= pull_t0 + pull_t1 * gap:
-                h = pull_h
-        p = h * B
+                blocks = pull_h
+        p = blocks * B
         if p > Lm1:
             p = Lm1
         # (s, extra, J − q) memoised per (degree, P): most workers miss (P = 0) and share one
@@ -420,10 +420,10 @@ def place_j(
                 h = _rendezvous_crc(seed, wcrc)
                 if h < best_h or (h == best_h and wid < best_id):
                     best, best_id, best_crc, best_h = i, wid, wcrc, h
-        if h != h_own:
+        if blocks != own:
             # PreferDegree (§7.1) leaves the load out, so it prices the worker without the
             # copy that only its queue makes count: its own prefix, as without the credit.
-            p_own = min(h_own * B, Lm1)
+            p_own = min(own * B, Lm1)
             key = p_own * n + dk
             t = terms.get(key)
             if t is None:
