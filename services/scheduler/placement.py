@@ -232,6 +232,15 @@ class PullCredit:
         _check_nonneg("PullCredit.copy_block_s", self.copy_block_s, " of seconds")
 
 
+def _check_counts(name: str, counts: Mapping[WorkerId, int]) -> None:
+    """Every value of ``counts`` an integer >= 0 (not a bool); else InvalidInput naming
+    ``name[worker]``. Cheap: these maps name only the workers with a hit."""
+    for w, h in counts.items():
+        if h.__class__ is not int or h < 0:  # fast exact-int check first, then the slow one
+            if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+                raise InvalidInput(f"{name}[{w!r}] must be an integer >= 0, got {h!r}")
+
+
 def _check_nonneg(name: str, value: float, unit: str) -> None:
     """``value`` a finite number >= 0 (not a bool); else InvalidInput naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -290,10 +299,7 @@ def place_j(
         raise InvalidInput(f"view must be a ClusterView, got {type(view).__name__}")
     if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
         raise InvalidInput(f"now must be a finite number of seconds, got {now!r}")
-    for w_, h_ in held_blocks.items():
-        if h_.__class__ is not int or h_ < 0:  # fast exact-int check first, then the slow one
-            if isinstance(h_, bool) or not isinstance(h_, int) or h_ < 0:
-                raise InvalidInput(f"held_blocks[{w_!r}] must be an integer >= 0, got {h_!r}")
+    _check_counts("held_blocks", held_blocks)
 
     # H of the pull credit (module docstring): 0 turns the credit off for this request.
     pull_h = pull_min = pull_max = 0
@@ -303,11 +309,7 @@ def place_j(
             raise InvalidInput(f"pull must be a PullCredit, got {type(pull).__name__}")
         src = held_blocks if holdings is None else holdings
         if src is not held_blocks:
-            for w_, h_ in src.items():
-                if h_.__class__ is not int or h_ < 0:
-                    if isinstance(h_, bool) or not isinstance(h_, int) or h_ < 0:
-                        raise InvalidInput(
-                            f"holdings[{w_!r}] must be an integer >= 0, got {h_!r}")
+            _check_counts("holdings", src)
         pull_h = max(src.values(), default=0)
         pull_min, pull_max = pull.min_blocks, pull.max_blocks
         pull_t0, pull_t1 = pull.copy_base_s, pull.copy_block_s
