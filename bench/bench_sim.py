@@ -15,6 +15,7 @@ is not.
 
     .venv/bin/python bench/bench_sim.py [TRACE] [--rate-scale 2] [--policies vertumnus homo]
         [--repeat 1] [--max-requests N] [--profile] [--rows FILE] [--pull-credit-blocks N]
+        [--pull-demote]
 
 ``--profile`` runs each policy once more under cProfile and prints the top 20 functions by
 internal time (and by cumulative time). ``--rows FILE`` writes the full result rows (without the
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=None)
     ap.add_argument("--pull-credit-blocks", type=int, default=None,
                     help="J's pull credit for the J pools (default: the calibrated one)")
+    ap.add_argument("--pull-demote", action="store_true",
+                    help="a landed pull demotes the source's copy (default: the calibrated "
+                    "setting, off)")
     ap.add_argument("--profile", action="store_true", help="cProfile top 20 per policy")
     ap.add_argument("--rows", type=Path, default=None,
                     help="write the result rows (no wall-clock fields) and digests as JSON")
@@ -130,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = ExperimentSpec(gpus=args.gpus)
     if args.pull_credit_blocks is not None:
         spec = replace(spec, pull_credit_blocks=args.pull_credit_blocks)
+    if args.pull_demote and spec.pull is not None:
+        spec = replace(spec, pull=replace(spec.pull, demote_source=True))
     lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
     # As sim.experiments.sweep does: the initial composition is judged with the controller's
     # profile (κ scaled), when this version of the simulator has one.
@@ -217,6 +223,8 @@ def _against(args: argparse.Namespace) -> int:
         base += ["--max-requests", str(args.max_requests)]
     if args.pull_credit_blocks is not None:
         base += ["--pull-credit-blocks", str(args.pull_credit_blocks)]
+    if args.pull_demote:
+        base += ["--pull-demote"]
     runs: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in sides}
     for rnd in range(max(1, args.repeat)):
         # Alternate which side goes first, so a load trend does not favour one side.

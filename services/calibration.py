@@ -179,10 +179,12 @@ more of ×3.5 than 0.8. Other rates, L-Eval, Azure code and the reconfiguration 
 0-14 at 0.8; 0-3, 6 and 9 at 0.9) are unchanged: their rule-10 merges, if any, pass either
 bound."""
 
-PULL: Final[PullConfig] = PullConfig(min_blocks=2)
+PULL: Final[PullConfig] = PullConfig(min_blocks=2, demote_source=False)
 """Route-time pull (services/cachemgr/pull.py): a request's prefix is copied to the worker it
 was routed to when that worker lacks at least 2 blocks (1,024 tokens) of the longest prefix
-another worker holds. Why: J routes away from a busy holder, and near saturation every
+another worker holds. The source keeps its copy as it was (``demote_source`` off: see
+``PULL_CREDIT_BLOCKS``, where the demotion is what makes the credit safe on the
+reconfiguration preset). Why: J routes away from a busy holder, and near saturation every
 recomputed prefix is capacity; the copy costs links, not GPU time. The sweep (2026-12-02,
 seed 0, vertumnus only, ``vertumnus simulate … --pull-min-blocks N``), conversation trace mean
 TTFT (s) at ×1 / ×2.5 / ×3 / ×3.5 / ×4 / ×4.5 / ×4.8, and pulls at ×4.8:
@@ -207,30 +209,55 @@ PULL_CREDIT_BLOCKS: Final[int] = 0
 """J's credit for the route-time pull (services/scheduler/placement.py ``PullCredit``): a
 worker whose queue covers the copy's estimated time is priced as holding the longest prefix
 another worker holds, for copies of ``PULL.min_blocks`` up to this many blocks. **Off by
-default** (0); 64 (32K tokens) is the setting to try for session and agent traffic
-(``--pull-credit-blocks 64``, live ``VTM_PULL_CREDIT_BLOCKS=64``).
+default** (0). The setting to try for session and agent traffic is 64 (32K tokens) *together
+with the pull's demotion of the source's copy*: ``--pull-credit-blocks 64 --pull-demote``,
+live ``VTM_PULL_CREDIT_BLOCKS=64`` for the scheduler and ``VTM_PULL_DEMOTE=1`` for the cache
+manager (docs/evaluation.md "A pull as a move").
 
-Why off: it lowers mean TTFT on every workload with shared prefixes at every rate tried --
-the conversation trace by 1-7% (3 seeds, ×1-×4.8), the Tool-Agent-shaped workload by
-11-31%, the built-in one by 2-3% -- but it costs the reconfiguration preset's long-document
-phases. Over seeds 0-14 at 64, vertumnus's phase means are −4.5 / −12.2 / +2.3 / −9.4 /
-+0.1% against the same preset without the credit (S1-S5, the mean over seeds); the long
-phase S3 is worse on seeds 4, 6, 12 and 13 (+6 / +15 / +20 / +31%), and seed 13's S5 ends
-+10.7% against the better fixed pool, over the issue's 5% (without the credit the worst
-phase of the 15 seeds is +3.1%). The fixed 12CP2/4CP4 pool, which has the credit too, loses
-7.7% in S3 and 4.0% in S5 on average. What happens there (seed 13, the fixed pool, S3): the
-pulls rise from ~2,300 to ~14,000 a run and the scan's replications fall from 49 to 5; short
-requests leave the CP4 workers (5% → 1% of them), and the long ones there wait 1.2 s
-instead of 0.25 s and reuse 93% of their input instead of 99%; at their arrival the pool
-holds 92-93% of their input anywhere instead of 98-99%, so the documents are pushed out of
-the caches, not routed past. A form that keeps the gain without that cost was not found: a
-bound on the whole prefix instead of the copy, a bound of 32, a bound on the request's length
-(16K / 32K tokens), credit only towards a holder's degree or only at or above it, only while
-at most one or two workers hold the prefix, the pull itself capped at 64 blocks -- each left
-seed 13's S3 or S5 15-53% slower than without the credit. What J lacks is a price for what a
-copy displaces from the destination's cache (docs/evaluation.md "J's pull credit").
+The credit alone lowers mean TTFT on every workload with shared prefixes at every rate tried
+-- the conversation trace by 1-7% (3 seeds, ×1-×4.8), the Tool-Agent-shaped workload by
+11-31%, the built-in one by 2-3% -- but it cost the reconfiguration preset's long-document
+phases: over seeds 0-14, S3 worse on seeds 4 / 6 / 12 / 13 (+6 / +15 / +20 / +31%) and seed
+13's S5 +10.7% against the better fixed pool, over the issue's 5% (without the credit the
+worst phase is +3.1%). Why (session 32, scratch counters on seed 13's fixed 12CP2/4CP4 pool):
+with the credit J moves a session's next turn whenever the copy lands in time, and the old
+copy stayed at the hot end of the source's LRU. In the short-request burst S2 the pulls
+carried 45,000 blocks in ~6,000 copies instead of 2,800 in ~840 -- about the whole pool's
+cache (40 GPUs × 1,390 blocks) -- and the long phase S1's documents went out before S3 wanted
+them again (the pool held 92-93% of an S3 request's input anywhere instead of 98-99%). A
+price on the credited copy (1 / 3 / 10 / 30 ms a copied block: seed 13's S5 0.624 / 0.592 /
+0.570 / 0.488 s against 0.459 s without the credit) and credit only for prefixes nobody had
+reused yet (S5 +6.5% against the better fixed pool) did not help, nor did session 31's forms
+(a bound on the whole prefix, a bound of 32, on the request's length, credit only towards a
+holder's degree, only while one or two workers hold the prefix, the pull capped at 64 blocks,
+a partial credit). Demoting the source's private copy once the pull has landed does (the
+reconfiguration preset, seeds 0-14, mean of each phase, s):
 
-The bound, when the credit is on. The sweep (2026-12-02, seed 0 unless named; vertumnus only;
+  =======================  =====  =====  =====  =====  =====  ======================
+  the pull                 S1     S2     S3     S4     S5     worst phase vs fixed
+  =======================  =====  =====  =====  =====  =====  ======================
+  a copy (the default)     0.444  0.434  0.423  0.418  0.417  +3.1% (seeds 8, 9)
+  a move, no credit        0.444  0.435  0.426  0.420  0.417  +3.9% (seed 9)
+  a move + credit 64       0.424  0.381  0.403  0.375  0.399  +3.6% (seed 11)
+  =======================  =====  =====  =====  =====  =====  ======================
+
+Every phase of every seed is lower with both than with the default (S2 and S4 by 9-15%).
+
+Why it is still off: the cache-manager ablation (``--preset ablation``: the Tool-Agent-shaped
+workload on a fixed 8CP2/6CP4 pool with 200 blocks per GPU), the mean of seeds 0-4 at its
+highest rate ×4.5, where the pool is past saturation: the full manager against the one
+without replication and reclamation is −2.3% in mean and **+6.9% in P90** with both (the
+issue asks for lower in both), against −23.6% / −16.6% with the credit alone and −24.0% /
+−21.5% with neither (the default). With caches that small and
+queues of seconds, a session J moves often comes back to its old worker, and the second copy
+the demotion gives up is what kept its history there (the hit rate falls from 83.2% to
+82.1%, GPU time rises 3% on seed 0). Demoting only histories of 4 or 8 blocks or more did not
+remove it (seed 1 P90 13.3 / 13.1 s against 12.7 s without the manager). Up to ×3.5 both
+together are far the best (×3.5: −35.7% / −49.8%). A rule that tells a returning session
+from a moved one is where to start.
+
+The bound (chosen with the pull a copy, before the demotion). The sweep (2026-12-02, seed 0
+unless named; vertumnus only;
 mean TTFT in s). The runs used
 a scratch copy of the rule with the bound set by an environment variable; the landed code
 gives the same figures at 64 (the conversation row checked to the last digit). The

@@ -459,8 +459,19 @@ class ReconcileCommand(_CacheCommandBase):
     source_worker: Id | None = None
 
 
+class DemoteCommand(_CacheCommandBase):
+    """Make ``blocks`` (root first: the blocks a route-time pull copied away from this
+    worker) the first to be evicted here (services/cachemgr/pull.py, "A pull can be a move").
+    Nothing is removed and no cache event follows: only the eviction order changes, so the
+    trie's holders stay as they are; blocks no longer cached are skipped (``blocks_done``
+    counts the ones demoted)."""
+
+    op: Literal["demote"] = "demote"
+
+
 CacheCommand = Annotated[
-    ReplicateCommand | ReclaimCommand | ReconcileCommand, Field(discriminator="op")
+    ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand,
+    Field(discriminator="op"),
 ]
 
 
@@ -470,7 +481,8 @@ class CacheCommandResult(Message):
     command_id: Id
     worker_id: Id
     ok: bool
-    blocks_done: NonNegInt = Field(default=0, description="blocks installed or removed")
+    blocks_done: NonNegInt = Field(default=0,
+                                   description="blocks installed, removed or demoted")
     error: str | None = None
 
 
@@ -838,6 +850,7 @@ __all__ = [
     "CacheStored",
     "CompletionRequest",
     "CompositionNotice",
+    "DemoteCommand",
     "DrainNotice",
     "EpochAck",
     "EpochRecord",

@@ -21,7 +21,7 @@ Map (prefix ``vtm``):
 ``vtm.epoch.ack.{gpu}``        EpochAck from a rank
 ``vtm.cache.events.{wid}``     CacheEvent stream of one worker
 ``vtm.cache.snapshot.{wid}``   request-reply: ask a worker for a snapshot of its index
-``vtm.cache.cmd.{wid}``        CacheCommand (replicate / reclaim / reconcile) to a worker
+``vtm.cache.cmd.{wid}``        CacheCommand (replicate / reclaim / reconcile / demote)
 ``vtm.window.demand.{src}``    WindowReport from one scheduler replica (``….again``: its copy)
 ``vtm.ctl.drain``              DrainNotice: a reconfiguration's sources stop admitting
 ``vtm.ctl.reconf``             ReconfigurationEvent at every phase of a reconfiguration

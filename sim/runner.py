@@ -208,13 +208,18 @@ def sweep_profile(profile_path: Path | None, out: Path, degrees: Sequence[int], 
 
 
 # --- the run ---------------------------------------------------------------------------------
-def pull_option(min_blocks: int) -> PullConfig | None:
-    """The route-time pull for ``--pull-min-blocks``: None for 0 (off); InvalidInput naming
-    the option for anything but an integer >= 0."""
+def pull_option(min_blocks: int, demote: bool | None = None) -> PullConfig | None:
+    """The route-time pull for ``--pull-min-blocks`` and ``--pull-demote/--no-pull-demote``
+    (None: the calibrated ``calibration.PULL.demote_source``): None for 0 (off); InvalidInput
+    naming the option for anything but an integer >= 0 (or a demote that is not a bool)."""
     if isinstance(min_blocks, bool) or not isinstance(min_blocks, int) or min_blocks < 0:
         raise InvalidInput(f"--pull-min-blocks must be an integer >= 0 (0: no pull), "
                            f"got {min_blocks!r}")
-    return PullConfig(min_blocks) if min_blocks else None
+    if demote is not None and not isinstance(demote, bool):
+        raise InvalidInput(f"--pull-demote must be on or off, got {demote!r}")
+    if not min_blocks:
+        return None
+    return PullConfig(min_blocks, calibration.PULL.demote_source if demote is None else demote)
 
 
 def pull_credit_option(max_blocks: int) -> int:
@@ -266,6 +271,7 @@ def run_simulate(
     controller: ControllerConfig | None = None,
     pull_min_blocks: int | None = None,
     pull_credit_blocks: int | None = None,
+    pull_demote: bool | None = None,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
 
@@ -274,6 +280,8 @@ def run_simulate(
     ``pull_credit_blocks``: J counts on that pull for copies of up to this many blocks
     (services/scheduler/placement.py ``PullCredit``), 0 for never, None for the calibrated
     ``calibration.PULL_CREDIT_BLOCKS``; it must not be below the pull's ``min_blocks``.
+    ``pull_demote``: whether a landed pull demotes the source's copy (None: the calibrated
+    ``calibration.PULL.demote_source``; moot without a pull).
 
     ``slo``: the TTFT deadlines by prompt length that SLO attainment counts, and that κ is
     measured to keep when the profile is measured here (default: paper Table 2, Qwen3).
@@ -307,8 +315,9 @@ def run_simulate(
     check_seed(seed)
     check_warmup_s(warmup_s)
     check_policies(policies)
-    if pull_min_blocks is not None:
-        pull_option(pull_min_blocks)
+    if pull_min_blocks is not None or pull_demote is not None:
+        pull_option(calibration.PULL.min_blocks if pull_min_blocks is None else pull_min_blocks,
+                    pull_demote)
     if pull_credit_blocks is not None:
         pull_credit_option(pull_credit_blocks)
     check_pull_credit(pull_min_blocks, pull_credit_blocks)
@@ -328,8 +337,10 @@ def run_simulate(
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
                                      per_degree=per_degree, slo=slo, gpus=gpus)
     overrides = {**ctl, **(spec_overrides or {})}
-    if pull_min_blocks is not None:
-        overrides["pull"] = pull_option(pull_min_blocks)
+    if pull_min_blocks is not None or pull_demote is not None:
+        overrides["pull"] = pull_option(
+            calibration.PULL.min_blocks if pull_min_blocks is None else pull_min_blocks,
+            pull_demote)
     if pull_credit_blocks is not None:
         overrides["pull_credit_blocks"] = pull_credit_blocks
     overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
@@ -371,6 +382,7 @@ def run_simulate(
         "controller": config_to_mapping(spec.controller),
         "pull_min_blocks": spec.pull.min_blocks if spec.pull is not None else 0,
         "pull_credit_blocks": spec.pull_credit_blocks if spec.pull is not None else 0,
+        "pull_demote": spec.pull.demote_source if spec.pull is not None else False,
         "hardware": ground_truth_to_mapping(truth),
         "wall_s": time.perf_counter() - t0,
         **_jsonable(side),

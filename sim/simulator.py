@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.cachemgr.actions import Reclaim, Replicate
-from services.cachemgr.pull import PullConfig, pull_on_route
+from services.cachemgr.pull import PullConfig, demotion, pull_on_route
 from services.cachemgr.reconcile import (
     RehomeConfig,
     on_reuse,
@@ -707,6 +707,11 @@ class Simulator:
             self.reconcile_transfers += 1
         elif act.kind == "route":
             self.pulls += 1
+            # With demote_source a pull is a move (services/cachemgr/pull.py): the source's
+            # private copy goes first.
+            dem = demotion(act, self.cfg.pull, self.trie) if self.cfg.pull is not None else None
+            if dem is not None:
+                self.workers[dem.worker].cache.demote(dem.blocks)
         else:
             self.replications += 1
         self.trie.replication_done(act)

@@ -82,7 +82,7 @@ def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
 # so do those of runner.PRESET_CHOICES (the ablation's workload, rates and cache size).
 _PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
                  "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale",
-                 "beta_busy_power", "pull_min_blocks", "pull_credit_blocks")
+                 "beta_busy_power", "pull_min_blocks", "pull_credit_blocks", "pull_demote")
 
 
 _PER_DEGREE_HELP = ("Fit one cost-model coefficient set per CP degree, not one for all "
@@ -289,6 +289,11 @@ def register(app: typer.Typer) -> None:
             "holding the prefix) for copies of up to this many blocks (0: never; -1: the "
             "calibrated default)")
         ] = -1,
+        pull_demote: Annotated[bool | None, typer.Option(
+            "--pull-demote/--no-pull-demote",
+            help="Once a pull has landed, demote the source's copy (evicted first: the pull "
+            "is a move); default: the calibrated setting")
+        ] = None,
         jobs: Annotated[
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
                               "(same results)")
@@ -379,6 +384,7 @@ def register(app: typer.Typer) -> None:
                 jobs=jobs, per_degree=per_degree, repeats=repeats, warmup_s=warmup, slo=table,
                 pull_min_blocks=None if pull_min_blocks == -1 else pull_min_blocks,
                 pull_credit_blocks=None if pull_credit_blocks == -1 else pull_credit_blocks,
+                pull_demote=pull_demote,
             )
             if pull_min_blocks != -1:
                 _check(runner.pull_option, pull_min_blocks)

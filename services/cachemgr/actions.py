@@ -1,6 +1,7 @@
-"""Cache operations the manager issues to workers (§7.2, §6.2): replicate and reclaim.
+"""Cache operations the manager issues to workers (§7.2, §6.2): replicate and reclaim (and
+demote, after a route-time pull: services/cachemgr/pull.py).
 
-They are plain values; the cachemgr adapter turns them into commands. Neither changes the trie's
+They are plain values; the cachemgr adapter turns them into commands. None changes the trie's
 holder metadata by itself: a replica counts only after the destination's own ``Stored`` event
 (its confirmation), and a reclaimed replica leaves the holders only on the worker's ``Removed``
 event (§7.2, last paragraph).
@@ -66,6 +67,20 @@ class Reclaim:
             "node_hash": self.node_hash,
             "blocks": list(self.blocks),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Demote:
+    """Make ``blocks`` (root first) the first to be evicted at ``worker``; nothing is removed
+    (``BlockCache.demote``). Follows a route-time pull that landed: the source's copy of what
+    was copied (services/cachemgr/pull.py, "A pull can be a move"). Not tracked in flight and not
+    visible in the trie (holders do not change); a failed one is only reported."""
+
+    worker: WorkerId
+    blocks: tuple[BlockHash, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "demote", "worker": self.worker, "blocks": list(self.blocks)}
 
 
 CacheAction: TypeAlias = Replicate | Reclaim

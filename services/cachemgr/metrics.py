@@ -3,8 +3,9 @@
 ==========================  =======  ==================================================
 name                        kind     attributes
 ==========================  =======  ==================================================
-``vtm.cache.commands``      counter  ``kind`` (inter, intra, reconcile: copies; reclaim:
-                                     deletions), ``outcome`` (ok, failed)
+``vtm.cache.commands``      counter  ``kind`` (inter, intra, reconcile, route: copies;
+                                     reclaim: deletions; demote: a pull's source made
+                                     evict-first), ``outcome`` (ok, failed)
 ``vtm.cache.blocks``        counter  ``kind``: KV blocks of the commands that succeeded
 ``vtm.cache.trie_nodes``    gauge    -: cached blocks the global prefix trie tracks
 ==========================  =======  ==================================================
@@ -16,13 +17,17 @@ from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import Observation
 
-from services.cachemgr.actions import CacheAction, Reclaim
+from services.cachemgr.actions import CacheAction, Demote, Reclaim
 from shared.metrics import meter, observe_gauge
 
 
-def action_kind(action: CacheAction) -> str:
-    """"reclaim", or the copy's kind ("inter", "intra", "reconcile", "route")."""
-    return "reclaim" if isinstance(action, Reclaim) else str(action.kind)
+def action_kind(action: CacheAction | Demote) -> str:
+    """"reclaim", "demote", or the copy's kind ("inter", "intra", "reconcile", "route")."""
+    if isinstance(action, Reclaim):
+        return "reclaim"
+    if isinstance(action, Demote):
+        return "demote"
+    return str(action.kind)
 
 
 class CacheMetrics:
@@ -33,10 +38,11 @@ class CacheMetrics:
         self._trie_nodes = trie_nodes
         self.commands = m.create_counter(
             "vtm.cache.commands", unit="{command}",
-            description="Replication, reconciliation and reclamation commands, by outcome")
+            description="Replication, reconciliation, reclamation and demotion commands, "
+            "by outcome")
         self.blocks = m.create_counter(
             "vtm.cache.blocks", unit="{block}",
-            description="KV blocks copied or deleted by commands that succeeded")
+            description="KV blocks copied, deleted or demoted by commands that succeeded")
         observe_gauge("vtm.cache.trie_nodes", "{block}",
                       "Cached blocks tracked by the global prefix trie", self,
                       CacheMetrics._observe)
@@ -44,7 +50,7 @@ class CacheMetrics:
     def _observe(self) -> Iterable[Observation]:
         return [Observation(self._trie_nodes())]
 
-    def done(self, action: CacheAction, ok: bool) -> None:
+    def done(self, action: CacheAction | Demote, ok: bool) -> None:
         kind = action_kind(action)
         self.commands.add(1, {"kind": kind, "outcome": "ok" if ok else "failed"})
         if ok:

@@ -23,6 +23,19 @@ when it starts after the copy has landed (a queued request, the case that matter
 load), and otherwise recomputes the prefix as it would have. J is the paper's, unchanged: it
 does not count on a pull that may come too late.
 
+A pull can be a move (``PullConfig.demote_source``; off by default). Once the copy has
+landed, the source's copy of the copied blocks that belong to one line of requests is
+*demoted* (:func:`demotion`: a :class:`Demote`, the live ``DemoteCommand``): moved to the old
+end of the source's LRU, so that it is the first to go when the source needs room. Nothing is
+removed (a request that reuses it there makes it recent again), and shared blocks -- those
+with two continuations cached somewhere, and their ancestors -- are left where they are. Why:
+the pull follows one consumer (a session's next turn, an agent's next call) away from its
+holder, and the old copy, still recent, pushes other prefixes out in its place. With J's pull
+credit, which moves sessions far more often, that cost the reconfiguration preset's long
+phases their documents; with the demotion as well it does not. It is not the default because
+with small caches under overload (the ablation preset at ×4.5) the second copy is what keeps
+a session's history alive when it comes back (docs/evaluation.md "A pull as a move").
+
 Not pulled: a prefix the destination cannot hold whole (longer than its capacity), or one
 with a copy already in flight to the destination (from an earlier request of the same
 session, the scan, or a reconcile). Pure: reads and records in-flight copies on the trie.
@@ -33,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.cachemgr.actions import Replicate
+from services.cachemgr.actions import Demote, Replicate
 from services.cachemgr.trie import MatchResult, PrefixTrie
 from shared.ids import BlockHash, Degree, InvalidInput, WorkerId
 
@@ -42,14 +55,54 @@ from shared.ids import BlockHash, Degree, InvalidInput, WorkerId
 class PullConfig:
     """``min_blocks``: the chosen worker must lack at least this many blocks of the longest
     held prefix for a pull (a shorter gap is cheap to recompute, and every copy costs a
-    command round trip and link time)."""
+    command round trip and link time). ``demote_source``: once a pull has landed, the
+    source's copy of the copied blocks is demoted (:func:`demotion`; module docstring,
+    "A pull can be a move")."""
 
     min_blocks: int
+    demote_source: bool = False
 
     def __post_init__(self) -> None:
         m = self.min_blocks
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise InvalidInput(f"PullConfig.min_blocks must be an integer >= 1, got {m!r}")
+        if not isinstance(self.demote_source, bool):
+            raise InvalidInput(f"PullConfig.demote_source must be a bool, "
+                               f"got {self.demote_source!r}")
+
+
+def demotion(action: Replicate, config: PullConfig, trie: PrefixTrie) -> Demote | None:
+    """What follows a copy ``action`` that has landed (its destination's ``Stored`` event or
+    an ok reply): for a route-time pull with ``config.demote_source``, a :class:`Demote` at
+    the source of the copied blocks that are private to one line of requests; None when
+    there are none, for any other copy (the scan's replicas exist *because* a prefix is
+    wanted in more places, and a reconcile copy's source is retired) or with demotion off.
+
+    Private: below the deepest block of the copy that has two or more children in ``trie``
+    (a branch point: two different continuations of it are cached somewhere, so it and its
+    ancestors are shared -- a tool description, a system prompt, a document with several
+    questions -- and the source is as likely to reuse them as the destination). Only a
+    linear tail, one session's own history, is demoted. A block the trie has collected
+    meanwhile ends the walk (what is below it is demoted). Pure: reads ``trie``; raises
+    :class:`InvalidInput` for arguments of the wrong type."""
+    if not isinstance(action, Replicate):
+        raise InvalidInput(f"action must be a Replicate, got {type(action).__name__}")
+    if not isinstance(config, PullConfig):
+        raise InvalidInput(f"config must be a PullConfig, got {type(config).__name__}")
+    if not isinstance(trie, PrefixTrie):
+        raise InvalidInput(f"trie must be a PrefixTrie, got {type(trie).__name__}")
+    if action.kind != "route" or not config.demote_source:
+        return None
+    blocks = action.blocks
+    nodes = trie._nodes
+    start = 0
+    for i in range(len(blocks) - 1, -1, -1):
+        n = nodes.get(blocks[i])
+        if n is None or len(n.children) > 1:
+            start = i + 1
+            break
+    private = blocks[start:]
+    return Demote(action.source, private) if private else None
 
 
 def pull_on_route(trie: PrefixTrie, match: MatchResult, worker: WorkerId,

@@ -51,15 +51,30 @@ epoch KV key (watch)                   a changed composition: a degree-2C worker
 =====================================  ============================================================
 
 Commands (JSON, shared/schemas CacheCommand) go request-reply to
-``{prefix}.cache.cmd.{wid}`` of the worker that executes them: ReplicateCommand to the
-destination (``blocks`` = the whole root→node path, root first; the worker copies from
-``source_worker`` only what it lacks), ReconcileCommand (kind ``reconcile``), ReclaimCommand to
-the owner. The reply is a CacheCommandResult. Visibility follows the paper (§7.2): a replica
+``{prefix}.cache.cmd.{wid}`` of the worker that executes them:
+
+=====================  =============  ==============================================================
+command                sent to        when / what
+=====================  =============  ==============================================================
+ReplicateCommand       destination    a scan's replica, a re-homing or a route-time pull
+                                      (``blocks`` = the whole root→node path, root first; the
+                                      worker copies from ``source_worker`` only what it lacks)
+ReconcileCommand       destination    a lazy reconcile copy after a split or merge (§6.2)
+ReclaimCommand         owner          a scan's reclamation (exact-key deletion)
+DemoteCommand          pull source    a route-time pull answered ok (``pull_demote``): the copied
+                                      blocks become the first the source evicts (pull.py, "A pull
+                                      is a move"); nothing is removed, no event follows
+=====================  =============  ==============================================================
+
+The reply is a CacheCommandResult. Visibility follows the paper (§7.2): a replica
 counts only when the destination's own ``stored`` event arrives, a reclaimed one leaves only on
 its ``removed`` event; an ok reply just retires the in-flight action
 (``replication_done``), a failed reply, micro error, timeout or missing responder -- or any
 other error on the way, a nats client error or an unexpected exception (logged as an error)
--- calls ``replication_failed`` / ``reclaim_failed`` so a later scan may choose again.
+-- calls ``replication_failed`` / ``reclaim_failed`` so a later scan may choose again. A
+demote is fire-and-forget: it is not an action of the trie (nothing in flight, holders
+unchanged), so whatever becomes of it is only counted (``demotes_ok`` / ``demotes_failed``)
+and logged; a failed route copy sends none.
 
 Incarnations (WorkerState ``incarnation``, drawn by the rank daemon at each start): the first
 non-empty one seen for a registered worker is only recorded; an empty one (older rank daemons)
@@ -92,10 +107,10 @@ from nats.micro.request import Request
 from pydantic import Field
 
 from services import calibration
-from services.cachemgr.actions import CacheAction, Reclaim, Replicate
+from services.cachemgr.actions import CacheAction, Demote, Reclaim, Replicate
 from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
 from services.cachemgr.metrics import CacheMetrics
-from services.cachemgr.pull import PullConfig, pull_on_route
+from services.cachemgr.pull import PullConfig, demotion, pull_on_route
 from services.cachemgr.reconcile import (
     RehomeConfig,
     diff_compositions,
@@ -117,6 +132,7 @@ from shared.ids import (
 )
 from shared.schemas import (
     CacheCommandResult,
+    DemoteCommand,
     DrainNotice,
     EpochRecord,
     Message,
@@ -245,10 +261,18 @@ class CacheMgrSettings(ServiceSettings):
         default=calibration.PULL.min_blocks, ge=1,
         description="Route-time pull: only when the worker lacks at least this many blocks.",
     )
+    pull_demote: bool = Field(
+        default=calibration.PULL.demote_source,
+        description="Route-time pull: once a pull is answered ok, demote the source's copy of "
+        "the copied blocks (a DemoteCommand: evicted first there, nothing removed; pull.py, "
+        "\"A pull can be a move\").",
+    )
 
     def pull_config(self) -> PullConfig | None:
         """The route-time pull's settings, or None when it is off."""
-        return PullConfig(min_blocks=self.pull_min_blocks) if self.pull else None
+        if not self.pull:
+            return None
+        return PullConfig(min_blocks=self.pull_min_blocks, demote_source=self.pull_demote)
 
     def rehome_config(self) -> RehomeConfig | None:
         """The re-homing settings, or None when re-homing is off."""
@@ -377,6 +401,10 @@ class CacheMgrService(MicroService):
             "commands_ok": 0,
             "commands_failed": 0,
             "commands_errored": 0,  # of commands_failed: an unexpected exception (a bug)
+            # Demotes after a pull (fire-and-forget, not in commands_*: no trie action).
+            "demotes_sent": 0,
+            "demotes_ok": 0,
+            "demotes_failed": 0,
             "splits": 0,
             "rehomed": 0,
             "pulls": 0,
@@ -919,10 +947,14 @@ class CacheMgrService(MicroService):
             self._send(a)
         return result
 
-    def _command(self, action: CacheAction) -> ReplicateCommand | ReclaimCommand | ReconcileCommand:
+    def _command_id_and_epoch(self) -> tuple[str, int]:
+        """A fresh command id, and the epoch every command carries (the adopted record's)."""
         self._cmd_seq += 1
-        cid = f"cm{self._cmd_seq}-{uuid.uuid4().hex[:8]}"
-        epoch = self.record.epoch if self.record else 0
+        return (f"cm{self._cmd_seq}-{uuid.uuid4().hex[:8]}",
+                self.record.epoch if self.record else 0)
+
+    def _command(self, action: CacheAction) -> ReplicateCommand | ReclaimCommand | ReconcileCommand:
+        cid, epoch = self._command_id_and_epoch()
         if isinstance(action, Reclaim):
             return ReclaimCommand(
                 command_id=cid, worker_id=action.worker, epoch=epoch, blocks=list(action.blocks)
@@ -954,8 +986,10 @@ class CacheMgrService(MicroService):
         ``removed`` event); anything else -- a refused reply, a micro error, a malformed reply,
         no responder, a timeout, any nats client error, and any other exception -- settles it
         as failed (:meth:`_failed`), so the trie retires its plan and a later scan or reuse may
-        issue it again. Never raises but :class:`asyncio.CancelledError` (shutdown), which
-        leaves the action as it is: the service is going away with its trie.
+        issue it again. A route-time pull settled as done is then followed by its demote
+        (:meth:`_demote_source`); a failed one by none. Never raises but
+        :class:`asyncio.CancelledError` (shutdown), which leaves the action as it is: the
+        service is going away with its trie.
         """
         try:
             error = await self._send_command(action)
@@ -974,6 +1008,8 @@ class CacheMgrService(MicroService):
             # NOTE: retires the in-flight copy only; the replica becomes visible with the
             # destination's own stored event (usually already applied by now).
             self.trie.replication_done(action)
+            # After it is settled: whatever the demote meets, the copy stays done.
+            await self._demote_source(action)
 
     async def _send_command(self, action: CacheAction) -> str | None:
         """Build and send ``action``'s command; None if the worker did it, else why not.
@@ -993,6 +1029,13 @@ class CacheMgrService(MicroService):
             command_id=cmd.command_id,
             action=action.to_wire(),
         )
+        return await self._call_worker(cmd)
+
+    async def _call_worker(
+        self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand
+    ) -> str | None:
+        """Send ``cmd`` to its worker and wait for the reply: None if the worker did it, else
+        why not. The failures a command meets in normal operation come back as the reason."""
         try:
             res = await call(
                 self.nc,
@@ -1014,6 +1057,55 @@ class CacheMgrService(MicroService):
         if not res.ok:
             return res.error or "refused"
         return None
+
+    async def _demote_source(self, action: Replicate) -> None:
+        """A copy answered ok: for a route-time pull with ``pull_demote``, send the source a
+        DemoteCommand of the copied blocks (pull.py ``demotion``) and wait for its reply.
+
+        Fire-and-forget: a demote only reorders the source's LRU, so its outcome is counted
+        and logged and changes nothing else -- not the copy (already settled), not the trie
+        (a demote has no in-flight state and moves no holder). Never raises but
+        :class:`asyncio.CancelledError` (shutdown)."""
+        dem: Demote | None = None
+        try:
+            config = self.msettings.pull_config()
+            dem = demotion(action, config, self.trie) if config is not None else None
+            if dem is None:
+                return
+            if dem.worker not in self.trie.workers():
+                # It left the pool since the copy was planned: there is nothing to demote.
+                # (A restarted source is tracked afresh; it skips the blocks it lacks.)
+                self.log.info("demote skipped: source no longer tracked", action=dem.to_wire())
+                return
+            error = await self._send_demote(dem)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug on the way: logged, the service keeps running
+            self.counters["demotes_failed"] += 1
+            if dem is not None:
+                self.metrics.done(dem, ok=False)
+            self.log.error("demote failed unexpectedly", action=action.to_wire(),
+                           error=repr(exc), exc_info=exc)
+            return
+        self.metrics.done(dem, ok=error is None)
+        if error is None:
+            self.counters["demotes_ok"] += 1
+            return
+        self.counters["demotes_failed"] += 1
+        # A warning, not an error: the source only keeps its copy at the recent end, as it
+        # would without demotion.
+        self.log.warning("demote failed", action=dem.to_wire(), error=error)
+
+    async def _send_demote(self, dem: Demote) -> str | None:
+        """Send ``dem`` as a DemoteCommand; None if the worker did it, else why not (as
+        :meth:`_send_command`)."""
+        cid, epoch = self._command_id_and_epoch()
+        cmd = DemoteCommand(command_id=cid, worker_id=dem.worker, epoch=epoch,
+                            blocks=list(dem.blocks))
+        self.counters["demotes_sent"] += 1
+        self.log.info("cache command", op=cmd.op, worker=cmd.worker_id, command_id=cid,
+                      action=dem.to_wire())
+        return await self._call_worker(cmd)
 
     def _failed(self, action: CacheAction, why: str, *, exc: BaseException | None = None) -> None:
         """Settle ``action`` as failed: counted, logged, its plan retired in the trie.

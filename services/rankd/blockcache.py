@@ -240,6 +240,29 @@ class BlockCache:
             else:
                 del pins[h]
 
+    def demote(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Make the given cached blocks the first to be evicted (a demote command: the source of
+        a route-time pull, services/cachemgr/pull.py); returns how many were cached.
+
+        Each cached block moves to the old end of the LRU, in the given order, so with
+        ``block_hashes`` root first (a chain, as a pull copies it) the deepest block ends up
+        oldest and the chain is evicted leaf first, as the LRU order keeps it elsewhere. Any
+        order is still correct: eviction takes only leaves and scans past the rest. Blocks
+        not cached are skipped (the command may race with eviction); pins still protect
+        (eviction skips a pinned block wherever it stands). Nothing is removed and no event
+        is emitted: what the cache holds does not change, only which block goes first, and a
+        later lookup or insert that touches a demoted block makes it recent again.
+        """
+        hs = _check_hashes(block_hashes)
+        lru = self._lru
+        move = lru.move_to_end
+        n = 0
+        for h in hs:
+            if h in lru:
+                move(h, last=False)
+                n += 1
+        return n
+
     def remove(self, block_hashes: Sequence[BlockHash]) -> tuple[BlockHash, ...]:
         """Delete the given blocks where allowed (a reclaim command); returns those removed.
 

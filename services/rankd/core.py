@@ -82,6 +82,7 @@ from shared.schemas import (
     MAX_SCHEDULER_REPLICAS,
     Assignment,
     CacheCommandResult,
+    DemoteCommand,
     EpochRecord,
     ReclaimCommand,
     ReconcileCommand,
@@ -524,13 +525,17 @@ class WorkerCore:
         return self.cache.snapshot()
 
     def apply_command(
-        self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand
+        self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand
     ) -> CacheCommandResult:
         """Execute a cache-manager command on this worker's cache (sim: no data moves).
 
         Replicate / reconcile store the root-to-node path ``cmd.blocks`` (only the missing
         part is new; what does not fit stays a miss); reclaim removes the blocks that are
-        unpinned and have no retained child. Visibility changes only through the events.
+        unpinned and have no retained child; demote moves the cached ones among ``cmd.blocks``
+        to the evict-first end of the LRU (nothing removed, no event; ``blocks_done`` = the
+        blocks demoted, uncached ones skipped). Visibility changes only through the events.
+        Raises :class:`UnknownWorker` for another worker's command, :class:`EpochAhead` for
+        one from a newer epoch, :class:`InvalidInput` without a cache (every op alike).
         """
         if cmd.worker_id != self.worker_id:
             raise UnknownWorker(f"command for {cmd.worker_id} reached {self.worker_id}")
@@ -541,6 +546,8 @@ class WorkerCore:
         blocks = tuple(BlockHash(h) for h in cmd.blocks)
         if isinstance(cmd, ReclaimCommand):
             done = len(self.cache.remove(blocks))
+        elif isinstance(cmd, DemoteCommand):
+            done = self.cache.demote(blocks)  # the uncached ones are skipped, not an error
         elif isinstance(cmd, ReconcileCommand) and cmd.source_worker is None:
             done = 0  # no valid copy left: the pending part becomes an ordinary miss
         else:

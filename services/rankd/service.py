@@ -29,7 +29,8 @@ Per process (one worker, its leader rank, for now):
   reused; its events (stored / removed / cleared, per-worker monotonic ids) are published as
   JSON on ``{prefix}.cache.events.{wid}`` in order; ``{prefix}.cache.snapshot.{wid}``
   answers a CacheSnapshot (after publishing every earlier event) and
-  ``{prefix}.cache.cmd.{wid}`` executes a CacheCommand (replicate / reclaim / reconcile).
+  ``{prefix}.cache.cmd.{wid}`` executes a CacheCommand (replicate / reclaim / reconcile /
+  demote: the last only reorders the LRU, no event follows).
 * the epoch record is watched; a newer record is adopted (lifecycle from it) and one EpochAck
   per GPU of the worker is published on ``{prefix}.epoch.ack.{gpu}``. An ack whose publish
   raises (e.g. OutboundBufferLimitError: the outbound buffer is full while the connection is

@@ -511,8 +511,12 @@ class TorchBackend:
         returned cut to the leading blocks the engine now holds, so rankd records exactly
         those (nothing, when nothing could be copied: an ordinary miss later, never a hit
         without KV). Reclaims pass unchanged (rankd's removals reach
-        the engine before its next step). Engine evictions caused by the copy are removed from
-        the BlockCache, as after a prefill.
+        the engine before its next step), and so do demotes (no ``source_worker``): only
+        rankd's BlockCache is demoted; the engine's own page pool keeps its own LRU order.
+        The BlockCache's evictions reach the engine at the next step, so there the demoted
+        blocks go first; an eviction the engine makes by itself (a rank's pages full, room
+        for a copy) still follows the engine's order. Engine evictions caused by the copy are
+        removed from the BlockCache, as after a prefill.
 
         The copy never evicts a block the BlockCache has pinned (the running request's
         prefix) nor a block of the request in flight (its prefix and the blocks its step

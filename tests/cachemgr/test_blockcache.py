@@ -66,6 +66,44 @@ def test_remove_only_whole_suffixes() -> None:
     assert c.take_events() == [Removed("w", 3, (3,)), Removed("w", 4, (4, 2))]
 
 
+def test_demote_makes_blocks_go_first_leaf_first_and_changes_nothing_else() -> None:
+    c = BlockCache("w", 6)
+    c.insert([1, 2, 3])  # a session the pull moved away
+    c.insert([7, 8])
+    c.insert([9])
+    c.take_events()
+    # Root first, as a pull's blocks come; 99 is not cached (raced with eviction): skipped.
+    assert c.demote([1, 2, 3, 99]) == 3
+    assert c.take_events() == []  # what the cache holds did not change
+    assert c.blocks() == {1, 2, 3, 7, 8, 9}
+    # Without the demotion the oldest leaf (8) would go; now the chain goes first, its leaf
+    # first, and the rest of the LRU keeps its order.
+    c.insert([20, 21])
+    assert c.take_events() == [Removed("w", 4, (3, 2)), Stored("w", 5, None, (20, 21))]
+    c.insert([30, 31])
+    assert c.take_events()[0] == Removed("w", 6, (1, 8))
+
+
+def test_demote_leaves_pins_and_later_touches_in_charge() -> None:
+    c = BlockCache("w", 4)
+    c.insert([1, 2])
+    c.insert([5])
+    c.lookup([1, 2], pin=True)  # a request runs on the demoted prefix
+    assert c.demote([1, 2]) == 2
+    c.take_events()
+    c.insert([6, 7])  # one free slot, one to evict: the pinned 1-2 stay, 5 goes
+    assert c.blocks() == {1, 2, 6, 7} and c.take_events()[0] == Removed("w", 3, (5,))
+    c.unpin([1, 2])
+    c.demote([1, 2])
+    c.lookup([1, 2])  # reused there after all: recent again
+    c.insert([8])
+    assert c.blocks() == {1, 2, 6, 8}  # the oldest leaf went, 7, not the demoted chain
+    with pytest.raises(InvalidInput):
+        c.demote([1, "x"])  # type: ignore[list-item]
+    with pytest.raises(InvalidInput):
+        c.demote(3)  # type: ignore[arg-type]
+
+
 def test_bad_input_changes_nothing() -> None:
     c = BlockCache("w", 10)
     c.insert([1, 2])
@@ -107,7 +145,7 @@ def chain(h: int) -> list[int]:
 
 
 ops = st.lists(st.tuples(st.sampled_from(["insert", "insert", "lookup", "remove", "pin",
-                                          "unpin", "clear"]),
+                                          "unpin", "clear", "demote"]),
                          st.integers(0, 11), st.booleans()), max_size=60)
 
 
@@ -137,6 +175,8 @@ def test_cache_bounds_whole_prefixes_and_trie_replay(cap, script, drop_at) -> No
         elif op == "clear":
             c.clear()
             pinned.clear()
+        elif op == "demote":  # any order, a chain or a leaf: eviction still takes leaves
+            c.demote(path if flag else path[-1:])
         assert len(c) <= cap
         for b in c.blocks():
             p = c.parent_of(b)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.cachemgr.actions import Replicate
+from services.cachemgr.actions import Demote, Replicate
 from services.cachemgr.events import Removed, Stored
-from services.cachemgr.pull import PullConfig, pull_on_route
+from services.cachemgr.pull import PullConfig, demotion, pull_on_route
 from services.cachemgr.trie import PrefixTrie
 from shared.ids import InvalidInput, UnknownWorker
 
@@ -84,6 +84,49 @@ def test_a_stale_destination_is_not_pulled_to() -> None:
     t = setup()
     t.apply(Stored(B, 5, None, (9,)))  # event 5 after none: a gap, B goes stale
     assert pull_on_route(t, t.match(REQ), B, ONE) == ()
+
+
+MOVE = PullConfig(min_blocks=1, demote_source=True)
+
+
+def test_a_landed_pull_demotes_the_copied_blocks_at_its_source() -> None:
+    t = setup()
+    (act,) = pull_on_route(t, t.match(REQ), A, MOVE)
+    t.apply(Stored(A, 2, 2, (3, 4, 5)))  # landed
+    # 3-4-5 is one line of requests (no block of it has two children): all of it goes first.
+    assert demotion(act, MOVE, t) == Demote(C, (3, 4, 5))
+    assert Demote(C, (3, 4, 5)).to_wire() == {"type": "demote", "worker": C,
+                                              "blocks": [3, 4, 5]}
+    assert demotion(act, ONE, t) is None  # a copy unless asked: off by default
+    assert not PullConfig(min_blocks=2).demote_source
+    # Only a pull moves a prefix: the scan's replicas and reconcile copies are wanted in both
+    # places (or their source is retired).
+    for kind in ("inter", "intra", "reconcile"):
+        assert demotion(Replicate(5, 2, C, A, (3, 4, 5), kind), MOVE, t) is None  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        demotion(act.to_wire(), MOVE, t)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        demotion(act, {"min_blocks": 1}, t)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        demotion(act, MOVE, {})  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        PullConfig(min_blocks=1, demote_source=1)  # type: ignore[arg-type]
+
+
+def test_shared_blocks_of_a_pull_are_not_demoted() -> None:
+    """A block with two continuations cached somewhere (a tool description, a system prompt,
+    a document with several questions) is as likely to be reused at the source as at the
+    destination: it and its ancestors stay; only the private tail below it is demoted."""
+    t = setup()
+    t.apply(Stored(D, 1, None, (1, 2, 3, 9)))  # block 3 now has two children: 4 and 9
+    (act,) = pull_on_route(t, t.match(REQ), A, MOVE)
+    assert act.blocks == (3, 4, 5)
+    assert demotion(act, MOVE, t) == Demote(C, (4, 5))
+    t.apply(Stored(B, 1, None, (1, 2, 3, 4, 8)))  # and 4 too: only 5 is private
+    assert demotion(act, MOVE, t) == Demote(C, (5,))
+    t.apply(Stored(B, 2, 4, (5, 7)))  # and 5 too, with children 7 and 6: nothing is private
+    t.apply(Stored(C, 2, 5, (6,)))
+    assert demotion(act, MOVE, t) is None
 
 
 def test_bad_input_is_refused() -> None:

@@ -784,3 +784,22 @@ def test_simulate_takes_the_pull_credit_setting(runner, tmp_path, profile_file) 
          "--pull-credit-blocks (1) must be 0 or at least --pull-min-blocks (2)"),
         (["--preset", "conversation", "--pull-credit-blocks", "4"],
          "leave out --pull-credit-blocks")))
+
+
+def test_simulate_takes_the_pull_demote_setting(runner, tmp_path, profile_file) -> None:
+    """``--pull-demote/--no-pull-demote`` reaches the pull (meta.json records it: the
+    calibrated off by default, and off when the pull is); with a preset it is refused."""
+    common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
+              "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
+    metas = {}
+    for name, extra in (("default", []), ("on", ["--pull-demote"]),
+                        ("off", ["--no-pull-demote"]),
+                        ("nopull", ["--pull-min-blocks", "0", "--pull-demote"])):
+        out = tmp_path / name
+        _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
+        meta = json.loads((out / "meta.json").read_text())
+        metas[name] = (meta["pull_demote"], meta["pull_min_blocks"])
+    assert metas == {"default": (False, 2), "on": (True, 2), "off": (False, 2),
+                     "nopull": (False, 0)}
+    _refused(runner, tmp_path, (
+        (["--preset", "conversation", "--no-pull-demote"], "leave out --pull-demote"),))

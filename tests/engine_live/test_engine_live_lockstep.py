@@ -41,6 +41,7 @@ from shared.schemas import (
     CacheEvent,
     CacheRemoved,
     CacheStored,
+    DemoteCommand,
     EpochRecord,
     EpochWorker,
     FirstToken,
@@ -321,6 +322,14 @@ async def test_replicate_and_reconcile_move_real_kv(
         assert (pool.world.copied_pages, pool.world.adopted_pages) == (copied, adopted + 1)
         assert (await run("m3", "w-cp2-g0", 1, doc + [7] * 3)).prefix_tokens == 48
         agree("w-cp2-g0")
+
+        # A demote (a pull's source) passes the engine unchanged: only rankd's LRU order
+        # moves; nothing is dropped from either side.
+        res = await command("w-cp2-g0", DemoteCommand(command_id="c6", worker_id="w-cp2-g0",
+                                                      epoch=1, blocks=chain))
+        assert res.ok and res.blocks_done == 3
+        assert await host.services["w-cp2-g0"].backend.sync_cache() == 0
+        assert set(chain) <= agree("w-cp2-g0")
     finally:
         host.request_stop()
         await asyncio.wait_for(task, timeout=WAIT_S)

@@ -29,6 +29,7 @@ from shared.schemas import (
     CacheEvent,
     CacheSnapshot,
     CacheStored,
+    DemoteCommand,
     EpochAck,
     EpochRecord,
     EpochWorker,
@@ -552,6 +553,35 @@ async def test_cache_snapshot_and_commands(
     with pytest.raises(RemoteError) as err:
         await call(nc, s.cache_cmd(WID), b'{"op": "nope"}', CacheCommandResult, timeout_s=WAIT_S)
     assert err.value.code == 400
+
+
+async def test_a_demote_command_over_nats(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str
+) -> None:
+    """A DemoteCommand on the worker's cache.cmd subject is answered ok with the blocks it
+    demoted (the uncached one skipped); the index and its event ids are unchanged (no event
+    follows a demote). Another worker's demote is a 404 and a malformed one a 400, as for
+    every command, and the endpoint keeps serving."""
+    s = Subjects(uniq)
+    rep = ReplicateCommand(
+        command_id="c-1", worker_id=WID, epoch=0, blocks=[7, 8], source_worker="w-cp2-g0"
+    )
+    assert (await call(nc, s.cache_cmd(WID), rep, CacheCommandResult, timeout_s=WAIT_S)).ok
+    dem = DemoteCommand(command_id="c-2", worker_id=WID, epoch=0, blocks=[7, 8, 99])
+    done = await call(nc, s.cache_cmd(WID), dem, CacheCommandResult, timeout_s=WAIT_S)
+    assert (done.command_id, done.worker_id, done.ok, done.blocks_done) == ("c-2", WID, True, 2)
+    snap = await call(nc, s.cache_snapshot(WID), b"", CacheSnapshot, timeout_s=WAIT_S)
+    assert (snap.last_event_id, sorted(snap.blocks)) == (1, [(7, None), (8, 7)])
+    other = DemoteCommand(command_id="c-3", worker_id="w-cp2-g0", epoch=0, blocks=[7])
+    with pytest.raises(RemoteError) as err:
+        await call(nc, s.cache_cmd(WID), other, CacheCommandResult, timeout_s=WAIT_S)
+    assert err.value.code == 404
+    bad = b'{"op":"demote","command_id":"c-4","worker_id":"w-cp2-g2","epoch":0,"blocks":["x"]}'
+    with pytest.raises(RemoteError) as err:
+        await call(nc, s.cache_cmd(WID), bad, CacheCommandResult, timeout_s=WAIT_S)
+    assert err.value.code == 400
+    done = await call(nc, s.cache_cmd(WID), dem, CacheCommandResult, timeout_s=WAIT_S)
+    assert done.ok and done.blocks_done == 2
 
 
 async def test_a_worker_measures_its_prefills_queue_and_cache(

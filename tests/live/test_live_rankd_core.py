@@ -22,6 +22,7 @@ from services.rankd.core import (
 from shared.ids import InvalidInput, UnknownWorker
 from shared.schemas import (
     Assignment,
+    DemoteCommand,
     EpochRecord,
     EpochWorker,
     IntakeRequest,
@@ -435,6 +436,48 @@ def test_cache_commands() -> None:
                 command_id="c8", worker_id=WID, epoch=2, blocks=[9, 5], source_worker="w-cp4-g0"
             )
         )
+
+
+@pytest.mark.parametrize("demote", [True, False])
+def test_a_demote_command_makes_its_blocks_the_first_evicted(demote: bool) -> None:
+    """Chain [1, 2, 3] is cached before [4, 5, 6], so the LRU would evict it first; a demote
+    of [4, 5, 6] (the source of a pull) reverses that, visibly in the Removed event of the
+    next insert that needs room. It removes nothing, emits nothing, and counts only the
+    blocks still cached."""
+    core = WorkerCore(WID, kv_total_blocks=6, epoch=2)
+    for cid, chain in (("c1", [1, 2, 3]), ("c2", [4, 5, 6])):
+        core.apply_command(ReplicateCommand(command_id=cid, worker_id=WID, epoch=2,
+                                            blocks=chain, source_worker="w-cp4-g0"))
+    core.take_cache_events()
+    if demote:
+        res = core.apply_command(
+            DemoteCommand(command_id="d1", worker_id=WID, epoch=1, blocks=[4, 5, 6, 99])
+        )
+        assert res.ok and res.blocks_done == 3  # 99 is not cached: skipped
+        assert core.take_cache_events() == []  # nothing removed, nothing to tell
+        assert len(core.cache_snapshot().blocks) == 6
+    core.apply_command(ReplicateCommand(command_id="c3", worker_id=WID, epoch=2,
+                                        blocks=[7, 8, 9], source_worker="w-cp4-g0"))
+    removed = [e for e in core.take_cache_events() if type(e).__name__ == "Removed"]
+    assert len(removed) == 1
+    evicted = [4, 5, 6] if demote else [1, 2, 3]
+    assert sorted(removed[0].block_hashes) == evicted
+    none = core.apply_command(
+        DemoteCommand(command_id="d2", worker_id=WID, epoch=2, blocks=evicted)
+    )
+    assert none.ok and none.blocks_done == 0  # evicted meanwhile: nothing to demote
+
+
+def test_a_demote_command_is_refused_as_the_other_commands_are() -> None:
+    core = WorkerCore(WID, kv_total_blocks=6, epoch=2)
+    with pytest.raises(UnknownWorker):
+        core.apply_command(DemoteCommand(command_id="d", worker_id="w-cp4-g0", epoch=2,
+                                         blocks=[1]))
+    with pytest.raises(EpochAhead):
+        core.apply_command(DemoteCommand(command_id="d", worker_id=WID, epoch=3, blocks=[1]))
+    with pytest.raises(InvalidInput, match="no KV cache"):
+        WorkerCore(WID, epoch=2).apply_command(
+            DemoteCommand(command_id="d", worker_id=WID, epoch=2, blocks=[1]))
 
 
 def test_rank_shares_follow_the_zigzag_partition() -> None:

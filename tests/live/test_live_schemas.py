@@ -26,6 +26,7 @@ from shared.schemas import (
     CacheSnapshot,
     CacheStored,
     CompletionRequest,
+    DemoteCommand,
     EpochAck,
     EpochRecord,
     EpochWorker,
@@ -147,6 +148,7 @@ SAMPLES: list[tuple[object, BaseModel]] = [
     ),
     (CacheCommand, ReclaimCommand(command_id="c2", worker_id="w-cp2-g2", epoch=1, blocks=[2])),
     (CacheCommand, ReconcileCommand(command_id="c3", worker_id="w-cp4-g0", epoch=2, blocks=[1])),
+    (CacheCommand, DemoteCommand(command_id="c4", worker_id="w-cp2-g0", epoch=2, blocks=[1, 2])),
     (
         CacheCommandResult,
         CacheCommandResult(command_id="c1", worker_id="w-cp2-g2", ok=True, blocks_done=2),
@@ -285,6 +287,12 @@ REJECTS: list[tuple[object, bytes, str, str]] = [
         "replicate",
     ),
     (
+        CacheCommand,
+        b'{"op":"demote","command_id":"c","worker_id":"w","epoch":0,"blocks":["x"]}',
+        "CacheCommand",
+        "demote.blocks.0",
+    ),
+    (
         EpochAck,
         b'{"gpu":9,"epoch":1,"degree":2,"worker_id":"w-cp2-g4","adopted_at_s":1}',
         "EpochAck",
@@ -307,6 +315,22 @@ def test_json_rejections_are_typed(target: object, data: bytes, model: str, fiel
     assert err.value.model == model
     assert field in err.value.field
     assert isinstance(err.value, InvalidInput)
+
+
+def test_a_demote_command_decodes_as_one_and_refuses_what_it_does_not_carry() -> None:
+    """The ``demote`` op selects DemoteCommand from the union; it has no ``source_worker``
+    (the executing worker is the pull's source itself) and its blocks are hashes, so a
+    non-int block is refused naming the model, the op and the block's position."""
+    cmd = DemoteCommand(command_id="c", worker_id="w-cp2-g0", epoch=0, blocks=[5, 6])
+    assert type(from_json(CacheCommand, to_json(cmd))) is DemoteCommand
+    raw = json.loads(to_json(cmd))
+    for change, field in (({"blocks": [5, "x"]}, "demote.blocks.1"),
+                          ({"blocks": []}, "demote.blocks"),
+                          ({"source_worker": "w-cp2-g2"}, "demote.source_worker")):
+        with pytest.raises(SchemaError) as err:
+            from_json(CacheCommand, json.dumps({**raw, **change}))
+        assert (err.value.model, err.value.field) == ("CacheCommand", field)
+        assert str(err.value).startswith(f"CacheCommand: field {field!r}: ")
 
 
 def test_assignment_lengths_must_add_up() -> None:

@@ -370,12 +370,144 @@ async def test_a_placement_away_from_the_prefix_pulls_it_to_the_routed_worker(
         return svc.counters["commands_ok"] == 1 and svc.trie.inflight() == ()
 
     await eventually(settled, what="the pull settled as done")
-    assert not a_cmds.items  # nothing was asked of the holder
+    # Nothing was asked of the holder (a demote follows a pull only with ``pull_demote``,
+    # off by default: the tests below).
+    assert not a_cmds.items
     # Its counters are the micro stats' data too (what `vertumnus up` reports the pulls from).
     stats_answer = json.loads((await nc.request(f"$SRV.STATS.vtm-cachemgr.{svc.service.id}",
                                                 b"", timeout=10)).data)
     data = stats_answer["endpoints"][0]["data"]
     assert (data["pulls"], data["commands_ok"]) == (1, 1)
+
+
+# -- a pull as a move (pull_demote): the source's copy is demoted once the pull is answered ok
+
+
+async def holder_a_and_b(nc: Client, nats_server, uniq: str, services,
+                         **kw: Any) -> CacheMgrService:
+    """The manager (settings ``kw``) once A's events show it holding [11..14] and B's [11].
+    The workers' command responders are the caller's, subscribed before."""
+    s = Subjects(uniq)
+    svc = await services(CacheMgrService(settings(nats_server.url, uniq, **kw)))
+    await stored(nc, s, A, 1, None, [11, 12, 13, 14])
+    await stored(nc, s, B, 1, None, [11])
+    await holding(nc, uniq, A, 4)
+    await holding(nc, uniq, B, 1)
+    return svc
+
+
+async def route_to_b(nc: Client, uniq: str) -> None:
+    """A request for [11..15] routed to B: the route-time pull copies [12, 13, 14] from A."""
+    await nc.publish(Subjects(uniq).prefix + ".cache.stats.s1",
+                     stats(B, 2, [11, 12, 13, 14, 15], 1, "r1"))
+
+
+async def held(nc: Client, uniq: str) -> dict[str, int]:
+    """Who holds how much of [11..14], as the manager's trie says."""
+    return (await inspect(nc, uniq, match=[11, 12, 13, 14]))["match"]["held"]
+
+
+@pytest.mark.parametrize("demote", [True, False], ids=["demote", "no-demote"])
+async def test_a_pull_answered_ok_demotes_the_copy_at_its_source(
+    nc: Client, nats_server, uniq: str, services, demote: bool
+):
+    """Once B answers the pull's replicate ok, A (the source) gets a DemoteCommand of exactly
+    the copied blocks, root first, at the replicate's epoch; with ``pull_demote`` off it gets
+    none. The demote is counted apart from the copies (``commands_*``) and moves no holder."""
+    s = Subjects(uniq)
+    b_cmds = await acking_worker(nc, s, B)
+    a_cmds = await acking_worker(nc, s, A)
+    svc = await holder_a_and_b(nc, nats_server, uniq, services, pull_demote=demote)
+    await route_to_b(nc, uniq)
+    rep = await b_cmds.first(lambda c: c.get("op") == "replicate", what="the pull")
+    if demote:
+        dem = await a_cmds.first(lambda c: c.get("op") == "demote", what="the demote")
+        assert (dem["worker_id"], dem["blocks"], dem["epoch"]) == (A, [12, 13, 14], rep["epoch"])
+        assert "source_worker" not in dem and dem["command_id"] != rep["command_id"]
+        body = await counted(nc, uniq, "demotes_ok", 1, "the demote answered ok")
+    else:
+        body = await counted(nc, uniq, "commands_ok", 1, "the pull settled as done")
+    c = body["counters"]
+    # Sent in the same task right after the copy settled: by now, or never.
+    assert (c["demotes_sent"], c["demotes_ok"], c["demotes_failed"]) == (int(demote),) * 2 + (0,)
+    assert (c["commands_sent"], c["commands_ok"], c["commands_failed"]) == (1, 1, 0)
+    assert [x["op"] for x in a_cmds.items] == (["demote"] if demote else [])
+    assert [x["op"] for x in b_cmds.items] == ["replicate"]
+    assert body["in_flight"] == [] and svc.trie.inflight() == ()
+    assert await held(nc, uniq) == {A: 4, B: 1}  # a demote moves no holder
+
+
+async def test_a_refused_pull_sends_no_demote(nc: Client, nats_server, uniq: str, services):
+    """B refuses the copy: the pull is settled as failed and A's copy, the only one, is not
+    demoted."""
+    s = Subjects(uniq)
+    b_cmds = Collector()
+
+    async def b_refuses(msg: Msg) -> None:
+        await b_cmds.cb(msg)
+        cmd = json.loads(msg.data)
+        await reply(nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id=B,
+                                                ok=False, error="no room"))
+
+    await nc.subscribe(s.cache_cmd(B), cb=b_refuses)
+    a_cmds = await acking_worker(nc, s, A)
+    svc = await holder_a_and_b(nc, nats_server, uniq, services, pull_demote=True)
+    await route_to_b(nc, uniq)
+    body = await counted(nc, uniq, "commands_failed", 1, "the refused pull settled")
+    assert body["counters"]["demotes_sent"] == 0 and not a_cmds.items
+    assert [x["op"] for x in b_cmds.items] == ["replicate"]
+    assert body["in_flight"] == [] and svc.trie.inflight() == ()
+
+
+@pytest.mark.parametrize("fault", ["refused", "timeout", "no-responder", "unexpected"])
+async def test_a_failed_demote_is_only_counted_and_logged(
+    nc: Client, nats_server, uniq: str, services, fault: str
+):
+    """Whatever becomes of the demote -- refused, unanswered, no worker listening, an
+    exception on the way -- the copy stays settled as done, the trie is untouched, the
+    failure is counted and logged, and the manager keeps applying events."""
+    s = Subjects(uniq)
+    await acking_worker(nc, s, B)
+    a_cmds = Collector()
+
+    async def a_answers(msg: Msg) -> None:
+        await a_cmds.cb(msg)
+        if fault == "refused":
+            cmd = json.loads(msg.data)
+            await reply(nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id=A,
+                                                    ok=False, error="not now"))
+        # timeout: heard, never answered
+
+    if fault != "no-responder":
+        await nc.subscribe(s.cache_cmd(A), cb=a_answers)
+        await nc.flush()
+    # The short wait only makes the unanswered demote fail sooner (B answers at once).
+    svc = await holder_a_and_b(nc, nats_server, uniq, services, pull_demote=True,
+                               **({"command_timeout_s": 0.5} if fault == "timeout" else {}))
+    if fault == "unexpected":
+        async def broken(*_: Any) -> str | None:
+            raise RuntimeError("injected fault")
+
+        svc._send_demote = broken  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        await route_to_b(nc, uniq)
+        body = await counted(nc, uniq, "demotes_failed", 1, "the demote failed")
+    c = body["counters"]
+    assert (c["demotes_ok"], c["commands_ok"], c["commands_failed"]) == (0, 1, 0)
+    assert c["demotes_sent"] == (0 if fault == "unexpected" else 1)
+    assert body["in_flight"] == [] and svc.trie.inflight() == ()
+    assert await held(nc, uniq) == {A: 4, B: 1}
+    if fault in ("refused", "timeout"):
+        assert [x["op"] for x in a_cmds.items] == ["demote"]
+    failed = [e for e in logs if e["event"].startswith("demote failed")]
+    assert len(failed) == 1
+    assert failed[0]["log_level"] == ("error" if fault == "unexpected" else "warning")
+    if fault == "refused":
+        assert failed[0]["error"] == "not now"
+    # Still running: B's confirmation of the copy is applied as usual.
+    await stored(nc, s, B, 2, 11, [12, 13, 14])
+    await holding(nc, uniq, B, 4)
+    assert await held(nc, uniq) == {A: 4, B: 4}
 
 
 async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(

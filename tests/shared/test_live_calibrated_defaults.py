@@ -42,6 +42,25 @@ def test_cachemgr_pull_defaults_to_the_calibrated_pull_and_can_be_off() -> None:
     assert CacheMgrSettings(pull_min_blocks=7).pull_config().min_blocks == 7
 
 
+def test_cachemgr_pull_demote_defaults_off_and_vtm_pull_demote_turns_it_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A landed pull leaves its source's copy as it is by default (the calibrated
+    ``PULL.demote_source``: off); ``VTM_PULL_DEMOTE=1`` (or ``true``) demotes it."""
+    monkeypatch.delenv("VTM_PULL_DEMOTE", raising=False)
+    assert calibration.PULL.demote_source is False
+    assert CacheMgrSettings().pull_demote is False
+    assert CacheMgrSettings().pull_config().demote_source is False  # type: ignore[union-attr]
+    for on in ("1", "true"):
+        monkeypatch.setenv("VTM_PULL_DEMOTE", on)
+        config = CacheMgrSettings().pull_config()
+        assert config is not None and config.demote_source is True
+        assert config.min_blocks == calibration.PULL.min_blocks
+    monkeypatch.setenv("VTM_PULL_DEMOTE", "0")
+    assert CacheMgrSettings().pull_config().demote_source is False  # type: ignore[union-attr]
+    explicit = CacheMgrSettings(pull_demote=True).pull_config()  # an explicit setting wins
+    assert explicit is not None and explicit.demote_source is True
+
+
 def test_scheduler_pull_credit_follows_the_cache_managers_pull(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """J's pull credit is off by default (calibrated: 0); asked for, it takes the pull's

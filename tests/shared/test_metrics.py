@@ -11,7 +11,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetricReader
 from pydantic import ValidationError
 
-from services.cachemgr.actions import Reclaim, Replicate
+from services.cachemgr.actions import Demote, Reclaim, Replicate
 from services.cachemgr.metrics import CacheMetrics, action_kind
 from services.controller.lattice import OpKind
 from services.controller.lifecycle import Phase, Reconfiguration
@@ -173,7 +173,8 @@ def test_cache_metrics(metric_reader: InMemoryMetricReader) -> None:
     rep = Replicate(node_hash=3, degree=2, source="w-cp2-g0", dest="w-cp2-g2",
                     blocks=(1, 2, 3), kind="inter")
     rec = Reclaim(worker="w-cp2-g0", node_hash=3, blocks=(3,))
-    assert (action_kind(rep), action_kind(rec)) == ("inter", "reclaim")
+    dem = Demote(worker="w-cp2-g0", blocks=(1, 2))
+    assert (action_kind(rep), action_kind(rec), action_kind(dem)) == ("inter", "reclaim", "demote")
     before = total(metric_reader, "vtm.cache.blocks", kind="inter")
     failed = total(metric_reader, "vtm.cache.commands", kind="reclaim", outcome="failed")
     cm.done(rep, ok=True)
@@ -181,6 +182,9 @@ def test_cache_metrics(metric_reader: InMemoryMetricReader) -> None:
     assert total(metric_reader, "vtm.cache.blocks", kind="inter") == before + 3
     assert total(metric_reader, "vtm.cache.commands", kind="reclaim",
                  outcome="failed") == failed + 1
+    demoted = total(metric_reader, "vtm.cache.blocks", kind="demote")
+    cm.done(dem, ok=True)
+    assert total(metric_reader, "vtm.cache.blocks", kind="demote") == demoted + 2
 
 
 def test_request_metrics_use_the_gateways_slo_setting() -> None:

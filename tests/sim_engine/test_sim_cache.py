@@ -248,3 +248,30 @@ def test_with_the_credit_queued_requests_go_where_the_pull_lands(profile, phased
     pulled_alone = reuse_not_computed_locally(alone, phased_workload)
     pulled = reuse_not_computed_locally(credited, phased_workload)
     assert len(pulled) > len(pulled_alone)
+
+
+def test_a_landed_pull_demotes_the_sources_copy(profile, phased_workload, monkeypatch) -> None:
+    """With ``demote_source`` a pull is a move (services/cachemgr/pull.py): each pull that lands
+    demotes copied blocks at its source (here every copy is a private tail: the workload's
+    shared prefixes are not pulled), and nothing else is demoted; without it no block is.
+    Caches small enough that the eviction order changes what later requests reuse."""
+    from services.rankd.blockcache import BlockCache
+
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    demote = BlockCache.demote
+
+    def recording(self: BlockCache, block_hashes: tuple[int, ...]) -> int:
+        calls.append((self.worker, tuple(block_hashes)))
+        return demote(self, block_hashes)
+
+    monkeypatch.setattr(BlockCache, "demote", recording)
+    base = dict(SMALL, scan_config=QUIET, cache_manager=True)
+    off = run(phased_workload, profile, composition=_comp(),
+              pull=PullConfig(min_blocks=1), **base)  # a copy: demote_source is off by default
+    assert calls == [] and off.pulls > 0
+    on = run(phased_workload, profile, composition=_comp(),
+             pull=PullConfig(min_blocks=1, demote_source=True), **base)
+    check_records(on, phased_workload, gpus=16)
+    assert 0 < len(calls) <= on.pulls
+    assert all(blocks for _, blocks in calls)
+    assert [r.reused_tokens for r in on.records] != [r.reused_tokens for r in off.records]

@@ -85,7 +85,7 @@ class Observer:
                 self.prefix_tokens[ft.request_id] = ft.prefix_tokens
 
     async def _on_cache_cmd(self, msg: Msg) -> None:
-        # Count the cache manager's commands by op (replicate / reclaim / reconcile).
+        # Count the cache manager's commands by op (replicate / reclaim / reconcile / demote).
         with contextlib.suppress(ValueError, AttributeError):
             op = str(json.loads(msg.data).get("op", "?"))
             self.cache_commands[op] = self.cache_commands.get(op, 0) + 1
