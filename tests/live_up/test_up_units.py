@@ -414,7 +414,7 @@ def test_report_names_the_route_time_pulls_among_the_cache_commands() -> None:
     answer = {"endpoints": [{"name": "inspect", "data": {"pulls": 23, "commands_ok": 34}}]}
     counts = summed_counters([answer], CACHE_MANAGER_COUNTERS)
     assert counts == {"pulls": 23, "rehomed": 0, "commands_sent": 0, "commands_ok": 34,
-                      "commands_failed": 0}
+                      "commands_failed": 0, "demotes_ok": 0, "demotes_failed": 0}
 
     def row(meta: dict[str, object]) -> list[str]:
         out = io.StringIO()
@@ -425,7 +425,11 @@ def test_report_names_the_route_time_pulls_among_the_cache_commands() -> None:
     assert "7 reclaim, 25 replicate (23 route-time pulls among the replicates)" in \
         row({"cache_commands": cmds, "cache_manager": counts})[0]
     none = row({"cache_commands": cmds, "cache_manager": summed_counters([], ["pulls"])})[0]
-    assert "25 replicate" in none and "pulls" not in none
+    assert "25 replicate" in none and "pulls" not in none and "demote" not in none
+    # With the pull a move: the demotes are counted by op, and failed ones are named.
+    moved = row({"cache_commands": {**cmds, "demote": 20},
+                 "cache_manager": {**counts, "demotes_ok": 18, "demotes_failed": 2}})[0]
+    assert "20 demote" in moved and "(2 demotes failed)" in moved
 
 
 def test_report_prints_the_scheduler_recovery_only_when_there_was_some() -> None:

@@ -63,7 +63,8 @@ RECOVERY_COUNTERS: tuple[tuple[str, str], ...] = (
 
 
 CACHE_MANAGER_COUNTERS: tuple[str, ...] = ("pulls", "rehomed", "commands_sent",
-                                           "commands_ok", "commands_failed")
+                                           "commands_ok", "commands_failed", "demotes_ok",
+                                           "demotes_failed")
 """The cache manager's counters (``CacheMgrService.counters``) ``up`` reports."""
 
 
@@ -293,10 +294,13 @@ class LiveReport:
             ("reconfigurations", str(s["reconfigurations"])),
         ]
         if "cache_commands" in s:
-            pulls = (s.get("cache_manager") or {}).get("pulls", 0)
+            cm = s.get("cache_manager") or {}
+            pulls, lost = cm.get("pulls", 0), cm.get("demotes_failed", 0)
             rows.append(("cache commands", (", ".join(
                 f"{n} {op}" for op, n in s["cache_commands"].items()) or "none")
-                + (f" ({pulls} route-time pulls among the replicates)" if pulls else "")))
+                + (f" ({pulls} route-time pulls among the replicates)" if pulls else "")
+                # A failed demote only leaves a pull's source copy recent: said, not an error.
+                + (f" ({lost} demotes failed)" if lost else "")))
         for k, v in rows:
             t.add_row(k, v)
         console.print(t)
