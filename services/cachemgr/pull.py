@@ -20,8 +20,9 @@ blocks from a holder -- one of the chosen worker's degree when there is one (pag
 to rank, as an intra-degree copy), else the lowest id. Like every copy it is recorded as in
 flight and becomes visible only with the destination's ``Stored`` event; the request uses it
 when it starts after the copy has landed (a queued request, the case that matters under
-load), and otherwise recomputes the prefix as it would have. J is the paper's, unchanged: it
-does not count on a pull that may come too late.
+load), and otherwise recomputes the prefix as it would have. By default J is the paper's and
+does not count on a pull that may come too late; J's opt-in pull credit does, where the queue
+lets the copy land (services/scheduler/placement.py, "Pull credit").
 
 A pull can be a move (``PullConfig.demote_source``; off by default). Once the copy has
 landed, the source's copy of the copied blocks that belong to one line of requests is
