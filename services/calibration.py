@@ -302,6 +302,26 @@ holdings. The rule is the same for every J pool whose cache manager pulls: the r
 preset's fixed pools have it too."""
 
 
+PULL_DISPLACE_BLOCK_S: Final[float] = 0.01
+"""With J's pull credit: J's price for each block a credited copy moves (``PullCredit``
+``displace_block_s``), 10 ms of cost a block. Why: every copied block takes a block of the
+destination's cache, and with the demotion the source's copy goes first, so a move that
+saves only a little queueing trades a session's second copy, or another prefix, for it. At
+0 the credit moves a session whenever another worker's queue is shorter; then the
+cache-manager ablation's overloaded top rate (small caches, sessions coming back to their
+old worker) lost its P90 gain with the demotion (docs/evaluation.md "A pull as a move").
+Roughly a third of a block's recompute on a CP2 worker (a·512 + c·512/2 ≈ 33 ms in the
+fitted profile). The sweep (2026-12-02, session 32; credit 64 and the demotion on): the
+ablation preset (seeds 0-4) at ×4.5, the full manager against the one without replication
+and reclamation, mean / P90: 0 ms −2.3% / +6.9%, 3 ms −11.0% / −1.9%, 10 ms −21.0% / −13.6%
+(lower P90 on all five seeds); conversation trace seed 0 ×1 / ×2.5 / ×3 / ×4 / ×4.8: 0 ms
+0.859 / 0.949 / 1.065 / 1.322 / 2.256 s, 3 ms 0.859 / 0.953 / 1.066 / 1.319 / 2.233, 10 ms
+0.860 / 0.949 / 1.062 / 1.329 / 2.304, 20 ms 0.861 / 0.955 / 1.065 / 1.335 / 2.277;
+Tool-Agent-shaped ×1-×4: 0 ms 0.413 / 0.411 / 0.426 / 0.444 s, 3 ms 0.413 / 0.418 / 0.423 /
+0.447, 10 ms 0.421 / 0.419 / 0.439 / 0.461, 20 ms 0.443 / 0.442 / 0.466 / 0.501. 10 ms keeps
+most of the credit's gain and is the one that restores the ablation."""
+
+
 REHOME: Final[RehomeConfig] = RehomeConfig(min_blocks=64, fill=0.75)
 """Re-homing a split parent's documents (reconcile.py ``rehome_on_split``): prefixes of at least 64
 blocks (32K tokens, the preset's long threshold), while a peer stays within 75% of its cache.

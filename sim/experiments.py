@@ -100,6 +100,8 @@ class ExperimentSpec:
     pull_credit_blocks: int = calibration.PULL_CREDIT_BLOCKS
     """J counts on that pull for copies of up to this many blocks (0: off;
     services/scheduler/placement.py ``PullCredit``)."""
+    pull_displace_block_s: float = calibration.PULL_DISPLACE_BLOCK_S
+    """The credit's price per copied block (``PullCredit.displace_block_s``)."""
     kappa_scale: float = calibration.KAPPA_SCALE
     """The controller judges capacity with κ_C × this. KAPPA_SCALE corrects a single-worker κ
     (``vertumnus profile``); sim/runner.py sets 1.0 when κ was measured on the trace with a
@@ -280,6 +282,7 @@ def run_deployment(
         rehome=spec.rehome,
         pull=spec.pull,
         pull_credit_blocks=spec.pull_credit_blocks,
+        pull_displace_block_s=spec.pull_displace_block_s,
         controller_config=spec.controller,
         kappa_scale=spec.kappa_scale,
     )

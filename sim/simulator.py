@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import math
 import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -116,6 +117,9 @@ class SimConfig:
     """With ``cache_manager`` and ``pull``: a J policy counts on the pull for copies of up to
     this many blocks (services/scheduler/placement.py ``PullCredit``, its ``min_blocks`` the
     pull's); 0: J counts only what is held."""
+    pull_displace_block_s: float = 0.0
+    """With the credit: J's price per block a credited copy moves (``PullCredit``'s
+    ``displace_block_s``; 0: none)."""
     kappa_scale: float = 1.0
     """Multiplies the profile's κ_C for the controller only (see sim/calibration.py)."""
 
@@ -133,16 +137,21 @@ class SimConfig:
         c = self.pull_credit_blocks
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise InvalidInput(f"pull_credit_blocks must be an integer >= 0, got {c!r}")
+        d = self.pull_displace_block_s
+        if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d < math.inf:
+            raise InvalidInput(f"pull_displace_block_s must be a finite number >= 0, got {d!r}")
 
 
 def pull_credit(config: SimConfig) -> PullCredit | None:
     """J's credit for the route-time pull in ``config``'s deployment: only where its cache
     manager pulls (``cache_manager`` and ``pull``) and ``pull_credit_blocks`` > 0; copies of
-    ``pull.min_blocks`` to ``pull_credit_blocks`` blocks (raises :class:`InvalidInput` when the
-    latter is below the former)."""
+    ``pull.min_blocks`` to ``pull_credit_blocks`` blocks, priced ``pull_displace_block_s`` a
+    copied block (raises :class:`InvalidInput` when ``pull_credit_blocks`` is below
+    ``pull.min_blocks``)."""
     if not config.cache_manager or config.pull is None or not config.pull_credit_blocks:
         return None
-    return PullCredit(min_blocks=config.pull.min_blocks, max_blocks=config.pull_credit_blocks)
+    return PullCredit(min_blocks=config.pull.min_blocks, max_blocks=config.pull_credit_blocks,
+                      displace_block_s=config.pull_displace_block_s)
 
 
 @dataclass(slots=True)

@@ -39,12 +39,15 @@ copy where it will have landed before the request starts: for worker w,
 with H the longest prefix any worker *holds* (``holdings``: the trie's, not counting prefixes
 of unfinished requests), h_w the worker's own count (``held_blocks``), m the pull's
 ``min_blocks`` (below it no copy is sent), M ``max_blocks`` and t0 + t1·k the estimated copy
-time of k blocks. Otherwise P is as above. Why: without it J routes a session's next turn
-away from its busy holder and the turn recomputes its history unless the copy happens to land
-in time; with it J knows where the copy will be, so a queued placement away from the holder
-is priced at its real cost. Why M: a long copy displaces as much of the destination's cache
-(documents pushed out, then recomputed; the reconfiguration preset's long phases) -- the
-calibration's sweep is in services/calibration.py ``PULL_CREDIT_BLOCKS``. PreferDegree
+time of k blocks; such a worker's J then also carries the copy's displacement price
+δ·(H − h_w) (``displace_block_s``: each copied block takes a block of the destination's
+cache, which a later request may have to recompute; 0: none). Otherwise P is as above.
+Why: without it J routes a session's next turn away from its busy holder and the turn
+recomputes its history unless the copy happens to land in time; with it J knows where the
+copy will be, so a queued placement away from the holder is priced at its real cost. Why M:
+a long copy displaces as much of the destination's cache (documents pushed out, then
+recomputed; the reconfiguration preset's long phases) -- the calibration's sweep is in
+services/calibration.py ``PULL_CREDIT_BLOCKS``. PreferDegree
 (below) leaves the credit out, as it leaves the load out: the copy counts only where the
 queue lets it land, and the controller's merge gate reads the preferred degree.
 
@@ -213,12 +216,14 @@ class PullCredit:
     deployment's link facts, not measured: the default is a 512-token block of Qwen3-30B-A3B
     KV (48 MiB) over two 40 GB/s RDMA rank pairs, plus a command round trip. The credit needs
     the worker's queue to cover it, so a rough figure only moves the border case
-    (docs/evaluation.md "Pull credit")."""
+    (docs/evaluation.md "Pull credit"). ``displace_block_s``: δ, J's price for each block
+    the copy moves (module docstring; services/calibration.py ``PULL_DISPLACE_BLOCK_S``)."""
 
     min_blocks: int
     max_blocks: int
     copy_base_s: float = 0.002
     copy_block_s: float = 0.0006
+    displace_block_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("min_blocks", "max_blocks"):
@@ -230,6 +235,7 @@ class PullCredit:
                                f"min_blocks ({self.min_blocks})")
         _check_nonneg("PullCredit.copy_base_s", self.copy_base_s, " of seconds")
         _check_nonneg("PullCredit.copy_block_s", self.copy_block_s, " of seconds")
+        _check_nonneg("PullCredit.displace_block_s", self.displace_block_s, " of seconds")
 
 
 def _check_counts(name: str, counts: Mapping[WorkerId, int]) -> None:
@@ -303,7 +309,7 @@ def place_j(
 
     # H of the pull credit (module docstring): 0 turns the credit off for this request.
     pull_h = pull_min = pull_max = 0
-    pull_t0 = pull_t1 = 0.0
+    pull_t0 = pull_t1 = pull_d = 0.0
     if pull is not None:
         if not isinstance(pull, PullCredit):
             raise InvalidInput(f"pull must be a PullCredit, got {type(pull).__name__}")
@@ -312,7 +318,7 @@ def place_j(
             _check_counts("holdings", src)
         pull_h = max(src.values(), default=0)
         pull_min, pull_max = pull.min_blocks, pull.max_blocks
-        pull_t0, pull_t1 = pull.copy_base_s, pull.copy_block_s
+        pull_t0, pull_t1, pull_d = pull.copy_base_s, pull.copy_block_s, pull.displace_block_s
         if pull_h < pull_min:
             pull_h = 0
 
@@ -340,6 +346,7 @@ def place_j(
     excl: list[Exclusion | None] = [None] * n
     qs: list[float | None] = [None] * n
     ps: list[int | None] = [None] * n
+    moved: dict[int, float] = {}  # row -> δ·(blocks copied) in its J (the credit's price)
     # Only q and P are kept per worker: the other candidate terms follow from them and `terms`
     # and are computed if the decision's columns are ever read (_j_columns).
 
@@ -404,6 +411,9 @@ def place_j(
             t = _new_term(terms, ecmin, predict, L, p, key, c, cmin, beta, lam)
         s, extra, v = t
         j = q + v
+        if blocks != own and pull_d:
+            m = moved[i] = pull_d * (blocks - own)
+            j += m
         ps[i] = p
         qs[i] = q
         # NOTE: tie-break (lower J, then smaller degree, then the request's rendezvous rank of
@@ -441,7 +451,8 @@ def place_j(
     # Credited on the chosen worker: P beyond its own prefix (only the credit gives that).
     pulled = pull_h - held_get(ids[best], 0) if pull_h and p_best > min(
         held_get(ids[best], 0) * B, Lm1) else 0
-    cols = CandidateColumns.deferred(lambda: _j_columns(ids, rows, excl, qs, ps, terms, L))
+    cols = CandidateColumns.deferred(
+        lambda: _j_columns(ids, rows, excl, qs, ps, terms, L, moved))
     return Decision(
         policy=policy,
         request_id=request.request_id,
@@ -490,10 +501,12 @@ def _j_columns(
     ps: list[int | None],
     terms: dict[int, tuple[float, float, float]],
     L: int,
+    moved: dict[int, float] | None = None,
 ) -> ColumnTuples:
     """The candidate columns of a :func:`place_j` decision from what it kept: each eligible
-    worker's q and P, and (s, extra, J − q) per (degree, P) -- the same values, and J by the
-    same addition, as the placement compared."""
+    worker's q and P, (s, extra, J − q) per (degree, P) and the pull credit's displacement
+    price per credited row (``moved``) -- the same values, and J by the same additions, as
+    the placement compared."""
     n = len(ids)
     degs = tuple(r[2] for r in rows)
     ss: list[float | None] = [None] * n
@@ -505,7 +518,10 @@ def _j_columns(
         if p is None:
             continue
         s, extra, v = terms[p * n + rows[i][8]]
-        ss[i], extras[i], js[i], rs[i] = s, extra, qs[i] + v, L - p  # type: ignore[operator]
+        j = qs[i] + v  # type: ignore[operator]
+        if moved and i in moved:
+            j += moved[i]
+        ss[i], extras[i], js[i], rs[i] = s, extra, j, L - p
     return (ids, degs, tuple(excl), tuple(qs), tuple(ss), tuple(extras), tuple(js), tuple(ps),
             tuple(rs))
 

@@ -423,6 +423,11 @@ class SchedulerSettings(ServiceSettings):
         "prefix, for copies of pull_min_blocks up to this many blocks. 0: no credit. J "
         "policies only (vertumnus, homo, homo_cp2).",
     )
+    pull_displace_block_s: float = Field(
+        default=calibration.PULL_DISPLACE_BLOCK_S, ge=0, allow_inf_nan=False,
+        description="With the pull credit: J's price (seconds of its cost) for each block a "
+        "credited copy moves, which takes a block of the destination's cache.",
+    )
     assignment_ttl_s: float = Field(
         default=ASSIGNMENT_TTL_S,
         gt=0,
@@ -456,7 +461,8 @@ class SchedulerSettings(ServiceSettings):
         """J's pull credit for these settings, or None (pull off, or no credit)."""
         if not self.pull or not self.pull_credit_blocks:
             return None
-        return PullCredit(min_blocks=self.pull_min_blocks, max_blocks=self.pull_credit_blocks)
+        return PullCredit(min_blocks=self.pull_min_blocks, max_blocks=self.pull_credit_blocks,
+                          displace_block_s=self.pull_displace_block_s)
 
 
 # -- names (built in shared/subjects.py) -------------------------------------------------------

@@ -60,6 +60,25 @@ def test_the_credit_prices_a_queued_worker_with_the_pulled_prefix() -> None:
     assert ca.score - cb.score == pytest.approx(2.0 - 0.5, rel=1e-9)
 
 
+def test_the_credited_copy_pays_its_displacement_price() -> None:
+    """δ·(copied blocks) is added to a credited worker's J, in the decision's columns too: the
+    queue saved (1.5 s) must exceed it. b's copy is 8 blocks: δ 0.18 s a block (1.44 s)
+    still moves the request, 0.19 s (1.52 s) keeps it on its holder."""
+    v = pool()
+    cheap = PullCredit(min_blocks=2, max_blocks=64, displace_block_s=0.18)
+    d = place({W("a"): 8}, busy(v), pull=cheap)
+    assert d.worker == "b" and d.pulled_blocks == 8
+    free = place({W("a"): 8}, busy(v))
+    assert d.candidate(W("b")).score == pytest.approx(free.candidate(W("b")).score + 8 * 0.18,
+                                                      rel=1e-12)
+    assert d.candidate(W("a")).score == free.candidate(W("a")).score  # the holder copies nothing
+    dear = place({W("a"): 8}, busy(v), pull=PullCredit(2, 64, displace_block_s=0.19))
+    assert dear.worker == "a" and dear.pulled_blocks == 0
+    for bad in (-0.1, float("inf"), True):
+        with pytest.raises(InvalidInput, match="displace_block_s"):
+            PullCredit(2, 64, displace_block_s=bad)  # type: ignore[arg-type]
+
+
 def test_no_credit_where_the_copy_would_land_after_the_request_starts() -> None:
     # Estimated copy of 8 blocks: 0.1 + 0.05·8 = 0.5 s.
     slow = PullCredit(min_blocks=2, max_blocks=64, copy_base_s=0.1, copy_block_s=0.05)

@@ -72,7 +72,8 @@ def test_scheduler_pull_credit_follows_the_cache_managers_pull(
     assert SchedulerService(SchedulerSettings()).core.policy.pull is None  # type: ignore
     monkeypatch.setenv("VTM_PULL_CREDIT_BLOCKS", "64")
     credit = SchedulerService(SchedulerSettings()).core.policy.pull  # type: ignore[attr-defined]
-    assert credit == PullCredit(min_blocks=calibration.PULL.min_blocks, max_blocks=64)
+    assert credit == PullCredit(min_blocks=calibration.PULL.min_blocks, max_blocks=64,
+                                displace_block_s=calibration.PULL_DISPLACE_BLOCK_S)
     monkeypatch.setenv("VTM_PULL_MIN_BLOCKS", "5")
     assert SchedulerSettings().pull_credit().min_blocks == 5  # type: ignore[union-attr]
     assert CacheMgrSettings().pull_config().min_blocks == 5  # type: ignore[union-attr]
