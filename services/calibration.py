@@ -179,15 +179,16 @@ more of ×3.5 than 0.8. Other rates, L-Eval, Azure code and the reconfiguration 
 0-14 at 0.8; 0-3, 6 and 9 at 0.9) are unchanged: their rule-10 merges, if any, pass either
 bound."""
 
-PULL: Final[PullConfig] = PullConfig(min_blocks=2, demote_source=False)
+PULL: Final[PullConfig] = PullConfig(min_blocks=2, demote_source=True)
 """Route-time pull (services/cachemgr/pull.py): a request's prefix is copied to the worker it
 was routed to when that worker lacks at least 2 blocks (1,024 tokens) of the longest prefix
-another worker holds. The source keeps its copy as it was (``demote_source`` off: see
-``PULL_CREDIT_BLOCKS``, where the demotion is what makes the credit safe on the
-reconfiguration preset). Why: J routes away from a busy holder, and near saturation every
-recomputed prefix is capacity; the copy costs links, not GPU time. The sweep (2026-12-02,
-seed 0, vertumnus only, ``vertumnus simulate … --pull-min-blocks N``), conversation trace mean
-TTFT (s) at ×1 / ×2.5 / ×3 / ×3.5 / ×4 / ×4.5 / ×4.8, and pulls at ×4.8:
+another worker holds; once it has landed, the source's private copy is demoted, the first to
+go there (``demote_source``: the pull is a move; see ``PULL_CREDIT_BLOCKS`` for why and for
+the figures; the sweep below is from before the demotion and the credit). Why: J routes
+away from a busy holder, and near saturation every recomputed prefix is capacity; the copy
+costs links, not GPU time. The sweep (2026-12-02, seed 0, vertumnus only, ``vertumnus
+simulate … --pull-min-blocks N``), conversation trace mean TTFT (s) at ×1 / ×2.5 / ×3 /
+×3.5 / ×4 / ×4.5 / ×4.8, and pulls at ×4.8:
 
   ====  =====  =====  =====  =====  =====  =====  =====  =====
   N     ×1     ×2.5   ×3     ×3.5   ×4     ×4.5   ×4.8   pulls
@@ -205,56 +206,47 @@ TTFT (s) at ×1 / ×2.5 / ×3 / ×3.5 / ×4 / ×4.5 / ×4.8, and pulls at ×4.8:
 document arrive together and its queues are short, so a copy seldom lands before its request
 starts, and J already sends most of them to the document's holder."""
 
-PULL_CREDIT_BLOCKS: Final[int] = 0
+PULL_CREDIT_BLOCKS: Final[int] = 64
 """J's credit for the route-time pull (services/scheduler/placement.py ``PullCredit``): a
 worker whose queue covers the copy's estimated time is priced as holding the longest prefix
-another worker holds, for copies of ``PULL.min_blocks`` up to this many blocks. **Off by
-default** (0). The setting to try for session and agent traffic is 64 (32K tokens) *together
-with the pull's demotion of the source's copy*: ``--pull-credit-blocks 64 --pull-demote``,
-live ``VTM_PULL_CREDIT_BLOCKS=64`` for the scheduler and ``VTM_PULL_DEMOTE=1`` for the cache
-manager (docs/evaluation.md "A pull as a move").
+another worker holds, for copies of ``PULL.min_blocks`` up to this many blocks (64: 32K
+tokens), at ``PULL_DISPLACE_BLOCK_S`` a copied block. **On by default since 2026-12-02
+(session 32), together with the pull's demotion of the source's copy** (``PULL``'s
+``demote_source``) **and that price**: the credit alone is not safe (below). Off:
+``--pull-credit-blocks 0`` / ``--no-pull-demote``; live ``VTM_PULL_CREDIT_BLOCKS=0``,
+``VTM_PULL_DEMOTE=0`` (docs/evaluation.md "A pull as a move").
 
 The credit alone lowers mean TTFT on every workload with shared prefixes at every rate tried
 -- the conversation trace by 1-7% (3 seeds, ×1-×4.8), the Tool-Agent-shaped workload by
 11-31%, the built-in one by 2-3% -- but it cost the reconfiguration preset's long-document
 phases: over seeds 0-14, S3 worse on seeds 4 / 6 / 12 / 13 (+6 / +15 / +20 / +31%) and seed
-13's S5 +10.7% against the better fixed pool, over the issue's 5% (without the credit the
-worst phase is +3.1%). Why (session 32, scratch counters on seed 13's fixed 12CP2/4CP4 pool):
-with the credit J moves a session's next turn whenever the copy lands in time, and the old
-copy stayed at the hot end of the source's LRU. In the short-request burst S2 the pulls
-carried 45,000 blocks in ~6,000 copies instead of 2,800 in ~840 -- about the whole pool's
-cache (40 GPUs × 1,390 blocks) -- and the long phase S1's documents went out before S3 wanted
-them again (the pool held 92-93% of an S3 request's input anywhere instead of 98-99%). A
-price on the credited copy (1 / 3 / 10 / 30 ms a copied block: seed 13's S5 0.624 / 0.592 /
-0.570 / 0.488 s against 0.459 s without the credit) and credit only for prefixes nobody had
-reused yet (S5 +6.5% against the better fixed pool) did not help, nor did session 31's forms
-(a bound on the whole prefix, a bound of 32, on the request's length, credit only towards a
-holder's degree, only while one or two workers hold the prefix, the pull capped at 64 blocks,
-a partial credit). Demoting the source's private copy once the pull has landed does (the
-reconfiguration preset, seeds 0-14, mean of each phase, s):
+13's S5 +10.7% against the better fixed pool, over the issue's 5%. Why (session 32, scratch
+counters on seed 13's fixed 12CP2/4CP4 pool): with the credit J moves a session's next turn
+whenever the copy lands in time, and the old copy stayed at the hot end of the source's LRU.
+In the short-request burst S2 the pulls carried 45,000 blocks in ~6,000 copies instead of
+2,800 in ~840 -- about the whole pool's cache (40 GPUs × 1,390 blocks) -- and the long phase
+S1's documents went out before S3 wanted them again (the pool held 92-93% of an S3 request's
+input anywhere instead of 98-99%). A price on the credited copy alone (1 / 3 / 10 / 30 ms a
+copied block: seed 13's S5 0.624 / 0.592 / 0.570 / 0.488 s against 0.459 s without the
+credit) and credit only for prefixes nobody had reused yet (S5 +6.5% against the better
+fixed pool) did not help, nor did session 31's forms (a bound on the whole prefix, a bound
+of 32, on the request's length, credit only towards a holder's degree, only while one or two
+workers hold the prefix, the pull capped at 64 blocks, a partial credit). Demoting the
+source's private copy once the pull has landed does; the demotion in turn needs the price
+(``PULL_DISPLACE_BLOCK_S``: without it the cache-manager ablation's overloaded top rate lost
+its P90 gain). The reconfiguration preset, seeds 0-14, mean of each phase, s:
 
-  =======================  =====  =====  =====  =====  =====  ======================
-  the pull                 S1     S2     S3     S4     S5     worst phase vs fixed
-  =======================  =====  =====  =====  =====  =====  ======================
-  a copy (the default)     0.444  0.434  0.423  0.418  0.417  +3.1% (seeds 8, 9)
-  a move, no credit        0.444  0.435  0.426  0.420  0.417  +3.9% (seed 9)
-  a move + credit 64       0.424  0.381  0.403  0.375  0.399  +3.6% (seed 11)
-  =======================  =====  =====  =====  =====  =====  ======================
+  ============================  =====  =====  =====  =====  =====  =====================
+  the pull                      S1     S2     S3     S4     S5     worst phase vs fixed
+  ============================  =====  =====  =====  =====  =====  =====================
+  a copy (session 30-31)        0.444  0.434  0.423  0.418  0.417  +3.1% (seeds 8, 9)
+  a move, no credit             0.444  0.435  0.426  0.420  0.417  +3.9% (seed 9)
+  a move + credit, no price     0.424  0.381  0.403  0.375  0.399  +3.6% (seed 11)
+  a move + credit + 10 ms       0.427  0.384  0.406  0.377  0.399  +4.1% (seed 11)
+  ============================  =====  =====  =====  =====  =====  =====================
 
-Every phase of every seed is lower with both than with the default (S2 and S4 by 9-15%).
-
-Why it is still off: the cache-manager ablation (``--preset ablation``: the Tool-Agent-shaped
-workload on a fixed 8CP2/6CP4 pool with 200 blocks per GPU), the mean of seeds 0-4 at its
-highest rate ×4.5, where the pool is past saturation: the full manager against the one
-without replication and reclamation is −2.3% in mean and **+6.9% in P90** with both (the
-issue asks for lower in both), against −23.6% / −16.6% with the credit alone and −24.0% /
-−21.5% with neither (the default). With caches that small and
-queues of seconds, a session J moves often comes back to its old worker, and the second copy
-the demotion gives up is what kept its history there (the hit rate falls from 83.2% to
-82.1%, GPU time rises 3% on seed 0). Demoting only histories of 4 or 8 blocks or more did not
-remove it (seed 1 P90 13.3 / 13.1 s against 12.7 s without the manager). Up to ×3.5 both
-together are far the best (×3.5: −35.7% / −49.8%). A rule that tells a returning session
-from a moved one is where to start.
+The last row is the default: every phase of every seed lower than a copy (S2 and S4 by
+8-14%), the composition following each phase within three windows as before.
 
 The bound (chosen with the pull a copy, before the demotion). The sweep (2026-12-02, seed 0
 unless named; vertumnus only;

@@ -20,22 +20,23 @@ blocks from a holder -- one of the chosen worker's degree when there is one (pag
 to rank, as an intra-degree copy), else the lowest id. Like every copy it is recorded as in
 flight and becomes visible only with the destination's ``Stored`` event; the request uses it
 when it starts after the copy has landed (a queued request, the case that matters under
-load), and otherwise recomputes the prefix as it would have. By default J is the paper's and
-does not count on a pull that may come too late; J's opt-in pull credit does, where the queue
-lets the copy land (services/scheduler/placement.py, "Pull credit").
+load), and otherwise recomputes the prefix as it would have. The paper's J does not count on
+a pull that may come too late; J's pull credit (on in the calibrated settings) does, where the
+queue lets the copy land (services/scheduler/placement.py, "Pull credit").
 
-A pull can be a move (``PullConfig.demote_source``; off by default). Once the copy has
-landed, the source's copy of the copied blocks that belong to one line of requests is
-*demoted* (:func:`demotion`: a :class:`Demote`, the live ``DemoteCommand``): moved to the old
-end of the source's LRU, so that it is the first to go when the source needs room. Nothing is
-removed (a request that reuses it there makes it recent again), and shared blocks -- those
-with two continuations cached somewhere, and their ancestors -- are left where they are. Why:
-the pull follows one consumer (a session's next turn, an agent's next call) away from its
-holder, and the old copy, still recent, pushes other prefixes out in its place. With J's pull
-credit, which moves sessions far more often, that cost the reconfiguration preset's long
-phases their documents; with the demotion as well it does not. It is not the default because
-with small caches under overload (the ablation preset at ×4.5) the second copy is what keeps
-a session's history alive when it comes back (docs/evaluation.md "A pull as a move").
+A pull can be a move (``PullConfig.demote_source``: a bare config leaves it off, the
+calibrated one turns it on). Once the copy has landed, the source's copy of the copied blocks
+that belong to one line of requests is *demoted* (:func:`demotion`: a :class:`Demote`, the
+live ``DemoteCommand``): moved to the old end of the source's LRU, so that it is the first to
+go when the source needs room. Nothing is removed (a request that reuses it there makes it
+recent again), and shared blocks -- those with two continuations cached somewhere, and their
+ancestors -- are left where they are. Why: the pull follows one consumer (a session's next
+turn, an agent's next call) away from its holder, and the old copy, still recent, pushes
+other prefixes out in its place. With J's pull credit, which moves sessions far more often,
+that cost the reconfiguration preset's long phases their documents; with the demotion it
+does not, and J's price per copied block (``PullCredit.displace_block_s``) keeps a move for
+when it saves enough queueing -- without it, small caches under overload lost the second copy
+a returning session needed (docs/evaluation.md "A pull as a move").
 
 Not pulled: a prefix the destination cannot hold whole (longer than its capacity), or one
 with a copy already in flight to the destination (from an earlier request of the same

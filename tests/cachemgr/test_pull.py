@@ -97,7 +97,7 @@ def test_a_landed_pull_demotes_the_copied_blocks_at_its_source() -> None:
     assert demotion(act, MOVE, t) == Demote(C, (3, 4, 5))
     assert Demote(C, (3, 4, 5)).to_wire() == {"type": "demote", "worker": C,
                                               "blocks": [3, 4, 5]}
-    assert demotion(act, ONE, t) is None  # a copy unless asked: off by default
+    assert demotion(act, ONE, t) is None  # a copy unless asked (the calibrated PULL asks)
     assert not PullConfig(min_blocks=2).demote_source
     # Only a pull moves a prefix: the scan's replicas and reconcile copies are wanted in both
     # places (or their source is retired).

@@ -762,7 +762,7 @@ def _refused(runner, tmp_path, cases) -> None:
 
 def test_simulate_takes_the_pull_credit_setting(runner, tmp_path, profile_file) -> None:
     """``--pull-credit-blocks`` reaches J (0: no credit; meta.json records the setting used,
-    the calibrated 0 by default, and 0 when the pull is off); a negative value, one below the
+    the calibrated 64 by default, and 0 when the pull is off); a negative value, one below the
     pull's min_blocks, or the option with a preset is refused before anything runs."""
     common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
               "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
@@ -774,8 +774,8 @@ def test_simulate_takes_the_pull_credit_setting(runner, tmp_path, profile_file) 
         _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
         metas[name] = json.loads((out / "meta.json").read_text())["pull_credit_blocks"]
         rows[name] = json.loads((out / "results.json").read_text())[0]
-    assert metas == {"off": 0, "default": 0, "on": 64, "nopull": 0}
-    assert rows["off"]["mean_ttft_s"] == rows["default"]["mean_ttft_s"]
+    assert metas == {"off": 0, "default": 64, "on": 64, "nopull": 0}
+    assert rows["on"]["mean_ttft_s"] == rows["default"]["mean_ttft_s"]
     assert rows["off"]["mean_ttft_s"] != rows["on"]["mean_ttft_s"]  # J placed otherwise
     _refused(runner, tmp_path, (
         (["--pull-credit-blocks", "-2", *common[1:]],
@@ -788,7 +788,7 @@ def test_simulate_takes_the_pull_credit_setting(runner, tmp_path, profile_file) 
 
 def test_simulate_takes_the_pull_demote_setting(runner, tmp_path, profile_file) -> None:
     """``--pull-demote/--no-pull-demote`` reaches the pull (meta.json records it: the
-    calibrated off by default, and off when the pull is); with a preset it is refused."""
+    calibrated on by default, and off when the pull is); with a preset it is refused."""
     common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
               "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
     metas = {}
@@ -799,7 +799,7 @@ def test_simulate_takes_the_pull_demote_setting(runner, tmp_path, profile_file) 
         _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
         meta = json.loads((out / "meta.json").read_text())
         metas[name] = (meta["pull_demote"], meta["pull_min_blocks"])
-    assert metas == {"default": (False, 2), "on": (True, 2), "off": (False, 2),
+    assert metas == {"default": (True, 2), "on": (True, 2), "off": (False, 2),
                      "nopull": (False, 0)}
     _refused(runner, tmp_path, (
         (["--preset", "conversation", "--no-pull-demote"], "leave out --pull-demote"),))

@@ -370,9 +370,9 @@ async def test_a_placement_away_from_the_prefix_pulls_it_to_the_routed_worker(
         return svc.counters["commands_ok"] == 1 and svc.trie.inflight() == ()
 
     await eventually(settled, what="the pull settled as done")
-    # Nothing was asked of the holder (a demote follows a pull only with ``pull_demote``,
-    # off by default: the tests below).
-    assert not a_cmds.items
+    # No copy was asked of the holder; its only command is the demote that follows the pull
+    # (``pull_demote``, on by default: the tests below).
+    assert all(c.get("op") == "demote" for c in a_cmds.items)
     # Its counters are the micro stats' data too (what `vertumnus up` reports the pulls from).
     stats_answer = json.loads((await nc.request(f"$SRV.STATS.vtm-cachemgr.{svc.service.id}",
                                                 b"", timeout=10)).data)

@@ -42,38 +42,46 @@ def test_cachemgr_pull_defaults_to_the_calibrated_pull_and_can_be_off() -> None:
     assert CacheMgrSettings(pull_min_blocks=7).pull_config().min_blocks == 7
 
 
-def test_cachemgr_pull_demote_defaults_off_and_vtm_pull_demote_turns_it_on(
+def test_cachemgr_pull_demote_defaults_on_and_vtm_pull_demote_turns_it_off(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A landed pull leaves its source's copy as it is by default (the calibrated
-    ``PULL.demote_source``: off); ``VTM_PULL_DEMOTE=1`` (or ``true``) demotes it."""
+    """A landed pull demotes its source's private copy by default (the calibrated
+    ``PULL.demote_source``); ``VTM_PULL_DEMOTE=0`` (or ``false``) keeps the pull a copy."""
     monkeypatch.delenv("VTM_PULL_DEMOTE", raising=False)
-    assert calibration.PULL.demote_source is False
-    assert CacheMgrSettings().pull_demote is False
-    assert CacheMgrSettings().pull_config().demote_source is False  # type: ignore[union-attr]
-    for on in ("1", "true"):
-        monkeypatch.setenv("VTM_PULL_DEMOTE", on)
+    assert calibration.PULL.demote_source is True
+    assert CacheMgrSettings().pull_demote is True
+    assert CacheMgrSettings().pull_config().demote_source is True  # type: ignore[union-attr]
+    for off in ("0", "false"):
+        monkeypatch.setenv("VTM_PULL_DEMOTE", off)
         config = CacheMgrSettings().pull_config()
-        assert config is not None and config.demote_source is True
+        assert config is not None and config.demote_source is False
         assert config.min_blocks == calibration.PULL.min_blocks
-    monkeypatch.setenv("VTM_PULL_DEMOTE", "0")
-    assert CacheMgrSettings().pull_config().demote_source is False  # type: ignore[union-attr]
-    explicit = CacheMgrSettings(pull_demote=True).pull_config()  # an explicit setting wins
-    assert explicit is not None and explicit.demote_source is True
+    monkeypatch.setenv("VTM_PULL_DEMOTE", "1")
+    assert CacheMgrSettings().pull_config().demote_source is True  # type: ignore[union-attr]
+    explicit = CacheMgrSettings(pull_demote=False).pull_config()  # an explicit setting wins
+    assert explicit is not None and explicit.demote_source is False
 
 
 def test_scheduler_pull_credit_follows_the_cache_managers_pull(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """J's pull credit is off by default (calibrated: 0); asked for, it takes the pull's
-    min_blocks. The scheduler reads the same VTM_PULL / VTM_PULL_MIN_BLOCKS as the cache
-    manager, so one setting turns both off or moves both."""
-    for var in ("VTM_PULL", "VTM_PULL_MIN_BLOCKS", "VTM_PULL_CREDIT_BLOCKS"):
+    """J's pull credit is on by default (calibrated: 64 blocks, priced
+    PULL_DISPLACE_BLOCK_S a copied block) with the pull's min_blocks; VTM_PULL_CREDIT_BLOCKS
+    and VTM_PULL_DISPLACE_BLOCK_S move it. The scheduler reads the same VTM_PULL /
+    VTM_PULL_MIN_BLOCKS as the cache manager, so one setting turns both off or moves both."""
+    for var in ("VTM_PULL", "VTM_PULL_MIN_BLOCKS", "VTM_PULL_CREDIT_BLOCKS",
+                "VTM_PULL_DISPLACE_BLOCK_S"):
         monkeypatch.delenv(var, raising=False)
-    assert calibration.PULL_CREDIT_BLOCKS == 0
-    assert SchedulerService(SchedulerSettings()).core.policy.pull is None  # type: ignore
-    monkeypatch.setenv("VTM_PULL_CREDIT_BLOCKS", "64")
+    assert (calibration.PULL_CREDIT_BLOCKS, calibration.PULL_DISPLACE_BLOCK_S) == (64, 0.01)
     credit = SchedulerService(SchedulerSettings()).core.policy.pull  # type: ignore[attr-defined]
     assert credit == PullCredit(min_blocks=calibration.PULL.min_blocks, max_blocks=64,
-                                displace_block_s=calibration.PULL_DISPLACE_BLOCK_S)
+                                displace_block_s=0.01)
+    monkeypatch.setenv("VTM_PULL_CREDIT_BLOCKS", "32")
+    monkeypatch.setenv("VTM_PULL_DISPLACE_BLOCK_S", "0")
+    credit = SchedulerService(SchedulerSettings()).core.policy.pull  # type: ignore[attr-defined]
+    assert credit == PullCredit(min_blocks=calibration.PULL.min_blocks, max_blocks=32)
+    monkeypatch.setenv("VTM_PULL_DISPLACE_BLOCK_S", "-1")
+    with pytest.raises(ValueError, match="pull_displace_block_s"):
+        SchedulerSettings()
+    monkeypatch.delenv("VTM_PULL_DISPLACE_BLOCK_S")
     monkeypatch.setenv("VTM_PULL_MIN_BLOCKS", "5")
     assert SchedulerSettings().pull_credit().min_blocks == 5  # type: ignore[union-attr]
     assert CacheMgrSettings().pull_config().min_blocks == 5  # type: ignore[union-attr]
