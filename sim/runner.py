@@ -315,9 +315,10 @@ def run_simulate(
     check_seed(seed)
     check_warmup_s(warmup_s)
     check_policies(policies)
-    if pull_min_blocks is not None or pull_demote is not None:
-        pull_option(calibration.PULL.min_blocks if pull_min_blocks is None else pull_min_blocks,
-                    pull_demote)
+    # The pull as asked for (checked now, used below); absent: the spec's calibrated one.
+    set_pull = pull_min_blocks is not None or pull_demote is not None
+    pull = pull_option(calibration.PULL.min_blocks if pull_min_blocks is None
+                       else pull_min_blocks, pull_demote) if set_pull else None
     if pull_credit_blocks is not None:
         pull_credit_option(pull_credit_blocks)
     check_pull_credit(pull_min_blocks, pull_credit_blocks)
@@ -337,10 +338,8 @@ def run_simulate(
     prof, kappa_info = sweep_profile(profile_path, out, degrees, seed, wl, truth,
                                      per_degree=per_degree, slo=slo, gpus=gpus)
     overrides = {**ctl, **(spec_overrides or {})}
-    if pull_min_blocks is not None or pull_demote is not None:
-        overrides["pull"] = pull_option(
-            calibration.PULL.min_blocks if pull_min_blocks is None else pull_min_blocks,
-            pull_demote)
+    if set_pull:
+        overrides["pull"] = pull
     if pull_credit_blocks is not None:
         overrides["pull_credit_blocks"] = pull_credit_blocks
     overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
