@@ -361,6 +361,8 @@ def summarize_run(
         "replications": res.replications,
         "reclamations": res.reclamations,
         "pulls": res.pulls,
+        "copy_waits": res.copy_waits,
+        "copy_wait_s": res.copy_wait_s,
         "oracle_mean_ttft_s": float(np.mean(oracle)) if oracle.size else math.nan,
         "prediction_mape": float(np.mean(np.abs(pred - act) / act)) if act.size else None,
         "composition_start": {str(k): v for k, v in first.items()},

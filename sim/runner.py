@@ -65,7 +65,8 @@ RESULT_KEYS = (
     "policy", "rate_scale", "request_rate", "requests", "warmup_requests", "completed", "failed",
     "mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "slo_attainment", "hit_rate",
     "gpu_seconds", "reconfigurations", "splits", "merges", "drain_s_mean", "switch_s_mean",
-    "replications", "reclamations", "pulls", "oracle_mean_ttft_s", "prediction_mape", "variant",
+    "replications", "reclamations", "pulls", "copy_waits", "copy_wait_s", "oracle_mean_ttft_s",
+    "prediction_mape", "variant",
     "wall_s", "sim_requests_per_wall_s",
 )
 

@@ -237,6 +237,10 @@ class SimResult:
     end_s: float
     pulls: int = 0
     """Route-time pulls that landed (services/cachemgr/pull.py)."""
+    copy_waits: int = 0
+    """Copies (replicas, pulls, reconcile transfers) that waited for their workers' links."""
+    copy_wait_s: float = 0.0
+    """The seconds they waited, in all."""
 
 
 def install_copy(trie: PrefixTrie, cache: BlockCache, act: Replicate) -> int | None:
@@ -307,6 +311,11 @@ class Simulator:
         self.reconcile_transfers = 0
         self.pulls = 0
         self._lost = 0
+        # Copies share the links they use (ground-truth.md: ~40 GB/s per RDMA link): the time
+        # each GPU's links are next free (_issue_transfer), and what the copies waited.
+        self._link_free = [0.0] * config.gpus
+        self.copy_waits = 0
+        self.copy_wait_s = 0.0
 
     # ------------------------------------------------------------------ set-up
     def _capacity_blocks(self, degree: int) -> int:
@@ -465,6 +474,8 @@ class Simulator:
             reconcile_transfers=self.reconcile_transfers,
             pulls=self.pulls,
             end_s=now,
+            copy_waits=self.copy_waits,
+            copy_wait_s=self.copy_wait_s,
         )
 
     # ------------------------------------------------------------------ requests
@@ -702,7 +713,21 @@ class Simulator:
         links = min(src.group.degree, dst.group.degree)
         dt = self.gt.truth.replication_time(len(act.blocks), same_node=same_node, links=links,
                                             block_size=self.B)
-        self._push(now + dt, _XFER, act)
+        # A copy holds the links of every GPU of both workers until it lands, and waits until
+        # they are all free: copies through one worker go one after another (FIFO by issue),
+        # as they would share its links' bandwidth. Conservative: a CP2 -> CP4 copy uses two
+        # rank pairs and leaves the CP4's other two ranks' links idle. (The KV handoff to
+        # decode has links of its own in this model: it is part of the prefill's time.)
+        free = self._link_free
+        gpus = (*src.group.gpus, *dst.group.gpus)
+        start = max(now, *(free[g] for g in gpus))
+        end = start + dt
+        for g in gpus:
+            free[g] = end
+        if start > now:
+            self.copy_waits += 1
+            self.copy_wait_s += start - now
+        self._push(end, _XFER, act)
 
     def _transfer_done(self, act: Replicate, now: float) -> None:
         dst = self.workers.get(act.dest)

@@ -745,6 +745,10 @@ def test_simulate_takes_the_pull_setting(runner, tmp_path, profile_file) -> None
     assert rows["0"]["vertumnus"]["pulls"] == 0
     assert rows["1"]["vertumnus"]["pulls"] > 0
     assert rows["1"]["homo"]["pulls"] == 0  # a baseline has no cache manager
+    # The copies' waits for their workers' links are reported with them (none here without pulls).
+    assert (rows["0"]["vertumnus"]["copy_waits"], rows["0"]["vertumnus"]["copy_wait_s"]) == (0, 0)
+    assert rows["1"]["vertumnus"]["copy_wait_s"] >= 0
+    assert "copy_waits" in (tmp_path / "pull1" / "results.csv").read_text().splitlines()[0]
     _refused(runner, tmp_path, ((["--pull-min-blocks", "-2", *common[1:]],
                                  "--pull-min-blocks must be an integer >= 0"),
                                 (["--preset", "conversation", "--pull-min-blocks", "4"],

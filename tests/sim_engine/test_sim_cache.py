@@ -275,3 +275,46 @@ def test_a_landed_pull_demotes_the_sources_copy(profile, phased_workload, monkey
     assert 0 < len(calls) <= on.pulls
     assert all(blocks for _, blocks in calls)
     assert [r.reused_tokens for r in on.records] != [r.reused_tokens for r in off.records]
+
+
+def test_copies_through_one_worker_share_its_links(profile, phased_workload, monkeypatch) -> None:
+    """A copy holds the links of both its workers' GPUs until it lands (sim/simulator.py
+    ``_issue_transfer``): copies that share a GPU never overlap in time, none starts before it
+    is issued, each takes exactly its ground-truth transfer time, and the waits the result
+    reports are the gaps between issue and start. A slow link (1 s a copy) makes them queue."""
+    slow = GroundTruth(surroundings=Surroundings(transfer_latency_s=1.0))
+    # By id(), with the action kept alive so that no id is reused.
+    issued: dict[int, tuple[float, tuple[int, ...], float, object]] = {}
+    landed: dict[int, float] = {}
+    issue, done = Simulator._issue_transfer, Simulator._transfer_done
+
+    def on_issue(self: Simulator, act: object, now: float) -> None:
+        src, dst = self.workers[act.source], self.workers[act.dest]  # type: ignore[attr-defined]
+        same = src.group.first_gpu // 8 == dst.group.first_gpu // 8
+        dt = slow.replication_time(len(act.blocks), same_node=same,  # type: ignore[attr-defined]
+                                   links=min(src.degree, dst.degree), block_size=B)
+        issued[id(act)] = (now, (*src.group.gpus, *dst.group.gpus), dt, act)
+        issue(self, act, now)  # type: ignore[arg-type]
+
+    def on_done(self: Simulator, act: object, now: float) -> None:
+        landed[id(act)] = now
+        done(self, act, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Simulator, "_issue_transfer", on_issue)
+    monkeypatch.setattr(Simulator, "_transfer_done", on_done)
+    res = run(phased_workload, profile, composition=_comp(), cache_manager=True, truth=slow,
+              pull=PullConfig(min_blocks=1), **dict(SMALL, cache_blocks_per_gpu=2048))
+    check_records(res, phased_workload, gpus=16, truth=slow)
+    assert set(landed) == set(issued)
+    spans = {k: (landed[k] - issued[k][2], landed[k]) for k in landed}
+    waits = [spans[k][0] - issued[k][0] for k in landed]
+    assert min(waits) >= -1e-9
+    assert res.copy_waits == sum(w > 1e-12 for w in waits) > 0
+    assert res.copy_wait_s == pytest.approx(sum(waits))
+    by_gpu: dict[int, list[tuple[float, float]]] = {}
+    for k, (a, b) in spans.items():
+        for g in issued[k][1]:
+            by_gpu.setdefault(g, []).append((a, b))
+    for ivs in by_gpu.values():
+        ivs.sort()
+        assert all(b1 <= a2 + 1e-9 for (_, b1), (a2, _) in zip(ivs, ivs[1:], strict=False))
