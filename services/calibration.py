@@ -322,8 +322,9 @@ evicts, while the remaining workers of the parent's degree have room; on the rec
 preset the S2 split lost every document the split worker held, and S3 paid for it in its first
 minute (CONTROLLER, session 4). Copies start with the drain: 10-28 prefixes, 1,145-4,379 blocks
 per split, each copy (one prefix, at most 256 blocks) 0.08 s at most in the simulator's model,
-which does not make concurrent copies share links (serialised per destination: about 0.5 s),
-against a 0.5-1.0 s switch; none failed on seeds 0-8. Hottest first by the scan's access
+which then did not make concurrent copies share links (serialised: about 0.5 s; since session
+33 the simulator serialises copies per GPU, docs/evaluation.md "Copies share links"), against
+a 0.5-1.0 s switch; none failed on seeds 0-8. Hottest first by the scan's access
 statistics. Reconfiguration preset, S1…S5 Δ% vs the better fixed pool, without → with: seed 0
 +0.0/−10.8/+5.3/−10.9/+1.4 → +0.0/−14.7/+2.9/−11.4/+1.2; seed 1 +0.0/−24.1/+4.2/−16.0/−0.5 →
 +0.0/−32.8/+1.2/−16.6/−1.1; seed 2 +0.0/−2.4/+7.3/−10.0/+4.2 → +0.0/−8.8/+3.7/−9.1/+4.2; seed 3

@@ -743,7 +743,15 @@ class Simulator:
             self.pulls += 1
             # With demote_source a pull is a move (services/cachemgr/pull.py): the source's
             # private copy goes first.
-            dem = demotion(act, self.cfg.pull, self.trie) if self.cfg.pull is not None else None
+            # Only what the destination took: a full destination takes the leading part.
+            cache = dst.cache
+            landed = 0
+            for h in act.blocks:
+                if h not in cache:
+                    break
+                landed += 1
+            dem = demotion(act, self.cfg.pull, self.trie, landed=landed) \
+                if self.cfg.pull is not None else None
             if dem is not None:
                 self.workers[dem.worker].cache.demote(dem.blocks)
         else:

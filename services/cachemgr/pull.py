@@ -73,7 +73,8 @@ class PullConfig:
                                f"got {self.demote_source!r}")
 
 
-def demotion(action: Replicate, config: PullConfig, trie: PrefixTrie) -> Demote | None:
+def demotion(action: Replicate, config: PullConfig, trie: PrefixTrie, *,
+             landed: int | None = None) -> Demote | None:
     """What follows a copy ``action`` that has landed (its destination's ``Stored`` event or
     an ok reply): for a route-time pull with ``config.demote_source``, a :class:`Demote` at
     the source of the copied blocks that are private to one line of requests; None when
@@ -85,14 +86,23 @@ def demotion(action: Replicate, config: PullConfig, trie: PrefixTrie) -> Demote 
     ancestors are shared -- a tool description, a system prompt, a document with several
     questions -- and the source is as likely to reuse them as the destination). Only a
     linear tail, one session's own history, is demoted. A block the trie has collected
-    meanwhile ends the walk (what is below it is demoted). Pure: reads ``trie``; raises
-    :class:`InvalidInput` for arguments of the wrong type."""
+    meanwhile ends the walk (what is below it is demoted).
+
+    ``landed``: how many of the copy's blocks (leading ``action.blocks``) the destination
+    took (None: all). A destination short of room takes only the leading part that fits
+    (its pinned blocks stay), and the rest must stay recent at the source, whose copy is
+    still the only one. Pure: reads ``trie``; raises :class:`InvalidInput` for arguments of
+    the wrong type or a ``landed`` that is not an integer in [0, len(action.blocks)]."""
     if not isinstance(action, Replicate):
         raise InvalidInput(f"action must be a Replicate, got {type(action).__name__}")
     if not isinstance(config, PullConfig):
         raise InvalidInput(f"config must be a PullConfig, got {type(config).__name__}")
     if not isinstance(trie, PrefixTrie):
         raise InvalidInput(f"trie must be a PrefixTrie, got {type(trie).__name__}")
+    if landed is not None and (landed.__class__ is not int
+                               or not 0 <= landed <= len(action.blocks)):
+        raise InvalidInput(f"landed must be an integer in [0, {len(action.blocks)}] "
+                           f"(the copy's blocks), got {landed!r}")
     if action.kind != "route" or not config.demote_source:
         return None
     blocks = action.blocks
@@ -103,7 +113,9 @@ def demotion(action: Replicate, config: PullConfig, trie: PrefixTrie) -> Demote 
         if n is None or len(n.children) > 1:
             start = i + 1
             break
-    private = blocks[start:]
+    # The branch point is sought in the whole copy: a block the destination did not take may
+    # still make the blocks above it shared.
+    private = blocks[start:landed]
     return Demote(action.source, private) if private else None
 
 

@@ -992,7 +992,7 @@ class CacheMgrService(MicroService):
         service is going away with its trie.
         """
         try:
-            error = await self._send_command(action)
+            error, landed = await self._send_command(action)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # anything: an unsettled action would stay in flight for ever
@@ -1009,10 +1009,12 @@ class CacheMgrService(MicroService):
             # destination's own stored event (usually already applied by now).
             self.trie.replication_done(action)
             # After it is settled: whatever the demote meets, the copy stays done.
-            await self._demote_source(action)
+            await self._demote_source(action, landed)
 
-    async def _send_command(self, action: CacheAction) -> str | None:
-        """Build and send ``action``'s command; None if the worker did it, else why not.
+    async def _send_command(self, action: CacheAction) -> tuple[str | None, int]:
+        """Build and send ``action``'s command: (None if the worker did it, else why not; for
+        a copy, how many of ``action.blocks`` the destination took, else the reply's
+        ``blocks_done``).
 
         The failures a command meets in normal operation come back as the reason; anything
         else raises (for :meth:`_execute`, which settles the action either way).
@@ -1020,7 +1022,7 @@ class CacheMgrService(MicroService):
         try:
             cmd = self._command(action)
         except (InvalidInput, SchemaError) as exc:  # e.g. a node collected meanwhile
-            return str(exc)
+            return str(exc), 0
         self.counters["commands_sent"] += 1
         self.log.info(
             "cache command",
@@ -1029,13 +1031,20 @@ class CacheMgrService(MicroService):
             command_id=cmd.command_id,
             action=action.to_wire(),
         )
-        return await self._call_worker(cmd)
+        error, done = await self._call_worker(cmd)
+        if isinstance(action, Replicate):
+            # A copy's reply counts the root-to-node path the destination now holds, leading
+            # blocks first; the copy is that path's tail.
+            done = min(len(action.blocks),
+                       max(0, done - (len(cmd.blocks) - len(action.blocks))))
+        return error, done
 
     async def _call_worker(
         self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand
-    ) -> str | None:
-        """Send ``cmd`` to its worker and wait for the reply: None if the worker did it, else
-        why not. The failures a command meets in normal operation come back as the reason."""
+    ) -> tuple[str | None, int]:
+        """Send ``cmd`` to its worker and wait for the reply: (None if the worker did it, else
+        why not; the reply's ``blocks_done``, 0 without an ok reply). The failures a command
+        meets in normal operation come back as the reason."""
         try:
             res = await call(
                 self.nc,
@@ -1053,14 +1062,15 @@ class CacheMgrService(MicroService):
             nats.errors.Error,
             TimeoutError,
         ) as exc:
-            return repr(exc)
+            return repr(exc), 0
         if not res.ok:
-            return res.error or "refused"
-        return None
+            return res.error or "refused", 0
+        return None, res.blocks_done
 
-    async def _demote_source(self, action: Replicate) -> None:
+    async def _demote_source(self, action: Replicate, landed: int) -> None:
         """A copy answered ok: for a route-time pull with ``pull_demote``, send the source a
-        DemoteCommand of the copied blocks (pull.py ``demotion``) and wait for its reply.
+        DemoteCommand of the copied blocks the destination took (``landed`` of them, from
+        its reply; pull.py ``demotion``) and wait for its reply.
 
         Fire-and-forget: a demote only reorders the source's LRU, so its outcome is counted
         and logged and changes nothing else -- not the copy (already settled), not the trie
@@ -1069,7 +1079,8 @@ class CacheMgrService(MicroService):
         dem: Demote | None = None
         try:
             config = self.msettings.pull_config()
-            dem = demotion(action, config, self.trie) if config is not None else None
+            dem = demotion(action, config, self.trie, landed=landed) \
+                if config is not None else None
             if dem is None:
                 return
             if dem.worker not in self.trie.workers():
@@ -1105,7 +1116,7 @@ class CacheMgrService(MicroService):
         self.counters["demotes_sent"] += 1
         self.log.info("cache command", op=cmd.op, worker=cmd.worker_id, command_id=cid,
                       action=dem.to_wire())
-        return await self._call_worker(cmd)
+        return (await self._call_worker(cmd))[0]
 
     def _failed(self, action: CacheAction, why: str, *, exc: BaseException | None = None) -> None:
         """Settle ``action`` as failed: counted, logged, its plan retired in the trie.

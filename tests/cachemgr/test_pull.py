@@ -129,6 +129,24 @@ def test_shared_blocks_of_a_pull_are_not_demoted() -> None:
     assert demotion(act, MOVE, t) is None
 
 
+def test_only_the_blocks_the_destination_took_are_demoted() -> None:
+    """A destination short of room takes the leading part of the copy: the rest stays recent
+    at the source, whose copy is the only one. The branch point is still sought in the whole
+    copy: a shared block the destination did not take keeps its ancestors off the list."""
+    t = setup()
+    (act,) = pull_on_route(t, t.match(REQ), A, MOVE)
+    assert act.blocks == (3, 4, 5)
+    assert demotion(act, MOVE, t, landed=3) == demotion(act, MOVE, t) == Demote(C, (3, 4, 5))
+    assert demotion(act, MOVE, t, landed=2) == Demote(C, (3, 4))
+    assert demotion(act, MOVE, t, landed=0) is None
+    t.apply(Stored(D, 1, None, (1, 2, 3, 4, 9)))  # block 4 now has two children: 5 and 9
+    assert demotion(act, MOVE, t) == Demote(C, (5,))
+    assert demotion(act, MOVE, t, landed=2) is None  # 3 and 4 are shared: nothing of it
+    for bad in (-1, 4, 1.0, True, "2"):
+        with pytest.raises(InvalidInput, match="landed"):
+            demotion(act, MOVE, t, landed=bad)  # type: ignore[arg-type]
+
+
 def test_bad_input_is_refused() -> None:
     t = setup()
     with pytest.raises(UnknownWorker):

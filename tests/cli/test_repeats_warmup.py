@@ -80,7 +80,8 @@ def _rec(i: int, arrival: float, ttft: float, length: int = 1000, reused: int = 
 
 def _result(recs: list[object]) -> object:
     return SimpleNamespace(records=recs, reconfigurations=[], gpu_seconds=12.0, replications=0,
-                           reclamations=0, pulls=0, workload_name="w", config=SimConfig(),
+                           reclamations=0, pulls=0, copy_waits=0, copy_wait_s=0.0,
+                           workload_name="w", config=SimConfig(),
                            composition_timeline=[(0.0, {2: 4})])
 
 

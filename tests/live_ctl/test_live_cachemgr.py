@@ -85,15 +85,19 @@ async def holding(nc: Client, prefix: str, worker: str, blocks: int) -> None:
     await eventually(holds, what=f"{worker}'s events applied")
 
 
-def epoch_record(epoch: int, groups: list[tuple[int, int]]) -> bytes:
-    """An all-ACTIVE EpochRecord of (first GPU, degree) groups, as JSON."""
+def epoch_record(epoch: int, groups: list[tuple[int, int]], *,
+                 unavailable: tuple[str, ...] = ()) -> bytes:
+    """An EpochRecord of (first GPU, degree) groups, as JSON: every worker ACTIVE but those
+    named in ``unavailable``."""
     return to_json(
         EpochRecord(
             epoch=epoch,
             committed_at_s=time.time(),
             workers=[
                 EpochWorker(
-                    worker_id=f"w-cp{d}-g{g}", first_gpu=g, degree=d, lifecycle=Lifecycle.ACTIVE
+                    worker_id=f"w-cp{d}-g{g}", first_gpu=g, degree=d,
+                    lifecycle=(Lifecycle.UNAVAILABLE if f"w-cp{d}-g{g}" in unavailable
+                               else Lifecycle.ACTIVE)
                 )
                 for g, d in groups
             ],
@@ -101,17 +105,18 @@ def epoch_record(epoch: int, groups: list[tuple[int, int]]) -> bytes:
     )
 
 
-async def acking_worker(nc: Client, s: Subjects, worker: str) -> Collector:
+async def acking_worker(nc: Client, s: Subjects, worker: str, *, short: int = 0) -> Collector:
     """A stand-in for ``worker``'s cache-command endpoint: collects each command and answers
-    it ok. Subscribed and flushed when this returns."""
+    it ok, having done all of its blocks but the last ``short`` (a full destination takes
+    the leading part of a copy's path). Subscribed and flushed when this returns."""
     cmds = Collector()
 
     async def on_command(msg: Msg) -> None:
         await cmds.cb(msg)
         cmd = json.loads(msg.data)
-        await reply(
-            nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id=worker, ok=True)
-        )
+        await reply(nc, msg, CacheCommandResult(
+            command_id=cmd["command_id"], worker_id=worker, ok=True,
+            blocks_done=max(0, len(cmd["blocks"]) - short)))
 
     await nc.subscribe(s.cache_cmd(worker), cb=on_command)
     await nc.flush()
@@ -435,6 +440,63 @@ async def test_a_pull_answered_ok_demotes_the_copy_at_its_source(
     assert [x["op"] for x in b_cmds.items] == ["replicate"]
     assert body["in_flight"] == [] and svc.trie.inflight() == ()
     assert await held(nc, uniq) == {A: 4, B: 1}  # a demote moves no holder
+
+
+@pytest.mark.parametrize(("short", "demoted"), [(1, [12, 13]), (3, None)],
+                         ids=["took-part", "took-none-of-the-copy"])
+async def test_only_what_the_destination_took_is_demoted(
+    nc: Client, nats_server, uniq: str, services, short: int, demoted: list[int] | None
+):
+    """B's reply says it holds only the leading part of the copied path (it ran short of
+    room): A gets a demote of just the copied blocks B took, and none when B took none of
+    them (its reply counts only the block it already had) -- A's copy is still the only one."""
+    s = Subjects(uniq)
+    await acking_worker(nc, s, B, short=short)
+    a_cmds = await acking_worker(nc, s, A)
+    await holder_a_and_b(nc, nats_server, uniq, services, pull_demote=True)
+    await route_to_b(nc, uniq)
+    body = await counted(nc, uniq, "commands_ok", 1, "the pull settled as done")
+    if demoted is None:
+        assert body["counters"]["demotes_sent"] == 0 and a_cmds.items == []
+    else:
+        dem = await a_cmds.first(lambda c: c.get("op") == "demote", what="the demote")
+        assert dem["blocks"] == demoted
+
+
+async def test_no_demote_goes_to_a_source_that_left_the_pool(
+    nc: Client, nats_server, uniq: str, services
+):
+    """A (the pull's source) becomes UNAVAILABLE while B is still copying: the manager stops
+    tracking it, and B's ok reply is followed by no demote -- there is nothing to demote at a
+    worker that is gone. The copy itself settles as done."""
+    s = Subjects(uniq)
+    b_cmds = Collector()
+    release = asyncio.Event()
+
+    async def b_answers_later(msg: Msg) -> None:
+        await b_cmds.cb(msg)
+        await release.wait()
+        cmd = json.loads(msg.data)
+        await reply(nc, msg, CacheCommandResult(command_id=cmd["command_id"], worker_id=B,
+                                                ok=True, blocks_done=len(cmd["blocks"])))
+
+    await nc.subscribe(s.cache_cmd(B), cb=b_answers_later)
+    a_cmds = await acking_worker(nc, s, A)
+    await holder_a_and_b(nc, nats_server, uniq, services, pull_demote=True)
+    await route_to_b(nc, uniq)
+    await b_cmds.first(lambda c: c.get("op") == "replicate", what="the pull")
+    epochs = await epoch_kv(nc.jetstream(), s)
+    await epochs.put(s.epoch_key(), epoch_record(1, [(0, 2), (2, 2)], unavailable=(A,)))
+
+    async def a_untracked() -> bool:
+        return A not in (await inspect(nc, uniq))["workers"]
+
+    await eventually(a_untracked, what="A untracked")
+    with capture_logs() as logs:
+        release.set()
+        body = await counted(nc, uniq, "commands_ok", 1, "the pull settled as done")
+    assert body["counters"]["demotes_sent"] == 0 and a_cmds.items == []
+    assert any(e["event"] == "demote skipped: source no longer tracked" for e in logs)
 
 
 async def test_a_refused_pull_sends_no_demote(nc: Client, nats_server, uniq: str, services):

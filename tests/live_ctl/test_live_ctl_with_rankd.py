@@ -268,3 +268,64 @@ async def test_split_drain_notice_rehomes_the_parents_long_prefix(
 
     await eventually(rehomed, what="the document copied to the other CP4 worker")
     assert cm.counters["rehomed"] == 1  # one copy, from the split's notice only
+
+
+async def test_a_pull_between_real_rank_daemons_demotes_the_sources_copy(
+    nc: Client, nats_server, uniq: str, services
+):
+    """End to end with two real rank daemons of six blocks each: a request for [7, 8, 9, 10]
+    routed to g2 pulls [7, 8, 9] from g0, g2's reply counts the path it now holds, and the
+    manager demotes the copied blocks at g0 (pull.py ``demotion``). g0 then needs room for
+    two new blocks: the one it evicts is 9, the demoted chain's leaf -- not 2, the leaf of
+    the older request [1, 2], which plain LRU would take."""
+    s = Subjects(uniq)
+
+    def small(wid: str) -> RankdService:
+        return RankdService(
+            RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, worker_id=wid,
+                          heartbeat_s=0.2, kv_total_blocks=6),
+            SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.01))
+
+    await services(small("w-cp2-g0"))
+    await services(small("w-cp2-g2"))
+    await services(CacheMgrService(CacheMgrSettings(
+        nats_url=nats_server.url, subject_prefix=uniq, degrees=[2, 4], scan_interval_s=0.2,
+        theta_inter=1e9, theta_intra=1e9, theta_reclaim=0.0, decay=0.5,
+        pull=True, pull_min_blocks=1, pull_demote=True)))
+
+    async def trie(match: list[int]) -> dict[str, Any]:
+        msg = await request(
+            nc, f"{cachemgr_group(s)}.inspect", json.dumps({"match": match}).encode()
+        )
+        return json.loads(msg.data)
+
+    def holds(match: list[int], wid: str, n: int, what: str) -> Any:
+        async def check() -> dict[str, Any] | None:
+            body = await trie(match)
+            return body if body["match"]["held"].get(wid, 0) == n else None
+        return eventually(check, what=what)
+
+    for rid, hashes in (("r0", [1, 2]), ("r1", [7, 8, 9])):
+        await call(nc, s.worker_assign("w-cp2-g0"), assignment(rid, "w-cp2-g0", 2, hashes),
+                   AssignmentAck)
+        await holds(hashes, "w-cp2-g0", len(hashes), f"{rid}'s blocks cached at g0")
+    stats = {
+        "schema_version": 1, "request_id": "r2", "reporter": "s1", "worker_id": "w-cp2-g2",
+        "degree": 2, "input_len": 2058, "block_hashes": [7, 8, 9, 10], "reused_blocks": 0,
+        "prefix_tokens": 0, "preferred_degree": 2, "preferred_worker": "w-cp2-g2",
+        "predicted_s": 0.01, "policy": "vertumnus", "at_s": time.time(),
+    }
+    await nc.publish(f"{uniq}.cache.stats.s1", json.dumps(stats).encode())
+
+    async def demoted() -> dict[str, Any] | None:
+        body = await trie([7, 8, 9])
+        return body if body["counters"]["demotes_ok"] == 1 else None
+
+    body = await eventually(demoted, what="the pull landed and its source demoted")
+    assert body["match"]["held"] == {"w-cp2-g0": 3, "w-cp2-g2": 3}
+    assert (body["counters"]["pulls"], body["counters"]["commands_ok"]) == (1, 1)
+    await call(nc, s.worker_assign("w-cp2-g0"), assignment("r3", "w-cp2-g0", 2, [20, 21]),
+               AssignmentAck)
+    await holds([20, 21], "w-cp2-g0", 2, "r3's blocks cached at g0")
+    await holds([7, 8, 9], "w-cp2-g0", 2, "g0's eviction seen by the trie")
+    assert (await trie([1, 2]))["match"]["held"]["w-cp2-g0"] == 2
