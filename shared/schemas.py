@@ -463,8 +463,8 @@ class DemoteCommand(_CacheCommandBase):
     """Make ``blocks`` (root first: the blocks a route-time pull copied away from this
     worker) the first to be evicted here (services/cachemgr/pull.py, "A pull can be a move").
     Nothing is removed and no cache event follows: only the eviction order changes, so the
-    trie's holders stay as they are; blocks no longer cached are skipped (``blocks_done``
-    counts the ones demoted)."""
+    trie's holders stay as they are; blocks no longer cached, and blocks with a cached child
+    that is not demoted with them, are skipped (``blocks_done`` counts the ones demoted)."""
 
     op: Literal["demote"] = "demote"
 

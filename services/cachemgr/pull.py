@@ -84,9 +84,13 @@ def demotion(action: Replicate, config: PullConfig, trie: PrefixTrie, *,
     Private: below the deepest block of the copy that has two or more children in ``trie``
     (a branch point: two different continuations of it are cached somewhere, so it and its
     ancestors are shared -- a tool description, a system prompt, a document with several
-    questions -- and the source is as likely to reuse them as the destination). Only a
-    linear tail, one session's own history, is demoted. A block the trie has collected
-    meanwhile ends the walk (what is below it is demoted).
+    questions -- and the source is as likely to reuse them as the destination). The copy's
+    last block counts as one as soon as it has a child held anywhere but at the
+    destination: the request's own continuation is not cached yet, so that child is another
+    line of requests through the whole copy (at the source, its cached child would also
+    keep it from going first: ``BlockCache.demote``). Only a linear tail, one session's own
+    history, is demoted. A block the trie has collected meanwhile ends the walk (what is
+    below it is demoted).
 
     ``landed``: how many of the copy's blocks (leading ``action.blocks``) the destination
     took (None: all). A destination short of room takes only the leading part that fits
@@ -107,12 +111,19 @@ def demotion(action: Replicate, config: PullConfig, trie: PrefixTrie, *,
         return None
     blocks = action.blocks
     nodes = trie._nodes
-    start = 0
-    for i in range(len(blocks) - 1, -1, -1):
-        n = nodes.get(blocks[i])
+    start = last = len(blocks) - 1
+    dest = action.dest
+    while start >= 0:
+        n = nodes.get(blocks[start])
         if n is None or len(n.children) > 1:
-            start = i + 1
             break
+        if start == last and any(c.holders - {dest} for c in n.children.values()):
+            # The copy's last block already goes on elsewhere than at the destination (as a
+            # rule the source's own longer history): with the request's own continuation,
+            # once cached, it is a branch point too.
+            break
+        start -= 1
+    start += 1
     # The branch point is sought in the whole copy: a block the destination did not take may
     # still make the blocks above it shared.
     private = blocks[start:landed]

@@ -242,26 +242,42 @@ class BlockCache:
 
     def demote(self, block_hashes: Sequence[BlockHash]) -> int:
         """Make the given cached blocks the first to be evicted (a demote command: the source of
-        a route-time pull, services/cachemgr/pull.py); returns how many were cached.
+        a route-time pull, services/cachemgr/pull.py); returns how many were demoted.
 
-        Each cached block moves to the old end of the LRU, in the given order, so with
-        ``block_hashes`` root first (a chain, as a pull copies it) the deepest block ends up
-        oldest and the chain is evicted leaf first, as the LRU order keeps it elsewhere. Any
-        order is still correct: eviction takes only leaves and scans past the rest. Blocks
-        not cached are skipped (the command may race with eviction); pins still protect
-        (eviction skips a pinned block wherever it stands). Nothing is removed and no event
-        is emitted: what the cache holds does not change, only which block goes first, and a
-        later lookup or insert that touches a demoted block makes it recent again.
+        Each cached block that can go first moves to the old end of the LRU, in the given
+        order, so with ``block_hashes`` root first (a chain, as a pull copies it) the deepest
+        block ends up oldest and the chain is evicted leaf first, as the LRU order keeps it
+        elsewhere. A block goes first only together with every cached child of it: one with
+        a child that stays (the worker's own continuation of the prefix) could not be evicted
+        before that child anyway, and parked at the old end every eviction would have to
+        scan past it -- it stays where it is, and so do its ancestors. Blocks not cached are
+        skipped (the command may race with eviction); pins still protect (eviction skips a
+        pinned block wherever it stands). Nothing is removed and no event is emitted: what
+        the cache holds does not change, only which block goes first, and a later lookup or
+        insert that touches a demoted block makes it recent again.
         """
         hs = _check_hashes(block_hashes)
-        lru = self._lru
+        lru, kids = self._lru, self._kids
+        going: dict[BlockHash, None] = {}
+        left: dict[BlockHash, int] = {}  # block -> its cached children not going (yet)
+        # Deepest first, which is one pass for a chain given root first; again until nothing
+        # changes, for any other order.
+        changed = True
+        while changed:
+            changed = False
+            for h in reversed(hs):
+                if h in going or h not in lru or left.get(h, kids.get(h, 0)):
+                    continue
+                going[h] = None
+                p = lru[h]
+                if p is not None:
+                    left[p] = left.get(p, kids.get(p, 0)) - 1
+                changed = True
         move = lru.move_to_end
-        n = 0
         for h in hs:
-            if h in lru:
+            if h in going:
                 move(h, last=False)
-                n += 1
-        return n
+        return len(going)
 
     def remove(self, block_hashes: Sequence[BlockHash]) -> tuple[BlockHash, ...]:
         """Delete the given blocks where allowed (a reclaim command); returns those removed.

@@ -533,7 +533,8 @@ class WorkerCore:
         part is new; what does not fit stays a miss); reclaim removes the blocks that are
         unpinned and have no retained child; demote moves the cached ones among ``cmd.blocks``
         to the evict-first end of the LRU (nothing removed, no event; ``blocks_done`` = the
-        blocks demoted, uncached ones skipped). Visibility changes only through the events.
+        blocks demoted; uncached ones and ones with a cached child left behind skipped,
+        ``BlockCache.demote``). Visibility changes only through the events.
         Raises :class:`UnknownWorker` for another worker's command, :class:`EpochAhead` for
         one from a newer epoch, :class:`InvalidInput` without a cache (every op alike).
         """

@@ -84,6 +84,24 @@ def test_demote_makes_blocks_go_first_leaf_first_and_changes_nothing_else() -> N
     assert c.take_events()[0] == Removed("w", 6, (1, 8))
 
 
+def test_demote_takes_a_block_only_with_all_of_its_cached_children() -> None:
+    """A block with a cached child that is not demoted with it (the worker's own longer
+    continuation) stays where it is, and so do its ancestors: it could not be evicted before
+    that child, and at the old end every eviction would scan past it."""
+    c = BlockCache("w", 8)
+    c.insert([1, 2, 3, 4])  # the worker went on past the copied 1-2-3
+    c.insert([9])
+    assert c.demote([1, 2, 3]) == 0
+    c.insert([1, 2, 5])  # a sibling of 3 under 2
+    assert c.demote([1, 2, 5]) == 1  # only the private leaf 5: 2 keeps 3
+    c.insert([20, 21, 22])  # two slots free, one to evict: 5, not the oldest leaf (4)
+    assert c.blocks() == {1, 2, 3, 4, 9, 20, 21, 22}
+    assert c.demote([4, 3, 2, 1]) == 4  # deepest first works as well (any order does)
+    c.insert([30])
+    assert c.blocks() == {1, 2, 3, 9, 20, 21, 22, 30}  # the demoted chain's leaf went first
+    assert c.demote([1, 2, 3, 3]) == 3  # a repeated block counts once
+
+
 def test_demote_leaves_pins_and_later_touches_in_charge() -> None:
     c = BlockCache("w", 4)
     c.insert([1, 2])

@@ -129,6 +129,27 @@ def test_shared_blocks_of_a_pull_are_not_demoted() -> None:
     assert demotion(act, MOVE, t) is None
 
 
+def test_a_copy_whose_last_block_goes_on_elsewhere_is_not_demoted() -> None:
+    """The source holds a longer history than the request shares (3-4-5 and then 6): the
+    copy's last block 5 goes on at the source, so the whole copy lies on the source's own
+    line of requests and nothing is demoted. A child only at the destination (the request
+    finished there before the copy landed) does not count: the copy is still private."""
+    t = setup()
+    (act,) = pull_on_route(t, t.match(REQ), A, MOVE)
+    assert act.blocks == (3, 4, 5)
+    t.apply(Stored(A, 2, 2, (3, 4, 5, 8)))  # landed, and the request's own block 8 at A
+    assert demotion(act, MOVE, t) == Demote(C, (3, 4, 5))
+    t = setup()
+    (act,) = pull_on_route(t, t.match(REQ), A, MOVE)
+    t.apply(Stored(C, 2, 5, (6,)))  # C, the source, goes on past 5 (5's only child)
+    t.apply(Stored(A, 2, 2, (3, 4, 5)))  # landed
+    assert demotion(act, MOVE, t) is None
+    t = setup()
+    (act,) = pull_on_route(t, t.match(REQ), A, MOVE)
+    t.apply(Stored(D, 1, None, (1, 2, 3, 4, 5, 7)))  # or another worker does
+    assert demotion(act, MOVE, t) is None
+
+
 def test_only_the_blocks_the_destination_took_are_demoted() -> None:
     """A destination short of room takes the leading part of the copy: the rest stays recent
     at the source, whose copy is the only one. The branch point is still sought in the whole
