@@ -345,6 +345,18 @@ def test_profile_checks_degrees_as_simulate_does(runner: CliRunner, tmp_path: Pa
     _refused(runner.invoke(app, [*SIM, "--degrees", degrees, "--out", str(out)]), words)
 
 
+@pytest.mark.parametrize(("args", "words"), [
+    (["--kappa-repeats", "0"], "--kappa-repeats must be an integer >= 1, got 0"),
+    (["--kappa-repeats", "3", "--pool-gpus", "8"], "--kappa-repeats is for the single-worker"),
+    (["--kappa-repeats", "3", "--backend", "torch"], "are the sim backend's"),
+])
+def test_profile_refuses_kappa_repeats_it_cannot_use(runner: CliRunner, tmp_path: Path,
+                                                     args: list[str], words: str) -> None:
+    out = tmp_path / "o"
+    _refused(runner.invoke(app, ["profile", *args, "--out", str(out)]), words)
+    assert not out.exists()
+
+
 def test_profile_of_one_degree_says_c_is_not_identifiable(runner: CliRunner,
                                                           tmp_path: Path) -> None:
     res = runner.invoke(app, ["profile", "--degrees", "4", "--out", str(tmp_path)])

@@ -297,6 +297,20 @@ def test_profile_writes_a_loadable_profile(runner, tmp_path) -> None:
     assert "kappa" in text
 
 
+def test_profile_takes_kappa_repeats(runner, tmp_path) -> None:
+    """``--kappa-repeats N``: κ_C is the median of N ramps per degree, every draw in the
+    report."""
+    out = tmp_path / "prof"
+    _ok(runner.invoke(app, ["profile", "--out", str(out), "--degrees", "2,4",
+                            "--kappa-repeats", "3"]))
+    report = json.loads((out / "profile_report.json").read_text())
+    prof = Profile.load(out / "profile.json")
+    assert report["kappa_repeats"] == 3
+    for c in (2, 4):
+        draws = report["kappa_ramp"]["results"][str(c)]["draws"]
+        assert len(draws) == 3 and prof.kappa[c] == sorted(draws)[1]
+
+
 PROFILE_MAPE_BUG = (
     "vertumnus/cmd_sim.py profile(): prints report keys 'mape_vs_measured' / 'mape_vs_truth', "
     "but sim/profiling.py writes 'fit_vs_measured' / 'fit_vs_truth' to profile_report.json, "
