@@ -416,6 +416,22 @@ def _trace_arrays(workload: Workload) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return lengths, gaps, np.array(history_reuse(workload), dtype=np.int64)
 
 
+KAPPA_REPEATS: Final[int] = 9
+"""Single-worker κ ramps per degree whose median is κ_C (``run_profile``'s default).
+
+Why: one ramp's κ is a threshold on a noisy curve, 7-21% off on a fixed workload (nine draws
+on the reconfiguration preset's profile: sd 0.39 / 0.60 / 0.55 s for κ_1 / κ_2 / κ_4 on
+seed 0), and the ramps of all degrees used to share one noise and one arrival stream, so κ_C
+depended on which degrees were measured before it. The reconfiguration preset's reactions
+rested on that draw: with another single draw (streams per degree) seed 4 reacted to a phase
+change only in the sixth window. With the median of nine ramps on streams of their own, every
+seed 0-14 reacts within three windows (seeds 6 and 13 no longer reconfigure in S1) and every
+phase stays within 4.2% of the better fixed pool (docs/evaluation.md "κ as the median of nine
+ramps", 2026-12-02, session 33). Nine: an odd count (a plain median) that takes a profile from
+1.6 s to 3.9 s (`vertumnus profile`, four degrees). 1 reproduces the single shared-stream draw
+of the figures measured before."""
+
+
 def _ramp_streams(seed: int, degree: int, repeat: int, noise_sigma: float,
                   truth: GroundTruth) -> tuple[NoisyGroundTruth, np.random.Generator]:
     """The noisy ground truth and the arrival generator of one κ ramp (``run_profile`` with
@@ -574,7 +590,7 @@ def run_profile(
     measure_kappas: bool = True,
     per_degree: bool = False,
     kappa_pool_gpus: int | None = None,
-    kappa_repeats: int = 1,
+    kappa_repeats: int = KAPPA_REPEATS,
 ) -> tuple[Profile, dict[str, Any]]:
     """Profile the simulated backend; write profile.json, the scatter plot (+ CSV) and a report.
 
@@ -595,14 +611,13 @@ def run_profile(
     That κ is a pooled capacity: the profile is marked ``kappa_pooled`` and the controller
     judges with it as it is (no calibrated pool factor); the ramp's SLO is ``ramp.slo``.
 
-    ``kappa_repeats``: §6.1's single-worker κ_C is a threshold on a noisy curve (one ramp's
-    draw varies by about 10% from seed to seed: docs/evaluation.md "κ's streams per
-    degree"). With N > 1 each degree runs N ramps on streams of its own (children (1, C, r)
-    and (2, C, r) of the seed's SeedSequence, so κ_C no longer depends on the other degrees
-    measured) and κ_C is their median; the report keeps every draw (``draws``). 1 (the
-    default) is one ramp per degree from streams shared in degree order: the draw the
-    calibrated settings were measured with. Not used with ``kappa_pool_gpus`` (the trace's
-    own arrivals make that κ steady).
+    ``kappa_repeats``: §6.1's single-worker κ_C is a threshold on a noisy curve
+    (:data:`KAPPA_REPEATS`). With N > 1 (the default: nine) each degree runs N ramps on
+    streams of its own (children (1, C, r) and (2, C, r) of the seed's SeedSequence, so κ_C
+    no longer depends on the other degrees measured) and κ_C is their median; the report
+    keeps every draw (``draws``). 1 is one ramp per degree from streams shared in degree
+    order, as every figure before 2026-12-02 (session 33) was measured. Not used with
+    ``kappa_pool_gpus`` (the trace's own arrivals make that κ steady).
     """
     if isinstance(kappa_repeats, bool) or not isinstance(kappa_repeats, int) \
             or kappa_repeats < 1:
@@ -747,7 +762,7 @@ def profile_command(
     per_degree: bool = False,
     slo: SloTable = QWEN3_SLO,
     pool_gpus: int | None = None,
-    kappa_repeats: int = 1,
+    kappa_repeats: int = KAPPA_REPEATS,
 ) -> Path:
     """CLI entry of ``vertumnus profile``: returns the path of the written profile.json.
 

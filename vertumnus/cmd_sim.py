@@ -183,10 +183,11 @@ def register(app: typer.Typer) -> None:
         slo: Annotated[str, typer.Option(help=SLO_HELP + "; κ_C is the demand that keeps it "
                                          "(sim backend)")] = "qwen3-30b-a3b",
         kappa_repeats: Annotated[
-            int, typer.Option(help="Single-worker κ: the median of this many ramps per degree, "
-                              "each on streams of its own (one ramp's draw varies by about "
-                              "10%; 1: one ramp per degree, as the calibration was measured)")
-        ] = 1,
+            int | None, typer.Option(
+                help="Single-worker κ: the median of this many ramps per degree, each on "
+                "streams of its own (one ramp's draw is 7-21% off; default 9; 1: one ramp per "
+                "degree from shared streams, as figures before 2026-12-02 were measured)")
+        ] = None,
     ) -> None:
         """Measure a (R, P, C) grid, fit Ê_C, report MAPE, measure κ_C, write the profile.
 
@@ -207,22 +208,22 @@ def register(app: typer.Typer) -> None:
         _check_run_numbers(rate=rate, max_requests=0)
         if pool_gpus < 0:
             _fail(f"--pool-gpus must be an integer >= 0 (0: a single worker), got {pool_gpus}")
-        if kappa_repeats < 1:
+        if kappa_repeats is not None and kappa_repeats < 1:
             _fail(f"--kappa-repeats must be an integer >= 1, got {kappa_repeats}")
-        if kappa_repeats > 1 and pool_gpus:
+        if kappa_repeats is not None and pool_gpus:
             _fail("--kappa-repeats is for the single-worker κ; --pool-gpus measures κ on the "
                   "trace's own arrivals (one ramp)")
         if workload != "synthetic":
             input_file(Path(workload), "workload")
         if backend == "torch" and (hardware is not None or per_degree or table.bounds
                                    != slo_table("qwen3-30b-a3b").bounds or pool_gpus
-                                   or workload != "synthetic" or kappa_repeats > 1):
+                                   or workload != "synthetic" or kappa_repeats is not None):
             _fail("--hardware, --per-degree, --slo, --workload, --pool-gpus and "
                   "--kappa-repeats are the sim backend's; the torch backend measures the "
                   "machine it runs on (no κ)")
         try:
             if backend == "sim":
-                from sim.profiling import profile_command
+                from sim.profiling import KAPPA_REPEATS, profile_command
                 from sim.runner import load_trace
 
                 truth = _truth(hardware)
@@ -232,7 +233,7 @@ def register(app: typer.Typer) -> None:
                 path = profile_command(out, backend="sim", degrees=degs, seed=seed,
                                        kappa_workload=wl, per_degree=per_degree,
                                        truth=truth, slo=table, pool_gpus=pool_gpus or None,
-                                       kappa_repeats=kappa_repeats)
+                                       kappa_repeats=kappa_repeats or KAPPA_REPEATS)
             else:
                 try:
                     from services.rankd.engine.profiling import torch_profile_command

@@ -14,6 +14,7 @@ from shared.ids import InvalidInput
 from sim.groundtruth import DEFAULT_GROUND_TRUTH, NoisyGroundTruth
 from sim.metrics import SloTable
 from sim.profiling import (
+    KAPPA_REPEATS,
     NOTE_COEFFICIENTS,
     KappaRamp,
     measure_kappa,
@@ -144,9 +145,9 @@ def test_run_profile_writes_files_and_is_deterministic(tmp_path: Path) -> None:
 
 def test_kappa_repeats_take_the_median_of_independent_ramps(tmp_path: Path) -> None:
     """``kappa_repeats`` N > 1: N single-worker ramps per degree, each on streams of its own,
-    and κ_C their median (the report keeps every draw); deterministic for a seed. 1 keeps one
-    ramp per degree from streams shared in degree order; the fit is the same either way; bad
-    values are refused."""
+    and κ_C their median (the report keeps every draw); deterministic for a seed; nine by
+    default. 1 keeps one ramp per degree from streams shared in degree order; the fit is the
+    same either way; bad values are refused."""
     wl = generate(steady(300.0, 4.0, 0.05), seed=0)
     ramp = KappaRamp(min_requests_per_level=400, load_step=0.1)
     common = dict(seed=5, kappa_workload=wl, ramp=ramp)
@@ -160,10 +161,14 @@ def test_kappa_repeats_take_the_median_of_independent_ramps(tmp_path: Path) -> N
     assert len(set(rep["kappa_ramp"]["results"]["2"]["draws"])) > 1  # independent ramps
     again, _ = run_profile(tmp_path / "b", degrees=(2, 4), kappa_repeats=3, **common)
     assert again == prof  # deterministic for a seed
-    one, _ = run_profile(tmp_path / "c", degrees=(2, 4), **common)
+    one, _ = run_profile(tmp_path / "c", degrees=(2, 4), kappa_repeats=1, **common)
     assert "draws" not in json.loads((tmp_path / "c" / "profile_report.json").read_text())[
         "kappa_ramp"]["results"]["2"]
     assert one.coefficients == prof.coefficients  # only κ's measurement differs
+    run_profile(tmp_path / "e", degrees=(2,), **common)  # the default: KAPPA_REPEATS ramps
+    rep = json.loads((tmp_path / "e" / "profile_report.json").read_text())
+    assert rep["kappa_repeats"] == KAPPA_REPEATS == 9
+    assert len(rep["kappa_ramp"]["results"]["2"]["draws"]) == 9
     for bad in (0, -1, 2.0, True):
         with pytest.raises(InvalidInput, match="kappa_repeats"):
             run_profile(tmp_path / "d", degrees=(2,), kappa_repeats=bad, **common)  # type: ignore[arg-type]
