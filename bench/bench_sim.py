@@ -2,10 +2,12 @@
 
 Runs the Mooncake conversation trace at a rate scale (default 2) through
 :func:`sim.experiments.run_deployment` for each policy (default ``vertumnus`` and ``homo``) on the
-experiment spec's cluster (40 GPUs), with the profile :func:`sim.profiling.run_profile` fits for
-degrees (1, 2, 4) at seed 0 -- exactly what ``vertumnus simulate`` does for one (policy, rate)
-cell. Prints requests per wall second (best of ``--repeat`` runs, and every run), and a digest of
-the result rows so a speed change can be checked to leave the results bit-identical. The
+experiment spec's cluster (40 GPUs), with the profile :func:`sim.runner.sweep_profile` gives at
+seed 0 -- what ``vertumnus simulate --gpus 40 --degrees 2,4`` does for one (policy, rate)
+cell (Ê fitted on the sim backend, κ measured on the trace by a routed pool, as ``simulate``
+does without ``--profile``). Prints requests per wall second (best of ``--repeat`` runs, and
+every run), and a digest of the result rows so a speed change can be checked to leave the
+results bit-identical. The
 process CPU time of each run is printed too (the machine may be shared: CPU seconds are less
 sensitive to other load than wall seconds). Each run starts from a collected heap, and the full
 garbage collection after it is timed as well ("with the collection of its garbage"): garbage a
@@ -127,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     wl = load_workload(args.trace, seed=0)
     if args.max_requests:
         wl = truncate(wl, max_requests=args.max_requests)
+    spec = ExperimentSpec(gpus=args.gpus)
+    with tempfile.TemporaryDirectory() as tmp:
+        profile, kappa_note = _profile(Path(tmp), wl, spec)
+    if hasattr(profile, "capacity_scale"):  # as run_simulate: a pooled κ is judged as it is
+        spec = replace(spec, kappa_scale=profile.capacity_scale(spec.kappa_scale))
     if args.rate_scale != 1.0:
         wl = scale_rate(wl, args.rate_scale)
-    with tempfile.TemporaryDirectory() as tmp:
-        profile = run_profile(tmp, degrees=(1, 2, 4), seed=0)[0]
-    spec = ExperimentSpec(gpus=args.gpus)
     if args.pull_credit_blocks is not None:
         spec = replace(spec, pull_credit_blocks=args.pull_credit_blocks)
     if args.pull_demote and spec.pull is not None:
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         comp_profile = controller_profile(profile, spec.kappa_scale)
     initial = historical_composition(lattice, comp_profile, wl, spec.window_s)
     print(f"workload {wl.name}: {len(wl.requests)} requests, rate scale {args.rate_scale}, "
-          f"{spec.gpus} GPUs; set-up {time.perf_counter() - t0:.2f} s")
+          f"{spec.gpus} GPUs; {kappa_note}; set-up {time.perf_counter() - t0:.2f} s")
 
     out_rows: dict[str, Any] = {}
     for pol in args.policies:
@@ -258,6 +262,21 @@ def _against(args: argparse.Namespace) -> int:
               f"garbage: this {ta:.3f} s, against {tb:.3f} s, {tb / ta:.2f}x | "
               f"digests {same}")
     return 0
+
+
+def _profile(tmp: Path, wl: Any, spec: ExperimentSpec) -> tuple[Any, str]:
+    """The profile and spec ``vertumnus simulate --trace … --gpus N`` uses without
+    ``--profile``: Ê fitted on the sim backend, κ measured on the (unscaled) trace by a routed
+    pool (``sim.runner.sweep_profile``), judged with the profile's own capacity scale (1.0 for
+    that pooled κ). A checkout from before trace κ (``--root``) gets the single-worker
+    profile of ``run_profile`` instead, as ``simulate`` did then. Returns (profile, a note
+    naming κ's source)."""
+    try:
+        from sim.runner import sweep_profile
+    except ImportError:
+        return run_profile(tmp, degrees=(1, 2, 4), seed=0)[0], "single-worker κ"
+    prof, _ = sweep_profile(None, tmp, spec.degrees, 0, wl, profile_truth(), gpus=spec.gpus)
+    return prof, "κ on the trace"
 
 
 def profile_truth():
