@@ -1,19 +1,18 @@
 """Speed of the discrete-event simulator: simulated requests per wall second. Prints figures.
 
 Runs the Mooncake conversation trace at a rate scale (default 2) through
-:func:`sim.experiments.run_deployment` for each policy (default ``vertumnus`` and ``homo``) on the
-experiment spec's cluster (40 GPUs), with the profile :func:`sim.runner.sweep_profile` gives at
-seed 0 -- what ``vertumnus simulate --gpus 40 --degrees 2,4`` does for one (policy, rate)
+:func:`sim.experiments.run_deployment` for each policy (default ``vertumnus`` and ``homo``) on
+the experiment spec's cluster (40 GPUs), with the profile :func:`sim.runner.sweep_profile` gives
+at seed 0 -- what ``vertumnus simulate --gpus 40 --degrees 2,4`` does for one (policy, rate)
 cell (Ê fitted on the sim backend, κ measured on the trace by a routed pool, as ``simulate``
 does without ``--profile``). Prints requests per wall second (best of ``--repeat`` runs, and
 every run), and a digest of the result rows so a speed change can be checked to leave the
-results bit-identical. The
-process CPU time of each run is printed too (the machine may be shared: CPU seconds are less
-sensitive to other load than wall seconds). Each run starts from a collected heap, and the full
-garbage collection after it is timed as well ("with the collection of its garbage"): garbage a
-run leaves behind (reference cycles) is paid at the next collection, i.e. by whatever a sweep
-does next, so a run that leaves less is faster end to end even where its own timed region
-is not.
+results bit-identical. The process CPU time of each run is printed too (the machine may be
+shared: CPU seconds are less sensitive to other load than wall seconds). Each run starts from a
+collected heap, and the full garbage collection after it is timed as well ("with the collection
+of its garbage"): garbage a run leaves behind (reference cycles) is paid at the next collection,
+i.e. by whatever a sweep does next, so a run that leaves less is faster end to end even where
+its own timed region is not.
 
     .venv/bin/python bench/bench_sim.py [TRACE] [--rate-scale 2] [--policies vertumnus homo]
         [--repeat 1] [--max-requests N] [--profile] [--rows FILE] [--pull-credit-blocks N]
@@ -265,12 +264,12 @@ def _against(args: argparse.Namespace) -> int:
 
 
 def _profile(tmp: Path, wl: Any, spec: ExperimentSpec) -> tuple[Any, str]:
-    """The profile and spec ``vertumnus simulate --trace … --gpus N`` uses without
-    ``--profile``: Ê fitted on the sim backend, κ measured on the (unscaled) trace by a routed
-    pool (``sim.runner.sweep_profile``), judged with the profile's own capacity scale (1.0 for
-    that pooled κ). A checkout from before trace κ (``--root``) gets the single-worker
-    profile of ``run_profile`` instead, as ``simulate`` did then. Returns (profile, a note
-    naming κ's source)."""
+    """The profile ``vertumnus simulate --trace … --gpus N`` uses without ``--profile``: Ê fitted
+    on the sim backend, κ measured on the (unscaled) trace by a routed pool
+    (``sim.runner.sweep_profile``; the caller judges it with the profile's own capacity
+    scale, 1.0 for that pooled κ). A checkout from before trace κ (``--root``) gets the
+    single-worker profile of ``run_profile`` instead, as ``simulate`` did then. Returns
+    (profile, a note naming κ's source)."""
     try:
         from sim.runner import sweep_profile
     except ImportError:
