@@ -3,21 +3,15 @@ asserted: the figures are for reading, not testing)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_sim_floor.py"
+from benchload import load_bench
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_sim_floor", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_sim_floor")
 
 
 def test_floor_reports_every_stage_on_the_synthetic_workload(

@@ -4,28 +4,23 @@ asserted: the figures are for reading, not testing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchload import load_bench
 
 from sim import runner
 from sim.workloads import generate
 from sim.workloads.synthetic import SyntheticConfig
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_sim.py"
 COMPARED = ("requests", "completed", "mean_ttft_s", "p90_ttft_s", "slo_attainment", "hit_rate",
             "gpu_seconds", "reconfigurations", "replications")
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_sim", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_sim")
 
 
 def _mooncake_file(path: Path) -> Path:
