@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from benchload import load_bench
@@ -17,10 +16,6 @@ from sim.workloads.synthetic import SyntheticConfig
 
 COMPARED = ("requests", "completed", "mean_ttft_s", "p90_ttft_s", "slo_attainment", "hit_rate",
             "gpu_seconds", "reconfigurations", "replications")
-
-
-def _load() -> ModuleType:
-    return load_bench("bench_sim")
 
 
 def _mooncake_file(path: Path) -> Path:
@@ -44,7 +39,7 @@ def _mooncake_file(path: Path) -> Path:
 def test_the_bench_runs_what_simulate_runs(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     trace = _mooncake_file(tmp_path / "t.jsonl")
-    mod = _load()
+    mod = load_bench("bench_sim")
     rows = tmp_path / "rows.json"
     assert mod.main([str(trace), "--rate-scale", "1.5", "--gpus", "16", "--policies",
                      "vertumnus", "--rows", str(rows)]) == 0
