@@ -314,7 +314,7 @@ Tool-Agent-shaped ×1-×4: 0 ms 0.413 / 0.411 / 0.426 / 0.444 s, 3 ms 0.413 / 0.
 most of the credit's gain and is the one that restores the ablation."""
 
 
-REHOME: Final[RehomeConfig] = RehomeConfig(min_blocks=64, fill=0.75)
+REHOME: Final[RehomeConfig] = RehomeConfig(min_blocks=64, fill=0.75, displace=True)
 """Re-homing a split parent's documents (reconcile.py ``rehome_on_split``): prefixes of at least 64
 blocks (32K tokens, the preset's long threshold), while a peer stays within 75% of its cache.
 Why: a split's children are half-degree workers whose caches a short-request burst fills and
@@ -356,7 +356,25 @@ S1…S5 Δ% vs the better fixed pool, split re-homing only → both: seed 0 −1
 −41.1/+2.3/−26.2/+0.2 → −41.1/−1.1/−24.9/+0.7, seed 7 −5.9/+1.3/−5.4/+0.9 →
 −5.9/−3.3/−6.2/−1.0, seed 8 −5.0/+3.7/−5.0/+1.5 → −5.0/+0.8/−4.8/−1.4. Conversation ×1…×4.7:
 0.874, 0.925, 1.039, 1.140, 1.296, 1.500, 2.341, 2.801, 3.828 s (×3 and ×3.5 merge; the rest
-unchanged). The live cache manager re-homes when the epoch record shows the merge."""
+unchanged). The live cache manager re-homes when the epoch record shows the merge.
+
+Full peers (``displace``, session 35). The bound above was measured at the S1→S2 split,
+whose peers were at 41-49% of their caches; the S3→S4 split finds them at 100% (S3's
+documents), so under the bound it copied nothing and S5 lost what the split worker held.
+Seed 42, S5's first minute: two of its documents (79K and 43K tokens, reused four and six
+times in S3 on the split worker) were recomputed on two of the three CP4 workers left (9.5 s
+and 4.2 s), and the long requests behind them waited 4-11 s; the better fixed pool served
+them from cache. S5 +9.8% against it. With ``displace`` a full peer takes a copy when as
+many of its own blocks are colder (the scan's access statistics) than the copied prefix, and
+those are demoted first (reconcile.py ``rehome_on_split``). Reconfiguration preset, seeds
+0-89 (docs/evaluation.md "Re-homing into full peers"): S1-S3 identical (the first split's
+peers have room), S4 −3.1…+0.9%, S5 lower on 80 of 90 seeds (median −1.6%, −12.1…+2.0%);
+S5 phase mean 0.401 → 0.394 s; phases more than 5% behind the better fixed pool 7 → 3 (seeds
+42, 52, 62, 83 now within it; 59, 60 (S3) and 63 (S1) unchanged, before any S3→S4 split).
+Copying into full peers without the heat test (every copy, their LRU making room) was
+tried first: S5 of seeds 0-36 lower by 1-3% on most, but seed 6's S5 rose 8.0% and seed 30's
+3.4%, to +7.6% and +5.4% against the better fixed pool (the copies pushed out documents the
+peers served in S5)."""
 
 SCAN: Final[ScanConfig] = ScanConfig(
     theta_inter=0.25, theta_intra=8.0, theta_reclaim=0.25, decay=0.5, max_actions_per_list=1,

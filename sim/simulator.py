@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.cachemgr.actions import Reclaim, Replicate
+from services.cachemgr.actions import Demote, Reclaim, Replicate
 from services.cachemgr.pull import PullConfig, demotion, pull_on_route
 from services.cachemgr.reconcile import (
     RehomeConfig,
@@ -241,6 +241,9 @@ class SimResult:
     """Copies (replicas, pulls, reconcile transfers) that waited for their workers' links."""
     copy_wait_s: float = 0.0
     """The seconds they waited, in all."""
+    rehome_demoted: int = 0
+    """Blocks a split's re-homing demoted at full peers to make room for its copies
+    (services/cachemgr/reconcile.py ``rehome_on_split``, ``RehomeConfig.displace``)."""
 
 
 def install_copy(trie: PrefixTrie, cache: BlockCache, act: Replicate) -> int | None:
@@ -310,6 +313,7 @@ class Simulator:
         self.reclamations = 0
         self.reconcile_transfers = 0
         self.pulls = 0
+        self.rehome_demoted = 0
         self._lost = 0
         # Copies share the links they use (ground-truth.md: ~40 GB/s per RDMA link): the time
         # each GPU's links are next free (_issue_transfer), and what the copies waited.
@@ -476,6 +480,7 @@ class Simulator:
             end_s=now,
             copy_waits=self.copy_waits,
             copy_wait_s=self.copy_wait_s,
+            rehome_demoted=self.rehome_demoted,
         )
 
     # ------------------------------------------------------------------ requests
@@ -605,8 +610,14 @@ class Simulator:
                 deg = srcs[0].group.degree
                 peers = [wid for wid, w in self.workers.items() if w.group.degree == deg
                          and w.lifecycle is Lifecycle.ACTIVE and wid not in leaving]
-                for act in rehome_on_split(self.trie, srcs[0].wid, peers, self.cfg.rehome):
-                    self._issue_transfer(act, now)
+                acts = rehome_on_split(self.trie, srcs[0].wid, peers, self.cfg.rehome)
+                # The displaced blocks are demoted before any copy can land (reconcile.py).
+                for act in acts:
+                    if isinstance(act, Demote):
+                        self.rehome_demoted += self.workers[act.worker].cache.demote(act.blocks)
+                for act in acts:
+                    if isinstance(act, Replicate):
+                        self._issue_transfer(act, now)
             queued = {w.wid: [j.info.request_id for j in w.queue] for w in srcs}
             in_flight = {w.wid: [w.running.info.request_id] for w in srcs
                          if w.running is not None}

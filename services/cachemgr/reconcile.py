@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, NamedTuple
 
-from services.cachemgr.actions import CacheAction, Replicate
+from services.cachemgr.actions import CacheAction, Demote, Replicate
 from services.cachemgr.trie import PrefixTrie, TrieNode, WorkerView
 from shared.ids import BlockHash, Degree, InvalidInput, WorkerId
 from shared.worker import GpuGroup
@@ -542,10 +542,15 @@ class RehomeConfig:
     shorter ones are cheap to recompute and belong on the smaller degree anyway). ``fill``: a
     peer takes a copy only while its used blocks (in-flight copies included) stay within
     ``fill`` × its capacity, so the copies do not push out what the peer itself serves.
+    ``displace`` (a split's copies only): beyond that bound a peer still takes a copy when as
+    many of its own blocks as the copy takes over the bound are *colder* than the copied
+    prefix (the scan's access statistics); those blocks are demoted at the peer, so that its
+    LRU evicts them, and not what it serves, to make room (:func:`rehome_on_split`).
     """
 
     min_blocks: int
     fill: float
+    displace: bool = False
 
     def __post_init__(self) -> None:
         m = self.min_blocks
@@ -554,6 +559,8 @@ class RehomeConfig:
         f = self.fill
         if isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 < f <= 1.0:
             raise InvalidInput(f"RehomeConfig.fill must be in (0, 1], got {f!r}")
+        if not isinstance(self.displace, bool):
+            raise InvalidInput(f"RehomeConfig.displace must be a bool, got {self.displace!r}")
 
 
 def _rehome_views(trie: PrefixTrie, config: object, role: str, worker: WorkerId,
@@ -576,7 +583,7 @@ def _rehome_views(trie: PrefixTrie, config: object, role: str, worker: WorkerId,
 
 def rehome_on_split(
     trie: PrefixTrie, parent: WorkerId, peers: Sequence[WorkerId], config: RehomeConfig
-) -> tuple[Replicate, ...]:
+) -> tuple[Replicate | Demote, ...]:
     """Copies of ``parent``'s long retained prefixes to ``peers``, issued when a split starts.
 
     Why: the split's children are workers of half the degree, and on the reconfiguration preset
@@ -593,11 +600,27 @@ def rehome_on_split(
     degrees along the root->node path, from the scan's statistics; ties: longer first, then
     hash); each goes to the peer with the most free room (capacity − used, in-flight copies
     included; ties by id), as the blocks that peer misses on its path, if they fit under
-    ``config.fill`` × that peer's capacity; it is skipped when they do not, or when that peer
-    already holds it whole. The returned actions
-    (``kind="intra"``: another replica at the same degree) are recorded as in flight, so the
-    next choice sees the room they take; the caller carries them out and reports
-    ``replication_done`` / ``replication_failed`` as for the scan's actions.
+    ``config.fill`` × that peer's capacity; it is skipped when that peer already holds it
+    whole, and when they do not fit -- unless ``config.displace`` and the peer has enough
+    colder blocks (below). The copies (``kind="intra"``: another replica at the same degree)
+    are recorded as in flight, so the next choice sees the room they take; the caller
+    carries them out and reports ``replication_done`` / ``replication_failed`` as for the
+    scan's actions.
+
+    Displacement (``config.displace``). Why: a split after a long phase finds the peers'
+    caches full of that phase's documents (the reconfiguration preset's S3→S4 split: every
+    CP4 worker at 100%), so under the bound nothing is copied, the parent's documents go to
+    the children, whose short-request burst evicts them, and the next long phase recomputes
+    them on the few large workers left, where its other requests queue behind them. A copy
+    that takes the peer k blocks over the bound (this call's earlier copies to it included)
+    is taken when the peer's k coldest blocks are all colder than the copied prefix (heat:
+    the access of its last block, summed over degrees -- the demand for the prefix as a
+    whole; a block is never colder than a block below it, so the coldest blocks are evicted
+    leaves first).
+    Those blocks are returned as one :class:`Demote` per peer, after the copies: the caller
+    issues it *before* the copies (they make the peer's LRU evict the demoted blocks first;
+    nothing is removed, and a block a request reuses meanwhile becomes recent again). A
+    prefix no request has reused (access 0) displaces nothing.
 
     Inputs are the cache manager's own (held prefixes, capacities, access statistics). Callers:
     the simulator when a split starts, and the live cache manager on the controller's
@@ -618,7 +641,9 @@ def rehome_on_split(
         heat = sum(sum(x.access) for x in path)
         leaves.append((-heat, -(n.depth + 1), h, path))
     leaves.sort()
-    out: list[Replicate] = []
+    out: list[Replicate | Demote] = []
+    colder: dict[WorkerId, list[tuple[float, int, BlockHash]]] = {}
+    promised: dict[WorkerId, int] = {}
     for _, _, h, path in leaves:
         room = sorted(
             ((v.capacity_blocks - trie.used_blocks(v.worker), v.worker, v) for v in views),
@@ -628,12 +653,38 @@ def rehome_on_split(
         missing = tuple(x.hash for x in path if x.hash not in v.valid)
         if not missing:
             continue  # the roomiest peer already holds it whole
-        if trie.used_blocks(v.worker) + len(missing) > config.fill * v.capacity_blocks:
-            continue
+        over = trie.used_blocks(v.worker) + len(missing) - config.fill * v.capacity_blocks
+        if over > 0:
+            if not config.displace:
+                continue
+            cold = colder.get(v.worker)
+            if cold is None:
+                cold = colder[v.worker] = _coldest_first(trie, v.worker)
+            # ``over`` counts this call's earlier copies to the peer too (in flight, they are
+            # in its used blocks): the peer's ``need`` coldest blocks in all must go, the
+            # hottest of them colder than this copy.
+            need = math.ceil(over)
+            if need > promised.get(v.worker, 0):
+                if need > len(cold) or not cold[need - 1][0] < sum(nodes[h].access):
+                    continue
+                promised[v.worker] = need
         a = Replicate(h, Degree(v.degree), parent, v.worker, missing, "intra")
         trie._begin(a)
         out.append(a)
+    for w, k in sorted(promised.items()):
+        # Hottest of them first: BlockCache.demote moves each to the old end in turn, so the
+        # coldest (and, among equals, the deepest) ends up first to go.
+        out.append(Demote(w, tuple(b for _, _, b in reversed(colder[w][:k]))))
     return tuple(out)
+
+
+def _coldest_first(trie: PrefixTrie, worker: WorkerId) -> list[tuple[float, int, BlockHash]]:
+    """(access summed over degrees, −depth, hash) of every block ``worker`` holds, coldest
+    first, deeper first among equals. A block is at least as hot as any block below it (a
+    request's access counts along its reused path from the root), so every leading run of
+    this order is closed downwards: it can be evicted in this order, leaves first."""
+    nodes = trie._nodes
+    return sorted((sum(nodes[b].access), -nodes[b].depth, b) for b in trie.held_nodes(worker))
 
 
 def rehome_on_merge(

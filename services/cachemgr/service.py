@@ -47,7 +47,8 @@ epoch KV key (watch)                   a changed composition: a degree-2C worker
                                        intact until the switch): ``rehome_on_split`` copies the
                                        parent's long prefixes to the workers of its degree that
                                        stay, sent as ReplicateCommands (the simulator does the
-                                       same at the split's start)
+                                       same at the split's start), after the DemoteCommands of
+                                       the colder blocks they displace at a full peer
 =====================================  ============================================================
 
 Commands (JSON, shared/schemas CacheCommand) go request-reply to
@@ -64,6 +65,9 @@ ReclaimCommand         owner          a scan's reclamation (exact-key deletion)
 DemoteCommand          pull source    a route-time pull answered ok (``pull_demote``): the copied
                                       blocks become the first the source evicts (pull.py, "A pull
                                       is a move"); nothing is removed, no event follows
+DemoteCommand          split's peer   a split's re-homing displaces a full peer's colder blocks
+                                      (``rehome_displace``): sent, and answered, before the
+                                      re-homing's copies (reconcile.py ``rehome_on_split``)
 =====================  =============  ==============================================================
 
 The reply is a CacheCommandResult. Visibility follows the paper (§7.2): a replica
@@ -251,6 +255,12 @@ class CacheMgrSettings(ServiceSettings):
         description="Re-homing: a split's peer takes copies only up to this fraction of its "
         "capacity; a merged worker takes at most this fraction of its capacity in copies.",
     )
+    rehome_displace: bool = Field(
+        default=calibration.REHOME.displace,
+        description="Re-homing a split: beyond rehome_fill a peer still takes a copy when as "
+        "many of its blocks are colder than the copied prefix; those are demoted at the peer "
+        "first (a DemoteCommand), so its LRU evicts them to make room (reconcile.py).",
+    )
 
     pull: bool = Field(
         default=True,
@@ -278,7 +288,8 @@ class CacheMgrSettings(ServiceSettings):
         """The re-homing settings, or None when re-homing is off."""
         if not self.rehome:
             return None
-        return RehomeConfig(min_blocks=self.rehome_min_blocks, fill=self.rehome_fill)
+        return RehomeConfig(min_blocks=self.rehome_min_blocks, fill=self.rehome_fill,
+                            displace=self.rehome_displace)
 
     def scan_config(self) -> ScanConfig:
         return ScanConfig(
@@ -755,8 +766,27 @@ class CacheMgrService(MicroService):
         peers = [w for w in tracked
                  if w not in leaving and w != parent and self.trie.worker_degree(w) == degree]
         actions = list(rehome_on_split(self.trie, parent, peers, config)) if peers else []
-        return self._send_rehomed(actions, "split parent re-homed", parent=parent,
-                                  reconfiguration=notice.reconfiguration)
+        copies = [a for a in actions if isinstance(a, Replicate)]
+        demotes = [a for a in actions if isinstance(a, Demote)]
+        if not demotes:
+            self._send_rehomed(copies, "split parent re-homed", parent=parent,
+                               reconfiguration=notice.reconfiguration)
+            return actions
+        self.counters["rehomed"] += len(copies)
+        self.log.info("split parent re-homed", copies=len(copies), displacing=len(demotes),
+                      parent=parent, reconfiguration=notice.reconfiguration)
+        self._spawn(self._displace_then_copy(demotes, copies), "rehome")
+        return actions
+
+    async def _displace_then_copy(self, demotes: list[Demote], copies: list[Replicate]) -> None:
+        """A split's re-homing with displacement (reconcile.py ``rehome_on_split``): the peers'
+        colder blocks are demoted first, each demote answered (or failed) before any copy is
+        sent, so a copy landing on a full peer evicts them and not what the peer serves. A
+        failed demote only leaves that peer's LRU as it was; the copies go anyway."""
+        for d in demotes:
+            await self._demote(d)
+        for a in copies:
+            self._send(a)
 
     def _follow_lifecycles(self, record: EpochRecord) -> None:
         """An UNAVAILABLE worker (failed, lease lost) holds nothing we can count on: it is
@@ -1076,26 +1106,38 @@ class CacheMgrService(MicroService):
         and logged and changes nothing else -- not the copy (already settled), not the trie
         (a demote has no in-flight state and moves no holder). Never raises but
         :class:`asyncio.CancelledError` (shutdown)."""
-        dem: Demote | None = None
         try:
             config = self.msettings.pull_config()
             dem = demotion(action, config, self.trie, landed=landed) \
                 if config is not None else None
-            if dem is None:
-                return
+        except Exception as exc:  # a bug on the way: logged, the service keeps running
+            self.counters["demotes_failed"] += 1
+            self.log.error("demote failed unexpectedly", action=action.to_wire(),
+                           error=repr(exc), exc_info=exc)
+            return
+        if dem is not None:
+            await self._demote(dem)
+
+    async def _demote(self, dem: Demote) -> None:
+        """Send ``dem`` (a pull's source, or a split's re-homing peer) and wait for its reply.
+
+        Fire-and-forget: a demote only reorders the worker's LRU, so its outcome is counted
+        (``demotes_ok`` / ``demotes_failed``) and logged and changes nothing else (a demote has
+        no in-flight state and moves no holder). Never raises but
+        :class:`asyncio.CancelledError` (shutdown)."""
+        try:
             if dem.worker not in self.trie.workers():
-                # It left the pool since the copy was planned: there is nothing to demote.
-                # (A restarted source is tracked afresh; it skips the blocks it lacks.)
-                self.log.info("demote skipped: source no longer tracked", action=dem.to_wire())
+                # It left the pool since the demote was planned: there is nothing to demote.
+                # (A restarted worker is tracked afresh; it skips the blocks it lacks.)
+                self.log.info("demote skipped: worker no longer tracked", action=dem.to_wire())
                 return
             error = await self._send_demote(dem)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug on the way: logged, the service keeps running
             self.counters["demotes_failed"] += 1
-            if dem is not None:
-                self.metrics.done(dem, ok=False)
-            self.log.error("demote failed unexpectedly", action=action.to_wire(),
+            self.metrics.done(dem, ok=False)
+            self.log.error("demote failed unexpectedly", action=dem.to_wire(),
                            error=repr(exc), exc_info=exc)
             return
         self.metrics.done(dem, ok=error is None)

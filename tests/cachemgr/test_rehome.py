@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cachemgr.actions import Replicate
+from services.cachemgr.actions import Demote, Replicate
 from services.cachemgr.events import Stored
 from services.cachemgr.reconcile import RehomeConfig, rehome_on_merge, rehome_on_split
 from services.cachemgr.trie import PrefixTrie
@@ -69,9 +69,85 @@ def test_nothing_without_peers_and_bad_input_raises() -> None:
     with pytest.raises(InvalidInput):
         rehome_on_split(t, P, [A], {"min_blocks": 4})  # type: ignore[arg-type]
     for bad in ({"min_blocks": 0, "fill": 0.5}, {"min_blocks": 4, "fill": 0.0},
-                {"min_blocks": 4, "fill": 1.5}, {"min_blocks": True, "fill": 0.5}):
+                {"min_blocks": 4, "fill": 1.5}, {"min_blocks": True, "fill": 0.5},
+                {"min_blocks": 4, "fill": 0.5, "displace": 1}):
         with pytest.raises(InvalidInput):
             RehomeConfig(**bad)  # type: ignore[arg-type]
+
+
+# --- split into full peers: displacement ---------------------------------------------------
+DISPLACE = RehomeConfig(min_blocks=3, fill=1.0, displace=True)
+
+
+def heat(t: PrefixTrie, path: tuple[int, ...], access: float) -> None:
+    """Give every block of ``path`` the access count ``access`` (degree 4), as requests that
+    reused the whole path would have."""
+    for h in path:
+        t.set_statistics(h, 4, access=access)
+
+
+def full_peer(cap_a: int, *prefixes: tuple[tuple[int, ...], float]) -> PrefixTrie:
+    """P holds two 3-block documents, (1, 2, 3) with heat 5 and (11, 12, 13) with heat 4; the
+    peer A of ``cap_a`` blocks holds ``prefixes`` (stored in that order: the last is the most
+    recent in A's LRU), each with its heat."""
+    t = PrefixTrie([2, 4], block_size=4)
+    t.add_worker(P, 4, 100)
+    t.add_worker(A, 4, cap_a)
+    t.apply(Stored(P, 1, None, (1, 2, 3)))
+    t.apply(Stored(P, 2, None, (11, 12, 13)))
+    heat(t, (1, 2, 3), 5.0)
+    heat(t, (11, 12, 13), 4.0)
+    for i, (path, a) in enumerate(prefixes, start=1):
+        t.apply(Stored(A, i, None, path))
+        heat(t, path, a)
+    return t
+
+
+def test_a_full_peer_takes_a_hotter_copy_over_its_colder_blocks_demoted_leaf_last() -> None:
+    # A is full (6 of 6): the hot prefix (70..72) was stored first, the cold one last, so plain
+    # LRU would evict the hot one to make room.
+    t = full_peer(6, ((70, 71, 72), 9.0), ((60, 61, 62), 0.0))
+    assert rehome_on_split(t, P, [A], RehomeConfig(min_blocks=3, fill=1.0)) == ()
+    acts = rehome_on_split(t, P, [A], DISPLACE)
+    # (1, 2, 3) (heat 5) displaces the three cold blocks; (11, 12, 13) (heat 4) would need
+    # three more blocks colder than 4, and A's others are at 9.
+    assert acts == (Replicate(3, 4, P, A, (1, 2, 3), "intra"), Demote(A, (60, 61, 62)))
+    assert t.inflight() == (acts[0],)
+
+
+def test_displacement_is_promised_once_coldest_first_across_copies() -> None:
+    t = full_peer(9, ((80, 81, 82), 9.0), ((70, 71, 72), 3.0), ((60, 61, 62), 0.0))
+    acts = rehome_on_split(t, P, [A], DISPLACE)
+    # The first copy (heat 5) takes the 3 coldest; the second (heat 4) the next 3, at heat 3.
+    # The Demote lists the hottest first: A moves each to its LRU's old end in turn, so 62
+    # (coldest, deepest) goes first, then 61, 60, 72, 71, 70; 80..82 stay.
+    assert acts == (Replicate(3, 4, P, A, (1, 2, 3), "intra"),
+                    Replicate(13, 4, P, A, (11, 12, 13), "intra"),
+                    Demote(A, (70, 71, 72, 60, 61, 62)))
+
+
+def test_no_displacement_of_blocks_as_hot_as_the_copy_or_for_an_unused_prefix() -> None:
+    t = full_peer(6, ((70, 71, 72), 5.0), ((60, 61, 62), 5.0))
+    assert rehome_on_split(t, P, [A], DISPLACE) == ()  # 5 is not colder than 5 (nor 4)
+    assert t.inflight() == ()
+    t = full_peer(6, ((60, 61, 62), 0.0), ((70, 71, 72), 0.0))
+    heat(t, (1, 2, 3), 0.0)
+    heat(t, (11, 12, 13), 0.0)
+    assert rehome_on_split(t, P, [A], DISPLACE) == ()  # nothing is colder than never reused
+
+
+def test_displacement_counts_only_what_goes_over_the_fill_bound() -> None:
+    # A holds 4 of 8 blocks. Under fill 1.0 the first copy fits and the second goes 2 blocks
+    # over: the two coldest (deepest first) are demoted.
+    t = full_peer(8, ((60, 61, 62, 63), 0.0))
+    assert rehome_on_split(t, P, [A], DISPLACE) == (
+        Replicate(3, 4, P, A, (1, 2, 3), "intra"), Replicate(13, 4, P, A, (11, 12, 13), "intra"),
+        Demote(A, (62, 63)))
+    # Under fill 0.5 (4 blocks) the first goes 3 over; the second would take A 6 blocks over
+    # its bound, and A has 4 to give.
+    t = full_peer(8, ((60, 61, 62, 63), 0.0))
+    assert rehome_on_split(t, P, [A], RehomeConfig(min_blocks=3, fill=0.5, displace=True)) == (
+        Replicate(3, 4, P, A, (1, 2, 3), "intra"), Demote(A, (61, 62, 63)))
 
 
 # --- merge ---------------------------------------------------------------------------------

@@ -496,7 +496,7 @@ async def test_no_demote_goes_to_a_source_that_left_the_pool(
         release.set()
         body = await counted(nc, uniq, "commands_ok", 1, "the pull settled as done")
     assert body["counters"]["demotes_sent"] == 0 and a_cmds.items == []
-    assert any(e["event"] == "demote skipped: source no longer tracked" for e in logs)
+    assert any(e["event"] == "demote skipped: worker no longer tracked" for e in logs)
 
 
 async def test_a_refused_pull_sends_no_demote(nc: Client, nats_server, uniq: str, services):

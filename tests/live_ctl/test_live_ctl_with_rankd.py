@@ -329,3 +329,55 @@ async def test_a_pull_between_real_rank_daemons_demotes_the_sources_copy(
     await holds([20, 21], "w-cp2-g0", 2, "r3's blocks cached at g0")
     await holds([7, 8, 9], "w-cp2-g0", 2, "g0's eviction seen by the trie")
     assert (await trie([1, 2]))["match"]["held"]["w-cp2-g0"] == 2
+
+
+async def test_split_rehome_displaces_a_full_peers_colder_blocks(
+    nc: Client, nats_server, uniq: str, services
+):
+    """A split's parent holds a document its requests reused; the other CP4 worker's cache
+    (six blocks) is full: a hot prefix cached first, a never-reused one last. With
+    ``rehome_displace`` the DrainNotice makes the cache manager demote the peer's three cold
+    blocks, then copy the document there: the peer evicts the cold prefix and keeps the hot
+    one, which its plain LRU order would have evicted first (reconcile.py ``rehome_on_split``)."""
+    from shared.schemas import DrainNotice, encode
+
+    s = Subjects(uniq)
+    await services(rankd(nats_server.url, uniq, "w-cp4-g0"))
+    await services(RankdService(
+        RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, worker_id="w-cp4-g4",
+                      heartbeat_s=0.2, kv_total_blocks=6),
+        SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.01)))
+    cm = await services(CacheMgrService(CacheMgrSettings(
+        nats_url=nats_server.url, subject_prefix=uniq, degrees=[2, 4],
+        scan_interval_s=3600.0,  # no scan: no decay, and every copy is a re-homing
+        rehome_min_blocks=3, rehome_fill=1.0, rehome_displace=True)))
+    doc, hot, cold = [11, 12, 13], [31, 32, 33], [21, 22, 23]
+    for rid, wid, hashes in (("d", "w-cp4-g0", doc), ("h", "w-cp4-g4", hot),
+                             ("c", "w-cp4-g4", cold)):
+        await call(nc, s.worker_assign(wid), assignment(rid, wid, 4, hashes), AssignmentAck)
+
+    async def held(match: list[int]) -> dict[str, int]:
+        msg = await request(nc, f"{cachemgr_group(s)}.inspect",
+                            json.dumps({"match": match}).encode())
+        return json.loads(msg.data)["match"]["held"]
+
+    async def cached() -> bool:
+        return ((await held(doc)).get("w-cp4-g0") == 3 and (await held(hot)).get("w-cp4-g4") == 3
+                and (await held(cold)).get("w-cp4-g4") == 3)
+
+    await eventually(cached, what="the three prefixes in the trie")
+    for h in doc:  # reused twice (the scan's statistics; no scan runs here to decay them)
+        cm.trie.set_statistics(h, 4, access=2.0)
+    for h in hot:
+        cm.trie.set_statistics(h, 4, access=5.0)
+    data, headers = encode(DrainNotice(reconfiguration=1, kind="split", epoch=1,
+                                       sources=["w-cp4-g0"], targets=["w-cp2-g0", "w-cp2-g2"],
+                                       issued_at_s=time.time()))
+    await nc.publish(drain_subject(s), data, headers=headers)
+
+    async def rehomed() -> bool:
+        return (await held(doc)).get("w-cp4-g4") == 3 and "w-cp4-g4" not in await held(cold)
+
+    await eventually(rehomed, what="the document copied over the peer's cold prefix")
+    assert (await held(hot)).get("w-cp4-g4") == 3
+    assert (cm.counters["rehomed"], cm.counters["demotes_ok"]) == (1, 1)

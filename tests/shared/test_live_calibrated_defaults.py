@@ -31,9 +31,14 @@ def test_cachemgr_explicit_threshold_wins() -> None:
         calibration.SCAN.theta_inter
 
 
-def test_cachemgr_rehome_defaults_to_the_calibrated_rehome_and_can_be_off() -> None:
+def test_cachemgr_rehome_defaults_to_the_calibrated_rehome_and_can_be_off(monkeypatch) -> None:
+    monkeypatch.delenv("VTM_REHOME_DISPLACE", raising=False)
     assert CacheMgrSettings().rehome_config() == calibration.REHOME
+    assert calibration.REHOME.displace  # a split's copies displace a full peer's colder blocks
     assert CacheMgrSettings(rehome=False).rehome_config() is None
+    monkeypatch.setenv("VTM_REHOME_DISPLACE", "0")  # only into free room, as before
+    assert CacheMgrSettings().rehome_config() == dataclasses.replace(
+        calibration.REHOME, displace=False)
 
 
 def test_cachemgr_pull_defaults_to_the_calibrated_pull_and_can_be_off() -> None:

@@ -150,6 +150,26 @@ def test_split_rehomes_long_prefixes_to_same_degree_peers(profile, phased_worklo
     assert on.replications > 0
 
 
+def test_split_into_full_peers_rehomes_only_with_displacement(profile, phased_workload) -> None:
+    """At 128 blocks per GPU the peers are full by the first split: under the fill bound a
+    split re-homes nothing; with ``displace`` the parent's reused prefixes are copied over the
+    peers' colder blocks, which are demoted first (reconcile.py ``rehome_on_split``). The scan
+    never replicates, so every replication is a re-homing copy (merges re-home as well)."""
+    quiet = ScanConfig(theta_inter=1e9, theta_intra=1e9, theta_reclaim=0.2, decay=0.5)
+    base = dict(SMALL, scan_config=quiet)
+    bound = run(phased_workload, profile, composition=_comp(), cache_manager=True,
+                adaptive=True, rehome=RehomeConfig(min_blocks=1, fill=1.0), **base)
+    displace = run(phased_workload, profile, composition=_comp(), cache_manager=True,
+                   adaptive=True, rehome=RehomeConfig(min_blocks=1, fill=1.0, displace=True),
+                   **base)
+    check_records(displace, phased_workload, gpus=16)
+    assert "split" in [rc.kind for rc in bound.reconfigurations]
+    assert bound.rehome_demoted == 0
+    # Merges re-home onto the merged worker in both runs; only the splits' copies displace.
+    assert displace.rehome_demoted > 0
+    assert displace.replications > bound.replications
+
+
 def test_merge_rehomes_its_degrees_long_prefixes_onto_the_merged_worker(
     profile, phased_workload
 ) -> None:
