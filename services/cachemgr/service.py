@@ -746,11 +746,13 @@ class CacheMgrService(MicroService):
             self.counters["rejected"] += 1
             self.log.error("drain notice not acted on", error=str(exc))
 
-    def on_drain(self, notice: DrainNotice) -> list[CacheAction]:
+    def on_drain(self, notice: DrainNotice) -> list[CacheAction | Demote]:
         """A split starts (its parent stops admitting, its cache still intact until the
         switch): re-home the parent's long prefixes onto the workers of its degree that stay
         (reconcile.py ``rehome_on_split``), exactly when the simulator does (``_begin``).
-        Returns the copies sent; merges and untracked parents send none."""
+        Returns what it sends: the copies, then the demotes of the colder blocks they displace
+        at full peers (sent, and answered, before the copies); merges and untracked parents
+        send nothing."""
         config = self.msettings.rehome_config()
         if config is None or notice.kind != "split" or len(notice.sources) != 1:
             return []
