@@ -709,7 +709,8 @@ class CacheMgrService(MicroService):
         for w in workers:
             self._request_snapshot(w)
 
-    def _rehome_merged(self, merged: WorkerId, record: EpochRecord) -> list[CacheAction]:
+    def _rehome_merged(self, merged: WorkerId,
+                       record: EpochRecord) -> list[CacheAction | Demote]:
         """A merge's new worker is exposed: copy its degree's long prefixes to it (reconcile.py
         ``rehome_on_merge``), exactly when the simulator does (``_switched``)."""
         config = self.msettings.rehome_config()
@@ -719,18 +720,25 @@ class CacheMgrService(MicroService):
         active = {w.worker_id for w in record.workers if w.lifecycle is Lifecycle.ACTIVE}
         peers = [w for w in self.trie.workers() if w != merged and w in active
                  and self.trie.worker_degree(w) == degree]
-        actions = list(rehome_on_merge(self.trie, merged, peers, config)) if peers else []
+        actions: list[CacheAction | Demote] = \
+            list(rehome_on_merge(self.trie, merged, peers, config)) if peers else []
         return self._send_rehomed(actions, "merged worker re-homed", worker=merged,
                                   epoch=record.epoch)
 
-    def _send_rehomed(self, actions: list[CacheAction], what: str,
-                      **log: Any) -> list[CacheAction]:
-        """Count, log and send a re-homing's copies; returns them."""
-        if actions:
-            self.counters["rehomed"] += len(actions)
-            self.log.info(what, copies=len(actions), **log)
-        for a in actions:
-            self._send(a)
+    def _send_rehomed(self, actions: list[CacheAction | Demote], what: str,
+                      **log: Any) -> list[CacheAction | Demote]:
+        """Count, log and send a re-homing's copies, after its demotes when it has any
+        (:meth:`_displace_then_copy`); returns ``actions``."""
+        copies = [a for a in actions if not isinstance(a, Demote)]
+        demotes = [a for a in actions if isinstance(a, Demote)]
+        if copies:
+            self.counters["rehomed"] += len(copies)
+            self.log.info(what, copies=len(copies), displacing=len(demotes), **log)
+        if demotes:
+            self._spawn(self._displace_then_copy(demotes, copies), "rehome")
+        else:
+            for a in copies:
+                self._send(a)
         return actions
 
     async def _on_drain(self, msg: Msg) -> None:
@@ -767,20 +775,13 @@ class CacheMgrService(MicroService):
                         if w.lifecycle is not Lifecycle.ACTIVE}
         peers = [w for w in tracked
                  if w not in leaving and w != parent and self.trie.worker_degree(w) == degree]
-        actions = list(rehome_on_split(self.trie, parent, peers, config)) if peers else []
-        copies = [a for a in actions if isinstance(a, Replicate)]
-        demotes = [a for a in actions if isinstance(a, Demote)]
-        if not demotes:
-            self._send_rehomed(copies, "split parent re-homed", parent=parent,
-                               reconfiguration=notice.reconfiguration)
-            return actions
-        self.counters["rehomed"] += len(copies)
-        self.log.info("split parent re-homed", copies=len(copies), displacing=len(demotes),
-                      parent=parent, reconfiguration=notice.reconfiguration)
-        self._spawn(self._displace_then_copy(demotes, copies), "rehome")
-        return actions
+        actions: list[CacheAction | Demote] = \
+            list(rehome_on_split(self.trie, parent, peers, config)) if peers else []
+        return self._send_rehomed(actions, "split parent re-homed", parent=parent,
+                                  reconfiguration=notice.reconfiguration)
 
-    async def _displace_then_copy(self, demotes: list[Demote], copies: list[Replicate]) -> None:
+    async def _displace_then_copy(self, demotes: list[Demote],
+                                  copies: list[CacheAction | Demote]) -> None:
         """A split's re-homing with displacement (reconcile.py ``rehome_on_split``): the peers'
         colder blocks are demoted first, each demote answered (or failed) before any copy is
         sent, so a copy landing on a full peer evicts them and not what the peer serves. A
