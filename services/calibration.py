@@ -324,8 +324,11 @@ minute (CONTROLLER, session 4). Copies start with the drain: 10-28 prefixes, 1,1
 per split, each copy (one prefix, at most 256 blocks) 0.08 s at most in the simulator's model,
 which then did not make concurrent copies share links (serialised: about 0.5 s; since session
 33 the simulator serialises copies per GPU, docs/evaluation.md "Copies share links"), against
-a 0.5-1.0 s switch; none failed on seeds 0-8. Hottest first by the scan's access
-statistics. Reconfiguration preset, S1…S5 Δ% vs the better fixed pool, without → with: seed 0
+a 0.5-1.0 s switch; none failed on seeds 0-8 then. Queued on the parent's links, a split's copies
+can outlast the switch (seed 59: 22 copies, 3,140 blocks, the last landing 0.26 s after it); the
+pages stay resident and pinned through the switch (§6.2, §8), so since session 36 such a copy
+lands (docs/evaluation.md "A re-homing copy outlasts the switch"). Hottest first by the scan's
+access statistics. Reconfiguration preset, S1…S5 Δ% vs the better fixed pool, without → with: seed 0
 +0.0/−10.8/+5.3/−10.9/+1.4 → +0.0/−14.7/+2.9/−11.4/+1.2; seed 1 +0.0/−24.1/+4.2/−16.0/−0.5 →
 +0.0/−32.8/+1.2/−16.6/−1.1; seed 2 +0.0/−2.4/+7.3/−10.0/+4.2 → +0.0/−8.8/+3.7/−9.1/+4.2; seed 3
 +0.0/−7.0/+7.8/−28.6/+1.6 → +0.0/−12.9/+8.3/−29.1/+3.2; seed 4 +0.0/−29.7/+8.2/−8.9/+3.8 →

@@ -170,6 +170,48 @@ def test_split_into_full_peers_rehomes_only_with_displacement(profile, phased_wo
     assert displace.replications > bound.replications
 
 
+def test_a_rehoming_copy_that_outlasts_the_switch_still_lands(
+    profile, phased_workload, monkeypatch
+) -> None:
+    """A split's re-homing copies start with the drain; with 5 s a copy they are still running
+    when the parent's switch (under a second) retires it. They land all the same: the pages
+    stay resident on the parent's GPUs and the source pins them for the transfer (§6.2, §8;
+    sim/simulator.py ``_transfer_done``). Each one that lands after its source is gone (at a
+    destination still there) is held whole by that destination in the trie -- which is what
+    the next long phase finds."""
+    import sim.simulator as simulator
+    from services.cachemgr.actions import Replicate
+
+    slow = GroundTruth(surroundings=Surroundings(transfer_latency_s=5.0))
+    rehomed: dict[int, Replicate] = {}  # by id(), the action kept alive so no id is reused
+    rehome = simulator.rehome_on_split
+
+    def spy(*args: object, **kwargs: object) -> tuple[object, ...]:
+        acts = rehome(*args, **kwargs)  # type: ignore[arg-type]
+        rehomed.update((id(a), a) for a in acts if isinstance(a, Replicate))
+        return acts
+
+    after_switch: list[bool] = []
+    done = Simulator._transfer_done
+
+    def on_done(self: Simulator, act: Replicate, now: float) -> None:
+        # Only a copy whose destination is still there can land (one reconfigured meanwhile
+        # fails: its reserved pages are gone).
+        outlasted = act.source not in self.workers and act.dest in self.workers
+        done(self, act, now)
+        if id(act) in rehomed and outlasted:
+            after_switch.append(all(act.dest in self.trie.holders(h) for h in act.blocks))
+
+    monkeypatch.setattr(simulator, "rehome_on_split", spy)
+    monkeypatch.setattr(Simulator, "_transfer_done", on_done)
+    base = dict(SMALL, scan_config=QUIET, cache_blocks_per_gpu=2048)
+    res = run(phased_workload, profile, composition=_comp(), cache_manager=True, adaptive=True,
+              truth=slow, rehome=RehomeConfig(min_blocks=1, fill=1.0), **base)
+    check_records(res, phased_workload, gpus=16, truth=slow)
+    assert "split" in [rc.kind for rc in res.reconfigurations] and rehomed
+    assert after_switch and all(after_switch)
+
+
 def test_merge_rehomes_its_degrees_long_prefixes_onto_the_merged_worker(
     profile, phased_workload
 ) -> None:
