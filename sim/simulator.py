@@ -770,8 +770,8 @@ class Simulator:
                 landed += 1
             dem = demotion(act, self.cfg.pull, self.trie, landed=landed) \
                 if self.cfg.pull is not None else None
-            src = self.workers.get(dem.worker) if dem is not None else None
-            if dem is not None and src is not None:  # a reconfigured source has no LRU left
+            # A source reconfigured meanwhile has no LRU left to demote in.
+            if dem is not None and (src := self.workers.get(dem.worker)) is not None:
                 src.cache.demote(dem.blocks)
         else:
             self.replications += 1
