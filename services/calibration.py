@@ -55,6 +55,9 @@ CONTROLLER: Final[ControllerConfig] = ControllerConfig(
     merge_memory=3,
     long_shift=0.04,
     long_shift_persistence=1,
+    long_drop=0.04,
+    long_drop_z=4.0,
+    long_drop_demand=0.75,
     large_floor=3,
     backlog_s=2.0,
     newest_first=True,
@@ -177,7 +180,30 @@ prefills. Vertumnus's mean against homo_cp2, ×3.0/×3.5/×4.0, headroom 1.0 →
 and some of ×3.5's gain for no loss beyond 3% at any rate on any of the four seeds; 0.9 keeps
 more of ×3.5 than 0.8. Other rates, L-Eval, Azure code and the reconfiguration preset (seeds
 0-14 at 0.8; 0-3, 6 and 9 at 0.9) are unchanged: their rule-10 merges, if any, pass either
-bound."""
+bound.
+
+``long_drop`` 0.04, ``long_drop_z`` 4, ``long_drop_demand`` 0.75 (rule 15, session 37). On 11
+of the reconfiguration preset's seeds 0-134 the S3→S4 split came in S4's fourth window (or
+sixth): S4's demand builds up with its sessions' follow-up turns, its first windows stay at
+0.94-0.98·K, and rule 2 never judges the mix because its reference is re-based as demand
+rises. Rule 15 splits on the fall of the long share itself. Measured with ``vertumnus simulate
+--preset reconfig --seed S``, vertumnus against the better fixed pool, seeds 0-134: it splits
+on 66 seeds, always in S4's first window (920 s; seed 113 940 s), the long share 0.1-1.9%
+after 11-17% (8.5-11.0 standard errors at 617-778 requests, D 0.76-1.00·K); the S3→S4
+reaction is 1-2 windows on every seed (was 2-6); seeds meeting both criteria 120 → 129 of
+135; S4's phase mean lower on 57 seeds, higher on 6 (−3.4%..+0.5%); S5 −2.0%..+5.8% (lower on
+27, higher on 34; seed 127 +5.8%, +8.2% against the fixed pool: an uncached 124K-token
+document lands on the worker holding the next long requests' documents, a 14 s queue; the
+controller's operations are the same but for the split's window). Without ``long_drop_z`` the
+rule split at ×2 and ×2.5 of the conversation trace in every run (falls of 1.7-3.0 standard
+errors of a steady 6-9% share at 137-256 requests a window) and merged back a few windows
+later (rule 12): mean +0.4-0.5%; with it that trace is the same to the last digit at every
+rate (3 seeds). Without ``long_drop_demand`` the built-in workload at ×1.5 split on a real
+fall (19% → 0.3%, 8 standard errors) at D = 0.56·K, where short requests hardly queue on CP4
+workers: mean 0.420 → 0.439 s, P90 0.506 → 0.550 s; 0.75 lies below every preset split (the
+lowest is 0.76, seed 108) and was set knowing them. On seeds 135-179, run only after these
+values were fixed, both criteria hold on 45 of 45 (39 without the rule; docs/evaluation.md).
+The Tool-Agent-shaped workload is unchanged."""
 
 PULL: Final[PullConfig] = PullConfig(min_blocks=2, demote_source=True)
 """Route-time pull (services/cachemgr/pull.py): a request's prefix is copied to the worker it

@@ -60,6 +60,9 @@ NONE_MEANS: Final[Mapping[str, str]] = {
     "merge_memory": "the streak's windows only",
     "long_shift": "rule 12 off",
     "long_shift_persistence": "persistence",
+    "long_drop": "rule 15 off",
+    "long_drop_z": "no significance asked",
+    "long_drop_demand": "any demand",
     "large_floor": "rule 13 off",
     "backlog_s": "rule 14 off",
 }

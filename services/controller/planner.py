@@ -130,9 +130,31 @@ nothing, so it counts nothing):
    way to a 1.1-1.2 s median in the middle of the preset's S2/S4 (seeds 3, 4), and the three
    splits at once, into the start of the long phase, cost S3 +100% / S4 +76%.
 
+15. **Long-share drop** (our addition; ``long_drop`` set). Rule 12 the other way, as §6.2
+   has it ("a decrease favors splitting"). A window signals SPLIT when its long-request
+   fraction f is below the request-weighted fraction f_mem of the earlier busy windows on
+   the same composition by at least ``long_drop``, and
+   (a) the fall is at least ``long_drop_z`` binomial standard errors, √(f_mem·(1 − f_mem)/n)
+       at the window's n requests (if set): a window of a hundred-odd requests falls 0.04
+       below a steady 7% by chance every few dozen windows (the conversation trace at
+       ×2-×2.5: 1.7-3.0 standard errors, a split and the rule-12 merge back in every run),
+       while the preset's S3→S4 falls by 8.5-11;
+   (b) D ≥ ``long_drop_demand``·K (if set): far below the split threshold short requests
+       hardly queue on the larger workers, and the split costs the prefixes its worker held
+       (the built-in workload at ×1.5: a real fall, 19% → 0.3%, at D = 0.56·K; mean +4.5%,
+       P90 +8.7%);
+   (c) no capacity, rule-2 or rule-10 signal is raised.
+   It waits ``long_shift_persistence`` windows like rule 12 and is one split (then
+   re-judged), admitted like any split without a capacity signal (rule 5: D ≥ l·K'
+   afterwards) and within rule 13's floor. Why: the shift from long to short requests comes
+   with a rise in rate that builds up over a few windows as the short sessions' follow-up
+   turns arrive. In the reconfiguration preset's S3→S4 (long share 11-17% → 0.1-1.9%) D
+   stayed at 0.94-0.98·u·K in S4's first windows on 11 of 135 seeds, so rule 1 split only in
+   the fourth; rule 2's reference is re-based as demand rises and never judges the mix.
+
 The planner is a pure core: values in (window summary, composition, per-worker estimates),
 a :class:`Decision` out; it keeps the streak, the reference and the short histories of rules
-6 and 9-13 (when each worker appeared, demand by preferred degree, demand, long counts).
+6, 9-13 and 15 (when each worker appeared, demand by preferred degree, demand, long counts).
 """
 
 from __future__ import annotations
@@ -181,7 +203,11 @@ class ControllerConfig:
       demand calls for, so with ``max_ops`` > 1 it can be turned off to re-prove persistence.
     * ``merge_memory`` None — rule 11 off (windows of demand a rule-10 merge must fit).
     * ``long_shift`` None — rule 12 off (rise of the long fraction that signals a merge).
-    * ``long_shift_persistence`` None — a rule-12 signal waits ``persistence`` windows.
+    * ``long_shift_persistence`` None — a rule-12 or rule-15 signal waits ``persistence``
+      windows.
+    * ``long_drop`` None — rule 15 off (fall of the long fraction that signals a split).
+    * ``long_drop_z`` None — rule 15 asks no significance of the fall (standard errors).
+    * ``long_drop_demand`` None — rule 15 acts at any demand (else only while D ≥ this·K).
     * ``large_floor`` None — rule 13 off (larger-degree workers a split keeps).
     * ``backlog_s`` None — rule 14 off (median outstanding work, s, that counts as backlog).
     * ``newest_first`` False — rule 6's newest-first key off.
@@ -204,6 +230,9 @@ class ControllerConfig:
     merge_memory: int | None = None
     long_shift: float | None = None
     long_shift_persistence: int | None = None
+    long_drop: float | None = None
+    long_drop_z: float | None = None
+    long_drop_demand: float | None = None
     large_floor: int | None = None
     backlog_s: float | None = None
     newest_first: bool = False
@@ -274,6 +303,18 @@ class ControllerConfig:
             raise InvalidInput(
                 "ControllerConfig.long_shift_persistence must be None or an integer >= 1, "
                 f"got {lp!r}")
+        if self.long_drop is not None and not (0.0 < num("long_drop") <= 1.0):
+            raise InvalidInput(
+                f"ControllerConfig.long_drop must be None or in (0, 1], got {self.long_drop}")
+        if self.long_drop_z is not None and not (0.0 < num("long_drop_z") < math.inf):
+            raise InvalidInput(
+                "ControllerConfig.long_drop_z must be None or a finite number > 0, "
+                f"got {self.long_drop_z}")
+        if self.long_drop_demand is not None and not (
+                0.0 < num("long_drop_demand") <= self.upper):
+            raise InvalidInput(
+                f"ControllerConfig.long_drop_demand must be None or in (0, upper={self.upper}], "
+                f"got {self.long_drop_demand}")
         lf = self.large_floor
         if lf is not None and (isinstance(lf, bool) or not isinstance(lf, int) or lf < 1):
             raise InvalidInput(
@@ -326,7 +367,7 @@ class Plan:
         return tuple(g.worker_id for g in self.targets)
 
 
-Trigger = Literal["capacity", "long_fraction", "preference_shift", "long_shift"]
+Trigger = Literal["capacity", "long_fraction", "preference_shift", "long_shift", "long_drop"]
 """The rule behind a decision's direction (:attr:`Decision.trigger`)."""
 
 
@@ -513,9 +554,9 @@ class Planner:
             )
         ):
             frac_sig, pref_sig = OpKind.MERGE, True
-        long_sig = False
+        long_sig = drop_sig = False
         if (
-            cfg.long_shift is not None
+            (cfg.long_shift is not None or cfg.long_drop is not None)
             and cap_sig is None
             and frac_sig is None
             and f is not None
@@ -523,8 +564,17 @@ class Planner:
         ):
             n_req = sum(r for r, _ in mix_before)
             f_mem = sum(lg for _, lg in mix_before) / n_req if n_req else 0.0
-            if f - f_mem >= cfg.long_shift - _EPS:
+            if cfg.long_shift is not None and f - f_mem >= cfg.long_shift - _EPS:
                 frac_sig, long_sig = OpKind.MERGE, True
+            elif (
+                cfg.long_drop is not None
+                and f_mem - f >= cfg.long_drop - _EPS
+                and (cfg.long_drop_z is None
+                     or f_mem - f >= cfg.long_drop_z * math.sqrt(
+                         f_mem * (1.0 - f_mem) / window.requests) - _EPS)
+                and (cfg.long_drop_demand is None or d >= cfg.long_drop_demand * cap - _EPS)
+            ):
+                frac_sig, drop_sig = OpKind.SPLIT, True
         new_ref = ref
         # (Re)base the reference on a busy window with no capacity signal whose demand is not
         # comparable with the old reference: the mix is judged against the current level.
@@ -536,6 +586,7 @@ class Planner:
             "capacity" if cap_sig is not None
             else "preference_shift" if pref_sig
             else "long_shift" if long_sig
+            else "long_drop" if drop_sig
             else "long_fraction" if frac_sig is not None
             else None
         )
@@ -551,6 +602,8 @@ class Planner:
             why = "demand preferring a larger degree exceeds its share of GPUs"
         elif long_sig:
             why = f"long fraction {f:.2f} above this composition's earlier windows"
+        elif drop_sig:
+            why = f"long fraction {f:.2f} below this composition's earlier windows"
         elif frac_sig is not None:
             assert ref is not None and f is not None
             why = f"long fraction {f:.2f} vs reference {ref[1]:.2f} at stable demand"
@@ -567,7 +620,7 @@ class Planner:
         if direction is hist.momentum:
             streak = max(streak, cfg.persistence)
         need = cfg.persistence
-        if long_sig and cfg.long_shift_persistence is not None:
+        if (long_sig or drop_sig) and cfg.long_shift_persistence is not None:
             need = cfg.long_shift_persistence
         if streak < need:
             self._commit(

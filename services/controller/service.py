@@ -349,8 +349,24 @@ class ControllerSettings(ServiceSettings):
     )
     long_shift_persistence: int | None = Field(
         default=CONTROLLER.long_shift_persistence,
-        description="Planner rule 12: windows a long-fraction rise must last before its merge. "
+        description="Planner rules 12 and 15: windows a long-fraction rise (fall) must last "
+        "before its merge (split). "
         "None: persistence.",
+    )
+    long_drop: float | None = Field(
+        default=CONTROLLER.long_drop,
+        description="Planner rule 15: split once when a window's long-request fraction is below "
+        "that of the earlier windows on the same composition by this much. None: off.",
+    )
+    long_drop_z: float | None = Field(
+        default=CONTROLLER.long_drop_z,
+        description="Planner rule 15: the fall must also be at least this many binomial "
+        "standard errors of the earlier fraction at the window's request count. None: not asked.",
+    )
+    long_drop_demand: float | None = Field(
+        default=CONTROLLER.long_drop_demand,
+        description="Planner rule 15 acts only while the window's demand is at least this "
+        "fraction of the pooled capacity (≤ upper). None: at any demand.",
     )
     large_floor: int | None = Field(
         default=CONTROLLER.large_floor,

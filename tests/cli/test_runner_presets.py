@@ -115,7 +115,7 @@ def test_reconfig_preset_small(tmp_path: Path) -> None:
     assert len(meta["reconfigurations"]) == rows["vertumnus"]["reconfigurations"] >= 1
     # Every operation names the controller rule that decided it.
     assert {rc["trigger"] for rc in meta["reconfigurations"]} <= {
-        "capacity", "long_fraction", "preference_shift", "long_shift"}
+        "capacity", "long_fraction", "preference_shift", "long_shift", "long_drop"}
     sw = GroundTruth().surroundings
     for rc in meta["reconfigurations"]:
         assert rc["drain_s"] >= 0

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from services.controller.lattice import Composition, Lattice, OpKind
-from services.controller.planner import ControllerConfig, Planner
+from services.controller.planner import ControllerConfig, Decision, Planner
 from services.controller.windows import WindowSummary
 from shared.costmodel import Profile
 from shared.ids import InvalidInput
@@ -145,6 +145,116 @@ def test_capacity_signal_overrides_the_long_share() -> None:
     assert d.capacity_signal is OpKind.SPLIT and d.fraction_signal is None
 
 
+# --- rule 15: a fall of the long fraction against the composition's own windows --------------
+DROP = ControllerConfig(persistence=2, max_ops=8, long_drop=0.05)
+
+
+def six_one() -> Composition:
+    """6CP2/1CP4 on 16 GPUs (the CP4 worker on GPUs 0-3): K = 76, l·K = 38, u·K = 68.4."""
+    return Composition.parse(LAT16, "6CP2/1CP4")
+
+
+def after_memory(cfg: ControllerConfig, window: WindowSummary,
+                 memory_demand: float = 50.0) -> Decision:
+    """The decision on ``window`` (index 2) of a planner on 6CP2/1CP4 whose two earlier
+    windows held 1 long request of 10 each (the memory: 0.10)."""
+    comp = six_one()
+    p = Planner(PROFILE, cfg)
+    for k in range(2):
+        p.observe(win(k, memory_demand, long=1), comp)
+    return p.observe(window, comp)
+
+
+def test_long_share_drop_splits_once_after_persistence() -> None:
+    # Windows 0, 1: 1 of 10 long (the memory, 0.10). Windows 2, 3: none, 0.10 − 0 ≥ 0.05 (and
+    # under rule 2's 0.15) -> SPLIT after persistence 2, one operation; D = 50 ≥ l·K' = 0.5·80
+    # = 40 admits it.
+    comp = six_one()
+    p = Planner(PROFILE, DROP)
+    for k in range(2):
+        assert p.observe(win(k, 50.0, long=1), comp).direction is None
+    d = p.observe(win(2, 50.0), comp)
+    assert (d.fraction_signal, d.trigger, d.streak, d.plans) == (
+        OpKind.SPLIT, "long_drop", 1, ())
+    d = p.observe(win(3, 50.0), comp)
+    assert len(d.plans) == 1 and d.trigger == "long_drop" and "below" in d.reason
+    split = comp.apply(d.plans[0].op)
+    assert split.describe() == "8CP2"
+    # On the new composition the memory starts again: short windows are no longer a fall.
+    for k in range(4, 8):
+        d = p.observe(win(k, 50.0), split)
+        assert d.direction is None and not d.plans
+
+
+@pytest.mark.parametrize(
+    "cfg, requests, long, signal",
+    [(ControllerConfig(persistence=2, max_ops=8), 10, 0, None),  # rule 15 off
+     (DROP, 25, 2, None),  # 0.10 → 0.08: under the threshold
+     (DROP, 20, 1, OpKind.SPLIT)],  # 0.10 → 0.05: at it
+)
+def test_long_share_drop_is_off_by_default_and_needs_the_threshold(
+    cfg: ControllerConfig, requests: int, long: int, signal: OpKind | None
+) -> None:
+    d = after_memory(cfg, win(2, 50.0, requests=requests, long=long))
+    assert d.direction is signal
+
+
+@pytest.mark.parametrize(
+    "requests, long, z, signal",
+    [(20, 0, None, OpKind.SPLIT),  # no significance asked
+     # 0.10 → 0.0 at n = 20: se = √(0.1·0.9/20) = 0.067, the fall 1.49 se
+     (20, 0, 1.4, OpKind.SPLIT), (20, 0, 1.6, None),
+     # the same fall at n = 400: se = 0.015, 6.7 se
+     (400, 0, 6.0, OpKind.SPLIT), (400, 0, 7.0, None),
+     # 0.10 → 0.05 at n = 400: 3.3 se; big enough, not significant at 4
+     (400, 20, 3.0, OpKind.SPLIT), (400, 20, 4.0, None)],
+)
+def test_long_share_drop_needs_the_significance_asked(
+    requests: int, long: int, z: float | None, signal: OpKind | None
+) -> None:
+    cfg = ControllerConfig(persistence=2, max_ops=8, long_drop=0.05, long_drop_z=z)
+    assert after_memory(cfg, win(2, 50.0, requests=requests, long=long)).direction is signal
+
+
+@pytest.mark.parametrize("floor, signal", [(None, OpKind.SPLIT), (0.6, OpKind.SPLIT),
+                                            (0.7, None)])
+def test_long_share_drop_acts_only_near_capacity_when_asked(
+    floor: float | None, signal: OpKind | None
+) -> None:
+    # D = 50 on K = 76: 0.66·K, at or above a floor of 0.6·K, below one of 0.7·K.
+    cfg = ControllerConfig(persistence=2, max_ops=8, long_drop=0.05, long_drop_demand=floor)
+    assert after_memory(cfg, win(2, 50.0)).direction is signal
+
+
+def test_long_share_drop_split_is_admitted_only_above_the_lower_threshold() -> None:
+    # D = 39: no capacity merge (39 ≥ l·K = 38), but after the split 39 < l·K' = 40, which
+    # would call for the merge right back (rule 5): refused.
+    cfg = ControllerConfig(persistence=2, max_ops=8, long_drop=0.05, long_shift_persistence=1)
+    d = after_memory(cfg, win(2, 39.0), memory_demand=39.0)
+    assert d.direction is OpKind.SPLIT and d.plans == ()
+    assert "below the lower threshold" in d.reason
+
+
+def test_long_share_drop_keeps_the_floor_and_yields_to_capacity() -> None:
+    # Rule 13: a split would leave no CP4 worker (floor 1), and the pool is not backlogged.
+    cfg = ControllerConfig(persistence=2, max_ops=8, long_drop=0.05, long_shift_persistence=1,
+                           large_floor=1, backlog_s=1.0)
+    d = after_memory(cfg, win(2, 50.0))
+    assert d.direction is OpKind.SPLIT and d.plans == () and "fewer than 1" in d.reason
+    # Rule 3: D = 30 < l·K = 38 is a capacity MERGE, whatever the long share did.
+    d = after_memory(DROP, win(2, 30.0))
+    assert d.capacity_signal is OpKind.MERGE and d.fraction_signal is None
+
+
+def test_a_rise_and_a_fall_use_the_same_memory() -> None:
+    # Both rules on, the memory at 0.10: a window at 0.20 is a rise (MERGE, rule 12), one at
+    # 0.0 a fall (SPLIT, rule 15); both under rule 2's 0.15.
+    cfg = ControllerConfig(persistence=2, max_ops=8, long_shift=0.05, long_drop=0.05)
+    for long, want, trigger in ((2, OpKind.MERGE, "long_shift"), (0, OpKind.SPLIT, "long_drop")):
+        d = after_memory(cfg, win(2, 50.0, long=long))
+        assert (d.fraction_signal, d.trigger) == (want, trigger)
+
+
 # --- rules 13 and 14: the floor of larger-degree workers, and the backlog ---------------------
 FLOOR = ControllerConfig(persistence=2, max_ops=8, large_floor=3, backlog_s=1.0)
 FOUR_FOUR = Composition.parse(LAT24, "4CP2/4CP4")  # K = 40 + 64 = 104
@@ -236,6 +346,9 @@ def test_split_takes_the_newest_larger_worker(newest_first: bool, expected_gpu: 
      ("long_shift", 0.0), ("long_shift", 1.5), ("long_shift", math.nan),
      ("long_shift_persistence", 0), ("long_shift_persistence", 1.0),
      ("long_shift_persistence", True),
+     ("long_drop", 0.0), ("long_drop", 1.5), ("long_drop", math.nan), ("long_drop", True),
+     ("long_drop_z", 0.0), ("long_drop_z", -1.0), ("long_drop_z", math.inf),
+     ("long_drop_demand", 0.0), ("long_drop_demand", 1.5), ("long_drop_demand", math.nan),
      ("large_floor", 0), ("large_floor", "3"), ("backlog_s", 0.0), ("backlog_s", -1.0),
      ("backlog_s", math.inf), ("newest_first", 1)],
 )

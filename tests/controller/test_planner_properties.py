@@ -66,6 +66,9 @@ def configs(draw: st.DrawFn) -> ControllerConfig:
         merge_memory=draw(st.integers(1, 4)) if draw(opt) else None,
         long_shift=draw(st.floats(0.05, 0.5)) if draw(opt) else None,
         long_shift_persistence=draw(st.integers(1, 3)) if draw(opt) else None,
+        long_drop=draw(st.floats(0.05, 0.5)) if draw(opt) else None,
+        long_drop_z=draw(st.floats(0.5, 6.0)) if draw(opt) else None,
+        long_drop_demand=draw(st.floats(0.3, upper)) if draw(opt) else None,
         large_floor=draw(st.integers(1, 2)) if draw(opt) else None,
         backlog_s=draw(st.floats(0.5, 5.0)) if draw(opt) else None,
         newest_first=draw(st.booleans()),
@@ -319,13 +322,14 @@ def test_no_operation_before_the_condition_persisted(
     pool: int, start: int, cfg: ControllerConfig, plan_steps: list[Step]
 ) -> None:
     """Rule 4: a plan needs ``persistence`` consecutive windows signalling its direction on the
-    same composition (``long_shift_persistence`` for a long-share merge), counted here from the
-    windows themselves. The only shortcut is momentum: right after a plan in a direction, each
-    window that still signals it (reconfiguring ones aside) may act at once."""
+    same composition (``long_shift_persistence`` for a long-share merge or split), counted here
+    from the windows themselves. The only shortcut is momentum: right after a plan in a
+    direction, each window that still signals it (reconfiguring ones aside) may act at once."""
     lat, prof = POOLS[pool]
     p = Planner(prof, cfg)
     need = cfg.persistence
-    if cfg.long_shift is not None and cfg.long_shift_persistence is not None:
+    if ((cfg.long_shift is not None or cfg.long_drop is not None)
+            and cfg.long_shift_persistence is not None):
         need = min(need, cfg.long_shift_persistence)
     history: list[tuple[Inputs, Decision]] = []
     momentum: OpKind | None = None  # the model of rule 4's momentum
