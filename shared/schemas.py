@@ -606,7 +606,10 @@ class WindowReport(Message):
     demand_s: NonNegFloat = Field(description="D(k) = Σ Ê_C(R, P) of requests routed")
     requests: NonNegInt
     long_requests: NonNegInt = Field(description="requests at or above the long threshold")
-    demand_by_degree: dict[int, NonNegFloat] = Field(default_factory=dict)
+    demand_by_degree: dict[Annotated[int, Field(ge=1)], NonNegFloat] = Field(
+        default_factory=dict,
+        description="D(k) by the degree each request was placed at; sums to at most demand_s",
+    )
     demand_by_preferred: dict[Annotated[int, Field(ge=1)], NonNegFloat] = Field(
         default_factory=dict,
         description="(v2) D(k) by each request's preferred degree (§6.1 rule 1); sums to at "
@@ -643,6 +646,11 @@ class WindowReport(Message):
             raise ValueError(f"demand_by_preferred sums to {total} > demand_s {self.demand_s}")
         if len(self.demand_by_preferred) > self.requests:
             raise ValueError("demand_by_preferred names more degrees than there are requests")
+        placed = sum(self.demand_by_degree.values())
+        if placed > self.demand_s * (1.0 + _SUM_SLACK) + _SUM_SLACK:
+            raise ValueError(f"demand_by_degree sums to {placed} > demand_s {self.demand_s}")
+        if len(self.demand_by_degree) > self.requests:
+            raise ValueError("demand_by_degree names more degrees than there are requests")
         return self
 
 

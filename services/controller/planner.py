@@ -111,6 +111,19 @@ nothing, so it counts nothing):
    acted on after ``long_shift_persistence`` windows when that is set (else ``persistence``):
    it is already judged against at least ``persistence`` earlier windows, and each window it
    waits, the long requests queue on the larger-degree workers there are.
+   With ``long_shift_by_degree`` a rule-12 merge that the aggregate bound refuses is
+   admitted when it lowers the pool's worst per-degree load: max over degrees C of
+   D_C / K_C, with D_C the window's demand placed at degree C (``demand_by_degree``) and K_C
+   the κ of the available degree-C workers (a degree with demand and no workers counts as
+   infinitely loaded). Why: aggregate D against aggregate K says nothing about where the
+   demand lies. At the preset's S2→S3 the first long-phase windows still carry the short
+   phase's follow-up turns, so D stays just above K' (1.01-1.03·K' on seeds 60 and 119)
+   while the demand placed on the larger workers is 1.44-1.75× their κ and the smaller ones
+   carry 0.78-0.87 of theirs; the long requests then queue 7-12 s on the larger workers and
+   the phase is lost in its first minute. The merge moves capacity to the degree whose demand
+   exceeds it. It is judged with the window's own split of demand, as if every request
+   stayed at the degree it was placed at (an estimate: a request the new worker draws from
+   the smaller degree frees more time there than it adds at the larger one).
 13. **Floor of larger-degree workers** (our addition; ``large_floor`` set). A split never takes
    the number of workers at degree ≥ 2C from at least ``large_floor`` to fewer, unless the
    pool is backlogged (rule 14). Below the floor it does not act (a lone CP4 worker is worse
@@ -208,6 +221,8 @@ class ControllerConfig:
     * ``long_drop`` None — rule 15 off (fall of the long fraction that signals a split).
     * ``long_drop_z`` None — rule 15 asks no significance of the fall (standard errors).
     * ``long_drop_demand`` None — rule 15 acts at any demand (else only while D ≥ this·K).
+    * ``long_shift_by_degree`` False — a rule-12 merge is admitted by the aggregate bound only
+      (else also when it lowers the worst per-degree load; rule 12).
     * ``large_floor`` None — rule 13 off (larger-degree workers a split keeps).
     * ``backlog_s`` None — rule 14 off (median outstanding work, s, that counts as backlog).
     * ``newest_first`` False — rule 6's newest-first key off.
@@ -233,6 +248,7 @@ class ControllerConfig:
     long_drop: float | None = None
     long_drop_z: float | None = None
     long_drop_demand: float | None = None
+    long_shift_by_degree: bool = False
     large_floor: int | None = None
     backlog_s: float | None = None
     newest_first: bool = False
@@ -322,6 +338,9 @@ class ControllerConfig:
         if self.backlog_s is not None and not num("backlog_s") > 0:
             raise InvalidInput(
                 f"ControllerConfig.backlog_s must be None or > 0, got {self.backlog_s}")
+        if not isinstance(self.long_shift_by_degree, bool):
+            raise InvalidInput("ControllerConfig.long_shift_by_degree must be a bool, "
+                               f"got {self.long_shift_by_degree!r}")
         if not isinstance(self.newest_first, bool):
             raise InvalidInput(
                 f"ControllerConfig.newest_first must be a bool, got {self.newest_first!r}")
@@ -671,6 +690,11 @@ class Planner:
                 ),
                 floor=(cfg.large_floor if cfg.large_floor is not None and not backlogged else 0),
                 born=born,
+                by_degree=(
+                    dict(window.demand_by_degree)
+                    if long_sig and cfg.long_shift_by_degree
+                    else None
+                ),
             )
         if plans:
             hist = replace(hist, momentum=direction if cfg.momentum else None)
@@ -749,8 +773,11 @@ class Planner:
         floor: int = 0,
         mix_rule: int | None = None,
         born: Mapping[WorkerId, int] | None = None,
+        by_degree: Mapping[int, float] | None = None,
     ) -> tuple[tuple[Plan, ...], str]:
-        """Rules 5, 6, 8 and 10: the operations of the plan, or () and why none was admitted."""
+        """Rules 5, 6, 8 and 10: the operations of the plan, or () and why none was admitted.
+        ``by_degree``: the window's demand by placed degree, for rule 12's per-degree
+        admission (None: the aggregate bound only)."""
         cfg = self.config
         # Only a capacity signal says how far to go; a mix shift (rule 2 or 10) moves one step
         # at a time and is re-judged against the new composition.
@@ -777,6 +804,7 @@ class Planner:
                 headroom=self._mix_headroom(mix_rule) if preference_driven else cfg.merge_headroom,
                 floor=floor,
                 born=born,
+                by_degree=by_degree,
             )
             if best is None:
                 break
@@ -820,9 +848,12 @@ class Planner:
         headroom: float | None = None,
         floor: int = 0,
         born: Mapping[WorkerId, int] | None = None,
+        by_degree: Mapping[int, float] | None = None,
     ) -> tuple[tuple[LatticeOp, float, float] | None, str]:
         """The best admitted adjacent operation on workers not ``touched`` (rules 5, 6, 9);
-        ``born``: worker -> the window it was first seen in (rule 6), default the kept one."""
+        ``born``: worker -> the window it was first seen in (rule 6), default the kept one;
+        ``by_degree``: demand by placed degree -- a merge over the demand bound is still
+        admitted when it lowers the worst per-degree load (rule 12)."""
         cfg = self.config
         born = self._born if born is None else born
         headroom = cfg.merge_headroom if headroom is None else headroom
@@ -839,7 +870,11 @@ class Planner:
         for op in ops:
             after = composition.apply(op)
             cap_after = capacity(after, self.profile, unavailable)
-            if direction is OpKind.MERGE and demand > headroom * cap_after + _EPS:
+            if direction is OpKind.MERGE and demand > headroom * cap_after + _EPS and not (
+                by_degree
+                and degree_load(after, by_degree, self.profile, unavailable)
+                < degree_load(composition, by_degree, self.profile, unavailable) - _EPS
+            ):
                 continue
             if direction is OpKind.MERGE and preferred and pref_total > 0:
                 big = op.targets[0].degree
@@ -915,6 +950,28 @@ def _preference_exceeds(
         if want - held >= threshold - _EPS:
             return True
     return False
+
+
+def degree_load(
+    composition: Composition,
+    by_degree: Mapping[int, float],
+    profile: Profile,
+    excluded: Collection[WorkerId] = (),
+) -> float:
+    """The worst per-degree load of ``composition``: max over degrees C with demand of
+    D_C / K_C, where D_C = ``by_degree[C]`` (seconds placed at degree C in a window) and K_C
+    the κ of its degree-C workers not in ``excluded``; inf when a degree with demand has no
+    such worker, 0 when there is no demand. Pure (rule 12's per-degree admission)."""
+    cap: dict[int, float] = {}
+    for g in composition.groups:
+        if g.worker_id not in excluded:
+            cap[g.degree] = cap.get(g.degree, 0.0) + profile.kappa_for(g.degree)
+    worst = 0.0
+    for c, d in by_degree.items():
+        if d > 0:
+            k = cap.get(c, 0.0)
+            worst = max(worst, d / k if k > 0 else math.inf)
+    return worst
 
 
 def _sum_by_degree(rows: tuple[tuple[tuple[int, float], ...], ...]) -> dict[int, float]:

@@ -368,6 +368,12 @@ class ControllerSettings(ServiceSettings):
         description="Planner rule 15 acts only while the window's demand is at least this "
         "fraction of the pooled capacity (≤ upper). None: at any demand.",
     )
+    long_shift_by_degree: bool = Field(
+        default=CONTROLLER.long_shift_by_degree,
+        description="Planner rule 12: a long-share merge over the demand bound is still "
+        "admitted when it lowers the worst per-degree load (demand placed at a degree over "
+        "its workers' κ). Needs the windows' demand by degree (both demand_input modes).",
+    )
     large_floor: int | None = Field(
         default=CONTROLLER.large_floor,
         description="Planner rule 13: a split never takes the number of larger-degree workers "
@@ -586,35 +592,75 @@ def protocol_worker_id(worker_id: str) -> WorkerId:
 
 def replay_report(
     report: WindowReport, long_len: int, *, with_preferred: bool = False
-) -> list[tuple[float, float, int, int | None]]:
-    """A WindowReport as ``(time, predicted_s, input_len, preferred)`` assignments for
+) -> list[tuple[float, float, int, int | None, int | None]]:
+    """A WindowReport as ``(time, predicted_s, input_len, preferred, degree)`` assignments for
     ``core.assigned``: ``requests`` of them at the window's middle, the first
     ``long_requests`` long (``long_len`` tokens, the others 1).
 
-    With ``with_preferred`` (the report's rule is the controller's) each degree of
-    ``demand_by_preferred`` is one assignment carrying that degree's demand, and the other
-    requests share the rest of D(k) evenly with no preferred degree; otherwise demand is
-    spread evenly and no assignment names a preferred degree. Either way the replayed window
-    has the report's D(k), request count, long count and (with ``with_preferred``)
-    demand-by-preferred-degree. Pure."""
+    The replayed window has the report's D(k), request count and long count, its demand by
+    placed degree (when the report gives one) and, with ``with_preferred`` (the report's rule
+    is the controller's), its demand by preferred degree -- each exact. D(k) is laid out as
+    one line cut by both breakdowns (the preferred buckets, then demand with no preference;
+    the degrees ascending, then demand with no degree): each piece is one assignment, and
+    the requests left over carry no demand. Should the pieces outnumber the requests (a
+    window of a few requests), the degree breakdown is left out, as is the preferred one
+    without ``with_preferred``. Pure."""
     n = report.requests
     if n == 0:
         return []
     t = report.window_start_s + report.window_s / 2.0
-    buckets: list[tuple[float, int | None]] = []
-    if with_preferred and report.demand_by_preferred:
-        buckets = [(v, c) for c, v in sorted(report.demand_by_preferred.items())]
-    rest_n = n - len(buckets)  # ≥ 0: the schema allows at most one degree per request
-    rest_s = max(0.0, report.demand_s - sum(v for v, _ in buckets))
-    if rest_n:
-        buckets += [(rest_s / rest_n, None)] * rest_n
-    elif rest_s > 0:  # every request has a preferred degree: only rounding is left over
-        v, c = buckets[-1]
-        buckets[-1] = (v + rest_s, c)
+    total = report.demand_s
+    pref = (sorted(report.demand_by_preferred.items())
+            if with_preferred and report.demand_by_preferred else [])
+    pieces = _cut(total, pref, sorted(report.demand_by_degree.items()))
+    if len(pieces) > n:
+        pieces = _cut(total, pref, [])
+    if len(pieces) > n:  # every request is in a preferred bucket: the rest is rounding
+        s_last, p_last, _ = pieces[n - 1]
+        pieces = [*pieces[: n - 1], (s_last + sum(s for s, _, _ in pieces[n:]), p_last, None)]
+    out = pieces + [(0.0, None, None)] * (n - len(pieces))
     return [
-        (t, s, long_len if i < report.long_requests else 1, c)
-        for i, (s, c) in enumerate(buckets)
+        (t, s, long_len if i < report.long_requests else 1, p, c)
+        for i, (s, p, c) in enumerate(out)
     ]
+
+
+def _cut(
+    total: float, pref: list[tuple[int, float]], deg: list[tuple[int, float]]
+) -> list[tuple[float, int | None, int | None]]:
+    """[0, total) cut by two breakdowns (label, amount), each followed by a None remainder:
+    the pieces (amount, preferred, degree), in order. A sliver a breakdown's rounding makes
+    (at most 1e-9 of D(k)) joins the next piece, and the last piece takes what rounding
+    leaves, so the amounts sum to ``total``."""
+    tol = 1e-9 * (1.0 + total)
+
+    def bounds(parts: list[tuple[int, float]]) -> list[tuple[float, int | None]]:
+        out: list[tuple[float, int | None]] = []
+        acc = 0.0
+        for label, v in parts:
+            acc += v
+            out.append((min(acc, total), label))
+        out.append((total, None))
+        return out
+
+    a, b = bounds(pref), bounds(deg)
+    pieces: list[tuple[float, int | None, int | None]] = []
+    pos, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        end = min(a[i][0], b[j][0])
+        if end - pos > tol:
+            pieces.append((end - pos, a[i][1], b[j][1]))
+            pos = end
+        if a[i][0] <= end:
+            i += 1
+        if j < len(b) and b[j][0] <= end:
+            j += 1
+    if not pieces and total > 0:
+        pieces.append((total, None, None))
+    if pieces:  # rounding: the amounts must add up to D(k)
+        s0, p0, c0 = pieces[-1]
+        pieces[-1] = (s0 + (total - sum(s for s, _, _ in pieces)), p0, c0)
+    return pieces
 
 
 def report_problem(report: WindowReport, now: float, window_s: float) -> str | None:
@@ -1135,8 +1181,8 @@ class ControllerService(MicroService):
                 reporter=report.reporter, speedup=report.preferred_speedup,
                 degrees=report.preferred_degrees, ours=self.config.merge_speedup)
         replay = replay_report(report, self.config.long_threshold_tokens, with_preferred=use)
-        for t, s, n, preferred in replay:
-            self._assigned(t, s, n, None, preferred=preferred)
+        for t, s, n, preferred, degree in replay:
+            self._assigned(t, s, n, degree, preferred=preferred)
 
     async def _on_assignment(self, msg: Msg) -> None:
         try:

@@ -1,4 +1,5 @@
-"""Planner rules 11-14 and rule 6's newest-first key: decisions that look past one window.
+"""Planner rules 11-15 (with rule 12's per-degree admission) and rule 6's newest-first key:
+decisions that look past one window.
 
 Hand-derived with κ_2 = 10 s, κ_4 = 16 s per 20-s window (K = 10n + 16m for n CP2 and m CP4
 workers), defaults u = 0.9, l = 0.5, merge headroom 0.8, persistence 2, unless a test says
@@ -13,7 +14,7 @@ import math
 import pytest
 
 from services.controller.lattice import Composition, Lattice, OpKind
-from services.controller.planner import ControllerConfig, Decision, Planner
+from services.controller.planner import ControllerConfig, Decision, Planner, degree_load
 from services.controller.windows import WindowSummary
 from shared.costmodel import Profile
 from shared.ids import InvalidInput
@@ -134,6 +135,71 @@ def test_preference_headroom_does_not_bound_a_long_share_merge() -> None:
         p.observe(win(k, 50.0), EIGHT_CP2)
     d = p.observe(win(2, 50.0, long=1), EIGHT_CP2)
     assert len(d.plans) == 1 and "long fraction" in d.reason
+
+
+# --- rule 12's per-degree admission (long_shift_by_degree) ------------------------------------
+FOUR_TWO = Composition.parse(LAT16, "4CP2/2CP4")  # K = 4·10 + 2·16 = 72; merged 2CP2/3CP4 K' = 68
+
+
+def by_degree_window(k: int, demand: float, by_degree: dict[int, float],
+                     long: int = 0) -> WindowSummary:
+    return WindowSummary(k, 20.0 * k, 20.0 * (k + 1), demand, 10, long,
+                         demand_by_degree=tuple(sorted(by_degree.items())))
+
+
+@pytest.mark.parametrize(
+    "by_degree_on, placed, merges",
+    [
+        # CP4 at 40/32 = 1.25 of its κ, CP2 at 23/40 = 0.58; merged: 23/20 = 1.15, 40/48 = 0.83.
+        # The worst load falls 1.25 -> 1.15: admitted although D = 63 > u·K' = 61.2.
+        (True, {2: 23.0, 4: 40.0}, True),
+        # The other way round (CP2 at 1.0, CP4 at 0.72): merged, CP2 at 2.0 -- refused.
+        (True, {2: 40.0, 4: 23.0}, False),
+        # Off: the aggregate bound alone refuses.
+        (False, {2: 23.0, 4: 40.0}, False),
+        # No breakdown (an older report): the aggregate bound alone.
+        (True, {}, False),
+    ],
+)
+def test_long_share_merge_over_the_bound_needs_a_lower_worst_degree_load(
+    by_degree_on: bool, placed: dict[int, float], merges: bool
+) -> None:
+    cfg = ControllerConfig(persistence=2, max_ops=8, long_shift=0.05, long_shift_persistence=1,
+                           long_shift_by_degree=by_degree_on)
+    p = Planner(PROFILE, cfg)
+    for k in range(2):  # the memory: no long request; D = 50 in [36, 64.8]
+        assert p.observe(by_degree_window(k, 50.0, {2: 20.0, 4: 30.0}), FOUR_TWO).plans == ()
+    # D = 63 ≤ u·K = 64.8: no capacity signal; 1 of 10 long: rule 12's MERGE.
+    d = p.observe(by_degree_window(2, 63.0, placed, long=1), FOUR_TWO)
+    assert d.fraction_signal is OpKind.MERGE and d.trigger == "long_shift"
+    assert bool(d.plans) is merges
+    if merges:
+        assert FOUR_TWO.apply(d.plans[0].op).describe() == "2CP2/3CP4"
+    else:
+        assert "0.90·capacity" in d.reason
+
+
+def test_the_per_degree_admission_is_for_long_share_merges_only() -> None:
+    # A capacity merge (D = 30 < l·K = 36 twice) over its headroom 0.4·K' = 27.2 stays refused
+    # whatever the breakdown says.
+    cfg = ControllerConfig(persistence=2, max_ops=1, merge_headroom=0.4,
+                           long_shift_by_degree=True)
+    p = Planner(PROFILE, cfg)
+    p.observe(by_degree_window(0, 30.0, {2: 5.0, 4: 25.0}), FOUR_TWO)
+    d = p.observe(by_degree_window(1, 30.0, {2: 5.0, 4: 25.0}), FOUR_TWO)
+    assert d.capacity_signal is OpKind.MERGE and d.plans == ()
+
+
+def test_degree_load() -> None:
+    # 4CP2/2CP4: K_2 = 40, K_4 = 32.
+    assert degree_load(FOUR_TWO, {2: 20.0, 4: 48.0}, PROFILE) == pytest.approx(1.5)
+    assert degree_load(FOUR_TWO, {2: 20.0, 4: 0.0}, PROFILE) == pytest.approx(0.5)
+    assert degree_load(FOUR_TWO, {}, PROFILE) == 0.0
+    # Demand at a degree with no (available) worker is an infinite load.
+    assert degree_load(FOUR_TWO, {8: 1.0}, PROFILE) == math.inf
+    cp4 = [g.worker_id for g in FOUR_TWO.groups if g.degree == 4]
+    assert degree_load(FOUR_TWO, {4: 16.0}, PROFILE, excluded=cp4[:1]) == pytest.approx(1.0)
+    assert degree_load(FOUR_TWO, {4: 16.0}, PROFILE, excluded=cp4) == math.inf
 
 
 def test_capacity_signal_overrides_the_long_share() -> None:
@@ -350,7 +416,8 @@ def test_split_takes_the_newest_larger_worker(newest_first: bool, expected_gpu: 
      ("long_drop_z", 0.0), ("long_drop_z", -1.0), ("long_drop_z", math.inf),
      ("long_drop_demand", 0.0), ("long_drop_demand", 1.5), ("long_drop_demand", math.nan),
      ("large_floor", 0), ("large_floor", "3"), ("backlog_s", 0.0), ("backlog_s", -1.0),
-     ("backlog_s", math.inf), ("newest_first", 1)],
+     ("backlog_s", math.inf), ("newest_first", 1), ("long_shift_by_degree", 1),
+     ("long_shift_by_degree", None)],
 )
 def test_validation(field: str, bad: object) -> None:
     with pytest.raises(InvalidInput):

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from services.controller.composition import capacity
 from services.controller.lattice import Composition, Lattice, LatticeOp, OpKind
-from services.controller.planner import ControllerConfig, Decision, Planner
+from services.controller.planner import ControllerConfig, Decision, Planner, degree_load
 from services.controller.windows import WindowSummary
 from shared.costmodel import Profile
 from shared.ids import InvalidInput, WorkerId
@@ -72,6 +72,7 @@ def configs(draw: st.DrawFn) -> ControllerConfig:
         large_floor=draw(st.integers(1, 2)) if draw(opt) else None,
         backlog_s=draw(st.floats(0.5, 5.0)) if draw(opt) else None,
         newest_first=draw(st.booleans()),
+        long_shift_by_degree=draw(st.booleans()),
     )
 
 
@@ -83,6 +84,7 @@ class Step:
     requests: int
     long: int
     prefer_large: float | None  # share of demand preferring the largest degree (None: no data)
+    placed_large: float | None  # share of demand placed at the largest degree (None: no data)
     unavailable: frozenset[int]  # indices into the composition's workers
     drains: tuple[float, ...]  # per worker (cycled)
     traffic: tuple[float, ...]  # per worker (cycled)
@@ -96,6 +98,7 @@ steps = st.builds(
     requests=st.integers(0, 20),
     long=st.integers(0, 20),
     prefer_large=st.one_of(st.none(), st.floats(0.0, 1.0)),
+    placed_large=st.one_of(st.none(), st.floats(0.0, 1.0)),
     unavailable=st.frozensets(st.integers(0, 19), max_size=2),
     drains=st.lists(st.floats(0.0, 8.0), min_size=1, max_size=6).map(tuple),
     traffic=st.lists(st.floats(0.0, 100.0), min_size=1, max_size=6).map(tuple),
@@ -145,9 +148,13 @@ def _inputs(k: int, s: Step, comp: Composition, prof: Profile) -> Inputs:
     if s.prefer_large is not None and s.requests:
         small, big = lat.sorted_degrees[0], lat.sorted_degrees[-1]
         pref = ((small, demand * (1 - s.prefer_large)), (big, demand * s.prefer_large))
+    placed: tuple[tuple[int, float], ...] = ()
+    if s.placed_large is not None and s.requests:
+        small, big = lat.sorted_degrees[0], lat.sorted_degrees[-1]
+        placed = ((small, demand * (1 - s.placed_large)), (big, demand * s.placed_large))
     win = WindowSummary(
         k, 20.0 * k, 20.0 * (k + 1), demand, s.requests, min(s.long, s.requests),
-        demand_by_preferred=pref,
+        demand_by_degree=placed, demand_by_preferred=pref,
     )
     ids = comp.worker_ids
     return Inputs(
@@ -203,7 +210,8 @@ def test_any_window_sequence_gives_safe_plans_and_capacity_first(
     direction, on available workers not touched earlier in the plan, each keeping the GPU
     budget; none while reconfiguring. The capacity signal is D vs u·K / l·K over the available
     workers and, when present, is the direction; a merge plan leaves the demand of its windows
-    within the admission bound of the merged composition and, with the merge gate on, no more
+    within the admission bound of the merged composition (or, by rule 12's per-degree
+    admission, lowers the worst per-degree load) and, with the merge gate on, no more
     GPUs at the merged degree or above than the recent demand preferring them asks for; a
     mix-driven split leaves D ≥ l·K'; no merge into a backlogged pool; no split across the
     large-worker floor otherwise."""
@@ -260,7 +268,13 @@ def test_any_window_sequence_gives_safe_plans_and_capacity_first(
             bound = cfg.merge_headroom if d.capacity_signal is OpKind.MERGE else cfg.upper
             n = min(_independent_streak(history, x, d), cfg.persistence)
             peak = max([dem, *(h[0].window.demand_s for h in history[len(history) - n + 1 :])])
-            assert peak <= bound * k_after + EPS
+            if peak > bound * k_after + EPS:
+                # Only rule 12's per-degree admission goes over: one long-share merge that
+                # lowers the worst per-degree load of this window's demand.
+                assert cfg.long_shift_by_degree and d.trigger == "long_shift"
+                placed = dict(x.window.demand_by_degree)
+                assert degree_load(after, placed, prof, x.unavailable) < degree_load(
+                    comp, placed, prof, x.unavailable)
             # Rule 9, the merge gate (a capacity merge: never driven by the long share): the
             # GPUs at the merged degree C or above stay within the share of the recent demand
             # preferring ≥ C, in whole degree-C workers.

@@ -7,7 +7,7 @@ import pytest
 from services.cachemgr.events import MalformedEvent, Snapshot, Stored, event_from_json
 from services.cachemgr.service import diff_compositions
 from services.controller.service import ControllerSettings, replay_report, report_rule_matches
-from services.controller.windows import DemandWindows
+from services.controller.windows import DemandWindows, WindowSummary
 from shared.schemas import SchemaError, WindowReport, from_json, to_json
 from shared.worker import GpuGroup, worker_restarted
 
@@ -47,8 +47,8 @@ def test_window_report_replays_exact_demand_count_and_long_fraction() -> None:
         long_requests=1,
     )
     w = DemandWindows(window_s=20.0, long_threshold_tokens=32_768, start_s=140.0)
-    for t, s, n, preferred in replay_report(rep, 32_768):
-        assert 140.0 <= t < 160.0 and preferred is None
+    for t, s, n, preferred, degree in replay_report(rep, 32_768):
+        assert 140.0 <= t < 160.0 and preferred is None and degree is None
         w.record(t, s, n)
     (closed,) = w.advance(160.0)
     assert closed.demand_s == pytest.approx(12.0)
@@ -81,19 +81,50 @@ def test_window_report_replays_the_preferred_degree_breakdown_exactly() -> None:
     w = DemandWindows(window_s=20.0, long_threshold_tokens=32_768, start_s=140.0)
     replay = replay_report(rep, 32_768, with_preferred=True)
     assert len(replay) == 5
-    for t, s, n, preferred in replay:
-        w.record(t, s, n, None, preferred)
+    for t, s, n, preferred, degree in replay:
+        w.record(t, s, n, degree, preferred)
     (closed,) = w.advance(160.0)
     assert closed.demand_s == pytest.approx(12.0)
     assert closed.requests == 5 and closed.long_requests == 1
     assert dict(closed.demand_by_preferred) == {2: pytest.approx(3.0), 4: pytest.approx(7.0)}
     # Without the controller's rule the breakdown is not replayed.
-    assert all(p is None for *_, p in replay_report(rep, 32_768))
+    assert all(p is None for *_, p, _ in replay_report(rep, 32_768))
     # Every request in a bucket: D(k) is still exact (rounding goes to the last bucket).
     full = v2_report({2: 5.0, 4: 7.0 - 1e-12}, requests=2, long_requests=0)
     got = replay_report(full, 32_768, with_preferred=True)
-    assert [p for *_, p in got] == [2, 4]
-    assert sum(s for _, s, _, _ in got) == pytest.approx(12.0, abs=1e-15)
+    assert [p for *_, p, _ in got] == [2, 4]
+    assert sum(s for _, s, *_ in got) == pytest.approx(12.0, abs=1e-15)
+
+
+def replayed(rep: WindowReport, *, with_preferred: bool) -> WindowSummary:
+    w = DemandWindows(window_s=20.0, long_threshold_tokens=32_768, start_s=140.0)
+    replay = replay_report(rep, 32_768, with_preferred=with_preferred)
+    assert len(replay) == rep.requests
+    for t, s, n, preferred, degree in replay:
+        w.record(t, s, n, degree, preferred)
+    (closed,) = w.advance(160.0)
+    assert closed.demand_s == pytest.approx(rep.demand_s, abs=1e-12)
+    assert (closed.requests, closed.long_requests) == (rep.requests, rep.long_requests)
+    return closed
+
+
+@pytest.mark.parametrize("with_preferred", [True, False])
+def test_window_report_replays_the_placed_degree_breakdown_exactly(with_preferred: bool) -> None:
+    # D = 12: by preferred degree 3 / 7 (2 s with none), by placed degree 5 / 6.5 (0.5 s with
+    # none): both breakdowns come back exact, cut into at most five pieces.
+    rep = v2_report({2: 3.0, 4: 7.0}, demand_by_degree={2: 5.0, 4: 6.5})
+    closed = replayed(rep, with_preferred=with_preferred)
+    assert dict(closed.demand_by_degree) == {2: pytest.approx(5.0), 4: pytest.approx(6.5)}
+    want = {2: pytest.approx(3.0), 4: pytest.approx(7.0)} if with_preferred else {}
+    assert dict(closed.demand_by_preferred) == want
+    # Too few requests for every piece: the degree breakdown is left out, the rest is exact.
+    few = v2_report({2: 3.0, 4: 7.0}, demand_by_degree={2: 5.0, 4: 6.5}, requests=3)
+    closed = replayed(few, with_preferred=True)
+    assert closed.demand_by_degree == ()
+    assert dict(closed.demand_by_preferred) == {2: pytest.approx(3.0), 4: pytest.approx(7.0)}
+    # A version-1 report's breakdown by degree is replayed too.
+    closed = replayed(from_json(WindowReport, V1_REPORT), with_preferred=True)
+    assert dict(closed.demand_by_degree) == {2: pytest.approx(12.0)}
 
 
 def test_window_report_versions_decode_and_bad_breakdowns_are_refused() -> None:
@@ -116,6 +147,11 @@ def test_window_report_versions_decode_and_bad_breakdowns_are_refused() -> None:
         {"demand_by_preferred": {2: -1.0}},
         {"demand_by_preferred": {2: 1.0, 4: 1.0}, "requests": 1, "long_requests": 0},
         dict(preferred_speedup=1.15, preferred_degrees=[], demand_by_preferred={}),
+        dict(demand_by_degree={0: 1.0}),  # not a degree
+        dict(demand_by_degree={2: 10.0, 4: 3.0}),  # more than D(k)
+        dict(demand_by_degree={2: -1.0}),
+        dict(demand_by_degree={2: 1.0, 4: 1.0}, requests=1, long_requests=0,
+             demand_by_preferred={2: 1.0}),
     ]
     for kw in bad:
         by = kw.pop("demand_by_preferred", {2: 1.0})
