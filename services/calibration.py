@@ -212,7 +212,8 @@ window was 0.028 (4.6 standard errors at 784 requests) and the split waited for 
 S2's fourth window. At 0.02 the standard-error test is what binds wherever a share is steady (the
 conversation trace's 6-9% at 137-256 requests needs a fall of 0.06-0.09 for 4 of them). The
 per-degree admission of rule 12 (planner doc): on seeds 60 and 119 the S2→S3 merge was refused
-for two windows at D = 1.01-1.03·K' while the larger workers carried 1.44-1.75× their κ; their
+in S3's first window at D = 1.01-1.03·K' while the larger workers carried 1.44-1.75× their κ,
+and came only in the third; their
 S3 was +5.9% / +6.4% behind the fixed 12CP2/4CP4 pool, all of it made in the phase's first
 40 s by long requests queued 7-12 s on three CP4 workers. With both (``vertumnus simulate
 --preset reconfig --seed S``): seeds meeting both criteria 0-89 88 → 89, 90-134 41 → 43 (60,

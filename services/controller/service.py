@@ -653,7 +653,7 @@ def _cut(
             pos = end
         if a[i][0] <= end:
             i += 1
-        if j < len(b) and b[j][0] <= end:
+        if b[j][0] <= end:
             j += 1
     if not pieces and total > 0:
         pieces.append((total, None, None))
