@@ -256,15 +256,22 @@ simulate … --pull-min-blocks N``), conversation trace mean TTFT (s) at ×1 / �
 document arrive together and its queues are short, so a copy seldom lands before its request
 starts, and J already sends most of them to the document's holder."""
 
-PULL_CREDIT_BLOCKS: Final[int] = 64
+PULL_CREDIT_BLOCKS: Final[int] = 256
 """J's credit for the route-time pull (services/scheduler/placement.py ``PullCredit``): a
-worker whose queue covers the copy's estimated time is priced as holding the longest prefix
-another worker holds, for copies of ``PULL.min_blocks`` up to this many blocks (64: 32K
-tokens), at ``PULL_DISPLACE_BLOCK_S`` a copied block. **On by default since 2026-12-02
-(session 32), together with the pull's demotion of the source's copy** (``PULL``'s
-``demote_source``) **and that price**: the credit alone is not safe (below). Off:
-``--pull-credit-blocks 0`` / ``--no-pull-demote``; live ``VTM_PULL_CREDIT_BLOCKS=0``,
-``VTM_PULL_DEMOTE=0`` (docs/evaluation.md "A pull as a move").
+worker whose queue covers the copy's estimated time (with ``PULL_WAIT``, also one that waits
+for it) is priced as holding the longest prefix another worker holds, for copies of
+``PULL.min_blocks`` up to this many blocks (256: 128K tokens), at ``PULL_DISPLACE_BLOCK_S`` a
+copied block. **256 since session 39, together with ``PULL_WAIT``** (64 before: the sweep
+below, run when the credit went only to a queued worker and the pull was a copy, where
+longer credited copies cost the reconfiguration preset's long phases). With the wait a long
+document whose holder is busy goes to an idle worker that waits a fraction of a second for
+the copy, instead of recomputing it there or queueing behind the holder, and 64 blocks left
+out exactly those documents (50-104K tokens): ``PULL_WAIT`` gives the figures. **On by
+default since 2026-12-02 (session 32), together with the pull's demotion of the source's
+copy** (``PULL``'s ``demote_source``) **and that price**: the credit alone is not safe
+(below). Off: ``--pull-credit-blocks 0`` / ``--no-pull-demote``; live
+``VTM_PULL_CREDIT_BLOCKS=0``, ``VTM_PULL_DEMOTE=0`` (docs/evaluation.md "A pull as a
+move").
 
 The credit alone lowers mean TTFT on every workload with shared prefixes at every rate tried
 -- the conversation trace by 1-7% (3 seeds, ×1-×4.8), the Tool-Agent-shaped workload by
@@ -342,6 +349,60 @@ the credit count on prefixes only in flight on another worker sent copies from w
 did not hold the prefix yet and doubled ×4.8's mean; the credit counts only the trie's
 holdings. The rule is the same for every J pool whose cache manager pulls: the reconfiguration
 preset's fixed pools have it too."""
+
+
+PULL_WAIT: Final[bool] = True
+"""J's pull credit also goes to a worker whose queue is shorter than the copy, the request
+waiting there for it to land (services/scheduler/placement.py ``PullCredit.wait``; that
+worker is priced at the lower J of waiting for the copy and starting without it). **On by
+default since session 39** (2026-12-04), with ``PULL_CREDIT_BLOCKS`` 256. Off:
+``--no-pull-wait``; live ``VTM_PULL_WAIT=0``. The simulator holds such a request on its
+worker until the copy lands (or a copy of the prefix already on its way there); the live
+rank daemon does the same within ``PULL_HOLD_SLACK`` / ``PULL_HOLD_GRACE_S``.
+
+Why: a prefix held only by a busy worker left J two bad choices, queue behind the holder or
+recompute on an idle worker, where a copy of 10-150 ms to the idle worker beats both. The
+reconfiguration preset's long documents (seeds 127 and 214: S5 +8.2% / +7.4% against the
+better fixed pool) queued 10-21 s behind their holder that way.
+
+The figures (docs/evaluation.md "A request may wait for its pull", seed 0 unless said;
+before = 64 blocks without the wait, after = this setting):
+
+* conversation trace, 3 seeds, vertumnus's mean TTFT at ×1 / ×2 / ×3 / ×4 / ×4.8: 0.860 /
+  0.890 / 1.053 / 1.329 / 2.316 s → 0.836 / 0.852 / 0.995 / 1.271 / 2.276 s (lower at every
+  rate of the preset, on every seed); against the strongest baseline at ×4.8 −46.9% mean,
+  −35.0% P90 (−35.3% before), +24.1 SLO points;
+* L-Eval ×1-×3: 0.543-0.760 s → 0.527-0.722 s (now below all-CP4 at every rate, and below
+  vLLM's TP-4 pool at ×2.5-×3);
+* the built-in workload ×1 / ×1.5 / ×2: 0.411 / 0.420 / 0.472 → 0.398 / 0.402 / 0.410 s;
+  the Tool-Agent-shaped one ×1-×4: 0.422 / 0.419 / 0.439 / 0.461 → 0.388 / 0.388 / 0.404 /
+  0.432 s;
+* the reconfiguration preset: lower in every phase on every one of seeds 0-29; both criteria
+  on 89 of seeds 0-89 as before, and now on seeds 127, 131 and 214 too;
+* the cache-manager ablation: still lower with the full manager at every workload's highest
+  rate. The one loss is the overloaded ×4.5 on seed 0 (the full manager's mean 2.83 → 2.95
+  s, P90 5.28 → 5.91 s), which the wait costs (64 blocks with the wait: 2.94 / 5.79 s).
+
+The bound of 64 with the wait (an earlier form of the hold, seed 0): the conversation trace
+at ×1 / ×2 / ×3 / ×4 / ×4.8 0.845 / 0.862 / 1.043 / 1.324 / 2.221 s, between the two above
+but at ×4.8; seed 127's S5 stays at +8.2% (its documents are over 64 blocks)."""
+
+
+PULL_HOLD_SLACK: Final[float] = 2.0
+PULL_HOLD_GRACE_S: Final[float] = 0.05
+"""With ``PULL_WAIT``, a live rank daemon holds a request J counted a pull for until its cache
+has the prefix: in any case until its assignment + ``PULL_HOLD_SLACK`` × the copy's estimated
+time (``PullCredit``'s t0 + t1·k) + ``PULL_HOLD_GRACE_S`` (the copy's command may still be on
+its way over the bus), and after that only while a copy of the missing blocks is arriving
+(services/rankd/core.py ``WorkerCore.pull_hold``; live ``VTM_PULL_HOLD_SLACK``,
+``VTM_PULL_HOLD_GRACE_S``, the grace in wall seconds). Why a bound: the worker cannot know
+whether a copy was sent at all (the cache manager declines one when a copy is already in
+flight to the worker, and its trie may have moved on); one that was sent is waited for however
+long its links' queue makes it, as in the simulator, which holds a request exactly until the
+copy issued for it lands. A bound on that wait too (the copy's estimate ×2 + 50 ms, tried in
+the simulator) cut short pulls queued behind a reconfiguration's re-homing copies, and those
+requests recomputed their documents: seed 37's S3 +6.2% against the better fixed pool,
+against +0.3% without it."""
 
 
 PULL_DISPLACE_BLOCK_S: Final[float] = 0.01

@@ -183,6 +183,13 @@ class Assignment(Message):
     scheduler_id: Id | None = Field(
         default=None, description="the scheduler replica that placed it (its reporter id): "
         "the worker reports its outstanding work per replica (WorkerState.outstanding_by)")
+    pull_copy_s: NonNegFloat = Field(
+        default=0.0, allow_inf_nan=False,
+        description="P counts on the cache manager's route-time pull bringing part of the prefix "
+        "(J's pull credit with its wait, services/scheduler/placement.py): the copy's estimated "
+        "time in cost-model seconds from assigned_at_s. The worker holds the request at the "
+        "head of its queue until its cache has the prefix, at most that long (with its slack). "
+        "0: nothing to wait for.")
 
     @model_validator(mode="after")
     def _lengths(self) -> Assignment:

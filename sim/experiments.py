@@ -102,6 +102,8 @@ class ExperimentSpec:
     services/scheduler/placement.py ``PullCredit``)."""
     pull_displace_block_s: float = calibration.PULL_DISPLACE_BLOCK_S
     """The credit's price per copied block (``PullCredit.displace_block_s``)."""
+    pull_wait: bool = calibration.PULL_WAIT
+    """The credit also where the request waits for the copy (``PullCredit.wait``)."""
     kappa_scale: float = calibration.KAPPA_SCALE
     """The controller judges capacity with κ_C × this. KAPPA_SCALE corrects a single-worker κ
     (``vertumnus profile``); sim/runner.py sets 1.0 when κ was measured on the trace with a
@@ -283,6 +285,7 @@ def run_deployment(
         pull=spec.pull,
         pull_credit_blocks=spec.pull_credit_blocks,
         pull_displace_block_s=spec.pull_displace_block_s,
+        pull_wait=spec.pull_wait,
         controller_config=spec.controller,
         kappa_scale=spec.kappa_scale,
     )

@@ -273,6 +273,7 @@ def run_simulate(
     pull_min_blocks: int | None = None,
     pull_credit_blocks: int | None = None,
     pull_demote: bool | None = None,
+    pull_wait: bool | None = None,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
 
@@ -282,7 +283,9 @@ def run_simulate(
     (services/scheduler/placement.py ``PullCredit``), 0 for never, None for the calibrated
     ``calibration.PULL_CREDIT_BLOCKS``; it must not be below the pull's ``min_blocks``.
     ``pull_demote``: whether a landed pull demotes the source's copy (None: the calibrated
-    ``calibration.PULL.demote_source``; moot without a pull).
+    ``calibration.PULL.demote_source``; moot without a pull). ``pull_wait``: the credit also
+    where the request waits for the copy (``PullCredit.wait``; None: the calibrated
+    ``calibration.PULL_WAIT``).
 
     ``slo``: the TTFT deadlines by prompt length that SLO attainment counts, and that κ is
     measured to keep when the profile is measured here (default: paper Table 2, Qwen3).
@@ -322,6 +325,8 @@ def run_simulate(
                        else pull_min_blocks, pull_demote) if set_pull else None
     if pull_credit_blocks is not None:
         pull_credit_option(pull_credit_blocks)
+    if pull_wait is not None and not isinstance(pull_wait, bool):
+        raise InvalidInput(f"--pull-wait must be on or off, got {pull_wait!r}")
     check_pull_credit(pull_min_blocks, pull_credit_blocks)
     ctl = controller_overrides(controller)
     truth = truth or GroundTruth()
@@ -343,6 +348,8 @@ def run_simulate(
         overrides["pull"] = pull
     if pull_credit_blocks is not None:
         overrides["pull_credit_blocks"] = pull_credit_blocks
+    if pull_wait is not None:
+        overrides["pull_wait"] = pull_wait
     overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
@@ -383,6 +390,7 @@ def run_simulate(
         "pull_min_blocks": spec.pull.min_blocks if spec.pull is not None else 0,
         "pull_credit_blocks": spec.pull_credit_blocks if spec.pull is not None else 0,
         "pull_demote": spec.pull.demote_source if spec.pull is not None else False,
+        "pull_wait": spec.pull_wait if spec.pull is not None else False,
         "hardware": ground_truth_to_mapping(truth),
         "wall_s": time.perf_counter() - t0,
         **_jsonable(side),

@@ -70,7 +70,7 @@ def controller_profile(profile: Profile, kappa_scale: float) -> Profile:
 
 
 # Event kinds (ints: the heap compares tuples, and ints are the cheapest tie-breakers).
-_ARRIVE, _FINISH, _WINDOW, _SCAN, _XFER, _SWITCHED = range(6)
+_ARRIVE, _FINISH, _WINDOW, _SCAN, _XFER, _SWITCHED, _PULLED = range(7)
 
 DEFAULT_SCAN_CONFIG: ScanConfig = calibration.SCAN
 """The calibrated scan thresholds (services/calibration.py ``SCAN``, reasons there), as the live
@@ -120,6 +120,11 @@ class SimConfig:
     pull_displace_block_s: float = 0.0
     """With the credit: J's price per block a credited copy moves (``PullCredit``'s
     ``displace_block_s``; 0: none)."""
+    pull_wait: bool = False
+    """With the credit: it also goes to a worker whose queue is shorter than the copy
+    (``PullCredit.wait``), and a request J counted a pull for starts only once the copy it
+    was routed with has landed, as a live rank daemon holds it (services/rankd/core.py
+    ``WorkerCore.pull_hold``; placement.py "Pull credit")."""
     kappa_scale: float = 1.0
     """Multiplies the profile's κ_C for the controller only (see sim/calibration.py)."""
 
@@ -140,18 +145,20 @@ class SimConfig:
         d = self.pull_displace_block_s
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d < math.inf:
             raise InvalidInput(f"pull_displace_block_s must be a finite number >= 0, got {d!r}")
+        if not isinstance(self.pull_wait, bool):
+            raise InvalidInput(f"pull_wait must be a bool, got {self.pull_wait!r}")
 
 
 def pull_credit(config: SimConfig) -> PullCredit | None:
     """J's credit for the route-time pull in ``config``'s deployment: only where its cache
     manager pulls (``cache_manager`` and ``pull``) and ``pull_credit_blocks`` > 0; copies of
     ``pull.min_blocks`` to ``pull_credit_blocks`` blocks, priced ``pull_displace_block_s`` a
-    copied block (raises :class:`InvalidInput` when ``pull_credit_blocks`` is below
-    ``pull.min_blocks``)."""
+    copied block, with ``pull_wait`` as its ``wait`` (raises :class:`InvalidInput` when
+    ``pull_credit_blocks`` is below ``pull.min_blocks``)."""
     if not config.cache_manager or config.pull is None or not config.pull_credit_blocks:
         return None
     return PullCredit(min_blocks=config.pull.min_blocks, max_blocks=config.pull_credit_blocks,
-                      displace_block_s=config.pull_displace_block_s)
+                      displace_block_s=config.pull_displace_block_s, wait=config.pull_wait)
 
 
 @dataclass(slots=True)
@@ -202,6 +209,8 @@ class _Job:
     req: Request
     rec: RequestRecord
     info: RequestInfo
+    pull_end: float = -1.0
+    """When the pull J counted on for it lands (``SimConfig.pull_wait``); -1: none."""
 
 
 class _SimWorker:
@@ -240,6 +249,11 @@ class SimResult:
     copy_waits: int = 0
     """Copies (replicas, pulls, reconcile transfers) that waited for their workers' links."""
     copy_wait_s: float = 0.0
+    """The seconds they waited, in all."""
+    pull_waits: int = 0
+    """Requests that reached the head of their worker's queue before the pull J counted on
+    for them had landed, and waited for it (``SimConfig.pull_wait``)."""
+    pull_wait_s: float = 0.0
     """The seconds they waited, in all."""
     rehome_demoted: int = 0
     """Blocks a split's re-homing demoted at full peers to make room for its copies
@@ -313,6 +327,10 @@ class Simulator:
         self.reclamations = 0
         self.reconcile_transfers = 0
         self.pulls = 0
+        self.pull_waits = 0
+        self.pull_wait_s = 0.0
+        # Copies in flight: id(action) -> (action, when it lands); see _arriving.
+        self._landing: dict[int, tuple[Replicate, float]] = {}
         self.rehome_demoted = 0
         self._lost = 0
         # Copies share the links they use (ground-truth.md: ~40 GB/s per RDMA link): the time
@@ -465,6 +483,8 @@ class Simulator:
                 self._transfer_done(a, now)
             elif kind == _SWITCHED:
                 self._switched(a, now)
+            elif kind == _PULLED:
+                self._prefill(a, b, now)
         # Requests that never got a worker (failed placement) were counted as records already.
         return SimResult(
             config=self.cfg,
@@ -480,6 +500,8 @@ class Simulator:
             end_s=now,
             copy_waits=self.copy_waits,
             copy_wait_s=self.copy_wait_s,
+            pull_waits=self.pull_waits,
+            pull_wait_s=self.pull_wait_s,
             rehome_demoted=self.rehome_demoted,
         )
 
@@ -495,6 +517,7 @@ class Simulator:
 
     def _place(self, job: _Job, now: float) -> None:
         req = job.req
+        job.pull_end = -1.0  # a redirected request waits only for a pull of its new placement
         match = self.trie.match(req.block_hashes)
         try:
             d = self.sched.place(job.info, match.held_blocks, now)
@@ -521,8 +544,21 @@ class Simulator:
                 for act in on_reuse(self.trie, d.worker, req.block_hashes):
                     self._issue_transfer(act, now)
             if self.cfg.pull is not None and match.held_blocks:
-                for act in pull_on_route(self.trie, match, d.worker, self.cfg.pull):
-                    self._issue_transfer(act, now)
+                wait = d.pulled_blocks > 0 and self.cfg.pull_wait
+                acts = pull_on_route(self.trie, match, d.worker, self.cfg.pull)
+                for act in acts:
+                    end = self._issue_transfer(act, now)
+                    if wait:
+                        # J counted on this copy: the request starts once it has landed (a
+                        # live rank daemon holds it while the copy is on its way to it).
+                        job.pull_end = end
+                if wait and not acts:
+                    # No pull: a copy of the prefix is already on its way to the worker (an
+                    # earlier request's pull, the scan's, a re-homing copy). It waits for that
+                    # one, as a live rank daemon does for a copy it is receiving; otherwise
+                    # (no copy at all) it recomputes what the worker lacks.
+                    job.pull_end = self._arriving(d.worker,
+                                                  req.block_hashes[match.held(d.worker)])
         if self.ctl is not None and not job.rec.redirected:
             # D(k) counts a request once: a redirect re-places demand already counted.
             self.ctl.assigned(now, d.predicted_s, req.input_len, d.degree,
@@ -537,6 +573,20 @@ class Simulator:
 
     def _start(self, w: _SimWorker, now: float) -> None:
         job = w.queue.popleft()
+        w.running = job
+        self.sched.start(job.info.request_id, now)
+        if job.pull_end > now:
+            # It waits here for the pull J counted on (SimConfig.pull_wait), holding the
+            # worker: to the scheduler and the controller it is running.
+            self.pull_waits += 1
+            self.pull_wait_s += job.pull_end - now
+            self._push(job.pull_end, _PULLED, w, job)
+            return
+        self._prefill(w, job, now)
+
+    def _prefill(self, w: _SimWorker, job: _Job, now: float) -> None:
+        """Run ``job``, which holds ``w``, from ``now``: what its cache gives, then its
+        prefill's ground-truth time."""
         L = job.req.input_len
         blocks = job.req.block_hashes
         # What the worker can reuse *now* (its cache may have changed since placement),
@@ -547,8 +597,6 @@ class Simulator:
         t = self.gt.prefill_time(L - p, p, degree, kind=w.kind_name)
         if hit:
             w.pinned = blocks[:hit]
-        w.running = job
-        self.sched.start(job.info.request_id, now)
         rec = job.rec
         rec.start_s = now
         rec.reused_tokens = p
@@ -713,11 +761,18 @@ class Simulator:
                 else:
                     self.trie.reclaim_failed(act)
 
-    def _issue_transfer(self, act: Replicate, now: float) -> None:
+    def _arriving(self, worker: WorkerId, block: BlockHash) -> float:
+        """When the last copy in flight to ``worker`` that carries ``block`` lands (-1: none)."""
+        ends = [end for act, end in self._landing.values()
+                if act.dest == worker and block in act.blocks]
+        return max(ends, default=-1.0)
+
+    def _issue_transfer(self, act: Replicate, now: float) -> float:
+        """Start the copy ``act``; returns when it lands (-1: failed at once)."""
         src, dst = self.workers.get(act.source), self.workers.get(act.dest)
         if src is None or dst is None:
             self.trie.replication_failed(act)
-            return
+            return -1.0
         node = self.cfg.gpus_per_node
         same_node = src.group.first_gpu // node == dst.group.first_gpu // node
         # Pages move rank to rank in parallel (min of the two degrees' rank pairs).
@@ -739,8 +794,11 @@ class Simulator:
             self.copy_waits += 1
             self.copy_wait_s += start - now
         self._push(end, _XFER, act)
+        self._landing[id(act)] = (act, end)
+        return end
 
     def _transfer_done(self, act: Replicate, now: float) -> None:
+        self._landing.pop(id(act), None)
         dst = self.workers.get(act.dest)
         if dst is None:
             self.trie.replication_failed(act)

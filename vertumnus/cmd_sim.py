@@ -82,7 +82,8 @@ def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
 # so do those of runner.PRESET_CHOICES (the ablation's workload, rates and cache size).
 _PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
                  "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale",
-                 "beta_busy_power", "pull_min_blocks", "pull_credit_blocks", "pull_demote")
+                 "beta_busy_power", "pull_min_blocks", "pull_credit_blocks", "pull_demote",
+                 "pull_wait")
 
 
 _PER_DEGREE_HELP = ("Fit one cost-model coefficient set per CP degree, not one for all "
@@ -307,6 +308,11 @@ def register(app: typer.Typer) -> None:
             help="Once a pull has landed, demote the source's copy (evicted first: the pull "
             "is a move); default: the calibrated setting")
         ] = None,
+        pull_wait: Annotated[bool | None, typer.Option(
+            "--pull-wait/--no-pull-wait",
+            help="J's pull credit also where the worker's queue is shorter than the copy: the "
+            "request waits there for it to land; default: the calibrated setting")
+        ] = None,
         jobs: Annotated[
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
                               "(same results)")
@@ -397,7 +403,7 @@ def register(app: typer.Typer) -> None:
                 jobs=jobs, per_degree=per_degree, repeats=repeats, warmup_s=warmup, slo=table,
                 pull_min_blocks=None if pull_min_blocks == -1 else pull_min_blocks,
                 pull_credit_blocks=None if pull_credit_blocks == -1 else pull_credit_blocks,
-                pull_demote=pull_demote,
+                pull_demote=pull_demote, pull_wait=pull_wait,
             )
             if pull_min_blocks != -1:
                 _check(runner.pull_option, pull_min_blocks)

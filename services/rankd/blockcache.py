@@ -122,6 +122,14 @@ class BlockCache:
             prev = h
         return len(hs)
 
+    def peek(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Longest cached prefix of the request in blocks, as :meth:`lookup` finds it, without
+        touching the LRU (0 where the chain contradicts the cache)."""
+        try:
+            return self._prefix(_check_hashes(block_hashes))
+        except InvalidInput:
+            return 0
+
     def lookup(self, block_hashes: Sequence[BlockHash], *, pin: bool = False) -> int:
         """Longest cached prefix of the request in blocks; touches it in the LRU.
 

@@ -69,9 +69,10 @@ Rules (§5.2, §6.2, §8):
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -230,12 +231,21 @@ class WorkerCore:
         max_queue: int = 4096,
         time_scale: float = 1.0,
         incarnation: str = "",
+        pull_hold_slack: float = 2.0,
+        pull_hold_grace_s: float = 0.05,
     ) -> None:
         """``incarnation``: this start of the worker (the adapter draws it), published in
-        every state so readers can tell a restarted worker from the one before it."""
+        every state so readers can tell a restarted worker from the one before it.
+        ``pull_hold_slack``, ``pull_hold_grace_s``: how long :meth:`pull_hold` keeps a request
+        waiting for its pull at most (there)."""
         self.group = GpuGroup.from_worker_id(worker_id)  # raises InvalidInput
         if epoch < 0 or kv_total_blocks < 0 or max_queue < 1 or not time_scale > 0:
             raise InvalidInput("epoch, kv_total_blocks >= 0; max_queue >= 1; time_scale > 0")
+        if not 1.0 <= pull_hold_slack < math.inf or not 0.0 <= pull_hold_grace_s < math.inf:
+            raise InvalidInput("pull_hold_slack must be finite and >= 1, pull_hold_grace_s "
+                               "finite and >= 0")
+        self.pull_hold_slack = pull_hold_slack
+        self.pull_hold_grace_s = pull_hold_grace_s
         self.worker_id = WorkerId(worker_id)
         self.kind = kind
         self.epoch = epoch
@@ -411,6 +421,38 @@ class WorkerCore:
         self._queue.append(job)
         self._known[rid] = job
         return position
+
+    def pull_hold(self, now: float, incoming: Collection[BlockHash] = ()) -> float:
+        """Wall seconds the head of the FIFO should still wait before :meth:`start_next`: its
+        assignment counted on a route-time pull (``Assignment.pull_copy_s`` > 0, J's pull
+        credit with its wait) that has not landed -- the cache does not yet give the prefix
+        P it was priced with. It waits until it does:
+
+        * until ``assigned_at_s + time_scale·pull_hold_slack·pull_copy_s + pull_hold_grace_s``
+          in any case (the copy's command may still be on its way);
+        * after that only while a copy of its first missing block is arriving (``incoming``:
+          the blocks of the copy commands this worker is executing; ``math.inf``: until the
+          cache changes). The simulator's request waits for its copy in the same way
+          (sim/simulator.py ``SimConfig.pull_wait``).
+
+        A copy that never comes is not waited for past the bound: the request then recomputes
+        what is missing, as without the wait. 0: start it now (or nothing to start)."""
+        if self._running is not None or not self._queue or self.cache is None:
+            return 0.0
+        a = self._queue[0].assignment
+        if not a.pull_copy_s:
+            return 0.0
+        full = self._full_blocks(a)
+        hit = self.cache.peek(full)
+        if min(hit * a.request.block_size, a.request.input_len - 1) >= a.prefix_tokens:
+            return 0.0
+        left = (a.assigned_at_s + self.time_scale * self.pull_hold_slack * a.pull_copy_s
+                + self.pull_hold_grace_s - now)
+        if left > 0.0:
+            return left
+        if hit < len(full) and full[hit] in incoming:
+            return math.inf
+        return 0.0
 
     def start_next(self, now: float) -> Job | None:
         """Move the head of the FIFO to running, if nothing runs; else None."""

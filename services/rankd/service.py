@@ -133,6 +133,7 @@ from shared.schemas import (
     IntakeRequest,
     QueueQuery,
     QueueReport,
+    ReplicateCommand,
     SchemaError,
     TtftStages,
     WorkerState,
@@ -282,6 +283,8 @@ class RankdService(MicroService):
             kv_total_blocks=kv_capacity(settings, backend),
             max_queue=settings.max_queue,
             time_scale=getattr(backend, "time_scale", 1.0),
+            pull_hold_slack=settings.pull_hold_slack,
+            pull_hold_grace_s=settings.pull_hold_grace_s,
             # A new token per start: a restart under the same worker id is then visible to
             # the scheduler and the cache manager (its queue and cache are gone).
             incarnation=uuid.uuid4().hex[:16],
@@ -294,6 +297,9 @@ class RankdService(MicroService):
         self._state_kv: KeyValue | None = None
         self._epochs: KeyValue | None = None
         self._work = asyncio.Event()  # something to start
+        self._cache_changed = asyncio.Event()  # a cache command ended (a pull may have landed)
+        # Blocks of the replicate commands being executed (WorkerCore.pull_hold waits for them).
+        self._incoming: dict[int, frozenset[int]] = {}
         self._dirty = asyncio.Event()  # state changed; publish soon
         self._idle = asyncio.Event()  # nothing running
         self._idle.set()
@@ -360,14 +366,21 @@ class RankdService(MicroService):
 
     async def _on_cache_cmd(self, request: Request) -> CacheCommandResult:
         cmd = request_model(request, CacheCommand)
-        prepare = getattr(self.backend, "prepare_cache_command", None)
-        if callable(prepare):  # a real engine moves the KV first; cmd shrinks to what it holds
-            try:
-                cmd = await prepare(cmd)
-            except WorkerFault as exc:  # the engine is gone: so is the worker (answered 409)
-                self.fail(exc)
-                raise
-        result = self.core.apply_command(cmd)
+        key = id(cmd)
+        if isinstance(cmd, ReplicateCommand):
+            self._incoming[key] = frozenset(cmd.blocks)
+        try:
+            prepare = getattr(self.backend, "prepare_cache_command", None)
+            if callable(prepare):  # a real engine moves the KV first; cmd shrinks to what it holds
+                try:
+                    cmd = await prepare(cmd)
+                except WorkerFault as exc:  # the engine is gone: so is the worker (answered 409)
+                    self.fail(exc)
+                    raise
+            result = self.core.apply_command(cmd)
+        finally:
+            self._incoming.pop(key, None)
+            self._cache_changed.set()
         await self._publish_cache_events()
         self._dirty.set()
         return result
@@ -560,7 +573,7 @@ class RankdService(MicroService):
         while not _cancel_requested():
             await self._work.wait()
             self._work.clear()
-            while (job := self.core.start_next(self.clock())) is not None:
+            while (job := await self._next_job()) is not None:
                 self._idle.clear()
                 self._dirty.set()
                 try:
@@ -574,6 +587,22 @@ class RankdService(MicroService):
                 finally:
                     self._idle.set()
                     self._dirty.set()
+
+    async def _next_job(self) -> Job | None:
+        """The next job to run (None: nothing to start now), once the pull its assignment
+        counted on has landed or was waited for long enough (:meth:`WorkerCore.pull_hold`)."""
+        while (hold := self._pull_hold()) > 0.0:
+            self._cache_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cache_changed.wait(),
+                                       None if math.isinf(hold) else hold)
+        return self.core.start_next(self.clock())
+
+    def _pull_hold(self) -> float:
+        incoming: set[int] = set()
+        for blocks in self._incoming.values():
+            incoming |= blocks
+        return self.core.pull_hold(self.clock(), incoming)
 
     async def _run(self, job: Job) -> None:
         a = job.executed or job.assignment  # P, R as this worker's cache found them

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from services import calibration
 from shared.service import WORKER_LEASE_S
 from shared.settings import ServiceSettings
 from shared.worker import GpuGroup, WorkerKind
@@ -51,6 +52,18 @@ class RankdSettings(ServiceSettings):
     )
     max_queue: int = Field(
         default=4096, ge=1, description="Assignments queued beyond this are refused (409)."
+    )
+    pull_hold_slack: float = Field(
+        default=calibration.PULL_HOLD_SLACK, ge=1.0, allow_inf_nan=False,
+        description="A request the scheduler placed counting on a route-time pull "
+        "(Assignment.pull_copy_s) waits at the head of the queue for the copy at most this "
+        "many times the copy's estimated time (× time_scale) after its assignment, plus "
+        "pull_hold_grace_s.",
+    )
+    pull_hold_grace_s: float = Field(
+        default=calibration.PULL_HOLD_GRACE_S, ge=0.0, allow_inf_nan=False,
+        description="Wall seconds added to that bound (the cache manager's command and the "
+        "copy's round trips over the bus).",
     )
     redirect_timeout_s: float = Field(
         default=10.0,

@@ -209,6 +209,10 @@ class Decision:
     pulled_blocks: int = 0
     """Of ``reused_blocks``, those J counted on the route-time pull bringing to the chosen
     worker (its pull credit, placement.py "Pull credit"); 0 when the credit did not apply."""
+    pull_wait_s: float = 0.0
+    """How much longer than its queue the request waits at the chosen worker for that pull to
+    land (cost-model seconds; ``PullCredit.wait``): the worker holds it until then. 0: it
+    does not wait (no credit, or the queue covers the copy)."""
 
     @property
     def candidates(self) -> tuple[CandidateTerms, ...]:
@@ -246,6 +250,7 @@ class Decision:
             "epoch": self.epoch,
             "beta": self.beta,
             "pulled_blocks": self.pulled_blocks,
+            "pull_wait_s": self.pull_wait_s,
             "candidates": [
                 {
                     "worker": c.worker,
@@ -275,6 +280,8 @@ class Decision:
             head += f" (β {self.beta:.4g})"
         if self.pulled_blocks:
             head += f"; counts on a pull of {self.pulled_blocks} blocks"
+            if self.pull_wait_s:
+                head += f", waiting {self.pull_wait_s:.4f}s for it"
         if self.note:
             head += f"; {self.note}"
         lines = [

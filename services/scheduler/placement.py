@@ -44,7 +44,21 @@ time of k blocks; such a worker's J then also carries the copy's displacement pr
 cache, which a later request may have to recompute; 0: none). Otherwise P is as above.
 Why: without it J routes a session's next turn away from its busy holder and the turn
 recomputes its history unless the copy happens to land in time; with it J knows where the
-copy will be, so a queued placement away from the holder is priced at its real cost. Why M:
+copy will be, so a queued placement away from the holder is priced at its real cost.
+
+With ``PullCredit.wait`` (our addition, on in the calibrated settings) the credit also goes
+to a worker whose queue is *shorter* than the copy, q_w < t0 + t1·(H − h_w), where waiting
+for it is worth it: the request would wait there for the copy to land before it starts, so
+that worker's J is the lower of J with the copy, t0 + t1·(H − h_w) in place of q_w (J = t0 +
+t1·(H − h_w) + β·s + λ·extra + δ·(H − h_w), s with the pulled prefix), and J without it (its
+own prefix, no wait). The decision's ``pull_wait_s`` says how much longer than the queue the
+chosen worker waits. The worker keeps to it: the
+simulator starts the request when the copy has landed, a live rank daemon holds it until its
+cache has the prefix or the wait (with slack) has passed (services/rankd/core.py). Why:
+without it a prefix held only by a busy worker leaves J two bad choices -- queue behind the
+holder, or recompute on an idle worker -- where a copy of a few hundred milliseconds to the
+idle worker beats both; the reconfiguration preset's long documents (100K tokens, whose
+holder was busy with another document) queued 10-21 s that way. Why M:
 a long copy displaces as much of the destination's cache (documents pushed out, then
 recomputed; the reconfiguration preset's long phases) -- the calibration's sweep is in
 services/calibration.py ``PULL_CREDIT_BLOCKS``. PreferDegree
@@ -214,16 +228,20 @@ class PullCredit:
     copied, so it gets no credit). ``max_blocks``: the longest copy J counts on.
     ``copy_base_s`` + ``copy_block_s``·k: the estimated time of a k-block copy, from the
     deployment's link facts, not measured: the default is a 512-token block of Qwen3-30B-A3B
-    KV (48 MiB) over two 40 GB/s RDMA rank pairs, plus a command round trip. The credit needs
-    the worker's queue to cover it, so a rough figure only moves the border case
-    (docs/evaluation.md "Pull credit"). ``displace_block_s``: δ, J's price for each block
-    the copy moves (module docstring; services/calibration.py ``PULL_DISPLACE_BLOCK_S``)."""
+    KV (48 MiB) over two 40 GB/s RDMA rank pairs, plus a command round trip. Without ``wait``
+    the credit needs the worker's queue to cover it, so a rough figure only moves the border
+    case (docs/evaluation.md "Pull credit"). ``displace_block_s``: δ, J's price for each
+    block the copy moves (module docstring; services/calibration.py
+    ``PULL_DISPLACE_BLOCK_S``). ``wait``: the credit also goes to a worker whose queue is
+    shorter than the copy, the request waiting there for it to land (module docstring;
+    services/calibration.py ``PULL_WAIT``)."""
 
     min_blocks: int
     max_blocks: int
     copy_base_s: float = 0.002
     copy_block_s: float = 0.0006
     displace_block_s: float = 0.0
+    wait: bool = False
 
     def __post_init__(self) -> None:
         for name in ("min_blocks", "max_blocks"):
@@ -236,6 +254,18 @@ class PullCredit:
         _check_nonneg("PullCredit.copy_base_s", self.copy_base_s, " of seconds")
         _check_nonneg("PullCredit.copy_block_s", self.copy_block_s, " of seconds")
         _check_nonneg("PullCredit.displace_block_s", self.displace_block_s, " of seconds")
+        if not isinstance(self.wait, bool):
+            raise InvalidInput(f"PullCredit.wait must be a bool, got {self.wait!r}")
+
+
+def pull_copy_s(credit: PullCredit | None, pulled_blocks: int) -> float:
+    """What the worker waits for at most (the copy's estimated time, cost-model seconds) when
+    J placed with ``credit`` and counted on a pull of ``pulled_blocks`` blocks
+    (``Decision.pulled_blocks``): t0 + t1·pulled_blocks with ``credit.wait``, else 0 (the
+    credit without its wait does not hold the request: it recomputes what has not landed)."""
+    if credit is None or not credit.wait or pulled_blocks <= 0:
+        return 0.0
+    return credit.copy_base_s + credit.copy_block_s * pulled_blocks
 
 
 def _check_counts(name: str, counts: Mapping[WorkerId, int]) -> None:
@@ -310,6 +340,7 @@ def place_j(
     # H of the pull credit (module docstring): 0 turns the credit off for this request.
     pull_h = pull_min = pull_max = 0
     pull_t0 = pull_t1 = pull_d = 0.0
+    pull_wait = False
     if pull is not None:
         if not isinstance(pull, PullCredit):
             raise InvalidInput(f"pull must be a PullCredit, got {type(pull).__name__}")
@@ -319,6 +350,7 @@ def place_j(
         pull_h = max(src.values(), default=0)
         pull_min, pull_max = pull.min_blocks, pull.max_blocks
         pull_t0, pull_t1, pull_d = pull.copy_base_s, pull.copy_block_s, pull.displace_block_s
+        pull_wait = pull.wait
         if pull_h < pull_min:
             pull_h = 0
 
@@ -347,6 +379,7 @@ def place_j(
     qs: list[float | None] = [None] * n
     ps: list[int | None] = [None] * n
     moved: dict[int, float] = {}  # row -> δ·(blocks copied) in its J (the credit's price)
+    waits: dict[int, float] = {}  # row -> how much longer than its queue it waits for a copy
     # Only q and P are kept per worker: the other candidate terms follow from them and `terms`
     # and are computed if the decision's columns are ever read (_j_columns).
 
@@ -398,8 +431,27 @@ def place_j(
             gap = pull_h - own
             # The credit (module docstring): the copy is sent and lands before it starts. It
             # fits: H full blocks of the request are at most L tokens, within the limit.
-            if pull_min <= gap <= pull_max and q >= pull_t0 + pull_t1 * gap:
-                blocks = pull_h
+            if pull_min <= gap <= pull_max:
+                copy_s = pull_t0 + pull_t1 * gap
+                if q >= copy_s:
+                    blocks = pull_h
+                elif pull_wait:
+                    # It may wait for the copy to land, or start without it: the lower J.
+                    key = min(pull_h * B, Lm1) * n + dk
+                    t = terms.get(key)
+                    if t is None:
+                        t = _new_term(terms, ecmin, predict, L, min(pull_h * B, Lm1), key, c,
+                                      cmin, beta, lam)
+                    j_wait = copy_s + t[2] + pull_d * gap
+                    key = min(own * B, Lm1) * n + dk
+                    t = terms.get(key)
+                    if t is None:
+                        t = _new_term(terms, ecmin, predict, L, min(own * B, Lm1), key, c,
+                                      cmin, beta, lam)
+                    if j_wait < q + t[2]:
+                        blocks = pull_h
+                        waits[i] = copy_s - q
+                        q = copy_s
         p = blocks * B
         if p > Lm1:
             p = Lm1
@@ -472,6 +524,7 @@ def place_j(
         epoch=workers[best].epoch,
         beta=beta,
         pulled_blocks=pulled,
+        pull_wait_s=waits.get(best, 0.0),
     )
 
 

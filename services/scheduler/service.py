@@ -187,7 +187,7 @@ from services.scheduler.decision import CandidateTerms, Decision
 from services.scheduler.errors import NoEligibleWorker, SequenceTooLong, UnknownRequest
 from services.scheduler.ledger import LEDGER_LIMIT, DispatchLedger, Loss, LostWorker, Sent
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.placement import PullCredit
+from services.scheduler.placement import PullCredit, pull_copy_s
 from services.scheduler.policies.vertumnus import JPolicy
 from services.scheduler.registry import make_policy
 from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
@@ -428,6 +428,12 @@ class SchedulerSettings(ServiceSettings):
         description="With the pull credit: J's price (seconds of its cost) for each block a "
         "credited copy moves, which takes a block of the destination's cache.",
     )
+    pull_wait: bool = Field(
+        default=calibration.PULL_WAIT,
+        description="With the pull credit: it also goes to a worker whose queue is shorter "
+        "than the copy, and the worker holds a request J counted a pull for until the copy "
+        "has landed (Assignment.pull_copy_s; the rank daemon's pull_hold_slack bounds it).",
+    )
     assignment_ttl_s: float = Field(
         default=ASSIGNMENT_TTL_S,
         gt=0,
@@ -462,7 +468,7 @@ class SchedulerSettings(ServiceSettings):
         if not self.pull or not self.pull_credit_blocks:
             return None
         return PullCredit(min_blocks=self.pull_min_blocks, max_blocks=self.pull_credit_blocks,
-                          displace_block_s=self.pull_displace_block_s)
+                          displace_block_s=self.pull_displace_block_s, wait=self.pull_wait)
 
 
 # -- names (built in shared/subjects.py) -------------------------------------------------------
@@ -600,6 +606,7 @@ def decision_attributes(decision: Decision, limit: int | None = None) -> dict[st
         "vtm.predicted_s": decision.predicted_s,
         "vtm.reused_blocks": decision.reused_blocks,
         "vtm.pulled_blocks": decision.pulled_blocks,
+        "vtm.pull_wait_s": decision.pull_wait_s,
         "vtm.preferred_degree": decision.preferred_degree,
         "vtm.preferred_worker": decision.preferred_worker,
         "vtm.objective": f"{decision.objective} {decision.score_label}",
@@ -748,6 +755,9 @@ class SchedulerService(MicroService):
         credit = settings.pull_credit()
         if credit is not None and isinstance(policy, JPolicy):
             policy = policy.with_pull(credit)
+        else:
+            credit = None
+        self._credit = credit  # the pull credit J places with (None: none)
         self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size),
                                   time_scale=settings.time_scale)
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
@@ -2000,6 +2010,7 @@ class SchedulerService(MicroService):
             assigned_at_s=self.clock(),
             terms=placement_terms(decision, self.core.policy, eligible),
             scheduler_id=self.reporter,
+            pull_copy_s=pull_copy_s(self._credit, decision.pulled_blocks),
         )
         return assignment, decision
 

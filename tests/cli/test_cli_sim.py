@@ -780,19 +780,19 @@ def _refused(runner, tmp_path, cases) -> None:
 
 def test_simulate_takes_the_pull_credit_setting(runner, tmp_path, profile_file) -> None:
     """``--pull-credit-blocks`` reaches J (0: no credit; meta.json records the setting used,
-    the calibrated 64 by default, and 0 when the pull is off); a negative value, one below the
+    the calibrated 256 by default, and 0 when the pull is off); a negative value, one below the
     pull's min_blocks, or the option with a preset is refused before anything runs."""
     common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
               "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
     metas, rows = {}, {}
     for name, extra in (("off", ["--pull-credit-blocks", "0"]), ("default", []),
-                        ("on", ["--pull-credit-blocks", "64"]),
+                        ("on", ["--pull-credit-blocks", "256"]),
                         ("nopull", ["--pull-min-blocks", "0", "--pull-credit-blocks", "64"])):
         out = tmp_path / name
         _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
         metas[name] = json.loads((out / "meta.json").read_text())["pull_credit_blocks"]
         rows[name] = json.loads((out / "results.json").read_text())[0]
-    assert metas == {"off": 0, "default": 64, "on": 64, "nopull": 0}
+    assert metas == {"off": 0, "default": 256, "on": 256, "nopull": 0}
     assert rows["on"]["mean_ttft_s"] == rows["default"]["mean_ttft_s"]
     assert rows["off"]["mean_ttft_s"] != rows["on"]["mean_ttft_s"]  # J placed otherwise
     _refused(runner, tmp_path, (
@@ -802,6 +802,26 @@ def test_simulate_takes_the_pull_credit_setting(runner, tmp_path, profile_file) 
          "--pull-credit-blocks (1) must be 0 or at least --pull-min-blocks (2)"),
         (["--preset", "conversation", "--pull-credit-blocks", "4"],
          "leave out --pull-credit-blocks")))
+
+
+def test_simulate_takes_the_pull_wait_setting(runner, tmp_path, profile_file) -> None:
+    """``--pull-wait/--no-pull-wait`` reaches J's credit (meta.json records it: the calibrated
+    on by default, off when the pull is); the wait changes where J places; with a preset it
+    is refused."""
+    common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
+              "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
+    metas, rows = {}, {}
+    for name, extra in (("default", []), ("on", ["--pull-wait"]), ("off", ["--no-pull-wait"]),
+                        ("nopull", ["--pull-min-blocks", "0", "--pull-wait"])):
+        out = tmp_path / name
+        _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
+        metas[name] = json.loads((out / "meta.json").read_text())["pull_wait"]
+        rows[name] = json.loads((out / "results.json").read_text())[0]
+    assert metas == {"default": True, "on": True, "off": False, "nopull": False}
+    assert rows["on"]["mean_ttft_s"] == rows["default"]["mean_ttft_s"]
+    assert rows["off"]["mean_ttft_s"] != rows["on"]["mean_ttft_s"]
+    _refused(runner, tmp_path, (
+        (["--preset", "conversation", "--no-pull-wait"], "leave out --pull-wait"),))
 
 
 def test_simulate_takes_the_pull_demote_setting(runner, tmp_path, profile_file) -> None:

@@ -555,6 +555,81 @@ async def test_cache_snapshot_and_commands(
     assert err.value.code == 400
 
 
+async def test_a_request_priced_with_a_pull_waits_for_the_copy_over_nats(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str
+) -> None:
+    """An assignment that counts on a route-time pull (``pull_copy_s``, J's pull credit with
+    its wait) is held at the head of the queue while the worker's cache lacks its prefix; the
+    copy's replicate command releases it, and it runs with the pulled block reused."""
+    svc, gate = rankd
+    s = Subjects(uniq)
+    sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
+    held = assignment("r-p").model_copy(update={"pull_copy_s": 60.0})  # held up to 120 s
+    ack = await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
+    assert ack.queue_position == 0
+    for _ in range(10):  # it stays queued, not started (an ordering check, not a timing one)
+        await asyncio.sleep(0.02)
+        assert gate.calls == [] and svc.core.running is None and len(svc.core.queued) == 1
+    rep = ReplicateCommand(
+        command_id="c-1", worker_id=WID, epoch=0, blocks=[1], source_worker="w-cp2-g0"
+    )
+    assert (await call(nc, s.cache_cmd(WID), rep, CacheCommandResult, timeout_s=WAIT_S)).ok
+    await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+    await sub.unsubscribe()
+    assert gate.calls == [(512, 512, 2, "cp")]
+    assert [(r.request_id, r.prefix_tokens) for r in results] == [("r-p", 512)]
+
+
+class SlowCopies(SimBackend):
+    """A sim backend whose copies take until the test releases them (as a real engine's
+    ``prepare_cache_command`` moves the pages before the command is applied)."""
+
+    def __init__(self, gate: Gate) -> None:
+        super().__init__(prefill_time=gate, time_scale=1.0)
+        self.copying = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def prepare_cache_command(self, cmd: object) -> object:
+        self.copying.set()
+        await self.release.wait()
+        return cmd
+
+
+async def test_past_its_bound_a_request_still_waits_for_a_copy_that_is_arriving(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """The hold's bound (assigned + slack·pull_copy_s + grace) is for a copy that may never be
+    sent. A copy the worker is executing holds the request on past it: the request starts
+    only when the copy has landed, and reuses it."""
+    gate = Gate()
+    backend = SlowCopies(gate)
+    svc, task = await start_rankd(nats_server.url, uniq, backend, pull_hold_grace_s=0.0)
+    try:
+        s = Subjects(uniq)
+        sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
+        rep = ReplicateCommand(
+            command_id="c-1", worker_id=WID, epoch=0, blocks=[1], source_worker="w-cp2-g0"
+        )
+        copy = asyncio.create_task(call(nc, s.cache_cmd(WID), rep, CacheCommandResult,
+                                        timeout_s=WAIT_S))
+        await asyncio.wait_for(backend.copying.wait(), timeout=WAIT_S)
+        held = assignment("r-p").model_copy(update={"pull_copy_s": 1e-6})  # bound ≈ now
+        await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
+        for _ in range(10):  # past the bound, and still queued: the copy is arriving
+            await asyncio.sleep(0.02)
+            assert gate.calls == [] and svc.core.running is None
+        backend.release.set()
+        assert (await copy).ok
+        await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+        await sub.unsubscribe()
+        assert gate.calls == [(512, 512, 2, "cp")]
+        assert [r.prefix_tokens for r in results] == [512]
+    finally:
+        backend.release.set()
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
 async def test_a_demote_command_over_nats(
     rankd: tuple[RankdService, Gate], nc: Client, uniq: str
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 
 import pytest
@@ -548,3 +549,62 @@ def test_outstanding_work_of_huge_predictions_stays_publishable() -> None:
     state = core.state(1.0)
     assert state.outstanding_s == state.outstanding_by["s-1"] == sys.float_info.max
     assert state.queue_len == 3
+
+
+def test_a_request_priced_with_a_pull_waits_for_it_at_the_head_of_the_queue() -> None:
+    """``Assignment.pull_copy_s`` (J's pull credit with its wait): the head of the FIFO is held
+    (:meth:`WorkerCore.pull_hold` > 0) while the cache lacks the prefix it was priced with, at
+    most until assigned_at_s + time_scale·slack·pull_copy_s + grace; the pull's copy landing
+    (a replicate command) releases it, and it then reuses the pulled blocks."""
+    core = WorkerCore(WID, kv_total_blocks=8, time_scale=0.5, pull_hold_slack=2.0,
+                      pull_hold_grace_s=0.1)
+    a = assignment("a", hashes=(1, 2, 3, 4), prefix=768).model_copy(
+        update={"pull_copy_s": 1.0})  # assigned at 11.0: held until 11 + 0.5·2·1 + 0.1
+    core.admit(a, 11.0)
+    assert core.pull_hold(11.0) == pytest.approx(1.1)
+    assert core.pull_hold(11.6) == pytest.approx(0.5)
+    core.apply_command(ReplicateCommand(command_id="c1", worker_id=WID, epoch=0, blocks=[1, 2],
+                                        source_worker="w-cp4-g0"))
+    assert core.pull_hold(11.6) == pytest.approx(0.5)  # 512 of the 768 tokens: still short
+    core.apply_command(ReplicateCommand(command_id="c2", worker_id=WID, epoch=0,
+                                        blocks=[1, 2, 3], source_worker="w-cp4-g0"))
+    assert core.pull_hold(11.6) == 0.0
+    job = core.start_next(11.6)
+    assert job is not None and job.executed is not None
+    assert job.executed.prefix_tokens == 768
+    assert core.pull_hold(11.6) == 0.0  # something runs: nothing to hold
+
+
+def test_a_pull_that_does_not_come_is_waited_for_only_so_long() -> None:
+    core = WorkerCore(WID, kv_total_blocks=8, pull_hold_grace_s=0.0)  # slack 2, time scale 1
+    core.admit(assignment("a", hashes=(1, 2, 3, 4), prefix=768).model_copy(
+        update={"pull_copy_s": 0.25}), 11.0)
+    assert core.pull_hold(11.4) == pytest.approx(0.1)
+    assert core.pull_hold(11.5) == 0.0
+    # Past the bound it waits on only while a copy of its first missing block is arriving.
+    assert core.pull_hold(11.5, incoming={1, 2, 3}) == math.inf
+    assert core.pull_hold(11.5, incoming={2, 3}) == 0.0
+    job = core.start_next(11.5)
+    assert job is not None and job.executed is not None
+    assert job.executed.prefix_tokens == 0  # it recomputes what did not come
+    # Without a pull (or without a cache) nothing is ever held.
+    core.finish("a")
+    core.admit(assignment("b", hashes=(7, 8), prefix=512), 11.5)
+    assert core.pull_hold(11.5) == 0.0
+    bare = WorkerCore(WID)
+    bare.admit(assignment("c", prefix=512).model_copy(update={"pull_copy_s": 5.0}), 11.0)
+    assert bare.pull_hold(11.0) == 0.0
+
+
+@pytest.mark.parametrize("kw", [{"pull_hold_slack": 0.5}, {"pull_hold_slack": float("inf")},
+                                {"pull_hold_grace_s": -1.0}, {"pull_hold_grace_s": float("nan")}])
+def test_bad_pull_hold_bounds_are_refused(kw: dict) -> None:
+    with pytest.raises(InvalidInput, match="pull_hold"):
+        WorkerCore(WID, **kw)
+
+
+def test_an_assignment_with_a_bad_pull_copy_time_is_refused() -> None:
+    from pydantic import ValidationError
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValidationError, match="pull_copy_s"):
+            Assignment.model_validate({**assignment("a").model_dump(), "pull_copy_s": bad})

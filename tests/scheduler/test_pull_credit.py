@@ -181,3 +181,98 @@ def test_the_policy_carries_the_credit_and_the_core_hands_it_the_trie_holdings()
     d3 = core.place(req("r3", 1000), {W(d1.worker): 8}, 0.0)
     assert d3.candidate(W(d1.worker)).prefix_tokens == 999
     assert d3.candidate(other).prefix_tokens == 800
+
+
+# -- the credit with its wait (PullCredit.wait) ---------------------------------------------
+SLOW = dict(min_blocks=2, max_blocks=64, copy_base_s=0.1, copy_block_s=0.05)  # 8 blocks: 0.5 s
+
+
+def test_with_the_wait_a_worker_whose_queue_is_short_waits_for_the_copy() -> None:
+    """b's queue (0.2 s) is shorter than the 0.5 s copy: without the wait it gets no credit;
+    with it b is priced as starting when the copy lands (q = 0.5 s) with the pulled prefix,
+    and the decision says how much longer than its queue the request waits."""
+    v = pool()
+    plain = place({W("a"): 8}, busy(v, q_b=0.2), pull=PullCredit(**SLOW))
+    assert plain.candidate(W("b")).prefix_tokens == 0 and plain.pull_wait_s == 0.0
+    d = place({W("a"): 8}, busy(v, q_b=0.2), pull=PullCredit(**SLOW, wait=True))
+    assert d.worker == "b" and d.pulled_blocks == 8
+    assert d.pull_wait_s == pytest.approx(0.5 - 0.2, rel=1e-12)
+    cb = d.candidate(W("b"))
+    assert cb.prefix_tokens == 800 and cb.q == pytest.approx(0.5, rel=1e-12)
+    # J = the copy's time + β·s + λ·extra, as the columns say (equal degrees: no extra GPUs).
+    assert cb.score == pytest.approx(0.5 + BETA * ROUND.predict(200, 800, 4), rel=1e-12)
+    assert d.to_dict()["pull_wait_s"] == d.pull_wait_s
+    assert "waiting 0.3000s for it" in d.explain()
+    assert decision_attributes(d)["vtm.pull_wait_s"] == d.pull_wait_s
+
+
+def test_with_the_wait_an_idle_worker_is_credited_and_a_queue_that_covers_it_waits_nothing(
+        ) -> None:
+    v = pool()
+    idle = place({W("a"): 8}, busy(v, q_b=0.0), pull=PullCredit(**SLOW, wait=True))
+    assert idle.worker == "b" and idle.pull_wait_s == pytest.approx(0.5, rel=1e-12)
+    covered = place({W("a"): 8}, busy(v, q_b=0.6), pull=PullCredit(**SLOW, wait=True))
+    assert covered.worker == "b" and covered.pulled_blocks == 8 and covered.pull_wait_s == 0.0
+    assert covered.candidate(W("b")).q == pytest.approx(0.6, rel=1e-12)
+    assert "waiting" not in covered.explain()
+    # The holder needs no copy: its q is its own queue, wait or not.
+    assert idle.candidate(W("a")).q == pytest.approx(2.0, rel=1e-12)
+
+
+def test_the_wait_is_not_worth_a_copy_slower_than_recomputing() -> None:
+    """A copy slower than b's whole recompute keeps the request's prefix cost as it was: with
+    a 10 s copy b's J (10 s + β·s) loses to recomputing the 800 tokens at once."""
+    v = pool()
+    slow = PullCredit(min_blocks=2, max_blocks=64, copy_base_s=10.0, wait=True)
+    d = place({W("a"): 8}, busy(v, q_a=30.0, q_b=0.0), pull=slow)
+    assert d.worker == "b" and d.pulled_blocks == 0 and d.pull_wait_s == 0.0
+
+
+def test_pull_copy_s_is_what_the_worker_waits_for_at_most() -> None:
+    from services.scheduler.placement import pull_copy_s
+    assert pull_copy_s(PullCredit(**SLOW, wait=True), 8) == pytest.approx(0.5, rel=1e-12)
+    assert pull_copy_s(PullCredit(**SLOW), 8) == 0.0  # no wait: nothing is held
+    assert pull_copy_s(PullCredit(**SLOW, wait=True), 0) == 0.0
+    assert pull_copy_s(None, 8) == 0.0
+
+
+def test_a_wait_that_is_not_a_bool_is_refused() -> None:
+    for bad in (1, "yes", None):
+        with pytest.raises(InvalidInput, match="wait"):
+            PullCredit(2, 64, wait=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_the_scheduler_tells_the_worker_to_wait_for_the_pull_it_counted_on(wait: bool) -> None:
+    """The scheduler service's assignment carries ``pull_copy_s`` (what the worker holds the
+    request for, services/rankd/core.py ``pull_hold``) when J counted on a pull with the
+    wait: the holder of 15 of the request's 16 blocks is busy for 30 s, the idle CP4 worker
+    is credited with the copy and waits for it. Without the wait it gets no credit (its queue
+    does not cover the copy) and nothing is held."""
+    from services.cachemgr.events import Stored
+    from services.scheduler.placement import pull_copy_s
+    from services.scheduler.service import SchedulerService, SchedulerSettings
+    from shared.costmodel import DEFAULT_PROFILE
+    from shared.ids import BlockHash
+    from shared.schemas import IntakeRequest
+
+    st = SchedulerSettings(nats_url="nats://127.0.0.1:1", subject_prefix="vtm",
+                           instance_id="sched-t", degrees=[2, 4], block_size=512,
+                           policy="vertumnus", pull_wait=wait)
+    svc = SchedulerService(st, profile=DEFAULT_PROFILE, clock=lambda: 1000.0)
+    workers = (WorkerView(W("w-cp2-g0"), 2), WorkerView(W("w-cp4-g4"), 4))
+    svc.core.set_view(ClusterView(workers, block_size=512))
+    for w in workers:
+        svc.trie.add_worker(w.worker_id, w.degree, 10_000)
+    svc.trie.apply(Stored(W("w-cp2-g0"), 1, None, tuple(BlockHash(100 + k) for k in range(15))))
+    svc.core.load(W("w-cp2-g0")).reserve(RequestId("busy"), 30.0)
+    req = IntakeRequest(request_id="r", input_len=16 * 512, block_size=512, arrival_s=1000.0,
+                        block_hashes=[100 + k for k in range(16)])
+    a, d = svc._place(req, 1000.0)
+    assert d.worker == a.worker_id == "w-cp4-g4"
+    credit = svc.core.policy.pull  # type: ignore[attr-defined]
+    if wait:
+        assert d.pulled_blocks == 15 and a.prefix_tokens == 15 * 512
+        assert a.pull_copy_s == pull_copy_s(credit, 15) == pytest.approx(0.002 + 0.0006 * 15)
+    else:
+        assert d.pulled_blocks == 0 and a.prefix_tokens == 0 and a.pull_copy_s == 0.0

@@ -68,21 +68,25 @@ def test_cachemgr_pull_demote_defaults_on_and_vtm_pull_demote_turns_it_off(
 
 def test_scheduler_pull_credit_follows_the_cache_managers_pull(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """J's pull credit is on by default (calibrated: 64 blocks, priced
-    PULL_DISPLACE_BLOCK_S a copied block) with the pull's min_blocks; VTM_PULL_CREDIT_BLOCKS
-    and VTM_PULL_DISPLACE_BLOCK_S move it. The scheduler reads the same VTM_PULL /
-    VTM_PULL_MIN_BLOCKS as the cache manager, so one setting turns both off or moves both."""
+    """J's pull credit is on by default (calibrated: 256 blocks, priced
+    PULL_DISPLACE_BLOCK_S a copied block, with its wait) with the pull's min_blocks;
+    VTM_PULL_CREDIT_BLOCKS, VTM_PULL_DISPLACE_BLOCK_S and VTM_PULL_WAIT move it. The
+    scheduler reads the same VTM_PULL / VTM_PULL_MIN_BLOCKS as the cache manager, so one
+    setting turns both off or moves both."""
     for var in ("VTM_PULL", "VTM_PULL_MIN_BLOCKS", "VTM_PULL_CREDIT_BLOCKS",
-                "VTM_PULL_DISPLACE_BLOCK_S"):
+                "VTM_PULL_DISPLACE_BLOCK_S", "VTM_PULL_WAIT"):
         monkeypatch.delenv(var, raising=False)
-    assert (calibration.PULL_CREDIT_BLOCKS, calibration.PULL_DISPLACE_BLOCK_S) == (64, 0.01)
+    assert (calibration.PULL_CREDIT_BLOCKS, calibration.PULL_DISPLACE_BLOCK_S,
+            calibration.PULL_WAIT) == (256, 0.01, True)
     credit = SchedulerService(SchedulerSettings()).core.policy.pull  # type: ignore[attr-defined]
-    assert credit == PullCredit(min_blocks=calibration.PULL.min_blocks, max_blocks=64,
-                                displace_block_s=0.01)
+    assert credit == PullCredit(min_blocks=calibration.PULL.min_blocks, max_blocks=256,
+                                displace_block_s=0.01, wait=True)
     monkeypatch.setenv("VTM_PULL_CREDIT_BLOCKS", "32")
     monkeypatch.setenv("VTM_PULL_DISPLACE_BLOCK_S", "0")
+    monkeypatch.setenv("VTM_PULL_WAIT", "false")
     credit = SchedulerService(SchedulerSettings()).core.policy.pull  # type: ignore[attr-defined]
     assert credit == PullCredit(min_blocks=calibration.PULL.min_blocks, max_blocks=32)
+    monkeypatch.delenv("VTM_PULL_WAIT")
     monkeypatch.setenv("VTM_PULL_DISPLACE_BLOCK_S", "-1")
     with pytest.raises(ValueError, match="pull_displace_block_s"):
         SchedulerSettings()

@@ -380,3 +380,57 @@ def test_copies_through_one_worker_share_its_links(profile, phased_workload, mon
     for ivs in by_gpu.values():
         ivs.sort()
         assert all(b1 <= a2 + 1e-9 for (_, b1), (a2, _) in zip(ivs, ivs[1:], strict=False))
+
+
+def test_with_the_wait_a_request_starts_once_the_pull_it_was_priced_with_has_landed(
+        profile, phased_workload, monkeypatch) -> None:
+    """``SimConfig.pull_wait`` (PullCredit.wait): J also credits workers whose queue is shorter
+    than the copy, and such a request holds its worker until its copy has landed. Every
+    request J counted a pull for starts its prefill no earlier than that copy lands; some
+    reached the head of their queue first and waited (the result counts them and their
+    seconds), and more requests reuse blocks their worker never computed than with the
+    credit alone."""
+    starts: list[tuple[float, float]] = []
+    prefill = Simulator._prefill
+
+    def recording(self: Simulator, w: object, job: object, now: float) -> None:
+        starts.append((job.pull_end, now))  # type: ignore[attr-defined]
+        prefill(self, w, job, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Simulator, "_prefill", recording)
+    base = dict(SMALL, scan_config=QUIET, cache_blocks_per_gpu=2048, cache_manager=True,
+                pull=PullConfig(min_blocks=1), pull_credit_blocks=64)
+    plain = run(phased_workload, profile, composition=_comp(), **base)
+    assert plain.pull_waits == 0 and plain.pull_wait_s == 0.0
+    assert all(end < 0 for end, _ in starts)
+    starts.clear()
+    waited = run(phased_workload, profile, composition=_comp(), pull_wait=True, **base)
+    check_records(waited, phased_workload, gpus=16)
+    counted = [(end, t) for end, t in starts if end >= 0]
+    assert counted and all(t >= end for end, t in counted)
+    assert waited.pull_waits > 0 and waited.pull_wait_s > 0
+    assert waited.pull_waits <= len(counted)
+    assert len(reuse_not_computed_locally(waited, phased_workload)) > len(
+        reuse_not_computed_locally(plain, phased_workload))
+    # A request J counted a pull for whose copy was already on its way (no new pull) waits
+    # for that copy: _arriving finds when it lands.
+    found: list[float] = []
+    arriving = Simulator._arriving
+
+    def recording_arrival(self: Simulator, worker: object, block: object) -> float:
+        end = arriving(self, worker, block)  # type: ignore[arg-type]
+        found.append(end)
+        assert end < 0 or any(a.dest == worker and block in a.blocks and e == end
+                              for a, e in self._landing.values())
+        return end
+
+    monkeypatch.setattr(Simulator, "_arriving", recording_arrival)
+    again = run(phased_workload, profile, composition=_comp(), pull_wait=True, **base)
+    # Copies of 0.5 s: a session's next turn is often placed while its last pull is on its way.
+    slow = GroundTruth(surroundings=Surroundings(transfer_latency_s=0.5))
+    run(phased_workload, profile, composition=_comp(), truth=slow, pull_wait=True, **base)
+    assert [(r.worker, r.start_s, r.ttft_s) for r in again.records] == [
+        (r.worker, r.start_s, r.ttft_s) for r in waited.records]
+    assert any(end >= 0 for end in found)
+    with pytest.raises(InvalidInput, match="pull_wait"):
+        SimConfig(pull_wait=1)  # type: ignore[arg-type]
