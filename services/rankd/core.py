@@ -236,8 +236,8 @@ class WorkerCore:
     ) -> None:
         """``incarnation``: this start of the worker (the adapter draws it), published in
         every state so readers can tell a restarted worker from the one before it.
-        ``pull_hold_slack``, ``pull_hold_grace_s``: how long :meth:`pull_hold` keeps a request
-        waiting for its pull at most (there)."""
+        ``pull_hold_slack``, ``pull_hold_grace_s``: the bound of :meth:`pull_hold` on waiting
+        for a pull that may never be sent."""
         self.group = GpuGroup.from_worker_id(worker_id)  # raises InvalidInput
         if epoch < 0 or kv_total_blocks < 0 or max_queue < 1 or not time_scale > 0:
             raise InvalidInput("epoch, kv_total_blocks >= 0; max_queue >= 1; time_scale > 0")

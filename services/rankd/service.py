@@ -599,6 +599,7 @@ class RankdService(MicroService):
         return self.core.start_next(self.clock())
 
     def _pull_hold(self) -> float:
+        """:meth:`WorkerCore.pull_hold` now, with the blocks of the copies arriving."""
         incoming: set[int] = set()
         for blocks in self._incoming.values():
             incoming |= blocks

@@ -52,13 +52,13 @@ for it is worth it: the request would wait there for the copy to land before it 
 that worker's J is the lower of J with the copy, t0 + t1·(H − h_w) in place of q_w (J = t0 +
 t1·(H − h_w) + β·s + λ·extra + δ·(H − h_w), s with the pulled prefix), and J without it (its
 own prefix, no wait). The decision's ``pull_wait_s`` says how much longer than the queue the
-chosen worker waits. The worker keeps to it: the
-simulator starts the request when the copy has landed, a live rank daemon holds it until its
-cache has the prefix or the wait (with slack) has passed (services/rankd/core.py). Why:
-without it a prefix held only by a busy worker leaves J two bad choices -- queue behind the
-holder, or recompute on an idle worker -- where a copy of a few hundred milliseconds to the
-idle worker beats both; the reconfiguration preset's long documents (100K tokens, whose
-holder was busy with another document) queued 10-21 s that way. Why M:
+chosen worker waits. The worker keeps to it: the simulator starts the request when the copy
+has landed; a live rank daemon holds it until its cache has the prefix, for a bounded time
+unless the copy is arriving (services/rankd/core.py ``WorkerCore.pull_hold``). Why: without
+it a prefix held only by a busy worker leaves J two bad choices -- queue behind the holder,
+or recompute on an idle worker -- where a copy of 10-150 ms to the idle worker beats both;
+the reconfiguration preset's long documents (100K tokens, whose holder was busy with
+another document) queued 10-21 s that way. Why M:
 a long copy displaces as much of the destination's cache (documents pushed out, then
 recomputed; the reconfiguration preset's long phases) -- the calibration's sweep is in
 services/calibration.py ``PULL_CREDIT_BLOCKS``. PreferDegree
