@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
@@ -36,6 +36,7 @@ from services.controller.config_file import config_to_mapping
 from services.controller.lattice import Composition, Lattice
 from services.controller.planner import ControllerConfig
 from shared.ids import InvalidInput
+from shared.worker import GpuGroup
 from sim import calibration
 from sim.experiments import (
     Deployment,
@@ -176,13 +177,14 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
         nxt = [rc for rc in reconfs if rc["decided_s"] > a + 1e-9]
         reaction.append(None if not nxt else math.ceil((nxt[0]["decided_s"] - a) / window - 1e-9))
         reaction_kind.append(None if not nxt else nxt[0]["kind"])
+    follow = windows_to_follow(bounds, RECONFIG_PHASES, reconfs, start.counts(), window)
     meta = {
         "workload": wl.name, "gpus": gpus, "degrees": list(degrees), "seed": seed,
         "phases": [[p.duration_s, p.rate_multiplier, p.long_share] for p in RECONFIG_PHASES],
         "base_rate": base_rate, "phase_bounds": bounds, "phase_mean_ttft_s": phases_out,
         "timelines": {"1.0": timelines["vertumnus"]}, "all_timelines": timelines,
         "reconfigurations": reconfs, "windows_to_first_reaction": reaction,
-        "first_reaction_kind": reaction_kind,
+        "first_reaction_kind": reaction_kind, "windows_to_follow": follow,
         "drain_switch_s": _drain_switch_summary(reconfs),
         "controller": config_to_mapping(spec.controller),
         "profile": prof.to_dict(),
@@ -193,6 +195,75 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
     _plot_phases(out, bounds, phases_out, timelines)
     (out / "reconfig.json").write_text(json.dumps(_jsonable(meta), indent=1) + "\n")
     return {"rows": rows, "meta": meta}
+
+
+def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Phase],
+                      reconfs: Sequence[Mapping[str, Any]], start: Mapping[int, int],
+                      window_s: float) -> list[int | None]:
+    """Per phase change (phases 2, 3, ...): how many windows the composition took to be on
+    the new phase's side of the starting composition ``start`` (degree -> workers): 0 when it
+    already was at the change, None when it never got there within the phase or the phase
+    has no side.
+
+    The side follows the phase's long share against the phase before it: a lower share (short
+    requests at a high rate want concurrency) is followed once the pool holds *more*
+    smallest-degree workers than ``start``; a higher share (long requests want parallelism)
+    once it holds *no more* than ``start``. The composition at time t is ``start`` with every
+    operation of ``reconfs`` (the ``run_reconfig`` rows: ``decided_s``, worker ids in
+    ``sources`` / ``targets``) decided by t applied, as the reaction metric counts decisions.
+
+    Why beside ``windows_to_first_reaction``: that one counts windows to the first operation
+    after the change, of any kind, so a pool that a burst in the previous phase had already
+    split (the reconfiguration preset's seeds 63 and 191, split 40-80 s into S1) reads as
+    not reacting to the next short phase for the whole of it, where it never needed to move.
+    A pool that never moves still fails this one."""
+    if window_s <= 0 or not math.isfinite(window_s):
+        raise InvalidInput(f"window_s must be a finite number > 0, got {window_s!r}")
+    if not start:
+        raise InvalidInput("start composition has no workers")
+    small = min(start)
+    ops = sorted(reconfs, key=lambda rc: float(rc["decided_s"]))
+
+    def small_after(rc: Mapping[str, Any]) -> int:
+        # Smallest-degree workers the operation adds (targets) less those it retires.
+        def n(ids: Sequence[str]) -> int:
+            return sum(1 for w in ids if GpuGroup.from_worker_id(w).degree == small)
+        return n(rc["targets"]) - n(rc["sources"])
+
+    out: list[int | None] = []
+    for i in range(1, min(len(bounds), len(phases))):
+        a, b = bounds[i]
+        prev_share = phases[i - 1].long_share
+        share = phases[i].long_share
+        if prev_share is None or share is None or share == prev_share:
+            out.append(None)
+            continue
+        more_small = share < prev_share
+        base = start.get(small, 0)
+        count = base
+        k = 0
+        while k < len(ops) and float(ops[k]["decided_s"]) <= a + 1e-9:
+            count += small_after(ops[k])
+            k += 1
+        if _on_side(count, base, more_small):
+            out.append(0)
+            continue
+        got: int | None = None
+        for rc in ops[k:]:
+            t = float(rc["decided_s"])
+            if t >= b:
+                break
+            count += small_after(rc)
+            if _on_side(count, base, more_small):
+                got = math.ceil((t - a) / window_s - 1e-9)
+                break
+        out.append(got)
+    return out
+
+
+def _on_side(count: int, base: int, more_small: bool) -> bool:
+    """``count`` smallest-degree workers on the side :func:`windows_to_follow` asks for."""
+    return count > base if more_small else count <= base
 
 
 def _drain_switch_summary(reconfs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:

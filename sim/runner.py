@@ -987,6 +987,12 @@ def redraw(directory: Path) -> dict[str, Any]:
             raise InvalidInput(f"{d} has no results.json (run vertumnus simulate first)")
         rows = _check_rows(_read_json(results), results)
         meta = _check_meta(_read_json(meta_path), meta_path) if meta_path.exists() else {}
+        if meta.get("phase_mean_ttft_s") is not None:
+            try:  # what print_table will show of a reconfig run's phases
+                _phase_table(meta)
+            except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+                raise InvalidInput(f"{meta_path}: phase_mean_ttft_s / phase_bounds are not "
+                                   f"a reconfiguration run's: {exc!r}") from exc
         try:
             write_outputs(d, rows, meta)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -1034,7 +1040,47 @@ def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
                   _fmt(r["slo_attainment"], ".1f", 100), _fmt(r["hit_rate"], ".1f", 100),
                   _count(r["reconfigurations"]),
                   _fmt(r["oracle_mean_ttft_s"], ".3f"))
-    Console(file=file, width=140).print(t)
+    console = Console(file=file, width=140)
+    console.print(t)
+    if meta.get("phase_mean_ttft_s"):
+        console.print(_phase_table(meta))
+
+
+def _phase_table(meta: Mapping[str, Any]) -> Any:
+    """The reconfiguration preset's phases: each policy's mean TTFT per phase, vertumnus
+    against the better fixed composition in each, and the windows from each phase change to
+    the first reconfiguration and to the composition being on the phase's side
+    (sim/presets.py ``windows_to_follow``)."""
+    from rich.table import Table
+
+    per: Mapping[str, Sequence[float]] = meta["phase_mean_ttft_s"]
+    n = len(meta["phase_bounds"])
+    t = Table(title="mean TTFT (s) by phase")
+    t.add_column("", justify="left")
+    for i, (a, b) in enumerate(meta["phase_bounds"]):
+        t.add_column(f"S{i + 1} {a:g}-{b:g} s", justify="right")
+    for label, vals in per.items():
+        t.add_row(label, *(_fmt(v, ".3f") for v in vals))
+    fixed = [v for k, v in per.items() if k != "vertumnus"]
+    if "vertumnus" in per and fixed:
+        cells = []
+        for i in range(n):
+            v = per["vertumnus"][i]
+            known = [f[i] for f in fixed if f[i] is not None]
+            b = min(known) if known else None
+            # null: a phase without a completed request (written as null for NaN).
+            ok = v is not None and b is not None and b > 0 and math.isfinite(v / b)
+            cells.append(f"{(v / b - 1) * 100:+.1f}%" if ok else "-")
+        t.add_row("vertumnus vs better fixed", *cells)
+
+    def windows(key: str) -> list[str]:
+        return ["-", *("none" if x is None else str(x) for x in meta.get(key, ()))]
+
+    if "windows_to_first_reaction" in meta:
+        t.add_row("windows to first reconfiguration", *windows("windows_to_first_reaction"))
+    if "windows_to_follow" in meta:
+        t.add_row("windows to follow the phase", *windows("windows_to_follow"))
+    return t
 
 
 # --- presets (§9) ----------------------------------------------------------------------------

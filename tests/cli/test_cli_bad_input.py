@@ -191,6 +191,40 @@ def test_report_draws_rows_with_a_figure_a_run_could_not_give(runner: CliRunner,
     assert "homo" in res.output and (tmp_path / "ttft_mean.png").exists()
 
 
+def _phases_meta(**over: Any) -> dict[str, Any]:
+    """What run_reconfig writes into meta.json about its phases (two phases, two pools)."""
+    return {"phase_bounds": [[0.0, 300.0], [300.0, 600.0]],
+            "phase_mean_ttft_s": {"vertumnus": [0.40, 0.45], "12CP2/4CP4": [0.40, 0.50]},
+            "windows_to_first_reaction": [2], "windows_to_follow": [0], **over}
+
+
+def test_report_of_a_reconfig_run_shows_its_phases(runner: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "results.json").write_text(json.dumps([_row()]))
+    (tmp_path / "meta.json").write_text(json.dumps(_phases_meta()))
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "by phase" in res.output and "-10.0%" in res.output
+    # A phase without a completed request is null in the JSON: '-' in its cells.
+    (tmp_path / "meta.json").write_text(json.dumps(_phases_meta(
+        phase_mean_ttft_s={"vertumnus": [0.40, None], "12CP2/4CP4": [None, 0.50]})))
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if "better fixed" in ln)
+    assert "%" not in line
+
+
+def test_report_names_meta_json_when_its_phases_are_broken(runner: CliRunner,
+                                                           tmp_path: Path) -> None:
+    (tmp_path / "results.json").write_text(json.dumps([_row()]))
+    for meta in (_phases_meta(phase_bounds=[[0.0, 300.0], [300.0, 600.0], [600.0, 900.0]]),
+                 _phases_meta(phase_mean_ttft_s={"vertumnus": ["slow", 0.4]}),
+                 _phases_meta(phase_mean_ttft_s=[0.4, 0.5]),
+                 _phases_meta(phase_bounds=None)):
+        (tmp_path / "meta.json").write_text(json.dumps(meta))
+        _refused(runner.invoke(app, ["report", str(tmp_path)]), "meta.json", "phase")
+        assert not (tmp_path / "results.csv").exists()
+
+
 # --- 6. --preset ---------------------------------------------------------------------------------
 def test_a_preset_refuses_the_options_it_fixes(runner: CliRunner, tmp_path: Path,
                                                no_runs: None) -> None:

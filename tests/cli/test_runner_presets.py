@@ -122,6 +122,16 @@ def test_reconfig_preset_small(tmp_path: Path) -> None:
         assert sw.switch_min_s <= rc["switch_s"] <= sw.switch_max_s
     assert all(len(v) == len(presets.RECONFIG_PHASES) for v in meta["phase_mean_ttft_s"].values())
     assert all(x is None or isinstance(x, int) for x in meta["windows_to_first_reaction"])
+    follow = meta["windows_to_follow"]
+    assert len(follow) == len(presets.RECONFIG_PHASES) - 1
+    assert all(x is None or (isinstance(x, int) and x >= 0) for x in follow)
+    buf = io.StringIO()
+    runner.print_table(s, buf)
+    text = buf.getvalue()
+    assert "mean TTFT (s) by phase" in text and "vs better fixed" in text
+    want = " ".join("none" if x is None else str(x) for x in follow)
+    line = next(ln for ln in text.splitlines() if "windows to follow" in ln)
+    assert " ".join(c.strip() for c in line.split("│")[3:-1]) == want
     for name in ("reconfig.png", "results.json", "results.csv", "ttft_mean.png"):
         assert (tmp_path / name).is_file(), name
 

@@ -1,0 +1,84 @@
+"""``sim.presets.windows_to_follow``: how many windows the composition takes to be on a
+phase's side of the reconfiguration preset's starting composition (pure, no simulation)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.ids import InvalidInput
+from sim.presets import RECONFIG_PHASES, windows_to_follow
+from sim.workloads.synthetic import Phase
+
+W = 20.0
+BOUNDS = [(0.0, 300.0), (300.0, 600.0), (600.0, 900.0), (900.0, 1200.0), (1200.0, 1500.0)]
+START = {2: 12, 4: 4}  # 12CP2/4CP4, the preset's start
+
+
+def split(t: float, g: int = 0) -> dict[str, object]:
+    return {"kind": "split", "decided_s": t, "sources": [f"w-cp4-g{g}"],
+            "targets": [f"w-cp2-g{g}", f"w-cp2-g{g + 2}"]}
+
+
+def merge(t: float, g: int = 0) -> dict[str, object]:
+    return {"kind": "merge", "decided_s": t, "sources": [f"w-cp2-g{g}", f"w-cp2-g{g + 2}"],
+            "targets": [f"w-cp4-g{g}"]}
+
+
+def follow(reconfs: list[dict[str, object]]) -> list[int | None]:
+    return windows_to_follow(BOUNDS, RECONFIG_PHASES, reconfs, START, W)
+
+
+def test_each_phase_followed_by_its_operation() -> None:
+    # S2 short (split 40 s in: 2 windows), S3 long (merge 20 s in: 1), S4, S5 likewise.
+    ops = [split(340.0), merge(620.0), split(905.0), merge(1239.0)]
+    assert follow(ops) == [2, 1, 1, 2]
+
+
+def test_a_pool_split_before_the_short_phase_follows_it_at_once() -> None:
+    # A burst split the pool 40 s into S1: at S2 it already has more CP2 workers than the
+    # start. The first-reaction metric would count the S3 merge (16 windows) for S2.
+    ops = [split(40.0), merge(620.0), split(940.0), merge(1220.0)]
+    assert follow(ops) == [0, 1, 2, 1]
+
+
+def test_a_pool_that_never_moves_does_not_follow_the_short_phases() -> None:
+    # The long phases are on their side (no more CP2 than the start) without a move.
+    assert follow([]) == [None, 0, None, 0]
+
+
+def test_a_move_the_wrong_way_does_not_count() -> None:
+    # A merge in a short phase leaves fewer CP2 workers: still not followed; the later
+    # split back to the start is not enough either (it needs more than the start).
+    ops = [merge(320.0), split(360.0)]
+    assert follow(ops)[0] is None
+    assert follow([merge(320.0), split(360.0), split(380.0, g=8)])[0] == 4
+
+
+def test_a_decision_at_the_change_counts_as_the_composition_there() -> None:
+    assert follow([split(300.0)])[0] == 0
+    # ... and a late one (after the phase's end) does not count for it.
+    assert follow([split(600.0)])[0] is None
+
+
+def test_phases_without_a_side() -> None:
+    phases = (Phase(300.0, 1.0, 0.05), Phase(300.0, 2.0, 0.05), Phase(300.0, 1.0, None))
+    assert windows_to_follow(BOUNDS[:3], phases, [split(310.0)], START, W) == [None, None]
+
+
+def test_order_of_the_operations_does_not_matter() -> None:
+    ops = [split(340.0), merge(620.0), split(905.0), merge(1239.0)]
+    assert follow(list(reversed(ops))) == follow(ops)
+
+
+@pytest.mark.parametrize("window", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_window_refused(window: float) -> None:
+    with pytest.raises(InvalidInput, match="window_s"):
+        windows_to_follow(BOUNDS, RECONFIG_PHASES, [], START, window)
+
+
+def test_bad_input_refused() -> None:
+    with pytest.raises(InvalidInput, match="no workers"):
+        windows_to_follow(BOUNDS, RECONFIG_PHASES, [], {}, W)
+    with pytest.raises(InvalidInput, match="lattice worker id"):
+        windows_to_follow(BOUNDS, RECONFIG_PHASES,
+                          [{"decided_s": 310.0, "sources": ["x"], "targets": []}], START, W)
