@@ -16,7 +16,7 @@ its own timed region is not.
 
     .venv/bin/python bench/bench_sim.py [TRACE] [--rate-scale 2] [--policies vertumnus homo]
         [--repeat 1] [--max-requests N] [--profile] [--rows FILE] [--pull-credit-blocks N]
-        [--pull-demote]
+        [--pull-demote/--no-pull-demote] [--pull-wait/--no-pull-wait]
 
 ``--profile`` runs each policy once more under cProfile and prints the top 20 functions by
 internal time (and by cumulative time). ``--rows FILE`` writes the full result rows (without the
@@ -108,9 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=None)
     ap.add_argument("--pull-credit-blocks", type=int, default=None,
                     help="J's pull credit for the J pools (default: the calibrated one)")
-    ap.add_argument("--pull-demote", action="store_true",
-                    help="a landed pull demotes the source's copy (default: the calibrated "
-                    "setting, off)")
+    ap.add_argument("--pull-demote", action=argparse.BooleanOptionalAction, default=None,
+                    help="a landed pull demotes the source's copy, the pull a move (default: "
+                    "the calibrated setting, on)")
+    ap.add_argument("--pull-wait", action=argparse.BooleanOptionalAction, default=None,
+                    help="a request J counted a pull for waits for it (default: the calibrated "
+                    "setting, on)")
     ap.add_argument("--profile", action="store_true", help="cProfile top 20 per policy")
     ap.add_argument("--rows", type=Path, default=None,
                     help="write the result rows (no wall-clock fields) and digests as JSON")
@@ -137,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         wl = scale_rate(wl, args.rate_scale)
     if args.pull_credit_blocks is not None:
         spec = replace(spec, pull_credit_blocks=args.pull_credit_blocks)
-    if args.pull_demote and spec.pull is not None:
-        spec = replace(spec, pull=replace(spec.pull, demote_source=True))
+    if args.pull_demote is not None and spec.pull is not None:
+        spec = replace(spec, pull=replace(spec.pull, demote_source=args.pull_demote))
+    if args.pull_wait is not None:
+        if not hasattr(spec, "pull_wait"):  # an older checkout (--root / --against)
+            raise SystemExit("--pull-wait: this checkout's simulator has no wait")
+        spec = replace(spec, pull_wait=args.pull_wait)
     lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
     # As sim.experiments.sweep does: the initial composition is judged with the controller's
     # profile (κ scaled), when this version of the simulator has one.
@@ -226,8 +233,9 @@ def _against(args: argparse.Namespace) -> int:
         base += ["--max-requests", str(args.max_requests)]
     if args.pull_credit_blocks is not None:
         base += ["--pull-credit-blocks", str(args.pull_credit_blocks)]
-    if args.pull_demote:
-        base += ["--pull-demote"]
+    for flag, v in (("pull-demote", args.pull_demote), ("pull-wait", args.pull_wait)):
+        if v is not None:
+            base += [f"--{flag}" if v else f"--no-{flag}"]
     runs: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in sides}
     for rnd in range(max(1, args.repeat)):
         # Alternate which side goes first, so a load trend does not favour one side.

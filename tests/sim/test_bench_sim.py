@@ -36,18 +36,19 @@ def _mooncake_file(path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_the_bench_runs_what_simulate_runs(tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flags", "wait"), [((), None), (("--no-pull-wait",), False)])
+def test_the_bench_runs_what_simulate_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           flags: tuple[str, ...], wait: bool | None) -> None:
     trace = _mooncake_file(tmp_path / "t.jsonl")
     mod = load_bench("bench_sim")
     rows = tmp_path / "rows.json"
     assert mod.main([str(trace), "--rate-scale", "1.5", "--gpus", "16", "--policies",
-                     "vertumnus", "--rows", str(rows)]) == 0
+                     "vertumnus", "--rows", str(rows), *flags]) == 0
     out = capsys.readouterr().out
     assert "κ on the trace" in out and "req/wall-s" in out
     bench_row = json.loads(rows.read_text())["vertumnus"]["row"]
     runner.run_simulate(trace=str(trace), policies=["vertumnus"], rate_scales=[1.5], gpus=16,
-                        degrees=(2, 4), seed=0, out=tmp_path / "sim")
+                        degrees=(2, 4), seed=0, out=tmp_path / "sim", pull_wait=wait)
     sim_row = json.loads((tmp_path / "sim" / "results.json").read_text())[0]
     assert sim_row["requests"] > 100
     for key in COMPARED:
