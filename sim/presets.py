@@ -200,36 +200,34 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
 def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Phase],
                       reconfs: Sequence[Mapping[str, Any]], start: Mapping[int, int],
                       window_s: float) -> list[int | None]:
-    """Per phase change (phases 2, 3, ...): how many windows the composition took to be on
-    the new phase's side of the starting composition ``start`` (degree -> workers): 0 when it
-    already was at the change, None when it never got there within the phase or the phase
-    has no side.
+    """Per phase change (phases 2, 3, ...): how many windows the composition took to follow
+    the new phase; 0 when it already had at the change, None when it did not within the
+    phase or the phase has no direction.
 
-    The side follows the phase's long share against the phase before it: a lower share (short
-    requests at a high rate want concurrency) is followed once the pool holds *more*
-    smallest-degree workers than ``start``; a higher share (long requests want parallelism)
-    once it holds *no more* than ``start``. The composition at time t is ``start`` with every
-    operation of ``reconfs`` (the ``run_reconfig`` rows: ``decided_s``, worker ids in
-    ``sources`` / ``targets``) decided by t applied, as the reaction metric counts decisions.
+    The direction follows the phase's long share against the phase before it: a lower share
+    (short requests at a high rate want concurrency) asks for more smallest-degree workers, a
+    higher one (long requests want parallelism) for fewer. With n0 smallest-degree workers in
+    ``start`` (degree -> workers, the pool the preset starts from: the better fixed one) and
+    n1 at the change, a phase asking for more is followed once the pool holds more than
+    min(n0, n1), one asking for fewer once it holds fewer than max(n0, n1): it is past the
+    start composition in the phase's direction, or has moved that way from where it stood.
+    The composition at time t is ``start`` with every operation of ``reconfs`` (the
+    ``run_reconfig`` rows: ``decided_s``, worker ids in ``sources`` / ``targets``) decided by
+    t applied, as the reaction metric counts decisions.
 
     Why beside ``windows_to_first_reaction``: that one counts windows to the first operation
     after the change, of any kind, so a pool that a burst in the previous phase had already
     split (the reconfiguration preset's seeds 63 and 191, split 40-80 s into S1) reads as
     not reacting to the next short phase for the whole of it, where it never needed to move.
-    A pool that never moves still fails this one."""
+    A pool that never moves follows no phase here; one that moves the wrong way does not
+    follow until it has come back past where it stood."""
     if window_s <= 0 or not math.isfinite(window_s):
         raise InvalidInput(f"window_s must be a finite number > 0, got {window_s!r}")
     if not start:
         raise InvalidInput("start composition has no workers")
     small = min(start)
+    base = start.get(small, 0)
     ops = sorted(reconfs, key=lambda rc: float(rc["decided_s"]))
-
-    def small_after(rc: Mapping[str, Any]) -> int:
-        # Smallest-degree workers the operation adds (targets) less those it retires.
-        def n(ids: Sequence[str]) -> int:
-            return sum(1 for w in ids if GpuGroup.from_worker_id(w).degree == small)
-        return n(rc["targets"]) - n(rc["sources"])
-
     out: list[int | None] = []
     for i in range(1, min(len(bounds), len(phases))):
         a, b = bounds[i]
@@ -238,14 +236,15 @@ def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Ph
         if prev_share is None or share is None or share == prev_share:
             out.append(None)
             continue
-        more_small = share < prev_share
-        base = start.get(small, 0)
+        more = share < prev_share
         count = base
         k = 0
         while k < len(ops) and float(ops[k]["decided_s"]) <= a + 1e-9:
-            count += small_after(ops[k])
+            count += _small_added(ops[k], small)
             k += 1
-        if _on_side(count, base, more_small):
+        # count is n1 here; the bar is fixed for the whole phase.
+        bar = min(base, count) if more else max(base, count)
+        if (count > bar) if more else (count < bar):
             out.append(0)
             continue
         got: int | None = None
@@ -253,17 +252,20 @@ def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Ph
             t = float(rc["decided_s"])
             if t >= b:
                 break
-            count += small_after(rc)
-            if _on_side(count, base, more_small):
+            count += _small_added(rc, small)
+            if (count > bar) if more else (count < bar):
                 got = math.ceil((t - a) / window_s - 1e-9)
                 break
         out.append(got)
     return out
 
 
-def _on_side(count: int, base: int, more_small: bool) -> bool:
-    """``count`` smallest-degree workers on the side :func:`windows_to_follow` asks for."""
-    return count > base if more_small else count <= base
+def _small_added(rc: Mapping[str, Any], small: int) -> int:
+    """Degree-``small`` workers an operation row adds (its targets) less those it retires (its
+    sources); raises InvalidInput on a worker id that is not a lattice worker's."""
+    def n(ids: Sequence[str]) -> int:
+        return sum(1 for w in ids if GpuGroup.from_worker_id(w).degree == small)
+    return n(rc["targets"]) - n(rc["sources"])
 
 
 def _drain_switch_summary(reconfs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -1,5 +1,6 @@
-"""``sim.presets.windows_to_follow``: how many windows the composition takes to be on a
-phase's side of the reconfiguration preset's starting composition (pure, no simulation)."""
+"""``sim.presets.windows_to_follow``: how many windows the composition takes to follow a phase
+of the reconfiguration preset -- past the starting composition in the phase's direction, or
+moved that way from where it stood at the change (pure, no simulation)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,18 @@ def test_a_pool_split_before_the_short_phase_follows_it_at_once() -> None:
     assert follow(ops) == [0, 1, 2, 1]
 
 
-def test_a_pool_that_never_moves_does_not_follow_the_short_phases() -> None:
-    # The long phases are on their side (no more CP2 than the start) without a move.
-    assert follow([]) == [None, 0, None, 0]
+def test_a_pool_that_never_moves_follows_no_phase() -> None:
+    assert follow([]) == [None, None, None, None]
+
+
+def test_a_move_back_towards_the_start_follows() -> None:
+    # S3 merged twice (10CP2/5CP4, past the start): S4's first split, back to the start's 12
+    # CP2 workers, is its move towards concurrency; S5 is past the start already.
+    ops = [split(340.0), merge(620.0), merge(680.0, g=4), split(920.0), split(960.0, g=8),
+           merge(1220.0), merge(1240.0, g=4)]
+    assert follow(ops) == [2, 1, 1, 1]
+    # Without S4's splits the pool stays past the start on the long side: S5 at once.
+    assert follow(ops[:3]) == [2, 1, None, 0]
 
 
 def test_a_move_the_wrong_way_does_not_count() -> None:
