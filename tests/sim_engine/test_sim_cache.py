@@ -15,6 +15,7 @@ from services.cachemgr.pull import PullConfig
 from services.cachemgr.reconcile import RehomeConfig
 from services.cachemgr.scan import ScanConfig
 from services.controller.lattice import Composition, Lattice
+from services.scheduler.core import SchedulerCore
 from services.scheduler.placement import PullCredit
 from shared.ids import InvalidInput
 from sim.groundtruth import GroundTruth, Surroundings
@@ -417,11 +418,11 @@ def test_with_the_wait_a_request_starts_once_the_pull_it_was_priced_with_has_lan
     found: list[float] = []
     arriving = Simulator._arriving
 
-    def recording_arrival(self: Simulator, worker: object, block: object) -> float:
-        end = arriving(self, worker, block)  # type: ignore[arg-type]
+    def recording_arrival(self: Simulator, worker: object, blocks: tuple[int, ...]) -> float:
+        end = arriving(self, worker, blocks)  # type: ignore[arg-type]
         found.append(end)
-        assert end < 0 or any(a.dest == worker and block in a.blocks and e == end
-                              for a, e in self._landing.values())
+        assert end < 0 or any(a.dest == worker and not set(blocks).isdisjoint(a.blocks)
+                              and e == end for a, e in self._landing.values())
         return end
 
     monkeypatch.setattr(Simulator, "_arriving", recording_arrival)
@@ -434,3 +435,64 @@ def test_with_the_wait_a_request_starts_once_the_pull_it_was_priced_with_has_lan
     assert any(end >= 0 for end in found)
     with pytest.raises(InvalidInput, match="pull_wait"):
         SimConfig(pull_wait=1)  # type: ignore[arg-type]
+
+
+def test_a_request_waits_for_every_copy_of_its_prefix_on_the_way(profile, phased_workload,
+                                                                 monkeypatch) -> None:
+    """With the wait, a request J counted a pull for starts only once every copy that was on
+    its way to its worker with blocks of its prefix (when it was placed) has landed -- not only
+    the copy with its first missing block: a split's re-homing sends one prefix in several
+    copies (sim/simulator.py ``_arriving``; seed 104 of the reconfiguration preset started a
+    document 38 ms early that way and recomputed 76K tokens). Slow links (0.3 s a copy) keep
+    copies in flight long enough to overlap placements."""
+    issued_at: dict[int, int] = {}  # id(action) -> its rank in issue order
+    keep: list[object] = []  # the actions kept alive, so that no id() is reused
+    placed: dict[str, tuple[int, frozenset[int]]] = {}
+    early: list[str] = []
+    counted: list[str] = []
+    issue, place, prefill = Simulator._issue_transfer, Simulator._place, Simulator._prefill
+    credited: dict[str, int] = {}  # request -> blocks of its prefix J priced it with
+    decide = SchedulerCore.place
+
+    def on_decide(self: SchedulerCore, info: object, *args: object, **kw: object) -> object:
+        d = decide(self, info, *args, **kw)  # type: ignore[arg-type]
+        credited[d.request_id] = d.reused_blocks
+        return d
+
+    def on_issue(self: Simulator, act: object, now: float) -> float:
+        issued_at[id(act)] = len(keep)
+        keep.append(act)
+        return issue(self, act, now)  # type: ignore[arg-type]
+
+    def on_place(self: Simulator, job: object, now: float) -> None:
+        place(self, job, now)  # type: ignore[arg-type]
+        req = job.req  # type: ignore[attr-defined]
+        w = self.workers.get(job.rec.worker)  # type: ignore[attr-defined]
+        if w is not None and job.pull_end >= 0:  # type: ignore[attr-defined]
+            prefix = req.block_hashes[:credited[req.request_id]]
+            missing = frozenset(h for h in prefix if h not in w.cache)
+            placed[req.request_id] = (len(keep), missing)  # copies issued so far
+
+    def on_prefill(self: Simulator, w: object, job: object, now: float) -> None:
+        rid = job.req.request_id  # type: ignore[attr-defined]
+        if rid in placed:
+            counted.append(rid)
+            at, missing = placed.pop(rid)
+            if any(a.dest == w.wid and issued_at[id(a)] < at  # type: ignore[attr-defined]
+                   and not missing.isdisjoint(a.blocks) for a, _ in self._landing.values()):
+                early.append(rid)
+        prefill(self, w, job, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Simulator, "_issue_transfer", on_issue)
+    monkeypatch.setattr(Simulator, "_place", on_place)
+    monkeypatch.setattr(Simulator, "_prefill", on_prefill)
+    monkeypatch.setattr(SchedulerCore, "place", on_decide)
+    slow = GroundTruth(surroundings=Surroundings(transfer_latency_s=0.3))
+    res = run(phased_workload, profile, composition=_comp(), truth=slow, cache_manager=True,
+              adaptive=True, rehome=RehomeConfig(min_blocks=1, fill=1.0), pull_wait=True,
+              pull=PullConfig(min_blocks=1), pull_credit_blocks=256,
+              **dict(SMALL, cache_blocks_per_gpu=2048))
+    check_records(res, phased_workload, gpus=16, truth=slow)
+    assert res.reconcile_transfers > 0 and res.pull_waits > 0
+    assert counted
+    assert early == []
