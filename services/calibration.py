@@ -357,8 +357,10 @@ waiting there for it to land (services/scheduler/placement.py ``PullCredit.wait`
 worker is priced at the lower J of waiting for the copy and starting without it). **On by
 default since session 39** (2026-12-04), with ``PULL_CREDIT_BLOCKS`` 256. Off:
 ``--no-pull-wait``; live ``VTM_PULL_WAIT=0``. The simulator holds such a request on its
-worker until the copy lands (or a copy of the prefix already on its way there); the live
-rank daemon does the same within ``PULL_HOLD_SLACK`` / ``PULL_HOLD_GRACE_S``.
+worker until the copies with its credited prefix have landed (its pull, and every copy of a
+part of that prefix already on its way there: since session 40); the live rank daemon holds
+it until its cache has the prefix, within ``PULL_HOLD_SLACK`` / ``PULL_HOLD_GRACE_S`` unless
+the next missing block is arriving.
 
 Why: a prefix held only by a busy worker left J two bad choices, queue behind the holder or
 recompute on an idle worker, where a copy of 10-150 ms to the idle worker beats both. The

@@ -122,8 +122,10 @@ class SimConfig:
     ``displace_block_s``; 0: none)."""
     pull_wait: bool = False
     """With the credit: it also goes to a worker whose queue is shorter than the copy
-    (``PullCredit.wait``), and a request J counted a pull for starts only once the copy it
-    was routed with has landed, as a live rank daemon holds it (services/rankd/core.py
+    (``PullCredit.wait``), and a request J counted a pull for starts only once the copies
+    with its credited prefix have landed -- the pull it was routed with, and every copy
+    already on its way to its worker with a part of that prefix (``_arriving``) -- as a live
+    rank daemon holds it until its cache has the prefix (services/rankd/core.py
     ``WorkerCore.pull_hold``; placement.py "Pull credit")."""
     kappa_scale: float = 1.0
     """Multiplies the profile's κ_C for the controller only (see sim/calibration.py)."""
