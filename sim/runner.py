@@ -1049,8 +1049,8 @@ def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
 def _phase_table(meta: Mapping[str, Any]) -> Any:
     """The reconfiguration preset's phases: each policy's mean TTFT per phase, vertumnus
     against the better fixed composition in each, and the windows from each phase change to
-    the first reconfiguration and to the composition being on the phase's side
-    (sim/presets.py ``windows_to_follow``)."""
+    the first reconfiguration and to following the phase (sim/presets.py
+    ``windows_to_follow``)."""
     from rich.table import Table
 
     per: Mapping[str, Sequence[float]] = meta["phase_mean_ttft_s"]
