@@ -5,6 +5,9 @@ Outputs in the run directory:
 * ``results.json`` — a list, one object per (policy, rate_scale) (see
   :func:`sim.experiments.summarize_run` for the keys);
 * ``results.csv`` — the same rows, flat;
+* ``comparison.json`` / ``comparison.csv`` — vertumnus against the strongest baseline at each
+  rate (mean, P90, SLO attainment, the distance from the oracle; :mod:`sim.comparison`), the
+  issue's acceptance figures; an empty list where the run has no vertumnus row or no baseline;
 * ``meta.json`` — workload statistics, the cluster, the profile used, the initial composition,
   the profiled static threshold, and the composition timelines of ``vertumnus``;
 * ``profile/`` — only when no ``--profile`` is given: the Ê fit (as ``vertumnus profile``
@@ -33,6 +36,7 @@ from shared.costmodel import Profile
 from shared.files import CONFIG_SUFFIXES, NotJson, parse_json, path_kind
 from shared.ids import InvalidInput
 from sim import calibration
+from sim.comparison import COMPARISON_KEYS, compare_with_baselines
 from sim.experiments import (
     ALL_POLICIES,
     ExperimentSpec,
@@ -806,6 +810,13 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], meta: Mapping[str, Any]
         w.writeheader()
         for r in rows:
             w.writerow(r)
+    comparison = compare_with_baselines(rows)
+    (out / "comparison.json").write_text(json.dumps(_jsonable(comparison), indent=1) + "\n")
+    with (out / "comparison.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(COMPARISON_KEYS))
+        w.writeheader()
+        for c in comparison:
+            w.writerow(c)
     plot(out, rows, meta)
 
 
@@ -987,6 +998,10 @@ def redraw(directory: Path) -> dict[str, Any]:
             raise InvalidInput(f"{d} has no results.json (run vertumnus simulate first)")
         rows = _check_rows(_read_json(results), results)
         meta = _check_meta(_read_json(meta_path), meta_path) if meta_path.exists() else {}
+        try:  # what write_outputs and print_table will compare
+            compare_with_baselines(rows)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{results}: {exc}") from exc
         if meta.get("phase_mean_ttft_s") is not None:
             try:  # what print_table will show of a reconfig run's phases
                 _phase_table(meta)
@@ -1042,8 +1057,39 @@ def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
                   _fmt(r["oracle_mean_ttft_s"], ".3f"))
     console = Console(file=file, width=140)
     console.print(t)
+    comparison = compare_with_baselines(rows)
+    if comparison:
+        console.print(_comparison_table(comparison))
     if meta.get("phase_mean_ttft_s"):
         console.print(_phase_table(meta))
+
+
+def _pct(v: float | None) -> str:
+    """A signed percentage cell for a fraction (−0.2 -> '-20.0%'); '-' for None."""
+    return "-" if v is None else f"{v * 100:+.1f}%"
+
+
+def _comparison_table(comparison: Sequence[Mapping[str, Any]]) -> Any:
+    """Vertumnus against the strongest baseline at each rate (:mod:`sim.comparison`): the
+    baseline with the lowest mean and the change of vertumnus's mean against it, the same
+    for P90 and SLO attainment against the baseline best on each, and vertumnus's mean over
+    the zero-queue oracle's."""
+    from rich.table import Table
+
+    t = Table(title="vertumnus against the strongest baseline (the lowest mean; P90 and SLO: "
+              "the baseline best on each)")
+    for col in ("rate ×", "mean s", "strongest", "its mean s", "Δ mean", "P90 s", "best P90",
+                "Δ P90", "SLO %", "best SLO", "Δ SLO pts", "mean / oracle"):
+        t.add_column(col, justify="left" if col.startswith(("strongest", "best")) else "right",
+                     no_wrap=True)
+    for c in comparison:
+        t.add_row(f"{c['rate_scale']:g}", _fmt(c["mean_ttft_s"], ".3f"),
+                  c["strongest_baseline"] or "-", _fmt(c["strongest_mean_ttft_s"], ".3f"),
+                  _pct(c["mean_change"]), _fmt(c["p90_ttft_s"], ".3f"),
+                  c["best_p90_baseline"] or "-", _pct(c["p90_change"]),
+                  _fmt(c["slo_attainment"], ".1f", 100), c["best_slo_baseline"] or "-",
+                  _fmt(c["slo_points"], "+.1f"), _fmt(c["mean_over_oracle"], ".2f"))
+    return t
 
 
 def _phase_table(meta: Mapping[str, Any]) -> Any:

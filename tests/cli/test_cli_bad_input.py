@@ -156,6 +156,8 @@ def test_report_refuses_what_no_run_wrote(runner: CliRunner, tmp_path: Path) -> 
         ("fields", [{"policy": "x"}], ("results.json: row 0 (x) lacks", "request_rate")),
         ("empty", [], ("results.json has no result rows",)),
         ("type", [_row(mean_ttft_s="fast")], ("results.json: row 0", "mean_ttft_s")),
+        ("two", [_row(), _row(), _row("homo")],
+         ("results.json: 2 vertumnus rows at rate scale 1.0",)),
     ]
     for name, content, words in cases:
         d = tmp_path / name
@@ -189,6 +191,10 @@ def test_report_draws_rows_with_a_figure_a_run_could_not_give(runner: CliRunner,
     res = runner.invoke(app, ["report", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert "homo" in res.output and (tmp_path / "ttft_mean.png").exists()
+    # ... and the comparison has no strongest baseline there: null, '-' in the table.
+    (comp,) = json.loads((tmp_path / "comparison.json").read_text())
+    assert comp["strongest_baseline"] is None and comp["mean_change"] is None
+    assert comp["best_p90_baseline"] == "homo"
 
 
 def _phases_meta(**over: Any) -> dict[str, Any]:

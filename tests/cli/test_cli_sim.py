@@ -134,7 +134,28 @@ def test_report_redraws(sim_dir, runner, tmp_path) -> None:
     for name in PNGS:
         assert (d / name).read_bytes()[:8] == PNG_MAGIC, name
     assert (d / "results.csv").read_text() == (out / "results.csv").read_text()
+    assert (d / "comparison.csv").read_text() == (out / "comparison.csv").read_text()
     assert "vertumnus" in text and "homo" in text
+    assert "vertumnus against the strongest baseline" in text
+
+
+def test_simulate_writes_the_comparison_with_the_strongest_baseline(sim_dir) -> None:
+    out, text = sim_dir
+    rows = json.loads((out / "results.json").read_text())
+    comp = json.loads((out / "comparison.json").read_text())
+    assert [c["rate_scale"] for c in comp] == [1.0, 2.0]
+    for c in comp:
+        v, h = ({r["policy"]: r for r in rows if r["rate_scale"] == c["rate_scale"]}[p]
+                for p in ("vertumnus", "homo"))
+        assert c["strongest_baseline"] == c["best_p90_baseline"] == "homo"
+        assert c["mean_change"] == pytest.approx(v["mean_ttft_s"] / h["mean_ttft_s"] - 1)
+        assert c["slo_points"] == pytest.approx(
+            100 * (v["slo_attainment"] - h["slo_attainment"]))
+    with (out / "comparison.csv").open() as fh:
+        flat = list(csv.DictReader(fh))
+    assert [float(r["p90_change"]) for r in flat] == pytest.approx(
+        [c["p90_change"] for c in comp])
+    assert "vertumnus against the strongest baseline" in text
 
 
 def test_report_without_results_fails(runner, tmp_path) -> None:

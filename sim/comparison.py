@@ -1,0 +1,111 @@
+"""Vertumnus against the strongest baseline at each rate: the simulator issue's acceptance
+figures, read off a sweep's rows.
+
+The issue defines them: the *strongest baseline* at a rate is the baseline with the lowest mean
+TTFT there; P90 and SLO attainment compare with the baseline best on that metric (which may be
+another one). A baseline is any policy other than ``vertumnus`` in the rows (for the
+reconfiguration preset: its fixed compositions). Pure: rows in, rows out, no IO.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from shared.ids import InvalidInput
+
+SUBJECT: Final[str] = "vertumnus"
+
+COMPARISON_KEYS: Final[tuple[str, ...]] = (
+    "rate_scale",
+    "mean_ttft_s", "strongest_baseline", "strongest_mean_ttft_s", "mean_change",
+    "p90_ttft_s", "best_p90_baseline", "best_p90_ttft_s", "p90_change",
+    "slo_attainment", "best_slo_baseline", "best_slo_attainment", "slo_points",
+    "oracle_mean_ttft_s", "mean_over_oracle",
+)
+"""The fields of one comparison row, in the order ``comparison.csv`` writes them.
+
+* ``mean_ttft_s``, ``p90_ttft_s``, ``slo_attainment``, ``oracle_mean_ttft_s``: vertumnus's.
+* ``strongest_baseline`` / ``strongest_mean_ttft_s``: the baseline with the lowest mean and
+  that mean; ``mean_change``: vertumnus's mean / that mean − 1 (−0.2: 20% lower).
+* ``best_p90_baseline`` / ``best_p90_ttft_s`` / ``p90_change``: the same for P90.
+* ``best_slo_baseline`` / ``best_slo_attainment``: the baseline with the highest SLO
+  attainment; ``slo_points``: vertumnus's attainment minus it, in percentage points.
+* ``mean_over_oracle``: vertumnus's mean over the zero-queue oracle's (1.0: at the limit).
+
+A figure that cannot be given is None: a metric no baseline has (null in results.json: a run
+with no completed request), or a ratio over a zero or missing denominator.
+"""
+
+
+def _number(row: Mapping[str, Any], key: str) -> float | None:
+    """``row[key]`` as a finite float, None where it is absent, null or not finite."""
+    v = row.get(key)
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _best(rows: list[Mapping[str, Any]], key: str, higher: bool
+          ) -> tuple[str, float] | tuple[None, None]:
+    """(policy, value) of the row best on ``key`` among rows that have it; the first such row
+    in the rows' order on a tie; (None, None) when none has it."""
+    best: tuple[str, float] | tuple[None, None] = (None, None)
+    for r in rows:
+        v = _number(r, key)
+        if v is None:
+            continue
+        b = best[1]
+        if b is None or (v > b if higher else v < b):
+            best = (str(r["policy"]), v)
+    return best
+
+
+def _change(v: float | None, b: float | None) -> float | None:
+    """v / b − 1, None where either is missing or b is not > 0."""
+    if v is None or b is None or b <= 0:
+        return None
+    return v / b - 1.0
+
+
+def compare_with_baselines(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One comparison row (:data:`COMPARISON_KEYS`) per rate scale that has a ``vertumnus`` row
+    and at least one baseline row, in the order of the rate scales' first appearance.
+
+    ``rows`` are a sweep's result rows (``results.json``: ``policy``, ``rate_scale`` and the
+    metrics). Raises :class:`InvalidInput` for a row without ``policy`` or ``rate_scale``, or
+    with two ``vertumnus`` rows at one rate scale (not one sweep's rows)."""
+    by_rate: dict[float, list[Mapping[str, Any]]] = {}
+    for i, r in enumerate(rows):
+        if not isinstance(r, Mapping) or "policy" not in r or "rate_scale" not in r:
+            raise InvalidInput(f"row {i} has no policy or rate_scale")
+        by_rate.setdefault(r["rate_scale"], []).append(r)
+    out: list[dict[str, Any]] = []
+    for rate, group in by_rate.items():
+        mine = [r for r in group if r["policy"] == SUBJECT]
+        others = [r for r in group if r["policy"] != SUBJECT]
+        if len(mine) > 1:
+            raise InvalidInput(f"{len(mine)} {SUBJECT} rows at rate scale {rate}")
+        if not mine or not others:
+            continue
+        v = mine[0]
+        mean, p90, slo = (_number(v, k) for k in ("mean_ttft_s", "p90_ttft_s",
+                                                   "slo_attainment"))
+        oracle = _number(v, "oracle_mean_ttft_s")
+        s_pol, s_mean = _best(others, "mean_ttft_s", higher=False)
+        p_pol, p_val = _best(others, "p90_ttft_s", higher=False)
+        a_pol, a_val = _best(others, "slo_attainment", higher=True)
+        out.append({
+            "rate_scale": rate,
+            "mean_ttft_s": mean, "strongest_baseline": s_pol,
+            "strongest_mean_ttft_s": s_mean, "mean_change": _change(mean, s_mean),
+            "p90_ttft_s": p90, "best_p90_baseline": p_pol, "best_p90_ttft_s": p_val,
+            "p90_change": _change(p90, p_val),
+            "slo_attainment": slo, "best_slo_baseline": a_pol, "best_slo_attainment": a_val,
+            "slo_points": None if slo is None or a_val is None else (slo - a_val) * 100.0,
+            "oracle_mean_ttft_s": oracle,
+            "mean_over_oracle": None if mean is None or oracle is None or oracle <= 0
+            else mean / oracle,
+        })
+    return out

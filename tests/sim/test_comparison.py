@@ -1,0 +1,90 @@
+"""sim.comparison: vertumnus against the strongest baseline at each rate, as the simulator
+issue defines it (the lowest mean; P90 and SLO against the baseline best on each)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shared.ids import InvalidInput
+from sim.comparison import COMPARISON_KEYS, compare_with_baselines
+
+
+def _row(policy: str, rate: float, mean: float | None, p90: float | None,
+         slo: float | None, oracle: float | None = 0.5) -> dict:
+    return {"policy": policy, "rate_scale": rate, "mean_ttft_s": mean, "p90_ttft_s": p90,
+            "slo_attainment": slo, "oracle_mean_ttft_s": oracle}
+
+
+def test_each_metric_against_the_baseline_best_on_it() -> None:
+    rows = [
+        _row("vertumnus", 1.0, 0.8, 1.5, 0.93, oracle=0.5),
+        _row("homo", 1.0, 1.0, 1.2, 0.90),     # best P90
+        _row("static", 1.0, 0.9, 2.0, 0.80),   # lowest mean: the strongest baseline
+        _row("vllm", 1.0, 2.0, 3.0, 0.95),     # best SLO
+    ]
+    (c,) = compare_with_baselines(rows)
+    assert list(c) == list(COMPARISON_KEYS)
+    assert c["rate_scale"] == 1.0
+    assert (c["strongest_baseline"], c["strongest_mean_ttft_s"]) == ("static", 0.9)
+    assert c["mean_change"] == pytest.approx(0.8 / 0.9 - 1)
+    assert (c["best_p90_baseline"], c["best_p90_ttft_s"]) == ("homo", 1.2)
+    assert c["p90_change"] == pytest.approx(1.5 / 1.2 - 1)  # worse: positive
+    assert (c["best_slo_baseline"], c["best_slo_attainment"]) == ("vllm", 0.95)
+    assert c["slo_points"] == pytest.approx(-2.0)
+    assert (c["mean_ttft_s"], c["p90_ttft_s"], c["slo_attainment"]) == (0.8, 1.5, 0.93)
+    assert c["mean_over_oracle"] == pytest.approx(1.6)
+
+
+def test_one_row_per_rate_in_order_and_only_where_both_sides_ran() -> None:
+    rows = [
+        _row("homo", 4.0, 2.0, 3.0, 0.5),
+        _row("vertumnus", 4.0, 1.0, 2.0, 0.7),
+        _row("vertumnus", 1.0, 0.5, 0.9, 0.95),
+        _row("homo", 1.0, 0.6, 1.0, 0.94),
+        _row("vertumnus", 2.0, 0.5, 0.9, 0.95),   # no baseline at x2
+        _row("homo", 3.0, 0.5, 0.9, 0.95),        # no vertumnus at x3
+    ]
+    out = compare_with_baselines(rows)
+    assert [c["rate_scale"] for c in out] == [4.0, 1.0]
+    assert out[0]["mean_change"] == pytest.approx(-0.5)
+    assert out[0]["slo_points"] == pytest.approx(20.0)
+    assert compare_with_baselines([_row("homo", 1.0, 1, 1, 1)]) == []
+    assert compare_with_baselines([]) == []
+
+
+def test_a_tie_goes_to_the_first_row_and_missing_figures_are_skipped() -> None:
+    rows = [
+        _row("vertumnus", 1.0, 1.0, 2.0, 0.9),
+        _row("a", 1.0, None, None, None),          # no completed request: nulls
+        _row("b", 1.0, 1.5, math.nan, 0.8),        # NaN counts as missing
+        _row("c", 1.0, 1.5, 2.5, 0.8),
+    ]
+    (c,) = compare_with_baselines(rows)
+    assert c["strongest_baseline"] == "b"          # tie with c: the first
+    assert c["best_p90_baseline"] == "c"           # b's NaN skipped
+    assert c["best_slo_baseline"] == "b"
+
+
+def test_figures_that_cannot_be_given_are_none() -> None:
+    rows = [
+        _row("vertumnus", 1.0, None, 1.0, None, oracle=0.0),
+        _row("homo", 1.0, 0.0, None, None),
+    ]
+    (c,) = compare_with_baselines(rows)
+    assert c["mean_change"] is None                # vertumnus has no mean (and the base is 0)
+    assert (c["best_p90_baseline"], c["p90_change"]) == (None, None)
+    assert (c["best_slo_baseline"], c["slo_points"]) == (None, None)
+    assert c["mean_over_oracle"] is None
+    rows = [_row("vertumnus", 1.0, 1.0, 1.0, 1.0, oracle=0.0), _row("homo", 1.0, 0.0, 1, 1)]
+    (c,) = compare_with_baselines(rows)
+    assert (c["mean_change"], c["mean_over_oracle"]) == (None, None)  # zero denominators
+
+
+def test_rows_that_are_not_one_sweeps_are_refused() -> None:
+    with pytest.raises(InvalidInput, match="row 1 has no policy"):
+        compare_with_baselines([_row("vertumnus", 1.0, 1, 1, 1), {"rate_scale": 1.0}])
+    with pytest.raises(InvalidInput, match="2 vertumnus rows at rate scale 1.0"):
+        compare_with_baselines([_row("vertumnus", 1.0, 1, 1, 1), _row("vertumnus", 1.0, 2, 2, 1),
+                                _row("homo", 1.0, 1, 1, 1)])
