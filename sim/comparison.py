@@ -47,18 +47,22 @@ def _number(row: Mapping[str, Any], key: str) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
-def _best(rows: list[Mapping[str, Any]], key: str, higher: bool
-          ) -> tuple[str, float] | tuple[None, None]:
-    """(policy, value) of the row best on ``key`` among rows that have it; the first such row
-    in the rows' order on a tie; (None, None) when none has it."""
-    best: tuple[str, float] | tuple[None, None] = (None, None)
+def strongest_baseline(rows: Iterable[Mapping[str, Any]], rate_scale: float,
+                       metric: str = "mean_ttft_s", higher_is_better: bool = False
+                       ) -> Mapping[str, Any] | None:
+    """The baseline row (not ``vertumnus``) best on ``metric`` at ``rate_scale``: the first such
+    row in the rows' order on a tie; rows whose ``metric`` is missing, null or not finite are
+    passed over; None when no baseline row has it."""
+    best: Mapping[str, Any] | None = None
+    best_v = 0.0
     for r in rows:
-        v = _number(r, key)
+        if r["rate_scale"] != rate_scale or r["policy"] == SUBJECT:
+            continue
+        v = _number(r, metric)
         if v is None:
             continue
-        b = best[1]
-        if b is None or (v > b if higher else v < b):
-            best = (str(r["policy"]), v)
+        if best is None or (v > best_v if higher_is_better else v < best_v):
+            best, best_v = r, v
     return best
 
 
@@ -67,6 +71,13 @@ def _change(v: float | None, b: float | None) -> float | None:
     if v is None or b is None or b <= 0:
         return None
     return v / b - 1.0
+
+
+def _best(rows: list[Mapping[str, Any]], rate: float, metric: str, higher: bool
+          ) -> tuple[str | None, float | None]:
+    """(policy, value) of :func:`strongest_baseline` on ``metric``; (None, None) if none."""
+    r = strongest_baseline(rows, rate, metric, higher)
+    return (None, None) if r is None else (str(r["policy"]), _number(r, metric))
 
 
 def compare_with_baselines(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -93,9 +104,9 @@ def compare_with_baselines(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, 
         mean, p90, slo = (_number(v, k) for k in ("mean_ttft_s", "p90_ttft_s",
                                                    "slo_attainment"))
         oracle = _number(v, "oracle_mean_ttft_s")
-        s_pol, s_mean = _best(others, "mean_ttft_s", higher=False)
-        p_pol, p_val = _best(others, "p90_ttft_s", higher=False)
-        a_pol, a_val = _best(others, "slo_attainment", higher=True)
+        s_pol, s_mean = _best(group, rate, "mean_ttft_s", higher=False)
+        p_pol, p_val = _best(group, rate, "p90_ttft_s", higher=False)
+        a_pol, a_val = _best(group, rate, "slo_attainment", higher=True)
         out.append({
             "rate_scale": rate,
             "mean_ttft_s": mean, "strongest_baseline": s_pol,

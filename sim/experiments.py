@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
@@ -633,14 +633,3 @@ def combine_repeats(rows_by_seed: Sequence[Sequence[Mapping[str, Any]]],
                        for sd, r in zip(seeds, runs, strict=True)]
         out.append(row)
     return out
-
-
-def strongest_baseline(rows: Iterable[Mapping[str, Any]], rate_scale: float,
-                       metric: str = "mean_ttft_s", higher_is_better: bool = False
-                       ) -> Mapping[str, Any] | None:
-    """The baseline (not ``vertumnus``) best on ``metric`` at ``rate_scale``."""
-    cands = [r for r in rows if r["rate_scale"] == rate_scale and r["policy"] != "vertumnus"]
-    if not cands:
-        return None
-    key = (lambda r: -r[metric]) if higher_is_better else (lambda r: r[metric])
-    return min(cands, key=key)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from shared.ids import InvalidInput
-from sim.comparison import COMPARISON_KEYS, compare_with_baselines
+from sim.comparison import COMPARISON_KEYS, compare_with_baselines, strongest_baseline
 
 
 def _row(policy: str, rate: float, mean: float | None, p90: float | None,
@@ -88,3 +88,20 @@ def test_rows_that_are_not_one_sweeps_are_refused() -> None:
     with pytest.raises(InvalidInput, match="2 vertumnus rows at rate scale 1.0"):
         compare_with_baselines([_row("vertumnus", 1.0, 1, 1, 1), _row("vertumnus", 1.0, 2, 2, 1),
                                 _row("homo", 1.0, 1, 1, 1)])
+
+
+def test_strongest_baseline() -> None:
+    rows = [
+        {"policy": "vertumnus", "rate_scale": 1.0, "mean_ttft_s": 0.1},
+        {"policy": "homo", "rate_scale": 1.0, "mean_ttft_s": 0.5},
+        {"policy": "sglang", "rate_scale": 1.0, "mean_ttft_s": 0.3},
+        {"policy": "vllm", "rate_scale": 2.0, "mean_ttft_s": 0.2},
+    ]
+    assert strongest_baseline(rows, 1.0)["policy"] == "sglang"
+    assert strongest_baseline(rows, 2.0)["policy"] == "vllm"
+    assert strongest_baseline(rows, 3.0) is None
+    rows2 = [dict(r, slo_attainment=1 - r["mean_ttft_s"]) for r in rows]
+    assert (
+        strongest_baseline(rows2, 1.0, "slo_attainment", higher_is_better=True)["policy"]
+        == "sglang"
+    )

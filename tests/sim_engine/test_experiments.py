@@ -21,7 +21,6 @@ from sim.experiments import (
     historical_composition,
     oracle_ttfts,
     run_deployment,
-    strongest_baseline,
     summarize_run,
     sweep,
 )
@@ -202,23 +201,6 @@ def test_summarize_run_row(lattice, initial, profile, small_trace) -> None:
     pred = np.array([r.predicted_s for r in res.records])
     act = np.array([r.actual_s for r in res.records])
     assert row["prediction_mape"] == pytest.approx(np.mean(np.abs(pred - act) / act))
-
-
-def test_strongest_baseline() -> None:
-    rows = [
-        {"policy": "vertumnus", "rate_scale": 1.0, "mean_ttft_s": 0.1},
-        {"policy": "homo", "rate_scale": 1.0, "mean_ttft_s": 0.5},
-        {"policy": "sglang", "rate_scale": 1.0, "mean_ttft_s": 0.3},
-        {"policy": "vllm", "rate_scale": 2.0, "mean_ttft_s": 0.2},
-    ]
-    assert strongest_baseline(rows, 1.0)["policy"] == "sglang"
-    assert strongest_baseline(rows, 2.0)["policy"] == "vllm"
-    assert strongest_baseline(rows, 3.0) is None
-    rows2 = [dict(r, slo_attainment=1 - r["mean_ttft_s"]) for r in rows]
-    assert (
-        strongest_baseline(rows2, 1.0, "slo_attainment", higher_is_better=True)["policy"]
-        == "sglang"
-    )
 
 
 # --- the sweep ----------------------------------------------------------------------------------
