@@ -1,0 +1,123 @@
+"""The commands the README and docs/ show still exist: every ``vertumnus SUB --flag`` they
+write names a real subcommand and real flags, and every ``bench/NAME.py --flag`` a real script
+and flags. The docs are how users reproduce a figure; a renamed flag must fail here, not there.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+
+from vertumnus.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+_INLINE = re.compile(r"`((?:\.venv/bin/)?(?:python |\.venv/bin/python )?"
+                     r"(?:vertumnus|bench/\w+\.py)\b[^`]*)`")
+
+
+def _code_commands(text: str) -> list[str]:
+    """Commands starting with ``vertumnus`` or a bench script in fenced blocks (a trailing
+    backslash continues a command; ``#`` starts a comment) and in inline code."""
+    out = [m.group(1) for m in _INLINE.finditer(text)]
+    fenced, buf = False, ""
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced, buf = not fenced, ""
+            continue
+        if not fenced:
+            continue
+        code = re.split(r"\s#", line, maxsplit=1)[0].strip()
+        if buf:
+            buf += " " + code
+        elif re.match(r"(\S*python\s+)?(vertumnus|bench/\w+\.py)\b", code):
+            buf = code
+        else:
+            continue
+        if buf.endswith("\\"):
+            buf = buf[:-1]
+            continue
+        out.append(buf)
+        buf = ""
+    return out
+
+
+def _flags(tokens: list[str]) -> list[str]:
+    """The ``--flag`` tokens (``--a=1`` -> ``--a``; ``--x/--no-x`` -> both)."""
+    out: list[str] = []
+    for t in tokens:
+        if t.startswith("--"):
+            out.extend(f.split("=", 1)[0] for f in t.split("/") if f.startswith("--"))
+    return out
+
+
+def _commands() -> list[tuple[str, str]]:
+    """(doc, command) for each command with more than its program (a bare `vertumnus` in the
+    prose names the tool, not a command)."""
+    return [(p.name, c) for p in DOCS for c in _code_commands(p.read_text())
+            if len(c.split()) > 1]
+
+
+def _placeholder(word: str) -> bool:
+    """A word standing for one the reader picks (``SERVICE``, ``NAME``)."""
+    return word.isupper()
+
+
+@cache
+def _cli() -> Any:
+    """The app's command group (typer's own click: its ``commands`` map names to commands)."""
+    group = typer.main.get_command(app)
+    assert hasattr(group, "commands")
+    return group
+
+
+@cache
+def _bench_help(script: str) -> str:
+    res = subprocess.run([sys.executable, str(ROOT / script), "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"{script} --help: {res.stderr[-2000:]}"
+    return res.stdout
+
+
+def test_the_docs_show_commands_to_check() -> None:
+    subs = {c.split()[1] for _, c in _commands() if c.split()[0] == "vertumnus"}
+    # The extraction finds what the README is known to show (else this test checks nothing).
+    assert {"simulate", "report", "profile", "up", "size", "tune", "demo"} <= subs
+    assert sum(1 for _, c in _commands() if "bench/" in c.split()[0] or "bench/" in c) >= 10
+
+
+@pytest.mark.parametrize("doc, command", [(d, c) for d, c in _commands()
+                                          if "vertumnus" in c.split()[0]])
+def test_every_vertumnus_command_in_the_docs_exists(doc: str, command: str) -> None:
+    tokens = command.replace("\n", " ").split()
+    sub = tokens[1] if len(tokens) > 1 else ""
+    if _placeholder(sub):
+        return
+    cmds = _cli().commands
+    assert sub in cmds, f"{doc}: `{command}`: no subcommand {sub!r}"
+    known: set[str] = set()
+    for p in cmds[sub].params:
+        known.update(p.opts)
+        known.update(p.secondary_opts)
+    missing = [f for f in _flags(tokens[2:]) if f not in known]
+    assert not missing, f"{doc}: `{command}`: {sub} has no {missing}"
+
+
+@pytest.mark.parametrize("doc, command", [(d, c) for d, c in _commands()
+                                          if "vertumnus" not in c.split()[0]])
+def test_every_bench_command_in_the_docs_exists(doc: str, command: str) -> None:
+    tokens = command.replace("\n", " ").split()
+    script = next(t for t in tokens if re.fullmatch(r"bench/\w+\.py", t))
+    assert (ROOT / script).is_file(), f"{doc}: `{command}`: no {script}"
+    flags = _flags(tokens[tokens.index(script) + 1:])
+    if flags:
+        text = _bench_help(script)
+        missing = [f for f in flags if not re.search(re.escape(f) + r"\b", text)]
+        assert not missing, f"{doc}: `{command}`: {script} --help shows no {missing}"
