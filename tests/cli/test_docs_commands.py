@@ -121,3 +121,33 @@ def test_every_bench_command_in_the_docs_exists(doc: str, command: str) -> None:
         text = _bench_help(script)
         missing = [f for f in flags if not re.search(re.escape(f) + r"\b", text)]
         assert not missing, f"{doc}: `{command}`: {script} --help shows no {missing}"
+
+
+def test_every_vtm_variable_the_docs_name_is_read() -> None:
+    """A ``VTM_*`` name in the README, docs/ or docker-compose.yml is a settings field of a
+    service (pydantic-settings: prefix + field, ``__`` for nesting) or a variable the code
+    reads by name; ``VTM_NATS_*`` stands for a family."""
+    from services.rankd.torch_backend import TorchSettings
+    from vertumnus.live.rankd_sim import SimRankdSettings
+    from vertumnus.live.registry import SERVICES, env_names
+
+    known: set[str] = set()
+    for info in SERVICES.values():
+        cls = info.settings_class()
+        assert cls is not None, info
+        known |= env_names(cls)
+    known |= env_names(SimRankdSettings) | env_names(TorchSettings)
+    code = " ".join(p.read_text() for d in ("services", "shared", "vertumnus", "sim")
+                    for p in (ROOT / d).rglob("*.py"))
+    texts = [(p.name, p.read_text()) for p in (*DOCS, ROOT / "docker-compose.yml")]
+    found = 0
+    for name, text in texts:
+        for m in re.finditer(r"VTM_[A-Z0-9_]*[A-Z0-9]((?:_\*)?)", text):
+            var = m.group(0).rstrip("*")
+            found += 1
+            if m.group(1):  # a family: some variable must start with it
+                assert any(k.startswith(var) for k in known), f"{name}: {m.group(0)}"
+                continue
+            assert var in known or re.search(rf"\b{var}\b", code), \
+                f"{name}: {var} is neither a settings field nor read by the code"
+    assert found > 50  # the docs do name their variables (else this checks nothing)
