@@ -3,8 +3,10 @@ figures, read off a sweep's rows.
 
 The issue defines them: the *strongest baseline* at a rate is the baseline with the lowest mean
 TTFT there; P90 and SLO attainment compare with the baseline best on that metric (which may be
-another one). A baseline is any policy other than ``vertumnus`` in the rows (for the
-reconfiguration preset: its fixed compositions). Pure: rows in, rows out, no IO.
+another one). The subject is ``vertumnus``, or, in the cache ablation's rows, ``full`` (the
+full cache manager, against the variant without replication and reclamation); a baseline is
+any other policy in the rows (for the reconfiguration preset: its fixed compositions). Pure:
+rows in, rows out, no IO.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Any, Final
 
 from shared.ids import InvalidInput
 
-SUBJECT: Final[str] = "vertumnus"
+SUBJECTS: Final[tuple[str, ...]] = ("vertumnus", "full")
+"""The policies compared with the rest, in order of preference (:func:`subject_of`)."""
 
 COMPARISON_KEYS: Final[tuple[str, ...]] = (
-    "rate_scale",
+    "subject", "rate_scale",
     "mean_ttft_s", "strongest_baseline", "strongest_mean_ttft_s", "mean_change",
     "p90_ttft_s", "best_p90_baseline", "best_p90_ttft_s", "p90_change",
     "slo_attainment", "best_slo_baseline", "best_slo_attainment", "slo_points",
@@ -26,13 +29,14 @@ COMPARISON_KEYS: Final[tuple[str, ...]] = (
 )
 """The fields of one comparison row, in the order ``comparison.csv`` writes them.
 
-* ``mean_ttft_s``, ``p90_ttft_s``, ``slo_attainment``, ``oracle_mean_ttft_s``: vertumnus's.
+* ``subject``: the policy compared (:func:`subject_of`); ``mean_ttft_s``, ``p90_ttft_s``,
+  ``slo_attainment``, ``oracle_mean_ttft_s``: its figures.
 * ``strongest_baseline`` / ``strongest_mean_ttft_s``: the baseline with the lowest mean and
-  that mean; ``mean_change``: vertumnus's mean / that mean − 1 (−0.2: 20% lower).
+  that mean; ``mean_change``: the subject's mean / that mean − 1 (−0.2: 20% lower).
 * ``best_p90_baseline`` / ``best_p90_ttft_s`` / ``p90_change``: the same for P90.
 * ``best_slo_baseline`` / ``best_slo_attainment``: the baseline with the highest SLO
-  attainment; ``slo_points``: vertumnus's attainment minus it, in percentage points.
-* ``mean_over_oracle``: vertumnus's mean over the zero-queue oracle's (1.0: at the limit).
+  attainment; ``slo_points``: the subject's attainment minus it, in percentage points.
+* ``mean_over_oracle``: the subject's mean over the zero-queue oracle's (1.0: at the limit).
 
 A figure that cannot be given is None: a metric no baseline has (null in results.json: a run
 with no completed request), or a ratio over a zero or missing denominator.
@@ -47,16 +51,22 @@ def _number(row: Mapping[str, Any], key: str) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
+def subject_of(rows: Iterable[Mapping[str, Any]]) -> str | None:
+    """The first of :data:`SUBJECTS` some row has as its policy; None if none has."""
+    policies = {r.get("policy") for r in rows if isinstance(r, Mapping)}
+    return next((s for s in SUBJECTS if s in policies), None)
+
+
 def strongest_baseline(rows: Iterable[Mapping[str, Any]], rate_scale: float,
-                       metric: str = "mean_ttft_s", higher_is_better: bool = False
-                       ) -> Mapping[str, Any] | None:
-    """The baseline row (not ``vertumnus``) best on ``metric`` at ``rate_scale``: the first such
+                       metric: str = "mean_ttft_s", higher_is_better: bool = False,
+                       subject: str = SUBJECTS[0]) -> Mapping[str, Any] | None:
+    """The baseline row (not ``subject``) best on ``metric`` at ``rate_scale``: the first such
     row in the rows' order on a tie; rows whose ``metric`` is missing, null or not finite are
     passed over; None when no baseline row has it."""
     best: Mapping[str, Any] | None = None
     best_v = 0.0
     for r in rows:
-        if r["rate_scale"] != rate_scale or r["policy"] == SUBJECT:
+        if r["rate_scale"] != rate_scale or r["policy"] == subject:
             continue
         v = _number(r, metric)
         if v is None:
@@ -73,42 +83,48 @@ def _change(v: float | None, b: float | None) -> float | None:
     return v / b - 1.0
 
 
-def _best(rows: list[Mapping[str, Any]], rate: float, metric: str, higher: bool
+def _best(rows: list[Mapping[str, Any]], rate: float, metric: str, higher: bool, subject: str
           ) -> tuple[str | None, float | None]:
     """(policy, value) of :func:`strongest_baseline` on ``metric``; (None, None) if none."""
-    r = strongest_baseline(rows, rate, metric, higher)
+    r = strongest_baseline(rows, rate, metric, higher, subject)
     return (None, None) if r is None else (str(r["policy"]), _number(r, metric))
 
 
-def compare_with_baselines(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One comparison row (:data:`COMPARISON_KEYS`) per rate scale that has a ``vertumnus`` row
-    and at least one baseline row, in the order of the rate scales' first appearance.
+def compare_with_baselines(rows: Iterable[Mapping[str, Any]], subject: str | None = None
+                           ) -> list[dict[str, Any]]:
+    """One comparison row (:data:`COMPARISON_KEYS`) per rate scale that has a ``subject`` row
+    (default: :func:`subject_of` the rows) and at least one baseline row, in the order of the
+    rate scales' first appearance; [] where there is no subject.
 
     ``rows`` are a sweep's result rows (``results.json``: ``policy``, ``rate_scale`` and the
     metrics). Raises :class:`InvalidInput` for a row without ``policy`` or ``rate_scale``, or
-    with two ``vertumnus`` rows at one rate scale (not one sweep's rows)."""
+    with two subject rows at one rate scale (not one sweep's rows)."""
+    rows = list(rows)
     by_rate: dict[float, list[Mapping[str, Any]]] = {}
     for i, r in enumerate(rows):
         if not isinstance(r, Mapping) or "policy" not in r or "rate_scale" not in r:
             raise InvalidInput(f"row {i} has no policy or rate_scale")
         by_rate.setdefault(r["rate_scale"], []).append(r)
+    subject = subject_of(rows) if subject is None else subject
     out: list[dict[str, Any]] = []
+    if subject is None:
+        return out
     for rate, group in by_rate.items():
-        mine = [r for r in group if r["policy"] == SUBJECT]
-        others = [r for r in group if r["policy"] != SUBJECT]
+        mine = [r for r in group if r["policy"] == subject]
+        others = [r for r in group if r["policy"] != subject]
         if len(mine) > 1:
-            raise InvalidInput(f"{len(mine)} {SUBJECT} rows at rate scale {rate}")
+            raise InvalidInput(f"{len(mine)} {subject} rows at rate scale {rate}")
         if not mine or not others:
             continue
         v = mine[0]
         mean, p90, slo = (_number(v, k) for k in ("mean_ttft_s", "p90_ttft_s",
                                                    "slo_attainment"))
         oracle = _number(v, "oracle_mean_ttft_s")
-        s_pol, s_mean = _best(group, rate, "mean_ttft_s", higher=False)
-        p_pol, p_val = _best(group, rate, "p90_ttft_s", higher=False)
-        a_pol, a_val = _best(group, rate, "slo_attainment", higher=True)
+        s_pol, s_mean = _best(group, rate, "mean_ttft_s", False, subject)
+        p_pol, p_val = _best(group, rate, "p90_ttft_s", False, subject)
+        a_pol, a_val = _best(group, rate, "slo_attainment", True, subject)
         out.append({
-            "rate_scale": rate,
+            "subject": subject, "rate_scale": rate,
             "mean_ttft_s": mean, "strongest_baseline": s_pol,
             "strongest_mean_ttft_s": s_mean, "mean_change": _change(mean, s_mean),
             "p90_ttft_s": p90, "best_p90_baseline": p_pol, "best_p90_ttft_s": p_val,

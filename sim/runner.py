@@ -7,7 +7,8 @@ Outputs in the run directory:
 * ``results.csv`` — the same rows, flat;
 * ``comparison.json`` / ``comparison.csv`` — vertumnus against the strongest baseline at each
   rate (mean, P90, SLO attainment, the distance from the oracle; :mod:`sim.comparison`), the
-  issue's acceptance figures; an empty list where the run has no vertumnus row or no baseline;
+  issue's acceptance figures (the ablation: the full cache manager against the variant
+  without); an empty list where the run has no vertumnus row or no baseline;
 * ``meta.json`` — workload statistics, the cluster, the profile used, the initial composition,
   the profiled static threshold, and the composition timelines of ``vertumnus``;
 * ``profile/`` — only when no ``--profile`` is given: the Ê fit (as ``vertumnus profile``
@@ -1059,7 +1060,12 @@ def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
     console.print(t)
     comparison = compare_with_baselines(rows)
     if comparison:
-        console.print(_comparison_table(comparison))
+        from rich.measure import Measurement
+
+        ct = _comparison_table(comparison)
+        # Its cells must not be cut: wider than the console where long policy names need it.
+        need = Measurement.get(console, console.options.update_width(400), ct).maximum
+        Console(file=file, width=max(console.width, need)).print(ct)
     if meta.get("phase_mean_ttft_s"):
         console.print(_phase_table(meta))
 
@@ -1070,14 +1076,14 @@ def _pct(v: float | None) -> str:
 
 
 def _comparison_table(comparison: Sequence[Mapping[str, Any]]) -> Any:
-    """Vertumnus against the strongest baseline at each rate (:mod:`sim.comparison`): the
-    baseline with the lowest mean and the change of vertumnus's mean against it, the same
-    for P90 and SLO attainment against the baseline best on each, and vertumnus's mean over
-    the zero-queue oracle's."""
+    """Vertumnus (the ablation: the full cache manager) against the strongest baseline at each
+    rate (:mod:`sim.comparison`): the baseline with the lowest mean and the change of the
+    subject's mean against it, the same for P90 and SLO attainment against the baseline best
+    on each, and the subject's mean over the zero-queue oracle's."""
     from rich.table import Table
 
-    t = Table(title="vertumnus against the strongest baseline (the lowest mean; P90 and SLO: "
-              "the baseline best on each)")
+    t = Table(title=f"{comparison[0]['subject']} against the strongest baseline (the lowest "
+              "mean; P90 and SLO: the baseline best on each)")
     for col in ("rate ×", "mean s", "strongest", "its mean s", "Δ mean", "P90 s", "best P90",
                 "Δ P90", "SLO %", "best SLO", "Δ SLO pts", "mean / oracle"):
         t.add_column(col, justify="left" if col.startswith(("strongest", "best")) else "right",

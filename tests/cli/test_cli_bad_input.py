@@ -552,3 +552,19 @@ def test_a_tiny_valid_simulate_runs(runner: CliRunner, tmp_path: Path, profile_f
     rows = json.loads((out / "results.json").read_text())
     assert [(r["policy"], r["rate_scale"]) for r in rows] == [("vertumnus", 1.0),
                                                               ("vertumnus", 2.0)]
+
+
+def test_report_of_an_ablation_compares_the_full_manager_uncut(runner: CliRunner,
+                                                                tmp_path: Path) -> None:
+    """The ablation's rows have no vertumnus: the full manager is compared with the variant
+    without it, and the long policy names are printed whole, not cut to fit 140 columns."""
+    (tmp_path / "results.json").write_text(json.dumps(
+        [_row("full", mean_ttft_s=2.947, p90_ttft_s=5.905),
+         _row("no_replication", mean_ttft_s=4.206, p90_ttft_s=6.793)]))
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "full against the strongest baseline" in res.output
+    table = res.output[res.output.index("full against"):]
+    assert table.count("no_replication") == 3 and "-29.9%" in table and "-13.1%" in table
+    (comp,) = json.loads((tmp_path / "comparison.json").read_text())
+    assert (comp["subject"], comp["strongest_baseline"]) == ("full", "no_replication")

@@ -8,7 +8,12 @@ import math
 import pytest
 
 from shared.ids import InvalidInput
-from sim.comparison import COMPARISON_KEYS, compare_with_baselines, strongest_baseline
+from sim.comparison import (
+    COMPARISON_KEYS,
+    compare_with_baselines,
+    strongest_baseline,
+    subject_of,
+)
 
 
 def _row(policy: str, rate: float, mean: float | None, p90: float | None,
@@ -26,7 +31,7 @@ def test_each_metric_against_the_baseline_best_on_it() -> None:
     ]
     (c,) = compare_with_baselines(rows)
     assert list(c) == list(COMPARISON_KEYS)
-    assert c["rate_scale"] == 1.0
+    assert (c["subject"], c["rate_scale"]) == ("vertumnus", 1.0)
     assert (c["strongest_baseline"], c["strongest_mean_ttft_s"]) == ("static", 0.9)
     assert c["mean_change"] == pytest.approx(0.8 / 0.9 - 1)
     assert (c["best_p90_baseline"], c["best_p90_ttft_s"]) == ("homo", 1.2)
@@ -105,3 +110,19 @@ def test_strongest_baseline() -> None:
         strongest_baseline(rows2, 1.0, "slo_attainment", higher_is_better=True)["policy"]
         == "sglang"
     )
+
+
+def test_the_ablation_compares_the_full_manager_with_the_variant_without() -> None:
+    rows = [_row("full", 4.5, 2.9, 5.9, 0.65), _row("no_replication", 4.5, 4.2, 6.8, 0.49)]
+    assert subject_of(rows) == "full"
+    (c,) = compare_with_baselines(rows)
+    assert (c["subject"], c["strongest_baseline"]) == ("full", "no_replication")
+    assert c["mean_change"] == pytest.approx(2.9 / 4.2 - 1)
+    assert c["slo_points"] == pytest.approx(16.0)
+    # vertumnus is the subject wherever it ran; another subject can be named.
+    rows.append(_row("vertumnus", 4.5, 3.0, 6.0, 0.6))
+    assert subject_of(rows) == "vertumnus"
+    assert compare_with_baselines(rows)[0]["strongest_baseline"] == "full"
+    (c,) = compare_with_baselines(rows, subject="no_replication")
+    assert (c["subject"], c["strongest_baseline"]) == ("no_replication", "full")
+    assert subject_of([_row("homo", 1.0, 1, 1, 1)]) is None
