@@ -60,9 +60,15 @@ def _flags(tokens: list[str]) -> list[str]:
 
 def _commands() -> list[tuple[str, str]]:
     """(doc, command) for each command with more than its program (a bare `vertumnus` in the
-    prose names the tool, not a command)."""
-    return [(p.name, c) for p in DOCS for c in _code_commands(p.read_text())
-            if len(c.split()) > 1]
+    prose names the tool, not a command), cut where a pipe, ``&&``, ``;`` or a redirection
+    hands over to something else."""
+    out: list[tuple[str, str]] = []
+    for doc in DOCS:
+        for c in _code_commands(doc.read_text()):
+            c = re.split(r"\s(?:\||&&|;|>)\s", c, maxsplit=1)[0]
+            if len(c.split()) > 1:
+                out.append((doc.name, c))
+    return out
 
 
 def _placeholder(word: str) -> bool:
