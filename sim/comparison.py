@@ -136,3 +136,33 @@ def compare_with_baselines(rows: Iterable[Mapping[str, Any]], subject: str | Non
             else mean / oracle,
         })
     return out
+
+
+def compare_sizes(policies: Iterable[Mapping[str, Any]], subject: str = SUBJECTS[0]
+                  ) -> dict[str, Any] | None:
+    """Vertumnus's pool size against the smallest baseline's, from ``vertumnus size``'s
+    per-policy answers (``size.json``'s ``policies``: ``policy`` and ``gpus``, None where the
+    target was not met at the largest size tried).
+
+    Returns None when ``subject`` is not among them; else ``subject``, ``gpus`` (its answer),
+    ``best_baseline`` / ``best_gpus`` (the baseline needing the fewest GPUs, the first on a
+    tie; None where no baseline met the target), and ``saved_gpus`` / ``saved_share`` (what the
+    subject needs less, absolute and as a fraction of the baseline's pool; None unless both
+    met the target)."""
+    mine: Mapping[str, Any] | None = None
+    best: Mapping[str, Any] | None = None
+    for r in policies:
+        if r["policy"] == subject:
+            mine = r
+            continue
+        g = r["gpus"]
+        if g is not None and (best is None or g < best["gpus"]):
+            best = r
+    if mine is None:
+        return None
+    g, b = mine["gpus"], None if best is None else best["gpus"]
+    both = g is not None and b is not None
+    return {"subject": subject, "gpus": g,
+            "best_baseline": None if best is None else best["policy"], "best_gpus": b,
+            "saved_gpus": b - g if both else None,
+            "saved_share": (b - g) / b if both else None}

@@ -37,7 +37,7 @@ from shared.costmodel import Profile
 from shared.files import CONFIG_SUFFIXES, NotJson, parse_json, path_kind
 from shared.ids import InvalidInput
 from sim import calibration
-from sim.comparison import COMPARISON_KEYS, compare_with_baselines
+from sim.comparison import COMPARISON_KEYS, compare_sizes, compare_with_baselines
 from sim.experiments import (
     ALL_POLICIES,
     ExperimentSpec,
@@ -702,7 +702,29 @@ def print_size_table(summary: Mapping[str, Any], file: IO[str]) -> None:
                   f"{100 * at['slo_attainment']:.1f}" if at else "-",
                   f"{at['mean_ttft_s']:.3f}" if at else "-",
                   ", ".join(str(p["gpus"]) for p in r["points"]))
-    Console(file=file, width=140).print(t)
+    console = Console(file=file, width=140)
+    console.print(t)
+    line = _size_line(compare_sizes(summary["policies"]), meta["sizes"][-1])
+    if line:
+        console.print(line)
+
+
+def _size_line(c: Mapping[str, Any] | None, largest: int) -> str:
+    """One sentence on :func:`sim.comparison.compare_sizes`' answer ('' without vertumnus)."""
+    if c is None:
+        return ""
+    if c["gpus"] is None:
+        return (f"{c['subject']} does not meet the target with {largest} GPUs"
+                + (f"; {c['best_baseline']} does with {c['best_gpus']}"
+                   if c["best_baseline"] else "; no baseline does either"))
+    if c["best_baseline"] is None:
+        return (f"{c['subject']} needs {c['gpus']} GPUs; no baseline meets the target with "
+                f"{largest}")
+    d = c["saved_gpus"]
+    how = (f"{d} fewer than" if d > 0 else f"{-d} more than" if d < 0 else "as many as")
+    return (f"{c['subject']} needs {c['gpus']} GPUs, {how} the best baseline, "
+            f"{c['best_baseline']} ({c['best_gpus']}"
+            + (f"; {100 * c['saved_share']:.1f}% of its pool saved)" if d > 0 else ")"))
 
 
 def trace_profiles_by_size(out: Path, degrees: Sequence[int], seed: int, workload: Workload,

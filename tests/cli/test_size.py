@@ -163,3 +163,27 @@ def test_size_measures_kappa_for_each_pool_it_tries(tmp_path: Path) -> None:
     assert by["32"]["pool_workers"] == by["36"]["pool_workers"] == {"2": 8, "4": 8}
     assert by["32"]["kappa"] == by["36"]["kappa"]  # one measurement for the same pools
     assert len(list((tmp_path / "profile").glob("kappa_*.json"))) == 8  # 4, 8, …, 28, ≥ 32
+
+
+def test_size_table_says_what_vertumnus_saves_against_the_best_baseline() -> None:
+    import io
+
+    def summary(answers: dict[str, int | None]) -> dict:
+        pols = [{"policy": p, "gpus": g, "points": []} for p, g in answers.items()]
+        return {"policies": pols, "meta": {"workload": "w", "rate_scale": 2.0, "target": 0.9,
+                                           "sizes": [4, 8, 80]}}
+
+    def said(answers: dict[str, int | None]) -> str:
+        buf = io.StringIO()
+        runner.print_size_table(summary(answers), buf)
+        return " ".join(buf.getvalue().split())
+
+    assert ("vertumnus needs 28 GPUs, 4 fewer than the best baseline, homo (32; 12.5% of its "
+            "pool saved)") in said({"vertumnus": 28, "homo_cp2": None, "homo": 32, "vllm": 52})
+    assert "vertumnus needs 36 GPUs, 4 more than the best baseline, static (32)" in said(
+        {"static": 32, "vertumnus": 36})
+    assert "vertumnus does not meet the target with 80 GPUs; homo does with 32" in said(
+        {"vertumnus": None, "homo": 32})
+    assert "vertumnus needs 8 GPUs; no baseline meets the target with 80" in said(
+        {"vertumnus": 8, "homo": None})
+    assert "best baseline" not in said({"homo": 32})  # no vertumnus: no sentence

@@ -126,3 +126,17 @@ def test_the_ablation_compares_the_full_manager_with_the_variant_without() -> No
     (c,) = compare_with_baselines(rows, subject="no_replication")
     assert (c["subject"], c["strongest_baseline"]) == ("no_replication", "full")
     assert subject_of([_row("homo", 1.0, 1, 1, 1)]) is None
+
+
+def test_compare_sizes() -> None:
+    from sim.comparison import compare_sizes
+
+    c = compare_sizes([{"policy": "homo", "gpus": 32}, {"policy": "vertumnus", "gpus": 28},
+                       {"policy": "static", "gpus": 32}, {"policy": "homo_cp2", "gpus": None}])
+    assert c == {"subject": "vertumnus", "gpus": 28, "best_baseline": "homo", "best_gpus": 32,
+                 "saved_gpus": 4, "saved_share": pytest.approx(0.125)}
+    c = compare_sizes([{"policy": "vertumnus", "gpus": None}, {"policy": "homo", "gpus": 8}])
+    assert (c["best_baseline"], c["saved_gpus"], c["saved_share"]) == ("homo", None, None)
+    c = compare_sizes([{"policy": "vertumnus", "gpus": 8}, {"policy": "homo", "gpus": None}])
+    assert (c["best_baseline"], c["best_gpus"], c["saved_gpus"]) == (None, None, None)
+    assert compare_sizes([{"policy": "homo", "gpus": 8}]) is None
