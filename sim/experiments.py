@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -48,6 +49,7 @@ from shared.worker import WorkerKind
 from sim import calibration
 from sim.groundtruth import GroundTruth
 from sim.metrics import QWEN3_SLO, SloTable, slo_attainment
+from sim.request_log import log_name, request_rows, write_request_log
 from sim.simulator import SimConfig, SimResult, Simulator, controller_profile
 from sim.workloads.workload import Workload, history_reuse, scale_rate
 
@@ -419,14 +421,16 @@ def sweep(
     on_run: Callable[[str, float], None] | None = None,
     static_profile_rate: float | None = None,
     jobs: int = 1,
+    request_log: Path | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run every (policy, rate_scale); returns result rows and a side dict (compositions,
     profiled static threshold, timelines) for the report.
 
     ``jobs`` > 1 runs the cells in that many worker processes; the rows (but for their
     ``wall_s`` and ``sim_requests_per_wall_s``) and their order are the same as with 1.
-    ``on_run(policy, rate_scale)`` is called as each cell finishes. Raises
-    :class:`InvalidInput` for ``jobs`` < 1.
+    ``on_run(policy, rate_scale)`` is called as each cell finishes. ``request_log``: a
+    directory where each cell also writes its per-request log (:mod:`sim.request_log`; the
+    row's variant's run). Raises :class:`InvalidInput` for ``jobs`` < 1.
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidInput(f"jobs must be an integer >= 1, got {jobs!r}")
@@ -460,7 +464,8 @@ def sweep(
             scores_by[comp.describe()] = {str(k): v for k, v in scores.items()}
         side["static_threshold_tokens"] = static_th
         side["static_threshold_scores"] = scores_by
-    ctx = _SweepCells(workload, profile, spec, truth, lattice, initial_by_scale, static_th)
+    ctx = _SweepCells(workload, profile, spec, truth, lattice, initial_by_scale, static_th,
+                      request_log)
     cells = [(scale, pol) for scale in rate_scales for pol in policies]
     results: list[tuple[dict[str, Any], Any] | None] = [None] * len(cells)
     if jobs == 1:
@@ -504,6 +509,7 @@ class _SweepCells:
     lattice: Lattice
     initial_by_scale: Mapping[float, Composition]
     static_th: Mapping[str, int]
+    request_log: Path | None = None  # where each cell writes its per-request log (None: not)
     # Per rate: the scaled workload and its oracle TTFTs (computed once per process).
     _by_scale: dict[float, tuple[Workload, np.ndarray]] = field(default_factory=dict)
 
@@ -531,6 +537,7 @@ class _SweepCells:
         initial = self.initial_by_scale[scale]
         variants = ("sglang", "sglang_unbounded") if pol == "sglang" else (pol,)
         best_row: dict[str, Any] | None = None
+        best_res: SimResult | None = None
         timeline = None
         for var in variants:
             dep = deployment_for(var, self.lattice, initial, self.spec)
@@ -544,11 +551,15 @@ class _SweepCells:
                                 oracle=oracle, wall_s=wall, warmup_s=self.spec.warmup_s)
             row["variant"] = var
             if best_row is None or row["mean_ttft_s"] < best_row["mean_ttft_s"]:
-                best_row = row
+                best_row, best_res = row, res
             if pol == "vertumnus":
                 timeline = [[t, {str(k): v for k, v in c.items()}]
                             for t, c in res.composition_timeline]
-        assert best_row is not None
+        assert best_row is not None and best_res is not None
+        if self.request_log is not None:
+            write_request_log(self.request_log / log_name(pol, scale, self.spec.seed),
+                              request_rows(best_res.records, self.spec.slo,
+                                           self.spec.warmup_s))
         return best_row, timeline
 
 

@@ -279,8 +279,12 @@ def run_simulate(
     pull_credit_blocks: int | None = None,
     pull_demote: bool | None = None,
     pull_wait: bool | None = None,
+    request_log: bool = False,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
+
+    ``request_log``: each cell also writes its per-request log into ``out/requests/``
+    (:mod:`sim.request_log`: one CSV per policy, rate and seed; meta.json's ``request_log``).
 
     ``pull_min_blocks``: vertumnus's route-time pull (services/cachemgr/pull.py) with this
     ``min_blocks``, 0 for none, None for the calibrated one (``calibration.PULL``).
@@ -332,6 +336,8 @@ def run_simulate(
         pull_credit_option(pull_credit_blocks)
     if pull_wait is not None and not isinstance(pull_wait, bool):
         raise InvalidInput(f"--pull-wait must be on or off, got {pull_wait!r}")
+    if not isinstance(request_log, bool):
+        raise InvalidInput(f"--requests must be on or off, got {request_log!r}")
     check_pull_credit(pull_min_blocks, pull_credit_blocks)
     ctl = controller_overrides(controller)
     truth = truth or GroundTruth()
@@ -362,11 +368,13 @@ def run_simulate(
                           beta_busy_power=beta_busy_power, warmup_s=warmup_s, slo=slo,
                           **overrides)
     kappa_info["kappa_scale"] = spec.kappa_scale
+    log_dir = out / "requests" if request_log else None
     t0 = time.perf_counter()
 
     def run_all(cb: Callable[[str, float], None]) -> tuple[list[dict[str, Any]], Any]:
         runs = [sweep(w, policies, rate_scales, prof, replace(spec, seed=sd), truth,
-                      on_run=cb, jobs=jobs) for sd, w in zip(seeds, wls, strict=True)]
+                      on_run=cb, jobs=jobs, request_log=log_dir)
+                for sd, w in zip(seeds, wls, strict=True)]
         if len(runs) == 1:
             return runs[0]
         side = dict(runs[0][1])  # the first seed's compositions and timelines
@@ -397,6 +405,7 @@ def run_simulate(
         "pull_demote": spec.pull.demote_source if spec.pull is not None else False,
         "pull_wait": spec.pull_wait if spec.pull is not None else False,
         "hardware": ground_truth_to_mapping(truth),
+        "request_log": "requests" if request_log else None,
         "wall_s": time.perf_counter() - t0,
         **_jsonable(side),
     }
@@ -1232,7 +1241,8 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                fmt: str = "auto", rate: float | None = None,
                rate_scales: Sequence[float] | None = None, max_requests: int | None = None,
                cache_blocks_per_gpu: int | None = None,
-               controller: ControllerConfig | None = None) -> dict[str, Any]:
+               controller: ControllerConfig | None = None,
+               request_log: bool = False) -> dict[str, Any]:
     """Run a named experiment. ``policies`` (the trace presets only; default: all eight
     compared policies), ``jobs`` (worker processes for a trace preset's sweep), ``truth``
     (the simulated hardware; default: the note's), ``per_degree`` (the profile's fit),
@@ -1243,14 +1253,18 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     ``synthetic``, read as :func:`load_trace` reads it; ``max_requests`` or ``rate`` alone
     apply to its default workload), rates and cache size. ``controller``: the adaptive pools'
     thresholds (default: the calibrated ones); the ablation holds its composition fixed, so it
-    takes none. Raises :class:`InvalidInput` as :func:`check_preset` does, or for a choice the
-    preset does not leave open, before anything runs."""
+    takes none. ``request_log``: the trace presets' per-request logs (:func:`run_simulate`).
+    Raises :class:`InvalidInput` as :func:`check_preset` does, or for a choice the preset does
+    not leave open, before anything runs."""
     check_preset(name, policies=policies, repeats=repeats, warmup_s=warmup_s)
     check_seed(seed)
     if controller is not None and name == "ablation":
         raise InvalidInput("preset 'ablation' holds its composition fixed: a controller "
                            "setting does not apply to it")
     controller_overrides(controller)
+    if request_log and name not in PRESETS:
+        raise InvalidInput(f"--requests: preset {name!r} writes no per-request log (the trace "
+                           "presets do)")
     chosen = {"trace": trace, "format": None if fmt == "auto" else fmt, "rate": rate,
               "rate_scale": rate_scales, "max_requests": max_requests,
               "cache_blocks_per_gpu": cache_blocks_per_gpu}
@@ -1283,7 +1297,7 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         return run_simulate(policies=pols, out=out, seed=seed, gpus=40,
                             degrees=(2, 4), progress=progress, jobs=jobs, truth=truth,
                             per_degree=per_degree, repeats=repeats, warmup_s=warmup_s,
-                            slo=slo, controller=controller, **p)
+                            slo=slo, controller=controller, request_log=request_log, **p)
     from sim import presets
 
     return presets.run(name, out=out, seed=seed, progress=progress, truth=truth,

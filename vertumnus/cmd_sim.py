@@ -331,6 +331,12 @@ def register(app: typer.Typer) -> None:
         ] = 0.0,
         slo: _Slo = "qwen3-30b-a3b",
         controller: _Controller = None,
+        requests: Annotated[bool, typer.Option(
+            "--requests",
+            help="Also write each run's per-request log, DIR/requests/<policy>_x<rate>_seed"
+            "<seed>.csv: queueing, prefill and hand-off time, reuse, deadline and worker of "
+            "every request (the trace presets too)")
+        ] = False,
     ) -> None:
         """Compare policies on one trace over request rates; writes results.json, CSV, plots.
 
@@ -353,6 +359,9 @@ def register(app: typer.Typer) -> None:
             chosen = _names(policies, "policies") if _given(ctx, ["policies"]) else None
             _check(runner.check_preset, preset, policies=chosen, repeats=repeats,
                    warmup_s=warmup)
+            if requests and preset not in runner.PRESETS:
+                _fail(f"--requests: preset {preset!r} writes no per-request log (the trace "
+                      f"presets do: {', '.join(runner.PRESETS)})")
             open_ = runner.preset_choices(preset)
             fixed = _given(ctx, [n for n in _PRESET_FIXES if n not in open_])
             if fixed:
@@ -419,15 +428,17 @@ def register(app: typer.Typer) -> None:
                                             policies=chosen, jobs=jobs, truth=truth,
                                             per_degree=per_degree, repeats=repeats,
                                             warmup_s=warmup, slo=table, controller=ctl,
-                                            **preset_args)
+                                            request_log=requests, **preset_args)
             else:
                 summary = runner.run_simulate(**args, truth=truth, progress=True,
-                                              controller=ctl)
+                                              controller=ctl, request_log=requests)
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_table(summary, file=sys.stdout)
         _say_controller(controller, ctl)
         typer.echo(f"results in {out}/results.json (plots: {out}/*.png)")
+        if requests:
+            typer.echo(f"per-request logs in {out}/requests/")
 
     @app.command()
     def tune(
