@@ -310,6 +310,9 @@ def summarize_run(
     arrival) are left out of every per-request figure (counts, TTFT, SLO, hit rate, per degree,
     request rate; ``oracle`` must already be the measured requests' only); ``warmup_requests``
     says how many. GPU-seconds, reconfigurations and transfers cover the whole run.
+    ``queue_s_mean`` + ``prefill_s_mean`` + ``handoff_s_mean`` = ``mean_ttft_s``: the completed
+    requests' mean wait for their prefill to start, mean prefill, and mean rest (KV hand-off
+    and first decode step).
     """
     recs = res.records
     warm = 0
@@ -320,6 +323,10 @@ def summarize_run(
         recs = measured
     done = [r for r in recs if r.ttft_s >= 0]
     ttft = np.array([r.ttft_s for r in done]) if done else np.array([math.nan])
+    # Where the mean TTFT goes (sim/request_log.py has it per request): queueing until the
+    # prefill starts, the prefill, and the rest (KV hand-off and first decode step).
+    queue = float(np.mean([r.start_s - r.arrival_s for r in done])) if done else math.nan
+    prefill = float(np.mean([r.finish_s - r.start_s for r in done])) if done else math.nan
     lens_all = np.array([r.input_len for r in recs], dtype=float)
     # Token-weighted SLO counts every request; a failed one misses its deadline.
     ttft_all = np.array([r.ttft_s if r.ttft_s >= 0 else math.inf for r in recs])
@@ -354,6 +361,9 @@ def summarize_run(
         "p50_ttft_s": float(np.percentile(ttft, 50)),
         "p90_ttft_s": float(np.percentile(ttft, 90)),
         "p99_ttft_s": float(np.percentile(ttft, 99)),
+        "queue_s_mean": queue,
+        "prefill_s_mean": prefill,
+        "handoff_s_mean": float(np.mean(ttft)) - queue - prefill if done else math.nan,
         "slo_attainment": slo_attainment(lens_all, ttft_all, slo) if recs else math.nan,
         "hit_rate": reused / tokens if tokens else 0.0,
         "gpu_seconds": res.gpu_seconds,

@@ -68,7 +68,8 @@ from sim.workloads.workload import Workload, truncate
 
 RESULT_KEYS = (
     "policy", "rate_scale", "request_rate", "requests", "warmup_requests", "completed", "failed",
-    "mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "slo_attainment", "hit_rate",
+    "mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "queue_s_mean", "prefill_s_mean",
+    "handoff_s_mean", "slo_attainment", "hit_rate",
     "gpu_seconds", "reconfigurations", "splits", "merges", "drain_s_mean", "switch_s_mean",
     "replications", "reclamations", "pulls", "copy_waits", "copy_wait_s", "oracle_mean_ttft_s",
     "prediction_mape", "variant",

@@ -74,8 +74,10 @@ def test_combine_repeats_rejects_sweeps_that_differ() -> None:
 
 # --- the warm-up filter ------------------------------------------------------------------------
 def _rec(i: int, arrival: float, ttft: float, length: int = 1000, reused: int = 0) -> object:
+    # Of its TTFT, a tenth queued, 80% prefill, a tenth hand-off.
     return SimpleNamespace(request_id=f"r{i}", arrival_s=arrival, input_len=length, ttft_s=ttft,
-                           reused_tokens=reused, degree=2, predicted_s=0.1, actual_s=0.1)
+                           reused_tokens=reused, degree=2, predicted_s=0.1, actual_s=0.1,
+                           start_s=arrival + 0.1 * ttft, finish_s=arrival + 0.9 * ttft)
 
 
 def _result(recs: list[object]) -> object:
@@ -95,6 +97,9 @@ def test_summarize_run_leaves_the_warm_up_out_of_every_per_request_figure() -> N
     assert full["requests"] == 15 and full["warmup_requests"] == 0
     assert warm["requests"] == warm["completed"] == 10 and warm["warmup_requests"] == 5
     assert warm["mean_ttft_s"] == 0.5 and warm["p99_ttft_s"] == 0.5
+    assert (warm["queue_s_mean"], warm["prefill_s_mean"], warm["handoff_s_mean"]) == \
+        pytest.approx((0.05, 0.4, 0.05))
+    assert full["queue_s_mean"] == pytest.approx(0.1 * full["mean_ttft_s"])
     assert full["mean_ttft_s"] == pytest.approx((5 * 10.0 + 10 * 0.5) / 15)
     assert warm["slo_attainment"] == 1.0 and full["slo_attainment"] == pytest.approx(10 / 15)
     assert warm["hit_rate"] == 0.5

@@ -48,6 +48,9 @@ def test_each_cell_writes_a_log_that_adds_up_to_its_row(logged) -> None:
         ttft = np.array([float(r["ttft_s"]) for r in done])
         assert ttft.mean() == pytest.approx(row["mean_ttft_s"], rel=1e-12)
         assert np.percentile(ttft, 90) == pytest.approx(row["p90_ttft_s"], rel=1e-12)
+        for part in ("queue", "prefill", "handoff"):  # the row's split of the mean
+            mean = np.mean([float(r[f"{part}_s"]) for r in done])
+            assert mean == pytest.approx(row[f"{part}_s_mean"], abs=1e-9)
         for r in done:
             parts = float(r["queue_s"]) + float(r["prefill_s"]) + float(r["handoff_s"])
             assert parts == pytest.approx(float(r["ttft_s"]), abs=1e-9)
