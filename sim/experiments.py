@@ -323,10 +323,11 @@ def summarize_run(
         recs = measured
     done = [r for r in recs if r.ttft_s >= 0]
     ttft = np.array([r.ttft_s for r in done]) if done else np.array([math.nan])
-    # Where the mean TTFT goes (sim/request_log.py has it per request): queueing until the
-    # prefill starts, the prefill, and the rest (KV hand-off and first decode step).
-    queue = float(np.mean([r.start_s - r.arrival_s for r in done])) if done else math.nan
-    prefill = float(np.mean([r.finish_s - r.start_s for r in done])) if done else math.nan
+    # Where the mean TTFT goes (RequestRecord's split; sim/request_log.py has it per request):
+    # queueing until the prefill starts, the prefill, and the rest (KV hand-off and first
+    # decode step).
+    queue = float(np.mean([r.queue_s for r in done])) if done else math.nan
+    prefill = float(np.mean([r.prefill_s for r in done])) if done else math.nan
     lens_all = np.array([r.input_len for r in recs], dtype=float)
     # Token-weighted SLO counts every request; a failed one misses its deadline.
     ttft_all = np.array([r.ttft_s if r.ttft_s >= 0 else math.inf for r in recs])

@@ -191,10 +191,10 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
         "hardware": ground_truth_to_mapping(truth),
         "slo": slo_to_dict(slo),
     }
-    write_outputs(out, rows, meta)
+    comparison = write_outputs(out, rows, meta)
     _plot_phases(out, bounds, phases_out, timelines)
     (out / "reconfig.json").write_text(json.dumps(_jsonable(meta), indent=1) + "\n")
-    return {"rows": rows, "meta": meta}
+    return {"rows": rows, "meta": meta, "comparison": comparison}
 
 
 def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Phase],
@@ -366,5 +366,5 @@ def run_ablation(*, out: Path, seed: int = 0, progress: bool = False,
             "composition": composition, "cache_blocks_per_gpu": cache_blocks_per_gpu,
             "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth),
             "slo": slo_to_dict(slo)}
-    write_outputs(out, rows, meta)
-    return {"rows": rows, "meta": meta}
+    comparison = write_outputs(out, rows, meta)
+    return {"rows": rows, "meta": meta, "comparison": comparison}

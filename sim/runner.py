@@ -410,8 +410,8 @@ def run_simulate(
         "wall_s": time.perf_counter() - t0,
         **_jsonable(side),
     }
-    write_outputs(out, rows, meta)
-    return {"rows": rows, "meta": meta}
+    comparison = write_outputs(out, rows, meta)
+    return {"rows": rows, "meta": meta, "comparison": comparison}
 
 
 def controller_overrides(controller: ControllerConfig | None) -> dict[str, Any]:
@@ -835,7 +835,12 @@ def _jsonable(x: Any) -> Any:
 
 
 # --- outputs ---------------------------------------------------------------------------------
-def write_outputs(out: Path, rows: list[dict[str, Any]], meta: Mapping[str, Any]) -> None:
+def write_outputs(out: Path, rows: list[dict[str, Any]], meta: Mapping[str, Any],
+                  comparison: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Write results.json / .csv, meta.json, comparison.json / .csv and the plots into ``out``;
+    returns the comparison with the strongest baseline (``comparison``, when the caller has
+    computed it from these rows already, else :func:`compare_with_baselines` of them), which
+    :func:`print_table` shows when the summary carries it."""
     (out / "results.json").write_text(json.dumps(_jsonable(rows), indent=1) + "\n")
     (out / "meta.json").write_text(json.dumps(_jsonable(meta), indent=1) + "\n")
     with (out / "results.csv").open("w", newline="") as fh:
@@ -843,7 +848,8 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], meta: Mapping[str, Any]
         w.writeheader()
         for r in rows:
             w.writerow(r)
-    comparison = compare_with_baselines(rows)
+    if comparison is None:
+        comparison = compare_with_baselines(rows)
     (out / "comparison.json").write_text(json.dumps(_jsonable(comparison), indent=1) + "\n")
     with (out / "comparison.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(COMPARISON_KEYS))
@@ -851,6 +857,7 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], meta: Mapping[str, Any]
         for c in comparison:
             w.writerow(c)
     plot(out, rows, meta)
+    return comparison
 
 
 def plot(out: Path, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> None:
@@ -1031,8 +1038,8 @@ def redraw(directory: Path) -> dict[str, Any]:
             raise InvalidInput(f"{d} has no results.json (run vertumnus simulate first)")
         rows = _check_rows(_read_json(results), results)
         meta = _check_meta(_read_json(meta_path), meta_path) if meta_path.exists() else {}
-        try:  # what write_outputs and print_table will compare
-            compare_with_baselines(rows)
+        try:  # what write_outputs writes and print_table shows
+            comparison = compare_with_baselines(rows)
         except InvalidInput as exc:
             raise InvalidInput(f"{results}: {exc}") from exc
         if meta.get("phase_mean_ttft_s") is not None:
@@ -1042,13 +1049,13 @@ def redraw(directory: Path) -> dict[str, Any]:
                 raise InvalidInput(f"{meta_path}: phase_mean_ttft_s / phase_bounds are not "
                                    f"a reconfiguration run's: {exc!r}") from exc
         try:
-            write_outputs(d, rows, meta)
+            write_outputs(d, rows, meta, comparison)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             # The rows are checked above: what is left to fail is meta.json's content.
             raise InvalidInput(f"{meta_path} is not a simulate run's meta: {exc!r}") from exc
     except OSError as exc:
         raise InvalidInput(f"cannot write the report into {d}: {exc.strerror or exc}") from exc
-    return {"rows": rows, "meta": meta}
+    return {"rows": rows, "meta": meta, "comparison": comparison}
 
 
 def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
@@ -1090,7 +1097,9 @@ def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
                   _fmt(r["oracle_mean_ttft_s"], ".3f"))
     console = Console(file=file, width=140)
     console.print(t)
-    comparison = compare_with_baselines(rows)
+    comparison = summary.get("comparison")
+    if comparison is None:  # a summary from elsewhere (a test's, an older caller's)
+        comparison = compare_with_baselines(rows)
     if comparison:
         from rich.measure import Measurement
 

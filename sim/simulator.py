@@ -181,6 +181,25 @@ class RequestRecord:
     redirected: int = 0
     failed: str = ""
 
+    # Where a completed request's TTFT went (``queue_s + prefill_s + handoff_s == ttft_s``);
+    # the one definition of the split, for the results rows and the per-request logs.
+    @property
+    def queue_s(self) -> float:
+        """Arrival to the start of its prefill: the worker's queue, a wait for a pulled
+        prefix, a redirection after a drain (completed requests only)."""
+        return self.start_s - self.arrival_s
+
+    @property
+    def prefill_s(self) -> float:
+        """The prefill itself, the ground truth's time (completed requests only)."""
+        return self.finish_s - self.start_s
+
+    @property
+    def handoff_s(self) -> float:
+        """The rest of the TTFT: the KV hand-off to decode and the first decode step
+        (completed requests only)."""
+        return self.ttft_s - (self.finish_s - self.arrival_s)
+
 
 @dataclass(slots=True)
 class Reconfiguration:

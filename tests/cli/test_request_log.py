@@ -73,6 +73,15 @@ def test_the_logs_are_the_same_with_cells_in_other_processes(logged, tmp_path,
         assert (tmp_path / "requests" / p.name).read_text() == p.read_text(), p.name
 
 
+def test_the_summary_carries_the_comparison_it_wrote(logged) -> None:
+    out, summary = logged
+    written = json.loads((out / "comparison.json").read_text())
+    assert [c["rate_scale"] for c in summary["comparison"]] == [1.0, 2.0]
+    assert json.loads(json.dumps(summary["comparison"])) == written
+    again = sim_runner.redraw(out)
+    assert json.loads(json.dumps(again["comparison"])) == written
+
+
 def test_no_log_unless_asked_and_refused_where_none_is_written(runner: CliRunner,
                                                                tmp_path: Path) -> None:
     res = runner.invoke(app, ["simulate", "--preset", "reconfig", "--requests",
@@ -99,3 +108,13 @@ def test_simulate_cli_writes_the_logs_only_with_the_flag(runner: CliRunner, tmp_
     assert res.exit_code == 0, res.output
     assert "per-request logs in" in res.output
     assert len(_read(tmp_path / "yes" / "requests" / "homo_x1_seed0.csv")) == 100
+
+
+def test_a_records_split_adds_up_to_its_ttft() -> None:
+    from sim.simulator import RequestRecord
+
+    rec = RequestRecord("r", arrival_s=1.0, input_len=4096, start_s=1.25, finish_s=2.0,
+                        ttft_s=1.5)
+    assert (rec.queue_s, rec.prefill_s) == (0.25, 0.75)
+    assert rec.handoff_s == pytest.approx(0.5)
+    assert rec.queue_s + rec.prefill_s + rec.handoff_s == pytest.approx(rec.ttft_s)

@@ -195,3 +195,22 @@ def test_ablation_preset_on_a_named_workload(tmp_path: Path) -> None:
 def test_a_count_cell_is_an_integer_or_a_mean_to_two_decimals(value, cell) -> None:
     """Reconfigurations: a count, or with --repeats the mean over the seeds."""
     assert runner._count(value) == cell
+
+
+def test_print_table_shows_the_summarys_comparison(tmp_path: Path) -> None:
+    """print_table shows the comparison the run computed (``summary["comparison"]``) rather
+    than computing it again."""
+    row = {"policy": "vertumnus", "rate_scale": 1.0, "request_rate": 1.0,
+           "mean_ttft_s": 0.5, "p50_ttft_s": 0.5, "p90_ttft_s": 0.6, "p99_ttft_s": 0.7,
+           "slo_attainment": 0.9, "hit_rate": 0.1, "reconfigurations": 0,
+           "oracle_mean_ttft_s": 0.4}
+    comparison = [{"subject": "vertumnus", "rate_scale": 1.0, "mean_ttft_s": 0.5,
+                   "strongest_baseline": "made_up_peer", "strongest_mean_ttft_s": 0.625,
+                   "mean_change": -0.2, "p90_ttft_s": 0.6, "best_p90_baseline": "made_up_peer",
+                   "p90_change": -0.25, "slo_attainment": 0.9,
+                   "best_slo_baseline": "made_up_peer", "slo_points": 5.0,
+                   "mean_over_oracle": 1.25}]
+    buf = io.StringIO()
+    runner.print_table({"rows": [row], "meta": {}, "comparison": comparison}, file=buf)
+    text = buf.getvalue()
+    assert "made_up_peer" in text and "-20.0%" in text and "0.625" in text
