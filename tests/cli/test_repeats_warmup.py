@@ -15,7 +15,7 @@ from shared.ids import InvalidInput
 from sim import runner
 from sim.experiments import REPEAT_METRICS, ExperimentSpec, combine_repeats, summarize_run
 from sim.metrics import QWEN3_SLO
-from sim.simulator import SimConfig
+from sim.simulator import RequestRecord, SimConfig
 from vertumnus.cli import app
 
 
@@ -73,14 +73,15 @@ def test_combine_repeats_rejects_sweeps_that_differ() -> None:
 
 
 # --- the warm-up filter ------------------------------------------------------------------------
-def _rec(i: int, arrival: float, ttft: float, length: int = 1000, reused: int = 0) -> object:
+def _rec(i: int, arrival: float, ttft: float, length: int = 1000,
+         reused: int = 0) -> RequestRecord:
     # Of its TTFT, a tenth queued, 80% prefill, a tenth hand-off.
-    return SimpleNamespace(request_id=f"r{i}", arrival_s=arrival, input_len=length, ttft_s=ttft,
-                           reused_tokens=reused, degree=2, predicted_s=0.1, actual_s=0.1,
-                           start_s=arrival + 0.1 * ttft, finish_s=arrival + 0.9 * ttft)
+    return RequestRecord(request_id=f"r{i}", arrival_s=arrival, input_len=length, ttft_s=ttft,
+                         reused_tokens=reused, degree=2, predicted_s=0.1, actual_s=0.1,
+                         start_s=arrival + 0.1 * ttft, finish_s=arrival + 0.9 * ttft)
 
 
-def _result(recs: list[object]) -> object:
+def _result(recs: list[RequestRecord]) -> object:
     return SimpleNamespace(records=recs, reconfigurations=[], gpu_seconds=12.0, replications=0,
                            reclamations=0, pulls=0, copy_waits=0, copy_wait_s=0.0,
                            workload_name="w", config=SimConfig(),
