@@ -320,6 +320,18 @@ class PrefixTrie:
         # a MatchResult made at the same count still names live nodes (record_request).
         self._collections = 0
 
+    def __del__(self) -> None:
+        # A node and its children reference each other, so without this every node of a
+        # dropped trie (a finished simulation's ~55k) would wait for the cyclic collector,
+        # whose pass over them costs ~0.2 s at some later, unrelated allocation. Unlinking
+        # the children lets reference counting free them now, for a fraction of that.
+        # Nodes still referenced elsewhere (nothing should use them once their trie is gone)
+        # keep everything but their children.
+        nodes = getattr(self, "_nodes", None)  # absent if __init__ raised
+        if nodes:
+            for n in nodes.values():
+                n.children.clear()
+
     # ------------------------------------------------------------------ workers
     def add_worker(self, worker: WorkerId, degree: int, capacity_blocks: int,
                    *, last_event_id: int = 0) -> None:

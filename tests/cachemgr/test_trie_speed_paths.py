@@ -167,3 +167,27 @@ def test_stored_chain_nodes_equal_init_built_nodes() -> None:
         ref.children.update(n.children)
         for slot in TrieNode.__slots__:
             assert getattr(n, slot) == getattr(ref, slot), (h, slot)
+
+
+def test_a_dropped_trie_is_freed_without_the_cyclic_collector() -> None:
+    """A node and its children reference each other; a trie going away unlinks them, so its
+    nodes are freed by reference counting and leave the cyclic collector nothing to find."""
+    import gc
+
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        t = PrefixTrie((2, 4), block_size=4)
+        t.add_worker("a", 2, 100)
+        t.add_worker("b", 4, 100)
+        t.apply(Stored("a", 1, None, (1, 2, 3)))
+        t.apply(Stored("b", 1, None, (1, 2, 4)))
+        kept = t._nodes[2]  # a node someone still holds keeps all but its children
+        assert set(kept.children) == {3, 4}
+        del t
+        assert gc.collect() == 0
+        assert kept.children == {} and kept.hash == 2 and kept.holders == {"a", "b"}
+    finally:
+        if was:
+            gc.enable()
