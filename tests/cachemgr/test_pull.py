@@ -74,6 +74,35 @@ def test_no_second_copy_while_one_to_the_worker_is_in_flight() -> None:
     assert pull_on_route(t, t.match(REQ), B, ONE) == first
 
 
+def test_the_part_beyond_a_copy_in_flight_is_pulled_on_its_own() -> None:
+    t = setup()
+    # An earlier, shorter request of the line brought blocks 1-3 to B: still on their way.
+    first = pull_on_route(t, t.match([1, 2, 3]), B, ONE)
+    assert first == (Replicate(3, 2, C, B, (1, 2, 3), "route"),)
+    # The longer request routed to B: no second copy of 1-3, but 4-5 come on their own
+    # (they follow the first copy on B's links and complete the path).
+    rest = pull_on_route(t, t.match(REQ), B, ONE)
+    assert rest == (Replicate(5, 2, C, B, (4, 5), "route"),)
+    assert set(t.inflight()) == {*first, *rest}
+    # With both in flight, nothing more.
+    assert pull_on_route(t, t.match(REQ), B, ONE) == ()
+    # Both retired by B's Stored events as they land.
+    t.apply(Stored(B, 1, None, (1, 2, 3)))
+    t.apply(Stored(B, 2, 3, (4, 5)))
+    assert t.inflight() == () and t.match(REQ).held(B) == 5
+
+
+def test_a_copy_in_flight_behind_a_gap_still_blocks_the_pull() -> None:
+    t = setup()
+    to_a = pull_on_route(t, t.match(REQ), A, ONE)
+    assert to_a == (Replicate(5, 2, C, A, (3, 4, 5), "route"),)
+    # A loses 1-2 while 3-5 are on their way: the blocks it lacks begin before the copy, so
+    # a pull of 1-2 alone would not make a path with it, and one of 1-5 would copy 3-5 twice.
+    t.apply(Removed(A, 2, (2, 1)))
+    assert t.match(REQ).held(A) == 0
+    assert pull_on_route(t, t.match(REQ), A, ONE) == ()
+
+
 def test_a_prefix_longer_than_the_destination_can_hold_is_not_pulled() -> None:
     t = setup()
     t.add_worker("w-cp2-g12", 2, 4)  # room for 4 blocks, the prefix is 5
