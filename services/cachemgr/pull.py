@@ -41,7 +41,9 @@ a returning session needed (docs/evaluation.md "A pull as a move").
 Not pulled: a prefix the destination cannot hold whole (longer than its capacity), or the
 part of one with a copy already in flight to the destination (from an earlier request of the
 same session, the scan, or a reconcile): what lies beyond the copies in flight is pulled on
-its own. Pure: reads and records in-flight copies on the trie.
+its own. ``min_blocks`` gates the whole gap (the longest held prefix against the chosen
+worker's), not that rest: the rest completes a prefix J may have counted on, so it is sent
+whatever its length. Pure: reads and records in-flight copies on the trie.
 """
 
 from __future__ import annotations

@@ -92,6 +92,18 @@ def test_the_part_beyond_a_copy_in_flight_is_pulled_on_its_own() -> None:
     assert t.inflight() == () and t.match(REQ).held(B) == 5
 
 
+def test_min_blocks_gates_the_whole_gap_not_the_rest_beyond_a_copy_in_flight() -> None:
+    t = setup()
+    three = PullConfig(min_blocks=3)
+    first = pull_on_route(t, t.match([1, 2, 3]), B, three)  # B lacks 3 >= 3: pulled
+    assert first == (Replicate(3, 2, C, B, (1, 2, 3), "route"),)
+    # B lacks 5 >= 3 of the longer request; the 2 blocks beyond the copy still come.
+    assert pull_on_route(t, t.match(REQ), B, three) == (
+        Replicate(5, 2, C, B, (4, 5), "route"),)
+    # A lacks only 3-5 of it, and 4 blocks are the least worth a copy there: nothing.
+    assert pull_on_route(t, t.match(REQ), A, PullConfig(min_blocks=4)) == ()
+
+
 def test_a_copy_in_flight_behind_a_gap_still_blocks_the_pull() -> None:
     t = setup()
     to_a = pull_on_route(t, t.match(REQ), A, ONE)
