@@ -390,6 +390,26 @@ at ×1 / ×2 / ×3 / ×4 / ×4.8 0.845 / 0.862 / 1.043 / 1.324 / 2.221 s, betwee
 but at ×4.8; seed 127's S5 stays at +8.2% (its documents are over 64 blocks)."""
 
 
+PENDING_CREDIT: Final[bool] = False
+"""J's credit also counts a prefix *pending* at a worker after a split or merge as a copy to
+it (services/scheduler/placement.py "A pending prefix"; services/cachemgr/reconcile.py
+``pending_reach``), the request waiting for those reconcile copies as for a pull. **Off by
+default: only the simulator has it** (``simulate --pending-credit``, also with ``--preset
+reconfig`` and the trace presets). The live scheduler's trie replica does not know which
+blocks are pending (the cache manager reconciles; the scheduler learns a new worker's cache
+from its snapshot and events), so live J cannot count them yet; turning it on in the
+simulator alone would evaluate a system that does not run. What the live side needs: the
+cache manager publishes each reconciled worker's pending blocks (and their sources) and the
+scheduler's replica marks them.
+
+Measured with it on (session 44, one run each; docs/evaluation.md "J counts a pending
+prefix"): the reconfiguration preset's long phases are lower on every one of seeds 0-29 (S3
+−1.3%, S5 −1.2% on average), the short ones unchanged within noise; the worst phase against
+the better fixed pool goes from +2.3% to +0.2%, seed 305's S5 from +3.8% to −0.4%. The
+conversation trace where the pool reconfigures (×3-×4, seeds 0-2): −0.9% at ×3.5, within
+±0.3% at ×3 and ×4. Without a split or merge nothing is pending and nothing changes."""
+
+
 PULL_HOLD_SLACK: Final[float] = 2.0
 PULL_HOLD_GRACE_S: Final[float] = 0.05
 """With ``PULL_WAIT``, a live rank daemon holds a request J counted a pull for until its cache

@@ -106,6 +106,9 @@ class ExperimentSpec:
     """The credit's price per copied block (``PullCredit.displace_block_s``)."""
     pull_wait: bool = calibration.PULL_WAIT
     """The credit also where the request waits for the copy (``PullCredit.wait``)."""
+    pending_credit: bool = calibration.PENDING_CREDIT
+    """The credit also counts a prefix pending at a worker after a split or merge
+    (``SimConfig.pending_credit``)."""
     kappa_scale: float = calibration.KAPPA_SCALE
     """The controller judges capacity with κ_C × this. KAPPA_SCALE corrects a single-worker κ
     (``vertumnus profile``); sim/runner.py sets 1.0 when κ was measured on the trace with a
@@ -288,6 +291,7 @@ def run_deployment(
         pull_credit_blocks=spec.pull_credit_blocks,
         pull_displace_block_s=spec.pull_displace_block_s,
         pull_wait=spec.pull_wait,
+        pending_credit=spec.pending_credit,
         controller_config=spec.controller,
         kappa_scale=spec.kappa_scale,
     )

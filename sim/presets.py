@@ -85,16 +85,20 @@ none: its phases are its workload."""
 def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         truth: GroundTruth | None = None, per_degree: bool = False,
         slo: SloTable = QWEN3_SLO, controller: ControllerConfig | None = None,
-        **options: Any) -> dict[str, Any]:
+        pending_credit: bool | None = None, **options: Any) -> dict[str, Any]:
     """Run the preset ``name``; ``truth``: the simulated hardware (default: the note's);
     ``per_degree``: the profile fits one coefficient set per degree; ``slo``: the TTFT
     deadlines (attainment, and the κ the profile measures). ``options`` (``ablation`` only,
     :data:`ABLATION_OPTIONS`; None = the preset's own): ``workload`` (default: the
     Tool-Agent-shaped synthetic workload), ``rate_scales``, ``cache_blocks_per_gpu``.
     ``controller`` (``reconfig`` only; None: the calibrated thresholds): the adaptive pool's
-    controller setting. Raises :class:`InvalidInput` for an option the preset does not take."""
+    controller setting. ``pending_credit`` (``reconfig`` only; None: the calibrated setting):
+    J's credit of a prefix pending after a split or merge (``SimConfig.pending_credit``).
+    Raises :class:`InvalidInput` for an option the preset does not take."""
     if controller is not None and name != "reconfig":
         raise InvalidInput(f"preset {name!r} does not take a controller setting")
+    if pending_credit is not None and name != "reconfig":
+        raise InvalidInput(f"preset {name!r} does not take a pending credit setting")
     given = {k: v for k, v in options.items() if v is not None}
     allowed = ABLATION_OPTIONS if name == "ablation" else ()
     extra = sorted(set(given) - set(allowed))
@@ -102,7 +106,8 @@ def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         raise InvalidInput(f"preset {name!r} does not take {', '.join(extra)}")
     if name == "reconfig":
         return run_reconfig(out=out, seed=seed, progress=progress, truth=truth,
-                            per_degree=per_degree, slo=slo, controller=controller)
+                            per_degree=per_degree, slo=slo, controller=controller,
+                            pending_credit=pending_credit)
     if name == "ablation":
         return run_ablation(out=out, seed=seed, progress=progress, truth=truth,
                             per_degree=per_degree, slo=slo, **given)
@@ -125,8 +130,11 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
                  fixed: tuple[str, str] = ("12CP2/4CP4", "4CP2/8CP4"),
                  truth: GroundTruth | None = None,
                  per_degree: bool = False, slo: SloTable = QWEN3_SLO,
-                 controller: ControllerConfig | None = None) -> dict[str, Any]:
+                 controller: ControllerConfig | None = None,
+                 pending_credit: bool | None = None) -> dict[str, Any]:
     ctl = controller_overrides(controller)
+    if pending_credit is not None:
+        ctl["pending_credit"] = pending_credit
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     duration = sum(p.duration_s for p in RECONFIG_PHASES)
@@ -187,6 +195,7 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
         "first_reaction_kind": reaction_kind, "windows_to_follow": follow,
         "drain_switch_s": _drain_switch_summary(reconfs),
         "controller": config_to_mapping(spec.controller),
+        "pending_credit": spec.pending_credit,
         "profile": prof.to_dict(),
         "hardware": ground_truth_to_mapping(truth),
         "slo": slo_to_dict(slo),

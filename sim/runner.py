@@ -281,6 +281,7 @@ def run_simulate(
     pull_demote: bool | None = None,
     pull_wait: bool | None = None,
     request_log: bool = False,
+    pending_credit: bool | None = None,
 ) -> dict[str, Any]:
     """Run the sweep and write every output; returns ``{"rows": [...], "meta": {...}}``.
 
@@ -295,7 +296,9 @@ def run_simulate(
     ``pull_demote``: whether a landed pull demotes the source's copy (None: the calibrated
     ``calibration.PULL.demote_source``; moot without a pull). ``pull_wait``: the credit also
     where the request waits for the copy (``PullCredit.wait``; None: the calibrated
-    ``calibration.PULL_WAIT``).
+    ``calibration.PULL_WAIT``). ``pending_credit``: the credit also counts a prefix pending
+    after a split or merge (``SimConfig.pending_credit``; None: the calibrated
+    ``calibration.PENDING_CREDIT``, off).
 
     ``slo``: the TTFT deadlines by prompt length that SLO attainment counts, and that κ is
     measured to keep when the profile is measured here (default: paper Table 2, Qwen3).
@@ -337,6 +340,7 @@ def run_simulate(
         pull_credit_option(pull_credit_blocks)
     if pull_wait is not None and not isinstance(pull_wait, bool):
         raise InvalidInput(f"--pull-wait must be on or off, got {pull_wait!r}")
+    check_pending_credit(pending_credit)
     if not isinstance(request_log, bool):
         raise InvalidInput(f"--requests must be on or off, got {request_log!r}")
     check_pull_credit(pull_min_blocks, pull_credit_blocks)
@@ -362,6 +366,8 @@ def run_simulate(
         overrides["pull_credit_blocks"] = pull_credit_blocks
     if pull_wait is not None:
         overrides["pull_wait"] = pull_wait
+    if pending_credit is not None:
+        overrides["pending_credit"] = pending_credit
     overrides.setdefault("kappa_scale", prof.capacity_scale(calibration.KAPPA_SCALE))
     spec = ExperimentSpec(gpus=gpus, degrees=tuple(sorted(degrees)), seed=seed,
                           cache_blocks_per_gpu=cache_blocks_per_gpu, beta=beta, lam=lam,
@@ -405,6 +411,7 @@ def run_simulate(
         "pull_credit_blocks": spec.pull_credit_blocks if spec.pull is not None else 0,
         "pull_demote": spec.pull.demote_source if spec.pull is not None else False,
         "pull_wait": spec.pull_wait if spec.pull is not None else False,
+        "pending_credit": spec.pending_credit if spec.pull is not None else False,
         "hardware": ground_truth_to_mapping(truth),
         "request_log": "requests" if request_log else None,
         "wall_s": time.perf_counter() - t0,
@@ -1222,6 +1229,12 @@ the trace's shape): a user who has it runs ``--preset ablation --trace
 toolagent_trace.jsonl``."""
 
 
+def check_pending_credit(pending_credit: object) -> None:
+    """``--pending-credit`` is on, off or not given (None); else :class:`InvalidInput`."""
+    if pending_credit is not None and not isinstance(pending_credit, bool):
+        raise InvalidInput(f"--pending-credit must be on or off, got {pending_credit!r}")
+
+
 def preset_choices(name: str) -> tuple[str, ...]:
     """:data:`PRESET_CHOICES` of ``name`` (none for an unknown name)."""
     return PRESET_CHOICES.get(name, ())
@@ -1252,7 +1265,8 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                rate_scales: Sequence[float] | None = None, max_requests: int | None = None,
                cache_blocks_per_gpu: int | None = None,
                controller: ControllerConfig | None = None,
-               request_log: bool = False) -> dict[str, Any]:
+               request_log: bool = False,
+               pending_credit: bool | None = None) -> dict[str, Any]:
     """Run a named experiment. ``policies`` (the trace presets only; default: all eight
     compared policies), ``jobs`` (worker processes for a trace preset's sweep), ``truth``
     (the simulated hardware; default: the note's), ``per_degree`` (the profile's fit),
@@ -1264,6 +1278,8 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     apply to its default workload), rates and cache size. ``controller``: the adaptive pools'
     thresholds (default: the calibrated ones); the ablation holds its composition fixed, so it
     takes none. ``request_log``: the trace presets' per-request logs (:func:`run_simulate`).
+    ``pending_credit`` (the trace presets and ``reconfig``; None: the calibrated setting):
+    J's credit of a pending prefix (:func:`run_simulate`); the ablation never reconfigures.
     Raises :class:`InvalidInput` as :func:`check_preset` does, or for a choice the preset does
     not leave open, before anything runs."""
     check_preset(name, policies=policies, repeats=repeats, warmup_s=warmup_s)
@@ -1272,6 +1288,10 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         raise InvalidInput("preset 'ablation' holds its composition fixed: a controller "
                            "setting does not apply to it")
     controller_overrides(controller)
+    check_pending_credit(pending_credit)
+    if pending_credit is not None and name == "ablation":
+        raise InvalidInput("preset 'ablation' holds its composition fixed: nothing is ever "
+                           "pending, so --pending-credit does not apply to it")
     if request_log and name not in PRESETS:
         raise InvalidInput(f"--requests: preset {name!r} writes no per-request log (the trace "
                            "presets do)")
@@ -1307,11 +1327,13 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         return run_simulate(policies=pols, out=out, seed=seed, gpus=40,
                             degrees=(2, 4), progress=progress, jobs=jobs, truth=truth,
                             per_degree=per_degree, repeats=repeats, warmup_s=warmup_s,
-                            slo=slo, controller=controller, request_log=request_log, **p)
+                            slo=slo, controller=controller, request_log=request_log,
+                            pending_credit=pending_credit, **p)
     from sim import presets
 
     return presets.run(name, out=out, seed=seed, progress=progress, truth=truth,
                        per_degree=per_degree, slo=slo, controller=controller,
+                       pending_credit=pending_credit,
                        workload=workload,
                        rate_scales=None if rate_scales is None else tuple(rate_scales),
                        cache_blocks_per_gpu=cache_blocks_per_gpu)

@@ -36,6 +36,7 @@ from services.cachemgr.pull import PullConfig, demotion, pull_on_route
 from services.cachemgr.reconcile import (
     RehomeConfig,
     on_reuse,
+    pending_reach,
     reconcile_merge,
     reconcile_split,
     rehome_on_merge,
@@ -127,6 +128,10 @@ class SimConfig:
     already on its way to its worker with a part of that prefix (``_arriving``) -- as a live
     rank daemon holds it until its cache has the prefix (services/rankd/core.py
     ``WorkerCore.pull_hold``; placement.py "Pull credit")."""
+    pending_credit: bool = False
+    """With the credit: J also counts a prefix pending at a worker after a split or merge as
+    a copy to it (placement.py "A pending prefix"; reconcile.py ``pending_reach``), and with
+    ``pull_wait`` a request J counted it for waits for those reconcile copies too."""
     kappa_scale: float = 1.0
     """Multiplies the profile's κ_C for the controller only (see sim/calibration.py)."""
 
@@ -149,6 +154,8 @@ class SimConfig:
             raise InvalidInput(f"pull_displace_block_s must be a finite number >= 0, got {d!r}")
         if not isinstance(self.pull_wait, bool):
             raise InvalidInput(f"pull_wait must be a bool, got {self.pull_wait!r}")
+        if not isinstance(self.pending_credit, bool):
+            raise InvalidInput(f"pending_credit must be a bool, got {self.pending_credit!r}")
 
 
 def pull_credit(config: SimConfig) -> PullCredit | None:
@@ -330,6 +337,10 @@ class Simulator:
         credit = pull_credit(config)
         if credit is not None and isinstance(policy, JPolicy):
             policy = policy.with_pull(credit)
+        # J's credit of a pending prefix (SimConfig.pending_credit): only where J has the credit.
+        self._pending_credit = config.pending_credit and credit is not None \
+            and isinstance(policy, JPolicy)
+        self._reconciled = False  # a split or merge has happened (pending blocks may exist)
         self.sched = SchedulerCore(policy, ClusterView((), block_size=self.B))
         self.trie = PrefixTrie(config.degrees, block_size=self.B)
         self.workers: dict[WorkerId, _SimWorker] = {}
@@ -540,8 +551,11 @@ class Simulator:
         req = job.req
         job.pull_end = -1.0  # a redirected request waits only for a pull of its new placement
         match = self.trie.match(req.block_hashes)
+        # Pending blocks exist only after a split or merge (speed: no walk before one).
+        pending = pending_reach(self.trie, req.block_hashes, match.held_blocks) \
+            if self._pending_credit and self._reconciled else None
         try:
-            d = self.sched.place(job.info, match.held_blocks, now)
+            d = self.sched.place(job.info, match.held_blocks, now, pending=pending)
         except NoEligibleWorker as exc:
             if self._active and req.input_len <= self.cfg.max_seq_len:
                 # Every fitting worker is reconfiguring: hold it until the new workers exist.
@@ -564,7 +578,7 @@ class Simulator:
             if self.trie.has_pending(d.worker):
                 for act in on_reuse(self.trie, d.worker, req.block_hashes):
                     self._issue_transfer(act, now)
-            if self.cfg.pull is not None and match.held_blocks:
+            if self.cfg.pull is not None and (match.held_blocks or d.pulled_blocks):
                 wait = d.pulled_blocks > 0 and self.cfg.pull_wait
                 acts = pull_on_route(self.trie, match, d.worker, self.cfg.pull)
                 for act in acts:
@@ -756,6 +770,7 @@ class Simulator:
         rank and what is pending; each new worker's local cache starts with its valid whole
         prefixes (pending pages arrive by lazy reconcile transfers on first reuse)."""
         caps = {w.wid: w.cache.capacity_blocks for w in new}
+        self._reconciled = True
         if plan.kind is OpKind.SPLIT:
             reconcile_split(self.trie, old[0].wid, (new[0].wid, new[1].wid), caps)
         else:

@@ -313,6 +313,13 @@ def register(app: typer.Typer) -> None:
             help="J's pull credit also where the worker's queue is shorter than the copy: the "
             "request waits there for it to land; default: the calibrated setting")
         ] = None,
+        pending_credit: Annotated[bool | None, typer.Option(
+            "--pending-credit/--no-pending-credit",
+            help="J's pull credit also counts a prefix pending at a worker after a split or "
+            "merge (its reconcile copies; simulator only, the live scheduler does not know "
+            "pending blocks); default: the calibrated setting (off). Also with --preset "
+            "reconfig and the trace presets")
+        ] = None,
         jobs: Annotated[
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "
                               "(same results)")
@@ -428,10 +435,12 @@ def register(app: typer.Typer) -> None:
                                             policies=chosen, jobs=jobs, truth=truth,
                                             per_degree=per_degree, repeats=repeats,
                                             warmup_s=warmup, slo=table, controller=ctl,
-                                            request_log=requests, **preset_args)
+                                            request_log=requests,
+                                            pending_credit=pending_credit, **preset_args)
             else:
                 summary = runner.run_simulate(**args, truth=truth, progress=True,
-                                              controller=ctl, request_log=requests)
+                                              controller=ctl, request_log=requests,
+                                              pending_credit=pending_credit)
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_table(summary, file=sys.stdout)

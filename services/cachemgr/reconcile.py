@@ -517,6 +517,55 @@ def on_reuse(trie: PrefixTrie, worker: WorkerId,
     return tuple(out)
 
 
+def pending_reach(trie: PrefixTrie, block_hashes: Sequence[BlockHash],
+                  held: Mapping[WorkerId, int]) -> dict[WorkerId, int]:
+    """How many leading blocks of a request each worker with pending blocks will hold once the
+    reconcile copies :func:`on_reuse` would issue for it there have landed, for the workers
+    where that is more than ``held`` (each worker's valid prefix of the request, as
+    :meth:`PrefixTrie.match` counts it; absent: 0). For J's credit of a pending prefix
+    (services/scheduler/placement.py "Pull credit"): §6.2 leaves a split's or merge's
+    prefixes pending until their first reuse, and J, counting only valid blocks, sent the
+    requests that would reuse them elsewhere, to recompute them (docs/evaluation.md "J counts
+    a pending prefix").
+
+    The walk is :func:`on_reuse`'s without its side effects: along the request's chain while
+    the worker has each block valid, or pending and either on its way there or with a copy
+    source; a pending block with no source ends it (on_reuse would drop it). Pure; raises
+    :class:`InvalidInput` for hashes that are not a sequence of ints."""
+    if not isinstance(block_hashes, Sequence) or isinstance(block_hashes, str | bytes):
+        raise InvalidInput(f"block_hashes must be a sequence of ints, got {block_hashes!r}")
+    nodes = trie._nodes
+    out: dict[WorkerId, int] = {}
+    for w, view in trie._workers.items():
+        if not view.pending:
+            continue
+        valid, pending = view.valid, view.pending
+        inflight: set[BlockHash] | None = None
+        prev: TrieNode | None = None
+        k = 0
+        for h in block_hashes:
+            try:
+                n = nodes.get(h)
+            except TypeError as exc:
+                raise InvalidInput(f"block hashes must be ints: {exc}") from exc
+            if n is None or n.parent is not prev:
+                break
+            prev = n
+            if h not in valid:
+                if h not in pending:
+                    break
+                if inflight is None:
+                    inflight = set()
+                    for a in trie._replicating.get(w, {}).values():
+                        inflight.update(a.blocks)
+                if h not in inflight and _source(trie, view, n) is None:
+                    break
+            k += 1
+        if k > held.get(w, 0):
+            out[w] = k
+    return out
+
+
 def _source(trie: PrefixTrie, view: WorkerView, n: TrieNode) -> WorkerId | None:
     hint = view.pending[n.hash]
     if hint == view.worker:

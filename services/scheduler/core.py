@@ -125,9 +125,13 @@ class SchedulerCore:
 
     # --- request lifecycle --------------------------------------------------------------------
     def place(
-        self, request: RequestInfo, held_blocks: Mapping[WorkerId, int], now: float
+        self, request: RequestInfo, held_blocks: Mapping[WorkerId, int], now: float,
+        *, pending: Mapping[WorkerId, int] | None = None,
     ) -> Decision:
-        """Decide and reserve. :class:`DuplicateRequest` if the id is already placed;
+        """Decide and reserve. ``pending``: what each worker's pending reconcile copies will
+        give it of the request (services/cachemgr/reconcile.py ``pending_reach``), for a
+        policy with J's pull credit (placement.py "A pending prefix"); others ignore it.
+        :class:`DuplicateRequest` if the id is already placed;
         :class:`SequenceTooLong` if the request is longer than the ``max_seq_len`` of every
         worker of the view (any lifecycle; an empty view never refuses: see
         :func:`~services.scheduler.eligibility.longest_max_seq_len`); the policy's
@@ -157,7 +161,7 @@ class SchedulerCore:
                 # The pull credit copies only what the trie says is held, not in-flight
                 # prefixes (placement.py "Pull credit").
                 d = self.policy.place(request, self._view, held, self._loads, now,
-                                      holdings=held_blocks)
+                                      holdings=held_blocks, pending=pending)
             else:
                 d = self.policy.place(request, self._view, held, self._loads, now)
         except BaseException:

@@ -61,9 +61,22 @@ the reconfiguration preset's long documents (100K tokens, whose holder was busy 
 another document) queued 10-21 s that way. Why M:
 a long copy displaces as much of the destination's cache (documents pushed out, then
 recomputed; the reconfiguration preset's long phases) -- the calibration's sweep is in
-services/calibration.py ``PULL_CREDIT_BLOCKS``. PreferDegree
-(below) leaves the credit out, as it leaves the load out: the copy counts only where the
-queue lets it land, and the controller's merge gate reads the preferred degree.
+services/calibration.py ``PULL_CREDIT_BLOCKS``.
+
+**A pending prefix** (our addition to §6.2; off unless ``pending`` is given, and only with
+the credit): after a split or merge a worker's retained prefixes are *pending* until a request
+reuses them there, which sends the reconcile copies (services/cachemgr/reconcile.py
+``on_reuse``). For a worker whose pending copy reaches r_w blocks of the request (``pending``:
+``pending_reach``), H above is max(H, r_w) for that worker alone, under the same bounds,
+queue test and wait, and without δ where r_w ≥ H (a reconcile copy takes nothing from its
+source: the pages are the worker's own, or its sibling's left over from the split). Why:
+§6.2 does not count a pending prefix as reusable, so J sent the request that would have
+reused it elsewhere, where it recomputed the prefix -- a 113K-token document in the
+reconfiguration preset's last phase, 18 s against 1 s on the fixed pool (docs/evaluation.md
+"J counts a pending prefix").
+
+PreferDegree (below) leaves the credit out, as it leaves the load out: the copy counts only
+where the queue lets it land, and the controller's merge gate reads the preferred degree.
 
 The request goes to argmin J. Ties are broken
 deterministically: lower J, then smaller degree (fewer GPUs for the same cost), then a
@@ -316,12 +329,17 @@ def place_j(
     beta_busy_power: float = 0.0,
     pull: PullCredit | None = None,
     holdings: Mapping[WorkerId, int] | None = None,
+    pending: Mapping[WorkerId, int] | None = None,
 ) -> Decision:
     """Place ``request`` by minimum J; see the module docstring for the exact rule.
 
     ``pull``: J's credit for the route-time pull (None: off); ``holdings``: the blocks each
     worker holds of the request's prefix per the trie alone (what a pull copies from; None:
-    ``held_blocks``, which may add prefixes of unfinished requests).
+    ``held_blocks``, which may add prefixes of unfinished requests). ``pending`` (with
+    ``pull`` only): the leading blocks of the request each worker will hold once its own
+    reconcile copies after a split or merge have landed, where more than it holds
+    (services/cachemgr/reconcile.py ``pending_reach``); credited as a pull from the worker's
+    pending copy (module docstring, "Pull credit"), without the displacement price.
 
     Raises :class:`InvalidInput` (bad request / held count / time / credit),
     :class:`UnknownWorker` (a worker of the view has no load tracker) or
@@ -341,6 +359,7 @@ def place_j(
     pull_h = pull_min = pull_max = 0
     pull_t0 = pull_t1 = pull_d = 0.0
     pull_wait = False
+    pend_get: Callable[[WorkerId, int], int] | None = None
     if pull is not None:
         if not isinstance(pull, PullCredit):
             raise InvalidInput(f"pull must be a PullCredit, got {type(pull).__name__}")
@@ -348,6 +367,9 @@ def place_j(
         if src is not held_blocks:
             _check_counts("holdings", src)
         pull_h = max(src.values(), default=0)
+        if pending:
+            _check_counts("pending", pending)
+            pend_get = pending.get
         pull_min, pull_max = pull.min_blocks, pull.max_blocks
         pull_t0, pull_t1, pull_d = pull.copy_base_s, pull.copy_block_s, pull.displace_block_s
         pull_wait = pull.wait
@@ -379,6 +401,7 @@ def place_j(
     qs: list[float | None] = [None] * n
     ps: list[int | None] = [None] * n
     moved: dict[int, float] = {}  # row -> δ·(blocks copied) in its J (the credit's price)
+    credited: dict[int, int] = {}  # row -> blocks J counted on beyond what the worker holds
     waits: dict[int, float] = {}  # row -> how much longer than its queue it waits for a copy
     # Only q and P are kept per worker: the other candidate terms follow from them and `terms`
     # and are computed if the decision's columns are ever read (_j_columns).
@@ -427,31 +450,43 @@ def place_j(
         else:
             q = ld.queue_delay(now)
         blocks = own = held_get(wid, 0)
-        if pull_h:
-            gap = pull_h - own
+        src_h = pull_h
+        reconciled = False
+        if pend_get is not None:
+            r = pend_get(wid, 0)
+            if r and r >= src_h:
+                # Its own pending copy reaches as far as any holder's or further: routed
+                # here, the reconcile copies bring it (on_reuse runs before the pull, which
+                # then sends no second copy), and they move nothing out of their source.
+                src_h, reconciled = r, True
+        if src_h:
+            gap = src_h - own
             # The credit (module docstring): the copy is sent and lands before it starts. It
             # fits: H full blocks of the request are at most L tokens, within the limit.
             if pull_min <= gap <= pull_max:
                 copy_s = pull_t0 + pull_t1 * gap
                 if q >= copy_s:
-                    blocks = pull_h
+                    blocks = src_h
                 elif pull_wait:
                     # It may wait for the copy to land, or start without it: the lower J.
-                    key = min(pull_h * B, Lm1) * n + dk
+                    key = min(src_h * B, Lm1) * n + dk
                     t = terms.get(key)
                     if t is None:
-                        t = _new_term(terms, ecmin, predict, L, min(pull_h * B, Lm1), key, c,
+                        t = _new_term(terms, ecmin, predict, L, min(src_h * B, Lm1), key, c,
                                       cmin, beta, lam)
-                    j_wait = copy_s + t[2] + pull_d * gap
+                    # A reconcile copy moves nothing out of its source (no δ).
+                    j_wait = copy_s + t[2] + (0.0 if reconciled else pull_d * gap)
                     key = min(own * B, Lm1) * n + dk
                     t = terms.get(key)
                     if t is None:
                         t = _new_term(terms, ecmin, predict, L, min(own * B, Lm1), key, c,
                                       cmin, beta, lam)
                     if j_wait < q + t[2]:
-                        blocks = pull_h
+                        blocks = src_h
                         waits[i] = copy_s - q
                         q = copy_s
+            if blocks != own:
+                credited[i] = blocks - own
         p = blocks * B
         if p > Lm1:
             p = Lm1
@@ -463,7 +498,7 @@ def place_j(
             t = _new_term(terms, ecmin, predict, L, p, key, c, cmin, beta, lam)
         s, extra, v = t
         j = q + v
-        if blocks != own and pull_d:
+        if blocks != own and pull_d and not reconciled:
             m = moved[i] = pull_d * (blocks - own)
             j += m
         ps[i] = p
@@ -501,8 +536,7 @@ def place_j(
 
     p_best: int = ps[best]  # type: ignore[assignment]
     # Credited on the chosen worker: P beyond its own prefix (only the credit gives that).
-    pulled = pull_h - held_get(ids[best], 0) if pull_h and p_best > min(
-        held_get(ids[best], 0) * B, Lm1) else 0
+    pulled = credited.get(best, 0) if p_best > min(held_get(ids[best], 0) * B, Lm1) else 0
     cols = CandidateColumns.deferred(
         lambda: _j_columns(ids, rows, excl, qs, ps, terms, L, moved))
     return Decision(

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from services.cachemgr.actions import Replicate
 from services.cachemgr.events import Stored
+from services.cachemgr.reconcile import pending_reach
 from services.cachemgr.trie import PrefixTrie
 from shared.ids import InvalidInput, UnknownWorker
 
@@ -81,6 +82,47 @@ def test_pending_without_valid_copy_is_an_ordinary_miss() -> None:
     assert t.on_reuse(L, [10, 11, 12, 13]) == ()  # 12 no longer pending at L: run stops
     t.apply(Stored(L, 1, 11, (12,)))  # L recomputed and stored page 2
     assert t.on_reuse(L, [10, 11, 12, 13]) == (Replicate(13, 2, "x", L, (13,), "reconcile"),)
+
+
+def test_pending_reach_is_what_on_reuse_would_bring_without_its_side_effects() -> None:
+    t = split_setup()
+    t.add_worker("x", 2, 100)
+    t.reconcile_split(P, (L, R), {L: 50, R: 50})
+    req = [10, 11, 12, 13, 14, 15]
+    held = dict(t.match(req).held_blocks)
+    assert held == {L: 2}
+    # L holds pages 0-1 and has 2-4 pending (12-13 from R's donors, 14 its own resident
+    # page): once its reconcile copies land it holds 5 of the request. R, x: nothing pending.
+    assert pending_reach(t, req, held) == {L: 5}
+    assert t.inflight() == () and t.pending_blocks(L) == {12, 13, 14}  # nothing sent
+    # Only where it reaches beyond what the worker holds.
+    assert pending_reach(t, req, {L: 5}) == {}
+    assert pending_reach(t, [10, 11], held) == {}
+    # The request's chain decides: a block not under the previous one ends the walk.
+    assert pending_reach(t, [10, 11, 13, 14], held) == {}
+    # Copies on their way count; a pending page with no source left ends the walk, as
+    # on_reuse's would (it drops it there).
+    acts = t.on_reuse(L, req)
+    assert pending_reach(t, req, held) == {L: 5}
+    for a in acts:
+        assert t.replication_failed(a)
+    assert t.release_donors(R) == 2
+    assert pending_reach(t, req, held) == {}
+    assert t.pending_blocks(L) == {12, 13, 14}  # still pending: pending_reach drops nothing
+    with pytest.raises(InvalidInput):
+        pending_reach(t, "ab", held)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        pending_reach(t, [10, [11]], held)  # type: ignore[list-item]
+
+
+def test_pending_reach_after_a_merge_counts_pages_on_the_merged_workers_own_ranks() -> None:
+    t = PrefixTrie([2, 4], block_size=4)
+    t.add_worker(L, 2, 50)
+    t.add_worker(R, 2, 50)
+    t.apply(Stored(L, 1, None, (10, 11, 12, 13)))
+    t.reconcile_merge((L, R), P, 100)
+    # Pages 2-3 sit on the merged worker's own ranks (source: itself): always reachable.
+    assert pending_reach(t, [10, 11, 12, 13], t.match([10, 11, 12, 13]).held_blocks) == {P: 4}
 
 
 def test_merge_marks_misplaced_pages_pending() -> None:

@@ -845,6 +845,24 @@ def test_simulate_takes_the_pull_wait_setting(runner, tmp_path, profile_file) ->
         (["--preset", "conversation", "--no-pull-wait"], "leave out --pull-wait"),))
 
 
+def test_simulate_takes_the_pending_credit_setting(runner, tmp_path, profile_file) -> None:
+    """``--pending-credit/--no-pending-credit`` reaches the simulator (meta.json records it:
+    off by default, as calibrated); the reconfiguration and trace presets take it, the
+    ablation (a fixed composition) refuses it."""
+    common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
+              "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
+    metas = {}
+    for name, extra in (("default", []), ("on", ["--pending-credit"]),
+                        ("off", ["--no-pending-credit"]),
+                        ("nopull", ["--pull-min-blocks", "0", "--pending-credit"])):
+        out = tmp_path / name
+        _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
+        metas[name] = json.loads((out / "meta.json").read_text())["pending_credit"]
+    assert metas == {"default": False, "on": True, "off": False, "nopull": False}
+    _refused(runner, tmp_path, (
+        (["--preset", "ablation", "--pending-credit"], "does not apply"),))
+
+
 def test_simulate_takes_the_pull_demote_setting(runner, tmp_path, profile_file) -> None:
     """``--pull-demote/--no-pull-demote`` reaches the pull (meta.json records it: the
     calibrated on by default, and off when the pull is); with a preset it is refused."""

@@ -276,3 +276,67 @@ def test_the_scheduler_tells_the_worker_to_wait_for_the_pull_it_counted_on(wait:
         assert a.pull_copy_s == pull_copy_s(credit, 15) == pytest.approx(0.002 + 0.0006 * 15)
     else:
         assert d.pulled_blocks == 0 and a.prefix_tokens == 0 and a.pull_copy_s == 0.0
+
+
+# -- a pending prefix (placement.py "A pending prefix") --------------------------------------
+def place_pending(held: dict, loads: dict, pending: dict | None, pull: PullCredit | None = CREDIT,
+                  holdings: dict | None = None):
+    return place_j(req("r", 1000), pool(), held, loads, 0.0, profile=ROUND, beta=BETA, lam=LAM,
+                   pull=pull, holdings=holdings, pending=pending)
+
+
+def test_a_pending_prefix_is_credited_to_its_worker_alone() -> None:
+    """After a split "b" has 8 blocks of the request pending (its reconcile copies bring them
+    on first reuse) and nobody holds them: without the pending credit both recompute and the
+    less busy "b" wins at P = 0; with it "b" is priced with the 800 tokens and "a" is not (a
+    pull cannot copy from pending blocks)."""
+    v = pool()
+    plain = place_pending({}, busy(v, q_a=0.5, q_b=2.0), None)
+    assert plain.worker == "a" and plain.candidate(W("b")).prefix_tokens == 0
+    d = place_pending({}, busy(v, q_a=0.5, q_b=2.0), {W("b"): 8})
+    assert d.worker == "b" and d.pulled_blocks == 8
+    assert d.candidate(W("b")).prefix_tokens == 800
+    assert d.candidate(W("a")).prefix_tokens == 0
+    # Without the credit (no pull) a pending count is ignored, as the docstring says.
+    assert place_pending({}, busy(v, q_a=0.5, q_b=2.0), {W("b"): 8}, pull=None).worker == "a"
+    # A pending reach no further than the worker's own prefix, or the holder's, adds nothing.
+    same = place_pending({W("a"): 8}, busy(v), {W("b"): 8})
+    assert same.candidate(W("b")).prefix_tokens == 800 and same.worker == "b"
+    assert same.to_dict() == place_pending({W("a"): 8}, busy(v), None).to_dict()
+
+
+def test_a_pending_copy_pays_no_displacement_price_and_waits_like_a_pull() -> None:
+    v = pool()
+    dear = PullCredit(min_blocks=2, max_blocks=64, displace_block_s=0.19)
+    pulled = place_pending({W("a"): 8}, busy(v), None, pull=dear)
+    assert pulled.worker == "a"  # the pull's δ keeps it on the holder (test above)
+    own = place_pending({W("a"): 8}, busy(v), {W("b"): 8}, pull=dear)
+    assert own.worker == "b" and own.pulled_blocks == 8  # the same 8 blocks, its own copy
+    assert own.candidate(W("b")).score == pytest.approx(
+        place_pending({W("a"): 8}, busy(v), None).candidate(W("b")).score, rel=1e-12)
+    # It reaches further than the holder: 10 blocks (999 tokens, L − 1) against 8.
+    far = place_pending({W("a"): 8}, busy(v), {W("b"): 10})
+    assert far.worker == "b" and far.pulled_blocks == 10
+    assert far.candidate(W("b")).prefix_tokens == 999
+    # With the wait an idle worker waits for its reconcile copies as for a pull.
+    idle = place_pending({}, busy(v, q_a=2.0, q_b=0.0), {W("b"): 8},
+                         pull=PullCredit(**SLOW, wait=True))
+    assert idle.worker == "b" and idle.pulled_blocks == 8
+    assert idle.pull_wait_s == pytest.approx(0.5, rel=1e-12)
+    # Bounds as for a pull: under min_blocks beyond its own prefix, nothing.
+    assert place_pending({W("b"): 7}, busy(v), {W("b"): 8}).candidate(
+        W("b")).prefix_tokens == 700
+
+
+def test_bad_pending_counts_are_refused_and_the_core_hands_them_to_the_policy() -> None:
+    for bad in ({W("b"): -1}, {W("b"): 2.5}, {W("b"): True}):
+        with pytest.raises(InvalidInput, match="pending"):
+            place_pending({}, busy(pool()), bad)
+    pol = make_policy("vertumnus", profile=ROUND, beta=BETA, lam=LAM)
+    assert isinstance(pol, JPolicy)
+    for policy, expect in ((pol.with_pull(CREDIT), 800), (pol, 0)):
+        core = SchedulerCore(policy, pool())
+        busy_w = W(core.place(req("long", 5000, nblocks=0), {}, 0.0).worker)
+        # The busy worker's queue covers the copy: credited where the policy has the credit.
+        d = core.place(req("r1", 1000), {}, 0.0, pending={busy_w: 8})
+        assert d.candidate(busy_w).prefix_tokens == expect

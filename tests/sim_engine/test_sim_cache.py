@@ -496,3 +496,41 @@ def test_a_request_waits_for_every_copy_of_its_prefix_on_the_way(profile, phased
     assert res.reconcile_transfers > 0 and res.pull_waits > 0
     assert counted
     assert early == []
+
+
+def test_with_the_pending_credit_a_request_reuses_its_pending_prefix_where_j_counted_it(
+        profile, phased_workload, monkeypatch) -> None:
+    """``SimConfig.pending_credit``: after a split or merge J is told how far each worker's
+    pending prefix reaches (reconcile.py ``pending_reach``) and may count on it; a request it
+    counted it for waits there for its reconcile copies, and then reuses the prefix. Off, J is
+    never told (the paper's §6.2: a pending prefix is not reusable until reconciled)."""
+    seen: list[tuple[dict, object]] = []
+    decide = SchedulerCore.place
+
+    def on_decide(self: SchedulerCore, info: object, *args: object, **kw: object) -> object:
+        d = decide(self, info, *args, **kw)  # type: ignore[arg-type]
+        seen.append((dict(kw.get("pending") or {}), d))  # type: ignore[call-overload]
+        return d
+
+    monkeypatch.setattr(SchedulerCore, "place", on_decide)
+    base = dict(composition=_comp(), cache_manager=True, adaptive=True, pull_wait=True,
+                pull=PullConfig(min_blocks=1), pull_credit_blocks=256,
+                **dict(SMALL, cache_blocks_per_gpu=2048))
+    off = run(phased_workload, profile, **base)
+    assert off.reconfigurations and off.reconcile_transfers > 0
+    assert all(not p for p, _ in seen)
+    seen.clear()
+    res = run(phased_workload, profile, pending_credit=True, **base)
+    check_records(res, phased_workload, gpus=16)
+    told = [(p, d) for p, d in seen if p]
+    assert told, "no placement saw a pending prefix"
+    # Credited from its own pending copy: it reaches at least as far as J counted.
+    used = [d for p, d in told if d.pulled_blocks and p.get(d.worker, 0) >= d.reused_blocks]
+    assert used
+    recs = {r.request_id: r for r in res.records}
+    for d in used:
+        r = recs[d.request_id]
+        if r.worker == d.worker:  # not redirected by a later reconfiguration
+            assert r.reused_tokens >= d.prefix_tokens
+    with pytest.raises(InvalidInput, match="pending_credit"):
+        SimConfig(pending_credit=1)  # type: ignore[arg-type]

@@ -97,9 +97,11 @@ class JPolicy:
         now: float,
         *,
         holdings: Mapping[WorkerId, int] | None = None,
+        pending: Mapping[WorkerId, int] | None = None,
     ) -> Decision:
         """J's decision (:func:`place_j`); ``holdings``: the trie's own counts when
-        ``held_blocks`` adds in-flight prefixes (the pull credit copies only what is held)."""
+        ``held_blocks`` adds in-flight prefixes (the pull credit copies only what is held);
+        ``pending``: what pending reconcile copies give each worker (with the credit only)."""
         return place_j(
             request,
             view,
@@ -114,6 +116,7 @@ class JPolicy:
             beta_busy_power=self.beta_busy_power,
             pull=self.pull,
             holdings=holdings,
+            pending=pending,
         )
 
     def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
