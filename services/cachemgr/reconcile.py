@@ -523,7 +523,7 @@ def pending_reach(trie: PrefixTrie, block_hashes: Sequence[BlockHash],
     reconcile copies :func:`on_reuse` would issue for it there have landed, for the workers
     where that is more than ``held`` (each worker's valid prefix of the request, as
     :meth:`PrefixTrie.match` counts it; absent: 0). For J's credit of a pending prefix
-    (services/scheduler/placement.py "Pull credit"): §6.2 leaves a split's or merge's
+    (services/scheduler/placement.py "A pending prefix"): §6.2 leaves a split's or merge's
     prefixes pending until their first reuse, and J, counting only valid blocks, sent the
     requests that would reuse them elsewhere, to recompute them (docs/evaluation.md "J counts
     a pending prefix").

@@ -339,7 +339,8 @@ def place_j(
     ``pull`` only): the leading blocks of the request each worker will hold once its own
     reconcile copies after a split or merge have landed, where more than it holds
     (services/cachemgr/reconcile.py ``pending_reach``); credited as a pull from the worker's
-    pending copy (module docstring, "Pull credit"), without the displacement price.
+    pending copy (module docstring, "A pending prefix"), without the displacement price where
+    it reaches at least as far as the best holder.
 
     Raises :class:`InvalidInput` (bad request / held count / time / credit),
     :class:`UnknownWorker` (a worker of the view has no load tracker) or
