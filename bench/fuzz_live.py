@@ -86,6 +86,9 @@ TEMPLATES: dict[str, dict[str, Any]] = {
     "removed": {"schema_version": 1, "type": "removed", "worker": "w", "event_id": 1,
                 "block_hashes": [5]},
     "snapshot": {"type": "snapshot", "worker": "w", "last_event_id": 3, "blocks": [[5, None]]},
+    "pending": {"schema_version": 1, "worker": "w", "degree": 2, "epoch": 1,
+                "blocks": [[5, None, "path", None], [6, 5, "pending", "w2"],
+                           [7, 6, "donor", None]]},
     "cmd": {"schema_version": 1, "command_id": "c1", "worker_id": "w", "epoch": 0,
             "blocks": [5], "op": "replicate", "source_worker": "w2"},
     "window": WindowReport(reporter="s", window_index=0, window_start_s=NOW, window_s=1.0,
@@ -203,6 +206,7 @@ class Fuzzer:
         core = [
             (lambda: S.cache_events(self.worker()), rnd.choice(["stored", "removed"])),
             (lambda: S.cache_stats(rnd.choice(["s", "x"])), "window"),
+            (lambda: S.cache_pending(self.worker()), "pending"),
             (lambda: S.window_demand(rnd.choice(["s", "x"])), "window"),
             (lambda: S.window_demand_again(rnd.choice(["s", "x"])), "window"),
             (lambda: S.epoch_ack(rnd.randrange(9)), "ack"),

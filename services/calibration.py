@@ -390,24 +390,27 @@ at ×1 / ×2 / ×3 / ×4 / ×4.8 0.845 / 0.862 / 1.043 / 1.324 / 2.221 s, betwee
 but at ×4.8; seed 127's S5 stays at +8.2% (its documents are over 64 blocks)."""
 
 
-PENDING_CREDIT: Final[bool] = False
+PENDING_CREDIT: Final[bool] = True
 """J's credit also counts a prefix *pending* at a worker after a split or merge as a copy to
 it (services/scheduler/placement.py "A pending prefix"; services/cachemgr/reconcile.py
-``pending_reach``), the request waiting for those reconcile copies as for a pull. **Off by
-default: only the simulator has it** (``simulate --pending-credit``, also with ``--preset
-reconfig`` and the trace presets). The live scheduler's trie replica does not know which
-blocks are pending (the cache manager reconciles; the scheduler learns a new worker's cache
-from its snapshot and events), so live J cannot count them yet; turning it on in the
-simulator alone would evaluate a system that does not run. What the live side needs: the
-cache manager publishes each reconciled worker's pending blocks (and their sources) and the
-scheduler's replica marks them.
+``pending_reach``), the request waiting for those reconcile copies as for a pull. **On by
+default since session 45**, when the live side came: the cache manager publishes each
+reconciled worker's pending blocks, their sources and its donor pages (ReconciledNotice on
+``{prefix}.cache.pending.{wid}``), and the scheduler's replica trie marks them
+(``mark_reconciled``). Off: ``simulate --no-pending-credit``; live ``VTM_PENDING_CREDIT=0``
+(the scheduler's setting). Session 44 measured it in the simulator alone and left it off
+until then, not to evaluate a system that did not run. One thing the replica does not learn:
+a pending block the cache manager later drops (its last source gone); a request J placed on
+it waits at most the rank daemon's bounded pull hold and recomputes the rest.
 
 Measured with it on (session 44, one run each; docs/evaluation.md "J counts a pending
 prefix"): the reconfiguration preset's long phases are lower on every one of seeds 0-29 (S3
 −1.3%, S5 −1.2% on average), the short ones unchanged within noise; the worst phase against
 the better fixed pool goes from +2.3% to +0.2%, seed 305's S5 from +3.8% to −0.4%. The
-conversation trace where the pool reconfigures (×3-×4, seeds 0-2): −0.9% at ×3.5, within
-±0.3% at ×3 and ×4. Without a split or merge nothing is pending and nothing changes."""
+conversation trace where the pool reconfigures (×3-×4): seeds 0-2 one run each −0.9% at
+×3.5, within ±0.3% at ×3 and ×4; session 45, ``--preset conversation --seed 0`` (three
+seeds averaged): −0.32% at ×3, −1.01% at ×3.5, −0.13% at ×4. Without a split or merge
+nothing is pending and nothing changes."""
 
 
 PULL_HOLD_SLACK: Final[float] = 2.0

@@ -427,6 +427,56 @@ CacheEvent = Annotated[
 """Any cache event; decode with ``decode(CacheEvent, ...)``."""
 
 
+ReconciledRole = Literal["pending", "donor", "path"]
+"""What a :class:`ReconciledNotice` entry is at its worker: a pending page (§6.2: resident or
+at its source, valid once the reconcile copy lands), a donor page (resident outside the
+worker's index, kept as a copy source) or only a link of the chain above one (no claim)."""
+
+
+class ReconciledNotice(Message):
+    """The cache manager's reconcile of one worker a split or merge made (§6.2), for the
+    scheduler replicas' tries: which blocks are pending there, with each one's copy source
+    (``None``: any valid copy in the pool), and which are donor pages. The replicas learn
+    valid blocks from the worker's events and snapshots; only the manager reconciles, so
+    this is how J's credit of a pending prefix (services/scheduler/placement.py "A pending
+    prefix") sees them live.
+
+    ``blocks`` = [(hash, parent or None, role, source or None)], parents before children (the
+    chain above each page is listed as ``path`` entries, so a replica that never saw a block
+    can link it). A large reconcile is cut into ``parts`` notices (``part`` from 0), sent in
+    order; each is applied on its own. ``source`` is given for pending entries only.
+    """
+
+    worker: Id
+    degree: int = Field(ge=1)
+    epoch: NonNegInt = Field(description="the epoch record whose reconcile made the worker")
+    part: NonNegInt = 0
+    parts: int = Field(default=1, ge=1)
+    blocks: Annotated[
+        list[tuple[HashInt, HashInt | None, ReconciledRole, Id | None]],
+        Field(max_length=MAX_BLOCKS_PER_EVENT),
+    ]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReconciledNotice:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} of {self.parts}: parts count from 0")
+        seen: set[int] = set()
+        for h, p, role, src in self.blocks:
+            if h in seen:
+                raise ValueError(f"blocks repeats hash {h}")
+            if p is not None and p == h:
+                raise ValueError(f"block {h} is its own parent")
+            if src is not None and role != "pending":
+                raise ValueError(f"block {h}: only a pending entry names a source, not a {role}")
+            seen.add(h)
+        where = {h: i for i, (h, _, _, _) in enumerate(self.blocks)}
+        for i, (h, p, _, _) in enumerate(self.blocks):
+            if p is not None and where.get(p, -1) > i:
+                raise ValueError(f"block {h} is listed before its parent {p}")
+        return self
+
+
 # -- prefix cache: commands --------------------------------------------------------------------
 
 
@@ -881,6 +931,8 @@ __all__ = [
     "ReclaimCommand",
     "ReconfigurationEvent",
     "ReconcileCommand",
+    "ReconciledNotice",
+    "ReconciledRole",
     "ReplicateCommand",
     "SchemaError",
     "TtftStages",

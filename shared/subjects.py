@@ -22,6 +22,7 @@ Map (prefix ``vtm``):
 ``vtm.cache.events.{wid}``     CacheEvent stream of one worker
 ``vtm.cache.snapshot.{wid}``   request-reply: ask a worker for a snapshot of its index
 ``vtm.cache.cmd.{wid}``        CacheCommand (replicate / reclaim / reconcile / demote)
+``vtm.cache.pending.{wid}``    ReconciledNotice: a new worker's pending and donor pages
 ``vtm.window.demand.{src}``    WindowReport from one scheduler replica (``….again``: its copy)
 ``vtm.ctl.drain``              DrainNotice: a reconfiguration's sources stop admitting
 ``vtm.ctl.reconf``             ReconfigurationEvent at every phase of a reconfiguration
@@ -231,6 +232,14 @@ class Subjects:
     def cache_cmd(self, worker_id: str) -> str:
         """CacheCommand to one worker."""
         return self._join("cache", "cmd", _id(worker_id, "worker id"))
+
+    def cache_pending(self, worker_id: str) -> str:
+        """ReconciledNotice: the cache manager's reconcile of a worker a split or merge made
+        (its pending and donor pages), for the scheduler replicas' tries."""
+        return self._join("cache", "pending", _id(worker_id, "worker id"))
+
+    def cache_pending_all(self) -> str:
+        return self._join("cache", "pending", "*")
 
     # -- controller ---------------------------------------------------------------------------
 

@@ -298,7 +298,7 @@ def run_simulate(
     where the request waits for the copy (``PullCredit.wait``; None: the calibrated
     ``calibration.PULL_WAIT``). ``pending_credit``: the credit also counts a prefix pending
     after a split or merge (``SimConfig.pending_credit``; None: the calibrated
-    ``calibration.PENDING_CREDIT``, off).
+    ``calibration.PENDING_CREDIT``, on).
 
     ``slo``: the TTFT deadlines by prompt length that SLO attainment counts, and that κ is
     measured to keep when the profile is measured here (default: paper Table 2, Qwen3).

@@ -316,9 +316,9 @@ def register(app: typer.Typer) -> None:
         pending_credit: Annotated[bool | None, typer.Option(
             "--pending-credit/--no-pending-credit",
             help="J's pull credit also counts a prefix pending at a worker after a split or "
-            "merge (its reconcile copies; simulator only, the live scheduler does not know "
-            "pending blocks); default: the calibrated setting (off). Also with --preset "
-            "reconfig and the trace presets")
+            "merge (its reconcile copies; live: the scheduler's VTM_PENDING_CREDIT); "
+            "default: the calibrated setting (on). Also with --preset reconfig and the "
+            "trace presets")
         ] = None,
         jobs: Annotated[
             int, typer.Option(help="Worker processes for the sweep's (policy, rate) runs "

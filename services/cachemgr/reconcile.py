@@ -566,6 +566,111 @@ def pending_reach(trie: PrefixTrie, block_hashes: Sequence[BlockHash],
     return out
 
 
+ReconciledEntry = tuple[BlockHash, BlockHash | None, Literal["pending", "donor", "path"],
+                        WorkerId | None]
+"""(hash, parent or None, role, source or None): one entry of a worker's reconcile as the cache
+manager publishes it (shared/schemas.py ``ReconciledNotice``)."""
+
+
+def reconciled_blocks(trie: PrefixTrie, worker: WorkerId) -> list[ReconciledEntry]:
+    """What a replica of the trie needs to know of ``worker``'s reconcile (§6.2) that the
+    worker's own events and snapshots will not tell it: its pending blocks with their copy
+    sources and its donor pages, with every block on the chains above them (``path``: the
+    worker's valid blocks and any other links, so a replica that never saw them can hang the
+    pages in place). Parents come before children (by depth, then hash: the same list for
+    the same trie). The live cache manager publishes it after each split or merge
+    (services/cachemgr/service.py ``on_record``); :func:`mark_reconciled` applies it to a
+    replica. Pure; raises :class:`UnknownWorker` for an unregistered worker."""
+    view = trie._view(worker)
+    nodes = trie._nodes
+    roles: dict[BlockHash, tuple[Literal["pending", "donor", "path"], WorkerId | None]] = {
+        h: ("pending", src) for h, src in view.pending.items()}
+    for h in view.donors:
+        roles[h] = ("donor", None)
+    chain: set[TrieNode] = set()
+    for h in roles:
+        n: TrieNode | None = nodes[h]
+        while n is not None and n not in chain:
+            chain.add(n)
+            n = n.parent
+    out: list[ReconciledEntry] = []
+    for n in sorted(chain, key=lambda x: (x.depth, x.hash)):
+        role, src = roles.get(n.hash, ("path", None))
+        out.append((n.hash, None if n.parent is None else n.parent.hash, role, src))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Marked:
+    """What :func:`mark_reconciled` did: pending and donor blocks marked, nodes created (path
+    links included), and entries skipped (their chain contradicts the trie, or their parent
+    is neither in the trie nor listed before them; everything below a skipped entry is
+    skipped too)."""
+
+    pending: int
+    donors: int
+    created: int
+    skipped: int
+
+
+def mark_reconciled(trie: PrefixTrie, worker: WorkerId,
+                    blocks: Iterable[ReconciledEntry]) -> Marked:
+    """Apply the cache manager's reconcile of ``worker`` (:func:`reconciled_blocks`, published
+    as a ``ReconciledNotice``) to a replica of the trie: create the blocks it does not know
+    (parents first), mark the pending ones pending with their source hint and the donor
+    pages as donors. A block the worker already has valid stays valid (its event came
+    first); one it has pending takes the new source. The replica then forgets them as the
+    manager's trie does: a block becomes valid with the worker's ``Stored`` event, a
+    ``Cleared`` event or the worker's removal drops them.
+
+    What the replica cannot learn this way: a pending block the manager later drops (its
+    last source gone, :func:`on_reuse`), and copies in flight. J may then count a pending
+    block no copy will bring; the request then waits at most the rank daemon's bounded pull
+    hold and recomputes the rest (services/scheduler/placement.py "A pending prefix").
+
+    Entries whose chain contradicts the trie (a hash under another parent: another
+    deployment's blocks, a corrupt notice) or whose parent is unknown are skipped with
+    everything below them; the rest is applied. Raises :class:`UnknownWorker` for an
+    unregistered worker and :class:`InvalidInput` for an entry that is not one."""
+    view = trie._view(worker)
+    nodes = trie._nodes
+    skipped: set[BlockHash] = set()
+    pending = donors = created = 0
+    for e in blocks:
+        if not isinstance(e, tuple | list) or len(e) != 4:
+            raise InvalidInput(f"a reconciled entry is (hash, parent, role, source), got {e!r}")
+        h, p, role, src = e
+        if isinstance(h, bool) or not isinstance(h, int) \
+                or (p is not None and (isinstance(p, bool) or not isinstance(p, int))):
+            raise InvalidInput(f"block and parent hashes must be ints, got {h!r} and {p!r}")
+        if role not in ("pending", "donor", "path"):
+            raise InvalidInput(f"role must be pending, donor or path, got {role!r}")
+        if src is not None and not isinstance(src, str):
+            raise InvalidInput(f"source must be a worker id or None, got {src!r}")
+        if p is not None and p in skipped:
+            skipped.add(h)
+            continue
+        parent = None if p is None else nodes.get(p)
+        n = nodes.get(h)
+        if n is None:
+            if p is not None and parent is None:
+                skipped.add(h)  # its parent is neither in the trie nor listed before it
+                continue
+            n = trie._create(h, parent)
+            trie._unref.add(n)  # refs == 0 until marked below (the collector's invariant)
+            created += 1
+        elif n.parent is not parent or (p is not None and parent is None):
+            skipped.add(h)  # the trie has it under another parent
+            continue
+        if role == "pending" and h not in view.valid:
+            trie._add_pending(view, n, None if src is None else WorkerId(src))
+            pending += 1
+        elif role == "donor" and h not in view.valid and h not in view.pending:
+            trie._add_donor(view, n)
+            donors += 1
+    return Marked(pending, donors, created, len(skipped))
+
+
 def _source(trie: PrefixTrie, view: WorkerView, n: TrieNode) -> WorkerId | None:
     hint = view.pending[n.hash]
     if hint == view.worker:

@@ -604,7 +604,7 @@ def run_scan(trie: PrefixTrie, cfg: ScanConfig, load: Mapping[WorkerId, float],
 
     return ScanResult(tuple(inter) if lists else (), tuple(intra) if lists else (),
                       tuple(reclaim) if lists else (), tuple(actions),
-                      _collect(trie, cfg.gc_threshold))
+                      collect(trie, cfg.gc_threshold))
 
 
 _HASH: Final = attrgetter("hash")
@@ -681,7 +681,7 @@ def _take(out: list[CacheAction], ranked: Iterable[Candidate], make, bound: int)
     return taken
 
 
-def _collect(trie: PrefixTrie, threshold: float) -> int:
+def collect(trie: PrefixTrie, threshold: float) -> int:
     """Drop unreferenced childless nodes with negligible statistics, deepest first.
 
     Only nodes with refs == 0 are examined (the trie indexes them); the set collected is the

@@ -38,7 +38,11 @@ epoch KV key (watch)                   a changed composition: a degree-2C worker
                                        ``rehome_on_merge`` copies the degree's long prefixes
                                        to the merged worker; each worker a split or merge made
                                        is asked for its snapshot once it runs (its own index
-                                       settles what it holds); any other worker gone →
+                                       settles what it holds), and its pending and donor pages
+                                       are published (ReconciledNotice on
+                                       ``{prefix}.cache.pending.{wid}``: the scheduler
+                                       replicas' tries mark them, for J's credit of a pending
+                                       prefix); any other worker gone →
                                        ``remove_worker``, new → registered; a worker
                                        whose state has not arrived is planned with the
                                        capacity the known states imply for its degree
@@ -90,6 +94,7 @@ A snapshot reply asked of the worker before its restart is not applied (it may d
 old process's cache); the snapshot is asked again.
 
 Message this module consumes: RequestStats (shared/schemas.py), published by the scheduler.
+Message it publishes: ReconciledNotice (shared/schemas.py), read by the schedulers.
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ from services.cachemgr.reconcile import (
     RehomeConfig,
     diff_compositions,
     guess_capacity,
+    reconciled_blocks,
     rehome_on_merge,
     rehome_on_split,
 )
@@ -142,11 +148,13 @@ from shared.schemas import (
     Message,
     ReclaimCommand,
     ReconcileCommand,
+    ReconciledNotice,
     ReplicateCommand,
     RequestStats,
     SchemaError,
     WorkerState,
     decode,
+    encode,
 )
 from shared.service import (
     WORKER_LEASE_S,
@@ -166,6 +174,10 @@ from shared.telemetry import inject
 from shared.worker import GpuGroup, Lifecycle, worker_restarted
 
 VERSION: Final[str] = "0.1.0"
+
+RECONCILED_PART_BLOCKS: Final[int] = 8192
+"""Most entries in one ReconciledNotice (about 0.5 MB of JSON at most, within NATS' default
+1 MB max_payload); a larger reconcile goes out in parts."""
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -420,6 +432,7 @@ class CacheMgrService(MicroService):
             "rehomed": 0,
             "pulls": 0,
             "merges": 0,
+            "reconciled_notices": 0,  # ReconciledNotice parts published (splits and merges)
             "restarts": 0,
         }
 
@@ -658,6 +671,7 @@ class CacheMgrService(MicroService):
             )
             self._incarnations.pop(parent, None)
             self._confirm_reconciled(children)
+            self._publish_reconciled(children, record.epoch)
             self.counters["splits"] += 1
             self.log.info(
                 "split reconciled",
@@ -676,6 +690,7 @@ class CacheMgrService(MicroService):
             for c in children:
                 self._incarnations.pop(c, None)
             self._confirm_reconciled((parent,))
+            self._publish_reconciled((parent,), record.epoch)
             self.counters["merges"] += 1
             self.log.info(
                 "merge reconciled",
@@ -708,6 +723,40 @@ class CacheMgrService(MicroService):
         up yet is asked again by the housekeeping, as any unanswered snapshot."""
         for w in workers:
             self._request_snapshot(w)
+
+    def reconciled_notices(self, worker: WorkerId, epoch: int) -> list[ReconciledNotice]:
+        """The ReconciledNotices of ``worker``'s reconcile as the trie has it now (reconcile.py
+        ``reconciled_blocks``), in parts of at most :data:`RECONCILED_PART_BLOCKS` entries;
+        none when it has no pending or donor page."""
+        entries = reconciled_blocks(self.trie, worker)
+        step = RECONCILED_PART_BLOCKS
+        parts = (len(entries) + step - 1) // step
+        degree = int(self.trie.worker_degree(worker))
+        return [ReconciledNotice(worker=worker, degree=degree, epoch=epoch, part=i,
+                                 parts=parts, blocks=entries[i * step:(i + 1) * step])
+                for i in range(parts)]
+
+    def _publish_reconciled(self, workers: Sequence[str], epoch: int) -> None:
+        """Publish each new worker's pending and donor pages for the scheduler replicas (made
+        now, sent in order by one task: a later change of the trie does not leak in)."""
+        notices = [n for w in workers for n in self.reconciled_notices(WorkerId(w), epoch)]
+        if not notices:
+            return
+        self.counters["reconciled_notices"] += len(notices)
+
+        async def publish() -> None:
+            for n in notices:
+                data, headers = encode(n)
+                try:
+                    await self.nc.publish(self.subjects.cache_pending(n.worker), data,
+                                          headers=headers)
+                except (nats.errors.ConnectionClosedError,
+                        nats.errors.OutboundBufferLimitError) as exc:
+                    # The schedulers then do without the credit for this worker.
+                    self.log.warning("reconciled notice not published", worker=n.worker,
+                                     error=str(exc))
+
+        self._spawn(publish(), "reconciled")
 
     def _rehome_merged(self, merged: WorkerId,
                        record: EpochRecord) -> list[CacheAction | Demote]:

@@ -42,6 +42,7 @@ Pure: no IO, no clock, no asyncio/nats/torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -441,6 +442,20 @@ class PrefixTrie:
 
     def node_hashes(self) -> Iterator[BlockHash]:
         return iter(self._nodes)
+
+    def collect_unreferenced(self) -> int:
+        """Drop every node no worker references (valid, pending or donor), that no copy in
+        flight protects and that has no child left (then its parent, and so on), whatever
+        its statistics; returns how many went. For a replica that keeps no statistics (the
+        scheduler's: it never records requests, never scans): without it every block any
+        worker ever cached would stay in its trie for good. The cache manager's trie is
+        collected by its scan instead, which keeps a node while its statistics are above
+        the scan's threshold (services/cachemgr/scan.py)."""
+        if not self._unref:
+            return 0
+        from services.cachemgr.scan import collect
+
+        return collect(self, math.inf)
 
     def parent(self, h: BlockHash) -> BlockHash | None:
         p = self._node(h).parent

@@ -73,7 +73,9 @@ source: the pages are the worker's own, or its sibling's left over from the spli
 §6.2 does not count a pending prefix as reusable, so J sent the request that would have
 reused it elsewhere, where it recomputed the prefix -- a 113K-token document in the
 reconfiguration preset's last phase, 18 s against 1 s on the fixed pool (docs/evaluation.md
-"J counts a pending prefix").
+"J counts a pending prefix"). The simulator computes ``pending`` on the cache manager's trie;
+the live scheduler on its replica, where the cache manager's ReconciledNotice marks what each
+new worker has pending (services/scheduler/service.py ``on_reconciled``).
 
 PreferDegree (below) leaves the credit out, as it leaves the load out: the copy counts only
 where the queue lets it land, and the controller's merge gate reads the preferred degree.

@@ -22,6 +22,12 @@ worker-state KV (watch all keys)       rebuild the ClusterView (lease: a state w
                                        marks the worker stale in the trie and the adapter asks
                                        ``{prefix}.cache.snapshot.{wid}`` for a snapshot, which
                                        it applies
+``{prefix}.cache.pending.*``           with ``pending_credit`` (and J's pull credit): the cache
+(ReconciledNotice)                     manager's reconcile of a worker a split or merge made:
+                                       ``mark_reconciled`` marks its pending and donor pages in
+                                       the replica trie (kept until the worker's state registers
+                                       it), and ``core.place`` gets ``pending_reach``: J may
+                                       count a pending prefix as a copy to its worker
 ``{prefix}.result.*`` (FirstToken)     ``core.finish``: release the reservation; the worker's
                                        next queued request started when this prefill ended
                                        (``core.start``, FIFO order)
@@ -171,6 +177,7 @@ from pydantic import Field, field_validator, model_validator
 
 from services import calibration
 from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
+from services.cachemgr.reconcile import mark_reconciled, pending_reach
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from services.controller.core import request_preferred_degree
 from services.controller.windows import DEFAULT_WINDOW_S, DemandWindows, WindowSummary
@@ -192,7 +199,14 @@ from services.scheduler.policies.vertumnus import JPolicy
 from services.scheduler.registry import make_policy
 from services.scheduler.view import UNLIMITED, ClusterView, RequestInfo, WorkerView
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import DEFAULT_BLOCK_SIZE, DEFAULT_DEGREES, InvalidInput, VertumnusError, WorkerId
+from shared.ids import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DEGREES,
+    BlockHash,
+    InvalidInput,
+    VertumnusError,
+    WorkerId,
+)
 from shared.logging import bind_request
 from shared.schemas import (
     NOT_SCHEDULED,
@@ -209,6 +223,7 @@ from shared.schemas import (
     PlacementTerms,
     QueueQuery,
     QueueReport,
+    ReconciledNotice,
     RequestStats,
     SchemaError,
     TtftStages,
@@ -261,6 +276,9 @@ MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
 HANDED_BACK: Final[int] = int(HANDED_BACK_CODE)
 REDIRECTING: Final[int] = int(REDIRECTING_CODE)
 ASSIGNMENT_TTL_S: Final[float] = 3600.0
+_BUFFERED: Final[int] = 64
+"""Most workers whose ReconciledNotice waits for their first state (SchedulerService
+``on_reconciled``): a reconfiguration makes at most a few at a time."""
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -427,6 +445,12 @@ class SchedulerSettings(ServiceSettings):
         default=calibration.PULL_DISPLACE_BLOCK_S, ge=0, allow_inf_nan=False,
         description="With the pull credit: J's price (seconds of its cost) for each block a "
         "credited copy moves, which takes a block of the destination's cache.",
+    )
+    pending_credit: bool = Field(
+        default=calibration.PENDING_CREDIT,
+        description="With the pull credit: J also counts a prefix pending at a worker after a "
+        "split or merge (the cache manager's ReconciledNotice marks it in this replica's "
+        "trie) as a copy to it (services/scheduler/placement.py \"A pending prefix\").",
     )
     pull_wait: bool = Field(
         default=calibration.PULL_WAIT,
@@ -716,6 +740,11 @@ class SchedulerStats:
     republished_answered: int = 0  # ... its first token is out already
     republished_placed: int = 0  # ... neither: placed (it was lost with the store)
     republished_listings: int = 0  # listings of every worker's queue those checks took
+    reconciled_applied: int = 0  # ReconciledNotice parts marked in the replica trie
+    reconciled_buffered: int = 0  # ... that came before their worker's state (applied later)
+    reconciled_dropped: int = 0  # ... buffered and never applied (superseded, or too many)
+    pending_credited: int = 0  # placements J made counting on a worker's pending prefix
+    nodes_collected: int = 0  # replica-trie nodes no worker holds any more, dropped
 
 
 class SchedulerService(MicroService):
@@ -758,6 +787,12 @@ class SchedulerService(MicroService):
         else:
             credit = None
         self._credit = credit  # the pull credit J places with (None: none)
+        # J's credit of a pending prefix (needs the pull credit): the replica trie marks what
+        # the cache manager's ReconciledNotices say is pending.
+        self._pending_on = credit is not None and settings.pending_credit
+        # Notices of workers not in the replica yet (their state comes after the reconcile):
+        # worker -> (epoch, parts), applied by _track_cache; at most _BUFFERED workers.
+        self._reconciled: OrderedDict[str, tuple[int, list[ReconciledNotice]]] = OrderedDict()
         self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size),
                                   time_scale=settings.time_scale)
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
@@ -866,6 +901,10 @@ class SchedulerService(MicroService):
         puller = PullConsumer(self.nc, stream=s.intake_stream(), consumer=s.intake_consumer(),
                               handler=self._on_intake, batch=self.ssettings.fetch_batch)
         events = await self.nc.subscribe(s.cache_events_all(), cb=self._on_cache_event)
+        # The cache manager's reconcile of each new worker (J's credit of a pending prefix):
+        # subscribed with the events, before the worker states are watched.
+        reconciled = await self.nc.subscribe(s.cache_pending_all(), cb=self._on_reconciled) \
+            if self._pending_on else None
         results = await self.nc.subscribe(s.result_all(), cb=self._on_result)
         # Every replica's placement statistics: the others' placements are in-flight prefixes.
         peers = await self.nc.subscribe(s.cache_stats_all(), cb=self._on_peer_stats)
@@ -907,7 +946,9 @@ class SchedulerService(MicroService):
             await cancel_and_wait(self._tasks, self.log)
             with contextlib.suppress(Exception):
                 await watcher.stop()
-            for sub in (events, results, peers):
+            for sub in (events, results, peers, reconciled):
+                if sub is None:
+                    continue
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
 
@@ -1002,13 +1043,70 @@ class SchedulerService(MicroService):
 
     def _track_cache(self, state: WorkerState) -> None:
         """Register the worker in the replica trie with an empty cache and ask for its index
-        (it may have cached blocks already: we started after it, or it was re-created)."""
+        (it may have cached blocks already: we started after it, or it was re-created); mark
+        what the cache manager's reconcile of it left pending, if that came first."""
         self.trie.add_worker(WorkerId(state.worker_id), state.degree,
                              max(1, state.kv_total_blocks))
+        buffered = self._reconciled.pop(state.worker_id, None)
+        if buffered is not None:
+            for notice in buffered[1]:
+                self._mark_reconciled(notice)
         self._request_snapshot(state.worker_id)
 
+    # -- the cache manager's reconcile (J's credit of a pending prefix) -------------------------
+
+    async def _on_reconciled(self, msg: Msg) -> None:
+        try:
+            notice = decode(ReconciledNotice, msg.data, msg.headers)
+        except SchemaError as exc:
+            self.log.warning("reconciled notice rejected", subject=msg.subject, error=str(exc))
+            return
+        self.on_reconciled(notice)
+
+    def on_reconciled(self, notice: ReconciledNotice) -> None:
+        """Mark a new worker's pending and donor pages in the replica trie (reconcile.py
+        ``mark_reconciled``), or keep the notice until the worker's state registers it
+        (:meth:`_track_cache`): the cache manager reconciles at the epoch record, usually
+        before the new worker runs. Only the latest epoch's parts are kept for a worker, and
+        only for the :data:`_BUFFERED` workers heard of last."""
+        wid = notice.worker
+        if wid in self.trie.workers():
+            self._mark_reconciled(notice)
+            return
+        kept = self._reconciled.get(wid)
+        if kept is not None and kept[0] > notice.epoch:
+            self.stats.reconciled_dropped += 1  # an older reconcile, overtaken
+            return
+        if kept is None or kept[0] < notice.epoch:
+            if kept is not None:
+                self.stats.reconciled_dropped += len(kept[1])
+            kept = (notice.epoch, [])
+            self._reconciled[wid] = kept
+        self._reconciled.move_to_end(wid)
+        kept[1].append(notice)
+        self.stats.reconciled_buffered += 1
+        while len(self._reconciled) > _BUFFERED:
+            _, (_, old) = self._reconciled.popitem(last=False)
+            self.stats.reconciled_dropped += len(old)
+
+    def _mark_reconciled(self, notice: ReconciledNotice) -> None:
+        wid = WorkerId(notice.worker)
+        try:
+            marked = mark_reconciled(self.trie, wid, [
+                (BlockHash(h), None if p is None else BlockHash(p), role,
+                 None if src is None else WorkerId(src))
+                for h, p, role, src in notice.blocks])
+        except VertumnusError as exc:
+            self.log.warning("reconciled notice not applied", worker=wid, error=str(exc))
+            return
+        self.stats.reconciled_applied += 1
+        self.log.info("reconciled pages marked", worker=wid, epoch=notice.epoch,
+                      part=notice.part, pending=marked.pending, donors=marked.donors,
+                      skipped=marked.skipped)
+
     async def _housekeeping(self) -> None:
-        """Lease expiry (KV watchers are not told about TTL expiry), window closing, snapshots
+        """Lease expiry (KV watchers are not told about TTL expiry), window closing, the
+        replica trie's unreferenced nodes (``collect_unreferenced``), snapshots
         of stale workers and of workers whose snapshot request went unanswered -- only while
         their lease holds: a worker gone for good (its state expired; the KV is not told) keeps
         its last state here and would be asked every round for ever. Its next state, if it
@@ -1023,6 +1121,9 @@ class SchedulerService(MicroService):
                 self._recover_lost()
                 self.stats.peer_expired += self.core.expire_foreign(
                     self.clock() - self.ssettings.peer_ttl_s)
+                # Blocks no worker holds any more leave the replica (it keeps no statistics:
+                # nothing else would ever remove them).
+                self.stats.nodes_collected += self.trie.collect_unreferenced()
                 registered = set(self.trie.workers())
                 self._snapshot_retry &= registered  # workers gone meanwhile
                 for wid in {*self.trie.stale_workers(), *self._snapshot_retry}:
@@ -1995,8 +2096,13 @@ class SchedulerService(MicroService):
         match = self.trie.match(hashes)
         info = RequestInfo(req.request_id, req.input_len, hashes, req.arrival_s)
         now = self.clock()
-        decision = self.core.place(info, match.held_blocks, now)
+        pending = pending_reach(self.trie, hashes, match.held_blocks) if self._pending_on \
+            else None
+        decision = self.core.place(info, match.held_blocks, now, pending=pending)
         self.stats.placed += 1
+        if pending and decision.worker in pending \
+                and decision.reused_blocks > match.held(decision.worker):
+            self.stats.pending_credited += 1
         eligible = sum(1 for e in decision.columns.excluded if e is None)
         assignment = Assignment(
             request=req,

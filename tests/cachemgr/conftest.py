@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
 from services.cachemgr.events import Stored
 from services.cachemgr.trie import PrefixTrie
 from shared.ids import BlockHash, WorkerId
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # the tests import cachemgr_support
+    sys.path.insert(0, _HERE)
 
 
 class Feeder:

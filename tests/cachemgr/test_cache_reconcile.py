@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from cachemgr_support import forest_path, store_leaves
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,15 +231,6 @@ def parent_cache(draw):
     return parents, leaves, draw(st.integers(2, 40)), draw(st.integers(2, 40))
 
 
-def _path(parents, h):
-    out = []
-    x = h
-    while x is not None:
-        out.append(x)
-        x = parents[x]
-    return out[::-1]
-
-
 def _closed(t: PrefixTrie, hs) -> bool:
     return all(t.parent(h) is None or t.parent(h) in hs for h in hs)
 
@@ -249,18 +241,9 @@ def test_split_then_merge_invariants(case) -> None:
     parents, leaves, cap_l, cap_r = case
     t = PrefixTrie([2, 4], block_size=4)
     t.add_worker(P, 4, 1000)
-    eid = 0
-    for leaf in leaves:
-        path = _path(parents, leaf)
-        have = t.worker_blocks(P)
-        i = 0
-        while i < len(path) and path[i] in have:
-            i += 1
-        if i < len(path):
-            eid += 1
-            t.apply(Stored(P, eid, path[i - 1] if i else None, tuple(path[i:])))
+    store_leaves(t, P, parents, leaves)
     resident = t.worker_blocks(P)
-    depth = {h: len(_path(parents, h)) - 1 for h in resident}
+    depth = {h: len(forest_path(parents, h)) - 1 for h in resident}
     plan = t.reconcile_split(P, (L, R), {L: cap_l, R: cap_r})
     res = {}
     for x in (L, R):
@@ -273,7 +256,7 @@ def test_split_then_merge_invariants(case) -> None:
     assert all((depth[h] % 4 < 2) == (h in res[L]) for h in resident)
     for leaf, x in plan.assignment.items():
         got = t.worker_blocks(x) | t.pending_blocks(x)
-        assert set(_path(parents, leaf)) <= got
+        assert set(forest_path(parents, leaf)) <= got
     # pending pages are never reusable
     for x in (L, R):
         for h in t.pending_blocks(x):

@@ -4,7 +4,7 @@
   every hash up again; a twin trie given the same match without its nodes (the lookup walk) must
   end in the same state, also when a garbage collection ran between the match and the record
   (the match's nodes may then be gone: the walk must be used, ending the path there).
-* garbage collection (``scan._collect``) walks each collected chain upwards in one go; the set
+* garbage collection (``scan.collect``) walks each collected chain upwards in one go; the set
   it removes must be the fixed point of the rule "unreferenced, childless, unprotected and cold"
   computed naively over the whole trie.
 * a ``Stored`` chain's new nodes are built without ``TrieNode.__init__``: every slot must hold
@@ -141,7 +141,7 @@ def test_collect_removes_the_naive_fixed_point(seed: int, threshold: float) -> N
         ref = copy.deepcopy(t)
         expected = _reference_collect(ref, threshold)
         before = set(t._nodes)
-        n = scan_mod._collect(t, threshold)
+        n = scan_mod.collect(t, threshold)
         assert before - set(t._nodes) == expected
         assert n == len(expected)
         for h, node in t._nodes.items():

@@ -847,7 +847,7 @@ def test_simulate_takes_the_pull_wait_setting(runner, tmp_path, profile_file) ->
 
 def test_simulate_takes_the_pending_credit_setting(runner, tmp_path, profile_file) -> None:
     """``--pending-credit/--no-pending-credit`` reaches the simulator (meta.json records it:
-    off by default, as calibrated); the reconfiguration and trace presets take it, the
+    on by default, as calibrated); the reconfiguration and trace presets take it, the
     ablation (a fixed composition) refuses it."""
     common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
               "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
@@ -858,7 +858,7 @@ def test_simulate_takes_the_pending_credit_setting(runner, tmp_path, profile_fil
         out = tmp_path / name
         _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
         metas[name] = json.loads((out / "meta.json").read_text())["pending_credit"]
-    assert metas == {"default": False, "on": True, "off": False, "nopull": False}
+    assert metas == {"default": True, "on": True, "off": False, "nopull": False}
     _refused(runner, tmp_path, (
         (["--preset", "ablation", "--pending-credit"], "does not apply"),))
 

@@ -55,11 +55,21 @@ from shared.schemas import (
     to_json,
 )
 from shared.service import call, ensure_intake_stream, epoch_kv
+from shared.subjects import micro_service_name
 from shared.worker import Lifecycle
+from vertumnus.live.observe import service_stats
 from vertumnus.live.replay import ReplayConfig, prepare_bodies, replay
+from vertumnus.live.report import summed_counters
 from vertumnus.live.stack import load_requests
 
 RATE = 30.0  # req/s of steady load during the forced reconfigurations
+
+
+async def counter_sum(nc, stack, service: str, counter: str) -> int:  # type: ignore[no-untyped-def]
+    """``counter`` summed over the ``$SRV.STATS`` answers of ``service``'s replicas."""
+    answers = await service_stats(nc, micro_service_name(service), prefix=stack.config.prefix,
+                                  window_s=0.5)
+    return summed_counters(answers, [counter])[counter]
 
 
 async def lost_diagnosis(nc, stack, tap, failed):  # type: ignore[no-untyped-def]
@@ -168,6 +178,13 @@ async def test_controller_reconfigures_under_load(tmp_path: Path) -> None:
             assert splits + merges >= 1, epochs.compositions()
             bad = geometry_violations(tap.results, epochs.records)
             assert not bad, bad[:10]
+            # Each worker a split or merge made with pending pages: the cache manager published
+            # its reconcile, and the scheduler marked it in its trie once the worker ran (J's
+            # credit of a pending prefix; a notice can wait for a worker that never ran).
+            published = await counter_sum(nc, stack, "cachemgr", "reconciled_notices")
+            applied = await counter_sum(nc, stack, "scheduler", "reconciled_applied")
+            assert applied <= published, (applied, published)
+            assert applied >= 1 or not published, (applied, published)
         finally:
             with contextlib.suppress(Exception):
                 await epochs.stop()

@@ -580,12 +580,27 @@ async def test_split_reconciles_and_reuse_sends_a_lazy_reconcile(
 
     await kv.put(s.epoch_key(), epoch_record(0, [(0, 4), (4, 4)]))
     left_cmds = await acking_worker(nc, s, "w-cp2-g0")
+    notices = Collector()
+    await nc.subscribe(s.cache_pending_all(), cb=notices.cb)
     svc = CacheMgrService(settings(nats_server.url, uniq))
     await services(svc)
     await stored(nc, s, "w-cp4-g0", 1, None, [11, 12, 13, 14])
     await holding(nc, uniq, "w-cp4-g0", 4)
     await kv.put(s.epoch_key(), epoch_record(1, [(0, 2), (2, 2), (4, 4)]))
     body = await counted(nc, uniq, "splits", 1, "split reconciled")
+    # Each child's reconcile goes to the schedulers' tries (ReconciledNotice): the left child
+    # has pages 2-3 pending from the right child's donor pages, listed under the chain above.
+    left_notice = await notices.first(lambda n: n["worker"] == "w-cp2-g0", what="left notice")
+    right_notice = await notices.first(lambda n: n["worker"] == "w-cp2-g2", what="right notice")
+    assert left_notice["epoch"] == 1 and left_notice["degree"] == 2
+    assert left_notice["blocks"] == [[11, None, "path", None], [12, 11, "path", None],
+                                     [13, 12, "pending", "w-cp2-g2"],
+                                     [14, 13, "pending", "w-cp2-g2"]]
+    assert right_notice["blocks"] == [[11, None, "path", None], [12, 11, "path", None],
+                                      [13, 12, "donor", None], [14, 13, "donor", None]]
+    assert [m.subject for m in notices.msgs] == [s.cache_pending("w-cp2-g0"),
+                                                 s.cache_pending("w-cp2-g2")]
+    assert body["counters"]["reconciled_notices"] == 2
     assert "w-cp4-g0" not in body["workers"]
     # The micro metadata names the epoch reconciled to (conventions.md: metadata has the epoch).
     info = json.loads((await nc.request(f"$SRV.INFO.vtm-cachemgr.{svc.service.id}", b"",

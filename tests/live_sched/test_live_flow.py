@@ -165,6 +165,28 @@ async def test_trie_follows_events_and_snapshots(live: Services, fake_worker,  #
     assert span.attributes["vtm.candidate.w-cp4-g4.P"] == B
 
 
+async def test_the_replica_drops_blocks_no_worker_holds(live: Services, fake_worker,  # type: ignore[no-untyped-def]
+                                                       nc: Client) -> None:
+    """Cached, then evicted by its worker: the block leaves the replica trie at the next
+    housekeeping round (it keeps no statistics, so nothing else would remove it), while
+    what a worker still holds stays."""
+    a, _ = await two_workers(fake_worker)
+    sched = await live.scheduler(block_size=B)
+    await wait_until(lambda: sched.stats.snapshots_applied >= 2, "initial snapshots")
+    hashes = chain_hashes(PROMPT, B)
+    await a.store(None, hashes[:3])
+    evicted = [7001, 7002, 7003]
+    await a.store(None, evicted)
+    a.event_id += 1
+    removed = {"type": "removed", "worker": a.worker_id, "event_id": a.event_id,
+               "block_hashes": evicted}
+    await nc.publish(live.subjects.cache_events(a.worker_id), json.dumps(removed).encode())
+    await wait_until(lambda: sched.stats.events_applied == 3, "events applied")
+    await wait_until(lambda: sched.stats.nodes_collected == 3, "evicted blocks collected")
+    assert set(sched.trie.node_hashes()) == set(hashes[:3])
+    assert sched.trie.match(hashes).held("w-cp2-g0") == 3
+
+
 async def test_an_unanswered_first_snapshot_is_asked_again(live: Services,  # type: ignore[no-untyped-def]
                                                           fake_worker) -> None:
     """A worker new to the scheduler may hold blocks already (a merged worker keeps its

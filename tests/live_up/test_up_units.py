@@ -17,6 +17,7 @@ from vertumnus.live.replay import BlockTokens, ReplayRecord, wire_id
 from vertumnus.live.report import (
     CACHE_MANAGER_COUNTERS,
     REQUIRED_KEYS,
+    SCHEDULER_CACHE_COUNTERS,
     CompositionChange,
     LiveReport,
     describe_change,
@@ -414,7 +415,8 @@ def test_report_names_the_route_time_pulls_among_the_cache_commands() -> None:
     answer = {"endpoints": [{"name": "inspect", "data": {"pulls": 23, "commands_ok": 34}}]}
     counts = summed_counters([answer], CACHE_MANAGER_COUNTERS)
     assert counts == {"pulls": 23, "rehomed": 0, "commands_sent": 0, "commands_ok": 34,
-                      "commands_failed": 0, "demotes_ok": 0, "demotes_failed": 0}
+                      "commands_failed": 0, "demotes_ok": 0, "demotes_failed": 0,
+                      "reconciled_notices": 0}
 
     def row(meta: dict[str, object]) -> list[str]:
         out = io.StringIO()
@@ -430,6 +432,35 @@ def test_report_names_the_route_time_pulls_among_the_cache_commands() -> None:
     moved = row({"cache_commands": {**cmds, "demote": 20},
                  "cache_manager": {**counts, "demotes_ok": 18, "demotes_failed": 2}})[0]
     assert "20 demote" in moved and "(2 demotes failed)" in moved
+
+
+def test_report_counts_the_pending_prefixes_when_a_reconcile_published_some() -> None:
+    """The cache manager's reconcile notices, the schedulers' marks of them and the
+    placements J counted on a pending prefix: one row, only when a split or merge published
+    a notice."""
+    import io
+
+    from rich.console import Console
+
+    ok = ReplayRecord("r1", 0.0, 1000, 200, ttft_s=0.05, worker_id="w-cp2-g0")
+    sched = summed_counters(
+        [{"endpoints": [{"name": "status", "data": {"reconciled_applied": 3,
+                                                    "pending_credited": 2}}]},
+         {"endpoints": [{"name": "status", "data": {"reconciled_applied": 3}}]}],
+        SCHEDULER_CACHE_COUNTERS)
+    assert sched == {"reconciled_applied": 6, "pending_credited": 2}
+
+    def rows(notices: int) -> list[str]:
+        out = io.StringIO()
+        meta = {"cache_commands": {"replicate": 1},
+                "cache_manager": {"reconciled_notices": notices}, "scheduler_cache": sched}
+        LiveReport([ok], time_scale=0.1, meta=meta).render(Console(file=out, width=400))
+        return [ln for ln in out.getvalue().splitlines() if "pending prefixes" in ln]
+
+    (row,) = rows(3)
+    assert "3 reconcile notices published, 6 marked by the schedulers, 2 placements counted " \
+        "on one" in row
+    assert rows(0) == []
 
 
 def test_report_prints_the_scheduler_recovery_only_when_there_was_some() -> None:

@@ -64,8 +64,12 @@ RECOVERY_COUNTERS: tuple[tuple[str, str], ...] = (
 
 CACHE_MANAGER_COUNTERS: tuple[str, ...] = ("pulls", "rehomed", "commands_sent",
                                            "commands_ok", "commands_failed", "demotes_ok",
-                                           "demotes_failed")
+                                           "demotes_failed", "reconciled_notices")
 """The cache manager's counters (``CacheMgrService.counters``) ``up`` reports."""
+
+SCHEDULER_CACHE_COUNTERS: tuple[str, ...] = ("reconciled_applied", "pending_credited")
+"""The scheduler's counters of J's credit of a pending prefix (``SchedulerStats``) ``up``
+sums over its replicas."""
 
 
 def scheduler_recovery(answers: Sequence[Mapping[str, Any]]) -> dict[str, int]:
@@ -301,6 +305,14 @@ class LiveReport:
                 + (f" ({pulls} route-time pulls among the replicates)" if pulls else "")
                 # A failed demote only leaves a pull's source copy recent: said, not an error.
                 + (f" ({lost} demotes failed)" if lost else "")))
+        notices = (s.get("cache_manager") or {}).get("reconciled_notices", 0)
+        if notices:
+            # J's credit of a pending prefix (a split's or merge's reconcile, §6.2).
+            sc = s.get("scheduler_cache") or {}
+            rows.append(("pending prefixes", (
+                f"{notices} reconcile notices published, "
+                f"{sc.get('reconciled_applied', 0)} marked by the schedulers, "
+                f"{sc.get('pending_credited', 0)} placements counted on one")))
         for k, v in rows:
             t.add_row(k, v)
         console.print(t)

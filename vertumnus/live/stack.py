@@ -67,6 +67,7 @@ from vertumnus.live.registry import SERVICES, SIM_RANKD, ServiceInfo, filter_env
 from vertumnus.live.report import (
     CACHE_MANAGER_COUNTERS,
     REQUIRED_KEYS,
+    SCHEDULER_CACHE_COUNTERS,
     LiveReport,
     scheduler_recovery,
     summed_counters,
@@ -993,9 +994,11 @@ async def _stats_answers(stack: LiveStack, service: str) -> list[dict[str, Any]]
     return answers
 
 
-async def _scheduler_recovery(stack: LiveStack) -> dict[str, int]:
-    """The scheduler replicas' recovery counters, summed; zeros when none answers."""
-    return scheduler_recovery(await _stats_answers(stack, "scheduler"))
+async def _scheduler_counts(stack: LiveStack) -> tuple[dict[str, int], dict[str, int]]:
+    """The scheduler replicas' recovery counters and :data:`SCHEDULER_CACHE_COUNTERS`, each
+    summed; zeros when none answers."""
+    answers = await _stats_answers(stack, "scheduler")
+    return scheduler_recovery(answers), summed_counters(answers, SCHEDULER_CACHE_COUNTERS)
 
 
 async def _cache_manager_counts(stack: LiveStack) -> dict[str, int]:
@@ -1283,7 +1286,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                 err.print(f"[yellow]fault injection: the replay ended before the planned "
                           f"{'restart' if 'kill' in done else 'kill'} of {plan.service}")
         observer = stack.observer
-        recovery = await _scheduler_recovery(stack)
+        recovery, sched_cache = await _scheduler_counts(stack)
         cache_counts = await _cache_manager_counts(stack)
         err.print("stopping services…")
         codes = await asyncio.shield(stack.stop())
@@ -1304,6 +1307,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             "exit_codes": codes, "log_dir": str(log_dir),
             **(observer.summary_counts() if observer else {}),
             "scheduler_recovery": recovery,
+            "scheduler_cache": sched_cache,
             "cache_manager": cache_counts,
         },
         faults=[f.as_dict() for f in faults],
