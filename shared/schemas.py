@@ -477,6 +477,24 @@ class ReconciledNotice(Message):
         return self
 
 
+
+class PendingQuery(Message):
+    """Body of the cache manager's ``pending`` endpoint (:meth:`Subjects.cache_pending_ask`):
+    a scheduler replica that has just registered a worker, with no ReconciledNotice of it
+    (the replica started after the split or merge, or the notice was lost), asks for the
+    worker's reconcile as it stands now."""
+
+    worker_id: Id
+
+
+class PendingReply(Message):
+    """Answer of ``pending``: how many ReconciledNotice parts of the worker were published on
+    ``{prefix}.cache.pending.{wid}`` just before (0: nothing pending, no donor page, or a
+    worker the cache manager does not track)."""
+
+    worker_id: Id
+    parts: NonNegInt
+
 # -- prefix cache: commands --------------------------------------------------------------------
 
 
@@ -924,6 +942,8 @@ __all__ = [
     "IntakeRequest",
     "KvChunk",
     "Message",
+    "PendingQuery",
+    "PendingReply",
     "PlacementTerms",
     "QueueQuery",
     "QueueReport",

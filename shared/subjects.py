@@ -23,6 +23,7 @@ Map (prefix ``vtm``):
 ``vtm.cache.snapshot.{wid}``   request-reply: ask a worker for a snapshot of its index
 ``vtm.cache.cmd.{wid}``        CacheCommand (replicate / reclaim / reconcile / demote)
 ``vtm.cache.pending.{wid}``    ReconciledNotice: a new worker's pending and donor pages
+``vtm.cachemgr.pending``       request-reply: PendingQuery -> PendingReply (publish it again)
 ``vtm.window.demand.{src}``    WindowReport from one scheduler replica (``….again``: its copy)
 ``vtm.ctl.drain``              DrainNotice: a reconfiguration's sources stop admitting
 ``vtm.ctl.reconf``             ReconfigurationEvent at every phase of a reconfiguration
@@ -240,6 +241,11 @@ class Subjects:
 
     def cache_pending_all(self) -> str:
         return self._join("cache", "pending", "*")
+
+    def cache_pending_ask(self) -> str:
+        """Request-reply: PendingQuery -> PendingReply, the cache manager's ``pending``
+        endpoint (its micro group's): publish a worker's reconcile again."""
+        return self._join("cachemgr", "pending")
 
     # -- controller ---------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """The cache manager's NATS adapter: the authoritative PrefixTrie of §7 and §6.2.
 
-One asyncio process, micro service ``vtm-cachemgr`` (group ``{prefix}.cachemgr``, endpoint
-``inspect``). Every decision comes from :class:`~services.cachemgr.trie.PrefixTrie` (events,
-Algorithm 1, Algorithm 2 + selection, reconcile); this module moves messages.
+One asyncio process, micro service ``vtm-cachemgr`` (group ``{prefix}.cachemgr``, endpoints
+``inspect`` and ``pending``: a scheduler replica that registers a worker asks for its
+reconcile, published again as ReconciledNotices). Every decision comes from
+:class:`~services.cachemgr.trie.PrefixTrie` (events, Algorithm 1, Algorithm 2 + selection,
+reconcile); this module moves messages.
 
 =====================================  ============================================================
 input                                  what the adapter does
@@ -146,6 +148,8 @@ from shared.schemas import (
     DrainNotice,
     EpochRecord,
     Message,
+    PendingQuery,
+    PendingReply,
     ReclaimCommand,
     ReconcileCommand,
     ReconciledNotice,
@@ -433,6 +437,7 @@ class CacheMgrService(MicroService):
             "pulls": 0,
             "merges": 0,
             "reconciled_notices": 0,  # ReconciledNotice parts published (splits and merges)
+            "reconciled_asked": 0,  # ... of them again, asked for by a scheduler (``pending``)
             "restarts": 0,
         }
 
@@ -444,7 +449,23 @@ class CacheMgrService(MicroService):
         return dict(self.counters)
 
     def endpoints(self) -> Sequence[Endpoint]:
-        return [Endpoint("inspect", self._on_inspect)]
+        return [Endpoint("inspect", self._on_inspect), Endpoint("pending", self._on_pending)]
+
+    async def _on_pending(self, request: Request) -> PendingReply:
+        """Publish the worker's reconcile as it stands now (its pending and donor pages,
+        :meth:`reconciled_notices`) for the scheduler replica that asks; the reply says how
+        many parts went out. Every replica subscribed gets them: marking is idempotent."""
+        query = decode(PendingQuery, request.data, request.headers)
+        wid = WorkerId(query.worker_id)
+        notices = self.reconciled_notices(wid, self.record.epoch if self.record else 0) \
+            if wid in self.trie.workers() else []
+        for n in notices:
+            data, headers = encode(n)
+            await self.nc.publish(self.subjects.cache_pending(n.worker), data, headers=headers)
+        if notices:
+            self.counters["reconciled_notices"] += len(notices)
+            self.counters["reconciled_asked"] += 1
+        return PendingReply(worker_id=query.worker_id, parts=len(notices))
 
     async def _on_inspect(self, request: Request) -> bytes:
         query = (

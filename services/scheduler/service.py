@@ -26,8 +26,10 @@ worker-state KV (watch all keys)       rebuild the ClusterView (lease: a state w
 (ReconciledNotice)                     manager's reconcile of a worker a split or merge made:
                                        ``mark_reconciled`` marks its pending and donor pages in
                                        the replica trie (kept until the worker's state registers
-                                       it), and ``core.place`` gets ``pending_reach``: J may
-                                       count a pending prefix as a copy to its worker
+                                       it; a worker registered with none is asked of the cache
+                                       manager, ``{prefix}.cachemgr.pending``), and
+                                       ``core.place`` gets ``pending_reach``: J may count a
+                                       pending prefix as a copy to its worker
 ``{prefix}.result.*`` (FirstToken)     ``core.finish``: release the reservation; the worker's
                                        next queued request started when this prefill ended
                                        (``core.start``, FIFO order)
@@ -220,6 +222,8 @@ from shared.schemas import (
     Message,
     NonNegFloat,
     NonNegInt,
+    PendingQuery,
+    PendingReply,
     PlacementTerms,
     QueueQuery,
     QueueReport,
@@ -743,6 +747,7 @@ class SchedulerStats:
     reconciled_applied: int = 0  # ReconciledNotice parts marked in the replica trie
     reconciled_buffered: int = 0  # ... that came before their worker's state (applied later)
     reconciled_dropped: int = 0  # ... buffered and never applied (superseded, or too many)
+    reconciled_asked: int = 0  # a registered worker's reconcile asked of the cache manager
     pending_credited: int = 0  # placements J made counting on a worker's pending prefix
     nodes_collected: int = 0  # replica-trie nodes no worker holds any more, dropped
 
@@ -1051,7 +1056,31 @@ class SchedulerService(MicroService):
         if buffered is not None:
             for notice in buffered[1]:
                 self._mark_reconciled(notice)
+        elif self._pending_on:
+            # None came (this replica started after the split or merge, or the worker is an
+            # old one): ask the cache manager to publish it again; usually nothing is pending.
+            self._spawn(self._ask_reconciled(state.worker_id), f"pending-{state.worker_id}")
         self._request_snapshot(state.worker_id)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _ask_reconciled(self, worker: str) -> None:
+        """Ask the cache manager's ``pending`` endpoint to publish ``worker``'s reconcile; the
+        notices come on the subscription (:meth:`on_reconciled`). Without an answer (no cache
+        manager in this deployment, or it is restarting) J does without the credit there."""
+        try:
+            reply = await call(self.nc, self.subjects.cache_pending_ask(),
+                               PendingQuery(worker_id=worker), PendingReply,
+                               timeout_s=self.ssettings.snapshot_timeout_s)
+            self.stats.reconciled_asked += 1
+            if reply.parts:
+                self.log.info("reconcile asked for", worker=worker, parts=reply.parts)
+        except (RemoteError, SchemaError, nats.errors.NoRespondersError,
+                nats.errors.TimeoutError, TimeoutError) as exc:
+            self.log.debug("reconcile not asked for: no answer", worker=worker, error=repr(exc))
 
     # -- the cache manager's reconcile (J's credit of a pending prefix) -------------------------
 

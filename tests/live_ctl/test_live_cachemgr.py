@@ -1127,3 +1127,42 @@ async def test_request_stats_beyond_the_token_bound_are_malformed(
     rejected = [e for e in logs if e["event"] == "malformed request stats rejected"]
     assert len(rejected) == len(bad) and all(e["log_level"] == "warning" for e in rejected)
     assert all("RequestStats" in e["error"] for e in rejected)
+
+
+async def test_a_scheduler_started_after_a_split_asks_for_the_reconcile(
+    nc: Client, nats_server, uniq: str, services
+):
+    """The split's notices went out before this scheduler replica ran. When it registers the
+    left child (its worker state), it asks the cache manager's ``pending`` endpoint, which
+    publishes the child's reconcile again, and the replica trie marks the pending pages;
+    asked for a worker with nothing pending, the manager publishes nothing. A malformed
+    question gets a 400 and the manager goes on."""
+    from services.scheduler.service import SchedulerService, SchedulerSettings
+    from shared.schemas import PendingQuery, PendingReply
+    from shared.service import RemoteError, call
+
+    s = Subjects(uniq)
+    await split_with_pending_pages(nc, nats_server, uniq, services)
+    states = await worker_state_kv(nc.jetstream(), s)
+    await states.put("w-cp2-g0", to_json(state("w-cp2-g0", [0, 1])))
+    await states.put("w-cp4-g4", to_json(state("w-cp4-g4", [4, 5, 6, 7])))
+    sched = SchedulerService(SchedulerSettings(
+        nats_url=nats_server.url, subject_prefix=uniq, degrees=[2, 4], instance_id="s-late",
+        snapshot_timeout_s=0.5))
+    await services(sched)
+
+    async def marked() -> bool:
+        return sched.trie.pending_blocks("w-cp2-g0") == {13, 14} \
+            and sched.stats.reconciled_asked == 2
+
+    await eventually(marked, what="the left child's pending pages marked", timeout=10)
+    body = await inspect(nc, uniq)
+    assert body["counters"]["reconciled_asked"] == 1  # w-cp4-g4 has nothing pending
+    assert sched.trie.pending_blocks("w-cp4-g4") == frozenset()
+    reply = await call(nc, s.cache_pending_ask(), PendingQuery(worker_id="w-unknown"),
+                       PendingReply)
+    assert reply.parts == 0
+    with pytest.raises(RemoteError) as err:
+        await call(nc, s.cache_pending_ask(), b'{"worker_id": "Not An Id"}', PendingReply)
+    assert err.value.code == 400
+    assert (await inspect(nc, uniq))["counters"]["splits"] == 1  # still running
