@@ -310,7 +310,7 @@ class LiveReport:
             # J's credit of a pending prefix (a split's or merge's reconcile, §6.2).
             sc = s.get("scheduler_cache") or {}
             rows.append(("pending prefixes", (
-                f"{notices} reconcile notices published, "
+                f"{notices} reconcile notice{'s' if notices != 1 else ''} published, "
                 f"{sc.get('reconciled_applied', 0)} marked by the schedulers, "
                 f"{sc.get('pending_credited', 0)} placements counted on one")))
         for k, v in rows:
