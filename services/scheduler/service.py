@@ -875,9 +875,14 @@ class SchedulerService(MicroService):
                     if w.worker_id in self.core.loads else 0.0,
                     "stale_cache_view": w.worker_id in self.trie.workers()
                     and self.trie.is_stale(w.worker_id),
+                    # Pages a split or merge left pending there (ReconciledNotice): what J's
+                    # pending credit may count on.
+                    "pending_blocks": len(self.trie.pending_blocks(w.worker_id))
+                    if w.worker_id in self.trie.workers() else 0,
                 }
                 for w in self.core.view.workers
             ],
+            "trie_nodes": len(self.trie),
             "stats": {k: v for k, v in vars(self.stats).items()},
         }
         return json.dumps(body).encode()

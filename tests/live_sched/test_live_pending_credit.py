@@ -63,13 +63,17 @@ async def test_a_pending_prefix_counts_once_the_managers_notice_is_marked(
     await fake_worker(RIGHT, 2, 2)
     await wait_until(lambda: sched.stats.snapshots_applied >= 2, "the children's snapshots")
     assert sched.trie.match(hashes).held_blocks == {LEFT: 2}
+    status = json.loads((await nc.request(f"{uniq}.scheduler.status", b"", timeout=10)).data)
+    pending = {w["worker_id"]: w["pending_blocks"] for w in status["workers"]}
     if credit:
         assert sched.stats.reconciled_applied == 2
         assert sched.trie.pending_blocks(LEFT) == set(hashes[2:4])
         assert sched.trie.donor_blocks(RIGHT) == set(hashes[2:4])
+        assert pending == {LEFT: 2, RIGHT: 0}  # what the status endpoint shows an operator
     else:
         assert sched.stats.reconciled_buffered == 0  # not subscribed
         assert sched.trie.pending_blocks(LEFT) == frozenset()
+        assert pending == {LEFT: 0, RIGHT: 0}
 
     reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
     assert reply.status == 200, reply.body
