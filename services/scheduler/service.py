@@ -283,6 +283,9 @@ ASSIGNMENT_TTL_S: Final[float] = 3600.0
 _BUFFERED: Final[int] = 64
 """Most workers whose ReconciledNotice waits for their first state (SchedulerService
 ``on_reconciled``): a reconfiguration makes at most a few at a time."""
+_BUFFERED_PARTS: Final[int] = 128
+"""Most parts kept for one of them (128 × 8,192 entries: a worker's whole cache index can be
+at most 2^20 blocks, shared/schemas.py MAX_BLOCKS_PER_EVENT)."""
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -796,8 +799,10 @@ class SchedulerService(MicroService):
         # the cache manager's ReconciledNotices say is pending.
         self._pending_on = credit is not None and settings.pending_credit
         # Notices of workers not in the replica yet (their state comes after the reconcile):
-        # worker -> (epoch, parts), applied by _track_cache; at most _BUFFERED workers.
-        self._reconciled: OrderedDict[str, tuple[int, list[ReconciledNotice]]] = OrderedDict()
+        # worker -> (epoch, part index -> part), applied by _track_cache; at most _BUFFERED
+        # workers and _BUFFERED_PARTS parts each.
+        self._reconciled: OrderedDict[str, tuple[int, dict[int, ReconciledNotice]]] = \
+            OrderedDict()
         self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size),
                                   time_scale=settings.time_scale)
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
@@ -1059,7 +1064,7 @@ class SchedulerService(MicroService):
                              max(1, state.kv_total_blocks))
         buffered = self._reconciled.pop(state.worker_id, None)
         if buffered is not None:
-            for notice in buffered[1]:
+            for _, notice in sorted(buffered[1].items()):  # parents come in earlier parts
                 self._mark_reconciled(notice)
         elif self._pending_on:
             # None came (this replica started after the split or merge, or the worker is an
@@ -1101,8 +1106,9 @@ class SchedulerService(MicroService):
         """Mark a new worker's pending and donor pages in the replica trie (reconcile.py
         ``mark_reconciled``), or keep the notice until the worker's state registers it
         (:meth:`_track_cache`): the cache manager reconciles at the epoch record, usually
-        before the new worker runs. Only the latest epoch's parts are kept for a worker, and
-        only for the :data:`_BUFFERED` workers heard of last."""
+        before the new worker runs. Only the latest epoch's parts are kept for a worker (a
+        part sent again replaces its copy; at most :data:`_BUFFERED_PARTS`), and only for the
+        :data:`_BUFFERED` workers heard of last."""
         wid = notice.worker
         if wid in self.trie.workers():
             self._mark_reconciled(notice)
@@ -1114,10 +1120,16 @@ class SchedulerService(MicroService):
         if kept is None or kept[0] < notice.epoch:
             if kept is not None:
                 self.stats.reconciled_dropped += len(kept[1])
-            kept = (notice.epoch, [])
+            kept = (notice.epoch, {})
             self._reconciled[wid] = kept
         self._reconciled.move_to_end(wid)
-        kept[1].append(notice)
+        parts = kept[1]
+        if notice.part not in parts and len(parts) >= _BUFFERED_PARTS:
+            self.stats.reconciled_dropped += 1
+            return
+        if notice.part in parts:
+            self.stats.reconciled_dropped += 1  # the copy it replaces
+        parts[notice.part] = notice
         self.stats.reconciled_buffered += 1
         while len(self._reconciled) > _BUFFERED:
             _, (_, old) = self._reconciled.popitem(last=False)
