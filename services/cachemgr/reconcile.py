@@ -61,7 +61,7 @@ in-flight operations (returned in the plan so the adapter can abort them).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, NamedTuple
@@ -485,26 +485,10 @@ def on_reuse(trie: PrefixTrie, worker: WorkerId,
         raise InvalidInput(f"block_hashes must be a sequence of ints, got {block_hashes!r}")
     if not view.pending:
         return ()
-    inflight: set[BlockHash] = set()
-    for a in trie._replicating.get(worker, {}).values():
-        inflight.update(a.blocks)
     groups: dict[WorkerId, list[BlockHash]] = {}
-    prev: TrieNode | None = None
-    for h in block_hashes:
-        try:
-            n = trie._nodes.get(h)
-        except TypeError as exc:
-            raise InvalidInput(f"block hashes must be ints: {exc}") from exc
-        if n is None or n.parent is not prev:
-            break
-        prev = n
-        if h in view.valid:
-            continue
-        if h not in view.pending:
-            break
-        if h in inflight:
-            continue
-        src = _source(trie, view, n)
+    for h, state, src in _reconcile_walk(trie, view, block_hashes):
+        if state != "copy":
+            continue  # valid there, or a copy is on its way
         if src is None:
             trie._drop_block(view, h)  # no valid copy left: an ordinary miss
             break
@@ -515,6 +499,45 @@ def on_reuse(trie: PrefixTrie, worker: WorkerId,
         trie._begin(a)
         out.append(a)
     return tuple(out)
+
+
+def _reconcile_walk(
+    trie: PrefixTrie, view: WorkerView, block_hashes: Sequence[BlockHash],
+) -> Iterator[tuple[BlockHash, Literal["valid", "coming", "copy"], WorkerId | None]]:
+    """The walk :func:`on_reuse` and :func:`pending_reach` share: along the request's chain
+    (from its first block, while each block hangs under the one before) while the worker has
+    each block valid or pending, yield ``(hash, state, source)``: ``"valid"``; ``"coming"``
+    (pending, a copy to the worker already in flight); ``"copy"`` (pending, to be copied from
+    ``source``; None: no copy left anywhere, and the walk ends after it). Raises
+    :class:`InvalidInput` for a hash that is not hashable as an int."""
+    nodes = trie._nodes
+    valid, pending = view.valid, view.pending
+    inflight: set[BlockHash] | None = None  # made at the first pending block (speed)
+    prev: TrieNode | None = None
+    for h in block_hashes:
+        try:
+            n = nodes.get(h)
+        except TypeError as exc:
+            raise InvalidInput(f"block hashes must be ints: {exc}") from exc
+        if n is None or n.parent is not prev:
+            return
+        prev = n
+        if h in valid:
+            yield h, "valid", None
+            continue
+        if h not in pending:
+            return
+        if inflight is None:
+            inflight = set()
+            for a in trie._replicating.get(view.worker, {}).values():
+                inflight.update(a.blocks)
+        if h in inflight:
+            yield h, "coming", None
+            continue
+        src = _source(trie, view, n)
+        yield h, "copy", src
+        if src is None:
+            return
 
 
 def pending_reach(trie: PrefixTrie, block_hashes: Sequence[BlockHash],
@@ -534,32 +557,14 @@ def pending_reach(trie: PrefixTrie, block_hashes: Sequence[BlockHash],
     :class:`InvalidInput` for hashes that are not a sequence of ints."""
     if not isinstance(block_hashes, Sequence) or isinstance(block_hashes, str | bytes):
         raise InvalidInput(f"block_hashes must be a sequence of ints, got {block_hashes!r}")
-    nodes = trie._nodes
     out: dict[WorkerId, int] = {}
     for w, view in trie._workers.items():
         if not view.pending:
             continue
-        valid, pending = view.valid, view.pending
-        inflight: set[BlockHash] | None = None
-        prev: TrieNode | None = None
         k = 0
-        for h in block_hashes:
-            try:
-                n = nodes.get(h)
-            except TypeError as exc:
-                raise InvalidInput(f"block hashes must be ints: {exc}") from exc
-            if n is None or n.parent is not prev:
+        for _, state, src in _reconcile_walk(trie, view, block_hashes):
+            if state == "copy" and src is None:
                 break
-            prev = n
-            if h not in valid:
-                if h not in pending:
-                    break
-                if inflight is None:
-                    inflight = set()
-                    for a in trie._replicating.get(w, {}).values():
-                        inflight.update(a.blocks)
-                if h not in inflight and _source(trie, view, n) is None:
-                    break
             k += 1
         if k > held.get(w, 0):
             out[w] = k
