@@ -34,3 +34,15 @@ def store_leaves(t: PrefixTrie, worker: str, parents: Mapping[int, int | None],
         if i < len(path):
             eid += 1
             t.apply(Stored(worker, eid, path[i - 1] if i else None, tuple(path[i:])))
+
+
+def merged_trie(left: str, right: str, parent: str) -> PrefixTrie:
+    """Two CP2 halves merged into their CP4 ``parent`` after ``left`` cached pages 0-3 of one
+    prefix (10, 11, 12, 13): pages 0-1 stay valid, pages 2-3 are pending on the merged
+    worker's own ranks."""
+    t = PrefixTrie([2, 4], block_size=4)
+    t.add_worker(left, 2, 50)
+    t.add_worker(right, 2, 50)
+    t.apply(Stored(left, 1, None, (10, 11, 12, 13)))
+    t.reconcile_merge((left, right), parent, 100)
+    return t

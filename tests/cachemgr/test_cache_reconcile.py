@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cachemgr_support import forest_path, store_leaves
+from cachemgr_support import forest_path, merged_trie, store_leaves
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -117,11 +117,7 @@ def test_pending_reach_is_what_on_reuse_would_bring_without_its_side_effects() -
 
 
 def test_pending_reach_after_a_merge_counts_pages_on_the_merged_workers_own_ranks() -> None:
-    t = PrefixTrie([2, 4], block_size=4)
-    t.add_worker(L, 2, 50)
-    t.add_worker(R, 2, 50)
-    t.apply(Stored(L, 1, None, (10, 11, 12, 13)))
-    t.reconcile_merge((L, R), P, 100)
+    t = merged_trie(L, R, P)
     # Pages 2-3 sit on the merged worker's own ranks (source: itself): always reachable.
     assert pending_reach(t, [10, 11, 12, 13], t.match([10, 11, 12, 13]).held_blocks) == {P: 4}
 

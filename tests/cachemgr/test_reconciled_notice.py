@@ -6,7 +6,7 @@ forgets the pages as the manager does (a ``Stored`` event makes them valid)."""
 from __future__ import annotations
 
 import pytest
-from cachemgr_support import forest_path, store_leaves
+from cachemgr_support import forest_path, merged_trie, store_leaves
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -94,11 +94,7 @@ def test_without_the_notice_the_replica_credits_nothing() -> None:
 
 
 def test_a_merge_notice_marks_the_pages_on_the_merged_workers_ranks() -> None:
-    t = PrefixTrie([2, 4], block_size=4)
-    t.add_worker(L, 2, 50)
-    t.add_worker(R, 2, 50)
-    t.apply(Stored(L, 1, None, (10, 11, 12, 13)))
-    t.reconcile_merge((L, R), P, 100)
+    t = merged_trie(L, R, P)
     assert reconciled_blocks(t, P) == [
         (10, None, "path", None), (11, 10, "path", None),
         (12, 11, "pending", P), (13, 12, "pending", P)]
