@@ -459,13 +459,11 @@ class CacheMgrService(MicroService):
         wid = WorkerId(query.worker_id)
         notices = self.reconciled_notices(wid, self.record.epoch if self.record else 0) \
             if wid in self.trie.workers() else []
-        for n in notices:
-            data, headers = encode(n)
-            await self.nc.publish(self.subjects.cache_pending(n.worker), data, headers=headers)
         if notices:
             self.counters["reconciled_notices"] += len(notices)
             self.counters["reconciled_asked"] += 1
-        return PendingReply(worker_id=query.worker_id, parts=len(notices))
+        return PendingReply(worker_id=query.worker_id,
+                            parts=await self._publish_notices(notices))
 
     async def _on_inspect(self, request: Request) -> bytes:
         query = (
@@ -764,20 +762,24 @@ class CacheMgrService(MicroService):
         if not notices:
             return
         self.counters["reconciled_notices"] += len(notices)
+        self._spawn(self._publish_notices(notices), "reconciled")
 
-        async def publish() -> None:
-            for n in notices:
-                data, headers = encode(n)
-                try:
-                    await self.nc.publish(self.subjects.cache_pending(n.worker), data,
-                                          headers=headers)
-                except (nats.errors.ConnectionClosedError,
-                        nats.errors.OutboundBufferLimitError) as exc:
-                    # The schedulers then do without the credit for this worker.
-                    self.log.warning("reconciled notice not published", worker=n.worker,
-                                     error=str(exc))
-
-        self._spawn(publish(), "reconciled")
+    async def _publish_notices(self, notices: Sequence[ReconciledNotice]) -> int:
+        """Publish ReconciledNotices in order, each on its worker's subject; returns how many
+        went out. One that cannot be sent is logged: the schedulers then do without the
+        credit for that worker (or ask again, ``pending``)."""
+        sent = 0
+        for n in notices:
+            data, headers = encode(n)
+            try:
+                await self.nc.publish(self.subjects.cache_pending(n.worker), data,
+                                      headers=headers)
+                sent += 1
+            except (nats.errors.ConnectionClosedError,
+                    nats.errors.OutboundBufferLimitError) as exc:
+                self.log.warning("reconciled notice not published", worker=n.worker,
+                                 error=str(exc))
+        return sent
 
     def _rehome_merged(self, merged: WorkerId,
                        record: EpochRecord) -> list[CacheAction | Demote]:

@@ -1208,9 +1208,7 @@ class SchedulerService(MicroService):
         if worker in self._snapshotting:
             return
         self._snapshotting.add(worker)
-        task = asyncio.create_task(self._fetch_snapshot(worker), name=f"snapshot-{worker}")
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        self._spawn(self._fetch_snapshot(worker), f"snapshot-{worker}")
 
     async def _fetch_snapshot(self, worker: str) -> None:
         restarts = self._restarts.get(worker, 0)
