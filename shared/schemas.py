@@ -444,7 +444,11 @@ class ReconciledNotice(Message):
     ``blocks`` = [(hash, parent or None, role, source or None)], parents before children (the
     chain above each page is listed as ``path`` entries, so a replica that never saw a block
     can link it). A large reconcile is cut into ``parts`` notices (``part`` from 0), sent in
-    order; each is applied on its own. ``source`` is given for pending entries only.
+    order; each is applied on its own: a part repeats, as ``path`` entries, the chain above
+    its pages that earlier parts listed (services/cachemgr/reconcile.py ``reconciled_parts``).
+    Every worker a split or merge makes gets a notice, an empty one (no ``blocks``) where
+    nothing is pending or donated there, so a replica forgets an older reconcile of the
+    same worker id. ``source`` is given for pending entries only.
     """
 
     worker: Id

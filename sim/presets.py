@@ -1,9 +1,10 @@
 """§9.3 and §9.4 experiments as presets: reconfiguration under phases, and the cache ablation.
 
 ``reconfig`` (§9.3): alternating high-rate short-request phases and low-rate long-request
-phases (synthetic, Qwen3 ground truth, 40 GPUs, degrees {2, 4}); Vertumnus with its controller
-against two fixed compositions — one with more small-degree workers, one with more large —
-run with the same scheduler and cache manager. Reports mean TTFT per phase, the composition
+phases (synthetic, Qwen3 ground truth, 40 GPUs, degrees {2, 4} by default, or {2, 4, 8} or §9.3's
+{4, 8}); Vertumnus with its controller against two fixed compositions — one with more
+small-degree workers, one with more large (:data:`RECONFIG_FIXED`, or the caller's) — run with
+the same scheduler and cache manager. Reports mean TTFT per phase, the composition
 over time, each split / merge with its drain and switch times (and their min / median / max
 per kind; each operation in ``reconfig.json`` names its ``trigger``, the controller rule that
 decided it), and how many windows after a phase change the composition first moved.
@@ -70,7 +71,8 @@ RECONFIG_PHASES: tuple[Phase, ...] = (
 def descriptions() -> dict[str, str]:
     return {
         "reconfig": "§9.3: phases of high-rate short / low-rate long load; Vertumnus vs two "
-        "fixed compositions (40 GPUs, {2,4})",
+        "fixed compositions (40 GPUs, {2,4}; --degrees 2,4,8 or 4,8, --fixed and --rate "
+        "choose others)",
         "ablation": "§9.4: fixed composition, cache manager on vs off, small caches, a "
         "Tool-Agent-shaped synthetic workload at rising rates (--trace, --rate-scale, "
         "--cache-blocks-per-gpu choose others)",
@@ -78,8 +80,90 @@ def descriptions() -> dict[str, str]:
 
 
 ABLATION_OPTIONS: Final = ("workload", "rate_scales", "cache_blocks_per_gpu")
-"""What ``ablation`` lets a caller choose (the rest is the experiment's); ``reconfig`` takes
-none: its phases are its workload."""
+"""What ``ablation`` lets a caller choose (the rest is the experiment's)."""
+
+RECONFIG_OPTIONS: Final = ("degrees", "fixed", "base_rate")
+"""What ``reconfig`` lets a caller choose: the lattice's degrees, the two fixed compositions
+(:func:`reconfig_fixed`) and the base rate (:func:`reconfig_base_rate`); its phases are its
+workload, on 40 GPUs."""
+
+RECONFIG_RATE: Final[dict[tuple[int, ...], float]] = {(2, 4): 24.0, (2, 4, 8): 24.0,
+                                                      (4, 8): 14.0}
+"""The base rate (req/s at the phases' multiplier 1) per degree set: where the high-rate
+phases overload the fixed pool with fewer, larger workers and leave the other one near its
+capacity, as §9.3 sets it up ("insufficient concurrency when short requests dominate").
+{2, 4}: the calibrated preset (seed 0, S2: 12CP2/4CP4 0.40 s, 4CP2/8CP4 9.7 s). {4, 8},
+seeds 0-3 (docs/evaluation.md "The reconfiguration preset on other lattices"): at 12 req/s
+neither fixed pool is loaded in S2 (6CP4/2CP8 0.38-0.40 s, as in S1, 4CP4/3CP8 0.49-0.50 s)
+and the controller splits only after 4-9 windows; at 16 both collapse (2.7-8.0 s); at 14
+6CP4/2CP8 runs at 0.55-0.96 s and 4CP4/3CP8 at 4.0-5.7 s. Other degree sets:
+:data:`RECONFIG_RATE_PER_SMALLEST` over the smallest degree, which bounds how many workers a
+pool can run at once."""
+
+RECONFIG_RATE_PER_SMALLEST: Final[float] = 48.0
+"""The base rate times the smallest degree for a degree set :data:`RECONFIG_RATE` does not
+list (24 req/s with a smallest degree of 2)."""
+
+
+def reconfig_base_rate(degrees: Sequence[int], rate: float | None = None) -> float:
+    """The reconfiguration preset's base rate: ``rate`` when given (a finite number > 0),
+    else :data:`RECONFIG_RATE`'s for the (sorted) ``degrees``, or
+    :data:`RECONFIG_RATE_PER_SMALLEST` over the smallest of them. Raises
+    :class:`InvalidInput` for a bad rate."""
+    if rate is not None:
+        if isinstance(rate, bool) or not isinstance(rate, int | float) \
+                or not math.isfinite(rate) or rate <= 0:
+            raise InvalidInput(f"rate must be a finite number of requests/s > 0, got {rate!r}")
+        return float(rate)
+    degs = tuple(sorted(degrees))
+    return RECONFIG_RATE.get(degs, RECONFIG_RATE_PER_SMALLEST / min(degs))
+
+RECONFIG_GPUS: Final[int] = 40
+
+RECONFIG_FIXED: Final[dict[tuple[int, ...], tuple[str, str]]] = {
+    # 60% / 20% of the GPUs in CP2 workers; the calibrated preset since session 1.
+    (2, 4): ("12CP2/4CP4", "4CP2/8CP4"),
+    # The same shape over three degrees: 60/20/20% and 20/40/40% of the GPUs by degree.
+    (2, 4, 8): ("12CP2/2CP4/1CP8", "4CP2/4CP4/2CP8"),
+    # §9.3's own pair (DeepSeek-V4-Flash on 40 GPUs, degrees {4, 8}).
+    (4, 8): ("6CP4/2CP8", "4CP4/3CP8"),
+}
+"""The reconfiguration preset's two fixed compositions per degree set, the one with more
+smaller-degree workers first (the adaptive pool starts from it): what ``--fixed`` defaults
+to."""
+
+
+def reconfig_fixed(degrees: Sequence[int],
+                   fixed: Sequence[str] | None = None) -> tuple[tuple[int, ...], tuple[str, str]]:
+    """(sorted degrees, the two fixed compositions as canonical labels) for the
+    reconfiguration preset on :data:`RECONFIG_GPUS` GPUs. ``fixed`` None: the pair of
+    :data:`RECONFIG_FIXED` for ``degrees``. Raises :class:`InvalidInput` for degrees the
+    lattice refuses, a degree set without a default pair and no ``fixed``, or a ``fixed``
+    that is not two distinct compositions of that lattice (each naming the problem)."""
+    if isinstance(degrees, str | bytes) or not isinstance(degrees, Sequence) or not degrees:
+        raise InvalidInput(f"degrees must be a non-empty sequence of ints, got {degrees!r}")
+    lattice = Lattice(RECONFIG_GPUS, tuple(degrees))  # raises for a bad degree
+    degs = tuple(lattice.sorted_degrees)
+    if fixed is None:
+        pair = RECONFIG_FIXED.get(degs)
+        if pair is None:
+            known = "; ".join(f"{','.join(map(str, d))}: {' and '.join(p)}"
+                              for d, p in RECONFIG_FIXED.items())
+            raise InvalidInput(f"no default fixed compositions for degrees "
+                               f"{','.join(map(str, degs))}; name two (--fixed A,B). "
+                               f"Defaults: {known}")
+        fixed = pair
+    if isinstance(fixed, str | bytes) or not isinstance(fixed, Sequence) or len(fixed) != 2:
+        raise InvalidInput(f"fixed compositions (--fixed): want two, got {fixed!r}")
+    labels = []
+    for text in fixed:
+        try:
+            labels.append(str(Composition.parse(lattice, text)))
+        except InvalidInput as exc:
+            raise InvalidInput(f"fixed composition (--fixed) {text!r}: {exc}") from None
+    if labels[0] == labels[1]:
+        raise InvalidInput(f"the two fixed compositions (--fixed) are the same ({labels[0]})")
+    return degs, (labels[0], labels[1])
 
 
 def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
@@ -88,9 +172,12 @@ def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
         pending_credit: bool | None = None, **options: Any) -> dict[str, Any]:
     """Run the preset ``name``; ``truth``: the simulated hardware (default: the note's);
     ``per_degree``: the profile fits one coefficient set per degree; ``slo``: the TTFT
-    deadlines (attainment, and the κ the profile measures). ``options`` (``ablation`` only,
-    :data:`ABLATION_OPTIONS`; None = the preset's own): ``workload`` (default: the
-    Tool-Agent-shaped synthetic workload), ``rate_scales``, ``cache_blocks_per_gpu``.
+    deadlines (attainment, and the κ the profile measures). ``options`` (None = the preset's
+    own): for ``ablation`` :data:`ABLATION_OPTIONS`, ``workload`` (default: the
+    Tool-Agent-shaped synthetic workload), ``rate_scales``, ``cache_blocks_per_gpu``;
+    ``reconfig`` takes :data:`RECONFIG_OPTIONS`: ``degrees`` (default {2, 4}), ``fixed``
+    (its two fixed compositions; default: :data:`RECONFIG_FIXED`'s pair for the degrees) and
+    ``base_rate`` (default: :func:`reconfig_base_rate`'s for the degrees).
     ``controller`` (``reconfig`` only; None: the calibrated thresholds): the adaptive pool's
     controller setting. ``pending_credit`` (``reconfig`` only; None: the calibrated setting):
     J's credit of a prefix pending after a split or merge (``SimConfig.pending_credit``).
@@ -100,14 +187,16 @@ def run(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     if pending_credit is not None and name != "reconfig":
         raise InvalidInput(f"preset {name!r} does not take a pending credit setting")
     given = {k: v for k, v in options.items() if v is not None}
-    allowed = ABLATION_OPTIONS if name == "ablation" else ()
+    allowed = {"ablation": ABLATION_OPTIONS, "reconfig": RECONFIG_OPTIONS}.get(name, ())
     extra = sorted(set(given) - set(allowed))
     if extra and name in ("reconfig", "ablation"):
         raise InvalidInput(f"preset {name!r} does not take {', '.join(extra)}")
     if name == "reconfig":
+        degs, fixed = reconfig_fixed(given.get("degrees", (2, 4)), given.get("fixed"))
         return run_reconfig(out=out, seed=seed, progress=progress, truth=truth,
                             per_degree=per_degree, slo=slo, controller=controller,
-                            pending_credit=pending_credit)
+                            pending_credit=pending_credit, degrees=degs, fixed=fixed,
+                            base_rate=reconfig_base_rate(degs, given.get("base_rate")))
     if name == "ablation":
         return run_ablation(out=out, seed=seed, progress=progress, truth=truth,
                             per_degree=per_degree, slo=slo, **given)
@@ -126,8 +215,9 @@ def _phase_bounds(phases: Sequence[Phase], duration: float) -> list[tuple[float,
 
 
 def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
-                 base_rate: float = 24.0, gpus: int = 40, degrees: tuple[int, ...] = (2, 4),
-                 fixed: tuple[str, str] = ("12CP2/4CP4", "4CP2/8CP4"),
+                 base_rate: float = 24.0, gpus: int = RECONFIG_GPUS,
+                 degrees: tuple[int, ...] = (2, 4),
+                 fixed: tuple[str, str] = RECONFIG_FIXED[(2, 4)],
                  truth: GroundTruth | None = None,
                  per_degree: bool = False, slo: SloTable = QWEN3_SLO,
                  controller: ControllerConfig | None = None,
@@ -214,12 +304,15 @@ def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Ph
     phase or the phase has no direction.
 
     The direction follows the phase's long share against the phase before it: a lower share
-    (short requests at a high rate want concurrency) asks for more smallest-degree workers, a
-    higher one (long requests want parallelism) for fewer. With n0 smallest-degree workers in
-    ``start`` (degree -> workers, the pool the preset starts from: the better fixed one) and
-    n1 at the change, a phase asking for more is followed once the pool holds more than
-    min(n0, n1), one asking for fewer once it holds fewer than max(n0, n1): it is past the
-    start composition in the phase's direction, or has moved that way from where it stood.
+    (short requests at a high rate want concurrency) asks for more workers, a higher one
+    (long requests want parallelism) for fewer, larger ones. With n0 workers in ``start``
+    (degree -> workers, the pool the preset starts from: the better fixed one) and n1 at the
+    change, a phase asking for more is followed once the pool holds more than min(n0, n1),
+    one asking for fewer once it holds fewer than max(n0, n1): it is past the start
+    composition in the phase's direction, or has moved that way from where it stood. (On
+    a fixed number of GPUs with degrees {2, 4} the workers are 10 + n/2 for n CP2 workers on
+    40 GPUs, so counting workers is counting CP2 workers; with three degrees only the
+    workers count: a CP8 split into two CP4 workers adds concurrency without a CP2.)
     The composition at time t is ``start`` with every operation of ``reconfs`` (the
     ``run_reconfig`` rows: ``decided_s``, worker ids in ``sources`` / ``targets``) decided by
     t applied, as the reaction metric counts decisions.
@@ -234,8 +327,7 @@ def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Ph
         raise InvalidInput(f"window_s must be a finite number > 0, got {window_s!r}")
     if not start:
         raise InvalidInput("start composition has no workers")
-    small = min(start)
-    base = start.get(small, 0)
+    base = sum(start.values())
     ops = sorted(reconfs, key=lambda rc: float(rc["decided_s"]))
     out: list[int | None] = []
     for i in range(1, min(len(bounds), len(phases))):
@@ -249,7 +341,7 @@ def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Ph
         count = base
         k = 0
         while k < len(ops) and float(ops[k]["decided_s"]) <= a + 1e-9:
-            count += _small_added(ops[k], small)
+            count += _workers_added(ops[k])
             k += 1
         # count is n1 here; the bar is fixed for the whole phase.
         bar = min(base, count) if more else max(base, count)
@@ -261,7 +353,7 @@ def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Ph
             t = float(rc["decided_s"])
             if t >= b:
                 break
-            count += _small_added(rc, small)
+            count += _workers_added(rc)
             if (count > bar) if more else (count < bar):
                 got = math.ceil((t - a) / window_s - 1e-9)
                 break
@@ -269,11 +361,13 @@ def windows_to_follow(bounds: Sequence[tuple[float, float]], phases: Sequence[Ph
     return out
 
 
-def _small_added(rc: Mapping[str, Any], small: int) -> int:
-    """Degree-``small`` workers an operation row adds (its targets) less those it retires (its
-    sources); raises InvalidInput on a worker id that is not a lattice worker's."""
+def _workers_added(rc: Mapping[str, Any]) -> int:
+    """Workers an operation row adds (its targets) less those it retires (its sources);
+    raises InvalidInput on a worker id that is not a lattice worker's."""
     def n(ids: Sequence[str]) -> int:
-        return sum(1 for w in ids if GpuGroup.from_worker_id(w).degree == small)
+        for w in ids:
+            GpuGroup.from_worker_id(w)  # the check: raises on a malformed id
+        return len(ids)
     return n(rc["targets"]) - n(rc["sources"])
 
 

@@ -1221,12 +1221,16 @@ def preset_descriptions() -> dict[str, str]:
 
 PRESET_CHOICES: dict[str, tuple[str, ...]] = {
     "ablation": ("trace", "format", "rate", "rate_scale", "max_requests", "cache_blocks_per_gpu"),
+    "reconfig": ("degrees", "fixed", "rate"),
 }
 """The ``simulate`` options (parameter names) a preset leaves to the user; every other preset
 fixes its trace, rates, cluster and profile. The ablation's workload is open because the
 paper's (Mooncake's Tool-Agent trace) is not shipped (its default is a synthetic stand-in for
 the trace's shape): a user who has it runs ``--preset ablation --trace
-toolagent_trace.jsonl``."""
+toolagent_trace.jsonl``. The reconfiguration preset's degrees and fixed compositions are open
+because the paper's §9.3 runs degrees {4, 8} (DeepSeek, no ground truth here), the issue names
+{2, 4} or {2, 4, 8}, and an operator compares against the pool they run today; its base
+rate with them (sim/presets.py ``reconfig_base_rate``)."""
 
 
 def check_pending_credit(pending_credit: object) -> None:
@@ -1266,20 +1270,25 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                cache_blocks_per_gpu: int | None = None,
                controller: ControllerConfig | None = None,
                request_log: bool = False,
-               pending_credit: bool | None = None) -> dict[str, Any]:
+               pending_credit: bool | None = None,
+               degrees: Sequence[int] | None = None,
+               fixed: Sequence[str] | None = None) -> dict[str, Any]:
     """Run a named experiment. ``policies`` (the trace presets only; default: all eight
     compared policies), ``jobs`` (worker processes for a trace preset's sweep), ``truth``
     (the simulated hardware; default: the note's), ``per_degree`` (the profile's fit),
     ``repeats`` and ``warmup_s`` (the trace presets only; see :func:`run_simulate`) and
     ``slo`` (the TTFT deadlines). ``trace``, ``fmt``, ``rate``, ``rate_scales``,
-    ``max_requests`` and ``cache_blocks_per_gpu`` (None / "auto": the preset's own) only where
-    :data:`PRESET_CHOICES` allows them: the ablation's workload (a trace file or
-    ``synthetic``, read as :func:`load_trace` reads it; ``max_requests`` or ``rate`` alone
-    apply to its default workload), rates and cache size. ``controller``: the adaptive pools'
-    thresholds (default: the calibrated ones); the ablation holds its composition fixed, so it
-    takes none. ``request_log``: the trace presets' per-request logs (:func:`run_simulate`).
-    ``pending_credit`` (the trace presets and ``reconfig``; None: the calibrated setting):
-    J's credit of a pending prefix (:func:`run_simulate`); the ablation never reconfigures.
+    ``max_requests``, ``cache_blocks_per_gpu``, ``degrees`` and ``fixed`` (None / "auto":
+    the preset's own) only where :data:`PRESET_CHOICES` allows them: the ablation's workload
+    (a trace file or ``synthetic``, read as :func:`load_trace` reads it; ``max_requests`` or
+    ``rate`` alone apply to its default workload), rates and cache size; the reconfiguration
+    preset's degrees, its two fixed compositions (sim/presets.py ``reconfig_fixed``) and
+    its base rate (``rate``, req/s before the phases' multipliers). ``controller``: the
+    adaptive pools' thresholds (default: the calibrated ones); the ablation holds its
+    composition fixed, so it takes none. ``request_log``: the trace presets' per-request
+    logs (:func:`run_simulate`). ``pending_credit`` (the trace presets and ``reconfig``;
+    None: the calibrated setting): J's credit of a pending prefix (:func:`run_simulate`);
+    the ablation never reconfigures.
     Raises :class:`InvalidInput` as :func:`check_preset` does, or for a choice the preset does
     not leave open, before anything runs."""
     check_preset(name, policies=policies, repeats=repeats, warmup_s=warmup_s)
@@ -1297,10 +1306,21 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                            "presets do)")
     chosen = {"trace": trace, "format": None if fmt == "auto" else fmt, "rate": rate,
               "rate_scale": rate_scales, "max_requests": max_requests,
-              "cache_blocks_per_gpu": cache_blocks_per_gpu}
+              "cache_blocks_per_gpu": cache_blocks_per_gpu, "degrees": degrees, "fixed": fixed}
     extra = [k for k, v in chosen.items() if v is not None and k not in preset_choices(name)]
     if extra:
         raise InvalidInput(f"preset {name!r} fixes {', '.join(extra)}")
+    if name == "reconfig":
+        from sim import presets
+
+        # Checked before anything runs (the degrees, each composition on that lattice, the
+        # rate); its workload is its phases, not a trace.
+        degs, pair = presets.reconfig_fixed((2, 4) if degrees is None else degrees, fixed)
+        base = presets.reconfig_base_rate(degs, rate)
+        return presets.run(name, out=out, seed=seed, progress=progress, truth=truth,
+                           per_degree=per_degree, slo=slo, controller=controller,
+                           pending_credit=pending_credit, degrees=degs, fixed=pair,
+                           base_rate=base)
     if cache_blocks_per_gpu is not None and (
             isinstance(cache_blocks_per_gpu, bool) or not isinstance(cache_blocks_per_gpu, int)
             or cache_blocks_per_gpu < 1):

@@ -83,7 +83,11 @@ def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
 _PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
                  "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale",
                  "beta_busy_power", "pull_min_blocks", "pull_credit_blocks", "pull_demote",
-                 "pull_wait")
+                 "pull_wait", "fixed")
+
+# What each preset's refusal says it fixes (the trace presets: the default).
+_PRESET_FIXED_WHAT = {"ablation": "its cluster and profile",
+                      "reconfig": "its workload, GPUs and profile"}
 
 
 _PER_DEGREE_HELP = ("Fit one cost-model coefficient set per CP degree, not one for all "
@@ -277,8 +281,16 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option(help="Named experiment of §9 (see --list-presets); it "
                                      "fixes the trace, rates, cluster and profile, so those "
                                      "options are refused with it (the ablation leaves its "
-                                     "trace, rates and cache size open)")
+                                     "trace, rates and cache size open; reconfig its "
+                                     "--degrees, --fixed and --rate)")
         ] = None,
+        fixed: Annotated[str, typer.Option(
+            help="--preset reconfig: its two fixed compositions, comma-separated, the one "
+            "with more small workers first (the adaptive pool starts from it), e.g. "
+            "6CP4/2CP8,4CP4/3CP8 with --degrees 4,8; default: the preset's pair for the "
+            "degrees (2,4: 12CP2/4CP4,4CP2/8CP4; 2,4,8: 12CP2/2CP4/1CP8,4CP2/4CP4/2CP8; 4,8: "
+            "§9.3's 6CP4/2CP8,4CP4/3CP8)")
+        ] = "",
         list_presets: Annotated[bool, typer.Option("--list-presets")] = False,
         profile_path: _ProfilePath = None,
         max_requests: _MaxRequests = 0,
@@ -370,11 +382,10 @@ def register(app: typer.Typer) -> None:
                 _fail(f"--requests: preset {preset!r} writes no per-request log (the trace "
                       f"presets do: {', '.join(runner.PRESETS)})")
             open_ = runner.preset_choices(preset)
-            fixed = _given(ctx, [n for n in _PRESET_FIXES if n not in open_])
-            if fixed:
-                what = ("its cluster and profile" if open_ else
-                        "its trace, rates, cluster and profile")
-                _fail(f"--preset {preset!r} fixes {what}; leave out {', '.join(fixed)} "
+            refused = _given(ctx, [n for n in _PRESET_FIXES if n not in open_])
+            if refused:
+                what = _PRESET_FIXED_WHAT.get(preset, "its trace, rates, cluster and profile")
+                _fail(f"--preset {preset!r} fixes {what}; leave out {', '.join(refused)} "
                       f"(or drop --preset)")
             if chosen is not None:
                 _check(runner.check_policies, chosen)
@@ -396,7 +407,19 @@ def register(app: typer.Typer) -> None:
                           f"--cache-blocks-per-gpu must be >= 1 (0, the HBM budget, is not "
                           f"offered), got {cache_blocks_per_gpu}")
                 preset_args["cache_blocks_per_gpu"] = cache_blocks_per_gpu
+            if "--degrees" in given:
+                preset_args["degrees"] = degrees_option(degrees)
+            if "--fixed" in given:
+                preset_args["fixed"] = comma_list(fixed, "fixed", str, "compositions")
+            if preset == "reconfig":
+                from sim.presets import reconfig_fixed
+
+                _check(reconfig_fixed, preset_args.get("degrees", (2, 4)),
+                       preset_args.get("fixed"))
         else:
+            if _given(ctx, ["fixed"]):
+                _fail("--fixed names the fixed compositions of --preset reconfig; give it "
+                      "with that preset (a sweep's pools are its --policies)")
             chosen = _names(policies, "policies")
             _check(runner.check_policies, chosen)
             _check(runner.check_trace_format, trace, format)

@@ -61,7 +61,7 @@ in-flight operations (returned in the plan so the adapter can abort them).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, NamedTuple
@@ -503,13 +503,15 @@ def on_reuse(trie: PrefixTrie, worker: WorkerId,
 
 def _reconcile_walk(
     trie: PrefixTrie, view: WorkerView, block_hashes: Sequence[BlockHash],
+    gone: Container[WorkerId] = (),
 ) -> Iterator[tuple[BlockHash, Literal["valid", "coming", "copy"], WorkerId | None]]:
     """The walk :func:`on_reuse` and :func:`pending_reach` share: along the request's chain
     (from its first block, while each block hangs under the one before) while the worker has
     each block valid or pending, yield ``(hash, state, source)``: ``"valid"``; ``"coming"``
     (pending, a copy to the worker already in flight); ``"copy"`` (pending, to be copied from
-    ``source``; None: no copy left anywhere, and the walk ends after it). Raises
-    :class:`InvalidInput` for a hash that is not hashable as an int."""
+    ``source``; None: no copy left anywhere, and the walk ends after it; workers in
+    ``gone`` are no source). Raises :class:`InvalidInput` for a hash that is not hashable
+    as an int."""
     nodes = trie._nodes
     valid, pending = view.valid, view.pending
     inflight: set[BlockHash] | None = None  # made at the first pending block (speed)
@@ -534,14 +536,15 @@ def _reconcile_walk(
         if h in inflight:
             yield h, "coming", None
             continue
-        src = _source(trie, view, n)
+        src = _source(trie, view, n, gone)
         yield h, "copy", src
         if src is None:
             return
 
 
 def pending_reach(trie: PrefixTrie, block_hashes: Sequence[BlockHash],
-                  held: Mapping[WorkerId, int]) -> dict[WorkerId, int]:
+                  held: Mapping[WorkerId, int], *,
+                  gone: Container[WorkerId] = ()) -> dict[WorkerId, int]:
     """How many leading blocks of a request each worker with pending blocks will hold once the
     reconcile copies :func:`on_reuse` would issue for it there have landed, for the workers
     where that is more than ``held`` (each worker's valid prefix of the request, as
@@ -553,8 +556,10 @@ def pending_reach(trie: PrefixTrie, block_hashes: Sequence[BlockHash],
 
     The walk is :func:`on_reuse`'s without its side effects: along the request's chain while
     the worker has each block valid, or pending and either on its way there or with a copy
-    source; a pending block with no source ends it (on_reuse would drop it). Pure; raises
-    :class:`InvalidInput` for hashes that are not a sequence of ints."""
+    source; a pending block with no source ends it (on_reuse would drop it). ``gone``:
+    workers that are no copy source although the trie still has them (a scheduler's
+    replica keeps a worker whose lease has lapsed, which the cache manager has removed, or
+    will). Pure; raises :class:`InvalidInput` for hashes that are not a sequence of ints."""
     if not isinstance(block_hashes, Sequence) or isinstance(block_hashes, str | bytes):
         raise InvalidInput(f"block_hashes must be a sequence of ints, got {block_hashes!r}")
     out: dict[WorkerId, int] = {}
@@ -562,7 +567,7 @@ def pending_reach(trie: PrefixTrie, block_hashes: Sequence[BlockHash],
         if not view.pending:
             continue
         k = 0
-        for _, state, src in _reconcile_walk(trie, view, block_hashes):
+        for _, state, src in _reconcile_walk(trie, view, block_hashes, gone):
             if state == "copy" and src is None:
                 break
             k += 1
@@ -605,6 +610,51 @@ def reconciled_blocks(trie: PrefixTrie, worker: WorkerId) -> list[ReconciledEntr
     return out
 
 
+def reconciled_parts(entries: Sequence[ReconciledEntry],
+                     max_entries: int) -> list[list[ReconciledEntry]]:
+    """Cut :func:`reconciled_blocks`' list into parts that each stand alone: a part starts
+    with the chain above its own entries that earlier parts listed, repeated as ``path``
+    entries, so a replica can apply each part on its own, whatever happened in between
+    (the scheduler's housekeeping collects childless unreferenced nodes, so the ``path``
+    links one part created may be gone when the next arrives). A part has at most
+    ``max_entries`` entries, unless the chain above its first own entry is longer than that
+    alone; parents come first; the parts' own entries are ``entries`` in order, each once.
+    Pure; raises :class:`InvalidInput` for ``max_entries`` < 1 or an entry whose parent is
+    not listed before it."""
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+        raise InvalidInput(f"max_entries must be an integer >= 1, got {max_entries!r}")
+    parent_of: dict[BlockHash, BlockHash | None] = {}
+    pos: dict[BlockHash, int] = {}
+    for k, (h, p, _, _) in enumerate(entries):
+        if p is not None and p not in parent_of:
+            raise InvalidInput(f"entry {h}: its parent {p} is not listed before it")
+        parent_of[h] = p
+        pos[h] = k
+    parts: list[list[ReconciledEntry]] = []
+    i = 0
+    while i < len(entries):
+        own: list[ReconciledEntry] = []
+        have: set[BlockHash] = set()
+        above: set[BlockHash] = set()  # the chain repeated from earlier parts
+        while i < len(entries):
+            h, p, _, _ = entries[i]
+            missing: list[BlockHash] = []
+            q = p
+            while q is not None and q not in have and q not in above:
+                missing.append(q)
+                q = parent_of[q]
+            if own and len(own) + len(above) + len(missing) + 1 > max_entries:
+                break
+            above.update(missing)
+            own.append(entries[i])
+            have.add(h)
+            i += 1
+        # The repeated links in the list's own order: a parent before its children.
+        links = sorted(above, key=pos.__getitem__)
+        parts.append([(x, parent_of[x], "path", None) for x in links] + own)
+    return parts
+
+
 @dataclass(frozen=True, slots=True)
 class Marked:
     """What :func:`mark_reconciled` did: pending and donor blocks marked, nodes created (path
@@ -636,12 +686,12 @@ def mark_reconciled(trie: PrefixTrie, worker: WorkerId,
     Entries whose chain contradicts the trie (a hash under another parent: another
     deployment's blocks, a corrupt notice) or whose parent is unknown are skipped with
     everything below them; the rest is applied. Raises :class:`UnknownWorker` for an
-    unregistered worker and :class:`InvalidInput` for an entry that is not one."""
+    unregistered worker and :class:`InvalidInput` for an entry that is not one; either way
+    before anything changes (every entry is checked first)."""
     view = trie._view(worker)
     nodes = trie._nodes
-    skipped: set[BlockHash] = set()
-    pending = donors = created = 0
-    for e in blocks:
+    entries = list(blocks)
+    for e in entries:
         if not isinstance(e, tuple | list) or len(e) != 4:
             raise InvalidInput(f"a reconciled entry is (hash, parent, role, source), got {e!r}")
         h, p, role, src = e
@@ -652,6 +702,9 @@ def mark_reconciled(trie: PrefixTrie, worker: WorkerId,
             raise InvalidInput(f"role must be pending, donor or path, got {role!r}")
         if src is not None and not isinstance(src, str):
             raise InvalidInput(f"source must be a worker id or None, got {src!r}")
+    skipped: set[BlockHash] = set()
+    pending = donors = created = 0
+    for h, p, role, src in entries:
         if p is not None and p in skipped:
             skipped.add(h)
             continue
@@ -676,19 +729,20 @@ def mark_reconciled(trie: PrefixTrie, worker: WorkerId,
     return Marked(pending, donors, created, len(skipped))
 
 
-def _source(trie: PrefixTrie, view: WorkerView, n: TrieNode) -> WorkerId | None:
+def _source(trie: PrefixTrie, view: WorkerView, n: TrieNode,
+            gone: Container[WorkerId] = ()) -> WorkerId | None:
     hint = view.pending[n.hash]
     if hint == view.worker:
         return hint  # merged worker: the page is resident, on another of its ranks
     h = n.hash
-    if hint is not None:
+    if hint is not None and hint not in gone:
         hv = trie._workers.get(hint)
         if hv is not None and not hv.stale and (h in hv.valid or h in hv.donors):
             return hint
     best: WorkerId | None = None
     for w, v in trie._workers.items():
         if w != view.worker and not v.stale and (h in v.valid or h in v.donors) \
-                and (best is None or w < best):
+                and (best is None or w < best) and w not in gone:
             best = w
     return best
 

@@ -127,6 +127,7 @@ from services.cachemgr.reconcile import (
     diff_compositions,
     guess_capacity,
     reconciled_blocks,
+    reconciled_parts,
     rehome_on_merge,
     rehome_on_split,
 )
@@ -459,6 +460,8 @@ class CacheMgrService(MicroService):
         wid = WorkerId(query.worker_id)
         notices = self.reconciled_notices(wid, self.record.epoch if self.record else 0) \
             if wid in self.trie.workers() else []
+        # Nothing to mark: the asker holds no older notice of it (it asks only then).
+        notices = [n for n in notices if n.blocks]
         if notices:
             self.counters["reconciled_notices"] += len(notices)
             self.counters["reconciled_asked"] += 1
@@ -745,19 +748,20 @@ class CacheMgrService(MicroService):
 
     def reconciled_notices(self, worker: WorkerId, epoch: int) -> list[ReconciledNotice]:
         """The ReconciledNotices of ``worker``'s reconcile as the trie has it now (reconcile.py
-        ``reconciled_blocks``), in parts of at most :data:`RECONCILED_PART_BLOCKS` entries;
-        none when it has no pending or donor page."""
-        entries = reconciled_blocks(self.trie, worker)
-        step = RECONCILED_PART_BLOCKS
-        parts = (len(entries) + step - 1) // step
+        ``reconciled_blocks``), in parts of about :data:`RECONCILED_PART_BLOCKS` entries that
+        each stand alone (``reconciled_parts``); one empty notice when it has no pending or
+        donor page, so that a replica holding an older reconcile of the same worker id
+        forgets it."""
+        cut = reconciled_parts(reconciled_blocks(self.trie, worker), RECONCILED_PART_BLOCKS)
         degree = int(self.trie.worker_degree(worker))
         return [ReconciledNotice(worker=worker, degree=degree, epoch=epoch, part=i,
-                                 parts=parts, blocks=entries[i * step:(i + 1) * step])
-                for i in range(parts)]
+                                 parts=max(1, len(cut)), blocks=blocks)
+                for i, blocks in enumerate(cut or [[]])]
 
     def _publish_reconciled(self, workers: Sequence[str], epoch: int) -> None:
         """Publish each new worker's pending and donor pages for the scheduler replicas (made
-        now, sent in order by one task: a later change of the trie does not leak in)."""
+        now, sent in order by one task: a later change of the trie does not leak in); an
+        empty notice for a worker with none."""
         notices = [n for w in workers for n in self.reconciled_notices(WorkerId(w), epoch)]
         if not notices:
             return

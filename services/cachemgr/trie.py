@@ -884,7 +884,8 @@ class PrefixTrie:
             raise InvalidInput(f"block {h!r} is not in the prefix trie") from None
 
     def _create(self, h: BlockHash, parent: TrieNode | None) -> TrieNode:
-        # NOTE: refs == 0 here, yet not in _unref: every caller adds it as valid right away.
+        # NOTE: refs == 0 here, yet not in _unref: every caller adds it as valid right away,
+        # except reconcile.mark_reconciled, which adds it to _unref itself (a path link).
         node = TrieNode(h, parent, len(self.degrees), self._decays)
         self._nodes[h] = node
         if parent is not None:

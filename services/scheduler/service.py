@@ -798,6 +798,10 @@ class SchedulerService(MicroService):
         # J's credit of a pending prefix (needs the pull credit): the replica trie marks what
         # the cache manager's ReconciledNotices say is pending.
         self._pending_on = credit is not None and settings.pending_credit
+        # Workers whose lease has lapsed: no copy source for pending_reach (the replica keeps
+        # them, the KV not telling of a TTL expiry; the cache manager drops them). Kept by
+        # _rebuild_view.
+        self._lapsed: frozenset[str] = frozenset()
         # Notices of workers not in the replica yet (their state comes after the reconcile):
         # worker -> (epoch, part index -> part), applied by _track_cache; at most _BUFFERED
         # workers and _BUFFERED_PARTS parts each.
@@ -1038,6 +1042,8 @@ class SchedulerService(MicroService):
                         max_seq_len=st.max_seq_len, reachable=self._reachable(state))
             for _, state in sorted(self._states.items())
         )
+        self._lapsed = frozenset(w for w, state in self._states.items()
+                                 if now - state.heartbeat_s > st.lease_s)
         if views == self.core.view.workers:
             return
         self.core.set_view(ClusterView(views, block_size=st.block_size))
@@ -2140,8 +2146,8 @@ class SchedulerService(MicroService):
         match = self.trie.match(hashes)
         info = RequestInfo(req.request_id, req.input_len, hashes, req.arrival_s)
         now = self.clock()
-        pending = pending_reach(self.trie, hashes, match.held_blocks) if self._pending_on \
-            else None
+        pending = pending_reach(self.trie, hashes, match.held_blocks, gone=self._lapsed) \
+            if self._pending_on else None
         decision = self.core.place(info, match.held_blocks, now, pending=pending)
         self.stats.placed += 1
         if pending and decision.worker in pending \

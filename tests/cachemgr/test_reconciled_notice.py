@@ -16,6 +16,7 @@ from services.cachemgr.reconcile import (
     mark_reconciled,
     pending_reach,
     reconciled_blocks,
+    reconciled_parts,
 )
 from services.cachemgr.trie import PrefixTrie
 from shared.ids import InvalidInput, UnknownWorker
@@ -149,8 +150,11 @@ def test_entries_that_contradict_the_trie_or_hang_from_nothing_are_skipped() -> 
 def test_a_bad_entry_is_refused(entry: object) -> None:
     rep = PrefixTrie([2, 4], block_size=4)
     rep.add_worker(L, 2, 50)
+    # Good entries before it change nothing either: the notice is refused whole.
     with pytest.raises(InvalidInput):
-        mark_reconciled(rep, L, [entry])  # type: ignore[list-item]
+        mark_reconciled(rep, L, [(1, None, "path", None), (2, 1, "pending", None),
+                                 entry])  # type: ignore[list-item]
+    assert len(rep) == 0 and rep.pending_blocks(L) == set()
 
 
 def test_an_unregistered_worker_is_refused() -> None:
@@ -216,6 +220,84 @@ def test_the_replica_credits_what_the_manager_would_after_any_split_or_merge(cas
         assert pending_reach(rep, req, held) == pending_reach(t, req, held)
 
 
+# --- a large reconcile in parts that each stand alone -----------------------------------------
+def many_chains_split(n: int) -> PrefixTrie:
+    """P held ``n`` five-block prompts of their own; split into L, R. L's notice lists path
+    links above its pending pages: cut plainly, such a link ends a part childless when its
+    pages come in a later one."""
+    t = PrefixTrie([2, 4], block_size=4)
+    t.add_worker(P, 4, 10**6)
+    for i in range(n):
+        t.apply(Stored(P, i + 1, None, tuple(range(10 * i + 100, 10 * i + 105))))
+    t.reconcile_split(P, (L, R), {L: 10**6, R: 10**6})
+    return t
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 64])
+def test_parts_stand_alone_and_keep_every_entry_once(size: int) -> None:
+    t = many_chains_split(40)
+    entries = reconciled_blocks(t, L)
+    parts = reconciled_parts(entries, size)
+    prior: set[int] = set()
+    own: list[tuple] = []
+    for part in parts:
+        k = 0
+        while k < len(part) and part[k][0] in prior:  # the links repeated from earlier parts
+            k += 1
+        assert all(role == "path" and src is None for _, _, role, src in part[:k])
+        assert k < len(part)  # every part has entries of its own
+        assert len(part) <= size or len(part) - k == 1
+        listed: set[int] = set()
+        for h, p, _, _ in part:
+            assert p is None or p in listed  # parents first, within the part
+            listed.add(h)
+        own += part[k:]
+        prior |= listed
+    assert own == entries
+    if size >= len(entries):
+        assert parts == [entries]
+
+
+def test_parts_refuse_a_bad_size_or_a_dangling_entry() -> None:
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(InvalidInput, match="max_entries"):
+            reconciled_parts([], bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="not listed before it"):
+        reconciled_parts([(2, 1, "path", None)], 8)
+    assert reconciled_parts([], 8) == []
+
+
+def test_a_collection_between_parts_loses_nothing() -> None:
+    """The scheduler applies each part as it arrives, and its housekeeping collects childless
+    unreferenced nodes in between: the path links an earlier part made can be gone. Each part
+    repeats them, so the replica still marks everything and credits what the manager would."""
+    t = many_chains_split(300)
+
+    def replica(cut) -> tuple[PrefixTrie, int]:
+        rep = PrefixTrie([2, 4], block_size=4)
+        for w in (L, R):
+            rep.add_worker(w, t.worker_degree(w), 10**6)
+        skipped = 0
+        for w in (L, R):
+            for part in cut(reconciled_blocks(t, w)):
+                skipped += mark_reconciled(rep, w, part).skipped
+                rep.collect_unreferenced()
+        for w in (L, R):
+            rep.apply(snapshot_of(t, w))
+        return rep, skipped
+
+    rep, skipped = replica(lambda es: reconciled_parts(es, 64))
+    assert skipped == 0
+    assert rep.pending_blocks(L) == t.pending_blocks(L) and len(t.pending_blocks(L)) > 500
+    for i in (0, 150, 299):
+        req = list(range(10 * i + 100, 10 * i + 105))
+        held = dict(t.match(req).held_blocks)
+        assert pending_reach(rep, req, held) == pending_reach(t, req, held)
+    # Cut plainly, the parts after the first hang from links the collection took.
+    plain, skipped = replica(lambda es: [es[i:i + 64] for i in range(0, len(es), 64)])
+    assert skipped > 0 and not plain.pending_blocks(L)
+
+
 # --- a replica without statistics collects what no worker holds ------------------------------
 def test_a_replica_drops_the_blocks_no_worker_holds_any_more() -> None:
     """``collect_unreferenced``: the scheduler's replica records no statistics and never
@@ -248,3 +330,18 @@ def test_a_replica_drops_the_blocks_no_worker_holds_any_more() -> None:
     assert t.collect_unreferenced() == 2
     assert set(t.node_hashes()) == {10, 11, 12, 13, 14}
     assert pending_reach(t, [10, 11, 12, 13, 14], {L: 2}) == {L: 5}
+
+
+def test_a_worker_whose_lease_lapsed_is_no_copy_source() -> None:
+    """A scheduler's replica keeps a worker whose state expired (the KV does not tell of a TTL
+    expiry) while the cache manager has removed it: given as ``gone``, it is no source, and
+    the replica credits what the manager does."""
+    t = split_trie()  # L: 12-13 pending from R's donor pages, 14 on its own ranks
+    rep = replica_of(t, (L, R))
+    req = [10, 11, 12, 13, 14]
+    assert pending_reach(rep, req, {L: 2}) == pending_reach(t, req, {L: 2}) == {L: 5}
+    t.remove_worker(R)
+    assert pending_reach(t, req, {L: 2}) == {}
+    assert pending_reach(rep, req, {L: 2}) == {L: 5}  # R lingers in the replica
+    assert pending_reach(rep, req, {L: 2}, gone={R}) == {}
+    assert pending_reach(rep, req, {L: 2}, gone={"w-cp2-g9"}) == {L: 5}

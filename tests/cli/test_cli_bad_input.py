@@ -6,6 +6,7 @@ started. Every refusal here comes from a check made before any simulation, so th
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -311,8 +312,73 @@ def test_the_ablation_preset_checks_what_it_leaves_open(runner: CliRunner, tmp_p
     assert not (tmp_path / "o").exists()
 
 
+def test_the_reconfig_preset_leaves_its_degrees_and_fixed_pools_open(
+        runner: CliRunner, tmp_path: Path, calls: dict[str, dict[str, Any]]) -> None:
+    # §9.3's own setting: degrees {4, 8}, 6CP4/2CP8 against 4CP4/3CP8.
+    res = runner.invoke(app, ["simulate", "--preset", "reconfig", "--degrees", "8,4",
+                              "--fixed", "2CP8/6CP4, 4CP4/3CP8", "--rate", "10",
+                              "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    got = calls["run_preset"]
+    assert got["args"] == ("reconfig",)
+    assert (got["degrees"], got["fixed"], got["rate"]) == (
+        (8, 4), ("2CP8/6CP4", "4CP4/3CP8"), 10.0)
+    # Left out, they are the preset's own ({2, 4}, its pair and rate, chosen by the preset).
+    assert runner.invoke(app, ["simulate", "--preset", "reconfig", "--out", str(tmp_path / "o")]
+                         ).exit_code == 0
+    assert not {"degrees", "fixed", "rate"} & set(calls["run_preset"])
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--degrees", "2,8"], "no default fixed compositions for degrees 2,8; name two (--fixed"),
+    (["--degrees", "2,3"], "--degrees: every degree must be a power of two"),
+    (["--fixed", "12CP2/4CP4"], "fixed compositions (--fixed): want two"),
+    (["--fixed", "12CP2/4CP4,4CP2/8CP4,20CP2"], "fixed compositions (--fixed): want two"),
+    (["--fixed", "12CP2/4CP4,4CP4/12CP2"], "the two fixed compositions (--fixed) are the same"),
+    (["--fixed", "12CP2/4CP4,1CP8/16CP2"], "fixed composition (--fixed) '1CP8/16CP2': degree 8"),
+    (["--fixed", "12CP2/4CP4,12CP2"], "no composition of 40 GPUs has 12CP2"),
+    (["--degrees", "4,8", "--fixed", "12CP2/4CP4,4CP4/3CP8"], "degree 2 not in [4, 8]"),
+    (["--fixed", "12CP2/4CP4,,4CP2/8CP4"], "--fixed has an empty entry"),
+    (["--gpus", "16"], "--preset 'reconfig' fixes its workload, GPUs and profile; "
+                       "leave out --gpus"),
+    (["--rate-scale", "2"], "leave out --rate-scale"),
+    (["--rate", "-1"], "--rate"),
+])
+def test_the_reconfig_preset_checks_its_degrees_and_fixed_pools(
+        runner: CliRunner, tmp_path: Path, no_runs: None, args: list[str], words: str) -> None:
+    _refused(runner.invoke(app, ["simulate", "--preset", "reconfig", *args,
+                                 "--out", str(tmp_path / "o")]), words)
+    assert not (tmp_path / "o").exists()
+
+
+def test_fixed_pools_belong_to_the_reconfig_preset(runner: CliRunner, tmp_path: Path,
+                                                   no_runs: None) -> None:
+    _refused(runner.invoke(app, [*SIM, "--fixed", "12CP2/4CP4,4CP2/8CP4",
+                                 "--out", str(tmp_path / "o")]),
+             "--fixed names the fixed compositions of --preset reconfig")
+    _refused(runner.invoke(app, ["simulate", "--preset", "ablation", "--fixed",
+                                 "12CP2/4CP4,4CP2/8CP4", "--out", str(tmp_path / "o")]),
+             "--preset 'ablation' fixes its cluster and profile; leave out --fixed")
+    assert not (tmp_path / "o").exists()
+
+
+def test_run_preset_checks_the_reconfig_choices_before_running(tmp_path: Path) -> None:
+    for kw, words in (({"degrees": (2, 8)}, "no default fixed compositions"),
+                      ({"fixed": ("12CP2/4CP4",)}, "want two"),
+                      ({"degrees": (4, 8), "fixed": ("12CP2/4CP4", "4CP4/3CP8")},
+                       "degree 2 not in"),
+                      ({"degrees": (2, 3)}, "power of two"),
+                      ({"rate": float("inf")}, "rate must be a finite number"),
+                      ({"rate_scales": [2.0]}, "preset 'reconfig' fixes rate_scale")):
+        with pytest.raises(InvalidInput, match=re.escape(words)):
+            sim_runner.run_preset("reconfig", out=tmp_path / "o", **kw)
+    with pytest.raises(InvalidInput, match="preset 'leval' fixes degrees"):
+        sim_runner.run_preset("leval", out=tmp_path / "o", degrees=(2, 4))
+    assert not (tmp_path / "o").exists()
+
+
 def test_run_preset_refuses_a_choice_the_preset_fixes(tmp_path: Path) -> None:
-    for name, kw in (("conversation", {"trace": "synthetic"}), ("reconfig", {"rate": 2.0}),
+    for name, kw in (("conversation", {"trace": "synthetic"}), ("reconfig", {"trace": "x"}),
                      ("leval", {"rate_scales": [1.0]}),
                      ("reconfig", {"cache_blocks_per_gpu": 10})):
         with pytest.raises(InvalidInput, match=f"preset '{name}' fixes"):

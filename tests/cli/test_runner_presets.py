@@ -136,6 +136,50 @@ def test_reconfig_preset_small(tmp_path: Path) -> None:
         assert (tmp_path / name).is_file(), name
 
 
+def test_reconfig_preset_on_three_degrees(tmp_path: Path) -> None:
+    # The issue's other lattice, {2, 4, 8}, on a small pool: runs, compares, and writes the
+    # degrees and pools it ran.
+    fixed = ("4CP2/2CP4", "2CP2/1CP4/1CP8")
+    s = presets.run_reconfig(out=tmp_path, seed=0, base_rate=0.6, gpus=16, degrees=(2, 4, 8),
+                             fixed=fixed)
+    rows = {r["policy"]: r for r in s["rows"]}
+    assert set(rows) == {"vertumnus", *fixed}
+    assert all(r["completed"] == r["requests"] for r in rows.values())
+    assert rows["2CP2/1CP4/1CP8"]["composition_start"] == {"2": 2, "4": 1, "8": 1}
+    meta = json.loads((tmp_path / "reconfig.json").read_text())
+    assert meta["degrees"] == [2, 4, 8]
+    assert len(meta["windows_to_follow"]) == len(presets.RECONFIG_PHASES) - 1
+
+
+def test_reconfig_defaults_per_degree_set() -> None:
+    assert presets.reconfig_fixed((4, 2)) == ((2, 4), ("12CP2/4CP4", "4CP2/8CP4"))
+    assert presets.reconfig_fixed((8, 4)) == ((4, 8), ("6CP4/2CP8", "4CP4/3CP8"))  # §9.3's
+    assert presets.reconfig_fixed((2, 4, 8))[1] == ("12CP2/2CP4/1CP8", "4CP2/4CP4/2CP8")
+    # Given pools come back in the canonical notation.
+    assert presets.reconfig_fixed((2, 4), ("4CP4/12CP2", "8cp4/4cp2"))[1] == (
+        "12CP2/4CP4", "4CP2/8CP4")
+    # The base rate per degree set, else by the smallest degree, or the caller's.
+    assert presets.reconfig_base_rate((2, 4)) == 24.0
+    assert presets.reconfig_base_rate((2, 4, 8)) == 24.0
+    assert presets.reconfig_base_rate((8, 4)) == 14.0
+    assert presets.reconfig_base_rate((2, 8)) == 24.0
+    assert presets.reconfig_base_rate((1, 2)) == 48.0
+    assert presets.reconfig_base_rate((4, 8), 7) == 7.0
+    for bad in (0, -1.0, float("nan"), True, "3"):
+        with pytest.raises(InvalidInput, match="rate must be"):
+            presets.reconfig_base_rate((2, 4), bad)  # type: ignore[arg-type]
+    for degs in ((), "24", None):
+        with pytest.raises(InvalidInput):
+            presets.reconfig_fixed(degs)  # type: ignore[arg-type]
+
+
+def test_reconfig_preset_run_refuses_what_it_fixes(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="does not take workload"):
+        presets.run("reconfig", out=tmp_path, workload="x")
+    with pytest.raises(InvalidInput, match="does not take degrees"):
+        presets.run("ablation", out=tmp_path, degrees=(2, 4))
+
+
 @pytest.mark.skipif(not CONV.is_file(), reason="conversation trace not available")
 def test_ablation_preset_small(tmp_path: Path) -> None:
     wl = read_mooncake(CONV, seed=0, max_requests=200)

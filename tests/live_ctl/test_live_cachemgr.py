@@ -1166,3 +1166,33 @@ async def test_a_scheduler_started_after_a_split_asks_for_the_reconcile(
         await call(nc, s.cache_pending_ask(), b'{"worker_id": "Not An Id"}', PendingReply)
     assert err.value.code == 400
     assert (await inspect(nc, uniq))["counters"]["splits"] == 1  # still running
+
+
+def test_every_new_worker_gets_a_notice_and_large_ones_come_in_standalone_parts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``_publish_reconciled`` sends after a split (built, not sent): one empty notice
+    for a child with nothing pending (it replaces an older notice of the same worker id a
+    scheduler may still keep), and a large reconcile in parts that each repeat the links
+    above their pages (reconcile.py ``reconciled_parts``)."""
+    import services.cachemgr.service as svc_mod
+    from services.cachemgr.events import Stored
+
+    monkeypatch.setattr(svc_mod, "RECONCILED_PART_BLOCKS", 16)
+    svc = CacheMgrService(settings("nats://127.0.0.1:1", "unused"))
+    t = svc.trie
+    t.add_worker("w-cp4-g0", 4, 10**6)
+    for i in range(20):
+        t.apply(Stored("w-cp4-g0", i + 1, None, tuple(range(10 * i + 100, 10 * i + 105))))
+    t.reconcile_split("w-cp4-g0", ("w-cp2-g0", "w-cp2-g2"), {"w-cp2-g0": 10**6,
+                                                            "w-cp2-g2": 10**6})
+    t.add_worker("w-cp2-g4", 2, 100)  # a worker with nothing pending
+    (empty,) = svc.reconciled_notices("w-cp2-g4", 3)
+    assert (empty.part, empty.parts, empty.blocks, empty.epoch) == (0, 1, [], 3)
+    parts = svc.reconciled_notices("w-cp2-g0", 3)
+    assert len(parts) > 3 and all(n.parts == len(parts) for n in parts)
+    assert [n.part for n in parts] == list(range(len(parts)))
+    for n in parts:  # each stands alone: every parent is listed in the same part
+        listed: set[int] = set()
+        for h, p, _, _ in n.blocks:
+            assert p is None or p in listed
+            listed.add(h)

@@ -145,3 +145,26 @@ async def test_only_the_latest_reconcile_of_a_worker_waits_for_it(
     await wait_until(lambda: sched.stats.snapshots_applied >= 1, "its snapshot")
     assert sched.stats.reconciled_applied == 1
     assert sched.trie.pending_blocks(LEFT) == {hashes[2]}
+
+
+async def test_an_empty_reconcile_replaces_an_older_one_of_the_same_worker_id(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """Worker ids come back (split, merge, split again). The cache manager publishes a notice
+    for every worker a split or merge makes, an empty one where nothing is pending there, so
+    an older reconcile of the same id still waiting here is not marked on the new worker."""
+    s = Subjects(uniq)
+    hashes = chain_hashes(PROMPT, B)
+    sched = await live.scheduler(block_size=B, degrees=[2, 4], pending_credit=True)
+    older = split_notices(hashes)[0]  # epoch 1: pages 2-3 pending
+    empty = ReconciledNotice(worker=LEFT, degree=2, epoch=3, blocks=[])
+    for notice in (older, empty):
+        data, headers = encode(notice)
+        await nc.publish(s.cache_pending(LEFT), data, headers=headers)
+    await nc.flush()
+    await wait_until(lambda: sched.stats.reconciled_buffered == 2, "both notices kept")
+    assert sched.stats.reconciled_dropped == 1  # the older one, overtaken
+    await fake_worker(LEFT, 2, 0, **seeded(hashes))
+    await wait_until(lambda: sched.stats.snapshots_applied >= 1, "its snapshot")
+    assert sched.stats.reconciled_applied == 1 and sched.stats.reconciled_asked == 0
+    assert sched.trie.pending_blocks(LEFT) == set()

@@ -1,6 +1,7 @@
 """``sim.presets.windows_to_follow``: how many windows the composition takes to follow a phase
 of the reconfiguration preset -- past the starting composition in the phase's direction, or
-moved that way from where it stood at the change (pure, no simulation)."""
+moved that way from where it stood at the change (pure, no simulation). The direction is
+counted in workers: more for a short phase, fewer for a long one, on any degree set."""
 
 from __future__ import annotations
 
@@ -78,6 +79,61 @@ def test_phases_without_a_side() -> None:
 def test_order_of_the_operations_does_not_matter() -> None:
     ops = [split(340.0), merge(620.0), split(905.0), merge(1239.0)]
     assert follow(list(reversed(ops))) == follow(ops)
+
+
+def test_three_degrees_count_workers_not_the_smallest_degree() -> None:
+    # 12CP2/2CP4/1CP8 on 40 GPUs (15 workers). S2: the CP8 splits into two CP4 workers (a
+    # 16th worker, no CP2 among them): that follows the short phase. S3: two CP4 merge into
+    # a CP8, 10 s in (back to 15: fewer than at the change, so followed in its first window);
+    # two CP2 merge too (14). S4 then never splits (None), and S5 starts past the start (0).
+    start = {2: 12, 4: 2, 8: 1}
+    ops = [{"kind": "split", "decided_s": 350.0, "sources": ["w-cp8-g0"],
+            "targets": ["w-cp4-g0", "w-cp4-g4"]},
+           {"kind": "merge", "decided_s": 610.0, "sources": ["w-cp4-g0", "w-cp4-g4"],
+            "targets": ["w-cp8-g0"]},
+           {"kind": "merge", "decided_s": 650.0, "sources": ["w-cp2-g8", "w-cp2-g10"],
+            "targets": ["w-cp4-g8"]}]
+    assert windows_to_follow(BOUNDS, RECONFIG_PHASES, ops, start, W) == [3, 1, None, 0]
+
+
+def test_two_degrees_give_the_same_answer_counted_either_way() -> None:
+    # On a fixed number of GPUs with degrees {2, 4}, workers = GPUs/4 + CP2 workers/2: the
+    # answers the preset gave when it counted CP2 workers are unchanged (checked on the
+    # scenarios above, against that count done here by hand).
+    def by_cp2(ops: list[dict[str, object]]) -> list[int | None]:
+        done = sorted(ops, key=lambda o: float(o["decided_s"]))  # type: ignore[arg-type]
+
+        def n2(t: float) -> int:
+            n = START[2]
+            for o in done:
+                if float(o["decided_s"]) <= t:  # type: ignore[arg-type]
+                    n += 2 if o["kind"] == "split" else -2
+            return n
+
+        out: list[int | None] = []
+        for i in range(1, len(BOUNDS)):
+            a, b = BOUNDS[i]
+            more = RECONFIG_PHASES[i].long_share < RECONFIG_PHASES[i - 1].long_share
+            n1 = n2(a + 1e-9)
+            bar = min(START[2], n1) if more else max(START[2], n1)
+            if (n1 > bar) if more else (n1 < bar):
+                out.append(0)
+                continue
+            got = None
+            for o in done:
+                t = float(o["decided_s"])  # type: ignore[arg-type]
+                if a + 1e-9 < t < b and ((n2(t) > bar) if more else (n2(t) < bar)):
+                    got = -int(-(t - a) // W)
+                    break
+            out.append(got)
+        return out
+
+    for ops in ([split(340.0), merge(620.0), split(905.0), merge(1239.0)],
+                [split(40.0), merge(620.0), split(940.0), merge(1220.0)],
+                [merge(320.0), split(360.0), split(380.0, g=8)],
+                [split(340.0), merge(620.0), merge(680.0, g=4), split(920.0), split(960.0, g=8),
+                 merge(1220.0), merge(1240.0, g=4)]):
+        assert follow(ops) == by_cp2(ops), ops
 
 
 @pytest.mark.parametrize("window", [0.0, -1.0, float("nan"), float("inf")])
