@@ -286,6 +286,9 @@ _BUFFERED: Final[int] = 64
 _BUFFERED_PARTS: Final[int] = 128
 """Most parts kept for one of them (128 × 8,192 entries: a worker's whole cache index can be
 at most 2^20 blocks, shared/schemas.py MAX_BLOCKS_PER_EVENT)."""
+_BUFFERED_ENTRIES: Final[int] = 1 << 21
+"""Most entries kept in all of them together (a part may hold up to 2^20 by the schema: the
+bound on what notices for workers that never register can hold; a few hundred MB at most)."""
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -1094,8 +1097,8 @@ class SchedulerService(MicroService):
             self.stats.reconciled_asked += 1
             if reply.parts:
                 self.log.info("reconcile asked for", worker=worker, parts=reply.parts)
-        except (RemoteError, SchemaError, nats.errors.NoRespondersError,
-                nats.errors.TimeoutError, TimeoutError) as exc:
+        except (RemoteError, SchemaError, nats.errors.Error, TimeoutError) as exc:
+            # No responder, a timeout, or the connection closing under us: do without.
             self.log.debug("reconcile not asked for: no answer", worker=worker, error=repr(exc))
 
     # -- the cache manager's reconcile (J's credit of a pending prefix) -------------------------
@@ -1105,6 +1108,15 @@ class SchedulerService(MicroService):
             notice = decode(ReconciledNotice, msg.data, msg.headers)
         except SchemaError as exc:
             self.log.warning("reconciled notice rejected", subject=msg.subject, error=str(exc))
+            return
+        try:
+            own = self.subjects.cache_pending(notice.worker)
+        except InvalidInput:
+            own = None
+        if msg.subject != own:
+            # Each worker's notices come on its own subject: one elsewhere is not the manager's.
+            self.log.warning("reconciled notice rejected", subject=msg.subject,
+                             error=f"names worker {notice.worker!r}, not the subject's")
             return
         self.on_reconciled(notice)
 
@@ -1130,8 +1142,12 @@ class SchedulerService(MicroService):
             self._reconciled[wid] = kept
         self._reconciled.move_to_end(wid)
         parts = kept[1]
-        if notice.part not in parts and len(parts) >= _BUFFERED_PARTS:
+        if notice.part not in parts and (
+                len(parts) >= _BUFFERED_PARTS
+                or self._buffered_entries() + len(notice.blocks) > _BUFFERED_ENTRIES):
             self.stats.reconciled_dropped += 1
+            if not parts:  # nothing kept: at registration the replica asks the manager
+                del self._reconciled[wid]
             return
         if notice.part in parts:
             self.stats.reconciled_dropped += 1  # the copy it replaces
@@ -1140,6 +1156,10 @@ class SchedulerService(MicroService):
         while len(self._reconciled) > _BUFFERED:
             _, (_, old) = self._reconciled.popitem(last=False)
             self.stats.reconciled_dropped += len(old)
+
+    def _buffered_entries(self) -> int:
+        return sum(len(n.blocks) for _, parts in self._reconciled.values()
+                   for n in parts.values())
 
     def _mark_reconciled(self, notice: ReconciledNotice) -> None:
         wid = WorkerId(notice.worker)

@@ -100,6 +100,11 @@ async def test_a_bad_notice_is_dropped_and_the_scheduler_keeps_placing(
                        b'"epoch": 1, "blocks": [[2, 1, "pending", null], [1, null, "path", '
                        b'null]]}'):
         await nc.publish(s.cache_pending(LEFT), body)
+    # A notice on another worker's subject is not the manager's: rejected, nothing marked.
+    stray = ReconciledNotice(worker=LEFT, degree=2, epoch=1,
+                             blocks=[(5, None, "path", None), (6, 5, "pending", None)])
+    data, headers = encode(stray)
+    await nc.publish(s.cache_pending(RIGHT), data, headers=headers)
     # A notice whose chain contradicts the replica's trie (7 is at the root, or unknown when
     # the notice comes first: 99 is nowhere): its entries are skipped, the notice applied.
     await left_stores(nc, s)
@@ -109,6 +114,7 @@ async def test_a_bad_notice_is_dropped_and_the_scheduler_keeps_placing(
     await nc.publish(s.cache_pending(LEFT), data, headers=headers)
     await wait_until(lambda: sched.stats.reconciled_applied == 1, "the good notice applied")
     assert sched.trie.pending_blocks(LEFT) == frozenset()
+    assert sched.stats.reconciled_buffered == 0  # the stray one was not kept for RIGHT either
     reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
     assert reply.status == 200, reply.body
 
@@ -168,3 +174,24 @@ async def test_an_empty_reconcile_replaces_an_older_one_of_the_same_worker_id(
     await wait_until(lambda: sched.stats.snapshots_applied >= 1, "its snapshot")
     assert sched.stats.reconciled_applied == 1 and sched.stats.reconciled_asked == 0
     assert sched.trie.pending_blocks(LEFT) == set()
+
+
+def test_what_waits_for_unregistered_workers_is_bounded(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Notices for workers that never register (another deployment's, a forged flood) are
+    kept within a bound on the entries of all of them together, not only per worker."""
+    import services.scheduler.service as sched_mod
+    from services.scheduler.service import SchedulerService, SchedulerSettings
+
+    monkeypatch.setattr(sched_mod, "_BUFFERED_ENTRIES", 10)
+    svc = SchedulerService(SchedulerSettings(nats_url="nats://127.0.0.1:1",
+                                             subject_prefix="unused", block_size=B,
+                                             degrees=[2, 4], pending_credit=True))
+    chain = [(1, None, "path", None), (2, 1, "pending", None), (3, 2, "pending", None),
+             (4, 3, "pending", None)]
+    for k in range(4):  # 4 workers × 4 entries: the third and fourth would pass 10
+        svc.on_reconciled(ReconciledNotice(worker=f"w-cp2-g{2 * k}", degree=2, epoch=1,
+                                           blocks=chain))
+    assert svc.stats.reconciled_buffered == 2 and svc.stats.reconciled_dropped == 2
+    assert svc._buffered_entries() == 8
+    # A worker whose notice was not kept has nothing waiting: at registration it asks.
+    assert set(svc._reconciled) == {"w-cp2-g0", "w-cp2-g2"}
