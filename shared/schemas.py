@@ -486,9 +486,16 @@ class PendingQuery(Message):
     """Body of the cache manager's ``pending`` endpoint (:meth:`Subjects.cache_pending_ask`):
     a scheduler replica that has just registered a worker, with no ReconciledNotice of it
     (the replica started after the split or merge, or the notice was lost), asks for the
-    worker's reconcile as it stands now."""
+    worker's reconcile as it stands now. ``incarnation``: the worker's incarnation in the
+    state the replica registered (WorkerState.incarnation; "" where it does not say). Where
+    the cache manager knows the worker under another incarnation, it has not handled that
+    restart yet, or the asker's state is older than its own: it publishes nothing (a
+    restarted worker starts empty, with nothing pending; a reconcile the manager has yet to
+    make, it publishes itself when it makes it)."""
 
     worker_id: Id
+    incarnation: Incarnation = Field(
+        default="", description="the worker's incarnation in the asker's state, or empty")
 
 
 class PendingReply(Message):

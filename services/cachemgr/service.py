@@ -410,6 +410,9 @@ class CacheMgrService(MicroService):
         # Incarnation of each registered worker's current process (first non-empty one seen
         # while registered); forgotten whenever the worker leaves the trie.
         self._incarnations: dict[str, str] = {}
+        # The epoch record whose reconcile made each worker a split or merge made (what its
+        # ReconciledNotices carry, also when ``pending`` sends them again); forgotten with it.
+        self._reconciled_epoch: dict[str, int] = {}
         # Restarts seen per worker: a snapshot asked before one is not applied after it.
         self._restarts: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -458,8 +461,15 @@ class CacheMgrService(MicroService):
         many parts went out. Every replica subscribed gets them: marking is idempotent."""
         query = decode(PendingQuery, request.data, request.headers)
         wid = WorkerId(query.worker_id)
-        notices = self.reconciled_notices(wid, self.record.epoch if self.record else 0) \
-            if wid in self.trie.workers() else []
+        known = self._incarnations.get(wid, "")
+        if wid not in self.trie.workers() or (query.incarnation and known
+                                              and known != query.incarnation):
+            # Untracked, or another life of the worker than the asker's (PendingQuery): a
+            # restart not handled yet would publish pages the new, empty process never gets.
+            notices = []
+        else:
+            notices = self.reconciled_notices(wid, self._reconciled_epoch.get(
+                wid, self.record.epoch if self.record else 0))
         # Nothing to mark: the asker holds no older notice of it (it asks only then).
         notices = [n for n in notices if n.blocks]
         if notices:
@@ -621,6 +631,11 @@ class CacheMgrService(MicroService):
             if self._register(wid, state.degree, snapshot=True) and state.incarnation:
                 self._incarnations.setdefault(wid, state.incarnation)
 
+    def _forget(self, worker: str) -> None:
+        """What the service keeps of a worker beside the trie, dropped as it leaves the trie."""
+        self._incarnations.pop(worker, None)
+        self._reconciled_epoch.pop(worker, None)
+
     def _reset_restarted(self, worker: WorkerId, incarnation: str) -> None:
         """``worker`` was started again under its id: its cache is empty and its event ids
         start again at 1. Its view is dropped (in-flight operations to, from or at it are
@@ -631,6 +646,7 @@ class CacheMgrService(MicroService):
         previous = self._incarnations.get(worker, "")
         cancelled = self.trie.remove_worker(worker)
         self.trie.add_worker(worker, degree, capacity)
+        self._reconciled_epoch.pop(worker, None)  # its reconcile went with its cache
         self._incarnations[worker] = incarnation
         self._restarts[worker] = self._restarts.get(worker, 0) + 1
         self.counters["restarts"] += 1
@@ -674,7 +690,7 @@ class CacheMgrService(MicroService):
             for w in self.trie.workers():
                 if w not in new:
                     self.trie.remove_worker(w)
-                    self._incarnations.pop(w, None)
+                    self._forget(w)
                     self.log.info("worker untracked: not in the epoch record", worker=w)
             self._follow_lifecycles(record)
             return
@@ -691,7 +707,7 @@ class CacheMgrService(MicroService):
             plan = self.trie.reconcile_split(
                 parent, children, {c: self._capacity(c, new[c].degree) for c in children}
             )
-            self._incarnations.pop(parent, None)
+            self._forget(parent)
             self._confirm_reconciled(children)
             self._publish_reconciled(children, record.epoch)
             self.counters["splits"] += 1
@@ -710,7 +726,7 @@ class CacheMgrService(MicroService):
             mplan = self.trie.reconcile_merge(children, parent,
                                               self._capacity(parent, new[parent].degree))
             for c in children:
-                self._incarnations.pop(c, None)
+                self._forget(c)
             self._confirm_reconciled((parent,))
             self._publish_reconciled((parent,), record.epoch)
             self.counters["merges"] += 1
@@ -725,7 +741,7 @@ class CacheMgrService(MicroService):
         for w in removed:
             if w in self.trie.workers():
                 self.trie.remove_worker(w)
-                self._incarnations.pop(w, None)
+                self._forget(w)
                 self.log.info("worker untracked", worker=w)
         for w in added:
             self._register(w, new[w].degree, snapshot=False)
@@ -762,6 +778,8 @@ class CacheMgrService(MicroService):
         """Publish each new worker's pending and donor pages for the scheduler replicas (made
         now, sent in order by one task: a later change of the trie does not leak in); an
         empty notice for a worker with none."""
+        for w in workers:
+            self._reconciled_epoch[w] = epoch
         notices = [n for w in workers for n in self.reconciled_notices(WorkerId(w), epoch)]
         if not notices:
             return
@@ -875,7 +893,7 @@ class CacheMgrService(MicroService):
             wid = WorkerId(w.worker_id)
             if w.lifecycle is Lifecycle.UNAVAILABLE and wid in tracked:
                 cancelled = self.trie.remove_worker(wid)
-                self._incarnations.pop(wid, None)
+                self._forget(wid)
                 self.log.info("unavailable worker untracked", worker=wid, cancelled=len(cancelled))
             elif w.lifecycle is not Lifecycle.UNAVAILABLE and wid not in tracked:
                 self._register(wid, w.degree, snapshot=True)

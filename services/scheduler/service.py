@@ -1078,7 +1078,8 @@ class SchedulerService(MicroService):
         elif self._pending_on:
             # None came (this replica started after the split or merge, or the worker is an
             # old one): ask the cache manager to publish it again; usually nothing is pending.
-            self._spawn(self._ask_reconciled(state.worker_id), f"pending-{state.worker_id}")
+            self._spawn(self._ask_reconciled(state.worker_id, state.incarnation),
+                        f"pending-{state.worker_id}")
         self._request_snapshot(state.worker_id)
 
     def _spawn(self, coro: Any, name: str) -> None:
@@ -1086,13 +1087,16 @@ class SchedulerService(MicroService):
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
-    async def _ask_reconciled(self, worker: str) -> None:
+    async def _ask_reconciled(self, worker: str, incarnation: str = "") -> None:
         """Ask the cache manager's ``pending`` endpoint to publish ``worker``'s reconcile; the
-        notices come on the subscription (:meth:`on_reconciled`). Without an answer (no cache
+        notices come on the subscription (:meth:`on_reconciled`). ``incarnation`` (the state
+        registered) keeps a manager that has not yet handled the worker's restart from
+        publishing its former life's pages (PendingQuery). Without an answer (no cache
         manager in this deployment, or it is restarting) J does without the credit there."""
         try:
             reply = await call(self.nc, self.subjects.cache_pending_ask(),
-                               PendingQuery(worker_id=worker), PendingReply,
+                               PendingQuery(worker_id=worker, incarnation=incarnation),
+                               PendingReply,
                                timeout_s=self.ssettings.snapshot_timeout_s)
             self.stats.reconciled_asked += 1
             if reply.parts:

@@ -1168,6 +1168,65 @@ async def test_a_scheduler_started_after_a_split_asks_for_the_reconcile(
     assert (await inspect(nc, uniq))["counters"]["splits"] == 1  # still running
 
 
+async def test_pending_is_sent_again_under_the_reconciles_epoch_and_only_to_its_life(
+    nc: Client, nats_server, uniq: str, services
+):
+    """``pending`` publishes the reconcile under the epoch record that made it, not the
+    record the manager is at when asked; asked about another incarnation of the worker than
+    the one the manager knows (a restart it has not handled yet), it publishes nothing (the
+    restarted process holds nothing pending); without an incarnation it answers as before.
+    Once the manager handles the restart, the reconcile is gone for every asker."""
+    from shared.schemas import PendingQuery, PendingReply
+    from shared.service import call
+
+    s = Subjects(uniq)
+    await split_with_pending_pages(nc, nats_server, uniq, services)
+    states = await worker_state_kv(nc.jetstream(), s)
+    await states.put("w-cp2-g0", to_json(state("w-cp2-g0", [0, 1], incarnation="life-1")))
+
+    async def adopted() -> bool:
+        return (await inspect(nc, uniq))["workers"]["w-cp2-g0"]["incarnation"] == "life-1"
+
+    await eventually(adopted, what="the left child's incarnation known", timeout=10)
+    kv = await epoch_kv(nc.jetstream(), s)
+    await kv.put(s.epoch_key(), epoch_record(2, [(0, 2), (2, 2), (4, 4)]))
+
+    async def at_two() -> bool:
+        return (await inspect(nc, uniq))["epoch"] == 2
+
+    await eventually(at_two, what="the manager at epoch 2", timeout=10)
+    notices = Collector()
+    await nc.subscribe(s.cache_pending("w-cp2-g0"), cb=notices.cb)
+
+    async def ask(incarnation: str) -> int:
+        reply = await call(nc, s.cache_pending_ask(),
+                           PendingQuery(worker_id="w-cp2-g0", incarnation=incarnation),
+                           PendingReply)
+        return reply.parts
+
+    assert await ask("life-2") == 0  # a restart the manager has not seen
+    assert await ask("life-1") == 1
+    first = await notices.first(what="the reconcile sent again")
+    assert first["epoch"] == 1 and [b[2] for b in first["blocks"]].count("pending") == 2
+    assert await ask("") == 1
+
+    async def two() -> bool:
+        return len(notices.items) == 2
+
+    await eventually(two, what="the reconcile sent a second time")
+    assert notices.items[1]["epoch"] == 1
+    # The restart handled: the new life starts empty, nothing pending under any incarnation.
+    await states.put("w-cp2-g0", to_json(state("w-cp2-g0", [0, 1], incarnation="life-2")))
+
+    async def restarted() -> bool:
+        w = (await inspect(nc, uniq))["workers"]["w-cp2-g0"]
+        return w["incarnation"] == "life-2" and w["pending"] == 0
+
+    await eventually(restarted, what="the restart handled", timeout=10)
+    assert await ask("life-2") == 0 and await ask("") == 0
+    assert len(notices.items) == 2
+
+
 def test_every_new_worker_gets_a_notice_and_large_ones_come_in_standalone_parts(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``_publish_reconciled`` sends after a split (built, not sent): one empty notice

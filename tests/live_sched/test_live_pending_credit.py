@@ -195,3 +195,33 @@ def test_what_waits_for_unregistered_workers_is_bounded(monkeypatch) -> None:  #
     assert svc._buffered_entries() == 8
     # A worker whose notice was not kept has nothing waiting: at registration it asks.
     assert set(svc._reconciled) == {"w-cp2-g0", "w-cp2-g2"}
+
+
+async def test_the_pending_question_names_the_incarnation_the_replica_registered(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """A replica that registers a worker with no notice of it asks the cache manager's
+    ``pending`` endpoint (answered here by a stand-in that records the questions), naming the
+    incarnation of the state it registered; after the worker's restart it asks again under
+    the new one, so a manager that has not yet handled the restart can tell (PendingQuery)."""
+    from shared.schemas import PendingQuery, PendingReply, decode
+
+    s = Subjects(uniq)
+    asked: list[PendingQuery] = []
+
+    async def answer(msg) -> None:  # type: ignore[no-untyped-def]
+        q = decode(PendingQuery, msg.data, msg.headers)
+        asked.append(q)
+        data, _ = encode(PendingReply(worker_id=q.worker_id, parts=0))
+        await msg.respond(data)
+
+    await nc.subscribe(s.cache_pending_ask(), cb=answer)
+    await nc.flush()
+    sched = await live.scheduler(block_size=B, degrees=[2, 4], pending_credit=True)
+    left: FakeWorker = await fake_worker(LEFT, 2, 0, incarnation="life-1")
+    await wait_until(lambda: sched.stats.reconciled_asked == 1, "the first question")
+    assert [(q.worker_id, q.incarnation) for q in asked] == [(LEFT, "life-1")]
+    left.incarnation = "life-2"  # started again under its id
+    await left.publish_state()
+    await wait_until(lambda: sched.stats.reconciled_asked == 2, "the question after the restart")
+    assert [(q.worker_id, q.incarnation) for q in asked] == [(LEFT, "life-1"), (LEFT, "life-2")]
