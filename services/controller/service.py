@@ -127,7 +127,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -717,6 +717,27 @@ def decision_dict(d: Decision) -> dict[str, Any]:
 # -- the service --------------------------------------------------------------------------------
 
 
+def boundary_drain(snapshot: tuple[float, Mapping[WorkerId, float]] | None, t: float,
+                   window_s: float, current: dict[WorkerId, float],
+                   composition: Container[str]) -> dict[WorkerId, float]:
+    """The outstanding work per worker that windows closed up to ``t`` are decided with:
+    ``snapshot`` (taken at a window boundary) when that boundary is the end of the last of
+    them (``floor(t / window_s) * window_s``) and it names only workers of ``composition``,
+    else ``current``. Why: the report grace makes the live controller decide a window some
+    time after it ended; the simulator decides it at its end, with the queues of that
+    instant, and rule 14's backlog gate was calibrated there (a burst in the grace seconds
+    made the live pool refuse a merge the simulator made: docs/evaluation.md "The simulator
+    against the live stack"). A worker added or removed since (a reconfiguration) makes the
+    snapshot stale: ``current`` then."""
+    if snapshot is None:
+        return current
+    at, drain = snapshot
+    if at != math.floor(t / window_s) * window_s or any(w not in composition for w in drain) \
+            or len(drain) != len(current):
+        return current
+    return dict(drain)
+
+
 class LostLeadership(VertumnusError):
     """Our compare-and-set on the epoch record failed: another controller wrote first."""
 
@@ -778,6 +799,10 @@ class ControllerService(MicroService):
         self._states: dict[str, WorkerState] = {}
         self._decisions: deque[dict[str, Any]] = deque(maxlen=settings.decisions_kept)
         self._floor = 0.0  # latest instant fed to the windows (they never go backwards)
+        # The workers' outstanding work as it stood at the latest window boundary (first tick
+        # after it): (boundary, drain). The window that ends there is decided report_grace_s
+        # later, with this, as the simulator decides it with the queues at the boundary.
+        self._boundary_drain: tuple[float, dict[WorkerId, float]] | None = None
         self._reported_until = 0.0  # end of the latest window some replica reported
         # (reporter, window number since the epoch) of the reports counted, oldest first and
         # bounded: each scheduler replica sends every report twice (services/scheduler).
@@ -1459,9 +1484,18 @@ class ControllerService(MicroService):
 
     # -- the tick and the plan ----------------------------------------------------------------
 
+    def _tick_wait(self) -> float:
+        """Seconds to the next tick: ``tick_s``, or less so that one comes right after the next
+        window boundary (:meth:`tick` records the workers' queues there); never below a tenth
+        of ``tick_s`` (a clock that stands still must not make the ticker spin)."""
+        tick, h = self.csettings.tick_s, self.config.window_s
+        now = self.now()
+        to_boundary = (math.floor(now / h) + 1) * h - now + 1e-3
+        return max(tick / 10, min(tick, to_boundary))
+
     async def _ticker(self) -> None:
         while True:
-            await asyncio.sleep(self.csettings.tick_s)
+            await asyncio.sleep(self._tick_wait())
             try:
                 await self.tick()
             except asyncio.CancelledError:
@@ -1476,17 +1510,23 @@ class ControllerService(MicroService):
             core = self.core
             if core is None:
                 return []
-            t = self.now() - self.csettings.report_grace_s
-            if self.csettings.demand_input == "windows":
-                # NOTE: a window closes only once some replica reported it: silence is not
-                # zero demand (which would read as "merge everything").
-                t = min(t, self._reported_until)
-            t = max(t, self._floor, core.windows.open_start_s)
+            now = self.now()
             drain = {
                 WorkerId(w): st.outstanding_s
                 for w, st in self._states.items()
                 if w in core.protocol.composition
             }
+            h = self.config.window_s
+            boundary = math.floor(now / h) * h
+            if self._boundary_drain is None or self._boundary_drain[0] < boundary:
+                self._boundary_drain = (boundary, drain)
+            t = now - self.csettings.report_grace_s
+            if self.csettings.demand_input == "windows":
+                # NOTE: a window closes only once some replica reported it: silence is not
+                # zero demand (which would read as "merge everything").
+                t = min(t, self._reported_until)
+            t = max(t, self._floor, core.windows.open_start_s)
+            drain = boundary_drain(self._boundary_drain, t, h, drain, core.protocol.composition)
             decisions = core.tick(t, drain_s=drain, hold=not self.csettings.adaptive)
             for d in decisions:
                 self._decisions.append(decision_dict(d))

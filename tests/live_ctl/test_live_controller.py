@@ -538,3 +538,70 @@ def test_tp_workers_need_a_held_composition() -> None:
     with pytest.raises(ValidationError, match="kind 'tp' needs adaptive false"):
         ControllerSettings(kind="tp")
     assert ControllerSettings(kind="tp", adaptive=False).kind == "tp"
+
+
+def test_a_window_is_decided_with_the_queues_at_its_end() -> None:
+    """``boundary_drain``: the queues recorded at a window boundary decide the window that
+    ends there, however late the report grace lets it close; without a record at that
+    boundary, or once the pool's workers changed, the queues as they are now."""
+    from services.controller.service import boundary_drain
+
+    comp = {"w-cp4-g0", "w-cp4-g4"}
+    at_end = {"w-cp4-g0": 0.5, "w-cp4-g4": 0.4}
+    now = {"w-cp4-g0": 9.0, "w-cp4-g4": 8.0}
+    assert boundary_drain((100.0, at_end), 102.5, 10.0, now, comp) == at_end
+    assert boundary_drain((100.0, at_end), 100.0, 10.0, now, comp) == at_end
+    assert boundary_drain((90.0, at_end), 102.5, 10.0, now, comp) == now  # an older boundary
+    assert boundary_drain((100.0, at_end), 99.0, 10.0, now, comp) == now  # not closing it
+    assert boundary_drain(None, 102.5, 10.0, now, comp) == now
+    merged = {"w-cp4-g0": 1.0, "w-cp2-g4": 0.0, "w-cp2-g6": 0.0}
+    assert boundary_drain((100.0, at_end), 102.5, 10.0, merged,
+                          {"w-cp4-g0", "w-cp2-g4", "w-cp2-g6"}) == merged
+
+
+async def test_the_backlog_a_window_is_judged_by_is_the_one_at_its_end(
+    nc: Client, nats_server, uniq: str, services
+):
+    """The controller closes a window ``report_grace_s`` after it ended. The workers'
+    outstanding work it hands the planner (rule 14's backlog, the drain estimates) is the one
+    its first tick after the boundary saw, as the simulator measures it at the boundary; a
+    burst that queues during the grace counts in the next window. A window whose boundary no
+    tick saw is judged by the queues of its closing tick. (Clock injected: the test moves it.)"""
+    s = Subjects(uniq)
+    states = await worker_state_kv(nc.jetstream(), s)
+    h, grace = 10.0, 2.0
+    clock = [1000 * h + 3.0]
+    ctl = await services(ControllerService(
+        settings(nats_server.url, uniq, "ctl-a", window_s=h, tick_s=0.05, report_grace_s=grace,
+                 demand_input="assignments"), clock=lambda: clock[0]))
+
+    async def outstanding(value: float) -> None:
+        for wid, gpus in (("w-cp4-g0", [0, 1, 2, 3]), ("w-cp4-g4", [4, 5, 6, 7])):
+            await states.put(wid, to_json(worker_state(wid, gpus, queue=1, outstanding=value)))
+
+        async def seen() -> bool:
+            return all(ctl._states.get(w) is not None and ctl._states[w].outstanding_s == value
+                       for w in ("w-cp4-g0", "w-cp4-g4"))
+
+        await eventually(seen, what=f"outstanding {value} seen", timeout=10)
+
+    await outstanding(0.5)
+    assert ctl.core is not None
+    judged: list[tuple[float, dict[str, float]]] = []
+    tick = ctl.core.tick
+
+    def recording(now: float, **kw: Any) -> Any:
+        out = tick(now, **kw)
+        judged.extend((d.window.start_s, dict(kw["drain_s"])) for d in out)
+        return out
+
+    ctl.core.tick = recording  # type: ignore[method-assign]
+    clock[0] = 1001 * h + 0.01  # just after the boundary: the queues there are recorded
+    await ctl.tick()
+    await outstanding(9.0)  # a burst queued during the grace
+    clock[0] = 1001 * h + grace + 0.5  # the window [1000h, 1001h) closes now
+    await ctl.tick()
+    assert judged == [(1000 * h, {"w-cp4-g0": 0.5, "w-cp4-g4": 0.5})]
+    clock[0] = 1002 * h + grace + 0.5  # no tick saw the boundary 1002h: the queues now
+    await ctl.tick()
+    assert judged[1:] == [(1001 * h, {"w-cp4-g0": 9.0, "w-cp4-g4": 9.0})]
