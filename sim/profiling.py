@@ -591,6 +591,7 @@ def run_profile(
     per_degree: bool = False,
     kappa_pool_gpus: int | None = None,
     kappa_repeats: int = KAPPA_REPEATS,
+    kappa_degrees: Sequence[int] | None = None,
 ) -> tuple[Profile, dict[str, Any]]:
     """Profile the simulated backend; write profile.json, the scatter plot (+ CSV) and a report.
 
@@ -618,11 +619,22 @@ def run_profile(
     keeps every draw (``draws``). 1 is one ramp per degree from streams shared in degree
     order, as every figure before 2026-12-02 (session 33) was measured. Not used with
     ``kappa_pool_gpus`` (the trace's own arrivals make that κ steady).
+
+    ``kappa_degrees``: the degrees κ is measured for (each one of ``degrees``; None: all of
+    them); Ê is still fitted on every degree of ``degrees``. This is how ``vertumnus
+    simulate --degrees D`` profiles (Ê on {1} ∪ D, κ on D alone), and with
+    ``kappa_pool_gpus`` the shared streams of :func:`trace_kappa` are drawn in the same
+    order, so the κ is the sweep's exactly (a ramp on a degree outside D would draw from
+    them first and change every later degree's κ).
     """
     if isinstance(kappa_repeats, bool) or not isinstance(kappa_repeats, int) \
             or kappa_repeats < 1:
         raise InvalidInput(f"kappa_repeats must be an integer >= 1, got {kappa_repeats!r}")
     degs = _check_degrees(degrees)
+    kdegs = degs if kappa_degrees is None else _check_degrees(kappa_degrees)
+    if not set(kdegs) <= set(degs):
+        raise InvalidInput(f"κ degrees {sorted(set(kdegs) - set(degs))} are not among the "
+                           f"profiled degrees {sorted(degs)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meas_seq, kappa_noise_seq, kappa_arr_seq = np.random.SeedSequence(seed).spawn(3)
@@ -642,10 +654,10 @@ def run_profile(
         wl = kappa_workload if kappa_workload is not None else generate(seed=seed)
         wl_info = {k: v for k, v in workload_stats(wl).items() if not isinstance(v, dict)}
         if kappa_pool_gpus is not None:
-            # The same κ as a sweep of this workload measures (its streams come from the
-            # same seed's spawn): the pooled, in-order replay.
+            # A sweep's method (the pooled, in-order replay, its streams from the same seed's
+            # spawn); the sweep's κ exactly when Ê and the κ degrees are the sweep's too.
             ramp = replace(TRACE_KAPPA_RAMP, slo=ramp.slo)
-            profile, t_report = trace_kappa(profile, wl, degrees=degs, seed=seed, truth=truth,
+            profile, t_report = trace_kappa(profile, wl, degrees=kdegs, seed=seed, truth=truth,
                                             noise_sigma=noise_sigma, ramp=ramp, kind=kind,
                                             pool_gpus=kappa_pool_gpus)
             kappa_report = t_report["results"]
@@ -657,13 +669,13 @@ def run_profile(
                 k_truth = NoisyGroundTruth(int(kappa_noise_seq.generate_state(1)[0]),
                                            noise_sigma, truth)
                 k_rng = np.random.default_rng(kappa_arr_seq)
-                for c in degs:
+                for c in kdegs:
                     res = measure_kappa(profile, k_truth, c, lengths, rng=k_rng, ramp=ramp,
                                         kind=kind)
                     kappas[c] = res.kappa
                     kappa_report[str(c)] = res.as_dict()
             else:
-                for c in degs:
+                for c in kdegs:
                     draws = []
                     for r in range(kappa_repeats):
                         k_truth, k_rng = _ramp_streams(seed, c, r, noise_sigma, truth)
@@ -708,6 +720,7 @@ def run_profile(
         "repeats": repeats,
         "kappa_repeats": kappa_repeats,
         "degrees": list(degs),
+        "kappa_degrees": list(kdegs) if measure_kappas else [],
         "model": truth.model.name,
         "gpu": truth.gpu.name,
         "hardware": ground_truth_to_mapping(truth),
@@ -763,6 +776,7 @@ def profile_command(
     slo: SloTable = QWEN3_SLO,
     pool_gpus: int | None = None,
     kappa_repeats: int = KAPPA_REPEATS,
+    kappa_degrees: Sequence[int] | None = None,
 ) -> Path:
     """CLI entry of ``vertumnus profile``: returns the path of the written profile.json.
 
@@ -772,8 +786,9 @@ def profile_command(
     the default). ``slo``: the TTFT deadlines κ must keep (the ramp's SLO). ``pool_gpus``: κ
     of a routed pool of that many GPUs replaying the workload (``run_profile``'s
     ``kappa_pool_gpus``; the profile is marked pooled). ``kappa_repeats``: ``run_profile``'s
-    (the median of that many single-worker ramps per degree). Only the ``sim`` backend is
-    implemented here.
+    (the median of that many single-worker ramps per degree). ``kappa_degrees``:
+    ``run_profile``'s (κ for these degrees only). Only the ``sim`` backend is implemented
+    here.
     """
     if backend != "sim":
         raise InvalidInput(f"profiling backend {backend!r} is not supported here (only 'sim')")
@@ -783,5 +798,5 @@ def profile_command(
     run_profile(out_dir, degrees=degrees, seed=seed, kappa_workload=wl,
                 truth=truth or DEFAULT_GROUND_TRUTH, per_degree=per_degree,
                 ramp=KappaRamp(slo=slo), kappa_pool_gpus=pool_gpus,
-                kappa_repeats=kappa_repeats)
+                kappa_repeats=kappa_repeats, kappa_degrees=kappa_degrees)
     return Path(out_dir) / PROFILE_FILE

@@ -193,6 +193,12 @@ def register(app: typer.Typer) -> None:
                 "streams of its own (one ramp's draw is 7-21% off; default 9; 1: one ramp per "
                 "degree from shared streams, as figures before 2026-12-02 were measured)")
         ] = None,
+        kappa_degrees: Annotated[
+            str, typer.Option(
+                help="Measure κ for these degrees only (each one of --degrees; default: all). "
+                "With --pool-gpus N, '--degrees 1,D --kappa-degrees D' gives exactly the κ "
+                "that 'simulate --trace T --gpus N --degrees D' measures")
+        ] = "",
     ) -> None:
         """Measure a (R, P, C) grid, fit Ê_C, report MAPE, measure κ_C, write the profile.
 
@@ -209,6 +215,10 @@ def register(app: typer.Typer) -> None:
             _fail(f"unknown backend {backend!r}; use 'sim' or 'torch'")
         check_seed(seed)
         degs = degrees_option(degrees)
+        kdegs = degrees_option(kappa_degrees, "kappa-degrees") if kappa_degrees else None
+        if kdegs is not None and not set(kdegs) <= set(degs):
+            _fail(f"--kappa-degrees {kappa_degrees} must be among --degrees {degrees} "
+                  f"(κ is measured with the Ê fitted on them)")
         table = slo_table(slo)
         _check_run_numbers(rate=rate, max_requests=0)
         if pool_gpus < 0:
@@ -222,10 +232,11 @@ def register(app: typer.Typer) -> None:
             input_file(Path(workload), "workload")
         if backend == "torch" and (hardware is not None or per_degree or table.bounds
                                    != slo_table("qwen3-30b-a3b").bounds or pool_gpus
-                                   or workload != "synthetic" or kappa_repeats is not None):
-            _fail("--hardware, --per-degree, --slo, --workload, --pool-gpus and "
-                  "--kappa-repeats are the sim backend's; the torch backend measures the "
-                  "machine it runs on (no κ)")
+                                   or workload != "synthetic" or kappa_repeats is not None
+                                   or kdegs is not None):
+            _fail("--hardware, --per-degree, --slo, --workload, --pool-gpus, "
+                  "--kappa-repeats and --kappa-degrees are the sim backend's; the torch "
+                  "backend measures the machine it runs on (no κ)")
         try:
             if backend == "sim":
                 from sim.profiling import KAPPA_REPEATS, profile_command
@@ -238,7 +249,8 @@ def register(app: typer.Typer) -> None:
                 path = profile_command(out, backend="sim", degrees=degs, seed=seed,
                                        kappa_workload=wl, per_degree=per_degree,
                                        truth=truth, slo=table, pool_gpus=pool_gpus or None,
-                                       kappa_repeats=kappa_repeats or KAPPA_REPEATS)
+                                       kappa_repeats=kappa_repeats or KAPPA_REPEATS,
+                                       kappa_degrees=kdegs)
             else:
                 try:
                     from services.rankd.engine.profiling import torch_profile_command

@@ -384,6 +384,32 @@ def test_profile_measures_a_pooled_kappa_on_a_trace(runner, tmp_path) -> None:
     assert "kappa_pooled: true" in text
 
 
+def test_profile_with_kappa_degrees_writes_the_profile_simulate_measures(runner,
+                                                                         tmp_path) -> None:
+    """``simulate --degrees 2,4`` fits Ê on {1, 2, 4} and measures the pooled κ on 2 and 4
+    only; ``profile --degrees 1,2,4 --kappa-degrees 2,4 --pool-gpus N`` does the same, so its
+    file is the sweep's, κ included (without --kappa-degrees a CP1 ramp draws from the shared
+    streams first and every later κ differs)."""
+    sim_out, prof_out, all_out = tmp_path / "sim", tmp_path / "prof", tmp_path / "all"
+    _ok(runner.invoke(app, ["simulate", "--trace", "synthetic", "--policies", "round_robin",
+                            "--rate-scale", "1", "--gpus", "8", "--degrees", "2,4",
+                            "--out", str(sim_out)]))
+    _ok(runner.invoke(app, ["profile", "--degrees", "1,2,4", "--kappa-degrees", "2,4",
+                            "--pool-gpus", "8", "--out", str(prof_out)]))
+    _ok(runner.invoke(app, ["profile", "--degrees", "1,2,4", "--pool-gpus", "8",
+                            "--out", str(all_out)]))
+    swept = json.loads((sim_out / "profile" / "profile.json").read_text())
+    profiled = json.loads((prof_out / "profile.json").read_text())
+    assert set(swept["kappa"]) == {"2", "4"}
+    assert profiled == swept
+    every = json.loads((all_out / "profile.json").read_text())
+    assert set(every["kappa"]) == {"1", "2", "4"}
+    assert every["coefficients"] == swept["coefficients"]
+    assert every["kappa"]["2"] != swept["kappa"]["2"]
+    report = json.loads((prof_out / "profile_report.json").read_text())
+    assert report["degrees"] == [1, 2, 4] and report["kappa_degrees"] == [2, 4]
+
+
 def test_profile_takes_an_leval_trace_with_its_rate(runner, tmp_path) -> None:
     """L-Eval has no arrival times: ``--rate`` sets them, as for ``simulate``; the pooled ramp
     replays its documents' questions with their reuse."""
@@ -405,6 +431,9 @@ def test_profile_takes_an_leval_trace_with_its_rate(runner, tmp_path) -> None:
     (["--pool-gpus", "-1"], "--pool-gpus must be an integer >= 0"),
     (["--rate", "-2"], "--rate must be a finite number"),
     (["--backend", "torch", "--pool-gpus", "8"], "the torch backend measures"),
+    (["--backend", "torch", "--kappa-degrees", "2"], "the torch backend measures"),
+    (["--degrees", "1,2", "--kappa-degrees", "4"], "--kappa-degrees 4 must be among --degrees"),
+    (["--kappa-degrees", "2,x"], "--kappa-degrees must be comma-separated integers"),
     (["--workload", "synthetic", "--format", "azure"], "azure"),
 ])
 def test_profile_refuses_bad_kappa_options(runner, tmp_path, args, words) -> None:

@@ -248,3 +248,13 @@ def test_a_small_pool_measures_kappa_on_as_many_workers_as_it_holds() -> None:
                            pool_gpus=16) == key
     assert trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(4,), seed=0, ramp=ramp,
                            pool_gpus=8) != key
+
+
+def test_run_profile_refuses_kappa_degrees_it_does_not_fit(tmp_path: Path) -> None:
+    """κ is measured with the Ê fitted on ``degrees``: a κ degree outside them is refused
+    before anything is written."""
+    from sim.profiling import run_profile
+
+    with pytest.raises(InvalidInput, match=r"κ degrees \[8\] are not among"):
+        run_profile(tmp_path / "p", degrees=(1, 2), kappa_degrees=(2, 8), kappa_pool_gpus=8)
+    assert not (tmp_path / "p").exists()
