@@ -80,8 +80,9 @@ is older than ``drain_timeout_s`` they are failed and re-admitted the same way.
 malformed body is a 400 micro error) answers the composition, the protocol and record epochs,
 every worker's lifecycle, the schedulable workers, reconfigurations in progress and done (with
 drain and switch times), the pending operations, the core's config and the κ it judges with
-(× ``kappa_scale``), the open window, the last N decisions (each with its ``trigger``, the
-rule behind it: :attr:`~services.controller.planner.Decision.trigger`) and counters.
+(× ``kappa_scale``), the open window (its demand, also by the requests' preferred degree), the
+last N decisions (each with its ``trigger``, the rule behind it:
+:attr:`~services.controller.planner.Decision.trigger`) and counters.
 Malformed pub/sub input (reports, acks, states) is counted (``malformed``) and dropped; so is
 a report that decodes but cannot be replayed (:func:`report_problem`: stamped in the future,
 absurdly many requests, a window index that overflows), and a RequestStats (assignments
@@ -160,6 +161,7 @@ from services.controller.metrics import PoolMetrics
 from services.controller.planner import ControllerConfig, Decision, Plan
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import (
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_DEGREES,
     GPUS_PER_NODE,
     InvalidInput,
@@ -414,6 +416,14 @@ class ControllerSettings(ServiceSettings):
         default="windows",
         description="'windows': WindowReports of the scheduler replicas; 'assignments': one "
         "RequestStats per placement on the cache-stats subject (exact, more messages).",
+    )
+    block_size: int = Field(
+        default=DEFAULT_BLOCK_SIZE,
+        ge=1,
+        description="Cache block size B in tokens (the scheduler's VTM_BLOCK_SIZE). With "
+        "demand_input='assignments' a request's cached part counts whole reused blocks, "
+        "min(reused_blocks·B, L − 1), as the simulator and the scheduler's window reports "
+        "count it for the preferred degree.",
     )
     tick_s: float = Field(
         default=1.0, gt=0, description="How often windows are closed and decided (wall clock)."
@@ -903,6 +913,10 @@ class ControllerService(MicroService):
                     "index": core.windows.open_index,
                     "start_s": core.windows.open_start_s,
                     "demand_s": core.windows.open_demand_s,
+                    # D of the open window by the requests' preferred degree (the merge
+                    # gate's breakdown so far); empty with the gate off.
+                    "demand_by_preferred_s": {
+                        str(c): d for c, d in core.windows.open_demand_by_preferred_s.items()},
                 },
                 "decisions": list(self._decisions)[-decisions:] if decisions else [],
             }
@@ -1221,9 +1235,13 @@ class ControllerService(MicroService):
             self.log.warning("request stats rejected: stamped in the future",
                              request_id=st.request_id, at_s=st.at_s)
             return
-        # prefix_tokens: what the chosen worker reuses (the core's merge gate judges the
-        # request's preferred degree on its uncached part, as the simulator does).
-        self._assigned(st.at_s, st.predicted_s, st.input_len, st.degree, st.prefix_tokens)
+        # The cached part the preferred degree is judged on: the chosen worker's reused
+        # blocks, whole (request_preferred_degree caps it at L − 1), as the simulator feeds
+        # its controller core and the scheduler's window reports count it. Not prefix_tokens:
+        # a fully cached request has P = L − 1 (R = 1, no degree faster than another), where
+        # whole blocks leave its last block to compute.
+        self._assigned(st.at_s, st.predicted_s, st.input_len, st.degree,
+                       st.reused_blocks * self.csettings.block_size)
 
     def _assigned(
         self, t: float, s: float, n: int, degree: int | None, cached_tokens: int = 0,

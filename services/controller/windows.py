@@ -159,6 +159,12 @@ class DemandWindows:
         """D of the window still open (partial)."""
         return self._demand
 
+    @property
+    def open_demand_by_preferred_s(self) -> dict[int, float]:
+        """D of the window still open (partial) by the requests' preferred degree (those
+        recorded with one); a copy."""
+        return dict(self._by_preferred)
+
     # --- events ------------------------------------------------------------------------
     def record(
         self,

@@ -151,3 +151,40 @@ async def test_a_placement_stamped_in_the_future_is_rejected(
     assert body["counters"]["malformed"] == 1 and body["counters"]["assignments"] == 1
     assert body["open_window"]["start_s"] <= time.time()
     assert all(d["window_start_s"] <= time.time() for d in body["decisions"])
+
+
+async def test_an_assignment_is_judged_on_its_whole_reused_blocks(
+    nc: Client, nats_server, uniq: str, services
+):
+    """``demand_input="assignments"``: a request's preferred degree is judged on the blocks
+    its worker reuses, whole (min(reused_blocks·B, L − 1)), as the simulator feeds its
+    controller core and the scheduler's window reports count it. A fully cached request of 13
+    blocks (L = 13·512) has P = L − 1 and reused_blocks = 12: on P = L − 1 (R = 1) no degree is
+    faster, so it preferred CP2; on 12 blocks (R = 512) CP4 is more than 1.05× faster. Before,
+    the controller judged it on ``prefix_tokens`` and the two counts disagreed."""
+    from services.controller.core import request_preferred_degree
+    from shared.costmodel import DEFAULT_PROFILE
+    from shared.ids import DEFAULT_BLOCK_SIZE as B
+
+    L, speedup = 13 * B, 1.05
+    # The premise, on the pure rule both paths share.
+    assert request_preferred_degree(DEFAULT_PROFILE, (2, 4), speedup, L, L - 1) == 2
+    assert request_preferred_degree(DEFAULT_PROFILE, (2, 4), speedup, L, 12 * B) == 4
+    s = Subjects(uniq)
+    await services(ControllerService(settings(
+        nats_server.url, uniq, "ctl-a", demand_input="assignments", merge_speedup=speedup,
+        window_s=3600.0)))
+    st = RequestStats(request_id="r0", reporter="s1", worker_id="w-cp4-g0", degree=4,
+                      input_len=L, block_hashes=list(range(13)), reused_blocks=12,
+                      prefix_tokens=L - 1, preferred_degree=4, preferred_worker="w-cp4-g0",
+                      predicted_s=0.5, policy="vertumnus", at_s=time.time())
+    data, headers = encode(st)
+    await nc.publish(s.cache_stats("s1"), data, headers=headers)
+
+    async def counted() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq)
+        return body if body["counters"]["assignments"] >= 1 else None
+
+    body = await eventually(counted, what="the placement counted")
+    assert body["open_window"]["demand_by_preferred_s"] == {"4": 0.5}
+    assert body["open_window"]["demand_s"] == 0.5

@@ -601,6 +601,7 @@ class LiveStack:
             },
             "controller": {
                 "VTM_NUM_GPUS": str(c.gpus),
+                "VTM_BLOCK_SIZE": str(c.block_size),  # assignments' reused blocks, in tokens
                 "VTM_DEGREES": degrees,
                 "VTM_WINDOW_S": window,
                 # Wall-clock cadence: close windows a fraction of a (scaled) window after
