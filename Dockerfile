@@ -1,5 +1,6 @@
 # One image for every vertumnus service (gateway, scheduler, controller, cachemgr, rankd).
-# The control plane and the sim backend need no torch: the image installs the base project.
+# The control plane and the sim backend need no torch: the image installs the base project
+# (the torch backend, VTM_BACKEND=torch, needs the `engine` extra: `pip install '.[engine]'`).
 # Build:  docker build -t vertumnus .        Run all: docker compose up
 # Each container picks its service with its command (see docker-compose.yml), e.g.
 #   docker run --rm vertumnus python -m services.gateway --help
@@ -11,7 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-# Dependencies first (cached layer), then the code.
+# The project and its dependencies in one layer: a change to the code installs both again.
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services

@@ -31,9 +31,9 @@ from opentelemetry.sdk.metrics.export import (
     MetricReader,
     PeriodicExportingMetricReader,
 )
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 
 from shared.settings import TelemetrySettings
+from shared.telemetry import service_resource
 
 METER_NAME: Final[str] = "vertumnus"
 
@@ -68,11 +68,14 @@ def _exporter(settings: TelemetrySettings) -> MetricExporter | None:
 
 
 def setup_metrics(service_name: str, settings: TelemetrySettings | None = None, *,
-                  reader: MetricReader | None = None) -> MeterProvider:
+                  reader: MetricReader | None = None,
+                  instance_id: str | None = None) -> MeterProvider:
     """Install (once per process) and return the meter provider.
 
     ``settings`` choose the exporter and its interval; ``reader`` is added as well (tests; a
     reader can only be given on the first call, OpenTelemetry fixes them at construction).
+    ``instance_id``: the resource's ``service.instance.id``
+    (:func:`shared.telemetry.service_resource`).
     """
     global _provider
     settings = settings or TelemetrySettings()
@@ -87,7 +90,8 @@ def setup_metrics(service_name: str, settings: TelemetrySettings | None = None, 
                 readers.append(reader)
             provider = MeterProvider(
                 metric_readers=readers,
-                resource=Resource.create({SERVICE_NAME: service_name}))
+                # service.instance.id too: replicas' series must not collide.
+                resource=service_resource(service_name, instance_id))
             metrics.set_meter_provider(provider)
             _provider = provider
         return _provider

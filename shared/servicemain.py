@@ -226,8 +226,8 @@ def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) ->
     bound_stops(settings.stop_timeout_s)
     if settings.parent_pid is not None:
         watch_parent(settings.parent_pid)
-    setup_tracing(settings.service_name, settings.telemetry)
-    setup_metrics(settings.service_name, settings.telemetry)
+    setup_tracing(settings.service_name, settings.telemetry, instance_id=settings.instance_id)
+    setup_metrics(settings.service_name, settings.telemetry, instance_id=settings.instance_id)
     try:
         asyncio.run(serve(settings))
     except InvalidInput as exc:

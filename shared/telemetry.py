@@ -17,6 +17,8 @@ Contract:
 from __future__ import annotations
 
 import math
+import os
+import socket
 import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
@@ -26,7 +28,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagators.textmap import Getter
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -78,16 +80,28 @@ def _exporter(settings: TelemetrySettings) -> SpanExporter | None:
     return HttpExporter(endpoint=settings.endpoint)
 
 
+def service_resource(service_name: str, instance_id: str | None = None) -> Resource:
+    """The OTel resource of a service process: ``service.name`` and ``service.instance.id``
+    (``instance_id``, the settings' replica id; None: ``host:pid``). Without the instance id,
+    replicas of one service (``docker compose up --scale scheduler=2``) export the same
+    metric series, whose counters then overwrite each other, and their spans cannot be told
+    apart."""
+    iid = instance_id or f"{socket.gethostname()}:{os.getpid()}"
+    return Resource.create({SERVICE_NAME: service_name, SERVICE_INSTANCE_ID: iid})
+
+
 def setup_tracing(
     service_name: str,
     settings: TelemetrySettings | None = None,
     *,
     span_processor: SpanProcessor | None = None,
+    instance_id: str | None = None,
 ) -> TracerProvider:
     """Install (once per process) and return the tracer provider.
 
     ``settings`` choose the exporter and sampling ratio; ``span_processor`` is added as well
-    (tests). A second call does not replace the provider; it only adds ``span_processor``.
+    (tests). ``instance_id``: the resource's ``service.instance.id`` (:func:`service_resource`).
+    A second call does not replace the provider; it only adds ``span_processor``.
     """
     global _provider
     settings = settings or TelemetrySettings()
@@ -98,7 +112,7 @@ def setup_tracing(
             # so that span_attribute_limit() reports exactly what the provider enforces.
             _limits = SpanLimits()
             provider = TracerProvider(
-                resource=Resource.create({SERVICE_NAME: service_name}),
+                resource=service_resource(service_name, instance_id),
                 sampler=ParentBased(TraceIdRatioBased(settings.sampling_ratio)),
                 span_limits=_limits,
             )

@@ -194,3 +194,35 @@ def test_request_metrics_use_the_gateways_slo_setting() -> None:
     assert GatewaySettings(slo="deepseek-v4-flash").slo_table.name == "deepseek-v4-flash"
     with pytest.raises(ValidationError, match="unknown SLO table"):
         GatewaySettings(slo="fast")
+
+
+def test_a_replica_exports_under_its_own_instance_id() -> None:
+    """``service.instance.id`` on the resource of both providers: the settings' replica id, or
+    ``host:pid`` without one, so two replicas of a service (``docker compose up --scale
+    scheduler=2``) export distinct metric series and distinguishable spans. Run in a fresh
+    process: the providers are set up once per process (the tests' own by conftest)."""
+    import json
+    import subprocess
+    import sys
+
+    from shared.telemetry import service_resource
+
+    given = service_resource("vtm-scheduler", "sched-a").attributes
+    assert given["service.name"] == "vtm-scheduler"
+    assert given["service.instance.id"] == "sched-a"
+    assert service_resource("vtm-scheduler").attributes["service.instance.id"].endswith(
+        f":{__import__('os').getpid()}")
+    code = (
+        "import json\n"
+        "from shared.metrics import setup_metrics\n"
+        "from shared.telemetry import setup_tracing\n"
+        "t = setup_tracing('vtm-x', instance_id='rep-1')\n"
+        "m = setup_metrics('vtm-x', instance_id='rep-1')\n"
+        "attrs = [t.resource.attributes, m._sdk_config.resource.attributes]\n"
+        "print(json.dumps([dict(a) for a in attrs]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    for attrs in json.loads(out.stdout.strip().splitlines()[-1]):
+        assert attrs["service.name"] == "vtm-x"
+        assert attrs["service.instance.id"] == "rep-1"
