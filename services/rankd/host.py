@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
@@ -81,6 +82,11 @@ BackendFactory = Callable[[str, WorkerKind], ExecutionBackend]
 """Builds the backend of one worker from its id and kind."""
 
 log = structlog.get_logger("vertumnus.rankd.host")
+
+START_ATTEMPTS = 5
+"""How many times a worker's start is tried when the bus goes away during it (``_start_worker``)."""
+START_RETRY_S = 0.2
+"""Pause after the connection is back before the next attempt (JetStream settles)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +197,36 @@ class RankdHost:
     async def _start_worker(
         self, wid: str, kind: WorkerKind, epoch: int, seed: Seed | None = None
     ) -> None:
+        """Start worker ``wid`` and wait until its endpoints are subscribed. A start that
+        fails because the bus went away meanwhile (nats-server restarting: the worker's
+        JetStream set-up times out, its connection drops) is tried again with a fresh
+        service once the host's connection is back, up to :data:`START_ATTEMPTS` times:
+        before, the worker was lost for the whole epoch (its record counts as applied). Such a
+        failed start leaves nothing registered (its exit stack undoes what it made). Any
+        other failure, or the last attempt's, is raised."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                await self._start_worker_once(wid, kind, epoch, seed)
+                return
+            except (nats.errors.Error, TimeoutError, ConnectionError) as exc:
+                if attempt == START_ATTEMPTS or self._stop.is_set() or self.fault is not None:
+                    raise
+                log.warning("worker did not start while the bus was away; starting it again",
+                            worker_id=wid, epoch=epoch, attempt=attempt, error=repr(exc))
+                await self._until_connected()
+
+    async def _until_connected(self) -> None:
+        """Until the host's connection is up again (or the host stops), then a short pause."""
+        assert self._nc is not None
+        while not self._nc.is_connected and not self._stop.is_set():
+            if self._nc.is_closed:
+                return  # the next attempt fails fast and raises
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(START_RETRY_S)
+
+    async def _start_worker_once(
+        self, wid: str, kind: WorkerKind, epoch: int, seed: Seed | None = None
+    ) -> None:
         assert self._nc is not None
         settings = self.settings.model_copy(update={"worker_id": wid, "kind": kind, "epoch": epoch})
         svc = RankdService(settings, self.backend_factory(wid, kind), on_fault=self._worker_fault)
@@ -250,12 +286,17 @@ class RankdHost:
                  reconciled=wanted)
 
     def _reap(self, wid: str, task: asyncio.Task[None]) -> None:
-        if self._tasks.get(wid) is task:
+        svc = self.services.get(wid) if self._tasks.get(wid) is task else None
+        if svc is not None:
             del self._tasks[wid]
             del self.services[wid]
         exc = None if task.cancelled() else task.exception()
         if isinstance(exc, WorkerFault):
             self.fail(exc, cause_logged=True)  # no-op: the worker reported it when it met it
+        elif exc is not None and svc is not None and not svc.started.is_set():
+            # Failed while starting: _start_worker has it (it starts the worker again, or
+            # raises it to whoever applies the record, who logs it).
+            log.info("worker start failed", worker_id=wid, error=repr(exc))
         elif exc is not None:
             log.error("worker service failed", worker_id=wid, error=repr(exc))
         self._changed.set()

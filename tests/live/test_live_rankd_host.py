@@ -61,10 +61,15 @@ def record(epoch: int, *wids: str) -> bytes:
 
 
 async def wait_for_workers(host: RankdHost, wanted: set[str]) -> None:
+    """Until the host runs exactly ``wanted`` and each of them has started (endpoints
+    subscribed): a worker is in ``host.services`` from the moment its start begins, and a
+    test that then kills the server would catch it half-registered (a different case from a
+    running worker riding out a restart)."""
     async with asyncio.timeout(WAIT_S):
         while host.worker_ids != wanted or len(host.services) != len(wanted):
             host.changed.clear()
             await host.changed.wait()
+        await asyncio.gather(*(svc.started.wait() for svc in host.services.values()))
 
 
 async def call_when_up(nc: Client, subject: str, msg: object, reply: type) -> object:
@@ -279,3 +284,62 @@ async def test_a_worker_that_cannot_start_does_not_stop_the_others(
         host.request_stop()
         await asyncio.wait_for(task, timeout=WAIT_S)
     assert host.services == {}
+
+
+async def test_a_worker_starting_while_the_server_restarts_starts_again(uniq: str) -> None:
+    """nats-server killed while a new worker of an epoch record sets up (here: at the moment
+    its backend is built, before its JetStream set-up): its start fails, and the host starts
+    it again once its connection is back, so the worker serves after the restart. Before, it
+    was lost for the whole epoch (the record counted as applied) and every assignment to it
+    found no responders."""
+    import os
+    import signal
+
+    import nats
+    from structlog.testing import capture_logs
+
+    server = EmbeddedNats().start()
+    port = int(server.url.rsplit(":", 1)[1])
+    s = Subjects(uniq)
+    killed = asyncio.Event()
+
+    def backend(wid: str, kind: object) -> SimBackend:
+        if wid == "w-cp1-g1" and not killed.is_set():
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGKILL)
+            killed.set()
+        return SimBackend(time_scale=1.0)
+
+    settings = RankdSettings(nats_url=server.url, subject_prefix=uniq, heartbeat_s=0.2,
+                             drain_timeout_s=5)
+    host = RankdHost(settings, range(0, 2), backend, initial=["w-cp2-g0"])
+    task = asyncio.create_task(host.run(handle_signals=False))
+    again: EmbeddedNats | None = None
+    nc: Client | None = None
+    try:
+        await wait_for_workers(host, {"w-cp2-g0"})
+        nc = await nats.connect(server.url)
+        epochs = await epoch_kv(nc.jetstream(), s)
+        with capture_logs() as logs:
+            await epochs.put(s.epoch_key(), record(1, "w-cp1-g0", "w-cp1-g1"))
+            await nc.close()
+            nc = None
+            await asyncio.wait_for(killed.wait(), WAIT_S)
+            await asyncio.sleep(0.5)
+            again = EmbeddedNats(port=port, store_dir=server.store_dir).start()
+            nc = await nats.connect(again.url)
+            ack = await call_when_up(nc, s.worker_assign("w-cp1-g1"),
+                                     assignment("a-0", "w-cp1-g1", 1), AssignmentAck)
+            assert ack.queue_position == 0
+            await wait_for_workers(host, {"w-cp1-g0", "w-cp1-g1"})
+        assert not [e for e in logs if e["log_level"] in ("error", "critical")], logs
+        assert any(e["event"].startswith("worker did not start while the bus was away")
+                   and e["worker_id"] == "w-cp1-g1" for e in logs), logs
+    finally:
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=20)
+        if nc is not None:
+            await nc.close()
+        if again is not None:
+            again.stop()
+        server.stop()
