@@ -72,6 +72,18 @@ async def wait_for_workers(host: RankdHost, wanted: set[str]) -> None:
         await asyncio.gather(*(svc.started.wait() for svc in host.services.values()))
 
 
+async def stop_after_restart(host: RankdHost, task: asyncio.Task[None], nc: Client | None,
+                             again: EmbeddedNats | None, server: EmbeddedNats) -> None:
+    """The server-restart tests' teardown: the host, the test's client, both servers."""
+    host.request_stop()
+    await asyncio.wait_for(task, timeout=20)
+    if nc is not None:
+        await nc.close()
+    if again is not None:
+        again.stop()
+    server.stop()
+
+
 async def call_when_up(nc: Client, subject: str, msg: object, reply: type) -> object:
     """``call`` once the worker's endpoint has subscribed: a worker appears in ``host.services``
     just before its micro endpoints are registered, so early requests find no responders."""
@@ -209,13 +221,7 @@ async def test_a_server_restart_is_survived(uniq: str) -> None:
         assert not [e for e in logs if e["log_level"] in ("error", "critical")], logs
         assert any(e["event"] == "nats disconnected" for e in logs)
     finally:
-        host.request_stop()
-        await asyncio.wait_for(task, timeout=20)
-        if nc is not None:
-            await nc.close()
-        if again is not None:
-            again.stop()
-        server.stop()
+        await stop_after_restart(host, task, nc, again, server)
 
 
 async def test_a_stop_while_the_server_is_down_ends_cleanly(uniq: str) -> None:
@@ -336,10 +342,4 @@ async def test_a_worker_starting_while_the_server_restarts_starts_again(uniq: st
         assert any(e["event"].startswith("worker did not start while the bus was away")
                    and e["worker_id"] == "w-cp1-g1" for e in logs), logs
     finally:
-        host.request_stop()
-        await asyncio.wait_for(task, timeout=20)
-        if nc is not None:
-            await nc.close()
-        if again is not None:
-            again.stop()
-        server.stop()
+        await stop_after_restart(host, task, nc, again, server)
