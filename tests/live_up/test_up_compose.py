@@ -27,6 +27,7 @@ import yaml
 from live_up_support import REPO
 from typer.testing import CliRunner
 
+from services.controller.lattice import Composition
 from shared.costmodel import Profile
 from sim.profiling import PROFILE_FILE
 from vertumnus.cli import app
@@ -142,6 +143,39 @@ def test_service_command_and_settings(compose: dict[str, Any], name: str,
     assert settings.nats_url == "nats://nats:4222"
     assert settings.telemetry.exporter == "otlp"
     assert settings.telemetry.endpoint == "http://jaeger:4317"
+
+
+def _settings(compose: dict[str, Any], name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The settings service ``name`` builds from exactly its compose environment."""
+    info = _info_for(compose["services"][name]["command"][2])
+    assert info is not None
+    cls = info.settings_class()
+    assert cls is not None, name
+    with monkeypatch.context() as m:
+        for key in [k for k in os.environ if k.startswith("VTM_")]:
+            m.delenv(key)
+        for k, v in compose["services"][name]["environment"].items():
+            m.setenv(str(k), str(v))
+        return cls()
+
+
+def test_the_services_agree_on_the_pool(compose: dict[str, Any],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What every service of the pool must share: its CP degrees and window (scheduler,
+    controller, cache manager), its GPUs (controller and rank daemons) and the composition
+    before the controller's first record (the rank daemons start the workers the controller
+    would write: a mismatch would be reconciled only at the first epoch)."""
+    sched = _settings(compose, "scheduler", monkeypatch)
+    ctl = _settings(compose, "controller", monkeypatch)
+    cache = _settings(compose, "cachemgr", monkeypatch)
+    rankd = _settings(compose, "rankd", monkeypatch)
+    assert sorted(sched.degrees) == sorted(ctl.degrees) == sorted(cache.degrees)
+    assert sched.window_s == ctl.window_s == cache.scan_interval_s
+    assert rankd.host_range == range(ctl.num_gpus)
+    lattice = ctl.lattice()
+    initial = Composition.parse(lattice, ctl.initial_composition)
+    assert sorted(initial.worker_ids) == sorted(rankd.initial_worker_ids)
+    assert len({sched.block_size, ctl.block_size, cache.block_size, rankd.block_size}) == 1
 
 
 # --- the fitted profile -------------------------------------------------------------------------
