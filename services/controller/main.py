@@ -18,11 +18,12 @@ flags, which win over the environment:
   replace the calibrated ones, and each threshold's own variable wins over it.
 
 Every other setting (upper, lower, merge_headroom, persistence, max_ops, split_target,
-momentum, merge_speedup, preference_shift, kappa_scale, tick_s, report_grace_s, drain_timeout_s,
-kappa, demand_input, follow_record, ...) is documented on the settings class and set through its
-``VTM_`` variable, e.g. ``VTM_KAPPA='{"2": 8, "4": 14}'`` or ``VTM_MAX_OPS=1`` (the paper's one
-operation at a time). The planner's thresholds and ``kappa_scale`` default to the calibrated
-values of ``services/calibration.py`` (the simulator's), not to literals of their own.
+momentum, merge_speedup, preference_shift, kappa_scale, tick_s, report_grace_s,
+reconfig_drain_timeout_s, kappa, demand_input, follow_record, ...) is documented on the
+settings class and set through its ``VTM_`` variable, e.g. ``VTM_KAPPA='{"2": 8, "4": 14}'``
+or ``VTM_MAX_OPS=1`` (the paper's one operation at a time). The planner's thresholds and
+``kappa_scale`` default to the calibrated values of ``services/calibration.py`` (the
+simulator's), not to literals of their own.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ Carrying out a plan (one or more splits and merges on disjoint workers, ``max_op
    by compare-and-set, then ``protocol.exposed``; the CompositionNotice and the
    ReconfigurationEvent (phase ``exposed``, with drain and switch times) are published.
 
-A reconfiguration whose sources have not drained after ``drain_timeout_s`` is aborted
+A reconfiguration whose sources have not drained after ``reconfig_drain_timeout_s`` is aborted
 (``protocol.abort``; a record with the sources ACTIVE again). When ``ack_timeout_s`` pass
 without a record while something waits, the plan is resumed: a worker still waiting for rank
 acks gets the record re-announced (the same composition under the next epoch), so a lost ack
@@ -74,7 +74,7 @@ re-admitted (``protocol.recover``: SWITCHING under a fresh record epoch) and bec
 a further record once all its ranks acknowledged that epoch. A worker that never published a
 state is not judged. Workers a stored record shows non-active while this controller's protocol
 has them active were left by a controller that stopped mid-reconfiguration; once that record
-is older than ``drain_timeout_s`` they are failed and re-admitted the same way.
+is older than ``reconfig_drain_timeout_s`` they are failed and re-admitted the same way.
 
 ``inspect`` (``{prefix}.controller.inspect``, optional JSON body ``{"decisions": N}``; a
 malformed body is a 400 micro error) answers the composition, the protocol and record epochs,
@@ -437,8 +437,12 @@ class ControllerSettings(ServiceSettings):
     queue_query_timeout_s: float = Field(
         default=1.0, gt=0, description="Wait for a source's QueueReport before falling back."
     )
-    drain_timeout_s: float = Field(
-        default=120.0, gt=0, description="Abort a reconfiguration whose sources did not drain."
+    # Not the base setting ``drain_timeout_s`` (10 s, the NATS connection's drain at a stop),
+    # which this used to override, stretching the controller's shutdown drain to 120 s.
+    reconfig_drain_timeout_s: float = Field(
+        default=120.0, gt=0, description="Abort a reconfiguration whose sources have not "
+        "drained after this long; also how old a record left mid-reconfiguration by another "
+        "controller must be before its workers are re-admitted.",
     )
     ack_timeout_s: float = Field(
         default=10.0,
@@ -1042,11 +1046,11 @@ class ControllerService(MicroService):
 
     async def _readmit_leftovers(self) -> None:
         """Workers the stored record shows draining, switching or unavailable while our
-        protocol has them active were left so by another controller. Once that record is older
-        than ``drain_timeout_s`` (its writer stopped mid-reconfiguration; a live one rewrites
-        the record at least that often), each is failed and re-admitted through the protocol's
-        recovery path: exposed again only after its ranks acknowledge a fresh epoch (lock
-        held; called from the tick, so acks are subscribed by then)."""
+        protocol has them active were left so by another controller. Once that record is
+        older than ``reconfig_drain_timeout_s`` (its writer stopped mid-reconfiguration; a live
+        one rewrites the record at least that often), each is failed and re-admitted through
+        the protocol's recovery path: exposed again only after its ranks acknowledge a fresh
+        epoch (lock held; called from the tick, so acks are subscribed by then)."""
         core, record = self.core, self.record
         if core is None or record is None or core.pending_plan or core.protocol.in_progress():
             return
@@ -1059,7 +1063,7 @@ class ControllerService(MicroService):
             and proto.state(WorkerId(w.worker_id)) is Lifecycle.ACTIVE
         ]
         now = self.now()
-        if not leftovers or now - record.committed_at_s < self.csettings.drain_timeout_s:
+        if not leftovers or now - record.committed_at_s < self.csettings.reconfig_drain_timeout_s:
             return
         for wid in leftovers:
             proto.fail(WorkerId(wid), now)
@@ -1714,7 +1718,8 @@ class ControllerService(MicroService):
         now = self.now()
         for rid in proto.in_progress():
             r = proto.reconfiguration(rid)
-            if r.phase is not Phase.DRAINING or now - r.started_at < self.csettings.drain_timeout_s:
+            if (r.phase is not Phase.DRAINING
+                    or now - r.started_at < self.csettings.reconfig_drain_timeout_s):
                 continue
             aborted = proto.abort(rid, now)
             self._awaiting.pop(rid, None)

@@ -199,6 +199,23 @@ def test_controller_settings_map_onto_the_core_config(monkeypatch) -> None:
     assert st.lattice().degrees == frozenset({2, 4})
 
 
+def test_the_reconfiguration_drain_bound_is_not_the_connection_drain_bound(monkeypatch) -> None:
+    """The controller's bound on a reconfiguration's drain has its own name: the base
+    ``drain_timeout_s`` (the NATS connection's drain at a stop) keeps every service's default,
+    and each is set through its own variable."""
+    from shared.settings import ServiceSettings
+
+    for name in ("DRAIN_TIMEOUT_S", "RECONFIG_DRAIN_TIMEOUT_S"):
+        monkeypatch.delenv(f"VTM_{name}", raising=False)
+    st = ControllerSettings()
+    base = ServiceSettings.model_fields["drain_timeout_s"].default
+    assert (st.drain_timeout_s, st.reconfig_drain_timeout_s) == (base, 120.0)
+    monkeypatch.setenv("VTM_RECONFIG_DRAIN_TIMEOUT_S", "30")
+    monkeypatch.setenv("VTM_DRAIN_TIMEOUT_S", "4")
+    st = ControllerSettings()
+    assert (st.drain_timeout_s, st.reconfig_drain_timeout_s) == (4.0, 30.0)
+
+
 def test_a_controller_file_sets_the_thresholds_and_each_variable_wins_over_it(
         monkeypatch, tmp_path) -> None:
     from dataclasses import replace

@@ -427,9 +427,9 @@ async def test_restart_readmits_workers_left_mid_reconfiguration(
     await ranks.start()
     comps = Collector()
     await nc.subscribe(composition_subject(s), cb=comps.cb)
-    # The record is older than drain_timeout_s: its writer is presumed gone.
+    # The record is older than reconfig_drain_timeout_s: its writer is presumed gone.
     ctl = await services(
-        ControllerService(settings(nats_server.url, uniq, "ctl-b", drain_timeout_s=0.5))
+        ControllerService(settings(nats_server.url, uniq, "ctl-b", reconfig_drain_timeout_s=0.5))
     )
     comp = await comps.first(lambda c: len(c["schedulable"]) == 2, what="both schedulable")
     assert comp["epoch"] == 7 and comp["composition"] == "2CP4"
