@@ -47,7 +47,7 @@ from shared.costmodel import Profile
 from shared.ids import InvalidInput
 from shared.worker import WorkerKind
 from sim import calibration
-from sim.groundtruth import GroundTruth
+from sim.groundtruth import GroundTruth, Kind
 from sim.metrics import QWEN3_SLO, SloTable, slo_attainment
 from sim.request_log import log_name, request_rows, write_request_log
 from sim.simulator import SimConfig, SimResult, Simulator, controller_profile
@@ -251,16 +251,32 @@ def deployment_for(
 
 
 # --- oracle -----------------------------------------------------------------------------------
-def oracle_ttfts(workload: Workload, truth: GroundTruth, degrees: Sequence[int]) -> np.ndarray:
+def oracle_ttfts(workload: Workload, truth: GroundTruth, degrees: Sequence[int], *,
+                 tp_degrees: Sequence[int] = ()) -> np.ndarray:
     """Zero-queue oracle TTFT per request (s): alone on an idle worker of its best degree, with
-    every earlier prefix cached (an infinite global cache in arrival order), no noise."""
+    every earlier prefix cached (an infinite global cache in arrival order), no noise.
+
+    The workers it may pick: a CP worker of each of ``degrees`` and a TP worker of each of
+    ``tp_degrees`` (:func:`oracle_tp_degrees`: the vLLM baseline's, when a comparison runs
+    it). The oracle must bound every pool it is compared with, and in the ground truth a TP-4
+    worker is faster than every CP degree at every length (no CP fixed cost d_cp)."""
     out = np.empty(len(workload.requests))
+    shapes: list[tuple[int, Kind]] = [(c, "cp") for c in degrees]
+    shapes += [(t, "tp") for t in tp_degrees]
     for i, (r, p) in enumerate(zip(workload.requests, history_reuse(workload), strict=True)):
         out[i] = min(
-            truth.prefill_time(r.input_len - p, p, c) + truth.external_time(r.input_len, c)
-            for c in degrees
+            truth.prefill_time(r.input_len - p, p, c, kind=k)
+            + truth.external_time(r.input_len, c)
+            for c, k in shapes
         )
     return out
+
+
+def oracle_tp_degrees(policies: Sequence[str], degrees: Sequence[int]) -> tuple[int, ...]:
+    """The TP worker degrees the oracle of a comparison of ``policies`` must include: the
+    ``vllm`` baseline's (:func:`deployment_for`: all at :data:`HOMO_DEGREE`, else the
+    largest), or none when no policy runs TP workers."""
+    return (_homo_degree(sorted(degrees)),) if "vllm" in policies else ()
 
 
 # --- one run ----------------------------------------------------------------------------------
@@ -480,7 +496,7 @@ def sweep(
         side["static_threshold_tokens"] = static_th
         side["static_threshold_scores"] = scores_by
     ctx = _SweepCells(workload, profile, spec, truth, lattice, initial_by_scale, static_th,
-                      request_log)
+                      request_log, oracle_tp_degrees(policies, spec.degrees))
     cells = [(scale, pol) for scale in rate_scales for pol in policies]
     results: list[tuple[dict[str, Any], Any] | None] = [None] * len(cells)
     if jobs == 1:
@@ -525,6 +541,7 @@ class _SweepCells:
     initial_by_scale: Mapping[float, Composition]
     static_th: Mapping[str, int]
     request_log: Path | None = None  # where each cell writes its per-request log (None: not)
+    tp_degrees: tuple[int, ...] = ()  # the oracle's TP workers (oracle_tp_degrees)
     # Per rate: the scaled workload and its oracle TTFTs (computed once per process).
     _by_scale: dict[float, tuple[Workload, np.ndarray]] = field(default_factory=dict)
 
@@ -537,7 +554,8 @@ class _SweepCells:
         got = self._by_scale.get(scale)
         if got is None:
             wl = scale_rate(self.workload, scale) if scale != 1.0 else self.workload
-            oracle = oracle_ttfts(wl, self.truth, self.spec.degrees)
+            oracle = oracle_ttfts(wl, self.truth, self.spec.degrees,
+                                  tp_degrees=self.tp_degrees)
             if self.spec.warmup_s > 0 and wl.requests:
                 # The oracle of the measured requests only (summarize_run leaves the same out).
                 start = min(r.arrival_s for r in wl.requests) + self.spec.warmup_s

@@ -44,6 +44,7 @@ from sim.experiments import (
     check_pools,
     check_warmup_s,
     combine_repeats,
+    oracle_tp_degrees,
     oracle_ttfts,
     sweep,
 )
@@ -627,7 +628,8 @@ def run_size(
     _check_warmup(wl, [rate_scale], warmup_s)
     # No pool beats the zero-queue oracle (each request alone on its best degree, every
     # earlier prefix cached): a target above its attainment cannot be met by any size.
-    ceiling = oracle_attainment(wl, truth, degrees, slo, warmup_s)
+    ceiling = oracle_attainment(wl, truth, degrees, slo, warmup_s,
+                                tp_degrees=oracle_tp_degrees(policies, degrees))
     if target > ceiling:
         raise InvalidInput(
             f"--target {target:g} is above what any pool can reach on this trace: even the "
@@ -773,12 +775,12 @@ def trace_profiles_by_size(out: Path, degrees: Sequence[int], seed: int, workloa
 
 
 def oracle_attainment(wl: Workload, truth: GroundTruth, degrees: Sequence[int], slo: SloTable,
-                      warmup_s: float = 0.0) -> float:
+                      warmup_s: float = 0.0, *, tp_degrees: Sequence[int] = ()) -> float:
     """Token-weighted SLO attainment of the zero-queue oracle (:func:`oracle_ttfts`) over the
     requests arriving after ``warmup_s``: an upper bound for any pool on this trace, up to the
     ground truth's noise (the oracle has none; a noisy run can beat it by a few tenths of a
     point where prompts sit at their deadline)."""
-    ttft = oracle_ttfts(wl, truth, degrees)
+    ttft = oracle_ttfts(wl, truth, degrees, tp_degrees=tp_degrees)
     t0 = min(r.arrival_s for r in wl.requests)
     keep = [i for i, r in enumerate(wl.requests) if r.arrival_s >= t0 + warmup_s]
     return slo_attainment([wl.requests[i].input_len for i in keep], ttft[keep], slo)

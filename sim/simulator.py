@@ -829,7 +829,8 @@ class Simulator:
         # they are all free: copies through one worker go one after another (FIFO by issue),
         # as they would share its links' bandwidth. Conservative: a CP2 -> CP4 copy uses two
         # rank pairs and leaves the CP4's other two ranks' links idle. (The KV handoff to
-        # decode has links of its own in this model: it is part of the prefill's time.)
+        # decode has links of its own in this model: it adds to the request's TTFT, T_ext of
+        # §3.1, after the worker is free, and never delays a copy.)
         free = self._link_free
         gpus = (*src.group.gpus, *dst.group.gpus)
         start = max(now, *(free[g] for g in gpus))

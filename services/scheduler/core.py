@@ -71,6 +71,9 @@ class SchedulerCore:
         self._requests: dict[RequestId, RequestInfo] = {}
         # worker -> full-block hash -> number of unfinished requests on it containing the block
         self._inflight: dict[WorkerId, dict[BlockHash, int]] = {}
+        # worker -> unfinished requests on it whose last block is partial (never shared): with
+        # _inflight, the worker's distinct active blocks (policies that read_inflight_blocks)
+        self._inflight_tails: dict[WorkerId, int] = {}
         # Other replicas' unfinished requests in _inflight: id -> (worker, request, noted at)
         self._foreign: dict[RequestId, tuple[WorkerId, RequestInfo, float]] = {}
 
@@ -162,6 +165,10 @@ class SchedulerCore:
                 # prefixes (placement.py "Pull credit").
                 d = self.policy.place(request, self._view, held, self._loads, now,
                                       holdings=held_blocks, pending=pending)
+            elif getattr(self.policy, "reads_inflight_blocks", False):
+                d = self.policy.place(request, self._view, held, self._loads, now,
+                                      inflight_blocks=self._inflight,
+                                      inflight_tails=self._inflight_tails)
             else:
                 d = self.policy.place(request, self._view, held, self._loads, now)
         except BaseException:
@@ -216,6 +223,9 @@ class SchedulerCore:
         idx = self._inflight.setdefault(worker, {})
         for h in self._full_blocks(request):
             idx[h] = idx.get(h, 0) + 1
+        if request.length % self._view.block_size:
+            tails = self._inflight_tails
+            tails[worker] = tails.get(worker, 0) + 1
 
     # --- other replicas' requests (in-flight prefixes only) ----------------------------------
     def note_foreign(self, request: RequestInfo, worker: WorkerId, now: float) -> bool:
@@ -298,6 +308,13 @@ class SchedulerCore:
         return held_blocks if merged is None else merged
 
     def _release_inflight(self, worker: WorkerId, request: RequestInfo) -> None:
+        if request.length % self._view.block_size:
+            tails = self._inflight_tails
+            left = tails.get(worker, 0) - 1
+            if left > 0:
+                tails[worker] = left
+            else:
+                tails.pop(worker, None)
         idx = self._inflight.get(worker)
         if idx is None:
             return

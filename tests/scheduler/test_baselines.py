@@ -58,6 +58,25 @@ def test_static_threshold_picks_class_then_min_q_plus_s() -> None:
     assert pol.place(req("c", 5000), v2, {}, loads_for(v2), 0.0).worker == "s1"
 
 
+def test_static_sees_the_prefix_of_a_request_in_flight_on_the_worker() -> None:
+    """As J does (SchedulerCore's in-flight prefixes): a second request on the same document,
+    placed while the first still runs, is priced with that document as its reusable prefix
+    on the first's worker, and with nothing elsewhere."""
+    v = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4))
+    core = SchedulerCore(make_policy("static", profile=ROUND, threshold_tokens=800), v)
+    first = core.place(req("doc", 2000), {}, 0.0)
+    core.start(Rq("doc"), 0.0)
+    other = "b" if first.worker == "a" else "a"
+    d = core.place(req("q", 2050, nblocks=21), {}, 0.1)
+    assert d.candidate(W(first.worker)).prefix_tokens == 2000
+    assert d.candidate(W(other)).prefix_tokens == 0
+    # Once the first finished (and its blocks were never reported cached), it is gone.
+    core.finish(Rq("doc"), 1.0)
+    core.finish(Rq("q"), 1.0)
+    d = core.place(req("q2", 2050, nblocks=21), {}, 2.0)
+    assert d.candidate(W(first.worker)).prefix_tokens == 0
+
+
 # --- vLLM ------------------------------------------------------------------------------------
 def test_vllm_score_and_stale_counts_until_refresh() -> None:
     v = view(WorkerView(W("e0"), 4), WorkerView(W("e1"), 4))
@@ -190,6 +209,37 @@ def test_dynamo_cost_arithmetic_and_choice() -> None:
         for s in range(20)
     }
     assert picks == {"A", "B"}
+
+
+def test_dynamo_counts_a_workers_distinct_active_blocks_and_only_the_new_ones() -> None:
+    """Dynamo's ActiveSequences: the decode term is the worker's distinct active blocks plus
+    the request's blocks not among them, so the worker already prefilling the request's
+    document is charged less (B = 100; requests through SchedulerCore, which passes its
+    in-flight index)."""
+    v = view(WorkerView(W("A"), 4), WorkerView(W("B"), 4))
+    core = SchedulerCore(make_policy("dynamo", profile=ROUND, rng=random.Random(0)), v)
+    # A runs "doc" (20 full blocks 0..19); B runs "x" (20 other blocks): equal loads.
+    core.adopt(req("doc", 2000), W("A"), 0.5, 0.0, uncached_tokens=2000, running=True)
+    core.adopt(req("x", 2000, first=500), W("B"), 0.5, 0.0, uncached_tokens=2000,
+               running=True)
+    # The question: the document's 20 blocks and 50 more tokens (a partial block).
+    d = core.place(req("q", 2050, nblocks=20), {}, 0.1)
+    prefill = 2000 / 100 + 2050 / 100  # nothing cached yet: no overlap credit
+    assert d.candidate(W("A")).score == pytest.approx(prefill + 20 + 21 - 20)
+    assert d.candidate(W("B")).score == pytest.approx(prefill + 20 + 21)
+    assert d.worker == "A"
+    # A second question on A: A's distinct blocks are the document's 20 and q's partial one.
+    d2 = core.place(req("q2", 2050, nblocks=20), {}, 0.2)
+    assert d2.candidate(W("A")).score == pytest.approx((2000 + 2050 + 2050) / 100 + 21 + 1)
+    # Called directly (no in-flight index), the decode term is Σ ⌈L_j/B⌉ + ⌈L/B⌉.
+    d3 = core.policy.place(req("q3", 2050, nblocks=20), v, {}, core.loads, 0.3)
+    for w in ("A", "B"):
+        ld = core.load(W(w))
+        assert d3.candidate(W(w)).score == pytest.approx(
+            (ld.inflight_uncached_tokens + 2050) / 100 + ld.inflight_blocks + 21)
+    with pytest.raises(InvalidInput, match="together"):
+        core.policy.place(req("q4", 100), v, {}, core.loads, 0.3,  # type: ignore[call-arg]
+                          inflight_blocks={})
 
 
 def test_dynamo_softmax_sampling_is_seeded() -> None:

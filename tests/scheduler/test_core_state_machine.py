@@ -149,6 +149,7 @@ def core_state(core: SchedulerCore) -> Any:
         core.view, core._longest, dict(core._where), dict(core._requests), loads,
         # An empty per-worker map means the same as none (no block in flight there).
         {w: dict(idx) for w, idx in core._inflight.items() if idx}, dict(core._foreign),
+        dict(core._inflight_tails),
     )
 
 
@@ -734,6 +735,10 @@ class CoreMachine(RuleBasedStateMachine):
         # means the same as none (no block in flight there).
         got = {w: dict(idx) for w, idx in self.core._inflight.items() if idx}
         assert got == {w: dict(c) for w, c in want.items() if c}
+        # ... and, per worker, how many of them end in a partial block (Dynamo's active set).
+        tails = Counter(o.worker for o in (*self.own.values(), *self.foreign.values())
+                        if o.info.length % B)
+        assert self.core._inflight_tails == dict(tails)
 
     @invariant()
     def foreign_entries_are_the_noted_ones(self) -> None:

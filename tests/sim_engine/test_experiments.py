@@ -214,7 +214,7 @@ def swept(profile, small_trace):
         return sweep(small_trace, POLICIES, RATES, profile, SPEC)
 
 
-def test_sweep_rows_one_per_policy_and_rate(swept) -> None:
+def test_sweep_rows_one_per_policy_and_rate(swept, small_trace) -> None:
     rows, _ = swept
     assert [(r["policy"], r["rate_scale"]) for r in rows] == [
         (p, s) for s in RATES for p in POLICIES
@@ -226,6 +226,11 @@ def test_sweep_rows_one_per_policy_and_rate(swept) -> None:
         assert math.isfinite(r["mean_ttft_s"])
     for s in RATES:
         assert len({r["oracle_mean_ttft_s"] for r in rows if r["rate_scale"] == s}) == 1
+    # The comparison runs vllm: its oracle includes vllm's TP-4 workers (a bound on that row).
+    tp = oracle_ttfts(small_trace, GroundTruth(), SPEC.degrees, tp_degrees=(4,))
+    one = next(r for r in rows if r["rate_scale"] == 1.0)
+    assert one["oracle_mean_ttft_s"] == pytest.approx(tp.mean(), rel=1e-12)
+    assert tp.mean() < oracle_ttfts(small_trace, GroundTruth(), SPEC.degrees).mean()
     # A higher rate compresses arrivals: the measured request rate doubles.
     by = {(r["policy"], r["rate_scale"]): r for r in rows}
     assert by[("homo", 2.0)]["request_rate"] == pytest.approx(

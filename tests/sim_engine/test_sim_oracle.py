@@ -104,3 +104,24 @@ def test_queueing_only_adds_to_the_oracle(profile) -> None:
     assert r0.ttft_s == pytest.approx(o[0], rel=1e-12)
     assert r1.start_s == pytest.approx(r0.finish_s, abs=1e-12)
     assert r1.ttft_s == pytest.approx(o[1] + r0.actual_s, rel=1e-12)
+
+
+def test_the_oracle_bounds_the_tp_pool_when_the_comparison_runs_it(profile) -> None:
+    """vLLM's TP-4 workers are faster than every CP degree in the ground truth (no d_cp), so
+    an oracle over CP degrees alone would not bound the ``vllm`` row: with ``tp_degrees`` it
+    does, and a comparison including ``vllm`` asks for them."""
+    from sim.experiments import oracle_tp_degrees
+
+    wl = unique_prefix_workload([2_048, 2_048], 10.0)
+    cp = oracle_ttfts(wl, GT, (2, 4))
+    both = oracle_ttfts(wl, GT, (2, 4), tp_degrees=(4,))
+    tp = GT.prefill_time(2_048, 0, 4, kind="tp") + GT.external_time(2_048, 4)
+    assert list(both) == pytest.approx([tp, tp], rel=1e-12)
+    assert (both < cp).all()
+    res = run(wl, profile, gpus=8, degrees=(2, 4), noise_sigma=0.0, policy="vllm")
+    assert all(r.ttft_s >= o - 1e-12 for r, o in zip(res.records, both, strict=True))
+    assert any(r.ttft_s < o for r, o in zip(res.records, cp, strict=True))  # CP alone: no bound
+    assert oracle_tp_degrees(["vertumnus", "vllm"], (2, 4)) == (4,)
+    assert oracle_tp_degrees(["vllm"], (2, 4, 8)) == (4,)
+    assert oracle_tp_degrees(["vllm"], (2, 8)) == (8,)
+    assert oracle_tp_degrees(["vertumnus", "homo"], (2, 4)) == ()

@@ -18,10 +18,16 @@ blocks"):
   (Dynamo tracks prefill *tokens* until the request's prefill completes, converted to blocks);
 * ``incoming_prompt_blocks`` = L / B; ``device_overlap_blocks`` = the worker's exact held blocks
   (Dynamo's global index is exact, fed by KV events — our ``held_blocks`` is that index);
-* ``active_decode_blocks`` = Σ ⌈L_j/B⌉ over the worker's unfinished requests (the KV blocks its
-  in-flight requests occupy); ``incoming_active_blocks`` = ⌈L/B⌉. Dynamo de-duplicates blocks
-  shared with sequences already active on the worker; we do not (same on every worker, so it
-  does not change the argmin or the sampling distribution).
+* ``active_decode_blocks`` = the distinct KV blocks the worker's unfinished requests occupy,
+  and ``incoming_active_blocks`` = the request's blocks not among them: Dynamo's
+  ``ActiveSequences`` keeps the *unique* blocks of a worker's active sequences, and its
+  ``new_blocks`` counts only the request's blocks missing from that set (``lib/kv-router``
+  ``sequence.rs``), so a worker already prefilling the request's prefix is charged less. A
+  full block is its prefix-chained hash; a partial last block belongs to one request only.
+  Through :class:`~services.scheduler.core.SchedulerCore` (``reads_inflight_blocks``) the
+  active set is the core's in-flight index (with several scheduler replicas, the others'
+  requests too, as Dynamo's router replica sync shares active sequences). Called without it
+  (a direct ``place``), the decode term falls back to Σ ⌈L_j/B⌉ + ⌈L/B⌉, no de-duplication.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from services.scheduler.load import WorkerLoad
 from services.scheduler.registry import register_policy
 from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import InvalidInput, RequestId, WorkerId
+from shared.ids import BlockHash, InvalidInput, RequestId, WorkerId
 
 
 def dynamo_cost(
@@ -48,17 +54,24 @@ def dynamo_cost(
     block_size: int,
     overlap_credit: float = 1.0,
     prefill_load_scale: float = 1.0,
+    active_shared_blocks: int = 0,
 ) -> float:
-    """Dynamo's cost of one worker for one request (module docstring), in blocks."""
+    """Dynamo's cost of one worker for one request (module docstring), in blocks.
+    ``active_blocks``: the worker's distinct active blocks; ``active_shared_blocks``: how many
+    of the request's blocks are among them (not new: not charged again)."""
     raw_prefill = active_prefill_tokens / block_size + length / block_size
     adjusted = max(raw_prefill - overlap_credit * overlap_blocks, 0.0)
-    decode = active_blocks + -(-length // block_size)
+    decode = active_blocks + -(-length // block_size) - active_shared_blocks
     return prefill_load_scale * adjusted + decode
 
 
 @register_policy("dynamo")
 class DynamoPolicy:
     """Lowest Dynamo cost (or softmax sampling at temperature > 0)."""
+
+    reads_inflight_blocks = True
+    """SchedulerCore passes its in-flight block index (``inflight_blocks``,
+    ``inflight_tails``): Dynamo's active sequences (module docstring)."""
 
     def __init__(
         self,
@@ -98,22 +111,42 @@ class DynamoPolicy:
         held_blocks: Mapping[WorkerId, int],
         loads: Mapping[WorkerId, WorkerLoad],
         now: float,
+        *,
+        inflight_blocks: Mapping[WorkerId, Mapping[BlockHash, int]] | None = None,
+        inflight_tails: Mapping[WorkerId, int] | None = None,
     ) -> Decision:
+        """``inflight_blocks[w]``: the full blocks of the unfinished requests on w (hash ->
+        how many hold it); ``inflight_tails[w]``: how many of them end in a partial block.
+        Both or neither (None: no de-duplication; module docstring)."""
+        if (inflight_blocks is None) != (inflight_tails is None):
+            raise InvalidInput("inflight_blocks and inflight_tails go together")
         ev = evaluate(request, view, held_blocks, loads, now, self.profile)
         ev.require_eligible()
         B = view.block_size
+        mine = request.block_hashes[: request.length // B]
         scores: list[float | None] = [None] * len(ev.workers)
         costs: list[float] = []
         for i in ev.eligible:
-            ld = loads[ev.workers[i].worker_id]
+            wid = ev.workers[i].worker_id
+            ld = loads[wid]
+            if inflight_blocks is None or inflight_tails is None:
+                active, shared = ld.inflight_blocks, 0
+            else:
+                idx = inflight_blocks.get(wid)
+                if idx:
+                    active = len(idx) + inflight_tails.get(wid, 0)
+                    shared = sum(1 for h in mine if h in idx)
+                else:
+                    active, shared = inflight_tails.get(wid, 0), 0
             c = dynamo_cost(
                 active_prefill_tokens=ld.inflight_uncached_tokens,
-                active_blocks=ld.inflight_blocks,
+                active_blocks=active,
                 length=request.length,
                 overlap_blocks=ev.held[i],
                 block_size=B,
                 overlap_credit=self.overlap_credit,
                 prefill_load_scale=self.prefill_load_scale,
+                active_shared_blocks=shared,
             )
             scores[i] = c
             costs.append(c)

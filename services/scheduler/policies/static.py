@@ -15,6 +15,12 @@ minimum q + s, ties by smaller degree then the request's rendezvous rank of the 
 load, and a worker-id tie-break would pile them onto the lowest ids). Degrees strictly between
 C_lo and C_hi (a three-degree pool) are never used, as in the paper's two-class rule.
 
+Its s_{i,w} sees the same reusable prefix as J's (``counts_inflight_prefixes``): the worker's
+cached prefix or, if longer, one shared with a request already queued or running there (a FIFO
+worker will have cached it by the time this one starts; :class:`SchedulerCore`). Homo and
+Vertumnus see that prefix; a Static that did not would spread a burst on one new document over
+its class and recompute the document on each worker, which is the straw man the note rules out.
+
 ``threshold_tokens`` is a parameter: the simulator profiles it offline (best mean TTFT of a few
 candidate lengths at a rate below saturation, peer-routing.md). The default 16,384 is only a
 placeholder for unit use.
@@ -38,6 +44,10 @@ from shared.ids import InvalidInput, RequestId, WorkerId
 @register_policy("static")
 class StaticPolicy:
     """Length-threshold degree class, then minimum q + s (FlexLB-style) inside it."""
+
+    counts_inflight_prefixes = True
+    """As J's: SchedulerCore adds the prefixes of unfinished requests on a worker to its
+    reusable prefix (module docstring)."""
 
     def __init__(
         self,
