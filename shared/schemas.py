@@ -31,6 +31,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -116,6 +117,14 @@ class CompletionRequest(Message):
         return self
 
 
+TRACE_CONTEXT_KEYS: Final[frozenset[str]] = frozenset({"traceparent", "tracestate"})
+"""The keys of a W3C trace context carrier, as OpenTelemetry's propagator writes them."""
+MAX_TRACE_HEADER: Final[int] = 32 * (256 + 1 + 256) + 31
+"""The longest tracestate OpenTelemetry writes: 32 members of a 256-character key, ``=``, a
+256-character value, comma-separated (a client's may reach the gateway's carrier)."""
+_PRINTABLE: Final[frozenset[str]] = frozenset(chr(c) for c in range(0x20, 0x7F))
+
+
 class IntakeRequest(Message):
     """A request on the durable intake stream (published by the gateway, pulled by schedulers).
 
@@ -135,6 +144,22 @@ class IntakeRequest(Message):
     trace_context: dict[str, str] = Field(
         default_factory=dict, description="W3C trace context carrier (traceparent, tracestate)"
     )
+
+    @field_validator("trace_context")
+    @classmethod
+    def _w3c_carrier(cls, v: dict[str, str]) -> dict[str, str]:
+        # The scheduler and rankd copy this carrier into NATS headers: any other key could
+        # override theirs (Content-Type, Nats-Msg-Id), and a key or value nats-py refuses
+        # would fail the dispatch after the placement was reserved.
+        for key, value in v.items():
+            if key not in TRACE_CONTEXT_KEYS:
+                raise ValueError(
+                    f"trace_context key {key!r} is not one of {sorted(TRACE_CONTEXT_KEYS)}")
+            if len(value) > MAX_TRACE_HEADER or not _PRINTABLE.issuperset(value):
+                raise ValueError(
+                    f"trace_context[{key!r}] must be at most {MAX_TRACE_HEADER} printable "
+                    "ASCII characters")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> IntakeRequest:

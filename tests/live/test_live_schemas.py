@@ -305,6 +305,27 @@ REJECTS: list[tuple[object, bytes, str, str]] = [
         "WindowReport",
         "<model>",
     ),
+    # A trace context is copied into NATS headers downstream: only the W3C keys, printable.
+    (
+        IntakeRequest,
+        b'{"request_id":"r","input_len":5,"arrival_s":1,"trace_context":{"bad key":"x"}}',
+        "IntakeRequest",
+        "trace_context",
+    ),
+    (
+        IntakeRequest,
+        b'{"request_id":"r","input_len":5,"arrival_s":1,'
+        b'"trace_context":{"Content-Type":"application/msgpack"}}',
+        "IntakeRequest",
+        "trace_context",
+    ),
+    (
+        IntakeRequest,
+        b'{"request_id":"r","input_len":5,"arrival_s":1,'
+        b'"trace_context":{"tracestate":"a\\r\\nb"}}',
+        "IntakeRequest",
+        "trace_context",
+    ),
 ]
 
 

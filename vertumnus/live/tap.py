@@ -3,7 +3,10 @@
 The ``nats`` CLI is not installable on these machines (conventions.md), so this is how a
 person reads the live system's traffic: JSON pretty-printed, msgpack decoded (bytes fields
 summarised), anything else summarised as binary. Headers are shown (except the trace context
-unless ``show_trace``); micro errors stand out.
+unless ``show_trace``); micro errors stand out. They are replies, on the requester's
+``_INBOX.*`` subject, as the epoch records and worker states are JetStream KV writes on
+``$KV.<PREFIX>_EPOCH.>`` / ``$KV.<PREFIX>_WORKERS.>``: a filter of ``vtm.>`` shows none of
+them, ``>`` all.
 """
 
 from __future__ import annotations
