@@ -1434,7 +1434,25 @@ class SchedulerService(MicroService):
         # Every log line of this delivery carries its request and trace ids (conventions.md);
         # the gateway's trace context travels in the request.
         with bind_request(req.request_id, trace_id_of(req.trace_context)):
+            if req.block_size != self.ssettings.block_size:
+                await self._refuse_block_size(msg, req)
+                return
             await self._handle_request(msg, req, dequeued)
+
+    async def _refuse_block_size(self, msg: Msg, req: IntakeRequest) -> None:
+        """A request whose block hashes were cut at another block size than this scheduler's
+        (a gateway with another VTM_BLOCK_SIZE): its hashes cannot be matched against the
+        workers' caches, and P would be wrong, so it is failed at once (the gateway answers
+        502, naming both sizes) and its message terminated, nothing reserved."""
+        reason = (f"the request's block hashes are of {req.block_size}-token blocks, this "
+                  f"scheduler's of {self.ssettings.block_size} (VTM_BLOCK_SIZE must be the "
+                  "same on every service)")
+        if await self._answered_already(msg, req, reason):
+            return
+        self.stats.refused += 1
+        self.log.error("request refused: block size mismatch", request_id=req.request_id,
+                       block_size=req.block_size, expected=self.ssettings.block_size)
+        await self._send_failure(msg, req, reason)
 
     async def _handle_request(self, msg: Msg, req: IntakeRequest, dequeued: float) -> None:
         """:meth:`handle_intake` once the delivery decoded."""

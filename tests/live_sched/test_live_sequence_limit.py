@@ -177,3 +177,22 @@ def test_result_errors_map_to_statuses() -> None:
     failed = result_error("r", "out of memory")
     assert isinstance(failed, WorkerFailed) and failed.status == 502
     assert failed.message == "request r failed: out of memory"
+
+
+async def test_a_gateway_with_another_block_size_gets_a_prompt_502_naming_both(
+    live: Services, fake_worker  # type: ignore[no-untyped-def]
+) -> None:
+    """The request's block hashes were cut at the gateway's block size: matched against
+    caches of another, its P would be wrong. The scheduler fails it at once, naming both
+    sizes (a deployment fault, not the client's: 502), and places nothing."""
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=B, **SLOW)
+    gw = await live.gateway(**{**GATEWAY, "block_size": 2 * B})
+    await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+    reply = await http(gw.http_port, "POST", "/v1/completions",
+                       {"prompt": list(range(64)), "request_id": "bs-1"})
+    assert reply.status == 502, reply.body
+    msg = reply.json()["error"]["message"]
+    assert f"{2 * B}-token blocks" in msg and f"of {B}" in msg and "VTM_BLOCK_SIZE" in msg, msg
+    assert (sched.stats.refused, sched.stats.placed, sched.stats.retried) == (1, 0, 0)
+    assert w.assignments == []
