@@ -566,6 +566,21 @@ class WorkerCore:
             return Snapshot(self.worker_id, 0, ())
         return self.cache.snapshot()
 
+    def check_command(
+        self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand
+    ) -> None:
+        """What :meth:`apply_command` refuses, checked alone: a real engine that moves KV
+        before the command is applied (rankd's ``prepare_cache_command``) asks first, so a
+        refused command changes nothing there either. Raises :class:`UnknownWorker` for
+        another worker's command, :class:`EpochAhead` for one from a newer epoch,
+        :class:`InvalidInput` without a cache."""
+        if cmd.worker_id != self.worker_id:
+            raise UnknownWorker(f"command for {cmd.worker_id} reached {self.worker_id}")
+        if cmd.epoch > self.epoch:
+            raise EpochAhead(f"{self.worker_id} is at epoch {self.epoch}, command {cmd.epoch}")
+        if self.cache is None:
+            raise InvalidInput(f"{self.worker_id} has no KV cache (kv_total_blocks = 0)")
+
     def apply_command(
         self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand
     ) -> CacheCommandResult:
@@ -578,14 +593,11 @@ class WorkerCore:
         blocks demoted; uncached ones and ones with a cached child left behind skipped,
         ``BlockCache.demote``). Visibility changes only through the events.
         Raises :class:`UnknownWorker` for another worker's command, :class:`EpochAhead` for
-        one from a newer epoch, :class:`InvalidInput` without a cache (every op alike).
+        one from a newer epoch, :class:`InvalidInput` without a cache (every op alike):
+        :meth:`check_command`.
         """
-        if cmd.worker_id != self.worker_id:
-            raise UnknownWorker(f"command for {cmd.worker_id} reached {self.worker_id}")
-        if cmd.epoch > self.epoch:
-            raise EpochAhead(f"{self.worker_id} is at epoch {self.epoch}, command {cmd.epoch}")
-        if self.cache is None:
-            raise InvalidInput(f"{self.worker_id} has no KV cache (kv_total_blocks = 0)")
+        self.check_command(cmd)
+        assert self.cache is not None
         blocks = tuple(BlockHash(h) for h in cmd.blocks)
         if isinstance(cmd, ReclaimCommand):
             done = len(self.cache.remove(blocks))

@@ -372,6 +372,8 @@ class RankdService(MicroService):
         try:
             prepare = getattr(self.backend, "prepare_cache_command", None)
             if callable(prepare):  # a real engine moves the KV first; cmd shrinks to what it holds
+                # Refused (another worker's, a newer epoch's) before any KV moves.
+                self.core.check_command(cmd)
                 try:
                     cmd = await prepare(cmd)
                 except WorkerFault as exc:  # the engine is gone: so is the worker (answered 409)

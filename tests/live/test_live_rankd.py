@@ -630,6 +630,49 @@ async def test_past_its_bound_a_request_still_waits_for_a_copy_that_is_arriving(
         await asyncio.wait_for(task, timeout=WAIT_S)
 
 
+class CountingCopies(SimBackend):
+    """A sim backend that records every command its ``prepare_cache_command`` was given (a
+    real engine moves KV pages there)."""
+
+    def __init__(self, gate: Gate) -> None:
+        super().__init__(prefill_time=gate, time_scale=1.0)
+        self.prepared: list[object] = []
+
+    async def prepare_cache_command(self, cmd: object) -> object:
+        self.prepared.append(cmd)
+        return cmd
+
+
+async def test_a_refused_cache_command_moves_no_kv(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """Another worker's command (404) and one from a newer epoch (409) are refused before
+    the engine moves any KV for them: a real engine's copy or eviction would otherwise have
+    changed its cache for a command the cache manager is told failed."""
+    backend = CountingCopies(Gate())
+    svc, task = await start_rankd(nats_server.url, uniq, backend)
+    try:
+        s = Subjects(uniq)
+        for cmd, code in (
+            (ReplicateCommand(command_id="c-1", worker_id="w-cp2-g0", epoch=0, blocks=[1],
+                              source_worker="w-cp4-g4"), 404),
+            (ReplicateCommand(command_id="c-2", worker_id=WID, epoch=5, blocks=[1],
+                              source_worker="w-cp2-g0"), 409),
+            (ReclaimCommand(command_id="c-3", worker_id=WID, epoch=5, blocks=[1]), 409),
+        ):
+            with pytest.raises(RemoteError) as err:
+                await call(nc, s.cache_cmd(WID), cmd, CacheCommandResult, timeout_s=WAIT_S)
+            assert err.value.code == code, cmd
+        assert backend.prepared == []
+        ok = ReplicateCommand(command_id="c-4", worker_id=WID, epoch=0, blocks=[1],
+                              source_worker="w-cp2-g0")
+        assert (await call(nc, s.cache_cmd(WID), ok, CacheCommandResult, timeout_s=WAIT_S)).ok
+        assert [c.command_id for c in backend.prepared] == ["c-4"]  # type: ignore[attr-defined]
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
 async def test_a_demote_command_over_nats(
     rankd: tuple[RankdService, Gate], nc: Client, uniq: str
 ) -> None:
