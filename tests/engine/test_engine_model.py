@@ -105,6 +105,16 @@ def test_malformed_checkpoint_dirs(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(CheckpointError, match="multiple"):
         load_model(tmp_path)
+    # What the engine does not implement is refused, not ignored (other logits than HF's).
+    for extra, needle in (({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+                          ({"use_sliding_window": True}, "use_sliding_window")):
+        (tmp_path / "config.json").write_text(json.dumps(CFG.to_dict() | extra))
+        with pytest.raises(CheckpointError, match=needle):
+            load_model(tmp_path)
+    # As Qwen3's own config.json states them: off.
+    plain = Qwen3Config.from_dict(CFG.to_dict() | {"rope_scaling": None,
+                                                   "use_sliding_window": False})
+    assert plain == CFG
     save_model(Qwen3ForCausalLM.random(CFG), tmp_path)
     st_file = tmp_path / "model.safetensors"
     sd = load_file(str(st_file))

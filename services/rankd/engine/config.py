@@ -68,6 +68,13 @@ class Qwen3Config:
             problems.append("num_experts_per_tok must be in [1, num_experts]")
         if not (self.rope_theta > 0):
             problems.append(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        # Loaded silently, either would give other logits than the reference model's: this
+        # engine has plain RoPE and full causal attention only.
+        if self.extra.get("rope_scaling"):
+            problems.append(f"rope_scaling {self.extra['rope_scaling']!r} is not supported "
+                            "(plain RoPE only; positions would differ from the reference)")
+        if self.extra.get("use_sliding_window"):
+            problems.append("use_sliding_window is not supported (full causal attention only)")
         if problems:
             raise CheckpointError("invalid Qwen3 config: " + "; ".join(problems))
 
