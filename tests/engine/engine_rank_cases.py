@@ -82,6 +82,13 @@ def compare(
         ),
         "token_ok": res.next_token == ref.next_token,
     }
+    # What the decode role gets (prefix + new tokens, natural order): the oracle's whole KV.
+    full = res.full_kv()
+    rec["full_kv"] = max(
+        max(_rel(k, rk), _rel(v, rv)) for (k, v), (rk, rv) in zip(full, ref.new_kv, strict=True)
+    )
+    rec["full_kv_ok"] = all(k.shape[0] == len(full_ids) and k.dtype == model.dtype
+                            for k, _ in full)
     if engine is not None:
         # The pages this rank holds equal the oracle's KV rows of their block (post-RoPE).
         full = stack_kv(ref.new_kv)

@@ -1,7 +1,8 @@
 """Zigzag CP prefill on real gloo process groups (spawned ranks) against the single-process
 oracle: C in {1, 2, 4}, P = 0, unaligned P, R < 2C, multi-turn reuse of KV written by CP ranks,
 a prefix written at degree 2 reused at degree 4 after re-shard, split/merge in place, decode
-hand-off, bad input. Tolerances: relative error <= 1e-10 (float64), <= 1e-5 (float32)."""
+hand-off (the whole KV the decode role gets, P > 0 included), bad input. Tolerances: relative
+error <= 1e-10 (float64), <= 1e-5 (float32)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ TOL = {"torch.float64": 1e-10, "torch.float32": 1e-5}
 def check_records(records: list[dict[str, Any]]) -> None:
     for r in records:
         tol = TOL[r["dtype"]]
-        for key in ("hidden", "logits", "kv", "cached"):
+        for key in ("hidden", "logits", "kv", "full_kv", "cached"):
             if key in r:
                 assert r[key] <= tol, f"{r['case']}: {key} rel err {r[key]:.3g} > {tol}"
         assert r["token_ok"], f"{r['case']}: first token differs from the oracle"
+        assert r["full_kv_ok"], f"{r['case']}: the decode role's KV has the wrong length/dtype"
         assert r.get("pages_here_ok", True), f"{r['case']}: a page is on the wrong rank"
         assert not r.get("bad_input_errors"), r["bad_input_errors"]
 
