@@ -117,6 +117,7 @@ from services.rankd.core import (
 from services.rankd.metrics import WorkerMetrics
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput, UnknownWorker, WorkerFault
+from shared.logging import bind_request
 from shared.schemas import (
     CONTENT_TYPE,
     JSON,
@@ -161,6 +162,7 @@ from shared.telemetry import (
     inject,
     is_sampled,
     record_span,
+    trace_id_of,
     traceparent_of,
     tracer,
 )
@@ -392,6 +394,11 @@ class RankdService(MicroService):
 
     async def _on_assign(self, request: Request) -> AssignmentAck:
         a = request_model(request, Assignment)
+        with bind_request(a.request.request_id):  # the trace id: the handler's span's
+            return await self._assign(a, request)
+
+    async def _assign(self, a: Assignment, request: Request) -> AssignmentAck:
+        """:meth:`_on_assign` once the assignment decoded, its request id bound."""
         source = (request.headers or {}).get(INTAKE_MSG_HEADER)
         rid = a.request.request_id
         if self.core.answered(rid):
@@ -578,17 +585,19 @@ class RankdService(MicroService):
             while (job := await self._next_job()) is not None:
                 self._idle.clear()
                 self._dirty.set()
-                try:
-                    await self._run(job)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # e.g. a publish on a closing connection: keep serving
-                    self.log.exception("request bookkeeping failed", request_id=job.request_id)
-                    if self.core.running is job:  # never leave the slot occupied
-                        self.core.finish(job.request_id, ok=False)
-                finally:
-                    self._idle.set()
-                    self._dirty.set()
+                # Every log line of the job carries its request and trace ids (conventions.md).
+                with bind_request(job.request_id, trace_id_of(job.trace_carrier)):
+                    try:
+                        await self._run(job)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:  # e.g. a publish on a closing connection: keep serving
+                        self.log.exception("request bookkeeping failed")
+                        if self.core.running is job:  # never leave the slot occupied
+                            self.core.finish(job.request_id, ok=False)
+                    finally:
+                        self._idle.set()
+                        self._dirty.set()
 
     async def _next_job(self) -> Job | None:
         """The next job to run (None: nothing to start now), once the pull its assignment
@@ -900,13 +909,19 @@ class RankdService(MicroService):
         """Publish one redirect until intake acknowledges it or ``deadline`` (loop time)
         passes; then settle it in the core. Never raises but CancelledError (the job then
         stays *redirecting*; :meth:`_settle_redirects` deals with it)."""
+        req = job.assignment.request
+        with bind_request(req.request_id, trace_id_of(req.trace_context)):
+            await self._redirect_bound(job, epoch, deadline)
+
+    async def _redirect_bound(self, job: Job, epoch: int, deadline: float) -> None:
+        """:meth:`_redirect_one` with the request's ids bound to its log lines."""
         assert self._js is not None
         loop = asyncio.get_running_loop()
         req = job.assignment.request
         rid = req.request_id
         data, headers = encode(req)
+        headers.update(req.trace_context)  # first: never over the headers set here
         headers["Nats-Msg-Id"] = handback_msg_id(rid, job.source, self.core.worker_id, epoch)
-        headers.update(req.trace_context)
         maybe_stored = False  # an attempt timed out: intake may hold it without our ack
         error: str | None = None
         while True:

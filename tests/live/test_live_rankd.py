@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.rankd.backend import ExecutionBackend, SimBackend, fake_token
+from services.rankd.backend import ExecutionBackend, PrefillResult, SimBackend, fake_token
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
@@ -668,6 +668,41 @@ async def test_a_refused_cache_command_moves_no_kv(
                               source_worker="w-cp2-g0")
         assert (await call(nc, s.cache_cmd(WID), ok, CacheCommandResult, timeout_s=WAIT_S)).ok
         assert [c.command_id for c in backend.prepared] == ["c-4"]  # type: ignore[attr-defined]
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+class FailingPrefill(SimBackend):
+    """A sim backend whose prefill fails."""
+
+    async def prefill(self, assignment: Assignment) -> PrefillResult:
+        raise RuntimeError("engine exploded")
+
+
+async def test_a_jobs_log_lines_carry_its_request_and_trace_ids(
+    nats_server: EmbeddedNats, nc: Client, uniq: str, spans: InMemorySpanExporter
+) -> None:
+    """conventions.md: request id and trace id bound per message. The executor's lines about
+    a job (here its failed prefill) carry both, without the call passing them."""
+    import structlog
+
+    svc, task = await start_rankd(nats_server.url, uniq, FailingPrefill(prefill_time=Gate()))
+    try:
+        s = Subjects(uniq)
+        sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
+        with structlog.testing.capture_logs(
+                processors=[structlog.contextvars.merge_contextvars]) as logs:
+            with tracer().start_as_current_span("client") as span:
+                await call(nc, s.worker_assign(WID), assignment("r-log"), AssignmentAck,
+                           timeout_s=WAIT_S)
+            await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+        await sub.unsubscribe()
+        assert results[0].error is not None
+        tid = format(span.get_span_context().trace_id, "032x")
+        failed = [e for e in logs if e["event"] == "prefill failed"]
+        assert failed, [e["event"] for e in logs]
+        assert {(e.get("request_id"), e.get("trace_id")) for e in failed} == {("r-log", tid)}
     finally:
         svc.request_stop()
         await asyncio.wait_for(task, timeout=WAIT_S)
