@@ -795,11 +795,11 @@ class Simulator:
                 if w is None or w.lifecycle is not Lifecycle.ACTIVE:
                     self.trie.reclaim_failed(act)
                     continue
-                if w.cache.remove(act.blocks):
+                removed = w.cache.remove(act.blocks)
+                if removed:
                     self.reclamations += 1
                     self._drain_cache_events(w)
-                else:
-                    self.trie.reclaim_failed(act)
+                self.trie.reclaim_executed(act, len(removed))
 
     def _arriving(self, worker: WorkerId, blocks: Sequence[BlockHash]) -> float:
         """When the last copy in flight to ``worker`` that carries any of ``blocks`` lands

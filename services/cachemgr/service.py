@@ -1109,11 +1109,12 @@ class CacheMgrService(MicroService):
     async def _execute(self, action: CacheAction) -> None:
         """Send ``action``'s command and settle the action exactly once.
 
-        An ok reply retires it as done (``replication_done``; a reclaim waits for its
-        ``removed`` event); anything else -- a refused reply, a micro error, a malformed reply,
-        no responder, a timeout, any nats client error, and any other exception -- settles it
-        as failed (:meth:`_failed`), so the trie retires its plan and a later scan or reuse may
-        issue it again. A route-time pull settled as done is then followed by its demote
+        An ok reply retires it as done (``replication_done``; a reclaim waits for the
+        ``removed`` events of the blocks the reply says went, ``reclaim_executed``);
+        anything else -- a refused reply, a micro error, a malformed reply, no responder, a
+        timeout, any nats client error, and any other exception -- settles it as failed
+        (:meth:`_failed`), so the trie retires its plan and a later scan or reuse may issue
+        it again. A route-time pull settled as done is then followed by its demote
         (:meth:`_demote_source`); a failed one by none. Never raises but
         :class:`asyncio.CancelledError` (shutdown), which leaves the action as it is: the
         service is going away with its trie.
@@ -1137,6 +1138,10 @@ class CacheMgrService(MicroService):
             self.trie.replication_done(action)
             # After it is settled: whatever the demote meets, the copy stays done.
             await self._demote_source(action, landed)
+        else:
+            # A reclaim waits for the Removed events of the blocks the worker removed, and of
+            # those only: a pinned or still-parent block it kept would hold it in flight.
+            self.trie.reclaim_executed(action, landed)
 
     async def _send_command(self, action: CacheAction) -> tuple[str | None, int]:
         """Build and send ``action``'s command: (None if the worker did it, else why not; for

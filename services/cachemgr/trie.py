@@ -864,6 +864,32 @@ class PrefixTrie:
         """The worker refused or lost the deletion; a later scan may choose again."""
         return self._retire(self._reclaiming, action.worker, action)
 
+    def reclaim_executed(self, action: Reclaim, removed: int) -> bool:
+        """The worker executed ``action`` and removed ``removed`` of its blocks (a reply's
+        ``blocks_done``): a pinned block, or one with a child it must keep, stays, and with
+        it every ancestor. Returns False if ``action`` is not in flight.
+
+        Nothing removed: retired now (no ``Removed`` event will come). Otherwise the reclaim
+        stays in flight only until the ``Removed`` events of what went are applied: a worker
+        removes deepest first and stops below a block it keeps, so those are the first
+        ``removed`` of ``action.blocks`` (node first). Waiting for every block of the action,
+        a partial one would stay in flight for as long as the kept blocks stay cached,
+        keeping them from being chosen again and from serving as a copy source, and counting
+        them as already gone in the last-replica check of the other holders.
+        """
+        acts = self._reclaiming.get(action.worker)
+        if not acts or acts.get(action.node_hash) != action:
+            return False
+        if removed <= 0:
+            return self._retire(self._reclaiming, action.worker, action)
+        if removed < len(action.blocks):
+            acts[action.node_hash] = Reclaim(action.worker, action.node_hash,
+                                             action.blocks[:removed])
+        view = self._workers.get(action.worker)
+        if view is not None:  # its events may be applied already
+            self._retire_reclaims(view)
+        return True
+
     # ------------------------------------------------------------------ package-private
     def _view(self, worker: WorkerId) -> WorkerView:
         try:

@@ -254,6 +254,44 @@ def test_reclaim_skips_in_use_and_last_replica(make_trie) -> None:
     assert t2.scan(cfg(max_actions_per_list=3)).actions == ()  # never the last replica
 
 
+def test_a_reclaim_the_worker_could_not_finish_leaves_the_flight(make_trie) -> None:
+    """The live scan passes no pins (the worker skips what is pinned), so a reclaim may find
+    a block it must keep. Settled with the reply's count (``reclaim_executed``): nothing
+    removed retires it at once; a partial one waits for the Removed events of what went
+    only. Before, both stayed in flight for as long as the kept blocks stayed cached: never
+    chosen again, no copy source, and counted as gone in the last-replica check."""
+    from services.rankd.blockcache import BlockCache
+
+    t = PrefixTrie([2, 4], block_size=4)
+    caches = {w: BlockCache(w, 10) for w in ("a", "b")}
+    for w, c in caches.items():
+        t.add_worker(w, 2, 10)
+        c.insert((1, 2, 3))
+    caches["a"].insert((7,))  # a's pressure is higher: its copy is the one reclaimed
+    for c in caches.values():
+        for ev in c.take_events():
+            t.apply(ev)
+    caches["a"].pin((1, 2, 3))  # a running request at a holds the prefix
+    (rec,) = [x for x in t.scan(cfg(max_actions_per_list=1)).actions if isinstance(x, Reclaim)]
+    assert (rec.worker, rec.blocks) == ("a", (3, 2, 1))
+    assert caches["a"].remove(rec.blocks) == ()  # the worker keeps them all
+    assert t.reclaim_executed(rec, 0) and t.inflight() == ()
+    caches["a"].unpin((1, 2, 3))
+    (again,) = [x for x in t.scan(cfg(max_actions_per_list=1)).actions
+                if isinstance(x, Reclaim)]
+    assert again == rec  # chosen again once the pin is gone
+    # Partial: block 2 gains a child at a before the command lands; only 3 can go.
+    caches["a"].insert((1, 2, 9))
+    gone = caches["a"].remove(again.blocks)
+    assert gone == (3,)
+    assert t.reclaim_executed(again, len(gone))
+    assert t.inflight() == (Reclaim("a", 3, (3,)),)  # waits for the Removed event of 3 only
+    for ev in caches["a"].take_events():
+        t.apply(ev)
+    assert t.inflight() == ()
+    assert not t.reclaim_executed(again, 1)  # no longer in flight
+
+
 def test_source_of_inflight_copy_is_not_reclaimed(make_trie) -> None:
     t, f = make_trie({"a": 2, "b": 2, "c": 4})
     f.store("a", [1])

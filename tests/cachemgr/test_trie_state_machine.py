@@ -226,11 +226,19 @@ class TrieMachine(RuleBasedStateMachine):
                 self.flying.append(act)
             elif isinstance(act, Reclaim):
                 cache = self.caches.get(act.worker)
-                if cache is None or not cache.remove(act.blocks):
+                if cache is None:
                     self.trie.reclaim_failed(act)
-                else:
-                    self._collect(act.worker)
-                    self._apply(act.worker, len(self.outbox[act.worker]))
+                    continue
+                # The live adapter's order: the worker's events may reach the trie before or
+                # after its reply is settled (reclaim_executed with the reply's count).
+                gone = cache.remove(act.blocks)
+                self._collect(act.worker)
+                settle_first = data.draw(st.booleans())
+                if settle_first:
+                    self.trie.reclaim_executed(act, len(gone))
+                self._apply(act.worker, len(self.outbox[act.worker]))
+                if not settle_first:
+                    self.trie.reclaim_executed(act, len(gone))
 
     @precondition(lambda self: bool(self.flying))
     @rule(data=st.data(), outcome=st.sampled_from(["done", "done", "fail"]))
