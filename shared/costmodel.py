@@ -164,6 +164,20 @@ class Profile:
     def with_kappa(self, kappa: Mapping[int, float]) -> Profile:
         return replace(self, kappa=dict(kappa))
 
+    def for_window(self, window_s: float) -> Profile:
+        """This profile with κ per window of ``window_s`` seconds. κ_C is seconds of service
+        a worker sustains per window of :attr:`window_s` (a rate measured over windows of that
+        length), so a controller judging windows of another length H must compare its D(k)
+        with κ_C·H/window_s: unscaled, a 10 s window would see half the demand against the
+        whole κ and merge a pool that is as loaded as before. The fallback κ (a share of the
+        window) follows the new window too."""
+        if not (window_s > 0 and math.isfinite(window_s)):
+            raise InvalidInput(f"window_s must be finite and > 0, got {window_s!r}")
+        if window_s == self.window_s:
+            return self
+        f = window_s / self.window_s
+        return replace(self, window_s=window_s, kappa={c: k * f for c, k in self.kappa.items()})
+
     def capacity_scale(self, pool_factor: float) -> float:
         """The factor κ is multiplied by to judge a pool's capacity: ``pool_factor`` for a
         single worker's κ, 1 for a pooled one (:attr:`kappa_pooled`)."""

@@ -141,6 +141,7 @@ def historical_composition(
     (with the controller's 1.2 headroom) must accommodate — bursts are the controller's job.
     """
     degs = lattice.sorted_degrees
+    profile = profile.for_window(window_s)  # κ per window of window_s (Profile.for_window)
     lens = [r.input_len for r in workload.requests]
     if not lens:
         return Composition.uniform(lattice, degs[-1])

@@ -97,7 +97,8 @@ class ControllerCore:
         acknowledged: bool = True,
     ) -> None:
         self.config = config if config is not None else ControllerConfig()
-        self.planner = Planner(profile, self.config)
+        # κ is per window of the profile's length; the windows here are the config's.
+        self.planner = Planner(profile.for_window(self.config.window_s), self.config)
         self.windows = DemandWindows(
             self.config.window_s, self.config.long_threshold_tokens, start_s
         )

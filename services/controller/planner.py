@@ -56,8 +56,10 @@ nothing, so it counts nothing):
    band with room to grow), a capacity merge continues while the next merge is still
    admitted (D̂ ≤ ``merge_headroom``·K'). A long-fraction move is one operation (the mix
    is re-judged against the new composition).
-   Under constant demand this converges: no split follows a merge (an admitted merge keeps
-   D ≤ ``merge_headroom``·K' ≤ u·K'), each plan changes the worker count in one direction,
+   Under constant demand this converges: no split follows a capacity merge (an admitted
+   merge keeps D ≤ ``merge_headroom``·K' ≤ u·K'; a rule-12 long-share merge judged per
+   degree, ``long_shift_by_degree``, may land at D ≈ 1.01-1.03·K' and be split back by
+   capacity, its documented cost), each plan changes the worker count in one direction,
    and no merge follows a split as long as a split plan raises K by less than u/l (D > u·K
    before it and D < l·K after it cannot both hold) — true for every profile here (all
    smallest over all largest degree is ×1.3 for the calibrated κ, u/l = 2).

@@ -270,9 +270,10 @@ class ControllerSettings(ServiceSettings):
     )
     kappa: dict[int, float] = Field(
         default_factory=dict,
-        description="Override of κ_C (seconds of predicted service per window one degree-C "
-        "worker serves within the SLO, as profiled: kappa_scale still applies), e.g. "
-        '{"2": 8.0, "4": 14.0}.',
+        description="Override of κ_C (seconds of predicted service per window of window_s "
+        "one degree-C worker serves within the SLO, as profiled: kappa_scale still applies), "
+        'e.g. {"2": 8.0, "4": 14.0}. The profile\'s own κ is per window of the profile\'s '
+        "window_s and is rescaled to this window_s.",
     )
     window_s: float = Field(
         default=CONTROLLER.window_s,
@@ -503,8 +504,11 @@ class ControllerSettings(ServiceSettings):
         return Lattice(self.num_gpus, self.degrees, self.gpus_per_node)
 
     def load_profile(self) -> Profile:
-        """The fitted profile (or the default one) with the ``kappa`` overrides; κ unscaled."""
+        """The fitted profile (or the default one) with its κ per window of ``window_s``
+        (:meth:`Profile.for_window`), then the ``kappa`` overrides (per window of
+        ``window_s`` too); κ not multiplied by ``kappa_scale``."""
         profile = Profile.load(self.profile_path) if self.profile_path else DEFAULT_PROFILE
+        profile = profile.for_window(self.window_s)
         if self.kappa:
             profile = profile.with_kappa({**profile.kappa, **self.kappa})
         return profile

@@ -81,8 +81,9 @@ LATTICES = (
     Lattice(12, {2, 4}, gpus_per_node=8),  # a partial last node
     Lattice(8, {1, 2, 4}, gpus_per_node=4),
 )
-PROFILE = Profile(kappa={1: 6.0, 2: 10.0, 4: 16.0, 8: 24.0})
 WINDOW_S = 4.0
+# κ per window of WINDOW_S (the controller judges its windows against κ·H/window_s).
+PROFILE = Profile(kappa={1: 6.0, 2: 10.0, 4: 16.0, 8: 24.0}, window_s=WINDOW_S)
 # A window's demand, in fractions of the pool's capacity: idle and light (merges), moderate
 # (holds), heavy (splits).
 LOADS = (0.0, 0.2, 0.7, 1.5, 3.0)

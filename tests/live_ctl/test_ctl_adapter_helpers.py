@@ -199,6 +199,25 @@ def test_controller_settings_map_onto_the_core_config(monkeypatch) -> None:
     assert st.lattice().degrees == frozenset({2, 4})
 
 
+def test_the_profiles_kappa_is_rescaled_to_the_controllers_window(monkeypatch, tmp_path
+                                                                   ) -> None:
+    """κ in a profile file is per window of the profile's window_s; the controller judges
+    windows of its own VTM_WINDOW_S, so it loads κ per window of that (an override is
+    already per window of VTM_WINDOW_S)."""
+    from shared.costmodel import Profile
+
+    for name in ("KAPPA", "WINDOW_S", "PROFILE_PATH"):
+        monkeypatch.delenv(f"VTM_{name}", raising=False)
+    f = tmp_path / "profile.json"
+    Profile(kappa={2: 10.0, 4: 16.0}, window_s=20.0).save(f)
+    monkeypatch.setenv("VTM_PROFILE_PATH", str(f))
+    monkeypatch.setenv("VTM_WINDOW_S", "10")
+    prof = ControllerSettings().load_profile()
+    assert (prof.window_s, dict(prof.kappa)) == (10.0, {2: 5.0, 4: 8.0})
+    monkeypatch.setenv("VTM_KAPPA", '{"4": 7}')
+    assert dict(ControllerSettings().load_profile().kappa) == {2: 5.0, 4: 7.0}
+
+
 def test_the_reconfiguration_drain_bound_is_not_the_connection_drain_bound(monkeypatch) -> None:
     """The controller's bound on a reconfiguration's drain has its own name: the base
     ``drain_timeout_s`` (the NATS connection's drain at a stop) keeps every service's default,
