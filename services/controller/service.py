@@ -283,7 +283,8 @@ class ControllerSettings(ServiceSettings):
     long_threshold_tokens: int = Field(
         default=CONTROLLER.long_threshold_tokens,
         ge=1,
-        description="Input length from which a request counts as long.",
+        description="Input length from which a request counts as long (in the windows "
+        "mode the scheduler counts them: keep its VTM_LONG_THRESHOLD_TOKENS equal).",
     )
     upper: float = Field(default=CONTROLLER.upper, description="Split when D > upper·capacity.")
     lower: float = Field(default=CONTROLLER.lower, description="Merge when D < lower·capacity.")

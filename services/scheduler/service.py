@@ -424,6 +424,13 @@ class SchedulerSettings(ServiceSettings):
         description="Controller window H in seconds; windows are aligned on multiples of H "
         "since the Unix epoch so every replica's windows coincide.",
     )
+    long_threshold_tokens: int = Field(
+        default=calibration.CONTROLLER.long_threshold_tokens,
+        ge=1,
+        description="Input length from which a request counts as long in the WindowReports' "
+        "long_requests (the controller's rules 12 and 15 read the share): keep it equal to "
+        "the controller's long_threshold_tokens.",
+    )
     merge_speedup: float | None = Field(
         default=calibration.CONTROLLER.merge_speedup,
         ge=1.0,
@@ -815,7 +822,9 @@ class SchedulerService(MicroService):
         self.trie = PrefixTrie(settings.degrees, block_size=settings.block_size)
         # Windows aligned on multiples of H since the Unix epoch: every replica's coincide.
         start = math.floor(clock() / settings.window_s) * settings.window_s
-        self.windows = DemandWindows(window_s=settings.window_s, start_s=start)
+        self.windows = DemandWindows(window_s=settings.window_s,
+                                     long_threshold_tokens=settings.long_threshold_tokens,
+                                     start_s=start)
         self._last_report: WindowReport | None = None  # re-sent with the next (_report_window)
         # §6.1 rule 1 over the pool's degree set (the controller's lattice degrees).
         self._rule_degrees: tuple[int, ...] = tuple(sorted(set(settings.degrees)))

@@ -314,7 +314,8 @@ async def test_window_demand_reaches_the_controller_subject(
         stats.append(json.loads(msg.data))
 
     sub2 = await nc.subscribe(f"{uniq}.cache.stats.*", cb=on_stats)
-    sched = await live.scheduler(block_size=B, window_s=0.5)
+    # The report's long count uses the scheduler's cut (the controller's, kept equal).
+    sched = await live.scheduler(block_size=B, window_s=0.5, long_threshold_tokens=len(PROMPT))
     gw = await live.gateway(block_size=B)
     await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
     reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": PROMPT})
@@ -324,6 +325,7 @@ async def test_window_demand_reaches_the_controller_subject(
     report = next(r for r in reports if r.requests)
     assert report.reporter == sched.reporter and report.demand_s > 0
     assert report.demand_by_degree.keys() == {2}
+    assert report.long_requests == report.requests == 1
     await wait_until(lambda: len(stats) == 1, "request statistics")
     assert stats[0]["request_id"] == rid and stats[0]["worker_id"] == "w-cp2-g0"
     assert stats[0]["block_hashes"] == chain_hashes(PROMPT, B)

@@ -171,6 +171,7 @@ def test_the_services_agree_on_the_pool(compose: dict[str, Any],
     rankd = _settings(compose, "rankd", monkeypatch)
     assert sorted(sched.degrees) == sorted(ctl.degrees) == sorted(cache.degrees)
     assert sched.window_s == ctl.window_s == cache.scan_interval_s
+    assert sched.long_threshold_tokens == ctl.long_threshold_tokens  # rules 12 and 15
     assert rankd.host_range == range(ctl.num_gpus)
     lattice = ctl.lattice()
     initial = Composition.parse(lattice, ctl.initial_composition)

@@ -516,7 +516,8 @@ def test_a_controller_file_reaches_the_controller_and_the_replicas_and_is_checke
     from vertumnus.live.stack import LiveStack, UpConfig
 
     mine = tmp_path / "ctl.toml"
-    mine.write_text("window_s = 10.0\nmerge_speedup = 1.3\nupper = 0.9\nsplit_target = 0.9\n")
+    mine.write_text("window_s = 10.0\nmerge_speedup = 1.3\nupper = 0.9\nsplit_target = 0.9\n"
+                    "long_threshold_tokens = 16384\n")
     cfg = UpConfig(gpus=4, controller=Path(os.path.relpath(mine)), time_scale=0.5)
     assert cfg.controller == mine.resolve()  # children may start elsewhere
     stack = LiveStack(cfg, log_dir=tmp_path)
@@ -527,6 +528,8 @@ def test_a_controller_file_reaches_the_controller_and_the_replicas_and_is_checke
     # The file's window, scaled like the default one, for every service that counts windows.
     assert ctl["VTM_WINDOW_S"] == sched["VTM_WINDOW_S"] == scan["VTM_SCAN_INTERVAL_S"] == "5"
     assert sched["VTM_MERGE_SPEEDUP"] == "1.3"  # the replicas' breakdown uses rule 9's threshold
+    # ... and their reports' long share the file's cut (rules 12 and 15 judge it).
+    assert sched["VTM_LONG_THRESHOLD_TOKENS"] == "16384"
     plain = LiveStack(UpConfig(gpus=4, time_scale=0.5), log_dir=tmp_path)
     assert "VTM_CONTROLLER_FILE" not in plain.service_env("controller", "nats://x:1")
     assert "VTM_MERGE_SPEEDUP" not in plain.service_env("scheduler", "nats://x:1")

@@ -598,6 +598,9 @@ class LiveStack:
                 # with another counts as none). Rule 9 off: the controller ignores it.
                 **({"VTM_MERGE_SPEEDUP": repr(ctl.merge_speedup)}
                    if ctl is not None and ctl.merge_speedup is not None else {}),
+                # The reports' long share is what rules 12 and 15 judge: the controller's cut.
+                **({"VTM_LONG_THRESHOLD_TOKENS": str(ctl.long_threshold_tokens)}
+                   if ctl is not None else {}),
             },
             "controller": {
                 "VTM_NUM_GPUS": str(c.gpus),
