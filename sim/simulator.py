@@ -457,8 +457,10 @@ class Simulator:
         self._record_composition(0.0)
         if self.cfg.adaptive:
             cc = self.cfg.controller_config or ControllerConfig(window_s=self.cfg.window_s)
-            self.ctl = ControllerCore(composition, controller_profile(self.profile,
-                                                                     self.cfg.kappa_scale), cc)
+            # κ per window of the controller's H (Profile.for_window): a profile's κ is per
+            # window of its own length (20 s), a controller file may set another H.
+            judge = controller_profile(self.profile, self.cfg.kappa_scale)
+            self.ctl = ControllerCore(composition, judge.for_window(cc.window_s), cc)
             self._push(cc.window_s, _WINDOW)
         # Arrivals are not pushed on the heap (speed: a heap holding every request costs
         # log N per event): they are numbered as if pushed here, taken in workload order --

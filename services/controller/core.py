@@ -97,8 +97,10 @@ class ControllerCore:
         acknowledged: bool = True,
     ) -> None:
         self.config = config if config is not None else ControllerConfig()
-        # κ is per window of the profile's length; the windows here are the config's.
-        self.planner = Planner(profile.for_window(self.config.window_s), self.config)
+        # NOTE: κ must be per window of config.window_s as the adapter's clock measures it
+        # (Profile.for_window): the simulator's windows are modelled seconds; a live
+        # controller's are wall seconds of rank daemons that may run at a time scale.
+        self.planner = Planner(profile, self.config)
         self.windows = DemandWindows(
             self.config.window_s, self.config.long_threshold_tokens, start_s
         )

@@ -280,6 +280,14 @@ class ControllerSettings(ServiceSettings):
         gt=0,
         description="Observation window H (s); must equal the scheduler's window_s.",
     )
+    time_scale: float = Field(
+        default=1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Wall seconds per modelled second of the rank daemons (their "
+        "VTM_TIME_SCALE; 1 on real hardware): a window of window_s wall seconds spans "
+        "window_s / time_scale seconds of the profile's clock, which κ is rescaled to.",
+    )
     long_threshold_tokens: int = Field(
         default=CONTROLLER.long_threshold_tokens,
         ge=1,
@@ -505,11 +513,11 @@ class ControllerSettings(ServiceSettings):
         return Lattice(self.num_gpus, self.degrees, self.gpus_per_node)
 
     def load_profile(self) -> Profile:
-        """The fitted profile (or the default one) with its κ per window of ``window_s``
-        (:meth:`Profile.for_window`), then the ``kappa`` overrides (per window of
-        ``window_s`` too); κ not multiplied by ``kappa_scale``."""
+        """The fitted profile (or the default one) with its κ per window of ``window_s`` wall
+        seconds, i.e. ``window_s / time_scale`` modelled seconds (:meth:`Profile.for_window`),
+        then the ``kappa`` overrides (per window too); κ not multiplied by ``kappa_scale``."""
         profile = Profile.load(self.profile_path) if self.profile_path else DEFAULT_PROFILE
-        profile = profile.for_window(self.window_s)
+        profile = profile.for_window(self.window_s / self.time_scale)
         if self.kappa:
             profile = profile.with_kappa({**profile.kappa, **self.kappa})
         return profile

@@ -82,7 +82,7 @@ LATTICES = (
     Lattice(8, {1, 2, 4}, gpus_per_node=4),
 )
 WINDOW_S = 4.0
-# κ per window of WINDOW_S (the controller judges its windows against κ·H/window_s).
+# κ per window of WINDOW_S (what the adapters hand the core: Profile.for_window).
 PROFILE = Profile(kappa={1: 6.0, 2: 10.0, 4: 16.0, 8: 24.0}, window_s=WINDOW_S)
 # A window's demand, in fractions of the pool's capacity: idle and light (merges), moderate
 # (holds), heavy (splits).

@@ -206,7 +206,7 @@ def test_the_profiles_kappa_is_rescaled_to_the_controllers_window(monkeypatch, t
     already per window of VTM_WINDOW_S)."""
     from shared.costmodel import Profile
 
-    for name in ("KAPPA", "WINDOW_S", "PROFILE_PATH"):
+    for name in ("KAPPA", "WINDOW_S", "PROFILE_PATH", "TIME_SCALE"):
         monkeypatch.delenv(f"VTM_{name}", raising=False)
     f = tmp_path / "profile.json"
     Profile(kappa={2: 10.0, 4: 16.0}, window_s=20.0).save(f)
@@ -216,6 +216,10 @@ def test_the_profiles_kappa_is_rescaled_to_the_controllers_window(monkeypatch, t
     assert (prof.window_s, dict(prof.kappa)) == (10.0, {2: 5.0, 4: 8.0})
     monkeypatch.setenv("VTM_KAPPA", '{"4": 7}')
     assert dict(ControllerSettings().load_profile().kappa) == {2: 5.0, 4: 7.0}
+    # Ranks at time scale 0.5 (vertumnus up): 10 wall seconds are 20 modelled ones.
+    monkeypatch.delenv("VTM_KAPPA")
+    monkeypatch.setenv("VTM_TIME_SCALE", "0.5")
+    assert dict(ControllerSettings().load_profile().kappa) == {2: 10.0, 4: 16.0}
 
 
 def test_the_reconfiguration_drain_bound_is_not_the_connection_drain_bound(monkeypatch) -> None:

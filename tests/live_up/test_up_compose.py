@@ -172,6 +172,7 @@ def test_the_services_agree_on_the_pool(compose: dict[str, Any],
     assert sorted(sched.degrees) == sorted(ctl.degrees) == sorted(cache.degrees)
     assert sched.window_s == ctl.window_s == cache.scan_interval_s
     assert sched.long_threshold_tokens == ctl.long_threshold_tokens  # rules 12 and 15
+    assert sched.time_scale == ctl.time_scale == rankd.time_scale  # the modelled clock
     assert rankd.host_range == range(ctl.num_gpus)
     lattice = ctl.lattice()
     initial = Composition.parse(lattice, ctl.initial_composition)

@@ -527,6 +527,8 @@ def test_a_controller_file_reaches_the_controller_and_the_replicas_and_is_checke
     assert ctl["VTM_CONTROLLER_FILE"] == str(mine.resolve())
     # The file's window, scaled like the default one, for every service that counts windows.
     assert ctl["VTM_WINDOW_S"] == sched["VTM_WINDOW_S"] == scan["VTM_SCAN_INTERVAL_S"] == "5"
+    # The controller knows the ranks' scale: its 5 wall-second window is 10 modelled seconds.
+    assert ctl["VTM_TIME_SCALE"] == sched["VTM_TIME_SCALE"] == "0.5"
     assert sched["VTM_MERGE_SPEEDUP"] == "1.3"  # the replicas' breakdown uses rule 9's threshold
     # ... and their reports' long share the file's cut (rules 12 and 15 judge it).
     assert sched["VTM_LONG_THRESHOLD_TOKENS"] == "16384"

@@ -160,3 +160,27 @@ def test_redirected_requests_were_queued_at_a_decision(adaptive_run) -> None:
         assert r.redirected <= len(decisions)
         assert any(r.arrival_s <= t <= r.start_s for t in decisions), r
         assert r.ttft_s >= 0
+
+
+def test_the_controller_judges_kappa_per_window_of_its_own_length(profile) -> None:
+    """κ is per window of the profile's length (20 s); a controller file may set another H,
+    and the simulator hands the controller κ per window of that H (Profile.for_window): with
+    10 s windows half of it. Unscaled, D(k) of a 10 s window would be judged against a 20 s
+    κ, and a loaded pool would look half as busy."""
+    from simeng_support import unique_prefix_workload
+
+    from services.controller.planner import ControllerConfig
+    from sim.simulator import SimConfig, Simulator
+
+    judged = {}
+    for h in (20.0, 10.0):
+        conf = SimConfig(gpus=GPUS, degrees=(2, 4), adaptive=True, window_s=h, seed=0,
+                         controller_config=ControllerConfig(window_s=h))
+        sim = Simulator(conf, profile)
+        sim.run(unique_prefix_workload([2_000, 3_000], 1.0),
+                Composition.parse(Lattice(GPUS, (2, 4)), "4CP4"))
+        assert sim.ctl is not None
+        judged[h] = sim.ctl.planner.profile
+    assert profile.window_s == 20.0 and judged[10.0].window_s == 10.0
+    for c in (2, 4):
+        assert judged[10.0].kappa_for(c) == pytest.approx(judged[20.0].kappa_for(c) / 2)

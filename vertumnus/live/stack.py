@@ -607,6 +607,9 @@ class LiveStack:
                 "VTM_BLOCK_SIZE": str(c.block_size),  # assignments' reused blocks, in tokens
                 "VTM_DEGREES": degrees,
                 "VTM_WINDOW_S": window,
+                # The window is wall seconds of ranks at this scale: κ is judged per the
+                # modelled seconds it spans (window_s / time_scale, the unscaled H).
+                "VTM_TIME_SCALE": f"{scale:g}",
                 # Wall-clock cadence: close windows a fraction of a (scaled) window after
                 # their end, and look often enough to notice.
                 "VTM_TICK_S": f"{min(1.0, window_s * scale / 4):g}",
