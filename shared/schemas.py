@@ -280,6 +280,9 @@ class WorkerState(Message):
         "Assignment.scheduler_id): a replica counts the rest as other replicas' load")
     kv_free_blocks: NonNegInt = Field(description="free + LRU-evictable cache blocks")
     kv_total_blocks: NonNegInt
+    kv_cached_blocks: NonNegInt | None = Field(
+        default=None, description="blocks its prefix cache holds (the controller's estimate "
+        "of what a split or merge of it must reconcile); None: not reported")
     hit_tokens: NonNegInt = Field(default=0, description="cumulative reused input tokens")
     input_tokens: NonNegInt = Field(default=0, description="cumulative input tokens")
     served: NonNegInt = Field(default=0, description="requests completed")

@@ -35,8 +35,9 @@ nothing, so it counts nothing):
    all active: (with ``newest_first``, our addition) first the operation whose youngest
    source joined the composition last; then minimise the predicted drain interval (max over
    the sources of their outstanding in-flight predicted work — sources drain in parallel),
-   then the expected reconciliation traffic (Σ over sources of retained-prefix blocks
-   weighted by recent access, from the cache manager; or a callable over the whole
+   then the expected reconciliation traffic (Σ over sources of their cached blocks: the
+   prefix trie's count in the simulator, each worker's reported ``kv_cached_blocks`` live;
+   unweighted, where §6.2 weights by recent access; or a callable over the whole
    operation), then the lowest first GPU (determinism). Newest first makes a split undo the
    latest merge (and a merge the latest split) rather than break up a worker whose cache has
    served its degree longer: on the reconfiguration preset the long phase's merged worker is

@@ -744,6 +744,16 @@ def decision_dict(d: Decision) -> dict[str, Any]:
 # -- the service --------------------------------------------------------------------------------
 
 
+def reconcile_traffic(states: Mapping[str, WorkerState],
+                      composition: Composition) -> dict[WorkerId, float]:
+    """The planner's reconciliation-traffic estimate (§6.2's tie-break between operations of
+    equal drain): each worker of ``composition`` → the blocks its prefix cache holds, as its
+    last WorkerState reported them (a worker that reported none is absent: 0). What the
+    simulator passes (the blocks the prefix trie shows each source holding)."""
+    return {WorkerId(w): float(st.kv_cached_blocks) for w, st in states.items()
+            if st.kv_cached_blocks is not None and w in composition}
+
+
 def boundary_drain(snapshot: tuple[float, Mapping[WorkerId, float]] | None, t: float,
                    window_s: float, current: dict[WorkerId, float],
                    composition: Container[str]) -> dict[WorkerId, float]:
@@ -1562,7 +1572,9 @@ class ControllerService(MicroService):
                 t = min(t, self._reported_until)
             t = max(t, self._floor, core.windows.open_start_s)
             drain = boundary_drain(self._boundary_drain, t, h, drain, core.protocol.composition)
-            decisions = core.tick(t, drain_s=drain, hold=not self.csettings.adaptive)
+            decisions = core.tick(t, drain_s=drain, hold=not self.csettings.adaptive,
+                                  traffic=reconcile_traffic(self._states,
+                                                            core.protocol.composition))
             for d in decisions:
                 self._decisions.append(decision_dict(d))
                 if d.plan is not None:

@@ -366,6 +366,7 @@ class WorkerCore:
             outstanding_by=self.outstanding_by(now),
             kv_free_blocks=max(0, min(free, self.kv_total_blocks)),
             kv_total_blocks=self.kv_total_blocks,
+            kv_cached_blocks=len(self.cache) if self.cache is not None else 0,
             hit_tokens=self.hit_tokens,
             input_tokens=self.input_tokens,
             served=self.served,

@@ -324,6 +324,8 @@ class RankdCoreMachine(RuleBasedStateMachine):
         assert 0.0 <= s.outstanding_s < float("inf")
         assert 0 <= s.kv_free_blocks <= s.kv_total_blocks
         assert s.queue_len == len(self.core)
+        # What the controller's reconciliation-traffic estimate reads: the cache's blocks.
+        assert self.core.cache is not None and s.kv_cached_blocks == len(self.core.cache)
 
 
 RankdCoreMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,

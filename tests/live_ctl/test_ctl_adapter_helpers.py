@@ -222,6 +222,28 @@ def test_the_profiles_kappa_is_rescaled_to_the_controllers_window(monkeypatch, t
     assert dict(ControllerSettings().load_profile().kappa) == {2: 10.0, 4: 16.0}
 
 
+def test_the_reconcile_traffic_estimate_is_each_members_cached_blocks() -> None:
+    """The planner's tie-break between operations of equal drain (§6.2): the blocks each
+    worker of the composition caches, as its state reported; what the simulator passes."""
+    import time
+
+    from services.controller.lattice import Composition, Lattice
+    from services.controller.service import reconcile_traffic
+    from shared.schemas import WorkerState
+    from shared.worker import Lifecycle
+
+    def state(wid: str, first: int, cached: int | None) -> WorkerState:
+        return WorkerState(worker_id=wid, degree=2, gpus=[first, first + 1], epoch=0,
+                           lifecycle=Lifecycle.ACTIVE, queue_len=0, outstanding_s=0.0,
+                           kv_free_blocks=10, kv_total_blocks=10, kv_cached_blocks=cached,
+                           heartbeat_s=time.time())
+
+    comp = Composition.parse(Lattice(8, (2, 4)), "2CP2/1CP4")  # w-cp4-g0, w-cp2-g4, -g6
+    states = {"w-cp2-g4": state("w-cp2-g4", 4, 7), "w-cp2-g6": state("w-cp2-g6", 6, None),
+              "w-cp2-g0": state("w-cp2-g0", 0, 3)}  # w-cp2-g0 is no member (a split's left)
+    assert reconcile_traffic(states, comp) == {"w-cp2-g4": 7.0}
+
+
 def test_the_reconfiguration_drain_bound_is_not_the_connection_drain_bound(monkeypatch) -> None:
     """The controller's bound on a reconfiguration's drain has its own name: the base
     ``drain_timeout_s`` (the NATS connection's drain at a stop) keeps every service's default,
