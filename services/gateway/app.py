@@ -88,11 +88,9 @@ def parse_completion_body(raw: bytes) -> tuple[CompletionRequest, str | None]:
     if "prompt" not in fields and "prompt_tokens" not in fields:
         raise BadRequest("field 'prompt' is required (a list of token ids, or text when the "
                          "gateway has a tokenizer)")
-    for key in ("max_tokens",):
-        if isinstance(fields.get(key), bool):
-            raise BadRequest(f"field {key!r} must be an integer")
     try:
-        return CompletionRequest.model_validate(fields, strict=False), model
+        # Strict: JSON's own types only (true is no token id, "3" no max_tokens, 1.0 neither).
+        return CompletionRequest.model_validate(fields, strict=True), model
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         loc = ".".join(str(p) for p in err.get("loc", ())) or "body"
@@ -195,9 +193,10 @@ class GatewayApp:
             return error_response(exc.status, exc.message)
 
     async def completions(self, req: HttpRequest, arrival: float) -> HttpResponse:
+        # Media types are case-insensitive (RFC 9110 §8.3.1); another one is a 415.
         ctype = req.headers.get("content-type", "application/json").split(";")[0].strip()
-        if ctype not in ("application/json", ""):
-            raise BadRequest(f"Content-Type must be application/json, got {ctype!r}")
+        if ctype.lower() not in ("application/json", ""):
+            raise GatewayError(f"Content-Type must be application/json, got {ctype!r}", 415)
         body, model = parse_completion_body(req.body)
         # A client's traceparent makes the request's trace part of the client's (W3C).
         done = await self.service.complete(body, arrival_s=arrival, http=True,

@@ -1,18 +1,27 @@
 """A small HTTP/1.1 server on ``asyncio.start_server`` (no framework dependency).
 
 Scope: what the gateway's JSON API needs, done carefully. Requests with a ``Content-Length``
-body (chunked request bodies are refused with 411), keep-alive (HTTP/1.1 default,
-``Connection: close`` honoured), bounded request head (431) and body (413, checked against
-``Content-Length`` *before* reading, so an oversized upload costs nothing), malformed request
-lines or headers (400), a read timeout on idle connections. Responses always carry
-``Content-Length``. A handler exception becomes a 500 without details; the server keeps
-serving.
+body (chunked request bodies are refused with 411, any other ``Transfer-Encoding`` with 501),
+keep-alive (HTTP/1.1 default, ``Connection: close`` honoured), bounded request head (431) and
+body (413, checked against ``Content-Length`` *before* reading, so an oversized upload costs
+nothing), malformed request lines or headers (400), a read timeout on idle connections and a
+write timeout on clients that do not read. The framing headers (``Content-Length``,
+``Transfer-Encoding``) and ``Authorization``/``Host`` may appear once, and never
+``Transfer-Encoding`` with ``Content-Length`` (RFC 9112 §6.3: a proxy in front could frame the
+bytes otherwise than this server, smuggling a request past it): 400 and the connection closed.
+``HEAD`` is answered as ``GET`` without the body. Responses always carry ``Content-Length``.
+A handler exception becomes a 500 without details; the server keeps serving.
+
+Stopping (:meth:`HttpServer.close`): no new connection is accepted, idle connections are
+closed, and a request being handled gets up to ``grace_s`` to be answered (then a 503
+"stopping", ``Connection: close``), so a stop never leaves a client without an answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -31,6 +40,12 @@ log = structlog.get_logger("vertumnus.http")
 
 IDLE_TIMEOUT_S: Final[float] = 60.0
 SERVER_NAME: Final[str] = "vertumnus-gateway"
+STOP_GRACE_S: Final[float] = 10.0
+"""How long :meth:`HttpServer.close` lets requests being handled finish (below the
+service's whole stop bound, ``stop_timeout_s``)."""
+_ONCE: Final[frozenset[str]] = frozenset(
+    {"content-length", "transfer-encoding", "authorization", "host"})
+"""Headers a request may carry at most once (a repeat is how framing is smuggled)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +56,7 @@ class HttpRequest:
     headers: Mapping[str, str]  # lower-case names
     body: bytes
     peer: str = ""
+    version: str = "HTTP/1.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +126,8 @@ class HttpServer:
         self.idle_timeout_s = idle_timeout_s
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._busy: set[asyncio.Task[None]] = set()  # handling a request (not idle)
+        self._closing = False
 
     @property
     def port(self) -> int:
@@ -127,10 +145,18 @@ class HttpServer:
             ssl=self._tls,
         )
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop: accept nothing new, close idle connections, give requests being handled up
+        to ``grace_s`` to be answered (their connections then close), then cancel the rest,
+        each answered 503 (module docstring)."""
         if self._server is None:
             return
+        self._closing = True
         self._server.close()
+        await cancel_and_wait([t for t in self._conns if t not in self._busy], log)
+        busy = list(self._busy)
+        if busy and grace_s > 0:
+            await asyncio.wait(busy, timeout=grace_s)
         # Bounded even if a connection's handler swallows a cancel (shared/tasks.py).
         await cancel_and_wait(list(self._conns), log)
         with contextlib.suppress(Exception):
@@ -157,14 +183,27 @@ class HttpServer:
                 if request is None:
                     return
                 keep_alive = _wants_keep_alive(request)
+                head_only = request.method == "HEAD"
+                if head_only:  # answered as GET, without the body
+                    request = dataclasses.replace(request, method="GET")
+                self._busy.add(task)
                 try:
-                    response = await self._handler(request)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("HTTP handler failed", path=request.path)
-                    response = error_response(500, "internal error")
-                await self._write(writer, response, keep_alive)
+                    try:
+                        response = await self._handler(request)
+                    except asyncio.CancelledError:
+                        if self._closing:  # the stop's grace ran out: answer, then go
+                            with contextlib.suppress(Exception):
+                                async with asyncio.timeout(1.0):
+                                    await self._write(writer, error_response(
+                                        503, "the gateway is stopping; try again"), False)
+                        raise
+                    except Exception:
+                        log.exception("HTTP handler failed", path=request.path)
+                        response = error_response(500, "internal error")
+                    keep_alive = keep_alive and not self._closing
+                    await self._write(writer, response, keep_alive, head_only=head_only)
+                finally:
+                    self._busy.discard(task)
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
@@ -191,16 +230,25 @@ class HttpServer:
             raise _Reject(400, "malformed request line") from None
         if not version.startswith("HTTP/1."):
             raise _Reject(505, f"unsupported protocol {version!r}")
-        headers: dict[str, str] = {"_version": version}
+        headers: dict[str, str] = {}
         for line in lines[1:]:
             if not line:
                 continue
             name, sep, value = line.partition(":")
             if not sep or not name or name != name.strip():
                 raise _Reject(400, f"malformed header line {line[:60]!r}")
-            headers[name.lower()] = value.strip()
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            raise _Reject(411, "chunked request bodies are not supported; send Content-Length")
+            key = name.lower()
+            if key in _ONCE and key in headers:
+                raise _Reject(400, f"{name} header given more than once")
+            headers[key] = value.strip()
+        if "transfer-encoding" in headers:
+            if "content-length" in headers:
+                raise _Reject(400, "both Transfer-Encoding and Content-Length given")
+            if "chunked" in headers["transfer-encoding"].lower():
+                raise _Reject(411, "chunked request bodies are not supported; send "
+                                   "Content-Length")
+            raise _Reject(501, f"Transfer-Encoding {headers['transfer-encoding'][:40]!r} is "
+                               "not supported; send Content-Length")
         raw_length = headers.get("content-length", "0")
         # 1*DIGIT (RFC 9110): int() alone would also take "+5", " 5", "1_0".
         if not (raw_length.isascii() and raw_length.isdigit()):
@@ -215,11 +263,13 @@ class HttpServer:
             raise _Reject(400, f"malformed request target {target[:60]!r}") from None
         body = await reader.readexactly(length) if length else b""
         return HttpRequest(method.upper(), split.path or "/", parse_qs(split.query), headers,
-                           body, peer)
+                           body, peer, version)
 
-    @staticmethod
-    async def _write(writer: asyncio.StreamWriter, response: HttpResponse,
-                     keep_alive: bool) -> None:
+    async def _write(self, writer: asyncio.StreamWriter, response: HttpResponse,
+                     keep_alive: bool, *, head_only: bool = False) -> None:
+        """Send ``response`` (``head_only``: its head, for HEAD). A client that does not read
+        it within the idle timeout loses the connection (ConnectionError): a full send buffer
+        would otherwise hold the connection, and its task, for good."""
         try:
             phrase = HTTPStatus(response.status).phrase
         except ValueError:
@@ -229,12 +279,17 @@ class HttpServer:
                 f"Connection: {'keep-alive' if keep_alive else 'close'}"]
         head += [f"{k}: {v}" for k, v in response.headers.items()
                  if k.lower() not in ("content-length", "connection")]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body)
-        await writer.drain()
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+                     + (b"" if head_only else response.body))
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                await writer.drain()
+        except TimeoutError:
+            raise ConnectionError("the client did not read its response in time") from None
 
 
 def _wants_keep_alive(request: HttpRequest) -> bool:
     conn = request.headers.get("connection", "").lower()
-    if request.headers.get("_version") == "HTTP/1.0":
+    if request.version == "HTTP/1.0":
         return conn == "keep-alive"
     return conn != "close"

@@ -120,9 +120,12 @@ class GatewaySettings(ServiceSettings):
     def _keys(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None:
             keys = [k.strip() for k in v.get_secret_value().split(",")]
-            if not all(keys) or any(c.isspace() for k in keys for c in k):
+            # Visible ASCII only: an HTTP header is read as latin-1, so a key of other
+            # characters could never match what a client sends.
+            if not all(keys) or not all("!" <= c <= "~" for k in keys for c in k):
                 # The message must not echo the keys (settings errors print their input).
-                raise ValueError("must be comma-separated non-empty keys without spaces")
+                raise ValueError("must be comma-separated non-empty keys of visible ASCII "
+                                 "characters (no spaces)")
         return v
 
     @property

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from live_sched_support import Services, fake_token, http, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,3 +63,16 @@ def test_bad_keys_are_refused_at_start_without_showing_them() -> None:
     assert proc.returncode == 2, proc.stderr
     assert "VTM_API_KEYS" in proc.stderr and "value not shown: a secret" in proc.stderr
     assert "good-key" not in proc.stderr and "bad key" not in proc.stderr
+
+
+def test_a_key_a_client_could_never_send_is_refused() -> None:
+    """A header is read as latin-1: a key with characters outside visible ASCII would be
+    accepted here and never match (a review found ``ключ`` configured and refused forever)."""
+    from pydantic import ValidationError
+
+    from services.gateway.settings import GatewaySettings
+
+    for bad in ("k1,ключ", "k1,tab\tkey", "k\u00e9y"):
+        with pytest.raises(ValidationError, match="visible ASCII"):
+            GatewaySettings(api_keys=bad)
+    assert GatewaySettings(api_keys="k1,K-2_x.~!").api_key_list == (b"k1", b"K-2_x.~!")

@@ -63,6 +63,31 @@ async def test_a_malformed_request_head_gets_400(live: Services, head: bytes, st
     assert (await http(gw.http_port, "GET", "/health")).status == 200
 
 
+@pytest.mark.parametrize(
+    ("body", "ctype", "status", "needle"),
+    [
+        # JSON's own types only (a review found true taken as token 1 and "3" as 3).
+        (b'{"prompt": [true, false]}', "application/json", 400, b"'prompt.0'"),
+        (b'{"prompt": [1.0, 2.0]}', "application/json", 400, b"'prompt.0'"),
+        (b'{"prompt": [1], "max_tokens": "3"}', "application/json", 400, b"'max_tokens'"),
+        (b'{"prompt": [1], "max_tokens": true}', "application/json", 400, b"'max_tokens'"),
+        (b'{"prompt": [1], "stream": "yes"}', "application/json", 400, b"'stream'"),
+        # Another media type is a 415; the type's case does not matter (RFC 9110 8.3.1).
+        (b'{"prompt": [1]}', "text/plain", 415, b"Content-Type must be application/json"),
+    ],
+)
+async def test_a_body_of_the_wrong_types_is_refused(live: Services, body: bytes, ctype: str,
+                                                    status: int, needle: bytes) -> None:
+    gw = await live.gateway()
+    reply = await http(gw.http_port, "POST", "/v1/completions", raw=body,
+                       headers={"Content-Type": ctype})
+    assert reply.status == status and needle in reply.body, reply.body
+    # A media type in capitals is the same type: it gets past the check (to the next one).
+    odd = await http(gw.http_port, "POST", "/v1/completions", raw=b'{"prompt": [true]}',
+                     headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert odd.status == 400 and b"'prompt.0'" in odd.body, odd.body
+
+
 @pytest.fixture
 def tokenizer_file(tmp_path: Path) -> Path:
     tokenizers = pytest.importorskip("tokenizers")

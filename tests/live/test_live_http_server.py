@@ -1,0 +1,163 @@
+"""The gateway's HTTP server on its own (services/gateway/httpserver.py): a stop answers the
+requests being handled; framing headers cannot be smuggled; HEAD; a client that never reads.
+
+Found by a review of the HTTP handling: a stop cancelled every connection at once (a request
+being handled got no answer at all); a repeated ``Content-Length`` or ``Transfer-Encoding``
+was overwritten by the last one, and ``Transfer-Encoding: identity`` with a chunked body left
+the chunks to be parsed as a second request (request smuggling behind a proxy); ``HEAD`` got a
+body, which a client reads as the next response; a client that never read its responses held
+its connection for good (the write had no timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.gateway.httpserver import HttpRequest, HttpResponse, HttpServer
+
+WAIT_S = 30.0  # liveness bounds, never speed checks
+
+
+async def read_response(reader: asyncio.StreamReader, *, head_only: bool = False
+                        ) -> tuple[int, dict[str, str], bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        if k:
+            headers[k.strip().lower()] = v.strip()
+    n = 0 if head_only else int(headers["content-length"])
+    body = await asyncio.wait_for(reader.readexactly(n), WAIT_S)
+    return int(lines[0].split(" ")[1]), headers, body
+
+
+async def echo(req: HttpRequest) -> HttpResponse:
+    return HttpResponse.json(200, {"method": req.method, "path": req.path,
+                                   "auth": req.headers.get("authorization", "")})
+
+
+async def started(handler=echo, **kw) -> HttpServer:  # type: ignore[no-untyped-def]
+    server = HttpServer(handler, **kw)
+    await server.start()
+    return server
+
+
+async def send(server: HttpServer, raw: bytes) -> tuple[asyncio.StreamReader,
+                                                         asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(raw)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_stop_answers_the_request_being_handled() -> None:
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def slow(req: HttpRequest) -> HttpResponse:
+        entered.set()
+        await release.wait()
+        return HttpResponse.json(200, {"ok": True})
+
+    server = await started(slow)
+    reader, writer = await send(server, b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
+    idle_r, idle_w = await send(server, b"")  # connected, no request: closed at once
+    await asyncio.wait_for(entered.wait(), WAIT_S)
+    closing = asyncio.create_task(server.close(grace_s=WAIT_S))
+    assert await asyncio.wait_for(idle_r.read(), WAIT_S) == b""
+    release.set()
+    status, headers, body = await read_response(reader)
+    assert (status, headers["connection"], body) == (200, "close", b'{"ok": true}')
+    await asyncio.wait_for(closing, WAIT_S)
+    writer.close()
+    idle_w.close()
+
+
+async def test_past_the_grace_a_request_being_handled_is_answered_503() -> None:
+    entered = asyncio.Event()
+
+    async def never(req: HttpRequest) -> HttpResponse:
+        entered.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    server = await started(never)
+    reader, writer = await send(server, b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
+    await asyncio.wait_for(entered.wait(), WAIT_S)
+    await asyncio.wait_for(server.close(grace_s=0.05), WAIT_S)
+    status, headers, body = await read_response(reader)
+    assert (status, headers["connection"]) == (503, "close") and b"stopping" in body
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("head", "status", "needle"),
+    [
+        (b"POST /x HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 40\r\n\r\n{}", 400,
+         b"Content-Length header given more than once"),
+        (b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: identity\r\n"
+         b"\r\n5\r\nhello\r\n0\r\n\r\n", 400, b"Transfer-Encoding header given more than once"),
+        (b"POST /x HTTP/1.1\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", 400,
+         b"both Transfer-Encoding and Content-Length"),
+        (b"POST /x HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501, b"not supported"),
+        (b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411,
+         b"chunked request bodies"),
+        (b"GET /x HTTP/1.1\r\nAuthorization: Bearer a\r\nAuthorization: Bearer b\r\n\r\n", 400,
+         b"Authorization header given more than once"),
+    ],
+)
+async def test_framing_and_credentials_cannot_be_given_twice(head: bytes, status: int,
+                                                            needle: bytes) -> None:
+    server = await started()
+    try:
+        reader, writer = await send(server, head)
+        code, headers, body = await read_response(reader)
+        assert (code, headers["connection"]) == (status, "close") and needle in body, body
+        assert await asyncio.wait_for(reader.read(), WAIT_S) == b""  # nothing parsed after
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_head_is_get_without_the_body_and_the_connection_stays_in_step() -> None:
+    server = await started()
+    try:
+        reader, writer = await send(server, b"HEAD /x HTTP/1.1\r\nHost: h\r\n\r\n"
+                                            b"GET /y HTTP/1.1\r\nHost: h\r\n\r\n")
+        code, headers, body = await read_response(reader, head_only=True)
+        assert code == 200 and int(headers["content-length"]) > 0
+        code, _, body = await read_response(reader)
+        assert code == 200 and b'"path": "/y"' in body and b'"method": "GET"' in body
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_a_header_named_like_an_internal_key_is_only_a_header() -> None:
+    server = await started()
+    try:
+        reader, writer = await send(server, b"GET /x HTTP/1.1\r\n_version: HTTP/1.0\r\n\r\n")
+        code, headers, _ = await read_response(reader)
+        assert (code, headers["connection"]) == (200, "keep-alive")
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_a_client_that_never_reads_loses_its_connection() -> None:
+    async def big(req: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, b"x" * (32 << 20))
+
+    server = await started(big, idle_timeout_s=0.3)
+    try:
+        reader, writer = await send(server, b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
+        for _ in range(int(WAIT_S / 0.05)):  # a liveness bound
+            if not server._conns:
+                break
+            await asyncio.sleep(0.05)
+        assert not server._conns, "the connection of a client that never reads stays"
+        writer.close()
+    finally:
+        await server.close()
