@@ -115,6 +115,9 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
         kind = path_kind(path, "trace")
         if kind == "dir":
             raise InvalidInput(f"trace {trace} is a directory, not a file")
+        if kind == "other":
+            raise InvalidInput(f"trace {trace} is not a regular file (a device, pipe or "
+                               "socket)")
         if kind != "file":
             raise InvalidInput(f"trace file not found: {trace}")
         if fmt == "auto":
@@ -328,6 +331,7 @@ def run_simulate(
     """
     check_counts(jobs=jobs, repeats=repeats)
     check_gpus(gpus)
+    check_cache_blocks(cache_blocks_per_gpu)
     check_pools(gpus, degrees, policies=policies, gpus_per_node=(spec_overrides or {}).get(
         "gpus_per_node", ExperimentSpec.gpus_per_node))
     check_seed(seed)
@@ -431,6 +435,15 @@ def controller_overrides(controller: ControllerConfig | None) -> dict[str, Any]:
     if not isinstance(controller, ControllerConfig):
         raise InvalidInput(f"controller must be a ControllerConfig, got {controller!r}")
     return {"controller": controller, "window_s": controller.window_s}
+
+
+def check_cache_blocks(cache_blocks_per_gpu: int | None) -> None:
+    """``--cache-blocks-per-gpu``: None (the HBM budget) or an integer >= 1."""
+    if cache_blocks_per_gpu is not None and (
+            isinstance(cache_blocks_per_gpu, bool) or not isinstance(cache_blocks_per_gpu, int)
+            or cache_blocks_per_gpu < 1):
+        raise InvalidInput(f"--cache-blocks-per-gpu must be an integer >= 1 (0: the HBM "
+                           f"budget), got {cache_blocks_per_gpu!r}")
 
 
 def check_policies(policies: Sequence[str]) -> None:
@@ -1323,11 +1336,7 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
                            per_degree=per_degree, slo=slo, controller=controller,
                            pending_credit=pending_credit, degrees=degs, fixed=pair,
                            base_rate=base)
-    if cache_blocks_per_gpu is not None and (
-            isinstance(cache_blocks_per_gpu, bool) or not isinstance(cache_blocks_per_gpu, int)
-            or cache_blocks_per_gpu < 1):
-        raise InvalidInput(f"cache_blocks_per_gpu must be an integer >= 1, "
-                           f"got {cache_blocks_per_gpu!r}")
+    check_cache_blocks(cache_blocks_per_gpu)
     if rate_scales is not None and not (rate_scales and all(
             isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
             for x in rate_scales)):

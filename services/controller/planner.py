@@ -193,6 +193,10 @@ from shared.worker import GpuGroup
 
 _EPS: Final[float] = 1e-9
 
+MIN_WINDOW_S: Final[float] = 0.01
+"""The shortest observation window H (s) a ControllerConfig takes (the live tests run 0.2 s;
+`vertumnus up` at its smallest time scale 0.4 s)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
@@ -263,8 +267,11 @@ class ControllerConfig:
                 raise InvalidInput(f"ControllerConfig.{name} must be a finite number, got {v!r}")
             return float(v)
 
-        if num("window_s") <= 0:
-            raise InvalidInput(f"ControllerConfig.window_s must be > 0, got {self.window_s}")
+        # A floor, not only > 0: a window of 1e-6 s made a simulation build a window per
+        # microsecond of the trace (memory without bound) and 1e-300 s overflowed.
+        if num("window_s") < MIN_WINDOW_S:
+            raise InvalidInput(f"ControllerConfig.window_s must be >= {MIN_WINDOW_S} s, got "
+                               f"{self.window_s}")
         lt = self.long_threshold_tokens
         if isinstance(lt, bool) or not isinstance(lt, int) or lt < 1:
             raise InvalidInput(f"ControllerConfig.long_threshold_tokens must be >= 1, got {lt!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -241,6 +242,20 @@ def test_unknown_policy_exits_2_with_known_names(runner, tmp_path) -> None:
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+def test_options_are_checked_before_the_profile_is_measured(runner, tmp_path) -> None:
+    """--cache-blocks-per-gpu was checked only once a profile had been measured on the trace;
+    a pipe given as --trace was reported missing."""
+    out = tmp_path / "o"
+    res = runner.invoke(app, ["simulate", "--policies", "static", "--max-requests", "20",
+                              "--gpus", "8", "--cache-blocks-per-gpu", "-5", "--out", str(out)])
+    assert res.exit_code == 2 and "--cache-blocks-per-gpu must be" in res.output, res.output
+    assert not (out / "profile").exists()
+    fifo = tmp_path / "trace.jsonl"
+    os.mkfifo(fifo)
+    res = runner.invoke(app, ["simulate", "--trace", str(fifo), "--out", str(out)])
+    assert res.exit_code == 2 and "not a regular file" in res.output, res.output
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -263,7 +278,7 @@ def test_bad_numbers_exit_2(runner, tmp_path, args) -> None:
         (["--gpus", "6", "--degrees", "2,4"], "multiple of degree 4"),
         (["--degrees", "3"], "power of two"),
         (["--gpus", "0"], "--gpus"),
-        (["--cache-blocks-per-gpu", "-1"], "cache_blocks_per_gpu"),
+        (["--cache-blocks-per-gpu", "-1"], "--cache-blocks-per-gpu"),
     ],
 )
 def test_bad_cluster_exits_2(runner, tmp_path, profile_file, args, words) -> None:

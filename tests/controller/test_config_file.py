@@ -112,7 +112,7 @@ def test_any_valid_setting_reads_back_from_either_format(data: st.DataObject) ->
      "split_target must be in (0, upper=0.8], got 0.9"),
     ({"persistence": 0}, "persistence must be an integer >= 1, got 0"),
     ({"merge_speedup": 0.9}, "merge_speedup must be None or >= 1, got 0.9"),
-    ({"window_s": -20}, "window_s must be > 0"),
+    ({"window_s": -20}, "window_s must be >= 0.01 s"),
 ])
 def test_a_bad_value_is_refused_naming_the_source_and_the_key(data: dict, words: str) -> None:
     with pytest.raises(InvalidInput) as exc:

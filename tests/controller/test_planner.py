@@ -226,6 +226,8 @@ def test_composition_change_drops_reference_and_streak() -> None:
         {"long_fraction_delta": 0.0},
         {"demand_stability": -0.1},
         {"window_s": 0.0},
+        {"window_s": 1e-6},  # a window per microsecond: a simulation without memory bound
+        {"window_s": 1e-300},
         {"upper": math.nan},
         {"long_threshold_tokens": 0},
     ],
