@@ -22,6 +22,7 @@ Outputs in the run directory:
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import time
@@ -1052,8 +1053,11 @@ def redraw(directory: Path) -> dict[str, Any]:
             if not isinstance(summary, dict):
                 raise InvalidInput(f"{size_path} is not a size summary (not a JSON object)")
             try:
+                # The table first (it writes nothing): what `report` prints must be there
+                # before the CSV and plot are written (a point without mean_ttft_s, say).
+                print_size_table(summary, file=io.StringIO())
                 write_size_outputs(d, summary)
-            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
                 raise InvalidInput(f"{size_path} is not a size summary: {exc!r}") from exc
             return {**summary, "kind": "size"}
         if not results.exists():

@@ -175,6 +175,26 @@ def test_report_refuses_what_no_run_wrote(runner: CliRunner, tmp_path: Path) -> 
         assert not (d / "results.csv").exists()
 
 
+def test_report_refuses_a_size_summary_its_table_cannot_show(runner: CliRunner,
+                                                            tmp_path: Path) -> None:
+    """The size table is printed after the CSV and plot are written: a summary that lacks
+    what the table shows used to end in a traceback after writing them."""
+    meta = {"target": 0.9, "workload": "x", "rate_scale": 1}
+    cases = {
+        "nosizes": ({"meta": meta, "policies": []}, "KeyError('sizes')"),
+        "nomean": ({"meta": {**meta, "sizes": [8]}, "policies": [
+            {"policy": "static", "gpus": 8, "points": [{"gpus": 8, "slo_attainment": 0.95}]}]},
+            "KeyError('mean_ttft_s')"),
+    }
+    for name, (summary, word) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "size.json").write_text(json.dumps(summary))
+        _refused(runner.invoke(app, ["report", str(d)]), "size.json is not a size summary",
+                 word)
+        assert sorted(x.name for x in d.iterdir()) == ["size.json"]  # nothing written
+
+
 def test_report_names_meta_json_when_it_is_the_broken_one(runner: CliRunner,
                                                           tmp_path: Path) -> None:
     (tmp_path / "results.json").write_text(json.dumps([_row()]))
