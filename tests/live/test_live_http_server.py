@@ -11,6 +11,8 @@ its connection for good (the write had no timeout)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -42,6 +44,16 @@ async def started(handler=echo, **kw) -> HttpServer:  # type: ignore[no-untyped-
     server = HttpServer(handler, **kw)
     await server.start()
     return server
+
+
+@contextlib.asynccontextmanager
+async def serving(handler=echo, **kw) -> AsyncIterator[HttpServer]:  # type: ignore[no-untyped-def]
+    """A started server, closed on the way out (for the tests that do not stop it)."""
+    server = await started(handler, **kw)
+    try:
+        yield server
+    finally:
+        await server.close()
 
 
 async def send(server: HttpServer, raw: bytes) -> tuple[asyncio.StreamReader,
@@ -110,20 +122,16 @@ async def test_past_the_grace_a_request_being_handled_is_answered_503() -> None:
 )
 async def test_framing_and_credentials_cannot_be_given_twice(head: bytes, status: int,
                                                             needle: bytes) -> None:
-    server = await started()
-    try:
+    async with serving() as server:
         reader, writer = await send(server, head)
         code, headers, body = await read_response(reader)
         assert (code, headers["connection"]) == (status, "close") and needle in body, body
         assert await asyncio.wait_for(reader.read(), WAIT_S) == b""  # nothing parsed after
         writer.close()
-    finally:
-        await server.close()
 
 
 async def test_head_is_get_without_the_body_and_the_connection_stays_in_step() -> None:
-    server = await started()
-    try:
+    async with serving() as server:
         reader, writer = await send(server, b"HEAD /x HTTP/1.1\r\nHost: h\r\n\r\n"
                                             b"GET /y HTTP/1.1\r\nHost: h\r\n\r\n")
         code, headers, body = await read_response(reader, head_only=True)
@@ -131,27 +139,21 @@ async def test_head_is_get_without_the_body_and_the_connection_stays_in_step() -
         code, _, body = await read_response(reader)
         assert code == 200 and b'"path": "/y"' in body and b'"method": "GET"' in body
         writer.close()
-    finally:
-        await server.close()
 
 
 async def test_a_header_named_like_an_internal_key_is_only_a_header() -> None:
-    server = await started()
-    try:
+    async with serving() as server:
         reader, writer = await send(server, b"GET /x HTTP/1.1\r\n_version: HTTP/1.0\r\n\r\n")
         code, headers, _ = await read_response(reader)
         assert (code, headers["connection"]) == (200, "keep-alive")
         writer.close()
-    finally:
-        await server.close()
 
 
 async def test_a_client_that_never_reads_loses_its_connection() -> None:
     async def big(req: HttpRequest) -> HttpResponse:
         return HttpResponse(200, b"x" * (32 << 20))
 
-    server = await started(big, idle_timeout_s=0.3)
-    try:
+    async with serving(big, idle_timeout_s=0.3) as server:
         reader, writer = await send(server, b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
         for _ in range(int(WAIT_S / 0.05)):  # a liveness bound
             if not server._conns:
@@ -159,5 +161,3 @@ async def test_a_client_that_never_reads_loses_its_connection() -> None:
             await asyncio.sleep(0.05)
         assert not server._conns, "the connection of a client that never reads stays"
         writer.close()
-    finally:
-        await server.close()

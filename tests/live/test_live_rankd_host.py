@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -70,6 +71,15 @@ async def wait_for_workers(host: RankdHost, wanted: set[str]) -> None:
             host.changed.clear()
             await host.changed.wait()
         await asyncio.gather(*(svc.started.wait() for svc in host.services.values()))
+
+
+def start_restart_host(server: EmbeddedNats, uniq: str, backend: Any
+                       ) -> tuple[RankdHost, asyncio.Task[None]]:
+    """The server-restart tests' host: GPUs 0-1, one CP2 worker to start, running."""
+    settings = RankdSettings(nats_url=server.url, subject_prefix=uniq, heartbeat_s=0.2,
+                             drain_timeout_s=5)
+    host = RankdHost(settings, range(0, 2), backend, initial=["w-cp2-g0"])
+    return host, asyncio.create_task(host.run(handle_signals=False))
 
 
 async def stop_after_restart(host: RankdHost, task: asyncio.Task[None], nc: Client | None,
@@ -191,11 +201,8 @@ async def test_a_server_restart_is_survived(uniq: str) -> None:
     server = EmbeddedNats().start()
     port = int(server.url.rsplit(":", 1)[1])
     s = Subjects(uniq)
-    settings = RankdSettings(nats_url=server.url, subject_prefix=uniq, heartbeat_s=0.2,
-                             drain_timeout_s=5)
-    host = RankdHost(settings, range(0, 2), lambda wid, kind: SimBackend(time_scale=1.0),
-                     initial=["w-cp2-g0"])
-    task = asyncio.create_task(host.run(handle_signals=False))
+    host, task = start_restart_host(server, uniq,
+                                    lambda wid, kind: SimBackend(time_scale=1.0))
     again: EmbeddedNats | None = None
     nc: Client | None = None
     try:
@@ -316,10 +323,7 @@ async def test_a_worker_starting_while_the_server_restarts_starts_again(uniq: st
             killed.set()
         return SimBackend(time_scale=1.0)
 
-    settings = RankdSettings(nats_url=server.url, subject_prefix=uniq, heartbeat_s=0.2,
-                             drain_timeout_s=5)
-    host = RankdHost(settings, range(0, 2), backend, initial=["w-cp2-g0"])
-    task = asyncio.create_task(host.run(handle_signals=False))
+    host, task = start_restart_host(server, uniq, backend)
     again: EmbeddedNats | None = None
     nc: Client | None = None
     try:
