@@ -318,7 +318,8 @@ def reconcile_split(
     """Replace ``parent`` (degree 2C) by ``children = (left, right)`` (degree C); see module doc.
 
     ``demand``: retained prefix (last node) -> recent demand; default: the node's access summed
-    over degrees plus its missed (what the trie measured).
+    over degrees (what the trie measured: §6.2 assigns "according to prefix demand", and the
+    access statistics are that demand as decayed counts of requests).
     """
     pv = trie._view(parent)
     if not isinstance(children, tuple | list) or len(children) != 2:
@@ -366,7 +367,10 @@ def reconcile_split(
     def weight(n: TrieNode) -> float:
         if demand is not None:
             return float(demand.get(n.hash, 0.0))
-        return float(sum(n.access) + sum(n.missed))
+        # NOTE: access only. ``missed`` is seconds of predicted benefit (§7.1), not a count;
+        # adding it to the counts mixed units (a prefix missed at its preferred degree outranked
+        # one reused more often).
+        return float(sum(n.access))
 
     leaves.sort(key=lambda n: (-weight(n), -n.depth, n.hash))
     pending: dict[WorkerId, set[BlockHash]] = {left: set(), right: set()}

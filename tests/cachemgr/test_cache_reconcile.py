@@ -261,3 +261,16 @@ def test_split_then_merge_invariants(case) -> None:
     mplan = t.reconcile_merge((L, R), P, 1000)
     assert _closed(t, t.worker_blocks(P))
     assert resident <= (mplan.valid | mplan.pending)
+
+
+def test_split_default_demand_is_access_not_missed_seconds() -> None:
+    """The default demand is the access counts only: a prefix with a large ``missed`` (seconds
+    of benefit, another unit) but fewer accesses ranks below the more-used one."""
+    t = split_setup(extra_branch=True)
+    t.set_statistics(14, 4, access=3.0, missed=0.0)
+    t.set_statistics(21, 4, access=1.0)
+    t.set_statistics(21, 2, missed=50.0)
+    plan = t.reconcile_split(P, (L, R), {L: 50, R: 50})
+    # 14 (more accesses) first -> left (fewer missing pages); 21 then goes right. With missed
+    # added to the weight 21 would be placed first, on the left, and 14 on the right.
+    assert plan.assignment == {14: L, 21: R}

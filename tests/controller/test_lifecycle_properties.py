@@ -116,12 +116,22 @@ def test_random_protocol_runs_match_the_model(
     m = Model(comp0, epoch0, {(g, epoch0) for g in comp0.groups} if acknowledged else set())
     now = 0.0
     aborted: set[int] = set()
+    # Until the first failure, recovery, abort, clock step back or forged event the history is
+    # clean, and then the model knows some events must be accepted: the next step of the oldest
+    # reconfiguration, and an adjacent operation started on an idle pool. (Without this a
+    # protocol that wrongly refused them would agree with the model, which only follows
+    # accepted events.)
+    clean = acknowledged  # else the workers wait for their acks: a start is refused
+    steps_done = 0
     for kind, k, x in events:
         now += 0.25 if kind != 9 else -0.4  # kind 9: the clock steps back (then a no-op)
+        if kind in (5, 6, 7, 9) or x != 0:
+            clean = False
         before = _snapshot(p)
         ws = p.workers()
         rids = p.in_progress() or (k % 5 + 1,)  # an unknown id when none is in flight
         rid = rids[k % len(rids)]
+        must = clean and (kind == 8 or (kind == 0 and not p.in_progress()))
         if kind == 8:  # the next step of the oldest reconfiguration, as an event of kind 1-4
             kind, rid, k = _next_step(p, k)
         try:
@@ -173,9 +183,12 @@ def test_random_protocol_runs_match_the_model(
                 m.epoch += 1
             elif kind == 7:
                 p.abort(rid, now)
-        except VertumnusError:
+        except VertumnusError as exc:
+            assert not must, f"a valid event (kind {kind}) was refused: {exc!r}"
             assert _snapshot(p) == before  # typed, and nothing changed
             continue
+        if must:
+            steps_done += 1
 
         assert p.composition == m.composition
         assert p.epoch == m.epoch == p.control_record().epoch
@@ -230,6 +243,7 @@ CORE_KINDS = [0, 1, 2, 0, 1, 2, 3, 3, 4, 4, 5, 5, 5, 5, 6, 7, 8, 9]
     start_degree=st.integers(0, 2),
     max_ops=st.integers(1, 3),
     persistence=st.integers(1, 2),
+    faults=st.booleans(),
     events=st.lists(
         st.tuples(st.sampled_from(CORE_KINDS), st.integers(0, 10_000), st.floats(0.0, 1.0)),
         min_size=40,
@@ -241,12 +255,14 @@ def test_core_plans_only_idle_active_workers_and_decides_every_window_once(
     start_degree: int,
     max_ops: int,
     persistence: int,
+    faults: bool,
     events: list[tuple[int, int, float]],
 ) -> None:
     """Driving the core with assignments, ticks and protocol events in any order: a plan is
     made only when nothing is pending or in flight, on active workers outside any operation;
     a started operation is one of the pending ones; the decided windows are consecutive and
-    their demand is every assignment's demand, each counted once."""
+    their demand is every assignment's demand, each counted once. Without ``faults`` (no
+    failure, recovery or abort) every protocol event is valid and must be accepted."""
     lat = LATTICES[lat_idx]
     degs = lat.sorted_degrees
     cfg = ControllerConfig(persistence=persistence, max_ops=max_ops, window_s=10.0)
@@ -255,9 +271,16 @@ def test_core_plans_only_idle_active_workers_and_decides_every_window_once(
     full = 16.0 * lat.num_gpus / 4  # about one pool's capacity per window
     now, assigned, decided = 0.0, 0.0, 0
     running: dict[WorkerId, RequestId] = {}  # the request a started source has in flight
+    # Without faults, starting a pending plan, the next step of an operation in flight and
+    # discarding a plan are all valid: they must be accepted (a core that refused them would
+    # otherwise pass, every refusal being allowed below).
     for kind, k, u in events:
         ws = proto.workers()
         rids = proto.in_progress()
+        if not faults and kind in (6, 7, 8):
+            continue
+        must = not faults and ((kind in (4, 9) and bool(core.pending_plans))
+                               or (kind == 5 and bool(rids)))
         if kind in (0, 1, 2):  # assignments: a load that moves between phases
             now += 0.5 + 2.0 * u
             pred = full * u * (0.05 if (k // 40) % 2 else 0.004)
@@ -315,8 +338,8 @@ def test_core_plans_only_idle_active_workers_and_decides_every_window_once(
                 proto.abort(rids[k % len(rids)], now)
             elif kind == 9 and core.pending_plans:
                 core.discard_plan()
-        except VertumnusError:
-            pass
+        except VertumnusError as exc:
+            assert not must, f"a valid event (kind {kind}) was refused: {exc!r}"
     out = core.tick(now + 3 * cfg.window_s)
     decided += len(out)
     assert [d.window.index for d in core.decisions] == list(range(decided))
