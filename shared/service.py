@@ -8,7 +8,8 @@ What a subclass gets:
 * endpoint handlers that take a :class:`nats.micro.Request` and return a message (encoded as
   JSON with ``Content-Type``), raw bytes, or None (the handler responded itself);
 * typed errors mapped to micro errors (``Nats-Service-Error`` / ``-Code`` headers), counted in
-  STATS, and the service keeps serving:
+  STATS (an error answered later, from a task the handler started, is counted with
+  :meth:`MicroService.count_endpoint_error`), and the service keeps serving:
 
   ===========================================  =====
   :class:`~shared.ids.InvalidInput` (and
@@ -716,6 +717,22 @@ class MicroService:
     def set_metadata(self, **values: str) -> None:
         """Update micro metadata (e.g. ``epoch="7"``) as seen by ``$SRV.PING/INFO``."""
         self._metadata.update({k: str(v) for k, v in values.items()})
+
+    def count_endpoint_error(self, endpoint: str, err: ServiceError) -> None:
+        """Count ``err`` in endpoint ``endpoint``'s ``$SRV.STATS`` (``num_errors`` + 1,
+        ``last_error``) as nats.micro counts an error its handler raised, for an error answered
+        *outside* the handler: by a task the handler started (``Request.respond_error`` counts
+        nothing). Call it before responding, so a caller that reads the stats after its answer
+        sees the count. Unknown endpoint, or the service not started: nothing is counted.
+
+        NOTE: nats.micro (nats-py 2.x) keeps the counters only privately on its Endpoint and
+        offers no way to add to them; this writes them as its own ``_handle_request`` does
+        (``last_error`` = ``repr(err)``, e.g. ``"504:no first token ..."``)."""
+        for ep in getattr(self._service, "_endpoints", None) or ():
+            if getattr(ep, "_name", None) == endpoint:
+                ep._num_errors += 1
+                ep._last_error = repr(err)
+                return
 
     @property
     def stopping(self) -> bool:

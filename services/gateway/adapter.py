@@ -9,8 +9,9 @@ process and event loop.
 One completion (:meth:`GatewayService.complete`):
 
 1. validate and enforce limits (:func:`check_limits`; a typed :class:`GatewayError` carries the
-   HTTP status it maps to: 400 malformed, 413 too large, 422 semantically impossible, 503 no
-   NATS / intake, 504 no first token in time, 502 the worker failed). The gateway does not
+   HTTP status it maps to: 400 malformed, 409 a request id reused with another request, 413
+   too large, 422 semantically impossible, 503 no NATS / intake, 504 no first token in time,
+   502 the worker failed). The gateway does not
    know the workers' limits: a prompt within its own ``max_seq_len`` but longer than every
    worker's is refused by the scheduler at once, also 422 (:func:`result_error`);
 2. compute the chained hashes of the prompt's *full* blocks (``chain_hashes``, shared with
@@ -27,9 +28,21 @@ One completion (:meth:`GatewayService.complete`):
    request's latest result for as long as the intake de-duplicates). A retry of a request the
    scheduler gave up on (503, "not scheduled") or refused (422, "not servable": the workers
    may have changed since) is a new attempt instead, published again under an id derived from
-   that answer's;
+   that answer's. The same id with *other* content (prompt tokens, ``max_tokens``) is no
+   retry: 409 Conflict naming the id, before anything is published
+   (:mod:`services.gateway.idempotency`: a per-gateway memory of each client id's content
+   digest for the de-duplication window; its limits are stated there);
 5. wait for the FirstToken; answer with the token, the TTFT measured here (received → first
-   token here) and the worker's stage breakdown.
+   token here) and the worker's stage breakdown. An HTTP client that closes its connection
+   first stops the wait (:class:`ClientClosed`, 499, recorded but sent to nobody): its
+   waiter is dropped at once rather than held to the result or ``result_timeout_s``. The
+   request itself is in the intake already and still runs; a retry under its id gets the
+   result the results stream keeps.
+
+Errors of the NATS endpoint are answered from a task of their own (the endpoint's handler
+returned long before), so they are counted in the endpoint's ``$SRV.STATS`` (``num_errors``,
+``last_error``) explicitly, as nats.micro counts a handler's raised error
+(:meth:`MicroService.count_endpoint_error`).
 
 A server that comes back without its store (no persistent volume, a new node) has lost the
 intake with every message in it, some never delivered. The gateway notices an intake stream
@@ -67,6 +80,7 @@ from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 from opentelemetry import trace
 
+from services.gateway.idempotency import Claim, Fingerprints, RequestDigest, request_digest
 from services.gateway.metrics import RequestMetrics
 from services.gateway.settings import GatewaySettings
 from shared.blockhash import chain_hashes
@@ -85,6 +99,7 @@ from shared.schemas import (
     from_json,
 )
 from shared.service import (
+    INTAKE_DUPLICATE_WINDOW_S,
     REPUBLISHED_HEADER,
     Endpoint,
     MicroService,
@@ -106,6 +121,8 @@ SWEEP_PERIOD_S: Final[float] = 0.25
 """How often the gateway checks whether its NATS connection was re-established."""
 STREAM_NOT_FOUND: Final[int] = 10059
 """JetStream API error code of a request naming a stream that does not exist."""
+COMPLETIONS_ENDPOINT: Final[str] = "completions"
+"""The micro endpoint's name (subject ``{prefix}.gateway.completions``)."""
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -130,6 +147,10 @@ class BadRequest(GatewayError):
     status = 400
 
 
+class Conflict(GatewayError):
+    status = 409
+
+
 class TooLarge(GatewayError):
     status = 413
 
@@ -148,6 +169,13 @@ class Unavailable(GatewayError):
 
 class FirstTokenTimeout(GatewayError):
     status = 504
+
+
+class ClientClosed(GatewayError):
+    """The HTTP client closed its connection before its first token: nobody is left to answer
+    (499, nginx's "client closed request": recorded in the metrics, never sent)."""
+
+    status = 499
 
 
 # -- pure helpers -----------------------------------------------------------------------------
@@ -243,10 +271,17 @@ class GatewayService(MicroService):
         self._intake_msgs: dict[str, tuple[bytes, dict[str, str]]] = {}
         self._intake_created: datetime.datetime | None = None  # the intake stream's birth
         self._republish_due = False
+        # Content digests of client request ids, to refuse a reuse with other content (409).
+        # The intake's window: past it the intake takes the id as a new request anyway.
+        self._fingerprints = Fingerprints(INTAKE_DUPLICATE_WINDOW_S,
+                                          settings.max_idempotency_keys)
         # results_malformed: messages on a result subject that are no FirstToken of that
         # subject's request (ignored: the request keeps waiting for its real result).
+        # conflicts: request ids reused with other content (409). clients_gone: HTTP clients
+        # that closed their connection before their first token (their waiter dropped).
         self.counters: dict[str, int] = {"intake_remade": 0, "republished": 0,
-                                         "results_malformed": 0}
+                                         "results_malformed": 0, "conflicts": 0,
+                                         "clients_gone": 0}
         self.metrics = RequestMetrics(settings.slo_table)
         if settings.tokenizer_path is not None:
             try:
@@ -264,10 +299,17 @@ class GatewayService(MicroService):
 
     def endpoints(self) -> Sequence[Endpoint]:
         # "completions" in group "{prefix}.gateway" is subjects.gateway_completions().
-        return [Endpoint("completions", self._on_completion)]
+        return [Endpoint(COMPLETIONS_ENDPOINT, self._on_completion)]
 
     def stats_data(self) -> dict[str, Any]:
-        return {**self.counters, "waiting": len(self._waiting)}
+        return {**self.counters, "waiting": len(self._waiting),
+                "idempotency_keys": len(self._fingerprints),
+                "idempotency_evicted": self._fingerprints.evicted}
+
+    def waiting_for(self, request_id: str) -> int:
+        """How many callers of this gateway wait for ``request_id``'s first token now (0: none;
+        several: retries of an id still in flight). Read-only, for tests and inspection."""
+        return len(self._waiting.get(request_id, ()))
 
     async def ensure_jetstream(self) -> None:
         self._js = self.nc.jetstream()
@@ -357,17 +399,23 @@ class GatewayService(MicroService):
 
     async def _answer_completion(self, request: Request, body: CompletionRequest) -> None:
         """Run one NATS completion and answer it: its FirstToken, or a micro error with the
-        HTTP status as code (500 without details for an unexpected failure)."""
+        HTTP status as code (500 without details for an unexpected failure). An error is
+        counted in the endpoint's ``$SRV.STATS`` before it is sent (so a caller that reads
+        the stats after the answer sees it): the handler returned long ago, so nats.micro,
+        which counts what a handler raises, never sees it."""
         try:
             try:
                 done = await self.complete(body)
             except GatewayError as exc:
                 err = exc.to_service_error()
+                self.count_endpoint_error(COMPLETIONS_ENDPOINT, err)
                 await request.respond_error(err.code, err.description)
                 return
             except Exception:
                 self.log.exception("NATS completion failed")
-                await request.respond_error("500", "internal error")
+                err = ServiceError(code="500", description="internal error")
+                self.count_endpoint_error(COMPLETIONS_ENDPOINT, err)
+                await request.respond_error(err.code, err.description)
                 return
             data, headers = encode(done.result.model_copy(update={"stages": done.stages()}))
             await request.respond(data, headers=headers)
@@ -489,13 +537,16 @@ class GatewayService(MicroService):
         return str(self._tokenizer.decode([token]))
 
     async def complete(self, body: CompletionRequest, *, arrival_s: float | None = None,
-                       http: bool = False, carrier: Mapping[str, str] | None = None
-                       ) -> Completion:
+                       http: bool = False, carrier: Mapping[str, str] | None = None,
+                       disconnected: asyncio.Future[None] | None = None) -> Completion:
         """Run one completion to its first token (see the module docstring).
 
         ``carrier``: the caller's W3C trace context (an HTTP client's ``traceparent`` /
         ``tracestate`` headers); the request's span joins that trace instead of starting one.
-        None: the current context (the NATS endpoint's server span, or a new trace). Every
+        None: the current context (the NATS endpoint's server span, or a new trace).
+        ``disconnected``: done once the caller is gone (an HTTP client closed its connection);
+        the wait for the first token then ends with :class:`ClientClosed` and leaves no
+        waiter behind (the request, published already, still runs). Every
         outcome is recorded in :attr:`metrics`; a failure after the prompt was tokenized
         with the prompt's length, so the SLO attainment counts it as a miss
         (:meth:`RequestMetrics.refused`)."""
@@ -509,7 +560,7 @@ class GatewayService(MicroService):
             tokens = self.tokenize(body)
             input_len = len(tokens)
             done = await self._complete(body, tokens, arrival=arrival, entry=entry,
-                                        carrier=carrier)
+                                        carrier=carrier, disconnected=disconnected)
         except GatewayError as exc:
             self.metrics.refused(exc.status, entry, input_len)
             raise
@@ -521,9 +572,12 @@ class GatewayService(MicroService):
         return done
 
     async def _complete(self, body: CompletionRequest, tokens: list[int], *, arrival: float,
-                        entry: str, carrier: Mapping[str, str] | None = None) -> Completion:
+                        entry: str, carrier: Mapping[str, str] | None = None,
+                        disconnected: asyncio.Future[None] | None = None) -> Completion:
         check_limits(tokens, body.max_tokens, self.gsettings)
         rid = body.request_id or new_request_id()
+        # Only a client's own id can be reused (module docstring of idempotency).
+        digest = request_digest(tokens, body.max_tokens) if body.request_id else None
         hashes = chain_hashes(tokens, self.gsettings.block_size)
         attrs = {"vtm.request_id": rid, "vtm.input_len": len(tokens),
                  "vtm.full_blocks": len(hashes), "vtm.max_tokens": body.max_tokens,
@@ -534,7 +588,8 @@ class GatewayService(MicroService):
             context=extract(carrier) if traceparent_of(carrier) is not None else None,
         ) as span, bind_request(rid):
             try:
-                done = await self._publish_and_wait(rid, tokens, hashes, body, arrival)
+                done = await self._publish_and_wait(rid, tokens, hashes, body, arrival,
+                                                    digest=digest, disconnected=disconnected)
             except GatewayError as exc:
                 span.set_attribute("vtm.error_code", exc.status)
                 if exc.status >= 500:
@@ -546,7 +601,10 @@ class GatewayService(MicroService):
             return done
 
     async def _publish_and_wait(self, rid: str, tokens: list[int], hashes: list[int],
-                                body: CompletionRequest, arrival: float) -> Completion:
+                                body: CompletionRequest, arrival: float, *,
+                                digest: RequestDigest | None = None,
+                                disconnected: asyncio.Future[None] | None = None
+                                ) -> Completion:
         if self._js is None or not await self._nats_back(self.gsettings.nats_wait_s):
             raise Unavailable("not connected to NATS; try again later")
         carrier = inject({})
@@ -563,12 +621,27 @@ class GatewayService(MicroService):
             raise TooLarge(f"intake message of {len(data)} bytes exceeds the NATS server's "
                            f"max_payload of {self.nc.max_payload} bytes; send a shorter prompt "
                            "(or run the gateway with forward_tokens=false)")
+        # Claimed before the publish, with no await in between check and keep: of two
+        # requests racing under one id with different content, the second is refused here.
+        claim = self._fingerprints.claim(rid, digest) if digest is not None else Claim.SAME
+        if claim is Claim.CONFLICT:
+            self.counters["conflicts"] += 1
+            raise Conflict(
+                f"request_id {rid!r} was already used for a different request (another "
+                f"prompt or max_tokens) within the last {INTAKE_DUPLICATE_WINDOW_S:g} s; "
+                "send the same request to get its answer, or a new request_id")
         got: asyncio.Future[tuple[FirstToken, float]] = \
             asyncio.get_running_loop().create_future()
         self._waiting.setdefault(rid, []).append(got)
         self._intake_msgs.setdefault(rid, (data, headers))  # a duplicate keeps the original's
         try:
-            ack = await self._publish_intake(data, headers)
+            try:
+                ack = await self._publish_intake(data, headers)
+            except BaseException:
+                # Not accepted: a retry with other content is no conflict with it.
+                if claim is Claim.NEW and digest is not None:
+                    self._fingerprints.release(rid, digest)
+                raise
             duplicate = bool(ack.duplicate)
             if duplicate:
                 # A retry (say, after a gateway crash cut the client off): the intake dropped
@@ -591,6 +664,15 @@ class GatewayService(MicroService):
                                   kept=kept is not None)
             try:
                 async with asyncio.timeout(self.gsettings.result_timeout_s):
+                    if disconnected is not None:
+                        await asyncio.wait((got, disconnected),
+                                           return_when=asyncio.FIRST_COMPLETED)
+                        if not got.done():
+                            self.counters["clients_gone"] += 1
+                            self.log.info("client closed its connection before its first "
+                                          "token; no longer waiting (the request still runs)")
+                            raise ClientClosed(f"the client closed its connection before "
+                                               f"the first token of request {rid}")
                     result, received = await got
             except TimeoutError:
                 raise FirstTokenTimeout(
@@ -724,7 +806,9 @@ class InvalidConfig(ValueError):
 
 __all__ = [
     "BadRequest",
+    "ClientClosed",
     "Completion",
+    "Conflict",
     "FirstTokenTimeout",
     "GatewayError",
     "GatewayService",

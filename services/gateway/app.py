@@ -17,9 +17,11 @@ With API keys configured (``VTM_API_KEYS``), every ``/v1`` route needs ``Authori
 
 Errors are OpenAI-style ``{"error": {"message", "type", "code"}}`` with: 400 malformed JSON or
 fields (and ``stream: true``), 401 no or a wrong API key, 404 unknown path, 405 wrong method,
-411 chunked body, 413 body or prompt too large, 422 semantically impossible (too long with
-``max_tokens``, token id out of range, text without a tokenizer), 431 head too large, 503 no
-NATS, 504 no first token in time.
+409 a ``request_id`` reused with another request (another prompt or ``max_tokens``; the same
+request again is answered as the first), 411 chunked body, 413 body or prompt too large, 422
+semantically impossible (too long with ``max_tokens``, token id out of range, text without a
+tokenizer), 431 head too large, 503 no NATS, 504 no first token in time. A client that closes
+its connection before its first token gets nothing (recorded as 499); its request still runs.
 """
 
 from __future__ import annotations
@@ -198,9 +200,10 @@ class GatewayApp:
         if ctype.lower() not in ("application/json", ""):
             raise GatewayError(f"Content-Type must be application/json, got {ctype!r}", 415)
         body, model = parse_completion_body(req.body)
-        # A client's traceparent makes the request's trace part of the client's (W3C).
+        # A client's traceparent makes the request's trace part of the client's (W3C). A
+        # client that closes its connection ends the wait for it (not the request).
         done = await self.service.complete(body, arrival_s=arrival, http=True,
-                                           carrier=req.headers)
+                                           carrier=req.headers, disconnected=req.disconnected)
         return HttpResponse.json(
             200, completion_json(done, model or self.service.gsettings.model_name),
             {"X-Request-Id": done.request_id},

@@ -12,6 +12,17 @@ bytes otherwise than this server, smuggling a request past it): 400 and the conn
 ``HEAD`` is answered as ``GET`` without the body. Responses always carry ``Content-Length``.
 A handler exception becomes a 500 without details; the server keeps serving.
 
+The head is read line by line, each line ending in CRLF: a line ending in a bare LF is a 400
+at once (read as a whole head up to CRLF CRLF, such a request waited for the idle timeout).
+Up to :data:`MAX_EMPTY_LINES` empty lines (CRLF or a bare LF) before the request line are
+skipped (RFC 9112 §2.2: a server SHOULD ignore at least one; old clients send a CRLF after a
+POST body), more are a 400; a request line that is not ``method SP target SP version``, 400.
+
+While a handler runs, the connection is watched: a client that closes it (or shuts down its
+sending side, as nginx too reads it) completes the request's :attr:`HttpRequest.disconnected`
+future, so the handler can stop waiting on its behalf; no response is written then and the
+connection is closed. Bytes a client sends meanwhile (a pipelined request) end the watch.
+
 Stopping (:meth:`HttpServer.close`): no new connection is accepted, idle connections are
 closed, and a request being handled gets up to ``grace_s`` to be answered (then a 503
 "stopping", ``Connection: close``), so a stop never leaves a client without an answer.
@@ -46,10 +57,17 @@ service's whole stop bound, ``stop_timeout_s``)."""
 _ONCE: Final[frozenset[str]] = frozenset(
     {"content-length", "transfer-encoding", "authorization", "host"})
 """Headers a request may carry at most once (a repeat is how framing is smuggled)."""
+MAX_EMPTY_LINES: Final[int] = 8
+"""Empty lines skipped before a request line (RFC 9112 §2.2 asks for at least one); more are
+no robustness but a client sending garbage, answered 400."""
 
 
 @dataclass(frozen=True, slots=True)
 class HttpRequest:
+    """One request. ``disconnected`` (set by :class:`HttpServer` while the request is
+    handled; None elsewhere): done once the client closed its connection, so nobody will read
+    the response (module docstring)."""
+
     method: str
     path: str
     query: Mapping[str, list[str]]
@@ -57,6 +75,7 @@ class HttpRequest:
     body: bytes
     peer: str = ""
     version: str = "HTTP/1.1"
+    disconnected: asyncio.Future[None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,14 +91,14 @@ class HttpResponse:
 
 
 def error_body(status: int, message: str, *, type_: str | None = None) -> dict[str, Any]:
-    """OpenAI-style error object."""
-    return {
-        "error": {
-            "message": message,
-            "type": type_ or HTTPStatus(status).phrase.lower().replace(" ", "_"),
-            "code": status,
-        }
-    }
+    """OpenAI-style error object (``type``: the status's phrase in snake case; "error" for a
+    status without one, e.g. nginx's 499)."""
+    if type_ is None:
+        try:
+            type_ = HTTPStatus(status).phrase.lower().replace(" ", "_")
+        except ValueError:
+            type_ = "error"
+    return {"error": {"message": message, "type": type_, "code": status}}
 
 
 def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
@@ -184,8 +203,11 @@ class HttpServer:
                     return
                 keep_alive = _wants_keep_alive(request)
                 head_only = request.method == "HEAD"
-                if head_only:  # answered as GET, without the body
-                    request = dataclasses.replace(request, method="GET")
+                gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                # HEAD is answered as GET, without the body.
+                request = dataclasses.replace(request, method="GET" if head_only
+                                              else request.method, disconnected=gone)
+                watch = asyncio.create_task(_watch_close(reader, gone), name="http-watch")
                 self._busy.add(task)
                 try:
                     try:
@@ -200,6 +222,11 @@ class HttpServer:
                     except Exception:
                         log.exception("HTTP handler failed", path=request.path)
                         response = error_response(500, "internal error")
+                    finally:
+                        # Ended before the next read: it must not wait on the reader then.
+                        await cancel_and_wait([watch], log)
+                    if gone.done():  # nobody reads it
+                        return
                     keep_alive = keep_alive and not self._closing
                     await self._write(writer, response, keep_alive, head_only=head_only)
                 finally:
@@ -212,28 +239,65 @@ class HttpServer:
                 writer.close()
                 await writer.wait_closed()
 
-    async def _read_request(self, reader: asyncio.StreamReader, peer: str) -> HttpRequest | None:
+    async def _read_line(self, reader: asyncio.StreamReader, budget: int) -> bytes:
+        """One line of the head, up to and including its LF (``budget``: head bytes left).
+        EOF before the LF raises IncompleteReadError (partial: what came)."""
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
+            line = await reader.readuntil(b"\n")
         except asyncio.LimitOverrunError:
             raise _Reject(431, f"request head over {self.max_header_bytes} bytes") from None
-        except asyncio.IncompleteReadError as exc:
-            if not exc.partial.strip():
-                return None  # clean close between requests
-            raise _Reject(400, "incomplete request head") from None
-        if len(head) > self.max_header_bytes:
+        if len(line) > budget:
             raise _Reject(431, f"request head over {self.max_header_bytes} bytes")
-        try:
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, version = lines[0].split(" ")
-        except ValueError:
-            raise _Reject(400, "malformed request line") from None
+        return line
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> list[str] | None:
+        """The request line and header lines (without their CRLF), or None for a clean close
+        before a request (only empty lines, if anything, came). Rejects a bare-LF line, too
+        many empty lines first, an incomplete or oversized head (module docstring)."""
+        budget = self.max_header_bytes
+        for _ in range(MAX_EMPTY_LINES + 1):
+            try:
+                line = await self._read_line(reader, budget)
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial.strip():
+                    return None  # clean close between requests
+                raise _Reject(400, "incomplete request head") from None
+            budget -= len(line)
+            if line not in (b"\r\n", b"\n"):
+                break
+        else:
+            raise _Reject(400, f"more than {MAX_EMPTY_LINES} empty lines before the request "
+                               "line")
+        lines: list[str] = []
+        while True:
+            # NOTE: a bare LF ends no line here (RFC 9112 §2.2 only *allows* taking it): a
+            # proxy in front that takes it could frame the head otherwise than we do.
+            if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
+                kind = "request line" if not lines else "header line"
+                raise _Reject(400, f"malformed {kind} {line[:60]!r}: a line must end with "
+                                   "CRLF and hold no other CR or LF")
+            if line == b"\r\n":
+                return lines
+            lines.append(line[:-2].decode("latin-1"))
+            try:
+                line = await self._read_line(reader, budget)
+            except asyncio.IncompleteReadError:
+                raise _Reject(400, "incomplete request head") from None
+            budget -= len(line)
+
+    async def _read_request(self, reader: asyncio.StreamReader, peer: str) -> HttpRequest | None:
+        lines = await self._read_head(reader)
+        if lines is None:
+            return None
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not all(parts):
+            raise _Reject(400, f"malformed request line {lines[0][:60]!r} (want: METHOD "
+                               "TARGET HTTP/1.1)")
+        method, target, version = parts
         if not version.startswith("HTTP/1."):
             raise _Reject(505, f"unsupported protocol {version!r}")
         headers: dict[str, str] = {}
         for line in lines[1:]:
-            if not line:
-                continue
             name, sep, value = line.partition(":")
             if not sep or not name or name != name.strip():
                 raise _Reject(400, f"malformed header line {line[:60]!r}")
@@ -286,6 +350,33 @@ class HttpServer:
                 await writer.drain()
         except TimeoutError:
             raise ConnectionError("the client did not read its response in time") from None
+
+
+async def _watch_close(reader: asyncio.StreamReader, gone: asyncio.Future[None]) -> None:
+    """Complete ``gone`` once the client closes the connection (EOF, or an error such as a
+    reset) while nothing else is to be read; return, leaving it pending, once the client
+    sends bytes (a pipelined request: it is still there, and its close is seen when those
+    bytes are read). Cancelled when the handler ends.
+
+    NOTE: StreamReader has no public way to wait for bytes or EOF without taking the bytes
+    (they belong to the next request), so this waits on its private ``_wait_for_data``, as its
+    own readers do, and reads its private ``_buffer`` to see pending bytes. Polling ``at_eof()``
+    instead would wake every in-flight request's task several times a second. The watch
+    ends at the first byte rather than waiting again: that would resume a transport the
+    reader paused for a full buffer, and a client could then pile up requests unbounded."""
+    while True:
+        if reader.exception() is not None:
+            break
+        if reader._buffer:  # type: ignore[attr-defined]
+            return
+        if reader.at_eof():
+            break
+        try:
+            await reader._wait_for_data("_watch_close")  # type: ignore[attr-defined]
+        except OSError:  # the connection was lost with an error (reset, TLS failure)
+            break
+    if not gone.done():
+        gone.set_result(None)
 
 
 def _wants_keep_alive(request: HttpRequest) -> bool:

@@ -23,8 +23,11 @@ requests, a failed one a miss, as the simulator counts it) as slo / input tokens
 ``status``), under the gateway's ``VTM_SLO`` deadlines, and the token-level hit rate as reused /
 input tokens of answered requests (``status="200"``). A request rejected before its prompt was
 tokenized (a malformed body, ``stream=true``, a text prompt without a tokenizer: 400 / 422) has
-no known length and is counted in ``vtm.gateway.completions`` only. ``degree`` is the serving
-worker's GPU count ("?" when its id is not a lattice worker's, or no worker served it).
+no known length and is counted in ``vtm.gateway.completions`` only. An HTTP client that closed
+its connection before its first token is counted with ``status="499"`` (nginx's "client
+closed request"; no answer is sent): a miss too, which a dashboard may leave out by status.
+``degree`` is the serving worker's GPU count ("?" when its id is not a lattice worker's, or no
+worker served it).
 """
 
 from __future__ import annotations

@@ -95,6 +95,13 @@ class GatewaySettings(ServiceSettings):
         "(or an intake that does not answer yet) to come back, publishing again, before 503: "
         "a broker restart delays requests instead of failing them. 0: 503 at once.",
     )
+    max_idempotency_keys: int = Field(
+        default=65_536, ge=1,
+        description="Client request ids whose content digest this gateway remembers (for the "
+        "intake's de-duplication window, 120 s), to answer 409 to an id reused with another "
+        "request; past it the oldest is forgotten early (services/gateway/idempotency.py). "
+        "About 300 bytes each.",
+    )
     slo: str = Field(
         default="qwen3-30b-a3b",
         description="TTFT deadlines the vtm.request.slo_tokens metric counts: a table name "

@@ -1,5 +1,7 @@
 """Gateway HTTP behaviour beyond limits: keep-alive connections, text prompts through a
-configured tokenizer (first token detokenized)."""
+configured tokenizer (first token detokenized), idempotent retries (the same request again is
+answered as the first; a request id reused with another request is a 409), a client that
+disconnects leaves no waiter behind."""
 
 from __future__ import annotations
 
@@ -249,3 +251,60 @@ async def test_a_retry_gets_the_answer_kept_before_a_malformed_result(
     assert again.status == 200, again.body
     assert again.json()["vtm"]["duplicate"] is True
     assert again.json()["choices"][0]["token_ids"] == [fake_token("kept-1")]
+
+
+async def test_a_request_id_reused_with_another_request_is_a_409(
+    live: Services, fake_worker, nc  # type: ignore[no-untyped-def]
+) -> None:
+    """A client's request_id is an idempotency key: the same request again is answered with
+    the first one's result (computed once); another prompt or max_tokens under that id is a
+    409 naming the id, never the first request's answer (before: the intake dropped it as a
+    duplicate and the client got the other request's token, 200)."""
+    w = await fake_worker("w-cp2-g0", 2, 0)
+    sched = await live.scheduler(block_size=2)
+    gw = await live.gateway(block_size=2)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    body = {"prompt_tokens": list(range(9)), "request_id": "key-1"}
+    first = await http(gw.http_port, "POST", "/v1/completions", body)
+    assert first.status == 200 and first.json()["vtm"]["duplicate"] is False, first.body
+    for other in ({**body, "prompt_tokens": list(range(1, 10))}, {**body, "max_tokens": 2}):
+        reply = await http(gw.http_port, "POST", "/v1/completions", other)
+        assert reply.status == 409, reply.body
+        err = reply.json()["error"]
+        assert err["code"] == 409 and err["type"] == "conflict" and "'key-1'" in err["message"]
+    # Fields that do not change the answer (model, sampling) are the same request.
+    again = await http(gw.http_port, "POST", "/v1/completions",
+                       {**body, "model": "m", "temperature": 0.5})
+    assert again.status == 200 and again.json()["vtm"]["duplicate"] is True, again.body
+    assert again.json()["choices"] == first.json()["choices"]
+    assert [a.request.request_id for a in w.assignments] == ["key-1"]  # computed once
+    assert gw.counters["conflicts"] == 2
+    # An id of its own is the client's to choose again only for another request.
+    fresh = await http(gw.http_port, "POST", "/v1/completions",
+                       {**body, "prompt_tokens": list(range(1, 10)), "request_id": "key-2"})
+    assert fresh.status == 200, fresh.body
+
+
+async def test_a_client_that_disconnects_leaves_no_waiter(
+    live: Services, nc, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """The client closes its connection while its request waits for the first token: the
+    gateway drops its waiter at once (before: held until the result or result_timeout_s),
+    and the request stays in the intake to run. The gateway keeps serving."""
+    from shared.subjects import Subjects
+
+    # No scheduler: the request waits for ever (result_timeout_s far above WAIT_S).
+    gw = await live.gateway(result_timeout_s=3600.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.http_port)
+    body = json.dumps({"prompt_tokens": [1, 2, 3], "request_id": "gone-1"}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    await wait_until(lambda: gw.waiting_for("gone-1") == 1, "the request waiting")
+    writer.close()
+    await writer.wait_closed()
+    await wait_until(lambda: gw.waiting_for("gone-1") == 0, "its waiter dropped")
+    assert gw.stats_data()["waiting"] == 0 and gw.counters["clients_gone"] == 1
+    info = await nc.jetstream().stream_info(Subjects(uniq).intake_stream())
+    assert info.state.messages == 1  # still to run
+    assert (await http(gw.http_port, "GET", "/health")).status == 200

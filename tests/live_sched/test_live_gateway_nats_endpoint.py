@@ -1,11 +1,14 @@
 """The gateway's NATS completions endpoint serves requests concurrently: one waiting for its
 first token does not hold back the next (nats-py runs a subscription's callbacks one after
-another, so a handler that awaits the first token would serialise every NATS client)."""
+another, so a handler that awaits the first token would serialise every NATS client). The
+errors it answers from those tasks count in ``$SRV.STATS`` as a handler's raised ones do."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+from typing import Any
 
 import pytest
 from live_sched_support import Services, wait_until
@@ -69,3 +72,53 @@ async def test_an_intake_stream_that_refuses_the_message_is_a_503(
     finally:
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
+
+
+async def _completions_stats(nc: Client, gw: Any) -> dict[str, Any]:
+    answer = await nc.request(f"$SRV.STATS.{gw.name}.{gw.service.id}", b"", timeout=10)
+    stats = json.loads(answer.data)
+    return next(e for e in stats["endpoints"] if e["name"] == "completions")  # type: ignore[no-any-return]
+
+
+async def test_errors_answered_later_count_in_the_endpoint_stats(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """An error the endpoint answers after its handler returned (the wait runs in a task of
+    its own) is counted in ``num_errors`` / ``last_error`` (before: only a malformed body,
+    raised in the handler itself, was; a 413, 422, 409 or 504 counted nothing). Among them a
+    request id reused with another request: 409, naming the id."""
+    gw = await live.gateway(result_timeout_s=600.0, max_prompt_tokens=4)
+    s = Subjects(uniq)
+    before = await _completions_stats(nc, gw)
+    waiting = asyncio.create_task(call(nc, s.gateway_completions(), CompletionRequest(
+        prompt_tokens=[1, 2, 3], request_id="key-1"), FirstToken, timeout_s=600))
+    try:
+        await wait_until(lambda: gw.waiting_for("key-1") == 1, "the first request waiting")
+        refused = [
+            (CompletionRequest(prompt_tokens=[1] * 5), 413),
+            (CompletionRequest(prompt="text, and no tokenizer"), 422),
+            (CompletionRequest(prompt_tokens=[1, 2], request_id="key-1"), 409),
+        ]
+        for req, code in refused:
+            with pytest.raises(RemoteError) as err:
+                await call(nc, s.gateway_completions(), req, FirstToken, timeout_s=20)
+            assert err.value.code == code, err.value
+        assert "'key-1'" in err.value.description
+        with pytest.raises(RemoteError) as err:  # raised in the handler: counted before too
+            await call(nc, s.gateway_completions(), b"{}", FirstToken, timeout_s=20)
+        assert err.value.code == 400
+        after = await _completions_stats(nc, gw)
+        assert after["num_errors"] - before["num_errors"] == 4, after
+        assert after["last_error"].startswith("400:"), after
+        # The last error answered from a task is what last_error then shows.
+        with pytest.raises(RemoteError):
+            await call(nc, s.gateway_completions(), CompletionRequest(prompt_tokens=[1] * 5),
+                       FirstToken, timeout_s=20)
+        after = await _completions_stats(nc, gw)
+        assert after["num_errors"] - before["num_errors"] == 5, after
+        assert after["last_error"].startswith("413:") and "max_prompt_tokens" in \
+            after["last_error"], after
+        assert gw.waiting_for("key-1") == 1 and not waiting.done()  # the first still waits
+    finally:
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)

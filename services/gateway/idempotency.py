@@ -1,0 +1,131 @@
+"""Idempotency keys: a client's ``request_id`` names one request, not whatever is sent under it.
+
+The intake de-duplicates by ``Nats-Msg-Id`` = request id (``INTAKE_DUPLICATE_WINDOW_S``), so
+a request id sent again within that window is answered with the first request's result. For
+the *same* request that is the point (a retry after a cut-off connection is an idempotent
+replay, computed once); for a *different* request under a reused id it would be a wrong answer
+given as right. So the gateway remembers a digest of each accepted request's content per
+client-given request id (:class:`Fingerprints`) and refuses a reuse with other content: 409
+Conflict, naming the id (``services.gateway.adapter.Conflict``).
+
+Content (:func:`request_digest`): what decides the answer -- the prompt's token ids (after
+tokenization, so a text prompt and its token ids are the same request) and ``max_tokens``.
+Fields the gateway ignores (``model``, sampling parameters) are not content.
+
+Limits (a sans-IO core, per gateway process):
+
+* **Per gateway.** No durable store of request content exists to share: the intake is a work
+  queue (a message is gone once its result is in) and the results stream keeps FirstTokens,
+  which carry no content. A reuse that reaches *another* replica (or this one after a
+  restart) with other content is not detected there; it gets the first request's answer, as
+  before. Sharing it would need a JetStream KV bucket keyed by request id with the window as
+  its TTL (a bucket name built in ``shared/subjects.py``).
+* **Window.** A digest is kept for ``window_s`` (the intake's de-duplication window) from its
+  first acceptance here: after that the intake takes the id as a new request, and so does
+  this check.
+* **Size.** At most ``max_keys`` digests; past that the oldest is forgotten early (counted in
+  :attr:`Fingerprints.evicted`), and a reuse of its id is not detected.
+
+Only client-given ids are remembered: the gateway's own (``new_request_id``, 128 random bits)
+cannot be reused by accident, and remembering them would only push the others out.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Final, NewType
+
+RequestDigest = NewType("RequestDigest", bytes)
+"""A request's content digest (:func:`request_digest`)."""
+
+_DIGEST_VERSION: Final[bytes] = b"vtm-request-v1\x00"
+"""Leads every digest, so a change of what counts as content changes every digest."""
+
+
+def request_digest(tokens: Sequence[int], max_tokens: int) -> RequestDigest:
+    """The digest of a request's content: its prompt token ids and ``max_tokens`` (BLAKE2b,
+    128 bits). Token ids are non-negative and (after ``check_limits``) below 2**31, so a
+    signed 64-bit array holds each exactly; packing them as machine words keeps a 128k-token
+    prompt at one C-level pass."""
+    h = hashlib.blake2b(_DIGEST_VERSION, digest_size=16)
+    h.update(max_tokens.to_bytes(8, "little"))
+    h.update(len(tokens).to_bytes(8, "little"))
+    packed = array("q", tokens)
+    if packed.itemsize != 8:  # pragma: no cover - 'q' is 8 bytes on every CPython platform
+        raise RuntimeError("array('q') is not 64-bit here")
+    h.update(packed.tobytes())
+    return RequestDigest(h.digest())
+
+
+class Claim(enum.Enum):
+    """The outcome of :meth:`Fingerprints.claim`."""
+
+    NEW = "new"
+    """No digest kept for the id: this request's is kept now."""
+    SAME = "same"
+    """The id was accepted with this very content: an idempotent replay."""
+    CONFLICT = "conflict"
+    """The id was accepted with other content: refuse (409)."""
+
+
+class Fingerprints:
+    """Request id → content digest, for ``window_s`` from first acceptance, at most
+    ``max_keys`` of them (module docstring). ``clock``: monotonic seconds (injected in tests).
+
+    NOTE: an ``OrderedDict`` in acceptance order. Every entry lives the same ``window_s``, so
+    the oldest is always first: expiry and the size bound both pop from the front, O(1) per
+    entry, and nothing is ever re-ordered (a replay does not extend the window, as a
+    duplicate does not extend the intake's)."""
+
+    def __init__(self, window_s: float, max_keys: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be >= 1, got {max_keys!r}")
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self._clock = clock
+        self._kept: OrderedDict[str, tuple[RequestDigest, float]] = OrderedDict()
+        self.evicted = 0
+        """Digests forgotten before their window ended (the size bound)."""
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def claim(self, request_id: str, digest: RequestDigest) -> Claim:
+        """Whether ``request_id`` may carry ``digest``; a NEW claim is kept (undo it with
+        :meth:`release` if the request is not accepted after all)."""
+        now = self._clock()
+        self._expire(now)
+        kept = self._kept.get(request_id)
+        if kept is not None:
+            return Claim.SAME if kept[0] == digest else Claim.CONFLICT
+        while len(self._kept) >= self.max_keys:
+            self._kept.popitem(last=False)
+            self.evicted += 1
+        self._kept[request_id] = (digest, now + self.window_s)
+        return Claim.NEW
+
+    def release(self, request_id: str, digest: RequestDigest) -> None:
+        """Forget a NEW claim whose request was not accepted (its intake publish failed), so
+        that a retry with other content is not refused for a request that never ran. Only the
+        very digest claimed is forgotten."""
+        kept = self._kept.get(request_id)
+        if kept is not None and kept[0] == digest:
+            del self._kept[request_id]
+
+    def _expire(self, now: float) -> None:
+        while self._kept:
+            _, (_, until) = next(iter(self._kept.items()))
+            if until > now:
+                return
+            self._kept.popitem(last=False)
+
+
+__all__ = ["Claim", "Fingerprints", "RequestDigest", "request_digest"]
