@@ -214,28 +214,41 @@ ops = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_queue_delay_matches_definition(seq: list[tuple[str, int, float]]) -> None:
-    """q(now) = Σ waiting predictions + Σ running max(pred − elapsed, 0), whatever the history."""
+    """q(now) = Σ waiting predictions + Σ running max(pred − elapsed, 0), whatever the history;
+    each operation is accepted or refused (with its own error) exactly as the model says."""
     ld = WorkerLoad(WorkerId("w"))
     model: dict[str, list] = {}  # rid -> [pred, started_at]
     t = 0.0
     for op, k, x in seq:
         rid = R(f"r{k}")
         t += 0.1
-        try:
-            if op == "reserve":
-                ld.reserve(rid, x)
-                model[rid] = [x, None]
-            elif op == "start":
-                ld.start(rid, t)
-                model[rid][1] = t
-            elif op == "finish":
-                ld.finish(rid)
-                del model[rid]
-            else:
-                ld.withdraw(rid)
-                del model[rid]
-        except VertumnusError:
-            pass
+        known = rid in model
+        started = known and model[rid][1] is not None
+        # The refusal the model expects (None: the operation must be accepted).
+        err: type[VertumnusError] | None
+        if op == "reserve":
+            err = DuplicateRequest if known else None
+        elif not known:
+            err = UnknownRequest
+        elif op == "start" and started or op == "withdraw" and started:
+            err = IllegalTransition
+        else:
+            err = None
+        if err is not None:
+            with pytest.raises(err):
+                getattr(ld, op)(rid, *((x,) if op == "reserve" else (t,) if op == "start" else ()))
+        elif op == "reserve":
+            ld.reserve(rid, x)
+            model[rid] = [x, None]
+        elif op == "start":
+            ld.start(rid, t)
+            model[rid][1] = t
+        elif op == "finish":
+            ld.finish(rid)
+            del model[rid]
+        else:
+            ld.withdraw(rid)
+            del model[rid]
         expect = sum(p if s is None else max(p - (t - s), 0.0) for p, s in model.values())
         assert ld.queue_delay(t) == pytest.approx(expect, abs=1e-9)
         assert ld.unfinished == len(model)

@@ -623,3 +623,8 @@ def test_the_placement_terms_carry_the_beta_the_score_used() -> None:
     assert terms is not None and terms.beta == d.beta < BETA
     # J = q + β_eff·s + λ·extra with the β reported (the chosen worker is the idle w2).
     assert terms.j == pytest.approx(terms.q_s + terms.beta * terms.s_s + LAM * terms.gpu_cost_s)
+    # ... and they are the chosen worker's terms, not another candidate's (w4's differ).
+    assert d.worker == W("w2")
+    c, other = d.chosen, d.candidate(W("w4"))
+    assert (terms.q_s, terms.s_s, terms.gpu_cost_s, terms.j) == (c.q, c.s, c.extra_gpu, c.score)
+    assert (other.q, other.s, other.score) != (c.q, c.s, c.score)

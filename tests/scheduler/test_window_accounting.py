@@ -85,11 +85,15 @@ def test_window_report_splits_demand_by_preferred_degree_as_the_simulator_does()
     assert report.schema_version == WINDOW_REPORT_VERSION == 2
     assert report.requests == 4
     assert report.preferred_speedup == 1.15 and report.preferred_degrees == [2, 4]
+    # Preferred degrees by hand (rule 1 at speedup 1.15 on the default profile): short 2
+    # (Ê_2/Ê_4 = 1.03 at 600 tokens), long 4 (1.52), hot 2 (1.05 for its 512 recomputed
+    # tokens behind 7,680 cached), mid 4 (1.25 at 16,000 tokens, nothing cached).
+    assert decisions["mid"].reused_blocks == 0
+    by_hand = {"short": 2, "long": 4, "hot": 2, "mid": 4}
+    assert {rid: svc.preferred_degree(lengths[rid][0], d) for rid, d in placed} == by_hand
     want: dict[int, float] = {}
     for rid, d in placed:
-        c = svc.preferred_degree(lengths[rid][0], d)
-        assert c is not None
-        want[c] = want.get(c, 0.0) + d.predicted_s
+        want[by_hand[rid]] = want.get(by_hand[rid], 0.0) + d.predicted_s
     assert report.demand_by_preferred == pytest.approx(want)
     assert sum(report.demand_by_preferred.values()) == pytest.approx(report.demand_s)
     # The simulator's path (the controller core fed each placement) gives the same split.

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import signal
-import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -28,7 +26,7 @@ CALM_THEN_HEAVY = SyntheticConfig(
 )
 
 B = 512
-HANG_GUARD_S = 30
+HANG_GUARD_EVENTS = 2_000_000  # timed events; a test run schedules thousands
 
 
 def uniform(gpus: int, degrees: tuple[int, ...], degree: int) -> Composition:
@@ -40,25 +38,31 @@ class SimulationHung(AssertionError):
 
 
 @contextmanager
-def hang_guard(seconds: int = HANG_GUARD_S) -> Iterator[None]:
+def hang_guard(max_events: int = HANG_GUARD_EVENTS) -> Iterator[None]:
     """Turn a simulation that never terminates into a failure instead of a stuck suite.
 
-    Not a timing assertion: the runs here take well under a second; the guard only fires on
-    an endless event loop (see test_failed_placement_terminates)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    Counts the timed events (windows, scans, transfers, drains: every ``Simulator._push``)
+    the simulations in the block schedule, in this process, and fails at ``max_events``: an
+    endless event loop (see test_failed_placement_terminates) reschedules its window or scan
+    for ever, while a run of these tests schedules a few thousand. A bound on work done, not
+    on wall time, so a slow machine cannot fail it. Simulations in worker processes are not
+    counted (pytest-timeout stops those)."""
+    orig = Simulator._push
+    count = 0
 
-    def _raise(signum: int, frame: object) -> None:
-        raise SimulationHung(f"simulation still running after {seconds} s: endless event loop")
+    def counted(self: Simulator, t: float, kind: int, a: object = None, b: object = None) -> None:
+        nonlocal count
+        count += 1
+        if count > max_events:
+            raise SimulationHung(f"over {max_events} events scheduled (simulated time {t:.0f} "
+                                 "s): endless event loop")
+        orig(self, t, kind, a, b)
 
-    old = signal.signal(signal.SIGALRM, _raise)
-    signal.alarm(seconds)
+    Simulator._push = counted  # type: ignore[method-assign]
     try:
         yield
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+        Simulator._push = orig  # type: ignore[method-assign]
 
 
 def run(
@@ -66,13 +70,13 @@ def run(
     profile: Profile,
     composition: Composition | None = None,
     truth: GroundTruth | None = None,
-    guard_s: int = HANG_GUARD_S,
+    max_events: int = HANG_GUARD_EVENTS,
     **cfg: object,
 ) -> SimResult:
     """Simulate ``workload``; ``composition`` defaults to all of the largest degree."""
     conf = SimConfig(**cfg)  # type: ignore[arg-type]
     comp = composition or uniform(conf.gpus, conf.degrees, max(conf.degrees))
-    with hang_guard(guard_s):
+    with hang_guard(max_events):
         return Simulator(conf, profile, truth).run(workload, comp)
 
 

@@ -18,6 +18,7 @@ from services.controller.lattice import Composition, Lattice
 from services.scheduler.core import SchedulerCore
 from services.scheduler.placement import PullCredit
 from shared.ids import InvalidInput
+from shared.worker import GpuGroup
 from sim.groundtruth import GroundTruth, Surroundings
 from sim.simulator import SimConfig, SimResult, Simulator
 from sim.workloads import Workload
@@ -112,9 +113,28 @@ def test_cache_manager_off_replicates_and_reclaims_nothing(
     )
     check_records(res, phased_workload, gpus=16)
     assert (res.replications, res.reclamations, res.reconcile_transfers) == (0, 0, 0)
-    assert reuse_not_computed_locally(res, phased_workload) == [] or adaptive
-    if adaptive:
+    foreign = reuse_not_computed_locally(res, phased_workload)
+    if not adaptive:
+        assert foreign == []
+    else:
         assert res.reconfigurations
+        # Without the manager a reuse that no earlier request on the same worker computed can
+        # only be KV that stayed on the GPUs across a split or merge: on a worker the
+        # reconfiguration made, from a request computed earlier on some of its GPUs.
+        made = {t for rc in res.reconfigurations for t in rc.targets}
+        recs = {r.request_id: r for r in res.records}
+        reqs = by_id(phased_workload)
+        for rid in foreign:
+            r = recs[rid]
+            assert r.worker in made
+            gpus = set(GpuGroup.from_worker_id(r.worker).gpus)
+            mine = reqs[rid].block_hashes
+            assert any(
+                o.finish_s <= r.start_s
+                and gpus & set(GpuGroup.from_worker_id(o.worker).gpus)
+                and _common(reqs[o.request_id].block_hashes, mine) > 0
+                for o in res.records
+            ), rid
 
 
 def test_split_and_merge_keep_prefixes_with_cache_manager(profile, phased_workload) -> None:
