@@ -12,29 +12,38 @@ nothing.
 
 Map (prefix ``vtm``):
 
-=============================  =========================================================
-``vtm.intake.requests``        durable intake, JetStream work-queue stream ``VTM_INTAKE``
-``vtm.gateway.completions``    gateway's NATS request subject (CompletionRequest)
-``vtm.worker.{wid}.assign``    Assignment to one worker's leader rank (micro endpoint)
-``vtm.worker.{wid}.queue``     request-reply: QueueQuery -> the worker's running and queued ids
-``vtm.rank.ctl.{gpu}``         epoch / geometry control to one rank daemon
-``vtm.epoch.ack.{gpu}``        EpochAck from a rank
-``vtm.cache.events.{wid}``     CacheEvent stream of one worker
-``vtm.cache.snapshot.{wid}``   request-reply: ask a worker for a snapshot of its index
-``vtm.cache.cmd.{wid}``        CacheCommand (replicate / reclaim / reconcile / demote)
-``vtm.cache.pending.{wid}``    ReconciledNotice: a new worker's pending and donor pages
-``vtm.cachemgr.pending``       request-reply: PendingQuery -> PendingReply (publish it again)
-``vtm.window.demand.{src}``    WindowReport from one scheduler replica (``….again``: its copy)
-``vtm.ctl.drain``              DrainNotice: a reconfiguration's sources stop admitting
-``vtm.ctl.reconf``             ReconfigurationEvent at every phase of a reconfiguration
-``vtm.ctl.composition``        CompositionNotice: the schedulable composition
-``vtm.{component}.…``          a service's micro endpoint group (``vtm.scheduler``, …)
-``vtm.result.{rid}``           FirstToken (first-token result) of one request
-``vtm.kv.{rid}``               KV handoff chunks of one request (binary, ``Content-Type``)
-KV ``VTM_WORKERS``             WorkerState per worker (key = worker id)
-KV ``VTM_EPOCH``, key current  EpochRecord, updated by compare-and-set
-KV ``VTM_ASSIGNMENTS``         AssignmentRecord per request (key = request id)
-=============================  =========================================================
+=================================  =====================================================
+``vtm.intake.requests``            durable intake, JetStream work-queue stream ``VTM_INTAKE``
+``vtm.gateway.completions``        gateway's NATS request subject (CompletionRequest)
+``vtm.worker.assign.{wid}``        Assignment to one worker's leader rank (micro endpoint)
+``vtm.worker.queue.{wid}``         request-reply: QueueQuery -> the worker's running and queued ids
+``vtm.rank.ctl.{gpu}``             epoch / geometry control to one rank daemon
+``vtm.epoch.ack.{gpu}``            EpochAck from a rank
+``vtm.cache.events.{wid}``         CacheEvent stream of one worker
+``vtm.cache.snapshot.{wid}``       request-reply: ask a worker for a snapshot of its index
+``vtm.cache.cmd.{wid}``            CacheCommand (replicate / reclaim / reconcile / demote)
+``vtm.cache.pending.{wid}``        ReconciledNotice: a new worker's pending and donor pages
+``vtm.cachemgr.pending``           request-reply: PendingQuery -> PendingReply (publish it again)
+``vtm.window.demand.{src}``        WindowReport from one scheduler replica
+``vtm.window.demand.again.{src}``  the replica's copy of its previous WindowReport
+``vtm.ctl.drain``                  DrainNotice: a reconfiguration's sources stop admitting
+``vtm.ctl.reconf``                 ReconfigurationEvent at every phase of a reconfiguration
+``vtm.ctl.composition``            CompositionNotice: the schedulable composition
+``vtm.{component}.…``              a service's micro endpoint group (``vtm.scheduler``, …)
+``vtm.result.{rid}``               FirstToken (first-token result) of one request
+``vtm.kv.{rid}``                   KV handoff chunks of one request (binary, ``Content-Type``)
+KV ``VTM_WORKERS``                 WorkerState per worker (key = worker id)
+KV ``VTM_EPOCH``, key current      EpochRecord, updated by compare-and-set
+KV ``VTM_ASSIGNMENTS``             AssignmentRecord per request (key = request id)
+=================================  =====================================================
+
+NOTE: "ids last" means a per-id subject ends in its id with its kind just before it
+(``vtm.worker.assign.{wid}``, never ``vtm.worker.{wid}.assign``), so one trailing ``*``
+selects one kind. Where one kind extends another's tokens (the copies
+``vtm.window.demand.again.{src}`` under the reports' ``vtm.window.demand.{src}``) it is one
+token longer: ``vtm.window.demand.*`` matches the reports alone (a reporter named ``again``
+sends a 4-token report, never a copy), ``vtm.window.demand.again.*`` the copies alone and
+``vtm.window.demand.>`` both.
 """
 
 from __future__ import annotations
@@ -157,21 +166,27 @@ class Subjects:
 
     # -- workers and ranks ------------------------------------------------------------------
 
-    def worker_group(self, worker_id: str) -> str:
-        """The micro-service endpoint group of one worker (``vtm.worker.{wid}``)."""
-        return self._join("worker", _id(worker_id, "worker id"))
+    def worker_group(self) -> str:
+        """The micro endpoint group of the rank daemons (``vtm.worker``). Its endpoints take
+        the absolute subjects :meth:`worker_assign` and :meth:`worker_queue`: the worker id
+        comes last, so no per-worker group prefixes them."""
+        return self._join("worker")
 
     def worker_assign(self, worker_id: str) -> str:
         """Assignments to the worker's leader rank (request-reply micro endpoint)."""
-        return f"{self.worker_group(worker_id)}.assign"
+        return self._join("worker", "assign", _id(worker_id, "worker id"))
 
     def worker_queue(self, worker_id: str) -> str:
         """The worker leader's queue listing (request-reply: QueueQuery → QueueReport)."""
-        return f"{self.worker_group(worker_id)}.queue"
+        return self._join("worker", "queue", _id(worker_id, "worker id"))
 
     def worker_assign_all(self) -> str:
         """Filter over every worker's assign subject (for taps)."""
-        return self._join("worker", "*", "assign")
+        return self._join("worker", "assign", "*")
+
+    def worker_queue_all(self) -> str:
+        """Filter over every worker's queue-listing subject (for taps)."""
+        return self._join("worker", "queue", "*")
 
     def rank_ctl(self, gpu: int) -> str:
         """Control (epoch / geometry) messages to the rank daemon of ``gpu``."""
@@ -257,13 +272,15 @@ class Subjects:
         return self._join("window", "demand", "*")
 
     def window_demand_again(self, reporter: str) -> str:
-        """The second copy of a replica's WindowReport, sent just ahead of its next one (a
-        subject of its own, one token longer: a subscriber of :meth:`window_demand_all` that
-        does not de-duplicate never sees the copies)."""
-        return self._join("window", "demand", _id(reporter, "reporter"), "again")
+        """The second copy of a replica's WindowReport, sent just ahead of its next one
+        (``vtm.window.demand.again.{src}``: a subject of its own, one token longer than a
+        report's, so a subscriber of :meth:`window_demand_all` that does not de-duplicate
+        never sees the copies, and :meth:`window_demand_with_copies` sees both)."""
+        return self._join("window", "demand", "again", _id(reporter, "reporter"))
 
     def window_demand_again_all(self) -> str:
-        return self._join("window", "demand", "*", "again")
+        """Filter over every replica's copies (and none of the reports)."""
+        return self._join("window", "demand", "again", "*")
 
     def window_demand_with_copies(self) -> str:
         """Every replica's reports and their copies, on one subscription (so a copy is

@@ -11,7 +11,10 @@ Contract:
   and some clients send ``Traceparent``). Works for core, request-reply, queue groups and
   JetStream (headers are stored with the message).
 * :func:`stage_span` opens a child span of an extracted context for one TTFT stage; stage
-  names are the :class:`Stage` values so every service names them alike.
+  names are the :class:`Stage` values so every service names them alike. The parent of every
+  stage is the request's root span (conventions.md: one root per request at the gateway, one
+  child per TTFT stage), whichever service records it: services pass the root's carrier (the
+  IntakeRequest's ``trace_context``), never their own handler's span.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ _limits: SpanLimits | None = None  # the installed provider's (read from the OTE
 
 
 class Stage(StrEnum):
-    """Span names of the TTFT stages (design.md "Metrics")."""
+    """Span names of the TTFT stages (design.md "Metrics"): each a direct child of
+    ``REQUEST``, except ``PREFILL_RANK``, a rank's part of ``PREFILL`` and its child."""
 
     REQUEST = "request"  # root, at the gateway
     INTAKE_WAIT = "intake_wait"

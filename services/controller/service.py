@@ -9,9 +9,9 @@ ControllerCore`; this module moves messages and keeps the books an adapter must 
 input                                    what the adapter does
 =======================================  ==========================================================
 ``{prefix}.window.demand.>``             WindowReport of each scheduler replica → ``core.assigned``
-(``demand_input="windows"``, default)    (the report is replayed as its ``requests`` assignments
-                                         at the middle of its window, :func:`replay_report`: D(k),
-                                         count, long fraction and the demand by preferred degree
+(``demand_input="windows"``, default;    (the report is replayed as its ``requests`` assignments
+reports ``….{src}``, their copies        at the middle of its window, :func:`replay_report`: D(k),
+``….again.{src}``)                       count, long fraction and the demand by preferred degree
                                          — the merge gate's input, when the report's rule is
                                          ours — are exact; reports of several replicas add up;
                                          a replica's second copy of a window is ignored)
@@ -33,7 +33,7 @@ worker-state KV (watch)                  per-worker outstanding work (drain esti
 Carrying out a plan (one or more splits and merges on disjoint workers, ``max_ops``):
 
 1. *Queues.* Each source of every operation is asked (concurrently)
-   ``{prefix}.worker.{wid}.queue`` (QueueQuery → QueueReport: queued and in-flight ids). A
+   ``{prefix}.worker.queue.{wid}`` (QueueQuery → QueueReport: queued and in-flight ids). A
    worker that does not answer is judged from its WorkerState: nothing queued is known (the
    worker redirects its own queue when it adopts the drain record), and one opaque in-flight
    marker if its ``queue_len`` > 0, resolved when its state shows an empty queue.

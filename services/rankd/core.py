@@ -195,6 +195,7 @@ class Job:
 
     assignment: Assignment
     accepted_at_s: float
+    # W3C carrier the request's stage spans hang from (the adapter passes the root's).
     trace_carrier: dict[str, str] = field(default_factory=dict)
     started_at_s: float | None = None
     executed: Assignment | None = None  # the assignment with P, R as found at start

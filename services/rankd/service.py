@@ -2,22 +2,27 @@
 
 Per process (one worker, its leader rank, for now):
 
-* micro service ``vtm-rankd`` with endpoint ``{prefix}.worker.{wid}.assign``: an Assignment
+* micro service ``vtm-rankd`` with endpoint ``{prefix}.worker.assign.{wid}``: an Assignment
   in, an AssignmentAck out (queue position) or a micro error (400 malformed, 404 wrong worker,
   409 not ACTIVE / epoch ahead / queue full; for a re-sent assignment of a request this worker
   handed back: 425 while the redirect is unsettled, 410 once intake holds it — see
   :mod:`services.rankd.core`). Admission is instant; execution is FIFO in a background task
   through an :class:`~services.rankd.backend.ExecutionBackend`. Endpoint
-  ``{prefix}.worker.{wid}.queue``: a QueueQuery in, a QueueReport out (the running request
+  ``{prefix}.worker.queue.{wid}``: a QueueQuery in, a QueueReport out (the running request
   and the FIFO in order; 400 malformed, 404 another worker's id) -- the controller's first
   step of a split or merge.
 * after each request, a FirstToken on ``{prefix}.result.{rid}`` with TTFT stage timings
   (wall seconds, see :mod:`services.rankd.backend`), the predicted prefill (modelled seconds)
-  and the worker's ``time_scale``, and spans ``queue_wait``, ``prefill``
+  and the worker's ``time_scale``, and the TTFT stage spans ``queue_wait``, ``prefill``
   (with one ``prefill_rank`` child per rank: rank, GPU, share of the new tokens),
-  ``kv_transfer`` and ``first_decode`` parented to the assigning scheduler's trace context
-  (predicted and modelled times on them; the last three from the backend's measured instants,
-  so the spans and the FirstToken's breakdown agree). Units on ``prefill``:
+  ``kv_transfer`` and ``first_decode``, each a direct child of the request's root span at the
+  gateway (conventions.md: one root per request, one child per stage), whose context travels
+  in the assignment (``Assignment.request.trace_context``; :func:`stage_carrier`) -- not of
+  the ``vtm-rankd.assign`` server span, which is the dispatch's (a child of the scheduler's
+  ``schedule`` span) and ends at the admission. Predicted and modelled times on them; the
+  queue wait from the scheduler's ``assigned_at_s`` (where the breakdown's starts), the last
+  three from the backend's measured instants, so the spans and the FirstToken's breakdown
+  agree. Units on ``prefill``:
   ``vtm.predicted_s`` and ``vtm.modelled_prefill_s`` modelled seconds,
   ``vtm.actual_prefill_s`` wall seconds, ``vtm.actual_prefill_model_s`` the same in modelled
   seconds (÷ ``vtm.time_scale``, wall seconds per modelled second), so prediction and
@@ -237,6 +242,22 @@ def backend_max_seq_len(backend: ExecutionBackend) -> int | None:
     return min(int(limit), MAX_TOKENS)
 
 
+def stage_carrier(a: Assignment) -> dict[str, str]:
+    """The W3C carrier the request's TTFT stage spans hang from: the root's.
+
+    The assignment's ``request.trace_context`` is the gateway's root span context (the
+    gateway puts it in the IntakeRequest; the scheduler copies into it whatever context the
+    intake message's headers carried, and hand-backs keep it), so every stage is a direct
+    child of the root wherever the request ran. Only when the request carries none (an
+    assignment sent by hand: tests, tools) the current context is taken -- inside the
+    assignment handler its server span's, or an unsampled caller's -- and the stages hang
+    under the assign server span, as they all did before the root travelled with the
+    assignment.
+    """
+    own = a.request.trace_context
+    return dict(own) if traceparent_of(own) is not None else inject({})
+
+
 def ttft_stages(job: Job, result: PrefillResult) -> TtftStages:
     """Stage breakdown of one finished request from the instants the pipeline recorded."""
     a = job.assignment
@@ -271,7 +292,9 @@ class RankdService(MicroService):
             settings,
             name=micro_service_name("rankd"),
             version=VERSION,
-            group=subjects.worker_group(settings.worker_id),
+            # Every endpoint below has an absolute subject ending in the worker id (ids last,
+            # shared/subjects.py); the group only names the service's endpoint family.
+            group=subjects.worker_group(),
             description="vertumnus rank daemon (worker leader)",
             metadata={"worker_id": settings.worker_id, "backend": backend.name},
         )
@@ -332,8 +355,10 @@ class RankdService(MicroService):
     def endpoints(self) -> Sequence[Endpoint]:
         wid = self.core.worker_id
         return [
-            Endpoint("assign", self._on_assign),
-            Endpoint("queue", self._on_queue),
+            Endpoint("assign", self._on_assign, subject=self.subjects.worker_assign(wid),
+                     absolute=True),
+            Endpoint("queue", self._on_queue, subject=self.subjects.worker_queue(wid),
+                     absolute=True),
             Endpoint(
                 "cache-snapshot",
                 self._on_snapshot,
@@ -415,7 +440,8 @@ class RankdService(MicroService):
                               request_id=rid)
                 self._send_result(*kept[1:])
         try:
-            position = self.core.admit(a, self.clock(), trace_carrier=inject({}), source=source)
+            position = self.core.admit(a, self.clock(), trace_carrier=stage_carrier(a),
+                                       source=source)
         except HandBackUnknown as exc:  # settle it now: publish the hand-back again
             if await self._confirm_handback(exc.job):
                 raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc
@@ -619,9 +645,11 @@ class RankdService(MicroService):
     async def _run(self, job: Job) -> None:
         a = job.executed or job.assignment  # P, R as this worker's cache found them
         assert job.started_at_s is not None
-        # Unsampled (the usual case at a 1% ratio): no span objects or attributes; the parent's
-        # non-recording span is current during the prefill so anything the backend traces
-        # keeps the decision. No valid context at all: spans as before (roots, by ratio).
+        # job.trace_carrier is the root's context (stage_carrier): every stage span below is
+        # its direct child. Unsampled (the usual case at a 1% ratio): no span objects or
+        # attributes; the parent's non-recording span is current during the prefill so
+        # anything the backend traces keeps the decision. No valid context at all: spans as
+        # before (roots, by ratio).
         sampled = is_sampled(job.trace_carrier) or traceparent_of(job.trace_carrier) is None
         ids = {"vtm.request_id": a.request.request_id, "vtm.worker_id": a.worker_id}
         span_cm: contextlib.AbstractContextManager[Span]
@@ -759,7 +787,8 @@ class RankdService(MicroService):
                               ids: dict[str, str]) -> None:
         """``kv_transfer`` (KV handoff to decode) and ``first_decode`` (first decode iteration
         → first token) spans from the backend's measured instants, siblings of ``prefill``
-        under the assignment's server span; the same durations go into the FirstToken."""
+        under the request's root span (:func:`stage_carrier`); the same durations go into the
+        FirstToken."""
         transferred = prefilled + result.kv_transfer_s
         record_span(Stage.KV_TRANSFER, start_s=prefilled, end_s=transferred,
                     parent=job.trace_carrier,

@@ -11,7 +11,7 @@ input                                  what the adapter does
 intake (durable pull consumer          decode IntakeRequest; idempotency check against the
 ``scheduler`` on ``VTM_INTAKE``,       assignment-record KV bucket; ``trie.match`` →
 explicit ack, ack_wait, max_deliver)   ``core.place``; record; dispatch the JSON Assignment
-                                       (request-reply) to ``{prefix}.worker.{wid}.assign``;
+                                       (request-reply) to ``{prefix}.worker.assign.{wid}``;
                                        ack; send RequestStats (cachemgr) and WindowReport
                                        (controller, when a window closes; each report goes
                                        out again just ahead of the next one)
@@ -134,13 +134,22 @@ a message where a worker lists the request, acks it if its first token is out, a
 otherwise (``_republished_known``): the ones dispatched before the loss are still answered by
 their workers (and recovered if those die), the ones never delivered would otherwise be lost.
 
-Tracing: a ``schedule`` span, child of the gateway's root span (context from the intake
-message's headers), carries the chosen worker, P, R, s, the J terms, and every candidate's
-terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,excluded}``) plus the whole decision as
-JSON (``vtm.decision``). ``intake_wait`` is recorded from the gateway's arrival stamp to the
-dequeue. Both only for a sampled trace (the ``traceparent`` flag; a message without any trace
-context starts a root, sampled by ratio): an unsampled request builds no span and no
-attributes, and its carrier is passed on to the worker unchanged.
+Tracing (conventions.md: one root per request at the gateway, one child per TTFT stage): two
+stage spans, each a child of the gateway's root span (context from the intake message's
+headers, else its ``trace_context``), timed by the same stamps as the FirstToken's breakdown.
+``intake_wait`` runs from the gateway's arrival stamp to the placement's dequeue stamp
+(``Assignment.dequeued_at_s``): a request held for an eligible worker (``hold_s``) waits in
+intake in both, the span saying how long it was held (``vtm.held_s``; on a later delivery
+only its hold is recorded). ``schedule`` starts there and carries the chosen worker, P, R, s,
+the J terms, and every candidate's terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,
+excluded}``) plus the whole decision as JSON (``vtm.decision``); its event ``assigned`` marks
+``assigned_at_s``, where the breakdown's schedule stage ends: the span goes on through the
+dispatch, and the worker's ``vtm-rankd.assign`` server span is its child. The worker's own
+stage spans are the root's children too, not the assign span's: the root's context travels in
+the assignment (:func:`with_trace_context`). Spans only for a sampled trace (the
+``traceparent`` flag; a message without any trace context starts a root, sampled by ratio):
+an unsampled request builds no span and no attributes, and its carrier is passed on to the
+worker unchanged.
 
 It publishes RequestStats (shared/schemas.py) on ``{prefix}.cache.stats.{reporter}`` and
 keeps AssignmentRecord (defined here) in the assignment bucket.
@@ -175,7 +184,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services import calibration
 from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
@@ -704,6 +713,26 @@ def trace_carrier(headers: Mapping[str, str] | None, req: IntakeRequest) -> dict
         assert headers is not None
         return {k: v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
     return dict(req.trace_context)
+
+
+def with_trace_context(req: IntakeRequest, carrier: Mapping[str, str]) -> IntakeRequest:
+    """``req`` with ``carrier`` (:func:`trace_carrier`: the context this delivery's spans hang
+    from, the gateway's root) as its ``trace_context``: the assignment carries the root to the
+    worker, whose TTFT stage spans are its direct children (services/rankd/service.py,
+    ``stage_carrier``) -- also for an intake message whose publisher put the context in the
+    headers only.
+
+    NOTE: ``req`` itself, no copy, when it carries that context already (every gateway's and
+    hand-back's message: the hot path), when ``carrier`` is empty, or when the schema refuses
+    the headers' values (the worker's spans then hang under its assign span, as without a
+    context in the request)."""
+    ctx = {k.lower(): v for k, v in carrier.items()}
+    if not ctx or ctx == req.trace_context:
+        return req
+    try:
+        return IntakeRequest.model_validate({**req.model_dump(), "trace_context": ctx})
+    except ValidationError:
+        return req
 
 
 # -- the service --------------------------------------------------------------------------------
@@ -1500,15 +1529,12 @@ class SchedulerService(MicroService):
             await msg.ack()
             return
         parent = trace_carrier(msg.headers, req)
+        # The root's context travels in the assignment too: the worker's stage spans are its
+        # children (with_trace_context; the same object for every gateway message).
+        req = with_trace_context(req, parent)
         # Unsampled (the usual case at a 1% ratio): no span objects or attributes at all; the
         # carrier still travels with the assignment so the worker keeps the decision.
         sampled = is_sampled(parent) or not parent
-        if delivery == 1 and sampled:
-            # An arrival after the dequeue (clock skew, or a bogus far-future stamp: any
-            # finite WallTime decodes, and 1e300 s would overflow the span's nanoseconds)
-            # is an empty wait, not a failed delivery.
-            record_span(Stage.INTAKE_WAIT, start_s=min(req.arrival_s, dequeued), end_s=dequeued,
-                        parent=parent, attributes={"vtm.request_id": rid})
         if record is not None and record.stream_seq != seq:
             record = None  # a record of an earlier message of this request id
         if record is None and self._placed(rid):
@@ -1519,8 +1545,44 @@ class SchedulerService(MicroService):
                 self.stats.redirected += 1
             self._release(rid)
 
+        # Placed before any span opens: a hold (no eligible worker yet, _place_held) is intake
+        # wait in the FirstToken's breakdown (dequeued_at_s is when it is finally placed), so
+        # it is in the intake_wait span too and the schedule span starts where the breakdown's
+        # schedule stage does. ``until``: the end of the intake wait.
+        placed: tuple[Assignment, Decision] | None = None
+        failure: SequenceTooLong | NoEligibleWorker | None = None
+        until = dequeued
+        if record is None:
+            try:
+                placed = self._place(req, dequeued)
+            except SequenceTooLong as exc:
+                failure = exc
+            except NoEligibleWorker as first:
+                try:
+                    placed = await self._place_held(req, first)
+                except (SequenceTooLong, NoEligibleWorker) as exc:
+                    failure = exc
+                    if self.ssettings.hold_s > 0:  # held to the end: its last try was now
+                        until = self.clock()
+                else:
+                    until = placed[0].dequeued_at_s or dequeued
+        held_s = until - dequeued
+        if sampled and (delivery == 1 or held_s > 0):
+            # From the gateway's arrival on a first delivery (a later one's earlier wait
+            # belongs to the deliveries before it: only its hold is recorded). An arrival
+            # after the dequeue (clock skew, or a bogus far-future stamp: any finite WallTime
+            # decodes, and 1e300 s would overflow the span's nanoseconds) is an empty wait,
+            # not a failed delivery.
+            attrs: dict[str, Any] = {"vtm.request_id": rid}
+            if held_s > 0:
+                attrs["vtm.held_s"] = held_s
+                attrs["vtm.delivery"] = delivery
+            record_span(Stage.INTAKE_WAIT,
+                        start_s=min(req.arrival_s, until) if delivery == 1 else dequeued,
+                        end_s=until, parent=parent, attributes=attrs)
+
         span_cm: contextlib.AbstractContextManager[Any] = (
-            stage_span(Stage.SCHEDULE, parent=parent, attributes={
+            stage_span(Stage.SCHEDULE, parent=parent, start_time_s=until, attributes={
                 "vtm.request_id": rid, "vtm.scheduler": self.reporter,
                 "vtm.delivery": delivery}) if sampled else contextlib.nullcontext(None))
         with span_cm as span:
@@ -1541,28 +1603,23 @@ class SchedulerService(MicroService):
                 self.stats.resent += 1
                 if span is not None:
                     span.set_attribute("vtm.resumed", True)
+            elif isinstance(failure, SequenceTooLong):
+                # Permanent: holding or NAKing it would only delay the client's answer
+                # (by hold_s + retry_delay_s per delivery) and end in a misleading 503.
+                self.metrics.refused()
+                if span is not None:
+                    span.set_attribute("vtm.refused", str(failure))
+                await self._refuse(msg, req, failure)
+                return
+            elif failure is not None:
+                self.metrics.no_worker()
+                if span is not None:
+                    span.set_attribute("vtm.no_eligible_worker", str(failure))
+                await self._retry_or_fail(msg, req, str(failure))
+                return
             else:
-                try:
-                    try:
-                        assignment, decision = self._place(req, dequeued)
-                    except SequenceTooLong:
-                        raise
-                    except NoEligibleWorker as first:
-                        assignment, decision = await self._place_held(req, first)
-                except SequenceTooLong as exc:
-                    # Permanent: holding or NAKing it would only delay the client's answer
-                    # (by hold_s + retry_delay_s per delivery) and end in a misleading 503.
-                    self.metrics.refused()
-                    if span is not None:
-                        span.set_attribute("vtm.refused", str(exc))
-                    await self._refuse(msg, req, exc)
-                    return
-                except NoEligibleWorker as exc:
-                    self.metrics.no_worker()
-                    if span is not None:
-                        span.set_attribute("vtm.no_eligible_worker", str(exc))
-                    await self._retry_or_fail(msg, req, str(exc))
-                    return
+                assert placed is not None
+                assignment, decision = placed
                 self.metrics.placed(decision)
                 if span is not None:
                     limit = span_attribute_limit()
@@ -1570,6 +1627,10 @@ class SchedulerService(MicroService):
                         decision, None if limit is None else limit - SCHEDULE_SPAN_RESERVED))
                 stored = await self._put_record(assignment, seq, msg_id, "dispatching",
                                                 ack_subject=msg.reply)
+            if span is not None:
+                # Where the breakdown's schedule stage ends (assigned_at_s); the span goes on
+                # through the dispatch, which the breakdown counts in the worker's queue wait.
+                span.add_event("assigned", timestamp=int(assignment.assigned_at_s * 1e9))
             # The intake message's id lets the worker recognise a re-send of a message it
             # has handed back (services/rankd/core.py, "Exactly once across a scheduler crash").
             hdrs = {INTAKE_MSG_HEADER: msg_id} if sampled else {**parent, INTAKE_MSG_HEADER: msg_id}
@@ -2173,7 +2234,9 @@ class SchedulerService(MicroService):
         A NAK would put the request back for ``retry_delay_s`` whatever happens meanwhile, so
         a request arriving while every worker switches (a multi-op reconfiguration) would wait
         up to that much *after* a worker is back; the simulator places it the moment one is.
-        The wait counts as intake wait (``dequeued_at_s`` is when it is finally placed).
+        The wait counts as intake wait (``dequeued_at_s`` is when it is finally placed), in
+        the FirstToken's breakdown and in the ``intake_wait`` span alike (handle_intake
+        places before it opens the ``schedule`` span).
         Raises the last NoEligibleWorker (its reason names every worker's exclusion), and
         :class:`SequenceTooLong` at once when a new view shows the request too long for every
         worker (the first failure may have come from a view without workers)."""

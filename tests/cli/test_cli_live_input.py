@@ -265,7 +265,7 @@ def test_tap_refuses_a_bad_subject_or_limit_before_connecting(
     assert tripwire == []
 
 
-@pytest.mark.parametrize("subject", ["vtm.>", "vtm.*.x", ">", "vtm.worker.w-cp2-g0.assign",
+@pytest.mark.parametrize("subject", ["vtm.>", "vtm.*.x", ">", "vtm.worker.assign.w-cp2-g0",
                                      "$KV.VTM_WORKERS.>", "_INBOX.>"])
 def test_tap_takes_wildcard_subjects(subject: str, tripwire: list[dict[str, Any]]) -> None:
     res = CliRunner().invoke(app, ["tap", subject, "--count", "1", "--timeout", "0.5",

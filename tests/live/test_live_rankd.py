@@ -183,6 +183,51 @@ async def test_fifo_results_state_and_spans(
     assert any(x.name == "queue_wait" for x in spans.get_finished_spans())
 
 
+async def test_stage_spans_are_children_of_the_requests_root(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str, spans: InMemorySpanExporter
+) -> None:
+    """conventions.md: one root per request, one child per TTFT stage. The assignment carries
+    the root's context (``request.trace_context``, as the gateway and scheduler send it):
+    every stage span the worker records is the root's child, not the child of its ``assign``
+    server span (which is the dispatch's, under the caller's ``schedule`` span); the per-rank
+    spans stay under ``prefill``. Without a context in the request they hang under the
+    assign span, as before (test_fifo_results_state_and_spans)."""
+    s = Subjects(uniq)
+    root_trace, root_span = "6bf92f3577b34da6a3ce929d0e0e4736", "10f067aa0ba902b7"
+    base = assignment("root-1")
+    a = base.model_copy(update={"request": base.request.model_copy(update={
+        "trace_context": {"traceparent": f"00-{root_trace}-{root_span}-01"}})})
+    sub, results, done = await collect(nc, s.result(a.request.request_id), 1, FirstToken)
+    with tracer().start_as_current_span("schedule") as sched:  # another trace: the headers'
+        await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
+    await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+    await sub.unsubscribe()
+    assert results[0].error is None
+    stages = {"queue_wait", "prefill", "kv_transfer", "first_decode"}
+    await wait_for_spans(spans, stages)
+    finished = spans.get_finished_spans()
+    by_name = {x.name: x for x in finished
+               if format(x.context.trace_id, "032x") == root_trace}
+    assert stages <= set(by_name), sorted(by_name)
+    for name in stages:
+        assert by_name[name].parent is not None
+        assert format(by_name[name].parent.span_id, "016x") == root_span, name
+    ranks = [x for x in finished if x.name == "prefill_rank"
+             and format(x.context.trace_id, "032x") == root_trace]
+    assert len(ranks) == 2  # degree 2
+    assert {x.parent.span_id for x in ranks} == {by_name["prefill"].context.span_id}
+    (server,) = [x for x in finished if x.name.endswith(".assign")]
+    assert server.parent is not None
+    assert server.parent.span_id == sched.get_span_context().span_id
+
+
+async def wait_for_spans(spans: InMemorySpanExporter, names: set[str]) -> None:
+    """Until spans of every name in ``names`` have ended (bounded by WAIT_S)."""
+    async with asyncio.timeout(WAIT_S):
+        while not names <= {x.name for x in spans.get_finished_spans()}:
+            await asyncio.sleep(0.01)
+
+
 async def test_unsampled_request_is_served_without_spans_and_keeps_the_decision(
     rankd: tuple[RankdService, Gate], nc: Client, uniq: str, spans: InMemorySpanExporter
 ) -> None:
@@ -234,7 +279,7 @@ async def test_bad_assignments_get_micro_errors(
 async def test_queue_endpoint_lists_running_and_queued_requests(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
-    """``{prefix}.worker.{wid}.queue``: what executes now and the FIFO in order (the
+    """``{prefix}.worker.queue.{wid}``: what executes now and the FIFO in order (the
     controller's step 1); a query for another worker is a 404, a malformed one a 400."""
     first = asyncio.Event()
 

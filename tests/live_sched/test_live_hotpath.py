@@ -10,8 +10,9 @@ import time
 from live_sched_support import Services, wait_until
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.scheduler.service import AssignmentRecord, assignment_bucket
+from services.scheduler.service import AssignmentRecord, assignment_bucket, with_trace_context
 from shared.blockhash import chain_hashes
 from shared.schemas import (
     Assignment,
@@ -39,8 +40,10 @@ def intake(rid: str, n_tokens: int = 40) -> IntakeRequest:
                          arrival_s=time.time())
 
 
-async def publish(nc: Client, s: Subjects, req: IntakeRequest) -> None:
-    data, headers = encode(req)
+async def publish(nc: Client, s: Subjects, req: IntakeRequest,
+                  headers: dict[str, str] | None = None) -> None:
+    data, hdrs = encode(req)
+    headers = {**hdrs, **(headers or {})}
     headers["Nats-Msg-Id"] = req.request_id
     await nc.jetstream().publish(s.intake_requests(), data, headers=headers)
 
@@ -61,6 +64,19 @@ def test_is_sampled_reads_the_traceparent_flag() -> None:
     assert not is_sampled({"tracestate": "k=v"})
     assert not is_sampled({})
     assert not is_sampled(None)
+
+
+def test_with_trace_context_carries_the_deliverys_context() -> None:
+    """The assignment's request carries the context the scheduler's spans hang from (the
+    root's), so the worker's stage spans hang from it too; no copy when it does already."""
+    tp = f"00-{TRACE}-{SPAN}-01"
+    req = intake("ctx-1")
+    assert with_trace_context(req, {}) is req
+    moved = with_trace_context(req, {"Traceparent": tp})  # a header key in another case
+    assert moved.trace_context == {"traceparent": tp} and moved.request_id == "ctx-1"
+    assert with_trace_context(moved, {"traceparent": tp}) is moved
+    # A value the schema refuses leaves the request as it was.
+    assert with_trace_context(req, {"traceparent": tp, "tracestate": "a\nb"}) is req
 
 
 async def test_pipelined_dispatch_keeps_intake_order(live: Services, fake_worker,  # type: ignore[no-untyped-def]
@@ -174,12 +190,17 @@ async def test_one_result_subscription_serves_concurrent_waiters(live: Services,
 
 
 async def test_request_held_until_a_worker_is_eligible(live: Services, fake_worker,  # type: ignore[no-untyped-def]
-                                                       nc: Client, uniq: str) -> None:
+                                                       nc: Client, uniq: str,
+                                                       spans: InMemorySpanExporter) -> None:
     """No eligible worker (as while every worker switches): the message is kept and placed
-    when the worker view changes, not NAKed for retry_delay_s; past hold_s it is NAKed."""
+    when the worker view changes, not NAKed for retry_delay_s; past hold_s it is NAKed.
+    The hold is intake wait in the spans as in the breakdown: the ``intake_wait`` span ends
+    at the placement's dequeue stamp, where the ``schedule`` span starts."""
     s = Subjects(uniq)
     sched = await live.scheduler(block_size=B, hold_s=10.0, retry_delay_s=5.0)
-    await publish(nc, s, intake("held-1"))
+    # The trace context in the headers only (a publisher other than the gateway).
+    await publish(nc, s, intake("held-1"),
+                  headers={"traceparent": f"00-{TRACE}-{SPAN}-01"})
     # Fetched and held: the scheduler waits for a change of its worker view (a future that
     # exists only while a request is held), rather than NAKing it for retry_delay_s.
     await wait_until(lambda: sched._view_changed is not None, "the request held")
@@ -191,6 +212,20 @@ async def test_request_held_until_a_worker_is_eligible(live: Services, fake_work
     # The hold counts as intake wait: dequeued (placed) after the worker came.
     a = w.assignments[0]
     assert a.dequeued_at_s is not None and a.dequeued_at_s >= a.request.arrival_s
+    # The assignment carries the root's context to the worker (its stage spans' parent).
+    assert a.request.trace_context == {"traceparent": f"00-{TRACE}-{SPAN}-01"}
+    await wait_until(lambda: {"intake_wait", "schedule"} <= {
+        x.name for x in spans.get_finished_spans()}, "the scheduler's spans ended")
+    by_name = {x.name: x for x in spans.get_finished_spans()
+               if format(x.context.trace_id, "032x") == TRACE}
+    wait, sched_span = by_name["intake_wait"], by_name["schedule"]
+    for x in (wait, sched_span):
+        assert x.parent is not None and format(x.parent.span_id, "016x") == SPAN
+    placed_ns = int(a.dequeued_at_s * 1e9)
+    assert wait.start_time == int(a.request.arrival_s * 1e9)
+    assert wait.end_time == placed_ns == sched_span.start_time
+    # Held from its first dequeue (after its arrival) until the worker came.
+    assert 0 < wait.attributes["vtm.held_s"] <= a.dequeued_at_s - a.request.arrival_s
 
 
 async def test_hold_expires_into_a_retry(live: Services, nc: Client, uniq: str) -> None:
