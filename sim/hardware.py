@@ -23,10 +23,12 @@ and only holds while neither is given). The calibration's kernel efficiencies (`
     first_decode_s = 0.025
 
 Every value is checked (a number where a number belongs, finite, positive unless the field may
-be 0) and the result must be usable: a model whose weights leave no room for KV in the memory
-GPU is an error, and so is one whose heads do not fit grouped-query attention (``q_heads`` a
-multiple of ``kv_heads``). Errors are :class:`~shared.ids.InvalidInput` naming the file and
-the key.
+be 0, and at most a bound far beyond any real model or GPU: :data:`MAXIMA`) and the result
+must be usable: a model whose weights leave no room for one KV block in the memory GPU is an
+error, so is one whose heads do not fit grouped-query attention (``q_heads`` a multiple of
+``kv_heads``), and so is hardware on which a 128K-token prefill on one GPU would take more than
+:data:`MAX_PREFILL_S` (a value far too small, such as a peak of 1 FLOP/s, which no per-field
+bound catches). Errors are :class:`~shared.ids.InvalidInput` naming the file and the key.
 
 The simulator's policies never see this file: they get the profile fitted on the ground truth
 it describes (``sim.profiling``), as with the default hardware.
@@ -43,8 +45,10 @@ from pathlib import Path
 from typing import Any, Final, get_type_hints
 
 from shared.files import read_config_file
-from shared.ids import InvalidInput
+from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
+from shared.schemas import MAX_TOKENS
 from sim.groundtruth import (
+    DEFAULT_GROUND_TRUTH,
     GPU_PRESETS,
     Calibration,
     Efficiency,
@@ -64,6 +68,112 @@ ZERO_ALLOWED: Final[frozenset[str]] = frozenset({
 })
 
 
+_BANDWIDTH_MAX: Final[float] = 1e17
+_LATENCY_MAX: Final[float] = 1.0
+_FIXED_COST_MAX: Final[float] = 60.0
+
+MAXIMA: Final[Mapping[str, float]] = {
+    # model (ModelSpec)
+    "layers": 4096,
+    "hidden": 1 << 20,
+    "q_heads": 1 << 14,
+    "kv_heads": 1 << 14,
+    "head_dim": 1 << 14,
+    "experts": 1 << 20,
+    "top_k": 1 << 20,
+    "dense_params_per_layer": 1e12,
+    "expert_params": 1e12,
+    "dtype_bytes": 8,
+    "weight_bytes": 1e14,
+    "elementwise_bytes_per_token_layer": 1e9,
+    # GPU (GpuSpec; bandwidth_efficiency and the efficiencies' eta_max are at most 1 anyway)
+    "peak_flops": 1e19,
+    "hbm_bytes": 1e14,
+    "hbm_bandwidth": _BANDWIDTH_MAX,
+    "nvlink_bandwidth": _BANDWIDTH_MAX,
+    # calibration (Calibration, Efficiency)
+    "d0": _FIXED_COST_MAX,
+    "d_cp": _FIXED_COST_MAX,
+    "d_tp": _FIXED_COST_MAX,
+    "sigma": 1.0,
+    "alpha_ag": _LATENCY_MAX,
+    "t_cpu": _LATENCY_MAX,
+    "tp_allreduce_latency": _LATENCY_MAX,
+    "beta_ag": _BANDWIDTH_MAX,
+    "tp_allreduce_bandwidth": _BANDWIDTH_MAX,
+    "x_half": MAX_TOKENS,
+    # surroundings (Surroundings)
+    "kv_handoff_bandwidth": _BANDWIDTH_MAX,
+    "inter_node_bandwidth": _BANDWIDTH_MAX,
+    "intra_node_bandwidth": _BANDWIDTH_MAX,
+    "first_decode_s": _FIXED_COST_MAX,
+    "transfer_latency_s": _FIXED_COST_MAX,
+    "switch_min_s": 3600.0,
+    "switch_max_s": 3600.0,
+    "kv_reserve_bytes": 1e14,
+    "kv_capacity_blocks_per_gpu": 1e9,
+}
+"""The largest value each number of a hardware file may take (its field name: the names are
+unique across the sections). Every bound is far above every real model and GPU, so that
+only a mistyped or corrupt value is refused, here, naming its key, rather than passed on to
+fail later in the profile or a run (10^9 layers gave 0 KV blocks, a κ of 10^-6 and a
+simulation that never ends). The shipped presets (H20, H20-3e, H200) and the default model
+(Qwen3-30B-A3B) are orders of magnitude inside every bound. Why each:
+
+* ``layers`` 4,096: served LLMs have at most ~130 (Llama 3.1 405B: 126; DeepSeek-V3: 61),
+  the deepest transformer trained (DeepNet) 1,000.
+* ``hidden`` 2^20: the widest models have ~25,600 (Megatron's 1T); 40× that.
+* ``q_heads``, ``kv_heads``, ``head_dim`` 2^14: real models have at most 128 query heads and
+  head dimensions of 64-256 (MLA's latent KV: 576); at 2^14 heads of 64 the model is 2^20
+  wide, ``hidden``'s bound.
+* ``experts``, ``top_k`` 2^20: routed MoE models have at most a few hundred experts (Kimi
+  K2: 384), the largest published expert layer (PEER) 2^20; ``top_k`` <= ``experts`` too.
+* ``dense_params_per_layer``, ``expert_params`` 10^12: a 405B dense model's layer holds ~3.3e9
+  parameters (here its MLP may count as the dense part or one always-routed expert); 300×.
+* ``dtype_bytes`` 8: FP64, the widest number format an accelerator computes in.
+* ``weight_bytes`` 10^14 (100 TB), ``hbm_bytes``'s bound (the memory GPU must hold the weights
+  and one KV block besides): the largest published models hold ~2×10^12 parameters, 4 TB in
+  BF16; 25×.
+* ``elementwise_bytes_per_token_layer`` 10^9: 98 KB at hidden 2,048; it grows with ``hidden``,
+  to ~5×10^7 at that field's bound.
+* ``peak_flops`` 10^19 FLOP/s: dense BF16 of one GPU is ~10^15 (H200 989 TFLOP/s, B200
+  2.25 PFLOP/s); a wafer-scale chip (Cerebras WSE-3) claims 1.25×10^17.
+* ``hbm_bytes``, ``kv_reserve_bytes`` 10^14 (100 TB): a GPU has 96-288 GB, the largest
+  announced ~1 TB.
+* Bandwidths (``hbm_bandwidth``, ``nvlink_bandwidth``, ``beta_ag``, ``tp_allreduce_bandwidth``,
+  ``kv_handoff_bandwidth``, ``inter_node_bandwidth``, ``intra_node_bandwidth``) 10^17 B/s
+  (100 PB/s): HBM gives 4-8 TB/s, NVLink 0.9-1.8 TB/s; a wafer-scale chip's on-chip SRAM
+  2.1×10^16.
+* Per-call and per-layer latencies (``alpha_ag``, ``t_cpu``, ``tp_allreduce_latency``) 1 s:
+  tens to hundreds of µs calibrated; a second is thousands of times that (and is paid
+  layers × 2 times per prefill).
+* Per-request fixed costs (``d0``, ``d_cp``, ``d_tp``, ``first_decode_s``,
+  ``transfer_latency_s``) 60 s: milliseconds to tens of milliseconds calibrated.
+* ``sigma`` 1 s per token: 40 µs calibrated.
+* ``switch_min_s``, ``switch_max_s`` 3,600 s: a reconfiguration takes 0.5-1 s (§9.3); one that
+  reloads weights from disk, minutes.
+* ``x_half`` :data:`~shared.schemas.MAX_TOKENS` (2^24) tokens: the token count at which a
+  kernel reaches half its peak efficiency (256-1,024 calibrated); no request is longer, so a
+  larger one would mean kernels that never become efficient.
+* ``kv_capacity_blocks_per_gpu`` 10^9 blocks: the default GPU holds 1,390 blocks of 512
+  tokens; 10^9 are 5×10^11 tokens of KV, beyond any GPU at any real model's KV size.
+"""
+
+MAX_PREFILL_S: Final[float] = 86_400.0
+"""Longest a 131,072-token prefill (no cached prefix) may take on one GPU of a hardware file:
+a day. The slowest real pairing that fits one GPU (a ~60B dense model on an H20) takes
+minutes, the default 69 s. A longer time comes from a value far too small (a peak of
+1 FLOP/s) or bounds combined past sense, which would make the profile's κ ramp measure
+nothing (κ at its floor) and a simulation run for ever."""
+
+
+def _shown(v: int | float) -> str:
+    """A number for a message: as written, or its magnitude when it is a huge integer."""
+    if isinstance(v, int) and abs(v) >= 10**16:
+        return f"an integer of {len(str(abs(v)))} digits"
+    return repr(v)
+
+
 def _number(where: str, name: str, v: Any, kind: type) -> int | float:
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise InvalidInput(f"{where}: must be a number, got {v!r}")
@@ -77,7 +187,12 @@ def _number(where: str, name: str, v: Any, kind: type) -> int | float:
             raise InvalidInput(f"{where}: must be finite, got {v!r}")
     if v < 0 or (v == 0 and name not in ZERO_ALLOWED):
         raise InvalidInput(f"{where}: must be {'>= 0' if name in ZERO_ALLOWED else '> 0'}, "
-                           f"got {v!r}")
+                           f"got {_shown(v)}")
+    top = MAXIMA.get(name)
+    if top is not None and v > top:
+        bound = f"{int(top):,}" if top < 1e15 and float(top).is_integer() else f"{top:g}"
+        raise InvalidInput(f"{where}: must be at most {bound}, far beyond any real model or "
+                           f"GPU (sim/hardware.py MAXIMA), got {_shown(v)}")
     return v
 
 
@@ -181,16 +296,35 @@ def ground_truth_from_mapping(data: Any, *, source: str = "hardware") -> GroundT
                             data.get("surroundings", {})),
     )
     try:
-        # Usable: room for KV, and a finite, positive prefill time at the smallest and a
-        # large request on one GPU and on a CP group.
-        truth.kv_capacity_blocks(1)
+        # Usable: room for one KV block per GPU (none: a worker could cache nothing, and a
+        # live rank daemon refuses a capacity of 0), and a finite, positive prefill time at
+        # the smallest and a large request on one GPU and on a CP group, a large one's at
+        # most MAX_PREFILL_S.
+        if truth.kv_capacity_blocks(1) < 1:
+            raise InvalidInput(
+                f"{truth.memory_gpu.name} holds no KV block of {DEFAULT_BLOCK_SIZE} tokens: "
+                f"each token's KV takes {truth.model.kv_bytes_per_token:.3g} B (model.layers "
+                f"× 2 × kv_heads × head_dim × dtype_bytes) and "
+                f"{_free_bytes(truth):.3g} B are free after weights and reserve")
         for r, c in ((1, 1), (131_072, 1), (131_072, 8)):
             t = truth.prefill_time(r, 0, c)
             if not (math.isfinite(t) and t > 0):
                 raise InvalidInput(f"a prefill of {r} tokens at degree {c} takes {t!r} s")
+            if (r, c) == (131_072, 1) and t > MAX_PREFILL_S:
+                raise InvalidInput(
+                    f"a prefill of {r:,} tokens on one GPU would take {t:.3g} s, more than "
+                    f"{MAX_PREFILL_S:,.0f} s (a day; the default hardware: "
+                    f"{DEFAULT_GROUND_TRUTH.prefill_time(r, 0, 1):.0f} s): some rate or "
+                    f"size is far from any real GPU's")
     except (InvalidInput, ArithmeticError) as exc:
         raise InvalidInput(f"{source}: not a usable ground truth: {exc}") from None
     return truth
+
+
+def _free_bytes(truth: GroundTruth) -> float:
+    """HBM of the memory GPU left for KV after the weights and the reserve."""
+    return (truth.memory_gpu.hbm_bytes - truth.model.weight_bytes
+            - truth.surroundings.kv_reserve_bytes)
 
 
 def load_ground_truth(path: str | Path) -> GroundTruth:
@@ -215,6 +349,8 @@ def ground_truth_to_mapping(truth: GroundTruth) -> dict[str, Any]:
 
 
 __all__ = [
+    "MAXIMA",
+    "MAX_PREFILL_S",
     "SECTIONS",
     "ground_truth_from_mapping",
     "ground_truth_to_mapping",

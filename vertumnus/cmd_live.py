@@ -206,6 +206,7 @@ def register(app: typer.Typer) -> None:
         anything starts (exit 2 naming the problem)."""
         from rich.console import Console
 
+        from sim.workloads.synthetic_file import check_block_size
         from vertumnus.live.procs import ChildFailed
         from vertumnus.live.stack import StackError, UpConfig, load_requests, run_up
 
@@ -233,9 +234,14 @@ def register(app: typer.Typer) -> None:
             _fail(f"--model-path {cfg.model_path}: not a directory (a local HF-format Qwen3 "
                   "checkpoint directory)")
         try:  # before anything starts: a trace it cannot read must not cost a stack start
-            _, reqs = load_requests(cfg.workload, duration_s=cfg.duration_s, rate=cfg.rate,
-                                    seed=cfg.seed, max_requests=cfg.max_requests,
-                                    default_rate=cfg.base_rate)
+            wl, reqs = load_requests(cfg.workload, duration_s=cfg.duration_s, rate=cfg.rate,
+                                     seed=cfg.seed, max_requests=cfg.max_requests,
+                                     default_rate=cfg.base_rate)
+            # The stack hashes prompts in its own blocks; a synthetic file of another block
+            # size (the only workload that can have one) would be replayed in those,
+            # silently unlike the prefixes it was drawn with.
+            check_block_size(wl.block_size, cfg.block_size, source=cfg.workload,
+                             whose="the stack's")
         except InvalidInput as exc:
             _fail(f"--workload: {exc}")
         # Last of the checks: they create the directories (a run must not lose its results

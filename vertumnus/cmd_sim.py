@@ -159,6 +159,93 @@ def _truth(hardware: Path | None, *, option: bool = True) -> Any:
     return load_ground_truth(hardware)
 
 
+def _check_trace_blocks(trace: str, fmt: str, profile_path: Path | None) -> None:
+    """The trace's cache blocks are the profile's, checked now: the simulator compares the
+    two only when its first run starts, after the profile is measured and written into
+    ``--out``. The profile's block size is 512 tokens for the one a run measures, ``--profile
+    FILE``'s own otherwise; the trace's is a synthetic workload file's ``block_size`` (a
+    ``--trace`` ``.toml``, or any file with ``--format synthetic``, read now), else 512 (every
+    trace reader's and the built-in generator's). Exits 2 naming the synthetic file
+    (:func:`sim.workloads.synthetic_file.check_block_size`) or the ``--profile``. A trace that
+    is not a regular file is left to the run's own check, which names it."""
+    from shared.costmodel import Profile
+    from shared.ids import DEFAULT_BLOCK_SIZE
+    from sim.workloads import detect_format
+    from sim.workloads.synthetic_file import check_block_size, load_synthetic_config
+
+    path = Path(trace)
+    if trace != "synthetic" and not path.is_file():
+        return
+    try:
+        if profile_path is None:
+            want, whose = DEFAULT_BLOCK_SIZE, "the simulator's profile's"
+        else:  # checked by profile_file: it loads
+            want, whose = Profile.load(profile_path).block_size, f"--profile {profile_path}'s"
+        if trace != "synthetic" and (fmt == "synthetic" or (
+                fmt == "auto" and detect_format(path) == "synthetic")):
+            cfg = load_synthetic_config(path)
+            check_block_size(cfg.block_size, want, source=str(path), whose=whose)
+        elif want != DEFAULT_BLOCK_SIZE:
+            _fail(f"--profile {profile_path}: its cache blocks are {want} tokens (block_size), "
+                  f"but the trace's are {DEFAULT_BLOCK_SIZE} (every trace reader's and the "
+                  f"built-in synthetic workload's); give a profile of {DEFAULT_BLOCK_SIZE}-token "
+                  "blocks, or a synthetic workload file of its block_size")
+    except InvalidInput as exc:
+        _fail(str(exc))
+
+
+def _check_pool_gpus(pool_gpus: int, degrees: Iterable[int]) -> None:
+    """``profile --pool-gpus N``: a pool ``simulate --gpus N --degrees D`` takes with its
+    default policies (D: the degrees κ is measured for), by simulate's own checks
+    (:func:`sim.runner.check_gpus`, :func:`sim.experiments.check_pools`): a pooled κ is for
+    the runs of that pool, and one measured for a pool no run can have (7 GPUs, or 6 with
+    degree 4, whose all-CP4 baselines do not fit) describes none. Exits 2 naming the
+    option."""
+    from sim import runner
+
+    degs = sorted(degrees)
+    _check(runner.check_gpus, pool_gpus, "pool-gpus")
+    try:
+        runner.check_pools(pool_gpus, degs, policies=_names(_DEFAULT_POLICIES, "policies"))
+    except InvalidInput as exc:
+        _fail(f"--pool-gpus {pool_gpus}: a pool `simulate --gpus {pool_gpus} --degrees "
+              f"{','.join(map(str, degs))}` refuses, so a κ measured for it is for no run "
+              f"({exc})")
+
+
+def _check_report_rates(directory: Path) -> None:
+    """``report DIR``: the rates of what the redraw reads are finite numbers: every
+    results.json row's ``rate_scale`` and ``request_rate`` (each plot's x, each row's key),
+    or, without a results.json, a size.json's ``meta.rate_scale``.
+
+    Python's JSON reader takes NaN and Infinity, and the redraw writes a non-finite number
+    back as null (as a run writes a figure it could not give): a row keyed by a NaN rate
+    would come back keyed by null. So it is refused, naming the file, the row and the
+    field, before anything is written. What is missing or not JSON is left to the redraw's
+    own checks, which name it."""
+    from shared.files import NotJson, parse_json
+
+    results, size = Path(directory) / "results.json", Path(directory) / "size.json"
+    path = results if results.exists() else size  # the file the redraw reads (runner.redraw)
+    try:
+        data = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, NotJson):
+        return
+
+    def bad(v: Any) -> bool:
+        return isinstance(v, float) and not math.isfinite(v)
+
+    if path == results and isinstance(data, list):
+        for i, row in enumerate(data):
+            for k in ("rate_scale", "request_rate"):
+                if isinstance(row, dict) and bad(row.get(k)):
+                    _fail(f"{path}: row {i} ({row.get('policy', '?')}): {k} is {row[k]!r}, "
+                          "not a finite number (a row's rate must be one)")
+    elif path == size and isinstance(data, dict) and isinstance(data.get("meta"), dict):
+        if bad(v := data["meta"].get("rate_scale")):
+            _fail(f"{path}: meta.rate_scale is {v!r}, not a finite number")
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def profile(
@@ -237,6 +324,8 @@ def register(app: typer.Typer) -> None:
             _fail("--hardware, --per-degree, --slo, --workload, --pool-gpus, "
                   "--kappa-repeats and --kappa-degrees are the sim backend's; the torch "
                   "backend measures the machine it runs on (no κ)")
+        if pool_gpus:
+            _check_pool_gpus(pool_gpus, kdegs or degs)
         try:
             if backend == "sim":
                 from sim.profiling import KAPPA_REPEATS, profile_command
@@ -405,6 +494,7 @@ def register(app: typer.Typer) -> None:
             preset_args: dict[str, Any] = {}
             if "--trace" in given or "--format" in given:
                 _check(runner.check_trace_format, trace, format)
+                _check_trace_blocks(trace, format, None)  # the preset measures its profile
                 preset_args.update(trace=trace, fmt=format)
             _check_run_numbers(rate=rate, max_requests=max_requests)
             if "--rate" in given:
@@ -461,6 +551,7 @@ def register(app: typer.Typer) -> None:
             if pull_credit_blocks != -1:
                 _check(runner.pull_credit_option, pull_credit_blocks)
             _check(runner.check_pull_credit, args["pull_min_blocks"], args["pull_credit_blocks"])
+            _check_trace_blocks(trace, format, profile_path)
         try:
             truth = _truth(hardware)
             ctl = _controller(controller)
@@ -537,6 +628,7 @@ def register(app: typer.Typer) -> None:
             profile_path=profile_file(profile_path, degs), max_requests=max_requests or None,
             jobs=jobs, per_degree=per_degree, repeats=repeats, slo=slo_table(slo),
             beta_busy_power=beta_busy_option(beta_busy_power))
+        _check_trace_blocks(trace, format, profile_path)
         files = [] if controller is None else _names(controller, "controller")
         try:
             truth = _truth(hardware)
@@ -633,6 +725,7 @@ def register(app: typer.Typer) -> None:
             rate=rate or None, degrees=degs, seed=seed, out=out,
             profile_path=profile_file(profile_path, degs), max_requests=max_requests or None,
             jobs=jobs, per_degree=per_degree, slo=table, warmup_s=warmup)
+        _check_trace_blocks(trace, format, profile_path)
         try:
             truth = _truth(hardware)
             ctl = _controller(controller)
@@ -745,6 +838,7 @@ def register(app: typer.Typer) -> None:
         """Redraw the plots and CSV of a simulate (or size) run from its results (size) JSON."""
         from sim import runner
 
+        _check_report_rates(directory)
         try:
             summary = runner.redraw(directory)
         except InvalidInput as exc:

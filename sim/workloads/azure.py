@@ -24,16 +24,25 @@ from sim.workloads.workload import Request, Workload, truncate
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
+# The stamp as the Azure files write it, in ASCII digits only ([0-9]: \d, and strptime's own
+# patterns, match any script's digits, which int() then converts). A fraction, when there is
+# a dot, has at least one digit: "18:15:46." is a cut-off cell, not 46 s.
+_STAMP = re.compile(r"([0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2})(?:\.([0-9]+))?")
+
+
 def parse_timestamp(text: str) -> float:
     """POSIX seconds (naive, as UTC) of ``YYYY-MM-DD HH:MM:SS[.fffffff]``; ValueError if bad.
 
-    ``datetime`` takes at most 6 fractional digits; the 7th (100 ns) is added separately.
+    Every digit is an ASCII one, each field has its width (two digits for month to second),
+    and a dot is followed by at least one digit (any number of them: the files write 7).
+    Blanks around the stamp are ignored. ``datetime`` takes at most 6 fractional digits; the
+    rest (the 7th is 100 ns) is added separately.
     """
-    text = text.strip()
-    base, _, frac = text.partition(".")
+    m = _STAMP.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"not a YYYY-MM-DD HH:MM:SS[.fffffff] stamp in ASCII digits: {text!r}")
+    base, frac = m.group(1), m.group(2) or ""
     dt = datetime.strptime(base, "%Y-%m-%d %H:%M:%S")
-    if frac and not frac.isdigit():
-        raise ValueError(f"bad fractional seconds {frac!r}")
     seconds = (dt - datetime(1970, 1, 1)).total_seconds()
     return seconds + (int(frac) / 10 ** len(frac) if frac else 0.0)
 
@@ -135,11 +144,15 @@ def read_azure(
                 break
             if len(row) != len(header):
                 raise TraceFormatError(path, line, f"expected {len(header)} fields, got {len(row)}")
+            stamp = row[col["TIMESTAMP"]]
             try:
-                t = parse_timestamp(row[col["TIMESTAMP"]])
+                t = parse_timestamp(stamp)
             except ValueError:
+                shown = stamp if len(stamp) <= 40 else stamp[:40] + "..."
                 raise TraceFormatError(
-                    path, line, f"bad TIMESTAMP {row[col['TIMESTAMP']]!r}"
+                    path, line, f"bad TIMESTAMP {shown!r}: expected a real date and time as "
+                    "YYYY-MM-DD HH:MM:SS[.fffffff] in ASCII digits (a dot needs digits "
+                    "after it)"
                 ) from None
             if t < prev:
                 raise TraceFormatError(

@@ -34,16 +34,32 @@ from sim.workloads.parsing import (
 from sim.workloads.workload import Request, Workload, truncate
 
 _MAX_TIMESTAMP_MS = int(MAX_SPAN_S * 1000)
+_MS_PER_DAY = 86_400_000
+
+
+def _days(ms: int) -> str:
+    """``ms`` milliseconds in days, for a message (an int of any size: no float overflow)."""
+    days = ms // _MS_PER_DAY
+    return f"{ms / _MS_PER_DAY:,.1f}" if days < 10**15 else f"about 10^{len(str(days)) - 1}"
 
 
 def _timestamp(row: dict[str, Any], path: Path, line_no: int) -> int:
-    """A row's ``timestamp``: ms since the trace's start, at most MAX_SPAN_S of them."""
-    ts = int_field(row, "timestamp", path, line_no, 0, maximum=1 << 63)
-    if ts > _MAX_TIMESTAMP_MS:
+    """A row's ``timestamp``: ms since the trace's start, at most MAX_SPAN_S (366 days) of
+    them; else :class:`TraceFormatError` naming the line.
+
+    The bound is said in days, with the value seen and what it is in days: a bound of
+    31,622,400,000 ms means nothing to a reader, "19,675.9 days" says that the file holds
+    Unix times. So it is checked here, before :func:`int_field` (whose message would name
+    the bound as an integer; its ``maximum`` is the same bound, never reached).
+    """
+    v = row.get("timestamp")
+    if type(v) is int and v > _MAX_TIMESTAMP_MS:  # (bool is no int here: int_field says so)
+        shown = f"{v} ms" if v.bit_length() <= 128 else f"of {v.bit_length()} bits"
         raise TraceFormatError(
-            path, line_no, f"timestamp {ts} ms is over {MAX_SPAN_S / 86400:.0f} days: Mooncake "
+            path, line_no, f"timestamp {shown} is {_days(v)} days after the trace's start, "
+            f"more than the {MAX_SPAN_S / 86400:.0f} days a trace may span: Mooncake "
             "timestamps count milliseconds from the trace's start (not Unix time)")
-    return ts
+    return int_field(row, "timestamp", path, line_no, 0, maximum=_MAX_TIMESTAMP_MS)
 
 
 def detect_tick_ms(timestamps: np.ndarray) -> float:

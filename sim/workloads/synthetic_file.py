@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from shared.files import config_number, read_config_file, toml_value
-from shared.ids import InvalidInput
+from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 from sim.workloads.synthetic import LogNormalLength, Phase, SyntheticConfig
 
 _INT_FIELDS: Final[frozenset[str]] = frozenset(
@@ -148,12 +148,34 @@ def config_to_toml(config: SyntheticConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_block_size(got: int, want: int, *, source: str, whose: str) -> None:
+    """Refuse a synthetic workload whose ``block_size`` (``got``) is not ``want``, the one
+    the run that replays it counts cache blocks in (``whose`` says which that is, e.g. "the
+    profile's"): :class:`InvalidInput` naming ``source`` (the file) and the field.
+
+    The generator takes any block size >= 1 (a live ``replay`` against a gateway of another
+    block size needs one), so the file alone cannot be judged: its caller, which knows
+    ``want``, calls this when it reads the file. Not where the run starts: the simulator
+    compares the two only once its profile is measured and its first run begins, seconds to
+    minutes in and after it has written into the output directory, and a live stack never
+    does (its prompts would be built from blocks of another size than the workload's
+    prefixes were drawn in).
+    """
+    if got != want:
+        left_out = " or leave it out" if want == DEFAULT_BLOCK_SIZE else ""
+        raise InvalidInput(
+            f"{source}: block_size is {got}, but {whose} cache blocks are {want} tokens "
+            f"(every request's cached prefix is counted in them); set block_size = "
+            f"{want}{left_out}")
+
+
 def load_synthetic_config(path: str | Path) -> SyntheticConfig:
     """Read a synthetic workload file (``.json`` or ``.toml``, UTF-8); see the module docstring.
 
     Raises :class:`InvalidInput` naming the file: missing, a directory, another suffix, not
     UTF-8 or not valid JSON/TOML (:func:`~shared.files.read_config_file`), or a bad value
-    (with the key).
+    (with the key). Its ``block_size`` is the caller's to compare with the run's
+    (:func:`check_block_size`).
     """
     data = read_config_file(path, "synthetic workload file")
     return config_from_mapping(data, source=str(Path(path)))
@@ -161,6 +183,7 @@ def load_synthetic_config(path: str | Path) -> SyntheticConfig:
 
 __all__ = [
     "FIELD_HELP",
+    "check_block_size",
     "config_from_mapping",
     "config_to_mapping",
     "config_to_toml",

@@ -180,3 +180,87 @@ def test_a_file_that_is_not_a_hardware_file_says_what_it_is(tmp_path: Path) -> N
     bom = tmp_path / "bom.json"
     bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"gpu": "H200"}).encode())
     assert load_ground_truth(bom).gpu == H200
+
+
+# --- bounds: absurd but finite values are refused up front, naming the key -------------------
+@pytest.mark.parametrize(("data", "key"), [
+    ({"model": {"layers": 1e9}}, "model.layers"),  # was 0 KV blocks, κ 1e-6, a run never done
+    ({"model": {"layers": 10**400}}, "model.layers"),  # a JSON integer of 401 digits
+    ({"model": {"hidden": 1 << 30}}, "model.hidden"),
+    ({"model": {"q_heads": 1 << 20, "kv_heads": 8}}, "model.q_heads"),
+    ({"model": {"head_dim": 10**6}}, "model.head_dim"),
+    ({"model": {"experts": 10**9}}, "model.experts"),
+    ({"model": {"dense_params_per_layer": 1e20}}, "model.dense_params_per_layer"),
+    ({"model": {"expert_params": 1e20}}, "model.expert_params"),
+    ({"model": {"dtype_bytes": 16}}, "model.dtype_bytes"),
+    ({"model": {"weight_bytes": 1e30}}, "model.weight_bytes"),
+    ({"gpu": {"preset": "H200", "peak_flops": 1e300}}, "gpu.peak_flops"),
+    ({"memory_gpu": {"preset": "H200", "hbm_bytes": 1e20}}, "memory_gpu.hbm_bytes"),
+    ({"gpu": {"preset": "H20", "hbm_bandwidth": 1e30}}, "gpu.hbm_bandwidth"),
+    ({"calibration": {"d0": 1e6}}, "calibration.d0"),
+    ({"calibration": {"alpha_ag": 5.0}}, "calibration.alpha_ag"),
+    ({"calibration": {"sigma": 2.0}}, "calibration.sigma"),
+    ({"calibration": {"eta_moe": {"eta_max": 0.7, "x_half": 1e30}}},
+     "calibration.eta_moe.x_half"),
+    ({"surroundings": {"switch_max_s": 1e9}}, "surroundings.switch_max_s"),
+    ({"surroundings": {"kv_capacity_blocks_per_gpu": 10**15}},
+     "surroundings.kv_capacity_blocks_per_gpu"),
+])
+def test_absurd_values_are_refused_naming_the_key(data: Any, key: str) -> None:
+    with pytest.raises(InvalidInput) as exc:
+        ground_truth_from_mapping(data, source="hw.json")
+    assert str(exc.value).startswith(f"hw.json: {key}: must be at most "), exc.value
+    assert "far beyond any real model or GPU" in str(exc.value)
+    assert len(str(exc.value)) < 200  # a 401-digit integer is not printed whole
+
+
+def test_every_number_of_a_hardware_file_has_a_bound() -> None:
+    """A new field needs its bound (MAXIMA's docstring says why each is what it is); the two
+    efficiencies are bounded by 1 where they are checked."""
+    from dataclasses import fields
+
+    from sim.groundtruth import Calibration, Efficiency, GpuSpec, ModelSpec, Surroundings
+    from sim.hardware import MAXIMA
+
+    numbers = {f.name for cls in (ModelSpec, GpuSpec, Calibration, Efficiency, Surroundings)
+               for f in fields(cls) if f.type in ("int", "float", "int | None")}
+    assert numbers - set(MAXIMA) == {"bandwidth_efficiency", "eta_max"}
+    assert set(MAXIMA) <= numbers
+
+
+@pytest.mark.parametrize("data", [
+    {},
+    {"gpu": "H20"}, {"gpu": "H20-3e"}, {"gpu": "H200"},
+    {"gpu": "H200", "memory_gpu": "H20"},
+    # Llama-3.1-405B's shape (dense: its MLP as one always-routed expert), FP8, on a memory
+    # GPU that holds it: every number far inside its bound.
+    {"model": {"name": "405B", "layers": 126, "hidden": 16384, "q_heads": 128, "kv_heads": 8,
+               "head_dim": 128, "experts": 1, "top_k": 1, "dense_params_per_layer": 8.7e8,
+               "expert_params": 2.35e9, "dtype_bytes": 1, "weight_bytes": 4.05e11,
+               "elementwise_bytes_per_token_layer": 8e5},
+     "gpu": "H20", "memory_gpu": {"preset": "H200", "hbm_bytes": 1e12}},
+    # DeepSeek-V3's: 256 routed experts, 8 active.
+    {"model": {"name": "V3", "layers": 61, "hidden": 7168, "q_heads": 128, "kv_heads": 1,
+               "head_dim": 576, "experts": 256, "top_k": 8, "expert_params": 4.4e7,
+               "dtype_bytes": 1, "weight_bytes": 6.71e11},
+     "gpu": "H200", "memory_gpu": {"preset": "H200", "hbm_bytes": 1e12}},
+])
+def test_real_models_and_gpus_pass_the_bounds(data: Any) -> None:
+    truth = ground_truth_from_mapping(data)
+    assert truth.kv_capacity_blocks(1) >= 1
+    assert ground_truth_from_mapping(ground_truth_to_mapping(truth)) == truth
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    # Each number inside its bound, the whole unusable: KV of 4 GB a token fits no GPU.
+    ({"model": {"layers": 4096, "kv_heads": 32, "head_dim": 8192}},
+     "H20-3e holds no KV block of 512 tokens"),
+    # A GPU of 1 FLOP/s: no per-field bound is a lower one.
+    ({"gpu": {"preset": "H20", "peak_flops": 1.0}},
+     "a prefill of 131,072 tokens on one GPU would take"),
+])
+def test_hardware_that_no_run_could_use_is_refused(data: Any, words: str) -> None:
+    with pytest.raises(InvalidInput) as exc:
+        ground_truth_from_mapping(data, source="hw.json")
+    assert str(exc.value).startswith("hw.json: not a usable ground truth: "), exc.value
+    assert words in str(exc.value), exc.value
