@@ -35,6 +35,7 @@ Map (prefix ``vtm``):
 KV ``VTM_WORKERS``                 WorkerState per worker (key = worker id)
 KV ``VTM_EPOCH``, key current      EpochRecord, updated by compare-and-set
 KV ``VTM_ASSIGNMENTS``             AssignmentRecord per request (key = request id)
+KV ``VTM_IDEMPOTENCY``             the gateways' IdempotencyRecord per client request id
 =================================  =====================================================
 
 NOTE: "ids last" means a per-id subject ends in its id with its kind just before it
@@ -213,6 +214,12 @@ class Subjects:
     def assignment_bucket(self) -> str:
         """KV bucket of the scheduler's AssignmentRecord, key = request id."""
         return f"{self._name_stem}_ASSIGNMENTS"
+
+    def idempotency_bucket(self) -> str:
+        """KV bucket of the gateways' IdempotencyRecord (a client request id's content digest),
+        key = the request id (encoded where it is no legal key:
+        ``services.gateway.idempotency.kv_key``), TTL = the intake's de-duplication window."""
+        return f"{self._name_stem}_IDEMPOTENCY"
 
     def service_group(self, component: str) -> str:
         """The micro endpoint group of a service (``vtm.scheduler``, ``vtm.gateway``, …)."""

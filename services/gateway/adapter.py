@@ -29,9 +29,11 @@ One completion (:meth:`GatewayService.complete`):
    scheduler gave up on (503, "not scheduled") or refused (422, "not servable": the workers
    may have changed since) is a new attempt instead, published again under an id derived from
    that answer's. The same id with *other* content (prompt tokens, ``max_tokens``) is no
-   retry: 409 Conflict naming the id, before anything is published
-   (:mod:`services.gateway.idempotency`: a per-gateway memory of each client id's content
-   digest for the de-duplication window; its limits are stated there);
+   retry: 409 Conflict naming the id, before anything is published, at whichever gateway
+   replica it comes to (:mod:`services.gateway.idempotency`: each client id's content digest
+   for the de-duplication window, claimed in a JetStream KV bucket all replicas share, with a
+   per-gateway memory in front; a bucket that does not answer fails open; the limits are
+   stated there);
 5. wait for the FirstToken; answer with the token, the TTFT measured here (received → first
    token here) and the worker's stage breakdown. An HTTP client that closes its connection
    first stops the wait (:class:`ClientClosed`, 499, recorded but sent to nobody): its
@@ -50,6 +52,11 @@ born after the one it knew (``ensure_jetstream``, after every reconnect) and sen
 waiting request's message again under its ``Nats-Msg-Id`` (a duplicate of one already in the
 new stream is dropped), marked ``REPUBLISHED_HEADER``: a scheduler adopts it where a worker
 holds it and places it otherwise. Counters (``$SRV.STATS``): ``intake_remade``, ``republished``.
+
+Idempotency counters (``$SRV.STATS``): ``conflicts`` (409s), ``conflicts_shared`` (those only
+the shared bucket knew of: the id was first used at another replica or before a restart),
+``idempotency_store_failed`` (claims the bucket did not decide: checked at this gateway only),
+``idempotency_release_failed`` (withdrawals not done: the claim stays until it expires).
 
 No scheduling happens here; the gateway does not know the workers.
 """
@@ -81,6 +88,12 @@ from nats.micro.request import Request, ServiceError
 from opentelemetry import trace
 
 from services.gateway.idempotency import Claim, Fingerprints, RequestDigest, request_digest
+from services.gateway.idempotency_kv import (
+    SharedClaim,
+    SharedClaims,
+    StoreFailed,
+    idempotency_kv,
+)
 from services.gateway.metrics import RequestMetrics
 from services.gateway.settings import GatewaySettings
 from shared.blockhash import chain_hashes
@@ -275,13 +288,18 @@ class GatewayService(MicroService):
         # The intake's window: past it the intake takes the id as a new request anyway.
         self._fingerprints = Fingerprints(INTAKE_DUPLICATE_WINDOW_S,
                                           settings.max_idempotency_keys)
+        # The same, shared by every gateway replica (a KV bucket; made in ensure_jetstream).
+        self._claims: SharedClaims | None = None
         # results_malformed: messages on a result subject that are no FirstToken of that
         # subject's request (ignored: the request keeps waiting for its real result).
-        # conflicts: request ids reused with other content (409). clients_gone: HTTP clients
+        # conflicts: request ids reused with other content (409); conflicts_shared: those
+        # found in the shared bucket only; idempotency_store_failed / _release_failed: claims
+        # / withdrawals the bucket did not do (module docstring). clients_gone: HTTP clients
         # that closed their connection before their first token (their waiter dropped).
         self.counters: dict[str, int] = {"intake_remade": 0, "republished": 0,
                                          "results_malformed": 0, "conflicts": 0,
-                                         "clients_gone": 0}
+                                         "conflicts_shared": 0, "idempotency_store_failed": 0,
+                                         "idempotency_release_failed": 0, "clients_gone": 0}
         self.metrics = RequestMetrics(settings.slo_table)
         if settings.tokenizer_path is not None:
             try:
@@ -329,6 +347,8 @@ class GatewayService(MicroService):
             self._intake_created = info.created
         await ensure_results_stream(self._js, self.subjects)
         self._states = await worker_state_kv(self._js, self.subjects)
+        self._claims = SharedClaims(await idempotency_kv(self._js, self.subjects),
+                                    self.gsettings.publish_timeout_s)
 
     async def setup(self, stack: AsyncExitStack) -> None:
         await self.ensure_jetstream()
@@ -621,15 +641,27 @@ class GatewayService(MicroService):
             raise TooLarge(f"intake message of {len(data)} bytes exceeds the NATS server's "
                            f"max_payload of {self.nc.max_payload} bytes; send a shorter prompt "
                            "(or run the gateway with forward_tokens=false)")
-        # Claimed before the publish, with no await in between check and keep: of two
-        # requests racing under one id with different content, the second is refused here.
+        # Claimed before the publish: first here, with no await in between check and keep
+        # (of two requests racing here under one id with different content, the second is
+        # refused at once), then in the bucket every replica shares, which decides.
         claim = self._fingerprints.claim(rid, digest) if digest is not None else Claim.SAME
         if claim is Claim.CONFLICT:
-            self.counters["conflicts"] += 1
-            raise Conflict(
-                f"request_id {rid!r} was already used for a different request (another "
-                f"prompt or max_tokens) within the last {INTAKE_DUPLICATE_WINDOW_S:g} s; "
-                "send the same request to get its answer, or a new request_id")
+            raise self._conflict(rid)
+        try:
+            shared = await self._claim_shared(rid, digest) if digest is not None else None
+        except BaseException:  # not decided (stopping): this memory keeps no claim of it
+            if claim is Claim.NEW and digest is not None:
+                self._fingerprints.release(rid, digest)
+            raise
+        if shared is not None and shared.claim is not Claim.NEW and claim is Claim.NEW:
+            # Another claim was first (another replica's, or this one's before a restart):
+            # the bucket keeps its window; this memory keeps only the ids claimed first here.
+            assert digest is not None
+            self._fingerprints.release(rid, digest)
+            claim = Claim.SAME
+        if shared is not None and shared.claim is Claim.CONFLICT:
+            self.counters["conflicts_shared"] += 1
+            raise self._conflict(rid)
         got: asyncio.Future[tuple[FirstToken, float]] = \
             asyncio.get_running_loop().create_future()
         self._waiting.setdefault(rid, []).append(got)
@@ -637,10 +669,14 @@ class GatewayService(MicroService):
         try:
             try:
                 ack = await self._publish_intake(data, headers)
-            except BaseException:
-                # Not accepted: a retry with other content is no conflict with it.
+            except BaseException as exc:
+                # Not accepted: a retry with other content is no conflict with it. (Cancelled:
+                # the gateway stops; the bucket's claim is left to expire.)
                 if claim is Claim.NEW and digest is not None:
                     self._fingerprints.release(rid, digest)
+                if shared is not None and shared.revision is not None \
+                        and not isinstance(exc, asyncio.CancelledError):
+                    await self._release_shared(rid, shared.revision)
                 raise
             duplicate = bool(ack.duplicate)
             if duplicate:
@@ -690,6 +726,49 @@ class GatewayService(MicroService):
             trace_id=format(trace.get_current_span().get_span_context().trace_id, "032x"),
             text=self.detokenize(result.token),
         )
+
+    def _conflict(self, rid: str) -> Conflict:
+        self.counters["conflicts"] += 1
+        return Conflict(
+            f"request_id {rid!r} was already used for a different request (another "
+            f"prompt or max_tokens) within the last {INTAKE_DUPLICATE_WINDOW_S:g} s; "
+            "send the same request to get its answer, or a new request_id")
+
+    async def _claim_shared(self, rid: str, digest: RequestDigest) -> SharedClaim | None:
+        """Claim ``rid`` in the shared bucket; None when the bucket did not decide: the
+        request goes on, checked by this gateway's memory alone (fail open: the module
+        docstring of idempotency says why), counted and logged."""
+        if self._claims is None:  # pragma: no cover - made in ensure_jetstream at start
+            return None
+        try:
+            return await self._claims.claim(rid, digest)
+        except StoreFailed as exc:
+            self.counters["idempotency_store_failed"] += 1
+            self.log.warning("idempotency bucket did not decide; request id checked at this "
+                             "gateway only", error=str(exc))
+            await self._remake_bucket(exc)
+            return None
+
+    async def _release_shared(self, rid: str, revision: int) -> None:
+        """Withdraw this request's claim from the shared bucket (its publish failed)."""
+        assert self._claims is not None
+        try:
+            await self._claims.release(rid, revision)
+        except StoreFailed as exc:
+            self.counters["idempotency_release_failed"] += 1
+            self.log.warning("idempotency claim not withdrawn; it expires with the window",
+                             error=str(exc))
+            await self._remake_bucket(exc)
+
+    async def _remake_bucket(self, exc: StoreFailed) -> None:
+        """Make the idempotency bucket again when it is missing (deleted, or lost with the
+        server's store), so the next claims are shared again."""
+        if not exc.bucket_missing or self._js is None:
+            return
+        self.log.warning("idempotency bucket missing; creating it again")
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            async with asyncio.timeout(self.gsettings.publish_timeout_s):
+                await idempotency_kv(self._js, self.subjects)
 
     async def _nats_back(self, within_s: float) -> bool:
         """Connected now, or again within ``within_s`` (nats-py reconnects on its own)."""

@@ -5,26 +5,53 @@ a request id sent again within that window is answered with the first request's 
 the *same* request that is the point (a retry after a cut-off connection is an idempotent
 replay, computed once); for a *different* request under a reused id it would be a wrong answer
 given as right. So the gateway remembers a digest of each accepted request's content per
-client-given request id (:class:`Fingerprints`) and refuses a reuse with other content: 409
+client-given request id (in two layers, below) and refuses a reuse with other content: 409
 Conflict, naming the id (``services.gateway.adapter.Conflict``).
 
 Content (:func:`request_digest`): what decides the answer -- the prompt's token ids (after
 tokenization, so a text prompt and its token ids are the same request) and ``max_tokens``.
 Fields the gateway ignores (``model``, sampling parameters) are not content.
 
-Limits (a sans-IO core, per gateway process):
+Two layers, one rule:
 
-* **Per gateway.** No durable store of request content exists to share: the intake is a work
-  queue (a message is gone once its result is in) and the results stream keeps FirstTokens,
-  which carry no content. A reuse that reaches *another* replica (or this one after a
-  restart) with other content is not detected there; it gets the first request's answer, as
-  before. Sharing it would need a JetStream KV bucket keyed by request id with the window as
-  its TTL (a bucket name built in ``shared/subjects.py``).
-* **Window.** A digest is kept for ``window_s`` (the intake's de-duplication window) from its
-  first acceptance here: after that the intake takes the id as a new request, and so does
-  this check.
-* **Size.** At most ``max_keys`` digests; past that the oldest is forgotten early (counted in
-  :attr:`Fingerprints.evicted`), and a reuse of its id is not detected.
+* **Shared** (:mod:`services.gateway.idempotency_kv`): a JetStream key-value bucket
+  (``{PREFIX}_IDEMPOTENCY``, ``Subjects.idempotency_bucket``) holds one
+  :class:`IdempotencyRecord` (the digest and the first acceptance's wall time) per client
+  request id, key :func:`kv_key`, for the window (the bucket's ``max_age``). The first claim
+  of an id anywhere wins (an atomic ``create``); a later one reads the record and compares
+  digests. Every gateway replica shares it, and it outlives a gateway restart (on file, like
+  the intake: a server restart too).
+* **Local** (:class:`Fingerprints`): this process's memory of the ids whose first claim was
+  its own (or that it accepted while the bucket did not answer), a fast first check (a
+  conflict found there costs no round trip) and the fallback while the bucket does not
+  answer. An id another replica claimed first is not kept here: its window runs from that
+  first claim, which the bucket's record keeps and this memory would not.
+
+Limits:
+
+* **Window.** A digest is kept for ``window_s`` (the intake's de-duplication window) from the
+  first claim of its id: after that the intake takes the id as a new request, and so does
+  this check. The claim precedes the intake publish by that publish's latency (milliseconds
+  usually), so the intake still de-duplicates the id for that long after the check forgot
+  it: a reuse with other content in that sliver gets the first answer.
+* **Fail open.** A claim the bucket does not answer (timeout, no bucket, an unreadable
+  record) is decided by the local memory alone and the request goes on, counted
+  (``idempotency_store_failed``) and logged: refusing every request with a client id while
+  the bucket has trouble would turn a lost safety check into an outage, and the local
+  memory still catches a reuse at this replica. Only a reuse at *another* replica in that
+  time is missed (as before the bucket existed).
+* **Release.** A claim whose intake publish failed is withdrawn (local and shared: a delete
+  conditional on the claim's revision), so a retry with other content is not refused for a
+  request that never ran; a publish that timed out may have landed all the same, and a
+  withdrawal that fails leaves the claim to expire (``idempotency_release_failed``).
+* **Size.** At most ``max_keys`` digests in the local memory; past that the oldest is
+  forgotten early (counted in :attr:`Fingerprints.evicted`); the shared bucket still has it.
+
+Keys (:func:`kv_key`): KV keys allow only ``[-/_=.a-zA-Z0-9]``. A request id (schema:
+``[a-z0-9][a-z0-9_-]*``, at most 128 characters) is its own key, readable in ``nats kv ls``;
+any other string -- none passes the schema today; the encoding keeps the bucket safe should
+the id rules widen -- is ``=`` + its UTF-8 bytes in base64url without padding. ``=`` never
+occurs in a plain key nor in unpadded base64url, so no two ids share a key.
 
 Only client-given ids are remembered: the gateway's own (``new_request_id``, 128 random bits)
 cannot be reused by accident, and remembering them would only push the others out.
@@ -32,13 +59,19 @@ cannot be reused by accident, and remembering them would only push the others ou
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
+import re
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Final, NewType
+
+from pydantic import Field
+
+from shared.schemas import Message, WallTime
 
 RequestDigest = NewType("RequestDigest", bytes)
 """A request's content digest (:func:`request_digest`)."""
@@ -60,6 +93,28 @@ def request_digest(tokens: Sequence[int], max_tokens: int) -> RequestDigest:
         raise RuntimeError("array('q') is not 64-bit here")
     h.update(packed.tobytes())
     return RequestDigest(h.digest())
+
+
+_PLAIN_KEY_RE: Final[re.Pattern[str]] = re.compile(r"^[A-Za-z0-9_-]+$")
+ENCODED_KEY_MARK: Final[str] = "="
+"""Leads a key that is an encoded request id (:func:`kv_key`)."""
+
+
+def kv_key(request_id: str) -> str:
+    """The idempotency bucket's key of ``request_id`` (module docstring, "Keys"): the id
+    itself when it is made of ``[A-Za-z0-9_-]`` alone, else :data:`ENCODED_KEY_MARK` and the
+    base64url (no padding) of its UTF-8 bytes. Injective, and always a legal KV key."""
+    if _PLAIN_KEY_RE.match(request_id):
+        return request_id
+    raw = request_id.encode("utf-8", "surrogatepass")  # any str, lone surrogates too
+    return ENCODED_KEY_MARK + base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+class IdempotencyRecord(Message):
+    """The value under a request id's key in the idempotency bucket (JSON)."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{32}$", description="request_digest, hex")
+    accepted_s: WallTime = Field(description="the first claim, Unix seconds (for people)")
 
 
 class Claim(enum.Enum):
@@ -128,4 +183,5 @@ class Fingerprints:
             self._kept.popitem(last=False)
 
 
-__all__ = ["Claim", "Fingerprints", "RequestDigest", "request_digest"]
+__all__ = ["ENCODED_KEY_MARK", "Claim", "Fingerprints", "IdempotencyRecord", "RequestDigest",
+           "kv_key", "request_digest"]

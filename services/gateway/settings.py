@@ -99,7 +99,8 @@ class GatewaySettings(ServiceSettings):
         default=65_536, ge=1,
         description="Client request ids whose content digest this gateway remembers (for the "
         "intake's de-duplication window, 120 s), to answer 409 to an id reused with another "
-        "request; past it the oldest is forgotten early (services/gateway/idempotency.py). "
+        "request; past it the oldest is forgotten early (services/gateway/idempotency.py), "
+        "and only the KV bucket all gateways share still knows it. "
         "About 300 bytes each.",
     )
     slo: str = Field(

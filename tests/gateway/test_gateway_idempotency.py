@@ -1,14 +1,24 @@
 """The gateway's idempotency-key memory (services/gateway/idempotency.py), a pure core: a
-request id names one request content for the intake's de-duplication window, bounded in size.
-The live behaviour (409 over HTTP and NATS) is in tests/live_sched."""
+request id names one request content for the intake's de-duplication window, bounded in size;
+and the shared bucket's keys and records. The live behaviour (409 over HTTP and NATS, across
+gateway replicas and restarts) is in tests/live_sched."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.js.kv import VALID_KEY_RE
 
-from services.gateway.idempotency import Claim, Fingerprints, request_digest
+from services.gateway.idempotency import (
+    ENCODED_KEY_MARK,
+    Claim,
+    Fingerprints,
+    IdempotencyRecord,
+    kv_key,
+    request_digest,
+)
+from shared.schemas import Id, SchemaError, from_json, to_json
 
 
 class Clock:
@@ -100,3 +110,40 @@ def test_never_more_than_the_bound_and_never_a_wrong_verdict(
             assert live and kept is not None
             assert (verdict is Claim.SAME) == (kept[0] == digest)
         assert len(fp) <= 4
+
+
+# -- the shared bucket's keys and records -------------------------------------------------------
+
+
+def _legal_kv_key(key: str) -> bool:
+    # nats-py's own rule (nats.js.kv._is_key_valid): no empty key, no leading or trailing dot.
+    return bool(key) and key[0] != "." and key[-1] != "." and bool(VALID_KEY_RE.match(key))
+
+
+@pytest.mark.parametrize("rid", ["key-1", "r" + "0" * 127, "a_b-c", "0"])
+def test_a_request_id_is_its_own_key(rid: str) -> None:
+    """Every id the schema admits is readable as it is in the bucket."""
+    from pydantic import TypeAdapter
+
+    TypeAdapter(Id).validate_python(rid)
+    assert kv_key(rid) == rid
+
+
+@pytest.mark.parametrize("rid", ["a b", "ü/*>", ".x.", "a.b", "=YWJj", "$kv", "", "\ud800"])
+def test_any_other_string_is_encoded_to_a_legal_key(rid: str) -> None:
+    key = kv_key(rid)
+    assert key.startswith(ENCODED_KEY_MARK) and _legal_kv_key(key), key
+
+
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_keys_are_legal_and_never_shared(a: str, b: str) -> None:
+    assert _legal_kv_key(kv_key(a))
+    assert (kv_key(a) == kv_key(b)) == (a == b)
+
+
+def test_a_record_round_trips_and_refuses_what_is_none() -> None:
+    rec = IdempotencyRecord(digest=request_digest([1, 2], 1).hex(), accepted_s=1.5e9)
+    assert from_json(IdempotencyRecord, to_json(rec)) == rec
+    for bad in (b"", b"{}", b'{"digest": "xyz", "accepted_s": 1}', b"\x00"):
+        with pytest.raises(SchemaError):
+            from_json(IdempotencyRecord, bad)

@@ -27,6 +27,7 @@ def test_default_spellings() -> None:
     assert s.ctl_composition() == "vtm.ctl.composition"
     assert s.service_group("scheduler") == "vtm.scheduler"
     assert s.assignment_bucket() == "VTM_ASSIGNMENTS"
+    assert s.idempotency_bucket() == "VTM_IDEMPOTENCY"
     assert s.epoch_ack(3) == "vtm.epoch.ack.3"
     assert s.cache_events("w-cp2-g0") == "vtm.cache.events.w-cp2-g0"
     assert s.cache_snapshot("w-cp2-g0") == "vtm.cache.snapshot.w-cp2-g0"
@@ -106,6 +107,7 @@ def test_multi_token_prefix_names() -> None:
     assert s.intake_stream() == "DEV_VTM_A_INTAKE"
     assert s.worker_state_bucket() == "DEV_VTM_A_WORKERS"
     assert s.assignment_bucket() == "DEV_VTM_A_ASSIGNMENTS"
+    assert s.idempotency_bucket() == "DEV_VTM_A_IDEMPOTENCY"
     assert s.ctl_drain() == "dev.vtm-a.ctl.drain"
 
 
