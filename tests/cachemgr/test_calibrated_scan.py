@@ -7,8 +7,9 @@ the simulator's scan path (``lists=False``) and the full-list path agreeing:
   scan per replica earn a same-degree copy, 3 never do;
 * θ_reclaim: a duplicate survives a couple of quiet scans after a single reuse, and goes once
   its degree has seen no reuse for about three scans;
-* θ_inter: about eight requests preferring a degree that lacks the node, each missing one
-  block's worth (0.03 s) of Ê, earn a first replica there; one such request does not.
+* θ_inter (0.25 s): requests preferring a degree that lacks the node, each missing one
+  block's worth (0.03 s) of Ê, earn a first replica there from the ninth in one scan on
+  (9 × 0.03 = 0.27 s > 0.25 s); eight (0.24 s) or fewer do not.
 """
 
 from __future__ import annotations
@@ -73,13 +74,20 @@ def test_a_duplicate_outlives_two_quiet_scans_after_a_reuse(make_trie, lists: bo
     assert reclaimed_at == 3
 
 
-def test_one_missing_request_is_not_inter_demand_but_eight_are(make_trie) -> None:
-    for n, expect in ((1, False), (9, True)):
+@pytest.mark.parametrize("lists", [True, False])
+def test_eight_missing_requests_are_not_inter_demand_but_nine_are(make_trie,
+                                                                  lists: bool) -> None:
+    # Each request misses 0.03 s of Ê at degree 2: 8 miss 0.24 s <= θ_inter = 0.25 s,
+    # 9 miss 0.27 s > θ_inter.
+    assert SCAN.theta_inter == 0.25
+    for n, expect in ((1, False), (8, False), (9, True)):
         t, f = make_trie({"a": 4, "b": 2})
         f.store("a", list(PATH))
         m = t.match(PATH)
         for _ in range(n):  # prefers degree 2, where nobody holds PATH
             t.record_request(m, W("b"), 2, 0, 2, L, _per_block)
-        res = t.scan(SCAN, lists=True)
+        res = t.scan(SCAN, lists=lists)
         inter = [a for a in res.actions if isinstance(a, Replicate) and a.kind == "inter"]
         assert bool(inter) is expect, (n, res.inter)
+        if expect:
+            assert [(a.dest, a.degree) for a in inter][:1] == [(W("b"), 2)]

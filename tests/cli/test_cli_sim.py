@@ -889,38 +889,74 @@ def test_simulate_takes_the_pull_wait_setting(runner, tmp_path, profile_file) ->
         (["--preset", "conversation", "--no-pull-wait"], "leave out --pull-wait"),))
 
 
-def test_simulate_takes_the_pending_credit_setting(runner, tmp_path, profile_file) -> None:
+@pytest.fixture
+def sim_configs(monkeypatch) -> list:
+    """(:class:`SimConfig`, the simulator) of every simulator built in this process (the runs
+    go through ``--jobs 1``, so every run is in this process and seen here)."""
+    import sim.simulator as simulator_module
+
+    seen: list = []
+    real_init = simulator_module.Simulator.__init__
+
+    def recording_init(self, config, *args, **kwargs) -> None:
+        real_init(self, config, *args, **kwargs)
+        seen.append((config, self))
+
+    monkeypatch.setattr(simulator_module.Simulator, "__init__", recording_init)
+    return seen
+
+
+def test_simulate_takes_the_pending_credit_setting(runner, tmp_path, profile_file,
+                                                   sim_configs) -> None:
     """``--pending-credit/--no-pending-credit`` reaches the simulator (meta.json records it:
     on by default, as calibrated); the reconfiguration and trace presets take it, the
     ablation (a fixed composition) refuses it."""
     common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
-              "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
-    metas = {}
+              "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2",
+              "--jobs", "1"]
+    metas, got = {}, {}
     for name, extra in (("default", []), ("on", ["--pending-credit"]),
                         ("off", ["--no-pending-credit"]),
                         ("nopull", ["--pull-min-blocks", "0", "--pending-credit"])):
         out = tmp_path / name
+        sim_configs.clear()
         _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
         metas[name] = json.loads((out / "meta.json").read_text())["pending_credit"]
+        assert sim_configs, name  # the runs were in this process
+        got[name] = {(c.pending_credit, c.pull is not None, sim._pending_credit)
+                     for c, sim in sim_configs}
     assert metas == {"default": True, "on": True, "off": False, "nopull": False}
+    # What the simulator was given, not what meta.json says it was: (the setting, a pull,
+    # the credit in effect). Without a pull there is no credit, so the setting does nothing.
+    assert got == {"default": {(True, True, True)}, "on": {(True, True, True)},
+                   "off": {(False, True, False)}, "nopull": {(True, False, False)}}
     _refused(runner, tmp_path, (
         (["--preset", "ablation", "--pending-credit"], "does not apply"),))
 
 
-def test_simulate_takes_the_pull_demote_setting(runner, tmp_path, profile_file) -> None:
+def test_simulate_takes_the_pull_demote_setting(runner, tmp_path, profile_file,
+                                                sim_configs) -> None:
     """``--pull-demote/--no-pull-demote`` reaches the pull (meta.json records it: the
     calibrated on by default, and off when the pull is); with a preset it is refused."""
     common = ["simulate", "--trace", "synthetic", "--max-requests", "300", "--gpus", "8",
-              "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2"]
-    metas = {}
+              "--profile", str(profile_file), "--policies", "vertumnus", "--rate-scale", "2",
+              "--jobs", "1"]
+    metas, got = {}, {}
     for name, extra in (("default", []), ("on", ["--pull-demote"]),
                         ("off", ["--no-pull-demote"]),
                         ("nopull", ["--pull-min-blocks", "0", "--pull-demote"])):
         out = tmp_path / name
+        sim_configs.clear()
         _ok(runner.invoke(app, [*common, *extra, "--out", str(out)]))
         meta = json.loads((out / "meta.json").read_text())
         metas[name] = (meta["pull_demote"], meta["pull_min_blocks"])
+        assert sim_configs, name  # the runs were in this process
+        got[name] = {None if c.pull is None else (c.pull.demote_source, c.pull.min_blocks)
+                     for c, _ in sim_configs}
     assert metas == {"default": (True, 2), "on": (True, 2), "off": (False, 2),
                      "nopull": (False, 0)}
+    # What the simulator's pull was given, not what meta.json says it was.
+    assert got == {"default": {(True, 2)}, "on": {(True, 2)}, "off": {(False, 2)},
+                   "nopull": {None}}
     _refused(runner, tmp_path, (
         (["--preset", "conversation", "--no-pull-demote"], "leave out --pull-demote"),))

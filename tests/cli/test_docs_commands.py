@@ -125,15 +125,38 @@ def test_every_bench_command_in_the_docs_exists(doc: str, command: str) -> None:
     flags = _flags(tokens[tokens.index(script) + 1:])
     if flags:
         text = _bench_help(script)
-        missing = [f for f in flags if not re.search(re.escape(f) + r"\b", text)]
+        # The flag exactly: not a longer one it begins (``--rate`` in ``--rate-scale``).
+        missing = [f for f in flags
+                   if not re.search(r"(?<![\w-])" + re.escape(f) + r"(?![\w-])", text)]
         assert not missing, f"{doc}: `{command}`: {script} --help shows no {missing}"
+
+
+def _vtm_string_literals() -> set[str]:
+    """Every ``VTM_*`` name that the code under services/, shared/, vertumnus/ and sim/ has as
+    a whole string literal (``os.environ.get("VTM_X")``, ``envvar="VTM_X"``, ``X_ENV =
+    "VTM_X"``): a name read by name. Docstrings and comments do not count (a docstring is
+    never just the name, and comments are not in the syntax tree)."""
+    import ast
+
+    out: set[str] = set()
+    for d in ("services", "shared", "vertumnus", "sim"):
+        for p in (ROOT / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and re.fullmatch(r"VTM_[A-Z0-9_]+", node.value):
+                    out.add(node.value)
+    return out
 
 
 def test_every_vtm_variable_the_docs_name_is_read() -> None:
     """A ``VTM_*`` name in the README, docs/ or docker-compose.yml is a settings field of a
-    service (pydantic-settings: prefix + field, ``__`` for nesting) or a variable the code
-    reads by name; ``VTM_NATS_*`` stands for a family."""
+    service (pydantic-settings: prefix + field, ``__`` for nesting, as ``env_names`` lists
+    them) or a variable the code reads by name (the name as a string literal in the code);
+    ``VTM_NATS_*`` stands for a family. The docs also name the NATS KV buckets
+    (``$KV.VTM_WORKERS.>``): those are not variables, and are checked against the bucket
+    names ``Subjects`` builds."""
     from services.rankd.torch_backend import TorchSettings
+    from shared.subjects import Subjects
     from vertumnus.live.rankd_sim import SimRankdSettings
     from vertumnus.live.registry import SERVICES, env_names
 
@@ -143,8 +166,11 @@ def test_every_vtm_variable_the_docs_name_is_read() -> None:
         assert cls is not None, info
         known |= env_names(cls)
     known |= env_names(SimRankdSettings) | env_names(TorchSettings)
-    code = " ".join(p.read_text() for d in ("services", "shared", "vertumnus", "sim")
-                    for p in (ROOT / d).rglob("*.py"))
+    read = _vtm_string_literals()
+    subjects = Subjects()
+    buckets = {getattr(subjects, m)() for m in dir(subjects)
+               if m.endswith("_bucket") and callable(getattr(subjects, m))}
+    assert "VTM_WORKERS" in buckets  # (else the bucket names are no longer found this way)
     texts = [(p.name, p.read_text()) for p in (*DOCS, ROOT / "docker-compose.yml")]
     found = 0
     for name, text in texts:
@@ -154,6 +180,8 @@ def test_every_vtm_variable_the_docs_name_is_read() -> None:
             if m.group(1):  # a family: some variable must start with it
                 assert any(k.startswith(var) for k in known), f"{name}: {m.group(0)}"
                 continue
-            assert var in known or re.search(rf"\b{var}\b", code), \
+            if var in buckets and text[max(0, m.start() - 4):m.start()] == "$KV.":
+                continue  # a KV bucket named in a subject, not an environment variable
+            assert var in known or var in read, \
                 f"{name}: {var} is neither a settings field nor read by the code"
     assert found > 50  # the docs do name their variables (else this checks nothing)

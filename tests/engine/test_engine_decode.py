@@ -71,12 +71,20 @@ def test_chunks_are_bounded_and_round_trip_in_any_order() -> None:
 
 
 def test_reassembler_interleaves_requests_and_rejects_garbage() -> None:
-    a = encode_kv_chunks("a", _kv(3, 1), {}, max_chunk=2000)
-    b = encode_kv_chunks("b", _kv(3, 2), {}, max_chunk=2000)
+    sent = {"a": (_kv(3, 1), {"token": 7}), "b": (_kv(3, 2), {})}
+    a = encode_kv_chunks("a", *sent["a"], max_chunk=2000)
+    b = encode_kv_chunks("b", *sent["b"], max_chunk=2000)
+    assert len(a) > 1 and len(b) > 1  # several chunks each: they do interleave
     asm = ChunkReassembler()
     done = [r for pair in zip(a, b, strict=True) for c in pair if (r := asm.add(c)) is not None]
     done += [r for c in a[len(b) :] + b[len(a) :] if (r := asm.add(c)) is not None]
     assert sorted(d[0] for d in done) == ["a", "b"]
+    for rid, kv, meta in done:  # each request gets back exactly what was sent for it
+        want, want_meta = sent[rid]
+        assert meta == want_meta
+        assert len(kv) == len(want)
+        for (k, v), (wk, wv) in zip(kv, want, strict=True):
+            assert torch.equal(k, wk) and torch.equal(v, wv), rid
     with pytest.raises(KVFormatError):
         parse_chunk(b"xx")
     with pytest.raises(KVFormatError):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 
 import pytest
 import torch
@@ -209,10 +211,17 @@ def test_chain_hashes_contract() -> None:
     assert all(
         a != b for a, b in zip(chain_hashes(other, 4), h, strict=True)
     )  # chained: all differ
-    assert chain_hashes(toks, 4) == h  # deterministic (and process-independent: blake2b)
     # Golden value pins the byte layout shared with the gateway: blake2b-64 over the parent's
     # 8 LE bytes (zeros at the root) + int32 LE tokens, top bit cleared.
     assert chain_hashes([1, 2, 3, 4], 4) == [658132497017838498]
+    # The chaining, from hashlib directly (an independent oracle of the layout above).
+    parent, want = 0, []
+    for i in range(0, 20, 4):
+        digest = hashlib.blake2b(struct.pack("<Q", parent) + struct.pack("<4i", *toks[i:i + 4]),
+                                 digest_size=8).digest()
+        parent = int.from_bytes(digest, "little") & ((1 << 63) - 1)
+        want.append(parent)
+    assert h == want
     assert chain_hashes([1, 2, 3], 4) == []
     with pytest.raises(InvalidInput):
         chain_hashes(toks, 0)

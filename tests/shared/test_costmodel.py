@@ -83,6 +83,24 @@ def test_fit_with_noise_reports_mape_and_per_degree() -> None:
     assert per.keys() == {1, 2, 4}
 
 
+def test_mape_is_the_mean_relative_error_against_the_measured_time() -> None:
+    # Ê = R / C with every other coefficient zero: Ê(4, ·, 2) = 2.0 and Ê(4, ·, 4) = 1.0.
+    prof = Profile(coefficients=Coefficients(d=0.0, a=0.0, b=0.0, c=1.0, alpha=0.0))
+    samples = [
+        Sample(4, 0, 2, 2.5),  # |2.0 - 2.5| / 2.5 = 0.20
+        Sample(4, 7, 2, 1.6),  # |2.0 - 1.6| / 1.6 = 0.25
+        Sample(4, 0, 4, 0.8),  # |1.0 - 0.8| / 0.8 = 0.25
+    ]
+    overall, per = mape(prof, samples)
+    # Overall: the mean over samples (0.20 + 0.25 + 0.25) / 3, not the mean of the
+    # per-degree means (which would be 0.2375).
+    assert overall == pytest.approx(0.7 / 3, rel=1e-12)
+    assert per == pytest.approx({2: 0.225, 4: 0.25}, rel=1e-12)
+    assert list(per) == [2, 4]
+    nan_overall, none = mape(prof, [])
+    assert math.isnan(nan_overall) and none == {}
+
+
 def test_fit_rejects_bad_samples() -> None:
     with pytest.raises(InvalidInput):
         fit_profile([(1, 0, 1, 0.1)] * 3)  # too few

@@ -74,7 +74,10 @@ def _start(mode: str, **env: str) -> subprocess.Popen[str]:
 
 
 def test_a_clean_stop_exits_0_without_the_deadline() -> None:
-    proc = _start("clean", VTM_STOP_TIMEOUT_S="1")
+    # A deadline far beyond any clean stop, however slow the machine: a deadline that fires
+    # regardless (armed at 0, or not waiting for its timeout) still shows as exit 70 and
+    # "overran"; the test never races a short deadline.
+    proc = _start("clean", VTM_STOP_TIMEOUT_S="60")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0, err
@@ -139,11 +142,41 @@ def test_watch_parent_calls_back_once_the_parent_is_not_the_given_one() -> None:
     assert not thread.is_alive()
 
 
-def test_watch_parent_keeps_watching_while_the_parent_lives() -> None:
+def test_watch_parent_keeps_watching_while_the_parent_lives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The watcher's getppid counts its polls, answering the parent until told it is gone:
+    # the test waits for a number of polls, not for a time.
+    import shared.stopping as stopping
+
+    parent = os.getppid()
+    polls = 0
+    parent_gone = False
     calls: list[int] = []
-    thread = watch_parent(os.getppid(), poll_s=0.01, on_gone=lambda: calls.append(1))
-    time.sleep(0.1)  # several polls; only the result, not the time, is asserted
-    assert thread.is_alive() and calls == []
+    cond = threading.Condition()
+
+    def counting_getppid() -> int:
+        nonlocal polls
+        with cond:
+            polls += 1
+            cond.notify_all()
+            return parent + 1 if parent_gone else parent
+
+    def on_gone() -> None:
+        with cond:
+            calls.append(polls)
+            cond.notify_all()
+
+    monkeypatch.setattr(stopping.os, "getppid", counting_getppid)
+    thread = watch_parent(parent, poll_s=0.001, on_gone=on_gone)
+    with cond:
+        # Stop waiting early if the watcher calls back: that is the failure under test.
+        assert cond.wait_for(lambda: polls >= 50 or calls, timeout=WAIT_S)
+        assert calls == [], f"called back after {calls[0]} polls of a living parent"
+        assert thread.is_alive()
+        parent_gone = True  # and now the parent goes: the watcher calls back once and ends
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert len(calls) == 1 and calls[0] > 50
 
 
 @pytest.mark.parametrize("pid", [0, -3])
