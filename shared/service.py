@@ -660,6 +660,9 @@ class MicroService:
         self._service: Service | None = None
         self._stop = asyncio.Event()
         self._started = asyncio.Event()
+        # Checks the JetStream keeper has completed (read-only; for tests, which wait on it
+        # instead of sleeping a number of check periods). Stays 0 without a keeper.
+        self.jetstream_checks = 0
         self.log = structlog.get_logger(f"vertumnus.{name}")
 
     # -- overridables -------------------------------------------------------------------------
@@ -819,20 +822,23 @@ class MicroService:
         done = told = nc.stats["reconnects"]
         while True:
             await asyncio.sleep(JETSTREAM_CHECK_S)
-            reconnects = nc.stats["reconnects"]
-            if reconnects == done or not nc.is_connected:
-                continue
             try:
-                await self.ensure_jetstream()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # JetStream not ready yet (recovering): the next check
-                if told != reconnects:  # once per reconnect (it may take a while)
-                    told = reconnects
-                    self.log.info("jetstream assets not ensured yet", error=repr(exc))
-                continue
-            done = told = reconnects
-            self.log.info("jetstream assets ensured after a reconnect")
+                reconnects = nc.stats["reconnects"]
+                if reconnects == done or not nc.is_connected:
+                    continue
+                try:
+                    await self.ensure_jetstream()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # JetStream not ready yet (recovering): next check
+                    if told != reconnects:  # once per reconnect (it may take a while)
+                        told = reconnects
+                        self.log.info("jetstream assets not ensured yet", error=repr(exc))
+                    continue
+                done = told = reconnects
+                self.log.info("jetstream assets ensured after a reconnect")
+            finally:
+                self.jetstream_checks += 1
 
     async def _drain(self, nc: Client) -> None:
         await drain_or_close(nc, self.settings.drain_timeout_s)

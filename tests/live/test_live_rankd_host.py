@@ -105,6 +105,15 @@ async def call_when_up(nc: Client, subject: str, msg: object, reply: type) -> ob
                 await asyncio.sleep(0.05)
 
 
+async def reaped(server: EmbeddedNats) -> None:
+    """Wait (bounded) until a SIGKILLed ``server`` has exited and been reaped (``running``
+    polls the process, which reaps it), so its port can be taken again. Not
+    EmbeddedNats.kill(): that also removes the store the next server starts on."""
+    async with asyncio.timeout(WAIT_S):
+        while server.running:
+            await asyncio.sleep(0.01)
+
+
 async def test_split_then_merge(nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:
     s = Subjects(uniq)
     settings = RankdSettings(
@@ -216,7 +225,7 @@ async def test_a_server_restart_is_survived(uniq: str) -> None:
         with capture_logs() as logs:
             assert server.pid is not None
             os.kill(server.pid, signal.SIGKILL)
-            await asyncio.sleep(0.5)
+            await reaped(server)
             again = EmbeddedNats(port=port, store_dir=server.store_dir).start()
             nc = await nats.connect(again.url)
             ack = await call_when_up(nc, s.worker_assign("w-cp1-g1"),
@@ -335,7 +344,7 @@ async def test_a_worker_starting_while_the_server_restarts_starts_again(uniq: st
             await nc.close()
             nc = None
             await asyncio.wait_for(killed.wait(), WAIT_S)
-            await asyncio.sleep(0.5)
+            await reaped(server)
             again = EmbeddedNats(port=port, store_dir=server.store_dir).start()
             nc = await nats.connect(again.url)
             ack = await call_when_up(nc, s.worker_assign("w-cp1-g1"),

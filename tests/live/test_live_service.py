@@ -222,7 +222,7 @@ def test_error_code_table() -> None:
 # -- PullConsumer: continuous pull, each message on arrival --------------------------------------
 
 
-async def _work_queue(nc: Client, uniq: str) -> tuple[str, str, str]:
+async def _work_queue(nc: Client, uniq: str, ack_wait: float = 30) -> tuple[str, str, str]:
     from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
     js = nc.jetstream()
@@ -230,7 +230,7 @@ async def _work_queue(nc: Client, uniq: str) -> tuple[str, str, str]:
     await js.add_stream(StreamConfig(name=stream, subjects=[subject],
                                      retention=RetentionPolicy.WORK_QUEUE))
     await js.add_consumer(stream, ConsumerConfig(durable_name="c", ack_policy=AckPolicy.EXPLICIT,
-                                                 ack_wait=30))
+                                                 ack_wait=ack_wait))
     return stream, "c", subject
 
 
@@ -291,11 +291,14 @@ async def test_pull_consumer_back_pressure_and_expiry(nc: Client, uniq: str) -> 
         js = nc.jetstream()
         for i in range(3):
             await js.publish(subject, str(i).encode())
+        # Settled: the other two delivered and the pull's expiry status (408) come, all
+        # queued behind the handler -- then nothing else may have been handed over.
         async with asyncio.timeout(20):
-            while not seen:
+            while len(seen) < 2 and (pc._sub is None or pc._sub.pending_msgs < 3):
                 await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
+        await nc.flush()
         assert seen == [b"0"]  # the handler has not returned: nothing else handed over
+        assert pc._sub.pending_msgs >= 3
         gate.set()
         async with asyncio.timeout(20):
             while len(seen) < 3:
@@ -315,11 +318,12 @@ async def test_pull_consumer_back_pressure_and_expiry(nc: Client, uniq: str) -> 
 
 async def test_pull_consumer_stop_hands_back_what_it_holds(nc: Client, uniq: str) -> None:
     """Deliveries received but not handed over when ``stop`` runs are NAK'ed: the next
-    consumer gets them at once, not after ack_wait (30 s here); the one being handled is
-    finished (acked), not handed back."""
+    consumer gets them at once, not after ack_wait (an hour here, far above any wait in this
+    test: only the NAK can bring them back); the one being handled is finished (acked), not
+    handed back."""
     from shared.service import PullConsumer
 
-    stream, consumer, subject = await _work_queue(nc, uniq)
+    stream, consumer, subject = await _work_queue(nc, uniq, ack_wait=3600)
     gate = asyncio.Event()
     first: list[bytes] = []
 
@@ -355,7 +359,7 @@ async def test_pull_consumer_stop_hands_back_what_it_holds(nc: Client, uniq: str
     pc2 = PullConsumer(nc, stream=stream, consumer=consumer, handler=take, batch=8)
     await pc2.start()
     try:
-        async with asyncio.timeout(15):  # well below ack_wait
+        async with asyncio.timeout(15):  # far below ack_wait
             while len(second) < 2:
                 await asyncio.sleep(0.01)
         assert sorted(second) == [b"1", b"2"]
@@ -404,7 +408,11 @@ async def crash_and_restart(server: EmbeddedNats, port: int) -> EmbeddedNats:
 
     assert server.pid is not None
     os.kill(server.pid, signal.SIGKILL)
-    await asyncio.sleep(0.3)
+    # Reaped before its port is reused (``running`` polls the process, which reaps it); not
+    # EmbeddedNats.kill(), which would remove the store the next server starts on.
+    async with asyncio.timeout(10):
+        while server.running:
+            await asyncio.sleep(0.01)
     return EmbeddedNats(port=port, store_dir=server.store_dir).start()
 
 
@@ -455,6 +463,14 @@ class ToyWithJetStream(Toy):
             raise nats.errors.Error("jetstream not ready")
 
 
+async def checks_after(svc: MicroService, seen: int, more: int) -> None:
+    """Wait (bounded) until the JetStream keeper of ``svc`` completed ``more`` checks after
+    the ``seen``-th."""
+    async with asyncio.timeout(10 + 5 * more * JETSTREAM_CHECK_S):
+        while svc.jetstream_checks < seen + more:
+            await asyncio.sleep(0.05)
+
+
 async def test_jetstream_assets_are_ensured_again_after_each_reconnect(uniq: str) -> None:
     """A service that has JetStream assets ensures them again once its connection is back
     (until that succeeds: a failure is tried again at the next check); only after a
@@ -471,13 +487,15 @@ async def test_jetstream_assets_are_ensured_again_after_each_reconnect(uniq: str
             await asyncio.wait_for(s.started.wait(), timeout=10)
         # One keeper: svc's (both are named vtm-toy; plain has no JetStream assets).
         assert sum(t.get_name() == "vtm-toy-jetstream" for t in asyncio.all_tasks()) == 1
-        await asyncio.sleep(2.5 * JETSTREAM_CHECK_S)
+        await checks_after(svc, svc.jetstream_checks, 2)  # two checks, each of them seen
         assert svc.ensured == 0  # no reconnect, nothing to do
+        assert plain.jetstream_checks == 0
         again = await crash_and_restart(server, port)
         async with asyncio.timeout(30):
             while svc.ensured < 2:
                 await asyncio.sleep(0.05)
-        await asyncio.sleep(2.5 * JETSTREAM_CHECK_S)
+        # Two more completed checks (the one that succeeded may be one of them, not both).
+        await checks_after(svc, svc.jetstream_checks, 2)
         assert svc.ensured == 2  # ensured once it succeeded: not again without a reconnect
     finally:
         for s in (svc, plain):

@@ -56,6 +56,51 @@ async def wait_until(pred: Callable[[], bool], what: str, timeout_s: float = WAI
         await asyncio.sleep(poll_s)
 
 
+async def quiescent(nc: Client, subjects: Subjects, workers: Sequence[str],
+                    besides: Sequence[str] = (), held: Callable[[], int] = lambda: 0) -> bool:
+    """Nothing more can execute: the intake consumer has no message waiting (``num_pending``)
+    nor any delivered and unacknowledged (``num_ack_pending``: no redelivery can come), and
+    each of ``workers`` reports an empty FIFO and nothing in flight (one with no responders
+    runs nothing). Intake is read again after the workers, so a request a worker handed back
+    meanwhile shows there. ``besides``: request ids a worker may still hold (e.g. a blocker
+    occupying it on purpose, sent straight to it and not through intake). ``held``: how many
+    intake messages a live in-process scheduler holds (``hold_intake``: renewed, so none of
+    them is redelivered while it runs); that many may stay unacknowledged."""
+    import nats.errors
+
+    from shared.schemas import QueueQuery, QueueReport
+    from shared.service import call
+
+    async def intake_idle() -> bool:
+        info = await nc.jetstream().consumer_info(subjects.intake_stream(),
+                                                  subjects.intake_consumer())
+        return info.num_pending == 0 and info.num_ack_pending <= held()
+
+    if not await intake_idle():
+        return False
+    for wid in workers:
+        try:
+            rep = await call(nc, subjects.worker_queue(wid), QueueQuery(worker_id=wid),
+                             QueueReport, timeout_s=5.0)
+        except nats.errors.NoRespondersError:
+            continue
+        if set(rep.queued) - set(besides) or set(rep.in_flight) - set(besides):
+            return False
+    return await intake_idle()
+
+
+async def wait_quiescent(nc: Client, subjects: Subjects, workers: Sequence[str],
+                         besides: Sequence[str] = (), held: Callable[[], int] = lambda: 0,
+                         timeout_s: float = WAIT_S) -> None:
+    """Wait (bounded) until :func:`quiescent`, then flush: what was published is delivered."""
+    deadline = time.monotonic() + timeout_s
+    while not await quiescent(nc, subjects, workers, besides, held):
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for intake and the workers to be idle")
+        await asyncio.sleep(0.05)
+    await nc.flush()
+
+
 # -- the stack ------------------------------------------------------------------------------
 
 

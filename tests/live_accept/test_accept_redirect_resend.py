@@ -27,7 +27,13 @@ import time
 from typing import Any
 
 import pytest
-from live_accept_support import ActingController, InProcess, ResultTap, wait_until
+from live_accept_support import (
+    ActingController,
+    InProcess,
+    ResultTap,
+    wait_quiescent,
+    wait_until,
+)
 from nats.aio.msg import Msg
 
 from services.rankd.backend import SimBackend
@@ -165,9 +171,11 @@ async def test_resent_assignment_of_redirected_request_runs_once(
         b.later.set()
         await wait_until(lambda: "redelivery" in b.handled, "B handled M1's redelivery")
         await wait_until(lambda: any(r.request_id == RID for r in tap.results), "x's result")
-        # Past a further ack_wait: a wrongly NAK'ed or re-placed M1 would have run again.
-        await asyncio.sleep(2.5)
-        await nc.flush()
+        # Settled: intake holds nothing (M1 and M2 acked: no redelivery can come) and no
+        # worker holds anything but W its blocker -- a wrongly NAK'ed or re-placed M1 would
+        # have run again.
+        await wait_quiescent(nc, live.subjects, (W, W2, W3), besides=("resend-blocker",))
+        assert not any(s.core.redirecting for s in (w, *others))
         runs = [(r.worker_id, r.error) for r in tap.results if r.request_id == RID]
         assert runs == [(W2, None)], f"x ran {len(runs)} times: {runs}"
         if first == "redelivery":

@@ -38,6 +38,7 @@ from live_accept_support import (
     geometry_violations,
     running_stack,
     small_config,
+    wait_quiescent,
     wait_until,
 )
 
@@ -94,9 +95,11 @@ async def test_scheduler_sigkill_and_restart_lose_nothing(tmp_path: Path) -> Non
             problems = answered_once_ok(ids, answers, sent)
             assert not problems, problems[:10]
             await wait_until(lambda: tap.ok_ids() >= set(ids), "every FirstToken on the wire")
-            # A redelivery comes after ack_wait (2 s): wait past it so a re-execution shows.
-            await asyncio.sleep(3.0)
-            await nc.flush()
+            # Settled: intake holds nothing (every message acked: no redelivery can come) and
+            # no worker of any composition holds anything, so a re-execution would show.
+            workers = {*stack.config.workers(),
+                       *(w.worker_id for rec in epochs.records.values() for w in rec.workers)}
+            await wait_quiescent(nc, stack.subjects, sorted(workers))
 
             by_id = {rid: rs for rid, rs in tap.by_id().items() if rid in set(ids)}
             assert not set(tap.by_id()) - set(sent), "FirstTokens for ids never sent"
@@ -145,8 +148,10 @@ async def test_resent_dispatching_assignment_runs_once(nats_server: EmbeddedNats
                          "B handled the redelivery")
         await wait_until(lambda: rankd.core.running is None and len(rankd.core) == 0,
                          "the worker idle again")
-        await asyncio.sleep(0.3)
-        await nc.flush()
+        # Settled: intake has nothing waiting and nothing unacknowledged but what B holds
+        # (renewed: no redelivery while B runs), and the worker holds nothing, so a second
+        # run would show.
+        await wait_quiescent(nc, live.subjects, ("w-cp2-g0",), held=lambda: len(b._held))
         assert [r.request_id for r in tap.results] == ["once-1"], (
             f"executed {len(tap.results)} times")
     finally:

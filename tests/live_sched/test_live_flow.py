@@ -281,7 +281,11 @@ async def test_baselines_run_live(live: Services, fake_worker, policy: str) -> N
         assert reply.status == 200, reply.body
     got = a.assignments + b.assignments
     assert len(got) == 3
-    assert {g.terms.policy for g in got if g.terms is not None} <= {policy}
+    # Every baseline scores with a queue and a service term: each placement carries its terms,
+    # under the policy that made it (None would be a policy without terms: none is here).
+    terms = [g.terms for g in got]
+    assert all(t is not None for t in terms), terms
+    assert {t.policy for t in terms if t is not None} == {policy}
 
 
 async def test_no_eligible_worker_fails_after_max_deliver(live: Services, fake_worker) -> None:  # type: ignore[no-untyped-def]

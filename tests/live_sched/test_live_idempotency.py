@@ -234,14 +234,19 @@ async def test_a_stopping_replica_hands_its_held_messages_to_the_next(
     and acks it when the result comes."""
     s = Subjects(uniq)
     w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
-    a = await live.scheduler(block_size=B, ack_wait_s=30.0, instance_id="sched-a")
+    # ack_wait an hour, far above any wait here: only the NAK can bring the message back.
+    a = await live.scheduler(block_size=B, ack_wait_s=3600.0, instance_id="sched-a")
     await wait_until(lambda: len(a.core.view) == 1, "worker in A's view")
+    info = await nc.jetstream().consumer_info(s.intake_stream(), s.intake_consumer())
+    assert info.config.ack_wait == 3600.0  # the premise: no redelivery by timeout here
     await publish(nc, s, intake("pass-1"))
     await wait_until(lambda: "pass-1" in a._held, "held by A")
     await live.stop(a)
-    b = await live.scheduler(block_size=B, ack_wait_s=30.0, instance_id="sched-b")
-    # Well inside ack_wait: only the NAK can have brought it back this soon.
+    b = await live.scheduler(block_size=B, ack_wait_s=3600.0, instance_id="sched-b")
+    # Far inside ack_wait: only a NAK can have brought it back -- A's at its stop, not one B
+    # sends for a replica it finds gone (that comes later, after A is unseen for a while).
     await wait_until(lambda: b.stats.adopted == 1, "adopted by B")
+    assert (b.stats.peer_naked, b.stats.predecessor_naked) == (0, 0)
     assert "pass-1" in b.ledger and "pass-1" in b._held
     assert b.ledger.get("pass-1").worker_id == w.worker_id  # type: ignore[union-attr]
     assert len(w.assignments) == 1  # not dispatched again

@@ -10,10 +10,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.rankd.backend import SimBackend
+from services.rankd.backend import PrefillResult, SimBackend
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from shared.schemas import FirstToken, decode
+from shared.schemas import Assignment, FirstToken, decode
 
 B = 16
 
@@ -83,14 +83,30 @@ async def test_handoff_off_worker_frees_the_worker_at_prefill_end(live: Services
     """With ``handoff_off_worker`` (what ``vertumnus up`` runs, as the simulator models it)
     the worker starts its next prefill while the previous request's KV handoff is still
     under way, and each first token still comes after its own handoff; the scheduler infers
-    the queued request's start from the first result."""
+    the queued request's start from the first result.
+
+    The first prefill is held until the second request is queued at the worker, so the
+    second one is there to start the moment the first prefill ends (not only if it happened
+    to reach the worker within the first one's handoff)."""
     wid = "w-cp2-g0"
     settings = RankdSettings(nats_url=live.url, subject_prefix=live.prefix, worker_id=wid,
                              heartbeat_s=0.2)
-    backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 0.1,
-                         handoff_time=lambda n, c: 0.5, first_decode_time=lambda n, c: 0.1,
-                         handoff_off_worker=True)
-    await live._run(RankdService(settings, backend))
+    holder: list[RankdService] = []
+    held: list[str] = []
+
+    class HeldSimBackend(SimBackend):
+        async def prefill(self, assignment: Assignment) -> PrefillResult:
+            if not held:  # the first prefill: wait (bounded) until another job is queued
+                held.append(assignment.request.request_id)
+                await wait_until(lambda: len(holder[0].core.queued) >= 1,
+                                 "the second request queued behind the first")
+            return await super().prefill(assignment)
+
+    backend = HeldSimBackend(prefill_time=lambda r, p, c, kind="cp": 0.1,
+                             handoff_time=lambda n, c: 0.5, first_decode_time=lambda n, c: 0.1,
+                             handoff_off_worker=True)
+    holder.append(RankdService(settings, backend))
+    await live._run(holder[0])
     results: dict[str, FirstToken] = {}
 
     async def on_result(msg: Msg) -> None:
@@ -111,6 +127,7 @@ async def test_handoff_off_worker_frees_the_worker_at_prefill_end(live: Services
     finally:
         await sub.unsubscribe()
     a, b = sorted(results.values(), key=lambda r: r.finished_at_s)
+    assert held == [a.request_id]  # the held prefill is the first one to finish
 
     def prefill_span(r: FirstToken) -> tuple[float, float]:
         end = r.finished_at_s - r.stages.first_decode_s - r.stages.kv_transfer_s
@@ -123,3 +140,5 @@ async def test_handoff_off_worker_frees_the_worker_at_prefill_end(live: Services
     # (a blocking backend would have held the worker through a's 0.6 s handoff).
     assert a_end - 1e-6 <= b_start < a.finished_at_s
     await wait_until(lambda: sched.stats.finished == 2, "both reservations released")
+    # b was queued behind a (AssignmentAck position 1): its start was inferred from a's result.
+    assert sched.stats.starts_inferred >= 1

@@ -61,9 +61,9 @@ def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
     assert data["profile"] == str(fitted)
     kappa = json.loads(fitted.read_text())["kappa"]
     assert {"2", "4"} <= set(kappa) and all(k > 0 for k in kappa.values())
-    if "controller" not in data["services_missing"]:
-        # The initial epoch record was observed (4×CP2 by default on 8 GPUs).
-        assert data["composition"][0]["label"] == "4×CP2", data["composition"]
+    assert data["services_missing"] == []  # every service ran, the controller included
+    # The initial epoch record was observed (4×CP2 by default on 8 GPUs).
+    assert data["composition"][0]["label"] == "4×CP2", data["composition"]
     # Clean stop: every child and the server are gone, and the services exited by SIGTERM
     # handling (status 0), not by SIGKILL.
     pids = json.loads((logs / "pids.json").read_text())
@@ -123,8 +123,8 @@ def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["completed"] == 8, data["errors"]
     assert data["reconfigurations"] == 0 and data["policy"] == "vllm"
-    if "controller" not in data["services_missing"]:
-        assert data["composition"][0]["label"] == "2×TP4", data["composition"]
+    assert data["services_missing"] == []  # every service ran, the controller included
+    assert data["composition"][0]["label"] == "2×TP4", data["composition"]
     assert "TP4" in proc.stdout
 
 

@@ -196,6 +196,10 @@ class ReplayConfig:
     the copy with the original's result. 0: no retry."""
     api_key: str | None = field(default=None, repr=False)
     """Sent as ``Authorization: Bearer`` (a gateway with ``VTM_API_KEYS``); None: none."""
+    on_failed_try: Callable[[HttpError], None] | None = field(default=None, repr=False,
+                                                              compare=False)
+    """Called with the error each time a try is refused or dropped (whether another try
+    follows or not); it observes only (for tests and progress). None: nothing is called."""
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "rate_scale", "request_timeout_s"):
@@ -284,6 +288,8 @@ async def _send(url: str, body: bytes, config: ReplayConfig) -> tuple[Response, 
             return resp, tried - first, retries
         except (ConnectionRefused, ConnectionDropped) as exc:
             now = time.monotonic()
+            if config.on_failed_try is not None:
+                config.on_failed_try(exc)
             if not retries:
                 deadline = now + config.retry_s  # from the first failure, never extended
             if now + pause > deadline:
