@@ -114,7 +114,9 @@ worker still lists (or that it cannot ask yet while the worker's state is fresh)
 its ledger, and a worker lost afterwards is recovered as above. Before, a restarted replica
 started with an empty ledger, and a worker dying after that lost its requests for good (the
 client got a 504). A redelivery whose first token is out (``_served``, or kept in the results
-stream) is acked; one whose worker is gone, or restarted since it admitted the request
+stream) is acked, and so is a re-sent "dispatching" assignment its worker had served already
+(it answers position 0 and runs nothing; the kept result, read once the message is held,
+says so); one whose worker is gone, or restarted since it admitted the request
 (``AssignmentRecord.incarnation``), is handed back; one that a live worker no longer lists
 (it ran it, or handed it back itself) is acked. The consumer's ``max_ack_pending`` must
 cover every replica's dispatched-but-unanswered requests. A replica with a fixed instance id
@@ -766,6 +768,7 @@ class SchedulerStats:
     gone_handed_back: int = 0  # handed back to intake on behalf of a worker known gone
     gone_in_intake: int = 0  # ... and intake already held that hand-back (de-duplicated)
     finished_acked: int = 0  # a redelivery of a request whose result was seen: acked
+    resent_served: int = 0  # a re-sent assignment its worker had served already: acked
     unknown_held: int = 0  # last delivery, outcome unknown, but the worker lists it: acked
     lost_handed_back: int = 0  # dispatched to a worker that died or restarted: handed back
     lost_in_intake: int = 0  # ... and intake already held that hand-back (de-duplicated)
@@ -1343,10 +1346,24 @@ class SchedulerService(MicroService):
             result = first_token_of(rid, msg)
         except SchemaError:
             return
+        worker = await self._result_seen(rid, served=result.error is None)
+        if worker is None:
+            return  # placed by another replica, or already released
+        # The worker was free again when the prefill ended: the KV handoff and the first
+        # decode that follow it in TTFT run off its FIFO (as in the simulator).
+        st = result.stages
+        self._infer_next_start(worker, result.finished_at_s - st.kv_transfer_s
+                               - st.first_decode_s)
+
+    async def _result_seen(self, rid: str, *, served: bool) -> WorkerId | None:
+        """``rid``'s result is out (``served``: a first token, not an error): it leaves the
+        ledger, its held intake message is acked, and its reservation in the core ends.
+        Returns the worker it was reserved on, None when the core had none (placed by another
+        replica, or already released)."""
         self.core.forget_foreign(rid)
         self.ledger.pop(rid)
         await self._release_held(rid)
-        if result.error is None:
+        if served:
             self._served[rid] = None
             self._served.move_to_end(rid)
             if len(self._served) > FINISHED_MEMORY:
@@ -1355,13 +1372,9 @@ class SchedulerService(MicroService):
             worker = self.core.worker_of(rid)
             self.core.finish(rid, self.clock())
         except UnknownRequest:
-            return  # placed by another replica, or already released
+            return None
         self.stats.finished += 1
-        # The worker was free again when the prefill ended: the KV handoff and the first
-        # decode that follow it in TTFT run off its FIFO (as in the simulator).
-        st = result.stages
-        self._infer_next_start(worker, result.finished_at_s - st.kv_transfer_s
-                               - st.first_decode_s)
+        return worker
 
     def _infer_next_start(self, worker: WorkerId, at_s: float) -> None:
         """A worker serves its queue in order: when one request's result is out and nothing
@@ -1681,6 +1694,16 @@ class SchedulerService(MicroService):
             if span is not None:
                 span.set_attribute("vtm.queue_position", ack.queue_position)
         await self._ack_or_hold(msg, rid, seq)
+        if decision is None and rid in self._held and \
+                await self._result_kept(rid, since_s=req.arrival_s):
+            # A re-sent assignment its worker had already served (a replica died between the
+            # dispatch and its record): the worker runs nothing and answers position 0, and
+            # the first token went out before this replica held the message, so no result
+            # would ever come to release it (it was held, renewed, for good). Read after the
+            # hold: a result published later reaches _on_result.
+            self.stats.resent_served += 1
+            self.log.info("re-sent assignment was served already; acked", request_id=rid)
+            await self._result_seen(rid, served=True)
         if decision is not None:
             await self._after_dispatch(req, assignment, decision,
                                        in_demand=not is_handback_msg_id(msg_id))

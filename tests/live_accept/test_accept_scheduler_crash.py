@@ -148,10 +148,13 @@ async def test_resent_dispatching_assignment_runs_once(nats_server: EmbeddedNats
                          "B handled the redelivery")
         await wait_until(lambda: rankd.core.running is None and len(rankd.core) == 0,
                          "the worker idle again")
-        # Settled: intake has nothing waiting and nothing unacknowledged but what B holds
-        # (renewed: no redelivery while B runs), and the worker holds nothing, so a second
-        # run would show.
-        await wait_quiescent(nc, live.subjects, ("w-cp2-g0",), held=lambda: len(b._held))
+        # The worker had served it: B sees the kept result and acks the message rather than
+        # holding it for a result that already went out (before, it was held and renewed for
+        # good). Settled: intake has nothing waiting and nothing unacknowledged, and the
+        # worker holds nothing, so a second run would show.
+        await wait_until(lambda: b.stats.resent_served == 1, "B acked the served re-send")
+        assert "once-1" not in b._held and b.ledger.get("once-1") is None
+        await wait_quiescent(nc, live.subjects, ("w-cp2-g0",))
         assert [r.request_id for r in tap.results] == ["once-1"], (
             f"executed {len(tap.results)} times")
     finally:
