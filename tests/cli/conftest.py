@@ -1,10 +1,12 @@
-"""Fixtures of the CLI tests: a profile file measured once per session, and one simulate run."""
+"""Fixtures of the CLI tests: a profile file measured once per session, one simulate run, and
+``no_runs`` (any sweep or profile started is a test failure)."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -29,3 +31,18 @@ def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def runner() -> CliRunner:
     return CliRunner()
+
+
+@pytest.fixture
+def no_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any sweep or profile a test failure: the refusals under test must come before
+    one."""
+    import sim.profiling
+    from sim import runner as sim_runner
+
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("a run started despite bad input")
+
+    for name in ("run_simulate", "run_tune", "run_size", "run_preset"):
+        monkeypatch.setattr(sim_runner, name, boom)
+    monkeypatch.setattr(sim.profiling, "profile_command", boom)

@@ -22,16 +22,6 @@ from vertumnus.cliargs import comma_list, input_file, output_dir, output_file
 
 
 @pytest.fixture
-def no_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make any sweep a test failure: the refusals under test must come before one."""
-    def boom(*_a: Any, **_k: Any) -> Any:
-        raise AssertionError("a run started despite bad input")
-
-    for name in ("run_simulate", "run_tune", "run_size", "run_preset"):
-        monkeypatch.setattr(sim_runner, name, boom)
-
-
-@pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
     """Stand-ins for simulate's runs that record their arguments and return an empty
     summary, to see what accepted options reach the run without running it."""

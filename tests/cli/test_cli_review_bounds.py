@@ -18,17 +18,6 @@ from sim import runner as sim_runner
 from vertumnus.cli import app
 
 
-@pytest.fixture
-def no_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make any sweep or profile a test failure: the refusals under test come before one."""
-    def boom(*_a: Any, **_k: Any) -> Any:
-        raise AssertionError("a run started despite bad input")
-
-    for name in ("run_simulate", "run_tune", "run_size", "run_preset"):
-        monkeypatch.setattr(sim_runner, name, boom)
-    monkeypatch.setattr(sim.profiling, "profile_command", boom)
-
-
 # --- 1. hardware values beyond any real model or GPU ---------------------------------------------
 @pytest.mark.parametrize(("content", "key"), [
     ("[model]\nlayers = 1000000000\n", "model.layers"),
