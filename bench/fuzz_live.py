@@ -262,8 +262,10 @@ class Fuzzer:
     async def _ask(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
         msg = await self.nc.request(subject, data, headers=headers, timeout=2.0)
         code = (msg.headers or {}).get("Nats-Service-Error-Code", "ok")
-        name = subject.rsplit(".", 1)[1] if subject.startswith(f"{S.prefix}.worker.") \
-            or subject.startswith(f"{S.prefix}.cache.") else subject
+        # The kind (assign, queue, cmd, snapshot, ...) is the token after the group: the
+        # worker id is last (conventions.md).
+        rest = subject[len(S.prefix) + 1:]
+        name = rest.split(".")[1] if rest.startswith(("worker.", "cache.")) else subject
         self.answers[(name, code)] += 1
         if code.startswith("5"):
             self.server_errors[(subject, (msg.headers or {}).get("Nats-Service-Error", ""))] += 1

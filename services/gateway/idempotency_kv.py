@@ -113,6 +113,10 @@ class SharedClaims:
                 return SharedClaim(Claim.NEW, revision=await self._kv.create(key, value))
             except KeyWrongLastSequenceError:
                 pass  # the key holds a record: the first claim's
+            except KeyNotFoundError:
+                # nats-py's create looks the key up after a refused create; expired in
+                # between: claim it again rather than fail open.
+                continue
             try:
                 entry = await self._kv.get(key)
             except KeyNotFoundError:
