@@ -671,10 +671,13 @@ class GatewayService(MicroService):
                 ack = await self._publish_intake(data, headers)
             except BaseException as exc:
                 # Not accepted: a retry with other content is no conflict with it. (Cancelled:
-                # the gateway stops; the bucket's claim is left to expire.)
-                if claim is Claim.NEW and digest is not None:
+                # the gateway stops; the bucket's claim is left to expire.) NOTE: not while
+                # another request of the same content waits here: it may have been accepted,
+                # and withdrawing the claim would let other content under its id through.
+                alone = len(self._waiting.get(rid, ())) <= 1
+                if alone and claim is Claim.NEW and digest is not None:
                     self._fingerprints.release(rid, digest)
-                if shared is not None and shared.revision is not None \
+                if alone and shared is not None and shared.revision is not None \
                         and not isinstance(exc, asyncio.CancelledError):
                     await self._release_shared(rid, shared.revision)
                 raise
