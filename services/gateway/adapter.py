@@ -31,9 +31,10 @@ One completion (:meth:`GatewayService.complete`):
    that answer's. The same id with *other* content (prompt tokens, ``max_tokens``) is no
    retry: 409 Conflict naming the id, before anything is published, at whichever gateway
    replica it comes to (:mod:`services.gateway.idempotency`: each client id's content digest
-   for the de-duplication window, claimed in a JetStream KV bucket all replicas share, with a
-   per-gateway memory in front; a bucket that does not answer fails open; the limits are
-   stated there);
+   for the de-duplication window plus the publish's bound, claimed in a JetStream KV bucket
+   all replicas share, with a per-gateway memory in front; a bucket that does not answer
+   fails open; a claim is withdrawn only when its publish was definitely refused; the limits
+   are stated there);
 5. wait for the FirstToken; answer with the token, the TTFT measured here (received → first
    token here) and the worker's stage breakdown. An HTTP client that closes its connection
    first stops the wait (:class:`ClientClosed`, 499, recorded but sent to nobody): its
@@ -92,6 +93,7 @@ from services.gateway.idempotency_kv import (
     SharedClaim,
     SharedClaims,
     StoreFailed,
+    claim_ttl_s,
     idempotency_kv,
 )
 from services.gateway.metrics import RequestMetrics
@@ -112,7 +114,6 @@ from shared.schemas import (
     from_json,
 )
 from shared.service import (
-    INTAKE_DUPLICATE_WINDOW_S,
     REPUBLISHED_HEADER,
     Endpoint,
     MicroService,
@@ -180,6 +181,12 @@ class Unavailable(GatewayError):
     status = 503
 
 
+class IntakeRefused(Unavailable):
+    """The intake definitely did not store the request: every try of its publish was refused
+    (:func:`publish_refused`). Only then is its request id's claim withdrawn; a plain
+    :class:`Unavailable` from the publish may have been stored all the same."""
+
+
 class FirstTokenTimeout(GatewayError):
     status = 504
 
@@ -218,6 +225,26 @@ def check_limits(tokens: Sequence[int], max_tokens: int, settings: GatewaySettin
         i, t = next((i, t) for i, t in enumerate(tokens) if t >= limit)
         raise Unprocessable(f"prompt token {i} has id {t}, outside the vocabulary "
                             f"[0, {limit})")
+
+
+def publish_refused(exc: BaseException) -> bool:
+    """Whether a failed JetStream publish definitely stored nothing, so that its request id's
+    claim may be withdrawn:
+
+    * no responders (``NoStreamResponseError``, nats-py's form of ``NoRespondersError`` for a
+      JetStream publish): the server found no stream (nor anything else) listening on the
+      subject, so the message went nowhere;
+    * an ``APIError`` answer: the stream itself answered that it refused the message (full,
+      out of storage, a failed expectation), which it does before storing.
+
+    Everything else is indeterminate: a timeout (the message may be stored, only the ack
+    lost or late), a connection closed (perhaps after the request went out), a cancel,
+    anything unforeseen -- and, for simplicity, a connection draining as the gateway stops
+    (nothing sent then, but the claim may as well expire). The claim is then kept (it
+    expires with the window): a client that retries with other content is refused (409) for
+    a while, but withdrawing a claim whose message landed would let other content under the
+    id through to the first request's answer -- a wrong answer given as right."""
+    return isinstance(exc, NoStreamResponseError | nats.errors.NoRespondersError | APIError)
 
 
 def result_error(rid: str, error: str) -> GatewayError:
@@ -285,8 +312,11 @@ class GatewayService(MicroService):
         self._intake_created: datetime.datetime | None = None  # the intake stream's birth
         self._republish_due = False
         # Content digests of client request ids, to refuse a reuse with other content (409).
-        # The intake's window: past it the intake takes the id as a new request anyway.
-        self._fingerprints = Fingerprints(INTAKE_DUPLICATE_WINDOW_S,
+        # A claim lasts the intake's window plus the longest the publish may go on after it
+        # (claim_ttl_s): the intake's window runs from the stored message. The local claim
+        # also precedes the shared one, which may take up to its timeout (publish_timeout_s).
+        self._claim_ttl_s = claim_ttl_s(settings.publish_bound_s)
+        self._fingerprints = Fingerprints(self._claim_ttl_s + settings.publish_timeout_s,
                                           settings.max_idempotency_keys)
         # The same, shared by every gateway replica (a KV bucket; made in ensure_jetstream).
         self._claims: SharedClaims | None = None
@@ -347,7 +377,8 @@ class GatewayService(MicroService):
             self._intake_created = info.created
         await ensure_results_stream(self._js, self.subjects)
         self._states = await worker_state_kv(self._js, self.subjects)
-        self._claims = SharedClaims(await idempotency_kv(self._js, self.subjects),
+        self._claims = SharedClaims(await idempotency_kv(self._js, self.subjects,
+                                                         ttl_s=self._claim_ttl_s),
                                     self.gsettings.publish_timeout_s)
 
     async def setup(self, stack: AsyncExitStack) -> None:
@@ -670,16 +701,19 @@ class GatewayService(MicroService):
             try:
                 ack = await self._publish_intake(data, headers)
             except BaseException as exc:
-                # Not accepted: a retry with other content is no conflict with it. (Cancelled:
-                # the gateway stops; the bucket's claim is left to expire.) NOTE: not while
-                # another request of the same content waits here: it may have been accepted,
-                # and withdrawing the claim would let other content under its id through.
+                # Definitely not stored (IntakeRefused): a retry with other content is no
+                # conflict with it, so the claim is withdrawn. Anything else (a timeout, a
+                # lost connection, a cancel as the gateway stops) may have been stored all
+                # the same: the claim is kept, here and in the bucket, and expires with the
+                # window (publish_refused says why). NOTE: not withdrawn either while another
+                # request of the same content waits here: it may have been accepted, and
+                # withdrawing the claim would let other content under its id through.
                 alone = len(self._waiting.get(rid, ())) <= 1
-                if alone and claim is Claim.NEW and digest is not None:
-                    self._fingerprints.release(rid, digest)
-                if alone and shared is not None and shared.revision is not None \
-                        and not isinstance(exc, asyncio.CancelledError):
-                    await self._release_shared(rid, shared.revision)
+                if alone and isinstance(exc, IntakeRefused):
+                    if claim is Claim.NEW and digest is not None:
+                        self._fingerprints.release(rid, digest)
+                    if shared is not None and shared.revision is not None:
+                        await self._release_shared(rid, shared.revision)
                 raise
             duplicate = bool(ack.duplicate)
             if duplicate:
@@ -734,7 +768,7 @@ class GatewayService(MicroService):
         self.counters["conflicts"] += 1
         return Conflict(
             f"request_id {rid!r} was already used for a different request (another "
-            f"prompt or max_tokens) within the last {INTAKE_DUPLICATE_WINDOW_S:g} s; "
+            f"prompt or max_tokens) within the last {self._claim_ttl_s:g} s; "
             "send the same request to get its answer, or a new request_id")
 
     async def _claim_shared(self, rid: str, digest: RequestDigest) -> SharedClaim | None:
@@ -771,7 +805,7 @@ class GatewayService(MicroService):
         self.log.warning("idempotency bucket missing; creating it again")
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             async with asyncio.timeout(self.gsettings.publish_timeout_s):
-                await idempotency_kv(self._js, self.subjects)
+                await idempotency_kv(self._js, self.subjects, ttl_s=self._claim_ttl_s)
 
     async def _nats_back(self, within_s: float) -> bool:
         """Connected now, or again within ``within_s`` (nats-py reconnects on its own)."""
@@ -787,30 +821,42 @@ class GatewayService(MicroService):
         """Publish to the intake and return its ack. A connection lost or an intake that does
         not answer (a broker restarting, JetStream recovering its store) is waited for and the
         message published again, up to ``nats_wait_s``: the ``Nats-Msg-Id`` makes a repeat
-        that did land a duplicate. Then :class:`Unavailable` (503)."""
+        that did land a duplicate. Then :class:`Unavailable` (503), or
+        :class:`IntakeRefused` (503 too) when no try can have stored it
+        (:func:`publish_refused`). Every try ends by ``publish_bound_s`` from the start
+        (the claim's TTL counts on it, :func:`claim_ttl_s`)."""
         assert self._js is not None
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.gsettings.nats_wait_s
+        start = loop.time()
+        deadline = start + self.gsettings.nats_wait_s
+        end = start + self.gsettings.publish_bound_s
+        # One indeterminate try (say, a timeout) makes the whole publish one: that try may
+        # have stored the message though a later one was refused.
+        maybe_stored = False
         while True:
             try:
-                return await self._js.publish(self.subjects.intake_requests(), data,
-                                              headers=headers,
-                                              timeout=self.gsettings.publish_timeout_s)
+                return await self._js.publish(
+                    self.subjects.intake_requests(), data, headers=headers,
+                    # A try after a late reconnect (_nats_back polls) still ends by `end`.
+                    timeout=min(self.gsettings.publish_timeout_s,
+                                max(0.001, end - loop.time())))
             except (nats.errors.NoRespondersError, NoStreamResponseError,
                     nats.errors.TimeoutError, TimeoutError, nats.errors.ConnectionClosedError,
                     nats.errors.ConnectionReconnectingError,
                     nats.errors.ConnectionDrainingError) as exc:
+                maybe_stored = maybe_stored or not publish_refused(exc)
                 left = deadline - loop.time()
                 if left <= 0 or not await self._nats_back(left):
-                    raise Unavailable(
-                        f"intake stream unavailable: {type(exc).__name__}") from exc
+                    failed = Unavailable if maybe_stored else IntakeRefused
+                    raise failed(f"intake stream unavailable: {type(exc).__name__}") from exc
                 self.log.info("intake publish retried", error=type(exc).__name__)
                 await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
             except APIError as exc:
                 # The stream refused it (full, out of storage, gone): the broker's trouble,
                 # and for the client one to retry later, not an internal error.
-                raise Unavailable(f"intake stream refused the request: "
-                                  f"{exc.description or type(exc).__name__}") from exc
+                failed = Unavailable if maybe_stored else IntakeRefused
+                raise failed(f"intake stream refused the request: "
+                             f"{exc.description or type(exc).__name__}") from exc
 
     async def _kept_result(self, rid: str) -> tuple[FirstToken, int] | None:
         """The latest result of ``rid`` in the results stream and its stream sequence, or
@@ -894,6 +940,7 @@ __all__ = [
     "FirstTokenTimeout",
     "GatewayError",
     "GatewayService",
+    "IntakeRefused",
     "InvalidConfig",
     "TooLarge",
     "Unavailable",
@@ -901,6 +948,7 @@ __all__ = [
     "WorkerFailed",
     "check_limits",
     "new_request_id",
+    "publish_refused",
     "result_error",
     "schema_message",
 ]

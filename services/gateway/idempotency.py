@@ -17,10 +17,10 @@ Two layers, one rule:
 * **Shared** (:mod:`services.gateway.idempotency_kv`): a JetStream key-value bucket
   (``{PREFIX}_IDEMPOTENCY``, ``Subjects.idempotency_bucket``) holds one
   :class:`IdempotencyRecord` (the digest and the first acceptance's wall time) per client
-  request id, key :func:`kv_key`, for the window (the bucket's ``max_age``). The first claim
-  of an id anywhere wins (an atomic ``create``); a later one reads the record and compares
-  digests. Every gateway replica shares it, and it outlives a gateway restart (on file, like
-  the intake: a server restart too).
+  request id, key :func:`kv_key`, for the claim's TTL (the bucket's ``max_age``; "Window",
+  below). The first claim of an id anywhere wins (an atomic ``create``); a later one reads
+  the record and compares digests. Every gateway replica shares it, and it outlives a
+  gateway restart (on file, like the intake: a server restart too).
 * **Local** (:class:`Fingerprints`): this process's memory of the ids whose first claim was
   its own (or that it accepted while the bucket did not answer), a fast first check (a
   conflict found there costs no round trip) and the fallback while the bucket does not
@@ -29,21 +29,32 @@ Two layers, one rule:
 
 Limits:
 
-* **Window.** A digest is kept for ``window_s`` (the intake's de-duplication window) from the
-  first claim of its id: after that the intake takes the id as a new request, and so does
-  this check. The claim precedes the intake publish by that publish's latency (milliseconds
-  usually), so the intake still de-duplicates the id for that long after the check forgot
-  it: a reuse with other content in that sliver gets the first answer.
+* **Window.** The intake de-duplicates an id for its window (``INTAKE_DUPLICATE_WINDOW_S``)
+  from the *stored message*, and that may be stored well after the claim: the publish is
+  tried again for up to ``nats_wait_s``, each try ending by ``publish_timeout_s``
+  (``GatewaySettings.publish_bound_s``). So a claim is kept for the window plus that bound
+  from the first claim of its id (``services.gateway.idempotency_kv.claim_ttl_s``: the
+  bucket's ``max_age``; the local memory adds the shared claim's own timeout, which its
+  claim precedes). Past that the intake takes the id as a new request, and so does this
+  check. Between the end of the intake's window and the end of the claim, a reuse with
+  other content may be refused (409) though the intake would take it as new: the price of
+  never letting other content through to the first answer. What remains: the claim's own
+  round trip (its record is stored before the gateway goes on) and the last try's way to
+  the server, milliseconds usually; a message re-sent after the server lost its store
+  (``REPUBLISHED_HEADER``) starts a new window in the new stream that no claim covers.
 * **Fail open.** A claim the bucket does not answer (timeout, no bucket, an unreadable
   record) is decided by the local memory alone and the request goes on, counted
   (``idempotency_store_failed``) and logged: refusing every request with a client id while
   the bucket has trouble would turn a lost safety check into an outage, and the local
   memory still catches a reuse at this replica. Only a reuse at *another* replica in that
   time is missed (as before the bucket existed).
-* **Release.** A claim whose intake publish failed is withdrawn (local and shared: a delete
-  conditional on the claim's revision), so a retry with other content is not refused for a
-  request that never ran; a publish that timed out may have landed all the same, and a
-  withdrawal that fails leaves the claim to expire (``idempotency_release_failed``).
+* **Release.** A claim whose intake publish was definitely refused (no stream answered, or
+  the stream refused the message: ``services.gateway.adapter.publish_refused``) is
+  withdrawn (local and shared: a delete conditional on the claim's revision), so a retry
+  with other content is not refused for a request that never ran. A publish that failed in
+  any other way (a timeout above all) may have been stored all the same: its claim is kept
+  and expires with the window, and a retry with other content gets 409 until then. A
+  withdrawal that fails leaves the claim to expire too (``idempotency_release_failed``).
 * **Size.** At most ``max_keys`` digests in the local memory; past that the oldest is
   forgotten early (counted in :attr:`Fingerprints.evicted`); the shared bucket still has it.
 
@@ -129,8 +140,9 @@ class Claim(enum.Enum):
 
 
 class Fingerprints:
-    """Request id → content digest, for ``window_s`` from first acceptance, at most
-    ``max_keys`` of them (module docstring). ``clock``: monotonic seconds (injected in tests).
+    """Request id → content digest, for ``window_s`` from first acceptance (the gateway gives
+    its claim TTL, module docstring "Window"), at most ``max_keys`` of them (module
+    docstring). ``clock``: monotonic seconds (injected in tests).
 
     NOTE: an ``OrderedDict`` in acceptance order. Every entry lives the same ``window_s``, so
     the oldest is always first: expiry and the size bound both pop from the front, O(1) per

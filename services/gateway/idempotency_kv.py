@@ -7,8 +7,12 @@ request's :class:`IdempotencyRecord` -- atomic on the server, so of any number o
 claiming one id at once exactly one gets :attr:`Claim.NEW` -- and, where the key exists
 already, ``get`` it and compare digests: :attr:`Claim.SAME` (an idempotent replay) or
 :attr:`Claim.CONFLICT` (409). A key that expires or is withdrawn between the two is claimed
-again. The bucket's ``max_age`` is the intake's de-duplication window, so a record goes when
-the intake would take its id as a new request (a delete marker goes the same way).
+again. The bucket's ``max_age`` is :func:`claim_ttl_s`: the intake's de-duplication window
+plus the longest the intake publish may go on after the claim, so a record goes only once the
+intake would take its id as a new request (a delete marker goes the same way). A bucket found
+with a shorter ``max_age`` (made by an older gateway, or one with shorter publish timeouts) has
+it raised (:func:`idempotency_kv`); a longer one is kept, since it is what another replica may
+need (a claim kept longer than needed costs only a 409 that could have been a new request).
 
 A withdrawal (:meth:`SharedClaims.release`) deletes the record only at the revision the claim
 wrote: a record that expired and was claimed again since is someone else's.
@@ -27,8 +31,10 @@ from typing import Final
 
 import nats.errors
 from nats.js import JetStreamContext
+from nats.js.client import KV_STREAM_TEMPLATE
 from nats.js.errors import (
     APIError,
+    BadRequestError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoStreamResponseError,
@@ -48,6 +54,11 @@ certain to decide."""
 WRONG_LAST_SEQUENCE: Final[int] = 10071
 """JetStream API error code of a conditional write whose expected revision is not the last."""
 STREAM_NOT_FOUND: Final[int] = 10059
+STREAM_NAME_IN_USE: Final[int] = 10058
+"""JetStream API error code of a stream created under a name in use with another config."""
+MAX_AGE_SLACK_S: Final[float] = 1e-6
+"""What a ``max_age`` may be short of the wanted TTL and still count as it: the server keeps
+nanoseconds, and seconds -> nanoseconds -> seconds need not give back the same float."""
 
 
 class StoreFailed(Exception):
@@ -70,13 +81,39 @@ class SharedClaim:
     """SAME / CONFLICT: the record found (the first claim's)."""
 
 
+def claim_ttl_s(publish_bound_s: float, window_s: float = INTAKE_DUPLICATE_WINDOW_S) -> float:
+    """How long a claim is kept (the bucket's ``max_age``): the intake's de-duplication
+    ``window_s`` -- which runs from the stored intake message, not from the claim -- plus
+    ``publish_bound_s``, the longest the intake publish may go on after the claim
+    (``GatewaySettings.publish_bound_s``: its tries for ``nats_wait_s``, each ending by
+    ``publish_timeout_s``). Without that, a message stored late (a publish tried again while
+    the broker restarts) would still be de-duplicated by the intake after its claim expired,
+    and a reuse of its id with other content in that gap would get the first answer."""
+    return window_s + publish_bound_s
+
+
 async def idempotency_kv(js: JetStreamContext, subjects: Subjects, *,
-                         window_s: float = INTAKE_DUPLICATE_WINDOW_S) -> KeyValue:
+                         ttl_s: float) -> KeyValue:
     """The idempotency bucket, made where missing (on file, one revision per key, TTL =
-    ``window_s``); an existing bucket is used as it is."""
-    return await ensure_key_value(js, subjects.idempotency_bucket(), ttl_s=window_s,
-                                  description="vertumnus gateways' idempotency keys "
-                                              "(client request id -> content digest)")
+    ``ttl_s``, :func:`claim_ttl_s`). An existing bucket whose ``max_age`` is shorter than
+    ``ttl_s`` has it raised to ``ttl_s``; a longer (or no) ``max_age`` is left as it is: it may
+    be another replica's need (module docstring). NOTE: two gateways with different needs
+    that raise it at once may leave the lower of the two raised values; each start and each
+    re-making of the bucket raises it again."""
+    bucket = subjects.idempotency_bucket()
+    try:
+        kv = await ensure_key_value(js, bucket, ttl_s=ttl_s,
+                                    description="vertumnus gateways' idempotency keys "
+                                                "(client request id -> content digest)")
+    except BadRequestError as exc:
+        if exc.err_code != STREAM_NAME_IN_USE:
+            raise
+        kv = await js.key_value(bucket)  # made at once by a gateway with another TTL
+    stream = await js.stream_info(KV_STREAM_TEMPLATE.format(bucket=bucket))
+    max_age = stream.config.max_age
+    if max_age and max_age + MAX_AGE_SLACK_S < ttl_s:  # 0 or None: kept for ever
+        await js.update_stream(stream.config.evolve(max_age=ttl_s))
+    return kv
 
 
 def _missing(exc: BaseException) -> bool:
@@ -148,4 +185,5 @@ class SharedClaims:
         return True
 
 
-__all__ = ["CLAIM_TRIES", "SharedClaim", "SharedClaims", "StoreFailed", "idempotency_kv"]
+__all__ = ["CLAIM_TRIES", "SharedClaim", "SharedClaims", "StoreFailed", "claim_ttl_s",
+           "idempotency_kv"]

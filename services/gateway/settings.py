@@ -98,10 +98,11 @@ class GatewaySettings(ServiceSettings):
     max_idempotency_keys: int = Field(
         default=65_536, ge=1,
         description="Client request ids whose content digest this gateway remembers (for the "
-        "intake's de-duplication window, 120 s), to answer 409 to an id reused with another "
-        "request; past it the oldest is forgotten early (services/gateway/idempotency.py), "
-        "and only the KV bucket all gateways share still knows it. "
-        "About 300 bytes each.",
+        "intake's de-duplication window, 120 s, plus the intake publish's bound, nats_wait_s + "
+        "publish_timeout_s, and the shared claim's timeout, publish_timeout_s), to answer 409 "
+        "to an id reused with another request; past it the oldest is forgotten early "
+        "(services/gateway/idempotency.py), and only the KV bucket all gateways share still "
+        "knows it. About 300 bytes each.",
     )
     slo: str = Field(
         default="qwen3-30b-a3b",
@@ -118,6 +119,15 @@ class GatewaySettings(ServiceSettings):
         except InvalidInput as exc:
             raise ValueError(str(exc)) from None
         return v
+
+    @property
+    def publish_bound_s(self) -> float:
+        """The longest a request's intake publish goes on (``GatewayService._publish_intake``):
+        tries again for up to ``nats_wait_s``, and every try ends by ``publish_timeout_s``
+        after that. A request's intake message is stored, if at all, within this of the
+        publish's start, so its id's claim outlives the intake's de-duplication window by
+        this much (services/gateway/idempotency.py, "Window")."""
+        return self.nats_wait_s + self.publish_timeout_s
 
     @property
     def slo_table(self) -> SloTable:

@@ -1,15 +1,21 @@
 """The gateway's idempotency-key memory (services/gateway/idempotency.py), a pure core: a
 request id names one request content for the intake's de-duplication window, bounded in size;
-and the shared bucket's keys and records. The live behaviour (409 over HTTP and NATS, across
+the shared bucket's keys and records; which failed publishes withdraw a claim, and how long a
+claim lasts. The live behaviour (409 over HTTP and NATS, across
 gateway replicas and restarts) is in tests/live_sched."""
 
 from __future__ import annotations
 
+import asyncio
+
+import nats.errors
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 from nats.js.kv import VALID_KEY_RE
 
+from services.gateway.adapter import publish_refused
 from services.gateway.idempotency import (
     ENCODED_KEY_MARK,
     Claim,
@@ -18,7 +24,10 @@ from services.gateway.idempotency import (
     kv_key,
     request_digest,
 )
+from services.gateway.idempotency_kv import claim_ttl_s
+from services.gateway.settings import GatewaySettings
 from shared.schemas import Id, SchemaError, from_json, to_json
+from shared.service import INTAKE_DUPLICATE_WINDOW_S
 
 
 class Clock:
@@ -147,3 +156,37 @@ def test_a_record_round_trips_and_refuses_what_is_none() -> None:
     for bad in (b"", b"{}", b'{"digest": "xyz", "accepted_s": 1}', b"\x00"):
         with pytest.raises(SchemaError):
             from_json(IdempotencyRecord, bad)
+
+
+# -- when a claim is withdrawn, and how long it lasts -------------------------------------------
+
+
+@pytest.mark.parametrize("exc", [
+    NoStreamResponseError(),  # nats-py's "no responders" of a JetStream publish
+    nats.errors.NoRespondersError(),
+    APIError(code=400, err_code=10054, description="message size exceeds maximum allowed"),
+    ServiceUnavailableError(code=503, err_code=10008, description="JetStream unavailable"),
+])
+def test_a_definite_refusal_withdraws_the_claim(exc: BaseException) -> None:
+    assert publish_refused(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    nats.errors.TimeoutError(),  # the message may be stored, the ack lost or late
+    TimeoutError(),
+    nats.errors.ConnectionClosedError(),
+    nats.errors.ConnectionDrainingError(),
+    asyncio.CancelledError(),
+    RuntimeError("unforeseen"),
+])
+def test_an_indeterminate_failure_keeps_the_claim(exc: BaseException) -> None:
+    assert not publish_refused(exc)
+
+
+def test_a_claim_outlasts_the_window_by_the_publish_bound() -> None:
+    """The intake's window runs from the stored message, up to nats_wait_s +
+    publish_timeout_s after the claim."""
+    s = GatewaySettings(nats_wait_s=7.0, publish_timeout_s=3.0, http_port=None)
+    assert s.publish_bound_s == 10.0
+    assert claim_ttl_s(s.publish_bound_s) == INTAKE_DUPLICATE_WINDOW_S + 10.0 == 130.0
+    assert claim_ttl_s(0.5, window_s=60.0) == 60.5

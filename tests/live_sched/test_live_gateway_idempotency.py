@@ -5,21 +5,26 @@ gateway remembered only the ids it had seen itself, so a reuse with another requ
 to another replica (or to a restarted one) was answered with the first request's token.
 
 Also: ids that are no legal KV key are claimed under their encoding, a claim whose intake
-publish failed is withdrawn, and a bucket that does not answer fails open (and is made again).
+publish was definitely refused is withdrawn while one whose publish timed out (and may have
+landed) is kept, a claim lasts the intake's window plus the publish's bound, and a bucket
+that does not answer fails open (and is made again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
-from live_sched_support import Services, fake_token, http, wait_until
+from live_sched_support import WAIT_S, Services, fake_token, http, wait_until
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import StreamConfig
 from nats.js.errors import KeyNotFoundError
 
 from services.gateway.idempotency import Claim, kv_key, request_digest
-from shared.service import bucket_keys, ensure_intake_stream
+from shared.service import INTAKE_DUPLICATE_WINDOW_S, bucket_keys, ensure_intake_stream
 from shared.subjects import Subjects
 
 B = 2
@@ -183,3 +188,142 @@ async def test_a_bucket_that_does_not_answer_fails_open_and_is_made_again(
     assert (await complete(a, body2)).status == 200
     assert_conflict(await complete(b, {**body2, **OTHER}), "open-2")
     assert a.counters["idempotency_store_failed"] == 1
+
+
+async def test_a_claim_whose_publish_was_refused_by_the_stream_is_withdrawn(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """The intake stream answers, refusing the message (an APIError: here every message is
+    over its size limit): definitely not stored, so the claim is withdrawn and another
+    request under the id is not refused (409) -- it is refused by the stream too (503)."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(nats_wait_s=0.0, result_timeout_s=0.5)
+    b = await live.gateway(nats_wait_s=0.0, result_timeout_s=0.5)
+    await js.delete_stream(s.intake_stream())
+    await js.add_stream(StreamConfig(name=s.intake_stream(), subjects=[s.intake_requests()],
+                                     max_msg_size=1))
+    body = {**BODY, "request_id": "refused-1"}
+    refused = await complete(a, body)
+    assert refused.status == 503 and "refused" in refused.body.decode(), refused.body
+    kv = await js.key_value(s.idempotency_bucket())
+    with pytest.raises(KeyNotFoundError):
+        await kv.get(kv_key("refused-1"))
+    assert a.stats_data()["idempotency_keys"] == 0
+    again = await complete(b, {**body, **OTHER})
+    assert again.status == 503, again.body
+    assert (a.counters["conflicts"], b.counters["conflicts"]) == (0, 0)
+
+
+async def test_a_claim_whose_publish_timed_out_is_kept(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """A publish whose ack never came may have been stored all the same; here it was (a
+    silent responder took the gateway's message, made the intake stream again and stored the
+    message there under its Nats-Msg-Id, answering nobody). The gateway answers 503, but
+    keeps the id's claim, here and in the shared bucket: another request under the id is
+    refused (409) at either gateway. Before, the claim was withdrawn, so the other request
+    was published, de-duplicated by the intake as the stored one, and would have been
+    answered with its result (no scheduler here: it waited for that result, 504)."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=0.2, result_timeout_s=0.5)
+    b = await live.gateway(nats_wait_s=0.0, publish_timeout_s=0.2, result_timeout_s=0.5)
+    await js.delete_stream(s.intake_stream())
+    landed = asyncio.Event()
+
+    async def store_silently(msg: Msg) -> None:
+        # NOTE: nats-py runs one subscription's callbacks one after another, so the store
+        # below, which this subscription sees too, comes here after `landed` is set.
+        if landed.is_set():
+            return
+        assert msg.headers is not None and msg.headers["Nats-Msg-Id"] == "late-1"
+        await ensure_intake_stream(js, s)
+        ack = await js.publish(s.intake_requests(), msg.data, headers=msg.headers)
+        assert ack.duplicate is None
+        landed.set()
+
+    sub = await nc.subscribe(s.intake_requests(), cb=store_silently)
+    body = {**BODY, "request_id": "late-1"}
+    timed_out = await complete(a, body)
+    assert timed_out.status == 503 and "TimeoutError" in timed_out.body.decode(), \
+        timed_out.body
+    await asyncio.wait_for(landed.wait(), WAIT_S)
+    await sub.unsubscribe()
+    assert (await js.stream_info(s.intake_stream())).state.messages == 1
+    kv = await js.key_value(s.idempotency_bucket())
+    assert (await kv.get(kv_key("late-1"))).value
+    assert a.stats_data()["idempotency_keys"] == 1
+    assert_conflict(await complete(b, {**body, **OTHER}), "late-1")
+    assert_conflict(await complete(a, {**body, **OTHER}), "late-1")
+    assert (a.counters["conflicts_shared"], b.counters["conflicts_shared"]) == (0, 1)
+    assert (await js.stream_info(s.intake_stream())).state.messages == 1  # nothing more
+    assert a.counters["idempotency_release_failed"] == 0
+
+
+async def test_a_publish_that_timed_out_before_it_was_refused_keeps_its_claim(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """The publish is tried again: a first try that timed out (a silent responder, which
+    then goes) may have been stored though the later tries found no stream at all. Its
+    claim is kept (before: the last try's "no responders" withdrew it)."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(nats_wait_s=1.0, publish_timeout_s=0.2, result_timeout_s=0.5)
+    b = await live.gateway(nats_wait_s=0.0, result_timeout_s=0.5)
+    await js.delete_stream(s.intake_stream())
+    sub = await nc.subscribe(s.intake_requests())  # answers nothing
+    body = {**BODY, "request_id": "late-2"}
+    publishing = asyncio.create_task(complete(a, body))
+    first = await sub.next_msg(timeout=WAIT_S)
+    await sub.unsubscribe()  # the first try times out; the later ones find no responders
+    assert first.headers is not None and first.headers["Nats-Msg-Id"] == "late-2"
+    failed = await publishing
+    assert failed.status == 503 and "NoStreamResponseError" in failed.body.decode(), \
+        failed.body
+    kv = await js.key_value(s.idempotency_bucket())
+    assert (await kv.get(kv_key("late-2"))).value
+    assert a.stats_data()["idempotency_keys"] == 1
+    assert_conflict(await complete(b, {**body, **OTHER}), "late-2")
+
+
+def claim_ttl(gw: Any) -> float:
+    """What a claim must last: the intake's window plus the longest its publish goes on
+    (tries for nats_wait_s, each ending by publish_timeout_s)."""
+    return INTAKE_DUPLICATE_WINDOW_S + gw.gsettings.nats_wait_s + gw.gsettings.publish_timeout_s
+
+
+async def bucket_max_age(nc: Client, s: Subjects) -> float:
+    info = await nc.jetstream().stream_info(f"KV_{s.idempotency_bucket()}")
+    assert info.config.max_age is not None
+    return info.config.max_age
+
+
+async def test_a_claim_lasts_the_intake_window_plus_the_publish_bound(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """The intake's window runs from the stored message, which may be stored up to
+    nats_wait_s + publish_timeout_s after the claim: the bucket keeps a claim that much
+    longer than the window (before: the window alone, 120 s), in a bucket the gateway makes,
+    in one an older gateway made with the window alone (raised), and in one it makes again;
+    a longer max_age (another replica's need) is left as it is. The local memory keeps its
+    claims longer still by the shared claim's timeout, which its claim precedes."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(nats_wait_s=3.0, publish_timeout_s=2.5)
+    assert await bucket_max_age(nc, s) == pytest.approx(claim_ttl(a)) == 125.5
+    assert a._fingerprints.window_s == pytest.approx(claim_ttl(a) + 2.5)
+    # A bucket made with the window alone (an older gateway's) is raised.
+    await js.delete_key_value(s.idempotency_bucket())
+    await js.create_key_value(bucket=s.idempotency_bucket(), ttl=INTAKE_DUPLICATE_WINDOW_S)
+    b = await live.gateway(nats_wait_s=4.0, publish_timeout_s=2.0)
+    assert await bucket_max_age(nc, s) == pytest.approx(claim_ttl(b)) == 126.0
+    # A gateway that needs less leaves the longer max_age alone.
+    c = await live.gateway(nats_wait_s=0.0, publish_timeout_s=1.0, result_timeout_s=0.5)
+    assert claim_ttl(c) < claim_ttl(b)
+    assert await bucket_max_age(nc, s) == pytest.approx(claim_ttl(b))
+    # Made again after it was lost: with the TTL of the gateway that makes it.
+    await js.delete_key_value(s.idempotency_bucket())
+    assert (await complete(c, {**BODY, "request_id": "ttl-1"})).status == 504  # no scheduler
+    assert c.counters["idempotency_store_failed"] == 1
+    assert await bucket_max_age(nc, s) == pytest.approx(claim_ttl(c)) == 121.0
