@@ -64,7 +64,7 @@ from shared.natsclient import connect
 from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
 from shared.settings import ServiceSettings
 from shared.stopping import handle_stop_signals
-from shared.subjects import Subjects, validate_subject
+from shared.subjects import BUS_PROTOCOL, Subjects, validate_subject
 from shared.tasks import cancel_and_wait, cancel_requested, unless_stopped
 from shared.telemetry import extract, inject, is_sampled, traceparent_of, tracer
 
@@ -655,7 +655,10 @@ class MicroService:
         self.queue_group = queue_group
         # NOTE: nats.micro keeps a reference to this very dict (we pass it non-empty), so
         # set_metadata() changes what $SRV.PING/INFO report without restarting the service.
-        self._metadata: dict[str, str] = {"prefix": self.subjects.prefix, **(metadata or {})}
+        # ``protocol`` is the bus contract this process speaks (shared.subjects.BUS_PROTOCOL),
+        # for `vertumnus status` to find a deployment mixing releases that cannot talk.
+        self._metadata: dict[str, str] = {"prefix": self.subjects.prefix,
+                                          "protocol": BUS_PROTOCOL, **(metadata or {})}
         self._nc: Client | None = None
         self._service: Service | None = None
         self._stop = asyncio.Event()

@@ -56,6 +56,16 @@ from typing import Final
 from shared.ids import InvalidInput
 
 DEFAULT_PREFIX: Final[str] = "vtm"
+# The version of the bus contract: this map and the messages on it (shared/schemas.py). Every
+# service reports it as its micro metadata ``protocol`` ($SRV.PING/INFO) and `vertumnus status`
+# warns when one deployment's services report different ones. Raise it when a subject, stream,
+# bucket or message changes so that a service of the previous release would miss or misread
+# it: services of different protocols do not understand each other (an old scheduler's
+# assignments reach no new rank daemon), so a deployment upgrades every service together
+# across a raise, never one by one. History: "2" -- ids last in every per-id subject
+# (``vtm.worker.assign.{wid}``, was ``vtm.worker.{wid}.assign``), 2026-12-06; services older
+# than that report no protocol.
+BUS_PROTOCOL: Final[str] = "2"
 MAX_TOKENS: Final[int] = 16
 _TOKEN_RE: Final[re.Pattern[str]] = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 # Stream, consumer and bucket names: JetStream allows no dots, spaces, wildcards or separators.

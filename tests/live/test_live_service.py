@@ -28,6 +28,7 @@ from shared.service import (
     until_served,
 )
 from shared.settings import ServiceSettings
+from shared.subjects import BUS_PROTOCOL
 from shared.telemetry import tracer
 
 
@@ -138,7 +139,8 @@ async def test_a_handlers_log_lines_carry_the_callers_trace_id(
 async def test_discovery_ping_info_stats(toy: Toy, nc: Client, uniq: str) -> None:
     ping = json.loads((await nc.request("$SRV.PING.vtm-toy", b"", timeout=10)).data)
     assert ping["name"] == "vtm-toy" and ping["version"] == "1.2.3"
-    assert ping["metadata"] == {"prefix": uniq, "epoch": "0"}
+    # the bus contract it speaks, for `vertumnus status` to find mixed releases
+    assert ping["metadata"] == {"prefix": uniq, "protocol": BUS_PROTOCOL, "epoch": "0"}
     toy.set_metadata(epoch="5")
     info = json.loads(
         (await nc.request(f"$SRV.INFO.vtm-toy.{toy.service.id}", b"", timeout=10)).data

@@ -19,7 +19,7 @@ from typer.testing import CliRunner, Result
 from shared.natsserver import EmbeddedNats
 from shared.schemas import EpochRecord, EpochWorker, WorkerState, to_json
 from shared.service import WORKER_LEASE_S, epoch_kv, worker_state_kv
-from shared.subjects import Subjects
+from shared.subjects import BUS_PROTOCOL, Subjects
 from shared.worker import Lifecycle
 from vertumnus.cli import app
 from vertumnus.live.status import BucketRead, Gathered, summarise
@@ -61,9 +61,10 @@ def _gathered(prefix: str = "vtm", **kw: Any) -> Gathered:
                            {"w-cp2-g0": to_json(fresh), "w-cp4-g4": to_json(stale),
                             "w-cp2-g2": b'{"worker_id": "w-cp2-g2"'}),
         pings=[{"name": "vtm-scheduler", "id": "B", "version": "0.1.0",
-                "metadata": {"prefix": prefix, "policy": "vertumnus", "epoch": "7"}},
+                "metadata": {"prefix": prefix, "protocol": BUS_PROTOCOL,
+                             "policy": "vertumnus", "epoch": "7"}},
                {"name": "vtm-controller", "id": "A", "version": "0.1.0",
-                "metadata": {"prefix": prefix, "epoch": "7"}},
+                "metadata": {"prefix": prefix, "protocol": BUS_PROTOCOL, "epoch": "7"}},
                {"name": "vtm-gateway", "id": "C", "version": "0.1.0",
                 "metadata": {"prefix": "other"}},
                {"name": "someone-else", "id": "D", "version": "1.0.0", "metadata": None}])
@@ -106,9 +107,41 @@ def test_the_summary_has_every_figure_and_flags_stale_and_malformed_states() -> 
                                                              ("vtm-scheduler", "B")]
     assert sv["other_prefixes"] == 2 and sv["entries"][1]["metadata"]["policy"] == "vertumnus"
 
+    assert sv["protocols"] == {BUS_PROTOCOL: ["vtm-controller", "vtm-scheduler"]}
+
     notices = [n["message"] for n in s["notices"]]
     assert any("malformed" in n and "w-cp2-g2" in n for n in notices)
     assert any("stale" in n and "w-cp4-g4" in n and "w-cp2-g0" not in n for n in notices)
+    assert not any("protocol" in n for n in notices)  # one release throughout
+
+
+def _ping(name: str, sid: str, protocol: str | None) -> dict[str, Any]:
+    meta = {"prefix": "vtm"} | ({} if protocol is None else {"protocol": protocol})
+    return {"name": name, "id": sid, "version": "0.1.0", "metadata": meta}
+
+
+def test_services_of_different_bus_protocols_are_a_warning() -> None:
+    """A deployment upgraded one service at a time across a change of the bus contract (say,
+    the subject rename of protocol 2) has services that do not understand each other."""
+    old = "1" if BUS_PROTOCOL != "1" else "0"
+    s = summarise(_gathered(pings=[_ping("vtm-scheduler", "B", BUS_PROTOCOL),
+                                   _ping("vtm-rankd", "R1", None),
+                                   _ping("vtm-rankd", "R2", None),
+                                   _ping("vtm-gateway", "G", old)]))
+    assert s["services"]["protocols"] == {BUS_PROTOCOL: ["vtm-scheduler"], old: ["vtm-gateway"],
+                                          "none": ["vtm-rankd"]}
+    warned = [n for n in s["notices"] if "protocol" in n["message"]]
+    assert len(warned) == 1 and warned[0]["level"] == "warning"
+    msg = warned[0]["message"]
+    assert f"{BUS_PROTOCOL}: vtm-scheduler" in msg and f"{old}: vtm-gateway" in msg \
+        and "none: vtm-rankd" in msg and "upgrade them together" in msg
+
+    # One release throughout, but not this command's: said too (its reads may miss things).
+    s = summarise(_gathered(pings=[_ping("vtm-scheduler", "B", old),
+                                   _ping("vtm-gateway", "G", old)]))
+    assert s["services"]["protocols"] == {old: ["vtm-gateway", "vtm-scheduler"]}
+    msg = " | ".join(n["message"] for n in s["notices"])
+    assert f"speak bus protocol {old}, this vertumnus speaks {BUS_PROTOCOL}" in msg
 
 
 def test_the_summary_says_what_is_missing() -> None:
@@ -152,7 +185,8 @@ async def test_status_reads_the_pool_from_nats(nats_server: EmbeddedNats, nc: Cl
         await states.put(st.worker_id, to_json(st))
     await states.put("w-cp2-g2", b"not a worker state")
     ours = await add_service(nc, ServiceConfig(
-        name="vtm-controller", version="0.1.0", metadata={"prefix": uniq, "epoch": "7"}))
+        name="vtm-controller", version="0.1.0",
+        metadata={"prefix": uniq, "protocol": BUS_PROTOCOL, "epoch": "7"}))
     theirs = await add_service(nc, ServiceConfig(
         name="vtm-controller", version="0.1.0", metadata={"prefix": uniq + "x", "epoch": "1"}))
     try:
@@ -169,6 +203,7 @@ async def test_status_reads_the_pool_from_nats(nats_server: EmbeddedNats, nc: Cl
         assert [x["id"] for x in s["services"]["entries"]] == [ours.id]
         assert s["services"]["entries"][0]["metadata"]["epoch"] == "7"
         assert "stale worker state" in res.stderr and "malformed" in res.stderr
+        assert "protocol" not in res.stderr  # the other prefix's service is not ours
 
         res = await _invoke("--nats", nats_server.url, "--prefix", uniq, "--timeout", "0.5")
         assert res.exit_code == 0, res.output

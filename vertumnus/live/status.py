@@ -9,7 +9,10 @@ services make, nor change anything they watch):
   the bucket's TTL removes a silent worker only that long after its last write, and readers
   treat it as gone before then (shared/service.py);
 * every micro service answering ``$SRV.PING`` within the timeout, kept when its metadata
-  ``prefix`` is this deployment's (every :class:`~shared.service.MicroService` publishes it).
+  ``prefix`` is this deployment's (every :class:`~shared.service.MicroService` publishes it),
+  with a warning when they report different bus protocols (metadata ``protocol``,
+  :data:`shared.subjects.BUS_PROTOCOL`): a deployment upgraded one service at a time across
+  a change of the bus contract, whose services no longer understand each other.
 
 :func:`gather` does the reading (:class:`Gathered`: raw bytes and answers, read faults kept as
 text); :func:`summarise` is pure and turns it into the JSON-able summary the command prints
@@ -38,7 +41,7 @@ from rich.text import Text
 
 from shared.schemas import EpochRecord, SchemaError, WorkerState, decode
 from shared.service import WORKER_LEASE_S, bucket_keys, every_answer
-from shared.subjects import Subjects
+from shared.subjects import BUS_PROTOCOL, Subjects
 from vertumnus.live.tap import connect_cli
 
 DEFAULT_TIMEOUT_S: Final[float] = 3.0
@@ -210,6 +213,30 @@ def _services(g: Gathered, notes: list[dict[str, str]]) -> dict[str, Any]:
                                 f"within {g.timeout_s:g} s{elsewhere}")
     else:
         out["state"] = "ok"
+    out["protocols"] = _protocols(ours, g.prefix, notes)
+    return out
+
+
+def _protocols(ours: Sequence[Mapping[str, Any]], prefix: str,
+               notes: list[dict[str, str]]) -> dict[str, list[str]]:
+    """Each bus protocol the services report (metadata ``protocol``; ``none`` for services
+    older than protocols) with the names of the services reporting it; a warning when they
+    differ (releases that cannot talk: shared.subjects.BUS_PROTOCOL) or when they all differ
+    from this command's own."""
+    by: dict[str, set[str]] = {}
+    for s in ours:
+        by.setdefault(s["metadata"].get("protocol", "none"), set()).add(s["name"])
+    out = {p: sorted(names) for p, names in sorted(by.items())}
+    if len(out) > 1:
+        which = "; ".join(f"{p}: {', '.join(names)}" for p, names in out.items())
+        _note(notes, "warning",
+              f"services of prefix {prefix!r} speak different bus protocols ({which}): "
+              "messages between them are lost or misread -- run one release of every "
+              "service (upgrade them together)")
+    elif out and BUS_PROTOCOL not in out:
+        _note(notes, "warning",
+              f"services of prefix {prefix!r} speak bus protocol {next(iter(out))}, this "
+              f"vertumnus speaks {BUS_PROTOCOL}: read them with the CLI of their release")
     return out
 
 
@@ -223,7 +250,8 @@ def summarise(g: Gathered, *, lease_s: float = WORKER_LEASE_S) -> dict[str, Any]
     ``heartbeat_age_s`` and ``stale`` (age > ``lease_s``), or ``malformed`` with ``error``;
     counts ``count``, ``stale``, ``malformed``); ``services`` (``state``: ok, none or
     unreadable; ``entries`` of this prefix sorted by name and id; ``other_prefixes``: answers
-    left out); ``notices``: ``{"level": "warning"|"note", "message"}`` for what is missing,
+    left out; ``protocols``: each bus protocol reported, with its services' names);
+    ``notices``: ``{"level": "warning"|"note", "message"}`` for what is missing,
     malformed or stale, in that order of sections."""
     # One list per section, joined in the order the tables are drawn (the epoch needs the
     # workers' figures first, so it cannot simply be read first).
