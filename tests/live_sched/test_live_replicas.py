@@ -53,7 +53,9 @@ async def test_each_replica_counts_the_others_share_of_a_worker(
     await wait_until(lambda: len(w.assignments) == 6, "six assignments")
     by = {x.request.request_id: x.scheduler_id for x in w.assignments}
     assert set(by.values()) <= {"sched-a", "sched-b"}
-    assert a.stats.dispatched + b.stats.dispatched == 6
+    # The worker has each before its scheduler has the ack: the counts follow the acks.
+    await wait_until(lambda: a.stats.dispatched + b.stats.dispatched == 6,
+                     "every dispatch recorded (acks received)")
     assert sum(1 for v in by.values() if v == "sched-a") == a.stats.dispatched
 
 
