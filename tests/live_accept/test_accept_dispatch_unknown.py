@@ -150,6 +150,10 @@ async def test_lost_answer_is_not_placed_again(nats_server: EmbeddedNats, x_stat
         else:
             assert w.admitted == [rid]
             assert sched.stats.finished_acked == 1 and sched.stats.resent == 0, sched.stats
+            # The scheduler saw x's first token on its own connection: the tap's copy may be
+            # later.
+            await wait_until(lambda: any(r.request_id == rid for r in tap.results),
+                             "x's first token at the tap")
             runs = [(r.worker_id, r.error) for r in tap.results if r.request_id == rid]
             assert runs == [(W, None)], runs
 
@@ -248,6 +252,10 @@ async def test_last_delivery_of_a_request_already_answered_sends_no_error(
         kept = await nc.jetstream().get_last_msg(live.subjects.results_stream(),
                                                  live.subjects.result(rid))
         assert decode(FirstToken, kept.data, kept.headers).error is None
+        # The scheduler read x's first token from the results stream: the tap's copy (a
+        # delivery of its own) may be later.
+        await wait_until(lambda: any(r.request_id == rid for r in tap.results),
+                         "x's first token at the tap")
         assert [(r.worker_id, r.error) for r in tap.results if r.request_id == rid] \
             == [(W, None)]
 

@@ -181,8 +181,12 @@ async def test_controller_reconfigures_under_load(tmp_path: Path) -> None:
             # Each worker a split or merge made with pending pages: the cache manager published
             # its reconcile, and the scheduler marked it in its trie once the worker ran (J's
             # credit of a pending prefix; a notice can wait for a worker that never ran).
-            published = await counter_sum(nc, stack, "cachemgr", "reconciled_notices")
+            # Applied read first: a notice counted after it (the controller may reconfigure
+            # again once the load ends) is published before it is applied, so a later
+            # reading of ``published`` can only be larger -- read the other way round, a
+            # notice published and applied between the two readings counted only as applied.
             applied = await counter_sum(nc, stack, "scheduler", "reconciled_applied")
+            published = await counter_sum(nc, stack, "cachemgr", "reconciled_notices")
             assert applied <= published, (applied, published)
             assert applied >= 1 or not published, (applied, published)
         finally:

@@ -80,7 +80,10 @@ async def one_traced_request(nats_server: EmbeddedNats, spans: InMemorySpanExpor
             return out
 
         # (prefill_rank spans, if any, end before kv_transfer: recorded in the same step.)
-        await wait_until(lambda: {"request", "prefill", "queue_wait", "kv_transfer",
+        # The scheduler's schedule span ends only after the worker's ack and the record's
+        # store acknowledgement reach it, while the worker runs the request meanwhile: the
+        # answer (and the root span) can come first.
+        await wait_until(lambda: {"request", "schedule", "prefill", "queue_wait", "kv_transfer",
                                   "first_decode"} <= set(of_trace()),
                          "the request's spans to end")
         return vtm, of_trace()

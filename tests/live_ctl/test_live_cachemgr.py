@@ -978,7 +978,11 @@ async def test_a_snapshot_asked_before_a_restart_is_not_applied_after_it(
     await states.put(A, to_json(state(A, [0, 1], incarnation="a")))
     svc = await services(CacheMgrService(settings(nats_server.url, uniq)))
     await seen_state_of(nc, uniq, A, "a")
-    assert snapshot_requests  # asked when A was registered
+
+    async def asked() -> bool:  # from a task the registration started: maybe after inspect
+        return bool(snapshot_requests)
+
+    await eventually(asked, what="A's snapshot asked for when it was registered", timeout=10)
     await states.put(A, to_json(state(A, [0, 1], incarnation="b")))
     await seen_state_of(nc, uniq, A, "b")
     release.set()

@@ -84,6 +84,17 @@ async def inspect(nc: Client, prefix: str, body: bytes = b"") -> dict[str, Any]:
     return json.loads(msg.data)
 
 
+async def ranks_saw(ranks: FakeRanks, epoch: int) -> None:
+    """Until the fake ranks have the record of ``epoch``. A composition notice names a record
+    the controller wrote just before; the ranks' watch of the record key is another delivery
+    (the server's consumer), which may reach this client after the notice."""
+
+    async def seen() -> bool:
+        return any(r.epoch == epoch for r in ranks.records)
+
+    await eventually(seen, what=f"the ranks' copy of record {epoch}")
+
+
 def worker_state(wid: str, gpus: list[int], *, queue: int, outstanding: float) -> WorkerState:
     return WorkerState(
         worker_id=wid,
@@ -173,6 +184,7 @@ async def test_sustained_demand_splits_a_worker(nc: Client, nats_server, uniq: s
         comp = await comps.first(lambda c: c["epoch"] == 3, what="composition notice")
         assert comp["composition"] == "2CP2/1CP4"
         assert sorted(comp["schedulable"]) == ["w-cp2-g4", "w-cp2-g6", "w-cp4-g0"]
+        await ranks_saw(ranks, 3)
         epochs = [
             (r.epoch, sorted((w.worker_id, w.lifecycle.value) for w in r.workers))
             for r in ranks.records
@@ -399,6 +411,7 @@ async def test_lease_loss_fails_a_worker_and_its_heartbeat_readmits_it(
             lambda c: "w-cp4-g0" in c["schedulable"] and c["epoch"] > 0,
             what="the worker schedulable again",
         )
+        await ranks_saw(ranks, comp["epoch"])
         seq = [lifecycle(r) for r in ranks.records]
         assert seq[:4] == ["active", "unavailable", "switching", "active"]
         assert comp["epoch"] == ranks.records[3].epoch
@@ -434,6 +447,7 @@ async def test_restart_readmits_workers_left_mid_reconfiguration(
     comp = await comps.first(lambda c: len(c["schedulable"]) == 2, what="both schedulable")
     assert comp["epoch"] == 7 and comp["composition"] == "2CP4"
     try:
+        await ranks_saw(ranks, 7)
         states = {
             r.epoch: {w.worker_id: w.lifecycle.value for w in r.workers} for r in ranks.records
         }

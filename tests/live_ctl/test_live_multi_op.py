@@ -197,6 +197,12 @@ async def test_two_splits_in_one_plan_share_one_drain_record(
         )
         assert c4["epoch"] != c0["epoch"]  # each operation committed under its own epoch
 
+        # The notice names the record written just before it; the ranks' watch of the key is
+        # another delivery, which may reach this client after the notice.
+        async def ranks_have_it() -> bool:
+            return any(r.epoch == comp["epoch"] for r in ranks.records)
+
+        await eventually(ranks_have_it, what="the ranks' copy of the final record")
         # Every record partitions the GPUs; a retired source never reappears; the final
         # record is the whole new composition, all active.
         for r in ranks.records:

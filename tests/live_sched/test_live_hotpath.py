@@ -96,6 +96,13 @@ async def test_pipelined_dispatch_keeps_intake_order(live: Services, fake_worker
     await wait_until(lambda: sched.stats.finished == len(rids), "every result seen")
     await wait_until(lambda: sched.stats.dispatched == len(rids), "every dispatch recorded")
     assert sched.stats.placed == len(rids)
+    # The scheduler acks each message after both counts (its ack a plain publish on its own
+    # connection, the work queue's removal the server's): stream_info on this one may come
+    # first.
+    deadline = time.monotonic() + 20
+    while (await nc.jetstream().stream_info(s.intake_stream())).state.messages \
+            and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     info = await nc.jetstream().stream_info(s.intake_stream())
     assert info.state.messages == 0  # all acked
     kv = await nc.jetstream().key_value(assignment_bucket(s))
