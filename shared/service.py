@@ -83,6 +83,9 @@ stray message on a request's result subject (bad input) does not displace its an
 (:func:`latest_result`: the latest that is a FirstToken of that request)."""
 JETSTREAM_CHECK_S: Final[float] = 1.0
 """How often a service looks for a reconnect after which to ensure its JetStream assets."""
+PROTOCOL_CHECK_WINDOW_S: Final[float] = 1.0
+"""How long a service collects ``$SRV.PING`` answers once after its start to find services of
+its prefix that speak another bus protocol (in the background: the start does not wait)."""
 REPUBLISHED_HEADER: Final[str] = "Vtm-Republished"
 """Header of an intake message a gateway sent again because the server lost its store (the
 intake stream was made anew): the request may have been dispatched before the loss, so a
@@ -214,7 +217,8 @@ async def every_answer(nc: Client, subject: str, *, prefix: str | None = None,
     finally:
         await sub.unsubscribe()
     if prefix is not None:
-        answers = [a for a in answers if (a.get("metadata") or {}).get("prefix") == prefix]
+        answers = [a for a in answers
+                   if isinstance(m := a.get("metadata"), dict) and m.get("prefix") == prefix]
     return answers
 
 
@@ -666,6 +670,10 @@ class MicroService:
         # Checks the JetStream keeper has completed (read-only; for tests, which wait on it
         # instead of sleeping a number of check periods). Stays 0 without a keeper.
         self.jetstream_checks = 0
+        # The services of this prefix found speaking another bus protocol once started
+        # ("name id" -> their protocol, "none" before protocols), set when the check is done.
+        self.peer_protocols: dict[str, str] = {}
+        self.protocols_checked = asyncio.Event()
         self.log = structlog.get_logger(f"vertumnus.{name}")
 
     # -- overridables -------------------------------------------------------------------------
@@ -806,6 +814,9 @@ class MicroService:
             )
         self._started.set()
         self.log.info("service started", id=self._service.id, group=self.group)
+        checker = asyncio.create_task(self._check_peer_protocols(nc),
+                                      name=f"{self.name}-protocols")
+        stack.push_async_callback(cancel_and_wait, [checker], self.log)
 
     async def run(self, nc: Client | None = None, *, handle_signals: bool = True) -> None:
         """Start, serve until :meth:`request_stop` or SIGINT/SIGTERM, then stop gracefully."""
@@ -842,6 +853,37 @@ class MicroService:
                 self.log.info("jetstream assets ensured after a reconnect")
             finally:
                 self.jetstream_checks += 1
+
+    async def _check_peer_protocols(self, nc: Client) -> None:
+        """Once, after the start: warn when services of this prefix speak another bus protocol
+        (their ``$SRV.PING`` metadata ``protocol``, :data:`shared.subjects.BUS_PROTOCOL`;
+        none: a release older than protocols). That is a deployment upgraded one service at a
+        time across a change of the bus contract, whose services do not understand each other
+        (README, "Upgrading"): said at the start of the newcomer, where an operator looks.
+        Only a check -- a failure to ask is logged at debug level and the service goes on."""
+        try:
+            answers = await every_answer(nc, "$SRV.PING", prefix=self.subjects.prefix,
+                                         window_s=PROTOCOL_CHECK_WINDOW_S)
+            mine = self._service.id if self._service is not None else None
+            for a in answers:
+                if a.get("id") == mine:
+                    continue
+                meta = a.get("metadata")
+                theirs = str(meta.get("protocol", "none")) if isinstance(meta, dict) else "none"
+                if theirs != BUS_PROTOCOL:
+                    self.peer_protocols[f"{a.get('name', '?')} {a.get('id', '?')}"] = theirs
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a check, not the service's work (a server gone, say)
+            self.log.debug("bus protocols of the other services not checked", error=repr(exc))
+            return
+        finally:
+            self.protocols_checked.set()
+        if self.peer_protocols:
+            self.log.warning(
+                "services of this prefix speak another bus protocol: messages between them are "
+                "lost or misread; run one release of every service (upgrade them together)",
+                protocol=BUS_PROTOCOL, others=dict(sorted(self.peer_protocols.items())))
 
     async def _drain(self, nc: Client) -> None:
         await drain_or_close(nc, self.settings.drain_timeout_s)

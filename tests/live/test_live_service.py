@@ -167,6 +167,51 @@ class CountingToy(Toy):
         return {"served": self.served}
 
 
+async def test_a_service_warns_of_services_of_its_prefix_speaking_another_bus_protocol(
+        nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:
+    """A rolling upgrade across a change of the bus contract: the new service says, at its
+    start, which services of its prefix speak another protocol (an older release reports
+    none); services of other prefixes, and its own replicas of this release, are no
+    concern."""
+    from nats.micro import add_service
+    from nats.micro.service import ServiceConfig
+    from structlog.testing import capture_logs
+
+    old = "1" if BUS_PROTOCOL != "1" else "0"
+    peers = [await add_service(nc, ServiceConfig(name=name, version="0.1.0", metadata=meta))
+             for name, meta in (("vtm-scheduler", {"prefix": uniq, "protocol": old}),
+                                ("vtm-rankd", {"prefix": uniq}),
+                                ("vtm-gateway", {"prefix": uniq, "protocol": BUS_PROTOCOL}),
+                                ("vtm-rankd", {"prefix": uniq + "x", "protocol": old}))]
+    svc = Toy(ServiceSettings(nats_url=nats_server.url, subject_prefix=uniq))
+    try:
+        with capture_logs() as logs:
+            task = asyncio.create_task(svc.run(handle_signals=False))
+            await asyncio.wait_for(svc.protocols_checked.wait(), timeout=30)
+        assert svc.peer_protocols == {f"vtm-scheduler {peers[0].id}": old,
+                                      f"vtm-rankd {peers[1].id}": "none"}
+        warned = [e for e in logs if "another bus protocol" in e["event"]]
+        assert len(warned) == 1 and warned[0]["log_level"] == "warning"
+        assert warned[0]["others"] == dict(sorted(svc.peer_protocols.items()))
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=10)
+
+        # One release throughout: nothing to say.
+        for p in peers[:2]:
+            await p.stop()
+        again = Toy(ServiceSettings(nats_url=nats_server.url, subject_prefix=uniq))
+        with capture_logs() as logs:
+            task = asyncio.create_task(again.run(handle_signals=False))
+            await asyncio.wait_for(again.protocols_checked.wait(), timeout=30)
+        assert again.peer_protocols == {}
+        assert not [e for e in logs if "another bus protocol" in e["event"]]
+        again.request_stop()
+        await asyncio.wait_for(task, timeout=10)
+    finally:
+        for p in peers[2:]:
+            await p.stop()
+
+
 async def test_every_replica_reports_its_own_counters_in_stats(
         nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:
     """``$SRV.STATS``: each replica answers with its counters as every endpoint's ``data``
