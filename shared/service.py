@@ -195,11 +195,13 @@ async def until_served(nc: Client, subject: str, *, timeout_s: float = 30.0) -> 
 
 
 async def every_answer(nc: Client, subject: str, *, prefix: str | None = None,
-                       window_s: float = 0.5) -> list[dict[str, Any]]:
+                       window_s: float = 0.5, flush: bool = True) -> list[dict[str, Any]]:
     """The JSON objects that answer a request on ``subject`` within ``window_s`` -- all of
     them, where nats-py's ``request`` returns the first (``$SRV.PING/INFO/STATS``: one per
     service instance) -- of this deployment only when ``prefix`` is given (their micro
-    metadata ``prefix``). Answers that are not JSON objects are ignored."""
+    metadata ``prefix``). Answers that are not JSON objects are ignored. ``flush=False``
+    leaves the request to nats-py's flusher instead of a round trip of its own (a check in
+    the background should not hold a PING outstanding that a stop would then wait behind)."""
     inbox = nc.new_inbox()
     answers: list[dict[str, Any]] = []
 
@@ -212,7 +214,8 @@ async def every_answer(nc: Client, subject: str, *, prefix: str | None = None,
     sub = await nc.subscribe(inbox, cb=on_msg)
     try:
         await nc.publish(subject, b"", reply=inbox)
-        await nc.flush()
+        if flush:
+            await nc.flush()
         await asyncio.sleep(window_s)
     finally:
         await sub.unsubscribe()
@@ -862,8 +865,10 @@ class MicroService:
         (README, "Upgrading"): said at the start of the newcomer, where an operator looks.
         Only a check -- a failure to ask is logged at debug level and the service goes on."""
         try:
+            if self._stop.is_set():
+                return  # stopping already: nobody to tell
             answers = await every_answer(nc, "$SRV.PING", prefix=self.subjects.prefix,
-                                         window_s=PROTOCOL_CHECK_WINDOW_S)
+                                         window_s=PROTOCOL_CHECK_WINDOW_S, flush=False)
             mine = self._service.id if self._service is not None else None
             for a in answers:
                 if a.get("id") == mine:
