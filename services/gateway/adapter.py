@@ -32,9 +32,11 @@ One completion (:meth:`GatewayService.complete`):
    retry: 409 Conflict naming the id, before anything is published, at whichever gateway
    replica it comes to (:mod:`services.gateway.idempotency`: each client id's content digest
    for the de-duplication window plus the publish's bound, claimed in a JetStream KV bucket
-   all replicas share, with a per-gateway memory in front; a bucket that does not answer
-   fails open; a claim is withdrawn only when its publish was definitely refused; the limits
-   are stated there);
+   all replicas share, with a per-gateway memory in front; every request under an id
+   restarts its claim's timer before it publishes; a bucket that does not answer fails open;
+   a claim is withdrawn only after a publish that was definitely refused, by the last request
+   here that holds it, when none of theirs may have been stored; the limits are stated
+   there);
 5. wait for the FirstToken; answer with the token, the TTFT measured here (received → first
    token here) and the worker's stage breakdown. An HTTP client that closes its connection
    first stops the wait (:class:`ClientClosed`, 499, recorded but sent to nobody): its
@@ -69,12 +71,13 @@ import contextlib
 import datetime
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Final
 
 import nats.errors
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import (
@@ -100,6 +103,8 @@ from services.gateway.metrics import RequestMetrics
 from services.gateway.settings import GatewaySettings
 from shared.blockhash import chain_hashes
 from shared.logging import bind_request
+from shared.natsauth import security_options
+from shared.natsclient import connect
 from shared.schemas import (
     NOT_SCHEDULED,
     NOT_SERVABLE,
@@ -114,6 +119,7 @@ from shared.schemas import (
     from_json,
 )
 from shared.service import (
+    INTAKE_DUPLICATE_WINDOW_S,
     REPUBLISHED_HEADER,
     Endpoint,
     MicroService,
@@ -122,6 +128,8 @@ from shared.service import (
     ensure_results_stream,
     first_token_of,
     latest_result,
+    nats_callbacks,
+    reconnect_options,
     worker_state_kv,
 )
 from shared.subjects import micro_service_name
@@ -234,17 +242,28 @@ def publish_refused(exc: BaseException) -> bool:
     * no responders (``NoStreamResponseError``, nats-py's form of ``NoRespondersError`` for a
       JetStream publish): the server found no stream (nor anything else) listening on the
       subject, so the message went nowhere;
-    * an ``APIError`` answer: the stream itself answered that it refused the message (full,
-      out of storage, a failed expectation), which it does before storing.
+    * nothing sent: ``OutboundBufferLimitError``, raised by nats-py before it queues a publish
+      while its connection is down (the gateway's buffers nothing then:
+      :meth:`GatewayService.start`);
+    * an ``APIError`` answer below 500: the stream refused the message on a check it makes
+      before storing (too large, a failed expectation of sequence or message id, a bad
+      request).
 
     Everything else is indeterminate: a timeout (the message may be stored, only the ack
-    lost or late), a connection closed (perhaps after the request went out), a cancel,
-    anything unforeseen -- and, for simplicity, a connection draining as the gateway stops
-    (nothing sent then, but the claim may as well expire). The claim is then kept (it
-    expires with the window): a client that retries with other content is refused (409) for
-    a while, but withdrawing a claim whose message landed would let other content under the
-    id through to the first request's answer -- a wrong answer given as right."""
-    return isinstance(exc, NoStreamResponseError | nats.errors.NoRespondersError | APIError)
+    lost or late), a connection closed (perhaps after the request went out), a cancel, a 5xx
+    answer -- "JetStream temporarily unavailable", a store that failed: in a cluster the write
+    may have been replicated before the leader failed it; a full stream ("maximum messages
+    exceeded", a check before storing) shares its code 10077 with store failures and is
+    counted with them -- anything unforeseen, and, for simplicity, a connection draining as
+    the gateway stops (nothing sent then, but the claim may as well expire). The claim is
+    then kept (it expires with the window): a client that retries with other content is
+    refused (409) for a while, but withdrawing a claim whose message landed would let other
+    content under the id through to the first request's answer -- a wrong answer given as
+    right."""
+    if isinstance(exc, NoStreamResponseError | nats.errors.NoRespondersError
+                  | nats.errors.OutboundBufferLimitError):
+        return True
+    return isinstance(exc, APIError) and exc.code is not None and exc.code < 500
 
 
 def result_error(rid: str, error: str) -> GatewayError:
@@ -275,6 +294,27 @@ class Completion:
     def stages(self) -> TtftStages:
         """The worker's stage breakdown with ``total_s`` = TTFT measured at the gateway."""
         return self.result.stages.model_copy(update={"total_s": self.ttft_s})
+
+
+@dataclass(slots=True)
+class _Claimants:
+    """The requests at this gateway that hold one client request id's claim now, from their
+    local claim to their end, and what they did with it (:meth:`GatewayService.
+    _withdraw_claim`). NOTE: every request under the id at this gateway joins while any is
+    still in (there is no await between the local claim and the joining), so what the
+    flags below say of "them" holds of every request here since the first of them came."""
+
+    count: int = 0
+    maybe_stored: bool = False
+    """One of them published under the id and that publish was not definitely refused: its
+    message may be in the intake, which the claim must then cover."""
+    made_local: bool = False
+    """One of them made this gateway's local entry of the id (a NEW claim kept, or an entry
+    kept anew where it was gone)."""
+    revision: int | None = None
+    """The revision of the bucket's record of the id as they wrote it last, where one of them
+    made the record (NEW) and every write of it since was theirs (a replay's rewrite whose
+    replaced revision was this one): the record is theirs to withdraw. None: nothing is."""
 
 
 def new_request_id() -> str:
@@ -313,13 +353,20 @@ class GatewayService(MicroService):
         self._republish_due = False
         # Content digests of client request ids, to refuse a reuse with other content (409).
         # A claim lasts the intake's window plus the longest the publish may go on after it
-        # (claim_ttl_s): the intake's window runs from the stored message. The local claim
-        # also precedes the shared one, which may take up to its timeout (publish_timeout_s).
+        # (claim_ttl_s): the intake's window runs from the stored message. The window is the
+        # intake stream's own, read in ensure_jetstream (the default until then). NOTE: the
+        # local timer restarts as each publish starts (_publish_and_wait), not at the local
+        # claim: the shared claim between the two may take its timeout and, the bucket
+        # missing, the re-making's too; from the publish's start the bound holds whatever
+        # came before it.
         self._claim_ttl_s = claim_ttl_s(settings.publish_bound_s)
-        self._fingerprints = Fingerprints(self._claim_ttl_s + settings.publish_timeout_s,
-                                          settings.max_idempotency_keys)
+        self._fingerprints = Fingerprints(self._claim_ttl_s, settings.max_idempotency_keys)
         # The same, shared by every gateway replica (a KV bucket; made in ensure_jetstream).
         self._claims: SharedClaims | None = None
+        # Client request id -> the requests at this gateway that hold its claim now, from
+        # their local claim to their end: a claim is withdrawn only by a request alone in it
+        # (_withdraw_claim).
+        self._claimants: dict[str, _Claimants] = {}
         # results_malformed: messages on a result subject that are no FirstToken of that
         # subject's request (ignored: the request keeps waiting for its real result).
         # conflicts: request ids reused with other content (409); conflicts_shared: those
@@ -344,6 +391,39 @@ class GatewayService(MicroService):
                                     f"not a readable tokenizer.json ({exc})") from None
 
     # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, stack: AsyncExitStack, nc: Client | None = None) -> None:
+        """:meth:`MicroService.start`, on a connection of the gateway's own that queues no
+        publish while it is down (nats-py's ``pending_size=0``; the options otherwise those of
+        :meth:`MicroService.start`, which makes every other service's connection).
+
+        Why: nats-py keeps what is published while its connection is down (2 MiB by default)
+        and sends it once the connection is back, however late. An intake publish given up
+        after ``publish_bound_s`` -- its claim counting on it -- could then still be stored
+        after the claim expired, and a reuse of its id with other content in between would
+        get its answer. With nothing queued, a publish while disconnected raises
+        ``OutboundBufferLimitError`` at once: sent never (:func:`publish_refused`), tried
+        again by :meth:`_publish_intake` once the connection is back. Only publishes are
+        refused: subscriptions (made again by nats-py's reconnect, written straight to the
+        new socket), flushes and pings queue as before, and a JetStream or KV request is a
+        publish plus a reply subscription, so while connected it works as ever; while not, it
+        fails at once instead of waiting out its timeout (a claim fails open, a look-up of a
+        kept result is skipped, an answer on the NATS endpoint waits for the connection:
+        :meth:`_respond`). What nats-py had queued just before a loss still goes out on
+        reconnect (module docstring of idempotency, "Window"). An ``nc`` handed in (tests,
+        an embedding program) is used as it is."""
+        if nc is None:
+            nc = await connect(
+                servers=self.settings.nats_servers,
+                name=f"{self.name}:{self.settings.instance_id or ''}",
+                connect_timeout=self.settings.connect_timeout_s,
+                pending_size=0,
+                **reconnect_options(self.settings),
+                **security_options(self.settings),
+                **nats_callbacks(self.log, self._stop.is_set),  # is_set: our own drain
+            )
+            stack.push_async_callback(self._drain, nc)
+        await super().start(stack, nc)
 
     def endpoints(self) -> Sequence[Endpoint]:
         # "completions" in group "{prefix}.gateway" is subjects.gateway_completions().
@@ -375,10 +455,16 @@ class GatewayService(MicroService):
                              waiting=len(self._intake_msgs))
         if info.created is not None:
             self._intake_created = info.created
+        # A claim outlasts the intake's own window (whoever made the stream, with whatever
+        # window) by the publish's bound.
+        window = info.config.duplicate_window or INTAKE_DUPLICATE_WINDOW_S
+        self._claim_ttl_s = claim_ttl_s(self.gsettings.publish_bound_s, window_s=window)
+        self._fingerprints.window_s = self._claim_ttl_s
         await ensure_results_stream(self._js, self.subjects)
         self._states = await worker_state_kv(self._js, self.subjects)
         self._claims = SharedClaims(await idempotency_kv(self._js, self.subjects,
-                                                         ttl_s=self._claim_ttl_s),
+                                                         ttl_s=self._claim_ttl_s,
+                                                         log=self.log),
                                     self.gsettings.publish_timeout_s)
 
     async def setup(self, stack: AsyncExitStack) -> None:
@@ -460,19 +546,30 @@ class GatewayService(MicroService):
             except GatewayError as exc:
                 err = exc.to_service_error()
                 self.count_endpoint_error(COMPLETIONS_ENDPOINT, err)
-                await request.respond_error(err.code, err.description)
+                await self._respond(lambda: request.respond_error(err.code, err.description))
                 return
             except Exception:
                 self.log.exception("NATS completion failed")
                 err = ServiceError(code="500", description="internal error")
                 self.count_endpoint_error(COMPLETIONS_ENDPOINT, err)
-                await request.respond_error(err.code, err.description)
+                await self._respond(lambda: request.respond_error(err.code, err.description))
                 return
             data, headers = encode(done.result.model_copy(update={"stages": done.stages()}))
-            await request.respond(data, headers=headers)
+            await self._respond(lambda: request.respond(data, headers=headers))
         except (nats.errors.Error, TimeoutError) as exc:  # the answer could not be sent
             self.log.warning("NATS completion not answered", error=f"{type(exc).__name__}: "
                                                                    f"{exc}")
+
+    async def _respond(self, send: Callable[[], Awaitable[None]]) -> None:
+        """Send an answer on the NATS endpoint; the connection down (nothing queued: see
+        :meth:`start`), once it is back within ``nats_wait_s`` (as nats-py's buffer would
+        have sent it). Raises what the send raises."""
+        try:
+            await send()
+        except nats.errors.OutboundBufferLimitError:
+            if not await self._nats_back(self.gsettings.nats_wait_s):
+                raise
+            await send()
 
     async def _on_result(self, msg: Msg) -> None:
         """Hand a FirstToken to whoever waits for its request id (the id is the subject's
@@ -678,11 +775,42 @@ class GatewayService(MicroService):
         claim = self._fingerprints.claim(rid, digest) if digest is not None else Claim.SAME
         if claim is Claim.CONFLICT:
             raise self._conflict(rid)
+        with self._holding(rid, digest) as group:
+            return await self._claimed_publish_and_wait(
+                rid, data, headers, tokens, body, arrival, digest=digest, claim=claim,
+                group=group, disconnected=disconnected)
+
+    @contextlib.contextmanager
+    def _holding(self, rid: str, digest: RequestDigest | None) -> Iterator[_Claimants | None]:
+        """Count a request among the holders of ``rid``'s claim for as long as it runs (None:
+        no client id, no claim). NOTE: entered right after the local claim, with no await in
+        between, so that a request still waiting for the bucket counts too: a request whose
+        publish was refused meanwhile must not withdraw the claim it relies on."""
+        if digest is None:
+            yield None
+            return
+        group = self._claimants.setdefault(rid, _Claimants())
+        group.count += 1
+        try:
+            yield group
+        finally:
+            group.count -= 1
+            if not group.count and self._claimants.get(rid) is group:
+                del self._claimants[rid]
+
+    async def _claimed_publish_and_wait(
+            self, rid: str, data: bytes, headers: dict[str, str], tokens: list[int],
+            body: CompletionRequest, arrival: float, *, digest: RequestDigest | None,
+            claim: Claim, group: _Claimants | None,
+            disconnected: asyncio.Future[None] | None) -> Completion:
+        """:meth:`_publish_and_wait` after the local claim (``claim``; SAME without a client
+        id): the shared claim, the publish, the wait for the first token."""
         try:
             shared = await self._claim_shared(rid, digest) if digest is not None else None
-        except BaseException:  # not decided (stopping): this memory keeps no claim of it
-            if claim is Claim.NEW and digest is not None:
-                self._fingerprints.release(rid, digest)
+        except BaseException:  # not decided (stopping): nothing was published
+            if digest is not None and group is not None and claim is Claim.NEW:
+                group.made_local = True
+                self._release_local(rid, digest, group)
             raise
         if shared is not None and shared.claim is not Claim.NEW and claim is Claim.NEW:
             # Another claim was first (another replica's, or this one's before a restart):
@@ -693,6 +821,18 @@ class GatewayService(MicroService):
         if shared is not None and shared.claim is Claim.CONFLICT:
             self.counters["conflicts_shared"] += 1
             raise self._conflict(rid)
+        if digest is not None and group is not None:
+            _note_shared(group, shared)
+            # The local timer starts again as the publish starts (module docstring of
+            # idempotency, "Window"): from here the message is stored, if at all, within
+            # publish_bound_s. Kept anew where the claim is this gateway's to keep (made here,
+            # or the bucket did not answer); where the bucket holds another replica's claim
+            # (written again by this claim), only an entry kept already is restarted.
+            had = self._fingerprints.expires_at(rid) is not None
+            if self._fingerprints.restart(rid, digest,
+                                          add=shared is None or shared.claim is Claim.NEW) \
+                    and (claim is Claim.NEW or not had):
+                group.made_local = True
         got: asyncio.Future[tuple[FirstToken, float]] = \
             asyncio.get_running_loop().create_future()
         self._waiting.setdefault(rid, []).append(got)
@@ -702,19 +842,19 @@ class GatewayService(MicroService):
                 ack = await self._publish_intake(data, headers)
             except BaseException as exc:
                 # Definitely not stored (IntakeRefused): a retry with other content is no
-                # conflict with it, so the claim is withdrawn. Anything else (a timeout, a
-                # lost connection, a cancel as the gateway stops) may have been stored all
-                # the same: the claim is kept, here and in the bucket, and expires with the
-                # window (publish_refused says why). NOTE: not withdrawn either while another
-                # request of the same content waits here: it may have been accepted, and
-                # withdrawing the claim would let other content under its id through.
-                alone = len(self._waiting.get(rid, ())) <= 1
-                if alone and isinstance(exc, IntakeRefused):
-                    if claim is Claim.NEW and digest is not None:
-                        self._fingerprints.release(rid, digest)
-                    if shared is not None and shared.revision is not None:
-                        await self._release_shared(rid, shared.revision)
+                # conflict with it, so the claim is withdrawn (_withdraw_claim: by the last
+                # request here that holds it, when none of them may have stored). Anything
+                # else (a timeout, a lost connection, a cancel as the gateway stops) may have
+                # been stored all the same: the claim is kept, here and in the bucket, and
+                # expires with the window (publish_refused says why).
+                if group is not None and digest is not None:
+                    if isinstance(exc, IntakeRefused):
+                        await self._withdraw_claim(rid, digest, group)
+                    else:
+                        group.maybe_stored = True
                 raise
+            if group is not None:
+                group.maybe_stored = True
             duplicate = bool(ack.duplicate)
             if duplicate:
                 # A retry (say, after a gateway crash cut the client off): the intake dropped
@@ -786,16 +926,52 @@ class GatewayService(MicroService):
             await self._remake_bucket(exc)
             return None
 
-    async def _release_shared(self, rid: str, revision: int) -> None:
-        """Withdraw this request's claim from the shared bucket (its publish failed)."""
+    async def _withdraw_claim(self, rid: str, digest: RequestDigest,
+                              group: _Claimants) -> None:
+        """Withdraw ``rid``'s claim after a request's publish was definitely refused, if that
+        request is the last here that holds it and none of them may have stored a message
+        under it (``group``): what they wrote of it goes -- the bucket's record where it is
+        theirs alone (:attr:`_Claimants.revision`; a conditional delete, which a write by
+        another replica since makes fail), then the local entry they made. A record someone
+        else made or wrote is never withdrawn: that request's message may be stored."""
+        if group.count > 1 or group.maybe_stored:
+            return
+        withdrawn = True
+        revision = group.revision
+        if revision is not None:
+            withdrawn = await self._release_shared(rid, revision)
+            if withdrawn and group.revision == revision:
+                group.revision = None
+        # NOTE: the local entry goes only after the bucket's decision, and only if the record
+        # was withdrawn there (else a later write, a replay's elsewhere, holds the claim) and
+        # no request came meanwhile. A newcomer during the await finds the entry: with this
+        # content it joins the holders (seen here: count > 1), with other content it is
+        # refused (409) -- for the moment of the withdrawal, the safe side. Forgotten before
+        # the await, a newcomer with this content would make an entry of its own, which this
+        # release would then drop.
+        if withdrawn:
+            self._release_local(rid, digest, group)
+
+    def _release_local(self, rid: str, digest: RequestDigest, group: _Claimants) -> None:
+        """Forget the local entry of ``rid`` that the holders of its claim made, when the last
+        of them published nothing that may be stored (``group``)."""
+        if group.made_local and group.count == 1 and not group.maybe_stored:
+            self._fingerprints.release(rid, digest)
+            group.made_local = False
+
+    async def _release_shared(self, rid: str, revision: int) -> bool:
+        """Withdraw this request's claim from the shared bucket (its publish was refused).
+        False: not withdrawn -- a later record holds the key (a replay wrote it again, or it
+        expired and was claimed again), or the bucket did not do it (counted, logged)."""
         assert self._claims is not None
         try:
-            await self._claims.release(rid, revision)
+            return await self._claims.release(rid, revision)
         except StoreFailed as exc:
             self.counters["idempotency_release_failed"] += 1
             self.log.warning("idempotency claim not withdrawn; it expires with the window",
                              error=str(exc))
             await self._remake_bucket(exc)
+            return False
 
     async def _remake_bucket(self, exc: StoreFailed) -> None:
         """Make the idempotency bucket again when it is missing (deleted, or lost with the
@@ -843,17 +1019,23 @@ class GatewayService(MicroService):
             except (nats.errors.NoRespondersError, NoStreamResponseError,
                     nats.errors.TimeoutError, TimeoutError, nats.errors.ConnectionClosedError,
                     nats.errors.ConnectionReconnectingError,
-                    nats.errors.ConnectionDrainingError) as exc:
+                    nats.errors.ConnectionDrainingError,
+                    # The connection down at this moment: nothing queued (start), nothing sent.
+                    nats.errors.OutboundBufferLimitError) as exc:
                 maybe_stored = maybe_stored or not publish_refused(exc)
                 left = deadline - loop.time()
+                if left > 0:  # said before the wait for the connection, which may be long
+                    self.log.info("intake publish failed; trying again",
+                                  error=type(exc).__name__, connected=self.nats_connected)
                 if left <= 0 or not await self._nats_back(left):
                     failed = Unavailable if maybe_stored else IntakeRefused
                     raise failed(f"intake stream unavailable: {type(exc).__name__}") from exc
-                self.log.info("intake publish retried", error=type(exc).__name__)
                 await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
             except APIError as exc:
                 # The stream refused it (full, out of storage, gone): the broker's trouble,
-                # and for the client one to retry later, not an internal error.
+                # and for the client one to retry later, not an internal error. A 5xx answer
+                # may follow a write all the same (publish_refused).
+                maybe_stored = maybe_stored or not publish_refused(exc)
                 failed = Unavailable if maybe_stored else IntakeRefused
                 raise failed(f"intake stream refused the request: "
                              f"{exc.description or type(exc).__name__}") from exc
@@ -919,6 +1101,16 @@ class GatewayService(MicroService):
             except SchemaError as exc:
                 self.log.warning("bad worker state skipped", key=key, error=str(exc))
         return out
+
+
+def _note_shared(group: _Claimants, shared: SharedClaim | None) -> None:
+    """Record in ``group`` what a claim wrote in the bucket (:attr:`_Claimants.revision`)."""
+    if shared is None or shared.revision is None:
+        return  # nothing written, or not known what: no change (a later delete then fails)
+    if shared.claim is Claim.NEW or (shared.prior is not None and shared.prior == group.revision):
+        group.revision = shared.revision  # made by them, or their record written again
+    else:
+        group.revision = None  # someone else's record: not theirs to withdraw
 
 
 def _from_scheduler(result: FirstToken) -> bool:

@@ -19,28 +19,39 @@ Two layers, one rule:
   :class:`IdempotencyRecord` (the digest and the first acceptance's wall time) per client
   request id, key :func:`kv_key`, for the claim's TTL (the bucket's ``max_age``; "Window",
   below). The first claim of an id anywhere wins (an atomic ``create``); a later one reads
-  the record and compares digests. Every gateway replica shares it, and it outlives a
-  gateway restart (on file, like the intake: a server restart too).
+  the record and compares digests, and with the same content writes the record again (a
+  compare-and-set on its revision), which starts its TTL again. Every gateway replica shares
+  it, and it outlives a gateway restart (on file, like the intake: a server restart too).
 * **Local** (:class:`Fingerprints`): this process's memory of the ids whose first claim was
   its own (or that it accepted while the bucket did not answer), a fast first check (a
   conflict found there costs no round trip) and the fallback while the bucket does not
-  answer. An id another replica claimed first is not kept here: its window runs from that
-  first claim, which the bucket's record keeps and this memory would not.
+  answer. An id another replica claimed first is not kept here: the bucket's record keeps
+  its window, for every replica.
 
 Limits:
 
-* **Window.** The intake de-duplicates an id for its window (``INTAKE_DUPLICATE_WINDOW_S``)
-  from the *stored message*, and that may be stored well after the claim: the publish is
+* **Window.** The intake de-duplicates an id for its window (the intake stream's
+  ``duplicate_window``, ``INTAKE_DUPLICATE_WINDOW_S`` unless made otherwise; the gateway reads
+  it) from the *stored message*, and that may be stored well after the claim: the publish is
   tried again for up to ``nats_wait_s``, each try ending by ``publish_timeout_s``
-  (``GatewaySettings.publish_bound_s``). So a claim is kept for the window plus that bound
-  from the first claim of its id (``services.gateway.idempotency_kv.claim_ttl_s``: the
-  bucket's ``max_age``; the local memory adds the shared claim's own timeout, which its
-  claim precedes). Past that the intake takes the id as a new request, and so does this
-  check. Between the end of the intake's window and the end of the claim, a reuse with
-  other content may be refused (409) though the intake would take it as new: the price of
-  never letting other content through to the first answer. What remains: the claim's own
-  round trip (its record is stored before the gateway goes on) and the last try's way to
-  the server, milliseconds usually; a message re-sent after the server lost its store
+  (``GatewaySettings.publish_bound_s``). So a claim lasts the window plus that bound
+  (``services.gateway.idempotency_kv.claim_ttl_s``: the bucket's ``max_age``, and this
+  memory's ``window_s``) from the *last* request that publishes under the id: every request
+  restarts the claim's timer before its publish -- the bucket's in its claim (a replay's
+  claim writes the record again, :meth:`SharedClaims.claim`), this memory's as the publish
+  starts (:meth:`Fingerprints.restart`). A replay's publish may store its message anew (the
+  first request's was never stored, or its window ended): the intake's window then runs from
+  the replay, which a timer kept from the first claim would not cover. Past that the intake
+  takes the id as a new request, and so does this check. Between the end of the intake's
+  window and the end of the claim (the bound, or longer after a replay that was a duplicate),
+  a reuse with other content may be refused (409) though the intake would take it as new:
+  the price of never letting other content through to the first answer. What remains: the
+  claim's own round trip (its record is stored before the publish starts) and the last try's
+  way to the server, milliseconds usually; a publish that nats-py queued just before its
+  connection dropped goes out when the connection is back, after that bound perhaps (the
+  gateway's connection buffers no publish while disconnected -- ``pending_size=0``,
+  :meth:`services.gateway.adapter.GatewayService.start` -- so this is only what was queued
+  in the moment of the loss); a message re-sent after the server lost its store
   (``REPUBLISHED_HEADER``) starts a new window in the new stream that no claim covers.
 * **Fail open.** A claim the bucket does not answer (timeout, no bucket, an unreadable
   record) is decided by the local memory alone and the request goes on, counted
@@ -48,13 +59,22 @@ Limits:
   the bucket has trouble would turn a lost safety check into an outage, and the local
   memory still catches a reuse at this replica. Only a reuse at *another* replica in that
   time is missed (as before the bucket existed).
-* **Release.** A claim whose intake publish was definitely refused (no stream answered, or
-  the stream refused the message: ``services.gateway.adapter.publish_refused``) is
-  withdrawn (local and shared: a delete conditional on the claim's revision), so a retry
-  with other content is not refused for a request that never ran. A publish that failed in
-  any other way (a timeout above all) may have been stored all the same: its claim is kept
-  and expires with the window, and a retry with other content gets 409 until then. A
-  withdrawal that fails leaves the claim to expire too (``idempotency_release_failed``).
+* **Release.** A claim whose intake publish was definitely refused (no stream answered, the
+  stream refused the message on a check it makes before storing -- a 4xx answer --, or
+  nothing could be sent: ``services.gateway.adapter.publish_refused``) is withdrawn, so a
+  retry with other content is not refused for a request that never ran -- by the last
+  request at this gateway that holds the claim (counted from its local claim on, so one
+  still waiting for the bucket counts), and only when no request that held it here since
+  may have stored a message under it. What they wrote of it goes: the bucket's record where
+  one of them made it and no one else wrote it since (a delete conditional on its revision),
+  then the local entry they made. A publish that failed in any other way (a timeout above
+  all, a 5xx answer) may have been stored all the same: its claim is kept and expires with
+  the window, and a retry with other content gets 409 until then. A replay at another
+  replica rewrites the record, so a withdrawal after it finds another revision and leaves
+  the claim alone, and one before it makes the replay claim the id anew. A withdrawal that
+  fails leaves the claim to expire too (``idempotency_release_failed``), and so does one
+  whose record another replica wrote (its publish may have been refused too: a 409 for a
+  while, never a wrong answer).
 * **Size.** At most ``max_keys`` digests in the local memory; past that the oldest is
   forgotten early (counted in :attr:`Fingerprints.evicted`); the shared bucket still has it.
 
@@ -140,14 +160,17 @@ class Claim(enum.Enum):
 
 
 class Fingerprints:
-    """Request id → content digest, for ``window_s`` from first acceptance (the gateway gives
-    its claim TTL, module docstring "Window"), at most ``max_keys`` of them (module
-    docstring). ``clock``: monotonic seconds (injected in tests).
+    """Request id → content digest, for ``window_s`` from its acceptance or the last
+    :meth:`restart` (the gateway gives its claim TTL and restarts it as each request's publish
+    starts, module docstring "Window"), at most ``max_keys`` of them (module docstring).
+    ``clock``: monotonic seconds (injected in tests).
 
-    NOTE: an ``OrderedDict`` in acceptance order. Every entry lives the same ``window_s``, so
-    the oldest is always first: expiry and the size bound both pop from the front, O(1) per
-    entry, and nothing is ever re-ordered (a replay does not extend the window, as a
-    duplicate does not extend the intake's)."""
+    NOTE: an ``OrderedDict`` in order of (re)start. Every entry lives the same ``window_s``,
+    so the oldest is always first: expiry and the size bound both pop from the front, O(1)
+    per entry, and a restart moves its entry to the end (``move_to_end``, O(1)), where its
+    new expiry belongs. ``window_s`` may be changed (the gateway reads the intake's window
+    from its stream): an entry keeps the expiry it was given, and one given a shorter window
+    after a longer one waits behind it -- kept longer, never shorter."""
 
     def __init__(self, window_s: float, max_keys: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -173,16 +196,44 @@ class Fingerprints:
         kept = self._kept.get(request_id)
         if kept is not None:
             return Claim.SAME if kept[0] == digest else Claim.CONFLICT
+        self._add(request_id, digest, now)
+        return Claim.NEW
+
+    def restart(self, request_id: str, digest: RequestDigest, *, add: bool = False) -> bool:
+        """Start ``request_id``'s window again from now, if it is kept with ``digest`` (moved to
+        the end); ``add``: keep it (as :meth:`claim` would) if it is not kept at all. False:
+        kept with another digest (left alone), or not kept and not ``add``."""
+        now = self._clock()
+        self._expire(now)
+        kept = self._kept.get(request_id)
+        if kept is None:
+            if not add:
+                return False
+            self._add(request_id, digest, now)
+            return True
+        if kept[0] != digest:
+            return False
+        self._kept.move_to_end(request_id)
+        self._kept[request_id] = (digest, now + self.window_s)
+        return True
+
+    def expires_at(self, request_id: str) -> float | None:
+        """When ``request_id``'s digest is forgotten (``clock`` seconds), None when none is kept
+        (expired ones are dropped first)."""
+        self._expire(self._clock())
+        kept = self._kept.get(request_id)
+        return None if kept is None else kept[1]
+
+    def _add(self, request_id: str, digest: RequestDigest, now: float) -> None:
         while len(self._kept) >= self.max_keys:
             self._kept.popitem(last=False)
             self.evicted += 1
         self._kept[request_id] = (digest, now + self.window_s)
-        return Claim.NEW
 
     def release(self, request_id: str, digest: RequestDigest) -> None:
-        """Forget a NEW claim whose request was not accepted (its intake publish failed), so
-        that a retry with other content is not refused for a request that never ran. Only the
-        very digest claimed is forgotten."""
+        """Forget a NEW claim whose request was not accepted (its intake publish was definitely
+        refused), so that a retry with other content is not refused for a request that never
+        ran. Only the very digest claimed is forgotten."""
         kept = self._kept.get(request_id)
         if kept is not None and kept[0] == digest:
             del self._kept[request_id]

@@ -5,17 +5,22 @@ idempotency`).
 One claim (:meth:`SharedClaims.claim`): ``create`` the id's key (:func:`kv_key`) with this
 request's :class:`IdempotencyRecord` -- atomic on the server, so of any number of gateways
 claiming one id at once exactly one gets :attr:`Claim.NEW` -- and, where the key exists
-already, ``get`` it and compare digests: :attr:`Claim.SAME` (an idempotent replay) or
-:attr:`Claim.CONFLICT` (409). A key that expires or is withdrawn between the two is claimed
-again. The bucket's ``max_age`` is :func:`claim_ttl_s`: the intake's de-duplication window
-plus the longest the intake publish may go on after the claim, so a record goes only once the
-intake would take its id as a new request (a delete marker goes the same way). A bucket found
-with a shorter ``max_age`` (made by an older gateway, or one with shorter publish timeouts) has
-it raised (:func:`idempotency_kv`); a longer one is kept, since it is what another replica may
-need (a claim kept longer than needed costs only a 409 that could have been a new request).
+already, ``get`` it and compare digests: :attr:`Claim.CONFLICT` (409), or, the same content,
+``update`` the record with itself at the revision read (compare-and-set) -- :attr:`Claim.SAME`
+(an idempotent replay), the record's age (its TTL) started again, as the replay's publish may
+store its message anew and the intake's window then runs from there
+(:mod:`services.gateway.idempotency`, "Window"). A key that expires, is withdrawn or is
+written by another claim between the steps is claimed again. The bucket's ``max_age`` is
+:func:`claim_ttl_s`: the intake's de-duplication window plus the longest the intake publish
+may go on after the claim, so a record goes only once the intake would take its id as a new
+request (a delete marker goes the same way). A bucket found with a shorter ``max_age`` (made
+by an older gateway, or one with shorter publish timeouts) has it raised
+(:func:`idempotency_kv`); a longer one is kept, since it is what another replica may need (a
+claim kept longer than needed costs only a 409 that could have been a new request).
 
 A withdrawal (:meth:`SharedClaims.release`) deletes the record only at the revision the claim
-wrote: a record that expired and was claimed again since is someone else's.
+wrote: a record that expired and was claimed again since, or that a replay wrote again, is
+someone else's.
 
 Every failure of the bucket -- no answer within ``timeout_s``, no bucket, a record that is
 none -- is one :class:`StoreFailed`; the gateway decides what that means (it fails open).
@@ -27,9 +32,10 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import nats.errors
+import structlog
 from nats.js import JetStreamContext
 from nats.js.client import KV_STREAM_TEMPLATE
 from nats.js.errors import (
@@ -48,9 +54,12 @@ from shared.service import INTAKE_DUPLICATE_WINDOW_S, ensure_key_value
 from shared.subjects import Subjects
 
 CLAIM_TRIES: Final[int] = 3
-"""Create-then-get rounds of one claim before it counts as failed: a round is lost only when
-the key went (expired, withdrawn) between the create and the get, so a second is all but
-certain to decide."""
+"""Create-get-update rounds of one claim before it counts as failed: a round is lost only when
+the key went (expired, withdrawn) or was written again (a replay at another replica) between
+its steps, so a second is all but certain to decide."""
+UPDATE_TRIES: Final[int] = 3
+"""Rounds of reading the bucket's ``max_age`` and raising it (:func:`idempotency_kv`): another
+gateway may write a lower raise over this one's; the next round raises it again."""
 WRONG_LAST_SEQUENCE: Final[int] = 10071
 """JetStream API error code of a conditional write whose expected revision is not the last."""
 STREAM_NOT_FOUND: Final[int] = 10059
@@ -59,6 +68,9 @@ STREAM_NAME_IN_USE: Final[int] = 10058
 MAX_AGE_SLACK_S: Final[float] = 1e-6
 """What a ``max_age`` may be short of the wanted TTL and still count as it: the server keeps
 nanoseconds, and seconds -> nanoseconds -> seconds need not give back the same float."""
+
+
+_log = structlog.get_logger("vertumnus.gateway.idempotency")
 
 
 class StoreFailed(Exception):
@@ -76,9 +88,13 @@ class SharedClaim:
 
     claim: Claim
     revision: int | None = None
-    """NEW: the revision of the record written (for :meth:`SharedClaims.release`)."""
+    """NEW / SAME: the revision of the record written (the new record; the first claim's
+    record written again), for :meth:`SharedClaims.release`."""
     first: IdempotencyRecord | None = None
     """SAME / CONFLICT: the record found (the first claim's)."""
+    prior: int | None = None
+    """SAME: the revision the record written replaced (whose it was decides whose the new one
+    is: the gateway's ``_Claimants``)."""
 
 
 def claim_ttl_s(publish_bound_s: float, window_s: float = INTAKE_DUPLICATE_WINDOW_S) -> float:
@@ -92,14 +108,20 @@ def claim_ttl_s(publish_bound_s: float, window_s: float = INTAKE_DUPLICATE_WINDO
     return window_s + publish_bound_s
 
 
-async def idempotency_kv(js: JetStreamContext, subjects: Subjects, *,
-                         ttl_s: float) -> KeyValue:
+async def idempotency_kv(js: JetStreamContext, subjects: Subjects, *, ttl_s: float,
+                         log: Any = None) -> KeyValue:
     """The idempotency bucket, made where missing (on file, one revision per key, TTL =
     ``ttl_s``, :func:`claim_ttl_s`). An existing bucket whose ``max_age`` is shorter than
     ``ttl_s`` has it raised to ``ttl_s``; a longer (or no) ``max_age`` is left as it is: it may
-    be another replica's need (module docstring). NOTE: two gateways with different needs
-    that raise it at once may leave the lower of the two raised values; each start and each
-    re-making of the bucket raises it again."""
+    be another replica's need (module docstring). Raised, it is read again: two gateways with
+    different needs that raise it at once may leave the lower of the two raised values, so the
+    one that needs more raises it again (:data:`UPDATE_TRIES` rounds).
+
+    A raise the server refuses or does not answer (no permission for ``STREAM.UPDATE``, say)
+    is logged as a warning through ``log`` (structlog; a module logger by default) and the
+    bucket is used as it is: claims shorter than the intake's window plus the publish's bound
+    are the weaker check of before, not a reason to stop the gateway. Raises what making or
+    reading the bucket raises."""
     bucket = subjects.idempotency_bucket()
     try:
         kv = await ensure_key_value(js, bucket, ttl_s=ttl_s,
@@ -109,10 +131,26 @@ async def idempotency_kv(js: JetStreamContext, subjects: Subjects, *,
         if exc.err_code != STREAM_NAME_IN_USE:
             raise
         kv = await js.key_value(bucket)  # made at once by a gateway with another TTL
-    stream = await js.stream_info(KV_STREAM_TEMPLATE.format(bucket=bucket))
-    max_age = stream.config.max_age
-    if max_age and max_age + MAX_AGE_SLACK_S < ttl_s:  # 0 or None: kept for ever
-        await js.update_stream(stream.config.evolve(max_age=ttl_s))
+    stream_name = KV_STREAM_TEMPLATE.format(bucket=bucket)
+    for round_ in range(UPDATE_TRIES):
+        try:
+            stream = await js.stream_info(stream_name)
+        except (nats.errors.Error, TimeoutError):
+            if round_ == 0:
+                raise
+            break  # raised already; reading it back is a check of a race, not a need
+        max_age = stream.config.max_age
+        if not max_age or max_age + MAX_AGE_SLACK_S >= ttl_s:  # 0 or None: kept for ever
+            break
+        try:
+            await js.update_stream(stream.config.evolve(max_age=ttl_s))
+        except (nats.errors.Error, TimeoutError) as exc:
+            (log or _log).warning(
+                "idempotency bucket's max_age not raised; its claims may end before the "
+                "intake's window plus the publish's bound",
+                bucket=bucket, max_age_s=max_age, wanted_s=ttl_s,
+                error=f"{type(exc).__name__}: {exc}")
+            break
     return kv
 
 
@@ -163,8 +201,18 @@ class SharedClaims:
             except SchemaError as exc:
                 raise StoreFailed(f"the record of key {key!r} is no IdempotencyRecord: "
                                   f"{exc}") from exc
-            return SharedClaim(Claim.SAME if first.digest == mine else Claim.CONFLICT,
-                               first=first)
+            if first.digest != mine:
+                return SharedClaim(Claim.CONFLICT, first=first)
+            # A replay: the record written again as it is, at the revision read, so that its
+            # age starts again (module docstring). Another write since (a replay elsewhere,
+            # a withdrawal, an expiry and a new claim) fails it: look again.
+            try:
+                revision = await self._kv.update(key, entry.value or b"",
+                                                 last=entry.revision)
+            except KeyWrongLastSequenceError:
+                continue
+            return SharedClaim(Claim.SAME, revision=revision, first=first,
+                               prior=entry.revision)
         raise StoreFailed(f"key {key!r} kept changing over {CLAIM_TRIES} claims")
 
     async def release(self, request_id: str, revision: int) -> bool:
@@ -185,5 +233,5 @@ class SharedClaims:
         return True
 
 
-__all__ = ["CLAIM_TRIES", "SharedClaim", "SharedClaims", "StoreFailed", "claim_ttl_s",
-           "idempotency_kv"]
+__all__ = ["CLAIM_TRIES", "UPDATE_TRIES", "SharedClaim", "SharedClaims", "StoreFailed",
+           "claim_ttl_s", "idempotency_kv"]

@@ -98,11 +98,11 @@ class GatewaySettings(ServiceSettings):
     max_idempotency_keys: int = Field(
         default=65_536, ge=1,
         description="Client request ids whose content digest this gateway remembers (for the "
-        "intake's de-duplication window, 120 s, plus the intake publish's bound, nats_wait_s + "
-        "publish_timeout_s, and the shared claim's timeout, publish_timeout_s), to answer 409 "
-        "to an id reused with another request; past it the oldest is forgotten early "
-        "(services/gateway/idempotency.py), and only the KV bucket all gateways share still "
-        "knows it. About 300 bytes each.",
+        "intake's de-duplication window, 120 s unless its stream was made otherwise, plus the "
+        "intake publish's bound, nats_wait_s + publish_timeout_s, from the last publish under "
+        "the id), to answer 409 to an id reused with another request; past it the oldest is "
+        "forgotten early (services/gateway/idempotency.py), and only the KV bucket all "
+        "gateways share still knows it. About 300 bytes each.",
     )
     slo: str = Field(
         default="qwen3-30b-a3b",
@@ -126,7 +126,8 @@ class GatewaySettings(ServiceSettings):
         tries again for up to ``nats_wait_s``, and every try ends by ``publish_timeout_s``
         after that. A request's intake message is stored, if at all, within this of the
         publish's start, so its id's claim outlives the intake's de-duplication window by
-        this much (services/gateway/idempotency.py, "Window")."""
+        this much, counted from the last publish under the id (services/gateway/
+        idempotency.py, "Window")."""
         return self.nats_wait_s + self.publish_timeout_s
 
     @property

@@ -12,7 +12,13 @@ import nats.errors
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    NoStreamResponseError,
+    ServerError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import VALID_KEY_RE
 
 from services.gateway.adapter import publish_refused
@@ -72,6 +78,57 @@ def test_a_digest_is_kept_for_the_window_from_its_first_acceptance() -> None:
     assert len(fp) == 1
 
 
+def test_a_restart_starts_the_window_again_from_now() -> None:
+    """Every publish under an id restarts its window (the intake's runs from the stored
+    message, and a replay's may be stored anew): the entry moves to the end, so expiry stays
+    in order, and the size bound then forgets the others first."""
+    clock = Clock()
+    fp = Fingerprints(120.0, 2, clock)
+    a, b, c = request_digest([1], 1), request_digest([2], 1), request_digest([3], 1)
+    assert fp.claim("r1", a) is Claim.NEW
+    clock.now += 10.0
+    assert fp.claim("r2", a) is Claim.NEW
+    clock.now += 100.0
+    assert fp.restart("r1", a)  # a replay at t=110 publishes: r1 is the youngest now
+    assert fp.expires_at("r1") == clock.now + 120.0
+    clock.now += 15.0  # t=125: past r1's first window, within its restarted one
+    assert fp.claim("r1", b) is Claim.CONFLICT
+    assert fp.claim("r3", c) is Claim.NEW  # the size bound forgets r2 (oldest), not r1
+    assert fp.expires_at("r2") is None and fp.evicted == 1
+    assert fp.claim("r1", b) is Claim.CONFLICT
+    clock.now += 105.0  # t=230 = 110 + 120
+    assert fp.claim("r1", b) is Claim.NEW
+
+
+def test_a_restart_changes_nothing_of_other_content_and_adds_only_when_asked() -> None:
+    clock = Clock()
+    fp = Fingerprints(120.0, 10, clock)
+    a, b = request_digest([1], 1), request_digest([2], 1)
+    assert fp.claim("r1", a) is Claim.NEW
+    until = fp.expires_at("r1")
+    clock.now += 50.0
+    assert not fp.restart("r1", b)  # other content: left alone
+    assert fp.expires_at("r1") == until
+    assert not fp.restart("r2", a)  # not kept: nothing kept
+    assert fp.expires_at("r2") is None
+    assert fp.restart("r2", a, add=True)  # kept now (the bucket did not answer, say)
+    assert fp.claim("r2", b) is Claim.CONFLICT
+
+
+def test_entries_given_a_shorter_window_later_live_longer_never_shorter() -> None:
+    """The gateway reads the intake's window from its stream and may change ``window_s``:
+    an entry keeps the expiry it was given."""
+    clock = Clock()
+    fp = Fingerprints(120.0, 10, clock)
+    a = request_digest([1], 1)
+    assert fp.claim("r1", a) is Claim.NEW
+    fp.window_s = 5.0
+    assert fp.claim("r2", a) is Claim.NEW
+    clock.now += 6.0
+    assert fp.claim("r1", request_digest([2], 1)) is Claim.CONFLICT  # its 120 s
+    assert fp.claim("r2", a) is Claim.SAME  # behind r1: kept longer than its 5 s
+
+
 def test_past_the_size_bound_the_oldest_is_forgotten_first() -> None:
     fp = Fingerprints(120.0, 3, Clock())
     for i in range(5):
@@ -98,27 +155,42 @@ def test_bad_bounds_are_refused(window: float, keys: int) -> None:
         Fingerprints(window, keys)
 
 
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.floats(0, 50)),
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.floats(0, 50),
+                          st.sampled_from(["claim", "restart", "add"])),
                 max_size=60))
 def test_never_more_than_the_bound_and_never_a_wrong_verdict(
-        ops: list[tuple[int, int, float]]) -> None:
-    """Whatever the order of claims and clock steps: at most ``max_keys`` kept, a conflict only
-    against a digest accepted within the window, a replay only of the same digest."""
+        ops: list[tuple[int, int, float, str]]) -> None:
+    """Whatever the order of claims, restarts and clock steps: at most ``max_keys`` kept, a
+    conflict only against a digest accepted or restarted within the window, a replay only of
+    the same digest, and an entry never forgotten before its window from its last (re)start
+    unless the size bound pushed it out."""
     clock = Clock()
     fp = Fingerprints(60.0, 4, clock)
     accepted: dict[str, tuple[bytes, float]] = {}
-    for key, content, step in ops:
+    for key, content, step, op in ops:
         clock.now += step
         rid, digest = f"r{key}", request_digest([content], 1)
-        verdict = fp.claim(rid, digest)
         kept = accepted.get(rid)
         live = kept is not None and clock.now < kept[1] + 60.0
-        if verdict is Claim.NEW:
-            accepted[rid] = (digest, clock.now)
+        evicted = fp.evicted
+        if op == "claim":
+            verdict = fp.claim(rid, digest)
+            if verdict is Claim.NEW:
+                accepted[rid] = (digest, clock.now)
+                assert not live or fp.evicted > 0  # forgotten early only by the bound
+            else:
+                assert live and kept is not None
+                assert (verdict is Claim.SAME) == (kept[0] == digest)
         else:
-            assert live and kept is not None
-            assert (verdict is Claim.SAME) == (kept[0] == digest)
+            held = fp.expires_at(rid) is not None
+            restarted = fp.restart(rid, digest, add=op == "add")
+            if restarted:
+                accepted[rid] = (digest, clock.now)
+                assert fp.expires_at(rid) == clock.now + 60.0
+            else:
+                assert op == "restart" or (held and kept is not None and kept[0] != digest)
         assert len(fp) <= 4
+        assert fp.evicted >= evicted
 
 
 # -- the shared bucket's keys and records -------------------------------------------------------
@@ -164,8 +236,13 @@ def test_a_record_round_trips_and_refuses_what_is_none() -> None:
 @pytest.mark.parametrize("exc", [
     NoStreamResponseError(),  # nats-py's "no responders" of a JetStream publish
     nats.errors.NoRespondersError(),
-    APIError(code=400, err_code=10054, description="message size exceeds maximum allowed"),
-    ServiceUnavailableError(code=503, err_code=10008, description="JetStream unavailable"),
+    nats.errors.OutboundBufferLimitError(),  # not connected, nothing queued: never sent
+    # Checks the stream makes before it stores (4xx):
+    BadRequestError(code=400, err_code=10054, description="message size exceeds maximum "
+                                                         "allowed"),
+    BadRequestError(code=400, err_code=10071, description="wrong last sequence: 7"),
+    BadRequestError(code=400, err_code=10070, description="wrong last msg ID: x"),
+    APIError(code=429, err_code=10167, description="too many requests"),
 ])
 def test_a_definite_refusal_withdraws_the_claim(exc: BaseException) -> None:
     assert publish_refused(exc)
@@ -178,6 +255,13 @@ def test_a_definite_refusal_withdraws_the_claim(exc: BaseException) -> None:
     nats.errors.ConnectionDrainingError(),
     asyncio.CancelledError(),
     RuntimeError("unforeseen"),
+    # 5xx: the server's trouble, which may come after a (replicated) write.
+    ServiceUnavailableError(code=503, err_code=10008, description="JetStream system "
+                                                                  "temporarily unavailable"),
+    ServiceUnavailableError(code=503, err_code=10077, description="maximum messages "
+                                                                  "exceeded"),
+    ServerError(code=500, err_code=10049, description="insufficient resources"),
+    APIError(code=None, err_code=None, description="no code"),
 ])
 def test_an_indeterminate_failure_keeps_the_claim(exc: BaseException) -> None:
     assert not publish_refused(exc)

@@ -6,16 +6,24 @@ to another replica (or to a restarted one) was answered with the first request's
 
 Also: ids that are no legal KV key are claimed under their encoding, a claim whose intake
 publish was definitely refused is withdrawn while one whose publish timed out (and may have
-landed) is kept, a claim lasts the intake's window plus the publish's bound, and a bucket
-that does not answer fails open (and is made again).
+landed) is kept, a claim lasts the intake's window plus the publish's bound from the last
+request sent under its id, it is withdrawn only by the last request holding it at a gateway,
+the gateway's connection queues no publish while it is down, a bucket whose TTL may not be
+raised is used as it is, and a bucket that does not answer fails open (and is made again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
+import nats
+import nats.errors
 import pytest
 from live_sched_support import WAIT_S, Services, fake_token, http, wait_until
 from nats.aio.client import Client
@@ -24,6 +32,7 @@ from nats.js.api import StreamConfig
 from nats.js.errors import KeyNotFoundError
 
 from services.gateway.idempotency import Claim, kv_key, request_digest
+from shared.natsserver import EmbeddedNats
 from shared.service import INTAKE_DUPLICATE_WINDOW_S, bucket_keys, ensure_intake_stream
 from shared.subjects import Subjects
 
@@ -227,8 +236,9 @@ async def test_a_claim_whose_publish_timed_out_is_kept(
     answered with its result (no scheduler here: it waited for that result, 504)."""
     s = Subjects(uniq)
     js = nc.jetstream()
-    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=0.2, result_timeout_s=0.5)
-    b = await live.gateway(nats_wait_s=0.0, publish_timeout_s=0.2, result_timeout_s=0.5)
+    # publish_timeout_s also bounds the bucket's claims: long enough for a loaded machine.
+    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=2.0, result_timeout_s=0.5)
+    b = await live.gateway(nats_wait_s=0.0, publish_timeout_s=2.0, result_timeout_s=0.5)
     await js.delete_stream(s.intake_stream())
     landed = asyncio.Event()
 
@@ -269,14 +279,21 @@ async def test_a_publish_that_timed_out_before_it_was_refused_keeps_its_claim(
     claim is kept (before: the last try's "no responders" withdrew it)."""
     s = Subjects(uniq)
     js = nc.jetstream()
-    a = await live.gateway(nats_wait_s=1.0, publish_timeout_s=0.2, result_timeout_s=0.5)
+    # The first try ends by publish_timeout_s (which also bounds the bucket's claims: long
+    # enough for a loaded machine); the tries go on for nats_wait_s, well past the flushed
+    # unsubscribe below, so the last one finds no responders.
+    a = await live.gateway(nats_wait_s=4.0, publish_timeout_s=1.0, result_timeout_s=0.5)
     b = await live.gateway(nats_wait_s=0.0, result_timeout_s=0.5)
     await js.delete_stream(s.intake_stream())
     sub = await nc.subscribe(s.intake_requests())  # answers nothing
+    await nc.flush()
     body = {**BODY, "request_id": "late-2"}
     publishing = asyncio.create_task(complete(a, body))
     first = await sub.next_msg(timeout=WAIT_S)
-    await sub.unsubscribe()  # the first try times out; the later ones find no responders
+    # The first try times out; once the server has the unsubscribe (the flush's answer
+    # comes after it), the next ones find no responders.
+    await sub.unsubscribe()
+    await nc.flush()
     assert first.headers is not None and first.headers["Nats-Msg-Id"] == "late-2"
     failed = await publishing
     assert failed.status == 503 and "NoStreamResponseError" in failed.body.decode(), \
@@ -307,12 +324,13 @@ async def test_a_claim_lasts_the_intake_window_plus_the_publish_bound(
     longer than the window (before: the window alone, 120 s), in a bucket the gateway makes,
     in one an older gateway made with the window alone (raised), and in one it makes again;
     a longer max_age (another replica's need) is left as it is. The local memory keeps its
-    claims longer still by the shared claim's timeout, which its claim precedes."""
+    claims as long, from the start of each publish (its timer restarts there: the shared
+    claim before it may take its timeout, and the bucket's re-making another)."""
     s = Subjects(uniq)
     js = nc.jetstream()
     a = await live.gateway(nats_wait_s=3.0, publish_timeout_s=2.5)
     assert await bucket_max_age(nc, s) == pytest.approx(claim_ttl(a)) == 125.5
-    assert a._fingerprints.window_s == pytest.approx(claim_ttl(a) + 2.5)
+    assert a._fingerprints.window_s == pytest.approx(claim_ttl(a))
     # A bucket made with the window alone (an older gateway's) is raised.
     await js.delete_key_value(s.idempotency_bucket())
     await js.create_key_value(bucket=s.idempotency_bucket(), ttl=INTAKE_DUPLICATE_WINDOW_S)
@@ -327,3 +345,234 @@ async def test_a_claim_lasts_the_intake_window_plus_the_publish_bound(
     assert (await complete(c, {**BODY, "request_id": "ttl-1"})).status == 504  # no scheduler
     assert c.counters["idempotency_store_failed"] == 1
     assert await bucket_max_age(nc, s) == pytest.approx(claim_ttl(c)) == 121.0
+
+
+async def test_a_replay_stored_anew_holds_the_id_for_the_window_it_starts(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """R1's publish times out having stored nothing, so its claim is kept; the same request
+    sent again later (R2) is stored anew, and the intake de-duplicates the id from R2's
+    message on. Before, R2 relied on R1's claim, which expired a claim TTL after R1: another
+    request under the id between then and the end of R2's window was published, taken as a
+    duplicate and answered with R2's result. Now every request restarts the claim's timer
+    before it publishes -- the bucket's record is written again, this gateway's entry
+    restarted -- so that request is refused (409), or, come after R2's window, is a message
+    of its own. A short intake window (the gateway reads its stream's) lets the first claim
+    expire within the test; the sleeps below only let the scenario's time pass, no assertion
+    depends on how fast anything is."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    window = 4.0
+    await ensure_intake_stream(js, s, duplicate_window_s=window)
+    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=1.0, result_timeout_s=0.5)
+    b = await live.gateway(nats_wait_s=0.0, publish_timeout_s=1.0, result_timeout_s=0.5)
+    ttl = window + 1.0  # + nats_wait_s + publish_timeout_s
+    assert a._claim_ttl_s == pytest.approx(ttl)
+    assert a._fingerprints.window_s == pytest.approx(ttl)
+    assert await bucket_max_age(nc, s) == pytest.approx(ttl)
+    kv = await js.key_value(s.idempotency_bucket())
+    loop = asyncio.get_running_loop()
+    # R1: a silent responder stands in for an intake that does not answer; nothing is stored.
+    await js.delete_stream(s.intake_stream())
+    sub = await nc.subscribe(s.intake_requests())
+    await nc.flush()
+    body = {**BODY, "request_id": "again-1"}
+    first = await complete(a, body)
+    r1_done = loop.time()  # R1's claim was made before this
+    assert first.status == 503 and "TimeoutError" in first.body.decode(), first.body
+    rev1 = (await kv.get(kv_key("again-1"))).revision
+    await sub.unsubscribe()
+    await ensure_intake_stream(js, s, duplicate_window_s=window)
+    # R2 well into R1's claim: stored (no scheduler here: no first token, 504), not a
+    # duplicate, so the intake de-duplicates the id until `window` after R2's message.
+    await asyncio.sleep(max(0.0, r1_done + 2.5 - loop.time()))
+    r2_start = loop.time()
+    again = await complete(a, body)
+    assert again.status == 504, again.body
+    assert (await js.stream_info(s.intake_stream())).state.messages == 1
+    # The claim's timers restarted: the record written again (its age starts anew), the
+    # local entry restarted as R2's publish started.
+    assert (await kv.get(kv_key("again-1"))).revision > rev1
+    until = a._fingerprints.expires_at("again-1")
+    assert until is not None and until >= r2_start + ttl
+    # Past R1's claim, within R2's window (unless a loaded machine took longer): another
+    # request under the id, at the replica that holds no memory of it.
+    await asyncio.sleep(max(0.0, r1_done + ttl + 0.5 - loop.time()))
+    other = await complete(b, {**body, **OTHER})
+    messages = (await js.stream_info(s.intake_stream())).state.messages
+    # Never R2's answer: refused, or (come after R2's window) a message of its own.
+    assert other.status == 409 or (messages == 2 and other.status == 504), \
+        (other.status, other.body, messages)
+
+
+class PlayedBucket:
+    """The idempotency bucket played by the test (the real one deleted): each write (a
+    claim's create or rewrite) and delete (a withdrawal) the gateway sends waits until the
+    test answers it, as JetStream would (a PubAck naming the revision written)."""
+
+    def __init__(self, nc: Client, s: Subjects) -> None:
+        self.nc = nc
+        self.bucket = s.idempotency_bucket()
+        self.got: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def start(self) -> PlayedBucket:
+        async def hold(msg: Msg) -> None:
+            await self.got.put(msg)
+
+        self.sub = await self.nc.subscribe(f"$KV.{self.bucket}.>", cb=hold)
+        await self.nc.flush()
+        return self
+
+    async def next(self) -> Msg:
+        return await asyncio.wait_for(self.got.get(), WAIT_S)
+
+    async def answer(self, msg: Msg, revision: int) -> None:
+        await msg.respond(json.dumps({"stream": f"KV_{self.bucket}", "seq": revision}).encode())
+
+
+def is_delete(msg: Msg, revision: int) -> bool:
+    h = msg.headers or {}
+    return h.get("KV-Operation") == "DEL" and \
+        h.get("Nats-Expected-Last-Subject-Sequence") == str(revision)
+
+
+async def test_a_refused_request_leaves_the_claim_to_those_still_holding_it(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """R1 and R2, one request under one id at one gateway, every publish refused (no intake
+    stream). R2 has made its local claim and waits for the bucket when R1's publish is
+    refused: R1 withdraws nothing (before: it saw no one waiting for a result -- R2 was not
+    yet -- and withdrew the claim R2 was about to publish under). R2, the last holder, then
+    withdraws what they wrote (every publish refused). A request that comes while that
+    withdrawal waits for the bucket finds the claim still there: with other content it is
+    refused (409), with this content it holds the claim, and R2 leaves it the local entry."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=WAIT_S, result_timeout_s=0.5)
+    await js.delete_key_value(s.idempotency_bucket())
+    bucket = await PlayedBucket(nc, s).start()
+    await js.delete_stream(s.intake_stream())
+    body = {**BODY, "request_id": "two-1"}
+    r1 = asyncio.create_task(complete(a, body))
+    w1 = await bucket.next()  # R1's create
+    r2 = asyncio.create_task(complete(a, body))
+    w2 = await bucket.next()  # R2's: it holds its local claim and waits for the bucket
+    assert not is_delete(w1, 0) and not is_delete(w2, 0)
+    await bucket.answer(w1, 1)  # R1: NEW; its publish is refused
+    sent = asyncio.create_task(bucket.next())
+    done, _ = await asyncio.wait({r1, sent}, timeout=WAIT_S,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    assert done == {r1}, "R1 withdrew the claim R2 holds"
+    assert (await r1).status == 503
+    assert a.stats_data()["idempotency_keys"] == 1
+    await bucket.answer(w2, 2)  # R2: NEW (as played); its publish is refused: it is last
+    d2 = await sent
+    assert is_delete(d2, 2), d2.headers  # what they wrote, at its revision
+    # While that withdrawal waits: other content is refused, this content holds the claim.
+    assert_conflict(await complete(a, {**body, **OTHER}), "two-1")
+    r3 = asyncio.create_task(complete(a, body))
+    w3 = await bucket.next()
+    await bucket.answer(d2, 3)
+    assert (await r2).status == 503
+    assert a.stats_data()["idempotency_keys"] == 1  # left to R3
+    await bucket.answer(w3, 4)  # R3: NEW; refused, the last: withdraws all
+    d3 = await bucket.next()
+    assert is_delete(d3, 4), d3.headers
+    await bucket.answer(d3, 5)
+    assert (await r3).status == 503
+    assert a.stats_data()["idempotency_keys"] == 0
+    assert a.counters["idempotency_release_failed"] == 0
+    await bucket.sub.unsubscribe()
+
+
+async def test_a_gateway_queues_no_publish_while_disconnected(uniq: str) -> None:
+    """nats-py keeps what is published while its connection is down and sends it once the
+    connection is back, however late: an intake publish given up after its bound could be
+    stored after its claim expired. The gateway's connection queues no publish
+    (pending_size=0): one while disconnected fails at once, sent never, and the intake
+    publish is tried again once the connection is back (before: that error escaped the
+    publish, a 500 with the claim kept)."""
+    from structlog.testing import capture_logs
+
+    from shared.schemas import IntakeRequest, encode
+
+    server = EmbeddedNats().start()
+    port = int(server.url.rsplit(":", 1)[1])
+    services = Services(server.url, uniq, AsyncExitStack())
+    again: EmbeddedNats | None = None
+    try:
+        s = Subjects(uniq)
+        # From the gateway's first log line on: structlog keeps a logger's configuration.
+        with capture_logs() as logs:
+            gw = await services.gateway(nats_wait_s=WAIT_S, publish_timeout_s=2.0,
+                                        result_timeout_s=0.5)
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGKILL)  # its store stays for the next one
+            await wait_until(lambda: not server.running and not gw.nats_connected,
+                             "the gateway sees the server gone")
+            with pytest.raises(nats.errors.OutboundBufferLimitError):
+                await gw.nc.publish(s.intake_requests(), b"queued?")
+            data, headers = encode(IntakeRequest(
+                request_id="down-1", input_len=4, block_hashes=[], block_size=B, max_tokens=1,
+                arrival_s=1.0, trace_context={}))
+            headers["Nats-Msg-Id"] = "down-1"
+            publishing = asyncio.create_task(gw._publish_intake(data, headers))
+            await wait_until(lambda: publishing.done() or any(
+                e["event"] == "intake publish failed; trying again"
+                and e.get("error") == "OutboundBufferLimitError" for e in logs),
+                "a try refused while disconnected")
+            assert not publishing.done(), publishing.exception()  # waits for the connection
+            again = EmbeddedNats(port=port, store_dir=server.store_dir).start()
+            ack = await asyncio.wait_for(publishing, WAIT_S)
+        assert ack.duplicate is None and ack.seq == 1
+        check = await nats.connect(again.url)
+        try:
+            info = await check.jetstream().stream_info(s.intake_stream())
+            assert info.state.messages == 1
+        finally:
+            await check.close()
+    finally:
+        await services.close()
+        if again is not None:
+            again.stop()
+        server.stop()
+
+
+async def test_a_bucket_whose_ttl_may_not_be_raised_is_used_as_it_is(
+    uniq: str, tmp_path: Path
+) -> None:
+    """A gateway whose NATS user may not update streams finds the bucket made with a shorter
+    TTL (an older gateway's): the refused raise is a warning and the bucket is used as it is
+    (before: the gateway did not start)."""
+    from structlog.testing import capture_logs
+
+    conf = tmp_path / "perms.conf"
+    conf.write_text(
+        'authorization { users = [\n'
+        '  {user: "gw", password: "gw-pass", permissions: {\n'
+        '    publish: {allow: [">"], deny: ["$JS.API.STREAM.UPDATE.>"]},\n'
+        '    subscribe: {allow: [">"]}}}\n'
+        '  {user: "admin", password: "admin-pass"}\n'
+        ']}\n')
+    server = EmbeddedNats(extra_args=("-c", str(conf))).start()
+    port = int(server.url.rsplit(":", 1)[1])
+    admin = await nats.connect(f"nats://admin:admin-pass@127.0.0.1:{port}")
+    services = Services(server.url, uniq, AsyncExitStack())
+    s = Subjects(uniq)
+    try:
+        await admin.jetstream().create_key_value(bucket=s.idempotency_bucket(),
+                                                 ttl=INTAKE_DUPLICATE_WINDOW_S)
+        with capture_logs() as logs:
+            gw = await services.gateway(nats_user="gw", nats_password="gw-pass",
+                                        nats_wait_s=0.0, result_timeout_s=0.5)
+        assert [e for e in logs if e["event"].startswith("idempotency bucket's max_age not")]
+        assert await bucket_max_age(admin, s) == INTAKE_DUPLICATE_WINDOW_S
+        # Serving, with the bucket as it is.
+        assert (await complete(gw, {**BODY, "request_id": "perm-1"})).status == 504
+        kv = await admin.jetstream().key_value(s.idempotency_bucket())
+        assert (await kv.get(kv_key("perm-1"))).value
+        assert gw.counters["idempotency_store_failed"] == 0
+    finally:
+        await services.close()
+        await admin.close()
+        server.stop()
