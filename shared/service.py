@@ -691,6 +691,12 @@ class MicroService:
         request reaches only one); None (the default) reports none (override)."""
         return None
 
+    def connect_options(self) -> dict[str, Any]:
+        """Further ``nats.connect`` options of the connection :meth:`start` makes (override;
+        none by default): e.g. the gateway's ``pending_size=0``. Not used for a connection
+        handed to :meth:`start`."""
+        return {}
+
     async def setup(self, stack: AsyncExitStack) -> None:
         """Called after connecting and before endpoints are added (override).
 
@@ -770,6 +776,7 @@ class MicroService:
                 servers=self.settings.nats_servers,
                 name=f"{self.name}:{self.settings.instance_id or ''}",
                 connect_timeout=self.settings.connect_timeout_s,
+                **self.connect_options(),
                 **reconnect_options(self.settings),
                 **security_options(self.settings),
                 **nats_callbacks(self.log, self._stop.is_set),  # is_set: our own drain

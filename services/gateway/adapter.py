@@ -77,7 +77,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import nats.errors
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import (
@@ -103,8 +102,6 @@ from services.gateway.metrics import RequestMetrics
 from services.gateway.settings import GatewaySettings
 from shared.blockhash import chain_hashes
 from shared.logging import bind_request
-from shared.natsauth import security_options
-from shared.natsclient import connect
 from shared.schemas import (
     NOT_SCHEDULED,
     NOT_SERVABLE,
@@ -128,8 +125,6 @@ from shared.service import (
     ensure_results_stream,
     first_token_of,
     latest_result,
-    nats_callbacks,
-    reconnect_options,
     worker_state_kv,
 )
 from shared.subjects import micro_service_name
@@ -392,10 +387,9 @@ class GatewayService(MicroService):
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    async def start(self, stack: AsyncExitStack, nc: Client | None = None) -> None:
-        """:meth:`MicroService.start`, on a connection of the gateway's own that queues no
-        publish while it is down (nats-py's ``pending_size=0``; the options otherwise those of
-        :meth:`MicroService.start`, which makes every other service's connection).
+    def connect_options(self) -> dict[str, Any]:
+        """The gateway's connection queues no publish while it is down (nats-py's
+        ``pending_size=0``; :meth:`MicroService.connect_options`).
 
         Why: nats-py keeps what is published while its connection is down (2 MiB by default)
         and sends it once the connection is back, however late. An intake publish given up
@@ -412,18 +406,7 @@ class GatewayService(MicroService):
         :meth:`_respond`). What nats-py had queued just before a loss still goes out on
         reconnect (module docstring of idempotency, "Window"). An ``nc`` handed in (tests,
         an embedding program) is used as it is."""
-        if nc is None:
-            nc = await connect(
-                servers=self.settings.nats_servers,
-                name=f"{self.name}:{self.settings.instance_id or ''}",
-                connect_timeout=self.settings.connect_timeout_s,
-                pending_size=0,
-                **reconnect_options(self.settings),
-                **security_options(self.settings),
-                **nats_callbacks(self.log, self._stop.is_set),  # is_set: our own drain
-            )
-            stack.push_async_callback(self._drain, nc)
-        await super().start(stack, nc)
+        return {"pending_size": 0}
 
     def endpoints(self) -> Sequence[Endpoint]:
         # "completions" in group "{prefix}.gateway" is subjects.gateway_completions().
