@@ -341,6 +341,21 @@ async def kept_results(js: JetStreamContext, subjects: Subjects, request_id: str
     return out
 
 
+def message_size(data: bytes, headers: Mapping[str, str] | None = None) -> int:
+    """The bytes of a message the NATS server checks against its ``max_payload``: the payload
+    and the headers block as nats-py writes it (``NATS/1.0``, one ``key: value`` line each, the
+    blank line; keys and values stripped). nats-py's own check counts the payload alone, and a
+    message the server then finds too large costs the connection: the server answers
+    ``-ERR 'Maximum Payload Violation'`` and closes it, and nats-py does not reconnect after
+    that error."""
+    if not headers:
+        return len(data)
+    size = len(b"NATS/1.0\r\n\r\n")
+    for k, v in headers.items():
+        size += len(k.strip().encode()) + len(b": ") + len(v.strip().encode()) + len(b"\r\n")
+    return len(data) + size
+
+
 def first_token_of(request_id: str, msg: Any) -> FirstToken:
     """The FirstToken of ``request_id`` in a message of its result subject (``.data``,
     ``.headers``). Anything else published there -- bytes that do not decode, or another
@@ -1220,6 +1235,7 @@ __all__ = [
     "publish_result",
     "epoch_kv",
     "every_answer",
+    "message_size",
     "worker_state_kv",
     "error_code",
     "raise_for_error",

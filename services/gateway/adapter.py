@@ -69,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -125,6 +126,7 @@ from shared.service import (
     ensure_results_stream,
     first_token_of,
     latest_result,
+    message_size,
     worker_state_kv,
 )
 from shared.subjects import micro_service_name
@@ -132,6 +134,13 @@ from shared.tasks import cancel_and_wait
 from shared.telemetry import Stage, extract, inject, traceparent_of, tracer
 
 VERSION: Final[str] = "0.1.0"
+MAX_TRACESTATE_CHARS: Final[int] = 512
+"""A client's W3C ``tracestate`` longer than this is not forwarded (the spec's minimum that
+every vendor propagates; a longer one may be truncated)."""
+INTAKE_HEADROOM_BYTES: Final[int] = 4096
+"""Room an intake message leaves under the server's ``max_payload``: the scheduler sends the
+request on inside an assignment (a few more fields) or again with other headers (a hand-back's
+message id), and either must still fit."""
 MSG_ID_HEADER: Final[str] = "Nats-Msg-Id"
 INT32_MAX: Final[int] = (1 << 31) - 1
 SWEEP_PERIOD_S: Final[float] = 0.25
@@ -313,7 +322,22 @@ class _Claimants:
 
 
 def new_request_id() -> str:
+    """A request id for a request that brings none: ``r`` and 32 hex digits (a form a client
+    may not use, :func:`check_client_id`)."""
     return "r" + uuid.uuid4().hex
+
+
+_GENERATED_ID: Final[re.Pattern[str]] = re.compile(r"r[0-9a-f]{32}")
+
+
+def check_client_id(rid: str) -> None:
+    """Refuse (400) a client id of the form the gateway gives requests without one: such an id
+    is claimed by nobody (only a client's own id is, services.gateway.idempotency), so a
+    request sent again under it with other content would get the first one's answer. A
+    client never needs one to retry: it learns it only with the answer."""
+    if _GENERATED_ID.fullmatch(rid):
+        raise BadRequest(f"request_id {rid!r} has the form of the gateway's own ids ('r' and "
+                         "32 hex digits), which clients may not use; choose another")
 
 
 # -- the service --------------------------------------------------------------------------------
@@ -706,6 +730,8 @@ class GatewayService(MicroService):
                         entry: str, carrier: Mapping[str, str] | None = None,
                         disconnected: asyncio.Future[None] | None = None) -> Completion:
         check_limits(tokens, body.max_tokens, self.gsettings)
+        if body.request_id:
+            check_client_id(body.request_id)
         rid = body.request_id or new_request_id()
         # Only a client's own id can be reused (module docstring of idempotency).
         digest = request_digest(tokens, body.max_tokens) if body.request_id else None
@@ -739,6 +765,11 @@ class GatewayService(MicroService):
         if self._js is None or not await self._nats_back(self.gsettings.nats_wait_s):
             raise Unavailable("not connected to NATS; try again later")
         carrier = inject({})
+        if len(carrier.get("tracestate", "")) > MAX_TRACESTATE_CHARS:
+            # A client's tracestate (up to ~16 KB of vendor entries) travels twice, in the
+            # headers and in the message: dropped past the W3C's propagation minimum, which
+            # the spec allows (the trace itself, traceparent, is kept).
+            del carrier["tracestate"]
         intake = IntakeRequest(
             request_id=rid, input_len=len(tokens),
             tokens=tokens if self.gsettings.forward_tokens else None,
@@ -748,10 +779,15 @@ class GatewayService(MicroService):
         data, headers = encode(intake)
         headers[MSG_ID_HEADER] = rid
         headers.update(carrier)
-        if len(data) > self.nc.max_payload:
-            raise TooLarge(f"intake message of {len(data)} bytes exceeds the NATS server's "
-                           f"max_payload of {self.nc.max_payload} bytes; send a shorter prompt "
-                           "(or run the gateway with forward_tokens=false)")
+        # Headers count (the server's check; nats-py counts the payload only, and a message
+        # the server finds too large closes the connection for good), and so does the room
+        # the scheduler needs to wrap the request into an assignment or send it again.
+        size = message_size(data, headers) + INTAKE_HEADROOM_BYTES
+        if size > self.nc.max_payload:
+            raise TooLarge(f"intake message of {size} bytes (with its headers and "
+                           f"{INTAKE_HEADROOM_BYTES} bytes of room to forward it) exceeds the "
+                           f"NATS server's max_payload of {self.nc.max_payload} bytes; send a "
+                           "shorter prompt (or run the gateway with forward_tokens=false)")
         # Claimed before the publish: first here, with no await in between check and keep
         # (of two requests racing here under one id with different content, the second is
         # refused at once), then in the bucket every replica shares, which decides.
@@ -1123,6 +1159,7 @@ __all__ = [
     "WorkerFailed",
     "check_limits",
     "new_request_id",
+    "check_client_id",
     "publish_refused",
     "result_error",
     "schema_message",

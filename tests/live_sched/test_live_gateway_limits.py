@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
+from pathlib import Path
+
 import pytest
 from live_sched_support import Services, http
 from nats.aio.client import Client
 from pydantic import ValidationError
 
+from services.gateway.adapter import INTAKE_HEADROOM_BYTES, check_client_id, new_request_id
 from services.gateway.settings import GatewaySettings
+from shared.natsserver import EmbeddedNats
 from shared.schemas import MAX_TOKENS, CompletionRequest, FirstToken
 from shared.service import RemoteError, call
 from shared.subjects import Subjects
@@ -105,3 +110,60 @@ def test_a_prompt_limit_beyond_the_intake_bound_is_refused_at_start() -> None:
     assert GatewaySettings(max_prompt_tokens=MAX_TOKENS).max_prompt_tokens == MAX_TOKENS
     with pytest.raises(ValidationError, match="max_prompt_tokens"):
         GatewaySettings(max_prompt_tokens=MAX_TOKENS + 1)
+
+
+async def test_a_client_id_of_the_gateways_own_form_is_400(live: Services) -> None:
+    """The gateway's ids for requests without one ('r' + 32 hex digits) are claimed by
+    nobody: a client may not send one (else other content under it got the first answer)."""
+    gw = await live.gateway()
+    own = new_request_id()
+    reply = await http(gw.http_port, "POST", "/v1/completions",
+                       {"prompt": [1, 2, 3], "request_id": own})
+    assert reply.status == 400, reply.body
+    assert own in reply.json()["error"]["message"] and "gateway's own ids" in \
+        reply.json()["error"]["message"]
+    check_client_id("r" + "0" * 31)  # one digit short: a client's
+    check_client_id("R" + "0" * 32)
+    check_client_id("r" + "0" * 32 + "x")
+
+
+async def test_headers_count_against_max_payload_and_the_connection_survives(
+        uniq: str, tmp_path: Path) -> None:
+    """The NATS server checks a message's headers and payload against its max_payload and
+    closes the connection of a client that exceeds it (for good: nats-py does not reconnect
+    after that error); nats-py itself counts the payload alone. A prompt whose message fits
+    by the payload alone but not with its headers and the room the scheduler needs to
+    forward it is a 413, and the gateway keeps its connection. A client's huge tracestate
+    is not forwarded."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 16384\n")
+    server = EmbeddedNats(extra_args=("-c", str(conf))).start()
+    services = Services(server.url, uniq, AsyncExitStack())
+    try:
+        gw = await services.gateway(result_timeout_s=0.5)
+        assert gw.nc.max_payload == 16384
+        # ~2 bytes a token in the message: a payload of ~13,000 bytes, under max_payload
+        # alone, over it with the room.
+        tokens = [1] * 6_500
+        reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": tokens})
+        assert reply.status == 413, reply.body
+        msg = reply.json()["error"]["message"]
+        assert "max_payload of 16384" in msg and "room to forward it" in msg
+        size = int(msg.split("intake message of ")[1].split(" ")[0])
+        assert size - INTAKE_HEADROOM_BYTES < 16384 < size  # the payload would have passed
+        # A tracestate of many vendors' entries: accepted, not forwarded (the request then
+        # waits for a first token that no scheduler here gives: 504).
+        state = ",".join(f"v{i}=" + "x" * 200 for i in range(30))
+        sub = await gw.nc.subscribe(Subjects(uniq).intake_requests())
+        reply = await http(gw.http_port, "POST", "/v1/completions", {"prompt": [1, 2, 3]},
+                           headers={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+                                    "tracestate": state})
+        assert reply.status in (503, 504), reply.body
+        got = await sub.next_msg(timeout=10)
+        assert "tracestate" not in (got.headers or {}) and b"tracestate" not in got.data
+        assert (got.headers or {}).get("traceparent", "").startswith("00-" + "1" * 32)
+        assert gw.nc.is_connected
+        assert (await http(gw.http_port, "GET", "/health")).status == 200
+    finally:
+        await services.close()
+        server.stop()
