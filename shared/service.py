@@ -791,10 +791,11 @@ class MicroService:
                 servers=self.settings.nats_servers,
                 name=f"{self.name}:{self.settings.instance_id or ''}",
                 connect_timeout=self.settings.connect_timeout_s,
-                **self.connect_options(),
-                **reconnect_options(self.settings),
-                **security_options(self.settings),
-                **nats_callbacks(self.log, self._stop.is_set),  # is_set: our own drain
+                # One dict, so that a service's own option overrides the common ones (as
+                # separate keyword sets a repeated key would be a TypeError at start).
+                **{**reconnect_options(self.settings), **security_options(self.settings),
+                   **nats_callbacks(self.log, self._stop.is_set),  # is_set: our own drain
+                   **self.connect_options()},
             )
             stack.push_async_callback(self._drain, nc)
         self._nc = nc

@@ -1030,11 +1030,13 @@ class GatewayService(MicroService):
         maybe_stored = False
         while True:
             try:
-                return await self._js.publish(
-                    self.subjects.intake_requests(), data, headers=headers,
-                    # A try after a late reconnect (_nats_back polls) still ends by `end`.
-                    timeout=min(self.gsettings.publish_timeout_s,
-                                max(0.001, end - loop.time())))
+                # A try after a late reconnect (_nats_back polls) still ends by `end`. The
+                # outer bound covers what nats-py's timeout does not (it bounds the wait for
+                # the ack only): publish() itself blocked behind a stalled socket's writes.
+                try_s = min(self.gsettings.publish_timeout_s, max(0.001, end - loop.time()))
+                async with asyncio.timeout(try_s):
+                    return await self._js.publish(self.subjects.intake_requests(), data,
+                                                  headers=headers, timeout=try_s)
             except (nats.errors.NoRespondersError, NoStreamResponseError,
                     nats.errors.TimeoutError, TimeoutError, nats.errors.ConnectionClosedError,
                     nats.errors.ConnectionReconnectingError,
