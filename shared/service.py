@@ -374,24 +374,32 @@ async def latest_result(
     request_id: str,
     *,
     on_bad: Callable[[SchemaError], None] | None = None,
+    accept: Callable[[FirstToken], bool] | None = None,
 ) -> tuple[FirstToken, int] | None:
     """The latest FirstToken of ``request_id`` the results stream keeps, and its stream
     sequence; None when it keeps none. Messages kept there that are no FirstToken of that
     request (:func:`first_token_of`) are passed over for the latest one before them that is;
     ``on_bad`` hears of the latest message only when it is such (once per read, not for
-    every earlier one). Raises what JetStream raises: NotFoundError when the stream keeps
-    nothing for the request, or when the stream itself is missing (``err_code``)."""
+    every earlier one). ``accept``: only a FirstToken it accepts counts (the others -- say,
+    an earlier attempt's under the same id -- are passed over too, silently). Raises what
+    JetStream raises: NotFoundError when the stream keeps nothing for the request, or when
+    the stream itself is missing (``err_code``)."""
     kept = await js.get_last_msg(subjects.results_stream(), subjects.result(request_id))
     try:
-        return first_token_of(request_id, kept), int(kept.seq)
+        result = first_token_of(request_id, kept)
     except SchemaError as exc:
         if on_bad is not None:
             on_bad(exc)
+    else:
+        if accept is None or accept(result):
+            return result, int(kept.seq)
     for earlier in reversed(await kept_results(js, subjects, request_id)):
         try:
-            return first_token_of(request_id, earlier), int(earlier.seq)
+            result = first_token_of(request_id, earlier)
         except SchemaError:
             continue
+        if accept is None or accept(result):
+            return result, int(earlier.seq)
     return None
 
 

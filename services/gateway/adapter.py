@@ -321,6 +321,72 @@ class _Claimants:
     replaced revision was this one): the record is theirs to withdraw. None: nothing is."""
 
 
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """One request waiting at this gateway for its first token, and which results answer it
+    (:meth:`accepts`).
+
+    Why not every result under its request id: the results stream keeps a result for its
+    ``max_age`` from when the result is *stored*, which can be after the id's claim expired
+    (the claim runs from before the publish). A later request under the id with other
+    content -- a new claim, rightly -- would otherwise take the earlier attempt's answer: a
+    kept one (a retry of it that is a duplicate publish, or the sweep after a reconnect), or
+    a live one (the earlier attempt still running after its client got its 504). Every
+    FirstToken echoes the ``arrival_s`` the gateway stamped into the IntakeRequest it
+    answers, the attempt's mark (the scheduler matches kept answers the same way,
+    ``_result_kept``). The rule, errors included (a worker's, the scheduler's):
+
+    * a result without ``arrival_s`` (an older producer) answers every waiter, as before:
+      which attempt it answers is not known;
+    * a result of this request's own attempt (``arrival_s`` equal to its own stamp) answers
+      it: a publish stored anew (no duplicate) waits for nothing else;
+    * after a *duplicate* publish (:meth:`duplicate_of`), the intake's stored message M is
+      another attempt's, whose stamp this gateway does not know. ``since_s`` = the publish's
+      start (wall clock, after the claim was restarted) minus the claim TTL (the intake's
+      window W plus the publish's bound): a result of an attempt stamped after it answers.
+      Why that edge: M de-duplicated this publish, so M was stored at or after start - W;
+      M's publish began at most the bound before it was stored (every try ends by then, and
+      nothing is queued while disconnected), and M's request arrived before that. An attempt
+      with *other* content under the id had its claim expire before this request's claim
+      was made (else this one was a 409), a claim TTL after that attempt's claim, which came
+      after its arrival: it is stamped at or before start - TTL, never after the edge. So
+      the results taken are M's and those of other attempts of this content (the same
+      request: the same answer), never another content's.
+
+    Limits: M's request may have arrived before its publish began by the time in between
+    (the shared claim's round trip, a wait for the connection); M stored that close to the
+    start of its window, its answer is passed over and the duplicate waits out
+    ``result_timeout_s`` (504: the safe side, never a wrong answer). Stamps from another
+    gateway are compared with this one's clock: a skew shifts the edge by as much. Where
+    the claims do not hold (a bucket that failed open, a bucket TTL shorter than the window
+    plus the bound) neither does the edge -- nor the intake's de-duplication, the same gap.
+
+    NOTE: the waiter is registered before its publish, when it is not yet known whether the
+    publish is a duplicate. Until then (``decided`` False) it takes only its own attempt's
+    result and keeps the latest other one in ``passed``, judged once the ack says
+    (a live result that went by then may not be readable from the stream yet)."""
+
+    fut: asyncio.Future[tuple[FirstToken, float]]
+    arrival_s: float
+    since_s: float | None = None
+    decided: bool = False
+    passed: tuple[FirstToken, float] | None = None
+
+    def accepts(self, result: FirstToken) -> bool:
+        """Whether ``result`` answers this request's attempt (the class docstring's rule)."""
+        if result.arrival_s is None:
+            return True  # an older producer: not known which attempt; as before this check
+        if result.arrival_s == self.arrival_s:
+            return True
+        return self.since_s is not None and result.arrival_s > self.since_s
+
+    def duplicate_of(self, published_s: float, claim_ttl_s: float) -> None:
+        """The publish that started at ``published_s`` (wall clock) was a duplicate: take the
+        results of attempts stamped after ``published_s - claim_ttl_s`` too."""
+        self.since_s = published_s - claim_ttl_s
+        self.decided = True
+
+
 def new_request_id() -> str:
     """A request id for a request that brings none: ``r`` and 32 hex digits (a form a client
     may not use, :func:`check_client_id`)."""
@@ -360,9 +426,10 @@ class GatewayService(MicroService):
         self._states: KeyValue | None = None
         self._http: Any = None
         self._tokenizer: Any = None
-        # request id -> futures waiting for its FirstToken (several when a client retries an
-        # id that is still in flight: the duplicate waits for the original's result).
-        self._waiting: dict[str, list[asyncio.Future[tuple[FirstToken, float]]]] = {}
+        # request id -> requests waiting for its FirstToken (several when a client retries an
+        # id that is still in flight: the duplicate waits for the original's result), each
+        # taking only the results that answer its attempt (_Waiter.accepts).
+        self._waiting: dict[str, list[_Waiter]] = {}
         # NATS completions waiting for their first token (_on_completion), cancelled at stop.
         self._nats_completions: set[asyncio.Task[None]] = set()
         # request id -> its intake message (data, headers) while someone waits for it: sent
@@ -611,15 +678,30 @@ class GatewayService(MicroService):
                          error=schema_message(exc))
 
     def _deliver(self, rid: str, result: FirstToken, received: float) -> int:
-        """Hand a result to everyone waiting for ``rid``; returns how many were still
-        waiting."""
+        """Hand a result to everyone waiting for ``rid`` whose attempt it answers
+        (:meth:`_Waiter.accepts`; the others keep waiting, and one whose publish is not yet
+        decided keeps it as ``passed``); returns how many were still waiting and took it."""
+        waiters = self._waiting.get(rid)
+        if waiters is None:
+            return 0
         n = 0
-        self._intake_msgs.pop(rid, None)
-        for fut in self._waiting.pop(rid, ()):
-            if not fut.done():
-                fut.set_result((result, received))
+        for w in list(waiters):
+            if w.fut.done():
+                waiters.remove(w)
+            elif w.accepts(result):
+                w.fut.set_result((result, received))
+                waiters.remove(w)
                 n += 1
+            elif not w.decided:
+                w.passed = (result, received)
+        if not waiters:
+            del self._waiting[rid]
+            self._intake_msgs.pop(rid, None)
         return n
+
+    def _answers_one_waiting(self, rid: str) -> Callable[[FirstToken], bool]:
+        """Whether a result answers one of the requests waiting for ``rid`` now."""
+        return lambda result: any(w.accepts(result) for w in self._waiting.get(rid, ()))
 
     async def _sweep_after_reconnects(self) -> None:
         """After our connection to NATS came back, look up every request still waiting in
@@ -639,7 +721,9 @@ class GatewayService(MicroService):
             seen = now
             found = 0
             for rid in list(self._waiting):
-                kept = await self._kept_result(rid)
+                # The latest result that answers one of them (_Waiter.accepts): a later one
+                # may be an earlier attempt's (another content's) under the same id.
+                kept = await self._kept_result(rid, accepts=self._answers_one_waiting(rid))
                 if kept is None or _from_scheduler(kept[0]):
                     continue
                 found += self._deliver(rid, kept[0], time.time())
@@ -854,10 +938,14 @@ class GatewayService(MicroService):
                 group.made_local = True
         got: asyncio.Future[tuple[FirstToken, float]] = \
             asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(rid, []).append(got)
+        # It takes only the results that answer its attempt (_Waiter: the arrival stamp in
+        # the IntakeRequest, echoed by every FirstToken).
+        waiter = _Waiter(got, arrival)
+        self._waiting.setdefault(rid, []).append(waiter)
         self._intake_msgs.setdefault(rid, (data, headers))  # a duplicate keeps the original's
         try:
             try:
+                published = time.time()  # after the claim's restart (the duplicate's edge)
                 ack = await self._publish_intake(data, headers)
             except BaseException as exc:
                 # Definitely not stored (IntakeRefused): a retry with other content is no
@@ -875,11 +963,23 @@ class GatewayService(MicroService):
             if group is not None:
                 group.maybe_stored = True
             duplicate = bool(ack.duplicate)
-            if duplicate:
+            if not duplicate:
+                waiter.decided = True  # stored anew: its own attempt's result only
+                waiter.passed = None
+            else:
                 # A retry (say, after a gateway crash cut the client off): the intake dropped
                 # it, so the original's result is the answer -- kept in the results stream if
-                # it already went by, else still to come on the subscription.
-                kept = await self._kept_result(rid)
+                # it already went by, else still to come on the subscription. The original's
+                # stamp is not known here: the results of attempts stamped after the edge
+                # answer (_Waiter.duplicate_of says why), from now on live too.
+                waiter.duplicate_of(published, self._claim_ttl_s)
+                kept = await self._kept_result(rid, accepts=waiter.accepts)
+                if kept is None and waiter.passed is not None \
+                        and waiter.accepts(waiter.passed[0]) and not got.done():
+                    # Went by live before the ack said whose it is (perhaps not readable
+                    # from the stream yet): the answer, as a live one after the ack is.
+                    got.set_result(waiter.passed)
+                waiter.passed = None
                 if kept is not None and _from_scheduler(kept[0]):
                     # ...unless the scheduler gave up on it (503: "try again later") or
                     # refused it (422: against the workers of then): this is a later try, a
@@ -913,7 +1013,7 @@ class GatewayService(MicroService):
                     + (" (a duplicate of an earlier request id whose result is no longer "
                        "kept?)" if duplicate else "")) from None
         finally:
-            self._forget(rid, got)
+            self._forget(rid, waiter)
         if result.error is not None:
             raise result_error(rid, result.error)
         return Completion(
@@ -1061,16 +1161,19 @@ class GatewayService(MicroService):
                 raise failed(f"intake stream refused the request: "
                              f"{exc.description or type(exc).__name__}") from exc
 
-    async def _kept_result(self, rid: str) -> tuple[FirstToken, int] | None:
-        """The latest result of ``rid`` in the results stream and its stream sequence, or
-        None: none kept, or the stream did not answer (then the live result may still come).
-        What the stream keeps there that is no FirstToken of ``rid`` (bad input; logged, see
-        :meth:`_result_of`) is passed over for the latest one before it that is."""
+    async def _kept_result(self, rid: str, *, accepts: Callable[[FirstToken], bool]
+                           ) -> tuple[FirstToken, int] | None:
+        """The latest result of ``rid`` in the results stream that ``accepts`` takes (one
+        that answers the attempt waiting: :meth:`_Waiter.accepts`) and its stream sequence,
+        or None: none kept, or the stream did not answer (then the live result may still
+        come). What the stream keeps there that is no FirstToken of ``rid`` (bad input;
+        logged, see :meth:`_result_of`), or no result ``accepts`` takes, is passed over for
+        the latest one before it that is."""
         assert self._js is not None
         try:
             return await asyncio.wait_for(
                 latest_result(self._js, self.subjects, rid,
-                              on_bad=lambda exc: self._malformed(rid, exc)),
+                              on_bad=lambda exc: self._malformed(rid, exc), accept=accepts),
                 self.gsettings.publish_timeout_s)
         except NotFoundError as exc:
             if exc.err_code == STREAM_NOT_FOUND:
@@ -1084,13 +1187,13 @@ class GatewayService(MicroService):
             self.log.warning("results stream not read", error=f"{type(exc).__name__}: {exc}")
             return None
 
-    def _forget(self, rid: str, fut: asyncio.Future[tuple[FirstToken, float]]) -> None:
+    def _forget(self, rid: str, waiter: _Waiter) -> None:
         """Drop one waiter (answered, timed out or failed before publishing)."""
         waiters = self._waiting.get(rid)
         if waiters is None:
             return
         with contextlib.suppress(ValueError):
-            waiters.remove(fut)
+            waiters.remove(waiter)
         if not waiters:
             del self._waiting[rid]
             self._intake_msgs.pop(rid, None)

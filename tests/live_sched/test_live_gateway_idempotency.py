@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from nats.js.errors import KeyNotFoundError
 
 from services.gateway.idempotency import Claim, kv_key, request_digest
 from shared.natsserver import EmbeddedNats
+from shared.schemas import FirstToken, IntakeRequest, TtftStages, decode, encode
 from shared.service import INTAKE_DUPLICATE_WINDOW_S, bucket_keys, ensure_intake_stream
 from shared.subjects import Subjects
 
@@ -362,11 +364,14 @@ async def test_a_replay_stored_anew_holds_the_id_for_the_window_it_starts(
     depends on how fast anything is."""
     s = Subjects(uniq)
     js = nc.jetstream()
-    window = 4.0
+    # Wide enough that a stall of a few seconds on a loaded machine changes nothing: the
+    # bucket's claims are bounded by publish_timeout_s too (one that does not answer in time
+    # fails open), and each step below has seconds to spare within the windows it relies on.
+    window = 8.0
     await ensure_intake_stream(js, s, duplicate_window_s=window)
-    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=1.0, result_timeout_s=0.5)
-    b = await live.gateway(nats_wait_s=0.0, publish_timeout_s=1.0, result_timeout_s=0.5)
-    ttl = window + 1.0  # + nats_wait_s + publish_timeout_s
+    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=3.0, result_timeout_s=0.5)
+    b = await live.gateway(nats_wait_s=0.0, publish_timeout_s=3.0, result_timeout_s=0.5)
+    ttl = window + 3.0  # + nats_wait_s + publish_timeout_s
     assert a._claim_ttl_s == pytest.approx(ttl)
     assert a._fingerprints.window_s == pytest.approx(ttl)
     assert await bucket_max_age(nc, s) == pytest.approx(ttl)
@@ -379,13 +384,15 @@ async def test_a_replay_stored_anew_holds_the_id_for_the_window_it_starts(
     body = {**BODY, "request_id": "again-1"}
     first = await complete(a, body)
     r1_done = loop.time()  # R1's claim was made before this
+    # R1's publish began publish_timeout_s (3 s) before it timed out: its claim ends by
+    # r1_done - 3 + ttl = r1_done + window.
     assert first.status == 503 and "TimeoutError" in first.body.decode(), first.body
     rev1 = (await kv.get(kv_key("again-1"))).revision
     await sub.unsubscribe()
     await ensure_intake_stream(js, s, duplicate_window_s=window)
     # R2 well into R1's claim: stored (no scheduler here: no first token, 504), not a
     # duplicate, so the intake de-duplicates the id until `window` after R2's message.
-    await asyncio.sleep(max(0.0, r1_done + 2.5 - loop.time()))
+    await asyncio.sleep(max(0.0, r1_done + 4.0 - loop.time()))
     r2_start = loop.time()
     again = await complete(a, body)
     assert again.status == 504, again.body
@@ -395,14 +402,103 @@ async def test_a_replay_stored_anew_holds_the_id_for_the_window_it_starts(
     assert (await kv.get(kv_key("again-1"))).revision > rev1
     until = a._fingerprints.expires_at("again-1")
     assert until is not None and until >= r2_start + ttl
-    # Past R1's claim, within R2's window (unless a loaded machine took longer): another
+    # Past R1's claim (by r1_done + window), within R2's window (from r1_done + 4 at the
+    # earliest to r1_done + 12 or later, unless a loaded machine took longer): another
     # request under the id, at the replica that holds no memory of it.
-    await asyncio.sleep(max(0.0, r1_done + ttl + 0.5 - loop.time()))
+    await asyncio.sleep(max(0.0, r1_done + window + 1.5 - loop.time()))
     other = await complete(b, {**body, **OTHER})
     messages = (await js.stream_info(s.intake_stream())).state.messages
     # Never R2's answer: refused, or (come after R2's window) a message of its own.
     assert other.status == 409 or (messages == 2 and other.status == 504), \
         (other.status, other.body, messages)
+
+
+async def answer(nc: Client, s: Subjects, rid: str, token: int, arrival_s: float) -> None:
+    """Publish a worker's FirstToken of the attempt stamped ``arrival_s`` (echoed, as workers
+    do), stored in the results stream as workers store it."""
+    stages = TtftStages(intake_wait_s=0, schedule_s=0, queue_wait_s=0, prefill_s=0,
+                        kv_transfer_s=0, first_decode_s=0, total_s=0)
+    data, headers = encode(FirstToken(request_id=rid, token=token, stages=stages,
+                                      finished_at_s=time.time(), arrival_s=arrival_s))
+    await nc.jetstream().publish(s.result(rid), data, headers=headers)
+
+
+async def test_an_earlier_attempts_result_does_not_answer_a_new_request_under_its_id(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """A is answered; its claim and its intake window pass, but the results stream keeps its
+    answer (for its max_age from when it was stored). B, another prompt under A's id, is
+    rightly a new claim and a message of its own -- and must get its own answer, never A's:
+    not through a retry of B that is a duplicate publish (the kept result of the id), not
+    through the look-up after a reconnect, not live (A's worker answering late). Before, a
+    result was matched by request id alone and B got A's token. Results carry the arrival
+    stamp of the attempt they answer: B takes its own; the retry, whose stored message is
+    B's, takes those stamped after its publish's start minus the claim TTL. The sleep below
+    only lets the scenario's time pass; no assertion depends on how fast anything is."""
+    from structlog.testing import capture_logs
+
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    window = 8.0  # short, so that A's claim expires within the test; long for a stall
+    await ensure_intake_stream(js, s, duplicate_window_s=window)
+    taken: asyncio.Queue[IntakeRequest] = asyncio.Queue()
+
+    async def take(msg: Msg) -> None:  # every intake publish, duplicates too
+        await taken.put(decode(IntakeRequest, msg.data, msg.headers))
+
+    sub = await nc.subscribe(s.intake_requests(), cb=take)
+    await nc.flush()
+    loop = asyncio.get_running_loop()
+    with capture_logs() as logs:
+        gw = await live.gateway(nats_wait_s=0.0, publish_timeout_s=3.0,
+                                result_timeout_s=WAIT_S)
+        ttl = window + 3.0
+        assert gw._claim_ttl_s == pytest.approx(ttl)
+        body = {**BODY, "request_id": "attempt-1"}
+        first = asyncio.create_task(complete(gw, body))
+        a = await asyncio.wait_for(taken.get(), WAIT_S)
+        await answer(nc, s, "attempt-1", 11, a.arrival_s)
+        answered = await first
+        a_done = loop.time()  # A's claim restarted, and its message stored, before this
+        assert answered.status == 200, answered.body
+        assert answered.json()["choices"][0]["token_ids"] == [11]
+        # Past A's claim (and so past A's window).
+        await asyncio.sleep(max(0.0, a_done + ttl + 1.0 - loop.time()))
+        other = {**body, **OTHER}
+        b_task = asyncio.create_task(complete(gw, other))
+        b = await asyncio.wait_for(taken.get(), WAIT_S)
+        assert b.arrival_s > a.arrival_s and b.input_len == len(OTHER["prompt_tokens"])
+        # (1) A retry of B: a duplicate publish, while the results stream keeps A's answer.
+        retry = asyncio.create_task(complete(gw, other))
+
+        def looked_up() -> list[dict[str, Any]]:
+            return [e for e in logs if e["event"].startswith("duplicate request id")]
+
+        await wait_until(lambda: bool(looked_up()) or retry.done(), "the retry's look-up")
+        assert not retry.done(), retry.result().body  # not answered with A's token
+        assert looked_up()[0]["kept"] is False
+        assert (await js.stream_info(s.intake_stream())).state.messages == 2  # A's, B's
+        # (2) The look-up after a reconnect (the sweeper sees the counter move).
+        gw.nc.stats["reconnects"] += 1
+
+        def swept() -> list[dict[str, Any]]:
+            return [e for e in logs if e["event"].startswith("waiting requests looked up")]
+
+        await wait_until(lambda: bool(swept()), "the sweeper's look-up")
+        assert swept()[0]["answered"] == 0
+        assert not b_task.done() and not retry.done()
+        # (3) Live: A's worker answers again (late), then B's answers B. One publisher on
+        # one subject: the gateway sees them in this order.
+        await answer(nc, s, "attempt-1", 11, a.arrival_s)
+        await answer(nc, s, "attempt-1", 22, b.arrival_s)
+        got_b, got_retry = await asyncio.wait_for(asyncio.gather(b_task, retry), WAIT_S)
+    await sub.unsubscribe()
+    assert got_b.status == 200 and got_retry.status == 200, (got_b.body, got_retry.body)
+    assert got_b.json()["choices"][0]["token_ids"] == [22]
+    assert got_retry.json()["choices"][0]["token_ids"] == [22]
+    assert (got_b.json()["vtm"]["duplicate"], got_retry.json()["vtm"]["duplicate"]) \
+        == (False, True)
+    assert gw.waiting_for("attempt-1") == 0
 
 
 class PlayedBucket:
