@@ -636,7 +636,7 @@ class GatewayService(MicroService):
 
     async def _respond(self, send: Callable[[], Awaitable[None]]) -> None:
         """Send an answer on the NATS endpoint; the connection down (nothing queued: see
-        :meth:`start`), once it is back within ``nats_wait_s`` (as nats-py's buffer would
+        :meth:`connect_options`), once it is back within ``nats_wait_s`` (as nats-py's buffer would
         have sent it). Raises what the send raises."""
         try:
             await send()
