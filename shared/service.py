@@ -1168,10 +1168,14 @@ class KvWatch:
 
 
 def reconnect_options(settings: ServiceSettings) -> dict[str, Any]:
-    """``nats.connect`` options of a service: reconnect every ``reconnect_wait_s``, for ever.
+    """``nats.connect`` options of a service: reconnect every ``reconnect_wait_s``, for ever
     (nats-py's defaults give up after 60 attempts 2 s apart: a broker down for two minutes
-    would leave a live process that never serves again.)"""
-    return {"reconnect_time_wait": settings.reconnect_wait_s, "max_reconnect_attempts": -1}
+    would leave a live process that never serves again), and ping every ``ping_interval_s``,
+    counting the connection lost after ``max_outstanding_pings`` unanswered ones (a silent
+    connection -- no FIN, no RST -- is noticed only by its pings)."""
+    return {"reconnect_time_wait": settings.reconnect_wait_s, "max_reconnect_attempts": -1,
+            "ping_interval": settings.ping_interval_s,
+            "max_outstanding_pings": settings.max_outstanding_pings}
 
 
 def security_hint(exc: BaseException) -> str | None:

@@ -197,6 +197,18 @@ class ServiceSettings(BaseSettings):
         default=0.5, gt=0, description="Pause between attempts to reconnect to a lost NATS "
         "server; attempts never stop (a service outlives a broker restart of any length).",
     )
+    ping_interval_s: float = Field(
+        default=20.0, gt=0, allow_inf_nan=False,
+        description="Seconds between this process's pings of its NATS server. With "
+        "max_outstanding_pings they bound how long a connection that went silent without "
+        "closing (a crashed host, a dropped NAT or firewall entry: a half-open TCP "
+        "connection) goes unnoticed: about ping_interval_s x (max_outstanding_pings + 1), "
+        "then the process reconnects. nats-py's own defaults (120 s, 2) took up to 6 min.",
+    )
+    max_outstanding_pings: int = Field(
+        default=2, ge=1, le=100,
+        description="Pings left unanswered before the NATS connection counts as lost.",
+    )
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
