@@ -59,7 +59,13 @@ holds it and places it otherwise. Counters (``$SRV.STATS``): ``intake_remade``, 
 Idempotency counters (``$SRV.STATS``): ``conflicts`` (409s), ``conflicts_shared`` (those only
 the shared bucket knew of: the id was first used at another replica or before a restart),
 ``idempotency_store_failed`` (claims the bucket did not decide: checked at this gateway only),
-``idempotency_release_failed`` (withdrawals not done: the claim stays until it expires).
+``idempotency_release_failed`` (withdrawals not done: the claim stays until it expires),
+``idempotency_contended`` (claims whose key kept changing under them: refused with 503, since
+the bucket holds someone's claim and failing open could run the request twice),
+``idempotency_bucket_remade`` (makings of the bucket after claims found it missing: one for
+any number of claims that found it missing at once), ``idempotency_shared_late`` (claims the
+bucket did not decide, written there once it answered again) and ``idempotency_split`` (such
+claims found claimed there with other content meanwhile: both requests ran).
 
 No scheduling happens here; the gateway does not know the workers.
 """
@@ -93,6 +99,7 @@ from opentelemetry import trace
 
 from services.gateway.idempotency import Claim, Fingerprints, RequestDigest, request_digest
 from services.gateway.idempotency_kv import (
+    ClaimContended,
     SharedClaim,
     SharedClaims,
     StoreFailed,
@@ -149,6 +156,11 @@ STREAM_NOT_FOUND: Final[int] = 10059
 """JetStream API error code of a request naming a stream that does not exist."""
 COMPLETIONS_ENDPOINT: Final[str] = "completions"
 """The micro endpoint's name (subject ``{prefix}.gateway.completions``)."""
+SHARE_PAUSE_S: Final[float] = 0.5
+"""The pause before a claim the bucket did not decide is offered to it again while it still
+fails (:meth:`GatewayService._share_claims`), doubled each time up to
+:data:`SHARE_PAUSE_MAX_S`."""
+SHARE_PAUSE_MAX_S: Final[float] = 10.0
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -268,6 +280,34 @@ def publish_refused(exc: BaseException) -> bool:
                   | nats.errors.OutboundBufferLimitError):
         return True
     return isinstance(exc, APIError) and exc.code is not None and exc.code < 500
+
+
+STREAM_STORE_FAILED: Final[int] = 10077
+"""JetStream API error code (answered with 503) of a message the stream did not store: a
+store that failed, or a full stream that discards new messages ("maximum messages exceeded",
+"maximum bytes exceeded")."""
+LASTING_5XX: Final[frozenset[int]] = frozenset({
+    STREAM_STORE_FAILED,
+    10023,  # "insufficient resources": the server's JetStream limits are reached
+    10039,  # "JetStream not enabled for account"
+    10076,  # "JetStream not enabled"
+})
+"""JetStream API error codes answered with a 5xx that a retry within seconds does not
+change: they fail a request at once (:func:`publish_transient`)."""
+
+
+def publish_transient(exc: APIError) -> bool:
+    """Whether a JetStream ``APIError`` answer to a publish may go away within seconds, so
+    that :meth:`GatewayService._publish_intake` tries again (up to ``nats_wait_s``): a 5xx
+    answer -- "JetStream system temporarily unavailable" (10008) during a leader election
+    or while JetStream recovers its store, a server error -- except a store that failed or a
+    full stream (:data:`STREAM_STORE_FAILED`) and the other lasting conditions of
+    :data:`LASTING_5XX` (resources exhausted, JetStream off), which stay for longer than a
+    request waits.
+    An answer below 500 is final (the stream refused the message on a check it makes before
+    storing: the same message fails it again), and so is one without a code. Whether the
+    message may be stored is :func:`publish_refused`'s question, not this one's."""
+    return exc.code is not None and exc.code >= 500 and exc.err_code not in LASTING_5XX
 
 
 def result_error(rid: str, error: str) -> GatewayError:
@@ -449,6 +489,16 @@ class GatewayService(MicroService):
         self._fingerprints = Fingerprints(self._claim_ttl_s, settings.max_idempotency_keys)
         # The same, shared by every gateway replica (a KV bucket; made in ensure_jetstream).
         self._claims: SharedClaims | None = None
+        # The bucket being made again after a claim found it missing (one making at a time,
+        # which every request that found it missing meanwhile awaits: _remake_bucket), and
+        # how many makings have ended: a failure of a claim begun before the last one ended
+        # is older than the bucket made, and makes nothing.
+        self._remaking: asyncio.Task[None] | None = None
+        self._bucket_makings = 0
+        # Claims the bucket did not decide (fail open), request id -> digest, oldest first,
+        # to be written there once it answers again, by one task (_share_claims).
+        self._unshared: dict[str, RequestDigest] = {}
+        self._sharing: asyncio.Task[None] | None = None
         # Client request id -> the requests at this gateway that hold its claim now, from
         # their local claim to their end: a claim is withdrawn only by a request alone in it
         # (_withdraw_claim).
@@ -457,12 +507,19 @@ class GatewayService(MicroService):
         # subject's request (ignored: the request keeps waiting for its real result).
         # conflicts: request ids reused with other content (409); conflicts_shared: those
         # found in the shared bucket only; idempotency_store_failed / _release_failed: claims
-        # / withdrawals the bucket did not do (module docstring). clients_gone: HTTP clients
+        # / withdrawals the bucket did not do; idempotency_contended: claims refused (503) as
+        # their key kept changing; idempotency_bucket_remade: makings of a missing bucket;
+        # idempotency_shared_late / _split: fail-open claims written to the bucket later /
+        # found claimed there with other content (module docstring). clients_gone: HTTP clients
         # that closed their connection before their first token (their waiter dropped).
         self.counters: dict[str, int] = {"intake_remade": 0, "republished": 0,
                                          "results_malformed": 0, "conflicts": 0,
                                          "conflicts_shared": 0, "idempotency_store_failed": 0,
-                                         "idempotency_release_failed": 0, "clients_gone": 0}
+                                         "idempotency_release_failed": 0,
+                                         "idempotency_contended": 0,
+                                         "idempotency_bucket_remade": 0,
+                                         "idempotency_shared_late": 0, "idempotency_split": 0,
+                                         "clients_gone": 0}
         self.metrics = RequestMetrics(settings.slo_table)
         if settings.tokenizer_path is not None:
             try:
@@ -556,6 +613,13 @@ class GatewayService(MicroService):
             await cancel_and_wait([sweeper])
 
         stack.push_async_callback(stop_sweeper)
+
+        async def stop_bucket_making() -> None:
+            tasks = [t for t in (self._sharing, self._remaking) if t is not None]
+            await cancel_and_wait(tasks, self.log)
+
+        # Run after the requests' stops (callbacks run last first): a request may start them.
+        stack.push_async_callback(stop_bucket_making)
 
         async def stop_nats_completions() -> None:
             await cancel_and_wait(list(self._nats_completions), self.log)
@@ -932,10 +996,12 @@ class GatewayService(MicroService):
             # or the bucket did not answer); where the bucket holds another replica's claim
             # (written again by this claim), only an entry kept already is restarted.
             had = self._fingerprints.expires_at(rid) is not None
-            if self._fingerprints.restart(rid, digest,
-                                          add=shared is None or shared.claim is Claim.NEW) \
-                    and (claim is Claim.NEW or not had):
+            kept = self._fingerprints.restart(rid, digest,
+                                              add=shared is None or shared.claim is Claim.NEW)
+            if kept and (claim is Claim.NEW or not had):
                 group.made_local = True
+            if kept and shared is None:
+                self._share_later(rid, digest)
         got: asyncio.Future[tuple[FirstToken, float]] = \
             asyncio.get_running_loop().create_future()
         # It takes only the results that answer its attempt (_Waiter: the arrival stamp in
@@ -1033,16 +1099,26 @@ class GatewayService(MicroService):
     async def _claim_shared(self, rid: str, digest: RequestDigest) -> SharedClaim | None:
         """Claim ``rid`` in the shared bucket; None when the bucket did not decide: the
         request goes on, checked by this gateway's memory alone (fail open: the module
-        docstring of idempotency says why), counted and logged."""
+        docstring of idempotency says why), counted and logged. Raises :class:`Unavailable`
+        (503) when the claim was contended (:class:`ClaimContended`): nothing published."""
         if self._claims is None:  # pragma: no cover - made in ensure_jetstream at start
             return None
+        makings = self._bucket_makings
         try:
             return await self._claims.claim(rid, digest)
+        except ClaimContended as exc:
+            # The bucket works and someone's claim was there every round: failing open could
+            # run the request twice; the client's retry claims it again (ClaimContended).
+            self.counters["idempotency_contended"] += 1
+            self.log.warning("idempotency claim contended; request refused for now",
+                             error=str(exc))
+            raise Unavailable(f"request_id {rid!r} is being claimed by other requests at "
+                              "this moment; try again") from exc
         except StoreFailed as exc:
             self.counters["idempotency_store_failed"] += 1
             self.log.warning("idempotency bucket did not decide; request id checked at this "
                              "gateway only", error=str(exc))
-            await self._remake_bucket(exc)
+            await self._remake_bucket(exc, makings)
             return None
 
     async def _withdraw_claim(self, rid: str, digest: RequestDigest,
@@ -1077,30 +1153,115 @@ class GatewayService(MicroService):
         if group.made_local and group.count == 1 and not group.maybe_stored:
             self._fingerprints.release(rid, digest)
             group.made_local = False
+            if self._unshared.get(rid) == digest:
+                del self._unshared[rid]  # nothing to share: not stored
 
     async def _release_shared(self, rid: str, revision: int) -> bool:
         """Withdraw this request's claim from the shared bucket (its publish was refused).
         False: not withdrawn -- a later record holds the key (a replay wrote it again, or it
         expired and was claimed again), or the bucket did not do it (counted, logged)."""
         assert self._claims is not None
+        makings = self._bucket_makings
         try:
             return await self._claims.release(rid, revision)
         except StoreFailed as exc:
             self.counters["idempotency_release_failed"] += 1
             self.log.warning("idempotency claim not withdrawn; it expires with the window",
                              error=str(exc))
-            await self._remake_bucket(exc)
+            await self._remake_bucket(exc, makings)
             return False
 
-    async def _remake_bucket(self, exc: StoreFailed) -> None:
+    async def _remake_bucket(self, exc: StoreFailed, makings: int) -> None:
         """Make the idempotency bucket again when it is missing (deleted, or lost with the
-        server's store), so the next claims are shared again."""
+        server's store), so the next claims are shared again; returns once it is made (or
+        that failed: the next claim that finds it missing tries again).
+
+        One making at a time, in a task of its own: a request that finds the bucket missing
+        while one runs awaits that one (a burst of requests makes it once, not once each),
+        and a request whose bucket call began before a making ended (``makings``: the count
+        of ended makings when the call began) makes none -- its failure is older than the
+        bucket. Shielded: a request cancelled meanwhile leaves the making to the others (the
+        gateway's stop cancels it)."""
         if not exc.bucket_missing or self._js is None:
             return
-        self.log.warning("idempotency bucket missing; creating it again")
-        with contextlib.suppress(nats.errors.Error, TimeoutError):
-            async with asyncio.timeout(self.gsettings.publish_timeout_s):
-                await idempotency_kv(self._js, self.subjects, ttl_s=self._claim_ttl_s)
+        task = self._remaking
+        if task is None:
+            if makings != self._bucket_makings:
+                return
+            self.counters["idempotency_bucket_remade"] += 1
+            self.log.warning("idempotency bucket missing; creating it again")
+            task = self._remaking = asyncio.create_task(self._make_bucket(self._js),
+                                                        name="gateway-idempotency-bucket")
+        await asyncio.shield(task)
+
+    def _share_later(self, rid: str, digest: RequestDigest) -> None:
+        """Have the claim of ``rid`` for ``digest``, which the bucket did not decide (kept at
+        this gateway only: fail open), written there once it answers again
+        (:meth:`_share_claims`). At most ``max_idempotency_keys`` wait, the oldest dropped
+        first (this gateway's memory keeps no more either)."""
+        self._unshared.pop(rid, None)  # to the end: the latest claim of the id
+        self._unshared[rid] = digest
+        while len(self._unshared) > self.gsettings.max_idempotency_keys:
+            del self._unshared[next(iter(self._unshared))]
+        if self._sharing is None:
+            self._sharing = asyncio.create_task(self._share_claims(),
+                                                name="gateway-idempotency-share")
+
+    async def _share_claims(self) -> None:
+        """Write the claims the bucket did not decide into it, oldest first, each for as long
+        as this gateway's memory still keeps it with its digest (expired, forgotten,
+        withdrawn: dropped). A bucket that still fails is tried again after a pause,
+        doubled up to :data:`SHARE_PAUSE_MAX_S` (a missing one is made again:
+        :meth:`_remake_bucket`). Found claimed with other content (another replica took
+        the id meanwhile: both requests ran) is counted (``idempotency_split``) and logged;
+        nothing can undo it. Ends when none is left; never raises but a cancel."""
+        assert self._claims is not None
+        pause = SHARE_PAUSE_S
+        try:
+            while self._unshared:
+                rid, digest = next(iter(self._unshared.items()))
+                if self._fingerprints.digest(rid) != digest:
+                    del self._unshared[rid]
+                    continue
+                makings = self._bucket_makings
+                try:
+                    shared = await self._claims.claim(rid, digest)
+                except StoreFailed as exc:
+                    await self._remake_bucket(exc, makings)
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, SHARE_PAUSE_MAX_S)
+                    continue
+                pause = SHARE_PAUSE_S
+                if self._unshared.get(rid) != digest:
+                    # Withdrawn meanwhile (its publish refused: nothing stored): what this
+                    # wrote goes too.
+                    if shared.claim is Claim.NEW and shared.revision is not None:
+                        await self._release_shared(rid, shared.revision)
+                    continue
+                del self._unshared[rid]
+                group = self._claimants.get(rid)
+                if group is not None:  # its requests still run: what they may withdraw
+                    _note_shared(group, shared)
+                if shared.claim is Claim.CONFLICT:
+                    self.counters["idempotency_split"] += 1
+                    self.log.warning("request id claimed with other content at another "
+                                     "gateway while the idempotency bucket did not answer; "
+                                     "both requests ran", request_id=rid)
+                else:
+                    self.counters["idempotency_shared_late"] += 1
+        finally:
+            self._sharing = None
+
+    async def _make_bucket(self, js: JetStreamContext) -> None:
+        """One making of the idempotency bucket (:meth:`_remake_bucket`); never raises but
+        a cancel."""
+        try:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                async with asyncio.timeout(self.gsettings.publish_timeout_s):
+                    await idempotency_kv(js, self.subjects, ttl_s=self._claim_ttl_s)
+        finally:
+            self._bucket_makings += 1
+            self._remaking = None
 
     async def _nats_back(self, within_s: float) -> bool:
         """Connected now, or again within ``within_s`` (nats-py reconnects on its own)."""
@@ -1113,13 +1274,16 @@ class GatewayService(MicroService):
         return True
 
     async def _publish_intake(self, data: bytes, headers: dict[str, str]) -> Any:
-        """Publish to the intake and return its ack. A connection lost or an intake that does
-        not answer (a broker restarting, JetStream recovering its store) is waited for and the
-        message published again, up to ``nats_wait_s``: the ``Nats-Msg-Id`` makes a repeat
-        that did land a duplicate. Then :class:`Unavailable` (503), or
-        :class:`IntakeRefused` (503 too) when no try can have stored it
-        (:func:`publish_refused`). Every try ends by ``publish_bound_s`` from the start
-        (the claim's TTL counts on it, :func:`claim_ttl_s`)."""
+        """Publish to the intake and return its ack. A connection lost, an intake that does
+        not answer (a broker restarting, JetStream recovering its store) or one that answers
+        it is briefly unable to (a 5xx: a leader election, a store being recovered;
+        :func:`publish_transient`) is waited for and the message published again, up to
+        ``nats_wait_s``: the ``Nats-Msg-Id`` makes a repeat that did land a duplicate. Then
+        :class:`Unavailable` (503), or :class:`IntakeRefused` (503 too) when no try can have
+        stored it (:func:`publish_refused`). An answer that retrying cannot change -- below
+        500 (a check before storing), a failed store or a full stream -- fails it at once, the
+        same way. Every try ends by ``publish_bound_s`` from the start (the claim's TTL counts
+        on it, :func:`claim_ttl_s`)."""
         assert self._js is not None
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -1129,6 +1293,7 @@ class GatewayService(MicroService):
         # have stored the message though a later one was refused.
         maybe_stored = False
         while True:
+            failure: BaseException  # this try's, raised from if it is the last
             try:
                 # A try after a late reconnect (_nats_back polls) still ends by `end`. The
                 # outer bound covers what nats-py's timeout does not (it bounds the wait for
@@ -1144,22 +1309,32 @@ class GatewayService(MicroService):
                     # The connection down at this moment: nothing queued (start), nothing sent.
                     nats.errors.OutboundBufferLimitError) as exc:
                 maybe_stored = maybe_stored or not publish_refused(exc)
-                left = deadline - loop.time()
-                if left > 0:  # said before the wait for the connection, which may be long
-                    self.log.info("intake publish failed; trying again",
-                                  error=type(exc).__name__, connected=self.nats_connected)
-                if left <= 0 or not await self._nats_back(left):
-                    failed = Unavailable if maybe_stored else IntakeRefused
-                    raise failed(f"intake stream unavailable: {type(exc).__name__}") from exc
-                await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
+                failure, answer = exc, type(exc).__name__
+                said: dict[str, Any] = {}
             except APIError as exc:
-                # The stream refused it (full, out of storage, gone): the broker's trouble,
-                # and for the client one to retry later, not an internal error. A 5xx answer
-                # may follow a write all the same (publish_refused).
+                # The stream answered, refusing it: the broker's trouble, and for the client
+                # one to retry later, not an internal error. A 5xx answer may follow a write
+                # all the same (publish_refused), and a repeat of it that lands is a duplicate.
                 maybe_stored = maybe_stored or not publish_refused(exc)
+                answer = exc.description or type(exc).__name__
+                if not publish_transient(exc):
+                    # A check before storing, a failed store, a full stream: the same message
+                    # gets the same answer for longer than this request waits.
+                    failed = Unavailable if maybe_stored else IntakeRefused
+                    raise failed(f"intake stream refused the request: {answer}") from exc
+                failure = exc
+                answer = f"{answer} (code {exc.code}, err_code {exc.err_code})"
+                said = {"code": exc.code, "err_code": exc.err_code}
+            left = deadline - loop.time()
+            if left > 0:  # said before the wait for the connection, which may be long
+                self.log.info("intake publish failed; trying again", error=type(failure).__name__,
+                              **said, connected=self.nats_connected)
+            # After a 5xx the connection is up (it came as an answer): only the pause below
+            # spaces the tries, so a JetStream electing a leader is not asked in a tight loop.
+            if left <= 0 or not await self._nats_back(left):
                 failed = Unavailable if maybe_stored else IntakeRefused
-                raise failed(f"intake stream refused the request: "
-                             f"{exc.description or type(exc).__name__}") from exc
+                raise failed(f"intake stream unavailable: {answer}") from failure
+            await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
 
     async def _kept_result(self, rid: str, *, accepts: Callable[[FirstToken], bool]
                            ) -> tuple[FirstToken, int] | None:
@@ -1266,6 +1441,7 @@ __all__ = [
     "new_request_id",
     "check_client_id",
     "publish_refused",
+    "publish_transient",
     "result_error",
     "schema_message",
 ]

@@ -58,7 +58,16 @@ Limits:
   (``idempotency_store_failed``) and logged: refusing every request with a client id while
   the bucket has trouble would turn a lost safety check into an outage, and the local
   memory still catches a reuse at this replica. Only a reuse at *another* replica in that
-  time is missed (as before the bucket existed).
+  time is missed (as before the bucket existed). Such a claim is written to the bucket as
+  soon as it answers again (``idempotency_shared_late``), for as long as this memory keeps
+  it: else another replica would take the id as new once the bucket is back, and its
+  publish, a duplicate at the intake, would answer other content with this request's
+  token. Found claimed there with other content meanwhile (both requests ran), it is
+  counted (``idempotency_split``) and logged.
+  A claim whose key keeps changing under it (:class:`services.gateway.idempotency_kv.
+  ClaimContended`: a lagging replica of a clustered bucket, a burst of replays) is not
+  failed open: the bucket does work and holds someone's claim of the id, so the request is
+  refused for now (503, ``idempotency_contended``) and the client's retry claims it again.
 * **Release.** A claim whose intake publish was definitely refused (no stream answered, the
   stream refused the message on a check it makes before storing -- a 4xx answer --, or
   nothing could be sent: ``services.gateway.adapter.publish_refused``) is withdrawn, so a
@@ -216,6 +225,13 @@ class Fingerprints:
         self._kept.move_to_end(request_id)
         self._kept[request_id] = (digest, now + self.window_s)
         return True
+
+    def digest(self, request_id: str) -> RequestDigest | None:
+        """The digest kept for ``request_id``, None when none is (expired ones are dropped
+        first)."""
+        self._expire(self._clock())
+        kept = self._kept.get(request_id)
+        return None if kept is None else kept[0]
 
     def expires_at(self, request_id: str) -> float | None:
         """When ``request_id``'s digest is forgotten (``clock`` seconds), None when none is kept

@@ -23,12 +23,16 @@ wrote: a record that expired and was claimed again since, or that a replay wrote
 someone else's.
 
 Every failure of the bucket -- no answer within ``timeout_s``, no bucket, a record that is
-none -- is one :class:`StoreFailed`; the gateway decides what that means (it fails open).
+none -- is one :class:`StoreFailed`; the gateway decides what that means (it fails open). A
+claim whose key keeps changing under it is :class:`ClaimContended` (a StoreFailed too): the
+bucket works and holds someone's claim, so the gateway refuses the request for now (503)
+rather than fail open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,10 +57,17 @@ from shared.schemas import SchemaError, from_json, to_json
 from shared.service import INTAKE_DUPLICATE_WINDOW_S, ensure_key_value
 from shared.subjects import Subjects
 
-CLAIM_TRIES: Final[int] = 3
-"""Create-get-update rounds of one claim before it counts as failed: a round is lost only when
-the key went (expired, withdrawn) or was written again (a replay at another replica) between
-its steps, so a second is all but certain to decide."""
+CLAIM_TRIES: Final[int] = 5
+"""Create-get-update rounds of one claim before it counts as contended (:class:`ClaimContended`):
+a round is lost only when the key went (expired, withdrawn) or was written again (a replay at
+another replica) between its steps -- or, on clustered JetStream, when the read of a key the
+create found went to a replica that has not seen it yet. One server all but always decides in
+the second round; the pauses between rounds (:data:`CLAIM_BACKOFF_S`) give a lagging replica
+and a burst of replays time to settle."""
+CLAIM_BACKOFF_S: Final[float] = 0.02
+"""The pause after the first lost round of a claim; doubled after each further one, each
+drawn at random between half and all of it (so claims that collide do not collide again in
+step): 0.3 s at most over :data:`CLAIM_TRIES` rounds, well inside the claim's bound."""
 UPDATE_TRIES: Final[int] = 3
 """Rounds of reading the bucket's ``max_age`` and raising it (:func:`idempotency_kv`): another
 gateway may write a lower raise over this one's; the next round raises it again."""
@@ -80,6 +91,14 @@ class StoreFailed(Exception):
     def __init__(self, message: str, *, bucket_missing: bool = False) -> None:
         super().__init__(message)
         self.bucket_missing = bucket_missing
+
+
+class ClaimContended(StoreFailed):
+    """The bucket answered every round of a claim, but the key kept changing between its
+    steps (:data:`CLAIM_TRIES` rounds). Unlike the bucket not answering, this says the id IS
+    claimed -- someone's record was there each round -- so letting the request through on
+    this gateway's memory alone (fail open) could run one request twice: the gateway answers
+    503 instead, and the client's retry claims it again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +202,10 @@ class SharedClaims:
     async def _claim(self, key: str, digest: RequestDigest) -> SharedClaim:
         mine = digest.hex()
         value = to_json(IdempotencyRecord(digest=mine, accepted_s=self._clock()))
-        for _ in range(CLAIM_TRIES):
+        for round_ in range(CLAIM_TRIES):
+            if round_:  # the last round was lost: let the key settle first (CLAIM_BACKOFF_S)
+                pause = CLAIM_BACKOFF_S * (1 << (round_ - 1))
+                await asyncio.sleep(random.uniform(pause / 2, pause))
             try:
                 return SharedClaim(Claim.NEW, revision=await self._kv.create(key, value))
             except KeyWrongLastSequenceError:
@@ -213,7 +235,7 @@ class SharedClaims:
                 continue
             return SharedClaim(Claim.SAME, revision=revision, first=first,
                                prior=entry.revision)
-        raise StoreFailed(f"key {key!r} kept changing over {CLAIM_TRIES} claims")
+        raise ClaimContended(f"key {key!r} kept changing over {CLAIM_TRIES} claims")
 
     async def release(self, request_id: str, revision: int) -> bool:
         """Withdraw the claim that wrote ``revision`` of ``request_id``'s key. False: the key
@@ -233,5 +255,5 @@ class SharedClaims:
         return True
 
 
-__all__ = ["CLAIM_TRIES", "UPDATE_TRIES", "SharedClaim", "SharedClaims", "StoreFailed",
-           "claim_ttl_s", "idempotency_kv"]
+__all__ = ["CLAIM_BACKOFF_S", "CLAIM_TRIES", "UPDATE_TRIES", "ClaimContended", "SharedClaim",
+           "SharedClaims", "StoreFailed", "claim_ttl_s", "idempotency_kv"]

@@ -92,8 +92,9 @@ class GatewaySettings(ServiceSettings):
     )
     nats_wait_s: float = Field(
         default=10.0, ge=0, description="How long a request waits for a lost NATS connection "
-        "(or an intake that does not answer yet) to come back, publishing again, before 503: "
-        "a broker restart delays requests instead of failing them. 0: 503 at once.",
+        "(or an intake that does not answer yet, or answers that JetStream is briefly "
+        "unavailable: a leader election) to come back, publishing again, before 503: a broker "
+        "restart delays requests instead of failing them. 0: 503 at once.",
     )
     max_idempotency_keys: int = Field(
         default=65_536, ge=1,

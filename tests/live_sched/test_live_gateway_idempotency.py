@@ -32,13 +32,20 @@ from nats.aio.msg import Msg
 from nats.js.api import StreamConfig
 from nats.js.errors import KeyNotFoundError
 
-from services.gateway.idempotency import Claim, kv_key, request_digest
+from services.gateway.idempotency import Claim, IdempotencyRecord, kv_key, request_digest
+from services.gateway.idempotency_kv import (
+    CLAIM_TRIES,
+    STREAM_NOT_FOUND,
+    WRONG_LAST_SEQUENCE,
+    idempotency_kv,
+)
 from shared.natsserver import EmbeddedNats
-from shared.schemas import FirstToken, IntakeRequest, TtftStages, decode, encode
+from shared.schemas import FirstToken, IntakeRequest, TtftStages, decode, encode, to_json
 from shared.service import INTAKE_DUPLICATE_WINDOW_S, bucket_keys, ensure_intake_stream
 from shared.subjects import Subjects
 
 B = 2
+JS_UNAVAILABLE = 10008  # JetStream API error code: "JetStream system temporarily unavailable"
 BODY: dict[str, Any] = {"prompt_tokens": list(range(9))}
 OTHER: dict[str, Any] = {"prompt_tokens": list(range(1, 10))}
 
@@ -525,6 +532,12 @@ class PlayedBucket:
     async def answer(self, msg: Msg, revision: int) -> None:
         await msg.respond(json.dumps({"stream": f"KV_{self.bucket}", "seq": revision}).encode())
 
+    async def refuse(self, msg: Msg, err_code: int, code: int = 400) -> None:
+        """Answer the write with a JetStream API error (10071: the key's last revision is not
+        the one the write expected -- for a create, the key exists)."""
+        await msg.respond(json.dumps({"error": {"code": code, "err_code": err_code,
+                                                "description": "played"}}).encode())
+
 
 def is_delete(msg: Msg, revision: int) -> bool:
     h = msg.headers or {}
@@ -579,6 +592,114 @@ async def test_a_refused_request_leaves_the_claim_to_those_still_holding_it(
     assert a.stats_data()["idempotency_keys"] == 0
     assert a.counters["idempotency_release_failed"] == 0
     await bucket.sub.unsubscribe()
+
+
+async def test_a_claim_whose_key_keeps_changing_is_refused_not_failed_open(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """Every create of the claim is refused as the key exists, and every read that follows
+    finds no key -- what a lagging replica of a clustered bucket answers (played: the
+    bucket's stream is gone, so each read is "not found"). After CLAIM_TRIES rounds the
+    request is refused (503, counted as contended), nothing is published and the local claim
+    is gone again. Before: the claim failed open and the request ran on this gateway's
+    memory alone, though the bucket held someone's claim of the id. A claim that loses two
+    rounds and wins the third goes on as usual."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(result_timeout_s=0.5)
+    await js.delete_key_value(s.idempotency_bucket())
+    bucket = await PlayedBucket(nc, s).start()
+    body = {**BODY, "request_id": "busy-1"}
+    r1 = asyncio.create_task(complete(a, body))
+    for _ in range(CLAIM_TRIES):
+        write = await bucket.next()
+        assert not is_delete(write, 0)
+        await bucket.refuse(write, WRONG_LAST_SEQUENCE)
+    refused = await r1
+    assert refused.status == 503 and "being claimed" in refused.body.decode(), refused.body
+    assert (a.counters["idempotency_contended"], a.counters["idempotency_store_failed"]) \
+        == (1, 0)
+    assert (await js.stream_info(s.intake_stream())).state.messages == 0
+    assert a.stats_data()["idempotency_keys"] == 0
+    # Two rounds lost, the third decides: claimed (NEW), published, no first token (504).
+    r2 = asyncio.create_task(complete(a, {**body, **OTHER}))
+    for _ in range(2):
+        await bucket.refuse(await bucket.next(), WRONG_LAST_SEQUENCE)
+    await bucket.answer(await bucket.next(), 7)
+    assert (await r2).status == 504
+    assert (await js.stream_info(s.intake_stream())).state.messages == 1
+    assert a.counters["idempotency_contended"] == 1
+    await bucket.sub.unsubscribe()
+
+
+async def test_a_burst_that_finds_the_bucket_missing_makes_it_once(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """Four requests with ids of their own claim at once, and the bucket answers each that
+    it is missing (played: "stream not found"). Each goes on unchecked (fail open: published,
+    no scheduler here, 504), and the bucket is made again once -- by the first; the others
+    await that making or find it ended since their claim began. Before: each request made it
+    again itself, one after another."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(result_timeout_s=0.5)
+    await js.delete_key_value(s.idempotency_bucket())
+    bucket = await PlayedBucket(nc, s).start()
+    n = 4
+    requests = [asyncio.create_task(complete(a, {**BODY, "request_id": f"burst-{i}"}))
+                for i in range(n)]
+    writes = [await bucket.next() for _ in range(n)]  # every claim waits for the bucket
+    for write in writes:
+        await bucket.refuse(write, STREAM_NOT_FOUND, code=404)
+    assert [r.status for r in await asyncio.gather(*requests)] == [504] * n
+    assert a.counters["idempotency_store_failed"] == n
+    assert a.counters["idempotency_bucket_remade"] == 1
+    await bucket.sub.unsubscribe()
+    await js.key_value(s.idempotency_bucket())  # made again
+    # The next claim is shared again and goes to the made bucket: no further making.
+    assert (await complete(a, {**BODY, "request_id": "burst-after"})).status == 504
+    assert (a.counters["idempotency_store_failed"], a.counters["idempotency_bucket_remade"]) \
+        == (n, 1)
+
+
+async def test_a_claim_the_bucket_did_not_decide_is_written_there_once_it_answers(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """The bucket is missing when gateway A claims an id: the request goes on (fail open),
+    and once the bucket is made again A writes the claim there, so gateway B refuses the id
+    with other content (409). Before: B took it as new, and its publish -- a duplicate at
+    the intake -- would have answered B's request with A's token. An id claimed at B with
+    other content while A's claim was undecided is counted as split when A gets to it."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(result_timeout_s=0.5)
+    b = await live.gateway(result_timeout_s=0.5)
+    await js.delete_key_value(s.idempotency_bucket())
+    body = {**BODY, "request_id": "late-1"}
+    assert (await complete(a, body)).status == 504  # accepted, published; no scheduler here
+    assert a.counters["idempotency_store_failed"] == 1
+    await wait_until(lambda: a.counters["idempotency_shared_late"] == 1, "claim shared late")
+    kv = await js.key_value(s.idempotency_bucket())
+    assert (await kv.get(kv_key("late-1"))).value
+    assert_conflict(await complete(b, {**body, **OTHER}), "late-1")
+    assert b.counters["conflicts_shared"] == 1
+    # Undecided at A (the bucket answers "temporarily unavailable"), and claimed with other
+    # content (at another gateway, played) before A's next try: A finds it split.
+    await js.delete_key_value(s.idempotency_bucket())
+    bucket = await PlayedBucket(nc, s).start()
+    r = asyncio.create_task(complete(a, {**BODY, "request_id": "late-2"}))
+    await bucket.refuse(await bucket.next(), JS_UNAVAILABLE, code=503)
+    assert (await r).status == 504
+    held = await bucket.next()  # A's try to share it
+    await bucket.sub.unsubscribe()
+    kv = await idempotency_kv(js, s, ttl_s=claim_ttl(a))
+    other = IdempotencyRecord(digest="0" * 32, accepted_s=time.time())
+    await kv.create(kv_key("late-2"), to_json(other))
+    await bucket.refuse(held, JS_UNAVAILABLE, code=503)
+    await wait_until(lambda: a.counters["idempotency_split"] == 1, "late-2 found split")
+    assert a.counters["idempotency_shared_late"] == 1 and not a._unshared
+    assert (a.counters["idempotency_store_failed"], a.counters["idempotency_bucket_remade"]) \
+        == (2, 1)
 
 
 async def test_a_gateway_queues_no_publish_while_disconnected(uniq: str) -> None:
