@@ -75,6 +75,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import random
 import re
 import time
 import uuid
@@ -161,6 +162,11 @@ SHARE_PAUSE_S: Final[float] = 0.5
 fails (:meth:`GatewayService._share_claims`), doubled each time up to
 :data:`SHARE_PAUSE_MAX_S`."""
 SHARE_PAUSE_MAX_S: Final[float] = 10.0
+PUBLISH_PAUSE_S: Final[float] = 0.05
+"""The pause before an intake publish is tried again (:meth:`GatewayService._publish_intake`),
+doubled for each further try up to :data:`PUBLISH_PAUSE_MAX_S`, each drawn between half and
+all of it."""
+PUBLISH_PAUSE_MAX_S: Final[float] = 1.0
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -495,10 +501,14 @@ class GatewayService(MicroService):
         # is older than the bucket made, and makes nothing.
         self._remaking: asyncio.Task[None] | None = None
         self._bucket_makings = 0
-        # Claims the bucket did not decide (fail open), request id -> digest, oldest first,
-        # to be written there once it answers again, by one task (_share_claims).
-        self._unshared: dict[str, RequestDigest] = {}
+        # Claims the bucket did not decide (fail open), request id -> (digest, a number of
+        # its own), oldest first, to be written there once it answers again, by one task
+        # (_share_claims); the id it writes now, and whether that claim was withdrawn since.
+        self._unshared: dict[str, tuple[RequestDigest, int]] = {}
+        self._unshared_made = 0
         self._sharing: asyncio.Task[None] | None = None
+        self._sharing_now: str | None = None
+        self._sharing_withdrawn = False
         # Client request id -> the requests at this gateway that hold its claim now, from
         # their local claim to their end: a claim is withdrawn only by a request alone in it
         # (_withdraw_claim).
@@ -1153,8 +1163,11 @@ class GatewayService(MicroService):
         if group.made_local and group.count == 1 and not group.maybe_stored:
             self._fingerprints.release(rid, digest)
             group.made_local = False
-            if self._unshared.get(rid) == digest:
+            waiting = self._unshared.get(rid)
+            if waiting is not None and waiting[0] == digest:
                 del self._unshared[rid]  # nothing to share: not stored
+            if self._sharing_now == rid:
+                self._sharing_withdrawn = True  # what its sharing writes goes again
 
     async def _release_shared(self, rid: str, revision: int) -> bool:
         """Withdraw this request's claim from the shared bucket (its publish was refused).
@@ -1200,7 +1213,8 @@ class GatewayService(MicroService):
         (:meth:`_share_claims`). At most ``max_idempotency_keys`` wait, the oldest dropped
         first (this gateway's memory keeps no more either)."""
         self._unshared.pop(rid, None)  # to the end: the latest claim of the id
-        self._unshared[rid] = digest
+        self._unshared_made += 1
+        self._unshared[rid] = (digest, self._unshared_made)
         while len(self._unshared) > self.gsettings.max_idempotency_keys:
             del self._unshared[next(iter(self._unshared))]
         if self._sharing is None:
@@ -1219,11 +1233,12 @@ class GatewayService(MicroService):
         pause = SHARE_PAUSE_S
         try:
             while self._unshared:
-                rid, digest = next(iter(self._unshared.items()))
+                rid, (digest, number) = next(iter(self._unshared.items()))
                 if self._fingerprints.digest(rid) != digest:
                     del self._unshared[rid]
                     continue
                 makings = self._bucket_makings
+                self._sharing_now, self._sharing_withdrawn = rid, False
                 try:
                     shared = await self._claims.claim(rid, digest)
                 except StoreFailed as exc:
@@ -1231,14 +1246,20 @@ class GatewayService(MicroService):
                     await asyncio.sleep(pause)
                     pause = min(2 * pause, SHARE_PAUSE_MAX_S)
                     continue
+                finally:
+                    self._sharing_now = None
                 pause = SHARE_PAUSE_S
-                if self._unshared.get(rid) != digest:
-                    # Withdrawn meanwhile (its publish refused: nothing stored): what this
-                    # wrote goes too.
+                if self._sharing_withdrawn:
+                    # Withdrawn meanwhile (_release_local: no request under the id here may
+                    # have stored a message): what this wrote goes too.
                     if shared.claim is Claim.NEW and shared.revision is not None:
                         await self._release_shared(rid, shared.revision)
                     continue
-                del self._unshared[rid]
+                waiting = self._unshared.get(rid)
+                if waiting is not None and waiting[1] == number:
+                    del self._unshared[rid]
+                # else: forgotten meanwhile (the bound), written all the same; or claimed
+                # again since, which has its own turn (its write restarts the record's age).
                 group = self._claimants.get(rid)
                 if group is not None:  # its requests still run: what they may withdraw
                     _note_shared(group, shared)
@@ -1256,9 +1277,11 @@ class GatewayService(MicroService):
         """One making of the idempotency bucket (:meth:`_remake_bucket`); never raises but
         a cancel."""
         try:
-            with contextlib.suppress(nats.errors.Error, TimeoutError):
-                async with asyncio.timeout(self.gsettings.publish_timeout_s):
-                    await idempotency_kv(js, self.subjects, ttl_s=self._claim_ttl_s)
+            async with asyncio.timeout(self.gsettings.publish_timeout_s):
+                await idempotency_kv(js, self.subjects, ttl_s=self._claim_ttl_s)
+        except (nats.errors.Error, TimeoutError) as exc:
+            self.log.warning("idempotency bucket not made again; the next claim that finds "
+                             "it missing tries again", error=f"{type(exc).__name__}: {exc}")
         finally:
             self._bucket_makings += 1
             self._remaking = None
@@ -1292,6 +1315,7 @@ class GatewayService(MicroService):
         # One indeterminate try (say, a timeout) makes the whole publish one: that try may
         # have stored the message though a later one was refused.
         maybe_stored = False
+        retries = 0
         while True:
             failure: BaseException  # this try's, raised from if it is the last
             try:
@@ -1327,14 +1351,21 @@ class GatewayService(MicroService):
                 said = {"code": exc.code, "err_code": exc.err_code}
             left = deadline - loop.time()
             if left > 0:  # said before the wait for the connection, which may be long
-                self.log.info("intake publish failed; trying again", error=type(failure).__name__,
-                              **said, connected=self.nats_connected)
+                # The first retry of a request is news; the next ones, every request's
+                # during an outage, would drown the log.
+                say = self.log.info if not retries else self.log.debug
+                say("intake publish failed; trying again", error=type(failure).__name__,
+                    **said, connected=self.nats_connected, retries=retries)
             # After a 5xx the connection is up (it came as an answer): only the pause below
-            # spaces the tries, so a JetStream electing a leader is not asked in a tight loop.
+            # spaces the tries, growing and drawn at random, so that the requests waiting
+            # do not ask a JetStream electing a leader in a tight loop, nor all at once.
             if left <= 0 or not await self._nats_back(left):
                 failed = Unavailable if maybe_stored else IntakeRefused
                 raise failed(f"intake stream unavailable: {answer}") from failure
-            await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
+            pause = min(PUBLISH_PAUSE_MAX_S, PUBLISH_PAUSE_S * (1 << min(retries, 16)))
+            retries += 1
+            await asyncio.sleep(min(random.uniform(pause / 2, pause),
+                                    max(0.0, deadline - loop.time())))
 
     async def _kept_result(self, rid: str, *, accepts: Callable[[FirstToken], bool]
                            ) -> tuple[FirstToken, int] | None:

@@ -9,8 +9,9 @@ already, ``get`` it and compare digests: :attr:`Claim.CONFLICT` (409), or, the s
 ``update`` the record with itself at the revision read (compare-and-set) -- :attr:`Claim.SAME`
 (an idempotent replay), the record's age (its TTL) started again, as the replay's publish may
 store its message anew and the intake's window then runs from there
-(:mod:`services.gateway.idempotency`, "Window"). A key that expires, is withdrawn or is
-written by another claim between the steps is claimed again. The bucket's ``max_age`` is
+(:mod:`services.gateway.idempotency`, "Window"). A key that expires or is withdrawn between
+the steps is claimed again; one rewritten meanwhile by another replay of the same content is a
+replay all the same (that rewrite restarted the record's age). The bucket's ``max_age`` is
 :func:`claim_ttl_s`: the intake's de-duplication window plus the longest the intake publish
 may go on after the claim, so a record goes only once the intake would take its id as a new
 request (a delete marker goes the same way). A bucket found with a shorter ``max_age`` (made
@@ -59,11 +60,11 @@ from shared.subjects import Subjects
 
 CLAIM_TRIES: Final[int] = 5
 """Create-get-update rounds of one claim before it counts as contended (:class:`ClaimContended`):
-a round is lost only when the key went (expired, withdrawn) or was written again (a replay at
-another replica) between its steps -- or, on clustered JetStream, when the read of a key the
-create found went to a replica that has not seen it yet. One server all but always decides in
-the second round; the pauses between rounds (:data:`CLAIM_BACKOFF_S`) give a lagging replica
-and a burst of replays time to settle."""
+a round is lost only when the key went (expired, withdrawn) between its steps -- or, on
+clustered JetStream, when the read of a key the create found went to a replica that has not
+seen it yet. (A replay whose rewrite meets another replay's of the same content has its
+answer: SAME.) One server all but always decides in the second round; the pauses between
+rounds (:data:`CLAIM_BACKOFF_S`) give a lagging replica time to catch up."""
 CLAIM_BACKOFF_S: Final[float] = 0.02
 """The pause after the first lost round of a claim; doubled after each further one, each
 drawn at random between half and all of it (so claims that collide do not collide again in
@@ -94,11 +95,12 @@ class StoreFailed(Exception):
 
 
 class ClaimContended(StoreFailed):
-    """The bucket answered every round of a claim, but the key kept changing between its
-    steps (:data:`CLAIM_TRIES` rounds). Unlike the bucket not answering, this says the id IS
-    claimed -- someone's record was there each round -- so letting the request through on
-    this gateway's memory alone (fail open) could run one request twice: the gateway answers
-    503 instead, and the client's retry claims it again."""
+    """The bucket answered the rounds of a claim, but each found the key and then did not
+    (:data:`CLAIM_TRIES` rounds, or those before the claim's time ran out). Unlike the bucket
+    not answering, this says the id IS claimed -- a record was there each round -- so letting
+    the request through on this gateway's memory alone (fail open) could let other content
+    through to its answer: the gateway answers 503 instead, and the client's retry claims it
+    again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +110,22 @@ class SharedClaim:
     claim: Claim
     revision: int | None = None
     """NEW / SAME: the revision of the record written (the new record; the first claim's
-    record written again), for :meth:`SharedClaims.release`."""
+    record written again), for :meth:`SharedClaims.release`. None for a SAME whose rewrite
+    another write of the same content beat (it restarted the record's age instead): nothing
+    of the record is this claim's to withdraw."""
     first: IdempotencyRecord | None = None
     """SAME / CONFLICT: the record found (the first claim's)."""
     prior: int | None = None
     """SAME: the revision the record written replaced (whose it was decides whose the new one
     is: the gateway's ``_Claimants``)."""
+
+
+@dataclass(slots=True)
+class _Rounds:
+    """What one claim's rounds met so far (:meth:`SharedClaims.claim`)."""
+
+    lost: int = 0
+    """Rounds lost to a key that a create found and a read then did not."""
 
 
 def claim_ttl_s(publish_bound_s: float, window_s: float = INTAKE_DUPLICATE_WINDOW_S) -> float:
@@ -191,15 +203,23 @@ class SharedClaims:
         self._clock = clock
 
     async def claim(self, request_id: str, digest: RequestDigest) -> SharedClaim:
-        """Claim ``request_id`` for ``digest``; raises :class:`StoreFailed`."""
+        """Claim ``request_id`` for ``digest``; raises :class:`StoreFailed`, or
+        :class:`ClaimContended` when rounds were lost to a key that the create found and the
+        read then did not (a lagging replica, an id withdrawn and claimed over and over):
+        all of them, or some before the claim's time ran out."""
+        rounds = _Rounds()
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await self._claim(kv_key(request_id), digest)
+                return await self._claim(kv_key(request_id), digest, rounds)
         except (nats.errors.Error, TimeoutError) as exc:
+            if rounds.lost and isinstance(exc, TimeoutError):
+                raise ClaimContended(f"claim not decided in {self.timeout_s:g} s, after "
+                                     f"{rounds.lost} rounds lost to a key that kept "
+                                     "changing") from exc
             raise StoreFailed(f"claim not decided: {type(exc).__name__}: {exc}",
                               bucket_missing=_missing(exc)) from exc
 
-    async def _claim(self, key: str, digest: RequestDigest) -> SharedClaim:
+    async def _claim(self, key: str, digest: RequestDigest, rounds: _Rounds) -> SharedClaim:
         mine = digest.hex()
         value = to_json(IdempotencyRecord(digest=mine, accepted_s=self._clock()))
         for round_ in range(CLAIM_TRIES):
@@ -212,30 +232,53 @@ class SharedClaims:
                 pass  # the key holds a record: the first claim's
             except KeyNotFoundError:
                 # nats-py's create looks the key up after a refused create; expired in
-                # between: claim it again rather than fail open.
+                # between (or a replica that has not seen it): claim it again rather than
+                # fail open.
+                rounds.lost += 1
                 continue
-            try:
-                entry = await self._kv.get(key)
-            except KeyNotFoundError:
+            entry = await self._read(key)
+            if entry is None:
+                rounds.lost += 1
                 continue  # gone since the create (expired, withdrawn): claim it again
-            try:
-                first = from_json(IdempotencyRecord, entry.value or b"")
-            except SchemaError as exc:
-                raise StoreFailed(f"the record of key {key!r} is no IdempotencyRecord: "
-                                  f"{exc}") from exc
+            first = entry[0]
             if first.digest != mine:
                 return SharedClaim(Claim.CONFLICT, first=first)
             # A replay: the record written again as it is, at the revision read, so that its
-            # age starts again (module docstring). Another write since (a replay elsewhere,
-            # a withdrawal, an expiry and a new claim) fails it: look again.
+            # age starts again (module docstring).
             try:
-                revision = await self._kv.update(key, entry.value or b"",
-                                                 last=entry.revision)
+                revision = await self._kv.update(key, entry[1], last=entry[2])
             except KeyWrongLastSequenceError:
+                pass
+            else:
+                return SharedClaim(Claim.SAME, revision=revision, first=first,
+                                   prior=entry[2])
+            # Written since the read. Most often by another replay of this very content (a
+            # burst of retries, here or at other replicas): that write started the record's
+            # age again after this claim began, which is all this claim's own write was for
+            # -- a replay, not written by it (no revision: nothing of it to withdraw). Else a
+            # withdrawal or an expiry (claim it again) or another content's claim after one.
+            again = await self._read(key)
+            if again is None:
+                rounds.lost += 1
                 continue
-            return SharedClaim(Claim.SAME, revision=revision, first=first,
-                               prior=entry.revision)
+            if again[0].digest != mine:
+                return SharedClaim(Claim.CONFLICT, first=again[0])
+            return SharedClaim(Claim.SAME, first=again[0])
         raise ClaimContended(f"key {key!r} kept changing over {CLAIM_TRIES} claims")
+
+    async def _read(self, key: str) -> tuple[IdempotencyRecord, bytes, int] | None:
+        """The record under ``key``, its bytes and its revision; None: no key (or a delete
+        marker). Raises :class:`StoreFailed` for a value that is no record."""
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            return None
+        raw = entry.value or b""
+        try:
+            return from_json(IdempotencyRecord, raw), raw, entry.revision
+        except SchemaError as exc:
+            raise StoreFailed(f"the record of key {key!r} is no IdempotencyRecord: "
+                              f"{exc}") from exc
 
     async def release(self, request_id: str, revision: int) -> bool:
         """Withdraw the claim that wrote ``revision`` of ``request_id``'s key. False: the key

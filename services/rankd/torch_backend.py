@@ -260,7 +260,8 @@ class NatsKVHandoff:
         self._nc = nc
         self._own = nc is None
         self._servers = list(servers)
-        # Credentials and TLS of its own connection (shared.natsauth.security_options).
+        # Reconnecting, pings, credentials and TLS of its own connection
+        # (service_connect_options).
         self._connect_options = dict(connect_options or {})
         self.subjects = subjects
         self.timeout_s = timeout_s
@@ -922,6 +923,18 @@ class _PoolBackend(TorchBackend):
             await self._pool.close()
 
 
+def service_connect_options(settings: Any) -> dict[str, Any]:
+    """``nats.connect`` options of the pool's own connections (the KV hand-off's, the
+    embedded decode role's): a service's reconnecting for ever and pinging
+    (:func:`shared.service.reconnect_options`), with its credentials and TLS. Without the
+    first, nats-py's defaults give up after two minutes of a lost broker -- every hand-off
+    failing and the decode role deaf until the process restarts -- and notice a silent one
+    only after six."""
+    from shared.service import reconnect_options
+
+    return {**reconnect_options(settings), **security_options(settings)}
+
+
 def single_worker_backend(
     settings: Any, torch_settings: TorchSettings | None = None
 ) -> TorchBackend:
@@ -934,7 +947,7 @@ def single_worker_backend(
         subjects=settings.subjects,
         servers=settings.nats_servers,
         settings=torch_settings,
-        connect_options=security_options(settings),
+        connect_options=service_connect_options(settings),
     )
     return _PoolBackend(pool, settings.worker_id, settings.kind)
 
@@ -954,7 +967,7 @@ async def start_torch_host(
         subjects=settings.subjects,
         servers=settings.nats_servers,
         settings=torch_settings,
-        connect_options=security_options(settings),
+        connect_options=service_connect_options(settings),
     )
     try:
         if pool.settings.handoff == "nats" and pool.settings.embedded_decode:

@@ -603,10 +603,13 @@ async def test_a_claim_whose_key_keeps_changing_is_refused_not_failed_open(
     request is refused (503, counted as contended), nothing is published and the local claim
     is gone again. Before: the claim failed open and the request ran on this gateway's
     memory alone, though the bucket held someone's claim of the id. A claim that loses two
-    rounds and wins the third goes on as usual."""
+    rounds and wins the third goes on as usual; one that loses a round and then runs out of
+    time (a slow lagging cluster) is refused too."""
     s = Subjects(uniq)
     js = nc.jetstream()
-    a = await live.gateway(result_timeout_s=0.5)
+    # The claim's bound (publish_timeout_s) far above what the played rounds take.
+    a = await live.gateway(result_timeout_s=0.5, publish_timeout_s=WAIT_S)
+    slow = await live.gateway(result_timeout_s=0.5, publish_timeout_s=1.0)
     await js.delete_key_value(s.idempotency_bucket())
     bucket = await PlayedBucket(nc, s).start()
     body = {**BODY, "request_id": "busy-1"}
@@ -629,7 +632,38 @@ async def test_a_claim_whose_key_keeps_changing_is_refused_not_failed_open(
     assert (await r2).status == 504
     assert (await js.stream_info(s.intake_stream())).state.messages == 1
     assert a.counters["idempotency_contended"] == 1
+    # One round lost, the next create never answered: out of time, still contended.
+    r3 = asyncio.create_task(complete(slow, {**BODY, "request_id": "busy-2"}))
+    await bucket.refuse(await bucket.next(), WRONG_LAST_SEQUENCE)
+    held = await bucket.next()
+    assert not is_delete(held, 0)
+    refused = await r3
+    assert refused.status == 503 and "being claimed" in refused.body.decode(), refused.body
+    assert (slow.counters["idempotency_contended"], slow.counters["idempotency_store_failed"]) \
+        == (1, 0)
+    assert (await js.stream_info(s.intake_stream())).state.messages == 1
     await bucket.sub.unsubscribe()
+
+
+async def test_a_burst_of_one_requests_replays_at_one_gateway_is_never_contended(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """Many replays of one request (one id, one content) at once at one gateway: each claim
+    finds the record and rewrites it, and all but one rewrite lose to another's. A rewrite
+    lost to the same content is a replay all the same (SAME): none is refused. Before: a
+    claim whose rewrites kept losing was refused (503) after its rounds -- some of a
+    hundred, on one server with nothing wrong."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(result_timeout_s=0.5, publish_timeout_s=WAIT_S)
+    body = {**BODY, "request_id": "replays-1"}
+    assert (await complete(a, body)).status == 504  # claimed and published; no scheduler
+    replies = await asyncio.gather(*(complete(a, body) for _ in range(100)))
+    assert sorted({r.status for r in replies}) == [504], [r.body for r in replies
+                                                          if r.status != 504][:3]
+    assert (a.counters["idempotency_contended"], a.counters["idempotency_store_failed"],
+            a.counters["conflicts"]) == (0, 0, 0)
+    assert (await js.stream_info(s.intake_stream())).state.messages == 1
 
 
 async def test_a_burst_that_finds_the_bucket_missing_makes_it_once(
