@@ -1228,7 +1228,9 @@ class GatewayService(MicroService):
         doubled up to :data:`SHARE_PAUSE_MAX_S` (a missing one is made again:
         :meth:`_remake_bucket`). Found claimed with other content (another replica took
         the id meanwhile: both requests ran) is counted (``idempotency_split``) and logged;
-        nothing can undo it. Ends when none is left; never raises but a cancel."""
+        nothing can undo it. Ends when none is left; no failure of the bucket ends it
+        (:class:`StoreFailed` is paused and tried again), and the next claim left to share
+        starts it again after anything else."""
         assert self._claims is not None
         pause = SHARE_PAUSE_S
         try:
