@@ -59,7 +59,8 @@ holds it and places it otherwise. Counters (``$SRV.STATS``): ``intake_remade``, 
 Idempotency counters (``$SRV.STATS``): ``conflicts`` (409s), ``conflicts_shared`` (those only
 the shared bucket knew of: the id was first used at another replica or before a restart),
 ``idempotency_store_failed`` (claims the bucket did not decide: checked at this gateway only),
-``idempotency_release_failed`` (withdrawals not done: the claim stays until it expires),
+``idempotency_release_failed`` (withdrawals the bucket did not decide: tried again once it
+answers, ``idempotency_withdrawn_late`` those done then),
 ``idempotency_contended`` (claims whose key kept changing under them: refused with 503, since
 the bucket holds someone's claim and failing open could run the request twice),
 ``idempotency_bucket_remade`` (makings of the bucket after claims found it missing: one for
@@ -505,6 +506,9 @@ class GatewayService(MicroService):
         # its own), oldest first, to be written there once it answers again, by one task
         # (_share_claims); the id it writes now, and whether that claim was withdrawn since.
         self._unshared: dict[str, tuple[RequestDigest, int]] = {}
+        # Withdrawals the bucket did not decide, request id -> (digest, revision, whether
+        # the local entry was the withdrawing requests' own), tried again by the same task.
+        self._unwithdrawn: dict[str, tuple[RequestDigest, int, bool]] = {}
         self._unshared_made = 0
         self._sharing: asyncio.Task[None] | None = None
         self._sharing_now: str | None = None
@@ -520,7 +524,8 @@ class GatewayService(MicroService):
         # / withdrawals the bucket did not do; idempotency_contended: claims refused (503) as
         # their key kept changing; idempotency_bucket_remade: makings of a missing bucket;
         # idempotency_shared_late / _split: fail-open claims written to the bucket later /
-        # found claimed there with other content (module docstring). clients_gone: HTTP clients
+        # found claimed there with other content; idempotency_withdrawn_late: withdrawals
+        # done once the bucket answered again (module docstring). clients_gone: HTTP clients
         # that closed their connection before their first token (their waiter dropped).
         self.counters: dict[str, int] = {"intake_remade": 0, "republished": 0,
                                          "results_malformed": 0, "conflicts": 0,
@@ -529,6 +534,7 @@ class GatewayService(MicroService):
                                          "idempotency_contended": 0,
                                          "idempotency_bucket_remade": 0,
                                          "idempotency_shared_late": 0, "idempotency_split": 0,
+                                         "idempotency_withdrawn_late": 0,
                                          "clients_gone": 0}
         self.metrics = RequestMetrics(settings.slo_table)
         if settings.tokenizer_path is not None:
@@ -1144,7 +1150,8 @@ class GatewayService(MicroService):
         withdrawn = True
         revision = group.revision
         if revision is not None:
-            withdrawn = await self._release_shared(rid, revision)
+            withdrawn = await self._release_shared(rid, revision,
+                                                   later=(digest, group.made_local))
             if withdrawn and group.revision == revision:
                 group.revision = None
         # NOTE: the local entry goes only after the bucket's decision, and only if the record
@@ -1169,18 +1176,22 @@ class GatewayService(MicroService):
             if self._sharing_now == rid:
                 self._sharing_withdrawn = True  # what its sharing writes goes again
 
-    async def _release_shared(self, rid: str, revision: int) -> bool:
+    async def _release_shared(self, rid: str, revision: int, *,
+                              later: tuple[RequestDigest, bool]) -> bool:
         """Withdraw this request's claim from the shared bucket (its publish was refused).
         False: not withdrawn -- a later record holds the key (a replay wrote it again, or it
-        expired and was claimed again), or the bucket did not do it (counted, logged)."""
+        expired and was claimed again), or the bucket did not do it (counted, logged, and
+        tried again once it answers: :meth:`_withdraw_later` with ``later``, the claim's
+        digest and whether its local entry was the withdrawing requests' own)."""
         assert self._claims is not None
         makings = self._bucket_makings
         try:
             return await self._claims.release(rid, revision)
         except StoreFailed as exc:
             self.counters["idempotency_release_failed"] += 1
-            self.log.warning("idempotency claim not withdrawn; it expires with the window",
-                             error=str(exc))
+            self.log.warning("idempotency claim not withdrawn; tried again once the bucket "
+                             "answers", error=str(exc))
+            self._withdraw_later(rid, later[0], revision, later[1])
             await self._remake_bucket(exc, makings)
             return False
 
@@ -1217,63 +1228,115 @@ class GatewayService(MicroService):
         self._unshared[rid] = (digest, self._unshared_made)
         while len(self._unshared) > self.gsettings.max_idempotency_keys:
             del self._unshared[next(iter(self._unshared))]
+        self._start_sharing()
+
+    def _withdraw_later(self, rid: str, digest: RequestDigest, revision: int,
+                        local: bool) -> None:
+        """Have the withdrawal of ``rid``'s record at ``revision``, which the bucket did not
+        decide, tried again once it answers (:meth:`_share_claims`); ``local``: the local
+        entry for ``digest`` was the withdrawing requests' own, to go too once the record
+        has. At most ``max_idempotency_keys`` wait, the oldest dropped first (their claims
+        then expire with the window, as before)."""
+        self._unwithdrawn.pop(rid, None)
+        self._unwithdrawn[rid] = (digest, revision, local)
+        while len(self._unwithdrawn) > self.gsettings.max_idempotency_keys:
+            del self._unwithdrawn[next(iter(self._unwithdrawn))]
+        self._start_sharing()
+
+    def _start_sharing(self) -> None:
         if self._sharing is None:
             self._sharing = asyncio.create_task(self._share_claims(),
                                                 name="gateway-idempotency-share")
 
     async def _share_claims(self) -> None:
-        """Write the claims the bucket did not decide into it, oldest first, each for as long
-        as this gateway's memory still keeps it with its digest (expired, forgotten,
-        withdrawn: dropped). A bucket that still fails is tried again after a pause,
-        doubled up to :data:`SHARE_PAUSE_MAX_S` (a missing one is made again:
-        :meth:`_remake_bucket`). Found claimed with other content (another replica took
-        the id meanwhile: both requests ran) is counted (``idempotency_split``) and logged;
-        nothing can undo it. Ends when none is left; no failure of the bucket ends it
-        (:class:`StoreFailed` is paused and tried again), and the next claim left to share
-        starts it again after anything else."""
+        """Catch the bucket up with what it did not decide: the fail-open claims first
+        (:meth:`_share_first`), then the withdrawals (:meth:`_withdraw_first`). A bucket
+        that still fails is tried again after a pause, doubled up to
+        :data:`SHARE_PAUSE_MAX_S` (a missing one is made again: :meth:`_remake_bucket`).
+        Ends when none is left; no failure of the bucket ends it, and the next claim or
+        withdrawal left over starts it again after anything else."""
         assert self._claims is not None
         pause = SHARE_PAUSE_S
         try:
-            while self._unshared:
-                rid, (digest, number) = next(iter(self._unshared.items()))
-                if self._fingerprints.digest(rid) != digest:
-                    del self._unshared[rid]
-                    continue
-                makings = self._bucket_makings
-                self._sharing_now, self._sharing_withdrawn = rid, False
-                try:
-                    shared = await self._claims.claim(rid, digest)
-                except StoreFailed as exc:
-                    await self._remake_bucket(exc, makings)
+            while self._unshared or self._unwithdrawn:
+                done = await (self._share_first() if self._unshared
+                              else self._withdraw_first())
+                if done:
+                    pause = SHARE_PAUSE_S
+                else:
                     await asyncio.sleep(pause)
                     pause = min(2 * pause, SHARE_PAUSE_MAX_S)
-                    continue
-                finally:
-                    self._sharing_now = None
-                pause = SHARE_PAUSE_S
-                if self._sharing_withdrawn:
-                    # Withdrawn meanwhile (_release_local: no request under the id here may
-                    # have stored a message): what this wrote goes too.
-                    if shared.claim is Claim.NEW and shared.revision is not None:
-                        await self._release_shared(rid, shared.revision)
-                    continue
-                waiting = self._unshared.get(rid)
-                if waiting is not None and waiting[1] == number:
-                    del self._unshared[rid]
-                # else: forgotten meanwhile (the bound), written all the same; or claimed
-                # again since, which has its own turn (its write restarts the record's age).
-                group = self._claimants.get(rid)
-                if group is not None:  # its requests still run: what they may withdraw
-                    _note_shared(group, shared)
-                if shared.claim is Claim.CONFLICT:
-                    self.counters["idempotency_split"] += 1
-                    self.log.warning("request id claimed with other content at another "
-                                     "gateway while the idempotency bucket did not answer; "
-                                     "both requests ran", request_id=rid)
-                else:
-                    self.counters["idempotency_shared_late"] += 1
         finally:
             self._sharing = None
+
+    async def _share_first(self) -> bool:
+        """Write the oldest claim the bucket did not decide into it, if this gateway's memory
+        still keeps it with its digest (expired, forgotten, withdrawn: dropped). Found
+        claimed with other content (another replica took the id meanwhile: both requests
+        ran) is counted (``idempotency_split``) and logged; nothing can undo it. False: the
+        bucket failed again (the claim stays first)."""
+        assert self._claims is not None
+        rid, (digest, number) = next(iter(self._unshared.items()))
+        if self._fingerprints.digest(rid) != digest:
+            del self._unshared[rid]
+            return True
+        makings = self._bucket_makings
+        self._sharing_now, self._sharing_withdrawn = rid, False
+        try:
+            shared = await self._claims.claim(rid, digest)
+        except StoreFailed as exc:
+            await self._remake_bucket(exc, makings)
+            return False
+        finally:
+            self._sharing_now = None
+        if self._sharing_withdrawn:
+            # Withdrawn meanwhile (_release_local: no request under the id here may have
+            # stored a message): what this wrote goes too.
+            if shared.claim is Claim.NEW and shared.revision is not None:
+                await self._release_shared(rid, shared.revision, later=(digest, False))
+            return True
+        waiting = self._unshared.get(rid)
+        if waiting is not None and waiting[1] == number:
+            del self._unshared[rid]
+        # else: forgotten meanwhile (the bound), written all the same; or claimed again
+        # since, which has its own turn (its write restarts the record's age).
+        group = self._claimants.get(rid)
+        if group is not None:  # its requests still run: what they may withdraw
+            _note_shared(group, shared)
+        if shared.claim is Claim.CONFLICT:
+            self.counters["idempotency_split"] += 1
+            self.log.warning("request id claimed with other content at another gateway "
+                             "while the idempotency bucket did not answer; both requests "
+                             "ran", request_id=rid)
+        else:
+            self.counters["idempotency_shared_late"] += 1
+        return True
+
+    async def _withdraw_first(self) -> bool:
+        """Try the oldest withdrawal the bucket did not decide again (a delete at the
+        revision the withdrawing requests wrote: a write since, a replay's or a new claim's,
+        makes it fail and keeps the record). Withdrawn, the local entry goes too where it
+        was theirs and nothing here claimed the id since: no request holds it now, none
+        waits to share it, and the entry is still theirs (a request since with this content
+        that published wrote the record again -- or waits to share it -- so the delete
+        failed or the entry stays). False: the bucket failed again (it stays first)."""
+        assert self._claims is not None
+        rid, entry = next(iter(self._unwithdrawn.items()))
+        digest, revision, local = entry
+        makings = self._bucket_makings
+        try:
+            withdrawn = await self._claims.release(rid, revision)
+        except StoreFailed as exc:
+            await self._remake_bucket(exc, makings)
+            return False
+        if self._unwithdrawn.get(rid) == entry:
+            del self._unwithdrawn[rid]
+        if withdrawn:
+            self.counters["idempotency_withdrawn_late"] += 1
+            if local and rid not in self._claimants and rid not in self._unshared \
+                    and self._fingerprints.digest(rid) == digest:
+                self._fingerprints.release(rid, digest)
+        return True
 
     async def _make_bucket(self, js: JetStreamContext) -> None:
         """One making of the idempotency bucket (:meth:`_remake_bucket`); never raises but

@@ -80,9 +80,11 @@ Limits:
   all, a 5xx answer) may have been stored all the same: its claim is kept and expires with
   the window, and a retry with other content gets 409 until then. A replay at another
   replica rewrites the record, so a withdrawal after it finds another revision and leaves
-  the claim alone, and one before it makes the replay claim the id anew. A withdrawal that
-  fails leaves the claim to expire too (``idempotency_release_failed``), and so does one
-  whose record another replica wrote (its publish may have been refused too: a 409 for a
+  the claim alone, and one before it makes the replay claim the id anew. A withdrawal the
+  bucket does not decide (``idempotency_release_failed``) keeps the local entry and is tried
+  again once the bucket answers (``idempotency_withdrawn_late``), and the local entry then
+  goes too unless a request under the id came here since; one whose record another replica
+  wrote leaves the claim to expire (its publish may have been refused too: a 409 for a
   while, never a wrong answer).
 * **Size.** At most ``max_keys`` digests in the local memory; past that the oldest is
   forgotten early (counted in :attr:`Fingerprints.evicted`); the shared bucket still has it.

@@ -736,6 +736,49 @@ async def test_a_claim_the_bucket_did_not_decide_is_written_there_once_it_answer
         == (2, 1)
 
 
+async def test_a_withdrawal_the_bucket_did_not_decide_is_done_once_it_answers(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """A request's publish is refused (no intake stream), and the withdrawal of its claim
+    meets a bucket that answers "temporarily unavailable" (played): the claim stays for the
+    moment -- here too, other content under the id is refused (409) --, and the delete at
+    the claim's revision is sent again until the bucket takes it; then the local entry goes
+    as well, and other content under the id is a new claim. Before: the claim stayed,
+    here and in the bucket, until it expired (the intake's window plus the publish's bound)."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=WAIT_S, result_timeout_s=0.5)
+    await js.delete_key_value(s.idempotency_bucket())
+    bucket = await PlayedBucket(nc, s).start()
+    await js.delete_stream(s.intake_stream())
+    body = {**BODY, "request_id": "unwithdrawn-1"}
+    r1 = asyncio.create_task(complete(a, body))
+    await bucket.answer(await bucket.next(), 3)  # claimed: NEW at revision 3
+    delete = await bucket.next()  # its publish refused: the withdrawal
+    assert is_delete(delete, 3), delete.headers
+    await bucket.refuse(delete, JS_UNAVAILABLE, code=503)
+    assert (await r1).status == 503
+    assert a.counters["idempotency_release_failed"] == 1
+    assert_conflict(await complete(a, {**body, **OTHER}), "unwithdrawn-1")  # kept for now
+    again = await bucket.next()  # tried again, at the same revision
+    assert is_delete(again, 3), again.headers
+    await bucket.answer(again, 4)
+    await wait_until(lambda: a.counters["idempotency_withdrawn_late"] == 1, "withdrawn late")
+    assert a.stats_data()["idempotency_keys"] == 0
+    # Other content under the id: no longer refused here; it claims the id in the bucket.
+    r2 = asyncio.create_task(complete(a, {**body, **OTHER}))
+    claim = await bucket.next()
+    assert not is_delete(claim, 3) and claim.subject.endswith(kv_key("unwithdrawn-1"))
+    await bucket.answer(claim, 5)
+    withdrawal = await bucket.next()  # its publish refused too: withdrawn at once
+    assert is_delete(withdrawal, 5), withdrawal.headers
+    await bucket.answer(withdrawal, 6)
+    assert (await r2).status == 503
+    assert (a.counters["idempotency_release_failed"], a.stats_data()["idempotency_keys"]) \
+        == (1, 0)
+    await bucket.sub.unsubscribe()
+
+
 async def test_a_gateway_queues_no_publish_while_disconnected(uniq: str) -> None:
     """nats-py keeps what is published while its connection is down and sends it once the
     connection is back, however late: an intake publish given up after its bound could be
