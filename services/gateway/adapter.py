@@ -387,6 +387,11 @@ class _Waiter:
       which attempt it answers is not known;
     * a result of this request's own attempt (``arrival_s`` equal to its own stamp) answers
       it: a publish stored anew (no duplicate) waits for nothing else;
+    * a replay whose claim holds (SAME: this content, seen here or in the bucket) whose
+      publish was stored anew all the same (the intake lost with the server's store) takes
+      the results :meth:`duplicate_of` takes as well -- the same edge argument holds for the
+      claim's first attempt, whose message the store lost -- but no other attempt's
+      scheduler failure (its own message is still to run);
     * after a *duplicate* publish (:meth:`duplicate_of`), the intake's stored message M is
       another attempt's, whose stamp this gateway does not know. ``since_s`` = the publish's
       start (wall clock, after the claim was restarted) minus the claim TTL (the intake's
@@ -418,6 +423,9 @@ class _Waiter:
     since_s: float | None = None
     decided: bool = False
     passed: tuple[FirstToken, float] | None = None
+    stored: bool = False
+    """Its own message was stored anew (a replay after the intake was lost): another
+    attempt's scheduler failure does not answer it -- its own message is still to run."""
 
     def accepts(self, result: FirstToken) -> bool:
         """Whether ``result`` answers this request's attempt (the class docstring's rule)."""
@@ -425,13 +433,18 @@ class _Waiter:
             return True  # an older producer: not known which attempt; as before this check
         if result.arrival_s == self.arrival_s:
             return True
+        if self.stored and _from_scheduler(result):
+            return False
         return self.since_s is not None and result.arrival_s > self.since_s
 
-    def duplicate_of(self, published_s: float, claim_ttl_s: float) -> None:
-        """The publish that started at ``published_s`` (wall clock) was a duplicate: take the
-        results of attempts stamped after ``published_s - claim_ttl_s`` too."""
+    def duplicate_of(self, published_s: float, claim_ttl_s: float, *,
+                     stored: bool = False) -> None:
+        """The publish that started at ``published_s`` (wall clock) was a duplicate, or
+        (``stored``) a replay under a claim that holds stored anew: take the results of
+        attempts stamped after ``published_s - claim_ttl_s`` too."""
         self.since_s = published_s - claim_ttl_s
         self.decided = True
+        self.stored = stored
 
 
 def new_request_id() -> str:
@@ -1045,7 +1058,12 @@ class GatewayService(MicroService):
             if group is not None:
                 group.maybe_stored = True
             duplicate = bool(ack.duplicate)
-            if not duplicate:
+            # A replay of a request whose claim holds (SAME) stored anew -- the intake lost
+            # with the server's store, say -- is answered by an earlier attempt's result as
+            # well as by its own: which of the two publishes of its message (its own, the
+            # gateway's republish after the loss) landed first must not decide it.
+            replay = duplicate or (digest is not None and claim is Claim.SAME)
+            if not replay:
                 waiter.decided = True  # stored anew: its own attempt's result only
                 waiter.passed = None
             else:
@@ -1054,7 +1072,7 @@ class GatewayService(MicroService):
                 # it already went by, else still to come on the subscription. The original's
                 # stamp is not known here: the results of attempts stamped after the edge
                 # answer (_Waiter.duplicate_of says why), from now on live too.
-                waiter.duplicate_of(published, self._claim_ttl_s)
+                waiter.duplicate_of(published, self._claim_ttl_s, stored=not duplicate)
                 kept = await self._kept_result(rid, accepts=waiter.accepts)
                 if kept is None and waiter.passed is not None \
                         and waiter.accepts(waiter.passed[0]) and not got.done():
@@ -1062,7 +1080,9 @@ class GatewayService(MicroService):
                     # from the stream yet): the answer, as a live one after the ack is.
                     got.set_result(waiter.passed)
                 waiter.passed = None
-                if kept is not None and _from_scheduler(kept[0]):
+                if kept is not None and _from_scheduler(kept[0]) and not duplicate:
+                    pass  # its own message is stored anew: its own result comes
+                elif kept is not None and _from_scheduler(kept[0]):
                     # ...unless the scheduler gave up on it (503: "try again later") or
                     # refused it (422: against the workers of then): this is a later try, a
                     # new intake message. Its id is derived from the failure's, so concurrent
@@ -1074,8 +1094,8 @@ class GatewayService(MicroService):
                 else:
                     if kept is not None and not got.done():
                         got.set_result((kept[0], time.time()))
-                    self.log.info("duplicate request id; answered with the original's result",
-                                  kept=kept is not None)
+                    self.log.info("replayed request id; the original's result answers it",
+                                  kept=kept is not None, duplicate=duplicate)
             try:
                 async with asyncio.timeout(self.gsettings.result_timeout_s):
                     if disconnected is not None:

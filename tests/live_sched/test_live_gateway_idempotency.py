@@ -479,7 +479,7 @@ async def test_an_earlier_attempts_result_does_not_answer_a_new_request_under_it
         retry = asyncio.create_task(complete(gw, other))
 
         def looked_up() -> list[dict[str, Any]]:
-            return [e for e in logs if e["event"].startswith("duplicate request id")]
+            return [e for e in logs if e["event"].startswith("replayed request id")]
 
         await wait_until(lambda: bool(looked_up()) or retry.done(), "the retry's look-up")
         assert not retry.done(), retry.result().body  # not answered with A's token
@@ -777,6 +777,45 @@ async def test_a_withdrawal_the_bucket_did_not_decide_is_done_once_it_answers(
     assert (a.counters["idempotency_release_failed"], a.stats_data()["idempotency_keys"]) \
         == (1, 0)
     await bucket.sub.unsubscribe()
+
+
+async def test_a_replay_stored_anew_after_the_intake_was_lost_takes_the_first_answer(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """A is published and waits (no scheduler here). The intake is then lost (deleted and
+    made anew, as by a server that lost its store) and A is sent again, the same request
+    under the same id: its claim holds (SAME), and its publish is stored anew, no
+    duplicate. A's first attempt's answer (its worker, late) answers both. Before, a replay
+    stored anew took only its own attempt's result -- so it got A's answer only when the
+    gateway's republish after the loss happened to store the message first (its own
+    publish then a duplicate), else it waited for nothing (504)."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    taken: asyncio.Queue[IntakeRequest] = asyncio.Queue()
+
+    async def take(msg: Msg) -> None:
+        await taken.put(decode(IntakeRequest, msg.data, msg.headers))
+
+    sub = await nc.subscribe(s.intake_requests(), cb=take)
+    await nc.flush()
+    gw = await live.gateway(nats_wait_s=0.0, publish_timeout_s=WAIT_S, result_timeout_s=WAIT_S)
+    body = {**BODY, "request_id": "lost-intake-1"}
+    original = asyncio.create_task(complete(gw, body))
+    first = await asyncio.wait_for(taken.get(), WAIT_S)
+    await js.delete_stream(s.intake_stream())
+    await ensure_intake_stream(js, s)
+    replay = asyncio.create_task(complete(gw, body))
+    again = await asyncio.wait_for(taken.get(), WAIT_S)
+    assert again.arrival_s > first.arrival_s
+    # The replay's publish acknowledged (stored anew) before the answer comes.
+    await wait_until(lambda: all(w.decided for w in gw._waiting.get("lost-intake-1", [])),
+                     "the replay's ack")
+    assert (await js.stream_info(s.intake_stream())).state.messages == 1
+    await answer(nc, s, "lost-intake-1", 7, first.arrival_s)
+    for reply in (await original, await replay):
+        assert reply.status == 200, reply.body
+        assert reply.json()["choices"][0]["token_ids"] == [7], reply.body
+    await sub.unsubscribe()
 
 
 async def test_a_gateway_queues_no_publish_while_disconnected(uniq: str) -> None:
