@@ -539,6 +539,18 @@ class PlayedBucket:
                                                 "description": "played"}}).encode())
 
 
+async def refused_with_played_bucket(live: Services, nc: Client,
+                                     s: Subjects) -> tuple[Any, PlayedBucket]:
+    """A gateway whose every intake publish is refused (no intake stream) and whose bucket
+    the test plays (:class:`PlayedBucket`)."""
+    js = nc.jetstream()
+    gw = await live.gateway(nats_wait_s=0.0, publish_timeout_s=WAIT_S, result_timeout_s=0.5)
+    await js.delete_key_value(s.idempotency_bucket())
+    bucket = await PlayedBucket(nc, s).start()
+    await js.delete_stream(s.intake_stream())
+    return gw, bucket
+
+
 def is_delete(msg: Msg, revision: int) -> bool:
     h = msg.headers or {}
     return h.get("KV-Operation") == "DEL" and \
@@ -556,11 +568,7 @@ async def test_a_refused_request_leaves_the_claim_to_those_still_holding_it(
     withdrawal waits for the bucket finds the claim still there: with other content it is
     refused (409), with this content it holds the claim, and R2 leaves it the local entry."""
     s = Subjects(uniq)
-    js = nc.jetstream()
-    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=WAIT_S, result_timeout_s=0.5)
-    await js.delete_key_value(s.idempotency_bucket())
-    bucket = await PlayedBucket(nc, s).start()
-    await js.delete_stream(s.intake_stream())
+    a, bucket = await refused_with_played_bucket(live, nc, s)
     body = {**BODY, "request_id": "two-1"}
     r1 = asyncio.create_task(complete(a, body))
     w1 = await bucket.next()  # R1's create
@@ -746,11 +754,7 @@ async def test_a_withdrawal_the_bucket_did_not_decide_is_done_once_it_answers(
     as well, and other content under the id is a new claim. Before: the claim stayed,
     here and in the bucket, until it expired (the intake's window plus the publish's bound)."""
     s = Subjects(uniq)
-    js = nc.jetstream()
-    a = await live.gateway(nats_wait_s=0.0, publish_timeout_s=WAIT_S, result_timeout_s=0.5)
-    await js.delete_key_value(s.idempotency_bucket())
-    bucket = await PlayedBucket(nc, s).start()
-    await js.delete_stream(s.intake_stream())
+    a, bucket = await refused_with_played_bucket(live, nc, s)
     body = {**BODY, "request_id": "unwithdrawn-1"}
     r1 = asyncio.create_task(complete(a, body))
     await bucket.answer(await bucket.next(), 3)  # claimed: NEW at revision 3
