@@ -1273,14 +1273,23 @@ class GatewayService(MicroService):
         (:meth:`_share_first`), then the withdrawals (:meth:`_withdraw_first`). A bucket
         that still fails is tried again after a pause, doubled up to
         :data:`SHARE_PAUSE_MAX_S` (a missing one is made again: :meth:`_remake_bucket`).
-        Ends when none is left; no failure of the bucket ends it, and the next claim or
-        withdrawal left over starts it again after anything else."""
+        Ends when none is left; no failure ends it -- the bucket's, or any other exception
+        of a step (a defect: logged with its traceback, and the step tried again after the
+        pause, as the bucket's are) -- and the next claim or withdrawal left over starts it
+        again after anything else."""
         assert self._claims is not None
         pause = SHARE_PAUSE_S
         try:
             while self._unshared or self._unwithdrawn:
-                done = await (self._share_first() if self._unshared
-                              else self._withdraw_first())
+                try:
+                    done = await (self._share_first() if self._unshared
+                                  else self._withdraw_first())
+                except Exception:
+                    # Before, such an exception ended the task, leaving what waits unshared
+                    # until another fail-open claim or withdrawal started it again.
+                    self.log.exception("idempotency catch-up step failed; tried again after "
+                                       "a pause")
+                    done = False
                 if done:
                     pause = SHARE_PAUSE_S
                 else:

@@ -281,17 +281,23 @@ class SharedClaims:
                               f"{exc}") from exc
 
     async def release(self, request_id: str, revision: int) -> bool:
-        """Withdraw the claim that wrote ``revision`` of ``request_id``'s key. False: the key
-        holds a later record (this one expired and the id was claimed again), left alone.
-        Raises :class:`StoreFailed`."""
+        """Withdraw the claim that wrote ``revision`` of ``request_id``'s key. True: withdrawn,
+        or the key holds no record any more (expired, withdrawn, or lost with a bucket made
+        again since): nothing in the bucket claims the id. False: the key holds a later
+        record (a replay wrote it again, or it expired and the id was claimed again), left
+        alone. Raises :class:`StoreFailed`."""
+        key = kv_key(request_id)
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self._kv.delete(kv_key(request_id), last=revision)
-        except APIError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
-                return False
-            raise StoreFailed(f"claim not withdrawn: {type(exc).__name__}: {exc}",
-                              bucket_missing=_missing(exc)) from exc
+                try:
+                    await self._kv.delete(key, last=revision)
+                except APIError as exc:
+                    if exc.err_code != WRONG_LAST_SEQUENCE:
+                        raise
+                    # Not the record this claim wrote: a later one, or none at all (a bucket
+                    # lost and made again has no revision ``revision``). Only a record holds
+                    # the id; without one the withdrawal has nothing left to do.
+                    return await self._read(key) is None
         except (nats.errors.Error, TimeoutError) as exc:
             raise StoreFailed(f"claim not withdrawn: {type(exc).__name__}: {exc}",
                               bucket_missing=_missing(exc)) from exc

@@ -31,6 +31,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import StreamConfig
 from nats.js.errors import KeyNotFoundError
+from structlog.testing import capture_logs
 
 from services.gateway.idempotency import Claim, IdempotencyRecord, kv_key, request_digest
 from services.gateway.idempotency_kv import (
@@ -742,6 +743,40 @@ async def test_a_claim_the_bucket_did_not_decide_is_written_there_once_it_answer
     assert a.counters["idempotency_shared_late"] == 1 and not a._unshared
     assert (a.counters["idempotency_store_failed"], a.counters["idempotency_bucket_remade"]) \
         == (2, 1)
+
+
+async def test_a_catch_up_step_that_fails_unexpectedly_is_tried_again(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """The bucket is missing when gateway A claims an id (fail open), and A's first try to
+    write the claim there once it is back raises an exception no bucket gives (a defect,
+    played by the test): it is logged with its traceback, and the claim is written on the
+    next try all the same. Before: the exception ended the catch-up task, and the claim
+    waited unshared until another fail-open claim started it again."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(result_timeout_s=0.5)
+    await js.delete_key_value(s.idempotency_bucket())
+    claims = a._claims
+    real_claim = claims.claim
+    calls: list[str] = []
+
+    async def claim(rid: str, digest: Any) -> Any:
+        calls.append(rid)
+        if len(calls) == 2:  # the request's own claim is the first; the catch-up's the second
+            raise RuntimeError("played defect")
+        return await real_claim(rid, digest)
+
+    claims.claim = claim
+    with capture_logs() as logs:
+        assert (await complete(a, {**BODY, "request_id": "defect-1"})).status == 504
+        await wait_until(lambda: a.counters["idempotency_shared_late"] == 1,
+                         "claim shared after the failed step")
+    assert calls == ["defect-1"] * 3
+    failed = [e for e in logs if e["event"].startswith("idempotency catch-up step failed")]
+    assert len(failed) == 1 and failed[0]["log_level"] == "error", failed
+    kv = await js.key_value(s.idempotency_bucket())
+    assert (await kv.get(kv_key("defect-1"))).value
 
 
 async def test_a_withdrawal_the_bucket_did_not_decide_is_done_once_it_answers(

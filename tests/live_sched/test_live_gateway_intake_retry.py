@@ -7,7 +7,8 @@ storing) and a failed store or full stream (10077). A 5xx may follow a write all
 the request id's claim is kept after one, whatever came later.
 
 The test plays the intake stream (the real one deleted): it takes the gateway's publishes on
-the intake subject and answers them as JetStream would, with an error or a PubAck.
+the intake subject and answers them as JetStream would, with an error or a PubAck. Holding a
+publish also lets a test lose the idempotency bucket between a claim and its withdrawal.
 """
 
 from __future__ import annotations
@@ -16,13 +17,23 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from live_sched_support import WAIT_S, Services
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
 from structlog.testing import capture_logs
-from test_live_gateway_idempotency import BODY, OTHER, answer, assert_conflict, complete
+from test_live_gateway_idempotency import (
+    BODY,
+    OTHER,
+    answer,
+    assert_conflict,
+    claim_ttl,
+    complete,
+)
 
 from services.gateway.idempotency import kv_key
+from services.gateway.idempotency_kv import idempotency_kv
 from shared.schemas import IntakeRequest, decode
 from shared.subjects import Subjects
 
@@ -222,4 +233,37 @@ async def test_a_refusal_after_a_5xx_keeps_the_claim(
     kv = await nc.jetstream().key_value(s.idempotency_bucket())
     assert (await kv.get(kv_key("jsu-4"))).value
     assert_conflict(await complete(gw, {**body, **OTHER}), "jsu-4")
+    await intake.sub.unsubscribe()
+
+
+async def test_a_withdrawal_after_the_bucket_was_made_again_lets_the_id_go(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """A request claims its id in the bucket, and while its publish waits for the intake the
+    bucket is lost and made again (empty). The intake then refuses the publish (a check
+    before storing: definite), so the claim is withdrawn: the delete at the claim's revision
+    finds no such revision in the new bucket. No record holds the id there, so the
+    withdrawal is done and the local entry goes too: other content under the id is a new
+    claim (refused by the intake as well: 503), not a 409. Before: the withdrawal counted as
+    beaten by a later record, and this gateway refused the id for the claim's whole TTL."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    gw = await live.gateway(nats_wait_s=10.0, publish_timeout_s=5.0, result_timeout_s=0.5)
+    intake = await PlayedIntake(nc, s).start()
+    body = {**BODY, "request_id": "remade-1"}
+    request = asyncio.create_task(complete(gw, body))
+    first = await intake.next(request)
+    kv = await js.key_value(s.idempotency_bucket())
+    assert (await kv.get(kv_key("remade-1"))).value  # claimed
+    await js.delete_key_value(s.idempotency_bucket())
+    kv = await idempotency_kv(js, s, ttl_s=claim_ttl(gw))  # made again, empty
+    await intake.refuse(first, WRONG_LAST_SEQUENCE)
+    assert (await asyncio.wait_for(request, WAIT_S)).status == 503
+    assert gw.counters["idempotency_release_failed"] == 0
+    assert gw.stats_data()["idempotency_keys"] == 0
+    other = asyncio.create_task(complete(gw, {**body, **OTHER}))
+    await intake.refuse(await intake.next(other), WRONG_LAST_SEQUENCE)
+    assert (await asyncio.wait_for(other, WAIT_S)).status == 503
+    with pytest.raises(KeyNotFoundError):  # its claim in the new bucket withdrawn in turn
+        await kv.get(kv_key("remade-1"))
     await intake.sub.unsubscribe()
