@@ -88,6 +88,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -97,6 +98,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Final
 
+import msgpack
 import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -181,7 +183,7 @@ REDIRECT_ATTEMPT_S: Final[float] = 2.0
 """Ack timeout of one redirect publish attempt (then retried, same ``Nats-Msg-Id``)."""
 ANSWER_MEMORY: Final[int] = 8_192
 """First tokens (and failures) a worker keeps to send again when a later attempt (another
-arrival) of a request it answered is assigned to it (~0.7 KB each)."""
+arrival, the same content) of a request it answered is assigned to it (~0.7 KB each)."""
 HEALTH_PERIOD_S: Final[float] = 0.5
 """Period of the backend's optional health probe (a rank dying under an idle worker is noticed
 within it; the probe is a non-blocking check, e.g. ``waitpid`` on the rank processes)."""
@@ -218,6 +220,28 @@ def _ns(t_s: float) -> int:
 def _nonneg(x: float) -> float:
     # Stages span processes on one host; guard against tiny clock disagreements.
     return max(0.0, x)
+
+
+def request_content(req: IntakeRequest) -> bytes:
+    """A digest of what a worker computes a request's first token from (its prompt, as
+    tokens or block hashes, and ``max_tokens``): equal for every attempt of one request,
+    whatever its arrival stamp or trace context."""
+    packed = msgpack.packb([req.input_len, req.block_size, req.max_tokens, req.tokens,
+                            req.block_hashes])
+    return hashlib.blake2b(packed, digest_size=16).digest()
+
+
+def restamped(data: bytes, headers: dict[str, str], arrival_s: float,
+              now: float) -> tuple[bytes, dict[str, str]]:
+    """A kept FirstToken (``data``, ``headers``) as the answer of a later attempt of its
+    request, the one that arrived at ``arrival_s``: that stamp, and the attempt's stages as
+    far as known (its total to ``now``); the trace context is the current one (the later
+    attempt's)."""
+    first = decode(FirstToken, data, headers)
+    again = first.model_copy(update={"arrival_s": arrival_s,
+                                     "stages": TtftStages(total_s=_nonneg(now - arrival_s))})
+    out, headers = encode(again)
+    return out, inject(headers)
 
 
 def kv_capacity(settings: RankdSettings, backend: ExecutionBackend) -> int:
@@ -340,9 +364,9 @@ class RankdService(MicroService):
         # First tokens still in their KV handoff after the worker moved on (a backend with
         # handoff_off_worker); _shutdown waits for them.
         self._handoffs: set[asyncio.Task[None]] = set()
-        # request id -> (its arrival, subject, data, headers) of its first token, the latest
-        # ANSWER_MEMORY
-        self._answers: OrderedDict[str, tuple[float, str, bytes, dict[str, str]]] = \
+        # request id -> (its arrival, its content's digest (request_content), subject, data,
+        # headers) of its first token, the latest ANSWER_MEMORY
+        self._answers: OrderedDict[str, tuple[float, bytes, str, bytes, dict[str, str]]] = \
             OrderedDict()
         self.answers_resent = 0
         self._on_fault = on_fault
@@ -433,12 +457,24 @@ class RankdService(MicroService):
             # server lost its store, or the de-duplication window had passed) waits for an
             # answer it did not get, and the results stream may have lost the one it kept:
             # it is not run twice (the core admits it as done), its answer is sent again.
+            # Sent re-stamped with this attempt's arrival: a gateway takes only the results of
+            # the attempt it waits for (services/gateway/adapter.py _Waiter), and one that
+            # lost the id's claim with the store (or was restarted meanwhile) waits for this
+            # attempt's alone. Before, the answer went out with the first attempt's stamp
+            # and that gateway waited out its result timeout (504). Only for the same
+            # content: an answer is the first attempt's, and other content under the id
+            # (possible only once the claims were lost too) is another request.
             kept = self._answers.get(rid)
             if kept is not None and kept[0] != a.request.arrival_s:
-                self.answers_resent += 1
-                self.log.info("request answered before assigned again; answer sent again",
-                              request_id=rid)
-                self._send_result(*kept[1:])
+                if kept[1] == request_content(a.request):
+                    self.answers_resent += 1
+                    self.log.info("request answered before assigned again; answer sent "
+                                  "again", request_id=rid)
+                    self._send_result(kept[2], *restamped(kept[3], kept[4],
+                                                          a.request.arrival_s, self.clock()))
+                else:
+                    self.log.warning("request id answered before with other content; this "
+                                     "attempt is not run here", request_id=rid)
         try:
             position = self.core.admit(a, self.clock(), trace_carrier=stage_carrier(a),
                                        source=source)
@@ -844,7 +880,7 @@ class RankdService(MicroService):
         """Send a request's FirstToken and keep it (the latest ``ANSWER_MEMORY``) to send
         again if a later attempt of the request is assigned here (:meth:`_on_assign`)."""
         rid = req.request_id
-        self._answers[rid] = (req.arrival_s, subject, data, headers)
+        self._answers[rid] = (req.arrival_s, request_content(req), subject, data, headers)
         self._answers.move_to_end(rid)
         if len(self._answers) > ANSWER_MEMORY:
             self._answers.popitem(last=False)

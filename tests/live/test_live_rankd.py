@@ -864,3 +864,45 @@ async def test_a_scaled_worker_gives_each_figure_in_one_unit(
     count, sum_ = points(metric_reader, "vtm.worker.prediction_ratio")[(("degree", "2"),)]
     assert count - ratios[0] == 1
     assert sum_ - ratios[1] >= 0.9
+
+
+async def test_a_later_attempt_of_an_answered_request_gets_the_answer_stamped_for_it(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str
+) -> None:
+    """x is answered; a later attempt of x with the same content (a client retry the intake
+    took as new: the server lost its store) is assigned here: the worker does not run it
+    again and sends its kept answer stamped with the later attempt's arrival -- a gateway
+    takes only the results of the attempt it waits for. An attempt under the id with other
+    content gets nothing (the kept answer is another request's); a same-content attempt
+    after it is answered again."""
+    svc, gate = rankd
+    s = Subjects(uniq)
+    sub, results, done = await collect(nc, s.result_all(), 3, FirstToken)
+    first = assignment("r-x", arrival=time.time() - 1.0)
+    await call(nc, s.worker_assign(WID), first, AssignmentAck, timeout_s=WAIT_S)
+    await wait_for_results(results, 1)
+    later = first.request.arrival_s + 0.5
+    retry = first.model_copy(update={"request": first.request.model_copy(
+        update={"arrival_s": later})})
+    await call(nc, s.worker_assign(WID), retry, AssignmentAck, timeout_s=WAIT_S)
+    await wait_for_results(results, 2)
+    other = first.model_copy(update={"request": first.request.model_copy(
+        update={"arrival_s": later + 0.1, "block_hashes": [1, 3]})})
+    await call(nc, s.worker_assign(WID), other, AssignmentAck, timeout_s=WAIT_S)
+    again = first.model_copy(update={"request": first.request.model_copy(
+        update={"arrival_s": later + 0.2})})
+    await call(nc, s.worker_assign(WID), again, AssignmentAck, timeout_s=WAIT_S)
+    await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+    await nc.flush()
+    await sub.unsubscribe()
+    assert [r.arrival_s for r in results] == [first.request.arrival_s, later, later + 0.2]
+    assert {r.token for r in results} == {fake_token("r-x")}
+    assert results[1].stages.total_s >= 0.0
+    assert len(gate.calls) == 1 and svc.answers_resent == 2  # run once
+
+
+async def wait_for_results(results: list, n: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while len(results) < n:
+        assert time.monotonic() < deadline, f"timed out waiting for {n} results"
+        await asyncio.sleep(0.01)

@@ -327,6 +327,26 @@ async def test_a_client_retry_after_the_store_is_lost_gets_the_workers_answer_ag
         assert len(w.core) == 0 and w.core.served == 1  # not run twice
 
 
+async def test_a_retry_at_a_restarted_gateway_after_the_store_is_lost_gets_the_answer(
+        tmp_path: Path) -> None:
+    """As above, but the gateway is restarted too (it crashed, which is why the client sends
+    x again): neither its memory nor the shared bucket -- lost with the store -- knows x's
+    claim, so the retry is a new claim, stored anew, and the gateway takes only the results
+    of this attempt. W sends its kept answer again stamped with the retry's arrival. Before,
+    it went out with the first attempt's stamp, which the gateway passed over: 504 after the
+    result timeout (one request of 1,789 in `vertumnus up --kill-service
+    gateway,nats-empty,controller`)."""
+    async with losable(tmp_path) as (server, live):
+        w, sched, gw = await x_answered(live)
+        await wait_until(lambda: not w._handoffs, "x's answer acknowledged by the store")
+        await live.stop(gw)
+        server.lose()
+        gw2 = await live.gateway(block_size=B, result_timeout_s=15.0)
+        assert await complete(gw2, "x") == 200
+        assert w.answers_resent == 1
+        assert len(w.core) == 0 and w.core.served == 1  # not run twice
+
+
 async def test_an_answer_the_lost_store_never_acknowledged_is_published_again_for_a_retry(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """x is answered, but the server dies before it acknowledges W's publish of the answer
