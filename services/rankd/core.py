@@ -260,9 +260,10 @@ class WorkerCore:
         self._redirecting: dict[str, Job] = {}
         self._running: Job | None = None
         self._known: dict[str, Job] = {}
-        # Recently finished request ids: a scheduler that crashed between our ack and its own
-        # record re-sends the assignment; admission must stay idempotent after the run too.
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        # Recently finished request ids -> the arrival stamp of the attempt run: a scheduler
+        # that crashed between our ack and its own record re-sends the assignment; admission
+        # must stay idempotent after the run too.
+        self._finished: OrderedDict[str, float] = OrderedDict()
         # Request id → source of the admission whose redirect intake acknowledged (bounded
         # like _finished): a re-sent assignment from that source is answered HandedBack.
         self._handed_back: OrderedDict[str, str] = OrderedDict()
@@ -305,6 +306,11 @@ class WorkerCore:
         it) recently enough to remember (``FINISHED_MEMORY``): :meth:`admit` will not run it
         again."""
         return request_id in self._finished
+
+    def finished_arrival(self, request_id: str) -> float | None:
+        """The arrival stamp of the attempt of ``request_id`` this worker finished (as
+        :meth:`answered` remembers it); None when it remembers none."""
+        return self._finished.get(request_id)
 
     @property
     def redirecting(self) -> tuple[Job, ...]:
@@ -381,14 +387,17 @@ class WorkerCore:
 
     def admit(
         self, a: Assignment, now: float, trace_carrier: Mapping[str, str] | None = None,
-        *, source: str | None = None,
+        *, source: str | None = None, again: bool = False,
     ) -> int:
         """Queue ``a``; return the number of requests ahead of it (running included).
 
         ``source``: the intake message the scheduler placed (see module rules); None (an
-        older scheduler, a test) is never matched as handed back."""
+        older scheduler, a test) is never matched as handed back. A request this worker
+        finished is admitted as done (0, not run twice) unless ``again``: a later attempt
+        under its id that the adapter cannot answer from what it kept (other content, or an
+        answer no longer kept), which then runs like a new request."""
         rid = a.request.request_id
-        if rid in self._finished:
+        if rid in self._finished and not again:
             return 0  # already served (its result went out); do not run it twice
         redirecting = self._redirecting.get(rid)
         if redirecting is not None:
@@ -422,6 +431,7 @@ class WorkerCore:
         job = Job(a, accepted_at_s=now, trace_carrier=dict(trace_carrier or {}), source=source)
         self._queue.append(job)
         self._known[rid] = job
+        self._finished.pop(rid, None)  # run again (``again``): it is no longer finished here
         return position
 
     def pull_hold(self, now: float, incoming: Collection[BlockHash] = ()) -> float:
@@ -503,7 +513,7 @@ class WorkerCore:
             raise InvalidInput(f"{request_id} is not the running request")
         self._running = None
         del self._known[request_id]
-        self._finished[request_id] = None
+        self._finished[request_id] = job.assignment.request.arrival_s
         if len(self._finished) > FINISHED_MEMORY:
             self._finished.popitem(last=False)
         self._unpin(job)

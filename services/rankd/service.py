@@ -450,34 +450,36 @@ class RankdService(MicroService):
         """:meth:`_on_assign` once the assignment decoded, its request id bound."""
         source = (request.headers or {}).get(INTAKE_MSG_HEADER)
         rid = a.request.request_id
-        if self.core.answered(rid):
-            # Assigned again after it was answered. The same attempt (same arrival: a
-            # scheduler re-sending its assignment after a crash) had its answer: nothing to do.
-            # A later attempt under the same id (a client retry the intake took as new: the
-            # server lost its store, or the de-duplication window had passed) waits for an
-            # answer it did not get, and the results stream may have lost the one it kept:
-            # it is not run twice (the core admits it as done), its answer is sent again.
-            # Sent re-stamped with this attempt's arrival: a gateway takes only the results of
-            # the attempt it waits for (services/gateway/adapter.py _Waiter), and one that
-            # lost the id's claim with the store (or was restarted meanwhile) waits for this
-            # attempt's alone. Before, the answer went out with the first attempt's stamp
-            # and that gateway waited out its result timeout (504). Only for the same
-            # content: an answer is the first attempt's, and other content under the id
-            # (possible only once the claims were lost too) is another request.
+        again = False
+        done = self.core.finished_arrival(rid)
+        if done is not None and done != a.request.arrival_s:
+            # Assigned again after it was answered, as a later attempt under the same id (a
+            # client retry the intake took as new: the server lost its store, or the
+            # de-duplication window had passed; the same attempt -- the same arrival, a
+            # scheduler re-sending its assignment after a crash -- had its answer: nothing to
+            # do). The results stream may have lost the answer it kept. The same content is
+            # not run twice (the core admits it as done): the kept answer is sent again,
+            # stamped with this attempt's arrival -- a gateway takes only the results of the
+            # attempt it waits for (services/gateway/adapter.py _Waiter), and one that lost
+            # the id's claim with the store, or was restarted, waits for this attempt's
+            # alone. Before, the answer went out with the first attempt's stamp and that
+            # gateway waited out its result timeout (504). Other content under the id (a
+            # new request reusing it once its claim had expired), or an answer no longer
+            # kept, runs again: before, it was admitted as done and never answered.
             kept = self._answers.get(rid)
-            if kept is not None and kept[0] != a.request.arrival_s:
-                if kept[1] == request_content(a.request):
-                    self.answers_resent += 1
-                    self.log.info("request answered before assigned again; answer sent "
-                                  "again", request_id=rid)
-                    self._send_result(kept[2], *restamped(kept[3], kept[4],
-                                                          a.request.arrival_s, self.clock()))
-                else:
-                    self.log.warning("request id answered before with other content; this "
-                                     "attempt is not run here", request_id=rid)
+            if kept is not None and kept[1] == request_content(a.request):
+                self.answers_resent += 1
+                self.log.info("request answered before assigned again; answer sent again",
+                              request_id=rid)
+                self._send_result(kept[2], *restamped(kept[3], kept[4], a.request.arrival_s,
+                                                      self.clock()))
+            else:
+                again = True
+                self.log.info("request id answered before assigned again with other content "
+                              "or no kept answer; run again", request_id=rid)
         try:
             position = self.core.admit(a, self.clock(), trace_carrier=stage_carrier(a),
-                                       source=source)
+                                       source=source, again=again)
         except HandBackUnknown as exc:  # settle it now: publish the hand-back again
             if await self._confirm_handback(exc.job):
                 raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc

@@ -873,32 +873,31 @@ async def test_a_later_attempt_of_an_answered_request_gets_the_answer_stamped_fo
     took as new: the server lost its store) is assigned here: the worker does not run it
     again and sends its kept answer stamped with the later attempt's arrival -- a gateway
     takes only the results of the attempt it waits for. An attempt under the id with other
-    content gets nothing (the kept answer is another request's); a same-content attempt
-    after it is answered again."""
+    content (a new request reusing the id once its claim expired) is run and answered:
+    before, it was admitted as done and never answered. Then the first content again: the
+    kept answer is the other content's now, so it runs too."""
     svc, gate = rankd
     s = Subjects(uniq)
-    sub, results, done = await collect(nc, s.result_all(), 3, FirstToken)
+    sub, results, done = await collect(nc, s.result_all(), 4, FirstToken)
     first = assignment("r-x", arrival=time.time() - 1.0)
-    await call(nc, s.worker_assign(WID), first, AssignmentAck, timeout_s=WAIT_S)
-    await wait_for_results(results, 1)
+
+    def attempt(arrival: float, **update: object) -> Assignment:
+        return first.model_copy(update={"request": first.request.model_copy(
+            update={"arrival_s": arrival, **update})})
+
     later = first.request.arrival_s + 0.5
-    retry = first.model_copy(update={"request": first.request.model_copy(
-        update={"arrival_s": later})})
-    await call(nc, s.worker_assign(WID), retry, AssignmentAck, timeout_s=WAIT_S)
-    await wait_for_results(results, 2)
-    other = first.model_copy(update={"request": first.request.model_copy(
-        update={"arrival_s": later + 0.1, "block_hashes": [1, 3]})})
-    await call(nc, s.worker_assign(WID), other, AssignmentAck, timeout_s=WAIT_S)
-    again = first.model_copy(update={"request": first.request.model_copy(
-        update={"arrival_s": later + 0.2})})
-    await call(nc, s.worker_assign(WID), again, AssignmentAck, timeout_s=WAIT_S)
+    sent = [first, attempt(later), attempt(later + 0.1, block_hashes=[1, 3]),
+            attempt(later + 0.2)]
+    for n, a in enumerate(sent, 1):
+        await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
+        await wait_for_results(results, n)
     await asyncio.wait_for(done.wait(), timeout=WAIT_S)
-    await nc.flush()
     await sub.unsubscribe()
-    assert [r.arrival_s for r in results] == [first.request.arrival_s, later, later + 0.2]
+    assert [r.arrival_s for r in results] == [a.request.arrival_s for a in sent]
     assert {r.token for r in results} == {fake_token("r-x")}
-    assert results[1].stages.total_s >= 0.0
-    assert len(gate.calls) == 1 and svc.answers_resent == 2  # run once
+    assert results[1].stages.total_s >= 0.0 and results[1].stages.prefill_s == 0.0
+    assert len(gate.calls) == 3 and svc.answers_resent == 1  # the retry was not run
+    assert svc.core.served == 3
 
 
 async def wait_for_results(results: list, n: int) -> None:

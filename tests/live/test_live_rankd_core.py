@@ -90,6 +90,41 @@ def test_fifo_positions_and_idempotent_readmission() -> None:
     assert len(core) == 2
 
 
+def test_a_finished_request_is_admitted_as_done_unless_asked_to_run_again() -> None:
+    """A finished request's id is remembered with the arrival stamp of the attempt run: an
+    assignment under it is admitted as done (not run twice) unless the adapter says
+    ``again`` (a later attempt it cannot answer from what it kept), which then runs like a
+    new request and is remembered by its own stamp once finished."""
+    core = WorkerCore(WID, max_queue=3)
+    assert core.finished_arrival("a") is None
+    core.admit(assignment("a"), 0.0)
+    core.start_next(1.0)
+    core.finish("a")
+    assert core.answered("a") and core.finished_arrival("a") == 10.0
+    assert core.admit(assignment("a"), 2.0) == 0 and len(core) == 0  # done: nothing queued
+    later = assignment("a")
+    later = later.model_copy(update={"request": later.request.model_copy(
+        update={"arrival_s": 20.0})})
+    assert core.admit(later, 3.0, again=True) == 0 and len(core) == 1
+    assert not core.answered("a")  # queued to run again
+    assert core.admit(later, 3.5, again=True) == 0 and len(core) == 1  # a re-send: no copy
+    assert core.start_next(4.0) is not None
+    core.finish("a")
+    assert core.finished_arrival("a") == 20.0 and core.served == 2
+
+
+def test_a_refused_run_again_keeps_the_request_finished() -> None:
+    """``again`` with an assignment the worker refuses (here: another degree) changes
+    nothing: the id stays finished with its first attempt's stamp."""
+    core = WorkerCore(WID, max_queue=3)
+    core.admit(assignment("a"), 0.0)
+    core.start_next(1.0)
+    core.finish("a")
+    with pytest.raises(InvalidInput):
+        core.admit(assignment("a", degree=2), 2.0, again=True)
+    assert core.finished_arrival("a") == 10.0 and len(core) == 0
+
+
 def test_refusals_change_nothing() -> None:
     core = WorkerCore(WID, epoch=3)
     with pytest.raises(UnknownWorker):
