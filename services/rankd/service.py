@@ -182,8 +182,9 @@ REDIRECT_WINDOW: Final[int] = 64
 REDIRECT_ATTEMPT_S: Final[float] = 2.0
 """Ack timeout of one redirect publish attempt (then retried, same ``Nats-Msg-Id``)."""
 ANSWER_MEMORY: Final[int] = 8_192
-"""First tokens (and failures) a worker keeps to send again when a later attempt (another
-arrival, the same content) of a request it answered is assigned to it (~0.7 KB each)."""
+"""First tokens a worker keeps to send again when a later attempt (another arrival, the same
+content) of a request it answered is assigned to it (~0.7 KB each). A failure is not kept: a
+later attempt of a failed request runs again."""
 HEALTH_PERIOD_S: Final[float] = 0.5
 """Period of the backend's optional health probe (a rank dying under an idle worker is noticed
 within it; the probe is a non-blocking check, e.g. ``waitpid`` on the rank processes)."""
@@ -464,8 +465,9 @@ class RankdService(MicroService):
             # the id's claim with the store, or was restarted, waits for this attempt's
             # alone. Before, the answer went out with the first attempt's stamp and that
             # gateway waited out its result timeout (504). Other content under the id (a
-            # new request reusing it once its claim had expired), or an answer no longer
-            # kept, runs again: before, it was admitted as done and never answered.
+            # new request reusing it once its claim had expired), a failed request's retry
+            # or an answer no longer kept runs again: before, it was admitted as done and
+            # never answered.
             kept = self._answers.get(rid)
             if kept is not None and kept[1] == request_content(a.request):
                 self.answers_resent += 1
@@ -874,8 +876,10 @@ class RankdService(MicroService):
             arrival_s=a.request.arrival_s,
         )
         data, headers = encode(msg)
-        self._keep_answer(a.request, self.subjects.result(a.request.request_id), data,
-                          headers)
+        # Not kept to send again: a later attempt of a failed request (a client's retry)
+        # runs again rather than get this failure (_assign).
+        self._answers.pop(a.request.request_id, None)
+        self._send_result(self.subjects.result(a.request.request_id), data, headers)
 
     def _keep_answer(self, req: IntakeRequest, subject: str, data: bytes,
                      headers: dict[str, str]) -> None:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import structlog.testing
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -758,6 +759,34 @@ async def test_a_jobs_log_lines_carry_its_request_and_trace_ids(
         failed = [e for e in logs if e["event"] == "prefill failed"]
         assert failed, [e["event"] for e in logs]
         assert {(e.get("request_id"), e.get("trace_id")) for e in failed} == {("r-log", tid)}
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+async def test_a_later_attempt_of_a_failed_request_runs_again(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """A request whose prefill failed is answered with the failure; a later attempt of it (a
+    client's retry, taken as new by the intake) is run again, not answered with the kept
+    failure: each attempt gets a failure of its own prefill, stamped for it."""
+    svc, task = await start_rankd(nats_server.url, uniq, FailingPrefill(prefill_time=Gate()))
+    try:
+        s = Subjects(uniq)
+        sub, results, done = await collect(nc, s.result_all(), 2, FirstToken)
+        first = assignment("r-f", arrival=time.time() - 1.0)
+        retry = first.model_copy(update={"request": first.request.model_copy(
+            update={"arrival_s": first.request.arrival_s + 0.5})})
+        with structlog.testing.capture_logs() as logs:
+            await call(nc, s.worker_assign(WID), first, AssignmentAck, timeout_s=WAIT_S)
+            await wait_for_results(results, 1)
+            await call(nc, s.worker_assign(WID), retry, AssignmentAck, timeout_s=WAIT_S)
+            await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+        await sub.unsubscribe()
+        assert [(r.error is not None, r.arrival_s) for r in results] \
+            == [(True, first.request.arrival_s), (True, retry.request.arrival_s)]
+        assert len([e for e in logs if e["event"] == "prefill failed"]) == 2
+        assert svc.answers_resent == 0
     finally:
         svc.request_stop()
         await asyncio.wait_for(task, timeout=WAIT_S)
