@@ -301,6 +301,10 @@ class WorkerCore:
         """Requests waiting in the FIFO (not started), in order."""
         return tuple(self._queue)
 
+    def job(self, request_id: str) -> Job | None:
+        """The job of ``request_id`` queued or running here; None when there is none."""
+        return self._known.get(request_id)
+
     def answered(self, request_id: str) -> bool:
         """Whether this worker finished ``request_id`` (ran it to its first token, or failed
         it) recently enough to remember (``FINISHED_MEMORY``): :meth:`admit` will not run it

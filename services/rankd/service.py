@@ -370,6 +370,9 @@ class RankdService(MicroService):
         self._answers: OrderedDict[str, tuple[float, bytes, str, bytes, dict[str, str]]] = \
             OrderedDict()
         self.answers_resent = 0
+        # request id -> the arrival stamps of later attempts of it (the same content) assigned
+        # while its job was queued or running here: its answer goes to each (_assign).
+        self._attempts: dict[str, set[float]] = {}
         self._on_fault = on_fault
         self.fault: WorkerFault | None = None
         """The worker fault that stopped this worker (:meth:`fail`); :meth:`run` raises it."""
@@ -479,6 +482,19 @@ class RankdService(MicroService):
                 again = True
                 self.log.info("request id answered before assigned again with other content "
                               "or no kept answer; run again", request_id=rid)
+        job = self.core.job(rid)
+        if job is not None and job.assignment.request.arrival_s != a.request.arrival_s:
+            # A later attempt under the id while an earlier one is queued or running here
+            # (a client retry the intake took as new: the server lost its store). The same
+            # content joins that job, which the core admits once: its answer goes to this
+            # attempt too, stamped for it (a gateway waiting for this attempt takes no other
+            # stamp). Other content waits until that job is answered (the scheduler tries
+            # again; then it runs, above).
+            if request_content(job.assignment.request) != request_content(a.request):
+                raise ServiceError(code=REDIRECTING_CODE,
+                                   description=f"{rid} runs here with other content; try "
+                                               "again once it is answered")
+            self._attempts.setdefault(rid, set()).add(a.request.arrival_s)
         try:
             position = self.core.admit(a, self.clock(), trace_carrier=stage_carrier(a),
                                        source=source, again=again)
@@ -857,8 +873,10 @@ class RankdService(MicroService):
             arrival_s=a.request.arrival_s,
         )
         data, headers = encode(msg)
-        self._keep_answer(a.request, self.subjects.result(a.request.request_id), data,
-                          inject(headers))
+        subject = self.subjects.result(a.request.request_id)
+        headers = inject(headers)
+        self._keep_answer(a.request, subject, data, headers)
+        self._answer_attempts(a.request.request_id, subject, data, headers)
 
     def _publish_failure(self, job: Job, reason: str) -> None:
         a = job.assignment
@@ -879,7 +897,17 @@ class RankdService(MicroService):
         # Not kept to send again: a later attempt of a failed request (a client's retry)
         # runs again rather than get this failure (_assign).
         self._answers.pop(a.request.request_id, None)
-        self._send_result(self.subjects.result(a.request.request_id), data, headers)
+        subject = self.subjects.result(a.request.request_id)
+        self._send_result(subject, data, headers)
+        self._answer_attempts(a.request.request_id, subject, data, headers)
+
+    def _answer_attempts(self, rid: str, subject: str, data: bytes,
+                         headers: dict[str, str]) -> None:
+        """Send ``rid``'s answer (``data``) to the later attempts that joined its job here
+        (:meth:`_assign`), each copy stamped with its attempt's arrival."""
+        now = self.clock()
+        for arrival in sorted(self._attempts.pop(rid, ())):
+            self._send_result(subject, *restamped(data, headers, arrival, now))
 
     def _keep_answer(self, req: IntakeRequest, subject: str, data: bytes,
                      headers: dict[str, str]) -> None:
@@ -908,6 +936,11 @@ class RankdService(MicroService):
         no cancellation can fall between the two."""
         if not jobs:
             return
+        for job in jobs:
+            # NOTE: a later attempt that joined a handed-back job is not answered by it (the
+            # hand-back carries the first attempt); its client's gateway waits out its
+            # timeout. Only after a store loss, and only for a job handed back meanwhile.
+            self._attempts.pop(job.request_id, None)
         task = asyncio.create_task(self._redirect(jobs), name="rankd-redirect")
         self._redirects.add(task)
         task.add_done_callback(self._redirects.discard)

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.rankd.backend import ExecutionBackend, PrefillResult, SimBackend, fake_token
+from services.rankd.core import REDIRECTING_CODE
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
@@ -927,6 +928,56 @@ async def test_a_later_attempt_of_an_answered_request_gets_the_answer_stamped_fo
     assert results[1].stages.total_s >= 0.0 and results[1].stages.prefill_s == 0.0
     assert len(gate.calls) == 3 and svc.answers_resent == 1  # the retry was not run
     assert svc.core.served == 3
+
+
+class SlowGate(Gate):
+    """A Gate whose prefills take a second (a request stays running while a test acts)."""
+
+    def __call__(self, r: int, p: int, degree: int, *, kind: str = "cp") -> float:
+        super().__call__(r, p, degree, kind=kind)
+        return 1.0
+
+
+async def test_a_later_attempt_while_the_first_runs_is_answered_by_its_run(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """A later attempt of x (the same content) assigned while x runs here joins x's job: x
+    runs once, and its answer goes to both attempts, each stamped with its own arrival (a
+    gateway that lost x's claim with the store waits for the later stamp only). Other
+    content under the id meanwhile is refused for now (REDIRECTING: the scheduler tries
+    again), and once x is answered it runs."""
+    gate = SlowGate()
+    svc, task = await start_rankd(nats_server.url, uniq,
+                                  SimBackend(prefill_time=gate, time_scale=1.0))
+    try:
+        s = Subjects(uniq)
+        sub, results, done = await collect(nc, s.result_all(), 3, FirstToken)
+        first = assignment("r-y", arrival=time.time() - 1.0)
+
+        def attempt(arrival: float, **update: object) -> Assignment:
+            return first.model_copy(update={"request": first.request.model_copy(
+                update={"arrival_s": arrival, **update})})
+
+        later = attempt(first.request.arrival_s + 0.5)
+        other = attempt(first.request.arrival_s + 0.6, block_hashes=[1, 3])
+        await call(nc, s.worker_assign(WID), first, AssignmentAck, timeout_s=WAIT_S)
+        ack = await call(nc, s.worker_assign(WID), later, AssignmentAck, timeout_s=WAIT_S)
+        assert ack.queue_position == 0 and len(svc.core) == 1  # joined, not queued
+        with pytest.raises(RemoteError) as err:
+            await call(nc, s.worker_assign(WID), other, AssignmentAck, timeout_s=WAIT_S)
+        assert err.value.code == int(REDIRECTING_CODE)
+        await wait_for_results(results, 2)
+        assert len(gate.calls) == 1
+        await call(nc, s.worker_assign(WID), other, AssignmentAck, timeout_s=WAIT_S)
+        await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+        await sub.unsubscribe()
+        assert [r.arrival_s for r in results] \
+            == [first.request.arrival_s, later.request.arrival_s, other.request.arrival_s]
+        assert all(r.error is None for r in results)
+        assert len(gate.calls) == 2 and svc.answers_resent == 0
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def wait_for_results(results: list, n: int) -> None:

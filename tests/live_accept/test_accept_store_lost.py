@@ -347,6 +347,32 @@ async def test_a_retry_at_a_restarted_gateway_after_the_store_is_lost_gets_the_a
         assert len(w.core) == 0 and w.core.served == 1  # not run twice
 
 
+async def test_a_retry_at_a_restarted_gateway_while_the_first_attempt_runs_gets_the_answer(
+        tmp_path: Path) -> None:
+    """As above, but x is still running on W when the store is lost, and the client sends x
+    again to another gateway (as after a crash of its own: neither that gateway's memory nor
+    the lost bucket knows x's claim, so the retry is stored anew and waits for its own
+    attempt's answer). The retry is assigned to W while W runs x: W does not run it twice,
+    and x's answer, once out, answers both attempts -- the retry's copy stamped with its
+    arrival. Before, the answer carried only the first attempt's stamp, which the other
+    gateway passed over (504)."""
+    async with losable(tmp_path) as (server, live):
+        await controller(live)
+        w = await live.rankd(W, prefill_s=3.0)
+        sched = await live.scheduler(block_size=B)
+        gw = await live.gateway(block_size=B, result_timeout_s=60.0)
+        first = asyncio.create_task(complete(gw, "x"))
+        await wait_until(lambda: w.core.running is not None, "x running on W")
+        server.lose()
+        gw2 = await live.gateway(block_size=B, result_timeout_s=15.0)
+        retry = asyncio.create_task(complete(gw2, "x"))
+        await wait_until(lambda: sched.stats.dispatched == 2 or w.core.running is None,
+                         "the retry assigned to W while x runs")
+        assert w.core.running is not None, "x ended before the retry came: no test"
+        assert (await retry, await first) == (200, 200)
+        assert w.core.served == 1  # not run twice
+
+
 async def test_an_answer_the_lost_store_never_acknowledged_is_published_again_for_a_retry(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """x is answered, but the server dies before it acknowledges W's publish of the answer
