@@ -84,6 +84,13 @@ def assignment(
     )
 
 
+def reattempt(a: Assignment, arrival: float, **update: object) -> Assignment:
+    """A later attempt of ``a``'s request (the same id): arrival ``arrival``, the request's
+    other fields as in ``a`` unless ``update`` changes them (other content)."""
+    return a.model_copy(update={"request": a.request.model_copy(
+        update={"arrival_s": arrival, **update})})
+
+
 class Gate:
     """A sim time function that blocks nothing but records its calls."""
 
@@ -776,8 +783,7 @@ async def test_a_later_attempt_of_a_failed_request_runs_again(
         s = Subjects(uniq)
         sub, results, done = await collect(nc, s.result_all(), 2, FirstToken)
         first = assignment("r-f", arrival=time.time() - 1.0)
-        retry = first.model_copy(update={"request": first.request.model_copy(
-            update={"arrival_s": first.request.arrival_s + 0.5})})
+        retry = reattempt(first, first.request.arrival_s + 0.5)
         with structlog.testing.capture_logs() as logs:
             await call(nc, s.worker_assign(WID), first, AssignmentAck, timeout_s=WAIT_S)
             await wait_for_results(results, 1)
@@ -910,14 +916,9 @@ async def test_a_later_attempt_of_an_answered_request_gets_the_answer_stamped_fo
     s = Subjects(uniq)
     sub, results, done = await collect(nc, s.result_all(), 4, FirstToken)
     first = assignment("r-x", arrival=time.time() - 1.0)
-
-    def attempt(arrival: float, **update: object) -> Assignment:
-        return first.model_copy(update={"request": first.request.model_copy(
-            update={"arrival_s": arrival, **update})})
-
     later = first.request.arrival_s + 0.5
-    sent = [first, attempt(later), attempt(later + 0.1, block_hashes=[1, 3]),
-            attempt(later + 0.2)]
+    sent = [first, reattempt(first, later), reattempt(first, later + 0.1, block_hashes=[1, 3]),
+            reattempt(first, later + 0.2)]
     for n, a in enumerate(sent, 1):
         await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
         await wait_for_results(results, n)
@@ -953,13 +954,8 @@ async def test_a_later_attempt_while_the_first_runs_is_answered_by_its_run(
         s = Subjects(uniq)
         sub, results, done = await collect(nc, s.result_all(), 3, FirstToken)
         first = assignment("r-y", arrival=time.time() - 1.0)
-
-        def attempt(arrival: float, **update: object) -> Assignment:
-            return first.model_copy(update={"request": first.request.model_copy(
-                update={"arrival_s": arrival, **update})})
-
-        later = attempt(first.request.arrival_s + 0.5)
-        other = attempt(first.request.arrival_s + 0.6, block_hashes=[1, 3])
+        later = reattempt(first, first.request.arrival_s + 0.5)
+        other = reattempt(first, first.request.arrival_s + 0.6, block_hashes=[1, 3])
         await call(nc, s.worker_assign(WID), first, AssignmentAck, timeout_s=WAIT_S)
         ack = await call(nc, s.worker_assign(WID), later, AssignmentAck, timeout_s=WAIT_S)
         assert ack.queue_position == 0 and len(svc.core) == 1  # joined, not queued
