@@ -365,9 +365,10 @@ class RankdService(MicroService):
         # First tokens still in their KV handoff after the worker moved on (a backend with
         # handoff_off_worker); _shutdown waits for them.
         self._handoffs: set[asyncio.Task[None]] = set()
-        # request id -> (its arrival, its content's digest (request_content), subject, data,
-        # headers) of its first token, the latest ANSWER_MEMORY
-        self._answers: OrderedDict[str, tuple[float, bytes, str, bytes, dict[str, str]]] = \
+        # request id -> (its content's digest (request_content), subject, data, headers) of
+        # its first token, the latest ANSWER_MEMORY (the attempt answered: the core's
+        # finished_arrival)
+        self._answers: OrderedDict[str, tuple[bytes, str, bytes, dict[str, str]]] = \
             OrderedDict()
         self.answers_resent = 0
         # request id -> the arrival stamps of later attempts of it (the same content) assigned
@@ -472,11 +473,11 @@ class RankdService(MicroService):
             # or an answer no longer kept runs again: before, it was admitted as done and
             # never answered.
             kept = self._answers.get(rid)
-            if kept is not None and kept[1] == request_content(a.request):
+            if kept is not None and kept[0] == request_content(a.request):
                 self.answers_resent += 1
                 self.log.info("request answered before assigned again; answer sent again",
                               request_id=rid)
-                self._send_result(kept[2], *restamped(kept[3], kept[4], a.request.arrival_s,
+                self._send_result(kept[1], *restamped(kept[2], kept[3], a.request.arrival_s,
                                                       self.clock()))
             else:
                 again = True
@@ -914,7 +915,7 @@ class RankdService(MicroService):
         """Send a request's FirstToken and keep it (the latest ``ANSWER_MEMORY``) to send
         again if a later attempt of the request is assigned here (:meth:`_on_assign`)."""
         rid = req.request_id
-        self._answers[rid] = (req.arrival_s, request_content(req), subject, data, headers)
+        self._answers[rid] = (request_content(req), subject, data, headers)
         self._answers.move_to_end(rid)
         if len(self._answers) > ANSWER_MEMORY:
             self._answers.popitem(last=False)
