@@ -88,13 +88,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Final
 
@@ -245,6 +246,28 @@ def restamped(data: bytes, headers: dict[str, str], arrival_s: float,
     return out, inject(headers)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class JoinedAttempt:
+    """A later attempt of ``job``'s request (the same content) that joined the job here: the
+    attempt's arrival stamp and the ``Nats-Msg-Id`` of the intake message whose assignment
+    brought it (None: an assignment without one)."""
+
+    job: Job
+    arrival_s: float
+    source: str | None
+
+
+def joined_msg_id(joined: JoinedAttempt, worker_id: str, epoch: int) -> str:
+    """``Nats-Msg-Id`` of the intake message that hands a joined attempt back: the
+    :func:`handback_msg_id` of its own source (what its scheduler would publish on a gone
+    worker's behalf); without a source, the epoch form with the attempt's arrival added, so
+    that it is not de-duplicated against the job's own hand-back. Pure."""
+    rid = joined.job.request_id
+    if joined.source is not None:
+        return handback_msg_id(rid, joined.source, worker_id, epoch)
+    return f"{handback_msg_id(rid, None, worker_id, epoch)}-a{joined.arrival_s!r}"
+
+
 def kv_capacity(settings: RankdSettings, backend: ExecutionBackend) -> int:
     """The worker's KV-cache capacity in blocks: ``VTM_KV_TOTAL_BLOCKS`` when it was set,
     else the backend's own (a modelled worker's HBM budget, ``kv_capacity_blocks``), else the
@@ -371,9 +394,10 @@ class RankdService(MicroService):
         self._answers: OrderedDict[str, tuple[bytes, str, bytes, dict[str, str]]] = \
             OrderedDict()
         self.answers_resent = 0
-        # request id -> the arrival stamps of later attempts of it (the same content) assigned
-        # while its job was queued or running here: its answer goes to each (_assign).
-        self._attempts: dict[str, set[float]] = {}
+        # request id -> the later attempts of it (the same content) assigned while its job was
+        # queued or running here, arrival stamp -> the source (intake message id) of each: its
+        # answer goes to each (_assign), a hand-back of the job takes each along (_hand_back).
+        self._attempts: dict[str, dict[float, str | None]] = {}
         self._on_fault = on_fault
         self.fault: WorkerFault | None = None
         """The worker fault that stopped this worker (:meth:`fail`); :meth:`run` raises it."""
@@ -495,7 +519,7 @@ class RankdService(MicroService):
                 raise ServiceError(code=REDIRECTING_CODE,
                                    description=f"{rid} runs here with other content; try "
                                                "again once it is answered")
-            self._attempts.setdefault(rid, set()).add(a.request.arrival_s)
+            self._attempts.setdefault(rid, {})[a.request.arrival_s] = source
         try:
             position = self.core.admit(a, self.clock(), trace_carrier=stage_carrier(a),
                                        source=source, again=again)
@@ -879,7 +903,9 @@ class RankdService(MicroService):
         self._keep_answer(a.request, subject, data, headers)
         self._answer_attempts(a.request.request_id, subject, data, headers)
 
-    def _publish_failure(self, job: Job, reason: str) -> None:
+    def _failure(self, job: Job, reason: str) -> tuple[str, bytes, dict[str, str]]:
+        """The error FirstToken of ``job``'s request (``reason``): its subject, data and
+        headers."""
         a = job.assignment
         now = self.clock()
         msg = FirstToken(
@@ -895,19 +921,22 @@ class RankdService(MicroService):
             arrival_s=a.request.arrival_s,
         )
         data, headers = encode(msg)
+        return self.subjects.result(a.request.request_id), data, headers
+
+    def _publish_failure(self, job: Job, reason: str) -> None:
+        subject, data, headers = self._failure(job, reason)
         # Not kept to send again: a later attempt of a failed request (a client's retry)
         # runs again rather than get this failure (_assign).
-        self._answers.pop(a.request.request_id, None)
-        subject = self.subjects.result(a.request.request_id)
+        self._answers.pop(job.request_id, None)
         self._send_result(subject, data, headers)
-        self._answer_attempts(a.request.request_id, subject, data, headers)
+        self._answer_attempts(job.request_id, subject, data, headers)
 
     def _answer_attempts(self, rid: str, subject: str, data: bytes,
                          headers: dict[str, str]) -> None:
         """Send ``rid``'s answer (``data``) to the later attempts that joined its job here
         (:meth:`_assign`), each copy stamped with its attempt's arrival."""
         now = self.clock()
-        for arrival in sorted(self._attempts.pop(rid, ())):
+        for arrival in sorted(self._attempts.pop(rid, {})):
             self._send_result(subject, *restamped(data, headers, arrival, now))
 
     def _keep_answer(self, req: IntakeRequest, subject: str, data: bytes,
@@ -931,18 +960,19 @@ class RankdService(MicroService):
         task.add_done_callback(self._handoffs.discard)
 
     def _hand_back(self, jobs: Sequence[Job]) -> None:
-        """Start redirecting ``jobs`` (just handed back by the core) in a task of their own.
+        """Start redirecting ``jobs`` (just handed back by the core) in a task of their own,
+        with the later attempts that joined them here (:meth:`_assign`), each as an intake
+        message of its own: the hand-back of a job carries its first attempt, and a gateway
+        that waits for a later one takes no other attempt's answer. Before, a joined attempt
+        of a handed-back job was never answered (its gateway waited out its timeout).
 
         Called right after the core call that handed them back, with no await in between, so
         no cancellation can fall between the two."""
         if not jobs:
             return
-        for job in jobs:
-            # NOTE: a later attempt that joined a handed-back job is not answered by it (the
-            # hand-back carries the first attempt); its client's gateway waits out its
-            # timeout. Only after a store loss, and only for a job handed back meanwhile.
-            self._attempts.pop(job.request_id, None)
-        task = asyncio.create_task(self._redirect(jobs), name="rankd-redirect")
+        joined = [JoinedAttempt(job, arrival, source) for job in jobs
+                  for arrival, source in sorted(self._attempts.pop(job.request_id, {}).items())]
+        task = asyncio.create_task(self._redirect(jobs, joined), name="rankd-redirect")
         self._redirects.add(task)
         task.add_done_callback(self._redirects.discard)
         self._dirty.set()
@@ -994,21 +1024,24 @@ class RankdService(MicroService):
             self.log.error("redirect outcome unknown at stop", request_id=job.request_id,
                            worker=self.core.worker_id)
 
-    async def _redirect(self, jobs: Sequence[Job]) -> None:
-        """Send handed-back requests to intake for re-placement (§6.2), in queue order,
-        :data:`REDIRECT_WINDOW` publishes in flight at a time; settle each in the core.
+    async def _redirect(self, jobs: Sequence[Job], joined: Sequence[JoinedAttempt] = ()) -> None:
+        """Send handed-back requests to intake for re-placement (§6.2), in queue order, then
+        the later attempts that joined them (``joined``), :data:`REDIRECT_WINDOW` publishes in
+        flight at a time; settle each job in the core (a joined attempt is not the core's).
 
         ``Nats-Msg-Id`` = :func:`handback_msg_id`: unique per hop (two sources of one merge
         drain under the same epoch, and a request may be redirected by both), the same for
-        every publish of one hand-back."""
+        every publish of one hand-back. A joined attempt's is its own source's
+        (:func:`joined_msg_id`)."""
         epoch = self.core.epoch
         deadline = asyncio.get_running_loop().time() + self.rsettings.redirect_timeout_s
-        for i in range(0, len(jobs), REDIRECT_WINDOW):
+        sends: list[Callable[[], Awaitable[None]]] = [
+            *(functools.partial(self._redirect_one, j, epoch, deadline) for j in jobs),
+            *(functools.partial(self._redirect_joined, j, epoch, deadline) for j in joined)]
+        for i in range(0, len(sends), REDIRECT_WINDOW):
             if _cancel_requested():  # a cancel swallowed inside a publish (cancel_and_wait)
                 raise asyncio.CancelledError
-            await asyncio.gather(
-                *(self._redirect_one(j, epoch, deadline) for j in jobs[i : i + REDIRECT_WINDOW])
-            )
+            await asyncio.gather(*(send() for send in sends[i : i + REDIRECT_WINDOW]))
 
     async def _redirect_one(self, job: Job, epoch: int, deadline: float) -> None:
         """Publish one redirect until intake acknowledges it or ``deadline`` (loop time)
@@ -1016,17 +1049,43 @@ class RankdService(MicroService):
         stays *redirecting*; :meth:`_settle_redirects` deals with it)."""
         req = job.assignment.request
         with bind_request(req.request_id, trace_id_of(req.trace_context)):
-            await self._redirect_bound(job, epoch, deadline)
+            error, maybe_stored = await self._publish_handback(
+                req, handback_msg_id(req.request_id, job.source, self.core.worker_id, epoch),
+                epoch, deadline)
+            self.core.redirect_settled(req.request_id, in_intake=error is None,
+                                       unknown=error is not None and maybe_stored)
+            self._dirty.set()
+            if error is not None and not maybe_stored:
+                with contextlib.suppress(Exception):  # the connection may be closing
+                    self._publish_failure(job, f"redirect failed: {error}")
 
-    async def _redirect_bound(self, job: Job, epoch: int, deadline: float) -> None:
-        """:meth:`_redirect_one` with the request's ids bound to its log lines."""
+    async def _redirect_joined(self, joined: JoinedAttempt, epoch: int, deadline: float) -> None:
+        """Publish a later attempt that joined a handed-back job (its request stamped with the
+        attempt's arrival) as :meth:`_redirect_one` does the job; a definite failure is
+        answered to that attempt. Never raises but CancelledError (an attempt cancelled
+        unsettled is not answered here: its outcome is unknown)."""
+        req = joined.job.assignment.request.model_copy(update={"arrival_s": joined.arrival_s})
+        with bind_request(req.request_id, trace_id_of(req.trace_context)):
+            error, maybe_stored = await self._publish_handback(
+                req, joined_msg_id(joined, self.core.worker_id, epoch), epoch, deadline)
+            if error is not None and not maybe_stored:
+                with contextlib.suppress(Exception):  # the connection may be closing
+                    subject, data, headers = self._failure(joined.job,
+                                                           f"redirect failed: {error}")
+                    self._send_result(subject, *restamped(data, headers, joined.arrival_s,
+                                                          self.clock()))
+
+    async def _publish_handback(self, req: IntakeRequest, msg_id: str, epoch: int,
+                                deadline: float) -> tuple[str | None, bool]:
+        """Publish ``req`` to intake under ``msg_id`` until intake acknowledges it or
+        ``deadline`` (loop time) passes. Returns (the error, None once acknowledged; whether
+        a try timed out, so intake may hold it all the same), logging the outcome."""
         assert self._js is not None
         loop = asyncio.get_running_loop()
-        req = job.assignment.request
         rid = req.request_id
         data, headers = encode(req)
         headers.update(req.trace_context)  # first: never over the headers set here
-        headers["Nats-Msg-Id"] = handback_msg_id(rid, job.source, self.core.worker_id, epoch)
+        headers["Nats-Msg-Id"] = msg_id
         maybe_stored = False  # an attempt timed out: intake may hold it without our ack
         error: str | None = None
         while True:
@@ -1053,22 +1112,16 @@ class RankdService(MicroService):
                                  request_id=rid, worker=self.core.worker_id, epoch=epoch)
             else:
                 self.log.info("redirected", request_id=rid, worker=self.core.worker_id,
-                              epoch=epoch)
+                              epoch=epoch, arrival_s=req.arrival_s)
             break
-        self.core.redirect_settled(rid, in_intake=error is None,
-                                   unknown=error is not None and maybe_stored)
-        self._dirty.set()
-        if error is None:
-            return
-        if maybe_stored:
+        if error is not None and maybe_stored:
             # Intake may serve it: an error answer now could contradict its real first token.
             self.log.error("redirect outcome unknown", request_id=rid,
                            worker=self.core.worker_id, error=error)
-            return
-        self.log.error("redirect failed", request_id=rid, worker=self.core.worker_id,
-                       error=error)
-        with contextlib.suppress(Exception):  # the connection may be closing
-            self._publish_failure(job, f"redirect failed: {error}")
+        elif error is not None:
+            self.log.error("redirect failed", request_id=rid, worker=self.core.worker_id,
+                           error=error)
+        return error, maybe_stored
 
     # -- cache events ---------------------------------------------------------------------------
 

@@ -976,6 +976,86 @@ async def test_a_later_attempt_while_the_first_runs_is_answered_by_its_run(
         await asyncio.wait_for(task, timeout=WAIT_S)
 
 
+async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """x is queued behind a long prefill, and a later attempt of x (the same content) joins
+    it; a drain hands x back: intake gets both attempts, each with its own arrival stamp and
+    message id (the gateway waiting for the later one takes no other stamp). Before, the
+    hand-back carried the first attempt only, and the later one was never answered. Where
+    intake cannot take them, each attempt gets its own error answer."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    svc, task = await start_rankd(
+        nats_server.url, uniq, SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0),
+        drain_timeout_s=0.5)
+    try:
+        arrived = time.time() - 1.0
+        await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
+                   AssignmentAck, timeout_s=WAIT_S)
+        first = assignment("q-x", arrival=arrived)
+        later = reattempt(first, arrived + 0.5)
+        for a in (first, later):
+            await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
+        assert len(svc.core) == 2  # q-1 running, x queued once
+        consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
+        epochs = await js.key_value(s.epoch_bucket())
+        await epochs.put(s.epoch_key(), to_json(EpochRecord(
+            epoch=1, committed_at_s=time.time(), workers=[
+                EpochWorker(worker_id=WID, first_gpu=2, degree=2,
+                            lifecycle=Lifecycle.DRAINING)])))
+        redirected: list[tuple[str, float, str]] = []
+        while len(redirected) < 2:
+            for m in await consumer.fetch(2, timeout=WAIT_S):
+                req = decode(IntakeRequest, m.data, m.headers)
+                redirected.append((req.request_id, req.arrival_s,
+                                   (m.headers or {})["Nats-Msg-Id"]))
+                await m.ack()
+        assert [(rid, arrival) for rid, arrival, _ in redirected] \
+            == [("q-x", arrived), ("q-x", arrived + 0.5)]
+        assert len({mid for *_, mid in redirected}) == 2
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+async def test_a_joined_attempt_whose_hand_back_fails_gets_its_own_error(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """No intake stream: the drain's hand-back of x fails, and each attempt of x -- the
+    first, and the later one that joined it -- gets one error answer, stamped for it."""
+    s = Subjects(uniq)
+    svc, task = await start_rankd(
+        nats_server.url, uniq, SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0),
+        drain_timeout_s=0.5, redirect_timeout_s=2.0)
+    try:
+        sub, results, done = await collect(nc, s.result("q-x"), 2, FirstToken)
+        arrived = time.time() - 1.0
+        await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
+                   AssignmentAck, timeout_s=WAIT_S)
+        first = assignment("q-x", arrival=arrived)
+        for a in (first, reattempt(first, arrived + 0.5)):
+            await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
+        epochs = await nc.jetstream().key_value(s.epoch_bucket())
+        await epochs.put(s.epoch_key(), to_json(EpochRecord(
+            epoch=1, committed_at_s=time.time(), workers=[
+                EpochWorker(worker_id=WID, first_gpu=2, degree=2,
+                            lifecycle=Lifecycle.DRAINING)])))
+        await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+        async with asyncio.timeout(WAIT_S):
+            while svc._redirects:
+                await asyncio.sleep(0.01)
+        await svc.nc.flush()
+        await nc.flush()
+        assert sorted(r.arrival_s for r in results) == [arrived, arrived + 0.5]
+        assert all(r.token is None and "redirect failed" in (r.error or "") for r in results)
+        await sub.unsubscribe()
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
 async def wait_for_results(results: list, n: int) -> None:
     deadline = time.monotonic() + WAIT_S
     while len(results) < n:
