@@ -507,6 +507,7 @@ class RankdService(MicroService):
                 again = True
                 self.log.info("request id answered before assigned again with other content "
                               "or no kept answer; run again", request_id=rid)
+        joins = False
         job = self.core.job(rid)
         if job is not None and job.assignment.request.arrival_s != a.request.arrival_s:
             # A later attempt under the id while an earlier one is queued or running here
@@ -519,7 +520,7 @@ class RankdService(MicroService):
                 raise ServiceError(code=REDIRECTING_CODE,
                                    description=f"{rid} runs here with other content; try "
                                                "again once it is answered")
-            self._attempts.setdefault(rid, {})[a.request.arrival_s] = source
+            joins = True
         try:
             position = self.core.admit(a, self.clock(), trace_carrier=stage_carrier(a),
                                        source=source, again=again)
@@ -531,6 +532,11 @@ class RankdService(MicroService):
             raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc
         except Redirecting as exc:  # the scheduler retries and keeps its record
             raise ServiceError(code=REDIRECTING_CODE, description=str(exc)) from exc
+        if joins:
+            # Only once admitted: a job being handed back is refused (Redirecting), and an
+            # attempt noted for it would outlive its hand-back, to be answered twice when its
+            # retry runs here (or kept for ever when it runs elsewhere).
+            self._attempts.setdefault(rid, {})[a.request.arrival_s] = source
         self._work.set()
         self._dirty.set()
         self.log.debug("admitted", request_id=a.request.request_id, position=position)

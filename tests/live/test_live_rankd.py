@@ -1056,6 +1056,51 @@ async def test_a_joined_attempt_whose_hand_back_fails_gets_its_own_error(
         await asyncio.wait_for(task, timeout=WAIT_S)
 
 
+async def test_a_later_attempt_refused_while_its_job_is_handed_back_is_answered_once(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """A later attempt of x assigned while x's hand-back is still unsettled is refused for
+    now (REDIRECTING); once the hand-back settled, its retry runs here and is answered once.
+    Before, the refused attempt was noted as joining x all the same, and its run answered it
+    twice."""
+    s = Subjects(uniq)
+    svc, task = await start_rankd(
+        nats_server.url, uniq,
+        # The long request (2,048 tokens) holds the worker for 2 s, so x stays queued.
+        SimBackend(prefill_time=lambda r, p, c, kind="cp": 2.0 if r + p > 1024 else 0.05,
+                   time_scale=1.0))
+    try:
+        sub, results, _ = await collect(nc, s.result("q-x"), 1, FirstToken)
+        arrived = time.time() - 1.0
+        long = assignment("q-1", arrival=arrived)
+        long = long.model_copy(update={
+            "request": long.request.model_copy(update={"input_len": 2048,
+                                                       "block_hashes": [7, 8, 9, 10]}),
+            "prefix_tokens": 0, "recompute_tokens": 2048})
+        await call(nc, s.worker_assign(WID), long, AssignmentAck, timeout_s=WAIT_S)
+        first = assignment("q-x", arrival=arrived)
+        await call(nc, s.worker_assign(WID), first, AssignmentAck, timeout_s=WAIT_S)
+        # The core hands x back; its redirect is not settled yet (no task publishes it).
+        assert [j.request_id for j in svc.core.take_queued()] == ["q-x"]
+        later = reattempt(first, arrived + 0.5)
+        with pytest.raises(RemoteError) as err:
+            await call(nc, s.worker_assign(WID), later, AssignmentAck, timeout_s=WAIT_S)
+        assert err.value.code == int(REDIRECTING_CODE)
+        svc.core.redirect_settled("q-x", in_intake=True)
+        await call(nc, s.worker_assign(WID), later, AssignmentAck, timeout_s=WAIT_S)
+        await wait_for_results(results, 1)
+        async with asyncio.timeout(WAIT_S):  # every answer the worker sends has gone out
+            while svc._handoffs:
+                await asyncio.sleep(0.01)
+        await svc.nc.flush()
+        await nc.flush()
+        assert [(r.arrival_s, r.error) for r in results] == [(arrived + 0.5, None)]
+        await sub.unsubscribe()
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
 async def wait_for_results(results: list, n: int) -> None:
     deadline = time.monotonic() + WAIT_S
     while len(results) < n:
