@@ -249,11 +249,11 @@ def restamped(data: bytes, headers: dict[str, str], arrival_s: float,
 @dataclasses.dataclass(frozen=True, slots=True)
 class JoinedAttempt:
     """A later attempt of ``job``'s request (the same content) that joined the job here: the
-    attempt's arrival stamp and the ``Nats-Msg-Id`` of the intake message whose assignment
-    brought it (None: an assignment without one)."""
+    attempt's own request (its arrival stamp, its trace context) and the ``Nats-Msg-Id`` of
+    the intake message whose assignment brought it (None: an assignment without one)."""
 
     job: Job
-    arrival_s: float
+    request: IntakeRequest
     source: str | None
 
 
@@ -265,7 +265,7 @@ def joined_msg_id(joined: JoinedAttempt, worker_id: str, epoch: int) -> str:
     rid = joined.job.request_id
     if joined.source is not None:
         return handback_msg_id(rid, joined.source, worker_id, epoch)
-    return f"{handback_msg_id(rid, None, worker_id, epoch)}-a{joined.arrival_s!r}"
+    return f"{handback_msg_id(rid, None, worker_id, epoch)}-a{joined.request.arrival_s!r}"
 
 
 def kv_capacity(settings: RankdSettings, backend: ExecutionBackend) -> int:
@@ -395,9 +395,10 @@ class RankdService(MicroService):
             OrderedDict()
         self.answers_resent = 0
         # request id -> the later attempts of it (the same content) assigned while its job was
-        # queued or running here, arrival stamp -> the source (intake message id) of each: its
-        # answer goes to each (_assign), a hand-back of the job takes each along (_hand_back).
-        self._attempts: dict[str, dict[float, str | None]] = {}
+        # queued or running here, arrival stamp -> (its request, its source: the intake message
+        # id) of each: its answer goes to each (_assign), a hand-back of the job takes each
+        # along (_hand_back).
+        self._attempts: dict[str, dict[float, tuple[IntakeRequest, str | None]]] = {}
         self._on_fault = on_fault
         self.fault: WorkerFault | None = None
         """The worker fault that stopped this worker (:meth:`fail`); :meth:`run` raises it."""
@@ -536,7 +537,7 @@ class RankdService(MicroService):
             # Only once admitted: a job being handed back is refused (Redirecting), and an
             # attempt noted for it would outlive its hand-back, to be answered twice when its
             # retry runs here (or kept for ever when it runs elsewhere).
-            self._attempts.setdefault(rid, {})[a.request.arrival_s] = source
+            self._attempts.setdefault(rid, {})[a.request.arrival_s] = (a.request, source)
         self._work.set()
         self._dirty.set()
         self.log.debug("admitted", request_id=a.request.request_id, position=position)
@@ -976,8 +977,8 @@ class RankdService(MicroService):
         no cancellation can fall between the two."""
         if not jobs:
             return
-        joined = [JoinedAttempt(job, arrival, source) for job in jobs
-                  for arrival, source in sorted(self._attempts.pop(job.request_id, {}).items())]
+        joined = [JoinedAttempt(job, *attempt) for job in jobs
+                  for _, attempt in sorted(self._attempts.pop(job.request_id, {}).items())]
         task = asyncio.create_task(self._redirect(jobs, joined), name="rankd-redirect")
         self._redirects.add(task)
         task.add_done_callback(self._redirects.discard)
@@ -1066,11 +1067,11 @@ class RankdService(MicroService):
                     self._publish_failure(job, f"redirect failed: {error}")
 
     async def _redirect_joined(self, joined: JoinedAttempt, epoch: int, deadline: float) -> None:
-        """Publish a later attempt that joined a handed-back job (its request stamped with the
-        attempt's arrival) as :meth:`_redirect_one` does the job; a definite failure is
-        answered to that attempt. Never raises but CancelledError (an attempt cancelled
-        unsettled is not answered here: its outcome is unknown)."""
-        req = joined.job.assignment.request.model_copy(update={"arrival_s": joined.arrival_s})
+        """Publish a later attempt that joined a handed-back job (its own request: its
+        arrival stamp and trace context) as :meth:`_redirect_one` does the job; a definite
+        failure is answered to that attempt. Never raises but CancelledError (an attempt
+        cancelled unsettled is not answered here: its outcome is unknown)."""
+        req = joined.request
         with bind_request(req.request_id, trace_id_of(req.trace_context)):
             error, maybe_stored = await self._publish_handback(
                 req, joined_msg_id(joined, self.core.worker_id, epoch), epoch, deadline)
@@ -1078,7 +1079,7 @@ class RankdService(MicroService):
                 with contextlib.suppress(Exception):  # the connection may be closing
                     subject, data, headers = self._failure(joined.job,
                                                            f"redirect failed: {error}")
-                    self._send_result(subject, *restamped(data, headers, joined.arrival_s,
+                    self._send_result(subject, *restamped(data, headers, req.arrival_s,
                                                           self.clock()))
 
     async def _publish_handback(self, req: IntakeRequest, msg_id: str, epoch: int,

@@ -995,7 +995,9 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
         await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
                    AssignmentAck, timeout_s=WAIT_S)
         first = assignment("q-x", arrival=arrived)
-        later = reattempt(first, arrived + 0.5)
+        # The later attempt's own trace (its gateway's root span) goes with its hand-back.
+        later = reattempt(first, arrived + 0.5, trace_context={
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
         for a in (first, later):
             await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
         assert len(svc.core) == 2  # q-1 running, x queued once
@@ -1005,16 +1007,16 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
             epoch=1, committed_at_s=time.time(), workers=[
                 EpochWorker(worker_id=WID, first_gpu=2, degree=2,
                             lifecycle=Lifecycle.DRAINING)])))
-        redirected: list[tuple[str, float, str]] = []
+        redirected: list[tuple[IntakeRequest, str]] = []
         while len(redirected) < 2:
             for m in await consumer.fetch(2, timeout=WAIT_S):
-                req = decode(IntakeRequest, m.data, m.headers)
-                redirected.append((req.request_id, req.arrival_s,
+                redirected.append((decode(IntakeRequest, m.data, m.headers),
                                    (m.headers or {})["Nats-Msg-Id"]))
                 await m.ack()
-        assert [(rid, arrival) for rid, arrival, _ in redirected] \
+        assert [(r.request_id, r.arrival_s) for r, _ in redirected] \
             == [("q-x", arrived), ("q-x", arrived + 0.5)]
-        assert len({mid for *_, mid in redirected}) == 2
+        assert redirected[1][0].trace_context == later.request.trace_context
+        assert len({mid for _, mid in redirected}) == 2
     finally:
         svc.request_stop()
         await asyncio.wait_for(task, timeout=WAIT_S)
