@@ -864,9 +864,11 @@ class SchedulerService(MicroService):
         self.metrics = SchedulerMetrics()
         self._states: dict[str, WorkerState] = {}
         self._states_loaded = False  # the watcher delivered the bucket's initial values
-        # Request ids whose first token this replica saw (bounded): a recorded dispatch of one
-        # of them is not sent again, nor handed back for a gone worker.
-        self._served: OrderedDict[str, None] = OrderedDict()
+        # Request ids whose first token this replica saw (bounded), with the latest arrival
+        # stamp such a token echoed (None: one without, from an older producer): a recorded
+        # dispatch of an attempt it answers is not sent again, nor handed back for a gone
+        # worker (_served_for).
+        self._served: OrderedDict[str, float | None] = OrderedDict()
         # The workers' queues as last listed for re-sent messages (taken at, worker -> ids or
         # None: no answer; republished_listing_s), and the lock one listing is taken under.
         self._listing: tuple[float, dict[str, set[str] | None]] | None = None
@@ -1346,7 +1348,8 @@ class SchedulerService(MicroService):
             result = first_token_of(rid, msg)
         except SchemaError:
             return
-        worker = await self._result_seen(rid, served=result.error is None)
+        worker = await self._result_seen(rid, served=result.error is None,
+                                         arrival_s=result.arrival_s)
         if worker is None:
             return  # placed by another replica, or already released
         # The worker was free again when the prefill ended: the KV handoff and the first
@@ -1355,16 +1358,32 @@ class SchedulerService(MicroService):
         self._infer_next_start(worker, result.finished_at_s - st.kv_transfer_s
                                - st.first_decode_s)
 
-    async def _result_seen(self, rid: str, *, served: bool) -> WorkerId | None:
-        """``rid``'s result is out (``served``: a first token, not an error): it leaves the
-        ledger, its held intake message is acked, and its reservation in the core ends.
-        Returns the worker it was reserved on, None when the core had none (placed by another
-        replica, or already released)."""
+    def _served_for(self, rid: str, arrival_s: float) -> bool:
+        """Whether a first token of ``rid`` this replica saw answers the attempt that arrived
+        at ``arrival_s``: one of an attempt stamped at or after it (as :meth:`_result_kept`
+        judges a kept one), or one without a stamp."""
+        if rid not in self._served:
+            return False
+        stamp = self._served[rid]
+        return stamp is None or stamp >= arrival_s
+
+    async def _result_seen(self, rid: str, *, served: bool,
+                           arrival_s: float | None = None) -> WorkerId | None:
+        """``rid``'s result is out (``served``: a first token, not an error, answering the
+        attempt that arrived at ``arrival_s``; None: not known which): it leaves the ledger,
+        its held intake message is acked, and its reservation in the core ends. Returns the
+        worker it was reserved on, None when the core had none (placed by another replica,
+        or already released)."""
         self.core.forget_foreign(rid)
         self.ledger.pop(rid)
         await self._release_held(rid)
         if served:
-            self._served[rid] = None
+            stamp = arrival_s
+            if rid in self._served:
+                # The latest attempt answered; one not known (None) answers every attempt.
+                known = self._served[rid]
+                stamp = None if known is None or arrival_s is None else max(known, arrival_s)
+            self._served[rid] = stamp
             self._served.move_to_end(rid)
             if len(self._served) > FINISHED_MEMORY:
                 self._served.popitem(last=False)
@@ -1534,9 +1553,11 @@ class SchedulerService(MicroService):
                           stream_seq=seq, newer_seq=record.stream_seq)
             await msg.ack()
             return
-        if is_handback_msg_id(msg_id) and rid in self._served:
+        if is_handback_msg_id(msg_id) and self._served_for(rid, req.arrival_s):
             # A hand-back (by a worker, or by a replica for a lost worker) of a request whose
-            # first token is out: placing it would run it a second time for nobody.
+            # first token is out: placing it would run it a second time for nobody. Not one
+            # of a later attempt (a worker hands back each attempt that joined the job it
+            # handed back): the first attempt's answer does not answer that one's gateway.
             self.stats.finished_acked += 1
             self.log.info("hand-back of a served request acked", request_id=rid)
             await msg.ack()
@@ -1601,7 +1622,7 @@ class SchedulerService(MicroService):
         with span_cm as span:
             stored: Any = None
             if record is not None:  # "dispatching": a crash or an unknown dispatch outcome
-                if rid in self._served:
+                if self._served_for(rid, req.arrival_s):
                     self.stats.finished_acked += 1
                     self.log.info("redelivery of a served request acked", request_id=rid)
                     await msg.ack()
@@ -1703,7 +1724,7 @@ class SchedulerService(MicroService):
             # hold: a result published later reaches _on_result.
             self.stats.resent_served += 1
             self.log.info("re-sent assignment was served already; acked", request_id=rid)
-            await self._result_seen(rid, served=True)
+            await self._result_seen(rid, served=True, arrival_s=req.arrival_s)
         if decision is not None:
             await self._after_dispatch(req, assignment, decision,
                                        in_demand=not is_handback_msg_id(msg_id))
@@ -2076,7 +2097,7 @@ class SchedulerService(MicroService):
         answer yet while its state is fresh is adopted too: the ledger finds it if it died."""
         rid = req.request_id
         # Without hold_intake nothing is held: this is the crash-before-ack case.
-        if rid in self._served or not self.ssettings.hold_intake \
+        if self._served_for(rid, req.arrival_s) or not self.ssettings.hold_intake \
                 or await self._result_kept(rid, since_s=req.arrival_s):
             self.stats.redelivered_acked += 1
             self.log.info("redelivered intake acked without dispatch", request_id=rid)

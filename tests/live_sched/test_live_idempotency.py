@@ -175,14 +175,41 @@ async def test_hand_back_is_not_counted_twice_in_demand(live: Services, fake_wor
     assert sum(r.requests for r in reports) == 1
 
 
+async def test_a_hand_back_of_a_later_attempt_is_placed_though_an_earlier_one_is_answered(
+        live: Services, fake_worker, nc: Client, uniq: str) -> None:  # type: ignore[no-untyped-def]
+    """A worker that hands x back hands back the later attempts that joined x's job with it,
+    each as a message of its own (rankd ``_hand_back``). x's first attempt is answered before
+    the later attempt's hand-back is handled: that one is placed all the same (its gateway
+    takes only its own attempt's answer), while a hand-back of the answered attempt itself
+    is acked unplaced (it would run for nobody). Before, the answer of any attempt made
+    every hand-back of the id acked unplaced: the later attempt's client got a 504."""
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    sched = await live.scheduler(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    first = intake("jn-1")
+    await publish(nc, s, first)
+    await wait_until(lambda: len(w.assignments) == 1, "first placement")
+    await _answer(nc, s, "jn-1", w.worker_id, arrival_s=first.arrival_s)
+    await wait_until(lambda: "jn-1" in sched._served, "the first attempt's answer seen")
+    await publish(nc, s, first, msg_id=handback_msg_id("jn-1", "jn-1", w.worker_id, 1))
+    await wait_until(lambda: sched.stats.finished_acked == 1, "the answered hand-back acked")
+    later = first.model_copy(update={"arrival_s": first.arrival_s + 0.5})
+    await publish(nc, s, later, msg_id=handback_msg_id("jn-1", "jn-1.2", w.worker_id, 1))
+    await wait_until(lambda: len(w.assignments) == 2, "the later attempt placed")
+    assert w.assignments[1].request.arrival_s == later.arrival_s
+    assert sched.stats.finished_acked == 1
+
+
 async def _intake_messages(nc: Client, s: Subjects) -> int:
     return (await nc.jetstream().stream_info(s.intake_stream())).state.messages
 
 
-async def _answer(nc: Client, s: Subjects, rid: str, worker: str) -> None:
+async def _answer(nc: Client, s: Subjects, rid: str, worker: str,
+                  arrival_s: float | None = None) -> None:
     result = FirstToken(request_id=rid, token=7, worker_id=worker, epoch=0,
                         predicted_prefill_s=0.1, stages=TtftStages(total_s=0.2),
-                        finished_at_s=time.time())
+                        finished_at_s=time.time(), arrival_s=arrival_s)
     data, headers = encode(result)
     await nc.publish(s.result(rid), data, headers=headers)
 
