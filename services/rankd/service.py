@@ -538,6 +538,8 @@ class RankdService(MicroService):
             # attempt noted for it would outlive its hand-back, to be answered twice when its
             # retry runs here (or kept for ever when it runs elsewhere).
             self._attempts.setdefault(rid, {})[a.request.arrival_s] = (a.request, source)
+            self.log.info("later attempt joins the request's job here", request_id=rid,
+                          arrival_s=a.request.arrival_s)
         self._work.set()
         self._dirty.set()
         self.log.debug("admitted", request_id=a.request.request_id, position=position)
