@@ -259,13 +259,14 @@ class JoinedAttempt:
 
 def joined_msg_id(joined: JoinedAttempt, worker_id: str, epoch: int) -> str:
     """``Nats-Msg-Id`` of the intake message that hands a joined attempt back: the
-    :func:`handback_msg_id` of its own source (what its scheduler would publish on a gone
-    worker's behalf); without a source, the epoch form with the attempt's arrival added, so
-    that it is not de-duplicated against the job's own hand-back. Pure."""
-    rid = joined.job.request_id
-    if joined.source is not None:
-        return handback_msg_id(rid, joined.source, worker_id, epoch)
-    return f"{handback_msg_id(rid, None, worker_id, epoch)}-a{joined.request.arrival_s!r}"
+    :func:`handback_msg_id` of its own source with the attempt's arrival stamp added. The
+    attempts of one request usually share their source: a gateway publishes every attempt
+    under the request id, and a later one is stored anew only where the first one's message
+    no longer de-duplicates it (a store loss). Under the job's own hand-back id it would be
+    de-duplicated against that hand-back and dropped. Still a hand-back id
+    (:func:`~services.rankd.core.is_handback_msg_id`). Pure."""
+    return (f"{handback_msg_id(joined.job.request_id, joined.source, worker_id, epoch)}"
+            f"@a{joined.request.arrival_s!r}")
 
 
 def kv_capacity(settings: RankdSettings, backend: ExecutionBackend) -> int:

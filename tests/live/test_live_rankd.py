@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.rankd.backend import ExecutionBackend, PrefillResult, SimBackend, fake_token
-from services.rankd.core import REDIRECTING_CODE
+from services.rankd.core import INTAKE_MSG_HEADER, REDIRECTING_CODE, handback_msg_id
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
@@ -999,7 +999,10 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
         later = reattempt(first, arrived + 0.5, trace_context={
             "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
         for a in (first, later):
-            await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
+            # Both attempts' intake messages have the gateway's id, the request id (the later
+            # one was stored anew after a store loss).
+            await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S,
+                       headers={INTAKE_MSG_HEADER: "q-x"})
         assert len(svc.core) == 2  # q-1 running, x queued once
         consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
         epochs = await js.key_value(s.epoch_bucket())
@@ -1016,7 +1019,10 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
         assert [(r.request_id, r.arrival_s) for r, _ in redirected] \
             == [("q-x", arrived), ("q-x", arrived + 0.5)]
         assert redirected[1][0].trace_context == later.request.trace_context
-        assert len({mid for _, mid in redirected}) == 2
+        # The job's hand-back has its usual id; the joined attempt's is its own (under the
+        # same id the intake would have dropped it as a duplicate).
+        assert redirected[0][1] == handback_msg_id("q-x", "q-x", WID, 1)
+        assert redirected[1][1] != redirected[0][1]
     finally:
         svc.request_stop()
         await asyncio.wait_for(task, timeout=WAIT_S)

@@ -195,7 +195,10 @@ async def test_a_hand_back_of_a_later_attempt_is_placed_though_an_earlier_one_is
     await publish(nc, s, first, msg_id=handback_msg_id("jn-1", "jn-1", w.worker_id, 1))
     await wait_until(lambda: sched.stats.finished_acked == 1, "the answered hand-back acked")
     later = first.model_copy(update={"arrival_s": first.arrival_s + 0.5})
-    await publish(nc, s, later, msg_id=handback_msg_id("jn-1", "jn-1.2", w.worker_id, 1))
+    # The id rankd gives a joined attempt's hand-back (services/rankd/service.py
+    # joined_msg_id): the job's, with the attempt's arrival added.
+    await publish(nc, s, later, msg_id=handback_msg_id("jn-1", "jn-1", w.worker_id, 1)
+                  + f"@a{later.arrival_s!r}")
     await wait_until(lambda: len(w.assignments) == 2, "the later attempt placed")
     assert w.assignments[1].request.arrival_s == later.arrival_s
     assert sched.stats.finished_acked == 1
