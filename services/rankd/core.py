@@ -139,6 +139,36 @@ def is_handback_msg_id(msg_id: str) -> bool:
     return ">" in msg_id
 
 
+JOINED_MARK: Final[str] = "@a"
+"""What a joined attempt's hand-back id adds to the job's (:func:`joined_handback_msg_id`),
+before the attempt's arrival stamp. Request ids and gateway message ids never contain ``@``."""
+
+
+def joined_handback_msg_id(request_id: str, source: str | None, worker_id: str, epoch: int,
+                           arrival_s: float) -> str:
+    """``Nats-Msg-Id`` of the intake message that hands back a later attempt of
+    ``request_id`` (arrival ``arrival_s``, brought by intake message ``source``) which joined
+    the request's job on ``worker_id``: the :func:`handback_msg_id` of its source, then
+    :data:`JOINED_MARK` and the stamp. The attempts of one request usually share their
+    source -- a gateway publishes every attempt under the request id, and a later one is
+    stored anew only where the first one's message no longer de-duplicates it (a store
+    loss) -- so under the job's own hand-back id it would be de-duplicated against that
+    hand-back and dropped. Still a hand-back id (:func:`is_handback_msg_id`). Pure."""
+    return f"{handback_msg_id(request_id, source, worker_id, epoch)}{JOINED_MARK}{arrival_s!r}"
+
+
+def attempt_mark(msg_id: str) -> str | None:
+    """The attempt an intake message id names, as far as ids tell: the stamp of the last
+    :data:`JOINED_MARK` in it (a joined attempt's hand-back, or a later hop of one), None for
+    the request's job itself (the gateway's message and its hand-backs). A digest-shortened
+    id (:func:`handback_msg_id`) has lost its marks: None, as before joined attempts were
+    handed back. Pure."""
+    head, mark, tail = msg_id.rpartition(JOINED_MARK)
+    if not mark:
+        return None
+    return tail.split(">", 1)[0]
+
+
 def rank_shares(recompute_tokens: int, degree: int) -> tuple[int, ...]:
     """New tokens each rank of a degree-``degree`` CP worker prefills, by rank index.
 

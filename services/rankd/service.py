@@ -120,6 +120,7 @@ from services.rankd.core import (
     Redirecting,
     WorkerCore,
     handback_msg_id,
+    joined_handback_msg_id,
     rank_shares,
 )
 from services.rankd.metrics import WorkerMetrics
@@ -255,18 +256,6 @@ class JoinedAttempt:
     job: Job
     request: IntakeRequest
     source: str | None
-
-
-def joined_msg_id(joined: JoinedAttempt, worker_id: str, epoch: int) -> str:
-    """``Nats-Msg-Id`` of the intake message that hands a joined attempt back: the
-    :func:`handback_msg_id` of its own source with the attempt's arrival stamp added. The
-    attempts of one request usually share their source: a gateway publishes every attempt
-    under the request id, and a later one is stored anew only where the first one's message
-    no longer de-duplicates it (a store loss). Under the job's own hand-back id it would be
-    de-duplicated against that hand-back and dropped. Still a hand-back id
-    (:func:`~services.rankd.core.is_handback_msg_id`). Pure."""
-    return (f"{handback_msg_id(joined.job.request_id, joined.source, worker_id, epoch)}"
-            f"@a{joined.request.arrival_s!r}")
 
 
 def kv_capacity(settings: RankdSettings, backend: ExecutionBackend) -> int:
@@ -1042,7 +1031,7 @@ class RankdService(MicroService):
         ``Nats-Msg-Id`` = :func:`handback_msg_id`: unique per hop (two sources of one merge
         drain under the same epoch, and a request may be redirected by both), the same for
         every publish of one hand-back. A joined attempt's is its own source's
-        (:func:`joined_msg_id`)."""
+        (:func:`~services.rankd.core.joined_handback_msg_id`)."""
         epoch = self.core.epoch
         deadline = asyncio.get_running_loop().time() + self.rsettings.redirect_timeout_s
         sends: list[Callable[[], Awaitable[None]]] = [
@@ -1077,7 +1066,8 @@ class RankdService(MicroService):
         req = joined.request
         with bind_request(req.request_id, trace_id_of(req.trace_context)):
             error, maybe_stored = await self._publish_handback(
-                req, joined_msg_id(joined, self.core.worker_id, epoch), epoch, deadline)
+                req, joined_handback_msg_id(req.request_id, joined.source, self.core.worker_id,
+                                            epoch, req.arrival_s), epoch, deadline)
             if error is not None and not maybe_stored:
                 with contextlib.suppress(Exception):  # the connection may be closing
                     subject, data, headers = self._failure(joined.job,

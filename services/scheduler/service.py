@@ -199,6 +199,7 @@ from services.rankd.core import (
     HANDED_BACK_CODE,
     INTAKE_MSG_HEADER,
     REDIRECTING_CODE,
+    attempt_mark,
     handback_msg_id,
     is_handback_msg_id,
 )
@@ -864,11 +865,11 @@ class SchedulerService(MicroService):
         self.metrics = SchedulerMetrics()
         self._states: dict[str, WorkerState] = {}
         self._states_loaded = False  # the watcher delivered the bucket's initial values
-        # Request ids whose first token this replica saw (bounded), with the latest arrival
-        # stamp such a token echoed (None: one without, from an older producer): a recorded
-        # dispatch of an attempt it answers is not sent again, nor handed back for a gone
-        # worker (_served_for).
-        self._served: OrderedDict[str, float | None] = OrderedDict()
+        # Request ids whose first token this replica saw (bounded), with the arrival stamps
+        # of the attempts those tokens answered (None: one without a stamp, from an older
+        # producer, which answers every attempt): a recorded dispatch of an attempt answered
+        # is not sent again, nor handed back for a gone worker (_served_for).
+        self._served: OrderedDict[str, tuple[float, ...] | None] = OrderedDict()
         # The workers' queues as last listed for re-sent messages (taken at, worker -> ids or
         # None: no answer; republished_listing_s), and the lock one listing is taken under.
         self._listing: tuple[float, dict[str, set[str] | None]] | None = None
@@ -1360,12 +1361,13 @@ class SchedulerService(MicroService):
 
     def _served_for(self, rid: str, arrival_s: float) -> bool:
         """Whether a first token of ``rid`` this replica saw answers the attempt that arrived
-        at ``arrival_s``: one of an attempt stamped at or after it (as :meth:`_result_kept`
-        judges a kept one), or one without a stamp."""
+        at ``arrival_s``: one stamped with it, or one without a stamp. Another attempt's
+        does not: a gateway takes only the answer of the attempt it waits for (its
+        ``_Waiter``), and the worker answers each attempt of a job separately."""
         if rid not in self._served:
             return False
-        stamp = self._served[rid]
-        return stamp is None or stamp >= arrival_s
+        stamps = self._served[rid]
+        return stamps is None or arrival_s in stamps
 
     async def _result_seen(self, rid: str, *, served: bool,
                            arrival_s: float | None = None) -> WorkerId | None:
@@ -1378,12 +1380,10 @@ class SchedulerService(MicroService):
         self.ledger.pop(rid)
         await self._release_held(rid)
         if served:
-            stamp = arrival_s
-            if rid in self._served:
-                # The latest attempt answered; one not known (None) answers every attempt.
-                known = self._served[rid]
-                stamp = None if known is None or arrival_s is None else max(known, arrival_s)
-            self._served[rid] = stamp
+            known = self._served.get(rid, ())
+            # An answer without a stamp (None) answers every attempt, from then on.
+            self._served[rid] = None if arrival_s is None or known is None else \
+                known if arrival_s in known else (*known, arrival_s)
             self._served.move_to_end(rid)
             if len(self._served) > FINISHED_MEMORY:
                 self._served.popitem(last=False)
@@ -1544,10 +1544,14 @@ class SchedulerService(MicroService):
         if record is not None and record.stream_seq == seq and record.state == "dispatched":
             await self._redelivered(msg, req, record)
             return
-        if record is not None and record.stream_seq > seq:
+        if record is not None and record.stream_seq > seq \
+                and attempt_mark(record.msg_id) == attempt_mark(msg_id):
             # A newer message of this request was placed: a worker admitted this one and
             # handed it back (its redirect is that message), so the request lives on there.
-            # Placing this one too would run it twice.
+            # Placing this one too would run it twice. Not when the two are hand-backs of
+            # different attempts (a worker hands back each later attempt that joined the
+            # job with it, rankd's joined_handback_msg_id): one placed first does not carry
+            # the other, which was refused, say, and comes back later.
             self.stats.superseded_acked += 1
             self.log.info("superseded intake message acked", request_id=rid,
                           stream_seq=seq, newer_seq=record.stream_seq)

@@ -18,7 +18,10 @@ from services.rankd.core import (
     QueueFull,
     Redirecting,
     WorkerCore,
+    attempt_mark,
     handback_msg_id,
+    is_handback_msg_id,
+    joined_handback_msg_id,
 )
 from shared.ids import InvalidInput, UnknownWorker
 from shared.schemas import (
@@ -325,6 +328,23 @@ def test_handback_ids_are_one_per_hop_and_computable_by_the_scheduler() -> None:
     assert len(a) <= 200 and a.endswith(">" + WID)
     assert a == handback_msg_id("x", long_source, WID, 9)  # deterministic, epoch-free
     assert a != handback_msg_id("x", long_source + "!", WID, 1)
+
+
+def test_a_joined_attempts_hand_back_id_is_its_own_and_names_its_attempt() -> None:
+    """Attempts of one request share their source (the gateway's id, the request id): a
+    joined attempt's hand-back id differs from the job's by its arrival stamp, stays a
+    hand-back id, and keeps naming that attempt on later hops; the job's own ids name none."""
+    job = handback_msg_id("x", "x", WID, 3)
+    later = joined_handback_msg_id("x", "x", WID, 3, 1796551338.25)
+    assert later != job and later != joined_handback_msg_id("x", "x", WID, 3, 1796551338.5)
+    assert is_handback_msg_id(later)
+    assert later == joined_handback_msg_id("x", "x", WID, 9, 1796551338.25)  # epoch-free
+    assert attempt_mark(later) == "1796551338.25"
+    assert attempt_mark(handback_msg_id("x", later, "w-cp4-g4", 4)) == "1796551338.25"
+    assert attempt_mark("x") is None and attempt_mark(job) is None
+    assert attempt_mark(handback_msg_id("x", job, "w-cp4-g4", 4)) is None
+    # Without a source (the epoch form) the stamp still tells the two apart.
+    assert joined_handback_msg_id("x", None, WID, 3, 2.5) != handback_msg_id("x", None, WID, 3)
 
 
 @settings(max_examples=200, deadline=None)

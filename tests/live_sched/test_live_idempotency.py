@@ -11,7 +11,7 @@ from live_sched_support import Services, wait_until
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.rankd.core import handback_msg_id
+from services.rankd.core import handback_msg_id, joined_handback_msg_id
 from services.scheduler.service import (
     AssignmentRecord,
     SchedulerService,
@@ -21,6 +21,8 @@ from services.scheduler.service import (
 from shared.blockhash import chain_hashes
 from shared.ids import RequestId
 from shared.schemas import (
+    Assignment,
+    AssignmentAck,
     FirstToken,
     IntakeRequest,
     TtftStages,
@@ -195,13 +197,62 @@ async def test_a_hand_back_of_a_later_attempt_is_placed_though_an_earlier_one_is
     await publish(nc, s, first, msg_id=handback_msg_id("jn-1", "jn-1", w.worker_id, 1))
     await wait_until(lambda: sched.stats.finished_acked == 1, "the answered hand-back acked")
     later = first.model_copy(update={"arrival_s": first.arrival_s + 0.5})
-    # The id rankd gives a joined attempt's hand-back (services/rankd/service.py
-    # joined_msg_id): the job's, with the attempt's arrival added.
-    await publish(nc, s, later, msg_id=handback_msg_id("jn-1", "jn-1", w.worker_id, 1)
-                  + f"@a{later.arrival_s!r}")
+    await publish(nc, s, later, msg_id=joined_handback_msg_id("jn-1", "jn-1", w.worker_id, 1,
+                                                              later.arrival_s))
     await wait_until(lambda: len(w.assignments) == 2, "the later attempt placed")
     assert w.assignments[1].request.arrival_s == later.arrival_s
     assert sched.stats.finished_acked == 1
+    # The other way round: only y's later attempt was answered (it ran elsewhere), and y's
+    # first attempt is handed back: placed, not taken as answered.
+    y = intake("jn-2")
+    await publish(nc, s, y)
+    await wait_until(lambda: len(w.assignments) == 3, "y placed")
+    await _answer(nc, s, "jn-2", w.worker_id, arrival_s=y.arrival_s + 0.5)
+    await wait_until(lambda: "jn-2" in sched._served, "y's later attempt's answer seen")
+    await publish(nc, s, y, msg_id=handback_msg_id("jn-2", "jn-2", w.worker_id, 1))
+    await wait_until(lambda: len(w.assignments) == 4, "y's first attempt placed again")
+    assert sched.stats.finished_acked == 1
+
+
+async def test_a_hand_back_placed_after_another_attempts_is_not_taken_as_superseded(
+        live: Services, fake_worker, nc: Client, uniq: str) -> None:  # type: ignore[no-untyped-def]
+    """A worker hands back x (attempt 1) and the later attempt 2 that joined x's job, each
+    its own message. Attempt 1's is refused at first (a worker not yet active, say) and
+    comes back after attempt 2's was placed: it is placed too. A newer placed message of
+    the id supersedes an older one only when it is a hand-back of the same attempt; before,
+    attempt 1 was acked unplaced as superseded, and its client got a 504."""
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    await w.stop()  # its assign subscriber: this test answers assignments itself
+    first = intake("sp-1")
+    later = first.model_copy(update={"arrival_s": first.arrival_s + 0.5})
+    got: list[Assignment] = []
+    refused: list[float] = []
+
+    async def assign(msg: Msg) -> None:
+        a = decode(Assignment, msg.data, msg.headers)
+        if a.request.arrival_s == first.arrival_s and not refused:
+            refused.append(a.request.arrival_s)
+            await nc.publish(msg.reply, b"", headers={
+                "Nats-Service-Error": "w-cp2-g0 is switching", "Nats-Service-Error-Code": "409"})
+            return
+        got.append(a)
+        data, _ = encode(AssignmentAck(request_id=a.request.request_id, worker_id=w.worker_id,
+                                       epoch=a.epoch, queue_position=0))
+        await msg.respond(data)
+
+    sub = await nc.subscribe(s.worker_assign(w.worker_id), cb=assign)
+    sched = await live.scheduler(block_size=B, retry_delay_s=0.5)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    await publish(nc, s, first, msg_id=handback_msg_id("sp-1", "sp-1", "w-cp2-g1", 1))
+    await wait_until(lambda: bool(refused), "attempt 1's hand-back refused")
+    await publish(nc, s, later, msg_id=joined_handback_msg_id("sp-1", "sp-1", "w-cp2-g1", 1,
+                                                              later.arrival_s))
+    await wait_until(lambda: len(got) == 2 or sched.stats.superseded_acked > 0,
+                     "attempt 1's hand-back settled")
+    assert sched.stats.superseded_acked == 0
+    assert [a.request.arrival_s for a in got] == [later.arrival_s, first.arrival_s]
+    await sub.unsubscribe()
 
 
 async def _intake_messages(nc: Client, s: Subjects) -> int:
