@@ -701,6 +701,9 @@ class RankdService(MicroService):
                         self.log.exception("request bookkeeping failed")
                         if self.core.running is job:  # never leave the slot occupied
                             self.core.finish(job.request_id, ok=False)
+                        # Unanswered with the job (a note kept would later answer another
+                        # request under the id with this one's stamp).
+                        self._attempts.pop(job.request_id, None)
                     finally:
                         self._idle.set()
                         self._dirty.set()

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.rankd.backend import ExecutionBackend, PrefillResult, SimBackend, fake_token
-from services.rankd.core import INTAKE_MSG_HEADER, REDIRECTING_CODE, handback_msg_id
+from services.rankd.core import INTAKE_MSG_HEADER, REDIRECTING_CODE, Job, handback_msg_id
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
@@ -1103,6 +1103,55 @@ async def test_a_later_attempt_refused_while_its_job_is_handed_back_is_answered_
         await svc.nc.flush()
         await nc.flush()
         assert [(r.arrival_s, r.error) for r in results] == [(arrived + 0.5, None)]
+        await sub.unsubscribe()
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+class FailsFirstPublish(RankdService):
+    """rankd whose first answer fails to go out (a publish on a closing connection, say):
+    the request's bookkeeping fails, and the worker serves on."""
+
+    failed = False
+
+    def _publish_result(self, job: Job, result: PrefillResult) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("publish failed")
+        super()._publish_result(job, result)
+
+
+async def test_attempts_that_joined_a_job_whose_bookkeeping_failed_are_forgotten(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """x's later attempt joined x's job, whose answer then failed to go out (neither attempt
+    is answered, as before). A new request under the id (other content) runs and is
+    answered once, with its own stamp: before, the later attempt's note outlived the job,
+    and the new request's answer went to it too."""
+    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, worker_id=WID,
+                             heartbeat_s=0.2)
+    svc = FailsFirstPublish(settings, SimBackend(prefill_time=SlowGate(), time_scale=1.0))
+    task = asyncio.create_task(svc.run(handle_signals=False))
+    await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
+    try:
+        s = Subjects(uniq)
+        sub, results, _ = await collect(nc, s.result("r-z"), 1, FirstToken)
+        first = assignment("r-z", arrival=time.time() - 1.0)
+        for a in (first, reattempt(first, first.request.arrival_s + 0.5)):
+            await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
+        async with asyncio.timeout(WAIT_S):
+            while not svc.failed or svc.core.running is not None:
+                await asyncio.sleep(0.01)
+        other = reattempt(first, first.request.arrival_s + 0.6, block_hashes=[1, 3])
+        await call(nc, s.worker_assign(WID), other, AssignmentAck, timeout_s=WAIT_S)
+        await wait_for_results(results, 1)
+        async with asyncio.timeout(WAIT_S):  # every answer the worker sends has gone out
+            while svc._handoffs:
+                await asyncio.sleep(0.01)
+        await svc.nc.flush()
+        await nc.flush()
+        assert [r.arrival_s for r in results] == [other.request.arrival_s]
         await sub.unsubscribe()
     finally:
         svc.request_stop()
