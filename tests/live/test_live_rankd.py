@@ -103,15 +103,46 @@ class Gate:
 
 
 async def start_rankd(
-    url: str, prefix: str, backend: ExecutionBackend, **kw: object
+    url: str, prefix: str, backend: ExecutionBackend, *,
+    cls: type[RankdService] = RankdService, **kw: object
 ) -> tuple[RankdService, asyncio.Task[None]]:
     settings = RankdSettings(
         nats_url=url, subject_prefix=prefix, worker_id=WID, heartbeat_s=0.2, **kw
     )  # type: ignore[arg-type]
-    svc = RankdService(settings, backend)
+    svc = cls(settings, backend)
     task = asyncio.create_task(svc.run(handle_signals=False))
     await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
     return svc, task
+
+
+@contextlib.asynccontextmanager
+async def running_rankd(url: str, prefix: str, backend: ExecutionBackend, *,
+                        cls: type[RankdService] = RankdService,
+                        **kw: object) -> AsyncIterator[RankdService]:
+    """:func:`start_rankd`, stopped (and waited for) on the way out."""
+    svc, task = await start_rankd(url, prefix, backend, cls=cls, **kw)
+    try:
+        yield svc
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+async def drain_worker(nc: Client, s: Subjects, epoch: int = 1) -> None:
+    """Commit an epoch record (``epoch``) in which the worker drains."""
+    epochs = await nc.jetstream().key_value(s.epoch_bucket())
+    await epochs.put(s.epoch_key(), to_json(EpochRecord(
+        epoch=epoch, committed_at_s=time.time(), workers=[
+            EpochWorker(worker_id=WID, first_gpu=2, degree=2, lifecycle=Lifecycle.DRAINING)])))
+
+
+async def all_sent(svc: RankdService, nc: Client) -> None:
+    """Wait until every answer ``svc`` sends has gone out and reached ``nc``'s client."""
+    async with asyncio.timeout(WAIT_S):
+        while svc._handoffs or svc._redirects:
+            await asyncio.sleep(0.01)
+    await svc.nc.flush()
+    await nc.flush()
 
 
 @pytest.fixture
@@ -406,12 +437,7 @@ async def test_redirect_that_cannot_reach_intake_is_answered_not_lost(
     for rid in ("q-1", "q-2", "q-3"):
         await call(nc, s.worker_assign(WID), assignment(rid), AssignmentAck, timeout_s=WAIT_S)
     assert len(svc.core) == 3
-    epochs = await nc.jetstream().key_value(s.epoch_bucket())
-    await epochs.put(
-        s.epoch_key(),
-        to_json(EpochRecord(epoch=1, committed_at_s=time.time(), workers=[
-            EpochWorker(worker_id=WID, first_gpu=2, degree=2, lifecycle=Lifecycle.DRAINING)])),
-    )
+    await drain_worker(nc, s)
     await asyncio.wait_for(done.wait(), timeout=WAIT_S)
     assert sorted(r.request_id for r in results) == ["q-2", "q-3"]  # q-1 runs in place
     assert all(r.token is None and "redirect failed" in (r.error or "") for r in results)
@@ -948,9 +974,8 @@ async def test_a_later_attempt_while_the_first_runs_is_answered_by_its_run(
     content under the id meanwhile is refused for now (REDIRECTING: the scheduler tries
     again), and once x is answered it runs."""
     gate = SlowGate()
-    svc, task = await start_rankd(nats_server.url, uniq,
-                                  SimBackend(prefill_time=gate, time_scale=1.0))
-    try:
+    async with running_rankd(nats_server.url, uniq,
+                             SimBackend(prefill_time=gate, time_scale=1.0)) as svc:
         s = Subjects(uniq)
         sub, results, done = await collect(nc, s.result_all(), 3, FirstToken)
         first = assignment("r-y", arrival=time.time() - 1.0)
@@ -971,9 +996,11 @@ async def test_a_later_attempt_while_the_first_runs_is_answered_by_its_run(
             == [first.request.arrival_s, later.request.arrival_s, other.request.arrival_s]
         assert all(r.error is None for r in results)
         assert len(gate.calls) == 2 and svc.answers_resent == 0
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+def slow_backend() -> SimBackend:
+    """Prefills of 30 s: a request queued behind the first stays queued while a test acts."""
+    return SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0)
 
 
 async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
@@ -982,15 +1009,12 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
     """x is queued behind a long prefill, and a later attempt of x (the same content) joins
     it; a drain hands x back: intake gets both attempts, each with its own arrival stamp and
     message id (the gateway waiting for the later one takes no other stamp). Before, the
-    hand-back carried the first attempt only, and the later one was never answered. Where
-    intake cannot take them, each attempt gets its own error answer."""
+    hand-back carried the first attempt only, and the later one was never answered."""
     s = Subjects(uniq)
     js = nc.jetstream()
     await ensure_intake_stream(js, s)
-    svc, task = await start_rankd(
-        nats_server.url, uniq, SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0),
-        drain_timeout_s=0.5)
-    try:
+    async with running_rankd(nats_server.url, uniq, slow_backend(),
+                             drain_timeout_s=0.5) as svc:
         arrived = time.time() - 1.0
         await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
                    AssignmentAck, timeout_s=WAIT_S)
@@ -1005,11 +1029,7 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
                        headers={INTAKE_MSG_HEADER: "q-x"})
         assert len(svc.core) == 2  # q-1 running, x queued once
         consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
-        epochs = await js.key_value(s.epoch_bucket())
-        await epochs.put(s.epoch_key(), to_json(EpochRecord(
-            epoch=1, committed_at_s=time.time(), workers=[
-                EpochWorker(worker_id=WID, first_gpu=2, degree=2,
-                            lifecycle=Lifecycle.DRAINING)])))
+        await drain_worker(nc, s)
         redirected: list[tuple[IntakeRequest, str]] = []
         while len(redirected) < 2:
             for m in await consumer.fetch(2, timeout=WAIT_S):
@@ -1023,9 +1043,6 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
         # same id the intake would have dropped it as a duplicate).
         assert redirected[0][1] == handback_msg_id("q-x", "q-x", WID, 1)
         assert redirected[1][1] != redirected[0][1]
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def test_a_joined_attempt_whose_hand_back_fails_gets_its_own_error(
@@ -1034,10 +1051,8 @@ async def test_a_joined_attempt_whose_hand_back_fails_gets_its_own_error(
     """No intake stream: the drain's hand-back of x fails, and each attempt of x -- the
     first, and the later one that joined it -- gets one error answer, stamped for it."""
     s = Subjects(uniq)
-    svc, task = await start_rankd(
-        nats_server.url, uniq, SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0),
-        drain_timeout_s=0.5, redirect_timeout_s=2.0)
-    try:
+    async with running_rankd(nats_server.url, uniq, slow_backend(), drain_timeout_s=0.5,
+                             redirect_timeout_s=2.0) as svc:
         sub, results, done = await collect(nc, s.result("q-x"), 2, FirstToken)
         arrived = time.time() - 1.0
         await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
@@ -1045,23 +1060,12 @@ async def test_a_joined_attempt_whose_hand_back_fails_gets_its_own_error(
         first = assignment("q-x", arrival=arrived)
         for a in (first, reattempt(first, arrived + 0.5)):
             await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
-        epochs = await nc.jetstream().key_value(s.epoch_bucket())
-        await epochs.put(s.epoch_key(), to_json(EpochRecord(
-            epoch=1, committed_at_s=time.time(), workers=[
-                EpochWorker(worker_id=WID, first_gpu=2, degree=2,
-                            lifecycle=Lifecycle.DRAINING)])))
+        await drain_worker(nc, s)
         await asyncio.wait_for(done.wait(), timeout=WAIT_S)
-        async with asyncio.timeout(WAIT_S):
-            while svc._redirects:
-                await asyncio.sleep(0.01)
-        await svc.nc.flush()
-        await nc.flush()
+        await all_sent(svc, nc)
         assert sorted(r.arrival_s for r in results) == [arrived, arrived + 0.5]
         assert all(r.token is None and "redirect failed" in (r.error or "") for r in results)
         await sub.unsubscribe()
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def test_a_later_attempt_refused_while_its_job_is_handed_back_is_answered_once(
@@ -1072,12 +1076,10 @@ async def test_a_later_attempt_refused_while_its_job_is_handed_back_is_answered_
     Before, the refused attempt was noted as joining x all the same, and its run answered it
     twice."""
     s = Subjects(uniq)
-    svc, task = await start_rankd(
-        nats_server.url, uniq,
-        # The long request (2,048 tokens) holds the worker for 2 s, so x stays queued.
-        SimBackend(prefill_time=lambda r, p, c, kind="cp": 2.0 if r + p > 1024 else 0.05,
-                   time_scale=1.0))
-    try:
+    # The long request (2,048 tokens) holds the worker for 2 s, so x stays queued.
+    backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 2.0 if r + p > 1024 else 0.05,
+                         time_scale=1.0)
+    async with running_rankd(nats_server.url, uniq, backend) as svc:
         sub, results, _ = await collect(nc, s.result("q-x"), 1, FirstToken)
         arrived = time.time() - 1.0
         long = assignment("q-1", arrival=arrived)
@@ -1097,16 +1099,9 @@ async def test_a_later_attempt_refused_while_its_job_is_handed_back_is_answered_
         svc.core.redirect_settled("q-x", in_intake=True)
         await call(nc, s.worker_assign(WID), later, AssignmentAck, timeout_s=WAIT_S)
         await wait_for_results(results, 1)
-        async with asyncio.timeout(WAIT_S):  # every answer the worker sends has gone out
-            while svc._handoffs:
-                await asyncio.sleep(0.01)
-        await svc.nc.flush()
-        await nc.flush()
+        await all_sent(svc, nc)
         assert [(r.arrival_s, r.error) for r in results] == [(arrived + 0.5, None)]
         await sub.unsubscribe()
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 class FailsFirstPublish(RankdService):
@@ -1129,12 +1124,10 @@ async def test_attempts_that_joined_a_job_whose_bookkeeping_failed_are_forgotten
     is answered, as before). A new request under the id (other content) runs and is
     answered once, with its own stamp: before, the later attempt's note outlived the job,
     and the new request's answer went to it too."""
-    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, worker_id=WID,
-                             heartbeat_s=0.2)
-    svc = FailsFirstPublish(settings, SimBackend(prefill_time=SlowGate(), time_scale=1.0))
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
-    try:
+    async with running_rankd(nats_server.url, uniq,
+                             SimBackend(prefill_time=SlowGate(), time_scale=1.0),
+                             cls=FailsFirstPublish) as svc:
+        assert isinstance(svc, FailsFirstPublish)
         s = Subjects(uniq)
         sub, results, _ = await collect(nc, s.result("r-z"), 1, FirstToken)
         first = assignment("r-z", arrival=time.time() - 1.0)
@@ -1146,16 +1139,9 @@ async def test_attempts_that_joined_a_job_whose_bookkeeping_failed_are_forgotten
         other = reattempt(first, first.request.arrival_s + 0.6, block_hashes=[1, 3])
         await call(nc, s.worker_assign(WID), other, AssignmentAck, timeout_s=WAIT_S)
         await wait_for_results(results, 1)
-        async with asyncio.timeout(WAIT_S):  # every answer the worker sends has gone out
-            while svc._handoffs:
-                await asyncio.sleep(0.01)
-        await svc.nc.flush()
-        await nc.flush()
+        await all_sent(svc, nc)
         assert [r.arrival_s for r in results] == [other.request.arrival_s]
         await sub.unsubscribe()
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def wait_for_results(results: list, n: int) -> None:
