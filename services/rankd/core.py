@@ -294,9 +294,11 @@ class WorkerCore:
         # that crashed between our ack and its own record re-sends the assignment; admission
         # must stay idempotent after the run too.
         self._finished: OrderedDict[str, float] = OrderedDict()
-        # Request id → source of the admission whose redirect intake acknowledged (bounded
-        # like _finished): a re-sent assignment from that source is answered HandedBack.
-        self._handed_back: OrderedDict[str, str] = OrderedDict()
+        # Request id → sources of the admissions whose redirect intake acknowledged (bounded
+        # like _finished): a re-sent assignment from one of them is answered HandedBack.
+        # Several: a later attempt that joined the job (the adapter's) may have come from
+        # another intake message, and is handed back as its own (remember_handed_back).
+        self._handed_back: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         # Request id → the handed-back job whose redirect's outcome is unknown (bounded).
         self._handback_unknown: OrderedDict[str, Job] = OrderedDict()
         self._seq = 0
@@ -387,10 +389,15 @@ class WorkerCore:
         return {k: min(v, _MAX_SECONDS) for k, v in by.items()}
 
     def state(self, now: float, *, kv_free_blocks: int | None = None,
-              max_seq_len: int | None = None) -> WorkerState:
+              max_seq_len: int | None = None, handing_back: int = 0) -> WorkerState:
         """The WorkerState to publish now (``seq`` increases on every call). ``max_seq_len``:
         the engine's prompt limit, published as is (None: not known); the core does not
-        enforce it (the backend refuses a longer prompt)."""
+        enforce it (the backend refuses a longer prompt). ``handing_back``: requests the
+        adapter still hands back that are not the core's jobs (later attempts that joined a
+        handed-back job), counted in ``queue_len`` like the core's own redirecting jobs: the
+        worker is not empty until they are in intake. Raises InvalidInput if negative."""
+        if handing_back.__class__ is not int or handing_back < 0:
+            raise InvalidInput(f"handing_back must be an integer >= 0, got {handing_back!r}")
         self._seq += 1
         free = (
             self.kv_total_blocks - self._pinned_blocks if kv_free_blocks is None else kv_free_blocks
@@ -402,7 +409,7 @@ class WorkerCore:
             gpus=list(self.group.gpus),
             epoch=self.epoch,
             lifecycle=self.lifecycle,
-            queue_len=len(self),
+            queue_len=len(self) + handing_back,
             outstanding_s=self.outstanding_s(now),
             outstanding_by=self.outstanding_by(now),
             kv_free_blocks=max(0, min(free, self.kv_total_blocks)),
@@ -438,7 +445,7 @@ class WorkerCore:
             # Handed back to intake and maybe already stored there: queueing it here too could
             # run it twice. The scheduler retries later; by then the redirect has settled.
             raise Redirecting(f"{rid} is being redirected by {self.worker_id}")
-        if source is not None and self._handed_back.get(rid) == source:
+        if source is not None and source in self._handed_back.get(rid, ()):
             raise HandedBack(f"{rid} (intake message {source}) was handed back to intake by "
                              f"{self.worker_id}")
         unknown = self._handback_unknown.get(rid) if source is not None else None
@@ -705,8 +712,19 @@ class WorkerCore:
             raise InvalidInput(f"no hand-back of unknown outcome for {request_id}")
         self._remember_handed_back(request_id, job.source)
 
+    def remember_handed_back(self, request_id: str, source: str) -> None:
+        """Intake acknowledged a hand-back of ``request_id``'s admission from ``source`` that
+        the adapter made itself (a later attempt that joined the job here, handed back as
+        its own intake message): from now on a re-sent assignment of that source is
+        :class:`HandedBack`, as for a job's (:meth:`redirect_settled`). Before, it was
+        admitted and ran here while its hand-back ran elsewhere too."""
+        self._remember_handed_back(request_id, source)
+
     def _remember_handed_back(self, request_id: str, source: str) -> None:
-        self._handed_back[request_id] = source
+        known = self._handed_back.get(request_id, ())
+        if source not in known:
+            # Few per id (one per attempt a store loss made): no bound needed beyond the ids'.
+            self._handed_back[request_id] = (*known, source)
         self._handed_back.move_to_end(request_id)
         if len(self._handed_back) > FINISHED_MEMORY:
             self._handed_back.popitem(last=False)

@@ -389,6 +389,11 @@ class RankdService(MicroService):
         # id) of each: its answer goes to each (_assign), a hand-back of the job takes each
         # along (_hand_back).
         self._attempts: dict[str, dict[float, tuple[IntakeRequest, str | None]]] = {}
+        # Those attempts whose hand-back is under way (_hand_back until _redirect_joined
+        # settles it), by (request id, arrival stamp): counted in the published queue_len
+        # (the worker is not empty until they are in intake), and each one a stop cancelled
+        # is logged as the core's redirecting jobs are (_settle_redirects).
+        self._joined_out: dict[tuple[str, float], JoinedAttempt] = {}
         self._on_fault = on_fault
         self.fault: WorkerFault | None = None
         """The worker fault that stopped this worker (:meth:`fail`); :meth:`run` raises it."""
@@ -974,6 +979,8 @@ class RankdService(MicroService):
             return
         joined = [JoinedAttempt(job, *attempt) for job in jobs
                   for _, attempt in sorted(self._attempts.pop(job.request_id, {}).items())]
+        for j in joined:
+            self._joined_out[j.request.request_id, j.request.arrival_s] = j
         task = asyncio.create_task(self._redirect(jobs, joined), name="rankd-redirect")
         self._redirects.add(task)
         task.add_done_callback(self._redirects.discard)
@@ -1025,8 +1032,15 @@ class RankdService(MicroService):
             self.core.redirect_settled(job.request_id)
             self.log.error("redirect outcome unknown at stop", request_id=job.request_id,
                            worker=self.core.worker_id)
+        # Likewise every joined attempt whose hand-back was cancelled (before, unlogged).
+        for (rid, arrival), _ in sorted(self._joined_out.items()):
+            self.log.error("redirect outcome unknown at stop", request_id=rid,
+                           worker=self.core.worker_id, arrival_s=arrival)
+        if self._joined_out:
+            self._joined_out.clear()
+            self._dirty.set()
 
-    async def _redirect(self, jobs: Sequence[Job], joined: Sequence[JoinedAttempt] = ()) -> None:
+    async def _redirect(self, jobs: Sequence[Job], joined: Sequence[JoinedAttempt]) -> None:
         """Send handed-back requests to intake for re-placement (§6.2), in queue order, then
         the later attempts that joined them (``joined``), :data:`REDIRECT_WINDOW` publishes in
         flight at a time; settle each job in the core (a joined attempt is not the core's).
@@ -1071,6 +1085,13 @@ class RankdService(MicroService):
             error, maybe_stored = await self._publish_handback(
                 req, joined_handback_msg_id(req.request_id, joined.source, self.core.worker_id,
                                             epoch, req.arrival_s), epoch, deadline)
+            # Settled (not after a cancel: then _settle_redirects logs it as unknown).
+            self._joined_out.pop((req.request_id, req.arrival_s), None)
+            self._dirty.set()
+            if error is None and joined.source is not None:
+                # A scheduler re-sending this attempt's assignment (it crashed before its
+                # record) is told HandedBack, as for a job: before, it ran here too.
+                self.core.remember_handed_back(req.request_id, joined.source)
             if error is not None and not maybe_stored:
                 with contextlib.suppress(Exception):  # the connection may be closing
                     subject, data, headers = self._failure(joined.job,
@@ -1143,7 +1164,8 @@ class RankdService(MicroService):
         """The WorkerState to publish now: the core's bookkeeping plus the backend's prompt
         limit, read each time (a backend may learn it after construction). Advances the
         state's ``seq``."""
-        return self.core.state(self.clock(), max_seq_len=backend_max_seq_len(self.backend))
+        return self.core.state(self.clock(), max_seq_len=backend_max_seq_len(self.backend),
+                               handing_back=len(self._joined_out))
 
     async def _publish_state(self) -> None:
         assert self._state_kv is not None

@@ -20,7 +20,13 @@ from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.rankd.backend import ExecutionBackend, PrefillResult, SimBackend, fake_token
-from services.rankd.core import INTAKE_MSG_HEADER, REDIRECTING_CODE, Job, handback_msg_id
+from services.rankd.core import (
+    HANDED_BACK_CODE,
+    INTAKE_MSG_HEADER,
+    REDIRECTING_CODE,
+    Job,
+    handback_msg_id,
+)
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
@@ -128,12 +134,13 @@ async def running_rankd(url: str, prefix: str, backend: ExecutionBackend, *,
         await asyncio.wait_for(task, timeout=WAIT_S)
 
 
-async def drain_worker(nc: Client, s: Subjects, epoch: int = 1) -> None:
-    """Commit an epoch record (``epoch``) in which the worker drains."""
+async def drain_worker(nc: Client, s: Subjects, epoch: int = 1,
+                       lifecycle: Lifecycle = Lifecycle.DRAINING) -> None:
+    """Commit an epoch record (``epoch``) in which the worker drains (or is ``lifecycle``)."""
     epochs = await nc.jetstream().key_value(s.epoch_bucket())
     await epochs.put(s.epoch_key(), to_json(EpochRecord(
         epoch=epoch, committed_at_s=time.time(), workers=[
-            EpochWorker(worker_id=WID, first_gpu=2, degree=2, lifecycle=Lifecycle.DRAINING)])))
+            EpochWorker(worker_id=WID, first_gpu=2, degree=2, lifecycle=lifecycle)])))
 
 
 async def all_sent(svc: RankdService, nc: Client) -> None:
@@ -1043,6 +1050,99 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
         # same id the intake would have dropped it as a duplicate).
         assert redirected[0][1] == handback_msg_id("q-x", "q-x", WID, 1)
         assert redirected[1][1] != redirected[0][1]
+
+
+async def test_a_resent_assignment_of_a_handed_back_joined_attempt_is_not_run_again(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """x's later attempt came from another intake message than x (a hand-back's, say) and
+    joined x's job; a drain hands both back, and intake holds both. With the worker ACTIVE
+    again, a scheduler that crashed before its record re-sends either attempt's assignment:
+    each is told HandedBack (410: it acks its old message), and nothing runs. Before, the
+    joined attempt's was admitted, and ran here while its hand-back ran elsewhere."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    async with running_rankd(nats_server.url, uniq, slow_backend(),
+                             drain_timeout_s=0.5) as svc:
+        arrived = time.time() - 1.0
+        await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
+                   AssignmentAck, timeout_s=WAIT_S)
+        first = assignment("q-x", arrival=arrived)
+        later = reattempt(first, arrived + 0.5)
+        sources = [(first, "q-x"), (later, "q-x@other-message")]
+        for a, source in sources:
+            await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S,
+                       headers={INTAKE_MSG_HEADER: source})
+        consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
+        await drain_worker(nc, s)
+        got = 0
+        while got < 2:
+            got += len(await consumer.fetch(2, timeout=WAIT_S))
+        await all_sent(svc, nc)
+        await drain_worker(nc, s, 2, Lifecycle.ACTIVE)
+        async with asyncio.timeout(WAIT_S):
+            while svc.core.epoch < 2:
+                await asyncio.sleep(0.01)
+        for a, source in sources:
+            with pytest.raises(RemoteError) as err:
+                await call(nc, s.worker_assign(WID), a.model_copy(update={"epoch": 2}),
+                           AssignmentAck, timeout_s=WAIT_S, headers={INTAKE_MSG_HEADER: source})
+            assert err.value.code == int(HANDED_BACK_CODE), source
+        assert [j.request_id for j in svc.core.queued] == []
+
+
+class HeldJoinedHandBack(RankdService):
+    """rankd whose hand-backs of joined attempts wait for ``release`` before they publish
+    (an intake slow to acknowledge); the job's own hand-backs go out at once."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.release = asyncio.Event()
+
+    async def _publish_handback(self, req: IntakeRequest, msg_id: str, epoch: int,
+                                deadline: float) -> tuple[str | None, bool]:
+        if "@a" in msg_id:
+            await self.release.wait()
+        return await super()._publish_handback(req, msg_id, epoch, deadline)
+
+
+async def test_a_joined_attempt_being_handed_back_is_counted_and_logged_at_stop(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """While a joined attempt's hand-back is unsettled, the worker's published queue_len
+    counts it (the controller waits for an empty queue before it calls a drain done; the
+    scheduler calls an UNAVAILABLE worker gone only then): before, only the core's jobs
+    counted. A stop that gives that hand-back up logs its outcome as unknown, with the
+    attempt's stamp, as it does a job's: before, nothing was logged."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    svc, task = await start_rankd(nats_server.url, uniq, slow_backend(), cls=HeldJoinedHandBack,
+                                  drain_timeout_s=0.5, redirect_timeout_s=0.5)
+    assert isinstance(svc, HeldJoinedHandBack)
+    try:
+        arrived = time.time() - 1.0
+        await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
+                   AssignmentAck, timeout_s=WAIT_S)
+        first = assignment("q-x", arrival=arrived)
+        for a in (first, reattempt(first, arrived + 0.5)):
+            await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S,
+                       headers={INTAKE_MSG_HEADER: "q-x"})
+        await drain_worker(nc, s)
+        async with asyncio.timeout(WAIT_S):
+            while svc.core.redirecting or len(svc.core) != 1:  # x's own hand-back settled
+                await asyncio.sleep(0.01)
+        assert svc.current_state().queue_len == 2  # q-1 running, x's later attempt
+        with structlog.testing.capture_logs() as logs:
+            svc.request_stop()
+            await asyncio.wait_for(task, timeout=WAIT_S)
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    unknown = [e for e in logs if e["event"] == "redirect outcome unknown at stop"]
+    assert [(e["request_id"], e["arrival_s"]) for e in unknown] == [("q-x", arrived + 0.5)]
+    assert svc.current_state().queue_len == 0
 
 
 async def test_a_joined_attempt_whose_hand_back_fails_gets_its_own_error(

@@ -228,6 +228,26 @@ def test_resent_assignment_of_a_handed_back_message_is_recognised() -> None:
     assert [j.source for j in core.queued] == ["y-r1-" + WID, None]
 
 
+def test_every_handed_back_source_of_a_request_is_remembered() -> None:
+    """The adapter hands back a later attempt that joined a job as its own intake message,
+    and remembers its source (remember_handed_back) beside the job's: a re-sent assignment
+    of either source is HandedBack, even with the worker ACTIVE again; a third source (the
+    hand-back's own message placed back here) is admitted. Before, one source was kept per
+    request, and the joined attempt's none: its re-sent assignment ran here a second time."""
+    core = WorkerCore(WID)
+    core.admit(assignment("y"), 0.0, source="y")
+    core.adopt(record(1, Lifecycle.DRAINING))
+    core.redirect_settled("y", in_intake=True)
+    core.remember_handed_back("y", "y-other")
+    core.remember_handed_back("y", "y-other")  # once is enough; twice changes nothing
+    core.adopt(record(2, Lifecycle.ACTIVE))
+    for source in ("y", "y-other"):
+        with pytest.raises(HandedBack):
+            core.admit(assignment("y", epoch=2), 2.0, source=source)
+    assert len(core) == 0
+    assert core.admit(assignment("y", epoch=2), 2.0, source="y@a-hand-back") == 0
+
+
 def test_a_handback_of_unknown_outcome_is_remembered_until_confirmed() -> None:
     """A redirect whose publish outcome is unknown: a re-sent assignment of its source raises
     HandBackUnknown (carrying the job to publish again) — not a plain "not ACTIVE", which
@@ -392,9 +412,14 @@ def test_state_and_outstanding() -> None:
     assert core.outstanding_s(10.5) == pytest.approx(4.0)
     s1 = core.state(10.5)
     assert (s1.queue_len, s1.degree, s1.gpus, s1.kv_free_blocks) == (2, 4, [4, 5, 6, 7], 100)
+    # Joined attempts the adapter still hands back count as queued (not the core's jobs).
+    assert core.state(10.5, handing_back=3).queue_len == 5
+    for bad in (-1, 1.0, True):
+        with pytest.raises(InvalidInput):
+            core.state(10.5, handing_back=bad)  # type: ignore[arg-type]
     core.finish("a")
     s2 = core.state(11.0)
-    assert s2.seq == s1.seq + 1 and s2.served == 1
+    assert s2.seq == s1.seq + 2 and s2.served == 1
     # the scheduler claimed P = 512 but this worker's cache was empty: P executed = 0
     assert (s2.hit_tokens, s2.input_tokens) == (0, 1000)
 
