@@ -786,6 +786,7 @@ class SchedulerStats:
     adopted_reserved: int = 0  # adopted requests placed by that process: reserved in the core
     holders_found: int = 0  # other replicas holding intake messages at this one's start
     fail_found_answered: int = 0  # a failure (or refusal) not sent: its first token was out
+    other_attempt_results: int = 0  # an answer of another attempt than the one dispatched
     republished_held: int = 0  # a gateway's re-send after a store loss: a worker holds it
     republished_answered: int = 0  # ... its first token is out already
     republished_placed: int = 0  # ... neither: placed (it was lost with the store)
@@ -1375,10 +1376,38 @@ class SchedulerService(MicroService):
         attempt that arrived at ``arrival_s``; None: not known which): it leaves the ledger,
         its held intake message is acked, and its reservation in the core ends. Returns the
         worker it was reserved on, None when the core had none (placed by another replica,
-        or already released)."""
+        or already released).
+
+        An answer stamped for another attempt than the one this replica dispatched last
+        under the id (the ledger's) releases nothing: each attempt is answered on its own
+        (rankd answers each one that joined a job, stamped for it), and that dispatch still
+        waits for its own. Before, an earlier attempt's answer let go of a later one's
+        dispatch, and when that one's worker then died nobody handed it back (its client got
+        a 504)."""
+        sent = self.ledger.get(rid)
+        if arrival_s is not None and sent is not None and sent.request.arrival_s != arrival_s:
+            self.stats.other_attempt_results += 1
+            self.log.info("result of another attempt; this one's dispatch waits for its own",
+                          request_id=rid, arrival_s=arrival_s,
+                          dispatched_arrival_s=sent.request.arrival_s)
+            self._note_served(rid, served, arrival_s)
+            return None
         self.core.forget_foreign(rid)
         self.ledger.pop(rid)
         await self._release_held(rid)
+        self._note_served(rid, served, arrival_s)
+        try:
+            worker = self.core.worker_of(rid)
+            self.core.finish(rid, self.clock())
+        except UnknownRequest:
+            return None
+        self.stats.finished += 1
+        return worker
+
+    def _note_served(self, rid: str, served: bool, arrival_s: float | None) -> None:
+        """Remember that a first token answered ``rid``'s attempt stamped ``arrival_s`` (every
+        attempt when None) for :meth:`_served_for`; an error answer (not ``served``) is not
+        remembered."""
         if served:
             known = self._served.get(rid, ())
             # An answer without a stamp (None) answers every attempt, from then on.
@@ -1387,13 +1416,6 @@ class SchedulerService(MicroService):
             self._served.move_to_end(rid)
             if len(self._served) > FINISHED_MEMORY:
                 self._served.popitem(last=False)
-        try:
-            worker = self.core.worker_of(rid)
-            self.core.finish(rid, self.clock())
-        except UnknownRequest:
-            return None
-        self.stats.finished += 1
-        return worker
 
     def _infer_next_start(self, worker: WorkerId, at_s: float) -> None:
         """A worker serves its queue in order: when one request's result is out and nothing

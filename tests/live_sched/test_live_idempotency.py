@@ -255,6 +255,38 @@ async def test_a_hand_back_placed_after_another_attempts_is_not_taken_as_superse
     await sub.unsubscribe()
 
 
+async def test_an_earlier_attempts_answer_leaves_a_later_ones_dispatch_waiting(
+        live: Services, fake_worker, nc: Client, uniq: str) -> None:  # type: ignore[no-untyped-def]
+    """x's first attempt is dispatched, then a later attempt of x (a client retry the
+    intake took as new after a store loss) is dispatched too. The first attempt's answer
+    leaves the later one's dispatch as it was: in the ledger (so a death of its worker is
+    still recovered), its intake message held, its reservation kept. Its own answer
+    releases them. Before, the first answer let go of all three, and the later attempt's
+    client got a 504 when its worker then died."""
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    sched = await live.scheduler(block_size=B)
+    await wait_until(lambda: len(sched.core.view) == 1, "worker in the view")
+    first = intake("la-1")
+    await publish(nc, s, first)
+    await wait_until(lambda: len(w.assignments) == 1, "the first attempt dispatched")
+    later = first.model_copy(update={"arrival_s": first.arrival_s + 0.5})
+    await publish(nc, s, later, msg_id="la-1 stored anew")
+    await wait_until(lambda: len(w.assignments) == 2 and "la-1" in sched._held,
+                     "the later attempt dispatched and held")
+    await _answer(nc, s, "la-1", w.worker_id, arrival_s=first.arrival_s)
+    await wait_until(lambda: "la-1" in sched._served, "the first attempt's answer seen")
+    sent = sched.ledger.get("la-1")
+    assert sent is not None and sent.request.arrival_s == later.arrival_s
+    assert "la-1" in sched._held and sched.stats.finished == 0
+    assert sched.core.worker_of(RequestId("la-1")) == w.worker_id
+    assert sched.stats.other_attempt_results == 1
+    await _answer(nc, s, "la-1", w.worker_id, arrival_s=later.arrival_s)
+    await wait_until(lambda: sched.stats.finished == 1, "the later attempt's answer seen")
+    assert "la-1" not in sched.ledger and "la-1" not in sched._held
+    assert sched._served["la-1"] == (first.arrival_s, later.arrival_s)
+
+
 async def _intake_messages(nc: Client, s: Subjects) -> int:
     return (await nc.jetstream().stream_info(s.intake_stream())).state.messages
 
