@@ -445,14 +445,17 @@ class WorkerCore:
             # Handed back to intake and maybe already stored there: queueing it here too could
             # run it twice. The scheduler retries later; by then the redirect has settled.
             raise Redirecting(f"{rid} is being redirected by {self.worker_id}")
-        if source is not None and source in self._handed_back.get(rid, ()):
-            raise HandedBack(f"{rid} (intake message {source}) was handed back to intake by "
-                             f"{self.worker_id}")
+        # An unknown outcome first: a later attempt that joined the job shares its source as
+        # a rule, and its hand-back's success (remember_handed_back) says nothing of the
+        # job's own, which must then be published again, not taken as in intake.
         unknown = self._handback_unknown.get(rid) if source is not None else None
         if unknown is not None and unknown.source == source:
             raise HandBackUnknown(f"{rid} (intake message {source}) was handed back by "
                                   f"{self.worker_id}; whether intake holds it is unknown",
                                   unknown)
+        if source is not None and source in self._handed_back.get(rid, ()):
+            raise HandedBack(f"{rid} (intake message {source}) was handed back to intake by "
+                             f"{self.worker_id}")
         known = self._known.get(rid)
         if known is not None:
             if known is self._running:

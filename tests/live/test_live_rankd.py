@@ -1050,6 +1050,10 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
         # same id the intake would have dropped it as a duplicate).
         assert redirected[0][1] == handback_msg_id("q-x", "q-x", WID, 1)
         assert redirected[1][1] != redirected[0][1]
+        # Both settled: the worker counts only q-1 again (the joined attempt counted while
+        # its hand-back was under way).
+        await all_sent(svc, nc)
+        assert svc.current_state().queue_len == 1
 
 
 async def test_a_resent_assignment_of_a_handed_back_joined_attempt_is_not_run_again(

@@ -246,6 +246,18 @@ def test_every_handed_back_source_of_a_request_is_remembered() -> None:
             core.admit(assignment("y", epoch=2), 2.0, source=source)
     assert len(core) == 0
     assert core.admit(assignment("y", epoch=2), 2.0, source="y@a-hand-back") == 0
+    # The job's own hand-back of unknown outcome, its joined attempt's in intake, one source
+    # (the usual case): a re-sent assignment of it has the job's hand-back published again
+    # (HandBackUnknown), not taken as in intake, until that is confirmed.
+    core.admit(assignment("u"), 2.0, source="u")
+    core.adopt(record(3, Lifecycle.DRAINING))
+    core.redirect_settled("u", unknown=True)
+    core.remember_handed_back("u", "u")
+    with pytest.raises(HandBackUnknown):
+        core.admit(assignment("u", epoch=3), 3.0, source="u")
+    core.handback_confirmed("u")
+    with pytest.raises(HandedBack):
+        core.admit(assignment("u", epoch=3), 3.0, source="u")
 
 
 def test_a_handback_of_unknown_outcome_is_remembered_until_confirmed() -> None:
