@@ -245,11 +245,17 @@ class QueueQuery(Message):
 
 
 class QueueReport(Message):
-    """Worker leader → asker: its FIFO (queue order) and what is executing."""
+    """Worker leader → asker: its FIFO (queue order) and what is executing.
+
+    ``arrivals``: for a listed request, the arrival stamps (``IntakeRequest.arrival_s``) of
+    the attempts of it the worker holds -- its job's, and each later attempt under the id
+    that joined that job (a client retry the intake took as new after a store loss). A
+    listed request without an entry holds every attempt (a worker that does not tell)."""
 
     worker_id: Id
     queued: list[Id] = Field(default_factory=list)
     in_flight: list[Id] = Field(default_factory=list)
+    arrivals: dict[Id, list[WallTime]] = Field(default_factory=dict)
 
 
 # -- workers and epochs ------------------------------------------------------------------------

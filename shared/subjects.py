@@ -64,8 +64,9 @@ DEFAULT_PREFIX: Final[str] = "vtm"
 # assignments reach no new rank daemon), so a deployment upgrades every service together
 # across a raise, never one by one. History: "2" -- ids last in every per-id subject
 # (``vtm.worker.assign.{wid}``, was ``vtm.worker.{wid}.assign``), 2026-12-06; services older
-# than that report no protocol.
-BUS_PROTOCOL: Final[str] = "2"
+# than that report no protocol. "3" -- QueueReport names the attempts a worker holds
+# (``arrivals``; a scheduler of "2" refuses the field), 2026-12-06.
+BUS_PROTOCOL: Final[str] = "3"
 MAX_TOKENS: Final[int] = 16
 _TOKEN_RE: Final[re.Pattern[str]] = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 # Stream, consumer and bucket names: JetStream allows no dots, spaces, wildcards or separators.

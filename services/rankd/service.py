@@ -426,10 +426,16 @@ class RankdService(MicroService):
         if q.worker_id != self.core.worker_id:
             raise UnknownWorker(f"queue query for {q.worker_id} reached {self.core.worker_id}")
         running = self.core.running
+        listed = [*([running] if running is not None else []), *self.core.queued]
         return QueueReport(
             worker_id=self.core.worker_id,
             queued=[j.request_id for j in self.core.queued],
             in_flight=[running.request_id] if running is not None else [],
+            # Each job's attempts: a scheduler holding a later attempt's dispatch must not
+            # take the id listed for the first attempt as that one held here.
+            arrivals={j.request_id: [j.assignment.request.arrival_s,
+                                     *sorted(self._attempts.get(j.request_id, {}))]
+                      for j in listed},
         )
 
     async def _on_snapshot(self, request: Request) -> CacheSnapshot:

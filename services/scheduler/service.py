@@ -527,6 +527,33 @@ class SchedulerSettings(ServiceSettings):
 # -- names (built in shared/subjects.py) -------------------------------------------------------
 
 
+Listing = dict[str, frozenset[float] | None]
+"""A worker's queue report as this adapter reads it: each request id it lists (queued or
+running) → the arrival stamps of the attempts of it the worker holds (None: a worker that
+does not tell, taken to hold every attempt)."""
+
+
+def listing_of(report: QueueReport) -> Listing:
+    """The :data:`Listing` of ``report``. Pure."""
+    out: Listing = {}
+    for rid in (*report.in_flight, *report.queued):
+        stamps = report.arrivals.get(rid)
+        out[rid] = None if stamps is None else frozenset(stamps)
+    return out
+
+
+def lists_attempt(listing: Listing | None, rid: str, arrival_s: float) -> bool:
+    """Whether ``listing`` holds the attempt of ``rid`` that arrived at ``arrival_s`` (False
+    for None: a worker that did not answer). The stamp matters after a store loss: a later
+    attempt under the id (a client retry the intake took as new) is not held by a worker
+    that lists the id for the first attempt only, and adopting it there would leave it
+    unanswered (that worker answers the first attempt, stamped for it). Pure."""
+    if listing is None or rid not in listing:
+        return False
+    stamps = listing[rid]
+    return stamps is None or arrival_s in stamps
+
+
 def assignment_bucket(subjects: Subjects) -> str:
     """KV bucket of AssignmentRecord, key = request id (``VTM_ASSIGNMENTS``)."""
     return subjects.assignment_bucket()
@@ -873,7 +900,7 @@ class SchedulerService(MicroService):
         self._served: OrderedDict[str, tuple[float, ...] | None] = OrderedDict()
         # The workers' queues as last listed for re-sent messages (taken at, worker -> ids or
         # None: no answer; republished_listing_s), and the lock one listing is taken under.
-        self._listing: tuple[float, dict[str, set[str] | None]] | None = None
+        self._listing: tuple[float, dict[str, Listing | None]] | None = None
         self._listing_lock = asyncio.Lock()
         # Dispatched requests whose result this replica has not seen (see ledger.py): what a
         # worker that dies or restarts takes with it, handed back to intake.
@@ -1656,7 +1683,7 @@ class SchedulerService(MicroService):
                 # "Gone" is judged from the worker-state view, which can lag; a worker that
                 # still lists the request is alive and will run it: re-send, do not hand back.
                 if self.worker_gone(record.worker_id) and \
-                        not await self._worker_holds(record.worker_id, rid):
+                        not await self._worker_holds(record.worker_id, rid, req.arrival_s):
                     await self._hand_back_for_gone(msg, req, record, parent)
                     return
                 assignment, decision = await self._resume(req, record, dequeued), None
@@ -1803,7 +1830,7 @@ class SchedulerService(MicroService):
             for sent in lost.requests:
                 if self.ledger.get(sent.request_id) is not sent:
                     continue  # answered, superseded or already handed back
-                if listed is not None and sent.request_id in listed:
+                if lists_attempt(listed, sent.request_id, sent.request.arrival_s):
                     self.ledger.adopted(sent.request_id, lost.incarnation)
                     continue
                 await self._hand_back_lost(sent, lost.loss)
@@ -1815,10 +1842,11 @@ class SchedulerService(MicroService):
         finally:
             self._recovering.discard(wid)
 
-    async def _queue_of(self, wid: str) -> set[str] | None:
-        """The request ids the worker lists (queued or running); None when it does not answer."""
+    async def _queue_of(self, wid: str) -> Listing | None:
+        """The requests (and their attempts) the worker lists, queued or running; None when
+        it does not answer."""
         rep = await self._report_of(wid)
-        return None if rep is None else {*rep.in_flight, *rep.queued}
+        return None if rep is None else listing_of(rep)
 
     async def _report_of(self, wid: str) -> QueueReport | None:
         """The worker's queue report; None when it does not answer."""
@@ -1867,7 +1895,7 @@ class SchedulerService(MicroService):
         self.log.warning("dispatch outcome unknown; record kept", request_id=rid,
                          worker=a.worker_id, error=repr(exc))
         if self._deliveries(msg) >= self.ssettings.max_deliver and \
-                await self._worker_holds(a.worker_id, rid):
+                await self._worker_holds(a.worker_id, rid, req.arrival_s):
             # No delivery is left to re-send it, but the worker has it queued or running:
             # its first token will answer the client, so no error FirstToken goes out.
             self.stats.unknown_held += 1
@@ -1877,11 +1905,11 @@ class SchedulerService(MicroService):
             return
         await self._retry_or_fail(msg, req, f"worker {a.worker_id} did not answer: {exc!r}")
 
-    async def _worker_holds(self, worker_id: str, request_id: str) -> bool:
-        """Whether the worker lists the request as queued or running (its ``queue``
-        endpoint); False when it does not answer."""
-        listed = await self._queue_of(worker_id)
-        return listed is not None and request_id in listed
+    async def _worker_holds(self, worker_id: str, request_id: str, arrival_s: float) -> bool:
+        """Whether the worker lists the request's attempt that arrived at ``arrival_s`` as
+        queued or running (its ``queue`` endpoint, :func:`lists_attempt`); False when it does
+        not answer."""
+        return lists_attempt(await self._queue_of(worker_id), request_id, arrival_s)
 
     def worker_gone(self, worker_id: str) -> bool:
         """Whether ``worker_id`` is known gone (see "Failure handling"); never before the
@@ -2131,17 +2159,18 @@ class SchedulerService(MicroService):
             return
         wid = rec.worker_id
         report = await self._report_of(wid)
-        listed = None if report is None else {*report.in_flight, *report.queued}
+        listed = None if report is None else listing_of(report)
+        holds = lists_attempt(listed, rid, req.arrival_s)  # this message's attempt
         state = self._states.get(wid)
         restarted = state is not None and bool(rec.incarnation) \
             and state.incarnation != rec.incarnation
         carrier = trace_carrier(msg.headers, req)
         if (listed is None and self.worker_gone(wid)) or \
-                (listed is not None and rid not in listed and restarted):
+                (listed is not None and not holds and restarted):
             self.stats.adopted_lost += 1
             await self._hand_back_for_gone(msg, req, rec, carrier)
             return
-        if listed is not None and rid not in listed:
+        if listed is not None and not holds:
             self.stats.redelivered_acked += 1
             self.log.info("redelivered intake acked: its worker no longer holds it",
                           request_id=rid, worker=wid)
@@ -2197,7 +2226,8 @@ class SchedulerService(MicroService):
             await asyncio.sleep(REPUBLISHED_POLL_S)
         listing = await self._worker_listing()
         holder = next((w for w, ids in listing.items()
-                       if ids is not None and rid in ids and not self.worker_gone(w)), None)
+                       if lists_attempt(ids, rid, req.arrival_s) and not self.worker_gone(w)),
+                      None)
         if holder is not None:
             # Adopted like a held message redelivered: the replica that dispatched it may be
             # gone with its ledger (its record and held message went with the store), and
@@ -2226,7 +2256,7 @@ class SchedulerService(MicroService):
         self.log.info("re-sent request lost with the store; placing it", request_id=rid)
         return False
 
-    async def _worker_listing(self) -> dict[str, set[str] | None]:
+    async def _worker_listing(self) -> dict[str, Listing | None]:
         """Every worker's listed request ids (None: no answer), asked of every worker not known
         gone at once; one listing answers for ``republished_listing_s``, and callers that
         come while it is taken wait for it. A worker the view gained since makes a new one."""

@@ -341,13 +341,19 @@ async def test_queue_endpoint_lists_running_and_queued_requests(
                                   drain_timeout_s=0.5)
     s = Subjects(uniq)
     try:
-        for rid in ("q-a", "q-b", "q-c"):
-            await call(nc, s.worker_assign(WID), assignment(rid), AssignmentAck,
-                       timeout_s=WAIT_S)
+        sent = [assignment(rid) for rid in ("q-a", "q-b", "q-c")]
+        for a in sent:
+            await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
         await asyncio.wait_for(first.wait(), timeout=WAIT_S)
+        # A later attempt of q-b (the same content) joins q-b's job: both attempts held.
+        later = reattempt(sent[1], sent[1].request.arrival_s + 0.5)
+        await call(nc, s.worker_assign(WID), later, AssignmentAck, timeout_s=WAIT_S)
         rep = await call(nc, s.worker_queue(WID), QueueQuery(worker_id=WID), QueueReport,
                          timeout_s=WAIT_S)
         assert (rep.worker_id, rep.in_flight, rep.queued) == (WID, ["q-a"], ["q-b", "q-c"])
+        # The attempts of each listed request it holds, by arrival stamp.
+        assert rep.arrivals == {a.request.request_id: [a.request.arrival_s] for a in sent} \
+            | {"q-b": [sent[1].request.arrival_s, later.request.arrival_s]}
         for body, code in ((QueueQuery(worker_id="w-cp2-g0"), 404), (b"\x00", 400),
                            (b'{"worker_id": "Bad Id"}', 400)):
             with pytest.raises(RemoteError) as err:

@@ -225,10 +225,10 @@ class RanBeforeAsked(SchedulerService):
         if msg.subject != self.subjects.result(self.rid):
             await super()._on_result(msg)
 
-    async def _worker_holds(self, worker_id: str, request_id: str) -> bool:
+    async def _worker_holds(self, worker_id: str, request_id: str, arrival_s: float) -> bool:
         while request_id == self.rid and not await self._result_kept(request_id):
             await asyncio.sleep(0.02)  # W has not run x yet
-        return await super()._worker_holds(worker_id, request_id)
+        return await super()._worker_holds(worker_id, request_id, arrival_s)
 
 
 async def test_last_delivery_of_a_request_already_answered_sends_no_error(

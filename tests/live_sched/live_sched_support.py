@@ -195,8 +195,12 @@ class FakeWorker:
 
     async def _on_queue(self, msg: Msg) -> None:
         self.queue_queries += 1
-        report = QueueReport(worker_id=self.worker_id,
-                             queued=[a.request.request_id for a in self.assignments])
+        # Every assignment it got is queued here, each attempt (arrival stamp) of an id too.
+        arrivals: dict[str, list[float]] = {}
+        for a in self.assignments:
+            arrivals.setdefault(a.request.request_id, []).append(a.request.arrival_s)
+        report = QueueReport(worker_id=self.worker_id, queued=list(arrivals),
+                             arrivals=arrivals)
         data, _ = encode(report)  # JSON: the default content type needs no header
         await msg.respond(data)
 

@@ -387,10 +387,12 @@ async def test_re_sent_messages_after_a_store_loss_share_one_listing_of_the_work
     # A listing answers for the whole test: the burst is one however slow this machine is.
     sched = await live.scheduler(block_size=B, republished_listing_s=600.0)
     await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
-    await publish(nc, s, intake("held-1"))
+    held = intake("held-1")
+    await publish(nc, s, held)
     await wait_until(lambda: len(a.assignments) + len(b.assignments) == 1, "held-1 dispatched")
     for rid in ("held-1", *(f"resent-{i}" for i in range(5))):
-        data, headers = encode(intake(rid))
+        # A gateway re-sends a request as it was (its arrival stamp too).
+        data, headers = encode(held if rid == "held-1" else intake(rid))
         headers["Nats-Msg-Id"] = f"{rid}-again"  # the new stream's copy (no duplicate here)
         headers[REPUBLISHED_HEADER] = "1"
         await nc.jetstream().publish(s.intake_requests(), data, headers=headers)
@@ -398,9 +400,41 @@ async def test_re_sent_messages_after_a_store_loss_share_one_listing_of_the_work
     await wait_until(lambda: st.republished_held + st.republished_placed == 6,
                      "every re-sent message decided")
     assert st.republished_held == 1 and st.republished_placed == 5
-    held = [r.request.request_id for w in (a, b) for r in w.assignments]
-    assert sorted(held) == sorted(["held-1", *(f"resent-{i}" for i in range(5))])  # once each
+    placed = [r.request.request_id for w in (a, b) for r in w.assignments]
+    assert sorted(placed) == sorted(["held-1", *(f"resent-{i}" for i in range(5))])  # once each
     assert st.republished_listings == 1 and a.queue_queries == b.queue_queries == 1
+
+
+async def test_a_re_sent_later_attempt_is_placed_though_a_worker_holds_an_earlier_one(
+    live: Services, fake_worker, nc: Client, uniq: str  # type: ignore[no-untyped-def]
+) -> None:
+    """After a second store loss a gateway re-sends a later attempt of x (a client retry
+    the intake took as new after the first loss), while a worker still holds x's first
+    attempt. The worker's queue report names the attempts it holds (``arrivals``): the later
+    one is not among them, so it is placed (the worker then runs it, or joins it to x's job
+    and answers it stamped for it), not adopted. Before, the id listed for the first attempt
+    counted as holding the later one, which was never sent to any worker: its client got a
+    504. The first attempt re-sent as it was is adopted."""
+    from shared.service import REPUBLISHED_HEADER
+
+    s = Subjects(uniq)
+    w = await fake_worker("w-cp2-g0", 2, 0, reply_results=False)
+    sched = await live.scheduler(block_size=B, republished_listing_s=600.0)
+    await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+    first = intake("ra-1")
+    await publish(nc, s, first)
+    await wait_until(lambda: len(w.assignments) == 1, "the first attempt dispatched")
+    later = first.model_copy(update={"arrival_s": first.arrival_s + 0.5})
+    for req, msg_id in ((later, "ra-1 later"), (first, "ra-1 again")):
+        data, headers = encode(req)
+        headers["Nats-Msg-Id"] = msg_id
+        headers[REPUBLISHED_HEADER] = "1"
+        await nc.jetstream().publish(s.intake_requests(), data, headers=headers)
+    st = sched.stats
+    await wait_until(lambda: st.republished_held + st.republished_placed == 2,
+                     "both re-sent messages decided")
+    assert (st.republished_placed, st.republished_held) == (1, 1)
+    assert [a.request.arrival_s for a in w.assignments] == [first.arrival_s, later.arrival_s]
 
 
 async def test_a_kept_answer_counts_although_bad_input_followed_it(

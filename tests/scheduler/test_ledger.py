@@ -98,3 +98,21 @@ def test_a_missing_state_counts_only_once_the_view_has_loaded() -> None:
     led.add(sent("x"))
     assert lost(led, {}, loaded=False) == []
     assert lost(led, {}, loaded=True) == [("w-cp2-g0", Loss.SILENT, "", ["x"])]
+
+
+def test_a_queue_listing_names_the_attempts_a_worker_holds() -> None:
+    """``listing_of`` / ``lists_attempt`` (the scheduler adapter's reading of a worker's
+    queue report): an id listed with arrival stamps holds those attempts only; an id listed
+    without (a worker that does not tell) holds every attempt; an id not listed, or no
+    answer (None), holds none."""
+    from services.scheduler.service import listing_of, lists_attempt
+    from shared.schemas import QueueReport
+
+    rep = QueueReport(worker_id="w-cp2-g0", in_flight=["a"], queued=["b", "c"],
+                      arrivals={"a": [1.0, 1.5], "b": [2.0]})
+    listing = listing_of(rep)
+    assert listing == {"a": frozenset({1.0, 1.5}), "b": frozenset({2.0}), "c": None}
+    assert lists_attempt(listing, "a", 1.5) and lists_attempt(listing, "b", 2.0)
+    assert not lists_attempt(listing, "b", 2.5)  # another attempt of b: not held here
+    assert lists_attempt(listing, "c", 99.0)  # no stamps told: every attempt
+    assert not lists_attempt(listing, "d", 1.0) and not lists_attempt(None, "a", 1.0)
