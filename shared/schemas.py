@@ -247,15 +247,25 @@ class QueueQuery(Message):
 class QueueReport(Message):
     """Worker leader → asker: its FIFO (queue order) and what is executing.
 
-    ``arrivals``: for a listed request, the arrival stamps (``IntakeRequest.arrival_s``) of
-    the attempts of it the worker holds -- its job's, and each later attempt under the id
-    that joined that job (a client retry the intake took as new after a store loss). A
-    listed request without an entry holds every attempt (a worker that does not tell)."""
+    ``arrivals``: one entry per listed request, in the order ``in_flight`` then ``queued``:
+    the arrival stamps (``IntakeRequest.arrival_s``) of the attempts of it the worker holds
+    -- its job's, and each later attempt under the id that joined that job (a client retry
+    the intake took as new after a store loss). Empty: the worker does not tell, and each
+    listed request holds every attempt. A list aligned with the ids rather than a map keyed
+    by them: the report of a full queue of long ids stays within NATS's payload limit."""
 
     worker_id: Id
     queued: list[Id] = Field(default_factory=list)
     in_flight: list[Id] = Field(default_factory=list)
-    arrivals: dict[Id, list[WallTime]] = Field(default_factory=dict)
+    arrivals: list[list[WallTime]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> QueueReport:
+        listed = len(self.in_flight) + len(self.queued)
+        if self.arrivals and len(self.arrivals) != listed:
+            raise ValueError(f"arrivals has {len(self.arrivals)} entries for {listed} listed "
+                             "requests (in_flight then queued), or must be empty")
+        return self
 
 
 # -- workers and epochs ------------------------------------------------------------------------

@@ -9,8 +9,9 @@ Per process (one worker, its leader rank, for now):
   :mod:`services.rankd.core`). Admission is instant; execution is FIFO in a background task
   through an :class:`~services.rankd.backend.ExecutionBackend`. Endpoint
   ``{prefix}.worker.queue.{wid}``: a QueueQuery in, a QueueReport out (the running request
-  and the FIFO in order; 400 malformed, 404 another worker's id) -- the controller's first
-  step of a split or merge.
+  and the FIFO in order, with the arrival stamps of the attempts each holds; 400 malformed,
+  404 another worker's id) -- the controller's first step of a split or merge, and a
+  scheduler's check that a worker holds an attempt.
 * after each request, a FirstToken on ``{prefix}.result.{rid}`` with TTFT stage timings
   (wall seconds, see :mod:`services.rankd.backend`), the predicted prefill (modelled seconds)
   and the worker's ``time_scale``, and the TTFT stage spans ``queue_wait``, ``prefill``
@@ -433,9 +434,8 @@ class RankdService(MicroService):
             in_flight=[running.request_id] if running is not None else [],
             # Each job's attempts: a scheduler holding a later attempt's dispatch must not
             # take the id listed for the first attempt as that one held here.
-            arrivals={j.request_id: [j.assignment.request.arrival_s,
-                                     *sorted(self._attempts.get(j.request_id, {}))]
-                      for j in listed},
+            arrivals=[[j.assignment.request.arrival_s,
+                       *sorted(self._attempts.get(j.request_id, {}))] for j in listed],
         )
 
     async def _on_snapshot(self, request: Request) -> CacheSnapshot:

@@ -535,11 +535,13 @@ does not tell, taken to hold every attempt)."""
 
 def listing_of(report: QueueReport) -> Listing:
     """The :data:`Listing` of ``report``. Pure."""
-    out: Listing = {}
-    for rid in (*report.in_flight, *report.queued):
-        stamps = report.arrivals.get(rid)
-        out[rid] = None if stamps is None else frozenset(stamps)
-    return out
+    ids = (*report.in_flight, *report.queued)
+    if not report.arrivals:
+        return dict.fromkeys(ids)
+    out: dict[str, frozenset[float]] = {}
+    for rid, stamps in zip(ids, report.arrivals, strict=True):  # aligned (QueueReport)
+        out[rid] = out.get(rid, frozenset()) | frozenset(stamps)
+    return dict(out)
 
 
 def lists_attempt(listing: Listing | None, rid: str, arrival_s: float) -> bool:
@@ -2257,9 +2259,10 @@ class SchedulerService(MicroService):
         return False
 
     async def _worker_listing(self) -> dict[str, Listing | None]:
-        """Every worker's listed request ids (None: no answer), asked of every worker not known
-        gone at once; one listing answers for ``republished_listing_s``, and callers that
-        come while it is taken wait for it. A worker the view gained since makes a new one."""
+        """Every worker's listing (:data:`Listing`: its requests and their attempts; None: no
+        answer), asked of every worker not known gone at once; one listing answers for
+        ``republished_listing_s``, and callers that come while it is taken wait for it. A
+        worker the view gained since makes a new one."""
         loop = asyncio.get_running_loop()
         async with self._listing_lock:
             wids = [w for w in self._states if not self.worker_gone(w)]

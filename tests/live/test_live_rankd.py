@@ -352,8 +352,9 @@ async def test_queue_endpoint_lists_running_and_queued_requests(
                          timeout_s=WAIT_S)
         assert (rep.worker_id, rep.in_flight, rep.queued) == (WID, ["q-a"], ["q-b", "q-c"])
         # The attempts of each listed request it holds, by arrival stamp.
-        assert rep.arrivals == {a.request.request_id: [a.request.arrival_s] for a in sent} \
-            | {"q-b": [sent[1].request.arrival_s, later.request.arrival_s]}
+        assert rep.arrivals == [[sent[0].request.arrival_s],
+                                [sent[1].request.arrival_s, later.request.arrival_s],
+                                [sent[2].request.arrival_s]]
         for body, code in ((QueueQuery(worker_id="w-cp2-g0"), 404), (b"\x00", 400),
                            (b'{"worker_id": "Bad Id"}', 400)):
             with pytest.raises(RemoteError) as err:

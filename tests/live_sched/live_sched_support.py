@@ -200,7 +200,7 @@ class FakeWorker:
         for a in self.assignments:
             arrivals.setdefault(a.request.request_id, []).append(a.request.arrival_s)
         report = QueueReport(worker_id=self.worker_id, queued=list(arrivals),
-                             arrivals=arrivals)
+                             arrivals=list(arrivals.values()))
         data, _ = encode(report)  # JSON: the default content type needs no header
         await msg.respond(data)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.scheduler.ledger import DispatchLedger, Loss, Sent
@@ -109,10 +111,25 @@ def test_a_queue_listing_names_the_attempts_a_worker_holds() -> None:
     from shared.schemas import QueueReport
 
     rep = QueueReport(worker_id="w-cp2-g0", in_flight=["a"], queued=["b", "c"],
-                      arrivals={"a": [1.0, 1.5], "b": [2.0]})
+                      arrivals=[[1.0, 1.5], [2.0], [3.0]])
     listing = listing_of(rep)
-    assert listing == {"a": frozenset({1.0, 1.5}), "b": frozenset({2.0}), "c": None}
+    assert listing == {"a": frozenset({1.0, 1.5}), "b": frozenset({2.0}), "c": frozenset({3.0})}
     assert lists_attempt(listing, "a", 1.5) and lists_attempt(listing, "b", 2.0)
     assert not lists_attempt(listing, "b", 2.5)  # another attempt of b: not held here
-    assert lists_attempt(listing, "c", 99.0)  # no stamps told: every attempt
     assert not lists_attempt(listing, "d", 1.0) and not lists_attempt(None, "a", 1.0)
+    # No stamps told (an empty list): each listed request holds every attempt.
+    told_none = listing_of(QueueReport(worker_id="w-cp2-g0", in_flight=["a"], queued=["c"]))
+    assert told_none == {"a": None, "c": None} and lists_attempt(told_none, "c", 99.0)
+
+
+@pytest.mark.parametrize("arrivals", [[[1.0]], [[1.0], [2.0], [3.0]]])
+def test_a_queue_report_whose_stamps_do_not_align_is_refused(arrivals: list) -> None:
+    """``QueueReport.arrivals`` has one entry per listed request (in_flight then queued) or
+    none; any other length is a SchemaError (a 400 at the endpoint, an unanswered report at
+    the asker), not a listing that pairs stamps with the wrong ids."""
+    from shared.schemas import QueueReport, SchemaError, decode, encode
+
+    data, headers = encode(QueueReport(worker_id="w-cp2-g0", in_flight=["a"], queued=["b"]))
+    body = json.loads(data) | {"arrivals": arrivals}
+    with pytest.raises(SchemaError):
+        decode(QueueReport, json.dumps(body).encode(), headers)
