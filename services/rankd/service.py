@@ -824,10 +824,14 @@ class RankdService(MicroService):
         """Publish the first token now, or at ``result.finished_at_s`` when the backend freed
         the worker at the prefill's end (SimBackend ``handoff_off_worker``: the KV handoff
         and first decode run off this worker's FIFO, as in the simulator) — then from a task
-        of its own, so the next request starts meanwhile."""
+        of its own, so the next request starts meanwhile. The later attempts that joined the
+        job are taken now, with the job just finished in the core: a new job under the id
+        admitted during the wait (other content) keeps its own. Before, the late answer went
+        to the attempts that had joined that new job as well."""
+        joined = tuple(sorted(self._attempts.pop(job.request_id, {})))
         delay = result.finished_at_s - self.clock()
         if delay <= 0:
-            self._publish_result(job, result)
+            self._publish_result(job, result, joined)
             return
 
         async def at_first_token() -> None:
@@ -838,7 +842,7 @@ class RankdService(MicroService):
             done = dataclasses.replace(result, first_decode_s=result.first_decode_s + late,
                                        finished_at_s=result.finished_at_s + late)
             try:
-                self._publish_result(job, done)
+                self._publish_result(job, done, joined)
             except Exception:  # e.g. the connection closed under us
                 self.log.exception("first token publish failed", request_id=job.request_id)
 
@@ -896,7 +900,10 @@ class RankdService(MicroService):
                     attributes={**ids, "vtm.token": result.token,
                                 "vtm.backend": self.backend.name})
 
-    def _publish_result(self, job: Job, result: PrefillResult) -> None:
+    def _publish_result(self, job: Job, result: PrefillResult,
+                        joined: Sequence[float]) -> None:
+        """Send ``job``'s FirstToken (kept to send again, :meth:`_keep_answer`) and a copy to
+        each later attempt that joined it (``joined``: their arrival stamps)."""
         a = job.assignment
         msg = FirstToken(
             request_id=a.request.request_id,
@@ -914,7 +921,7 @@ class RankdService(MicroService):
         subject = self.subjects.result(a.request.request_id)
         headers = inject(headers)
         self._keep_answer(a.request, subject, data, headers)
-        self._answer_attempts(a.request.request_id, subject, data, headers)
+        self._answer_attempts(a.request.request_id, subject, data, headers, joined)
 
     def _failure(self, job: Job, reason: str) -> tuple[str, bytes, dict[str, str]]:
         """The error FirstToken of ``job``'s request (``reason``): its subject, data and
@@ -944,12 +951,13 @@ class RankdService(MicroService):
         self._send_result(subject, data, headers)
         self._answer_attempts(job.request_id, subject, data, headers)
 
-    def _answer_attempts(self, rid: str, subject: str, data: bytes,
-                         headers: dict[str, str]) -> None:
+    def _answer_attempts(self, rid: str, subject: str, data: bytes, headers: dict[str, str],
+                         joined: Sequence[float] | None = None) -> None:
         """Send ``rid``'s answer (``data``) to the later attempts that joined its job here
-        (:meth:`_assign`), each copy stamped with its attempt's arrival."""
+        (:meth:`_assign`; ``joined``: their arrival stamps, taken already; None: take them
+        now), each copy stamped with its attempt's arrival."""
         now = self.clock()
-        for arrival in sorted(self._attempts.pop(rid, {})):
+        for arrival in sorted(self._attempts.pop(rid, {})) if joined is None else joined:
             self._send_result(subject, *restamped(data, headers, arrival, now))
 
     def _keep_answer(self, req: IntakeRequest, subject: str, data: bytes,

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -1221,11 +1221,12 @@ class FailsFirstPublish(RankdService):
 
     failed = False
 
-    def _publish_result(self, job: Job, result: PrefillResult) -> None:
+    def _publish_result(self, job: Job, result: PrefillResult,
+                        joined: Sequence[float]) -> None:
         if not self.failed:
             self.failed = True
             raise RuntimeError("publish failed")
-        super()._publish_result(job, result)
+        super()._publish_result(job, result, joined)
 
 
 async def test_attempts_that_joined_a_job_whose_bookkeeping_failed_are_forgotten(
@@ -1252,6 +1253,42 @@ async def test_attempts_that_joined_a_job_whose_bookkeeping_failed_are_forgotten
         await wait_for_results(results, 1)
         await all_sent(svc, nc)
         assert [r.arrival_s for r in results] == [other.request.arrival_s]
+        await sub.unsubscribe()
+
+
+async def test_a_late_answer_goes_only_to_the_attempts_that_joined_its_own_job(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """x's first token goes out 2 s after its prefill (the KV handoff runs off the worker).
+    Meanwhile a new request under the id (other content) starts a job of its own, and a
+    later attempt of that one joins it. x's late answer goes to x alone; the joined attempt
+    gets its own job's answer. Before, the late answer took the new job's joined attempts
+    along (answered with the other content's result)."""
+    backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 3.0 if r + p > 1024 else 0.05,
+                         handoff_time=lambda tokens, c: 2.0, handoff_off_worker=True,
+                         time_scale=1.0)
+    async with running_rankd(nats_server.url, uniq, backend) as svc:
+        s = Subjects(uniq)
+        sub, results, _ = await collect(nc, s.result("r-late"), 3, FirstToken)
+        first = assignment("r-late", arrival=time.time() - 1.0)
+        await call(nc, s.worker_assign(WID), first, AssignmentAck, timeout_s=WAIT_S)
+        async with asyncio.timeout(WAIT_S):
+            while svc.core.finished_arrival("r-late") is None:
+                await asyncio.sleep(0.005)
+        assert not results  # finished here, its first token still to come
+        other = reattempt(first, first.request.arrival_s + 0.5, input_len=2048,
+                          block_hashes=[7, 8, 9, 10])
+        other = other.model_copy(update={"prefix_tokens": 0, "recompute_tokens": 2048,
+                                         "predicted_s": 0.9})
+        joins = reattempt(other, other.request.arrival_s + 0.1)
+        for a in (other, joins):
+            await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
+        await wait_for_results(results, 3)
+        await all_sent(svc, nc)
+        got = {r.arrival_s: r.predicted_prefill_s for r in results}
+        assert got == {first.request.arrival_s: 0.2, other.request.arrival_s: 0.9,
+                       joins.request.arrival_s: 0.9}
+        assert len(results) == 3
         await sub.unsubscribe()
 
 
