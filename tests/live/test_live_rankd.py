@@ -1017,6 +1017,19 @@ def slow_backend() -> SimBackend:
     return SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0)
 
 
+@contextlib.asynccontextmanager
+async def busy_rankd(url: str, nc: Client, uniq: str) -> AsyncIterator[tuple[RankdService, float]]:
+    """rankd over an intake stream, its worker busy with q-1 (a 30 s prefill): what is
+    assigned next stays queued. Yields the service and q-1's arrival stamp."""
+    s = Subjects(uniq)
+    await ensure_intake_stream(nc.jetstream(), s)
+    async with running_rankd(url, uniq, slow_backend(), drain_timeout_s=0.5) as svc:
+        arrived = time.time() - 1.0
+        await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
+                   AssignmentAck, timeout_s=WAIT_S)
+        yield svc, arrived
+
+
 async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
@@ -1026,12 +1039,7 @@ async def test_a_later_attempt_that_joined_a_handed_back_job_is_handed_back_too(
     hand-back carried the first attempt only, and the later one was never answered."""
     s = Subjects(uniq)
     js = nc.jetstream()
-    await ensure_intake_stream(js, s)
-    async with running_rankd(nats_server.url, uniq, slow_backend(),
-                             drain_timeout_s=0.5) as svc:
-        arrived = time.time() - 1.0
-        await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
-                   AssignmentAck, timeout_s=WAIT_S)
+    async with busy_rankd(nats_server.url, nc, uniq) as (svc, arrived):
         first = assignment("q-x", arrival=arrived)
         # The later attempt's own trace (its gateway's root span) goes with its hand-back.
         later = reattempt(first, arrived + 0.5, trace_context={
@@ -1073,12 +1081,7 @@ async def test_a_resent_assignment_of_a_handed_back_joined_attempt_is_not_run_ag
     joined attempt's was admitted, and ran here while its hand-back ran elsewhere."""
     s = Subjects(uniq)
     js = nc.jetstream()
-    await ensure_intake_stream(js, s)
-    async with running_rankd(nats_server.url, uniq, slow_backend(),
-                             drain_timeout_s=0.5) as svc:
-        arrived = time.time() - 1.0
-        await call(nc, s.worker_assign(WID), assignment("q-1", arrival=arrived),
-                   AssignmentAck, timeout_s=WAIT_S)
+    async with busy_rankd(nats_server.url, nc, uniq) as (svc, arrived):
         first = assignment("q-x", arrival=arrived)
         later = reattempt(first, arrived + 0.5)
         sources = [(first, "q-x"), (later, "q-x@other-message")]
