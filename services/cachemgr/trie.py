@@ -75,6 +75,10 @@ if TYPE_CHECKING:
 MAX_REQUEST_BLOCKS: Final[int] = 1 << 16
 """Longest request (in blocks) ``match`` accepts: 32M tokens at B = 512."""
 
+HELD_BACK_MAX: Final[int] = 4096
+"""Most events a stale worker's view holds back for the snapshot that ends its gap; past it,
+the newest are dropped and that snapshot is followed by another (``apply``)."""
+
 
 class ApplyOutcome(StrEnum):
     APPLIED = "applied"
@@ -189,7 +193,7 @@ class WorkerView:
     """What the manager knows about one worker's cache (package-private; read via the trie)."""
 
     __slots__ = ("worker", "degree", "deg_idx", "capacity_blocks", "last_event_id", "stale",
-                 "valid", "pending", "orphans", "donors")
+                 "valid", "pending", "orphans", "donors", "seen_event_id", "held_back")
 
     def __init__(self, worker: WorkerId, degree: Degree, deg_idx: int, capacity: int,
                  last_event_id: int) -> None:
@@ -208,6 +212,11 @@ class WorkerView:
         self.orphans: set[BlockHash] = set()
         # resident pages outside the worker's index, kept as copy sources (§6.2)
         self.donors: set[BlockHash] = set()
+        # The newest event id seen (applied or not): a snapshot older than it would lose the
+        # effect of an event that will never come again. Events not applied while stale are
+        # held back (at most HELD_BACK_MAX) and applied after the snapshot that ends the gap.
+        self.seen_event_id = last_event_id
+        self.held_back: dict[int, CacheEvent] = {}
 
     @property
     def used_blocks(self) -> int:
@@ -510,7 +519,12 @@ class PrefixTrie:
           pending) is treated as a GAP too: we missed the event that stored the parent, and
           guessing would create a holder the worker may not have.
         * a ``Snapshot`` replaces the worker's valid blocks and clears stale, unless it is older
-          than what was applied (``last_event_id`` < last applied while not stale: DUPLICATE).
+          than what was applied (``last_event_id`` < last applied: DUPLICATE, stale or not:
+          the applied events' effects would be lost for good). A stale worker's snapshot must
+          also reach the newest event seen but not applied: events after the gap are held back
+          (at most :data:`HELD_BACK_MAX`) and applied on top of the snapshot; if some are
+          missing (not held back, or not yet arrived: ``last_event_id`` below the newest seen)
+          the worker is stale again after it (APPLIED: ask for another snapshot).
           Pending blocks the snapshot does not list stay pending.
         """
         cls = event.__class__
@@ -525,14 +539,12 @@ class PrefixTrie:
         if eid <= view.last_event_id:
             return ApplyOutcome.DUPLICATE
         if view.stale or eid > view.last_event_id + 1:
-            self._mark_stale(view)
-            return ApplyOutcome.GAP
+            return self._gap(view, event)
         if cls is Stored or isinstance(event, Stored):
             p = event.parent_hash  # type: ignore[union-attr]
             valid = view.valid
             if p is not None and p not in valid and p not in view.pending:
-                self._mark_stale(view)
-                return ApplyOutcome.GAP
+                return self._gap(view, event)
             self._apply_stored(view, p, event.block_hashes)  # type: ignore[union-attr]
             if self._replicating:
                 self._retire_replications(view)
@@ -930,8 +942,20 @@ class PrefixTrie:
                         f"block {h} follows {have} in the trie but {expected} in the event")
             expected = h
 
+    def _gap(self, view: WorkerView, event: CacheEvent) -> ApplyOutcome:
+        """``event`` (id above the last applied) cannot be applied: the view goes stale and
+        the event is held back for the snapshot that ends the gap (``apply``)."""
+        self._mark_stale(view)
+        eid = event.event_id
+        if eid > view.seen_event_id:
+            view.seen_event_id = eid
+        held = view.held_back
+        if eid in held or len(held) < HELD_BACK_MAX:
+            held[eid] = event
+        return ApplyOutcome.GAP
+
     def _apply_snapshot(self, view: WorkerView, ev: Snapshot) -> ApplyOutcome:
-        if not view.stale and ev.last_event_id < view.last_event_id:
+        if ev.last_event_id < view.last_event_id:
             return ApplyOutcome.DUPLICATE
         parents = dict(ev.blocks)
         order = topological_order(parents)
@@ -953,9 +977,20 @@ class PrefixTrie:
                 n = self._create(h, None if p is None else nodes[p])
             self._add_valid(view, n)
         view.last_event_id = ev.last_event_id
+        if ev.last_event_id > view.seen_event_id:
+            view.seen_event_id = ev.last_event_id
         view.stale = False
         self._retire_replications(view)
         self._retire_reclaims(view)
+        # The events seen after the gap, on top of the snapshot (those it covers are
+        # duplicates); a missing one makes the view stale again, holding back the rest.
+        held, view.held_back = view.held_back, {}
+        for eid in sorted(held):
+            if eid > view.last_event_id:
+                self.apply(held[eid])
+        if not view.stale and view.last_event_id < view.seen_event_id:
+            # An event seen but not held back (HELD_BACK_MAX) or not covered: ask again.
+            self._mark_stale(view)
         return ApplyOutcome.APPLIED
 
     def _mark_stale(self, view: WorkerView) -> None:

@@ -87,6 +87,63 @@ def test_gap_marks_stale_until_snapshot(make_trie) -> None:
     assert t.holders(5) == {"a"}
 
 
+def test_a_stale_worker_refuses_a_snapshot_older_than_what_was_applied(make_trie) -> None:
+    # Asked for before the gap (at registration) and answered after it: applying it would
+    # bring back block 3, whose removal (event 3) was applied and will never come again.
+    t, f = make_trie({"a": 2})
+    f.store("a", [1, 2, 3])
+    old = Snapshot("a", 1, ((1, None), (2, 1), (3, 2)))
+    assert t.apply(Stored("a", 2, 3, (4,))) is ApplyOutcome.APPLIED
+    assert t.apply(Removed("a", 3, (4, 3))) is ApplyOutcome.APPLIED
+    assert t.apply(Stored("a", 5, 2, (9,))) is ApplyOutcome.GAP  # event 4 was lost
+    assert t.apply(old) is ApplyOutcome.DUPLICATE
+    assert t.is_stale("a") and t.last_event_id("a") == 3 and t.holders(3) == frozenset()
+    # The snapshot the gap asked for ends it (event 5, held back, is in it).
+    now = Snapshot("a", 5, ((1, None), (2, 1), (9, 2)))
+    assert t.apply(now) is ApplyOutcome.APPLIED
+    assert not t.is_stale("a") and t.worker_blocks("a") == {1, 2, 9}
+
+
+def test_events_after_the_gap_are_applied_on_top_of_an_older_snapshot(make_trie) -> None:
+    # Event 4 lost; 5 and 6 arrive while the snapshot (taken after 4) is on its way: they
+    # are held back and applied on top of it, so an idle worker does not stay wrong.
+    t, f = make_trie({"a": 2})
+    f.store("a", [1, 2])
+    assert t.apply(Stored("a", 3, 2, (3,))) is ApplyOutcome.GAP  # event 2 lost
+    assert t.apply(Removed("a", 4, (3,))) is ApplyOutcome.GAP
+    assert t.apply(Stored("a", 5, 2, (7,))) is ApplyOutcome.GAP
+    snap = Snapshot("a", 3, ((1, None), (2, 1), (3, 2), (5, 2)))
+    assert t.apply(snap) is ApplyOutcome.APPLIED
+    assert not t.is_stale("a") and t.last_event_id("a") == 5
+    assert t.worker_blocks("a") == {1, 2, 5, 7} and t.holders(3) == frozenset()
+    assert t.apply(Stored("a", 6, 7, (8,))) is ApplyOutcome.APPLIED
+
+
+def test_a_snapshot_short_of_an_event_seen_leaves_the_worker_stale(make_trie,
+                                                                    monkeypatch) -> None:
+    import services.cachemgr.trie as trie_mod
+
+    t, f = make_trie({"a": 2})
+    f.store("a", [1])
+    # A hole after the snapshot: 3 applies on top of it, 5 is a gap again (4 missing).
+    assert t.apply(Stored("a", 3, 1, (3,))) is ApplyOutcome.GAP
+    assert t.apply(Stored("a", 5, 3, (5,))) is ApplyOutcome.GAP
+    assert t.apply(Snapshot("a", 2, ((1, None),))) is ApplyOutcome.APPLIED
+    assert t.is_stale("a") and t.last_event_id("a") == 3
+    assert t.apply(Snapshot("a", 4, ((1, None), (3, 1)))) is ApplyOutcome.APPLIED
+    assert not t.is_stale("a") and t.worker_blocks("a") == {1, 3, 5}
+    # Held back only up to HELD_BACK_MAX: an event seen and dropped makes the snapshot that
+    # does not cover it leave the worker stale (the adapter asks again).
+    monkeypatch.setattr(trie_mod, "HELD_BACK_MAX", 1)
+    assert t.apply(Stored("a", 7, 5, (7,))) is ApplyOutcome.GAP
+    assert t.apply(Stored("a", 8, 7, (8,))) is ApplyOutcome.GAP  # not held back
+    assert t.apply(Snapshot("a", 6, ((1, None), (3, 1), (5, 3)))) is ApplyOutcome.APPLIED
+    assert t.is_stale("a") and t.worker_blocks("a") == frozenset()
+    snap = Snapshot("a", 8, ((1, None), (3, 1), (5, 3), (7, 5), (8, 7)))
+    assert t.apply(snap) is ApplyOutcome.APPLIED
+    assert not t.is_stale("a") and t.worker_blocks("a") == {1, 3, 5, 7, 8}
+
+
 def test_stored_under_a_parent_the_worker_lacks_is_a_gap(make_trie) -> None:
     t, f = make_trie({"a": 2, "b": 2})
     f.store("b", [1, 2])
