@@ -357,6 +357,16 @@ def record_groups(record: EpochRecord) -> dict[WorkerId, GpuGroup]:
     return {WorkerId(w.worker_id): w.group for w in record.workers}
 
 
+def in_pool(record: EpochRecord | None, worker: str) -> bool:
+    """Whether the manager tracks ``worker`` on its own events or state: without an epoch
+    record, any worker; with one, a worker the record lists and does not call UNAVAILABLE
+    (such a worker holds nothing the pool can count on: ``_follow_lifecycles``)."""
+    if record is None:
+        return True
+    return any(w.worker_id == worker and w.lifecycle is not Lifecycle.UNAVAILABLE
+               for w in record.workers)
+
+
 def path_to(trie: PrefixTrie, node: BlockHash) -> list[BlockHash]:
     """The root→``node`` path of block hashes (root first)."""
     out = [node]
@@ -626,8 +636,9 @@ class CacheMgrService(MicroService):
                 # default capacity): its own figure replaces the guess.
                 self.trie.set_capacity(WorkerId(wid), state.kv_total_blocks)
         # Without an epoch record the worker states define the pool; with one, only
-        # workers of the record are tracked (a retired worker's last state lingers).
-        if self.record is None or wid in record_groups(self.record):
+        # workers of the record are tracked (a retired worker's last state lingers), and not
+        # while it calls them UNAVAILABLE (a heartbeat is no re-admission: the record is).
+        if in_pool(self.record, wid):
             if self._register(wid, state.degree, snapshot=True) and state.incarnation:
                 self._incarnations.setdefault(wid, state.incarnation)
 
@@ -910,8 +921,10 @@ class CacheMgrService(MicroService):
             self.log.warning("malformed cache event rejected", subject=msg.subject, error=str(exc))
             return
         if event.worker not in self.trie.workers():
-            in_record = self.record is None or event.worker in record_groups(self.record)
-            if not in_record or not self._register(event.worker, snapshot=False):
+            # A late event of a worker the record calls UNAVAILABLE does not track it again:
+            # its snapshot would make it a holder, a copy source and a destination.
+            if not in_pool(self.record, event.worker) \
+                    or not self._register(event.worker, snapshot=False):
                 self.counters["rejected"] += 1
                 return
         try:

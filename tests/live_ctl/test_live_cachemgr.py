@@ -499,6 +499,35 @@ async def test_no_demote_goes_to_a_source_that_left_the_pool(
     assert any(e["event"] == "demote skipped: worker no longer tracked" for e in logs)
 
 
+async def test_a_worker_the_record_calls_unavailable_is_not_tracked_again_by_its_events(
+    nc: Client, nats_server, uniq: str, services
+):
+    """A's lease lapsed (the record calls it UNAVAILABLE) but it still runs: its late cache
+    event and its heartbeat do not track it again. Tracked, it would have asked for its
+    snapshot and become a holder again, and the scan could reclaim B's copy, the pool's last
+    usable one. Only a record that shows A again tracks it."""
+    s = Subjects(uniq)
+    svc = await holder_a_and_b(nc, nats_server, uniq, services)
+    epochs = await epoch_kv(nc.jetstream(), s)
+    await epochs.put(s.epoch_key(), epoch_record(1, [(0, 2), (2, 2)], unavailable=(A,)))
+
+    async def a_untracked() -> bool:
+        return A not in (await inspect(nc, uniq))["workers"]
+
+    await eventually(a_untracked, what="A untracked")
+    await stored(nc, s, A, 2, 14, [15])
+    body = await counted(nc, uniq, "rejected", 1, "A's late event rejected")
+    assert A not in body["workers"] and svc.trie.holders(11) == {B}
+    svc.on_state(state(A, [0, 1], incarnation="i1"))  # its heartbeat
+    assert A not in svc.trie.workers()
+    await epochs.put(s.epoch_key(), epoch_record(2, [(0, 2), (2, 2)]))
+
+    async def a_tracked() -> bool:
+        return A in (await inspect(nc, uniq))["workers"]
+
+    await eventually(a_tracked, what="A tracked again by the record")
+
+
 async def test_a_refused_pull_sends_no_demote(nc: Client, nats_server, uniq: str, services):
     """B refuses the copy: the pull is settled as failed and A's copy, the only one, is not
     demoted."""
