@@ -17,12 +17,14 @@ simulator's placement), :func:`pull_on_route` compares the longest prefix of the
 chosen worker holds with the longest any worker holds. When the chosen worker lacks at least
 ``PullConfig.min_blocks`` blocks of it, one ``Replicate(kind="route")`` copies just those
 blocks from a holder -- one of the chosen worker's degree when there is one (pages move rank
-to rank, as an intra-degree copy), else the lowest id. Like every copy it is recorded as in
-flight and becomes visible only with the destination's ``Stored`` event; the request uses it
-when it starts after the copy has landed (a queued request, the case that matters under
-load), and otherwise recomputes the prefix as it would have. The paper's J does not count on
-a pull that may come too late; J's pull credit (on in the calibrated settings) does, where the
-queue lets the copy land (services/scheduler/placement.py, "Pull credit").
+to rank, as an intra-degree copy), else the lowest id; never a holder whose copy of those
+blocks a reclaim in flight is removing (the copy would race the removal at its source, as the
+scan's own source choice knows; none is made when every holder is one). Like every copy it is
+recorded as in flight and becomes visible only with the destination's ``Stored`` event; the
+request uses it when it starts after the copy has landed (a queued request, the case that
+matters under load), and otherwise recomputes the prefix as it would have. The paper's J does
+not count on a pull that may come too late; J's pull credit (on in the calibrated settings)
+does, where the queue lets the copy land (services/scheduler/placement.py, "Pull credit").
 
 A pull can be a move (``PullConfig.demote_source``: a bare config leaves it off, the
 calibrated one turns it on). Once the copy has landed, the source's copy of the copied blocks
@@ -172,7 +174,11 @@ def pull_on_route(trie: PrefixTrie, match: MatchResult, worker: WorkerId,
             if k == len(wanted) or not coming.isdisjoint(wanted[k:]):
                 return ()
             wanted = wanted[k:]
-    holders = [w for w, k in held.items() if k == best and w != worker]
+    want = set(wanted)
+    reclaiming = trie._reclaiming
+    holders = [w for w, k in held.items() if k == best and w != worker
+               and not any(not want.isdisjoint(r.blocks)
+                           for r in reclaiming.get(w, {}).values())]
     if not holders:
         return ()
     same = [w for w in holders if trie.worker_degree(w) == view.degree]

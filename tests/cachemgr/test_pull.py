@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cachemgr.actions import Demote, Replicate
+from services.cachemgr.actions import Demote, Reclaim, Replicate
 from services.cachemgr.events import Removed, Stored
 from services.cachemgr.pull import PullConfig, demotion, pull_on_route
 from services.cachemgr.trie import PrefixTrie
@@ -61,6 +61,28 @@ def test_a_holder_of_the_destinations_degree_is_preferred_then_the_lowest_id() -
     # For a CP4 destination that holds nothing... make one: D drops its blocks.
     t.apply(Removed(D, 2, (1, 2, 3, 4, 5)))
     assert pull_on_route(t, t.match(REQ), D, ONE)[0].source == C
+
+
+def test_a_holder_whose_copy_is_being_reclaimed_is_no_source() -> None:
+    # B would be the source (the destination's degree), but the scan is reclaiming its copy of
+    # the prefix: the copy comes from C, whose blocks stay; with C's being reclaimed too,
+    # there is no pull (it would race the removal at its source).
+    t = setup()
+    t.apply(Stored(B, 1, None, (1, 2, 3, 4, 5)))
+    t._begin(Reclaim(B, 5, (5, 4)))
+    acts = pull_on_route(t, t.match(REQ), A, ONE)
+    assert [a.source for a in acts] == [C]
+    t2 = setup()
+    t2.apply(Stored(B, 1, None, (1, 2, 3, 4, 5)))
+    t2._begin(Reclaim(B, 5, (5,)))
+    t2._begin(Reclaim(C, 5, (5, 4, 3)))
+    assert pull_on_route(t2, t2.match(REQ), A, ONE) == ()
+    # A reclaim of other blocks (a branch the request does not take) does not matter.
+    t3 = setup()
+    t3.apply(Stored(B, 1, None, (1, 2, 3, 4, 5)))
+    t3.apply(Stored(B, 2, 2, (9,)))
+    t3._begin(Reclaim(B, 9, (9,)))
+    assert [a.source for a in pull_on_route(t3, t3.match(REQ), A, ONE)] == [B]
 
 
 def test_no_second_copy_while_one_to_the_worker_is_in_flight() -> None:
