@@ -10,6 +10,9 @@ write timeout on clients that do not read. The framing headers (``Content-Length
 ``Transfer-Encoding`` with ``Content-Length`` (RFC 9112 §6.3: a proxy in front could frame the
 bytes otherwise than this server, smuggling a request past it): 400 and the connection closed.
 ``HEAD`` is answered as ``GET`` without the body. Responses always carry ``Content-Length``.
+``Expect: 100-continue`` (RFC 9110 §10.1.1; curl sends it for bodies over 1 MiB) is answered
+``100 Continue`` once the head has passed its checks and before the body is read (an oversized
+body gets its 413 instead, and the client need not send it); any other expectation, 417.
 A handler exception becomes a 500 without details; the server keeps serving.
 
 The head is read line by line, each line ending in CRLF: a line ending in a bare LF is a 400
@@ -159,10 +162,18 @@ class HttpServer:
         return f"{'https' if self._tls is not None else 'http'}://{self._host}:{self.port}"
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(
-            self._on_connection, self._host, self._port, limit=self.max_header_bytes + 2,
-            ssl=self._tls,
-        )
+        """Listen. A host or port that cannot be bound (in use, no such address) raises
+        :class:`InvalidInput` naming them: the service cannot start, and says why in one
+        line (shared/servicemain.py ``run_service``)."""
+        try:
+            self._server = await asyncio.start_server(
+                self._on_connection, self._host, self._port, limit=self.max_header_bytes + 2,
+                ssl=self._tls,
+            )
+        except OSError as exc:  # socket.gaierror included
+            reason = exc.strerror or str(exc)
+            raise InvalidInput(f"cannot listen for HTTP on {self._host}:{self._port} "
+                               f"(http_host, http_port): {reason}") from None
 
     async def close(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop: accept nothing new, close idle connections, give requests being handled up
@@ -193,7 +204,7 @@ class HttpServer:
             while keep_alive:
                 try:
                     async with asyncio.timeout(self.idle_timeout_s):
-                        request = await self._read_request(reader, str(peer))
+                        request = await self._read_request(reader, writer, str(peer))
                 except _Reject as rej:
                     await self._write(writer, error_response(rej.status, rej.message), False)
                     return
@@ -285,7 +296,8 @@ class HttpServer:
                 raise _Reject(400, "incomplete request head") from None
             budget -= len(line)
 
-    async def _read_request(self, reader: asyncio.StreamReader, peer: str) -> HttpRequest | None:
+    async def _read_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                            peer: str) -> HttpRequest | None:
         lines = await self._read_head(reader)
         if lines is None:
             return None
@@ -325,6 +337,15 @@ class HttpServer:
             split = urlsplit(target)
         except ValueError:  # e.g. "http://[::1/x": an unclosed IPv6 host
             raise _Reject(400, f"malformed request target {target[:60]!r}") from None
+        expect = headers.get("expect")
+        if expect is not None:
+            if expect.lower() != "100-continue":
+                raise _Reject(417, f"unsupported expectation {expect[:40]!r} (only "
+                                   "100-continue)")
+            if length and version == "HTTP/1.1":
+                # The client holds the body back until this (or a final status) comes.
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await writer.drain()
         body = await reader.readexactly(length) if length else b""
         return HttpRequest(method.upper(), split.path or "/", parse_qs(split.query), headers,
                            body, peer, version)

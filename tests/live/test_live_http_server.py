@@ -251,3 +251,45 @@ async def test_a_client_that_closes_its_connection_is_told_to_the_handler() -> N
         assert (await read_response(reader))[2] == b'{"gone": false}'
         assert (await read_response(reader))[2] == b'{"gone": false}'
         writer.close()
+
+
+async def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+    """A client that sends ``Expect: 100-continue`` holds its body back until ``100
+    Continue`` (curl does, for bodies over 1 MiB): it gets it, sends the body, gets its
+    answer. An oversized body gets its 413 instead (nothing to send); another expectation,
+    417. Before, the server waited for the withheld body until the client gave up."""
+    async with serving(max_body_bytes=1024) as server:
+        reader, writer = await send(server, b"POST /x HTTP/1.1\r\nHost: h\r\n"
+                                            b"Content-Length: 2\r\nExpect: 100-Continue\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"{}")
+        status, _, body = await read_response(reader)
+        assert status == 200 and b'"method": "POST"' in body
+        writer.close()
+        reader, writer = await send(server, b"POST /x HTTP/1.1\r\nHost: h\r\n"
+                                            b"Content-Length: 4096\r\nExpect: 100-continue"
+                                            b"\r\n\r\n")
+        status, headers, body = await read_response(reader)
+        assert (status, headers["connection"]) == (413, "close"), body
+        writer.close()
+        reader, writer = await send(server, b"POST /x HTTP/1.1\r\nHost: h\r\n"
+                                            b"Content-Length: 2\r\nExpect: gold\r\n\r\n{}")
+        status, _, body = await read_response(reader)
+        assert status == 417 and b"100-continue" in body
+        writer.close()
+
+
+async def test_a_port_that_cannot_be_bound_is_an_error_naming_it() -> None:
+    """A port in use (or an address of no interface here) raises InvalidInput naming the
+    settings, which the service's main turns into one line and exit status 2 (it was a
+    traceback and status 1)."""
+    from shared.ids import InvalidInput
+
+    async with serving() as busy:
+        other = HttpServer(echo, port=busy.port)
+        with pytest.raises(InvalidInput, match=f"127.0.0.1:{busy.port} .*http_port"):
+            await other.start()
+    # An address of no interface here (TEST-NET-1, RFC 5737): no name lookup involved.
+    with pytest.raises(InvalidInput, match="192.0.2.1"):
+        await HttpServer(echo, host="192.0.2.1", port=0).start()
