@@ -61,6 +61,10 @@ class SchemaError(InvalidInput):
         self.errors = errors or []
 
 
+class UnsupportedContentType(SchemaError):
+    """A payload whose ``Content-Type`` is neither JSON nor msgpack (an HTTP 415's case)."""
+
+
 # -- field types ------------------------------------------------------------------------------
 
 HashInt = Annotated[int, Field(ge=-(2**63), lt=2**64)]
@@ -904,10 +908,11 @@ def to_json(msg: BaseModel) -> bytes:
     return msg.model_dump_json().encode()
 
 
-def from_json(target: type[M] | Any, data: bytes | str) -> M:
-    """Decode JSON into ``target`` (a message class or :data:`CacheEvent`-style union)."""
+def from_json(target: type[M] | Any, data: bytes | str, *, strict: bool = False) -> M:
+    """Decode JSON into ``target`` (a message class or :data:`CacheEvent`-style union).
+    ``strict``: JSON's own types only (no ``"3"`` for 3, no ``true`` for 1)."""
     try:
-        return _adapter(target).validate_json(data)  # type: ignore[no-any-return]
+        return _adapter(target).validate_json(data, strict=strict)  # type: ignore[no-any-return]
     except ValidationError as exc:
         raise _schema_error(target, exc) from None
 
@@ -917,14 +922,15 @@ def to_msgpack(msg: BaseModel) -> bytes:
     return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def from_msgpack(target: type[M] | Any, data: bytes) -> M:
-    """Decode msgpack into ``target``; any malformed input raises :class:`SchemaError`."""
+def from_msgpack(target: type[M] | Any, data: bytes, *, strict: bool = False) -> M:
+    """Decode msgpack into ``target``; any malformed input raises :class:`SchemaError`.
+    ``strict`` as :func:`from_json`."""
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise SchemaError(_name(target), "<payload>", f"not msgpack: {exc}") from None
     try:
-        return _adapter(target).validate_python(obj)  # type: ignore[no-any-return]
+        return _adapter(target).validate_python(obj, strict=strict)  # type: ignore[no-any-return]
     except ValidationError as exc:
         raise _schema_error(target, exc) from None
 
@@ -947,14 +953,17 @@ def content_type_of(headers: Mapping[str, str] | None) -> str:
     return JSON
 
 
-def decode(target: type[M] | Any, data: bytes, headers: Mapping[str, str] | None = None) -> M:
-    """Decode a NATS payload into ``target`` by its ``Content-Type`` header."""
+def decode(target: type[M] | Any, data: bytes, headers: Mapping[str, str] | None = None, *,
+           strict: bool = False) -> M:
+    """Decode a NATS payload into ``target`` by its ``Content-Type`` header (``strict`` as
+    :func:`from_json`); an unknown content type raises :class:`UnsupportedContentType`."""
     ctype = content_type_of(headers)
     if ctype == JSON:
-        return from_json(target, data)
+        return from_json(target, data, strict=strict)
     if ctype == MSGPACK:
-        return from_msgpack(target, data)
-    raise SchemaError(_name(target), "<payload>", f"unsupported content type {ctype!r}")
+        return from_msgpack(target, data, strict=strict)
+    raise UnsupportedContentType(_name(target), "<payload>",
+                                 f"unsupported content type {ctype!r}")
 
 
 def json_schema(target: type[BaseModel] | Any) -> dict[str, Any]:
@@ -1010,6 +1019,7 @@ __all__ = [
     "ReconciledRole",
     "ReplicateCommand",
     "SchemaError",
+    "UnsupportedContentType",
     "TtftStages",
     "WindowReport",
     "WorkerState",

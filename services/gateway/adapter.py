@@ -120,6 +120,7 @@ from shared.schemas import (
     IntakeRequest,
     SchemaError,
     TtftStages,
+    UnsupportedContentType,
     WorkerState,
     decode,
     encode,
@@ -693,7 +694,12 @@ class GatewayService(MicroService):
         token here would hold every later NATS completion back until this one's answer (or
         its 504, ``result_timeout_s`` later)."""
         try:
-            body = decode(CompletionRequest, request.data, request.headers)
+            # Strict, as over HTTP (app.py): true is no token id, "3" no max_tokens.
+            body = decode(CompletionRequest, request.data, request.headers, strict=True)
+        except UnsupportedContentType as exc:
+            raise GatewayError(f"Content-Type must be application/json or "
+                               f"application/msgpack: {exc.reason}", 415
+                               ).to_service_error() from exc
         except SchemaError as exc:
             raise BadRequest(schema_message(exc)).to_service_error() from exc
         task = asyncio.create_task(self._answer_completion(request, body),

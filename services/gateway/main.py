@@ -7,7 +7,8 @@ win over the environment:
   --nats-url URL          VTM_NATS_URL            NATS server(s), comma-separated
   --prefix P              VTM_SUBJECT_PREFIX      subject / stream / bucket prefix
   --host H                VTM_HTTP_HOST           HTTP listen address (default 127.0.0.1)
-  --port N                VTM_HTTP_PORT           HTTP port (default 8080; 0 = any free port)
+  --port N                VTM_HTTP_PORT           HTTP port (default 8080; 0 = any free port;
+                                                  off = no HTTP server, the NATS subject only)
   --block-size B          VTM_BLOCK_SIZE          cache block size in tokens (default 512)
   --max-prompt-tokens N   VTM_MAX_PROMPT_TOKENS   longest prompt accepted (413 above)
   --max-seq-len N         VTM_MAX_SEQ_LEN         longest prompt + max_tokens (422 above)
@@ -33,7 +34,7 @@ _FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--nats-url", "nats_url", str),
     ("--prefix", "subject_prefix", str),
     ("--host", "http_host", str),
-    ("--port", "http_port", int),
+    ("--port", "http_port", str),  # a number, or 'off' (the settings parse it)
     ("--block-size", "block_size", int),
     ("--max-prompt-tokens", "max_prompt_tokens", int),
     ("--max-seq-len", "max_seq_len", int),

@@ -25,7 +25,7 @@ class GatewaySettings(ServiceSettings):
         ge=0,
         le=65535,
         description="HTTP listen port (0: the kernel picks one, see GatewayService.http_port); "
-        "None: no HTTP server, the NATS subject only.",
+        "'off' (or 'none'): no HTTP server, the NATS subject only.",
     )
     http_tls_cert: FilePath | None = Field(
         default=None, description="Certificate chain (PEM) to serve HTTPS with; needs "
@@ -84,14 +84,18 @@ class GatewaySettings(ServiceSettings):
         description="A HuggingFace tokenizer.json; with it a text prompt is accepted and the "
         "first token is detokenized (needs the `tokenizers` package, the engine extra).",
     )
+    # Bounded (a day): the claim bucket's TTL and the timers take these as finite seconds.
     result_timeout_s: float = Field(
-        default=120.0, gt=0, description="Wait for the first token before answering 504."
+        default=120.0, gt=0, le=86_400, allow_inf_nan=False,
+        description="Wait for the first token before answering 504."
     )
     publish_timeout_s: float = Field(
-        default=5.0, gt=0, description="Wait for the intake stream's publish ack (503 after)."
+        default=5.0, gt=0, le=86_400, allow_inf_nan=False,
+        description="Wait for the intake stream's publish ack (503 after)."
     )
     nats_wait_s: float = Field(
-        default=10.0, ge=0, description="How long a request waits for a lost NATS connection "
+        default=10.0, ge=0, le=86_400, allow_inf_nan=False,
+        description="How long a request waits for a lost NATS connection "
         "(or an intake that does not answer yet, or answers that JetStream is briefly "
         "unavailable: a leader election) to come back, publishing again, before 503: a broker "
         "restart delays requests instead of failing them. 0: 503 at once.",
@@ -111,6 +115,14 @@ class GatewaySettings(ServiceSettings):
         "(qwen3-30b-a3b, deepseek-v4-flash: paper Table 2) or BOUND:SECONDS pairs, e.g. "
         "8192:1,32768:5,inf:10.",
     )
+
+    @field_validator("http_port", mode="before")
+    @classmethod
+    def _port_off(cls, v: object) -> object:
+        # The environment and flags give text: 'off' / 'none' is how they say None.
+        if isinstance(v, str) and v.strip().lower() in ("off", "none"):
+            return None
+        return v
 
     @field_validator("slo")
     @classmethod

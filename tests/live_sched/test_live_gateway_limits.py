@@ -92,6 +92,44 @@ async def test_nats_endpoint_errors(live: Services, nc: Client, uniq: str) -> No
         with pytest.raises(RemoteError) as err:
             await call(nc, subject, body, FirstToken, timeout_s=10)
         assert err.value.code == code and needle in err.value.description, err.value
+    # Strict as over HTTP (JSON's own types only): these were coerced and queued.
+    strict = [
+        (b'{"prompt_tokens": [true, 2]}', "prompt_tokens.0"),
+        (b'{"prompt_tokens": ["7", 2]}', "prompt_tokens.0"),
+        (b'{"prompt_tokens": [2.0]}', "prompt_tokens.0"),
+        (b'{"prompt_tokens": [1], "max_tokens": "3"}', "max_tokens"),
+        (b'{"prompt_tokens": [1], "stream": "no"}', "stream"),
+    ]
+    for raw, field in strict:
+        with pytest.raises(RemoteError) as err:
+            await call(nc, subject, raw, FirstToken, timeout_s=10)
+        assert err.value.code == 400 and field in err.value.description, err.value
+    with pytest.raises(RemoteError) as err:
+        await call(nc, subject, b'{"prompt_tokens": [1]}', FirstToken, timeout_s=10,
+                   headers={"Content-Type": "text/plain"})
+    assert err.value.code == 415 and "text/plain" in err.value.description, err.value
+
+
+def test_the_gateways_settings_name_what_they_refuse_and_take_off_for_no_http() -> None:
+    """A timeout of inf or past a day is refused by name (an infinite one crashed the start,
+    making the claim bucket); ``off`` / ``none`` from the environment or ``--port`` is the
+    documented NATS-only gateway (``http_port`` None), which no text could give before."""
+    from services.gateway.main import parse_settings
+
+    for field in ("nats_wait_s", "publish_timeout_s", "result_timeout_s"):
+        for bad in ("inf", "nan", 1e300):
+            with pytest.raises(ValidationError, match=field):
+                GatewaySettings(**{field: bad})
+    assert GatewaySettings(http_port="off").http_port is None  # type: ignore[arg-type]
+    assert GatewaySettings(http_port="None").http_port is None  # type: ignore[arg-type]
+    assert GatewaySettings(http_port="8081").http_port == 8081  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="http_port"):
+        GatewaySettings(http_port="")  # type: ignore[arg-type]
+    assert parse_settings(["--port", "off"]).http_port is None
+    assert parse_settings(["--port", "0"]).http_port == 0
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(["--port", "eighty"])
+    assert exit_.value.code == 2
 
 
 async def test_no_nats_is_503(live: Services) -> None:
