@@ -43,7 +43,12 @@ Carrying out a plan (one or more splits and merges on disjoint workers, ``max_op
    last=revision)``). Rank daemons adopting it stop admitting and hand their queued requests
    back to intake (``Nats-Msg-Id`` ``{source}>{worker}``, rankd's ``handback_msg_id``); since
    every source of the plan stops in the same record, no redirected request is re-placed on a
-   worker that another operation of the plan drains. Then per operation the DrainNotice (the
+   worker that another operation of the plan drains. A drain record JetStream does not take
+   (an error or timeout, not a lost compare-and-set) -- unless a read shows it stored after
+   all -- undoes every operation started for it (``protocol.abort``, sources ACTIVE as the
+   stored record still has them; ReconfigurationEvent ``aborted``; ``drains_abandoned``):
+   no commit record is ever written for sources no drain record stopped, and the planner
+   plans anew. Then per operation the DrainNotice (the
    *redirect* message, :func:`drain_subject`; ``plan`` lists the plan's reconfigurations) and a
    ReconfigurationEvent (phase ``draining``) are published. From here each operation is its
    own reconfiguration of the epoch protocol (which commits disjoint operations under
@@ -72,7 +77,12 @@ Liveness (§5.2 lifecycle): a worker whose last WorkerState is older than ``leas
 source of is aborted, a committed one goes on without it). When it heartbeats again it is
 re-admitted (``protocol.recover``: SWITCHING under a fresh record epoch) and becomes ACTIVE in
 a further record once all its ranks acknowledged that epoch. A worker that never published a
-state is not judged. Workers a stored record shows non-active while this controller's protocol
+state is not judged, nor is a worker a commit created by a state its predecessor of the same
+id left (a merge back, a split back): a state whose epoch is below the record that created
+the worker is ignored (``stale_states``), since worker-state keys expire by TTL, which the
+watch is never told. A core built from a stored record (start, lost leadership, following)
+keeps the workers that record shows UNAVAILABLE unavailable until they heartbeat again.
+Workers a stored record shows draining or switching while this controller's protocol
 has them active were left by a controller that stopped mid-reconfiguration; once that record
 is older than ``reconfig_drain_timeout_s`` they are failed and re-admitted the same way.
 
@@ -260,7 +270,10 @@ class ControllerSettings(ServiceSettings):
     initial_composition: str | None = Field(
         default=None,
         description="Composition written when no epoch record exists yet, in the paper's "
-        "notation (e.g. '2CP4' or '2CP2/1CP4'); None: every worker of the largest degree. "
+        "notation (e.g. '2CP4' or '2CP2/1CP4'); None: the achievable composition most uniform "
+        "at the largest degree (as many GPUs as the lattice allows in workers of the largest "
+        "degree, then of the next one, and so on: every worker of the largest degree where "
+        "the nodes allow it, e.g. 2CP4 for 8 GPUs, 1CP2/1CP4 for 6). "
         "An existing record always wins (the controller resumes from it).",
     )
     profile_path: Path | None = Field(
@@ -578,6 +591,24 @@ class InspectQuery(Message):
 # -- pure helpers -------------------------------------------------------------------------------
 
 
+def default_composition(lattice: Lattice) -> Composition:
+    """The initial composition when none is configured: of the achievable worker counts, the
+    one with the most GPUs in workers of the largest degree, then of the next largest, and so
+    on (ties, which cannot occur since every composition tiles all GPUs, would go to fewer
+    workers); laid out by :meth:`Composition.from_counts`. Equal to
+    ``Composition.uniform(lattice, max degree)`` whenever that exists; unlike it, it exists
+    for every lattice (a node whose GPU count is no multiple of the largest degree, e.g. 6
+    GPUs with degrees 2 and 4, has no all-largest composition). Pure."""
+    degs = lattice.sorted_degrees
+
+    def largest_first(counts: tuple[int, ...]) -> tuple[int, ...]:
+        gpus = tuple(n * c for n, c in zip(counts, degs, strict=True))
+        return (*reversed(gpus), -sum(counts))
+
+    best = max(lattice.achievable_counts(), key=largest_first)
+    return Composition.from_counts(lattice, dict(zip(degs, best, strict=True)))
+
+
 def composition_of(record: EpochRecord, lattice: Lattice) -> Composition:
     """The lattice composition a stored record describes (raises InvalidInput if foreign)."""
     return Composition(lattice, tuple(w.group for w in record.workers))
@@ -834,6 +865,12 @@ class ControllerService(MicroService):
         self._drain_epoch: dict[int, int] = {}
         self._awaiting: dict[int, dict[WorkerId, set[RequestId]]] = {}
         self._states: dict[str, WorkerState] = {}
+        # Worker id -> record epoch of the commit that (last) created a worker of that id. A
+        # state of an earlier epoch is its predecessor's (merged back, split back): never the
+        # new worker's heartbeat. Keys expire by TTL, which the state watch is never told, so
+        # the predecessor's last state would otherwise linger in _states. Bounded by the
+        # lattice's groups.
+        self._created: dict[WorkerId, int] = {}
         self._decisions: deque[dict[str, Any]] = deque(maxlen=settings.decisions_kept)
         self._floor = 0.0  # latest instant fed to the windows (they never go backwards)
         # The workers' outstanding work as it stood at the latest window boundary (first tick
@@ -870,6 +907,8 @@ class ControllerService(MicroService):
             "recovered": 0,
             "readmitted": 0,
             "errors": 0,
+            "stale_states": 0,  # states of a worker id's earlier incarnation, ignored
+            "drains_abandoned": 0,  # operations undone: their drain record did not write
             "breakdown_mismatch": 0,  # reports whose preferred-degree rule is not ours
         }
 
@@ -1036,7 +1075,7 @@ class ControllerService(MicroService):
             comp = (
                 Composition.parse(self.lattice, self.csettings.initial_composition)
                 if self.csettings.initial_composition
-                else Composition.uniform(self.lattice, max(self.lattice.degrees))
+                else default_composition(self.lattice)
             )
             # Over an unreadable value: above its epoch, if it has one (ranks may hold it).
             epoch = 0 if replace is None or replace.epoch is None else replace.epoch + 1
@@ -1068,8 +1107,9 @@ class ControllerService(MicroService):
         self._rebuild(record, revision)
 
     async def _readmit_leftovers(self) -> None:
-        """Workers the stored record shows draining, switching or unavailable while our
-        protocol has them active were left so by another controller. Once that record is
+        """Workers the stored record shows draining or switching while our protocol has
+        them active were left so by another controller (unavailable ones are unavailable in
+        a rebuilt protocol too, and come back by heartbeating). Once that record is
         older than ``reconfig_drain_timeout_s`` (its writer stopped mid-reconfiguration; a live
         one rewrites the record at least that often), each is failed and re-admitted through
         the protocol's recovery path: exposed again only after its ranks acknowledge a fresh
@@ -1078,12 +1118,16 @@ class ControllerService(MicroService):
         if core is None or record is None or core.pending_plan or core.protocol.in_progress():
             return
         proto = core.protocol
+        # The record names workers as the ranks do (``w-tp4-g0``), the protocol by CP name.
         leftovers = [
-            w.worker_id
-            for w in record.workers
+            pid
+            for pid, w in ((self._pid(w.worker_id), w) for w in record.workers)
             if w.lifecycle is not Lifecycle.ACTIVE
-            and w.worker_id in proto.composition
-            and proto.state(WorkerId(w.worker_id)) is Lifecycle.ACTIVE
+            # An UNAVAILABLE worker is the rebuilt protocol's too (_rebuild): it comes back
+            # only by heartbeating (_maybe_recover), never by this path.
+            and w.lifecycle is not Lifecycle.UNAVAILABLE
+            and pid in proto.composition
+            and proto.state(pid) is Lifecycle.ACTIVE
         ]
         now = self.now()
         if not leftovers or now - record.committed_at_s < self.csettings.reconfig_drain_timeout_s:
@@ -1145,7 +1189,14 @@ class ControllerService(MicroService):
         self.counters["records_repaired"] += 1
 
     def _rebuild(self, record: EpochRecord, revision: int) -> None:
-        """A fresh core from a stored record (start, lost leadership, or following)."""
+        """A fresh core from a stored record (start, lost leadership, or following).
+
+        Every worker starts ACTIVE at the record's epoch except those the record shows
+        UNAVAILABLE: they stay unavailable (not schedulable, no capacity, never a plan's
+        source) until they heartbeat again (:meth:`_maybe_recover`), as the module doc
+        promises; made ACTIVE, a dead worker would be written back as active and re-admitted
+        without a heartbeat. Workers the record shows draining or switching start ACTIVE:
+        :meth:`_readmit_leftovers` deals with them."""
         comp = composition_of(record, self.lattice)
         self.core = ControllerCore(
             comp,
@@ -1155,6 +1206,14 @@ class ControllerService(MicroService):
             epoch=record.epoch,
             acknowledged=True,
         )
+        now = self.now()
+        for w in record.workers:
+            if w.lifecycle is Lifecycle.UNAVAILABLE:
+                # By its group (the protocol's name), whatever the record calls it.
+                self.core.protocol.fail(w.group.worker_id, now)
+        # Creation epochs above the record's belong to records that never became the stored
+        # one (a lost compare-and-set, a store lost with the server's): forgotten.
+        self._created = {w: e for w, e in self._created.items() if e <= record.epoch}
         self.record, self.revision = record, revision
         self._commit_epoch = {record.epoch: record.epoch}
         self._drain_epoch.clear()
@@ -1298,6 +1357,11 @@ class ControllerService(MicroService):
                 self.counters["malformed"] += 1
                 self.log.warning("bad worker state ignored", key=entry.key, error=str(exc))
                 continue
+            if self._predecessor_state(state):
+                # e.g. a stopping earlier instance's last word, or the watch's replay of a
+                # key that has not expired yet after a reconnect.
+                self.counters["stale_states"] += 1
+                continue
             self._states[self._pid(state.worker_id)] = state
             try:
                 self._note_workers_ahead(state)
@@ -1369,6 +1433,14 @@ class ControllerService(MicroService):
         finally:
             self._ahead = None
 
+    def _predecessor_state(self, state: WorkerState) -> bool:
+        """Whether ``state`` was published by an earlier worker of the same id than the one
+        the latest commit creating that id made: its epoch is below that commit record's
+        (a rank daemon starts at the record that creates its worker, and states carry the
+        record epoch its worker adopted). Judged by epochs, not clocks."""
+        created = self._created.get(self._pid(state.worker_id))
+        return created is not None and state.epoch < created
+
     def _pid(self, worker_id: str) -> WorkerId:
         """The protocol's id of a worker named ``worker_id`` by its rank daemon."""
         if self.csettings.kind is WorkerKind.CP:
@@ -1414,6 +1486,12 @@ class ControllerService(MicroService):
         for w in proto.workers():
             st = self._states.get(w.worker_id)
             if st is None or w.state is Lifecycle.UNAVAILABLE:
+                continue
+            if self._predecessor_state(st):
+                # A target created by a commit has not published yet: the state is its
+                # predecessor's (same id), whose heartbeat says nothing about it (§6.2: a
+                # target becomes schedulable once its ranks acknowledge; it never starts
+                # UNAVAILABLE). Not judged, as a worker that never published.
                 continue
             if now - st.heartbeat_s <= self.csettings.lease_s:
                 continue
@@ -1506,9 +1584,11 @@ class ControllerService(MicroService):
         # is not one of ours.
         commit = self._commit_epoch.get(w.epoch)
         last = self.record.epoch if self.record is not None else -1
+        # NOTE: the rank names its worker as the record does (a TP worker ``w-tp4-g0``); the
+        # protocol knows it by its group's CP name, so the ack's id is mapped first.
         if (
             w.state is not Lifecycle.SWITCHING
-            or wid != ack.worker_id
+            or wid != self._pid(ack.worker_id)
             or commit is None
             or not commit <= ack.epoch <= last
         ):
@@ -1634,6 +1714,13 @@ class ControllerService(MicroService):
             await self._write(record)
         except LostLeadership:
             return  # core rebuilt from the winner's record; nothing of ours was published
+        except _WRITE_ERRORS as exc:
+            # NOTE: no commit may follow a drain record that was never written (§6.2: the
+            # ranks must stop admitting first). A timeout may hide a write that landed: then
+            # the plan goes on; else every operation started above is undone.
+            if not await self._landed(record):
+                await self._abandon([res.reconfiguration for _, res in started], exc)
+                return
         rids = [res.reconfiguration for _, res in started]
         for plan, res in started:
             rid = res.reconfiguration
@@ -1660,6 +1747,46 @@ class ControllerService(MicroService):
         for _, res in started:
             if res.drained and self.core is core:
                 await self._commit(res.reconfiguration)
+
+    async def _landed(self, record: EpochRecord) -> bool:
+        """Whether ``record``, whose write raised a JetStream error (a timeout after the
+        server stored it, say), is the stored one; if so it becomes ours (revision, record).
+        A read that fails as well says no: the caller undoes the change, and should the
+        write have landed after all, its revision is above ours and the record watch (or
+        the next compare-and-set, which fails) rebuilds the core from it."""
+        if self._kv is None:
+            return False
+        try:
+            stored = await self._get_record()
+        except (*_WRITE_ERRORS, UnreadableRecord):
+            return False
+        if stored is None or stored[0] != record:
+            return False
+        self.record, self.revision = record, stored[1]
+        self.counters["records_written"] += 1
+        self.set_metadata(epoch=str(record.epoch))
+        return True
+
+    async def _abandon(self, rids: Sequence[int], error: BaseException) -> None:
+        """Undo operations started (``core.start``) whose drain record could not be written
+        (lock held): each is aborted, its sources ACTIVE again -- as the stored record still
+        shows them -- so that no commit record can follow a drain record no rank ever saw,
+        and the planner may plan anew (nothing was carried out: the plan's momentum is taken
+        back). No record is written: the stored one is right as it is."""
+        core = self.core
+        assert core is not None
+        now = self.now()
+        for rid in rids:
+            aborted = core.protocol.abort(rid, now)
+            self._awaiting.pop(rid, None)
+            self._drain_epoch.pop(rid, None)
+            self.counters["aborted"] += 1
+            self.counters["drains_abandoned"] += 1
+            await self._publish_reconf(aborted)
+        core.planner.plan_not_carried_out()
+        self.counters["errors"] += 1
+        self.log.error("drain record not written; operations undone", reconfigurations=list(rids),
+                       error=repr(error))
 
     async def _queues(self, wid: WorkerId) -> tuple[list[RequestId], set[RequestId]]:
         """A source's queued and in-flight ids: asked, else judged from its WorkerState."""
@@ -1692,6 +1819,13 @@ class ControllerService(MicroService):
         await self._publish_reconf(core.protocol.reconfiguration(rid))
         control: ControlRecord = core.protocol.switch_started(rid, self.now())
         record = self._next_record(f"commit reconfiguration {rid}")
+        # The targets are new workers from this record on, although an id may have existed
+        # before (a merge back, a split back): what we hold for that id is its predecessor's.
+        # Set before the write: a failed write leaves the targets in the protocol all the
+        # same (_resume_stalled writes their first record), and leases are judged meanwhile.
+        for g in core.protocol.reconfiguration(rid).targets:
+            self._created[g.worker_id] = record.epoch
+            self._states.pop(g.worker_id, None)
         try:
             await self._write(record)
         except LostLeadership:
@@ -1904,6 +2038,7 @@ __all__ = [
     "composition_of",
     "composition_subject",
     "controller_group",
+    "default_composition",
     "drain_subject",
     "epoch_record",
     "reconf_subject",
