@@ -75,7 +75,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.rankd.backend import ExecutionBackend, PrefillResult
 from services.rankd.blockcache import BlockCache
-from services.rankd.engine.errors import SequenceTooLong
+from services.rankd.engine.errors import SequenceTooLong, TokenOutOfVocab
 from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldBroken, WorldSpec
 from shared.ids import InvalidInput, UnknownWorker
 from shared.natsauth import security_options
@@ -630,6 +630,9 @@ class TorchBackend:
         return 1.0
 
     def _check(self, a: Assignment) -> None:
+        """Refuse an assignment before anything is sent to the ranks: RuntimeError when closed;
+        UnknownWorker / InvalidInput (wrong worker, degree, block size), SequenceTooLong and
+        TokenOutOfVocab (bad input: the request's error, every rank untouched)."""
         if self._closed:
             raise RuntimeError("backend closed")
         if a.worker_id != self.worker_id:
@@ -646,6 +649,14 @@ class TorchBackend:
                 f"prompt of {a.request.input_len} tokens exceeds the model's "
                 f"{self.world.max_positions} positions{room}"
             )
+        vocab = self.world.vocab_size
+        if a.request.tokens is not None and vocab > 0:
+            # At rankd's boundary, before the ids are shipped: the ranks check them too, but an
+            # id no int64 holds (the schema bounds them below only) must never reach a tensor
+            # conversion, where it would fail as something other than bad input.
+            bad = next((t for t in a.request.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise TokenOutOfVocab(f"token id {bad} outside the vocabulary [0, {vocab})")
         if self._bound and a.request.block_size != self.world.spec.block_size:
             raise InvalidInput(
                 f"request block size {a.request.block_size} != engine block size "

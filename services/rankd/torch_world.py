@@ -16,7 +16,8 @@ A :class:`TorchWorld` is owned by the rank-daemon process (the workers' leader s
    (drop cached blocks of the active worker), ``blocks`` (its cached block hashes),
    ``export`` / ``import`` (KV replication between workers, :meth:`TorchWorld.copy_prefix`),
    ``info``, ``stop``. The leader mirrors each worker's cache index from the replies (stored and
-   evicted blocks, removals), so it knows what the engine holds without asking.
+   evicted blocks, removals, the index a switch leaves), so it knows what the engine holds
+   without asking.
 
 Commands to a worker go to every member rank; the leader holds the members' locks (acquired in
 ascending rank order, so two workers sharing no rank run concurrently and a switch that spans
@@ -92,6 +93,8 @@ class WorldSpec:
     ``model_config`` (Qwen3Config.to_dict()) with seeded random weights (``seed``), identical
     in every process. ``initial_degrees``: per rank (len == world_size) or one for all.
     ``gpu_offset``: global rank r is GPU r + gpu_offset (worker ids, CUDA device index).
+    ``collective_timeout_s``: how long any collective (the default group's and every lattice
+    CP group's) waits for its members before it fails, breaking the world (WorldBroken).
     """
 
     world_size: int
@@ -161,12 +164,18 @@ class RankReply:
 
 @dataclass(frozen=True)
 class SwitchReply:
+    """One member's switch: ``blocks`` is what the new worker's active cache holds after it
+    (a revived or kept cache's index, or nothing when a fresh cache started), identical on
+    every member of the new worker; the leader's mirror is reset to it."""
+
     rank: int
     pid: int
     epoch: int
     old_worker: str
     new_worker: str
     seconds: float  # on this rank: from the switch call until every new-group member parked
+    # repr=False: the whole index (hundreds of hashes) would drown a logged reply.
+    blocks: frozenset[int] = field(default=frozenset(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -236,7 +245,12 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
             timeout=timedelta(seconds=spec.collective_timeout_s),
         )
         model = _build_model(spec, rank)
-        groups = RankGroups(spec.degrees, spec.initial_degree(rank), spec.gpu_offset)
+        groups = RankGroups(
+            spec.degrees,
+            spec.initial_degree(rank),
+            spec.gpu_offset,
+            timeout=timedelta(seconds=spec.collective_timeout_s),
+        )
         engine = RankEngine(model, groups, spec.block_size, spec.pages_per_rank)
         conn.send(("ready", os.getpid(), model.config.vocab_size,
                    model.config.max_position_embeddings))
@@ -323,6 +337,7 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
                                 str(rep.old_worker),
                                 str(rep.new_worker),
                                 rep.seconds,
+                                frozenset(int(h) for h in engine.cached_blocks()),
                             ),
                         )
                     )
@@ -360,7 +375,8 @@ class TorchWorld:
         # The leader's exact view of each rank's (epoch, degree): every command passes here.
         self._geometry = [(0, spec.initial_degree(r)) for r in range(spec.world_size)]
         # The leader's mirror of each worker's engine cache index (block hashes), kept from
-        # the replies of every command that changes it (prefill: stored / evicted; remove).
+        # the replies of every command that changes it (prefill: stored / evicted; remove;
+        # switch: reset to the new worker's index).
         self._blocks: dict[str, set[int]] = {}
         self._mirror_lock = threading.Lock()  # read on the event loop, written by step threads
         self._conns: list[Connection] = []
@@ -541,7 +557,8 @@ class TorchWorld:
             # A member whose collective broke because a peer died reports the failure first:
             # name the dead rank (the cause) before the survivors' tracebacks.
             dead = self._first_death(ranks, REAP_GRACE_S)
-            last = fatal[0][1].strip().splitlines()[-1:] or ["?"]
+            # An answer is ("fatal", traceback): name the traceback's last line (the error).
+            last = fatal[0][1][1].strip().splitlines()[-1:] or ["?"]
             self.broken = (f"{dead}; rank {fatal[0][0]} then failed: {last[0]}" if dead
                            else f"rank {fatal[0][0]} failed: {last[0]}")
             raise WorldBroken("\n".join([self.broken, *(f"rank {r}:\n{a[1]}" for r, a in fatal)]))
@@ -721,9 +738,16 @@ class TorchWorld:
                     f"epoch {epoch} is not newer than the epoch of rank(s) {stale} "
                     f"({[self._geometry[r][0] for r in stale]})"
                 )
-            replies = self._round(ranks, ("switch", epoch, degree))
+            replies: list[SwitchReply] = self._round(ranks, ("switch", epoch, degree))
             for r in ranks:
                 self._geometry[r] = (epoch, degree)
+            # The engine may have started a fresh cache (a member no longer had the revived
+            # one) or kept one: the mirror follows what each new worker now really holds, not
+            # what it held before it was retired (else prepare_cache_command / _inherit would
+            # count blocks the engine lacks as held and skip copies).
+            with self._mirror_lock:
+                for rep in replies:
+                    self._blocks[rep.new_worker] = set(rep.blocks)
             return replies
 
     def step(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,10 @@ class RankGroups:
     """All lattice groups of ``degrees`` over the world; the active one per epoch.
 
     Requires an initialised default process group. ``gpu_offset`` maps global rank r to GPU id
-    r + gpu_offset in worker ids.
+    r + gpu_offset in worker ids. ``timeout``: how long a collective of a lattice group may
+    wait for its members before it fails (None: torch's default for the backend, 30 min for
+    gloo -- not the default group's timeout; give the world's collective timeout here, so a
+    member that never joins breaks the collective, and the world, in that time).
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class RankGroups:
         gpu_offset: int = 0,
         warm: bool = True,
         device: torch.device | str | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise GroupError("torch.distributed is not initialised")
@@ -112,7 +117,8 @@ class RankGroups:
         for d in self.degrees:  # same order on every rank (NOTE above)
             for start in range(0, self.world, d):
                 members = tuple(range(start, start + d))
-                pg = dist.new_group(list(members)) if d > 1 else None
+                # new_group does not inherit init_process_group's timeout: pass it explicitly.
+                pg = dist.new_group(list(members), timeout=timeout) if d > 1 else None
                 if self.me in members:
                     self._groups[d] = CPGroup(d, members, members.index(self.me), pg, gpu_offset)
         if warm:

@@ -17,6 +17,7 @@ the model dtype (float32 or float64 in tests).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -252,13 +253,31 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     # --- validation ----------------------------------------------------------------------
-    def check_request(self, token_ids: Tensor, prefix_len: int = 0) -> Tensor:
+    def check_request(
+        self, token_ids: Tensor | Sequence[int], prefix_len: int = 0
+    ) -> Tensor:
         """Validate new-token ids (R,) against vocab and positions; returns them as int64.
 
-        Raises :class:`InvalidInput` (R < 1, wrong shape), :class:`TokenOutOfVocab`,
-        :class:`SequenceTooLong`. Pure: callable on every rank before any collective.
+        ``token_ids``: a tensor or a sequence of Python / NumPy ints. Raises
+        :class:`InvalidInput` (R < 1, wrong shape, not integers), :class:`TokenOutOfVocab`
+        (also for an id no int64 holds, e.g. >= 2**63: checked before the conversion, which
+        would overflow), :class:`SequenceTooLong` -- never another exception for bad ids.
+        Pure: callable on every rank before any collective.
         """
-        ids = torch.as_tensor(token_ids)
+        if not isinstance(token_ids, Tensor):
+            vocab = self.config.vocab_size
+            # Python ints are unbounded: an id outside int64 makes torch.as_tensor raise
+            # (Overflow), which a rank would report as a failure of the world, not of the
+            # request. Range-check them first; the rest is checked on the tensor below.
+            for t in token_ids if isinstance(token_ids, (list, tuple)) else ():
+                if isinstance(t, int) and not isinstance(t, bool) and not 0 <= t < vocab:
+                    raise TokenOutOfVocab(f"token id {t} outside the vocabulary [0, {vocab})")
+            try:
+                ids = torch.as_tensor(token_ids)
+            except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+                raise InvalidInput(f"token ids are not a sequence of integers: {exc}") from exc
+        else:
+            ids = token_ids
         if ids.dim() != 1 or ids.numel() < 1:
             raise InvalidInput(
                 f"token ids must be a non-empty 1-D sequence, got {tuple(ids.shape)}"

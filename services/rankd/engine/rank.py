@@ -119,7 +119,9 @@ class RankEngine:
         follows rankd's BlockCache. Input errors are raised before any collective.
         """
         t0 = time.perf_counter()
-        ids = self.model.check_request(torch.as_tensor(token_ids))  # before touching the cache
+        # Before touching the cache, and on the ids as given: check_request range-checks a
+        # list before converting it (an id >= 2**63 would overflow torch.as_tensor).
+        ids = self.model.check_request(token_ids)
         grp = self.groups.begin_step()
         try:
             look = self.cache.lookup(ids, chain=chain, max_prefix=max_prefix)
@@ -185,7 +187,13 @@ class RankEngine:
         return self.cache.blocks()
 
     def switch(self, epoch: int, degree: int) -> SwitchReport:
-        """Adopt ``epoch`` at CP degree ``degree`` (split or merge) at this step boundary."""
+        """Adopt ``epoch`` at CP degree ``degree`` (split or merge) at this step boundary.
+
+        Collective over the new group: every member calls it, including a member already in
+        that group (one that never adopted an intermediate split: it keeps its active cache
+        if the others can revive theirs). Afterwards the members' active caches hold the same
+        index: the new worker's cache, kept or revived, if every member still has it; else a
+        fresh, empty one on every member (:meth:`cached_blocks` tells which)."""
         old = self.cache
         report = self.groups.switch(epoch, degree)
         if report.new_worker != old.worker:
@@ -194,12 +202,16 @@ class RankEngine:
             # are still laid out for that geometry, so it is revived as is -- if every member
             # still has it: a rank that dropped its copy for room (_reclaim) would leave the
             # members' indices different, and every step relies on their being identical.
-            revived = self.retired.pop(report.new_worker, None)
-            # The collective first: every member must call it, reviving or not.
-            if not self._every_member(revived is not None) and revived is not None:
-                revived.clear()
-                revived = None
-            self.cache = revived if revived is not None else self._new_cache(self.group)
+            keep = self.retired.pop(report.new_worker, None)
+        else:
+            # Already this worker (it never switched away): its active cache is its copy.
+            keep = old
+        # The collective on every member, whether its worker changed or not: a member that
+        # skipped it would leave the others blocked in the all-gather.
+        if not self._every_member(keep is not None) and keep is not None:
+            keep.clear()  # some member lacks it: no member keeps it
+            keep = None
+        self.cache = keep if keep is not None else self._new_cache(self.group)
         return report
 
     def _every_member(self, flag: bool) -> bool:
