@@ -29,6 +29,9 @@ UNLIMITED: Final[int] = 2**62
 """A limit that never binds (sequence length or KV capacity of a worker without a limit)."""
 
 
+_INT_ONLY: Final[set[type]] = {int}
+
+
 @dataclass(frozen=True, slots=True)
 class RequestInfo:
     """One prefill request as the scheduler sees it.
@@ -58,6 +61,13 @@ class RequestInfo:
                 raise InvalidInput(
                     f"request {self.request_id!r}: block_hashes must be a sequence of ints"
                 )
+        hs = self.block_hashes
+        # Exact ints (a bool is none): a list or string as a hash would fail only deep in the
+        # core, after the placement was reserved (one C-level pass; speed).
+        if hs and set(map(type, hs)) != _INT_ONLY:
+            bad = next(h for h in hs if type(h) is not int)
+            raise InvalidInput(f"request {self.request_id!r}: block_hashes must be a sequence "
+                               f"of ints, got {bad!r}")
         if not (isinstance(self.arrival, (int, float)) and math.isfinite(self.arrival)):
             raise InvalidInput(
                 f"request {self.request_id!r}: arrival must be finite, got {self.arrival!r}"

@@ -278,6 +278,12 @@ def test_bad_inputs_raise_typed_errors_and_change_nothing() -> None:
         RequestInfo(RequestId("r"), -5)
     with pytest.raises(InvalidInput):
         RequestInfo(RequestId("r"), 0)
+    # Every block hash an exact int: a list (unhashable) or a string failed only deep in the
+    # core, after the request's work was reserved on a worker that then never released it.
+    for hashes in ([[1], [2]], ("a", None), (1, True), (1, 2.0)):
+        with pytest.raises(InvalidInput, match="block_hashes must be a sequence of ints"):
+            RequestInfo(RequestId("r"), 1000, hashes)  # type: ignore[arg-type]
+    assert RequestInfo(RequestId("r"), 1000, [1, -2, 2**63]).block_hashes == (1, -2, 2**63)
     v = two_degree_view()
     core = SchedulerCore(make_policy("vertumnus", profile=ROUND), v)
     core.place(req("r0", 1000), {}, 0.0)
