@@ -113,6 +113,7 @@ from shared.ids import InvalidInput, UnknownWorker, WorkerId
 from shared.worker import Lifecycle
 
 _ACTIVE: Final = Lifecycle.ACTIVE
+_UNAVAILABLE: Final = Lifecycle.UNAVAILABLE
 
 
 # Per view (immutable): ids, degrees and each worker's static eligibility terms (max_seq_len and
@@ -369,7 +370,15 @@ def place_j(
         src = held_blocks if holdings is None else holdings
         if src is not held_blocks:
             _check_counts("holdings", src)
-        pull_h = max(src.values(), default=0)
+        # H over the holders a copy can come from: workers of the view that are not
+        # UNAVAILABLE (the cache manager copies from no other; the policy contract ignores
+        # holders outside the view).
+        index = view._index
+        for w, h in src.items():
+            if h > pull_h:
+                wv = index.get(w)
+                if wv is not None and wv.lifecycle is not _UNAVAILABLE:
+                    pull_h = h
         if pending:
             _check_counts("pending", pending)
             pend_get = pending.get

@@ -11,11 +11,19 @@ from __future__ import annotations
 import pytest
 from sched_support import ROUND, loads_for, req, view
 
-from services.scheduler import ClusterView, SchedulerCore, WorkerView, make_policy, place_j
+from services.scheduler import (
+    ClusterView,
+    SchedulerCore,
+    WorkerLoad,
+    WorkerView,
+    make_policy,
+    place_j,
+)
 from services.scheduler.placement import PullCredit
 from services.scheduler.policies.vertumnus import JPolicy
 from services.scheduler.service import decision_attributes
 from shared.ids import InvalidInput, RequestId, WorkerId
+from shared.worker import Lifecycle
 
 W = WorkerId
 BETA, LAM = 1.5, 0.5
@@ -117,6 +125,26 @@ def test_only_what_the_trie_holds_is_pulled_not_an_inflight_prefix() -> None:
     # A holder of fewer blocks than held_blocks claims: the credit is for what it holds.
     d = place({W("a"): 8}, busy(pool()), holdings={W("a"): 5})
     assert d.candidate(W("b")).prefix_tokens == 500
+
+
+def test_no_credit_from_a_holder_that_is_no_copy_source() -> None:
+    """A holder outside the view, or UNAVAILABLE in it, is no source the cache manager copies
+    from: J counts on no pull from it (it cut the reserved work to a fraction and told the
+    worker to wait for a copy that never came)."""
+    loads = {W(w): WorkerLoad(W(w)) for w in ("a", "b", "gone")}
+    wait = PullCredit(min_blocks=2, max_blocks=64, wait=True)
+    unavailable = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4),
+                       WorkerView(W("gone"), 4, lifecycle=Lifecycle.UNAVAILABLE))
+    for v in (pool(), unavailable):
+        d = place_j(req("r", 1000), v, {W("gone"): 8}, loads, 0.0, profile=ROUND, beta=BETA,
+                    lam=LAM, pull=wait)
+        assert (d.pulled_blocks, d.prefix_tokens, d.pull_wait_s) == (0, 0, 0.0)
+    # A DRAINING holder still holds its cache: a source, as before.
+    draining = view(WorkerView(W("a"), 4), WorkerView(W("b"), 4),
+                    WorkerView(W("gone"), 4, lifecycle=Lifecycle.DRAINING))
+    d = place_j(req("r", 1000), draining, {W("gone"): 8}, loads, 0.0, profile=ROUND, beta=BETA,
+                lam=LAM, pull=wait)
+    assert d.pulled_blocks == 8 and d.prefix_tokens == 800
 
 
 def test_the_credit_crosses_degrees_and_still_charges_the_extra_gpus() -> None:
