@@ -176,7 +176,17 @@ def test_sglang_eviction_keeps_prefix_closed_and_unbounded_variant() -> None:
         assert pol.trees.size(W("a")) == 21  # type: ignore[attr-defined]
         pol.place(req("r3", 100, first=600), v, {}, loads_for(v), 30.0)  # evict, then insert 1
         assert pol.trees.size(W("a")) == expect + (1 if not unbounded else 2)  # type: ignore[attr-defined]
-    assert make_policy("sglang").max_tree_blocks == 312  # type: ignore[attr-defined]
+    # SGLang's default bound is tokens (10,000 nodes of 16): in blocks of the view's size.
+    pol = make_policy("sglang")
+    assert pol.tree_budget_blocks(512) == 312  # type: ignore[attr-defined]
+    assert pol.tree_budget_blocks(16) == 10_000  # type: ignore[attr-defined]
+    assert pol.tree_budget_blocks(1 << 20) == 1  # type: ignore[attr-defined]
+    assert make_policy("sglang", max_tree_blocks=7).tree_budget_blocks(16) == 7  # type: ignore[attr-defined]
+    # A view of 64-token blocks keeps 160K tokens of a document, not 312 blocks of it.
+    v64 = view(WorkerView(W("a"), 4), block_size=64)
+    pol.place(req("d", 40_000, nblocks=625), v64, {}, loads_for(v64), 0.0)
+    pol.place(req("e", 64, nblocks=1, first=10_000), v64, {}, loads_for(v64), 30.0)  # evicts
+    assert pol.trees.size(W("a")) == 626  # type: ignore[attr-defined]  # was 313
 
 
 # --- Dynamo ----------------------------------------------------------------------------------

@@ -17,9 +17,11 @@ Source: SGLang router / model gateway ``cache_aware`` policy
    least-recently-used leaves down to it.
 
 Defaults: cache_threshold 0.5, balance_abs_threshold 32, balance_rel_threshold 1.1,
-eviction_interval_secs 30, max_tree_size 10,000 nodes of 16 tokens. Trace blocks are 512 tokens,
-so the tree budget keeps the same *token* budget: 10,000 × 16 / 512 ≈ 312 blocks
-(peer-routing.md). ``unbounded=True`` is the variant without eviction; report the stronger.
+eviction_interval_secs 30, max_tree_size 10,000 nodes of 16 tokens. Our tree nodes are cache
+blocks of the view's block size B, so the tree budget keeps the same *token* budget:
+10,000 × 16 / B blocks, ≈ 312 for the traces' 512-token blocks (peer-routing.md)
+(:meth:`SglangPolicy.tree_budget_blocks`; ``max_tree_blocks`` fixes it instead).
+``unbounded=True`` is the variant without eviction; report the stronger.
 
 Tree nodes are chained block hashes (equal hash ⇔ equal prefix), so a worker's tree is the set of
 hashes inserted for it, with parent links for leaf-first eviction. The approximate trees decide
@@ -133,7 +135,7 @@ class SglangPolicy:
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 1.1,
         eviction_interval_s: float = 30.0,
-        max_tree_blocks: int = SGLANG_MAX_TREE_NODES * SGLANG_BLOCK_TOKENS // 512,
+        max_tree_blocks: int | None = None,
         unbounded: bool = False,
         pool_degree: int = 4,
     ) -> None:
@@ -151,7 +153,7 @@ class SglangPolicy:
             raise InvalidInput(f"balance_rel_threshold must be >= 0, got {balance_rel_threshold!r}")
         if not (math.isfinite(eviction_interval_s) and eviction_interval_s > 0):
             raise InvalidInput(f"eviction_interval_s must be > 0, got {eviction_interval_s!r}")
-        if (
+        if max_tree_blocks is not None and (
             isinstance(max_tree_blocks, bool)
             or not isinstance(max_tree_blocks, int)
             or max_tree_blocks < 1
@@ -173,6 +175,14 @@ class SglangPolicy:
     def name(self) -> str:
         return "sglang"
 
+    def tree_budget_blocks(self, block_size: int) -> int:
+        """A tree's size bound in blocks of ``block_size`` tokens: ``max_tree_blocks`` if
+        given, else SGLang's default token budget (10,000 nodes of 16 tokens) in such blocks,
+        at least one (module docstring)."""
+        if self.max_tree_blocks is not None:
+            return self.max_tree_blocks
+        return max(1, SGLANG_MAX_TREE_NODES * SGLANG_BLOCK_TOKENS // block_size)
+
     def place(
         self,
         request: RequestInfo,
@@ -184,8 +194,9 @@ class SglangPolicy:
         ev = evaluate(request, view, held_blocks, loads, now, self.profile)
         ev.require_eligible()
         if not self.unbounded and now >= self._next_eviction:
+            budget = self.tree_budget_blocks(view.block_size)
             for w in view.workers:
-                self.trees.evict(w.worker_id, self.max_tree_blocks)
+                self.trees.evict(w.worker_id, budget)
             k = math.floor(now / self.eviction_interval_s) + 1
             self._next_eviction = k * self.eviction_interval_s
 
