@@ -66,7 +66,7 @@ from sim.workloads import (
 from sim.workloads.errors import TraceFormatError
 from sim.workloads.parsing import MAX_SPAN_S
 from sim.workloads.synthetic import SyntheticConfig
-from sim.workloads.workload import Workload, truncate
+from sim.workloads.workload import Workload, scale_rate, truncate
 
 RESULT_KEYS = (
     "policy", "rate_scale", "request_rate", "requests", "warmup_requests", "completed", "failed",
@@ -106,8 +106,13 @@ def check_trace_format(trace: str, fmt: str) -> None:
 def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
                max_requests: int | None) -> Workload:
     """Read ``trace`` ('synthetic' or a file) with the named or detected format; raises
-    :class:`InvalidInput` for a format that contradicts it (:func:`check_trace_format`)."""
+    :class:`InvalidInput` for a format that contradicts it (:func:`check_trace_format`).
+
+    ``rate`` (req/s): the base rate of L-Eval and the synthetic workloads; a Mooncake or
+    Azure trace's arrivals are rescaled to it, named or detected alike, after the cut to
+    ``max_requests`` (so that the requests simulated arrive at that mean rate)."""
     check_trace_format(trace, fmt)
+    timed = False  # a trace with its own arrival times (Mooncake, Azure): rescaled to `rate`
     if trace == "synthetic":
         cfg = SyntheticConfig(rate=rate) if rate else SyntheticConfig()
         wl = generate(cfg, seed=seed)
@@ -124,11 +129,15 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
         if fmt == "auto":
             # detect_format is load_workload's own test, so the two never disagree; L-Eval is
             # read here because it needs a rate, which the CLI defaults to 1 req/s.
-            if detect_format(path) == "leval":
+            detected = detect_format(path)
+            if detected == "leval":
                 wl = read_leval(path, rate=rate or 1.0, seed=seed)
+            elif detected == "synthetic":
+                wl = generate_from_file(path, seed=seed, rate=rate if rate else None)
             else:
+                timed = True
                 try:
-                    wl = load_workload(path, seed=seed, rate=rate if rate else None)
+                    wl = load_workload(path, seed=seed)
                 except TraceFormatError as exc:
                     if path.suffix.lower() != ".json" or exc.line != 1:
                         raise
@@ -139,13 +148,15 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
         elif fmt == "synthetic":
             wl = generate_from_file(path, seed=seed, rate=rate if rate else None)
         elif fmt == "mooncake":
-            wl = read_mooncake(path, seed=seed)
+            wl, timed = read_mooncake(path, seed=seed), True
         elif fmt == "azure":
-            wl = read_azure(path)
+            wl, timed = read_azure(path), True
         else:  # "leval": check_trace_format let nothing else through
             wl = read_leval(path, rate=rate or 1.0, seed=seed)
     if max_requests:
         wl = truncate(wl, max_requests=max_requests)
+    if timed and rate and wl.duration_s > 0:
+        wl = scale_rate(wl, rate / (len(wl) / wl.duration_s))
     if not wl.requests:
         raise InvalidInput(f"workload {trace!r} has no requests")
     return wl

@@ -102,7 +102,10 @@ _Trace = Annotated[str, typer.Option(
          "(`vertumnus synthetic` prints one)")]
 _Format = Annotated[
     str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")]
-_Rate = Annotated[float, typer.Option(help="L-Eval / synthetic base rate in req/s (0: default)")]
+_Rate = Annotated[float, typer.Option(
+    help="Base rate in req/s: L-Eval's and the synthetic workload's; a Mooncake or Azure "
+         "trace's arrivals are rescaled to it (after --max-requests; then --rate-scale "
+         "multiplies it). 0: the default / the trace's own")]
 _Gpus = Annotated[int, typer.Option(help="Prefill-pool GPUs")]
 _Degrees = Annotated[str, typer.Option(help="CP degrees of the lattice")]
 _ProfilePath = Annotated[

@@ -209,6 +209,10 @@ def test_azure_parse_and_unique_hashes(tmp_path: Path) -> None:
         ("2023-11-16 18:17:03.1,\uff11\uff12,1\n", 2, "column ContextTokens must be a plain"),
         ("2023-11-16 18:17:03.1,10,1\n2023-11-16 18:17:04.1,10,\u0663\n", 3,
          "column GeneratedTokens must be a plain decimal"),
+        # an unmatched quote swallows the lines after it: named where it starts (it was the
+        # file's last line)
+        ("2023-11-16 18:17:03.1,10,1\n\"2023-11-16 18:17:04.1,10,1\n"
+         + "2023-11-16 18:17:05.1,10,1\n" * 5, 3, "unmatched"),
     ],
 )
 def test_azure_bad_rows(tmp_path: Path, body: str, line: int, problem: str) -> None:
@@ -389,6 +393,27 @@ def test_one_format_detection_for_the_loader_and_the_cli(tmp_path: Path, name: s
     from sim.workloads import detect_format
 
     assert detect_format(f) == fmt
+
+
+@pytest.mark.parametrize("fmt", ["auto", "mooncake"])
+def test_a_timed_traces_rate_is_the_one_asked_whatever_the_format_and_cut(
+        tmp_path: Path, fmt: str) -> None:
+    """``--rate`` rescales a Mooncake (or Azure) trace the same way whether its format is
+    named or detected (named, it was dropped: a 3x different load under the same flags), and
+    the requests kept by ``--max-requests`` arrive at that rate (the rescale used the whole
+    file's mean rate before the cut)."""
+    from sim import runner
+
+    # 40 requests over 39 s, the first 10 of them over 3 s (a burst, then a lull)
+    ts = [300 * i for i in range(10)] + [2700 + 1000 * i for i in range(1, 31)]
+    f = _write_jsonl(tmp_path / "mc.jsonl",
+                     [_mc(t, 600, [i, 100 + i]) for i, t in enumerate(ts)])
+    for cut in (None, 10):
+        wl = runner.load_trace(str(f), fmt, seed=0, rate=5.0, max_requests=cut)
+        assert len(wl) == (cut or 40)
+        assert len(wl) / wl.duration_s == pytest.approx(5.0)
+    own = runner.load_trace(str(f), fmt, seed=0, rate=None, max_requests=None)
+    assert len(own) / own.duration_s < 1.5  # its own ~1 req/s
 
 
 def test_detect_format_edge_cases(tmp_path: Path) -> None:
