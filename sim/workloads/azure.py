@@ -84,17 +84,24 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
 
     Lines are decoded one by one (:func:`~sim.workloads.parsing.iter_lines`) so that bad UTF-8
     is a :class:`TraceFormatError` naming its line; the csv reader counts the lines it pulls,
-    so ``line_num`` stays the file's line number (a record's last line if it spans several).
+    so ``line_num`` stays the file's line number. A record may not span lines: the trace's
+    cells are numbers and timestamps, so that is an unmatched quote, which would swallow
+    every later line into one record; it is an error naming the line where it starts (the
+    line it ended on, the file's last, pointed nowhere near it).
     """
     with closing(iter_lines(path)) as numbered:
         reader = csv.reader(text for _, text in numbered)
         while True:
+            start = reader.line_num + 1
             try:
                 row = next(reader)
             except StopIteration:
                 return
             except csv.Error as exc:  # e.g. a bare carriage return inside an unquoted field
                 raise TraceFormatError(path, reader.line_num, f"not valid CSV ({exc})") from None
+            if reader.line_num > start:
+                raise TraceFormatError(path, start, f"a quoted field runs on to line "
+                                       f"{reader.line_num} (an unmatched '\"'?)")
             yield reader.line_num, row
 
 

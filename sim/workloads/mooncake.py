@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from numbers import Real
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -60,6 +60,11 @@ def _timestamp(row: dict[str, Any], path: Path, line_no: int) -> int:
             f"more than the {MAX_SPAN_S / 86400:.0f} days a trace may span: Mooncake "
             "timestamps count milliseconds from the trace's start (not Unix time)")
     return int_field(row, "timestamp", path, line_no, 0, maximum=_MAX_TIMESTAMP_MS)
+
+
+TICK_SAMPLE: Final[int] = 1024
+"""Records whose timestamps a read cut short by ``max_requests`` still scans to detect the
+tick (:func:`read_mooncake`): some 300 ticks of the conversation trace."""
 
 
 def detect_tick_ms(timestamps: np.ndarray) -> float:
@@ -120,7 +125,9 @@ def read_mooncake(
     spreads each tick's requests uniformly within it (seeded by ``seed``); 0 keeps the raw
     timestamps; a tick longer than :data:`~sim.workloads.parsing.MAX_SPAN_S` (or not a
     number) is :class:`InvalidInput`. ``max_requests`` / ``start_s`` / ``end_s`` truncate
-    (see :func:`truncate`; ``max_requests`` alone stops reading early). Request ids are
+    (see :func:`truncate`; ``max_requests`` alone stops reading early, past the requests it
+    keeps only reading the timestamps of up to :data:`TICK_SAMPLE` records to detect the
+    tick). Request ids are
     ``{name}-{index}`` with the 0-based record index.
 
     Raises :class:`~sim.workloads.errors.TraceFormatError` naming file:line for a bad line
@@ -147,15 +154,21 @@ def read_mooncake(
     seen = 0  # records read, including those only scanned past max_requests
     varied = False  # some timestamp differs from the first one
     chains = PrefixChains(path)
+    scanned: list[int] = []  # timestamps read past max_requests, for the tick's detection
     for line_no, row in iter_jsonl(path):
         if read_all and max_requests is not None and len(rows) >= max_requests:
-            if varied or not stamps:
+            if not stamps or (varied and (tick_s is not None or seen >= TICK_SAMPLE)):
                 break
             # Stopping early must neither hide a file whose timestamps are all equal nor
             # reject one whose first requests merely share a tick: read on (timestamps only)
-            # until one differs, which for a timed trace is at most one tick further.
+            # until one differs, which for a timed trace is at most one tick further. With
+            # the tick to detect, read on to TICK_SAMPLE records: the requests kept may all
+            # lie in one tick, where alone they show no quantisation (and would all arrive
+            # at its start).
             seen += 1
-            varied = _timestamp(row, path, line_no) != stamps[0]
+            ts = _timestamp(row, path, line_no)
+            scanned.append(ts)
+            varied = varied or ts != stamps[0]
             continue
         ts = _timestamp(row, path, line_no)
         if stamps and ts < stamps[-1]:
@@ -173,7 +186,8 @@ def read_mooncake(
         check_arrivals_vary(path, "mooncake", requests=seen, varied=varied,
                             shown=f"timestamp {stamps[0]} ms")
     ts_arr = np.array(stamps, dtype=np.int64)
-    tick_ms = detect_tick_ms(ts_arr) if tick_s is None else tick_s * 1000.0
+    tick_ms = (detect_tick_ms(np.array(stamps + scanned, dtype=np.int64)) if tick_s is None
+               else tick_s * 1000.0)
     arrivals = spread_within_ticks(ts_arr, tick_ms, np.random.default_rng(seed))
     reqs = [
         Request(f"{name}-{i}", float(arrivals[i]), inp, out, hids, session)

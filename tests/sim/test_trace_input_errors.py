@@ -153,6 +153,19 @@ def test_one_request_or_a_leading_burst_is_not_one_instant(tmp_path: Path) -> No
     assert len(read_mooncake(burst)) == 5
 
 
+def test_requests_kept_inside_the_first_tick_are_still_spread_over_it(tmp_path: Path) -> None:
+    """A 3 s-quantised trace cut to requests that all fall in its first tick: the tick is
+    detected on the records read past them, and they are spread within it. Before, the cut
+    showed one timestamp, no tick, and every request arrived at once (a burst at t = 0)."""
+    f = tmp_path / "ticks.jsonl"
+    f.write_text("".join(_mc(3000 * (k // 4)) + "\n" for k in range(40)))
+    cut = read_mooncake(f, max_requests=3)
+    assert cut.metadata["tick_s"] == 3.0 == read_mooncake(f).metadata["tick_s"]
+    arrivals = [r.arrival_s for r in cut]
+    assert len(set(arrivals)) == 3 and all(0.0 <= a < 3.0 for a in arrivals)
+    assert arrivals == sorted(arrivals)
+
+
 def test_azure_rows_all_at_one_timestamp_are_rejected(tmp_path: Path) -> None:
     f = tmp_path / "az.csv"
     f.write_text(AZ_HEADER + "2023-11-16 18:17:03.1,10,1\n" * 3)
