@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from shared.ids import InvalidInput
+from shared.natsserver import NatsServerStartError
 
 # degrees_option / profile_file: simulate's checks of --degrees and --profile; the live
 # commands take the same options and refuse what simulate refuses, with the same words.
@@ -256,6 +257,8 @@ def register(app: typer.Typer) -> None:
                                          requests=reqs))
         except (StackError, ChildFailed) as exc:
             _fail(str(exc), 1)
+        except NatsServerStartError as exc:  # a port in use, a bad --nats-config
+            _fail(f"nats-server did not start: {exc}", 1)
         except KeyboardInterrupt:  # a second Ctrl-C during shutdown
             raise typer.Exit(130) from None
         if summary.get("interrupted"):

@@ -19,9 +19,13 @@ from vertumnus.live.stack import LiveStack, UpConfig
 async def test_replay_against_a_running_stack(tmp_path: Path) -> None:
     cfg = UpConfig(time_scale=0.05, health_timeout_wall_s=120.0, stop_timeout_wall_s=10.0)
     stack = LiveStack(cfg, log_dir=tmp_path / "logs")
+    # A log directory used before: its JetStream store (the last run's intake, whose answers
+    # the de-duplication window replayed to this run's request ids) is not reused.
+    stale = tmp_path / "logs" / "nats-store" / "jetstream" / "stale-run"
+    stale.mkdir(parents=True)
     try:
         health = await stack.start()
-        assert stack.nats is not None
+        assert stack.nats is not None and not stale.exists()
         out = tmp_path / "replay.json"
         proc = await asyncio.create_subprocess_exec(
             *cli("replay", "--gateway", health.gateway_url, "--trace", "synthetic",

@@ -344,3 +344,18 @@ def test_even_sigkill_of_up_leaves_no_processes(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         kill_leftovers(logs)
+
+
+def test_up_names_a_nats_server_that_cannot_start(tmp_path: Path) -> None:
+    """A NATS port in use (or a bad --nats-config): one error line naming nats-server and
+    status 1, not a traceback (the server's start error escaped the command)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = run_cli(["up", "--nats-port", str(port), "--duration", "5", "--no-progress",
+                     "--log-dir", str(tmp_path / "logs")])
+    assert r.returncode == 1, r.stderr
+    assert "nats-server did not start" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -718,6 +718,11 @@ class LiveStack:
         return self.log_dir / "nats-store"
 
     async def start(self) -> Health:
+        # A run starts from an empty JetStream store: a log directory used before holds the
+        # last run's intake (whose de-duplication window would answer this run's request ids
+        # with that run's results) and its epoch record (its composition). Restarts within
+        # the run (_new_nats) keep it.
+        shutil.rmtree(self._nats_store, ignore_errors=True)
         self.nats = self._new_nats(self.config.nats_port)
         # NOTE: started from this (the main) thread: the parent-death signal of the shim
         # follows the thread that forked, and a worker thread of to_thread may end first.
