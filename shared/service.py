@@ -27,7 +27,8 @@ What a subclass gets:
   by ``stop_timeout_s`` (:mod:`shared.stopping`).
 
 Subclasses override :meth:`MicroService.endpoints` and optionally :meth:`MicroService.setup`
-(subscriptions, KV buckets, background tasks; register their cleanup on the stack).
+(subscriptions, KV buckets, background tasks; register their cleanup on the stack) and
+:meth:`MicroService.serving` (what may only be announced once the endpoints answer).
 """
 
 from __future__ import annotations
@@ -170,6 +171,103 @@ async def call(
     msg = await nc.request(subject, payload, timeout=timeout_s, headers=hdrs)
     raise_for_error(msg.headers, subject)
     return decode(reply_type, msg.data, msg.headers)  # type: ignore[no-any-return]
+
+
+PART_HEADER: Final[str] = "Vtm-Part"
+"""Header of each message of a reply sent in parts (:func:`respond_in_parts`): ``i/n``, the
+part's number from 1 and how many there are."""
+MAX_REPLY_PARTS: Final[int] = 1024
+"""Most parts :func:`request_in_parts` takes (about 1 GiB at the default ``max_payload``): a
+reply announcing more is refused before anything is collected."""
+
+
+async def respond_in_parts(nc: Client, request: Request, data: bytes,
+                           headers: Mapping[str, str] | None = None) -> int:
+    """Answer ``request`` with ``data``, in as many messages as the server's ``max_payload``
+    needs; returns how many were sent. One message when it fits (exactly a plain
+    ``respond``); else each part carries :data:`PART_HEADER` ``i/n`` and the first also
+    ``headers``. The parts go out in order on one connection, so NATS delivers them in order
+    (:func:`request_in_parts` reassembles them). A whole index of a worker's cache (tens of
+    thousands of blocks) is more than one message may hold."""
+    hdrs = dict(headers or {})
+    if message_size(data, hdrs) <= nc.max_payload:
+        await request.respond(data, headers=hdrs or None)
+        return 1
+    # Room for the worst part header; the first part also carries ``headers``.
+    widest = f"{MAX_REPLY_PARTS}/{MAX_REPLY_PARTS}"
+    room = nc.max_payload - message_size(b"", {**hdrs, PART_HEADER: widest})
+    if room <= 0:
+        raise InvalidInput(f"reply headers leave no room under max_payload {nc.max_payload}")
+    n = -(-len(data) // room)
+    if n > MAX_REPLY_PARTS:
+        raise InvalidInput(f"reply of {len(data)} bytes needs {n} parts, more than "
+                           f"{MAX_REPLY_PARTS}")
+    for i in range(n):
+        part = data[i * room:(i + 1) * room]
+        first = hdrs if i == 0 else {}
+        await request.respond(part, headers={**first, PART_HEADER: f"{i + 1}/{n}"})
+    return n
+
+
+def _part_of(headers: Mapping[str, str] | None, subject: str) -> tuple[int, int]:
+    """``(i, n)`` of a reply part's :data:`PART_HEADER`; ``(1, 1)`` without one."""
+    value = (headers or {}).get(PART_HEADER)
+    if value is None:
+        return 1, 1
+    i_s, _, n_s = value.partition("/")
+    try:
+        i, n = int(i_s), int(n_s)
+    except ValueError:
+        raise SchemaError("reply", PART_HEADER, f"{value!r} from {subject} is not i/n") from None
+    if not 1 <= i <= n <= MAX_REPLY_PARTS:
+        raise SchemaError("reply", PART_HEADER,
+                          f"{value!r} from {subject} is not a part i/n with 1 <= i <= n <= "
+                          f"{MAX_REPLY_PARTS}")
+    return i, n
+
+
+async def request_in_parts(
+    nc: Client,
+    subject: str,
+    payload: bytes,
+    *,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[bytes, dict[str, str]]:
+    """Request-reply where the reply may come in parts (:func:`respond_in_parts`): the
+    whole reply's bytes and the first message's headers (a micro error is raised as
+    :class:`RemoteError`). ``timeout_s`` bounds the whole exchange. Raises nats'
+    ``NoRespondersError`` / ``TimeoutError`` as ``nc.request`` does, and :class:`SchemaError`
+    for parts out of order or a bad :data:`PART_HEADER`. A reply without the header is one
+    part, so this also talks to responders that answer plainly."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish(subject, payload, reply=inbox, headers=dict(headers or {}) or None)
+        chunks: list[bytes] = []
+        first: dict[str, str] = {}
+        n = 1
+        while True:
+            msg = await sub.next_msg(timeout=max(0.001, deadline - loop.time()))
+            if not chunks:
+                if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
+                    raise nats.errors.NoRespondersError
+                raise_for_error(msg.headers, subject)
+                first = {k: v for k, v in (msg.headers or {}).items() if k != PART_HEADER}
+            i, n_here = _part_of(msg.headers, subject)
+            if (chunks and n_here != n) or i != len(chunks) + 1:
+                raise SchemaError("reply", PART_HEADER,
+                                  f"part {i}/{n_here} from {subject} after {len(chunks)} of {n}")
+            n = n_here
+            chunks.append(msg.data)
+            if len(chunks) == n:
+                return b"".join(chunks), first
+    finally:
+        with contextlib.suppress(nats.errors.ConnectionClosedError,
+                                 nats.errors.BadSubscriptionError):
+            await sub.unsubscribe()
 
 
 async def until_served(nc: Client, subject: str, *, timeout_s: float = 30.0) -> None:
@@ -726,6 +824,13 @@ class MicroService:
         Register cleanup with ``stack``; it runs before the connection drains.
         """
 
+    async def serving(self) -> None:
+        """Called once the endpoints are reachable, before the service counts as started
+        (override). What sends others to this service's endpoints -- a rank daemon's
+        EpochAck and first WorkerState -- goes out here, not in :meth:`setup`: from there it
+        would reach them before the endpoints exist, and their requests would meet "no
+        responders"."""
+
     async def ensure_jetstream(self) -> None:
         """Make what this service needs of JetStream -- streams, KV buckets, consumers, and
         records that only it writes -- where missing; idempotent (override; none by default).
@@ -793,7 +898,8 @@ class MicroService:
 
     async def start(self, stack: AsyncExitStack, nc: Client | None = None) -> None:
         """Connect (unless ``nc`` is given; then the caller owns it), run :meth:`setup`, add the
-        micro service and its endpoints. Everything started is undone by ``stack``."""
+        micro service and its endpoints, then run :meth:`serving`. Everything started is undone
+        by ``stack``."""
         if nc is None:
             nc = await connect(
                 servers=self.settings.nats_servers,
@@ -846,6 +952,7 @@ class MicroService:
                 b"",
                 timeout=self.settings.connect_timeout_s,
             )
+        await self.serving()
         self._started.set()
         self.log.info("service started", id=self._service.id, group=self.group)
         checker = asyncio.create_task(self._check_peer_protocols(nc),

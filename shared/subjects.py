@@ -20,7 +20,8 @@ Map (prefix ``vtm``):
 ``vtm.rank.ctl.{gpu}``             epoch / geometry control to one rank daemon
 ``vtm.epoch.ack.{gpu}``            EpochAck from a rank
 ``vtm.cache.events.{wid}``         CacheEvent stream of one worker
-``vtm.cache.snapshot.{wid}``       request-reply: ask a worker for a snapshot of its index
+``vtm.cache.snapshot.{wid}``       request-reply: ask a worker for a snapshot of its index (a
+                                   reply over max_payload comes in ``Vtm-Part: i/n`` parts)
 ``vtm.cache.cmd.{wid}``            CacheCommand (replicate / reclaim / reconcile / demote)
 ``vtm.cache.pending.{wid}``        ReconciledNotice: a new worker's pending and donor pages
 ``vtm.cachemgr.pending``           request-reply: PendingQuery -> PendingReply (publish it again)

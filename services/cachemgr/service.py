@@ -169,7 +169,7 @@ from shared.service import (
     RemoteError,
     call,
     epoch_kv,
-    raise_for_error,
+    request_in_parts,
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
@@ -953,14 +953,12 @@ class CacheMgrService(MicroService):
         restarts = self._restarts.get(worker, 0)
         subject = self.subjects.cache_snapshot(worker)
         try:
-            reply = await self.nc.request(
-                subject,
-                b"{}",
-                timeout=self.msettings.snapshot_timeout_s,
-                headers=inject({}),
-            )
-            raise_for_error(reply.headers, subject)  # a micro error is no snapshot
-            event = event_from_json(reply.data)
+            # A full worker's index is several MiB: it may come in parts.
+            data, _ = await request_in_parts(
+                self.nc, subject, b"{}",
+                timeout_s=self.msettings.snapshot_timeout_s, headers=inject({}),
+            )  # a micro error is raised: no snapshot
+            event = event_from_json(data)
             if not isinstance(event, Snapshot) or event.worker != worker:
                 raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
             if self._restarts.get(worker, 0) != restarts:

@@ -34,7 +34,8 @@ Per process (one worker, its leader rank, for now):
 * the worker's prefix cache (LRU, :mod:`services.rankd.blockcache`) decides the P actually
   reused; its events (stored / removed / cleared, per-worker monotonic ids) are published as
   JSON on ``{prefix}.cache.events.{wid}`` in order; ``{prefix}.cache.snapshot.{wid}``
-  answers a CacheSnapshot (after publishing every earlier event) and
+  answers a CacheSnapshot (after publishing every earlier event; in parts when it is over
+  the server's max_payload, shared/service.py ``respond_in_parts``) and
   ``{prefix}.cache.cmd.{wid}`` executes a CacheCommand (replicate / reclaim / reconcile /
   demote: the last only reorders the LRU, no event follows).
 * the epoch record is watched; a newer record is adopted (lifecycle from it) and one EpochAck
@@ -160,6 +161,7 @@ from shared.service import (
     epoch_kv,
     publish_result,
     request_model,
+    respond_in_parts,
     while_connected,
     worker_state_kv,
 )
@@ -371,6 +373,8 @@ class RankdService(MicroService):
         # them again. Only the current adoption's: a newer one replaces them (_adopt_payload).
         self._unsent_acks: dict[int, EpochAck] = {}
         self._acks_unsent = asyncio.Event()
+        # Set once the endpoints answer (serving()): no state or ack goes out before.
+        self._reachable = asyncio.Event()
 
         self._events_lock = asyncio.Lock()  # cache events leave in event-id order
         # Redirect tasks in flight: separate from the epoch watcher so a stop does not cancel
@@ -438,13 +442,17 @@ class RankdService(MicroService):
                        *sorted(self._attempts.get(j.request_id, {}))] for j in listed],
         )
 
-    async def _on_snapshot(self, request: Request) -> CacheSnapshot:
+    async def _on_snapshot(self, request: Request) -> None:
+        """The cache's whole index after the events published so far, answered in as many
+        parts as the server's max_payload needs (shared/service.py ``respond_in_parts``): a
+        full cache of the default size is several MiB of JSON."""
         async with self._events_lock:
             await self._publish_cache_events_locked()
             snap = self.core.cache_snapshot()
-        return CacheSnapshot(
+        data, headers = encode(CacheSnapshot(
             worker=snap.worker, last_event_id=snap.last_event_id, blocks=list(snap.blocks)
-        )
+        ))
+        await respond_in_parts(self.nc, request, data, headers)
 
     async def _on_cache_cmd(self, request: Request) -> CacheCommandResult:
         cmd = request_model(request, CacheCommand)
@@ -623,13 +631,28 @@ class RankdService(MicroService):
         health = getattr(self.backend, "health", None)
         if callable(health):  # optional backend method (services/rankd/backend.py)
             tasks.append(asyncio.create_task(self._probe_health(health), name="rankd-health"))
-        await self._publish_state()
 
         async def teardown() -> None:
             await watcher.stop()
             await self._shutdown(tasks)
 
         stack.push_async_callback(teardown)
+
+    async def serving(self) -> None:
+        """The endpoints answer: the first WorkerState, and the EpochAcks of an adoption made
+        before (held until now: either sends others to the endpoints)."""
+        self._reachable.set()
+        await self._publish_state()
+        for gpu, ack in list(self._unsent_acks.items()):
+            try:
+                await self._publish_ack(ack)
+            except Exception as exc:  # re-sent (module docstring)
+                self.log.warning("epoch ack not sent; will retry", gpu=gpu, epoch=ack.epoch,
+                                 error=repr(exc))
+                self._acks_unsent.set()
+                continue
+            if self._unsent_acks.get(gpu) is ack:
+                del self._unsent_acks[gpu]
 
     async def _probe_health(self, health: Callable[[], WorkerFault | None]) -> None:
         """Fail the worker as soon as its backend reports a fault, even with nothing running."""
@@ -1189,6 +1212,7 @@ class RankdService(MicroService):
         loop = asyncio.get_running_loop()
         last_key: tuple[Lifecycle, int] | None = None
         last_t = -math.inf
+        await self._reachable.wait()  # serving() publishes the first state
         while not _cancel_requested():
             # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
             # races with the event being set, and shutdown would then wait forever.
@@ -1254,6 +1278,9 @@ class RankdService(MicroService):
                     worker_id=self.core.worker_id,
                     adopted_at_s=now,
                 )
+                if not self._reachable.is_set():  # sent by serving() once the endpoints are up
+                    self._unsent_acks[gpu] = ack
+                    continue
                 try:
                     await self._publish_ack(ack)
                 except Exception as exc:  # never ends the watcher: re-sent (module docstring)

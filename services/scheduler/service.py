@@ -267,6 +267,7 @@ from shared.service import (
     first_token_of,
     latest_result,
     publish_result,
+    request_in_parts,
     while_connected,
     worker_state_kv,
 )
@@ -1317,11 +1318,12 @@ class SchedulerService(MicroService):
     async def _fetch_snapshot(self, worker: str) -> None:
         restarts = self._restarts.get(worker, 0)
         try:
-            reply = await self.nc.request(
-                self.subjects.cache_snapshot(worker), b"{}",
-                timeout=self.ssettings.snapshot_timeout_s, headers=inject({}),
+            # A full worker's index is several MiB: it may come in parts.
+            data, _ = await request_in_parts(
+                self.nc, self.subjects.cache_snapshot(worker), b"{}",
+                timeout_s=self.ssettings.snapshot_timeout_s, headers=inject({}),
             )
-            event = event_from_json(reply.data)
+            event = event_from_json(data)
             if not isinstance(event, Snapshot) or event.worker != worker:
                 raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
             if self._restarts.get(worker, 0) != restarts:
@@ -1334,7 +1336,9 @@ class SchedulerService(MicroService):
                 self.stats.snapshots_applied += 1
                 self.log.info("cache snapshot applied", worker=worker,
                               last_event_id=event.last_event_id, blocks=len(event.blocks))
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
+        except (RemoteError, nats.errors.NoRespondersError, nats.errors.TimeoutError,
+                TimeoutError) as exc:
+            # An error answer (a worker failing, or stopping) is asked again as no answer is.
             # Typically a worker just created by a split or merge whose endpoint is not up
             # yet: without its index the trie would miss the prefixes it kept (reconcile)
             # until its first event, so housekeeping asks again while it is in the trie.

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import nats.errors
 import pytest
 import structlog.testing
 from nats.aio.client import Client
@@ -52,7 +53,15 @@ from shared.schemas import (
     from_json,
     to_json,
 )
-from shared.service import RemoteError, call, ensure_intake_stream
+from shared.service import (
+    PART_HEADER,
+    RemoteError,
+    call,
+    ensure_intake_stream,
+    epoch_kv,
+    request_in_parts,
+    worker_state_kv,
+)
 from shared.subjects import Subjects
 from shared.telemetry import tracer
 from shared.worker import Lifecycle
@@ -368,6 +377,55 @@ async def test_queue_endpoint_lists_running_and_queued_requests(
         await asyncio.wait_for(task, timeout=WAIT_S)
 
 
+class SlowToServe(RankdService):
+    """A rank daemon whose endpoints come up half a second after its setup (a loaded
+    machine): what it announces in between must not send anyone to endpoints not there."""
+
+    async def setup(self, stack: contextlib.AsyncExitStack) -> None:
+        await super().setup(stack)
+        await asyncio.sleep(0.5)
+
+
+async def test_a_new_worker_acks_and_announces_itself_only_once_it_answers(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """A worker a split or merge made: its EpochAck (the controller's go-ahead) and its
+    first WorkerState (the scheduler's and the cache manager's cue to assign to it and ask
+    for its snapshot) go out once its endpoints exist. Before, both went out during the
+    setup, and a request sent on either met "no responders"."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, s)
+    epochs = await epoch_kv(js, s)
+    await worker_state_kv(js, s)
+    await epochs.put(s.epoch_key(), to_json(EpochRecord(
+        epoch=1, committed_at_s=time.time(),
+        workers=[EpochWorker(worker_id=WID, first_gpu=2, degree=2, lifecycle=Lifecycle.ACTIVE)])))
+    asked: list[asyncio.Task[str]] = []
+
+    async def ask() -> str:
+        try:
+            await call(nc, s.worker_queue(WID), QueueQuery(worker_id=WID), QueueReport,
+                       timeout_s=WAIT_S)
+            return "answered"
+        except nats.errors.NoRespondersError:
+            return "no responders"
+
+    async def on_announce(msg: Msg) -> None:
+        asked.append(asyncio.create_task(ask()))
+
+    await nc.subscribe(s.epoch_ack_all(), cb=on_announce)
+    await nc.subscribe(f"$KV.{s.worker_state_bucket()}.{WID}", cb=on_announce)
+    await nc.flush()
+    async with running_rankd(nats_server.url, uniq, SimBackend(), cls=SlowToServe):
+        async with asyncio.timeout(WAIT_S):
+            while len(asked) < 3:  # two acks (GPUs 2 and 3) and the first state at least
+                await asyncio.sleep(0.01)
+        # (The final, UNAVAILABLE state of the stop follows the endpoints' end: not counted.)
+        outcomes = await asyncio.gather(*asked)
+    assert set(outcomes) == {"answered"}, outcomes
+
+
 async def test_epoch_adoption_acks_drain_and_redirect(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
@@ -657,6 +715,33 @@ async def test_cache_snapshot_and_commands(
     with pytest.raises(RemoteError) as err:
         await call(nc, s.cache_cmd(WID), b'{"op": "nope"}', CacheCommandResult, timeout_s=WAIT_S)
     assert err.value.code == 400
+
+
+async def test_a_full_cache_snapshot_over_max_payload_comes_in_parts(
+    rankd: tuple[RankdService, Gate], nc: Client, uniq: str
+) -> None:
+    """40,000 blocks of 64-bit hashes are about 1.7 MB of JSON, over the server's 1 MiB
+    max_payload (the sim default holds 65,536 blocks; torch's 32,768): the snapshot comes in
+    parts and reassembles to the whole index. It was a single message, answered 500, so a
+    stale view of a full worker was never repaired."""
+    s = Subjects(uniq)
+    chain = [(1 << 63) + 12_345_678_901 * i for i in range(40_000)]
+    rep = ReplicateCommand(command_id="c-big", worker_id=WID, epoch=0, blocks=chain,
+                           source_worker="w-cp2-g0")
+    done = await call(nc, s.cache_cmd(WID), rep, CacheCommandResult, timeout_s=WAIT_S)
+    assert done.ok and done.blocks_done == len(chain)
+    first = await nc.request(s.cache_snapshot(WID), b"", timeout=WAIT_S)
+    n = int(first.headers[PART_HEADER].split("/")[1])
+    assert n >= 2
+    data, headers = await request_in_parts(nc, s.cache_snapshot(WID), b"", timeout_s=WAIT_S)
+    snap = decode(CacheSnapshot, data, headers)
+    assert snap.worker == WID and snap.last_event_id == 1
+    assert sorted(snap.blocks) == sorted(zip(chain, [None, *chain[:-1]], strict=True))
+    # A small snapshot is still one plain message.
+    rec = ReclaimCommand(command_id="c-small", worker_id=WID, epoch=0, blocks=chain[1:])
+    assert (await call(nc, s.cache_cmd(WID), rec, CacheCommandResult, timeout_s=WAIT_S)).ok
+    small = await call(nc, s.cache_snapshot(WID), b"", CacheSnapshot, timeout_s=WAIT_S)
+    assert (small.last_event_id, small.blocks) == (2, [(chain[0], None)])
 
 
 async def test_a_request_priced_with_a_pull_waits_for_the_copy_over_nats(

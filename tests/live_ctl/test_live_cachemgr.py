@@ -23,6 +23,7 @@ import pytest
 from live_ctl_support import Collector, eventually, request
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.micro.request import Request
 from structlog.testing import capture_logs
 
 from services.cachemgr.reconcile import index_pages, reconciled_index
@@ -38,7 +39,7 @@ from shared.schemas import (
     encode,
     to_json,
 )
-from shared.service import epoch_kv, worker_state_kv
+from shared.service import epoch_kv, respond_in_parts, worker_state_kv
 from shared.subjects import Subjects
 from shared.worker import Lifecycle
 
@@ -232,6 +233,36 @@ async def test_events_build_the_trie_and_a_gap_brings_a_snapshot(
 
     body = await eventually(continued, what="events after the snapshot")
     assert body["workers"][A]["blocks"] == 6 and body["counters"]["gaps"] == 1
+
+
+async def test_a_full_worker_s_snapshot_comes_in_parts_and_is_applied(
+    nc: Client, nats_server, uniq: str, services
+):
+    """A worker's whole index of 40,000 blocks (about 1.7 MB of JSON, over the server's
+    1 MiB max_payload) is answered in parts, as a rank daemon does, and the manager applies it
+    whole. Before, the reply was a single message the rank daemon could not send (500), and
+    a stale view of a full worker was never repaired."""
+    s = Subjects(uniq)
+    chain = [(1 << 63) + 12_345_678_901 * i for i in range(40_000)]
+    blocks = list(zip(chain, [None, *chain[:-1]], strict=True))
+    states = await worker_state_kv(nc.jetstream(), s)
+    await states.put(B, to_json(state(B, [2, 3], blocks=65_536)))
+
+    async def b_snapshot(msg: Msg) -> None:
+        data, headers = encode(CacheSnapshot(worker=B, last_event_id=0, blocks=blocks))
+        assert await respond_in_parts(nc, Request(msg), data, headers) > 1
+
+    await nc.subscribe(s.cache_snapshot(B), cb=b_snapshot)
+    await nc.flush()
+    await services(CacheMgrService(settings(nats_server.url, uniq)))
+
+    async def learnt() -> dict[str, Any] | None:
+        body = await inspect(nc, uniq, match=chain[:3])
+        return body if body["counters"]["snapshots_applied"] else None
+
+    body = await eventually(learnt, what="the snapshot in parts applied")
+    assert body["workers"][B]["blocks"] == len(chain) and body["match"]["held"] == {B: 3}
+    assert body["counters"]["snapshots_failed"] == 0
 
 
 async def test_an_unanswered_snapshot_is_asked_again(

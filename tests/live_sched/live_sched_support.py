@@ -15,6 +15,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.micro.request import Request
 
 from services.gateway.adapter import GatewayService
 from services.gateway.settings import GatewaySettings
@@ -30,7 +31,7 @@ from shared.schemas import (
     encode,
     to_json,
 )
-from shared.service import worker_state_kv
+from shared.service import respond_in_parts, worker_state_kv
 from shared.subjects import Subjects
 from shared.worker import Lifecycle
 
@@ -208,7 +209,8 @@ class FakeWorker:
         self.snapshot_requests += 1
         body = {"type": "snapshot", "worker": self.worker_id, "last_event_id": self.event_id,
                 "blocks": [[h, p] for h, p in self.blocks.items()]}
-        await msg.respond(json.dumps(body).encode())
+        # As a rank daemon answers: in parts when over the server's max_payload.
+        await respond_in_parts(self.nc, Request(msg), json.dumps(body).encode())
 
     async def store(self, parent: int | None, hashes: list[int], *, publish: bool = True,
                     skip_ids: int = 0) -> None:

@@ -165,6 +165,20 @@ async def test_trie_follows_events_and_snapshots(live: Services, fake_worker,  #
     assert span.attributes["vtm.candidate.w-cp4-g4.P"] == B
 
 
+async def test_a_full_worker_s_snapshot_comes_in_parts_and_is_applied(  # type: ignore[no-untyped-def]
+        live: Services, fake_worker) -> None:
+    """40,000 cached blocks of 64-bit hashes: the snapshot (about 1.7 MB of JSON) is over
+    the server's 1 MiB max_payload and comes in parts. Before, a rank daemon answered it 500
+    and the stale replica of a full worker was never repaired."""
+    a = await fake_worker("w-cp2-g0", 2, 0)
+    chain = [(1 << 63) + 12_345_678_901 * i for i in range(40_000)]
+    await a.store(None, chain, publish=False)
+    sched = await live.scheduler(block_size=B)
+    await wait_until(lambda: sched.stats.snapshots_applied >= 1, "the snapshot in parts")
+    assert sched.trie.match(chain).held("w-cp2-g0") == len(chain)
+    assert not sched.trie.is_stale("w-cp2-g0")
+
+
 async def test_the_replica_drops_blocks_no_worker_holds(live: Services, fake_worker,  # type: ignore[no-untyped-def]
                                                        nc: Client) -> None:
     """Cached, then evicted by its worker: the block leaves the replica trie at the next
