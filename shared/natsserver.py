@@ -189,13 +189,16 @@ class EmbeddedNats:
     def _wait_ready(self) -> None:
         assert self._proc is not None and self._workdir is not None
         deadline = time.monotonic() + self._startup_timeout_s
-        ports_file = self._workdir / f"{self._binary.name}_{self._proc.pid}.ports"
         while True:
             if self._proc.poll() is not None:
                 raise NatsServerStartError(
                     f"nats-server exited with status {self._proc.returncode}: {self._log_tail()}"
                 )
-            if self._url is None and ports_file.is_file():
+            # nats-server names the file after its own executable and pid, which are not
+            # the binary's name and the child's pid when a wrapper (a shim, a binary under
+            # another name) starts it: any ports file in our private directory is its.
+            ports_file = next(iter(sorted(self._workdir.glob("*.ports"))), None)
+            if self._url is None and ports_file is not None:
                 self._read_ports(ports_file)
             if self._monitor_url is not None and self._healthy():
                 return

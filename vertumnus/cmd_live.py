@@ -263,6 +263,9 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(130) from None
         if summary.get("interrupted"):
             raise typer.Exit(130)
+        if summary.get("services_down"):  # the report is out; the run itself was not sound
+            _fail(f"{', '.join(summary['services_down'])} exited for good during the run "
+                  "(see the report's faults and the service logs)", 1)
 
     @app.command()
     def replay(

@@ -25,6 +25,19 @@ def test_explicit_missing_binary_is_a_clear_error(tmp_path) -> None:
         find_nats_server(tmp_path / "nope")
 
 
+def test_a_server_behind_a_wrapper_of_another_name_starts(tmp_path, monkeypatch) -> None:
+    """``VTM_NATS_SERVER_BIN`` naming a wrapper script (not called nats-server) that execs
+    the server: the server names its ports file after its own executable, not the wrapper,
+    and the start finds it. Before, it waited for ``<wrapper>_<pid>.ports`` until it timed
+    out."""
+    wrapper = tmp_path / "my-nats"
+    wrapper.write_text(f'#!/bin/sh\nexec "{find_nats_server()}" "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("VTM_NATS_SERVER_BIN", str(wrapper))
+    with EmbeddedNats(jetstream=False, startup_timeout_s=10) as srv:
+        assert srv.running and srv.url.startswith("nats://127.0.0.1:")
+
+
 def test_bad_arguments_rejected() -> None:
     with pytest.raises(ValueError):
         EmbeddedNats(port=70000)

@@ -72,11 +72,15 @@ def test_supervision_restarts_an_exited_child_a_bounded_number_of_times(tmp_path
         for _ in range(MAX_RESTARTS):
             wait_until(lambda: stack.children.find("quits").proc.poll() is not None,
                        "the child to exit")
+            assert stack.exited_for_good() == []  # not while it is still restarted
             [(name, old, status, new)] = stack.restart_exited()
             assert (name, old, status) == ("quits", seen[-1], 75) and new not in seen
             seen.append(new)
         wait_until(lambda: stack.children.find("quits").proc.poll() is not None, "last exit")
         assert stack.restart_exited() == []  # past the limit: left exited
+        # ... and reported once as exited for good (up says so and exits 1 after its report).
+        assert stack.exited_for_good() == [("quits", seen[-1], 75)]
+        assert stack.exited_for_good() == []
         with pytest.raises(ChildFailed, match="quits"):
             stack.children.check()
         assert stack.children.find("keeps") is keeps and alive(keeps.pid)
@@ -149,3 +153,71 @@ def test_crash_without_restart_and_a_crash_not_yet_due() -> None:
 
     assert asyncio.run(main()) == []
     assert calls == ["kill"]
+
+
+_ON_TERM = """
+import signal, sys, time
+log, name, linger = sys.argv[1], sys.argv[2], float(sys.argv[3])
+def note(what):
+    with open(log, "a") as fh:
+        fh.write(f"{name} {what}\\n")
+def term(*_):
+    note("term")
+    time.sleep(linger)
+    note("exit")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term if linger >= 0 else signal.SIG_IGN)
+note("ready")
+time.sleep(60)
+"""
+
+
+def _staged(log: Path, name: str, stage: int, linger: float) -> ChildSpec:
+    """A child that notes its SIGTERM and its exit ``linger`` s later in ``log`` (a negative
+    linger: it ignores SIGTERM)."""
+    return ChildSpec(name, [sys.executable, "-c", _ON_TERM, str(log), name, str(linger)],
+                     stop_stage=stage)
+
+
+def _lines(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_stop_goes_stage_by_stage(tmp_path: Path) -> None:
+    """The gateway's stage is stopped, and waited for, before the control plane's, and that
+    before the rank daemons' (as up sets them: vertumnus/live/stack.py STOP_STAGES), whatever
+    the start order. Before, every child got its SIGTERM at once."""
+    log = tmp_path / "order.log"
+    children = ChildSet(tmp_path, stop_timeout_s=20.0)
+    try:
+        for spec in (_staged(log, "rankd", 2, 0.0), _staged(log, "gateway", 0, 0.3),
+                     _staged(log, "scheduler", 1, 0.3), _staged(log, "cachemgr", 1, 0.0)):
+            children.start(spec)
+        wait_until(lambda: len(_lines(log)) == 4, "every child to be ready")
+        codes = children.stop()
+        assert set(codes.values()) == {0}, codes
+        order = [ln for ln in _lines(log) if not ln.endswith("ready")]
+        assert order[:2] == ["gateway term", "gateway exit"]
+        assert set(order[2:6]) == {"scheduler term", "scheduler exit", "cachemgr term",
+                                   "cachemgr exit"}
+        assert order[6:] == ["rankd term", "rankd exit"]
+    finally:
+        children.stop(timeout_s=1.0)
+
+
+def test_a_stage_that_ignores_sigterm_is_killed_at_its_share_of_the_bound(
+        tmp_path: Path) -> None:
+    """A gateway that ignores SIGTERM is SIGKILLed at half the bound (two stages), and the
+    rank daemons then still get their SIGTERM and stop gracefully."""
+    log = tmp_path / "order.log"
+    children = ChildSet(tmp_path, stop_timeout_s=20.0)
+    try:
+        children.start(_staged(log, "rankd", 2, 0.0))
+        children.start(_staged(log, "gateway", 0, -1.0))
+        wait_until(lambda: len(_lines(log)) == 2, "every child to be ready")
+        codes = children.stop(timeout_s=2.0)
+        assert codes == {"rankd": 0, "gateway": -9}
+        assert [ln for ln in _lines(log) if not ln.endswith("ready")] == [
+            "rankd term", "rankd exit"]
+    finally:
+        children.stop(timeout_s=1.0)

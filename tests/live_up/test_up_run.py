@@ -19,6 +19,7 @@ import pytest
 from live_up_support import REPO, alive, cli, kill_leftovers, run_cli, wait_until
 
 from vertumnus.live.report import REQUIRED_KEYS
+from vertumnus.live.stack import MAX_RESTARTS
 
 
 def run_up_40(tmp_path: Path, *extra: str) -> tuple[Any, dict[str, Any], Path]:
@@ -262,7 +263,55 @@ def test_up_restarts_a_service_that_dies_on_its_own(tmp_path: Path) -> None:
     assert data["exit_codes"]["rankd"] == 0, data["exit_codes"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_up_reports_a_service_that_stays_down_and_exits_1(tmp_path: Path) -> None:
+    """The cache manager is SIGKILLed from outside once more than ``up`` restarts a service
+    (MAX_RESTARTS): the last exit is said at once (stderr), listed in ``faults`` and in
+    ``services_down``, the replay goes on without it, and ``up`` exits 1 after its report.
+    Before, the service stayed down silently and ``up`` exited 0."""
+    out = tmp_path / "results.json"
+    logs = tmp_path / "logs"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as fh:
+        # ≈15 wall s of arrivals: the kills below take a few seconds.
+        proc = subprocess.Popen(
+            cli("up", "--max-requests", "40", "--duration", "60", "--time-scale", "0.25",
+                "--log-dir", str(logs), "--json", str(out), "--no-progress",
+                "--stop-timeout", "10"),
+            cwd=REPO, stdout=subprocess.PIPE, stderr=fh, text=True)
+    killed: list[int] = []
+    try:
+        wait_until(lambda: "healthy:" in err.read_text() or proc.poll() is not None,
+                   "the stack to become healthy")
+        assert proc.poll() is None, err.read_text()
+
+        def cachemgr() -> int:
+            return int(json.loads((logs / "pids.json").read_text())["cachemgr"])
+
+        for n in range(MAX_RESTARTS + 1):
+            if n:  # the restarted one
+                wait_until(lambda: cachemgr() != killed[-1], "the cache manager's restart")
+            killed.append(cachemgr())
+            os.kill(killed[-1], signal.SIGKILL)
+        stdout, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_leftovers(logs)
+    said = err.read_text()
+    assert proc.returncode == 1, stdout + said
+    assert f"cachemgr (pid {killed[-1]}) exited with status -9 after {MAX_RESTARTS} " \
+        "restarts" in said and "cachemgr exited for good during the run" in said
+    data = json.loads(out.read_text())
+    assert data["services_down"] == ["cachemgr"]
+    exits = [(f["pid"], f["status"]) for f in data["faults"]
+             if f["action"] == "exit" and f["service"] == "cachemgr"]
+    assert exits == [(pid, -9) for pid in killed]
+    assert data["requests"] == 40
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["sigint", "sigterm", "sighup"])
 def test_interrupt_leaves_no_child_processes(tmp_path: Path, sig: signal.Signals) -> None:
     logs = tmp_path / "logs"
     err = tmp_path / "stderr.txt"

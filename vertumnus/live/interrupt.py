@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM for a command that must report what it did (``up``, ``replay``).
+"""Ctrl-C, SIGTERM and SIGHUP for a command that must report what it did (``up``, ``replay``).
 
 The first signal cancels the command's main task; the command catches that, stops what it
 started and writes its report. Every later signal only says the command is already stopping:
@@ -17,7 +17,10 @@ import signal
 from collections.abc import Callable
 from typing import Final
 
-SIGNALS: Final = (signal.SIGINT, signal.SIGTERM)
+SIGNALS: Final = (signal.SIGINT, signal.SIGTERM,
+                  # A closed terminal (or ssh session): its default would end us at once,
+                  # leaving no report and the embedded server's store directory behind.
+                  *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
 
 class InterruptGuard:

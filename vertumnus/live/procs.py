@@ -3,13 +3,15 @@
 Rules this module enforces:
 
 * every child runs in its **own session** (``start_new_session``), so a Ctrl-C on the
-  terminal reaches only the orchestrator, which then stops the children in order (gateway
-  first, so no new work enters; rank daemons last, so running requests finish);
+  terminal reaches only the orchestrator, which then stops the children stage by stage
+  (:attr:`ChildSpec.stop_stage`; ``up`` gives the gateway stage 0, so no new work enters, the
+  control plane 1, the rank daemons 2, so running requests finish);
 * on Linux every child also asks the kernel for ``SIGTERM`` when its parent dies
   (``PR_SET_PDEATHSIG``), so even a SIGKILLed orchestrator leaves no orphan (the services also
   watch their parent themselves, ``VTM_PARENT_PID``: shared/stopping.py);
-* :meth:`ChildSet.stop` sends SIGTERM to each child's whole process group, waits up to a bound,
-  then SIGKILLs the group; it is idempotent and safe on children that already exited;
+* :meth:`ChildSet.stop` sends SIGTERM to each child's whole process group, a stage at a time
+  (the next once the last has exited), SIGKILLing a stage past its share of one bound; it is
+  idempotent and safe on children that already exited;
 * :meth:`ChildSet.kill` SIGKILLs one child's group (a crash, for fault injection) and takes it
   out of the set, so neither :meth:`~ChildSet.check` nor :meth:`~ChildSet.stop` reports it;
   :meth:`ChildSet.restart` starts the same spec again in the same place of the stop order;
@@ -62,17 +64,20 @@ class ChildFailed(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class ChildSpec:
-    """One process to run: ``argv`` with ``env`` added to the orchestrator's environment."""
+    """One process to run: ``argv`` with ``env`` added to the orchestrator's environment;
+    :meth:`ChildSet.stop` stops lower ``stop_stage`` first (equal stages together)."""
 
     name: str
     argv: Sequence[str]
     env: Mapping[str, str] = field(default_factory=dict)
+    stop_stage: int = 0
 
     @classmethod
     def module(cls, name: str, module: str, *args: str, env: Mapping[str, str] | None = None,
-               python: str | None = None) -> ChildSpec:
+               python: str | None = None, stop_stage: int = 0) -> ChildSpec:
         """``python -m module args`` with this interpreter (the venv's)."""
-        return cls(name, [python or sys.executable, "-m", module, *args], dict(env or {}))
+        return cls(name, [python or sys.executable, "-m", module, *args], dict(env or {}),
+                   stop_stage)
 
 
 @dataclass(eq=False)  # identity: two starts of one spec are two children
@@ -192,22 +197,32 @@ class ChildSet:
                 )
 
     def stop(self, timeout_s: float | None = None) -> dict[str, int | None]:
-        """SIGTERM every child's process group (last started first), wait, then SIGKILL.
+        """SIGTERM the children's process groups stage by stage (:attr:`ChildSpec.stop_stage`,
+        lowest first; within a stage, last started first, all at once) and wait for each
+        stage before the next. Stage k of n is SIGKILLed if still running at k/n of
+        ``timeout_s`` (default ``stop_timeout_s``), so the whole stop stays within it.
 
         Returns each child's exit status (negative = killed by that signal).
         """
         bound = self.stop_timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        stages = sorted({c.spec.stop_stage for c in self.children})
+        for k, stage in enumerate(stages, 1):
+            # Stage k must be done by k/n of the bound: a hung child costs the later stages
+            # (the rank daemons finishing their requests) no more than its share, and time a
+            # stage does not use passes on.
+            deadline = start + bound * k / len(stages)
+            members = [c for c in reversed(self.children) if c.spec.stop_stage == stage]
+            for c in members:
+                _signal_group(c.proc, signal.SIGTERM)
+            for c in members:
+                try:
+                    c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal_group(c.proc, signal.SIGKILL)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        c.proc.wait(timeout=5.0)
         for c in reversed(self.children):
-            _signal_group(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + bound
-        for c in reversed(self.children):
-            left = max(0.0, deadline - time.monotonic())
-            try:
-                c.proc.wait(timeout=left)
-            except subprocess.TimeoutExpired:
-                _signal_group(c.proc, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    c.proc.wait(timeout=5.0)
             # A child's own children (if any) share its group: reap stragglers too.
             _signal_group(c.proc, signal.SIGKILL, only_if_group_alive=True)
         return {c.name: c.proc.returncode for c in self.children}

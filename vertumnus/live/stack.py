@@ -78,6 +78,11 @@ WINDOW_S: Final[float] = 20.0
 DEFAULT_TIME_SCALE: Final[float] = 0.1
 MAX_RESTARTS: Final[int] = 3
 """Restarts of one service by ``up``'s supervision (:meth:`LiveStack.restart_exited`)."""
+STOP_STAGES: Final[Mapping[str, int]] = {
+    "gateway": 0, "scheduler": 1, "controller": 1, "cachemgr": 1, "rankd": 2}
+"""The order of a stop (ChildSet.stop, lowest first): the gateway, so no new work enters;
+then the control plane, so nothing reacts to workers going away (a controller failing them,
+a scheduler redirecting their requests); the rank daemons last, so running requests finish."""
 SUPERVISE_PERIOD_S: Final[float] = 0.5
 """How often ``up`` looks for exited children during the replay (wall seconds)."""
 MAX_SCHEDULERS: Final[int] = 8
@@ -542,6 +547,7 @@ class LiveStack:
         self.observer: Observer | None = None
         self._killed: dict[str, Child] = {}
         self._restarts: dict[str, int] = {}  # restart_exited's count per service
+        self._down: set[int] = set()  # pids exited_for_good reported
         self._killed_nats: int | None = None  # the port of a nats-server kill_child killed
         """Children killed by :meth:`kill_child`, by name, until :meth:`restart_child`."""
 
@@ -694,13 +700,15 @@ class LiveStack:
                 dropped = [d for d in dropped if d not in extra]
             if dropped:
                 self.ignored[name] = dropped
-            out.append((info, ChildSpec.module(name, info.module, env=env)))
+            stage = STOP_STAGES[name]
+            out.append((info, ChildSpec.module(name, info.module, env=env, stop_stage=stage)))
             if name == "scheduler":
                 for k in range(1, self.config.schedulers):
                     # Replicas differ by instance id only (logs, micro metadata, records).
                     replica = f"{name}-{k + 1}"
                     out.append((info, ChildSpec.module(
-                        replica, info.module, env={**env, "VTM_INSTANCE_ID": f"{name}-{k}"})))
+                        replica, info.module, env={**env, "VTM_INSTANCE_ID": f"{name}-{k}"},
+                        stop_stage=stage)))
         return out
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -900,6 +908,21 @@ class LiveStack:
             out.append((child.name, child.pid, status, new.pid))
         if out:
             self._write_pids()
+        return out
+
+    def exited_for_good(self) -> list[tuple[str, int, int | None]]:
+        """The children that exited after :data:`MAX_RESTARTS` restarts, each once: (service,
+        pid, exit status). :meth:`restart_exited` leaves them exited; the orchestrator reports
+        them as it goes (a replay goes on without them, and ``up`` then exits 1). Call it from
+        the event loop's thread, after :meth:`restart_exited`."""
+        out: list[tuple[str, int, int | None]] = []
+        for child in self.children.children:
+            status = child.proc.poll()
+            if status is None or child.pid in self._down or \
+                    self._restarts.get(child.name, 0) < MAX_RESTARTS:
+                continue
+            self._down.add(child.pid)
+            out.append((child.name, child.pid, status))
         return out
 
     def _write_pids(self) -> None:
@@ -1202,6 +1225,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     faults: list[FaultEvent] = []
     crashes: list[tuple[CrashPlan, asyncio.Task[None]]] = []
     supervisor: asyncio.Task[None] | None = None
+    down: list[str] = []  # services exited past MAX_RESTARTS
 
     def note(ev: FaultEvent) -> None:
         err.print(f"fault: {describe_faults([ev.as_dict()])}")
@@ -1216,6 +1240,16 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                        FaultEvent("restart", name, at, new)):
                 faults.append(ev)
                 note(ev)
+        for name, pid, status in stack.exited_for_good():
+            # Past MAX_RESTARTS: said at once, in the report's faults and its services_down.
+            ev = FaultEvent("exit", name, time.monotonic() - t0, pid, status)
+            faults.append(ev)
+            down.append(name)
+            child = next((c for c in stack.children.children if c.pid == pid), None)
+            tail = child.log_tail(1500) if child is not None else "(no log)"
+            err.print(f"[red]{name} (pid {pid}) exited with status {status} after "
+                      f"{MAX_RESTARTS} restarts: not started again; the run goes on without "
+                      f"it. Its log ends:\n{tail}")
 
     async def supervise(t0: float) -> None:
         while True:
@@ -1316,7 +1350,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
             "hardware": str(config.hardware) if config.hardware else None,
             "nats_config": str(config.nats_config) if config.nats_config else None,
             "kv_total_blocks": cache_blocks,
-            "exit_codes": codes, "log_dir": str(log_dir),
+            "exit_codes": codes, "log_dir": str(log_dir), "services_down": sorted(down),
             **(observer.summary_counts() if observer else {}),
             "scheduler_recovery": recovery,
             "scheduler_cache": sched_cache,
@@ -1330,9 +1364,10 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     elif interrupted:
         console.print(f"[yellow]interrupted: {summary['completed']} of {len(requests)} "
                       "requests finished")
+    if json_path is not None:  # first: after a SIGHUP the terminal may be gone
+        write_json(json_path, summary)
     report.render(console)
     if json_path is not None:
-        write_json(json_path, summary)
         err.print(f"results written to {json_path}")
     assert all(k in summary for k in REQUIRED_KEYS)
     # Only now: a Ctrl-C while the report is written must not lose it. (On an error the
