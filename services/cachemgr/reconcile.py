@@ -13,7 +13,8 @@ hold, so seeding the new workers' caches with ``PrefixTrie.held_nodes`` keeps th
 and the trie in step. Resident pages that are not part of a whole prefix are either *pending*
 (the worker will index them once their ancestors arrive; source hint: itself) or *donors*
 (resident copies kept only as sources for the sibling; released by
-``PrefixTrie.release_donors`` when the worker frees them).
+``PrefixTrie.release_donors`` when the worker frees them). Both are copy sources; a merge
+keeps both resident on the merged worker (a resident pending page stays pending there).
 
 Which blocks are valid on a new worker is decided by one pure function,
 :func:`reconciled_index`, over the predecessors' resident pages: the trie's reconciliation
@@ -261,8 +262,20 @@ def _whole(pages: Mapping[BlockHash, ResidentPage]) -> dict[BlockHash, ResidentP
     return out
 
 
+def _resident_pending(view: WorkerView) -> set[BlockHash]:
+    """``view``'s pending pages that sit on the worker itself (hint: the worker): a split
+    child's pages of its assigned prefixes waiting for their ancestors, a merged worker's
+    pages on another of its ranks. Resident like donors and outside the worker's index, but
+    not placed by the layout rule: a merged worker's may sit on the wrong rank, at the place
+    the child's layout gave it, which the trie does not record."""
+    w = view.worker
+    return {h for h, hint in view.pending.items() if hint == w}
+
+
 def _trie_pages(trie: PrefixTrie, view: WorkerView) -> dict[BlockHash, ResidentPage]:
-    """What the trie knows ``view``'s worker physically holds: its valid and donor blocks."""
+    """What the trie knows ``view``'s worker physically holds where the layout rule puts it:
+    its valid and donor blocks (its resident pending pages are left out, see
+    :func:`_resident_pending`)."""
     nodes = trie._nodes
     out: dict[BlockHash, ResidentPage] = {}
     for hs, indexed in ((view.valid, True), (view.donors, False)):
@@ -348,6 +361,8 @@ def reconcile_split(
 
     # --- plan (no mutation) ------------------------------------------------------------
     physical: dict[WorkerId, set[BlockHash]] = {left: set(), right: set()}
+    # NOTE: the parent's resident pending pages are given up: on a merged worker they may sit
+    # on either half, whatever their depth (_resident_pending).
     for h in pv.valid | pv.donors:
         physical[left if _on_left(nodes[h].depth, c) else right].add(h)
     # The valid index of each child: the shared rule (reconciled_index), which the rank host
@@ -452,9 +467,15 @@ def reconcile_merge(
     if len(_whole(on_rank)) > cap:
         # Donor pages are leftovers of an earlier split kept outside the children's LRU caches;
         # when the merged worker cannot index them all, the children's own cached pages win
-        # (reconciled_index) and the donors are given up: only the children's own pages stay
-        # resident (pending below when not valid).
+        # (reconciled_index) and the donors are given up, and so are the children's resident
+        # pending pages: only the children's own pages stay resident (pending below when not
+        # valid).
         resident = lv.valid | rv.valid
+    else:
+        # The children's resident pending pages are on the merged worker's GPUs, on some
+        # rank of it (_resident_pending): pending there, to index or to move between its own
+        # ranks, never valid at once.
+        resident |= _resident_pending(lv) | _resident_pending(rv)
     # Every other resident page is pending on the merged worker itself: it either sits on the
     # wrong rank or waits for an ancestor that does.
     pend: dict[BlockHash, WorkerId | None] = {h: parent for h in resident - valid}
@@ -735,18 +756,26 @@ def mark_reconciled(trie: PrefixTrie, worker: WorkerId,
 
 def _source(trie: PrefixTrie, view: WorkerView, n: TrieNode,
             gone: Container[WorkerId] = ()) -> WorkerId | None:
+    """Where ``view``'s pending page ``n`` is copied from: the worker itself when resident
+    there; the hinted worker while it holds the page; else the first (by id) worker holding
+    it. Held = valid, donor, or pending there and resident (a sibling's page of a prefix
+    assigned to it, waiting for its ancestors: the copy is on its GPUs all the same). None:
+    no copy left outside ``gone``."""
     hint = view.pending[n.hash]
     if hint == view.worker:
-        return hint  # merged worker: the page is resident, on another of its ranks
+        return hint  # resident here: to index, or to move between its own ranks
     h = n.hash
+
+    def holds(w: WorkerId, v: WorkerView) -> bool:
+        return not v.stale and (h in v.valid or h in v.donors or v.pending.get(h, 0) == w)
+
     if hint is not None and hint not in gone:
         hv = trie._workers.get(hint)
-        if hv is not None and not hv.stale and (h in hv.valid or h in hv.donors):
+        if hv is not None and holds(hint, hv):
             return hint
     best: WorkerId | None = None
     for w, v in trie._workers.items():
-        if w != view.worker and not v.stale and (h in v.valid or h in v.donors) \
-                and (best is None or w < best) and w not in gone:
+        if w != view.worker and (best is None or w < best) and w not in gone and holds(w, v):
             best = w
     return best
 

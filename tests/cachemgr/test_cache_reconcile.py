@@ -85,6 +85,65 @@ def test_pending_without_valid_copy_is_an_ordinary_miss() -> None:
     assert t.on_reuse(L, [10, 11, 12, 13]) == (Replicate(13, 2, "x", L, (13,), "reconcile"),)
 
 
+def shared_stem_split() -> PrefixTrie:
+    """Two retained prefixes over one stem split to different children: 10..15 (pages 0-5:
+    10, 11, 14, 15 on the left, 12, 13 on the right) to the left (heavier), 10..14, 16, 17,
+    18 to the right. Each child's pages of the stem are pending on it (their ancestors are
+    on the sibling) and needed by the sibling."""
+    t = PrefixTrie([2, 4], block_size=4)
+    t.add_worker(P, 4, 100)
+    t.apply(Stored(P, 1, None, (10, 11, 12, 13, 14, 15)))
+    t.apply(Stored(P, 2, 14, (16, 17, 18)))
+    plan = t.reconcile_split(P, (L, R), {L: 50, R: 50}, demand={15: 5.0, 18: 3.0})
+    assert plan.assignment == {15: L, 18: R}
+    assert t.pending_blocks(L) == {12, 13, 14, 15}
+    assert t.pending_blocks(R) == {10, 11, 12, 13, 14, 16, 17, 18}
+    return t
+
+
+def test_a_page_pending_on_the_sibling_but_resident_there_is_a_copy_source() -> None:
+    """12 and 13 sit on the right child, pending there (their ancestors 10, 11 are on the
+    left); 14 sits on the left, pending there. Each is copied from where it sits. Before, a
+    pending page was no source: the left child dropped 12 (no request reused the prefix
+    beyond 11) and the right child 14."""
+    t = shared_stem_split()
+    assert t.on_reuse(L, [10, 11, 12, 13, 14, 15]) == (
+        Replicate(13, 2, R, L, (12, 13), "reconcile"),
+        Replicate(15, 2, L, L, (14, 15), "reconcile"))
+    assert t.on_reuse(R, [10, 11, 12, 13, 14, 16, 17, 18]) == (
+        Replicate(16, 2, L, R, (10, 11, 14, 16), "reconcile"),
+        Replicate(18, 2, R, R, (12, 13, 17, 18), "reconcile"))
+    assert t.pending_blocks(L) == {12, 13, 14, 15}  # nothing dropped: all on their way
+    assert t.pending_blocks(R) == {10, 11, 12, 13, 14, 16, 17, 18}
+
+
+def test_a_merge_back_keeps_the_childrens_resident_pending_pages() -> None:
+    """Merged back before any reuse: every page of the two prefixes is on the merged worker,
+    pending on itself (indexed, or moved between its own ranks, at the first reuse). Before,
+    the children's pending pages were taken as gone: pending with no copy anywhere, dropped
+    at the first reuse and recomputed."""
+    t = shared_stem_split()
+    plan = t.reconcile_merge((L, R), P, 100)
+    assert plan.valid == {10, 11}
+    assert t._workers[P].pending == {h: P for h in (12, 13, 14, 15, 16, 17, 18)}
+    assert t.on_reuse(P, [10, 11, 12, 13, 14, 16, 17, 18]) == (
+        Replicate(18, 4, P, P, (12, 13, 14, 16, 17, 18), "reconcile"),)
+    assert t.pending_blocks(P) == {12, 13, 14, 15, 16, 17, 18}  # none dropped
+
+
+def test_a_split_of_a_merged_worker_gives_up_its_resident_pending_pages() -> None:
+    """A merged worker's page pending on itself may sit on either half, whatever its depth
+    (the left child's pages 2-3 stay on the left GPUs after a merge): a split cannot tell
+    which child holds it, so it is given up, not placed by the layout rule on a child that
+    never computed it (what the simulator's run without a cache manager checks:
+    tests/sim_engine/test_sim_cache.py)."""
+    t = merged_trie(L, R, P)
+    assert t._workers[P].pending == {12: P, 13: P}
+    plan = t.reconcile_split(P, (L, R), {L: 100, R: 100})
+    assert plan.valid == {L: {10, 11}, R: frozenset()}
+    assert t.donor_blocks(R) == frozenset() and t.pending_blocks(R) == frozenset()
+
+
 def test_pending_reach_is_what_on_reuse_would_bring_without_its_side_effects() -> None:
     t = split_setup()
     t.add_worker("x", 2, 100)
@@ -153,7 +212,10 @@ def test_merge_never_indexes_more_than_the_merged_capacity() -> None:
     assert {12, 13} <= plan.pending  # recomputed or copied on reuse, like any miss
     t2 = split_setup()
     t2.reconcile_split(P, (L, R), {L: 50, R: 50})
-    assert t2.reconcile_merge((L, R), P, 100).valid == {10, 11, 12, 13}  # room: all kept
+    plan2 = t2.reconcile_merge((L, R), P, 100)
+    assert plan2.valid == {10, 11, 12, 13}  # room: all kept
+    # ... and the left child's resident pending page 4 stays, pending on the merged worker.
+    assert plan2.pending == {14} and t2._workers[P].pending == {14: P}
 
 
 def test_split_never_indexes_more_than_a_childs_capacity() -> None:
