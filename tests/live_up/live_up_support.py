@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,3 +77,29 @@ def kill_leftovers(logs: Path) -> None:
             if name != "orchestrator" and alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def healthy_up(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], Path, Path]]:
+    """``vertumnus up args`` (results to ``tmp_path/results.json``, logs in ``tmp_path/logs``,
+    stderr to ``tmp_path/stderr.txt``) started and waited for until healthy -- the replay
+    starts right after it; yields (the process, its log dir, its stderr file). On the way
+    out, whatever is left of it is killed."""
+    logs = tmp_path / "logs"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as fh:
+        proc = subprocess.Popen(
+            cli("up", *args, "--log-dir", str(logs), "--json", str(tmp_path / "results.json"),
+                "--no-progress", "--stop-timeout", "10"),
+            cwd=REPO, stdout=subprocess.PIPE, stderr=fh, text=True)
+    try:
+        # "healthy:" is printed when every service (the controller last) is up.
+        wait_until(lambda: "healthy:" in err.read_text() or proc.poll() is not None,
+                   "the stack to become healthy")
+        assert proc.poll() is None, err.read_text()
+        yield proc, logs, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_leftovers(logs)

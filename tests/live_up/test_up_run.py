@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from live_up_support import REPO, alive, cli, kill_leftovers, run_cli, wait_until
+from live_up_support import REPO, alive, cli, healthy_up, kill_leftovers, run_cli, wait_until
 
 from vertumnus.live.report import REQUIRED_KEYS
 from vertumnus.live.stack import MAX_RESTARTS
@@ -229,31 +229,13 @@ def test_up_restarts_a_service_that_dies_on_its_own(tmp_path: Path) -> None:
     replay runs: ``up`` supervises its children as compose's ``restart: unless-stopped``
     would, so it starts the rank daemon again; every request completes and ``faults`` lists
     the exit (status -9) and the restart."""
-    out = tmp_path / "results.json"
-    logs = tmp_path / "logs"
-    err = tmp_path / "stderr.txt"
-    with open(err, "w") as fh:
-        proc = subprocess.Popen(
-            cli("up", "--max-requests", "40", "--duration", "60", "--time-scale", "0.05",
-                "--log-dir", str(logs), "--json", str(out), "--no-progress",
-                "--stop-timeout", "10"),
-            cwd=REPO, stdout=subprocess.PIPE, stderr=fh, text=True)
-    try:
-        # "healthy:" is printed when every service (the controller last) is up: the replay
-        # starts right after it.
-        wait_until(lambda: "healthy:" in err.read_text() or proc.poll() is not None,
-                   "the stack to become healthy")
-        assert proc.poll() is None, err.read_text()
+    with healthy_up(tmp_path, "--max-requests", "40", "--duration", "60", "--time-scale",
+                    "0.05") as (proc, logs, err):
         killed = json.loads((logs / "pids.json").read_text())["rankd"]
         os.kill(killed, signal.SIGKILL)
         stdout, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        kill_leftovers(logs)
     assert proc.returncode == 0, stdout + err.read_text()
-    data = json.loads(out.read_text())
+    data = json.loads((tmp_path / "results.json").read_text())
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     exited, restarted = data["faults"]
     assert (exited["action"], exited["service"], exited["pid"], exited["status"]) == (
@@ -268,21 +250,10 @@ def test_up_reports_a_service_that_stays_down_and_exits_1(tmp_path: Path) -> Non
     (MAX_RESTARTS): the last exit is said at once (stderr), listed in ``faults`` and in
     ``services_down``, the replay goes on without it, and ``up`` exits 1 after its report.
     Before, the service stayed down silently and ``up`` exited 0."""
-    out = tmp_path / "results.json"
-    logs = tmp_path / "logs"
-    err = tmp_path / "stderr.txt"
-    with open(err, "w") as fh:
-        # ≈15 wall s of arrivals: the kills below take a few seconds.
-        proc = subprocess.Popen(
-            cli("up", "--max-requests", "40", "--duration", "60", "--time-scale", "0.25",
-                "--log-dir", str(logs), "--json", str(out), "--no-progress",
-                "--stop-timeout", "10"),
-            cwd=REPO, stdout=subprocess.PIPE, stderr=fh, text=True)
     killed: list[int] = []
-    try:
-        wait_until(lambda: "healthy:" in err.read_text() or proc.poll() is not None,
-                   "the stack to become healthy")
-        assert proc.poll() is None, err.read_text()
+    # ≈15 wall s of arrivals: the kills below take a few seconds.
+    with healthy_up(tmp_path, "--max-requests", "40", "--duration", "60", "--time-scale",
+                    "0.25") as (proc, logs, err):
 
         def cachemgr() -> int:
             return int(json.loads((logs / "pids.json").read_text())["cachemgr"])
@@ -293,16 +264,11 @@ def test_up_reports_a_service_that_stays_down_and_exits_1(tmp_path: Path) -> Non
             killed.append(cachemgr())
             os.kill(killed[-1], signal.SIGKILL)
         stdout, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        kill_leftovers(logs)
     said = err.read_text()
     assert proc.returncode == 1, stdout + said
     assert f"cachemgr (pid {killed[-1]}) exited with status -9 after {MAX_RESTARTS} " \
         "restarts" in said and "cachemgr exited for good during the run" in said
-    data = json.loads(out.read_text())
+    data = json.loads((tmp_path / "results.json").read_text())
     assert data["services_down"] == ["cachemgr"]
     exits = [(f["pid"], f["status"]) for f in data["faults"]
              if f["action"] == "exit" and f["service"] == "cachemgr"]

@@ -5,17 +5,14 @@ server closes the connection, the failure the gateway's size check exists to avo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import nats
-import pytest
 
 from shared.natsserver import EmbeddedNats
 from shared.service import message_size
 
 WAIT_S = 30.0  # liveness bound only
-LIMIT = 1024
+LIMIT = 1024  # small_server's max_payload (conftest.py)
 HEADERS = {"Content-Type": "application/json", "Nats-Msg-Id": "req-7 "}
 
 
@@ -26,16 +23,6 @@ def test_the_headers_block_is_counted_as_nats_py_writes_it() -> None:
     # 20 (the value stripped) + "\r\n" 2 = 64
     assert message_size(b"abc", HEADERS) == 3 + 64
 
-
-@pytest.fixture(scope="module")
-def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    conf: Path = tmp_path_factory.mktemp("conf") / "small.conf"
-    conf.write_text(f"max_payload: {LIMIT}\n")
-    srv = EmbeddedNats(jetstream=False, extra_args=("-c", str(conf))).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 async def test_at_the_limit_a_message_passes_and_one_byte_over_the_server_cuts_it_off(

@@ -6,8 +6,7 @@ Plain replies pass through unchanged; errors, missing responders and bad parts a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
 import pytest
@@ -27,20 +26,10 @@ from shared.service import (
 )
 
 WAIT_S = 30.0  # liveness bound only
-LIMIT = 1024
+LIMIT = 1024  # small_server's max_payload (conftest.py)
 SUBJECT = "parts.check"
 JSON_HEADERS = {"Content-Type": "application/json"}
 
-
-@pytest.fixture(scope="module")
-def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    conf: Path = tmp_path_factory.mktemp("conf") / "small.conf"
-    conf.write_text(f"max_payload: {LIMIT}\n")
-    srv = EmbeddedNats(jetstream=False, extra_args=("-c", str(conf))).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
@@ -51,6 +40,7 @@ async def client(small_server: EmbeddedNats) -> AsyncIterator[Client]:
         errors.append(exc)
 
     nc = await nats.connect(small_server.url, allow_reconnect=False, error_cb=on_error)
+    assert nc.max_payload == LIMIT
     try:
         yield nc
         # No message of the exchange was over the limit: the server would have cut us off.
