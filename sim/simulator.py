@@ -156,6 +156,10 @@ class SimConfig:
             raise InvalidInput(f"pull_wait must be a bool, got {self.pull_wait!r}")
         if not isinstance(self.pending_credit, bool):
             raise InvalidInput(f"pending_credit must be a bool, got {self.pending_credit!r}")
+        if self.adaptive and self.worker_kind is not WorkerKind.CP:
+            # The controller splits and merges CP workers (§6); a TP pool is held fixed.
+            raise InvalidInput(f"adaptive needs CP workers; a {self.worker_kind.value} pool is "
+                               "held fixed")
 
 
 def pull_credit(config: SimConfig) -> PullCredit | None:

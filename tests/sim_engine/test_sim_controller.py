@@ -184,3 +184,15 @@ def test_the_controller_judges_kappa_per_window_of_its_own_length(profile) -> No
     assert profile.window_s == 20.0 and judged[10.0].window_s == 10.0
     for c in (2, 4):
         assert judged[10.0].kappa_for(c) == pytest.approx(judged[20.0].kappa_for(c) / 2)
+
+
+def test_an_adaptive_tp_pool_is_refused_up_front() -> None:
+    """The controller's plans name CP workers; a TP pool let adaptive failed at its first
+    split with a KeyError deep in the run. It is bad input now, named at construction."""
+    from shared.ids import InvalidInput
+    from shared.worker import WorkerKind
+    from sim.simulator import SimConfig
+
+    with pytest.raises(InvalidInput, match="adaptive needs CP workers"):
+        SimConfig(adaptive=True, worker_kind=WorkerKind.TP)
+    assert SimConfig(adaptive=False, worker_kind=WorkerKind.TP).worker_kind is WorkerKind.TP
