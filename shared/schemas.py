@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from shared.ids import InvalidInput
+from shared.ids import InvalidInput, tp_worker_name
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
 
 SCHEMA_VERSION: Final[int] = 1
@@ -331,20 +331,30 @@ class WorkerState(Message):
         return self
 
 
+MAX_WORKER_DEGREE: Final[int] = 1 << 12
+"""Most GPUs one worker of an epoch record may span: far beyond any lattice (§6 uses up to 8),
+and small enough that a record's checks stay cheap."""
+
+
 class EpochWorker(Message):
-    """One worker of a composition: its lattice group and lifecycle under this epoch."""
+    """One worker of a composition: its lattice group and lifecycle under this epoch. The id is
+    the group's (``w-cp{C}-g{first}``, ``w-tp{C}-g{first}`` for a TP worker): every reader --
+    a rank host choosing the workers in its range, a rank daemon taking its GPUs from its id
+    -- then agrees on the GPUs."""
 
     worker_id: Id
     kind: WorkerKind = WorkerKind.CP
     first_gpu: NonNegInt
-    degree: int = Field(ge=1)
+    degree: int = Field(ge=1, le=MAX_WORKER_DEGREE)
     lifecycle: Lifecycle
 
     @model_validator(mode="after")
     def _lattice(self) -> EpochWorker:
         group = GpuGroup(first_gpu=self.first_gpu, degree=self.degree)  # raises InvalidInput
-        if self.kind is WorkerKind.CP and self.worker_id != group.worker_id:
-            raise ValueError(f"worker id {self.worker_id!r} is not {group.worker_id!r}")
+        want = group.worker_id if self.kind is WorkerKind.CP else \
+            tp_worker_name(group.degree, group.first_gpu)
+        if self.worker_id != want:
+            raise ValueError(f"worker id {self.worker_id!r} is not {want!r}")
         return self
 
     @property
@@ -369,12 +379,12 @@ class EpochRecord(Message):
         ids = [w.worker_id for w in self.workers]
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate worker ids")
-        used: set[int] = set()
-        for w in self.workers:
-            gpus = set(w.group.gpus)
-            if gpus & used:
-                raise ValueError(f"worker {w.worker_id} overlaps another group")
-            used |= gpus
+        # Aligned power-of-two groups: sorted by first GPU, each must end before the next.
+        end, last = -1, ""
+        for w in sorted(self.workers, key=lambda w: (w.first_gpu, -w.degree)):
+            if w.first_gpu < end:
+                raise ValueError(f"worker {w.worker_id} overlaps another group ({last})")
+            end, last = w.first_gpu + w.degree, w.worker_id
         return self
 
 

@@ -229,7 +229,12 @@ class RankdHost:
     ) -> None:
         assert self._nc is not None
         settings = self.settings.model_copy(update={"worker_id": wid, "kind": kind, "epoch": epoch})
-        svc = RankdService(settings, self.backend_factory(wid, kind), on_fault=self._worker_fault)
+        backend = self.backend_factory(wid, kind)
+        try:
+            svc = RankdService(settings, backend, on_fault=self._worker_fault)
+        except BaseException:  # not built: nobody else would close its backend
+            await backend.close()
+            raise
         if seed is not None:
             # Before run(): nothing admitted, no cache event emitted yet.
             await self._seed(svc, seed, epoch)
@@ -331,6 +336,11 @@ class RankdHost:
                 except InvalidInput as exc:  # a worker this host cannot build: only it is lost
                     log.error("worker of the epoch record cannot start here", worker_id=wid,
                               epoch=record.epoch, error=str(exc))
+                except Exception:
+                    # Its last start failed too (the bus away through every attempt): only
+                    # this worker is lost; the record's other workers start all the same.
+                    log.exception("worker of the epoch record did not start", worker_id=wid,
+                                  epoch=record.epoch)
         self._changed.set()
 
     # -- main ---------------------------------------------------------------------------------
@@ -391,16 +401,20 @@ class RankdHost:
             if record is not None:
                 try:
                     await self._apply(record)
-                except Exception:
+                except Exception:  # never ends the follower: the next record is applied
                     log.exception("applying epoch failed", epoch=record.epoch)
 
     @staticmethod
     def _decode(payload: bytes) -> EpochRecord | None:
+        """The record, or None (logged) for one that does not decode, whatever the reason:
+        a follower that died of a record would apply none after it."""
         try:
             return decode(EpochRecord, payload)
         except SchemaError as exc:
             log.error("bad epoch record ignored", error=str(exc))
-            return None
+        except Exception:
+            log.exception("epoch record that could not be decoded ignored")
+        return None
 
     async def _stop_all(self) -> None:
         for svc in self.services.values():

@@ -609,6 +609,17 @@ class RankdService(MicroService):
         self._dirty.set()  # this worker's state at once (it may have gone with the store)
 
     async def setup(self, stack: AsyncExitStack) -> None:
+        try:
+            await self._setup(stack)
+        except BaseException:
+            # Its teardown, which closes the backend, is registered last: a setup that fails
+            # before it releases the backend here, so that a rank host starting the worker
+            # again does not leave one backend behind per attempt.
+            with contextlib.suppress(Exception):
+                await self.backend.close()
+            raise
+
+    async def _setup(self, stack: AsyncExitStack) -> None:
         await self.ensure_jetstream()
         epochs = self._epochs
         assert epochs is not None

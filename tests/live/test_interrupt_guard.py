@@ -19,7 +19,7 @@ async def _until(cond: object) -> None:
             await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("sig", SIGNALS, ids=["sigint", "sigterm"])
+@pytest.mark.parametrize("sig", SIGNALS, ids=[s.name.lower() for s in SIGNALS])
 async def test_the_first_signal_cancels_later_ones_only_say_so(sig: signal.Signals) -> None:
     notices: list[str] = []
     guard = InterruptGuard(lambda: notices.append("already stopping"))

@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from services.rankd.backend import SimBackend
-from services.rankd.host import RankdHost
+from services.rankd.host import START_ATTEMPTS, RankdHost
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput
 from shared.natsserver import EmbeddedNats
@@ -272,25 +272,22 @@ async def test_a_stop_while_the_server_is_down_ends_cleanly(uniq: str) -> None:
 async def test_a_worker_that_cannot_start_does_not_stop_the_others(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
-    """An epoch record naming a worker this host cannot build (here a TP worker whose id is
-    no lattice id: the record's schema allows it) costs that worker only: the record's other
-    workers start and serve, and the host keeps following the record."""
+    """An epoch record naming a worker this host cannot build (here its backend refuses it)
+    costs that worker only: the record's other workers start and serve, and the host keeps
+    following the record."""
     s = Subjects(uniq)
     settings = RankdSettings(
         nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2, drain_timeout_s=5
     )
-    host = RankdHost(settings, range(0, 2), lambda wid, kind: SimBackend(time_scale=1.0))
+
+    def backend(wid: str, kind: object) -> SimBackend:
+        if wid == "w-cp1-g0":
+            raise InvalidInput("this host cannot build w-cp1-g0")
+        return SimBackend(time_scale=1.0)
+
+    host = RankdHost(settings, range(0, 2), backend)
     epochs = await epoch_kv(nc.jetstream(), s)
-    odd = EpochRecord(
-        epoch=1,
-        workers=[
-            EpochWorker(worker_id="tp-odd", kind="tp", first_gpu=0, degree=1,
-                        lifecycle=Lifecycle.ACTIVE),
-            EpochWorker(worker_id="w-cp1-g1", first_gpu=1, degree=1, lifecycle=Lifecycle.ACTIVE),
-        ],
-        committed_at_s=time.time(),
-    )
-    await epochs.put(s.epoch_key(), to_json(odd))
+    await epochs.put(s.epoch_key(), record(1, "w-cp1-g0", "w-cp1-g1"))
     task = asyncio.create_task(host.run(handle_signals=False))
     try:
         await wait_for_workers(host, {"w-cp1-g1"})
@@ -356,3 +353,94 @@ async def test_a_worker_starting_while_the_server_restarts_starts_again(uniq: st
                    and e["worker_id"] == "w-cp1-g1" for e in logs), logs
     finally:
         await stop_after_restart(host, task, nc, again, server)
+
+
+class Closing(SimBackend):
+    """A SimBackend that says whether it was closed."""
+
+    def __init__(self, wid: str) -> None:
+        super().__init__(time_scale=1.0)
+        self.wid, self.closed = wid, False
+
+    async def close(self) -> None:
+        self.closed = True
+        await super().close()
+
+
+async def test_a_worker_whose_every_start_fails_costs_only_itself(
+    nats_server: EmbeddedNats, nc: Client, uniq: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One worker of a record whose every start fails on the bus (its JetStream set-up times
+    out through all START_ATTEMPTS, as while a restarted server recovers): the record's other
+    worker starts all the same, and every backend built for the failed starts is closed.
+    Before, the error left the record half applied (the other worker never started, the
+    record counted as applied) and each attempt left its backend open."""
+    import nats.errors
+
+    from services.rankd import service as rankd_service
+
+    real = rankd_service.RankdService.ensure_jetstream
+
+    async def flaky(self: rankd_service.RankdService) -> None:
+        if self.core.worker_id == "w-cp1-g0":
+            raise nats.errors.TimeoutError
+        await real(self)
+
+    monkeypatch.setattr(rankd_service.RankdService, "ensure_jetstream", flaky)
+    built: list[Closing] = []
+
+    def backend(wid: str, kind: object) -> Closing:
+        built.append(Closing(wid))
+        return built[-1]
+
+    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2,
+                             drain_timeout_s=5)
+    host = RankdHost(settings, range(0, 2), backend)
+    s = Subjects(uniq)
+    epochs = await epoch_kv(nc.jetstream(), s)
+    await epochs.put(s.epoch_key(), record(1, "w-cp1-g0", "w-cp1-g1"))
+    task = asyncio.create_task(host.run(handle_signals=False))
+    try:
+        await wait_for_workers(host, {"w-cp1-g1"})
+        failed = [b for b in built if b.wid == "w-cp1-g0"]
+        assert len(failed) == START_ATTEMPTS and all(b.closed for b in failed)
+        await epochs.put(s.epoch_key(), record(2, "w-cp2-g0"))  # still following
+        await wait_for_workers(host, {"w-cp2-g0"})
+    finally:
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+    assert all(b.closed for b in built)
+
+
+async def test_a_record_that_cannot_be_decoded_leaves_the_follower_following(
+    nats_server: EmbeddedNats, nc: Client, uniq: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding a record may fail with more than a SchemaError (before the schema's degree
+    bound, a degree of 2^40 was a MemoryError): the record is ignored and the next one is
+    applied. Before, the follower task died of it and the host applied no record again."""
+    from services.rankd import host as host_module
+
+    real = host_module.decode
+    bad = b'{"epoch": 1, "poison": true}'
+
+    def decode(target: object, payload: bytes, *args: object, **kw: object) -> object:
+        if payload == bad:
+            raise MemoryError
+        return real(target, payload, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(host_module, "decode", decode)
+    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2,
+                             drain_timeout_s=5)
+    host = RankdHost(settings, range(0, 2), lambda wid, kind: SimBackend(time_scale=1.0),
+                     initial=["w-cp2-g0"])
+    s = Subjects(uniq)
+    epochs = await epoch_kv(nc.jetstream(), s)
+    task = asyncio.create_task(host.run(handle_signals=False))
+    try:
+        await wait_for_workers(host, {"w-cp2-g0"})
+        await epochs.put(s.epoch_key(), bad)
+        await epochs.put(s.epoch_key(), record(2, "w-cp1-g0", "w-cp1-g1"))
+        await wait_for_workers(host, {"w-cp1-g0", "w-cp1-g1"})
+    finally:
+        host.request_stop()
+        await asyncio.wait_for(task, timeout=WAIT_S)

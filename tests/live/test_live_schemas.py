@@ -413,6 +413,38 @@ def test_epoch_record_rejects_overlap_and_misaligned_groups() -> None:
     }
     with pytest.raises(SchemaError, match="multiple"):
         from_json(EpochRecord, json.dumps(misaligned))
+    nested = {
+        **good,
+        "workers": [{"worker_id": "w-cp2-g2", "first_gpu": 2, "degree": 2, "lifecycle": "active"},
+                    {"worker_id": "w-cp8-g0", "first_gpu": 0, "degree": 8, "lifecycle": "active"}],
+    }
+    with pytest.raises(SchemaError, match="overlaps"):
+        from_json(EpochRecord, json.dumps(nested))
+
+
+def test_epoch_record_refuses_a_huge_degree_at_once() -> None:
+    """A degree of 2^40 passed the checks by building a set of 2^40 GPU ids (a MemoryError,
+    or the OOM killer, in every reader: a rank host's follower died of it for good). It is
+    bad input, named, before anything is built."""
+    huge = {"epoch": 1, "committed_at_s": 1.0, "workers": [
+        {"worker_id": f"w-cp{1 << 40}-g0", "first_gpu": 0, "degree": 1 << 40,
+         "lifecycle": "active"}]}
+    with pytest.raises(SchemaError) as err:
+        from_json(EpochRecord, json.dumps(huge))
+    assert "degree" in str(err.value)
+
+
+def test_a_tp_worker_s_id_must_name_its_group() -> None:
+    """A TP worker whose id names other GPUs than its group (``w-tp2-g2`` at first GPU 0): a
+    rank host chose it by the group, its rank daemon took the GPUs from the id, and two
+    workers served GPUs 2-3 while 0-1 went unacknowledged. Refused now, as for CP workers."""
+    bad = {"epoch": 1, "committed_at_s": 1.0, "workers": [
+        {"worker_id": "w-tp2-g2", "kind": "tp", "first_gpu": 0, "degree": 2,
+         "lifecycle": "active"}]}
+    with pytest.raises(SchemaError, match="is not 'w-tp2-g0'"):
+        from_json(EpochRecord, json.dumps(bad))
+    bad["workers"][0]["worker_id"] = "w-tp2-g0"
+    assert from_json(EpochRecord, json.dumps(bad)).workers[0].group.gpus == range(0, 2)
 
 
 def test_msgpack_rejections_are_typed() -> None:
