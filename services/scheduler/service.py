@@ -1098,7 +1098,8 @@ class SchedulerService(MicroService):
                          new=new.incarnation)
         if wid in self.trie.workers():
             self.trie.remove_worker(WorkerId(wid))
-            self._track_cache(new)
+            if new.degree in self.trie.degrees:  # as _rebuild_view registers workers
+                self._track_cache(new)
         self._unreachable.pop(wid, None)
         self._recover_lost()
 
@@ -1900,16 +1901,39 @@ class SchedulerService(MicroService):
             await self._settle(again, rid)
         self.log.warning("dispatch outcome unknown; record kept", request_id=rid,
                          worker=a.worker_id, error=repr(exc))
-        if self._deliveries(msg) >= self.ssettings.max_deliver and \
-                await self._worker_holds(a.worker_id, rid, req.arrival_s):
-            # No delivery is left to re-send it, but the worker has it queued or running:
-            # its first token will answer the client, so no error FirstToken goes out.
-            self.stats.unknown_held += 1
-            self.log.info("last delivery: the worker holds the request", request_id=rid,
-                          worker=a.worker_id)
-            await msg.ack()
-            return
-        await self._retry_or_fail(msg, req, f"worker {a.worker_id} did not answer: {exc!r}")
+        if self._deliveries(msg) >= self.ssettings.max_deliver:
+            if await self._worker_holds(a.worker_id, rid, req.arrival_s):
+                # No delivery is left to re-send it, but the worker has it queued or running:
+                # its first token will answer the client, so no error FirstToken goes out.
+                # In the ledger (and held), as a dispatch the worker acknowledged: should
+                # that worker be lost before it answers, the request is handed back.
+                self.stats.unknown_held += 1
+                self.log.info("last delivery: the worker holds the request", request_id=rid,
+                              worker=a.worker_id)
+                state = self._states.get(a.worker_id)
+                self.ledger.add(Sent(rid, a.worker_id, state.incarnation if state else "",
+                                     msg_id, seq, req, trace_carrier(msg.headers, req)))
+                await self._ack_or_hold(msg, rid, seq)
+                return
+        delay = None
+        if isinstance(exc, nats.errors.NoRespondersError):
+            # Nobody serves the worker's subjects: most likely it is gone, which its lease
+            # tells. Re-sent before then, every delivery would meet "no responders" and the
+            # last one answer the client with an error while other workers are free; once
+            # the lease is out, the next delivery hands the request back instead.
+            delay = self._until_lease_out(a.worker_id)
+        await self._retry_or_fail(msg, req, f"worker {a.worker_id} did not answer: {exc!r}",
+                                  delay=delay)
+
+    def _until_lease_out(self, worker_id: str) -> float:
+        """Seconds until ``worker_id``'s lease runs out (:meth:`worker_gone`), and a retry
+        delay more; at least the retry delay."""
+        retry = self.ssettings.retry_delay_s
+        state = self._states.get(worker_id)
+        if state is None:
+            return retry
+        left = self.ssettings.lease_s - (self.clock() - state.heartbeat_s)
+        return max(retry, left + retry)
 
     async def _worker_holds(self, worker_id: str, request_id: str, arrival_s: float) -> bool:
         """Whether the worker lists the request's attempt that arrived at ``arrival_s`` as
@@ -2427,13 +2451,15 @@ class SchedulerService(MicroService):
         except Exception:
             return 1
 
-    async def _retry_or_fail(self, msg: Msg, req: IntakeRequest, reason: str) -> None:
-        """NAK for another delivery after ``retry_delay_s``; on the last one (``max_deliver``)
-        answer the client with a ``not scheduled`` error instead (:meth:`_send_failure`)."""
+    async def _retry_or_fail(self, msg: Msg, req: IntakeRequest, reason: str, *,
+                             delay: float | None = None) -> None:
+        """NAK for another delivery after ``delay`` (default ``retry_delay_s``); on the last
+        one (``max_deliver``) answer the client with a ``not scheduled`` error instead
+        (:meth:`_send_failure`)."""
         if self._deliveries(msg) < self.ssettings.max_deliver:
             self.stats.retried += 1
             self.log.info("intake retry", request_id=req.request_id, reason=reason)
-            await msg.nak(delay=self.ssettings.retry_delay_s)
+            await msg.nak(delay=self.ssettings.retry_delay_s if delay is None else delay)
             return
         if await self._answered_already(msg, req, reason):
             return
