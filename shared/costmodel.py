@@ -28,7 +28,7 @@ from typing import Any, Final
 import numpy as np
 from scipy.optimize import nnls
 
-from shared.files import NotJson, parse_json, path_kind
+from shared.files import NotJson, parse_json, path_kind, write_text_atomic
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 
 PROFILE_SCHEMA_VERSION: Final[int] = 1
@@ -270,7 +270,7 @@ class Profile:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path, *, degrees: Iterable[int] | None = None) -> Profile:

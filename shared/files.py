@@ -9,9 +9,12 @@ written with them turns a user's unreadable path into a traceback. :func:`path_k
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import stat
+import tempfile
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +23,9 @@ from typing import Any, Literal
 from shared.ids import InvalidInput
 
 PathKind = Literal["missing", "dir", "file", "other"]
+
+_UMASK = os.umask(0)  # read once, at import (setting it is the only way to read it)
+os.umask(_UMASK)
 
 
 def path_kind(path: str | Path, what: str = "path") -> PathKind:
@@ -48,6 +54,24 @@ class NotJson(ValueError):
     def __init__(self, message: str, msg: str | None = None) -> None:
         super().__init__(message)
         self.msg = msg or message
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, then
+    renamed over it (``os.replace``, atomic on POSIX). A run interrupted while writing leaves
+    the old file (or none), never a truncated one that a later run would take for a damaged
+    input. Raises ``OSError`` as ``Path.write_text`` does; the temporary file is removed."""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # as write_text would create it (mkstemp: 0600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def parse_json(text: str | bytes) -> Any:

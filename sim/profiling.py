@@ -38,6 +38,7 @@ from typing import Any, Final
 import numpy as np
 
 from shared.costmodel import Profile, Sample, fit_profile, mape
+from shared.files import write_text_atomic
 from shared.ids import InvalidInput
 from sim.groundtruth import DEFAULT_GROUND_TRUTH, GroundTruth, Kind, NoisyGroundTruth
 from sim.hardware import ground_truth_to_mapping
@@ -558,21 +559,24 @@ def cached_trace_kappa(
     key = trace_kappa_key(profile, workload, degrees=degrees, seed=seed, ramp=ramp,
                           replay_arrivals=replay_arrivals, pool_gpus=pool_gpus)
     path = Path(cache_dir) / f"kappa_{key}.json"
+    damaged: str | None = None
     if path.is_file():
         try:
             report = json.loads(path.read_text())
             kappas = {int(c): float(k) for c, k in report["kappa"].items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise InvalidInput(f"{path} is not a kappa cache file: {exc}") from exc
-        report["cached"] = True
-        return replace(profile.with_kappa(kappas), window_s=ramp.window_s,
-                       kappa_pooled=True), report
+            # Ours (named by the inputs' key), not the user's: measured again and replaced.
+            damaged = f"{path.name} could not be read ({exc}); measured again"
+        else:
+            report["cached"] = True
+            return replace(profile.with_kappa(kappas), window_s=ramp.window_s,
+                           kappa_pooled=True), report
     prof, report = trace_kappa(profile, workload, degrees=degrees, seed=seed, ramp=ramp,
                                replay_arrivals=replay_arrivals, pool_gpus=pool_gpus)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {**report, "key": key}
-    path.write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
-    return prof, {**report, "cached": False}
+    write_text_atomic(path, json.dumps(report, indent=1, default=_json_default) + "\n")
+    return prof, {**report, "cached": False, **({"damaged_cache": damaged} if damaged else {})}
 
 
 # --- the whole command ---------------------------------------------------------------------

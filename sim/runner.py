@@ -21,12 +21,15 @@ Outputs in the run directory:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
+import os
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
@@ -35,7 +38,7 @@ from services.cachemgr.pull import PullConfig
 from services.controller.config_file import config_to_mapping
 from services.controller.planner import ControllerConfig
 from shared.costmodel import Profile
-from shared.files import CONFIG_SUFFIXES, NotJson, parse_json, path_kind
+from shared.files import CONFIG_SUFFIXES, NotJson, parse_json, path_kind, write_text_atomic
 from shared.ids import InvalidInput
 from sim import calibration
 from sim.comparison import COMPARISON_KEYS, compare_sizes, compare_with_baselines
@@ -598,7 +601,7 @@ def run_tune(
                       **({"controllers": {lab: config_to_mapping(c) for lab, c in controllers}}
                          if controllers else {"controller": config_to_mapping(spec.controller)}),
                       "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth)}
-    (out / "tune.json").write_text(json.dumps(_jsonable(result), indent=1) + "\n")
+    write_text_atomic(out / "tune.json", json.dumps(_jsonable(result), indent=1) + "\n")
     keys = list(ROW_KEYS)
     if controllers:
         keys.insert(keys.index("lam") + 1, "controller")
@@ -684,7 +687,7 @@ def run_size(
                  "profile": prof.to_dict(), "hardware": ground_truth_to_mapping(truth),
                  "wall_s": time.perf_counter() - t0},
     }
-    (out / "size.json").write_text(json.dumps(_jsonable(summary), indent=1) + "\n")
+    write_text_atomic(out / "size.json", json.dumps(_jsonable(summary), indent=1) + "\n")
     write_size_outputs(out, summary)
     return summary
 
@@ -875,8 +878,8 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], meta: Mapping[str, Any]
     returns the comparison with the strongest baseline (``comparison``, when the caller has
     computed it from these rows already, else :func:`compare_with_baselines` of them), which
     :func:`print_table` shows when the summary carries it."""
-    (out / "results.json").write_text(json.dumps(_jsonable(rows), indent=1) + "\n")
-    (out / "meta.json").write_text(json.dumps(_jsonable(meta), indent=1) + "\n")
+    write_text_atomic(out / "results.json", json.dumps(_jsonable(rows), indent=1) + "\n")
+    write_text_atomic(out / "meta.json", json.dumps(_jsonable(meta), indent=1) + "\n")
     with (out / "results.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(RESULT_KEYS), extrasaction="ignore")
         w.writeheader()
@@ -955,6 +958,8 @@ def plot(out: Path, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) 
         fig.tight_layout()
         fig.savefig(out / "composition.png", dpi=110)
         plt.close(fig)
+    else:  # no adaptive run here: an earlier run's plot in the same --out would pass for ours
+        (out / "composition.png").unlink(missing_ok=True)
 
 
 def _spread(rows: Sequence[Mapping[str, Any]], key: str, scale: float
@@ -1021,6 +1026,11 @@ def _check_rows(rows: Any, path: Path) -> list[dict[str, Any]]:
             if not (_is_number(v) or (v is None and k not in ("rate_scale", "request_rate"))):
                 raise InvalidInput(f"{path}: row {i} ({r['policy']}): {k} is {v!r}, "
                                    "not a number")
+        runs = r.get("runs")  # --repeats: each seed's figures (the plots' error bars)
+        if runs is not None and not (isinstance(runs, list)
+                                     and all(isinstance(x, dict) for x in runs)):
+            raise InvalidInput(f"{path}: row {i} ({r['policy']}): runs is {runs!r}, not a "
+                               "list of each seed's figures")
     return rows
 
 
@@ -1067,8 +1077,10 @@ def redraw(directory: Path) -> dict[str, Any]:
                 # The table first (it writes nothing): what `report` prints must be there
                 # before the CSV and plot are written (a point without mean_ttft_s, say).
                 print_size_table(summary, file=io.StringIO())
-                write_size_outputs(d, summary)
-            except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+                with _all_or_nothing(d) as staged:
+                    write_size_outputs(staged, summary)
+            except (KeyError, TypeError, AttributeError, ValueError, IndexError,
+                    OverflowError) as exc:
                 raise InvalidInput(f"{size_path} is not a size summary: {exc!r}") from exc
             return {**summary, "kind": "size"}
         if not results.exists():
@@ -1086,13 +1098,31 @@ def redraw(directory: Path) -> dict[str, Any]:
                 raise InvalidInput(f"{meta_path}: phase_mean_ttft_s / phase_bounds are not "
                                    f"a reconfiguration run's: {exc!r}") from exc
         try:
-            write_outputs(d, rows, meta, comparison)
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            with _all_or_nothing(d) as staged:
+                write_outputs(staged, rows, meta, comparison)
+        except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
             # The rows are checked above: what is left to fail is meta.json's content.
             raise InvalidInput(f"{meta_path} is not a simulate run's meta: {exc!r}") from exc
     except OSError as exc:
         raise InvalidInput(f"cannot write the report into {d}: {exc.strerror or exc}") from exc
     return {"rows": rows, "meta": meta, "comparison": comparison}
+
+
+@contextlib.contextmanager
+def _all_or_nothing(directory: Path) -> Iterator[Path]:
+    """A scratch directory inside ``directory`` to write a report into; once the block ends
+    without an error its files replace ``directory``'s (each by a rename), else nothing of
+    ``directory`` changed. `report` redraws from the run's own files, so a failure half-way
+    must not leave them half rewritten (a size.csv cut to its header, plots of another run)."""
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".report-") as tmp:
+        staged = Path(tmp)
+        yield staged
+        for f in sorted(staged.rglob("*")):
+            target = directory / f.relative_to(staged)
+            if f.is_dir():
+                target.mkdir(exist_ok=True)
+            else:
+                os.replace(f, target)
 
 
 def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
@@ -1106,6 +1136,8 @@ def _count(v: Any) -> str:
     3.3333333333333335); '-' for null."""
     if v is None:
         return "-"
+    if isinstance(v, int):  # exact, however large (float() would overflow past 1e308)
+        return str(v)
     return str(int(v)) if float(v).is_integer() else f"{v:.2f}"
 
 

@@ -7,12 +7,15 @@ file or directory it writes.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import typer
+
+from shared.ids import InvalidInput
 
 if TYPE_CHECKING:
     from shared.slo import SloTable
@@ -160,6 +163,30 @@ def output_dir(path: Path, name: str = "out") -> Path:
     if why is not None:
         fail(f"--{name} {p}: {why}")
     return p
+
+
+@contextlib.contextmanager
+def writing_into(path: Path, name: str = "out") -> Iterator[Path]:
+    """:func:`output_dir` for the run in the block, which writes there. Bad input the run
+    finds before writing (a trace that does not parse, say: raised as InvalidInput) takes
+    the directory away again when the check created it and it is still empty, so that a
+    refused run leaves nothing behind. A write that fails once the work is done (a path
+    taken by a directory, a full disk) exits 1 naming the file, instead of a traceback."""
+    p = Path(path)
+    made = _kind(p) == "missing"
+    output_dir(p, name)
+    try:
+        yield p
+    except InvalidInput:
+        if made:
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only when empty
+        raise
+    except OSError as exc:
+        # A rename's target is its second file name (shared/files.py write_text_atomic).
+        name_ = exc.filename2 or exc.filename
+        where = f" {name_}" if name_ else ""
+        fail(f"--{name} {p}: cannot write{where}: {exc.strerror or exc}", 1)
 
 
 def output_file(path: Path, name: str) -> Path:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import runpy
 import sys
 import uuid
@@ -373,6 +374,11 @@ def register(app: typer.Typer) -> None:
             asyncio.run(run_tap(nats_url, subject, count=count, timeout_s=timeout,
                                 show_trace=show_trace, out=out))
         except KeyboardInterrupt:
+            raise typer.Exit(0) from None
+        except BrokenPipeError:
+            # The reader went away (tap | head): done, quietly. Its output goes to /dev/null
+            # from here, so that the interpreter's last flush cannot complain either.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(0) from None
         except OSError as exc:
             _fail(f"cannot reach NATS at {nats_url}: {exc}", 1)

@@ -21,9 +21,9 @@ from vertumnus.cliargs import (
     degrees_option,
     input_file,
     j_weight,
-    output_dir,
     profile_file,
     slo_table,
+    writing_into,
 )
 from vertumnus.cliargs import fail as _fail
 
@@ -337,19 +337,19 @@ def register(app: typer.Typer) -> None:
                 truth = _truth(hardware)
                 wl = load_trace(workload, format, seed=seed, rate=rate or None,
                                 max_requests=None)
-                output_dir(out)
-                path = profile_command(out, backend="sim", degrees=degs, seed=seed,
-                                       kappa_workload=wl, per_degree=per_degree,
-                                       truth=truth, slo=table, pool_gpus=pool_gpus or None,
-                                       kappa_repeats=kappa_repeats or KAPPA_REPEATS,
-                                       kappa_degrees=kdegs)
+                with writing_into(out):
+                    path = profile_command(out, backend="sim", degrees=degs, seed=seed,
+                                           kappa_workload=wl, per_degree=per_degree,
+                                           truth=truth, slo=table, pool_gpus=pool_gpus or None,
+                                           kappa_repeats=kappa_repeats or KAPPA_REPEATS,
+                                           kappa_degrees=kdegs)
             else:
                 try:
                     from services.rankd.engine.profiling import torch_profile_command
                 except ModuleNotFoundError as exc:
                     _fail(f"the torch backend needs the 'engine' extra ({exc.name} missing)")
-                output_dir(out)
-                path = torch_profile_command(out, degrees=degs, seed=seed)
+                with writing_into(out):
+                    path = torch_profile_command(out, degrees=degs, seed=seed)
         except InvalidInput as exc:
             _fail(str(exc))
         report = json.loads((Path(out) / "profile_report.json").read_text()) if (
@@ -558,18 +558,18 @@ def register(app: typer.Typer) -> None:
         try:
             truth = _truth(hardware)
             ctl = _controller(controller)
-            output_dir(out)
-            if preset is not None:
-                summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
-                                            policies=chosen, jobs=jobs, truth=truth,
-                                            per_degree=per_degree, repeats=repeats,
-                                            warmup_s=warmup, slo=table, controller=ctl,
-                                            request_log=requests,
-                                            pending_credit=pending_credit, **preset_args)
-            else:
-                summary = runner.run_simulate(**args, truth=truth, progress=True,
-                                              controller=ctl, request_log=requests,
-                                              pending_credit=pending_credit)
+            with writing_into(out):
+                if preset is not None:
+                    summary = runner.run_preset(preset, out=out, seed=seed, progress=True,
+                                                policies=chosen, jobs=jobs, truth=truth,
+                                                per_degree=per_degree, repeats=repeats,
+                                                warmup_s=warmup, slo=table, controller=ctl,
+                                                request_log=requests,
+                                                pending_credit=pending_credit, **preset_args)
+                else:
+                    summary = runner.run_simulate(**args, truth=truth, progress=True,
+                                                  controller=ctl, request_log=requests,
+                                                  pending_credit=pending_credit)
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_table(summary, file=sys.stdout)
@@ -644,8 +644,8 @@ def register(app: typer.Typer) -> None:
                 axis = {"controllers": [(f, c or CONTROLLER) for f, c in settings]}
             else:
                 axis = {"controller": settings[0][1] if settings else None}
-            output_dir(out)
-            result = runner.run_tune(**args, truth=truth, progress=True, **axis)
+            with writing_into(out):
+                result = runner.run_tune(**args, truth=truth, progress=True, **axis)
         except InvalidInput as exc:
             _fail(str(exc))
         scales = result["meta"]["rate_scales"]
@@ -732,8 +732,8 @@ def register(app: typer.Typer) -> None:
         try:
             truth = _truth(hardware)
             ctl = _controller(controller)
-            output_dir(out)
-            summary = runner.run_size(**args, truth=truth, progress=True, controller=ctl)
+            with writing_into(out):
+                summary = runner.run_size(**args, truth=truth, progress=True, controller=ctl)
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_size_table(summary, file=sys.stdout)

@@ -60,6 +60,38 @@ def test_an_out_that_is_a_file_or_cannot_be_made_is_refused(
     _refused(res, f"--out {under}: cannot be created")
 
 
+def test_a_run_refused_by_its_trace_leaves_no_out_directory(runner: CliRunner,
+                                                            tmp_path: Path) -> None:
+    """The trace is read once the run starts, after --out was checked (and made): a trace
+    refused then took the directory along. Before, an empty --out was left behind."""
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    out = tmp_path / "new" / "out"
+    res = runner.invoke(app, ["simulate", "--trace", str(empty), "--format", "azure",
+                              "--policies", "vertumnus", "--out", str(out)])
+    _refused(res)
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    res = runner.invoke(app, ["simulate", "--trace", str(empty), "--format", "azure",
+                              "--policies", "vertumnus", "--out", str(kept)])
+    _refused(res)
+    assert kept.is_dir()  # the user's own directory stays
+
+
+def test_an_output_file_taken_by_a_directory_is_one_error_line(runner: CliRunner,
+                                                                tmp_path: Path) -> None:
+    """The run is done, but results.json cannot be written (a directory of that name): exit
+    1 with one line naming the file. Before, a traceback (IsADirectoryError)."""
+    out = tmp_path / "o"
+    (out / "results.json").mkdir(parents=True)
+    res = runner.invoke(app, [*SIM, "--out", str(out)])
+    assert res.exit_code == 1, res.output
+    assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output
+    text = " ".join(res.output.split())
+    assert f"error: --out {out}: cannot write {out / 'results.json'}: Is a directory" in text
+
+
 def test_output_helpers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     made = output_dir(tmp_path / "a" / "b")
     assert made.is_dir()
@@ -192,6 +224,63 @@ def test_report_names_meta_json_when_it_is_the_broken_one(runner: CliRunner,
         (tmp_path / "meta.json").write_text(meta)
         text = _refused(runner.invoke(app, ["report", str(tmp_path)]), "meta.json")
         assert "results.json" not in text
+
+
+def _mark_outputs(d: Path, inputs: tuple[str, ...]) -> dict[str, bytes]:
+    """Overwrite every file `report` writes in ``d`` with a mark of its own; the marks."""
+    marks = {}
+    for f in d.iterdir():
+        if f.is_file() and f.name not in inputs:
+            marks[f.name] = f"mark of {f.name}".encode()
+            f.write_bytes(marks[f.name])
+    return marks
+
+
+def test_a_refused_report_changes_none_of_the_run_s_files(runner: CliRunner,
+                                                          tmp_path: Path) -> None:
+    """`report` redraws from the run's own files: one it refuses half-way leaves every file
+    as it was. Before, a bad point of size.json (one the table does not show) cut size.csv
+    to its header, and a bad meta.json left results.json, the CSVs and the plots rewritten."""
+    size = tmp_path / "size"
+    size.mkdir()
+    meta = {"target": 0.9, "workload": "x", "rate_scale": 1, "sizes": [8, 16]}
+    point = {"gpus": 8, "slo_attainment": 0.95, "mean_ttft_s": 0.5}
+    good = {"meta": meta, "policies": [{"policy": "static", "gpus": 8, "points": [
+        point, {**point, "gpus": 16}]}]}
+    (size / "size.json").write_text(json.dumps(good))
+    assert runner.invoke(app, ["report", str(size)]).exit_code == 0
+    marks = _mark_outputs(size, ("size.json",))
+    assert "size.csv" in marks
+    bad = {**good, "policies": [{"policy": "static", "gpus": 8, "points": [
+        point, {**point, "gpus": 16, "slo_attainment": "x"}]}]}
+    (size / "size.json").write_text(json.dumps(bad))
+    _refused(runner.invoke(app, ["report", str(size)]), "size.json is not a size summary")
+    assert {f.name: f.read_bytes() for f in size.iterdir() if f.name != "size.json"} == marks
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps([_row()]))
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    marks = _mark_outputs(run, ("results.json", "meta.json"))
+    assert "results.csv" in marks and "ttft_mean.png" in marks
+    (run / "meta.json").write_text(json.dumps({"timelines": {"1": [[0, {"x": 1}]]}}))
+    _refused(runner.invoke(app, ["report", str(run)]), "meta.json")
+    assert {f.name: f.read_bytes() for f in run.iterdir()
+            if f.name not in ("results.json", "meta.json")} == marks  # no scratch left either
+
+
+def test_report_names_results_json_for_a_bad_runs_list_and_takes_huge_counts(
+        runner: CliRunner, tmp_path: Path) -> None:
+    """A row whose ``runs`` (--repeats) is no list of figures is results.json's fault (it was
+    blamed on meta.json); a count too large for a float is shown as the integer it is (it was
+    an OverflowError traceback)."""
+    (tmp_path / "results.json").write_text(json.dumps([{**_row(), "runs": 5}]))
+    text = _refused(runner.invoke(app, ["report", str(tmp_path)]), "results.json", "runs")
+    assert "meta.json" not in text
+    (tmp_path / "results.json").write_text(
+        json.dumps([_row()]).replace('"reconfigurations": 0', '"reconfigurations": 1' + "0" * 400))
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
 
 
 def test_report_draws_rows_with_a_figure_a_run_could_not_give(runner: CliRunner,
@@ -644,3 +733,16 @@ def test_report_of_an_ablation_compares_the_full_manager_uncut(runner: CliRunner
     assert table.count("no_replication") == 3 and "-29.9%" in table and "-13.1%" in table
     (comp,) = json.loads((tmp_path / "comparison.json").read_text())
     assert (comp["subject"], comp["strongest_baseline"]) == ("full", "no_replication")
+
+
+def test_a_run_without_a_composition_leaves_no_earlier_composition_plot(
+        runner: CliRunner, tmp_path: Path) -> None:
+    """A run of fixed pools into an --out an adaptive run used before: that run's
+    composition.png would pass for this one's. It is removed."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "composition.png").write_bytes(b"an earlier run's plot")
+    res = runner.invoke(app, ["simulate", "--gpus", "8", "--policies", "static",
+                              "--max-requests", "30", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert not (out / "composition.png").exists() and (out / "ttft_mean.png").exists()

@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from services.scheduler.service import SchedulerService, SchedulerSettings
 from shared.schemas import Assignment, AssignmentAck, FirstToken, IntakeRequest, decode, encode
 from shared.subjects import Subjects
+from shared.tasks import cancel_and_wait
 
 W1, W2 = "w-cp2-g0", "w-cp2-g2"
 
@@ -47,9 +48,7 @@ async def heartbeats(workers: list[FakeWorker]) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait([task])
 
 
 async def answers(nc: Client, uniq: str, rid: str) -> list[FirstToken]:

@@ -80,3 +80,32 @@ def test_the_cli_names_the_unreachable_server() -> None:
     assert proc.returncode == 1
     assert "cannot reach NATS at nats://127.0.0.1:9" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+async def test_a_reader_that_goes_away_ends_the_tap_quietly(nats_server: EmbeddedNats) -> None:
+    """``tap | head -1``: once nobody reads its output, tap stops (exit 0, nothing on
+    stderr). Before, the broken pipe was reported as "cannot reach NATS" (status 1), or --
+    with the reader gone after the first line -- tap went on for ever printing one
+    BrokenPipeError per message on stderr."""
+    proc = subprocess.Popen(
+        cli("tap", "tapq.>", "--nats", nats_server.url, "--timeout", "120"),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # "# listening on ...": subscribed
+    proc.stdout.close()  # the reader goes away
+    nc = await nats.connect(nats_server.url)
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                break
+            await nc.publish("tapq.x", b'{"a": 1}', headers={CONTENT_TYPE: JSON})
+            await asyncio.sleep(0.1)
+    finally:
+        await nc.drain()
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read() if proc.stderr else ""
+    proc.wait(timeout=30)
+    assert first.startswith("# listening on")
+    assert proc.returncode == 0, err
+    assert "cannot reach" not in err and "BrokenPipe" not in err and "Traceback" not in err

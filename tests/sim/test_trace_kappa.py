@@ -182,9 +182,14 @@ def test_cached_trace_kappa_reuses_its_file(tmp_path: Path) -> None:
                                                               4000 + i))
                                      for i, r in enumerate(wl.requests)))
     assert key != trace_kappa_key(DEFAULT_PROFILE, fresh, degrees=(2,), seed=0, ramp=ramp)
+    # A damaged file (what a write cut short used to leave: the file is written atomically
+    # now) is the cache's own: measured again and replaced. Before, every later run into the
+    # same --out failed on it, naming a file the user never gave.
     files[0].write_text("{not json")
-    with pytest.raises(InvalidInput, match="kappa cache"):
-        cached_trace_kappa(DEFAULT_PROFILE, wl, tmp_path, degrees=(2,), ramp=ramp)
+    third, rep3 = cached_trace_kappa(DEFAULT_PROFILE, wl, tmp_path, degrees=(2,), ramp=ramp)
+    assert third == first and rep3["cached"] is False and "measured again" in rep3["damaged_cache"]
+    assert json.loads(files[0].read_text())["key"] == key
+    assert [p.name for p in tmp_path.iterdir()] == [files[0].name]  # no temporary file left
 
 
 def test_simulate_without_a_profile_measures_kappa_on_the_trace(tmp_path: Path) -> None:

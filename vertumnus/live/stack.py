@@ -47,6 +47,7 @@ import nats
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from shared.files import write_text_atomic
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, tp_worker_name
 from shared.logging import quiet_ssl_eof_warning
 from shared.natsauth import env_security_options
@@ -1055,7 +1056,7 @@ def _finite(obj: Any) -> Any:
 def write_json(path: Path, summary: Mapping[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(dict(summary)), indent=2, sort_keys=True) + "\n")
+    write_text_atomic(path, json.dumps(_finite(dict(summary)), indent=2, sort_keys=True) + "\n")
 
 
 async def replay_with_progress(url: str, requests: Sequence[Any], time_scale: float,

@@ -134,18 +134,25 @@ async def tap(url: str, subject: str, *, count: int | None = None,
               connect_timeout_s: float = 5.0) -> int:
     """Subscribe and print until ``count`` messages, ``timeout_s`` or cancellation.
 
-    Returns the number of messages printed.
+    Returns the number of messages printed. Raises ``BrokenPipeError`` once ``out`` does
+    (the reader went away: ``tap | head``); the subscription ends then, not at its count.
     """
     nc = await connect_cli(url, "vertumnus-tap", timeout_s=connect_timeout_s)
     seen = 0
     done = asyncio.Event()
+    closed: list[BrokenPipeError] = []
 
     async def on_msg(msg: Msg) -> None:
         nonlocal seen
-        if count is not None and seen >= count:
+        if (count is not None and seen >= count) or closed:
             return
         seen += 1
-        out(format_message(msg, show_trace=show_trace))
+        try:
+            out(format_message(msg, show_trace=show_trace))
+        except BrokenPipeError as exc:  # nobody reads any more: nothing left to do
+            closed.append(exc)
+            done.set()
+            return
         if count is not None and seen >= count:
             done.set()
 
@@ -159,6 +166,8 @@ async def tap(url: str, subject: str, *, count: int | None = None,
     finally:
         with contextlib.suppress(Exception):
             await nc.drain()
+    if closed:
+        raise closed[0]
     return seen
 
 
