@@ -126,7 +126,8 @@ class ExperimentSpec:
 def check_warmup_s(w: object) -> None:
     """A warm-up is a finite number of seconds >= 0 (else :class:`InvalidInput`)."""
     if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
-        raise InvalidInput(f"warm-up must be a finite number of seconds >= 0, got {w!r}")
+        raise InvalidInput(f"the warm-up (--warmup, warmup_s) must be a finite number of "
+                           f"seconds >= 0, got {w!r}")
 
 
 # --- compositions -----------------------------------------------------------------------------

@@ -1026,6 +1026,9 @@ def _check_rows(rows: Any, path: Path) -> list[dict[str, Any]]:
             if not (_is_number(v) or (v is None and k not in ("rate_scale", "request_rate"))):
                 raise InvalidInput(f"{path}: row {i} ({r['policy']}): {k} is {v!r}, "
                                    "not a number")
+        if not r["rate_scale"] > 0 or not math.isfinite(r["rate_scale"]):
+            raise InvalidInput(f"{path}: row {i} ({r['policy']}): rate_scale is "
+                               f"{r['rate_scale']!r}, not a rate multiplier > 0")
         runs = r.get("runs")  # --repeats: each seed's figures (the plots' error bars)
         if runs is not None and not (isinstance(runs, list)
                                      and all(isinstance(x, dict) for x in runs)):

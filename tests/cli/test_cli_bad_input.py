@@ -277,6 +277,9 @@ def test_report_names_results_json_for_a_bad_runs_list_and_takes_huge_counts(
     (tmp_path / "results.json").write_text(json.dumps([{**_row(), "runs": 5}]))
     text = _refused(runner.invoke(app, ["report", str(tmp_path)]), "results.json", "runs")
     assert "meta.json" not in text
+    (tmp_path / "results.json").write_text(json.dumps([_row(rate_scale=-2.0)]))
+    _refused(runner.invoke(app, ["report", str(tmp_path)]), "results.json",
+             "rate_scale is -2.0, not a rate multiplier > 0")
     (tmp_path / "results.json").write_text(
         json.dumps([_row()]).replace('"reconfigurations": 0', '"reconfigurations": 1' + "0" * 400))
     res = runner.invoke(app, ["report", str(tmp_path)])

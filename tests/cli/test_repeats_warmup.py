@@ -185,7 +185,7 @@ def test_cli_repeats_and_warmup(runner_cli, tmp_path: Path, profile_file: Path) 
                                   "--out", str(tmp_path / "p")])
     assert bad.exit_code == 2 and "--repeats" in bad.output
     neg = runner_cli.invoke(app, ["simulate", "--warmup", "-1", "--out", str(tmp_path / "n")])
-    assert neg.exit_code == 2 and "warm-up" in neg.output
+    assert neg.exit_code == 2 and "warm-up (--warmup" in " ".join(neg.output.split())
 
 
 @pytest.fixture
