@@ -14,8 +14,8 @@ import json
 import math
 import os
 import stat
-import tempfile
 import tomllib
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -23,9 +23,6 @@ from typing import Any, Literal
 from shared.ids import InvalidInput
 
 PathKind = Literal["missing", "dir", "file", "other"]
-
-_UMASK = os.umask(0)  # read once, at import (setting it is the only way to read it)
-os.umask(_UMASK)
 
 
 def path_kind(path: str | Path, what: str = "path") -> PathKind:
@@ -62,9 +59,10 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     the old file (or none), never a truncated one that a later run would take for a damaged
     input. Raises ``OSError`` as ``Path.write_text`` does; the temporary file is removed."""
     p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    tmp = p.parent / f".{p.name}.{uuid.uuid4().hex[:12]}.tmp"
+    # Mode 0666 less the umask, as write_text creates a file (mkstemp's would be 0600).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # as write_text would create it (mkstemp: 0600)
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
         os.replace(tmp, p)
