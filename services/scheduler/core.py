@@ -34,8 +34,9 @@ it raises.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from services.scheduler.decision import Decision
 from services.scheduler.eligibility import longest_max_seq_len, sequence_too_long
@@ -44,6 +45,7 @@ from services.scheduler.load import Assignment, LoadSnapshot, WorkerLoad
 from services.scheduler.policy import Policy
 from services.scheduler.view import ClusterView, RequestInfo
 from shared.ids import BlockHash, InvalidInput, RequestId, UnknownWorker, WorkerId
+from shared.worker import Lifecycle
 
 
 class SchedulerCore:
@@ -130,10 +132,16 @@ class SchedulerCore:
     def place(
         self, request: RequestInfo, held_blocks: Mapping[WorkerId, int], now: float,
         *, pending: Mapping[WorkerId, int] | None = None,
+        avoid: Collection[WorkerId] = (),
     ) -> Decision:
         """Decide and reserve. ``pending``: what each worker's pending reconcile copies will
         give it of the request (services/cachemgr/reconcile.py ``pending_reach``), for a
         policy with J's pull credit (placement.py "A pending prefix"); others ignore it.
+        ``avoid``: workers this request may not go to on this call (they refused it: the
+        service's retry), excluded as UNAVAILABLE in the policy's view -- its
+        :class:`NoEligibleWorker` when no other worker is eligible (the caller decides
+        whether to place it without them); the refusal of a request too long for every
+        worker still reads the whole view.
         :class:`DuplicateRequest` if the id is already placed;
         :class:`SequenceTooLong` if the request is longer than the ``max_seq_len`` of every
         worker of the view (any lifecycle; an empty view never refuses: see
@@ -157,20 +165,21 @@ class SchedulerCore:
             handed_back = self._foreign[request.request_id]
             self.forget_foreign(request.request_id)
         try:
+            view = self._avoiding(avoid) if avoid else self._view
             held = held_blocks
             if getattr(self.policy, "counts_inflight_prefixes", False) and self._inflight:
                 held = self._with_inflight(request, held_blocks)
             if getattr(self.policy, "pull", None) is not None:
                 # The pull credit copies only what the trie says is held, not in-flight
                 # prefixes (placement.py "Pull credit").
-                d = self.policy.place(request, self._view, held, self._loads, now,
+                d = self.policy.place(request, view, held, self._loads, now,
                                       holdings=held_blocks, pending=pending)
             elif getattr(self.policy, "reads_inflight_blocks", False):
-                d = self.policy.place(request, self._view, held, self._loads, now,
+                d = self.policy.place(request, view, held, self._loads, now,
                                       inflight_blocks=self._inflight,
                                       inflight_tails=self._inflight_tails)
             else:
-                d = self.policy.place(request, self._view, held, self._loads, now)
+                d = self.policy.place(request, view, held, self._loads, now)
         except BaseException:
             if handed_back is not None:
                 # A refused call changes nothing (module docstring): the other replica's
@@ -191,6 +200,18 @@ class SchedulerCore:
         self._requests[request.request_id] = request
         self._add_inflight(d.worker, request)
         return d
+
+    def _avoiding(self, avoid: Collection[WorkerId]) -> ClusterView:
+        """The view with the ACTIVE workers of ``avoid`` UNAVAILABLE (the view itself when
+        none is: a policy keeps per-view data by identity)."""
+        ws = self._view.workers
+        if not any(w.lifecycle is Lifecycle.ACTIVE and w.worker_id in avoid for w in ws):
+            return self._view
+        return ClusterView(
+            tuple(dataclasses.replace(w, lifecycle=Lifecycle.UNAVAILABLE)
+                  if w.lifecycle is Lifecycle.ACTIVE and w.worker_id in avoid else w
+                  for w in ws),
+            block_size=self._view.block_size)
 
     def adopt(self, request: RequestInfo, worker: WorkerId, predicted_s: float, now: float,
               *, uncached_tokens: int = 0, running: bool = False) -> bool:

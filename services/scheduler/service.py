@@ -63,7 +63,9 @@ sequence was superseded by such a redirect (already placed) and is acked without
 
 Failure handling: no eligible worker, or the worker refused (a micro error: it does not hold
 the request) → the reservation is released, the record deleted and the message NAK'ed with
-``retry_delay_s``. A request longer than the ``max_seq_len`` of every worker in the view
+``retry_delay_s``. A worker that refused (an error other than 410 / 425) is avoided by the
+request's retries on this replica while another worker is eligible (``_refused_by``); the only
+eligible one is tried again. A request longer than the ``max_seq_len`` of every worker in the view
 (each worker's: the setting, lowered to the limit its WorkerState publishes, see
 :func:`worker_view`; :class:`~services.scheduler.errors.SequenceTooLong`: no worker can ever
 serve it, whatever their lifecycle) is neither held nor NAK'ed: it gets a FirstToken whose
@@ -302,6 +304,9 @@ at most 2^20 blocks, shared/schemas.py MAX_BLOCKS_PER_EVENT)."""
 _BUFFERED_ENTRIES: Final[int] = 1 << 21
 """Most entries kept in all of them together (a part may hold up to 2^20 by the schema: the
 bound on what notices for workers that never register can hold; a few hundred MB at most)."""
+_REFUSALS_KEPT: Final[int] = 4096
+"""Most requests whose refusing workers a replica remembers for their retries
+(SchedulerService ``_refused_by``; the oldest are forgotten first)."""
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -791,6 +796,7 @@ class SchedulerStats:
     snapshots_applied: int = 0
     windows_reported: int = 0
     snapshots_unanswered: int = 0  # asked again by housekeeping while the worker is known
+    snapshots_failed: int = 0  # ... after an unexpected error (asked again the same way)
     housekeeping_rounds: int = 0
     windows_resent: int = 0  # previous window's report sent again before the next one
     starts_inferred: int = 0
@@ -805,6 +811,8 @@ class SchedulerStats:
     lost_in_intake: int = 0  # ... and intake already held that hand-back (de-duplicated)
     workers_restarted: int = 0  # a worker's state named a new incarnation
     unreachable_marked: int = 0  # a first send found no responder: worker excluded for now
+    worker_refusals: int = 0  # a worker refused a dispatch (a micro error, not 410/425)
+    refusals_avoided: int = 0  # ... and a retry of the request went to another worker
     peer_placements: int = 0  # another replica's placement noted (in-flight prefix affinity)
     peer_expired: int = 0  # ... forgotten without its result (peer_ttl_s)
     adopted: int = 0  # a held message redelivered (its replica gone): its worker holds it
@@ -924,6 +932,10 @@ class SchedulerService(MicroService):
         # Worker id -> (incarnation, seq) of its state when a first send found no responder:
         # not eligible until a newer state shows it is back (see _rebuild_view).
         self._unreachable: dict[str, tuple[str, int]] = {}
+        # Request id -> the workers that refused its dispatch with a micro error other than
+        # 410 / 425 (a failing engine, a core refusal): its retries avoid them while another
+        # worker is eligible (_place). Forgotten when it is dispatched or fails; bounded.
+        self._refused_by: OrderedDict[str, frozenset[str]] = OrderedDict()
         self._snapshotting: set[str] = set()
         # Workers whose snapshot request went unanswered (asked again by housekeeping).
         self._snapshot_retry: set[str] = set()
@@ -1350,6 +1362,17 @@ class SchedulerService(MicroService):
                              error=repr(exc))
         except (MalformedEvent, InvalidInput, VertumnusError) as exc:
             self.log.warning("cache snapshot rejected", worker=worker, error=str(exc))
+        except Exception as exc:
+            # Anything else (the connection closed, draining, or unable to send or buffer
+            # the request while it reconnects; a defect): the fetch runs in a task of its
+            # own, so an escaping exception ended it unretrieved and -- the worker neither
+            # stale nor in the retry set -- a new worker's index was never asked again.
+            # Asked again as an unanswered request is.
+            self.stats.snapshots_failed += 1
+            if worker in self.trie.workers():
+                self._snapshot_retry.add(worker)
+            self.log.warning("cache snapshot request failed; will ask again", worker=worker,
+                             error=repr(exc), exc_info=exc)
         finally:
             self._snapshotting.discard(worker)
 
@@ -1755,6 +1778,8 @@ class SchedulerService(MicroService):
                     return
                 if isinstance(exc, nats.errors.NoRespondersError):
                     self._mark_unreachable(assignment.worker_id)
+                elif isinstance(exc, RemoteError):
+                    self._note_refusal(rid, assignment.worker_id)
                 self._release(rid)
                 await self._settle(stored, rid)
                 await self._delete_record(rid)
@@ -1762,6 +1787,8 @@ class SchedulerService(MicroService):
                     msg, req, f"worker {assignment.worker_id} did not accept: {exc}")
                 return
             self.ledger.adopted(rid, ack.incarnation)  # the incarnation that admitted it
+            if self._refused_by:
+                self._refused_by.pop(rid, None)  # accepted: its refusals are history
             if ack.queue_position == 0:
                 # Nothing ahead of it on a FIFO worker: its prefill starts now, so q_w counts
                 # only its remaining predicted time from here on.
@@ -1806,6 +1833,20 @@ class SchedulerService(MicroService):
         self.stats.unreachable_marked += 1
         self.log.warning("worker unreachable; not eligible until its state changes", worker=wid)
         self._rebuild_view()
+
+    def _note_refusal(self, rid: str, wid: str) -> None:
+        """``wid`` refused ``rid``'s dispatch with a micro error other than 410 / 425 (it does
+        not hold the request: an internal error, a refusal of its core, a proxy's 503). The
+        worker may serve others, so it stays eligible; only this request's retries avoid it
+        while another worker is eligible (:meth:`_place`). Before, the retry was placed
+        afresh and J, seeing nothing changed, chose the refusing worker again, delivery after
+        delivery, until max_deliver failed the request while another worker was free. Kept
+        by this replica only (a redelivery to another one places it afresh)."""
+        self.stats.worker_refusals += 1
+        self._refused_by[rid] = self._refused_by.get(rid, frozenset()) | {wid}
+        self._refused_by.move_to_end(rid)
+        while len(self._refused_by) > _REFUSALS_KEPT:
+            self._refused_by.popitem(last=False)
 
     def _recover_lost(self) -> None:
         """Start recovering the requests of every worker the ledger finds lost (ledger.py);
@@ -2393,7 +2434,19 @@ class SchedulerService(MicroService):
         now = self.clock()
         pending = pending_reach(self.trie, hashes, match.held_blocks, gone=self._lapsed) \
             if self._pending_on else None
-        decision = self.core.place(info, match.held_blocks, now, pending=pending)
+        avoid = self._refused_by.get(req.request_id) if self._refused_by else None
+        if avoid:
+            # A retry of a request workers refused: elsewhere when another worker is
+            # eligible; else (only those may take it) where the policy chooses, as before --
+            # the retry rules (max_deliver) bound how often.
+            try:
+                decision = self.core.place(info, match.held_blocks, now, pending=pending,
+                                           avoid=avoid)
+                self.stats.refusals_avoided += 1
+            except NoEligibleWorker:
+                decision = self.core.place(info, match.held_blocks, now, pending=pending)
+        else:
+            decision = self.core.place(info, match.held_blocks, now, pending=pending)
         self.stats.placed += 1
         if pending and decision.worker in pending \
                 and decision.reused_blocks > match.held(decision.worker):
@@ -2461,6 +2514,7 @@ class SchedulerService(MicroService):
             self.log.info("intake retry", request_id=req.request_id, reason=reason)
             await msg.nak(delay=self.ssettings.retry_delay_s if delay is None else delay)
             return
+        self._refused_by.pop(req.request_id, None)  # its last delivery: no retry to steer
         if await self._answered_already(msg, req, reason):
             return
         self.stats.failed += 1

@@ -1,0 +1,150 @@
+"""A worker that refuses a dispatch with a micro error other than 410 / 425 (real
+nats-server, the scheduler in-process, fake workers answering micro errors as a rank daemon's
+endpoint does: 500 for an internal error, 409 for a core refusal, 503 from a proxy).
+
+Such a refusal releases the reservation and NAKs the message (``retry_delay_s``). Before, the
+next delivery was placed from scratch: nothing had changed for J (the reservation was
+released, the refusing worker still ACTIVE), so it chose the same worker again, delivery after
+delivery, until ``max_deliver`` failed the request -- while another worker was free. Now the
+retry avoids the workers that refused the request when another one is eligible; when the
+refusing worker is the only one, it is retried there (or failed) under the usual rules.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from live_sched_support import FakeWorker, wait_until
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro.request import Request
+
+from shared.schemas import Assignment, FirstToken, IntakeRequest, decode, encode
+from shared.subjects import Subjects
+
+W1, W2 = "w-cp2-g0", "w-cp2-g2"
+
+
+class Refusing(FakeWorker):
+    """A fake worker that refuses assignments with a micro error: every assignment of a
+    request ``refuses(request id)`` names (shared between workers: a callable over the
+    worker and the request), the others as FakeWorker does."""
+
+    code: str = "503"
+    refuses: object = None  # Callable[[str, str], bool]: (worker id, request id) -> refuse?
+    refusals: int = 0
+
+    async def _on_assign(self, msg: Msg) -> None:
+        a = decode(Assignment, msg.data, msg.headers)
+        rule = self.refuses
+        if callable(rule) and rule(self.worker_id, a.request.request_id):
+            self.assignments.append(a)
+            self.refusals += 1
+            await Request(msg).respond_error(self.code, "engine refused the request")
+            return
+        await super()._on_assign(msg)
+
+
+async def answers(nc: Client, uniq: str, rid: str) -> list[FirstToken]:
+    got: list[FirstToken] = []
+
+    async def on(msg: Msg) -> None:
+        got.append(decode(FirstToken, msg.data, msg.headers))
+
+    await nc.subscribe(Subjects(uniq).result(rid), cb=on)
+    await nc.flush()
+    return got
+
+
+async def publish(nc: Client, uniq: str, rid: str) -> None:
+    req = IntakeRequest(request_id=rid, input_len=40, block_size=16, arrival_s=time.time())
+    data, headers = encode(req)
+    headers["Nats-Msg-Id"] = rid
+    await nc.jetstream().publish(Subjects(uniq).intake_requests(), data, headers=headers)
+
+
+@pytest.mark.parametrize("code", ["500", "503", "409"])
+async def test_a_retry_avoids_the_worker_that_refused_it(live, nc, uniq, code) -> None:  # type: ignore[no-untyped-def]
+    """Whichever worker J picks first refuses the request, and goes on refusing it; the
+    other worker would take it. The retry goes to the other worker: one refusal, one answer."""
+    first: dict[str, str] = {}
+
+    def refuses(worker: str, rid: str) -> bool:
+        return first.setdefault(rid, worker) == worker
+
+    workers = []
+    for wid, gpu in ((W1, 0), (W2, 2)):
+        w = Refusing(nc, Subjects(uniq), wid, 2, gpu)
+        w.code, w.refuses = code, refuses
+        workers.append(await w.start())
+    sched = await live.scheduler(block_size=16, retry_delay_s=0.05, max_deliver=5)
+    await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+    got = await answers(nc, uniq, "x")
+    await publish(nc, uniq, "x")
+    # Until the answer, or a second refusal (the retry went back to the refusing worker).
+    await wait_until(lambda: got or sum(w.refusals for w in workers) >= 2,
+                     "x answered or refused twice")
+    refuser = next(w for w in workers if w.worker_id == first["x"])
+    other = next(w for w in workers if w is not refuser)
+    assert refuser.refusals == 1 and len(refuser.assignments) == 1, (
+        f"the retry went back to {refuser.worker_id} ({refuser.refusals} refusals) while "
+        f"{other.worker_id} was free")
+    await wait_until(lambda: got, "x's answer")
+    assert [(t.worker_id, t.error) for t in got] == [(other.worker_id, None)], got
+    assert [a.request.request_id for a in other.assignments] == ["x"]
+    st = sched.stats
+    assert (st.retried, st.failed, st.worker_refusals, st.refusals_avoided) == (1, 0, 1, 1), st
+    assert "x" not in sched._refused_by  # dispatched: forgotten
+    for w in workers:
+        await w.stop()
+
+
+async def test_the_only_worker_refusing_once_still_serves_the_retry(live, nc, uniq) -> None:  # type: ignore[no-untyped-def]
+    """Avoiding a worker that refused is a preference: the only worker is retried."""
+    refused: set[str] = set()
+
+    def once(worker: str, rid: str) -> bool:
+        if rid in refused:
+            return False
+        refused.add(rid)
+        return True
+
+    w = Refusing(nc, Subjects(uniq), W1, 2, 0)
+    w.refuses = once
+    await w.start()
+    try:
+        sched = await live.scheduler(block_size=16, retry_delay_s=0.05, max_deliver=5)
+        await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+        got = await answers(nc, uniq, "x")
+        await publish(nc, uniq, "x")
+        await wait_until(lambda: got, "x's answer")
+        assert [(t.worker_id, t.error) for t in got] == [(W1, None)], got
+        assert w.refusals == 1 and len(w.assignments) == 2
+        st = sched.stats
+        assert (st.retried, st.failed, st.worker_refusals, st.refusals_avoided) == (1, 0, 1, 0), st
+    finally:
+        await w.stop()
+
+
+async def test_the_only_worker_refusing_every_time_fails_the_request_on_its_last_delivery(
+        live, nc, uniq) -> None:  # type: ignore[no-untyped-def]
+    """Nothing else to try: every delivery goes to it, and the last one fails the request
+    (the client gets a "not scheduled" error, not a wait for its timeout)."""
+    w = Refusing(nc, Subjects(uniq), W1, 2, 0)
+    w.refuses = lambda worker, rid: True
+    await w.start()
+    try:
+        sched = await live.scheduler(block_size=16, retry_delay_s=0.05, max_deliver=3)
+        await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+        got = await answers(nc, uniq, "x")
+        await publish(nc, uniq, "x")
+        await wait_until(lambda: got, "x's failure")
+        assert len(got) == 1 and got[0].token is None, got
+        assert got[0].error is not None and got[0].error.startswith("not scheduled"), got
+        assert w.refusals == 3
+        st = sched.stats
+        assert (st.retried, st.failed, st.worker_refusals, st.refusals_avoided) == (2, 1, 3, 0), st
+        assert "x" not in sched._refused_by  # failed: forgotten
+    finally:
+        await w.stop()
