@@ -53,7 +53,7 @@ SettingsCheck = Callable[[S], None]
 """A process's own check of its settings: returns, or raises :class:`SettingProblem`."""
 
 
-def _shown_url(url: str) -> str:
+def shown_url(url: str) -> str:
     """``url`` fit for a message: everything before its last ``@`` (user and password,
     ``nats://u:p@host``, even a password holding ``/`` or ``@``) replaced by ***."""
     return re.sub(r"^([A-Za-z][\w+.-]*://)?.*@", r"\1***@", url)
@@ -79,11 +79,11 @@ def check_nats_url(settings: ServiceSettings) -> None:
         try:
             parts.port  # noqa: B018 - parsing the port is the check
         except ValueError:
-            raise SettingProblem("nats_url", f"{_shown_url(url)!r} has no valid port "
+            raise SettingProblem("nats_url", f"{shown_url(url)!r} has no valid port "
                                  "(1..65535)") from None
         if parts.scheme.lower() not in NATS_SCHEMES or not parts.hostname:
             raise SettingProblem(
-                "nats_url", f"{_shown_url(url)!r} is not a NATS server URL: it needs a scheme "
+                "nats_url", f"{shown_url(url)!r} is not a NATS server URL: it needs a scheme "
                 f"({', '.join(s + '://' for s in NATS_SCHEMES)}) and a host, e.g. "
                 "nats://127.0.0.1:4222")
     web = {urlsplit(u).scheme.lower() in ("ws", "wss") for u in servers}

@@ -273,6 +273,25 @@ def nats_settings() -> None:
         fail(f"NATS security settings: {exc}")
 
 
+def nats_url_option(url: str, name: str = "nats") -> str:
+    """``--nats``: the URL of the NATS server a tool connects to, checked as every service
+    checks its ``VTM_NATS_URL`` (:func:`shared.servicemain.check_nats_url`): a scheme of
+    nats, tls, ws or wss (none: ``nats://``), a host and a valid port. A malformed one exits 2
+    naming the option and the problem (a password in it shown as ***), before any connection:
+    else nats-py's parse error would be reported as a server the tool cannot reach, and a
+    URL of another scheme (``http://``) be tried as a host for seconds. One server: the
+    tools hand the URL to nats-py as it is, which takes no comma-separated list."""
+    from types import SimpleNamespace
+
+    from shared.servicemain import SettingProblem, check_nats_url
+
+    try:  # check_nats_url reads a settings object's nats_servers only
+        check_nats_url(SimpleNamespace(nats_servers=[url]))  # type: ignore[arg-type]
+    except SettingProblem as exc:
+        fail(f"--{name}: {exc.problem}")
+    return url
+
+
 SLO_HELP = ("TTFT deadlines by prompt length: a table name (qwen3-30b-a3b, deepseek-v4-flash: "
             "paper Table 2) or BOUND:SECONDS pairs, e.g. 8192:1,32768:5,inf:10 (under 8,192 "
             "tokens 1 s, …)")

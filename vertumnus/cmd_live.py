@@ -46,6 +46,7 @@ from vertumnus.cliargs import (
     comma_list,
     degrees_option,
     nats_settings,
+    nats_url_option,
     output_dir,
     output_file,
     profile_file,
@@ -57,6 +58,14 @@ if TYPE_CHECKING:
     from shared.slo import SloTable
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _shown(url: str) -> str:
+    """``url`` for a message, a password in it shown as *** (imported here: the services'
+    module loads tracing, which the CLI's other commands do not need)."""
+    from shared.servicemain import shown_url
+
+    return shown_url(url)
 
 
 def _times(text: str | None, name: str) -> tuple[float, ...] | None:
@@ -205,7 +214,8 @@ def register(app: typer.Typer) -> None:
         """Start nats + every service, replay a workload through the gateway, report, stop.
 
         Every option is checked, the workload loaded and the output paths made ready before
-        anything starts (exit 2 naming the problem)."""
+        anything starts (exit 2 naming the problem). After the report: exit 130 when
+        interrupted, 1 when a service exited for good or no request completed, else 0."""
         from rich.console import Console
 
         from sim.workloads.synthetic_file import check_block_size
@@ -262,11 +272,7 @@ def register(app: typer.Typer) -> None:
             _fail(f"nats-server did not start: {exc}", 1)
         except KeyboardInterrupt:  # a second Ctrl-C during shutdown
             raise typer.Exit(130) from None
-        if summary.get("interrupted"):
-            raise typer.Exit(130)
-        if summary.get("services_down"):  # the report is out; the run itself was not sound
-            _fail(f"{', '.join(summary['services_down'])} exited for good during the run "
-                  "(see the report's faults and the service logs)", 1)
+        _end_of_run(summary, serving=cfg.serve)
 
     @app.command()
     def replay(
@@ -279,8 +285,12 @@ def register(app: typer.Typer) -> None:
         rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,
         time_scale: Annotated[float, typer.Option(
             help="The stack's time scale: arrivals × scale, TTFT ÷ scale")] = 1.0,
-        rate: Annotated[float | None, typer.Option(help="Base rate req/s (synthetic)")] = None,
-        duration: Annotated[float, typer.Option(help="Modelled seconds (synthetic)")] = 240.0,
+        rate: Annotated[float | None, typer.Option(
+            help="Base rate req/s of a synthetic workload or an L-Eval file (default 2); a "
+                 "timed trace's arrivals are rescaled to it")] = None,
+        duration: Annotated[float, typer.Option(
+            help="Modelled seconds: a synthetic workload's length; a trace is cut to its "
+                 "first DURATION seconds")] = 240.0,
         seed: Annotated[int, typer.Option()] = 0,
         max_requests: Annotated[int, typer.Option(help=_MAX_REQUESTS_HELP)] = 0,
         nats_url: Annotated[str | None, typer.Option(
@@ -301,7 +311,10 @@ def register(app: typer.Typer) -> None:
 
         Every option is checked and the workload loaded before the first request is sent
         (exit 2 naming the problem). Ctrl-C or SIGTERM ends the replay early: the report
-        (and --json) covers what finished, exit 130; further Ctrl-Cs only say so."""
+        (and --json) covers what finished, exit 130; further Ctrl-Cs only say so. Exit 0
+        once at least one request completed (failures are counted in the report); exit 1,
+        after the report and --json, when none did, with a line giving the most common
+        error."""
 
         from shared.subjects import validate_subject
         from vertumnus.live.stack import load_requests
@@ -315,6 +328,7 @@ def register(app: typer.Typer) -> None:
             _fail(f"--prefix: {exc}")
         table = slo_table(slo)
         if nats_url is not None:
+            nats_url_option(nats_url)
             nats_settings()
         try:
             wl, reqs = load_requests(trace, duration_s=duration, rate=rate, seed=seed,
@@ -333,8 +347,7 @@ def register(app: typer.Typer) -> None:
             _fail(str(exc))
         except KeyboardInterrupt:  # before the replay began (asyncio's own handling)
             raise typer.Exit(130) from None
-        if summary.get("interrupted"):
-            raise typer.Exit(130)  # as up: the report is out, the run was cut short
+        _end_of_run(summary)
 
     @app.command()
     def tap(
@@ -349,8 +362,9 @@ def register(app: typer.Typer) -> None:
         """Print every message on SUBJECT decoded by its Content-Type (JSON, msgpack, binary).
 
         SUBJECT is any NATS filter (``*`` a whole token, ``>`` the last), the server's own
-        subjects too (``$KV.VTM_WORKERS.>`` shows the worker-state bucket's writes); it and
-        the limits are checked before connecting."""
+        subjects too (``$KV.VTM_WORKERS.>`` shows the worker-state bucket's writes); it, the
+        limits and the --nats URL are checked before connecting (exit 2 naming the problem).
+        A server that cannot be reached exits 1."""
         from shared.subjects import validate_filter
         from vertumnus.live.tap import tap as run_tap
 
@@ -364,6 +378,7 @@ def register(app: typer.Typer) -> None:
             # nan would never time out, and <= 0 would stop before listening.
             _fail(f"--timeout must be a finite number of seconds > 0 (leave it out for no "
                   f"limit), got {timeout:g}")
+        nats_url_option(nats_url)
         nats_settings()
 
         def out(text: str) -> None:
@@ -381,7 +396,7 @@ def register(app: typer.Typer) -> None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(0) from None
         except OSError as exc:
-            _fail(f"cannot reach NATS at {nats_url}: {exc}", 1)
+            _fail(f"cannot reach NATS at {_shown(nats_url)}: {exc}", 1)
 
     @app.command()
     def status(
@@ -399,7 +414,7 @@ def register(app: typer.Typer) -> None:
         Read from NATS only, nothing written; credentials and TLS from the VTM_NATS_*
         variables, as for tap. Notices (a missing bucket or record, malformed or stale
         states, no services) go to stderr; exit 0 whatever they say, 2 if the server
-        cannot be reached."""
+        cannot be reached or the --nats URL is malformed."""
         import json
 
         from rich.console import Console
@@ -414,6 +429,7 @@ def register(app: typer.Typer) -> None:
             _fail(f"--prefix: {exc}")
         if not (timeout > 0 and math.isfinite(timeout)):
             _fail(f"--timeout must be a finite number of seconds > 0, got {timeout:g}")
+        nats_url_option(nats_url)
         nats_settings()
         try:
             summary = asyncio.run(read_status(nats_url, prefix, timeout_s=timeout))
@@ -421,7 +437,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(130) from None
         except OSError as exc:
             # 2, not tap's 1: nothing was read, so this answer says nothing about the pool.
-            _fail(f"cannot reach NATS at {nats_url}: {exc}")
+            _fail(f"cannot reach NATS at {_shown(nats_url)}: {exc}")
         for note in summary["notices"]:
             typer.echo(f"{note['level']}: {note['message']}", err=True)
         if json_out:
@@ -431,6 +447,49 @@ def register(app: typer.Typer) -> None:
 
     for name in ("gateway", "scheduler", "controller", "cachemgr", "rankd"):
         _service_command(app, name)
+
+
+def run_verdict(summary: dict[str, Any], *, serving: bool = False) -> tuple[int, str | None]:
+    """The exit status of ``up`` or ``replay`` once its report is out, and the error line
+    that goes with it (None: none). 130: interrupted (the run was cut short). 1: a service
+    exited for good during the run (``up``: the run itself was not sound), or no request
+    completed (the run measured nothing; :func:`_none_completed`) -- except for ``up
+    --serve`` (``serving``), which replays nothing itself. 0 otherwise: some request
+    completed, whatever others failed (the report counts them)."""
+    if summary.get("interrupted"):
+        return 130, None
+    if summary.get("services_down"):
+        return 1, (f"{', '.join(summary['services_down'])} exited for good during the run "
+                   "(see the report's faults and the service logs)")
+    if not serving and not summary.get("completed"):
+        return 1, _none_completed(summary)
+    return 0, None
+
+
+def _end_of_run(summary: dict[str, Any], *, serving: bool = False) -> None:
+    """Exit as :func:`run_verdict` says (returns for 0)."""
+    code, line = run_verdict(summary, serving=serving)
+    if line is not None:
+        _fail(line, code)
+    if code:
+        raise typer.Exit(code)
+
+
+def _none_completed(summary: dict[str, Any]) -> str:
+    """``replay``'s line when no request completed: how many failed and the commonest
+    error (the report's ``errors``, one message per kind)."""
+    n = int(summary.get("requests") or 0)
+    if not n:
+        return "no request completed: the workload had no request to send"
+    errors: dict[str, int] = summary.get("errors") or {}
+    what = f"all {n} request{'s' if n != 1 else ''} failed"
+    if len(errors) == 1:
+        what += f" with: {' '.join(str(next(iter(errors))).split())}"
+    elif errors:
+        msg, k = max(errors.items(), key=lambda kv: kv[1])
+        what += (f" ({len(errors)} kinds of error in the report; the commonest, {k}x: "
+                 f"{' '.join(str(msg).split())})")
+    return f"no request completed: {what}"
 
 
 async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate_scale: float,
@@ -472,7 +531,7 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
         try:
             nc = await connect_cli(nats_url, "vertumnus-replay")
         except OSError as exc:
-            raise ValueError(f"cannot reach NATS at {nats_url}: {exc}") from None
+            raise ValueError(f"cannot reach NATS at {_shown(nats_url)}: {exc}") from None
         observer = Observer(nc, Subjects(prefix))
         await observer.start()
     # The first Ctrl-C / SIGTERM ends the replay, the rest only say so: the report survives.

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,6 +56,32 @@ def _check(fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         fn(*args, **kwargs)
     except InvalidInput as exc:
         _fail(str(exc))
+
+
+def _keep_only_this_runs_logs(out: Path, summary: Mapping[str, Any], written: bool) -> None:
+    """``DIR/requests/`` as a finished ``simulate`` leaves it: this run's per-request logs
+    only (``written``: it was given ``--requests``). An earlier run's logs in a reused
+    ``--out`` (another policy, rate or seed, or any at all when this run wrote none) would
+    pass for this run's beside its results.json: they are removed, and the directory with
+    them when nothing else is left in it. Only our logs (``<policy>_x<rate>_seed<seed>.csv``,
+    :func:`sim.request_log.log_name`) go; other files stay."""
+    from sim.request_log import log_name
+
+    d = out / "requests"
+    if not d.is_dir():
+        return
+    keep: set[str] = set()
+    if written:
+        meta = summary.get("meta") or {}
+        seeds = meta.get("seeds") or [meta.get("seed", 0)]
+        keep = {log_name(r["policy"], r["rate_scale"], sd)
+                for r in summary.get("rows") or () for sd in seeds}
+    for f in d.glob("*_x*_seed*.csv"):
+        if f.name not in keep and f.is_file():
+            f.unlink()
+    if not written:
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only when empty: a file of the user's keeps it
 
 
 def _check_run_numbers(*, rate: float, max_requests: int) -> None:
@@ -216,16 +243,19 @@ def _check_pool_gpus(pool_gpus: int, degrees: Iterable[int]) -> None:
               f"({exc})")
 
 
-def _check_report_rates(directory: Path) -> None:
+def _check_report_input(directory: Path) -> None:
     """``report DIR``: the rates of what the redraw reads are finite numbers: every
     results.json row's ``rate_scale`` and ``request_rate`` (each plot's x, each row's key),
-    or, without a results.json, a size.json's ``meta.rate_scale``.
+    or, without a results.json, a size.json's ``meta.rate_scale``; and a size.json sizes at
+    least one policy.
 
     Python's JSON reader takes NaN and Infinity, and the redraw writes a non-finite number
     back as null (as a run writes a figure it could not give): a row keyed by a NaN rate
     would come back keyed by null. So it is refused, naming the file, the row and the
-    field, before anything is written. What is missing or not JSON is left to the redraw's
-    own checks, which name it."""
+    field, before anything is written. A size.json whose ``policies`` is empty is no run's
+    (``size`` refuses an empty --policies): its table, CSV and plot would be drawn empty,
+    so it is refused too. What is missing or not JSON is left to the redraw's own checks,
+    which name it."""
     from shared.files import NotJson, parse_json
 
     results, size = Path(directory) / "results.json", Path(directory) / "size.json"
@@ -244,9 +274,13 @@ def _check_report_rates(directory: Path) -> None:
                 if isinstance(row, dict) and bad(row.get(k)):
                     _fail(f"{path}: row {i} ({row.get('policy', '?')}): {k} is {row[k]!r}, "
                           "not a finite number (a row's rate must be one)")
-    elif path == size and isinstance(data, dict) and isinstance(data.get("meta"), dict):
-        if bad(v := data["meta"].get("rate_scale")):
+    elif path == size and isinstance(data, dict):
+        if isinstance(data.get("meta"), dict) and bad(v := data["meta"].get("rate_scale")):
             _fail(f"{path}: meta.rate_scale is {v!r}, not a finite number")
+        pols = data.get("policies")
+        if isinstance(pols, list | dict | str) and not pols:
+            _fail(f"{path}: 'policies' is empty: a size run's summary holds at least one "
+                  "policy's answer")
 
 
 def register(app: typer.Typer) -> None:
@@ -458,7 +492,8 @@ def register(app: typer.Typer) -> None:
             "--requests",
             help="Also write each run's per-request log, DIR/requests/<policy>_x<rate>_seed"
             "<seed>.csv: queueing, prefill and hand-off time, reuse, deadline and worker of "
-            "every request (the trace presets too)")
+            "every request (the trace presets too). Logs an earlier run left in DIR/requests/ "
+            "are removed either way: the directory holds this run's only")
         ] = False,
     ) -> None:
         """Compare policies on one trace over request rates; writes results.json, CSV, plots.
@@ -570,6 +605,7 @@ def register(app: typer.Typer) -> None:
                     summary = runner.run_simulate(**args, truth=truth, progress=True,
                                                   controller=ctl, request_log=requests,
                                                   pending_credit=pending_credit)
+                _keep_only_this_runs_logs(out, summary, requests)
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_table(summary, file=sys.stdout)
@@ -841,7 +877,7 @@ def register(app: typer.Typer) -> None:
         """Redraw the plots and CSV of a simulate (or size) run from its results (size) JSON."""
         from sim import runner
 
-        _check_report_rates(directory)
+        _check_report_input(directory)
         try:
             summary = runner.redraw(directory)
         except InvalidInput as exc:

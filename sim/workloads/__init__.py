@@ -18,7 +18,7 @@ from sim.workloads.azure import read_azure
 from sim.workloads.errors import TraceFormatError
 from sim.workloads.leval import read_leval
 from sim.workloads.mooncake import read_mooncake
-from sim.workloads.parsing import first_nonblank_line
+from sim.workloads.parsing import first_nonblank_line, iter_jsonl
 from sim.workloads.stats import oracle_reuse, workload_stats
 from sim.workloads.synthetic import Phase, SyntheticConfig, generate
 from sim.workloads.synthetic_file import load_synthetic_config
@@ -55,6 +55,11 @@ def detect_format(path: str | Path) -> TraceFormat:
     of a JSON file does not matter, and a key is looked up in the parsed object rather than
     as text, so a value or a nested key spelled like one does not count. Bad bytes up to that
     line are a :class:`TraceFormatError` naming it (:func:`first_nonblank_line`).
+
+    One exception: a file whose first row has L-Eval's key *and* a ``timestamp``, and a
+    later row with another timestamp, is a timed trace that carries a document key →
+    ``"mooncake"`` (L-Eval's Mooncake-form file has every timestamp 0; reading a timed trace
+    as L-Eval would replace its arrivals with Poisson ones, silently).
     """
     path = Path(path)
     if path.suffix.lower() == ".csv":
@@ -66,8 +71,34 @@ def detect_format(path: str | Path) -> TraceFormat:
     except NotJson:
         return "mooncake"
     if isinstance(row, dict) and any(k in row for k in LEVAL_KEYS):
-        return "leval"
+        return "mooncake" if "timestamp" in row and _timestamps_vary(path) else "leval"
     return "mooncake"
+
+
+def _looks_like_csv(path: Path) -> bool:
+    """Whether the first non-blank line of ``path`` reads as a CSV header or row: commas,
+    and no JSON object or array."""
+    try:
+        line = first_nonblank_line(path).strip()
+    except TraceFormatError:
+        return False
+    return "," in line and not line.startswith(("{", "["))
+
+
+def _timestamps_vary(path: Path) -> bool:
+    """Whether a later row of JSON-lines ``path`` has another ``timestamp`` than the first
+    row. Reads until one does (a timed trace: a tick or so) or to the end; a line that is not
+    a JSON object ends the scan (False: the reader chosen then names that line)."""
+    first: Any = None
+    try:
+        for i, (_, row) in enumerate(iter_jsonl(path)):
+            if i == 0:
+                first = row.get("timestamp")
+            elif row.get("timestamp") != first:
+                return True
+    except TraceFormatError:
+        pass
+    return False
 
 
 def load_workload(
@@ -108,7 +139,14 @@ def load_workload(
             raise InvalidInput(f"{path}: L-Eval has no arrival times; give a rate (req/s)")
         return read_leval(path, rate=rate, seed=seed, **kwargs)
     else:
-        wl = read_mooncake(path, seed=seed, **kwargs)
+        try:
+            wl = read_mooncake(path, seed=seed, **kwargs)
+        except TraceFormatError as exc:
+            if not exc.problem.startswith("not valid JSON") or not _looks_like_csv(path):
+                raise
+            raise TraceFormatError(path, exc.line, f"{exc.problem} (read as a Mooncake trace; it "
+                                   "looks like CSV: an Azure trace is read from a file named "
+                                   "*.csv, or with --format azure)") from None
     if rate is not None and wl.duration_s > 0:
         wl = scale_rate(wl, rate / (len(wl) / wl.duration_s))
     return wl

@@ -1,9 +1,10 @@
 """Reader of Mooncake-format JSONL traces (kvcache-ai/Mooncake ``FAST25-release/traces``).
 
 One request per line: ``{"timestamp": ms since trace start, "input_length": tokens,
-"output_length": tokens, "hash_ids": [one id per 512-token block, prefix-chained]}``; extra
-keys are ignored. ``len(hash_ids) == ceil(input_length / block_size)``; the trailing partial
-block's id is dropped (only full blocks are cached, design.md). Ids are unsigned 64-bit ints,
+"output_length": tokens, "hash_ids": [one id per 512-token block, prefix-chained]}``, and
+an optional ``session_id`` (a string or an integer); extra keys are ignored.
+``len(hash_ids) == ceil(input_length / block_size)``; the trailing partial block's id is
+dropped (only full blocks are cached, design.md). Ids are unsigned 64-bit ints,
 and prefix-chained across the file: an id always follows the same predecessor (or is always
 a first block), and a request never repeats one (:class:`~sim.workloads.parsing.PrefixChains`).
 
@@ -30,6 +31,7 @@ from sim.workloads.parsing import (
     hash_ids_field,
     int_field,
     iter_jsonl,
+    shown_value,
 )
 from sim.workloads.workload import Request, Workload, truncate
 
@@ -71,13 +73,19 @@ def detect_tick_ms(timestamps: np.ndarray) -> float:
     """Quantisation tick (ms) of arrival timestamps, or 0 when they are not quantised.
 
     Quantised means many requests share a timestamp (fewer than half as many distinct values
-    as requests); the tick is then the median gap between consecutive distinct values, which
-    ignores the ±1 ms jitter of the Mooncake trace.
+    as requests). The tick is then the median of the gaps between consecutive distinct values
+    that lie within [g, 1.5·g), g being the smallest gap of at least an eighth of the median
+    gap. The median absorbs the ±1 ms jitter of the Mooncake trace (gaps of 2,999 and
+    3,001 ms); g keeps a sparse trace's tick, whose occupied ticks are mostly two or more
+    ticks apart and whose median gap is then a multiple of it (stamps 0, 2, 3, 5, 7 s: 1 s,
+    not 2 s); the eighth ignores the millisecond gaps of a jittered stamp within one tick.
     """
     distinct = np.unique(timestamps)
     if len(distinct) < 2 or len(distinct) * 2 > len(timestamps):
         return 0.0
-    return float(np.median(np.diff(distinct)))
+    gaps = np.diff(distinct)
+    g = gaps[gaps >= np.median(gaps) / 8].min()
+    return float(np.median(gaps[(gaps >= g) & (gaps < 1.5 * g)]))
 
 
 def spread_within_ticks(
@@ -155,20 +163,23 @@ def read_mooncake(
     varied = False  # some timestamp differs from the first one
     chains = PrefixChains(path)
     scanned: list[int] = []  # timestamps read past max_requests, for the tick's detection
+    closed = False  # a timestamp read past max_requests differs from the last one kept
     for line_no, row in iter_jsonl(path):
         if read_all and max_requests is not None and len(rows) >= max_requests:
-            if not stamps or (varied and (tick_s is not None or seen >= TICK_SAMPLE)):
+            if not stamps or (closed and (tick_s is not None or seen >= TICK_SAMPLE)):
                 break
             # Stopping early must neither hide a file whose timestamps are all equal nor
             # reject one whose first requests merely share a tick: read on (timestamps only)
-            # until one differs, which for a timed trace is at most one tick further. With
-            # the tick to detect, read on to TICK_SAMPLE records: the requests kept may all
-            # lie in one tick, where alone they show no quantisation (and would all arrive
-            # at its start).
+            # until one differs from the last kept, which for a timed trace is at most one
+            # tick further; the last kept tick's other requests are then known, and its
+            # requests are spread as a full read spreads them. With the tick to detect, read
+            # on to TICK_SAMPLE records: the requests kept may all lie in one tick, where
+            # alone they show no quantisation (and would all arrive at its start).
             seen += 1
             ts = _timestamp(row, path, line_no)
             scanned.append(ts)
             varied = varied or ts != stamps[0]
+            closed = closed or ts != stamps[-1]
             continue
         ts = _timestamp(row, path, line_no)
         if stamps and ts < stamps[-1]:
@@ -178,6 +189,13 @@ def read_mooncake(
         out = int_field(row, "output_length", path, line_no, 0, MAX_TOKENS)
         hids = hash_ids_field(row, inp, block_size, path, line_no, chains)
         session = row.get("session_id")
+        if session is not None and (
+                isinstance(session, bool) or not isinstance(session, (str, int))
+                or (isinstance(session, int) and session.bit_length() > 128)):
+            # A table or list would become its repr, a bool "True": ids no one wrote (and
+            # str() of an integer of over 4,300 digits raises).
+            raise TraceFormatError(path, line_no, f"field 'session_id' must be a string or an "
+                                   f"integer of at most 128 bits, got {shown_value(session)}")
         seen += 1
         varied = varied or (bool(stamps) and ts != stamps[0])
         stamps.append(ts)
@@ -188,7 +206,15 @@ def read_mooncake(
     ts_arr = np.array(stamps, dtype=np.int64)
     tick_ms = (detect_tick_ms(np.array(stamps + scanned, dtype=np.int64)) if tick_s is None
                else tick_s * 1000.0)
-    arrivals = spread_within_ticks(ts_arr, tick_ms, np.random.default_rng(seed))
+    # The rest of the last kept tick (read past max_requests) is spread with it, so that a
+    # read cut short gives the arrivals a full read would; spreading draws tick by tick in
+    # time order, so the ticks after it do not matter.
+    tail = 0
+    while tail < len(scanned) and scanned[tail] == stamps[-1]:
+        tail += 1
+    if tail:
+        ts_arr = np.concatenate([ts_arr, np.array(scanned[:tail], dtype=np.int64)])
+    arrivals = spread_within_ticks(ts_arr, tick_ms, np.random.default_rng(seed))[:len(rows)]
     reqs = [
         Request(f"{name}-{i}", float(arrivals[i]), inp, out, hids, session)
         for i, (inp, out, hids, session) in enumerate(rows)

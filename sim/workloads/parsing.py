@@ -156,12 +156,28 @@ def int_field(row: dict[str, Any], key: str, path: Path, line: int, minimum: int
         raise TraceFormatError(path, line, f"missing field {key!r}")
     v = row[key]
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TraceFormatError(path, line, f"field {key!r} must be an integer, got {v!r}")
+        raise TraceFormatError(path, line, f"field {key!r} must be an integer, got "
+                               f"{shown_value(v)}")
     if v < minimum:
-        raise TraceFormatError(path, line, f"field {key!r} must be >= {minimum}, got {v}")
+        raise TraceFormatError(path, line, f"field {key!r} must be >= {minimum}, got "
+                               f"{shown_value(v)}")
     if v > maximum:
-        raise TraceFormatError(path, line, f"field {key!r} must be <= {maximum}, got {v}")
+        raise TraceFormatError(path, line, f"field {key!r} must be <= {maximum}, got "
+                               f"{shown_value(v)}")
     return v
+
+
+SHOWN_CHARS = 80
+"""Longest value a message quotes as the file wrote it (:func:`shown_value`)."""
+
+
+def shown_value(v: Any) -> str:
+    """``v`` for a message: its repr, an integer too long to read by its size in bits (a
+    4,000-digit count made a 4,000-character message), another long value cut short."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"an integer of {v.bit_length()} bits"
+    text = repr(v)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} chars)"
 
 
 def _place(parent: int | None) -> str:

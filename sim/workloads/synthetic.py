@@ -45,12 +45,14 @@ class LogNormalLength:
     hi: int
 
     def __post_init__(self) -> None:
-        # sigma is bounded so that exp(sigma·z) stays a float (an OverflowError otherwise);
-        # hi by the messages' token bound, as every trace reader bounds a length.
-        if not (0 < self.median < math.inf and 0 <= self.sigma <= MAX_SIGMA
+        # sigma and median are bounded so that median·exp(sigma·z) stays a float (round()
+        # of an infinity is an OverflowError); a median past the token bound is clipped to
+        # hi anyway. hi by the messages' token bound, as every trace reader bounds a length.
+        if not (0 < self.median <= MAX_TOKENS and 0 <= self.sigma <= MAX_SIGMA
                 and 0 <= self.lo <= self.hi <= MAX_TOKENS):
-            raise InvalidInput(f"bad length distribution {self}: needs median > 0 and finite, "
-                               f"0 <= sigma <= {MAX_SIGMA:g}, 0 <= lo <= hi <= {MAX_TOKENS:,}")
+            raise InvalidInput(f"bad length distribution {self}: needs 0 < median <= "
+                               f"{MAX_TOKENS:,}, 0 <= sigma <= {MAX_SIGMA:g}, "
+                               f"0 <= lo <= hi <= {MAX_TOKENS:,}")
 
     def sample(self, rng: np.random.Generator) -> int:
         x = self.median * math.exp(self.sigma * rng.standard_normal())
@@ -98,7 +100,8 @@ MAX_SEGMENTS: Final[int] = 100_000
 """Most phase segments the cycled schedule may make over ``duration_s``."""
 
 MAX_REQUESTS = 1_000_000
-"""Most requests (base rate × duration) a synthetic workload may ask for: a million take about
+"""Most requests (:meth:`SyntheticConfig.expected_requests`: the base rate × the phases'
+multipliers over the duration) a synthetic workload may ask for: a million take about
 30 s and gigabytes to generate; a rate far beyond would exhaust memory."""
 
 
@@ -148,9 +151,7 @@ class SyntheticConfig:
         checks = [
             (self.duration_s > 0 and math.isfinite(self.duration_s), "duration_s must be > 0"),
             (self.rate > 0 and math.isfinite(self.rate), "rate must be > 0 req/s"),
-            (self.rate * self.duration_s <= MAX_REQUESTS,
-             f"rate × duration_s must be at most {MAX_REQUESTS:,} requests, got "
-             f"{self.rate:g} req/s × {self.duration_s:g} s"),
+
             (0 <= self.long_share <= 1, "long_share must be in [0, 1]"),
             (0 <= self.system_prompt_share <= 1, "system_prompt_share must be in [0, 1]"),
             (0 <= self.session_share <= 1, "session_share must be in [0, 1]"),
@@ -171,6 +172,32 @@ class SyntheticConfig:
         for ok, msg in checks:
             if not ok:
                 raise InvalidInput(f"SyntheticConfig: {msg}")
+        # After the checks above: the count needs a finite rate, duration and phases.
+        expected = self.expected_requests()
+        if expected > MAX_REQUESTS:
+            shown = f"{expected:,.0f}" if expected < 1e15 else f"{expected:.3g}"
+            raise InvalidInput(
+                f"SyntheticConfig: rate {self.rate:g} req/s over duration_s {self.duration_s:g}"
+                f" s, phase multipliers included, makes about {shown} requests; at most "
+                f"{MAX_REQUESTS:,} requests are allowed")
+
+    def expected_requests(self) -> float:
+        """Requests the workload has in steady state: ``rate`` × the integral of the phases'
+        multipliers over ``duration_s`` (the generator draws conversation starts so that the
+        request rate, follow-ups included, is rate × multiplier; the drawn count varies
+        around this)."""
+        if not self.phases:
+            return self.rate * self.duration_s
+        cycle = sum(p.duration_s for p in self.phases)
+        full = math.floor(self.duration_s / cycle)
+        total = full * sum(p.duration_s * p.rate_multiplier for p in self.phases)
+        rest = self.duration_s - full * cycle
+        for p in self.phases:
+            if rest <= 0:
+                break
+            total += min(rest, p.duration_s) * p.rate_multiplier
+            rest -= p.duration_s
+        return self.rate * total
 
     def _segment_count(self) -> float:
         """How many phase segments :meth:`segments` makes (checked before it loops)."""

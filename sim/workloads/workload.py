@@ -176,14 +176,26 @@ def history_reuse(workload: Workload) -> list[int]:
             for r, k in zip(workload.requests, history_hit_blocks(workload), strict=True)]
 
 
+def _as_float(x: numbers.Real) -> float:
+    """``x`` as a float; an integer too large for one is infinity (float() raises)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
+
+
 def scale_rate(workload: Workload, factor: float) -> Workload:
     """Multiply the request rate by ``factor`` by compressing inter-arrival times.
 
     Arrival order and the first arrival are kept: t' = t0 + (t − t0) / factor. The cumulative
     factor is recorded in ``metadata["rate_scale"]``.
     """
-    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+    # Any real number (numpy's too), not a bool (True would scale by 1); a comparison, not
+    # math.isfinite, which overflows on a huge int (NaN fails it too).
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) \
+            or not 0 < factor < math.inf or not math.isfinite(_as_float(factor)):
         raise InvalidInput(f"rate scale factor must be a finite number > 0, got {factor!r}")
+    factor = float(factor)
     if not workload.requests:
         return workload
     t0 = workload.requests[0].arrival_s

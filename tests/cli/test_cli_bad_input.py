@@ -203,7 +203,10 @@ def test_report_refuses_a_size_summary_its_table_cannot_show(runner: CliRunner,
     what the table shows used to end in a traceback after writing them."""
     meta = {"target": 0.9, "workload": "x", "rate_scale": 1}
     cases = {
-        "nosizes": ({"meta": meta, "policies": []}, "KeyError('sizes')"),
+        "nosizes": ({"meta": meta, "policies": [
+            {"policy": "static", "gpus": 8, "points": [
+                {"gpus": 8, "slo_attainment": 0.95, "mean_ttft_s": 0.5}]}]},
+            "KeyError('sizes')"),
         "nomean": ({"meta": {**meta, "sizes": [8]}, "policies": [
             {"policy": "static", "gpus": 8, "points": [{"gpus": 8, "slo_attainment": 0.95}]}]},
             "KeyError('mean_ttft_s')"),
@@ -215,6 +218,21 @@ def test_report_refuses_a_size_summary_its_table_cannot_show(runner: CliRunner,
         _refused(runner.invoke(app, ["report", str(d)]), "size.json is not a size summary",
                  word)
         assert sorted(x.name for x in d.iterdir()) == ["size.json"]  # nothing written
+
+
+@pytest.mark.parametrize("policies", [[], ""], ids=["empty-list", "empty-string"])
+def test_report_refuses_a_size_summary_of_no_policy(runner: CliRunner, tmp_path: Path,
+                                                    policies: Any) -> None:
+    """A size run sizes at least one policy: a size.json whose policy list is empty is no
+    run's summary. Before, report drew it (a size.csv of its header alone, an empty plot)
+    and exited 0."""
+    meta = {"target": 0.9, "workload": "x", "rate_scale": 1, "sizes": [8]}
+    size = tmp_path / "size.json"
+    size.write_text(json.dumps({"meta": meta, "policies": policies}))
+    text = _refused(runner.invoke(app, ["report", str(tmp_path)]),
+                    f"error: {size}: 'policies' is empty", "at least one policy")
+    assert text.count("error:") == 1
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["size.json"]  # nothing written
 
 
 def test_report_names_meta_json_when_it_is_the_broken_one(runner: CliRunner,

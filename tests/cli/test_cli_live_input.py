@@ -240,6 +240,38 @@ def test_load_requests_reads_a_synthetic_workload_file(tmp_path) -> None:
                       default_rate=2.0)
 
 
+def test_the_line_of_a_replay_in_which_no_request_completed() -> None:
+    """What replay says as it exits 1 (tests/live_up/test_up_replay.py runs one): the count
+    and the error, or the commonest of several, on one line."""
+    from vertumnus.cmd_live import _none_completed
+
+    one = {"requests": 2, "completed": 0, "errors": {"HTTP 503: no\nworker": 2}}
+    assert _none_completed(one) == "no request completed: all 2 requests failed with: HTTP " \
+        "503: no worker"
+    two = {"requests": 3, "completed": 0, "errors": {"a": 1, "b": 2}}
+    assert _none_completed(two) == ("no request completed: all 3 requests failed (2 kinds of "
+                                    "error in the report; the commonest, 2x: b)")
+    assert _none_completed({"requests": 0, "completed": 0, "errors": {}}) == \
+        "no request completed: the workload had no request to send"
+
+
+def test_up_and_replay_end_by_one_rule() -> None:
+    """The exit status after the report (up and replay alike): interrupted 130; a service
+    down for good, or no request completed, 1 with a line; else 0. ``up --serve`` replays
+    nothing itself, so nothing completed is no failure there (before, up exited 0 when
+    every request failed)."""
+    from vertumnus.cmd_live import run_verdict
+
+    failed = {"requests": 2, "completed": 0, "errors": {"HTTP 503": 2}}
+    assert run_verdict(failed) == (1, "no request completed: all 2 requests failed with: "
+                                      "HTTP 503")
+    assert run_verdict(failed, serving=True) == (0, None)
+    assert run_verdict({**failed, "interrupted": True}) == (130, None)
+    code, line = run_verdict({"requests": 2, "completed": 2, "services_down": ["cachemgr"]})
+    assert code == 1 and line is not None and line.startswith("cachemgr exited for good")
+    assert run_verdict({"requests": 2, "completed": 1, "errors": {"x": 1}}) == (0, None)
+
+
 # -- tap ------------------------------------------------------------------------------------
 
 
@@ -274,6 +306,29 @@ def test_tap_takes_wildcard_subjects(subject: str, tripwire: list[dict[str, Any]
     assert tripwire[-1]["args"][1] == subject
 
 
+BAD_NATS_URLS: list[tuple[str, str]] = [
+    ("nats://:notaport", "'nats://:notaport' has no valid port (1..65535)"),
+    ("nats://127.0.0.1:99999", "'nats://127.0.0.1:99999' has no valid port"),
+    ("nats://", "'nats://' is not a NATS server URL"),
+    ("http://127.0.0.1:4222", "'http://127.0.0.1:4222' is not a NATS server URL"),
+    ("127.0.0.1:notaport", "'nats://127.0.0.1:notaport' has no valid port"),  # no scheme
+    ("nats://user:secret@:bad", "'nats://***@:bad' has no valid port"),  # no password shown
+]
+
+
+@pytest.mark.parametrize(("url", "problem"), BAD_NATS_URLS, ids=[u for u, _ in BAD_NATS_URLS])
+@pytest.mark.parametrize("command", [["tap", "--timeout", "1"], ["status", "--timeout", "1"],
+                                     ["replay", *GATEWAY]], ids=["tap", "status", "replay"])
+def test_a_malformed_nats_url_is_a_usage_error_of_tap_as_of_status(
+        command: list[str], url: str, problem: str) -> None:
+    """A --nats that is no NATS server URL is bad input: exit 2 with one line naming the
+    option and the problem, before connecting, from tap as from status (and replay, before
+    it asks the gateway). Before, tap exited 1 ("cannot reach NATS", the unreachable
+    server's answer) where status exited 2 with that same line."""
+    text = _refused([*command, "--nats", url], f"error: --nats: {problem}")
+    assert text.strip().count("\n") == 0 and "secret" not in text, text
+
+
 # -- real processes: one line, no traceback ---------------------------------------------------
 
 
@@ -281,7 +336,8 @@ def test_tap_takes_wildcard_subjects(subject: str, tripwire: list[dict[str, Any]
     ["replay", *GATEWAY, "--trace", "/nonexistent"],
     ["up", "--seed", "-1"],
     ["tap", "vtm..x", "--nats", "nats://127.0.0.1:9", "--timeout", "1"],
-], ids=["replay-trace", "up-seed", "tap-subject"])
+    ["tap", "--nats", "nats://:notaport", "--timeout", "1"],
+], ids=["replay-trace", "up-seed", "tap-subject", "tap-nats-url"])
 def test_a_refusal_reaches_the_terminal_as_one_line(args: list[str]) -> None:
     # A timeout, not a hang, if a regression let the command start.
     proc = subprocess.run([sys.executable, "-m", "vertumnus", *args], cwd=REPO,

@@ -110,6 +110,41 @@ def test_simulate_cli_writes_the_logs_only_with_the_flag(runner: CliRunner, tmp_
     assert len(_read(tmp_path / "yes" / "requests" / "homo_x1_seed0.csv")) == 100
 
 
+def test_a_reused_out_holds_only_this_runs_request_logs(runner: CliRunner, tmp_path: Path,
+                                                        profile_file: Path) -> None:
+    """Each run's DIR/requests/ is that run's alone. Before, a later run into the same --out
+    left an earlier run's logs there: another policy's (or rate's) beside its own, or every
+    one of them after a run without --requests, none of which matched results.json."""
+    out = tmp_path / "o"
+    args = ["simulate", "--gpus", "8", "--max-requests", "100", "--profile", str(profile_file),
+            "--out", str(out)]
+
+    def logs() -> list[str]:
+        return sorted(p.name for p in (out / "requests").iterdir())
+
+    def rows_logs() -> list[str]:
+        rows = json.loads((out / "results.json").read_text())
+        return sorted(log_name(r["policy"], r["rate_scale"], 0) for r in rows)
+
+    res = runner.invoke(app, [*args, "--policies", "homo,static", "--rate-scale", "1,2",
+                              "--requests"])
+    assert res.exit_code == 0, res.output
+    assert logs() == rows_logs() and len(logs()) == 4
+    res = runner.invoke(app, [*args, "--policies", "homo", "--requests"])
+    assert res.exit_code == 0, res.output
+    assert logs() == rows_logs() == ["homo_x1_seed0.csv"]
+    res = runner.invoke(app, [*args, "--policies", "homo"])
+    assert res.exit_code == 0, res.output
+    assert not (out / "requests").exists()
+    # Only our logs go: a file of the user's in requests/ stays, and so does the directory.
+    (out / "requests").mkdir()
+    (out / "requests" / "notes.txt").write_text("mine\n")
+    (out / "requests" / "static_x2_seed0.csv").write_text("stale\n")
+    res = runner.invoke(app, [*args, "--policies", "homo"])
+    assert res.exit_code == 0, res.output
+    assert logs() == ["notes.txt"]
+
+
 def test_a_records_split_adds_up_to_its_ttft() -> None:
     from sim.simulator import RequestRecord
 

@@ -10,8 +10,11 @@ import os
 import signal
 from pathlib import Path
 
-from live_up_support import REPO, alive, cli, run_cli
+from live_up_support import REPO, WAIT_S, alive, cli, run_cli
 
+from services.gateway.adapter import GatewayService
+from services.gateway.settings import GatewaySettings
+from shared.natsserver import EmbeddedNats
 from vertumnus.live.report import REQUIRED_KEYS
 from vertumnus.live.stack import LiveStack, UpConfig
 
@@ -116,3 +119,39 @@ async def test_an_interrupted_replay_reports_what_finished(tmp_path: Path) -> No
     assert data["interrupted"] is True
     # What finished before the Ctrl-C, of the ~6,000 the 3,000 s would have sent.
     assert 3 <= data["completed"] <= data["requests"] < 1000, data
+
+
+async def test_a_replay_in_which_no_request_completed_exits_1(
+        nats_server: EmbeddedNats, uniq: str, tmp_path: Path) -> None:
+    """A real gateway that refuses every prompt of the workload (413: longer than its
+    max_prompt_tokens): the replay reports, writes --json, and exits 1 with one line saying
+    that no request completed and why. Before, it exited 0 as if the run had been sound."""
+    gw = GatewayService(GatewaySettings(nats_url=nats_server.url, subject_prefix=uniq,
+                                        http_port=0, max_prompt_tokens=16))
+    task = asyncio.create_task(gw.run(handle_signals=False))
+    try:
+        started = asyncio.create_task(gw.started.wait())
+        done, _ = await asyncio.wait({started, task}, timeout=WAIT_S,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()  # the gateway's startup error
+        assert started in done, "the gateway did not start"
+        out = tmp_path / "replay.json"
+        proc = await asyncio.create_subprocess_exec(
+            *cli("replay", "--gateway", f"http://127.0.0.1:{gw.http_port}", "--trace",
+                 "synthetic", "--duration", "60", "--max-requests", "3", "--time-scale", "0.05",
+                 "--retry", "0", "--json", str(out), "--no-progress"),
+            cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 180)
+    finally:
+        gw.request_stop()
+        await asyncio.wait_for(task, WAIT_S)
+    err = stderr.decode()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: no request completed: all 3 requests failed"), err
+    assert "max_prompt_tokens" in last, last  # the gateway's 413, as the report has it
+    assert "TTFT" in stdout.decode()  # the report is out all the same
+    data = json.loads(out.read_text())
+    assert (data["requests"], data["completed"], data["failed"]) == (3, 0, 3)

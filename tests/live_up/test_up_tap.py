@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 
 import msgpack
@@ -109,3 +110,19 @@ async def test_a_reader_that_goes_away_ends_the_tap_quietly(nats_server: Embedde
     assert first.startswith("# listening on")
     assert proc.returncode == 0, err
     assert "cannot reach" not in err and "BrokenPipe" not in err and "Traceback" not in err
+
+
+def test_the_unreachable_server_is_named_without_its_password() -> None:
+    """A password in --nats is shown as *** when the server cannot be reached, by tap as by
+    status (before, both printed the URL as typed)."""
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"nats://vtm:s3cret-pw@127.0.0.1:{port}"
+    for args, code in ((["tap", "x.>", "--nats", url, "--timeout", "1"], 1),
+                       (["status", "--nats", url, "--timeout", "0.3"], 2)):
+        proc = subprocess.run(cli(*args), cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == code, proc.stderr
+        assert f"cannot reach NATS at nats://***@127.0.0.1:{port}" in proc.stderr
+        assert "s3cret" not in proc.stderr + proc.stdout

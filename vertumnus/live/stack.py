@@ -468,7 +468,7 @@ def load_requests(spec: str, *, duration_s: float, rate: float | None, seed: int
     (:class:`~sim.workloads.errors.TraceFormatError`), a rate or duration out of range,
     ``max_requests`` < 0. Callers turn it into their option's error before anything
     starts."""
-    from sim.workloads import generate, load_workload
+    from sim.workloads import detect_format, generate, load_workload
     from sim.workloads.workload import truncate
 
     if max_requests is not None and max_requests < 0:
@@ -482,13 +482,19 @@ def load_requests(spec: str, *, duration_s: float, rate: float | None, seed: int
         wl = generate(short_prompts(duration_s, rate or default_rate), seed=seed,
                       name="short")
     else:
-        wl = load_workload(spec, seed=seed, rate=rate)
+        # L-Eval has no arrival times: without a rate its Poisson arrivals come at the
+        # default rate, as the synthetic workloads' do (a timed trace keeps its own).
+        leval = rate is None and Path(spec).is_file() and detect_format(spec) == "leval"
+        wl = load_workload(spec, seed=seed, rate=default_rate if leval else rate)
         if len(wl) and duration_s:
             t0 = min(r.arrival_s for r in wl)
             wl = truncate(wl, start_s=t0, end_s=t0 + duration_s, rebase=True)
     reqs = list(wl)
     if max_requests:
         reqs = reqs[:max_requests]
+    if not reqs:
+        # Nothing to replay: said before anything starts, not after the stack is up.
+        raise InvalidInput(f"workload {spec!r} has no requests")
     return wl, reqs
 
 
