@@ -26,6 +26,7 @@ COMPARISON_KEYS: Final[tuple[str, ...]] = (
     "p90_ttft_s", "best_p90_baseline", "best_p90_ttft_s", "p90_change",
     "slo_attainment", "best_slo_baseline", "best_slo_attainment", "slo_points",
     "oracle_mean_ttft_s", "mean_over_oracle",
+    "failed", "strongest_failed", "best_p90_failed",
 )
 """The fields of one comparison row, in the order ``comparison.csv`` writes them.
 
@@ -37,6 +38,12 @@ COMPARISON_KEYS: Final[tuple[str, ...]] = (
 * ``best_slo_baseline`` / ``best_slo_attainment``: the baseline with the highest SLO
   attainment; ``slo_points``: the subject's attainment minus it, in percentage points.
 * ``mean_over_oracle``: the subject's mean over the zero-queue oracle's (1.0: at the limit).
+* ``failed`` / ``strongest_failed`` / ``best_p90_failed``: the requests that never completed
+  (the rows' ``failed``) of the subject, of the strongest baseline and of the best-P90 one.
+  Mean and percentiles are over completed requests only (a failed request has no TTFT; SLO
+  attainment counts it as a miss), so a policy that fails requests -- long ones its caches
+  cannot hold -- can show a lower mean than one that serves them: these say when a
+  comparison of means is one of different request sets.
 
 A figure that cannot be given is None: a metric no baseline has (null in results.json: a run
 with no completed request), or a ratio over a zero or missing denominator.
@@ -74,6 +81,18 @@ def strongest_baseline(rows: Iterable[Mapping[str, Any]], rate_scale: float,
         if best is None or (v > best_v if higher_is_better else v < best_v):
             best, best_v = r, v
     return best
+
+
+def _count(row: Mapping[str, Any]) -> int | None:
+    """``row["failed"]`` as an int >= 0; None where absent or not one (older rows)."""
+    v = row.get("failed")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _count_of(group: list[Mapping[str, Any]], policy: str | None) -> int | None:
+    """:func:`_count` of ``policy``'s row in ``group`` (None: no such policy)."""
+    row = next((r for r in group if r["policy"] == policy), None) if policy else None
+    return None if row is None else _count(row)
 
 
 def _change(v: float | None, b: float | None) -> float | None:
@@ -134,6 +153,9 @@ def compare_with_baselines(rows: Iterable[Mapping[str, Any]], subject: str | Non
             "oracle_mean_ttft_s": oracle,
             "mean_over_oracle": None if mean is None or oracle is None or oracle <= 0
             else mean / oracle,
+            "failed": _count(v),
+            "strongest_failed": _count_of(group, s_pol),
+            "best_p90_failed": _count_of(group, p_pol),
         })
     return out
 

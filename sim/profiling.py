@@ -523,14 +523,20 @@ def ramp_pools(ramp: KappaRamp, degrees: Sequence[int], pool_gpus: int | None
 
 def trace_kappa_key(profile: Profile, workload: Workload, *, degrees: Sequence[int], seed: int,
                     ramp: KappaRamp = TRACE_KAPPA_RAMP, replay_arrivals: bool = True,
-                    noise_sigma: float = 0.04, pool_gpus: int | None = None) -> str:
-    """A digest of everything :func:`trace_kappa`'s result depends on (the cache file name)."""
+                    noise_sigma: float = 0.04, pool_gpus: int | None = None,
+                    truth: GroundTruth = DEFAULT_GROUND_TRUTH) -> str:
+    """A digest of everything :func:`trace_kappa`'s result depends on (the cache file name),
+    ``truth`` (the hardware the ramp runs) included."""
     import hashlib
 
     pools = ramp_pools(ramp, _check_degrees(degrees), pool_gpus)
     # Pools the ramp's own size: the key of a cache written before pools could be smaller.
-    extra = [] if all(n == ramp.pool_workers for n in pools.values()) else \
+    extra: list[Any] = [] if all(n == ramp.pool_workers for n in pools.values()) else \
         [{"pools": {str(c): n for c, n in sorted(pools.items())}}]
+    if truth != DEFAULT_GROUND_TRUTH:
+        # Its every field: the surroundings (first decode, hand-off) change TTFT, so κ, and
+        # not Ê. The default adds nothing: the key of a cache written before is kept.
+        extra.append({"truth": asdict(truth)})
 
     lengths, gaps, reused = _trace_arrays(workload)
     h = hashlib.sha256()
@@ -551,13 +557,14 @@ def trace_kappa_key(profile: Profile, workload: Workload, *, degrees: Sequence[i
 def cached_trace_kappa(
     profile: Profile, workload: Workload, cache_dir: str | Path, *, degrees: Sequence[int],
     seed: int = 0, ramp: KappaRamp = TRACE_KAPPA_RAMP, replay_arrivals: bool = True,
-    pool_gpus: int | None = None,
+    pool_gpus: int | None = None, truth: GroundTruth = DEFAULT_GROUND_TRUTH,
 ) -> tuple[Profile, dict[str, Any]]:
-    """:func:`trace_kappa`, cached as ``cache_dir/kappa_<key>.json`` (the report, κ included);
-    a later sweep of the same trace, profile and settings reads κ back instead of re-measuring.
+    """:func:`trace_kappa` on ``truth``'s hardware (the sweep's: Ê is fitted on it too),
+    cached as ``cache_dir/kappa_<key>.json`` (the report, κ included); a later sweep of the
+    same trace, profile, hardware and settings reads κ back instead of re-measuring.
     """
     key = trace_kappa_key(profile, workload, degrees=degrees, seed=seed, ramp=ramp,
-                          replay_arrivals=replay_arrivals, pool_gpus=pool_gpus)
+                          replay_arrivals=replay_arrivals, pool_gpus=pool_gpus, truth=truth)
     path = Path(cache_dir) / f"kappa_{key}.json"
     damaged: str | None = None
     if path.is_file():
@@ -572,7 +579,8 @@ def cached_trace_kappa(
             return replace(profile.with_kappa(kappas), window_s=ramp.window_s,
                            kappa_pooled=True), report
     prof, report = trace_kappa(profile, workload, degrees=degrees, seed=seed, ramp=ramp,
-                               replay_arrivals=replay_arrivals, pool_gpus=pool_gpus)
+                               replay_arrivals=replay_arrivals, pool_gpus=pool_gpus,
+                               truth=truth)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {**report, "key": key}
     write_text_atomic(path, json.dumps(report, indent=1, default=_json_default) + "\n")

@@ -188,11 +188,13 @@ def obtain_trace_profile(out: Path, degrees: Sequence[int], seed: int, workload:
     from sim.profiling import PROFILE_FILE, TRACE_KAPPA_RAMP, cached_trace_kappa, run_profile
 
     degs = sorted(set(degrees))
+    truth = truth or GroundTruth()
+    # Ê and κ on the same hardware (κ's ramp replays the trace on `truth`'s machine).
     fitted, _ = run_profile(out / "profile", degrees=sorted(set(degrees) | {1}), seed=seed,
-                            measure_kappas=False, truth=truth or GroundTruth(),
-                            per_degree=per_degree)
+                            measure_kappas=False, truth=truth, per_degree=per_degree)
     prof, report = cached_trace_kappa(fitted, workload, out / "profile", degrees=degs, seed=seed,
-                                      ramp=replace(TRACE_KAPPA_RAMP, slo=slo), pool_gpus=gpus)
+                                      ramp=replace(TRACE_KAPPA_RAMP, slo=slo), pool_gpus=gpus,
+                                      truth=truth)
     prof.save(out / "profile" / PROFILE_FILE)
     return prof, report
 
@@ -795,7 +797,7 @@ def trace_profiles_by_size(out: Path, degrees: Sequence[int], seed: int, workloa
         if pools not in by_pools:
             by_pools[pools], _ = cached_trace_kappa(fitted, workload, out / "profile",
                                                     degrees=degs, seed=seed, ramp=ramp,
-                                                    pool_gpus=g)
+                                                    pool_gpus=g, truth=truth)
         profiles[g] = by_pools[pools]
         info["by_size"][str(g)] = {"pool_workers": {str(c): n for c, n in pools},
                                    "kappa": {str(c): k for c, k in profiles[g].kappa.items()}}
@@ -1208,6 +1210,16 @@ def _comparison_table(comparison: Sequence[Mapping[str, Any]]) -> Any:
                   c["best_p90_baseline"] or "-", _pct(c["p90_change"]),
                   _fmt(c["slo_attainment"], ".1f", 100), c["best_slo_baseline"] or "-",
                   _fmt(c["slo_points"], "+.1f"), _fmt(c["mean_over_oracle"], ".2f"))
+    failing = [c for c in comparison
+               if any(c.get(k) for k in ("failed", "strongest_failed", "best_p90_failed"))]
+    if failing:
+        # Means and percentiles are over completed requests: say where the sides differ.
+        t.caption = "failed requests (mean and P90 are over the completed ones): " + "; ".join(
+            f"×{c['rate_scale']:g} {c['subject']} {c.get('failed') or 0}, "
+            f"{c['strongest_baseline']} {c.get('strongest_failed') or 0}"
+            + (f", {c['best_p90_baseline']} {c.get('best_p90_failed') or 0}"
+               if c.get("best_p90_baseline") not in (None, c["strongest_baseline"]) else "")
+            for c in failing)
     return t
 
 

@@ -140,3 +140,20 @@ def test_compare_sizes() -> None:
     c = compare_sizes([{"policy": "vertumnus", "gpus": 8}, {"policy": "homo", "gpus": None}])
     assert (c["best_baseline"], c["best_gpus"], c["saved_gpus"]) == (None, None, None)
     assert compare_sizes([{"policy": "homo", "gpus": 8}]) is None
+
+
+def test_failed_requests_are_shown_beside_the_means() -> None:
+    """Mean and P90 are over completed requests: a baseline that fails requests can look
+    stronger than one that serves them. The comparison row carries the failed counts of
+    the subject and of the baselines it names (None for rows without them)."""
+    rows = [
+        {**_row("vertumnus", 2.0, 0.5, 0.9, 0.9), "failed": 1},
+        {**_row("homo_cp2", 2.0, 0.35, 0.53, 0.49), "failed": 25},  # fails the long ones
+        {**_row("homo", 2.0, 0.45, 0.8, 0.68), "failed": 6},
+    ]
+    (c,) = compare_with_baselines(rows)
+    assert (c["strongest_baseline"], c["best_p90_baseline"]) == ("homo_cp2", "homo_cp2")
+    assert (c["failed"], c["strongest_failed"], c["best_p90_failed"]) == (1, 25, 25)
+    (old,) = compare_with_baselines([_row("vertumnus", 1.0, 0.5, 0.9, 0.9),
+                                     _row("homo", 1.0, 0.6, 1.0, 0.9)])
+    assert (old["failed"], old["strongest_failed"], old["best_p90_failed"]) == (None,) * 3

@@ -263,3 +263,29 @@ def test_run_profile_refuses_kappa_degrees_it_does_not_fit(tmp_path: Path) -> No
     with pytest.raises(InvalidInput, match=r"κ degrees \[8\] are not among"):
         run_profile(tmp_path / "p", degrees=(1, 2), kappa_degrees=(2, 8), kappa_pool_gpus=8)
     assert not (tmp_path / "p").exists()
+
+
+def test_kappa_is_measured_on_the_sweeps_hardware(tmp_path: Path) -> None:
+    """κ on the trace is measured on the ground truth the sweep runs (its hardware), as Ê is
+    fitted on it; before, the cached ramp always ran the default H20 truth, so a sweep of
+    another GPU judged capacity by the wrong machine's κ. The hardware is in the cache key
+    (the default's key is unchanged: caches written before stay valid)."""
+    from sim.groundtruth import H200, GroundTruth, Surroundings
+
+    ramp = KappaRamp(min_requests_per_level=400, load_step=0.1, pool_workers=2)
+    wl = _bursty(30, 2, 1.0)
+    h200 = GroundTruth(gpu=H200)
+    got, _ = cached_trace_kappa(DEFAULT_PROFILE, wl, tmp_path, degrees=(2,), ramp=ramp,
+                                truth=h200)
+    want, _ = trace_kappa(DEFAULT_PROFILE, wl, degrees=(2,), ramp=ramp, truth=h200)
+    assert got.kappa == want.kappa
+    default, _ = trace_kappa(DEFAULT_PROFILE, wl, degrees=(2,), ramp=ramp)
+    assert want.kappa != default.kappa  # the test can tell the two machines apart
+    key = trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2,), seed=0, ramp=ramp)
+    assert key == trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2,), seed=0, ramp=ramp,
+                                  truth=GroundTruth())
+    slow_decode = GroundTruth(surroundings=Surroundings(first_decode_s=0.3))
+    assert len({key, trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2,), seed=0, ramp=ramp,
+                                     truth=h200),
+                trace_kappa_key(DEFAULT_PROFILE, wl, degrees=(2,), seed=0, ramp=ramp,
+                                truth=slow_decode)}) == 3
