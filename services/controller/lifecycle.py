@@ -513,6 +513,27 @@ class EpochProtocol:
             r.drained_at = now
         return StartResult(rid, tuple(redirected), drained)
 
+    def in_flight_found(
+        self, worker: WorkerId, requests: Collection[RequestId], now: float
+    ) -> None:
+        """More requests executing on the draining source ``worker``, awaited like those given
+        to :meth:`start` (through :meth:`finished`). :meth:`start` takes what the source
+        reported *before* it stopped admitting; a request that started in between is found
+        only once the source has stopped (the adapter asks again). Ids already awaited are
+        ignored. :class:`IllegalTransition` unless ``worker`` is draining (nothing is found
+        on a source that is parked, aborted or failed)."""
+        w = self._worker(worker)
+        now = _check_now(now)
+        if isinstance(requests, (str, bytes)) or not isinstance(requests, Collection):
+            raise InvalidInput(f"requests of {worker} must be a collection of ids")
+        if w.state is not Lifecycle.DRAINING or w.reconf is None:
+            raise IllegalTransition(f"{worker} is not a draining source")
+        r = self._reconfs[w.reconf]
+        _check_now(now, r.last_t)
+        # -- mutate ---------------------------------------------------------------------
+        r.in_flight[worker] |= set(requests)
+        r.last_t = now
+
     def finished(self, worker: WorkerId, request: RequestId, now: float) -> DrainProgress:
         """A request left ``worker`` (completed or failed). Only draining sources care;
         for any other worker, or an untracked / repeated request, this is a no-op."""

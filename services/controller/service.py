@@ -27,7 +27,9 @@ worker-state KV (watch)                  per-worker outstanding work (drain esti
                                          whose state shows an empty queue under the drain record
                                          has finished its in-flight work
 ``{prefix}.result.*`` (FirstToken)       ``protocol.finished(worker, request)`` for draining sources
-``{prefix}.epoch.ack.*`` (EpochAck)      ``protocol.ack`` for ranks of committed targets
+``{prefix}.epoch.ack.*`` (EpochAck)      ``protocol.ack`` for ranks of committed targets; a
+                                         draining source's ack of its drain record: it
+                                         stopped admitting (step 3)
 =======================================  ==========================================================
 
 Carrying out a plan (one or more splits and merges on disjoint workers, ``max_ops``):
@@ -38,8 +40,8 @@ Carrying out a plan (one or more splits and merges on disjoint workers, ``max_op
    worker redirects its own queue when it adopts the drain record), and one opaque in-flight
    marker if its ``queue_len`` > 0, resolved when its state shows an empty queue.
 2. *Drain.* ``core.start(op, ...)`` for every operation; then **one drain record** — the
-   current composition with the sources of all of them DRAINING (parked ones SWITCHING) under
-   the next record epoch — is written with compare-and-set (``kv.update(key, value,
+   current composition with the sources of all of them DRAINING (none is parked yet: step 3)
+   under the next record epoch — is written with compare-and-set (``kv.update(key, value,
    last=revision)``). Rank daemons adopting it stop admitting and hand their queued requests
    back to intake (``Nats-Msg-Id`` ``{source}>{worker}``, rankd's ``handback_msg_id``); since
    every source of the plan stops in the same record, no redirected request is re-placed on a
@@ -53,15 +55,23 @@ Carrying out a plan (one or more splits and merges on disjoint workers, ``max_op
    ReconfigurationEvent (phase ``draining``) are published. From here each operation is its
    own reconfiguration of the epoch protocol (which commits disjoint operations under
    epochs of their own), exactly as the simulator times them:
-3. *Commit.* When every source of an operation drained: ``protocol.switch_started`` and the
+3. *Stopped.* The answers of step 1 predate the drain record, and a source admits and starts
+   requests until it adopts that record: no source counts as drained -- however idle its
+   answer -- before it shows it stopped admitting (``STOP_MARKER`` awaited from step 2): its
+   EpochAck of the drain record (or a later one), or its WorkerState under it. Its queue is
+   then asked again; what it lists in flight is awaited too (``protocol.in_flight_found``;
+   unanswered: judged from its state, as in step 1). A state under the drain record with an
+   empty queue settles the source at once. Before, an idle answer committed the switch right
+   after the drain record, under a request the source had started in between.
+4. *Commit.* When every source of an operation drained: ``protocol.switch_started`` and the
    **commit record** (sources gone, targets SWITCHING) is written by compare-and-set. The
    adapter remembers the record epoch of the commit: ranks acknowledge record epochs, the
    protocol counts its own.
-4. *Acks.* An EpochAck for a rank of a committed target, naming the commit's record epoch or
+5. *Acks.* An EpochAck for a rank of a committed target, naming the commit's record epoch or
    a later record (a rank that finished switching after another operation's commit adopts
    that one), is passed to ``protocol.ack``; acks of untouched workers (ranks ack every record
    they adopt) and of earlier records are ignored.
-5. *Expose.* When every rank acknowledged: the **exposure record** (targets ACTIVE) is written
+6. *Expose.* When every rank acknowledged: the **exposure record** (targets ACTIVE) is written
    by compare-and-set, then ``protocol.exposed``; the CompositionNotice and the
    ReconfigurationEvent (phase ``exposed``, with drain and switch times) are published.
 
@@ -217,11 +227,16 @@ from shared.worker import GpuGroup, Lifecycle, WorkerKind
 
 VERSION: Final[str] = "0.1.0"
 INFLIGHT_MARKER: Final[str] = "~in-flight"
+"""Request id standing for "whatever runs there" when a source did not list its work."""
+STOP_MARKER: Final[str] = "~until-stopped"
+"""Request id standing for "whatever a source starts until it stops admitting": awaited on
+every source from the drain's start, resolved once the source shows it adopted the drain
+record (:meth:`ControllerService._confirm_stopped`). Its queue was asked before the drain
+record existed, and it admits and starts requests until it adopts that record."""
 WORKERS_SETTLE_S: Final[float] = 2.0
 """How long a controller that finds workers ahead of its record waits for the rest of their
 states before rebuilding the record from them (each worker publishes its state again within
 about a heartbeat of a server's restart)."""
-"""Request id standing for "whatever runs there" when a source did not list its work."""
 _WRITE_ERRORS: Final = (nats.errors.Error, TimeoutError)
 """What a record write or read may raise besides a lost compare-and-set (LostLeadership):
 JetStream unavailable, no stream, a timeout (nats.js.errors.Error is a nats.errors.Error)."""
@@ -864,6 +879,12 @@ class ControllerService(MicroService):
         self._commit_epoch: dict[int, int] = {}
         self._drain_epoch: dict[int, int] = {}
         self._awaiting: dict[int, dict[WorkerId, set[RequestId]]] = {}
+        # A source's results seen while it has not shown that it stopped admitting (its
+        # STOP_MARKER awaited), by (reconfiguration, source): the queue asked once it stopped
+        # may still list them (_confirm_stopped). Only that short while, so a few ids.
+        self._done_unconfirmed: dict[tuple[int, WorkerId], set[RequestId]] = {}
+        # (reconfiguration, source) -> its _confirm_stopped task while one runs.
+        self._confirming: dict[tuple[int, WorkerId], asyncio.Task[None]] = {}
         self._states: dict[str, WorkerState] = {}
         # Worker id -> record epoch of the commit that (last) created a worker of that id. A
         # state of an earlier epoch is its predecessor's (merged back, split back): never the
@@ -899,6 +920,8 @@ class ControllerService(MicroService):
             "acks": 0,
             "acks_ignored": 0,
             "acks_rejected": 0,
+            "drain_acks": 0,  # a draining source's acks of its drain record (it stopped)
+            "drains_confirmed": 0,  # sources whose work left was asked once they stopped
             "finished": 0,
             "aborted": 0,
             "reannounced": 0,
@@ -1052,7 +1075,8 @@ class ControllerService(MicroService):
             )
 
         async def teardown() -> None:
-            await cancel_and_wait(self._tasks, self.log)  # re-cancels (shared/tasks.py)
+            # re-cancels (shared/tasks.py)
+            await cancel_and_wait([*self._tasks, *self._confirming.values()], self.log)
             for w in watchers:
                 with contextlib.suppress(Exception):
                     await w.stop()
@@ -1218,6 +1242,12 @@ class ControllerService(MicroService):
         self._commit_epoch = {record.epoch: record.epoch}
         self._drain_epoch.clear()
         self._awaiting.clear()
+        # Reconfiguration ids start over with the new core: a confirmation of the old one's
+        # must not settle a new one of the same id (each also checks its core).
+        self._done_unconfirmed.clear()
+        for task in self._confirming.values():
+            task.cancel()
+        self._confirming.clear()
         self._floor = 0.0
         self.set_metadata(epoch=str(record.epoch), composition=comp.describe())
         self.log.info(
@@ -1448,16 +1478,23 @@ class ControllerService(MicroService):
         return protocol_worker_id(worker_id)
 
     async def _state_drained(self, state: WorkerState) -> None:
-        """A draining source whose state (under the drain record) shows nothing left."""
-        if state.lifecycle is Lifecycle.ACTIVE or state.queue_len > 0:
+        """A draining source whose state (under the drain record: it stopped admitting)
+        shows nothing left; one that shows work left has its queue asked again
+        (:meth:`_confirm_stopped`), unless that was done."""
+        if state.lifecycle is Lifecycle.ACTIVE:
             return
+        wid = self._pid(state.worker_id)
         async with self._lock:
             for rid, per_worker in list(self._awaiting.items()):
-                left = per_worker.get(self._pid(state.worker_id))
+                left = per_worker.get(wid)
                 if not left or state.epoch < self._drain_epoch.get(rid, 0):
                     continue
+                if state.queue_len > 0:
+                    if STOP_MARKER in left:
+                        self._confirm(rid, wid)
+                    continue
                 for req in list(left):
-                    await self._finished(self._pid(state.worker_id), req)
+                    await self._finished(wid, req)
 
     async def _maybe_recover(self, state: WorkerState) -> None:
         """A failed worker heartbeats again: re-admit it under a fresh epoch."""
@@ -1538,12 +1575,17 @@ class ControllerService(MicroService):
     async def _finished(self, worker: WorkerId, request: RequestId) -> None:
         """protocol.finished + commit when the reconfiguration drained (lock held)."""
         assert self.core is not None
-        for per_worker in list(self._awaiting.values()):
+        for rid, per_worker in list(self._awaiting.items()):
             left = per_worker.get(worker)
-            if left is None or request not in left:
+            if left is None:
+                continue
+            if request not in left:
+                if STOP_MARKER in left:  # its queue, asked once it stopped, may list it
+                    self._done_unconfirmed.setdefault((rid, worker), set()).add(request)
                 continue
             left.discard(request)
-            self.counters["finished"] += 1
+            if request != STOP_MARKER:
+                self.counters["finished"] += 1
             try:
                 progress = self.core.protocol.finished(worker, request, self.now())
             except VertumnusError as exc:
@@ -1574,6 +1616,8 @@ class ControllerService(MicroService):
             self.counters["acks_ignored"] += 1
             return
         w = proto.worker(wid)
+        if self._source_stopped(wid, ack):
+            return
         # Ranks acknowledge every record they adopt; only an ack for a target that is still
         # switching counts, naming its commit record or a later one. A later one counts
         # because a rank ready only after the next record was written (another operation of
@@ -1606,6 +1650,73 @@ class ControllerService(MicroService):
         if res.ready is not None:
             await self._publish_reconf(proto.reconfiguration(res.ready))
             await self._expose(res.ready)
+
+    def _source_stopped(self, wid: WorkerId, ack: EpochAck) -> bool:
+        """Whether ``ack`` is a draining source's for its drain record or a later one, while
+        it is awaited until it stopped (STOP_MARKER): ranks acknowledge every record they
+        adopt as a member, and a source adopting the drain record stops admitting. Its queue
+        is then asked again (:meth:`_confirm_stopped`). Lock held."""
+        last = self.record.epoch if self.record is not None else -1
+        if wid != self._pid(ack.worker_id) or ack.epoch > last:
+            return False
+        hit = False
+        for rid, per_worker in self._awaiting.items():
+            left = per_worker.get(wid)
+            if left is not None and STOP_MARKER in left \
+                    and ack.epoch >= self._drain_epoch.get(rid, last + 1):
+                self._confirm(rid, wid)
+                hit = True
+        if hit:
+            self.counters["drain_acks"] += 1
+        return hit
+
+    def _confirm(self, rid: int, wid: WorkerId) -> None:
+        """Start :meth:`_confirm_stopped` for source ``wid`` of ``rid`` unless it runs."""
+        key = (rid, wid)
+        if key not in self._confirming:
+            task = asyncio.create_task(self._confirm_stopped(rid, wid), name="ctl-stopped")
+            self._confirming[key] = task
+            task.add_done_callback(lambda t, k=key: self._forget_confirm(k, t))
+
+    def _forget_confirm(self, key: tuple[int, WorkerId], task: asyncio.Task[None]) -> None:
+        if self._confirming.get(key) is task:
+            del self._confirming[key]
+        if not task.cancelled() and task.exception() is not None:
+            self.counters["errors"] += 1
+            self.log.error("drained source not confirmed", reconfiguration=key[0],
+                           worker=key[1], error=repr(task.exception()))
+
+    async def _confirm_stopped(self, rid: int, wid: WorkerId) -> None:
+        """Source ``wid`` of ``rid`` adopted the drain record (its ack or its state says so):
+        it admits nothing more, so what executes there now is all that is left of it. Its
+        queue is asked again (the lock is not held meanwhile); the requests it lists as in
+        flight (but those whose result came meanwhile) are awaited with the ones asked before
+        the drain, and its STOP_MARKER is resolved: once all are done, it is drained.
+        Unanswered, it is judged from its WorkerState as at the drain's start (one opaque
+        marker if its queue is not empty, resolved by an empty state under the drain record).
+        Before, the answer given before the drain record was final: a request the source
+        started after it was never waited for, and the switch could commit under it."""
+        core = self.core
+        _, found = await self._queues(wid)
+        async with self._lock:
+            left = self._awaiting.get(rid, {}).get(wid)
+            if core is None or self.core is not core or left is None or STOP_MARKER not in left:
+                return  # committed, aborted, rebuilt, or confirmed by an empty state meanwhile
+            found = found - self._done_unconfirmed.pop((rid, wid), set()) - left
+            for key in [k for k in self._done_unconfirmed if k[0] not in self._awaiting]:
+                del self._done_unconfirmed[key]  # of reconfigurations that ended unconfirmed
+            if found:
+                try:
+                    core.protocol.in_flight_found(wid, found, self.now())
+                except VertumnusError as exc:
+                    self.log.warning("requests found on a source rejected", worker=wid,
+                                     error=str(exc))
+                    return
+                left |= found
+            self.counters["drains_confirmed"] += 1
+            self.log.info("drain source stopped admitting", reconfiguration=rid, worker=wid,
+                          in_flight=sorted(left - {RequestId(STOP_MARKER)}))
+            await self._finished(wid, RequestId(STOP_MARKER))
 
     # -- the tick and the plan ----------------------------------------------------------------
 
@@ -1693,11 +1804,15 @@ class ControllerService(MicroService):
         answers = await asyncio.gather(*(self._queues(wid) for wid in sources))
         queued = {wid: q for wid, (q, _) in zip(sources, answers, strict=True)}
         in_flight = {wid: f for wid, (_, f) in zip(sources, answers, strict=True)}
+        # NOTE: the answers predate the drain record: until a source adopts it, it admits and
+        # starts requests. Each source is awaited until it shows it stopped (STOP_MARKER,
+        # _confirm_stopped), so no source is drained -- and no commit written -- before then.
+        awaited = {wid: {*f, RequestId(STOP_MARKER)} for wid, f in in_flight.items()}
         now = self.now()
         started: list[tuple[Plan, StartResult]] = []
         for plan in plans:
             try:
-                started.append((plan, core.start(plan, now, queued=queued, in_flight=in_flight)))
+                started.append((plan, core.start(plan, now, queued=queued, in_flight=awaited)))
             except VertumnusError as exc:
                 self.log.warning("operation could not start", error=str(exc), plan=plan.to_dict())
         if core.pending_plans:  # the ones that could not start: the next plan re-judges
@@ -1725,7 +1840,7 @@ class ControllerService(MicroService):
         for plan, res in started:
             rid = res.reconfiguration
             self._drain_epoch[rid] = record.epoch
-            self._awaiting[rid] = {w: set(in_flight[w]) for w in plan.source_ids if in_flight[w]}
+            self._awaiting[rid] = {w: set(awaited[w]) for w in plan.source_ids}
             notice = DrainNotice(
                 reconfiguration=rid,
                 kind=plan.kind.value,
@@ -1744,9 +1859,6 @@ class ControllerService(MicroService):
             recon = core.protocol.reconfiguration(rid)
             await self._publish_reconf(recon)
             self.log.info("reconfiguration started", plan=rids, **recon.to_dict())
-        for _, res in started:
-            if res.drained and self.core is core:
-                await self._commit(res.reconfiguration)
 
     async def _landed(self, record: EpochRecord) -> bool:
         """Whether ``record``, whose write raised a JetStream error (a timeout after the
@@ -1812,7 +1924,7 @@ class ControllerService(MicroService):
         return [], ({RequestId(INFLIGHT_MARKER)} if busy else set())
 
     async def _commit(self, rid: int) -> None:
-        """Step 3: every source drained → commit record (lock held)."""
+        """Step 4: every source drained → commit record (lock held)."""
         core = self.core
         assert core is not None
         self._awaiting.pop(rid, None)
@@ -1836,7 +1948,7 @@ class ControllerService(MicroService):
         self.log.info("epoch committed", record_epoch=record.epoch, **recon.to_dict())
 
     async def _expose(self, rid: int) -> None:
-        """Step 5: all ranks acknowledged → exposure record, then protocol.exposed."""
+        """Step 6: all ranks acknowledged → exposure record, then protocol.exposed."""
         core = self.core
         assert core is not None
         proto = core.protocol
@@ -1891,7 +2003,7 @@ class ControllerService(MicroService):
             self.log.warning("reconfiguration aborted: drain timeout", **aborted.to_dict())
 
     async def _resume_stalled(self) -> None:
-        """Steps 3-5's safety net, when no record was written for ``ack_timeout_s``.
+        """Steps 4-6's safety net, when no record was written for ``ack_timeout_s``.
 
         * Ranks acknowledge with plain NATS messages (at most once): an ack lost on the way (a
           reconnect, a slow consumer) would leave its worker switching for ever, its GPUs

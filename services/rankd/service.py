@@ -63,7 +63,9 @@ Per process (one worker, its leader rank, for now):
   answered 410 once intake acknowledges it, 425 otherwise.
 * a backend error is answered by its kind. :class:`~shared.ids.InvalidInput` (the request's
   fault: nothing ran) and any other unexpected exception: an error FirstToken
-  (``prefill failed: ...``) for that request, and the worker serves on.
+  (``prefill failed: ...``) for that request, and the worker serves on; so is an
+  ``asyncio.CancelledError`` the backend raises while nothing cancels the executor (e.g. an
+  internal future of its cancelled under it): only a stop's cancel ends the executor.
   :class:`~shared.ids.WorkerFault` (the worker's fault: a rank process died, the torch world
   is broken — :class:`~services.rankd.torch_world.WorldBroken`): no answer to anyone; the
   worker hands back the request that met it (it becomes a redirect, not a finish) and every
@@ -75,7 +77,11 @@ Per process (one worker, its leader rank, for now):
   manager re-admit it). A cache command whose engine step meets one does the same (and is
   answered 409), and so does a fault reported by the backend's optional ``health()`` probe
   (every :data:`HEALTH_PERIOD_S`; the running request, if any, then finishes or meets the
-  fault itself). In a rank host every worker of the host follows (:mod:`services.rankd.host`).
+  fault itself), and so does the request executor's end while the service is not stopping
+  (an exception out of taking the next job, a BaseException out of the backend: the running
+  request is handed back too; :meth:`RankdService._executor_ended`) -- before, the worker
+  went on admitting and heartbeating with nothing left to run its queue. In a rank host
+  every worker of the host follows (:mod:`services.rankd.host`).
 * shutdown (SIGINT/SIGTERM): stop admitting, redirect queued requests and wait for every
   outstanding redirect (bounded by ``redirect_timeout_s``) while the running request finishes
   (bounded by ``drain_timeout_s``), publish a final UNAVAILABLE state, drain. The waits come
@@ -182,6 +188,7 @@ from shared.worker import Lifecycle
 
 VERSION: Final[str] = "0.1.0"
 WATCH_TASK: Final[str] = "rankd-epochs"
+EXECUTOR_TASK: Final[str] = "rankd-executor"
 REDIRECT_WINDOW: Final[int] = 64
 """Redirect publishes awaiting their JetStream acks at once (pipelined, queue order kept)."""
 REDIRECT_ATTEMPT_S: Final[float] = 2.0
@@ -632,8 +639,10 @@ class RankdService(MicroService):
             await self._adopt_payload(entry.value)
         watcher = await KvWatch(self.nc, epochs, self.subjects.epoch_key()).start()
 
+        executor = asyncio.create_task(self._executor(), name=EXECUTOR_TASK)
+        executor.add_done_callback(self._executor_ended)
         tasks = [
-            asyncio.create_task(self._executor(), name="rankd-executor"),
+            executor,
             asyncio.create_task(self._publisher(), name="rankd-state"),
             asyncio.create_task(self._watch_epochs(watcher), name=WATCH_TASK),
             # Acks that failed during the adoption above are waiting for it already.
@@ -753,6 +762,34 @@ class RankdService(MicroService):
                         self._idle.set()
                         self._dirty.set()
 
+    def _executor_ended(self, task: asyncio.Task[None]) -> None:
+        """The executor task ended (its done callback). Only a stop ends it: before, one that
+        died on its own (an exception out of :meth:`_next_job`, a BaseException out of a
+        backend that the per-request handling does not take) left the worker admitting
+        requests and publishing ACTIVE heartbeats while nothing ran them any more, its failure
+        seen at the stop at best. Now, while the service is not stopping, it is a worker fault
+        (:meth:`fail`): the running request, which will never finish here, and the queued
+        ones are handed back, the worker becomes UNAVAILABLE and stops, and :meth:`run`
+        raises the fault so the supervisor restarts the process. During a stop it is only
+        logged (the stop fails a request still running, ``_shutdown``).
+
+        A cancelled executor (``cancelling()`` counts the cancels requested, and stays so once
+        it ended) ended as it should: :meth:`_shutdown` cancels it (and so does the event
+        loop's end). A CancelledError nobody requested, raised inside it, does not count."""
+        if task.cancelling() > 0:
+            return
+        cause: BaseException | None = (
+            asyncio.CancelledError("raised in the executor, which nobody cancelled")
+            if task.cancelled() else task.exception())
+        if self.stopping:
+            self.log.error("request executor ended during the stop", worker=self.core.worker_id,
+                           error=repr(cause))
+            return
+        self.log.error("request executor ended while serving; failing the worker",
+                       worker=self.core.worker_id, error=repr(cause),
+                       exc_info=cause if cause is not None else False)
+        self.fail(WorkerFault(f"request executor ended: {cause!r}"), running=self.core.running)
+
     async def _next_job(self) -> Job | None:
         """The next job to run (None: nothing to start now), once the pull its assignment
         counted on has landed or was waited for long enough (:meth:`WorkerCore.pull_hold`)."""
@@ -817,10 +854,17 @@ class RankdService(MicroService):
         with span_cm as span:
             try:
                 result = await self.backend.prefill(a)
-            except asyncio.CancelledError:
-                span.set_status(Status(StatusCode.ERROR, "cancelled (worker stopping)"))
-                span.end()
-                raise
+            except asyncio.CancelledError as exc:
+                if _cancel_requested():  # this task was cancelled: the worker stops
+                    span.set_status(Status(StatusCode.ERROR, "cancelled (worker stopping)"))
+                    span.end()
+                    raise
+                # Nobody cancelled this task: the backend raised it (e.g. an internal future
+                # of its was cancelled under it). The request's failure, as any exception of
+                # one prefill; re-raised, it would end the executor (a worker fault,
+                # _executor_ended).
+                self._prefill_failed(job, span, exc, "prefill failed: cancelled in the backend")
+                return
             except WorkerFault as exc:
                 # Not the request's fault: it goes back to intake (with the queue), no answer.
                 span.record_exception(exc)
@@ -829,14 +873,13 @@ class RankdService(MicroService):
                 self.fail(exc, running=job)
                 return
             except Exception as exc:
+                self._prefill_failed(job, span, exc, f"prefill failed: {exc}")
+                return
+            except BaseException as exc:  # nothing a request answers: the executor ends
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 span.end()
-                if not isinstance(exc, InvalidInput):
-                    self.log.exception("prefill failed", request_id=job.request_id)
-                self.core.finish(job.request_id, ok=False)
-                self._publish_failure(job, f"prefill failed: {exc}")
-                return
+                raise
             span.set_attribute("vtm.modelled_prefill_s", result.modelled_prefill_s)
             span.set_attribute("vtm.actual_prefill_s", result.prefill_s)  # wall
             # In the unit of vtm.predicted_s: the wall figure alone is time_scale × off.
@@ -853,6 +896,17 @@ class RankdService(MicroService):
         self.core.finish(job.request_id, ok=True)
         await self._deliver_result(job, result)
         await self._publish_cache_events()
+
+    def _prefill_failed(self, job: Job, span: Span, exc: BaseException, reason: str) -> None:
+        """``job``'s prefill raised ``exc``, the request's failure (not a worker fault): end
+        its span, answer it with an error FirstToken (``reason``); the worker serves on."""
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        span.end()
+        if not isinstance(exc, InvalidInput):
+            self.log.exception("prefill failed", request_id=job.request_id)  # in its except
+        self.core.finish(job.request_id, ok=False)
+        self._publish_failure(job, reason)
 
     async def _deliver_result(self, job: Job, result: PrefillResult) -> None:
         """Publish the first token now, or at ``result.finished_at_s`` when the backend freed
