@@ -11,6 +11,8 @@ lies in that range, all on one NATS connection:
   composition are stopped: each has already adopted the record as UNAVAILABLE and handed its
   queue back to intake; its stop waits until intake has acknowledged every redirect (bounded
   by ``redirect_timeout_s``) and its running request has finished (``drain_timeout_s``);
+  a worker id that a record re-creates while its previous instance still stops is started
+  once that instance has ended, after the record's other new workers (which do not wait);
 * a worker of the record that this host cannot build (InvalidInput: e.g. a TP worker whose id
   is no lattice id, or one the backend does not run) is logged and skipped; the record's
   other workers start all the same.
@@ -66,7 +68,7 @@ from services.rankd.settings import RankdSettings
 from shared.ids import BlockHash, InvalidInput, WorkerFault, WorkerId
 from shared.natsauth import security_options
 from shared.natsclient import connect
-from shared.schemas import EpochRecord, SchemaError, decode
+from shared.schemas import EpochRecord, EpochWorker, SchemaError, decode
 from shared.service import (
     KvWatch,
     drain_or_close,
@@ -322,26 +324,49 @@ class RankdHost:
             if wid not in wanted:
                 log.info("worker leaves the composition", worker_id=wid, epoch=record.epoch)
                 svc.request_stop()
-        for wid, w in wanted.items():
+        # A worker re-created (e.g. merged back) while its previous instance still stops
+        # starts once that one has ended (one service per worker id); the record's other new
+        # workers start first, without waiting for it. Before, every worker after it in the
+        # record waited for that stop (up to its running request's drain_timeout_s, its
+        # hand-backs' redirect_timeout_s, ...), and their EpochAcks with them.
+        fresh: list[str] = []
+        predecessors: dict[asyncio.Task[None], str] = {}  # old instance -> re-created id
+        for wid in wanted:
+            old = self.services.get(wid)
+            if old is None:
+                fresh.append(wid)
+            elif old.stopping:
+                predecessors[self._tasks[wid]] = wid
+        for wid in fresh:
             if self.fault is not None:  # failed while starting the workers before: no more
                 break
-            old = self.services.get(wid)
-            if old is not None and old.stopping:
-                # Re-created (e.g. merged back) while its previous instance still drains.
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self._tasks[wid])
-            if wid not in self.services:
-                try:
-                    await self._start_worker(wid, w.kind, record.epoch, seeds.get(wid))
-                except InvalidInput as exc:  # a worker this host cannot build: only it is lost
-                    log.error("worker of the epoch record cannot start here", worker_id=wid,
-                              epoch=record.epoch, error=str(exc))
-                except Exception:
-                    # Its last start failed too (the bus away through every attempt): only
-                    # this worker is lost; the record's other workers start all the same.
-                    log.exception("worker of the epoch record did not start", worker_id=wid,
-                                  epoch=record.epoch)
+            await self._start_of_record(wid, wanted[wid], record.epoch, seeds.get(wid))
+        order = {wid: i for i, wid in enumerate(wanted)}
+        pending = set(predecessors)
+        while pending and self.fault is None:
+            # Not cancelled by a cancel of this wait (asyncio.wait leaves them running).
+            ended, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for old_task in sorted(ended, key=lambda t: order[predecessors[t]]):
+                wid = predecessors[old_task]
+                if self.fault is None and wid not in self.services:
+                    await self._start_of_record(wid, wanted[wid], record.epoch, seeds.get(wid))
         self._changed.set()
+
+    async def _start_of_record(
+        self, wid: str, w: EpochWorker, epoch: int, seed: Seed | None
+    ) -> None:
+        """Start worker ``w`` of the record of ``epoch``; a worker that cannot start costs only
+        itself (logged): the record's other workers start all the same."""
+        try:
+            await self._start_worker(wid, w.kind, epoch, seed)
+        except InvalidInput as exc:  # a worker this host cannot build: only it is lost
+            log.error("worker of the epoch record cannot start here", worker_id=wid,
+                      epoch=epoch, error=str(exc))
+        except Exception:
+            # Its last start failed too (the bus away through every attempt): only this
+            # worker is lost; the record's other workers start all the same.
+            log.exception("worker of the epoch record did not start", worker_id=wid,
+                          epoch=epoch)
 
     # -- main ---------------------------------------------------------------------------------
 

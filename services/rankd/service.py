@@ -77,11 +77,15 @@ Per process (one worker, its leader rank, for now):
   manager re-admit it). A cache command whose engine step meets one does the same (and is
   answered 409), and so does a fault reported by the backend's optional ``health()`` probe
   (every :data:`HEALTH_PERIOD_S`; the running request, if any, then finishes or meets the
-  fault itself), and so does the request executor's end while the service is not stopping
-  (an exception out of taking the next job, a BaseException out of the backend: the running
-  request is handed back too; :meth:`RankdService._executor_ended`) -- before, the worker
-  went on admitting and heartbeating with nothing left to run its queue. In a rank host
-  every worker of the host follows (:mod:`services.rankd.host`).
+  fault itself), and so does the end of any background task the worker serves with
+  (:data:`SERVING_TASKS`: the request executor, the state publisher, the epoch watcher, the
+  ack re-sender, the health probe) while the service is not stopping (e.g. a BaseException
+  out of the backend, or out of an adoption; the executor's end hands back the running
+  request too; :meth:`RankdService._task_ended`) -- before, the worker went on admitting
+  and heartbeating with nothing left to run its queue (executor), without heartbeats
+  (publisher) or without adopting later epoch records, so a controller's drain waited for
+  an ack until it aborted (watcher). In a rank host every worker of the host follows
+  (:mod:`services.rankd.host`).
 * shutdown (SIGINT/SIGTERM): stop admitting, redirect queued requests and wait for every
   outstanding redirect (bounded by ``redirect_timeout_s``) while the running request finishes
   (bounded by ``drain_timeout_s``), publish a final UNAVAILABLE state, drain. The waits come
@@ -189,6 +193,19 @@ from shared.worker import Lifecycle
 VERSION: Final[str] = "0.1.0"
 WATCH_TASK: Final[str] = "rankd-epochs"
 EXECUTOR_TASK: Final[str] = "rankd-executor"
+STATE_TASK: Final[str] = "rankd-state"
+ACKS_TASK: Final[str] = "rankd-epoch-acks"
+HEALTH_TASK: Final[str] = "rankd-health"
+SERVING_TASKS: Final[dict[str, str]] = {
+    EXECUTOR_TASK: "request executor",
+    STATE_TASK: "state publisher",
+    WATCH_TASK: "epoch watcher",
+    ACKS_TASK: "epoch ack re-sender",
+    HEALTH_TASK: "health probe",
+}
+"""The background tasks a worker serves with (name -> what it is, as a fault names it): each
+ending while the service is not stopping is a worker fault
+(:meth:`RankdService._task_ended`)."""
 REDIRECT_WINDOW: Final[int] = 64
 """Redirect publishes awaiting their JetStream acks at once (pipelined, queue order kept)."""
 REDIRECT_ATTEMPT_S: Final[float] = 2.0
@@ -407,6 +424,7 @@ class RankdService(MicroService):
         # is logged as the core's redirecting jobs are (_settle_redirects).
         self._joined_out: dict[tuple[str, float], JoinedAttempt] = {}
         self._on_fault = on_fault
+        self._tearing_down = False  # the setup's undoing began (_task_ended)
         self.fault: WorkerFault | None = None
         """The worker fault that stopped this worker (:meth:`fail`); :meth:`run` raises it."""
         self._update_metadata()
@@ -639,20 +657,23 @@ class RankdService(MicroService):
             await self._adopt_payload(entry.value)
         watcher = await KvWatch(self.nc, epochs, self.subjects.epoch_key()).start()
 
-        executor = asyncio.create_task(self._executor(), name=EXECUTOR_TASK)
-        executor.add_done_callback(self._executor_ended)
         tasks = [
-            executor,
-            asyncio.create_task(self._publisher(), name="rankd-state"),
+            asyncio.create_task(self._executor(), name=EXECUTOR_TASK),
+            asyncio.create_task(self._publisher(), name=STATE_TASK),
             asyncio.create_task(self._watch_epochs(watcher), name=WATCH_TASK),
             # Acks that failed during the adoption above are waiting for it already.
-            asyncio.create_task(self._resend_acks(), name="rankd-epoch-acks"),
+            asyncio.create_task(self._resend_acks(), name=ACKS_TASK),
         ]
         health = getattr(self.backend, "health", None)
         if callable(health):  # optional backend method (services/rankd/backend.py)
-            tasks.append(asyncio.create_task(self._probe_health(health), name="rankd-health"))
+            tasks.append(asyncio.create_task(self._probe_health(health), name=HEALTH_TASK))
+        for task in tasks:  # no await since they were made: none can have ended unseen
+            task.add_done_callback(self._task_ended)
 
         async def teardown() -> None:
+            # From here every task's end is the undoing's, even where no stop was requested
+            # (a start that failed after this setup: the watcher's stop ends its task).
+            self._tearing_down = True
             await watcher.stop()
             await self._shutdown(tasks)
 
@@ -762,33 +783,53 @@ class RankdService(MicroService):
                         self._idle.set()
                         self._dirty.set()
 
-    def _executor_ended(self, task: asyncio.Task[None]) -> None:
-        """The executor task ended (its done callback). Only a stop ends it: before, one that
-        died on its own (an exception out of :meth:`_next_job`, a BaseException out of a
-        backend that the per-request handling does not take) left the worker admitting
-        requests and publishing ACTIVE heartbeats while nothing ran them any more, its failure
-        seen at the stop at best. Now, while the service is not stopping, it is a worker fault
-        (:meth:`fail`): the running request, which will never finish here, and the queued
-        ones are handed back, the worker becomes UNAVAILABLE and stops, and :meth:`run`
-        raises the fault so the supervisor restarts the process. During a stop it is only
-        logged (the stop fails a request still running, ``_shutdown``).
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """A background task the worker serves with ended (the done callback of each of
+        :data:`SERVING_TASKS`). Only a stop ends them: before, one that died on its own left
+        the worker admitting requests and publishing ACTIVE while part of it was gone, its
+        failure seen at the stop at best -- the executor (an exception out of
+        :meth:`_next_job`, a BaseException out of a backend that the per-request handling
+        does not take): nothing ran the queue any more; the state publisher (a BaseException
+        out of a publication, e.g. from the backend's ``max_seq_len``): no heartbeat, the
+        scheduler placing on a stale state until the lease expired; the epoch watcher (a
+        BaseException out of an adoption): no later record adopted, so a controller's drain
+        waited for an EpochAck that never came until it aborted; the ack re-sender, the
+        health probe (a BaseException out of ``health()``): lost acks, rank deaths under an
+        idle worker, unnoticed. Now, while the service is not stopping, it is a worker fault
+        (:meth:`fail`): the queued requests are handed back, the worker becomes UNAVAILABLE
+        and stops, and :meth:`run` raises the fault so the supervisor restarts the process.
+        The executor's end hands back the running request too (it will never finish here);
+        after any other task's end the executor still runs it to its end (the stop waits for
+        it). During a stop (or the undoing of a failed start) it is only logged (the stop
+        fails a request still running, ``_shutdown``).
 
-        A cancelled executor (``cancelling()`` counts the cancels requested, and stays so once
-        it ended) ended as it should: :meth:`_shutdown` cancels it (and so does the event
-        loop's end). A CancelledError nobody requested, raised inside it, does not count."""
+        A cancelled task (``cancelling()`` counts the cancels requested, and stays so once
+        it ended) ended as it should: :meth:`_shutdown` cancels them (and so does the event
+        loop's end). A CancelledError nobody requested, raised inside one, does not count.
+        The health probe alone may return on its own: after it reported a fault (a stop
+        then) or when ``health()`` raised an Exception -- a broken probe, not a broken
+        worker: it stops probing (logged) and the worker serves on, rather than restarting
+        for ever on a probe bug."""
         if task.cancelling() > 0:
             return
+        name = task.get_name()
+        what = SERVING_TASKS.get(name, name)
         cause: BaseException | None = (
-            asyncio.CancelledError("raised in the executor, which nobody cancelled")
+            asyncio.CancelledError(f"raised in the {what}, which nobody cancelled")
             if task.cancelled() else task.exception())
-        if self.stopping:
-            self.log.error("request executor ended during the stop", worker=self.core.worker_id,
-                           error=repr(cause))
+        if cause is None and name == HEALTH_TASK:
+            return  # its own end (docstring)
+        if self.stopping or self._tearing_down:
+            if cause is not None:
+                self.log.error(f"{what} ended during the stop", worker=self.core.worker_id,
+                               error=repr(cause))
             return
-        self.log.error("request executor ended while serving; failing the worker",
-                       worker=self.core.worker_id, error=repr(cause),
+        self.log.error(f"{what} ended while serving; failing the worker",
+                       worker=self.core.worker_id, task=name, error=repr(cause),
                        exc_info=cause if cause is not None else False)
-        self.fail(WorkerFault(f"request executor ended: {cause!r}"), running=self.core.running)
+        reason = repr(cause) if cause is not None else "returned"
+        self.fail(WorkerFault(f"{what} ended: {reason}"),
+                  running=self.core.running if name == EXECUTOR_TASK else None)
 
     async def _next_job(self) -> Job | None:
         """The next job to run (None: nothing to start now), once the pull its assignment
@@ -862,7 +903,7 @@ class RankdService(MicroService):
                 # Nobody cancelled this task: the backend raised it (e.g. an internal future
                 # of its was cancelled under it). The request's failure, as any exception of
                 # one prefill; re-raised, it would end the executor (a worker fault,
-                # _executor_ended).
+                # _task_ended).
                 self._prefill_failed(job, span, exc, "prefill failed: cancelled in the backend")
                 return
             except WorkerFault as exc:
