@@ -8,6 +8,10 @@ cached prefix (tokens, P ≥ 0), C the CP degree. Coefficients are fitted from q
 profiles by least squares on *relative* error (short and long requests count alike), one set
 for all degrees or, optionally, one per degree.
 
+Every coefficient is >= 0, finite and at most its bound in :data:`COEFFICIENT_BOUNDS`, so every
+request within the project's token limits has a finite, non-negative predicted time (see
+there); a profile outside them is refused (:class:`~shared.ids.InvalidInput`).
+
 The profile file is JSON (see :meth:`Profile.to_dict`): coefficients (global and optionally per
 degree), κ_C per degree (seconds of predicted service time per window that one degree-C worker
 serves within the SLO target, §6.1), the window H it was measured with, block size, model and
@@ -30,6 +34,7 @@ from scipy.optimize import nnls
 
 from shared.files import NotJson, parse_json, path_kind, write_text_atomic
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
+from shared.schemas import MAX_TOKENS
 
 PROFILE_SCHEMA_VERSION: Final[int] = 1
 
@@ -62,6 +67,50 @@ class Coefficients:
 
     def as_dict(self) -> dict[str, float]:
         return {"d": self.d, "a": self.a, "b": self.b, "c": self.c, "alpha": self.alpha}
+
+
+MAX_TERM_S: Final[float] = 1e15
+"""Bound on each of the five terms of Eq. 2 for the largest request there is (seconds)."""
+
+MAX_WORK: Final[float] = attention_work(MAX_TOKENS, MAX_TOKENS)
+"""W(MAX_TOKENS, MAX_TOKENS) = 2^48 + 2^47 + 2^23 ~ 4.2e14: the most attention work of any
+request within the token limits (W grows with R and with P)."""
+
+COEFFICIENT_BOUNDS: Final[Mapping[str, float]] = {
+    "d": MAX_TERM_S,
+    "a": MAX_TERM_S / MAX_TOKENS,
+    "b": MAX_TERM_S / MAX_TOKENS,
+    "c": MAX_TERM_S / MAX_TOKENS,
+    "alpha": MAX_TERM_S / MAX_WORK,
+}
+"""The largest value of each coefficient: d <= 1e15 s, a, b, c <= 1e15 / 2^24 ~ 6.0e7 s per
+token, alpha <= 1e15 / W(2^24, 2^24) ~ 2.37 s per query-key pair.
+
+Derivation: a request within the project's limits has 1 <= R <= MAX_TOKENS, 0 <= P <=
+MAX_TOKENS (``shared.schemas.MAX_TOKENS`` = 2^24, the bound of every prompt and count derived
+from it) and C >= 1. With every coefficient >= 0 each term of Eq. 2 is >= 0 and grows with R
+and P and shrinks with C, so each is largest at R = P = MAX_TOKENS, C = 1: d, a·2^24, b·2^24,
+c·2^24 and alpha·MAX_WORK, each at most :data:`MAX_TERM_S` under these bounds. Hence every
+such request is predicted a time in [0, :data:`MAX_PREDICTED_S`] -- finite, and so are the
+sums, differences and squares of predictions the services form (sums of up to ~1e290 of
+them). The bounds leave room: the H20 fit below has alpha = 6.6e-9 (3.6e8 times smaller) and
+a = 5.3e-5 s (1e12 times smaller)."""
+
+MAX_PREDICTED_S: Final[float] = 5 * MAX_TERM_S
+"""The largest time any profile within :data:`COEFFICIENT_BOUNDS` predicts for a request
+within the token limits (5e15 s)."""
+
+
+def _check_coefficients(co: Coefficients, where: str) -> None:
+    """Raise :class:`InvalidInput` naming ``{where}.{name}`` unless each coefficient of ``co``
+    is a finite number in [0, its bound of :data:`COEFFICIENT_BOUNDS`]."""
+    for name, v in co.as_dict().items():
+        bound = COEFFICIENT_BOUNDS[name]
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= bound):
+            raise InvalidInput(
+                f"{where}.{name} must be a finite number >= 0 and at most {bound:.6g} (the "
+                f"bound under which every request within the token limits is predicted a "
+                f"finite time), got {v!r}")
 
 
 # The note's fit of the Qwen3-30B-A3B / H20 ground truth (ground-truth.md). Used only when no
@@ -105,6 +154,9 @@ class Profile:
     judged as it is (:meth:`capacity_scale`)."""
 
     def __post_init__(self) -> None:
+        _check_coefficients(self.coefficients, "coefficients")
+        for c, co in self.per_degree.items():
+            _check_coefficients(co, f"per_degree.{c}")
         if self.block_size < 1:
             raise InvalidInput(f"block_size must be >= 1, got {self.block_size}")
         if not (self.window_s > 0 and math.isfinite(self.window_s)):
@@ -210,7 +262,9 @@ class Profile:
         Every value is checked where it is read, so an error names the field in the file's
         terms, prefixed by ``source`` (e.g. ``"profile runs/p/profile.json: 'coefficients'
         is missing"``): the file must be an object with a ``coefficients`` object of the five
-        coefficients, each a finite number >= 0, not all of ``d``, ``a``, ``c``, ``alpha``
+        coefficients, each a finite number >= 0 and at most its bound in
+        :data:`COEFFICIENT_BOUNDS` (so that every request within the token limits is
+        predicted a finite time), not all of ``d``, ``a``, ``c``, ``alpha``
         zero (a request with no cached prefix would be predicted to take no time; ``b`` alone
         only prices cached tokens); ``per_degree`` likewise per CP degree; ``kappa`` a
         positive finite number per degree; ``kappa_pooled`` true or false (default false);
@@ -324,10 +378,16 @@ def _json_kind(v: Any) -> str:
 
 def _number(v: Any, where: str, *, positive: bool = False, finite: bool = True) -> float:
     """``v`` as a float: a JSON number (not a boolean or string), finite unless ``finite`` is
-    False, and > 0 (``positive``) or >= 0 (otherwise; NaN passes only when not ``finite``)."""
+    False, and > 0 (``positive``) or >= 0 (otherwise; NaN passes only when not ``finite``).
+    An integer no float holds (JSON allows any number of digits) is refused either way."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidInput(f"{where} must be a number, got {_json_kind(v)}")
-    x = float(v)
+    try:
+        x = float(v)
+    except OverflowError:
+        digits = int(v.bit_length() * math.log10(2)) + 1
+        raise InvalidInput(f"{where} is too large: an integer of about {digits} digits (a "
+                           "number must fit a float, below ~1.8e308)") from None
     if not finite:
         return x
     if not math.isfinite(x):
@@ -350,6 +410,7 @@ def _coefficients(v: Any, where: str) -> Coefficients:
         raise InvalidInput(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; "
                            f"known: {', '.join(_COEFF_NAMES)}")
     co = Coefficients(**{k: _number(v[k], f"{where}.{k}") for k in _COEFF_NAMES})
+    _check_coefficients(co, where)
     # With R >= 1 and C >= 1, Ê > 0 for every request exactly when one of these is > 0
     # (W(R, P) >= 1); b alone prices only cached tokens, and a request may have none.
     if not (co.d > 0 or co.a > 0 or co.c > 0 or co.alpha > 0):

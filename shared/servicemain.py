@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import sys
 import textwrap
@@ -24,6 +25,7 @@ from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
+from pydantic_settings import SettingsError
 
 from shared.ids import InvalidInput
 from shared.logging import configure_logging
@@ -165,16 +167,23 @@ def parse_flags(
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
     try:
         settings = settings_cls(**overrides)
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:
         parser.exit(2, f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}\n")
     return check_settings(settings, checks, prog=prog,
                           flag_of={dest: flag for flag, dest, _ in flags})
 
 
-def settings_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+def settings_errors(exc: ValidationError | SettingsError,
+                    model: type[BaseModel] | None = None) -> str:
     """One line per problem: the setting (its ``VTM_*`` name) and what is wrong with it, with
     the value given -- except for a secret of ``model`` (a ``SecretStr`` field: a token, a
-    password, API keys), whose value no error message may show."""
+    password, API keys), whose value no error message may show.
+
+    A :class:`SettingsError` (pydantic-settings could not read a variable at all: a nested
+    group such as ``VTM_LOG`` or a list such as ``VTM_DEGREES`` whose value is no JSON) is one
+    line naming the variable and why (:func:`source_error`)."""
+    if isinstance(exc, SettingsError):
+        return source_error(exc, model)
     lines = []
     for e in exc.errors():
         loc = "__".join(str(x) for x in e["loc"])
@@ -186,6 +195,38 @@ def settings_errors(exc: ValidationError, model: type[BaseModel] | None = None) 
         else:
             lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
+
+
+def source_error(exc: SettingsError, model: type[BaseModel] | None = None) -> str:
+    """The line of :func:`settings_errors` for a variable pydantic-settings could not read: a
+    field that takes JSON (a nested group, a list, a mapping) given a value that is no JSON.
+    It names the variable, says what the JSON parser found (its message: a position, never
+    the value) and, for a nested group, that its fields can be set one by one
+    (``VTM_LOG__FORMAT``)."""
+    m = re.search(r'field "([^"]+)"', str(exc))
+    if m is None:  # not about one field: say what pydantic-settings said
+        return f"  settings: {exc}"
+    name = m.group(1)
+    var = f"VTM_{name.upper()}"
+    cause = exc.__cause__
+    if isinstance(cause, json.JSONDecodeError):
+        why = f"not JSON ({cause.msg} at character {cause.pos + 1})"
+    elif cause is not None:
+        why = f"cannot be read ({type(cause).__name__})"
+    else:
+        why = "cannot be read"
+    field = model.model_fields.get(name) if model is not None else None
+    group = getattr(field, "annotation", None)
+    if isinstance(group, type) and issubclass(group, BaseModel) and group.model_fields:
+        first = next(iter(group.model_fields)).upper()
+        hint = (f"; a group of settings: set each as {var}__<FIELD> (e.g. {var}__{first}), "
+                "or the whole group as a JSON object")
+    else:
+        kind = str(group).replace("typing.", "")
+        hint = ("; it takes a JSON list (e.g. [2, 4])" if kind.startswith("list")
+                else "; it takes a JSON object" if kind.startswith("dict")
+                else "; it takes a JSON value")
+    return f"  {var}: {why}{hint}"
 
 
 def _secret(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> bool:
@@ -205,7 +246,7 @@ def load_settings(settings_cls: type[S], prog: str,
     arguments)."""
     try:
         settings = settings_cls()
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:
         print(f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}",
               file=sys.stderr)
         raise SystemExit(2) from None

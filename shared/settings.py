@@ -36,6 +36,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.subjects import Subjects, validate_subject
 
+MAX_WAIT_S: Final[float] = 86_400.0
+"""Upper bound (a day) of every wait a setting gives: connect, drain and stop timeouts, the
+pause between reconnects, the ping interval. Those feed asyncio timers, nats-py's loops and
+the fault handler's deadline (shared/stopping.py), which take no value of any size (a stop
+timeout of 1e300 s overflows the fault handler's clock); a longer wait is a typo."""
+
 HOSTNAME_INSTANCE: Final[str] = "@hostname"
 """``instance_id`` value that stands for this host's name (:func:`hostname_token`)."""
 
@@ -73,6 +79,7 @@ class TelemetrySettings(BaseModel):
         default=1.0,
         ge=0.0,
         le=1.0,
+        allow_inf_nan=False,
         description="Fraction of new root traces sampled (parent-based: a request's stages "
         "follow the gateway's decision).",
     )
@@ -95,7 +102,8 @@ class TelemetrySettings(BaseModel):
         default=15.0,
         gt=0.0,
         le=3600.0,
-        description="Seconds between two metric exports.",
+        allow_inf_nan=False,
+        description="Seconds between two metric exports (at most 3600).",
     )
 
 
@@ -176,17 +184,20 @@ class ServiceSettings(BaseSettings):
         "its dead process held.",
     )
     connect_timeout_s: float = Field(
-        default=5.0, gt=0, description="Timeout of one NATS connection attempt."
+        default=5.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
+        description="Timeout of one NATS connection attempt. At most 86 400 s (a day).",
     )
     drain_timeout_s: float = Field(
-        default=10.0, gt=0, description="Upper bound on graceful shutdown (drain) time."
+        default=10.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
+        description="Upper bound on graceful shutdown (drain) time. At most 86 400 s (a day).",
     )
     stop_timeout_s: float = Field(
-        default=45.0, gt=0, allow_inf_nan=False,
+        default=45.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
         description="Upper bound on a whole graceful stop after SIGINT/SIGTERM: past it the "
         "process logs the tasks it still waits for and exits with status 70 "
         "(shared/stopping.py). Above the sum of a rank daemon's own bounds (redirect, drain "
-        "and the connection's drain: 30 s by default).",
+        "and the connection's drain: 30 s by default). At most 86 400 s (a day): the fault "
+        "handler that ends a stuck process takes no deadline of any size.",
     )
     parent_pid: int | None = Field(
         default=None, gt=0,
@@ -194,16 +205,19 @@ class ServiceSettings(BaseSettings):
         "process's parent; `vertumnus up` sets it for its children.",
     )
     reconnect_wait_s: float = Field(
-        default=0.5, gt=0, description="Pause between attempts to reconnect to a lost NATS "
-        "server; attempts never stop (a service outlives a broker restart of any length).",
+        default=0.5, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
+        description="Pause between attempts to reconnect to a lost NATS "
+        "server; attempts never stop (a service outlives a broker restart of any length). "
+        "At most 86 400 s (a day).",
     )
     ping_interval_s: float = Field(
-        default=20.0, gt=0, allow_inf_nan=False,
+        default=20.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
         description="Seconds between this process's pings of its NATS server. With "
         "max_outstanding_pings they bound how long a connection that went silent without "
         "closing (a crashed host, a dropped NAT or firewall entry: a half-open TCP "
         "connection) goes unnoticed: about ping_interval_s x (max_outstanding_pings + 1), "
-        "then the process reconnects. nats-py's own defaults (120 s, 2) took up to 6 min.",
+        "then the process reconnects. nats-py's own defaults (120 s, 2) took up to 6 min. "
+        "At most 86 400 s (a day).",
     )
     max_outstanding_pings: int = Field(
         default=2, ge=1, le=100,

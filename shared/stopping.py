@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import faulthandler
 import io
+import math
 import os
 import signal
 import sys
@@ -54,9 +55,11 @@ _signalled = False  # a stop signal reached handle_stop_signals' handler (the st
 
 def bound_stops(timeout_s: float) -> None:
     """Give this process's graceful stops a deadline of ``timeout_s`` seconds (a process's
-    main calls it once; until then a stop is unbounded)."""
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    main calls it once; until then a stop is unbounded). The settings bound it
+    (``stop_timeout_s``, at most a day); a larger finite one is taken, and
+    :func:`arm_stop_deadline` arms what of it the process's timers can hold."""
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be > 0 and finite, got {timeout_s!r}")
     global _timeout_s
     with _lock:
         _timeout_s = float(timeout_s)
@@ -70,11 +73,18 @@ def handle_stop_signals(stack: AsyncExitStack, stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
+        # A callback of the loop: whatever fails here must not keep the stop from starting
+        # (an exception would only be logged by the loop, the deadline left unarmed).
         global _signalled
         _signalled = True
-        log.info("stop signal received", signal=sig.name)
         stop.set()
-        arm_stop_deadline()
+        with contextlib.suppress(Exception):
+            log.info("stop signal received", signal=sig.name)
+        try:
+            arm_stop_deadline()
+        except Exception as exc:  # noqa: BLE001 - reported; the stop goes on regardless
+            with contextlib.suppress(Exception):
+                log.error("the stop deadline could not be armed", error=repr(exc))
 
     def restore(sig: signal.Signals) -> None:
         loop.remove_signal_handler(sig)
@@ -93,7 +103,12 @@ def handle_stop_signals(stack: AsyncExitStack, stop: asyncio.Event) -> None:
 def arm_stop_deadline() -> bool:
     """Start the stop deadline of this process (once; later calls do nothing). Returns
     whether it was armed by this call: False in a process without :func:`bound_stops` or
-    when already armed. Call from the running event loop."""
+    when already armed. Call from the running event loop.
+
+    Each of its two bounds is armed as far as it can be: a ``timeout_s`` beyond what the
+    fault handler's clock takes (about 1e10 s; the settings allow a day) leaves the process
+    without the hard bound (a warning says so) but with the loop's deadline; it never
+    raises for the size of the bound."""
     global _armed
     with _lock:
         if _timeout_s is None or _armed:
@@ -103,9 +118,16 @@ def arm_stop_deadline() -> bool:
     # The hard bound first: it holds even if the loop never runs the report below.
     try:
         faulthandler.dump_traceback_later(timeout_s + HARD_GRACE_S, exit=True)
+    except OverflowError as exc:  # beyond the fault handler's clock (time_t)
+        log.warning("no hard stop deadline (the stop timeout is too large for the fault "
+                    "handler)", stop_timeout_s=timeout_s, error=repr(exc))
     except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # no usable stderr
         log.warning("no hard stop deadline (the fault handler needs stderr)", error=repr(exc))
-    asyncio.get_running_loop().call_later(timeout_s, _stop_overdue, timeout_s)
+    try:
+        asyncio.get_running_loop().call_later(timeout_s, _stop_overdue, timeout_s)
+    except OverflowError as exc:  # a loop whose clock cannot hold it (not asyncio's own)
+        log.warning("no stop deadline (the stop timeout is too large for the event loop)",
+                    stop_timeout_s=timeout_s, error=repr(exc))
     return True
 
 
