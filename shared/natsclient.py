@@ -1,39 +1,67 @@
-"""The NATS client every vertumnus connection is made with: nats-py's, minus one way to break it.
+"""The NATS client every vertumnus connection is made with: nats-py's, minus ways to break it.
 
 Contract:
 
-* :class:`Client` is ``nats.aio.client.Client`` with one change: a PONG whose waiter is done
-  already (a flush given up) is consumed without touching that waiter, so the read loop goes
-  on and the next PONG reaches the next flush. Anything else is nats-py's.
+* :class:`Client` is ``nats.aio.client.Client`` with these changes, each keeping its read
+  loop alive where nats-py's would end; anything else is nats-py's:
+
+  - a PONG whose waiter is done already (a flush given up) is consumed without touching that
+    waiter, so the read loop goes on and the next PONG reaches the next flush;
+  - a message whose header block is malformed (not ``NATS/1.0``-led, or one nats-py's parser
+    raises on) is delivered with :data:`MALFORMED_HEADERS` as its only header, in place of
+    what could not be read; a micro endpoint of :mod:`shared.service` answers such a request
+    400;
+  - a message whose subject or reply subject is not UTF-8 is dropped (nats-py could build no
+    message of it; a reply subject it cannot spell could not be answered anyway).
 * :func:`connect` is ``nats.connect`` for it: same arguments, a connected :class:`Client`.
   Every connection the project opens itself is made by it (a service's, a rank host's, the
   torch KV hand-off's and decode role's, ``vertumnus up``'s, ``tap``'s); a plain client handed
   in by an embedding program is still guarded where the project cancels a flush itself
   (:func:`shared.service.shield_pongs`).
 
-Why: nats-py answers a PONG by ``set_result`` on its oldest waiter without looking whether it
-is done. ``flush(timeout=...)`` timing out (nats-py's own ``FlushTimeoutError`` path cancels
-the waiter and leaves it queued) or a cancelled drain leaves a cancelled waiter there; the
-PONG that comes later raises ``InvalidStateError`` in the client's read loop, which ends with
-a log line only. The connection then still looks connected but hands nothing on -- no
-message, no ack, no reply -- until its pings go stale (minutes, by default).
+Why (PONG): nats-py answers a PONG by ``set_result`` on its oldest waiter without looking
+whether it is done. ``flush(timeout=...)`` timing out (nats-py's own ``FlushTimeoutError``
+path cancels the waiter and leaves it queued) or a cancelled drain leaves a cancelled waiter
+there; the PONG that comes later raises ``InvalidStateError`` in the client's read loop,
+which ends with a log line only. The connection then still looks connected but hands
+nothing on -- no message, no ack, no reply -- until its pings go stale (minutes, by default).
 
-This overrides a private method and reads a private list (nats-py >=2.9,<3 have both and no
-public hook). Should a nats-py lack either, the override falls back to the inherited
-behaviour: nothing is lost that a plain client would have.
+Why (messages): nats-py parses a message in its read loop, and an exception there ends that
+loop with a log line only, as above: the connection looks connected but never reads again
+(for a service: deaf, every request in flight lost, until its pings go stale). Any client of
+the server can send such a message -- ``HPUB`` with the 8-byte header block
+``XXXX\\r\\n\\r\\n`` (IndexError), a reply subject of bytes that are not UTF-8
+(UnicodeDecodeError) -- to any subject a service listens on, and JetStream stores it as it
+came: a stream holding one breaks each consumer it is delivered to, again at every
+redelivery. A marker, not a drop, for the headers: the message itself (its reply subject, a
+JetStream delivery's ack subject) is sound, so a request can be refused and a delivery acked
+or terminated, not left to come again.
+
+This overrides private methods and reads a private list (nats-py 2.16 has them, no public
+hook). Should a nats-py lack the list, the PONG override falls back to the inherited
+behaviour; should it no longer call a method overridden here, that override is merely
+unused: nothing is lost that a plain client would have.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import MutableSequence
-from typing import Any
+from typing import Any, Final
 
 import nats.aio.client
 
+MALFORMED_HEADERS: Final[str] = "Vtm-Malformed-Headers"
+"""The one header of a message whose header block could not be read (:class:`Client`); its
+value says what was wrong. A message carrying it from a sender (forged) is as bad as one
+given it here, and is treated alike."""
+
+_HEADER_LINE: Final[bytes] = b"NATS/1.0"
+
 
 class Client(nats.aio.client.Client):
-    """``nats.aio.client.Client`` whose connection survives a flush given up (module doc)."""
+    """``nats.aio.client.Client`` whose read loop survives a flush given up and a malformed
+    message (module doc)."""
 
     async def _process_pong(self) -> None:
         """A PONG answers the oldest PING outstanding. When that PING's waiter is done already
@@ -50,6 +78,28 @@ class Client(nats.aio.client.Client):
             if isinstance(oldest, asyncio.Future) and oldest.done():
                 pongs[0] = asyncio.get_running_loop().create_future()
         await super()._process_pong()
+
+    async def _process_headers(self, headers: Any) -> dict[str, str] | None:
+        """nats-py's parse of a message's header block, except that a block it cannot read
+        -- not led by ``NATS/1.0`` (nats-py reads past its first 8 bytes unchecked and
+        indexes the rest: IndexError on ``XXXX\\r\\n\\r\\n``), or any exception of its parser
+        (a status line that is not UTF-8, ...) -- gives ``{MALFORMED_HEADERS: why}`` instead
+        of ending the read loop (module doc)."""
+        if headers and bytes(headers[:len(_HEADER_LINE)]) != _HEADER_LINE:
+            return {MALFORMED_HEADERS: "no NATS/1.0 header line"}
+        try:
+            return await super()._process_headers(headers)
+        except Exception as exc:  # any: raised here, it would end the read loop
+            return {MALFORMED_HEADERS: f"unreadable header block ({type(exc).__name__})"}
+
+    def _build_message(self, sid: int, subject: bytes, reply: bytes, data: bytes,
+                       headers: dict[str, str] | None) -> Any:
+        """nats-py's message, or None -- which nats-py's ``_process_msg`` drops -- when the
+        subject or reply subject is not UTF-8 (nats-py's decode would end the read loop)."""
+        try:
+            return super()._build_message(sid, subject, reply, data, headers)
+        except UnicodeDecodeError:
+            return None
 
 
 async def connect(servers: str | list[str], **options: Any) -> Client:

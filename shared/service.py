@@ -20,11 +20,19 @@ What a subclass gets:
   anything else                                 500 (logged with traceback; no details sent)
   ===========================================  =====
 
+  and, from the base itself: a request whose header block is malformed
+  (:data:`shared.natsclient.MALFORMED_HEADERS`) 400 before its handler runs; a reply that
+  may not be sent (:class:`ReplyTooLarge`) 500 ``reply too large`` in its place; a request
+  still being handled, or queued behind one, when a graceful stop gives up waiting for it
+  503 ``service stopping`` (:func:`stop_micro_service`). A request without a reply subject
+  is handled, and a failure logged as above, but nothing is answered;
+
 * a server span per request, child of the caller's W3C trace context, with request-scoped
   log context;
-* :meth:`MicroService.run`: one ``AsyncExitStack``, SIGINT/SIGTERM → graceful stop (stop
-  endpoints, run the subclass's cleanup, drain the connection), bounded in a service process
-  by ``stop_timeout_s`` (:mod:`shared.stopping`).
+* :meth:`MicroService.run`: one ``AsyncExitStack``, SIGINT/SIGTERM → graceful stop (endpoints
+  take no new requests and finish those received, within ``drain_timeout_s``; then the
+  subclass's cleanup; then the connection drains), bounded in a service process by
+  ``stop_timeout_s`` (:mod:`shared.stopping`).
 
 Subclasses override :meth:`MicroService.endpoints` and optionally :meth:`MicroService.setup`
 (subscriptions, KV buckets, background tasks; register their cleanup on the stack) and
@@ -61,7 +69,7 @@ from pydantic import BaseModel
 from shared.ids import InvalidInput, UnknownWorker, VertumnusError
 from shared.logging import current_trace_id
 from shared.natsauth import security_options
-from shared.natsclient import connect
+from shared.natsclient import MALFORMED_HEADERS, connect
 from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
 from shared.settings import ServiceSettings
 from shared.stopping import handle_stop_signals
@@ -117,11 +125,20 @@ def error_code(exc: BaseException) -> str:
     return "500"
 
 
+class ReplyTooLarge(Exception):
+    """A reply that may not be sent: over the server's ``max_payload`` with its headers
+    (:func:`message_size`; the server would close the connection), or too large for
+    :func:`respond_in_parts`. Answered in its place as micro error 500 ``reply too large``
+    (the sizes go to the log only: the caller can do nothing with them)."""
+
+
 def to_service_error(exc: BaseException) -> ServiceError:
     """A :class:`ServiceError` for ``exc``; 500s carry no internal details."""
     code = error_code(exc)
     if isinstance(exc, ServiceError):
         return exc
+    if isinstance(exc, ReplyTooLarge):
+        return ServiceError(code="500", description="reply too large")
     description = "internal error" if code == "500" else str(exc) or type(exc).__name__
     # Header values cannot hold line breaks; keep the description one line and bounded.
     description = " ".join(description.split())[:512]
@@ -177,8 +194,20 @@ PART_HEADER: Final[str] = "Vtm-Part"
 """Header of each message of a reply sent in parts (:func:`respond_in_parts`): ``i/n``, the
 part's number from 1 and how many there are."""
 MAX_REPLY_PARTS: Final[int] = 1024
-"""Most parts :func:`request_in_parts` takes (about 1 GiB at the default ``max_payload``): a
-reply announcing more is refused before anything is collected."""
+"""Most parts :func:`respond_in_parts` sends and :func:`request_in_parts` takes: a reply
+announcing more is refused before anything is collected. With :data:`MAX_REPLY_BYTES` it
+bounds a reply in parts: at the default ``max_payload`` (1 MiB) the bytes come first (33
+parts), at a small one (1 KiB) the parts (about 1 MiB)."""
+MAX_REPLY_BYTES: Final[int] = 32 * 1024 * 1024
+"""Most payload bytes of a reply in parts (:func:`respond_in_parts` refuses to send more,
+:func:`request_in_parts` to take more). Why 32 MiB: the parts go out as fast as the
+responder writes them, without flow control, so the whole reply may wait in the server for
+a requester that reads slower (a busy event loop reads nothing meanwhile); nats-server
+closes a client whose pending bytes pass its ``max_pending`` -- 64 MiB by default -- as a
+slow consumer, which loses every subscription of that connection, not only this reply (seen
+with a 100 MiB reply). Half of it leaves the other half for what else the requester is sent
+meanwhile. (A server configured with a smaller ``max_pending`` lowers what is safe; clients
+cannot see it.)"""
 
 
 async def respond_in_parts(nc: Client, request: Request, data: bytes,
@@ -188,20 +217,28 @@ async def respond_in_parts(nc: Client, request: Request, data: bytes,
     ``respond``); else each part carries :data:`PART_HEADER` ``i/n`` and the first also
     ``headers``. The parts go out in order on one connection, so NATS delivers them in order
     (:func:`request_in_parts` reassembles them). A whole index of a worker's cache (tens of
-    thousands of blocks) is more than one message may hold."""
+    thousands of blocks) is more than one message may hold.
+
+    Raises :class:`ReplyTooLarge`, having sent nothing, for a reply in parts of more than
+    :data:`MAX_REPLY_BYTES` or :data:`MAX_REPLY_PARTS` parts, or whose ``headers`` leave no
+    room for a part (a handler's raise is answered 500 ``reply too large``): the requester
+    is never sent more than it can be sure to receive."""
     hdrs = dict(headers or {})
     if message_size(data, hdrs) <= nc.max_payload:
         await request.respond(data, headers=hdrs or None)
         return 1
+    if len(data) > MAX_REPLY_BYTES:
+        raise ReplyTooLarge(f"reply of {len(data)} bytes is over {MAX_REPLY_BYTES} bytes, "
+                            f"the most sent in parts")
     # Room for the worst part header; the first part also carries ``headers``.
     widest = f"{MAX_REPLY_PARTS}/{MAX_REPLY_PARTS}"
     room = nc.max_payload - message_size(b"", {**hdrs, PART_HEADER: widest})
     if room <= 0:
-        raise InvalidInput(f"reply headers leave no room under max_payload {nc.max_payload}")
+        raise ReplyTooLarge(f"reply headers leave no room under max_payload {nc.max_payload}")
     n = -(-len(data) // room)
     if n > MAX_REPLY_PARTS:
-        raise InvalidInput(f"reply of {len(data)} bytes needs {n} parts, more than "
-                           f"{MAX_REPLY_PARTS}")
+        raise ReplyTooLarge(f"reply of {len(data)} bytes needs {n} parts, more than "
+                            f"{MAX_REPLY_PARTS}")
     for i in range(n):
         part = data[i * room:(i + 1) * room]
         first = hdrs if i == 0 else {}
@@ -235,11 +272,13 @@ async def request_in_parts(
     headers: Mapping[str, str] | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """Request-reply where the reply may come in parts (:func:`respond_in_parts`): the
-    whole reply's bytes and the first message's headers (a micro error is raised as
-    :class:`RemoteError`). ``timeout_s`` bounds the whole exchange. Raises nats'
+    whole reply's bytes and the first message's headers. A micro error is raised as
+    :class:`RemoteError`, also one in place of a later part (a responder that failed, or was
+    stopped, half-way). ``timeout_s`` bounds the whole exchange. Raises nats'
     ``NoRespondersError`` / ``TimeoutError`` as ``nc.request`` does, and :class:`SchemaError`
-    for parts out of order or a bad :data:`PART_HEADER`. A reply without the header is one
-    part, so this also talks to responders that answer plainly."""
+    for parts out of order, a bad :data:`PART_HEADER`, or parts of more than
+    :data:`MAX_REPLY_BYTES` in all. A reply without the header is one part, so this also
+    talks to responders that answer plainly."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     inbox = nc.new_inbox()
@@ -249,18 +288,24 @@ async def request_in_parts(
         chunks: list[bytes] = []
         first: dict[str, str] = {}
         n = 1
+        size = 0
         while True:
             msg = await sub.next_msg(timeout=max(0.001, deadline - loop.time()))
+            if (not chunks and msg.headers and msg.headers.get("Status") == "503"
+                    and not msg.data):
+                raise nats.errors.NoRespondersError
+            raise_for_error(msg.headers, subject)  # first or later: the error is the answer
             if not chunks:
-                if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
-                    raise nats.errors.NoRespondersError
-                raise_for_error(msg.headers, subject)
                 first = {k: v for k, v in (msg.headers or {}).items() if k != PART_HEADER}
             i, n_here = _part_of(msg.headers, subject)
             if (chunks and n_here != n) or i != len(chunks) + 1:
                 raise SchemaError("reply", PART_HEADER,
                                   f"part {i}/{n_here} from {subject} after {len(chunks)} of {n}")
             n = n_here
+            size += len(msg.data)
+            if n > 1 and size > MAX_REPLY_BYTES:
+                raise SchemaError("reply", PART_HEADER,
+                                  f"parts from {subject} of more than {MAX_REPLY_BYTES} bytes")
             chunks.append(msg.data)
             if len(chunks) == n:
                 return b"".join(chunks), first
@@ -696,12 +741,64 @@ class Endpoint:
             raise InvalidInput(f"endpoint {self.name!r}: an absolute endpoint needs a subject")
 
 
+STOPPING_CODE: Final[str] = "503"
+STOPPING_DESCRIPTION: Final[str] = "service stopping"
+"""The micro error of a request its service gave up when stopping (:func:`stop_micro_service`):
+not handled, or not to the end; another replica may take it."""
+
+
+def _reply_subject(request: Request) -> str:
+    """Where ``request`` is to be answered; empty for a plain publish. (nats.micro keeps the
+    message private: ``Request`` has no public view of its reply subject.)"""
+    return str(getattr(getattr(request, "_msg", None), "reply", "") or "")
+
+
+async def _answer_stopping(nc: Client, reply: str) -> None:
+    """Answer the request of reply subject ``reply`` with micro error 503
+    :data:`STOPPING_DESCRIPTION`, so that its caller need not wait out its timeout; nothing
+    on a connection not connected (nothing could reach the caller now). Never raises but
+    CancelledError."""
+    if reply and nc.is_connected:
+        with contextlib.suppress(Exception):
+            await nc.publish(reply, b"", headers={ERROR_HEADER: STOPPING_DESCRIPTION,
+                                                  ERROR_CODE_HEADER: STOPPING_CODE})
+
+
+async def _respond(request: Request, reply: Reply) -> None:
+    """Send a handler's ``reply`` (nothing for None), encoded; raises :class:`ReplyTooLarge`
+    -- sending nothing -- when it does not fit the server's ``max_payload`` with its headers:
+    nats-py checks the payload alone, and the server closes the connection of a client that
+    sends more (``Maximum Payload Violation``), for good."""
+    if isinstance(reply, BaseModel):
+        data, headers = encode(reply)
+    elif isinstance(reply, (bytes, bytearray)):
+        data, headers = bytes(reply), {}
+    else:
+        return
+    limit = request._msg._client.max_payload  # the connection the request came on
+    if (size := message_size(data, headers)) > limit:
+        raise ReplyTooLarge(f"reply of {size} bytes with its headers is over the server's "
+                            f"max_payload {limit}")
+    await request.respond(data, headers=headers or None)
+
+
 def wrap_handler(service_name: str, endpoint: Endpoint) -> Callable[[Request], Awaitable[None]]:
-    """Adapt a typed handler to nats.micro: span, log context, encoding, error mapping."""
+    """Adapt a typed handler to nats.micro: span, log context, encoding, error mapping.
+
+    Everything of a request -- its headers checked, the handler, the reply encoded, sized
+    and sent -- goes through the module's error mapping: whatever fails is answered as a
+    micro error with a code and no internals, and the connection is never put at risk (a
+    reply too large is not sent). A request without a reply subject (a plain publish) is
+    handled and its failure logged, but nothing is answered (there is nobody to answer;
+    nats.micro's own error answer would fail). A handler cancelled -- its service's stop
+    gave up waiting for it (:func:`stop_micro_service`) or its connection closes -- answers
+    503 :data:`STOPPING_DESCRIPTION` first (after a reply the handler sent itself, say part
+    of one, the caller may see that error too)."""
     span_name = f"{service_name}.{endpoint.name}"
 
     async def handle(request: Request) -> None:
         headers = request.headers
+        reply_to = _reply_subject(request)
         span_cm: contextlib.AbstractContextManager[trace.Span]
         if traceparent_of(headers) is not None and not is_sampled(headers):
             # An unsampled caller (the usual case at a low ratio; every descendant is dropped
@@ -724,23 +821,33 @@ def wrap_handler(service_name: str, endpoint: Endpoint) -> Callable[[Request], A
             with structlog.contextvars.bound_contextvars(
                     endpoint=endpoint.name, **({"trace_id": tid} if tid is not None else {})):
                 try:
+                    if headers and MALFORMED_HEADERS in headers:
+                        # Its trace context, content type, ... are lost: nothing to go on.
+                        raise InvalidInput(
+                            f"malformed header block ({headers[MALFORMED_HEADERS]})")
                     reply = await endpoint.handler(request)
+                    if reply_to:
+                        await _respond(request, reply)
+                except asyncio.CancelledError:
+                    await _answer_stopping(request._msg._client, reply_to)
+                    raise
                 except Exception as exc:
                     err = to_service_error(exc)
                     span.set_attribute("vtm.error_code", err.code)
                     if err.code == "500":
                         span.record_exception(exc)
                         span.set_status(trace.Status(trace.StatusCode.ERROR))
-                        log.exception("handler failed", subject=request.subject)
+                        if isinstance(exc, ReplyTooLarge):  # no traceback: says it all
+                            log.error("reply too large", subject=request.subject,
+                                      reason=str(exc))
+                        else:
+                            log.exception("handler failed", subject=request.subject)
                     else:
                         log.info("request rejected", code=err.code, reason=err.description)
+                    if not reply_to:
+                        return
                     # nats.micro answers a raised ServiceError and counts it in STATS.
                     raise err from exc
-            if isinstance(reply, BaseModel):
-                data, headers = encode(reply)
-                await request.respond(data, headers=headers)
-            elif isinstance(reply, (bytes, bytearray)):
-                await request.respond(bytes(reply))
 
     return handle
 
@@ -1138,32 +1245,85 @@ async def forget_subscription(nc: Client, sub: Subscription) -> None:
     nc._remove_sub(sub._id)
 
 
+async def _drain_all(subs: Sequence[Subscription]) -> None:
+    """Drain every subscription of ``subs`` at once (each: UNSUB, a round trip, then the
+    messages received before it handled); raises the first failure once all have ended."""
+    results = await asyncio.gather(*(sub.drain() for sub in subs), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+async def _refuse_queued(nc: Client, sub: Subscription) -> int:
+    """Answer each request queued on ``sub`` -- given up, no longer handled -- with 503
+    :data:`STOPPING_DESCRIPTION`; returns how many there were. (nats-py keeps the queue
+    private.)"""
+    queue = getattr(sub, "_pending_queue", None)
+    refused = 0
+    while queue is not None and not queue.empty():
+        msg = queue.get_nowait()
+        queue.task_done()
+        refused += 1
+        await _answer_stopping(nc, msg.reply)
+    return refused
+
+
 async def stop_micro_service(nc: Client, service: Service, timeout_s: float,
                              logger: Any = None) -> bool:
-    """Stop ``service`` (nats.micro): with the server there, its own ``stop`` (endpoints
-    unsubscribed, PING/INFO/STATS drained), bounded by ``timeout_s``; with the connection
-    lost before or during that, every subscription of it is forgotten
-    (:func:`forget_subscription`) instead: no round trip can complete then, and nats-py's
-    drain would wait 10 s per subscription for a PONG (:func:`while_connected`). Returns
-    whether the service's own stop completed; never raises but CancelledError."""
+    """Stop ``service`` (nats.micro) gracefully, within ``timeout_s``: first its endpoints
+    take no new request and finish those received -- each endpoint's subscription drained:
+    UNSUB, a round trip, and then every request that came before it handled to its end --
+    then the service's own ``stop`` (PING/INFO/STATS drained). Returns whether all of it
+    completed; never raises but CancelledError.
+
+    Given up: the requests still being handled when ``timeout_s`` passes, and those queued
+    behind them, are answered 503 :data:`STOPPING_DESCRIPTION` (:func:`wrap_handler`) and
+    their handlers cancelled; with the connection lost before or during the stop, every
+    subscription of the service is forgotten (:func:`forget_subscription`): no round trip
+    can complete then, and nats-py's drain would wait 10 s per subscription for a PONG
+    (:func:`while_connected`).
+
+    Why not nats.micro's ``stop`` alone: it unsubscribes its endpoints, which cancels a
+    handler running and drops the requests queued; their callers wait out their whole
+    timeout for an answer that never comes."""
     logger = logger if logger is not None else log
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    # nats-py keeps these only privately (nats.micro has no stop without round trips, and no
+    # drain of its endpoints).
+    endpoints = [sub for ep in getattr(service, "_endpoints", ())
+                 if (sub := getattr(ep, "_subscription", None)) is not None and not sub._closed]
     try:
-        done, _ = await while_connected(nc, service.stop(), timeout_s=timeout_s)
+        done, _ = await while_connected(nc, _drain_all(endpoints), timeout_s=timeout_s)
     except (nats.errors.Error, TimeoutError, OSError) as exc:  # e.g. the server too slow
-        logger.warning("micro service stop failed", error=repr(exc))
+        logger.warning("micro endpoints not drained", error=repr(exc))
         done = False
     if done:
-        return True
-    # nats-py keeps these only privately (nats.micro has no stop without round trips).
-    subs = [ep._subscription for ep in getattr(service, "_endpoints", ())]
-    subs += list(getattr(service, "_subscriptions", {}).values())
-    for sub in subs:
-        if sub is not None:
-            await forget_subscription(nc, sub)
+        service._endpoints = []  # drained: nats.micro's stop would unsubscribe them again
+        try:
+            done, _ = await while_connected(nc, service.stop(),
+                                            timeout_s=max(0.0, deadline - loop.time()))
+        except (nats.errors.Error, TimeoutError, OSError) as exc:
+            logger.warning("micro service stop failed", error=repr(exc))
+            done = False
+        if done:
+            return True
+    connected = nc.is_connected
+    refused = 0
+    for sub in endpoints:
+        await forget_subscription(nc, sub)  # cancels a handler running: it answers 503
+        refused += await _refuse_queued(nc, sub)
+    for sub in getattr(service, "_subscriptions", {}).values():
+        await forget_subscription(nc, sub)
     service._endpoints = []
     service._subscriptions = {}
     service._stopped.set()
-    logger.info("micro service stopped without a drain (no connection to the server)")
+    if connected:  # work cut short: worth a warning
+        logger.warning("micro service stopped without a drain (its bound passed): requests "
+                       "still being handled or queued were answered 503", timeout_s=timeout_s,
+                       queued=refused)
+    else:
+        logger.info("micro service stopped without a drain (no connection to the server)")
     return False
 
 
@@ -1336,6 +1496,7 @@ __all__ = [
     "MicroService",
     "PullConsumer",
     "RemoteError",
+    "ReplyTooLarge",
     "SchemaError",
     "call",
     "drain_or_close",
