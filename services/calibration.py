@@ -416,8 +416,9 @@ nothing is pending and nothing changes."""
 PULL_HOLD_SLACK: Final[float] = 2.0
 PULL_HOLD_GRACE_S: Final[float] = 0.05
 """With ``PULL_WAIT``, a live rank daemon holds a request J counted a pull for until its cache
-has the prefix: in any case until its assignment + ``PULL_HOLD_SLACK`` × the copy's estimated
-time (``PullCredit``'s t0 + t1·k) + ``PULL_HOLD_GRACE_S`` (the copy's command may still be on
+has the prefix: in any case until its admission at the worker + ``PULL_HOLD_SLACK`` × the
+copy's estimated time (``PullCredit``'s t0 + t1·k, capped at services/rankd/core.py
+``PULL_HOLD_MAX_COPY_S``) + ``PULL_HOLD_GRACE_S`` (the copy's command may still be on
 its way over the bus), and after that only while a copy of the missing blocks is arriving
 (services/rankd/core.py ``WorkerCore.pull_hold``; live ``VTM_PULL_HOLD_SLACK``,
 ``VTM_PULL_HOLD_GRACE_S``, the grace in wall seconds). Why a bound: the worker cannot know

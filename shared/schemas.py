@@ -80,6 +80,14 @@ controller's demand). Not to be confused with
 ``shared.subjects.MAX_TOKENS`` (tokens of a subject)."""
 TokenCount = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 """A number of tokens or blocks within one prompt (0 allowed)."""
+MAX_TOKEN_ID: Final[int] = (1 << 32) - 1
+"""Largest token id a message carries: an unsigned 32-bit id, far above any vocabulary (the
+gateway refuses ids from 2**31 on, or from its ``vocab_size``; the engine's models have at
+most a few hundred thousand) and within what msgpack carries. An unbounded id (2**64, say)
+passed the schema, then failed what a worker digests of the prompt after the request had
+run."""
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+"""One prompt token id."""
 WallTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 """Unix seconds (``time.time()``): instants compared across processes on one host."""
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
@@ -107,7 +115,7 @@ class CompletionRequest(Message):
     """HTTP / NATS request body at the gateway: a prompt as text or token ids (exactly one)."""
 
     prompt: str | None = Field(default=None, min_length=1, description="prompt text")
-    prompt_tokens: list[NonNegInt] | None = Field(
+    prompt_tokens: list[TokenId] | None = Field(
         default=None, min_length=1, description="prompt as token ids"
     )
     max_tokens: int = Field(default=1, ge=1, le=1 << 20, description="output tokens wanted")
@@ -139,7 +147,7 @@ class IntakeRequest(Message):
 
     request_id: Id
     input_len: int = Field(ge=1, le=MAX_TOKENS, description="prompt length L in tokens")
-    tokens: list[NonNegInt] | None = Field(default=None, description="prompt token ids")
+    tokens: list[TokenId] | None = Field(default=None, description="prompt token ids")
     block_hashes: list[HashInt] = Field(default_factory=list)
     block_size: int = Field(default=512, ge=1)
     max_tokens: int = Field(default=1, ge=1)
@@ -216,8 +224,9 @@ class Assignment(Message):
         default=0.0, allow_inf_nan=False,
         description="P counts on the cache manager's route-time pull bringing part of the prefix "
         "(J's pull credit with its wait, services/scheduler/placement.py): the copy's estimated "
-        "time in cost-model seconds from assigned_at_s. The worker holds the request at the "
-        "head of its queue until its cache has the prefix, at most that long (with its slack). "
+        "time in cost-model seconds. The worker holds the request at the head of its queue "
+        "until its cache has the prefix, at most that long (with its slack, capped) from "
+        "admitting it. "
         "0: nothing to wait for.")
 
     @model_validator(mode="after")
@@ -992,6 +1001,7 @@ __all__ = [
     "JSON",
     "MSGPACK",
     "MAX_TOKENS",
+    "MAX_TOKEN_ID",
     "NOT_SCHEDULED",
     "NOT_SERVABLE",
     "SCHEMA_VERSION",

@@ -104,6 +104,13 @@ HANDED_BACK_CODE: Final[str] = "410"
 """Micro error code of :class:`HandedBack` ("gone": intake holds the request under the
 redirect's message; ack the re-sent one, place nothing)."""
 
+PULL_HOLD_MAX_COPY_S: Final[float] = 2.0
+"""The longest copy estimate (``Assignment.pull_copy_s``, cost-model seconds) that
+:meth:`WorkerCore.pull_hold` honours in full: ~13× the calibrated longest copy J counts on
+(services/calibration.py ``PULL_CREDIT_BLOCKS``, 256 blocks at ``PullCredit``'s 2 ms + 0.6 ms a
+block: 0.156 s), so a link estimated an order of magnitude slower is still waited for; a larger
+estimate (the schema takes any finite one) holds the FIFO no longer than this one."""
+
 _MAX_SECONDS: Final[float] = sys.float_info.max
 """Outstanding work saturates here: each predicted_s is finite, but their sum may overflow to
 inf, which no WorkerState (the worker's liveness heartbeat) may carry."""
@@ -264,19 +271,25 @@ class WorkerCore:
         incarnation: str = "",
         pull_hold_slack: float = 2.0,
         pull_hold_grace_s: float = 0.05,
+        pull_hold_max_copy_s: float | None = None,
     ) -> None:
         """``incarnation``: this start of the worker (the adapter draws it), published in
         every state so readers can tell a restarted worker from the one before it.
-        ``pull_hold_slack``, ``pull_hold_grace_s``: the bound of :meth:`pull_hold` on waiting
-        for a pull that may never be sent."""
+        ``pull_hold_slack``, ``pull_hold_grace_s``, ``pull_hold_max_copy_s`` (None:
+        :data:`PULL_HOLD_MAX_COPY_S`): the bound of :meth:`pull_hold` on waiting for a pull
+        that may never be sent."""
         self.group = GpuGroup.from_worker_id(worker_id)  # raises InvalidInput
         if epoch < 0 or kv_total_blocks < 0 or max_queue < 1 or not time_scale > 0:
             raise InvalidInput("epoch, kv_total_blocks >= 0; max_queue >= 1; time_scale > 0")
-        if not 1.0 <= pull_hold_slack < math.inf or not 0.0 <= pull_hold_grace_s < math.inf:
+        if pull_hold_max_copy_s is None:
+            pull_hold_max_copy_s = PULL_HOLD_MAX_COPY_S
+        if (not 1.0 <= pull_hold_slack < math.inf or not 0.0 <= pull_hold_grace_s < math.inf
+                or not 0.0 <= pull_hold_max_copy_s < math.inf):
             raise InvalidInput("pull_hold_slack must be finite and >= 1, pull_hold_grace_s "
-                               "finite and >= 0")
+                               "and pull_hold_max_copy_s finite and >= 0")
         self.pull_hold_slack = pull_hold_slack
         self.pull_hold_grace_s = pull_hold_grace_s
+        self.pull_hold_max_copy_s = pull_hold_max_copy_s
         self.worker_id = WorkerId(worker_id)
         self.kind = kind
         self.epoch = epoch
@@ -484,26 +497,40 @@ class WorkerCore:
         credit with its wait) that has not landed -- the cache does not yet give the prefix
         P it was priced with. It waits until it does:
 
-        * until ``assigned_at_s + time_scale·pull_hold_slack·pull_copy_s + pull_hold_grace_s``
-          in any case (the copy's command may still be on its way);
+        * until ``accepted_at_s + time_scale·pull_hold_slack·min(pull_copy_s,
+          pull_hold_max_copy_s) + pull_hold_grace_s`` in any case (the copy's command may
+          still be on its way), and never longer than that bound from ``now``;
         * after that only while a copy of its first missing block is arriving (``incoming``:
           the blocks of the copy commands this worker is executing; ``math.inf``: until the
           cache changes). The simulator's request waits for its copy in the same way
           (sim/simulator.py ``SimConfig.pull_wait``).
 
+        The bound counts from the job's admission on this worker's own clock (``now`` of
+        :meth:`admit`), not from the scheduler's ``assigned_at_s``: another host's clock, ahead
+        by 30 s, held the FIFO 30 s (and one behind cut the wait short). The copy's estimate
+        is honoured up to ``pull_hold_max_copy_s`` (cost-model seconds,
+        :data:`PULL_HOLD_MAX_COPY_S` by default: ~13× the calibrated longest copy, 256 blocks
+        in 0.156 s): the schema lets any finite ``pull_copy_s`` through, and an estimate of
+        1e12 s held the FIFO for ever while the worker stayed ACTIVE. So the head of the
+        FIFO waits for a pull that is not arriving at most ``time_scale·pull_hold_slack·
+        pull_hold_max_copy_s + pull_hold_grace_s`` (4.05 s with the defaults at time scale 1).
+
         A copy that never comes is not waited for past the bound: the request then recomputes
         what is missing, as without the wait. 0: start it now (or nothing to start)."""
         if self._running is not None or not self._queue or self.cache is None:
             return 0.0
-        a = self._queue[0].assignment
+        job = self._queue[0]
+        a = job.assignment
         if not a.pull_copy_s:
             return 0.0
         full = self._full_blocks(a)
         hit = self.cache.peek(full)
         if min(hit * a.request.block_size, a.request.input_len - 1) >= a.prefix_tokens:
             return 0.0
-        left = (a.assigned_at_s + self.time_scale * self.pull_hold_slack * a.pull_copy_s
-                + self.pull_hold_grace_s - now)
+        bound = (self.time_scale * self.pull_hold_slack
+                 * min(a.pull_copy_s, self.pull_hold_max_copy_s) + self.pull_hold_grace_s)
+        # min: a clock stepped back since the admission does not lengthen the wait.
+        left = min(bound, job.accepted_at_s + bound - now)
         if left > 0.0:
             return left
         if hit < len(full) and full[hit] in incoming:

@@ -54,10 +54,14 @@ Per process (one worker, its leader rank, for now):
 * redirects run in their own tasks (not inside the epoch watcher, which a stop cancels) and
   are pipelined (up to :data:`REDIRECT_WINDOW` publishes awaiting their acks at once). A
   request stays this worker's (counted in ``queue_len``) until intake acknowledges it; a
-  publish whose ack does not come is retried with the same ``Nats-Msg-Id`` (de-duplicated by
-  the stream, so a retry never stores it twice) until ``redirect_timeout_s``. A redirect that
-  definitely failed (no intake stream, refused) is answered to the client with an error
-  FirstToken; one whose outcome is unknown (a timed-out publish may have been stored) is
+  publish whose ack does not come, or that meets a transient error (a 5xx answer such as
+  JetStream "temporarily unavailable", the connection closed or reconnecting, its outbound
+  buffer full), is retried with the same ``Nats-Msg-Id`` (de-duplicated by the stream, so a
+  retry never stores it twice) until ``redirect_timeout_s``, classified as the gateway's
+  intake publish is (:meth:`RankdService._publish_handback`). A redirect that definitely
+  failed (no intake stream, refused below 500, nothing any try can have stored) is answered
+  to the client with an error FirstToken; one whose outcome is unknown (a timed-out publish,
+  a 5xx answer, a closed connection: it may have been stored) is
   logged, never answered twice, and remembered by the core: a re-sent assignment of its
   source is settled by publishing the hand-back again under its id (stored at most once) and
   answered 410 once intake acknowledges it, 425 otherwise.
@@ -104,6 +108,7 @@ import functools
 import hashlib
 import json
 import math
+import random
 import time
 import uuid
 from collections import OrderedDict
@@ -115,7 +120,7 @@ import msgpack
 import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 from opentelemetry import trace
@@ -139,6 +144,7 @@ from services.rankd.metrics import WorkerMetrics
 from services.rankd.settings import RankdSettings
 from shared.ids import InvalidInput, UnknownWorker, WorkerFault
 from shared.logging import bind_request
+from shared.publish import publish_refused, publish_transient
 from shared.schemas import (
     CONTENT_TYPE,
     JSON,
@@ -210,10 +216,28 @@ REDIRECT_WINDOW: Final[int] = 64
 """Redirect publishes awaiting their JetStream acks at once (pipelined, queue order kept)."""
 REDIRECT_ATTEMPT_S: Final[float] = 2.0
 """Ack timeout of one redirect publish attempt (then retried, same ``Nats-Msg-Id``)."""
+REDIRECT_PAUSE_S: Final[float] = 0.05
+"""Pause before the first retry of a redirect publish that failed other than by a timeout (a
+transient 5xx, the connection down); doubling per retry up to :data:`REDIRECT_PAUSE_MAX_S`,
+drawn at random in its upper half."""
+REDIRECT_PAUSE_MAX_S: Final[float] = 0.5
+"""Longest pause between two tries of a redirect publish."""
+_HANDBACK_RETRIED: Final = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionDrainingError,
+    # The connection down at this moment and nats-py's reconnect buffer full: nothing sent.
+    nats.errors.OutboundBufferLimitError,
+)
+"""Connection errors of a redirect publish tried again until its deadline (a closed or
+draining connection ends it at the next try: :meth:`RankdService._publish_handback`)."""
 ANSWER_MEMORY: Final[int] = 8_192
 """First tokens a worker keeps to send again when a later attempt (another arrival, the same
 content) of a request it answered is assigned to it (~0.7 KB each). A failure is not kept: a
 later attempt of a failed request runs again."""
+ERROR_REASON_MAX: Final[int] = 500
+"""Longest error reason an error FirstToken carries for an unexpected exception (a pydantic
+validation error's text runs long)."""
 HEALTH_PERIOD_S: Final[float] = 0.5
 """Period of the backend's optional health probe (a rank dying under an idle worker is noticed
 within it; the probe is a non-blocking check, e.g. ``waitpid`` on the rank processes)."""
@@ -255,9 +279,15 @@ def _nonneg(x: float) -> float:
 def request_content(req: IntakeRequest) -> bytes:
     """A digest of what a worker computes a request's first token from (its prompt, as
     tokens or block hashes, and ``max_tokens``): equal for every attempt of one request,
-    whatever its arrival stamp or trace context."""
-    packed = msgpack.packb([req.input_len, req.block_size, req.max_tokens, req.tokens,
-                            req.block_hashes])
+    whatever its arrival stamp or trace context. Never raises: a field msgpack cannot carry
+    (an integer of 2**64 or more: ``max_tokens`` and ``block_size`` have no upper bound in the
+    schema) is digested from its JSON form instead, the same for every attempt. Before, it
+    raised OverflowError after the request had run, and the request went unanswered."""
+    fields = [req.input_len, req.block_size, req.max_tokens, req.tokens, req.block_hashes]
+    try:
+        packed = msgpack.packb(fields)
+    except (OverflowError, ValueError, TypeError):
+        packed = b"json:" + json.dumps(fields, separators=(",", ":")).encode()
     return hashlib.blake2b(packed, digest_size=16).digest()
 
 
@@ -413,6 +443,10 @@ class RankdService(MicroService):
         self._answers: OrderedDict[str, tuple[bytes, str, bytes, dict[str, str]]] = \
             OrderedDict()
         self.answers_resent = 0
+        # The executor's job whose answer went out (or a task of its own sends it, a KV
+        # handoff's): anything that fails after it in the job's bookkeeping answers nobody
+        # again (_executor).
+        self._answered: Job | None = None
         # request id -> the later attempts of it (the same content) assigned while its job was
         # queued or running here, arrival stamp -> (its request, its source: the intake message
         # id) of each: its answer goes to each (_assign), a hand-back of the job takes each
@@ -768,20 +802,40 @@ class RankdService(MicroService):
                 self._dirty.set()
                 # Every log line of the job carries its request and trace ids (conventions.md).
                 with bind_request(job.request_id, trace_id_of(job.trace_carrier)):
+                    self._answered = None
                     try:
                         await self._run(job)
                     except asyncio.CancelledError:
                         raise
-                    except Exception:  # e.g. a publish on a closing connection: keep serving
+                    except Exception as exc:  # e.g. a publish on a closing connection
                         self.log.exception("request bookkeeping failed")
                         if self.core.running is job:  # never leave the slot occupied
                             self.core.finish(job.request_id, ok=False)
-                        # Unanswered with the job (a note kept would later answer another
-                        # request under the id with this one's stamp).
-                        self._attempts.pop(job.request_id, None)
+                        self._bookkeeping_failed(job, exc)
                     finally:
                         self._idle.set()
                         self._dirty.set()
+
+    def _bookkeeping_failed(self, job: Job, exc: Exception) -> None:
+        """``job``'s run raised ``exc`` outside the backend's prefill (its span, its metrics,
+        its answer's making): the core finished it (or handed it back, a fault's). Unless its
+        answer went out already (``_answered``) or it was handed back, it is answered with
+        an error FirstToken, and so is each later attempt that joined it, as for a prefill
+        that failed; the worker serves on. Before, the job ended unanswered -- its client
+        waited out its timeout, and a re-sent assignment was acked as done and never ran.
+        The attempts noted under its id are this job's: no job of the id is admitted while it
+        runs (a later attempt joins it), and from the core's finish to the answer's making the
+        executor does not await."""
+        if self._answered is job or any(j is job for j in self.core.redirecting):
+            return
+        reason = f"request bookkeeping failed: {type(exc).__name__}: {exc}"
+        try:
+            self._publish_failure(job, reason[:ERROR_REASON_MAX])
+        except Exception:  # the worker serves on; logged, as the failure above
+            self.log.exception("error answer not sent")
+            # Unanswered with the job (a note kept would later answer another request under
+            # the id with this one's stamp).
+            self._attempts.pop(job.request_id, None)
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         """A background task the worker serves with ended (the done callback of each of
@@ -948,6 +1002,7 @@ class RankdService(MicroService):
             self.log.exception("prefill failed", request_id=job.request_id)  # in its except
         self.core.finish(job.request_id, ok=False)
         self._publish_failure(job, reason)
+        self._answered = job
 
     async def _deliver_result(self, job: Job, result: PrefillResult) -> None:
         """Publish the first token now, or at ``result.finished_at_s`` when the backend freed
@@ -956,11 +1011,19 @@ class RankdService(MicroService):
         of its own, so the next request starts meanwhile. The later attempts that joined the
         job are taken now, with the job just finished in the core: a new job under the id
         admitted during the wait (other content) keeps its own. Before, the late answer went
-        to the attempts that had joined that new job as well."""
-        joined = tuple(sorted(self._attempts.pop(job.request_id, {})))
+        to the attempts that had joined that new job as well.
+
+        Should the answer's making fail (:meth:`_publish_result` sends nothing then), the job
+        and those attempts get an error answer instead: here by the executor
+        (:meth:`_bookkeeping_failed`, the attempts still noted), later by the handoff's task.
+        Before, nobody was answered."""
+        rid = job.request_id
+        joined = tuple(sorted(self._attempts.get(rid, {})))
         delay = result.finished_at_s - self.clock()
-        if delay <= 0:
+        if not delay > 0:  # NaN too: answered now, not by a task sleeping for ever
             self._publish_result(job, result, joined)
+            self._attempts.pop(rid, None)
+            self._answered = job
             return
 
         async def at_first_token() -> None:
@@ -972,12 +1035,19 @@ class RankdService(MicroService):
                                        finished_at_s=result.finished_at_s + late)
             try:
                 self._publish_result(job, done, joined)
-            except Exception:  # e.g. the connection closed under us
-                self.log.exception("first token publish failed", request_id=job.request_id)
+            except Exception as exc:  # nothing sent (_publish_result): an error answer
+                self.log.exception("first token publish failed", request_id=rid)
+                reason = f"first token not sent: {type(exc).__name__}: {exc}"
+                try:
+                    self._publish_failure(job, reason[:ERROR_REASON_MAX], joined)
+                except Exception:
+                    self.log.exception("error answer not sent", request_id=rid)
 
         task = asyncio.create_task(at_first_token(), name="rankd-handoff")
         self._handoffs.add(task)
         task.add_done_callback(self._handoffs.discard)
+        self._attempts.pop(rid, None)  # the task answers them (no await since the get)
+        self._answered = job
 
     def _record_rank_spans(self, job: Job, result: PrefillResult, prefilled: float,
                            prefill_span: Span, ids: dict[str, str]) -> None:
@@ -1032,7 +1102,9 @@ class RankdService(MicroService):
     def _publish_result(self, job: Job, result: PrefillResult,
                         joined: Sequence[float]) -> None:
         """Send ``job``'s FirstToken (kept to send again, :meth:`_keep_answer`) and a copy to
-        each later attempt that joined it (``joined``: their arrival stamps)."""
+        each later attempt that joined it (``joined``: their arrival stamps). All or nothing:
+        whatever raises (the backend's result does not make a FirstToken, say) raises before
+        anything is sent or kept, so the caller may answer them all with an error instead."""
         a = job.assignment
         msg = FirstToken(
             request_id=a.request.request_id,
@@ -1049,8 +1121,10 @@ class RankdService(MicroService):
         data, headers = encode(msg)
         subject = self.subjects.result(a.request.request_id)
         headers = inject(headers)
+        copies = self._attempt_copies(data, headers, joined)
         self._keep_answer(a.request, subject, data, headers)
-        self._answer_attempts(a.request.request_id, subject, data, headers, joined)
+        for copy in copies:
+            self._send_result(subject, *copy)
 
     def _failure(self, job: Job, reason: str) -> tuple[str, bytes, dict[str, str]]:
         """The error FirstToken of ``job``'s request (``reason``): its subject, data and
@@ -1072,29 +1146,39 @@ class RankdService(MicroService):
         data, headers = encode(msg)
         return self.subjects.result(a.request.request_id), data, headers
 
-    def _publish_failure(self, job: Job, reason: str) -> None:
+    def _publish_failure(self, job: Job, reason: str,
+                         joined: Sequence[float] | None = None) -> None:
+        """Send ``job``'s error FirstToken (``reason``) and a copy to each later attempt that
+        joined it (``joined``: their arrival stamps, taken already; None: take them now from
+        the attempts noted). All or nothing, as :meth:`_publish_result`."""
         subject, data, headers = self._failure(job, reason)
+        rid = job.request_id
+        arrivals = sorted(self._attempts.get(rid, {})) if joined is None else joined
+        copies = self._attempt_copies(data, headers, arrivals)
+        if joined is None:
+            self._attempts.pop(rid, None)
         # Not kept to send again: a later attempt of a failed request (a client's retry)
         # runs again rather than get this failure (_assign).
-        self._answers.pop(job.request_id, None)
+        self._answers.pop(rid, None)
         self._send_result(subject, data, headers)
-        self._answer_attempts(job.request_id, subject, data, headers)
+        for copy in copies:
+            self._send_result(subject, *copy)
 
-    def _answer_attempts(self, rid: str, subject: str, data: bytes, headers: dict[str, str],
-                         joined: Sequence[float] | None = None) -> None:
-        """Send ``rid``'s answer (``data``) to the later attempts that joined its job here
-        (:meth:`_assign`; ``joined``: their arrival stamps, taken already; None: take them
-        now), each copy stamped with its attempt's arrival."""
+    def _attempt_copies(self, data: bytes, headers: dict[str, str],
+                        arrivals: Sequence[float]) -> list[tuple[bytes, dict[str, str]]]:
+        """A request's answer (``data``) as the answer of each later attempt that joined its
+        job here (:meth:`_assign`; ``arrivals``: their arrival stamps), each copy stamped
+        with its attempt's arrival: made all before any is sent."""
         now = self.clock()
-        for arrival in sorted(self._attempts.pop(rid, {})) if joined is None else joined:
-            self._send_result(subject, *restamped(data, headers, arrival, now))
+        return [restamped(data, headers, arrival, now) for arrival in arrivals]
 
     def _keep_answer(self, req: IntakeRequest, subject: str, data: bytes,
                      headers: dict[str, str]) -> None:
         """Send a request's FirstToken and keep it (the latest ``ANSWER_MEMORY``) to send
         again if a later attempt of the request is assigned here (:meth:`_on_assign`)."""
         rid = req.request_id
-        self._answers[rid] = (request_content(req), subject, data, headers)
+        content = request_content(req)
+        self._answers[rid] = (content, subject, data, headers)
         self._answers.move_to_end(rid)
         if len(self._answers) > ANSWER_MEMORY:
             self._answers.popitem(last=False)
@@ -1246,19 +1330,38 @@ class RankdService(MicroService):
                                 deadline: float) -> tuple[str | None, bool]:
         """Publish ``req`` to intake under ``msg_id`` until intake acknowledges it or
         ``deadline`` (loop time) passes. Returns (the error, None once acknowledged; whether
-        a try timed out, so intake may hold it all the same), logging the outcome."""
+        some try may have stored it all the same), logging the outcome.
+
+        Classified as the gateway's intake publish is (:func:`publish_transient`,
+        :func:`publish_refused`): a try that timed out, a connection closed or reconnecting,
+        a full outbound buffer (the connection is down: nothing sent) or a 5xx answer that may
+        go away within seconds (JetStream "temporarily unavailable" during a leader election)
+        is tried again, the same ``Nats-Msg-Id`` de-duplicating a repeat that lands, after a
+        short pause that grows (:data:`REDIRECT_PAUSE_S` to :data:`REDIRECT_PAUSE_MAX_S`;
+        none after a timeout, which waited already), until ``deadline``. An answer that
+        retrying cannot change -- below 500 (the stream refused the message on a check before
+        storing), a failed store or a full stream -- no intake stream at all (no responders)
+        and any other nats-py error end it at once. Whether intake may hold it is
+        :func:`publish_refused`'s: every try that may have stored it (a timeout, a connection
+        closed, any 5xx: in a cluster the write may have been replicated) makes the outcome
+        unknown, never a definite failure. Before, only a timeout was retried: one transient
+        503, say, failed the hand-back at once and answered the client with an error,
+        although intake might hold it (then answered twice)."""
         assert self._js is not None
         loop = asyncio.get_running_loop()
         rid = req.request_id
         data, headers = encode(req)
         headers.update(req.trace_context)  # first: never over the headers set here
         headers["Nats-Msg-Id"] = msg_id
-        maybe_stored = False  # an attempt timed out: intake may hold it without our ack
+        maybe_stored = False  # some try may have stored it without our ack
         error: str | None = None
+        last: str | None = None  # the latest retried try's failure, for the log
+        retries = 0
         while True:
             left = deadline - loop.time()
             if left <= 0:
-                error = f"not acknowledged by intake within {self.rsettings.redirect_timeout_s} s"
+                error = (f"not acknowledged by intake within {self.rsettings.redirect_timeout_s}"
+                         f" s (last: {last})")
                 break
             if self.nc.is_closed or self.nc.is_draining:
                 error = "connection closing"  # its ack could never arrive (module docstring)
@@ -1267,20 +1370,44 @@ class RankdService(MicroService):
                 ack = await self._js.publish(self.subjects.intake_requests(), data,
                                              headers=headers,
                                              timeout=min(left, REDIRECT_ATTEMPT_S))
-            except TimeoutError:
-                maybe_stored = True  # retry: the same Nats-Msg-Id is de-duplicated
+            except TimeoutError:  # nats.errors.TimeoutError too
+                maybe_stored = True  # retry at once: the same Nats-Msg-Id is de-duplicated
+                last = "timeout"
                 continue
-            except nats.errors.Error as exc:  # no intake stream, refused, connection closed
+            except APIError as exc:  # the stream answered, refusing it
+                maybe_stored = maybe_stored or not publish_refused(exc)
+                last = f"{type(exc).__name__}: {exc}"
+                if not publish_transient(exc):  # the same message gets the same answer
+                    error = last
+                    break
+            except _HANDBACK_RETRIED as exc:  # the connection down, lost or going
+                maybe_stored = maybe_stored or not publish_refused(exc)
+                last = f"{type(exc).__name__}: {exc}"
+            except nats.errors.Error as exc:
+                # No intake stream (no responders: nothing stored), or what nats-py raises
+                # before it sends anything (a payload over max_payload, a bad header): as
+                # before, a definite failure unless an earlier try may have stored it.
                 error = f"{type(exc).__name__}: {exc}"
                 break
-            if ack.duplicate:
-                # A retry after a lost ack, or a de-duplicated hop: it is in intake either way.
-                self.log.warning("redirect de-duplicated by the intake stream",
-                                 request_id=rid, worker=self.core.worker_id, epoch=epoch)
             else:
-                self.log.info("redirected", request_id=rid, worker=self.core.worker_id,
-                              epoch=epoch, arrival_s=req.arrival_s)
-            break
+                if ack.duplicate:
+                    # A retry after a lost ack, or a de-duplicated hop: in intake either way.
+                    self.log.warning("redirect de-duplicated by the intake stream",
+                                     request_id=rid, worker=self.core.worker_id, epoch=epoch)
+                else:
+                    self.log.info("redirected", request_id=rid, worker=self.core.worker_id,
+                                  epoch=epoch, arrival_s=req.arrival_s, retries=retries)
+                break
+            # Only the first retry is news; many redirects retry at once during an outage.
+            say = self.log.info if not retries else self.log.debug
+            say("redirect publish failed; trying again", request_id=rid, error=last,
+                retries=retries)
+            # Drawn at random: the redirects of a drain (REDIRECT_WINDOW at once) do not ask
+            # a JetStream electing a leader all together, nor in a tight loop.
+            pause = min(REDIRECT_PAUSE_MAX_S, REDIRECT_PAUSE_S * (1 << min(retries, 16)))
+            retries += 1
+            await asyncio.sleep(min(random.uniform(pause / 2, pause),
+                                    max(0.0, deadline - loop.time())))
         if error is not None and maybe_stored:
             # Intake may serve it: an error answer now could contradict its real first token.
             self.log.error("redirect outcome unknown", request_id=rid,

@@ -57,8 +57,8 @@ class RankdSettings(ServiceSettings):
         default=calibration.PULL_HOLD_SLACK, ge=1.0, allow_inf_nan=False,
         description="A request the scheduler placed counting on a route-time pull "
         "(Assignment.pull_copy_s) waits at the head of the queue for the copy at most this "
-        "many times the copy's estimated time (× time_scale) after its assignment, plus "
-        "pull_hold_grace_s.",
+        "many times the copy's estimated time (capped at PULL_HOLD_MAX_COPY_S, × time_scale) "
+        "after the worker admitted it, plus pull_hold_grace_s.",
     )
     pull_hold_grace_s: float = Field(
         default=calibration.PULL_HOLD_GRACE_S, ge=0.0, allow_inf_nan=False,

@@ -753,7 +753,7 @@ async def test_a_request_priced_with_a_pull_waits_for_the_copy_over_nats(
     svc, gate = rankd
     s = Subjects(uniq)
     sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
-    held = assignment("r-p").model_copy(update={"pull_copy_s": 60.0})  # held up to 120 s
+    held = assignment("r-p").model_copy(update={"pull_copy_s": 60.0})  # capped: ~4 s
     ack = await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
     assert ack.queue_position == 0
     for _ in range(10):  # it stays queued, not started (an ordering check, not a timing one)
@@ -787,9 +787,9 @@ class SlowCopies(SimBackend):
 async def test_past_its_bound_a_request_still_waits_for_a_copy_that_is_arriving(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
-    """The hold's bound (assigned + slack·pull_copy_s + grace) is for a copy that may never be
-    sent. A copy the worker is executing holds the request on past it: the request starts
-    only when the copy has landed, and reuses it."""
+    """The hold's bound (admitted + slack·min(pull_copy_s, cap) + grace) is for a copy that
+    may never be sent. A copy the worker is executing holds the request on past it: the
+    request starts only when the copy has landed, and reuses it."""
     gate = Gate()
     backend = SlowCopies(gate)
     svc, task = await start_rankd(nats_server.url, uniq, backend, pull_hold_grace_s=0.0)
@@ -1320,10 +1320,10 @@ class FailsFirstPublish(RankdService):
 async def test_attempts_that_joined_a_job_whose_bookkeeping_failed_are_forgotten(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
-    """x's later attempt joined x's job, whose answer then failed to go out (neither attempt
-    is answered, as before). A new request under the id (other content) runs and is
-    answered once, with its own stamp: before, the later attempt's note outlived the job,
-    and the new request's answer went to it too."""
+    """x's later attempt joined x's job, whose answer then failed to go out: each attempt is
+    answered once with an error (the executor's bookkeeping failure). A new request under
+    the id (other content) runs and is answered once, with its own stamp: before, the later
+    attempt's note outlived the job, and the new request's answer went to it too."""
     async with running_rankd(nats_server.url, uniq,
                              SimBackend(prefill_time=SlowGate(), time_scale=1.0),
                              cls=FailsFirstPublish) as svc:
@@ -1338,9 +1338,11 @@ async def test_attempts_that_joined_a_job_whose_bookkeeping_failed_are_forgotten
                 await asyncio.sleep(0.01)
         other = reattempt(first, first.request.arrival_s + 0.6, block_hashes=[1, 3])
         await call(nc, s.worker_assign(WID), other, AssignmentAck, timeout_s=WAIT_S)
-        await wait_for_results(results, 1)
+        await wait_for_results(results, 3)
         await all_sent(svc, nc)
-        assert [r.arrival_s for r in results] == [other.request.arrival_s]
+        assert sorted((r.arrival_s, r.error is None) for r in results) == [
+            (first.request.arrival_s, False), (first.request.arrival_s + 0.5, False),
+            (other.request.arrival_s, True)]
         await sub.unsubscribe()
 
 

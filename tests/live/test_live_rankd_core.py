@@ -646,12 +646,12 @@ def test_outstanding_work_of_huge_predictions_stays_publishable() -> None:
 def test_a_request_priced_with_a_pull_waits_for_it_at_the_head_of_the_queue() -> None:
     """``Assignment.pull_copy_s`` (J's pull credit with its wait): the head of the FIFO is held
     (:meth:`WorkerCore.pull_hold` > 0) while the cache lacks the prefix it was priced with, at
-    most until assigned_at_s + time_scale·slack·pull_copy_s + grace; the pull's copy landing
+    most until its admission + time_scale·slack·pull_copy_s + grace; the pull's copy landing
     (a replicate command) releases it, and it then reuses the pulled blocks."""
     core = WorkerCore(WID, kv_total_blocks=8, time_scale=0.5, pull_hold_slack=2.0,
                       pull_hold_grace_s=0.1)
     a = assignment("a", hashes=(1, 2, 3, 4), prefix=768).model_copy(
-        update={"pull_copy_s": 1.0})  # assigned at 11.0: held until 11 + 0.5·2·1 + 0.1
+        update={"pull_copy_s": 1.0})  # admitted at 11.0: held until 11 + 0.5·2·1 + 0.1
     core.admit(a, 11.0)
     assert core.pull_hold(11.0) == pytest.approx(1.1)
     assert core.pull_hold(11.6) == pytest.approx(0.5)
