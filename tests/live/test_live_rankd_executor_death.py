@@ -17,54 +17,26 @@ fault so its supervisor restarts it."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
+from rankd_support import assign, handed_back, last_state, results_of, stopped, until
 
 from services.rankd.backend import PrefillResult, SimBackend
-from services.rankd.core import INTAKE_MSG_HEADER, handback_msg_id
+from services.rankd.core import handback_msg_id
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import WorkerFault
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
-    AssignmentAck,
-    FirstToken,
-    IntakeRequest,
-    WorkerState,
-    decode,
-    from_json,
 )
-from shared.service import call, ensure_intake_stream
+from shared.service import ensure_intake_stream
 from shared.subjects import Subjects
-from shared.worker import GpuGroup, Lifecycle
+from shared.worker import Lifecycle
 
 WAIT_S = 15.0  # bound for correctness waits only; nothing asserts on speed
 WID = "w-cp2-g2"
-
-
-def assignment(rid: str) -> Assignment:
-    now = time.time()
-    return Assignment(
-        request=IntakeRequest(request_id=rid, input_len=100, arrival_s=now - 0.01),
-        worker_id=WID,
-        epoch=0,
-        degree=GpuGroup.from_worker_id(WID).degree,
-        prefix_tokens=0,
-        recompute_tokens=100,
-        predicted_s=0.01,
-        assigned_at_s=now,
-    )
-
-
-async def assign(nc: Client, s: Subjects, rid: str) -> AssignmentAck:
-    """Assign ``rid`` as the scheduler does (intake message id ``m-{rid}``)."""
-    return await call(nc, s.worker_assign(WID), assignment(rid), AssignmentAck,
-                      timeout_s=WAIT_S, headers={INTAKE_MSG_HEADER: f"m-{rid}"})
 
 
 class EngineAbort(BaseException):
@@ -102,56 +74,12 @@ class FailsFirst:
         await self._sim.close()
 
 
-async def results_of(nc: Client, s: Subjects) -> tuple[list[FirstToken], object]:
-    got: list[FirstToken] = []
-
-    async def cb(msg: Msg) -> None:
-        got.append(decode(FirstToken, msg.data, msg.headers))
-
-    return got, await nc.subscribe(s.result_all(), cb=cb)
-
-
-async def until(cond, what: str) -> None:  # type: ignore[no-untyped-def]
-    """Wait (bounded) until ``cond()`` holds."""
-    try:
-        async with asyncio.timeout(WAIT_S):
-            while not cond():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        pytest.fail(f"not within {WAIT_S} s: {what}")
-
-
-async def handed_back(js: JetStreamContext, s: Subjects, n: int) -> dict[str, str]:
-    """The next ``n`` requests in intake: request id → Nats-Msg-Id (bounded wait)."""
-    consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
-    got: dict[str, str] = {}
-    async with asyncio.timeout(WAIT_S):
-        while len(got) < n:
-            for m in await consumer.fetch(n - len(got), timeout=WAIT_S):
-                got[decode(IntakeRequest, m.data, m.headers).request_id] = (
-                    (m.headers or {}).get("Nats-Msg-Id", ""))
-                await m.ack()
-    return got
-
-
-async def last_state(js: JetStreamContext, s: Subjects) -> WorkerState:
-    kv = await js.key_value(s.worker_state_bucket())
-    return from_json(WorkerState, (await kv.get(WID)).value)
-
-
 def service(url: str, prefix: str, backend: FailsFirst) -> RankdService:
     return RankdService(
         RankdSettings(nats_url=url, subject_prefix=prefix, worker_id=WID, heartbeat_s=0.2,
                       redirect_timeout_s=5.0, drain_timeout_s=5.0),
         backend,
     )
-
-
-async def stopped(svc: RankdService, task: asyncio.Task[None]) -> None:
-    """Stop ``svc`` if it still runs (bounded), so a failing test leaves nothing behind."""
-    if not task.done():
-        svc.request_stop()
-        await asyncio.wait({task}, timeout=WAIT_S)
 
 
 async def test_a_cancelled_error_from_the_backend_fails_only_its_request(
@@ -167,13 +95,13 @@ async def test_a_cancelled_error_from_the_backend_fails_only_its_request(
     try:
         await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
         results, sub = await results_of(nc, s)
-        await assign(nc, s, "c-1")
+        await assign(nc, s, "c-1", WID)
         await asyncio.wait_for(backend.running.wait(), timeout=WAIT_S)  # c-1 runs
-        await assign(nc, s, "c-2")  # queued behind it
+        await assign(nc, s, "c-2", WID)  # queued behind it
         backend.release.set()  # c-1's prefill ends with CancelledError
         await until(lambda: {r.request_id for r in results} == {"c-1", "c-2"},
                     "both requests answered")
-        await assign(nc, s, "c-3")  # the worker still serves new requests
+        await assign(nc, s, "c-3", WID)  # the worker still serves new requests
         await until(lambda: len(results) == 3, "c-3 answered")
         by_id = {r.request_id: r for r in results}
         assert by_id["c-1"].token is None and "prefill failed" in (by_id["c-1"].error or "")
@@ -206,10 +134,10 @@ async def test_an_executor_that_dies_is_a_worker_fault(
     try:
         await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
         results, sub = await results_of(nc, s)
-        await assign(nc, s, "e-1")
+        await assign(nc, s, "e-1", WID)
         await asyncio.wait_for(backend.running.wait(), timeout=WAIT_S)  # e-1 runs
         for rid in ("e-2", "e-3"):
-            await assign(nc, s, rid)  # queued behind it
+            await assign(nc, s, rid, WID)  # queued behind it
         backend.release.set()  # e-1's prefill raises EngineAbort: the executor ends
         await asyncio.wait({task}, timeout=WAIT_S)
         assert task.done(), "the worker went on serving with a dead executor"
@@ -221,7 +149,7 @@ async def test_an_executor_that_dies_is_a_worker_fault(
                           for rid in ("e-1", "e-2", "e-3")}
         await nc.flush()  # the service drained its connection: whatever it published is here
         assert results == []  # handed back, not failed
-        state = await last_state(js, s)
+        state = await last_state(js, s, WID)
         assert (state.lifecycle, state.queue_len) == (Lifecycle.UNAVAILABLE, 0)
         assert backend.calls == 1  # nothing else ran here
     finally:

@@ -11,14 +11,12 @@ import time
 
 import pytest
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
-from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
+from rankd_support import assign, handed_back, last_state, results_of
 
 from services.rankd import main as rankd_main
 from services.rankd.backend import PrefillResult, SimBackend
-from services.rankd.core import INTAKE_MSG_HEADER, handback_msg_id
+from services.rankd.core import handback_msg_id
 from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
@@ -26,36 +24,16 @@ from shared.ids import WorkerFault
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
-    AssignmentAck,
     EpochRecord,
     EpochWorker,
-    FirstToken,
-    IntakeRequest,
-    WorkerState,
-    decode,
-    from_json,
     to_json,
 )
-from shared.service import call, ensure_intake_stream, epoch_kv
+from shared.service import ensure_intake_stream, epoch_kv
 from shared.subjects import Subjects
-from shared.worker import GpuGroup, Lifecycle
+from shared.worker import Lifecycle
 
 WAIT_S = 20.0  # bound for correctness waits only; nothing asserts on speed
 CAUSE = "rank 1 (GPU 1, pid 4242) was killed by SIGKILL"
-
-
-def assignment(rid: str, wid: str) -> Assignment:
-    now = time.time()
-    return Assignment(
-        request=IntakeRequest(request_id=rid, input_len=100, arrival_s=now - 0.01),
-        worker_id=wid,
-        epoch=0,
-        degree=GpuGroup.from_worker_id(wid).degree,
-        prefix_tokens=0,
-        recompute_tokens=100,
-        predicted_s=0.01,
-        assigned_at_s=now,
-    )
 
 
 class Gated:
@@ -79,45 +57,6 @@ class Gated:
 
     async def close(self) -> None:
         await self._sim.close()
-
-
-async def assign(nc: Client, s: Subjects, rid: str, wid: str) -> AssignmentAck:
-    """Assign ``rid`` as the scheduler does (intake message id ``m-{rid}``), once the worker's
-    endpoint is up (a host's worker shows up just before its endpoints subscribe)."""
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            try:
-                return await call(nc, s.worker_assign(wid), assignment(rid, wid), AssignmentAck,
-                                  timeout_s=WAIT_S, headers={INTAKE_MSG_HEADER: f"m-{rid}"})
-            except NoRespondersError:
-                await asyncio.sleep(0.05)
-
-
-async def results_of(nc: Client, s: Subjects) -> tuple[list[FirstToken], object]:
-    got: list[FirstToken] = []
-
-    async def cb(msg: Msg) -> None:
-        got.append(decode(FirstToken, msg.data, msg.headers))
-
-    return got, await nc.subscribe(s.result_all(), cb=cb)
-
-
-async def handed_back(js: JetStreamContext, s: Subjects, n: int) -> dict[str, str]:
-    """The next ``n`` requests in intake: request id → Nats-Msg-Id (bounded wait)."""
-    consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
-    got: dict[str, str] = {}
-    async with asyncio.timeout(WAIT_S):
-        while len(got) < n:
-            for m in await consumer.fetch(n - len(got), timeout=WAIT_S):
-                got[decode(IntakeRequest, m.data, m.headers).request_id] = (
-                    (m.headers or {}).get("Nats-Msg-Id", ""))
-                await m.ack()
-    return got
-
-
-async def last_state(js: JetStreamContext, s: Subjects, wid: str) -> WorkerState:
-    kv = await js.key_value(s.worker_state_bucket())
-    return from_json(WorkerState, (await kv.get(wid)).value)
 
 
 async def test_a_worker_fault_hands_back_instead_of_failing(

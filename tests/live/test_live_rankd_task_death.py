@@ -32,28 +32,20 @@ import time
 
 import pytest
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
+from rankd_support import assign, handed_back, last_state, results_of, stopped, until
 
 from services.rankd.backend import PrefillResult, SimBackend
-from services.rankd.core import INTAKE_MSG_HEADER
 from services.rankd.service import WATCH_TASK, RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import WorkerFault
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
-    AssignmentAck,
     EpochRecord,
     EpochWorker,
-    FirstToken,
-    IntakeRequest,
-    WorkerState,
-    decode,
-    from_json,
     to_json,
 )
-from shared.service import call, ensure_intake_stream, epoch_kv
+from shared.service import ensure_intake_stream, epoch_kv
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, Lifecycle
 
@@ -121,67 +113,12 @@ class Clock:
         return time.time()
 
 
-def assignment(rid: str) -> Assignment:
-    now = time.time()
-    return Assignment(
-        request=IntakeRequest(request_id=rid, input_len=100, arrival_s=now - 0.01),
-        worker_id=WID,
-        epoch=0,
-        degree=GpuGroup.from_worker_id(WID).degree,
-        prefix_tokens=0,
-        recompute_tokens=100,
-        predicted_s=0.01,
-        assigned_at_s=now,
-    )
-
-
-async def assign(nc: Client, s: Subjects, rid: str) -> AssignmentAck:
-    return await call(nc, s.worker_assign(WID), assignment(rid), AssignmentAck,
-                      timeout_s=WAIT_S, headers={INTAKE_MSG_HEADER: f"m-{rid}"})
-
-
 def record(epoch: int, lifecycle: Lifecycle) -> bytes:
     g = GpuGroup.from_worker_id(WID)
     return to_json(EpochRecord(
         epoch=epoch, committed_at_s=time.time(),
         workers=[EpochWorker(worker_id=WID, first_gpu=g.first_gpu, degree=g.degree,
                              lifecycle=lifecycle)]))
-
-
-async def results_of(nc: Client, s: Subjects) -> tuple[list[FirstToken], object]:
-    got: list[FirstToken] = []
-
-    async def cb(msg: Msg) -> None:
-        got.append(decode(FirstToken, msg.data, msg.headers))
-
-    return got, await nc.subscribe(s.result_all(), cb=cb)
-
-
-async def until(cond, what: str) -> None:  # type: ignore[no-untyped-def]
-    """Wait (bounded) until ``cond()`` holds."""
-    try:
-        async with asyncio.timeout(WAIT_S):
-            while not cond():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        pytest.fail(f"not within {WAIT_S} s: {what}")
-
-
-async def handed_back(js: JetStreamContext, s: Subjects, n: int) -> set[str]:
-    """The request ids of the next ``n`` requests in intake (bounded wait)."""
-    consumer = await js.pull_subscribe(s.intake_requests(), durable="sched")
-    got: set[str] = set()
-    async with asyncio.timeout(WAIT_S):
-        while len(got) < n:
-            for m in await consumer.fetch(n - len(got), timeout=WAIT_S):
-                got.add(decode(IntakeRequest, m.data, m.headers).request_id)
-                await m.ack()
-    return got
-
-
-async def last_state(js: JetStreamContext, s: Subjects) -> WorkerState:
-    kv = await js.key_value(s.worker_state_bucket())
-    return from_json(WorkerState, (await kv.get(WID)).value)
 
 
 def service(url: str, prefix: str, backend: Breakable, clock: Clock | None = None
@@ -207,13 +144,6 @@ async def fault_of(svc: RankdService, task: asyncio.Task[None], what: str) -> No
                 f"{svc.core.epoch}) and no fault; tasks running: {serving_tasks()}")
 
 
-async def stopped(svc: RankdService, task: asyncio.Task[None]) -> None:
-    """Stop ``svc`` if it still runs (bounded), so a failing test leaves nothing behind."""
-    if not task.done():
-        svc.request_stop()
-        await asyncio.wait({task}, timeout=WAIT_S)
-
-
 async def test_a_state_publisher_that_dies_is_a_worker_fault(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
@@ -231,13 +161,13 @@ async def test_a_state_publisher_that_dies_is_a_worker_fault(
         await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
         results, sub = await results_of(nc, s)
         backend.hold.clear()
-        await assign(nc, s, "p-1")
+        await assign(nc, s, "p-1", WID)
         await asyncio.wait_for(backend.running.wait(), timeout=WAIT_S)  # p-1 runs
-        await assign(nc, s, "p-2")  # queued behind it
+        await assign(nc, s, "p-2", WID)  # queued behind it
         backend.limit_raises = Abort("engine limit unreadable")  # the next heartbeat reads it
         await asyncio.wait_for(backend.raised.wait(), timeout=WAIT_S)
         await fault_of(svc, task, "state publisher ended")
-        assert await handed_back(js, s, 1) == {"p-2"}
+        assert set(await handed_back(js, s, 1)) == {"p-2"}
         backend.hold.set()  # p-1 was not at fault: it completes
         await asyncio.wait({task}, timeout=WAIT_S)
         assert task.done()
@@ -246,7 +176,7 @@ async def test_a_state_publisher_that_dies_is_a_worker_fault(
         await nc.flush()  # the service drained its connection: whatever it published is here
         assert [(r.request_id, r.error, r.token is not None) for r in results] == [
             ("p-1", None, True)]
-        state = await last_state(js, s)  # published by the stop itself
+        state = await last_state(js, s, WID)  # published by the stop itself
         assert (state.lifecycle, state.queue_len) == (Lifecycle.UNAVAILABLE, 0)
     finally:
         backend.hold.set()
@@ -275,16 +205,16 @@ async def test_an_epoch_watcher_that_dies_is_a_worker_fault(
         await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
         results, sub = await results_of(nc, s)
         backend.hold.clear()
-        await assign(nc, s, "e-1")
+        await assign(nc, s, "e-1", WID)
         await asyncio.wait_for(backend.running.wait(), timeout=WAIT_S)  # e-1 runs
-        await assign(nc, s, "e-2")  # queued behind it
+        await assign(nc, s, "e-2", WID)  # queued behind it
         clock.armed = WATCH_TASK
         await epochs.put(s.epoch_key(), record(1, Lifecycle.ACTIVE))
         await asyncio.wait_for(clock.raised.wait(), timeout=WAIT_S)  # its adoption raised
         # The controller drains the worker next; a live watcher adopts this (or faults).
         await epochs.put(s.epoch_key(), record(2, Lifecycle.DRAINING))
         await fault_of(svc, task, "epoch watcher ended")
-        assert await handed_back(js, s, 1) == {"e-2"}
+        assert set(await handed_back(js, s, 1)) == {"e-2"}
         backend.hold.set()
         await asyncio.wait({task}, timeout=WAIT_S)
         assert task.done()
@@ -292,7 +222,7 @@ async def test_an_epoch_watcher_that_dies_is_a_worker_fault(
             task.result()
         await nc.flush()
         assert [(r.request_id, r.error) for r in results] == [("e-1", None)]
-        state = await last_state(js, s)
+        state = await last_state(js, s, WID)
         assert (state.lifecycle, state.queue_len) == (Lifecycle.UNAVAILABLE, 0)
     finally:
         backend.hold.set()
@@ -320,7 +250,7 @@ async def test_a_health_probe_that_dies_is_a_worker_fault(
         assert task.done()
         with pytest.raises(WorkerFault, match="health probe ended: Abort"):
             task.result()
-        state = await last_state(js, s)
+        state = await last_state(js, s, WID)
         assert state.lifecycle is Lifecycle.UNAVAILABLE
     finally:
         await stopped(svc, task)
@@ -342,7 +272,7 @@ async def test_a_probe_that_fails_with_an_exception_only_stops_probing(
         results, sub = await results_of(nc, s)
         backend.health_raises = RuntimeError("probe bug")
         await asyncio.wait_for(backend.raised.wait(), timeout=WAIT_S)
-        await assign(nc, s, "h-1")  # round trips after the probe's end: it was noticed by now
+        await assign(nc, s, "h-1", WID)  # round trips after the probe's end: it was noticed by now
         await until(lambda: len(results) == 1, "h-1 answered")
         assert results[0].token is not None and results[0].error is None
         assert not task.done() and svc.fault is None
