@@ -31,10 +31,14 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
-def assignment(tokens: list[int], worker: str = "w-cp1-g0", degree: int = 1) -> Assignment:
+def assignment(tokens: list[int], worker: str = "w-cp1-g0", degree: int = 1, *,
+               checked: bool = True) -> Assignment:
+    """``checked=False``: the request is built without the schema's checks (as a caller in
+    the same process could hand it over), so ids the bus refuses reach the backend."""
     now = time.time()
-    req = IntakeRequest(request_id="r1", input_len=len(tokens), tokens=tokens, block_size=B,
-                        arrival_s=now)
+    fields = dict(request_id="r1", input_len=len(tokens), tokens=tokens, block_size=B,
+                  arrival_s=now)
+    req = IntakeRequest(**fields) if checked else IntakeRequest.model_construct(**fields)
     return Assignment(request=req, worker_id=worker, epoch=0, degree=degree, prefix_tokens=0,
                       recompute_tokens=len(tokens), predicted_s=0.1, assigned_at_s=now)
 
@@ -60,9 +64,15 @@ def test_an_id_beyond_int64_is_token_out_of_vocab_on_the_ranks(single: TorchWorl
 
 
 async def test_an_id_beyond_int64_is_refused_by_the_backend(single: TorchWorld) -> None:
+    """The schema refuses a token id of 2^32 or more on the bus (``MAX_TOKEN_ID``); the
+    backend still refuses one handed to it unchecked, and an id the schema takes that is
+    beyond the vocabulary."""
+    with pytest.raises(ValueError, match="4294967295"):
+        assignment([1, 2, 2**63])
     be = TorchBackend(single, "w-cp1-g0")
-    with pytest.raises(TokenOutOfVocab):
-        await be.prefill(assignment([1, 2, 2**63]))
+    for bad in (assignment([1, 2, 2**63], checked=False), assignment([1, 2, 2**32 - 1])):
+        with pytest.raises(TokenOutOfVocab):
+            await be.prefill(bad)
     assert single.broken is None and be.health() is None
     expected = single.prefill([0], [1, 2, 3])[0].token
     assert (await be.prefill(assignment([1, 2, 3]))).token == expected
