@@ -46,6 +46,17 @@ Rules (§5.2, §6.2, §8):
   acknowledges it, reports :meth:`WorkerCore.handback_confirmed` and answers as for
   :class:`HandedBack` (else as for :class:`Redirecting`). Forgetting it instead would let the
   re-sent assignment be refused as "not ACTIVE" and placed afresh beside a stored redirect.
+* So is a later attempt that joined a handed-back job (the adapter hands each back as an
+  intake message of its own, :func:`joined_handback_msg_id`) whose hand-back's outcome is
+  unknown (:meth:`WorkerCore.joined_handback_unknown`), by its source *and* arrival stamp --
+  attempts of one request usually share their source, and the job's hand-back in intake says
+  nothing of the attempt's: a re-sent assignment of that attempt raises
+  :class:`HandBackUnknown` naming it (``joined``) until the adapter reports
+  :meth:`WorkerCore.joined_handback_confirmed`, then :class:`HandedBack`. Before, it was
+  forgotten: its re-sent assignment was refused as "not ACTIVE" (placed afresh beside a
+  hand-back intake may hold), admitted with the worker ACTIVE again (a second prefill), or
+  answered :class:`HandedBack` on the strength of the job's hand-back (the attempt, perhaps
+  not in intake, lost).
 * A worker fault (:meth:`WorkerCore.fault`: the backend raised
   :class:`~shared.ids.WorkerFault`, the worker itself can no longer compute) hands back what
   the worker holds instead of failing it: the request whose execution met the fault stops
@@ -219,11 +230,16 @@ class HandedBack(NotAccepting):
 class HandBackUnknown(Redirecting):
     """This assignment's intake message was admitted here and handed back, but whether intake
     stored the hand-back is unknown; ``job`` is what to publish again to settle it (see
-    module rules). Answered as :class:`Redirecting` by an adapter that does not."""
+    module rules). ``joined``: ``job`` is a later attempt that joined the request's job here
+    (its own request and source; its hand-back's id is :func:`joined_handback_msg_id`, and
+    :meth:`WorkerCore.joined_handback_confirmed` settles it), else the job itself
+    (:func:`handback_msg_id`, :meth:`WorkerCore.handback_confirmed`). Answered as
+    :class:`Redirecting` by an adapter that does not."""
 
-    def __init__(self, message: str, job: Job) -> None:
+    def __init__(self, message: str, job: Job, *, joined: bool = False) -> None:
         super().__init__(message)
         self.job = job
+        self.joined = joined
 
 
 @dataclass(slots=True)
@@ -314,6 +330,10 @@ class WorkerCore:
         self._handed_back: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         # Request id → the handed-back job whose redirect's outcome is unknown (bounded).
         self._handback_unknown: OrderedDict[str, Job] = OrderedDict()
+        # (request id, source, arrival stamp) → a later attempt that joined a handed-back job,
+        # as the adapter described it, whose own hand-back's outcome is unknown (bounded).
+        # Keyed by the stamp too: the attempts of a request usually share their source.
+        self._joined_unknown: OrderedDict[tuple[str, str, float], Job] = OrderedDict()
         self._seq = 0
         # The first record is adopted even if its epoch equals the configured start epoch.
         self._adopted_once = False
@@ -460,7 +480,15 @@ class WorkerCore:
             raise Redirecting(f"{rid} is being redirected by {self.worker_id}")
         # An unknown outcome first: a later attempt that joined the job shares its source as
         # a rule, and its hand-back's success (remember_handed_back) says nothing of the
-        # job's own, which must then be published again, not taken as in intake.
+        # job's own, which must then be published again, not taken as in intake -- nor the
+        # job's success of the attempt's (told apart by the arrival stamp).
+        if source is not None and self._joined_unknown:
+            attempt = self._joined_unknown.get((rid, source, a.request.arrival_s))
+            if attempt is not None:
+                raise HandBackUnknown(
+                    f"{rid} (intake message {source}, arrival {a.request.arrival_s!r}) joined "
+                    f"a job {self.worker_id} handed back; whether intake holds it is unknown",
+                    attempt, joined=True)
         unknown = self._handback_unknown.get(rid) if source is not None else None
         if unknown is not None and unknown.source == source:
             raise HandBackUnknown(f"{rid} (intake message {source}) was handed back by "
@@ -741,6 +769,36 @@ class WorkerCore:
         if job is None or job.source is None:
             raise InvalidInput(f"no hand-back of unknown outcome for {request_id}")
         self._remember_handed_back(request_id, job.source)
+
+    def joined_handback_unknown(self, attempt: Job) -> None:
+        """The adapter's hand-back of a later attempt that joined a job here ended with its
+        outcome unknown (intake may or may not hold it). ``attempt`` describes that attempt:
+        its request (the job's assignment with the attempt's ``request``: its arrival stamp)
+        and its ``source`` (the intake message whose assignment brought it). From now on a
+        re-sent assignment of that source and arrival stamp raises :class:`HandBackUnknown`
+        (``joined``, carrying ``attempt``) until :meth:`joined_handback_confirmed` (see module
+        rules). Without a source nothing is remembered: no re-sent assignment could be
+        matched to it. The latest ``FINISHED_MEMORY`` are remembered."""
+        if attempt.source is None:
+            return
+        key = (attempt.request_id, attempt.source, attempt.assignment.request.arrival_s)
+        self._joined_unknown[key] = attempt
+        self._joined_unknown.move_to_end(key)
+        if len(self._joined_unknown) > FINISHED_MEMORY:
+            self._joined_unknown.popitem(last=False)
+
+    def joined_handback_confirmed(self, attempt: Job) -> None:
+        """Intake acknowledged the hand-back of ``attempt`` (a joined attempt whose outcome
+        was unknown, :meth:`joined_handback_unknown`; published again under its id): from now
+        on a re-sent assignment of its source is :class:`HandedBack`. Raises InvalidInput if
+        no such hand-back is remembered."""
+        key = (attempt.request_id, attempt.source or "", attempt.assignment.request.arrival_s)
+        known = self._joined_unknown.pop(key, None)
+        if known is None or known.source is None:
+            raise InvalidInput(f"no joined hand-back of unknown outcome for "
+                               f"{attempt.request_id} (arrival "
+                               f"{attempt.assignment.request.arrival_s!r})")
+        self._remember_handed_back(known.request_id, known.source)
 
     def remember_handed_back(self, request_id: str, source: str) -> None:
         """Intake acknowledged a hand-back of ``request_id``'s admission from ``source`` that

@@ -33,9 +33,16 @@ Per process (one worker, its leader rank, for now):
   prompt limit when it has one (:func:`backend_max_seq_len`).
 * the worker's prefix cache (LRU, :mod:`services.rankd.blockcache`) decides the P actually
   reused; its events (stored / removed / cleared, per-worker monotonic ids) are published as
-  JSON on ``{prefix}.cache.events.{wid}`` in order; ``{prefix}.cache.snapshot.{wid}``
-  answers a CacheSnapshot (after publishing every earlier event; in parts when it is over
-  the server's max_payload, shared/service.py ``respond_in_parts``) and
+  JSON on ``{prefix}.cache.events.{wid}`` in order. An event whose publish raises (the
+  connection down with nats-py's reconnect buffer full, a closing connection) is kept with
+  every later one and sent again, in order and under its own id, by the next publication or
+  by a task of its own (after :data:`EVENTS_RETRY_S`, doubling to
+  :data:`EVENTS_RETRY_MAX_S`; :meth:`RankdService._resend_cache_events`) -- before, the
+  events were lost, and a quiet worker, whose next event would have shown the cache manager
+  the gap, left the global index wrong for as long as it stayed quiet.
+  ``{prefix}.cache.snapshot.{wid}`` answers a CacheSnapshot (after publishing every earlier
+  event it can; in parts when it is over the server's max_payload, shared/service.py
+  ``respond_in_parts``) and
   ``{prefix}.cache.cmd.{wid}`` executes a CacheCommand (replicate / reclaim / reconcile /
   demote: the last only reorders the LRU, no event follows).
 * the epoch record is watched; a newer record is adopted (lifecycle from it) and one EpochAck
@@ -64,7 +71,11 @@ Per process (one worker, its leader rank, for now):
   a 5xx answer, a closed connection: it may have been stored) is
   logged, never answered twice, and remembered by the core: a re-sent assignment of its
   source is settled by publishing the hand-back again under its id (stored at most once) and
-  answered 410 once intake acknowledges it, 425 otherwise.
+  answered 410 once intake acknowledges it, 425 otherwise. A later attempt that joined a
+  handed-back job is handed back as its own intake message and answered alike: 425 to a
+  re-sent assignment of it while its hand-back is under way, and, its outcome unknown,
+  remembered by the core (by source and arrival stamp) and settled by a re-send in the same
+  way -- never forgotten, so never run here beside a hand-back intake may hold.
 * a backend error is answered by its kind. :class:`~shared.ids.InvalidInput` (the request's
   fault: nothing ran) and any other unexpected exception: an error FirstToken
   (``prefill failed: ...``) for that request, and the worker serves on; so is an
@@ -111,7 +122,7 @@ import math
 import random
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Final
@@ -126,6 +137,7 @@ from nats.micro.request import Request, ServiceError
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
+from services.cachemgr.events import CacheEvent
 from services.rankd.backend import ExecutionBackend, PrefillResult
 from services.rankd.core import (
     HANDED_BACK_CODE,
@@ -202,12 +214,14 @@ EXECUTOR_TASK: Final[str] = "rankd-executor"
 STATE_TASK: Final[str] = "rankd-state"
 ACKS_TASK: Final[str] = "rankd-epoch-acks"
 HEALTH_TASK: Final[str] = "rankd-health"
+EVENTS_TASK: Final[str] = "rankd-cache-events"
 SERVING_TASKS: Final[dict[str, str]] = {
     EXECUTOR_TASK: "request executor",
     STATE_TASK: "state publisher",
     WATCH_TASK: "epoch watcher",
     ACKS_TASK: "epoch ack re-sender",
     HEALTH_TASK: "health probe",
+    EVENTS_TASK: "cache event re-sender",
 }
 """The background tasks a worker serves with (name -> what it is, as a fault names it): each
 ending while the service is not stopping is a worker fault
@@ -230,7 +244,8 @@ _HANDBACK_RETRIED: Final = (
     nats.errors.OutboundBufferLimitError,
 )
 """Connection errors of a redirect publish tried again until its deadline (a closed or
-draining connection ends it at the next try: :meth:`RankdService._publish_handback`)."""
+draining connection ends it at the next try: :meth:`RankdService._publish_handback`); of a
+cache event's publish, kept to send again (:meth:`RankdService._publish_cache_events_locked`)."""
 ANSWER_MEMORY: Final[int] = 8_192
 """First tokens a worker keeps to send again when a later attempt (another arrival, the same
 content) of a request it answered is assigned to it (~0.7 KB each). A failure is not kept: a
@@ -252,6 +267,16 @@ round up to :data:`ACK_RETRY_MAX_S`): a switching worker is schedulable only onc
 acknowledged, so a lost ack costs GPU time until the controller re-announces the record."""
 ACK_RETRY_MAX_S: Final[float] = 2.0
 """Longest delay between two re-send rounds of unsent EpochAcks (e.g. while reconnecting)."""
+EVENTS_RETRY_S: Final[float] = 0.2
+"""Delay before cache events whose publish failed are sent again (then doubling per failed
+round up to :data:`EVENTS_RETRY_MAX_S`): until they reach the cache manager, it routes and
+plans on a stale view of this worker's cache."""
+EVENTS_RETRY_MAX_S: Final[float] = 2.0
+"""Longest delay between two re-send rounds of unsent cache events (e.g. while reconnecting)."""
+UNSENT_EVENTS_MAX: Final[int] = 65_536
+"""Cache events kept unsent at most (a long outage with requests finishing); beyond, the
+oldest are dropped: the first one sent after them shows the cache manager the gap, and it asks
+for a snapshot."""
 
 
 def _wire_json(wire: dict[str, object]) -> bytes:
@@ -431,6 +456,10 @@ class RankdService(MicroService):
         self._reachable = asyncio.Event()
 
         self._events_lock = asyncio.Lock()  # cache events leave in event-id order
+        # Cache events taken from the core whose publish failed (and every later one), oldest
+        # first: sent before any newer one, by the next publication or _resend_cache_events.
+        self._unsent_events: deque[CacheEvent] = deque()
+        self._events_unsent = asyncio.Event()  # some are; wakes _resend_cache_events
         # Redirect tasks in flight: separate from the epoch watcher so a stop does not cancel
         # them; _shutdown waits for them (bounded).
         self._redirects: set[asyncio.Task[None]] = set()
@@ -548,6 +577,14 @@ class RankdService(MicroService):
         """:meth:`_on_assign` once the assignment decoded, its request id bound."""
         source = (request.headers or {}).get(INTAKE_MSG_HEADER)
         rid = a.request.request_id
+        if (rid, a.request.arrival_s) in self._joined_out:
+            # This attempt joined a job here and its own hand-back is under way: as for a
+            # job being handed back (the core's Redirecting), the scheduler retries and keeps
+            # its record. Before, it was refused as "not ACTIVE" (placed afresh beside a
+            # hand-back intake may be storing) or, with the worker ACTIVE, admitted.
+            raise ServiceError(code=REDIRECTING_CODE,
+                               description=f"{rid} (arrival {a.request.arrival_s!r}) is being "
+                                           f"handed back by {self.core.worker_id}")
         again = False
         done = self.core.finished_arrival(rid)
         if done is not None and done != a.request.arrival_s:
@@ -594,7 +631,7 @@ class RankdService(MicroService):
             position = self.core.admit(a, self.clock(), trace_carrier=stage_carrier(a),
                                        source=source, again=again)
         except HandBackUnknown as exc:  # settle it now: publish the hand-back again
-            if await self._confirm_handback(exc.job):
+            if await self._confirm_handback(exc):
                 raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc
             raise ServiceError(code=REDIRECTING_CODE, description=str(exc)) from exc
         except HandedBack as exc:  # the scheduler acks its old message (core module rules)
@@ -697,6 +734,7 @@ class RankdService(MicroService):
             asyncio.create_task(self._watch_epochs(watcher), name=WATCH_TASK),
             # Acks that failed during the adoption above are waiting for it already.
             asyncio.create_task(self._resend_acks(), name=ACKS_TASK),
+            asyncio.create_task(self._resend_cache_events(), name=EVENTS_TASK),
         ]
         health = getattr(self.backend, "health", None)
         if callable(health):  # optional backend method (services/rankd/backend.py)
@@ -1213,16 +1251,21 @@ class RankdService(MicroService):
         task.add_done_callback(self._redirects.discard)
         self._dirty.set()
 
-    async def _confirm_handback(self, job: Job) -> bool:
-        """Publish a hand-back of unknown outcome again, under its own id (so intake stores it
-        at most once), one attempt; True once intake acknowledged it (the core then answers
-        its source HandedBack). The id does not depend on the epoch: the job has a source."""
+    async def _confirm_handback(self, unknown: HandBackUnknown) -> bool:
+        """Publish a hand-back of unknown outcome (``unknown.job``: a job, or a later attempt
+        that joined one, ``unknown.joined``) again, under its own id (so intake stores it at
+        most once), one attempt; True once intake acknowledged it (the core then answers its
+        source HandedBack). The id does not depend on the epoch: the core remembers only
+        hand-backs with a source."""
         assert self._js is not None
+        job = unknown.job
         req = job.assignment.request
         data, headers = encode(req)
-        headers["Nats-Msg-Id"] = handback_msg_id(req.request_id, job.source,
-                                                 self.core.worker_id, self.core.epoch)
-        headers.update(req.trace_context)
+        headers.update(req.trace_context)  # first: never over the id set here
+        wid, epoch = self.core.worker_id, self.core.epoch
+        headers["Nats-Msg-Id"] = (
+            joined_handback_msg_id(req.request_id, job.source, wid, epoch, req.arrival_s)
+            if unknown.joined else handback_msg_id(req.request_id, job.source, wid, epoch))
         try:
             ack = await self._js.publish(self.subjects.intake_requests(), data, headers=headers,
                                          timeout=REDIRECT_ATTEMPT_S)
@@ -1231,8 +1274,12 @@ class RankdService(MicroService):
                              request_id=req.request_id, error=repr(exc))
             return False
         with contextlib.suppress(InvalidInput):  # settled meanwhile by a concurrent re-send
-            self.core.handback_confirmed(req.request_id)
+            if unknown.joined:
+                self.core.joined_handback_confirmed(job)
+            else:
+                self.core.handback_confirmed(req.request_id)
         self.log.info("hand-back of unknown outcome settled", request_id=req.request_id,
+                      arrival_s=req.arrival_s, joined=unknown.joined,
                       duplicate=bool(ack.duplicate))
         return True
 
@@ -1305,8 +1352,11 @@ class RankdService(MicroService):
     async def _redirect_joined(self, joined: JoinedAttempt, epoch: int, deadline: float) -> None:
         """Publish a later attempt that joined a handed-back job (its own request: its
         arrival stamp and trace context) as :meth:`_redirect_one` does the job; a definite
-        failure is answered to that attempt. Never raises but CancelledError (an attempt
-        cancelled unsettled is not answered here: its outcome is unknown)."""
+        failure is answered to that attempt, an unknown outcome remembered by the core
+        (:meth:`WorkerCore.joined_handback_unknown`: a re-sent assignment of the attempt
+        publishes it again, :meth:`_confirm_handback`), as the job's is. Never raises but
+        CancelledError (an attempt cancelled unsettled is not answered here: its outcome is
+        unknown)."""
         req = joined.request
         with bind_request(req.request_id, trace_id_of(req.trace_context)):
             error, maybe_stored = await self._publish_handback(
@@ -1319,6 +1369,13 @@ class RankdService(MicroService):
                 # A scheduler re-sending this attempt's assignment (it crashed before its
                 # record) is told HandedBack, as for a job: before, it ran here too.
                 self.core.remember_handed_back(req.request_id, joined.source)
+            elif error is not None and maybe_stored:
+                # Intake may hold it: a re-sent assignment of this attempt must publish it
+                # again (425 / 410), not be refused as "not ACTIVE", admitted, or taken as in
+                # intake on the strength of the job's own hand-back. Before, it was forgotten.
+                self.core.joined_handback_unknown(Job(
+                    joined.job.assignment.model_copy(update={"request": req}),
+                    accepted_at_s=joined.job.accepted_at_s, source=joined.source))
             if error is not None and not maybe_stored:
                 with contextlib.suppress(Exception):  # the connection may be closing
                     subject, data, headers = self._failure(joined.job,
@@ -1419,14 +1476,75 @@ class RankdService(MicroService):
 
     # -- cache events ---------------------------------------------------------------------------
 
-    async def _publish_cache_events(self) -> None:
+    async def _publish_cache_events(self) -> bool:
+        """:meth:`_publish_cache_events_locked` under the events lock."""
         async with self._events_lock:
-            await self._publish_cache_events_locked()
+            return await self._publish_cache_events_locked()
 
-    async def _publish_cache_events_locked(self) -> None:
+    async def _publish_cache_events_locked(self) -> bool:
+        """Publish the cache events still unsent, then the core's new ones, oldest first
+        (event-id order, each under its own id); True once none is left unsent. Never raises
+        but CancelledError (the event being published then stays unsent: sent twice at worst,
+        which the cache manager ignores as a duplicate id). Hold ``_events_lock``.
+
+        An event whose publish fails for the connection's sake (down with its reconnect
+        buffer full, reconnecting, closed or draining) is kept with every later one, the
+        re-sender woken (:meth:`_resend_cache_events`), and False returned: a cache command
+        that was applied is still answered as done, and a request's bookkeeping goes on.
+        Before, the events taken from the core were lost with the exception: the next event
+        sent showed the cache manager a gap (it then asks for a snapshot), but a worker that
+        went quiet sent none, and the global index kept the blocks it lost and missed the
+        ones it gained. One that fails for its own sake (nats-py refuses it, e.g. over the
+        server's max_payload) would fail every time: it is dropped (logged) rather than hold
+        back every later one, and the next one sent shows the gap. Beyond
+        :data:`UNSENT_EVENTS_MAX` the oldest are dropped likewise."""
+        pending = self._unsent_events
+        pending.extend(self.core.take_cache_events())
+        if len(pending) > UNSENT_EVENTS_MAX:
+            dropped = len(pending) - UNSENT_EVENTS_MAX
+            for _ in range(dropped):
+                pending.popleft()
+            self.log.error("unsent cache events dropped (the cache manager sees a gap)",
+                           worker=self.core.worker_id, dropped=dropped)
         subject = self.subjects.cache_events(self.core.worker_id)
-        for ev in self.core.take_cache_events():
-            await self.nc.publish(subject, _wire_json(ev.to_wire()), headers=_JSON_HEADERS)
+        while pending:
+            ev = pending[0]
+            try:
+                await self.nc.publish(subject, _wire_json(ev.to_wire()), headers=_JSON_HEADERS)
+            except _HANDBACK_RETRIED as exc:  # the connection down, lost or going: nothing sent
+                if not self._events_unsent.is_set():  # once per outage, not per try
+                    self.log.warning("cache events not sent; will retry",
+                                     worker=self.core.worker_id, event_id=ev.event_id,
+                                     unsent=len(pending), error=repr(exc))
+                self._events_unsent.set()
+                return False
+            except Exception as exc:
+                pending.popleft()
+                self.log.error("cache event that cannot be published dropped (the cache "
+                               "manager sees a gap)", worker=self.core.worker_id,
+                               event_id=ev.event_id, error=repr(exc))
+                continue
+            # Only once it is out: a failure (or a cancel) above leaves it first in line.
+            pending.popleft()
+        return True
+
+    async def _resend_cache_events(self) -> None:
+        """Send again the cache events whose publish failed (module docstring), in order, with
+        a growing delay while they keep failing; idle while none is unsent. A worker that
+        gets nothing more to do still brings the cache manager's view of it up to date once
+        its connection allows."""
+        delay = EVENTS_RETRY_S
+        while not _cancel_requested():
+            await self._events_unsent.wait()
+            await asyncio.sleep(delay)
+            if not await self._publish_cache_events():
+                delay = min(2 * delay, EVENTS_RETRY_MAX_S)
+                continue
+            # No await since the publication ended (the lock's release does not yield): a
+            # failure of another publication cannot fall between it and the clear.
+            self._events_unsent.clear()
+            delay = EVENTS_RETRY_S
+            self.log.info("unsent cache events published", worker=self.core.worker_id)
 
     # -- state and epochs ---------------------------------------------------------------------
 

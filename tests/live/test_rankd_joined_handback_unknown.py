@@ -1,0 +1,377 @@
+"""A later attempt that joined a handed-back job, whose own hand-back's outcome is unknown or
+still open, on a real nats-server with a real RankdService (sim backend), and the worker core's
+bookkeeping of it.
+
+A worker hands back each later attempt that joined a job (a client retry the intake stored
+anew after a store loss) as an intake message of its own
+(:func:`~services.rankd.core.joined_handback_msg_id`). A scheduler that crashed after the
+worker's ack re-sends that attempt's assignment when its intake message is redelivered. The
+worker must answer it as it answers the job's: 425 while the hand-back's outcome is open (the
+scheduler keeps its record and tries again), 410 once intake holds the hand-back (the scheduler
+acks its old message) -- never admit it (a second prefill beside the stored hand-back), never
+refuse it as "not ACTIVE" (the scheduler places it afresh beside the stored hand-back), never
+410 while intake may not hold it (the attempt is then lost and its client never answered).
+
+Before, a joined attempt whose hand-back outcome was unknown (every try timed out or met a 5xx
+until ``redirect_timeout_s``) was forgotten, as was one whose hand-back was still under way.
+
+The intake stream is a stand-in subscriber on the intake subject answering each JetStream
+publish as the stream would (a PubAck, an API error) or not at all (a lost ack)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from rankd_support import plain_assignment, stopped, until
+
+from services.rankd.backend import SimBackend
+from services.rankd.core import (
+    HANDED_BACK_CODE,
+    INTAKE_MSG_HEADER,
+    JOINED_MARK,
+    REDIRECTING_CODE,
+    HandBackUnknown,
+    HandedBack,
+    Job,
+    WorkerCore,
+    handback_msg_id,
+    joined_handback_msg_id,
+)
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
+from shared.ids import InvalidInput
+from shared.natsserver import EmbeddedNats
+from shared.schemas import (
+    Assignment,
+    AssignmentAck,
+    EpochRecord,
+    EpochWorker,
+    FirstToken,
+    decode,
+    to_json,
+)
+from shared.service import RemoteError, call
+from shared.subjects import Subjects
+from shared.worker import GpuGroup, Lifecycle
+
+WID = "w-cp2-g2"
+WAIT_S = 20.0  # bound for correctness waits only; nothing asserts on speed
+UNAVAILABLE = {"code": 503, "err_code": 10008,
+               "description": "JetStream system temporarily unavailable"}
+
+
+def later_attempt(a: Assignment, arrival: float, *, epoch: int | None = None) -> Assignment:
+    """A later attempt of ``a``'s request (the same id and content), arrived at ``arrival``;
+    of ``epoch`` when given."""
+    update: dict[str, object] = {"request": a.request.model_copy(update={"arrival_s": arrival})}
+    if epoch is not None:
+        update["epoch"] = epoch
+    return a.model_copy(update=update)
+
+
+def of_epoch(a: Assignment, epoch: int) -> Assignment:
+    return a.model_copy(update={"epoch": epoch})
+
+
+# -- the core ---------------------------------------------------------------------------------
+
+
+def record(epoch: int, lifecycle: Lifecycle) -> EpochRecord:
+    g = GpuGroup.from_worker_id(WID)
+    return EpochRecord(epoch=epoch, committed_at_s=0.0, workers=[
+        EpochWorker(worker_id=WID, first_gpu=g.first_gpu, degree=g.degree,
+                    lifecycle=lifecycle)])
+
+
+def attempt_job(job: Job, later: Assignment, source: str | None) -> Job:
+    """A later attempt that joined ``job`` (its request ``later.request``, from ``source``),
+    as the adapter describes it to the core."""
+    return Job(job.assignment.model_copy(update={"request": later.request}),
+               accepted_at_s=job.accepted_at_s, source=source)
+
+
+def test_a_joined_attempt_of_unknown_outcome_is_remembered_until_confirmed() -> None:
+    """The core remembers a joined attempt whose hand-back outcome is unknown by its source
+    and arrival stamp: its re-sent assignment raises HandBackUnknown naming it (``joined``,
+    the attempt's request) until the adapter confirms intake holds it, then HandedBack. Its
+    source being the job's (the usual case) does not make the job's confirmed hand-back
+    answer for it, nor the attempt's unknown outcome the job's. A refusal changes nothing;
+    an attempt without a source is not remembered (nothing could match it)."""
+    core = WorkerCore(WID)
+    first = plain_assignment("x", WID)
+    later = later_attempt(first, first.request.arrival_s + 0.5)
+    core.admit(first, 0.0, source="x")
+    core.admit(plain_assignment("y", WID), 0.0, source="y")
+    job = core.job("x")
+    other = core.job("y")
+    assert job is not None and other is not None
+    core.adopt(record(1, Lifecycle.DRAINING))
+    core.redirect_settled("x", in_intake=True)
+    core.redirect_settled("y", in_intake=True)
+    core.joined_handback_unknown(attempt_job(job, later, "x"))
+    core.joined_handback_unknown(attempt_job(other, later_attempt(
+        other.assignment, 9.0), None))  # no source: nothing remembered
+    for epoch, lifecycle in ((1, None), (2, Lifecycle.ACTIVE)):
+        if lifecycle is not None:
+            core.adopt(record(epoch, lifecycle))
+        with pytest.raises(HandBackUnknown) as exc:
+            core.admit(of_epoch(later, epoch), 1.0, source="x")
+        assert exc.value.joined and exc.value.job.source == "x"
+        assert exc.value.job.assignment.request == later.request
+        with pytest.raises(HandedBack):  # the job's own hand-back is in intake
+            core.admit(of_epoch(first, epoch), 1.0, source="x")
+        assert len(core) == 0
+    core.joined_handback_confirmed(exc.value.job)
+    with pytest.raises(InvalidInput):
+        core.joined_handback_confirmed(exc.value.job)  # nothing unknown left
+    with pytest.raises(HandedBack):
+        core.admit(of_epoch(later, 2), 2.0, source="x")
+    assert len(core) == 0
+
+
+def test_a_joined_attempt_and_its_job_both_of_unknown_outcome_are_told_apart() -> None:
+    """The job's hand-back and its joined attempt's are both of unknown outcome under one
+    source: a re-sent assignment of each attempt names that attempt's hand-back (the job's
+    is no longer ``joined``); confirming one leaves the other unknown."""
+    core = WorkerCore(WID)
+    first = plain_assignment("x", WID)
+    later = later_attempt(first, first.request.arrival_s + 0.5)
+    core.admit(first, 0.0, source="x")
+    job = core.job("x")
+    assert job is not None
+    core.adopt(record(1, Lifecycle.DRAINING))
+    core.redirect_settled("x", unknown=True)
+    core.joined_handback_unknown(attempt_job(job, later, "x"))
+    with pytest.raises(HandBackUnknown) as mine:
+        core.admit(of_epoch(later, 1), 1.0, source="x")
+    assert mine.value.joined
+    with pytest.raises(HandBackUnknown) as its:
+        core.admit(of_epoch(first, 1), 1.0, source="x")
+    assert not its.value.joined and its.value.job is job
+    core.handback_confirmed("x")
+    with pytest.raises(HandBackUnknown) as still:
+        core.admit(of_epoch(later, 1), 1.0, source="x")
+    assert still.value.joined
+    with pytest.raises(HandedBack):
+        core.admit(of_epoch(first, 1), 1.0, source="x")
+
+
+# -- the service ------------------------------------------------------------------------------
+
+
+class StandInIntake:
+    """Answers each publish on the intake subject: a joined attempt's hand-back (its id has
+    :data:`JOINED_MARK`) with :attr:`joined` -- a JetStream API error, ``"drop"`` (no answer:
+    the try times out) or None (a PubAck) -- any other with a PubAck. Records every
+    ``Nats-Msg-Id``."""
+
+    def __init__(self, joined: dict | str | None) -> None:
+        self.joined = joined
+        self.tries: list[str] = []
+
+    async def answer(self, msg: Msg) -> None:
+        mid = (msg.headers or {}).get("Nats-Msg-Id", "")
+        self.tries.append(mid)
+        error = self.joined if JOINED_MARK in mid else None
+        if error == "drop":
+            return
+        body = {"error": error} if error is not None else {"stream": "INTAKE",
+                                                            "seq": len(self.tries)}
+        await msg.respond(json.dumps(body).encode())
+
+    def joined_tries(self) -> list[str]:
+        return [m for m in self.tries if JOINED_MARK in m]
+
+
+@contextlib.asynccontextmanager
+async def running_worker(url: str, prefix: str, *,
+                         redirect_timeout_s: float = 1.0) -> AsyncIterator[RankdService]:
+    """A rankd whose prefills take 30 s (the first request runs for the whole test; the next
+    ones stay queued for a drain to hand back), stopped on the way out."""
+    settings = RankdSettings(nats_url=url, subject_prefix=prefix, worker_id=WID,
+                             heartbeat_s=0.2, drain_timeout_s=0.5,
+                             redirect_timeout_s=redirect_timeout_s)
+    svc = RankdService(settings, SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0))
+    task = asyncio.create_task(svc.run(handle_signals=False))
+    try:
+        await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
+        yield svc
+    finally:
+        await stopped(svc, task, timeout_s=WAIT_S)
+
+
+@pytest.fixture
+async def worker(nats_server: EmbeddedNats, uniq: str) -> AsyncIterator[RankdService]:
+    """:func:`running_worker` whose hand-backs give up after 1 s."""
+    async with running_worker(nats_server.url, uniq) as svc:
+        yield svc
+
+
+async def put_record(nc: Client, s: Subjects, epoch: int, lifecycle: Lifecycle) -> None:
+    epochs = await nc.jetstream().key_value(s.epoch_bucket())
+    await epochs.put(s.epoch_key(), to_json(EpochRecord(
+        epoch=epoch, committed_at_s=time.time(),
+        workers=[EpochWorker(worker_id=WID, first_gpu=2, degree=2, lifecycle=lifecycle)])))
+
+
+async def send(nc: Client, s: Subjects, a: Assignment, source: str) -> AssignmentAck:
+    return await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S,
+                      headers={INTAKE_MSG_HEADER: source})
+
+
+async def refused(nc: Client, s: Subjects, a: Assignment, source: str) -> int:
+    """The error code a re-sent assignment is answered (fails the test if it is admitted)."""
+    try:
+        ack = await send(nc, s, a, source)
+    except RemoteError as exc:
+        return exc.code
+    pytest.fail(f"re-sent assignment of {a.request.request_id} (arrival "
+                f"{a.request.arrival_s}, intake message {source}) admitted: {ack}")
+
+
+async def x_with_a_joined_attempt(svc: RankdService, nc: Client, s: Subjects, *,
+                                  later_source: str) -> tuple[Assignment, Assignment]:
+    """q-1 runs; x is queued behind it and a later attempt of x (from ``later_source``) joins
+    it. Returns (x's assignment, the later attempt's)."""
+    await send(nc, s, plain_assignment("q-1", WID), "q-1")
+    await until(lambda: svc.core.running is not None, "q-1 running")
+    first = plain_assignment("q-x", WID)
+    later = later_attempt(first, first.request.arrival_s + 0.5)
+    await send(nc, s, first, "q-x")
+    ack = await send(nc, s, later, later_source)
+    assert ack.queue_position == 1 and len(svc.core) == 2  # joined x's job, not queued
+    return first, later
+
+
+async def drained(svc: RankdService, nc: Client, s: Subjects) -> None:
+    """Epoch 1 drains the worker; return once its hand-backs are settled."""
+    await put_record(nc, s, 1, Lifecycle.DRAINING)
+    await until(lambda: svc.core.lifecycle is Lifecycle.DRAINING, "the drain adopted")
+    await until(lambda: not svc.core.redirecting and not svc._redirects,
+                "the hand-backs settled")
+
+
+async def test_a_resent_joined_attempt_of_unknown_outcome_is_published_again(
+    nats_server: EmbeddedNats, nc: Client, uniq: str, worker: RankdService
+) -> None:
+    """x's later attempt came from another intake message and joined x's job; a drain hands
+    both back: intake acknowledges x's, and answers 503 to the later attempt's until the
+    deadline (outcome unknown: no error answer). A scheduler re-sends the later attempt's
+    assignment: its hand-back is published again under its own id, 425 while intake refuses,
+    410 once it acknowledges -- and 410 still with the worker ACTIVE again; nothing runs
+    twice, nobody is answered. Before, the re-send was refused 409 "not ACTIVE" (the
+    scheduler places it afresh beside a hand-back intake may hold) and, with the worker
+    ACTIVE again, admitted: a second prefill of an attempt whose hand-back runs elsewhere."""
+    svc = worker
+    s = Subjects(uniq)
+    intake = StandInIntake(UNAVAILABLE)
+    await nc.subscribe(s.intake_requests(), cb=intake.answer)
+    results: list[FirstToken] = []
+
+    async def answered(msg: Msg) -> None:
+        results.append(decode(FirstToken, msg.data, msg.headers))
+
+    await nc.subscribe(s.result("q-x"), cb=answered)
+    first, later = await x_with_a_joined_attempt(svc, nc, s, later_source="q-x@other")
+    await drained(svc, nc, s)
+    mid = joined_handback_msg_id("q-x", "q-x@other", WID, 1, later.request.arrival_s)
+    assert handback_msg_id("q-x", "q-x", WID, 1) in intake.tries
+    assert intake.joined_tries() and set(intake.joined_tries()) == {mid}
+    await until(lambda: not svc._joined_out, "the joined hand-back settled")
+    tried = len(intake.tries)
+    assert await refused(nc, s, of_epoch(later, 1), "q-x@other") == int(REDIRECTING_CODE)
+    assert intake.tries[tried:] == [mid]
+    intake.joined = None  # intake acknowledges from now on
+    assert await refused(nc, s, of_epoch(later, 1), "q-x@other") == int(HANDED_BACK_CODE)
+    assert intake.tries[tried + 1:] == [mid]
+    await put_record(nc, s, 2, Lifecycle.ACTIVE)
+    await until(lambda: svc.core.lifecycle is Lifecycle.ACTIVE, "ACTIVE again")
+    for a, source in ((later, "q-x@other"), (first, "q-x")):
+        assert await refused(nc, s, of_epoch(a, 2), source) == int(HANDED_BACK_CODE)
+    assert intake.tries[tried + 2:] == []  # in intake: nothing published again
+    assert svc.core.queued == () and svc.core.running is not None  # only q-1
+    await svc.nc.flush()
+    await nc.flush()
+    assert results == []
+
+
+async def test_a_joined_attempt_of_unknown_outcome_is_not_run_when_active_again(
+    nats_server: EmbeddedNats, nc: Client, uniq: str, worker: RankdService
+) -> None:
+    """As above, but the worker is ACTIVE again before the scheduler re-sends the later
+    attempt, and intake acknowledges the hand-back published again: 410, nothing queued.
+    Before, the re-sent attempt was admitted and queued to run here a second time."""
+    svc = worker
+    s = Subjects(uniq)
+    intake = StandInIntake(UNAVAILABLE)
+    await nc.subscribe(s.intake_requests(), cb=intake.answer)
+    _, later = await x_with_a_joined_attempt(svc, nc, s, later_source="q-x@other")
+    await drained(svc, nc, s)
+    await until(lambda: not svc._joined_out, "the joined hand-back settled")
+    await put_record(nc, s, 2, Lifecycle.ACTIVE)
+    await until(lambda: svc.core.lifecycle is Lifecycle.ACTIVE, "ACTIVE again")
+    intake.joined = None
+    assert await refused(nc, s, of_epoch(later, 2), "q-x@other") == int(HANDED_BACK_CODE)
+    assert svc.core.queued == ()
+
+
+async def test_a_joined_attempt_sharing_its_jobs_source_is_not_taken_as_in_intake(
+    nats_server: EmbeddedNats, nc: Client, uniq: str, worker: RankdService
+) -> None:
+    """The usual case: both attempts' intake messages have the gateway's id (the later one
+    stored anew after a store loss). x's hand-back is in intake, the later attempt's of
+    unknown outcome. The later attempt's re-sent assignment publishes its own hand-back again
+    (425 while intake refuses); x's is 410 without publishing anything. Before, the later
+    attempt's was answered 410 as x's: the scheduler acked its message, and the attempt --
+    maybe in intake, maybe not -- could be lost, its client never answered."""
+    svc = worker
+    s = Subjects(uniq)
+    intake = StandInIntake(UNAVAILABLE)
+    await nc.subscribe(s.intake_requests(), cb=intake.answer)
+    first, later = await x_with_a_joined_attempt(svc, nc, s, later_source="q-x")
+    await drained(svc, nc, s)
+    await until(lambda: not svc._joined_out, "the joined hand-back settled")
+    mid = joined_handback_msg_id("q-x", "q-x", WID, 1, later.request.arrival_s)
+    tried = len(intake.tries)
+    assert await refused(nc, s, of_epoch(later, 1), "q-x") == int(REDIRECTING_CODE)
+    assert intake.tries[tried:] == [mid]
+    assert await refused(nc, s, of_epoch(first, 1), "q-x") == int(HANDED_BACK_CODE)
+    assert intake.tries[tried + 1:] == []
+    intake.joined = None
+    assert await refused(nc, s, of_epoch(later, 1), "q-x") == int(HANDED_BACK_CODE)
+    assert intake.tries[tried + 1:] == [mid]
+
+
+async def test_a_joined_attempt_whose_hand_back_is_under_way_is_redirecting(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """While the later attempt's hand-back waits for intake's acknowledgement (a lost ack:
+    tried again until the deadline), its re-sent assignment is answered 425, as a job's being
+    handed back is: the scheduler keeps its record and tries again. Once intake holds it:
+    410. Before, it was refused 409 "not ACTIVE", and the scheduler placed it afresh beside
+    the hand-back."""
+    s = Subjects(uniq)
+    intake = StandInIntake("drop")
+    await nc.subscribe(s.intake_requests(), cb=intake.answer)
+    async with running_worker(nats_server.url, uniq, redirect_timeout_s=8.0) as svc:
+        _, later = await x_with_a_joined_attempt(svc, nc, s, later_source="q-x@other")
+        await drained_until_joined_tried(svc, nc, s, intake)
+        assert svc._joined_out  # unsettled: intake has not answered
+        assert await refused(nc, s, of_epoch(later, 1), "q-x@other") == int(REDIRECTING_CODE)
+        intake.joined = None  # the next try is acknowledged
+        await until(lambda: not svc._joined_out, "the joined hand-back settled")
+        assert await refused(nc, s, of_epoch(later, 1), "q-x@other") == int(HANDED_BACK_CODE)
+
+
+async def drained_until_joined_tried(svc: RankdService, nc: Client, s: Subjects,
+                                     intake: StandInIntake) -> None:
+    """Epoch 1 drains the worker; return once the joined attempt's hand-back was tried."""
+    await put_record(nc, s, 1, Lifecycle.DRAINING)
+    await until(lambda: bool(intake.joined_tries()), "the joined hand-back tried")
