@@ -1364,40 +1364,84 @@ async def drain_or_close(nc: Client, timeout_s: float) -> None:
         await cancel_and_wait([reconnecting], log, grace_s=0.2)
 
 
+KV_WATCH_VERIFY_CHECKS: Final[int] = 5
+"""How many ``check_s`` apart a :class:`KvWatch` asks the server by default whether its bucket
+is still the one it watches (one JetStream API request per watch and period)."""
+
+
 class KvWatch:
-    """A watch of a KV bucket's keys that survives a server restart: an async iterator of
-    entries (None marks the end of a watch's initial values), as ``KeyValue.watch`` gives.
+    """A watch of a KV bucket's keys that survives a server restart, and its bucket being
+    deleted and created again: an async iterator of entries (None marks the end of a watch's
+    initial values), as ``KeyValue.watch`` gives.
 
     nats-py's watch is an ordered consumer that is not reset when its server restarts
     (nats.py#510): the client reconnects and the watch stays silent for ever -- a rank host
     would adopt no epoch record again, a scheduler would see no worker state again. So
     whenever the connection has reconnected since the watch was made, it is made again (if
-    the server cannot take it yet, at the next check, every ``check_s``). The new watch first
-    delivers each key's current value (a delete marker for a deleted key) and None, as any new
-    watch does: a consumer sees a restart as a replay of the current values, which the
-    stack's consumers (worker states, epoch records) take idempotently, and nothing written
-    during the outage is missed. ``remade`` counts the re-watches.
+    the server cannot take it yet, at the next check, every ``check_s``).
+
+    The consumer also goes with the bucket's stream when the bucket is deleted, the connection
+    staying up; nats-py resumes it, if at all, at the old stream's next sequence, which a new
+    stream reaches late or never. So every ``verify_s`` (default
+    :data:`KV_WATCH_VERIFY_CHECKS` ``* check_s``; one stream-info request, the only cost when
+    nothing is wrong) the watch asks whether its bucket is still the one it was made on (the
+    stream's creation time; where a server does not tell it, a last sequence below a revision
+    the watch yielded): a bucket created again is watched again at once; a bucket gone is
+    logged (a warning, once), its dead watch stopped, and a new one tried every ``check_s``,
+    quietly, until the bucket is back -- ``__anext__`` neither raises nor spins meanwhile.
+    A check the server does not answer (busy, restarting) changes nothing.
+
+    A new watch first delivers each key's current value (a delete marker for a deleted key)
+    and None, as any new watch does: a consumer sees a restart or a re-created bucket as a
+    replay of the current values, which the stack's consumers (worker states, epoch records)
+    take idempotently, and nothing written meanwhile is missed. ``remade`` counts the
+    re-watches; each is logged (``info``). A re-watch that fails is logged once per outage.
+
+    ``logger``: structlog-like (``info``, ``warning``); default this module's log. The
+    bucket's stream is reached through nats-py's private ``KeyValue._js`` / ``._stream``
+    (nats-py 2.16; no public accessor).
     """
 
     def __init__(self, nc: Client, kv: KeyValue, keys: str = ">", *,
-                 check_s: float = 1.0, logger: Any = None) -> None:
+                 check_s: float = 1.0, verify_s: float | None = None,
+                 logger: Any = None) -> None:
         if not check_s > 0:
             raise InvalidInput(f"check_s must be > 0, got {check_s!r}")
-        self._nc, self._kv, self._keys, self._check_s = nc, kv, keys, check_s
-        # Where the re-watches are told (structlog-like ``info``; default this module's log).
+        if verify_s is None:
+            verify_s = KV_WATCH_VERIFY_CHECKS * check_s
+        elif not verify_s > 0:
+            raise InvalidInput(f"verify_s must be > 0, got {verify_s!r}")
+        self._nc, self._kv, self._keys = nc, kv, keys
+        self._check_s, self._verify_s = check_s, verify_s
+        # Where the re-watches are told (class docstring: ``logger``).
         self._log = log if logger is None else logger
+        # None while the bucket is gone (the dead watch stopped, a new one not made yet).
         self._watcher: Any = None
         self._reconnects = 0
         self._stopped = False
+        self._woken = asyncio.Event()  # set by stop: ends a wait without a watcher at once
+        # The watched stream as the current watch was made on it: its creation time (None
+        # where the server does not tell it) and the highest revision this watch yielded.
+        self._created: Any = None
+        self._revision = 0
+        self._verify_at = 0.0  # loop time of the next check of the bucket
+        self._lost = False  # the bucket was found gone: its watch is made again when back
+        self._told = False  # a failed re-watch (or the bucket gone) was logged this outage
         self.remade = 0
 
     async def start(self) -> KvWatch:
+        """Make the watch; raises what ``KeyValue.watch`` (or the stream-info request) raises,
+        e.g. NotFoundError for a bucket that does not exist."""
         self._reconnects = self._nc.stats["reconnects"]
+        # Before the watch: a bucket created again in between is seen at the first check.
+        self._created = (await self._stream_info()).created
         self._watcher = await self._kv.watch(self._keys)
+        self._verify_at = asyncio.get_running_loop().time() + self._verify_s
         return self
 
     async def stop(self) -> None:
         self._stopped = True
+        self._woken.set()
         if self._watcher is not None:
             await self._watcher.stop()
 
@@ -1405,33 +1449,91 @@ class KvWatch:
         return self
 
     async def __anext__(self) -> Any:
+        loop = asyncio.get_running_loop()
         while True:
             if self._stopped:
                 raise StopAsyncIteration
             if cancel_requested():  # a stop's cancel swallowed by a wait_for (shared/tasks.py)
                 raise asyncio.CancelledError
-            if self._nc.stats["reconnects"] != self._reconnects and self._nc.is_connected:
-                await self._remake()
+            if self._nc.is_connected:
+                if self._nc.stats["reconnects"] != self._reconnects:
+                    await self._remake("after a reconnect")
+                elif self._lost:
+                    await self._remake("after its bucket was created again")
+                elif loop.time() >= self._verify_at:
+                    await self._verify()
+            if self._watcher is None:  # the bucket gone: tried again after check_s
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._woken.wait(), self._check_s)
+                continue
             try:
                 entry = await self._watcher.updates(timeout=self._check_s)
             except nats.errors.TimeoutError:
                 continue
             if entry is KeyValue.KeyWatcher.STOP_ITER:  # a stopped (replaced) watcher
                 continue
+            if entry is not None and entry.revision:
+                self._revision = max(self._revision, entry.revision)
             return entry
 
-    async def _remake(self) -> None:
+    async def _stream_info(self) -> StreamInfo:
+        return await self._kv._js.stream_info(self._kv._stream)
+
+    async def _verify(self) -> None:
+        """Is the bucket still the one the watch was made on? Gone: stop the dead watch (its
+        nats-py heartbeat check would otherwise try to resume it, and report each failure
+        through the connection's error callback) and make it again once the bucket is back.
+        Created again: make it again now."""
+        self._verify_at = asyncio.get_running_loop().time() + self._verify_s
+        try:
+            info = await self._stream_info()
+        except NotFoundError:
+            old, self._watcher, self._lost = self._watcher, None, True
+            if not self._told:
+                self._told = True
+                self._log.warning("kv bucket gone; its watch is made again once it is back",
+                                  stream=self._kv._stream, keys=self._keys)
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.stop()
+            return
+        except (nats.errors.Error, TimeoutError):
+            return  # no answer now (a busy or restarting server): asked again next time
+        if self._recreated(info):
+            await self._remake("after its bucket was created again")
+
+    def _recreated(self, info: StreamInfo) -> bool:
+        if info.created is not None and self._created is not None:
+            return bool(info.created != self._created)
+        # No creation time from this server: a new stream numbers from 1 again, while no
+        # purge, expiry or delete ever lowers a stream's last sequence.
+        return info.state.last_seq < self._revision
+
+    async def _remake(self, why: str) -> None:
         reconnects = self._nc.stats["reconnects"]
         try:
+            # The stream info first, as in start: a re-creation after it is seen next time.
+            info = await self._stream_info()
             watcher = await self._kv.watch(self._keys)
-        except (nats.errors.Error, TimeoutError) as exc:  # the server is not ready yet
-            self._log.info("kv watch not made again yet", keys=self._keys, error=repr(exc))
+        except (nats.errors.Error, TimeoutError) as exc:  # not ready yet, or the bucket gone
+            if not self._told:
+                self._told = True
+                self._log.info("kv watch not made again yet", keys=self._keys, why=why,
+                               error=repr(exc))
             return
-        old, self._watcher, self._reconnects = self._watcher, watcher, reconnects
+        if self._stopped:  # stopped while this was made: nothing will stop it later
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+            return
+        old, self._watcher = self._watcher, watcher
+        self._reconnects, self._created, self._revision = reconnects, info.created, 0
+        self._lost = self._told = False
+        self._verify_at = asyncio.get_running_loop().time() + self._verify_s
         self.remade += 1
-        with contextlib.suppress(Exception):
-            await old.stop()
-        self._log.info("kv watch made again after a reconnect", keys=self._keys)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.stop()
+        self._log.info(f"kv watch made again {why}", keys=self._keys)
 
 
 def reconnect_options(settings: ServiceSettings) -> dict[str, Any]:
@@ -1504,6 +1606,7 @@ __all__ = [
     "stop_micro_service",
     "while_connected",
     "KvWatch",
+    "KV_WATCH_VERIFY_CHECKS",
     "reconnect_options",
     "nats_callbacks",
     "security_hint",

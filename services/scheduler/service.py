@@ -93,7 +93,9 @@ and the worker, asked on its ``queue`` endpoint, lists the request as queued or 
 its own first token answers the client and the message is acked (``unknown_held``), or the
 results stream already keeps a first token of it (finished after it arrived: the worker ran it
 while every answer about it was lost): an error would only replace that answer there, so the
-message is acked (``fail_found_answered``). A malformed intake message is terminated at once.
+message is acked (``fail_found_answered``). A malformed intake message is terminated at once:
+one whose body does not decode, or whose header block could not be read
+(:data:`shared.natsclient.MALFORMED_HEADERS`, whatever its body), counted in ``malformed``.
 
 Lost workers (:mod:`services.scheduler.ledger`): every request this replica dispatched stays
 in its ledger until a result for it arrives. A worker whose state names a new *incarnation*
@@ -224,6 +226,7 @@ from shared.ids import (
     WorkerId,
 )
 from shared.logging import bind_request
+from shared.natsclient import MALFORMED_HEADERS
 from shared.schemas import (
     NOT_SCHEDULED,
     NOT_SERVABLE,
@@ -1573,11 +1576,23 @@ class SchedulerService(MicroService):
         idempotent on request id).
         """
         dequeued = self.clock()
+        if msg.headers and MALFORMED_HEADERS in msg.headers:
+            # Its header block could not be read (or a sender forged the marker): whatever
+            # the body, what the headers said -- Content-Type, Nats-Msg-Id, the trace
+            # context, a hand-back's marks -- is lost, so it is not placed; terminated, not
+            # left to come back at every ack_wait until max_deliver.
+            self.stats.malformed += 1
+            self.log.warning("intake message with a malformed header block terminated",
+                             subject=msg.subject, stream_seq=self._stream_seq(msg),
+                             error=msg.headers[MALFORMED_HEADERS])
+            await msg.term()
+            return
         try:
             req = decode(IntakeRequest, msg.data, msg.headers)
         except SchemaError as exc:
             self.stats.malformed += 1
-            self.log.error("malformed intake message terminated", error=str(exc))
+            self.log.error("malformed intake message terminated", error=str(exc),
+                           subject=msg.subject, stream_seq=self._stream_seq(msg))
             await msg.term()
             return
         # Every log line of this delivery carries its request and trace ids (conventions.md);

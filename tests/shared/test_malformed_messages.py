@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import nats
 import pytest
+from malformed_support import WAIT_S, hpub, send_raw
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 
@@ -27,38 +28,12 @@ from shared.natsserver import EmbeddedNats
 from shared.service import Endpoint, MicroService, PullConsumer
 from shared.settings import ServiceSettings
 
-WAIT_S = 15.0
-
 BAD_BLOCKS = [
     pytest.param(b"XXXX\r\n\r\n", id="8-bytes-no-NATS/1.0"),  # nats-py: IndexError
     pytest.param(b"\r\n\r\n", id="4-bytes"),  # nats-py: IndexError
     pytest.param(b"XXXXXXXX\r\nk: v\r\n\r\n", id="no-NATS/1.0-line"),  # read past unchecked
     pytest.param(b"NATS/1.0 \xff\xfe\xfd\r\n\r\n", id="status-not-utf8"),  # UnicodeDecodeError
 ]
-
-
-def hpub(subject: bytes, block: bytes, payload: bytes = b"", reply: bytes = b"") -> bytes:
-    """An ``HPUB`` of ``payload`` with the header block ``block`` as it is."""
-    head = b"HPUB " + subject + (b" " + reply if reply else b"")
-    return head + b" %d %d\r\n" % (len(block), len(block) + len(payload)) + block + payload \
-        + b"\r\n"
-
-
-async def send_raw(server: EmbeddedNats, frames: bytes) -> None:
-    """Write protocol ``frames`` on a raw connection of their own and wait for the PONG of a
-    PING sent after them: the server has taken (and routed) every one."""
-    host, port = server.url.split("//", 1)[1].rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        await asyncio.wait_for(reader.readuntil(b"\r\n"), WAIT_S)  # INFO
-        writer.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true}\r\n'
-                     + frames + b"PING\r\n")
-        await writer.drain()
-        line = await asyncio.wait_for(reader.readuntil(b"\r\n"), WAIT_S)
-        assert line == b"PONG\r\n", line  # no -ERR: the server took the frames
-    finally:
-        writer.close()
-        await writer.wait_closed()
 
 
 class Echo(MicroService):

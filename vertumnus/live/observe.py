@@ -48,6 +48,9 @@ class _Quiet:
     def info(self, *args: Any, **kw: Any) -> None:
         return None
 
+    def warning(self, *args: Any, **kw: Any) -> None:
+        return None
+
 
 class Observer:
     """Epoch records and first-token results of one deployment, as they happen."""
