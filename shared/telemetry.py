@@ -10,6 +10,11 @@ Contract:
   reads them back, matching keys case-insensitively (nats-py header keys are case-sensitive
   and some clients send ``Traceparent``). Works for core, request-reply, queue groups and
   JetStream (headers are stored with the message).
+* :func:`traceparent_of` (and :func:`is_sampled`, :func:`trace_id_of`) accept exactly the
+  ``traceparent`` headers from which :func:`extract` gets a valid span context: the W3C rules
+  as OpenTelemetry's propagator applies them. A malformed ``tracestate`` is dropped silently
+  (the ``traceparent`` is kept): OpenTelemetry would log a warning for each one, which lets any
+  client flood the logs; a well-formed one travels on unchanged.
 * :func:`stage_span` opens a child span of an extracted context for one TTFT stage; stage
   names are the :class:`Stage` values so every service names them alike. The parent of every
   stage is the request's root span (conventions.md: one root per request at the gateway, one
@@ -21,12 +26,13 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -183,30 +189,55 @@ def is_sampled(carrier: Mapping[str, str] | None) -> bool:
     return tp is not None and bool(int(tp[53:55], 16) & 1)
 
 
-_HEX = frozenset("0123456789abcdef")
+def _header(carrier: Mapping[str, str], name: str) -> str | None:
+    """The value of header ``name`` (lowercase), its key matched case-insensitively."""
+    value = carrier.get(name)
+    if value is None:
+        for k, v in carrier.items():
+            if k.lower() == name:
+                return v
+    return value
+
+
+# The traceparent grammar of OpenTelemetry's TraceContextTextMapPropagator (1.45), written for
+# fullmatch: its regex ``^[ \t]*V-T-S-F(?:(-.*)|[ \t]*)$`` under re.search, where ``$`` also
+# matches before one final newline and ``.`` never matches one. It is the W3C grammar (lowercase
+# hex only) plus the blanks an HTTP field value may carry around it. NOTE: it must stay OTel's,
+# not a stricter reading of the spec, or a context would be valid here and absent after
+# extract (or the reverse); tests/shared/test_telemetry_traceparent.py compares the two.
+_TRACEPARENT_RE: Final = re.compile(
+    r"[ \t]*(?P<value>(?P<version>[0-9a-f]{2})-(?P<trace_id>[0-9a-f]{32})"
+    r"-(?P<span_id>[0-9a-f]{16})-[0-9a-f]{2}(?P<rest>-[^\n]*?)?)[ \t]*\n?"
+)  # ``rest`` is lazy so that the blanks after a future version's fields stay out of ``value``
+# OTel refuses (with a warning) a longer header before matching it.
+_TRACEPARENT_MAX_LENGTH: Final = 512
+_ZERO_TRACE_ID: Final = "0" * 32
+_ZERO_SPAN_ID: Final = "0" * 16
 
 
 def traceparent_of(carrier: Mapping[str, str] | None) -> str | None:
-    """The carrier's ``traceparent`` (key matched case-insensitively) if it is well formed:
-    ``version-traceid(32 hex)-parentid(16 hex)-flags(2 hex)``, ids not all zero; else None.
-    A cheap stand-in for a full ``extract`` where only validity or the flags matter."""
+    """The carrier's ``traceparent`` (key matched case-insensitively) if it is well formed,
+    without the blanks around it; else None. A cheap stand-in for a full :func:`extract`
+    where only validity or the flags matter: it is not None exactly when ``extract`` yields a
+    valid span context.
+
+    Well formed (W3C Trace Context, as OpenTelemetry applies it):
+    ``version-traceid-parentid-flags``, lowercase hex of 2, 32, 16 and 2 digits, ids not all
+    zero, version not ``ff``; version ``00`` ends after the flags (exactly 55 characters), a
+    higher (future) version may carry more fields after a ``-``; at most 512 characters in
+    all, blanks (space, tab) around the value allowed. In the value returned, ``[3:35]`` is the
+    trace id and ``[53:55]`` the flags.
+    """
     if not carrier:
         return None
-    tp = carrier.get("traceparent")
-    if tp is None:
-        for k, v in carrier.items():
-            if k.lower() == "traceparent":
-                tp = v
-                break
-        else:
-            return None
-    if (len(tp) < 55 or tp[2] != "-" or tp[35] != "-" or tp[52] != "-"
-            or not _HEX.issuperset(tp[:2]) or not _HEX.issuperset(tp[3:35])
-            or not _HEX.issuperset(tp[36:52]) or not _HEX.issuperset(tp[53:55])
-            or tp[:2] == "ff" or (len(tp) > 55 and tp[55] != "-")
-            or tp[3:35] == "0" * 32 or tp[36:52] == "0" * 16):
+    tp = _header(carrier, "traceparent")
+    if not isinstance(tp, str) or len(tp) > _TRACEPARENT_MAX_LENGTH:
         return None
-    return tp
+    m = _TRACEPARENT_RE.fullmatch(tp)
+    if (m is None or m["version"] == "ff" or (m["version"] == "00" and m["rest"] is not None)
+            or m["trace_id"] == _ZERO_TRACE_ID or m["span_id"] == _ZERO_SPAN_ID):
+        return None
+    return m["value"]
 
 
 def trace_id_of(carrier: Mapping[str, str] | None) -> str | None:
@@ -216,23 +247,60 @@ def trace_id_of(carrier: Mapping[str, str] | None) -> str | None:
     return None if tp is None else tp[3:35]
 
 
-class _CaseInsensitiveGetter(Getter[Mapping[str, str]]):
-    """Header lookup ignoring case: ``traceparent`` == ``Traceparent``."""
+# One tracestate list member as OpenTelemetry's TraceState parser (opentelemetry/trace/span.py,
+# 1.45) accepts it: a W3C key (lowercase letter first, or ``tenant@vendor``) ``=`` a value of up
+# to 256 printable ASCII characters without ``,`` or ``=``, not ending in a blank. NOTE: it must
+# stay OTel's (tests/shared/test_telemetry_tracestate.py compares the two): what it lets through,
+# OTel parses, and a member it refuses would make OTel log a warning.
+_TRACESTATE_MEMBER_RE: Final = re.compile(
+    r"(?P<key>[a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
+_TRACESTATE_MAX_MEMBERS: Final = 32
+_TRACESTATE_MAX_LENGTH: Final = 8192
+
+
+def _tracestate_well_formed(value: str) -> bool:
+    """Whether OpenTelemetry turns the ``tracestate`` ``value`` into a TraceState without a
+    warning and without discarding it: at most 8192 characters, ``,``-separated members
+    (blanks around them and empty ones ignored), each ``key=value`` as
+    :data:`_TRACESTATE_MEMBER_RE`, no key twice, at most 32 of them.
+
+    OTel logs a warning for every other header (except a duplicate key, which it discards
+    silently), then propagates an empty tracestate; dropping the header beforehand gives the
+    same span context without the log line a client could otherwise make us write per request.
+    """
+    if not isinstance(value, str) or len(value) > _TRACESTATE_MAX_LENGTH:
+        return False
+    keys: set[str] = set()
+    for member in value.split(","):
+        member = member.strip(" \t")  # optional whitespace (RFC 9110 §5.6.3), as OTel strips it
+        if not member:
+            continue
+        m = _TRACESTATE_MEMBER_RE.fullmatch(member)
+        if m is None or m["key"] in keys or len(keys) == _TRACESTATE_MAX_MEMBERS:
+            return False
+        keys.add(m["key"])
+    return True
+
+
+class _CarrierGetter(Getter[Mapping[str, str]]):
+    """Header lookup ignoring case (``traceparent`` == ``Traceparent``) that hides a malformed
+    ``tracestate`` (:func:`_tracestate_well_formed`) from the propagator, so that it drops the
+    header without logging about it."""
 
     def get(self, carrier: Mapping[str, str], key: str) -> list[str] | None:
-        if key in carrier:
-            return [carrier[key]]
-        lowered = key.lower()
-        for k, v in carrier.items():
-            if k.lower() == lowered:
-                return [v]
-        return None
+        name = key.lower()
+        value = _header(carrier, name)
+        if value is None or (name == "tracestate" and not _tracestate_well_formed(value)):
+            return None
+        return [value]
 
     def keys(self, carrier: Mapping[str, str]) -> list[str]:
         return list(carrier.keys())
 
 
-_GETTER = _CaseInsensitiveGetter()
+_GETTER = _CarrierGetter()
 
 
 def inject(
@@ -250,8 +318,17 @@ def inject(
 
 
 def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
-    """The context carried by ``headers`` (an empty context if none or malformed)."""
-    return _PROPAGATOR.extract(headers or {}, getter=_GETTER)
+    """The context carried by ``headers`` (an empty context if none or malformed).
+
+    Its span context is valid exactly when :func:`traceparent_of` accepts ``headers``; a
+    malformed ``tracestate`` is dropped (an empty tracestate, as OpenTelemetry would make of
+    it) and nothing is logged, whatever the headers hold.
+    """
+    if headers is None or traceparent_of(headers) is None:
+        # OTel would refuse it too; asking it anyway would log a warning for an oversized
+        # header (a client-made log line per request) and raise on a non-string value.
+        return otel_context.Context()
+    return _PROPAGATOR.extract(headers, getter=_GETTER)
 
 
 def _as_context(parent: Mapping[str, str] | otel_context.Context | None
