@@ -10,7 +10,9 @@ for all degrees or, optionally, one per degree.
 
 Every coefficient is >= 0, finite and at most its bound in :data:`COEFFICIENT_BOUNDS`, so every
 request within the project's token limits has a finite, non-negative predicted time (see
-there); a profile outside them is refused (:class:`~shared.ids.InvalidInput`).
+there), and every κ_C is > 0 and at most :data:`MAX_KAPPA_S`, so the capacities the controller
+scales and sums from it stay finite; a profile outside them is refused
+(:class:`~shared.ids.InvalidInput`).
 
 The profile file is JSON (see :meth:`Profile.to_dict`): coefficients (global and optionally per
 degree), κ_C per degree (seconds of predicted service time per window that one degree-C worker
@@ -113,6 +115,40 @@ def _check_coefficients(co: Coefficients, where: str) -> None:
                 f"finite time), got {v!r}")
 
 
+MAX_KAPPA_S: Final[float] = MAX_TERM_S
+"""The largest κ_C (seconds of predicted service per window that one degree-C worker
+serves): 1e15 s, the bound of each term of Eq. 2.
+
+Why a bound: κ is multiplied and summed after it is read. The controller judges capacity with
+κ_C × ``kappa_scale`` (2.2 calibrated), per window of its own length
+(:meth:`Profile.for_window`: × the ratio of the windows, 20 with a 0.05 time scale), and sums
+it over the pool's workers (``services/controller/composition.py``, ``planner.py``). A κ that
+is merely finite (1e308) overflows there: to an infinite capacity that absorbs any demand, or
+to a scaled profile refused for an infinite κ the file does not hold. Under this bound
+κ × 2.2 × 20 is below 4.4e16 and its sum over 10^12 workers below 4.4e28: finite, with factors
+up to ~1e280 to spare. The bound leaves room too: measured κ are seconds to tens of seconds
+per 20 s window (κ_2, κ_4 ≈ 10-18 s on the conversation trace; a pooled κ on the bursty Azure
+code trace ≈ 2 s), some 1e13 times smaller. A κ above it is no measurement (31 million years
+of service per window) but a corrupt or mistyped file."""
+
+
+def _check_kappa(kappa: Mapping[int, float], where: str, sep: tuple[str, str]) -> None:
+    """Raise :class:`InvalidInput` naming ``{where}{sep[0]}{C}{sep[1]}`` (``kappa[2]``, or a
+    file's ``kappa.2``) unless each κ_C is a finite number in (0, :data:`MAX_KAPPA_S`] of a
+    CP degree C >= 1."""
+    for c, k in kappa.items():
+        name = f"{where}{sep[0]}{c}{sep[1]}"
+        if c < 1:
+            raise InvalidInput(f"{name}: {c!r} is not a CP degree (an integer >= 1)")
+        # A comparison chain, not isinstance: numpy numbers (a fitted κ) are welcome; NaN
+        # fails every comparison.
+        if not (0 < k <= MAX_KAPPA_S and math.isfinite(k)):
+            raise InvalidInput(
+                f"{name} must be a finite number > 0 and at most {MAX_KAPPA_S:.6g} s per window "
+                f"(the bound under which the controller's scaled and summed capacities stay "
+                f"finite), got {k!r}")
+
+
 # The note's fit of the Qwen3-30B-A3B / H20 ground truth (ground-truth.md). Used only when no
 # profile file is given (demo, unit tests); `vertumnus profile` writes a measured one.
 DEFAULT_COEFFICIENTS: Final[Coefficients] = Coefficients(
@@ -161,9 +197,7 @@ class Profile:
             raise InvalidInput(f"block_size must be >= 1, got {self.block_size}")
         if not (self.window_s > 0 and math.isfinite(self.window_s)):
             raise InvalidInput(f"window_s must be finite and > 0, got {self.window_s}")
-        for c, k in self.kappa.items():
-            if c < 1 or not (k > 0 and math.isfinite(k)):
-                raise InvalidInput(f"kappa[{c}] must be a positive finite number, got {k!r}")
+        _check_kappa(self.kappa, "kappa", ("[", "]"))
 
     def coeffs_for(self, degree: int) -> Coefficients:
         return self.per_degree.get(degree, self.coefficients)
@@ -267,8 +301,9 @@ class Profile:
         predicted a finite time), not all of ``d``, ``a``, ``c``, ``alpha``
         zero (a request with no cached prefix would be predicted to take no time; ``b`` alone
         only prices cached tokens); ``per_degree`` likewise per CP degree; ``kappa`` a
-        positive finite number per degree; ``kappa_pooled`` true or false (default false);
-        ``window_s`` > 0 and ``block_size`` >= 1.
+        finite number > 0 and at most :data:`MAX_KAPPA_S` per degree (so that the
+        capacities the controller scales and sums stay finite); ``kappa_pooled`` true or
+        false (default false); ``window_s`` > 0 and ``block_size`` >= 1.
         Raises :class:`InvalidInput`. Missing κ for a degree is *not* an error here (see
         :meth:`kappa_for`, :meth:`check_degrees`).
         """
@@ -289,6 +324,9 @@ class Profile:
             c: _number(k, f"{source}: kappa.{c}", positive=True)
             for c, k in _degree_items(data.get("kappa", {}), f"{source}: kappa")
         }
+        # Here, not only in __post_init__: the message names the file and the field in its
+        # terms (kappa.4), as for the coefficients.
+        _check_kappa(kappa, f"{source}: kappa", (".", ""))
         fit = data.get("fit", {})
         if fit is None:
             fit = {}

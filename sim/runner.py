@@ -69,7 +69,7 @@ from sim.workloads import (
 from sim.workloads.errors import TraceFormatError
 from sim.workloads.parsing import MAX_SPAN_S
 from sim.workloads.synthetic import SyntheticConfig
-from sim.workloads.workload import Workload, scale_rate, truncate
+from sim.workloads.workload import Workload, scale_to_rate, truncate
 
 RESULT_KEYS = (
     "policy", "rate_scale", "request_rate", "requests", "warmup_requests", "completed", "failed",
@@ -113,7 +113,8 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
 
     ``rate`` (req/s): the base rate of L-Eval and the synthetic workloads; a Mooncake or
     Azure trace's arrivals are rescaled to it, named or detected alike, after the cut to
-    ``max_requests`` (so that the requests simulated arrive at that mean rate)."""
+    ``max_requests`` (so that the requests simulated arrive at that mean rate: a mean
+    inter-arrival gap of 1/``rate``, :func:`~sim.workloads.workload.scale_to_rate`)."""
     check_trace_format(trace, fmt)
     timed = False  # a trace with its own arrival times (Mooncake, Azure): rescaled to `rate`
     if trace == "synthetic":
@@ -158,8 +159,8 @@ def load_trace(trace: str, fmt: str, *, seed: int, rate: float | None,
             wl = read_leval(path, rate=rate or 1.0, seed=seed)
     if max_requests:
         wl = truncate(wl, max_requests=max_requests)
-    if timed and rate and wl.duration_s > 0:
-        wl = scale_rate(wl, rate / (len(wl) / wl.duration_s))
+    if timed and rate:
+        wl = scale_to_rate(wl, rate)
     if not wl.requests:
         raise InvalidInput(f"workload {trace!r} has no requests")
     return wl

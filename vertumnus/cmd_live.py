@@ -143,9 +143,13 @@ def register(app: typer.Typer) -> None:
                  "workload file (`vertumnus synthetic`); default: 'synthetic' with "
                  "--backend sim, 'synthetic-short' with --backend torch")] = "",
         rate: Annotated[float | None, typer.Option(
-            help="Base request rate, req/s modelled (default 0.25 per GPU)")] = None,
+            help="Base request rate, req/s modelled (default 0.25 per GPU); a timed trace "
+                 "keeps its own without it, with it the part replayed (see --duration) is "
+                 "rescaled to a mean gap of 1/RATE")] = None,
         duration: Annotated[float, typer.Option(
-            help="Workload length in modelled seconds (4 load phases)")] = 240.0,
+            help="Workload length in modelled seconds (4 load phases); a trace is cut to its "
+                 "first DURATION seconds, with --rate a timed trace to its first "
+                 "⌈DURATION·RATE⌉ requests (at most --max-requests), replayed at RATE")] = 240.0,
         time_scale: Annotated[float, typer.Option(
             help="Wall seconds per modelled second (0.1 = 10× faster)")] = 0.1,
         rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,
@@ -287,10 +291,13 @@ def register(app: typer.Typer) -> None:
             help="The stack's time scale: arrivals × scale, TTFT ÷ scale")] = 1.0,
         rate: Annotated[float | None, typer.Option(
             help="Base rate req/s of a synthetic workload or an L-Eval file (default 2); a "
-                 "timed trace's arrivals are rescaled to it")] = None,
+                 "timed trace's part replayed (see --duration) is rescaled to a mean gap of "
+                 "1/RATE")] = None,
         duration: Annotated[float, typer.Option(
             help="Modelled seconds: a synthetic workload's length; a trace is cut to its "
-                 "first DURATION seconds")] = 240.0,
+                 "first DURATION seconds, with --rate a timed trace to its first "
+                 "⌈DURATION·RATE⌉ requests (at most --max-requests), replayed at "
+                 "RATE")] = 240.0,
         seed: Annotated[int, typer.Option()] = 0,
         max_requests: Annotated[int, typer.Option(help=_MAX_REQUESTS_HELP)] = 0,
         nats_url: Annotated[str | None, typer.Option(

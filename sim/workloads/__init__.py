@@ -2,7 +2,8 @@
 
 Readers: :func:`read_mooncake` (Mooncake JSONL), :func:`read_azure` (Azure 2023 CSV),
 :func:`read_leval` (L-Eval, Poisson arrivals), :func:`generate` (embedded synthetic default).
-Transformations: :func:`scale_rate`, :func:`truncate`. Statistics: :func:`workload_stats`.
+Transformations: :func:`scale_rate`, :func:`scale_to_rate`, :func:`truncate`. Statistics:
+:func:`workload_stats`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from sim.workloads.parsing import first_nonblank_line, iter_jsonl
 from sim.workloads.stats import oracle_reuse, workload_stats
 from sim.workloads.synthetic import Phase, SyntheticConfig, generate
 from sim.workloads.synthetic_file import load_synthetic_config
-from sim.workloads.workload import Request, Workload, scale_rate, truncate
+from sim.workloads.workload import Request, Workload, scale_rate, scale_to_rate, truncate
 
 TRACES_ENV = "VERTUMNUS_TRACES"
 
@@ -115,7 +116,8 @@ def load_workload(
     first row has ``doc_sha1`` or ``doc_id`` → L-Eval (needs ``rate``, req/s); other JSON
     lines → Mooncake (two or more requests all at one instant are an error there; see
     :func:`read_mooncake`). ``rate`` for the other formats rescales arrivals to that mean
-    rate (Mooncake/Azure) or sets the synthetic base rate (a parameter file's too). Extra
+    rate (Mooncake/Azure: a mean inter-arrival gap of 1/``rate`` over the whole trace,
+    :func:`scale_to_rate`) or sets the synthetic base rate (a parameter file's too). Extra
     keyword arguments go to the reader. Bad input (a missing file, a directory, a malformed
     or non-UTF-8 trace) is :class:`InvalidInput` (:class:`TraceFormatError` naming file:line
     where it has one).
@@ -147,8 +149,8 @@ def load_workload(
             raise TraceFormatError(path, exc.line, f"{exc.problem} (read as a Mooncake trace; it "
                                    "looks like CSV: an Azure trace is read from a file named "
                                    "*.csv, or with --format azure)") from None
-    if rate is not None and wl.duration_s > 0:
-        wl = scale_rate(wl, rate / (len(wl) / wl.duration_s))
+    if rate is not None:
+        wl = scale_to_rate(wl, rate)
     return wl
 
 
@@ -189,6 +191,7 @@ __all__ = [
     "read_leval",
     "read_mooncake",
     "scale_rate",
+    "scale_to_rate",
     "truncate",
     "workload_stats",
 ]

@@ -40,7 +40,12 @@ def oracle_reuse(workload: Workload) -> dict[str, float]:
 
 
 def workload_stats(workload: Workload, *, long_threshold: int = LONG_THRESHOLD) -> dict[str, Any]:
-    """Counts, lengths (tokens), rate (req/s), long share and oracle reuse of a workload."""
+    """Counts, lengths (tokens), rate (req/s), long share and oracle reuse of a workload.
+
+    ``rate_req_per_s`` is requests / ``duration_s`` (first to last arrival), stats.json's
+    ``mean_rate_req_per_s``. A trace rescaled to R req/s
+    (:func:`~sim.workloads.workload.scale_to_rate`: a mean gap of 1/R) shows R·n/(n − 1)
+    here: R itself for thousands of requests."""
     n = len(workload)
     out: dict[str, Any] = {"name": workload.name, "requests": n, "block_size": workload.block_size}
     if n == 0:

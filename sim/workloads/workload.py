@@ -204,6 +204,37 @@ def scale_rate(workload: Workload, factor: float) -> Workload:
     return replace(workload, requests=reqs, metadata={**workload.metadata, "rate_scale": scale})
 
 
+def scale_to_rate(workload: Workload, rate: float) -> Workload:
+    """Rescale a timed workload's arrivals to a mean rate of ``rate`` req/s (what ``--rate``
+    does to a Mooncake or Azure trace).
+
+    The rate's definition: a mean inter-arrival gap of 1/``rate``, so the n requests span
+    (n − 1)/``rate`` from the first arrival to the last. That is what Poisson arrivals of
+    that rate (L-Eval's, the synthetic generator's) give on average, whatever n: ``rate``
+    req/s with two requests is one gap of 1/``rate``. (It is not n/span = ``rate``, the
+    mean rate ``workload_stats`` reports as stats.json defines it: that convention gives
+    a mean gap of n/((n − 1)·``rate``), twice too long for two requests; on a trace of
+    thousands the two differ by n/(n − 1), under 0.1%.)
+
+    Every gap is scaled by one factor (:func:`scale_rate` by ``rate``·span/(n − 1)), so the
+    trace's own proportions (bursts, lulls) and its first arrival are kept. Fewer than two
+    requests, or all at one instant, have no gap to scale and are returned as they are.
+    Raises :class:`InvalidInput` for a ``rate`` that is not a finite number > 0, or one so
+    far from the trace's own that the factor is no finite number > 0.
+    """
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) \
+            or not 0 < rate < math.inf or not math.isfinite(_as_float(rate)):
+        raise InvalidInput(f"arrival rate must be a finite number > 0 req/s, got {rate!r}")
+    span = workload.duration_s
+    if len(workload) < 2 or span <= 0:
+        return workload
+    factor = float(rate) * span / (len(workload) - 1)
+    if not 0 < factor < math.inf:
+        raise InvalidInput(f"arrival rate {float(rate):g} req/s is out of range for workload "
+                           f"{workload.name!r} ({len(workload)} requests over {span:g} s)")
+    return scale_rate(workload, factor)
+
+
 def truncate(
     workload: Workload,
     *,

@@ -347,8 +347,8 @@ def test_load_workload_dispatch_and_rate(tmp_path: Path) -> None:
     mc = _write_jsonl(tmp_path / "m.jsonl", [_mc(1000 * i, 600, [i, 50 + i]) for i in range(11)])
     wl = load_workload(mc)
     assert wl.metadata["format"] == "mooncake" and len(wl) == 11
-    fast = load_workload(mc, rate=2.0)  # native 1 req/s over 10 s -> twice as fast
-    assert len(fast) / fast.duration_s == pytest.approx(2.0)
+    fast = load_workload(mc, rate=2.0)  # native 1 req/s (10 gaps of 1 s) -> twice as fast
+    assert (len(fast) - 1) / fast.duration_s == pytest.approx(2.0)  # mean gap 1/rate
     az = tmp_path / "a.csv"
     az.write_text(AZ_HEADER + "2023-11-16 18:17:03.1,10,1\n")
     assert load_workload(az).metadata["format"] == "azure"
@@ -411,7 +411,7 @@ def test_a_timed_traces_rate_is_the_one_asked_whatever_the_format_and_cut(
     for cut in (None, 10):
         wl = runner.load_trace(str(f), fmt, seed=0, rate=5.0, max_requests=cut)
         assert len(wl) == (cut or 40)
-        assert len(wl) / wl.duration_s == pytest.approx(5.0)
+        assert (len(wl) - 1) / wl.duration_s == pytest.approx(5.0)  # mean gap 1/rate
     own = runner.load_trace(str(f), fmt, seed=0, rate=None, max_requests=None)
     assert len(own) / own.duration_s < 1.5  # its own ~1 req/s
 

@@ -463,13 +463,30 @@ def load_requests(spec: str, *, duration_s: float, rate: float | None, seed: int
     """(workload, requests) for ``'synthetic'`` / ``'synthetic-short'`` (phased, ``duration_s``)
     or a trace path; only the first ``max_requests`` requests (None or 0: all).
 
+    A trace is cut, then replayed (arrivals from 0):
+
+    * a timed trace (Mooncake, Azure) without ``rate``: its first ``duration_s`` seconds of
+      its own time (0: all), of those the first ``max_requests``, at their recorded times;
+    * a timed trace with ``rate`` (req/s): its first n = min(⌈``duration_s``·``rate``⌉,
+      ``max_requests``) requests (as many as ``duration_s`` seconds hold at a mean gap of
+      1/``rate``; ``duration_s`` 0: no such cap), and only those are rescaled to a mean gap
+      of 1/``rate`` (:func:`~sim.workloads.workload.scale_to_rate`), so they span
+      (n − 1)/``rate`` < ``duration_s``. (Rescaling the whole trace and cutting after, the
+      requests kept arrived at the rate of the trace's first part times the whole trace's
+      factor: not at ``rate`` wherever the trace's rate varies over time.);
+    * L-Eval: Poisson arrivals at ``rate`` (``default_rate`` without), their first
+      ``duration_s`` seconds, then the first ``max_requests`` (Poisson arrivals have the
+      same rate throughout, so the order does not matter there);
+    * a ``.toml`` synthetic workload file: generated at ``rate`` (its own base rate
+      without), then cut as L-Eval.
+
     Raises :class:`~shared.ids.InvalidInput` (a :class:`ValueError`) for a workload that
     cannot be read or generated: a missing file, a directory, a malformed trace
     (:class:`~sim.workloads.errors.TraceFormatError`), a rate or duration out of range,
     ``max_requests`` < 0. Callers turn it into their option's error before anything
     starts."""
     from sim.workloads import detect_format, generate, load_workload
-    from sim.workloads.workload import truncate
+    from sim.workloads.workload import scale_to_rate, truncate
 
     if max_requests is not None and max_requests < 0:
         # A negative N would slice from the end (reqs[:-1]: all but the last).
@@ -482,13 +499,30 @@ def load_requests(spec: str, *, duration_s: float, rate: float | None, seed: int
         wl = generate(short_prompts(duration_s, rate or default_rate), seed=seed,
                       name="short")
     else:
-        # L-Eval has no arrival times: without a rate its Poisson arrivals come at the
-        # default rate, as the synthetic workloads' do (a timed trace keeps its own).
-        leval = rate is None and Path(spec).is_file() and detect_format(spec) == "leval"
-        wl = load_workload(spec, seed=seed, rate=default_rate if leval else rate)
-        if len(wl) and duration_s:
-            t0 = min(r.arrival_s for r in wl)
-            wl = truncate(wl, start_s=t0, end_s=t0 + duration_s, rebase=True)
+        fmt = detect_format(spec) if Path(spec).is_file() else None
+        if fmt in ("mooncake", "azure") and rate is not None:
+            if not (rate > 0 and math.isfinite(rate)):
+                raise InvalidInput(f"arrival rate must be a finite number > 0 req/s, got "
+                                   f"{rate!r}")
+            if not duration_s >= 0:  # NaN too: it would cap nothing, silently
+                raise InvalidInput(f"duration must be >= 0 s (0: no cut), got {duration_s!r}")
+            wl = load_workload(spec, seed=seed)  # its own arrival times
+            keep = len(wl) if not max_requests else min(len(wl), max_requests)
+            hold = duration_s * rate  # requests that duration_s holds at a mean gap 1/rate
+            if duration_s and hold < keep:
+                # The first k with (k − 1)/rate < duration_s: ⌈hold⌉, one fewer where the
+                # product rounded up past an integer (0.3 s × 10 req/s = 3.0000000000000004).
+                n = max(1, math.ceil(hold))
+                keep = n - 1 if n > 1 and (n - 1) / rate >= duration_s else n
+            wl = scale_to_rate(truncate(wl, max_requests=keep, rebase=True), rate)
+        else:
+            # L-Eval has no arrival times: without a rate its Poisson arrivals come at the
+            # default rate, as the synthetic workloads' do (a timed trace keeps its own).
+            leval = rate is None and fmt == "leval"
+            wl = load_workload(spec, seed=seed, rate=default_rate if leval else rate)
+            if len(wl) and duration_s:
+                t0 = min(r.arrival_s for r in wl)
+                wl = truncate(wl, start_s=t0, end_s=t0 + duration_s, rebase=True)
     reqs = list(wl)
     if max_requests:
         reqs = reqs[:max_requests]
