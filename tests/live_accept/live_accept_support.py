@@ -36,6 +36,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from services.scheduler.service import SchedulerService
 from shared.schemas import EpochRecord, FirstToken, SchemaError, decode
 from shared.service import epoch_kv, until_served
 from shared.subjects import Subjects
@@ -44,6 +45,35 @@ from vertumnus.live.http import HttpError, request
 from vertumnus.live.stack import LiveStack, UpConfig
 
 WAIT_S = 90.0  # bound on correctness waits only (a loaded 2-core machine); never a speed check
+
+CRASH_MAX_DELIVER = 100
+"""``max_deliver`` for the schedulers of a test with a :class:`DiesBeforeDispatchedRecord`:
+each delivery the dead replica fetches and drops counts, so well above how many ack_waits a
+loaded machine may take before the test stops it."""
+
+
+class DiesBeforeDispatchedRecord(SchedulerService):
+    """A scheduler replica that dies in the window a SIGKILL can hit by chance: the worker has
+    acknowledged the assignment, and neither the ``dispatched`` record nor the intake ack is
+    written (the record stays ``dispatching``; the message is redelivered after ack_wait).
+
+    Dead from then on: it takes no further delivery (a dead process neither acks nor naks).
+    Before, it went on serving until the test stopped it, and on a loaded machine (a stop more
+    than ack_wait after the crash) the redelivery came back to it -- handled correctly, but
+    not by the second replica the test hands it to (seen in CI). Give it and that replica
+    ``max_deliver=CRASH_MAX_DELIVER``."""
+
+    died = False
+
+    async def _put_record(self, a, seq, msg_id, state, *args, **kw):  # type: ignore[no-untyped-def]
+        if state == "dispatched":
+            self.died = True
+            raise ConnectionError("killed before the dispatched record")
+        return await super()._put_record(a, seq, msg_id, state, *args, **kw)
+
+    async def _on_intake(self, msg: Msg) -> None:
+        if not self.died:
+            await super()._on_intake(msg)
 VOCAB = 151_936
 
 

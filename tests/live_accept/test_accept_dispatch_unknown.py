@@ -33,7 +33,14 @@ from typing import Any
 import nats
 import nats.errors
 import pytest
-from live_accept_support import ActingController, InProcess, ResultTap, wait_until
+from live_accept_support import (
+    CRASH_MAX_DELIVER,
+    ActingController,
+    DiesBeforeDispatchedRecord,
+    InProcess,
+    ResultTap,
+    wait_until,
+)
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
@@ -290,15 +297,6 @@ async def test_a_worker_judged_gone_that_holds_the_request_gets_it_re_sent(
         assert w.admitted == [rid, rid] and w2.admitted == []
 
 
-class DiesBeforeDispatchedRecord(SchedulerService):
-    """Scheduler A: dies (for this message) after W's ack, before the ``dispatched`` record."""
-
-    async def _put_record(self, a, seq, msg_id, state, *args, **kw):  # type: ignore[no-untyped-def]
-        if state == "dispatched":
-            raise ConnectionError("killed before the dispatched record")
-        return await super()._put_record(a, seq, msg_id, state, *args, **kw)
-
-
 class GatedScheduler(SchedulerService):
     """Scheduler B: handles nothing before its worker-state view has loaded; deliveries of M1
     (the original message) at once; M2 (W's hand-back) only once ``later`` is set."""
@@ -331,7 +329,8 @@ async def test_stopped_worker_request_is_handed_back_once(nats_server: EmbeddedN
                               assigned_at_s=time.time()), AssignmentAck, timeout_s=5.0)
         await wait_until(lambda: w.core.running is not None, "the blocker running on W")
         a = await live.scheduler(cls=DiesBeforeDispatchedRecord, block_size=16,
-                                 ack_wait_s=1.0, instance_id="sched-a")
+                                 ack_wait_s=1.0, max_deliver=CRASH_MAX_DELIVER,
+                                 instance_id="sched-a")
         await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
         await publish_intake(nc, live, rid)
         await wait_until(lambda: any(j.request_id == rid for j in w.core.queued),
@@ -350,6 +349,7 @@ async def test_stopped_worker_request_is_handed_back_once(nats_server: EmbeddedN
         await live.stop(w)
 
         b = await live.scheduler(cls=GatedScheduler, block_size=16, ack_wait_s=1.0,
+                                 max_deliver=CRASH_MAX_DELIVER,
                                  retry_delay_s=0.05, instance_id="sched-b")
         # M1 is settled: acked after handing x back for W (or, before the fix, after placing
         # it afresh on W2, the only ACTIVE worker).

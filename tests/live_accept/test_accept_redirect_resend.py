@@ -28,7 +28,9 @@ from typing import Any
 
 import pytest
 from live_accept_support import (
+    CRASH_MAX_DELIVER,
     ActingController,
+    DiesBeforeDispatchedRecord,
     InProcess,
     ResultTap,
     wait_quiescent,
@@ -49,15 +51,6 @@ from shared.worker import Lifecycle
 W, W2, W3 = "w-cp2-g0", "w-cp2-g2", "w-cp2-g4"
 RID = "resend-x"
 BLOCKER_LEN = 4000  # the blocker's input length: its prefill holds W while x waits queued
-
-
-class DiesBeforeDispatchedRecord(SchedulerService):
-    """Scheduler A: dies (for this message) after W's ack, before the ``dispatched`` record."""
-
-    async def _put_record(self, a, seq, msg_id, state, *args, **kw):  # type: ignore[no-untyped-def]
-        if state == "dispatched":
-            raise ConnectionError("killed before the dispatched record")
-        await super()._put_record(a, seq, msg_id, state, *args, **kw)
 
 
 class GatedScheduler(SchedulerService):
@@ -131,6 +124,7 @@ async def test_resent_assignment_of_redirected_request_runs_once(
         await wait_until(lambda: w.core.running is not None, "the blocker running on W")
 
         a = await live.scheduler(cls=DiesBeforeDispatchedRecord, block_size=16, ack_wait_s=1.0,
+                                 max_deliver=CRASH_MAX_DELIVER,
                                  instance_id="sched-a")
         await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
         req = IntakeRequest(request_id=RID, input_len=40, block_size=16, arrival_s=time.time())
@@ -160,6 +154,7 @@ async def test_resent_assignment_of_redirected_request_runs_once(
 
         GatedScheduler.first = first
         b = await live.scheduler(cls=GatedScheduler, block_size=16, ack_wait_s=1.0,
+                                 max_deliver=CRASH_MAX_DELIVER,
                                  instance_id="sched-b")
         await wait_until(lambda: "redirect" in b.handled, "B placed M2")
         # Now only W3 may take a new placement: W2 drains (x finishes there), W stays draining.

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 from live_accept_support import (
+    CRASH_MAX_DELIVER,
+    DiesBeforeDispatchedRecord,
     EpochLog,
     InProcess,
     ResultTap,
@@ -42,7 +44,6 @@ from live_accept_support import (
     wait_until,
 )
 
-from services.scheduler.service import SchedulerService
 from shared.natsserver import EmbeddedNats
 from shared.schemas import IntakeRequest, encode
 from vertumnus.live.observe import ping
@@ -116,17 +117,6 @@ async def test_scheduler_sigkill_and_restart_lose_nothing(tmp_path: Path) -> Non
             await nc.drain()
 
 
-class DiesBeforeDispatchedRecord(SchedulerService):
-    """A scheduler that dies in the window the SIGKILL test can hit by chance: the worker has
-    acknowledged the assignment, the ``dispatched`` record and the intake ack are not written
-    (the record stays ``dispatching``, the message is redelivered after ack_wait)."""
-
-    async def _put_record(self, a, seq, msg_id, state, *args, **kw):  # type: ignore[no-untyped-def]
-        if state == "dispatched":
-            raise ConnectionError("killed before the dispatched record")
-        await super()._put_record(a, seq, msg_id, state, *args, **kw)
-
-
 async def test_resent_dispatching_assignment_runs_once(nats_server: EmbeddedNats) -> None:
     live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
     nc = await connect_url(nats_server.url)
@@ -134,7 +124,7 @@ async def test_resent_dispatching_assignment_runs_once(nats_server: EmbeddedNats
     try:
         rankd = await live.rankd("w-cp2-g0")
         a = await live.scheduler(cls=DiesBeforeDispatchedRecord, block_size=16, ack_wait_s=1.0,
-                                 instance_id="sched-a")
+                                 max_deliver=CRASH_MAX_DELIVER, instance_id="sched-a")
         await wait_until(lambda: len(a.core.view) == 1, "worker in A's view")
         req = IntakeRequest(request_id="once-1", input_len=40, block_size=16,
                             arrival_s=time.time())
@@ -143,7 +133,8 @@ async def test_resent_dispatching_assignment_runs_once(nats_server: EmbeddedNats
         await nc.jetstream().publish(live.subjects.intake_requests(), data, headers=headers)
         await wait_until(lambda: len(tap.results) == 1, "the first (only legitimate) run")
         await live.stop(a)  # A is gone; its message waits for redelivery
-        b = await live.scheduler(block_size=16, ack_wait_s=1.0, instance_id="sched-b")
+        b = await live.scheduler(block_size=16, ack_wait_s=1.0, max_deliver=CRASH_MAX_DELIVER,
+                                 instance_id="sched-b")
         await wait_until(lambda: b.stats.dispatched + b.stats.redelivered_acked >= 1,
                          "B handled the redelivery")
         await wait_until(lambda: rankd.core.running is None and len(rankd.core) == 0,
