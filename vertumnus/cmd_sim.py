@@ -131,8 +131,8 @@ _Format = Annotated[
     str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")]
 _Rate = Annotated[float, typer.Option(
     help="Base rate in req/s: L-Eval's and the synthetic workload's; a Mooncake or Azure "
-         "trace's arrivals are rescaled to it (after --max-requests; then --rate-scale "
-         "multiplies it). 0: the default / the trace's own")]
+         "trace's arrivals are rescaled to it, a mean gap of 1/RATE (after --max-requests; "
+         "then --rate-scale multiplies it). 0: the default / the trace's own")]
 _Gpus = Annotated[int, typer.Option(help="Prefill-pool GPUs")]
 _Degrees = Annotated[str, typer.Option(help="CP degrees of the lattice")]
 _ProfilePath = Annotated[
