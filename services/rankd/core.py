@@ -13,7 +13,8 @@ Rules (§5.2, §6.2, §8):
   running is admitted again idempotently (same position), so a redelivered assignment does not
   run twice; so is one finished recently (:meth:`WorkerCore.answered`: position 0, nothing
   queued; for a later attempt of the request -- another arrival -- the service sends its kept
-  answer again). A refused admission changes nothing.
+  answer again) -- unless it is the re-sent assignment of a joined attempt whose hand-back's
+  outcome is unknown (below). A refused admission changes nothing.
 * Adopting an EpochRecord with a newer epoch takes this worker's lifecycle from it (absent →
   UNAVAILABLE). Leaving ACTIVE hands back every queued, not-yet-started request (they are
   redirected, §6.2); the running one finishes under the old geometry.
@@ -56,7 +57,13 @@ Rules (§5.2, §6.2, §8):
   forgotten: its re-sent assignment was refused as "not ACTIVE" (placed afresh beside a
   hand-back intake may hold), admitted with the worker ACTIVE again (a second prefill), or
   answered :class:`HandedBack` on the strength of the job's hand-back (the attempt, perhaps
-  not in intake, lost).
+  not in intake, lost). This comes before "finished here" (:meth:`WorkerCore.admit`,
+  :meth:`WorkerCore.check_joined_handback`; the adapter checks it before answering from a
+  kept answer): the request may come back and finish here after the attempt was handed back
+  (the job's hand-back placed back here), which says nothing of the attempt's hand-back --
+  intake may hold it, to run and answer it elsewhere. Before, the re-send was admitted as done
+  (and answered from the kept answer): the attempt could be answered twice. Only a job of the
+  request being redirected comes before it (:class:`Redirecting`; never also finished here).
 * A worker fault (:meth:`WorkerCore.fault`: the backend raised
   :class:`~shared.ids.WorkerFault`, the worker itself can no longer compute) hands back what
   the worker holds instead of failing it: the request whose execution met the fault stops
@@ -469,26 +476,24 @@ class WorkerCore:
         older scheduler, a test) is never matched as handed back. A request this worker
         finished is admitted as done (0, not run twice) unless ``again``: a later attempt
         under its id that the adapter cannot answer from what it kept (other content, or an
-        answer no longer kept), which then runs like a new request."""
+        answer no longer kept), which then runs like a new request. A joined attempt whose
+        hand-back's outcome is unknown comes first (:meth:`check_joined_handback`), even
+        when the request finished here since (module rules)."""
         rid = a.request.request_id
-        if rid in self._finished and not again:
-            return 0  # already served (its result went out); do not run it twice
         redirecting = self._redirecting.get(rid)
         if redirecting is not None:
             # Handed back to intake and maybe already stored there: queueing it here too could
             # run it twice. The scheduler retries later; by then the redirect has settled.
+            # (Never also finished here: admitting it forgot it as finished.)
             raise Redirecting(f"{rid} is being redirected by {self.worker_id}")
         # An unknown outcome first: a later attempt that joined the job shares its source as
         # a rule, and its hand-back's success (remember_handed_back) says nothing of the
         # job's own, which must then be published again, not taken as in intake -- nor the
-        # job's success of the attempt's (told apart by the arrival stamp).
-        if source is not None and self._joined_unknown:
-            attempt = self._joined_unknown.get((rid, source, a.request.arrival_s))
-            if attempt is not None:
-                raise HandBackUnknown(
-                    f"{rid} (intake message {source}, arrival {a.request.arrival_s!r}) joined "
-                    f"a job {self.worker_id} handed back; whether intake holds it is unknown",
-                    attempt, joined=True)
+        # job's success of the attempt's (told apart by the arrival stamp). Before "finished
+        # here" too: another attempt finishing here says nothing of this one's hand-back.
+        self.check_joined_handback(a, source=source)
+        if rid in self._finished and not again:
+            return 0  # already served (its result went out); do not run it twice
         unknown = self._handback_unknown.get(rid) if source is not None else None
         if unknown is not None and unknown.source == source:
             raise HandBackUnknown(f"{rid} (intake message {source}) was handed back by "
@@ -518,6 +523,24 @@ class WorkerCore:
         self._known[rid] = job
         self._finished.pop(rid, None)  # run again (``again``): it is no longer finished here
         return position
+
+    def check_joined_handback(self, a: Assignment, *, source: str | None) -> None:
+        """Raise :class:`HandBackUnknown` (``joined``, carrying the attempt) if ``a`` is the
+        re-sent assignment of a later attempt that joined a job here and whose hand-back's
+        outcome is unknown (:meth:`joined_handback_unknown`: the same request id, ``source``
+        and arrival stamp); else nothing (None ``source``: never). :meth:`admit` checks it
+        before any other answer but a job of the request being redirected, "finished here"
+        included, and so must the adapter before it answers a re-send from what it kept (see
+        module rules). Changes nothing."""
+        if source is None or not self._joined_unknown:
+            return
+        rid = a.request.request_id
+        attempt = self._joined_unknown.get((rid, source, a.request.arrival_s))
+        if attempt is not None:
+            raise HandBackUnknown(
+                f"{rid} (intake message {source}, arrival {a.request.arrival_s!r}) joined "
+                f"a job {self.worker_id} handed back; whether intake holds it is unknown",
+                attempt, joined=True)
 
     def pull_hold(self, now: float, incoming: Collection[BlockHash] = ()) -> float:
         """Wall seconds the head of the FIFO should still wait before :meth:`start_next`: its

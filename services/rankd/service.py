@@ -75,7 +75,10 @@ Per process (one worker, its leader rank, for now):
   handed-back job is handed back as its own intake message and answered alike: 425 to a
   re-sent assignment of it while its hand-back is under way, and, its outcome unknown,
   remembered by the core (by source and arrival stamp) and settled by a re-send in the same
-  way -- never forgotten, so never run here beside a hand-back intake may hold.
+  way -- never forgotten, so never run here beside a hand-back intake may hold. That comes
+  before answering a re-sent assignment from what the worker kept (a request finished here
+  since, as another attempt: admitted as done, its kept answer sent again): before, such an
+  attempt was answered here too, beside its hand-back intake may hold.
 * a backend error is answered by its kind. :class:`~shared.ids.InvalidInput` (the request's
   fault: nothing ran) and any other unexpected exception: an error FirstToken
   (``prefill failed: ...``) for that request, and the worker serves on; so is an
@@ -125,7 +128,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import msgpack
 import nats.errors
@@ -585,6 +588,15 @@ class RankdService(MicroService):
             raise ServiceError(code=REDIRECTING_CODE,
                                description=f"{rid} (arrival {a.request.arrival_s!r}) is being "
                                            f"handed back by {self.core.worker_id}")
+        try:
+            # A joined attempt whose hand-back's outcome is unknown, before anything answered
+            # from what this worker kept: the request may have finished here since (another
+            # attempt), which says nothing of this attempt's hand-back -- intake may hold it,
+            # to run and answer it elsewhere. Before, the kept answer was sent to this attempt
+            # and it was acked as done: answered twice.
+            self.core.check_joined_handback(a, source=source)
+        except HandBackUnknown as exc:
+            await self._settle_unknown(exc)
         again = False
         done = self.core.finished_arrival(rid)
         if done is not None and done != a.request.arrival_s:
@@ -631,9 +643,7 @@ class RankdService(MicroService):
             position = self.core.admit(a, self.clock(), trace_carrier=stage_carrier(a),
                                        source=source, again=again)
         except HandBackUnknown as exc:  # settle it now: publish the hand-back again
-            if await self._confirm_handback(exc):
-                raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc
-            raise ServiceError(code=REDIRECTING_CODE, description=str(exc)) from exc
+            await self._settle_unknown(exc)
         except HandedBack as exc:  # the scheduler acks its old message (core module rules)
             raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc
         except Redirecting as exc:  # the scheduler retries and keeps its record
@@ -1250,6 +1260,15 @@ class RankdService(MicroService):
         self._redirects.add(task)
         task.add_done_callback(self._redirects.discard)
         self._dirty.set()
+
+    async def _settle_unknown(self, unknown: HandBackUnknown) -> NoReturn:
+        """Answer a re-sent assignment whose hand-back's outcome is unknown: publish that
+        hand-back again (:meth:`_confirm_handback`), then 410 once intake acknowledged it
+        (the scheduler acks its old message), 425 otherwise (it keeps its record and tries
+        again)."""
+        if await self._confirm_handback(unknown):
+            raise ServiceError(code=HANDED_BACK_CODE, description=str(unknown)) from unknown
+        raise ServiceError(code=REDIRECTING_CODE, description=str(unknown)) from unknown
 
     async def _confirm_handback(self, unknown: HandBackUnknown) -> bool:
         """Publish a hand-back of unknown outcome (``unknown.job``: a job, or a later attempt

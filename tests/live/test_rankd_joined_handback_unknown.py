@@ -31,7 +31,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from rankd_support import plain_assignment, stopped, until
 
-from services.rankd.backend import SimBackend
+from services.rankd.backend import PrefillResult, SimBackend
 from services.rankd.core import (
     HANDED_BACK_CODE,
     INTAKE_MSG_HEADER,
@@ -163,6 +163,46 @@ def test_a_joined_attempt_and_its_job_both_of_unknown_outcome_are_told_apart() -
         core.admit(of_epoch(first, 1), 1.0, source="x")
 
 
+def test_a_joined_attempt_of_unknown_outcome_comes_before_finished_here() -> None:
+    """x's job and a later attempt of x (sharing its source, the usual case) were handed
+    back: the job's is in intake, the attempt's of unknown outcome. Then x came back here
+    (the job's hand-back, placed back) and finished. A re-sent assignment of the later
+    attempt still raises HandBackUnknown naming it (``joined``): it must be settled by
+    publishing its hand-back again, not admitted as done (position 0) -- intake may hold
+    that hand-back, to be run and answered elsewhere. Every other re-send is admitted as done
+    as before: the job's own, another arrival, one with no or another source. Before, the
+    later attempt's too was admitted as done ("finished here" came first), and the adapter
+    answered it from the kept answer besides its hand-back."""
+    core = WorkerCore(WID)
+    first = plain_assignment("x", WID)
+    later = later_attempt(first, first.request.arrival_s + 0.5)
+    core.admit(first, 0.0, source="x")
+    job = core.job("x")
+    assert job is not None
+    core.adopt(record(1, Lifecycle.DRAINING))
+    core.redirect_settled("x", in_intake=True)
+    core.joined_handback_unknown(attempt_job(job, later, "x"))
+    core.adopt(record(2, Lifecycle.ACTIVE))
+    back = handback_msg_id("x", "x", WID, 1)
+    assert core.admit(of_epoch(first, 2), 1.0, source=back) == 0  # the job's hand-back
+    started = core.start_next(1.0)
+    assert started is not None and started.request_id == "x"
+    core.finish("x")
+    assert core.finished_arrival("x") == first.request.arrival_s
+    for again in (False, True):
+        with pytest.raises(HandBackUnknown) as exc:
+            core.admit(of_epoch(later, 2), 2.0, source="x", again=again)
+        assert exc.value.joined and exc.value.job.assignment.request == later.request
+    assert len(core) == 0
+    third = later_attempt(first, first.request.arrival_s + 1.0, epoch=2)
+    for a, source in ((of_epoch(first, 2), "x"), (of_epoch(first, 2), back),
+                      (of_epoch(later, 2), None), (of_epoch(later, 2), "x@other"),
+                      (third, "x")):
+        assert core.admit(a, 2.0, source=source) == 0  # as done, unchanged
+    assert len(core) == 0
+    core.joined_handback_confirmed(exc.value.job)
+
+
 # -- the service ------------------------------------------------------------------------------
 
 
@@ -190,15 +230,31 @@ class StandInIntake:
         return [m for m in self.tries if JOINED_MARK in m]
 
 
+class HeldFirst(SimBackend):
+    """Prefills take ``predicted_s`` (0.01 s), but q-1's waits for :attr:`release` first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def prefill(self, assignment: Assignment) -> PrefillResult:
+        if assignment.request.request_id == "q-1":
+            await self.release.wait()
+        return await super().prefill(assignment)
+
+
 @contextlib.asynccontextmanager
-async def running_worker(url: str, prefix: str, *,
-                         redirect_timeout_s: float = 1.0) -> AsyncIterator[RankdService]:
+async def running_worker(url: str, prefix: str, *, redirect_timeout_s: float = 1.0,
+                         backend: SimBackend | None = None) -> AsyncIterator[RankdService]:
     """A rankd whose prefills take 30 s (the first request runs for the whole test; the next
-    ones stay queued for a drain to hand back), stopped on the way out."""
+    ones stay queued for a drain to hand back) unless ``backend`` is given, stopped on the way
+    out."""
     settings = RankdSettings(nats_url=url, subject_prefix=prefix, worker_id=WID,
                              heartbeat_s=0.2, drain_timeout_s=0.5,
                              redirect_timeout_s=redirect_timeout_s)
-    svc = RankdService(settings, SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0))
+    if backend is None:
+        backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0)
+    svc = RankdService(settings, backend)
     task = asyncio.create_task(svc.run(handle_signals=False))
     try:
         await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
@@ -375,3 +431,56 @@ async def drained_until_joined_tried(svc: RankdService, nc: Client, s: Subjects,
     """Epoch 1 drains the worker; return once the joined attempt's hand-back was tried."""
     await put_record(nc, s, 1, Lifecycle.DRAINING)
     await until(lambda: bool(intake.joined_tries()), "the joined hand-back tried")
+
+
+async def test_a_joined_attempt_of_unknown_outcome_is_settled_after_its_request_finished_here(
+    nats_server: EmbeddedNats, nc: Client, uniq: str
+) -> None:
+    """x's later attempt shares x's source and joined its job; a drain hands both back (x's
+    in intake, the attempt's of unknown outcome). ACTIVE again, x's hand-back is placed back
+    here and x finishes here (answered once, for x's arrival). A scheduler then re-sends the
+    later attempt's assignment: its hand-back is published again (425 while intake refuses,
+    410 once it acknowledges), and it is not answered here. The job's own re-send and another
+    attempt's are answered from what this worker kept, as before. Before, the later attempt's
+    re-send was answered from the kept answer (stamped for it) and acked as done: the attempt
+    answered here, and again wherever the hand-back intake may hold runs."""
+    s = Subjects(uniq)
+    intake = StandInIntake(UNAVAILABLE)
+    await nc.subscribe(s.intake_requests(), cb=intake.answer)
+    results: list[FirstToken] = []
+
+    async def answered(msg: Msg) -> None:
+        results.append(decode(FirstToken, msg.data, msg.headers))
+
+    await nc.subscribe(s.result("q-x"), cb=answered)
+    backend = HeldFirst()
+    async with running_worker(nats_server.url, uniq, backend=backend) as svc:
+        first, later = await x_with_a_joined_attempt(svc, nc, s, later_source="q-x")
+        await drained(svc, nc, s)
+        await until(lambda: not svc._joined_out, "the joined hand-back settled")
+        await put_record(nc, s, 2, Lifecycle.ACTIVE)
+        await until(lambda: svc.core.lifecycle is Lifecycle.ACTIVE, "ACTIVE again")
+        await send(nc, s, of_epoch(first, 2), handback_msg_id("q-x", "q-x", WID, 1))
+        backend.release.set()
+        await until(lambda: len(results) == 1, "x answered here")
+        assert results[0].arrival_s == first.request.arrival_s
+        mid = joined_handback_msg_id("q-x", "q-x", WID, 1, later.request.arrival_s)
+        tried = len(intake.tries)
+        assert await refused(nc, s, of_epoch(later, 2), "q-x") == int(REDIRECTING_CODE)
+        assert intake.tries[tried:] == [mid]
+        intake.joined = None
+        assert await refused(nc, s, of_epoch(later, 2), "q-x") == int(HANDED_BACK_CODE)
+        assert intake.tries[tried + 1:] == [mid]
+        await svc.nc.flush()
+        await nc.flush()
+        assert [r.arrival_s for r in results] == [first.request.arrival_s]
+        # Anything else as before: the job's own re-send is done (nothing sent), another
+        # attempt gets the kept answer stamped for it.
+        third = later_attempt(first, first.request.arrival_s + 1.0, epoch=2)
+        for a in (of_epoch(first, 2), third):
+            assert (await send(nc, s, a, "q-x")).queue_position == 0
+        await until(lambda: len(results) == 2, "the third attempt answered")
+        assert [r.arrival_s for r in results] == [first.request.arrival_s,
+                                                  third.request.arrival_s]
+        assert intake.tries[tried + 2:] == []
+        assert svc.core.queued == () and svc.core.running is None
