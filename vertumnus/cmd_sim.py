@@ -92,6 +92,13 @@ def _check_run_numbers(*, rate: float, max_requests: int) -> None:
         _fail(f"--max-requests must be an integer >= 0 (0: all), got {max_requests}")
 
 
+def _check_per_degree(per_degree: bool, profile_path: Path | None) -> None:
+    """``--per-degree`` shapes the profile a run measures, so it goes without ``--profile``
+    (a file given is used as it is): refused together, exit 2."""
+    if per_degree and profile_path is not None:
+        _fail("--per-degree shapes the profile measured here; --profile gives one")
+
+
 def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
     """The options among ``names`` (parameter names) given explicitly, as their flags
     (``--rate-scale``), in ``names`` order."""
@@ -507,8 +514,7 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"{name:24s} {desc}")
             return
         check_seed(seed)
-        if per_degree and profile_path is not None:
-            _fail("--per-degree shapes the profile measured here; --profile gives one")
+        _check_per_degree(per_degree, profile_path)
         _check(runner.check_counts, jobs=jobs, repeats=repeats)
         _check(runner.check_warmup_s, warmup)
         table = slo_table(slo)
@@ -652,8 +658,7 @@ def register(app: typer.Typer) -> None:
         from sim import runner
 
         check_seed(seed)
-        if per_degree and profile_path is not None:
-            _fail("--per-degree shapes the profile measured here; --profile gives one")
+        _check_per_degree(per_degree, profile_path)
         _check(runner.check_counts, jobs=jobs, repeats=repeats)
         _check(runner.check_trace_format, trace, format)
         _check(runner.check_gpus, gpus)
@@ -748,8 +753,7 @@ def register(app: typer.Typer) -> None:
         from sim import runner
 
         check_seed(seed)
-        if per_degree and profile_path is not None:
-            _fail("--per-degree shapes the profile measured here; --profile gives one")
+        _check_per_degree(per_degree, profile_path)
         table = slo_table(slo)
         chosen = _names(policies, "policies")
         degs = degrees_option(degrees)

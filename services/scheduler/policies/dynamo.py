@@ -39,10 +39,11 @@ from collections.abc import Mapping
 from services.scheduler.decision import Decision
 from services.scheduler.evaluate import decide, evaluate
 from services.scheduler.load import WorkerLoad
+from services.scheduler.policies.base import BaselinePolicy, draw_tie
 from services.scheduler.registry import register_policy
 from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import BlockHash, InvalidInput, RequestId, WorkerId
+from shared.ids import BlockHash, InvalidInput, WorkerId
 
 
 def dynamo_cost(
@@ -66,8 +67,11 @@ def dynamo_cost(
 
 
 @register_policy("dynamo")
-class DynamoPolicy:
-    """Lowest Dynamo cost (or softmax sampling at temperature > 0)."""
+class DynamoPolicy(BaselinePolicy):
+    """Lowest Dynamo cost (or softmax sampling at temperature > 0). Overrides
+    :meth:`~BaselinePolicy.place` for the in-flight block index."""
+
+    policy_name = "dynamo"
 
     reads_inflight_blocks = True
     """SchedulerCore passes its in-flight block index (``inflight_blocks``,
@@ -99,10 +103,6 @@ class DynamoPolicy:
         self.overlap_credit = float(overlap_credit)
         self.prefill_load_scale = float(prefill_load_scale)
         self.temperature = float(temperature)
-
-    @property
-    def name(self) -> str:
-        return "dynamo"
 
     def place(
         self,
@@ -153,7 +153,7 @@ class DynamoPolicy:
         if self.temperature == 0.0:
             lo = min(costs)
             tied = [k for k, c in enumerate(costs) if c == lo]
-            k = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+            k = draw_tie(self.rng, tied)
             note = "greedy"
         else:
             lo, hi = min(costs), max(costs)
@@ -166,7 +166,7 @@ class DynamoPolicy:
             k = self.rng.choices(range(len(costs)), weights=weights)[0]
             note = f"softmax sample at temperature {self.temperature}"
         return decide(
-            "dynamo",
+            self.name,
             ev,
             ev.eligible[k],
             scores,
@@ -174,6 +174,3 @@ class DynamoPolicy:
             score_label="cost_blocks",
             note=note,
         )
-
-    def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
-        return None

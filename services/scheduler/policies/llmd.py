@@ -29,19 +29,21 @@ import random
 from collections.abc import Mapping
 
 from services.scheduler.decision import Decision
-from services.scheduler.evaluate import decide, evaluate
+from services.scheduler.evaluate import Evaluation, decide
 from services.scheduler.load import WorkerLoad
+from services.scheduler.policies.base import BaselinePolicy, check_int_at_least, draw_tie
 from services.scheduler.registry import register_policy
-from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import InvalidInput, RequestId, WorkerId
+from shared.ids import InvalidInput, WorkerId
 
 DEFAULT_QUEUE_THRESHOLD_TOKENS = 4_194_304
 
 
 @register_policy("llmd")
-class LlmdPolicy:
+class LlmdPolicy(BaselinePolicy):
     """Prefix-affinity filter with TTFT load gate, then token-load scorer, max-score picker."""
+
+    policy_name = "llmd"
 
     def __init__(
         self,
@@ -65,14 +67,7 @@ class LlmdPolicy:
             and max_ttft_penalty_ms >= 0
         ):
             raise InvalidInput(f"max_ttft_penalty_ms must be >= 0, got {max_ttft_penalty_ms!r}")
-        if (
-            isinstance(queue_threshold_tokens, bool)
-            or not isinstance(queue_threshold_tokens, int)
-            or queue_threshold_tokens < 1
-        ):
-            raise InvalidInput(
-                f"queue_threshold_tokens must be an integer >= 1, got {queue_threshold_tokens!r}"
-            )
+        check_int_at_least("queue_threshold_tokens", queue_threshold_tokens, 1)
         self.profile = profile
         self.rng = rng if rng is not None else random.Random(0)
         self.affinity_threshold = float(affinity_threshold)
@@ -81,21 +76,9 @@ class LlmdPolicy:
         self.queue_threshold_tokens = queue_threshold_tokens
         self.gate_breaks = 0  # how often the TTFT gate broke stickiness (llm-d exports this)
 
-    @property
-    def name(self) -> str:
-        return "llmd"
-
-    def place(
-        self,
-        request: RequestInfo,
-        view: ClusterView,
-        held_blocks: Mapping[WorkerId, int],
-        loads: Mapping[WorkerId, WorkerLoad],
-        now: float,
-    ) -> Decision:
-        ev = evaluate(request, view, held_blocks, loads, now, self.profile)
-        ev.require_eligible()
-        n_blocks = len(request.block_hashes) or -(-request.length // view.block_size)
+    def choose(self, ev: Evaluation, loads: Mapping[WorkerId, WorkerLoad]) -> Decision:
+        request = ev.request
+        n_blocks = len(request.block_hashes) or -(-request.length // ev.view.block_size)
         elig = ev.eligible
         # --- filter ---------------------------------------------------------------------
         explore = self.rng.random() < self.explore_probability
@@ -128,10 +111,7 @@ class LlmdPolicy:
             scores[i] = 1.0 - min(1.0, tokens / self.queue_threshold_tokens)
         top = max(scores[i] for i in kept)  # type: ignore[type-var]
         tied = [i for i in kept if scores[i] == top]
-        chosen = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        chosen = draw_tie(self.rng, tied)
         return decide(
-            "llmd", ev, chosen, scores, objective="max", score_label="token_load", note=note
+            self.name, ev, chosen, scores, objective="max", score_label="token_load", note=note
         )
-
-    def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
-        return None

@@ -10,17 +10,19 @@ import random
 from collections.abc import Mapping
 
 from services.scheduler.decision import Decision
-from services.scheduler.evaluate import decide, evaluate
+from services.scheduler.evaluate import Evaluation, decide
 from services.scheduler.load import WorkerLoad
+from services.scheduler.policies.base import BaselinePolicy
 from services.scheduler.registry import register_policy
-from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import RequestId, WorkerId
+from shared.ids import WorkerId
 
 
 @register_policy("round_robin")
-class RoundRobinPolicy:
+class RoundRobinPolicy(BaselinePolicy):
     """Cycle over the view's workers, skipping ineligible ones."""
+
+    policy_name = "round_robin"
 
     def __init__(
         self, *, profile: Profile = DEFAULT_PROFILE, rng: random.Random | None = None
@@ -28,20 +30,7 @@ class RoundRobinPolicy:
         self.profile = profile
         self._cursor = 0  # index into view.workers of the next worker to try
 
-    @property
-    def name(self) -> str:
-        return "round_robin"
-
-    def place(
-        self,
-        request: RequestInfo,
-        view: ClusterView,
-        held_blocks: Mapping[WorkerId, int],
-        loads: Mapping[WorkerId, WorkerLoad],
-        now: float,
-    ) -> Decision:
-        ev = evaluate(request, view, held_blocks, loads, now, self.profile)
-        ev.require_eligible()
+    def choose(self, ev: Evaluation, loads: Mapping[WorkerId, WorkerLoad]) -> Decision:
         n = len(ev.workers)
         start = self._cursor % n
         eligible = set(ev.eligible)
@@ -49,7 +38,4 @@ class RoundRobinPolicy:
         scores: list[float | None] = [None] * n
         scores[chosen] = 1.0
         self._cursor = chosen + 1  # mutate only after everything that can fail
-        return decide("round_robin", ev, chosen, scores, objective="max", score_label="turn")
-
-    def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
-        return None
+        return decide(self.name, ev, chosen, scores, objective="max", score_label="turn")

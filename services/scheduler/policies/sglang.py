@@ -38,12 +38,12 @@ import random
 from collections.abc import Mapping, Sequence
 
 from services.scheduler.decision import Decision
-from services.scheduler.evaluate import decide, evaluate
+from services.scheduler.evaluate import Evaluation, decide
 from services.scheduler.load import WorkerLoad
+from services.scheduler.policies.base import BaselinePolicy, check_int_at_least, draw_tie
 from services.scheduler.registry import register_policy
-from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import BlockHash, InvalidInput, RequestId, WorkerId
+from shared.ids import BlockHash, InvalidInput, WorkerId
 
 SGLANG_BLOCK_TOKENS = 16
 SGLANG_MAX_TREE_NODES = 10_000
@@ -123,8 +123,10 @@ class ApproxTrees:
 
 
 @register_policy("sglang")
-class SglangPolicy:
+class SglangPolicy(BaselinePolicy):
     """SGLang ``cache_aware``: balance on imbalance, else approximate-tree prefix affinity."""
+
+    policy_name = "sglang"
 
     def __init__(
         self,
@@ -141,24 +143,13 @@ class SglangPolicy:
     ) -> None:
         if not (0.0 <= cache_threshold <= 1.0):
             raise InvalidInput(f"cache_threshold must be in [0, 1], got {cache_threshold!r}")
-        if (
-            isinstance(balance_abs_threshold, bool)
-            or not isinstance(balance_abs_threshold, int)
-            or balance_abs_threshold < 0
-        ):
-            raise InvalidInput(
-                f"balance_abs_threshold must be an integer >= 0, got {balance_abs_threshold!r}"
-            )
+        check_int_at_least("balance_abs_threshold", balance_abs_threshold, 0)
         if not (math.isfinite(balance_rel_threshold) and balance_rel_threshold >= 0):
             raise InvalidInput(f"balance_rel_threshold must be >= 0, got {balance_rel_threshold!r}")
         if not (math.isfinite(eviction_interval_s) and eviction_interval_s > 0):
             raise InvalidInput(f"eviction_interval_s must be > 0, got {eviction_interval_s!r}")
-        if max_tree_blocks is not None and (
-            isinstance(max_tree_blocks, bool)
-            or not isinstance(max_tree_blocks, int)
-            or max_tree_blocks < 1
-        ):
-            raise InvalidInput(f"max_tree_blocks must be an integer >= 1, got {max_tree_blocks!r}")
+        if max_tree_blocks is not None:
+            check_int_at_least("max_tree_blocks", max_tree_blocks, 1)
         self.profile = profile
         self.rng = rng if rng is not None else random.Random(0)
         self.cache_threshold = float(cache_threshold)
@@ -171,10 +162,6 @@ class SglangPolicy:
         self.trees = ApproxTrees()
         self._next_eviction = self.eviction_interval_s
 
-    @property
-    def name(self) -> str:
-        return "sglang"
-
     def tree_budget_blocks(self, block_size: int) -> int:
         """A tree's size bound in blocks of ``block_size`` tokens: ``max_tree_blocks`` if
         given, else SGLang's default token budget (10,000 nodes of 16 tokens) in such blocks,
@@ -183,16 +170,8 @@ class SglangPolicy:
             return self.max_tree_blocks
         return max(1, SGLANG_MAX_TREE_NODES * SGLANG_BLOCK_TOKENS // block_size)
 
-    def place(
-        self,
-        request: RequestInfo,
-        view: ClusterView,
-        held_blocks: Mapping[WorkerId, int],
-        loads: Mapping[WorkerId, WorkerLoad],
-        now: float,
-    ) -> Decision:
-        ev = evaluate(request, view, held_blocks, loads, now, self.profile)
-        ev.require_eligible()
+    def choose(self, ev: Evaluation, loads: Mapping[WorkerId, WorkerLoad]) -> Decision:
+        request, view, now = ev.request, ev.view, ev.now
         if not self.unbounded and now >= self._next_eviction:
             budget = self.tree_budget_blocks(view.block_size)
             for w in view.workers:
@@ -220,7 +199,7 @@ class SglangPolicy:
             best_rate = max(rates)
             if best_rate > self.cache_threshold:
                 tied = [k for k, r in enumerate(rates) if r == best_rate]
-                k = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+                k = draw_tie(self.rng, tied)
                 chosen = elig[k]
                 for i, r in zip(elig, rates, strict=True):
                     scores[i] = r
@@ -236,8 +215,5 @@ class SglangPolicy:
                 objective, label = "min", "tree_blocks"
         self.trees.insert(ev.workers[chosen].worker_id, request.block_hashes, now)
         return decide(
-            "sglang", ev, chosen, scores, objective=objective, score_label=label, note=note
+            self.name, ev, chosen, scores, objective=objective, score_label=label, note=note
         )
-
-    def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
-        return None  # in-flight counts live in the load tracker

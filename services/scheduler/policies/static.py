@@ -32,18 +32,20 @@ import random
 from collections.abc import Mapping
 
 from services.scheduler.decision import Decision
-from services.scheduler.evaluate import decide, evaluate
+from services.scheduler.evaluate import Evaluation, decide
 from services.scheduler.load import WorkerLoad
 from services.scheduler.placement import tie_rank
+from services.scheduler.policies.base import BaselinePolicy, check_int_at_least
 from services.scheduler.registry import register_policy
-from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
-from shared.ids import InvalidInput, RequestId, WorkerId
+from shared.ids import WorkerId
 
 
 @register_policy("static")
-class StaticPolicy:
+class StaticPolicy(BaselinePolicy):
     """Length-threshold degree class, then minimum q + s (FlexLB-style) inside it."""
+
+    policy_name = "static"
 
     counts_inflight_prefixes = True
     """As J's: SchedulerCore adds the prefixes of unfinished requests on a worker to its
@@ -56,31 +58,12 @@ class StaticPolicy:
         rng: random.Random | None = None,
         threshold_tokens: int = 16_384,
     ) -> None:
-        if (
-            isinstance(threshold_tokens, bool)
-            or not isinstance(threshold_tokens, int)
-            or threshold_tokens < 0
-        ):
-            raise InvalidInput(
-                f"threshold_tokens must be an integer >= 0, got {threshold_tokens!r}"
-            )
+        check_int_at_least("threshold_tokens", threshold_tokens, 0)
         self.profile = profile
         self.threshold_tokens = threshold_tokens
 
-    @property
-    def name(self) -> str:
-        return "static"
-
-    def place(
-        self,
-        request: RequestInfo,
-        view: ClusterView,
-        held_blocks: Mapping[WorkerId, int],
-        loads: Mapping[WorkerId, WorkerLoad],
-        now: float,
-    ) -> Decision:
-        ev = evaluate(request, view, held_blocks, loads, now, self.profile)
-        ev.require_eligible()
+    def choose(self, ev: Evaluation, loads: Mapping[WorkerId, WorkerLoad]) -> Decision:
+        request = ev.request
         degs = [ev.workers[i].degree for i in ev.eligible]
         long_req = request.length > self.threshold_tokens
         cls = max(degs) if long_req else min(degs)
@@ -97,7 +80,4 @@ class StaticPolicy:
             if best_key is None or key < best_key:
                 best, best_key = i, key
         note = f"L {'>' if long_req else '<='} threshold {self.threshold_tokens} -> class C={cls}"
-        return decide("static", ev, best, scores, objective="min", score_label="q+s", note=note)
-
-    def on_finish(self, request_id: RequestId, worker: WorkerId, now: float) -> None:
-        return None
+        return decide(self.name, ev, best, scores, objective="min", score_label="q+s", note=note)

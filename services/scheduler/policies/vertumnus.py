@@ -16,7 +16,7 @@ be calibrated on the traces and recorded in the settings documentation (design.m
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final
 
 from services.scheduler.decision import Decision
@@ -143,37 +143,34 @@ def make_vertumnus(
                    beta_queue_scale=beta_queue_scale, beta_busy_power=beta_busy_power)
 
 
-@register_policy("homo")
-def make_homo(
-    *,
-    profile: Profile = DEFAULT_PROFILE,
-    rng: random.Random | None = None,
-    beta: float = DEFAULT_BETA,
-    lam: float = DEFAULT_LAMBDA,
-    pool_degree: int = 4,
-    beta_queue_scale: float = 0.0,
-    beta_busy_power: float = 0.0,
-) -> JPolicy:
-    """Homo (§9.1): all-CP4 pool, routed by J (= q + β·s within one degree)."""
-    return JPolicy(
-        profile=profile, rng=rng, beta=beta, lam=lam, name="homo", pool_degree=pool_degree,
-        beta_queue_scale=beta_queue_scale, beta_busy_power=beta_busy_power,
-    )
+def _register_homo(name: str, default_degree: int, doc: str) -> Callable[..., JPolicy]:
+    """Register ``name`` as J over a homogeneous pool and return its factory: the parameters
+    of :func:`make_vertumnus` plus ``pool_degree`` (default ``default_degree``, the degree a
+    harness builds the pool of). The homogeneous baselines differ only in name, default
+    degree and source (``doc``, the factory's docstring)."""
+
+    def make(
+        *,
+        profile: Profile = DEFAULT_PROFILE,
+        rng: random.Random | None = None,
+        beta: float = DEFAULT_BETA,
+        lam: float = DEFAULT_LAMBDA,
+        pool_degree: int = default_degree,
+        beta_queue_scale: float = 0.0,
+        beta_busy_power: float = 0.0,
+    ) -> JPolicy:
+        return JPolicy(
+            profile=profile, rng=rng, beta=beta, lam=lam, name=name, pool_degree=pool_degree,
+            beta_queue_scale=beta_queue_scale, beta_busy_power=beta_busy_power,
+        )
+
+    make.__name__ = make.__qualname__ = f"make_{name}"
+    make.__doc__ = doc
+    return register_policy(name)(make)
 
 
-@register_policy("homo_cp2")
-def make_homo_cp2(
-    *,
-    profile: Profile = DEFAULT_PROFILE,
-    rng: random.Random | None = None,
-    beta: float = DEFAULT_BETA,
-    lam: float = DEFAULT_LAMBDA,
-    pool_degree: int = 2,
-    beta_queue_scale: float = 0.0,
-    beta_busy_power: float = 0.0,
-) -> JPolicy:
-    """All-CP2 pool (peer-routing.md, "Homogeneous pools at every degree"), routed by J."""
-    return JPolicy(
-        profile=profile, rng=rng, beta=beta, lam=lam, name="homo_cp2", pool_degree=pool_degree,
-        beta_queue_scale=beta_queue_scale, beta_busy_power=beta_busy_power,
-    )
+make_homo = _register_homo(
+    "homo", 4, "Homo (§9.1): all-CP4 pool, routed by J (= q + β·s within one degree).")
+make_homo_cp2 = _register_homo(
+    "homo_cp2", 2,
+    'All-CP2 pool (peer-routing.md, "Homogeneous pools at every degree"), routed by J.')

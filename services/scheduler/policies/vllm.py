@@ -26,19 +26,20 @@ import random
 from collections.abc import Mapping
 
 from services.scheduler.decision import Decision
-from services.scheduler.evaluate import decide, evaluate
+from services.scheduler.evaluate import Evaluation, decide
 from services.scheduler.load import WorkerLoad
+from services.scheduler.policies.base import BaselinePolicy, check_int_at_least
 from services.scheduler.registry import register_policy
-from services.scheduler.view import ClusterView, RequestInfo
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import InvalidInput, RequestId, WorkerId
 from shared.worker import WorkerKind
 
 
 @register_policy("vllm")
-class VllmPolicy:
+class VllmPolicy(BaselinePolicy):
     """Least ``waiting·w + running`` on a periodically refreshed count snapshot."""
 
+    policy_name = "vllm"
     pool_kind = WorkerKind.TP
 
     def __init__(
@@ -58,22 +59,13 @@ class VllmPolicy:
             raise InvalidInput(
                 f"refresh_period_s must be a positive number, got {refresh_period_s!r}"
             )
-        if (
-            isinstance(waiting_weight, bool)
-            or not isinstance(waiting_weight, int)
-            or waiting_weight < 0
-        ):
-            raise InvalidInput(f"waiting_weight must be an integer >= 0, got {waiting_weight!r}")
+        check_int_at_least("waiting_weight", waiting_weight, 0)
         self.profile = profile
         self.refresh_period_s = float(refresh_period_s)
         self.waiting_weight = waiting_weight
         self.pool_degree = pool_degree
         self._counts: dict[WorkerId, list[int]] = {}  # worker -> [waiting, running] as seen
         self._next_refresh = -math.inf
-
-    @property
-    def name(self) -> str:
-        return "vllm"
 
     def counts(self, worker: WorkerId) -> tuple[int, int]:
         """The (waiting, running) the balancer currently believes for ``worker``."""
@@ -85,16 +77,8 @@ class VllmPolicy:
         self._counts = {w: [ld.waiting, ld.running] for w, ld in loads.items()}
         self._next_refresh = (math.floor(now / self.refresh_period_s) + 1) * self.refresh_period_s
 
-    def place(
-        self,
-        request: RequestInfo,
-        view: ClusterView,
-        held_blocks: Mapping[WorkerId, int],
-        loads: Mapping[WorkerId, WorkerLoad],
-        now: float,
-    ) -> Decision:
-        ev = evaluate(request, view, held_blocks, loads, now, self.profile)
-        ev.require_eligible()
+    def choose(self, ev: Evaluation, loads: Mapping[WorkerId, WorkerLoad]) -> Decision:
+        now = ev.now
         if now >= self._next_refresh or any(w.worker_id not in self._counts for w in ev.workers):
             self.refresh(loads, now)
         scores: list[float | None] = [None] * len(ev.workers)
@@ -108,7 +92,7 @@ class VllmPolicy:
                 best, best_score = i, score
         self._counts[ev.workers[best].worker_id][0] += 1  # local optimistic increment
         return decide(
-            "vllm",
+            self.name,
             ev,
             best,
             scores,
