@@ -64,6 +64,25 @@ Rules (§5.2, §6.2, §8):
   intake may hold it, to run and answer it elsewhere. Before, the re-send was admitted as done
   (and answered from the kept answer): the attempt could be answered twice. Only a job of the
   request being redirected comes before it (:class:`Redirecting`; never also finished here).
+  Likewise once intake acknowledged the attempt's hand-back (at once,
+  :meth:`WorkerCore.remember_handed_back` with its ``arrival_s``, or after an unknown outcome,
+  :meth:`WorkerCore.joined_handback_confirmed`): its re-sent assignment -- the same source
+  and stamp -- is :class:`HandedBack` before "finished here" too (the request finished here
+  since, as another attempt: a scheduler whose 410 was lost re-sends it), since intake holds
+  the attempt to run it elsewhere. Before, only the source was remembered, checked after
+  "finished here": the re-send was admitted as done and answered from the kept answer. A
+  genuine later attempt (another stamp) of a request finished here is still admitted as done.
+  The latest ``FINISHED_MEMORY`` joined attempts of each kind are remembered.
+* Attempts without a source (an assignment without :data:`INTAKE_MSG_HEADER`) are never
+  remembered as handed back, joined or not: the scheduler (services/scheduler/service.py)
+  sends the header with every assignment it sends, first or re-sent (the intake message's
+  ``Nats-Msg-Id``, else the request id), so only tests and a scheduler older than the header
+  send none. Such a scheduler re-sends a crashed dispatch without one, but takes every micro
+  error, 410 and 425 included, for a refusal and places the request afresh: remembering its
+  attempts would change nothing it does. And a hand-back without a source has an id that
+  names the epoch (:func:`handback_msg_id`), so publishing it again under a later epoch to
+  settle an unknown outcome could store it twice. A re-send without a source is answered as
+  if nothing had been handed back (admitted, as done when finished here, or refused).
 * A worker fault (:meth:`WorkerCore.fault`: the backend raised
   :class:`~shared.ids.WorkerFault`, the worker itself can no longer compute) hands back what
   the worker holds instead of failing it: the request whose execution met the fault stops
@@ -341,6 +360,10 @@ class WorkerCore:
         # as the adapter described it, whose own hand-back's outcome is unknown (bounded).
         # Keyed by the stamp too: the attempts of a request usually share their source.
         self._joined_unknown: OrderedDict[tuple[str, str, float], Job] = OrderedDict()
+        # (request id, source, arrival stamp) of each later attempt that joined a handed-back
+        # job and whose own hand-back intake acknowledged (bounded): its re-sent assignment is
+        # HandedBack even after the request finished here since (check_joined_handback).
+        self._joined_handed_back: OrderedDict[tuple[str, str, float], None] = OrderedDict()
         self._seq = 0
         # The first record is adopted even if its epoch equals the configured start epoch.
         self._adopted_once = False
@@ -477,8 +500,9 @@ class WorkerCore:
         finished is admitted as done (0, not run twice) unless ``again``: a later attempt
         under its id that the adapter cannot answer from what it kept (other content, or an
         answer no longer kept), which then runs like a new request. A joined attempt whose
-        hand-back's outcome is unknown comes first (:meth:`check_joined_handback`), even
-        when the request finished here since (module rules)."""
+        hand-back's outcome is unknown, or whose hand-back intake acknowledged, comes first
+        (:meth:`check_joined_handback`), even when the request finished here since (module
+        rules)."""
         rid = a.request.request_id
         redirecting = self._redirecting.get(rid)
         if redirecting is not None:
@@ -490,7 +514,8 @@ class WorkerCore:
         # a rule, and its hand-back's success (remember_handed_back) says nothing of the
         # job's own, which must then be published again, not taken as in intake -- nor the
         # job's success of the attempt's (told apart by the arrival stamp). Before "finished
-        # here" too: another attempt finishing here says nothing of this one's hand-back.
+        # here" too: another attempt finishing here says nothing of this one's hand-back,
+        # unknown or in intake (HandedBack).
         self.check_joined_handback(a, source=source)
         if rid in self._finished and not again:
             return 0  # already served (its result went out); do not run it twice
@@ -528,19 +553,26 @@ class WorkerCore:
         """Raise :class:`HandBackUnknown` (``joined``, carrying the attempt) if ``a`` is the
         re-sent assignment of a later attempt that joined a job here and whose hand-back's
         outcome is unknown (:meth:`joined_handback_unknown`: the same request id, ``source``
-        and arrival stamp); else nothing (None ``source``: never). :meth:`admit` checks it
-        before any other answer but a job of the request being redirected, "finished here"
-        included, and so must the adapter before it answers a re-send from what it kept (see
-        module rules). Changes nothing."""
-        if source is None or not self._joined_unknown:
+        and arrival stamp), :class:`HandedBack` if intake acknowledged that hand-back
+        (:meth:`remember_handed_back` with the attempt's ``arrival_s``, or
+        :meth:`joined_handback_confirmed`); else nothing (None ``source``: never, module
+        rules). :meth:`admit` checks it before any other answer but a job of the request
+        being redirected, "finished here" included, and so must the adapter before it answers
+        a re-send from what it kept (see module rules). Changes nothing."""
+        if source is None or not (self._joined_unknown or self._joined_handed_back):
             return
         rid = a.request.request_id
-        attempt = self._joined_unknown.get((rid, source, a.request.arrival_s))
+        key = (rid, source, a.request.arrival_s)
+        attempt = self._joined_unknown.get(key)
         if attempt is not None:
             raise HandBackUnknown(
                 f"{rid} (intake message {source}, arrival {a.request.arrival_s!r}) joined "
                 f"a job {self.worker_id} handed back; whether intake holds it is unknown",
                 attempt, joined=True)
+        if key in self._joined_handed_back:
+            raise HandedBack(f"{rid} (intake message {source}, arrival "
+                             f"{a.request.arrival_s!r}) joined a job {self.worker_id} handed "
+                             "back, and was handed back to intake with it")
 
     def pull_hold(self, now: float, incoming: Collection[BlockHash] = ()) -> float:
         """Wall seconds the head of the FIFO should still wait before :meth:`start_next`: its
@@ -801,7 +833,8 @@ class WorkerCore:
         re-sent assignment of that source and arrival stamp raises :class:`HandBackUnknown`
         (``joined``, carrying ``attempt``) until :meth:`joined_handback_confirmed` (see module
         rules). Without a source nothing is remembered: no re-sent assignment could be
-        matched to it. The latest ``FINISHED_MEMORY`` are remembered."""
+        matched to it, and only tests and pre-header schedulers send none (module rules). The
+        latest ``FINISHED_MEMORY`` are remembered."""
         if attempt.source is None:
             return
         key = (attempt.request_id, attempt.source, attempt.assignment.request.arrival_s)
@@ -813,23 +846,41 @@ class WorkerCore:
     def joined_handback_confirmed(self, attempt: Job) -> None:
         """Intake acknowledged the hand-back of ``attempt`` (a joined attempt whose outcome
         was unknown, :meth:`joined_handback_unknown`; published again under its id): from now
-        on a re-sent assignment of its source is :class:`HandedBack`. Raises InvalidInput if
-        no such hand-back is remembered."""
-        key = (attempt.request_id, attempt.source or "", attempt.assignment.request.arrival_s)
+        on a re-sent assignment of its source is :class:`HandedBack`, that of its source and
+        arrival stamp even after the request finished here (as
+        :meth:`remember_handed_back` with ``arrival_s``). Raises InvalidInput if no such
+        hand-back is remembered."""
+        arrival = attempt.assignment.request.arrival_s
+        key = (attempt.request_id, attempt.source or "", arrival)
         known = self._joined_unknown.pop(key, None)
         if known is None or known.source is None:
             raise InvalidInput(f"no joined hand-back of unknown outcome for "
-                               f"{attempt.request_id} (arrival "
-                               f"{attempt.assignment.request.arrival_s!r})")
-        self._remember_handed_back(known.request_id, known.source)
+                               f"{attempt.request_id} (arrival {arrival!r})")
+        self.remember_handed_back(known.request_id, known.source, arrival_s=arrival)
 
-    def remember_handed_back(self, request_id: str, source: str) -> None:
+    def remember_handed_back(self, request_id: str, source: str, *,
+                             arrival_s: float | None = None) -> None:
         """Intake acknowledged a hand-back of ``request_id``'s admission from ``source`` that
         the adapter made itself (a later attempt that joined the job here, handed back as
         its own intake message): from now on a re-sent assignment of that source is
         :class:`HandedBack`, as for a job's (:meth:`redirect_settled`). Before, it was
-        admitted and ran here while its hand-back ran elsewhere too."""
+        admitted and ran here while its hand-back ran elsewhere too.
+
+        ``arrival_s``: the attempt's arrival stamp (the adapter always gives it). The attempt
+        is then remembered by it too (the latest ``FINISHED_MEMORY``): its re-sent
+        assignment -- the same source and stamp -- is :class:`HandedBack` before "finished
+        here" (:meth:`check_joined_handback`, module rules), while another attempt of the
+        request that finished here (another stamp) is still admitted as done. Without it, the
+        request finishing here since (the job's hand-back placed back here) answered the
+        re-send as done, and the adapter sent it the kept answer: the attempt answered here
+        and again wherever intake runs its hand-back."""
         self._remember_handed_back(request_id, source)
+        if arrival_s is not None:
+            key = (request_id, source, arrival_s)
+            self._joined_handed_back[key] = None
+            self._joined_handed_back.move_to_end(key)
+            if len(self._joined_handed_back) > FINISHED_MEMORY:
+                self._joined_handed_back.popitem(last=False)
 
     def _remember_handed_back(self, request_id: str, source: str) -> None:
         known = self._handed_back.get(request_id, ())

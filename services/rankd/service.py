@@ -77,8 +77,12 @@ Per process (one worker, its leader rank, for now):
   remembered by the core (by source and arrival stamp) and settled by a re-send in the same
   way -- never forgotten, so never run here beside a hand-back intake may hold. That comes
   before answering a re-sent assignment from what the worker kept (a request finished here
-  since, as another attempt: admitted as done, its kept answer sent again): before, such an
-  attempt was answered here too, beside its hand-back intake may hold.
+  since, as another attempt: admitted as done, its kept answer sent again), and so does the
+  410 of one whose hand-back intake acknowledged (remembered by source and arrival stamp):
+  before, such an attempt was answered here too, beside its hand-back intake may hold (or
+  holds: a scheduler whose 410 was lost re-sends it). Attempts without an intake message id
+  (only tests and schedulers older than the header send none) are remembered by nothing
+  (:mod:`services.rankd.core`).
 * a backend error is answered by its kind. :class:`~shared.ids.InvalidInput` (the request's
   fault: nothing ran) and any other unexpected exception: an error FirstToken
   (``prefill failed: ...``) for that request, and the worker serves on; so is an
@@ -589,14 +593,17 @@ class RankdService(MicroService):
                                description=f"{rid} (arrival {a.request.arrival_s!r}) is being "
                                            f"handed back by {self.core.worker_id}")
         try:
-            # A joined attempt whose hand-back's outcome is unknown, before anything answered
-            # from what this worker kept: the request may have finished here since (another
-            # attempt), which says nothing of this attempt's hand-back -- intake may hold it,
-            # to run and answer it elsewhere. Before, the kept answer was sent to this attempt
-            # and it was acked as done: answered twice.
+            # A joined attempt whose hand-back's outcome is unknown, or that intake holds,
+            # before anything answered from what this worker kept: the request may have
+            # finished here since (another attempt), which says nothing of this attempt's
+            # hand-back -- intake may hold it (425 / 410), or does (410), to run and answer
+            # it elsewhere. Before, the kept answer was sent to this attempt and it was acked
+            # as done: answered twice.
             self.core.check_joined_handback(a, source=source)
         except HandBackUnknown as exc:
             await self._settle_unknown(exc)
+        except HandedBack as exc:
+            raise ServiceError(code=HANDED_BACK_CODE, description=str(exc)) from exc
         again = False
         done = self.core.finished_arrival(rid)
         if done is not None and done != a.request.arrival_s:
@@ -1386,8 +1393,11 @@ class RankdService(MicroService):
             self._dirty.set()
             if error is None and joined.source is not None:
                 # A scheduler re-sending this attempt's assignment (it crashed before its
-                # record) is told HandedBack, as for a job: before, it ran here too.
-                self.core.remember_handed_back(req.request_id, joined.source)
+                # record, or its 410 was lost) is told HandedBack, as for a job: before, it
+                # ran here too. By its arrival stamp too: so even once the request finished
+                # here since (another attempt), not answered from the kept answer.
+                self.core.remember_handed_back(req.request_id, joined.source,
+                                               arrival_s=req.arrival_s)
             elif error is not None and maybe_stored:
                 # Intake may hold it: a re-sent assignment of this attempt must publish it
                 # again (425 / 410), not be refused as "not ACTIVE", admitted, or taken as in
