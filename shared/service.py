@@ -46,7 +46,7 @@ import contextlib
 import json
 import re
 import ssl
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -857,6 +857,15 @@ def request_model(request: Request, model: type[M] | Any) -> M:
     return decode(model, request.data, request.headers)  # type: ignore[no-any-return]
 
 
+def optional_request_model(request: Request, model: type[M] | Any) -> M:
+    """As :func:`request_model`, but a body that is empty or only white space stands for
+    ``model()`` (every field at its default): for an endpoint whose query may be left out,
+    e.g. ``inspect`` asked with no body by ``nats req ... ''``."""
+    if not request.data.strip():
+        return model()  # type: ignore[no-any-return]
+    return request_model(request, model)
+
+
 class MicroService:
     """Base of every vertumnus service process. See the module docstring.
 
@@ -1078,6 +1087,27 @@ class MicroService:
             await self._stop.wait()
             self.log.info("service stopping")
         self._started.clear()
+
+    async def stop_listening(self, tasks: Iterable[asyncio.Task[Any]],
+                             watches: Iterable[KvWatch],
+                             subs: Iterable[Subscription | None]) -> None:
+        """The end of a :meth:`setup`'s teardown: cancel ``tasks`` and wait for them
+        (:func:`~shared.tasks.cancel_and_wait`, which logs any that will not end), then stop
+        each of ``watches`` and unsubscribe each of ``subs`` (None: a subscription the setup
+        did not make). Never raises but CancelledError.
+
+        The tasks go first, as they read the watches and the state the subscriptions' callbacks
+        keep. A watch or subscription that fails to stop is passed over without a word: at a
+        stop the connection may be gone already, and the others must still be stopped."""
+        await cancel_and_wait(tasks, self.log)  # re-cancels (shared/tasks.py)
+        for watch in watches:
+            with contextlib.suppress(Exception):
+                await watch.stop()
+        for sub in subs:
+            if sub is None:
+                continue
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _keep_jetstream(self, nc: Client) -> None:
         """:meth:`ensure_jetstream` after each reconnect, until it succeeds."""
@@ -1623,6 +1653,7 @@ __all__ = [
     "worker_state_kv",
     "error_code",
     "raise_for_error",
+    "optional_request_model",
     "request_model",
     "to_service_error",
     "wrap_handler",

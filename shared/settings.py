@@ -16,11 +16,12 @@ Settings are read once in a service's ``main`` and passed down; cores never read
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 from pathlib import Path
-from typing import Final, Literal, Self
+from typing import Any, Final, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -53,6 +54,16 @@ def hostname_token(hostname: str) -> str:
     label = hostname.split(".", 1)[0].lower()
     token = re.sub(r"[^a-z0-9_-]", "-", label)
     return token if token[:1].isalnum() else f"h{token}"
+
+
+def json_object_text(v: Any) -> Any:
+    """What a ``mode="before"`` validator of a dict setting makes of ``v``: a text (an
+    environment variable, a flag) is the JSON it holds, and an empty or blank one ``{}``; any
+    other value is passed on as it is. The field's own type then checks the result; text that
+    is no JSON fails the validation with the parser's error."""
+    if isinstance(v, str):
+        return json.loads(v) if v.strip() else {}
+    return v
 
 
 class TelemetrySettings(BaseModel):

@@ -16,7 +16,7 @@ times; :func:`cancel_requested` lets a loop notice a swallowed cancel itself and
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import structlog
@@ -81,6 +81,44 @@ async def unless_stopped(coro: Coroutine[Any, Any, T], stop: asyncio.Event,
     return True, work.result()  # raises what coro raised
 
 
+def spawn_tracked(tasks: list[asyncio.Task[Any]], coro: Coroutine[Any, Any, Any],
+                  name: str) -> asyncio.Task[Any]:
+    """Run ``coro`` as a task named ``name`` that stands in ``tasks`` while it runs: appended
+    now, removed once it ends (however it ends). Returns the task.
+
+    Why: a service's teardown cancels what its ``tasks`` list holds (:func:`cancel_and_wait`);
+    a short-lived task started while it serves (a snapshot fetch, a command) must be in that
+    list to be stopped with the rest, and must leave it when done, or the list would grow for
+    as long as the process lives."""
+    task = asyncio.create_task(coro, name=name)
+    tasks.append(task)
+    task.add_done_callback(lambda t: tasks.remove(t) if t in tasks else None)
+    return task
+
+
+def spawn_once(tasks: list[asyncio.Task[Any]], running: set[str], key: str,
+               start: Callable[[], Coroutine[Any, Any, Any]], name: str) -> bool:
+    """Run ``start()`` as a task of ``tasks`` (:func:`spawn_tracked`) named ``name``, unless
+    the task of ``key`` runs already: ``running`` holds the keys whose task runs -- added
+    here, removed as the task ends, however it ends. Returns whether a task was started
+    (``start`` is called only then: a coroutine made and never awaited would be warned of).
+
+    For work of which one at a time is enough, asked for again and again while it runs: a
+    worker's cache snapshot, the recovery of a lost worker's requests."""
+    if key in running:
+        return False
+    running.add(key)
+
+    async def run() -> None:
+        try:
+            await start()
+        finally:
+            running.discard(key)
+
+    spawn_tracked(tasks, run(), name)
+    return True
+
+
 def cancel_requested() -> bool:
     """True if the current task was cancelled but the CancelledError was swallowed on the way
     (see the module docstring): a loop checks it so it stops all the same."""
@@ -88,4 +126,5 @@ def cancel_requested() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-__all__ = ["cancel_and_wait", "cancel_requested", "unless_stopped"]
+__all__ = ["cancel_and_wait", "cancel_requested", "spawn_once", "spawn_tracked",
+           "unless_stopped"]

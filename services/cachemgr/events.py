@@ -308,3 +308,14 @@ def event_from_json(payload: bytes) -> CacheEvent:
         if "worker_id" in d and "worker" not in d:
             d["worker"] = d.pop("worker_id")
     return event_from_wire(d)
+
+
+def snapshot_reply(worker: str, payload: bytes) -> Snapshot:
+    """The :class:`Snapshot` in a reply to a request for ``worker``'s cache snapshot
+    (``cache_snapshot`` subject, the rank daemon's answer). Raises :class:`MalformedEvent`
+    when the payload is no cache event, or is another kind of event or another worker's
+    snapshot: a view that applied it would hold the wrong worker's cache."""
+    event = event_from_json(payload)
+    if not isinstance(event, Snapshot) or event.worker != worker:
+        raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
+    return event

@@ -102,12 +102,12 @@ Message it publishes: ReconciledNotice (shared/schemas.py), read by the schedule
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -119,7 +119,7 @@ from pydantic import Field
 
 from services import calibration
 from services.cachemgr.actions import CacheAction, Demote, Reclaim, Replicate
-from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
+from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json, snapshot_reply
 from services.cachemgr.metrics import CacheMetrics
 from services.cachemgr.pull import PullConfig, demotion, pull_on_route
 from services.cachemgr.reconcile import (
@@ -169,14 +169,16 @@ from shared.service import (
     RemoteError,
     call,
     epoch_kv,
+    optional_request_model,
     request_in_parts,
     worker_state_kv,
 )
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, micro_service_name
-from shared.tasks import cancel_and_wait
+from shared.tasks import spawn_once, spawn_tracked
 from shared.telemetry import inject
 from shared.worker import GpuGroup, Lifecycle, worker_restarted
+from shared.workerstates import worker_state_changes
 
 VERSION: Final[str] = "0.1.0"
 
@@ -489,11 +491,7 @@ class CacheMgrService(MicroService):
                             parts=await self._publish_notices(notices))
 
     async def _on_inspect(self, request: Request) -> bytes:
-        query = (
-            decode(InspectQuery, request.data, request.headers)
-            if request.data.strip()
-            else InspectQuery()
-        )
+        query: InspectQuery = optional_request_model(request, InspectQuery)
         return json.dumps(self.inspect(query.match)).encode()
 
     def inspect(self, match: Sequence[int] | None = None) -> dict[str, Any]:
@@ -553,20 +551,12 @@ class CacheMgrService(MicroService):
         ]
 
         async def teardown() -> None:
-            await cancel_and_wait(self._tasks, self.log)  # re-cancels (shared/tasks.py)
-            for w in (state_watch, epoch_watch):
-                with contextlib.suppress(Exception):
-                    await w.stop()
-            for sub in subs:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+            await self.stop_listening(self._tasks, (state_watch, epoch_watch), subs)
 
         stack.push_async_callback(teardown)
 
     def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        spawn_tracked(self._tasks, coro, name)
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -598,17 +588,9 @@ class CacheMgrService(MicroService):
         return True
 
     async def _watch_states(self, watcher: Any) -> None:
-        async for entry in watcher:
-            if entry is None:
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self.states.pop(entry.key, None)
-                continue
-            try:
-                state = decode(WorkerState, entry.value)
-            except SchemaError as exc:
-                self.counters["malformed"] += 1
-                self.log.warning("bad worker state ignored", key=entry.key, error=str(exc))
+        async for key, state in worker_state_changes(watcher, self.log, self.counters):
+            if state is None:
+                self.states.pop(key, None)
                 continue
             try:
                 self.on_state(state)
@@ -944,10 +926,8 @@ class CacheMgrService(MicroService):
             self._request_snapshot(event.worker)
 
     def _request_snapshot(self, worker: str) -> None:
-        if worker in self._snapshotting:
-            return
-        self._snapshotting.add(worker)
-        self._spawn(self._fetch_snapshot(worker), f"snapshot-{worker}")
+        spawn_once(self._tasks, self._snapshotting, worker, partial(self._fetch_snapshot, worker),
+                   f"snapshot-{worker}")
 
     async def _fetch_snapshot(self, worker: str) -> None:
         restarts = self._restarts.get(worker, 0)
@@ -958,9 +938,7 @@ class CacheMgrService(MicroService):
                 self.nc, subject, b"{}",
                 timeout_s=self.msettings.snapshot_timeout_s, headers=inject({}),
             )  # a micro error is raised: no snapshot
-            event = event_from_json(data)
-            if not isinstance(event, Snapshot) or event.worker != worker:
-                raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
+            event = snapshot_reply(worker, data)
             if self._restarts.get(worker, 0) != restarts:
                 # Asked before the worker restarted: it may list the old process's cache.
                 if worker in self.trie.workers():
@@ -991,8 +969,6 @@ class CacheMgrService(MicroService):
         except VertumnusError as exc:
             self.counters["snapshots_failed"] += 1
             self.log.warning("cache snapshot rejected", worker=worker, error=str(exc))
-        finally:
-            self._snapshotting.discard(worker)
 
     async def _housekeeping(self) -> None:
         while True:
@@ -1097,20 +1073,13 @@ class CacheMgrService(MicroService):
             return ReclaimCommand(
                 command_id=cid, worker_id=action.worker, epoch=epoch, blocks=list(action.blocks)
             )
-        blocks = path_to(self.trie, action.node_hash)
-        if action.kind == "reconcile":
-            return ReconcileCommand(
-                command_id=cid,
-                worker_id=action.dest,
-                epoch=epoch,
-                blocks=blocks,
-                source_worker=action.source,
-            )
-        return ReplicateCommand(
+        # A reconcile copy and any other copy carry the same fields; only the command differs.
+        command = ReconcileCommand if action.kind == "reconcile" else ReplicateCommand
+        return command(
             command_id=cid,
             worker_id=action.dest,
             epoch=epoch,
-            blocks=blocks,
+            blocks=path_to(self.trie, action.node_hash),
             source_worker=action.source,
         )
 

@@ -267,6 +267,28 @@ class ControllerConfig:
                 raise InvalidInput(f"ControllerConfig.{name} must be a finite number, got {v!r}")
             return float(v)
 
+        # The checks below that many fields share; each raises naming the field, and
+        # ``or_none`` admits None (the rule off) and says so in the message.
+        def whole(name: str, *, or_none: bool = False) -> None:
+            """An integer >= 1 (a bool is none)."""
+            v = getattr(self, name)
+            if or_none and v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                what = "None or an integer" if or_none else "an integer"
+                raise InvalidInput(f"ControllerConfig.{name} must be {what} >= 1, got {v!r}")
+
+        def share(name: str, *, of_upper: bool = False, or_none: bool = False) -> None:
+            """A finite number in (0, 1], or in (0, upper] with ``of_upper``."""
+            v = getattr(self, name)
+            if or_none and v is None:
+                return
+            top, top_text = (self.upper, f"upper={self.upper}") if of_upper else (1.0, "1")
+            if not (0.0 < num(name) <= top):
+                what = "None or in" if or_none else "in"
+                raise InvalidInput(
+                    f"ControllerConfig.{name} must be {what} (0, {top_text}], got {v}")
+
         # A floor, not only > 0: a window of 1e-6 s made a simulation build a window per
         # microsecond of the trace (memory without bound) and 1e-300 s overflowed.
         if num("window_s") < MIN_WINDOW_S:
@@ -280,71 +302,32 @@ class ControllerConfig:
                 f"ControllerConfig needs 0 < lower < upper, got lower={self.lower}, "
                 f"upper={self.upper}"
             )
-        if not (0.0 < num("merge_headroom") <= self.upper):
-            raise InvalidInput(
-                f"ControllerConfig.merge_headroom must be in (0, upper={self.upper}], "
-                f"got {self.merge_headroom}"
-            )
-        if not (0.0 < num("long_fraction_delta") <= 1.0):
-            raise InvalidInput(
-                f"ControllerConfig.long_fraction_delta must be in (0, 1], "
-                f"got {self.long_fraction_delta}"
-            )
+        share("merge_headroom", of_upper=True)
+        share("long_fraction_delta")
         if num("demand_stability") < 0:
             raise InvalidInput(
                 f"ControllerConfig.demand_stability must be >= 0, got {self.demand_stability}"
             )
-        p = self.persistence
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-            raise InvalidInput(f"ControllerConfig.persistence must be an integer >= 1, got {p!r}")
-        m = self.max_ops
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise InvalidInput(f"ControllerConfig.max_ops must be an integer >= 1, got {m!r}")
+        whole("persistence")
+        whole("max_ops")
         if not isinstance(self.momentum, bool):
             raise InvalidInput(f"ControllerConfig.momentum must be a bool, got {self.momentum!r}")
         if self.merge_speedup is not None and not num("merge_speedup") >= 1.0:
             raise InvalidInput(
                 f"ControllerConfig.merge_speedup must be None or >= 1, got {self.merge_speedup}"
             )
-        if self.preference_shift is not None:
-            if not (0.0 < num("preference_shift") <= 1.0):
-                raise InvalidInput(
-                    f"ControllerConfig.preference_shift must be None or in (0, 1], "
-                    f"got {self.preference_shift}"
-                )
-        if self.preference_headroom is not None and not (
-                0.0 < num("preference_headroom") <= self.upper):
-            raise InvalidInput(
-                f"ControllerConfig.preference_headroom must be None or in (0, upper="
-                f"{self.upper}], got {self.preference_headroom}")
-        mm = self.merge_memory
-        if mm is not None and (isinstance(mm, bool) or not isinstance(mm, int) or mm < 1):
-            raise InvalidInput(
-                f"ControllerConfig.merge_memory must be None or an integer >= 1, got {mm!r}")
-        if self.long_shift is not None and not (0.0 < num("long_shift") <= 1.0):
-            raise InvalidInput(
-                f"ControllerConfig.long_shift must be None or in (0, 1], got {self.long_shift}")
-        lp = self.long_shift_persistence
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 1):
-            raise InvalidInput(
-                "ControllerConfig.long_shift_persistence must be None or an integer >= 1, "
-                f"got {lp!r}")
-        if self.long_drop is not None and not (0.0 < num("long_drop") <= 1.0):
-            raise InvalidInput(
-                f"ControllerConfig.long_drop must be None or in (0, 1], got {self.long_drop}")
+        share("preference_shift", or_none=True)
+        share("preference_headroom", of_upper=True, or_none=True)
+        whole("merge_memory", or_none=True)
+        share("long_shift", or_none=True)
+        whole("long_shift_persistence", or_none=True)
+        share("long_drop", or_none=True)
         if self.long_drop_z is not None and not (0.0 < num("long_drop_z") < math.inf):
             raise InvalidInput(
                 "ControllerConfig.long_drop_z must be None or a finite number > 0, "
                 f"got {self.long_drop_z}")
-        if self.long_drop_demand is not None and not (
-                0.0 < num("long_drop_demand") <= self.upper):
-            raise InvalidInput(
-                f"ControllerConfig.long_drop_demand must be None or in (0, upper={self.upper}], "
-                f"got {self.long_drop_demand}")
-        lf = self.large_floor
-        if lf is not None and (isinstance(lf, bool) or not isinstance(lf, int) or lf < 1):
-            raise InvalidInput(
-                f"ControllerConfig.large_floor must be None or an integer >= 1, got {lf!r}")
+        share("long_drop_demand", of_upper=True, or_none=True)
+        whole("large_floor", or_none=True)
         if self.backlog_s is not None and not num("backlog_s") > 0:
             raise InvalidInput(
                 f"ControllerConfig.backlog_s must be None or > 0, got {self.backlog_s}")
@@ -354,11 +337,7 @@ class ControllerConfig:
         if not isinstance(self.newest_first, bool):
             raise InvalidInput(
                 f"ControllerConfig.newest_first must be a bool, got {self.newest_first!r}")
-        if not (0.0 < num("split_target") <= self.upper):
-            raise InvalidInput(
-                f"ControllerConfig.split_target must be in (0, upper={self.upper}], "
-                f"got {self.split_target}"
-            )
+        share("split_target", of_upper=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,13 +366,14 @@ class Plan:
             "reconcile_traffic": self.reconcile_traffic,
         }
 
+    # The worker ids are the operation's (one definition: lattice.LatticeOp).
     @property
     def source_ids(self) -> tuple[WorkerId, ...]:
-        return tuple(g.worker_id for g in self.sources)
+        return self.op.source_ids
 
     @property
     def target_ids(self) -> tuple[WorkerId, ...]:
-        return tuple(g.worker_id for g in self.targets)
+        return self.op.target_ids
 
 
 Trigger = Literal["capacity", "long_fraction", "preference_shift", "long_shift", "long_drop"]
@@ -651,22 +631,18 @@ class Planner:
         need = cfg.persistence
         if (long_sig or drop_sig) and cfg.long_shift_persistence is not None:
             need = cfg.long_shift_persistence
-        if streak < need:
+
+        def no_plan(reason: str) -> Decision:
+            # A signal without a plan this window (still persisting, or every operation
+            # refused): its streak is kept for the next window, unlike a hold's.
             self._commit(
                 direction, streak, new_ref, composition, recent, pref_hist=pref_hist, hist=hist
             )
-            return Decision(
-                window,
-                cap,
-                cap_sig,
-                frac_sig,
-                direction,
-                streak,
-                None,
-                f"{direction.value} pending ({streak}/{need}): {why}",
-                desc,
-                trigger=trigger,
-            )
+            return Decision(window, cap, cap_sig, frac_sig, direction, streak, None, reason,
+                            desc, trigger=trigger)
+
+        if streak < need:
+            return no_plan(f"{direction.value} pending ({streak}/{need}): {why}")
         peak = max(recent)
         if pref_sig and cap_sig is None and demand_hist:
             peak = max(peak, *demand_hist)  # rule 11
@@ -731,21 +707,7 @@ class Planner:
                 plans,
                 trigger,
             )
-        self._commit(
-            direction, streak, new_ref, composition, recent, pref_hist=pref_hist, hist=hist
-        )
-        return Decision(
-            window,
-            cap,
-            cap_sig,
-            frac_sig,
-            direction,
-            streak,
-            None,
-            f"hold: {refusal} ({why})",
-            desc,
-            trigger=trigger,
-        )
+        return no_plan(f"hold: {refusal} ({why})")
 
     def _commit(
         self,

@@ -218,12 +218,13 @@ from shared.service import (
     call,
     epoch_kv,
     first_token_of,
+    optional_request_model,
     worker_state_kv,
 )
-from shared.settings import ServiceSettings
+from shared.settings import ServiceSettings, json_object_text
 from shared.subjects import Subjects, micro_service_name, validate_token
-from shared.tasks import cancel_and_wait
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
+from shared.workerstates import worker_state_changes
 
 VERSION: Final[str] = "0.1.0"
 INFLIGHT_MARKER: Final[str] = "~in-flight"
@@ -511,9 +512,7 @@ class ControllerSettings(ServiceSettings):
     @field_validator("kappa", mode="before")
     @classmethod
     def _kappa(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return json.loads(v) if v.strip() else {}
-        return v
+        return json_object_text(v)
 
     def controller_config(self) -> ControllerConfig:
         """The core's config (raises InvalidInput on inconsistent thresholds).
@@ -955,11 +954,7 @@ class ControllerService(MicroService):
         return [Endpoint("inspect", self._on_inspect)]
 
     async def _on_inspect(self, request: Request) -> bytes:
-        query = (
-            decode(InspectQuery, request.data, request.headers)
-            if request.data.strip()
-            else InspectQuery()
-        )
+        query: InspectQuery = optional_request_model(request, InspectQuery)
         return json.dumps(self.inspect(query.decisions)).encode()
 
     def inspect(self, decisions: int = 20) -> dict[str, Any]:
@@ -1075,14 +1070,7 @@ class ControllerService(MicroService):
             )
 
         async def teardown() -> None:
-            # re-cancels (shared/tasks.py)
-            await cancel_and_wait([*self._tasks, *self._confirming.values()], self.log)
-            for w in watchers:
-                with contextlib.suppress(Exception):
-                    await w.stop()
-            for sub in subs:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+            await self.stop_listening([*self._tasks, *self._confirming.values()], watchers, subs)
 
         stack.push_async_callback(teardown)
 
@@ -1375,17 +1363,9 @@ class ControllerService(MicroService):
         self._floor = max(self._floor, t)
 
     async def _watch_states(self, watcher: Any) -> None:
-        async for entry in watcher:
-            if entry is None:
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self._states.pop(self._pid(entry.key), None)
-                continue
-            try:
-                state = decode(WorkerState, entry.value)
-            except SchemaError as exc:
-                self.counters["malformed"] += 1
-                self.log.warning("bad worker state ignored", key=entry.key, error=str(exc))
+        async for key, state in worker_state_changes(watcher, self.log, self.counters):
+            if state is None:
+                self._states.pop(self._pid(key), None)
                 continue
             if self._predecessor_state(state):
                 # e.g. a stopping earlier instance's last word, or the watch's replay of a

@@ -180,6 +180,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -193,7 +194,7 @@ from nats.micro.request import Request
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services import calibration
-from services.cachemgr.events import MalformedEvent, Snapshot, event_from_json
+from services.cachemgr.events import MalformedEvent, event_from_json, snapshot_reply
 from services.cachemgr.reconcile import mark_reconciled, pending_reach
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from services.controller.core import request_preferred_degree
@@ -276,9 +277,9 @@ from shared.service import (
     while_connected,
     worker_state_kv,
 )
-from shared.settings import ServiceSettings
+from shared.settings import ServiceSettings, json_object_text
 from shared.subjects import Subjects, micro_service_name, validate_token
-from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_and_wait, spawn_once, spawn_tracked
 from shared.telemetry import (
     Stage,
     inject,
@@ -514,9 +515,7 @@ class SchedulerSettings(ServiceSettings):
     @field_validator("policy_params", mode="before")
     @classmethod
     def _params(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return json.loads(v) if v.strip() else {}
-        return v
+        return json_object_text(v)
 
     @model_validator(mode="after")
     def _credit(self) -> SchedulerSettings:
@@ -1055,14 +1054,7 @@ class SchedulerService(MicroService):
             with contextlib.suppress(Exception):
                 await while_connected(self.nc, js.publish_async_completed(),
                                       timeout_s=self.ssettings.dispatch_timeout_s)
-            await cancel_and_wait(self._tasks, self.log)
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-            for sub in (events, results, peers, reconciled):
-                if sub is None:
-                    continue
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+            await self.stop_listening(self._tasks, [watcher], (events, results, peers, reconciled))
 
         stack.push_async_callback(teardown)
 
@@ -1174,9 +1166,7 @@ class SchedulerService(MicroService):
         self._request_snapshot(state.worker_id)
 
     def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        spawn_tracked(self._tasks, coro, name)
 
     async def _ask_reconciled(self, worker: str, incarnation: str = "") -> None:
         """Ask the cache manager's ``pending`` endpoint to publish ``worker``'s reconcile; the
@@ -1326,10 +1316,8 @@ class SchedulerService(MicroService):
         return state is not None and self.clock() - state.heartbeat_s <= self.ssettings.lease_s
 
     def _request_snapshot(self, worker: str) -> None:
-        if worker in self._snapshotting:
-            return
-        self._snapshotting.add(worker)
-        self._spawn(self._fetch_snapshot(worker), f"snapshot-{worker}")
+        spawn_once(self._tasks, self._snapshotting, worker, partial(self._fetch_snapshot, worker),
+                   f"snapshot-{worker}")
 
     async def _fetch_snapshot(self, worker: str) -> None:
         restarts = self._restarts.get(worker, 0)
@@ -1339,9 +1327,7 @@ class SchedulerService(MicroService):
                 self.nc, self.subjects.cache_snapshot(worker), b"{}",
                 timeout_s=self.ssettings.snapshot_timeout_s, headers=inject({}),
             )
-            event = event_from_json(data)
-            if not isinstance(event, Snapshot) or event.worker != worker:
-                raise MalformedEvent(f"snapshot reply for {worker} is not its snapshot")
+            event = snapshot_reply(worker, data)
             if self._restarts.get(worker, 0) != restarts:
                 # Asked before the worker restarted: it may list the old process's cache.
                 self._snapshot_retry.add(worker)
@@ -1376,8 +1362,6 @@ class SchedulerService(MicroService):
                 self._snapshot_retry.add(worker)
             self.log.warning("cache snapshot request failed; will ask again", worker=worker,
                              error=repr(exc), exc_info=exc)
-        finally:
-            self._snapshotting.discard(worker)
 
     # -- completions --------------------------------------------------------------------------
 
@@ -1871,12 +1855,8 @@ class SchedulerService(MicroService):
         for lost in self.ledger.lost(self._states, now=self.clock(),
                                      lease_s=self.ssettings.lease_s,
                                      loaded=self._states_loaded):
-            if lost.worker_id in self._recovering:
-                continue
-            self._recovering.add(lost.worker_id)
-            task = asyncio.create_task(self._recover(lost), name=f"recover-{lost.worker_id}")
-            self._tasks.append(task)
-            task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+            spawn_once(self._tasks, self._recovering, lost.worker_id,
+                       partial(self._recover, lost), f"recover-{lost.worker_id}")
 
     async def _recover(self, lost: LostWorker) -> None:
         """Hand back to intake the requests ``lost`` lists that its worker does not hold.
@@ -1902,8 +1882,6 @@ class SchedulerService(MicroService):
         except Exception as exc:  # the next housekeeping round tries again
             self.log.warning("recovering a lost worker's requests failed", worker=wid,
                              error=repr(exc))
-        finally:
-            self._recovering.discard(wid)
 
     async def _queue_of(self, wid: str) -> Listing | None:
         """The requests (and their attempts) the worker lists, queued or running; None when
