@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from report_support import ROW_KEYS
 from typer.testing import CliRunner
 
 from shared.costmodel import Profile
@@ -19,21 +20,6 @@ from sim.experiments import ALL_POLICIES
 from vertumnus.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
-ROW_KEYS = {
-    "policy",
-    "rate_scale",
-    "requests",
-    "completed",
-    "mean_ttft_s",
-    "p50_ttft_s",
-    "p90_ttft_s",
-    "p99_ttft_s",
-    "slo_attainment",
-    "hit_rate",
-    "gpu_seconds",
-    "reconfigurations",
-    "oracle_mean_ttft_s",
-}
 PNGS = ("ttft_mean.png", "ttft_p90.png", "slo.png", "composition.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -191,18 +191,23 @@ def _run(p: Planner, prof: Profile, comp: Composition, plan_steps: list[Step]):
             comp = after
 
 
+# What each window-sequence property draws: a pool (POOLS), a start composition on it
+# (``_start``), a controller configuration and the windows (``_run``).
+WINDOW_SEQUENCES = dict(
+    pool=st.integers(0, len(POOLS) - 1),
+    start=st.integers(0, 50),
+    cfg=configs(),
+    plan_steps=step_seqs,
+)
+
+
 def _large_counts(comp: Composition) -> dict[int, int]:
     """Workers at degree ≥ c, for every degree c of the lattice."""
     return {c: sum(g.degree >= c for g in comp.groups) for c in comp.lattice.sorted_degrees}
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    pool=st.integers(0, len(POOLS) - 1),
-    start=st.integers(0, 50),
-    cfg=configs(),
-    plan_steps=step_seqs,
-)
+@given(**WINDOW_SEQUENCES)
 def test_any_window_sequence_gives_safe_plans_and_capacity_first(
     pool: int, start: int, cfg: ControllerConfig, plan_steps: list[Step]
 ) -> None:
@@ -326,12 +331,7 @@ def _independent_streak(history: list[tuple[Inputs, Decision]], x: Inputs, d: De
 
 
 @settings(max_examples=100, deadline=None)
-@given(
-    pool=st.integers(0, len(POOLS) - 1),
-    start=st.integers(0, 50),
-    cfg=configs(),
-    plan_steps=step_seqs,
-)
+@given(**WINDOW_SEQUENCES)
 def test_no_operation_before_the_condition_persisted(
     pool: int, start: int, cfg: ControllerConfig, plan_steps: list[Step]
 ) -> None:
@@ -372,12 +372,7 @@ def _permuted(x: Inputs) -> Inputs:
 
 
 @settings(max_examples=75, deadline=None)
-@given(
-    pool=st.integers(0, len(POOLS) - 1),
-    start=st.integers(0, 50),
-    cfg=configs(),
-    plan_steps=step_seqs,
-)
+@given(**WINDOW_SEQUENCES)
 def test_equal_inputs_give_equal_decisions(
     pool: int, start: int, cfg: ControllerConfig, plan_steps: list[Step]
 ) -> None:
@@ -401,10 +396,7 @@ def _copy(p: Planner) -> Planner:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    pool=st.integers(0, len(POOLS) - 1),
-    start=st.integers(0, 50),
-    cfg=configs(),
-    plan_steps=step_seqs,
+    **WINDOW_SEQUENCES,
     refusals=st.lists(st.sampled_from([None, "traffic", "drain"]), min_size=40, max_size=40),
 )
 def test_a_refused_window_changes_nothing(

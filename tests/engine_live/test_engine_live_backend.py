@@ -5,11 +5,11 @@ clear typed error and every rank stays up."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from engine_live_support import assignment
 from nats.aio.client import Client
 
 from services.rankd.backend import ExecutionBackend
@@ -28,7 +28,6 @@ from services.rankd.torch_world import TorchWorld, WorldSpec
 from shared.ids import UnknownWorker
 from shared.schemas import MAX_TOKENS, Assignment, IntakeRequest
 from shared.subjects import Subjects
-from shared.worker import GpuGroup
 
 # The project's tiny random Qwen3 (TINY_MODEL), with a smaller vocabulary and context.
 CFG = {**TINY_MODEL, "vocab_size": 256, "max_position_embeddings": 512}
@@ -54,36 +53,6 @@ def world() -> Iterator[TorchWorld]:
 @pytest.fixture(scope="module")
 def model() -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
-
-
-def assign(
-    rid: str,
-    wid: str,
-    epoch: int,
-    *,
-    tokens: list[int] | None = None,
-    input_len: int | None = None,
-    hashes: list[int] = (),  # type: ignore[assignment]
-) -> Assignment:
-    now = time.time()
-    n = len(tokens) if tokens is not None else int(input_len or 0)
-    return Assignment(
-        request=IntakeRequest(
-            request_id=rid,
-            input_len=n,
-            tokens=tokens,
-            block_hashes=list(hashes),
-            block_size=B,
-            arrival_s=now,
-        ),
-        worker_id=wid,
-        epoch=epoch,
-        degree=GpuGroup.from_worker_id(wid).degree,
-        prefix_tokens=0,
-        recompute_tokens=n,
-        predicted_s=0.01,
-        assigned_at_s=now,
-    )
 
 
 def greedy(model: Qwen3ForCausalLM, ids: list[int]) -> tuple[int, int]:
@@ -122,12 +91,15 @@ async def test_prefill_split_merge_same_processes(
     assert isinstance(cp2, ExecutionBackend)
     g = torch.Generator().manual_seed(1)
     real = torch.randint(0, CFG["vocab_size"], (45,), generator=g).tolist()
-    await run_and_check(cp2, assign("r1", "w-cp2-g0", 0, tokens=real), model, prefix=0)
+    await run_and_check(cp2, assignment("r1", "w-cp2-g0", epoch=0, tokens=real), model, prefix=0)
     # Synthesised ids (a trace request: length and hashes only); a second request sharing
     # the first two block hashes reuses 2 blocks of the engine's own cache.
-    await run_and_check(cp2, assign("r2", "w-cp2-g0", 0, input_len=50, hashes=[11, 12]), model)
     await run_and_check(
-        cp2, assign("r3", "w-cp2-g0", 0, input_len=61, hashes=[11, 12, 99]), model, prefix=2 * B
+        cp2, assignment("r2", "w-cp2-g0", epoch=0, input_len=50, hashes=[11, 12]), model
+    )
+    await run_and_check(
+        cp2, assignment("r3", "w-cp2-g0", epoch=0, input_len=61, hashes=[11, 12, 99]), model,
+        prefix=2 * B
     )
     assert cp2.outcomes["r2"].synthesised_ids and not cp2.outcomes["r1"].synthesised_ids
     assert role.served == 3
@@ -138,9 +110,11 @@ async def test_prefill_split_merge_same_processes(
     reps = await left.adopt(1)
     assert [(r.old_worker, r.new_worker, r.epoch) for r in reps] == [("w-cp2-g0", "w-cp1-g0", 1)]
     await run_and_check(
-        left, assign("r4", "w-cp1-g0", 1, input_len=40, hashes=[11, 12]), model, prefix=0
+        left, assignment("r4", "w-cp1-g0", epoch=1, input_len=40, hashes=[11, 12]), model, prefix=0
     )  # a new worker: its cache starts empty
-    await run_and_check(right, assign("r5", "w-cp1-g1", 1, input_len=37, hashes=[21]), model)
+    await run_and_check(
+        right, assignment("r5", "w-cp1-g1", epoch=1, input_len=37, hashes=[21]), model
+    )
     assert [r.new_worker for r in right.outcomes["r5"].switches] == ["w-cp1-g1"]
     assert [world.geometry(r) for r in (0, 1)] == [(1, 1), (1, 1)]
     assert right.outcomes["r5"].pids == (pids[1],) and left.outcomes["r4"].pids == (pids[0],)
@@ -155,7 +129,7 @@ async def test_prefill_split_merge_same_processes(
     merged = TorchBackend(world, "w-cp2-g0", handoff=handoff)
     await run_and_check(
         merged,
-        assign("r6", "w-cp2-g0", 2, input_len=70, hashes=[11, 12, 13]),
+        assignment("r6", "w-cp2-g0", epoch=2, input_len=70, hashes=[11, 12, 13]),
         model,
         prefix=2 * B,
     )
@@ -190,12 +164,12 @@ async def test_bad_input_is_a_clear_error_and_ranks_stay_up(
     backend = TorchBackend(world, "w-cp2-g0", handoff=LocalKVHandoff(model))
     bad = [1, 2, 3, CFG["vocab_size"] + 5, 4]
     with pytest.raises(TokenOutOfVocab, match=r"token id 261 outside the vocabulary \[0, 256\)"):
-        await backend.prefill(assign("bad1", "w-cp2-g0", epoch, tokens=bad))
+        await backend.prefill(assignment("bad1", "w-cp2-g0", epoch=epoch, tokens=bad))
     with pytest.raises(UnknownWorker):
-        await backend.prefill(assign("bad2", "w-cp1-g1", epoch, tokens=[1, 2]))
+        await backend.prefill(assignment("bad2", "w-cp1-g1", epoch=epoch, tokens=[1, 2]))
     assert all(world.alive()) and world.broken is None
     ids = list(range(1, 30))
-    res = await backend.prefill(assign("good", "w-cp2-g0", epoch, tokens=ids))
+    res = await backend.prefill(assignment("good", "w-cp2-g0", epoch=epoch, tokens=ids))
     first, second = greedy(model, ids)
     assert res.token == first
     out = backend.outcomes["good"]
@@ -215,7 +189,7 @@ async def test_a_prompt_longer_than_the_model_is_refused_before_ids_are_made(
     assert world.max_positions == CFG["max_position_embeddings"]
     for n in (CFG["max_position_embeddings"] + 1, MAX_TOKENS):
         with pytest.raises(SequenceTooLong, match=f"prompt of {n} tokens exceeds"):
-            await backend.prefill(assign(f"long-{n}", "w-cp2-g0", epoch, input_len=n))
+            await backend.prefill(assignment(f"long-{n}", "w-cp2-g0", epoch=epoch, input_len=n))
     assert all(world.alive()) and world.broken is None
 
 
@@ -232,9 +206,9 @@ async def test_with_a_handoff_a_prompt_leaves_a_position_for_its_first_decoded_t
     assert backend.max_seq_len == positions - 1
     with pytest.raises(SequenceTooLong, match=f"prompt of {positions} tokens exceeds the "
                        f"model's {positions} positions \\(one kept for the hand-off"):
-        await backend.prefill(assign("full", "w-cp2-g0", epoch, tokens=[7] * positions))
+        await backend.prefill(assignment("full", "w-cp2-g0", epoch=epoch, tokens=[7] * positions))
     ids = [(3 * i) % 200 + 1 for i in range(positions - 1)]
-    res = await backend.prefill(assign("fits", "w-cp2-g0", epoch, tokens=ids))
+    res = await backend.prefill(assignment("fits", "w-cp2-g0", epoch=epoch, tokens=ids))
     first, second = greedy(model, ids)
     assert res.token == first and backend.outcomes["fits"].decode_token == second
     assert all(world.alive()) and world.broken is None

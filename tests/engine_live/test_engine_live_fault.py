@@ -20,18 +20,17 @@ import signal
 import time
 
 import pytest
+from engine_live_support import assignment, host_settings
 from frozen import until_stopped
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from services.rankd.core import INTAKE_MSG_HEADER, handback_msg_id
-from services.rankd.settings import RankdSettings
 from services.rankd.torch_backend import TINY_MODEL, TorchSettings, start_torch_host
 from services.rankd.torch_world import WorldBroken, start_shielded
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
-    Assignment,
     AssignmentAck,
     FirstToken,
     IntakeRequest,
@@ -49,36 +48,13 @@ WID = "w-cp2-g0"
 CFG = {**TINY_MODEL, "vocab_size": 256, "max_position_embeddings": 512}
 
 
-def assignment(rid: str, tokens: list[int]) -> Assignment:
-    now = time.time()
-    return Assignment(
-        request=IntakeRequest(
-            request_id=rid, input_len=len(tokens), tokens=tokens, block_size=16, arrival_s=now
-        ),
-        worker_id=WID,
-        epoch=0,
-        degree=2,
-        prefix_tokens=0,
-        recompute_tokens=len(tokens),
-        predicted_s=0.01,
-        assigned_at_s=now,
-    )
-
-
 async def test_a_killed_rank_hands_every_request_back_and_ends_the_host(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
     s = Subjects(uniq)
     js = nc.jetstream()
     await ensure_intake_stream(js, s)
-    settings = RankdSettings(
-        nats_url=nats_server.url,
-        subject_prefix=uniq,
-        heartbeat_s=0.2,
-        drain_timeout_s=WAIT_S,
-        host_gpus="0-1",
-        initial_workers=WID,
-    )
+    settings = host_settings(nats_server.url, uniq, WID, drain_timeout_s=WAIT_S)
     ts = TorchSettings(model_json=json.dumps(CFG), seed=3, block_size=16, pages_per_rank=64,
                        degrees="1,2", decode_timeout_s=WAIT_S)
     host, pool = await start_torch_host(settings, ts, nc=nc)
@@ -99,7 +75,7 @@ async def test_a_killed_rank_hands_every_request_back_and_ends_the_host(
                 while True:  # the worker's endpoints subscribe just after host start (bounded)
                     try:
                         await call(nc, s.worker_assign(WID),
-                                   assignment(rid, list(range(10 + i, 50 + i))), AssignmentAck,
+                                   assignment(rid, WID, list(range(10 + i, 50 + i))), AssignmentAck,
                                    timeout_s=WAIT_S, headers={INTAKE_MSG_HEADER: f"m-{rid}"})
                         break
                     except NoRespondersError:
@@ -153,8 +129,7 @@ async def test_a_stop_sent_to_the_whole_process_group_is_no_world_fault(
     made the orderly stop a world fault (exit status 75)."""
     s = Subjects(uniq)
     await ensure_intake_stream(nc.jetstream(), s)
-    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2,
-                             drain_timeout_s=WAIT_S, host_gpus="0-1", initial_workers=WID)
+    settings = host_settings(nats_server.url, uniq, WID, drain_timeout_s=WAIT_S)
     ts = TorchSettings(model_json=json.dumps(CFG), seed=3, block_size=16, pages_per_rank=64,
                        degrees="1,2", decode_timeout_s=WAIT_S)
     host, pool = await start_torch_host(settings, ts, nc=nc)

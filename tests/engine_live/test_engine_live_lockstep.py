@@ -18,8 +18,9 @@ import json
 import time
 
 import torch
-from engine_live_support import first_token
+from engine_live_support import assignment, first_token, host_settings, until_workers
 from nats.aio.client import Client
+from service_support import service_running
 
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
@@ -34,7 +35,6 @@ from services.rankd.torch_backend import (
 from shared.blockhash import chain_hashes
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
-    Assignment,
     AssignmentAck,
     CacheCleared,
     CacheCommandResult,
@@ -45,7 +45,6 @@ from shared.schemas import (
     EpochRecord,
     EpochWorker,
     FirstToken,
-    IntakeRequest,
     ReclaimCommand,
     ReconcileCommand,
     ReplicateCommand,
@@ -54,7 +53,7 @@ from shared.schemas import (
 )
 from shared.service import call
 from shared.subjects import Subjects
-from shared.worker import GpuGroup, Lifecycle
+from shared.worker import Lifecycle
 
 WAIT_S = 120.0  # hang guard only
 B = 16
@@ -67,27 +66,6 @@ WID = "w-cp2-g0"
 def toks(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, CFG["vocab_size"], (n,), generator=g).tolist()
-
-
-def assignment(rid: str, tokens: list[int]) -> Assignment:
-    now = time.time()
-    return Assignment(
-        request=IntakeRequest(
-            request_id=rid,
-            input_len=len(tokens),
-            tokens=tokens,
-            block_hashes=chain_hashes(tokens, B),  # what the gateway computes
-            block_size=B,
-            arrival_s=now,
-        ),
-        worker_id=WID,
-        epoch=0,
-        degree=2,
-        prefix_tokens=0,  # the scheduler's guess; rankd's cache decides
-        recompute_tokens=len(tokens),
-        predicted_s=0.01,
-        assigned_at_s=now,
-    )
 
 
 async def test_engine_cache_follows_rankd_block_cache(
@@ -117,7 +95,6 @@ async def test_engine_cache_follows_rankd_block_cache(
     assert kv_capacity(RankdSettings(worker_id=WID), backend) == 6
     assert kv_capacity(settings, backend) == 5
     svc = RankdService(settings, backend)
-    task = asyncio.create_task(svc.run(nc, handle_signals=False))
     model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
 
     published: set[int] = set()
@@ -146,7 +123,9 @@ async def test_engine_cache_follows_rankd_block_cache(
         sub = await nc.subscribe(s.result(rid))
         try:
             await call(
-                nc, s.worker_assign(WID), assignment(rid, tokens), AssignmentAck, timeout_s=WAIT_S
+                nc, s.worker_assign(WID),
+                assignment(rid, WID, tokens, hashes=chain_hashes(tokens, B)),
+                AssignmentAck, timeout_s=WAIT_S
             )
             return decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
         finally:
@@ -164,25 +143,22 @@ async def test_engine_cache_follows_rankd_block_cache(
         ("r4", a[:32] + [7] * 5, 16),
     ]
     try:
-        async with asyncio.timeout(WAIT_S):
-            await svc.started.wait()
-        for rid, tokens, want_p in steps:
-            ft = await run(rid, tokens)
-            assert ft.error is None, (rid, ft.error)
-            out = backend.outcomes[rid]
-            assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token, rid
-            assert ft.prefix_tokens == out.prefix_len == want_p, (rid, ft.prefix_tokens, out)
-            await drain_events(svc.core.cache.blocks())
-            await backend.sync_cache()  # what the next step does first
-            actual = world.engine_blocks(backend.ranks)
-            assert [w for w, _ in actual] == [WID, WID]
-            assert actual[0][1] == actual[1][1] == svc.core.cache.blocks() == published, rid
-        assert backend.prefix_shortfall() == {}
-        assert published == {*chain_hashes(a, B), *chain_hashes(c, B)[:3]}
+        async with service_running(svc, nc, timeout_s=WAIT_S):
+            for rid, tokens, want_p in steps:
+                ft = await run(rid, tokens)
+                assert ft.error is None, (rid, ft.error)
+                out = backend.outcomes[rid]
+                assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token, rid
+                assert ft.prefix_tokens == out.prefix_len == want_p, (rid, ft.prefix_tokens, out)
+                await drain_events(svc.core.cache.blocks())
+                await backend.sync_cache()  # what the next step does first
+                actual = world.engine_blocks(backend.ranks)
+                assert [w for w, _ in actual] == [WID, WID]
+                assert actual[0][1] == actual[1][1] == svc.core.cache.blocks() == published, rid
+            assert backend.prefix_shortfall() == {}
+            assert published == {*chain_hashes(a, B), *chain_hashes(c, B)[:3]}
     finally:
         await events.unsubscribe()
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
     assert not any(world.alive())
 
 
@@ -197,14 +173,7 @@ async def test_replicate_and_reconcile_move_real_kv(
     re-shards a page that is not. Engine and BlockCache agree after each.
     """
     s = Subjects(uniq)
-    settings = RankdSettings(
-        nats_url=nats_server.url,
-        subject_prefix=uniq,
-        heartbeat_s=0.2,
-        drain_timeout_s=10,
-        host_gpus="0-1",
-        initial_workers="w-cp1-g0,w-cp1-g1",
-    )
+    settings = host_settings(nats_server.url, uniq, "w-cp1-g0", "w-cp1-g1")
     ts = TorchSettings(
         model_json=json.dumps(CFG), seed=SEED, degrees="1,2", block_size=B, handoff="local"
     )
@@ -212,17 +181,10 @@ async def test_replicate_and_reconcile_move_real_kv(
     task = asyncio.create_task(host.run(nc, handle_signals=False))
     model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
 
-    async def wait_for(wanted: set[str]) -> None:
-        async with asyncio.timeout(WAIT_S):
-            while host.worker_ids != wanted or len(host.services) != len(wanted):
-                host.changed.clear()
-                await host.changed.wait()
-
     async def run(rid: str, wid: str, epoch: int, tokens: list[int]) -> FirstToken:
-        a = assignment(rid, tokens).model_copy(
-            update={"worker_id": wid, "epoch": epoch, "degree": GpuGroup.from_worker_id(wid).degree}
-        )
-        ft = await first_token(nc, s, a, WAIT_S)
+        ft = await first_token(nc, s, assignment(rid, wid, tokens, epoch=epoch,
+                                                  hashes=chain_hashes(tokens, B)),
+                               WAIT_S)
         assert ft.error is None, (rid, ft.error)
         assert ft.token == model.reference_forward(torch.tensor(tokens)).next_token, rid
         return ft
@@ -241,7 +203,7 @@ async def test_replicate_and_reconcile_move_real_kv(
     doc = toks(11, 48)  # 3 blocks
     chain = chain_hashes(doc, B)
     try:
-        await wait_for({"w-cp1-g0", "w-cp1-g1"})
+        await until_workers(host, {"w-cp1-g0", "w-cp1-g1"}, WAIT_S)
         assert (await run("p0", "w-cp1-g0", 0, doc + [1, 2])).prefix_tokens == 0
         res = await command(
             "w-cp1-g1",
@@ -282,7 +244,7 @@ async def test_replicate_and_reconcile_move_real_kv(
         assert (await run("p2", "w-cp1-g0", 0, doc2 + [4])).prefix_tokens == 0
         epochs = await nc.jetstream().key_value(s.epoch_bucket())
         await epochs.put(s.epoch_key(), to_json(rec))
-        await wait_for({"w-cp2-g0"})
+        await until_workers(host, {"w-cp2-g0"}, WAIT_S)
         # Retained in place at the merge: doc's pages (its block 1 on w-cp1-g1's rank, where
         # the merged worker keeps page 1) and doc2's block 0; doc2's block 1 is on rank 0.
         assert agree("w-cp2-g0") == frozenset(chain) | {chain2[0]}

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import torch
+from engine_live_support import assignment, host_settings
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
-from services.rankd.settings import RankdSettings
 from services.rankd.torch_backend import (
     TINY_MODEL,
     HandoffResult,
@@ -36,11 +35,9 @@ from services.rankd.torch_backend import (
 from shared.blockhash import chain_hashes
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
-    Assignment,
     AssignmentAck,
     CacheCommandResult,
     FirstToken,
-    IntakeRequest,
     ReplicateCommand,
     decode,
 )
@@ -57,27 +54,6 @@ DST, SRC = "w-cp1-g0", "w-cp1-g1"
 def toks(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, CFG["vocab_size"], (n,), generator=g).tolist()
-
-
-def assignment(rid: str, wid: str, tokens: list[int]) -> Assignment:
-    now = time.time()
-    return Assignment(
-        request=IntakeRequest(
-            request_id=rid,
-            input_len=len(tokens),
-            tokens=tokens,
-            block_hashes=chain_hashes(tokens, B),
-            block_size=B,
-            arrival_s=now,
-        ),
-        worker_id=wid,
-        epoch=0,
-        degree=1,
-        prefix_tokens=0,
-        recompute_tokens=len(tokens),
-        predicted_s=0.01,
-        assigned_at_s=now,
-    )
 
 
 class GatedHandoff:
@@ -104,14 +80,7 @@ async def test_a_replicate_during_a_handoff_never_evicts_the_blocks_the_request_
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
     s = Subjects(uniq)
-    settings = RankdSettings(
-        nats_url=nats_server.url,
-        subject_prefix=uniq,
-        heartbeat_s=0.2,
-        drain_timeout_s=10,
-        host_gpus="0-1",
-        initial_workers=f"{DST},{SRC}",
-    )
+    settings = host_settings(nats_server.url, uniq, DST, SRC)
     ts = TorchSettings(
         model_json=json.dumps(CFG),
         seed=SEED,
@@ -133,8 +102,8 @@ async def test_a_replicate_during_a_handoff_never_evicts_the_blocks_the_request_
         async with asyncio.timeout(WAIT_S):
             while True:  # the worker's endpoints subscribe just after it is listed
                 try:
-                    await call(nc, s.worker_assign(wid), assignment(rid, wid, tokens),
-                               AssignmentAck, timeout_s=WAIT_S)
+                    a = assignment(rid, wid, tokens, hashes=chain_hashes(tokens, B))
+                    await call(nc, s.worker_assign(wid), a, AssignmentAck, timeout_s=WAIT_S)
                     break
                 except NoRespondersError:
                     await asyncio.sleep(0.05)

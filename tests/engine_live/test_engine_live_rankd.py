@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import torch
-from engine_live_support import first_token, record
+from engine_live_support import assignment, first_token, host_settings, record, until_workers
 from nats.aio.client import Client
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from service_support import service_running
 
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
@@ -26,10 +26,8 @@ from services.rankd.torch_backend import (
 )
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
-    Assignment,
     AssignmentAck,
     FirstToken,
-    IntakeRequest,
     WorkerState,
     decode,
     from_json,
@@ -37,7 +35,6 @@ from shared.schemas import (
 from shared.service import call
 from shared.subjects import Subjects
 from shared.telemetry import Stage
-from shared.worker import GpuGroup
 
 WAIT_S = 120.0  # hang guard only
 # The project's tiny random Qwen3 (TINY_MODEL), with a smaller vocabulary and context.
@@ -45,34 +42,11 @@ CFG = {**TINY_MODEL, "vocab_size": 256, "max_position_embeddings": 512}
 SEED = 3
 
 
-def assignment(rid: str, wid: str, epoch: int, tokens: list[int]) -> Assignment:
-    now = time.time()
-    return Assignment(
-        request=IntakeRequest(
-            request_id=rid, input_len=len(tokens), tokens=tokens, block_size=16, arrival_s=now
-        ),
-        worker_id=wid,
-        epoch=epoch,
-        degree=GpuGroup.from_worker_id(wid).degree,
-        prefix_tokens=0,
-        recompute_tokens=len(tokens),
-        predicted_s=0.01,
-        assigned_at_s=now,
-    )
-
-
 async def test_rankd_host_torch_split_merge(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
     s = Subjects(uniq)
-    settings = RankdSettings(
-        nats_url=nats_server.url,
-        subject_prefix=uniq,
-        heartbeat_s=0.2,
-        drain_timeout_s=10,
-        host_gpus="0-1",
-        initial_workers="w-cp2-g0",
-    )
+    settings = host_settings(nats_server.url, uniq, "w-cp2-g0")
     ts = TorchSettings(
         model_json=json.dumps(CFG),
         seed=SEED,
@@ -86,14 +60,8 @@ async def test_rankd_host_torch_split_merge(
     task = asyncio.create_task(host.run(nc, handle_signals=False))
     pids = pool.world.pids
 
-    async def wait_for(wanted: set[str]) -> None:
-        async with asyncio.timeout(WAIT_S):
-            while host.worker_ids != wanted or len(host.services) != len(wanted):
-                host.changed.clear()
-                await host.changed.wait()
-
     async def run(rid: str, wid: str, epoch: int, tokens: list[int]) -> FirstToken:
-        return await first_token(nc, s, assignment(rid, wid, epoch, tokens), WAIT_S)
+        return await first_token(nc, s, assignment(rid, wid, tokens, epoch=epoch), WAIT_S)
 
     def ids(seed: int, n: int) -> list[int]:
         g = torch.Generator().manual_seed(seed)
@@ -103,7 +71,7 @@ async def test_rankd_host_torch_split_merge(
         return model.reference_forward(torch.tensor(tokens)).next_token
 
     try:
-        await wait_for({"w-cp2-g0"})
+        await until_workers(host, {"w-cp2-g0"}, WAIT_S)
         t = ids(1, 41)
         first = await run("a-0", "w-cp2-g0", 0, t)
         assert first.error is None and first.token == expect(t)
@@ -114,14 +82,14 @@ async def test_rankd_host_torch_split_merge(
 
         epochs = await nc.jetstream().key_value(s.epoch_bucket())
         await epochs.put(s.epoch_key(), record(1, "w-cp1-g0", "w-cp1-g1"))
-        await wait_for({"w-cp1-g0", "w-cp1-g1"})
+        await until_workers(host, {"w-cp1-g0", "w-cp1-g1"}, WAIT_S)
         for rid, wid, seed in (("b-0", "w-cp1-g0", 2), ("b-1", "w-cp1-g1", 3)):
             t = ids(seed, 33)
             ft = await run(rid, wid, 1, t)
             assert ft.error is None and ft.token == expect(t), (rid, ft)
 
         await epochs.put(s.epoch_key(), record(2, "w-cp2-g0"))
-        await wait_for({"w-cp2-g0"})
+        await until_workers(host, {"w-cp2-g0"}, WAIT_S)
         t = ids(4, 57)
         ft = await run("c-0", "w-cp2-g0", 2, t)
         assert ft.error is None and ft.token == expect(t)
@@ -150,17 +118,14 @@ async def test_rankd_single_worker_torch(nats_server: EmbeddedNats, nc: Client, 
     backend = await asyncio.to_thread(single_worker_backend, settings, ts)
     world = backend.world
     svc = RankdService(settings, backend)
-    task = asyncio.create_task(svc.run(nc, handle_signals=False))
     model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
-    try:
-        async with asyncio.timeout(WAIT_S):
-            await svc.started.wait()
+    async with service_running(svc, nc, timeout_s=WAIT_S):
         tokens = list(range(5, 70))
         sub = await nc.subscribe(s.result("s-0"))
         await call(
             nc,
             s.worker_assign("w-cp2-g0"),
-            assignment("s-0", "w-cp2-g0", 0, tokens),
+            assignment("s-0", "w-cp2-g0", tokens),
             AssignmentAck,
             timeout_s=WAIT_S,
         )
@@ -189,7 +154,4 @@ async def test_rankd_single_worker_torch(nats_server: EmbeddedNats, nc: Client, 
             compute_ns = x.attributes["vtm.rank_compute_s"] * 1e9
             assert x.end_time - x.start_time <= compute_ns + 1000
             assert x.end_time <= prefill.end_time
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
     assert not any(world.alive())

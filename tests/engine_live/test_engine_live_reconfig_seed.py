@@ -21,12 +21,11 @@ import time
 from collections.abc import Sequence
 
 import torch
-from engine_live_support import first_token, record
+from engine_live_support import first_token, host_settings, record, until_workers
 from nats.aio.client import Client
 
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.model import Qwen3ForCausalLM
-from services.rankd.settings import RankdSettings
 from services.rankd.torch_backend import (
     TINY_MODEL,
     TorchBackend,
@@ -59,20 +58,13 @@ async def test_torch_split_and_merge_keep_the_retained_prefixes(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
     s = Subjects(uniq)
-    settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, heartbeat_s=0.2,
-                             drain_timeout_s=10, host_gpus="0-1", initial_workers="w-cp2-g0")
+    settings = host_settings(nats_server.url, uniq, "w-cp2-g0")
     ts = TorchSettings(model_json=json.dumps(CFG), seed=SEED, block_size=BLOCK,
                        pages_per_rank=64, degrees="1,2", handoff="local",
                        decode_timeout_s=WAIT_S)
     model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(CFG), seed=SEED)
     host, pool = await start_torch_host(settings, ts, nc=nc)
     task = asyncio.create_task(host.run(nc, handle_signals=False))
-
-    async def wait_for(wanted: set[str]) -> None:
-        async with asyncio.timeout(WAIT_S):
-            while host.worker_ids != wanted or len(host.services) != len(wanted):
-                host.changed.clear()
-                await host.changed.wait()
 
     def backend(wid: str) -> TorchBackend:
         b = host.services[wid].backend
@@ -109,7 +101,7 @@ async def test_torch_split_and_merge_keep_the_retained_prefixes(
 
     a_chain, b_chain = [101, 102, 103, 104], [201, 202]
     try:
-        await wait_for({"w-cp2-g0"})
+        await until_workers(host, {"w-cp2-g0"}, WAIT_S)
         epochs = await nc.jetstream().key_value(s.epoch_bucket())  # made by the host
         await run("a", "w-cp2-g0", 0, a_chain, 0)
         await run("b", "w-cp2-g0", 0, b_chain, 0)
@@ -120,7 +112,7 @@ async def test_torch_split_and_merge_keep_the_retained_prefixes(
         # Split: a page at depth d stays on the left child's GPU iff d mod 2 < 1; the left
         # child keeps the whole prefixes of those (the chains' first blocks), the right none.
         await epochs.put(s.epoch_key(), record(1, "w-cp1-g0", "w-cp1-g1"))
-        await wait_for({"w-cp1-g0", "w-cp1-g1"})
+        await until_workers(host, {"w-cp1-g0", "w-cp1-g1"}, WAIT_S)
         assert rankd_blocks("w-cp1-g0") == engine_blocks("w-cp1-g0") == {101, 201}
         assert rankd_blocks("w-cp1-g1") == engine_blocks("w-cp1-g1") == set()
         await run("c", "w-cp1-g0", 1, [101, 102, 106], 1)  # the retained block is a hit
@@ -133,7 +125,7 @@ async def test_torch_split_and_merge_keep_the_retained_prefixes(
         # on the wrong rank (left child, depth 1), so 106 under it is no whole prefix. The
         # revived cache's stale blocks (103, 104, 105, 202, and 102) are dropped.
         await epochs.put(s.epoch_key(), record(2, "w-cp2-g0"))
-        await wait_for({"w-cp2-g0"})
+        await until_workers(host, {"w-cp2-g0"}, WAIT_S)
         assert rankd_blocks("w-cp2-g0") == engine_blocks("w-cp2-g0") == {101, 107, 201}
         # Every retained page was already on the rank that needs it: shared in place (101 and
         # 201 at the split, 107 at the merge; the revived cache kept 101 and 201), none moved.

@@ -22,6 +22,7 @@ import pytest
 from nats.micro.request import Request
 from natssecurity_support import make_pki, new_nkey, operator_mode, secured_server, tls_block
 from pydantic import BaseModel, ConfigDict
+from service_support import service_running
 from structlog.testing import capture_logs
 
 from services.rankd.backend import SimBackend
@@ -68,19 +69,13 @@ class Echo(MicroService):
 async def _served_through(settings: ServiceSettings, prefix: str) -> str:
     """Run an Echo with ``settings`` and ask it something over a client connected with the
     same settings' options; returns the answer."""
-    svc = Echo(settings)
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    try:
-        await asyncio.wait_for(svc.started.wait(), timeout=15)
+    async with service_running(Echo(settings), timeout_s=15):
         nc = await nats.connect(settings.nats_servers, connect_timeout=5,
                                 **security_options(settings))
         try:
             answer = await call(nc, f"{prefix}.echo.say", Ask(text="hello"), Ask, timeout_s=10)
         finally:
             await nc.drain()
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=15)
     return answer.text
 
 

@@ -19,6 +19,7 @@ import structlog.testing
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from service_support import service_running, until_started
 
 from services.rankd.backend import ExecutionBackend, PrefillResult, SimBackend, fake_token
 from services.rankd.core import (
@@ -117,16 +118,26 @@ class Gate:
         return 0.05
 
 
+def rankd_service(
+    url: str, prefix: str, backend: ExecutionBackend, *,
+    cls: type[RankdService] = RankdService, **kw: object
+) -> RankdService:
+    """A rank daemon of worker ``WID`` (not started)."""
+    settings = RankdSettings(
+        nats_url=url, subject_prefix=prefix, worker_id=WID, heartbeat_s=0.2, **kw
+    )  # type: ignore[arg-type]
+    return cls(settings, backend)
+
+
 async def start_rankd(
     url: str, prefix: str, backend: ExecutionBackend, *,
     cls: type[RankdService] = RankdService, **kw: object
 ) -> tuple[RankdService, asyncio.Task[None]]:
-    settings = RankdSettings(
-        nats_url=url, subject_prefix=prefix, worker_id=WID, heartbeat_s=0.2, **kw
-    )  # type: ignore[arg-type]
-    svc = cls(settings, backend)
+    """:func:`rankd_service`, started; the caller stops it (a test whose stop is part of
+    what it checks). Otherwise :func:`running_rankd`."""
+    svc = rankd_service(url, prefix, backend, cls=cls, **kw)
     task = asyncio.create_task(svc.run(handle_signals=False))
-    await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
+    await until_started(svc, task, timeout_s=WAIT_S)
     return svc, task
 
 
@@ -134,13 +145,10 @@ async def start_rankd(
 async def running_rankd(url: str, prefix: str, backend: ExecutionBackend, *,
                         cls: type[RankdService] = RankdService,
                         **kw: object) -> AsyncIterator[RankdService]:
-    """:func:`start_rankd`, stopped (and waited for) on the way out."""
-    svc, task = await start_rankd(url, prefix, backend, cls=cls, **kw)
-    try:
+    """:func:`rankd_service`, running for the body (:func:`service_support.service_running`)."""
+    svc = rankd_service(url, prefix, backend, cls=cls, **kw)
+    async with service_running(svc, timeout_s=WAIT_S):
         yield svc
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def drain_worker(nc: Client, s: Subjects, epoch: int = 1,
@@ -164,12 +172,10 @@ async def all_sent(svc: RankdService, nc: Client) -> None:
 @pytest.fixture
 async def rankd(nats_server: EmbeddedNats, uniq: str) -> AsyncIterator[tuple[RankdService, Gate]]:
     gate = Gate()
-    svc, task = await start_rankd(
+    async with running_rankd(
         nats_server.url, uniq, SimBackend(prefill_time=gate, time_scale=1.0)
-    )
-    yield svc, gate
-    svc.request_stop()
-    await asyncio.wait_for(task, timeout=WAIT_S)
+    ) as svc:
+        yield svc, gate
 
 
 async def collect(nc: Client, subject: str, n: int, model: object) -> list:
@@ -345,11 +351,10 @@ async def test_queue_endpoint_lists_running_and_queued_requests(
         first.set()
         return 30.0  # holds the worker for the whole test; the stop does not wait for it
 
-    svc, task = await start_rankd(nats_server.url, uniq,
-                                  SimBackend(prefill_time=slow_first, time_scale=1.0),
-                                  drain_timeout_s=0.5)
     s = Subjects(uniq)
-    try:
+    async with running_rankd(nats_server.url, uniq,
+                             SimBackend(prefill_time=slow_first, time_scale=1.0),
+                             drain_timeout_s=0.5):
         sent = [assignment(rid) for rid in ("q-a", "q-b", "q-c")]
         for a in sent:
             await call(nc, s.worker_assign(WID), a, AssignmentAck, timeout_s=WAIT_S)
@@ -372,9 +377,6 @@ async def test_queue_endpoint_lists_running_and_queued_requests(
         again = await call(nc, s.worker_queue(WID), QueueQuery(worker_id=WID), QueueReport,
                            timeout_s=WAIT_S)
         assert again == rep  # still serving, nothing changed
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 class SlowToServe(RankdService):
@@ -499,32 +501,30 @@ async def test_redirect_that_cannot_reach_intake_is_answered_not_lost(
     silent loss), and the worker keeps counting it until then (its state never shows an empty
     queue with requests unaccounted for)."""
     s = Subjects(uniq)
-    svc, task = await start_rankd(
+    async with running_rankd(
         nats_server.url, uniq, SimBackend(prefill_time=lambda r, p, c, kind="cp": 30.0),
         # A short retry bound keeps the failed redirects' answers well inside WAIT_S on a
         # loaded machine (the default 10 s plus attempts came close to it).
         drain_timeout_s=0.5, redirect_timeout_s=2.0,
-    )
-    sub, results, done = await collect(nc, s.result_all(), 2, FirstToken)
-    for rid in ("q-1", "q-2", "q-3"):
-        await call(nc, s.worker_assign(WID), assignment(rid), AssignmentAck, timeout_s=WAIT_S)
-    assert len(svc.core) == 3
-    await drain_worker(nc, s)
-    await asyncio.wait_for(done.wait(), timeout=WAIT_S)
-    assert sorted(r.request_id for r in results) == ["q-2", "q-3"]  # q-1 runs in place
-    assert all(r.token is None and "redirect failed" in (r.error or "") for r in results)
-    assert svc.core.redirecting == () and len(svc.core) == 1
-    # Settled: no redirect task is left to answer anything, and what the worker published
-    # has reached this client -- nothing else arrived for them.
-    async with asyncio.timeout(WAIT_S):
-        while svc._redirects:
-            await asyncio.sleep(0.01)
-    await svc.nc.flush()
-    await nc.flush()
-    assert len(results) == 2
-    await sub.unsubscribe()
-    svc.request_stop()
-    await asyncio.wait_for(task, timeout=WAIT_S)
+    ) as svc:
+        sub, results, done = await collect(nc, s.result_all(), 2, FirstToken)
+        for rid in ("q-1", "q-2", "q-3"):
+            await call(nc, s.worker_assign(WID), assignment(rid), AssignmentAck, timeout_s=WAIT_S)
+        assert len(svc.core) == 3
+        await drain_worker(nc, s)
+        await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+        assert sorted(r.request_id for r in results) == ["q-2", "q-3"]  # q-1 runs in place
+        assert all(r.token is None and "redirect failed" in (r.error or "") for r in results)
+        assert svc.core.redirecting == () and len(svc.core) == 1
+        # Settled: no redirect task is left to answer anything, and what the worker published
+        # has reached this client -- nothing else arrived for them.
+        async with asyncio.timeout(WAIT_S):
+            while svc._redirects:
+                await asyncio.sleep(0.01)
+        await svc.nc.flush()
+        await nc.flush()
+        assert len(results) == 2
+        await sub.unsubscribe()
 
 
 async def test_main_process_stops_on_sigterm(
@@ -792,31 +792,29 @@ async def test_past_its_bound_a_request_still_waits_for_a_copy_that_is_arriving(
     request starts only when the copy has landed, and reuses it."""
     gate = Gate()
     backend = SlowCopies(gate)
-    svc, task = await start_rankd(nats_server.url, uniq, backend, pull_hold_grace_s=0.0)
-    try:
-        s = Subjects(uniq)
-        sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
-        rep = ReplicateCommand(
-            command_id="c-1", worker_id=WID, epoch=0, blocks=[1], source_worker="w-cp2-g0"
-        )
-        copy = asyncio.create_task(call(nc, s.cache_cmd(WID), rep, CacheCommandResult,
-                                        timeout_s=WAIT_S))
-        await asyncio.wait_for(backend.copying.wait(), timeout=WAIT_S)
-        held = assignment("r-p").model_copy(update={"pull_copy_s": 1e-6})  # bound ≈ now
-        await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
-        for _ in range(10):  # past the bound, and still queued: the copy is arriving
-            await asyncio.sleep(0.02)
-            assert gate.calls == [] and svc.core.running is None
-        backend.release.set()
-        assert (await copy).ok
-        await asyncio.wait_for(done.wait(), timeout=WAIT_S)
-        await sub.unsubscribe()
-        assert gate.calls == [(512, 512, 2, "cp")]
-        assert [r.prefix_tokens for r in results] == [512]
-    finally:
-        backend.release.set()
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
+    async with running_rankd(nats_server.url, uniq, backend, pull_hold_grace_s=0.0) as svc:
+        try:
+            s = Subjects(uniq)
+            sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
+            rep = ReplicateCommand(
+                command_id="c-1", worker_id=WID, epoch=0, blocks=[1], source_worker="w-cp2-g0"
+            )
+            copy = asyncio.create_task(call(nc, s.cache_cmd(WID), rep, CacheCommandResult,
+                                            timeout_s=WAIT_S))
+            await asyncio.wait_for(backend.copying.wait(), timeout=WAIT_S)
+            held = assignment("r-p").model_copy(update={"pull_copy_s": 1e-6})  # bound ≈ now
+            await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
+            for _ in range(10):  # past the bound, and still queued: the copy is arriving
+                await asyncio.sleep(0.02)
+                assert gate.calls == [] and svc.core.running is None
+            backend.release.set()
+            assert (await copy).ok
+            await asyncio.wait_for(done.wait(), timeout=WAIT_S)
+            await sub.unsubscribe()
+            assert gate.calls == [(512, 512, 2, "cp")]
+            assert [r.prefix_tokens for r in results] == [512]
+        finally:
+            backend.release.set()
 
 
 class CountingCopies(SimBackend):
@@ -839,8 +837,7 @@ async def test_a_refused_cache_command_moves_no_kv(
     the engine moves any KV for them: a real engine's copy or eviction would otherwise have
     changed its cache for a command the cache manager is told failed."""
     backend = CountingCopies(Gate())
-    svc, task = await start_rankd(nats_server.url, uniq, backend)
-    try:
+    async with running_rankd(nats_server.url, uniq, backend):
         s = Subjects(uniq)
         for cmd, code in (
             (ReplicateCommand(command_id="c-1", worker_id="w-cp2-g0", epoch=0, blocks=[1],
@@ -857,9 +854,6 @@ async def test_a_refused_cache_command_moves_no_kv(
                               source_worker="w-cp2-g0")
         assert (await call(nc, s.cache_cmd(WID), ok, CacheCommandResult, timeout_s=WAIT_S)).ok
         assert [c.command_id for c in backend.prepared] == ["c-4"]  # type: ignore[attr-defined]
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 class FailingPrefill(SimBackend):
@@ -876,8 +870,7 @@ async def test_a_jobs_log_lines_carry_its_request_and_trace_ids(
     a job (here its failed prefill) carry both, without the call passing them."""
     import structlog
 
-    svc, task = await start_rankd(nats_server.url, uniq, FailingPrefill(prefill_time=Gate()))
-    try:
+    async with running_rankd(nats_server.url, uniq, FailingPrefill(prefill_time=Gate())):
         s = Subjects(uniq)
         sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
         with structlog.testing.capture_logs(
@@ -892,9 +885,6 @@ async def test_a_jobs_log_lines_carry_its_request_and_trace_ids(
         failed = [e for e in logs if e["event"] == "prefill failed"]
         assert failed, [e["event"] for e in logs]
         assert {(e.get("request_id"), e.get("trace_id")) for e in failed} == {("r-log", tid)}
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def test_a_later_attempt_of_a_failed_request_runs_again(
@@ -903,8 +893,8 @@ async def test_a_later_attempt_of_a_failed_request_runs_again(
     """A request whose prefill failed is answered with the failure; a later attempt of it (a
     client's retry, taken as new by the intake) is run again, not answered with the kept
     failure: each attempt gets a failure of its own prefill, stamped for it."""
-    svc, task = await start_rankd(nats_server.url, uniq, FailingPrefill(prefill_time=Gate()))
-    try:
+    async with running_rankd(nats_server.url, uniq,
+                             FailingPrefill(prefill_time=Gate())) as svc:
         s = Subjects(uniq)
         sub, results, done = await collect(nc, s.result_all(), 2, FirstToken)
         first = assignment("r-f", arrival=time.time() - 1.0)
@@ -919,9 +909,6 @@ async def test_a_later_attempt_of_a_failed_request_runs_again(
             == [(True, first.request.arrival_s), (True, retry.request.arrival_s)]
         assert len([e for e in logs if e["event"] == "prefill failed"]) == 2
         assert svc.answers_resent == 0
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def test_a_demote_command_over_nats(
@@ -994,21 +981,18 @@ async def test_a_scaled_worker_gives_each_figure_in_one_unit(
     from metricsread import points
 
     scale, modelled = 0.1, 0.5
-    svc, task = await start_rankd(
-        nats_server.url, uniq,
-        SimBackend(prefill_time=lambda r, p, c, kind="cp": modelled, time_scale=scale))
     s = Subjects(uniq)
-    ratios = points(metric_reader, "vtm.worker.prediction_ratio").get((("degree", "2"),), (0, 0.0))
-    try:
+    async with running_rankd(
+            nats_server.url, uniq,
+            SimBackend(prefill_time=lambda r, p, c, kind="cp": modelled, time_scale=scale)):
+        ratios = points(metric_reader, "vtm.worker.prediction_ratio").get(
+            (("degree", "2"),), (0, 0.0))
         sub, results, done = await collect(nc, s.result_all(), 1, FirstToken)
         with tracer().start_as_current_span("schedule"):
             await call(nc, s.worker_assign(WID), assignment("ts-1", predicted=modelled),
                        AssignmentAck, timeout_s=WAIT_S)
         await asyncio.wait_for(done.wait(), timeout=WAIT_S)
         await sub.unsubscribe()
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
     (r,) = results
     assert (r.time_scale, r.predicted_prefill_s) == (scale, modelled)
     wall = r.stages.prefill_s

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
+from service_support import service_running
 
 from services.rankd.backend import SimBackend
 from services.rankd.service import RankdService
@@ -36,11 +36,8 @@ async def rankd(nats_server: EmbeddedNats, uniq: str) -> AsyncIterator[RankdServ
     settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, worker_id=WID,
                              heartbeat_s=0.2)
     svc = RankdService(settings, SimBackend(time_scale=1.0))
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
-    yield svc
-    svc.request_stop()
-    await asyncio.wait_for(task, timeout=WAIT_S)
+    async with service_running(svc, timeout_s=WAIT_S):
+        yield svc
 
 
 async def serve(nc: Client, s: Subjects, a: Assignment) -> FirstToken:

@@ -19,6 +19,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import OutboundBufferLimitError
+from service_support import service_running
 
 from services.rankd.backend import SimBackend
 from services.rankd.host import RankdHost
@@ -89,27 +90,24 @@ async def test_a_failed_ack_is_sent_again_and_the_watcher_adopts_later_epochs(
     settings = RankdSettings(nats_url=nats_server.url, subject_prefix=uniq, worker_id=wid,
                              heartbeat_s=0.2)
     svc = RankdService(settings, SimBackend(time_scale=1.0))
-    task = asyncio.create_task(svc.run(handle_signals=False))
     acks = Acks()
     sub = await nc.subscribe(s.epoch_ack_all(), cb=acks.on_msg)
     try:
-        await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
-        refused = fail_first_ack(monkeypatch, svc.nc, s.epoch_ack(2), epoch=1)
-        epochs = await epoch_kv(nc.jetstream(), s)
+        async with service_running(svc, timeout_s=WAIT_S) as task:
+            refused = fail_first_ack(monkeypatch, svc.nc, s.epoch_ack(2), epoch=1)
+            epochs = await epoch_kv(nc.jetstream(), s)
 
-        await epochs.put(s.epoch_key(), record(1, wid))
-        # GPU 2's first ack was refused; it is re-sent, and GPU 3's went out regardless.
-        await acks.wait_for({(2, 1, wid), (3, 1, wid)})
-        assert [(a.gpu, a.epoch) for a in refused] == [(2, 1)]
+            await epochs.put(s.epoch_key(), record(1, wid))
+            # GPU 2's first ack was refused; it is re-sent, and GPU 3's went out regardless.
+            await acks.wait_for({(2, 1, wid), (3, 1, wid)})
+            assert [(a.gpu, a.epoch) for a in refused] == [(2, 1)]
 
-        await epochs.put(s.epoch_key(), record(2, wid))  # the watcher is still there
-        await acks.wait_for({(2, 2, wid), (3, 2, wid)})
-        assert svc.core.epoch == 2 and svc.core.lifecycle is Lifecycle.ACTIVE
-        assert not task.done()
+            await epochs.put(s.epoch_key(), record(2, wid))  # the watcher is still there
+            await acks.wait_for({(2, 2, wid), (3, 2, wid)})
+            assert svc.core.epoch == 2 and svc.core.lifecycle is Lifecycle.ACTIVE
+            assert not task.done()
     finally:
         await sub.unsubscribe()
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def test_a_worker_whose_first_ack_fails_still_starts_and_acks(

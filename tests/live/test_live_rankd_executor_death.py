@@ -21,6 +21,7 @@ import asyncio
 import pytest
 from nats.aio.client import Client
 from rankd_support import assign, handed_back, last_state, results_of, stopped, until
+from service_support import service_running
 
 from services.rankd.backend import PrefillResult, SimBackend
 from services.rankd.core import handback_msg_id
@@ -90,28 +91,26 @@ async def test_a_cancelled_error_from_the_backend_fails_only_its_request(
     s = Subjects(uniq)
     backend = FailsFirst("cancelled")
     svc = service(nats_server.url, uniq, backend)
-    task = asyncio.create_task(svc.run(handle_signals=False))
     sub = None
     try:
-        await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
-        results, sub = await results_of(nc, s)
-        await assign(nc, s, "c-1", WID)
-        await asyncio.wait_for(backend.running.wait(), timeout=WAIT_S)  # c-1 runs
-        await assign(nc, s, "c-2", WID)  # queued behind it
-        backend.release.set()  # c-1's prefill ends with CancelledError
-        await until(lambda: {r.request_id for r in results} == {"c-1", "c-2"},
-                    "both requests answered")
-        await assign(nc, s, "c-3", WID)  # the worker still serves new requests
-        await until(lambda: len(results) == 3, "c-3 answered")
-        by_id = {r.request_id: r for r in results}
-        assert by_id["c-1"].token is None and "prefill failed" in (by_id["c-1"].error or "")
-        assert [(by_id[r].error, by_id[r].token is not None) for r in ("c-2", "c-3")] == [
-            (None, True), (None, True)]
-        assert not task.done() and svc.fault is None
-        assert svc.core.lifecycle is Lifecycle.ACTIVE and svc.core.running is None
-        assert svc.core.served == 2
+        async with service_running(svc, timeout_s=WAIT_S) as task:
+            results, sub = await results_of(nc, s)
+            await assign(nc, s, "c-1", WID)
+            await asyncio.wait_for(backend.running.wait(), timeout=WAIT_S)  # c-1 runs
+            await assign(nc, s, "c-2", WID)  # queued behind it
+            backend.release.set()  # c-1's prefill ends with CancelledError
+            await until(lambda: {r.request_id for r in results} == {"c-1", "c-2"},
+                        "both requests answered")
+            await assign(nc, s, "c-3", WID)  # the worker still serves new requests
+            await until(lambda: len(results) == 3, "c-3 answered")
+            by_id = {r.request_id: r for r in results}
+            assert by_id["c-1"].token is None and "prefill failed" in (by_id["c-1"].error or "")
+            assert [(by_id[r].error, by_id[r].token is not None) for r in ("c-2", "c-3")] == [
+                (None, True), (None, True)]
+            assert not task.done() and svc.fault is None
+            assert svc.core.lifecycle is Lifecycle.ACTIVE and svc.core.running is None
+            assert svc.core.served == 2
     finally:
-        await stopped(svc, task)
         if sub is not None:
             await sub.unsubscribe()  # type: ignore[attr-defined]
     assert task.done() and task.exception() is None  # a clean stop

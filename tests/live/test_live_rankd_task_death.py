@@ -33,6 +33,7 @@ import time
 import pytest
 from nats.aio.client import Client
 from rankd_support import assign, handed_back, last_state, results_of, stopped, until
+from service_support import service_running
 
 from services.rankd.backend import PrefillResult, SimBackend
 from services.rankd.service import WATCH_TASK, RankdService
@@ -144,6 +145,14 @@ async def fault_of(svc: RankdService, task: asyncio.Task[None], what: str) -> No
                 f"{svc.core.epoch}) and no fault; tasks running: {serving_tasks()}")
 
 
+async def ended_by_fault(task: asyncio.Task[None], match: str) -> None:
+    """Wait (bounded) for the worker's run to end: it raised a WorkerFault matching ``match``."""
+    await asyncio.wait({task}, timeout=WAIT_S)
+    assert task.done()
+    with pytest.raises(WorkerFault, match=match):
+        task.result()
+
+
 async def test_a_state_publisher_that_dies_is_a_worker_fault(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
@@ -169,10 +178,7 @@ async def test_a_state_publisher_that_dies_is_a_worker_fault(
         await fault_of(svc, task, "state publisher ended")
         assert set(await handed_back(js, s, 1)) == {"p-2"}
         backend.hold.set()  # p-1 was not at fault: it completes
-        await asyncio.wait({task}, timeout=WAIT_S)
-        assert task.done()
-        with pytest.raises(WorkerFault, match="state publisher ended: Abort"):
-            task.result()
+        await ended_by_fault(task, "state publisher ended: Abort")
         await nc.flush()  # the service drained its connection: whatever it published is here
         assert [(r.request_id, r.error, r.token is not None) for r in results] == [
             ("p-1", None, True)]
@@ -216,10 +222,7 @@ async def test_an_epoch_watcher_that_dies_is_a_worker_fault(
         await fault_of(svc, task, "epoch watcher ended")
         assert set(await handed_back(js, s, 1)) == {"e-2"}
         backend.hold.set()
-        await asyncio.wait({task}, timeout=WAIT_S)
-        assert task.done()
-        with pytest.raises(WorkerFault, match="epoch watcher ended: Abort"):
-            task.result()
+        await ended_by_fault(task, "epoch watcher ended: Abort")
         await nc.flush()
         assert [(r.request_id, r.error) for r in results] == [("e-1", None)]
         state = await last_state(js, s, WID)
@@ -246,10 +249,7 @@ async def test_a_health_probe_that_dies_is_a_worker_fault(
         backend.health_raises = Abort("probe aborted")
         await asyncio.wait_for(backend.raised.wait(), timeout=WAIT_S)
         await fault_of(svc, task, "health probe ended")
-        await asyncio.wait({task}, timeout=WAIT_S)
-        assert task.done()
-        with pytest.raises(WorkerFault, match="health probe ended: Abort"):
-            task.result()
+        await ended_by_fault(task, "health probe ended: Abort")
         state = await last_state(js, s, WID)
         assert state.lifecycle is Lifecycle.UNAVAILABLE
     finally:
@@ -265,20 +265,19 @@ async def test_a_probe_that_fails_with_an_exception_only_stops_probing(
     s = Subjects(uniq)
     backend = Breakable()
     svc = service(nats_server.url, uniq, backend)
-    task = asyncio.create_task(svc.run(handle_signals=False))
     sub = None
     try:
-        await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
-        results, sub = await results_of(nc, s)
-        backend.health_raises = RuntimeError("probe bug")
-        await asyncio.wait_for(backend.raised.wait(), timeout=WAIT_S)
-        await assign(nc, s, "h-1", WID)  # round trips after the probe's end: it was noticed by now
-        await until(lambda: len(results) == 1, "h-1 answered")
-        assert results[0].token is not None and results[0].error is None
-        assert not task.done() and svc.fault is None
-        assert svc.core.lifecycle is Lifecycle.ACTIVE
+        async with service_running(svc, timeout_s=WAIT_S) as task:
+            results, sub = await results_of(nc, s)
+            backend.health_raises = RuntimeError("probe bug")
+            await asyncio.wait_for(backend.raised.wait(), timeout=WAIT_S)
+            # Round trips after the probe's end: it was noticed by now.
+            await assign(nc, s, "h-1", WID)
+            await until(lambda: len(results) == 1, "h-1 answered")
+            assert results[0].token is not None and results[0].error is None
+            assert not task.done() and svc.fault is None
+            assert svc.core.lifecycle is Lifecycle.ACTIVE
     finally:
-        await stopped(svc, task)
         if sub is not None:
             await sub.unsubscribe()  # type: ignore[attr-defined]
     assert task.done() and task.exception() is None  # a clean stop

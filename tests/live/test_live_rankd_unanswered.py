@@ -17,6 +17,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pydantic import ValidationError
+from service_support import service_running
 
 from services.rankd.backend import PrefillResult, SimBackend
 from services.rankd.service import RankdService, request_content
@@ -78,13 +79,8 @@ async def running_rankd(url: str, prefix: str, backend: SimBackend) -> AsyncIter
     settings = RankdSettings(nats_url=url, subject_prefix=prefix, worker_id=WID,
                              heartbeat_s=0.2)
     svc = RankdService(settings, backend)
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    await asyncio.wait_for(svc.started.wait(), timeout=WAIT_S)
-    try:
+    async with service_running(svc, timeout_s=WAIT_S):
         yield svc
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 async def answers(nc: Client, subject: str) -> tuple[object, list[FirstToken]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from uuid import uuid4
@@ -14,6 +15,7 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import BaseModel, ConfigDict
+from service_support import service_running
 
 from shared.ids import InvalidInput, UnknownWorker, VertumnusError
 from shared.natsserver import EmbeddedNats
@@ -81,11 +83,8 @@ class Toy(MicroService):
 @pytest.fixture
 async def toy(nats_server: EmbeddedNats, uniq: str) -> AsyncIterator[Toy]:
     svc = Toy(ServiceSettings(nats_url=nats_server.url, subject_prefix=uniq))
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    await asyncio.wait_for(svc.started.wait(), timeout=10)
-    yield svc
-    svc.request_stop()
-    await asyncio.wait_for(task, timeout=10)
+    async with service_running(svc, timeout_s=10):
+        yield svc
 
 
 async def test_endpoint_errors_and_keeps_serving(
@@ -220,10 +219,9 @@ async def test_every_replica_reports_its_own_counters_in_stats(
 
     toys = [CountingToy(ServiceSettings(nats_url=nats_server.url, subject_prefix=uniq), n)
             for n in (3, 4)]
-    tasks = [asyncio.create_task(t.run(handle_signals=False)) for t in toys]
-    try:
+    async with contextlib.AsyncExitStack() as running:
         for t in toys:
-            await asyncio.wait_for(t.started.wait(), timeout=10)
+            await running.enter_async_context(service_running(t, timeout_s=10))
         answers = await service_stats(nc, "vtm-toy", prefix=uniq, window_s=0.5)
         assert len(answers) == 2
         data = sorted(e["data"]["served"] for a in answers for e in a["endpoints"]
@@ -233,18 +231,12 @@ async def test_every_replica_reports_its_own_counters_in_stats(
         again = await service_stats(nc, "vtm-toy", prefix=uniq, window_s=0.5)
         assert sorted(a["endpoints"][0]["data"]["served"] for a in again) == [4, 7]
         assert await service_stats(nc, "vtm-toy", prefix="other", window_s=0.2) == []
-    finally:
-        for t in toys:
-            t.request_stop()
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
 
 
 async def test_stop_cleans_up(nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:
     svc = Toy(ServiceSettings(nats_url=nats_server.url, subject_prefix=uniq))
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    await asyncio.wait_for(svc.started.wait(), timeout=10)
-    svc.request_stop()
-    await asyncio.wait_for(task, timeout=10)
+    async with service_running(svc, timeout_s=10):
+        pass  # started, then stopped
     assert svc.cleaned_up
     assert svc.nc.is_closed
 
@@ -473,25 +465,22 @@ async def test_a_server_restart_is_survived_and_logged_as_warnings(uniq: str) ->
     server = EmbeddedNats().start()
     port = int(server.url.rsplit(":", 1)[1])
     svc = Toy(ServiceSettings(nats_url=server.url, subject_prefix=uniq))
-    task = asyncio.create_task(svc.run(handle_signals=False))
     again: EmbeddedNats | None = None
     try:
-        await asyncio.wait_for(svc.started.wait(), timeout=10)
-        with capture_logs() as logs:
-            again = await crash_and_restart(server, port)
-            client = await __import__("nats").connect(again.url)
-            try:
-                await until_served(client, f"{uniq}.toy.add", timeout_s=30)
-                assert (await call(client, f"{uniq}.toy.add", Add(a=2, b=3), Sum)).total == 5
-            finally:
-                await client.close()
-        events = {(e["event"], e["log_level"]) for e in logs}
-        assert ("nats disconnected", "warning") in events
-        assert ("nats reconnected", "info") in events
-        assert not [e for e in logs if e["log_level"] in ("error", "critical")]
+        async with service_running(svc, timeout_s=15):
+            with capture_logs() as logs:
+                again = await crash_and_restart(server, port)
+                client = await __import__("nats").connect(again.url)
+                try:
+                    await until_served(client, f"{uniq}.toy.add", timeout_s=30)
+                    assert (await call(client, f"{uniq}.toy.add", Add(a=2, b=3), Sum)).total == 5
+                finally:
+                    await client.close()
+            events = {(e["event"], e["log_level"]) for e in logs}
+            assert ("nats disconnected", "warning") in events
+            assert ("nats reconnected", "info") in events
+            assert not [e for e in logs if e["log_level"] in ("error", "critical")]
     finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=15)
         if again is not None:
             again.stop()
         server.stop()
@@ -527,27 +516,24 @@ async def test_jetstream_assets_are_ensured_again_after_each_reconnect(uniq: str
     port = int(server.url.rsplit(":", 1)[1])
     settings = ServiceSettings(nats_url=server.url, subject_prefix=uniq)
     svc, plain = ToyWithJetStream(settings), Toy(settings)
-    tasks = [asyncio.create_task(s.run(handle_signals=False)) for s in (svc, plain)]
     again: EmbeddedNats | None = None
     try:
-        for s in (svc, plain):
-            await asyncio.wait_for(s.started.wait(), timeout=10)
-        # One keeper: svc's (both are named vtm-toy; plain has no JetStream assets).
-        assert sum(t.get_name() == "vtm-toy-jetstream" for t in asyncio.all_tasks()) == 1
-        await checks_after(svc, svc.jetstream_checks, 2)  # two checks, each of them seen
-        assert svc.ensured == 0  # no reconnect, nothing to do
-        assert plain.jetstream_checks == 0
-        again = await crash_and_restart(server, port)
-        async with asyncio.timeout(30):
-            while svc.ensured < 2:
-                await asyncio.sleep(0.05)
-        # Two more completed checks (the one that succeeded may be one of them, not both).
-        await checks_after(svc, svc.jetstream_checks, 2)
-        assert svc.ensured == 2  # ensured once it succeeded: not again without a reconnect
+        async with contextlib.AsyncExitStack() as running:
+            for s in (svc, plain):
+                await running.enter_async_context(service_running(s, timeout_s=15))
+            # One keeper: svc's (both are named vtm-toy; plain has no JetStream assets).
+            assert sum(t.get_name() == "vtm-toy-jetstream" for t in asyncio.all_tasks()) == 1
+            await checks_after(svc, svc.jetstream_checks, 2)  # two checks, each of them seen
+            assert svc.ensured == 0  # no reconnect, nothing to do
+            assert plain.jetstream_checks == 0
+            again = await crash_and_restart(server, port)
+            async with asyncio.timeout(30):
+                while svc.ensured < 2:
+                    await asyncio.sleep(0.05)
+            # Two more completed checks (the one that succeeded may be one of them, not both).
+            await checks_after(svc, svc.jetstream_checks, 2)
+            assert svc.ensured == 2  # ensured once it succeeded: not again without a reconnect
     finally:
-        for s in (svc, plain):
-            s.request_stop()
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=15)
         if again is not None:
             again.stop()
         server.stop()
@@ -628,16 +614,13 @@ async def test_a_stop_while_the_server_is_down_ends_cleanly(uniq: str) -> None:
 
     server = EmbeddedNats().start()
     svc = Toy(ServiceSettings(nats_url=server.url, subject_prefix=uniq))
-    task = asyncio.create_task(svc.run(handle_signals=False))
     try:
-        await asyncio.wait_for(svc.started.wait(), timeout=10)
-        assert server.pid is not None
-        os.kill(server.pid, signal.SIGKILL)
-        async with asyncio.timeout(30):
-            while not svc.nc.is_reconnecting:
-                await asyncio.sleep(0.05)
+        async with service_running(svc, timeout_s=15):  # raises what the stop raised
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGKILL)
+            async with asyncio.timeout(30):
+                while not svc.nc.is_reconnecting:
+                    await asyncio.sleep(0.05)
     finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, timeout=15)  # raises what the stop raised
         server.stop()
     assert svc.cleaned_up and svc.nc.is_closed

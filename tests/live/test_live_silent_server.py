@@ -21,6 +21,7 @@ import asyncio
 import nats
 from frozen import freeze, resume
 from nats.micro.request import Request
+from service_support import service_running
 
 from shared.natsserver import EmbeddedNats
 from shared.service import Endpoint, MicroService
@@ -57,9 +58,7 @@ async def test_a_service_notices_a_silent_server_by_its_pings_and_reconnects(
                                ping_interval_s=0.2, max_outstanding_pings=2,
                                reconnect_wait_s=0.2)
     svc = Echo(settings)
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    try:
-        await asyncio.wait_for(svc.started.wait(), WAIT_S)
+    async with service_running(svc, timeout_s=WAIT_S) as task:
         nc = svc.nc
         reconnects = nc.stats["reconnects"]
         freeze(own_nats_server)
@@ -78,9 +77,6 @@ async def test_a_service_notices_a_silent_server_by_its_pings_and_reconnects(
         finally:
             await client.close()
         assert reply.data == b"still here"
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), WAIT_S)
     assert task.exception() is None
 
 

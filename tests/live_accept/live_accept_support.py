@@ -30,11 +30,12 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from service_support import ServiceTasks
 
 from services.scheduler.service import SchedulerService
 from shared.schemas import EpochRecord, FirstToken, SchemaError, decode
@@ -566,29 +567,11 @@ async def fire_until(url: str, prefix: str, rate: float, stop: asyncio.Event, *,
 
 
 @dataclass
-class InProcess:
+class InProcess(ServiceTasks):
     """Gateway, scheduler and rank daemons as asyncio services in this process, on a real
     ``nats-server`` (so spans reach this process' in-memory exporter)."""
 
-    url: str
-    prefix: str
-    tasks: list[tuple[Any, asyncio.Task[None]]] = field(default_factory=list)
-
-    @property
-    def subjects(self) -> Subjects:
-        return Subjects(self.prefix)
-
-    async def run(self, svc: Any) -> Any:
-        task = asyncio.create_task(svc.run(handle_signals=False))
-        self.tasks.append((svc, task))
-        started = asyncio.create_task(svc.started.wait())
-        done, _ = await asyncio.wait({started, task}, timeout=WAIT_S,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            started.cancel()
-            task.result()
-        assert started in done, f"{type(svc).__name__} did not start"
-        return svc
+    wait_s: ClassVar[float] = WAIT_S
 
     async def rankd(self, worker_id: str, prefill_s: float = 0.02, handoff_s: float = 0.005,
                     **settings_kw: Any) -> Any:
@@ -626,19 +609,3 @@ class InProcess:
         kw.setdefault("http_port", 0)
         settings = GatewaySettings(nats_url=self.url, subject_prefix=self.prefix, **kw)
         return await self.run(GatewayService(settings))
-
-    async def stop(self, svc: Any) -> None:
-        for s, task in list(self.tasks):
-            if s is svc:
-                s.request_stop()
-                await asyncio.wait_for(task, timeout=WAIT_S)
-                self.tasks.remove((s, task))
-
-    async def close(self) -> None:
-        for svc, task in reversed(self.tasks):
-            svc.request_stop()
-            try:
-                await asyncio.wait_for(task, timeout=WAIT_S)
-            except Exception:  # pragma: no cover - shutdown noise must not mask a failure
-                task.cancel()
-        self.tasks.clear()

@@ -11,11 +11,12 @@ import uuid
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import Request
+from service_support import ServiceTasks
 
 from services.gateway.adapter import GatewayService
 from services.gateway.settings import GatewaySettings
@@ -24,6 +25,7 @@ from shared.schemas import (
     Assignment,
     AssignmentAck,
     FirstToken,
+    IntakeRequest,
     QueueReport,
     TtftStages,
     WorkerState,
@@ -51,29 +53,15 @@ async def wait_until(pred: Callable[[], bool], what: str, timeout_s: float = WAI
 
 
 @dataclass
-class Services:
-    """In-process services started on the test server; stopped by the fixture."""
+class Services(ServiceTasks):
+    """In-process services started on the test server; stopped by the fixture (``close``),
+    then ``stack`` is closed."""
 
-    url: str
-    prefix: str
+    wait_s: ClassVar[float] = WAIT_S
+
     stack: AsyncExitStack
-    tasks: list[tuple[Any, asyncio.Task[None]]] = field(default_factory=list)
 
-    @property
-    def subjects(self) -> Subjects:
-        return Subjects(self.prefix)
-
-    async def _run(self, svc: Any) -> Any:
-        task = asyncio.create_task(svc.run(handle_signals=False))
-        self.tasks.append((svc, task))
-        started = asyncio.create_task(svc.started.wait())
-        done, _ = await asyncio.wait({started, task}, timeout=WAIT_S,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            started.cancel()
-            task.result()  # raises the startup error
-        assert started in done, f"{type(svc).__name__} did not start"
-        return svc
+    _run = ServiceTasks.run  # the name the tests use
 
     async def scheduler(self, **kw: Any) -> SchedulerService:
         kw.setdefault("instance_id", "sched-" + uuid.uuid4().hex[:6])
@@ -85,22 +73,34 @@ class Services:
         settings = GatewaySettings(nats_url=self.url, subject_prefix=self.prefix, **kw)
         return await self._run(GatewayService(settings))  # type: ignore[no-any-return]
 
-    async def stop(self, svc: Any) -> None:
-        for s, task in list(self.tasks):
-            if s is svc:
-                s.request_stop()
-                await asyncio.wait_for(task, timeout=WAIT_S)
-                self.tasks.remove((s, task))
-
     async def close(self) -> None:
-        for svc, task in reversed(self.tasks):
-            svc.request_stop()
-            try:
-                await asyncio.wait_for(task, timeout=WAIT_S)
-            except Exception:  # pragma: no cover - shutdown noise must not mask a failure
-                task.cancel()
-        self.tasks.clear()
+        await super().close()
         await self.stack.aclose()
+
+
+# -- requests in, answers out ---------------------------------------------------------------
+
+
+async def publish_intake(nc: Client, uniq: str, rid: str) -> None:
+    """A 40-token request ``rid`` (blocks of 16, no hashes) on the intake stream of prefix
+    ``uniq``, deduplicated by its id."""
+    req = IntakeRequest(request_id=rid, input_len=40, block_size=16, arrival_s=time.time())
+    data, headers = encode(req)
+    headers["Nats-Msg-Id"] = rid
+    await nc.jetstream().publish(Subjects(uniq).intake_requests(), data, headers=headers)
+
+
+async def results_for(nc: Client, uniq: str, rid: str) -> list[FirstToken]:
+    """Every FirstToken published for ``rid`` from now on, in the list returned (filled as
+    they come; subscribed and flushed before this returns)."""
+    got: list[FirstToken] = []
+
+    async def on(msg: Msg) -> None:
+        got.append(decode(FirstToken, msg.data, msg.headers))
+
+    await nc.subscribe(Subjects(uniq).result(rid), cb=on)
+    await nc.flush()
+    return got
 
 
 # -- a fake rank worker ----------------------------------------------------------------------

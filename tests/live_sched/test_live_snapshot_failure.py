@@ -13,11 +13,10 @@ unanswered one; the worker-state watch (the fetch runs in a task of its own) goe
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import nats.errors
-from live_sched_support import WAIT_S, FakeWorker, Services, wait_until
+from live_sched_support import FakeWorker, Services, wait_until
 from nats.aio.client import Client
 
 from services.scheduler.service import SchedulerService, SchedulerSettings
@@ -53,17 +52,7 @@ async def scheduler_on(live: Services, nc: Client, **kw: Any) -> SchedulerServic
     the ``live`` fixture like the others."""
     settings = SchedulerSettings(nats_url=live.url, subject_prefix=live.prefix,
                                  instance_id="sched-snap", **kw)
-    svc = SchedulerService(settings)
-    task = asyncio.create_task(svc.run(nc, handle_signals=False))
-    live.tasks.append((svc, task))
-    started = asyncio.create_task(svc.started.wait())
-    done, _ = await asyncio.wait({started, task}, timeout=WAIT_S,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        started.cancel()
-        task.result()
-    assert started in done, "the scheduler did not start"
-    return svc
+    return await live._run(SchedulerService(settings), nc)  # type: ignore[no-any-return]
 
 
 async def test_a_first_snapshot_that_fails_unexpectedly_is_asked_again(

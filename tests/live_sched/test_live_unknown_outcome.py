@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import nats.errors
-from live_sched_support import FakeWorker, Services, wait_until
+from live_sched_support import FakeWorker, Services, publish_intake, results_for, wait_until
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.scheduler.service import SchedulerService, SchedulerSettings
-from shared.schemas import Assignment, AssignmentAck, FirstToken, IntakeRequest, decode, encode
+from shared.schemas import Assignment, AssignmentAck, decode
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait
 
@@ -51,24 +50,6 @@ async def heartbeats(workers: list[FakeWorker]) -> AsyncIterator[None]:
         await cancel_and_wait([task])
 
 
-async def answers(nc: Client, uniq: str, rid: str) -> list[FirstToken]:
-    got: list[FirstToken] = []
-
-    async def on(msg: Msg) -> None:
-        got.append(decode(FirstToken, msg.data, msg.headers))
-
-    await nc.subscribe(Subjects(uniq).result(rid), cb=on)
-    await nc.flush()
-    return got
-
-
-async def publish(nc: Client, uniq: str, rid: str) -> None:
-    req = IntakeRequest(request_id=rid, input_len=40, block_size=16, arrival_s=time.time())
-    data, headers = encode(req)
-    headers["Nats-Msg-Id"] = rid
-    await nc.jetstream().publish(Subjects(uniq).intake_requests(), data, headers=headers)
-
-
 class DiesWithIt(FakeWorker):
     """Takes its first assignment and dies: no answer, its subjects gone, no more states."""
 
@@ -85,8 +66,8 @@ async def test_a_worker_that_dies_with_the_assignment_costs_a_lease_not_the_requ
         sched = await live.scheduler(block_size=16, policy="round_robin", lease_s=4.0,
                                      dispatch_timeout_s=1.0, retry_delay_s=0.2, max_deliver=5)
         await wait_until(lambda: len(sched.core.view) == 1, "W1 in the view")
-        got = await answers(nc, uniq, "x")
-        await publish(nc, uniq, "x")
+        got = await results_for(nc, uniq, "x")
+        await publish_intake(nc, uniq, "x")
         await wait_until(lambda: w1.assignments, "W1 took x")
         w2 = await FakeWorker(nc, Subjects(uniq), W2, 2, 2).start()
         workers.append(w2)
@@ -119,8 +100,8 @@ async def test_a_request_held_on_its_last_delivery_is_handed_back_when_its_worke
             block_size=16, policy="round_robin", max_deliver=2, retry_delay_s=0.05,
             lease_s=2.0)))
         await wait_until(lambda: len(sched.core.view) == 1, "W1 in the view")
-        got = await answers(nc, uniq, "x")
-        await publish(nc, uniq, "x")
+        got = await results_for(nc, uniq, "x")
+        await publish_intake(nc, uniq, "x")
         await wait_until(lambda: sched.stats.unknown_held == 1, "x's last delivery settled")
         assert "x" in sched.ledger and not got
         workers.append(await fake_worker(W2, 2, 2))

@@ -12,15 +12,12 @@ refusing worker is the only one, it is retried there (or failed) under the usual
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from live_sched_support import FakeWorker, wait_until
-from nats.aio.client import Client
+from live_sched_support import FakeWorker, publish_intake, results_for, wait_until
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
-from shared.schemas import Assignment, FirstToken, IntakeRequest, decode, encode
+from shared.schemas import Assignment, decode
 from shared.subjects import Subjects
 
 W1, W2 = "w-cp2-g0", "w-cp2-g2"
@@ -46,24 +43,6 @@ class Refusing(FakeWorker):
         await super()._on_assign(msg)
 
 
-async def answers(nc: Client, uniq: str, rid: str) -> list[FirstToken]:
-    got: list[FirstToken] = []
-
-    async def on(msg: Msg) -> None:
-        got.append(decode(FirstToken, msg.data, msg.headers))
-
-    await nc.subscribe(Subjects(uniq).result(rid), cb=on)
-    await nc.flush()
-    return got
-
-
-async def publish(nc: Client, uniq: str, rid: str) -> None:
-    req = IntakeRequest(request_id=rid, input_len=40, block_size=16, arrival_s=time.time())
-    data, headers = encode(req)
-    headers["Nats-Msg-Id"] = rid
-    await nc.jetstream().publish(Subjects(uniq).intake_requests(), data, headers=headers)
-
-
 @pytest.mark.parametrize("code", ["500", "503", "409"])
 async def test_a_retry_avoids_the_worker_that_refused_it(live, nc, uniq, code) -> None:  # type: ignore[no-untyped-def]
     """Whichever worker J picks first refuses the request, and goes on refusing it; the
@@ -80,8 +59,8 @@ async def test_a_retry_avoids_the_worker_that_refused_it(live, nc, uniq, code) -
         workers.append(await w.start())
     sched = await live.scheduler(block_size=16, retry_delay_s=0.05, max_deliver=5)
     await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
-    got = await answers(nc, uniq, "x")
-    await publish(nc, uniq, "x")
+    got = await results_for(nc, uniq, "x")
+    await publish_intake(nc, uniq, "x")
     # Until the answer, or a second refusal (the retry went back to the refusing worker).
     await wait_until(lambda: got or sum(w.refusals for w in workers) >= 2,
                      "x answered or refused twice")
@@ -116,8 +95,8 @@ async def test_the_only_worker_refusing_once_still_serves_the_retry(live, nc, un
     try:
         sched = await live.scheduler(block_size=16, retry_delay_s=0.05, max_deliver=5)
         await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
-        got = await answers(nc, uniq, "x")
-        await publish(nc, uniq, "x")
+        got = await results_for(nc, uniq, "x")
+        await publish_intake(nc, uniq, "x")
         await wait_until(lambda: got, "x's answer")
         assert [(t.worker_id, t.error) for t in got] == [(W1, None)], got
         assert w.refusals == 1 and len(w.assignments) == 2
@@ -137,8 +116,8 @@ async def test_the_only_worker_refusing_every_time_fails_the_request_on_its_last
     try:
         sched = await live.scheduler(block_size=16, retry_delay_s=0.05, max_deliver=3)
         await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
-        got = await answers(nc, uniq, "x")
-        await publish(nc, uniq, "x")
+        got = await results_for(nc, uniq, "x")
+        await publish_intake(nc, uniq, "x")
         await wait_until(lambda: got, "x's failure")
         assert len(got) == 1 and got[0].token is None, got
         assert got[0].error is not None and got[0].error.startswith("not scheduled"), got

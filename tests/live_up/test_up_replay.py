@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 from live_up_support import REPO, WAIT_S, alive, cli, run_cli
+from service_support import service_running
 
 from services.gateway.adapter import GatewayService
 from services.gateway.settings import GatewaySettings
@@ -128,14 +129,7 @@ async def test_a_replay_in_which_no_request_completed_exits_1(
     that no request completed and why. Before, it exited 0 as if the run had been sound."""
     gw = GatewayService(GatewaySettings(nats_url=nats_server.url, subject_prefix=uniq,
                                         http_port=0, max_prompt_tokens=16))
-    task = asyncio.create_task(gw.run(handle_signals=False))
-    try:
-        started = asyncio.create_task(gw.started.wait())
-        done, _ = await asyncio.wait({started, task}, timeout=WAIT_S,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            task.result()  # the gateway's startup error
-        assert started in done, "the gateway did not start"
+    async with service_running(gw, timeout_s=WAIT_S):
         out = tmp_path / "replay.json"
         proc = await asyncio.create_subprocess_exec(
             *cli("replay", "--gateway", f"http://127.0.0.1:{gw.http_port}", "--trace",
@@ -143,9 +137,6 @@ async def test_a_replay_in_which_no_request_completed_exits_1(
                  "--retry", "0", "--json", str(out), "--no-progress"),
             cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 180)
-    finally:
-        gw.request_stop()
-        await asyncio.wait_for(task, WAIT_S)
     err = stderr.decode()
     assert proc.returncode == 1, err
     assert "Traceback" not in err

@@ -22,6 +22,7 @@ import pytest
 from malformed_support import WAIT_S, hpub, send_raw
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
+from service_support import service_running
 
 from shared.natsclient import MALFORMED_HEADERS, Client, connect
 from shared.natsserver import EmbeddedNats
@@ -51,13 +52,8 @@ class Echo(MicroService):
 @pytest.fixture
 async def echo(nats_server: EmbeddedNats, uniq: str) -> AsyncIterator[Echo]:
     svc = Echo(ServiceSettings(nats_url=nats_server.url, subject_prefix=uniq))
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    try:
-        await asyncio.wait_for(svc.started.wait(), WAIT_S)
+    async with service_running(svc, timeout_s=WAIT_S):
         yield svc
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, WAIT_S)
 
 
 @pytest.fixture

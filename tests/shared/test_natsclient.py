@@ -22,6 +22,7 @@ import nats.aio.client
 import pytest
 from frozen import freeze, resume
 from nats.aio.msg import Msg
+from service_support import service_running
 
 from shared.natsclient import Client, connect
 from shared.natsserver import EmbeddedNats
@@ -166,13 +167,8 @@ async def test_a_service_and_a_command_line_tool_connect_with_it(
         nats_server: EmbeddedNats, uniq: str) -> None:
     svc = MicroService(ServiceSettings(nats_url=nats_server.url, subject_prefix=uniq),
                        name="vtm-natsclienttest", version="0.1.0", group=f"{uniq}.svc")
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    try:
-        await asyncio.wait_for(svc.started.wait(), WAIT_S)
+    async with service_running(svc, timeout_s=WAIT_S):
         assert isinstance(svc.nc, Client)
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, WAIT_S)
     nc = await connect_cli(nats_server.url, "vtm-natsclienttest")
     try:
         assert isinstance(nc, Client)

@@ -21,6 +21,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
+from service_support import service_running
 
 from shared.natsserver import EmbeddedNats
 from shared.schemas import SchemaError
@@ -62,13 +63,8 @@ class Dump(MicroService):
 @pytest.fixture
 async def dump(nats_server: EmbeddedNats, uniq: str) -> AsyncIterator[Dump]:
     svc = Dump(ServiceSettings(nats_url=nats_server.url, subject_prefix=uniq))
-    task = asyncio.create_task(svc.run(handle_signals=False))
-    try:
-        await asyncio.wait_for(svc.started.wait(), WAIT_S)
+    async with service_running(svc, timeout_s=WAIT_S):
         yield svc
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, WAIT_S)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ are liveness bounds, never speed checks.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 from nats.aio.client import Client
 from nats.micro.request import Request
 from pydantic import BaseModel
+from service_support import service_running
 from structlog.testing import capture_logs
 
 from shared.ids import InvalidInput
@@ -74,14 +74,9 @@ class Replies(MicroService):
 @pytest.fixture
 async def svc(small_server: EmbeddedNats, uniq: str) -> AsyncIterator[Replies]:
     service = Replies(ServiceSettings(nats_url=small_server.url, subject_prefix=uniq))
-    task = asyncio.create_task(service.run(handle_signals=False))
-    try:
-        await asyncio.wait_for(service.started.wait(), WAIT_S)
+    async with service_running(service, timeout_s=WAIT_S):
         assert service.nc.max_payload == LIMIT
         yield service
-    finally:
-        service.request_stop()
-        await asyncio.wait_for(task, WAIT_S)
 
 
 @pytest.fixture

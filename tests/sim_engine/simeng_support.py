@@ -87,6 +87,26 @@ def worker_geometry(worker: str) -> tuple[str, int, int]:
     return m.group(1), int(m.group(2)), int(m.group(3))
 
 
+def worker_gpus(worker: str) -> range:
+    """The GPUs ``worker`` (an id like ``w-cp4-g8``) runs on."""
+    _, c, first = worker_geometry(worker)
+    return range(first, first + c)
+
+
+PHASED_GPUS = 16
+PHASED_WINDOW_S = 20.0
+
+
+def phased_adaptive_run(workload: Workload, profile: Profile, start: str,
+                        **cfg: object) -> SimResult:
+    """The reconfiguring run of the controller tests: a :data:`PHASED_GPUS`-GPU {2, 4} pool
+    starting at composition ``start`` (``"4CP4"``), under the controller (windows of
+    :data:`PHASED_WINDOW_S`) and the cache manager, seed 0; ``cfg``: more SimConfig fields."""
+    comp = Composition.parse(Lattice(PHASED_GPUS, (2, 4)), start)
+    return run(workload, profile, composition=comp, gpus=PHASED_GPUS, degrees=(2, 4),
+               adaptive=True, cache_manager=True, window_s=PHASED_WINDOW_S, seed=0, **cfg)
+
+
 def by_id(workload: Workload) -> dict[str, Request]:
     return {r.request_id: r for r in workload.requests}
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from report_support import ROW_KEYS
 from simeng_support import degree_counts_cover, hang_guard, worker_geometry
 
 from services.controller.lattice import Composition, Lattice
@@ -31,22 +32,6 @@ from sim.workloads import scale_rate, truncate
 
 GPUS = 8
 SPEC = ExperimentSpec(gpus=GPUS, degrees=(2, 4), seed=0)
-
-ROW_KEYS = {
-    "policy",
-    "rate_scale",
-    "requests",
-    "completed",
-    "mean_ttft_s",
-    "p50_ttft_s",
-    "p90_ttft_s",
-    "p99_ttft_s",
-    "slo_attainment",
-    "hit_rate",
-    "gpu_seconds",
-    "reconfigurations",
-    "oracle_mean_ttft_s",
-}
 
 
 @pytest.fixture(scope="module")

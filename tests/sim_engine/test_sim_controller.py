@@ -11,35 +11,26 @@ from __future__ import annotations
 import math
 
 import pytest
-from simeng_support import degree_counts_cover, run, worker_geometry
+from simeng_support import (
+    PHASED_GPUS,
+    PHASED_WINDOW_S,
+    degree_counts_cover,
+    phased_adaptive_run,
+    worker_geometry,
+    worker_gpus,
+)
 
 from services.controller.lattice import Composition, Lattice
 from sim.groundtruth import GroundTruth
 from sim.simulator import SimResult
 
-GPUS = 16
-WINDOW = 20.0
+GPUS = PHASED_GPUS
+WINDOW = PHASED_WINDOW_S
 
 
 @pytest.fixture(scope="module", params=["4CP4", "8CP2"])
 def adaptive_run(request, profile, phased_workload) -> SimResult:
-    comp = Composition.parse(Lattice(GPUS, (2, 4)), request.param)
-    return run(
-        phased_workload,
-        profile,
-        composition=comp,
-        gpus=GPUS,
-        degrees=(2, 4),
-        adaptive=True,
-        cache_manager=True,
-        window_s=WINDOW,
-        seed=0,
-    )
-
-
-def _gpus(worker: str) -> range:
-    _, c, first = worker_geometry(worker)
-    return range(first, first + c)
+    return phased_adaptive_run(phased_workload, profile, request.param)
 
 
 def test_controller_reconfigures_and_every_reconfiguration_completes(adaptive_run) -> None:
@@ -63,8 +54,8 @@ def test_split_and_merge_geometry(adaptive_run) -> None:
     # Both kinds happen from either start (measured): the geometry of each is checked.
     assert {rc.kind for rc in adaptive_run.reconfigurations} == {"split", "merge"}
     for rc in adaptive_run.reconfigurations:
-        src = sorted(g for w in rc.sources for g in _gpus(w))
-        dst = sorted(g for w in rc.targets for g in _gpus(w))
+        src = sorted(g for w in rc.sources for g in worker_gpus(w))
+        dst = sorted(g for w in rc.targets for g in worker_gpus(w))
         assert src == dst == list(range(src[0], src[0] + len(src)))
         sd = {worker_geometry(w)[1] for w in rc.sources}
         td = {worker_geometry(w)[1] for w in rc.targets}
@@ -136,9 +127,9 @@ def test_gpus_never_run_two_workers_at_once(adaptive_run) -> None:
     active: list[tuple[float, str]] = []
     for s, f, w in spans:
         active = [(f0, w0) for f0, w0 in active if f0 > s + 1e-9]
-        mine = set(_gpus(w))
+        mine = set(worker_gpus(w))
         for _, w0 in active:
-            assert not mine & set(_gpus(w0)), f"{w} and {w0} ran at once on shared GPUs"
+            assert not mine & set(worker_gpus(w0)), f"{w} and {w0} ran at once on shared GPUs"
         active.append((f, w))
 
 

@@ -8,38 +8,30 @@ Same calm-then-heavy workload and 16-GPU {2, 4} pool as test_sim_controller, wit
 from __future__ import annotations
 
 import pytest
-from simeng_support import check_records, degree_counts_cover, run, worker_geometry
+from simeng_support import (
+    PHASED_GPUS,
+    PHASED_WINDOW_S,
+    check_records,
+    degree_counts_cover,
+    phased_adaptive_run,
+    worker_gpus,
+)
 
-from services.controller.lattice import Composition, Lattice
 from services.controller.planner import ControllerConfig
 from sim.groundtruth import GroundTruth
 from sim.simulator import SimResult
 
-GPUS = 16
-WINDOW = 20.0
+GPUS = PHASED_GPUS
+WINDOW = PHASED_WINDOW_S
 
 
 @pytest.fixture(scope="module", params=["4CP4", "8CP2"])
 def multi_run(request, profile, phased_workload) -> SimResult:
-    comp = Composition.parse(Lattice(GPUS, (2, 4)), request.param)
-    return run(
-        phased_workload,
-        profile,
-        composition=comp,
-        gpus=GPUS,
-        degrees=(2, 4),
-        adaptive=True,
-        cache_manager=True,
-        window_s=WINDOW,
-        seed=0,
+    return phased_adaptive_run(
+        phased_workload, profile, request.param,
         # A low split target makes overload split everything at once.
         controller_config=ControllerConfig(window_s=WINDOW, max_ops=8, split_target=0.3),
     )
-
-
-def _gpus(worker: str) -> range:
-    _, c, first = worker_geometry(worker)
-    return range(first, first + c)
 
 
 def test_some_plan_runs_several_operations_at_once(multi_run) -> None:
@@ -56,7 +48,7 @@ def test_operations_of_a_plan_are_disjoint_and_plans_do_not_overlap(multi_run) -
     decided = sorted({rc.decided_s for rc in rcs})
     for t in decided:
         batch = [rc for rc in rcs if rc.decided_s == t]
-        gpus = [g for rc in batch for w in rc.sources for g in _gpus(w)]
+        gpus = [g for rc in batch for w in rc.sources for g in worker_gpus(w)]
         assert len(gpus) == len(set(gpus)), "two operations of one plan share a GPU"
         for rc in batch:
             assert rc.exposed_s >= 0 and rc.drained_s >= rc.decided_s
