@@ -107,15 +107,13 @@ def spawn_once(tasks: list[asyncio.Task[Any]], running: set[str], key: str,
     worker's cache snapshot, the recovery of a lost worker's requests."""
     if key in running:
         return False
+    coro = start()  # before the key is taken: should it raise, nothing is left behind
     running.add(key)
-
-    async def run() -> None:
-        try:
-            await start()
-        finally:
-            running.discard(key)
-
-    spawn_tracked(tasks, run(), name)
+    # Freed by a done callback, not a ``finally`` in the task: a task cancelled before its
+    # first step (a teardown right after the spawn) never runs its body, and would keep the
+    # key for good.
+    task = spawn_tracked(tasks, coro, name)
+    task.add_done_callback(lambda _: running.discard(key))
     return True
 
 

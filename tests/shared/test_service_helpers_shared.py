@@ -162,3 +162,38 @@ async def test_spawn_once_runs_one_task_per_key_and_frees_the_key() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.sleep(0)
     assert calls == ["a", "b"] and running == set() and tasks == []
+
+
+async def test_spawn_once_frees_the_key_of_a_task_cancelled_before_it_ran() -> None:
+    """A teardown right after the spawn cancels the task before its first step: its body
+    never runs, and the key is freed all the same (before, it stayed taken for good, and the
+    work was never asked for again)."""
+    tasks: list[asyncio.Task[Any]] = []
+    running: set[str] = set()
+    ran: list[str] = []
+
+    async def work() -> None:
+        ran.append("a")
+
+    assert spawn_once(tasks, running, "a", work, "work-a")
+    task = tasks[0]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)  # the done callbacks
+    assert ran == [] and running == set() and tasks == []
+    assert spawn_once(tasks, running, "a", work, "work-a")  # asked again: runs
+    await asyncio.gather(*tasks)
+    assert ran == ["a"]
+
+
+def test_spawn_once_takes_no_key_when_the_work_cannot_be_made() -> None:
+    """``start()`` raising (no event loop needed: nothing is spawned) leaves the key free."""
+    running: set[str] = set()
+
+    def broken() -> Any:
+        raise TypeError("bad arguments")
+
+    with pytest.raises(TypeError):
+        spawn_once([], running, "a", broken, "work-a")
+    assert running == set()
