@@ -62,8 +62,9 @@ Rules (§5.2, §6.2, §8):
   kept answer): the request may come back and finish here after the attempt was handed back
   (the job's hand-back placed back here), which says nothing of the attempt's hand-back --
   intake may hold it, to run and answer it elsewhere. Before, the re-send was admitted as done
-  (and answered from the kept answer): the attempt could be answered twice. Only a job of the
-  request being redirected comes before it (:class:`Redirecting`; never also finished here).
+  (and answered from the kept answer): the attempt could be answered twice. It comes before
+  a job of the request being redirected too (:class:`Redirecting`), as the adapter checks it:
+  the attempt's own hand-back, not the job's, says where the attempt is.
   Likewise once intake acknowledged the attempt's hand-back (at once,
   :meth:`WorkerCore.remember_handed_back` with its ``arrival_s``, or after an unknown outcome,
   :meth:`WorkerCore.joined_handback_confirmed`): its re-sent assignment -- the same source
@@ -501,22 +502,23 @@ class WorkerCore:
         under its id that the adapter cannot answer from what it kept (other content, or an
         answer no longer kept), which then runs like a new request. A joined attempt whose
         hand-back's outcome is unknown, or whose hand-back intake acknowledged, comes first
-        (:meth:`check_joined_handback`), even when the request finished here since (module
-        rules)."""
+        (:meth:`check_joined_handback`), even when the request finished here since or its job
+        is being redirected (module rules)."""
         rid = a.request.request_id
+        # A joined attempt's own hand-back first: a later attempt that joined the job shares
+        # its source as a rule, and its hand-back's success (remember_handed_back) says
+        # nothing of the job's own, which must then be published again, not taken as in
+        # intake -- nor the job's success of the attempt's (told apart by the arrival stamp).
+        # Before a redirect of the job (the adapter's order: the attempt's answer does not
+        # wait for the job's) and before "finished here": another attempt finishing here says
+        # nothing of this one's hand-back, unknown or in intake (HandedBack).
+        self.check_joined_handback(a, source=source)
         redirecting = self._redirecting.get(rid)
         if redirecting is not None:
             # Handed back to intake and maybe already stored there: queueing it here too could
             # run it twice. The scheduler retries later; by then the redirect has settled.
             # (Never also finished here: admitting it forgot it as finished.)
             raise Redirecting(f"{rid} is being redirected by {self.worker_id}")
-        # An unknown outcome first: a later attempt that joined the job shares its source as
-        # a rule, and its hand-back's success (remember_handed_back) says nothing of the
-        # job's own, which must then be published again, not taken as in intake -- nor the
-        # job's success of the attempt's (told apart by the arrival stamp). Before "finished
-        # here" too: another attempt finishing here says nothing of this one's hand-back,
-        # unknown or in intake (HandedBack).
-        self.check_joined_handback(a, source=source)
         if rid in self._finished and not again:
             return 0  # already served (its result went out); do not run it twice
         unknown = self._handback_unknown.get(rid) if source is not None else None
@@ -556,9 +558,9 @@ class WorkerCore:
         and arrival stamp), :class:`HandedBack` if intake acknowledged that hand-back
         (:meth:`remember_handed_back` with the attempt's ``arrival_s``, or
         :meth:`joined_handback_confirmed`); else nothing (None ``source``: never, module
-        rules). :meth:`admit` checks it before any other answer but a job of the request
-        being redirected, "finished here" included, and so must the adapter before it answers
-        a re-send from what it kept (see module rules). Changes nothing."""
+        rules). :meth:`admit` checks it before any other answer, a job of the request being
+        redirected and "finished here" included, and so must the adapter before it answers a
+        re-send from what it kept (see module rules). Changes nothing."""
         if source is None or not (self._joined_unknown or self._joined_handed_back):
             return
         rid = a.request.request_id

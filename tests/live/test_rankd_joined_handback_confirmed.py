@@ -36,6 +36,7 @@ from services.rankd.core import (
     INTAKE_MSG_HEADER,
     HandedBack,
     Job,
+    Redirecting,
     WorkerCore,
     handback_msg_id,
 )
@@ -111,6 +112,23 @@ def test_a_confirmed_joined_attempt_comes_before_finished_here(how: str) -> None
                       (later, None), (later, "x@other"), (attempt(first, 1.0), "x")):
         assert core.admit(a, 2.0, source=source) == 0  # done, nothing queued
     assert len(core) == 0 and core.finished_arrival("x") == first.request.arrival_s
+
+
+@pytest.mark.parametrize("how", ["at once", "later"])
+def test_a_confirmed_joined_attempt_comes_before_its_jobs_redirect(how: str) -> None:
+    """x finished here, then came back again and is being redirected by a new drain: the
+    later attempt's re-send is still HandedBack (410: intake holds it), as the adapter
+    answers it, not Redirecting (425, "retry later") as x's own re-send is. Before, the core
+    answered the redirect first, against the adapter's order."""
+    core, first, later = handed_back_then_finished(how)
+    again_ = attempt(first, 1.0, epoch=2)  # x once more, a new intake message: runs here
+    assert core.admit(again_, 2.0, source="x2", again=True) == 0
+    core.adopt(epoch_record(3, Lifecycle.DRAINING))  # x queued: being redirected
+    assert any(j.request_id == "x" for j in core.redirecting)
+    with pytest.raises(HandedBack):
+        core.admit(attempt(later, epoch=3), 3.0, source="x")
+    with pytest.raises(Redirecting):
+        core.admit(attempt(again_, epoch=3), 3.0, source="x2")
 
 
 def test_confirmed_joined_attempts_are_remembered_within_the_bound(
