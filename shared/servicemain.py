@@ -9,7 +9,9 @@ connects anywhere (a service waiting for NATS would otherwise retry forever on a
 ``--help`` prints the usage and exits 0, an unknown argument exits 2 naming it, and a setting
 that is valid by type but unusable (a NATS URL with no scheme, a negative seed, a composition
 that does not parse: :func:`check_nats_url` and each service's own checks, raising
-:class:`SettingProblem`) exits 2 naming its ``VTM_*`` variable and its flag.
+:class:`SettingProblem`) exits 2 naming its ``VTM_*`` variable and its flag. So does a ``VTM_*``
+variable that no vertumnus process reads, a misspelt name (:func:`check_environment`); one that
+another process reads is left alone (one environment may serve several services).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 import textwrap
@@ -27,6 +30,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import SettingsError
 
+from shared.envcheck import unknown_variables
 from shared.ids import InvalidInput
 from shared.logging import configure_logging
 from shared.metrics import setup_metrics, shutdown_metrics
@@ -154,7 +158,8 @@ def parse_flags(
     ``flags`` are ``(flag, settings field, argparse type)``; a flag not given leaves the field
     to the environment (or its default). ``--help`` prints the flags and every ``VTM_*``
     variable and exits 0; an argument that is no flag of this process, a flag's value that
-    does not convert, an invalid setting or a failed check exits 2 naming it (no traceback).
+    does not convert, an invalid setting, a ``VTM_*`` variable no vertumnus process reads
+    (:func:`check_environment`) or a failed check exits 2 naming it (no traceback).
     """
     flags = tuple(flags)
     parser = argparse.ArgumentParser(prog=prog, description=description,
@@ -169,6 +174,7 @@ def parse_flags(
         settings = settings_cls(**overrides)
     except (ValidationError, SettingsError) as exc:
         parser.exit(2, f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}\n")
+    check_environment(settings_cls, prog)
     return check_settings(settings, checks, prog=prog,
                           flag_of={dest: flag for flag, dest, _ in flags})
 
@@ -241,7 +247,8 @@ def _secret(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> bool:
 def load_settings(settings_cls: type[S], prog: str,
                   checks: Iterable[SettingsCheck[S]] = ()) -> S:
     """``settings_cls()`` from the environment, checked as :func:`check_settings` does; a bad
-    value exits 2 naming it (no traceback). It reads no argument: a process with a command
+    value exits 2 naming it (no traceback), and so does a ``VTM_*`` variable no vertumnus
+    process reads (:func:`check_environment`). It reads no argument: a process with a command
     line parses it with :func:`parse_flags` (which handles ``--help`` and refuses unknown
     arguments)."""
     try:
@@ -250,7 +257,23 @@ def load_settings(settings_cls: type[S], prog: str,
         print(f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}",
               file=sys.stderr)
         raise SystemExit(2) from None
+    check_environment(settings_cls, prog)
     return check_settings(settings, checks, prog=prog)
+
+
+def check_environment(settings_cls: type[ServiceSettings], prog: str,
+                      environ: Mapping[str, str] | None = None) -> None:
+    """Exit 2 when ``environ`` (None: this process's environment) has a ``VTM_*`` variable
+    that neither ``settings_cls`` nor any other vertumnus process reads -- a misspelt name,
+    which pydantic-settings would ignore, leaving the setting at its default. It prints
+    ``{prog}: invalid settings:`` and a line per variable, with the known name closest to it
+    (:func:`shared.envcheck.unknown_variables`). A variable another process reads is no
+    error: one environment may serve several services (docker-compose's shared variables)."""
+    problems = unknown_variables(os.environ if environ is None else environ, settings_cls)
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems)
+        print(f"{prog}: invalid settings:\n{lines}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def degree_list(text: str) -> list[int]:

@@ -16,10 +16,12 @@ Settings are read once in a service's ``main`` and passed down; cores never read
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final, Literal, Self
 from urllib.parse import urlsplit
@@ -42,6 +44,9 @@ MAX_WAIT_S: Final[float] = 86_400.0
 pause between reconnects, the ping interval. Those feed asyncio timers, nats-py's loops and
 the fault handler's deadline (shared/stopping.py), which take no value of any size (a stop
 timeout of 1e300 s overflows the fault handler's clock); a longer wait is a typo."""
+
+NESTED: Final[str] = "__"
+"""Delimiter of a nested setting's variable name (``VTM_TELEMETRY__EXPORTER``)."""
 
 HOSTNAME_INSTANCE: Final[str] = "@hostname"
 """``instance_id`` value that stands for this host's name (:func:`hostname_token`)."""
@@ -282,3 +287,20 @@ class ServiceSettings(BaseSettings):
     @property
     def nats_servers(self) -> list[str]:
         return [u.strip() for u in self.nats_url.split(",") if u.strip()]
+
+
+def _model_env_names(model: type[BaseModel], prefix: str) -> Iterator[str]:
+    for name, field in model.model_fields.items():
+        env = f"{prefix}{name}".upper()
+        yield env
+        ann: Any = field.annotation
+        if inspect.isclass(ann) and issubclass(ann, BaseModel) and not issubclass(
+            ann, BaseSettings
+        ):
+            yield from _model_env_names(ann, f"{prefix}{name}{NESTED}")
+
+
+def env_names(settings_cls: type[BaseSettings]) -> frozenset[str]:
+    """Every environment variable ``settings_cls`` reads (``VTM_X``, ``VTM_TELEMETRY__Y``)."""
+    prefix = str(settings_cls.model_config.get("env_prefix", ""))
+    return frozenset(_model_env_names(settings_cls, prefix))

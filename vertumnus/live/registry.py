@@ -12,14 +12,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 
-from shared.settings import ServiceSettings
+from shared.settings import ServiceSettings, env_names
 
 ENV_PREFIX: Final[str] = "VTM_"
 NESTED: Final[str] = "__"
@@ -103,23 +102,6 @@ def module_runnable(module: str) -> bool:
         except (ImportError, ValueError):
             return False
     return True
-
-
-def _model_env_names(model: type[BaseModel], prefix: str) -> Iterator[str]:
-    for name, field in model.model_fields.items():
-        env = f"{prefix}{name}".upper()
-        yield env
-        ann: Any = field.annotation
-        if inspect.isclass(ann) and issubclass(ann, BaseModel) and not issubclass(
-            ann, BaseSettings
-        ):
-            yield from _model_env_names(ann, f"{prefix}{name}{NESTED}")
-
-
-def env_names(settings_cls: type[BaseSettings]) -> frozenset[str]:
-    """Every environment variable ``settings_cls`` reads (``VTM_X``, ``VTM_TELEMETRY__Y``)."""
-    prefix = str(settings_cls.model_config.get("env_prefix", ""))
-    return frozenset(_model_env_names(settings_cls, prefix))
 
 
 def filter_env(settings_cls: type[BaseSettings] | None, env: Mapping[str, str],

@@ -23,6 +23,9 @@ controller's window H), so a run of D modelled seconds takes ≈ D·s wall secon
 
 A service whose module has not landed is skipped with a warning (``missing``), so the stack
 runs with what exists; settings a service does not have are dropped and listed (``ignored``).
+A ``VTM_*`` variable in up's own environment that no vertumnus process reads (a misspelt name,
+which every child would refuse: shared/envcheck.py) makes :class:`UpConfig` refuse the run
+before anything starts; one that some service reads is passed on, as before.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import nats
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from shared.envcheck import unknown_variables
 from shared.files import write_text_atomic
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput, tp_worker_name
 from shared.logging import quiet_ssl_eof_warning
@@ -54,6 +58,7 @@ from shared.natsauth import env_security_options
 from shared.natsclient import connect
 from shared.natsserver import EmbeddedNats, find_nats_server
 from shared.service import epoch_kv, nats_callbacks, security_hint
+from shared.settings import ServiceSettings
 from shared.slo import QWEN3_SLO, SloTable
 from shared.subjects import Subjects, micro_service_name, validate_subject
 from shared.tasks import cancel_requested
@@ -246,6 +251,13 @@ class UpConfig:
             env_security_options()
         except InvalidInput as exc:
             raise ValueError(f"NATS security settings: {exc}") from None
+        # Every child inherits up's environment (vertumnus.live.procs) and would exit 2 on a
+        # VTM_* variable that no vertumnus process reads (shared.envcheck): up refuses it here,
+        # before anything starts, naming it. One another service reads stays, ignored by the
+        # children that do not read it.
+        stray = unknown_variables(os.environ, ServiceSettings)
+        if stray:
+            raise ValueError("; ".join(stray))
         if not isinstance(self.slo, SloTable):
             raise ValueError(f"slo must be an SLO table, got {self.slo!r}")
         if self.per_degree and (self.backend != "sim" or self.profile is not None):
