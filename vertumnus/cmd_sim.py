@@ -330,8 +330,25 @@ def register(app: typer.Typer) -> None:
                 "With --pool-gpus N, '--degrees 1,D --kappa-degrees D' gives exactly the κ "
                 "that 'simulate --trace T --gpus N --degrees D' measures")
         ] = "",
+        model_path: Annotated[Path | None, typer.Option(
+            help="--backend torch: local HF-format Qwen3 checkpoint directory (default: "
+            "rankd's, VTM_TORCH_MODEL_PATH, else its random model VTM_TORCH_MODEL_JSON)")
+        ] = None,
+        block_size: Annotated[int | None, typer.Option(
+            help="--backend torch: the engine's cache block (page) size in tokens (default: "
+            "rankd's, VTM_TORCH_BLOCK_SIZE, 16)")] = None,
+        device: Annotated[str | None, typer.Option(
+            help="--backend torch: cpu (gloo ranks) or cuda (NCCL, one rank per GPU) "
+            "(default: rankd's, VTM_TORCH_DEVICE, cpu)")] = None,
+        dtype: Annotated[str | None, typer.Option(
+            help="--backend torch: float32, float64, bfloat16 or float16 (default: rankd's, "
+            "VTM_TORCH_DTYPE, float32)")] = None,
     ) -> None:
         """Measure a (R, P, C) grid, fit Ê_C, report MAPE, measure κ_C, write the profile.
+
+        --backend torch measures the engine rankd serves with: the model, block size,
+        device, dtype and threads of its VTM_TORCH_* settings (the environment rankd reads),
+        each of the first four overridden by its option here.
 
         With one degree the fit cannot tell a (per new token) from c (per new token, split
         over C): c is folded into a (c = 0), right at that degree only; the output says so.
@@ -368,6 +385,11 @@ def register(app: typer.Typer) -> None:
             _fail("--hardware, --per-degree, --slo, --workload, --pool-gpus, "
                   "--kappa-repeats and --kappa-degrees are the sim backend's; the torch "
                   "backend measures the machine it runs on (no κ)")
+        if backend == "sim" and (model_path is not None or block_size is not None
+                                 or device is not None or dtype is not None):
+            _fail("--model-path, --block-size, --device and --dtype are the torch backend's "
+                  "(--backend torch: the engine it measures); the sim backend models its "
+                  "hardware (--hardware)")
         if pool_gpus:
             _check_pool_gpus(pool_gpus, kdegs or degs)
         try:
@@ -386,11 +408,15 @@ def register(app: typer.Typer) -> None:
                                            kappa_degrees=kdegs)
             else:
                 try:
-                    from services.rankd.engine.profiling import torch_profile_command
+                    from services.rankd.engine.profiling import rankd_engine, torch_profile_command
                 except ModuleNotFoundError as exc:
                     _fail(f"the torch backend needs the 'engine' extra ({exc.name} missing)")
+                # The engine rankd runs (VTM_TORCH_*), the options winning; checked before
+                # anything is written or spawned.
+                engine = rankd_engine(model_path=model_path, block_size=block_size,
+                                      device=device, dtype=dtype)
                 with writing_into(out):
-                    path = torch_profile_command(out, degrees=degs, seed=seed)
+                    path = torch_profile_command(out, degrees=degs, seed=seed, **engine)
         except InvalidInput as exc:
             _fail(str(exc))
         report = json.loads((Path(out) / "profile_report.json").read_text()) if (

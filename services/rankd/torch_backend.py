@@ -811,6 +811,20 @@ class TorchSettings(BaseSettings):
         return dict(json.loads(self.model_json))
 
 
+def torch_settings_from_env() -> TorchSettings:
+    """``TorchSettings()`` from the environment, as rankd reads it; a value that does not
+    parse raises :class:`~shared.ids.InvalidInput` naming its variable (not pydantic's
+    ValidationError)."""
+    from pydantic import ValidationError
+
+    try:
+        return TorchSettings()
+    except ValidationError as exc:
+        bad = [f"VTM_TORCH_{str(e['loc'][0]).upper()}={e.get('input')!r}: {e['msg']}"
+               if e.get("loc") else e["msg"] for e in exc.errors()]
+        raise InvalidInput("; ".join(bad)) from None
+
+
 def _decode_model(ts: TorchSettings) -> Any:
     import torch
 
@@ -822,6 +836,24 @@ def _decode_model(ts: TorchSettings) -> Any:
     if ts.model_path is not None:
         return load_model(ts.model_path, dtype=dtype)
     return Qwen3ForCausalLM.random(Qwen3Config.from_dict(ts.model_dict()), ts.seed, dtype)
+
+
+def initial_degrees(gpus: range, initial_workers: Sequence[str]) -> list[int]:
+    """Each rank's degree at start-up (rank i runs GPU ``gpus.start + i``): its initial
+    worker's, else 1. Raises :class:`~shared.ids.InvalidInput` naming the worker and the GPU
+    range when a worker's GPUs are not all in ``gpus`` (before, one past the end was an
+    IndexError and one before the start a negative index: a world in the wrong degrees)."""
+    initial = [1] * len(gpus)
+    for wid in initial_workers:
+        g = GpuGroup.from_worker_id(wid)
+        if g.gpus.start < gpus.start or g.gpus.stop > gpus.stop:
+            raise InvalidInput(
+                f"initial worker {wid} (GPUs {g.gpus.start}-{g.gpus.stop - 1}) is outside "
+                f"this host's GPUs {gpus.start}-{gpus.stop - 1}"
+            )
+        for gpu in g.gpus:
+            initial[gpu - gpus.start] = g.degree
+    return initial
 
 
 @dataclass
@@ -852,15 +884,12 @@ class TorchPool:
         connect_options: Mapping[str, Any] | None = None,
     ) -> TorchPool:
         """Spawn the world over ``gpus`` (blocking; ranks not covered by ``initial_workers``
-        start at degree 1)."""
+        start at degree 1). Raises :class:`~shared.ids.InvalidInput` before spawning anything
+        when an initial worker's GPUs are not all in ``gpus`` (:func:`initial_degrees`)."""
         ts = settings or TorchSettings()
         n = len(gpus)
         degs = tuple(d for d in (int(x) for x in ts.degrees.split(",") if x.strip()) if n % d == 0)
-        initial = [1] * n
-        for wid in initial_workers:
-            g = GpuGroup.from_worker_id(wid)
-            for gpu in g.gpus:
-                initial[gpu - gpus.start] = g.degree
+        initial = initial_degrees(gpus, initial_workers)
         spec = WorldSpec(
             world_size=n,
             degrees=tuple(sorted(set(degs) | {1})),
@@ -887,17 +916,32 @@ class TorchPool:
                    connect_options=dict(connect_options or {}))
 
     async def start_decode_role(self, nc: Any | None = None) -> KVDecodeRole:
-        """Start the embedded decode role (own connection unless ``nc`` is given)."""
+        """Start the embedded decode role (own connection unless ``nc`` is given). On failure
+        nothing is left behind (its own connection drained, no role), so it can be called
+        again."""
+        own = nc is None
         if nc is None:
             from shared.natsclient import connect
             from shared.service import nats_callbacks
 
-            nc = self._decode_nc = await connect(servers=self.servers, name="vtm-decode",
-                                                 **self.connect_options, **nats_callbacks(_log))
-        model = await asyncio.to_thread(_decode_model, self.settings)
-        self.decode_role = KVDecodeRole(model, self.subjects)
-        await self.decode_role.start(nc)
-        return self.decode_role
+            nc = await connect(servers=self.servers, name="vtm-decode",
+                               **self.connect_options, **nats_callbacks(_log))
+        role = None
+        try:
+            model = await asyncio.to_thread(_decode_model, self.settings)
+            role = KVDecodeRole(model, self.subjects)
+            await role.start(nc)
+        except BaseException:
+            if role is not None:
+                await role.stop()
+            if own:
+                with contextlib.suppress(Exception):
+                    await nc.drain()
+            raise
+        if own:
+            self._decode_nc = nc
+        self.decode_role = role
+        return role
 
     def backend(self, worker_id: str, kind: WorkerKind = WorkerKind.CP) -> ExecutionBackend:
         return TorchBackend(self.world, worker_id, kind=kind, handoff=self.handoff)
@@ -915,17 +959,31 @@ class TorchPool:
 
 class _PoolBackend(TorchBackend):
     """A single worker's backend that owns its pool (no host mode): the decode role starts
-    with the first request, everything stops on close."""
+    with the first request, everything stops on close.
+
+    The role counts as started only once it did: a start that fails (the NATS connect, the
+    decode model) fails the request that met it (an error answer naming the cause, before its
+    prefill) and the next request tries again. Before, a failed first start was never retried
+    and every later request's hand-off waited ``decode_timeout_s`` for a role that did not
+    exist, then failed."""
 
     def __init__(self, pool: TorchPool, worker_id: str, kind: WorkerKind) -> None:
         super().__init__(pool.world, worker_id, kind=kind, handoff=pool.handoff)
         self._pool = pool
         self._role_started = not (pool.settings.handoff == "nats" and pool.settings.embedded_decode)
+        self._role_lock = asyncio.Lock()
 
     async def prefill(self, assignment: Assignment) -> PrefillResult:
         if not self._role_started:
-            self._role_started = True
-            await self._pool.start_decode_role()
+            async with self._role_lock:  # one start at a time; a waiter sees its outcome
+                if not self._role_started:
+                    try:
+                        await self._pool.start_decode_role()
+                    except Exception as exc:
+                        raise RuntimeError(f"the embedded KV decode role did not start "
+                                           f"(retried by the next request): "
+                                           f"{type(exc).__name__}: {exc}") from exc
+                    self._role_started = True
         return await super().prefill(assignment)
 
     async def close(self) -> None:

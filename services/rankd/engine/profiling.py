@@ -2,7 +2,8 @@
 
 1. **Measure**: a world of max(degrees) rank processes (gloo on CPU, NCCL on GPU;
    :class:`~services.rankd.torch_world.TorchWorld`, every lattice group created once) runs a
-   model (a small random Qwen3 in float32 by default, or a checkpoint). For each degree C the
+   model (a small random Qwen3 in float32 by default, or a checkpoint; the CLI measures the
+   engine rankd's ``VTM_TORCH_*`` settings name, :func:`rankd_engine`). For each degree C the
    ranks switch to C (``RankEngine.switch``, no restart) and the first degree-C worker (ranks
    [0, C)) prefills every (R, P) point of the grid: the P-token prefix is prefilled first (so
    it is cached as whole blocks), then the full P + R request, whose engine step (lookup of the
@@ -40,19 +41,17 @@ from typing import Any, Final
 
 import numpy as np
 
+from services.rankd.torch_backend import TINY_MODEL
 from shared.costmodel import Profile, Sample, fit_profile
 
-PROFILE_MODEL: Final[dict[str, Any]] = {
-    "vocab_size": 1024,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 4096,
-}
-"""The default profiled model: small enough for a CPU world of 4 on 2 cores."""
+PROFILE_MODEL: Final[dict[str, Any]] = dict(TINY_MODEL)
+"""The default profiled model: the random model rankd runs when ``VTM_TORCH_*`` names none
+(``TorchSettings``' default, :data:`~services.rankd.torch_backend.TINY_MODEL`); small enough
+for a CPU world of 4 on 2 cores. ``vertumnus profile --backend torch`` profiles whatever
+rankd's settings name (:func:`rankd_engine`)."""
+
+DTYPES: Final[tuple[str, ...]] = ("float32", "float64", "bfloat16", "float16")
+"""The engine's dtypes (``VTM_TORCH_DTYPE``)."""
 
 DEFAULT_LENGTHS: Final[tuple[int, ...]] = (16, 32, 64, 128, 256, 512)
 DEFAULT_PREFIXES: Final[tuple[int, ...]] = (0, 128, 512)
@@ -96,12 +95,14 @@ def measure(
     device: str = "cpu",
     dtype: str = "float32",
     warmup: int = 1,
+    threads: int = 1,
 ) -> tuple[list[dict[str, Any]], dict[int, float]]:
     """Raw measurements (one dict per request timed) and each degree's switch time (s).
 
     ``warmup``: untimed passes over the whole (R, P) grid per degree before the timed ones
     (0: a single warm-up request per degree), so that no timed request is the first of its
-    shape (allocator growth, kernel selection)."""
+    shape (allocator growth, kernel selection). ``threads``: torch intra-op threads per rank
+    (``VTM_TORCH_THREADS``)."""
     from services.rankd.torch_world import TorchWorld, WorldSpec
     from shared.ids import InvalidInput
 
@@ -130,6 +131,7 @@ def measure(
         block_size=block_size,
         pages_per_rank=pages,
         device=device,
+        threads=threads,
     )
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
@@ -233,32 +235,123 @@ def plot_fits(
     return out
 
 
+def default_prefixes(block_size: int) -> tuple[int, ...]:
+    """:data:`DEFAULT_PREFIXES` in whole blocks of ``block_size`` tokens (a cached prefix is
+    whole blocks): each rounded down to a multiple, and one block added when that leaves
+    P = 0 alone (the fit needs two prefix lengths). 16-token blocks: the defaults as they are;
+    512 (the stack's default block, ``VTM_TORCH_BLOCK_SIZE=512``): (0, 512)."""
+    ps = sorted({p - p % block_size for p in DEFAULT_PREFIXES})
+    if len(ps) < 2:
+        ps.append(ps[0] + block_size)
+    return tuple(ps)
+
+
+def rankd_engine(
+    settings: Any = None,
+    *,
+    model_path: str | Path | None = None,
+    block_size: int | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> dict[str, Any]:
+    """The engine rankd runs, as :func:`torch_profile_command`'s keywords (``model_config``,
+    ``model_path``, ``block_size``, ``device``, ``dtype``, ``threads``): those of ``settings``
+    (a ``TorchSettings``; None: read from the environment, ``VTM_TORCH_*``, as rankd reads
+    it), each overridden by the keyword given here (the CLI's ``--model-path``,
+    ``--block-size``, ``--device``, ``--dtype``). A model path, from either, wins over the
+    settings' ``model_json`` as it does in rankd.
+
+    Checked before anything starts; raises :class:`~shared.ids.InvalidInput` naming the
+    option (``--model-path``) or the variable (``VTM_TORCH_MODEL_PATH``) the bad value came
+    from: a model path that is no checkpoint directory (its ``config.json`` is read), a
+    ``model_json`` that is not JSON or no valid Qwen3 config, a device other than cpu / cuda,
+    cuda without a CUDA device, a dtype not in :data:`DTYPES`, a block size < 1."""
+    from services.rankd.engine.checkpoint import load_config
+    from services.rankd.engine.config import Qwen3Config
+    from services.rankd.torch_backend import torch_settings_from_env
+    from shared.ids import InvalidInput
+
+    ts = torch_settings_from_env() if settings is None else settings
+
+    def pick(name: str, given: Any) -> tuple[Any, str]:
+        if given is not None:
+            return given, "--" + name.replace("_", "-")
+        return getattr(ts, name), f"VTM_TORCH_{name.upper()}"
+
+    path, path_src = pick("model_path", None if model_path is None else str(model_path))
+    bs, bs_src = pick("block_size", block_size)
+    dev, dev_src = pick("device", device)
+    dt, dt_src = pick("dtype", dtype)
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise InvalidInput(f"{bs_src} must be an integer >= 1 (tokens per cache block), "
+                           f"got {bs!r}")
+    if dev not in ("cpu", "cuda"):
+        raise InvalidInput(f"{dev_src} must be 'cpu' or 'cuda', got {dev!r}")
+    if dev == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidInput(f"{dev_src} is cuda, but no CUDA device is available here "
+                               "(torch.cuda.is_available() is False); use cpu")
+    if dt not in DTYPES:
+        raise InvalidInput(f"{dt_src} must be one of {', '.join(DTYPES)}, got {dt!r}")
+    cfg: dict[str, Any] | None = None
+    if path:
+        try:
+            load_config(path)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{path_src} {path}: {exc} (a local HF-format Qwen3 "
+                               "checkpoint directory)") from None
+    else:
+        try:
+            data = json.loads(ts.model_json)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise InvalidInput(f"VTM_TORCH_MODEL_JSON: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise InvalidInput("VTM_TORCH_MODEL_JSON must be a JSON object (a Qwen3 "
+                               f"config), got {type(data).__name__}")
+        try:
+            Qwen3Config.from_dict(data)
+        except InvalidInput as exc:
+            raise InvalidInput(f"VTM_TORCH_MODEL_JSON: {exc}") from None
+        cfg = data
+    return {"model_config": cfg, "model_path": path or None, "block_size": bs,
+            "device": dev, "dtype": dt, "threads": ts.threads}
+
+
 def torch_profile_command(
     out_dir: str | Path,
     degrees: Sequence[int] = (1, 2, 4),
     seed: int = 0,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
-    prefixes: Sequence[int] = DEFAULT_PREFIXES,
+    prefixes: Sequence[int] | None = None,
     repeats: int = DEFAULT_REPEATS,
     *,
     model_config: dict[str, Any] | None = None,
     model_path: str | None = None,
     block_size: int = 16,
     device: str = "cpu",
+    dtype: str = "float32",
+    threads: int = 1,
     max_world: int | None = None,
     warmup: int = 1,
     estimator: str = "median",
 ) -> Path:
     """Profile the real engine (module docstring); returns the path of ``profile.json``.
 
-    ``warmup``: untimed passes over the grid per degree (:func:`measure`); ``estimator``:
-    ``median`` (default: the typical time, what a scheduler faces) or ``min`` (the
-    interference-free time; lower fit error on a shared machine, but biased low against
-    typical times) of the repeats of each point."""
+    The engine: ``model_config`` (a random model; None: :data:`PROFILE_MODEL`) or
+    ``model_path``, its ``block_size``, ``device``, ``dtype`` and ``threads`` per rank;
+    :func:`rankd_engine` gives those of the engine rankd runs. ``prefixes`` None:
+    :func:`default_prefixes` of the block size. ``warmup``: untimed passes over the grid per
+    degree (:func:`measure`); ``estimator``: ``median`` (default: the typical time, what a
+    scheduler faces) or ``min`` (the interference-free time; lower fit error on a shared
+    machine, but biased low against typical times) of the repeats of each point."""
     from shared.ids import InvalidInput
 
     if estimator not in ESTIMATORS:
         raise InvalidInput(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
+    if prefixes is None:
+        prefixes = default_prefixes(block_size)
     if max_world is None:
         if device == "cuda":
             import torch
@@ -280,7 +373,9 @@ def torch_profile_command(
         model_path=model_path,
         block_size=block_size,
         device=device,
+        dtype=dtype,
         warmup=warmup,
+        threads=threads,
     )
     wall = time.perf_counter() - t0
     reused_wrong = [r for r in rows if r["prefix_reused"] != r["p"]]
@@ -294,7 +389,8 @@ def torch_profile_command(
         f"{cfg['num_key_value_heads']})"
     )
     comm = "nccl" if device == "cuda" else "gloo"
-    hardware = f"{device}:{platform.machine()} world={max(degs)} ({comm}, 1 thread/rank)"
+    per_rank = "1 thread/rank" if threads == 1 else f"{threads} threads/rank"
+    hardware = f"{device}:{platform.machine()} world={max(degs)} ({comm}, {per_rank})"
     base = Profile(block_size=block_size, model=name, hardware=hardware)
     single = fit_profile(samples, base=base)
     per = fit_profile(samples, per_degree=True, base=base)
@@ -319,6 +415,8 @@ def torch_profile_command(
         # Noise floor: median over points of (max − min) / median of their repeats.
         "repeat_spread": spread(rows),
         "block_size": block_size,
+        "dtype": dtype,
+        "threads": threads,
         "seed": seed,
         "stored": "per_degree" if use_per else "single",
         "coefficients": chosen.coefficients.as_dict(),
