@@ -64,7 +64,7 @@ from services.cachemgr.reconcile import (
 from services.rankd.backend import ExecutionBackend
 from services.rankd.blockcache import BlockCache
 from services.rankd.service import RankdService
-from services.rankd.settings import RankdSettings
+from services.rankd.settings import RankdSettings, initial_workers_problem
 from shared.ids import BlockHash, InvalidInput, WorkerFault, WorkerId
 from shared.natsauth import security_options
 from shared.natsclient import connect
@@ -149,9 +149,9 @@ class RankdHost:
         self.gpus = gpus
         self.backend_factory = backend_factory
         self.initial = tuple(initial)
-        for wid in self.initial:
-            if not self._in_range(GpuGroup.from_worker_id(wid)):
-                raise InvalidInput(f"initial worker {wid} is outside GPUs {gpus}")
+        problem = initial_workers_problem(self.initial, gpus)
+        if problem is not None:
+            raise InvalidInput(problem)
         self.services: dict[str, RankdService] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._epoch = -1

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from services import calibration
 from shared.service import WORKER_LEASE_S
 from shared.settings import ServiceSettings
 from shared.worker import GpuGroup, WorkerKind
+
+
+def initial_workers_problem(worker_ids: Sequence[str], gpus: range | None) -> str | None:
+    """What is wrong with a rank host's initial workers (ids already known to parse), or None:
+    a worker whose GPUs are not all in ``gpus`` (None: no range to check), or two workers
+    that share a GPU -- the host would start both, each taking the other's ranks. Pure."""
+    taken: dict[int, str] = {}
+    for wid in worker_ids:
+        g = GpuGroup.from_worker_id(wid)
+        if gpus is not None and (g.gpus.start < gpus.start or g.gpus.stop > gpus.stop):
+            return (f"initial worker {wid} (GPUs {g.gpus.start}-{g.gpus.stop - 1}) is outside "
+                    f"the host's GPUs {gpus.start}-{gpus.stop - 1}")
+        for gpu in g.gpus:
+            other = taken.setdefault(gpu, wid)
+            if other != wid:
+                return f"initial workers {other} and {wid} share GPU {gpu}"
+    return None
 
 
 class RankdSettings(ServiceSettings):
@@ -109,10 +127,17 @@ class RankdSettings(ServiceSettings):
 
     @field_validator("initial_workers")
     @classmethod
-    def _workers(cls, v: str) -> str:
-        for w in v.split(","):
-            if w.strip():
-                GpuGroup.from_worker_id(w.strip())
+    def _workers(cls, v: str, info: ValidationInfo) -> str:
+        ids = [w.strip() for w in v.split(",") if w.strip()]
+        for w in ids:
+            GpuGroup.from_worker_id(w)
+        # host_gpus is declared before this field, so it is validated and in info.data (absent
+        # when it failed: that error is reported on its own).
+        first, _, last = (info.data.get("host_gpus") or "").partition("-")
+        gpus = range(int(first), int(last or first) + 1) if first else None
+        problem = initial_workers_problem(ids, gpus)
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
     @field_validator("worker_id")
