@@ -566,7 +566,7 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
     prefix_tokens = dict(observer.prefix_tokens) if observer is not None else {}
     report = LiveReport(records, time_scale, **({} if slo is None else {"slo": slo}),
                         changes=list(observer.changes) if observer else [],
-                        prefix_tokens=prefix_tokens,
+                        followed_epochs=observer is not None, prefix_tokens=prefix_tokens,
                         meta={**meta, "interrupted": interrupted, "gateway": gateway,
                               **(observer.summary_counts() if observer is not None else {})})
     report.render(Console())

@@ -181,6 +181,9 @@ class LiveReport:
     meta: dict[str, Any] = field(default_factory=dict)
     faults: Sequence[Mapping[str, Any]] = field(default_factory=list)
     """Faults injected during the run (:meth:`vertumnus.live.faults.FaultEvent.as_dict`)."""
+    followed_epochs: bool = True
+    """Whether the epoch records were followed (``changes`` is what they showed); False for a
+    ``replay`` without ``--nats``, which has no way to see the composition."""
 
     def metric_records(self) -> list[RequestRecord]:
         """The completed requests as :class:`RequestRecord` (modelled seconds); failed ones
@@ -341,6 +344,9 @@ class LiveReport:
                           describe_change(prev, ch) if prev else "initial")
                 prev = ch
             console.print(c)
+        elif not self.followed_epochs:
+            console.print("composition: not followed (give --nats URL to follow the epoch "
+                          "records)")
         else:
             console.print("composition: no epoch record observed (no controller running?)")
         if s["faults"]:
