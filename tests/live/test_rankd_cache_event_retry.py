@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
@@ -138,6 +139,54 @@ async def worker_behind(relay_url: str, prefix: str,
         await stopped(svc, task, timeout_s=WAIT_S)
 
 
+@dataclass
+class Rig:
+    """A worker behind a relay the test can cut, and the cache events it published."""
+
+    svc: RankdService
+    relay: Relay
+    backend: HeldEngine
+    events: list[CacheEvent]
+    subjects: Subjects
+
+    async def send_then_cut(self, nc: Client, command: ReplicateCommand) -> None:
+        """Send ``command`` without awaiting its answer (the worker is cut off before it could
+        send one) and cut the worker's connection while its engine step waits."""
+        data, headers = encode(command)
+        await nc.publish(self.subjects.cache_cmd(WID), data, headers=headers,
+                         reply=nc.new_inbox())
+        await asyncio.wait_for(self.backend.entered.wait(), timeout=WAIT_S)
+        self.relay.cut()
+        await until(lambda: not self.svc.nc.is_connected, "the worker disconnected")
+
+    async def reconnect(self) -> None:
+        self.relay.restore()
+        await until(lambda: self.svc.nc.is_connected, "the worker reconnected")
+
+
+@contextlib.asynccontextmanager
+async def rig(nats_server: EmbeddedNats, nc: Client, uniq: str) -> AsyncIterator[Rig]:
+    """A :class:`HeldEngine` worker behind a :class:`Relay` to the test server, the events it
+    publishes collected from its cache-event subject; all of it gone on the way out."""
+    s = Subjects(uniq)
+    host, port = nats_server.url.removeprefix("nats://").rsplit(":", 1)
+    relay = Relay((host, int(port)))
+    relay_url = await relay.start()
+    events: list[CacheEvent] = []
+
+    async def got(msg: Msg) -> None:
+        events.append(decode(CacheEvent, msg.data, msg.headers))
+
+    sub = await nc.subscribe(s.cache_events(WID), cb=got)
+    backend = HeldEngine()
+    try:
+        async with worker_behind(relay_url, uniq, backend) as svc:
+            yield Rig(svc, relay, backend, events, s)
+    finally:
+        await sub.unsubscribe()
+        await relay.close()
+
+
 async def test_a_quiet_workers_unsent_cache_events_go_out_once_it_reconnects(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
@@ -147,51 +196,28 @@ async def test_a_quiet_workers_unsent_cache_events_go_out_once_it_reconnects(
     both events reach the cache manager's subject, in order, with their ids. Before, they
     were lost: the subscriber saw event 1 and nothing after it."""
     s = Subjects(uniq)
-    host, port = nats_server.url.removeprefix("nats://").rsplit(":", 1)
-    relay = Relay((host, int(port)))
-    relay_url = await relay.start()
-    events: list[CacheEvent] = []
-
-    async def got(msg: Msg) -> None:
-        events.append(decode(CacheEvent, msg.data, msg.headers))
-
-    sub = await nc.subscribe(s.cache_events(WID), cb=got)
-    backend = HeldEngine()
-    try:
-        async with worker_behind(relay_url, uniq, backend) as svc:
-            backend.go.set()
-            first = ReplicateCommand(command_id="c-1", worker_id=WID, epoch=0, blocks=[1, 2],
-                                     source_worker="w-cp2-g0")
-            done = await call(nc, s.cache_cmd(WID), first, CacheCommandResult,
-                              timeout_s=WAIT_S)
-            assert done.ok and done.blocks_done == 2
-            await until(lambda: len(events) == 1, "event 1 published")
-            backend.go.clear()
-            backend.entered.clear()
-            second = ReplicateCommand(command_id="c-2", worker_id=WID, epoch=0,
-                                      blocks=[3, 4], source_worker="w-cp2-g0")
-            data, headers = encode(second)
-            # No answer is awaited: the worker is cut off before it could send one.
-            await nc.publish(s.cache_cmd(WID), data, headers=headers, reply=nc.new_inbox())
-            await asyncio.wait_for(backend.entered.wait(), timeout=WAIT_S)
-            relay.cut()
-            await until(lambda: not svc.nc.is_connected, "the worker disconnected")
-            backend.go.set()  # applied now: Removed [1, 2] (2), Stored [3, 4] (3)
-            await until(lambda: svc.core.cache_snapshot().last_event_id == 3,
-                        "the command applied")
-            await asyncio.sleep(0.2)  # its handler ends (the publish failed meanwhile)
-            assert [e.event_id for e in events] == [1]
-            relay.restore()
-            await until(lambda: svc.nc.is_connected, "the worker reconnected")
-            await until(lambda: len(events) >= 3, "the unsent events published")
-            await nc.flush()
-            assert [(e.type, e.event_id) for e in events] \
-                == [("stored", 1), ("removed", 2), ("stored", 3)]
-            assert sorted(events[1].block_hashes) == [1, 2] and events[2].block_hashes == [3, 4]
-    finally:
-        await sub.unsubscribe()
-        await relay.close()
-
+    async with rig(nats_server, nc, uniq) as r:
+        svc, backend, events = r.svc, r.backend, r.events
+        backend.go.set()
+        first = ReplicateCommand(command_id="c-1", worker_id=WID, epoch=0, blocks=[1, 2],
+                                 source_worker="w-cp2-g0")
+        done = await call(nc, s.cache_cmd(WID), first, CacheCommandResult, timeout_s=WAIT_S)
+        assert done.ok and done.blocks_done == 2
+        await until(lambda: len(events) == 1, "event 1 published")
+        backend.go.clear()
+        backend.entered.clear()
+        await r.send_then_cut(nc, ReplicateCommand(command_id="c-2", worker_id=WID, epoch=0,
+                                                   blocks=[3, 4], source_worker="w-cp2-g0"))
+        backend.go.set()  # applied now: Removed [1, 2] (2), Stored [3, 4] (3)
+        await until(lambda: svc.core.cache_snapshot().last_event_id == 3, "the command applied")
+        await asyncio.sleep(0.2)  # its handler ends (the publish failed meanwhile)
+        assert [e.event_id for e in events] == [1]
+        await r.reconnect()
+        await until(lambda: len(events) >= 3, "the unsent events published")
+        await nc.flush()
+        assert [(e.type, e.event_id) for e in events] \
+            == [("stored", 1), ("removed", 2), ("stored", 3)]
+        assert sorted(events[1].block_hashes) == [1, 2] and events[2].block_hashes == [3, 4]
 
 async def test_unsent_cache_events_go_out_before_the_next_commands(
     nats_server: EmbeddedNats, nc: Client, uniq: str
@@ -200,41 +226,21 @@ async def test_unsent_cache_events_go_out_before_the_next_commands(
     likely before the re-sender's next round: the kept events still go out first, then the
     new command's, every id once and in order."""
     s = Subjects(uniq)
-    host, port = nats_server.url.removeprefix("nats://").rsplit(":", 1)
-    relay = Relay((host, int(port)))
-    relay_url = await relay.start()
-    events: list[CacheEvent] = []
-
-    async def got(msg: Msg) -> None:
-        events.append(decode(CacheEvent, msg.data, msg.headers))
-
-    sub = await nc.subscribe(s.cache_events(WID), cb=got)
-    backend = HeldEngine()
-    try:
-        async with worker_behind(relay_url, uniq, backend) as svc:
-            command = ReplicateCommand(command_id="c-1", worker_id=WID, epoch=0,
-                                       blocks=[1, 2], source_worker="w-cp2-g0")
-            data, headers = encode(command)
-            await nc.publish(s.cache_cmd(WID), data, headers=headers, reply=nc.new_inbox())
-            await asyncio.wait_for(backend.entered.wait(), timeout=WAIT_S)
-            relay.cut()
-            await until(lambda: not svc.nc.is_connected, "the worker disconnected")
-            backend.go.set()  # Stored [1, 2] (1), unsent
-            await until(lambda: svc.core.cache_snapshot().last_event_id == 1,
-                        "the command applied")
-            relay.restore()
-            await until(lambda: svc.nc.is_connected, "the worker reconnected")
-            for i, blocks in enumerate(([3], [4]), 2):
-                later = ReplicateCommand(command_id=f"c-{i}", worker_id=WID, epoch=0,
-                                         blocks=blocks, source_worker="w-cp2-g0")
-                done = await call(nc, s.cache_cmd(WID), later, CacheCommandResult,
-                                  timeout_s=WAIT_S)
-                assert done.ok and done.blocks_done == 1
-            # [3]: evicts 2 (2), stores 3 (3); [4]: evicts 1 (4), stores 4 (5).
-            await until(lambda: len(events) >= 5, "every event published")
-            await nc.flush()
-            assert [(e.type, e.event_id) for e in events] == [
-                ("stored", 1), ("removed", 2), ("stored", 3), ("removed", 4), ("stored", 5)]
-    finally:
-        await sub.unsubscribe()
-        await relay.close()
+    async with rig(nats_server, nc, uniq) as r:
+        svc, backend, events = r.svc, r.backend, r.events
+        await r.send_then_cut(nc, ReplicateCommand(command_id="c-1", worker_id=WID, epoch=0,
+                                                   blocks=[1, 2], source_worker="w-cp2-g0"))
+        backend.go.set()  # Stored [1, 2] (1), unsent
+        await until(lambda: svc.core.cache_snapshot().last_event_id == 1, "the command applied")
+        await r.reconnect()
+        for i, blocks in enumerate(([3], [4]), 2):
+            later = ReplicateCommand(command_id=f"c-{i}", worker_id=WID, epoch=0,
+                                     blocks=blocks, source_worker="w-cp2-g0")
+            done = await call(nc, s.cache_cmd(WID), later, CacheCommandResult,
+                              timeout_s=WAIT_S)
+            assert done.ok and done.blocks_done == 1
+        # [3]: evicts 2 (2), stores 3 (3); [4]: evicts 1 (4), stores 4 (5).
+        await until(lambda: len(events) >= 5, "every event published")
+        await nc.flush()
+        assert [(e.type, e.event_id) for e in events] == [
+            ("stored", 1), ("removed", 2), ("stored", 3), ("removed", 4), ("stored", 5)]

@@ -97,6 +97,23 @@ def attempt_job(job: Job, later: Assignment, source: str | None) -> Job:
                accepted_at_s=job.accepted_at_s, source=source)
 
 
+def drained_x(*others: str) -> tuple[WorkerCore, Assignment, Assignment, Job]:
+    """A core whose job x (from intake message "x") is being handed back by a drain (epoch
+    1), with a later attempt of x (0.5 s later, not yet admitted); ``others``: more requests
+    admitted before the drain, each from its own id as source. Returns (the core, x's first
+    assignment, the later attempt's, x's job)."""
+    core = WorkerCore(WID)
+    first = plain_assignment("x", WID)
+    later = later_attempt(first, first.request.arrival_s + 0.5)
+    core.admit(first, 0.0, source="x")
+    for rid in others:
+        core.admit(plain_assignment(rid, WID), 0.0, source=rid)
+    job = core.job("x")
+    assert job is not None
+    core.adopt(record(1, Lifecycle.DRAINING))
+    return core, first, later, job
+
+
 def test_a_joined_attempt_of_unknown_outcome_is_remembered_until_confirmed() -> None:
     """The core remembers a joined attempt whose hand-back outcome is unknown by its source
     and arrival stamp: its re-sent assignment raises HandBackUnknown naming it (``joined``,
@@ -104,15 +121,9 @@ def test_a_joined_attempt_of_unknown_outcome_is_remembered_until_confirmed() -> 
     source being the job's (the usual case) does not make the job's confirmed hand-back
     answer for it, nor the attempt's unknown outcome the job's. A refusal changes nothing;
     an attempt without a source is not remembered (nothing could match it)."""
-    core = WorkerCore(WID)
-    first = plain_assignment("x", WID)
-    later = later_attempt(first, first.request.arrival_s + 0.5)
-    core.admit(first, 0.0, source="x")
-    core.admit(plain_assignment("y", WID), 0.0, source="y")
-    job = core.job("x")
+    core, first, later, job = drained_x("y")
     other = core.job("y")
-    assert job is not None and other is not None
-    core.adopt(record(1, Lifecycle.DRAINING))
+    assert other is not None
     core.redirect_settled("x", in_intake=True)
     core.redirect_settled("y", in_intake=True)
     core.joined_handback_unknown(attempt_job(job, later, "x"))
@@ -140,13 +151,7 @@ def test_a_joined_attempt_and_its_job_both_of_unknown_outcome_are_told_apart() -
     """The job's hand-back and its joined attempt's are both of unknown outcome under one
     source: a re-sent assignment of each attempt names that attempt's hand-back (the job's
     is no longer ``joined``); confirming one leaves the other unknown."""
-    core = WorkerCore(WID)
-    first = plain_assignment("x", WID)
-    later = later_attempt(first, first.request.arrival_s + 0.5)
-    core.admit(first, 0.0, source="x")
-    job = core.job("x")
-    assert job is not None
-    core.adopt(record(1, Lifecycle.DRAINING))
+    core, first, later, job = drained_x()
     core.redirect_settled("x", unknown=True)
     core.joined_handback_unknown(attempt_job(job, later, "x"))
     with pytest.raises(HandBackUnknown) as mine:
@@ -173,13 +178,7 @@ def test_a_joined_attempt_of_unknown_outcome_comes_before_finished_here() -> Non
     as before: the job's own, another arrival, one with no or another source. Before, the
     later attempt's too was admitted as done ("finished here" came first), and the adapter
     answered it from the kept answer besides its hand-back."""
-    core = WorkerCore(WID)
-    first = plain_assignment("x", WID)
-    later = later_attempt(first, first.request.arrival_s + 0.5)
-    core.admit(first, 0.0, source="x")
-    job = core.job("x")
-    assert job is not None
-    core.adopt(record(1, Lifecycle.DRAINING))
+    core, first, later, job = drained_x()
     core.redirect_settled("x", in_intake=True)
     core.joined_handback_unknown(attempt_job(job, later, "x"))
     core.adopt(record(2, Lifecycle.ACTIVE))
