@@ -14,7 +14,8 @@ A :class:`TorchWorld` is owned by the rank-daemon process (the workers' leader s
    ``prefill`` (one :meth:`RankEngine.prefill` step, SPMD over the members of a worker),
    ``switch`` (:meth:`RankEngine.switch`, split or merge at a step boundary), ``remove``
    (drop cached blocks of the active worker), ``blocks`` (its cached block hashes),
-   ``export`` / ``import`` (KV replication between workers, :meth:`TorchWorld.copy_prefix`),
+   ``export`` / ``import`` (KV replication between workers, :meth:`TorchWorld.copy_prefix`:
+   each destination member is sent only the pages it keeps),
    ``info``, ``stop``. The leader mirrors each worker's cache index from the replies (stored and
    evicted blocks, removals, the index a switch leaves), so it knows what the engine holds
    without asking.
@@ -61,7 +62,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -186,6 +187,10 @@ class RankInfo:
     degree: int
     worker: str
     retired: tuple[str, ...] = field(default_factory=tuple)
+    # Pages (and their KV bytes) this rank has received in ``import`` commands since it
+    # started: what actually arrived over its pipe, whatever the leader meant to send.
+    received_pages: int = 0
+    received_kv_bytes: int = 0
 
 
 # --- the rank process ----------------------------------------------------------------------
@@ -259,6 +264,8 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
             conn.send(("fatal", traceback.format_exc()))
         return
 
+    received = [0, 0]  # pages, KV bytes received in "import" commands (RankInfo)
+
     def info() -> RankInfo:
         return RankInfo(
             rank,
@@ -267,6 +274,8 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
             groups.active.degree,
             str(engine.worker_id),
             tuple(sorted(engine.retired)),
+            received[0],
+            received[1],
         )
 
     from shared.ids import InvalidInput as _Bad
@@ -320,8 +329,12 @@ def _rank_main(spec: WorldSpec, rank: int, store: str, conn: Connection) -> None
                 elif op == "resident":
                     conn.send(("ok", engine.resident_prefix(msg[1])))
                 elif op == "import":
-                    _, chain, pages, protect = msg
-                    stored, evicted = engine.import_prefix(chain, pages, protect)
+                    _, chain, pages, protect, page_shape = msg
+                    received[0] += len(pages)
+                    received[1] += sum(pg.kv.nbytes for pg in pages)
+                    stored, evicted = engine.import_prefix(
+                        chain, pages, protect, payload_shape=page_shape
+                    )
                     engine.take_events()
                     conn.send(("ok", ([int(h) for h in stored], [int(h) for h in evicted])))
                 elif op == "switch":
@@ -391,6 +404,11 @@ class TorchWorld:
         # in place where every member already held them (adopt_resident).
         self.copied_pages = 0
         self.adopted_pages = 0
+        # What copy_prefix sent each rank (index: global rank), cumulative: pages and their KV
+        # bytes (tensor sizes, whatever the pipe's pickler makes of them). Each destination
+        # member is sent only the pages it keeps, so these show what a re-shard costs.
+        self.pages_sent = [0] * spec.world_size
+        self.kv_bytes_sent = [0] * spec.world_size
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -532,15 +550,27 @@ class TorchWorld:
 
     def _round(self, ranks: Sequence[int], msg: tuple[Any, ...]) -> list[Any]:
         """Send ``msg`` to every rank of ``ranks`` and collect their answers (rank order)."""
+        return self._round_each({r: msg for r in ranks})
+
+    def _round_each(self, msgs: Mapping[int, tuple[Any, ...]]) -> list[Any]:
+        """Send each rank of ``msgs`` its own message and collect their answers (rank order).
+
+        One command of one worker, as :meth:`_round`, whose members are given different
+        arguments (each its share of a payload, :meth:`copy_prefix`): the same locking (all
+        members' locks for the whole round trip) and the same failure handling (a broken
+        pipe, a dead or silent member, a fatal answer break the world; typed "invalid"
+        answers are re-raised only when every member gave one, else the members disagreed
+        and the world is broken). The messages must keep the engine's SPMD contract: every
+        member makes the same collectives and ends in the same index."""
         if self._closed:
             raise WorldBroken("world closed")
         if self.broken is not None:
             raise WorldBroken(f"world is broken: {self.broken}")
-        ranks = sorted(ranks)
+        ranks = sorted(msgs)
         with self._locked(ranks):
             for r in ranks:
                 try:
-                    self._conns[r].send(msg)
+                    self._conns[r].send(msgs[r])
                 except OSError as exc:  # BrokenPipeError: the rank is gone (or going)
                     why = self._first_death(ranks, REAP_GRACE_S)
                     self.broken = why or f"rank {r}'s pipe broke: {exc}"
@@ -653,10 +683,22 @@ class TorchWorld:
         request whose KV hand-off is in progress); when that leaves too little room, only
         the leading part of the chain that fits is installed.
 
+        Each destination member is sent only the pages it keeps: page i of the chain (block
+        i, root first) goes to the member of CP rank i mod C' (C' = ``len(dst_ranks)``, the
+        members in ascending order being CP ranks 0..C'-1), with the whole chain's metadata,
+        so every member updates the same index (the same (stored, evicted) answer) and a
+        member's pool receives exactly the pages it would have kept from the whole chain.
+        :attr:`pages_sent` / :attr:`kv_bytes_sent` count what each rank was sent.
+
         Checked on the leader before anything is installed: only a prefix whose every page
-        arrived is sent, so every destination member does the same thing. Returns the
-        destination's (stored, evicted) block hashes; ([], []) when nothing could be copied.
+        arrived is sent, and its pages must share one shape (else :class:`KVFormatError`,
+        nothing sent), declared to every member, which refuses a payload of another shape
+        than its cache's -- so members given different pages still refuse or install
+        together. Returns the destination's (stored, evicted) block hashes; ([], []) when
+        nothing could be copied.
         """
+        from services.rankd.engine.errors import KVFormatError
+
         src, dst = sorted(set(src_ranks)), sorted(set(dst_ranks))
         with self._locked(src + dst):
             answers = self._round(src, ("export", src_worker, [int(h) for h in hashes]))
@@ -669,10 +711,24 @@ class TorchWorld:
             if not chain:
                 return [], []
             keep = [pages[h] for h, _ in chain]
-            replies = self._round(dst, ("import", chain, keep, sorted(int(h) for h in protect)))
+            shapes = {tuple(pg.kv.shape) for pg in keep}
+            if len(shapes) != 1:
+                # A member checks only the pages it is given: one odd page would make its
+                # owner refuse while the others install, splitting the worker's index.
+                raise KVFormatError(f"exported pages of {src_worker} differ in shape: {shapes}")
+            (shape,) = shapes
+            guard = sorted(int(h) for h in protect)
+            degree = len(dst)
+            share = {r: keep[k::degree] for k, r in enumerate(dst)}  # page i -> CP rank i % C'
+            replies = self._round_each(
+                {r: ("import", chain, share[r], guard, shape) for r in dst}
+            )
         stored, evicted = replies[0]
         with self._mirror_lock:  # workers' commands run on several threads
             self.copied_pages += len(stored)
+            for r in dst:
+                self.pages_sent[r] += len(share[r])
+                self.kv_bytes_sent[r] += sum(pg.kv.nbytes for pg in share[r])
         self._mirror(str(worker_name(len(dst), dst[0] + self.spec.gpu_offset)), stored, evicted)
         return list(stored), list(evicted)
 
@@ -697,7 +753,9 @@ class TorchWorld:
             n = min(self._round(dst, ("resident", [h for h, _ in pairs])))
             if n == 0:
                 return [], []
-            replies = self._round(dst, ("import", pairs[:n], [], sorted(int(h) for h in protect)))
+            replies = self._round(
+                dst, ("import", pairs[:n], [], sorted(int(h) for h in protect), None)
+            )
         stored, evicted = replies[0]
         self._mirror(str(worker_name(len(dst), dst[0] + self.spec.gpu_offset)), stored, evicted)
         with self._mirror_lock:  # workers' commands run on several threads

@@ -200,6 +200,35 @@ def test_reshard_2_to_4_and_to_1() -> None:
         assert torch.equal(gathered(dst, looks), stack_kv([(k[:20], v[:20]) for k, v in kv]))
 
 
+def test_reshard_with_each_member_given_only_its_own_pages() -> None:
+    """A destination member given only the pages it keeps (page i -> CP rank i mod C') plus
+    the whole chain installs what it installs from the whole payload: the same index and
+    events on every member, the same gathered KV. A declared payload shape other than the
+    cache's is refused by every member alike -- also one given no page -- changing nothing."""
+    src = worker(2, name="w-cp2")
+    ids = list(range(40, 63))  # 5 full blocks
+    _, kv = prefill(src, ids)
+    hashes = chain_hashes(ids, B)
+    chain = src[0].chain_of(hashes)
+    pages = sorted((pg for c in src for pg in c.export_pages(hashes)), key=lambda pg: pg.page)
+    shape = tuple(pages[0].kv.shape)
+    for deg in (4, 8):
+        dst = worker(deg, name=f"w-cp{deg}")
+        bad = tuple(n + (i == 2) for i, n in enumerate(shape))
+        for c in dst:
+            with pytest.raises(KVFormatError, match="shape"):
+                c.import_prefix(chain, pages[c.rank :: deg], payload_shape=bad)
+            assert len(c.index) == 0 and c.take_events() == [] and len(c.pool) == 0
+        for c in dst:
+            assert c.import_prefix(chain, pages[c.rank :: deg], payload_shape=shape) == hashes
+        evs = [c.take_events() for c in dst]
+        assert all(e == evs[0] for e in evs) and evs[0][0]["block_hashes"] == hashes
+        assert [len(c.pool) for c in dst] == [len(range(r, 5, deg)) for r in range(deg)]
+        looks = [c.lookup(ids + [1]) for c in dst]
+        assert looks[0].match.prefix_len == 20
+        assert torch.equal(gathered(dst, looks), stack_kv([(k[:20], v[:20]) for k, v in kv]))
+
+
 def test_import_validates_before_changing_anything() -> None:
     src = worker(1)
     ids = list(range(9))

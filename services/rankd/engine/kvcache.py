@@ -29,7 +29,8 @@ Events (drained by the adapter with :meth:`PrefixIndex.take_events`, never publi
 
 Re-shard (degree C -> C'): :meth:`RankKVCache.export_pages` on every source rank, move the
 pages (any transport), :meth:`RankKVCache.import_prefix` on every destination rank with the
-chain metadata; each destination rank keeps the pages p ≡ its rank (mod C').
+chain metadata; each destination rank keeps the pages p ≡ its rank (mod C'), so it needs to
+be sent only those (TorchWorld.copy_prefix sends each member its own share).
 """
 
 from __future__ import annotations
@@ -609,6 +610,8 @@ class RankKVCache:
         chain: list[tuple[BlockHash, BlockHash | None]],
         pages: list[Page],
         protect: frozenset[BlockHash] | set[BlockHash] = frozenset(),
+        *,
+        payload_shape: tuple[int, ...] | None = None,
     ) -> list[BlockHash]:
         """Install a chain (root first: (hash, parent) per block, pages 0..n-1) whose pages
         come from another worker or degree; keeps the pages p ≡ rank (mod C).
@@ -626,10 +629,15 @@ class RankKVCache:
 
         Validates first (chain links, every owned page present, every given page of the
         chain with the right shape) and changes nothing on failure (:class:`KVFormatError`).
-        Shapes are checked on every given page, not only the owned ones, so that ranks given
-        the same pages (rankd sends every member the whole chain) refuse a bad payload
-        together: one rank refusing while the others install would split the worker's index.
+        Members must refuse a bad payload together: one rank refusing while the others
+        install would split the worker's index. Ranks given the same pages do (shapes are
+        checked on every given page, not only the owned ones); ranks each given only their
+        own pages (TorchWorld.copy_prefix) are also given ``payload_shape``, the one shape
+        of every page of the whole payload (the caller checked that), and each refuses a
+        payload of another shape than its cache's -- the same verdict on every member.
         """
+        if payload_shape is not None and tuple(payload_shape) != self.shape:
+            raise KVFormatError(f"pages of shape {tuple(payload_shape)}, want {self.shape}")
         by_hash = {pg.hash: pg for pg in pages}
         prev = None
         for i, (h, parent) in enumerate(chain):

@@ -166,11 +166,17 @@ class RankEngine:
         chain: list[tuple[BlockHash, BlockHash | None]],
         pages: list[Page],
         protect: list[BlockHash] | tuple[BlockHash, ...] = (),
+        *,
+        payload_shape: tuple[int, ...] | None = None,
     ) -> tuple[list[BlockHash], list[BlockHash]]:
         """Install a chain and its pages into the active cache (keeping this rank's pages),
         never evicting a block of ``protect`` to make room (what does not fit is not stored);
-        returns (stored, evicted). Validates first: KVFormatError changes nothing."""
-        stored = self.cache.import_prefix(chain, pages, frozenset(protect))
+        returns (stored, evicted). ``pages`` may be only this rank's share of the chain's
+        pages, ``payload_shape`` then the shape of every page of the whole payload
+        (:meth:`RankKVCache.import_prefix`). Validates first: KVFormatError changes nothing."""
+        stored = self.cache.import_prefix(
+            chain, pages, frozenset(protect), payload_shape=payload_shape
+        )
         return stored, self.cache.last_evicted
 
     def resident_prefix(self, hashes: list[BlockHash]) -> int:
