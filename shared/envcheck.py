@@ -8,8 +8,10 @@ process reads it: :func:`unknown_variables` finds those, with the known name it 
 
 Who reads what: every process's settings class (:data:`SETTINGS_CLASSES`, as
 ``"module:Class"``, imported only when the process's own class does not explain a variable:
-the usual start imports nothing more), the names the code reads one by one
-(:data:`NAME_CONSTANTS`, :data:`OTHER_NAMES`) and whole families (:data:`KNOWN_PREFIXES`).
+the usual start imports nothing more) and the names the code reads one by one
+(:data:`NAME_CONSTANTS`, :data:`OTHER_NAMES`). Every name is exact (only a dict setting's
+``VTM_FIELD__*`` keys are open): the torch backend's settings too, which live in a module
+without torch (services/rankd/torch_settings.py) for this check's sake.
 tests/shared/test_envcheck.py checks these lists against the code (every settings class and
 every ``"VTM_..."`` literal of services/, shared/, vertumnus/ and sim/), so that they cannot
 fall behind it.
@@ -46,6 +48,9 @@ SETTINGS_CLASSES: Final[tuple[str, ...]] = (
     "services.rankd.settings:RankdSettings",
     # The sim launcher of `vertumnus up`, `vertumnus rankd` and docker-compose (VTM_TRUTH...).
     "vertumnus.live.rankd_sim:SimRankdSettings",
+    # rankd's torch backend (VTM_TORCH_*) and `vertumnus profile --backend torch`: torch-free
+    # module, re-exported by services/rankd/torch_backend.py.
+    "services.rankd.torch_settings:TorchSettings",
 )
 """The settings class of every vertumnus process, as ``"module:Class"``."""
 
@@ -57,17 +62,11 @@ NAME_CONSTANTS: Final[tuple[str, ...]] = (
 
 OTHER_NAMES: Final[frozenset[str]] = frozenset({
     "VTM_API_KEY",  # `vertumnus replay --api-key` (typer's envvar=, vertumnus/cmd_live.py)
+    # The rank processes' opt-in varlen kernel (services/rankd/engine/attention.py): a literal
+    # there, in a module that imports torch (no constant here could import it without torch).
+    "VTM_TORCH_VARLEN",
 })
 """Variables read by name where no constant holds the name."""
-
-KNOWN_PREFIXES: Final[tuple[str, ...]] = (
-    # The torch backend's TorchSettings (env_prefix "VTM_TORCH_",
-    # services/rankd/torch_backend.py) and VTM_TORCH_VARLEN (services/rankd/engine/
-    # attention.py). That module imports torch, which the control-plane image lacks and which
-    # takes seconds to import: the whole family is known instead of its fields.
-    "VTM_TORCH_",
-)
-"""Families of variables known as a whole: any name that starts with one is read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +125,11 @@ def all_readers() -> Readers | None:
     imported. Then nothing can be called unknown: that module's process may read the
     variable, and a process must not die for a variable another one reads (an installation
     without some module, a dependency missing). None of the modules needs torch (the torch
-    backend is known by prefix), so the control-plane image, which has no torch, imports them
-    all; tests/shared/test_envcheck.py checks that, with torch unimportable."""
+    backend's settings have a module of their own), so the control-plane image, which has no
+    torch, imports them all; tests/shared/test_envcheck.py checks that, with torch
+    unimportable."""
     names: set[str] = set(OTHER_NAMES)
-    prefixes: list[str] = list(KNOWN_PREFIXES)
+    prefixes: list[str] = []
     try:
         for ref in SETTINGS_CLASSES:
             r = readers_of(_load(ref))
@@ -174,7 +174,6 @@ def unknown_variables(environ: Mapping[str, str], own: type[BaseSettings]) -> li
 
 
 __all__ = [
-    "KNOWN_PREFIXES",
     "NAME_CONSTANTS",
     "OTHER_NAMES",
     "SETTINGS_CLASSES",

@@ -18,6 +18,8 @@ import typer
 from shared.ids import InvalidInput
 
 if TYPE_CHECKING:
+    from pydantic_settings import BaseSettings
+
     from shared.slo import SloTable
 
 T = TypeVar("T", int, float, str)
@@ -271,6 +273,34 @@ def nats_settings() -> None:
         env_security_options()
     except InvalidInput as exc:
         fail(f"NATS security settings: {exc}")
+
+
+def vtm_environment(own: type[BaseSettings] | None = None) -> None:
+    """Exit 2 when this process's environment has a ``VTM_*`` variable that no vertumnus
+    process reads (:func:`shared.envcheck.unknown_variables`: a misspelt name, which the
+    settings would silently ignore): one ``error:`` line naming each such variable and the
+    known name closest to it, as ``up`` and every service refuse it. A variable another
+    process reads is no error: one environment serves several processes. ``own``: the
+    settings class the command reads (None: the common :class:`~shared.settings.ServiceSettings`,
+    whose ``VTM_NATS_*`` the NATS tools read); it only spares imports, the verdict is the
+    same for any class.
+
+    Which commands call it: those that read ``VTM_*`` variables -- ``replay``
+    (``VTM_API_KEY``, ``VTM_GATEWAY_CA``, with ``--nats`` the ``VTM_NATS_*`` credentials),
+    ``tap`` and ``status`` (``VTM_NATS_*``) and ``profile --backend torch`` (rankd's
+    ``VTM_TORCH_*``), first thing, before their own checks read a setting. ``up`` refuses
+    through its config (vertumnus.live.stack.UpConfig) and the service commands through
+    their mains (shared.servicemain), with the same lines. The offline commands (``simulate``,
+    ``tune``, ``size``, ``report``, ``profile --backend sim``, ``demo``, ...) do not call it:
+    they read no ``VTM_*`` variable, so none can change what they compute, and refusing
+    one there would only stop offline work over a name meant for a service -- which that
+    service refuses when it starts."""
+    from shared.envcheck import unknown_variables
+    from shared.settings import ServiceSettings
+
+    stray = unknown_variables(os.environ, ServiceSettings if own is None else own)
+    if stray:
+        fail("; ".join(stray))
 
 
 def nats_url_option(url: str, name: str = "nats") -> str:

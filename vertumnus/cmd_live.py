@@ -51,6 +51,7 @@ from vertumnus.cliargs import (
     output_file,
     profile_file,
     slo_table,
+    vtm_environment,
 )
 from vertumnus.cliargs import fail as _fail
 
@@ -326,6 +327,7 @@ def register(app: typer.Typer) -> None:
         from shared.subjects import validate_subject
         from vertumnus.live.stack import load_requests
 
+        vtm_environment()  # a misspelt VTM_API_KEY / VTM_GATEWAY_CA / VTM_NATS_* is refused
         check_seed(seed)
         _check_replay_numbers(rate=rate, duration=duration, time_scale=time_scale,
                               rate_scale=rate_scale, max_requests=max_requests)
@@ -375,6 +377,7 @@ def register(app: typer.Typer) -> None:
         from shared.subjects import validate_filter
         from vertumnus.live.tap import tap as run_tap
 
+        vtm_environment()  # a misspelt VTM_NATS_* name is refused, not silently ignored
         try:  # nats-py would raise its BadSubjectError only once connected
             validate_filter(subject)
         except InvalidInput as exc:
@@ -430,6 +433,7 @@ def register(app: typer.Typer) -> None:
         from vertumnus.live.status import render
         from vertumnus.live.status import status as read_status
 
+        vtm_environment()  # a misspelt VTM_NATS_* name is refused, not silently ignored
         try:  # Subjects checks what every builder needs (legal tokens, not too deep)
             Subjects(prefix)
         except InvalidInput as exc:

@@ -24,6 +24,7 @@ from vertumnus.cliargs import (
     j_weight,
     profile_file,
     slo_table,
+    vtm_environment,
     writing_into,
 )
 from vertumnus.cliargs import fail as _fail
@@ -361,6 +362,10 @@ def register(app: typer.Typer) -> None:
         """
         if backend not in ("sim", "torch"):
             _fail(f"unknown backend {backend!r}; use 'sim' or 'torch'")
+        if backend == "torch":  # reads rankd's VTM_TORCH_* (the sim backend reads no VTM_*)
+            from services.rankd.torch_settings import TorchSettings
+
+            vtm_environment(TorchSettings)
         check_seed(seed)
         degs = degrees_option(degrees)
         kdegs = degrees_option(kappa_degrees, "kappa-degrees") if kappa_degrees else None

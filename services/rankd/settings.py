@@ -46,7 +46,7 @@ class RankdSettings(ServiceSettings):
     backend: Literal["sim", "torch"] = Field(
         default="sim",
         description="'sim' (modelled time) or 'torch' (real CP engine; VTM_TORCH_* settings, "
-        "services/rankd/torch_backend.py; needs the 'engine' extra)",
+        "services/rankd/torch_settings.py; needs the 'engine' extra)",
     )
     time_scale: float = Field(
         default=1.0,

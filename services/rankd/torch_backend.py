@@ -70,12 +70,16 @@ from typing import Any, Final
 
 import numpy as np
 import structlog
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.rankd.backend import ExecutionBackend, PrefillResult
 from services.rankd.blockcache import BlockCache
 from services.rankd.engine.errors import SequenceTooLong, TokenOutOfVocab
+
+# The backend's settings live in a module without torch, which shared/envcheck.py imports in
+# every process to know the VTM_TORCH_* names exactly; re-exported here, where they are used.
+from services.rankd.torch_settings import TINY_MODEL as TINY_MODEL
+from services.rankd.torch_settings import TorchSettings as TorchSettings
+from services.rankd.torch_settings import torch_settings_from_env as torch_settings_from_env
 from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldBroken, WorldSpec
 from shared.ids import InvalidInput, UnknownWorker
 from shared.natsauth import security_options
@@ -88,18 +92,6 @@ _log = structlog.get_logger("vertumnus.rankd.torch")
 KV_CONTENT_TYPE: Final[str] = "application/vnd.vertumnus.kv-chunk"
 DECODE_QUEUE: Final[str] = "vtm-decode"
 _MASK64: Final[int] = (1 << 64) - 1
-
-TINY_MODEL: Final[dict[str, Any]] = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 8192,
-}
-"""A tiny random Qwen3 (dev and tests on CPU); a real deployment sets ``model_path``."""
 
 LIVE_TORCH_MODEL: Final[dict[str, Any]] = {
     **TINY_MODEL,
@@ -776,53 +768,6 @@ class TorchBackend:
 
 
 # --- wiring into rankd -------------------------------------------------------------------------
-
-
-class TorchSettings(BaseSettings):
-    """Settings of the torch backend (environment ``VTM_TORCH_*``)."""
-
-    model_config = SettingsConfigDict(env_prefix="VTM_TORCH_", extra="ignore", frozen=True)
-
-    model_path: str | None = Field(
-        default=None, description="Local HF-format Qwen3 directory; unset: a tiny random model."
-    )
-    model_json: str = Field(
-        default=json.dumps(TINY_MODEL),
-        description="Qwen3 config (JSON) of the random model used when model_path is unset.",
-    )
-    seed: int = Field(default=0, description="Seed of the random model's weights.")
-    dtype: str = Field(default="float32", description="float32 | float64 | bfloat16 | float16.")
-    device: str = Field(default="cpu", description="'cpu' (gloo) or 'cuda' (NCCL).")
-    degrees: str = Field(default="1,2,4,8", description="Lattice degrees (those > world ignored).")
-    block_size: int = Field(default=16, ge=1, description="Engine cache block (page) size.")
-    pages_per_rank: int = Field(default=4096, ge=1, description="KV pages per rank.")
-    threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank.")
-    handoff: str = Field(
-        default="nats",
-        description="'nats': KV chunks on {prefix}.kv.{rid} to a decode role; 'local': "
-        "in-process decode (dev).",
-    )
-    embedded_decode: bool = Field(
-        default=True, description="Run a KVDecodeRole inside the rankd process (nats handoff)."
-    )
-    decode_timeout_s: float = Field(default=60.0, gt=0, description="Wait for the decode reply.")
-
-    def model_dict(self) -> dict[str, Any]:
-        return dict(json.loads(self.model_json))
-
-
-def torch_settings_from_env() -> TorchSettings:
-    """``TorchSettings()`` from the environment, as rankd reads it; a value that does not
-    parse raises :class:`~shared.ids.InvalidInput` naming its variable (not pydantic's
-    ValidationError)."""
-    from pydantic import ValidationError
-
-    try:
-        return TorchSettings()
-    except ValidationError as exc:
-        bad = [f"VTM_TORCH_{str(e['loc'][0]).upper()}={e.get('input')!r}: {e['msg']}"
-               if e.get("loc") else e["msg"] for e in exc.errors()]
-        raise InvalidInput("; ".join(bad)) from None
 
 
 def _decode_model(ts: TorchSettings) -> Any:

@@ -3,6 +3,10 @@ which pydantic-settings would ignore) ends a service at its start with exit stat
 it and the known name closest to it; a variable another vertumnus process reads is no error
 (one environment serves several services: docker-compose's shared anchor, one ``.env``).
 
+The torch backend's variables (``VTM_TORCH_*``) are known by their exact names too, though
+the control-plane image has no torch: their settings class lives in a module that imports none
+(services/rankd/torch_settings.py).
+
 Also: the lists of who reads what (envcheck's module constants) are checked against the code,
 so that they cannot fall behind it -- every settings class of the tree, every ``"VTM_..."``
 literal, every variable docker-compose.yml and the Dockerfile set."""
@@ -26,11 +30,11 @@ from services.cachemgr.service import CacheMgrSettings
 from services.controller.service import ControllerSettings
 from services.gateway.settings import GatewaySettings
 from services.rankd.settings import RankdSettings
+from services.rankd.torch_backend import TorchSettings
 from services.scheduler.service import SchedulerSettings
 from shared import envcheck
 from shared.envcheck import (
     ENV_PREFIX,
-    KNOWN_PREFIXES,
     SETTINGS_CLASSES,
     all_readers,
     readers_of,
@@ -44,8 +48,10 @@ REPO = Path(__file__).resolve().parents[2]
 NOWHERE = {"VTM_NATS_URL": "nats://127.0.0.1:9"}  # never reached: the check comes first
 CODE_DIRS = ("services", "shared", "vertumnus", "sim")
 CLASSES = (GatewaySettings, SchedulerSettings, ControllerSettings, CacheMgrSettings,
-           RankdSettings, SimRankdSettings)
+           RankdSettings, SimRankdSettings, TorchSettings)
 TYPO = "VTM_WINDOWS_S: no vertumnus service reads it (did you mean VTM_WINDOW_S?)"
+TORCH_TYPO = ("VTM_TORCH_MODEL_PATHH: no vertumnus service reads it "
+              "(did you mean VTM_TORCH_MODEL_PATH?)")
 
 
 @pytest.fixture
@@ -87,11 +93,36 @@ def test_a_variable_another_service_reads_is_no_error() -> None:
     assert unknown_variables(gw, ControllerSettings) == []
 
 
-def test_names_read_outside_settings_classes_and_the_torch_family_are_known() -> None:
+def test_names_read_outside_settings_classes_and_the_torch_settings_are_known() -> None:
     env = {"VTM_NATS_SERVER_BIN": "/x", "VTM_GATEWAY_CA": "/ca.pem", "VTM_API_KEY": "k",
            "VTM_TORCH_DEVICE": "cuda", "VTM_TORCH_VARLEN": "1", "VTM_TORCH_DTYPE": "bfloat16"}
+    env |= {name: "1" for name in env_names(TorchSettings)}
+    assert len(env) > 15
     for cls in CLASSES:
         assert unknown_variables(env, cls) == [], cls
+
+
+def test_a_misspelt_torch_variable_is_named_with_the_closest_known_name() -> None:
+    """The torch backend's names are exact: no ``VTM_TORCH_`` family known as a whole."""
+    for cls in CLASSES:
+        assert unknown_variables({"VTM_TORCH_MODEL_PATHH": "/ckpt"}, cls) == [TORCH_TYPO], cls
+    assert unknown_variables({"VTM_TORCH_VARLENN": "1"}, RankdSettings) == [
+        "VTM_TORCH_VARLENN: no vertumnus service reads it (did you mean VTM_TORCH_VARLEN?)"]
+    every = all_readers()
+    assert every is not None
+    assert not [p for p in every.prefixes if p.startswith("VTM_TORCH")], every.prefixes
+
+
+def test_rankd_and_profile_read_the_listed_torch_settings_class() -> None:
+    """rankd and ``vertumnus profile --backend torch`` read the class envcheck lists (one
+    class, re-exported by the torch backend), from a module that imports no torch."""
+    from services.rankd import torch_settings
+    from services.rankd.engine import profiling
+
+    assert TorchSettings is torch_settings.TorchSettings
+    assert "services.rankd.torch_settings:TorchSettings" in SETTINGS_CLASSES
+    assert profiling.TINY_MODEL is torch_settings.TINY_MODEL
+    assert TorchSettings().model_dict() == torch_settings.TINY_MODEL
 
 
 def test_a_dict_setting_is_read_key_by_key_too(clean_env: pytest.MonkeyPatch) -> None:
@@ -157,6 +188,11 @@ def test_the_lists_import_without_torch() -> None:
             "assert all_readers() is not None\n"
             "assert unknown_variables({'VTM_TRUTH': 'exact'}, GatewaySettings) == []\n"
             "assert unknown_variables({'VTM_WINDOWS_S': '5'}, GatewaySettings)\n"
+            "assert unknown_variables({'VTM_TORCH_MODEL_PATH': '/c', 'VTM_TORCH_VARLEN': '1'},"
+            " GatewaySettings) == []\n"
+            f"assert unknown_variables({{'VTM_TORCH_MODEL_PATHH': '/c'}}, GatewaySettings)"
+            f" == [{TORCH_TYPO!r}]\n"
+            "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}\n"
             "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
@@ -213,6 +249,16 @@ def test_a_service_with_a_misspelt_variable_exits_2_before_connecting(module: st
     assert time.monotonic() - start < 60  # it did not wait for the broker
 
 
+def test_a_torch_rankd_with_a_misspelt_torch_variable_exits_2_before_connecting() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
+    env |= {**NOWHERE, "VTM_BACKEND": "torch", "VTM_TORCH_MODEL_PATHH": "/ckpt"}
+    proc = subprocess.run([sys.executable, "-m", "services.rankd.main"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"  {TORCH_TYPO}", proc.stderr
+
+
 def test_vertumnus_up_refuses_a_misspelt_variable_before_starting(
         clean_env: pytest.MonkeyPatch) -> None:
     """Every child inherits up's environment and would refuse the variable: up names it
@@ -250,18 +296,9 @@ def _base_name(node: ast.expr) -> str:
     return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
 
 
-def _env_prefix(cls: ast.ClassDef) -> str | None:
-    for node in ast.walk(cls):
-        if isinstance(node, ast.keyword) and node.arg == "env_prefix" \
-                and isinstance(node.value, ast.Constant):
-            return str(node.value.value)
-    return None
-
-
 def test_every_settings_class_of_the_tree_is_listed() -> None:
     """Every pydantic-settings class in services/, shared/, vertumnus/, sim/ (found in the
-    source: a class deriving, through any of them, from BaseSettings) is listed, or its whole
-    env_prefix family is known (the torch backend's, whose module imports torch)."""
+    source: a class deriving, through any of them, from BaseSettings) is listed."""
     classes: dict[str, tuple[str, ast.ClassDef]] = {}
     for mod, tree in _py_files():
         for node in ast.walk(tree):
@@ -277,12 +314,10 @@ def test_every_settings_class_of_the_tree_is_listed() -> None:
                 grew = True
     found = {name: classes[name] for name in settings if name in classes}
     assert {"ServiceSettings", "GatewaySettings", "TorchSettings"} <= set(found)  # it finds
-    for name, (mod, node) in sorted(found.items()):
+    for name, (mod, _) in sorted(found.items()):
         if name == "ServiceSettings":
             continue  # the base of every listed class
-        prefix = _env_prefix(node)
-        assert f"{mod}:{name}" in SETTINGS_CLASSES or (
-            prefix is not None and prefix.startswith(KNOWN_PREFIXES)), \
+        assert f"{mod}:{name}" in SETTINGS_CLASSES, \
             f"{mod}:{name} is missing from shared.envcheck.SETTINGS_CLASSES"
 
 
@@ -298,10 +333,12 @@ def test_every_listed_class_exists_and_every_registry_service_is_listed() -> Non
 
 def test_every_vtm_literal_of_the_code_is_known() -> None:
     """A ``"VTM_..."`` string literal in the code is a variable read by name (or set for a
-    child): each is known to envcheck. A literal ending in ``_`` is a prefix: ``VTM_`` itself
-    or a known family."""
+    child): each is known to envcheck. A literal ending in ``_`` is a prefix: ``VTM_`` itself,
+    a listed class's env_prefix (``f"VTM_TORCH_{name}"``) or a dict setting's keys."""
     every = all_readers()
     assert every is not None
+    prefixes = {ENV_PREFIX, *every.prefixes,
+                *(str(cls.model_config.get("env_prefix", "")) for cls in CLASSES)}
     seen = 0
     for mod, tree in _py_files():
         for node in ast.walk(tree):
@@ -310,7 +347,7 @@ def test_every_vtm_literal_of_the_code_is_known() -> None:
                 seen += 1
                 name = node.value
                 if name.endswith("_"):
-                    assert name == ENV_PREFIX or name in KNOWN_PREFIXES, f"{mod}: {name}"
+                    assert name in prefixes, f"{mod}: {name}"
                 else:
                     assert every.reads(name), f"{mod}: {name} is unknown to shared.envcheck"
     assert seen > 50  # (else this checks nothing)

@@ -41,12 +41,12 @@ from typing import Any, Final
 
 import numpy as np
 
-from services.rankd.torch_backend import TINY_MODEL
+from services.rankd.torch_settings import TINY_MODEL
 from shared.costmodel import Profile, Sample, fit_profile
 
 PROFILE_MODEL: Final[dict[str, Any]] = dict(TINY_MODEL)
 """The default profiled model: the random model rankd runs when ``VTM_TORCH_*`` names none
-(``TorchSettings``' default, :data:`~services.rankd.torch_backend.TINY_MODEL`); small enough
+(``TorchSettings``' default, :data:`~services.rankd.torch_settings.TINY_MODEL`); small enough
 for a CPU world of 4 on 2 cores. ``vertumnus profile --backend torch`` profiles whatever
 rankd's settings name (:func:`rankd_engine`)."""
 
@@ -268,7 +268,7 @@ def rankd_engine(
     cuda without a CUDA device, a dtype not in :data:`DTYPES`, a block size < 1."""
     from services.rankd.engine.checkpoint import load_config
     from services.rankd.engine.config import Qwen3Config
-    from services.rankd.torch_backend import torch_settings_from_env
+    from services.rankd.torch_settings import torch_settings_from_env
     from shared.ids import InvalidInput
 
     ts = torch_settings_from_env() if settings is None else settings

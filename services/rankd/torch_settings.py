@@ -1,0 +1,80 @@
+"""Settings of rankd's ``torch`` backend (environment ``VTM_TORCH_*``), in a module without torch.
+
+The backend itself (services/rankd/torch_backend.py, which re-exports everything here) needs
+the 'engine' extra; these settings must not: shared/envcheck.py imports
+:class:`TorchSettings` to know the backend's variables by their exact names in every process,
+the control-plane image (no torch) included, so that a misspelt ``VTM_TORCH_*`` name is
+refused rather than ignored. This module therefore imports only pydantic and the standard
+library (tests/shared/test_envcheck.py imports it with torch made unimportable).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.ids import InvalidInput
+
+TINY_MODEL: Final[dict[str, Any]] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 8192,
+}
+"""A tiny random Qwen3 (dev and tests on CPU); a real deployment sets ``model_path``."""
+
+
+class TorchSettings(BaseSettings):
+    """Settings of the torch backend (environment ``VTM_TORCH_*``), read by rankd's torch
+    backend and by ``vertumnus profile --backend torch`` (the engine rankd would run)."""
+
+    model_config = SettingsConfigDict(env_prefix="VTM_TORCH_", extra="ignore", frozen=True)
+
+    model_path: str | None = Field(
+        default=None, description="Local HF-format Qwen3 directory; unset: a tiny random model."
+    )
+    model_json: str = Field(
+        default=json.dumps(TINY_MODEL),
+        description="Qwen3 config (JSON) of the random model used when model_path is unset.",
+    )
+    seed: int = Field(default=0, description="Seed of the random model's weights.")
+    dtype: str = Field(default="float32", description="float32 | float64 | bfloat16 | float16.")
+    device: str = Field(default="cpu", description="'cpu' (gloo) or 'cuda' (NCCL).")
+    degrees: str = Field(default="1,2,4,8", description="Lattice degrees (those > world ignored).")
+    block_size: int = Field(default=16, ge=1, description="Engine cache block (page) size.")
+    pages_per_rank: int = Field(default=4096, ge=1, description="KV pages per rank.")
+    threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank.")
+    handoff: str = Field(
+        default="nats",
+        description="'nats': KV chunks on {prefix}.kv.{rid} to a decode role; 'local': "
+        "in-process decode (dev).",
+    )
+    embedded_decode: bool = Field(
+        default=True, description="Run a KVDecodeRole inside the rankd process (nats handoff)."
+    )
+    decode_timeout_s: float = Field(default=60.0, gt=0, description="Wait for the decode reply.")
+
+    def model_dict(self) -> dict[str, Any]:
+        return dict(json.loads(self.model_json))
+
+
+def torch_settings_from_env() -> TorchSettings:
+    """``TorchSettings()`` from the environment, as rankd reads it; a value that does not
+    parse raises :class:`~shared.ids.InvalidInput` naming its variable (not pydantic's
+    ValidationError)."""
+    try:
+        return TorchSettings()
+    except ValidationError as exc:
+        bad = [f"VTM_TORCH_{str(e['loc'][0]).upper()}={e.get('input')!r}: {e['msg']}"
+               if e.get("loc") else e["msg"] for e in exc.errors()]
+        raise InvalidInput("; ".join(bad)) from None
+
+
+__all__ = ["TINY_MODEL", "TorchSettings", "torch_settings_from_env"]
