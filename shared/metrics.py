@@ -17,11 +17,14 @@ With ``VTM_TELEMETRY__METRICS_EXPORTER=otlp`` the metrics are pushed every
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
+import structlog
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
@@ -44,6 +47,8 @@ DURATION_BUCKETS_S: Final[tuple[float, ...]] = (
 """Histogram bucket bounds of every duration (s): fine around the 1 s / 5 s / 10 s TTFT
 deadlines of Table 2, so attainment can be read off the buckets (OpenTelemetry's default
 bounds are for milliseconds)."""
+
+log = structlog.get_logger("vertumnus.metrics")
 
 _lock = threading.Lock()
 _provider: MeterProvider | None = None
@@ -137,12 +142,43 @@ def observe_gauge(name: str, unit: str, description: str, owner: Any,
         sources[owner] = observe
 
 
-def shutdown_metrics() -> None:
-    """Export what is left and stop the readers (call once at process exit)."""
+def shutdown_meter_provider(provider: MeterProvider, timeout_s: float) -> bool:
+    """Shut ``provider`` down -- each reader collects and exports a last time, then stops --
+    taking at most about ``timeout_s`` seconds (finite, >= 0). Returns whether it finished
+    in that time; False: what its last exports had not delivered by then is lost (or a
+    reader failed to stop, logged).
+
+    The SDK's own bound does it: ``MeterProvider.shutdown(timeout_millis)`` gives its readers
+    what is left of it in turn; a ``PeriodicExportingMetricReader`` waits that long for its
+    last export, then shuts its exporter down, which ends the exporter's retries (with a
+    collector that refuses or does not answer, that export would otherwise go on for the
+    exporter's own timeout, ``OTEL_EXPORTER_OTLP_TIMEOUT``, 10 s). Its thread, a daemon, is
+    left to end with the process. Unlike the tracer provider's shutdown this one reports
+    nothing, so running out of time is what tells a cut-short one (an export that failed
+    in time is logged by the SDK, and counts as finished).
+    """
+    if not (timeout_s >= 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be >= 0 and finite, got {timeout_s!r}")
+    deadline = time.monotonic() + timeout_s
+    try:
+        provider.shutdown(timeout_millis=timeout_s * 1000.0)
+    except Exception as exc:  # noqa: BLE001 - the SDK's one exception for its readers' failures
+        log.warning("metrics shutdown failed", error=str(exc))
+        return False
+    return time.monotonic() < deadline
+
+
+def shutdown_metrics(timeout_s: float = 30.0) -> bool:
+    """Export what is left and stop the readers, within about ``timeout_s`` seconds
+    (:func:`shutdown_meter_provider`; call once, at process exit). Returns whether it
+    finished in that time; False: metrics not yet exported are lost. True without a
+    provider."""
     with _lock:
-        if _provider is not None:
-            _provider.shutdown()
+        provider = _provider
+    if provider is None:
+        return True
+    return shutdown_meter_provider(provider, timeout_s)
 
 
 __all__ = ["DURATION_BUCKETS_S", "METER_NAME", "duration_histogram", "meter", "observe_gauge",
-           "setup_metrics", "shutdown_metrics"]
+           "setup_metrics", "shutdown_meter_provider", "shutdown_metrics"]

@@ -2,7 +2,8 @@
 
 Each ``services/<name>/main.py`` keeps its own flags, help text and ``serve`` coroutine and
 calls :func:`parse_flags` (environment, then flags that win over it) and :func:`run_service`
-(logging, tracing, ``asyncio.run`` until SIGINT/SIGTERM, tracing flushed at the end).
+(logging, tracing, ``asyncio.run`` until SIGINT/SIGTERM, then tracing and metrics flushed
+within what is left of the stop deadline: :func:`flush_telemetry`).
 
 Everything a process can tell is wrong from its arguments and settings alone ends it before it
 connects anywhere (a service waiting for NATS would otherwise retry forever on a typo):
@@ -23,10 +24,13 @@ import os
 import re
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
+import structlog
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import SettingsError
 
@@ -35,13 +39,20 @@ from shared.ids import InvalidInput
 from shared.logging import configure_logging
 from shared.metrics import setup_metrics, shutdown_metrics
 from shared.settings import ServiceSettings
-from shared.stopping import bound_stops, watch_parent
+from shared.stopping import bound_stops, stop_time_left, watch_parent
 from shared.telemetry import setup_tracing, shutdown_tracing
 
 S = TypeVar("S", bound=ServiceSettings)
 
 NATS_SCHEMES: Final[tuple[str, ...]] = ("nats", "tls", "ws", "wss")
 """URL schemes a NATS server URL may have (what nats-py connects with)."""
+TELEMETRY_FLUSH_MIN_S: Final[float] = 2.0
+"""The least time the telemetry flush at exit gets, however little is left of the stop
+deadline: a reachable collector takes the last spans and metrics in far less. Below
+:data:`shared.stopping.HARD_GRACE_S`, so that a flush given it at the deadline still ends
+before the fault handler ends the process."""
+
+log = structlog.get_logger("vertumnus.servicemain")
 
 
 class SettingProblem(ValueError):
@@ -282,10 +293,53 @@ def degree_list(text: str) -> list[int]:
     return [int(x) for x in text.replace(" ", "").split(",") if x]
 
 
+def telemetry_flush_s(stop_timeout_s: float, time_left_s: float | None) -> float:
+    """How long the telemetry flush at exit may take: what is left of the stop deadline
+    (``time_left_s``, :func:`shared.stopping.stop_time_left`; None: no stop signal armed it,
+    ``serve`` returned by itself, and the flush gets a whole ``stop_timeout_s``), never less
+    than :data:`TELEMETRY_FLUSH_MIN_S`."""
+    budget = stop_timeout_s if time_left_s is None else time_left_s
+    return max(TELEMETRY_FLUSH_MIN_S, budget)
+
+
+def flush_telemetry(timeout_s: float) -> bool:
+    """Export the spans and metrics still held and stop their exporters, both at once, within
+    about ``timeout_s`` seconds (>= 0) in all (:func:`shared.telemetry.shutdown_tracing`,
+    :func:`shared.metrics.shutdown_metrics`). Returns whether both finished in that time;
+    when not, logs a warning naming which were cut short -- what they had not exported by
+    then (a collector that refuses or does not answer) is lost."""
+    deadline = time.monotonic() + timeout_s
+    metrics_done: list[bool] = []
+    # At once, not one after the other: each gets the whole bound, and a trace collector that
+    # does not answer (compose: jaeger) does not cost the metrics (prometheus) their last
+    # export.
+    metrics_flush = threading.Thread(
+        target=lambda: metrics_done.append(shutdown_metrics(timeout_s)),
+        name="vtm-metrics-flush", daemon=True)
+    metrics_flush.start()
+    cut_short = [] if shutdown_tracing(timeout_s) else ["tracing"]
+    # shutdown_metrics bounds itself; the join only guards against it not doing so.
+    metrics_flush.join(max(0.0, deadline - time.monotonic()) + 0.5)
+    if not (metrics_done and metrics_done[0]):
+        cut_short.append("metrics")
+    if cut_short:
+        log.warning("telemetry flush cut short at its deadline; spans or metrics not yet "
+                    "exported are lost", cut_short=cut_short, flush_timeout_s=round(timeout_s, 3))
+    return not cut_short
+
+
 def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) -> None:
     """Configure logging, tracing and metrics from ``settings``, run ``serve(settings)``, flush
     tracing and metrics. The process's graceful stop is bounded by ``stop_timeout_s``, and it
-    stops when ``parent_pid`` (if set) is no longer its parent (shared/stopping.py)."""
+    stops when ``parent_pid`` (if set) is no longer its parent (shared/stopping.py).
+
+    The flush is part of the stop: it ends by the stop deadline armed by the stop signal
+    (:func:`telemetry_flush_s`: what is left of it, at least :data:`TELEMETRY_FLUSH_MIN_S`;
+    ``stop_timeout_s`` when ``serve`` returned without a signal), so an unreachable collector
+    neither delays the exit past ``stop_timeout_s`` (+ the minimum) nor gets the process
+    killed mid-flush -- by the fault handler, ``HARD_GRACE_S`` after the deadline, or by
+    compose's ``stop_grace_period``. What the flush could not export by then is lost, and a
+    warning says so (:func:`flush_telemetry`)."""
     configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
     bound_stops(settings.stop_timeout_s)
     if settings.parent_pid is not None:
@@ -300,5 +354,4 @@ def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) ->
         print(f"{settings.service_name}: cannot start: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     finally:
-        shutdown_tracing()
-        shutdown_metrics()
+        flush_telemetry(telemetry_flush_s(settings.stop_timeout_s, stop_time_left()))

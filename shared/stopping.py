@@ -50,6 +50,7 @@ log = structlog.get_logger("vertumnus.stopping")
 _lock = threading.Lock()
 _timeout_s: float | None = None  # None: not a service process (no deadline)
 _armed = False
+_deadline_at: float | None = None  # time.monotonic() of the armed stop deadline
 _signalled = False  # a stop signal reached handle_stop_signals' handler (the stop is under way)
 
 
@@ -109,12 +110,13 @@ def arm_stop_deadline() -> bool:
     fault handler's clock takes (about 1e10 s; the settings allow a day) leaves the process
     without the hard bound (a warning says so) but with the loop's deadline; it never
     raises for the size of the bound."""
-    global _armed
+    global _armed, _deadline_at
     with _lock:
         if _timeout_s is None or _armed:
             return False
         _armed = True
         timeout_s = _timeout_s
+        _deadline_at = time.monotonic() + timeout_s
     # The hard bound first: it holds even if the loop never runs the report below.
     try:
         faulthandler.dump_traceback_later(timeout_s + HARD_GRACE_S, exit=True)
@@ -129,6 +131,16 @@ def arm_stop_deadline() -> bool:
         log.warning("no stop deadline (the stop timeout is too large for the event loop)",
                     stop_timeout_s=timeout_s, error=repr(exc))
     return True
+
+
+def stop_time_left() -> float | None:
+    """Seconds left until the stop deadline (<= 0 once it has passed), or None when none is
+    armed (:func:`arm_stop_deadline`: a service process that received a stop signal). What
+    runs after the graceful stop, e.g. the telemetry flush at exit, bounds itself by it; the
+    loop's deadline is gone with the loop by then, only the fault handler's remains."""
+    with _lock:
+        deadline_at = _deadline_at
+    return None if deadline_at is None else deadline_at - time.monotonic()
 
 
 def pending_tasks() -> list[str]:
@@ -193,4 +205,4 @@ def watch_parent(parent_pid: int, *, poll_s: float = PARENT_POLL_S,
 
 
 __all__ = ["HARD_GRACE_S", "STOP_SIGNALS", "STOP_TIMEOUT_EXIT", "arm_stop_deadline",
-           "bound_stops", "handle_stop_signals", "pending_tasks", "watch_parent"]
+           "bound_stops", "handle_stop_signals", "pending_tasks", "stop_time_left", "watch_parent"]

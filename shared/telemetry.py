@@ -20,16 +20,21 @@ Contract:
   stage is the request's root span (conventions.md: one root per request at the gateway, one
   child per TTFT stage), whichever service records it: services pass the root's carrier (the
   IntakeRequest's ``trace_context``), never their own handler's span.
+* :func:`shutdown_tracing` (a process's exit) flushes within the time it is given and stops
+  the exporter when that runs out, the spans still queued lost: an unreachable collector
+  must not keep a stopping service alive past its stop deadline (shared/servicemain.py).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import math
 import os
 import re
 import socket
 import threading
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any, Final
@@ -55,6 +60,7 @@ TRACER_NAME = "vertumnus"
 _PROPAGATOR = TraceContextTextMapPropagator()
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
+_exporters: list[SpanExporter] = []  # those setup_tracing made (shutdown_tracing stops them)
 _limits: SpanLimits | None = None  # the installed provider's (read from the OTEL_* limits)
 
 
@@ -129,6 +135,7 @@ def setup_tracing(
             exporter = _exporter(settings)
             if exporter is not None:
                 provider.add_span_processor(BatchSpanProcessor(exporter))
+                _exporters.append(exporter)
             trace.set_tracer_provider(provider)
             _provider = provider
             _tracers.clear()  # a tracer fetched before now was the no-op proxy's
@@ -154,11 +161,52 @@ def add_span_processor(processor: SpanProcessor) -> None:
     setup_tracing(TRACER_NAME, span_processor=processor)
 
 
-def shutdown_tracing() -> None:
-    """Flush and stop exporters (call once at process exit)."""
+def shutdown_tracer_provider(provider: TracerProvider, timeout_s: float,
+                             exporters: Iterable[SpanExporter] = ()) -> bool:
+    """Shut ``provider`` down -- its span processors export the spans they hold, then stop --
+    taking at most about ``timeout_s`` seconds (finite, >= 0). Returns whether it finished
+    in that time.
+
+    Cut short (False): the spans not exported by then are lost. Each of ``exporters`` (those
+    behind the provider's processors) is shut down, which ends its retries and closes its
+    connection, so the rest of the queue fails at once instead of being retried; the
+    provider's exit hook is removed (it would run the same shutdown again at interpreter
+    exit); the shutdown's thread, a daemon, is left to end with the process.
+
+    Why a thread: ``TracerProvider.shutdown()`` takes no timeout, and a
+    ``BatchSpanProcessor``'s waits for its worker to export every queued batch (up to 30 s in
+    SDK 1.45), each retried with backoff for up to the exporter's own timeout
+    (``OTEL_EXPORTER_OTLP_TIMEOUT``, 10 s): 7 s a batch for a collector that refuses the
+    connection, 10 s for one that does not answer. Its ``force_flush(timeout_millis)`` does
+    not honour the timeout either (SDK 1.45, opentelemetry-python#4568). The exporter's
+    timeout needs no bounding here: a call still in it is abandoned with the thread.
+    """
+    if not (timeout_s >= 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be >= 0 and finite, got {timeout_s!r}")
+    worker = threading.Thread(target=provider.shutdown, name="vtm-tracing-shutdown",
+                              daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not worker.is_alive():
+        return True
+    for exporter in exporters:
+        with contextlib.suppress(Exception):  # one failing must not keep the others running
+            exporter.shutdown()
+    # NOTE: equal bound methods: this is the handler TracerProvider registered (if any).
+    atexit.unregister(provider.shutdown)
+    return False
+
+
+def shutdown_tracing(timeout_s: float = 30.0) -> bool:
+    """Export the spans still queued and stop the exporter, within about ``timeout_s``
+    seconds (:func:`shutdown_tracer_provider`; call once, at process exit). Returns whether
+    it finished in that time; False: spans not yet exported are lost. True without a
+    provider."""
     with _lock:
-        if _provider is not None:
-            _provider.shutdown()
+        provider, exporters = _provider, tuple(_exporters)
+    if provider is None:
+        return True
+    return shutdown_tracer_provider(provider, timeout_s, exporters)
 
 
 _tracers: dict[str, trace.Tracer] = {}
