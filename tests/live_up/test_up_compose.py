@@ -75,6 +75,20 @@ def test_schema_rejects_what_compose_rejects() -> None:
         assert list(jsonschema.Draft7Validator(schema).iter_errors(doc)), doc
 
 
+def test_third_party_images_are_pinned(compose: dict[str, Any]) -> None:
+    """Every image not built here names a release: a floating tag (``latest``, none) lets a
+    new upstream default change under the pool, e.g. the address Jaeger's OTLP receiver binds
+    or the flag that turns Prometheus' OTLP receiver on."""
+    for name, svc in compose["services"].items():
+        image = svc.get("image", "")
+        if not image or image.startswith("vertumnus:"):
+            continue
+        repo, _, tag = image.rpartition(":")
+        assert repo and "/" not in tag, f"{name}: {image} has no tag"
+        assert tag != "latest" and any(c.isdigit() for c in tag), f"{name}: {image} floats"
+        assert tag.count(".") >= 2, f"{name}: {image} names no patch release"
+
+
 def test_infrastructure_services(compose: dict[str, Any]) -> None:
     s = compose["services"]
     assert {"nats", "jaeger", "nats-box", *VTM_SERVICES} <= set(s)
