@@ -99,6 +99,15 @@ class TelemetrySettings(BaseModel):
         description="Fraction of new root traces sampled (parent-based: a request's stages "
         "follow the gateway's decision).",
     )
+    export_delay_s: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=60.0,
+        allow_inf_nan=False,
+        description="Seconds the span batch waits before it is exported (at most 60). Shorter "
+        "than the SDK's 5 s (OTEL_BSP_SCHEDULE_DELAY, which this replaces): a process that "
+        "crashes loses the spans it had not exported, and a crash is when traces are read.",
+    )
     metrics_exporter: Literal["otlp", "console", "none"] = Field(
         default="none",
         description="Where metrics go (shared/metrics.py): 'otlp' (Prometheus' OTLP receiver "

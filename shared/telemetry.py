@@ -134,7 +134,9 @@ def setup_tracing(
             )
             exporter = _exporter(settings)
             if exporter is not None:
-                provider.add_span_processor(BatchSpanProcessor(exporter))
+                provider.add_span_processor(BatchSpanProcessor(
+                    exporter,
+                    schedule_delay_millis=settings.export_delay_s * 1000.0))
                 _exporters.append(exporter)
             trace.set_tracer_provider(provider)
             _provider = provider

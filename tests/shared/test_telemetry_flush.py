@@ -40,6 +40,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from shared.metrics import shutdown_meter_provider
 from shared.servicemain import TELEMETRY_FLUSH_MIN_S, telemetry_flush_s
+from shared.settings import TelemetrySettings
 from shared.stopping import HARD_GRACE_S
 from shared.telemetry import shutdown_tracer_provider
 
@@ -242,3 +243,48 @@ def test_a_service_with_an_unreachable_collector_exits_by_its_stop_deadline(
     assert cut[0]["cut_short"] == ["tracing", "metrics"]
     # Bounded by what was left of the deadline when the flush began (the floor below it).
     assert TELEMETRY_FLUSH_MIN_S <= cut[0]["flush_timeout_s"] <= STOP_TIMEOUT_S
+
+
+_EXPORT_WHILE_ALIVE = """
+import sys, time
+from shared.settings import TelemetrySettings
+from shared.telemetry import setup_tracing, tracer
+setup_tracing("vtm-test", TelemetrySettings(
+    exporter="otlp", protocol="http", endpoint=sys.argv[1], export_delay_s=0.2))
+tracer().start_span("work").end()
+print("ended", flush=True)
+time.sleep(3600)  # killed by the test: no shutdown, no flush at exit
+"""
+
+
+def test_spans_are_exported_while_the_process_lives_by_the_export_delay(
+        collector: _Collector) -> None:
+    """A crash loses what the batch has not exported, so a service exports every
+    ``export_delay_s`` (1 s by default), whatever ``OTEL_BSP_SCHEDULE_DELAY`` says: here it
+    says ten minutes, and the span still reaches the collector while the process runs (it is
+    then killed, so no exit flush can have sent it)."""
+    assert TelemetrySettings().export_delay_s == 1.0
+    url = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
+    env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "600000", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", _EXPORT_WHILE_ALIVE, url], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ended"
+        received = threading.Event()
+        deadline = threading.Timer(WAIT_S, received.set)  # hang guard only
+        deadline.start()
+        while not received.wait(0.05):
+            if any(path == "/v1/traces" and size > 0 for path, size in collector.posted):
+                break
+        deadline.cancel()
+        assert proc.poll() is None, "the process ended before its span was exported"
+        assert any(path == "/v1/traces" and size > 0 for path, size in collector.posted)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, 61.0, float("nan")])
+def test_an_unusable_export_delay_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="export_delay_s"):
+        TelemetrySettings(export_delay_s=bad)
