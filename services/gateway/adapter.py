@@ -111,7 +111,7 @@ from services.gateway.idempotency_kv import (
 from services.gateway.metrics import RequestMetrics
 from services.gateway.settings import GatewaySettings
 from shared.blockhash import chain_hashes
-from shared.logging import bind_request
+from shared.logging import bind_request, current_trace_id
 from shared.publish import publish_refused, publish_transient
 from shared.schemas import (
     NOT_SCHEDULED,
@@ -818,7 +818,8 @@ class GatewayService(MicroService):
 
     async def complete(self, body: CompletionRequest, *, arrival_s: float | None = None,
                        http: bool = False, carrier: Mapping[str, str] | None = None,
-                       disconnected: asyncio.Future[None] | None = None) -> Completion:
+                       disconnected: asyncio.Future[None] | None = None,
+                       ids: Callable[[str, str | None], None] | None = None) -> Completion:
         """Run one completion to its first token (see the module docstring).
 
         ``carrier``: the caller's W3C trace context (an HTTP client's ``traceparent`` /
@@ -826,7 +827,9 @@ class GatewayService(MicroService):
         None: the current context (the NATS endpoint's server span, or a new trace).
         ``disconnected``: done once the caller is gone (an HTTP client closed its connection);
         the wait for the first token then ends with :class:`ClientClosed` and leaves no
-        waiter behind (the request, published already, still runs). Every
+        waiter behind (the request, published already, still runs). ``ids``: called with the
+        request id and the root span's trace id (None: no valid one) once the span is open,
+        before anything can fail after it (an HTTP answer names them). Every
         outcome is recorded in :attr:`metrics`; a failure after the prompt was tokenized
         with the prompt's length, so the SLO attainment counts it as a miss
         (:meth:`RequestMetrics.refused`)."""
@@ -840,7 +843,7 @@ class GatewayService(MicroService):
             tokens = self.tokenize(body)
             input_len = len(tokens)
             done = await self._complete(body, tokens, arrival=arrival, entry=entry,
-                                        carrier=carrier, disconnected=disconnected)
+                                        carrier=carrier, disconnected=disconnected, ids=ids)
         except GatewayError as exc:
             self.metrics.refused(exc.status, entry, input_len)
             raise
@@ -853,7 +856,8 @@ class GatewayService(MicroService):
 
     async def _complete(self, body: CompletionRequest, tokens: list[int], *, arrival: float,
                         entry: str, carrier: Mapping[str, str] | None = None,
-                        disconnected: asyncio.Future[None] | None = None) -> Completion:
+                        disconnected: asyncio.Future[None] | None = None,
+                        ids: Callable[[str, str | None], None] | None = None) -> Completion:
         check_limits(tokens, body.max_tokens, self.gsettings)
         if body.request_id:
             check_client_id(body.request_id)
@@ -869,6 +873,9 @@ class GatewayService(MicroService):
             start_time=int(arrival * 1e9),
             context=extract(carrier) if traceparent_of(carrier) is not None else None,
         ) as span, bind_request(rid):
+            if ids is not None:
+                ctx = span.get_span_context()
+                ids(rid, format(ctx.trace_id, "032x") if ctx.is_valid else None)
             try:
                 done = await self._publish_and_wait(rid, tokens, hashes, body, arrival,
                                                     digest=digest, disconnected=disconnected)
@@ -1069,7 +1076,7 @@ class GatewayService(MicroService):
         return Completion(
             request_id=rid, result=result, input_len=len(tokens), max_tokens=body.max_tokens,
             ttft_s=max(0.0, received - arrival), duplicate=duplicate,
-            trace_id=format(trace.get_current_span().get_span_context().trace_id, "032x"),
+            trace_id=current_trace_id(),
             text=self.detokenize(result.token),
         )
 

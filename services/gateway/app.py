@@ -22,6 +22,12 @@ request again is answered as the first), 411 chunked body, 413 body or prompt to
 semantically impossible (too long with ``max_tokens``, token id out of range, text without a
 tokenizer), 431 head too large, 503 no NATS, 504 no first token in time. A client that closes
 its connection before its first token gets nothing (recorded as 499); its request still runs.
+
+Every answer names its request and trace (``X-Request-Id``, ``X-Trace-Id``; an error's body as
+``error.request_id`` and ``error.trace_id``, a completion's as ``vtm.request_id`` and
+``vtm.trace_id``): the completion's id (the client's ``request_id`` once the body is read)
+and its root span's trace where the request got that far, else the ids the HTTP server gave
+it (services/gateway/httpserver.py, "Correlation").
 """
 
 from __future__ import annotations
@@ -33,7 +39,14 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
-from services.gateway.adapter import BadRequest, Completion, GatewayError, GatewayService
+from services.gateway.adapter import (
+    BadRequest,
+    Completion,
+    GatewayError,
+    GatewayService,
+    check_client_id,
+    new_request_id,
+)
 from services.gateway.httpserver import (
     HttpRequest,
     HttpResponse,
@@ -178,21 +191,24 @@ class GatewayApp:
         }.get(req.path.rstrip("/") or "/")
         # The key first: a client without one learns nothing of the /v1 routes, not even
         # which exist.
+        ids = req.exchange
         if needs_key(req.path) and not self.authorized(req):
             return HttpResponse.json(401, error_body(
                 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                type_="invalid_api_key"), {"WWW-Authenticate": 'Bearer realm="vertumnus"'})
+                type_="invalid_api_key", ids=ids),
+                {"WWW-Authenticate": 'Bearer realm="vertumnus"'})
         if route is None:
-            return error_response(404, f"no route {req.path}")
+            return error_response(404, f"no route {req.path}", ids)
         method, handler = route
         if req.method != method:
-            return HttpResponse.json(405, {"error": {
-                "message": f"{req.path} accepts {method} only", "type": "method_not_allowed",
-                "code": 405}}, {"Allow": method})
+            return HttpResponse.json(405, error_body(
+                405, f"{req.path} accepts {method} only", type_="method_not_allowed",
+                ids=ids), {"Allow": method})
         try:
             return await handler(req, arrival)
         except GatewayError as exc:
-            return error_response(exc.status, exc.message)
+            # The ids the service noted (the completion's, its span's) are in ``ids`` now.
+            return error_response(exc.status, exc.message, ids)
 
     async def completions(self, req: HttpRequest, arrival: float) -> HttpResponse:
         # Media types are case-insensitive (RFC 9110 §8.3.1); another one is a 415.
@@ -200,14 +216,26 @@ class GatewayApp:
         if ctype.lower() not in ("application/json", ""):
             raise GatewayError(f"Content-Type must be application/json, got {ctype!r}", 415)
         body, model = parse_completion_body(req.body)
+        ids = req.exchange
+        if ids is not None and body.request_id:
+            try:
+                check_client_id(body.request_id)
+                ids.note(request_id=body.request_id)
+            except BadRequest:
+                pass  # of the gateway's own form: refused as the request is, not echoed
         # A client's traceparent makes the request's trace part of the client's (W3C). A
-        # client that closes its connection ends the wait for it (not the request).
+        # client that closes its connection ends the wait for it (not the request). The
+        # service notes the completion's ids in ``ids`` as soon as it has them, so an error
+        # after that names them too.
         done = await self.service.complete(body, arrival_s=arrival, http=True,
-                                           carrier=req.headers, disconnected=req.disconnected)
+                                           carrier=req.headers, disconnected=req.disconnected,
+                                           ids=ids.note if ids is not None else None)
+        if ids is not None:
+            ids.note(done.request_id, done.trace_id)
+            ids.ttft_s = done.ttft_s
+        # Its X-Request-Id and X-Trace-Id: the server's, from ``ids``.
         return HttpResponse.json(
-            200, completion_json(done, model or self.service.gsettings.model_name),
-            {"X-Request-Id": done.request_id},
-        )
+            200, completion_json(done, model or self.service.gsettings.model_name))
 
     async def health(self, req: HttpRequest, arrival: float) -> HttpResponse:
         ok = self.service.nats_connected
@@ -249,6 +277,7 @@ def make_http_server(service: GatewayService) -> HttpServer:
         GatewayApp(service),
         host=st.http_host,
         port=st.http_port or 0,
+        request_ids=new_request_id,
         max_body_bytes=st.max_body_bytes,
         max_header_bytes=st.max_header_bytes,
         tls=server_tls(st.http_tls_cert, st.http_tls_key),

@@ -29,6 +29,15 @@ connection is closed. Bytes a client sends meanwhile (a pipelined request) end t
 Stopping (:meth:`HttpServer.close`): no new connection is accepted, idle connections are
 closed, and a request being handled gets up to ``grace_s`` to be answered (then a 503
 "stopping", ``Connection: close``), so a stop never leaves a client without an answer.
+
+Correlation: each request gets an :class:`Exchange` as its first line comes -- a request id
+minted here and a trace id (the client's ``traceparent``'s, else one minted here), which the
+handler may replace with better ones (the completion's id, its root span's trace): every
+answer, those of the server's own refusals (400, 413, 431, 500, 503 ...) included, carries
+them as ``X-Request-Id`` and ``X-Trace-Id`` headers, and an error's JSON body as
+``error.request_id`` and ``error.trace_id`` (:func:`error_body` given the exchange). Each
+request answered (or whose client left first: 499) is logged as one access line,
+:data:`ACCESS_EVENT` (:meth:`HttpServer._access` says which level and why some are left out).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ import contextlib
 import dataclasses
 import json
 import ssl
+import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -49,6 +60,7 @@ import structlog
 
 from shared.ids import InvalidInput
 from shared.tasks import cancel_and_wait
+from shared.telemetry import trace_id_of
 
 log = structlog.get_logger("vertumnus.http")
 
@@ -63,6 +75,76 @@ _ONCE: Final[frozenset[str]] = frozenset(
 MAX_EMPTY_LINES: Final[int] = 8
 """Empty lines skipped before a request line (RFC 9112 §2.2 asks for at least one); more are
 no robustness but a client sending garbage, answered 400."""
+ACCESS_EVENT: Final[str] = "http request"
+"""The event of the access-log line written for each request answered."""
+REQUEST_ID_HEADER: Final[str] = "X-Request-Id"
+TRACE_ID_HEADER: Final[str] = "X-Trace-Id"
+ERROR_LINES_PER_S: Final[float] = 20.0
+ERROR_LINES_BURST: Final[int] = 100
+"""Budget of access lines for 4xx answers, and separately for 5xx ones (:class:`LineBudget`,
+:meth:`HttpServer._access`)."""
+_MAX_LOGGED_PATH: Final[int] = 256
+"""A path longer than this is cut in the access line (a client chooses it: up to the head's
+limit, 16 KiB by default, per line otherwise)."""
+
+
+def new_http_request_id() -> str:
+    """A request id for a request that has none of its own yet: ``r`` and 32 hex digits, the
+    form of the gateway's own completion ids, which clients may not use."""
+    return "r" + uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request, from its first line to its answer: the ids its answer and its access line
+    name, and what that line reports. Made by :class:`HttpServer`; a handler reaches it as
+    :attr:`HttpRequest.exchange` and replaces the ids with better ones once it knows them
+    (:meth:`note`), and records a TTFT.
+
+    ``trace_id``: the client's (its ``traceparent``), or the trace of the request's root span
+    where one was made; else minted here, naming only this answer and its log line (a request
+    refused before it reaches the service records no span)."""
+
+    request_id: str
+    trace_id: str
+    method: str = "-"
+    path: str = "-"
+    peer: str = ""
+    started: float = field(default_factory=time.monotonic)
+    ttft_s: float | None = None
+
+    def note(self, request_id: str | None = None, trace_id: str | None = None) -> None:
+        """Replace the ids (None: keep that one)."""
+        if request_id:
+            self.request_id = request_id
+        if trace_id:
+            self.trace_id = trace_id
+
+
+class LineBudget:
+    """A token bucket for log lines: ``rate_per_s`` a second on average, bursts of ``burst``.
+    :meth:`take` answers None for a line to leave out (counted), else how many were left
+    out since the last line let through, for that line to say."""
+
+    def __init__(self, rate_per_s: float, burst: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate_per_s
+        self._burst = float(burst)
+        self._clock = clock
+        self._tokens = float(burst)
+        self._last = clock()
+        self._dropped = 0
+
+    def take(self) -> int | None:
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate)
+        self._last = now
+        if self._tokens < 1.0:
+            self._dropped += 1
+            return None
+        self._tokens -= 1.0
+        dropped, self._dropped = self._dropped, 0
+        return dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +161,9 @@ class HttpRequest:
     peer: str = ""
     version: str = "HTTP/1.1"
     disconnected: asyncio.Future[None] | None = field(default=None, compare=False, repr=False)
+    exchange: Exchange | None = field(default=None, compare=False, repr=False)
+    """Its ids and access-log record (module docstring, "Correlation"); None outside a
+    server."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,15 +178,21 @@ class HttpResponse:
                    {"Content-Type": "application/json", **(headers or {})})
 
 
-def error_body(status: int, message: str, *, type_: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, *, type_: str | None = None,
+               ids: Exchange | None = None) -> dict[str, Any]:
     """OpenAI-style error object (``type``: the status's phrase in snake case; "error" for a
-    status without one, e.g. nginx's 499)."""
+    status without one, e.g. nginx's 499), naming the request and trace ids of ``ids``
+    (``request_id``, ``trace_id``: the ``X-Request-Id`` and ``X-Trace-Id`` of the answer)."""
     if type_ is None:
         try:
             type_ = HTTPStatus(status).phrase.lower().replace(" ", "_")
         except ValueError:
             type_ = "error"
-    return {"error": {"message": message, "type": type_, "code": status}}
+    err: dict[str, Any] = {"message": message, "type": type_, "code": status}
+    if ids is not None:
+        err["request_id"] = ids.request_id
+        err["trace_id"] = ids.trace_id
+    return {"error": err}
 
 
 def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
@@ -118,8 +209,8 @@ def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
     return ctx
 
 
-def error_response(status: int, message: str) -> HttpResponse:
-    return HttpResponse.json(status, error_body(status, message))
+def error_response(status: int, message: str, ids: Exchange | None = None) -> HttpResponse:
+    return HttpResponse.json(status, error_body(status, message, ids=ids))
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -138,8 +229,15 @@ class HttpServer:
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
                  max_body_bytes: int = 4 << 20, max_header_bytes: int = 16 << 10,
                  idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None,
+                 request_ids: Callable[[], str] = new_http_request_id,
+                 error_lines_per_s: float = ERROR_LINES_PER_S,
+                 error_lines_burst: int = ERROR_LINES_BURST) -> None:
         self._handler = handler
+        self._request_ids = request_ids
+        # One budget per class, so a flood of 4xx cannot crowd out the 5xx lines (_access).
+        self._budget_4xx = LineBudget(error_lines_per_s, error_lines_burst)
+        self._budget_5xx = LineBudget(error_lines_per_s, error_lines_burst)
         self._tls = tls
         self._host = host
         self._port = port
@@ -199,14 +297,18 @@ class HttpServer:
         assert task is not None
         self._conns.add(task)
         peer = writer.get_extra_info("peername")
+        peer_s = (f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2
+                  else str(peer))
         try:
             keep_alive = True
             while keep_alive:
+                ex = Exchange(self._request_ids(), uuid.uuid4().hex, peer=peer_s)
                 try:
                     async with asyncio.timeout(self.idle_timeout_s):
-                        request = await self._read_request(reader, writer, str(peer))
+                        request = await self._read_request(reader, writer, str(peer), ex)
                 except _Reject as rej:
-                    await self._write(writer, error_response(rej.status, rej.message), False)
+                    await self._answer(writer, ex, error_response(rej.status, rej.message, ex),
+                                       False)
                     return
                 except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                     return
@@ -217,7 +319,8 @@ class HttpServer:
                 gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 # HEAD is answered as GET, without the body.
                 request = dataclasses.replace(request, method="GET" if head_only
-                                              else request.method, disconnected=gone)
+                                              else request.method, disconnected=gone,
+                                              exchange=ex)
                 watch = asyncio.create_task(_watch_close(reader, gone), name="http-watch")
                 self._busy.add(task)
                 try:
@@ -227,19 +330,21 @@ class HttpServer:
                         if self._closing:  # the stop's grace ran out: answer, then go
                             with contextlib.suppress(Exception):
                                 async with asyncio.timeout(1.0):
-                                    await self._write(writer, error_response(
-                                        503, "the gateway is stopping; try again"), False)
+                                    await self._answer(writer, ex, error_response(
+                                        503, "the gateway is stopping; try again", ex), False)
                         raise
                     except Exception:
-                        log.exception("HTTP handler failed", path=request.path)
-                        response = error_response(500, "internal error")
+                        log.exception("HTTP handler failed", path=ex.path,
+                                      request_id=ex.request_id, trace_id=ex.trace_id)
+                        response = error_response(500, "internal error", ex)
                     finally:
                         # Ended before the next read: it must not wait on the reader then.
                         await cancel_and_wait([watch], log)
                     if gone.done():  # nobody reads it
+                        self._access(ex, 499)
                         return
                     keep_alive = keep_alive and not self._closing
-                    await self._write(writer, response, keep_alive, head_only=head_only)
+                    await self._answer(writer, ex, response, keep_alive, head_only=head_only)
                 finally:
                     self._busy.discard(task)
         except (ConnectionError, asyncio.CancelledError):
@@ -261,7 +366,8 @@ class HttpServer:
             raise _Reject(431, f"request head over {self.max_header_bytes} bytes")
         return line
 
-    async def _read_head(self, reader: asyncio.StreamReader) -> list[str] | None:
+    async def _read_head(self, reader: asyncio.StreamReader,
+                         ex: Exchange) -> list[str] | None:
         """The request line and header lines (without their CRLF), or None for a clean close
         before a request (only empty lines, if anything, came). Rejects a bare-LF line, too
         many empty lines first, an incomplete or oversized head (module docstring)."""
@@ -275,6 +381,7 @@ class HttpServer:
                 raise _Reject(400, "incomplete request head") from None
             budget -= len(line)
             if line not in (b"\r\n", b"\n"):
+                ex.started = time.monotonic()  # its first line: the request begins
                 break
         else:
             raise _Reject(400, f"more than {MAX_EMPTY_LINES} empty lines before the request "
@@ -297,8 +404,10 @@ class HttpServer:
             budget -= len(line)
 
     async def _read_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                            peer: str) -> HttpRequest | None:
-        lines = await self._read_head(reader)
+                            peer: str, ex: Exchange) -> HttpRequest | None:
+        """The next request, recording in ``ex`` what its access line names as soon as it is
+        read (a refusal's line too)."""
+        lines = await self._read_head(reader, ex)
         if lines is None:
             return None
         parts = lines[0].split(" ")
@@ -306,6 +415,8 @@ class HttpServer:
             raise _Reject(400, f"malformed request line {lines[0][:60]!r} (want: METHOD "
                                "TARGET HTTP/1.1)")
         method, target, version = parts
+        ex.method = method.upper()[:16]
+        ex.path = target.partition("?")[0][:_MAX_LOGGED_PATH]
         if not version.startswith("HTTP/1."):
             raise _Reject(505, f"unsupported protocol {version!r}")
         headers: dict[str, str] = {}
@@ -317,6 +428,8 @@ class HttpServer:
             if key in _ONCE and key in headers:
                 raise _Reject(400, f"{name} header given more than once")
             headers[key] = value.strip()
+        # The client's trace, for the answer and its line even if the request is refused.
+        ex.note(trace_id=trace_id_of(headers))
         if "transfer-encoding" in headers:
             if "content-length" in headers:
                 raise _Reject(400, "both Transfer-Encoding and Content-Length given")
@@ -347,8 +460,53 @@ class HttpServer:
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 await writer.drain()
         body = await reader.readexactly(length) if length else b""
+        ex.path = (split.path or "/")[:_MAX_LOGGED_PATH]
         return HttpRequest(method.upper(), split.path or "/", parse_qs(split.query), headers,
                            body, peer, version)
+
+    async def _answer(self, writer: asyncio.StreamWriter, ex: Exchange, response: HttpResponse,
+                      keep_alive: bool, *, head_only: bool = False) -> None:
+        """Send ``response`` with ``ex``'s ids as headers, and log its access line (also when
+        the send fails: the line says so)."""
+        response = dataclasses.replace(response, headers={
+            **response.headers, REQUEST_ID_HEADER: ex.request_id, TRACE_ID_HEADER: ex.trace_id})
+        sent = False
+        try:
+            await self._write(writer, response, keep_alive, head_only=head_only)
+            sent = True
+        finally:
+            self._access(ex, response.status, sent=sent)
+
+    def _access(self, ex: Exchange, status: int, *, sent: bool = True) -> None:
+        """Log ``ex``'s access line: a warning for a 5xx (504 included: the gateway or what is
+        behind it failed the client), info otherwise (499: the client left first).
+
+        NOTE: 4xx and 5xx lines each have a :class:`LineBudget` (``error_lines_per_s``,
+        ``error_lines_burst``); past it, lines are left out and the next line let through
+        says how many (``suppressed``). Why: a client decides how many 4xx it causes (a
+        fuzzer, a misconfigured client in a loop sends thousands a second, each refused in
+        microseconds), and a stack without NATS answers every request 503 as fast, so one
+        line each would make the log the bottleneck and bury everything else. Lines of 2xx
+        are not limited: they come no faster than the pool answers, and each is a request
+        someone may ask about. Every answer still carries its ids; the counts of every
+        status are in the gateway's metrics. 4xx are logged at info, not debug, so that a
+        client's error can be found at the default level."""
+        extra: dict[str, Any] = {}
+        if 400 <= status < 600 and status != 499:
+            budget = self._budget_5xx if status >= 500 else self._budget_4xx
+            suppressed = budget.take()
+            if suppressed is None:
+                return
+            if suppressed:
+                extra["suppressed"] = suppressed
+        if ex.ttft_s is not None:
+            extra["ttft_s"] = ex.ttft_s
+        if not sent:
+            extra["sent"] = False
+        emit = log.warning if status >= 500 else log.info
+        emit(ACCESS_EVENT, method=ex.method, path=ex.path, status=status,
+             duration_s=round(time.monotonic() - ex.started, 6), request_id=ex.request_id,
+             trace_id=ex.trace_id, peer=ex.peer, **extra)
 
     async def _write(self, writer: asyncio.StreamWriter, response: HttpResponse,
                      keep_alive: bool, *, head_only: bool = False) -> None:
