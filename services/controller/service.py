@@ -133,6 +133,17 @@ it with nothing in progress, else on the write that finds it (then its core is r
 that record, as after a lost compare-and-set), on start and after a reconnect
 (``records_repaired``, logged as an error).
 
+Tracing (:mod:`services.controller.tracing`): each operation of a plan is one trace, from its
+queue queries to its exposure -- a ``reconfiguration`` root (kind, workers and degrees, the
+record epochs, the planner rule and reason) with a span per phase (``queue_query``, ``drain``,
+``epoch_commit``, ``switch``, ``expose``). What is done on its behalf runs in its context: the
+queue queries carry it to the rank daemons (whose micro handlers join the trace), the
+DrainNotice, ReconfigurationEvent and CompositionNotice carry it in their headers, and the log
+lines about it carry its ``trace_id`` and ``reconfiguration``. An abort (drain timeout, a
+source's lease), an undone drain, a core rebuilt under it or a stop ends it with status ERROR
+and the reason. Epoch records cannot carry it (a KV value has no headers), so the ranks'
+adoption of a record is not part of the trace.
+
 Messages this module defines until they move to shared/ (see the report): DrainNotice,
 ReconfigurationEvent, CompositionNotice, InspectQuery. (QueueQuery / QueueReport moved to
 :mod:`shared.schemas`, since rankd answers them; re-exported here.)
@@ -179,6 +190,14 @@ from services.controller.lifecycle import (
 )
 from services.controller.metrics import PoolMetrics
 from services.controller.planner import ControllerConfig, Decision, Plan
+from services.controller.tracing import (
+    ReconfStage,
+    ReconfTrace,
+    ReconfTraces,
+    bound,
+    bound_all,
+    plan_attributes,
+)
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import (
     DEFAULT_BLOCK_SIZE,
@@ -223,6 +242,7 @@ from shared.service import (
 )
 from shared.settings import ServiceSettings, json_object_text
 from shared.subjects import Subjects, micro_service_name, validate_token
+from shared.telemetry import inject
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
 from shared.workerstates import worker_state_changes
 
@@ -892,6 +912,8 @@ class ControllerService(MicroService):
         # lattice's groups.
         self._created: dict[WorkerId, int] = {}
         self._decisions: deque[dict[str, Any]] = deque(maxlen=settings.decisions_kept)
+        # One trace per operation (services/controller/tracing.py), by reconfiguration id.
+        self._traces = ReconfTraces()
         self._floor = 0.0  # latest instant fed to the windows (they never go backwards)
         # The workers' outstanding work as it stood at the latest window boundary (first tick
         # after it): (boundary, drain). The window that ends there is decided report_grace_s
@@ -1071,6 +1093,9 @@ class ControllerService(MicroService):
 
         async def teardown() -> None:
             await self.stop_listening([*self._tasks, *self._confirming.values()], watchers, subs)
+            # Ended, so that they are exported: a trace left open is never seen.
+            self._traces.fail_all("the controller stopped before the reconfiguration ended",
+                                  outcome="interrupted")
 
         stack.push_async_callback(teardown)
 
@@ -1237,6 +1262,10 @@ class ControllerService(MicroService):
             task.cancel()
         self._confirming.clear()
         self._floor = 0.0
+        # The old core's reconfigurations are forgotten with it (lost leadership, a record
+        # followed or rebuilt from the workers): their traces end here, as failed.
+        self._traces.fail_all(f"core rebuilt from the stored record of epoch {record.epoch}: "
+                              "reconfiguration abandoned", outcome="abandoned")
         self.set_metadata(epoch=str(record.epoch), composition=comp.describe())
         self.log.info(
             "core built from stored record",
@@ -1512,6 +1541,7 @@ class ControllerService(MicroService):
                 continue
             if now - st.heartbeat_s <= self.csettings.lease_s:
                 continue
+            part_of = w.reconfiguration
             res = proto.fail(w.worker_id, now)
             failed.append(w.worker_id)
             self.counters["failed"] += 1
@@ -1520,6 +1550,15 @@ class ControllerService(MicroService):
                 self._awaiting.pop(res.aborted, None)
                 self.counters["aborted"] += 1
                 await self._publish_reconf(proto.reconfiguration(res.aborted))
+                with self._traces.current(res.aborted):
+                    self.log.warning("reconfiguration aborted: a source failed",
+                                     worker=w.worker_id)
+                self._traces.failed(res.aborted,
+                                    f"source {w.worker_id} failed: its lease expired",
+                                    outcome="aborted")
+            elif part_of is not None:  # a committed one goes on without this target
+                self._traces.event(part_of, "target failed",
+                                   **{"vtm.worker_id": str(w.worker_id)})
             if res.ready is not None:
                 await self._publish_reconf(proto.reconfiguration(res.ready))
                 await self._expose(res.ready)
@@ -1550,10 +1589,14 @@ class ControllerService(MicroService):
         if result.worker_id is None:
             return
         async with self._lock:
-            await self._finished(WorkerId(result.worker_id), RequestId(result.request_id))
+            await self._finished(WorkerId(result.worker_id), RequestId(result.request_id),
+                                 msg.headers)
 
-    async def _finished(self, worker: WorkerId, request: RequestId) -> None:
-        """protocol.finished + commit when the reconfiguration drained (lock held)."""
+    async def _finished(self, worker: WorkerId, request: RequestId,
+                        carrier: Mapping[str, str] | None = None) -> None:
+        """protocol.finished + commit when the reconfiguration drained (lock held).
+        ``carrier``: the headers of the request's result; when they carry its W3C trace
+        context, the drain's span links to it."""
         assert self.core is not None
         for rid, per_worker in list(self._awaiting.items()):
             left = per_worker.get(worker)
@@ -1562,14 +1605,22 @@ class ControllerService(MicroService):
             if request not in left:
                 if STOP_MARKER in left:  # its queue, asked once it stopped, may list it
                     self._done_unconfirmed.setdefault((rid, worker), set()).add(request)
+                    # It ran on the source while the drain waited for it to stop.
+                    self._traces.link(rid, carrier, **{"vtm.request_id": str(request),
+                                                       "vtm.worker_id": str(worker)})
                 continue
             left.discard(request)
             if request != STOP_MARKER:
                 self.counters["finished"] += 1
+                self._traces.link(rid, carrier, **{"vtm.request_id": str(request),
+                                                   "vtm.worker_id": str(worker)})
+                self._traces.event(rid, "request done", **{"vtm.request_id": str(request),
+                                                           "vtm.worker_id": str(worker)})
             try:
                 progress = self.core.protocol.finished(worker, request, self.now())
             except VertumnusError as exc:
-                self.log.warning("finished event rejected", worker=worker, error=str(exc))
+                with self._traces.current(rid):
+                    self.log.warning("finished event rejected", worker=worker, error=str(exc))
                 return
             if progress.drained_reconfiguration is not None:
                 await self._commit(progress.drained_reconfiguration)
@@ -1625,6 +1676,9 @@ class ControllerService(MicroService):
             self.log.warning("epoch ack rejected", gpu=ack.gpu, error=str(exc))
             return
         self.counters["acks"] += 1
+        if w.reconfiguration is not None:
+            self._traces.event(w.reconfiguration, "rank acknowledged", **{
+                "vtm.gpu": ack.gpu, "vtm.epoch": ack.epoch, "vtm.worker_id": str(wid)})
         if res.activated:
             await self._write_activation(res.activated)
         if res.ready is not None:
@@ -1677,7 +1731,8 @@ class ControllerService(MicroService):
         Before, the answer given before the drain record was final: a request the source
         started after it was never waited for, and the switch could commit under it."""
         core = self.core
-        _, found = await self._queues(wid)
+        with self._traces.current(rid):  # the query joins the reconfiguration's trace
+            _, found = await self._queues(wid)
         async with self._lock:
             left = self._awaiting.get(rid, {}).get(wid)
             if core is None or self.core is not core or left is None or STOP_MARKER not in left:
@@ -1689,13 +1744,18 @@ class ControllerService(MicroService):
                 try:
                     core.protocol.in_flight_found(wid, found, self.now())
                 except VertumnusError as exc:
-                    self.log.warning("requests found on a source rejected", worker=wid,
-                                     error=str(exc))
+                    with self._traces.current(rid):
+                        self.log.warning("requests found on a source rejected", worker=wid,
+                                         error=str(exc))
                     return
                 left |= found
             self.counters["drains_confirmed"] += 1
-            self.log.info("drain source stopped admitting", reconfiguration=rid, worker=wid,
-                          in_flight=sorted(left - {RequestId(STOP_MARKER)}))
+            waited = sorted(left - {RequestId(STOP_MARKER)})
+            self._traces.event(rid, "source stopped admitting",
+                               **{"vtm.worker_id": str(wid), "vtm.in_flight": waited})
+            with self._traces.current(rid):
+                self.log.info("drain source stopped admitting", reconfiguration=rid, worker=wid,
+                              in_flight=waited)
             await self._finished(wid, RequestId(STOP_MARKER))
 
     # -- the tick and the plan ----------------------------------------------------------------
@@ -1778,12 +1838,26 @@ class ControllerService(MicroService):
         core = self.core
         assert core is not None
         self.counters["plans"] += 1
-        sources = [wid for plan in plans for wid in plan.source_ids]
+        # One trace per operation, from here: the queue queries below run in it.
+        epoch_before = self.record.epoch if self.record is not None else None
+        traces = {
+            plan: ReconfTraces.begin(plan_attributes(
+                plan, rule=self._rule_of(plan), epoch_before=epoch_before,
+                instance=self.instance))
+            for plan in plans
+        }
+        sources = [(wid, traces[plan]) for plan in plans for wid in plan.source_ids]
         # Asked concurrently: an unanswered query costs queue_query_timeout_s once, not per
         # source.
-        answers = await asyncio.gather(*(self._queues(wid) for wid in sources))
-        queued = {wid: q for wid, (q, _) in zip(sources, answers, strict=True)}
-        in_flight = {wid: f for wid, (_, f) in zip(sources, answers, strict=True)}
+        try:
+            answers = await asyncio.gather(*(self._queues_in(t, wid) for wid, t in sources))
+        except BaseException as exc:  # the tick logs it; the traces must not stay open
+            for t in traces.values():
+                self._traces.failed_trace(t, f"queue query failed: {exc!r}",
+                                          outcome="not_started", error=exc)
+            raise
+        queued = {wid: q for (wid, _), (q, _) in zip(sources, answers, strict=True)}
+        in_flight = {wid: f for (wid, _), (_, f) in zip(sources, answers, strict=True)}
         # NOTE: the answers predate the drain record: until a source adopts it, it admits and
         # starts requests. Each source is awaited until it shows it stopped (STOP_MARKER,
         # _confirm_stopped), so no source is drained -- and no commit written -- before then.
@@ -1791,10 +1865,22 @@ class ControllerService(MicroService):
         now = self.now()
         started: list[tuple[Plan, StartResult]] = []
         for plan in plans:
+            t = traces[plan]
             try:
-                started.append((plan, core.start(plan, now, queued=queued, in_flight=awaited)))
+                res = core.start(plan, now, queued=queued, in_flight=awaited)
             except VertumnusError as exc:
-                self.log.warning("operation could not start", error=str(exc), plan=plan.to_dict())
+                with bound(t):
+                    self.log.warning("operation could not start", error=str(exc),
+                                     plan=plan.to_dict())
+                self._traces.failed_trace(t, f"operation could not start: {exc}",
+                                          outcome="not_started", error=exc)
+                continue
+            started.append((plan, res))
+            self._traces.started(t, res.reconfiguration, {
+                "vtm.reconfiguration.redirected": len(res.redirected),
+                "vtm.reconfiguration.in_flight": sum(len(in_flight[w])
+                                                     for w in plan.source_ids),
+            })
         if core.pending_plans:  # the ones that could not start: the next plan re-judges
             core.discard_plan()
         if not started:
@@ -1806,7 +1892,8 @@ class ControllerService(MicroService):
         )
         record = self._next_record(f"drain: {reason}")
         try:
-            await self._write(record)
+            with bound_all([traces[p] for p, _ in started]):
+                await self._write(record)
         except LostLeadership:
             return  # core rebuilt from the winner's record; nothing of ours was published
         except _WRITE_ERRORS as exc:
@@ -1819,26 +1906,63 @@ class ControllerService(MicroService):
         rids = [res.reconfiguration for _, res in started]
         for plan, res in started:
             rid = res.reconfiguration
-            self._drain_epoch[rid] = record.epoch
-            self._awaiting[rid] = {w: set(awaited[w]) for w in plan.source_ids}
-            notice = DrainNotice(
-                reconfiguration=rid,
-                kind=plan.kind.value,
-                epoch=record.epoch,
-                sources=list(plan.source_ids),
-                targets=list(plan.target_ids),
-                redirected=[
-                    RedirectedRequest(worker_id=w, request_id=r) for w, r in res.redirected
-                ],
-                in_flight={w: len(in_flight[w]) for w in plan.source_ids},
-                plan=rids,
-                reason=plan.reason,
-                issued_at_s=self.now(),
-            )
-            await self._publish(drain_subject(self.subjects), notice)
-            recon = core.protocol.reconfiguration(rid)
-            await self._publish_reconf(recon)
-            self.log.info("reconfiguration started", plan=rids, **recon.to_dict())
+            self._traces.set(rid, **{"vtm.epoch.drain": record.epoch,
+                                     "vtm.reconfiguration.plan": rids})
+            self._traces.event(rid, "drain record written", **{"vtm.epoch": record.epoch})
+            with self._traces.current(rid):
+                await self._carried_out(plan, res, record.epoch, rids, awaited, in_flight)
+
+    async def _carried_out(self, plan: Plan, res: StartResult, drain_epoch: int,
+                           rids: list[int], awaited: Mapping[WorkerId, set[RequestId]],
+                           in_flight: Mapping[WorkerId, set[RequestId]]) -> None:
+        """Step 2's end for one operation whose drain record was written: its books, the
+        DrainNotice and the ReconfigurationEvent (lock held; in its trace)."""
+        core = self.core
+        assert core is not None
+        rid = res.reconfiguration
+        self._drain_epoch[rid] = drain_epoch
+        self._awaiting[rid] = {w: set(awaited[w]) for w in plan.source_ids}
+        notice = DrainNotice(
+            reconfiguration=rid,
+            kind=plan.kind.value,
+            epoch=drain_epoch,
+            sources=list(plan.source_ids),
+            targets=list(plan.target_ids),
+            redirected=[
+                RedirectedRequest(worker_id=w, request_id=r) for w, r in res.redirected
+            ],
+            in_flight={w: len(in_flight[w]) for w in plan.source_ids},
+            plan=rids,
+            reason=plan.reason,
+            issued_at_s=self.now(),
+        )
+        await self._publish(drain_subject(self.subjects), notice)
+        recon = core.protocol.reconfiguration(rid)
+        await self._publish_reconf(recon)
+        self.log.info("reconfiguration started", plan=rids, **recon.to_dict())
+
+    def _rule_of(self, plan: Plan) -> str | None:
+        """The planner rule behind ``plan``: the trigger of the latest decision that made it
+        (None: none said)."""
+        core = self.core
+        if core is None:
+            return None
+        for d in reversed(core.decisions):
+            if plan in d.plans:
+                return d.trigger
+        return None
+
+    async def _queues_in(self, t: ReconfTrace,
+                         wid: WorkerId) -> tuple[list[RequestId], set[RequestId]]:
+        """:meth:`_queues` in operation ``t``'s trace (the query carries its context, so the
+        worker's ``queue`` handler joins it); what the source answered goes on the span."""
+        with bound(t):
+            queued, in_flight = await self._queues(wid)
+        if t.phase is not None:
+            t.phase.add_event("queue", attributes={
+                "vtm.worker_id": str(wid), "vtm.queued": len(queued),
+                "vtm.in_flight": sorted(in_flight)})
+        return queued, in_flight
 
     async def _landed(self, record: EpochRecord) -> bool:
         """Whether ``record``, whose write raised a JetStream error (a timeout after the
@@ -1875,10 +1999,13 @@ class ControllerService(MicroService):
             self.counters["aborted"] += 1
             self.counters["drains_abandoned"] += 1
             await self._publish_reconf(aborted)
+            with self._traces.current(rid):
+                self.log.error("drain record not written; operations undone",
+                               reconfigurations=list(rids), error=repr(error))
+            self._traces.failed(rid, f"drain record not written: {error!r}",
+                                outcome="abandoned", error=error)
         core.planner.plan_not_carried_out()
         self.counters["errors"] += 1
-        self.log.error("drain record not written; operations undone", reconfigurations=list(rids),
-                       error=repr(error))
 
     async def _queues(self, wid: WorkerId) -> tuple[list[RequestId], set[RequestId]]:
         """A source's queued and in-flight ids: asked, else judged from its WorkerState."""
@@ -1904,7 +2031,12 @@ class ControllerService(MicroService):
         return [], ({RequestId(INFLIGHT_MARKER)} if busy else set())
 
     async def _commit(self, rid: int) -> None:
-        """Step 4: every source drained → commit record (lock held)."""
+        """Step 4: every source drained → commit record (lock held; in its trace)."""
+        self._traces.phase(rid, ReconfStage.EPOCH_COMMIT)
+        with self._traces.current(rid):
+            await self._commit_traced(rid)
+
+    async def _commit_traced(self, rid: int) -> None:
         core = self.core
         assert core is not None
         self._awaiting.pop(rid, None)
@@ -1922,13 +2054,26 @@ class ControllerService(MicroService):
             await self._write(record)
         except LostLeadership:
             return
+        except _WRITE_ERRORS as exc:  # _resume_stalled commits it again
+            self._traces.event(rid, "commit record not written", error=repr(exc))
+            raise
         self._commit_epoch[control.epoch] = record.epoch
         recon = core.protocol.reconfiguration(rid)
+        self._traces.set(rid, **{"vtm.epoch.after": record.epoch})
+        self._traces.event(rid, "commit record written", **{"vtm.epoch": record.epoch})
+        self._traces.phase(rid, ReconfStage.SWITCH, **{
+            "vtm.epoch": record.epoch, "vtm.ranks": sum(g.degree for g in recon.targets)})
         await self._publish_reconf(recon)
         self.log.info("epoch committed", record_epoch=record.epoch, **recon.to_dict())
 
     async def _expose(self, rid: int) -> None:
-        """Step 6: all ranks acknowledged → exposure record, then protocol.exposed."""
+        """Step 6: all ranks acknowledged → exposure record, then protocol.exposed (lock
+        held; in its trace, which ends with it)."""
+        self._traces.phase(rid, ReconfStage.EXPOSE)
+        with self._traces.current(rid):
+            await self._expose_traced(rid)
+
+    async def _expose_traced(self, rid: int) -> None:
         core = self.core
         assert core is not None
         proto = core.protocol
@@ -1956,11 +2101,18 @@ class ControllerService(MicroService):
             await self._write(record)
         except LostLeadership:
             return
+        except _WRITE_ERRORS as exc:  # _resume_stalled exposes it again
+            self._traces.event(rid, "exposure record not written", error=repr(exc))
+            raise
         done = proto.exposed(rid, self.now())
         self.counters["exposed"] += 1
         await self._publish_reconf(done)
         await self._publish_composition()
         self.log.info("reconfiguration exposed", **done.to_dict())
+        self._traces.ended(rid, **{"vtm.epoch.exposed": record.epoch,
+                                   "vtm.drain_s": done.drain_s, "vtm.switch_s": done.switch_s,
+                                   "vtm.reconfiguration.failed_targets":
+                                       [str(w) for w in done.failed_targets]})
 
     async def _abort_stuck(self) -> None:
         core = self.core
@@ -1975,12 +2127,21 @@ class ControllerService(MicroService):
             aborted = proto.abort(rid, now)
             self._awaiting.pop(rid, None)
             self.counters["aborted"] += 1
-            try:
-                await self._write(self._next_record(f"abort reconfiguration {rid}: drain timeout"))
-            except LostLeadership:
-                return
-            await self._publish_reconf(aborted)
-            self.log.warning("reconfiguration aborted: drain timeout", **aborted.to_dict())
+            reason = (f"drain timeout: sources not drained after "
+                      f"{self.csettings.reconfig_drain_timeout_s} s")
+            # Its trace ends first, with its own reason (a lost compare-and-set below would
+            # end it as abandoned); its context goes on to what is still said about it.
+            t = self._traces.get(rid)
+            with self._traces.current(rid):
+                self.log.warning("reconfiguration aborted: drain timeout", **aborted.to_dict())
+            self._traces.failed(rid, reason, outcome="aborted")
+            with bound(t, rid) if t is not None else contextlib.nullcontext():
+                try:
+                    await self._write(self._next_record(
+                        f"abort reconfiguration {rid}: drain timeout"))
+                except LostLeadership:
+                    return
+                await self._publish_reconf(aborted)
 
     async def _resume_stalled(self) -> None:
         """Steps 4-6's safety net, when no record was written for ``ack_timeout_s``.
@@ -2007,8 +2168,9 @@ class ControllerService(MicroService):
             phase = proto.reconfiguration(rid).phase
             if self.core is not core or phase not in (Phase.DRAINED, Phase.READY):
                 continue
-            self.log.warning("stalled reconfiguration retried", reconfiguration=rid,
-                             phase=phase.value)
+            with self._traces.current(rid):
+                self.log.warning("stalled reconfiguration retried", reconfiguration=rid,
+                                 phase=phase.value)
             if phase is Phase.DRAINED:
                 await self._commit(rid)
             else:
@@ -2070,6 +2232,9 @@ class ControllerService(MicroService):
 
     async def _publish(self, subject: str, msg: Message) -> None:
         data, headers = encode(msg)
+        # The current trace context (a reconfiguration's, when it is about one), so that
+        # whoever acts on the message can join that trace.
+        inject(headers)
         try:
             await self.nc.publish(subject, data, headers=headers)
         except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
@@ -2079,6 +2244,11 @@ class ControllerService(MicroService):
         assert self.core is not None
         if r.phase is Phase.EXPOSED or r.phase is Phase.ABORTED:  # each is published once
             self.metrics.ended(r)
+        with self._traces.current(r.id):
+            await self._publish_reconf_event(r)
+
+    async def _publish_reconf_event(self, r: Reconfiguration) -> None:
+        assert self.core is not None
         await self._publish(
             reconf_subject(self.subjects),
             ReconfigurationEvent(
