@@ -95,6 +95,13 @@ of a split or merge) takes its new process's incarnation as a first one and keep
 A snapshot reply asked of the worker before its restart is not applied (it may describe the
 old process's cache); the snapshot is asked again.
 
+Tracing (services/cachemgr/tracing.py): every command is sent under a CLIENT span of its own
+(``cache_pull`` for a route-time pull, else ``cache_{op}``) with its op, workers, block counts
+and outcome, whose W3C context travels in the command's headers: the worker's ``cache-cmd``
+span is its child. A copy a placement triggered (a pull, a lazy reconcile copy) names the
+request (``vtm.request_id``) and links to the trace context the RequestStats' headers carry,
+when they carry one.
+
 Message this module consumes: RequestStats (shared/schemas.py), published by the scheduler.
 Message it publishes: ReconciledNotice (shared/schemas.py), read by the schedulers.
 """
@@ -115,6 +122,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
+from opentelemetry import trace
 from pydantic import Field
 
 from services import calibration
@@ -132,6 +140,7 @@ from services.cachemgr.reconcile import (
     rehome_on_split,
 )
 from services.cachemgr.scan import ScanConfig, ScanResult
+from services.cachemgr.tracing import RequestTrigger, command_attributes, command_span_name
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import (
@@ -176,7 +185,7 @@ from shared.service import (
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, micro_service_name
 from shared.tasks import spawn_once, spawn_tracked
-from shared.telemetry import inject
+from shared.telemetry import inject, tracer
 from shared.worker import GpuGroup, Lifecycle, worker_restarted
 from shared.workerstates import worker_state_changes
 
@@ -987,8 +996,12 @@ class CacheMgrService(MicroService):
             self.log.warning("malformed request stats rejected", error=str(exc))
             return
         actions = self.record_stats(stats)
-        for a in actions:
-            self._send(a)
+        if actions:
+            # The copies this placement triggered name the request, and their spans link to
+            # its trace when the stats' headers carry its context.
+            trigger = RequestTrigger.from_headers(stats.request_id, msg.headers)
+            for a in actions:
+                self._send(a, trigger)
 
     def record_stats(self, stats: RequestStats) -> tuple[Replicate, ...]:
         """Algorithm 1 for one placement, then the copies it triggers: the lazy reconcile
@@ -1083,10 +1096,12 @@ class CacheMgrService(MicroService):
             source_worker=action.source,
         )
 
-    def _send(self, action: CacheAction) -> None:
-        self._spawn(self._execute(action), "cache-cmd")
+    def _send(self, action: CacheAction, trigger: RequestTrigger | None = None) -> None:
+        """Send ``action``'s command from a task of its own (:meth:`_execute`); ``trigger``:
+        the request whose placement made it, if one did (its span names and links it)."""
+        self._spawn(self._execute(action, trigger), "cache-cmd")
 
-    async def _execute(self, action: CacheAction) -> None:
+    async def _execute(self, action: CacheAction, trigger: RequestTrigger | None = None) -> None:
         """Send ``action``'s command and settle the action exactly once.
 
         An ok reply retires it as done (``replication_done``; a reclaim waits for the
@@ -1100,7 +1115,7 @@ class CacheMgrService(MicroService):
         service is going away with its trie.
         """
         try:
-            error, landed = await self._send_command(action)
+            error, landed = await self._send_command(action, trigger)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # anything: an unsettled action would stay in flight for ever
@@ -1123,7 +1138,8 @@ class CacheMgrService(MicroService):
             # those only: a pinned or still-parent block it kept would hold it in flight.
             self.trie.reclaim_executed(action, landed)
 
-    async def _send_command(self, action: CacheAction) -> tuple[str | None, int]:
+    async def _send_command(self, action: CacheAction,
+                            trigger: RequestTrigger | None = None) -> tuple[str | None, int]:
         """Build and send ``action``'s command: (None if the worker did it, else why not; for
         a copy, how many of ``action.blocks`` the destination took, else the reply's
         ``blocks_done``).
@@ -1143,7 +1159,7 @@ class CacheMgrService(MicroService):
             command_id=cmd.command_id,
             action=action.to_wire(),
         )
-        error, done = await self._call_worker(cmd)
+        error, done = await self._call_worker(cmd, action=action, trigger=trigger)
         if isinstance(action, Replicate):
             # A copy's reply counts the root-to-node path the destination now holds, leading
             # blocks first; the copy is that path's tail.
@@ -1152,11 +1168,46 @@ class CacheMgrService(MicroService):
         return error, done
 
     async def _call_worker(
-        self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand
+        self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand, *,
+        action: CacheAction | Demote | None = None, trigger: RequestTrigger | None = None,
     ) -> tuple[str | None, int]:
         """Send ``cmd`` to its worker and wait for the reply: (None if the worker did it, else
         why not; the reply's ``blocks_done``, 0 without an ok reply). The failures a command
-        meets in normal operation come back as the reason."""
+        meets in normal operation come back as the reason.
+
+        Under a span of its own (services/cachemgr/tracing.py, ``cache_{op}`` /
+        ``cache_pull``): what the command is (``action``: the copy's kind and blocks), the
+        request that triggered it (``trigger``: ``vtm.request_id`` and a link to its trace)
+        and how it ended. Its context travels in the command's headers (``call`` injects the
+        current one), so the worker's ``cache-cmd`` span is its child. Before, that span was
+        a root of its own that said nothing of the command or of why it was sent."""
+        copy_kind = action.kind if isinstance(action, Replicate) else None
+        attrs = command_attributes(cmd)
+        if isinstance(action, Replicate):
+            attrs["vtm.copy_kind"] = action.kind
+            attrs["vtm.copy_blocks"] = len(action.blocks)
+        if trigger is not None:
+            attrs["vtm.request_id"] = trigger.request_id
+        with tracer().start_as_current_span(
+            command_span_name(cmd.op, copy_kind),
+            kind=trace.SpanKind.CLIENT,
+            attributes=attrs,
+            links=trigger.links() if trigger is not None else None,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            error, done = await self._call_worker_traced(cmd)
+            if span.is_recording():
+                span.set_attributes({"vtm.cache_ok": error is None, "vtm.blocks_done": done})
+                if error is not None:
+                    span.set_attribute("vtm.cache_error", error[:500])
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, "command failed"))
+            return error, done
+
+    async def _call_worker_traced(
+        self, cmd: ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand
+    ) -> tuple[str | None, int]:
+        """:meth:`_call_worker` inside its span."""
         try:
             res = await call(
                 self.nc,
@@ -1240,7 +1291,7 @@ class CacheMgrService(MicroService):
         self.counters["demotes_sent"] += 1
         self.log.info("cache command", op=cmd.op, worker=cmd.worker_id, command_id=cid,
                       action=dem.to_wire())
-        return (await self._call_worker(cmd))[0]
+        return (await self._call_worker(cmd, action=dem))[0]
 
     def _failed(self, action: CacheAction, why: str, *, exc: BaseException | None = None) -> None:
         """Settle ``action`` as failed: counted, logged, its plan retired in the trie.

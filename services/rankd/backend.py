@@ -27,7 +27,9 @@ Durations are wall seconds as measured (with a time scale s, modelled seconds = 
 The three stages are consecutive: prefill starts at ``started_at_s``, the KV transfer at
 ``started_at_s + prefill_s``, the first decode after that, and the first token exists at
 ``finished_at_s`` (= the sum, up to clock rounding); the rank daemon turns them into the
-``prefill``, ``kv_transfer`` and ``first_decode`` spans.
+``prefill``, ``kv_transfer`` and ``first_decode`` spans. Whatever came before the prefill
+inside ``prefill`` (a lazy epoch switch: ``switch_s``, ending at ``started_at_s``) is queue
+wait, in the stage breakdown and in the trace alike.
 
 Faults: ``prefill`` raises :class:`~shared.ids.WorkerFault` (e.g. the torch world's
 ``WorldBroken``) when the *worker* can no longer compute — the request is not at fault; the
@@ -100,6 +102,13 @@ class PrefillResult:
     rank_compute_s: tuple[float, ...] = ()
     """Measured compute seconds of each member rank in rank order (the torch engine's time in
     its step on that rank, wall seconds); empty where the ranks are not processes (sim)."""
+    switch_s: float = 0.0
+    """Wall seconds the worker spent bringing its ranks into the assignment's geometry (a
+    lazy epoch switch: split or merge at the first step after an adoption) before the
+    prefill, ending at ``started_at_s``. Part of the queue wait, not of the prefill: the
+    stage breakdown counts it in ``queue_wait_s`` (it ends at ``started_at_s``) and the rank
+    daemon records it as an ``epoch_switch`` span inside ``queue_wait``. 0: no switch (the
+    sim backend never switches)."""
 
 
 @runtime_checkable

@@ -21,9 +21,15 @@ Per process (one worker, its leader rank, for now):
   in the assignment (``Assignment.request.trace_context``; :func:`stage_carrier`) -- not of
   the ``vtm-rankd.assign`` server span, which is the dispatch's (a child of the scheduler's
   ``schedule`` span) and ends at the admission. Predicted and modelled times on them; the
-  queue wait from the scheduler's ``assigned_at_s`` (where the breakdown's starts), the last
-  three from the backend's measured instants, so the spans and the FirstToken's breakdown
-  agree. Units on ``prefill``:
+  queue wait from the scheduler's ``assigned_at_s`` (where the breakdown's starts) to the
+  prefill's start as the backend measured it (``PrefillResult.started_at_s``, where the
+  breakdown's ends), the last three from the backend's measured instants, so the spans and
+  the FirstToken's breakdown agree. Inside ``queue_wait``: ``vtm.pull_hold_s`` and a
+  ``cache_pull_wait`` child span for the time the request was held at the head of the FIFO
+  for the route-time pull it was priced with (linked to the copies' ``cache-cmd`` spans,
+  which link back to the request's root), and ``vtm.epoch_switch_s`` and an ``epoch_switch``
+  child span for a lazy split or merge the backend made before the prefill (the ``prefill``
+  span starts after it). Units on ``prefill``:
   ``vtm.predicted_s`` and ``vtm.modelled_prefill_s`` modelled seconds,
   ``vtm.actual_prefill_s`` wall seconds, ``vtm.actual_prefill_model_s`` the same in modelled
   seconds (÷ ``vtm.time_scale``, wall seconds per modelled second), so prediction and
@@ -44,7 +50,9 @@ Per process (one worker, its leader rank, for now):
   event it can; in parts when it is over the server's max_payload, shared/service.py
   ``respond_in_parts``) and
   ``{prefix}.cache.cmd.{wid}`` executes a CacheCommand (replicate / reclaim / reconcile /
-  demote: the last only reorders the LRU, no event follows).
+  demote: the last only reorders the LRU, no event follows); its server span, a child of the
+  cache manager's span of the command, carries the op, the source and destination workers,
+  the block count and the outcome (services/cachemgr/tracing.py).
 * the epoch record is watched; a newer record is adopted (lifecycle from it) and one EpochAck
   per GPU of the worker is published on ``{prefix}.epoch.ack.{gpu}``. An ack whose publish
   raises (e.g. OutboundBufferLimitError: the outbound buffer is full while the connection is
@@ -141,10 +149,12 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
+from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode
 
 from services.cachemgr.events import CacheEvent
+from services.cachemgr.tracing import LINK_REASON, command_attributes
 from services.rankd.backend import ExecutionBackend, PrefillResult
 from services.rankd.core import (
     HANDED_BACK_CODE,
@@ -280,6 +290,15 @@ round up to :data:`EVENTS_RETRY_MAX_S`): until they reach the cache manager, it 
 plans on a stale view of this worker's cache."""
 EVENTS_RETRY_MAX_S: Final[float] = 2.0
 """Longest delay between two re-send rounds of unsent cache events (e.g. while reconnecting)."""
+PULL_WAIT_SPAN: Final[str] = "cache_pull_wait"
+"""Span of a request's pull hold (:meth:`WorkerCore.pull_hold`), a child of its
+``queue_wait``: from when the head of the FIFO began waiting for the route-time pull its
+assignment was priced with to its start. Linked to the ``vtm-rankd.cache-cmd`` spans of the
+copies of its blocks that arrived meanwhile (and they to the request's root)."""
+EPOCH_SWITCH_SPAN: Final[str] = "epoch_switch"
+"""Span of a lazy epoch switch the backend made before a request's prefill
+(``PrefillResult.switch_s``), a child of its ``queue_wait``: the stage breakdown counts it in
+``queue_wait_s``, and the ``prefill`` span starts where it ends."""
 UNSENT_EVENTS_MAX: Final[int] = 65_536
 """Cache events kept unsent at most (a long outage with requests finishing); beyond, the
 oldest are dropped: the first one sent after them shows the cache manager the gap, and it asks
@@ -301,6 +320,69 @@ _JSON_HEADERS: Final[dict[str, str]] = {CONTENT_TYPE: JSON}
 def _ns(t_s: float) -> int:
     """Unix seconds → OpenTelemetry nanoseconds."""
     return int(t_s * 1e9)
+
+
+def _finite_ns(t_s: float) -> int | None:
+    """:func:`_ns` of a stamp, None when its nanoseconds are no finite number (a bogus stamp
+    of a message, e.g. 1e300 s: a trace must never fail the work it describes)."""
+    ns = t_s * 1e9
+    return int(ns) if math.isfinite(ns) else None
+
+
+def _record(name: str, *, start_s: float, end_s: float, parent: otel_context.Context,
+            attributes: dict[str, Any], links: Sequence[Link] = ()) -> Span | None:
+    """A finished span (Unix seconds, measured already), returned so that children can hang
+    under it (``shared.telemetry.record_span`` returns none and takes no links). Nothing for
+    a stamp that is no finite time."""
+    start_ns, end_ns = _finite_ns(start_s), _finite_ns(max(end_s, start_s))
+    if start_ns is None or end_ns is None:
+        return None
+    span = tracer().start_span(name, context=parent, attributes=attributes, links=links,
+                               start_time=start_ns)
+    span.end(end_time=end_ns)
+    return span
+
+
+@dataclasses.dataclass(slots=True)
+class _PullHold:
+    """The head of the FIFO held for its route-time pull (:meth:`RankdService._next_job`):
+    since when, the full blocks of its prompt (a copy that names one of them is its pull),
+    the ``cache-cmd`` spans of those copies (``copies``, for its ``cache_pull_wait`` span's
+    links) and, once it started, when (``until_s``)."""
+
+    job: Job
+    since_s: float
+    wanted: frozenset[int]
+    copies: list[SpanContext] = dataclasses.field(default_factory=list)
+    until_s: float | None = None
+
+
+_RESULT_TIMES: Final[tuple[str, ...]] = (
+    "started_at_s", "prefill_s", "kv_transfer_s", "first_decode_s", "finished_at_s",
+    "modelled_prefill_s", "modelled_handoff_s", "switch_s")
+
+
+def check_result_times(result: PrefillResult) -> None:
+    """Raise ValueError naming the first of a backend's ``result`` times that is not a finite
+    number (NaN, infinite, not a number at all): the span ends, the stage breakdown and the
+    metrics are computed from them. Signs are not checked: durations measured across
+    processes may be off by a clock's disagreement (``_nonneg`` guards the stages)."""
+    for name in _RESULT_TIMES:
+        x = getattr(result, name)
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ValueError(f"the backend's result has {name}={x!r}, not a finite number")
+    for i, x in enumerate(result.rank_compute_s):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ValueError(f"the backend's result has rank_compute_s[{i}]={x!r}, "
+                             "not a finite number")
+
+
+def _request_context(job: Job) -> otel_context.Context | None:
+    """The context a result of ``job`` carries in its headers: its request's root (the job's
+    trace carrier), so that whoever waits on the result can link to the request's trace (the
+    controller's drain span links the requests it waited on); None (the current context)
+    when the job came without one."""
+    return extract(job.trace_carrier) if traceparent_of(job.trace_carrier) else None
 
 
 def _nonneg(x: float) -> float:
@@ -450,8 +532,11 @@ class RankdService(MicroService):
         self._epochs: KeyValue | None = None
         self._work = asyncio.Event()  # something to start
         self._cache_changed = asyncio.Event()  # a cache command ended (a pull may have landed)
-        # Blocks of the replicate commands being executed (WorkerCore.pull_hold waits for them).
-        self._incoming: dict[int, frozenset[int]] = {}
+        # Blocks of the replicate commands being executed (WorkerCore.pull_hold waits for them),
+        # with each one's cache-cmd span (a held request's cache_pull_wait links to it).
+        self._incoming: dict[int, tuple[frozenset[int], Span]] = {}
+        # The head of the FIFO held for its pull, if any (_next_job), until _run takes it.
+        self._holding: _PullHold | None = None
         self._dirty = asyncio.Event()  # state changed; publish soon
         self._idle = asyncio.Event()  # nothing running
         self._idle.set()
@@ -550,10 +635,21 @@ class RankdService(MicroService):
         await respond_in_parts(self.nc, request, data, headers)
 
     async def _on_cache_cmd(self, request: Request) -> CacheCommandResult:
+        """Execute a cache command. Its server span (a child of the cache manager's span of
+        the command, whose context the command's headers carry) says what it was
+        (:func:`~services.cachemgr.tracing.command_attributes`) and how it ended
+        (``vtm.cache_ok``, ``vtm.blocks_done``); a copy that a held request waits for is
+        linked to that request's root (:meth:`_link_hold`)."""
         cmd = request_model(request, CacheCommand)
+        span = trace.get_current_span()  # the handler's (shared/service.py wrap_handler)
+        if span.is_recording():
+            span.set_attributes(command_attributes(cmd))
         key = id(cmd)
         if isinstance(cmd, ReplicateCommand):
-            self._incoming[key] = frozenset(cmd.blocks)
+            blocks = frozenset(cmd.blocks)
+            self._incoming[key] = (blocks, span)
+            if self._holding is not None:
+                self._link_hold(self._holding, blocks, span)
         try:
             prepare = getattr(self.backend, "prepare_cache_command", None)
             if callable(prepare):  # a real engine moves the KV first; cmd shrinks to what it holds
@@ -568,6 +664,8 @@ class RankdService(MicroService):
         finally:
             self._incoming.pop(key, None)
             self._cache_changed.set()
+        if span.is_recording():
+            span.set_attributes({"vtm.cache_ok": result.ok, "vtm.blocks_done": result.blocks_done})
         await self._publish_cache_events()
         self._dirty.set()
         return result
@@ -942,70 +1040,109 @@ class RankdService(MicroService):
 
     async def _next_job(self) -> Job | None:
         """The next job to run (None: nothing to start now), once the pull its assignment
-        counted on has landed or was waited for long enough (:meth:`WorkerCore.pull_hold`)."""
+        counted on has landed or was waited for long enough (:meth:`WorkerCore.pull_hold`).
+
+        A job held so is noted (``_holding``: since when, the copies of its blocks that
+        arrived) for :meth:`_run`, which records the hold as ``vtm.pull_hold_s`` on its
+        ``queue_wait`` span and a ``cache_pull_wait`` child span. Before, the hold was hidden
+        inside the queue wait. A head handed back while held (a drain) is forgotten: the
+        next head's hold counts from when it began."""
         while (hold := self._pull_hold()) > 0.0:
+            head = self.core.queued[0]  # a hold is always the head's
+            if self._holding is None or self._holding.job is not head:
+                self._holding = self._hold_of(head)
             self._cache_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._cache_changed.wait(),
                                        None if math.isinf(hold) else hold)
-        return self.core.start_next(self.clock())
+        job = self.core.start_next(self.clock())
+        held = self._holding
+        if held is not None and (job is None or held.job is not job):
+            self._holding = None  # not the job that starts (handed back meanwhile)
+        elif held is not None and job is not None:
+            held.until_s = job.started_at_s  # no await since start_next: no copy links now
+        return job
+
+    def _hold_of(self, job: Job) -> _PullHold:
+        """A hold of ``job`` beginning now, linked with the copies of its blocks already
+        arriving (a copy sent before the request was assigned)."""
+        req = job.assignment.request
+        full = min(len(req.block_hashes), req.input_len // req.block_size)
+        held = _PullHold(job, self.clock(), frozenset(req.block_hashes[:full]))
+        for blocks, span in self._incoming.values():
+            self._link_hold(held, blocks, span)
+        return held
+
+    def _link_hold(self, held: _PullHold, blocks: frozenset[int], span: Span) -> None:
+        """A copy of ``blocks`` executing under the ``cache-cmd`` ``span`` while ``held``
+        waits: when it brings some of the held request's blocks, link the two traces both
+        ways -- the copy's span to the request's root, the request's ``cache_pull_wait`` (made
+        at its start) to the copy's span. The pull's own trace is the cache manager's, not
+        the request's: without the links nothing led from one to the other."""
+        if held.until_s is not None or held.wanted.isdisjoint(blocks):
+            return
+        ctx = span.get_span_context()
+        if not ctx.is_valid or not ctx.trace_flags.sampled:
+            return
+        held.copies.append(ctx)
+        if span.is_recording() and is_sampled(held.job.trace_carrier):
+            root = trace.get_current_span(extract(held.job.trace_carrier)).get_span_context()
+            span.add_link(root, {LINK_REASON: "pull_hold",
+                                 "vtm.request_id": held.job.request_id})
 
     def _pull_hold(self) -> float:
         """:meth:`WorkerCore.pull_hold` now, with the blocks of the copies arriving."""
         incoming: set[int] = set()
-        for blocks in self._incoming.values():
+        for blocks, _ in self._incoming.values():
             incoming |= blocks
         return self.core.pull_hold(self.clock(), incoming)
 
     async def _run(self, job: Job) -> None:
         a = job.executed or job.assignment  # P, R as this worker's cache found them
         assert job.started_at_s is not None
+        held, self._holding = self._holding, None
+        if held is not None and held.job is not job:  # never so (_next_job); no stale hold
+            held = None
         # job.trace_carrier is the root's context (stage_carrier): every stage span below is
         # its direct child. Unsampled (the usual case at a 1% ratio): no span objects or
-        # attributes; the parent's non-recording span is current during the prefill so
-        # anything the backend traces keeps the decision. No valid context at all: spans as
-        # before (roots, by ratio).
+        # attributes. No valid context at all: spans as before (roots, by ratio).
         sampled = is_sampled(job.trace_carrier) or traceparent_of(job.trace_carrier) is None
         ids = {"vtm.request_id": a.request.request_id, "vtm.worker_id": a.worker_id}
-        span_cm: contextlib.AbstractContextManager[Span]
-        if sampled:
-            record_span(
-                Stage.QUEUE_WAIT,
-                start_s=a.assigned_at_s,
-                end_s=job.started_at_s,
-                parent=job.trace_carrier,
-                attributes=ids,
-            )
-            # The prefill span is current while the backend runs (anything it traces hangs
-            # under it) but ends where the backend measured the prefill's end: the KV handoff
-            # and the first decode that follow get spans of their own.
-            span_cm = tracer().start_as_current_span(
-                str(Stage.PREFILL),
-                context=extract(job.trace_carrier),
-                attributes={
-                    **ids,
-                    "vtm.degree": a.degree,
-                    "vtm.epoch": a.epoch,
-                    "vtm.prefix_tokens": a.prefix_tokens,
-                    "vtm.recompute_tokens": a.recompute_tokens,
-                    "vtm.assigned_prefix_tokens": job.assignment.prefix_tokens,
-                    "vtm.predicted_s": a.predicted_s,  # modelled seconds
-                    "vtm.time_scale": self.core.time_scale,
-                    "vtm.backend": self.backend.name,
-                },
-                end_on_exit=False,
-                record_exception=False,
-                set_status_on_exception=False,
-            )
-        else:
-            span_cm = trace.use_span(trace.get_current_span(extract(job.trace_carrier)),
-                                     end_on_exit=False, record_exception=False,
-                                     set_status_on_exception=False)
-        with span_cm as span:
+        root = extract(job.trace_carrier)
+        attrs = {
+            **ids,
+            "vtm.degree": a.degree,
+            "vtm.epoch": a.epoch,
+            "vtm.prefix_tokens": a.prefix_tokens,
+            "vtm.recompute_tokens": a.recompute_tokens,
+            "vtm.assigned_prefix_tokens": job.assignment.prefix_tokens,
+            "vtm.predicted_s": a.predicted_s,  # modelled seconds
+            "vtm.time_scale": self.core.time_scale,
+            "vtm.backend": self.backend.name,
+        }
+
+        def failed_span() -> Span:
+            """The prefill span of a prefill that raised (from the job's start: where the
+            prefill began inside the backend is not known), its queue wait before it."""
+            if not sampled:
+                return trace.INVALID_SPAN
+            self._record_queue_wait(job, job.started_at_s, ids, held, None)
+            return tracer().start_span(str(Stage.PREFILL), context=root, attributes=attrs,
+                                       start_time=_ns(job.started_at_s))
+
+        # The root's context is current while the backend runs (a non-recording span when
+        # unsampled: anything the backend traces keeps the decision). The prefill span is made
+        # once the backend said where the prefill began (``result.started_at_s``): after a lazy
+        # epoch switch, which is queue wait in the breakdown (ttft_stages) and in the trace
+        # (an ``epoch_switch`` span in ``queue_wait``). Before, it began at the job's start and
+        # the switch showed inside it.
+        with trace.use_span(trace.get_current_span(root), end_on_exit=False,
+                            record_exception=False, set_status_on_exception=False):
             try:
                 result = await self.backend.prefill(a)
             except asyncio.CancelledError as exc:
                 if _cancel_requested():  # this task was cancelled: the worker stops
+                    span = failed_span()
                     span.set_status(Status(StatusCode.ERROR, "cancelled (worker stopping)"))
                     span.end()
                     raise
@@ -1013,39 +1150,94 @@ class RankdService(MicroService):
                 # of its was cancelled under it). The request's failure, as any exception of
                 # one prefill; re-raised, it would end the executor (a worker fault,
                 # _task_ended).
-                self._prefill_failed(job, span, exc, "prefill failed: cancelled in the backend")
+                self._prefill_failed(job, failed_span(), exc,
+                                     "prefill failed: cancelled in the backend")
                 return
             except WorkerFault as exc:
                 # Not the request's fault: it goes back to intake (with the queue), no answer.
+                span = failed_span()
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, f"worker fault, handed back: {exc}"))
                 span.end()
                 self.fail(exc, running=job)
                 return
             except Exception as exc:
-                self._prefill_failed(job, span, exc, f"prefill failed: {exc}")
+                self._prefill_failed(job, failed_span(), exc, f"prefill failed: {exc}")
                 return
             except BaseException as exc:  # nothing a request answers: the executor ends
+                span = failed_span()
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 span.end()
                 raise
-            span.set_attribute("vtm.modelled_prefill_s", result.modelled_prefill_s)
-            span.set_attribute("vtm.actual_prefill_s", result.prefill_s)  # wall
-            # In the unit of vtm.predicted_s: the wall figure alone is time_scale × off.
-            span.set_attribute("vtm.actual_prefill_model_s",
-                               result.prefill_s / self.core.time_scale)
-            prefilled = result.started_at_s + result.prefill_s
-            span.end(end_time=_ns(prefilled))
-            if span.get_span_context().trace_flags.sampled:  # unsampled: no span objects
-                self._record_rank_spans(job, result, prefilled, span, ids)
+        try:
+            check_result_times(result)
+        except ValueError as exc:
+            # A backend's bug, not the request's: answered as a failed prefill rather than
+            # published with times no stage, span or metric can hold.
+            self._prefill_failed(job, failed_span(), exc, f"prefill failed: {exc}")
+            return
+        prefilled = result.started_at_s + result.prefill_s
         if sampled:
+            self._record_queue_wait(job, result.started_at_s, ids, held, result)
+            # Ends where the backend measured the prefill's end: the KV handoff and the
+            # first decode that follow get spans of their own.
+            span = _record(str(Stage.PREFILL), start_s=result.started_at_s, end_s=prefilled,
+                           parent=root, attributes={
+                               **attrs,
+                               "vtm.modelled_prefill_s": result.modelled_prefill_s,
+                               "vtm.actual_prefill_s": result.prefill_s,  # wall
+                               # In the unit of vtm.predicted_s: the wall figure alone is
+                               # time_scale × off.
+                               "vtm.actual_prefill_model_s":
+                                   result.prefill_s / self.core.time_scale,
+                           })
+            if span is not None and span.get_span_context().trace_flags.sampled:
+                self._record_rank_spans(job, result, prefilled, span, ids)
             self._record_handoff_spans(job, result, prefilled, ids)
         # Both in modelled seconds (the measured wall time ÷ the time scale).
         self.metrics.prefilled(a.degree, result.prefill_s / self.core.time_scale, a.predicted_s)
         self.core.finish(job.request_id, ok=True)
         await self._deliver_result(job, result)
         await self._publish_cache_events()
+
+    def _record_queue_wait(self, job: Job, end_s: float, ids: dict[str, str],
+                           held: _PullHold | None, result: PrefillResult | None) -> None:
+        """The ``queue_wait`` span, from the scheduler's ``assigned_at_s`` to ``end_s`` (the
+        prefill's start: where the breakdown's ``queue_wait_s`` ends), with what it holds as
+        child spans and attributes: the pull hold (``vtm.pull_hold_s``, a
+        :data:`PULL_WAIT_SPAN` span linked to the copies that arrived for it) and a lazy
+        epoch switch the backend made first (``vtm.epoch_switch_s``, an
+        :data:`EPOCH_SWITCH_SPAN` span ending at the prefill's start). Both 0 when there was
+        none. Sampled requests only (the caller's check)."""
+        a = job.executed or job.assignment
+        started = job.started_at_s
+        assert started is not None
+        hold_s = _nonneg(started - held.since_s) if held is not None else 0.0
+        switch_s = _nonneg(result.switch_s) if result is not None else 0.0
+        wait = _record(str(Stage.QUEUE_WAIT), start_s=job.assignment.assigned_at_s,
+                       end_s=end_s, parent=extract(job.trace_carrier),
+                       attributes={**ids, "vtm.pull_hold_s": hold_s,
+                                   "vtm.epoch_switch_s": switch_s})
+        if wait is None:
+            return
+        inside = trace.set_span_in_context(wait)
+        if held is not None:
+            _record(PULL_WAIT_SPAN, start_s=held.since_s, end_s=started, parent=inside,
+                    attributes={**ids,
+                                "vtm.pull_copy_s": job.assignment.pull_copy_s,  # modelled
+                                "vtm.assigned_prefix_tokens": job.assignment.prefix_tokens,
+                                "vtm.prefix_tokens": a.prefix_tokens,
+                                # Whether the cache gave the prefix J priced it with.
+                                "vtm.pull_landed":
+                                    a.prefix_tokens >= job.assignment.prefix_tokens,
+                                "vtm.pull_copies": len(held.copies)},
+                    links=[Link(c, {LINK_REASON: "pull_hold"}) for c in held.copies])
+        if result is not None and switch_s > 0.0:
+            _record(EPOCH_SWITCH_SPAN, start_s=result.started_at_s - switch_s,
+                    end_s=result.started_at_s, parent=inside,
+                    attributes={**ids, "vtm.epoch": a.epoch, "vtm.degree": a.degree,
+                                "vtm.backend": self.backend.name})
 
     def _prefill_failed(self, job: Job, span: Span, exc: BaseException, reason: str) -> None:
         """``job``'s prefill raised ``exc``, the request's failure (not a worker fault): end
@@ -1175,7 +1367,7 @@ class RankdService(MicroService):
         )
         data, headers = encode(msg)
         subject = self.subjects.result(a.request.request_id)
-        headers = inject(headers)
+        headers = inject(headers, _request_context(job))
         copies = self._attempt_copies(data, headers, joined)
         self._keep_answer(a.request, subject, data, headers)
         for copy in copies:
@@ -1199,6 +1391,7 @@ class RankdService(MicroService):
             arrival_s=a.request.arrival_s,
         )
         data, headers = encode(msg)
+        headers = inject(headers, _request_context(job))
         return self.subjects.result(a.request.request_id), data, headers
 
     def _publish_failure(self, job: Job, reason: str,

@@ -724,6 +724,9 @@ class TorchBackend:
             modelled_prefill_s=assignment.predicted_s,
             modelled_handoff_s=0.0,
             rank_compute_s=tuple(r.seconds for r in replies),
+            # The switch (if any) ran before the prefill: rankd's epoch_switch span, inside
+            # queue_wait, as the breakdown counts it (started_at_s is after it).
+            switch_s=switch_s if switched else 0.0,
         )
 
     def _step(

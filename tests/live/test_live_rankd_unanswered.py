@@ -105,11 +105,18 @@ async def all_sent(svc: RankdService, nc: Client) -> None:
     await nc.flush()
 
 
-SPOILS: dict[str, Callable[[PrefillResult], PrefillResult]] = {
+SPOILS: dict[str, tuple[Callable[[PrefillResult], PrefillResult], str]] = {
     # After the core finished the job: the FirstToken cannot be made.
-    "token-no-integer": lambda r: dataclasses.replace(r, token=1.5),  # type: ignore[arg-type]
-    # Before it: the prefill span's end (nanoseconds) cannot be computed.
-    "nan-prefill": lambda r: dataclasses.replace(r, prefill_s=math.nan),
+    "token-no-integer": (lambda r: dataclasses.replace(r, token=1.5),  # type: ignore[arg-type]
+                         "request bookkeeping failed"),
+    # Before it: the backend's times are refused (check_result_times), as no stage, span or
+    # metric can hold them -- the prefill failed.
+    "nan-prefill": (lambda r: dataclasses.replace(r, prefill_s=math.nan),
+                    "prefill_s=nan, not a finite number"),
+    "inf-handoff": (lambda r: dataclasses.replace(r, kv_transfer_s=math.inf),
+                    "kv_transfer_s=inf, not a finite number"),
+    "str-prefill": (lambda r: dataclasses.replace(r, prefill_s="0.1"),  # type: ignore[arg-type]
+                    "prefill_s='0.1', not a finite number"),
 }
 
 
@@ -117,12 +124,13 @@ SPOILS: dict[str, Callable[[PrefillResult], PrefillResult]] = {
 async def test_a_job_whose_bookkeeping_fails_is_answered_with_an_error(
     nats_server: EmbeddedNats, nc: Client, uniq: str, spoil: str
 ) -> None:
-    """The backend's result for x makes no FirstToken (or no span end): x and the later
+    """The backend's result for x makes no FirstToken (or has times no stage can hold): x and the later
     attempt that joined x's job are each answered once with an error, stamped for it; the
     worker serves on (the next request gets its token). Before, the job was finished with
     nobody answered ("request bookkeeping failed" logged), and a re-sent assignment was acked
     as done and never ran."""
-    backend = BadResults(SPOILS[spoil])
+    spoiled, why = SPOILS[spoil]
+    backend = BadResults(spoiled)
     backend.release.clear()  # x waits in its prefill until its later attempt joined it
     s = Subjects(uniq)
     async with running_rankd(nats_server.url, uniq, backend) as svc:
@@ -136,7 +144,7 @@ async def test_a_job_whose_bookkeeping_fails_is_answered_with_an_error(
         await all_sent(svc, nc)
         assert sorted((r.arrival_s, r.token) for r in results) == [
             (first.request.arrival_s, None), (later.request.arrival_s, None)]
-        assert all("request bookkeeping failed" in (r.error or "") for r in results)
+        assert all(why in (r.error or "") for r in results)
         _, fine = await answers(nc, s.result("ok-y"))
         await call(nc, s.worker_assign(WID), assignment("ok-y"), AssignmentAck,
                    timeout_s=WAIT_S)
@@ -153,7 +161,7 @@ async def test_a_first_token_that_cannot_be_made_after_the_handoff_is_answered_w
     """The KV handoff runs off the worker (its first token is sent by a task of its own once
     the handoff is over): a result that makes no FirstToken is answered with an error there.
     Before, that task logged "first token publish failed" and answered nobody."""
-    backend = BadResults(SPOILS["token-no-integer"], handoff_time=lambda tokens, c: 0.2,
+    backend = BadResults(SPOILS["token-no-integer"][0], handoff_time=lambda tokens, c: 0.2,
                          handoff_off_worker=True)
     s = Subjects(uniq)
     async with running_rankd(nats_server.url, uniq, backend) as svc:
