@@ -55,6 +55,7 @@ class Sent:
     stream_seq: int  # that message's intake stream sequence
     request: IntakeRequest
     carrier: Mapping[str, str]  # trace context of the original message
+    assigned_at_s: float | None = None  # when it was assigned to the worker (None: not known)
 
 
 @dataclass(frozen=True, slots=True)

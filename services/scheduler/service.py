@@ -141,21 +141,32 @@ otherwise (``_republished_known``): the ones dispatched before the loss are stil
 their workers (and recovered if those die), the ones never delivered would otherwise be lost.
 
 Tracing (conventions.md: one root per request at the gateway, one child per TTFT stage): two
-stage spans, each a child of the gateway's root span (context from the intake message's
-headers, else its ``trace_context``), timed by the same stamps as the FirstToken's breakdown.
-``intake_wait`` runs from the gateway's arrival stamp to the placement's dequeue stamp
-(``Assignment.dequeued_at_s``): a request held for an eligible worker (``hold_s``) waits in
-intake in both, the span saying how long it was held (``vtm.held_s``; on a later delivery
-only its hold is recorded). ``schedule`` starts there and carries the chosen worker, P, R, s,
-the J terms, and every candidate's terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,
-excluded}``) plus the whole decision as JSON (``vtm.decision``); its event ``assigned`` marks
-``assigned_at_s``, where the breakdown's schedule stage ends: the span goes on through the
-dispatch, and the worker's ``vtm-rankd.assign`` server span is its child. The worker's own
-stage spans are the root's children too, not the assign span's: the root's context travels in
-the assignment (:func:`with_trace_context`). Spans only for a sampled trace (the
+stage spans per delivery, each a child of the gateway's root span (context from the intake
+message's headers, else its ``trace_context``), timed by the same stamps as the FirstToken's
+breakdown, so that the stage spans do not overlap and cover the TTFT. ``intake_wait`` ends at
+the placement's dequeue stamp (``Assignment.dequeued_at_s``): a request held for an eligible
+worker (``hold_s``) waits in intake in both, the span saying how long it was held
+(``vtm.held_s``). It starts at the gateway's arrival stamp on a first delivery; at this
+replica's NAK of the delivery before on a retry (``vtm.retry``: the ``retry_delay_s`` wait,
+intake wait in the breakdown too; a redelivery this replica did not NAK records its hold
+only); at the hand-back's publish on a hand-back (``vtm.handed_back``, ``vtm.handed_back_by``,
+``vtm.handback_cause``). A request this replica hands back for a lost or gone worker gets a
+``handed_back`` span (``vtm.worker_id``, ``vtm.cause``) from its assignment there to that
+publish. ``schedule`` starts where the intake wait ends and carries the chosen worker, P, R,
+s, the J terms, and every candidate's terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,
+excluded}``, as conventions.md asks) plus the whole decision as JSON (``vtm.decision``); it
+ends at ``assigned_at_s`` (event ``assigned``), where the breakdown's schedule stage ends. The
+dispatch is its child ``dispatch`` (a client span from ``assigned_at_s`` to the worker's ack,
+``vtm.queue_position``; in the breakdown it is queue wait), and the worker's
+``vtm-rankd.assign`` server span is the dispatch's child. A failed attempt has ERROR status on
+its own span -- ``schedule`` with ``vtm.no_eligible_worker`` or ``vtm.refused``, ``dispatch``
+with ``vtm.dispatch_error`` -- never on the root: a retry that succeeds has spans of its own.
+A NAK'ed delivery's spans end at the NAK, where its retry's intake wait starts. The worker's
+own stage spans are the root's children too, not the assign span's: the root's context
+travels in the assignment (:func:`with_trace_context`). Spans only for a sampled trace (the
 ``traceparent`` flag; a message without any trace context starts a root, sampled by ratio):
 an unsampled request builds no span and no attributes, and its carrier is passed on to the
-worker unchanged.
+worker unchanged. Metrics: services/scheduler/metrics.py.
 
 It publishes RequestStats (shared/schemas.py) on ``{prefix}.cache.stats.{reporter}`` and
 keeps AssignmentRecord (defined here) in the assignment bucket.
@@ -180,6 +191,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -191,6 +203,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services import calibration
@@ -203,6 +217,7 @@ from services.rankd.core import (
     FINISHED_MEMORY,
     HANDED_BACK_CODE,
     INTAKE_MSG_HEADER,
+    JOINED_MARK,
     REDIRECTING_CODE,
     attempt_mark,
     handback_msg_id,
@@ -212,7 +227,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.decision import CandidateTerms, Decision
 from services.scheduler.errors import NoEligibleWorker, SequenceTooLong, UnknownRequest
 from services.scheduler.ledger import LEDGER_LIMIT, DispatchLedger, Loss, LostWorker, Sent
-from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.metrics import RetryReason, SchedulerMetrics
 from services.scheduler.placement import PullCredit, pull_copy_s
 from services.scheduler.policies.vertumnus import JPolicy
 from services.scheduler.registry import make_policy
@@ -282,13 +297,14 @@ from shared.subjects import Subjects, micro_service_name, validate_token
 from shared.tasks import cancel_and_wait, spawn_once, spawn_tracked
 from shared.telemetry import (
     Stage,
+    extract,
     inject,
     is_sampled,
     record_span,
     span_attribute_limit,
-    stage_span,
     trace_id_of,
     traceparent_of,
+    tracer,
 )
 from shared.worker import Lifecycle, worker_restarted
 
@@ -311,6 +327,53 @@ bound on what notices for workers that never register can hold; a few hundred MB
 _REFUSALS_KEPT: Final[int] = 4096
 """Most requests whose refusing workers a replica remembers for their retries
 (SchedulerService ``_refused_by``; the oldest are forgotten first)."""
+_NAKS_KEPT: Final[int] = 4096
+"""Most NAK'ed intake messages whose NAK stamp a replica remembers for the ``intake_wait``
+span of their redelivery (SchedulerService ``_naked``; the oldest are forgotten first)."""
+HANDBACK_CAUSE_HEADER: Final[str] = "Vtm-Handback-Cause"
+"""Header of a hand-back this replica publishes on a worker's behalf: why (:class:`HandBackCause`
+value). A worker's own hand-back (a redirect) has none."""
+HANDBACK_AT_HEADER: Final[str] = "Vtm-Handed-Back-At"
+"""Header of a hand-back this replica publishes: its publish stamp (Unix seconds, ``repr`` of
+a float), where the ``handed_back`` span ends and the hand-back delivery's ``intake_wait``
+starts (a worker's own hand-back has none: the stream's stored stamp is used)."""
+DISPATCH_SPAN: Final[str] = "dispatch"
+"""The span of an assignment's request-reply to its worker: a child of ``schedule`` (not a
+TTFT stage: the breakdown counts it in the worker's queue wait)."""
+HANDED_BACK_SPAN: Final[str] = "handed_back"
+"""The span of the time a request spent on a worker that was lost (or gone) before this
+replica handed it back to intake: from its assignment there to the hand-back's publish."""
+
+
+class HandBackCause(StrEnum):
+    """Why a replica handed a request back on its worker's behalf (span attribute
+    ``vtm.cause``, header :data:`HANDBACK_CAUSE_HEADER`, metric ``vtm.scheduler.handbacks``)."""
+
+    LOST_RESTARTED = "lost_restarted"  # the worker restarted under the same id (ledger.Loss)
+    LOST_SILENT = "lost_silent"  # its lease ran out and its queue endpoint does not answer
+    GONE = "gone"  # a redelivery or re-send found its recorded worker gone
+    WORKER = "worker"  # the worker's own hand-back (a redirect): on deliveries only
+
+
+def handback_worker(msg_id: str) -> str:
+    """The worker a hand-back's intake message id (:func:`handback_msg_id`: ``{source}>{worker}``,
+    a joined attempt's with ``@a{stamp}`` after it) names as the one handing back. Pure."""
+    return msg_id.rpartition(">")[2].split(JOINED_MARK, 1)[0]
+
+
+def _end_span(span: Any, at_s: float | None = None) -> None:
+    """End ``span`` (if any and not ended yet) at ``at_s`` (Unix seconds; None: now)."""
+    if span is not None and span.is_recording():
+        span.end(end_time=None if at_s is None or not math.isfinite(at_s * 1e9)
+                 else int(at_s * 1e9))
+
+
+def _fail_span(span: Any, attribute: str, what: str) -> None:
+    """Mark one attempt's span failed: ``attribute`` = ``what`` and ERROR status (the attempt
+    failed, not the request: the root is not touched, and a retry has its own spans)."""
+    if span is not None:
+        span.set_attribute(attribute, what)
+        span.set_status(Status(StatusCode.ERROR, what[:256]))
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -668,7 +731,8 @@ def placement_terms(decision: Decision, policy: object, candidates: int) -> Plac
 
 SCHEDULE_SPAN_RESERVED: Final[int] = 8
 """Attributes of the schedule span set outside :func:`decision_attributes` (request id,
-scheduler, delivery, queue position, a dispatch error, ...): kept free of candidate terms."""
+scheduler, delivery, resumed, a failure, ...; the queue position and a dispatch error are the
+``dispatch`` span's): kept free of candidate terms."""
 
 _CANDIDATE_TERMS: Final[tuple[str, ...]] = ("q", "s", "extra_gpu", "score", "P", "R")
 
@@ -938,6 +1002,9 @@ class SchedulerService(MicroService):
         # 410 / 425 (a failing engine, a core refusal): its retries avoid them while another
         # worker is eligible (_place). Forgotten when it is dispatched or fails; bounded.
         self._refused_by: OrderedDict[str, frozenset[str]] = OrderedDict()
+        # Request id -> (stream sequence, when this replica NAK'ed that message): where the
+        # ``intake_wait`` span of its redelivery starts (the retry's wait). Bounded.
+        self._naked: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._snapshotting: set[str] = set()
         # Workers whose snapshot request went unanswered (asked again by housekeeping).
         self._snapshot_retry: set[str] = set()
@@ -1431,9 +1498,10 @@ class SchedulerService(MicroService):
         sent = self.ledger.get(rid)
         if arrival_s is not None and sent is not None and sent.request.arrival_s != arrival_s:
             self.stats.other_attempt_results += 1
-            self.log.info("result of another attempt; this one's dispatch waits for its own",
-                          request_id=rid, arrival_s=arrival_s,
-                          dispatched_arrival_s=sent.request.arrival_s)
+            with bind_request(rid, trace_id_of(sent.carrier)):  # a result, not a delivery
+                self.log.info("result of another attempt; this one's dispatch waits for its "
+                              "own", arrival_s=arrival_s,
+                              dispatched_arrival_s=sent.request.arrival_s)
             self._note_served(rid, served, arrival_s)
             return None
         self.core.forget_foreign(rid)
@@ -1579,9 +1647,9 @@ class SchedulerService(MicroService):
                            subject=msg.subject, stream_seq=self._stream_seq(msg))
             await msg.term()
             return
-        # Every log line of this delivery carries its request and trace ids (conventions.md);
-        # the gateway's trace context travels in the request.
-        with bind_request(req.request_id, trace_id_of(req.trace_context)):
+        # Every log line of this delivery carries its request and trace ids (conventions.md):
+        # the trace context its spans hang from (the headers', else the request's).
+        with bind_request(req.request_id, trace_id_of(trace_carrier(msg.headers, req))):
             if req.block_size != self.ssettings.block_size:
                 await self._refuse_block_size(msg, req)
                 return
@@ -1608,6 +1676,10 @@ class SchedulerService(MicroService):
         msg_id = (msg.headers or {}).get(MSG_ID_HEADER) or rid
         seq = self._stream_seq(msg)
         delivery = self._deliveries(msg)
+        naked_at: float | None = None  # when this replica NAK'ed the delivery before this one
+        if delivery > 1:
+            self.metrics.redelivered()
+            naked_at = self._retry_started(rid, seq)
         if REPUBLISHED_HEADER in (msg.headers or {}):
             # A gateway's re-send after the server lost its store. Checked before the ledger
             # lets go of an earlier dispatch of this request (which a worker may still hold),
@@ -1659,6 +1731,7 @@ class SchedulerService(MicroService):
             # placed but never recorded as dispatched: release it and place afresh.
             if delivery == 1:
                 self.stats.redirected += 1
+                self.metrics.redirected()
             self._release(rid)
 
         # Placed before any span opens: a hold (no eligible worker yet, _place_held) is intake
@@ -1682,124 +1755,146 @@ class SchedulerService(MicroService):
                         until = self.clock()
                 else:
                     until = placed[0].dequeued_at_s or dequeued
-        held_s = until - dequeued
-        if sampled and (delivery == 1 or held_s > 0):
-            # From the gateway's arrival on a first delivery (a later one's earlier wait
-            # belongs to the deliveries before it: only its hold is recorded). An arrival
-            # after the dequeue (clock skew, or a bogus far-future stamp: any finite WallTime
-            # decodes, and 1e300 s would overflow the span's nanoseconds) is an empty wait,
-            # not a failed delivery.
-            attrs: dict[str, Any] = {"vtm.request_id": rid}
-            if held_s > 0:
-                attrs["vtm.held_s"] = held_s
-                attrs["vtm.delivery"] = delivery
-            record_span(Stage.INTAKE_WAIT,
-                        start_s=min(req.arrival_s, until) if delivery == 1 else dequeued,
-                        end_s=until, parent=parent, attributes=attrs)
+        if sampled:
+            self._record_intake_wait(msg, req, parent, msg_id=msg_id, delivery=delivery,
+                                     dequeued=dequeued, until=until, naked_at=naked_at)
 
-        span_cm: contextlib.AbstractContextManager[Any] = (
-            stage_span(Stage.SCHEDULE, parent=parent, start_time_s=until, attributes={
-                "vtm.request_id": rid, "vtm.scheduler": self.reporter,
-                "vtm.delivery": delivery}) if sampled else contextlib.nullcontext(None))
-        with span_cm as span:
-            stored: Any = None
-            if record is not None:  # "dispatching": a crash or an unknown dispatch outcome
-                if self._served_for(rid, req.arrival_s):
-                    self.stats.finished_acked += 1
-                    self.log.info("redelivery of a served request acked", request_id=rid)
-                    await msg.ack()
-                    return
-                # "Gone" is judged from the worker-state view, which can lag; a worker that
-                # still lists the request is alive and will run it: re-send, do not hand back.
-                if self.worker_gone(record.worker_id) and \
-                        not await self._worker_holds(record.worker_id, rid, req.arrival_s):
-                    await self._hand_back_for_gone(msg, req, record, parent)
-                    return
-                assignment, decision = await self._resume(req, record, dequeued), None
-                self.stats.resent += 1
-                if span is not None:
-                    span.set_attribute("vtm.resumed", True)
-            elif isinstance(failure, SequenceTooLong):
-                # Permanent: holding or NAKing it would only delay the client's answer
-                # (by hold_s + retry_delay_s per delivery) and end in a misleading 503.
-                self.metrics.refused()
-                if span is not None:
-                    span.set_attribute("vtm.refused", str(failure))
-                await self._refuse(msg, req, failure)
-                return
-            elif failure is not None:
-                self.metrics.no_worker()
-                if span is not None:
-                    span.set_attribute("vtm.no_eligible_worker", str(failure))
-                await self._retry_or_fail(msg, req, str(failure))
-                return
-            else:
-                assert placed is not None
-                assignment, decision = placed
-                self.metrics.placed(decision)
-                if span is not None:
-                    limit = span_attribute_limit()
-                    span.set_attributes(decision_attributes(
-                        decision, None if limit is None else limit - SCHEDULE_SPAN_RESERVED))
-                stored = await self._put_record(assignment, seq, msg_id, "dispatching",
-                                                ack_subject=msg.reply)
-            if span is not None:
-                # Where the breakdown's schedule stage ends (assigned_at_s); the span goes on
-                # through the dispatch, which the breakdown counts in the worker's queue wait.
-                span.add_event("assigned", timestamp=int(assignment.assigned_at_s * 1e9))
-            # The intake message's id lets the worker recognise a re-send of a message it
-            # has handed back (services/rankd/core.py, "Exactly once across a scheduler crash").
-            hdrs = {INTAKE_MSG_HEADER: msg_id} if sampled else {**parent, INTAKE_MSG_HEADER: msg_id}
-            # In the ledger before the send: a result that overtakes the worker's ack finds
-            # it there (and takes it out); added after the ack, it would outlive its result.
-            self.ledger.add(Sent(rid, assignment.worker_id, "", msg_id, seq, req,
-                                 dict(parent)))
+        # ``schedule`` runs from the end of the intake wait to the assignment stamp
+        # (assigned_at_s, where the breakdown's schedule stage ends), or to the NAK / answer of
+        # a delivery that placed nothing; the dispatch (request-reply to the worker, which the
+        # breakdown counts in the worker's queue wait) is its child ``dispatch``, so the stage
+        # spans never overlap. Ended explicitly (not a ``with``): its end is a stamp.
+        span: Any = tracer().start_span(
+            str(Stage.SCHEDULE), context=extract(parent), start_time=int(until * 1e9),
+            attributes={"vtm.request_id": rid, "vtm.scheduler": self.reporter,
+                        "vtm.delivery": delivery}) if sampled else None
+        dispatch_span: Any = None
+        # Current while the delivery is handled: what goes out from here (a queue query, a
+        # failure's result, the dispatch's own span) belongs to the schedule attempt.
+        with trace.use_span(span, end_on_exit=False, record_exception=False,
+                            set_status_on_exception=False) \
+                if span is not None else contextlib.nullcontext():
             try:
-                ack = await self._dispatch(assignment, hdrs)
-            except asyncio.CancelledError:
-                # A stop gave the dispatch up (_finish_inflight: its server gone). Nobody
-                # waits for the record's store acknowledgement now: retrieved all the same (a
-                # failure is logged, not left to "Future exception was never retrieved").
-                self._store_unawaited(stored)
-                raise
-            except (RemoteError, SchemaError, nats.errors.NoRespondersError,
-                    nats.errors.TimeoutError, TimeoutError) as exc:
-                self.ledger.pop(rid)
+                stored: Any = None
+                if record is not None:  # "dispatching": a crash or an unknown dispatch outcome
+                    if self._served_for(rid, req.arrival_s):
+                        self.stats.finished_acked += 1
+                        self.log.info("redelivery of a served request acked", request_id=rid)
+                        await msg.ack()
+                        return
+                    # "Gone" is judged from the worker-state view, which can lag; a worker that
+                    # still lists the request is alive and will run it: re-send, do not hand back.
+                    if self.worker_gone(record.worker_id) and \
+                            not await self._worker_holds(record.worker_id, rid, req.arrival_s):
+                        await self._hand_back_for_gone(msg, req, record, parent)
+                        return
+                    assignment, decision = await self._resume(req, record, dequeued), None
+                    self.stats.resent += 1
+                    if span is not None:
+                        span.set_attribute("vtm.resumed", True)
+                elif isinstance(failure, SequenceTooLong):
+                    # Permanent: holding or NAKing it would only delay the client's answer
+                    # (by hold_s + retry_delay_s per delivery) and end in a misleading 503.
+                    self.metrics.refused()
+                    _fail_span(span, "vtm.refused", str(failure))
+                    await self._refuse(msg, req, failure)
+                    return
+                elif failure is not None:
+                    self.metrics.no_worker()
+                    _fail_span(span, "vtm.no_eligible_worker", str(failure))
+                    await self._retry_or_fail(msg, req, str(failure),
+                                              kind=RetryReason.NO_ELIGIBLE_WORKER)
+                    return
+                else:
+                    assert placed is not None
+                    assignment, decision = placed
+                    self.metrics.placed(decision)
+                    if span is not None:
+                        limit = span_attribute_limit()
+                        span.set_attributes(decision_attributes(
+                            decision, None if limit is None else limit - SCHEDULE_SPAN_RESERVED))
+                    stored = await self._put_record(assignment, seq, msg_id, "dispatching",
+                                                    ack_subject=msg.reply)
                 if span is not None:
-                    span.set_attribute("vtm.dispatch_error", repr(exc))
-                if isinstance(exc, RemoteError) and exc.code in (HANDED_BACK, REDIRECTING):
-                    await self._handed_back(msg, req, exc.code, stored, own=record is None)
+                    # Where the breakdown's schedule stage ends (assigned_at_s): the span too.
+                    at_ns = int(assignment.assigned_at_s * 1e9)
+                    span.add_event("assigned", timestamp=at_ns)
+                    _end_span(span, assignment.assigned_at_s)
+                    dispatch_span = tracer().start_span(
+                        DISPATCH_SPAN, context=trace.set_span_in_context(span),
+                        kind=SpanKind.CLIENT, start_time=at_ns,
+                        attributes={"vtm.request_id": rid, "vtm.worker_id": assignment.worker_id,
+                                    "vtm.delivery": delivery})
+                # The intake message's id lets the worker recognise a re-send of a message it
+                # has handed back (services/rankd/core.py, "Exactly once across a scheduler
+                # crash").
+                hdrs = {INTAKE_MSG_HEADER: msg_id} if sampled \
+                    else {**parent, INTAKE_MSG_HEADER: msg_id}
+                # In the ledger before the send: a result that overtakes the worker's ack finds
+                # it there (and takes it out); added after the ack, it would outlive its result.
+                self.ledger.add(Sent(rid, assignment.worker_id, "", msg_id, seq, req,
+                                     dict(parent), assignment.assigned_at_s))
+                try:
+                    # The dispatch span is current while the assignment goes out: the worker's
+                    # ``vtm-rankd.assign`` server span is its child (shared.service.call injects).
+                    with trace.use_span(dispatch_span, end_on_exit=False, record_exception=False,
+                                        set_status_on_exception=False) \
+                            if dispatch_span is not None else contextlib.nullcontext():
+                        ack = await self._dispatch(assignment, hdrs)
+                except asyncio.CancelledError:
+                    # A stop gave the dispatch up (_finish_inflight: its server gone). Nobody
+                    # waits for the record's store acknowledgement now: retrieved all the same (a
+                    # failure is logged, not left to "Future exception was never retrieved").
+                    self._store_unawaited(stored)
+                    raise
+                except (RemoteError, SchemaError, nats.errors.NoRespondersError,
+                        nats.errors.TimeoutError, TimeoutError) as exc:
+                    self.ledger.pop(rid)
+                    _fail_span(dispatch_span, "vtm.dispatch_error", repr(exc))
+                    if isinstance(exc, RemoteError) and exc.code in (HANDED_BACK, REDIRECTING):
+                        await self._handed_back(msg, req, exc.code, stored, own=record is None)
+                        return
+                    unknown = isinstance(exc, (nats.errors.TimeoutError, TimeoutError)) or (
+                        isinstance(exc, nats.errors.NoRespondersError) and record is not None)
+                    if unknown:
+                        await self._outcome_unknown(msg, req, assignment, seq, msg_id, stored, exc)
+                        return
+                    if isinstance(exc, nats.errors.NoRespondersError):
+                        self._mark_unreachable(assignment.worker_id)
+                        kind = RetryReason.WORKER_UNREACHABLE
+                    else:
+                        if isinstance(exc, RemoteError):
+                            self._note_refusal(rid, assignment.worker_id)
+                        kind = RetryReason.WORKER_REFUSED
+                    self._release(rid)
+                    await self._settle(stored, rid)
+                    await self._delete_record(rid)
+                    await self._retry_or_fail(
+                        msg, req, f"worker {assignment.worker_id} did not accept: {exc}", kind=kind)
                     return
-                unknown = isinstance(exc, (nats.errors.TimeoutError, TimeoutError)) or (
-                    isinstance(exc, nats.errors.NoRespondersError) and record is not None)
-                if unknown:
-                    await self._outcome_unknown(msg, req, assignment, seq, msg_id, stored, exc)
-                    return
-                if isinstance(exc, nats.errors.NoRespondersError):
-                    self._mark_unreachable(assignment.worker_id)
-                elif isinstance(exc, RemoteError):
-                    self._note_refusal(rid, assignment.worker_id)
-                self._release(rid)
+                self.ledger.adopted(rid, ack.incarnation)  # the incarnation that admitted it
+                if self._refused_by:
+                    self._refused_by.pop(rid, None)  # accepted: its refusals are history
+                if ack.queue_position == 0:
+                    # Nothing ahead of it on a FIFO worker: its prefill starts now, so q_w counts
+                    # only its remaining predicted time from here on.
+                    with contextlib.suppress(VertumnusError):
+                        self.core.start(rid, self.clock())
                 await self._settle(stored, rid)
-                await self._delete_record(rid)
-                await self._retry_or_fail(
-                    msg, req, f"worker {assignment.worker_id} did not accept: {exc}")
-                return
-            self.ledger.adopted(rid, ack.incarnation)  # the incarnation that admitted it
-            if self._refused_by:
-                self._refused_by.pop(rid, None)  # accepted: its refusals are history
-            if ack.queue_position == 0:
-                # Nothing ahead of it on a FIFO worker: its prefill starts now, so q_w counts
-                # only its remaining predicted time from here on.
-                with contextlib.suppress(VertumnusError):
-                    self.core.start(rid, self.clock())
-            await self._settle(stored, rid)
-            done = await self._put_record(assignment, seq, msg_id, "dispatched",
-                                          ack.incarnation, msg.reply)
-            self._store_unawaited(done)  # not awaited (see above)
-            self.stats.dispatched += 1
-            if span is not None:
-                span.set_attribute("vtm.queue_position", ack.queue_position)
+                done = await self._put_record(assignment, seq, msg_id, "dispatched",
+                                              ack.incarnation, msg.reply)
+                self._store_unawaited(done)  # not awaited (see above)
+                self.stats.dispatched += 1
+                if dispatch_span is not None:
+                    dispatch_span.set_attribute("vtm.queue_position", ack.queue_position)
+                    _end_span(dispatch_span)
+            finally:
+                # A delivery NAK'ed ends its spans at the NAK's stamp, where its redelivery's
+                # intake wait starts (_record_intake_wait): no gap, no overlap.
+                nak = self._naked.get(rid)
+                end_at = nak[1] if nak is not None and nak[0] == seq else None
+                _end_span(span, end_at)
+                _end_span(dispatch_span, end_at)
         await self._ack_or_hold(msg, rid, seq)
         if decision is None and rid in self._held and \
                 await self._result_kept(rid, since_s=req.arrival_s):
@@ -1814,6 +1909,74 @@ class SchedulerService(MicroService):
         if decision is not None:
             await self._after_dispatch(req, assignment, decision,
                                        in_demand=not is_handback_msg_id(msg_id))
+
+    def _retry_started(self, rid: str, seq: int) -> float | None:
+        """When this replica NAK'ed ``rid``'s intake message ``seq`` (forgotten now): where the
+        retry's wait began. None when it did not (another replica did, or the delivery before
+        ran out its ``ack_wait``): then only a hold of this delivery is recorded."""
+        nak = self._naked.pop(rid, None)
+        return nak[1] if nak is not None and nak[0] == seq else None
+
+    def _record_intake_wait(self, msg: Msg, req: IntakeRequest, parent: Mapping[str, str], *,
+                            msg_id: str, delivery: int, dequeued: float, until: float,
+                            naked_at: float | None) -> None:
+        """The delivery's ``intake_wait`` span, ending at ``until`` (the placement's dequeue
+        stamp, after any hold). It starts at
+
+        * the gateway's arrival, on a first delivery;
+        * the hand-back's publish (:meth:`_handed_back_at`), on a first delivery of
+          a hand-back (``vtm.handed_back``, ``vtm.handed_back_by``: the worker,
+          ``vtm.handback_cause``): the time on that worker before is not intake wait (a
+          replica that handed it back for a lost worker recorded it as ``handed_back``);
+        * this replica's NAK of the delivery before (``vtm.retry``): the retry's wait, which
+          the FirstToken's breakdown (``vtm.request.stage{stage="intake_wait"}``) counts as
+          intake wait too;
+        * the dequeue, otherwise (a redelivery this replica did not NAK): only its hold.
+
+        An arrival after the dequeue (clock skew, or a bogus far-future stamp: any finite
+        WallTime decodes, and 1e300 s would overflow the span's nanoseconds) is an empty wait,
+        not a failed delivery."""
+        held_s = until - dequeued
+        attrs: dict[str, Any] = {"vtm.request_id": req.request_id}
+        if held_s > 0:
+            attrs["vtm.held_s"] = held_s
+            attrs["vtm.delivery"] = delivery
+        if delivery == 1:
+            start = req.arrival_s
+            if is_handback_msg_id(msg_id):
+                stored = self._handed_back_at(msg)
+                if stored is not None:
+                    start = max(start, stored)
+                attrs["vtm.handed_back"] = True
+                attrs["vtm.handed_back_by"] = handback_worker(msg_id)
+                attrs["vtm.handback_cause"] = str(
+                    (msg.headers or {}).get(HANDBACK_CAUSE_HEADER) or HandBackCause.WORKER)
+        elif naked_at is not None:
+            start = naked_at
+            attrs["vtm.retry"] = True
+            attrs["vtm.delivery"] = delivery
+        elif held_s > 0:
+            start = dequeued
+        else:
+            return
+        record_span(Stage.INTAKE_WAIT, start_s=min(start, until), end_s=until, parent=parent,
+                    attributes=attrs)
+
+    @staticmethod
+    def _handed_back_at(msg: Msg) -> float | None:
+        """When a hand-back was published (Unix seconds): the stamp a replica put in its
+        header (:data:`HANDBACK_AT_HEADER`), else when the intake stream stored the message;
+        None when neither is known (not a JetStream message)."""
+        try:
+            at = float((msg.headers or {})[HANDBACK_AT_HEADER])
+            if math.isfinite(at):
+                return at
+        except (KeyError, ValueError):
+            pass
+        try:
+            return float(msg.metadata.timestamp.timestamp())
+        except Exception:
+            return None
 
     async def _dispatch(self, a: Assignment, headers: dict[str, str]) -> AssignmentAck:
         """Send the assignment to its worker and return the worker's AssignmentAck (raises
@@ -1905,22 +2068,48 @@ class SchedulerService(MicroService):
         publish leaves it in the ledger for the next round."""
         assert self._js is not None
         rid, wid = sent.request_id, sent.worker_id
-        data, headers = encode(sent.request)
-        headers.update(sent.carrier)
-        headers[MSG_ID_HEADER] = handback_msg_id(rid, sent.msg_id, wid, 0)
-        pub = await self._js.publish(self.subjects.intake_requests(), data, headers=headers,
-                                     timeout=self.ssettings.dispatch_timeout_s)
-        # Answered while the publish was out (rare): handle_intake acks that hand-back
-        # unplaced, as the result is in _served.
-        self.ledger.pop(rid)
-        await self._release_held(rid)
-        with contextlib.suppress(UnknownRequest):
-            if self.core.worker_of(rid) == wid:
-                self.core.finish(rid, self.clock())
-        self.stats.lost_handed_back += 1
-        self.stats.lost_in_intake += bool(pub.duplicate)
-        self.log.warning("request handed back: its worker was lost", request_id=rid,
-                         worker=wid, loss=str(loss), duplicate=bool(pub.duplicate))
+        cause = HandBackCause.LOST_RESTARTED if loss is Loss.RESTARTED \
+            else HandBackCause.LOST_SILENT
+        # Housekeeping, not an intake delivery: its log lines get the request's ids here.
+        with bind_request(rid, trace_id_of(sent.carrier)):
+            data, headers = encode(sent.request)
+            headers.update(sent.carrier)
+            headers[MSG_ID_HEADER] = handback_msg_id(rid, sent.msg_id, wid, 0)
+            headers[HANDBACK_CAUSE_HEADER] = str(cause)
+            published = self.clock()
+            headers[HANDBACK_AT_HEADER] = repr(published)
+            pub = await self._js.publish(self.subjects.intake_requests(), data,
+                                         headers=headers,
+                                         timeout=self.ssettings.dispatch_timeout_s)
+            # Answered while the publish was out (rare): handle_intake acks that hand-back
+            # unplaced, as the result is in _served.
+            self.ledger.pop(rid)
+            await self._release_held(rid)
+            with contextlib.suppress(UnknownRequest):
+                if self.core.worker_of(rid) == wid:
+                    self.core.finish(rid, self.clock())
+            self.stats.lost_handed_back += 1
+            self.stats.lost_in_intake += bool(pub.duplicate)
+            self.metrics.handed_back(cause)
+            self._record_handed_back(sent.request, sent.carrier, wid, cause,
+                                     sent.assigned_at_s, published, bool(pub.duplicate))
+            self.log.warning("request handed back: its worker was lost", request_id=rid,
+                             worker=wid, loss=str(loss), duplicate=bool(pub.duplicate))
+
+    def _record_handed_back(self, req: IntakeRequest, carrier: Mapping[str, str], wid: str,
+                            cause: HandBackCause, since_s: float | None, published_s: float,
+                            duplicate: bool) -> None:
+        """The ``handed_back`` span of a request this replica handed back on ``wid``'s behalf:
+        the time it spent there, lost, from its assignment (``since_s``; None: not known, the
+        span is then empty, at the publish) to the hand-back's publish, where the hand-back
+        delivery's ``intake_wait`` starts. A child of the request's root, for a sampled trace
+        only."""
+        if not carrier or not is_sampled(carrier):
+            return
+        start = published_s if since_s is None else min(since_s, published_s)
+        record_span(HANDED_BACK_SPAN, start_s=start, end_s=published_s, parent=carrier,
+                    attributes={"vtm.request_id": req.request_id, "vtm.worker_id": wid,
+                                "vtm.cause": str(cause), "vtm.duplicate": duplicate})
 
     async def _outcome_unknown(self, msg: Msg, req: IntakeRequest, a: Assignment, seq: int,
                                msg_id: str, stored: Any, exc: BaseException) -> None:
@@ -1946,7 +2135,8 @@ class SchedulerService(MicroService):
                               worker=a.worker_id)
                 state = self._states.get(a.worker_id)
                 self.ledger.add(Sent(rid, a.worker_id, state.incarnation if state else "",
-                                     msg_id, seq, req, trace_carrier(msg.headers, req)))
+                                     msg_id, seq, req, trace_carrier(msg.headers, req),
+                                     a.assigned_at_s))
                 await self._ack_or_hold(msg, rid, seq)
                 return
         delay = None
@@ -1957,7 +2147,7 @@ class SchedulerService(MicroService):
             # the lease is out, the next delivery hands the request back instead.
             delay = self._until_lease_out(a.worker_id)
         await self._retry_or_fail(msg, req, f"worker {a.worker_id} did not answer: {exc!r}",
-                                  delay=delay)
+                                  kind=RetryReason.OUTCOME_UNKNOWN, delay=delay)
 
     def _until_lease_out(self, worker_id: str) -> float:
         """Seconds until ``worker_id``'s lease runs out (:meth:`worker_gone`), and a retry
@@ -1996,17 +2186,24 @@ class SchedulerService(MicroService):
         data, headers = encode(req)
         headers.update(parent)
         headers[MSG_ID_HEADER] = handback_msg_id(rid, rec.msg_id, rec.worker_id, rec.epoch)
+        headers[HANDBACK_CAUSE_HEADER] = str(HandBackCause.GONE)
+        published = self.clock()
+        headers[HANDBACK_AT_HEADER] = repr(published)
         try:
             pub = await self._js.publish(self.subjects.intake_requests(), data,
                                          headers=headers,
                                          timeout=self.ssettings.dispatch_timeout_s)
         except (nats.errors.Error, TimeoutError) as exc:
             await self._retry_or_fail(msg, req, f"hand-back for gone worker {rec.worker_id} "
-                                                f"failed: {exc!r}")
+                                                f"failed: {exc!r}",
+                                      kind=RetryReason.HANDBACK_FAILED)
             return
         self._release(rid)
         self.stats.gone_handed_back += 1
         self.stats.gone_in_intake += bool(pub.duplicate)
+        self.metrics.handed_back(HandBackCause.GONE)
+        self._record_handed_back(req, parent, rec.worker_id, HandBackCause.GONE,
+                                 rec.assigned_at_s, published, bool(pub.duplicate))
         self.log.info("handed back for a gone worker", request_id=rid, worker=rec.worker_id,
                       duplicate=bool(pub.duplicate))
         await msg.ack()
@@ -2028,7 +2225,8 @@ class SchedulerService(MicroService):
             self.log.info("re-sent assignment had been handed back; acked", request_id=rid)
             await msg.ack()
             return
-        await self._retry_or_fail(msg, req, "the worker is handing it back to intake")
+        await self._retry_or_fail(msg, req, "the worker is handing it back to intake",
+                                  kind=RetryReason.HANDING_BACK)
 
     # -- held intake messages (hold_intake) ---------------------------------------------------
 
@@ -2199,8 +2397,8 @@ class SchedulerService(MicroService):
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # the connection is down: the next round again
-                    self.log.debug("held intake message not renewed", request_id=rid,
-                                   error=repr(exc))
+                    with bind_request(rid, trace_id_of(sent.carrier) if sent else None):
+                        self.log.debug("held intake message not renewed", error=repr(exc))
             if self._held:
                 self.stats.held_renewals += 1
 
@@ -2242,7 +2440,7 @@ class SchedulerService(MicroService):
             return
         seq = self._stream_seq(msg)
         inc = state.incarnation if state is not None and listed is not None else rec.incarnation
-        self.ledger.add(Sent(rid, wid, inc, rec.msg_id, seq, req, carrier))
+        self.ledger.add(Sent(rid, wid, inc, rec.msg_id, seq, req, carrier, rec.assigned_at_s))
         self.stats.adopted += 1
         if rec.scheduler == self.reporter:
             # Placed by this replica's previous process: the worker reports it as this
@@ -2498,13 +2696,21 @@ class SchedulerService(MicroService):
             return 1
 
     async def _retry_or_fail(self, msg: Msg, req: IntakeRequest, reason: str, *,
-                             delay: float | None = None) -> None:
+                             kind: RetryReason, delay: float | None = None) -> None:
         """NAK for another delivery after ``delay`` (default ``retry_delay_s``); on the last
         one (``max_deliver``) answer the client with a ``not scheduled`` error instead
-        (:meth:`_send_failure`)."""
+        (:meth:`_send_failure`). ``kind``: the retry's reason, for the metric
+        ``vtm.scheduler.retries``. The NAK's stamp is remembered: the redelivery's
+        ``intake_wait`` span starts there, and this delivery's spans end there."""
         if self._deliveries(msg) < self.ssettings.max_deliver:
             self.stats.retried += 1
-            self.log.info("intake retry", request_id=req.request_id, reason=reason)
+            self.metrics.retried(kind)
+            self.log.info("intake retry", request_id=req.request_id, reason=reason,
+                          retry_reason=str(kind))
+            self._naked[req.request_id] = (self._stream_seq(msg), self.clock())
+            self._naked.move_to_end(req.request_id)
+            while len(self._naked) > _NAKS_KEPT:
+                self._naked.popitem(last=False)
             await msg.nak(delay=self.ssettings.retry_delay_s if delay is None else delay)
             return
         self._refused_by.pop(req.request_id, None)  # its last delivery: no retry to steer

@@ -9,8 +9,9 @@ at the gateway, one child per TTFT stage; names are :class:`shared.telemetry.Sta
 
     request (root, gateway)
     ├── intake_wait                (scheduler: gateway arrival → placement's dequeue)
-    ├── schedule                   (scheduler: J terms, chosen worker; then the dispatch)
-    │   └── vtm-rankd.assign       (rank daemon's server span of the assignment: admission)
+    ├── schedule                   (scheduler: J terms, chosen worker; ends at assigned_at_s)
+    │   └── dispatch               (scheduler: the assignment's request-reply, a client span)
+    │       └── vtm-rankd.assign   (rank daemon's server span of the assignment: admission)
     ├── queue_wait                 (rank daemon: assigned → prefill starts)
     ├── prefill                    (predicted and modelled time on it)
     │   └── prefill_rank × C       (one per rank: rank, GPU, its zigzag share of R)
@@ -80,11 +81,11 @@ async def one_traced_request(nats_server: EmbeddedNats, spans: InMemorySpanExpor
             return out
 
         # (prefill_rank spans, if any, end before kv_transfer: recorded in the same step.)
-        # The scheduler's schedule span ends only after the worker's ack and the record's
+        # The scheduler's dispatch span ends only after the worker's ack and the record's
         # store acknowledgement reach it, while the worker runs the request meanwhile: the
         # answer (and the root span) can come first.
-        await wait_until(lambda: {"request", "schedule", "prefill", "queue_wait", "kv_transfer",
-                                  "first_decode"} <= set(of_trace()),
+        await wait_until(lambda: {"request", "schedule", "dispatch", "prefill", "queue_wait",
+                                  "kv_transfer", "first_decode"} <= set(of_trace()),
                          "the request's spans to end")
         return vtm, of_trace()
     finally:
@@ -116,17 +117,23 @@ async def test_trace_has_every_emitted_stage_correctly_parented(
         span = one[stage]
         assert span.attributes["vtm.request_id"] == "trace-1"
         assert span.attributes["vtm.worker_id"] == "w-cp2-g0"
-    # The rank daemon's server span of the assignment is the dispatch's: a child of the
-    # schedule span (the assignment was sent from inside it), parent of no stage.
+    # The rank daemon's server span of the assignment is the dispatch's child, and the
+    # dispatch the schedule span's (the assignment was sent from inside it); parent of no stage.
+    (dispatch,) = by_name["dispatch"]
+    assert dispatch.parent.span_id == sched.context.span_id
     (server,) = [s for ss in by_name.values() for s in ss if s.name.endswith(".assign")]
-    assert server.parent.span_id == sched.context.span_id
+    assert server.parent.span_id == dispatch.context.span_id
     assert not [s.name for ss in by_name.values() for s in ss
                 if s.parent is not None and s.parent.span_id == server.context.span_id]
+    assert dispatch.attributes["vtm.queue_position"] == 0
     # The intake wait ends where the schedule span starts (the placement's dequeue stamp),
-    # and the schedule span marks where the breakdown's schedule stage ends.
+    # and the schedule span ends where the breakdown's schedule stage does (assigned_at_s):
+    # where the dispatch and the worker's queue wait start. Before, it ran on through the
+    # dispatch and overlapped the queue wait.
     assert one["intake_wait"].end_time == sched.start_time
     (assigned,) = [e for e in sched.events if e.name == "assigned"]
-    assert sched.start_time <= assigned.timestamp <= sched.end_time
+    assert assigned.timestamp == sched.end_time == dispatch.start_time
+    assert sched.end_time == one["queue_wait"].start_time
     pre = one["prefill"].attributes
     assert pre["vtm.predicted_s"] > 0 and pre["vtm.modelled_prefill_s"] > 0
     # Stages are ordered in time: dequeue before schedule ends, queue wait before prefill.
@@ -166,6 +173,11 @@ async def test_trace_has_kv_transfer_and_first_token_spans(
     assert st["prefill_s"] > 0 and seconds(prefill) >= st["prefill_s"] - 2e-6, st
     for span, key in ((kv, "kv_transfer_s"), (decode, "first_decode_s")):
         assert st[key] > 0, (key, st)
+        assert abs(seconds(span) - st[key]) < 2e-6, (key, seconds(span), st)
+    # The scheduler's stage spans measure what the breakdown (vtm.request.stage) does: the
+    # schedule span is not the dispatch's round trip too.
+    for name, key in (("intake_wait", "intake_wait_s"), ("schedule", "schedule_s")):
+        (span,) = by_name[name]
         assert abs(seconds(span) - st[key]) < 2e-6, (key, seconds(span), st)
     # ... and it adds up: what the stages leave of the TTFT is the system's own overhead.
     overhead = st["total_s"] - (st["intake_wait_s"] + st["queue_wait_s"] + st["prefill_s"]
