@@ -2782,6 +2782,10 @@ class SchedulerService(MicroService):
             predicted_s=d.predicted_s, policy=d.policy, at_s=now,
         )
         data, headers = encode(stats)
+        # The request's root context (the assignment's): a copy the cache manager starts
+        # for this placement (a route-time pull) links its span to the request's trace.
+        headers.update({k: v for k, v in a.request.trace_context.items()
+                        if k.lower() in ("traceparent", "tracestate")})
         try:
             await self.nc.publish(self.subjects.cache_stats(self.reporter), data,
                                   headers=headers)

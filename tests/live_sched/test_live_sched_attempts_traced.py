@@ -250,3 +250,31 @@ async def test_a_workers_own_hand_back_waits_in_intake_from_its_publish(
     assert wait.attributes["vtm.handed_back_by"] == "w-cp2-g4"
     assert wait.attributes["vtm.handback_cause"] == "worker"
     assert not of_trace(spans, trace, "handed_back")  # the worker's to record, not a replica's
+
+
+async def test_a_placements_cache_stats_carry_its_request_context(
+        live: Services, nc: Client, uniq: str,
+        fake_worker: Callable[..., Awaitable[FakeWorker]]) -> None:
+    """The cache statistics of a placement carry the request's root context in their
+    headers: a copy the cache manager starts for that placement (a route-time pull) links
+    its span to the request's trace (services/cachemgr/tracing.py). Before, they carried
+    none, and the link was never made."""
+    trace = "4af7651916cd43dd8448eb211c80319c"
+    await fake_worker(W1, 2, 0)
+    stats: list[Msg] = []
+    sub = await nc.subscribe(Subjects(uniq).cache_stats_all(), cb=_keep(stats))
+    try:
+        sched = await live.scheduler(block_size=B)
+        await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+        got = await results_for(nc, uniq, "x")
+        await publish(nc, uniq, "x", trace)
+        await wait_until(lambda: got and stats, "x's answer and its stats")
+    finally:
+        await sub.unsubscribe()
+    assert (stats[0].headers or {}).get("traceparent") == traceparent(trace)["traceparent"]
+
+
+def _keep(into: list[Msg]) -> Callable[[Msg], Awaitable[None]]:
+    async def cb(msg: Msg) -> None:
+        into.append(msg)
+    return cb
