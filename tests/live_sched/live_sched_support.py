@@ -8,8 +8,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -35,6 +35,7 @@ from shared.schemas import (
 )
 from shared.service import respond_in_parts, worker_state_kv
 from shared.subjects import Subjects
+from shared.tasks import cancel_and_wait
 from shared.worker import Lifecycle
 
 WAIT_S = 20.0  # bound on correctness waits only; nothing asserts on speed
@@ -264,3 +265,21 @@ async def http(port: int, method: str, path: str, body: Any = None, *,
         k, _, v = line.partition(":")
         rheaders[k.strip().lower()] = v.strip()
     return HttpReply(status, rheaders, rest)
+
+
+@asynccontextmanager
+async def heartbeats(workers: list[FakeWorker]) -> AsyncIterator[None]:
+    """Every running fake worker of ``workers`` (a list the test may extend) publishes its
+    state every 0.2 s; a stopped one does not, so its lease runs out."""
+    async def beat() -> None:
+        while True:
+            for w in list(workers):
+                if w._subs:
+                    await w.publish_state()
+            await asyncio.sleep(0.2)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        await cancel_and_wait([task])

@@ -21,13 +21,11 @@ gateway puts it).
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from live_sched_support import FakeWorker, Services, results_for, wait_until
+from live_sched_support import FakeWorker, Services, heartbeats, results_for, wait_until
 from metricsread import total
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -42,7 +40,6 @@ from structlog.testing import capture_logs
 from shared.blockhash import chain_hashes
 from shared.schemas import Assignment, IntakeRequest, decode, encode
 from shared.subjects import Subjects
-from shared.tasks import cancel_and_wait
 
 B = 16
 W1, W2 = "w-cp2-g0", "w-cp2-g2"
@@ -161,23 +158,6 @@ async def test_deliveries_that_find_no_worker_are_error_spans(
     assert total(metric_reader, "vtm.scheduler.retries", reason="no_eligible_worker") \
         - retries == 1
 
-
-@asynccontextmanager
-async def heartbeats(workers: list[FakeWorker]) -> AsyncIterator[None]:
-    """Every running fake worker publishes its state every 0.2 s (a stopped one does not:
-    its lease runs out)."""
-    async def beat() -> None:
-        while True:
-            for w in list(workers):
-                if w._subs:
-                    await w.publish_state()
-            await asyncio.sleep(0.2)
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        await cancel_and_wait([task])
 
 
 async def test_a_hand_back_for_a_lost_worker_is_traced_and_logged(

@@ -15,39 +15,27 @@ failing, or of waiting for ever.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
-from live_sched_support import FakeWorker, Services, publish_intake, results_for, wait_until
+from live_sched_support import (
+    FakeWorker,
+    Services,
+    heartbeats,
+    publish_intake,
+    results_for,
+    wait_until,
+)
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.scheduler.service import SchedulerService, SchedulerSettings
 from shared.schemas import Assignment, AssignmentAck, decode
 from shared.subjects import Subjects
-from shared.tasks import cancel_and_wait
 
 W1, W2 = "w-cp2-g0", "w-cp2-g2"
 
-
-@contextlib.asynccontextmanager
-async def heartbeats(workers: list[FakeWorker]) -> AsyncIterator[None]:
-    """Every running fake worker publishes its state every 0.2 s (a stopped one does not:
-    its lease runs out)."""
-    async def beat() -> None:
-        while True:
-            for w in list(workers):
-                if w._subs:
-                    await w.publish_state()
-            await asyncio.sleep(0.2)
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        await cancel_and_wait([task])
 
 
 class DiesWithIt(FakeWorker):
