@@ -19,7 +19,9 @@ name                                 kind     attributes
                                               to intake on a lost or gone worker's behalf
 ``vtm.scheduler.redirects``          counter  -: new intake messages of a request this
                                               replica had placed (a draining worker's
-                                              hand-back, or a client reusing its id)
+                                              hand-back, this replica's own hand-back for
+                                              a lost worker -- also in ``handbacks`` --
+                                              or a client reusing its id)
 ===================================  =======  ===============================================
 
 ``degree`` against ``preferred_degree`` shows how often the pool's composition, not the
