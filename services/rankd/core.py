@@ -112,6 +112,7 @@ import sys
 from collections import OrderedDict, deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Final
 
 from services.cachemgr.events import CacheEvent, Snapshot
@@ -141,6 +142,27 @@ REDIRECTING_CODE: Final[str] = "425"
 HANDED_BACK_CODE: Final[str] = "410"
 """Micro error code of :class:`HandedBack` ("gone": intake holds the request under the
 redirect's message; ack the re-sent one, place nothing)."""
+HANDBACK_AT_HEADER: Final[str] = "Vtm-Handed-Back-At"
+"""Header of a hand-back's intake message: when it was handed back (Unix seconds, ``repr`` of
+a float), where its ``handed_back`` span ends and the scheduler starts the hand-back delivery's
+``intake_wait`` (services/scheduler/service.py, whose replicas put it on the hand-backs they
+publish for a lost worker too). Every publish of one hand-back carries the same stamp."""
+HANDBACK_CAUSE_HEADER: Final[str] = "Vtm-Handback-Cause"
+"""Header of a hand-back's intake message: why it was handed back (:class:`HandBackCause` for
+a worker's own; the scheduler's causes for one it publishes on a lost worker's behalf)."""
+HANDED_BACK_SPAN: Final[str] = "handed_back"
+"""The span of the time a request spent on a worker before it was handed back to intake: from
+its acceptance there to the hand-back's stamp (:data:`HANDBACK_AT_HEADER`)."""
+
+
+class HandBackCause(StrEnum):
+    """Why a worker handed a request back itself (header :data:`HANDBACK_CAUSE_HEADER`, span
+    attribute ``vtm.cause``)."""
+
+    DRAINING = "draining"  # an adopted epoch record drains it (a reconfiguration)
+    UNAVAILABLE = "unavailable"  # an adopted record left it out, or made it UNAVAILABLE
+    STOPPING = "stopping"  # the service stops (SIGTERM / SIGINT)
+    WORKER_FAULT = "worker_fault"  # it can no longer compute (WorkerFault)
 
 PULL_HOLD_MAX_COPY_S: Final[float] = 2.0
 """The longest copy estimate (``Assignment.pull_copy_s``, cost-model seconds) that
@@ -281,6 +303,10 @@ class Job:
     executed: Assignment | None = None  # the assignment with P, R as found at start
     pinned: tuple[BlockHash, ...] = ()
     source: str | None = None  # Nats-Msg-Id of the intake message placed (INTAKE_MSG_HEADER)
+    # When its hand-back began (HANDBACK_AT_HEADER) and why (HANDBACK_CAUSE_HEADER): every
+    # publish of it carries these.
+    handed_back_at_s: float | None = None
+    handback_cause: str | None = None
 
     @property
     def request_id(self) -> str:

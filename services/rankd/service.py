@@ -65,7 +65,17 @@ Per process (one worker, its leader rank, for now):
   worker leaving ACTIVE are redirected to intake (``Nats-Msg-Id`` =
   :func:`~services.rankd.core.handback_msg_id`: ``{source}>{worker}``, one id per hop, so the
   redirect is not de-duplicated against the original publish nor against another source's
-  redirect of the same request, but every publish of *this* hand-back is).
+  redirect of the same request, but every publish of *this* hand-back is). Every publish of
+  a hand-back carries its stamp and cause (``Vtm-Handed-Back-At``, Unix seconds;
+  ``Vtm-Handback-Cause``: ``draining``, ``unavailable``, ``stopping``, ``worker_fault``;
+  :data:`~services.rankd.core.HANDBACK_AT_HEADER`), the same on every try and re-send, as a
+  scheduler's hand-back for a lost worker does: the scheduler starts the hand-back delivery's
+  ``intake_wait`` there. A sampled request gets a ``handed_back`` span (a child of its root,
+  ``vtm.worker_id``, ``vtm.cause``) from its acceptance here to that stamp, once intake
+  acknowledged the message this worker published (one answered as a duplicate before any
+  try of ours may have stored it is a scheduler's publish for this worker, that scheduler's
+  span). Before, a worker's own hand-back carried neither, its intake wait started at the
+  stream's stored stamp, and the time it spent here was in no span.
 * redirects run in their own tasks (not inside the epoch watcher, which a stop cancels) and
   are pipelined (up to :data:`REDIRECT_WINDOW` publishes awaiting their acks at once). A
   request stays this worker's (counted in ``queue_len``) until intake acknowledges it; a
@@ -138,7 +148,7 @@ import random
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Final, NoReturn
 
@@ -157,9 +167,13 @@ from services.cachemgr.events import CacheEvent
 from services.cachemgr.tracing import LINK_REASON, command_attributes
 from services.rankd.backend import ExecutionBackend, PrefillResult
 from services.rankd.core import (
+    HANDBACK_AT_HEADER,
+    HANDBACK_CAUSE_HEADER,
     HANDED_BACK_CODE,
+    HANDED_BACK_SPAN,
     INTAKE_MSG_HEADER,
     REDIRECTING_CODE,
+    HandBackCause,
     HandBackUnknown,
     HandedBack,
     Job,
@@ -421,12 +435,15 @@ def restamped(data: bytes, headers: dict[str, str], arrival_s: float,
 @dataclasses.dataclass(frozen=True, slots=True)
 class JoinedAttempt:
     """A later attempt of ``job``'s request (the same content) that joined the job here: the
-    attempt's own request (its arrival stamp, its trace context) and the ``Nats-Msg-Id`` of
-    the intake message whose assignment brought it (None: an assignment without one)."""
+    attempt's own request (its arrival stamp, its trace context), the ``Nats-Msg-Id`` of
+    the intake message whose assignment brought it (None: an assignment without one), when
+    this worker accepted it and the carrier its spans hang from (:func:`stage_carrier`)."""
 
     job: Job
     request: IntakeRequest
     source: str | None
+    accepted_at_s: float | None = None
+    trace_carrier: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def kv_capacity(settings: RankdSettings, backend: ExecutionBackend) -> int:
@@ -570,9 +587,10 @@ class RankdService(MicroService):
         self._answered: Job | None = None
         # request id -> the later attempts of it (the same content) assigned while its job was
         # queued or running here, arrival stamp -> (its request, its source: the intake message
-        # id) of each: its answer goes to each (_assign), a hand-back of the job takes each
-        # along (_hand_back).
-        self._attempts: dict[str, dict[float, tuple[IntakeRequest, str | None]]] = {}
+        # id, when it was accepted here, its stage carrier) of each: its answer goes to each
+        # (_assign), a hand-back of the job takes each along (_hand_back).
+        self._attempts: dict[str, dict[float, tuple[IntakeRequest, str | None, float,
+                                                   dict[str, str]]]] = {}
         # Those attempts whose hand-back is under way (_hand_back until _redirect_joined
         # settles it), by (request id, arrival stamp): counted in the published queue_len
         # (the worker is not empty until they are in intake), and each one a stop cancelled
@@ -744,9 +762,11 @@ class RankdService(MicroService):
                                    description=f"{rid} runs here with other content; try "
                                                "again once it is answered")
             joins = True
+        accepted = self.clock()
+        carrier = stage_carrier(a)
         try:
-            position = self.core.admit(a, self.clock(), trace_carrier=stage_carrier(a),
-                                       source=source, again=again)
+            position = self.core.admit(a, accepted, trace_carrier=carrier, source=source,
+                                       again=again)
         except HandBackUnknown as exc:  # settle it now: publish the hand-back again
             await self._settle_unknown(exc)
         except HandedBack as exc:  # the scheduler acks its old message (core module rules)
@@ -757,7 +777,8 @@ class RankdService(MicroService):
             # Only once admitted: a job being handed back is refused (Redirecting), and an
             # attempt noted for it would outlive its hand-back, to be answered twice when its
             # retry runs here (or kept for ever when it runs elsewhere).
-            self._attempts.setdefault(rid, {})[a.request.arrival_s] = (a.request, source)
+            self._attempts.setdefault(rid, {})[a.request.arrival_s] = (a.request, source,
+                                                                       accepted, carrier)
             self.log.info("later attempt joins the request's job here", request_id=rid,
                           arrival_s=a.request.arrival_s)
         self._work.set()
@@ -795,7 +816,8 @@ class RankdService(MicroService):
         first = self.fault is None
         if first:
             self.fault = exc
-        self._hand_back(self.core.fault(running.request_id if running is not None else None))
+        self._hand_back(self.core.fault(running.request_id if running is not None else None),
+                        HandBackCause.WORKER_FAULT)
         self._update_metadata()
         self._dirty.set()  # UNAVAILABLE goes out at once: schedulers stop placing here
         if first:
@@ -899,7 +921,7 @@ class RankdService(MicroService):
         # No epoch is adopted from here on (the watcher may still hold entries): cancelling it
         # cannot split an adoption from its hand-back, which happen without an await between.
         await cancel_and_wait([t for t in tasks if t.get_name() == WATCH_TASK], self.log)
-        self._hand_back(self.core.set_lifecycle(Lifecycle.UNAVAILABLE))
+        self._hand_back(self.core.set_lifecycle(Lifecycle.UNAVAILABLE), HandBackCause.STOPPING)
 
         async def running_done() -> None:
             with contextlib.suppress(TimeoutError):
@@ -1441,12 +1463,12 @@ class RankdService(MicroService):
         self._handoffs.add(task)
         task.add_done_callback(self._handoffs.discard)
 
-    def _hand_back(self, jobs: Sequence[Job]) -> None:
-        """Start redirecting ``jobs`` (just handed back by the core) in a task of their own,
-        with the later attempts that joined them here (:meth:`_assign`), each as an intake
-        message of its own: the hand-back of a job carries its first attempt, and a gateway
-        that waits for a later one takes no other attempt's answer. Before, a joined attempt
-        of a handed-back job was never answered (its gateway waited out its timeout).
+    def _hand_back(self, jobs: Sequence[Job], cause: HandBackCause) -> None:
+        """Start redirecting ``jobs`` (just handed back by the core, for ``cause``) in a task
+        of their own, with the later attempts that joined them here (:meth:`_assign`), each as
+        an intake message of its own: the hand-back of a job carries its first attempt, and a
+        gateway that waits for a later one takes no other attempt's answer. Before, a joined
+        attempt of a handed-back job was never answered (its gateway waited out its timeout).
 
         Called right after the core call that handed them back, with no await in between, so
         no cancellation can fall between the two."""
@@ -1456,7 +1478,7 @@ class RankdService(MicroService):
                   for _, attempt in sorted(self._attempts.pop(job.request_id, {}).items())]
         for j in joined:
             self._joined_out[j.request.request_id, j.request.arrival_s] = j
-        task = asyncio.create_task(self._redirect(jobs, joined), name="rankd-redirect")
+        task = asyncio.create_task(self._redirect(jobs, joined, cause), name="rankd-redirect")
         self._redirects.add(task)
         task.add_done_callback(self._redirects.discard)
         self._dirty.set()
@@ -1485,6 +1507,11 @@ class RankdService(MicroService):
         headers["Nats-Msg-Id"] = (
             joined_handback_msg_id(req.request_id, job.source, wid, epoch, req.arrival_s)
             if unknown.joined else handback_msg_id(req.request_id, job.source, wid, epoch))
+        # The stamp and cause of the hand-back it publishes again (one message, one stamp).
+        if job.handed_back_at_s is not None:
+            headers[HANDBACK_AT_HEADER] = repr(job.handed_back_at_s)
+        if job.handback_cause is not None:
+            headers[HANDBACK_CAUSE_HEADER] = job.handback_cause
         try:
             ack = await self._js.publish(self.subjects.intake_requests(), data, headers=headers,
                                          timeout=REDIRECT_ATTEMPT_S)
@@ -1497,6 +1524,12 @@ class RankdService(MicroService):
                 self.core.joined_handback_confirmed(job)
             else:
                 self.core.handback_confirmed(req.request_id)
+            # Only by the re-send that settled it: one span for one hand-back. An earlier try
+            # of it may have stored it (its outcome was unknown): a duplicate is still its own.
+            if job.handed_back_at_s is not None and job.handback_cause is not None:
+                self._record_handed_back(req, job.trace_carrier, job.accepted_at_s,
+                                         job.handed_back_at_s, job.handback_cause,
+                                         joined=unknown.joined)
         self.log.info("hand-back of unknown outcome settled", request_id=req.request_id,
                       arrival_s=req.arrival_s, joined=unknown.joined,
                       duplicate=bool(ack.duplicate))
@@ -1533,10 +1566,12 @@ class RankdService(MicroService):
             self._joined_out.clear()
             self._dirty.set()
 
-    async def _redirect(self, jobs: Sequence[Job], joined: Sequence[JoinedAttempt]) -> None:
+    async def _redirect(self, jobs: Sequence[Job], joined: Sequence[JoinedAttempt],
+                        cause: HandBackCause) -> None:
         """Send handed-back requests to intake for re-placement (§6.2), in queue order, then
         the later attempts that joined them (``joined``), :data:`REDIRECT_WINDOW` publishes in
         flight at a time; settle each job in the core (a joined attempt is not the core's).
+        Each carries its stamp and ``cause`` (:meth:`_publish_handback`).
 
         ``Nats-Msg-Id`` = :func:`handback_msg_id`: unique per hop (two sources of one merge
         drain under the same epoch, and a request may be redirected by both), the same for
@@ -1545,30 +1580,43 @@ class RankdService(MicroService):
         epoch = self.core.epoch
         deadline = asyncio.get_running_loop().time() + self.rsettings.redirect_timeout_s
         sends: list[Callable[[], Awaitable[None]]] = [
-            *(functools.partial(self._redirect_one, j, epoch, deadline) for j in jobs),
-            *(functools.partial(self._redirect_joined, j, epoch, deadline) for j in joined)]
+            *(functools.partial(self._redirect_one, j, epoch, deadline, cause) for j in jobs),
+            *(functools.partial(self._redirect_joined, j, epoch, deadline, cause)
+              for j in joined)]
         for i in range(0, len(sends), REDIRECT_WINDOW):
             if _cancel_requested():  # a cancel swallowed inside a publish (cancel_and_wait)
                 raise asyncio.CancelledError
             await asyncio.gather(*(send() for send in sends[i : i + REDIRECT_WINDOW]))
 
-    async def _redirect_one(self, job: Job, epoch: int, deadline: float) -> None:
+    async def _redirect_one(self, job: Job, epoch: int, deadline: float,
+                            cause: HandBackCause) -> None:
         """Publish one redirect until intake acknowledges it or ``deadline`` (loop time)
         passes; then settle it in the core. Never raises but CancelledError (the job then
-        stays *redirecting*; :meth:`_settle_redirects` deals with it)."""
+        stays *redirecting*; :meth:`_settle_redirects` deals with it).
+
+        The job keeps the hand-back's stamp and cause (a re-send of unknown outcome,
+        :meth:`_confirm_handback`, carries the same); its ``handed_back`` span is recorded
+        once intake holds the message this worker published (:meth:`_record_handed_back`)."""
         req = job.assignment.request
+        if job.handed_back_at_s is None:
+            job.handed_back_at_s = self.clock()
+            job.handback_cause = str(cause)
         with bind_request(req.request_id, trace_id_of(req.trace_context)):
-            error, maybe_stored = await self._publish_handback(
+            error, maybe_stored, ours = await self._publish_handback(
                 req, handback_msg_id(req.request_id, job.source, self.core.worker_id, epoch),
-                epoch, deadline)
+                epoch, deadline, at=job.handed_back_at_s, cause=job.handback_cause)
             self.core.redirect_settled(req.request_id, in_intake=error is None,
                                        unknown=error is not None and maybe_stored)
             self._dirty.set()
+            if ours:
+                self._record_handed_back(req, job.trace_carrier, job.accepted_at_s,
+                                         job.handed_back_at_s, job.handback_cause)
             if error is not None and not maybe_stored:
                 with contextlib.suppress(Exception):  # the connection may be closing
                     self._publish_failure(job, f"redirect failed: {error}")
 
-    async def _redirect_joined(self, joined: JoinedAttempt, epoch: int, deadline: float) -> None:
+    async def _redirect_joined(self, joined: JoinedAttempt, epoch: int, deadline: float,
+                               cause: HandBackCause) -> None:
         """Publish a later attempt that joined a handed-back job (its own request: its
         arrival stamp and trace context) as :meth:`_redirect_one` does the job; a definite
         failure is answered to that attempt, an unknown outcome remembered by the core
@@ -1577,13 +1625,20 @@ class RankdService(MicroService):
         CancelledError (an attempt cancelled unsettled is not answered here: its outcome is
         unknown)."""
         req = joined.request
+        at = self.clock()
+        accepted = joined.accepted_at_s if joined.accepted_at_s is not None \
+            else joined.job.accepted_at_s
         with bind_request(req.request_id, trace_id_of(req.trace_context)):
-            error, maybe_stored = await self._publish_handback(
+            error, maybe_stored, ours = await self._publish_handback(
                 req, joined_handback_msg_id(req.request_id, joined.source, self.core.worker_id,
-                                            epoch, req.arrival_s), epoch, deadline)
+                                            epoch, req.arrival_s), epoch, deadline,
+                at=at, cause=str(cause))
             # Settled (not after a cancel: then _settle_redirects logs it as unknown).
             self._joined_out.pop((req.request_id, req.arrival_s), None)
             self._dirty.set()
+            if ours:
+                self._record_handed_back(req, joined.trace_carrier, accepted, at, str(cause),
+                                         joined=True)
             if error is None and joined.source is not None:
                 # A scheduler re-sending this attempt's assignment (it crashed before its
                 # record, or its 410 was lost) is told HandedBack, as for a job: before, it
@@ -1597,7 +1652,8 @@ class RankdService(MicroService):
                 # intake on the strength of the job's own hand-back. Before, it was forgotten.
                 self.core.joined_handback_unknown(Job(
                     joined.job.assignment.model_copy(update={"request": req}),
-                    accepted_at_s=joined.job.accepted_at_s, source=joined.source))
+                    accepted_at_s=accepted, trace_carrier=dict(joined.trace_carrier),
+                    source=joined.source, handed_back_at_s=at, handback_cause=str(cause)))
             if error is not None and not maybe_stored:
                 with contextlib.suppress(Exception):  # the connection may be closing
                     subject, data, headers = self._failure(joined.job,
@@ -1606,10 +1662,20 @@ class RankdService(MicroService):
                                                           self.clock()))
 
     async def _publish_handback(self, req: IntakeRequest, msg_id: str, epoch: int,
-                                deadline: float) -> tuple[str | None, bool]:
+                                deadline: float, *, at: float | None = None,
+                                cause: str | None = None) -> tuple[str | None, bool, bool]:
         """Publish ``req`` to intake under ``msg_id`` until intake acknowledges it or
         ``deadline`` (loop time) passes. Returns (the error, None once acknowledged; whether
-        some try may have stored it all the same), logging the outcome.
+        some try may have stored it all the same; whether the message intake acknowledged is
+        this worker's own), logging the outcome.
+
+        Every try carries the hand-back's stamp ``at`` (:data:`HANDBACK_AT_HEADER`, where the
+        scheduler starts the hand-back delivery's ``intake_wait``) and ``cause``
+        (:data:`HANDBACK_CAUSE_HEADER`), so whichever try is stored says the same. The
+        message is this worker's own unless intake answered it as a duplicate before any try
+        of this worker's may have stored it: then another's publish under the same id (a
+        scheduler handing the request back on this worker's behalf, with its own stamp and
+        its own ``handed_back`` span) was stored first.
 
         Classified as the gateway's intake publish is (:func:`publish_transient`,
         :func:`publish_refused`): a try that timed out, a connection closed or reconnecting,
@@ -1632,6 +1698,11 @@ class RankdService(MicroService):
         data, headers = encode(req)
         headers.update(req.trace_context)  # first: never over the headers set here
         headers["Nats-Msg-Id"] = msg_id
+        if at is not None:
+            headers[HANDBACK_AT_HEADER] = repr(at)
+        if cause is not None:
+            headers[HANDBACK_CAUSE_HEADER] = cause
+        ours = False
         maybe_stored = False  # some try may have stored it without our ack
         error: str | None = None
         last: str | None = None  # the latest retried try's failure, for the log
@@ -1669,6 +1740,7 @@ class RankdService(MicroService):
                 error = f"{type(exc).__name__}: {exc}"
                 break
             else:
+                ours = not ack.duplicate or maybe_stored
                 if ack.duplicate:
                     # A retry after a lost ack, or a de-duplicated hop: in intake either way.
                     self.log.warning("redirect de-duplicated by the intake stream",
@@ -1694,7 +1766,26 @@ class RankdService(MicroService):
         elif error is not None:
             self.log.error("redirect failed", request_id=rid, worker=self.core.worker_id,
                            error=error)
-        return error, maybe_stored
+        return error, maybe_stored, ours
+
+    def _record_handed_back(self, req: IntakeRequest, carrier: Mapping[str, str],
+                            accepted_s: float, at_s: float, cause: str, *,
+                            joined: bool = False) -> None:
+        """The ``handed_back`` span of a request (or of a later attempt that joined its job,
+        ``joined``) this worker handed back to intake: the time it spent here, from its
+        acceptance (``accepted_s``) to the hand-back's stamp (``at_s``, its
+        :data:`HANDBACK_AT_HEADER`: where the scheduler starts the hand-back delivery's
+        ``intake_wait``), ``vtm.cause`` why. A child of the request's root (``carrier``,
+        :func:`stage_carrier`) as the other stage spans, for a sampled trace only."""
+        if not is_sampled(carrier):
+            return
+        attrs: dict[str, Any] = {"vtm.request_id": req.request_id,
+                                 "vtm.worker_id": self.core.worker_id, "vtm.cause": cause,
+                                 "vtm.epoch": self.core.epoch}
+        if joined:
+            attrs["vtm.joined"] = True
+        record_span(HANDED_BACK_SPAN, start_s=min(accepted_s, at_s), end_s=at_s,
+                    parent=carrier, attributes=attrs)
 
     # -- cache events ---------------------------------------------------------------------------
 
@@ -1835,7 +1926,9 @@ class RankdService(MicroService):
             lifecycle=adoption.lifecycle.value,
             member=adoption.member,
         )
-        self._hand_back(adoption.redirected)  # no await since core.adopt (see _hand_back)
+        # No await since core.adopt (see _hand_back).
+        self._hand_back(adoption.redirected, HandBackCause.DRAINING
+                        if adoption.lifecycle is Lifecycle.DRAINING else HandBackCause.UNAVAILABLE)
         self._update_metadata()
         # Acks still unsent are for an older epoch: this adoption's acks supersede them (the
         # controller counts an ack of any record from a target's commit on), and a worker

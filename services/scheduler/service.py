@@ -2104,7 +2104,7 @@ class SchedulerService(MicroService):
         span is then empty, at the publish) to the hand-back's publish, where the hand-back
         delivery's ``intake_wait`` starts. A child of the request's root, for a sampled trace
         only."""
-        if not carrier or not is_sampled(carrier):
+        if duplicate or not carrier or not is_sampled(carrier):  # the stored one's publisher's
             return
         start = published_s if since_s is None else min(since_s, published_s)
         record_span(HANDED_BACK_SPAN, start_s=start, end_s=published_s, parent=carrier,

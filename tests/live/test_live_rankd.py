@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 import pytest
@@ -1184,10 +1185,10 @@ class HeldJoinedHandBack(RankdService):
         self.release = asyncio.Event()
 
     async def _publish_handback(self, req: IntakeRequest, msg_id: str, epoch: int,
-                                deadline: float) -> tuple[str | None, bool]:
+                                deadline: float, **kw: Any) -> tuple[str | None, bool, bool]:
         if "@a" in msg_id:
             await self.release.wait()
-        return await super()._publish_handback(req, msg_id, epoch, deadline)
+        return await super()._publish_handback(req, msg_id, epoch, deadline, **kw)
 
 
 async def test_a_joined_attempt_being_handed_back_is_counted_and_logged_at_stop(

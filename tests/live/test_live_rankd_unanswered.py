@@ -124,11 +124,11 @@ SPOILS: dict[str, tuple[Callable[[PrefillResult], PrefillResult], str]] = {
 async def test_a_job_whose_bookkeeping_fails_is_answered_with_an_error(
     nats_server: EmbeddedNats, nc: Client, uniq: str, spoil: str
 ) -> None:
-    """The backend's result for x makes no FirstToken (or has times no stage can hold): x and the later
-    attempt that joined x's job are each answered once with an error, stamped for it; the
-    worker serves on (the next request gets its token). Before, the job was finished with
-    nobody answered ("request bookkeeping failed" logged), and a re-sent assignment was acked
-    as done and never ran."""
+    """The backend's result for x makes no FirstToken (or has times no stage can hold): x
+    and the later attempt that joined x's job are each answered once with an error, stamped
+    for it; the worker serves on (the next request gets its token). Before, the job was
+    finished with nobody answered ("request bookkeeping failed" logged), and a re-sent
+    assignment was acked as done and never ran."""
     spoiled, why = SPOILS[spoil]
     backend = BadResults(spoiled)
     backend.release.clear()  # x waits in its prefill until its later attempt joined it

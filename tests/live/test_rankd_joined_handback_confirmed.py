@@ -249,4 +249,4 @@ async def test_a_joined_attempt_placed_by_the_scheduler_carries_its_intake_messa
         await until(lambda: bool(svc._attempts.get("q-x")), "the later attempt joined x")
         job = svc.core.job("q-x")
         assert job is not None and job.source == "q-x"
-        assert [src for _, src in svc._attempts["q-x"].values()] == ["q-x"]
+        assert [src for _, src, *_ in svc._attempts["q-x"].values()] == ["q-x"]

@@ -43,6 +43,7 @@ from live_accept_support import (
 )
 from nats.aio.msg import Msg
 from nats.micro.request import Request
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.rankd.backend import SimBackend
 from services.rankd.service import RankdService
@@ -88,10 +89,13 @@ async def start_rankd(live: InProcess, wid: str, **kw: Any) -> RecordingRankd:
     return svc
 
 
-async def publish_intake(nc: Any, live: InProcess, rid: str, length: int = 40) -> None:
+async def publish_intake(nc: Any, live: InProcess, rid: str, length: int = 40, *,
+                         traceparent: str | None = None) -> None:
     req = IntakeRequest(request_id=rid, input_len=length, block_size=16, arrival_s=time.time())
     data, headers = encode(req)
     headers["Nats-Msg-Id"] = rid
+    if traceparent is not None:
+        headers["traceparent"] = traceparent
     await nc.jetstream().publish(live.subjects.intake_requests(), data, headers=headers)
 
 
@@ -317,8 +321,10 @@ class GatedScheduler(SchedulerService):
         self.handled.append(kind)
 
 
-async def test_stopped_worker_request_is_handed_back_once(nats_server: EmbeddedNats) -> None:
+async def test_stopped_worker_request_is_handed_back_once(
+        nats_server: EmbeddedNats, spans: InMemorySpanExporter) -> None:
     rid = GatedScheduler.rid
+    trace = "8af7651916cd43dd8448eb211c80319c"
     async with running(nats_server) as (live, nc, tap):
         w = await start_rankd(live, W)
         blocker = IntakeRequest(request_id="gone-blocker", input_len=BLOCKER_LEN, block_size=16,
@@ -332,7 +338,7 @@ async def test_stopped_worker_request_is_handed_back_once(nats_server: EmbeddedN
                                  ack_wait_s=1.0, max_deliver=CRASH_MAX_DELIVER,
                                  instance_id="sched-a")
         await wait_until(lambda: len(a.core.view) == 1, "W in A's view")
-        await publish_intake(nc, live, rid)
+        await publish_intake(nc, live, rid, traceparent=f"00-{trace}-b7ad6b7169203331-01")
         await wait_until(lambda: any(j.request_id == rid for j in w.core.queued),
                          "x queued on W")
         await live.stop(a)  # M1 unacked, its record "dispatching" on W
@@ -371,6 +377,26 @@ async def test_stopped_worker_request_is_handed_back_once(nats_server: EmbeddedN
         assert b.stats.dispatched == 1, b.stats  # M2 only
         runs = [(r.worker_id, r.error) for r in tap.results if r.request_id == rid]
         assert runs == [(W3, None)], runs
+        await wait_until(lambda: any(s.attributes.get("vtm.handed_back")
+                                     for s in of_trace(spans, trace, "intake_wait")),
+                         "M2's intake wait traced")
+    # One hand-back, one span: W's own (M2, stored first), up to its stamp, where M2's intake
+    # wait starts; B's publish for the gone W, a duplicate of it, records none. Before, the
+    # only span was B's (cause "gone"), ending after M2's intake wait had begun; with W's
+    # own span and no check of the duplicate, there were two.
+    (back,) = of_trace(spans, trace, "handed_back")
+    assert (back.attributes["vtm.worker_id"], back.attributes["vtm.cause"]) == (W, "stopping")
+    (wait,) = [s for s in of_trace(spans, trace, "intake_wait")
+               if s.attributes.get("vtm.handed_back")]
+    assert wait.start_time == back.end_time
+    assert wait.attributes["vtm.handback_cause"] == "stopping"
+
+
+def of_trace(spans: InMemorySpanExporter, trace: str, name: str) -> list[Any]:
+    """The trace's finished spans named ``name``, by start time."""
+    return sorted((s for s in spans.get_finished_spans()
+                   if s.name == name and format(s.context.trace_id, "032x") == trace),
+                  key=lambda s: s.start_time)
 
 
 async def test_an_earlier_requests_answer_under_the_same_id_does_not_count(

@@ -1,0 +1,107 @@
+"""A request a worker hands back itself reads whole in its trace (real nats-server, the
+scheduler and two rank daemons in-process on the sim backend, spans from the in-memory
+exporter).
+
+x is placed on W, queued behind a long request; a reconfiguration drains W, which hands x
+back to intake; the scheduler places the hand-back on W2, which answers. x's trace has a
+``handed_back`` span (rankd's: ``vtm.worker_id`` W, ``vtm.cause`` ``draining``) from x's
+acceptance on W (inside W's ``vtm-rankd.assign`` span) to the hand-back's stamp, and the
+hand-back delivery's ``intake_wait`` starts exactly there (the stamp travels in the
+``Vtm-Handed-Back-At`` header), saying who handed it back and why. Before, the time on W was
+in no span and that intake wait started at the stream's stored stamp, its cause ``worker``.
+(A scheduler that hands the same request back for W once W is gone publishes a duplicate and
+records no second span: tests/live_accept/test_accept_dispatch_unknown.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import nats
+from live_accept_support import ActingController, InProcess, ResultTap, wait_until
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.rankd.backend import SimBackend
+from services.rankd.service import RankdService
+from services.rankd.settings import RankdSettings
+from shared.natsserver import EmbeddedNats
+from shared.schemas import Assignment, AssignmentAck, IntakeRequest, encode
+from shared.service import call, epoch_kv
+from shared.worker import Lifecycle
+
+W, W2 = "w-cp2-g0", "w-cp2-g2"
+BLOCKER_LEN = 4000  # holds its worker for the whole scenario
+TRACE = "7af7651916cd43dd8448eb211c80319c"
+ROOT_SPAN = "b7ad6b7169203331"
+
+
+async def start_rankd(live: InProcess, wid: str) -> RankdService:
+    settings = RankdSettings(nats_url=live.url, subject_prefix=live.prefix, worker_id=wid,
+                             heartbeat_s=0.2, drain_timeout_s=0.5)
+    backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 120.0 if r >= BLOCKER_LEN
+                         else 0.02, handoff_time=lambda n, c: 0.001)
+    svc = await live.run(RankdService(settings, backend))
+    await live.until_served(live.subjects.worker_assign(wid))
+    return svc
+
+
+def of_trace(spans: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    return sorted((s for s in spans.get_finished_spans()
+                   if s.name == name and format(s.context.trace_id, "032x") == TRACE),
+                  key=lambda s: s.start_time)
+
+
+async def test_a_drained_workers_hand_back_is_traced_up_to_its_next_intake_wait(
+        nats_server: EmbeddedNats, spans: InMemorySpanExporter) -> None:
+    live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
+    nc = await nats.connect(nats_server.url, connect_timeout=5)
+    tap = await ResultTap(nc, live.subjects).start()
+    try:
+        w = await start_rankd(live, W)
+        blocker = IntakeRequest(request_id="blocker", input_len=BLOCKER_LEN, block_size=16,
+                                arrival_s=time.time())
+        await call(nc, live.subjects.worker_assign(W),
+                   Assignment(request=blocker, worker_id=W, epoch=0, degree=2,
+                              prefix_tokens=0, recompute_tokens=BLOCKER_LEN, predicted_s=0.1,
+                              assigned_at_s=time.time()), AssignmentAck, timeout_s=5.0)
+        await wait_until(lambda: w.core.running is not None, "the blocker running on W")
+        sched = await live.scheduler(block_size=16)
+        await wait_until(lambda: len(sched.core.view) == 1, "W in the view")
+        x = IntakeRequest(request_id="x", input_len=40, block_size=16, arrival_s=time.time())
+        data, headers = encode(x)
+        headers["traceparent"] = f"00-{TRACE}-{ROOT_SPAN}-01"
+        headers["Nats-Msg-Id"] = "x"
+        await nc.jetstream().publish(live.subjects.intake_requests(), data, headers=headers)
+        await wait_until(lambda: any(j.request_id == "x" for j in w.core.queued),
+                         "x queued on W")
+        await start_rankd(live, W2)
+        kv = await epoch_kv(nc.jetstream(), live.subjects)
+        rec = ActingController._make(1, {W: Lifecycle.DRAINING, W2: Lifecycle.ACTIVE},
+                                     "drain W")
+        await kv.put(live.subjects.epoch_key(), rec.model_dump_json().encode())
+        await wait_until(lambda: "x" in tap.ok_ids(), "x's first token")
+        await wait_until(lambda: len(of_trace(spans, "dispatch")) == 2,
+                         "both placements' spans ended")
+    finally:
+        await live.close()
+        await tap.stop()
+        await nc.drain()
+    assert [(r.worker_id, r.error) for r in tap.results if r.request_id == "x"] == [(W2, None)]
+    (back,) = of_trace(spans, "handed_back")
+    assert format(back.parent.span_id, "016x") == ROOT_SPAN
+    assert {k: back.attributes[k] for k in ("vtm.request_id", "vtm.worker_id", "vtm.cause")} \
+        == {"vtm.request_id": "x", "vtm.worker_id": W, "vtm.cause": "draining"}
+    # From x's acceptance on W (inside W's admission of the assignment) ...
+    (admitted, _) = of_trace(spans, "vtm-rankd.assign")
+    assert admitted.start_time <= back.start_time <= admitted.end_time
+    # ... to the hand-back, where its next intake wait starts.
+    first, again = of_trace(spans, "intake_wait")
+    assert first.start_time == int(x.arrival_s * 1e9)
+    assert again.start_time == back.end_time > first.end_time
+    assert {k: again.attributes[k] for k in ("vtm.handed_back", "vtm.handed_back_by",
+                                             "vtm.handback_cause")} \
+        == {"vtm.handed_back": True, "vtm.handed_back_by": W, "vtm.handback_cause": "draining"}
+    scheds = of_trace(spans, "schedule")
+    assert again.end_time == scheds[1].start_time
