@@ -374,3 +374,31 @@ def test_up_names_a_nats_server_that_cannot_start(tmp_path: Path) -> None:
                      "--log-dir", str(tmp_path / "logs")])
     assert r.returncode == 1, r.stderr
     assert "nats-server did not start" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_up_stops_its_services_cleanly_when_the_trace_collector_refuses(
+        tmp_path: Path) -> None:
+    """Tracing to a collector that refuses every connection: the services' telemetry flush
+    at exit ends by their own stop deadline, which ``up`` sets to their stop stage's share of
+    ``--stop-timeout`` (``VTM_STOP_TIMEOUT_S``), so each exits by itself (status 0) before
+    ``up`` would SIGKILL it. Before, the children kept the 45 s default, the flush ran on
+    (7-13 s of the exporter's retries) past their stage's share, and ``up`` killed every
+    service (status -9)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # closed again: connections there are refused
+    out, logs = tmp_path / "results.json", tmp_path / "logs"
+    try:
+        proc = run_cli(["up", "--max-requests", "12", "--duration", "60", "--time-scale",
+                        "0.05", "--log-dir", str(logs), "--json", str(out), "--no-progress",
+                        "--stop-timeout", "15"],
+                       env={"VTM_TELEMETRY__EXPORTER": "otlp",
+                            "VTM_TELEMETRY__PROTOCOL": "http",
+                            "VTM_TELEMETRY__ENDPOINT": f"http://127.0.0.1:{port}/v1/traces"})
+    finally:
+        kill_leftovers(logs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["completed"] == 12, data["errors"]
+    assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]

@@ -629,6 +629,7 @@ class LiveStack:
             # Each child stops once this process is gone (shared/stopping.py): the portable
             # check beside Linux's parent-death signal, and the one left should that be lost.
             "VTM_PARENT_PID": str(os.getpid()),
+            "VTM_STOP_TIMEOUT_S": f"{self.child_stop_timeout_s():g}",
         }
         per: dict[str, dict[str, str]] = {
             "gateway": {
@@ -707,6 +708,22 @@ class LiveStack:
             # Parameters given for the run win; the scaled periods fill in the others.
             env["VTM_POLICY_PARAMS"] = json.dumps({**durations, **json.loads(given)})
         return env
+
+    def child_stop_timeout_s(self) -> float:
+        """Each child's own stop deadline (``VTM_STOP_TIMEOUT_S``): its stop stage's share of
+        ``up``'s stop bound (:meth:`ChildSet.stop` SIGKILLs stage k of n at k/n of it), less a
+        margin for the process's exit, so a child ends by itself -- its telemetry flush cut
+        short at its deadline (shared/servicemain.py) -- before ``up`` kills it. Before, the
+        children kept the 45 s default: with a collector that refused, the flush ran 7-13 s
+        and ``up`` SIGKILLed every service. A lower ``VTM_STOP_TIMEOUT_S`` in this
+        environment is kept."""
+        share = self.config.stop_timeout_wall_s / len(set(STOP_STAGES.values()))
+        own = max(0.5, share - min(1.0, 0.3 * share))
+        given = os.environ.get("VTM_STOP_TIMEOUT_S")
+        with contextlib.suppress(ValueError):
+            if given is not None and 0 < float(given) < own:
+                own = float(given)
+        return own
 
     def policy_durations(self) -> dict[str, float]:
         """The policy's duration parameters (:func:`policy_durations`) × the time scale, in
