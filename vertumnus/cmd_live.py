@@ -188,7 +188,9 @@ def register(app: typer.Typer) -> None:
             help="Service logs and pids.json (default: a temporary directory)")] = None,
         json_out: Annotated[Path | None, typer.Option("--json", help="Write results JSON")] = None,
         stop_timeout: Annotated[float, typer.Option(
-            help="Wall seconds between SIGTERM and SIGKILL at shutdown")] = 10.0,
+            help="Wall seconds the shutdown may take: the services stop in three stages, "
+            "each SIGKILLed past its share, and each service is given a little less than "
+            "its share as its own stop deadline (VTM_STOP_TIMEOUT_S)")] = 10.0,
         health_timeout: Annotated[float, typer.Option(
             help="Wall seconds to wait for every service to be healthy")] = 90.0,
         progress: Annotated[bool, typer.Option(help="Show the progress bar")] = True,
