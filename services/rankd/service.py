@@ -23,13 +23,16 @@ Per process (one worker, its leader rank, for now):
   ``schedule`` span) and ends at the admission. Predicted and modelled times on them; the
   queue wait from the scheduler's ``assigned_at_s`` (where the breakdown's starts) to the
   prefill's start as the backend measured it (``PrefillResult.started_at_s``, where the
-  breakdown's ends), the last three from the backend's measured instants, so the spans and
-  the FirstToken's breakdown agree. Inside ``queue_wait``: ``vtm.pull_hold_s`` and a
-  ``cache_pull_wait`` child span for the time the request was held at the head of the FIFO
-  for the route-time pull it was priced with (linked to the copies' ``cache-cmd`` spans,
-  which link back to the request's root), and ``vtm.epoch_switch_s`` and an ``epoch_switch``
-  child span for a lazy split or merge the backend made before the prefill (the ``prefill``
-  span starts after it). Units on ``prefill``:
+  breakdown's ends), the last three from the backend's measured instants -- ``kv_transfer``
+  and ``first_decode`` as the first token went out, a late handoff timer's lateness in
+  ``first_decode`` (``RankdService._answer``) -- so the spans and the FirstToken's breakdown
+  agree. Inside ``queue_wait``: ``vtm.pull_hold_s`` and a ``cache_pull_wait`` child span
+  for the time the request was held at the head of the FIFO for the route-time pull it was
+  priced with (linked to the ``cache-cmd`` spans of the copies, replicate or reconcile, that
+  brought its blocks meanwhile, which link back to the request's root), and
+  ``vtm.epoch_switch_s`` and an ``epoch_switch`` child span for a lazy split or merge the
+  backend made before the prefill (the ``prefill`` span starts after it). Units on
+  ``prefill``:
   ``vtm.predicted_s`` and ``vtm.modelled_prefill_s`` modelled seconds,
   ``vtm.actual_prefill_s`` wall seconds, ``vtm.actual_prefill_model_s`` the same in modelled
   seconds (÷ ``vtm.time_scale``, wall seconds per modelled second), so prediction and
@@ -204,6 +207,7 @@ from shared.schemas import (
     IntakeRequest,
     QueueQuery,
     QueueReport,
+    ReconcileCommand,
     ReplicateCommand,
     SchemaError,
     TtftStages,
@@ -344,15 +348,20 @@ def _finite_ns(t_s: float) -> int | None:
 
 
 def _record(name: str, *, start_s: float, end_s: float, parent: otel_context.Context,
-            attributes: dict[str, Any], links: Sequence[Link] = ()) -> Span | None:
+            attributes: dict[str, Any], links: Sequence[Link] = (),
+            error: tuple[BaseException, str] | None = None) -> Span | None:
     """A finished span (Unix seconds, measured already), returned so that children can hang
-    under it (``shared.telemetry.record_span`` returns none and takes no links). Nothing for
-    a stamp that is no finite time."""
+    under it (``shared.telemetry.record_span`` returns none and takes no links). ``error``:
+    the exception it failed with and the ERROR status's description. Nothing for a stamp
+    that is no finite time."""
     start_ns, end_ns = _finite_ns(start_s), _finite_ns(max(end_s, start_s))
     if start_ns is None or end_ns is None:
         return None
     span = tracer().start_span(name, context=parent, attributes=attributes, links=links,
                                start_time=start_ns)
+    if error is not None:
+        span.record_exception(error[0], timestamp=end_ns)
+        span.set_status(Status(StatusCode.ERROR, error[1]))
     span.end(end_time=end_ns)
     return span
 
@@ -397,6 +406,20 @@ def _request_context(job: Job) -> otel_context.Context | None:
     controller's drain span links the requests it waited on); None (the current context)
     when the job came without one."""
     return extract(job.trace_carrier) if traceparent_of(job.trace_carrier) else None
+
+
+def _traced(job: Job) -> bool:
+    """Whether ``job``'s stage spans are recorded. job.trace_carrier is the root's context
+    (:func:`stage_carrier`): every stage span is its direct child. Unsampled (the usual
+    case at a 1% ratio): no span objects or attributes. No valid context at all: spans as
+    before (roots, by ratio)."""
+    return is_sampled(job.trace_carrier) or traceparent_of(job.trace_carrier) is None
+
+
+def _ids(job: Job) -> dict[str, str]:
+    """The request and worker attributes on every stage span of ``job``."""
+    a = job.executed or job.assignment
+    return {"vtm.request_id": a.request.request_id, "vtm.worker_id": a.worker_id}
 
 
 def _nonneg(x: float) -> float:
@@ -549,9 +572,14 @@ class RankdService(MicroService):
         self._epochs: KeyValue | None = None
         self._work = asyncio.Event()  # something to start
         self._cache_changed = asyncio.Event()  # a cache command ended (a pull may have landed)
-        # Blocks of the replicate commands being executed (WorkerCore.pull_hold waits for them),
-        # with each one's cache-cmd span (a held request's cache_pull_wait links to it).
-        self._incoming: dict[int, tuple[frozenset[int], Span]] = {}
+        # Blocks of the replicate commands being executed (WorkerCore.pull_hold waits for them).
+        self._incoming: dict[int, frozenset[int]] = {}
+        # Every copy being executed -- those replicate commands and the reconcile commands
+        # with a source (a split's or merge's pending prefix arriving) -- with its cache-cmd
+        # span: a held request's cache_pull_wait links to each that brings its blocks
+        # (_link_hold). Only for the links: see _on_cache_cmd on why the hold waits for the
+        # replicate copies alone.
+        self._copies: dict[int, tuple[frozenset[int], Span]] = {}
         # The head of the FIFO held for its pull, if any (_next_job), until _run takes it.
         self._holding: _PullHold | None = None
         self._dirty = asyncio.Event()  # state changed; publish soon
@@ -656,16 +684,28 @@ class RankdService(MicroService):
         """Execute a cache command. Its server span (a child of the cache manager's span of
         the command, whose context the command's headers carry) says what it was
         (:func:`~services.cachemgr.tracing.command_attributes`) and how it ended
-        (``vtm.cache_ok``, ``vtm.blocks_done``); a copy that a held request waits for is
-        linked to that request's root (:meth:`_link_hold`)."""
+        (``vtm.cache_ok``, ``vtm.blocks_done``); a copy (a replicate command, or a reconcile
+        command with a source) that brings a held request's blocks is linked to that
+        request's root (:meth:`_link_hold`)."""
         cmd = request_model(request, CacheCommand)
         span = trace.get_current_span()  # the handler's (shared/service.py wrap_handler)
         if span.is_recording():
             span.set_attributes(command_attributes(cmd))
         key = id(cmd)
-        if isinstance(cmd, ReplicateCommand):
+        copies = isinstance(cmd, ReplicateCommand) or (
+            isinstance(cmd, ReconcileCommand) and cmd.source_worker is not None)
+        if copies:
             blocks = frozenset(cmd.blocks)
-            self._incoming[key] = (blocks, span)
+            # A reconcile copy is linked to the request it holds, as a replicate copy is
+            # (before, a hold released by one had no link), but not counted in the blocks
+            # arriving that WorkerCore.pull_hold waits for past its bound: counting it there
+            # would hold the head of the FIFO for a reconcile copy after the bound, where it
+            # starts now and recomputes what is missing -- a change of when requests start,
+            # not of their traces. Within the bound nothing changes either way: any command's
+            # end wakes the hold (_cache_changed), which ends once the cache has the prefix.
+            if isinstance(cmd, ReplicateCommand):
+                self._incoming[key] = blocks
+            self._copies[key] = (blocks, span)
             if self._holding is not None:
                 self._link_hold(self._holding, blocks, span)
         try:
@@ -681,6 +721,7 @@ class RankdService(MicroService):
             result = self.core.apply_command(cmd)
         finally:
             self._incoming.pop(key, None)
+            self._copies.pop(key, None)
             self._cache_changed.set()
         if span.is_recording():
             span.set_attributes({"vtm.cache_ok": result.ok, "vtm.blocks_done": result.blocks_done})
@@ -1087,20 +1128,22 @@ class RankdService(MicroService):
 
     def _hold_of(self, job: Job) -> _PullHold:
         """A hold of ``job`` beginning now, linked with the copies of its blocks already
-        arriving (a copy sent before the request was assigned)."""
+        arriving (a copy sent before the request was assigned; replicate and reconcile
+        copies, ``_copies``)."""
         req = job.assignment.request
         full = min(len(req.block_hashes), req.input_len // req.block_size)
         held = _PullHold(job, self.clock(), frozenset(req.block_hashes[:full]))
-        for blocks, span in self._incoming.values():
+        for blocks, span in self._copies.values():
             self._link_hold(held, blocks, span)
         return held
 
     def _link_hold(self, held: _PullHold, blocks: frozenset[int], span: Span) -> None:
         """A copy of ``blocks`` executing under the ``cache-cmd`` ``span`` while ``held``
-        waits: when it brings some of the held request's blocks, link the two traces both
-        ways -- the copy's span to the request's root, the request's ``cache_pull_wait`` (made
-        at its start) to the copy's span. The pull's own trace is the cache manager's, not
-        the request's: without the links nothing led from one to the other."""
+        waits (a replicate or a reconcile copy): when it brings some of the held request's
+        blocks, link the two traces both ways -- the copy's span to the request's root, the
+        request's ``cache_pull_wait`` (made at its start) to the copy's span. The pull's own
+        trace is the cache manager's, not the request's: without the links nothing led from
+        one to the other."""
         if held.until_s is not None or held.wanted.isdisjoint(blocks):
             return
         ctx = span.get_span_context()
@@ -1113,9 +1156,10 @@ class RankdService(MicroService):
                                  "vtm.request_id": held.job.request_id})
 
     def _pull_hold(self) -> float:
-        """:meth:`WorkerCore.pull_hold` now, with the blocks of the copies arriving."""
+        """:meth:`WorkerCore.pull_hold` now, with the blocks of the replicate copies arriving
+        (``_incoming``; not the reconcile copies, see :meth:`_on_cache_cmd`)."""
         incoming: set[int] = set()
-        for blocks, _ in self._incoming.values():
+        for blocks in self._incoming.values():
             incoming |= blocks
         return self.core.pull_hold(self.clock(), incoming)
 
@@ -1125,11 +1169,8 @@ class RankdService(MicroService):
         held, self._holding = self._holding, None
         if held is not None and held.job is not job:  # never so (_next_job); no stale hold
             held = None
-        # job.trace_carrier is the root's context (stage_carrier): every stage span below is
-        # its direct child. Unsampled (the usual case at a 1% ratio): no span objects or
-        # attributes. No valid context at all: spans as before (roots, by ratio).
-        sampled = is_sampled(job.trace_carrier) or traceparent_of(job.trace_carrier) is None
-        ids = {"vtm.request_id": a.request.request_id, "vtm.worker_id": a.worker_id}
+        sampled = _traced(job)  # the stage spans below are the root's children
+        ids = _ids(job)
         root = extract(job.trace_carrier)
         attrs = {
             **ids,
@@ -1216,7 +1257,8 @@ class RankdService(MicroService):
                            })
             if span is not None and span.get_span_context().trace_flags.sampled:
                 self._record_rank_spans(job, result, prefilled, span, ids)
-            self._record_handoff_spans(job, result, prefilled, ids)
+            # kv_transfer and first_decode: once the first token is sent (_answer), from
+            # the stamps it carries.
         # Both in modelled seconds (the measured wall time ÷ the time scale).
         self.metrics.prefilled(a.degree, result.prefill_s / self.core.time_scale, a.predicted_s)
         self.core.finish(job.request_id, ok=True)
@@ -1285,12 +1327,15 @@ class RankdService(MicroService):
         Should the answer's making fail (:meth:`_publish_result` sends nothing then), the job
         and those attempts get an error answer instead: here by the executor
         (:meth:`_bookkeeping_failed`, the attempts still noted), later by the handoff's task.
-        Before, nobody was answered."""
+        Before, nobody was answered.
+
+        The ``kv_transfer`` and ``first_decode`` spans are recorded with the answer, from the
+        result it was made of (:meth:`_answer`)."""
         rid = job.request_id
         joined = tuple(sorted(self._attempts.get(rid, {})))
         delay = result.finished_at_s - self.clock()
         if not delay > 0:  # NaN too: answered now, not by a task sleeping for ever
-            self._publish_result(job, result, joined)
+            self._answer(job, result, joined)
             self._attempts.pop(rid, None)
             self._answered = job
             return
@@ -1303,7 +1348,7 @@ class RankdService(MicroService):
             done = dataclasses.replace(result, first_decode_s=result.first_decode_s + late,
                                        finished_at_s=result.finished_at_s + late)
             try:
-                self._publish_result(job, done, joined)
+                self._answer(job, done, joined)
             except Exception as exc:  # nothing sent (_publish_result): an error answer
                 self.log.exception("first token publish failed", request_id=rid)
                 reason = f"first token not sent: {type(exc).__name__}: {exc}"
@@ -1349,24 +1394,53 @@ class RankdService(MicroService):
             record_span(Stage.PREFILL_RANK, start_s=result.started_at_s, end_s=end,
                         parent=parent, attributes=attrs)
 
-    def _record_handoff_spans(self, job: Job, result: PrefillResult, prefilled: float,
-                              ids: dict[str, str]) -> None:
+    def _answer(self, job: Job, result: PrefillResult, joined: Sequence[float]) -> None:
+        """Send ``job``'s first token (:meth:`_publish_result`) made of ``result`` -- the
+        backend's, or with the first decode lengthened by a late handoff timer
+        (:meth:`_deliver_result`) -- and record its ``kv_transfer`` and ``first_decode``
+        spans from that same result, so they agree with the FirstToken's breakdown
+        (``stages.kv_transfer_s``, ``stages.first_decode_s``). Before, they were recorded
+        from the backend's result before the timer fired: a late timer's first decode was
+        longer in the FirstToken (and ``vtm.request.stage``) than its span.
+
+        When no FirstToken could be made of it (whatever :meth:`_publish_result` raises,
+        re-raised: the caller answers with an error instead), the spans are recorded all the
+        same, ``first_decode`` ERROR with the exception: the handoff ran, its first token
+        never went out."""
+        try:
+            self._publish_result(job, result, joined)
+        except Exception as exc:
+            self._record_handoff_spans(job, result, error=exc)
+            raise
+        try:
+            self._record_handoff_spans(job, result)
+        except Exception:  # the answer went out: no error answer may follow it
+            self.log.exception("handoff spans not recorded", request_id=job.request_id)
+
+    def _record_handoff_spans(self, job: Job, result: PrefillResult,
+                              error: Exception | None = None) -> None:
         """``kv_transfer`` (KV handoff to decode) and ``first_decode`` (first decode iteration
-        → first token) spans from the backend's measured instants, siblings of ``prefill``
-        under the request's root span (:func:`stage_carrier`); the same durations go into the
-        FirstToken."""
+        → first token) spans from ``result``'s instants (the FirstToken's, :meth:`_answer`),
+        siblings of ``prefill`` under the request's root span (:func:`stage_carrier`);
+        ``first_decode`` ERROR when ``error`` kept the first token from being sent. Sampled
+        requests only."""
+        if not _traced(job):
+            return
+        ids = _ids(job)
+        root = extract(job.trace_carrier)
+        prefilled = result.started_at_s + result.prefill_s
         transferred = prefilled + result.kv_transfer_s
-        record_span(Stage.KV_TRANSFER, start_s=prefilled, end_s=transferred,
-                    parent=job.trace_carrier,
-                    attributes={**ids, "vtm.degree": job.assignment.degree,
-                                "vtm.total_tokens": job.assignment.request.input_len,
-                                "vtm.modelled_handoff_s": result.modelled_handoff_s,
-                                "vtm.backend": self.backend.name})
-        record_span(Stage.FIRST_DECODE, start_s=transferred,
-                    end_s=transferred + result.first_decode_s,
-                    parent=job.trace_carrier,
-                    attributes={**ids, "vtm.token": result.token,
-                                "vtm.backend": self.backend.name})
+        _record(str(Stage.KV_TRANSFER), start_s=prefilled, end_s=transferred, parent=root,
+                attributes={**ids, "vtm.degree": job.assignment.degree,
+                            "vtm.total_tokens": job.assignment.request.input_len,
+                            "vtm.modelled_handoff_s": result.modelled_handoff_s,
+                            "vtm.backend": self.backend.name})
+        failed = None if error is None else (
+            error, f"first token not sent: {type(error).__name__}: {error}"[:ERROR_REASON_MAX])
+        _record(str(Stage.FIRST_DECODE), start_s=transferred,
+                end_s=transferred + result.first_decode_s, parent=root,
+                attributes={**ids, "vtm.token": result.token, "vtm.backend": self.backend.name},
+                error=failed)
 
     def _publish_result(self, job: Job, result: PrefillResult,
                         joined: Sequence[float]) -> None:

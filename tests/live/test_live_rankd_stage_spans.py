@@ -26,6 +26,7 @@ from shared.schemas import (
     CacheCommandResult,
     FirstToken,
     IntakeRequest,
+    ReconcileCommand,
     ReplicateCommand,
     decode,
 )
@@ -259,6 +260,82 @@ async def test_a_copy_already_arriving_when_the_hold_begins_is_linked_too(
     assert [x.context.span_id for x in got["cache_pull_wait"].links] == [cmd.context.span_id]
     assert [format(x.context.trace_id, "032x") for x in cmd.links] == [tid]
     assert got["queue_wait"].attributes["vtm.pull_hold_s"] > 0
+
+
+async def test_a_reconcile_copy_during_the_hold_is_linked_both_ways(
+    nats_server: EmbeddedNats, nc: Client, uniq: str, spans: InMemorySpanExporter
+) -> None:
+    """The held request's blocks arrive by a ``reconcile`` command with a source (a split's or
+    merge's pending prefix, copied on its first reuse) rather than a replicate: its
+    ``cache_pull_wait`` links to that command's ``cache-cmd`` span, which links back to the
+    request's root, as for a replicate copy. Before, only replicate copies were linked: a
+    hold a reconcile copy released had no link."""
+    s = Subjects(uniq)
+    tid = root_trace(0x56)
+    svc = service(nats_server.url, uniq, SimBackend())
+    async with service_running(svc, timeout_s=WAIT_S):
+        sub = await nc.subscribe(s.result("held-rc"))
+        held = assignment("held-rc", tid, pull_copy_s=60.0)  # capped: waits for the copy
+        await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
+        async with asyncio.timeout(WAIT_S):  # held at the head of the FIFO
+            while svc._holding is None:
+                await asyncio.sleep(0.01)
+        rc = ReconcileCommand(command_id="rc-1", worker_id=WID, epoch=0, blocks=[1],
+                              source_worker="w-cp2-g0")
+        done = await call(nc, s.cache_cmd(WID), rc, CacheCommandResult, timeout_s=WAIT_S)
+        assert done.ok and done.blocks_done == 1
+        ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
+    assert ft.error is None and ft.prefix_tokens == 512
+    got = await stage_spans(spans, tid, {"queue_wait", "cache_pull_wait", "prefill"})
+    pull = got["cache_pull_wait"]
+    (cmd,) = [x for x in spans.get_finished_spans() if x.name.endswith(".cache-cmd")]
+    assert (cmd.attributes["vtm.cache_op"], cmd.attributes["vtm.command_id"]) == \
+        ("reconcile", "rc-1")
+    assert [(format(x.context.trace_id, "032x"), format(x.context.span_id, "016x"),
+             x.attributes["vtm.link"]) for x in cmd.links] == [(tid, ROOT_SPAN, "pull_hold")]
+    assert [(x.context.trace_id, x.context.span_id) for x in pull.links] == \
+        [(cmd.context.trace_id, cmd.context.span_id)]
+    assert pull.attributes["vtm.pull_copies"] == 1
+    assert pull.attributes["vtm.pull_landed"] is True
+
+
+async def test_a_reconcile_copy_arriving_is_linked_but_does_not_hold_past_the_bound(
+    nats_server: EmbeddedNats, nc: Client, uniq: str, spans: InMemorySpanExporter
+) -> None:
+    """A reconcile copy of the held request's blocks still running when the hold's bound
+    passes: the request starts at the bound and recomputes, as before -- only a replicate
+    copy arriving (WorkerCore.pull_hold's ``incoming``) holds it longer -- but its
+    ``cache_pull_wait`` links to the reconcile copy (already arriving when the hold began),
+    and the copy's span to the request."""
+    s = Subjects(uniq)
+    tid = root_trace(0x57)
+    backend = SlowCopies()
+    svc = service(nats_server.url, uniq, backend, pull_hold_slack=1.0, pull_hold_grace_s=0.0)
+    async with service_running(svc, timeout_s=WAIT_S):
+        try:
+            sub = await nc.subscribe(s.result("held-rc2"))
+            rc = ReconcileCommand(command_id="rc-2", worker_id=WID, epoch=0, blocks=[1],
+                                  source_worker="w-cp2-g0")
+            copy = asyncio.create_task(call(nc, s.cache_cmd(WID), rc, CacheCommandResult,
+                                            timeout_s=WAIT_S))
+            await asyncio.wait_for(backend.copying.wait(), timeout=WAIT_S)
+            held = assignment("held-rc2", tid, pull_copy_s=0.3)  # held 0.3 s at most
+            await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
+            # Answered while the copy is still held up: the hold did not wait for it.
+            ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
+            assert not copy.done()
+            backend.release.set()
+            assert (await copy).ok
+        finally:
+            backend.release.set()
+    assert ft.error is None and ft.prefix_tokens == 0  # recomputed: the copy had not landed
+    got = await stage_spans(spans, tid, {"queue_wait", "cache_pull_wait", "prefill"})
+    pull = got["cache_pull_wait"]
+    assert pull.attributes["vtm.pull_landed"] is False
+    (cmd,) = [x for x in spans.get_finished_spans() if x.name.endswith(".cache-cmd")]
+    assert cmd.attributes["vtm.command_id"] == "rc-2"
+    assert [x.context.span_id for x in pull.links] == [cmd.context.span_id]
+    assert [format(x.context.trace_id, "032x") for x in cmd.links] == [tid]
 
 
 async def test_a_result_carries_its_request_trace_context(
