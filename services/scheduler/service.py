@@ -148,9 +148,28 @@ the placement's dequeue stamp (``Assignment.dequeued_at_s``): a request held for
 worker (``hold_s``) waits in intake in both, the span saying how long it was held
 (``vtm.held_s``). It starts at the gateway's arrival stamp on a first delivery; at this
 replica's NAK of the delivery before on a retry (``vtm.retry``: the ``retry_delay_s`` wait,
-intake wait in the breakdown too; a redelivery this replica did not NAK records its hold
-only); at the hand-back's publish on a hand-back (``vtm.handed_back``, ``vtm.handed_back_by``,
-``vtm.handback_cause``). A request this replica hands back for a lost or gone worker gets a
+intake wait in the breakdown too); at the hand-back's publish on a hand-back
+(``vtm.handed_back``, ``vtm.handed_back_by``, ``vtm.handback_cause``); on a redelivery after a
+replica that took the message stopped or died without acking, NAKing or holding it
+(``vtm.redelivered``, ``vtm.delivery``) at ``max(first, dequeue - ack_wait)`` -- ``first``
+the arrival (a hand-back's publish), ``ack_wait`` the intake consumer's own. JetStream
+redelivers such a message ``ack_wait`` after the delivery before (or its last in-progress
+ack), so the bound is no earlier than that delivery: the span covers the wait from there,
+which the breakdown (``vtm.request.stage{intake_wait}``: dequeue - arrival) counts as intake
+wait too, and does not overlap the stage spans of the deliveries before it -- a replica
+records those only once it placed (a ``dispatching`` record then names the message: a
+redelivery of it re-sends that assignment, ``vtm.resumed``, and records no intake wait, as
+the worker most likely admitted the first send and the time since is its queue wait) or
+NAK'ed (which this replica remembers only for its own NAK; another replica's NAK is told from
+a lapse by the message's age: stored less than ``ack_wait`` before the dequeue, no delivery
+of it can have lapsed). What can stay uncovered: the lapsed delivery's own wait, from the
+arrival to about when the dead replica received it (its spans die with it); the time from
+another replica's NAK to a redelivery here (its hold only is recorded); for a re-sent
+``dispatching`` assignment whose worker had not admitted the first send, the time from that
+send to the re-send. A message older than ``ack_wait`` that another replica NAK'ed is taken
+for a lapsed one (its span may then overlap that replica's last attempt), and a scheduler
+clock behind the server's by more than the first delivery's latency can miss a lapse (hold
+only, as before). A request this replica hands back for a lost or gone worker gets a
 ``handed_back`` span (``vtm.worker_id``, ``vtm.cause``) from its assignment there to that
 publish. ``schedule`` starts where the intake wait ends and carries the chosen worker, P, R,
 s, the J terms, and every candidate's terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,
@@ -1002,9 +1021,14 @@ class SchedulerService(MicroService):
         # 410 / 425 (a failing engine, a core refusal): its retries avoid them while another
         # worker is eligible (_place). Forgotten when it is dispatched or fails; bounded.
         self._refused_by: OrderedDict[str, frozenset[str]] = OrderedDict()
-        # Request id -> (stream sequence, when this replica NAK'ed that message): where the
-        # ``intake_wait`` span of its redelivery starts (the retry's wait). Bounded.
-        self._naked: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        # Request id -> (stream sequence, delivery count, when this replica NAK'ed that
+        # delivery): where the ``intake_wait`` span of the next delivery starts (the retry's
+        # wait). Bounded.
+        self._naked: OrderedDict[str, tuple[int, int, float]] = OrderedDict()
+        # The intake consumer's ack_wait (the durable's own, read when this replica binds to
+        # it: an existing consumer keeps the setting it was made with): the bound on when a
+        # redelivery's previous delivery ran out (_lapsed_since).
+        self._ack_wait_s: float = settings.ack_wait_s
         self._snapshotting: set[str] = set()
         # Workers whose snapshot request went unanswered (asked again by housekeeping).
         self._snapshot_retry: set[str] = set()
@@ -1560,11 +1584,13 @@ class SchedulerService(MicroService):
         every replica shares it)."""
         s = self.subjects
         try:
-            await js.consumer_info(s.intake_stream(), s.intake_consumer())
-            return
+            info = await js.consumer_info(s.intake_stream(), s.intake_consumer())
         except NotFoundError:
             pass
-        await js.add_consumer(s.intake_stream(), ConsumerConfig(
+        else:
+            self._note_ack_wait(info.config.ack_wait)
+            return
+        info = await js.add_consumer(s.intake_stream(), ConsumerConfig(
             durable_name=s.intake_consumer(),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.ssettings.ack_wait_s,
@@ -1572,6 +1598,12 @@ class SchedulerService(MicroService):
             max_ack_pending=self.ssettings.max_ack_pending,
             filter_subject=s.intake_requests(),
         ))
+        self._note_ack_wait(info.config.ack_wait)
+
+    def _note_ack_wait(self, ack_wait: float | None) -> None:
+        """Keep the intake consumer's ack_wait (seconds; None or nonsense: the setting's)."""
+        if ack_wait is not None and math.isfinite(ack_wait) and ack_wait > 0:
+            self._ack_wait_s = float(ack_wait)
 
     async def _on_intake(self, msg: Msg) -> None:
         """One intake delivery, as it arrives (shared.service.PullConsumer, delivery order)."""
@@ -1679,7 +1711,7 @@ class SchedulerService(MicroService):
         naked_at: float | None = None  # when this replica NAK'ed the delivery before this one
         if delivery > 1:
             self.metrics.redelivered()
-            naked_at = self._retry_started(rid, seq)
+            naked_at = self._retry_started(rid, seq, delivery)
         if REPUBLISHED_HEADER in (msg.headers or {}):
             # A gateway's re-send after the server lost its store. Checked before the ledger
             # lets go of an earlier dispatch of this request (which a worker may still hold),
@@ -1757,7 +1789,8 @@ class SchedulerService(MicroService):
                     until = placed[0].dequeued_at_s or dequeued
         if sampled:
             self._record_intake_wait(msg, req, parent, msg_id=msg_id, delivery=delivery,
-                                     dequeued=dequeued, until=until, naked_at=naked_at)
+                                     dequeued=dequeued, until=until, naked_at=naked_at,
+                                     resumed=record is not None)
 
         # ``schedule`` runs from the end of the intake wait to the assignment stamp
         # (assigned_at_s, where the breakdown's schedule stage ends), or to the NAK / answer of
@@ -1892,7 +1925,7 @@ class SchedulerService(MicroService):
                 # A delivery NAK'ed ends its spans at the NAK's stamp, where its redelivery's
                 # intake wait starts (_record_intake_wait): no gap, no overlap.
                 nak = self._naked.get(rid)
-                end_at = nak[1] if nak is not None and nak[0] == seq else None
+                end_at = nak[2] if nak is not None and nak[:2] == (seq, delivery) else None
                 _end_span(span, end_at)
                 _end_span(dispatch_span, end_at)
         await self._ack_or_hold(msg, rid, seq)
@@ -1910,16 +1943,36 @@ class SchedulerService(MicroService):
             await self._after_dispatch(req, assignment, decision,
                                        in_demand=not is_handback_msg_id(msg_id))
 
-    def _retry_started(self, rid: str, seq: int) -> float | None:
-        """When this replica NAK'ed ``rid``'s intake message ``seq`` (forgotten now): where the
-        retry's wait began. None when it did not (another replica did, or the delivery before
-        ran out its ``ack_wait``): then only a hold of this delivery is recorded."""
+    def _retry_started(self, rid: str, seq: int, delivery: int) -> float | None:
+        """When this replica NAK'ed delivery ``delivery - 1`` of ``rid``'s intake message
+        ``seq`` (forgotten now): where the retry's wait began. None when it did not (another
+        replica did, or the delivery before ran out its ``ack_wait``; or this replica's NAK
+        was of an earlier delivery, and another one came in between, whose spans a wait from
+        that NAK would overlap): see :meth:`_record_intake_wait`."""
         nak = self._naked.pop(rid, None)
-        return nak[1] if nak is not None and nak[0] == seq else None
+        return nak[2] if nak is not None and nak[:2] == (seq, delivery - 1) else None
+
+    def _lapsed_since(self, msg: Msg, dequeued: float) -> float | None:
+        """For a redelivery: ``dequeued - ack_wait`` (the intake consumer's) when the delivery
+        before may have ended by running out its ``ack_wait`` (a replica that took it died or
+        was stopped before it acked, NAK'ed or held it) -- JetStream redelivers such a message
+        ``ack_wait`` after that delivery (or its holder's last in-progress ack), so the
+        delivery before was no later than that bound (a replica that recorded stage spans of
+        it placed it, and its record makes this a re-send, or NAK'ed it: see
+        :meth:`_record_intake_wait`). None when the message is younger than ``ack_wait``
+        (stored, at the server, less than ``ack_wait`` before this dequeue): no delivery of it
+        can have lapsed, so a replica NAK'ed the one before (not this one: that is a retry),
+        and its spans may reach up to that NAK."""
+        try:
+            stored = float(msg.metadata.timestamp.timestamp())
+        except Exception:  # not a JetStream message
+            return None
+        bound = dequeued - self._ack_wait_s
+        return bound if math.isfinite(bound) and bound >= stored else None
 
     def _record_intake_wait(self, msg: Msg, req: IntakeRequest, parent: Mapping[str, str], *,
                             msg_id: str, delivery: int, dequeued: float, until: float,
-                            naked_at: float | None) -> None:
+                            naked_at: float | None, resumed: bool = False) -> None:
         """The delivery's ``intake_wait`` span, ending at ``until`` (the placement's dequeue
         stamp, after any hold). It starts at
 
@@ -1931,7 +1984,14 @@ class SchedulerService(MicroService):
         * this replica's NAK of the delivery before (``vtm.retry``): the retry's wait, which
           the FirstToken's breakdown (``vtm.request.stage{stage="intake_wait"}``) counts as
           intake wait too;
-        * the dequeue, otherwise (a redelivery this replica did not NAK): only its hold.
+        * ``dequeued - ack_wait`` (:meth:`_lapsed_since`), but not before the first
+          delivery's start (the arrival, or a hand-back's publish), on a redelivery this
+          replica did not NAK whose delivery before may have lapsed (``vtm.redelivered``,
+          ``vtm.delivery``): the wait after a replica that took it stopped or died, which the
+          breakdown counts as intake wait too. Not for a re-sent ``dispatching`` assignment
+          (``resumed``): its worker most likely admitted the first send, and the time since
+          is its queue wait;
+        * the dequeue, otherwise (another replica NAK'ed the delivery before): only its hold.
 
         An arrival after the dequeue (clock skew, or a bogus far-future stamp: any finite
         WallTime decodes, and 1e300 s would overflow the span's nanoseconds) is an empty wait,
@@ -1941,12 +2001,14 @@ class SchedulerService(MicroService):
         if held_s > 0:
             attrs["vtm.held_s"] = held_s
             attrs["vtm.delivery"] = delivery
+        first = req.arrival_s  # where the message's first delivery's wait starts
+        if is_handback_msg_id(msg_id):
+            stored = self._handed_back_at(msg)
+            if stored is not None:
+                first = max(first, stored)
         if delivery == 1:
-            start = req.arrival_s
+            start = first
             if is_handback_msg_id(msg_id):
-                stored = self._handed_back_at(msg)
-                if stored is not None:
-                    start = max(start, stored)
                 attrs["vtm.handed_back"] = True
                 attrs["vtm.handed_back_by"] = handback_worker(msg_id)
                 attrs["vtm.handback_cause"] = str(
@@ -1954,6 +2016,10 @@ class SchedulerService(MicroService):
         elif naked_at is not None:
             start = naked_at
             attrs["vtm.retry"] = True
+            attrs["vtm.delivery"] = delivery
+        elif not resumed and (lapsed := self._lapsed_since(msg, dequeued)) is not None:
+            start = max(first, lapsed)
+            attrs["vtm.redelivered"] = True
             attrs["vtm.delivery"] = delivery
         elif held_s > 0:
             start = dequeued
@@ -2707,7 +2773,8 @@ class SchedulerService(MicroService):
             self.metrics.retried(kind)
             self.log.info("intake retry", request_id=req.request_id, reason=reason,
                           retry_reason=str(kind))
-            self._naked[req.request_id] = (self._stream_seq(msg), self.clock())
+            self._naked[req.request_id] = (self._stream_seq(msg), self._deliveries(msg),
+                                           self.clock())
             self._naked.move_to_end(req.request_id)
             while len(self._naked) > _NAKS_KEPT:
                 self._naked.popitem(last=False)
