@@ -2423,7 +2423,7 @@ class SchedulerService(MicroService):
                     self.log.warning("scheduler replica gone", replica=r,
                                      unseen_s=round(now - seen_at, 1), never_listed=unlisted)
                     if (min(live) != self.reporter and not unlisted) \
-                            or now - seen_at >= self.ssettings.ack_wait_s * 2 / 3:
+                            or now - seen_at >= self._ack_wait_s * 2 / 3:
                         continue
                     self.stats.peer_naked += await self._give_back_holds(
                         js, r, why="replica gone")
@@ -2434,7 +2434,7 @@ class SchedulerService(MicroService):
 
     def _give_back_budget_s(self) -> float:
         """How long :meth:`_give_back_holds` may take (at start, the replica waits)."""
-        return self.ssettings.ack_wait_s / 3
+        return self._ack_wait_s / 3
 
     async def _release_held(self, rid: str) -> None:
         """The ledger let go of ``rid`` (its result came, or it was handed back): ack its
@@ -2447,10 +2447,14 @@ class SchedulerService(MicroService):
     async def _keep_held(self) -> None:
         """Every ack_wait / 3: mark each held message in progress (no redelivery while this
         replica lives), and ack those whose dispatch left the ledger some other way (a newer
-        message superseded it, the ledger's bound dropped it)."""
-        period = self.ssettings.ack_wait_s / 3
+        message superseded it, the ledger's bound dropped it).
+
+        ``ack_wait`` is the intake consumer's own (``_ack_wait_s``, read when this replica
+        bound to it), not this replica's setting: a durable made by another replica keeps the
+        ack_wait it was made with, and a period from a longer setting let held messages be
+        redelivered while this replica still held them."""
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(self._ack_wait_s / 3)
             for rid, msg in list(self._held.items()):
                 sent = self.ledger.get(rid)
                 try:

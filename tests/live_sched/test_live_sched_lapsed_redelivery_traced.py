@@ -13,6 +13,7 @@ the gateway's ``vtm.request.stage{intake_wait}`` (dequeue - arrival) counted it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -158,3 +159,28 @@ async def test_a_lapsed_redelivery_does_not_overlap_an_earlier_attempt(
     assert wait.end_time == sched_span.start_time
     # No overlap: it starts after the first attempt's spans ended (at that replica's NAK).
     assert wait.start_time >= max(s.end_time for s in earlier)
+
+
+async def test_held_messages_are_kept_in_progress_by_the_consumers_ack_wait(
+        live: Services, nc: Client, uniq: str,
+        fake_worker: Callable[..., Awaitable[FakeWorker]]) -> None:
+    """A replica whose own ``ack_wait_s`` is longer than the durable's (made by another
+    replica, it keeps the ack_wait it was made with) marks its held messages in progress by
+    the durable's: a dispatched request whose result is slow is not redelivered meanwhile.
+    Before, the renewal period was the setting's third (3 s here) while the durable gave up
+    after 1 s: the message came back, and its assignment was re-sent to the worker."""
+    await intake_consumer(nc, uniq)  # ack_wait 1 s
+    w = await fake_worker(W1, 2, 0, reply_results=False)
+    got = await results_for(nc, uniq, "slow")
+    sched = await live.scheduler(block_size=B, ack_wait_s=9.0)
+    await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+    await publish(nc, uniq, "slow", "6af7651916cd43dd8448eb211c80319c")
+    await wait_until(lambda: len(w.assignments) == 1, "slow dispatched")
+    s = Subjects(uniq)
+    # Three of the durable's ack_waits: long enough for a redelivery without renewals.
+    await asyncio.sleep(3 * ACK_WAIT_S)
+    info = await nc.jetstream().consumer_info(s.intake_stream(), s.intake_consumer())
+    assert info.num_redelivered == 0 and len(w.assignments) == 1
+    await w.answer(w.assignments[0])
+    await wait_until(lambda: got, "slow answered")
+    assert (sched.stats.dispatched, sched.stats.adopted) == (1, 0)
