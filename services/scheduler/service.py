@@ -234,7 +234,10 @@ from services.controller.core import request_preferred_degree
 from services.controller.windows import DEFAULT_WINDOW_S, DemandWindows, WindowSummary
 from services.rankd.core import (
     FINISHED_MEMORY,
+    HANDBACK_AT_HEADER,
+    HANDBACK_CAUSE_HEADER,
     HANDED_BACK_CODE,
+    HANDED_BACK_SPAN,
     INTAKE_MSG_HEADER,
     JOINED_MARK,
     REDIRECTING_CODE,
@@ -349,19 +352,9 @@ _REFUSALS_KEPT: Final[int] = 4096
 _NAKS_KEPT: Final[int] = 4096
 """Most NAK'ed intake messages whose NAK stamp a replica remembers for the ``intake_wait``
 span of their redelivery (SchedulerService ``_naked``; the oldest are forgotten first)."""
-HANDBACK_CAUSE_HEADER: Final[str] = "Vtm-Handback-Cause"
-"""Header of a hand-back this replica publishes on a worker's behalf: why (:class:`HandBackCause`
-value). A worker's own hand-back (a redirect) has none."""
-HANDBACK_AT_HEADER: Final[str] = "Vtm-Handed-Back-At"
-"""Header of a hand-back this replica publishes: its publish stamp (Unix seconds, ``repr`` of
-a float), where the ``handed_back`` span ends and the hand-back delivery's ``intake_wait``
-starts (a worker's own hand-back has none: the stream's stored stamp is used)."""
 DISPATCH_SPAN: Final[str] = "dispatch"
 """The span of an assignment's request-reply to its worker: a child of ``schedule`` (not a
 TTFT stage: the breakdown counts it in the worker's queue wait)."""
-HANDED_BACK_SPAN: Final[str] = "handed_back"
-"""The span of the time a request spent on a worker that was lost (or gone) before this
-replica handed it back to intake: from its assignment there to the hand-back's publish."""
 
 
 class HandBackCause(StrEnum):
@@ -371,7 +364,7 @@ class HandBackCause(StrEnum):
     LOST_RESTARTED = "lost_restarted"  # the worker restarted under the same id (ledger.Loss)
     LOST_SILENT = "lost_silent"  # its lease ran out and its queue endpoint does not answer
     GONE = "gone"  # a redelivery or re-send found its recorded worker gone
-    WORKER = "worker"  # the worker's own hand-back (a redirect): on deliveries only
+    WORKER = "worker"  # a worker's own hand-back without a cause header (an older rankd)
 
 
 def handback_worker(msg_id: str) -> str:
@@ -2169,13 +2162,15 @@ class SchedulerService(MicroService):
         the time it spent there, lost, from its assignment (``since_s``; None: not known, the
         span is then empty, at the publish) to the hand-back's publish, where the hand-back
         delivery's ``intake_wait`` starts. A child of the request's root, for a sampled trace
-        only."""
+        only, and only when this replica's publish was the one intake stored (not a
+        ``duplicate``): a worker that handed the request back itself under the same id
+        recorded the span of its own (services/rankd/service.py), one per hand-back."""
         if duplicate or not carrier or not is_sampled(carrier):  # the stored one's publisher's
             return
         start = published_s if since_s is None else min(since_s, published_s)
         record_span(HANDED_BACK_SPAN, start_s=start, end_s=published_s, parent=carrier,
                     attributes={"vtm.request_id": req.request_id, "vtm.worker_id": wid,
-                                "vtm.cause": str(cause), "vtm.duplicate": duplicate})
+                                "vtm.cause": str(cause)})
 
     async def _outcome_unknown(self, msg: Msg, req: IntakeRequest, a: Assignment, seq: int,
                                msg_id: str, stored: Any, exc: BaseException) -> None:
