@@ -15,6 +15,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.rankd.core import INTAKE_MSG_HEADER
 from services.rankd.service import RankdService
@@ -110,3 +112,16 @@ async def stopped(svc: RankdService, task: asyncio.Task[None], *,
     if not task.done():
         svc.request_stop()
         await asyncio.wait({task}, timeout=timeout_s)
+
+
+async def stage_spans(spans: InMemorySpanExporter, trace_id: str, names: set[str], *,
+                      timeout_s: float = WAIT_S) -> dict[str, ReadableSpan]:
+    """The finished spans of ``trace_id`` (32 hex digits) by name, once every one of
+    ``names`` has ended."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            got = {x.name: x for x in spans.get_finished_spans()
+                   if format(x.context.trace_id, "032x") == trace_id}
+            if names <= set(got):
+                return got
+            await asyncio.sleep(0.01)

@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from rankd_support import stage_spans
 from service_support import service_running
 
 from services.rankd.backend import PrefillResult, SimBackend
@@ -86,16 +87,6 @@ async def late_first_token(svc: RankdService, clock: Clock, nc: Client, s: Subje
     await sub.unsubscribe()
     return ft
 
-
-async def stage_spans(spans: InMemorySpanExporter, trace_id: str,
-                      names: set[str]) -> dict[str, ReadableSpan]:
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            got = {x.name: x for x in spans.get_finished_spans()
-                   if format(x.context.trace_id, "032x") == trace_id}
-            if names <= set(got):
-                return got
-            await asyncio.sleep(0.01)
 
 
 def seconds(span: ReadableSpan) -> float:

@@ -11,9 +11,9 @@ import time
 
 import pytest
 from nats.aio.client import Client
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from rankd_support import stage_spans
 from service_support import service_running
 
 from services.rankd.backend import PrefillResult, SimBackend
@@ -103,17 +103,6 @@ async def first_token(nc: Client, s: Subjects, a: Assignment) -> FirstToken:
     await sub.unsubscribe()
     return ft
 
-
-async def stage_spans(spans: InMemorySpanExporter, trace_id: str,
-                      names: set[str]) -> dict[str, ReadableSpan]:
-    """The spans of ``trace_id`` by name, once every one of ``names`` has ended."""
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            got = {x.name: x for x in spans.get_finished_spans()
-                   if format(x.context.trace_id, "032x") == trace_id}
-            if names <= set(got):
-                return got
-            await asyncio.sleep(0.01)
 
 
 def seconds(ns: int) -> float:
