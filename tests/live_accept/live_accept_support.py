@@ -46,6 +46,9 @@ from vertumnus.live.http import HttpError, request
 from vertumnus.live.stack import LiveStack, UpConfig
 
 WAIT_S = 90.0  # bound on correctness waits only (a loaded 2-core machine); never a speed check
+BLOCKER_LEN = 4000
+"""Input length of a request that holds a :meth:`InProcess.blocked_rankd` worker (its prefill
+takes 120 s) while what is assigned after it waits queued."""
 
 CRASH_MAX_DELIVER = 100
 """``max_deliver`` for the schedulers of a test with a :class:`DiesBeforeDispatchedRecord`:
@@ -574,18 +577,49 @@ class InProcess(ServiceTasks):
     wait_s: ClassVar[float] = WAIT_S
 
     async def rankd(self, worker_id: str, prefill_s: float = 0.02, handoff_s: float = 0.005,
+                    *, cls: type | None = None,
+                    prefill_time: Callable[..., float] | None = None,
                     **settings_kw: Any) -> Any:
+        """A rank daemon (``cls``, default RankdService) on the sim backend, each prefill
+        taking ``prefill_s`` (or ``prefill_time(r, p, c, kind)``), serving once it answers."""
         from services.rankd.backend import SimBackend
         from services.rankd.service import RankdService
         from services.rankd.settings import RankdSettings
 
         settings = RankdSettings(nats_url=self.url, subject_prefix=self.prefix,
                                  worker_id=worker_id, heartbeat_s=0.2, **settings_kw)
-        backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": prefill_s,
+        backend = SimBackend(prefill_time=prefill_time
+                             or (lambda r, p, c, kind="cp": prefill_s),
                              handoff_time=lambda n, c: handoff_s)
-        svc = await self.run(RankdService(settings, backend))
+        svc = await self.run((cls or RankdService)(settings, backend))
         await self.until_served(self.subjects.worker_assign(worker_id))
         return svc
+
+    async def blocked_rankd(self, worker_id: str, *, cls: type | None = None,
+                            **settings_kw: Any) -> Any:
+        """A rank daemon (drain timeout 0.5 s) whose prefill of a request of
+        :data:`BLOCKER_LEN` tokens or more takes 120 s -- far longer than any scenario, a
+        bound, not a speed check -- and of any other 0.02 s: :meth:`occupy` it, and what
+        is assigned next waits in its queue."""
+        return await self.rankd(
+            worker_id, handoff_s=0.001, cls=cls, drain_timeout_s=0.5,
+            prefill_time=lambda r, p, c, kind="cp": 120.0 if r >= BLOCKER_LEN else 0.02,
+            **settings_kw)
+
+    async def occupy(self, nc: Client, worker: Any, rid: str = "blocker") -> None:
+        """Assign ``worker`` (a :meth:`blocked_rankd`) a :data:`BLOCKER_LEN`-token request
+        ``rid`` directly, as a scheduler would, and wait until it runs."""
+        from shared.schemas import Assignment, AssignmentAck, IntakeRequest
+        from shared.service import call
+
+        wid = worker.settings.worker_id
+        blocker = IntakeRequest(request_id=rid, input_len=BLOCKER_LEN, block_size=16,
+                                arrival_s=time.time())
+        await call(nc, self.subjects.worker_assign(wid),
+                   Assignment(request=blocker, worker_id=wid, epoch=0, degree=2,
+                              prefix_tokens=0, recompute_tokens=BLOCKER_LEN, predicted_s=0.1,
+                              assigned_at_s=time.time()), AssignmentAck, timeout_s=5.0)
+        await wait_until(lambda: worker.core.running is not None, f"{rid} running on {wid}")
 
     async def until_served(self, subject: str) -> None:
         """Wait until ``subject`` has a responder (see :func:`shared.service.until_served`)."""

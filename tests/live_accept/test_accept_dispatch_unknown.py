@@ -34,6 +34,7 @@ import nats
 import nats.errors
 import pytest
 from live_accept_support import (
+    BLOCKER_LEN,
     CRASH_MAX_DELIVER,
     ActingController,
     DiesBeforeDispatchedRecord,
@@ -45,9 +46,7 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.rankd.backend import SimBackend
 from services.rankd.service import RankdService
-from services.rankd.settings import RankdSettings
 from services.scheduler.service import SchedulerService
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
@@ -59,11 +58,10 @@ from shared.schemas import (
     decode,
     encode,
 )
-from shared.service import call, epoch_kv
+from shared.service import epoch_kv
 from shared.worker import Lifecycle
 
 W, W2, W3 = "w-cp2-g0", "w-cp2-g2", "w-cp2-g4"
-BLOCKER_LEN = 4000  # a request this long holds its worker for the whole scenario
 
 
 class RecordingRankd(RankdService):
@@ -80,12 +78,7 @@ class RecordingRankd(RankdService):
 
 
 async def start_rankd(live: InProcess, wid: str, **kw: Any) -> RecordingRankd:
-    settings = RankdSettings(nats_url=live.url, subject_prefix=live.prefix, worker_id=wid,
-                             heartbeat_s=0.2, drain_timeout_s=0.5, **kw)
-    backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 120.0 if r >= BLOCKER_LEN
-                         else 0.02, handoff_time=lambda n, c: 0.001)
-    svc = await live.run(RecordingRankd(settings, backend))
-    await live.until_served(live.subjects.worker_assign(wid))
+    svc: RecordingRankd = await live.blocked_rankd(wid, cls=RecordingRankd, **kw)
     return svc
 
 
@@ -327,13 +320,7 @@ async def test_stopped_worker_request_is_handed_back_once(
     trace = "8af7651916cd43dd8448eb211c80319c"
     async with running(nats_server) as (live, nc, tap):
         w = await start_rankd(live, W)
-        blocker = IntakeRequest(request_id="gone-blocker", input_len=BLOCKER_LEN, block_size=16,
-                                arrival_s=time.time())
-        await call(nc, live.subjects.worker_assign(W),
-                   Assignment(request=blocker, worker_id=W, epoch=0, degree=2,
-                              prefix_tokens=0, recompute_tokens=BLOCKER_LEN, predicted_s=0.1,
-                              assigned_at_s=time.time()), AssignmentAck, timeout_s=5.0)
-        await wait_until(lambda: w.core.running is not None, "the blocker running on W")
+        await live.occupy(nc, w, "gone-blocker")
         a = await live.scheduler(cls=DiesBeforeDispatchedRecord, block_size=16,
                                  ack_wait_s=1.0, max_deliver=CRASH_MAX_DELIVER,
                                  instance_id="sched-a")

@@ -23,28 +23,14 @@ from live_accept_support import ActingController, InProcess, ResultTap, wait_unt
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.rankd.backend import SimBackend
-from services.rankd.service import RankdService
-from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
-from shared.schemas import Assignment, AssignmentAck, IntakeRequest, encode
-from shared.service import call, epoch_kv
+from shared.schemas import IntakeRequest, encode
+from shared.service import epoch_kv
 from shared.worker import Lifecycle
 
 W, W2 = "w-cp2-g0", "w-cp2-g2"
-BLOCKER_LEN = 4000  # holds its worker for the whole scenario
 TRACE = "7af7651916cd43dd8448eb211c80319c"
 ROOT_SPAN = "b7ad6b7169203331"
-
-
-async def start_rankd(live: InProcess, wid: str) -> RankdService:
-    settings = RankdSettings(nats_url=live.url, subject_prefix=live.prefix, worker_id=wid,
-                             heartbeat_s=0.2, drain_timeout_s=0.5)
-    backend = SimBackend(prefill_time=lambda r, p, c, kind="cp": 120.0 if r >= BLOCKER_LEN
-                         else 0.02, handoff_time=lambda n, c: 0.001)
-    svc = await live.run(RankdService(settings, backend))
-    await live.until_served(live.subjects.worker_assign(wid))
-    return svc
 
 
 def of_trace(spans: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
@@ -59,14 +45,8 @@ async def test_a_drained_workers_hand_back_is_traced_up_to_its_next_intake_wait(
     nc = await nats.connect(nats_server.url, connect_timeout=5)
     tap = await ResultTap(nc, live.subjects).start()
     try:
-        w = await start_rankd(live, W)
-        blocker = IntakeRequest(request_id="blocker", input_len=BLOCKER_LEN, block_size=16,
-                                arrival_s=time.time())
-        await call(nc, live.subjects.worker_assign(W),
-                   Assignment(request=blocker, worker_id=W, epoch=0, degree=2,
-                              prefix_tokens=0, recompute_tokens=BLOCKER_LEN, predicted_s=0.1,
-                              assigned_at_s=time.time()), AssignmentAck, timeout_s=5.0)
-        await wait_until(lambda: w.core.running is not None, "the blocker running on W")
+        w = await live.blocked_rankd(W)
+        await live.occupy(nc, w)
         sched = await live.scheduler(block_size=16)
         await wait_until(lambda: len(sched.core.view) == 1, "W in the view")
         x = IntakeRequest(request_id="x", input_len=40, block_size=16, arrival_s=time.time())
@@ -76,7 +56,7 @@ async def test_a_drained_workers_hand_back_is_traced_up_to_its_next_intake_wait(
         await nc.jetstream().publish(live.subjects.intake_requests(), data, headers=headers)
         await wait_until(lambda: any(j.request_id == "x" for j in w.core.queued),
                          "x queued on W")
-        await start_rankd(live, W2)
+        await live.blocked_rankd(W2)
         kv = await epoch_kv(nc.jetstream(), live.subjects)
         rec = ActingController._make(1, {W: Lifecycle.DRAINING, W2: Lifecycle.ACTIVE},
                                      "drain W")
