@@ -1603,7 +1603,9 @@ class RankdService(MicroService):
             if job.handed_back_at_s is not None and job.handback_cause is not None:
                 self._record_handed_back(req, job.trace_carrier, job.accepted_at_s,
                                          job.handed_back_at_s, job.handback_cause,
-                                         joined=unknown.joined)
+                                         joined=unknown.joined,
+                                         assigned_s=None if unknown.joined
+                                         else job.assignment.assigned_at_s)
         self.log.info("hand-back of unknown outcome settled", request_id=req.request_id,
                       arrival_s=req.arrival_s, joined=unknown.joined,
                       duplicate=bool(ack.duplicate))
@@ -1684,7 +1686,8 @@ class RankdService(MicroService):
             self._dirty.set()
             if ours:
                 self._record_handed_back(req, job.trace_carrier, job.accepted_at_s,
-                                         job.handed_back_at_s, job.handback_cause)
+                                         job.handed_back_at_s, job.handback_cause,
+                                         assigned_s=job.assignment.assigned_at_s)
             if error is not None and not maybe_stored:
                 with contextlib.suppress(Exception):  # the connection may be closing
                     self._publish_failure(job, f"redirect failed: {error}")
@@ -1844,15 +1847,21 @@ class RankdService(MicroService):
 
     def _record_handed_back(self, req: IntakeRequest, carrier: Mapping[str, str],
                             accepted_s: float, at_s: float, cause: str, *,
-                            joined: bool = False) -> None:
+                            joined: bool = False, assigned_s: float | None = None) -> None:
         """The ``handed_back`` span of a request (or of a later attempt that joined its job,
         ``joined``) this worker handed back to intake: the time it spent here, from its
-        acceptance (``accepted_s``) to the hand-back's stamp (``at_s``, its
-        :data:`HANDBACK_AT_HEADER`: where the scheduler starts the hand-back delivery's
-        ``intake_wait``), ``vtm.cause`` why. A child of the request's root (``carrier``,
-        :func:`stage_carrier`) as the other stage spans, for a sampled trace only."""
+        assignment (``assigned_s``, the scheduler's stamp, where its ``schedule`` span ends
+        and its ``queue_wait`` would start; None: from its acceptance, ``accepted_s``) to the
+        hand-back's stamp (``at_s``, its :data:`HANDBACK_AT_HEADER`: where the scheduler
+        starts the hand-back delivery's ``intake_wait``), ``vtm.cause`` why -- so the
+        request's stage spans follow each other through the hand-back, as the scheduler's
+        own ``handed_back`` span (from the assignment) does. A child of the request's root
+        (``carrier``, :func:`stage_carrier`) as the other stage spans, for a sampled trace
+        only."""
         if not is_sampled(carrier):
             return
+        if assigned_s is not None and math.isfinite(assigned_s):
+            accepted_s = min(accepted_s, assigned_s)
         attrs: dict[str, Any] = {"vtm.request_id": req.request_id,
                                  "vtm.worker_id": self.core.worker_id, "vtm.cause": cause,
                                  "vtm.epoch": self.core.epoch}

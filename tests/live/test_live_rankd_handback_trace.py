@@ -111,9 +111,11 @@ class Worker:
                    headers={INTAKE_MSG_HEADER: source})
 
     def accepted(self, rid: str) -> float:
+        """Where the job's ``handed_back`` span starts: its assignment's stamp (the end of
+        the scheduler's ``schedule`` span), or its acceptance here should that be earlier."""
         job = self.svc.core.job(rid)
         assert job is not None
-        return job.accepted_at_s
+        return min(job.accepted_at_s, job.assignment.assigned_at_s)
 
     async def stop(self) -> None:
         self.backend.release.set()
