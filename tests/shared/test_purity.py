@@ -29,8 +29,10 @@ CORE_PACKAGES = [
 ]
 # Adapter modules (NATS glue) are allowed to import nats/asyncio; so are the adapters'
 # OpenTelemetry instruments (metrics.py: shared.metrics reads the service settings, and
-# pydantic-settings imports asyncio), which record what an adapter did and decide nothing.
-ADAPTER_NAMES = {"adapter.py", "main.py", "service.py", "__main__.py", "app.py", "metrics.py"}
+# pydantic-settings imports asyncio; tracing.py: the spans an adapter records), which record
+# what an adapter did and decide nothing.
+ADAPTER_NAMES = {"adapter.py", "main.py", "service.py", "__main__.py", "app.py", "metrics.py",
+                 "tracing.py"}
 
 
 def _discover() -> list[str]:
