@@ -1602,9 +1602,15 @@ class ControllerService(MicroService):
             left = per_worker.get(worker)
             if left is None:
                 continue
+            if STOP_MARKER in left and request != STOP_MARKER:
+                # Its queue, asked once it stopped (_confirm_stopped), may still list it: an
+                # answer given before this result came. Noted whether it was awaited or not:
+                # before, an awaited one was only taken out of ``left``, so that stale answer
+                # put it back, and the drain waited for a result that had come (until its
+                # timeout aborted the reconfiguration).
+                self._done_unconfirmed.setdefault((rid, worker), set()).add(request)
             if request not in left:
-                if STOP_MARKER in left:  # its queue, asked once it stopped, may list it
-                    self._done_unconfirmed.setdefault((rid, worker), set()).add(request)
+                if STOP_MARKER in left:
                     # It ran on the source while the drain waited for it to stop.
                     self._traces.link(rid, carrier, **{"vtm.request_id": str(request),
                                                        "vtm.worker_id": str(worker)})
