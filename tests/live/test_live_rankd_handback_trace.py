@@ -41,7 +41,6 @@ from services.rankd.core import (
 )
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
-from services.scheduler import service as scheduler_service
 from shared.ids import WorkerFault
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
@@ -195,12 +194,6 @@ def check_span(span: ReadableSpan, rid: str, cause: str, accepted: float, at: fl
     assert (span.start_time, span.end_time) == (int(accepted * 1e9), int(at * 1e9))
     assert {k: span.attributes[k] for k in ("vtm.request_id", "vtm.worker_id", "vtm.cause")} \
         == {"vtm.request_id": rid, "vtm.worker_id": WID, "vtm.cause": cause}
-
-
-def test_the_headers_are_the_ones_the_scheduler_reads() -> None:
-    assert HANDBACK_AT_HEADER == scheduler_service.HANDBACK_AT_HEADER
-    assert HANDBACK_CAUSE_HEADER == scheduler_service.HANDBACK_CAUSE_HEADER
-    assert HANDED_BACK_SPAN == scheduler_service.HANDED_BACK_SPAN
 
 
 async def test_a_drain_hands_queued_requests_back_stamped_and_traced(
