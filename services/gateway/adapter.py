@@ -272,6 +272,27 @@ def result_error(rid: str, error: str) -> GatewayError:
     return WorkerFailed(f"request {rid} failed: {error}")
 
 
+FIRST_TOKEN_TRIP_SPAN: Final[str] = "first_token_trip"
+
+
+def record_first_token_trip(result: FirstToken, received: float) -> None:
+    """Record the first token's trip from its worker to this gateway as a span under the
+    current one (the request's root): from the worker's ``finished_at_s`` (where its
+    ``first_decode`` span ends) to ``received`` (where the TTFT measured here ends), so the
+    root's children cover the whole TTFT. A worker clock ahead of this one would put the
+    start after the end: the span is then empty at ``received``, and ``vtm.clock_skew_s``
+    says by how much the worker's clock was ahead."""
+    start = min(result.finished_at_s, received)
+    attrs: dict[str, Any] = {"vtm.request_id": result.request_id}
+    if result.worker_id:
+        attrs["vtm.worker_id"] = result.worker_id
+    if result.finished_at_s > received:
+        attrs["vtm.clock_skew_s"] = result.finished_at_s - received
+    span = tracer().start_span(FIRST_TOKEN_TRIP_SPAN, start_time=int(start * 1e9),
+                               attributes=attrs)
+    span.end(end_time=int(received * 1e9))
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     """One answered completion: the worker's result and what the gateway measured."""
@@ -1071,6 +1092,8 @@ class GatewayService(MicroService):
                        "kept?)" if duplicate else "")) from None
         finally:
             self._forget(rid, waiter)
+        if result.arrival_s == arrival:  # this request's own attempt, not a kept result
+            record_first_token_trip(result, received)
         if result.error is not None:
             raise result_error(rid, result.error)
         return Completion(

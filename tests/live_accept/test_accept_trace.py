@@ -16,7 +16,8 @@ at the gateway, one child per TTFT stage; names are :class:`shared.telemetry.Sta
     ├── prefill                    (predicted and modelled time on it)
     │   └── prefill_rank × C       (one per rank: rank, GPU, its zigzag share of R)
     ├── kv_transfer                (KV handoff to decode)
-    └── first_decode               (first decode iteration → first token)
+    ├── first_decode               (first decode iteration → first token)
+    └── first_token_trip           (gateway: the first token's trip from the worker to it)
 
 Every stage span is a direct child of the root, whichever service records it (the root's
 context travels in ``Assignment.request.trace_context``); ``prefill_rank`` details the prefill
@@ -183,6 +184,15 @@ async def test_trace_has_kv_transfer_and_first_token_spans(
     overhead = st["total_s"] - (st["intake_wait_s"] + st["queue_wait_s"] + st["prefill_s"]
                                 + st["kv_transfer_s"] + st["first_decode_s"])
     assert 0 <= overhead < st["total_s"], st
+    # The first token's trip to the gateway is the root's last child: from the first decode's
+    # end (the worker's finished_at_s) to the gateway's receipt, where the TTFT measured
+    # there ends (the root starts at the arrival). Before, no span covered it.
+    (trip,) = by_name["first_token_trip"]
+    assert trip.parent.span_id == root.context.span_id
+    assert trip.attributes["vtm.worker_id"] == "w-cp2-g0"
+    assert abs(trip.start_time - decode.end_time) < 2_000, (trip.start_time, decode.end_time)
+    assert abs((trip.end_time - root.start_time) / 1e9 - vtm["ttft_s"]) < 2e-6
+    assert trip.end_time <= root.end_time
 
 
 async def test_trace_has_a_prefill_span_per_rank(
