@@ -19,7 +19,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import nats
 import pytest
 from hypothesis import settings
 from nats.aio.client import Client
@@ -28,6 +27,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shared.metrics import setup_metrics
+from shared.natsclient import connect
 from shared.natsserver import EmbeddedNats, NatsServerNotFound
 from shared.telemetry import setup_tracing
 
@@ -65,7 +65,10 @@ def nats_server() -> Iterator[EmbeddedNats]:
 
 @pytest.fixture
 async def nc(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_server.url, connect_timeout=5)
+    """A test's own connection: the project's client, whose ``flush()`` ends after the
+    server read what came before it (``shared.natsclient``: nats-py's may end before a
+    subscription just made is in place, and a service's request then finds no responders)."""
+    client = await connect(nats_server.url, connect_timeout=5)
     try:
         yield client
     finally:
