@@ -264,6 +264,7 @@ async def test_a_claim_whose_publish_timed_out_is_kept(
         landed.set()
 
     sub = await nc.subscribe(s.intake_requests(), cb=store_silently)
+    await nc.flush()
     body = {**BODY, "request_id": "late-1"}
     timed_out = await complete(a, body)
     assert timed_out.status == 503 and "TimeoutError" in timed_out.body.decode(), \
@@ -301,7 +302,7 @@ async def test_a_publish_that_timed_out_before_it_was_refused_keeps_its_claim(
     publishing = asyncio.create_task(complete(a, body))
     first = await sub.next_msg(timeout=WAIT_S)
     # The first try times out; once the server has the unsubscribe (the flush's answer
-    # comes after it), the next ones find no responders.
+    # comes after it: shared.natsclient), the next ones find no responders.
     await sub.unsubscribe()
     await nc.flush()
     assert first.headers is not None and first.headers["Nats-Msg-Id"] == "late-2"
@@ -734,10 +735,25 @@ async def test_a_claim_the_bucket_did_not_decide_is_written_there_once_it_answer
     await bucket.refuse(await bucket.next(), JS_UNAVAILABLE, code=503)
     assert (await r).status == 504
     held = await bucket.next()  # A's try to share it
+    # A's next tries wait until the bucket is made with the other claim in it. Without
+    # that, a stalled machine could let `held` end at A unanswered (a JetStream request
+    # gives up after 5 s), and A's next try would find the played bucket gone and the real
+    # one not there yet (no responders: A makes the bucket itself, counted) or made and
+    # still empty (A's claim NEW: no split) -- windows the test opens, not the bucket.
+    ready = asyncio.Event()
+    claims = a._claims
+    real_claim = claims.claim
+
+    async def claim_once_ready(rid: str, digest: Any) -> Any:
+        await ready.wait()
+        return await real_claim(rid, digest)
+
+    claims.claim = claim_once_ready  # `held`'s try is under way already: it is not held up
     await bucket.sub.unsubscribe()
     kv = await idempotency_kv(js, s, ttl_s=claim_ttl(a))
     other = IdempotencyRecord(digest="0" * 32, accepted_s=time.time())
     await kv.create(kv_key("late-2"), to_json(other))
+    ready.set()
     await bucket.refuse(held, JS_UNAVAILABLE, code=503)
     await wait_until(lambda: a.counters["idempotency_split"] == 1, "late-2 found split")
     assert a.counters["idempotency_shared_late"] == 1 and not a._unshared
