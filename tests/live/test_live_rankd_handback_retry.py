@@ -15,12 +15,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import nats
 import pytest
 import structlog.testing
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+import shared.natsclient as natsclient
 from services.rankd.backend import SimBackend
 from services.rankd.core import (
     HANDED_BACK_CODE,
@@ -264,7 +264,8 @@ async def test_hand_backs_beyond_the_reconnect_buffer_land_after_a_server_restar
     server = EmbeddedNats(store_dir=store).start()
     port = int(server.url.rsplit(":", 1)[1])
     try:
-        nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+        nc = await natsclient.connect(server.url, max_reconnect_attempts=-1,
+                                      reconnect_time_wait=0.1)
         s = Subjects(uniq)
         await ensure_intake_stream(nc.jetstream(), s)
         svc, task = await start_rankd(server.url, uniq, redirect_timeout_s=WAIT_S / 2)

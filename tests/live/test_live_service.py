@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydantic import BaseModel, ConfigDict
 from service_support import service_running
 
+import shared.natsclient as natsclient
 from shared.ids import InvalidInput, UnknownWorker, VertumnusError
 from shared.natsserver import EmbeddedNats
 from shared.service import (
@@ -470,7 +471,7 @@ async def test_a_server_restart_is_survived_and_logged_as_warnings(uniq: str) ->
         async with service_running(svc, timeout_s=15):
             with capture_logs() as logs:
                 again = await crash_and_restart(server, port)
-                client = await __import__("nats").connect(again.url)
+                client = await natsclient.connect(again.url)
                 try:
                     await until_served(client, f"{uniq}.toy.add", timeout_s=30)
                     assert (await call(client, f"{uniq}.toy.add", Add(a=2, b=3), Sum)).total == 5
@@ -543,16 +544,13 @@ async def test_kv_watch_is_made_again_after_a_server_restart(uniq: str) -> None:
     """KvWatch: after nats-server is killed and started again (same port, same store), the
     watch is made again once the client reconnected -- it replays the key's current value and
     the end-of-initial-values marker, then delivers what is written after the restart."""
-
-    import nats
-
     from shared.service import KvWatch, epoch_kv
     from shared.subjects import Subjects
 
     server = EmbeddedNats().start()
     port = int(server.url.rsplit(":", 1)[1])
     again: EmbeddedNats | None = None
-    nc = await nats.connect(server.url, reconnect_time_wait=0.2)
+    nc = await natsclient.connect(server.url, reconnect_time_wait=0.2)
     got: list[bytes | None] = []
     # What each watch delivered, by watch (``remade`` when the entry came): what the old
     # watch still had queued at the loss may come before the remake (a repeat of "1" or of

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from service_support import ServiceTasks
 
+import shared.natsclient as natsclient
 from services.scheduler.service import SchedulerService
 from shared.schemas import EpochRecord, FirstToken, SchemaError, decode
 from shared.service import epoch_kv, until_served
@@ -414,7 +414,7 @@ def geometry_violations(results: Sequence[FirstToken], records: dict[int, EpochR
 
 async def connect(stack: LiveStack) -> Client:
     assert stack.nats is not None
-    return await nats.connect(stack.nats.url, connect_timeout=5)
+    return await natsclient.connect(stack.nats.url, connect_timeout=5)
 
 
 # -- a test acting as the controller ---------------------------------------------------------
@@ -623,7 +623,7 @@ class InProcess(ServiceTasks):
 
     async def until_served(self, subject: str) -> None:
         """Wait until ``subject`` has a responder (see :func:`shared.service.until_served`)."""
-        nc = await nats.connect(self.url, connect_timeout=5)
+        nc = await natsclient.connect(self.url, connect_timeout=5)
         try:
             await until_served(nc, subject, timeout_s=WAIT_S)
         finally:

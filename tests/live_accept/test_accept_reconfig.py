@@ -44,6 +44,7 @@ from live_accept_support import (
     wait_until,
 )
 
+import shared.natsclient as natsclient
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
@@ -202,7 +203,7 @@ async def test_second_redirect_under_one_epoch_is_not_dropped(nats_server: Embed
     had ``x-1`` queued, adopts the drain record of the same epoch and redirects it too."""
     live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
     s = live.subjects
-    nc = await nats.connect(nats_server.url, connect_timeout=5)
+    nc = await natsclient.connect(nats_server.url, connect_timeout=5)
     try:
         js = nc.jetstream()
         await ensure_intake_stream(js, s)
@@ -272,7 +273,7 @@ async def stop_while_redirecting(nats_server: EmbeddedNats) -> tuple[int, int]:
     """One attempt: (requests redirected to intake, requests that were queued)."""
     live = InProcess(nats_server.url, "t" + os.urandom(5).hex())
     s = live.subjects
-    nc = await nats.connect(nats_server.url, connect_timeout=5)
+    nc = await natsclient.connect(nats_server.url, connect_timeout=5)
     try:
         js = nc.jetstream()
         await ensure_intake_stream(js, s)

@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 
+import shared.natsclient as natsclient
 from shared.natsserver import EmbeddedNats
 from shared.schemas import SchemaError
 from shared.service import (
@@ -39,7 +40,7 @@ async def client(small_server: EmbeddedNats) -> AsyncIterator[Client]:
     async def on_error(exc: Exception) -> None:
         errors.append(exc)
 
-    nc = await nats.connect(small_server.url, allow_reconnect=False, error_cb=on_error)
+    nc = await natsclient.connect(small_server.url, allow_reconnect=False, error_cb=on_error)
     assert nc.max_payload == LIMIT
     try:
         yield nc

@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 from service_support import service_running
 
+import shared.natsclient as natsclient
 from shared.natsserver import EmbeddedNats
 from shared.schemas import SchemaError
 from shared.service import (
@@ -74,7 +74,7 @@ async def client(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
     async def on_error(exc: Exception) -> None:
         errors.append(exc)
 
-    nc = await nats.connect(nats_server.url, connect_timeout=5, allow_reconnect=False,
+    nc = await natsclient.connect(nats_server.url, connect_timeout=5, allow_reconnect=False,
                             error_cb=on_error)
     try:
         yield nc

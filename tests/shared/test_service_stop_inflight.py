@@ -19,6 +19,7 @@ import pytest
 from nats.aio.client import Client
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 
+import shared.natsclient as natsclient
 from shared.natsserver import EmbeddedNats
 from shared.service import STOPPING_CODE, STOPPING_DESCRIPTION, Endpoint, MicroService
 from shared.settings import ServiceSettings
@@ -69,7 +70,7 @@ async def send(nc: Client, subject: str, body: bytes) -> nats.aio.subscription.S
 
 @pytest.fixture
 async def client(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
-    nc = await nats.connect(nats_server.url, connect_timeout=5)
+    nc = await natsclient.connect(nats_server.url, connect_timeout=5)
     try:
         yield nc
     finally:
