@@ -559,6 +559,27 @@ def is_delete(msg: Msg, revision: int) -> bool:
         h.get("Nats-Expected-Last-Subject-Sequence") == str(revision)
 
 
+async def test_a_claim_answered_after_five_seconds_is_decided_within_a_longer_publish_bound(
+    live: Services, nc: Client, uniq: str
+) -> None:
+    """``publish_timeout_s`` bounds a claim (8 s here): a bucket that answers after 5.5 s --
+    past nats-py's default JetStream request timeout, 5 s -- decides it. Before, the claim's
+    request gave up at 5 s whatever the setting, and the request failed open
+    (``idempotency_store_failed``)."""
+    s = Subjects(uniq)
+    js = nc.jetstream()
+    a = await live.gateway(publish_timeout_s=8.0, result_timeout_s=0.5)
+    await js.delete_key_value(s.idempotency_bucket())
+    bucket = await PlayedBucket(nc, s).start()
+    r = asyncio.create_task(complete(a, {**BODY, "request_id": "slow-1"}))
+    write = await bucket.next()
+    await asyncio.sleep(5.5)  # the bucket is slow: past nats-py's 5 s, within the 8 s bound
+    await bucket.answer(write, 1)
+    assert (await r).status == 504  # claimed, published; no scheduler here
+    assert a.counters["idempotency_store_failed"] == 0
+    assert a.stats_data()["idempotency_keys"] == 1
+
+
 async def test_a_refused_request_leaves_the_claim_to_those_still_holding_it(
     live: Services, nc: Client, uniq: str
 ) -> None:
