@@ -6,8 +6,11 @@ after a switch (kept, revived or fresh cache)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +93,27 @@ def test_a_rank_failure_outside_the_input_checks_breaks_the_world() -> None:
         assert w.broken is not None and w.broken.startswith("rank 0 failed")
         with pytest.raises(WorldBroken):
             w.info()  # broken for good
+
+
+def test_a_stopped_rank_ends_without_the_interpreters_teardown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank told to stop ends once it stopped in order, not after the interpreter's
+    teardown of torch, which took seconds on a loaded machine while close() waited for it:
+    ``vertumnus up``'s rank daemon then overran its stop deadline (exit status 70). Here the
+    teardown is made to last a minute (an exit handler each rank's interpreter installs at
+    its start, from a sitecustomize): close() waits 10 s for a rank and then kills it, so
+    before, every rank ended killed; now each exits by itself, status 0."""
+    # The spawn start method's resource tracker is a process of its own, started with the
+    # first rank; started here first, it does not get the slow exit (it ends with pytest).
+    resource_tracker.ensure_running()
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, time\natexit.register(time.sleep, 60)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    w = TorchWorld(WorldSpec(world_size=2, degrees=(1,), model_config=CFG, block_size=B))
+    with w:
+        assert w.prefill([0], [1, 2, 3])[0].token >= 0
+    assert [p.exitcode for p in w._procs] == [0, 0]
 
 
 def test_a_cp_collective_gives_up_after_the_collective_timeout() -> None:
