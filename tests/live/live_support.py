@@ -21,7 +21,13 @@ async def until_a_round_trip_waits(nc: Client, timeout_s: float) -> None:
 
 
 async def until_started(host: RankdHost, timeout_s: float) -> None:
-    """Return once ``host`` has its worker services, all of them started."""
+    """Return once ``host`` has its worker services, all of them started, and has itself
+    started: it follows the epoch record (its ``rankd-host-epochs`` task runs). Its workers
+    start before that; until then its run still makes its round trips of the start (the epoch
+    record's watch, set up after the workers), and a test that took the server away in that
+    window met a start's request timing out (``nats: timeout`` out of ``run``), not the stop
+    it meant to test."""
     async with asyncio.timeout(timeout_s):
-        while not (host.services and all(s.started.is_set() for s in host.services.values())):
+        while not (host.services and all(s.started.is_set() for s in host.services.values())
+                   and any(t.get_name() == "rankd-host-epochs" for t in asyncio.all_tasks())):
             await asyncio.sleep(0.05)

@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from shared.schemas import EpochAck, EpochRecord, SchemaError, WindowReport, decode, encode
 from shared.service import epoch_kv
 from shared.subjects import Subjects
+from shared.tasks import cancel_and_wait
 
 
 async def eventually(
@@ -116,11 +117,9 @@ class FakeRanks:
                 await self.nc.publish(self.subjects.epoch_ack(gpu), data, headers=headers)
 
     async def stop(self) -> None:
-        for task in (self._task, self._late):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        # cancel_and_wait, not cancel-then-await: a cancel a nats-py call drops (shared/tasks.py)
+        # would leave the await waiting for ever.
+        await cancel_and_wait([t for t in (self._task, self._late) if t is not None])
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()
@@ -187,9 +186,7 @@ class FakeScheduler:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+            await cancel_and_wait([self._task])  # as FakeRanks.stop
 
 
 async def request(nc: Client, subject: str, body: bytes = b"", *, attempts: int = 5) -> Any:

@@ -40,6 +40,7 @@ from shared.schemas import (
 )
 from shared.service import RemoteError, call, epoch_kv, worker_state_kv
 from shared.subjects import Subjects
+from shared.tasks import cancel_and_wait
 from shared.worker import Lifecycle
 
 H = 0.2
@@ -417,7 +418,7 @@ async def test_lease_loss_fails_a_worker_and_its_heartbeat_readmits_it(
         assert comp["epoch"] == ranks.records[3].epoch
         assert ctl.counters["recovered"] == 1
     finally:
-        beat.cancel()
+        await cancel_and_wait([beat])  # not beat.cancel(): a cancel a put drops (shared/tasks.py)
         await ranks.stop()
 
 

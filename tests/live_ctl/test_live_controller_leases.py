@@ -30,6 +30,7 @@ from services.controller.service import ControllerService, composition_subject, 
 from shared.schemas import EpochRecord, EpochWorker, WorkerState, to_json
 from shared.service import epoch_kv, worker_state_kv
 from shared.subjects import Subjects
+from shared.tasks import cancel_and_wait
 from shared.worker import Lifecycle, WorkerKind
 
 GROUPS: dict[str, list[int]] = {
@@ -60,9 +61,10 @@ async def heartbeats(
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        # Not cancel-then-await: a cancel landing as a put's answer arrives is dropped inside
+        # nats-py's wait_for (Python 3.11, shared/tasks.py), the loop beats on, and the await
+        # waited for ever (the test hung until pytest-timeout ended the whole run).
+        await cancel_and_wait([task])
 
 
 def lifecycles(rec: EpochRecord) -> dict[str, str]:

@@ -95,6 +95,14 @@ async def test_a_split_is_one_trace_with_its_phases_in_order(
         try:
             await sched.start()
             drain = await drains.first(what="a drain notice")
+
+            # The result comes once the source stopped admitting (its ack of the drain record),
+            # so that the drain waits on r-running. Sent at the drain notice, it raced that ack
+            # and could come first: then nothing was left in flight to wait on.
+            async def confirmed() -> bool:
+                return any(e["event"] == "drain source stopped admitting" for e in logs)
+
+            await eventually(confirmed, what="the source stopped admitting")
             # The in-flight request's result carries the request's trace context (W3C
             # headers): the drain links to the request it waited on.
             data, headers = encode(FirstToken(

@@ -400,6 +400,9 @@ async def test_re_sent_messages_after_a_store_loss_share_one_listing_of_the_work
     await wait_until(lambda: st.republished_held + st.republished_placed == 6,
                      "every re-sent message decided")
     assert st.republished_held == 1 and st.republished_placed == 5
+    # A message is counted as placed when decided, before its assignment reaches a worker.
+    await wait_until(lambda: len(a.assignments) + len(b.assignments) >= 6,
+                     "the placed ones dispatched")
     placed = [r.request.request_id for w in (a, b) for r in w.assignments]
     assert sorted(placed) == sorted(["held-1", *(f"resent-{i}" for i in range(5))])  # once each
     assert st.republished_listings == 1 and a.queue_queries == b.queue_queries == 1
@@ -434,6 +437,8 @@ async def test_a_re_sent_later_attempt_is_placed_though_a_worker_holds_an_earlie
     await wait_until(lambda: st.republished_held + st.republished_placed == 2,
                      "both re-sent messages decided")
     assert (st.republished_placed, st.republished_held) == (1, 1)
+    # The later attempt is counted as placed when decided, before its assignment reaches w.
+    await wait_until(lambda: len(w.assignments) >= 2, "the later attempt dispatched")
     assert [a.request.arrival_s for a in w.assignments] == [first.arrival_s, later.arrival_s]
 
 
