@@ -46,28 +46,26 @@ def sub_then_ping(writes: list[bytes]) -> list[str]:
             if c.startswith((b"SUB ", b"PING"))]
 
 
-async def test_a_flush_writes_its_ping_after_the_subscription_made_before_it(
-        nats_server: EmbeddedNats) -> None:
-    nc = await connect(nats_server.url)
+async def order_on_the_wire(nc: nats.aio.client.Client) -> list[str]:
+    """The SUB of a subscription and the PING of the flush after it, in the order ``nc``
+    wrote them to its socket; ``nc`` is closed after."""
     try:
         writes = record_writes(nc)
         await nc.subscribe("order.check")
         await nc.flush(timeout=WAIT_S)
-        assert sub_then_ping(writes) == ["SUB", "PING"], writes
+        return sub_then_ping(writes)
     finally:
         await nc.close()
+
+
+async def test_a_flush_writes_its_ping_after_the_subscription_made_before_it(
+        nats_server: EmbeddedNats) -> None:
+    assert await order_on_the_wire(await connect(nats_server.url)) == ["SUB", "PING"]
 
 
 async def test_the_plain_client_writes_a_flushs_ping_ahead_of_the_queued_subscription(
         nats_server: EmbeddedNats) -> None:
-    nc = await nats.connect(nats_server.url)
-    try:
-        writes = record_writes(nc)
-        await nc.subscribe("order.check")
-        await nc.flush(timeout=WAIT_S)
-        assert sub_then_ping(writes) == ["PING", "SUB"], writes
-    finally:
-        await nc.close()
+    assert await order_on_the_wire(await nats.connect(nats_server.url)) == ["PING", "SUB"]
 
 
 async def test_after_subscribe_and_flush_every_request_of_another_connection_is_answered(
