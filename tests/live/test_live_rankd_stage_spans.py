@@ -11,6 +11,7 @@ import time
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from rankd_support import stage_spans
@@ -160,6 +161,20 @@ async def test_a_request_without_a_switch_or_hold_has_no_such_spans(
     assert not {"cache_pull_wait", "epoch_switch"} & set(got)
 
 
+async def held_for_a_pull(nc: Client, svc: RankdService, s: Subjects, rid: str,
+                          tid: str) -> Subscription:
+    """Assign ``rid`` (trace ``tid``) priced with a route-time pull whose hold is capped far
+    off, so it waits for the copy; return the subscription to its result once the worker
+    holds it at the head of its FIFO."""
+    sub = await nc.subscribe(s.result(rid))
+    held = assignment(rid, tid, pull_copy_s=60.0)
+    await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
+    async with asyncio.timeout(WAIT_S):
+        while svc._holding is None:
+            await asyncio.sleep(0.01)
+    return sub
+
+
 async def test_a_pull_hold_is_on_the_queue_wait_and_linked_to_the_copy(
     nats_server: EmbeddedNats, nc: Client, uniq: str, spans: InMemorySpanExporter
 ) -> None:
@@ -172,12 +187,7 @@ async def test_a_pull_hold_is_on_the_queue_wait_and_linked_to_the_copy(
     tid = root_trace(0x53)
     svc = service(nats_server.url, uniq, SimBackend())
     async with service_running(svc, timeout_s=WAIT_S):
-        sub = await nc.subscribe(s.result("held-1"))
-        held = assignment("held-1", tid, pull_copy_s=60.0)  # capped: waits for the copy
-        await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
-        async with asyncio.timeout(WAIT_S):  # held at the head of the FIFO
-            while svc._holding is None:
-                await asyncio.sleep(0.01)
+        sub = await held_for_a_pull(nc, svc, s, "held-1", tid)
         rep = ReplicateCommand(command_id="c-1", worker_id=WID, epoch=0, blocks=[1],
                                source_worker="w-cp2-g0")
         with tracer().start_as_current_span("cachemgr-side") as sender:
@@ -263,12 +273,7 @@ async def test_a_reconcile_copy_during_the_hold_is_linked_both_ways(
     tid = root_trace(0x56)
     svc = service(nats_server.url, uniq, SimBackend())
     async with service_running(svc, timeout_s=WAIT_S):
-        sub = await nc.subscribe(s.result("held-rc"))
-        held = assignment("held-rc", tid, pull_copy_s=60.0)  # capped: waits for the copy
-        await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
-        async with asyncio.timeout(WAIT_S):  # held at the head of the FIFO
-            while svc._holding is None:
-                await asyncio.sleep(0.01)
+        sub = await held_for_a_pull(nc, svc, s, "held-rc", tid)
         rc = ReconcileCommand(command_id="rc-1", worker_id=WID, epoch=0, blocks=[1],
                               source_worker="w-cp2-g0")
         done = await call(nc, s.cache_cmd(WID), rc, CacheCommandResult, timeout_s=WAIT_S)
