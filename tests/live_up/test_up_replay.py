@@ -105,8 +105,11 @@ async def test_an_interrupted_replay_reports_what_finished(tmp_path: Path) -> No
                  "--duration", "3000", "--time-scale", "0.05", "--json", str(out),
                  "--no-progress"),
             cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        async with asyncio.timeout(120):  # replaying: results come back
-            while stack.observer.results < 3:
+        # Replaying: results come back. The observer counts them on the bus, before the
+        # gateway's answers reach the replay (a Ctrl-C right after the third found the
+        # replay with two once); ten on the bus leave the replay at least one.
+        async with asyncio.timeout(120):
+            while stack.observer.results < 10:
                 assert proc.returncode is None
                 await asyncio.sleep(0.1)
         proc.send_signal(signal.SIGINT)
@@ -119,7 +122,7 @@ async def test_an_interrupted_replay_reports_what_finished(tmp_path: Path) -> No
     data = json.loads(out.read_text())
     assert data["interrupted"] is True
     # What finished before the Ctrl-C, of the ~6,000 the 3,000 s would have sent.
-    assert 3 <= data["completed"] <= data["requests"] < 1000, data
+    assert 1 <= data["completed"] <= data["requests"] < 1000, data
 
 
 async def test_a_replay_in_which_no_request_completed_exits_1(
