@@ -152,6 +152,18 @@ def _leaf_chains(pairs: Sequence[tuple[int, int | None]]) -> list[list[int]]:
 # --- KV hand-off -------------------------------------------------------------------------------
 
 
+def _timed_decode(model: Any, kv: Any, token: int) -> tuple[Any, float]:
+    """``decode_step(model, kv, token)`` and its seconds, with ``kv`` moved to the model's
+    device first and outside the timing: that copy (host to GPU when the decode role runs on
+    one) is part of the KV's transfer, the step alone is the first decode's compute."""
+    from services.rankd.engine.decode import decode_step, kv_to_device
+
+    kv = kv_to_device(kv, model.device)
+    t0 = time.perf_counter()
+    out = decode_step(model, kv, token)  # ends in .item(): the device's work is included
+    return out, time.perf_counter() - t0
+
+
 @dataclass(frozen=True)
 class HandoffResult:
     """What the decode role answered for one request."""
@@ -166,7 +178,10 @@ class HandoffResult:
 
 class KVDecodeRole:
     """The decode role: reassembles KV chunks from ``{prefix}.kv.*``, runs the first decode
-    iteration (``decode_step``) on its own copy of the model and replies with the token.
+    iteration (``decode_step``) on its own copy of the model and replies with the token. The
+    model's device is the role's (:attr:`TorchPool.decode_device`); the received KV (CPU
+    tensors) is moved there before the step, and that copy counts as KV transfer, not as
+    ``decode_s``.
 
     Reply (JSON to the completing chunk's reply subject): ``{"request_id", "token",
     "decode_s", "prefill_token"}`` or ``{"request_id", "error"}``.
@@ -208,9 +223,11 @@ class KVDecodeRole:
                     await sub.unsubscribe()
         self._sub = self._direct_sub = None
 
-    async def _on_chunk(self, msg: Any) -> None:
-        from services.rankd.engine.decode import decode_step
+    def _decode(self, kv: Any, token: int) -> tuple[Any, float]:
+        """(decode_step's result, its seconds), the KV moved to the model's device first."""
+        return _timed_decode(self.model, kv, token)
 
+    async def _on_chunk(self, msg: Any) -> None:
         rid = "?"
         try:
             async with self._lock:
@@ -222,13 +239,12 @@ class KVDecodeRole:
                     await msg.respond(json.dumps({"claim": self._direct}).encode())
                 return
             rid, kv, meta = done
-            t0 = time.perf_counter()
-            out = await asyncio.to_thread(decode_step, self.model, kv, int(meta["token"]))
+            out, decode_s = await asyncio.to_thread(self._decode, kv, int(meta["token"]))
             reply: dict[str, Any] = {
                 "request_id": rid,
                 "token": out.next_token,
                 "prefill_token": int(meta["token"]),
-                "decode_s": time.perf_counter() - t0,
+                "decode_s": decode_s,
             }
             self.served += 1
         except Exception as exc:  # malformed chunks or KV: answer, never kill the role
@@ -332,7 +348,7 @@ class LocalKVHandoff:
         self.model = model
 
     def _run(self, request_id: str, blob: bytes) -> HandoffResult:
-        from services.rankd.engine.decode import ChunkedBytesTransport, decode_step, encode_chunks
+        from services.rankd.engine.decode import ChunkedBytesTransport, encode_chunks
 
         t0 = time.perf_counter()
         transport = ChunkedBytesTransport()
@@ -340,13 +356,11 @@ class LocalKVHandoff:
         for c in chunks:
             transport.deliver(c)
         kv, meta = transport.recv(request_id, timeout=0)
-        t1 = time.perf_counter()
-        out = decode_step(self.model, kv, int(meta["token"]))
-        t2 = time.perf_counter()
+        out, decode_s = _timed_decode(self.model, kv, int(meta["token"]))
         return HandoffResult(
             out.next_token,
-            t2 - t1,
-            t1 - t0,
+            decode_s,
+            time.perf_counter() - t0 - decode_s,
             len(chunks),
             max(len(c) for c in chunks),
             "in-process",
@@ -773,7 +787,9 @@ class TorchBackend:
 # --- wiring into rankd -------------------------------------------------------------------------
 
 
-def _decode_model(ts: TorchSettings) -> Any:
+def _decode_model(ts: TorchSettings, device: str = "cpu") -> Any:
+    """The decode role's own copy of the model (the ranks' weights: same path, or same seeded
+    random weights) on ``device`` (:attr:`TorchPool.decode_device`, checked by then)."""
     import torch
 
     from services.rankd.engine.checkpoint import load_model
@@ -782,8 +798,10 @@ def _decode_model(ts: TorchSettings) -> Any:
 
     dtype = getattr(torch, ts.dtype)
     if ts.model_path is not None:
-        return load_model(ts.model_path, dtype=dtype)
-    return Qwen3ForCausalLM.random(Qwen3Config.from_dict(ts.model_dict()), ts.seed, dtype)
+        return load_model(ts.model_path, dtype=dtype, device=device)
+    # Built on the CPU and moved, as a rank builds its copy (torch_world._build_model).
+    model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(ts.model_dict()), ts.seed, dtype)
+    return model.to(device)
 
 
 def initial_degrees(gpus: range, initial_workers: Sequence[str]) -> list[int]:
@@ -819,6 +837,10 @@ class TorchPool:
     _decode_nc: Any = None
     connect_options: dict[str, Any] = field(default_factory=dict)
     """Credentials and TLS of the pool's own NATS connections (hand-off, decode role)."""
+    decode_device: str = "cpu"
+    """Where the embedded decode role (or the local hand-off's decode) puts its model and the
+    KV it receives: ``cuda:{first GPU of the range}`` when ``settings.device`` is cuda, else
+    cpu (:func:`~services.rankd.engine.device.decode_device`; :meth:`start` sets it)."""
 
     @classmethod
     def start(
@@ -833,11 +855,17 @@ class TorchPool:
     ) -> TorchPool:
         """Spawn the world over ``gpus`` (blocking; ranks not covered by ``initial_workers``
         start at degree 1). Raises :class:`~shared.ids.InvalidInput` before spawning anything
-        when an initial worker's GPUs are not all in ``gpus`` (:func:`initial_degrees`)."""
+        when an initial worker's GPUs are not all in ``gpus`` (:func:`initial_degrees`), or
+        when ``settings.device`` is no device the ranks and the decode role can run on here
+        (the message names ``VTM_TORCH_DEVICE``: not cpu / cuda, cuda without CUDA or
+        without every GPU of ``gpus``), rather than failing later inside torch."""
+        from services.rankd.engine.device import decode_device
+
         ts = settings or TorchSettings()
         n = len(gpus)
         degs = tuple(d for d in (int(x) for x in ts.degrees.split(",") if x.strip()) if n % d == 0)
         initial = initial_degrees(gpus, initial_workers)
+        decode_on = str(decode_device(ts.device, gpus))
         spec = WorldSpec(
             world_size=n,
             degrees=tuple(sorted(set(degs) | {1})),
@@ -852,16 +880,18 @@ class TorchPool:
             device=ts.device,
             threads=ts.threads,
         )
-        world = TorchWorld(spec).start()
         subj = subjects or Subjects()
         handoff: KVHandoff | None
         if ts.handoff == "local":
-            handoff = LocalKVHandoff(_decode_model(ts))
+            # Built before the world is spawned: a model that cannot be built (a bad path, a
+            # device out of memory) then raises with no rank process left running.
+            handoff = LocalKVHandoff(_decode_model(ts, decode_on))
         else:
             handoff = NatsKVHandoff(None, subj, servers=servers, timeout_s=ts.decode_timeout_s,
                                     connect_options=connect_options)
+        world = TorchWorld(spec).start()
         return cls(world, subj, ts, list(servers), handoff,
-                   connect_options=dict(connect_options or {}))
+                   connect_options=dict(connect_options or {}), decode_device=decode_on)
 
     async def start_decode_role(self, nc: Any | None = None) -> KVDecodeRole:
         """Start the embedded decode role (own connection unless ``nc`` is given). On failure
@@ -876,7 +906,7 @@ class TorchPool:
                                **self.connect_options, **nats_callbacks(_log))
         role = None
         try:
-            model = await asyncio.to_thread(_decode_model, self.settings)
+            model = await asyncio.to_thread(_decode_model, self.settings, self.decode_device)
             role = KVDecodeRole(model, self.subjects)
             await role.start(nc)
         except BaseException:

@@ -1,7 +1,7 @@
 """The GPU check script (services/rankd/engine/cuda_check.py) is ready for a machine with a
 GPU: it imports and runs here; without CUDA it fails (exit 2) with a clear message instead of
-reading as a pass, and ``--cpu-dry-run`` exercises its zigzag, model and page-pool checks on
-CPU."""
+reading as a pass, and ``--cpu-dry-run`` exercises its zigzag, model, page-pool and
+decode-role checks on CPU."""
 
 from __future__ import annotations
 
@@ -42,3 +42,4 @@ def test_cpu_dry_run_runs_the_checks() -> None:
     assert "[ok] sdpa_mask zigzag chunks" in proc.stdout
     assert "[ok] C=1 model prefill" in proc.stdout and "R=    32" in proc.stdout
     assert "[ok] page pool on cpu" in proc.stdout
+    assert "[ok] decode role on cpu" in proc.stdout

@@ -65,6 +65,76 @@ def test_initial_workers_in_range_set_their_ranks_degrees(spawned: list[Any]) ->
     assert spec.initial_degrees == (1, 1, 2, 2) and spec.gpu_offset == 4
 
 
+# -- the device (VTM_TORCH_DEVICE) of the ranks and the decode role ------------------------------
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``torch.cuda`` answering as a machine with ``cuda[0]`` GPUs (0: no CUDA at all)."""
+    import torch
+
+    count = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count[0] > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count[0])
+    return count
+
+
+@pytest.mark.parametrize(("device", "gpus", "present", "needles"), [
+    ("cuda", range(0, 1), 0, ["VTM_TORCH_DEVICE is cuda", "no CUDA device"]),
+    ("cuda", range(2, 4), 2, ["VTM_TORCH_DEVICE is cuda", "GPUs 2-3", "device_count() is 2"]),
+    ("tpu", range(0, 1), 0, ["VTM_TORCH_DEVICE must be 'cpu' or 'cuda'", "'tpu'"]),
+    ("gpu", range(0, 2), 2, ["VTM_TORCH_DEVICE must be 'cpu' or 'cuda'", "'gpu'"]),
+])
+@pytest.mark.parametrize("handoff", ["nats", "local"])
+def test_a_bad_device_is_refused_at_start_naming_the_setting(
+        spawned: list[Any], cuda: list[int], monkeypatch: pytest.MonkeyPatch, device: str,
+        gpus: range, present: int, needles: list[str], handoff: str) -> None:
+    """Before, ``cuda`` on a machine without it started the world (whose ranks then failed in
+    ``torch.cuda.set_device``) and the decode role's model on the CPU; an unknown value was
+    refused without naming the variable."""
+    built: list[Any] = []
+    monkeypatch.setattr(torch_backend, "_decode_model", lambda *a: built.append(a))
+    cuda[0] = present
+    with pytest.raises(InvalidInput) as info:
+        TorchPool.start(gpus, settings=TorchSettings(device=device, handoff=handoff))
+    assert all(n in str(info.value) for n in needles), str(info.value)
+    assert spawned == [] and built == []  # nothing spawned, no decode model built
+
+
+@pytest.mark.parametrize(("device", "gpus", "present", "where"), [
+    ("cuda", range(2, 4), 4, "cuda:2"),  # the range's first GPU (its global rank 0's)
+    ("cuda", range(0, 1), 1, "cuda:0"),
+    ("cpu", range(2, 4), 0, "cpu"),       # cpu needs no CUDA
+])
+def test_the_decode_model_goes_on_the_configured_device(
+        spawned: list[Any], cuda: list[int], monkeypatch: pytest.MonkeyPatch, device: str,
+        gpus: range, present: int, where: str) -> None:
+    built: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(torch_backend, "_decode_model", lambda *a: built.append(a) or "model")
+    cuda[0] = present
+    local = TorchPool.start(gpus, settings=TorchSettings(device=device, handoff="local"))
+    assert local.decode_device == where and spawned[-1].device == device
+    assert [a[1:] for a in built] == [(where,)]  # the local hand-off's decode model
+    assert isinstance(local.handoff, torch_backend.LocalKVHandoff)
+    assert local.handoff.model == "model"
+    nats = TorchPool.start(gpus, settings=TorchSettings(device=device, handoff="nats"))
+    assert nats.decode_device == where  # where start_decode_role builds the role's model
+
+
+def test_a_local_decode_model_that_cannot_be_built_leaves_no_world(
+        spawned: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local hand-off's model is built before the world is spawned: before, a model that
+    failed to build (a bad path, a device out of memory) left the world's rank processes
+    running with no pool to close them."""
+    def fail(*_a: Any) -> Any:
+        raise FileNotFoundError("no checkpoint at /nowhere")
+
+    monkeypatch.setattr(torch_backend, "_decode_model", fail)
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        TorchPool.start(range(0, 2), settings=TorchSettings(handoff="local"))
+    assert spawned == []
+
+
 # -- the embedded decode role of a single worker ------------------------------------------------
 
 
@@ -156,7 +226,8 @@ def test_start_decode_role_leaves_no_connection_behind_when_it_fails(monkeypatch
 
     models = iter([RuntimeError("model load failed"), "model"])
 
-    def decode_model(_ts: Any) -> Any:
+    def decode_model(_ts: Any, device: str) -> Any:
+        assert device == pool.decode_device == "cpu"
         m = next(models)
         if isinstance(m, Exception):
             raise m

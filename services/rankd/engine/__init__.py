@@ -6,5 +6,6 @@ Modules are named after what they are: ``config`` (HF Qwen3 config), ``model`` (
 single-process reference forward), ``checkpoint`` (HF-format directory IO), ``zigzag`` (the
 partition), ``attention`` (masked / varlen attention kernels), ``groups`` (lattice process
 groups), ``cp_prefill`` (the CP forward), ``kvcache`` (prefix cache), ``decode`` (decode role
-and KV transport). Chained block hashes, shared with the gateway, are ``shared.blockhash``.
+and KV transport), ``device`` (the ``VTM_TORCH_DEVICE`` check, the decode role's device).
+Chained block hashes, shared with the gateway, are ``shared.blockhash``.
 """

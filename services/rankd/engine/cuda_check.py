@@ -14,10 +14,14 @@
    merged worker's cache installs a retired cache's pages in place (shared slots), another
    installs pages exported to the CPU (copied back), a full pool reclaims the retired cache,
    and every lookup reads back exactly the KV stored.
+6. The decode role on the device (``VTM_TORCH_DEVICE=cuda``): ``device.decode_device`` picks
+   the range's first GPU; KV prefilled there, sent through the hand-off's bytes (CPU tensors
+   on arrival, as the role receives them), is moved back (``decode.kv_to_device``) and the
+   decode step gives the same token and logits as over the KV that never left the device.
 
 Exits 0 when every check passed, 1 if a check failed, 2 (``NO_DEVICE``, message on stderr)
 when there is no CUDA device and ``--cpu-dry-run`` was not given: nothing checked is not a pass.
-``--cpu-dry-run`` runs checks 3-5 with the SDPA-mask kernel on CPU (exercises this script).
+``--cpu-dry-run`` runs checks 3-6 with the SDPA-mask kernel on CPU (exercises this script).
 """
 
 from __future__ import annotations
@@ -302,6 +306,32 @@ def check_page_pool(dev: torch.device, dtype: torch.dtype, report: Callable[...,
            f"{full}")
 
 
+def check_decode(dev: torch.device, dtype: torch.dtype, report: Callable[..., None]) -> None:
+    """Check 6 (module docstring): the decode role's device and the KV moved onto it."""
+    from services.rankd.engine.decode import decode_step, kv_from_bytes, kv_to_bytes
+    from services.rankd.engine.device import decode_device
+
+    where = decode_device(dev.type, range(0, 1))
+    cfg = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=512)
+    model = Qwen3ForCausalLM.random(cfg, seed=6, dtype=dtype).to(where)
+    ids = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(6))
+    pre = cp_prefill(model, local_group(), ids, backend=Backend.SDPA_MASK)
+    kv, meta = kv_from_bytes(kv_to_bytes(pre.full_kv(), {"token": pre.next_token}))
+    arrived = {t.device.type for layer in kv for t in layer}
+    handed = decode_step(model, kv, int(meta["token"]))
+    stayed = decode_step(model, pre.full_kv(), pre.next_token)
+    on_device = all(t.device == where for layer in handed.kv for t in layer)
+    err = _rel(handed.logits, stayed.logits)
+    report(f"decode role on {where} {dtype}",
+           arrived == {"cpu"} and on_device and handed.next_token == stayed.next_token
+           and err <= 1e-3,  # the same values either way: equal but for kernel choice
+           f"KV arrived on {sorted(arrived)}, decoded KV on the device {on_device}, token "
+           f"{handed.next_token} vs {stayed.next_token} without the hand-off, logits rel err "
+           f"{err:.2e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="check the CUDA attention path of the engine")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -332,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         check_zigzag(Backend.SDPA_MASK, dev, dtype, report)
         check_model([], dev, dtype, [min(args.lengths)], report)
         check_page_pool(dev, dtype, report)
+        check_decode(dev, dtype, report)
         return 1 if failures else 0
 
     dev = torch.device("cuda")
@@ -366,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
         check_page_pool(dev, torch.bfloat16, report)
     except Exception as exc:
         report("page pool on cuda", False, repr(exc))
+    try:
+        check_decode(dev, torch.bfloat16, report)
+    except Exception as exc:
+        report("decode role on cuda", False, repr(exc))
     print(f"# {'all checks passed' if not failures else 'FAILED: ' + ', '.join(failures)}")
     return 1 if failures else 0
 

@@ -2,7 +2,9 @@
 
 :func:`decode_step` runs one token through the model over the full KV of the sequence
 (prefix + new, as assembled by :meth:`PrefillResult.full_kv`) and returns the next greedy token
-and the KV grown by one row.
+and the KV grown by one row. The KV may arrive on any device (the hand-off's bytes decode to
+CPU tensors): :func:`kv_to_device` moves it to the model's, where the decode role put it
+(``device.decode_device``: the configured ``VTM_TORCH_DEVICE``).
 
 :class:`KVTransport` is the hand-off interface; :class:`InProcessTransport` is the in-process
 implementation; :func:`encode_kv_chunks` / :class:`ChunkReassembler` are the chunked-bytes
@@ -51,11 +53,32 @@ class DecodeResult:
     kv: KVLayers  # per layer (T + 1, Hkv, D)
 
 
+def kv_to_device(kv: KVLayers, device: torch.device | str) -> KVLayers:
+    """``kv`` on ``device``: tensors already there are kept as they are (no copy), the others
+    are copied -- KV a rank on another device produced, or the CPU tensors the hand-off's
+    bytes decode to. A copy onto a CUDA device is waited for, so that its time is counted by
+    whoever called this (the decode role counts it as KV transfer), not by the next kernel."""
+    dev = torch.device(device)
+    out: KVLayers = []
+    moved = False
+    for k, v in kv:
+        kk, vv = k.to(dev), v.to(dev)  # ``to`` returns the tensor itself when already there
+        moved = moved or kk is not k or vv is not v
+        out.append((kk, vv))
+    if moved and dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return out
+
+
 @torch.no_grad()
-def decode_step(model: Qwen3ForCausalLM, kv: KVLayers, token: int) -> DecodeResult:
-    """One decode iteration: ``token`` at position T = len(kv) after the cached KV."""
+def decode_logits(model: Qwen3ForCausalLM, kv: KVLayers, token: int) -> tuple[Tensor, KVLayers]:
+    """The tensors of :func:`decode_step`: the logits (vocab,) of ``token`` at position
+    T = len(kv) after the cached KV, and the KV grown by one row, all on the model's device.
+    ``kv`` may be on any device: it is moved to the model's first (:func:`kv_to_device`)."""
     if len(kv) != model.config.num_hidden_layers:
         raise InvalidInput(f"KV has {len(kv)} layers, model has {model.config.num_hidden_layers}")
+    # The hand-off delivers CPU tensors; a model on a GPU cannot cat or attend over them.
+    kv = kv_to_device(kv, model.device)
     t = int(kv[0][0].shape[0])
     ids = model.check_request(torch.tensor([token]), t)
     pos = torch.tensor([t], device=model.device)
@@ -67,7 +90,14 @@ def decode_step(model: Qwen3ForCausalLM, kv: KVLayers, token: int) -> DecodeResu
         kk, vv = torch.cat([kv[i][0], k]), torch.cat([kv[i][1], v])
         out.append((kk, vv))
         h = layer.finish(h, masked_attention(q, kk, vv, pos, k_pos, layer.self_attn.scale))
-    logits = model.logits(model.final_hidden(h)[-1])
+    return model.logits(model.final_hidden(h)[-1]), out
+
+
+def decode_step(model: Qwen3ForCausalLM, kv: KVLayers, token: int) -> DecodeResult:
+    """One decode iteration: ``token`` at position T = len(kv) after the cached KV (on any
+    device, :func:`decode_logits`); the greedy next token, logits and grown KV on the model's
+    device."""
+    logits, out = decode_logits(model, kv, token)
     return DecodeResult(int(torch.argmax(logits).item()), logits, out)
 
 

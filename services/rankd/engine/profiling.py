@@ -268,6 +268,7 @@ def rankd_engine(
     cuda without a CUDA device, a dtype not in :data:`DTYPES`, a block size < 1."""
     from services.rankd.engine.checkpoint import load_config
     from services.rankd.engine.config import Qwen3Config
+    from services.rankd.engine.device import check_device
     from services.rankd.torch_settings import torch_settings_from_env
     from shared.ids import InvalidInput
 
@@ -285,14 +286,7 @@ def rankd_engine(
     if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
         raise InvalidInput(f"{bs_src} must be an integer >= 1 (tokens per cache block), "
                            f"got {bs!r}")
-    if dev not in ("cpu", "cuda"):
-        raise InvalidInput(f"{dev_src} must be 'cpu' or 'cuda', got {dev!r}")
-    if dev == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InvalidInput(f"{dev_src} is cuda, but no CUDA device is available here "
-                               "(torch.cuda.is_available() is False); use cpu")
+    check_device(dev, dev_src)  # as rankd checks it (TorchPool.start)
     if dt not in DTYPES:
         raise InvalidInput(f"{dt_src} must be one of {', '.join(DTYPES)}, got {dt!r}")
     cfg: dict[str, Any] | None = None
