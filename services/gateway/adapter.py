@@ -63,8 +63,10 @@ the shared bucket knew of: the id was first used at another replica or before a 
 answers, ``idempotency_withdrawn_late`` those done then),
 ``idempotency_contended`` (claims whose key kept changing under them: refused with 503, since
 the bucket holds someone's claim and failing open could run the request twice),
-``idempotency_bucket_remade`` (makings of the bucket after claims found it missing: one for
-any number of claims that found it missing at once), ``idempotency_shared_late`` (claims the
+``idempotency_bucket_remade`` (the bucket created again after claims found it missing: one
+for any number of claims that found it missing at once; a making that found it there -- a
+brief "no responders" is taken for a missing bucket -- or that failed is not counted),
+``idempotency_shared_late`` (claims the
 bucket did not decide, written there once it answered again) and ``idempotency_split`` (such
 claims found claimed there with other content meanwhile: both requests ran).
 
@@ -107,6 +109,7 @@ from services.gateway.idempotency_kv import (
     StoreFailed,
     claim_ttl_s,
     idempotency_kv,
+    open_idempotency_kv,
 )
 from services.gateway.metrics import RequestMetrics
 from services.gateway.settings import GatewaySettings
@@ -503,7 +506,7 @@ class GatewayService(MicroService):
         # conflicts: request ids reused with other content (409); conflicts_shared: those
         # found in the shared bucket only; idempotency_store_failed / _release_failed: claims
         # / withdrawals the bucket did not do; idempotency_contended: claims refused (503) as
-        # their key kept changing; idempotency_bucket_remade: makings of a missing bucket;
+        # their key kept changing; idempotency_bucket_remade: makings that created it;
         # idempotency_shared_late / _split: fail-open claims written to the bucket later /
         # found claimed there with other content; idempotency_withdrawn_late: withdrawals
         # done once the bucket answered again (module docstring). clients_gone: HTTP clients
@@ -1218,7 +1221,6 @@ class GatewayService(MicroService):
         if task is None:
             if makings != self._bucket_makings:
                 return
-            self.counters["idempotency_bucket_remade"] += 1
             self.log.warning("idempotency bucket missing; creating it again")
             task = self._remaking = asyncio.create_task(self._make_bucket(self._js),
                                                         name="gateway-idempotency-bucket")
@@ -1354,11 +1356,17 @@ class GatewayService(MicroService):
         return True
 
     async def _make_bucket(self, js: JetStreamContext) -> None:
-        """One making of the idempotency bucket (:meth:`_remake_bucket`); never raises but
-        a cancel."""
+        """One making of the idempotency bucket (:meth:`_remake_bucket`), counted in
+        ``idempotency_bucket_remade`` only where it created the bucket (a claim may have
+        taken a brief failure for a missing bucket); never raises but a cancel."""
         try:
             async with asyncio.timeout(self.gsettings.publish_timeout_s):
-                await idempotency_kv(js, self.subjects, ttl_s=self._claim_ttl_s)
+                _, created = await open_idempotency_kv(js, self.subjects,
+                                                       ttl_s=self._claim_ttl_s)
+            if created:
+                self.counters["idempotency_bucket_remade"] += 1
+            else:
+                self.log.info("idempotency bucket found there; not made again")
         except (nats.errors.Error, TimeoutError) as exc:
             self.log.warning("idempotency bucket not made again; the next claim that finds "
                              "it missing tries again", error=f"{type(exc).__name__}: {exc}")

@@ -27,7 +27,8 @@ Every answer names its request and trace (``X-Request-Id``, ``X-Trace-Id``; an e
 ``error.request_id`` and ``error.trace_id``, a completion's as ``vtm.request_id`` and
 ``vtm.trace_id``): the completion's id (the client's ``request_id`` once the body is read)
 and its root span's trace where the request got that far, else the ids the HTTP server gave
-it (services/gateway/httpserver.py, "Correlation").
+it (services/gateway/httpserver.py, "Correlation"), whose server span of the answer then
+records it (services/gateway/httpspan.py).
 """
 
 from __future__ import annotations
@@ -184,14 +185,17 @@ class GatewayApp:
 
     async def __call__(self, req: HttpRequest) -> HttpResponse:
         arrival = time.time()
+        path = req.path.rstrip("/") or "/"
         route = {
             "/v1/completions": ("POST", self.completions),
             "/health": ("GET", self.health),
             "/v1/workers": ("GET", self.workers),
-        }.get(req.path.rstrip("/") or "/")
+        }.get(path)
+        ids = req.exchange
+        if ids is not None and route is not None:
+            ids.route = path  # its span's http.route (one of these few: bounded)
         # The key first: a client without one learns nothing of the /v1 routes, not even
         # which exist.
-        ids = req.exchange
         if needs_key(req.path) and not self.authorized(req):
             return HttpResponse.json(401, error_body(
                 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -225,11 +229,12 @@ class GatewayApp:
                 pass  # of the gateway's own form: refused as the request is, not echoed
         # A client's traceparent makes the request's trace part of the client's (W3C). A
         # client that closes its connection ends the wait for it (not the request). The
-        # service notes the completion's ids in ``ids`` as soon as it has them, so an error
-        # after that names them too.
+        # service notes the completion's ids in ``ids`` as soon as it has them (its root
+        # span open: the server records no span of its own then), so an error after that
+        # names them too.
         done = await self.service.complete(body, arrival_s=arrival, http=True,
                                            carrier=req.headers, disconnected=req.disconnected,
-                                           ids=ids.note if ids is not None else None)
+                                           ids=ids.note_traced if ids is not None else None)
         if ids is not None:
             ids.note(done.request_id, done.trace_id)
             ids.ttft_s = done.ttft_s

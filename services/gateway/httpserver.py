@@ -37,7 +37,11 @@ answer, those of the server's own refusals (400, 413, 431, 500, 503 ...) include
 them as ``X-Request-Id`` and ``X-Trace-Id`` headers, and an error's JSON body as
 ``error.request_id`` and ``error.trace_id`` (:func:`error_body` given the exchange). Each
 request answered (or whose client left first: 499) is logged as one access line,
-:data:`ACCESS_EVENT` (:meth:`HttpServer._access` says which level and why some are left out).
+:data:`ACCESS_EVENT` (:meth:`HttpServer._access` says which level and why some are left out),
+and recorded as one span: the handler's, where it opened one for the request
+(:meth:`Exchange.note_traced`), else a server span of the answer in that trace
+(:mod:`services.gateway.httpspan`), so every ``X-Trace-Id`` names a recorded trace (as far as
+the installed sampler keeps it).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import structlog
 
+from services.gateway.httpspan import FAILURE_LINES_PER_S, new_trace_id, record_http_span
 from shared.ids import InvalidInput
 from shared.tasks import cancel_and_wait
 from shared.telemetry import trace_id_of
@@ -102,8 +107,12 @@ class Exchange:
     (:meth:`note`), and records a TTFT.
 
     ``trace_id``: the client's (its ``traceparent``), or the trace of the request's root span
-    where one was made; else minted here, naming only this answer and its log line (a request
-    refused before it reaches the service records no span)."""
+    where a handler opened one (:meth:`note_traced`); else minted here
+    (:func:`~services.gateway.httpspan.new_trace_id`). Where no handler recorded the request,
+    the server records its answer's span in that trace (:mod:`services.gateway.httpspan`):
+    a child of the client's span (``trace_carrier``), else a root with the minted id.
+    ``route``: the route of the app the path matched (its span's ``http.route``), None for
+    none."""
 
     request_id: str
     trace_id: str
@@ -112,6 +121,13 @@ class Exchange:
     peer: str = ""
     started: float = field(default_factory=time.monotonic)
     ttft_s: float | None = None
+    trace_carrier: Mapping[str, str] | None = None
+    """The request's headers once read (their ``traceparent`` is the parent of its answer's
+    span); None before."""
+    route: str | None = None
+    traced: bool = False
+    """Whether a handler recorded the request in a span of its own: the server records none
+    then (:meth:`note_traced`)."""
 
     def note(self, request_id: str | None = None, trace_id: str | None = None) -> None:
         """Replace the ids (None: keep that one)."""
@@ -119,6 +135,14 @@ class Exchange:
             self.request_id = request_id
         if trace_id:
             self.trace_id = trace_id
+
+    def note_traced(self, request_id: str | None = None, trace_id: str | None = None) -> None:
+        """Replace the ids as :meth:`note` does, and mark the request recorded by the
+        handler's span (whose trace ``trace_id`` is): the answer then gets no span of the
+        server's. For a handler that opens its request's root span (the completions'), called
+        once that span is open."""
+        self.note(request_id, trace_id)
+        self.traced = True
 
 
 class LineBudget:
@@ -168,14 +192,22 @@ class HttpRequest:
 
 @dataclass(frozen=True, slots=True)
 class HttpResponse:
+    """An answer. ``error``: its error object (:func:`error_body`'s ``error``) where it is
+    one, for the answer's span (:mod:`services.gateway.httpspan`); :meth:`json` fills it."""
+
     status: int
     body: bytes = b""
     headers: Mapping[str, str] = field(default_factory=dict)
+    error: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def json(cls, status: int, obj: Any, headers: Mapping[str, str] | None = None) -> HttpResponse:
+        """``obj`` as a JSON answer; an error status's ``{"error": {...}}`` body (an
+        :func:`error_body`) is kept as :attr:`error` too."""
+        err = obj.get("error") if status >= 400 and isinstance(obj, dict) else None
         return cls(status, json.dumps(obj).encode(),
-                   {"Content-Type": "application/json", **(headers or {})})
+                   {"Content-Type": "application/json", **(headers or {})},
+                   err if isinstance(err, dict) else None)
 
 
 def error_body(status: int, message: str, *, type_: str | None = None,
@@ -238,6 +270,7 @@ class HttpServer:
         # One budget per class, so a flood of 4xx cannot crowd out the 5xx lines (_access).
         self._budget_4xx = LineBudget(error_lines_per_s, error_lines_burst)
         self._budget_5xx = LineBudget(error_lines_per_s, error_lines_burst)
+        self._budget_tracing = LineBudget(FAILURE_LINES_PER_S, 1)  # spans that failed
         self._tls = tls
         self._host = host
         self._port = port
@@ -302,7 +335,7 @@ class HttpServer:
         try:
             keep_alive = True
             while keep_alive:
-                ex = Exchange(self._request_ids(), uuid.uuid4().hex, peer=peer_s)
+                ex = Exchange(self._request_ids(), new_trace_id(), peer=peer_s)
                 try:
                     async with asyncio.timeout(self.idle_timeout_s):
                         request = await self._read_request(reader, writer, str(peer), ex)
@@ -342,6 +375,7 @@ class HttpServer:
                         await cancel_and_wait([watch], log)
                     if gone.done():  # nobody reads it
                         self._access(ex, 499)
+                        self._trace(ex, 499, response, sent=False)
                         return
                     keep_alive = keep_alive and not self._closing
                     await self._answer(writer, ex, response, keep_alive, head_only=head_only)
@@ -428,8 +462,10 @@ class HttpServer:
             if key in _ONCE and key in headers:
                 raise _Reject(400, f"{name} header given more than once")
             headers[key] = value.strip()
-        # The client's trace, for the answer and its line even if the request is refused.
+        # The client's trace, for the answer, its line and its span even if the request is
+        # refused.
         ex.note(trace_id=trace_id_of(headers))
+        ex.trace_carrier = headers
         if "transfer-encoding" in headers:
             if "content-length" in headers:
                 raise _Reject(400, "both Transfer-Encoding and Content-Length given")
@@ -466,8 +502,8 @@ class HttpServer:
 
     async def _answer(self, writer: asyncio.StreamWriter, ex: Exchange, response: HttpResponse,
                       keep_alive: bool, *, head_only: bool = False) -> None:
-        """Send ``response`` with ``ex``'s ids as headers, and log its access line (also when
-        the send fails: the line says so)."""
+        """Send ``response`` with ``ex``'s ids as headers, log its access line and record its
+        span (also when the send fails: both say so)."""
         response = dataclasses.replace(response, headers={
             **response.headers, REQUEST_ID_HEADER: ex.request_id, TRACE_ID_HEADER: ex.trace_id})
         sent = False
@@ -476,6 +512,16 @@ class HttpServer:
             sent = True
         finally:
             self._access(ex, response.status, sent=sent)
+            self._trace(ex, response.status, response, sent=sent)
+
+    def _trace(self, ex: Exchange, status: int, response: HttpResponse, *,
+               sent: bool) -> None:
+        """Record the span of ``ex``'s answer where no handler recorded the request
+        (:func:`~services.gateway.httpspan.record_http_span`: never raises). Unlike access
+        lines, spans have no budget here: one per answer, and the installed sampler bounds
+        what is built and exported."""
+        record_http_span(ex, status, scheme="https" if self._tls is not None else "http",
+                         error=response.error, sent=sent, failures=self._budget_tracing)
 
     def _access(self, ex: Exchange, status: int, *, sent: bool = True) -> None:
         """Log ``ex``'s access line: a warning for a 5xx (504 included: the gateway or what is

@@ -46,6 +46,7 @@ from nats.js.client import KV_STREAM_TEMPLATE
 from nats.js.errors import (
     APIError,
     BadRequestError,
+    BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoStreamResponseError,
@@ -55,7 +56,7 @@ from nats.js.kv import KeyValue
 
 from services.gateway.idempotency import Claim, IdempotencyRecord, RequestDigest, kv_key
 from shared.schemas import SchemaError, from_json, to_json
-from shared.service import INTAKE_DUPLICATE_WINDOW_S, ensure_key_value
+from shared.service import INTAKE_DUPLICATE_WINDOW_S
 from shared.subjects import Subjects
 
 CLAIM_TRIES: Final[int] = 5
@@ -141,8 +142,19 @@ def claim_ttl_s(publish_bound_s: float, window_s: float = INTAKE_DUPLICATE_WINDO
 
 async def idempotency_kv(js: JetStreamContext, subjects: Subjects, *, ttl_s: float,
                          log: Any = None) -> KeyValue:
+    """The idempotency bucket, made where missing (:func:`open_idempotency_kv`, without
+    saying whether this call made it)."""
+    kv, _ = await open_idempotency_kv(js, subjects, ttl_s=ttl_s, log=log)
+    return kv
+
+
+async def open_idempotency_kv(js: JetStreamContext, subjects: Subjects, *, ttl_s: float,
+                              log: Any = None) -> tuple[KeyValue, bool]:
     """The idempotency bucket, made where missing (on file, one revision per key, TTL =
-    ``ttl_s``, :func:`claim_ttl_s`). An existing bucket whose ``max_age`` is shorter than
+    ``ttl_s``, :func:`claim_ttl_s`), and whether this call created it: False where it was
+    there already, or made at the same moment by another gateway with another TTL. (One
+    made at the same moment with the same config counts as created by each: the server
+    answers both creations alike.) An existing bucket whose ``max_age`` is shorter than
     ``ttl_s`` has it raised to ``ttl_s``; a longer (or no) ``max_age`` is left as it is: it may
     be another replica's need (module docstring). Raised, it is read again: two gateways with
     different needs that raise it at once may leave the lower of the two raised values, so the
@@ -154,14 +166,21 @@ async def idempotency_kv(js: JetStreamContext, subjects: Subjects, *, ttl_s: flo
     are the weaker check of before, not a reason to stop the gateway. Raises what making or
     reading the bucket raises."""
     bucket = subjects.idempotency_bucket()
+    created = False
     try:
-        kv = await ensure_key_value(js, bucket, ttl_s=ttl_s,
-                                    description="vertumnus gateways' idempotency keys "
-                                                "(client request id -> content digest)")
-    except BadRequestError as exc:
-        if exc.err_code != STREAM_NAME_IN_USE:
-            raise
-        kv = await js.key_value(bucket)  # made at once by a gateway with another TTL
+        # shared.service.ensure_key_value, but knowing which of its two steps answered.
+        kv = await js.key_value(bucket)
+    except BucketNotFoundError:
+        try:
+            kv = await js.create_key_value(
+                bucket=bucket, history=1, ttl=ttl_s,
+                description="vertumnus gateways' idempotency keys (client request id -> "
+                            "content digest)")
+            created = True
+        except BadRequestError as exc:
+            if exc.err_code != STREAM_NAME_IN_USE:
+                raise
+            kv = await js.key_value(bucket)  # made at once by a gateway with another TTL
     stream_name = KV_STREAM_TEMPLATE.format(bucket=bucket)
     for round_ in range(UPDATE_TRIES):
         try:
@@ -182,7 +201,7 @@ async def idempotency_kv(js: JetStreamContext, subjects: Subjects, *, ttl_s: flo
                 bucket=bucket, max_age_s=max_age, wanted_s=ttl_s,
                 error=f"{type(exc).__name__}: {exc}")
             break
-    return kv
+    return kv, created
 
 
 def _missing(exc: BaseException) -> bool:
