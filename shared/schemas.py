@@ -382,6 +382,13 @@ class EpochRecord(Message):
     workers: list[EpochWorker]
     committed_at_s: WallTime
     reason: str = ""
+    traceparent: str = Field(
+        default="",
+        description="W3C traceparent of the span that wrote the record (a reconfiguration's "
+        "phase), so that a rank's adoption of it joins that trace (a KV value has no headers); "
+        "empty: none. Not checked here: a malformed one must not make the record unreadable "
+        "(the reader validates it, shared.telemetry.traceparent_of, and goes on without it).",
+    )
 
     @model_validator(mode="after")
     def _disjoint(self) -> EpochRecord:

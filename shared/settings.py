@@ -97,7 +97,7 @@ class TelemetrySettings(BaseModel):
         le=1.0,
         allow_inf_nan=False,
         description="Fraction of new root traces sampled (parent-based: a request's stages "
-        "follow the gateway's decision).",
+        "follow the gateway's decision). Reconfiguration traces are always sampled.",
     )
     export_delay_s: float = Field(
         default=1.0,

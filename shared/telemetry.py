@@ -20,6 +20,13 @@ Contract:
   stage is the request's root span (conventions.md: one root per request at the gateway, one
   child per TTFT stage), whichever service records it: services pass the root's carrier (the
   IntakeRequest's ``trace_context``), never their own handler's span.
+* Sampling (:func:`sampler`, what :func:`setup_tracing` installs): a new trace is kept with
+  the settings' ratio (``VTM_TELEMETRY__SAMPLING_RATIO``), except one whose root span is
+  created with :data:`ALWAYS_SAMPLE` set true (a reconfiguration's, services/controller/
+  tracing.py: rare, planned once per controller window at most, and the traces an operator
+  needs most), which is always kept; every other span follows its parent's decision, local or
+  carried in a ``traceparent`` (parent-based), so the rank daemons' spans of a
+  reconfiguration are kept with it and a request's stages follow the gateway's decision.
 * :func:`shutdown_tracing` (a process's exit) flushes within the time it is given and stops
   the exporter when that runs out, the spans still queued lost: an unreachable collector
   must not keep a stopping service alive past its stop deadline (shared/servicemain.py).
@@ -34,7 +41,7 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any, Final
@@ -49,8 +56,16 @@ from opentelemetry.sdk.trace.export import (
     ConsoleSpanExporter,
     SpanExporter,
 )
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.span import TraceState
+from opentelemetry.util.types import Attributes
 
 from shared.settings import TelemetrySettings
 
@@ -76,6 +91,54 @@ class Stage(StrEnum):
     PREFILL_RANK = "prefill_rank"
     KV_TRANSFER = "kv_transfer"
     FIRST_DECODE = "first_decode"
+
+
+ALWAYS_SAMPLE: Final[str] = "vtm.sampling.always"
+"""Span attribute: set true on a root span *when it is created* (the sampler sees only the
+attributes given then), its trace is sampled whatever the ratio (:func:`sampler`). Code sets
+it, never a client: a request's root keeps to the ratio."""
+
+
+class _RatioUnlessAlways(Sampler):
+    """The root sampler of :func:`sampler`: :data:`ALWAYS_SAMPLE` roots are recorded and
+    sampled, every other root is left to ``TraceIdRatioBased(ratio)``."""
+
+    def __init__(self, ratio: float) -> None:
+        self._ratio = TraceIdRatioBased(ratio)
+
+    def should_sample(
+        self,
+        parent_context: otel_context.Context | None,
+        trace_id: int,
+        name: str,
+        kind: trace.SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[trace.Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        if attributes and attributes.get(ALWAYS_SAMPLE) is True:
+            parent = trace.get_current_span(parent_context).get_span_context()
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes,
+                                  parent.trace_state if parent.is_valid else None)
+        return self._ratio.should_sample(parent_context, trace_id, name, kind, attributes,
+                                         links, trace_state)
+
+    def get_description(self) -> str:
+        return f"AlwaysIf({ALWAYS_SAMPLE})Else{{{self._ratio.get_description()}}}"
+
+
+def sampler(ratio: float) -> Sampler:
+    """The sampler a service's provider uses (``ratio`` in [0, 1]: the settings'
+    ``sampling_ratio``): parent-based -- a span with a parent, in the process or carried in a
+    ``traceparent``, is sampled exactly when its parent was --; a root is sampled when it is
+    created with :data:`ALWAYS_SAMPLE` true, else with probability ``ratio`` (by trace id,
+    as ``TraceIdRatioBased``).
+
+    Why: reconfigurations are rare (planned once per controller window at most) and their
+    traces are the ones an operator needs; at a ratio of 0.01 the ratio alone lost 99 of 100
+    of them.
+    Requests, the bulk, stay on the ratio."""
+    return ParentBased(_RatioUnlessAlways(ratio))
 
 
 def _exporter(settings: TelemetrySettings) -> SpanExporter | None:
@@ -115,9 +178,10 @@ def setup_tracing(
 ) -> TracerProvider:
     """Install (once per process) and return the tracer provider.
 
-    ``settings`` choose the exporter and sampling ratio; ``span_processor`` is added as well
-    (tests). ``instance_id``: the resource's ``service.instance.id`` (:func:`service_resource`).
-    A second call does not replace the provider; it only adds ``span_processor``.
+    ``settings`` choose the exporter and sampling ratio (:func:`sampler`); ``span_processor``
+    is added as well (tests). ``instance_id``: the resource's ``service.instance.id``
+    (:func:`service_resource`). A second call does not replace the provider; it only adds
+    ``span_processor``.
     """
     global _provider
     settings = settings or TelemetrySettings()
@@ -129,7 +193,7 @@ def setup_tracing(
             _limits = SpanLimits()
             provider = TracerProvider(
                 resource=service_resource(service_name, instance_id),
-                sampler=ParentBased(TraceIdRatioBased(settings.sampling_ratio)),
+                sampler=sampler(settings.sampling_ratio),
                 span_limits=_limits,
             )
             exporter = _exporter(settings)

@@ -612,9 +612,12 @@ class WorkerCore:
           pull_hold_max_copy_s) + pull_hold_grace_s`` in any case (the copy's command may
           still be on its way), and never longer than that bound from ``now``;
         * after that only while a copy of its first missing block is arriving (``incoming``:
-          the blocks of the copy commands this worker is executing; ``math.inf``: until the
-          cache changes). The simulator's request waits for its copy in the same way
-          (sim/simulator.py ``SimConfig.pull_wait``).
+          the blocks of the copy commands this worker is executing -- replicate commands
+          and reconcile commands with a source, whose blocks are the root-to-node path, so
+          one that brings any of the prefix brings its first missing block; ``math.inf``:
+          until the cache changes). The simulator's request waits for its copies in the
+          same way, reconcile copies included (sim/simulator.py ``SimConfig.pull_wait``,
+          ``pending_credit``).
 
         The bound counts from the job's admission on this worker's own clock (``now`` of
         :meth:`admit`), not from the scheduler's ``assigned_at_s``: another host's clock, ahead

@@ -39,15 +39,32 @@ of them is), every worker of the host fails the same way
 UNAVAILABLE, stops), no new worker is started, and once every worker has stopped (hand-backs
 settled) :meth:`RankdHost.run` raises the fault: the process exits non-zero and its supervisor
 starts it again, drawing new worker incarnations.
+
+Start-up (:meth:`RankdHost.run` from its connection to the epoch watch: the epoch bucket,
+the current record, the first workers' starts): a stop (SIGINT/SIGTERM,
+:meth:`RankdHost.request_stop`, a worker fault) ends it at once -- it is cancelled, the
+workers started so far stop as after the start-up, and ``run`` returns. Before, the stop
+waited for the whole start-up: for a server gone meanwhile, for its return (a worker's start
+waits for the connection to come back), and then a JetStream step timed out and ``run``
+raised ``nats: timeout`` (exit status 1 and a traceback). Two steps are never cut short, as
+what they leave half made would keep running: a seed's engine work (``inherit_prefixes`` on a
+thread: its ranks switch and install pages) and the making of the epoch watch (nats-py's
+ordered consumer: a subscription and two tasks before its last request); the cancel waits
+for them (one seed, or the watch's few JetStream requests, each bounded by its timeout) and
+then undoes them. A start-up that fails because its NATS server was lost (a JetStream step
+timed out or the connection closed) logs one error naming that, stops what had started and
+raises :class:`StartUpLost`: the process exits with the status that asks its supervisor for
+a restart (services/rankd/main.py), not with a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import Final, TypeVar
 
 import nats.errors
 import structlog
@@ -65,7 +82,7 @@ from services.rankd.backend import ExecutionBackend
 from services.rankd.blockcache import BlockCache
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings, initial_workers_problem
-from shared.ids import BlockHash, InvalidInput, WorkerFault, WorkerId
+from shared.ids import BlockHash, InvalidInput, VertumnusError, WorkerFault, WorkerId
 from shared.natsauth import security_options
 from shared.natsclient import connect
 from shared.schemas import EpochRecord, EpochWorker, SchemaError, decode
@@ -89,6 +106,40 @@ START_ATTEMPTS = 5
 """How many times a worker's start is tried when the bus goes away during it (``_start_worker``)."""
 START_RETRY_S = 0.2
 """Pause after the connection is back before the next attempt (JetStream settles)."""
+START_CANCEL_AGAIN_S: Final[float] = 0.5
+"""How often a stopped start-up is cancelled again while it has not ended: a cancel that lands
+as a nats-py request's reply arrives is swallowed (shared/tasks.py); one that lands in a step
+never cut short (:func:`_finish_first`) is held until that step ends."""
+BUS_ERRORS: Final = (nats.errors.Error, TimeoutError, ConnectionError)
+"""What a step on the bus raises when its server went away (a request that timed out, the
+connection closed under it)."""
+
+T = TypeVar("T")
+
+
+class StartUpLost(VertumnusError):
+    """The rank host's start-up failed because its NATS server was lost (module docstring):
+    the process should be started again once the server is back."""
+
+
+async def _finish_first(step: Awaitable[T]) -> T:
+    """Await ``step`` to its end even when cancelled meanwhile, then raise the cancel (its
+    result or error dropped): for work that a cancel would leave half done and running -- a
+    thread that goes on after its awaiter is cancelled, a subscription made but not yet
+    handed back. The caller undoes what it made. Every cancel that lands meanwhile is held,
+    not only the first (a stop cancels again: :data:`START_CANCEL_AGAIN_S`)."""
+    work = asyncio.ensure_future(step)
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.wait({work})
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not work.cancelled():
+            work.exception()  # retrieved: superseded by the cancel, not logged as unretrieved
+        raise asyncio.CancelledError
+    return work.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +261,7 @@ class RankdHost:
             try:
                 await self._start_worker_once(wid, kind, epoch, seed)
                 return
-            except (nats.errors.Error, TimeoutError, ConnectionError) as exc:
+            except BUS_ERRORS as exc:
                 if attempt == START_ATTEMPTS or self._stop.is_set() or self.fault is not None:
                     raise
                 log.warning("worker did not start while the bus was away; starting it again",
@@ -235,24 +286,35 @@ class RankdHost:
         try:
             svc = RankdService(settings, backend, on_fault=self._worker_fault)
         except BaseException:  # not built: nobody else would close its backend
-            await backend.close()
+            await _finish_first(backend.close())
             raise
         if seed is not None:
-            # Before run(): nothing admitted, no cache event emitted yet.
-            await self._seed(svc, seed, epoch)
-            if self.fault is not None:  # the host failed meanwhile: it starts nothing more
-                await svc.backend.close()
+            # Before run(): nothing admitted, no cache event emitted yet. A cancel (a stop)
+            # lets the seed's engine work end first (_seed), then closes the backend.
+            try:
+                await self._seed(svc, seed, epoch)
+            except BaseException:
+                await _finish_first(svc.backend.close())
+                raise
+            if self.fault is not None or self._stop.is_set():
+                # The host failed or stops meanwhile: it starts nothing more.
+                await _finish_first(svc.backend.close())
                 return
         task = asyncio.create_task(svc.run(self._nc, handle_signals=False), name=f"rankd-{wid}")
         self.services[wid] = svc
         self._tasks[wid] = task
         task.add_done_callback(lambda t, w=wid: self._reap(w, t))
+        # From here the worker is the host's: a cancel (a stop) leaves it to _stop_all, whose
+        # stop ends its start too (MicroService.run) and closes its backend.
         started = asyncio.ensure_future(svc.started.wait())
-        done, _ = await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done and task.exception() is not None:
-            started.cancel()
+        try:
+            done, _ = await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()  # a waiter left pending for a worker that never starts
+        if task in done and not task.cancelled() and task.exception() is not None:
             raise task.exception()  # type: ignore[misc]
-        log.info("worker started", worker_id=wid, epoch=epoch)
+        if svc.started.is_set():
+            log.info("worker started", worker_id=wid, epoch=epoch)
 
     @staticmethod
     async def _seed(svc: RankdService, seed: Seed, epoch: int) -> None:
@@ -266,7 +328,12 @@ class RankdHost:
         the part it now holds; only that is seeded, so rankd never records a hit the engine cannot
         serve (``prefix_shortfall``). Such a backend without ``inherit_prefixes`` starts
         empty. A seed that cannot be computed, copied or adopted is logged and the worker
-        starts empty (its snapshot, which the cache manager asks for, keeps the trie true)."""
+        starts empty (its snapshot, which the cache manager asks for, keeps the trie true).
+
+        ``inherit_prefixes`` is never cut short: a cancel (a stop) meanwhile waits for it to
+        end, then is raised (nothing adopted). Its ranks' switch and page installs run on a
+        thread, which a cancel would leave running while the caller closes the backend (and
+        the torch host its world). Without it nothing here awaits: no cancel lands inside."""
         cache = svc.core.cache
         if cache is None:
             return
@@ -280,7 +347,7 @@ class RankdHost:
                                      new=seed.new, capacity_blocks=cache.capacity_blocks)
             wanted = len(pairs)
             if callable(inherit):
-                pairs = await inherit(pairs, epoch)
+                pairs = await _finish_first(inherit(pairs, epoch))
             cache.adopt(pairs)
         except (InvalidInput, WorkerFault) as exc:
             # A fault here is met again by the worker's first step or health probe, which
@@ -372,7 +439,9 @@ class RankdHost:
 
     async def run(self, nc: Client | None = None, *, handle_signals: bool = True) -> None:
         """Serve until :meth:`request_stop`, SIGINT/SIGTERM or a worker fault; then stop every
-        worker. After a fault, raises it once every worker has stopped (module docstring)."""
+        worker. After a fault, raises it once every worker has stopped (module docstring). A
+        stop during the start-up ends it at once; a start-up that lost its NATS server raises
+        :class:`StartUpLost` once what it had started has stopped (module docstring)."""
         async with AsyncExitStack() as stack:
             if handle_signals:
                 handle_stop_signals(stack, self._stop)
@@ -393,28 +462,73 @@ class RankdHost:
                 stack.push_async_callback(drain_or_close, nc, self.settings.drain_timeout_s)
             self._nc = nc
             stack.push_async_callback(self._stop_all)
-            epochs = await epoch_kv(nc.jetstream(), self.settings.subjects)
-            key = self.settings.subjects.epoch_key()
             try:
-                entry = await epochs.get(key)
-            except NotFoundError:
-                entry = None
-            record = self._decode(entry.value) if entry is not None and entry.value else None
-            if record is not None:
-                await self._apply(record)
+                started = await self._start_up_unless_stopped(nc, stack)
+            except BUS_ERRORS as exc:
+                if self.fault is not None:
+                    raise self.fault from None  # after the stack: every worker stopped
+                log.error("rank host did not start: its NATS server was lost during the "
+                          "start-up; stopping what started and exiting for a restart",
+                          gpus=f"{self.gpus.start}-{self.gpus.stop - 1}", error=repr(exc))
+                raise StartUpLost(f"NATS server lost during the rank host's start-up: "
+                                  f"{exc!r}") from exc
+            if started:
+                await self._stop.wait()
             else:
-                for wid in self.initial:
-                    await self._start_worker(wid, self.settings.kind, self.settings.epoch)
-                self._changed.set()
-            watcher = await KvWatch(nc, epochs, key).start()  # survives a server restart
-            stack.push_async_callback(watcher.stop)
-            follow = asyncio.create_task(self._follow(watcher), name="rankd-host-epochs")
-            # Awaited, not just cancelled: a follower still applying a record while the workers
-            # stop could start a new one after _stop_all (cancel_and_wait: shared/tasks.py).
-            stack.push_async_callback(cancel_and_wait, [follow], log)
-            await self._stop.wait()
+                log.info("rank host stopped during its start-up")
         if self.fault is not None:
             raise self.fault
+
+    async def _start_up_unless_stopped(self, nc: Client, stack: AsyncExitStack) -> bool:
+        """:meth:`_start_up` unless a stop comes first: True once it finished (its error
+        raised), False when the stop ended it (cancelled, and cancelled again until it has
+        ended: :data:`START_CANCEL_AGAIN_S`). It has always ended on return: nothing of it is
+        left running (what it made is undone by ``stack``)."""
+        work = asyncio.create_task(self._start_up(nc, stack), name="rankd-host-start")
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            while not work.done():  # a stop (or this run cancelled): end the start-up
+                work.cancel()
+                await asyncio.wait({work}, timeout=START_CANCEL_AGAIN_S)
+        if work.cancelled():
+            return False
+        if self._stop.is_set() and isinstance(work.exception(), BUS_ERRORS):
+            # It failed as the stop came (the server and the host told to stop at once, as
+            # when ``vertumnus up`` is killed): a stop, not a lost start-up.
+            log.info("rank host start-up ended by its server's loss while stopping",
+                     error=repr(work.exception()))
+            return False
+        work.result()  # raises what the start-up raised
+        return True
+
+    async def _start_up(self, nc: Client, stack: AsyncExitStack) -> None:
+        """The epoch bucket, the workers of its record (else ``initial``), then the epoch
+        watch and its follower, each undone by ``stack`` (module docstring, start-up)."""
+        epochs = await epoch_kv(nc.jetstream(), self.settings.subjects)
+        key = self.settings.subjects.epoch_key()
+        try:
+            entry = await epochs.get(key)
+        except NotFoundError:
+            entry = None
+        record = self._decode(entry.value) if entry is not None and entry.value else None
+        if record is not None:
+            await self._apply(record)
+        else:
+            for wid in self.initial:
+                await self._start_worker(wid, self.settings.kind, self.settings.epoch)
+            self._changed.set()
+        watcher = KvWatch(nc, epochs, key)  # survives a server restart
+        stack.push_async_callback(watcher.stop)  # whatever part of it was made
+        # Not cut short: a cancel inside nats-py's watch, after its subscription and its
+        # tasks are made, would leave them running on the connection (module docstring).
+        await _finish_first(watcher.start())
+        follow = asyncio.create_task(self._follow(watcher), name="rankd-host-epochs")
+        # Awaited, not just cancelled: a follower still applying a record while the workers
+        # stop could start a new one after _stop_all (cancel_and_wait: shared/tasks.py).
+        stack.push_async_callback(cancel_and_wait, [follow], log)
 
     async def _follow(self, watcher: object) -> None:
         async for entry in watcher:  # type: ignore[attr-defined]

@@ -17,10 +17,12 @@ rankd`` runs by default, and ``vertumnus up`` and docker-compose run (``VTM_TRUT
 noisy / exact ground truth, or ``predicted`` for this module's timing). The torch backend
 computes for real and is the same here and there.
 
-Exit status: 0 after SIGINT/SIGTERM; :data:`WORKER_FAULT_EXIT` after a worker fault (a rank
-process died: the requests were handed back to intake first, see
-:mod:`services.rankd.service`), so a supervisor (docker compose ``restart:``, systemd, k8s)
-starts the process again; 2 for settings that cannot work together.
+Exit status: 0 after SIGINT/SIGTERM (during the start-up too); :data:`WORKER_FAULT_EXIT` after
+a worker fault (a rank process died: the requests were handed back to intake first, see
+:mod:`services.rankd.service`), and after a rank host's start-up that lost its NATS server
+(:class:`~services.rankd.host.StartUpLost`: logged as an error, what had started stopped), so a
+supervisor (docker compose ``restart:``, systemd, k8s) starts the process again; 2 for
+settings that cannot work together.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any, Final, TypeVar
 import structlog
 
 from services.rankd.backend import BACKENDS, ExecutionBackend
-from services.rankd.host import RankdHost
+from services.rankd.host import RankdHost, StartUpLost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import WorkerFault
@@ -41,8 +43,9 @@ from shared.worker import WorkerKind
 S = TypeVar("S", bound=RankdSettings)
 
 WORKER_FAULT_EXIT: Final[int] = 75
-"""Exit status after a worker fault: EX_TEMPFAIL ("try again"), the process should be
-restarted. Any non-zero status makes ``restart: on-failure`` act; this one says why."""
+"""Exit status after a worker fault, or a rank host's start-up that lost its NATS server:
+EX_TEMPFAIL ("try again"), the process should be restarted. Any non-zero status makes
+``restart: on-failure`` act; this one says why."""
 
 
 PREDICTED_TIME_WARNING: Final[str] = (
@@ -90,10 +93,11 @@ async def serve(settings: RankdSettings, backend: ExecutionBackend | None = None
 def run_rankd(settings: S, serve_fn: Callable[[S], Coroutine[Any, Any, None]]) -> None:
     """:func:`shared.servicemain.run_service` for a rank daemon (this main's, or a launcher's
     with its own ``serve``): a :class:`WorkerFault` ends the process with
-    :data:`WORKER_FAULT_EXIT`, not a traceback."""
+    :data:`WORKER_FAULT_EXIT`, not a traceback; so does a rank host's start-up that lost its
+    NATS server (:class:`~services.rankd.host.StartUpLost`)."""
     try:
         run_service(settings, serve_fn)
-    except WorkerFault:
+    except (WorkerFault, StartUpLost):
         # The cause was logged as an error when it was met; no traceback on top of it.
         structlog.get_logger("vertumnus.rankd").info("exiting for a restart",
                                                      exit_status=WORKER_FAULT_EXIT)

@@ -64,7 +64,10 @@ Per process (one worker, its leader rank, for now):
   adoption supersedes it (its own acks replace it) or the worker faults; neither the epoch
   watcher nor a worker's start (which adopts the current record) ends on it. The controller
   re-announces the record when acks stay missing (``ack_timeout_s``): the re-send makes that
-  safety net rarely needed, not unnecessary. Queued requests of a
+  safety net rarely needed, not unnecessary. Each adoption is an ``epoch_adopt`` span
+  (:data:`EPOCH_ADOPT_SPAN`: epoch, worker, lifecycle after it, whether requests were
+  redirected) in the trace of the record's ``traceparent``; a malformed one is logged as a
+  warning and the record adopted all the same, the span then a root. Queued requests of a
   worker leaving ACTIVE are redirected to intake (``Nats-Msg-Id`` =
   :func:`~services.rankd.core.handback_msg_id`: ``{source}>{worker}``, one id per hop, so the
   redirect is not de-duplicated against the original publish nor against another source's
@@ -317,6 +320,10 @@ EPOCH_SWITCH_SPAN: Final[str] = "epoch_switch"
 """Span of a lazy epoch switch the backend made before a request's prefill
 (``PrefillResult.switch_s``), a child of its ``queue_wait``: the stage breakdown counts it in
 ``queue_wait_s``, and the ``prefill`` span starts where it ends."""
+EPOCH_ADOPT_SPAN: Final[str] = "epoch_adopt"
+"""Span of this worker's adoption of a newer epoch record, from the record's arrival to its
+acks' publish: a child of the record's ``traceparent`` (the controller's phase span that wrote
+it: the reconfiguration's trace), a root without a valid one (sampled then by the ratio)."""
 UNSENT_EVENTS_MAX: Final[int] = 65_536
 """Cache events kept unsent at most (a long outage with requests finishing); beyond, the
 oldest are dropped: the first one sent after them shows the cache manager the gap, and it asks
@@ -572,13 +579,12 @@ class RankdService(MicroService):
         self._epochs: KeyValue | None = None
         self._work = asyncio.Event()  # something to start
         self._cache_changed = asyncio.Event()  # a cache command ended (a pull may have landed)
-        # Blocks of the replicate commands being executed (WorkerCore.pull_hold waits for them).
+        # Blocks of the copies being executed -- replicate commands and reconcile commands
+        # with a source (a split's or merge's pending prefix arriving): WorkerCore.pull_hold
+        # waits for them past its bound (see _on_cache_cmd).
         self._incoming: dict[int, frozenset[int]] = {}
-        # Every copy being executed -- those replicate commands and the reconcile commands
-        # with a source (a split's or merge's pending prefix arriving) -- with its cache-cmd
-        # span: a held request's cache_pull_wait links to each that brings its blocks
-        # (_link_hold). Only for the links: see _on_cache_cmd on why the hold waits for the
-        # replicate copies alone.
+        # The same copies with their cache-cmd spans: a held request's cache_pull_wait links
+        # to each that brings its blocks (_link_hold).
         self._copies: dict[int, tuple[frozenset[int], Span]] = {}
         # The head of the FIFO held for its pull, if any (_next_job), until _run takes it.
         self._holding: _PullHold | None = None
@@ -696,15 +702,18 @@ class RankdService(MicroService):
             isinstance(cmd, ReconcileCommand) and cmd.source_worker is not None)
         if copies:
             blocks = frozenset(cmd.blocks)
-            # A reconcile copy is linked to the request it holds, as a replicate copy is
-            # (before, a hold released by one had no link), but not counted in the blocks
-            # arriving that WorkerCore.pull_hold waits for past its bound: counting it there
-            # would hold the head of the FIFO for a reconcile copy after the bound, where it
-            # starts now and recomputes what is missing -- a change of when requests start,
-            # not of their traces. Within the bound nothing changes either way: any command's
-            # end wakes the hold (_cache_changed), which ends once the cache has the prefix.
-            if isinstance(cmd, ReplicateCommand):
-                self._incoming[key] = blocks
+            # A reconcile copy with a source counts as arriving, as a replicate copy does:
+            # WorkerCore.pull_hold holds the head of the FIFO past its bound while either
+            # brings its first missing block. J credits a prefix pending here after a split
+            # or merge as a copy (placement.py "A pending prefix"), and a credited pull of
+            # pending blocks is sent as reconcile copies alone (on_reuse first; the pull then
+            # sends none): the simulator's request waits for every copy in flight to its
+            # worker with a part of its credited prefix, reconcile ones included
+            # (sim/simulator.py _place, _arriving). Before, the live one started at the
+            # bound and recomputed what a reconcile copy was about to bring. One without a
+            # source brings nothing (WorkerCore.apply_command: the pending part becomes a
+            # miss) and is not waited for, nor is a copy that never comes (the bound).
+            self._incoming[key] = blocks
             self._copies[key] = (blocks, span)
             if self._holding is not None:
                 self._link_hold(self._holding, blocks, span)
@@ -1156,8 +1165,9 @@ class RankdService(MicroService):
                                  "vtm.request_id": held.job.request_id})
 
     def _pull_hold(self) -> float:
-        """:meth:`WorkerCore.pull_hold` now, with the blocks of the replicate copies arriving
-        (``_incoming``; not the reconcile copies, see :meth:`_on_cache_cmd`)."""
+        """:meth:`WorkerCore.pull_hold` now, with the blocks of the copies arriving
+        (``_incoming``: replicate commands and reconcile commands with a source, see
+        :meth:`_on_cache_cmd`)."""
         incoming: set[int] = set()
         for blocks in self._incoming.values():
             incoming |= blocks
@@ -2000,9 +2010,12 @@ class RankdService(MicroService):
         except SchemaError as exc:
             self.log.error("bad epoch record ignored", error=str(exc))
             return
+        arrived_s = self.clock()
         adoption = self.core.adopt(record)
         if not adoption.adopted:
             return
+        # Checked only for a record adopted: one warning per record, however often it is seen.
+        parent = self._record_parent(record)
         self.log.info(
             "epoch adopted",
             epoch=adoption.epoch,
@@ -2038,6 +2051,27 @@ class RankdService(MicroService):
                     self._unsent_acks[gpu] = ack
                     self._acks_unsent.set()
         self._dirty.set()
+        # NOTE: recorded after the fact, never the current span: the redirects started above
+        # (tasks copy the context) must not join the reconfiguration's trace.
+        _record(EPOCH_ADOPT_SPAN, start_s=arrived_s, end_s=self.clock(), parent=parent,
+                attributes={"vtm.epoch": adoption.epoch, "vtm.worker_id": self.core.worker_id,
+                            "vtm.lifecycle": adoption.lifecycle.value,
+                            "vtm.member": adoption.member,
+                            "vtm.redirected": bool(adoption.redirected),
+                            "vtm.redirected_count": len(adoption.redirected)})
+
+    def _record_parent(self, record: EpochRecord) -> otel_context.Context:
+        """The context of ``record``'s ``traceparent`` (an empty one: none, or malformed, which
+        is logged as a warning: the record is adopted all the same)."""
+        if not record.traceparent:
+            return otel_context.Context()
+        carrier = {"traceparent": record.traceparent}
+        if traceparent_of(carrier) is None:
+            self.log.warning("epoch record's traceparent malformed; its adoption is traced "
+                             "without a parent", epoch=record.epoch,
+                             traceparent=record.traceparent[:80])
+            return otel_context.Context()
+        return extract(carrier)
 
     async def _publish_ack(self, ack: EpochAck) -> None:
         data, headers = encode(ack)

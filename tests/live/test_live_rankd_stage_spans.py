@@ -293,14 +293,15 @@ async def test_a_reconcile_copy_during_the_hold_is_linked_both_ways(
     assert pull.attributes["vtm.pull_landed"] is True
 
 
-async def test_a_reconcile_copy_arriving_is_linked_but_does_not_hold_past_the_bound(
+async def test_a_reconcile_copy_arriving_holds_past_the_bound_and_is_linked(
     nats_server: EmbeddedNats, nc: Client, uniq: str, spans: InMemorySpanExporter
 ) -> None:
     """A reconcile copy of the held request's blocks still running when the hold's bound
-    passes: the request starts at the bound and recomputes, as before -- only a replicate
-    copy arriving (WorkerCore.pull_hold's ``incoming``) holds it longer -- but its
-    ``cache_pull_wait`` links to the reconcile copy (already arriving when the hold began),
-    and the copy's span to the request."""
+    passes holds the request until it lands, as a replicate copy does (WorkerCore.pull_hold's
+    ``incoming``; the simulator's request waits for it too): the request reuses the copied
+    block, its ``cache_pull_wait`` links to the reconcile copy (already arriving when the hold
+    began), and the copy's span to the request. Before, it started at the bound and
+    recomputed the block while the copy was still arriving."""
     s = Subjects(uniq)
     tid = root_trace(0x57)
     backend = SlowCopies()
@@ -313,19 +314,20 @@ async def test_a_reconcile_copy_arriving_is_linked_but_does_not_hold_past_the_bo
             copy = asyncio.create_task(call(nc, s.cache_cmd(WID), rc, CacheCommandResult,
                                             timeout_s=WAIT_S))
             await asyncio.wait_for(backend.copying.wait(), timeout=WAIT_S)
-            held = assignment("held-rc2", tid, pull_copy_s=0.3)  # held 0.3 s at most
+            held = assignment("held-rc2", tid, pull_copy_s=1e-6)  # bound: passed at once
             await call(nc, s.worker_assign(WID), held, AssignmentAck, timeout_s=WAIT_S)
-            # Answered while the copy is still held up: the hold did not wait for it.
-            ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
-            assert not copy.done()
+            for _ in range(10):  # past the bound, still queued (ordering, not timing)
+                await asyncio.sleep(0.02)
+                assert svc.core.running is None and len(svc.core.queued) == 1
             backend.release.set()
             assert (await copy).ok
+            ft = decode(FirstToken, (await sub.next_msg(timeout=WAIT_S)).data)
         finally:
             backend.release.set()
-    assert ft.error is None and ft.prefix_tokens == 0  # recomputed: the copy had not landed
+    assert ft.error is None and ft.prefix_tokens == 512  # reused: the copy had landed
     got = await stage_spans(spans, tid, {"queue_wait", "cache_pull_wait", "prefill"})
     pull = got["cache_pull_wait"]
-    assert pull.attributes["vtm.pull_landed"] is False
+    assert pull.attributes["vtm.pull_landed"] is True
     (cmd,) = [x for x in spans.get_finished_spans() if x.name.endswith(".cache-cmd")]
     assert cmd.attributes["vtm.command_id"] == "rc-2"
     assert [x.context.span_id for x in pull.links] == [cmd.context.span_id]
