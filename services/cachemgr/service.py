@@ -100,7 +100,14 @@ Tracing (services/cachemgr/tracing.py): every command is sent under a CLIENT spa
 and outcome, whose W3C context travels in the command's headers: the worker's ``cache-cmd``
 span is its child. A copy a placement triggered (a pull, a lazy reconcile copy) names the
 request (``vtm.request_id``) and links to the trace context the RequestStats' headers carry,
-when they carry one.
+when they carry one. The manager's part in a reconfiguration is in that reconfiguration's
+trace: its handling of a DrainNotice is a ``cachemgr_drain`` span, a child of the context the
+notice's headers carry (the controller's ``drain`` phase), and its handling of a newer epoch
+record a ``cachemgr_epoch`` span, a child of the record's ``traceparent`` (the phase that wrote
+it); the re-homing commands, the reconcile's snapshot requests and their server spans at the
+rank daemons descend from them, so the controller's always-sampled trace keeps them at any
+sampling ratio. A missing context makes those spans roots (sampled by the ratio); a
+malformed one as well, with a warning -- the work is done either way.
 
 Message this module consumes: RequestStats (shared/schemas.py), published by the scheduler.
 Message it publishes: ReconciledNotice (shared/schemas.py), read by the schedulers.
@@ -109,10 +116,11 @@ Message it publishes: ReconciledNotice (shared/schemas.py), read by the schedule
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from pathlib import Path
@@ -124,6 +132,7 @@ from nats.js.kv import KeyValue
 from nats.micro.request import Request
 from opentelemetry import trace
 from pydantic import Field
+from structlog.contextvars import bound_contextvars
 
 from services import calibration
 from services.cachemgr.actions import CacheAction, Demote, Reclaim, Replicate
@@ -140,7 +149,16 @@ from services.cachemgr.reconcile import (
     rehome_on_split,
 )
 from services.cachemgr.scan import ScanConfig, ScanResult
-from services.cachemgr.tracing import RequestTrigger, command_attributes, command_span_name
+from services.cachemgr.tracing import (
+    DRAIN_SPAN,
+    EPOCH_SPAN,
+    RequestTrigger,
+    carried_parent,
+    command_attributes,
+    command_span_name,
+    drain_attributes,
+    record_carrier,
+)
 from services.cachemgr.trie import ApplyOutcome, PrefixTrie
 from shared.costmodel import DEFAULT_PROFILE, Profile
 from shared.ids import (
@@ -152,6 +170,7 @@ from shared.ids import (
     WorkerId,
     tp_worker_name,
 )
+from shared.logging import current_trace_id
 from shared.schemas import (
     CacheCommandResult,
     DemoteCommand,
@@ -678,10 +697,25 @@ class CacheMgrService(MicroService):
                 self.log.error("epoch change not reconciled", error=str(exc))
 
     def on_record(self, record: EpochRecord) -> None:
-        """Reconcile the trie with a new composition (§6.2)."""
+        """Reconcile the trie with a new composition (§6.2); a record no newer than the one
+        adopted changes nothing.
+
+        Under an :data:`~services.cachemgr.tracing.EPOCH_SPAN` span, a child of the record's
+        ``traceparent`` (the reconfiguration phase that wrote it; a root without a well-formed
+        one, which is logged and changes nothing else): what is sent from here -- a merge's
+        re-homing commands, the snapshot requests of the workers it made -- is in that trace."""
         old = self.record
         if old is not None and record.epoch <= old.epoch:
             return
+        with self._work_span(EPOCH_SPAN, record_carrier(record),
+                             {"vtm.epoch": record.epoch}, what="epoch record") as span:
+            done = self._adopt_record(old, record)
+            if span.is_recording():
+                span.set_attributes(done)
+
+    def _adopt_record(self, old: EpochRecord | None, record: EpochRecord) -> dict[str, Any]:
+        """:meth:`on_record`'s work for a newer ``record``; returns what it did as span
+        attributes (the parents split, the workers merged into, the re-homing copies sent)."""
         self.record = record
         self.set_metadata(epoch=str(record.epoch))  # conventions.md: metadata has the epoch
         new = record_groups(record)
@@ -695,8 +729,9 @@ class CacheMgrService(MicroService):
                     self._forget(w)
                     self.log.info("worker untracked: not in the epoch record", worker=w)
             self._follow_lifecycles(record)
-            return
+            return {}
         splits, merges, removed, added = diff_compositions(record_groups(old), new)
+        split_parents: list[str] = []
         known = set(self.trie.workers())
         merged: list[WorkerId] = []
         for parent, children in splits:
@@ -713,6 +748,7 @@ class CacheMgrService(MicroService):
             self._confirm_reconciled(children)
             self._publish_reconciled(children, record.epoch)
             self.counters["splits"] += 1
+            split_parents.append(parent)
             self.log.info(
                 "split reconciled",
                 parent=parent,
@@ -748,8 +784,11 @@ class CacheMgrService(MicroService):
         for w in added:
             self._register(w, new[w].degree, snapshot=False)
         self._follow_lifecycles(record)
+        copies = 0
         for m in merged:
-            self._rehome_merged(m, record)
+            copies += sum(not isinstance(a, Demote) for a in self._rehome_merged(m, record))
+        return {"vtm.splits": split_parents, "vtm.merges": [str(m) for m in merged],
+                "vtm.rehome_copies": copies}
 
     def _confirm_reconciled(self, workers: Sequence[str]) -> None:
         """Ask the workers a split or merge made for their snapshot once they run.
@@ -838,6 +877,11 @@ class CacheMgrService(MicroService):
         return actions
 
     async def _on_drain(self, msg: Msg) -> None:
+        """A DrainNotice: :meth:`on_drain` under a :data:`~services.cachemgr.tracing.DRAIN_SPAN`
+        span, a child of the context its headers carry (the controller's drain phase), so the
+        re-homing commands it sends are in the reconfiguration's trace; a missing or malformed
+        context makes the span a root (the latter logged), and the notice is acted on all
+        the same."""
         try:
             notice = decode(DrainNotice, msg.data, msg.headers)
         except SchemaError as exc:
@@ -845,10 +889,40 @@ class CacheMgrService(MicroService):
             self.log.error("bad drain notice ignored", error=str(exc))
             return
         try:
-            self.on_drain(notice)
+            with self._work_span(DRAIN_SPAN, msg.headers, drain_attributes(notice),
+                                 what="drain notice",
+                                 reconfiguration=notice.reconfiguration) as span:
+                actions = self.on_drain(notice)
+                if span.is_recording():
+                    demotes = sum(isinstance(a, Demote) for a in actions)
+                    span.set_attributes({"vtm.rehome_copies": len(actions) - demotes,
+                                         "vtm.rehome_demotes": demotes})
         except VertumnusError as exc:
             self.counters["rejected"] += 1
-            self.log.error("drain notice not acted on", error=str(exc))
+            self.log.error("drain notice not acted on", error=str(exc),
+                           reconfiguration=notice.reconfiguration)
+
+    @contextlib.contextmanager
+    def _work_span(self, name: str, carrier: Mapping[str, Any] | None,
+                   attributes: Mapping[str, Any], *, what: str,
+                   **log: Any) -> Iterator[trace.Span]:
+        """The current span for this block: ``name`` (kind CONSUMER), a child of the context
+        ``carrier`` holds (:func:`~services.cachemgr.tracing.carried_parent`), never of
+        whatever is current. Tasks spawned in the block start under it (they copy the
+        context), so the commands they send are its descendants. A malformed context is a
+        warning naming ``what`` and the span a root; the block runs either way. Log lines of
+        the block carry the span's trace id and ``log``; an exception leaving it marks the
+        span ERROR and goes on."""
+        parent = carried_parent(carrier)
+        if parent.malformed is not None:
+            self.log.warning(f"{what}'s trace context malformed; handled without a parent",
+                             traceparent=parent.malformed, **log)
+        with tracer().start_as_current_span(name, context=parent.context,
+                                            kind=trace.SpanKind.CONSUMER,
+                                            attributes=dict(attributes)) as span:
+            tid = current_trace_id()
+            with bound_contextvars(**log, **({"trace_id": tid} if tid is not None else {})):
+                yield span
 
     def on_drain(self, notice: DrainNotice) -> list[CacheAction | Demote]:
         """A split starts (its parent stops admitting, its cache still intact until the

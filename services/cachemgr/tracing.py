@@ -1,7 +1,16 @@
 """What the spans of a cache command say of it, alike on both ends: the cache manager's
 client span per command it sends (services/cachemgr/service.py) and the worker's
 ``vtm-rankd.cache-cmd`` server span that executes it (services/rankd/service.py), a child of
-the first through the W3C context in the command's headers."""
+the first through the W3C context in the command's headers.
+
+And the spans of the cache manager's part in a reconfiguration (:data:`DRAIN_SPAN`,
+:data:`EPOCH_SPAN`): children of the controller's phase span whose context the DrainNotice's
+headers or the epoch record's ``traceparent`` carry (:func:`carried_parent`), so that the
+commands sent from them, and the rank daemons' server spans of those, are in the
+reconfiguration's trace -- which is always sampled (services/controller/tracing.py), so they
+are recorded at any sampling ratio. Before, the drain notice's context was ignored and the
+record's unread: each re-homing command was a root of its own, sampled by the ratio.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
 from shared.schemas import (
     DemoteCommand,
+    DrainNotice,
+    EpochRecord,
     ReclaimCommand,
     ReconcileCommand,
     ReplicateCommand,
@@ -35,7 +47,65 @@ LINK_REASON: Final[str] = "vtm.link"
 placement of a request triggered, to that request's root), ``pull_hold`` (a worker's copy, to
 the root of the request it held for it; and back, from the request's ``cache_pull_wait``)."""
 
+DRAIN_SPAN: Final[str] = "cachemgr_drain"
+"""The cache manager's handling of a DrainNotice (kind CONSUMER): a split's re-homing
+(``vtm.rehome_copies``, ``vtm.rehome_demotes``: what it sends; the commands' spans are its
+children, sent from tasks that start under it), with the notice's reconfiguration, kind,
+sources, targets and drain epoch (:func:`drain_attributes`). A child of the context in the
+notice's headers: the controller's ``drain`` phase span."""
+
+EPOCH_SPAN: Final[str] = "cachemgr_epoch"
+"""The cache manager's handling of a newer epoch record (kind CONSUMER): the trie's
+reconcile of the splits and merges it shows (``vtm.splits``: the parents split;
+``vtm.merges``: the workers merged into), a merge's re-homing (``vtm.rehome_copies``) and the
+snapshots it asks of the workers the record made or brings back -- the commands and requests
+sent from it are its descendants. A child of the record's ``traceparent`` (the controller's
+phase span that wrote it: ``drain``, ``epoch_commit`` or ``expose``); a root, sampled by the
+ratio, for a record written outside a reconfiguration."""
+
 Command = ReplicateCommand | ReclaimCommand | ReconcileCommand | DemoteCommand
+
+
+@dataclass(frozen=True, slots=True)
+class CarriedParent:
+    """The parent a message's trace context gives the span of the work it starts.
+
+    ``context``: the carried one when its ``traceparent`` is well formed (W3C,
+    :func:`shared.telemetry.traceparent_of`), else an empty context -- the span is then a root
+    and the work goes on as it would untraced. ``malformed``: the carried ``traceparent``
+    (at most 80 characters) when there was one and it was refused, for the caller's warning;
+    None when it was accepted or there was none."""
+
+    context: otel_context.Context
+    malformed: str | None = None
+
+
+def carried_parent(carrier: Mapping[str, Any] | None) -> CarriedParent:
+    """The :class:`CarriedParent` of ``carrier`` (NATS headers, or :func:`record_carrier`);
+    never raises, whatever the carrier holds. The key is matched case-insensitively, as
+    ``traceparent_of`` matches it (nats-py header keys are case-sensitive)."""
+    if traceparent_of(carrier) is not None:
+        return CarriedParent(extract(carrier))
+    for key, value in (carrier or {}).items():
+        if isinstance(key, str) and key.lower() == "traceparent":
+            return CarriedParent(otel_context.Context(), str(value)[:80])
+    return CarriedParent(otel_context.Context())
+
+
+def record_carrier(record: EpochRecord) -> dict[str, str] | None:
+    """The carrier of ``record``'s ``traceparent`` (a KV value has no headers: the writer puts
+    its span's context in the record); None when it has none."""
+    return {"traceparent": record.traceparent} if record.traceparent else None
+
+
+def drain_attributes(notice: DrainNotice) -> dict[str, Any]:
+    """The :data:`DRAIN_SPAN` attributes a notice gives, named as the controller's root span
+    names them (services/controller/tracing.py ``plan_attributes``)."""
+    return {"vtm.reconfiguration.id": notice.reconfiguration,
+            "vtm.reconfiguration.kind": notice.kind,
+            "vtm.reconfiguration.sources": list(notice.sources),
+            "vtm.reconfiguration.targets": list(notice.targets),
+            "vtm.epoch": notice.epoch}
 
 
 def command_attributes(cmd: Command) -> dict[str, Any]:

@@ -141,8 +141,15 @@ queue queries carry it to the rank daemons (whose micro handlers join the trace)
 DrainNotice, ReconfigurationEvent and CompositionNotice carry it in their headers, and the log
 lines about it carry its ``trace_id`` and ``reconfiguration``. An abort (drain timeout, a
 source's lease), an undone drain, a core rebuilt under it or a stop ends it with status ERROR
-and the reason. Epoch records cannot carry it (a KV value has no headers), so the ranks'
-adoption of a record is not part of the trace.
+and the reason. A KV value has no headers, so the drain, commit and exposure records carry
+it in their ``traceparent`` field (the context of the phase span that writes each): every
+rank daemon's adoption of one (its ``epoch_adopt`` span) is part of the trace, and so is the
+cache manager's handling of it (``cachemgr_epoch``) and of the DrainNotice (``cachemgr_drain``,
+with its re-homing commands). So do a drain timeout's abort record (the root's context) and a
+re-announcement for a committed operation's targets (its switch phase's); the records of a
+failure (lease expiry), a recovery (re-admit, activate), the initial record and a repair
+belong to no operation and carry none. Each
+operation's trace is kept whatever the sampling ratio (:func:`shared.telemetry.sampler`).
 
 Messages this module defines until they move to shared/ (see the report): DrainNotice,
 ReconfigurationEvent, CompositionNotice, InspectQuery. (QueueQuery / QueueReport moved to
@@ -650,11 +657,12 @@ def composition_of(record: EpochRecord, lattice: Lattice) -> Composition:
 
 def epoch_record(
     protocol_workers: Sequence[Any], epoch: int, now: float, reason: str,
-    kind: WorkerKind = WorkerKind.CP,
+    kind: WorkerKind = WorkerKind.CP, traceparent: str = "",
 ) -> EpochRecord:
     """An EpochRecord of the protocol's workers (lifecycle as the protocol has it), all of
     ``kind`` (a TP worker is named ``w-tp{T}-g{first}``; the protocol knows it by its
-    group's CP name, :func:`protocol_worker_id`)."""
+    group's CP name, :func:`protocol_worker_id`); ``traceparent``: the context of the span
+    writing it, if any (EpochRecord)."""
     return EpochRecord(
         epoch=epoch,
         workers=[
@@ -670,6 +678,7 @@ def epoch_record(
         ],
         committed_at_s=now,
         reason=reason[:500],
+        traceparent=traceparent,
     )
 
 
@@ -1317,10 +1326,10 @@ class ControllerService(MicroService):
         self.counters["records_written"] += 1
         self.set_metadata(epoch=str(record.epoch))
 
-    def _next_record(self, reason: str) -> EpochRecord:
+    def _next_record(self, reason: str, traceparent: str = "") -> EpochRecord:
         assert self.core is not None and self.record is not None
         return epoch_record(self.core.protocol.workers(), self.record.epoch + 1, self.now(),
-                            reason, self.csettings.kind)
+                            reason, self.csettings.kind, traceparent)
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -1896,7 +1905,9 @@ class ControllerService(MicroService):
             if len(started) == 1
             else (f"{len(started)} operations: " + "; ".join(p.reason for p, _ in started))
         )
-        record = self._next_record(f"drain: {reason}")
+        # In the first operation's drain span (as the write below is): each rank daemon's
+        # adoption joins that trace (one record, one parent).
+        record = self._next_record(f"drain: {reason}", traces[started[0][0]].traceparent())
         try:
             with bound_all([traces[p] for p, _ in started]):
                 await self._write(record)
@@ -2048,7 +2059,9 @@ class ControllerService(MicroService):
         self._awaiting.pop(rid, None)
         await self._publish_reconf(core.protocol.reconfiguration(rid))
         control: ControlRecord = core.protocol.switch_started(rid, self.now())
-        record = self._next_record(f"commit reconfiguration {rid}")
+        t = self._traces.get(rid)
+        record = self._next_record(f"commit reconfiguration {rid}",
+                                   t.traceparent() if t is not None else "")
         # The targets are new workers from this record on, although an id may have existed
         # before (a merge back, a split back): what we hold for that id is its predecessor's.
         # Set before the write: a failed write leaves the targets in the protocol all the
@@ -2102,6 +2115,7 @@ class ControllerService(MicroService):
             ],
             committed_at_s=now,
             reason=f"expose reconfiguration {rid}",
+            traceparent=t.traceparent() if (t := self._traces.get(rid)) is not None else "",
         )
         try:
             await self._write(record)
@@ -2143,8 +2157,11 @@ class ControllerService(MicroService):
             self._traces.failed(rid, reason, outcome="aborted")
             with bound(t, rid) if t is not None else contextlib.nullcontext():
                 try:
+                    # The abort's own record (its sources admit again): the ranks' adoption
+                    # of it is in its trace, under the root (the phases have ended).
                     await self._write(self._next_record(
-                        f"abort reconfiguration {rid}: drain timeout"))
+                        f"abort reconfiguration {rid}: drain timeout",
+                        t.traceparent() if t is not None else ""))
                 except LostLeadership:
                     return
                 await self._publish_reconf(aborted)
@@ -2192,11 +2209,19 @@ class ControllerService(MicroService):
         if not waiting:
             return
         names = [w.worker_id for w in waiting]
-        record = self._next_record(f"re-announce: {', '.join(names)} await rank acks")
+        # Targets of a committed reconfiguration await it in its switch phase: the ranks'
+        # adoption of the record is in that trace (the first one's, as a drain record of a
+        # plan's several operations). Recovering workers' (no reconfiguration) is in none.
+        rids = sorted({w.reconfiguration for w in waiting if w.reconfiguration is not None})
+        traced = [t for r in rids if (t := self._traces.get(r)) is not None]
+        record = self._next_record(f"re-announce: {', '.join(names)} await rank acks",
+                                   traced[0].traceparent() if traced else "")
         try:
             await self._write(record)
         except LostLeadership:
             return
+        for r in rids:
+            self._traces.event(r, "record re-announced", **{"vtm.epoch": record.epoch})
         for w in waiting:
             self._commit_epoch.setdefault(w.epoch, record.epoch)
         self.counters["reannounced"] += 1
