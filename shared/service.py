@@ -32,7 +32,9 @@ What a subclass gets:
 * :meth:`MicroService.run`: one ``AsyncExitStack``, SIGINT/SIGTERM → graceful stop (endpoints
   take no new requests and finish those received, within ``drain_timeout_s``; then the
   subclass's cleanup; then the connection drains), bounded in a service process by
-  ``stop_timeout_s`` (:mod:`shared.stopping`).
+  ``stop_timeout_s`` (:mod:`shared.stopping`). A stop during the start-up ends it at once; a
+  start-up that loses its NATS server stops what had started and raises
+  :class:`StartUpLost` (the process exits for a restart: shared/servicemain.py).
 
 Subclasses override :meth:`MicroService.endpoints` and optionally :meth:`MicroService.setup`
 (subscriptions, KV buckets, background tasks; register their cleanup on the stack) and
@@ -74,7 +76,7 @@ from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
 from shared.settings import ServiceSettings
 from shared.stopping import handle_stop_signals
 from shared.subjects import BUS_PROTOCOL, Subjects, validate_subject
-from shared.tasks import cancel_and_wait, cancel_requested, unless_stopped
+from shared.tasks import cancel_and_wait, cancel_requested
 from shared.telemetry import extract, inject, is_sampled, traceparent_of, tracer
 
 DEFAULT_QUEUE_GROUP: Final[str] = "q"
@@ -99,6 +101,20 @@ REPUBLISHED_HEADER: Final[str] = "Vtm-Republished"
 """Header of an intake message a gateway sent again because the server lost its store (the
 intake stream was made anew): the request may have been dispatched before the loss, so a
 scheduler asks the workers before placing it (value: why it was sent again)."""
+START_CANCEL_AGAIN_S: Final[float] = 0.5
+"""How often :meth:`MicroService.run` cancels again a start-up that a stop cancelled and that has
+not ended yet: a cancel that lands as a nats-py request's reply arrives is swallowed
+(shared/tasks.py), and one that lands in a step never cut short (a KV watch's making:
+:meth:`KvWatch.start`) is held until that step ends."""
+LOST_SERVER_ERRORS: Final = (
+    nats.errors.TimeoutError,  # a request, a flush, a JetStream call unanswered
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,  # and UnexpectedEOF
+    nats.errors.OutboundBufferLimitError,  # a publish while reconnecting, with no buffer
+    nats.errors.NoServersError,
+)
+"""What nats-py raises for a step whose server went away (:func:`lost_server`)."""
 _NAME_RE: Final[re.Pattern[str]] = re.compile(r"^[A-Za-z0-9_-]+$")
 
 Reply = BaseModel | bytes | None
@@ -153,6 +169,29 @@ class RemoteError(VertumnusError):
         self.code = code
         self.description = description
         self.subject = subject
+
+
+class StartUpLost(VertumnusError):
+    """A service's start-up failed because its NATS server was lost meanwhile: a request went
+    unanswered, or the connection dropped (:meth:`MicroService.run`). Raised once what had
+    started has stopped; a service process then exits with the status that asks its
+    supervisor to start it again (:data:`shared.servicemain.RESTART_EXIT`), not a traceback."""
+
+
+def lost_server(exc: BaseException, nc: Client | None) -> bool:
+    """Whether ``exc``, raised by a step of a start-up on its own connection ``nc`` (made by
+    that start-up; None: not made yet), says the server was lost: nats-py's timeout of a
+    request, flush or JetStream call, a connection closed, reconnecting or stale
+    (:data:`LOST_SERVER_ERRORS`); or any NATS or OS error once ``nc`` has lost its server (not
+    connected now, or reconnected since it was made). Not so an error that a server which
+    answers gives on a connection that never dropped (a JetStream API error, a bad subject, a
+    file the setup cannot read): a restart would meet it again."""
+    if nc is None:
+        return False
+    if isinstance(exc, LOST_SERVER_ERRORS):
+        return True
+    return isinstance(exc, (nats.errors.Error, OSError)) and (
+        not nc.is_connected or nc.stats["reconnects"] > 0)
 
 
 def raise_for_error(headers: Mapping[str, str] | None, subject: str) -> None:
@@ -907,6 +946,8 @@ class MicroService:
         self._service: Service | None = None
         self._stop = asyncio.Event()
         self._started = asyncio.Event()
+        # The start-up lost its server (run): what started stops without round trips.
+        self._start_lost = False
         # Checks the JetStream keeper has completed (read-only; for tests, which wait on it
         # instead of sleeping a number of check periods). Stays 0 without a keeper.
         self.jetstream_checks = 0
@@ -1024,7 +1065,8 @@ class MicroService:
                 # One dict, so that a service's own option overrides the common ones (as
                 # separate keyword sets a repeated key would be a TypeError at start).
                 **{**reconnect_options(self.settings), **security_options(self.settings),
-                   **nats_callbacks(self.log, self._stop.is_set),  # is_set: our own drain
+                   # Our own drain, or the close after a start-up that lost its server.
+                   **nats_callbacks(self.log, lambda: self._stop.is_set() or self._start_lost),
                    **self.connect_options()},
             )
             stack.push_async_callback(self._drain, nc)
@@ -1042,8 +1084,7 @@ class MicroService:
             ),
         )
         # Bounded, and without round trips once the server is gone (stop_micro_service).
-        stack.push_async_callback(stop_micro_service, nc, self._service,
-                                  self.settings.drain_timeout_s, self.log)
+        stack.push_async_callback(self._stop_micro, nc, self._service)
         if type(self).ensure_jetstream is not MicroService.ensure_jetstream:
             keeper = asyncio.create_task(self._keep_jetstream(nc), name=f"{self.name}-jetstream")
             stack.push_async_callback(cancel_and_wait, [keeper], self.log)
@@ -1076,17 +1117,73 @@ class MicroService:
         stack.push_async_callback(cancel_and_wait, [checker], self.log)
 
     async def run(self, nc: Client | None = None, *, handle_signals: bool = True) -> None:
-        """Start, serve until :meth:`request_stop` or SIGINT/SIGTERM, then stop gracefully."""
+        """Start, serve until :meth:`request_stop` or SIGINT/SIGTERM, then stop gracefully.
+
+        A stop during the start-up (which may be waiting for its server) ends it at once:
+        it is cancelled -- a step never cut short, a KV watch's making, ends first -- what it
+        started stops, and ``run`` returns. A start-up on the service's own connection (no
+        ``nc``) that fails because its NATS server was lost (:func:`lost_server`: a request
+        unanswered, the connection dropped) logs one error naming that, stops what had started
+        -- without round trips, which nothing would answer -- and raises
+        :class:`StartUpLost`; one that fails so as the stop comes (the server and the
+        service told to stop at once, as when ``vertumnus up`` is killed) is a stop. With
+        ``nc`` given its owner decides what a loss means (a rank host starts its worker
+        again): the error is raised as it is."""
         async with AsyncExitStack() as stack:
             if handle_signals:
                 handle_stop_signals(stack, self._stop)
-            started, _ = await unless_stopped(self.start(stack, nc), self._stop, self.log)
+            try:
+                started = await self._start_unless_stopped(stack, nc)
+            except Exception as exc:
+                if nc is not None or not lost_server(exc, self._nc):
+                    raise
+                self._start_lost = True  # read by the stack's undoing (_drain, _stop_micro)
+                if self._stop.is_set():
+                    self.log.info("start-up ended by its NATS server's loss while stopping",
+                                  error=f"{type(exc).__name__}: {exc}")
+                    return
+                self.log.error(f"{self.name} did not start: its NATS server was lost during "
+                               "the start-up; stopping what started and exiting for a restart",
+                               error=f"{type(exc).__name__}: {exc}")
+                raise StartUpLost(f"{self.name}: NATS server lost during the start-up: "
+                                  f"{exc!r}") from exc
             if not started:
                 self.log.info("service stopped before it had started")
                 return
             await self._stop.wait()
             self.log.info("service stopping")
         self._started.clear()
+
+    async def _start_unless_stopped(self, stack: AsyncExitStack, nc: Client | None) -> bool:
+        """:meth:`start` unless a stop comes first: True once it finished (its error raised),
+        False when the stop ended it -- cancelled, and cancelled again until it has ended
+        (:data:`START_CANCEL_AGAIN_S`). Why not :func:`~shared.tasks.unless_stopped`: a start
+        holding its cancel for a step never cut short (a KV watch's making, up to a JetStream
+        timeout) would be warned of every second, then given up while still running. It has
+        always ended on return, also when ``run`` itself is cancelled meanwhile (that cancel
+        is raised once it has): nothing of it is left running, what it made is the stack's."""
+        work = asyncio.create_task(self.start(stack, nc), name=f"{self.name}-start")
+        stopped = asyncio.ensure_future(self._stop.wait())
+        cancelled = False
+        try:
+            await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            cancelled = True
+        stopped.cancel()
+        while not work.done():  # a stop (or run cancelled): end the start-up
+            work.cancel()
+            try:
+                await asyncio.wait({work}, timeout=START_CANCEL_AGAIN_S)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            if not work.cancelled():
+                work.exception()  # retrieved: superseded by the cancel
+            raise asyncio.CancelledError
+        if work.cancelled():
+            return False
+        work.result()  # raises what the start raised
+        return True
 
     async def stop_listening(self, tasks: Iterable[asyncio.Task[Any]],
                              watches: Iterable[KvWatch],
@@ -1166,7 +1263,17 @@ class MicroService:
                 protocol=BUS_PROTOCOL, others=dict(sorted(self.peer_protocols.items())))
 
     async def _drain(self, nc: Client) -> None:
-        await drain_or_close(nc, self.settings.drain_timeout_s)
+        if self._start_lost:
+            # Its server lost during the start-up (run): a drain's round trips would wait for
+            # answers that never come, for all of drain_timeout_s with a server frozen.
+            await close_for_good(nc)
+        else:
+            await drain_or_close(nc, self.settings.drain_timeout_s)
+
+    async def _stop_micro(self, nc: Client, service: Service) -> None:
+        # Its server lost during the start-up (run): its subscriptions are forgotten at once.
+        await stop_micro_service(nc, service, self.settings.drain_timeout_s, self.log,
+                                 server_lost=self._start_lost)
 
 
 CONNECTION_POLL_S: Final[float] = 0.02
@@ -1299,7 +1406,7 @@ async def _refuse_queued(nc: Client, sub: Subscription) -> int:
 
 
 async def stop_micro_service(nc: Client, service: Service, timeout_s: float,
-                             logger: Any = None) -> bool:
+                             logger: Any = None, *, server_lost: bool = False) -> bool:
     """Stop ``service`` (nats.micro) gracefully, within ``timeout_s``: first its endpoints
     take no new request and finish those received -- each endpoint's subscription drained:
     UNSUB, a round trip, and then every request that came before it handled to its end --
@@ -1311,7 +1418,9 @@ async def stop_micro_service(nc: Client, service: Service, timeout_s: float,
     their handlers cancelled; with the connection lost before or during the stop, every
     subscription of the service is forgotten (:func:`forget_subscription`): no round trip
     can complete then, and nats-py's drain would wait 10 s per subscription for a PONG
-    (:func:`while_connected`).
+    (:func:`while_connected`). ``server_lost``: the caller knows the server is lost although
+    the connection may look connected (a frozen server: :meth:`MicroService.run`'s start-up
+    that lost it), so no round trip is tried.
 
     Why not nats.micro's ``stop`` alone: it unsubscribes its endpoints, which cancels a
     handler running and drops the requests queued; their callers wait out their whole
@@ -1324,7 +1433,8 @@ async def stop_micro_service(nc: Client, service: Service, timeout_s: float,
     endpoints = [sub for ep in getattr(service, "_endpoints", ())
                  if (sub := getattr(ep, "_subscription", None)) is not None and not sub._closed]
     try:
-        done, _ = await while_connected(nc, _drain_all(endpoints), timeout_s=timeout_s)
+        done, _ = await while_connected(nc, _drain_all(endpoints), timeout_s=timeout_s,
+                                        lost=(lambda: True) if server_lost else None)
     except (nats.errors.Error, TimeoutError, OSError) as exc:  # e.g. the server too slow
         logger.warning("micro endpoints not drained", error=repr(exc))
         done = False
@@ -1338,7 +1448,7 @@ async def stop_micro_service(nc: Client, service: Service, timeout_s: float,
             done = False
         if done:
             return True
-    connected = nc.is_connected
+    connected = nc.is_connected and not server_lost
     refused = 0
     for sub in endpoints:
         await forget_subscription(nc, sub)  # cancels a handler running: it answers 503
@@ -1382,8 +1492,16 @@ async def drain_or_close(nc: Client, timeout_s: float) -> None:
         # writes what was queued meanwhile to the lost socket itself and raises.
         drained = False
     if not drained or not nc.is_closed:
-        with contextlib.suppress(OSError):
-            await nc.close()
+        await close_for_good(nc)
+
+
+async def close_for_good(nc: Client) -> None:
+    """Close ``nc`` without a drain, and make sure its reconnection has ended: for a
+    connection whose server is lost, or whose drain was given up (:func:`drain_or_close`).
+    Never raises but CancelledError (a write of what was queued to a lost socket may fail:
+    nothing is left to hand to that server)."""
+    with contextlib.suppress(OSError, nats.errors.Error):
+        await nc.close()
     # nats-py's close cancels its reconnect loop once and goes on after reconnect_time_wait
     # whether it ended or not; a loop that missed the cancel (its server refusing a connect
     # in the same loop step: shared/tasks.py) retries a gone server for ever, closed client
@@ -1392,6 +1510,48 @@ async def drain_or_close(nc: Client, timeout_s: float) -> None:
     reconnecting = getattr(nc, "_reconnection_task", None)  # private: no public handle
     if reconnecting is not None and not reconnecting.done():
         await cancel_and_wait([reconnecting], log, grace_s=0.2)
+
+
+async def _discard_watcher(nc: Client, watcher: Any) -> None:
+    """Stop a nats-py KV watcher (``KeyValue.watch``'s) for good; never raises but
+    CancelledError. Its ordered consumer is a subscription and two tasks of the connection
+    (heartbeat and flow-control checks): nats-py's ``stop`` unsubscribes and cancels them, but
+    raises first on a closed connection, leaving both tasks running (the heartbeat check up to
+    two heartbeats, 10 s). Whatever its stop left is ended here, and its tasks are awaited.
+    (nats-py keeps the subscription's state private: ``_sub``, ``_jsi``.)"""
+    with contextlib.suppress(Exception):
+        await watcher.stop()
+    sub = getattr(getattr(watcher, "_sub", None), "_sub", None)  # the plain Subscription
+    if sub is None:
+        return
+    jsi = getattr(sub, "_jsi", None)
+    tasks = [t for t in (getattr(jsi, "_hbtask", None), getattr(jsi, "_fctask", None))
+             if isinstance(t, asyncio.Task)]
+    await cancel_and_wait(tasks, log)
+    if nc._subs.get(sub._id) is sub:  # still registered (its unsubscribe failed)
+        await forget_subscription(nc, sub)
+
+
+async def _watch_made_whole(nc: Client, kv: KeyValue, keys: str) -> Any:
+    """``kv.watch(keys)``, its making never cut short. nats-py makes a watch in steps -- the
+    ordered consumer's subscription and its two tasks, then a consumer-info request -- and a
+    cancel that lands after the first (during that request) leaves them running on the
+    connection, with nobody holding the watcher to stop them; nats-py undoes them only for
+    an error. So a cancel that lands meanwhile (each one: a stop cancels again) is held until
+    the making ends -- each of its JetStream requests bounded by the context's timeout --
+    then whatever it made is stopped (:func:`_discard_watcher`) and the cancel raised."""
+    making = asyncio.ensure_future(kv.watch(keys))
+    cancelled = False
+    while not making.done():
+        try:
+            await asyncio.wait({making})
+        except asyncio.CancelledError:
+            cancelled = True
+    if not cancelled:
+        return making.result()
+    if not making.cancelled() and making.exception() is None:  # retrieved: no "never retrieved"
+        await _discard_watcher(nc, making.result())
+    raise asyncio.CancelledError
 
 
 KV_WATCH_VERIFY_CHECKS: Final[int] = 5
@@ -1461,19 +1621,26 @@ class KvWatch:
 
     async def start(self) -> KvWatch:
         """Make the watch; raises what ``KeyValue.watch`` (or the stream-info request) raises,
-        e.g. NotFoundError for a bucket that does not exist."""
+        e.g. NotFoundError for a bucket that does not exist.
+
+        Cancelled, it leaves nothing behind: a cancel that lands while nats-py makes the watch
+        waits for the making to end (its JetStream requests, each bounded by the context's
+        timeout), then stops what it made and is raised (:func:`_watch_made_whole`)."""
         self._reconnects = self._nc.stats["reconnects"]
         # Before the watch: a bucket created again in between is seen at the first check.
         self._created = (await self._stream_info()).created
-        self._watcher = await self._kv.watch(self._keys)
+        self._watcher = await _watch_made_whole(self._nc, self._kv, self._keys)
         self._verify_at = asyncio.get_running_loop().time() + self._verify_s
         return self
 
     async def stop(self) -> None:
+        """Stop the watch (and end an iteration waiting for it); never raises but
+        CancelledError: on a closed connection, where nats-py's stop fails before it ends the
+        watch's tasks, those are ended here (:func:`_discard_watcher`)."""
         self._stopped = True
         self._woken.set()
         if self._watcher is not None:
-            await self._watcher.stop()
+            await _discard_watcher(self._nc, self._watcher)
 
     def __aiter__(self) -> KvWatch:
         return self
@@ -1544,7 +1711,7 @@ class KvWatch:
         try:
             # The stream info first, as in start: a re-creation after it is seen next time.
             info = await self._stream_info()
-            watcher = await self._kv.watch(self._keys)
+            watcher = await _watch_made_whole(self._nc, self._kv, self._keys)
         except (nats.errors.Error, TimeoutError) as exc:  # not ready yet, or the bucket gone
             if not self._told:
                 self._told = True
@@ -1631,7 +1798,10 @@ __all__ = [
     "ReplyTooLarge",
     "SchemaError",
     "call",
+    "close_for_good",
     "drain_or_close",
+    "lost_server",
+    "StartUpLost",
     "forget_subscription",
     "stop_micro_service",
     "while_connected",

@@ -5,6 +5,15 @@ calls :func:`parse_flags` (environment, then flags that win over it) and :func:`
 (logging, tracing, ``asyncio.run`` until SIGINT/SIGTERM, then tracing and metrics flushed
 within what is left of the stop deadline: :func:`flush_telemetry`).
 
+Exit status of a service process: 0 after SIGINT/SIGTERM (during its start-up too); 2 for
+settings it cannot work with (below); :data:`RESTART_EXIT` after a start-up that lost its NATS
+server (:class:`shared.service.StartUpLost`: one error logged, what had started stopped), which
+asks its supervisor to start it again -- docker compose's ``restart: unless-stopped`` and
+``vertumnus up``'s supervision restart a child that exited, whatever its status, and a rank
+daemon exits with the same status after a worker fault (services/rankd/main.py);
+:data:`shared.stopping.STOP_TIMEOUT_EXIT` for a stop that overran its deadline; 1 (a
+traceback) for anything else.
+
 Everything a process can tell is wrong from its arguments and settings alone ends it before it
 connects anywhere (a service waiting for NATS would otherwise retry forever on a typo):
 ``--help`` prints the usage and exits 0, an unknown argument exits 2 naming it, and a setting
@@ -38,6 +47,7 @@ from shared.envcheck import unknown_variables
 from shared.ids import InvalidInput
 from shared.logging import configure_logging
 from shared.metrics import setup_metrics, shutdown_metrics
+from shared.service import StartUpLost
 from shared.settings import ServiceSettings
 from shared.stopping import bound_stops, stop_time_left, watch_parent
 from shared.telemetry import setup_tracing, shutdown_tracing
@@ -46,6 +56,10 @@ S = TypeVar("S", bound=ServiceSettings)
 
 NATS_SCHEMES: Final[tuple[str, ...]] = ("nats", "tls", "ws", "wss")
 """URL schemes a NATS server URL may have (what nats-py connects with)."""
+RESTART_EXIT: Final[int] = 75
+"""Exit status of a service process that should be started again: EX_TEMPFAIL (sysexits.h, "try
+again later"), after a start-up that lost its NATS server (:func:`run_service`); a rank daemon
+exits with it after a worker fault too (services/rankd/main.py)."""
 TELEMETRY_FLUSH_MIN_S: Final[float] = 2.0
 """The least time the telemetry flush at exit gets, however little is left of the stop
 deadline: a reachable collector takes the last spans and metrics in far less. Below
@@ -339,7 +353,10 @@ def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) ->
     neither delays the exit past ``stop_timeout_s`` (+ the minimum) nor gets the process
     killed mid-flush -- by the fault handler, ``HARD_GRACE_S`` after the deadline, or by
     compose's ``stop_grace_period``. What the flush could not export by then is lost, and a
-    warning says so (:func:`flush_telemetry`)."""
+    warning says so (:func:`flush_telemetry`).
+
+    A start-up that lost its NATS server (:class:`~shared.service.StartUpLost`, logged where
+    it was met) ends the process with :data:`RESTART_EXIT`, not a traceback."""
     configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
     bound_stops(settings.stop_timeout_s)
     if settings.parent_pid is not None:
@@ -353,5 +370,9 @@ def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) ->
         # an unknown policy): the service cannot start. One line, not a traceback.
         print(f"{settings.service_name}: cannot start: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except StartUpLost:
+        # The cause was logged as an error when it was met; no traceback on top of it.
+        log.info("exiting for a restart", exit_status=RESTART_EXIT)
+        raise SystemExit(RESTART_EXIT) from None
     finally:
         flush_telemetry(telemetry_flush_s(settings.stop_timeout_s, stop_time_left()))
