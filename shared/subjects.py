@@ -78,13 +78,15 @@ class SubjectError(InvalidInput):
     """A subject token or name breaks the naming rules."""
 
 
+_TOKEN_RULE: Final[str] = ("lowercase letters, digits, '-' or '_', starting with a letter or "
+                           "digit (no dots, spaces, wildcards or '$')")
+
+
 def validate_token(token: str, *, what: str = "token") -> str:
-    """Return ``token`` if it is a legal single subject token, else raise :class:`SubjectError`."""
+    """Return ``token`` if it is a legal single subject token, else raise :class:`SubjectError`
+    (``what``: how the message names the token, e.g. ``worker id``; the value follows it)."""
     if not isinstance(token, str) or not _TOKEN_RE.match(token):
-        raise SubjectError(
-            f"{what} {token!r} is not a subject token: lowercase letters, digits, '-' or '_', "
-            "starting with a letter or digit (no dots, spaces, wildcards or '$')"
-        )
+        raise SubjectError(f"{what} {token!r} is not a subject token: {_TOKEN_RULE}")
     return token
 
 
@@ -101,7 +103,12 @@ def validate_subject(subject: str, *, allow_wildcards: bool = False) -> str:
     for i, tok in enumerate(tokens):
         if allow_wildcards and (tok == "*" or (tok == ">" and i == len(tokens) - 1)):
             continue
-        validate_token(tok, what=f"token {i} of subject {subject!r}")
+        if not isinstance(tok, str) or not _TOKEN_RE.match(tok):
+            # Each value once: a one-token subject is that token, so naming it as both the
+            # subject and its token 0 repeated it ("token 0 of subject 'a b' 'a b' ...").
+            where = (f"subject {subject!r} is not a legal subject" if len(tokens) == 1 else
+                     f"token {i} ({tok!r}) of subject {subject!r} is not a subject token")
+            raise SubjectError(f"{where}: {_TOKEN_RULE}")
     return subject
 
 

@@ -56,11 +56,11 @@ from sim.groundtruth import GroundTruth
 from sim.hardware import ground_truth_to_mapping
 from sim.metrics import QWEN3_SLO, SloTable, slo_attainment, slo_to_dict
 from sim.workloads import (
-    default_traces_dir,
     detect_format,
     generate,
     generate_from_file,
     load_workload,
+    public_trace,
     read_azure,
     read_leval,
     read_mooncake,
@@ -1262,15 +1262,14 @@ def _phase_table(meta: Mapping[str, Any]) -> Any:
 
 
 # --- presets (§9) ----------------------------------------------------------------------------
-def _trace(rel: str) -> str:
-    return str(default_traces_dir() / rel)
-
-
+# A trace preset names its public trace by its path under the traces directory (``trace_file``),
+# found when the preset runs (sim.workloads.public_trace): $VERTUMNUS_TRACES set after this
+# module was imported counts, and a missing file is refused naming that variable.
 PRESETS: dict[str, dict[str, Any]] = {
     "conversation": dict(
         desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: Mooncake conversation trace, all policies, "
         "rising rate",
-        trace=_trace("mooncake/conversation_trace.jsonl"), fmt="mooncake",
+        trace_file="mooncake/conversation_trace.jsonl", fmt="mooncake",
         # The strongest baseline's SLO attainment runs from ~93% (×1) to ~50% (×4.8, all-CP2
         # homo_cp2 at 54% with the busy-share β; ×4.9 is 37%): the cliff is steep, hence the
         # fine steps at the top.
@@ -1278,12 +1277,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "leval": dict(
         desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: L-Eval (Poisson arrivals), all policies",
-        trace=_trace("leval/leval_llama3_mooncake.jsonl"), fmt="leval", rate=2.0,
+        trace_file="leval/leval_llama3_mooncake.jsonl", fmt="leval", rate=2.0,
         rate_scales=[1.0, 1.5, 2.0, 2.5, 3.0],
     ),
     "azure-code": dict(
         desc="Qwen3-30B-A3B, 40 GPUs, {2,4}: Azure 2023 code trace (no prefix info)",
-        trace=_trace("azure2023/AzureLLMInferenceTrace_code.csv"), fmt="azure",
+        trace_file="azure2023/AzureLLMInferenceTrace_code.csv", fmt="azure",
         rate_scales=[4.0, 8.0, 12.0, 16.0],
     ),
 }
@@ -1417,6 +1416,7 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     if name in PRESETS:
         p = dict(PRESETS[name])
         p.pop("desc")
+        p["trace"] = str(public_trace(p.pop("trace_file"), needed_by=f"preset {name!r}"))
         pols = list(ALL_POLICIES[:8]) if policies is None else list(policies)
         return run_simulate(policies=pols, out=out, seed=seed, gpus=40,
                             degrees=(2, 4), progress=progress, jobs=jobs, truth=truth,

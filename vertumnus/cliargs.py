@@ -262,15 +262,18 @@ def profile_file(path: Path | None, degrees: Sequence[int] | None = None) -> Pat
 
 def nats_settings() -> None:
     """The ``VTM_NATS_*`` credentials and TLS settings of this environment, checked as every
-    service and ``up`` check theirs (:func:`shared.natsauth.env_security_options`): two ways to
-    authenticate, a missing or unreadable file or a file that is no certificate exits 2 naming
-    the setting, before any connection (else a tool would report it as a server it cannot
-    reach)."""
+    service and ``up`` check theirs: two ways to authenticate, a missing or unreadable file
+    or a file that is no certificate exits 2 naming the setting, before any connection (else
+    a tool would report it as a server it cannot reach). Only those settings
+    (:func:`shared.natsauth.env_nats_security_options`): the tools that call it (``tap``,
+    ``status``, ``replay --nats``) read no other, so another invalid one
+    (``VTM_LOG__LEVEL=verbose``) is left to the service that reads it, not reported here as a
+    security setting."""
     from shared.ids import InvalidInput
-    from shared.natsauth import env_security_options
+    from shared.natsauth import env_nats_security_options
 
     try:
-        env_security_options()
+        env_nats_security_options()
     except InvalidInput as exc:
         fail(f"NATS security settings: {exc}")
 
@@ -310,11 +313,20 @@ def nats_url_option(url: str, name: str = "nats") -> str:
     naming the option and the problem (a password in it shown as ***), before any connection:
     else nats-py's parse error would be reported as a server the tool cannot reach, and a
     URL of another scheme (``http://``) be tried as a host for seconds. One server: the
-    tools hand the URL to nats-py as it is, which takes no comma-separated list."""
+    tools hand the URL to nats-py as it is, which takes no comma-separated list.
+
+    Unlike a service's ``VTM_NATS_URL`` (where ``nats:4222``, compose's host, means
+    ``nats://nats:4222``), ``--nats`` needs its scheme: a value typed without one (``bad``,
+    ``localhost``) is far likelier a slip than a host name, and would otherwise be tried as one
+    for seconds and reported as a server that cannot be reached."""
     from types import SimpleNamespace
 
-    from shared.servicemain import SettingProblem, check_nats_url
+    from shared.servicemain import NATS_SCHEMES, SettingProblem, check_nats_url, shown_url
 
+    if "://" not in url:
+        fail(f"--{name}: {shown_url(url)!r} is not a NATS server URL: it needs a scheme "
+             f"({', '.join(s + '://' for s in NATS_SCHEMES)}) and a host, e.g. "
+             "nats://127.0.0.1:4222")
     try:  # check_nats_url reads a settings object's nats_servers only
         check_nats_url(SimpleNamespace(nats_servers=[url]))  # type: ignore[arg-type]
     except SettingProblem as exc:

@@ -141,7 +141,9 @@ def register(app: typer.Typer) -> None:
         workload: Annotated[str, typer.Option(
             help="'synthetic' (phased), 'synthetic-short' (phased, prompts of tens to a few "
                  "hundred tokens, 16-token blocks), a trace path or a .toml synthetic "
-                 "workload file (`vertumnus synthetic`); default: 'synthetic' with "
+                 "workload file, replayed at its own rate (`vertumnus synthetic --for-up "
+                 "GPUS` writes this command's default for GPUS GPUs; plain `vertumnus "
+                 "synthetic` is simulate's 40-GPU one, 8 req/s); default: 'synthetic' with "
                  "--backend sim, 'synthetic-short' with --backend torch")] = "",
         rate: Annotated[float | None, typer.Option(
             help="Base request rate, req/s modelled (default 0.25 per GPU); a timed trace "
@@ -150,10 +152,15 @@ def register(app: typer.Typer) -> None:
         duration: Annotated[float, typer.Option(
             help="Workload length in modelled seconds (4 load phases); a trace is cut to its "
                  "first DURATION seconds, with --rate a timed trace to its first "
-                 "⌈DURATION·RATE⌉ requests (at most --max-requests), replayed at RATE")] = 240.0,
+                 "⌈DURATION·RATE⌉ requests (at most --max-requests), replayed at RATE. "
+                 "--rate-scale then compresses it: the replay lasts DURATION / RATE_SCALE "
+                 "modelled s")] = 240.0,
         time_scale: Annotated[float, typer.Option(
             help="Wall seconds per modelled second (0.1 = 10× faster)")] = 0.1,
-        rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,
+        rate_scale: Annotated[float, typer.Option(
+            help="Multiply the arrival rate by compressing the workload's arrivals, as "
+                 "`simulate` does: the same requests, replayed in --duration / RATE_SCALE "
+                 "modelled s (time --kill-at by that)")] = 1.0,
         backend: Annotated[str, typer.Option(
             help="rankd backend: sim (modelled time) or torch (real CP prefill: one gloo rank "
                  "process per GPU on this CPU, a small random-weight Qwen3 unless "
@@ -210,7 +217,8 @@ def register(app: typer.Typer) -> None:
                  "after the replay starts (comma-separated: one time per service)")] = None,
         restart_after: Annotated[str | None, typer.Option(
             help="Start the killed service again this many wall seconds after the kill "
-                 "(default: never; comma-separated: one per service)")] = None,
+                 "(default: never, and then the report lists it in services_killed and up "
+                 "exits 1; comma-separated: one per service)")] = None,
         kill_service: Annotated[str, typer.Option(
             help="The service --kill-at crashes: gateway, scheduler, controller, cachemgr, "
                  "rankd (every worker; --backend sim), nats (the server; nats-empty: it comes back "
@@ -220,14 +228,27 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start nats + every service, replay a workload through the gateway, report, stop.
 
-        Every option is checked, the workload loaded and the output paths made ready before
-        anything starts (exit 2 naming the problem). After the report: exit 130 when
-        interrupted, 1 when a service exited for good or no request completed, else 0."""
+        Every option is checked, the workload loaded, the output paths made ready and the
+        --http-port / --nats-port tried before anything starts (exit 2 naming the problem).
+        --duration is the workload's length; --rate-scale compresses its arrivals as in
+        `simulate`, so the replay lasts DURATION / RATE_SCALE modelled seconds (the first line
+        says both; a --kill-at past the replay's last arrival is warned about). An interrupt
+        (Ctrl-C, SIGTERM) during the start-up or the replay stops everything and reports what
+        is known (the phase it came in, --json too). After the report: exit 130 when
+        interrupted, 1 when a service exited for good (past 3 restarts, or killed by --kill-at
+        and never started again) or no request completed, else 0."""
         from rich.console import Console
 
         from sim.workloads.synthetic_file import check_block_size
         from vertumnus.live.procs import ChildFailed
-        from vertumnus.live.stack import StackError, UpConfig, load_requests, run_up
+        from vertumnus.live.stack import (
+            StackError,
+            UpConfig,
+            check_ports,
+            load_requests,
+            nats_start_failure,
+            run_up,
+        )
 
         try:
             cfg = UpConfig(
@@ -247,6 +268,10 @@ def register(app: typer.Typer) -> None:
                 kill_service=kill_service, schedulers=schedulers, hardware=hardware,
                 per_degree=per_degree, slo=slo_table(slo), controller=controller,
             )
+        except ValueError as exc:
+            _fail(str(exc))
+        try:  # a fixed port in use: said now, not once nats and every service have started
+            check_ports(cfg)
         except ValueError as exc:
             _fail(str(exc))
         if cfg.model_path is not None and not Path(cfg.model_path).is_dir():
@@ -275,8 +300,9 @@ def register(app: typer.Typer) -> None:
                                          requests=reqs))
         except (StackError, ChildFailed) as exc:
             _fail(str(exc), 1)
-        except NatsServerStartError as exc:  # a port in use, a bad --nats-config
-            _fail(f"nats-server did not start: {exc}", 1)
+        except NatsServerStartError as exc:  # a port taken meanwhile, a bad --nats-config
+            # Its fatal line(s), not the server's whole start-up banner.
+            _fail(nats_start_failure(str(exc), cfg), 1)
         except KeyboardInterrupt:  # a second Ctrl-C during shutdown
             raise typer.Exit(130) from None
         _end_of_run(summary, serving=cfg.serve)
@@ -429,10 +455,8 @@ def register(app: typer.Typer) -> None:
         cannot be reached or the --nats URL is malformed."""
         import json
 
-        from rich.console import Console
-
         from shared.subjects import Subjects
-        from vertumnus.live.status import render
+        from vertumnus.live.status import render, status_console
         from vertumnus.live.status import status as read_status
 
         vtm_environment()  # a misspelt VTM_NATS_* name is refused, not silently ignored
@@ -456,7 +480,8 @@ def register(app: typer.Typer) -> None:
         if json_out:
             typer.echo(json.dumps(summary, indent=2, sort_keys=True))
         else:
-            render(summary, Console())
+            # Not a terminal (a pipe, a file): every row whole, not cut to 80 columns.
+            render(summary, status_console())
 
     for name in ("gateway", "scheduler", "controller", "cachemgr", "rankd"):
         _service_command(app, name)
@@ -467,13 +492,19 @@ def run_verdict(summary: dict[str, Any], *, serving: bool = False) -> tuple[int,
     that goes with it (None: none). 130: interrupted (the run was cut short). 1: a service
     exited for good during the run (``up``: the run itself was not sound), or no request
     completed (the run measured nothing; :func:`_none_completed`) -- except for ``up
-    --serve`` (``serving``), which replays nothing itself. 0 otherwise: some request
-    completed, whatever others failed (the report counts them)."""
+    --serve`` (``serving``), which replays nothing itself -- or a service killed by ``up
+    --kill-at`` was never started again (``services_killed``: no ``--restart-after``, or the
+    replay ended before it; the run went on without it, so it is no clean run either). 0
+    otherwise: some request completed, whatever others failed (the report counts them)."""
     if summary.get("interrupted"):
         return 130, None
     if summary.get("services_down"):
         return 1, (f"{', '.join(summary['services_down'])} exited for good during the run "
                    "(see the report's faults and the service logs)")
+    if summary.get("services_killed"):
+        return 1, (f"{', '.join(summary['services_killed'])} killed by --kill-at and never "
+                   "started again: the rest of the run went without it (give --restart-after "
+                   "D to start it again)")
     if not serving and not summary.get("completed"):
         return 1, _none_completed(summary)
     return 0, None
@@ -573,6 +604,7 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
     report = LiveReport(records, time_scale, **({} if slo is None else {"slo": slo}),
                         changes=list(observer.changes) if observer else [],
                         followed_epochs=observer is not None, prefix_tokens=prefix_tokens,
+                        followed_results=observer is not None,
                         meta={**meta, "interrupted": interrupted, "gateway": gateway,
                               **(observer.summary_counts() if observer is not None else {})})
     report.render(Console())

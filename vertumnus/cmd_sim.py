@@ -843,9 +843,18 @@ def register(app: typer.Typer) -> None:
         file: Annotated[Path | None, typer.Argument(
             help="A synthetic workload file to check (default: print the built-in one)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML")] = False,
+        for_up: Annotated[int | None, typer.Option(
+            "--for-up", metavar="GPUS",
+            help="Print instead the workload `vertumnus up --gpus GPUS` replays by default "
+                 "(0.25 req/s per GPU, the load phases compressed into --duration), for up "
+                 "--workload; the plain default is simulate's, 8 req/s for a 40-GPU pool, "
+                 "and up replays a file at its own rate, never scaled to --gpus")] = None,
+        duration: Annotated[float | None, typer.Option(
+            help="With --for-up: the workload's length, modelled seconds (default 240, up's "
+                 "--duration)")] = None,
     ) -> None:
         """Print the synthetic workload's parameters: the built-in default, or FILE checked and
-        completed.
+        completed, or (--for-up GPUS) the one `vertumnus up --gpus GPUS` replays by default.
 
         The output is a workload file for --trace (TOML, with a comment on each field; JSON
         with --json, which needs --format synthetic): edit it to describe your traffic's shape
@@ -858,8 +867,24 @@ def register(app: typer.Typer) -> None:
             load_synthetic_config,
         )
 
+        if for_up is not None and file is not None:
+            _fail("--for-up prints up's own default workload; FILE is one to check: give one")
+        if duration is not None and for_up is None:
+            _fail("--duration is the length of the --for-up workload; it needs --for-up GPUS "
+                  "(edit duration_s in the file otherwise)")
         try:
-            cfg = load_synthetic_config(file) if file is not None else SyntheticConfig()
+            if for_up is not None:
+                from vertumnus.live.stack import DEFAULT_DURATION_S, up_synthetic_config
+
+                if for_up < 1:
+                    raise InvalidInput(f"--for-up must be a number of GPUs >= 1, got {for_up}")
+                if duration is not None and not (duration > 0 and math.isfinite(duration)):
+                    raise InvalidInput(f"--duration must be a finite number of seconds > 0, "
+                                       f"got {duration:g}")
+                cfg = up_synthetic_config(for_up, DEFAULT_DURATION_S if duration is None
+                                          else duration)
+            else:
+                cfg = load_synthetic_config(file) if file is not None else SyntheticConfig()
         except InvalidInput as exc:
             _fail(str(exc))
         if as_json:

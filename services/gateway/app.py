@@ -6,7 +6,8 @@
                            is accepted as well); answers the *first* token (this is the
                            prefill pool's gateway) with the TTFT measured here and its stage
                            breakdown under ``"vtm"``. Other OpenAI sampling fields are accepted
-                           and ignored.
+                           and ignored. ``null`` for ``max_tokens``, ``stream``, ``n`` or
+                           ``request_id`` is that field not given (OpenAI clients send it).
 ``GET /health``            200 ``{"status": "ok"}`` while connected to NATS, else 503
 ``GET /v1/workers``        every worker's degree, epoch, lifecycle, queue and hit rate from the
                            worker-state KV bucket
@@ -68,6 +69,10 @@ IGNORED_FIELDS: Final[frozenset[str]] = frozenset({
 ACCEPTED_FIELDS: Final[frozenset[str]] = frozenset(
     {"prompt", "prompt_tokens", "max_tokens", "stream", "request_id"}
 )
+# Optional fields whose JSON null means "not given" (their default): OpenAI's API documents
+# them as nullable and its clients send null for an unset one (`"max_tokens": null`). A value
+# of a wrong type is still refused; the prompt is required, so its null stays an error.
+NULL_MEANS_ABSENT: Final[frozenset[str]] = frozenset({"max_tokens", "stream", "n", "request_id"})
 
 
 def parse_completion_body(raw: bytes) -> tuple[CompletionRequest, str | None]:
@@ -81,6 +86,7 @@ def parse_completion_body(raw: bytes) -> tuple[CompletionRequest, str | None]:
     unknown = sorted(set(obj) - ACCEPTED_FIELDS - IGNORED_FIELDS)
     if unknown:
         raise BadRequest(f"unknown field(s) {', '.join(unknown)}")
+    obj = {k: v for k, v in obj.items() if not (v is None and k in NULL_MEANS_ABSENT)}
     if obj.get("n", 1) != 1:
         raise BadRequest("only n=1 is supported")
     model = obj.get("model")

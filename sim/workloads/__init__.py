@@ -43,6 +43,25 @@ def default_traces_dir() -> Path:
     return (repo / ".." / "shared" / "data" / "traces").resolve()
 
 
+def public_trace(rel: str, *, needed_by: str = "this run") -> Path:
+    """The public trace ``rel`` (a path under the traces directory, e.g.
+    ``mooncake/conversation_trace.jsonl``) in :func:`default_traces_dir`. Raises
+    :class:`InvalidInput` when it is not a file there, naming ``$VERTUMNUS_TRACES``, the file
+    name it expects under it and where it looked -- in a checkout not next to ``../shared``
+    the default directory does not exist, and a bare "not found" of that path would not say
+    how to point at the traces. ``needed_by``: what needs the file, for the message."""
+    base = default_traces_dir()
+    path = base / rel
+    if path.is_file():
+        return path
+    where = (f"${TRACES_ENV} is {os.environ[TRACES_ENV]!r}" if os.environ.get(TRACES_ENV)
+             else f"${TRACES_ENV} is not set, so {base} was looked in (../shared/data/traces "
+             "next to the repository)")
+    raise InvalidInput(f"{needed_by} needs the public trace {rel} under the traces directory, "
+                       f"but {path} is not a file ({where}); set {TRACES_ENV} to the directory "
+                       f"that holds {rel}")
+
+
 def detect_format(path: str | Path) -> TraceFormat:
     """The reader a trace file needs: the one definition :func:`load_workload` and
     ``vertumnus simulate --format auto`` (``sim.runner.load_trace``) share.
@@ -187,6 +206,7 @@ __all__ = [
     "generate",
     "load_workload",
     "oracle_reuse",
+    "public_trace",
     "read_azure",
     "read_leval",
     "read_mooncake",

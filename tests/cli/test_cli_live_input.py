@@ -311,8 +311,13 @@ BAD_NATS_URLS: list[tuple[str, str]] = [
     ("nats://127.0.0.1:99999", "'nats://127.0.0.1:99999' has no valid port"),
     ("nats://", "'nats://' is not a NATS server URL"),
     ("http://127.0.0.1:4222", "'http://127.0.0.1:4222' is not a NATS server URL"),
-    ("127.0.0.1:notaport", "'nats://127.0.0.1:notaport' has no valid port"),  # no scheme
     ("nats://user:secret@:bad", "'nats://***@:bad' has no valid port"),  # no password shown
+    # No scheme: refused as such, not tried as a host name and reported as a server that
+    # cannot be reached (a service's VTM_NATS_URL still reads `nats:4222` as nats://).
+    ("bad", "'bad' is not a NATS server URL: it needs a scheme"),
+    ("localhost:4222", "'localhost:4222' is not a NATS server URL: it needs a scheme"),
+    ("127.0.0.1:notaport", "'127.0.0.1:notaport' is not a NATS server URL"),
+    ("user:secret@127.0.0.1:4222", "'***@127.0.0.1:4222' is not a NATS server URL"),
 ]
 
 

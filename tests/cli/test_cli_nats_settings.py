@@ -83,3 +83,40 @@ def test_good_settings_pass_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VTM_NATS_USER", raising=False)
     res = CliRunner().invoke(app, COMMANDS["tap"], env={"VTM_NATS_TOKEN": "t"})
     assert isinstance(res.exception, Started), res.output
+
+
+# Settings the NATS tools do not read: each invalid, alone. Before, every one stopped tap,
+# status and replay as "NATS security settings: invalid settings: ..." (and VTM_LOG that is no
+# JSON with a traceback): the tools validated every service setting under that label.
+UNRELATED = {"log level": {"VTM_LOG__LEVEL": "verbose"},
+             "stop timeout": {"VTM_STOP_TIMEOUT_S": "abc"},
+             "exporter": {"VTM_TELEMETRY__EXPORTER": "foo"},
+             "log group": {"VTM_LOG": "not json"}}
+
+
+@pytest.mark.parametrize("case", list(UNRELATED))
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_setting_the_tools_do_not_read_is_no_security_error(
+        command: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tool that connects with --nats reads the VTM_NATS_* credentials and TLS settings
+    only: another invalid setting is the concern of the service that reads it (which refuses
+    it when it starts), not reported here as a security setting."""
+    for k in ("VTM_NATS_TOKEN", "VTM_NATS_USER", "VTM_NATS_PASSWORD", "VTM_NATS_TLS_CA"):
+        monkeypatch.delenv(k, raising=False)
+    res = CliRunner().invoke(app, COMMANDS[command], env=UNRELATED[case])
+    text = " ".join(res.output.split())
+    assert isinstance(res.exception, Started), (res.exit_code, text, res.exception)
+    assert "security" not in text, text
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_bad_security_setting_beside_an_unrelated_one_is_named_alone(
+        command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the security label only the security setting is named."""
+    monkeypatch.delenv("VTM_NATS_TLS_CA", raising=False)
+    env = {"VTM_NATS_TLS_CA": str(tmp_path / "absent.pem"), "VTM_LOG__LEVEL": "verbose"}
+    res = CliRunner().invoke(app, COMMANDS[command], env=env)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and not isinstance(res.exception, Started), text
+    assert "error: NATS security settings:" in text and "VTM_NATS_TLS_CA" in text, text
+    assert "VTM_LOG__LEVEL" not in text, text

@@ -61,7 +61,8 @@ def test_default_compositions_and_notation() -> None:
 
 def test_registry_knows_modules_and_settings() -> None:
     assert module_runnable("services.gateway") and module_runnable(SIM_RANKD.module)
-    assert not module_runnable("services.nope") and not module_runnable("services.rankd")
+    # A package without __main__ (services.rankd has one now: python -m services.rankd).
+    assert not module_runnable("services.nope") and not module_runnable("shared")
     names = env_names(GatewaySettings)
     assert {"VTM_NATS_URL", "VTM_HTTP_PORT", "VTM_TELEMETRY__EXPORTER"} <= names
     assert SERVICES["gateway"].settings_class() is GatewaySettings

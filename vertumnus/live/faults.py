@@ -135,6 +135,18 @@ async def run_crash(plan: CrashPlan, *, kill: Callable[[], tuple[int, int | None
     record("restart", restart())
 
 
+def killed_for_good(events: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The services an injected kill left down: those whose last injected event
+    (:meth:`FaultEvent.as_dict` entries, in order) is a ``kill`` -- no ``--restart-after``,
+    or the replay ended before it was due. Sorted, each once. (A supervised ``exit`` does not
+    count: ``up`` restarts it, or reports it in ``services_down`` past its restarts.)"""
+    last: dict[str, str] = {}
+    for d in events:
+        if d.get("action") in ("kill", "restart"):
+            last[str(d.get("service"))] = str(d["action"])
+    return sorted(name for name, action in last.items() if action == "kill")
+
+
 def describe(events: Iterable[Mapping[str, Any]]) -> str:
     """One line of :meth:`FaultEvent.as_dict` entries: ``'kill rankd (pid 812) at 30.0 s,
     restart rankd (pid 901) at 35.0 s'`` (``'none'`` for none)."""
@@ -144,4 +156,5 @@ def describe(events: Iterable[Mapping[str, Any]]) -> str:
         + f") at {d['at_s']:.1f} s" for d in events) or "none"
 
 
-__all__ = ["NATS", "RANKD", "CrashPlan", "FaultEvent", "describe", "run_crash"]
+__all__ = ["NATS", "RANKD", "CrashPlan", "FaultEvent", "describe", "killed_for_good",
+           "run_crash"]

@@ -12,6 +12,11 @@ workload request it sent (design.md "Metrics"; the simulator counts a failed req
 way). TTFT, hit rate, overhead, cost-model error and the per-degree figures cover the completed
 requests only. A run cut short (``interrupted``) has no record of the requests still in flight
 or not yet sent; they are counted nowhere (``up`` reports ``requests_planned``).
+
+What was not measured reads as not measured ("–", null in JSON), never as 0: the hit rates
+without the results tap and the reconfigurations without the epoch records (``replay``
+without ``--nats``), the request figures of ``up --serve`` (external traffic), the cost-model
+error on TP workers (the vllm baseline; the CP-fitted profile does not describe them).
 """
 
 from __future__ import annotations
@@ -183,7 +188,17 @@ class LiveReport:
     """Faults injected during the run (:meth:`vertumnus.live.faults.FaultEvent.as_dict`)."""
     followed_epochs: bool = True
     """Whether the epoch records were followed (``changes`` is what they showed); False for a
-    ``replay`` without ``--nats``, which has no way to see the composition."""
+    ``replay`` without ``--nats``, which has no way to see the composition: its
+    ``reconfigurations`` are then None (not measured), not 0."""
+    followed_results: bool = True
+    """Whether the results were tapped on the bus (``prefix_tokens`` is what they showed). The
+    gateway's HTTP answer carries no reused-token count, so without the tap (a ``replay``
+    without ``--nats``) the hit rates are NaN (not measured), not 0."""
+    serving: bool = False
+    """``up --serve``: the stack replayed nothing itself and served external traffic (other
+    processes' replays), whose requests it has no record of: the request figures are None /
+    NaN (not measured), while the composition changes, cache commands and ``results_seen``
+    count that external traffic."""
 
     def metric_records(self) -> list[RequestRecord]:
         """The completed requests as :class:`RequestRecord` (modelled seconds); failed ones
@@ -193,12 +208,17 @@ class LiveReport:
             if not r.ok:
                 continue
             reused = r.prefix_tokens or self.prefix_tokens.get(r.request_id, 0)
+            # The scheduler's profile is a CP fit: on a TP worker (the vllm baseline's pool)
+            # predicted and actual times describe different executions, so their gap is no
+            # error of the model; left out of the MAPE, as `simulate` leaves it (None there).
+            tp = bool(r.worker_id) and _kind(r.worker_id or "") == "TP"
             out.append(RequestRecord(
                 request_id=r.request_id, arrival_s=r.arrival_s, input_len=r.input_len,
                 ttft_s=max(0.0, r.ttft_s) / self.time_scale,
                 reused_tokens=min(max(0, reused), r.input_len),
                 worker=r.worker_id or "", degree=_degree(r.worker_id),
-                predicted_prefill_s=(r.predicted_prefill_s if r.predicted_prefill_s is not None
+                predicted_prefill_s=(r.predicted_prefill_s
+                                     if r.predicted_prefill_s is not None and not tp
                                      else math.nan),
                 actual_prefill_s=r.prefill_s / self.time_scale,
                 queue_s=r.queue_wait_s / self.time_scale,
@@ -225,6 +245,10 @@ class LiveReport:
         ok = [r for r in self.records if r.ok]
         over = np.array([r.overhead_s for r in ok]) * 1e3
         failed = [r for r in self.records if not r.ok]
+        per_degree = {str(k): dict(v) for k, v in (s.get("per_degree") or {}).items()}
+        if not self.followed_results:
+            for v in per_degree.values():
+                v["hit_rate"] = math.nan  # the reused tokens were not seen: not measured
         out: dict[str, Any] = {
             "requests": len(self.records),
             "completed": len(ok),
@@ -238,19 +262,21 @@ class LiveReport:
             "p99_ttft_s": s.get("ttft_p99", math.nan),
             "slo_attainment": self.slo_attainment(),
             "slo_attainment_completed": s.get("slo_attainment", math.nan),
-            "hit_rate": s.get("hit_rate", math.nan),
+            "hit_rate": s.get("hit_rate", math.nan) if self.followed_results else math.nan,
             "overhead_p50_ms": _pct(over, 50),
             "overhead_p99_ms": _pct(over, 99),
             "overhead_mean_ms": float(over.mean()) if over.size else math.nan,
-            "reconfigurations": reconfigurations(self.changes),
-            "reconfigurations_warmup": reconfigurations(self.changes, warmup=True),
+            "reconfigurations": (reconfigurations(self.changes) if self.followed_epochs
+                                 else None),
+            "reconfigurations_warmup": (reconfigurations(self.changes, warmup=True)
+                                        if self.followed_epochs else None),
             "time_scale": self.time_scale,
             "worker_time_scales": self.worker_time_scales(),
             "ttft_unit": "modelled seconds (wall / time_scale)",
             "slo": slo_to_dict(self.slo),
             "prediction_mape": s.get("prediction_mape", math.nan),
             "gpu_seconds": s.get("gpu_seconds", math.nan),
-            "per_degree": {str(k): v for k, v in (s.get("per_degree") or {}).items()},
+            "per_degree": per_degree,
             "wall_mean_ttft_s": float(np.mean([r.ttft_s for r in ok])) if ok else math.nan,
             "wall_mean_client_s": float(np.mean([r.client_s for r in ok])) if ok else math.nan,
             "errors": _error_counts(failed),
@@ -260,7 +286,15 @@ class LiveReport:
                  "label": c.label(), "reason": c.reason} for c in self.changes
             ],
             "faults": [dict(f) for f in self.faults],
+            # Completed requests of TP workers, which the cost-model error leaves out.
+            "prediction_mape_tp_requests": sum(1 for r in ok if r.worker_id
+                                               and _kind(r.worker_id) == "TP"),
         }
+        if self.serving:
+            # Not "0 requests": the stack's own record of external requests is none at all.
+            out.update(dict.fromkeys(("requests", "completed", "failed", "unanswered",
+                                      "input_tokens", "failed_input_tokens", "retried")),
+                       served_external=True)
         out.update(self.meta)
         return out
 
@@ -280,12 +314,23 @@ class LiveReport:
                           f"{', '.join(f'{x:g}' for x in other)}, this report divides by "
                           f"{self.time_scale:g}: its modelled seconds are off by that ratio "
                           "(give replay the workers' --time-scale)")
-        t = Table(title=f"TTFT, modelled seconds (wall ÷ time scale {self.time_scale:g})")
+        t = Table(title=f"TTFT, modelled seconds (wall ÷ time scale {self.time_scale:g})"
+                  + ("; up --serve: the stack served external traffic" if self.serving else ""))
         t.add_column("metric")
         t.add_column("value", justify="right")
+        if self.serving:
+            requests_row = ("requests", "not measured: the stack served external traffic "
+                            f"({s.get('results_seen', 0)} results seen on the bus); each "
+                            "replay's own report has its requests and TTFTs")
+        else:
+            requests_row = ("requests / completed / failed (no response)",
+                            f"{s['requests']} / {s['completed']} / {s['failed']} "
+                            f"({s['unanswered']})")
+        mape = _f(s["prediction_mape"], pct=True)
+        if s["prediction_mape_tp_requests"] and not math.isfinite(s["prediction_mape"]):
+            mape += " (TP workers: the CP profile does not describe them)"
         rows = [
-            ("requests / completed / failed (no response)",
-             f"{s['requests']} / {s['completed']} / {s['failed']} ({s['unanswered']})"),
+            requests_row,
             ("TTFT mean (completed)", _f(s["mean_ttft_s"])),
             ("TTFT P50 (completed)", _f(s["p50_ttft_s"])),
             ("TTFT P90 (completed)", _f(s["p90_ttft_s"])),
@@ -294,11 +339,14 @@ class LiveReport:
              _f(s["slo_attainment"], pct=True)
              + (f" (completed only {_f(s['slo_attainment_completed'], pct=True)})"
                 if s["failed"] else "")),
-            ("prefix hit rate (tokens)", _f(s["hit_rate"], pct=True)),
+            ("prefix hit rate (tokens)", _f(s["hit_rate"], pct=True)
+             + ("" if self.followed_results else " (not measured: give --nats URL)")),
             ("overhead P50 / P99 (wall ms)",
              f"{_f(s['overhead_p50_ms'], 1)} / {_f(s['overhead_p99_ms'], 1)}"),
-            ("cost-model error (MAPE)", _f(s["prediction_mape"], pct=True)),
-            ("reconfigurations", str(s["reconfigurations"])),
+            ("cost-model error (MAPE)", mape),
+            ("reconfigurations" + (" (of the external traffic)" if self.serving else ""),
+             "– (not followed)" if s["reconfigurations"] is None
+             else str(s["reconfigurations"])),
         ]
         if "cache_commands" in s:
             cm = s.get("cache_manager") or {}
@@ -330,7 +378,8 @@ class LiveReport:
                           _f(v["hit_rate"], pct=True))
             console.print(d)
         if self.changes:
-            c = Table(title=f"composition changes ({s['reconfigurations']} during the replay"
+            during = "while serving" if self.serving else "during the replay"
+            c = Table(title=f"composition changes ({s['reconfigurations']} {during}"
                             f", {s['reconfigurations_warmup']} in warm-up)")
             for col in ("epoch", "at (wall s)", "composition", "change"):
                 c.add_column(col)
@@ -347,11 +396,21 @@ class LiveReport:
         elif not self.followed_epochs:
             console.print("composition: not followed (give --nats URL to follow the epoch "
                           "records)")
+        elif s.get("interrupted_during"):
+            # The controller writes the first record once the stack is healthy: none yet.
+            console.print(f"composition: no epoch record yet (interrupted during "
+                          f"{s['interrupted_during']})")
         else:
             console.print("composition: no epoch record observed (no controller running?)")
         if s["faults"]:
             console.print("faults and restarts (wall s after the replay start): "
                           + describe_faults(s["faults"]))
+        if s.get("services_killed"):
+            # A fault the run asked for, but the rest of it ran without that service: not a
+            # clean run (up exits 1).
+            console.print(f"[red]down at the end: {', '.join(s['services_killed'])} (killed by "
+                          "--kill-at and never started again: no --restart-after, or the "
+                          "replay ended before it)")
         recovery = s.get("scheduler_recovery") or {}
         if any(recovery.values()):
             console.print("scheduler recovery (replicas running at the end; a killed process' "

@@ -63,7 +63,15 @@ from shared.slo import QWEN3_SLO, SloTable
 from shared.subjects import Subjects, micro_service_name, validate_subject
 from shared.tasks import cancel_requested
 from shared.worker import GpuGroup, WorkerKind
-from vertumnus.live.faults import NATS, NATS_EMPTY, RANKD, CrashPlan, FaultEvent, run_crash
+from vertumnus.live.faults import (
+    NATS,
+    NATS_EMPTY,
+    RANKD,
+    CrashPlan,
+    FaultEvent,
+    killed_for_good,
+    run_crash,
+)
 from vertumnus.live.faults import describe as describe_faults
 from vertumnus.live.http import HttpError, get_json, split_url
 from vertumnus.live.interrupt import InterruptGuard
@@ -250,7 +258,12 @@ class UpConfig:
         try:  # the credentials up and its services connect with: unusable ones fail here
             env_security_options()
         except InvalidInput as exc:
-            raise ValueError(f"NATS security settings: {exc}") from None
+            # env_security_options validates every VTM_* setting first (ServiceSettings), so
+            # an "invalid settings: ..." is as often a VTM_LOG__LEVEL=verbose as a credential:
+            # told in its own words. Only the rest is about the NATS security settings.
+            text = str(exc)
+            raise ValueError(text if text.startswith("invalid settings")
+                             else f"NATS security settings: {text}") from None
         # Every child inherits up's environment (vertumnus.live.procs) and would exit 2 on a
         # VTM_* variable that no vertumnus process reads (shared.envcheck): up refuses it here,
         # before anything starts, naming it. One another service reads stays, ignored by the
@@ -430,6 +443,53 @@ class LiveDeployment:
     """The cache manager replicates and reclaims (else it only follows the caches)."""
 
 
+def check_ports(config: UpConfig) -> None:
+    """Try to bind the fixed ports ``config`` asks for -- ``--http-port`` (the gateway's, on
+    127.0.0.1) and ``--nats-port`` (the embedded server's) -- so that a port in use is an
+    error before anything starts, not after nats and every service did. Raises ValueError
+    naming the option and the port. (Another process can still take a port between this
+    check and the service's bind, a race no check can close; this catches the common case:
+    a port already in use.) Ports left to the kernel (0 / -1) are not tried."""
+    import socket
+
+    fixed = [(flag, port) for flag, port in (("--http-port", config.http_port),
+                                              ("--nats-port", config.nats_port)) if port > 0]
+    if len(fixed) == 2 and fixed[0][1] == fixed[1][1]:
+        raise ValueError(f"--http-port and --nats-port are both {fixed[0][1]}: the gateway "
+                         "and the nats-server need a port each")
+    for flag, port in fixed:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As the servers bind (SO_REUSEADDR: a port in TIME_WAIT is free to them), so
+            # only a port another socket holds is refused.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError as exc:
+                raise ValueError(f"{flag} {port}: the port cannot be bound on 127.0.0.1 "
+                                 f"({exc.strerror or exc}); is another server using it? "
+                                 f"(give another port, or {'0' if flag == '--http-port' else '-1'}"
+                                 " for any free one)") from None
+
+
+def nats_start_failure(message: str, config: UpConfig) -> str:
+    """The line ``up`` prints when the embedded nats-server did not start: the server's fatal
+    and error lines (``[FTL]`` / ``[ERR]``; the last line when it printed none) out of the
+    whole start-up banner :class:`~shared.natsserver.NatsServerStartError` carries, with the
+    options that shape the server (``--nats-port``, ``--nats-config``) named."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    bad = [ln for ln in lines if "[FTL]" in ln or "[ERR]" in ln]
+    shown = bad or lines[-1:]
+    # "[1234] 2026/12/07 09:06:33.113920 [FTL] Error ..." -> "Error ...": the pid and time
+    # say nothing here.
+    shown = [ln.split("] ", 2)[-1] if ln.startswith("[") and ln.count("] ") >= 2 else ln
+             for ln in shown]
+    given = [f"--nats-port {config.nats_port}" if config.nats_port != -1 else "",
+             f"--nats-config {config.nats_config}" if config.nats_config is not None else ""]
+    named = ", ".join(g for g in given if g)
+    return (f"nats-server did not start{f' ({named})' if named else ''}"
+            + (f": {'; '.join(shown)}" if shown else ""))
+
+
 def default_workload(backend: str) -> str:
     """``synthetic`` for the sim backend; ``synthetic-short`` (prompts of tens to a few hundred
     tokens, sim/workloads/synthetic.py ``short_prompts``) for the torch backend, whose CPU
@@ -468,6 +528,18 @@ def phased_config(duration_s: float, rate: float, seed_cfg: dict[str, Any] | Non
     phases = tuple(Phase(p.duration_s * k, p.rate_multiplier, p.long_share)
                    for p in DEFAULT_PHASES)
     return SyntheticConfig(duration_s=duration_s, rate=rate, phases=phases, **(seed_cfg or {}))
+
+
+def up_synthetic_config(gpus: int, duration_s: float = DEFAULT_DURATION_S):  # type: ignore[no-untyped-def]
+    """The synthetic workload ``vertumnus up --gpus GPUS --duration S`` replays when it is
+    given none: the four phases compressed into ``duration_s`` at :data:`RATE_PER_GPU` × GPUS
+    req/s (``vertumnus synthetic --for-up GPUS`` writes it, so that ``up --workload FILE``
+    starts from up's own default, not from simulate's 40-GPU one at 8 req/s)."""
+    if gpus < 1:
+        raise InvalidInput(f"GPUs must be >= 1, got {gpus}")
+    if not (duration_s > 0 and math.isfinite(duration_s)):
+        raise InvalidInput(f"duration must be a finite number of seconds > 0, got {duration_s}")
+    return phased_config(duration_s, RATE_PER_GPU * gpus)
 
 
 def load_requests(spec: str, *, duration_s: float, rate: float | None, seed: int,
@@ -602,6 +674,8 @@ class LiveStack:
         self._restarts: dict[str, int] = {}  # restart_exited's count per service
         self._down: set[int] = set()  # pids exited_for_good reported
         self._killed_nats: int | None = None  # the port of a nats-server kill_child killed
+        self.phase = ""
+        """How far :meth:`start` has come ('' before it), for an interrupted start's report."""
         """Children killed by :meth:`kill_child`, by name, until :meth:`restart_child`."""
 
     # -- environment of each child ----------------------------------------------------------
@@ -801,6 +875,7 @@ class LiveStack:
         # with that run's results) and its epoch record (its composition). Restarts within
         # the run (_new_nats) keep it.
         shutil.rmtree(self._nats_store, ignore_errors=True)
+        self.phase = "starting the nats-server"
         self.nats = self._new_nats(self.config.nats_port)
         # NOTE: started from this (the main) thread: the parent-death signal of the shim
         # follows the thread that forked, and a worker thread of to_thread may end first.
@@ -813,11 +888,14 @@ class LiveStack:
         # Watch from the very start, so warm-up reconfigurations are seen (and told apart).
         self.observer = Observer(self.nc, self.subjects)
         await self.observer.start()
+        self.phase = "starting the services"
         specs = self.specs(self.nats.url)
         for info, spec in specs:
             if info.name != "controller":
                 self._start_child(info, spec)
+        self.phase = "waiting for the services to be healthy (the controller starts after)"
         health = await self.wait_healthy()
+        self.phase = "starting the controller"
         # The controller starts last, when the traffic is about to start: its first windows
         # then measure the replay, not an idle warm-up (which reads as "merge everything").
         # Until its first epoch record the rank daemons run the same initial composition.
@@ -1215,9 +1293,39 @@ def up_banner(config: UpConfig, n_requests: int, log_dir: Path) -> str:
             f"{config.policy}, backend {config.backend}, ")
     if config.serve:
         return f"{head}no replay (--serve), time scale {scale:g}; logs {log_dir}"
-    return (f"{head}{n_requests} requests over {config.duration_s:g} modelled s at time scale "
-            f"{scale:g} (≈{config.duration_s * scale / config.rate_scale:.0f} s wall); "
-            f"logs {log_dir}")
+    # --duration is the workload's length; --rate-scale compresses its arrivals (as in
+    # simulate), so the replay is that much shorter: said, or a --kill-at planned by the
+    # workload's length lands after the replay ended.
+    replayed = config.duration_s / config.rate_scale
+    compressed = ("" if config.rate_scale == 1.0 else
+                  f", its arrivals ×{config.rate_scale:g} faster (--rate-scale): replayed in "
+                  f"{replayed:g} modelled s")
+    return (f"{head}{n_requests} requests over {config.duration_s:g} modelled s{compressed} at "
+            f"time scale {scale:g} (≈{replayed * scale:.0f} s wall); logs {log_dir}")
+
+
+def fault_plan_lines(plans: Sequence[CrashPlan], last_arrival_wall_s: float) -> list[str]:
+    """One line per planned crash, for before the run: what is killed when, whether it is
+    started again, and a warning when the kill or the restart is planned after the replay's
+    last arrival (``last_arrival_wall_s``, wall seconds after its start: the workload's span
+    ÷ ``--rate-scale`` × time scale): such a moment comes only while requests are still open,
+    and never once every answer is in (the injection ends with the replay)."""
+    out = []
+    for plan in plans:
+        again = ("never restarted" if plan.restart_after_s is None
+                 else f"restarted {plan.restart_after_s:g} s later")
+        late = ""
+        if plan.kill_at_s > last_arrival_wall_s:
+            late = (f" [yellow](after the last arrival at ≈{last_arrival_wall_s:.0f} s: it "
+                    "fires only while requests are still open)")
+        elif plan.restart_after_s is not None and \
+                plan.kill_at_s + plan.restart_after_s > last_arrival_wall_s:
+            late = (f" [yellow](the restart, at {plan.kill_at_s + plan.restart_after_s:g} s, "
+                    f"comes after the last arrival at ≈{last_arrival_wall_s:.0f} s: only while "
+                    "requests are still open; else the service stays down)")
+        out.append(f"fault: {plan.service} killed {plan.kill_at_s:g} wall s after the replay "
+                   f"starts, {again}{late}")
+    return out
 
 
 async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = None,
@@ -1227,7 +1335,14 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
 
     ``requests``: the workload's requests, loaded already by the caller (the CLI loads them
     before anything starts, so that an unreadable trace costs nothing); None: loaded here
-    with :func:`load_requests` from ``config``."""
+    with :func:`load_requests` from ``config``.
+
+    Ctrl-C / SIGTERM / SIGHUP at any point from the profiling on ends the run with a report
+    (and the JSON): during the replay it covers what finished; during the start-up the
+    summary's ``interrupted_during`` names the phase (``"start-up: profiling the modelled
+    hardware"``, ``"start-up: waiting for the services to be healthy ..."``, ...) and no
+    request was sent. ``services_killed``: services an injected kill left down at the end
+    (:func:`~vertumnus.live.faults.killed_for_good`)."""
     from rich.console import Console
 
     console = console or Console()
@@ -1243,50 +1358,21 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     requests = list(requests)
     err.print(up_banner(config, len(requests), log_dir))
     plans = config.crash_plans()
-    last_s = (requests[-1].arrival_s * scale / config.rate_scale) if requests else 0.0
-    for plan in plans:
-        again = ("never restarted" if plan.restart_after_s is None
-                 else f"restarted {plan.restart_after_s:g} s later")
-        late = (f" [yellow](after the last arrival at ≈{last_s:.0f} s: it fires only while "
-                "requests are still open)" if plan.kill_at_s > last_s else "")
-        err.print(f"fault: {plan.service} killed {plan.kill_at_s:g} wall s after the replay "
-                  f"starts, {again}{late}")
+    # The replay's clock starts at the first arrival (vertumnus.live.replay).
+    last_s = ((requests[-1].arrival_s - min(r.arrival_s for r in requests)) * scale
+              / config.rate_scale) if requests else 0.0
+    for line in fault_plan_lines(plans, last_s):
+        err.print(line)
     from vertumnus.live.replay import ReplayConfig, prepare_bodies
 
-    if config.backend == "torch" and config.profile is None and config.profile_engine:
-        err.print("profiling the torch engine for the scheduler's cost model "
-                  "(--profile PATH reuses one, --no-profile-engine skips)…")
-        try:
-            path, rep = await asyncio.to_thread(engine_profile, config,
-                                                log_dir / "engine-profile")
-        except ModuleNotFoundError as exc:
-            raise StackError(f"--backend torch needs the 'engine' extra ({exc.name} missing): "
-                             "pip install -e '.[engine]'") from None
-        err.print(f"engine profile {path}: MAPE {rep.get('mape_vs_measured', math.nan):.1%} "
-                  f"against the measured grid, degrees {rep.get('degrees')}")
-        config = dataclasses.replace(config, profile=path)
-    if config.backend == "sim" and config.profile is None:
-        # Always, the default hardware too: the built-in profile has the note's coefficients
-        # but no κ, and without κ the controller would judge every worker by a placeholder
-        # (0.7 of a window). About 2 s.
-        err.print(f"profiling the modelled hardware ({config.hardware or 'the default'}) for "
-                  "the services' cost model (--profile PATH reuses one)…")
-        path, rep = await asyncio.to_thread(hardware_profile, config,
-                                            log_dir / "hardware-profile")
-        err.print(f"hardware profile {path}: MAPE "
-                  f"{rep['fit_vs_truth']['mape']:.1%} against the modelled hardware, degrees "
-                  f"{rep.get('degrees')}")
-        # The profile is fitted now: --per-degree has done its part (a config that gives a
-        # profile cannot ask for a fit).
-        config = dataclasses.replace(config, profile=path, per_degree=False)
-    # Encode every prompt before anything starts: it is CPU work, not load, and must not
-    # delay the replay once the controller watches.
-    bodies = await asyncio.to_thread(prepare_bodies, requests,
-                                     ReplayConfig(block_size=config.block_size))
-    stack = LiveStack(config, log_dir=log_dir)
+    # The guard goes in first: a Ctrl-C during the profiling or the services' start is an
+    # interruption like one during the replay (a report naming the phase, --json written),
+    # not asyncio's bare KeyboardInterrupt.
     bound = config.stop_timeout_wall_s + 15.0
     guard = InterruptGuard(lambda: err.print(f"already stopping (at most ~{bound:.0f} s)…"))
     guard.install()
+    stack: LiveStack | None = None
+    phase = "start-up: preparing the run"
     records: list[Any] = []
     cache_blocks: dict[str, int] = {}  # the workers' cache capacity once healthy
     observer: Observer | None = None
@@ -1304,6 +1390,7 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
         # Children that end during the run are started again, as compose would (see
         # LiveStack.restart_exited); injected kills are not seen here (kill_child takes the
         # child out of the set).
+        assert stack is not None
         for name, old, status, new in stack.restart_exited():
             at = time.monotonic() - t0
             for ev in (FaultEvent("exit", name, at, old, status),
@@ -1329,19 +1416,56 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     def replay_started() -> None:
         # The replay's clock starts here: composition changes and faults share it.
         nonlocal supervisor
-        assert stack.observer is not None
-        stack.observer.mark_start()
-        supervisor = asyncio.create_task(supervise(stack.observer.t0), name="supervision")
+        live = stack  # started: not None from here on
+        assert live is not None and live.observer is not None
+        live.observer.mark_start()
+        supervisor = asyncio.create_task(supervise(live.observer.t0), name="supervision")
         for plan in plans:
             crashes.append((plan, asyncio.create_task(run_crash(
-                plan, kill=lambda name=plan.service: stack.kill_child(name),
-                restart=lambda name=plan.service: stack.restart_child(name), events=faults,
-                t0=stack.observer.t0, on_event=note),
+                plan, kill=lambda name=plan.service: live.kill_child(name),
+                restart=lambda name=plan.service: live.restart_child(name), events=faults,
+                t0=live.observer.t0, on_event=note),
                 name=f"fault-injection-{plan.service}")))
 
     try:
         try:
+            if config.backend == "torch" and config.profile is None and config.profile_engine:
+                phase = "start-up: profiling the torch engine"
+                err.print("profiling the torch engine for the scheduler's cost model "
+                          "(--profile PATH reuses one, --no-profile-engine skips)…")
+                try:
+                    path, rep = await asyncio.to_thread(engine_profile, config,
+                                                        log_dir / "engine-profile")
+                except ModuleNotFoundError as exc:
+                    raise StackError(f"--backend torch needs the 'engine' extra ({exc.name} "
+                                     "missing): pip install -e '.[engine]'") from None
+                err.print(f"engine profile {path}: MAPE "
+                          f"{rep.get('mape_vs_measured', math.nan):.1%} against the measured "
+                          f"grid, degrees {rep.get('degrees')}")
+                config = dataclasses.replace(config, profile=path)
+            if config.backend == "sim" and config.profile is None:
+                # Always, the default hardware too: the built-in profile has the note's
+                # coefficients but no κ, and without κ the controller would judge every worker
+                # by a placeholder (0.7 of a window). About 2 s.
+                phase = "start-up: profiling the modelled hardware"
+                err.print(f"profiling the modelled hardware ({config.hardware or 'the default'})"
+                          " for the services' cost model (--profile PATH reuses one)…")
+                path, rep = await asyncio.to_thread(hardware_profile, config,
+                                                    log_dir / "hardware-profile")
+                err.print(f"hardware profile {path}: MAPE "
+                          f"{rep['fit_vs_truth']['mape']:.1%} against the modelled hardware, "
+                          f"degrees {rep.get('degrees')}")
+                # The profile is fitted now: --per-degree has done its part (a config that
+                # gives a profile cannot ask for a fit).
+                config = dataclasses.replace(config, profile=path, per_degree=False)
+            # Encode every prompt before anything starts: it is CPU work, not load, and must
+            # not delay the replay once the controller watches.
+            phase = "start-up: encoding the prompts"
+            bodies = await asyncio.to_thread(prepare_bodies, requests,
+                                             ReplayConfig(block_size=config.block_size))
+            stack = LiveStack(config, log_dir=log_dir)
             health = await stack.start()
+            phase = "the replay" if not config.serve else "serving"
             cache_blocks = dict(sorted(health.kv_total_blocks.items()))
             if stack.missing:
                 err.print(f"[yellow]not started (module not found): {', '.join(stack.missing)}")
@@ -1378,6 +1502,8 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
         # From here a signal only says so; an interruption caught above is handled (report,
         # clean stop): later awaits must not see it.
         guard.stopping(handled=interrupted)
+        if stack is not None and phase.startswith("start-up") and stack.phase:
+            phase = f"start-up: {stack.phase}"  # how far the services' start had come
         if supervisor is not None:
             # Parked in its sleep (restarts run synchronously on this thread): cancel() is
             # enough, and it can no longer touch the child set the stop hands to a thread.
@@ -1401,26 +1527,41 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                                         and "restart" not in done):
                 err.print(f"[yellow]fault injection: the replay ended before the planned "
                           f"{'restart' if 'kill' in done else 'kill'} of {plan.service}")
-        observer = stack.observer
-        recovery, sched_cache = await _scheduler_counts(stack)
-        cache_counts = await _cache_manager_counts(stack)
-        err.print("stopping services…")
-        codes = await asyncio.shield(stack.stop())
+        codes: dict[str, int | None] = {}
+        recovery = scheduler_recovery([])
+        sched_cache = summed_counters([], SCHEDULER_CACHE_COUNTERS)
+        cache_counts = summed_counters([], CACHE_MANAGER_COUNTERS)
+        if stack is not None:
+            observer = stack.observer
+            recovery, sched_cache = await _scheduler_counts(stack)
+            cache_counts = await _cache_manager_counts(stack)
+            err.print("stopping services…")
+            codes = await asyncio.shield(stack.stop())
+    killed = killed_for_good([f.as_dict() for f in faults])
     report = LiveReport(
         records, scale, slo=config.slo,
         changes=list(observer.changes) if observer else [],
         prefix_tokens=dict(observer.prefix_tokens) if observer else {},
+        serving=config.serve,
         meta={
             "interrupted": interrupted, "gpus": config.gpus, "degrees": sorted(config.degrees),
             "policy": config.policy, "backend": config.backend, "workload": config.workload,
             "duration_s": config.duration_s, "rate": config.base_rate,
-            "rate_scale": config.rate_scale, "seed": config.seed,
-            "requests_planned": len(requests), "services_missing": stack.missing,
+            "rate_scale": config.rate_scale, "replay_modelled_s":
+                config.duration_s / config.rate_scale, "seed": config.seed,
+            "requests_planned": len(requests),
+            "services_missing": stack.missing if stack is not None else [],
             "profile": str(config.profile) if config.profile else None,
             "hardware": str(config.hardware) if config.hardware else None,
             "nats_config": str(config.nats_config) if config.nats_config else None,
             "kv_total_blocks": cache_blocks,
             "exit_codes": codes, "log_dir": str(log_dir), "services_down": sorted(down),
+            # Injected kills never undone (--kill-at without --restart-after, or the replay
+            # ended first): down for good too, by request; up exits 1 for them as well.
+            "services_killed": killed,
+            # Cut short before the replay (or the serving) began: where it stopped.
+            **({"interrupted_during": phase}
+               if interrupted and phase.startswith("start-up") else {}),
             **(observer.summary_counts() if observer else {}),
             "scheduler_recovery": recovery,
             "scheduler_cache": sched_cache,
@@ -1429,7 +1570,13 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
         faults=[f.as_dict() for f in faults],
     )
     summary = report.summary()
-    if config.serve:
+    if summary.get("interrupted_during"):
+        # Nothing replayed (or served) yet: not "0 of N requests finished", which reads as a
+        # replay that failed.
+        console.print(f"[yellow]interrupted during {summary['interrupted_during']}: no "
+                      + (f"request was sent ({len(requests)} planned)" if not config.serve
+                         else "external traffic was served"))
+    elif config.serve:
         summary["interrupted"] = False  # Ctrl-C is how a serving stack ends
     elif interrupted:
         console.print(f"[yellow]interrupted: {summary['completed']} of {len(requests)} "
@@ -1446,5 +1593,6 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     return summary
 
 
-__all__ = ["LiveStack", "StackError", "UpConfig", "default_composition", "load_requests",
-           "notation", "phased_config", "run_up", "write_json"]
+__all__ = ["LiveStack", "StackError", "UpConfig", "check_ports", "default_composition",
+           "fault_plan_lines", "load_requests", "nats_start_failure", "notation",
+           "phased_config", "run_up", "up_synthetic_config", "write_json"]

@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import IO, Any, Final
 
 import nats
 from nats.aio.client import Client
@@ -46,6 +46,19 @@ from vertumnus.live.tap import connect_cli
 
 DEFAULT_TIMEOUT_S: Final[float] = 3.0
 PING_SUBJECT: Final[str] = "$SRV.PING"
+PIPE_WIDTH: Final[int] = 10_000
+"""The width :func:`status_console` draws at when the output is no terminal: wider than any
+row, so that nothing is shrunk to fit (rich's default there is 80 columns, which cut the
+workers table's ids and lifecycles: ``w-c…``, ``act…``)."""
+
+
+def status_console(file: IO[str] | None = None) -> Console:
+    """The console :func:`render` draws on for ``file`` (None: stdout). A terminal keeps its
+    own width (a row too wide for it folds its cells, :func:`render`); anything else -- a pipe,
+    a file, a CI log -- gets :data:`PIPE_WIDTH`, so every id and value is written whole, each
+    row on one line, for ``grep`` and friends. Tables are never padded out to that width."""
+    console = Console(file=file)
+    return console if console.is_terminal else Console(file=file, width=PIPE_WIDTH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,10 +376,22 @@ _REPORTED_STYLE: Final[dict[str, str]] = {"live": "green", "stale": "bold red",
                                           "malformed": "bold red", "missing": "yellow"}
 
 
+def _keep_whole(columns: Mapping[str, Sequence[str | None]]) -> dict[str, dict[str, Any]]:
+    """``Table.add_column`` options that keep each named column's values on one line: a
+    minimum width of its longest value (and header), so that a table too wide for the console
+    takes the room from the figures instead -- an id or lifecycle split over lines is hard to
+    read and impossible to copy. Only a console narrower than these columns folds them."""
+    return {name: {"no_wrap": True, "min_width": max(len(name), *(len(v or "") for v in vals))}
+            for name, vals in columns.items()}
+
+
 def render(summary: Mapping[str, Any], console: Console) -> None:
     """The summary as a header line and up to three tables (composition, workers, services);
     a section with nothing to show is left out (its notice says why). Every text from the bus
-    is printed as plain text, never as rich markup."""
+    is printed as plain text, never as rich markup. A table too wide for ``console`` keeps its
+    ids and lifecycles whole (:func:`_keep_whole`) and folds the other cells onto further
+    lines instead of ending them in "…": an id or a figure cut short is a wrong one
+    (:func:`status_console` gives a pipe room for every row)."""
     ep, ws, sv = summary["epoch"], summary["workers"], summary["services"]
     head = f"NATS {summary['nats']} · prefix {summary['prefix']} · {_clock(summary['at_s'])}"
     if ep["state"] == "ok":
@@ -378,8 +403,11 @@ def render(summary: Mapping[str, Any], console: Console) -> None:
         t = Table(title=Text(f"composition, epoch {ep['epoch']} (committed "
                              f"{_clock(ep['committed_at_s'])}, {_age(ep['committed_age_s'])} "
                              f"ago{reason})"))
+        kept = _keep_whole({"worker": [w["worker_id"] for w in ep["workers"]],
+                            "lifecycle": [w["lifecycle"] for w in ep["workers"]]})
         for col in ("worker", "kind", "degree", "first GPU", "GPUs", "lifecycle", "state"):
-            t.add_column(col, justify="right" if col in ("degree", "first GPU") else "left")
+            t.add_column(col, justify="right" if col in ("degree", "first GPU") else "left",
+                         overflow="fold", **kept.get(col, {}))
         for w in ep["workers"]:
             t.add_row(Text(w["worker_id"]), w["kind"], str(w["degree"]), str(w["first_gpu"]),
                       _gpus(w["gpus"]), w["lifecycle"],
@@ -389,9 +417,14 @@ def render(summary: Mapping[str, Any], console: Console) -> None:
     if ws["entries"]:
         t = Table(title=f"workers ({ws['count']}; {ws['stale']} stale, {ws['malformed']} "
                         f"malformed; lease {summary['lease_s']:g} s)")
+        # A malformed state's row shows its key and "malformed" in these columns.
+        kept = _keep_whole({"worker": [e.get("worker_id", e["key"]) for e in ws["entries"]],
+                            "lifecycle": [e.get("lifecycle", "malformed")
+                                          for e in ws["entries"]]})
         for col in ("worker", "deg", "GPUs", "lifecycle", "epoch", "queue", "outst. s",
                     "KV free/total", "served", "hit/input tok", "heartbeat age"):
-            t.add_column(col, justify="left" if col in ("worker", "lifecycle") else "right")
+            t.add_column(col, justify="left" if col in ("worker", "lifecycle") else "right",
+                         overflow="fold", **kept.get(col, {}))
         for e in ws["entries"]:
             if e["malformed"]:
                 t.add_row(Text(e["key"]), "—", "—", Text("malformed", style="bold red"),
@@ -409,8 +442,10 @@ def render(summary: Mapping[str, Any], console: Console) -> None:
 
     if sv["entries"]:
         t = Table(title=f"services answering {PING_SUBJECT} ({sv['count']})")
+        kept = _keep_whole({"name": [x["name"] for x in sv["entries"]],
+                            "id": [x["id"] for x in sv["entries"]]})
         for col in ("name", "id", "version", "metadata"):
-            t.add_column(col)
+            t.add_column(col, overflow="fold", **kept.get(col, {}))
         for s in sv["entries"]:
             meta = " ".join(f"{k}={v}" for k, v in sorted(s["metadata"].items())
                             if k != "prefix")  # the prefix is the header's
@@ -418,5 +453,5 @@ def render(summary: Mapping[str, Any], console: Console) -> None:
         console.print(t)
 
 
-__all__ = ["BucketRead", "DEFAULT_TIMEOUT_S", "Gathered", "gather", "render", "status",
-           "summarise"]
+__all__ = ["BucketRead", "DEFAULT_TIMEOUT_S", "Gathered", "PIPE_WIDTH", "gather", "render",
+           "status", "status_console", "summarise"]

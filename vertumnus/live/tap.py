@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 
 from shared.ids import InvalidInput
 from shared.logging import quiet_ssl_eof_warning
-from shared.natsauth import env_security_options
+from shared.natsauth import env_nats_security_options
 from shared.natsclient import connect
 from shared.schemas import JSON, MSGPACK, content_type_of
 
@@ -104,10 +104,11 @@ async def connect_cli(url: str, name: str, *, timeout_s: float = 5.0) -> nats.NA
     after the connection was made (a server restart) are one line on stderr each.
 
     Credentials and TLS come from the same ``VTM_NATS_*`` variables as the services'
-    (:mod:`shared.natsauth`); a bad one raises ``OSError`` naming it."""
+    (:mod:`shared.natsauth`), and only those (:func:`~shared.natsauth.env_nats_security_options`:
+    a tool reads no other setting); a bad one raises ``OSError`` naming it."""
     quiet_ssl_eof_warning()
     try:
-        secure = env_security_options()
+        secure = env_nats_security_options()
     except InvalidInput as exc:
         raise OSError(str(exc)) from None
     connected = False
