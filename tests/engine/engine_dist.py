@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,6 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HANG_GUARD_S = 600.0
+POLL_S = 1.0
+"""How often the parent looks for ranks that exited without a result."""
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, store: str, q: Any, args: tuple) -> None:
@@ -54,12 +57,23 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         for p in procs:
             p.start()
         results: dict[int, tuple[bool, Any]] = {}
-        try:
-            for _ in range(world):
-                rank, ok, res = q.get(timeout=HANG_GUARD_S)
-                results[rank] = (ok, res)
-        except queue.Empty:
-            pass
+        deadline = time.monotonic() + HANG_GUARD_S
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, ok, res = q.get(timeout=POLL_S)
+            except queue.Empty:
+                # A rank that died before reporting (e.g. its body could not be unpickled:
+                # a function defined in a test module, which --import-mode=importlib names
+                # so that a child cannot import it) will never report: stop waiting.
+                if any(p.exitcode is not None for i, p in enumerate(procs)
+                       if i not in results):
+                    try:  # what it put just before exiting may still be in the pipe
+                        rank, ok, res = q.get(timeout=POLL_S)
+                    except queue.Empty:
+                        break
+                    results[rank] = (ok, res)
+                continue
+            results[rank] = (ok, res)
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():

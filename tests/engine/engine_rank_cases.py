@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +298,18 @@ def world4(rank: int, world: int) -> dict[str, Any]:
         "switch_s": switches,
         "workers": engine.worker_id,
     }
+
+
+def group_timeouts(rank: int, world: int, seconds: float) -> dict[int, float]:
+    """Each lattice group's gloo collective timeout on this rank, by degree (a rank body: it
+    lives here, not in the test module, so that spawned ranks can unpickle it by name)."""
+    from services.rankd.engine.groups import RankGroups
+
+    groups = RankGroups((1, 2), 2, timeout=timedelta(seconds=seconds))
+    out = {}
+    for d in (1, 2):
+        pg = groups.group(d).pg
+        if pg is not None:
+            backend = pg._get_backend(torch.device("cpu"))
+            out[d] = backend.options._timeout.total_seconds()
+    return out

@@ -3,11 +3,10 @@ groups take the world's collective timeout rather than torch's 30-minute gloo de
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
 from engine_dist import run_world
+from engine_rank_cases import group_timeouts
 
 from services.rankd.engine.config import Qwen3Config
 from services.rankd.engine.errors import TokenOutOfVocab
@@ -45,20 +44,7 @@ def test_non_integer_ids_are_still_invalid_input(model: Qwen3ForCausalLM) -> Non
     assert model.check_request(torch.tensor([3])).dtype == torch.int64
 
 
-def _group_timeouts(rank: int, world: int, seconds: float) -> dict[int, float]:
-    from services.rankd.engine.groups import RankGroups
-
-    groups = RankGroups((1, 2), 2, timeout=timedelta(seconds=seconds))
-    out = {}
-    for d in (1, 2):
-        pg = groups.group(d).pg
-        if pg is not None:
-            backend = pg._get_backend(torch.device("cpu"))
-            out[d] = backend.options._timeout.total_seconds()
-    return out
-
-
 def test_lattice_groups_use_the_given_collective_timeout() -> None:
     # The default group was made with 120 s (engine_dist); new_group inherits neither that
     # nor anything else unless passed: without it gloo groups wait 30 min for a member.
-    assert run_world(_group_timeouts, 2, 42.0) == [{2: 42.0}, {2: 42.0}]
+    assert run_world(group_timeouts, 2, 42.0) == [{2: 42.0}, {2: 42.0}]
