@@ -342,6 +342,30 @@ def flush_telemetry(timeout_s: float) -> bool:
     return not cut_short
 
 
+def quiet_cancelled_leftovers(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's exception handler in a service process: asyncio's own, except for a
+    future dropped with a *cancellation* as its never-retrieved exception, logged at debug.
+
+    Why: nats-py's drain waits for its subscriptions' drains through ``asyncio.gather``; when
+    that wait is cancelled (a stop whose server was lost meanwhile: ``drain_or_close`` gives
+    the drain up) the gathering future is left holding a ``CancelledError`` that nothing
+    retrieves, and asyncio logged it with a traceback at the process's exit -- a cancelled
+    operation, not an error, reported as one in a clean stop. Any other exception a future
+    or task drops is still logged by asyncio's handler."""
+    exc = context.get("exception")
+    if isinstance(exc, asyncio.CancelledError) \
+            and "never retrieved" in str(context.get("message", "")):
+        log.debug("a cancelled future was never awaited",
+                  future=repr(context.get("future") or context.get("task"))[:200])
+        return
+    loop.default_exception_handler(context)
+
+
+async def _serve_in(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) -> None:
+    asyncio.get_running_loop().set_exception_handler(quiet_cancelled_leftovers)
+    await serve(settings)
+
+
 def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) -> None:
     """Configure logging, tracing and metrics from ``settings``, run ``serve(settings)``, flush
     tracing and metrics. The process's graceful stop is bounded by ``stop_timeout_s``, and it
@@ -356,7 +380,8 @@ def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) ->
     warning says so (:func:`flush_telemetry`).
 
     A start-up that lost its NATS server (:class:`~shared.service.StartUpLost`, logged where
-    it was met) ends the process with :data:`RESTART_EXIT`, not a traceback."""
+    it was met) ends the process with :data:`RESTART_EXIT`, not a traceback. The loop's
+    exception handler is :func:`quiet_cancelled_leftovers`."""
     configure_logging(settings.log.format, settings.log.level, service=settings.service_name)
     bound_stops(settings.stop_timeout_s)
     if settings.parent_pid is not None:
@@ -364,7 +389,7 @@ def run_service(settings: S, serve: Callable[[S], Coroutine[Any, Any, None]]) ->
     setup_tracing(settings.service_name, settings.telemetry, instance_id=settings.instance_id)
     setup_metrics(settings.service_name, settings.telemetry, instance_id=settings.instance_id)
     try:
-        asyncio.run(serve(settings))
+        asyncio.run(_serve_in(settings, serve))
     except InvalidInput as exc:
         # Settings valid one by one but not together (a GPU count the degrees cannot tile,
         # an unknown policy): the service cannot start. One line, not a traceback.

@@ -82,12 +82,13 @@ from services.rankd.backend import ExecutionBackend
 from services.rankd.blockcache import BlockCache
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings, initial_workers_problem
-from shared.ids import BlockHash, InvalidInput, VertumnusError, WorkerFault, WorkerId
+from shared.ids import BlockHash, InvalidInput, WorkerFault, WorkerId
 from shared.natsauth import security_options
 from shared.natsclient import connect
 from shared.schemas import EpochRecord, EpochWorker, SchemaError, decode
 from shared.service import (
     KvWatch,
+    StartUpLost,
     drain_or_close,
     epoch_kv,
     nats_callbacks,
@@ -115,11 +116,6 @@ BUS_ERRORS: Final = (nats.errors.Error, TimeoutError, ConnectionError)
 connection closed under it)."""
 
 T = TypeVar("T")
-
-
-class StartUpLost(VertumnusError):
-    """The rank host's start-up failed because its NATS server was lost (module docstring):
-    the process should be started again once the server is back."""
 
 
 async def _finish_first(step: Awaitable[T]) -> T:

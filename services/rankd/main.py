@@ -19,8 +19,9 @@ computes for real and is the same here and there.
 
 Exit status: 0 after SIGINT/SIGTERM (during the start-up too); :data:`WORKER_FAULT_EXIT` after
 a worker fault (a rank process died: the requests were handed back to intake first, see
-:mod:`services.rankd.service`), and after a rank host's start-up that lost its NATS server
-(:class:`~services.rankd.host.StartUpLost`: logged as an error, what had started stopped), so a
+:mod:`services.rankd.service`), and after a start-up (the rank host's or a single worker's)
+that lost its NATS server
+(:class:`~shared.service.StartUpLost`: logged as an error, what had started stopped), so a
 supervisor (docker compose ``restart:``, systemd, k8s) starts the process again; 2 for
 settings that cannot work together.
 """
@@ -33,10 +34,11 @@ from typing import Any, Final, TypeVar
 import structlog
 
 from services.rankd.backend import BACKENDS, ExecutionBackend
-from services.rankd.host import RankdHost, StartUpLost
+from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.ids import WorkerFault
+from shared.service import StartUpLost
 from shared.servicemain import parse_flags, run_service
 from shared.worker import WorkerKind
 
@@ -94,7 +96,7 @@ def run_rankd(settings: S, serve_fn: Callable[[S], Coroutine[Any, Any, None]]) -
     """:func:`shared.servicemain.run_service` for a rank daemon (this main's, or a launcher's
     with its own ``serve``): a :class:`WorkerFault` ends the process with
     :data:`WORKER_FAULT_EXIT`, not a traceback; so does a rank host's start-up that lost its
-    NATS server (:class:`~services.rankd.host.StartUpLost`)."""
+    NATS server (:class:`~shared.service.StartUpLost`), as a single worker's does."""
     try:
         run_service(settings, serve_fn)
     except (WorkerFault, StartUpLost):

@@ -16,11 +16,11 @@ from structlog.testing import capture_logs
 
 from services.rankd import main as rankd_main
 from services.rankd.backend import SimBackend
-from services.rankd.host import RankdHost, StartUpLost
+from services.rankd.host import RankdHost
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
 from shared.schemas import EpochRecord, EpochWorker, to_json
-from shared.service import drain_or_close, epoch_kv
+from shared.service import StartUpLost, drain_or_close, epoch_kv
 from shared.subjects import Subjects
 from shared.worker import GpuGroup, Lifecycle
 
