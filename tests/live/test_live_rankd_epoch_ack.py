@@ -11,7 +11,6 @@ started for a new record, failed the worker's start.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
 import nats
@@ -19,6 +18,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import OutboundBufferLimitError
+from rankd_host_support import record
 from service_support import service_running
 
 from services.rankd.backend import SimBackend
@@ -26,21 +26,14 @@ from services.rankd.host import RankdHost
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
-from shared.schemas import EpochAck, EpochRecord, EpochWorker, decode, to_json
+from shared.schemas import EpochAck, decode
 from shared.service import epoch_kv
 from shared.subjects import Subjects
-from shared.worker import GpuGroup, Lifecycle
+from shared.worker import Lifecycle
 
 WAIT_S = 20.0  # bound for correctness waits only; nothing asserts on speed
 
 
-def record(epoch: int, *wids: str) -> bytes:
-    workers = []
-    for wid in wids:
-        g = GpuGroup.from_worker_id(wid)
-        workers.append(EpochWorker(worker_id=wid, first_gpu=g.first_gpu, degree=g.degree,
-                                   lifecycle=Lifecycle.ACTIVE))
-    return to_json(EpochRecord(epoch=epoch, workers=workers, committed_at_s=time.time()))
 
 
 def fail_first_ack(

@@ -8,11 +8,11 @@ malformed one must not cost the adoption (it is adopted, the span a root, one wa
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
 import pytest
+from gated_backend import GatedBackend
 from nats.aio.client import Client
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -24,7 +24,7 @@ from services.rankd.backend import SimBackend
 from services.rankd.service import EPOCH_ADOPT_SPAN, RankdService
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
-from shared.schemas import Assignment, EpochRecord, EpochWorker, to_json
+from shared.schemas import EpochRecord, EpochWorker, to_json
 from shared.service import epoch_kv
 from shared.subjects import Subjects
 from shared.telemetry import inject, tracer
@@ -115,16 +115,6 @@ async def test_a_malformed_traceparent_does_not_stop_the_adoption(
     assert warnings[0]["epoch"] == 3
 
 
-class GatedBackend(SimBackend):
-    """The sim backend, holding every prefill until ``gate`` opens."""
-
-    def __init__(self) -> None:
-        super().__init__(prefill_time=lambda r, p, c, kind="cp": 0.01)
-        self.gate = asyncio.Event()
-
-    async def prefill(self, assignment: Assignment) -> Any:
-        await self.gate.wait()
-        return await super().prefill(assignment)
 
 
 async def test_an_adoption_that_hands_requests_back_says_so(

@@ -10,6 +10,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
+from rankd_host_support import Closing, record
 
 from services.rankd.backend import SimBackend
 from services.rankd.host import START_ATTEMPTS, RankdHost
@@ -20,16 +21,13 @@ from shared.schemas import (
     Assignment,
     AssignmentAck,
     EpochAck,
-    EpochRecord,
-    EpochWorker,
     FirstToken,
     IntakeRequest,
     decode,
-    to_json,
 )
 from shared.service import call, epoch_kv
 from shared.subjects import Subjects
-from shared.worker import GpuGroup, Lifecycle
+from shared.worker import GpuGroup
 
 WAIT_S = 20.0
 
@@ -49,16 +47,6 @@ def assignment(rid: str, wid: str, epoch: int) -> Assignment:
     )
 
 
-def record(epoch: int, *wids: str) -> bytes:
-    workers = []
-    for wid in wids:
-        g = GpuGroup.from_worker_id(wid)
-        workers.append(
-            EpochWorker(
-                worker_id=wid, first_gpu=g.first_gpu, degree=g.degree, lifecycle=Lifecycle.ACTIVE
-            )
-        )
-    return to_json(EpochRecord(epoch=epoch, workers=workers, committed_at_s=time.time()))
 
 
 async def wait_for_workers(host: RankdHost, wanted: set[str]) -> None:
@@ -355,16 +343,6 @@ async def test_a_worker_starting_while_the_server_restarts_starts_again(uniq: st
         await stop_after_restart(host, task, nc, again, server)
 
 
-class Closing(SimBackend):
-    """A SimBackend that says whether it was closed."""
-
-    def __init__(self, wid: str) -> None:
-        super().__init__(time_scale=1.0)
-        self.wid, self.closed = wid, False
-
-    async def close(self) -> None:
-        self.closed = True
-        await super().close()
 
 
 async def test_a_worker_whose_every_start_fails_costs_only_itself(

@@ -18,6 +18,7 @@ import time
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
+from rankd_host_support import record
 
 from services.rankd.backend import PrefillResult, SimBackend
 from services.rankd.core import INTAKE_MSG_HEADER
@@ -28,16 +29,13 @@ from shared.natsserver import EmbeddedNats
 from shared.schemas import (
     Assignment,
     AssignmentAck,
-    EpochRecord,
-    EpochWorker,
     FirstToken,
     IntakeRequest,
     decode,
-    to_json,
 )
 from shared.service import call, epoch_kv
 from shared.subjects import Subjects
-from shared.worker import GpuGroup, Lifecycle, WorkerKind
+from shared.worker import GpuGroup, WorkerKind
 
 WAIT_S = 20.0  # bound for correctness waits only; nothing asserts on speed
 SLOW_STOP_S = 120.0  # the old instance's drain bound: far beyond any wait of the test
@@ -65,13 +63,6 @@ class Gated:
         await self._sim.close()
 
 
-def record(epoch: int, *wids: str) -> bytes:
-    workers = []
-    for wid in wids:
-        g = GpuGroup.from_worker_id(wid)
-        workers.append(EpochWorker(worker_id=wid, first_gpu=g.first_gpu, degree=g.degree,
-                                   lifecycle=Lifecycle.ACTIVE))
-    return to_json(EpochRecord(epoch=epoch, workers=workers, committed_at_s=time.time()))
 
 
 def assignment(rid: str, wid: str, epoch: int) -> Assignment:

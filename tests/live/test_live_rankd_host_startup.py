@@ -6,46 +6,26 @@ its backend, with nothing of it left running."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import nats
 import pytest
 from frozen import freeze, resume
 from nats.aio.client import Client
+from rankd_host_support import Closing, record
 from structlog.testing import capture_logs
 
 from services.rankd import main as rankd_main
-from services.rankd.backend import SimBackend
 from services.rankd.host import RankdHost
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
-from shared.schemas import EpochRecord, EpochWorker, to_json
 from shared.service import StartUpLost, drain_or_close, epoch_kv
 from shared.subjects import Subjects
-from shared.worker import GpuGroup, Lifecycle
 
 WAIT_S = 30.0  # a liveness bound (a start-up waits up to a JetStream timeout), not a speed check
 
 
-class Closing(SimBackend):
-    """A SimBackend that says whether it was closed."""
-
-    def __init__(self, wid: str) -> None:
-        super().__init__(time_scale=1.0)
-        self.wid, self.closed = wid, False
-
-    async def close(self) -> None:
-        self.closed = True
-        await super().close()
 
 
-def record(epoch: int, *wids: str) -> bytes:
-    workers = []
-    for wid in wids:
-        g = GpuGroup.from_worker_id(wid)
-        workers.append(EpochWorker(worker_id=wid, first_gpu=g.first_gpu, degree=g.degree,
-                                   lifecycle=Lifecycle.ACTIVE))
-    return to_json(EpochRecord(epoch=epoch, workers=workers, committed_at_s=time.time()))
 
 
 def settings(server: EmbeddedNats, uniq: str) -> RankdSettings:

@@ -10,11 +10,11 @@ exposed here: rankd runs one fixed worker id per process, so no daemon serves th
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
 
+from gated_backend import GatedBackend
 from live_ctl_support import Collector, FakeScheduler, eventually, request
 from nats.aio.client import Client
 
@@ -120,16 +120,6 @@ async def test_cachemgr_with_real_rank_daemons(nc: Client, nats_server, uniq: st
     assert a.core.worker_id == "w-cp2-g0"
 
 
-class GatedBackend(SimBackend):
-    """The sim backend, holding every prefill until ``gate`` opens."""
-
-    def __init__(self) -> None:
-        super().__init__(prefill_time=lambda r, p, c, kind="cp": 0.01)
-        self.gate = asyncio.Event()
-
-    async def prefill(self, assignment: Assignment) -> Any:
-        await self.gate.wait()
-        return await super().prefill(assignment)
 
 
 async def test_controller_drains_real_rank_daemons(nc: Client, nats_server, uniq: str, services):

@@ -22,6 +22,7 @@ import contextlib
 import time
 from typing import Any
 
+from gated_backend import GatedBackend
 from live_ctl_support import Collector, FakeScheduler, eventually
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -34,7 +35,6 @@ from services.controller.service import (
     reconf_subject,
     worker_queue_subject,
 )
-from services.rankd.backend import SimBackend
 from services.rankd.service import RankdService
 from services.rankd.settings import RankdSettings
 from shared.schemas import (
@@ -55,16 +55,6 @@ from shared.worker import Lifecycle
 REAL, PLAYED = "w-cp2-g0", "w-cp2-g2"
 
 
-class GatedBackend(SimBackend):
-    """The sim backend, holding every prefill until ``gate`` opens."""
-
-    def __init__(self) -> None:
-        super().__init__(prefill_time=lambda r, p, c, kind="cp": 0.01)
-        self.gate = asyncio.Event()
-
-    async def prefill(self, assignment: Assignment) -> Any:
-        await self.gate.wait()
-        return await super().prefill(assignment)
 
 
 def assignment(rid: str, wid: str) -> Assignment:
