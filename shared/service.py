@@ -76,7 +76,7 @@ from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
 from shared.settings import ServiceSettings
 from shared.stopping import handle_stop_signals
 from shared.subjects import BUS_PROTOCOL, Subjects, validate_subject
-from shared.tasks import cancel_and_wait, cancel_requested
+from shared.tasks import cancel_and_wait, cancel_requested, finish_first
 from shared.telemetry import extract, inject, is_sampled, traceparent_of, tracer
 
 DEFAULT_QUEUE_GROUP: Final[str] = "q"
@@ -1540,18 +1540,7 @@ async def _watch_made_whole(nc: Client, kv: KeyValue, keys: str) -> Any:
     an error. So a cancel that lands meanwhile (each one: a stop cancels again) is held until
     the making ends -- each of its JetStream requests bounded by the context's timeout --
     then whatever it made is stopped (:func:`_discard_watcher`) and the cancel raised."""
-    making = asyncio.ensure_future(kv.watch(keys))
-    cancelled = False
-    while not making.done():
-        try:
-            await asyncio.wait({making})
-        except asyncio.CancelledError:
-            cancelled = True
-    if not cancelled:
-        return making.result()
-    if not making.cancelled() and making.exception() is None:  # retrieved: no "never retrieved"
-        await _discard_watcher(nc, making.result())
-    raise asyncio.CancelledError
+    return await finish_first(kv.watch(keys), lambda watcher: _discard_watcher(nc, watcher))
 
 
 KV_WATCH_VERIFY_CHECKS: Final[int] = 5

@@ -16,7 +16,7 @@ times; :func:`cancel_requested` lets a loop notice a swallowed cancel itself and
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import structlog
@@ -79,6 +79,28 @@ async def unless_stopped(coro: Coroutine[Any, Any, T], stop: asyncio.Event,
     if work.cancelled():
         return False, None
     return True, work.result()  # raises what coro raised
+
+
+async def finish_first(step: Awaitable[T],
+                       undo: Callable[[T], Awaitable[Any]] | None = None) -> T:
+    """Await ``step`` to its end even when cancelled meanwhile; then, if a cancel landed, undo
+    what it made (``undo(result)``, when it succeeded) and raise the cancel, its result or
+    error dropped (retrieved: not logged as never retrieved). For work that a cancel would
+    leave half done and running: a thread that goes on after its awaiter is cancelled, a
+    subscription made but not yet handed back. Every cancel that lands meanwhile is held, not
+    only the first (a stop cancels again). Without a cancel: ``step``'s result or error."""
+    work = asyncio.ensure_future(step)
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.wait({work})
+        except asyncio.CancelledError:
+            cancelled = True
+    if not cancelled:
+        return work.result()
+    if not work.cancelled() and work.exception() is None and undo is not None:
+        await undo(work.result())
+    raise asyncio.CancelledError
 
 
 def spawn_tracked(tasks: list[asyncio.Task[Any]], coro: Coroutine[Any, Any, Any],

@@ -61,10 +61,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Final
 
 import nats.errors
 import structlog
@@ -95,7 +95,7 @@ from shared.service import (
     reconnect_options,
 )
 from shared.stopping import handle_stop_signals
-from shared.tasks import cancel_and_wait, cancel_requested, unless_stopped
+from shared.tasks import cancel_and_wait, cancel_requested, finish_first, unless_stopped
 from shared.worker import GpuGroup, WorkerKind
 
 BackendFactory = Callable[[str, WorkerKind], ExecutionBackend]
@@ -110,32 +110,11 @@ START_RETRY_S = 0.2
 START_CANCEL_AGAIN_S: Final[float] = 0.5
 """How often a stopped start-up is cancelled again while it has not ended: a cancel that lands
 as a nats-py request's reply arrives is swallowed (shared/tasks.py); one that lands in a step
-never cut short (:func:`_finish_first`) is held until that step ends."""
+never cut short (:func:`~shared.tasks.finish_first`) is held until that step ends."""
 BUS_ERRORS: Final = (nats.errors.Error, TimeoutError, ConnectionError)
 """What a step on the bus raises when its server went away (a request that timed out, the
 connection closed under it)."""
 
-T = TypeVar("T")
-
-
-async def _finish_first(step: Awaitable[T]) -> T:
-    """Await ``step`` to its end even when cancelled meanwhile, then raise the cancel (its
-    result or error dropped): for work that a cancel would leave half done and running -- a
-    thread that goes on after its awaiter is cancelled, a subscription made but not yet
-    handed back. The caller undoes what it made. Every cancel that lands meanwhile is held,
-    not only the first (a stop cancels again: :data:`START_CANCEL_AGAIN_S`)."""
-    work = asyncio.ensure_future(step)
-    cancelled = False
-    while not work.done():
-        try:
-            await asyncio.wait({work})
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        if not work.cancelled():
-            work.exception()  # retrieved: superseded by the cancel, not logged as unretrieved
-        raise asyncio.CancelledError
-    return work.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +261,7 @@ class RankdHost:
         try:
             svc = RankdService(settings, backend, on_fault=self._worker_fault)
         except BaseException:  # not built: nobody else would close its backend
-            await _finish_first(backend.close())
+            await finish_first(backend.close())
             raise
         if seed is not None:
             # Before run(): nothing admitted, no cache event emitted yet. A cancel (a stop)
@@ -290,11 +269,11 @@ class RankdHost:
             try:
                 await self._seed(svc, seed, epoch)
             except BaseException:
-                await _finish_first(svc.backend.close())
+                await finish_first(svc.backend.close())
                 raise
             if self.fault is not None or self._stop.is_set():
                 # The host failed or stops meanwhile: it starts nothing more.
-                await _finish_first(svc.backend.close())
+                await finish_first(svc.backend.close())
                 return
         task = asyncio.create_task(svc.run(self._nc, handle_signals=False), name=f"rankd-{wid}")
         self.services[wid] = svc
@@ -343,7 +322,7 @@ class RankdHost:
                                      new=seed.new, capacity_blocks=cache.capacity_blocks)
             wanted = len(pairs)
             if callable(inherit):
-                pairs = await _finish_first(inherit(pairs, epoch))
+                pairs = await finish_first(inherit(pairs, epoch))
             cache.adopt(pairs)
         except (InvalidInput, WorkerFault) as exc:
             # A fault here is met again by the worker's first step or health probe, which
@@ -520,7 +499,7 @@ class RankdHost:
         stack.push_async_callback(watcher.stop)  # whatever part of it was made
         # Not cut short: a cancel inside nats-py's watch, after its subscription and its
         # tasks are made, would leave them running on the connection (module docstring).
-        await _finish_first(watcher.start())
+        await finish_first(watcher.start())
         follow = asyncio.create_task(self._follow(watcher), name="rankd-host-epochs")
         # Awaited, not just cancelled: a follower still applying a record while the workers
         # stop could start a new one after _stop_all (cancel_and_wait: shared/tasks.py).
