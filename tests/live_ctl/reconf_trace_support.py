@@ -69,6 +69,17 @@ class SplitRun:
     request_traces: list[str]
 
 
+async def until_w_cp4_g4_is_the_split_source(ctl: ControllerService) -> None:
+    """Return once the controller knows both CP4 workers' states, w-cp4-g0's outstanding work
+    the larger and w-cp4-g4 one queued request: else the planner may pick either source."""
+    async def states_known() -> bool:
+        st = ctl._states
+        return ("w-cp4-g4" in st and st["w-cp4-g4"].queue_len == 1 and "w-cp4-g0" in st
+                and st["w-cp4-g0"].outstanding_s > st["w-cp4-g4"].outstanding_s)
+
+    await eventually(states_known, what="both workers' states at the controller")
+
+
 def hex_trace(span: ReadableSpan) -> str:
     return format(span.context.trace_id, "032x")
 
@@ -128,12 +139,7 @@ async def split_with_rank_daemons(
         request_traces.append(format(root.get_span_context().trace_id, "032x"))
     sched = FakeScheduler(nc, s, H, lambda: DEMAND)
     try:
-        async def states_known() -> bool:  # else the planner may pick either source
-            st = ctl._states
-            return ("w-cp4-g4" in st and st["w-cp4-g4"].queue_len == 1 and "w-cp4-g0" in st
-                    and st["w-cp4-g0"].outstanding_s > st["w-cp4-g4"].outstanding_s)
-
-        await eventually(states_known, what="both workers' states at the controller")
+        await until_w_cp4_g4_is_the_split_source(ctl)
         await sched.start()
         drain = await drains.first(what="drain notice")
         assert drain["sources"] == ["w-cp4-g4"], drain

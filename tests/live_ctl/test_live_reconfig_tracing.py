@@ -43,6 +43,7 @@ from reconf_trace_support import (
     WORKERS,
     hex_trace,
     split_with_rank_daemons,
+    until_w_cp4_g4_is_the_split_source,
     watched,
 )
 from structlog.contextvars import merge_contextvars
@@ -362,12 +363,7 @@ async def test_rank_daemons_handle_the_controllers_queries_in_its_trace(
         await call(nc, s.worker_assign(w), a, AssignmentAck)
     sched = FakeScheduler(nc, s, H, lambda: DEMAND)
     try:
-        async def states_known() -> bool:  # else the planner may pick either source
-            st = ctl._states
-            return ("w-cp4-g4" in st and st["w-cp4-g4"].queue_len == 1 and "w-cp4-g0" in st
-                    and st["w-cp4-g0"].outstanding_s > st["w-cp4-g4"].outstanding_s)
-
-        await eventually(states_known, what="both workers' states at the controller")
+        await until_w_cp4_g4_is_the_split_source(ctl)
         await sched.start()
         drain = await drains.first(what="drain notice")
         assert drain["sources"] == ["w-cp4-g4"]
