@@ -93,8 +93,9 @@ async def split_with_rank_daemons(
     exposure record is among the ``finished`` spans. ``start`` starts a service (stopped by
     the caller)."""
     # Imported here, not at the top: test modules, whose helpers this borrows.
+    from gated_backend import GatedBackend
     from test_live_controller import DEMAND, H, settings
-    from test_live_ctl_with_rankd import GatedBackend, assignment
+    from test_live_ctl_with_rankd import assignment
 
     s = Subjects(prefix)
     drains, reconfs = await watched(nc, s)

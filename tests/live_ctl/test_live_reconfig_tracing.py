@@ -525,7 +525,8 @@ async def test_a_split_is_traced_whole_at_sampling_ratio_zero_and_no_request_is(
     script = Path(__file__).with_name("reconf_trace_support.py")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(script), nats_server.url, uniq, cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        # tests/ too: the helpers there (gated_backend, ...) are imported by name.
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")])),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout=180)  # liveness bound
