@@ -34,15 +34,6 @@ CFG = Qwen3Config(max_position_embeddings=40)
 WAIT_S = 60.0  # a correctness bound (a lost transfer never answers), not a speed figure
 
 
-@pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``torch.cuda`` answering as a machine with ``cuda[0]`` GPUs (0: no CUDA at all)."""
-    count = [0]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count[0] > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count[0])
-    return count
-
-
 # -- the setting ---------------------------------------------------------------------------------
 
 

@@ -68,17 +68,6 @@ def test_initial_workers_in_range_set_their_ranks_degrees(spawned: list[Any]) ->
 # -- the device (VTM_TORCH_DEVICE) of the ranks and the decode role ------------------------------
 
 
-@pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``torch.cuda`` answering as a machine with ``cuda[0]`` GPUs (0: no CUDA at all)."""
-    import torch
-
-    count = [0]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count[0] > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count[0])
-    return count
-
-
 @pytest.mark.parametrize(("device", "gpus", "present", "needles"), [
     ("cuda", range(0, 1), 0, ["VTM_TORCH_DEVICE is cuda", "no CUDA device"]),
     ("cuda", range(2, 4), 2, ["VTM_TORCH_DEVICE is cuda", "GPUs 2-3", "device_count() is 2"]),
