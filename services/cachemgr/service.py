@@ -107,7 +107,10 @@ record a ``cachemgr_epoch`` span, a child of the record's ``traceparent`` (the p
 it); the re-homing commands, the reconcile's snapshot requests and their server spans at the
 rank daemons descend from them, so the controller's always-sampled trace keeps them at any
 sampling ratio. A missing context makes those spans roots (sampled by the ratio); a
-malformed one as well, with a warning -- the work is done either way.
+malformed one as well, with a warning -- the work is done either way. The ReconciledNotices
+of a split or merge carry the context of the ``cachemgr_epoch`` span that reconciled it in
+their headers (also when ``pending`` publishes them again): each scheduler replica's
+``reconciled_apply`` span of one is its child.
 
 Message this module consumes: RequestStats (shared/schemas.py), published by the scheduler.
 Message it publishes: ReconciledNotice (shared/schemas.py), read by the schedulers.
@@ -453,6 +456,10 @@ class CacheMgrService(MicroService):
         # The epoch record whose reconcile made each worker a split or merge made (what its
         # ReconciledNotices carry, also when ``pending`` sends them again); forgotten with it.
         self._reconciled_epoch: dict[str, int] = {}
+        # The W3C context (headers) of the span whose reconcile made each such worker (its
+        # record's ``cachemgr_epoch``): its notices carry it, also when ``pending`` sends them
+        # again, so a replica's ``reconciled_apply`` is in the reconfiguration's trace.
+        self._reconciled_carrier: dict[str, dict[str, str]] = {}
         # Restarts seen per worker: a snapshot asked before one is not applied after it.
         self._restarts: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -515,8 +522,10 @@ class CacheMgrService(MicroService):
         if notices:
             self.counters["reconciled_notices"] += len(notices)
             self.counters["reconciled_asked"] += 1
+        # In the trace of the reconcile that made them (this handler's span when none is kept).
+        carrier = self._reconciled_carrier.get(wid) or inject({})
         return PendingReply(worker_id=query.worker_id,
-                            parts=await self._publish_notices(notices))
+                            parts=await self._publish_notices(notices, carrier))
 
     async def _on_inspect(self, request: Request) -> bytes:
         query: InspectQuery = optional_request_model(request, InspectQuery)
@@ -656,6 +665,7 @@ class CacheMgrService(MicroService):
         """What the service keeps of a worker beside the trie, dropped as it leaves the trie."""
         self._incarnations.pop(worker, None)
         self._reconciled_epoch.pop(worker, None)
+        self._reconciled_carrier.pop(worker, None)
 
     def _reset_restarted(self, worker: WorkerId, incarnation: str) -> None:
         """``worker`` was started again under its id: its cache is empty and its event ids
@@ -668,6 +678,7 @@ class CacheMgrService(MicroService):
         cancelled = self.trie.remove_worker(worker)
         self.trie.add_worker(worker, degree, capacity)
         self._reconciled_epoch.pop(worker, None)  # its reconcile went with its cache
+        self._reconciled_carrier.pop(worker, None)
         self._incarnations[worker] = incarnation
         self._restarts[worker] = self._restarts.get(worker, 0) + 1
         self.counters["restarts"] += 1
@@ -818,22 +829,29 @@ class CacheMgrService(MicroService):
     def _publish_reconciled(self, workers: Sequence[str], epoch: int) -> None:
         """Publish each new worker's pending and donor pages for the scheduler replicas (made
         now, sent in order by one task: a later change of the trie does not leak in); an
-        empty notice for a worker with none."""
+        empty notice for a worker with none. They carry the current span's context (the
+        record's ``cachemgr_epoch``, :meth:`on_record`), taken now: the task that sends them
+        may run after that span ended."""
+        carrier = inject({})
         for w in workers:
             self._reconciled_epoch[w] = epoch
+            self._reconciled_carrier[w] = carrier
         notices = [n for w in workers for n in self.reconciled_notices(WorkerId(w), epoch)]
         if not notices:
             return
         self.counters["reconciled_notices"] += len(notices)
-        self._spawn(self._publish_notices(notices), "reconciled")
+        self._spawn(self._publish_notices(notices, carrier), "reconciled")
 
-    async def _publish_notices(self, notices: Sequence[ReconciledNotice]) -> int:
-        """Publish ReconciledNotices in order, each on its worker's subject; returns how many
-        went out. One that cannot be sent is logged: the schedulers then do without the
-        credit for that worker (or ask again, ``pending``)."""
+    async def _publish_notices(self, notices: Sequence[ReconciledNotice],
+                               carrier: Mapping[str, str]) -> int:
+        """Publish ReconciledNotices in order, each on its worker's subject with the W3C
+        ``carrier`` (the context of the span whose reconcile made them) in its headers;
+        returns how many went out. One that cannot be sent is logged: the schedulers then do
+        without the credit for that worker (or ask again, ``pending``)."""
         sent = 0
         for n in notices:
             data, headers = encode(n)
+            headers.update(carrier)
             try:
                 await self.nc.publish(self.subjects.cache_pending(n.worker), data,
                                       headers=headers)

@@ -143,9 +143,12 @@ lines about it carry its ``trace_id`` and ``reconfiguration``. An abort (drain t
 source's lease), an undone drain, a core rebuilt under it or a stop ends it with status ERROR
 and the reason. A KV value has no headers, so the drain, commit and exposure records carry
 it in their ``traceparent`` field (the context of the phase span that writes each): every
-rank daemon's adoption of one (its ``epoch_adopt`` span) is part of the trace, and so is the
-cache manager's handling of it (``cachemgr_epoch``) and of the DrainNotice (``cachemgr_drain``,
-with its re-homing commands). So do a drain timeout's abort record (the root's context) and a
+rank daemon's adoption of one (its ``epoch_adopt`` span) is part of the trace, with this
+controller's handling of each of the acks it sends (:data:`EPOCH_ACK_SPAN`, a child of the
+``epoch_adopt`` span whose context the ack's headers carry), and so is the cache manager's
+handling of it (``cachemgr_epoch``, with the scheduler replicas' ``reconciled_apply`` of the
+ReconciledNotices it publishes) and of the DrainNotice (``cachemgr_drain``, with its
+re-homing commands). So do a drain timeout's abort record (the root's context) and a
 re-announcement for a committed operation's targets (its switch phase's); the records of a
 failure (lease expiry), a recovery (re-admit, activate), the initial record and a repair
 belong to no operation and carry none. Each
@@ -176,6 +179,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -249,7 +253,7 @@ from shared.service import (
 )
 from shared.settings import ServiceSettings, json_object_text
 from shared.subjects import Subjects, micro_service_name, validate_token
-from shared.telemetry import inject
+from shared.telemetry import extract, inject, is_sampled, tracer
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
 from shared.workerstates import worker_state_changes
 
@@ -273,6 +277,17 @@ MAX_REPORT_REQUESTS: Final[int] = 1 << 20
 a second of the event loop at this bound); a report above it is rejected as malformed."""
 _SEEN_REPORTS_KEPT: Final[int] = 4096
 """Window reports remembered for de-duplication (a copy follows its original by one window)."""
+EPOCH_ACK_SPAN: Final[str] = "epoch_ack"
+"""The controller's handling of one EpochAck (kind CONSUMER), from its arrival (the wait for
+the controller's lock included) to its end -- where the last ack a switch awaited exposes the
+targets, their exposure with it: the ack's ``vtm.gpu``, ``vtm.epoch``, ``vtm.worker_id`` and
+what it counted for (``vtm.ack.outcome``, :meth:`ControllerService._ack`). A child of the
+context in the ack's headers: the rank's ``epoch_adopt`` span of the record it acknowledges,
+so in the reconfiguration's trace when the record was written for one. Recorded only when
+that context is sampled: an ack without a valid one (an older rank daemon) records none, as
+no root per ack is worth keeping. Never the
+current span: what the handling writes and publishes keeps the reconfiguration's context
+(or none)."""
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -1648,22 +1663,43 @@ class ControllerService(MicroService):
             self.counters["malformed"] += 1
             self.log.warning("malformed epoch ack ignored", error=str(exc))
             return
-        async with self._lock:
-            await self._ack(ack)
+        span = None
+        if is_sampled(msg.headers):  # else nothing would be recorded (EPOCH_ACK_SPAN)
+            span = tracer().start_span(EPOCH_ACK_SPAN, context=extract(msg.headers),
+                                       kind=SpanKind.CONSUMER, attributes={
+                                           "vtm.gpu": ack.gpu, "vtm.epoch": ack.epoch,
+                                           "vtm.worker_id": ack.worker_id})
+        try:
+            async with self._lock:
+                outcome = await self._ack(ack)
+        except BaseException as exc:
+            if span is not None:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                span.end()
+            raise
+        if span is not None:
+            span.set_attribute("vtm.ack.outcome", outcome)
+            span.end()
 
-    async def _ack(self, ack: EpochAck) -> None:
+    async def _ack(self, ack: EpochAck) -> str:
+        """Count ``ack`` where it counts (a draining source's ack of its drain record, a
+        switching target's of its commit); returns what it counted for: ``counted`` (a
+        target's rank acknowledged), ``source_stopped``, ``rejected`` (the protocol refused
+        it), ``ignored`` (not awaited: every rank acknowledges every record it adopts) or
+        ``no_core``. Lock held."""
         core = self.core
         if core is None:
-            return
+            return "no_core"
         proto = core.protocol
         try:
             wid = proto.worker_of_gpu(ack.gpu)
         except InvalidInput:
             self.counters["acks_ignored"] += 1
-            return
+            return "ignored"
         w = proto.worker(wid)
         if self._source_stopped(wid, ack):
-            return
+            return "source_stopped"
         # Ranks acknowledge every record they adopt; only an ack for a target that is still
         # switching counts, naming its commit record or a later one. A later one counts
         # because a rank ready only after the next record was written (another operation of
@@ -1683,13 +1719,13 @@ class ControllerService(MicroService):
             or not commit <= ack.epoch <= last
         ):
             self.counters["acks_ignored"] += 1
-            return
+            return "ignored"
         try:
             res = proto.ack(ack.gpu, w.epoch, ack.degree)
         except (EpochMismatch, InvalidInput, IllegalTransition) as exc:
             self.counters["acks_rejected"] += 1
             self.log.warning("epoch ack rejected", gpu=ack.gpu, error=str(exc))
-            return
+            return "rejected"
         self.counters["acks"] += 1
         if w.reconfiguration is not None:
             self._traces.event(w.reconfiguration, "rank acknowledged", **{
@@ -1699,6 +1735,7 @@ class ControllerService(MicroService):
         if res.ready is not None:
             await self._publish_reconf(proto.reconfiguration(res.ready))
             await self._expose(res.ready)
+        return "counted"
 
     def _source_stopped(self, wid: WorkerId, ack: EpochAck) -> bool:
         """Whether ``ack`` is a draining source's for its drain record or a later one, while

@@ -67,7 +67,9 @@ Per process (one worker, its leader rank, for now):
   safety net rarely needed, not unnecessary. Each adoption is an ``epoch_adopt`` span
   (:data:`EPOCH_ADOPT_SPAN`: epoch, worker, lifecycle after it, whether requests were
   redirected) in the trace of the record's ``traceparent``; a malformed one is logged as a
-  warning and the record adopted all the same, the span then a root. Queued requests of a
+  warning and the record adopted all the same, the span then a root. Its EpochAcks carry
+  the span's W3C context in their headers (every re-send the same), so that the controller's
+  handling of each (``epoch_ack``) is its child. Queued requests of a
   worker leaving ACTIVE are redirected to intake (``Nats-Msg-Id`` =
   :func:`~services.rankd.core.handback_msg_id`: ``{source}>{worker}``, one id per hop, so the
   redirect is not de-duplicated against the original publish nor against another source's
@@ -323,7 +325,8 @@ EPOCH_SWITCH_SPAN: Final[str] = "epoch_switch"
 EPOCH_ADOPT_SPAN: Final[str] = "epoch_adopt"
 """Span of this worker's adoption of a newer epoch record, from the record's arrival to its
 acks' publish: a child of the record's ``traceparent`` (the controller's phase span that wrote
-it: the reconfiguration's trace), a root without a valid one (sampled then by the ratio)."""
+it: the reconfiguration's trace), a root without a valid one (sampled then by the ratio). The
+acks carry its context in their headers (the parent of the controller's ``epoch_ack``)."""
 UNSENT_EVENTS_MAX: Final[int] = 65_536
 """Cache events kept unsent at most (a long outage with requests finishing); beyond, the
 oldest are dropped: the first one sent after them shows the cache manager the gap, and it asks
@@ -371,6 +374,16 @@ def _record(name: str, *, start_s: float, end_s: float, parent: otel_context.Con
         span.set_status(Status(StatusCode.ERROR, error[1]))
     span.end(end_time=end_ns)
     return span
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Ack:
+    """An EpochAck with the headers it is published with: its adoption's ``epoch_adopt``
+    span's W3C context, the same on every send (:meth:`RankdService._publish_ack`). Compared
+    by identity: a re-send drops the entry only if no newer adoption replaced it."""
+
+    ack: EpochAck
+    headers: Mapping[str, str]
 
 
 @dataclasses.dataclass(slots=True)
@@ -591,9 +604,11 @@ class RankdService(MicroService):
         self._dirty = asyncio.Event()  # state changed; publish soon
         self._idle = asyncio.Event()  # nothing running
         self._idle.set()
-        # GPU -> the EpochAck of the adopted epoch whose publish failed; _resend_acks sends
-        # them again. Only the current adoption's: a newer one replaces them (_adopt_payload).
-        self._unsent_acks: dict[int, EpochAck] = {}
+        # GPU -> the EpochAck of the adopted epoch whose publish failed, with the headers it
+        # goes out with (its adoption's epoch_adopt context: every re-send carries the same);
+        # _resend_acks sends them again. Only the current adoption's: a newer one replaces
+        # them (_adopt_payload).
+        self._unsent_acks: dict[int, _Ack] = {}
         self._acks_unsent = asyncio.Event()
         # Set once the endpoints answer (serving()): no state or ack goes out before.
         self._reachable = asyncio.Event()
@@ -943,15 +958,15 @@ class RankdService(MicroService):
         before (held until now: either sends others to the endpoints)."""
         self._reachable.set()
         await self._publish_state()
-        for gpu, ack in list(self._unsent_acks.items()):
+        for gpu, unsent in list(self._unsent_acks.items()):
             try:
-                await self._publish_ack(ack)
+                await self._publish_ack(unsent)
             except Exception as exc:  # re-sent (module docstring)
-                self.log.warning("epoch ack not sent; will retry", gpu=gpu, epoch=ack.epoch,
-                                 error=repr(exc))
+                self.log.warning("epoch ack not sent; will retry", gpu=gpu,
+                                 epoch=unsent.ack.epoch, error=repr(exc))
                 self._acks_unsent.set()
                 continue
-            if self._unsent_acks.get(gpu) is ack:
+            if self._unsent_acks.get(gpu) is unsent:
                 del self._unsent_acks[gpu]
 
     async def _probe_health(self, health: Callable[[], WorkerFault | None]) -> None:
@@ -2016,6 +2031,19 @@ class RankdService(MicroService):
             return
         # Checked only for a record adopted: one warning per record, however often it is seen.
         parent = self._record_parent(record)
+        # NOTE: started now (its context goes out in the acks' headers: the controller's
+        # handling of each is its child) and ended below, but never the current span: the
+        # redirects started meanwhile (tasks copy the context) must not join the
+        # reconfiguration's trace.
+        start_ns = _finite_ns(arrived_s)
+        span = tracer().start_span(
+            EPOCH_ADOPT_SPAN, context=parent, start_time=start_ns,
+            attributes={"vtm.epoch": adoption.epoch, "vtm.worker_id": self.core.worker_id,
+                        "vtm.lifecycle": adoption.lifecycle.value,
+                        "vtm.member": adoption.member,
+                        "vtm.redirected": bool(adoption.redirected),
+                        "vtm.redirected_count": len(adoption.redirected)})
+        ack_headers = inject({}, trace.set_span_in_context(span))
         self.log.info(
             "epoch adopted",
             epoch=adoption.epoch,
@@ -2033,13 +2061,13 @@ class RankdService(MicroService):
         if adoption.member and not self.core.faulted:  # a faulted worker serves no geometry
             now = self.clock()
             for gpu in self.core.group.gpus:
-                ack = EpochAck(
+                ack = _Ack(EpochAck(
                     gpu=gpu,
                     epoch=adoption.epoch,
                     degree=self.core.degree,
                     worker_id=self.core.worker_id,
                     adopted_at_s=now,
-                )
+                ), ack_headers)
                 if not self._reachable.is_set():  # sent by serving() once the endpoints are up
                     self._unsent_acks[gpu] = ack
                     continue
@@ -2051,14 +2079,10 @@ class RankdService(MicroService):
                     self._unsent_acks[gpu] = ack
                     self._acks_unsent.set()
         self._dirty.set()
-        # NOTE: recorded after the fact, never the current span: the redirects started above
-        # (tasks copy the context) must not join the reconfiguration's trace.
-        _record(EPOCH_ADOPT_SPAN, start_s=arrived_s, end_s=self.clock(), parent=parent,
-                attributes={"vtm.epoch": adoption.epoch, "vtm.worker_id": self.core.worker_id,
-                            "vtm.lifecycle": adoption.lifecycle.value,
-                            "vtm.member": adoption.member,
-                            "vtm.redirected": bool(adoption.redirected),
-                            "vtm.redirected_count": len(adoption.redirected)})
+        # (Left open should the above raise: the watcher logs that, and no span is recorded,
+        # as before the acks carried its context.)
+        end_ns = _finite_ns(max(self.clock(), arrived_s))
+        span.end(end_time=end_ns if start_ns is not None else None)
 
     def _record_parent(self, record: EpochRecord) -> otel_context.Context:
         """The context of ``record``'s ``traceparent`` (an empty one: none, or malformed, which
@@ -2073,9 +2097,10 @@ class RankdService(MicroService):
             return otel_context.Context()
         return extract(carrier)
 
-    async def _publish_ack(self, ack: EpochAck) -> None:
-        data, headers = encode(ack)
-        await self.nc.publish(self.subjects.epoch_ack(ack.gpu), data, headers=headers)
+    async def _publish_ack(self, unsent: _Ack) -> None:
+        data, headers = encode(unsent.ack)
+        headers.update(unsent.headers)
+        await self.nc.publish(self.subjects.epoch_ack(unsent.ack.gpu), data, headers=headers)
 
     async def _resend_acks(self) -> None:
         """Re-send the EpochAcks whose publish failed (module docstring), oldest failure
@@ -2086,17 +2111,17 @@ class RankdService(MicroService):
             await asyncio.sleep(delay)
             if self.core.faulted:  # a faulted worker acknowledges nothing
                 self._unsent_acks.clear()
-            for gpu, ack in list(self._unsent_acks.items()):
+            for gpu, unsent in list(self._unsent_acks.items()):
                 try:
-                    await self._publish_ack(ack)
+                    await self._publish_ack(unsent)
                 except Exception as exc:
-                    self.log.debug("epoch ack still not sent", gpu=gpu, epoch=ack.epoch,
-                                   error=repr(exc))
+                    self.log.debug("epoch ack still not sent", gpu=gpu,
+                                   epoch=unsent.ack.epoch, error=repr(exc))
                     continue
                 # Unless a newer adoption replaced it while this one was being published.
-                if self._unsent_acks.get(gpu) is ack:
+                if self._unsent_acks.get(gpu) is unsent:
                     del self._unsent_acks[gpu]
-                self.log.info("epoch ack sent on retry", gpu=gpu, epoch=ack.epoch)
+                self.log.info("epoch ack sent on retry", gpu=gpu, epoch=unsent.ack.epoch)
             if self._unsent_acks:
                 delay = min(2 * delay, ACK_RETRY_MAX_S)
             else:  # no await since the check: a failure added meanwhile is not lost

@@ -185,7 +185,11 @@ own stage spans are the root's children too, not the assign span's: the root's c
 travels in the assignment (:func:`with_trace_context`). Spans only for a sampled trace (the
 ``traceparent`` flag; a message without any trace context starts a root, sampled by ratio):
 an unsampled request builds no span and no attributes, and its carrier is passed on to the
-worker unchanged. Metrics: services/scheduler/metrics.py.
+worker unchanged. A ReconciledNotice applied to the replica trie is a
+:data:`RECONCILED_APPLY_SPAN` span, a child of the context its headers carry (the cache
+manager's ``cachemgr_epoch`` span whose reconcile made it, in the reconfiguration's trace),
+when that context is sampled; a notice without one records none. Metrics:
+services/scheduler/metrics.py.
 
 It publishes RequestStats (shared/schemas.py) on ``{prefix}.cache.stats.{reporter}`` and
 keeps AssignmentRecord (defined here) in the assignment bucket.
@@ -355,6 +359,14 @@ span of their redelivery (SchedulerService ``_naked``; the oldest are forgotten 
 DISPATCH_SPAN: Final[str] = "dispatch"
 """The span of an assignment's request-reply to its worker: a child of ``schedule`` (not a
 TTFT stage: the breakdown counts it in the worker's queue wait)."""
+RECONCILED_APPLY_SPAN: Final[str] = "reconciled_apply"
+"""A replica's marking of one ReconciledNotice in its trie (kind CONSUMER): ``vtm.worker_id``,
+``vtm.epoch``, ``vtm.part``, ``vtm.entries`` (the notice's), ``vtm.buffered`` (it waited for
+the worker's state), and what was marked (``vtm.pending``, ``vtm.donors``, ``vtm.skipped``);
+ERROR when the trie refused it. A child of the context in the notice's headers (the cache
+manager's ``cachemgr_epoch`` span that reconciled the worker), recorded only when that is
+sampled: without a context there is no span (no root per notice), so the replicas' adoption
+shows in the reconfiguration's trace, which is always sampled."""
 
 
 class HandBackCause(StrEnum):
@@ -825,10 +837,18 @@ def trace_carrier(headers: Mapping[str, str] | None, req: IntakeRequest) -> dict
     NOTE: a carrier (a plain dict), not an extracted ``Context``: ``Context`` subclasses dict,
     so shared.telemetry's ``stage_span``/``record_span`` would take it for headers.
     """
-    if traceparent_of(headers) is not None:  # NOTE: not extract(): this runs per request
-        assert headers is not None
-        return {k: v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
-    return dict(req.trace_context)
+    # NOTE: not extract(): this runs per request.
+    kept = _trace_headers(headers)
+    return kept if kept is not None else dict(req.trace_context)
+
+
+def _trace_headers(headers: Mapping[str, str] | None) -> dict[str, str] | None:
+    """The W3C trace headers (``traceparent``, ``tracestate``) of ``headers`` when they hold
+    a valid context, else None: what a message kept for later needs of its headers."""
+    if traceparent_of(headers) is None:
+        return None
+    assert headers is not None
+    return {k: v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
 
 
 def with_trace_context(req: IntakeRequest, carrier: Mapping[str, str]) -> IntakeRequest:
@@ -963,9 +983,10 @@ class SchedulerService(MicroService):
         # _rebuild_view.
         self._lapsed: frozenset[str] = frozenset()
         # Notices of workers not in the replica yet (their state comes after the reconcile):
-        # worker -> (epoch, part index -> part), applied by _track_cache; at most _BUFFERED
-        # workers and _BUFFERED_PARTS parts each.
-        self._reconciled: OrderedDict[str, tuple[int, dict[int, ReconciledNotice]]] = \
+        # worker -> (epoch, part index -> (part, its trace carrier)), applied by _track_cache;
+        # at most _BUFFERED workers and _BUFFERED_PARTS parts each.
+        self._reconciled: OrderedDict[
+            str, tuple[int, dict[int, tuple[ReconciledNotice, Mapping[str, str] | None]]]] = \
             OrderedDict()
         self.core = SchedulerCore(policy, ClusterView((), block_size=settings.block_size),
                                   time_scale=settings.time_scale)
@@ -1240,8 +1261,8 @@ class SchedulerService(MicroService):
                              max(1, state.kv_total_blocks))
         buffered = self._reconciled.pop(state.worker_id, None)
         if buffered is not None:
-            for _, notice in sorted(buffered[1].items()):  # parents come in earlier parts
-                self._mark_reconciled(notice)
+            for _, (notice, carrier) in sorted(buffered[1].items(), key=lambda kv: kv[0]):
+                self._mark_reconciled(notice, carrier, buffered=True)  # parents: earlier parts
         elif self._pending_on:
             # None came (this replica started after the split or merge, or the worker is an
             # old one): ask the cache manager to publish it again; usually nothing is pending.
@@ -1287,18 +1308,20 @@ class SchedulerService(MicroService):
             self.log.warning("reconciled notice rejected", subject=msg.subject,
                              error=f"names worker {notice.worker!r}, not the subject's")
             return
-        self.on_reconciled(notice)
+        self.on_reconciled(notice, msg.headers)
 
-    def on_reconciled(self, notice: ReconciledNotice) -> None:
+    def on_reconciled(self, notice: ReconciledNotice,
+                      carrier: Mapping[str, str] | None = None) -> None:
         """Mark a new worker's pending and donor pages in the replica trie (reconcile.py
         ``mark_reconciled``), or keep the notice until the worker's state registers it
         (:meth:`_track_cache`): the cache manager reconciles at the epoch record, usually
         before the new worker runs. Only the latest epoch's parts are kept for a worker (a
         part sent again replaces its copy; at most :data:`_BUFFERED_PARTS`), and only for the
-        :data:`_BUFFERED` workers heard of last."""
+        :data:`_BUFFERED` workers heard of last. ``carrier``: the notice's headers, whose W3C
+        context is the parent of its :data:`RECONCILED_APPLY_SPAN` (kept with it)."""
         wid = notice.worker
         if wid in self.trie.workers():
-            self._mark_reconciled(notice)
+            self._mark_reconciled(notice, carrier)
             return
         kept = self._reconciled.get(wid)
         if kept is not None and kept[0] > notice.epoch:
@@ -1320,7 +1343,8 @@ class SchedulerService(MicroService):
             return
         if notice.part in parts:
             self.stats.reconciled_dropped += 1  # the copy it replaces
-        parts[notice.part] = notice
+        # Only the trace context is kept of the headers (a notice's may hold anything).
+        parts[notice.part] = (notice, _trace_headers(carrier))
         self.stats.reconciled_buffered += 1
         while len(self._reconciled) > _BUFFERED:
             _, (_, old) = self._reconciled.popitem(last=False)
@@ -1328,10 +1352,24 @@ class SchedulerService(MicroService):
 
     def _buffered_entries(self) -> int:
         return sum(len(n.blocks) for _, parts in self._reconciled.values()
-                   for n in parts.values())
+                   for n, _ in parts.values())
 
-    def _mark_reconciled(self, notice: ReconciledNotice) -> None:
+    def _mark_reconciled(self, notice: ReconciledNotice,
+                         carrier: Mapping[str, str] | None = None, *,
+                         buffered: bool = False) -> None:
+        """Mark ``notice`` in the replica trie, under a :data:`RECONCILED_APPLY_SPAN` span
+        (a child of ``carrier``'s context, when that is sampled; ``buffered``: the notice
+        waited for its worker's state)."""
         wid = WorkerId(notice.worker)
+        span: trace.Span | None = None
+        if is_sampled(carrier):  # else nothing would be recorded (parent-based sampling)
+            # NOTE: started, never made current: nothing this does should join the trace.
+            span = tracer().start_span(RECONCILED_APPLY_SPAN, context=extract(carrier),
+                                       kind=SpanKind.CONSUMER, attributes={
+                                           "vtm.worker_id": str(wid), "vtm.epoch": notice.epoch,
+                                           "vtm.part": notice.part,
+                                           "vtm.entries": len(notice.blocks),
+                                           "vtm.buffered": buffered})
         try:
             marked = mark_reconciled(self.trie, wid, [
                 (BlockHash(h), None if p is None else BlockHash(p), role,
@@ -1339,7 +1377,14 @@ class SchedulerService(MicroService):
                 for h, p, role, src in notice.blocks])
         except VertumnusError as exc:
             self.log.warning("reconciled notice not applied", worker=wid, error=str(exc))
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, f"not applied: {exc}"[:500]))
+                span.end()
             return
+        if span is not None:
+            span.set_attributes({"vtm.pending": marked.pending, "vtm.donors": marked.donors,
+                                 "vtm.skipped": marked.skipped})
+            span.end()
         self.stats.reconciled_applied += 1
         self.log.info("reconciled pages marked", worker=wid, epoch=notice.epoch,
                       part=notice.part, pending=marked.pending, donors=marked.donors,

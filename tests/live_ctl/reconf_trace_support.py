@@ -27,7 +27,12 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from services.cachemgr.service import CacheMgrService, CacheMgrSettings
 from services.cachemgr.tracing import DRAIN_SPAN, EPOCH_SPAN
-from services.controller.service import ControllerService, drain_subject, reconf_subject
+from services.controller.service import (
+    EPOCH_ACK_SPAN,
+    ControllerService,
+    drain_subject,
+    reconf_subject,
+)
 from services.controller.tracing import ReconfStage
 from services.rankd.service import EPOCH_ADOPT_SPAN, RankdService
 from services.rankd.settings import RankdSettings
@@ -40,6 +45,8 @@ from shared.telemetry import inject, tracer
 SOURCES = ("w-cp4-g0", "w-cp4-g4")
 TARGETS = ("w-cp2-g4", "w-cp2-g6")
 WORKERS = (*SOURCES, *TARGETS)
+TARGET_GPUS = frozenset({4, 5, 6, 7})
+"""The ranks of the split's targets, whose acks of the commit record expose them."""
 DOC = [11, 12, 13, 14]
 """A document the split's parent (w-cp4-g4) holds when the split starts: long enough to be
 re-homed (the cache manager's ``rehome_min_blocks`` is 3), so the drain notice makes the
@@ -90,8 +97,9 @@ async def split_with_rank_daemons(
         finished: Callable[[], Sequence[ReadableSpan]]) -> SplitRun:
     """Carry out the split of w-cp4-g4 (test_live_ctl_with_rankd's drain, its targets' rank
     daemons added) and return once its trace ended and every worker's adoption of its
-    exposure record is among the ``finished`` spans. ``start`` starts a service (stopped by
-    the caller)."""
+    exposure record, the cache manager's part and the controller's handling of the targets'
+    acks of the commit record are among the ``finished`` spans. ``start`` starts a service
+    (stopped by the caller)."""
     # Imported here, not at the top: test modules, whose helpers this borrows.
     from gated_backend import GatedBackend
     from test_live_controller import DEMAND, H, settings
@@ -181,6 +189,18 @@ async def split_with_rank_daemons(
                        and x.attributes.get("vtm.reconfiguration.id") == rid
                        ).attributes["vtm.epoch.exposed"]
         await eventually(cache_manager_spans, what="the cache manager's spans of the split")
+        commit_epoch = next(x for x in finished() if x.name == str(ReconfStage.RECONFIGURATION)
+                            and x.attributes.get("vtm.reconfiguration.id") == rid
+                            ).attributes["vtm.epoch.after"]
+
+        # The controller's handling of the targets' acks of the commit record: the last one's
+        # span ends after the exposure it made.
+        async def acks_handled() -> bool:
+            return {x.attributes["vtm.gpu"] for x in finished() if x.name == EPOCH_ACK_SPAN
+                    and x.attributes["vtm.epoch"] == commit_epoch
+                    and x.attributes.get("vtm.ack.outcome") == "counted"} >= TARGET_GPUS
+
+        await eventually(acks_handled, what="the controller's spans of the targets' acks")
     finally:
         for b in backends.values():
             b.gate.set()

@@ -20,6 +20,7 @@ import time
 import pytest
 from live_ctl_support import Collector, eventually
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -29,10 +30,18 @@ from test_live_cachemgr import acking_worker, counted, holding, settings, stored
 from services.cachemgr.service import CacheMgrService
 from services.cachemgr.tracing import DRAIN_SPAN, EPOCH_SPAN
 from services.controller.service import drain_subject
-from shared.schemas import DrainNotice, EpochRecord, EpochWorker, encode, to_json
-from shared.service import epoch_kv
+from shared.schemas import (
+    DrainNotice,
+    EpochRecord,
+    EpochWorker,
+    PendingQuery,
+    PendingReply,
+    encode,
+    to_json,
+)
+from shared.service import call, epoch_kv
 from shared.subjects import Subjects
-from shared.telemetry import traceparent_of
+from shared.telemetry import traceparent_of, tracer
 from shared.worker import Lifecycle
 
 PHASE_TRACE, PHASE_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
@@ -173,3 +182,53 @@ async def test_a_split_s_record_is_reconciled_in_the_record_s_trace(
         assert tp is not None and tp[3:35] == hexid(span.context.trace_id, 32)
         assert tp[36:52] == hexid(span.context.span_id, 16)
     assert len(warned(logs, "epoch record")) == int(warns)
+
+
+@pytest.mark.parametrize(("carrier", "carried", "warns"), CONTEXTS)
+async def test_a_split_s_reconciled_notices_carry_its_reconcile_s_context(
+        nc: Client, nats_server, uniq: str, services, spans: InMemorySpanExporter,
+        carrier: str | None, carried: bool, warns: bool) -> None:
+    """The split's ReconciledNotices (one per child) carry the context of the
+    ``cachemgr_epoch`` span that reconciled it in their headers -- under the record's
+    ``traceparent`` or a root of its own --, so a scheduler replica's span of applying one is
+    in that trace; and so does the left child's reconcile when ``pending`` publishes it again
+    for a replica that asks (not the context of that request). Before, they carried none."""
+    s = Subjects(uniq)
+    kv = await epoch_kv(nc.jetstream(), s)
+    await kv.put(s.epoch_key(), record(0, [(0, 4), (4, 4)], None))
+    notices = Collector()
+    await nc.subscribe(s.cache_pending_all(), cb=notices.cb)
+    await nc.flush()
+    await services(CacheMgrService(settings(nats_server.url, uniq, snapshot_timeout_s=0.5)))
+    await stored(nc, s, PARENT, 1, None, DOC)
+    await holding(nc, uniq, PARENT, 4)
+    await kv.put(s.epoch_key(), record(1, [(0, 2), (2, 2), (4, 4)], carrier))
+    span = await one_span(spans, EPOCH_SPAN, **{"vtm.epoch": 1})
+    checked_parent(span, carried)
+    reconcile = (hexid(span.context.trace_id, 32), hexid(span.context.span_id, 16))
+
+    def carried_ids(m: Msg) -> tuple[str, str] | None:
+        tp = traceparent_of(m.headers)
+        return None if tp is None else (tp[3:35], tp[36:52])
+
+    async def both_sent() -> bool:
+        return len(notices.msgs) == 2
+
+    await eventually(both_sent, what="the children's notices")
+    assert {m.subject for m in notices.msgs} == {s.cache_pending("w-cp2-g0"),
+                                                 s.cache_pending("w-cp2-g2")}
+    assert [carried_ids(m) for m in notices.msgs] == [reconcile, reconcile]
+    # Asked again (a replica that registers the left child late): the same context.
+    with tracer().start_as_current_span("asker") as asker:
+        reply = await call(nc, s.cache_pending_ask(), PendingQuery(worker_id="w-cp2-g0"),
+                           PendingReply)
+    assert reply.parts == 1
+
+    async def sent_again() -> bool:
+        return len(notices.msgs) == 3
+
+    await eventually(sent_again, what="the left child's notice sent again")
+    again = notices.msgs[2]
+    assert again.subject == s.cache_pending("w-cp2-g0")
+    assert carried_ids(again) == reconcile
+    assert hexid(asker.get_span_context().trace_id, 32) != reconcile[0]

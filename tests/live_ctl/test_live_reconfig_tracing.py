@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from reconf_trace_support import (
     COMMAND_SERVER_SPAN,
     DOC,
     SNAPSHOT_SERVER_SPAN,
+    TARGET_GPUS,
     TARGETS,
     WORKERS,
     hex_trace,
@@ -53,6 +55,7 @@ from test_live_ctl_with_rankd import GatedBackend, assignment
 
 from services.cachemgr.tracing import DRAIN_SPAN, EPOCH_SPAN
 from services.controller.service import (
+    EPOCH_ACK_SPAN,
     ControllerService,
     QueueReport,
     reconf_subject,
@@ -433,11 +436,32 @@ SPLIT_RECORDS: list[tuple[str, str, dict[str, str]]] = [
 ]
 
 
+def checked_acks(got: Sequence[ReadableSpan], tid: str, commit: int) -> None:
+    """The controller's handling of each rank's ack in trace ``tid`` is an ``epoch_ack``
+    span (CONSUMER), a child of that rank's worker's ``epoch_adopt`` span of the epoch it
+    acknowledges (the ack's headers carry it); each target rank's ack of the ``commit``
+    record counted, once."""
+    adopts = {(x.attributes["vtm.worker_id"], x.attributes["vtm.epoch"]): x for x in got
+              if x.name == EPOCH_ADOPT_SPAN and hex_trace(x) == tid}
+    acks = [x for x in got if x.name == EPOCH_ACK_SPAN and hex_trace(x) == tid]
+    for x in acks:
+        adopt = adopts[(x.attributes["vtm.worker_id"], x.attributes["vtm.epoch"])]
+        assert x.parent is not None and x.parent.span_id == adopt.context.span_id
+        assert x.parent.is_remote and x.kind is SpanKind.CONSUMER
+    counted = sorted(x.attributes["vtm.gpu"] for x in acks
+                     if x.attributes["vtm.ack.outcome"] == "counted")
+    assert counted == sorted(TARGET_GPUS)
+    assert {x.attributes["vtm.epoch"] for x in acks
+            if x.attributes["vtm.ack.outcome"] == "counted"} == {commit}
+
+
 async def test_every_rank_daemon_adopts_the_splits_records_in_its_trace(
         nc: Client, nats_server, uniq: str, services, spans: InMemorySpanExporter) -> None:
     """Four real rank daemons (the split's source, the other CP4 worker, the two targets):
     each one's adoption of the drain, commit and exposure records is an ``epoch_adopt`` span,
-    a child of the controller's phase span that wrote the record."""
+    a child of the controller's phase span that wrote the record; the controller's handling
+    of each of their acks an ``epoch_ack`` span, a child of the adoption it acknowledges
+    (:func:`checked_acks`)."""
     run = await split_with_rank_daemons(nc, nats_server.url, uniq, services,
                                         spans.get_finished_spans)
     (root,) = roots(spans, run.reconfiguration)
@@ -454,6 +478,7 @@ async def test_every_rank_daemon_adopts_the_splits_records_in_its_trace(
             assert x.start_time >= phases[phase].start_time
         assert {w: x.attributes["vtm.lifecycle"] for w, x in adopts.items()} == lifecycles
         assert not any(x.attributes["vtm.redirected"] for x in adopts.values())  # none queued
+    checked_acks(spans.get_finished_spans(), hex_trace(root), root.attributes["vtm.epoch.after"])
     # At this provider's ratio (1) the requests' traces are recorded: the test below, at 0,
     # finds none of them.
     recorded = {hex_trace(x) for x in spans.get_finished_spans()}
@@ -520,8 +545,9 @@ async def test_a_split_is_traced_whole_at_sampling_ratio_zero_and_no_request_is(
     once per process: reconf_trace_support.py run as a script): the reconfiguration's trace is
     recorded whole -- root, phases, the rank daemons' queue handlers and record adoptions, the
     cache manager's handling of the drain notice and of the records, the re-homing copy and
-    the rank daemons' server spans of it and of the reconcile's snapshot requests -- and it is
-    all that is recorded: not one span of the requests."""
+    the rank daemons' server spans of it and of the reconcile's snapshot requests, the
+    controller's handling of the ranks' acks -- and it is all that is recorded: not one span
+    of the requests."""
     script = Path(__file__).with_name("reconf_trace_support.py")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(script), nats_server.url, uniq, cwd=ROOT,
@@ -571,3 +597,13 @@ async def test_a_split_is_traced_whole_at_sampling_ratio_zero_and_no_request_is(
     snapshots = [x for x in recorded if x["name"] == SNAPSHOT_SERVER_SPAN]
     assert {x["attributes"]["messaging.destination.name"].rsplit(".", 1)[-1]
             for x in snapshots if x["parent_id"] == commit["span_id"]} == set(TARGETS)
+    # The controller's handling of each rank's ack: under the adoption it acknowledges (the
+    # initial record's acks, whose adoption the ratio left out, record nothing either).
+    adopt_ids = {(x["attributes"]["vtm.worker_id"], x["attributes"]["vtm.epoch"]): x["span_id"]
+                 for x in recorded if x["name"] == EPOCH_ADOPT_SPAN}
+    acks = [x for x in recorded if x["name"] == EPOCH_ACK_SPAN]
+    for x in acks:
+        a = x["attributes"]
+        assert x["parent_id"] == adopt_ids[(a["vtm.worker_id"], a["vtm.epoch"])], a
+    assert sorted(x["attributes"]["vtm.gpu"] for x in acks
+                  if x["attributes"]["vtm.ack.outcome"] == "counted") == sorted(TARGET_GPUS)
