@@ -181,6 +181,7 @@ from services.rankd.core import (
     HANDED_BACK_SPAN,
     INTAKE_MSG_HEADER,
     REDIRECTING_CODE,
+    Adoption,
     HandBackCause,
     HandBackUnknown,
     HandedBack,
@@ -2044,13 +2045,29 @@ class RankdService(MicroService):
                         "vtm.redirected": bool(adoption.redirected),
                         "vtm.redirected_count": len(adoption.redirected)})
         ack_headers = inject({}, trace.set_span_in_context(span))
+        try:
+            await self._adopted(adoption, ack_headers)
+        except BaseException as exc:
+            # Still recorded: a failed adoption is what a reader of the trace looks for.
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            end_ns = _finite_ns(max(self.clock(), arrived_s))
+            span.end(end_time=end_ns if start_ns is not None else None)
+
+    async def _adopted(self, adoption: Adoption, ack_headers: Mapping[str, str]) -> None:
+        """What follows the core's adoption of a record: hand back what it redirected,
+        republish the metadata and send its EpochAcks (with ``ack_headers``: the
+        ``epoch_adopt`` span's context) or keep them for the re-sender."""
         self.log.info(
             "epoch adopted",
             epoch=adoption.epoch,
             lifecycle=adoption.lifecycle.value,
             member=adoption.member,
         )
-        # No await since core.adopt (see _hand_back).
+        # No suspension since core.adopt (awaiting this coroutine runs it at once; see
+        # _hand_back).
         self._hand_back(adoption.redirected, HandBackCause.DRAINING
                         if adoption.lifecycle is Lifecycle.DRAINING else HandBackCause.UNAVAILABLE)
         self._update_metadata()
@@ -2079,10 +2096,6 @@ class RankdService(MicroService):
                     self._unsent_acks[gpu] = ack
                     self._acks_unsent.set()
         self._dirty.set()
-        # (Left open should the above raise: the watcher logs that, and no span is recorded,
-        # as before the acks carried its context.)
-        end_ns = _finite_ns(max(self.clock(), arrived_s))
-        span.end(end_time=end_ns if start_ns is not None else None)
 
     def _record_parent(self, record: EpochRecord) -> otel_context.Context:
         """The context of ``record``'s ``traceparent`` (an empty one: none, or malformed, which

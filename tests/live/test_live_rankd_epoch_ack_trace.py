@@ -113,3 +113,36 @@ async def test_an_unsampled_adoption_sends_the_decision_on(
         assert got is not None and got[0] == trace_id and not is_sampled(h)
     assert not [x for x in spans.get_finished_spans() if x.name == EPOCH_ADOPT_SPAN
                 and x.attributes.get("vtm.worker_id") == WID]
+
+
+async def test_a_failed_adoption_is_recorded_with_its_error(
+        nats_server: EmbeddedNats, nc: Client, uniq: str, spans: InMemorySpanExporter,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should what follows the core's adoption raise (here the metadata's republish, made to
+    fail), the ``epoch_adopt`` span is still recorded, with status ERROR and the exception,
+    and the watcher goes on to adopt the next record. Before, the span started for the acks'
+    context was left open and never exported."""
+    s = Subjects(uniq)
+    svc = rankd(nats_server, uniq)
+    calls = 0
+
+    def fail_once() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("metadata refused")
+
+    async with service_running(svc, timeout_s=WAIT_S):
+        monkeypatch.setattr(svc, "_update_metadata", fail_once)
+        epochs = await epoch_kv(nc.jetstream(), s)
+        with tracer().start_as_current_span("epoch_commit"):
+            traceparent = inject({})["traceparent"]
+        await epochs.put(s.epoch_key(), record(1, traceparent=traceparent))
+        failed = await adopted(spans, 1)
+        await epochs.put(s.epoch_key(), record(2, traceparent=traceparent))
+        later = await adopted(spans, 2)
+    assert failed.status.status_code.name == "ERROR"
+    assert failed.status.description == "RuntimeError"
+    assert [e.name for e in failed.events] == ["exception"]
+    assert failed.context.trace_id == int(traceparent[3:35], 16)
+    assert later.status.status_code.name == "UNSET"
