@@ -92,6 +92,35 @@ def _check_replay_numbers(*, rate: float | None, duration: float, time_scale: fl
         _fail(f"--max-requests must be an integer >= 0 (0: all), got {max_requests}")
 
 
+def _check_engine(model_path: Path | None) -> None:
+    """``up --backend torch``'s engine, before anything starts (exit 2 naming the problem):
+    the ``engine`` extra installed (else the profile, or with ``--profile`` the rank daemon
+    once nats and every service had started, failed on its import), and ``--model-path`` a
+    checkpoint directory with a Qwen3 ``config.json`` and a safetensors file (else each rank
+    process of the profile failed loading it, after the rank daemons' start-up).
+    The weights are checked tensor by tensor only where they are loaded."""
+    from vertumnus.live.startup_profile import engine_extra_error, missing_engine_module
+
+    missing = missing_engine_module()
+    if missing is not None:
+        _fail(engine_extra_error(missing))
+    if model_path is None:
+        return
+    if not Path(model_path).is_dir():
+        _fail(f"--model-path {model_path}: not a directory (a local HF-format Qwen3 "
+              "checkpoint directory)")
+    from services.rankd.engine.checkpoint import load_config
+    from services.rankd.engine.errors import CheckpointError
+
+    try:
+        load_config(model_path)
+    except CheckpointError as exc:
+        _fail(f"--model-path: {exc}")
+    if not any(Path(model_path).glob("*.safetensors")):
+        _fail(f"--model-path {model_path}: no *.safetensors file (a local HF-format Qwen3 "
+              "checkpoint directory)")
+
+
 def run_service_module(module: str, argv: list[str], prog: str) -> None:
     """Run ``python -m module`` in this process with ``argv`` (what the service mains read)."""
     from vertumnus.live.registry import module_runnable
@@ -228,8 +257,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start nats + every service, replay a workload through the gateway, report, stop.
 
-        Every option is checked, the workload loaded, the output paths made ready and the
-        --http-port / --nats-port tried before anything starts (exit 2 naming the problem).
+        Every option is checked, the workload loaded, the output paths made ready, the
+        --http-port / --nats-port tried and --nats-config tested by nats-server (-t) before
+        anything starts (exit 2 naming the problem).
         --duration is the workload's length; --rate-scale compresses its arrivals as in
         `simulate`, so the replay lasts DURATION / RATE_SCALE modelled seconds (the first line
         says both; a --kill-at past the replay's last arrival is warned about). An interrupt
@@ -244,6 +274,7 @@ def register(app: typer.Typer) -> None:
         from vertumnus.live.stack import (
             StackError,
             UpConfig,
+            check_nats_server,
             check_ports,
             load_requests,
             nats_start_failure,
@@ -272,11 +303,13 @@ def register(app: typer.Typer) -> None:
             _fail(str(exc))
         try:  # a fixed port in use: said now, not once nats and every service have started
             check_ports(cfg)
+            # The server's binary and --nats-config, tested by nats-server itself: said now,
+            # not after the start-up profiling (~15 s on the torch engine).
+            check_nats_server(cfg)
         except ValueError as exc:
             _fail(str(exc))
-        if cfg.model_path is not None and not Path(cfg.model_path).is_dir():
-            _fail(f"--model-path {cfg.model_path}: not a directory (a local HF-format Qwen3 "
-                  "checkpoint directory)")
+        if cfg.backend == "torch":
+            _check_engine(cfg.model_path)
         try:  # before anything starts: a trace it cannot read must not cost a stack start
             wl, reqs = load_requests(cfg.workload, duration_s=cfg.duration_s, rate=cfg.rate,
                                      seed=cfg.seed, max_requests=cfg.max_requests,

