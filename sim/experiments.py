@@ -10,7 +10,8 @@ policy          pool                                           extras
 vertumnus       §6.1 initial composition over the degree set   controller + cache manager on
 static          the same initial composition, held fixed        length threshold profiled
 homo            all degree-4 workers (paper's Homo)             —
-homo_cp2        all smallest-degree workers                     —
+homo_cp2        all smallest-degree workers (only where that    —
+                is 2: ``check_pools``)
 vllm            all TP-4 workers                                —
 sglang          all CP-4 (bounded and unbounded trees; the      —
                 stronger is reported as ``sglang``)
@@ -23,12 +24,18 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
+import pickle
+import signal
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
+from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
@@ -130,6 +137,28 @@ def check_warmup_s(w: object) -> None:
                            f"seconds >= 0, got {w!r}")
 
 
+def check_rate(workload: Workload, rate_scales: Sequence[float] = (1.0,), *,
+               rate: float | None = None) -> None:
+    """A rate asked of ``workload`` must be one it can take (else :class:`InvalidInput`):
+    a trace whose arrivals span no time (a single request; two or more at one instant are
+    refused by the readers) has no arrival rate, so ``--rate`` (``rate``) would set none and
+    a ``--rate-scale`` other than 1 would scale none -- every such run would be the same run
+    under another label. Nothing is asked by default (``rate_scales`` (1,), ``rate`` None)."""
+    if workload.duration_s > 0:
+        return
+    asked = ([f"--rate {rate:g}"] if rate is not None else []) + \
+        ([f"--rate-scale {','.join(f'{s:g}' for s in rate_scales)}"]
+         if any(s != 1 for s in rate_scales) else [])
+    if asked:
+        n = len(workload)
+        what = "one request" if n == 1 else f"{n} requests, all at one instant"
+        raise InvalidInput(
+            f"the trace has {what}: it has no arrival rate to set or scale, so "
+            f"{' and '.join(asked)} would change nothing; leave "
+            f"{'it' if len(asked) == 1 else 'them'} out (a rate needs two or more requests "
+            f"at different times)")
+
+
 # --- compositions -----------------------------------------------------------------------------
 def historical_composition(
     lattice: Lattice, profile: Profile, workload: Workload, window_s: float
@@ -188,24 +217,69 @@ def _fixed_pool_degree(policy: str, degrees: Sequence[int]) -> int | None:
     return None
 
 
+HOMO_CP2_DEGREE: Final = 2
+"""The degree ``homo_cp2`` is named after (README: "all CP2"; peer-routing.md's all-CP2 pool
+of the {2, 4} experiments): it runs every worker at the smallest degree, and so only where
+that is 2 (:func:`check_pools`)."""
+
+
 def check_pools(gpus: int, degrees: Sequence[int], *,
                 policies: Sequence[str] = ALL_POLICIES,
-                gpus_per_node: int = ExperimentSpec.gpus_per_node) -> None:
-    """The pools :func:`deployment_for` builds for ``policies`` fit ``gpus`` (else
-    :class:`InvalidInput` naming ``--gpus`` and ``--degrees``): the lattice itself, and the
-    uniform pool of each policy that runs one (``homo_cp2``: all at the smallest degree; the
-    peers and ``homo``: all at :data:`HOMO_DEGREE`, else the largest). For a check before a
-    sweep runs (its profile and its first run take seconds to minutes before the first pool
-    is made)."""
+                gpus_per_node: int = ExperimentSpec.gpus_per_node, names: bool = True) -> None:
+    """The pools :func:`deployment_for` builds for ``policies`` fit ``gpus`` and (``names``)
+    are what their names say, else :class:`InvalidInput` naming ``--gpus`` and ``--degrees``
+    (and the policies concerned). For a check before a sweep runs (its profile and its first
+    run take seconds to minutes before the first pool is made); :func:`sweep` checks again.
+
+    * the lattice itself (:class:`Lattice`);
+    * the uniform pool of each policy that runs one, naming those policies (``homo_cp2``: all
+      at the smallest degree; the peers and ``homo``: all at :data:`HOMO_DEGREE`, else the
+      largest; ``vllm`` as TP workers);
+    * every degree fits the pool (``degree <= gpus``): vertumnus and static could never form
+      a worker of a larger one, yet κ would be measured on one (``sim.profiling.ramp_pools``)
+      and the oracle would place requests on one (:func:`oracle_ttfts`);
+    * ``homo_cp2`` only where the smallest degree is :data:`HOMO_CP2_DEGREE`: elsewhere its
+      pool is not the all-CP2 one its name, the README and the tables promise (with
+      --degrees 4,8 it was homo's all-CP4 pool again, reported as a second baseline). Left
+      out with ``names`` False: a check of the GPU count alone (``profile --pool-gpus``:
+      κ for the pools of that many GPUs, whichever policies run them)."""
     degs = sorted(degrees)
+    where = f"--gpus {gpus} with --degrees {','.join(map(str, degs))}"
     try:
         lattice = Lattice(gpus, degs, gpus_per_node=gpus_per_node)
-        for c in sorted({d for p in policies
-                         if (d := _fixed_pool_degree(p, degs)) is not None}):
-            Composition.uniform(lattice, c)
     except InvalidInput as exc:
-        raise InvalidInput(f"--gpus {gpus} with --degrees {','.join(map(str, degs))} "
-                           f"({gpus_per_node} GPUs a node): {exc}") from None
+        raise InvalidInput(f"{where} ({gpus_per_node} GPUs a node): {exc}") from None
+    by_degree: dict[int, list[str]] = {}
+    for p in dict.fromkeys(policies):
+        d = _fixed_pool_degree(p, degs)
+        if d is not None:
+            by_degree.setdefault(d, []).append(p)
+    for c, pols in sorted(by_degree.items()):
+        try:
+            Composition.uniform(lattice, c)
+        except InvalidInput as exc:
+            tp = " (vllm as TP workers)" if "vllm" in pols else ""
+            raise InvalidInput(
+                f"{where} ({gpus_per_node} GPUs a node): {', '.join(pols)} run every worker at "
+                f"degree {c}{tp}, a pool these GPUs cannot form: {exc}; leave "
+                f"{'it' if len(pols) == 1 else 'them'} out of --policies or give --gpus a "
+                f"multiple of {c}") from None
+    big = [c for c in degs if c > gpus]
+    if big:
+        raise InvalidInput(
+            f"{where}: {gpus} GPUs cannot form a worker of degree "
+            f"{', '.join(map(str, big))}, so no pool would ever have one (the profile's κ and "
+            f"the oracle would assume one); drop {'it' if len(big) == 1 else 'them'} from "
+            f"--degrees or give --gpus at least {max(big)}")
+    if names and "homo_cp2" in policies and degs[0] != HOMO_CP2_DEGREE:
+        same = _homo_degree(degs) == degs[0]
+        raise InvalidInput(
+            f"--policies homo_cp2 with --degrees {','.join(map(str, degs))}: homo_cp2 is the "
+            f"all-CP{HOMO_CP2_DEGREE} pool (every worker at the smallest degree, "
+            f"{HOMO_CP2_DEGREE} in the paper's {{2, 4}}), but the smallest degree here is "
+            f"{degs[0]}, so it would run all-CP{degs[0]}"
+            + (" -- homo's pool again" if same else "")
+            + "; leave homo_cp2 out of --policies (the default list holds it)")
 
 
 def deployment_for(
@@ -313,7 +387,13 @@ def run_deployment(
         controller_config=spec.controller,
         kappa_scale=spec.kappa_scale,
     )
-    return Simulator(cfg, profile, truth).run(workload, dep.composition)
+    sim = Simulator(cfg, profile, truth)
+    res = sim.run(workload, dep.composition)
+    # The finished run's trie goes now, by reference counting (PrefixTrie.release: its ~55k
+    # nodes would otherwise wait for a pass of the cyclic collector). Not on an error or an
+    # interrupt: the trie is left to the collector then, and the exception goes on at once.
+    sim.trie.release()
+    return res
 
 
 def summarize_run(
@@ -463,10 +543,13 @@ def sweep(
     ``wall_s`` and ``sim_requests_per_wall_s``) and their order are the same as with 1.
     ``on_run(policy, rate_scale)`` is called as each cell finishes. ``request_log``: a
     directory where each cell also writes its per-request log (:mod:`sim.request_log`; the
-    row's variant's run). Raises :class:`InvalidInput` for ``jobs`` < 1.
+    row's variant's run). Raises :class:`InvalidInput` for ``jobs`` < 1, pools
+    :func:`check_pools` refuses, or rate scales :func:`check_rate` refuses.
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidInput(f"jobs must be an integer >= 1, got {jobs!r}")
+    check_pools(spec.gpus, spec.degrees, policies=policies, gpus_per_node=spec.gpus_per_node)
+    check_rate(workload, rate_scales)
     truth = truth or GroundTruth()
     lattice = Lattice(spec.gpus, spec.degrees, gpus_per_node=spec.gpus_per_node)
     ctl_profile = controller_profile(profile, spec.kappa_scale)
@@ -508,19 +591,13 @@ def sweep(
                 on_run(pol, scale)
     else:
         # Each cell is one independent deterministic run (its own simulator and noise stream
-        # from the seed), so running cells in other processes changes no result; "spawn"
-        # because the caller may run threads (the progress bar) that a fork would copy.
-        pool = ProcessPoolExecutor(max_workers=min(jobs, len(cells)),
-                                   mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_cells, initargs=(ctx,))
-        with pool:
-            futures = {pool.submit(_run_cell, scale, pol): i
-                       for i, (scale, pol) in enumerate(cells)}
-            for fut in as_completed(futures):
-                i = futures[fut]
-                results[i] = fut.result()
-                if on_run is not None:
-                    on_run(cells[i][1], cells[i][0])
+        # from the seed), so running cells in other processes changes no result.
+        def done(i: int) -> None:
+            if on_run is not None:
+                on_run(cells[i][1], cells[i][0])
+
+        results[:] = run_in_processes(_run_cell, cells, jobs, initializer=_init_cells,
+                                      initargs=(ctx,), on_done=done)
     rows: list[dict[str, Any]] = []
     for (scale, _pol), res in zip(cells, results, strict=True):
         assert res is not None
@@ -590,6 +667,8 @@ class _SweepCells:
             if pol == "vertumnus":
                 timeline = [[t, {str(k): v for k, v in c.items()}]
                             for t, c in res.composition_timeline]
+                if res.end_s > timeline[-1][0]:  # the composition held until the run's end
+                    timeline.append([res.end_s, dict(timeline[-1][1])])
         assert best_row is not None and best_res is not None
         if self.request_log is not None:
             write_request_log(self.request_log / log_name(pol, scale, self.spec.seed),
@@ -610,6 +689,141 @@ def _init_cells(cells: _SweepCells) -> None:
 def _run_cell(scale: float, pol: str) -> tuple[dict[str, Any], Any]:
     assert _CELLS is not None, "worker process not initialised"
     return _CELLS.run(scale, pol)
+
+
+# --- calls in worker processes ---------------------------------------------------------------
+_T = TypeVar("_T")
+
+TERMINATED_EXIT: Final = 128 + signal.SIGTERM
+"""The exit status after a SIGTERM that :func:`run_in_processes` handled (143: what a shell
+shows for a process that SIGTERM ended, as a single-process ``simulate`` is)."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM in the parent while its worker processes run (:func:`run_in_processes`)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def _start_worker(init_file: str) -> None:
+    """A worker process's first act: SIGINT ignored for good, then the caller's initializer
+    ``init(*initargs)``, pickled in ``init_file`` (:func:`run_in_processes`).
+
+    A Ctrl-C reaches the whole process group; the parent decides what it means and stops the
+    workers, which must not each print a KeyboardInterrupt traceback. SIGINT arrives blocked
+    (:func:`run_in_processes` spawns with it blocked, so the interpreter's start-up and the
+    imports before this ran are covered too); a signal pending since then is discarded here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    with open(init_file, "rb") as f:
+        init, initargs = pickle.load(f)
+    if init is not None:
+        init(*initargs)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Cancel the calls not started and end the worker processes now (SIGTERM, then SIGKILL
+    after 5 s), then wait for the pool's manager thread. ``shutdown`` alone (a ``with`` block's
+    exit) waits for every call already queued: the whole rest of a sweep."""
+    # NOTE: Python 3.11 has no public way to stop a pool's processes (3.14 adds
+    # terminate_workers); shutdown() drops these references, so they are taken first.
+    procs = list((pool._processes or {}).values())  # type: ignore[attr-defined]
+    manager = pool._executor_manager_thread  # type: ignore[attr-defined]
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if manager is not None:
+        manager.join(timeout=5.0)  # it sees its workers gone and ends
+
+
+def run_in_processes(
+    fn: Callable[..., _T],
+    calls: Sequence[tuple[Any, ...]],
+    jobs: int,
+    *,
+    initializer: Callable[..., None] | None = None,
+    initargs: tuple[Any, ...] = (),
+    on_done: Callable[[int], None] | None = None,
+) -> list[_T]:
+    """``fn(*calls[i])`` for every ``i`` in ``min(jobs, len(calls))`` worker processes
+    ("spawn": the caller may run threads, the progress bar, that a fork would copy); the
+    results in ``calls`` order. ``initializer(*initargs)`` runs once in each worker (both
+    picklable); ``on_done(i)`` in this process as each call finishes.
+
+    Stopping (the sweeps of ``simulate``, ``tune`` and ``size --jobs N``): the workers ignore
+    SIGINT from their start; a Ctrl-C (KeyboardInterrupt here) or an exception from a call
+    cancels the calls not started, ends the workers (:func:`_stop_workers`) and propagates at
+    once. SIGTERM, where its disposition is the default (this process would die of it and
+    leave the workers running), does the same and then exits with :data:`TERMINATED_EXIT`;
+    only in the main thread (the only one signal handlers can be set from), and restored
+    after. No worker is left behind either way."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise InvalidInput(f"jobs must be an integer >= 1, got {jobs!r}")
+    results: list[Any] = [None] * len(calls)
+    if not calls:
+        return results
+    main = threading.current_thread() is threading.main_thread()
+    catch_term = main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    # Started before SIGINT is blocked below: starting it unblocks SIGINT and SIGTERM in
+    # this thread (multiprocessing.resource_tracker), which would undo the block.
+    resource_tracker.ensure_running()
+    pool: ProcessPoolExecutor | None = None
+    # The initializer and its arguments (a sweep's: the workload, MBs) reach the workers in a
+    # file, not in the spawn pipe: a write there waits until the new interpreter has started
+    # and imported enough to read it, ~1 s a worker, all with SIGINT blocked below.
+    with tempfile.TemporaryDirectory(prefix="vertumnus-workers-") as tmp:
+        init_file = os.path.join(tmp, "init.pickle")
+        with open(init_file, "wb") as f:
+            pickle.dump((initializer, initargs), f, protocol=pickle.HIGHEST_PROTOCOL)
+        if catch_term:
+            signal.signal(signal.SIGTERM, _raise_terminated)
+        try:
+            # The workers are spawned with SIGINT blocked, which they inherit
+            # (_start_worker); here it is blocked only while they are made (fork and exec),
+            # and one arriving meanwhile is raised when the block ends.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                pool = ProcessPoolExecutor(max_workers=min(jobs, len(calls)),
+                                           mp_context=multiprocessing.get_context("spawn"),
+                                           initializer=_start_worker, initargs=(init_file,))
+                futures = {pool.submit(fn, *args): i for i, args in enumerate(calls)}
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            for fut in as_completed(futures):
+                i = futures[fut]
+                results[i] = fut.result()
+                if on_done is not None:
+                    on_done(i)
+        except BaseException as exc:
+            # A further Ctrl-C or SIGTERM must not cut the stop short (and leave workers behind).
+            # Ignored, not blocked: a handler is run by whichever thread takes the signal.
+            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+            if catch_term:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                if pool is not None:
+                    _stop_workers(pool)
+            finally:
+                if old_int is not None:  # None: not a handler Python set (left ignored)
+                    signal.signal(signal.SIGINT, old_int)
+                if catch_term:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if isinstance(exc, _Terminated):
+                raise SystemExit(TERMINATED_EXIT) from None
+            raise
+        if catch_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert pool is not None
+        pool.shutdown()
+    return results
 
 
 REPEAT_METRICS: tuple[str, ...] = (

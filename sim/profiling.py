@@ -513,12 +513,18 @@ def trace_kappa(
 def ramp_pools(ramp: KappaRamp, degrees: Sequence[int], pool_gpus: int | None
                ) -> dict[int, int]:
     """Workers of the routed pool κ_C is measured on, per degree: ``ramp.pool_workers``, at
-    most the degree-C workers ``pool_gpus`` holds (at least 1)."""
+    most the degree-C workers ``pool_gpus`` holds. Raises :class:`InvalidInput` for a degree
+    larger than ``pool_gpus``: such a pool never has a worker of it, and a κ measured on one
+    (it used to be measured on one anyway) describes no worker of the pool
+    (``sim.experiments.check_pools`` refuses that pool before anything runs)."""
     if pool_gpus is not None and (isinstance(pool_gpus, bool) or not isinstance(pool_gpus, int)
                                   or pool_gpus < 1):
         raise InvalidInput(f"pool_gpus must be an integer >= 1, got {pool_gpus!r}")
+    if pool_gpus is not None and (big := sorted(c for c in degrees if c > pool_gpus)):
+        raise InvalidInput(f"a pool of {pool_gpus} GPUs has no worker of degree "
+                           f"{', '.join(map(str, big))} to measure κ on")
     return {c: ramp.pool_workers if pool_gpus is None
-            else max(1, min(ramp.pool_workers, pool_gpus // c)) for c in degrees}
+            else min(ramp.pool_workers, pool_gpus // c) for c in degrees}
 
 
 def trace_kappa_key(profile: Profile, workload: Workload, *, degrees: Sequence[int], seed: int,

@@ -17,15 +17,13 @@ answer is the smallest *evaluated* size that met the target.
 from __future__ import annotations
 
 import math
-import multiprocessing
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Any
 
 from shared.costmodel import Profile
 from shared.ids import InvalidInput
-from sim.experiments import ExperimentSpec, sweep
+from sim.experiments import ExperimentSpec, run_in_processes, sweep
 from sim.groundtruth import GroundTruth
 from sim.workloads.workload import Workload
 
@@ -132,14 +130,15 @@ def size_pools(
             if on_done is not None:
                 on_done(pol)
     else:
-        # Each search is independent and deterministic; "spawn" as in sim.experiments.sweep.
-        with ProcessPoolExecutor(max_workers=min(jobs, len(policies)),
-                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(size_policy, pol, *args): pol for pol in policies}
-            for fut in as_completed(futures):
-                out[futures[fut]] = fut.result()
-                if on_done is not None:
-                    on_done(futures[fut])
+        # Each search is independent and deterministic; in worker processes that a Ctrl-C or
+        # SIGTERM stops at once (sim.experiments.run_in_processes).
+        def done(i: int) -> None:
+            if on_done is not None:
+                on_done(policies[i])
+
+        found = run_in_processes(size_policy, [(pol, *args) for pol in policies], jobs,
+                                 on_done=done)
+        out.update(zip(policies, found, strict=True))
     return [out[p] for p in policies]
 
 

@@ -155,6 +155,18 @@ def _dir_problem(directory: Path) -> str | None:
     return None
 
 
+def out_option(text: str | Path) -> Path:
+    """``--out``'s text as a path (a typer ``parser``): an empty or blank one exits 2, since
+    ``Path("")`` is the current directory and a run would scatter its files there (``.``
+    names the current directory on purpose)."""
+    if isinstance(text, Path):  # the default, already a path
+        return text
+    if not text.strip():
+        fail(f"--out {text!r}: an empty path names no directory (give one; '.' for the "
+             "current directory)")
+    return Path(text)
+
+
 def output_dir(path: Path, name: str = "out") -> Path:
     """The directory ``--name`` writes into: created if missing (with its parents), and
     writable. Exits 2 naming the option, the path and the problem when it is a file, cannot
@@ -335,8 +347,8 @@ def nats_url_option(url: str, name: str = "nats") -> str:
 
 
 SLO_HELP = ("TTFT deadlines by prompt length: a table name (qwen3-30b-a3b, deepseek-v4-flash: "
-            "paper Table 2) or BOUND:SECONDS pairs, e.g. 8192:1,32768:5,inf:10 (under 8,192 "
-            "tokens 1 s, …)")
+            "paper Table 2) or BOUND:SECONDS pairs, e.g. 8192:1,inf:10 (under 8,192 tokens "
+            "1 s, else 10 s)")
 
 
 def slo_table(text: str) -> SloTable:

@@ -6,7 +6,7 @@ import contextlib
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +22,7 @@ from vertumnus.cliargs import (
     degrees_option,
     input_file,
     j_weight,
+    out_option,
     profile_file,
     slo_table,
     vtm_environment,
@@ -30,6 +31,9 @@ from vertumnus.cliargs import (
 from vertumnus.cliargs import fail as _fail
 
 _DEFAULT_POLICIES = "vertumnus,static,homo,homo_cp2,sglang,vllm,dynamo,llmd"
+# The default spelled with spaces: as one word it cannot wrap, and an 80-column help cut it.
+_POLICIES_HELP = ("Comma-separated policy names [default: "
+                  + ", ".join(_DEFAULT_POLICIES.split(",")) + "]")
 
 
 def _floats(text: str, name: str) -> list[float]:
@@ -43,6 +47,20 @@ def _weights(text: str, name: str) -> list[float]:
     (a repeated pair would be run twice and reported once)."""
     vals = comma_list(text, name, float, "numbers", unique=True)
     return [j_weight(v, name) for v in vals]
+
+
+def _default_policies_for(policies: list[str], degrees: Sequence[int], given: bool
+                          ) -> list[str]:
+    """``policies`` as the run takes them: when ``--policies`` was not given (the default
+    list) and the smallest of ``degrees`` is not 2, without ``homo_cp2`` (the all-CP2 pool,
+    which such a lattice cannot run: :func:`sim.experiments.check_pools`), with a note on
+    stderr; a list the user gave is left to that check (refused, naming the option)."""
+    if given or "homo_cp2" not in policies or min(degrees) == 2:
+        return policies
+    typer.echo(f"note: homo_cp2 (the all-CP2 pool) left out of the default --policies: "
+               f"--degrees {','.join(map(str, sorted(degrees)))} has no degree 2 as its "
+               f"smallest", err=True)
+    return [p for p in policies if p != "homo_cp2"]
 
 
 def _names(text: str, name: str) -> list[str]:
@@ -118,7 +136,7 @@ def _given(ctx: typer.Context, names: Iterable[str]) -> list[str]:
 _PRESET_FIXES = ("trace", "format", "rate", "rate_scale", "gpus", "degrees", "profile_path",
                  "max_requests", "cache_blocks_per_gpu", "beta", "lam", "beta_queue_scale",
                  "beta_busy_power", "pull_min_blocks", "pull_credit_blocks", "pull_demote",
-                 "pull_wait", "fixed")
+                 "pull_wait", "fixed", "profile_mismatch_ok")
 
 # What each preset's refusal says it fixes (the trace presets: the default).
 _PRESET_FIXED_WHAT = {"ablation": "its cluster and profile",
@@ -136,11 +154,26 @@ _Trace = Annotated[str, typer.Option(
     help="'synthetic', a trace file, or a .toml file of the synthetic generator's parameters "
          "(`vertumnus synthetic` prints one)")]
 _Format = Annotated[
-    str, typer.Option("--format", help="mooncake|azure|leval|synthetic (auto by default)")]
+    str, typer.Option("--format", help="mooncake, azure, leval or synthetic (default: auto, "
+                      "detected)")]
 _Rate = Annotated[float, typer.Option(
     help="Base rate in req/s: L-Eval's and the synthetic workload's; a Mooncake or Azure "
          "trace's arrivals are rescaled to it, a mean gap of 1/RATE (after --max-requests; "
          "then --rate-scale multiplies it). 0: the default / the trace's own")]
+# The on/off pairs' panel: their --no-... names take a column of their own, which in the one
+# table of every option squeezed --cache-blocks-per-gpu to "--cache-blocks-per-…" at 80 columns.
+_PULL_PANEL = "Vertumnus's route-time pull and J's credit for it"
+# profile's own: it has no --max-requests or --rate-scale (its --workload is read whole).
+_ProfileRate = Annotated[float, typer.Option(
+    help="Base rate in req/s of --workload: L-Eval's and the synthetic workload's; a "
+         "Mooncake or Azure trace's arrivals are rescaled to it, a mean gap of 1/RATE. 0: "
+         "the default / the trace's own")]
+_Out = Annotated[Path, typer.Option(parser=out_option, metavar="<path>",
+                                    help="Output directory")]
+_ProfileMismatchOk = Annotated[bool, typer.Option(
+    "--profile-mismatch-ok",
+    help="Use a --profile fitted on another model or GPU than the simulated one (refused "
+    "otherwise; e.g. to study the cost model's error there)")]
 _Gpus = Annotated[int, typer.Option(help="Prefill-pool GPUs")]
 _Degrees = Annotated[str, typer.Option(help="CP degrees of the lattice")]
 _ProfilePath = Annotated[
@@ -232,6 +265,18 @@ def _check_trace_blocks(trace: str, fmt: str, profile_path: Path | None) -> None
         _fail(str(exc))
 
 
+def _check_profile_hardware(profile_path: Path | None, degrees: Iterable[int], truth: Any,
+                            mismatch_ok: bool) -> None:
+    """A ``--profile`` fitted on another model or GPU than the simulated one (``truth``) is
+    refused before anything runs or is written (InvalidInput: the caller exits 2), unless
+    ``--profile-mismatch-ok`` (sim/runner.py ``check_profile_hardware``)."""
+    if profile_path is None:
+        return
+    from sim import runner
+
+    runner.load_profile(profile_path, list(degrees), truth, mismatch_ok=mismatch_ok)
+
+
 def _check_pool_gpus(pool_gpus: int, degrees: Iterable[int]) -> None:
     """``profile --pool-gpus N``: a pool ``simulate --gpus N --degrees D`` takes with its
     default policies (D: the degrees κ is measured for), by simulate's own checks
@@ -244,7 +289,8 @@ def _check_pool_gpus(pool_gpus: int, degrees: Iterable[int]) -> None:
     degs = sorted(degrees)
     _check(runner.check_gpus, pool_gpus, "pool-gpus")
     try:
-        runner.check_pools(pool_gpus, degs, policies=_names(_DEFAULT_POLICIES, "policies"))
+        runner.check_pools(pool_gpus, degs, policies=_names(_DEFAULT_POLICIES, "policies"),
+                           names=False)  # the GPU count's check; homo_cp2's name is a run's
     except InvalidInput as exc:
         _fail(f"--pool-gpus {pool_gpus}: a pool `simulate --gpus {pool_gpus} --degrees "
               f"{','.join(map(str, degs))}` refuses, so a κ measured for it is for no run "
@@ -294,9 +340,10 @@ def _check_report_input(directory: Path) -> None:
 def register(app: typer.Typer) -> None:
     @app.command()
     def profile(
-        out: Annotated[Path, typer.Option(help="Directory for profile.json, plot, report")] = Path(
-            "runs/profile"
-        ),
+        out: Annotated[Path, typer.Option(
+            parser=out_option, metavar="<path>",
+            help="Directory for profile.json, plot, report")
+        ] = Path("runs/profile"),
         backend: Annotated[
             str, typer.Option(help="sim (ground truth) or torch (real engine)")
         ] = "sim",
@@ -306,7 +353,7 @@ def register(app: typer.Typer) -> None:
             str, typer.Option(help="Length mix for the κ ramp: 'synthetic' or a trace path")
         ] = "synthetic",
         format: _Format = "auto",
-        rate: _Rate = 0.0,
+        rate: _ProfileRate = 0.0,
         pool_gpus: Annotated[
             int, typer.Option(help="Measure κ as `simulate` does on a trace: a routed pool for "
                               "this many GPUs replays the workload in order with its prefix "
@@ -445,14 +492,14 @@ def register(app: typer.Typer) -> None:
         trace: _Trace = "synthetic",
         format: _Format = "auto",
         policies: Annotated[
-            str, typer.Option(help="Comma-separated policy names")
+            str, typer.Option(help=_POLICIES_HELP, show_default=False)
         ] = _DEFAULT_POLICIES,
         rate_scale: Annotated[str, typer.Option(help="Arrival-rate multipliers")] = "1",
         rate: _Rate = 0.0,
         gpus: _Gpus = 40,
         degrees: _Degrees = "2,4",
         seed: Annotated[int, typer.Option()] = 0,
-        out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/simulate"),
+        out: _Out = Path("runs/simulate"),
         preset: Annotated[
             str | None, typer.Option(help="Named experiment of §9 (see --list-presets); it "
                                      "fixes the trace, rates, cluster and profile, so those "
@@ -464,11 +511,12 @@ def register(app: typer.Typer) -> None:
             help="--preset reconfig: its two fixed compositions, comma-separated, the one "
             "with more small workers first (the adaptive pool starts from it), e.g. "
             "6CP4/2CP8,4CP4/3CP8 with --degrees 4,8; default: the preset's pair for the "
-            "degrees (2,4: 12CP2/4CP4,4CP2/8CP4; 2,4,8: 12CP2/2CP4/1CP8,4CP2/4CP4/2CP8; 4,8: "
-            "§9.3's 6CP4/2CP8,4CP4/3CP8)")
+            "degrees (2,4: 12CP2/4CP4, 4CP2/8CP4; 2,4,8: 12CP2/2CP4/1CP8, 4CP2/4CP4/2CP8; "
+            "4,8: §9.3's 6CP4/2CP8, 4CP4/3CP8)")
         ] = "",
         list_presets: Annotated[bool, typer.Option("--list-presets")] = False,
         profile_path: _ProfilePath = None,
+        profile_mismatch_ok: _ProfileMismatchOk = False,
         max_requests: _MaxRequests = 0,
         cache_blocks_per_gpu: Annotated[int, typer.Option(help="0: HBM budget")] = 0,
         beta: Annotated[float, typer.Option(help="β of J (0: calibrated default)")] = 0.0,
@@ -482,27 +530,29 @@ def register(app: typer.Typer) -> None:
             "GPUs with work (0: β fixed, the paper's J; -1: the calibrated default)")
         ] = -1.0,
         pull_min_blocks: Annotated[int, typer.Option(
+            rich_help_panel=_PULL_PANEL,
             help="vertumnus's route-time pull: copy a request's prefix to its worker from "
             "the worker holding the most of it when it lacks at least this many blocks "
             "(0: off; -1: the calibrated default)")
         ] = -1,
         pull_credit_blocks: Annotated[int, typer.Option(
+            rich_help_panel=_PULL_PANEL,
             help="J counts on that pull (prices a worker whose queue covers the copy as "
             "holding the prefix) for copies of up to this many blocks (0: never; -1: the "
             "calibrated default)")
         ] = -1,
         pull_demote: Annotated[bool | None, typer.Option(
-            "--pull-demote/--no-pull-demote",
+            "--pull-demote/--no-pull-demote", rich_help_panel=_PULL_PANEL,
             help="Once a pull has landed, demote the source's copy (evicted first: the pull "
             "is a move); default: the calibrated setting")
         ] = None,
         pull_wait: Annotated[bool | None, typer.Option(
-            "--pull-wait/--no-pull-wait",
+            "--pull-wait/--no-pull-wait", rich_help_panel=_PULL_PANEL,
             help="J's pull credit also where the worker's queue is shorter than the copy: the "
             "request waits there for it to land; default: the calibrated setting")
         ] = None,
         pending_credit: Annotated[bool | None, typer.Option(
-            "--pending-credit/--no-pending-credit",
+            "--pending-credit/--no-pending-credit", rich_help_panel=_PULL_PANEL,
             help="J's pull credit also counts a prefix pending at a worker after a split or "
             "merge (its reconcile copies; live: the scheduler's VTM_PENDING_CREDIT); "
             "default: the calibrated setting (on). Also with --preset reconfig and the "
@@ -528,10 +578,10 @@ def register(app: typer.Typer) -> None:
         controller: _Controller = None,
         requests: Annotated[bool, typer.Option(
             "--requests",
-            help="Also write each run's per-request log, DIR/requests/<policy>_x<rate>_seed"
-            "<seed>.csv: queueing, prefill and hand-off time, reuse, deadline and worker of "
-            "every request (the trace presets too). Logs an earlier run left in DIR/requests/ "
-            "are removed either way: the directory holds this run's only")
+            help="Also write each run's per-request log into DIR/requests/, one CSV per "
+            "policy, rate and seed: queueing, prefill and hand-off time, reuse, deadline and "
+            "worker of every request (the trace presets too). Logs an earlier run left in "
+            "DIR/requests/ are removed either way: the directory holds this run's only")
         ] = False,
     ) -> None:
         """Compare policies on one trace over request rates; writes results.json, CSV, plots.
@@ -603,6 +653,7 @@ def register(app: typer.Typer) -> None:
             _check(runner.check_gpus, gpus)
             _check_run_numbers(rate=rate, max_requests=max_requests)
             degs = degrees_option(degrees)
+            chosen = _default_policies_for(chosen, degs, bool(_given(ctx, ["policies"])))
             _check(runner.check_pools, gpus, degs, policies=chosen)
             args: dict[str, Any] = dict(
                 trace=trace, fmt=format, policies=chosen,
@@ -620,6 +671,7 @@ def register(app: typer.Typer) -> None:
                 pull_min_blocks=None if pull_min_blocks == -1 else pull_min_blocks,
                 pull_credit_blocks=None if pull_credit_blocks == -1 else pull_credit_blocks,
                 pull_demote=pull_demote, pull_wait=pull_wait,
+                profile_mismatch_ok=profile_mismatch_ok,
             )
             if pull_min_blocks != -1:
                 _check(runner.pull_option, pull_min_blocks)
@@ -629,6 +681,8 @@ def register(app: typer.Typer) -> None:
             _check_trace_blocks(trace, format, profile_path)
         try:
             truth = _truth(hardware)
+            if preset is None:
+                _check_profile_hardware(args["profile_path"], degs, truth, profile_mismatch_ok)
             ctl = _controller(controller)
             with writing_into(out):
                 if preset is not None:
@@ -662,8 +716,9 @@ def register(app: typer.Typer) -> None:
         gpus: _Gpus = 40,
         degrees: _Degrees = "2,4",
         seed: Annotated[int, typer.Option()] = 0,
-        out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/tune"),
+        out: _Out = Path("runs/tune"),
         profile_path: _ProfilePath = None,
+        profile_mismatch_ok: _ProfileMismatchOk = False,
         max_requests: _MaxRequests = 0,
         jobs: Annotated[int, typer.Option(help="Worker processes for each pair's rates")] = 1,
         hardware: _Hardware = None,
@@ -702,11 +757,13 @@ def register(app: typer.Typer) -> None:
             gpus=gpus, degrees=degs, seed=seed, out=out,
             profile_path=profile_file(profile_path, degs), max_requests=max_requests or None,
             jobs=jobs, per_degree=per_degree, repeats=repeats, slo=slo_table(slo),
-            beta_busy_power=beta_busy_option(beta_busy_power))
+            beta_busy_power=beta_busy_option(beta_busy_power),
+            profile_mismatch_ok=profile_mismatch_ok)
         _check_trace_blocks(trace, format, profile_path)
         files = [] if controller is None else _names(controller, "controller")
         try:
             truth = _truth(hardware)
+            _check_profile_hardware(args["profile_path"], degs, truth, profile_mismatch_ok)
             # One file: every pair runs with it; several: a third axis, labelled as given.
             settings = [(f, None if f == "calibrated" else _controller(Path(f)))
                         for f in files]
@@ -745,15 +802,31 @@ def register(app: typer.Typer) -> None:
         how = f"simulate --beta {best['beta']:g} --lam {best['lam']:g}" + (
             f" --controller {best['controller']}"
             if by_ctl and best["controller"] != "calibrated" else "")
+        pairs = result["pairs"]
+        tied = [p for p in pairs if (p["mean_ttft_s"], p["p90_ttft_s"])
+                == (pairs[0]["mean_ttft_s"], pairs[0]["p90_ttft_s"])]
+        rule = "the lowest β, then λ" + (", then the controller listed first" if by_ctl else "")
+        if len(pairs) > 1 and len(tied) == len(pairs):
+            # No pair is better: "best" would read as a finding; it is only the tie-break.
+            typer.echo(f"all {len(pairs)} settings tie (the same mean and P90 TTFT: J's weights "
+                       f"change nothing on this trace and pool); picked β {best['beta']:g}, "
+                       f"λ {best['lam']:g}{chosen} by the tie-break, {rule} "
+                       f"({how}, or the scheduler's VTM_POLICY_PARAMS; the calibrated default "
+                       f"serves as well); {out}/tune.json")
+            return
+        tie = (f"; {len(tied)} settings tie, picked by {rule}"
+               if len(tied) > 1 else "")
         typer.echo(f"best: β {best['beta']:g}, λ {best['lam']:g}{chosen} (lowest mean TTFT over "
-                   f"the rates; {how}, or the scheduler's VTM_POLICY_PARAMS); {out}/tune.json")
+                   f"the rates{tie}; {how}, or the scheduler's VTM_POLICY_PARAMS); "
+                   f"{out}/tune.json")
 
     @app.command()
     def size(
+        ctx: typer.Context,
         trace: _Trace = "synthetic",
         format: _Format = "auto",
         policies: Annotated[
-            str, typer.Option(help="Comma-separated policy names")
+            str, typer.Option(help=_POLICIES_HELP, show_default=False)
         ] = _DEFAULT_POLICIES,
         rate_scale: Annotated[float, typer.Option(help="Arrival-rate multiplier")] = 1.0,
         target: Annotated[float, typer.Option(
@@ -766,8 +839,9 @@ def register(app: typer.Typer) -> None:
         rate: _Rate = 0.0,
         degrees: _Degrees = "2,4",
         seed: Annotated[int, typer.Option()] = 0,
-        out: Annotated[Path, typer.Option(help="Output directory")] = Path("runs/size"),
+        out: _Out = Path("runs/size"),
         profile_path: _ProfilePath = None,
+        profile_mismatch_ok: _ProfileMismatchOk = False,
         max_requests: _MaxRequests = 0,
         jobs: Annotated[int, typer.Option(help="Worker processes (one policy each)")] = 1,
         hardware: _Hardware = None,
@@ -786,8 +860,9 @@ def register(app: typer.Typer) -> None:
         check_seed(seed)
         _check_per_degree(per_degree, profile_path)
         table = slo_table(slo)
-        chosen = _names(policies, "policies")
         degs = degrees_option(degrees)
+        chosen = _default_policies_for(_names(policies, "policies"), degs,
+                                       bool(_given(ctx, ["policies"])))
         _check(runner.check_size, policies=chosen, rate_scale=rate_scale, target=target,
                jobs=jobs, seed=seed, warmup_s=warmup, degrees=degs,
                gpus_min=gpus_min or None, gpus_max=gpus_max, step=step or None)
@@ -798,13 +873,17 @@ def register(app: typer.Typer) -> None:
             gpus_min=gpus_min or None, gpus_max=gpus_max, step=step or None,
             rate=rate or None, degrees=degs, seed=seed, out=out,
             profile_path=profile_file(profile_path, degs), max_requests=max_requests or None,
-            jobs=jobs, per_degree=per_degree, slo=table, warmup_s=warmup)
+            jobs=jobs, per_degree=per_degree, slo=table, warmup_s=warmup,
+            profile_mismatch_ok=profile_mismatch_ok)
         _check_trace_blocks(trace, format, profile_path)
         try:
             truth = _truth(hardware)
+            _check_profile_hardware(args["profile_path"], degs, truth, profile_mismatch_ok)
             ctl = _controller(controller)
             with writing_into(out):
-                summary = runner.run_size(**args, truth=truth, progress=True, controller=ctl)
+                summary = runner.run_size(**args, truth=truth, progress=True, controller=ctl,
+                                          on_warning=lambda m: typer.echo(f"warning: {m}",
+                                                                          err=True))
         except InvalidInput as exc:
             _fail(str(exc))
         runner.print_size_table(summary, file=sys.stdout)

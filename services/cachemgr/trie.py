@@ -330,17 +330,32 @@ class PrefixTrie:
         # a MatchResult made at the same count still names live nodes (record_request).
         self._collections = 0
 
-    def __del__(self) -> None:
-        # A node and its children reference each other, so without this every node of a
-        # dropped trie (a finished simulation's ~55k) would wait for the cyclic collector,
-        # whose pass over them costs ~0.2 s at some later, unrelated allocation. Unlinking
-        # the children lets reference counting free them now, for a fraction of that.
-        # Nodes still referenced elsewhere (nothing should use them once their trie is gone)
-        # keep everything but their children.
-        nodes = getattr(self, "_nodes", None)  # absent if __init__ raised
-        if nodes:
-            for n in nodes.values():
-                n.children.clear()
+    def release(self) -> None:
+        """Forget every node, worker and operation in flight: the trie is as new (same degrees
+        and block size) afterwards. For the end of a run that drops the trie (a finished
+        simulation: sim.experiments.run_deployment), called from ordinary code so that an
+        interrupt during it (KeyboardInterrupt) propagates like anywhere else.
+
+        Why: a node and its children reference each other, so the ~55k nodes of a finished
+        simulation's trie would otherwise wait for the cyclic collector, whose pass over them
+        costs ~0.2 s at some later, unrelated allocation. Unlinking the children lets
+        reference counting free them here, for a fraction of that (1.06x end to end;
+        docs/evaluation.md, "Simulator speed"). NOTE: this used to be ``__del__``; an
+        exception raised inside ``__del__`` (Ctrl-C during its loop) is printed and swallowed,
+        and the run went on. A trie never released is left to the collector. Nodes still
+        referenced elsewhere (a MatchResult: stale once released, as after a collection)
+        keep everything but their children."""
+        for n in self._nodes.values():
+            n.children.clear()
+        self._nodes.clear()
+        self._workers.clear()
+        self._replicating.clear()
+        self._reclaiming.clear()
+        self._touched.clear()
+        self._hot.clear()
+        self._multi.clear()
+        self._unref.clear()
+        self._collections += 1  # every MatchResult made before names forgotten nodes
 
     # ------------------------------------------------------------------ workers
     def add_worker(self, worker: WorkerId, degree: int, capacity_blocks: int,

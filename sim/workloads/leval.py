@@ -9,7 +9,9 @@ Two formats are accepted, told apart per file by their fields:
   chained ids for those blocks; the blocks from the document's end on are the request's own.
 * Mooncake format (``leval_llama3_mooncake.jsonl``): real chained ``hash_ids`` computed from
   Llama-3 token ids, checked as the Mooncake reader checks them (64-bit, prefix-chained);
-  its timestamps are all 0 and are ignored.
+  its timestamps are all 0 and are ignored. A file in that form whose timestamps vary is a
+  timed trace (Mooncake's): it is refused (:class:`TraceFormatError` naming the line) rather
+  than read with its arrivals replaced by Poisson ones, silently.
 
 L-Eval has no arrival times: arrivals are a Poisson process at ``rate`` req/s (seeded), in
 file order (a document's questions one after another) or shuffled.
@@ -103,7 +105,16 @@ def read_leval(
     rows: list[tuple[int, int, tuple[int, ...]]] = []
     fmt: str | None = None
     chains = PrefixChains(path)  # the Mooncake format's hash_ids
+    first_stamp: Any = None
+    timed: tuple[int, Any] | None = None  # the first row whose timestamp differs: (line, it)
     for line_no, row in iter_jsonl(path):
+        # detect_format's rule: a timestamp that differs from the first row's makes the file
+        # a timed trace, whose arrivals this reader would throw away (refused once every row
+        # has been checked: a malformed row is named first, as every reader names it).
+        if not rows:
+            first_stamp = row.get("timestamp")
+        elif timed is None and "timestamp" in row and row["timestamp"] != first_stamp:
+            timed = (line_no, row["timestamp"])
         row_fmt = "mooncake" if "hash_ids" in row else "lengths"
         if fmt is None:
             fmt = row_fmt
@@ -116,6 +127,12 @@ def read_leval(
             rows.append((inp, out, hids))
         else:
             rows.append(_parse_lengths_row(row, path, line_no, length_field, block_size))
+    if timed is not None:
+        raise TraceFormatError(
+            path, timed[0],
+            f"timestamp {timed[1]!r} differs from the first row's ({first_stamp!r}): this is a "
+            "timed trace, and L-Eval's reader would replace its arrivals with Poisson ones; "
+            "read it as a Mooncake trace (--format mooncake, or --format auto, which detects it)")
     idx = np.arange(len(rows))
     if order == "shuffle":
         idx = rng.permutation(len(rows))

@@ -17,6 +17,7 @@ import copy
 import gc
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -226,26 +227,67 @@ def _live_trie_nodes() -> int:
     return sum(1 for o in gc.get_objects() if type(o) is TrieNode)
 
 
-def test_a_dropped_trie_is_freed_without_the_cyclic_collector() -> None:
-    """A node and its children reference each other; a trie going away unlinks them, so its
-    nodes are freed by reference counting at once, with the cyclic collector off. (Counted as
-    live TrieNodes, not as what a collection finds: other threads' garbage does not count.)"""
+def _two_workers_trie() -> PrefixTrie:
+    t = PrefixTrie((2, 4), block_size=4)
+    t.add_worker("a", 2, 100)
+    t.add_worker("b", 4, 100)
+    t.apply(Stored("a", 1, None, (1, 2, 3)))
+    t.apply(Stored("b", 1, None, (1, 2, 4)))
+    return t
+
+
+def test_a_released_trie_is_freed_without_the_cyclic_collector() -> None:
+    """A node and its children reference each other; :meth:`PrefixTrie.release` (a finished
+    simulation's, sim.experiments.run_deployment) unlinks them, so its nodes are freed by
+    reference counting at once, with the cyclic collector off. (Counted as live TrieNodes,
+    not as what a collection finds: other threads' garbage does not count.)"""
     gc.collect()
     was = gc.isenabled()
     gc.disable()
     try:
         before = _live_trie_nodes()
-        t = PrefixTrie((2, 4), block_size=4)
-        t.add_worker("a", 2, 100)
-        t.add_worker("b", 4, 100)
-        t.apply(Stored("a", 1, None, (1, 2, 3)))
-        t.apply(Stored("b", 1, None, (1, 2, 4)))
+        t = _two_workers_trie()
         assert _live_trie_nodes() == before + 4
         kept = t._nodes[2]  # a node someone still holds keeps all but its children
         assert set(kept.children) == {3, 4}
-        del t
+        t.release()
         assert _live_trie_nodes() == before + 2  # it and its parent; 3 and 4 are gone
         assert kept.children == {} and kept.hash == 2 and kept.holders == {"a", "b"}
+        # As new: no node, no worker; a match made before it is no longer trusted.
+        assert len(t) == 0 and t.workers() == () and t.match([1, 2]).path == ()
+        t.add_worker("a", 2, 100)
+        t.apply(Stored("a", 1, None, (7,)))
+        assert list(t.node_hashes()) == [7]
+        t.release()  # twice is fine
+        del t
+        assert _live_trie_nodes() == before + 2
     finally:
         if was:
             gc.enable()
+
+
+def test_dropping_a_trie_runs_no_code_of_it() -> None:
+    """Dropping a trie does no work of its own (no ``__del__``): an exception raised there
+    -- a Ctrl-C during a loop over ~55k nodes -- would be printed and swallowed ("Exception
+    ignored in: PrefixTrie.__del__") and the run would go on. A trie not released is left
+    to the collector: a node someone holds keeps its children."""
+    t = _two_workers_trie()
+    kept = t._nodes[2]
+    del t
+    assert set(kept.children) == {3, 4}
+
+
+class _InterruptingChildren(dict):  # type: ignore[type-arg]
+    """A node's children whose unlinking is interrupted (as by Ctrl-C)."""
+
+    def clear(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_while_a_trie_is_released_propagates() -> None:
+    """The release runs as ordinary code: a KeyboardInterrupt raised during it reaches the
+    caller (``simulate`` stops, exit 130) instead of being swallowed."""
+    t = _two_workers_trie()
+    t._nodes[2].children = _InterruptingChildren(t._nodes[2].children)
+    with pytest.raises(KeyboardInterrupt):
+        t.release()

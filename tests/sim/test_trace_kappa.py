@@ -235,7 +235,11 @@ def test_a_small_pool_measures_kappa_on_as_many_workers_as_it_holds() -> None:
     assert ramp_pools(ramp, (2, 4), None) == {2: 4, 4: 4}
     assert ramp_pools(ramp, (2, 4), 40) == {2: 4, 4: 4}
     assert ramp_pools(ramp, (2, 4), 8) == {2: 4, 4: 2}
-    assert ramp_pools(ramp, (2, 4), 2) == {2: 1, 4: 1}  # never below one worker
+    assert ramp_pools(ramp, (2, 4), 4) == {2: 2, 4: 1}
+    # A pool of 2 GPUs has no CP4 worker: κ_4 is not measured on one it never has.
+    with pytest.raises(InvalidInput, match="a pool of 2 GPUs has no worker of degree 4"):
+        ramp_pools(ramp, (2, 4), 2)
+    assert ramp_pools(ramp, (2,), 2) == {2: 1}
     with pytest.raises(InvalidInput, match="pool_gpus"):
         ramp_pools(ramp, (2,), 0)
     # Short prompts with a long one every tenth: a long prefill blocks its worker's FIFO,
