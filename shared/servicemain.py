@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import sys
 import textwrap
 import threading
@@ -151,10 +152,25 @@ def check_settings(settings: S, checks: Iterable[SettingsCheck[S]], *, prog: str
     return settings
 
 
+def _help_width() -> int:
+    """Columns a ``--help`` text's own lines fill: the terminal's (``COLUMNS``), less the 2
+    argparse keeps free, within [60, 100]."""
+    return max(60, min(100, shutil.get_terminal_size().columns - 2))
+
+
+def _fill_long_lines(text: str, width: int) -> str:
+    """``text`` with each line over ``width`` wrapped to it (shorter lines, and so any line
+    breaks the text was written with, kept: argparse prints a raw description as it is)."""
+    return "\n".join(textwrap.fill(ln, width) if len(ln) > width else ln
+                     for ln in text.splitlines())
+
+
 def settings_epilog(settings_cls: type[ServiceSettings], *, flags: bool = True) -> str:
     """The ``VTM_*`` variables of ``settings_cls`` for a ``--help`` text, one a line with the
-    first sentence of its description (nested groups as ``VTM_GROUP__*``); ``flags``: the
-    process has flags, which win over their variables."""
+    first sentence of its description (nested groups as ``VTM_GROUP__*``), wrapped to the
+    terminal (:func:`_help_width`: readable at 80 columns); ``flags``: the process has flags,
+    which win over their variables."""
+    width = _help_width()
     lines = ["settings (environment variables" + ("; a flag above wins over its variable):"
                                                   if flags else "):")]
     for name, field in settings_cls.model_fields.items():
@@ -162,7 +178,7 @@ def settings_epilog(settings_cls: type[ServiceSettings], *, flags: bool = True) 
         var = f"VTM_{name.upper()}" + ("__*" if nested else "")
         # The first sentence: up to a full stop before a capital ("e.g. 8192" goes on).
         doc = re.split(r"\.\s+(?=[A-Z])", field.description or "")[0].rstrip(".")
-        lines.append(textwrap.fill(doc, width=100, initial_indent=f"  {var:<28} ",
+        lines.append(textwrap.fill(doc, width=width, initial_indent=f"  {var:<28} ",
                                    subsequent_indent=" " * 31) if doc else f"  {var}")
     return "\n".join(lines)
 
@@ -187,7 +203,8 @@ def parse_flags(
     (:func:`check_environment`) or a failed check exits 2 naming it (no traceback).
     """
     flags = tuple(flags)
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+    parser = argparse.ArgumentParser(prog=prog,
+                                     description=_fill_long_lines(description, _help_width()),
                                      epilog=settings_epilog(settings_cls, flags=bool(flags)),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, dest, typ in flags:

@@ -257,8 +257,10 @@ def run_reconfig(*, out: Path, seed: int = 0, progress: bool = False,
             sel = [r.ttft_s for r in res.records if a <= r.arrival_s < b and r.ttft_s >= 0]
             per.append(float(np.mean(sel)) if sel else math.nan)
         phases_out[label] = per
-        timelines[label] = [[t, {str(k): v for k, v in c.items()}]
-                            for t, c in res.composition_timeline]
+        tl = [[t, {str(k): v for k, v in c.items()}] for t, c in res.composition_timeline]
+        if res.end_s > tl[-1][0]:  # the composition held until the run's end (as a sweep's)
+            tl.append([res.end_s, dict(tl[-1][1])])
+        timelines[label] = tl
         if label == "vertumnus":
             reconfs = [
                 {"kind": rc.kind, "sources": rc.sources, "targets": rc.targets,

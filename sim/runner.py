@@ -775,8 +775,9 @@ def check_size(*, policies: Sequence[str], rate_scale: float, target: float, job
                seed: int, warmup_s: float, degrees: Sequence[int], gpus_min: int | None,
                gpus_max: int, step: int | None) -> list[int]:
     """:func:`run_size`'s arguments checked as they are given (nothing read or run): raises
-    :class:`InvalidInput` for a bad one; returns the pool sizes the search tries
-    (:func:`sim.sizing.pool_sizes`)."""
+    :class:`InvalidInput` for a bad one, or for pools the search's sweeps would refuse
+    (:func:`sim.experiments.check_pools`: ``homo_cp2`` where the smallest degree is not 2);
+    returns the pool sizes the search tries (:func:`sim.sizing.pool_sizes`)."""
     from sim.sizing import pool_sizes
 
     check_policies(policies)
@@ -788,7 +789,20 @@ def check_size(*, policies: Sequence[str], rate_scale: float, target: float, job
     check_gpus(gpus_max, "gpus-max")
     check_seed(seed)
     check_warmup_s(warmup_s)
-    return pool_sizes(degrees, gpus_min, gpus_max, step)
+    sizes = pool_sizes(degrees, gpus_min, gpus_max, step)
+    # What each size's sweep would refuse, refused before the profiles are measured (homo_cp2
+    # without a smallest degree of 2 was refused only at the first sweep). Every size is a
+    # multiple of the largest degree, so the pools that fit the smallest fit them all; the
+    # smallest is also the cheapest lattice to build.
+    try:
+        check_pools(sizes[0], degrees, policies=policies)
+    except InvalidInput as exc:
+        if not str(exc).startswith("--gpus"):
+            raise  # a rule of the names and degrees alone (homo_cp2's), whatever the size
+        # size has no --gpus: say which pool the count is.
+        raise InvalidInput(f"the pool of {sizes[0]} GPUs (the smallest size tried): {exc}"
+                           ) from None
+    return sizes
 
 
 def write_size_outputs(out: Path, summary: Mapping[str, Any]) -> None:
@@ -1033,17 +1047,15 @@ def plot(out: Path, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) 
         plt.close(fig)
     timelines = meta.get("timelines") or {}
     if timelines:
-        _plot_composition(out, timelines, meta)
+        _plot_composition(out, timelines)
     else:  # no adaptive run here: an earlier run's plot in the same --out would pass for ours
         (out / "composition.png").unlink(missing_ok=True)
 
 
-def _composition_steps(tl: Sequence[Any], degree: str, end_s: float | None
-                       ) -> tuple[list[float], list[int]]:
+def _composition_steps(tl: Sequence[Any], degree: str) -> tuple[list[float], list[int]]:
     """The step line of ``degree``'s worker count in timeline ``tl`` ([time, {degree: n}]
-    points: the start, each change, and, as runs write it since 2026-12-07, the run's end),
-    held to ``end_s`` when that is later than the last point (an older run's timeline, or the
-    reconfiguration preset's phases)."""
+    points: the start, each change, and, as sweeps and the reconfiguration preset write it
+    since 2026-12-07, the run's end)."""
     xs: list[float] = []
     ys: list[int] = []
     for t, c in tl:
@@ -1052,14 +1064,10 @@ def _composition_steps(tl: Sequence[Any], degree: str, end_s: float | None
             ys.append(ys[-1])
         xs.append(float(t))
         ys.append(int(c.get(degree, 0)))
-    if end_s is not None and xs and end_s > xs[-1]:
-        xs.append(end_s)
-        ys.append(ys[-1])
     return xs, ys
 
 
-def _plot_composition(out: Path, timelines: Mapping[str, Any], meta: Mapping[str, Any]
-                      ) -> None:
+def _plot_composition(out: Path, timelines: Mapping[str, Any]) -> None:
     """composition.png: vertumnus's workers of each degree over the run, one panel per degree
     (so that a rate's lines are told apart by colour alone), one colour per rate from a
     qualitative palette (a sequential one past 10 rates: the default cycle repeats its colours
@@ -1070,8 +1078,6 @@ def _plot_composition(out: Path, timelines: Mapping[str, Any], meta: Mapping[str
 
     scales = sorted(timelines, key=lambda k: float(k))
     degs = sorted({str(d) for tl in timelines.values() for _, c in tl for d in c}, key=int)
-    bounds = meta.get("phase_bounds") or ()
-    end_s = float(bounds[-1][1]) if bounds else None  # the reconfig preset's last phase's end
     cmap = plt.get_cmap("tab10" if len(scales) <= 10 else "viridis")
     colours = {s: cmap(i if len(scales) <= 10 else i / max(1, len(scales) - 1))
                for i, s in enumerate(scales)}
@@ -1080,7 +1086,7 @@ def _plot_composition(out: Path, timelines: Mapping[str, Any], meta: Mapping[str
     for ax, d in zip(axes[:, 0], degs, strict=True):
         for i, scale in enumerate(scales):
             tl = timelines[scale]
-            xs, ys = _composition_steps(tl, d, end_s)
+            xs, ys = _composition_steps(tl, d)
             # Lower rates drawn wider, so that a later rate's line on the same count leaves
             # them visible at its sides.
             width = 1.2 + 2.0 * (len(scales) - 1 - i) / max(1, len(scales) - 1)
@@ -1529,8 +1535,9 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
     logs (:func:`run_simulate`). ``pending_credit`` (the trace presets and ``reconfig``;
     None: the calibrated setting): J's credit of a pending prefix (:func:`run_simulate`);
     the ablation never reconfigures.
-    Raises :class:`InvalidInput` as :func:`check_preset` does, or for a choice the preset does
-    not leave open, before anything runs."""
+    Raises :class:`InvalidInput` as :func:`check_preset` does, for a choice the preset does
+    not leave open, or for a rate a trace cannot take (:func:`check_rate`, as
+    :func:`run_simulate`), before anything runs."""
     check_preset(name, policies=policies, repeats=repeats, warmup_s=warmup_s)
     check_seed(seed)
     if controller is not None and name == "ablation":
@@ -1576,6 +1583,8 @@ def run_preset(name: str, *, out: Path, seed: int = 0, progress: bool = False,
             workload = ablation_workload(seed=seed, rate=rate, max_requests=max_requests)
         if rate_scales is not None:
             check_span(workload, rate_scales)
+        # As run_simulate: a trace whose arrivals span no time has no rate to set or scale.
+        check_rate(workload, (1.0,) if rate_scales is None else rate_scales, rate=rate)
     if name in PRESETS:
         p = dict(PRESETS[name])
         p.pop("desc")

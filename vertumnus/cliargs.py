@@ -155,16 +155,44 @@ def _dir_problem(directory: Path) -> str | None:
     return None
 
 
-def out_option(text: str | Path) -> Path:
-    """``--out``'s text as a path (a typer ``parser``): an empty or blank one exits 2, since
-    ``Path("")`` is the current directory and a run would scatter its files there (``.``
-    names the current directory on purpose)."""
-    if isinstance(text, Path):  # the default, already a path
-        return text
+def _refuse_empty(label: str, text: str, what: str) -> None:
+    """Exit 2 when ``text``, given for ``label`` (an option or argument naming a ``what``:
+    "file" or "directory"), is empty or blank."""
     if not text.strip():
-        fail(f"--out {text!r}: an empty path names no directory (give one; '.' for the "
-             "current directory)")
-    return Path(text)
+        here = "; '.' for the current directory" if what == "directory" else ""
+        fail(f"{label} {text!r}: an empty path names no {what} (give one{here})")
+
+
+def path_option(label: str, what: str = "file") -> Callable[[str | Path], Path]:
+    """A typer ``parser`` for the path option or argument ``label`` (``--json``, ``FILE``)
+    naming a ``what`` ("file" or "directory"): its text as a path; an empty or blank one
+    exits 2. ``Path("")`` is ``.``, the current directory: a directory option would scatter
+    its files there, and a file option would fail later naming ``.``, not what was typed
+    (an unset shell variable, most likely). ``.`` names the current directory on purpose."""
+
+    def parse(text: str | Path) -> Path:
+        if isinstance(text, Path):  # a default, already a path
+            return text
+        _refuse_empty(label, text, what)
+        return Path(text)
+
+    return parse
+
+
+def text_path_option(label: str) -> Callable[[str], str]:
+    """:func:`path_option` for an option whose text is a path or a name (``--trace``:
+    'synthetic' or a file): the text itself, refused when empty or blank."""
+
+    def parse(text: str) -> str:
+        _refuse_empty(label, text, "file")
+        return text
+
+    return parse
+
+
+out_option = path_option("--out", "directory")
+"""``--out``'s parser (:func:`path_option`): an empty path would write into the current
+directory."""
 
 
 def output_dir(path: Path, name: str = "out") -> Path:

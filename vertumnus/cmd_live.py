@@ -49,8 +49,10 @@ from vertumnus.cliargs import (
     nats_url_option,
     output_dir,
     output_file,
+    path_option,
     profile_file,
     slo_table,
+    text_path_option,
     vtm_environment,
 )
 from vertumnus.cliargs import fail as _fail
@@ -167,13 +169,14 @@ def register(app: typer.Typer) -> None:
             "deploys, held, as in `simulate` (homo, sglang, dynamo, llmd, round_robin: all "
             "CP4; homo_cp2: the smallest degree; vllm: TP-4; static: the start composition)"
         )] = "vertumnus",
-        workload: Annotated[str, typer.Option(
+        workload: Annotated[str | None, typer.Option(
+            parser=text_path_option("--workload"), metavar="<str>",
             help="'synthetic' (phased), 'synthetic-short' (phased, prompts of tens to a few "
                  "hundred tokens, 16-token blocks), a trace path or a .toml synthetic "
                  "workload file, replayed at its own rate (`vertumnus synthetic --for-up "
                  "GPUS` writes this command's default for GPUS GPUs; plain `vertumnus "
                  "synthetic` is simulate's 40-GPU one, 8 req/s); default: 'synthetic' with "
-                 "--backend sim, 'synthetic-short' with --backend torch")] = "",
+                 "--backend sim, 'synthetic-short' with --backend torch")] = None,
         rate: Annotated[float | None, typer.Option(
             help="Base request rate, req/s modelled (default 0.25 per GPU); a timed trace "
                  "keeps its own without it, with it the part replayed (see --duration) is "
@@ -195,17 +198,20 @@ def register(app: typer.Typer) -> None:
                  "process per GPU on this CPU, a small random-weight Qwen3 unless "
                  "--model-path)")] = "sim",
         model_path: Annotated[Path | None, typer.Option(
+            parser=path_option("--model-path", "directory"), metavar="<path>",
             help="--backend torch: local HF-format Qwen3 checkpoint directory")] = None,
         seed: Annotated[int, typer.Option()] = 0,
         max_requests: Annotated[int, typer.Option(help=_MAX_REQUESTS_HELP)] = 0,
         profile: Annotated[Path | None, typer.Option(
+            parser=path_option("--profile"), metavar="<path>",
             help="Fitted cost-model profile for the services (vertumnus profile); without "
                  "it, --backend sim fits Ê_C and measures κ_C on the modelled hardware first "
-                 "(≈2 s, LOG_DIR/hardware-profile)")] = None,
+                 "(≈2 s, kept in LOG_DIR as hardware-profile)")] = None,
         profile_engine: Annotated[bool, typer.Option(
             help="--backend torch without --profile: fit the cost model on the engine first "
                  "(≈15 s; else the services predict the simulated H20's times)")] = True,
         hardware: Annotated[Path | None, typer.Option(
+            parser=path_option("--hardware"), metavar="<path>",
             help="--backend sim: the modelled model and GPUs, a .json or .toml file "
                  "(sim/hardware.py; default: Qwen3-30B-A3B on H20); without --profile the "
                  "cost model is fitted on it first (≈2 s)")] = None,
@@ -213,7 +219,7 @@ def register(app: typer.Typer) -> None:
             help="--backend sim without --profile: fit the cost model on the modelled "
                  "hardware with one coefficient set per CP degree")] = False,
         controller: Annotated[Path | None, typer.Option(
-            "--controller",
+            "--controller", parser=path_option("--controller"), metavar="<path>",
             help="The controller's thresholds: a .toml or .json file (`vertumnus "
                  "controller-config`; the file `simulate --controller` evaluates)")] = None,
         slo: Annotated[str, typer.Option(
@@ -221,8 +227,11 @@ def register(app: typer.Typer) -> None:
                  "--profile, the deadlines κ is profiled to keep")] = "qwen3-30b-a3b",
         prefix: Annotated[str, typer.Option(help="Subject prefix")] = "vtm",
         log_dir: Annotated[Path | None, typer.Option(
+            parser=path_option("--log-dir", "directory"), metavar="<path>",
             help="Service logs and pids.json (default: a temporary directory)")] = None,
-        json_out: Annotated[Path | None, typer.Option("--json", help="Write results JSON")] = None,
+        json_out: Annotated[Path | None, typer.Option(
+            "--json", parser=path_option("--json"), metavar="<path>",
+            help="Write results JSON")] = None,
         stop_timeout: Annotated[float, typer.Option(
             help="Wall seconds the shutdown may take: the services stop in three stages, "
             "each SIGKILLed past its share, and each service is given a little less than "
@@ -235,6 +244,7 @@ def register(app: typer.Typer) -> None:
         ] = False,
         nats_port: Annotated[int, typer.Option(help="nats-server port (-1: any free)")] = -1,
         nats_config: Annotated[Path | None, typer.Option(
+            parser=path_option("--nats-config"), metavar="<path>",
             help="A nats-server configuration file for the embedded server (e.g. TLS and "
                  "users); up and every service connect with the VTM_NATS_* credentials and "
                  "TLS settings of this environment")] = None,
@@ -252,7 +262,8 @@ def register(app: typer.Typer) -> None:
             help="The service --kill-at crashes: gateway, scheduler, controller, cachemgr, "
                  "rankd (every worker; --backend sim), nats (the server; nats-empty: it comes back "
                  "with an empty store), or one scheduler "
-                 "replica of --schedulers (scheduler-2, …; 'scheduler' is the first); several "
+                 "replica of --schedulers (scheduler-2, scheduler-3 and so on; 'scheduler' is the "
+                 "first); several "
                  "comma-separated, e.g. scheduler,rankd with --kill-at 20,25")] = "rankd",
     ) -> None:
         """Start nats + every service, replay a workload through the gateway, report, stop.
@@ -284,7 +295,7 @@ def register(app: typer.Typer) -> None:
         try:
             cfg = UpConfig(
                 gpus=gpus, degrees=degrees_option(degrees), policy=policy, backend=backend,
-                workload=workload, rate=rate, duration_s=duration, time_scale=time_scale,
+                workload=workload or "", rate=rate, duration_s=duration, time_scale=time_scale,
                 rate_scale=rate_scale, seed=seed, max_requests=max_requests or None,
                 # A sim pool's controller judges capacity by κ: a profile must have it for
                 # each degree (a torch profile has none: the engine fits Ê_C only).
@@ -346,6 +357,7 @@ def register(app: typer.Typer) -> None:
             help="Gateway base URL, http://host:port or https://host:port (its certificate "
                  "verified against $VTM_GATEWAY_CA, else the system's CAs)")],
         trace: Annotated[str, typer.Option(
+            parser=text_path_option("--trace"), metavar="<str>",
             help="'synthetic', 'synthetic-short', a trace file or a .toml synthetic "
                  "workload file")] = "synthetic",
         rate_scale: Annotated[float, typer.Option(help="Multiply the arrival rate")] = 1.0,
@@ -365,7 +377,9 @@ def register(app: typer.Typer) -> None:
         nats_url: Annotated[str | None, typer.Option(
             "--nats", help="NATS URL: adds hit rate and composition changes")] = None,
         prefix: Annotated[str, typer.Option(help="Subject prefix (with --nats)")] = "vtm",
-        json_out: Annotated[Path | None, typer.Option("--json", help="Write results JSON")] = None,
+        json_out: Annotated[Path | None, typer.Option(
+            "--json", parser=path_option("--json"), metavar="<path>",
+            help="Write results JSON")] = None,
         progress: Annotated[bool, typer.Option(help="Show the progress bar")] = True,
         retry: Annotated[float, typer.Option(
             help="Wall seconds to keep sending a request again whose connection was refused or "

@@ -23,8 +23,10 @@ from vertumnus.cliargs import (
     input_file,
     j_weight,
     out_option,
+    path_option,
     profile_file,
     slo_table,
+    text_path_option,
     vtm_environment,
     writing_into,
 )
@@ -151,6 +153,7 @@ _HARDWARE_HELP = ("Simulated model and GPUs: a .json or .toml file (sim/hardware
 
 # Options that simulate and tune share (typer reads the Annotated aliases).
 _Trace = Annotated[str, typer.Option(
+    parser=text_path_option("--trace"), metavar="<str>",
     help="'synthetic', a trace file, or a .toml file of the synthetic generator's parameters "
          "(`vertumnus synthetic` prints one)")]
 _Format = Annotated[
@@ -177,11 +180,14 @@ _ProfileMismatchOk = Annotated[bool, typer.Option(
 _Gpus = Annotated[int, typer.Option(help="Prefill-pool GPUs")]
 _Degrees = Annotated[str, typer.Option(help="CP degrees of the lattice")]
 _ProfilePath = Annotated[
-    Path | None, typer.Option("--profile", help="Profile JSON (default: profile the sim)")]
+    Path | None, typer.Option("--profile", parser=path_option("--profile"), metavar="<path>",
+                              help="Profile JSON (default: profile the sim)")]
 _MaxRequests = Annotated[int, typer.Option(help="Truncate the trace (0: all)")]
-_Hardware = Annotated[Path | None, typer.Option(help=_HARDWARE_HELP)]
+_Hardware = Annotated[Path | None, typer.Option(parser=path_option("--hardware"),
+                                                metavar="<path>", help=_HARDWARE_HELP)]
 _Controller = Annotated[Path | None, typer.Option(
-    "--controller", help="The adaptive pools' controller thresholds: a .toml or .json file "
+    "--controller", parser=path_option("--controller"), metavar="<path>",
+    help="The adaptive pools' controller thresholds: a .toml or .json file "
     "(`vertumnus controller-config` prints the calibrated one; fields left out keep it)")]
 _Slo = Annotated[str, typer.Option(help=SLO_HELP)]
 
@@ -337,6 +343,63 @@ def _check_report_input(directory: Path) -> None:
                   "policy's answer")
 
 
+SUMMARY_MAX_REQUESTS = 200_000
+"""Largest workload (requests at the configured rate) `vertumnus synthetic` generates to
+report its delivered rate: one of 200,000 takes a few seconds."""
+
+RATE_GAP = 0.10
+"""Relative gap between the delivered and the configured mean rate past which `vertumnus
+synthetic` says why they differ."""
+
+
+def _synthetic_summary(cfg: Any, segs: Sequence[Mapping[str, float]]) -> list[str]:
+    """`vertumnus synthetic`'s summary of ``cfg`` (a ``SyntheticConfig``; ``segs``: its
+    :func:`~sim.workloads.synthetic.phase_table`): the configured segments, rates and long
+    shares, then the workload generated for seed 0 (as simulate's default --seed): its
+    requests and their mean rate over their arrivals' span (simulate's req/s), and a line
+    saying why that rate differs from the configured time-weighted mean when it does by more
+    than :data:`RATE_GAP`. The configured rate is the steady state's: a workload starts with
+    no session under way, so follow-up turns build up over the first think times, and turns
+    past the end are dropped (rate 2 over 60 s delivers 1.1 req/s; over 600 s, 1.9).
+    Nothing is generated past :data:`SUMMARY_MAX_REQUESTS` expected requests."""
+    from sim.workloads.synthetic import generate
+
+    lo, hi = min(p["rate"] for p in segs), max(p["rate"] for p in segs)
+    mean = sum(p["rate"] * (p["end_s"] - p["start_s"]) for p in segs) / cfg.duration_s
+    def span(lo: float, hi: float) -> str:
+        return f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
+
+    shares = [p["long_share"] for p in segs]
+    lines = [f"{cfg.duration_s:g} s in {len(segs)} segment(s) at {span(lo, hi)} req/s, long "
+             f"share {span(min(shares), max(shares))}; configured mean {mean:.3g} req/s"]
+    expected = mean * cfg.duration_s
+    if expected > SUMMARY_MAX_REQUESTS:
+        lines.append(f"delivered rate not measured: about {expected:,.0f} requests are more "
+                     f"than this summary generates ({SUMMARY_MAX_REQUESTS:,})")
+        return lines
+    wl = generate(cfg, seed=0)
+    n, span = len(wl), wl.duration_s
+    if n < 2 or span <= 0:
+        lines.append(f"generated (seed 0): {n} request(s), no arrival rate")
+        return lines
+    got = n / span
+    lines.append(f"generated (seed 0): {n:,} requests over {span:.4g} s, delivered mean "
+                 f"{got:.3g} req/s (simulate's req/s)")
+    if mean > 0 and abs(got - mean) > RATE_GAP * mean:
+        if got < mean and cfg.session_share > 0:
+            lines.append(
+                f"delivered {(mean - got) / mean:.0%} below the configured mean, the steady "
+                f"state's (follow-up turns included): sessions start with none under way, "
+                f"their follow-ups come think_time_s ({cfg.think_time_s:g} s) apart and those "
+                f"past duration_s are dropped; a longer duration_s comes closer")
+        else:
+            lines.append(
+                f"delivered {abs(got - mean) / mean:.0%} {'below' if got < mean else 'above'} "
+                f"the configured mean: arrivals are random (Poisson), and {n} requests are "
+                f"few enough to stray; another seed or a longer duration_s comes closer")
+    return lines
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def profile(
@@ -350,7 +413,8 @@ def register(app: typer.Typer) -> None:
         degrees: Annotated[str, typer.Option(help="CP degrees to profile")] = "1,2,4,8",
         seed: Annotated[int, typer.Option()] = 0,
         workload: Annotated[
-            str, typer.Option(help="Length mix for the κ ramp: 'synthetic' or a trace path")
+            str, typer.Option(parser=text_path_option("--workload"), metavar="<str>",
+                              help="Length mix for the κ ramp: 'synthetic' or a trace path")
         ] = "synthetic",
         format: _Format = "auto",
         rate: _ProfileRate = 0.0,
@@ -360,7 +424,8 @@ def register(app: typer.Typer) -> None:
                               "reuse; the profile is marked pooled (0: §6.1's single worker)")
         ] = 0,
         hardware: Annotated[
-            Path | None, typer.Option(help=_HARDWARE_HELP + " (sim backend)")
+            Path | None, typer.Option(parser=path_option("--hardware"), metavar="<path>",
+                                      help=_HARDWARE_HELP + " (sim backend)")
         ] = None,
         per_degree: Annotated[bool, typer.Option(help=_PER_DEGREE_HELP + " (sim backend)")
                               ] = False,
@@ -379,6 +444,7 @@ def register(app: typer.Typer) -> None:
                 "that 'simulate --trace T --gpus N --degrees D' measures")
         ] = "",
         model_path: Annotated[Path | None, typer.Option(
+            parser=path_option("--model-path", "directory"), metavar="<path>",
             help="--backend torch: local HF-format Qwen3 checkpoint directory (default: "
             "rankd's, VTM_TORCH_MODEL_PATH, else its random model VTM_TORCH_MODEL_JSON)")
         ] = None,
@@ -893,6 +959,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def hardware(
         file: Annotated[Path | None, typer.Argument(
+            parser=path_option("FILE"),
             help="A hardware file to check (default: print the built-in hardware)")] = None,
     ) -> None:
         """Print the simulated hardware as JSON: the built-in one, or FILE checked and completed.
@@ -920,6 +987,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def synthetic(
         file: Annotated[Path | None, typer.Argument(
+            parser=path_option("FILE"),
             help="A synthetic workload file to check (default: print the built-in one)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML")] = False,
         for_up: Annotated[int | None, typer.Option(
@@ -971,15 +1039,13 @@ def register(app: typer.Typer) -> None:
         else:
             typer.echo(config_to_toml(cfg), nl=False)
         # A summary on stderr, so that stdout stays a workload file.
-        segs = phase_table(cfg)
-        typer.echo(f"{cfg.duration_s:g} s in {len(segs)} segment(s) at "
-                   f"{min(p['rate'] for p in segs):g}-{max(p['rate'] for p in segs):g} req/s, "
-                   f"long share {min(p['long_share'] for p in segs):g}-"
-                   f"{max(p['long_share'] for p in segs):g}", err=True)
+        for line in _synthetic_summary(cfg, phase_table(cfg)):
+            typer.echo(line, err=True)
 
     @app.command("controller-config")
     def controller_config(
         file: Annotated[Path | None, typer.Argument(
+            parser=path_option("FILE"),
             help="A controller file to check (default: print the calibrated setting)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML")] = False,
     ) -> None:
@@ -1011,7 +1077,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def report(
-        directory: Annotated[Path, typer.Argument(help="A simulate or size output directory")],
+        directory: Annotated[Path, typer.Argument(
+            parser=path_option("DIRECTORY", "directory"),
+            help="A simulate or size output directory")],
     ) -> None:
         """Redraw the plots and CSV of a simulate (or size) run from its results (size) JSON."""
         from sim import runner

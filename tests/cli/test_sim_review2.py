@@ -126,17 +126,11 @@ def test_composition_colours_differ_past_ten_rates(tmp_path: Path,
     monkeypatch.setattr(plt, "close", figs.append)
     timelines = {str(float(s)): [[0.0, {"2": 4, "4": 2}], [10.0 + s, {"2": 4, "4": 2}]]
                  for s in range(1, 14)}
-    sim_runner._plot_composition(tmp_path, timelines, {})
+    sim_runner._plot_composition(tmp_path, timelines)
     (fig,) = figs
     for ax in fig.axes:
         colours = [tuple(ln.get_color()) for ln in ax.get_lines()]
         assert len(colours) == 13 and len(set(colours)) == 13
-    # The reconfiguration preset's lines are held to its last phase's end.
-    figs.clear()
-    sim_runner._plot_composition(tmp_path, {"1.0": [[0.0, {"2": 4}], [50.0, {"2": 2}]]},
-                                 {"phase_bounds": [[0, 100], [100, 300]]})
-    (ln,) = figs[0].axes[0].get_lines()
-    assert max(ln.get_xdata()) == 300
 
 
 # --- 8, 9: size ----------------------------------------------------------------------------------
