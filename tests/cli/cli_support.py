@@ -3,6 +3,9 @@ sys.path, as --import-mode=importlib does not)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from typer.testing import Result
 
 SIM = ["simulate", "--gpus", "8", "--policies", "vertumnus", "--max-requests", "30"]
@@ -20,3 +23,11 @@ def _refused(res: Result, *words: str) -> str:
     for w in words:
         assert w in text, (w, text)
     return text
+
+
+def one_request_trace(tmp_path: Path) -> Path:
+    """A Mooncake trace of one request (no arrival span: no rate can be asked of it)."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 1,
+                                "hash_ids": [1, 2, 3, 4]}) + "\n")
+    return path

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import typer.main
-from cli_support import _refused
+from cli_support import _refused, one_request_trace
 from typer.testing import CliRunner
 
 from shared.ids import InvalidInput
@@ -80,13 +80,6 @@ def test_the_composition_plot_draws_a_timeline_as_recorded(
 
 
 # --- 2: the preset path checks a rate as simulate does -------------------------------------------
-def _one_request(tmp_path: Path) -> Path:
-    path = tmp_path / "one.jsonl"
-    path.write_text(json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 1,
-                                "hash_ids": [1, 2, 3, 4]}) + "\n")
-    return path
-
-
 @pytest.mark.parametrize(("given", "words"), [
     ({"rate": 5.0}, "--rate 5 would change nothing"),
     ({"rate_scales": [2.0, 3.0]}, "--rate-scale 2,3 would change nothing"),
@@ -101,7 +94,7 @@ def test_the_ablation_refuses_a_rate_of_a_one_request_trace(
     out = tmp_path / "o"
     with pytest.raises(InvalidInput, match="the trace has one request: it has no arrival rate"
                        ) as err:
-        sim_runner.run_preset("ablation", out=out, trace=str(_one_request(tmp_path)), **given)
+        sim_runner.run_preset("ablation", out=out, trace=str(one_request_trace(tmp_path)), **given)
     assert words in str(err.value)
     assert not out.exists()
 
@@ -114,7 +107,8 @@ def test_the_ablation_cli_refuses_a_rate_of_a_one_request_trace(
     monkeypatch.setattr(presets, "run", ran)
     out = tmp_path / "o"
     _refused(runner.invoke(app, ["simulate", "--preset", "ablation", "--trace",
-                                 str(_one_request(tmp_path)), "--rate", "5", "--out", str(out)]),
+                                 str(one_request_trace(tmp_path)), "--rate", "5",
+                                 "--out", str(out)]),
              "no arrival rate", "--rate 5 would change nothing")
     assert not out.exists()
 

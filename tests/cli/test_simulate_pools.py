@@ -13,12 +13,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_support import _refused
+from cli_support import _refused, one_request_trace
 from typer.testing import CliRunner
 
 import sim.profiling
@@ -157,13 +156,6 @@ def test_profile_pool_gpus_is_a_check_of_the_gpu_count_alone(
 
 
 # --- a one-request trace has no rate --------------------------------------------------------------
-def _one_request(tmp_path: Path) -> Path:
-    path = tmp_path / "one.jsonl"
-    path.write_text(json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 1,
-                                "hash_ids": [1, 2, 3, 4]}) + "\n")
-    return path
-
-
 @pytest.mark.parametrize(("given", "words"), [
     (["--rate-scale", "1,2"], "--rate-scale 1,2 would change nothing; leave it out"),
     (["--rate", "5"], "--rate 5 would change nothing"),
@@ -175,7 +167,7 @@ def test_a_rate_asked_of_a_one_request_trace_is_refused(
     """Refused once the trace is read, before the profile (it used to run every rate, each
     the same run: req/s 1.00 at ×1 and ×2)."""
     out = tmp_path / "o"
-    _refused(runner.invoke(app, ["simulate", "--trace", str(_one_request(tmp_path)),
+    _refused(runner.invoke(app, ["simulate", "--trace", str(one_request_trace(tmp_path)),
                                  "--policies", "vertumnus", "--gpus", "8", *given,
                                  "--out", str(out)]),
              "the trace has one request: it has no arrival rate to set or scale", words)

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,28 @@ def _interrupted(proc: subprocess.Popen[str], err: Path, out: Path, phase: str) 
     return stdout
 
 
+def _interrupt_once(proc: subprocess.Popen[str], err: Path, out: Path, logs: Path,
+                    ready: Callable[[], bool], what: str, phase: str) -> set[int]:
+    """Wait (bounded) until ``ready()`` (``what``), then interrupt ``proc`` during ``phase``
+    (:func:`_interrupted`); returns the processes below it at the interrupt. Whatever
+    happens, nothing of the run is left running afterwards (killed, for the next tests)."""
+    profiling: set[int] = set()
+    try:
+        wait_until(lambda: ready() or proc.poll() is not None, what)
+        assert proc.poll() is None, err.read_text()
+        profiling = descendants(proc.pid)
+        _interrupted(proc, err, out, phase)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_leftovers(logs)
+        for pid in descendants(proc.pid) | profiling:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    return profiling
+
+
 def test_an_interrupt_ends_up_while_its_hardware_profile_is_blocked(tmp_path: Path) -> None:
     logs, err, out = tmp_path / "logs", tmp_path / "stderr.txt", tmp_path / "r.json"
     prof = logs / "hardware-profile"
@@ -55,23 +78,10 @@ def test_an_interrupt_ends_up_while_its_hardware_profile_is_blocked(tmp_path: Pa
             cli("up", "--duration", "30", "--max-requests", "4", "--log-dir", str(logs),
                 "--no-progress", "--stop-timeout", "10", "--json", str(out)),
             cwd=REPO, stdout=subprocess.PIPE, stderr=fh, text=True)
-    profiling: set[int] = set()
-    try:
-        # The fit is saved just before the samples: from here the profile is at the gate or
-        # on its way to it (its plot), and can never get past it.
-        wait_until(lambda: (prof / PROFILE_FILE).exists() or proc.poll() is not None,
-                   "the profile to reach its gate")
-        assert proc.poll() is None, err.read_text()
-        profiling = descendants(proc.pid)
-        _interrupted(proc, err, out, "profiling the modelled hardware")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        kill_leftovers(logs)
-        for pid in descendants(proc.pid) | profiling:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    # The fit is saved just before the samples: from here the profile is at the gate or on
+    # its way to it (its plot), and can never get past it.
+    profiling = _interrupt_once(proc, err, out, logs, lambda: (prof / PROFILE_FILE).exists(),
+                                "the profile to reach its gate", "profiling the modelled hardware")
     # It exited while the profile was still held: the gate is as the test made it and the
     # profile never finished.
     assert (prof / SAMPLES_FILE).is_fifo() and not (prof / REPORT_FILE).exists()
@@ -94,22 +104,9 @@ def test_an_interrupt_ends_up_s_engine_profile_and_its_rank_processes(tmp_path: 
                 "30", "--max-requests", "2", "--log-dir", str(logs), "--no-progress",
                 "--stop-timeout", "10", "--json", str(out)),
             cwd=REPO, stdout=subprocess.PIPE, stderr=fh, text=True)
-    profiling: set[int] = set()
-    try:
-        # The profile's child and its two rank processes (and multiprocessing's helper).
-        wait_until(lambda: len(descendants(proc.pid)) >= 3 or proc.poll() is not None,
-                   "the engine profile's rank processes")
-        assert proc.poll() is None, err.read_text()
-        profiling = descendants(proc.pid)
-        _interrupted(proc, err, out, "profiling the torch engine")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        kill_leftovers(logs)
-        for pid in descendants(proc.pid) | profiling:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    # The profile's child and its two rank processes (and multiprocessing's helper).
+    profiling = _interrupt_once(proc, err, out, logs, lambda: len(descendants(proc.pid)) >= 3,
+                                "the engine profile's rank processes", "profiling the torch engine")
     assert "engine profile" not in err.read_text()
     left = [pid for pid in profiling if alive(pid)]
     assert not left, f"still running after up exited: {left}"
