@@ -17,7 +17,10 @@ scales and sums from it stay finite; a profile outside them is refused
 The profile file is JSON (see :meth:`Profile.to_dict`): coefficients (global and optionally per
 degree), κ_C per degree (seconds of predicted service time per window that one degree-C worker
 serves within the SLO target, §6.1), the window H it was measured with, block size, model and
-hardware names, and the fit's MAPE overall and per degree.
+hardware names, optionally a fingerprint of the hardware table it was fitted on
+(``hardware_fingerprint``, a profile of the simulated backend), and the fit's MAPE overall
+and per degree. Readers ignore keys they do not know, so a file with a key added since stays
+readable by older code without a new ``schema_version``.
 
 Pure: no IO except the explicit ``load``/``save`` helpers; no clock.
 """
@@ -188,6 +191,13 @@ class Profile:
     κ × a calibrated pool factor (``kappa_scale``). True: on a routed pool replaying a trace
     (κ on a trace, what ``vertumnus simulate`` measures and writes), already a pool's capacity:
     judged as it is (:meth:`capacity_scale`)."""
+    hardware_fingerprint: str | None = None
+    """A digest of every figure of the hardware the profile was fitted on (the simulator's
+    ground-truth table: ``sim.profiling.hardware_fingerprint``), or None (a profile of a real
+    engine, or a file written before it was recorded). ``model`` and ``hardware`` are only
+    names: a hardware file that changes the default table's figures keeps them, and a run
+    compares this digest to tell the tables apart (``sim.runner.check_profile_hardware``).
+    Written to the file only when set."""
 
     def __post_init__(self) -> None:
         _check_coefficients(self.coefficients, "coefficients")
@@ -198,6 +208,8 @@ class Profile:
         if not (self.window_s > 0 and math.isfinite(self.window_s)):
             raise InvalidInput(f"window_s must be finite and > 0, got {self.window_s}")
         _check_kappa(self.kappa, "kappa", ("[", "]"))
+        if self.hardware_fingerprint is not None:
+            _check_fingerprint(self.hardware_fingerprint, "hardware_fingerprint")
 
     def coeffs_for(self, degree: int) -> Coefficients:
         return self.per_degree.get(degree, self.coefficients)
@@ -275,6 +287,9 @@ class Profile:
             "schema_version": PROFILE_SCHEMA_VERSION,
             "model": self.model,
             "hardware": self.hardware,
+            # Only when known: a profile without one writes the file it always wrote.
+            **({"hardware_fingerprint": self.hardware_fingerprint}
+               if self.hardware_fingerprint is not None else {}),
             "block_size": self.block_size,
             "window_s": self.window_s,
             "coefficients": self.coefficients.as_dict(),
@@ -303,7 +318,10 @@ class Profile:
         only prices cached tokens); ``per_degree`` likewise per CP degree; ``kappa`` a
         finite number > 0 and at most :data:`MAX_KAPPA_S` per degree (so that the
         capacities the controller scales and sums stay finite); ``kappa_pooled`` true or
-        false (default false); ``window_s`` > 0 and ``block_size`` >= 1.
+        false (default false); ``window_s`` > 0 and ``block_size`` >= 1;
+        ``hardware_fingerprint`` absent, null or a string of 1 to
+        :data:`MAX_FINGERPRINT_CHARS` characters. Other keys are ignored (the file format's
+        policy for additions: module docstring).
         Raises :class:`InvalidInput`. Missing κ for a degree is *not* an error here (see
         :meth:`kappa_for`, :meth:`check_degrees`).
         """
@@ -344,6 +362,9 @@ class Profile:
         if not isinstance(pooled, bool):
             raise InvalidInput(f"{source}: kappa_pooled must be true or false, got "
                                f"{_json_kind(pooled)}")
+        fingerprint = data.get("hardware_fingerprint")
+        if fingerprint is not None:
+            _check_fingerprint(fingerprint, f"{source}: hardware_fingerprint")
         return cls(
             coefficients=co,
             per_degree=per,
@@ -359,6 +380,7 @@ class Profile:
                 for c, m in _degree_items(mape_per_raw, f"{source}: fit.mape_per_degree")
             },
             kappa_pooled=pooled,
+            hardware_fingerprint=fingerprint,
         )
 
     def save(self, path: str | Path) -> None:
@@ -395,6 +417,21 @@ class Profile:
         if degrees is not None:
             prof.check_degrees(degrees, source=where)
         return prof
+
+
+MAX_FINGERPRINT_CHARS: Final[int] = 128
+"""The longest ``hardware_fingerprint`` a profile holds (what writes one writes 16 hex
+digits; the bound only keeps a corrupt file's text out of every message that quotes it)."""
+
+
+def _check_fingerprint(v: Any, where: str) -> None:
+    """Raise :class:`InvalidInput` naming ``where`` unless ``v`` is a string of 1 to
+    :data:`MAX_FINGERPRINT_CHARS` characters."""
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_FINGERPRINT_CHARS:
+        shown = _json_kind(v) if not isinstance(v, str) else f"a string of {len(v)} characters"
+        raise InvalidInput(f"{where} must be a string of 1 to {MAX_FINGERPRINT_CHARS} "
+                           f"characters (a digest of the hardware the profile was fitted on), "
+                           f"got {shown}")
 
 
 def _json_kind(v: Any) -> str:

@@ -55,7 +55,7 @@ from shared.ids import InvalidInput
 from shared.worker import WorkerKind
 from sim import calibration
 from sim.groundtruth import GroundTruth, Kind
-from sim.metrics import QWEN3_SLO, SloTable, slo_attainment
+from sim.metrics import QWEN3_SLO, SloTable, failures_by_reason, slo_attainment
 from sim.request_log import log_name, request_rows, write_request_log
 from sim.simulator import SimConfig, SimResult, Simulator, controller_profile
 from sim.workloads.workload import Workload, history_reuse, scale_rate
@@ -460,6 +460,8 @@ def summarize_run(
         "warmup_requests": warm,
         "completed": len(done),
         "failed": len(recs) - len(done),
+        # Why they failed (sim.metrics.failure_reason): the results table's line names them.
+        "failed_by_reason": failures_by_reason(recs),
         "mean_ttft_s": float(np.mean(ttft)),
         "p50_ttft_s": float(np.percentile(ttft, 50)),
         "p90_ttft_s": float(np.percentile(ttft, 90)),
@@ -887,6 +889,12 @@ def combine_repeats(rows_by_seed: Sequence[Sequence[Mapping[str, Any]]],
         runs = [by[key] for by in keyed]
         row = {k: v if k in _FIRST_SEED else _mean_of([r.get(k) for r in runs], v)
                for k, v in first.items()}
+        why = [r.get("failed_by_reason") for r in runs]
+        if all(isinstance(w, Mapping) for w in why):
+            # A reason a seed's run lacks is no request failing so there (0), not a figure
+            # that seed could not give: its mean counts the 0.
+            row["failed_by_reason"] = {k: _mean_of([w.get(k, 0) for w in why], 0)
+                                       for k in sorted({k for w in why for k in w})}
         row["seeds"] = [int(x) for x in seeds]
         row["runs"] = [{"seed": int(sd), "variant": r.get("variant"),
                         **{m: r.get(m) for m in REPEAT_METRICS}}

@@ -5,15 +5,18 @@ scheduling, cache operations on the path, prefill, KV handoff and the first deco
 Token-weighted SLO attainment = Σ L_i·[TTFT_i ≤ τ(L_i)] / Σ L_i with τ from the paper's
 Table 2 (Qwen3-30B-A3B: L < 8,192 → 1 s; < 32,768 → 5 s; else 10 s), configurable.
 Token-level prefix hit rate = reused input tokens / input tokens. GPU-seconds = Σ prefill
-time × GPUs of the worker that ran it.
+time × GPUs of the worker that ran it. A failed request (the simulator's, one no worker could
+take) is counted by why it failed: :func:`failure_reason`, :func:`failures_by_reason`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Final, Protocol
 
 import numpy as np
 
@@ -129,3 +132,101 @@ def summarize(records: Iterable[RequestRecord], slo: SloTable = QWEN3_SLO) -> di
         }
     out["per_degree"] = per
     return out
+
+
+# --- why requests failed ---------------------------------------------------------------------
+NO_WORKERS: Final[str] = "no_workers"
+"""A request failed because the pool had no worker at all."""
+UNFINISHED: Final[str] = "unfinished"
+"""A request that never completed and recorded no failure (none does in the simulator: a
+placed request always completes; here so that the counts always add up to ``failed``)."""
+OTHER: Final[str] = "other"
+"""A failure text of no form :func:`failure_reason` knows (the per-request log has it whole)."""
+
+_TOO_LONG_ALL = re.compile(r"prompt of \d+ tokens is longer than every worker's max_seq_len")
+
+
+@functools.cache
+def _exclusions() -> tuple[tuple[str, str], ...]:
+    """(reason key, the scheduler's text) of every exclusion, in the scheduler's order.
+
+    Imported here, not at the top: the scheduler package imports the cost model and scipy
+    (seconds), which a reader of these metrics alone does not need."""
+    from services.scheduler.decision import Exclusion
+
+    return tuple((e.name.lower(), e.value) for e in Exclusion)
+
+
+def failure_reasons() -> dict[str, str]:
+    """Every key :func:`failure_reason` may combine, with what it means (the scheduler's own
+    text for an exclusion): the legend of the results' ``failed_by_reason``."""
+    return {
+        **dict(_exclusions()),
+        NO_WORKERS: "the pool had no workers",
+        UNFINISHED: "never completed, no failure recorded",
+        OTHER: "a failure of another kind (see the per-request log, --requests)",
+    }
+
+
+def failure_reason(failed: str) -> str:
+    """Why a request failed, as a short key, from the text the simulator records for it
+    (``RequestRecord.failed``: the message of the scheduler's
+    :class:`~services.scheduler.errors.NoEligibleWorker`).
+
+    A request fails when the scheduler excludes every worker; the key names the exclusions
+    that did it (:class:`~services.scheduler.decision.Exclusion`, lower case), several joined
+    by ``+`` in the scheduler's order when the workers were excluded for different ones:
+    ``no_memory`` (its KV fits in no worker's KV capacity), ``too_long`` (longer than every
+    worker's ``max_seq_len``, also :class:`~services.scheduler.errors.SequenceTooLong`'s
+    message), ``too_long+no_memory``, ``draining``, ... :data:`NO_WORKERS` for a pool without
+    workers, :data:`UNFINISHED` for an empty text (no failure recorded), :data:`OTHER` for
+    any other text."""
+    if not failed:
+        return UNFINISHED
+    if _TOO_LONG_ALL.match(failed):
+        return "too_long"
+    if failed.startswith("no eligible worker"):
+        if failed.endswith("(the cluster view has no workers)"):
+            return NO_WORKERS
+        # Each worker's part is "<worker>: <reason>", parts joined by "; ", all in "( )".
+        found = [
+            key
+            for key, text in _exclusions()
+            if re.search(f": {re.escape(text)}(?:; |\\)$)", failed)
+        ]
+        if found:
+            return "+".join(found)
+    return OTHER
+
+
+class FailedRecord(Protocol):
+    """What :func:`failures_by_reason` reads of a request record (the simulator's)."""
+
+    @property
+    def failed(self) -> str: ...
+
+    @property
+    def ttft_s(self) -> float: ...
+
+
+def failures_by_reason(records: Iterable[FailedRecord]) -> dict[str, int]:
+    """How many of ``records`` failed, by :func:`failure_reason` (the keys sorted; only
+    reasons with a failure). A record failed when it has no TTFT (``ttft_s`` < 0, as the
+    results' ``failed`` counts them), so the counts add up to that."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r.ttft_s < 0:
+            key = failure_reason(r.failed)
+            out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def format_failed_by_reason(counts: Mapping[str, float]) -> str:
+    """``counts`` (a results row's ``failed_by_reason``) as one CSV cell: ``key=n`` joined
+    by ``;`` in key order (``no_memory=139;too_long=2``), a mean over seeds to two decimals;
+    empty for none."""
+
+    def num(v: float) -> str:
+        return str(int(v)) if float(v).is_integer() else f"{v:.2f}"
+
+    return ";".join(f"{k}={num(v)}" for k, v in sorted(counts.items()))

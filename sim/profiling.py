@@ -64,6 +64,33 @@ PLOT_FILE: Final[str] = "profile_fit.png"
 SAMPLES_FILE: Final[str] = "profile_samples.csv"
 
 
+def hardware_fingerprint(truth: GroundTruth) -> str:
+    """A digest of every figure of the simulated hardware ``truth`` (16 hex digits of the
+    SHA-256 of :func:`~sim.hardware.ground_truth_to_mapping` as canonical JSON: sorted keys,
+    no spaces, every number as a float by its shortest repr), recorded in the profiles fitted
+    on it (:attr:`shared.costmodel.Profile.hardware_fingerprint`).
+
+    Equal tables give equal digests, whatever file, key order or number spelling they were
+    written in (``96e9`` and ``96000000000`` are one figure, as :class:`GroundTruth`'s equality
+    has it); a table that changes any figure (a GPU's FLOP rate, the model's layers, a
+    calibration) gives another one while its ``model.name`` and ``gpu.name`` may stay the
+    default's."""
+    import hashlib
+
+    def canon(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {str(k): canon(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [canon(x) for x in v]
+        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool):
+            return float(v)
+        return v
+
+    text = json.dumps(canon(ground_truth_to_mapping(truth)), sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _check_degrees(degrees: Sequence[int]) -> tuple[int, ...]:
     degs = tuple(sorted(set(int(d) for d in degrees)))
     if not degs or any(d < 1 for d in degs):
@@ -546,7 +573,10 @@ def trace_kappa_key(profile: Profile, workload: Workload, *, degrees: Sequence[i
 
     lengths, gaps, reused = _trace_arrays(workload)
     h = hashlib.sha256()
-    fitted = {k: v for k, v in profile.to_dict().items() if k != "kappa"}
+    # Not the hardware's fingerprint: `truth` is in the key already (below), and a key
+    # without it is the one a cache written before profiles recorded it has.
+    fitted = {k: v for k, v in profile.to_dict().items()
+              if k not in ("kappa", "hardware_fingerprint")}
     h.update(json.dumps([fitted, sorted(_check_degrees(degrees)), seed, noise_sigma,
                          replay_arrivals, {k: v for k, v in asdict(ramp).items() if k != "slo"},
                          [list(b) for b in ramp.slo.bounds], *extra],
@@ -660,7 +690,8 @@ def run_profile(
     grid = profile_grid(degs)
     samples = measure_samples(meter, grid, repeats=repeats, kind=kind)
     base = Profile(
-        model=truth.model.name, hardware=truth.gpu.name if kind == "cp" else f"{truth.gpu.name} TP"
+        model=truth.model.name, hardware=truth.gpu.name if kind == "cp" else f"{truth.gpu.name} TP",
+        hardware_fingerprint=hardware_fingerprint(truth),
     )
     profile = fit_profile(samples, base=base, per_degree=per_degree)
     truth_score = score_against_truth(profile, grid, truth, kind=kind)

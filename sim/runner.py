@@ -55,7 +55,14 @@ from sim.experiments import (
 )
 from sim.groundtruth import GroundTruth
 from sim.hardware import ground_truth_to_mapping
-from sim.metrics import QWEN3_SLO, SloTable, slo_attainment, slo_to_dict
+from sim.metrics import (
+    QWEN3_SLO,
+    SloTable,
+    failure_reasons,
+    format_failed_by_reason,
+    slo_attainment,
+    slo_to_dict,
+)
 from sim.workloads import (
     detect_format,
     generate,
@@ -74,8 +81,8 @@ from sim.workloads.workload import Workload, scale_to_rate, truncate
 
 RESULT_KEYS = (
     "policy", "rate_scale", "request_rate", "requests", "warmup_requests", "completed", "failed",
-    "mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "queue_s_mean", "prefill_s_mean",
-    "handoff_s_mean", "slo_attainment", "hit_rate",
+    "failed_by_reason", "mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "queue_s_mean",
+    "prefill_s_mean", "handoff_s_mean", "slo_attainment", "hit_rate",
     "gpu_seconds", "reconfigurations", "splits", "merges", "drain_s_mean", "switch_s_mean",
     "replications", "reclamations", "pulls", "copy_waits", "copy_wait_s", "oracle_mean_ttft_s",
     "prediction_mape", "variant",
@@ -207,10 +214,19 @@ PROFILE_MISMATCH_OPTION = "--profile-mismatch-ok"
 
 def check_profile_hardware(prof: Profile, truth: GroundTruth, source: str | Path, *,
                            mismatch_ok: bool = False) -> None:
-    """Raise :class:`InvalidInput` when profile ``prof`` (read from ``source``) records another
-    model or GPU than the simulated hardware ``truth`` (its ``model.name`` / ``gpu.name``),
-    naming both and how to proceed; nothing when ``mismatch_ok`` (a study of the model's error
-    on other hardware) or when the file records none (``"unknown"``: nothing to compare).
+    """Raise :class:`InvalidInput` when profile ``prof`` (read from ``source``) was fitted on
+    other hardware than the simulated ``truth``, naming what differs and how to proceed;
+    nothing when ``mismatch_ok`` (a study of the model's error on other hardware).
+
+    Two checks: the names (the file's ``model`` / ``hardware`` against ``truth``'s
+    ``model.name`` / ``gpu.name``; a name the file does not record, ``"unknown"``, is not
+    compared), then, names agreeing, the tables' figures: a profile that records the
+    fingerprint of the table it was fitted on (:attr:`Profile.hardware_fingerprint`, what
+    ``vertumnus profile --backend sim`` and a sweep write since session 65) must have
+    ``truth``'s (:func:`sim.profiling.hardware_fingerprint`). A ``--hardware`` file that edits
+    the default H20 table's figures but keeps its names passes the first and fails the second.
+    A file without a fingerprint (written before, or a real engine's) gets the names' check
+    alone.
 
     Why refuse: Ê and κ fitted on one machine mispredict every prefill on another (a profile
     fitted on H200 run on the default H20: prediction MAPE 0.49 against ~0.07), and the run's
@@ -222,6 +238,14 @@ def check_profile_hardware(prof: Profile, truth: GroundTruth, source: str | Path
             for what, mine, theirs in (("model", prof.model, truth.model.name),
                                        ("GPU", gpu, truth.gpu.name))
             if mine != "unknown" and mine != theirs]
+    if not diff and prof.hardware_fingerprint is not None:
+        from sim.profiling import hardware_fingerprint
+
+        theirs = hardware_fingerprint(truth)
+        if prof.hardware_fingerprint != theirs:
+            diff = [f"a hardware table with the same names (model {truth.model.name!r}, GPU "
+                    f"{truth.gpu.name!r}) but other figures (its fingerprint "
+                    f"{prof.hardware_fingerprint}, the run's {theirs})"]
     if diff:
         raise InvalidInput(
             f"--profile {source} was fitted on other hardware: {', '.join(diff)}; its "
@@ -985,7 +1009,10 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], meta: Mapping[str, Any]
         w = csv.DictWriter(fh, fieldnames=list(RESULT_KEYS), extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow(r)
+            why = r.get("failed_by_reason")
+            # One cell (no_memory=139): a dict would be written as Python's repr.
+            w.writerow({**r, "failed_by_reason": format_failed_by_reason(why)}
+                       if isinstance(why, Mapping) else r)
     if comparison is None:
         comparison = compare_with_baselines(rows)
     (out / "comparison.json").write_text(json.dumps(_jsonable(comparison), indent=1) + "\n")
@@ -1176,6 +1203,11 @@ def _check_rows(rows: Any, path: Path) -> list[dict[str, Any]]:
         if not r["rate_scale"] > 0 or not math.isfinite(r["rate_scale"]):
             raise InvalidInput(f"{path}: row {i} ({r['policy']}): rate_scale is "
                                f"{r['rate_scale']!r}, not a rate multiplier > 0")
+        why = r.get("failed_by_reason")  # the table's line under it names them
+        if why is not None and not (isinstance(why, dict) and all(
+                isinstance(k, str) and _is_number(v) and v >= 0 for k, v in why.items())):
+            raise InvalidInput(f"{path}: row {i} ({r['policy']}): failed_by_reason is "
+                               f"{why!r}, not counts of failed requests by reason")
         runs = r.get("runs")  # --repeats: each seed's figures (the plots' error bars)
         if runs is not None and not (isinstance(runs, list)
                                      and all(isinstance(x, dict) for x in runs)):
@@ -1341,18 +1373,34 @@ def print_table(summary: Mapping[str, Any], file: IO[str]) -> None:
 
 def _failed_caption(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """The line under the results table when a row has failed requests (None when none has):
-    which policy and rate lost how many, and what the figures beside them cover. A failed
-    request misses its SLO (``slo_attainment`` counts it); the TTFT figures are over the
-    completed requests only, while ``oracle_mean_ttft_s`` is over every measured request,
-    failed ones included, so a mean below the oracle's is no contradiction there."""
+    which policy and rate lost how many and why (the row's ``failed_by_reason``, when it has
+    one: :func:`sim.metrics.failures_by_reason`; each reason named is explained once), and
+    what the figures beside them cover. A failed request misses its SLO
+    (``slo_attainment`` counts it); the TTFT figures are over the completed requests only,
+    while ``oracle_mean_ttft_s`` is over every measured request, failed ones included, so a
+    mean below the oracle's is no contradiction there."""
     failing = [r for r in rows if isinstance(r.get("failed"), int | float) and r["failed"] > 0]
     if not failing:
         return None
-    return ("failed requests: " + "; ".join(
-        f"{r['policy']} ×{r['rate_scale']:g} {_count(r['failed'])} of "
-        f"{_count(r.get('requests'))}" for r in failing)
-        + ". They count as SLO misses; the TTFT columns are over the completed requests, the "
-        "oracle over all measured requests (failed ones included)")
+    legend = failure_reasons()
+    named: dict[str, str] = {}
+
+    def why(r: Mapping[str, Any]) -> str:
+        counts = r.get("failed_by_reason")
+        if not isinstance(counts, Mapping) or not counts:
+            return ""  # a row of an older results.json
+        for key in counts:
+            for part in str(key).split("+"):
+                if part in legend:
+                    named.setdefault(part, legend[part])
+        return " (" + ", ".join(f"{k} {_count(v)}" for k, v in sorted(counts.items())) + ")"
+
+    lost = "; ".join(f"{r['policy']} ×{r['rate_scale']:g} {_count(r['failed'])} of "
+                     f"{_count(r.get('requests'))}{why(r)}" for r in failing)
+    reasons = ("; ".join(f"{k}: {v}" for k, v in named.items()) + ". ") if named else ""
+    return ("failed requests: " + lost + ". " + reasons
+            + "They count as SLO misses; the TTFT columns are over the completed requests, the "
+            "oracle over all measured requests (failed ones included)")
 
 
 def _pct(v: float | None) -> str:
