@@ -398,7 +398,9 @@ def _plot_phases(out: Path, bounds: list[tuple[float, float]], per: dict[str, li
     for label, tl in timelines.items():
         if label != "vertumnus":
             continue
-        for d in sorted({k for _, c in tl for k in c}):
+        # Degrees as numbers: the keys are strings (as meta.json holds them), and "16"
+        # sorts before "2" as a string, which put CP16 first in the legend and the colours.
+        for d in sorted({k for _, c in tl for k in c}, key=int):
             xs, ys = [], []
             for t, c in tl:
                 if ys:

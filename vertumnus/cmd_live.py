@@ -98,9 +98,11 @@ def _check_engine(model_path: Path | None) -> None:
     """``up --backend torch``'s engine, before anything starts (exit 2 naming the problem):
     the ``engine`` extra installed (else the profile, or with ``--profile`` the rank daemon
     once nats and every service had started, failed on its import), and ``--model-path`` a
-    checkpoint directory with a Qwen3 ``config.json`` and a safetensors file (else each rank
-    process of the profile failed loading it, after the rank daemons' start-up).
-    The weights are checked tensor by tensor only where they are loaded."""
+    checkpoint directory with a Qwen3 ``config.json`` and safetensors files holding every
+    tensor that config implies, of its shape and a float dtype (else each rank process of the
+    profile failed loading it, after the rank daemons' start-up): the loader's own checks
+    (``services.rankd.engine.checkpoint.check_tensors``) on the files' headers alone, no
+    weight read (:func:`~services.rankd.engine.checkpoint.check_checkpoint`)."""
     from vertumnus.live.startup_profile import engine_extra_error, missing_engine_module
 
     missing = missing_engine_module()
@@ -111,7 +113,7 @@ def _check_engine(model_path: Path | None) -> None:
     if not Path(model_path).is_dir():
         _fail(f"--model-path {model_path}: not a directory (a local HF-format Qwen3 "
               "checkpoint directory)")
-    from services.rankd.engine.checkpoint import load_config
+    from services.rankd.engine.checkpoint import check_checkpoint, load_config
     from services.rankd.engine.errors import CheckpointError
 
     try:
@@ -121,6 +123,10 @@ def _check_engine(model_path: Path | None) -> None:
     if not any(Path(model_path).glob("*.safetensors")):
         _fail(f"--model-path {model_path}: no *.safetensors file (a local HF-format Qwen3 "
               "checkpoint directory)")
+    try:
+        check_checkpoint(model_path)
+    except CheckpointError as exc:
+        _fail(f"--model-path: {exc}")
 
 
 def run_service_module(module: str, argv: list[str], prog: str) -> None:

@@ -52,7 +52,19 @@ def _libc_prctl() -> object | None:
 _PRCTL = _libc_prctl()
 
 
-def _child_preexec() -> None:  # pragma: no cover - runs in the forked child
+def die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    """The ``preexec_fn`` of every child ``up`` starts (``subprocess.Popen``,
+    ``asyncio.create_subprocess_exec``): the child asks the kernel for SIGTERM when its parent
+    dies (Linux ``PR_SET_PDEATHSIG``), so even a SIGKILLed ``up`` leaves no orphan.
+
+    Contract: call it only as a ``preexec_fn``, in the child between fork and exec (it makes
+    one async-signal-safe syscall and nothing else: no allocation, lock or logging). The
+    "parent" is the *thread* that forked: fork from a thread that lives as long as the
+    process (the main thread, the event loop's), or the child gets its SIGTERM when that
+    thread ends. The request is made before exec and kept across it (not by a set-user-ID
+    program); what SIGTERM does is then the program's own handling of it. A no-op where the
+    platform has no ``prctl`` (not Linux): the children's own parent watch
+    (``VTM_PARENT_PID``, shared/stopping.py) remains."""
     # NOTE: runs between fork and exec: only async-signal-safe work (one syscall).
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # type: ignore[operator]
@@ -178,7 +190,7 @@ class ChildSet:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_child_preexec,
+                preexec_fn=die_with_parent,
             )
         return Child(spec, proc, log_path, order)
 
@@ -257,4 +269,4 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
-__all__ = ["Child", "ChildFailed", "ChildSet", "ChildSpec", "pid_alive"]
+__all__ = ["Child", "ChildFailed", "ChildSet", "ChildSpec", "die_with_parent", "pid_alive"]

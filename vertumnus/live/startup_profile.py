@@ -13,7 +13,8 @@ own (a Ctrl-C at the terminal reaches only ``up``), so its process group holds i
 every process it spawned (the rank processes share their leader's group), and
 :func:`profile_in_child` SIGKILLs that whole group when it is cancelled. Like ``up``'s other
 children it asks for SIGTERM when ``up`` dies (``PR_SET_PDEATHSIG``,
-:mod:`vertumnus.live.procs`), so even a SIGKILLed ``up`` leaves no profile running.
+:func:`vertumnus.live.procs.die_with_parent`), so even a SIGKILLed ``up`` leaves no profile
+running.
 
 The child: ``python -m vertumnus.live.startup_profile KIND OUT_DIR``, KIND ``hardware`` or
 ``engine``, the run's :class:`~vertumnus.live.stack.UpConfig` pickled on its stdin (only
@@ -40,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from vertumnus.live.procs import _child_preexec
+from vertumnus.live.procs import die_with_parent
 
 if TYPE_CHECKING:
     from vertumnus.live.stack import UpConfig
@@ -115,7 +116,7 @@ async def profile_in_child(kind: ProfileKind, config: UpConfig, out_dir: Path
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", MODULE, kind, str(out),
             stdin=asyncio.subprocess.PIPE, stdout=log, stderr=asyncio.subprocess.STDOUT,
-            env=env, start_new_session=True, preexec_fn=_child_preexec)
+            env=env, start_new_session=True, preexec_fn=die_with_parent)
     try:
         try:
             await proc.communicate(payload)
