@@ -1,7 +1,22 @@
 """``vertumnus up`` end to end: real nats-server, every service that exists as a child process,
 a tiny replay through the gateway's HTTP API, the report and the JSON results; a rank daemon
 killed and restarted during the replay loses no request; and Ctrl-C (SIGINT to the
-``vertumnus up`` process, twice) or SIGTERM stops every child and the server."""
+``vertumnus up`` process, twice) or SIGTERM stops every child and the server.
+
+Each ``up`` costs ~15-25 s on two cores, about a third of it fitting the services' profile on
+the modelled hardware. So the runs are shared where their checks allow it (why, and the rules):
+
+* The default run (``default_run``) is the one that checks that ``up`` fits that profile
+  itself; every other run on the default hardware, SLO, degrees and seed is given that very
+  file with ``--profile`` (``fitted_profile``). ``up`` fits the profile and then goes on
+  exactly as with ``--profile`` of the file it wrote (stack.py: the config's profile is
+  replaced by the fitted path), so those runs take the same path past the fit. A run whose
+  point is the fit (``--hardware``, ``--per-degree``, ``--slo``) still fits its own.
+* ``--hardware``, ``--slo`` and ``--schedulers`` are independent options checked on their own
+  outputs, so one run (``options_run``) takes all three and each check stays its own test.
+* Runs that inject a fault, interrupt ``up`` or fail keep a run each, no longer than their
+  check needs (the comments at their options say why that is long enough).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +27,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,31 +38,81 @@ from vertumnus.live.report import REQUIRED_KEYS
 from vertumnus.live.stack import MAX_RESTARTS
 
 
-def run_up_40(tmp_path: Path, *extra: str) -> tuple[Any, dict[str, Any], Path]:
-    """``vertumnus up`` on 40 requests (arrivals over ≈3 wall s) with ``extra`` options;
-    returns the process, its JSON results and its log dir (what it left running is killed).
-    Asserts the run itself succeeded."""
+@dataclass(frozen=True)
+class UpRun:
+    """One finished ``vertumnus up``: the process, its log dir and its ``--json`` path."""
+
+    proc: subprocess.CompletedProcess[str]
+    logs: Path
+    out: Path
+
+    def results(self) -> dict[str, Any]:
+        """The JSON results, once the run is asserted to have succeeded (exit 0): a test on a
+        shared run that failed says so itself, with the run's output."""
+        assert self.proc.returncode == 0, self.proc.stdout + self.proc.stderr
+        return json.loads(self.out.read_text())
+
+
+def run_up(tmp_path: Path, *args: str) -> UpRun:
+    """``vertumnus up args`` with its results to ``tmp_path/results.json`` and its logs in
+    ``tmp_path/logs``, without a progress bar, stopping within 10 s; what it left running is
+    killed. Asserts nothing: :meth:`UpRun.results` does."""
     out = tmp_path / "results.json"
     logs = tmp_path / "logs"
     try:
-        proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
-                        "0.05", *extra, "--log-dir", str(logs), "--json", str(out),
+        proc = run_cli(["up", *args, "--log-dir", str(logs), "--json", str(out),
                         "--no-progress", "--stop-timeout", "10"])
     finally:
         kill_leftovers(logs)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc, json.loads(out.read_text()), logs
+    return UpRun(proc, logs, out)
 
 
-def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    logs = tmp_path / "logs"
-    proc = run_cli(["up", "--max-requests", "12", "--duration", "60", "--time-scale", "0.05",
-                    "--log-dir", str(logs), "--json", str(out), "--no-progress",
-                    "--stop-timeout", "10"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def run_up_40(tmp_path: Path, *extra: str, profile: Path) -> tuple[
+        subprocess.CompletedProcess[str], dict[str, Any], Path]:
+    """``vertumnus up --profile profile`` on 40 requests (arrivals over ≈3 wall s) with
+    ``extra`` options; returns the process, its JSON results and its log dir (what it left
+    running is killed). Asserts the run itself succeeded."""
+    run = run_up(tmp_path, "--max-requests", "40", "--duration", "60", "--time-scale", "0.05",
+                 "--profile", str(profile), *extra)
+    return run.proc, run.results(), run.logs
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> UpRun:
+    """``up`` on 12 requests with every other option at its default: it fits the services'
+    profile on the default hardware first (``fitted_profile`` hands that file on)."""
+    return run_up(tmp_path_factory.mktemp("up-default"), "--max-requests", "12",
+                  "--duration", "60", "--time-scale", "0.05")
+
+
+@pytest.fixture(scope="module")
+def fitted_profile(default_run: UpRun) -> Path:
+    """The profile the default run fitted on the default hardware, SLO, degrees and seed --
+    what any run with those would fit for itself -- for ``--profile``."""
+    path = default_run.logs / "hardware-profile" / "profile.json"
+    if not path.is_file():
+        pytest.fail("the default run fitted no profile to share:\n"
+                    + default_run.proc.stdout + default_run.proc.stderr)
+    return path
+
+
+@pytest.fixture(scope="module")
+def options_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[UpRun, Path]:
+    """``up`` on 40 requests of the pool of a hardware file (an H200), a profile fitted on it
+    with one coefficient set per degree, against deepseek-v4-flash's deadlines, with two
+    scheduler replicas. Returns the run and the hardware file."""
+    tmp = tmp_path_factory.mktemp("up-options")
+    hw = tmp / "h200.toml"
+    hw.write_text('gpu = "H200"\n')
+    return run_up(tmp, "--max-requests", "40", "--duration", "60", "--time-scale", "0.05",
+                  "--hardware", str(hw), "--per-degree", "--slo", "deepseek-v4-flash",
+                  "--schedulers", "2"), hw
+
+
+def test_up_tiny_run_reports_and_writes_json(default_run: UpRun) -> None:
+    proc, logs = default_run.proc, default_run.logs
+    data = default_run.results()
     assert "TTFT" in proc.stdout and "SLO attainment" in proc.stdout, proc.stdout
-    data = json.loads(out.read_text())
     missing = [k for k in REQUIRED_KEYS if k not in data]
     assert not missing, missing
     assert data["requests"] == 12
@@ -73,12 +139,11 @@ def test_up_tiny_run_reports_and_writes_json(tmp_path: Path) -> None:
     assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
 
 
-def test_up_models_the_hardware_of_a_file(tmp_path: Path) -> None:
+def test_up_models_the_hardware_of_a_file(options_run: tuple[UpRun, Path]) -> None:
     """``--hardware``: the rank daemons model the file's GPUs and the services predict with
     a profile fitted on them first (not the default H20's), here one set per degree."""
-    hw = tmp_path / "h200.toml"
-    hw.write_text('gpu = "H200"\n')
-    proc, data, logs = run_up_40(tmp_path, "--hardware", str(hw), "--per-degree")
+    run, hw = options_run
+    proc, data, logs = run.proc, run.results(), run.logs
     assert data["completed"] == 40, data["errors"]
     assert data["hardware"] == str(hw.resolve())
     fitted = logs / "hardware-profile" / "profile.json"
@@ -98,10 +163,11 @@ def test_up_models_the_hardware_of_a_file(tmp_path: Path) -> None:
         for wid, blocks in data["kv_total_blocks"].items()), data["kv_total_blocks"]
 
 
-def test_up_holds_the_pool_to_the_given_slo(tmp_path: Path) -> None:
+def test_up_holds_the_pool_to_the_given_slo(options_run: tuple[UpRun, Path]) -> None:
     """``--slo``: the report counts attainment against those deadlines, and the services'
     profile is measured first so that κ_C is the demand that keeps them."""
-    proc, data, logs = run_up_40(tmp_path, "--slo", "deepseek-v4-flash")
+    run, _ = options_run
+    proc, data, logs = run.proc, run.results(), run.logs
     assert data["completed"] == 40, data["errors"]
     assert data["slo"] == {"name": "deepseek-v4-flash",
                            "bounds": [[8192, 0.5], [32768, 2.0], ["inf", 5.0]]}
@@ -112,14 +178,14 @@ def test_up_holds_the_pool_to_the_given_slo(tmp_path: Path) -> None:
     assert "deepseek-v4-flash" in proc.stdout
 
 
-def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path) -> None:
+def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path, fitted_profile: Path) -> None:
     """``--policy vllm`` deploys vLLM's pool, as the simulator's comparison does: TP-4 workers,
     held (no split or merge), and they serve every request."""
     out = tmp_path / "results.json"
     logs = tmp_path / "logs"
     proc = run_cli(["up", "--policy", "vllm", "--max-requests", "8", "--duration", "60",
-                    "--time-scale", "0.05", "--log-dir", str(logs), "--json", str(out),
-                    "--no-progress", "--stop-timeout", "10"])
+                    "--time-scale", "0.05", "--profile", str(fitted_profile), "--log-dir",
+                    str(logs), "--json", str(out), "--no-progress", "--stop-timeout", "10"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["completed"] == 8, data["errors"]
@@ -133,12 +199,14 @@ def test_up_baseline_runs_on_its_own_held_pool(tmp_path: Path) -> None:
     assert "TP workers: the CP profile does not describe them" in " ".join(proc.stdout.split())
 
 
-def test_up_survives_a_rank_daemon_crash_and_restart(tmp_path: Path) -> None:
+def test_up_survives_a_rank_daemon_crash_and_restart(tmp_path: Path,
+                                                     fitted_profile: Path) -> None:
     """``--kill-at 1 --restart-after 1``: the rank daemon (every worker) is
     SIGKILLed while requests are arriving (the replay's arrivals span ≈2 wall s) and started
     again a second later; every request still completes, ``faults`` lists both actions, and
     the restarted process is the one pids.json names and the stop reports (status 0)."""
-    proc, data, logs = run_up_40(tmp_path, "--kill-at", "1", "--restart-after", "1")
+    proc, data, logs = run_up_40(tmp_path, "--kill-at", "1", "--restart-after", "1",
+                                 profile=fitted_profile)
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     kill, restart = data["faults"]
     assert (kill["action"], kill["service"], kill["status"]) == ("kill", "rankd", -9)
@@ -152,12 +220,13 @@ def test_up_survives_a_rank_daemon_crash_and_restart(tmp_path: Path) -> None:
     assert data["exit_codes"]["rankd"] == 0, data["exit_codes"]
 
 
-def test_up_survives_a_gateway_crash_and_restart(tmp_path: Path) -> None:
+def test_up_survives_a_gateway_crash_and_restart(tmp_path: Path,
+                                                 fitted_profile: Path) -> None:
     """``--kill-service gateway``: the gateway dies with requests open on it while more are
     arriving, and starts again a second later on the same port; the replay sends the refused
     and the cut-off requests again under their ids, and every one completes, once."""
     proc, data, logs = run_up_40(tmp_path, "--kill-service", "gateway", "--kill-at", "1",
-                                 "--restart-after", "1")
+                                 "--restart-after", "1", profile=fitted_profile)
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     assert [(f["action"], f["service"]) for f in data["faults"]] == [
         ("kill", "gateway"), ("restart", "gateway")]
@@ -171,13 +240,14 @@ def test_up_survives_a_gateway_crash_and_restart(tmp_path: Path) -> None:
     assert data["exit_codes"]["gateway"] == 0, data["exit_codes"]
 
 
-def test_up_survives_a_nats_server_crash_and_restart(tmp_path: Path) -> None:
+def test_up_survives_a_nats_server_crash_and_restart(tmp_path: Path,
+                                                     fitted_profile: Path) -> None:
     """``--kill-service nats``: the server is SIGKILLed while requests arrive and started
     again a second later on its port and JetStream store. Every service reconnects, the
     gateway holds the requests that arrive meanwhile until it can enqueue them
     (``nats_wait_s``), and every request completes."""
     proc, data, logs = run_up_40(tmp_path, "--kill-service", "nats", "--kill-at", "1",
-                                 "--restart-after", "1")
+                                 "--restart-after", "1", profile=fitted_profile)
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     kill, restart = data["faults"]
     assert (kill["action"], kill["service"], kill["status"]) == ("kill", "nats", -9)
@@ -189,12 +259,14 @@ def test_up_survives_a_nats_server_crash_and_restart(tmp_path: Path) -> None:
     assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
 
 
-def test_up_crashes_two_services_each_at_its_time(tmp_path: Path) -> None:
+def test_up_crashes_two_services_each_at_its_time(tmp_path: Path,
+                                                   fitted_profile: Path) -> None:
     """``--kill-service scheduler,rankd --kill-at 1,2 --restart-after 1``: the scheduler
     dies, and while its successor starts the rank daemon dies too; each is started again a
     second after its kill, and every request completes."""
     proc, data, logs = run_up_40(tmp_path, "--kill-service", "scheduler,rankd",
-                                 "--kill-at", "1,2", "--restart-after", "1")
+                                 "--kill-at", "1,2", "--restart-after", "1",
+                                 profile=fitted_profile)
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     by = {(f["action"], f["service"]): f for f in data["faults"]}
     assert set(by) == {("kill", "scheduler"), ("restart", "scheduler"), ("kill", "rankd"),
@@ -212,10 +284,11 @@ def test_up_crashes_two_services_each_at_its_time(tmp_path: Path) -> None:
     assert data["exit_codes"]["scheduler"] == 0 and data["exit_codes"]["rankd"] == 0
 
 
-def test_up_runs_scheduler_replicas(tmp_path: Path) -> None:
+def test_up_runs_scheduler_replicas(options_run: tuple[UpRun, Path]) -> None:
     """``--schedulers 2``: two scheduler processes share the intake (both answer $SRV.PING
     before the replay starts, both are stopped cleanly) and every request completes once."""
-    proc, data, logs = run_up_40(tmp_path, "--schedulers", "2")
+    run, _ = options_run
+    proc, data, logs = run.proc, run.results(), run.logs
     assert "'vtm-scheduler': 2" in proc.stderr.replace("\n", " "), proc.stderr
     assert (data["requests"], data["completed"], data["failed"]) == (40, 40, 0), data["errors"]
     assert data["results_seen"] == 40
@@ -228,13 +301,14 @@ def test_up_runs_scheduler_replicas(tmp_path: Path) -> None:
     assert len(started) == 2
 
 
-def test_up_restarts_a_service_that_dies_on_its_own(tmp_path: Path) -> None:
+def test_up_restarts_a_service_that_dies_on_its_own(tmp_path: Path,
+                                                     fitted_profile: Path) -> None:
     """The rank daemon is SIGKILLed from outside (not by ``up``'s fault injection) once the
     replay runs: ``up`` supervises its children as compose's ``restart: unless-stopped``
     would, so it starts the rank daemon again; every request completes and ``faults`` lists
     the exit (status -9) and the restart."""
     with healthy_up(tmp_path, "--max-requests", "40", "--duration", "60", "--time-scale",
-                    "0.05") as (proc, logs, err):
+                    "0.05", "--profile", str(fitted_profile)) as (proc, logs, err):
         killed = json.loads((logs / "pids.json").read_text())["rankd"]
         os.kill(killed, signal.SIGKILL)
         stdout, _ = proc.communicate(timeout=180)
@@ -249,15 +323,17 @@ def test_up_restarts_a_service_that_dies_on_its_own(tmp_path: Path) -> None:
     assert data["exit_codes"]["rankd"] == 0, data["exit_codes"]
 
 
-def test_up_reports_a_service_that_stays_down_and_exits_1(tmp_path: Path) -> None:
+def test_up_reports_a_service_that_stays_down_and_exits_1(tmp_path: Path,
+                                                           fitted_profile: Path) -> None:
     """The cache manager is SIGKILLed from outside once more than ``up`` restarts a service
     (MAX_RESTARTS): the last exit is said at once (stderr), listed in ``faults`` and in
     ``services_down``, the replay goes on without it, and ``up`` exits 1 after its report.
     Before, the service stayed down silently and ``up`` exited 0."""
     killed: list[int] = []
-    # ≈15 wall s of arrivals: the kills below take a few seconds.
+    # ≈9 wall s of arrivals: the kills below take ≈2 s (each restart is seen by up's next
+    # supervision round, every 0.5 s), so the replay is still on after the last of them.
     with healthy_up(tmp_path, "--max-requests", "40", "--duration", "60", "--time-scale",
-                    "0.25") as (proc, logs, err):
+                    "0.15", "--profile", str(fitted_profile)) as (proc, logs, err):
 
         def cachemgr() -> int:
             return int(json.loads((logs / "pids.json").read_text())["cachemgr"])
@@ -282,14 +358,17 @@ def test_up_reports_a_service_that_stays_down_and_exits_1(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
                          ids=["sigint", "sigterm", "sighup"])
-def test_interrupt_leaves_no_child_processes(tmp_path: Path, sig: signal.Signals) -> None:
+def test_interrupt_leaves_no_child_processes(tmp_path: Path, sig: signal.Signals,
+                                             fitted_profile: Path) -> None:
     logs = tmp_path / "logs"
     err = tmp_path / "stderr.txt"
     with open(err, "w") as fh:
-        # Long enough that the replay is still running when we interrupt it.
+        # Long enough that the replay is still running when we interrupt it (≈30 wall s), and
+        # no longer: every prompt is encoded before the start (≈2 s per 1,000 requests).
         proc = subprocess.Popen(
-            cli("up", "--duration", "3000", "--time-scale", "0.05", "--log-dir", str(logs),
-                "--no-progress", "--stop-timeout", "10", "--json", str(tmp_path / "r.json")),
+            cli("up", "--duration", "600", "--time-scale", "0.05", "--profile",
+                str(fitted_profile), "--log-dir", str(logs), "--no-progress",
+                "--stop-timeout", "10", "--json", str(tmp_path / "r.json")),
             cwd=REPO, stdout=subprocess.PIPE, stderr=fh, text=True)
     try:
         wait_until(lambda: "healthy:" in err.read_text() or proc.poll() is not None,
@@ -325,13 +404,14 @@ def test_interrupt_leaves_no_child_processes(tmp_path: Path, sig: signal.Signals
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
-def test_even_sigkill_of_up_leaves_no_processes(tmp_path: Path) -> None:
+def test_even_sigkill_of_up_leaves_no_processes(tmp_path: Path, fitted_profile: Path) -> None:
     # Children (and the nats-server shim) ask the kernel for SIGTERM when `up` dies.
     logs = tmp_path / "logs"
     err = tmp_path / "stderr.txt"
     with open(err, "w") as fh:
         proc = subprocess.Popen(
-            cli("up", "--serve", "--time-scale", "0.05", "--log-dir", str(logs)),
+            cli("up", "--serve", "--time-scale", "0.05", "--profile", str(fitted_profile),
+                "--log-dir", str(logs)),
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh, text=True)
     try:
         wait_until(lambda: "serving until" in err.read_text() or proc.poll() is not None,
@@ -387,7 +467,7 @@ def test_up_refuses_a_port_in_use_before_anything_starts(tmp_path: Path, option:
 
 
 def test_up_stops_its_services_cleanly_when_the_trace_collector_refuses(
-        tmp_path: Path) -> None:
+        tmp_path: Path, fitted_profile: Path) -> None:
     """Tracing to a collector that refuses every connection: the services' telemetry flush
     at exit ends by their own stop deadline, which ``up`` sets to their stop stage's share of
     ``--stop-timeout`` (``VTM_STOP_TIMEOUT_S``), so each exits by itself (status 0) before
@@ -399,10 +479,12 @@ def test_up_stops_its_services_cleanly_when_the_trace_collector_refuses(
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]  # closed again: connections there are refused
     out, logs = tmp_path / "results.json", tmp_path / "logs"
+    # --stop-timeout 10: a stage's share (≈3.3 s) is still well under the exporter's 7-13 s,
+    # so children without their own deadline are SIGKILLed here as before the fix.
     try:
         proc = run_cli(["up", "--max-requests", "12", "--duration", "60", "--time-scale",
-                        "0.05", "--log-dir", str(logs), "--json", str(out), "--no-progress",
-                        "--stop-timeout", "15"],
+                        "0.05", "--profile", str(fitted_profile), "--log-dir", str(logs),
+                        "--json", str(out), "--no-progress", "--stop-timeout", "10"],
                        env={"VTM_TELEMETRY__EXPORTER": "otlp",
                             "VTM_TELEMETRY__PROTOCOL": "http",
                             "VTM_TELEMETRY__ENDPOINT": f"http://127.0.0.1:{port}/v1/traces"})
