@@ -12,6 +12,11 @@ SIM = ["simulate", "--gpus", "8", "--policies", "vertumnus", "--max-requests", "
 """A small simulate run: the options a bad-input case adds its own to."""
 
 
+class Started(AssertionError):
+    """``up`` got past its checks: it would have started its run (the ``tripwire`` fixture,
+    conftest.py)."""
+
+
 def _refused(res: Result, *words: str) -> str:
     """Assert a clean refusal: exit 2, an ``error:`` line holding every one of ``words``, no
     traceback. Returns the output with its white space collapsed."""

@@ -28,6 +28,25 @@ def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture
+def tripwire(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """``up``'s run (``vertumnus.live.stack.run_up``) replaced by a recorder that raises
+    :class:`cli_support.Started`: a test of ``up``'s checks sees whether it got past them
+    without starting anything. Returns the recorded calls."""
+    from cli_support import Started
+
+    import vertumnus.live.stack as stack
+
+    calls: list[dict[str, Any]] = []
+
+    async def started(*args: Any, **kwargs: Any) -> Any:
+        calls.append({"args": args, **kwargs})
+        raise Started("up started its run")
+
+    monkeypatch.setattr(stack, "run_up", started)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def runner() -> CliRunner:
     return CliRunner()

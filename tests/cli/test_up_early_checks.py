@@ -24,32 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_support import _refused
+from cli_support import Started, _refused
 from typer.testing import CliRunner
 
 from vertumnus.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = ["--duration", "10", "--max-requests", "2"]
-
-
-class Started(AssertionError):
-    """``up`` got past its checks: it would have started its run."""
-
-
-@pytest.fixture
-def tripwire(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """``run_up`` replaced by a recorder that raises :class:`Started`; returns its calls."""
-    import vertumnus.live.stack as stack
-
-    calls: list[dict[str, Any]] = []
-
-    async def started(*args: Any, **kwargs: Any) -> Any:
-        calls.append({"args": args, **kwargs})
-        raise Started("up started its run")
-
-    monkeypatch.setattr(stack, "run_up", started)
-    return calls
 
 
 def _up(*args: str) -> Any:
