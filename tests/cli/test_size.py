@@ -153,16 +153,22 @@ def runner_cli(runner):  # the session's typer CliRunner (conftest) under a clea
 
 def test_size_measures_kappa_for_each_pool_it_tries(tmp_path: Path) -> None:
     """Without --profile, κ is measured on the trace for each pool size's own worker counts
-    (an 8-GPU pool has 4 CP2 and 2 CP4 workers; from 32 GPUs on, the ramp's 8 each)."""
+    (an 8-GPU pool has 4 CP2 and 2 CP4 workers; from 32 GPUs on, the ramp's 8 each).
+
+    Sizes 8, 32 and 56: a pool below the ramp's size, the first size at it for every degree
+    (sim.profiling.ramp_pools caps each degree's workers at the ramp's 8, and 32 // 4 = 8)
+    and one above it, which shares that κ: two ramps. (Every size from 4 to 36 by 4 ran
+    eight ramps, ~18 s, for the same checks.)"""
     summary = runner.run_size(trace="synthetic", policies=["homo"], rate_scale=1.0,
-                              target=0.5, gpus_min=4, gpus_max=36, step=4, max_requests=300,
+                              target=0.5, gpus_min=8, gpus_max=56, step=24, max_requests=300,
                               out=tmp_path)
     by = summary["meta"]["kappa"]["by_size"]
-    assert set(by) == {str(g) for g in range(4, 40, 4)}
+    assert set(by) == {"8", "32", "56"}
     assert by["8"]["pool_workers"] == {"2": 4, "4": 2}
-    assert by["32"]["pool_workers"] == by["36"]["pool_workers"] == {"2": 8, "4": 8}
-    assert by["32"]["kappa"] == by["36"]["kappa"]  # one measurement for the same pools
-    assert len(list((tmp_path / "profile").glob("kappa_*.json"))) == 8  # 4, 8, …, 28, ≥ 32
+    assert by["32"]["pool_workers"] == by["56"]["pool_workers"] == {"2": 8, "4": 8}
+    assert by["32"]["kappa"] == by["56"]["kappa"]  # one measurement for the same pools
+    assert by["8"]["kappa"] != by["32"]["kappa"]  # measured on its own, smaller pools
+    assert len(list((tmp_path / "profile").glob("kappa_*.json"))) == 2  # 8, ≥ 32
 
 
 def test_size_table_says_what_vertumnus_saves_against_the_best_baseline() -> None:

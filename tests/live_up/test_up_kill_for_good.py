@@ -12,11 +12,13 @@ from pathlib import Path
 from live_up_support import kill_leftovers, run_cli
 
 
-def test_a_kill_never_restarted_is_reported_and_exits_1(tmp_path: Path) -> None:
+def test_a_kill_never_restarted_is_reported_and_exits_1(tmp_path: Path,
+                                                       fitted_profile: Path) -> None:
     out, logs = tmp_path / "r.json", tmp_path / "logs"
     try:
         proc = run_cli(["up", "--max-requests", "40", "--duration", "60", "--time-scale",
-                        "0.05", "--kill-service", "controller", "--kill-at", "0.5",
+                        "0.05", "--profile", str(fitted_profile),  # the fit it would make
+                        "--kill-service", "controller", "--kill-at", "0.5",
                         "--log-dir", str(logs), "--json", str(out), "--no-progress",
                         "--stop-timeout", "10"])
     finally:

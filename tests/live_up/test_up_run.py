@@ -8,10 +8,12 @@ the modelled hardware. So the runs are shared where their checks allow it (why, 
 
 * The default run (``default_run``) is the one that checks that ``up`` fits that profile
   itself; every other run on the default hardware, SLO, degrees and seed is given that very
-  file with ``--profile`` (``fitted_profile``). ``up`` fits the profile and then goes on
-  exactly as with ``--profile`` of the file it wrote (stack.py: the config's profile is
-  replaced by the fitted path), so those runs take the same path past the fit. A run whose
-  point is the fit (``--hardware``, ``--per-degree``, ``--slo``) still fits its own.
+  profile with ``--profile`` (``fitted_profile``, fitted once per session in conftest.py by
+  the child process ``up`` runs for it; the default run checks that it fits the same file).
+  ``up`` fits the profile and then goes on exactly as with ``--profile`` of the file it wrote
+  (stack.py: the config's profile is replaced by the fitted path), so those runs take the
+  same path past the fit. A run whose point is the fit (``--hardware``, ``--per-degree``,
+  ``--slo``) still fits its own.
 * ``--hardware``, ``--slo`` and ``--schedulers`` are independent options checked on their own
   outputs, so one run (``options_run``) takes all three and each check stays its own test.
 * Runs that inject a fault, interrupt ``up`` or fail keep a run each, no longer than their
@@ -80,20 +82,9 @@ def run_up_40(tmp_path: Path, *extra: str, profile: Path) -> tuple[
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory: pytest.TempPathFactory) -> UpRun:
     """``up`` on 12 requests with every other option at its default: it fits the services'
-    profile on the default hardware first (``fitted_profile`` hands that file on)."""
+    profile on the default hardware first (the one ``fitted_profile`` hands on)."""
     return run_up(tmp_path_factory.mktemp("up-default"), "--max-requests", "12",
                   "--duration", "60", "--time-scale", "0.05")
-
-
-@pytest.fixture(scope="module")
-def fitted_profile(default_run: UpRun) -> Path:
-    """The profile the default run fitted on the default hardware, SLO, degrees and seed --
-    what any run with those would fit for itself -- for ``--profile``."""
-    path = default_run.logs / "hardware-profile" / "profile.json"
-    if not path.is_file():
-        pytest.fail("the default run fitted no profile to share:\n"
-                    + default_run.proc.stdout + default_run.proc.stderr)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +128,15 @@ def test_up_tiny_run_reports_and_writes_json(default_run: UpRun) -> None:
     assert {"gateway", "scheduler", "rankd", "nats-server"} <= set(pids)
     assert not [n for n, p in pids.items() if alive(p)]
     assert all(code == 0 for code in data["exit_codes"].values()), data["exit_codes"]
+
+
+def test_up_fits_the_profile_the_other_runs_are_given(default_run: UpRun,
+                                                     fitted_profile: Path) -> None:
+    """The runs given ``--profile fitted_profile`` (conftest.py) take the path the default run
+    takes past its fit: its fit writes that very file, byte for byte."""
+    fitted = default_run.logs / "hardware-profile" / "profile.json"
+    assert fitted.is_file(), default_run.proc.stdout + default_run.proc.stderr
+    assert fitted.read_bytes() == fitted_profile.read_bytes()
 
 
 def test_up_models_the_hardware_of_a_file(options_run: tuple[UpRun, Path]) -> None:

@@ -1,7 +1,9 @@
 """``vertumnus up --nats-config``: the whole live stack on a secured bus (mutual TLS, an nkey
 user), every service and ``up`` itself connecting with the ``VTM_NATS_*`` settings of its
 environment, and the gateway on HTTPS with API keys; without the bus's credentials, up stops
-at once with an error naming what to check."""
+at once with an error naming what to check. Neither run's point is the fit: each is given
+the profile ``up`` would fit first (``fitted_profile``, conftest.py), its path past the fit
+the same."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from live_up_support import kill_leftovers, run_cli
 from natssecurity_support import make_pki, secured_server
 
 
-def test_up_runs_every_service_on_a_secured_bus(tmp_path: Path) -> None:
+def test_up_runs_every_service_on_a_secured_bus(tmp_path: Path, fitted_profile: Path) -> None:
     conf, env = secured_server(tmp_path)
     (tmp_path / "web").mkdir()
     web = make_pki(tmp_path / "web")  # the gateway's own certificate, another CA
@@ -22,8 +24,9 @@ def test_up_runs_every_service_on_a_secured_bus(tmp_path: Path) -> None:
     out, logs = tmp_path / "results.json", tmp_path / "logs"
     try:
         proc = run_cli(["up", "--nats-config", str(conf), "--max-requests", "40", "--duration",
-                        "60", "--time-scale", "0.05", "--log-dir", str(logs), "--json",
-                        str(out), "--no-progress", "--stop-timeout", "10"], env=env)
+                        "60", "--time-scale", "0.05", "--profile", str(fitted_profile),
+                        "--log-dir", str(logs), "--json", str(out), "--no-progress",
+                        "--stop-timeout", "10"], env=env)
     finally:
         kill_leftovers(logs)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -40,12 +43,13 @@ def test_up_runs_every_service_on_a_secured_bus(tmp_path: Path) -> None:
         assert "eof_received" not in log.read_text(), log.name
 
 
-def test_up_without_the_credentials_stops_naming_them(tmp_path: Path) -> None:
+def test_up_without_the_credentials_stops_naming_them(tmp_path: Path,
+                                                      fitted_profile: Path) -> None:
     conf, env = secured_server(tmp_path)
     logs = tmp_path / "logs"
     try:
-        proc = run_cli(["up", "--nats-config", str(conf), "--max-requests", "4",
-                        "--log-dir", str(logs), "--no-progress"],
+        proc = run_cli(["up", "--nats-config", str(conf), "--max-requests", "4", "--profile",
+                        str(fitted_profile), "--log-dir", str(logs), "--no-progress"],
                        env={"VTM_NATS_TLS_CA": env["VTM_NATS_TLS_CA"]})  # no client identity
     finally:
         kill_leftovers(logs)
