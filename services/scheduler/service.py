@@ -910,7 +910,8 @@ class SchedulerStats:
     workers_restarted: int = 0  # a worker's state named a new incarnation
     unreachable_marked: int = 0  # a first send found no responder: worker excluded for now
     worker_refusals: int = 0  # a worker refused a dispatch (a micro error, not 410/425)
-    refusals_avoided: int = 0  # ... and a retry of the request went to another worker
+    refusals_avoided: int = 0  # ... (or handed it back) and the placement went elsewhere
+    handbacks_steered: int = 0  # a hand-back's placement avoided the worker handing it back
     peer_placements: int = 0  # another replica's placement noted (in-flight prefix affinity)
     peer_expired: int = 0  # ... forgotten without its result (peer_ttl_s)
     adopted: int = 0  # a held message redelivered (its replica gone): its worker holds it
@@ -1812,6 +1813,8 @@ class SchedulerService(MicroService):
         failure: SequenceTooLong | NoEligibleWorker | None = None
         until = dequeued
         if record is None:
+            if is_handback_msg_id(msg_id):
+                self._avoid_hander(rid, handback_worker(msg_id))
             try:
                 placed = self._place(req, dequeued)
             except SequenceTooLong as exc:
@@ -2109,6 +2112,21 @@ class SchedulerService(MicroService):
         delivery, until max_deliver failed the request while another worker was free. Kept
         by this replica only (a redelivery to another one places it afresh)."""
         self.stats.worker_refusals += 1
+        self._avoid(rid, wid)
+
+    def _avoid_hander(self, rid: str, wid: str) -> None:
+        """A hand-back of ``rid`` by ``wid`` (its intake message id names it): placed
+        elsewhere while another worker is eligible, as after a refusal (:meth:`_place`).
+        The worker handed it back because it drains, stops, failed or was lost; this replica
+        may not have seen that yet (the epoch record or the state that says so can arrive
+        after the hand-back), and placing it there again cost a refusal and a
+        ``retry_delay_s`` NAK before it went where it should. Not counted as a refusal."""
+        self.stats.handbacks_steered += 1
+        self._avoid(rid, wid)
+
+    def _avoid(self, rid: str, wid: str) -> None:
+        """``rid``'s placements on this replica avoid ``wid`` while another worker is
+        eligible (:meth:`_place`); the oldest requests' are forgotten first."""
         self._refused_by[rid] = self._refused_by.get(rid, frozenset()) | {wid}
         self._refused_by.move_to_end(rid)
         while len(self._refused_by) > _REFUSALS_KEPT:

@@ -57,6 +57,10 @@ async def test_a_drained_workers_hand_back_is_traced_up_to_its_next_intake_wait(
         await wait_until(lambda: any(j.request_id == "x" for j in w.core.queued),
                          "x queued on W")
         await live.blocked_rankd(W2)
+        # The hand-back avoids W only while another worker is eligible (scheduler
+        # _avoid_hander): W2 must be in the view by then, else it goes back to W (refused,
+        # 409 draining) and a third dispatch span precedes the one on W2.
+        await wait_until(lambda: len(sched.core.view) == 2, "W2 in the view")
         kv = await epoch_kv(nc.jetstream(), live.subjects)
         rec = ActingController._make(1, {W: Lifecycle.DRAINING, W2: Lifecycle.ACTIVE},
                                      "drain W")

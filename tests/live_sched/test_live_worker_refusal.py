@@ -12,12 +12,15 @@ refusing worker is the only one, it is retried there (or failed) under the usual
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from live_sched_support import FakeWorker, publish_intake, results_for, wait_until
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
-from shared.schemas import Assignment, decode
+from services.rankd.core import HANDBACK_CAUSE_HEADER, handback_msg_id
+from shared.schemas import Assignment, IntakeRequest, decode, encode
 from shared.subjects import Subjects
 
 W1, W2 = "w-cp2-g0", "w-cp2-g2"
@@ -129,3 +132,65 @@ async def test_the_only_worker_refusing_every_time_fails_the_request_on_its_last
         assert "x" not in sched._refused_by  # failed: forgotten
     finally:
         await w.stop()
+
+
+async def test_a_hand_back_is_placed_away_from_the_worker_that_handed_it_back(
+        live, nc, uniq) -> None:  # type: ignore[no-untyped-def]
+    """A worker hands a request back (it drains, stops, failed) before this replica has seen
+    why -- the epoch record can arrive after the hand-back. J still prefers that worker (idle,
+    the other busy), but the hand-back goes to the other one: before, it went back to the
+    worker, which refused it (409 draining), and only the retry, a ``retry_delay_s`` later,
+    went elsewhere (tests/live_accept/test_accept_handback_trace.py caught it as a third
+    dispatch span)."""
+    idle = await FakeWorker(nc, Subjects(uniq), W1, 2, 0).start()
+    busy = FakeWorker(nc, Subjects(uniq), W2, 2, 2)
+    busy.outstanding_s = 0.5
+    await busy.start()
+    try:
+        sched = await live.scheduler(block_size=16, retry_delay_s=0.05, max_deliver=5)
+        await wait_until(lambda: len(sched.core.view) == 2, "both workers in the view")
+        got_y = await results_for(nc, uniq, "y")
+        await publish_intake(nc, uniq, "y")
+        await wait_until(lambda: got_y, "y's answer")
+        assert [t.worker_id for t in got_y] == [W1]  # J's choice: the idle worker
+        got = await results_for(nc, uniq, "x")
+        await publish_handback(nc, uniq, "x", W1, cause="draining")
+        await wait_until(lambda: got, "x's answer")
+        assert [(t.worker_id, t.error) for t in got] == [(W2, None)], got
+        assert [a.request.request_id for a in idle.assignments] == ["y"]
+        st = sched.stats
+        assert (st.handbacks_steered, st.refusals_avoided, st.worker_refusals, st.retried) \
+            == (1, 1, 0, 0), st
+    finally:
+        await idle.stop()
+        await busy.stop()
+
+
+async def test_a_hand_back_goes_back_to_its_worker_when_no_other_is_eligible(
+        live, nc, uniq) -> None:  # type: ignore[no-untyped-def]
+    """Avoiding the worker that handed a request back is a preference, as after a refusal:
+    the only worker (a restarted one, say, still ACTIVE) takes it."""
+    w = await FakeWorker(nc, Subjects(uniq), W1, 2, 0).start()
+    try:
+        sched = await live.scheduler(block_size=16, retry_delay_s=0.05, max_deliver=5)
+        await wait_until(lambda: len(sched.core.view) == 1, "the worker in the view")
+        got = await results_for(nc, uniq, "x")
+        await publish_handback(nc, uniq, "x", W1)
+        await wait_until(lambda: got, "x's answer")
+        assert [(t.worker_id, t.error) for t in got] == [(W1, None)], got
+        st = sched.stats
+        assert (st.handbacks_steered, st.refusals_avoided, st.retried) == (1, 0, 0), st
+    finally:
+        await w.stop()
+
+
+async def publish_handback(nc, uniq: str, rid: str, worker: str,  # type: ignore[no-untyped-def]
+                           cause: str | None = None) -> None:
+    """``rid`` (40 tokens) on intake as ``worker``'s hand-back of its first message (the
+    id rankd gives it, ``{rid}>{worker}``), with ``cause`` in its header if given."""
+    req = IntakeRequest(request_id=rid, input_len=40, block_size=16, arrival_s=time.time())
+    data, headers = encode(req)
+    headers["Nats-Msg-Id"] = handback_msg_id(rid, rid, worker, 1)
+    if cause is not None:
+        headers[HANDBACK_CAUSE_HEADER] = cause
+    await nc.jetstream().publish(Subjects(uniq).intake_requests(), data, headers=headers)
