@@ -5,6 +5,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 EXTRAS ?= dev,engine
+# Test processes (pytest-xdist): each takes whole files, so a module's or session's fixtures
+# (up's fitted profile, a shared run) are made once per process. 0: one process, no workers.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup run test clean
 
@@ -20,7 +23,7 @@ run: setup
 	$(BIN)/vertumnus up
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info
