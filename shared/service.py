@@ -1007,6 +1007,12 @@ class MicroService:
             raise RuntimeError("service not started")
         return self._nc
 
+    def jetstream(self, timeout_s: float | None = None) -> JetStreamContext:
+        """A JetStream context on :attr:`nc` whose requests time out after ``timeout_s``
+        (None: the ``jetstream_timeout_s`` setting)."""
+        return self.nc.jetstream(
+            timeout=self.settings.jetstream_timeout_s if timeout_s is None else timeout_s)
+
     @property
     def service(self) -> Service:
         if self._service is None:

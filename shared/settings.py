@@ -212,6 +212,13 @@ class ServiceSettings(BaseSettings):
         default=5.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
         description="Timeout of one NATS connection attempt. At most 86 400 s (a day).",
     )
+    jetstream_timeout_s: float = Field(
+        default=5.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
+        description="Timeout of one JetStream API request that no setting of its own bounds: "
+        "the start-up's streams, consumers and buckets, and the KV reads and writes after it "
+        "(nats-py's default, 5 s). A start-up whose server is lost ends after it (the process "
+        "exits for a restart). At most 86 400 s (a day).",
+    )
     drain_timeout_s: float = Field(
         default=10.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False,
         description="Upper bound on graceful shutdown (drain) time. At most 86 400 s (a day).",

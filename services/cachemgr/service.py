@@ -563,7 +563,7 @@ class CacheMgrService(MicroService):
     # -- setup ------------------------------------------------------------------------------
 
     async def ensure_jetstream(self) -> None:
-        js = self.nc.jetstream()
+        js = self.jetstream()
         self._state_kv = await worker_state_kv(js, self.subjects, lease_s=self.msettings.lease_s)
         self._epoch_kv = await epoch_kv(js, self.subjects)
 

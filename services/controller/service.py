@@ -1060,7 +1060,7 @@ class ControllerService(MicroService):
         one and the store has none (lost with the server's store: the rank hosts and every
         service follow the record, so the current one is written again)."""
         s = self.subjects
-        js = self.nc.jetstream()
+        js = self.jetstream()
         self._kv = await epoch_kv(js, s)
         self._state_kv = await worker_state_kv(js, s, lease_s=self.csettings.lease_s)
         if self.record is None:

@@ -275,10 +275,6 @@ def result_error(rid: str, error: str) -> GatewayError:
     return WorkerFailed(f"request {rid} failed: {error}")
 
 
-JS_REQUEST_TIMEOUT_S: Final[float] = 5.0
-"""nats-py's own timeout of a JetStream request; the gateway's is ``publish_timeout_s`` when
-that is longer."""
-
 FIRST_TOKEN_TRIP_SPAN: Final[str] = "first_token_trip"
 
 
@@ -571,11 +567,11 @@ class GatewayService(MicroService):
         return len(self._waiting.get(request_id, ()))
 
     async def ensure_jetstream(self) -> None:
-        # nats-py gives every JetStream request of a context 5 s by default: the bucket's
-        # claims, withdrawals and result look-ups, bounded by publish_timeout_s, would end
-        # at 5 s when it is longer (a claim then failed open early).
-        self._js = self.nc.jetstream(
-            timeout=max(JS_REQUEST_TIMEOUT_S, self.gsettings.publish_timeout_s))
+        # A context's requests time out after jetstream_timeout_s (nats-py's 5 s): the
+        # bucket's claims, withdrawals and result look-ups, bounded by publish_timeout_s,
+        # would end then when publish_timeout_s is longer (a claim then failed open early).
+        self._js = self.jetstream(
+            max(self.settings.jetstream_timeout_s, self.gsettings.publish_timeout_s))
         info = await ensure_intake_stream(self._js, self.subjects)
         # An intake stream born after the one this gateway knew was made anew: the server
         # lost its store (no persistent volume, a new node), and with it every message not

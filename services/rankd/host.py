@@ -482,7 +482,8 @@ class RankdHost:
     async def _start_up(self, nc: Client, stack: AsyncExitStack) -> None:
         """The epoch bucket, the workers of its record (else ``initial``), then the epoch
         watch and its follower, each undone by ``stack`` (module docstring, start-up)."""
-        epochs = await epoch_kv(nc.jetstream(), self.settings.subjects)
+        epochs = await epoch_kv(nc.jetstream(timeout=self.settings.jetstream_timeout_s),
+                                self.settings.subjects)
         key = self.settings.subjects.epoch_key()
         try:
             entry = await epochs.get(key)

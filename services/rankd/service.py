@@ -899,7 +899,7 @@ class RankdService(MicroService):
         self.request_stop()
 
     async def ensure_jetstream(self) -> None:
-        self._js = self.nc.jetstream()
+        self._js = self.jetstream()
         self._state_kv = await worker_state_kv(
             self._js, self.subjects, lease_s=self.rsettings.lease_s
         )

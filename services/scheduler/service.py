@@ -1098,7 +1098,7 @@ class SchedulerService(MicroService):
 
     async def ensure_jetstream(self) -> None:
         s = self.subjects
-        js = self._js = self.nc.jetstream()
+        js = self._js = self.jetstream()
         await ensure_intake_stream(js, s)
         await ensure_results_stream(js, s)  # read when a held message comes back (_redelivered)
         self._records = await ensure_key_value(

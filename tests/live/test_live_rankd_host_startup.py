@@ -29,8 +29,10 @@ WAIT_S = 30.0  # a liveness bound (a start-up waits up to a JetStream timeout), 
 
 
 def settings(server: EmbeddedNats, uniq: str) -> RankdSettings:
+    """The host's and its workers' settings: a JetStream step the lost server leaves
+    unanswered times out after 1 s (``jetstream_timeout_s``; nats-py's default is 5 s)."""
     return RankdSettings(nats_url=server.url, subject_prefix=uniq, heartbeat_s=0.2,
-                         drain_timeout_s=2, redirect_timeout_s=2)
+                         drain_timeout_s=2, redirect_timeout_s=2, jetstream_timeout_s=1.0)
 
 
 async def until(cond: object, what: str) -> None:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
 from frozen import freeze, resume
@@ -251,27 +252,38 @@ async def test_a_stop_while_the_start_up_makes_a_kv_watch_waits_for_it_then_undo
     assert await until_nothing_runs() == []
 
 
-def a_service(name: str, server: EmbeddedNats, prefix: str) -> MicroService:
+def a_service(name: str, server: EmbeddedNats, prefix: str,
+              timeouts: list[float | None]) -> MicroService:
     """One of the project's services, on ``server``, whose first JetStream step (its
-    ``ensure_jetstream``, the first thing its setup does) finds that server killed."""
-    url = server.url
+    ``ensure_jetstream``, the first thing its setup does) finds that server killed; its
+    JetStream requests time out after JS_TIMEOUT_S (``jetstream_timeout_s``; the gateway's
+    ``publish_timeout_s`` too, the longer of the two bounding its context). Each JetStream
+    context it makes appends its timeout to ``timeouts``."""
+    common = {"nats_url": server.url, "subject_prefix": prefix,
+              "jetstream_timeout_s": JS_TIMEOUT_S}
     cls: type[MicroService]
     args: tuple[object, ...]
     if name == "gateway":
-        cls, args = GatewayService, (GatewaySettings(nats_url=url, subject_prefix=prefix,
-                                                     http_port=0),)
+        cls, args = GatewayService, (GatewaySettings(**common, http_port=0,
+                                                     publish_timeout_s=JS_TIMEOUT_S),)
     elif name == "scheduler":
-        cls, args = SchedulerService, (SchedulerSettings(nats_url=url, subject_prefix=prefix),)
+        cls, args = SchedulerService, (SchedulerSettings(**common),)
     elif name == "controller":
-        cls, args = ControllerService, (ControllerSettings(nats_url=url, subject_prefix=prefix),)
+        cls, args = ControllerService, (ControllerSettings(**common),)
     elif name == "cachemgr":
-        cls, args = CacheMgrService, (CacheMgrSettings(nats_url=url, subject_prefix=prefix),)
+        cls, args = CacheMgrService, (CacheMgrSettings(**common),)
     else:
-        cls, args = RankdService, (RankdSettings(nats_url=url, subject_prefix=prefix),
-                                   SimBackend(time_scale=1.0))
+        cls, args = RankdService, (RankdSettings(**common), SimBackend(time_scale=1.0))
 
     class LostAtTheFirstStep(cls):  # type: ignore[valid-type,misc]
         async def ensure_jetstream(self) -> None:
+            made = self.nc.jetstream
+
+            def recorded(**kwargs: Any) -> Any:
+                timeouts.append(kwargs.get("timeout"))
+                return made(**kwargs)
+
+            self.nc.jetstream = recorded
             server.kill()
             await super().ensure_jetstream()
 
@@ -281,12 +293,16 @@ def a_service(name: str, server: EmbeddedNats, prefix: str) -> MicroService:
 @pytest.mark.parametrize("name", ["gateway", "scheduler", "controller", "cachemgr", "rankd"])
 async def test_every_service_whose_start_up_loses_its_server_raises_start_up_lost(
         own_nats_server: EmbeddedNats, uniq: str, name: str) -> None:
-    """Killed before the service's first JetStream step: every service ends the same way."""
-    svc = a_service(name, own_nats_server, uniq)
+    """Killed before the service's first JetStream step: every service ends the same way,
+    after the JetStream timeout its settings give (``jetstream_timeout_s``; before, each waited
+    out nats-py's 5 s, whatever its settings)."""
+    timeouts: list[float | None] = []
+    svc = a_service(name, own_nats_server, uniq, timeouts)
     with capture_logs() as logs, pytest.raises(StartUpLost, match="NATS server lost"):
         await asyncio.wait_for(svc.run(handle_signals=False), timeout=WAIT_S)
     errors = [e for e in logs if e["log_level"] in ("error", "critical")]
     assert [e["event"] for e in errors] == [LOST_EVENT.replace("vtm-startuptest", svc.name)]
+    assert timeouts == [JS_TIMEOUT_S]
     assert svc.nc.is_closed
     assert await until_nothing_runs() == []
 
