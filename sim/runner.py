@@ -841,7 +841,10 @@ def write_size_outputs(out: Path, summary: Mapping[str, Any]) -> None:
         for r in summary["policies"]:
             for pt in r["points"]:
                 att = pt["slo_attainment"]
+                why = pt.get("failed_by_reason")
                 w.writerow({"policy": r["policy"], **_jsonable(pt),
+                            "failed_by_reason": format_failed_by_reason(why)
+                            if isinstance(why, Mapping) else None,
                             "meets": att is not None and att >= target})
     _plot_size(out, summary)
 
@@ -873,9 +876,47 @@ def print_size_table(summary: Mapping[str, Any], file: IO[str]) -> None:
     line = _size_line(c, meta["sizes"][-1], baselines=baselines)
     if line:
         console.print(line)
+    lost = _size_failed_line(summary["policies"])
+    if lost:
+        console.print(lost)
     ceiling_note = meta.get("above_oracle")
     if ceiling_note:
         console.print(f"note: {ceiling_note}")
+
+
+def _reasons_cell(counts: Any, legend: Mapping[str, str], named: dict[str, str]) -> str:
+    """`` (no_memory 3, too_long 1)`` for a ``failed_by_reason`` mapping ('' for none, or
+    for what a file written before it holds); each reason of ``legend`` it names (a key
+    such as ``too_long+no_memory`` names two) is added to ``named`` for the line's legend."""
+    if not isinstance(counts, Mapping) or not counts:
+        return ""
+    for key in counts:
+        for part in str(key).split("+"):
+            if part in legend:
+                named.setdefault(part, legend[part])
+    return " (" + ", ".join(f"{k} {_count(v)}" for k, v in sorted(counts.items())) + ")"
+
+
+def _size_failed_line(policies: Sequence[Mapping[str, Any]]) -> str:
+    """The line under the size table when a size tried lost requests ('' when none did): each
+    policy's sizes with failed requests, how many and why (a point's ``failed_by_reason``,
+    absent in a size.json written before it), each reason explained once. A failed request
+    misses its SLO: a size that loses many is not met because of it."""
+    legend = failure_reasons()
+    named: dict[str, str] = {}
+    parts = []
+    for r in policies:
+        for pt in r["points"]:
+            n = pt.get("failed")
+            if not isinstance(n, int | float) or isinstance(n, bool) or n <= 0:
+                continue
+            why = _reasons_cell(pt.get("failed_by_reason"), legend, named)
+            parts.append(f"{r['policy']} with {pt['gpus']} GPUs {_count(n)}{why}")
+    if not parts:
+        return ""
+    reasons = ("; ".join(f"{k}: {v}" for k, v in named.items()) + ". ") if named else ""
+    return ("failed requests: " + "; ".join(parts) + ". " + reasons
+            + "They count as SLO misses")
 
 
 def _size_line(c: Mapping[str, Any] | None, largest: int, *, baselines: int = 1) -> str:
@@ -1385,18 +1426,10 @@ def _failed_caption(rows: Sequence[Mapping[str, Any]]) -> str | None:
     legend = failure_reasons()
     named: dict[str, str] = {}
 
-    def why(r: Mapping[str, Any]) -> str:
-        counts = r.get("failed_by_reason")
-        if not isinstance(counts, Mapping) or not counts:
-            return ""  # a row of an older results.json
-        for key in counts:
-            for part in str(key).split("+"):
-                if part in legend:
-                    named.setdefault(part, legend[part])
-        return " (" + ", ".join(f"{k} {_count(v)}" for k, v in sorted(counts.items())) + ")"
-
     lost = "; ".join(f"{r['policy']} ×{r['rate_scale']:g} {_count(r['failed'])} of "
-                     f"{_count(r.get('requests'))}{why(r)}" for r in failing)
+                     f"{_count(r.get('requests'))}"
+                     f"{_reasons_cell(r.get('failed_by_reason'), legend, named)}"
+                     for r in failing)
     reasons = ("; ".join(f"{k}: {v}" for k, v in named.items()) + ". ") if named else ""
     return ("failed requests: " + lost + ". " + reasons
             + "They count as SLO misses; the TTFT columns are over the completed requests, the "

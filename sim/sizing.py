@@ -28,7 +28,8 @@ from sim.groundtruth import GroundTruth
 from sim.workloads.workload import Workload
 
 POINT_KEYS: tuple[str, ...] = ("gpus", "slo_attainment", "mean_ttft_s", "p90_ttft_s",
-                               "hit_rate", "gpu_seconds", "reconfigurations", "failed")
+                               "hit_rate", "gpu_seconds", "reconfigurations", "failed",
+                               "failed_by_reason")
 """What each evaluated pool size keeps (a results.json row's figures)."""
 
 

@@ -193,3 +193,44 @@ def test_size_table_says_what_vertumnus_saves_against_the_best_baseline() -> Non
     assert "vertumnus needs 8 GPUs; no baseline meets the target with 80" in said(
         {"vertumnus": 8, "homo": None})
     assert "best baseline" not in said({"homo": 32})  # no vertumnus: no sentence
+
+
+def test_size_table_and_csv_say_which_sizes_lost_requests_and_why(tmp_path: Path) -> None:
+    """A size that lost requests is named under the table with the count and its reasons
+    (each point's ``failed_by_reason``, as results rows have it), the reasons explained;
+    size.csv has the reasons as one cell. A point of a size.json written before the field
+    (no ``failed_by_reason``) is still named, with its count alone. Before, neither the table
+    nor its line said anything of failed requests."""
+    import io
+
+    def point(g: int, att: float, failed: int, why: dict[str, int] | None) -> dict:
+        pt = {"gpus": g, "slo_attainment": att, "mean_ttft_s": 1.0, "p90_ttft_s": 2.0,
+              "hit_rate": 0.5, "gpu_seconds": 10.0, "reconfigurations": 0, "failed": failed}
+        if why is not None:
+            pt["failed_by_reason"] = why
+        return pt
+
+    summary = {"meta": {"workload": "w", "rate_scale": 1.0, "target": 0.9,
+                        "sizes": [8, 16, 32]},
+               "policies": [
+                   {"policy": "vertumnus", "gpus": 16,
+                    "points": [point(8, 0.4, 103, {"no_memory": 103}),
+                               point(16, 0.95, 0, {})]},
+                   {"policy": "homo", "gpus": None,
+                    "points": [point(32, 0.7, 4, None)]}]}
+    buf = io.StringIO()
+    runner.print_size_table(summary, buf)
+    said = " ".join(buf.getvalue().split())
+    assert "failed requests: vertumnus with 8 GPUs 103 (no_memory 103); homo with 32 GPUs 4." \
+        in said, said
+    assert "no_memory: " in said and "16 GPUs 0" not in said
+    runner.write_size_outputs(tmp_path, summary)
+    with (tmp_path / "size.csv").open() as fh:
+        rows = {(r["policy"], r["gpus"]): r for r in csv.DictReader(fh)}
+    assert rows[("vertumnus", "8")]["failed_by_reason"] == "no_memory=103"
+    assert rows[("vertumnus", "16")]["failed_by_reason"] == ""
+    assert rows[("homo", "32")]["failed_by_reason"] == ""  # an older point: none known
+    buf = io.StringIO()
+    runner.print_size_table({**summary, "policies": [
+        {"policy": "vertumnus", "gpus": 16, "points": [point(16, 0.95, 0, {})]}]}, buf)
+    assert "failed requests" not in buf.getvalue()
