@@ -21,7 +21,7 @@ NOWHERE = {"VTM_NATS_URL": "nats://127.0.0.1:9"}
 SETTINGS_CLASSES = (ServiceSettings, TelemetrySettings, LogSettings)
 MAX_WAIT_S = 86_400  # a day: the bound of every wait (shared.settings.MAX_WAIT_S)
 WAITS = ("connect_timeout_s", "drain_timeout_s", "stop_timeout_s", "reconnect_wait_s",
-         "ping_interval_s")
+         "ping_interval_s", "jetstream_timeout_s")
 
 
 def _float_fields() -> list[tuple[type, str]]:
