@@ -65,7 +65,9 @@ Failure handling: no eligible worker, or the worker refused (a micro error: it d
 the request) → the reservation is released, the record deleted and the message NAK'ed with
 ``retry_delay_s``. A worker that refused (an error other than 410 / 425) is avoided by the
 request's retries on this replica while another worker is eligible (``_refused_by``); the only
-eligible one is tried again. A request longer than the ``max_seq_len`` of every worker in the view
+eligible one is tried again. So is the worker that handed a request back (its hand-back's
+message id names it): this replica may not yet know that it drains or stops.
+A request longer than the ``max_seq_len`` of every worker in the view
 (each worker's: the setting, lowered to the limit its WorkerState publishes, see
 :func:`worker_view`; :class:`~services.scheduler.errors.SequenceTooLong`: no worker can ever
 serve it, whatever their lifecycle) is neither held nor NAK'ed: it gets a FirstToken whose
@@ -911,7 +913,7 @@ class SchedulerStats:
     unreachable_marked: int = 0  # a first send found no responder: worker excluded for now
     worker_refusals: int = 0  # a worker refused a dispatch (a micro error, not 410/425)
     refusals_avoided: int = 0  # ... (or handed it back) and the placement went elsewhere
-    handbacks_steered: int = 0  # a hand-back's placement avoided the worker handing it back
+    handbacks_steered: int = 0  # a hand-back placed with its worker to avoid (as a refusal)
     peer_placements: int = 0  # another replica's placement noted (in-flight prefix affinity)
     peer_expired: int = 0  # ... forgotten without its result (peer_ttl_s)
     adopted: int = 0  # a held message redelivered (its replica gone): its worker holds it
