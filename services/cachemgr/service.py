@@ -1070,6 +1070,17 @@ class CacheMgrService(MicroService):
         except VertumnusError as exc:
             self.counters["snapshots_failed"] += 1
             self.log.warning("cache snapshot rejected", worker=worker, error=str(exc))
+        except Exception as exc:
+            # Anything else (the connection closed, draining, or unable to send or buffer the
+            # request while it reconnects; a defect): the fetch runs in a task of its own, so
+            # an escaping exception ended it unretrieved and -- the worker neither stale nor
+            # in the retry set -- its index was never asked again. Asked again as an
+            # unanswered request is (the scheduler's fetch does the same).
+            self.counters["snapshots_failed"] += 1
+            if worker in self.trie.workers():
+                self._snapshot_retry.add(worker)
+            self.log.warning("cache snapshot request failed; will ask again", worker=worker,
+                             error=repr(exc), exc_info=exc)
 
     async def _housekeeping(self) -> None:
         while True:

@@ -138,7 +138,8 @@ class SchedulerCore:
         give it of the request (services/cachemgr/reconcile.py ``pending_reach``), for a
         policy with J's pull credit (placement.py "A pending prefix"); others ignore it.
         ``avoid``: workers this request may not go to on this call (they refused it: the
-        service's retry), excluded as UNAVAILABLE in the policy's view -- its
+        service's retry), excluded as DRAINING in the policy's view (no candidate, still a
+        holder the cache manager copies from: J's pull credit counts on them) -- its
         :class:`NoEligibleWorker` when no other worker is eligible (the caller decides
         whether to place it without them); the refusal of a request too long for every
         worker still reads the whole view.
@@ -202,13 +203,16 @@ class SchedulerCore:
         return d
 
     def _avoiding(self, avoid: Collection[WorkerId]) -> ClusterView:
-        """The view with the ACTIVE workers of ``avoid`` UNAVAILABLE (the view itself when
-        none is: a policy keeps per-view data by identity)."""
+        """The view with the ACTIVE workers of ``avoid`` DRAINING (the view itself when none
+        is: a policy keeps per-view data by identity). DRAINING, not UNAVAILABLE: an avoided
+        worker admits nothing for this request but keeps its cache, and the cache manager
+        copies from it (placement.py "Pull credit": an UNAVAILABLE holder is no copy source,
+        so the request refused by its prefix's holder lost the credit for that copy)."""
         ws = self._view.workers
         if not any(w.lifecycle is Lifecycle.ACTIVE and w.worker_id in avoid for w in ws):
             return self._view
         return ClusterView(
-            tuple(dataclasses.replace(w, lifecycle=Lifecycle.UNAVAILABLE)
+            tuple(dataclasses.replace(w, lifecycle=Lifecycle.DRAINING)
                   if w.lifecycle is Lifecycle.ACTIVE and w.worker_id in avoid else w
                   for w in ws),
             block_size=self._view.block_size)

@@ -1046,6 +1046,11 @@ class SchedulerService(MicroService):
         # it: an existing consumer keeps the setting it was made with): the bound on when a
         # redelivery's previous delivery ran out (_lapsed_since).
         self._ack_wait_s: float = settings.ack_wait_s
+        # The most deliveries of an intake message (_retry_or_fail: the last one answers the
+        # client): the setting, or the intake consumer's own max_deliver when that is lower
+        # -- an existing durable keeps the one it was made with, and the server delivers no
+        # more than that: a NAK of its last delivery lost the request (no answer, ever).
+        self._max_deliver: int = settings.max_deliver
         self._snapshotting: set[str] = set()
         # Workers whose snapshot request went unanswered (asked again by housekeeping).
         self._snapshot_retry: set[str] = set()
@@ -1630,6 +1635,7 @@ class SchedulerService(MicroService):
             pass
         else:
             self._note_ack_wait(info.config.ack_wait)
+            self._note_max_deliver(info.config.max_deliver)
             return
         info = await js.add_consumer(s.intake_stream(), ConsumerConfig(
             durable_name=s.intake_consumer(),
@@ -1640,11 +1646,18 @@ class SchedulerService(MicroService):
             filter_subject=s.intake_requests(),
         ))
         self._note_ack_wait(info.config.ack_wait)
+        self._note_max_deliver(info.config.max_deliver)
 
     def _note_ack_wait(self, ack_wait: float | None) -> None:
         """Keep the intake consumer's ack_wait (seconds; None or nonsense: the setting's)."""
         if ack_wait is not None and math.isfinite(ack_wait) and ack_wait > 0:
             self._ack_wait_s = float(ack_wait)
+
+    def _note_max_deliver(self, max_deliver: int | None) -> None:
+        """Bound this replica's deliveries by the intake consumer's ``max_deliver`` (None, 0
+        or -1: unlimited, the setting's bound alone)."""
+        if isinstance(max_deliver, int) and max_deliver > 0:
+            self._max_deliver = min(self.ssettings.max_deliver, max_deliver)
 
     async def _on_intake(self, msg: Msg) -> None:
         """One intake delivery, as it arrives (shared.service.PullConsumer, delivery order)."""
@@ -2250,7 +2263,7 @@ class SchedulerService(MicroService):
             await self._settle(again, rid)
         self.log.warning("dispatch outcome unknown; record kept", request_id=rid,
                          worker=a.worker_id, error=repr(exc))
-        if self._deliveries(msg) >= self.ssettings.max_deliver:
+        if self._deliveries(msg) >= self._max_deliver:
             if await self._worker_holds(a.worker_id, rid, req.arrival_s):
                 # No delivery is left to re-send it, but the worker has it queued or running:
                 # its first token will answer the client, so no error FirstToken goes out.
@@ -2828,11 +2841,11 @@ class SchedulerService(MicroService):
     async def _retry_or_fail(self, msg: Msg, req: IntakeRequest, reason: str, *,
                              kind: RetryReason, delay: float | None = None) -> None:
         """NAK for another delivery after ``delay`` (default ``retry_delay_s``); on the last
-        one (``max_deliver``) answer the client with a ``not scheduled`` error instead
-        (:meth:`_send_failure`). ``kind``: the retry's reason, for the metric
-        ``vtm.scheduler.retries``. The NAK's stamp is remembered: the redelivery's
-        ``intake_wait`` span starts there, and this delivery's spans end there."""
-        if self._deliveries(msg) < self.ssettings.max_deliver:
+        one (``max_deliver``, bounded by the intake consumer's own) answer the client with a
+        ``not scheduled`` error instead (:meth:`_send_failure`). ``kind``: the retry's
+        reason, for the metric ``vtm.scheduler.retries``. The NAK's stamp is remembered: the
+        redelivery's ``intake_wait`` span starts there, and this delivery's spans end there."""
+        if self._deliveries(msg) < self._max_deliver:
             self.stats.retried += 1
             self.metrics.retried(kind)
             self.log.info("intake retry", request_id=req.request_id, reason=reason,
