@@ -126,16 +126,37 @@ def spawn_once(tasks: list[asyncio.Task[Any]], running: set[str], key: str,
     (``start`` is called only then: a coroutine made and never awaited would be warned of).
 
     For work of which one at a time is enough, asked for again and again while it runs: a
-    worker's cache snapshot, the recovery of a lost worker's requests."""
+    worker's cache snapshot, the recovery of a lost worker's requests. The key is free again
+    as soon as the work has ended (in the task's last step): a call after that starts a new
+    task."""
     if key in running:
         return False
     coro = start()  # before the key is taken: should it raise, nothing is left behind
     running.add(key)
-    # Freed by a done callback, not a ``finally`` in the task: a task cancelled before its
-    # first step (a teardown right after the spawn) never runs its body, and would keep the
-    # key for good.
-    task = spawn_tracked(tasks, coro, name)
-    task.add_done_callback(lambda _: running.discard(key))
+    began = False
+
+    async def run() -> Any:
+        nonlocal began
+        began = True
+        try:
+            return await coro
+        finally:
+            # Freed as the work ends, not by a done callback alone: those run a loop step
+            # later, and a caller asking in between (the next event of the worker, handled
+            # first) would find the key taken by work already over, its request dropped.
+            running.discard(key)
+
+    def never_ran(_: asyncio.Task[Any]) -> None:
+        # A task cancelled before its first step (a teardown right after the spawn) never
+        # runs ``run``: its key is freed here (else taken for good) and ``coro`` closed (else
+        # warned of as never awaited). Only then: once ``run`` began, the key is freed by it,
+        # and may belong to the next task of the key by now.
+        if not began:
+            running.discard(key)
+            coro.close()
+
+    task = spawn_tracked(tasks, run(), name)
+    task.add_done_callback(never_ran)
     return True
 
 

@@ -133,6 +133,8 @@ from shared.schemas import (
 from shared.service import (
     INTAKE_DUPLICATE_WINDOW_S,
     REPUBLISHED_HEADER,
+    STOPPING_CODE,
+    STOPPING_DESCRIPTION,
     Endpoint,
     MicroService,
     bucket_keys,
@@ -682,10 +684,18 @@ class GatewayService(MicroService):
         HTTP status as code (500 without details for an unexpected failure). An error is
         counted in the endpoint's ``$SRV.STATS`` before it is sent (so a caller that reads
         the stats after the answer sees it): the handler returned long ago, so nats.micro,
-        which counts what a handler raises, never sees it."""
+        which counts what a handler raises, never sees it. Cancelled -- the gateway stops
+        (``stop_nats_completions``) -- it answers 503 :data:`STOPPING_DESCRIPTION` first, as
+        a micro handler given up at a stop does (shared/service.py): the micro drain does not
+        wait for this task, and its caller would otherwise wait out its whole timeout."""
         try:
             try:
                 done = await self.complete(body)
+            except asyncio.CancelledError:
+                if self.nats_connected:  # else nothing could reach the caller now
+                    with contextlib.suppress(Exception):
+                        await request.respond_error(STOPPING_CODE, STOPPING_DESCRIPTION)
+                raise
             except GatewayError as exc:
                 err = exc.to_service_error()
                 self.count_endpoint_error(COMPLETIONS_ENDPOINT, err)

@@ -343,7 +343,9 @@ class HttpServer:
                     await self._answer(writer, ex, error_response(rej.status, rej.message, ex),
                                        False)
                     return
-                except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                except (asyncio.IncompleteReadError, OSError):
+                    # OSError: a timeout, a reset, and a TLS session that broke (ssl.SSLError
+                    # is no ConnectionError): the connection is gone either way.
                     return
                 if request is None:
                     return
@@ -381,7 +383,7 @@ class HttpServer:
                     await self._answer(writer, ex, response, keep_alive, head_only=head_only)
                 finally:
                     self._busy.discard(task)
-        except (ConnectionError, asyncio.CancelledError):
+        except (OSError, asyncio.CancelledError):  # OSError: as above (a write's, too)
             pass
         finally:
             self._conns.discard(task)
@@ -478,7 +480,14 @@ class HttpServer:
         # 1*DIGIT (RFC 9110): int() alone would also take "+5", " 5", "1_0".
         if not (raw_length.isascii() and raw_length.isdigit()):
             raise _Reject(400, "invalid Content-Length")
-        length = int(raw_length)
+        # Leading zeros are allowed; past them, more digits than the limit has is over it --
+        # judged before int(), which refuses more than 4300 digits (a ValueError that would
+        # drop the connection unanswered).
+        digits = raw_length.lstrip("0") or "0"
+        if len(digits) > len(str(self.max_body_bytes)):
+            raise _Reject(413, f"request body of a {len(digits)}-digit number of bytes is over "
+                               f"the limit of {self.max_body_bytes} bytes")
+        length = int(digits)
         if length > self.max_body_bytes:
             raise _Reject(413, f"request body of {length} bytes is over the limit of "
                                f"{self.max_body_bytes} bytes")
