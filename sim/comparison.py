@@ -39,7 +39,8 @@ COMPARISON_KEYS: Final[tuple[str, ...]] = (
   attainment; ``slo_points``: the subject's attainment minus it, in percentage points.
 * ``mean_over_oracle``: the subject's mean over the zero-queue oracle's (1.0: at the limit).
 * ``failed`` / ``strongest_failed`` / ``best_p90_failed``: the requests that never completed
-  (the rows' ``failed``) of the subject, of the strongest baseline and of the best-P90 one.
+  (the rows' ``failed``; with ``--repeats`` the mean over the seeds) of the subject, of
+  the strongest baseline and of the best-P90 one.
   Mean and percentiles are over completed requests only (a failed request has no TTFT; SLO
   attainment counts it as a miss), so a policy that fails requests -- long ones its caches
   cannot hold -- can show a lower mean than one that serves them: these say when a
@@ -83,13 +84,17 @@ def strongest_baseline(rows: Iterable[Mapping[str, Any]], rate_scale: float,
     return best
 
 
-def _count(row: Mapping[str, Any]) -> int | None:
-    """``row["failed"]`` as an int >= 0; None where absent or not one (older rows)."""
+def _count(row: Mapping[str, Any]) -> float | None:
+    """``row["failed"]``: an int >= 0, or a finite float >= 0 (the mean over the seeds of a
+    ``--repeats`` row, :func:`sim.experiments.combine_repeats`); None where absent or not
+    one (older rows)."""
     v = row.get("failed")
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return v if 0 <= v < math.inf else None
 
 
-def _count_of(group: list[Mapping[str, Any]], policy: str | None) -> int | None:
+def _count_of(group: list[Mapping[str, Any]], policy: str | None) -> float | None:
     """:func:`_count` of ``policy``'s row in ``group`` (None: no such policy)."""
     row = next((r for r in group if r["policy"] == policy), None) if policy else None
     return None if row is None else _count(row)

@@ -1223,7 +1223,9 @@ def _is_number(v: Any) -> bool:
 
 def _check_rows(rows: Any, path: Path) -> list[dict[str, Any]]:
     """results.json's rows as :func:`redraw` needs them: a non-empty list of objects with
-    every :data:`REPORT_KEYS` field (a figure may be null: a non-finite one is written so)."""
+    every :data:`REPORT_KEYS` field (a figure may be null: a non-finite one is written so),
+    and the optional fields the table shows (``failed``, ``requests``,
+    ``failed_by_reason``, ``runs``) of their kind where present."""
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise InvalidInput(f"{path} is not a list of result rows")
     if not rows:
@@ -1244,6 +1246,11 @@ def _check_rows(rows: Any, path: Path) -> list[dict[str, Any]]:
         if not r["rate_scale"] > 0 or not math.isfinite(r["rate_scale"]):
             raise InvalidInput(f"{path}: row {i} ({r['policy']}): rate_scale is "
                                f"{r['rate_scale']!r}, not a rate multiplier > 0")
+        for k in ("failed", "requests"):  # the table's failed column, the line under it
+            v = r.get(k)  # absent in rows written before failures were counted
+            if not (v is None or _is_number(v)):
+                raise InvalidInput(f"{path}: row {i} ({r['policy']}): {k} is {v!r}, "
+                                   "not a number")
         why = r.get("failed_by_reason")  # the table's line under it names them
         if why is not None and not (isinstance(why, dict) and all(
                 isinstance(k, str) and _is_number(v) and v >= 0 for k, v in why.items())):
@@ -1280,7 +1287,8 @@ def redraw(directory: Path) -> dict[str, Any]:
     ``vertumnus size`` directory's from its size.json (the summary gets ``"kind": "size"``).
 
     Raises :class:`InvalidInput` naming the file at fault, before anything is written, for a
-    directory that is missing or is a file, a results.json / meta.json / size.json that
+    directory that is missing or is a file, or that holds both a results.json and a
+    size.json (two runs in one ``--out``), a results.json / meta.json / size.json that
     cannot be read (a directory, not UTF-8, not JSON) or does not hold what a run writes (no
     rows, a row without a field the table or plots need), and for outputs that cannot be
     written into ``directory``."""
@@ -1291,6 +1299,12 @@ def redraw(directory: Path) -> dict[str, Any]:
         raise InvalidInput(f"{d} is not a directory (give the directory a simulate or size "
                            "run wrote)")
     results, meta_path, size_path = d / "results.json", d / "meta.json", d / "size.json"
+    if results.exists() and size_path.exists():
+        # Two runs written into one --out (simulate and size): redrawing either would show
+        # it as the directory's run, whichever came last.
+        raise InvalidInput(f"{d} holds both a simulate run ({results.name}) and a size run "
+                           f"({size_path.name}), written into one --out: report redraws one "
+                           "run's directory; move the other run's files out of it")
     try:
         if not results.exists() and size_path.exists():
             summary = _read_json(size_path)
@@ -1466,9 +1480,9 @@ def _comparison_table(comparison: Sequence[Mapping[str, Any]]) -> Any:
     if failing:
         # Means and percentiles are over completed requests: say where the sides differ.
         t.caption = "failed requests (mean and P90 are over the completed ones): " + "; ".join(
-            f"×{c['rate_scale']:g} {c['subject']} {c.get('failed') or 0}, "
-            f"{c['strongest_baseline']} {c.get('strongest_failed') or 0}"
-            + (f", {c['best_p90_baseline']} {c.get('best_p90_failed') or 0}"
+            f"×{c['rate_scale']:g} {c['subject']} {_count(c.get('failed') or 0)}, "
+            f"{c['strongest_baseline']} {_count(c.get('strongest_failed') or 0)}"
+            + (f", {c['best_p90_baseline']} {_count(c.get('best_p90_failed') or 0)}"
                if c.get("best_p90_baseline") not in (None, c["strongest_baseline"]) else "")
             for c in failing)
     return t

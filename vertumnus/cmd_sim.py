@@ -34,8 +34,9 @@ from vertumnus.cliargs import fail as _fail
 
 _DEFAULT_POLICIES = "vertumnus,static,homo,homo_cp2,sglang,vllm,dynamo,llmd"
 # The default spelled with spaces: as one word it cannot wrap, and an 80-column help cut it.
-_POLICIES_HELP = ("Comma-separated policy names [default: "
-                  + ", ".join(_DEFAULT_POLICIES.split(",")) + "]")
+# In parentheses: the help is rich markup, where "[default: ...]" is a tag and vanishes.
+_POLICIES_HELP = ("Comma-separated policy names (default: "
+                  + ", ".join(_DEFAULT_POLICIES.split(",")) + ")")
 
 
 def _floats(text: str, name: str) -> list[float]:

@@ -110,14 +110,16 @@ async def profile_in_child(kind: ProfileKind, config: UpConfig, out_dir: Path
     (out / RESULT_FILE).unlink(missing_ok=True)  # a result of an earlier run is not this one's
     log_path = out / LOG_FILE
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log:
-        # NOTE: forked from the loop's (the main) thread: the parent-death signal follows the
-        # thread that forked (vertumnus.live.procs).
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", MODULE, kind, str(out),
-            stdin=asyncio.subprocess.PIPE, stdout=log, stderr=asyncio.subprocess.STDOUT,
-            env=env, start_new_session=True, preexec_fn=die_with_parent)
     try:
+        # In the try: a cancellation during the spawn (asyncio then kills the child itself)
+        # must remove the child's TMPDIR too.
+        with open(log_path, "wb") as log:
+            # NOTE: forked from the loop's (the main) thread: the parent-death signal follows
+            # the thread that forked (vertumnus.live.procs).
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", MODULE, kind, str(out),
+                stdin=asyncio.subprocess.PIPE, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                env=env, start_new_session=True, preexec_fn=die_with_parent)
         try:
             await proc.communicate(payload)
         except BaseException:  # the interrupt's cancellation (or any error here): stop it now

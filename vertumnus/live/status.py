@@ -381,7 +381,9 @@ def _keep_whole(columns: Mapping[str, Sequence[str | None]]) -> dict[str, dict[s
     minimum width of its longest value (and header), so that a table too wide for the console
     takes the room from the figures instead -- an id or lifecycle split over lines is hard to
     read and impossible to copy. Only a console narrower than these columns folds them."""
-    return {name: {"no_wrap": True, "min_width": max(len(name), *(len(v or "") for v in vals))}
+    # A table may have no rows (an epoch record without workers): the header alone then.
+    return {name: {"no_wrap": True,
+                   "min_width": max([len(name), *(len(v or "") for v in vals)])}
             for name, vals in columns.items()}
 
 
