@@ -34,7 +34,13 @@ Rules (§5.2, §6.2, §8):
   must neither run here nor be placed again: admission with the same source raises
   :class:`Redirecting` while the redirect is unsettled (retry later; the scheduler keeps its
   record) and :class:`HandedBack` once intake acknowledged the redirect (the scheduler acks the
-  old message). A different source (the redirect itself placed back here) is admitted.
+  old message). A different source (the redirect itself placed back here) is admitted, and so
+  is a later attempt under the same source (another arrival stamp: a gateway publishes every
+  attempt under the request id, and a store loss lets a client's retry be stored anew): it is
+  no re-send of the message handed back, and that hand-back's answer, stamped for the job's
+  attempt, is not its answer. So the job's hand-back is remembered by its source and arrival
+  stamp, as a joined attempt's is (below); before, by its source alone, such an attempt was
+  answered 410 and lost.
 * One hand-back, one intake message: the redirect's ``Nats-Msg-Id`` is a function of the
   source and this worker (:func:`handback_msg_id`), so every publish of that hand-back — a
   retry after a lost ack, a re-publish to settle an unknown outcome, or the scheduler's own
@@ -42,7 +48,8 @@ Rules (§5.2, §6.2, §8):
   (within its duplicate window) and the request is stored there once.
 * A redirect whose outcome is unknown (every publish attempt timed out: intake may or may
   not hold it) is remembered with its source (:meth:`WorkerCore.redirect_settled` with
-  ``unknown``): a re-sent assignment of that source raises :class:`HandBackUnknown`; the
+  ``unknown``): a re-sent assignment of that source (and the job's arrival stamp) raises
+  :class:`HandBackUnknown`; the
   adapter publishes the hand-back again (same id: stored at most once) and, once intake
   acknowledges it, reports :meth:`WorkerCore.handback_confirmed` and answers as for
   :class:`HandedBack` (else as for :class:`Redirecting`). Forgetting it instead would let the
@@ -376,13 +383,22 @@ class WorkerCore:
         # that crashed between our ack and its own record re-sends the assignment; admission
         # must stay idempotent after the run too.
         self._finished: OrderedDict[str, float] = OrderedDict()
-        # Request id → sources of the admissions whose redirect intake acknowledged (bounded
-        # like _finished): a re-sent assignment from one of them is answered HandedBack.
-        # Several: a later attempt that joined the job (the adapter's) may have come from
-        # another intake message, and is handed back as its own (remember_handed_back).
-        self._handed_back: OrderedDict[str, tuple[str, ...]] = OrderedDict()
-        # Request id → the handed-back job whose redirect's outcome is unknown (bounded).
-        self._handback_unknown: OrderedDict[str, Job] = OrderedDict()
+        # Request id → (source, arrival stamp) of the admissions whose redirect intake
+        # acknowledged (bounded like _finished): a re-sent assignment of one of them is
+        # answered HandedBack. By the stamp too: the attempts of a request usually share their
+        # source, and a later attempt (another stamp) under it is no re-send. Several: a later
+        # attempt that joined the job (the adapter's) is handed back as its own
+        # (remember_handed_back). A None stamp (remember_handed_back without one) matches
+        # every attempt from the source.
+        self._handed_back: OrderedDict[str, tuple[tuple[str, float | None], ...]] = \
+            OrderedDict()
+        # (request id, source, arrival stamp) → the handed-back job whose redirect's outcome
+        # is unknown (bounded). By all three, as _joined_unknown: two hand-backs of
+        # one request may both be open (a later attempt under the job's source, the job's
+        # hand-back placed back here under its own), each settled by its own re-send. By the
+        # request id alone, the second replaced the first, whose re-send was then admitted
+        # beside a hand-back intake may hold.
+        self._handback_unknown: OrderedDict[tuple[str, str, float], Job] = OrderedDict()
         # (request id, source, arrival stamp) → a later attempt that joined a handed-back job,
         # as the adapter described it, whose own hand-back's outcome is unknown (bounded).
         # Keyed by the stamp too: the attempts of a request usually share their source.
@@ -547,12 +563,20 @@ class WorkerCore:
             raise Redirecting(f"{rid} is being redirected by {self.worker_id}")
         if rid in self._finished and not again:
             return 0  # already served (its result went out); do not run it twice
-        unknown = self._handback_unknown.get(rid) if source is not None else None
-        if unknown is not None and unknown.source == source:
+        # Only the re-sent assignment of the job handed back (its source and arrival stamp):
+        # a later attempt under the same source (a gateway publishes every attempt under the
+        # request id; a store loss let it be stored anew) is another client's wait, which the
+        # job's hand-back does not answer (its answer carries the job's stamp). Before, the
+        # source alone matched: such an attempt was answered 410 (acked, placed nowhere:
+        # lost) or took the job's unknown hand-back for its own.
+        arrival = a.request.arrival_s
+        unknown = (self._handback_unknown.get((rid, source, arrival)) if source is not None
+                   else None)
+        if unknown is not None:
             raise HandBackUnknown(f"{rid} (intake message {source}) was handed back by "
                                   f"{self.worker_id}; whether intake holds it is unknown",
                                   unknown)
-        if source is not None and source in self._handed_back.get(rid, ()):
+        if source is not None and self._was_handed_back(rid, source, arrival):
             raise HandedBack(f"{rid} (intake message {source}) was handed back to intake by "
                              f"{self.worker_id}")
         known = self._known.get(rid)
@@ -826,8 +850,9 @@ class WorkerCore:
 
         The id is not remembered as finished: it may legitimately come back to this worker
         through intake (under the redirect's message) once the worker is ACTIVE again. With
-        ``in_intake`` its source is remembered, so a re-sent assignment of the *old* message
-        is answered :class:`HandedBack`; with ``unknown`` the job is remembered, so one raises
+        ``in_intake`` its source and arrival stamp are remembered, so a re-sent assignment of
+        the *old* message (not a later attempt under its source: another stamp) is answered
+        :class:`HandedBack`; with ``unknown`` the job is remembered, so one raises
         :class:`HandBackUnknown` (see module rules). After a definite failure nothing is
         remembered: a re-sent assignment is refused as for any worker not ACTIVE, or
         admitted."""
@@ -839,22 +864,29 @@ class WorkerCore:
         del self._known[request_id]
         if job.source is not None:
             if in_intake:
-                self._remember_handed_back(request_id, job.source)
+                self._remember_handed_back(request_id, job.source,
+                                           job.assignment.request.arrival_s)
             elif unknown:
-                self._handback_unknown[request_id] = job
-                self._handback_unknown.move_to_end(request_id)
+                key = (request_id, job.source, job.assignment.request.arrival_s)
+                self._handback_unknown[key] = job
+                self._handback_unknown.move_to_end(key)
                 if len(self._handback_unknown) > FINISHED_MEMORY:
                     self._handback_unknown.popitem(last=False)
         return job
 
-    def handback_confirmed(self, request_id: str) -> None:
+    def handback_confirmed(self, request_id: str, *, source: str | None = None,
+                           arrival_s: float | None = None) -> None:
         """Intake acknowledged a hand-back whose outcome was unknown (published again under
-        its id): from now on a re-sent assignment of its source is :class:`HandedBack`.
+        its id): from now on a re-sent assignment of its source (and the job's arrival stamp)
+        is :class:`HandedBack`. ``source``, ``arrival_s``: the job's (:class:`HandBackUnknown`
+        ``job``), when ``request_id`` may have more than one open (None: any; the latest).
         Raises InvalidInput if no such hand-back is remembered."""
-        job = self._handback_unknown.pop(request_id, None)
+        key = next((k for k in reversed(self._handback_unknown) if k[0] == request_id
+                    and source in (None, k[1]) and arrival_s in (None, k[2])), None)
+        job = self._handback_unknown.pop(key) if key is not None else None
         if job is None or job.source is None:
             raise InvalidInput(f"no hand-back of unknown outcome for {request_id}")
-        self._remember_handed_back(request_id, job.source)
+        self._remember_handed_back(request_id, job.source, job.assignment.request.arrival_s)
 
     def joined_handback_unknown(self, attempt: Job) -> None:
         """The adapter's hand-back of a later attempt that joined a job here ended with its
@@ -893,9 +925,12 @@ class WorkerCore:
                              arrival_s: float | None = None) -> None:
         """Intake acknowledged a hand-back of ``request_id``'s admission from ``source`` that
         the adapter made itself (a later attempt that joined the job here, handed back as
-        its own intake message): from now on a re-sent assignment of that source is
-        :class:`HandedBack`, as for a job's (:meth:`redirect_settled`). Before, it was
-        admitted and ran here while its hand-back ran elsewhere too.
+        its own intake message): from now on a re-sent assignment of that source (and
+        ``arrival_s``; every attempt from the source without it) is :class:`HandedBack`, as
+        for a job's (:meth:`redirect_settled`). Before, it was admitted and ran here while its
+        hand-back ran elsewhere too. The job's own re-send (its own stamp) is not answered by
+        it: before, when the two shared their source, a job whose own hand-back had failed
+        was answered 410 on the strength of the attempt's.
 
         ``arrival_s``: the attempt's arrival stamp (the adapter always gives it). The attempt
         is then remembered by it too (the latest ``FINISHED_MEMORY``): its re-sent
@@ -905,7 +940,7 @@ class WorkerCore:
         request finishing here since (the job's hand-back placed back here) answered the
         re-send as done, and the adapter sent it the kept answer: the attempt answered here
         and again wherever intake runs its hand-back."""
-        self._remember_handed_back(request_id, source)
+        self._remember_handed_back(request_id, source, arrival_s)
         if arrival_s is not None:
             key = (request_id, source, arrival_s)
             self._joined_handed_back[key] = None
@@ -913,14 +948,22 @@ class WorkerCore:
             if len(self._joined_handed_back) > FINISHED_MEMORY:
                 self._joined_handed_back.popitem(last=False)
 
-    def _remember_handed_back(self, request_id: str, source: str) -> None:
+    def _remember_handed_back(self, request_id: str, source: str,
+                              arrival_s: float | None) -> None:
         known = self._handed_back.get(request_id, ())
-        if source not in known:
+        if (source, arrival_s) not in known:
             # Few per id (one per attempt a store loss made): no bound needed beyond the ids'.
-            self._handed_back[request_id] = (*known, source)
+            self._handed_back[request_id] = (*known, (source, arrival_s))
         self._handed_back.move_to_end(request_id)
         if len(self._handed_back) > FINISHED_MEMORY:
             self._handed_back.popitem(last=False)
+
+    def _was_handed_back(self, request_id: str, source: str, arrival_s: float) -> bool:
+        """Whether intake acknowledged the hand-back of ``request_id``'s admission from
+        ``source`` with arrival stamp ``arrival_s`` (or of every attempt from ``source``: one
+        remembered without a stamp)."""
+        known = self._handed_back.get(request_id, ())
+        return (source, arrival_s) in known or (source, None) in known
 
     def set_lifecycle(self, lifecycle: Lifecycle) -> tuple[Job, ...]:
         """Change lifecycle locally (e.g. shutdown); leaving ACTIVE returns queued jobs. A

@@ -426,7 +426,13 @@ def _request_context(job: Job) -> otel_context.Context | None:
     trace carrier), so that whoever waits on the result can link to the request's trace (the
     controller's drain span links the requests it waited on); None (the current context)
     when the job came without one."""
-    return extract(job.trace_carrier) if traceparent_of(job.trace_carrier) else None
+    return _carrier_context(job.trace_carrier)
+
+
+def _carrier_context(carrier: Mapping[str, str] | None) -> otel_context.Context | None:
+    """The context of a stage ``carrier`` (:func:`stage_carrier`: a request's root); None
+    (the current context) without a valid one."""
+    return extract(carrier) if carrier and traceparent_of(carrier) else None
 
 
 def _traced(job: Job) -> bool:
@@ -464,16 +470,26 @@ def request_content(req: IntakeRequest) -> bytes:
 
 
 def restamped(data: bytes, headers: dict[str, str], arrival_s: float,
-              now: float) -> tuple[bytes, dict[str, str]]:
+              now: float, carrier: Mapping[str, str] | None = None
+              ) -> tuple[bytes, dict[str, str]]:
     """A kept FirstToken (``data``, ``headers``) as the answer of a later attempt of its
     request, the one that arrived at ``arrival_s``: that stamp, and the attempt's stages as
-    far as known (its total to ``now``); the trace context is the current one (the later
-    attempt's)."""
+    far as known (its total to ``now``); the trace context is the later attempt's:
+    ``carrier`` (its stage carrier, :func:`stage_carrier`), else (None, or one without a
+    valid context) the current one -- the later attempt's where its assignment is answered
+    (:meth:`RankdService._assign`). A joined attempt's copy is made where the job's answer
+    is (the executor, a hand-back's task), whose context is no attempt's: before its carrier
+    was passed, such a copy carried no trace context at all."""
     first = decode(FirstToken, data, headers)
     again = first.model_copy(update={"arrival_s": arrival_s,
                                      "stages": TtftStages(total_s=_nonneg(now - arrival_s))})
     out, headers = encode(again)
-    return out, inject(headers)
+    return out, inject(headers, _carrier_context(carrier))
+
+
+JoinedAnswer = tuple[float, Mapping[str, str]]
+"""A later attempt that joined a job, as the job's answer goes to it: its arrival stamp and
+its trace carrier (:func:`stage_carrier`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -592,7 +608,9 @@ class RankdService(MicroService):
         self._state_kv: KeyValue | None = None
         self._epochs: KeyValue | None = None
         self._work = asyncio.Event()  # something to start
-        self._cache_changed = asyncio.Event()  # a cache command ended (a pull may have landed)
+        # A cache command ended (a pull may have landed), or the queue was handed back (the
+        # held head may be gone): the executor weighs its pull hold again (_next_job).
+        self._cache_changed = asyncio.Event()
         # Blocks of the copies being executed -- replicate commands and reconcile commands
         # with a source (a split's or merge's pending prefix arriving): WorkerCore.pull_hold
         # waits for them past its bound (see _on_cache_cmd).
@@ -713,6 +731,11 @@ class RankdService(MicroService):
         span = trace.get_current_span()  # the handler's (shared/service.py wrap_handler)
         if span.is_recording():
             span.set_attributes(command_attributes(cmd))
+        # Refused (another worker's, a newer epoch's, no cache) before anything else: a
+        # refused copy brings nothing, so it is neither counted as arriving nor linked to a
+        # held request (below), and a real engine moves no KV for it. Before, it was
+        # registered and linked first: a held request's trace showed it as its copy.
+        self.core.check_command(cmd)
         key = id(cmd)
         copies = isinstance(cmd, ReplicateCommand) or (
             isinstance(cmd, ReconcileCommand) and cmd.source_worker is not None)
@@ -736,8 +759,6 @@ class RankdService(MicroService):
         try:
             prepare = getattr(self.backend, "prepare_cache_command", None)
             if callable(prepare):  # a real engine moves the KV first; cmd shrinks to what it holds
-                # Refused (another worker's, a newer epoch's) before any KV moves.
-                self.core.check_command(cmd)
                 try:
                     cmd = await prepare(cmd)
                 except WorkerFault as exc:  # the engine is gone: so is the worker (answered 409)
@@ -764,7 +785,10 @@ class RankdService(MicroService):
 
     async def _assign(self, a: Assignment, request: Request) -> AssignmentAck:
         """:meth:`_on_assign` once the assignment decoded, its request id bound."""
-        source = (request.headers or {}).get(INTAKE_MSG_HEADER)
+        # An empty header is none, as the scheduler takes an empty Nats-Msg-Id for none: kept,
+        # every such request's hand-back had the one id ">{worker}" (handback_msg_id), and
+        # intake dropped all but the first as duplicates -- taken for acknowledgements.
+        source = (request.headers or {}).get(INTAKE_MSG_HEADER) or None
         rid = a.request.request_id
         if (rid, a.request.arrival_s) in self._joined_out:
             # This attempt joined a job here and its own hand-back is under way: as for a
@@ -1133,8 +1157,9 @@ class RankdService(MicroService):
         A job held so is noted (``_holding``: since when, the copies of its blocks that
         arrived) for :meth:`_run`, which records the hold as ``vtm.pull_hold_s`` on its
         ``queue_wait`` span and a ``cache_pull_wait`` child span. Before, the hold was hidden
-        inside the queue wait. A head handed back while held (a drain) is forgotten: the
-        next head's hold counts from when it began."""
+        inside the queue wait. A head handed back while held (a drain) is forgotten -- the
+        hand-back wakes the wait (:meth:`_hand_back`) -- and the next head's hold counts from
+        when it began."""
         while (hold := self._pull_hold()) > 0.0:
             head = self.core.queued[0]  # a hold is always the head's
             if self._holding is None or self._holding.job is not head:
@@ -1358,7 +1383,7 @@ class RankdService(MicroService):
         The ``kv_transfer`` and ``first_decode`` spans are recorded with the answer, from the
         result it was made of (:meth:`_answer`)."""
         rid = job.request_id
-        joined = tuple(sorted(self._attempts.get(rid, {})))
+        joined = self._joined_answers(rid)
         delay = result.finished_at_s - self.clock()
         if not delay > 0:  # NaN too: answered now, not by a task sleeping for ever
             self._answer(job, result, joined)
@@ -1420,7 +1445,7 @@ class RankdService(MicroService):
             record_span(Stage.PREFILL_RANK, start_s=result.started_at_s, end_s=end,
                         parent=parent, attributes=attrs)
 
-    def _answer(self, job: Job, result: PrefillResult, joined: Sequence[float]) -> None:
+    def _answer(self, job: Job, result: PrefillResult, joined: Sequence[JoinedAnswer]) -> None:
         """Send ``job``'s first token (:meth:`_publish_result`) made of ``result`` -- the
         backend's, or with the first decode lengthened by a late handoff timer
         (:meth:`_deliver_result`) -- and record its ``kv_transfer`` and ``first_decode``
@@ -1469,9 +1494,10 @@ class RankdService(MicroService):
                 error=failed)
 
     def _publish_result(self, job: Job, result: PrefillResult,
-                        joined: Sequence[float]) -> None:
+                        joined: Sequence[JoinedAnswer]) -> None:
         """Send ``job``'s FirstToken (kept to send again, :meth:`_keep_answer`) and a copy to
-        each later attempt that joined it (``joined``: their arrival stamps). All or nothing:
+        each later attempt that joined it (``joined``: their arrival stamps and trace
+        carriers, :meth:`_joined_answers`). All or nothing:
         whatever raises (the backend's result does not make a FirstToken, say) raises before
         anything is sent or kept, so the caller may answer them all with an error instead."""
         a = job.assignment
@@ -1517,14 +1543,14 @@ class RankdService(MicroService):
         return self.subjects.result(a.request.request_id), data, headers
 
     def _publish_failure(self, job: Job, reason: str,
-                         joined: Sequence[float] | None = None) -> None:
+                         joined: Sequence[JoinedAnswer] | None = None) -> None:
         """Send ``job``'s error FirstToken (``reason``) and a copy to each later attempt that
-        joined it (``joined``: their arrival stamps, taken already; None: take them now from
-        the attempts noted). All or nothing, as :meth:`_publish_result`."""
+        joined it (``joined``: as :meth:`_joined_answers` took them already; None: take them
+        now from the attempts noted). All or nothing, as :meth:`_publish_result`."""
         subject, data, headers = self._failure(job, reason)
         rid = job.request_id
-        arrivals = sorted(self._attempts.get(rid, {})) if joined is None else joined
-        copies = self._attempt_copies(data, headers, arrivals)
+        copies = self._attempt_copies(data, headers,
+                                      self._joined_answers(rid) if joined is None else joined)
         if joined is None:
             self._attempts.pop(rid, None)
         # Not kept to send again: a later attempt of a failed request (a client's retry)
@@ -1535,12 +1561,19 @@ class RankdService(MicroService):
             self._send_result(subject, *copy)
 
     def _attempt_copies(self, data: bytes, headers: dict[str, str],
-                        arrivals: Sequence[float]) -> list[tuple[bytes, dict[str, str]]]:
+                        joined: Sequence[JoinedAnswer]) -> list[tuple[bytes, dict[str, str]]]:
         """A request's answer (``data``) as the answer of each later attempt that joined its
-        job here (:meth:`_assign`; ``arrivals``: their arrival stamps), each copy stamped
-        with its attempt's arrival: made all before any is sent."""
+        job here (:meth:`_assign`; ``joined``: their arrival stamps and trace carriers), each
+        copy stamped with its attempt's arrival, under its attempt's trace context: made all
+        before any is sent."""
         now = self.clock()
-        return [restamped(data, headers, arrival, now) for arrival in arrivals]
+        return [restamped(data, headers, arrival, now, carrier) for arrival, carrier in joined]
+
+    def _joined_answers(self, rid: str) -> tuple[JoinedAnswer, ...]:
+        """The later attempts noted as joining ``rid``'s job (:meth:`_assign`), as its answer
+        goes to them: each one's arrival stamp and trace carrier, in arrival order."""
+        return tuple((arrival, attempt[3])
+                     for arrival, attempt in sorted(self._attempts.get(rid, {}).items()))
 
     def _keep_answer(self, req: IntakeRequest, subject: str, data: bytes,
                      headers: dict[str, str]) -> None:
@@ -1581,6 +1614,11 @@ class RankdService(MicroService):
         task = asyncio.create_task(self._redirect(jobs, joined, cause), name="rankd-redirect")
         self._redirects.add(task)
         task.add_done_callback(self._redirects.discard)
+        # The head of the FIFO may have left with them while held for its pull (_next_job):
+        # the executor weighs the hold again now. Before, it waited out the handed-back
+        # request's hold (up to its bound) before the next request, admitted once the worker
+        # was ACTIVE again, could start.
+        self._cache_changed.set()
         self._dirty.set()
 
     async def _settle_unknown(self, unknown: HandBackUnknown) -> NoReturn:
@@ -1623,7 +1661,8 @@ class RankdService(MicroService):
             if unknown.joined:
                 self.core.joined_handback_confirmed(job)
             else:
-                self.core.handback_confirmed(req.request_id)
+                self.core.handback_confirmed(req.request_id, source=job.source,
+                                             arrival_s=req.arrival_s)
             # Only by the re-send that settled it: one span for one hand-back. An earlier try
             # of it may have stored it (its outcome was unknown): a duplicate is still its own.
             if job.handed_back_at_s is not None and job.handback_cause is not None:
@@ -1762,7 +1801,7 @@ class RankdService(MicroService):
                     subject, data, headers = self._failure(joined.job,
                                                            f"redirect failed: {error}")
                     self._send_result(subject, *restamped(data, headers, req.arrival_s,
-                                                          self.clock()))
+                                                          self.clock(), joined.trace_carrier))
 
     async def _publish_handback(self, req: IntakeRequest, msg_id: str, epoch: int,
                                 deadline: float, *, at: float | None = None,

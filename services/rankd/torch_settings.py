@@ -11,7 +11,7 @@ library (tests/shared/test_envcheck.py imports it with torch made unimportable).
 from __future__ import annotations
 
 import json
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -51,7 +51,8 @@ class TorchSettings(BaseSettings):
     block_size: int = Field(default=16, ge=1, description="Engine cache block (page) size.")
     pages_per_rank: int = Field(default=4096, ge=1, description="KV pages per rank.")
     threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank.")
-    handoff: str = Field(
+    # A Literal: any other value was taken for 'nats' (the pool tests for 'local' alone).
+    handoff: Literal["nats", "local"] = Field(
         default="nats",
         description="'nats': KV chunks on {prefix}.kv.{rid} to a decode role; 'local': "
         "in-process decode (dev).",

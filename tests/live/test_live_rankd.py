@@ -30,7 +30,7 @@ from services.rankd.core import (
     Job,
     handback_msg_id,
 )
-from services.rankd.service import RankdService
+from services.rankd.service import JoinedAnswer, RankdService
 from services.rankd.settings import RankdSettings
 from shared.natsserver import EmbeddedNats
 from shared.schemas import (
@@ -1295,7 +1295,7 @@ class FailsFirstPublish(RankdService):
     failed = False
 
     def _publish_result(self, job: Job, result: PrefillResult,
-                        joined: Sequence[float]) -> None:
+                        joined: Sequence[JoinedAnswer]) -> None:
         if not self.failed:
             self.failed = True
             raise RuntimeError("publish failed")

@@ -68,10 +68,11 @@ def assignment(rid: str, length: int) -> Assignment:
                       recompute_tokens=length, predicted_s=0.1, assigned_at_s=time.time())
 
 
-async def resend_code(nc: Any, live: InProcess) -> int:
-    """What W answers a re-send of y's assignment from intake message ``y``."""
+async def resend_code(nc: Any, live: InProcess, y: Assignment) -> int:
+    """What W answers a re-send of y's assignment ``y`` (its request, so its arrival stamp, as
+    intake message ``y`` carries it) from that message."""
     with pytest.raises(RemoteError) as err:
-        await call(nc, live.subjects.worker_assign(W), assignment("y", 40), AssignmentAck,
+        await call(nc, live.subjects.worker_assign(W), y, AssignmentAck,
                    timeout_s=10.0, headers={INTAKE_MSG_HEADER: "y"})
     return err.value.code
 
@@ -92,7 +93,8 @@ async def test_unknown_handback_is_settled_by_publishing_it_again(
         await live.until_served(live.subjects.worker_assign(W))
         await call(nc, live.subjects.worker_assign(W), assignment("blocker", BLOCKER_LEN),
                    AssignmentAck, timeout_s=10.0)
-        await call(nc, live.subjects.worker_assign(W), assignment("y", 40), AssignmentAck,
+        y = assignment("y", 40)
+        await call(nc, live.subjects.worker_assign(W), y, AssignmentAck,
                    timeout_s=10.0, headers={INTAKE_MSG_HEADER: "y"})
         assert [j.request_id for j in w.core.queued] == ["y"]
         flaky = FlakyJetStream(w._js, failure)
@@ -108,12 +110,12 @@ async def test_unknown_handback_is_settled_by_publishing_it_again(
         assert stored == (1 if failure == "lose_ack" else 0)
 
         # While publishing still fails: 425, the scheduler keeps its record and retries.
-        assert await resend_code(nc, live) == int(REDIRECTING_CODE)
+        assert await resend_code(nc, live, y) == int(REDIRECTING_CODE)
         # Intake works again: the hand-back is published once more and acknowledged → 410.
         flaky.mode = "pass"
-        assert await resend_code(nc, live) == int(HANDED_BACK_CODE)
+        assert await resend_code(nc, live, y) == int(HANDED_BACK_CODE)
         published = len(flaky.msg_ids)
-        assert await resend_code(nc, live) == int(HANDED_BACK_CODE)  # now remembered as such
+        assert await resend_code(nc, live, y) == int(HANDED_BACK_CODE)  # now remembered as such
         assert len(flaky.msg_ids) == published  # settled: no further publish
         # Intake holds y exactly once, under the hand-back's id, whatever happened before.
         info = await js.stream_info(live.subjects.intake_stream())

@@ -103,8 +103,12 @@ async def assign(nc: Any, live: InProcess, a: Assignment, headers: dict[str, str
     raise AssertionError("no responders")
 
 
-def assignment(rid: str, wid: str, length: int) -> Assignment:
-    req = IntakeRequest(request_id=rid, input_len=length, block_size=16, arrival_s=time.time())
+def assignment(rid: str, wid: str, length: int, arrival_s: float | None = None) -> Assignment:
+    """``rid`` assigned to ``wid`` now; arrived at ``arrival_s`` (None: now). A re-sent
+    assignment carries its intake message's request, so its arrival stamp too: the worker
+    tells a re-send from a later attempt under the same message id by it."""
+    req = IntakeRequest(request_id=rid, input_len=length, block_size=16,
+                        arrival_s=time.time() if arrival_s is None else arrival_s)
     return Assignment(request=req, worker_id=wid, epoch=0, degree=2, prefix_tokens=0,
                       recompute_tokens=length, predicted_s=0.1, assigned_at_s=time.time())
 
@@ -145,7 +149,8 @@ async def test_resent_assignment_of_redirected_request_runs_once(
 
         # What W answers a re-send of M1's assignment: 410 (the scheduler acks M1).
         with pytest.raises(RemoteError) as err:
-            await assign(nc, live, assignment(RID, W, 40), {INTAKE_MSG_HEADER: RID})
+            await assign(nc, live, assignment(RID, W, 40, req.arrival_s),
+                         {INTAKE_MSG_HEADER: RID})
         assert err.value.code == int(HANDED_BACK_CODE), err.value
         # Any other source (an older scheduler without the header) is just "not ACTIVE".
         with pytest.raises(RemoteError) as err:
@@ -197,19 +202,20 @@ async def test_rankd_answers_a_resent_assignment_by_its_redirect_state(
     try:
         w = await start_rankd(live, W)
         await assign(nc, live, assignment("resend-blocker", W, BLOCKER_LEN))
-        await assign(nc, live, assignment("y", W, 40), {INTAKE_MSG_HEADER: "y"})
+        y = assignment("y", W, 40)  # re-sent below as it is (the same arrival stamp)
+        await assign(nc, live, y, {INTAKE_MSG_HEADER: "y"})
         assert [j.source for j in w.core.queued] == ["y"]
         assert [j.request_id for j in w.core.set_lifecycle(Lifecycle.DRAINING)] == ["y"]
         for source in ("y", "y-r1-" + W):
             with pytest.raises(RemoteError) as err:
-                await assign(nc, live, assignment("y", W, 40), {INTAKE_MSG_HEADER: source})
+                await assign(nc, live, y, {INTAKE_MSG_HEADER: source})
             assert err.value.code == int(REDIRECTING_CODE), err.value
         w.core.redirect_settled("y", in_intake=True)
         with pytest.raises(RemoteError) as err:
-            await assign(nc, live, assignment("y", W, 40), {INTAKE_MSG_HEADER: "y"})
+            await assign(nc, live, y, {INTAKE_MSG_HEADER: "y"})
         assert err.value.code == int(HANDED_BACK_CODE), err.value
         with pytest.raises(RemoteError) as err:
-            await assign(nc, live, assignment("y", W, 40), {INTAKE_MSG_HEADER: "y-r1-" + W})
+            await assign(nc, live, y, {INTAKE_MSG_HEADER: "y-r1-" + W})
         assert err.value.code == 409, err.value
         assert len(w.core) == 1  # only the blocker: the refusals changed nothing
     finally:
