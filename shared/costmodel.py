@@ -268,13 +268,27 @@ class Profile:
         length), so a controller judging windows of another length H must compare its D(k)
         with κ_C·H/window_s: unscaled, a 10 s window would see half the demand against the
         whole κ and merge a pool that is as loaded as before. The fallback κ (a share of the
-        window) follows the new window too."""
+        window) follows the new window too.
+
+        The scaled κ is a profile's κ like any other, within :data:`MAX_KAPPA_S` (every
+        profile the controller sums holds to it); one past it raises
+        :class:`~shared.ids.InvalidInput` naming what was given -- this profile's κ, its
+        window, the window asked and the factor -- not only the scaled κ, which no file
+        holds."""
         if not (window_s > 0 and math.isfinite(window_s)):
             raise InvalidInput(f"window_s must be finite and > 0, got {window_s!r}")
         if window_s == self.window_s:
             return self
         f = window_s / self.window_s
-        return replace(self, window_s=window_s, kappa={c: k * f for c, k in self.kappa.items()})
+        scaled = {c: k * f for c, k in self.kappa.items()}
+        for c, k in sorted(scaled.items()):
+            if not (0 < k <= MAX_KAPPA_S and math.isfinite(k)):
+                raise InvalidInput(
+                    f"kappa[{c}] = {self.kappa[c]!r} s per {self.window_s:g} s window is "
+                    f"{k!r} s per window of {window_s:g} s (x {f:.6g}): it must be a finite "
+                    f"number > 0 and at most {MAX_KAPPA_S:.6g} s per window (the bound under "
+                    f"which the controller's scaled and summed capacities stay finite)")
+        return replace(self, window_s=window_s, kappa=scaled)
 
     def capacity_scale(self, pool_factor: float) -> float:
         """The factor κ is multiplied by to judge a pool's capacity: ``pool_factor`` for a

@@ -90,11 +90,11 @@ def env_security_options() -> dict[str, Any]:
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
-    from shared.servicemain import settings_errors
+    from shared.servicemain import settings_errors, settings_from
     from shared.settings import ServiceSettings
 
     try:
-        settings = ServiceSettings()
+        settings = settings_from(ServiceSettings)
     except (ValidationError, SettingsError) as exc:  # SettingsError: VTM_LOG that is no JSON
         raise InvalidInput(f"invalid settings:\n{settings_errors(exc, ServiceSettings)}") \
             from None

@@ -954,7 +954,9 @@ def from_msgpack(target: type[M] | Any, data: bytes, *, strict: bool = False) ->
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise SchemaError(_name(target), "<payload>", f"not msgpack: {exc}") from None
+        # A FormatError (a byte no msgpack value starts with) has no message: its name is one.
+        raise SchemaError(_name(target), "<payload>",
+                          f"not msgpack: {str(exc) or type(exc).__name__}") from None
     try:
         return _adapter(target).validate_python(obj, strict=strict)  # type: ignore[no-any-return]
     except ValidationError as exc:

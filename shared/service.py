@@ -1104,7 +1104,9 @@ class MicroService:
                 metadata=dict(ep.metadata) or None,
                 queue_group=self.queue_group,
             )
-        await nc.flush()
+        # Bounded as the start-up's other plain round trips are (the connection's first PING,
+        # the $SRV.PING below), not by nats-py's own 10 s, which no setting changes.
+        await nc.flush(timeout=self.settings.connect_timeout_s)  # type: ignore[arg-type]
         # nats-server sometimes answers another connection's first request to a just-subscribed
         # subject with "no responders" although the SUB was flushed (~1 in 300 starts under
         # load); one request round trip to our own PING endpoint closes that window (0 in

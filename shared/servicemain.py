@@ -49,7 +49,7 @@ from shared.ids import InvalidInput
 from shared.logging import configure_logging
 from shared.metrics import setup_metrics, shutdown_metrics
 from shared.service import StartUpLost
-from shared.settings import ServiceSettings
+from shared.settings import NESTED, ServiceSettings
 from shared.stopping import bound_stops, stop_time_left, watch_parent
 from shared.telemetry import setup_tracing, shutdown_tracing
 
@@ -208,17 +208,66 @@ def parse_flags(
                                      epilog=settings_epilog(settings_cls, flags=bool(flags)),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, dest, typ in flags:
-        parser.add_argument(flag, dest=dest, type=typ, default=None,
+        parser.add_argument(flag, dest=dest, type=_flag_type(typ), default=None,
                             help=f"VTM_{dest.upper()}")
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
     try:
-        settings = settings_cls(**overrides)
+        settings = settings_from(settings_cls, **overrides)
     except (ValidationError, SettingsError) as exc:
         parser.exit(2, f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}\n")
     check_environment(settings_cls, prog)
     return check_settings(settings, checks, prog=prog,
                           flag_of={dest: flag for flag, dest, _ in flags})
+
+
+def _flag_type(typ: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``typ`` as a flag's argparse type: argparse turns its ValueError into an exit 2 naming
+    the flag but lets a RecursionError (a JSON flag nested deeper than the parser goes:
+    ``--policy-params '[[[[...'``) through as a traceback, so that one is said too."""
+    def convert(text: str) -> Any:
+        try:
+            return typ(text)
+        except RecursionError:
+            raise argparse.ArgumentTypeError("JSON nested too deeply to read") from None
+
+    convert.__name__ = getattr(typ, "__name__", repr(typ))  # argparse's "invalid <name> value"
+    return convert
+
+
+def settings_from(settings_cls: type[S], **overrides: Any) -> S:
+    """``settings_cls(**overrides)`` (the environment, overridden by ``overrides``), raising
+    what it raises for a value that cannot be used -- a ValidationError, a SettingsError --
+    and a SettingsError naming the variable for a JSON value nested deeper than Python's
+    parser goes (``VTM_LOG='[[[[...'``): pydantic-settings catches only a ValueError of the
+    parser and lets that RecursionError through, naming nothing."""
+    try:
+        return settings_cls(**overrides)
+    except RecursionError as exc:
+        field = _too_deep_field(settings_cls)
+        if field is None:  # not a value of the environment: nothing to name
+            raise
+        raise SettingsError(
+            f'error parsing value for field "{field}" from source "EnvSettingsSource"') from exc
+
+
+def _too_deep_field(settings_cls: type[BaseModel]) -> str | None:
+    """The field of ``settings_cls`` whose ``VTM_*`` variable (the whole group's or one of its
+    ``__`` parts) holds JSON nested deeper than the parser goes, or None."""
+    for name, value in os.environ.items():
+        low = name.lower()
+        if not low.startswith("vtm_"):
+            continue
+        field = low[len("vtm_"):].split(NESTED)[0]
+        if field not in settings_cls.model_fields:
+            continue
+        try:
+            json.loads(value)
+        except RecursionError:
+            return field
+        except ValueError:
+            continue
+    return None
 
 
 def settings_errors(exc: ValidationError | SettingsError,
@@ -259,6 +308,8 @@ def source_error(exc: SettingsError, model: type[BaseModel] | None = None) -> st
     cause = exc.__cause__
     if isinstance(cause, json.JSONDecodeError):
         why = f"not JSON ({cause.msg} at character {cause.pos + 1})"
+    elif isinstance(cause, RecursionError):  # from settings_from
+        why = "JSON nested too deeply to read"
     elif cause is not None:
         why = f"cannot be read ({type(cause).__name__})"
     else:
@@ -294,7 +345,7 @@ def load_settings(settings_cls: type[S], prog: str,
     line parses it with :func:`parse_flags` (which handles ``--help`` and refuses unknown
     arguments)."""
     try:
-        settings = settings_cls()
+        settings = settings_from(settings_cls)
     except (ValidationError, SettingsError) as exc:
         print(f"{prog}: invalid settings:\n{settings_errors(exc, settings_cls)}",
               file=sys.stderr)

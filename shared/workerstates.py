@@ -23,10 +23,11 @@ async def worker_state_changes(
     state)``: ``state`` is None where the key was deleted or purged or holds an empty value
     (the worker's state is gone), else the value decoded.
 
-    Passed over: the None that ends the initial values, and a value that is no WorkerState --
-    counted in ``counters["malformed"]`` and logged by ``log`` (warning ``bad worker state
-    ignored``, with the key and the error). The key is not checked against the state's
-    ``worker_id``: a caller that needs the two to agree checks it."""
+    Passed over: the None that ends the initial values, and a value that is no WorkerState
+    or whose ``worker_id`` is not its key -- counted in ``counters["malformed"]`` and logged
+    by ``log`` (warning ``bad worker state ignored``, with the key and the error). A yielded
+    state's ``worker_id`` is thus its key: the callers keep a state under its worker_id and
+    drop it by key, and one kept under another key would never be dropped."""
     async for entry in watcher:
         if entry is None:
             continue
@@ -35,6 +36,9 @@ async def worker_state_changes(
             continue
         try:
             state = decode(WorkerState, entry.value)
+            if state.worker_id != entry.key:
+                raise SchemaError("WorkerState", "worker_id",
+                                  f"{state.worker_id!r} stored under key {entry.key!r}")
         except SchemaError as exc:
             counters["malformed"] += 1
             log.warning("bad worker state ignored", key=entry.key, error=str(exc))

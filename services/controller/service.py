@@ -1571,7 +1571,7 @@ class ControllerService(MicroService):
             self.counters["failed"] += 1
             self.log.warning("worker lease expired", worker=w.worker_id)
             if res.aborted is not None:
-                self._awaiting.pop(res.aborted, None)
+                self._end_awaiting(res.aborted)
                 self.counters["aborted"] += 1
                 await self._publish_reconf(proto.reconfiguration(res.aborted))
                 with self._traces.current(res.aborted):
@@ -1640,7 +1640,11 @@ class ControllerService(MicroService):
                                                        "vtm.worker_id": str(worker)})
                 continue
             left.discard(request)
-            if request != STOP_MARKER:
+            if request == STOP_MARKER:
+                # It stopped admitting (its queue asked again, or an empty state): what was
+                # noted for that wait is of no more use.
+                self._done_unconfirmed.pop((rid, worker), None)
+            else:
                 self.counters["finished"] += 1
                 self._traces.link(rid, carrier, **{"vtm.request_id": str(request),
                                                    "vtm.worker_id": str(worker)})
@@ -1737,6 +1741,14 @@ class ControllerService(MicroService):
             await self._expose(res.ready)
         return "counted"
 
+    def _end_awaiting(self, rid: int) -> None:
+        """Reconfiguration ``rid`` awaits nothing more (committed, aborted, abandoned): its
+        in-flight books go, and with them the results noted for its sources' stops
+        (``_done_unconfirmed``), which no later confirmation would take out. Lock held."""
+        per_worker = self._awaiting.pop(rid, None) or {}
+        for wid in per_worker:
+            self._done_unconfirmed.pop((rid, wid), None)
+
     def _source_stopped(self, wid: WorkerId, ack: EpochAck) -> bool:
         """Whether ``ack`` is a draining source's for its drain record or a later one, while
         it is awaited until it stopped (STOP_MARKER): ranks acknowledge every record they
@@ -1790,8 +1802,6 @@ class ControllerService(MicroService):
             if core is None or self.core is not core or left is None or STOP_MARKER not in left:
                 return  # committed, aborted, rebuilt, or confirmed by an empty state meanwhile
             found = found - self._done_unconfirmed.pop((rid, wid), set()) - left
-            for key in [k for k in self._done_unconfirmed if k[0] not in self._awaiting]:
-                del self._done_unconfirmed[key]  # of reconfigurations that ended unconfirmed
             if found:
                 try:
                     core.protocol.in_flight_found(wid, found, self.now())
@@ -2048,7 +2058,7 @@ class ControllerService(MicroService):
         now = self.now()
         for rid in rids:
             aborted = core.protocol.abort(rid, now)
-            self._awaiting.pop(rid, None)
+            self._end_awaiting(rid)
             self._drain_epoch.pop(rid, None)
             self.counters["aborted"] += 1
             self.counters["drains_abandoned"] += 1
@@ -2093,7 +2103,7 @@ class ControllerService(MicroService):
     async def _commit_traced(self, rid: int) -> None:
         core = self.core
         assert core is not None
-        self._awaiting.pop(rid, None)
+        self._end_awaiting(rid)
         await self._publish_reconf(core.protocol.reconfiguration(rid))
         control: ControlRecord = core.protocol.switch_started(rid, self.now())
         t = self._traces.get(rid)
@@ -2182,7 +2192,7 @@ class ControllerService(MicroService):
                     or now - r.started_at < self.csettings.reconfig_drain_timeout_s):
                 continue
             aborted = proto.abort(rid, now)
-            self._awaiting.pop(rid, None)
+            self._end_awaiting(rid)
             self.counters["aborted"] += 1
             reason = (f"drain timeout: sources not drained after "
                       f"{self.csettings.reconfig_drain_timeout_s} s")

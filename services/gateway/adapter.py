@@ -242,6 +242,9 @@ class ClientClosed(GatewayError):
 def schema_message(exc: SchemaError) -> str:
     """A client-facing message for a decoding error: the field and pydantic's reason."""
     if exc.field == "<payload>":
+        # The body is judged by its Content-Type: msgpack's reason already says "not msgpack".
+        if exc.reason.startswith("not msgpack"):
+            return f"request body is {exc.reason}"
         return f"request body is not valid JSON: {exc.reason}"
     if exc.field == "<model>":
         return exc.reason.removeprefix("Value error, ")

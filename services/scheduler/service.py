@@ -912,7 +912,7 @@ class SchedulerStats:
     workers_restarted: int = 0  # a worker's state named a new incarnation
     unreachable_marked: int = 0  # a first send found no responder: worker excluded for now
     worker_refusals: int = 0  # a worker refused a dispatch (a micro error, not 410/425)
-    refusals_avoided: int = 0  # ... (or handed it back) and the placement went elsewhere
+    refusals_avoided: int = 0  # ... (or handed it back), ACTIVE, and the placement went elsewhere
     handbacks_steered: int = 0  # a hand-back placed with its worker to avoid (as a refusal)
     peer_placements: int = 0  # another replica's placement noted (in-flight prefix affinity)
     peer_expired: int = 0  # ... forgotten without its result (peer_ttl_s)
@@ -2773,10 +2773,15 @@ class SchedulerService(MicroService):
             # A retry of a request workers refused: elsewhere when another worker is
             # eligible; else (only those may take it) where the policy chooses, as before --
             # the retry rules (max_deliver) bound how often.
+            # Counted only where an avoided worker was a candidate (ACTIVE in the view, as
+            # SchedulerCore.place's avoidance reads it): else nothing was steered away.
+            steered = any(w.lifecycle is Lifecycle.ACTIVE and w.worker_id in avoid
+                          for w in self.core.view.workers)
             try:
                 decision = self.core.place(info, match.held_blocks, now, pending=pending,
                                            avoid=avoid)
-                self.stats.refusals_avoided += 1
+                if steered:
+                    self.stats.refusals_avoided += 1
             except NoEligibleWorker:
                 decision = self.core.place(info, match.held_blocks, now, pending=pending)
         else:

@@ -85,3 +85,21 @@ def test_the_cli_refuses_such_a_profile_before_any_run(tmp_path: Path,
     assert "Traceback" not in res.output
     assert f"--profile: profile {f}: kappa.2 must be" in text, text
     assert "at most" in text, text
+
+
+def test_a_kappa_that_scales_past_the_bound_is_refused_naming_what_was_given() -> None:
+    """for_window scales κ by the ratio of the windows; a κ within the bound whose scaled
+    value is not was refused naming only the scaled κ, a number the profile does not hold.
+    The error names the profile's κ, its window, the window asked and the factor."""
+    from shared.costmodel import MAX_KAPPA_S, Profile
+
+    prof = Profile(kappa={2: 11.5, 4: MAX_KAPPA_S / 2}, window_s=20.0)
+    with pytest.raises(InvalidInput) as ei:
+        prof.for_window(400.0)  # x 20: a 20 s window at a time scale of 0.05
+    msg = str(ei.value)
+    assert f"kappa[4] = {MAX_KAPPA_S / 2!r}" in msg, msg
+    assert "20 s" in msg and "400 s" in msg and "x 20" in msg, msg
+    assert "at most" in msg, msg
+    # Within the bound once scaled: as before.
+    assert prof.for_window(20.0) is prof
+    assert prof.for_window(30.0).kappa_for(4) == MAX_KAPPA_S / 2 * 1.5

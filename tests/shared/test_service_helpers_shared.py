@@ -197,3 +197,19 @@ def test_spawn_once_takes_no_key_when_the_work_cannot_be_made() -> None:
     with pytest.raises(TypeError):
         spawn_once([], running, "a", broken, "work-a")
     assert running == set()
+
+
+async def test_worker_state_changes_refuse_a_state_stored_under_another_key() -> None:
+    # The callers store a state under its worker_id and drop it by key: one under another
+    # key would never be dropped.
+    log, counters = Log(), {"malformed": 0}
+    changes = [c async for c in worker_state_changes(_entries(
+        Entry("w-cp2-g4", _state("w-cp2-g0")),
+        Entry("w-cp2-g2", _state("w-cp2-g2")),
+    ), log, counters)]
+    assert [(k, None if s is None else s.worker_id) for k, s in changes] == [
+        ("w-cp2-g2", "w-cp2-g2")]
+    assert counters["malformed"] == 1
+    assert [(e, kw["key"]) for e, kw in log.warnings] == [("bad worker state ignored",
+                                                          "w-cp2-g4")]
+    assert "w-cp2-g0" in log.warnings[0][1]["error"]

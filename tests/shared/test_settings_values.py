@@ -96,3 +96,50 @@ def test_every_wait_is_bounded_by_a_day(field: str, monkeypatch: pytest.MonkeyPa
             ServiceSettings()
     description = ServiceSettings.model_fields[field].description or ""
     assert "86 400" in description or "a day" in description, description
+
+
+DEEP = "[" * 1000 + "]" * 1000  # deeper than Python's JSON parser goes: a RecursionError
+
+
+@pytest.mark.parametrize(("module", "env", "var"), [
+    ("services.gateway", {"VTM_LOG": DEEP}, "VTM_LOG"),
+    ("services.gateway", {"VTM_TELEMETRY": "{\"x\": " + DEEP + "}"}, "VTM_TELEMETRY"),
+    ("services.scheduler", {"VTM_POLICY_PARAMS": DEEP}, "VTM_POLICY_PARAMS"),
+    ("services.controller", {"VTM_DEGREES": DEEP}, "VTM_DEGREES"),
+], ids=["log", "telemetry", "policy-params", "degrees"])
+def test_json_nested_too_deep_exits_2_naming_the_variable(module: str, env: dict[str, str],
+                                                          var: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", module], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **NOWHERE, **env})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    (line,) = _problem_lines(proc.stderr)
+    assert line.startswith(f"  {var}: ") and "nested too deep" in line, proc.stderr
+
+
+def test_load_settings_exits_2_naming_json_nested_too_deep() -> None:
+    proc = subprocess.run([sys.executable, "-c", LOAD], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **NOWHERE, "VTM_LOG": DEEP})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "loaded" not in proc.stdout, proc.stderr
+    (line,) = _problem_lines(proc.stderr)
+    assert line.startswith("  VTM_LOG: ") and "nested too deep" in line, proc.stderr
+
+
+def test_a_json_flag_nested_too_deep_exits_2_naming_the_flag() -> None:
+    proc = subprocess.run([sys.executable, "-m", "services.scheduler", "--policy-params", DEEP],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **NOWHERE})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "--policy-params" in proc.stderr, proc.stderr
+
+
+def test_env_security_options_names_json_nested_too_deep(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.ids import InvalidInput
+    from shared.natsauth import env_security_options
+
+    monkeypatch.setenv("VTM_LOG", DEEP)
+    with pytest.raises(InvalidInput, match="VTM_LOG: .*nested too deep"):
+        env_security_options()
