@@ -624,6 +624,16 @@ def sweep(
     return rows, side
 
 
+def _stronger(row: Mapping[str, Any], best: Mapping[str, Any]) -> bool:
+    """Whether the result row of a policy's variant ``row`` beats ``best``, the one kept so
+    far (:meth:`_SweepCells.run`): a variant that completed requests beats one that
+    completed none, whose mean TTFT is NaN (which no comparison beats); else the lower mean
+    TTFT. A tie, or neither completing any, keeps ``best`` (the earlier variant)."""
+    if (row["completed"] > 0) != (best["completed"] > 0):
+        return row["completed"] > 0
+    return row["mean_ttft_s"] < best["mean_ttft_s"]
+
+
 @dataclass
 class _SweepCells:
     """What every (rate, policy) cell of a sweep shares; runs one cell (:meth:`run`)."""
@@ -678,7 +688,7 @@ class _SweepCells:
             row = summarize_run(res, policy=pol, rate_scale=scale, slo=self.spec.slo,
                                 oracle=oracle, wall_s=wall, warmup_s=self.spec.warmup_s)
             row["variant"] = var
-            if best_row is None or row["mean_ttft_s"] < best_row["mean_ttft_s"]:
+            if best_row is None or _stronger(row, best_row):
                 best_row, best_res = row, res
             if pol == "vertumnus":
                 timeline = [[t, {str(k): v for k, v in c.items()}]

@@ -59,6 +59,7 @@ from vertumnus.cliargs import fail as _fail
 
 if TYPE_CHECKING:
     from shared.slo import SloTable
+    from vertumnus.live.stack import UpConfig
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -94,6 +95,24 @@ def _check_replay_numbers(*, rate: float | None, duration: float, time_scale: fl
         _fail(f"--max-requests must be an integer >= 0 (0: all), got {max_requests}")
 
 
+def _check_gateway_url(url: str) -> None:
+    """``replay --gateway``: an ``http://`` or ``https://host[:port][/base]`` URL with a valid
+    port, checked before the workload is loaded (exit 2 naming the option). Else the HTTP
+    client's refusal to parse it was reported as a gateway that "is not reachable", which
+    sends one looking for a server that was never asked."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - urlsplit checks the port only when it is read
+    except ValueError as exc:  # out of range, not a number
+        _fail(f"--gateway {url!r} is not an http(s) URL ({exc}): give http://host:port or "
+              "https://host:port")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        _fail(f"--gateway {url!r} is not an http(s) URL: give http://host:port or "
+              "https://host:port")
+
+
 def _check_engine(model_path: Path | None) -> None:
     """``up --backend torch``'s engine, before anything starts (exit 2 naming the problem):
     the ``engine`` extra installed (else the profile, or with ``--profile`` the rank daemon
@@ -127,6 +146,30 @@ def _check_engine(model_path: Path | None) -> None:
         check_checkpoint(model_path)
     except CheckpointError as exc:
         _fail(f"--model-path: {exc}")
+
+
+def _check_profile_hardware(cfg: UpConfig, *, mismatch_ok: bool) -> None:
+    """``up --backend sim --profile P``: P fitted on the modelled hardware (``--hardware``,
+    else the default), checked before anything starts as ``simulate``, ``tune`` and ``size``
+    check theirs (:func:`sim.runner.check_profile_hardware`: exit 2 naming what differs),
+    unless ``--profile-mismatch-ok``. Else the services would predict every prefill with a
+    model of other hardware than the rank daemons time. The torch backend models no
+    hardware (its engine runs here), so the flag is refused there, as ``--hardware`` is."""
+    if cfg.backend != "sim":
+        if mismatch_ok:
+            _fail("--profile-mismatch-ok is the sim backend's (a --profile against its "
+                  "modelled hardware); the torch engine runs on this machine")
+        return
+    if cfg.profile is None:
+        return
+    from sim.hardware import load_ground_truth
+    from sim.runner import load_profile
+
+    try:  # UpConfig read the hardware file already: it loads
+        truth = None if cfg.hardware is None else load_ground_truth(cfg.hardware)
+        load_profile(cfg.profile, cfg.degrees, truth, mismatch_ok=mismatch_ok)
+    except InvalidInput as exc:
+        _fail(str(exc))
 
 
 def run_service_module(module: str, argv: list[str], prog: str) -> None:
@@ -224,6 +267,11 @@ def register(app: typer.Typer) -> None:
         per_degree: Annotated[bool, typer.Option(
             help="--backend sim without --profile: fit the cost model on the modelled "
                  "hardware with one coefficient set per CP degree")] = False,
+        profile_mismatch_ok: Annotated[bool, typer.Option(
+            "--profile-mismatch-ok",
+            help="--backend sim: use a --profile fitted on another model or GPU than the "
+                 "modelled one (refused otherwise, as by simulate; e.g. to study the cost "
+                 "model's error there)")] = False,
         controller: Annotated[Path | None, typer.Option(
             "--controller", parser=path_option("--controller"), metavar="<path>",
             help="The controller's thresholds: a .toml or .json file (`vertumnus "
@@ -318,6 +366,7 @@ def register(app: typer.Typer) -> None:
             )
         except ValueError as exc:
             _fail(str(exc))
+        _check_profile_hardware(cfg, mismatch_ok=profile_mismatch_ok)
         try:  # a fixed port in use: said now, not once nats and every service have started
             check_ports(cfg)
             # The server's binary and --nats-config, tested by nats-server itself: said now,
@@ -409,6 +458,7 @@ def register(app: typer.Typer) -> None:
         from vertumnus.live.stack import load_requests
 
         vtm_environment()  # a misspelt VTM_API_KEY / VTM_GATEWAY_CA / VTM_NATS_* is refused
+        _check_gateway_url(gateway)
         check_seed(seed)
         _check_replay_numbers(rate=rate, duration=duration, time_scale=time_scale,
                               rate_scale=rate_scale, max_requests=max_requests)
@@ -630,7 +680,16 @@ async def _replay_main(gateway: str, reqs: list[Any], *, time_scale: float, rate
         except OSError as exc:
             raise ValueError(f"cannot reach NATS at {_shown(nats_url)}: {exc}") from None
         observer = Observer(nc, Subjects(prefix))
-        await observer.start()
+        try:
+            await observer.start()
+        except BaseException:
+            # Its error ends the replay here, before the try whose finally closes the
+            # connection: closed now, with whatever the observer had started.
+            with contextlib.suppress(Exception):
+                await observer.stop()
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise
     # The first Ctrl-C / SIGTERM ends the replay, the rest only say so: the report survives.
     guard = InterruptGuard(lambda: err.print("already stopping…"))
     guard.install()

@@ -393,13 +393,14 @@ class LiveReport:
                           describe_change(prev, ch) if prev else "initial")
                 prev = ch
             console.print(c)
+        elif s.get("interrupted_during"):
+            # The controller writes the first record once the stack is healthy: none yet.
+            # (Before the observer existed none was followed either: not a replay's --nats.)
+            console.print(f"composition: no epoch record yet (interrupted during "
+                          f"{s['interrupted_during']})")
         elif not self.followed_epochs:
             console.print("composition: not followed (give --nats URL to follow the epoch "
                           "records)")
-        elif s.get("interrupted_during"):
-            # The controller writes the first record once the stack is healthy: none yet.
-            console.print(f"composition: no epoch record yet (interrupted during "
-                          f"{s['interrupted_during']})")
         else:
             console.print("composition: no epoch record observed (no controller running?)")
         if s["faults"]:

@@ -725,12 +725,12 @@ class LiveStack:
         self.gateway_url: str | None = None
         self.observer: Observer | None = None
         self._killed: dict[str, Child] = {}
+        """Children killed by :meth:`kill_child`, by name, until :meth:`restart_child`."""
         self._restarts: dict[str, int] = {}  # restart_exited's count per service
         self._down: set[int] = set()  # pids exited_for_good reported
         self._killed_nats: int | None = None  # the port of a nats-server kill_child killed
         self.phase = ""
         """How far :meth:`start` has come ('' before it), for an interrupted start's report."""
-        """Children killed by :meth:`kill_child`, by name, until :meth:`restart_child`."""
 
     # -- environment of each child ----------------------------------------------------------
 
@@ -1603,6 +1603,9 @@ async def run_up(config: UpConfig, *, console: Any = None, err_console: Any = No
         records, scale, slo=config.slo,
         changes=list(observer.changes) if observer else [],
         prefix_tokens=dict(observer.prefix_tokens) if observer else {},
+        # Interrupted before the observer existed (the profiling, the server's start): no
+        # epoch record was followed, so the count of reconfigurations is unknown, not 0.
+        followed_epochs=observer is not None,
         serving=config.serve,
         meta={
             "interrupted": interrupted, "gpus": config.gpus, "degrees": sorted(config.degrees),
