@@ -78,6 +78,7 @@ def _times(text: str | None, name: str) -> tuple[float, ...] | None:
 
 
 _MAX_REQUESTS_HELP = "Replay only the first N requests (0: all)"
+_COST_PANEL = "Cost model"
 
 
 def _check_replay_numbers(*, rate: float | None, duration: float, time_scale: float,
@@ -233,7 +234,7 @@ def register(app: typer.Typer) -> None:
         duration: Annotated[float, typer.Option(
             help="Workload length in modelled seconds (4 load phases); a trace is cut to its "
                  "first DURATION seconds, with --rate a timed trace to its first "
-                 "⌈DURATION·RATE⌉ requests (at most --max-requests), replayed at RATE. "
+                 "⌈DURATION × RATE⌉ requests (at most --max-requests), replayed at RATE. "
                  "--rate-scale then compresses it: the replay lasts DURATION / RATE_SCALE "
                  "modelled s")] = 240.0,
         time_scale: Annotated[float, typer.Option(
@@ -251,8 +252,10 @@ def register(app: typer.Typer) -> None:
             help="--backend torch: local HF-format Qwen3 checkpoint directory")] = None,
         seed: Annotated[int, typer.Option()] = 0,
         max_requests: Annotated[int, typer.Option(help=_MAX_REQUESTS_HELP)] = 0,
+        # The cost model's own panel: its table's columns are sized apart from the main one,
+        # where --profile-mismatch-ok beside --no-profile-engine was cut at 80 columns.
         profile: Annotated[Path | None, typer.Option(
-            parser=path_option("--profile"), metavar="<path>",
+            parser=path_option("--profile"), metavar="<path>", rich_help_panel=_COST_PANEL,
             help="Fitted cost-model profile for the services (vertumnus profile); without "
                  "it, --backend sim fits Ê_C and measures κ_C on the modelled hardware first "
                  "(≈2 s, kept in LOG_DIR as hardware-profile)")] = None,
@@ -260,15 +263,16 @@ def register(app: typer.Typer) -> None:
             help="--backend torch without --profile: fit the cost model on the engine first "
                  "(≈15 s; else the services predict the simulated H20's times)")] = True,
         hardware: Annotated[Path | None, typer.Option(
-            parser=path_option("--hardware"), metavar="<path>",
+            parser=path_option("--hardware"), metavar="<path>", rich_help_panel=_COST_PANEL,
             help="--backend sim: the modelled model and GPUs, a .json or .toml file "
                  "(sim/hardware.py; default: Qwen3-30B-A3B on H20); without --profile the "
                  "cost model is fitted on it first (≈2 s)")] = None,
         per_degree: Annotated[bool, typer.Option(
+            rich_help_panel=_COST_PANEL,
             help="--backend sim without --profile: fit the cost model on the modelled "
                  "hardware with one coefficient set per CP degree")] = False,
         profile_mismatch_ok: Annotated[bool, typer.Option(
-            "--profile-mismatch-ok",
+            "--profile-mismatch-ok", rich_help_panel=_COST_PANEL,
             help="--backend sim: use a --profile fitted on another model or GPU than the "
                  "modelled one (refused otherwise, as by simulate; e.g. to study the cost "
                  "model's error there)")] = False,
@@ -289,7 +293,7 @@ def register(app: typer.Typer) -> None:
         stop_timeout: Annotated[float, typer.Option(
             help="Wall seconds the shutdown may take: the services stop in three stages, "
             "each SIGKILLed past its share, and each service is given a little less than "
-            "its share as its own stop deadline (VTM_STOP_TIMEOUT_S)")] = 10.0,
+            "its share as its own stop deadline: VTM_STOP_TIMEOUT_S")] = 10.0,
         health_timeout: Annotated[float, typer.Option(
             help="Wall seconds to wait for every service to be healthy")] = 90.0,
         progress: Annotated[bool, typer.Option(help="Show the progress bar")] = True,
@@ -425,7 +429,7 @@ def register(app: typer.Typer) -> None:
         duration: Annotated[float, typer.Option(
             help="Modelled seconds: a synthetic workload's length; a trace is cut to its "
                  "first DURATION seconds, with --rate a timed trace to its first "
-                 "⌈DURATION·RATE⌉ requests (at most --max-requests), replayed at "
+                 "⌈DURATION × RATE⌉ requests (at most --max-requests), replayed at "
                  "RATE")] = 240.0,
         seed: Annotated[int, typer.Option()] = 0,
         max_requests: Annotated[int, typer.Option(help=_MAX_REQUESTS_HELP)] = 0,
