@@ -62,7 +62,6 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
-from nats.micro import add_service
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request, ServiceError
 from nats.micro.service import SEMVER_REGEX, Service, ServiceConfig
 from opentelemetry import trace
@@ -70,6 +69,7 @@ from pydantic import BaseModel
 
 from shared.ids import InvalidInput, UnknownWorker, VertumnusError
 from shared.logging import current_trace_id
+from shared.microstart import BoundedStartService, flush_within
 from shared.natsauth import security_options
 from shared.natsclient import MALFORMED_HEADERS, connect
 from shared.schemas import JSON, FirstToken, SchemaError, decode, encode
@@ -1078,7 +1078,7 @@ class MicroService:
             stack.push_async_callback(self._drain, nc)
         self._nc = nc
         await self.setup(stack)
-        self._service = await add_service(
+        service = BoundedStartService(
             nc,
             ServiceConfig(
                 name=self.name,
@@ -1088,7 +1088,19 @@ class MicroService:
                 queue_group=self.queue_group,
                 stats_handler=lambda _endpoint: self.stats_data(),
             ),
+            # nats.micro's own flush, bounded as the start-up's other round trips are.
+            flush_timeout_s=self.settings.connect_timeout_s,
         )
+        try:
+            await service.start()
+        except BaseException:
+            # Given up (its flush unanswered, or a stop's cancel): the PING/INFO/STATS
+            # subscriptions it made are taken back, without a round trip (the server may not
+            # answer) -- else a service that never started would answer discovery for as long
+            # as the connection lives (one handed in lives on).
+            await forget_micro_service(nc, service)
+            raise
+        self._service = service
         # Bounded, and without round trips once the server is gone (stop_micro_service).
         stack.push_async_callback(self._stop_micro, nc, self._service)
         if type(self).ensure_jetstream is not MicroService.ensure_jetstream:
@@ -1105,8 +1117,9 @@ class MicroService:
                 queue_group=self.queue_group,
             )
         # Bounded as the start-up's other plain round trips are (the connection's first PING,
-        # the $SRV.PING below), not by nats-py's own 10 s, which no setting changes.
-        await nc.flush(timeout=self.settings.connect_timeout_s)  # type: ignore[arg-type]
+        # the micro service's flush, the $SRV.PING below), not by nats-py's own 10 s, which no
+        # setting changes.
+        await flush_within(nc, self.settings.connect_timeout_s, step="adding the endpoints")
         # nats-server sometimes answers another connection's first request to a just-subscribed
         # subject with "no responders" although the SUB was flushed (~1 in 300 starts under
         # load); one request round trip to our own PING endpoint closes that window (0 in
@@ -1388,6 +1401,18 @@ async def forget_subscription(nc: Client, sub: Subscription) -> None:
     # A drain given up half-way (or the unsubscribe above cut short) left it registered.
     sub._stop_processing()
     nc._remove_sub(sub._id)
+
+
+async def forget_micro_service(nc: Client, service: Service) -> None:
+    """Take back at once, without a round trip, every subscription of ``service`` (nats.micro)
+    whose start did not finish: its PING/INFO/STATS ones made so far (it has no endpoints yet,
+    nor requests to finish); it is stopped then. For a start given up -- its server not
+    answering, or a stop -- on a connection that may live on. Never raises but
+    CancelledError."""
+    for sub in list(getattr(service, "_subscriptions", {}).values()):  # private in nats-py
+        await forget_subscription(nc, sub)
+    service._subscriptions = {}
+    service._stopped.set()
 
 
 async def _drain_all(subs: Sequence[Subscription]) -> None:
@@ -1800,6 +1825,7 @@ __all__ = [
     "lost_server",
     "StartUpLost",
     "forget_subscription",
+    "forget_micro_service",
     "stop_micro_service",
     "while_connected",
     "KvWatch",
