@@ -114,6 +114,18 @@ def _check_gateway_url(url: str) -> None:
               "https://host:port")
 
 
+def _check_gateway_ca(url: str) -> None:
+    """``replay`` of an ``https://`` gateway: ``$VTM_GATEWAY_CA`` a readable PEM bundle,
+    checked before the workload is loaded (exit 2 naming the variable, the path and what is
+    wrong). Else the client's refusal came back as a gateway that "is not reachable"."""
+    from vertumnus.live.http import GatewayCaError, client_tls
+
+    try:
+        client_tls(url)
+    except GatewayCaError as exc:
+        _fail(str(exc))
+
+
 def _check_engine(model_path: Path | None) -> None:
     """``up --backend torch``'s engine, before anything starts (exit 2 naming the problem):
     the ``engine`` extra installed (else the profile, or with ``--profile`` the rank daemon
@@ -463,6 +475,7 @@ def register(app: typer.Typer) -> None:
 
         vtm_environment()  # a misspelt VTM_API_KEY / VTM_GATEWAY_CA / VTM_NATS_* is refused
         _check_gateway_url(gateway)
+        _check_gateway_ca(gateway)
         check_seed(seed)
         _check_replay_numbers(rate=rate, duration=duration, time_scale=time_scale,
                               rate_scale=rate_scale, max_requests=max_requests)

@@ -101,6 +101,7 @@ from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 from opentelemetry import trace
 
+from services.gateway.grace import finish_within
 from services.gateway.idempotency import Claim, Fingerprints, RequestDigest, request_digest
 from services.gateway.idempotency_kv import (
     ClaimContended,
@@ -462,8 +463,10 @@ class GatewayService(MicroService):
         # id that is still in flight: the duplicate waits for the original's result), each
         # taking only the results that answer its attempt (_Waiter.accepts).
         self._waiting: dict[str, list[_Waiter]] = {}
-        # NATS completions waiting for their first token (_on_completion), cancelled at stop.
+        # NATS completions waiting for their first token (_on_completion): given the stop's
+        # grace, then cancelled (_finish_requests).
         self._nats_completions: set[asyncio.Task[None]] = set()
+        self._finishing = asyncio.Event()  # the stop's grace has begun (finishing)
         # request id -> its intake message (data, headers) while someone waits for it: sent
         # again if the server loses its store (_republish_waiting).
         self._intake_msgs: dict[str, tuple[bytes, dict[str, str]]] = {}
@@ -626,18 +629,39 @@ class GatewayService(MicroService):
         # Run after the requests' stops (callbacks run last first): a request may start them.
         stack.push_async_callback(stop_bucket_making)
 
-        async def stop_nats_completions() -> None:
-            await cancel_and_wait(list(self._nats_completions), self.log)
-
-        stack.push_async_callback(stop_nats_completions)
+        # Both entries' requests in flight, in one grace: the HTTP server's close, and the
+        # NATS completions' tasks. Run after the micro service's stop (pushed after setup,
+        # so undone before it), which drains the NATS endpoint: no new NATS completion.
+        stack.push_async_callback(self._finish_requests)
         if self.gsettings.http_port is not None:
             from services.gateway.app import make_http_server
 
             self._http = make_http_server(self)
             await self._http.start()
-            stack.push_async_callback(self._http.close)
             self.set_metadata(http=self._http.url)
             self.log.info("http listening", url=self._http.url)
+
+    async def _finish_requests(self) -> None:
+        """The stop's grace for the requests in flight (``stop_grace_s``; the rule is
+        :func:`~services.gateway.grace.finish_within`'s): the HTTP server stops accepting
+        and gives its requests being handled the grace (:meth:`HttpServer.close`), and
+        every NATS completion still waiting gets the same, side by side -- one period, not
+        one after the other. A request answered within it gets its own answer; those
+        unfinished when it ends are cancelled and answer 503 "stopping"
+        (:meth:`_answer_completion`, the HTTP server). No new NATS completion comes by
+        now: the micro service's stop drained the endpoint before this runs."""
+        grace_s = self.gsettings.stop_grace_s
+        self._finishing.set()
+        waits = [finish_within(list(self._nats_completions), grace_s, self.log)]
+        if self._http is not None:
+            waits.append(self._http.close(grace_s))
+        await asyncio.gather(*waits)
+
+    @property
+    def finishing(self) -> asyncio.Event:
+        """Set once a stop takes no new request and gives those in flight their grace
+        (:meth:`_finish_requests`). Read-only, for tests and inspection."""
+        return self._finishing
 
     @property
     def http_port(self) -> int:
@@ -687,10 +711,12 @@ class GatewayService(MicroService):
         HTTP status as code (500 without details for an unexpected failure). An error is
         counted in the endpoint's ``$SRV.STATS`` before it is sent (so a caller that reads
         the stats after the answer sees it): the handler returned long ago, so nats.micro,
-        which counts what a handler raises, never sees it. Cancelled -- the gateway stops
-        (``stop_nats_completions``) -- it answers 503 :data:`STOPPING_DESCRIPTION` first, as
-        a micro handler given up at a stop does (shared/service.py): the micro drain does not
-        wait for this task, and its caller would otherwise wait out its whole timeout."""
+        which counts what a handler raises, never sees it. A stop lets it finish within its
+        grace (``stop_grace_s``, :meth:`_finish_requests`), as an HTTP request gets; still
+        running when that ends, it is cancelled and answers 503 :data:`STOPPING_DESCRIPTION`
+        first, as a micro handler given up at a stop does (shared/service.py): the micro
+        drain does not wait for this task, and its caller would otherwise wait out its whole
+        timeout."""
         try:
             try:
                 done = await self.complete(body)

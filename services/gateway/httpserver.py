@@ -62,6 +62,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import structlog
 
+from services.gateway.grace import STOP_GRACE_S, finish_within
 from services.gateway.httpspan import FAILURE_LINES_PER_S, new_trace_id, record_http_span
 from shared.ids import InvalidInput
 from shared.tasks import cancel_and_wait
@@ -71,9 +72,6 @@ log = structlog.get_logger("vertumnus.http")
 
 IDLE_TIMEOUT_S: Final[float] = 60.0
 SERVER_NAME: Final[str] = "vertumnus-gateway"
-STOP_GRACE_S: Final[float] = 10.0
-"""How long :meth:`HttpServer.close` lets requests being handled finish (below the
-service's whole stop bound, ``stop_timeout_s``)."""
 _ONCE: Final[frozenset[str]] = frozenset(
     {"content-length", "transfer-encoding", "authorization", "host"})
 """Headers a request may carry at most once (a repeat is how framing is smuggled)."""
@@ -309,16 +307,15 @@ class HttpServer:
     async def close(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop: accept nothing new, close idle connections, give requests being handled up
         to ``grace_s`` to be answered (their connections then close), then cancel the rest,
-        each answered 503 (module docstring)."""
+        each answered 503 (module docstring; the gateway's NATS completions get the same
+        grace, side by side: :mod:`services.gateway.grace`)."""
         if self._server is None:
             return
         self._closing = True
         self._server.close()
         await cancel_and_wait([t for t in self._conns if t not in self._busy], log)
-        busy = list(self._busy)
-        if busy and grace_s > 0:
-            await asyncio.wait(busy, timeout=grace_s)
-        # Bounded even if a connection's handler swallows a cancel (shared/tasks.py).
+        await finish_within(list(self._busy), grace_s, log)
+        # Any connection left (bounded even if a handler swallows a cancel: shared/tasks.py).
         await cancel_and_wait(list(self._conns), log)
         with contextlib.suppress(Exception):
             await self._server.wait_closed()

@@ -8,6 +8,7 @@ from typing import Self
 
 from pydantic import Field, FilePath, SecretStr, field_validator, model_validator
 
+from services.gateway.grace import STOP_GRACE_S
 from services.gateway.httpserver import server_tls
 from shared.ids import DEFAULT_BLOCK_SIZE, InvalidInput
 from shared.schemas import MAX_TOKENS
@@ -99,6 +100,14 @@ class GatewaySettings(ServiceSettings):
         "(or an intake that does not answer yet, or answers that JetStream is briefly "
         "unavailable: a leader election) to come back, publishing again, before 503: a broker "
         "restart delays requests instead of failing them. 0: 503 at once.",
+    )
+    stop_grace_s: float = Field(
+        default=STOP_GRACE_S, ge=0, le=86_400, allow_inf_nan=False,
+        description="On a stop, once no new request is taken: how long the requests in flight "
+        "(HTTP and NATS completions alike, in one period) may still finish with their own "
+        "answer; those unfinished then are answered 503 'stopping'. 0: 503 at once. Keep it "
+        "well below stop_timeout_s, which bounds the whole stop (with the drains, "
+        "drain_timeout_s each).",
     )
     max_idempotency_keys: int = Field(
         default=65_536, ge=1,

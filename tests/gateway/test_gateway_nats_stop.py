@@ -1,6 +1,7 @@
-"""A NATS completion still waiting for its first token when the gateway stops is answered
-503 ``service stopping`` (shared/service.py's contract for a request its service gave up at
-a stop), as an HTTP one is answered 503 by the HTTP server's close.
+"""A NATS completion still waiting for its first token when the gateway's stop grace ends
+(``stop_grace_s``) is answered 503 ``service stopping`` (shared/service.py's contract for a
+request its service gave up at a stop), as an HTTP one is answered 503 by the HTTP server's
+close.
 
 Found by a review of the gateway's stop: each NATS completion waits in a task of its own
 (the endpoint's handler returns at once), which the stop cancelled without a word, so the
@@ -35,9 +36,11 @@ async def until(pred: Callable[[], bool], what: str) -> None:
 
 async def test_a_nats_completion_in_flight_at_a_stop_is_answered_503(
         nats_server: EmbeddedNats, nc: Client, uniq: str) -> None:
-    # No scheduler: the request waits for a first token that never comes (a long timeout).
+    # No scheduler: the request waits for a first token that never comes (a long timeout),
+    # outlasting the stop's grace (short here: test_gateway_stop_grace.py answers within it).
     gw = GatewayService(GatewaySettings(nats_url=nats_server.url, subject_prefix=uniq,
-                                        result_timeout_s=600, http_port=None))
+                                        result_timeout_s=600, http_port=None,
+                                        stop_grace_s=0.2))
     run = asyncio.create_task(gw.run(handle_signals=False))
     try:
         await asyncio.wait_for(gw.started.wait(), WAIT_S)

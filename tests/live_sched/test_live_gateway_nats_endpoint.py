@@ -19,12 +19,16 @@ from shared.schemas import CompletionRequest, FirstToken, TtftStages, encode
 from shared.service import RemoteError, call
 from shared.subjects import Subjects
 
+# Requests these tests leave waiting are still in flight at the teardown: a short stop grace
+# (default 10 s) so that the gateway does not wait for answers that never come.
+_GRACE_S = 0.5
+
 
 async def test_a_waiting_nats_completion_does_not_block_the_next(
     live: Services, nc: Client, uniq: str
 ) -> None:
     # No scheduler: nothing answers a request but this test, as a worker would.
-    gw = await live.gateway(result_timeout_s=600.0)
+    gw = await live.gateway(result_timeout_s=600.0, stop_grace_s=_GRACE_S)
     s = Subjects(uniq)
     stuck = asyncio.create_task(call(nc, s.gateway_completions(), CompletionRequest(
         prompt_tokens=[1, 2, 3], request_id="stuck"), FirstToken, timeout_s=600))
@@ -52,7 +56,7 @@ async def test_an_intake_stream_that_refuses_the_message_is_a_503(
 ) -> None:
     """A JetStream refusal of the intake publish (here: the stream full, discard new; in a
     deployment: out of storage) is the broker's temporary trouble, 503 naming it, not a 500."""
-    await live.gateway(result_timeout_s=600.0)
+    await live.gateway(result_timeout_s=600.0, stop_grace_s=_GRACE_S)
     s = Subjects(uniq)
     js = nc.jetstream()
     info = await js.stream_info(s.intake_stream())
@@ -87,7 +91,8 @@ async def test_errors_answered_later_count_in_the_endpoint_stats(
     its own) is counted in ``num_errors`` / ``last_error`` (before: only a malformed body,
     raised in the handler itself, was; a 413, 422, 409 or 504 counted nothing). Among them a
     request id reused with another request: 409, naming the id."""
-    gw = await live.gateway(result_timeout_s=600.0, max_prompt_tokens=4)
+    gw = await live.gateway(result_timeout_s=600.0, max_prompt_tokens=4,
+                                stop_grace_s=_GRACE_S)
     s = Subjects(uniq)
     before = await _completions_stats(nc, gw)
     waiting = asyncio.create_task(call(nc, s.gateway_completions(), CompletionRequest(

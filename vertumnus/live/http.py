@@ -24,6 +24,12 @@ class ConnectionRefused(HttpError):
     """Nothing listens at the URL: the request never reached a server (safe to send again)."""
 
 
+class GatewayCaError(ValueError):
+    """``$VTM_GATEWAY_CA`` names no CA bundle this client can use: a setting to fix here,
+    not a gateway that cannot be reached (the message names the variable, the path and
+    what is wrong with it)."""
+
+
 class ConnectionDropped(HttpError):
     """The server closed or lost the connection after the request was sent, before a whole
     response came (it crashed?): the request may have been taken."""
@@ -55,14 +61,30 @@ def split_url(url: str) -> tuple[str, int, str]:
 
 def client_tls(url: str) -> ssl.SSLContext | None:
     """The TLS context for ``url``: None for http://; for https://, one that verifies the
-    server against ``$VTM_GATEWAY_CA`` (or the system's CAs)."""
+    server against ``$VTM_GATEWAY_CA`` (or the system's CAs). Raises
+    :class:`GatewayCaError` when the variable names a file that cannot be read (missing, a
+    directory, no permission: the OS's reason) or holds no PEM certificate."""
     if urlsplit(url).scheme != "https":
         return None
     ca = os.environ.get(GATEWAY_CA_ENV) or None
+    if ca is None:
+        return ssl.create_default_context()
+    # Read first: OpenSSL's own error for a file it cannot open ("[Errno 21]", or an X509
+    # code) does not say which of the two is wrong.
+    try:
+        with open(ca, "rb"):
+            pass
+    except OSError as exc:
+        raise GatewayCaError(f"{GATEWAY_CA_ENV} {ca!r} cannot be read: "
+                             f"{exc.strerror or exc}") from None
     try:
         return ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"{GATEWAY_CA_ENV} {ca!r} is not a readable CA bundle: {exc}") from None
+    except ssl.SSLError as exc:
+        raise GatewayCaError(f"{GATEWAY_CA_ENV} {ca!r} is not a PEM certificate bundle "
+                             f"({exc.reason or exc})") from None
+    except OSError as exc:  # gone or changed since the read above
+        raise GatewayCaError(f"{GATEWAY_CA_ENV} {ca!r} cannot be read: "
+                             f"{exc.strerror or exc}") from None
 
 
 async def request(url: str, method: str = "GET", body: bytes | None = None, *,
@@ -134,6 +156,7 @@ async def get_json(url: str, *, timeout_s: float = 10.0,
 __all__ = [
     "ConnectionDropped",
     "ConnectionRefused",
+    "GatewayCaError",
     "HttpError",
     "Response",
     "get_json",
