@@ -6,7 +6,9 @@ Token-weighted SLO attainment = Σ L_i·[TTFT_i ≤ τ(L_i)] / Σ L_i with τ fr
 Table 2 (Qwen3-30B-A3B: L < 8,192 → 1 s; < 32,768 → 5 s; else 10 s), configurable.
 Token-level prefix hit rate = reused input tokens / input tokens. GPU-seconds = Σ prefill
 time × GPUs of the worker that ran it. A failed request (the simulator's, one no worker could
-take) is counted by why it failed: :func:`failure_reason`, :func:`failures_by_reason`.
+take) is counted by why it failed: :func:`refusal_reason` (from the scheduler's exception, when
+it fails), :func:`failure_reason` (from its text, in a per-request log written before the
+simulator recorded the reason), :func:`failures_by_reason`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 
@@ -29,6 +31,9 @@ from shared.slo import (  # noqa: F401 -- the SLO tables, re-exported where metr
     parse_slo,
     slo_to_dict,
 )
+
+if TYPE_CHECKING:  # the scheduler package imports scipy (seconds): see _exclusions
+    from services.scheduler.errors import NoEligibleWorker
 
 
 def slo_attainment(
@@ -168,10 +173,26 @@ def failure_reasons() -> dict[str, str]:
     }
 
 
+def refusal_reason(exc: NoEligibleWorker) -> str:
+    """Why the scheduler refused a request, as the short key :func:`failure_reason` names,
+    from the exception's data (never its message, which may be reworded):
+    ``exc.exclusions`` lower-cased and joined by ``+`` in the scheduler's order
+    (``too_long+no_memory``; :class:`~services.scheduler.errors.SequenceTooLong` is
+    ``too_long``), :data:`NO_WORKERS` when ``exc.no_workers``, :data:`OTHER` when it names no
+    exclusion (not an exception the scheduler raises)."""
+    if exc.no_workers:
+        return NO_WORKERS
+    return "+".join(e.name.lower() for e in exc.exclusions) or OTHER
+
+
 def failure_reason(failed: str) -> str:
     """Why a request failed, as a short key, from the text the simulator records for it
     (``RequestRecord.failed``: the message of the scheduler's
     :class:`~services.scheduler.errors.NoEligibleWorker`).
+
+    The simulator records the key itself (``RequestRecord.failed_reason``, the per-request
+    log's ``failed_reason`` column: :func:`refusal_reason`); this reads the text of a log
+    written before it did, and depends on the message's wording of that time.
 
     A request fails when the scheduler excludes every worker; the key names the exclusions
     that did it (:class:`~services.scheduler.decision.Exclusion`, lower case), several joined
@@ -200,7 +221,8 @@ def failure_reason(failed: str) -> str:
 
 
 class FailedRecord(Protocol):
-    """What :func:`failures_by_reason` reads of a request record (the simulator's)."""
+    """What :func:`failures_by_reason` reads of a request record (the simulator's; also its
+    ``failed_reason`` where the record has one)."""
 
     @property
     def failed(self) -> str: ...
@@ -210,13 +232,16 @@ class FailedRecord(Protocol):
 
 
 def failures_by_reason(records: Iterable[FailedRecord]) -> dict[str, int]:
-    """How many of ``records`` failed, by :func:`failure_reason` (the keys sorted; only
-    reasons with a failure). A record failed when it has no TTFT (``ttft_s`` < 0, as the
-    results' ``failed`` counts them), so the counts add up to that."""
+    """How many of ``records`` failed, by reason (the keys sorted; only reasons with a
+    failure): the record's own ``failed_reason`` (the simulator's, from the scheduler's
+    exception: :func:`refusal_reason`), else :func:`failure_reason` of its text (a record
+    without the key). A record failed when it has no TTFT (``ttft_s`` < 0, as the results'
+    ``failed`` counts them), so the counts add up to that."""
     out: dict[str, int] = {}
     for r in records:
         if r.ttft_s < 0:
-            key = failure_reason(r.failed)
+            # Optional (not in FailedRecord): a record of another source has the text alone.
+            key = getattr(r, "failed_reason", "") or failure_reason(r.failed)
             out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items()))
 

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any, Final
 
 from shared.slo import SloTable
+from sim.metrics import failure_reason
 from sim.simulator import RequestRecord
 
 REQUEST_KEYS: Final[tuple[str, ...]] = (
     "request_id", "arrival_s", "input_len", "worker", "degree", "reused_tokens",
     "queue_s", "prefill_s", "handoff_s", "ttft_s", "deadline_s", "met_slo",
-    "predicted_s", "redirected", "warmup", "failed",
+    "predicted_s", "redirected", "warmup", "failed", "failed_reason",
 )
 """The columns, seconds of simulated time.
 
@@ -31,7 +32,10 @@ REQUEST_KEYS: Final[tuple[str, ...]] = (
 * ``deadline_s``: the SLO's deadline for its length; ``met_slo``: ``ttft_s <= deadline_s``.
 * ``predicted_s``: the scheduler's Ê for its prefill (what J priced); ``redirected``: how
   often a drain sent it elsewhere; ``warmup``: it arrived within the warm-up the figures leave
-  out; ``failed``: why it never completed ('' when it did; its times are then empty).
+  out; ``failed``: why it never completed ('' when it did; its times are then empty), the
+  scheduler's message; ``failed_reason``: the same as the results' ``failed_by_reason`` key
+  (``no_memory``, ``too_long``, ...; '' when it completed). A log written before this column
+  has the message alone: :func:`logged_failure_reason` reads either.
 """
 
 
@@ -62,6 +66,7 @@ def request_rows(records: Iterable[RequestRecord], slo: SloTable,
             "deadline_s": deadline, "met_slo": done and r.ttft_s <= deadline,
             "predicted_s": r.predicted_s, "redirected": r.redirected,
             "warmup": warmup_s > 0 and r.arrival_s < start, "failed": r.failed,
+            "failed_reason": r.failed_reason,
         })
     return rows
 
@@ -74,3 +79,15 @@ def write_request_log(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
         w.writeheader()
         for row in rows:
             w.writerow(row)
+
+
+def logged_failure_reason(row: Mapping[str, str]) -> str:
+    """Why the request of ``row`` (a per-request log's row as :class:`csv.DictReader` reads it)
+    failed, as the results' ``failed_by_reason`` key: its ``failed_reason`` cell, or, in a log
+    written before that column (or a row without the key), :func:`sim.metrics.failure_reason`
+    of its ``failed`` text ('' for a request that completed)."""
+    key = row.get("failed_reason") or ""
+    if key:
+        return key
+    failed = row.get("failed") or ""
+    return failure_reason(failed) if failed else ""

@@ -59,6 +59,7 @@ from shared.ids import BlockHash, InvalidInput, RequestId, WorkerId, tp_worker_n
 from shared.worker import GpuGroup, Lifecycle, WorkerKind
 from sim import calibration
 from sim.groundtruth import GroundTruth, NoisyGroundTruth
+from sim.metrics import refusal_reason
 from sim.workloads.workload import Request, Workload
 
 
@@ -176,7 +177,12 @@ def pull_credit(config: SimConfig) -> PullCredit | None:
 
 @dataclass(slots=True)
 class RequestRecord:
-    """What happened to one request (seconds, tokens). ``ttft_s`` < 0: never completed."""
+    """What happened to one request (seconds, tokens). ``ttft_s`` < 0: never completed.
+
+    ``failed``: the scheduler's message when no worker could take it ('' otherwise), for
+    people; ``failed_reason``: why, as a key (:func:`sim.metrics.refusal_reason` of the
+    exception: ``no_memory``, ``too_long``, ...), what the results count.
+    """
 
     request_id: str
     arrival_s: float
@@ -191,6 +197,7 @@ class RequestRecord:
     ttft_s: float = -1.0
     redirected: int = 0
     failed: str = ""
+    failed_reason: str = ""
 
     # Where a completed request's TTFT went (``queue_s + prefill_s + handoff_s == ttft_s``);
     # the one definition of the split, for the results rows and the per-request logs.
@@ -568,6 +575,8 @@ class Simulator:
                 self._parked.append(job)
                 return
             job.rec.failed = str(exc)
+            # From the exception's data, not its text (the message may be reworded).
+            job.rec.failed_reason = refusal_reason(exc)
             del self.jobs[req.request_id]
             self._lost += 1  # it will never finish: periodic events must not wait for it
             return

@@ -69,9 +69,8 @@ def sequence_too_long(request: RequestInfo, view: ClusterView,
         longest = longest_max_seq_len(view)
     if longest is None or request.length <= longest:
         return None
-    reason = str(Exclusion.TOO_LONG)
     return SequenceTooLong(request.request_id, request.length, longest,
-                           {w.worker_id: reason for w in view.workers})
+                           {w.worker_id: Exclusion.TOO_LONG for w in view.workers})
 
 
 def check_place_inputs(

@@ -40,7 +40,10 @@ class Evaluation:
         if not self.eligible:
             raise NoEligibleWorker(
                 self.request.request_id,
-                {w.worker_id: str(e) for w, e in zip(self.workers, self.excluded, strict=True)},
+                # The exclusions themselves, carried as data (every worker has one here: one
+                # without is eligible).
+                {w.worker_id: e for w, e in zip(self.workers, self.excluded, strict=True)
+                 if e is not None},
             )
 
 

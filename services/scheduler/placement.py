@@ -544,7 +544,10 @@ def place_j(
             pref, pref_v, pref_ck = i, v, ck
 
     if best < 0:
-        raise NoEligibleWorker(request.request_id, {ids[i]: str(excl[i]) for i in range(n)})
+        # The exclusions themselves, not their text: the error carries them as data (every
+        # worker has one here: one without is a candidate).
+        raise NoEligibleWorker(request.request_id,
+                               {ids[i]: e for i, e in enumerate(excl) if e is not None})
 
     p_best: int = ps[best]  # type: ignore[assignment]
     # Credited on the chosen worker: P beyond its own prefix (only the credit gives that).
