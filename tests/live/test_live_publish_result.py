@@ -54,9 +54,15 @@ async def test_stored_when_the_stream_is_there(nc: Client, uniq: str) -> None:
 async def test_sent_again_until_the_stream_is_back(nc: Client, uniq: str) -> None:
     s = Subjects(uniq)
     js = nc.jetstream()
+    sent = nc.stats["out_msgs"]
 
     async def later() -> None:
-        await asyncio.sleep(0.5)
+        # The stream is made once a second try went out (so the first one failed), not after
+        # a fixed pause: a try that came only after the pause would pass without a retry.
+        # (No subscriber watches the subject: one would turn "no responders" into timeouts.)
+        async with asyncio.timeout(30):
+            while nc.stats["out_msgs"] < sent + 2:
+                await asyncio.sleep(0.01)
         await ensure_results_stream(js, s)
 
     maker = asyncio.create_task(later())

@@ -198,15 +198,17 @@ async def test_the_ground_truth_launcher_runs_other_backends_as_the_service_main
     from services.rankd import main as rankd_main
     from vertumnus.live import rankd_sim
 
-    seen: list[object] = []
+    seen: list[tuple[object, object]] = []
 
     async def service_serve(settings: object, backend: object = None) -> None:
-        seen.append(settings)
+        seen.append((settings, backend))
 
     monkeypatch.setattr(rankd_main, "serve", service_serve)
     torch_settings = rankd_sim.SimRankdSettings(backend="torch")
     await rankd_sim.serve(torch_settings)
-    assert seen == [torch_settings]
+    # No backend handed over: the service main makes its own (the real engine's). A backend
+    # passed along would run instead of it, whatever VTM_BACKEND says.
+    assert seen == [(torch_settings, None)]
 
 
 @pytest.mark.parametrize("argv", [["rankd"], ["rankd", "--sim-truth"]])

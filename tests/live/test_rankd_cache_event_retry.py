@@ -187,6 +187,14 @@ async def rig(nats_server: EmbeddedNats, nc: Client, uniq: str) -> AsyncIterator
         await relay.close()
 
 
+async def publish_failed(svc: RankdService, kept: list[int]) -> None:
+    """Until the worker has tried to publish its new events while cut off, and kept those
+    with ids ``kept`` unsent. A sleep in its place let a slow handler publish only after the
+    reconnect: the test then passed without a publish having failed."""
+    await until(lambda: svc._events_unsent.is_set(), "the events' publish failed")
+    assert [e.event_id for e in svc._unsent_events] == kept
+
+
 async def test_a_quiet_workers_unsent_cache_events_go_out_once_it_reconnects(
     nats_server: EmbeddedNats, nc: Client, uniq: str
 ) -> None:
@@ -210,7 +218,7 @@ async def test_a_quiet_workers_unsent_cache_events_go_out_once_it_reconnects(
                                                    blocks=[3, 4], source_worker="w-cp2-g0"))
         backend.go.set()  # applied now: Removed [1, 2] (2), Stored [3, 4] (3)
         await until(lambda: svc.core.cache_snapshot().last_event_id == 3, "the command applied")
-        await asyncio.sleep(0.2)  # its handler ends (the publish failed meanwhile)
+        await publish_failed(svc, [2, 3])
         assert [e.event_id for e in events] == [1]
         await r.reconnect()
         await until(lambda: len(events) >= 3, "the unsent events published")
@@ -232,6 +240,7 @@ async def test_unsent_cache_events_go_out_before_the_next_commands(
                                                    blocks=[1, 2], source_worker="w-cp2-g0"))
         backend.go.set()  # Stored [1, 2] (1), unsent
         await until(lambda: svc.core.cache_snapshot().last_event_id == 1, "the command applied")
+        await publish_failed(svc, [1])
         await r.reconnect()
         for i, blocks in enumerate(([3], [4]), 2):
             later = ReplicateCommand(command_id=f"c-{i}", worker_id=WID, epoch=0,

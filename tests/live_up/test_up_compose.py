@@ -36,7 +36,6 @@ from vertumnus.live.registry import SERVICES, SIM_RANKD, ServiceInfo, env_names,
 COMPOSE = REPO / "docker-compose.yml"
 SCHEMA = Path(__file__).parent / "data" / "compose-subset.schema.json"
 VTM_SERVICES = ("gateway", "scheduler", "controller", "cachemgr", "rankd")
-NOT_LANDED_OK = {"controller", "cachemgr"}  # being written in parallel (see report)
 PROFILED = ("scheduler", "controller", "cachemgr")  # the services that read VTM_PROFILE_PATH
 
 
@@ -138,10 +137,8 @@ def test_service_command_and_settings(compose: dict[str, Any], name: str,
     module = cmd[2]
     info = _info_for(module)
     assert info is not None, f"{name}: {module} is not a known service entry point"
-    if not module_runnable(module):
-        if name in NOT_LANDED_OK:
-            pytest.xfail(f"{module} has not landed yet")
-        pytest.fail(f"{name}: `python -m {module}` finds nothing to run")
+    # Every service has landed: one that no longer runs or imports is a failure, not an xfail.
+    assert module_runnable(module), f"{name}: `python -m {module}` finds nothing to run"
     cls = info.settings_class()
     assert cls is not None, f"{name}: no settings class found in {info.settings_modules}"
     env = {str(k): str(v) for k, v in svc["environment"].items()}
@@ -241,8 +238,7 @@ def test_every_service_that_reads_the_profile_path_loads_the_fitted_profile(
     info = _info_for(compose["services"][name]["command"][2])
     assert info is not None
     cls = info.settings_class()
-    if cls is None:
-        pytest.xfail(f"{name}: settings not importable yet")
+    assert cls is not None, f"{name}: no settings class found in {info.settings_modules}"
     if "VTM_PROFILE_PATH" not in env_names(cls):
         assert name not in PROFILED, f"{name} no longer reads VTM_PROFILE_PATH"
         return
