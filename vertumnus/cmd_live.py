@@ -115,9 +115,11 @@ def _check_gateway_url(url: str) -> None:
 
 
 def _check_gateway_ca(url: str) -> None:
-    """``replay`` of an ``https://`` gateway: ``$VTM_GATEWAY_CA`` a readable PEM bundle,
-    checked before the workload is loaded (exit 2 naming the variable, the path and what is
-    wrong). Else the client's refusal came back as a gateway that "is not reachable"."""
+    """``replay`` of an ``https://`` gateway, or ``up`` whose gateway serves HTTPS
+    (``$VTM_HTTP_TLS_CERT``): ``$VTM_GATEWAY_CA`` a readable PEM bundle, checked before the
+    workload is loaded or anything starts (exit 2 naming the variable, the path and what is
+    wrong). Else replay's refusal came back as a gateway that "is not reachable", and up's
+    only when its health wait ran out."""
     from vertumnus.live.http import GatewayCaError, client_tls
 
     try:
@@ -383,6 +385,10 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             _fail(str(exc))
         _check_profile_hardware(cfg, mismatch_ok=profile_mismatch_ok)
+        if os.environ.get("VTM_HTTP_TLS_CERT"):
+            # The gateway serves HTTPS: up's own health checks and replay verify it against
+            # $VTM_GATEWAY_CA; a bad one was found only when the health wait ran out.
+            _check_gateway_ca("https://127.0.0.1")
         try:  # a fixed port in use: said now, not once nats and every service have started
             check_ports(cfg)
             # The server's binary and --nats-config, tested by nats-server itself: said now,

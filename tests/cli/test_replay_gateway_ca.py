@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from cli_support import _refused
+import trustme
+from cli_support import Started, _refused
 from typer.testing import CliRunner
 
 from vertumnus.cli import app
@@ -58,3 +59,33 @@ def test_the_client_says_the_same_where_it_is_used_without_the_cli(
     with pytest.raises(GatewayCaError, match="cannot be read: No such file or directory"):
         client_tls(HTTPS)
     assert client_tls("http://127.0.0.1:9") is None  # plain HTTP reads no CA
+
+
+def _up(ca: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> object:
+    """``up`` whose gateway would serve HTTPS (the certificate files need not be real: the
+    CA's check comes before anything reads them)."""
+    monkeypatch.setenv("VTM_HTTP_TLS_CERT", str(tmp_path / "server.pem"))
+    monkeypatch.setenv("VTM_HTTP_TLS_KEY", str(tmp_path / "server.key"))
+    monkeypatch.setenv(GATEWAY_CA_ENV, str(ca))
+    return CliRunner().invoke(app, ["up", "--duration", "10", "--max-requests", "2"])
+
+
+def test_up_with_an_https_gateway_checks_the_ca_before_it_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        tripwire: list[dict[str, object]]) -> None:
+    """Before: ``up`` started the stack, and its health wait, unable to verify the gateway,
+    ran out (a minute later) with a ValueError."""
+    text = _refused(_up(tmp_path, monkeypatch, tmp_path),
+                    f"{GATEWAY_CA_ENV} {str(tmp_path)!r} cannot be read: Is a directory")
+    assert "Traceback" not in text
+    assert tripwire == []
+
+
+def test_up_with_a_usable_ca_goes_on_to_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        tripwire: list[dict[str, object]]) -> None:
+    ca = tmp_path / "ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(ca))
+    result = _up(ca, monkeypatch, tmp_path)
+    assert isinstance(result.exception, Started), result.output  # type: ignore[attr-defined]
+    assert len(tripwire) == 1
