@@ -81,6 +81,13 @@ Rules (§5.2, §6.2, §8):
   "finished here": the re-send was admitted as done and answered from the kept answer. A
   genuine later attempt (another stamp) of a request finished here is still admitted as done.
   The latest ``FINISHED_MEMORY`` joined attempts of each kind are remembered.
+* The same holds for the job's own hand-back (:meth:`WorkerCore.check_handback`): once
+  another attempt of the request (another stamp) finished here, a re-sent assignment of the
+  job (its source and stamp) is still :class:`HandedBack` / :class:`HandBackUnknown`, before
+  "finished here" -- intake holds (or may hold) the job's hand-back, which answers the job's
+  attempt wherever it runs. Before, it was admitted as done and the adapter sent it the later
+  attempt's kept answer stamped for the job: two answers for one attempt. The job's own
+  attempt finished here (its hand-back placed back here, the same stamp) is done, as before.
 * Attempts without a source (an assignment without :data:`INTAKE_MSG_HEADER`) are never
   remembered as handed back, joined or not: the scheduler (services/scheduler/service.py)
   sends the header with every assignment it sends, first or re-sent (the intake message's
@@ -553,8 +560,9 @@ class WorkerCore:
         # intake -- nor the job's success of the attempt's (told apart by the arrival stamp).
         # Before a redirect of the job (the adapter's order: the attempt's answer does not
         # wait for the job's) and before "finished here": another attempt finishing here says
-        # nothing of this one's hand-back, unknown or in intake (HandedBack).
-        self.check_joined_handback(a, source=source)
+        # nothing of this one's hand-back, unknown or in intake (HandedBack). So for the job's
+        # own hand-back when another attempt finished here (check_handback).
+        self.check_handback(a, source=source)
         redirecting = self._redirecting.get(rid)
         if redirecting is not None:
             # Handed back to intake and maybe already stored there: queueing it here too could
@@ -563,22 +571,7 @@ class WorkerCore:
             raise Redirecting(f"{rid} is being redirected by {self.worker_id}")
         if rid in self._finished and not again:
             return 0  # already served (its result went out); do not run it twice
-        # Only the re-sent assignment of the job handed back (its source and arrival stamp):
-        # a later attempt under the same source (a gateway publishes every attempt under the
-        # request id; a store loss let it be stored anew) is another client's wait, which the
-        # job's hand-back does not answer (its answer carries the job's stamp). Before, the
-        # source alone matched: such an attempt was answered 410 (acked, placed nowhere:
-        # lost) or took the job's unknown hand-back for its own.
-        arrival = a.request.arrival_s
-        unknown = (self._handback_unknown.get((rid, source, arrival)) if source is not None
-                   else None)
-        if unknown is not None:
-            raise HandBackUnknown(f"{rid} (intake message {source}) was handed back by "
-                                  f"{self.worker_id}; whether intake holds it is unknown",
-                                  unknown)
-        if source is not None and self._was_handed_back(rid, source, arrival):
-            raise HandedBack(f"{rid} (intake message {source}) was handed back to intake by "
-                             f"{self.worker_id}")
+        self._check_job_handback(a, source=source)
         known = self._known.get(rid)
         if known is not None:
             if known is self._running:
@@ -600,6 +593,46 @@ class WorkerCore:
         self._known[rid] = job
         self._finished.pop(rid, None)  # run again (``again``): it is no longer finished here
         return position
+
+    def check_handback(self, a: Assignment, *, source: str | None) -> None:
+        """What the adapter asks before it answers a re-sent assignment from the answer it
+        kept, and :meth:`admit` first: :meth:`check_joined_handback`, then -- when this
+        worker finished the request as another attempt (another arrival stamp than ``a``'s)
+        -- the job's own hand-back of ``source`` and ``a``'s stamp (:class:`HandBackUnknown`
+        or :class:`HandedBack`, as :meth:`admit` answers it when nothing finished here
+        since). Intake holds (or may hold) that hand-back, which answers the job's attempt
+        wherever it runs. Before, "finished here" came first: the re-send was admitted as
+        done and the adapter sent it the later attempt's kept answer, stamped for the job's
+        attempt -- two answers for one attempt. The request finished here as ``a``'s own
+        attempt (the job's hand-back placed back here) is left to :meth:`admit`: answered
+        here, done. Changes nothing."""
+        self.check_joined_handback(a, source=source)
+        done = self._finished.get(a.request.request_id)
+        if done is not None and done != a.request.arrival_s:
+            self._check_job_handback(a, source=source)
+
+    def _check_job_handback(self, a: Assignment, *, source: str | None) -> None:
+        """Raise :class:`HandBackUnknown` / :class:`HandedBack` if ``a`` is the re-sent
+        assignment of a job handed back here (its ``source`` and arrival stamp) whose
+        hand-back's outcome is unknown / intake acknowledged; else nothing (None ``source``:
+        never, module rules)."""
+        if source is None:
+            return
+        # Only the re-sent assignment of the job handed back (its source and arrival stamp):
+        # a later attempt under the same source (a gateway publishes every attempt under the
+        # request id; a store loss let it be stored anew) is another client's wait, which the
+        # job's hand-back does not answer (its answer carries the job's stamp). Before, the
+        # source alone matched: such an attempt was answered 410 (acked, placed nowhere:
+        # lost) or took the job's unknown hand-back for its own.
+        rid, arrival = a.request.request_id, a.request.arrival_s
+        unknown = self._handback_unknown.get((rid, source, arrival))
+        if unknown is not None:
+            raise HandBackUnknown(f"{rid} (intake message {source}) was handed back by "
+                                  f"{self.worker_id}; whether intake holds it is unknown",
+                                  unknown)
+        if self._was_handed_back(rid, source, arrival):
+            raise HandedBack(f"{rid} (intake message {source}) was handed back to intake by "
+                             f"{self.worker_id}")
 
     def check_joined_handback(self, a: Assignment, *, source: str | None) -> None:
         """Raise :class:`HandBackUnknown` (``joined``, carrying the attempt) if ``a`` is the

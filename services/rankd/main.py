@@ -23,11 +23,13 @@ a worker fault (a rank process died: the requests were handed back to intake fir
 that lost its NATS server
 (:class:`~shared.service.StartUpLost`: logged as an error, what had started stopped), so a
 supervisor (docker compose ``restart:``, systemd, k8s) starts the process again; 2 for
-settings that cannot work together.
+settings that cannot work together, the torch backend's ``VTM_TORCH_*`` included (checked
+before any rank process is spawned: :func:`check_torch_settings`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final, TypeVar
 
@@ -92,11 +94,34 @@ async def serve(settings: RankdSettings, backend: ExecutionBackend | None = None
     await service.run()
 
 
-def run_rankd(settings: S, serve_fn: Callable[[S], Coroutine[Any, Any, None]]) -> None:
+def check_torch_settings(settings: RankdSettings, prog: str) -> None:
+    """Exit 2 when the ``torch`` backend could not start on ``settings`` and the
+    ``VTM_TORCH_*`` environment (:func:`services.rankd.torch_spec.torch_problems`): prints
+    ``{prog}: invalid settings:`` and one line per problem, naming the variable, its value and
+    what it may be, as :func:`shared.servicemain.check_settings` does. A ``sim`` daemon
+    passes whatever ``VTM_TORCH_*`` holds: it reads none. Before, every value failed only
+    once the daemon ran: as a traceback of the pool's start (exit status 1;
+    ``VTM_TORCH_HANDOFF`` included), or inside each spawned rank (a broken world, exit
+    status 75, for a restart that fails the same way)."""
+    from services.rankd.torch_spec import torch_problems
+
+    problems = torch_problems(settings)
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems)
+        print(f"{prog}: invalid settings:\n{lines}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def run_rankd(settings: S, serve_fn: Callable[[S], Coroutine[Any, Any, None]],
+              prog: str | None = None) -> None:
     """:func:`shared.servicemain.run_service` for a rank daemon (this main's, or a launcher's
-    with its own ``serve``): a :class:`WorkerFault` ends the process with
-    :data:`WORKER_FAULT_EXIT`, not a traceback; so does a rank host's start-up that lost its
-    NATS server (:class:`~shared.service.StartUpLost`), as a single worker's does."""
+    with its own ``serve``), once :func:`check_torch_settings` passed (``prog``: the command
+    its message names; None: ``settings.service_name``) -- here, where every entry point of a
+    rank daemon passes, before logging, tracing or the event loop start: a :class:`WorkerFault`
+    ends the process with :data:`WORKER_FAULT_EXIT`, not a traceback; so does a rank host's
+    start-up that lost its NATS server (:class:`~shared.service.StartUpLost`), as a single
+    worker's does."""
+    check_torch_settings(settings, prog or settings.service_name)
     try:
         run_service(settings, serve_fn)
     except (WorkerFault, StartUpLost):
@@ -106,6 +131,7 @@ def run_rankd(settings: S, serve_fn: Callable[[S], Coroutine[Any, Any, None]]) -
         raise SystemExit(WORKER_FAULT_EXIT) from None
 
 
+PROG: Final[str] = "python -m services.rankd.main"
 DESCRIPTION: Final[str] = (
     "vertumnus rank daemon: one prefill worker (VTM_WORKER_ID) or, with VTM_HOST_GPUS, every "
     "worker of a GPU range. Configured by VTM_* environment variables only: it takes no "
@@ -117,14 +143,13 @@ def parse_settings(argv: Sequence[str] | None = None) -> RankdSettings:
     ``sys.argv[1:]``) may hold only ``--help`` (usage and every ``VTM_*`` variable, exit 0):
     any other argument exits 2 naming it, as does a bad setting (e.g. a NATS URL without
     scheme) -- a rank daemon that ignored them would wait for NATS forever."""
-    return parse_flags(RankdSettings, (), argv, prog="python -m services.rankd.main",
-                       description=DESCRIPTION)
+    return parse_flags(RankdSettings, (), argv, prog=PROG, description=DESCRIPTION)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run a rank daemon; ``argv`` as :func:`parse_settings` (pass ``[]`` when calling it from
     a process whose own ``sys.argv`` is not the daemon's, e.g. a test)."""
-    run_rankd(parse_settings(argv), serve)
+    run_rankd(parse_settings(argv), serve, prog=PROG)
 
 
 if __name__ == "__main__":

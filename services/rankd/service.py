@@ -106,7 +106,11 @@ Per process (one worker, its leader rank, for now):
   since, as another attempt: admitted as done, its kept answer sent again), and so does the
   410 of one whose hand-back intake acknowledged (remembered by source and arrival stamp):
   before, such an attempt was answered here too, beside its hand-back intake may hold (or
-  holds: a scheduler whose 410 was lost re-sends it). Attempts without an intake message id
+  holds: a scheduler whose 410 was lost re-sends it). So does a job's own hand-back, for a
+  re-sent assignment of the job (its source and arrival stamp) once another attempt of the
+  request finished here: before, the kept answer went to the job's attempt while intake's
+  hand-back answered it too (:meth:`WorkerCore.check_handback
+  <services.rankd.core.WorkerCore.check_handback>`). Attempts without an intake message id
   (only tests and schedulers older than the header send none) are remembered by nothing
   (:mod:`services.rankd.core`).
 * a backend error is answered by its kind. :class:`~shared.ids.InvalidInput` (the request's
@@ -804,8 +808,10 @@ class RankdService(MicroService):
             # finished here since (another attempt), which says nothing of this attempt's
             # hand-back -- intake may hold it (425 / 410), or does (410), to run and answer
             # it elsewhere. Before, the kept answer was sent to this attempt and it was acked
-            # as done: answered twice.
-            self.core.check_joined_handback(a, source=source)
+            # as done: answered twice. So for the job's own hand-back (its source and stamp)
+            # once another attempt finished here: the kept answer went to the job's attempt,
+            # which intake's hand-back answers too.
+            self.core.check_handback(a, source=source)
         except HandBackUnknown as exc:
             await self._settle_unknown(exc)
         except HandedBack as exc:

@@ -80,7 +80,9 @@ from services.rankd.engine.errors import SequenceTooLong, TokenOutOfVocab
 from services.rankd.torch_settings import TINY_MODEL as TINY_MODEL
 from services.rankd.torch_settings import TorchSettings as TorchSettings
 from services.rankd.torch_settings import torch_settings_from_env as torch_settings_from_env
-from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldBroken, WorldSpec
+from services.rankd.torch_spec import initial_degrees as initial_degrees
+from services.rankd.torch_spec import torch_dtype, world_spec
+from services.rankd.torch_world import RankReply, SwitchReply, TorchWorld, WorldBroken
 from shared.ids import InvalidInput, UnknownWorker
 from shared.natsauth import security_options
 from shared.schemas import Assignment, IntakeRequest
@@ -790,36 +792,16 @@ class TorchBackend:
 def _decode_model(ts: TorchSettings, device: str = "cpu") -> Any:
     """The decode role's own copy of the model (the ranks' weights: same path, or same seeded
     random weights) on ``device`` (:attr:`TorchPool.decode_device`, checked by then)."""
-    import torch
-
     from services.rankd.engine.checkpoint import load_model
     from services.rankd.engine.config import Qwen3Config
     from services.rankd.engine.model import Qwen3ForCausalLM
 
-    dtype = getattr(torch, ts.dtype)
-    if ts.model_path is not None:
+    dtype = torch_dtype(ts.dtype)
+    if ts.model_path:  # an empty path is none, as for the ranks (torch_spec.world_spec)
         return load_model(ts.model_path, dtype=dtype, device=device)
     # Built on the CPU and moved, as a rank builds its copy (torch_world._build_model).
     model = Qwen3ForCausalLM.random(Qwen3Config.from_dict(ts.model_dict()), ts.seed, dtype)
     return model.to(device)
-
-
-def initial_degrees(gpus: range, initial_workers: Sequence[str]) -> list[int]:
-    """Each rank's degree at start-up (rank i runs GPU ``gpus.start + i``): its initial
-    worker's, else 1. Raises :class:`~shared.ids.InvalidInput` naming the worker and the GPU
-    range when a worker's GPUs are not all in ``gpus`` (before, one past the end was an
-    IndexError and one before the start a negative index: a world in the wrong degrees)."""
-    initial = [1] * len(gpus)
-    for wid in initial_workers:
-        g = GpuGroup.from_worker_id(wid)
-        if g.gpus.start < gpus.start or g.gpus.stop > gpus.stop:
-            raise InvalidInput(
-                f"initial worker {wid} (GPUs {g.gpus.start}-{g.gpus.stop - 1}) is outside "
-                f"this host's GPUs {gpus.start}-{gpus.stop - 1}"
-            )
-        for gpu in g.gpus:
-            initial[gpu - gpus.start] = g.degree
-    return initial
 
 
 @dataclass
@@ -854,32 +836,20 @@ class TorchPool:
         connect_options: Mapping[str, Any] | None = None,
     ) -> TorchPool:
         """Spawn the world over ``gpus`` (blocking; ranks not covered by ``initial_workers``
-        start at degree 1). Raises :class:`~shared.ids.InvalidInput` before spawning anything
-        when an initial worker's GPUs are not all in ``gpus`` (:func:`initial_degrees`), or
-        when ``settings.device`` is no device the ranks and the decode role can run on here
-        (the message names ``VTM_TORCH_DEVICE``: not cpu / cuda, cuda without CUDA or
-        without every GPU of ``gpus``), rather than failing later inside torch."""
+        start at degree 1; ``settings`` None: read from the environment). Raises
+        :class:`~shared.ids.InvalidInput` before spawning anything when an initial worker's
+        GPUs are not all in ``gpus`` (:func:`initial_degrees`), or when any value of the
+        settings would fail in the ranks or the decode role (:func:`~services.rankd.
+        torch_spec.world_spec`: each problem naming its ``VTM_TORCH_*`` variable, e.g. a
+        ``device`` that is not cpu / cuda, cuda without CUDA or without every GPU of
+        ``gpus``), rather than failing later inside torch."""
         from services.rankd.engine.device import decode_device
 
-        ts = settings or TorchSettings()
-        n = len(gpus)
-        degs = tuple(d for d in (int(x) for x in ts.degrees.split(",") if x.strip()) if n % d == 0)
-        initial = initial_degrees(gpus, initial_workers)
+        ts = settings or torch_settings_from_env()
+        # Every value checked as the ranks will use it, before anything is built or spawned
+        # (torch_spec.py; rankd's entry point runs the same checks at its start).
+        spec = world_spec(ts, gpus, initial_workers)
         decode_on = str(decode_device(ts.device, gpus))
-        spec = WorldSpec(
-            world_size=n,
-            degrees=tuple(sorted(set(degs) | {1})),
-            initial_degrees=tuple(initial),
-            model_config=None if ts.model_path else ts.model_dict(),
-            model_path=ts.model_path,
-            seed=ts.seed,
-            dtype=ts.dtype,
-            block_size=ts.block_size,
-            pages_per_rank=ts.pages_per_rank,
-            gpu_offset=gpus.start,
-            device=ts.device,
-            threads=ts.threads,
-        )
         subj = subjects or Subjects()
         handoff: KVHandoff | None
         if ts.handoff == "local":

@@ -11,12 +11,16 @@ library (tests/shared/test_envcheck.py imports it with torch made unimportable).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.ids import InvalidInput
+
+PREFIX: Final[str] = "VTM_TORCH_"
+"""The prefix of the torch backend's environment variables."""
 
 TINY_MODEL: Final[dict[str, Any]] = {
     "vocab_size": 512,
@@ -35,7 +39,7 @@ class TorchSettings(BaseSettings):
     """Settings of the torch backend (environment ``VTM_TORCH_*``), read by rankd's torch
     backend and by ``vertumnus profile --backend torch`` (the engine rankd would run)."""
 
-    model_config = SettingsConfigDict(env_prefix="VTM_TORCH_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", frozen=True)
 
     model_path: str | None = Field(
         default=None, description="Local HF-format Qwen3 directory; unset: a tiny random model."
@@ -66,16 +70,62 @@ class TorchSettings(BaseSettings):
         return dict(json.loads(self.model_json))
 
 
+class InvalidTorchSettings(InvalidInput):
+    """Values of the torch backend's settings that it cannot run with: ``problems`` holds one
+    line per value, each naming its ``VTM_TORCH_*`` variable and the value; ``fields`` the
+    settings fields pydantic refused (empty when the problems are the pool's own checks,
+    services/rankd/torch_spec.py)."""
+
+    def __init__(self, problems: Sequence[str], fields: Sequence[str] = ()) -> None:
+        super().__init__("; ".join(problems))
+        self.problems: tuple[str, ...] = tuple(problems)
+        self.fields: tuple[str, ...] = tuple(fields)
+
+
+def _refused(exc: ValidationError) -> InvalidTorchSettings:
+    """pydantic's errors as :class:`InvalidTorchSettings`: ``VTM_TORCH_X='value': why``."""
+    problems, fields = [], []
+    for e in exc.errors():
+        if not e.get("loc"):
+            problems.append(str(e["msg"]))
+            continue
+        fields.append(str(e["loc"][0]))
+        problems.append(f"VTM_TORCH_{fields[-1].upper()}={e.get('input')!r}: {e['msg']}")
+    return InvalidTorchSettings(problems, fields)
+
+
 def torch_settings_from_env() -> TorchSettings:
     """``TorchSettings()`` from the environment, as rankd reads it; a value that does not
-    parse raises :class:`~shared.ids.InvalidInput` naming its variable (not pydantic's
-    ValidationError)."""
+    parse raises :class:`InvalidTorchSettings` (an :class:`~shared.ids.InvalidInput`) naming
+    its variable and value (not pydantic's ValidationError)."""
     try:
         return TorchSettings()
     except ValidationError as exc:
-        bad = [f"VTM_TORCH_{str(e['loc'][0]).upper()}={e.get('input')!r}: {e['msg']}"
-               if e.get("loc") else e["msg"] for e in exc.errors()]
-        raise InvalidInput("; ".join(bad)) from None
+        raise _refused(exc) from None
 
 
-__all__ = ["TINY_MODEL", "TorchSettings", "torch_settings_from_env"]
+def read_torch_settings(overrides: Mapping[str, str] | None = None,
+                        ) -> tuple[TorchSettings, list[str]]:
+    """The settings from the environment -- each ``VTM_TORCH_*`` variable of ``overrides``
+    (a child's environment over this one's, e.g. what ``vertumnus up`` sets for its rank
+    daemon) winning over the process's -- and the problems of the values pydantic refused
+    (:func:`torch_settings_from_env`'s lines), with each refused field at its default in the
+    settings returned, so that the other fields can still be checked (an operator then sees
+    every problem at once). No problem and no overrides: exactly
+    ``torch_settings_from_env()``."""
+    given = {k.upper().removeprefix(PREFIX).lower(): v for k, v in (overrides or {}).items()
+             if k.upper().startswith(PREFIX)}
+    try:  # init values win over the environment's
+        return TorchSettings(**given), []
+    except ValidationError as exc:
+        refused = _refused(exc)
+    defaults = {f: TorchSettings.model_fields[f].get_default(call_default_factory=True)
+                for f in refused.fields if f in TorchSettings.model_fields}
+    try:
+        return TorchSettings(**{**given, **defaults}), list(refused.problems)
+    except ValidationError:  # pragma: no cover - a refusal not of one field: nothing to check
+        return TorchSettings.model_construct(), list(refused.problems)
+
+
+__all__ = ["PREFIX", "TINY_MODEL", "InvalidTorchSettings", "TorchSettings", "read_torch_settings",
+           "torch_settings_from_env"]

@@ -200,13 +200,13 @@ class RankInfo:
 
 
 def _build_model(spec: WorldSpec, rank: int) -> Any:
-    import torch
-
     from services.rankd.engine.checkpoint import load_model
     from services.rankd.engine.config import Qwen3Config
     from services.rankd.engine.model import Qwen3ForCausalLM
+    from services.rankd.torch_spec import torch_dtype
 
-    dtype = getattr(torch, spec.dtype)
+    # The parent checked the dtype by the same mapping (torch_spec.world_spec).
+    dtype = torch_dtype(spec.dtype)
     device = f"cuda:{rank + spec.gpu_offset}" if spec.device == "cuda" else "cpu"
     if spec.model_path is not None:
         return load_model(spec.model_path, dtype=dtype, device=device)

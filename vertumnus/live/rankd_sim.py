@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     worker fault exits 75, as the real main does. Pass ``[]`` when calling it from a process
     whose own ``sys.argv`` is not the daemon's (a test)."""
     run_rankd(parse_flags(SimRankdSettings, (), argv, prog="vertumnus rankd",
-                          description=DESCRIPTION), serve)
+                          description=DESCRIPTION), serve, prog="vertumnus rankd")
 
 
 if __name__ == "__main__":

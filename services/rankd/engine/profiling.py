@@ -42,6 +42,7 @@ from typing import Any, Final
 import numpy as np
 
 from services.rankd.torch_settings import TINY_MODEL
+from services.rankd.torch_spec import DTYPES as DTYPES  # the engine's dtypes, re-exported
 from shared.costmodel import Profile, Sample, fit_profile
 
 PROFILE_MODEL: Final[dict[str, Any]] = dict(TINY_MODEL)
@@ -49,9 +50,6 @@ PROFILE_MODEL: Final[dict[str, Any]] = dict(TINY_MODEL)
 (``TorchSettings``' default, :data:`~services.rankd.torch_settings.TINY_MODEL`); small enough
 for a CPU world of 4 on 2 cores. ``vertumnus profile --backend torch`` profiles whatever
 rankd's settings name (:func:`rankd_engine`)."""
-
-DTYPES: Final[tuple[str, ...]] = ("float32", "float64", "bfloat16", "float16")
-"""The engine's dtypes (``VTM_TORCH_DTYPE``)."""
 
 DEFAULT_LENGTHS: Final[tuple[int, ...]] = (16, 32, 64, 128, 256, 512)
 DEFAULT_PREFIXES: Final[tuple[int, ...]] = (0, 128, 512)
@@ -264,12 +262,14 @@ def rankd_engine(
     Checked before anything starts; raises :class:`~shared.ids.InvalidInput` naming the
     option (``--model-path``) or the variable (``VTM_TORCH_MODEL_PATH``) the bad value came
     from: a model path that is no checkpoint directory (its ``config.json`` is read), a
-    ``model_json`` that is not JSON or no valid Qwen3 config, a device other than cpu / cuda,
-    cuda without a CUDA device, a dtype not in :data:`DTYPES`, a block size < 1."""
+    ``model_json`` that is not JSON or no Qwen3 config the model can be built from, a device
+    other than cpu / cuda, cuda without a CUDA device, a dtype not in :data:`DTYPES`, a block
+    size < 1 -- the checks of rankd's start (services/rankd/torch_spec.py) but for the
+    checkpoint's tensors."""
     from services.rankd.engine.checkpoint import load_config
-    from services.rankd.engine.config import Qwen3Config
     from services.rankd.engine.device import check_device
     from services.rankd.torch_settings import torch_settings_from_env
+    from services.rankd.torch_spec import check_dtype, random_model_config
     from shared.ids import InvalidInput
 
     ts = torch_settings_from_env() if settings is None else settings
@@ -286,29 +286,18 @@ def rankd_engine(
     if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
         raise InvalidInput(f"{bs_src} must be an integer >= 1 (tokens per cache block), "
                            f"got {bs!r}")
-    check_device(dev, dev_src)  # as rankd checks it (TorchPool.start)
-    if dt not in DTYPES:
-        raise InvalidInput(f"{dt_src} must be one of {', '.join(DTYPES)}, got {dt!r}")
+    # The checks rankd runs on the same values before it spawns its ranks (torch_spec).
+    check_device(dev, dev_src)
+    check_dtype(dt, dt_src)
     cfg: dict[str, Any] | None = None
     if path:
-        try:
+        try:  # its config alone (rankd reads the safetensors headers too: torch_spec)
             load_config(path)
         except InvalidInput as exc:
             raise InvalidInput(f"{path_src} {path}: {exc} (a local HF-format Qwen3 "
                                "checkpoint directory)") from None
     else:
-        try:
-            data = json.loads(ts.model_json)
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise InvalidInput(f"VTM_TORCH_MODEL_JSON: not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise InvalidInput("VTM_TORCH_MODEL_JSON must be a JSON object (a Qwen3 "
-                               f"config), got {type(data).__name__}")
-        try:
-            Qwen3Config.from_dict(data)
-        except InvalidInput as exc:
-            raise InvalidInput(f"VTM_TORCH_MODEL_JSON: {exc}") from None
-        cfg = data
+        cfg = random_model_config(ts.model_json)
     return {"model_config": cfg, "model_path": path or None, "block_size": bs,
             "device": dev, "dtype": dt, "threads": ts.threads}
 
