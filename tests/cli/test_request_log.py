@@ -69,8 +69,12 @@ def test_the_logs_are_the_same_with_cells_in_other_processes(logged, tmp_path,
     sim_runner.run_simulate(trace="synthetic", policies=["vertumnus", "homo"],
                         rate_scales=[1.0, 2.0], gpus=8, max_requests=300, warmup_s=20.0,
                         out=tmp_path, profile_path=profile_file, request_log=True, jobs=2)
-    for p in (out / "requests").iterdir():
-        assert (tmp_path / "requests" / p.name).read_text() == p.read_text(), p.name
+    # The same logs, no more, no fewer: a log only the jobs=2 run wrote would show here.
+    names = sorted(p.name for p in (out / "requests").iterdir())
+    assert sorted(p.name for p in (tmp_path / "requests").iterdir()) == names
+    for name in names:
+        again = (tmp_path / "requests" / name).read_text()
+        assert again == (out / "requests" / name).read_text(), name
 
 
 def test_the_summary_carries_the_comparison_it_wrote(logged) -> None:

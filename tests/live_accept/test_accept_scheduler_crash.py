@@ -4,7 +4,9 @@ and executes none twice.
 ``test_scheduler_sigkill_and_restart_lose_nothing``: the stack runs every service as its own
 process; a steady load flows through the gateway while the scheduler is SIGKILLed (no drain,
 no ack of what it had fetched) and started again with the same configuration and durable
-consumer — twice. What keeps the promise: the durable JetStream intake (requests published
+consumer — twice, each time mid-run: once that process has dispatched requests itself and
+holds some not answered yet (intake messages delivered to it and not acked, read again after
+its death). What keeps the promise: the durable JetStream intake (requests published
 while no scheduler runs wait in the work queue; messages fetched but not acked are redelivered
 after ``ack_wait``) and the idempotent assignment (the assignment-record KV bucket and rankd's
 admission by request id). Checked: every HTTP answer 200, exactly once; at least one
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from live_accept_support import (
     CRASH_MAX_DELIVER,
+    WAIT_S,
     DiesBeforeDispatchedRecord,
     EpochLog,
     InProcess,
@@ -43,28 +46,74 @@ from live_accept_support import (
     wait_quiescent,
     wait_until,
 )
+from nats.aio.client import Client
 
 from shared.natsserver import EmbeddedNats
 from shared.schemas import IntakeRequest, encode
-from vertumnus.live.observe import ping
+from vertumnus.live.observe import ping, service_stats
+from vertumnus.live.report import summed_counters
 from vertumnus.live.stack import LiveStack
 
 RATE = 30.0
 KILLS = 2
+DISPATCHED_BEFORE_KILL = 3
+"""Requests a scheduler process dispatches itself before it is killed: the load flows through
+it (the first process, or the one started again after the previous kill)."""
+KILL_TRIES = 5
+"""Kills tried for each of :data:`KILLS`: one can land just after the last request the
+scheduler held was answered; it is started again and killed again."""
 
 
-async def kill_and_restart_scheduler(stack: LiveStack) -> tuple[int, float]:
-    """SIGKILL the scheduler child, reap it, start it again with the same spec; wait until
-    the new one answers ``$SRV.PING``. Returns (exit status, restart time in Unix s)."""
-    _, code = stack.kill_child("scheduler")
-    restarted = time.time()
+async def held_intake(nc: Client, stack: LiveStack) -> int:
+    """How many intake messages are delivered to the scheduler and not acknowledged: with
+    ``hold_intake`` (the default) a dispatched request's message is acked only with its
+    result or hand-back, so these are requests in flight."""
+    s = stack.subjects
+    info = await nc.jetstream().consumer_info(s.intake_stream(), s.intake_consumer())
+    return int(info.num_ack_pending)
+
+
+async def dispatched(nc: Client, stack: LiveStack) -> int:
+    """Requests the running scheduler process has dispatched (its own count, from 0 at its
+    start)."""
+    answers = await service_stats(nc, "vtm-scheduler", prefix=stack.config.prefix,
+                                  window_s=0.2)
+    return summed_counters(answers, ["dispatched"])["dispatched"]
+
+
+async def kill_mid_run(nc: Client, stack: LiveStack) -> int:
+    """SIGKILL the scheduler child mid-run: once it has dispatched
+    :data:`DISPATCHED_BEFORE_KILL` requests and holds some not answered yet. Returns how many
+    intake messages it held at its death (> 0), after at most :data:`KILL_TRIES` kills."""
+    for _ in range(KILL_TRIES):
+        deadline = time.monotonic() + WAIT_S
+        while await dispatched(nc, stack) < DISPATCHED_BEFORE_KILL:
+            assert time.monotonic() < deadline, "the scheduler dispatched nothing"
+        while not await held_intake(nc, stack):
+            assert time.monotonic() < deadline, "the scheduler never held a request"
+            await asyncio.sleep(0.01)
+        _, code = stack.kill_child("scheduler")
+        assert code == -signal.SIGKILL, code
+        # Read after its death (its connection closed with it: nothing is delivered to it
+        # since, nothing it held is acked): what it held when the SIGKILL landed. A message
+        # it kept (marked in progress every ack_wait / 3) had two thirds of ack_wait (2 s) or
+        # more left, so none of them has gone back to the stream yet.
+        held = await held_intake(nc, stack)
+        if held:
+            return held
+        await restart_scheduler(stack)  # the kill came between requests: try again
+    raise AssertionError(f"none of {KILL_TRIES} kills landed with a request in flight")
+
+
+async def restart_scheduler(stack: LiveStack) -> None:
+    """Start the killed scheduler again with the same spec; wait until the new one answers
+    ``$SRV.PING``."""
     stack.restart_child("scheduler")
     assert stack.nc is not None
     deadline = time.monotonic() + 90
     while not await ping(stack.nc, "vtm-scheduler", prefix=stack.config.prefix, window_s=0.2):
         stack.children.check()
         assert time.monotonic() < deadline, "restarted scheduler not up"
-    return code, restarted
 
 
 async def test_scheduler_sigkill_and_restart_lose_nothing(tmp_path: Path) -> None:
@@ -77,13 +126,13 @@ async def test_scheduler_sigkill_and_restart_lose_nothing(tmp_path: Path) -> Non
         try:
             assert stack.gateway_url is not None
             done = asyncio.Event()
-            kills: list[tuple[int, float]] = []
+            held: list[int] = []  # intake messages the scheduler held at each death
 
             async def crashes() -> None:
                 try:
                     for _ in range(KILLS):
-                        await asyncio.sleep(1.5)  # mid-run: requests in every stage
-                        kills.append(await kill_and_restart_scheduler(stack))
+                        held.append(await kill_mid_run(nc, stack))
+                        await restart_scheduler(stack)
                     await asyncio.sleep(1.0)
                 finally:
                     done.set()
@@ -92,7 +141,8 @@ async def test_scheduler_sigkill_and_restart_lose_nothing(tmp_path: Path) -> Non
             sent, answers = await fire_until(stack.gateway_url, "acc-k", RATE, done)
             ids = list(sent)
             await task
-            assert [c for c, _ in kills] == [-signal.SIGKILL] * KILLS
+            # Each kill landed mid-run: the dead scheduler held requests not answered yet.
+            assert len(held) == KILLS and min(held) > 0, held
             problems = answered_once_ok(ids, answers, sent)
             assert not problems, problems[:10]
             await wait_until(lambda: tap.ok_ids() >= set(ids), "every FirstToken on the wire")

@@ -98,10 +98,15 @@ class PlayedIntake:
     async def settled(self, gw: Any) -> None:
         """Whatever the gateway published so far has reached :attr:`seen`: the gateway's
         flush returns after the server took its publishes, ours after the server passed them
-        on to us; the pause lets the subscription's callbacks run."""
+        on to us -- nats-py reads in order, so each of them is in the subscription's queue by
+        then. ``take`` appends a message to :attr:`seen` in the very step it leaves that queue
+        (before its first await), so an empty queue means all of them are there; no timer
+        could say more, a pause would only guess (the bound is a hang guard)."""
         await gw.nc.flush()
         await self.nc.flush()
-        await asyncio.sleep(0.5)
+        async with asyncio.timeout(WAIT_S):
+            while self.sub.pending_msgs:
+                await asyncio.sleep(0)
 
 
 def msg_id(msg: Msg) -> str | None:

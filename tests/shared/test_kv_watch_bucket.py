@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from nats.aio.client import Client
@@ -18,6 +19,8 @@ from shared.service import KvWatch, ensure_key_value
 
 WAIT_S = 20.0
 CHECK_S = 0.1
+RETRIES = 20
+"""Retries of a gone bucket's watch a test waits for (each ``CHECK_S`` apart)."""
 
 
 class Said:
@@ -60,6 +63,43 @@ class Followed:
     async def close(self) -> None:
         await self.watch.stop()
         await asyncio.wait_for(self.task, WAIT_S)  # stop ends the iteration
+
+
+class ApiTap:
+    """The JetStream API requests about one stream, seen at the server's API subjects (the
+    watch's requests echo back to this connection): a count of what the watch did, so a test
+    waits for checks that happened instead of sleeping for the time a check takes."""
+
+    def __init__(self, nc: Client, stream: str) -> None:
+        self.nc, self.stream = nc, stream
+        self.subjects: list[str] = []
+
+    async def start(self) -> ApiTap:
+        async def on_api(msg: Msg) -> None:
+            if msg.subject.endswith(f".{self.stream}") or f".{self.stream}." in msg.subject:
+                self.subjects.append(msg.subject)
+
+        self.sub = await self.nc.subscribe("$JS.API.>", cb=on_api)
+        await self.nc.flush()
+        return self
+
+    def infos(self) -> int:
+        """Stream-info requests so far: one per check of the bucket (and one per remake)."""
+        return sum(".STREAM.INFO." in s for s in self.subjects)
+
+    async def until(self, what: str, done: Callable[[], bool], watch: Followed) -> None:
+        """Wait until ``done()``: a liveness bound (``WAIT_S``); the watch must go on."""
+        try:
+            async with asyncio.timeout(WAIT_S):
+                while not done():
+                    if watch.task.done():
+                        raise AssertionError(f"the watch ended: {watch.task!r}")
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            raise AssertionError(f"timed out waiting for {what}: {self.subjects}") from None
+
+    async def stop(self) -> None:
+        await self.sub.unsubscribe()
 
 
 async def _bucket_with(nc: Client, bucket: str, keys: int) -> KeyValue:
@@ -112,15 +152,8 @@ async def test_a_deleted_bucket_is_waited_for_without_spinning_or_raising(
     it is watched again."""
     js = nc.jetstream()
     bucket = f"B{uniq}"
-    stream = f"KV_{bucket}"
     kv = await _bucket_with(nc, bucket, keys=1)
-    api: list[str] = []
-
-    async def on_api(msg: Msg) -> None:
-        if stream in msg.subject:
-            api.append(msg.subject)
-
-    tap = await nc.subscribe("$JS.API.>", cb=on_api)
+    tap = await ApiTap(nc, f"KV_{bucket}").start()
     said = Said()
     watch = await KvWatch(nc, kv, check_s=CHECK_S, logger=said).start()
     seen = Followed(watch)
@@ -133,15 +166,18 @@ async def test_a_deleted_bucket_is_waited_for_without_spinning_or_raising(
                 assert not seen.task.done(), seen.task
                 await asyncio.sleep(0.02)
         await nc.flush()
-        start, before = loop.time(), len(api)
-        await asyncio.sleep(30 * CHECK_S)  # thirty retries' time, the bucket still gone
+        start, before, requests_before = loop.time(), tap.infos(), len(tap.subjects)
+        # RETRIES tries to watch the gone bucket again (each asks for its stream first), the
+        # bucket still gone: the warning must not come again at any of them.
+        await tap.until(f"{RETRIES} retries", lambda: tap.infos() >= before + RETRIES, seen)
         await nc.flush()
-        elapsed, requests = loop.time() - start, len(api) - before
+        elapsed, requests = loop.time() - start, len(tap.subjects) - requests_before
         assert not seen.task.done(), seen.task
         # One retry per check_s (a stream info, and a consumer create when it exists): a
-        # spinning loop makes thousands. Slowness only lowers the count.
+        # spinning loop makes its RETRIES at once, far above this. Slowness only lowers it.
         assert requests <= 2 * (elapsed / CHECK_S + 2), (requests, elapsed)
-        assert len(said.at("warning")) == 1, said.lines  # said once, not at every retry
+        # Said once (the warning), not at every retry, at no level.
+        assert [level for level, _, _ in said.lines] == ["warning"], said.lines
         assert watch.remade == 0
         again = await ensure_key_value(js, bucket)
         await again.put("back", b"1")
@@ -149,28 +185,37 @@ async def test_a_deleted_bucket_is_waited_for_without_spinning_or_raising(
         assert watch.remade == 1
     finally:
         await seen.close()
-        await tap.unsubscribe()
+        await tap.stop()
         with contextlib.suppress(NotFoundError):  # (not created again: a failed test)
             await js.delete_key_value(bucket)
 
 
 async def test_a_watch_of_an_untouched_bucket_is_not_made_again(nc: Client, uniq: str) -> None:
     """The check that notices a re-created bucket finds nothing wrong with a bucket left alone
-    (quiet or written to): no re-watch, no log line."""
+    (quiet or written to): no re-watch, no log line. The checks are counted as they happen
+    (stream-info requests at the server's API subjects), so that the test cannot pass with
+    none having run."""
     bucket = f"B{uniq}"
     kv = await _bucket_with(nc, bucket, keys=2)
+    tap = await ApiTap(nc, f"KV_{bucket}").start()
     said = Said()
     watch = await KvWatch(nc, kv, check_s=CHECK_S, logger=said).start()
     seen = Followed(watch)
     try:
         await seen.until(None)
-        await asyncio.sleep(20 * CHECK_S)  # several checks' time, nothing written
+        made = tap.infos()  # the start's own stream info
+        await tap.until("checks of the quiet bucket", lambda: tap.infos() >= made + 3, seen)
         for i in range(5):
             mark = len(seen.got)
             await kv.put("k0", b"v%d" % i)
             await seen.until(("k0", b"v%d" % i), after=mark)
-            await asyncio.sleep(5 * CHECK_S)  # a check between the writes
+            # A check with the write yielded (the revision the checks compare against raised)
+            # before the next write.
+            checked = tap.infos()
+            await tap.until("a check between the writes",
+                            lambda c=checked: tap.infos() > c, seen)
         assert watch.remade == 0 and said.lines == []
     finally:
         await seen.close()
+        await tap.stop()
         await nc.jetstream().delete_key_value(bucket)

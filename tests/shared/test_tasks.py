@@ -56,9 +56,18 @@ async def test_a_plain_cancel_and_wait_would_hang_on_311() -> None:
     task = await _start(replies, seen)
     replies[0].set_result(1)
     task.cancel()
-    _, pending = await asyncio.wait({task}, timeout=0.3)
-    assert pending == {task}  # still running: a gather here would never return
+    # The loop's next step shows what became of the cancel (a hang bound, not a speed check).
+    async with asyncio.timeout(20):
+        while len(replies) < 2 and not task.done():
+            await asyncio.sleep(0)
+    # wait_for handed the reply over and dropped the cancel: the loop saw the reply, noticed
+    # the cancel only by its count, and now waits for a reply nobody will give -- a gather
+    # here would never return.
+    assert not task.done(), task
+    assert seen == ["reply", "noticed"] and len(replies) == 2 and not replies[1].done()
+    assert task.cancelling() == 1  # the cancel was requested, its CancelledError swallowed
     assert await cancel_and_wait([task], grace_s=0.2) == set()
+    assert task.cancelled()
 
 
 async def test_bounded_and_quiet_about_finished_tasks() -> None:
@@ -111,8 +120,11 @@ async def test_a_kv_watch_leaves_on_a_swallowed_cancel(nc: Client, uniq: str) ->
                 await asyncio.sleep(0.01)
         queue.put_nowait(await kv.get(s.epoch_key()))  # an update arrives ...
         task.cancel()  # ... in the loop step of the stop's cancel
-        _, pending = await asyncio.wait({task}, timeout=5)
-        assert not pending and task.cancelled()
+        # A hang bound, well below the watcher's own wait (check_s=60), after which the loop
+        # would end all the same: ended by then means ended on this cancel.
+        async with asyncio.timeout(20):
+            await asyncio.wait({task})
+        assert task.cancelled()
         assert not queue._getters  # it did not wait for another entry
         if sys.version_info < (3, 12):
             # The race did happen: wait_for handed the entry over and dropped the cancel.
