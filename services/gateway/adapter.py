@@ -101,7 +101,7 @@ from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 from opentelemetry import trace
 
-from services.gateway.grace import finish_within
+from services.gateway.grace import affordable_grace, finish_within
 from services.gateway.idempotency import Claim, Fingerprints, RequestDigest, request_digest
 from services.gateway.idempotency_kv import (
     ClaimContended,
@@ -146,6 +146,7 @@ from shared.service import (
     message_size,
     worker_state_kv,
 )
+from shared.stopping import stop_time_left
 from shared.subjects import micro_service_name
 from shared.tasks import cancel_and_wait
 from shared.telemetry import Stage, extract, inject, traceparent_of, tracer
@@ -649,8 +650,10 @@ class GatewayService(MicroService):
         one after the other. A request answered within it gets its own answer; those
         unfinished when it ends are cancelled and answer 503 "stopping"
         (:meth:`_answer_completion`, the HTTP server). No new NATS completion comes by
-        now: the micro service's stop drained the endpoint before this runs."""
-        grace_s = self.gsettings.stop_grace_s
+        now: the micro service's stop drained the endpoint before this runs. The grace ends
+        before the process's stop deadline (:func:`~services.gateway.grace.affordable_grace`),
+        so that those 503s are sent."""
+        grace_s = affordable_grace(self.gsettings.stop_grace_s, stop_time_left())
         self._finishing.set()
         waits = [finish_within(list(self._nats_completions), grace_s, self.log)]
         if self._http is not None:

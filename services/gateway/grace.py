@@ -10,6 +10,10 @@ wait out its own timeout.
 
 Why one grace for both: a stop is bounded as a whole (``stop_timeout_s``); the entries wait
 side by side (the gateway starts both at once), so the grace costs the stop its length once.
+
+A grace never outlasts the process's own stop deadline (:func:`affordable_grace`): past that
+deadline the process exits at once (status 70, shared/stopping.py), the 503s unsent -- a
+gateway ``vertumnus up`` starts has about 2.3 s of it by default, well below the 10 s grace.
 """
 
 from __future__ import annotations
@@ -23,6 +27,23 @@ from shared.tasks import cancel_and_wait
 STOP_GRACE_S: Final[float] = 10.0
 """How long a stop lets requests being handled finish by default (``stop_grace_s``; well
 below the service's whole stop bound, ``stop_timeout_s``)."""
+GRACE_SHARE: Final[float] = 0.5
+"""The most of the stop time left (to the process's stop deadline) that the grace takes; the
+rest is the stop's after it: the 503s of the requests it ran out on, the drains."""
+
+
+def affordable_grace(grace_s: float, time_left_s: float | None) -> float:
+    """The grace a stop gives its requests in flight: ``grace_s``, but at most
+    :data:`GRACE_SHARE` of ``time_left_s`` -- the seconds left to the process's stop
+    deadline (:func:`shared.stopping.stop_time_left`; None: no deadline, as for a service run
+    inside another program: ``grace_s`` whole) -- and 0 once that has passed.
+
+    Why: the deadline ends the process where it is (exit status 70): a grace that outlasted
+    it left every request in flight unanswered, its caller waiting out its own timeout,
+    where the grace's end would have answered it 503."""
+    if time_left_s is None:
+        return grace_s
+    return max(0.0, min(grace_s, GRACE_SHARE * time_left_s))
 
 
 async def finish_within(tasks: Iterable[asyncio.Task[Any]], grace_s: float,
@@ -42,4 +63,4 @@ async def finish_within(tasks: Iterable[asyncio.Task[Any]], grace_s: float,
     return pending
 
 
-__all__ = ["STOP_GRACE_S", "finish_within"]
+__all__ = ["GRACE_SHARE", "STOP_GRACE_S", "affordable_grace", "finish_within"]

@@ -107,7 +107,8 @@ class GatewaySettings(ServiceSettings):
         "(HTTP and NATS completions alike, in one period) may still finish with their own "
         "answer; those unfinished then are answered 503 'stopping'. 0: 503 at once. Keep it "
         "well below stop_timeout_s, which bounds the whole stop (with the drains, "
-        "drain_timeout_s each).",
+        "drain_timeout_s each): a stop gives at most half the time left to its deadline, so "
+        "that the 503s are still sent.",
     )
     max_idempotency_keys: int = Field(
         default=65_536, ge=1,

@@ -207,9 +207,10 @@ def torch_problems(settings: RankdSettings, overrides: Mapping[str, str] | None 
     the environment as the pool reads them, ``overrides`` (``VTM_TORCH_*`` variables: a
     child's environment over this process's) winning (:func:`~services.rankd.torch_settings.
     read_torch_settings`: a value pydantic refuses is named, the other fields checked still)
-    and checked by :func:`world_spec`. Also refused: ``VTM_KIND=tp`` for a single worker (the
-    engine runs CP workers only: the pool had started, ranks and all, before it said so) and
-    a missing 'engine' extra (torch not importable)."""
+    and checked by :func:`world_spec`. Also refused: ``VTM_KIND=tp`` for a single worker, or
+    a host with initial workers (each starts in ``VTM_KIND``; the engine runs CP workers only:
+    the pool had started, ranks and all, before it said so) and a missing 'engine' extra
+    (torch not importable)."""
     if settings.backend != "torch":
         return []
     try:
@@ -223,11 +224,13 @@ def torch_problems(settings: RankdSettings, overrides: Mapping[str, str] | None 
     if gpus is None:
         gpus = GpuGroup.from_worker_id(settings.worker_id).gpus
         workers = [settings.worker_id]
-        if settings.kind != WorkerKind.CP:
-            problems.append(f"VTM_KIND={settings.kind.value!r}: the torch backend runs CP "
-                            "workers only (tp is a sim baseline)")
     else:
         workers = settings.initial_worker_ids
+    # The kind the worker (a host: each initial worker) starts in; a host's workers from the
+    # epoch record start in the record's kinds, not this one.
+    if workers and settings.kind != WorkerKind.CP:
+        problems.append(f"VTM_KIND={settings.kind.value!r}: the torch backend runs CP "
+                        "workers only (tp is a sim baseline)")
     try:
         world_spec(ts, gpus, workers)
     except InvalidTorchSettings as exc:
