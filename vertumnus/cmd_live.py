@@ -385,7 +385,8 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             _fail(str(exc))
         _check_profile_hardware(cfg, mismatch_ok=profile_mismatch_ok)
-        if os.environ.get("VTM_HTTP_TLS_CERT"):
+        # Any case: the services' settings read their variables case-insensitively.
+        if any(v for k, v in os.environ.items() if k.upper() == "VTM_HTTP_TLS_CERT"):
             # The gateway serves HTTPS: up's own health checks and replay verify it against
             # $VTM_GATEWAY_CA; a bad one was found only when the health wait ran out.
             _check_gateway_ca("https://127.0.0.1")

@@ -81,6 +81,19 @@ def test_up_with_an_https_gateway_checks_the_ca_before_it_starts(
     assert tripwire == []
 
 
+def test_up_sees_the_certificate_variable_in_any_case(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        tripwire: list[dict[str, object]]) -> None:
+    """The gateway's settings read ``vtm_http_tls_cert`` as ``VTM_HTTP_TLS_CERT``; so does the
+    check (before: only the upper-case name turned it on)."""
+    monkeypatch.setenv("vtm_http_tls_cert", str(tmp_path / "server.pem"))
+    monkeypatch.setenv("vtm_http_tls_key", str(tmp_path / "server.key"))
+    monkeypatch.setenv(GATEWAY_CA_ENV, str(tmp_path))
+    result = CliRunner().invoke(app, ["up", "--duration", "10", "--max-requests", "2"])
+    _refused(result, f"{GATEWAY_CA_ENV} {str(tmp_path)!r} cannot be read: Is a directory")
+    assert tripwire == []
+
+
 def test_up_with_a_usable_ca_goes_on_to_start(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         tripwire: list[dict[str, object]]) -> None:
