@@ -100,17 +100,19 @@ Tracing (services/cachemgr/tracing.py): every command is sent under a CLIENT spa
 and outcome, whose W3C context travels in the command's headers: the worker's ``cache-cmd``
 span is its child. A copy a placement triggered (a pull, a lazy reconcile copy) names the
 request (``vtm.request_id``) and links to the trace context the RequestStats' headers carry,
-when they carry one. The manager's part in a reconfiguration is in that reconfiguration's
-trace: its handling of a DrainNotice is a ``cachemgr_drain`` span, a child of the context the
-notice's headers carry (the controller's ``drain`` phase), and its handling of a newer epoch
-record a ``cachemgr_epoch`` span, a child of the record's ``traceparent`` (the phase that wrote
-it); the re-homing commands, the reconcile's snapshot requests and their server spans at the
-rank daemons descend from them, so the controller's always-sampled trace keeps them at any
-sampling ratio. A missing context makes those spans roots (sampled by the ratio); a
-malformed one as well, with a warning -- the work is done either way. The ReconciledNotices
-of a split or merge carry the context of the ``cachemgr_epoch`` span that reconciled it in
-their headers (also when ``pending`` publishes them again): each scheduler replica's
-``reconciled_apply`` span of one is its child.
+when they carry one; a lazy reconcile copy links to the ``cachemgr_epoch`` span whose reconcile
+left its pages pending too (``vtm.link`` = ``reconciles``), and is kept whenever that
+reconfiguration's trace is. The manager's part in a reconfiguration is in that
+reconfiguration's trace: its handling of a DrainNotice is a ``cachemgr_drain`` span, a child of
+the context the notice's headers carry (the controller's ``drain`` phase), and its handling of
+a newer epoch record a ``cachemgr_epoch`` span, a child of the record's ``traceparent`` (the
+phase that wrote it); the re-homing commands, the reconcile's snapshot requests and their
+server spans at the rank daemons descend from them, so the controller's always-sampled trace
+keeps them at any sampling ratio. A missing context makes those spans roots (sampled by the
+ratio); a malformed one as well, with a warning -- the work is done either way. The
+ReconciledNotices of a split or merge carry the context of the ``cachemgr_epoch`` span that
+reconciled it in their headers (also when ``pending`` publishes them again): each scheduler
+replica's ``reconciled_apply`` span of one is its child.
 
 Message this module consumes: RequestStats (shared/schemas.py), published by the scheduler.
 Message it publishes: ReconciledNotice (shared/schemas.py), read by the schedulers.
@@ -120,6 +122,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -155,6 +158,7 @@ from services.cachemgr.scan import ScanConfig, ScanResult
 from services.cachemgr.tracing import (
     DRAIN_SPAN,
     EPOCH_SPAN,
+    ReconcileOrigin,
     RequestTrigger,
     carried_parent,
     command_attributes,
@@ -207,7 +211,7 @@ from shared.service import (
 from shared.settings import ServiceSettings
 from shared.subjects import Subjects, micro_service_name
 from shared.tasks import spawn_once, spawn_tracked
-from shared.telemetry import inject, tracer
+from shared.telemetry import ALWAYS_SAMPLE, inject, tracer
 from shared.worker import GpuGroup, Lifecycle, worker_restarted
 from shared.workerstates import worker_state_changes
 
@@ -1104,7 +1108,25 @@ class CacheMgrService(MicroService):
             # its trace when the stats' headers carry its context.
             trigger = RequestTrigger.from_headers(stats.request_id, msg.headers)
             for a in actions:
-                self._send(a, trigger)
+                self._send(a, self._reconcile_trigger(a, trigger))
+
+    def _reconcile_trigger(self, action: Replicate, trigger: RequestTrigger) -> RequestTrigger:
+        """``trigger`` for ``action``: a lazy reconcile copy's also names the reconcile whose
+        pending pages it copies (:class:`~services.cachemgr.tracing.ReconcileOrigin`: the
+        ``cachemgr_epoch`` span that reconciled its destination, else its source -- the
+        worker a split or merge made, whose notices carry that context), so its span links to
+        the reconfiguration's trace as well as to the request's, and is kept when that trace
+        is. Before, such a copy was in the request's trace only. A worker with no context
+        kept (made before this process started: its reconcile was not traced here) gives
+        none."""
+        if action.kind != "reconcile":
+            return trigger
+        for w in (action.dest, action.source):
+            origin = ReconcileOrigin.from_carrier(
+                self._reconciled_carrier.get(w), self._reconciled_epoch.get(w, 0))
+            if origin is not None:
+                return dataclasses.replace(trigger, reconcile=origin)
+        return trigger
 
     def record_stats(self, stats: RequestStats) -> tuple[Replicate, ...]:
         """Algorithm 1 for one placement, then the copies it triggers: the lazy reconcile
@@ -1291,6 +1313,8 @@ class CacheMgrService(MicroService):
             attrs["vtm.copy_blocks"] = len(action.blocks)
         if trigger is not None:
             attrs["vtm.request_id"] = trigger.request_id
+            if trigger.always_sample:  # seen by the sampler: given when the span is made
+                attrs[ALWAYS_SAMPLE] = True
         with tracer().start_as_current_span(
             command_span_name(cmd.op, copy_kind),
             kind=trace.SpanKind.CLIENT,

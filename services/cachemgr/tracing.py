@@ -44,8 +44,10 @@ reconcile; ``vtm.copy_blocks``: the blocks a copy moves), the request that trigg
 
 LINK_REASON: Final[str] = "vtm.link"
 """Attribute of a span link that says why two traces are linked: ``triggered_by`` (a copy the
-placement of a request triggered, to that request's root), ``pull_hold`` (a worker's copy, to
-the root of the request it held for it; and back, from the request's ``cache_pull_wait``)."""
+placement of a request triggered, to that request's root), ``reconciles`` (a lazy reconcile
+copy, to the ``cachemgr_epoch`` span whose reconcile of a split or merge left the pages it
+copies pending: in the reconfiguration's trace), ``pull_hold`` (a worker's copy, to the root
+of the request it held for it; and back, from the request's ``cache_pull_wait``)."""
 
 DRAIN_SPAN: Final[str] = "cachemgr_drain"
 """The cache manager's handling of a DrainNotice (kind CONSUMER): a split's re-homing
@@ -136,16 +138,56 @@ class RequestTrigger:
 
     request_id: str
     context: SpanContext | None = None
+    reconcile: ReconcileOrigin | None = None
+    """For a lazy reconcile copy: the reconcile whose pending pages it copies (None: not one,
+    or the manager keeps no context of it)."""
 
     @classmethod
     def from_headers(cls, request_id: str, headers: Mapping[str, str] | None) -> RequestTrigger:
-        ctx = None
-        if traceparent_of(headers) is not None:
-            ctx = trace.get_current_span(extract(headers)).get_span_context()
-        return cls(request_id, ctx if ctx is not None and ctx.is_valid else None)
+        return cls(request_id, span_context_of(headers))
 
     def links(self) -> list[Link]:
-        if self.context is None:
-            return []
-        return [Link(self.context, {LINK_REASON: "triggered_by",
-                                    "vtm.request_id": self.request_id})]
+        out: list[Link] = []
+        if self.context is not None:
+            out.append(Link(self.context, {LINK_REASON: "triggered_by",
+                                           "vtm.request_id": self.request_id}))
+        if self.reconcile is not None:
+            out.append(Link(self.reconcile.context, {LINK_REASON: "reconciles",
+                                                     "vtm.epoch": self.reconcile.epoch}))
+        return out
+
+    @property
+    def always_sample(self) -> bool:
+        """Whether the command's span (a root: the pool's work) is kept whatever the ratio
+        (:data:`shared.telemetry.ALWAYS_SAMPLE`): a lazy reconcile copy whose reconcile's
+        trace is sampled -- a reconfiguration's always is. Else the link to that trace would
+        be on a span the ratio mostly drops (99 of 100 at 0.01), and the reconfiguration's
+        trace would not find the copies that finish its reconcile. Bounded: one copy per
+        pending page a request reuses, and a reconfiguration is rare."""
+        return self.reconcile is not None and self.reconcile.context.trace_flags.sampled
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileOrigin:
+    """The ``cachemgr_epoch`` span whose reconcile (of the split or merge of ``epoch``) left
+    pages pending that a lazy reconcile copy brings: its context, linked from the copy's span
+    (``vtm.link`` = ``reconciles``)."""
+
+    context: SpanContext
+    epoch: int
+
+    @classmethod
+    def from_carrier(cls, carrier: Mapping[str, str] | None,
+                     epoch: int) -> ReconcileOrigin | None:
+        """From the W3C ``carrier`` the manager keeps of that span (None: none, or not a
+        valid context)."""
+        ctx = span_context_of(carrier)
+        return None if ctx is None else cls(ctx, epoch)
+
+
+def span_context_of(carrier: Mapping[str, str] | None) -> SpanContext | None:
+    """The remote span context a W3C ``carrier`` holds, None when it holds no valid one."""
+    if traceparent_of(carrier) is None:
+        return None
+    ctx = trace.get_current_span(extract(carrier)).get_span_context()
+    return ctx if ctx.is_valid else None

@@ -166,18 +166,24 @@ NAK'ed (which this replica remembers only for its own NAK; another replica's NAK
 a lapse by the message's age: stored less than ``ack_wait`` before the dequeue, no delivery
 of it can have lapsed). What can stay uncovered: the lapsed delivery's own wait, from the
 arrival to about when the dead replica received it (its spans die with it); the time from
-another replica's NAK to a redelivery here (its hold only is recorded); for a re-sent
+another replica's retry NAK to a redelivery here (its hold only is recorded); for a re-sent
 ``dispatching`` assignment whose worker had not admitted the first send, the time from that
 send to the re-send. A message older than ``ack_wait`` that another replica NAK'ed is taken
 for a lapsed one (its span may then overlap that replica's last attempt), and a scheduler
 clock behind the server's by more than the first delivery's latency can miss a lapse (hold
 only, as before). A request this replica hands back for a lost or gone worker gets a
 ``handed_back`` span (``vtm.worker_id``, ``vtm.cause``) from its assignment there to that
-publish. ``schedule`` starts where the intake wait ends and carries the chosen worker, P, R,
-s, the J terms, and every candidate's terms (``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,
-excluded}``, as conventions.md asks) plus the whole decision as JSON (``vtm.decision``); it
-ends at ``assigned_at_s`` (event ``assigned``), where the breakdown's schedule stage ends. The
-dispatch is its child ``dispatch`` (a client span from ``assigned_at_s`` to the worker's ack,
+publish. A held message that a replica gives back by a NAK -- its holder as it stops, or the
+replica that finds the holder gone -- has that NAK's stamp in its record
+(``AssignmentRecord.naked_at_s``, sampled traces only), and the replica that takes it over
+records the wait from there to its delivery as :data:`REDELIVERY_WAIT_SPAN` (``vtm.naked_by``,
+``vtm.holder``, ``vtm.worker_id``, ``vtm.delivery``); not a stage span, as its worker most
+likely runs the request meanwhile. ``schedule`` starts where the intake wait ends and
+carries the chosen worker, P, R, s, the J terms, and every candidate's terms
+(``vtm.candidate.{wid}.{q,s,extra_gpu,score,P,R,excluded}``, as conventions.md asks) plus
+the whole decision as JSON (``vtm.decision``); it ends at ``assigned_at_s`` (event
+``assigned``), where the breakdown's schedule stage ends. The dispatch is its child
+``dispatch`` (a client span from ``assigned_at_s`` to the worker's ack,
 ``vtm.queue_position``; in the breakdown it is queue wait), and the worker's
 ``vtm-rankd.assign`` server span is the dispatch's child. A failed attempt has ERROR status on
 its own span -- ``schedule`` with ``vtm.no_eligible_worker`` or ``vtm.refused``, ``dispatch``
@@ -361,6 +367,12 @@ span of their redelivery (SchedulerService ``_naked``; the oldest are forgotten 
 DISPATCH_SPAN: Final[str] = "dispatch"
 """The span of an assignment's request-reply to its worker: a child of ``schedule`` (not a
 TTFT stage: the breakdown counts it in the worker's queue wait)."""
+REDELIVERY_WAIT_SPAN: Final[str] = "intake_redelivery_wait"
+"""The wait of a held intake message from the NAK that gave it back (its holder stopping, or
+a replica giving back a gone holder's: :attr:`AssignmentRecord.naked_at_s`) to its delivery
+to the replica that takes it over: a child of the gateway's root. Not a TTFT stage: the worker
+most likely runs the request meanwhile (the span then overlaps its stage spans); when the
+worker is gone too, it is time the request waited before its hand-back."""
 RECONCILED_APPLY_SPAN: Final[str] = "reconciled_apply"
 """A replica's marking of one ReconciledNotice in its trie (kind CONSUMER): ``vtm.worker_id``,
 ``vtm.epoch``, ``vtm.part``, ``vtm.entries`` (the notice's), ``vtm.buffered`` (it waited for
@@ -692,6 +704,16 @@ class AssignmentRecord(Message):
         description="reply subject of the holder's intake delivery (empty: not known). The "
         "next process of a replica with a fixed instance id NAKs it at start, so what its "
         "predecessor held comes back at once, not after ack_wait.")
+
+    naked_at_s: WallTime | None = Field(
+        default=None,
+        description="when a replica gave the held intake message back (a NAK: its holder as "
+        "it stopped, or a replica for a gone holder), stamped for a sampled trace only: "
+        "where the redelivery's ``intake_redelivery_wait`` span starts. Cleared by every "
+        "later write of the record (an adoption, a new placement), so a stamp is never "
+        "taken for a later hand-over's")
+    naked_by: str = Field(default="", max_length=256,
+                          description="the replica that sent that NAK (empty: none stamped)")
 
     @field_validator("ack_subject")
     @classmethod
@@ -1157,6 +1179,11 @@ class SchedulerService(MicroService):
             # Held messages go back at once (a NAK, not ack_wait later) to a replica that
             # adopts them -- another one, or this one's next process.
             held, self._held = self._held, {}
+            # Each sampled one's record says when (before the NAK: the replica that takes it
+            # over reads the record on that delivery), for its intake_redelivery_wait span.
+            with contextlib.suppress(Exception):
+                await while_connected(self.nc, self._stamp_give_back(held),
+                                      timeout_s=self.ssettings.dispatch_timeout_s)
             for m in held.values():
                 with contextlib.suppress(Exception):
                     await m.nak()
@@ -1170,6 +1197,37 @@ class SchedulerService(MicroService):
             await self.stop_listening(self._tasks, [watcher], (events, results, peers, reconciled))
 
         stack.push_async_callback(teardown)
+
+    async def _stamp_give_back(self, held: Mapping[str, Msg]) -> int:
+        """Stamp the NAK about to give back each held message of a sampled trace in its record
+        (:attr:`AssignmentRecord.naked_at_s`, ``naked_by`` this replica); returns how many.
+        Only a record that names this replica as the holder of that very message is touched
+        (one another replica adopted since is not its to stamp). Unsampled requests cost no
+        read: the stamp is only ever read for a span. Stored before this returns (the NAKs
+        wait for it): the replica that gets a redelivery reads the record at once, and might
+        otherwise read it before the stamp."""
+        sampled = [(rid, m) for rid, m in held.items()
+                   if (sent := self.ledger.get(rid)) is not None and is_sampled(sent.carrier)]
+        if not sampled:
+            return 0
+        at = self.clock()  # the NAKs follow at once: the wait is taken to start here
+        # One read failing (a timeout) costs its own stamp only, not the others'.
+        records = await asyncio.gather(*(self._get_record(rid) for rid, _ in sampled),
+                                       return_exceptions=True)
+        stores = [await self._put_stamped(rec, at)
+                  for (_, m), rec in zip(sampled, records, strict=True)
+                  if isinstance(rec, AssignmentRecord) and rec.stream_seq == self._stream_seq(m)
+                  and (rec.holder or rec.scheduler) == self.reporter]
+        done = await asyncio.gather(*stores, return_exceptions=True)
+        return sum(1 for d in done if not isinstance(d, BaseException))
+
+    async def _put_stamped(self, rec: AssignmentRecord, naked_at_s: float) -> asyncio.Future[Any]:
+        """Send ``rec`` stamped with this replica's NAK at ``naked_at_s``; returns the future
+        of its store acknowledgement."""
+        assert self._js is not None
+        return await self._js.publish_async(
+            f"{self._records_prefix}{rec.request_id}", to_json(rec.model_copy(update={
+                "naked_at_s": naked_at_s, "naked_by": self.reporter})))
 
     # -- worker state ---------------------------------------------------------------------------
 
@@ -1777,6 +1835,8 @@ class SchedulerService(MicroService):
         # NOTE: only a redelivery can match a record (a record names the stream sequence of a
         # message that was delivered before), so a first delivery skips the KV read.
         record = await self._get_record(rid) if delivery > 1 else None
+        if record is not None and record.stream_seq == seq and record.naked_at_s is not None:
+            self._record_redelivery_wait(msg, req, record, delivery, dequeued)
         if record is not None and record.stream_seq == seq and record.state == "dispatched":
             await self._redelivered(msg, req, record)
             return
@@ -2007,6 +2067,26 @@ class SchedulerService(MicroService):
         that NAK would overlap): see :meth:`_record_intake_wait`."""
         nak = self._naked.pop(rid, None)
         return nak[2] if nak is not None and nak[:2] == (seq, delivery - 1) else None
+
+    @staticmethod
+    def _record_redelivery_wait(msg: Msg, req: IntakeRequest, record: AssignmentRecord,
+                                delivery: int, dequeued: float) -> None:
+        """The :data:`REDELIVERY_WAIT_SPAN` of a held message given back by a NAK its record
+        stamps (``naked_at_s``): from that NAK to this delivery's dequeue, a child of the
+        gateway's root, for a sampled trace only (the stamp is written only for one). Before,
+        that wait -- a replica stopping with messages held, or giving back a gone one's --
+        was in no span of the trace (this replica's own NAKs aside: ``vtm.retry``). A stamp
+        after the dequeue (clock skew between replicas) is an empty wait."""
+        parent = trace_carrier(msg.headers, req)
+        if not parent or not is_sampled(parent):
+            return
+        assert record.naked_at_s is not None
+        record_span(REDELIVERY_WAIT_SPAN, start_s=min(record.naked_at_s, dequeued),
+                    end_s=dequeued, parent=parent,
+                    attributes={"vtm.request_id": req.request_id, "vtm.delivery": delivery,
+                                "vtm.naked_by": record.naked_by,
+                                "vtm.worker_id": record.worker_id,
+                                "vtm.holder": record.holder or record.scheduler})
 
     def _lapsed_since(self, msg: Msg, dequeued: float) -> float | None:
         """For a redelivery: ``dequeued - ack_wait`` (the intake consumer's) when the delivery
@@ -2429,15 +2509,22 @@ class SchedulerService(MicroService):
                     break
                 seq, seen = m.seq + 1, seen + 1
                 try:
-                    rid = decode(IntakeRequest, m.data or b"", m.headers).request_id
+                    req = decode(IntakeRequest, m.data or b"", m.headers)
                 except SchemaError:
                     continue  # malformed: its delivery terminates it
+                rid = req.request_id
                 rec = await self._get_record(rid)
                 if rec is None or rec.stream_seq != m.seq:
                     continue
                 if holders is not None:
                     holders.add(rec.holder or rec.scheduler)
                 if (rec.holder or rec.scheduler) == holder and rec.ack_subject:
+                    if is_sampled(trace_carrier(m.headers, req)):
+                        # For the redelivery's intake_redelivery_wait span (as at a stop):
+                        # stored before the NAK, so that its next reader finds it.
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(await self._put_stamped(rec, self.clock()),
+                                                   max(0.0, deadline - loop.time()))
                     await self.nc.publish(rec.ack_subject, b"-NAK")
                     naked += 1
         except asyncio.CancelledError:
@@ -2601,7 +2688,7 @@ class SchedulerService(MicroService):
         self._store_unawaited(await self._js.publish_async(
             f"{self._records_prefix}{rid}", to_json(rec.model_copy(update={
                 "holder": self.reporter, "ack_subject": msg.reply or "",
-                "incarnation": inc}))))
+                "incarnation": inc, "naked_at_s": None, "naked_by": ""}))))
         await self._ack_or_hold(msg, rid, seq)
 
     async def _republished_known(self, msg: Msg, req: IntakeRequest) -> bool:

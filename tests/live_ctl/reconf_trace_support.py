@@ -69,11 +69,22 @@ async def watched(nc: Client, s: Subjects) -> tuple[Collector, Collector]:
 
 @dataclass(frozen=True)
 class SplitRun:
-    """What :func:`split_with_rank_daemons` saw: the split's reconfiguration id and the trace
-    ids (32 hex) of the requests it assigned, each in a trace of its own."""
+    """What :func:`split_with_rank_daemons` saw: the split's reconfiguration id, the trace
+    ids (32 hex) of the requests it assigned, each in a trace of its own, and how many
+    records the controller re-announced (``ack_timeout_s`` passed with rank acks missing)."""
 
     reconfiguration: int
     request_traces: list[str]
+    reannounced: int = 0
+
+
+def awaited_epochs(commit: int, exposed: int) -> range:
+    """The records whose acks count for a split's targets: its commit record and every one
+    written before its exposure -- a re-announcement (the controller's ``ack_timeout_s``
+    passed with acks missing, e.g. a stall of the machine) shows the targets switching in
+    the same geometry, and a target rank's ack of it counts as well (a rank acks each record
+    it adopts, so a rank that acked the commit may be counted again for it)."""
+    return range(commit, exposed)
 
 
 async def until_w_cp4_g4_is_the_split_source(ctl: ControllerService) -> None:
@@ -94,12 +105,17 @@ def hex_trace(span: ReadableSpan) -> str:
 async def split_with_rank_daemons(
         nc: Client, url: str, prefix: str,
         start: Callable[[MicroService], Awaitable[MicroService]],
-        finished: Callable[[], Sequence[ReadableSpan]]) -> SplitRun:
+        finished: Callable[[], Sequence[ReadableSpan]], *,
+        ack_timeout_s: float | None = None, targets_late: bool = False) -> SplitRun:
     """Carry out the split of w-cp4-g4 (test_live_ctl_with_rankd's drain, its targets' rank
     daemons added) and return once its trace ended and every worker's adoption of its
     exposure record, the cache manager's part and the controller's handling of the targets'
-    acks of the commit record are among the ``finished`` spans. ``start`` starts a service
-    (stopped by the caller)."""
+    acks (of the commit record, or of a re-announcement of it: :func:`awaited_epochs`) are
+    among the ``finished`` spans. ``start`` starts a service (stopped by the caller);
+    ``ack_timeout_s``: the controller's (None: its default, 10 s). ``targets_late``: the
+    targets' rank daemons start only once the controller re-announced the commit record
+    (their acks missing for ``ack_timeout_s``), so they adopt and acknowledge a
+    re-announcement, not the commit: the case a stalled machine makes."""
     # Imported here, not at the top: test modules, whose helpers this borrows.
     from gated_backend import GatedBackend
     from test_live_controller import DEMAND, H, settings
@@ -107,8 +123,9 @@ async def split_with_rank_daemons(
 
     s = Subjects(prefix)
     drains, reconfs = await watched(nc, s)
+    more = {} if ack_timeout_s is None else {"ack_timeout_s": ack_timeout_s}
     ctl = await start(ControllerService(settings(url, prefix, "ctl-r",
-                                                 queue_query_timeout_s=2.0)))
+                                                 queue_query_timeout_s=2.0, **more)))
     assert isinstance(ctl, ControllerService)
     # Before the rank daemons: it sees their first cache events. No scan: every copy it sends
     # is the split's re-homing.
@@ -117,9 +134,15 @@ async def split_with_rank_daemons(
         rehome_min_blocks=3)))
     assert isinstance(cm, CacheMgrService)
     backends = {w: GatedBackend() for w in WORKERS}
-    for w, b in backends.items():
+
+    async def start_rankd(w: str) -> None:
         await start(RankdService(RankdSettings(nats_url=url, subject_prefix=prefix, worker_id=w,
-                                               heartbeat_s=0.2, kv_total_blocks=64), b))
+                                               heartbeat_s=0.2, kv_total_blocks=64),
+                                 backends[w]))
+
+    for w in WORKERS:
+        if not (targets_late and w in TARGETS):
+            await start_rankd(w)
     request_traces: list[str] = []
     # The parent's document: prefilled (its gate open for it alone) and in the cache
     # manager's trie before the split is planned.
@@ -153,6 +176,13 @@ async def split_with_rank_daemons(
         drain = await drains.first(what="drain notice")
         assert drain["sources"] == ["w-cp4-g4"], drain
         backends["w-cp4-g4"].gate.set()  # its running request finishes: the drain ends
+        if targets_late:
+            async def reannounced() -> bool:
+                return ctl.counters["reannounced"] >= 1
+
+            await eventually(reannounced, what="the commit record re-announced")
+            for w in TARGETS:
+                await start_rankd(w)
         await reconfs.first(lambda r: r["phase"] == "exposed", what="exposure")
         rid = drain["reconfiguration"]
 
@@ -193,11 +223,13 @@ async def split_with_rank_daemons(
                             and x.attributes.get("vtm.reconfiguration.id") == rid
                             ).attributes["vtm.epoch.after"]
 
-        # The controller's handling of the targets' acks of the commit record: the last one's
-        # span ends after the exposure it made.
+        # The controller's handling of the targets' acks of the commit record (or of its
+        # re-announcement): the last one's span ends after the exposure it made.
+        awaited = awaited_epochs(commit_epoch, exposed_epoch)
+
         async def acks_handled() -> bool:
             return {x.attributes["vtm.gpu"] for x in finished() if x.name == EPOCH_ACK_SPAN
-                    and x.attributes["vtm.epoch"] == commit_epoch
+                    and x.attributes["vtm.epoch"] in awaited
                     and x.attributes.get("vtm.ack.outcome") == "counted"} >= TARGET_GPUS
 
         await eventually(acks_handled, what="the controller's spans of the targets' acks")
@@ -205,7 +237,7 @@ async def split_with_rank_daemons(
         for b in backends.values():
             b.gate.set()
         await sched.stop()
-    return SplitRun(rid, request_traces)
+    return SplitRun(rid, request_traces, ctl.counters["reannounced"])
 
 
 def span_json(span: ReadableSpan) -> dict[str, Any]:

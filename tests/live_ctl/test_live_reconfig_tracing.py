@@ -43,6 +43,7 @@ from reconf_trace_support import (
     TARGET_GPUS,
     TARGETS,
     WORKERS,
+    awaited_epochs,
     hex_trace,
     split_with_rank_daemons,
     until_w_cp4_g4_is_the_split_source,
@@ -436,11 +437,15 @@ SPLIT_RECORDS: list[tuple[str, str, dict[str, str]]] = [
 ]
 
 
-def checked_acks(got: Sequence[ReadableSpan], tid: str, commit: int) -> None:
+def checked_acks(got: Sequence[ReadableSpan], tid: str, commit: int, exposed: int) -> None:
     """The controller's handling of each rank's ack in trace ``tid`` is an ``epoch_ack``
     span (CONSUMER), a child of that rank's worker's ``epoch_adopt`` span of the epoch it
-    acknowledges (the ack's headers carry it); each target rank's ack of the ``commit``
-    record counted, once."""
+    acknowledges (the ack's headers carry it); every target rank's ack counted, once per
+    record, of a record from the ``commit`` on before the ``exposed`` one
+    (:func:`awaited_epochs`): the commit's, or a re-announcement's when the controller's
+    ``ack_timeout_s`` (10 s) passed first -- a stall the tests cannot rule out. Before, the
+    check wanted each rank counted exactly once, at the commit, and failed on a
+    re-announcement."""
     adopts = {(x.attributes["vtm.worker_id"], x.attributes["vtm.epoch"]): x for x in got
               if x.name == EPOCH_ADOPT_SPAN and hex_trace(x) == tid}
     acks = [x for x in got if x.name == EPOCH_ACK_SPAN and hex_trace(x) == tid]
@@ -448,11 +453,11 @@ def checked_acks(got: Sequence[ReadableSpan], tid: str, commit: int) -> None:
         adopt = adopts[(x.attributes["vtm.worker_id"], x.attributes["vtm.epoch"])]
         assert x.parent is not None and x.parent.span_id == adopt.context.span_id
         assert x.parent.is_remote and x.kind is SpanKind.CONSUMER
-    counted = sorted(x.attributes["vtm.gpu"] for x in acks
-                     if x.attributes["vtm.ack.outcome"] == "counted")
-    assert counted == sorted(TARGET_GPUS)
-    assert {x.attributes["vtm.epoch"] for x in acks
-            if x.attributes["vtm.ack.outcome"] == "counted"} == {commit}
+    counted = [(x.attributes["vtm.gpu"], x.attributes["vtm.epoch"]) for x in acks
+               if x.attributes["vtm.ack.outcome"] == "counted"]
+    assert {gpu for gpu, _ in counted} == TARGET_GPUS, counted
+    assert len(set(counted)) == len(counted), counted  # a rank acks each record once
+    assert {epoch for _, epoch in counted} <= set(awaited_epochs(commit, exposed)), counted
 
 
 async def test_every_rank_daemon_adopts_the_splits_records_in_its_trace(
@@ -478,7 +483,8 @@ async def test_every_rank_daemon_adopts_the_splits_records_in_its_trace(
             assert x.start_time >= phases[phase].start_time
         assert {w: x.attributes["vtm.lifecycle"] for w, x in adopts.items()} == lifecycles
         assert not any(x.attributes["vtm.redirected"] for x in adopts.values())  # none queued
-    checked_acks(spans.get_finished_spans(), hex_trace(root), root.attributes["vtm.epoch.after"])
+    checked_acks(spans.get_finished_spans(), hex_trace(root), root.attributes["vtm.epoch.after"],
+                 root.attributes["vtm.epoch.exposed"])
     # At this provider's ratio (1) the requests' traces are recorded: the test below, at 0,
     # finds none of them.
     recorded = {hex_trace(x) for x in spans.get_finished_spans()}
@@ -605,5 +611,11 @@ async def test_a_split_is_traced_whole_at_sampling_ratio_zero_and_no_request_is(
     for x in acks:
         a = x["attributes"]
         assert x["parent_id"] == adopt_ids[(a["vtm.worker_id"], a["vtm.epoch"])], a
-    assert sorted(x["attributes"]["vtm.gpu"] for x in acks
-                  if x["attributes"]["vtm.ack.outcome"] == "counted") == sorted(TARGET_GPUS)
+    # Every target rank counted, once per record it acked: the commit's, or a re-announced
+    # one's (checked_acks).
+    counted = [(x["attributes"]["vtm.gpu"], x["attributes"]["vtm.epoch"]) for x in acks
+               if x["attributes"]["vtm.ack.outcome"] == "counted"]
+    assert {gpu for gpu, _ in counted} == TARGET_GPUS, counted
+    assert len(set(counted)) == len(counted), counted
+    assert {epoch for _, epoch in counted} <= set(awaited_epochs(
+        root["attributes"]["vtm.epoch.after"], root["attributes"]["vtm.epoch.exposed"]))
