@@ -64,7 +64,9 @@ class TorchSettings(BaseSettings):
     embedded_decode: bool = Field(
         default=True, description="Run a KVDecodeRole inside the rankd process (nats handoff)."
     )
-    decode_timeout_s: float = Field(default=60.0, gt=0, description="Wait for the decode reply.")
+    # Finite: an infinite wait would hold a request whose decode role is gone for good.
+    decode_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False,
+                                    description="Wait for the decode reply.")
 
     def model_dict(self) -> dict[str, Any]:
         return dict(json.loads(self.model_json))

@@ -108,6 +108,10 @@ BAD: list[tuple[dict[str, str], list[str]]] = [
     ({"VTM_TORCH_EMBEDDED_DECODE": "maybe"}, ["VTM_TORCH_EMBEDDED_DECODE", "'maybe'", "bool"]),
     ({"VTM_TORCH_DECODE_TIMEOUT_S": "0"}, ["VTM_TORCH_DECODE_TIMEOUT_S", "'0'",
                                             "greater than 0"]),
+    ({"VTM_TORCH_DECODE_TIMEOUT_S": "inf"}, ["VTM_TORCH_DECODE_TIMEOUT_S", "'inf'",
+                                              "finite number"]),
+    ({"VTM_TORCH_DECODE_TIMEOUT_S": "nan"}, ["VTM_TORCH_DECODE_TIMEOUT_S", "'nan'",
+                                              "finite number"]),
 ]
 
 
