@@ -163,6 +163,30 @@ def _check_engine(model_path: Path | None) -> None:
         _fail(f"--model-path: {exc}")
 
 
+def _check_torch_settings(cfg: UpConfig) -> None:
+    """``up --backend torch``: the rank daemon's ``VTM_TORCH_*`` values -- this environment's
+    under the stack's own (``LiveStack.service_env``) -- checked as the daemon checks them at
+    its start (:func:`services.rankd.torch_spec.torch_problems`), before anything starts
+    (exit 2, one line per problem naming the variable). Else a bad value was said by the rank
+    daemon once nats, the services and the engine's profile (~20 s) had started."""
+    import tempfile
+
+    from services.rankd.settings import RankdSettings
+    from services.rankd.torch_spec import torch_problems
+    from shared.worker import WorkerKind
+    from vertumnus.live.stack import LiveStack
+
+    with tempfile.TemporaryDirectory(prefix="vtm-up-check-") as tmp:
+        env = LiveStack(cfg, log_dir=Path(tmp)).service_env("rankd", "nats://127.0.0.1:4222")
+    rankd = RankdSettings.model_construct(
+        backend="torch", host_gpus=env["VTM_HOST_GPUS"],
+        initial_workers=env["VTM_INITIAL_WORKERS"], kind=WorkerKind(env["VTM_KIND"]))
+    torch_env = {k: v for k, v in env.items() if k.upper().startswith("VTM_TORCH_")}
+    problems = torch_problems(rankd, torch_env)
+    if problems:
+        _fail("the rank daemon's torch settings: " + "; ".join(problems))
+
+
 def _check_profile_hardware(cfg: UpConfig, *, mismatch_ok: bool) -> None:
     """``up --backend sim --profile P``: P fitted on the modelled hardware (``--hardware``,
     else the default), checked before anything starts as ``simulate``, ``tune`` and ``size``
@@ -399,6 +423,7 @@ def register(app: typer.Typer) -> None:
             _fail(str(exc))
         if cfg.backend == "torch":
             _check_engine(cfg.model_path)
+            _check_torch_settings(cfg)
         try:  # before anything starts: a trace it cannot read must not cost a stack start
             wl, reqs = load_requests(cfg.workload, duration_s=cfg.duration_s, rate=cfg.rate,
                                      seed=cfg.seed, max_requests=cfg.max_requests,
