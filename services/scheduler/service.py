@@ -709,9 +709,9 @@ class AssignmentRecord(Message):
         default=None,
         description="when a replica gave the held intake message back (a NAK: its holder as "
         "it stopped, or a replica for a gone holder), stamped for a sampled trace only: "
-        "where the redelivery's ``intake_redelivery_wait`` span starts. Cleared by every "
-        "later write of the record (an adoption, a new placement), so a stamp is never "
-        "taken for a later hand-over's")
+        "where the redelivery's ``intake_redelivery_wait`` span starts. Cleared by the "
+        "replica that reads it for that span, and by every later write of the record (an "
+        "adoption, a new placement), so a stamp is never taken for a later delivery's")
     naked_by: str = Field(default="", max_length=256,
                           description="the replica that sent that NAK (empty: none stamped)")
 
@@ -1837,6 +1837,11 @@ class SchedulerService(MicroService):
         record = await self._get_record(rid) if delivery > 1 else None
         if record is not None and record.stream_seq == seq and record.naked_at_s is not None:
             self._record_redelivery_wait(msg, req, record, delivery, dequeued)
+            # The stamp times this delivery only: cleared now, not left to a later write of
+            # the record -- a path that keeps the record as it is (a re-send whose outcome is
+            # unknown, a hand-back that failed) NAKs it for a retry, and that delivery would
+            # time a second wait from the same NAK, overlapping this one and its own spans.
+            record = await self._clear_stamp(record)
         if record is not None and record.stream_seq == seq and record.state == "dispatched":
             await self._redelivered(msg, req, record)
             return
@@ -2087,6 +2092,18 @@ class SchedulerService(MicroService):
                                 "vtm.naked_by": record.naked_by,
                                 "vtm.worker_id": record.worker_id,
                                 "vtm.holder": record.holder or record.scheduler})
+
+    async def _clear_stamp(self, rec: AssignmentRecord) -> AssignmentRecord:
+        """``rec`` without its give-back stamp (``naked_at_s``, ``naked_by``), sent to the
+        store (not awaited: this replica's later writes of it follow on the same connection,
+        and only a span ever reads the stamp). Tracing never fails the delivery: a failed send
+        only leaves the stamp, as before."""
+        cleared = rec.model_copy(update={"naked_at_s": None, "naked_by": ""})
+        assert self._js is not None
+        with contextlib.suppress(Exception):
+            self._store_unawaited(await self._js.publish_async(
+                f"{self._records_prefix}{rec.request_id}", to_json(cleared)))
+        return cleared
 
     def _lapsed_since(self, msg: Msg, dequeued: float) -> float | None:
         """For a redelivery: ``dequeued - ack_wait`` (the intake consumer's) when the delivery
