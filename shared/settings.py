@@ -48,6 +48,10 @@ timeout of 1e300 s overflows the fault handler's clock); a longer wait is a typo
 NESTED: Final[str] = "__"
 """Delimiter of a nested setting's variable name (``VTM_TELEMETRY__EXPORTER``)."""
 
+INSTANCE_ID_MAX: Final[int] = 128
+"""Longest ``instance_id`` (shared.schemas.Id, which the records and reports carrying it use)."""
+_INSTANCE_RE: Final = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
 HOSTNAME_INSTANCE: Final[str] = "@hostname"
 """``instance_id`` value that stands for this host's name (:func:`hostname_token`)."""
 
@@ -293,7 +297,17 @@ class ServiceSettings(BaseSettings):
     @field_validator("instance_id")
     @classmethod
     def _instance(cls, v: str | None) -> str | None:
-        return hostname_token(socket.gethostname()) if v == HOSTNAME_INSTANCE else v
+        if v == HOSTNAME_INSTANCE:
+            return hostname_token(socket.gethostname())[:INSTANCE_ID_MAX]
+        if v == "":  # an empty variable: unset, as every user of the id already took it
+            return None
+        # The id is a subject token and the reporter/holder of the records and reports a
+        # replica writes (shared.schemas.Id): one the schemas refuse failed every intake
+        # delivery and window report of a running scheduler instead of its start.
+        if v is not None and (len(v) > INSTANCE_ID_MAX or not _INSTANCE_RE.fullmatch(v)):
+            raise ValueError(f"instance_id must be 1-{INSTANCE_ID_MAX} characters of a-z, 0-9, "
+                             f"'-' and '_', starting with a letter or digit, got {v!r}")
+        return v
 
     @property
     def subjects(self) -> Subjects:
