@@ -59,7 +59,13 @@ def test_a_tp_host_with_initial_workers_exits_2(
 
 
 def test_a_tp_host_without_initial_workers_is_not_refused(tp_host: None) -> None:
-    """Its workers come from the epoch record, in the record's kinds: it gets as far as the
-    world's spawn."""
+    """Its workers come from the epoch record, in the record's kinds: the check main runs
+    first passes, and the pool gets as far as the world's spawn. (Not through ``main``: past
+    the check it runs the service, whose exit shuts down this process's tracing, which the
+    tests after this one in the process share.)"""
+    from services.rankd.torch_backend import TorchPool
+
+    settings = rankd_main.parse_settings([])
+    rankd_main.check_torch_settings(settings, "rankd")  # returns: nothing to refuse
     with pytest.raises(Spawned):
-        rankd_main.main([])
+        TorchPool.start(settings.host_range, initial_workers=settings.initial_worker_ids)
